@@ -1,0 +1,245 @@
+//! Load generator: workers open a root and delegate a chain `depth` hops
+//! deep from it, again and again, over gRPC. Reports delegations per second
+//! and latency percentiles of Delegate. Without `--addr` it starts a broker
+//! in-process on 127.0.0.1:0 with a fresh data directory that trusts the
+//! bench's own attestor, so attestations are verified as in production.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::client::Agent;
+use crate::clock::{Clock, SystemClock};
+use crate::config::Config;
+use crate::pb;
+use crate::pb::broker_client::BrokerClient;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Broker to drive, e.g. http://127.0.0.1:50051. Without it an
+    /// in-process broker is started on a temporary data directory.
+    #[arg(long, env = "BENCH_ADDR")]
+    pub addr: Option<String>,
+    /// Hex seed of an attestor the target broker trusts (with --addr).
+    #[arg(long, env = "BENCH_ATTESTOR_SEED")]
+    pub attestor_seed: Option<String>,
+    /// Concurrent workers, each with its own chain.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Delegations per chain (the chain's depth).
+    #[arg(long, default_value_t = 8)]
+    pub depth: u32,
+    /// Measured seconds.
+    #[arg(long, default_value_t = 10)]
+    pub duration_s: u64,
+    /// Unmeasured warm-up seconds.
+    #[arg(long, default_value_t = 2)]
+    pub warmup_s: u64,
+    /// HTTP/2 connections shared by the workers.
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+}
+
+/// What one worker measured.
+#[derive(Default)]
+struct Tally {
+    /// Delegate latencies in microseconds, measured window only.
+    latencies_us: Vec<u32>,
+    refused: u64,
+    errors: u64,
+    roots: u64,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.concurrency > 0 && args.concurrency <= 4096, "--concurrency must be 1..=4096");
+    anyhow::ensure!((1..=64).contains(&args.depth), "--depth must be 1..=64");
+    anyhow::ensure!(args.connections > 0 && args.connections <= 256, "--connections must be 1..=256");
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(drive(args))
+}
+
+async fn drive(args: BenchArgs) -> anyhow::Result<()> {
+    let attestor = match &args.attestor_seed {
+        Some(seed) => {
+            let bytes: [u8; 32] = hex::decode(seed.trim())?
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("--attestor-seed must be 32 bytes of hex"))?;
+            Agent::from_seed(bytes)
+        }
+        None => Agent::generate(),
+    };
+    let mut _in_process = None;
+    let addr = match &args.addr {
+        Some(addr) => addr.clone(),
+        None => {
+            let dir = tempfile_dir()?;
+            let mut config = Config::load(dir.clone(), None)?;
+            config.trust.attestors.push(crate::crypto::public_key(&attestor.public_key())?);
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = format!("http://{}", listener.local_addr()?);
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(crate::server::run(listener, config, async {
+                let _ = stopped.await;
+            }));
+            _in_process = Some((stop, server, dir));
+            addr
+        }
+    };
+    let mut channels = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        channels.push(Endpoint::from_shared(addr.clone())?.connect().await?);
+    }
+    let attestor = Arc::new(attestor);
+    let start = Instant::now();
+    let measure_from = start + Duration::from_secs(args.warmup_s);
+    let stop_at = measure_from + Duration::from_secs(args.duration_s);
+    let mut workers = Vec::with_capacity(args.concurrency);
+    for i in 0..args.concurrency {
+        let client = BrokerClient::new(channels[i % channels.len()].clone());
+        workers.push(tokio::spawn(worker(client, attestor.clone(), args.depth, measure_from, stop_at)));
+    }
+    let mut total = Tally::default();
+    for w in workers {
+        let t = w.await?;
+        total.latencies_us.extend(t.latencies_us);
+        total.refused += t.refused;
+        total.errors += t.errors;
+        total.roots += t.roots;
+    }
+    let seconds = args.duration_s as f64;
+    let mut lat = total.latencies_us;
+    lat.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if lat.is_empty() {
+            return 0.0;
+        }
+        let index = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1;
+        f64::from(lat[index]) / 1000.0
+    };
+    println!(
+        "concurrency={} depth={} duration={}s connections={}",
+        args.concurrency, args.depth, args.duration_s, args.connections
+    );
+    println!(
+        "delegations: {} issued in {:.1}s = {:.0}/s (roots opened {}, refused {}, errors {})",
+        lat.len(),
+        seconds,
+        lat.len() as f64 / seconds,
+        total.roots,
+        total.refused,
+        total.errors
+    );
+    println!(
+        "delegate latency ms: p50 {:.2}  p99 {:.2}  p999 {:.2}  max {:.2}",
+        pct(0.50),
+        pct(0.99),
+        pct(0.999),
+        pct(1.0)
+    );
+    if let Some((stop, server, dir)) = _in_process {
+        let _ = stop.send(());
+        server.await??;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    Ok(())
+}
+
+fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
+    let mut suffix = [0u8; 8];
+    getrandom::fill(&mut suffix).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let dir = std::env::temp_dir().join(format!("broker-bench-{}", hex::encode(suffix)));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+async fn worker(
+    mut client: BrokerClient<Channel>,
+    attestor: Arc<Agent>,
+    depth: u32,
+    measure_from: Instant,
+    stop_at: Instant,
+) -> Tally {
+    let agents: Vec<Agent> = (0..=depth).map(|_| Agent::generate()).collect();
+    let expires_at_ms = SystemClock.now_ms() + 3_600_000;
+    let attestations: Vec<pb::Envelope> = agents
+        .iter()
+        .map(|a| attestor.attest(a.public_key(), 0.99, expires_at_ms, "bench"))
+        .collect();
+    let intent = "benchmark: delegate a chain of work".to_owned();
+    let lineage = crate::crypto::sha256(intent.as_bytes()).to_vec();
+    let mut tally = Tally::default();
+    while Instant::now() < stop_at {
+        let root = agents[0].open_root(pb::OpenRootBody {
+            header: None,
+            intent: intent.clone(),
+            task: String::new(),
+            budget: 1 << 40,
+            deadline_ms: SystemClock.now_ms() + 3_600_000,
+            policy: Some(pb::Policy {
+                max_depth: depth,
+                min_cumulative_trust_ppm: 500_000,
+                max_children: 16,
+                disable_retry_headroom: false,
+            }),
+            predicate: "result.schema_valid && result.within_scope".into(),
+            write_scope: vec!["src".into()],
+        });
+        let mut parent = match client.open_root(root).await {
+            Ok(r) => match r.into_inner().issued {
+                Some(issued) => issued.contract_id,
+                None => {
+                    tally.errors += 1;
+                    continue;
+                }
+            },
+            Err(_) => {
+                tally.errors += 1;
+                continue;
+            }
+        };
+        tally.roots += 1;
+        let mut budget: i64 = 1 << 39;
+        for hop in 1..=depth as usize {
+            let request = agents[hop - 1].delegate(pb::DelegateBody {
+                header: None,
+                parent_id: parent.clone(),
+                intent_lineage_hash: lineage.clone(),
+                task: format!("hop {hop}: handle part of src/"),
+                delegate_public_key: agents[hop].public_key().to_vec(),
+                delegate_attestation: Some(attestations[hop].clone()),
+                budget,
+                deadline_ms: 0,
+                liability: pb::Liability::Delegate as i32,
+                predicate: String::new(),
+                escalation_channel: "broker".into(),
+                min_retry_cost: 1,
+                min_retry_latency_ms: 1_000,
+                write_scope: vec!["src".into()],
+            });
+            let began = Instant::now();
+            let result = client.delegate(request).await;
+            let took = began.elapsed();
+            let measured = began >= measure_from && Instant::now() <= stop_at;
+            match result.map(|r| r.into_inner().outcome) {
+                Ok(Some(pb::delegate_response::Outcome::Issued(issued))) => {
+                    if measured {
+                        tally.latencies_us.push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
+                    }
+                    parent = issued.contract_id;
+                    budget /= 2;
+                }
+                Ok(Some(pb::delegate_response::Outcome::Refused(_))) => {
+                    tally.refused += 1;
+                    break;
+                }
+                _ => {
+                    tally.errors += 1;
+                    break;
+                }
+            }
+        }
+    }
+    tally
+}

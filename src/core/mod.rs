@@ -1,0 +1,166 @@
+//! The pure domain: contracts, the issuance invariants, ledger and trust
+//! arithmetic, predicate composition and write scopes. No tonic, no sqlx,
+//! no tokio, no I/O: everything here is tested without a runtime.
+
+pub mod error;
+pub mod invariants;
+pub mod ledger;
+pub mod limits;
+pub mod predicate;
+pub mod scope;
+pub mod trust;
+
+#[cfg(test)]
+mod tests;
+
+pub use error::InputError;
+pub use invariants::{
+    ChildAsk, ChildTerms, InvariantCode, ParentView, Refusal, Violation, check_delegation,
+};
+pub use ledger::Ledger;
+pub use predicate::Predicate;
+pub use scope::Scope;
+
+/// An agent's ed25519 public key.
+pub type AgentKey = [u8; 32];
+/// A contract or receipt id: SHA-256 of its signed payload.
+pub type Id = [u8; 32];
+
+/// Who answers for a contract's outcome (seeds/001).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liability {
+    /// Liability stays with the principal.
+    Principal,
+    /// Liability moves to the delegate.
+    Delegate,
+}
+
+impl Liability {
+    pub fn as_i32(self) -> i32 {
+        match self {
+            Self::Principal => 1,
+            Self::Delegate => 2,
+        }
+    }
+
+    pub fn from_i32(value: i32) -> Option<Self> {
+        match value {
+            1 => Some(Self::Principal),
+            2 => Some(Self::Delegate),
+            _ => None,
+        }
+    }
+}
+
+/// Lifecycle state of a contract.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Open,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Open => "OPEN",
+        }
+    }
+
+    pub fn as_i32(self) -> i32 {
+        match self {
+            Self::Open => 1,
+        }
+    }
+
+    pub fn from_i32(value: i32) -> Option<Self> {
+        match value {
+            1 => Some(Self::Open),
+            _ => None,
+        }
+    }
+}
+
+/// The tree-wide policy set at OpenRoot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// Deepest contract allowed (root = 0).
+    pub max_depth: u32,
+    /// Lowest cumulative trust a contract may carry, in ppm.
+    pub min_cumulative_trust_ppm: u32,
+    /// Most open children per contract.
+    pub max_children: u32,
+    /// Invariant 13 on (true) or off.
+    pub retry_headroom: bool,
+}
+
+impl Policy {
+    /// Validates a client policy against the hard ceilings and the
+    /// operator's configured maxima.
+    pub fn new(
+        max_depth: u32,
+        min_cumulative_trust_ppm: u32,
+        max_children: u32,
+        retry_headroom: bool,
+        config_max_depth: u32,
+        config_max_children: u32,
+    ) -> Result<Self, InputError> {
+        let depth_cap = config_max_depth.min(limits::MAX_DEPTH_CEILING);
+        if max_depth == 0 || max_depth > depth_cap {
+            return Err(InputError::new(
+                "body.policy.max_depth",
+                format!("{max_depth} is outside 1..={depth_cap}"),
+            ));
+        }
+        if min_cumulative_trust_ppm > limits::PPM_ONE {
+            return Err(InputError::new(
+                "body.policy.min_cumulative_trust_ppm",
+                format!("{min_cumulative_trust_ppm} is above 1000000"),
+            ));
+        }
+        let children_cap = config_max_children.min(limits::MAX_CHILDREN_CEILING);
+        if max_children == 0 || max_children > children_cap {
+            return Err(InputError::new(
+                "body.policy.max_children",
+                format!("{max_children} is outside 1..={children_cap}"),
+            ));
+        }
+        Ok(Self {
+            max_depth,
+            min_cumulative_trust_ppm,
+            max_children,
+            retry_headroom,
+        })
+    }
+}
+
+/// Validates an amount of budget units for `field`.
+pub fn budget_units(value: i64, field: &'static str) -> Result<i64, InputError> {
+    if value <= 0 || value > limits::MAX_BUDGET_UNITS {
+        return Err(InputError::new(
+            field,
+            format!("{value} is outside 1..={}", limits::MAX_BUDGET_UNITS),
+        ));
+    }
+    Ok(value)
+}
+
+/// Validates a non-negative cost or latency for `field`.
+pub fn non_negative(value: i64, max: i64, field: &'static str) -> Result<i64, InputError> {
+    if !(0..=max).contains(&value) {
+        return Err(InputError::new(field, format!("{value} is outside 0..={max}")));
+    }
+    Ok(value)
+}
+
+/// Validates a text field's length (and, when required, its presence).
+pub fn text(value: &str, max_bytes: usize, required: bool, field: &'static str) -> Result<(), InputError> {
+    if required && value.trim().is_empty() {
+        return Err(InputError::new(field, "is required"));
+    }
+    if value.len() > max_bytes {
+        return Err(InputError::new(
+            field,
+            format!("{} bytes, at most {max_bytes}", value.len()),
+        ));
+    }
+    Ok(())
+}

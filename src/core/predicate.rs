@@ -1,0 +1,88 @@
+//! Acceptance predicates (CEL) and their composition along a chain. Parsed
+//! at issuance so a predicate that cannot parse never reaches a delegate;
+//! composed by conjunction so no hop can drop an ancestor's predicate
+//! (seeds/001, condition 1).
+
+use super::error::InputError;
+use super::limits::{MAX_EFFECTIVE_PREDICATE_BYTES, MAX_PREDICATE_BYTES};
+
+/// A CEL expression that parsed. Empty text means "no predicate".
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Predicate(String);
+
+impl Predicate {
+    /// Parses client text; an empty (or all-blank) text is the empty
+    /// predicate.
+    pub fn parse(text: &str, field: &'static str) -> Result<Self, InputError> {
+        if text.len() > MAX_PREDICATE_BYTES {
+            return Err(InputError::new(
+                field,
+                format!("{} bytes, at most {MAX_PREDICATE_BYTES}", text.len()),
+            ));
+        }
+        let text = text.trim();
+        if text.is_empty() {
+            return Ok(Self::default());
+        }
+        cel::Program::compile(text)
+            .map_err(|e| InputError::new(field, format!("does not parse as CEL: {e}")))?;
+        Ok(Self(text.to_owned()))
+    }
+
+    /// Wraps a predicate read back from the store or a signed contract.
+    pub fn from_trusted(text: String) -> Self {
+        Self(text)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The effective predicate after this hop: `inherited && (own)`. Every
+    /// part is parenthesized, so the result is always a flat conjunction
+    /// `(p1) && (p2) && ...` whatever operators the parts use. `None` when the
+    /// result would exceed the effective-predicate limit.
+    pub fn conjoin(inherited: &Predicate, own: &Predicate) -> Option<Predicate> {
+        let text = match (inherited.is_empty(), own.is_empty()) {
+            (_, true) => inherited.0.clone(),
+            (true, false) => format!("({})", own.0),
+            (false, false) => format!("{} && ({})", inherited.0, own.0),
+        };
+        (text.len() <= MAX_EFFECTIVE_PREDICATE_BYTES).then_some(Predicate(text))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_001_predicate_parses_and_garbage_does_not() {
+        assert!(Predicate::parse("result.schema_valid && result.within_scope", "p").is_ok());
+        let err = Predicate::parse("result.schema_valid &&", "body.predicate").unwrap_err();
+        assert_eq!(err.field, "body.predicate");
+        assert!(Predicate::parse("   ", "p").unwrap().is_empty());
+    }
+
+    #[test]
+    fn conjunction_keeps_every_part_and_still_parses() {
+        let a = Predicate::parse("result.schema_valid", "p").unwrap();
+        let b = Predicate::parse("result.within_scope || result.consumed < 3", "p").unwrap();
+        let c = Predicate::parse("result.tool_calls < 10", "p").unwrap();
+        let ab = Predicate::conjoin(&Predicate::conjoin(&Predicate::default(), &a).unwrap(), &b).unwrap();
+        let abc = Predicate::conjoin(&ab, &c).unwrap();
+        assert_eq!(
+            abc.as_str(),
+            "(result.schema_valid) && (result.within_scope || result.consumed < 3) && (result.tool_calls < 10)"
+        );
+        assert!(Predicate::parse(abc.as_str(), "p").is_ok());
+        let none = Predicate::default();
+        assert_eq!(Predicate::conjoin(&ab, &none).unwrap(), ab);
+        assert_eq!(Predicate::conjoin(&none, &b).unwrap().as_str(), "(result.within_scope || result.consumed < 3)");
+        assert!(Predicate::conjoin(&none, &none).unwrap().is_empty());
+    }
+}

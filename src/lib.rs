@@ -1,0 +1,23 @@
+//! The delegation broker: a gRPC service every agent-to-agent delegation
+//! passes through. See ARCHITECTURE.md for the map of this crate.
+
+pub mod cli;
+pub mod client;
+pub mod clock;
+pub mod config;
+pub mod core;
+pub mod crypto;
+pub mod keystore;
+pub mod server;
+pub mod service;
+pub mod stamp;
+pub mod store;
+
+/// Types generated from `proto/delegation/broker/v1/*.proto`.
+pub mod pb {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("delegation.broker.v1");
+
+    /// The encoded descriptor set of the public API, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/broker_descriptor.bin"));
+}

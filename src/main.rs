@@ -1,0 +1,5 @@
+//! Thin entry point: parse the command line, call the library.
+
+fn main() -> std::process::ExitCode {
+    delegation_broker::cli::main()
+}

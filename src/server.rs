@@ -1,0 +1,105 @@
+//! Wires the broker together and serves it: keys, store, the Broker
+//! service, gRPC health and reflection, until `shutdown` resolves.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::Config;
+use crate::crypto;
+use crate::keystore;
+use crate::pb;
+use crate::service::BrokerService;
+use crate::stamp::Stamper;
+use crate::store::sqlite::{SqliteOptions, SqliteStore};
+
+/// The SQLite database's file name inside the data directory.
+pub const DATABASE_FILE: &str = "broker.sqlite3";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Keystore(#[from] keystore::KeystoreError),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error("reflection: {0}")]
+    Reflection(String),
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves the broker on `listener` until `shutdown` resolves, then drains
+/// in-flight requests and returns.
+pub async fn run(listener: TcpListener, config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServerError> {
+    run_with_clock(listener, config, Arc::new(SystemClock), shutdown).await
+}
+
+/// `run` with an injected clock (tests move time with it).
+pub async fn run_with_clock(
+    listener: TcpListener,
+    config: Config,
+    clock: Arc<dyn Clock>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServerError> {
+    let data_dir = config.data_dir.clone();
+    let keyring = tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
+        .await
+        .map_err(|e| ServerError::Reflection(format!("key loading panicked: {e}")))??;
+    let current = keyring.current.verifying_key().to_bytes();
+    let mut keys = vec![pb::BrokerKey {
+        key_id: crypto::key_id(&current),
+        public_key: current.to_vec(),
+        current: true,
+    }];
+    keys.extend(keyring.retired.iter().map(|k| pb::BrokerKey {
+        key_id: crypto::key_id(&k.to_bytes()),
+        public_key: k.to_bytes().to_vec(),
+        current: false,
+    }));
+    let stamper = Arc::new(Stamper::new(keyring.current));
+    let limits = config.limits.clone();
+    let store = SqliteStore::open(
+        SqliteOptions {
+            path: config.data_dir.join(DATABASE_FILE),
+            queue_depth: limits.writer_queue_depth,
+            max_batch: limits.max_batch,
+            read_connections: limits.read_connections,
+        },
+        stamper,
+        clock.clone(),
+    )
+    .await?;
+
+    let service = BrokerService::new(Arc::new(store), Arc::new(config), clock, keys);
+    let broker = pb::broker_server::BrokerServer::new(service)
+        .max_decoding_message_size(limits.max_request_bytes)
+        .max_encoding_message_size(limits.max_request_bytes.saturating_mul(4));
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+
+    let address = listener.local_addr().ok();
+    tracing::info!(?address, key_id = %crypto::key_id(&current), "broker serving");
+    tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
+        .timeout(Duration::from_millis(limits.request_timeout_ms))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(broker)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    tracing::info!("broker stopped");
+    Ok(())
+}

@@ -1,0 +1,90 @@
+//! Request authentication: every mutating request is a DSSE envelope signed
+//! by the acting agent over its exact payload bytes, with a fresh timestamp
+//! and a nonce (the idempotency key).
+
+use prost::Message;
+
+use super::error::ServiceError;
+use crate::core::limits::{MAX_NONCE_BYTES, MIN_NONCE_BYTES};
+use crate::core::{AgentKey, InputError};
+use crate::crypto;
+use crate::pb;
+use crate::stamp::RequestMeta;
+
+/// A verified request body and who signed it.
+pub struct Authenticated<T> {
+    pub body: T,
+    pub request: RequestMeta,
+    pub agent: AgentKey,
+}
+
+/// Request payloads that start with a `RequestHeader`.
+pub trait SignedBody: Message + Default {
+    const PAYLOAD_TYPE: &'static str;
+    fn header(&self) -> Option<&pb::RequestHeader>;
+}
+
+impl SignedBody for pb::OpenRootBody {
+    const PAYLOAD_TYPE: &'static str = crypto::payload_type::OPEN_ROOT;
+    fn header(&self) -> Option<&pb::RequestHeader> {
+        self.header.as_ref()
+    }
+}
+
+impl SignedBody for pb::DelegateBody {
+    const PAYLOAD_TYPE: &'static str = crypto::payload_type::DELEGATE;
+    fn header(&self) -> Option<&pb::RequestHeader> {
+        self.header.as_ref()
+    }
+}
+
+/// Decodes, verifies and freshness-checks a signed request.
+pub fn authenticate<T: SignedBody>(
+    signed: Option<&pb::Envelope>,
+    now_ms: i64,
+    window_ms: i64,
+) -> Result<Authenticated<T>, ServiceError> {
+    let envelope = signed.ok_or_else(|| InputError::new("signed", "is required"))?;
+    if envelope.payload_type != T::PAYLOAD_TYPE {
+        return Err(InputError::new("signed.payload_type", format!("must be {:?}", T::PAYLOAD_TYPE)).into());
+    }
+    if envelope.signatures.len() != 1 {
+        return Err(InputError::new(
+            "signed.signatures",
+            format!("exactly one signature required, got {}", envelope.signatures.len()),
+        )
+        .into());
+    }
+    let body = T::decode(envelope.payload.as_slice())
+        .map_err(|e| InputError::new("signed.payload", format!("is not a valid {}: {e}", T::PAYLOAD_TYPE)))?;
+    let header = body.header().ok_or_else(|| InputError::new("body.header", "is required"))?;
+    let key = crypto::public_key(&header.agent_public_key)
+        .map_err(|e| InputError::new("body.header.agent_public_key", e.to_string()))?;
+    if !(MIN_NONCE_BYTES..=MAX_NONCE_BYTES).contains(&header.nonce.len()) {
+        return Err(InputError::new(
+            "body.header.nonce",
+            format!("{} bytes, must be {MIN_NONCE_BYTES}..={MAX_NONCE_BYTES}", header.nonce.len()),
+        )
+        .into());
+    }
+    crypto::verify_envelope(envelope, T::PAYLOAD_TYPE, &key).map_err(|e| ServiceError::Unauthenticated {
+        reason: "BAD_SIGNATURE",
+        detail: format!("signed: {e}"),
+    })?;
+    let skew_ms = now_ms.saturating_sub(header.timestamp_ms).saturating_abs();
+    if skew_ms > window_ms {
+        return Err(ServiceError::Unauthenticated {
+            reason: "STALE_TIMESTAMP",
+            detail: format!(
+                "body.header.timestamp_ms is {skew_ms} ms from the broker's clock, beyond the {window_ms} ms window"
+            ),
+        });
+    }
+    let agent = key.to_bytes();
+    let request = RequestMeta {
+        agent,
+        nonce: header.nonce.clone(),
+        digest: crypto::sha256(&crypto::pae(&envelope.payload_type, &envelope.payload)),
+    };
+    Ok(Authenticated { body, request, agent })
+}

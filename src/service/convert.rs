@@ -1,0 +1,206 @@
+//! Proto ⇄ core conversion. Every client field is validated here, once,
+//! into core types; a malformed one becomes an `InputError` naming it.
+
+use prost::Message;
+
+use crate::config::{Limits, TrustConfig};
+use crate::core::limits::{
+    MAX_BUDGET_UNITS, MAX_CHANNEL_BYTES, MAX_HORIZON_MS, MAX_RISK_CLASS_BYTES, MAX_TEXT_BYTES,
+};
+use crate::core::{self, ChildAsk, Id, InputError, Liability, Policy, Predicate, Scope, trust};
+use crate::crypto::{self, payload_type};
+use crate::pb;
+use crate::stamp::{HopTrust, NewChild, NewRoot, RequestMeta};
+use crate::store::ContractRecord;
+
+/// Parses a 32-byte id.
+pub fn id(bytes: &[u8], field: &'static str) -> Result<Id, InputError> {
+    bytes
+        .try_into()
+        .map_err(|_| InputError::new(field, format!("must be 32 bytes, got {}", bytes.len())))
+}
+
+fn policy(p: Option<&pb::Policy>, limits: &Limits) -> Result<Policy, InputError> {
+    let p = p.ok_or_else(|| InputError::new("body.policy", "is required"))?;
+    Policy::new(
+        p.max_depth,
+        p.min_cumulative_trust_ppm,
+        p.max_children,
+        !p.disable_retry_headroom,
+        limits.max_depth,
+        limits.max_children,
+    )
+}
+
+pub fn new_root(body: pb::OpenRootBody, request: RequestMeta, now_ms: i64, limits: &Limits) -> Result<NewRoot, InputError> {
+    core::text(&body.intent, MAX_TEXT_BYTES, true, "body.intent")?;
+    core::text(&body.task, MAX_TEXT_BYTES, false, "body.task")?;
+    let budget = core::budget_units(body.budget, "body.budget")?;
+    if body.deadline_ms <= now_ms || body.deadline_ms > now_ms.saturating_add(MAX_HORIZON_MS) {
+        return Err(InputError::new(
+            "body.deadline_ms",
+            format!("{} must be in the future and at most {MAX_HORIZON_MS} ms away", body.deadline_ms),
+        ));
+    }
+    let policy = policy(body.policy.as_ref(), limits)?;
+    let predicate = Predicate::parse(&body.predicate, "body.predicate")?;
+    let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
+    let task = if body.task.trim().is_empty() { body.intent.clone() } else { body.task };
+    Ok(NewRoot {
+        request,
+        intent: body.intent,
+        task,
+        budget,
+        deadline_ms: body.deadline_ms,
+        policy,
+        predicate,
+        write_scope,
+    })
+}
+
+pub fn new_child(
+    body: pb::DelegateBody,
+    request: RequestMeta,
+    now_ms: i64,
+    trust_config: &TrustConfig,
+) -> Result<NewChild, InputError> {
+    let parent_id = id(&body.parent_id, "body.parent_id")?;
+    let intent_lineage_hash = id(&body.intent_lineage_hash, "body.intent_lineage_hash")?;
+    core::text(&body.task, MAX_TEXT_BYTES, true, "body.task")?;
+    let delegate_key = crypto::public_key(&body.delegate_public_key)
+        .map_err(|e| InputError::new("body.delegate_public_key", e.to_string()))?
+        .to_bytes();
+    let budget = core::budget_units(body.budget, "body.budget")?;
+    let deadline_ms = match body.deadline_ms {
+        0 => None,
+        d if d < 0 || d > now_ms.saturating_add(MAX_HORIZON_MS) => {
+            return Err(InputError::new(
+                "body.deadline_ms",
+                format!("{d} must be 0 (the parent's) or a unix time at most {MAX_HORIZON_MS} ms away"),
+            ));
+        }
+        d => Some(d),
+    };
+    let liability = Liability::from_i32(body.liability)
+        .ok_or_else(|| InputError::new("body.liability", "must be PRINCIPAL or DELEGATE"))?;
+    let predicate = Predicate::parse(&body.predicate, "body.predicate")?;
+    core::text(&body.escalation_channel, MAX_CHANNEL_BYTES, false, "body.escalation_channel")?;
+    let min_retry_cost = core::non_negative(body.min_retry_cost, MAX_BUDGET_UNITS, "body.min_retry_cost")?;
+    let min_retry_latency_ms = core::non_negative(body.min_retry_latency_ms, MAX_HORIZON_MS, "body.min_retry_latency_ms")?;
+    let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
+    let (factor_ppm, factor_note, hop_trust) =
+        resolve_trust(body.delegate_attestation.as_ref(), &delegate_key, now_ms, trust_config)?;
+    Ok(NewChild {
+        parent_id,
+        ask: ChildAsk {
+            requester: request.agent,
+            intent_lineage_hash,
+            budget,
+            deadline_ms,
+            liability,
+            predicate,
+            escalation_channel: body.escalation_channel.trim().to_owned(),
+            min_retry_cost,
+            min_retry_latency_ms,
+            write_scope,
+            factor_ppm,
+            factor_note,
+        },
+        request,
+        task: body.task,
+        delegate_key,
+        trust: hop_trust,
+    })
+}
+
+/// The delegate's trust factor: from a valid attestation by a trusted
+/// attestor, else from the static table, else 0. A malformed attestation
+/// (undecodable, factor outside (0, 1]) is an input error; a forged,
+/// expired or mismatched one is factor 0 — never the requester's say-so.
+pub fn resolve_trust(
+    attestation: Option<&pb::Envelope>,
+    delegate_key: &[u8; 32],
+    now_ms: i64,
+    config: &TrustConfig,
+) -> Result<(u32, String, HopTrust), InputError> {
+    let none = |note: String| {
+        (
+            0,
+            note,
+            HopTrust {
+                source: pb::TrustSource::None,
+                attestation_digest: None,
+                risk_class: String::new(),
+            },
+        )
+    };
+    let Some(envelope) = attestation else {
+        return Ok(match config.static_factors_ppm.get(delegate_key) {
+            Some(&ppm) => (
+                ppm,
+                "from the static trust table".into(),
+                HopTrust {
+                    source: pb::TrustSource::StaticTable,
+                    attestation_digest: None,
+                    risk_class: String::new(),
+                },
+            ),
+            None => none("no attestation and no static trust entry".into()),
+        });
+    };
+    if envelope.payload_type != payload_type::ATTESTATION {
+        return Err(InputError::new(
+            "body.delegate_attestation.payload_type",
+            format!("must be {:?}", payload_type::ATTESTATION),
+        ));
+    }
+    let statement = pb::Attestation::decode(envelope.payload.as_slice())
+        .map_err(|e| InputError::new("body.delegate_attestation.payload", format!("is not an Attestation: {e}")))?;
+    let factor_ppm = trust::factor_to_ppm(statement.factor).ok_or_else(|| {
+        InputError::new(
+            "body.delegate_attestation.factor",
+            format!("{} is outside (0, 1]", statement.factor),
+        )
+    })?;
+    core::text(&statement.risk_class, MAX_RISK_CLASS_BYTES, false, "body.delegate_attestation.risk_class")?;
+    if statement.agent_public_key.as_slice() != delegate_key.as_slice() {
+        return Ok(none("the attestation is for another agent".into()));
+    }
+    if statement.expires_at_ms <= now_ms {
+        return Ok(none("the attestation has expired".into()));
+    }
+    let trusted = config
+        .attestors
+        .iter()
+        .any(|attestor| crypto::verify_envelope(envelope, payload_type::ATTESTATION, attestor).is_ok());
+    if !trusted {
+        return Ok(none("the attestation is not signed by a trusted attestor".into()));
+    }
+    Ok((
+        factor_ppm,
+        "attested".into(),
+        HopTrust {
+            source: pb::TrustSource::Attestation,
+            attestation_digest: Some(crypto::sha256(&envelope.payload)),
+            risk_class: statement.risk_class,
+        },
+    ))
+}
+
+pub fn contract_state(record: ContractRecord) -> pb::ContractState {
+    let ledger = record.ledger;
+    pb::ContractState {
+        contract_id: record.id.to_vec(),
+        contract: Some(record.envelope),
+        status: match record.status {
+            core::Status::Open => pb::ContractStatus::Open,
+        } as i32,
+        ledger: Some(pb::Ledger {
+            budget: ledger.budget,
+            reserved: ledger.reserved,
+            spent: ledger.spent,
+            residual: ledger.residual(),
+            open_children: ledger.open_children,
+        }),
+    }
+}

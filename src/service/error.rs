@@ -1,0 +1,81 @@
+//! The service layer's error and its one exhaustive mapping to a gRPC
+//! status with a `google.rpc.ErrorInfo` (stable `reason`, metadata naming
+//! the field or limit) — the only place an error becomes a status.
+
+use std::collections::HashMap;
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::core::InputError;
+use crate::store::StoreError;
+
+/// `ErrorInfo.domain` of every error this broker returns.
+pub const ERROR_DOMAIN: &str = "delegation.broker.v1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// Malformed input, naming the field.
+    #[error(transparent)]
+    Invalid(#[from] InputError),
+    /// The request's signature or timestamp does not hold.
+    #[error("{detail}")]
+    Unauthenticated { reason: &'static str, detail: String },
+    #[error("{what} {id} not found")]
+    NotFound { what: &'static str, id: String },
+    /// The nonce was used before with a different body.
+    #[error("nonce already used by this agent for a different request")]
+    NonceReused,
+    /// A bounded queue is full; retry later with the same nonce.
+    #[error("overloaded: {0}")]
+    Overloaded(&'static str),
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<StoreError> for ServiceError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound { what, id } => Self::NotFound { what, id },
+            StoreError::NonceReused => Self::NonceReused,
+            StoreError::Overloaded(what) => Self::Overloaded(what),
+            StoreError::Closed => Self::Unavailable("the store is shutting down".into()),
+            StoreError::Corrupt(what) => Self::Internal(format!("corrupt store: {what}")),
+            StoreError::Backend(what) => Self::Unavailable(format!("store: {what}")),
+        }
+    }
+}
+
+impl From<ServiceError> for Status {
+    fn from(e: ServiceError) -> Self {
+        let message = e.to_string();
+        let (code, reason, metadata): (Code, &str, Vec<(&str, String)>) = match &e {
+            ServiceError::Invalid(input) => (
+                Code::InvalidArgument,
+                "INVALID_FIELD",
+                vec![("field", input.field.to_owned())],
+            ),
+            ServiceError::Unauthenticated { reason, .. } => (Code::Unauthenticated, reason, vec![]),
+            ServiceError::NotFound { what, id } => (
+                Code::NotFound,
+                "NOT_FOUND",
+                vec![("what", (*what).to_owned()), ("id", id.clone())],
+            ),
+            ServiceError::NonceReused => (Code::AlreadyExists, "NONCE_REUSED", vec![("field", "body.header.nonce".into())]),
+            ServiceError::Overloaded(what) => (Code::ResourceExhausted, "OVERLOADED", vec![("limit", (*what).to_owned())]),
+            ServiceError::Unavailable(_) => (Code::Unavailable, "UNAVAILABLE", vec![]),
+            ServiceError::Internal(_) => (Code::Internal, "INTERNAL", vec![]),
+        };
+        if code == Code::Internal || code == Code::Unavailable {
+            tracing::error!(error = %message, "request failed");
+        }
+        let metadata: HashMap<String, String> = metadata.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
+        if let ServiceError::Invalid(input) = &e {
+            details.add_bad_request_violation(input.field, input.reason.clone());
+        }
+        Status::with_error_details(code, message, details)
+    }
+}

@@ -1,0 +1,210 @@
+//! The tonic adapter: decodes and authenticates requests, converts them to
+//! core types, calls the store, and maps every error in one place
+//! (`error`). The only module that knows tonic.
+
+pub mod auth;
+pub mod convert;
+pub mod error;
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
+use crate::core::InputError;
+use crate::pb;
+use crate::pb::broker_server::Broker;
+use crate::store::{Answer, Outcome, Store};
+use auth::authenticate;
+use error::ServiceError;
+
+/// The broker's gRPC service over a store.
+pub struct BrokerService<S> {
+    store: Arc<S>,
+    config: Arc<Config>,
+    clock: Arc<dyn Clock>,
+    /// Published verifying keys, current first; fixed for the process's
+    /// life (rotation happens offline).
+    keys: Arc<Vec<pb::BrokerKey>>,
+}
+
+impl<S> BrokerService<S> {
+    pub fn new(store: Arc<S>, config: Arc<Config>, clock: Arc<dyn Clock>, keys: Vec<pb::BrokerKey>) -> Self {
+        Self {
+            store,
+            config,
+            clock,
+            keys: Arc::new(keys),
+        }
+    }
+}
+
+fn issued(outcome: Outcome) -> Result<pb::IssuedContract, ServiceError> {
+    match outcome {
+        Outcome::Issued { id, envelope } => Ok(pb::IssuedContract {
+            contract_id: id.to_vec(),
+            contract: Some(envelope),
+        }),
+        Outcome::Refused { .. } => Err(ServiceError::Internal("a root cannot be refused".into())),
+    }
+}
+
+fn delegate_response(answer: Answer) -> pb::DelegateResponse {
+    let outcome = match answer.outcome {
+        Outcome::Issued { id, envelope } => pb::delegate_response::Outcome::Issued(pb::IssuedContract {
+            contract_id: id.to_vec(),
+            contract: Some(envelope),
+        }),
+        Outcome::Refused { receipt_id, envelope } => pb::delegate_response::Outcome::Refused(pb::Refusal {
+            receipt_id: receipt_id.to_vec(),
+            receipt: Some(envelope),
+        }),
+    };
+    pb::DelegateResponse {
+        outcome: Some(outcome),
+        replayed: answer.replayed,
+    }
+}
+
+/// Page tokens are the last returned issuance sequence number, big-endian.
+fn page_cursor(token: &[u8]) -> Result<i64, InputError> {
+    if token.is_empty() {
+        return Ok(0);
+    }
+    let bytes: [u8; 8] = token
+        .try_into()
+        .map_err(|_| InputError::new("page_token", "is not a token this broker issued"))?;
+    Ok(i64::from_be_bytes(bytes))
+}
+
+impl<S: Store> BrokerService<S> {
+    async fn open_root(&self, request: pb::OpenRootRequest) -> Result<pb::OpenRootResponse, ServiceError> {
+        let now_ms = self.clock.now_ms();
+        let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, self.config.limits.timestamp_window_ms)?;
+        let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
+        let answer = self.store.open_root(root).await?;
+        Ok(pb::OpenRootResponse {
+            replayed: answer.replayed,
+            issued: Some(issued(answer.outcome)?),
+        })
+    }
+
+    async fn delegate(&self, request: pb::DelegateRequest) -> Result<pb::DelegateResponse, ServiceError> {
+        let now_ms = self.clock.now_ms();
+        let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, self.config.limits.timestamp_window_ms)?;
+        let child = convert::new_child(signed.body, signed.request, now_ms, &self.config.trust)?;
+        let answer = self.store.delegate(child).await?;
+        Ok(delegate_response(answer))
+    }
+
+    async fn record(&self, id: &[u8]) -> Result<crate::store::ContractRecord, ServiceError> {
+        let id = convert::id(id, "contract_id")?;
+        self.store.contract(id).await?.ok_or_else(|| ServiceError::NotFound {
+            what: "contract",
+            id: hex::encode(id),
+        })
+    }
+
+    async fn chain(&self, id: &[u8]) -> Result<Vec<pb::ContractState>, ServiceError> {
+        let mut record = self.record(id).await?;
+        let mut chain = Vec::new();
+        loop {
+            let parent = record.parent_id;
+            chain.push(convert::contract_state(record));
+            let Some(parent) = parent else { break };
+            // Depth is bounded by policy; a longer walk means a cycle.
+            if chain.len() > MAX_DEPTH_CEILING as usize + 1 {
+                return Err(ServiceError::Internal("contract chain longer than the depth ceiling".into()));
+            }
+            record = self.store.contract(parent).await?.ok_or_else(|| {
+                ServiceError::Internal(format!("parent {} of a stored contract is missing", hex::encode(parent)))
+            })?;
+        }
+        chain.reverse();
+        Ok(chain)
+    }
+
+    async fn children(&self, request: pb::ListChildrenRequest) -> Result<pb::ListChildrenResponse, ServiceError> {
+        let id = convert::id(&request.contract_id, "contract_id")?;
+        let page_size = match request.page_size {
+            0 => DEFAULT_PAGE_SIZE,
+            n if n > MAX_PAGE_SIZE => {
+                return Err(InputError::new("page_size", format!("{n} is above {MAX_PAGE_SIZE}")).into());
+            }
+            n => n,
+        };
+        let after = page_cursor(&request.page_token)?;
+        if self.store.contract(id).await?.is_none() {
+            return Err(ServiceError::NotFound {
+                what: "contract",
+                id: hex::encode(id),
+            });
+        }
+        let children = self.store.children(id, after, page_size).await?;
+        let next_page_token = match children.last() {
+            Some(last) if children.len() == page_size as usize => last.seq.to_be_bytes().to_vec(),
+            _ => Vec::new(),
+        };
+        Ok(pb::ListChildrenResponse {
+            children: children.into_iter().map(convert::contract_state).collect(),
+            next_page_token,
+        })
+    }
+
+    async fn receipt(&self, request: pb::GetReceiptRequest) -> Result<pb::GetReceiptResponse, ServiceError> {
+        let id = convert::id(&request.receipt_id, "receipt_id")?;
+        let receipt = self.store.receipt(id).await?.ok_or_else(|| ServiceError::NotFound {
+            what: "receipt",
+            id: hex::encode(id),
+        })?;
+        Ok(pb::GetReceiptResponse { receipt: Some(receipt) })
+    }
+}
+
+#[tonic::async_trait]
+impl<S: Store> Broker for BrokerService<S> {
+    async fn open_root(&self, request: Request<pb::OpenRootRequest>) -> Result<Response<pb::OpenRootResponse>, Status> {
+        Ok(Response::new(BrokerService::open_root(self, request.into_inner()).await?))
+    }
+
+    async fn delegate(&self, request: Request<pb::DelegateRequest>) -> Result<Response<pb::DelegateResponse>, Status> {
+        Ok(Response::new(BrokerService::delegate(self, request.into_inner()).await?))
+    }
+
+    async fn get_contract(
+        &self,
+        request: Request<pb::GetContractRequest>,
+    ) -> Result<Response<pb::GetContractResponse>, Status> {
+        let record = self.record(&request.into_inner().contract_id).await?;
+        Ok(Response::new(pb::GetContractResponse {
+            contract: Some(convert::contract_state(record)),
+        }))
+    }
+
+    async fn get_chain(&self, request: Request<pb::GetChainRequest>) -> Result<Response<pb::GetChainResponse>, Status> {
+        let chain = self.chain(&request.into_inner().contract_id).await?;
+        Ok(Response::new(pb::GetChainResponse { chain }))
+    }
+
+    async fn list_children(
+        &self,
+        request: Request<pb::ListChildrenRequest>,
+    ) -> Result<Response<pb::ListChildrenResponse>, Status> {
+        Ok(Response::new(self.children(request.into_inner()).await?))
+    }
+
+    async fn get_receipt(&self, request: Request<pb::GetReceiptRequest>) -> Result<Response<pb::GetReceiptResponse>, Status> {
+        Ok(Response::new(self.receipt(request.into_inner()).await?))
+    }
+
+    async fn get_broker_keys(
+        &self,
+        _request: Request<pb::GetBrokerKeysRequest>,
+    ) -> Result<Response<pb::GetBrokerKeysResponse>, Status> {
+        Ok(Response::new(pb::GetBrokerKeysResponse {
+            keys: self.keys.as_ref().clone(),
+        }))
+    }
+}

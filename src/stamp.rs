@@ -1,0 +1,236 @@
+//! Turns the core's decisions into broker-signed envelopes: stamped
+//! contracts, hop proofs and refusal receipts. Owns the broker's current
+//! signing key; knows protobuf and crypto, but no storage and no transport.
+
+use ed25519_dalek::SigningKey;
+use prost::Message;
+
+use crate::core::{AgentKey, ChildAsk, ChildTerms, Id, Liability, Policy, Predicate, Refusal, Scope};
+use crate::crypto::{self, payload_type};
+use crate::pb;
+
+/// Where a hop's trust factor came from, for its proof.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HopTrust {
+    pub source: pb::TrustSource,
+    /// SHA-256 of the attestation payload, when one vouched.
+    pub attestation_digest: Option<[u8; 32]>,
+    pub risk_class: String,
+}
+
+/// The signed request a stamp answers, for binding and idempotency.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestMeta {
+    /// The signer.
+    pub agent: AgentKey,
+    /// Idempotency key, unique per agent.
+    pub nonce: Vec<u8>,
+    /// SHA-256 of PAE(payload_type, payload) of the signed request.
+    pub digest: [u8; 32],
+}
+
+/// A root the orchestrator asked for, validated.
+#[derive(Clone, Debug)]
+pub struct NewRoot {
+    pub request: RequestMeta,
+    pub intent: String,
+    pub task: String,
+    pub budget: i64,
+    pub deadline_ms: i64,
+    pub policy: Policy,
+    pub predicate: Predicate,
+    pub write_scope: Scope,
+}
+
+/// A child a holder asked for, validated (not yet checked against its
+/// parent: that happens in the store's transaction).
+#[derive(Clone, Debug)]
+pub struct NewChild {
+    pub request: RequestMeta,
+    pub parent_id: Id,
+    pub ask: ChildAsk,
+    pub task: String,
+    pub delegate_key: AgentKey,
+    pub trust: HopTrust,
+}
+
+/// A signed contract ready to store and send.
+#[derive(Clone, Debug)]
+pub struct Stamped {
+    /// SHA-256 of `envelope.payload`.
+    pub id: Id,
+    pub envelope: pb::Envelope,
+}
+
+/// Signs everything the broker issues with its current key.
+pub struct Stamper {
+    key: SigningKey,
+    /// Cached `crypto::key_id` of `key`, repeated inside every payload.
+    key_id: String,
+}
+
+impl Stamper {
+    pub fn new(key: SigningKey) -> Self {
+        let key_id = crypto::key_id(&key.verifying_key().to_bytes());
+        Self { key, key_id }
+    }
+
+    pub fn key_id(&self) -> &str {
+        &self.key_id
+    }
+
+    fn seal(&self, payload_type: &str, payload: Vec<u8>) -> Stamped {
+        let id = crypto::sha256(&payload);
+        Stamped {
+            id,
+            envelope: crypto::sign_envelope(&self.key, payload_type, payload),
+        }
+    }
+
+    fn hop_proof(&self, proof: pb::HopProof) -> pb::Envelope {
+        crypto::sign_envelope(&self.key, payload_type::HOP_PROOF, proof.encode_to_vec())
+    }
+
+    /// Stamps a root: depth 0, full trust, its own hop proof.
+    pub fn root(&self, root: &NewRoot, now_ms: i64) -> Stamped {
+        let lineage = crypto::sha256(root.intent.as_bytes());
+        let proof = self.hop_proof(pb::HopProof {
+            broker_key_id: self.key_id.clone(),
+            parent_id: Vec::new(),
+            depth: 0,
+            agent_public_key: root.request.agent.to_vec(),
+            factor_ppm: crate::core::limits::PPM_ONE,
+            cumulative_trust_ppm: crate::core::limits::PPM_ONE,
+            trust_source: pb::TrustSource::Root as i32,
+            attestation_digest: Vec::new(),
+            risk_class: String::new(),
+            intent_lineage_hash: lineage.to_vec(),
+            issued_at_ms: now_ms,
+        });
+        let contract = pb::Contract {
+            broker_key_id: self.key_id.clone(),
+            parent_id: Vec::new(),
+            root_id: Vec::new(),
+            depth: 0,
+            intent: root.intent.clone(),
+            intent_lineage_hash: lineage.to_vec(),
+            task: root.task.clone(),
+            principal_public_key: root.request.agent.to_vec(),
+            delegate_public_key: root.request.agent.to_vec(),
+            budget: root.budget,
+            deadline_ms: root.deadline_ms,
+            issued_at_ms: now_ms,
+            liability: Liability::Delegate.as_i32(),
+            predicate: root.predicate.as_str().to_owned(),
+            effective_predicate: Predicate::conjoin(&Predicate::default(), &root.predicate)
+                .unwrap_or_default()
+                .as_str()
+                .to_owned(),
+            escalation_channel: String::new(),
+            min_retry_cost: 0,
+            min_retry_latency_ms: 0,
+            write_scope: root.write_scope.prefixes().to_vec(),
+            policy: Some(policy_to_pb(&root.policy)),
+            hop_proofs: vec![proof],
+            request_digest: root.request.digest.to_vec(),
+        };
+        self.seal(payload_type::CONTRACT, contract.encode_to_vec())
+    }
+
+    /// Stamps a child that passed every invariant. `parent` is the parent's
+    /// decoded contract; `root_id` the tree's root.
+    pub fn child(
+        &self,
+        parent: &pb::Contract,
+        root_id: &Id,
+        child: &NewChild,
+        terms: &ChildTerms,
+        now_ms: i64,
+    ) -> Stamped {
+        let mut hop_proofs = Vec::with_capacity(parent.hop_proofs.len() + 1);
+        hop_proofs.extend_from_slice(&parent.hop_proofs);
+        hop_proofs.push(self.hop_proof(pb::HopProof {
+            broker_key_id: self.key_id.clone(),
+            parent_id: child.parent_id.to_vec(),
+            depth: terms.depth,
+            agent_public_key: child.delegate_key.to_vec(),
+            factor_ppm: child.ask.factor_ppm,
+            cumulative_trust_ppm: terms.cumulative_trust_ppm,
+            trust_source: child.trust.source as i32,
+            attestation_digest: child
+                .trust
+                .attestation_digest
+                .map(|d| d.to_vec())
+                .unwrap_or_default(),
+            risk_class: child.trust.risk_class.clone(),
+            intent_lineage_hash: parent.intent_lineage_hash.clone(),
+            issued_at_ms: now_ms,
+        }));
+        let contract = pb::Contract {
+            broker_key_id: self.key_id.clone(),
+            parent_id: child.parent_id.to_vec(),
+            root_id: root_id.to_vec(),
+            depth: terms.depth,
+            intent: parent.intent.clone(),
+            intent_lineage_hash: parent.intent_lineage_hash.clone(),
+            task: child.task.clone(),
+            principal_public_key: child.request.agent.to_vec(),
+            delegate_public_key: child.delegate_key.to_vec(),
+            budget: child.ask.budget,
+            deadline_ms: terms.deadline_ms,
+            issued_at_ms: now_ms,
+            liability: child.ask.liability.as_i32(),
+            predicate: child.ask.predicate.as_str().to_owned(),
+            effective_predicate: terms.effective_predicate.as_str().to_owned(),
+            escalation_channel: child.ask.escalation_channel.clone(),
+            min_retry_cost: child.ask.min_retry_cost,
+            min_retry_latency_ms: child.ask.min_retry_latency_ms,
+            write_scope: child.ask.write_scope.prefixes().to_vec(),
+            policy: parent.policy,
+            hop_proofs,
+            request_digest: child.request.digest.to_vec(),
+        };
+        self.seal(payload_type::CONTRACT, contract.encode_to_vec())
+    }
+
+    /// Signs a refusal receipt naming every violated invariant.
+    pub fn refusal(
+        &self,
+        parent_id: &Id,
+        root_id: &Id,
+        request: &RequestMeta,
+        refusal: &Refusal,
+        now_ms: i64,
+    ) -> Stamped {
+        let receipt = pb::Receipt {
+            broker_key_id: self.key_id.clone(),
+            kind: pb::ReceiptKind::Refused as i32,
+            contract_id: parent_id.to_vec(),
+            root_id: root_id.to_vec(),
+            request_digest: request.digest.to_vec(),
+            requester_public_key: request.agent.to_vec(),
+            at_ms: now_ms,
+            primary: refusal.primary() as i32,
+            violations: refusal
+                .violations()
+                .iter()
+                .map(|v| pb::Violation {
+                    code: v.code as i32,
+                    requested: v.requested.clone(),
+                    allowed: v.allowed.clone(),
+                    detail: v.detail.clone(),
+                })
+                .collect(),
+        };
+        self.seal(payload_type::RECEIPT, receipt.encode_to_vec())
+    }
+}
+
+pub fn policy_to_pb(policy: &Policy) -> pb::Policy {
+    pb::Policy {
+        max_depth: policy.max_depth,
+        min_cumulative_trust_ppm: policy.min_cumulative_trust_ppm,
+        max_children: policy.max_children,
+        disable_retry_headroom: !policy.retry_headroom,
+    }
+}

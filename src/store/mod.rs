@@ -1,0 +1,83 @@
+//! Durable state: contracts with their ledgers, receipts and the request
+//! (nonce) log, behind the `Store` trait. Every mutating call is one
+//! transaction in which the core's invariant check and the budget
+//! reservation happen together; the answer exists only after commit.
+//! Only this module knows sqlx.
+
+pub mod sqlite;
+
+use std::future::Future;
+
+use crate::core::{Id, Ledger, Status};
+use crate::pb;
+use crate::stamp::{NewChild, NewRoot};
+
+/// A stored contract as the broker holds it now.
+#[derive(Clone, Debug)]
+pub struct ContractRecord {
+    pub id: Id,
+    pub parent_id: Option<Id>,
+    pub root_id: Id,
+    /// The broker-signed envelope exactly as issued.
+    pub envelope: pb::Envelope,
+    pub status: Status,
+    pub ledger: Ledger,
+    /// Issuance order; the page cursor of `children`.
+    pub seq: i64,
+}
+
+/// What a mutating call produced.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    Issued { id: Id, envelope: pb::Envelope },
+    Refused { receipt_id: Id, envelope: pb::Envelope },
+}
+
+/// A mutating call's answer.
+#[derive(Clone, Debug)]
+pub struct Answer {
+    pub outcome: Outcome,
+    /// True when this is the stored answer to an earlier request with the
+    /// same agent and nonce: nothing was done again.
+    pub replayed: bool,
+}
+
+/// The store's errors. Backend details stay inside as text: callers only
+/// need to know the class.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{what} {id} not found")]
+    NotFound { what: &'static str, id: String },
+    #[error("nonce already used by this agent for a different request")]
+    NonceReused,
+    #[error("the store is overloaded: {0}")]
+    Overloaded(&'static str),
+    #[error("the store is shutting down")]
+    Closed,
+    #[error("stored data is corrupt: {0}")]
+    Corrupt(String),
+    #[error("database error: {0}")]
+    Backend(String),
+}
+
+/// The broker's persistence. Implementations run the core's checks inside
+/// their transactions; they never re-implement an invariant.
+pub trait Store: Send + Sync + 'static {
+    /// Opens a root contract (idempotent on the request's nonce).
+    fn open_root(&self, root: NewRoot) -> impl Future<Output = Result<Answer, StoreError>> + Send;
+    /// Checks and, when every invariant holds, issues a child while
+    /// reserving its budget; otherwise records a signed refusal.
+    /// Idempotent on the request's nonce.
+    fn delegate(&self, child: NewChild) -> impl Future<Output = Result<Answer, StoreError>> + Send;
+    /// One contract.
+    fn contract(&self, id: Id) -> impl Future<Output = Result<Option<ContractRecord>, StoreError>> + Send;
+    /// Children of `parent` issued after `after_seq`, at most `limit`.
+    fn children(
+        &self,
+        parent: Id,
+        after_seq: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<ContractRecord>, StoreError>> + Send;
+    /// A stored receipt envelope.
+    fn receipt(&self, id: Id) -> impl Future<Output = Result<Option<pb::Envelope>, StoreError>> + Send;
+}
