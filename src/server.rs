@@ -95,6 +95,7 @@ pub async fn run_with_clock(
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .layer(tower::util::MapResponseLayer::new(crate::service::transport::rewrite_decoder_errors))
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)

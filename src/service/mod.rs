@@ -5,6 +5,7 @@
 pub mod auth;
 pub mod convert;
 pub mod error;
+pub mod transport;
 
 use std::sync::Arc;
 

@@ -1,0 +1,369 @@
+//! Starts a real broker on 127.0.0.1:0 with a fresh data directory and
+//! gives tests a gRPC client plus helpers to sign requests.
+
+use std::sync::Arc;
+
+use delegation_broker::client::Agent;
+use delegation_broker::clock::{Clock, OffsetClock, SystemClock};
+use delegation_broker::config::Config;
+use delegation_broker::crypto::{self, payload_type};
+use delegation_broker::pb;
+use delegation_broker::pb::broker_client::BrokerClient;
+use prost::Message;
+use tonic::transport::Channel;
+
+pub const HOUR_MS: i64 = 3_600_000;
+
+pub fn now_ms() -> i64 {
+    SystemClock.now_ms()
+}
+
+pub struct Broker {
+    pub client: BrokerClient<Channel>,
+    pub addr: String,
+    /// Trusted by the broker's configuration.
+    pub attestor: Agent,
+    /// The broker's clock; tests advance it.
+    pub clock: Arc<OffsetClock>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Broker {
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let attestor = Agent::generate();
+        let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
+        config
+            .trust
+            .attestors
+            .push(crypto::public_key(&attestor.public_key()).unwrap());
+        adjust(&mut config);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = format!("http://{}", listener.local_addr().unwrap());
+        let clock = Arc::new(OffsetClock::default());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server_clock: Arc<dyn Clock> = clock.clone();
+        let server = tokio::spawn(async move {
+            delegation_broker::server::run_with_clock(listener, config, server_clock, async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("server runs");
+        });
+        let client = connect(&addr).await;
+        Self {
+            client,
+            addr,
+            attestor,
+            clock,
+            stop: Some(stop),
+            server: Some(server),
+            _dir: dir,
+        }
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            server.await.unwrap();
+        }
+    }
+
+    pub async fn keys(&mut self) -> Vec<pb::BrokerKey> {
+        self.client
+            .get_broker_keys(pb::GetBrokerKeysRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .keys
+    }
+
+    /// Opens a root held by `orchestrator`.
+    pub async fn open_root(&mut self, orchestrator: &Agent, spec: RootSpec) -> Root {
+        let response = self
+            .client
+            .open_root(orchestrator.open_root(spec.body()))
+            .await
+            .expect("OpenRoot succeeds")
+            .into_inner();
+        let issued = response.issued.unwrap();
+        let contract = decode_contract(issued.contract.as_ref().unwrap());
+        Root {
+            id: issued.contract_id,
+            lineage: contract.intent_lineage_hash.clone(),
+            contract,
+        }
+    }
+
+    pub async fn delegate(&mut self, holder: &Agent, body: pb::DelegateBody) -> Result<Outcome, tonic::Status> {
+        let response = self.client.delegate(holder.delegate(body)).await?.into_inner();
+        Ok(Outcome::from(response.outcome.expect("an outcome")))
+    }
+
+    pub async fn ledger(&mut self, id: &[u8]) -> pb::Ledger {
+        self.client
+            .get_contract(pb::GetContractRequest { contract_id: id.to_vec() })
+            .await
+            .unwrap()
+            .into_inner()
+            .contract
+            .unwrap()
+            .ledger
+            .unwrap()
+    }
+
+    pub fn attest(&self, agent: &Agent, factor: f64) -> pb::Envelope {
+        self.attestor.attest(agent.public_key(), factor, now_ms() + HOUR_MS, "test")
+    }
+
+    /// Every contract of the tree under `root`, breadth first.
+    pub async fn tree(&mut self, root: &[u8]) -> Vec<pb::ContractState> {
+        let mut out = Vec::new();
+        let mut queue = vec![root.to_vec()];
+        while let Some(id) = queue.pop() {
+            let mut token = Vec::new();
+            loop {
+                let page = self
+                    .client
+                    .list_children(pb::ListChildrenRequest {
+                        contract_id: id.clone(),
+                        page_size: 7,
+                        page_token: token,
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                queue.extend(page.children.iter().map(|c| c.contract_id.clone()));
+                out.extend(page.children);
+                token = page.next_page_token;
+                if token.is_empty() {
+                    break;
+                }
+            }
+        }
+        out.push(
+            self.client
+                .get_contract(pb::GetContractRequest { contract_id: root.to_vec() })
+                .await
+                .unwrap()
+                .into_inner()
+                .contract
+                .unwrap(),
+        );
+        out
+    }
+
+    /// The ledger equation for every contract of the tree, and reserved =
+    /// the sum of the open children's budgets.
+    pub async fn assert_ledgers_balance(&mut self, root: &[u8]) {
+        let tree = self.tree(root).await;
+        for state in &tree {
+            let l = state.ledger.unwrap();
+            assert_eq!(l.budget, l.residual + l.reserved + l.spent, "ledger of {}", hex::encode(&state.contract_id));
+            assert!(l.residual >= 0 && l.reserved >= 0 && l.spent >= 0);
+            let children: Vec<_> = tree
+                .iter()
+                .filter(|c| decode_contract(c.contract.as_ref().unwrap()).parent_id == state.contract_id)
+                .collect();
+            let reserved: i64 = children.iter().map(|c| c.ledger.unwrap().budget).sum();
+            assert_eq!(l.reserved, reserved, "reserved of {}", hex::encode(&state.contract_id));
+            assert_eq!(l.open_children as usize, children.len());
+        }
+    }
+}
+
+pub async fn connect(addr: &str) -> BrokerClient<Channel> {
+    BrokerClient::connect(addr.to_owned())
+        .await
+        .expect("connect")
+        .max_decoding_message_size(64 * 1024 * 1024)
+        .max_encoding_message_size(64 * 1024 * 1024)
+}
+
+pub struct Root {
+    pub id: Vec<u8>,
+    pub lineage: Vec<u8>,
+    pub contract: pb::Contract,
+}
+
+pub struct RootSpec {
+    pub budget: i64,
+    pub max_depth: u32,
+    pub min_trust: u32,
+    pub max_children: u32,
+    pub predicate: String,
+    pub deadline_ms: i64,
+    pub scope: Vec<String>,
+}
+
+impl Default for RootSpec {
+    fn default() -> Self {
+        Self {
+            budget: 100,
+            max_depth: 4,
+            min_trust: 0,
+            max_children: 64,
+            predicate: String::new(),
+            deadline_ms: now_ms() + HOUR_MS,
+            scope: vec!["src".into(), "docs".into()],
+        }
+    }
+}
+
+impl RootSpec {
+    pub fn body(&self) -> pb::OpenRootBody {
+        pb::OpenRootBody {
+            header: None,
+            intent: "Fix the token refresh bug in src/auth/ and document it".into(),
+            task: String::new(),
+            budget: self.budget,
+            deadline_ms: self.deadline_ms,
+            policy: Some(pb::Policy {
+                max_depth: self.max_depth,
+                min_cumulative_trust_ppm: self.min_trust,
+                max_children: self.max_children,
+                disable_retry_headroom: false,
+            }),
+            predicate: self.predicate.clone(),
+            write_scope: self.scope.clone(),
+        }
+    }
+}
+
+/// A Delegate body with liability PRINCIPAL and nothing else asked of it.
+pub fn child(parent: &[u8], lineage: &[u8], delegate: &Agent, budget: i64) -> pb::DelegateBody {
+    pb::DelegateBody {
+        header: None,
+        parent_id: parent.to_vec(),
+        intent_lineage_hash: lineage.to_vec(),
+        task: "work on src/auth/token.rs".into(),
+        delegate_public_key: delegate.public_key().to_vec(),
+        delegate_attestation: None,
+        budget,
+        deadline_ms: 0,
+        liability: pb::Liability::Principal as i32,
+        predicate: String::new(),
+        escalation_channel: String::new(),
+        min_retry_cost: 0,
+        min_retry_latency_ms: 0,
+        write_scope: vec!["src".into()],
+    }
+}
+
+/// The same with liability DELEGATE, an escalation channel and `predicate`.
+pub fn liable_child(parent: &[u8], lineage: &[u8], delegate: &Agent, budget: i64, predicate: &str) -> pb::DelegateBody {
+    pb::DelegateBody {
+        liability: pb::Liability::Delegate as i32,
+        predicate: predicate.into(),
+        escalation_channel: "broker://escalate".into(),
+        ..child(parent, lineage, delegate, budget)
+    }
+}
+
+#[derive(Debug)]
+pub enum Outcome {
+    Issued { id: Vec<u8>, envelope: pb::Envelope },
+    Refused { id: Vec<u8>, envelope: pb::Envelope },
+}
+
+impl From<pb::delegate_response::Outcome> for Outcome {
+    fn from(o: pb::delegate_response::Outcome) -> Self {
+        match o {
+            pb::delegate_response::Outcome::Issued(i) => Outcome::Issued {
+                id: i.contract_id,
+                envelope: i.contract.unwrap(),
+            },
+            pb::delegate_response::Outcome::Refused(r) => Outcome::Refused {
+                id: r.receipt_id,
+                envelope: r.receipt.unwrap(),
+            },
+        }
+    }
+}
+
+impl Outcome {
+    #[track_caller]
+    pub fn issued(self) -> (Vec<u8>, pb::Contract) {
+        match self {
+            Outcome::Issued { id, envelope } => (id, decode_contract(&envelope)),
+            Outcome::Refused { envelope, .. } => panic!("expected issued, got refusal {:?}", decode_receipt(&envelope)),
+        }
+    }
+
+    #[track_caller]
+    pub fn refused(self) -> (Vec<u8>, pb::Envelope, pb::Receipt) {
+        match self {
+            Outcome::Refused { id, envelope } => {
+                let receipt = decode_receipt(&envelope);
+                (id, envelope, receipt)
+            }
+            Outcome::Issued { .. } => panic!("expected a refusal, the child was issued"),
+        }
+    }
+}
+
+pub fn decode_contract(envelope: &pb::Envelope) -> pb::Contract {
+    assert_eq!(envelope.payload_type, payload_type::CONTRACT);
+    pb::Contract::decode(envelope.payload.as_slice()).unwrap()
+}
+
+pub fn decode_receipt(envelope: &pb::Envelope) -> pb::Receipt {
+    assert_eq!(envelope.payload_type, payload_type::RECEIPT);
+    pb::Receipt::decode(envelope.payload.as_slice()).unwrap()
+}
+
+pub fn codes(receipt: &pb::Receipt) -> Vec<pb::InvariantCode> {
+    receipt
+        .violations
+        .iter()
+        .map(|v| pb::InvariantCode::try_from(v.code).unwrap())
+        .collect()
+}
+
+/// Verifies a broker envelope against the published keys (by the key id
+/// the payload names, never by DSSE's unauthenticated hint alone).
+pub fn verify_with_keys(envelope: &pb::Envelope, expected_type: &'static str, keys: &[pb::BrokerKey], key_id: &str) {
+    let key = keys.iter().find(|k| k.key_id == key_id).expect("payload names a published key");
+    let vk = crypto::public_key(&key.public_key).unwrap();
+    crypto::verify_envelope(envelope, expected_type, &vk).expect("envelope verifies");
+}
+
+/// Asserts the refusal verifies with the broker's published key and can be
+/// fetched again by id.
+pub async fn assert_refusal_verifies(broker: &mut Broker, id: &[u8], envelope: &pb::Envelope) -> pb::Receipt {
+    let keys = broker.keys().await;
+    let receipt = decode_receipt(envelope);
+    verify_with_keys(envelope, payload_type::RECEIPT, &keys, &receipt.broker_key_id);
+    assert_eq!(crypto::sha256(&envelope.payload).to_vec(), id);
+    let again = broker
+        .client
+        .get_receipt(pb::GetReceiptRequest { receipt_id: id.to_vec() })
+        .await
+        .unwrap()
+        .into_inner()
+        .receipt
+        .unwrap();
+    assert_eq!(&again, envelope);
+    receipt
+}
+
+pub fn decode_hop(envelope: &pb::Envelope) -> pb::HopProof {
+    assert_eq!(envelope.payload_type, payload_type::HOP_PROOF);
+    pb::HopProof::decode(envelope.payload.as_slice()).unwrap()
+}
+
+/// A header signed "at" `timestamp_ms` (for a broker whose clock was moved).
+pub fn header_at(agent: &Agent, timestamp_ms: i64) -> pb::RequestHeader {
+    pb::RequestHeader {
+        timestamp_ms,
+        ..agent.header()
+    }
+}

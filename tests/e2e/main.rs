@@ -1,0 +1,10 @@
+//! End-to-end tests: a real broker on 127.0.0.1:0, driven over gRPC.
+
+mod auth;
+mod bad_input;
+mod concurrency;
+mod crash;
+mod harness;
+mod invariants;
+mod offline;
+mod seeds;

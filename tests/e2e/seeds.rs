@@ -1,0 +1,140 @@
+//! The observed failures of seeds/001 and seeds/002, replayed.
+
+use delegation_broker::client::Agent;
+use delegation_broker::pb::InvariantCode as Code;
+
+use crate::harness::*;
+
+const SEED_001_PREDICATE: &str = "result.schema_valid && result.within_scope";
+
+/// seeds/001: orchestrator → planner (25) → executor (20, liable) leaves the
+/// planner 5 < 12 units to retry: refused at contract time.
+#[tokio::test]
+async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, planner, executor) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec { budget: 100, ..RootSpec::default() }).await;
+
+    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
+    to_planner.min_retry_cost = 12;
+    to_planner.deadline_ms = now_ms() + 90_000;
+    let (planner_id, planner_contract) = broker.delegate(&orchestrator, to_planner).await.unwrap().issued();
+    assert_eq!(planner_contract.effective_predicate, format!("({SEED_001_PREDICATE})"));
+
+    // The planner does not forward the predicate; the broker keeps it anyway.
+    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
+    to_executor.min_retry_cost = 12;
+    to_executor.deadline_ms = now_ms() + 60_000;
+    let (receipt_id, envelope, _) = broker.delegate(&planner, to_executor.clone()).await.unwrap().refused();
+    let receipt = assert_refusal_verifies(&mut broker, &receipt_id, &envelope).await;
+    assert_eq!(codes(&receipt), vec![Code::NoRetryHeadroom]);
+    assert_eq!(receipt.primary, Code::NoRetryHeadroom as i32);
+    assert_eq!((receipt.violations[0].requested.as_str(), receipt.violations[0].allowed.as_str()), ("5", "12"));
+    assert_eq!(receipt.contract_id, planner_id);
+    assert_eq!(broker.ledger(&planner_id).await.reserved, 0, "a refusal reserves nothing");
+
+    to_executor.budget = 13;
+    let (executor_id, executor_contract) = broker.delegate(&planner, to_executor).await.unwrap().issued();
+    assert_eq!(executor_contract.depth, 2);
+    assert_eq!(executor_contract.effective_predicate, format!("({SEED_001_PREDICATE})"));
+    assert_eq!(executor_contract.predicate, "");
+    let planner_ledger = broker.ledger(&planner_id).await;
+    assert_eq!((planner_ledger.residual, planner_ledger.reserved), (12, 13));
+    assert_eq!(broker.ledger(&executor_id).await.residual, 13);
+    broker.assert_ledgers_balance(&root.id).await;
+    broker.stop().await;
+}
+
+/// seeds/001's `bad` contract: liability DELEGATE with neither predicate nor
+/// escalation channel → one refusal listing both.
+#[tokio::test]
+async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let mut bad = child(&root.id, &root.lineage, &delegate, 20);
+    bad.liability = delegation_broker::pb::Liability::Delegate as i32;
+    bad.min_retry_cost = 12;
+    bad.min_retry_latency_ms = 15_000;
+    bad.deadline_ms = now_ms() + 60_000;
+    let (id, envelope, _) = broker.delegate(&orchestrator, bad).await.unwrap().refused();
+    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    assert_eq!(codes(&receipt), vec![Code::LiabilityWithoutPredicate, Code::LiabilityWithoutEscalation]);
+    assert_eq!(receipt.primary, Code::LiabilityWithoutPredicate as i32);
+    broker.stop().await;
+}
+
+/// seeds/002 gate 1: with max_depth 4 the fifth hop is refused.
+#[tokio::test]
+async fn seed_002_fifth_hop_exceeds_depth_four() {
+    let mut broker = Broker::start().await;
+    let agents: Vec<Agent> = (0..6).map(|_| Agent::generate()).collect();
+    let root = broker.open_root(&agents[0], RootSpec { max_depth: 4, ..RootSpec::default() }).await;
+    let mut parent = root.id.clone();
+    for hop in 1..=4 {
+        let (id, contract) = broker
+            .delegate(&agents[hop - 1], child(&parent, &root.lineage, &agents[hop], 10))
+            .await
+            .unwrap()
+            .issued();
+        assert_eq!(contract.depth as usize, hop);
+        assert_eq!(contract.hop_proofs.len(), hop + 1);
+        parent = id;
+    }
+    let (id, envelope, _) = broker
+        .delegate(&agents[4], child(&parent, &root.lineage, &agents[5], 5))
+        .await
+        .unwrap()
+        .refused();
+    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    assert_eq!(codes(&receipt), vec![Code::DepthExceeded]);
+    assert_eq!((receipt.violations[0].requested.as_str(), receipt.violations[0].allowed.as_str()), ("5", "4"));
+    broker.stop().await;
+}
+
+/// seeds/002 gate 3: attested factors 0.9, 0.8, 0.5 against a minimum of 0.4
+/// → the third hop (cumulative 0.36) is refused.
+#[tokio::test]
+async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
+    let mut broker = Broker::start().await;
+    let agents: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
+    let root = broker
+        .open_root(&agents[0], RootSpec { min_trust: 400_000, ..RootSpec::default() })
+        .await;
+    let mut parent = root.id.clone();
+    for (hop, factor, cumulative) in [(1, 0.9, 900_000), (2, 0.8, 720_000)] {
+        let mut body = child(&parent, &root.lineage, &agents[hop], 10);
+        body.delegate_attestation = Some(broker.attest(&agents[hop], factor));
+        let (id, contract) = broker.delegate(&agents[hop - 1], body).await.unwrap().issued();
+        let proof = decode_hop(&contract.hop_proofs[hop]);
+        assert_eq!(proof.cumulative_trust_ppm, cumulative);
+        parent = id;
+    }
+    let mut body = child(&parent, &root.lineage, &agents[3], 5);
+    body.delegate_attestation = Some(broker.attest(&agents[3], 0.5));
+    let (id, envelope, _) = broker.delegate(&agents[2], body).await.unwrap().refused();
+    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    assert_eq!(codes(&receipt), vec![Code::TrustAttenuated]);
+    assert_eq!(
+        (receipt.violations[0].requested.as_str(), receipt.violations[0].allowed.as_str()),
+        ("360000", "400000")
+    );
+    broker.stop().await;
+}
+
+/// seeds/002 gate 2: a paraphrased intent (another lineage hash) is refused.
+#[tokio::test]
+async fn seed_002_diluted_intent_is_refused() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let paraphrase = delegation_broker::crypto::sha256(b"Improve auth somehow");
+    let (id, envelope, _) = broker
+        .delegate(&orchestrator, child(&root.id, &paraphrase, &delegate, 10))
+        .await
+        .unwrap()
+        .refused();
+    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    assert_eq!(codes(&receipt), vec![Code::IntentDiluted]);
+    broker.stop().await;
+}
