@@ -48,6 +48,16 @@ enum Command {
     },
     /// Load generator: drives OpenRoot + Delegate chains over gRPC.
     Bench(bench::BenchArgs),
+    /// Verifies a DSSE envelope (binary protobuf `Envelope`) offline against
+    /// an ed25519 public key. Exit status 0 when a signature verifies.
+    Verify {
+        /// Hex-encoded 32-byte ed25519 public key (e.g. from GetBrokerKeys).
+        #[arg(long)]
+        public_key: String,
+        /// File holding the serialized `delegation.broker.v1.Envelope`.
+        #[arg(long)]
+        envelope: PathBuf,
+    },
 }
 
 /// Parses arguments, sets up logging and runs the chosen command.
@@ -68,6 +78,7 @@ pub fn main() -> ExitCode {
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
             .map_err(anyhow::Error::from),
         Command::Bench(args) => bench::run(args),
+        Command::Verify { public_key, envelope } => verify(&public_key, &envelope),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -127,5 +138,27 @@ fn keygen(out: PathBuf) -> anyhow::Result<()> {
     let agent = crate::client::Agent::generate();
     crate::keystore::write_secret(&out, &format!("{}\n", hex::encode(agent.seed())))?;
     println!("{}", hex::encode(agent.public_key()));
+    Ok(())
+}
+
+fn verify(public_key: &str, envelope: &std::path::Path) -> anyhow::Result<()> {
+    use prost::Message;
+    let key = crate::config::parse_public_key(public_key, "--public-key")?;
+    let bytes = std::fs::read(envelope)?;
+    let envelope = crate::pb::Envelope::decode(bytes.as_slice())?;
+    let known = [
+        crate::crypto::payload_type::CONTRACT,
+        crate::crypto::payload_type::HOP_PROOF,
+        crate::crypto::payload_type::RECEIPT,
+        crate::crypto::payload_type::ATTESTATION,
+        crate::crypto::payload_type::OPEN_ROOT,
+        crate::crypto::payload_type::DELEGATE,
+    ];
+    let payload_type = known
+        .into_iter()
+        .find(|t| *t == envelope.payload_type)
+        .ok_or_else(|| anyhow::anyhow!("unknown payload type {:?}", envelope.payload_type))?;
+    crate::crypto::verify_envelope(&envelope, payload_type, &key)?;
+    println!("ok {payload_type} {}", crate::crypto::key_id(&key.to_bytes()));
     Ok(())
 }
