@@ -99,8 +99,19 @@ pub async fn run_with_clock(
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await?;
     tracing::info!("broker stopped");
     Ok(())
+}
+
+/// Accepted connections with Nagle's algorithm off: small gRPC frames
+/// would otherwise wait out delayed ACKs (~40 ms per round trip).
+fn incoming(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
 }

@@ -1,4 +1,4 @@
--- Contracts, their ledgers and signed envelopes. One row per contract.
+-- Contracts as issued: immutable once written. One row per contract.
 CREATE TABLE contracts (
     -- Issuance order: pagination and, later, audit replay.
     seq INTEGER PRIMARY KEY,
@@ -9,7 +9,6 @@ CREATE TABLE contracts (
     -- The root's id; a root stores its own id.
     root_id BLOB NOT NULL,
     depth INTEGER NOT NULL,
-    status INTEGER NOT NULL,
     delegate_key BLOB NOT NULL,
     liability INTEGER NOT NULL,
     intent_lineage_hash BLOB NOT NULL,
@@ -22,16 +21,23 @@ CREATE TABLE contracts (
     min_cumulative_trust_ppm INTEGER NOT NULL,
     max_children INTEGER NOT NULL,
     retry_headroom INTEGER NOT NULL,
-    budget INTEGER NOT NULL,
-    reserved INTEGER NOT NULL,
-    spent INTEGER NOT NULL,
-    open_children INTEGER NOT NULL,
     -- The encoded, broker-signed Envelope, exactly as sent to the client.
     envelope BLOB NOT NULL,
     issued_at_ms INTEGER NOT NULL
 );
 CREATE INDEX contracts_by_parent ON contracts (parent_id, seq);
 CREATE INDEX contracts_by_root ON contracts (root_id, seq);
+
+-- The mutable part of a contract: lifecycle status and budget ledger.
+-- Kept apart so a batch updates many ledgers with one upsert.
+CREATE TABLE contract_state (
+    id BLOB PRIMARY KEY,
+    status INTEGER NOT NULL,
+    budget INTEGER NOT NULL,
+    reserved INTEGER NOT NULL,
+    spent INTEGER NOT NULL,
+    open_children INTEGER NOT NULL
+);
 
 -- Broker-signed receipts (refusals now; lifecycle events later).
 CREATE TABLE receipts (
@@ -45,7 +51,7 @@ CREATE TABLE receipts (
 );
 CREATE INDEX receipts_by_root ON receipts (root_id, seq);
 
--- Every accepted signed request, keyed by its nonce: the idempotency
+-- Every answered signed request, keyed by its nonce: the idempotency
 -- record that lets a retry get the original answer.
 CREATE TABLE requests (
     agent_key BLOB NOT NULL,

@@ -4,6 +4,7 @@
 //! reservation happen together; the answer exists only after commit.
 //! Only this module knows sqlx.
 
+pub mod batch;
 pub mod sqlite;
 
 use std::future::Future;

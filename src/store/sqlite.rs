@@ -23,17 +23,16 @@ use sqlx::sqlite::{
 use sqlx::{Connection, Row};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Answer, ContractRecord, Outcome, Store, StoreError};
-use crate::clock::Clock;
-use crate::core::{self, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
-use crate::pb;
-use crate::stamp::{NewChild, NewRoot, RequestMeta, Stamper};
+use std::collections::HashMap;
 
-/// Outcome codes of the `requests` table.
-const OUTCOME_ISSUED: i64 = 1;
-const OUTCOME_REFUSED: i64 = 2;
-/// Receipt kinds, as in the proto.
-const RECEIPT_REFUSED: i64 = pb::ReceiptKind::Refused as i64;
+use sqlx::{QueryBuilder, Sqlite};
+
+use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey};
+use super::{Answer, ContractRecord, Store, StoreError};
+use crate::clock::Clock;
+use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
+use crate::pb;
+use crate::stamp::{NewChild, NewRoot, Stamper};
 
 /// Tunables of the embedded store.
 #[derive(Clone, Debug)]
@@ -51,16 +50,11 @@ pub struct SqliteOptions {
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
 
-enum Command {
-    OpenRoot(Box<NewRoot>, Reply),
-    Delegate(Box<NewChild>, Reply),
-}
-
 /// SQLite-backed `Store`.
 #[derive(Clone)]
 pub struct SqliteStore {
     /// Queue to the single writer task; it exits when every clone is gone.
-    commands: mpsc::Sender<Command>,
+    commands: mpsc::Sender<(Command, Reply)>,
     /// Read-only connections for queries.
     reader: SqlitePool,
 }
@@ -99,9 +93,9 @@ impl SqliteStore {
         Ok(Self { commands, reader })
     }
 
-    async fn submit(&self, make: impl FnOnce(Reply) -> Command) -> Result<Answer, StoreError> {
+    async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.commands.try_send(make(reply)).map_err(|e| match e {
+        self.commands.try_send((command, reply)).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => StoreError::Overloaded("writer queue is full"),
             mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
         })?;
@@ -111,11 +105,11 @@ impl SqliteStore {
 
 impl Store for SqliteStore {
     async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
-        self.submit(|reply| Command::OpenRoot(Box::new(root), reply)).await
+        self.submit(Command::OpenRoot(Box::new(root))).await
     }
 
     async fn delegate(&self, child: NewChild) -> Result<Answer, StoreError> {
-        self.submit(|reply| Command::Delegate(Box::new(child), reply)).await
+        self.submit(Command::Delegate(Box::new(child))).await
     }
 
     async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
@@ -148,11 +142,13 @@ impl Store for SqliteStore {
     }
 }
 
-const SELECT_RECORD_BY_ID: &str = "SELECT seq, id, parent_id, root_id, status, budget, reserved, \
-     spent, open_children, envelope FROM contracts WHERE id = $1";
-const SELECT_CHILDREN: &str = "SELECT seq, id, parent_id, root_id, status, budget, reserved, \
-     spent, open_children, envelope FROM contracts WHERE parent_id = $1 AND seq > $2 \
-     ORDER BY seq LIMIT $3";
+const SELECT_RECORD_BY_ID: &str = "SELECT c.seq, c.id, c.parent_id, c.root_id, s.status, s.budget, \
+     s.reserved, s.spent, s.open_children, c.envelope FROM contracts c \
+     JOIN contract_state s ON s.id = c.id WHERE c.id = $1";
+const SELECT_CHILDREN: &str = "SELECT c.seq, c.id, c.parent_id, c.root_id, s.status, s.budget, \
+     s.reserved, s.spent, s.open_children, c.envelope FROM contracts c \
+     JOIN contract_state s ON s.id = c.id WHERE c.parent_id = $1 AND c.seq > $2 \
+     ORDER BY c.seq LIMIT $3";
 
 fn id_column(row: &SqliteRow, column: &str) -> Result<Id, StoreError> {
     let bytes: Vec<u8> = row.try_get(column).map_err(backend)?;
@@ -200,251 +196,231 @@ fn record_from_row(row: &SqliteRow) -> Result<ContractRecord, StoreError> {
     })
 }
 
+/// Most contracts the writer keeps in memory between batches; beyond it the
+/// cache is dropped and reloaded on demand.
+const MAX_CACHED_CONTRACTS: usize = 65_536;
+/// Rows per multi-row statement, well under SQLite's bind-parameter limit
+/// (32_766) at 18 parameters a row.
+const ROWS_PER_STATEMENT: usize = 1_000;
+
 async fn writer_loop(
     mut conn: SqliteConnection,
-    mut queue: mpsc::Receiver<Command>,
+    mut queue: mpsc::Receiver<(Command, Reply)>,
     stamper: Arc<Stamper>,
     clock: Arc<dyn Clock>,
     max_batch: usize,
 ) {
-    let mut batch = Vec::with_capacity(max_batch);
-    while let Some(first) = queue.recv().await {
-        batch.push(first);
-        while batch.len() < max_batch {
+    // Contracts' current state as of the last commit. The writer owns every
+    // write, so this cache never goes stale; it is dropped on any failure.
+    let mut known: HashMap<Id, Known> = HashMap::new();
+    let mut commands = Vec::with_capacity(max_batch);
+    let mut replies = Vec::with_capacity(max_batch);
+    while let Some((first, reply)) = queue.recv().await {
+        commands.push(first);
+        replies.push(reply);
+        while commands.len() < max_batch {
             match queue.try_recv() {
-                Ok(next) => batch.push(next),
+                Ok((next, reply)) => {
+                    commands.push(next);
+                    replies.push(reply);
+                }
                 Err(_) => break,
             }
         }
-        let answers = apply_batch(&mut conn, &batch, &stamper, clock.as_ref()).await;
-        match answers {
+        if known.len() > MAX_CACHED_CONTRACTS {
+            known.clear();
+        }
+        let began = std::time::Instant::now();
+        match apply_batch(&mut conn, &commands, &mut known, &stamper, clock.now_ms()).await {
             Ok(answers) => {
-                for (command, answer) in batch.drain(..).zip(answers) {
-                    let reply = match command {
-                        Command::OpenRoot(_, r) | Command::Delegate(_, r) => r,
-                    };
-                    // The caller may have gone away; its work is committed
-                    // and a retry with the same nonce will find it.
+                tracing::trace!(size = commands.len(), took_us = began.elapsed().as_micros() as u64, "batch committed");
+                for (reply, answer) in replies.drain(..).zip(answers) {
+                    // A caller that went away still had its work committed;
+                    // a retry with the same nonce finds it.
                     let _ = reply.send(answer);
                 }
             }
             Err(e) => {
-                tracing::error!(error = %e, size = batch.len(), "batch rolled back");
-                for command in batch.drain(..) {
-                    let reply = match command {
-                        Command::OpenRoot(_, r) | Command::Delegate(_, r) => r,
-                    };
-                    let _ = reply.send(Err(backend_clone(&e)));
+                tracing::error!(error = %e, size = commands.len(), "batch rolled back");
+                known.clear();
+                for reply in replies.drain(..) {
+                    let _ = reply.send(Err(StoreError::Backend(e.to_string())));
                 }
             }
         }
+        commands.clear();
     }
     tracing::debug!("store writer stopped");
 }
 
-fn backend_clone(e: &sqlx::Error) -> StoreError {
-    StoreError::Backend(e.to_string())
-}
-
-/// Applies a batch in one transaction. The outer error aborts the whole
-/// batch (nothing is committed); the inner results are per command.
+/// Loads what the batch needs, plans it, writes it and commits. An error
+/// aborts the whole batch: nothing is committed.
 async fn apply_batch(
     conn: &mut SqliteConnection,
-    batch: &[Command],
+    commands: &[Command],
+    known: &mut HashMap<Id, Known>,
     stamper: &Stamper,
-    clock: &dyn Clock,
+    now_ms: i64,
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
     let mut tx = conn.begin().await?;
-    let mut answers = Vec::with_capacity(batch.len());
-    for command in batch {
-        let answer = match command {
-            Command::OpenRoot(root, _) => apply_root(&mut *tx, root, stamper, clock.now_ms()).await?,
-            Command::Delegate(child, _) => apply_child(&mut *tx, child, stamper, clock.now_ms()).await?,
-        };
-        answers.push(answer);
+    let (request_keys, parent_ids) = batch::needs(commands, known);
+    let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
+    let mut corrupt = Vec::new();
+    for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(format!("SELECT {PARENT_COLUMNS} {PARENT_FROM} WHERE c.id IN ("));
+        let mut list = query.separated(", ");
+        for id in chunk {
+            list.push_bind(id.as_slice());
+        }
+        query.push(")");
+        for row in query.build().fetch_all(&mut *tx).await? {
+            match known_from_row(&row) {
+                Ok((id, k)) => {
+                    known.insert(id, k);
+                }
+                Err(e) => corrupt.push(e),
+            }
+        }
     }
+    if let Some(e) = corrupt.pop() {
+        return Err(sqlx::Error::Protocol(format!("corrupt contract row: {e}")));
+    }
+    let t0 = std::time::Instant::now();
+    let plan = batch::plan(commands, &mut prior, known, stamper, now_ms);
+    let t1 = std::time::Instant::now();
+    write_plan(&mut tx, &plan).await?;
+    let t2 = std::time::Instant::now();
     tx.commit().await?;
-    Ok(answers)
+    tracing::trace!(plan_us = (t1 - t0).as_micros() as u64, write_us = (t2 - t1).as_micros() as u64, commit_us = t2.elapsed().as_micros() as u64, "phases");
+    Ok(plan.answers)
 }
 
-/// Looks up an earlier request with the same agent and nonce: its stored
-/// answer when the body matches, `NonceReused` when it does not.
-async fn replay(conn: &mut SqliteConnection, request: &RequestMeta) -> Result<Option<Result<Answer, StoreError>>, sqlx::Error> {
-    let Some(row) = sqlx::query("SELECT body_digest, outcome, ref_id FROM requests WHERE agent_key = $1 AND nonce = $2")
-        .bind(request.agent.as_slice())
-        .bind(request.nonce.as_slice())
-        .fetch_optional(&mut *conn)
-        .await?
-    else {
-        return Ok(None);
-    };
-    let digest: Vec<u8> = row.try_get("body_digest")?;
-    if digest != request.digest {
-        return Ok(Some(Err(StoreError::NonceReused)));
-    }
-    let outcome: i64 = row.try_get("outcome")?;
-    let ref_id: Vec<u8> = row.try_get("ref_id")?;
-    let row = sqlx::query(if outcome == OUTCOME_ISSUED {
-        "SELECT envelope FROM contracts WHERE id = $1"
-    } else {
-        "SELECT envelope FROM receipts WHERE id = $1"
-    })
-    .bind(ref_id.as_slice())
-    .fetch_one(&mut *conn)
-    .await?;
-    let answer = (|| {
-        let envelope = decode_envelope(&row, "envelope")?;
-        let id: Id = ref_id
-            .try_into()
-            .map_err(|_| StoreError::Corrupt("requests.ref_id is not 32 bytes".into()))?;
-        let outcome = if outcome == OUTCOME_ISSUED {
-            Outcome::Issued { id, envelope }
-        } else {
-            Outcome::Refused { receipt_id: id, envelope }
-        };
-        Ok(Answer { outcome, replayed: true })
-    })();
-    Ok(Some(answer))
-}
-
-async fn record_request(
+async fn load_prior_requests(
     conn: &mut SqliteConnection,
-    request: &RequestMeta,
-    outcome: i64,
-    ref_id: &Id,
-    now_ms: i64,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) VALUES ($1, $2, $3, $4, $5, $6)")
-        .bind(request.agent.as_slice())
-        .bind(request.nonce.as_slice())
-        .bind(request.digest.as_slice())
-        .bind(outcome)
-        .bind(ref_id.as_slice())
-        .bind(now_ms)
-        .execute(&mut *conn)
-        .await?;
+    keys: &[RequestKey],
+) -> Result<HashMap<RequestKey, PriorRequest>, sqlx::Error> {
+    let mut prior = HashMap::new();
+    for chunk in keys.chunks(ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "SELECT r.agent_key, r.nonce, r.body_digest, r.outcome, r.ref_id, \
+             COALESCE(c.envelope, x.envelope) AS envelope FROM requests r \
+             LEFT JOIN contracts c ON r.outcome = 1 AND c.id = r.ref_id \
+             LEFT JOIN receipts x ON r.outcome = 2 AND x.id = r.ref_id WHERE ",
+        );
+        let mut first = true;
+        for (agent, nonce) in chunk {
+            if !first {
+                query.push(" OR ");
+            }
+            first = false;
+            query.push("(r.agent_key = ");
+            query.push_bind(agent.as_slice());
+            query.push(" AND r.nonce = ");
+            query.push_bind(nonce.as_slice());
+            query.push(")");
+        }
+        for row in query.build().fetch_all(&mut *conn).await? {
+            let agent: Vec<u8> = row.try_get("agent_key")?;
+            let nonce: Vec<u8> = row.try_get("nonce")?;
+            let digest: Vec<u8> = row.try_get("body_digest")?;
+            let ref_id: Vec<u8> = row.try_get("ref_id")?;
+            let envelope: Vec<u8> = row.try_get("envelope")?;
+            let bad = |what: &str| sqlx::Error::Protocol(format!("corrupt requests row: {what}"));
+            let agent: AgentKey = agent.try_into().map_err(|_| bad("agent_key"))?;
+            prior.insert(
+                (agent, nonce),
+                PriorRequest {
+                    digest: digest.try_into().map_err(|_| bad("body_digest"))?,
+                    outcome: row.try_get("outcome")?,
+                    ref_id: ref_id.try_into().map_err(|_| bad("ref_id"))?,
+                    envelope: pb::Envelope::decode(envelope.as_slice()).map_err(|_| bad("envelope"))?,
+                },
+            );
+        }
+    }
+    Ok(prior)
+}
+
+async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx::Error> {
+    for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO contracts (id, parent_id, root_id, depth, delegate_key, liability, \
+             intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, write_scope, \
+             max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, envelope, issued_at_ms) ",
+        );
+        query.push_values(chunk, |mut b, row| {
+            b.push_bind(row.id.as_slice())
+                .push_bind(row.parent_id.as_ref().map(|p| p.as_slice()))
+                .push_bind(row.root_id.as_slice())
+                .push_bind(i64::from(row.depth))
+                .push_bind(row.delegate_key.as_slice())
+                .push_bind(i64::from(row.liability.as_i32()))
+                .push_bind(row.intent_lineage_hash.as_slice())
+                .push_bind(i64::from(row.cumulative_trust_ppm))
+                .push_bind(row.effective_predicate.as_str())
+                .push_bind(row.deadline_ms)
+                .push_bind(row.write_scope_json.as_str())
+                .push_bind(i64::from(row.policy.max_depth))
+                .push_bind(i64::from(row.policy.min_cumulative_trust_ppm))
+                .push_bind(i64::from(row.policy.max_children))
+                .push_bind(i64::from(row.policy.retry_headroom))
+                .push_bind(row.envelope.as_slice())
+                .push_bind(row.issued_at_ms);
+        });
+        query.build().execute(&mut *conn).await?;
+    }
+    for chunk in plan.states.chunks(ROWS_PER_STATEMENT) {
+        let mut query =
+            QueryBuilder::<Sqlite>::new("INSERT INTO contract_state (id, status, budget, reserved, spent, open_children) ");
+        query.push_values(chunk, |mut b, (id, status, ledger)| {
+            b.push_bind(id.as_slice())
+                .push_bind(i64::from(status.as_i32()))
+                .push_bind(ledger.budget)
+                .push_bind(ledger.reserved)
+                .push_bind(ledger.spent)
+                .push_bind(i64::from(ledger.open_children));
+        });
+        query.push(
+            " ON CONFLICT (id) DO UPDATE SET status = excluded.status, reserved = excluded.reserved, \
+             spent = excluded.spent, open_children = excluded.open_children",
+        );
+        query.build().execute(&mut *conn).await?;
+    }
+    for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new("INSERT INTO receipts (id, kind, contract_id, root_id, envelope, at_ms) ");
+        query.push_values(chunk, |mut b, row| {
+            b.push_bind(row.id.as_slice())
+                .push_bind(row.kind)
+                .push_bind(row.contract_id.as_slice())
+                .push_bind(row.root_id.as_slice())
+                .push_bind(row.envelope.as_slice())
+                .push_bind(row.at_ms);
+        });
+        query.build().execute(&mut *conn).await?;
+    }
+    for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
+        let mut query =
+            QueryBuilder::<Sqlite>::new("INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ");
+        query.push_values(chunk, |mut b, row| {
+            b.push_bind(row.agent.as_slice())
+                .push_bind(row.nonce.as_slice())
+                .push_bind(row.digest.as_slice())
+                .push_bind(row.outcome)
+                .push_bind(row.ref_id.as_slice())
+                .push_bind(row.at_ms);
+        });
+        query.build().execute(&mut *conn).await?;
+    }
     Ok(())
 }
 
-/// Every column of a contract row, in insertion order.
-struct ContractRow<'a> {
-    id: &'a Id,
-    parent_id: Option<&'a Id>,
-    root_id: &'a Id,
-    depth: u32,
-    delegate_key: &'a [u8; 32],
-    liability: Liability,
-    intent_lineage_hash: &'a [u8],
-    cumulative_trust_ppm: u32,
-    effective_predicate: &'a str,
-    deadline_ms: i64,
-    write_scope: &'a Scope,
-    policy: &'a Policy,
-    budget: i64,
-    envelope: &'a pb::Envelope,
-    issued_at_ms: i64,
-}
+const PARENT_COLUMNS: &str = "c.id, c.root_id, c.depth, s.status, c.delegate_key, c.liability, \
+     c.intent_lineage_hash, c.cumulative_trust_ppm, c.effective_predicate, c.deadline_ms, \
+     c.write_scope, c.max_depth, c.min_cumulative_trust_ppm, c.max_children, c.retry_headroom, \
+     s.budget, s.reserved, s.spent, s.open_children, c.envelope";
+const PARENT_FROM: &str = "FROM contracts c JOIN contract_state s ON s.id = c.id";
 
-async fn insert_contract(conn: &mut SqliteConnection, row: ContractRow<'_>) -> Result<(), sqlx::Error> {
-    let scope = serde_json::to_string(row.write_scope.prefixes()).unwrap_or_else(|_| "[]".into());
-    sqlx::query(
-        "INSERT INTO contracts (id, parent_id, root_id, depth, status, delegate_key, liability, \
-         intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, write_scope, \
-         max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, budget, reserved, spent, \
-         open_children, envelope, issued_at_ms) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, 0, 0, 0, $18, $19)",
-    )
-    .bind(row.id.as_slice())
-    .bind(row.parent_id.map(|p| p.as_slice()))
-    .bind(row.root_id.as_slice())
-    .bind(i64::from(row.depth))
-    .bind(i64::from(Status::Open.as_i32()))
-    .bind(row.delegate_key.as_slice())
-    .bind(i64::from(row.liability.as_i32()))
-    .bind(row.intent_lineage_hash)
-    .bind(i64::from(row.cumulative_trust_ppm))
-    .bind(row.effective_predicate)
-    .bind(row.deadline_ms)
-    .bind(scope)
-    .bind(i64::from(row.policy.max_depth))
-    .bind(i64::from(row.policy.min_cumulative_trust_ppm))
-    .bind(i64::from(row.policy.max_children))
-    .bind(i64::from(row.policy.retry_headroom))
-    .bind(row.budget)
-    .bind(row.envelope.encode_to_vec())
-    .bind(row.issued_at_ms)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
-async fn apply_root(
-    conn: &mut SqliteConnection,
-    root: &NewRoot,
-    stamper: &Stamper,
-    now_ms: i64,
-) -> Result<Result<Answer, StoreError>, sqlx::Error> {
-    if let Some(answer) = replay(conn, &root.request).await? {
-        return Ok(answer);
-    }
-    let stamped = stamper.root(root, now_ms);
-    let lineage = crate::crypto::sha256(root.intent.as_bytes());
-    let effective = Predicate::conjoin(&Predicate::default(), &root.predicate).unwrap_or_default();
-    insert_contract(
-        conn,
-        ContractRow {
-            id: &stamped.id,
-            parent_id: None,
-            root_id: &stamped.id,
-            depth: 0,
-            delegate_key: &root.request.agent,
-            liability: Liability::Delegate,
-            intent_lineage_hash: &lineage,
-            cumulative_trust_ppm: core::limits::PPM_ONE,
-            effective_predicate: effective.as_str(),
-            deadline_ms: root.deadline_ms,
-            write_scope: &root.write_scope,
-            policy: &root.policy,
-            budget: root.budget,
-            envelope: &stamped.envelope,
-            issued_at_ms: now_ms,
-        },
-    )
-    .await?;
-    record_request(conn, &root.request, OUTCOME_ISSUED, &stamped.id, now_ms).await?;
-    Ok(Ok(Answer {
-        outcome: Outcome::Issued {
-            id: stamped.id,
-            envelope: stamped.envelope,
-        },
-        replayed: false,
-    }))
-}
-
-/// The parent as the invariant check needs it, plus what stamping needs.
-struct LoadedParent {
-    view: ParentView,
-    root_id: Id,
-    contract: pb::Contract,
-}
-
-async fn load_parent(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Result<LoadedParent, StoreError>>, sqlx::Error> {
-    let Some(row) = sqlx::query(
-        "SELECT root_id, depth, status, delegate_key, liability, intent_lineage_hash, \
-         cumulative_trust_ppm, effective_predicate, deadline_ms, write_scope, max_depth, \
-         min_cumulative_trust_ppm, max_children, retry_headroom, budget, reserved, spent, \
-         open_children, envelope FROM contracts WHERE id = $1",
-    )
-    .bind(id.as_slice())
-    .fetch_optional(&mut *conn)
-    .await?
-    else {
-        return Ok(None);
-    };
-    Ok(Some(parent_from_row(&row)))
-}
-
-fn parent_from_row(row: &SqliteRow) -> Result<LoadedParent, StoreError> {
+fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
     let corrupt = |what: &str| StoreError::Corrupt(what.to_owned());
     let get_u32 = |column: &str| -> Result<u32, StoreError> {
         let v: i64 = row.try_get(column).map_err(backend)?;
@@ -456,115 +432,33 @@ fn parent_from_row(row: &SqliteRow) -> Result<LoadedParent, StoreError> {
     let envelope = decode_envelope(row, "envelope")?;
     let contract = pb::Contract::decode(envelope.payload.as_slice()).map_err(|_| corrupt("contract payload"))?;
     let retry_headroom: i64 = row.try_get("retry_headroom").map_err(backend)?;
-    Ok(LoadedParent {
-        view: ParentView {
-            status: status_from(row.try_get("status").map_err(backend)?)?,
-            delegate_key: id_column(row, "delegate_key")?,
-            depth: get_u32("depth")?,
-            intent_lineage_hash: id_column(row, "intent_lineage_hash")?,
-            cumulative_trust_ppm: get_u32("cumulative_trust_ppm")?,
-            liability: i32::try_from(liability)
-                .ok()
-                .and_then(Liability::from_i32)
-                .ok_or_else(|| corrupt("liability"))?,
-            effective_predicate: Predicate::from_trusted(row.try_get("effective_predicate").map_err(backend)?),
-            deadline_ms: row.try_get("deadline_ms").map_err(backend)?,
-            write_scope: Scope::from_trusted(prefixes),
-            policy: Policy {
-                max_depth: get_u32("max_depth")?,
-                min_cumulative_trust_ppm: get_u32("min_cumulative_trust_ppm")?,
-                max_children: get_u32("max_children")?,
-                retry_headroom: retry_headroom != 0,
-            },
-            ledger: ledger_from_row(row)?,
+    let view = ParentView {
+        status: status_from(row.try_get("status").map_err(backend)?)?,
+        delegate_key: id_column(row, "delegate_key")?,
+        depth: get_u32("depth")?,
+        intent_lineage_hash: id_column(row, "intent_lineage_hash")?,
+        cumulative_trust_ppm: get_u32("cumulative_trust_ppm")?,
+        liability: i32::try_from(liability)
+            .ok()
+            .and_then(Liability::from_i32)
+            .ok_or_else(|| corrupt("liability"))?,
+        effective_predicate: Predicate::from_trusted(row.try_get("effective_predicate").map_err(backend)?),
+        deadline_ms: row.try_get("deadline_ms").map_err(backend)?,
+        write_scope: Scope::from_trusted(prefixes),
+        policy: Policy {
+            max_depth: get_u32("max_depth")?,
+            min_cumulative_trust_ppm: get_u32("min_cumulative_trust_ppm")?,
+            max_children: get_u32("max_children")?,
+            retry_headroom: retry_headroom != 0,
         },
-        root_id: id_column(row, "root_id")?,
-        contract,
-    })
-}
-
-async fn apply_child(
-    conn: &mut SqliteConnection,
-    child: &NewChild,
-    stamper: &Stamper,
-    now_ms: i64,
-) -> Result<Result<Answer, StoreError>, sqlx::Error> {
-    if let Some(answer) = replay(conn, &child.request).await? {
-        return Ok(answer);
-    }
-    let parent = match load_parent(conn, &child.parent_id).await? {
-        None => {
-            return Ok(Err(StoreError::NotFound {
-                what: "parent contract",
-                id: hex::encode(child.parent_id),
-            }));
-        }
-        Some(Err(e)) => return Ok(Err(e)),
-        Some(Ok(parent)) => parent,
+        ledger: ledger_from_row(row)?,
     };
-    match core::check_delegation(&parent.view, &child.ask, now_ms) {
-        Ok(terms) => {
-            let mut ledger = parent.view.ledger;
-            if let Err(e) = ledger.reserve(child.ask.budget) {
-                // The check guarantees the reservation; reaching this is a bug.
-                return Ok(Err(StoreError::Corrupt(format!("ledger after a passed check: {e}"))));
-            }
-            let stamped = stamper.child(&parent.contract, &parent.root_id, child, &terms, now_ms);
-            insert_contract(
-                conn,
-                ContractRow {
-                    id: &stamped.id,
-                    parent_id: Some(&child.parent_id),
-                    root_id: &parent.root_id,
-                    depth: terms.depth,
-                    delegate_key: &child.delegate_key,
-                    liability: child.ask.liability,
-                    intent_lineage_hash: &parent.view.intent_lineage_hash,
-                    cumulative_trust_ppm: terms.cumulative_trust_ppm,
-                    effective_predicate: terms.effective_predicate.as_str(),
-                    deadline_ms: terms.deadline_ms,
-                    write_scope: &child.ask.write_scope,
-                    policy: &parent.view.policy,
-                    budget: child.ask.budget,
-                    envelope: &stamped.envelope,
-                    issued_at_ms: now_ms,
-                },
-            )
-            .await?;
-            sqlx::query("UPDATE contracts SET reserved = $1, open_children = $2 WHERE id = $3")
-                .bind(ledger.reserved)
-                .bind(i64::from(ledger.open_children))
-                .bind(child.parent_id.as_slice())
-                .execute(&mut *conn)
-                .await?;
-            record_request(conn, &child.request, OUTCOME_ISSUED, &stamped.id, now_ms).await?;
-            Ok(Ok(Answer {
-                outcome: Outcome::Issued {
-                    id: stamped.id,
-                    envelope: stamped.envelope,
-                },
-                replayed: false,
-            }))
-        }
-        Err(refusal) => {
-            let stamped = stamper.refusal(&child.parent_id, &parent.root_id, &child.request, &refusal, now_ms);
-            sqlx::query("INSERT INTO receipts (id, kind, contract_id, root_id, envelope, at_ms) VALUES ($1, $2, $3, $4, $5, $6)")
-                .bind(stamped.id.as_slice())
-                .bind(RECEIPT_REFUSED)
-                .bind(child.parent_id.as_slice())
-                .bind(parent.root_id.as_slice())
-                .bind(stamped.envelope.encode_to_vec())
-                .bind(now_ms)
-                .execute(&mut *conn)
-                .await?;
-            record_request(conn, &child.request, OUTCOME_REFUSED, &stamped.id, now_ms).await?;
-            Ok(Ok(Answer {
-                outcome: Outcome::Refused {
-                    receipt_id: stamped.id,
-                    envelope: stamped.envelope,
-                },
-                replayed: false,
-            }))
-        }
-    }
+    Ok((
+        id_column(row, "id")?,
+        Known {
+            view,
+            root_id: id_column(row, "root_id")?,
+            contract: Arc::new(contract),
+        },
+    ))
 }

@@ -1,0 +1,63 @@
+"""Python client of the delegation broker.
+
+* :mod:`delegation_broker.pb` — every generated message and the ``BrokerStub``;
+* :class:`Agent` — an ed25519 agent (or attestor) key that signs OpenRoot and
+  Delegate requests and attestations;
+* :func:`call_idempotent` — resend the same signed request on transient errors;
+* :class:`BrokerKeys`, :func:`verify_envelope`, :func:`verify_contract`,
+  :func:`verify_chain` — offline verification of broker-signed envelopes;
+* :func:`error_info` — the ``google.rpc.ErrorInfo`` of a failed call.
+"""
+
+from . import pb
+from .errors import ERROR_DOMAIN, ErrorInfo, error_info
+from .retry import RETRYABLE, call_idempotent
+from .signing import (
+    MAX_SIGNATURES,
+    Agent,
+    key_id,
+    lineage_hash,
+    now_ms,
+    pae,
+    payload_type,
+    sha256,
+    verify_signature,
+)
+from .verify import (
+    BrokerKeys,
+    VerificationError,
+    Verified,
+    VerifiedContract,
+    message_class,
+    verify_chain,
+    verify_contract,
+    verify_envelope,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent",
+    "BrokerKeys",
+    "ERROR_DOMAIN",
+    "ErrorInfo",
+    "MAX_SIGNATURES",
+    "RETRYABLE",
+    "VerificationError",
+    "Verified",
+    "VerifiedContract",
+    "call_idempotent",
+    "error_info",
+    "key_id",
+    "lineage_hash",
+    "message_class",
+    "now_ms",
+    "pae",
+    "payload_type",
+    "pb",
+    "sha256",
+    "verify_chain",
+    "verify_contract",
+    "verify_envelope",
+    "verify_signature",
+]

@@ -1,0 +1,214 @@
+from delegation_broker._gen.delegation.broker.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ContractStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTRACT_STATUS_UNSPECIFIED: _ClassVar[ContractStatus]
+    CONTRACT_STATUS_OPEN: _ClassVar[ContractStatus]
+CONTRACT_STATUS_UNSPECIFIED: ContractStatus
+CONTRACT_STATUS_OPEN: ContractStatus
+
+class OpenRootBody(_message.Message):
+    __slots__ = ("header", "intent", "task", "budget", "deadline_ms", "policy", "predicate", "write_scope")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    INTENT_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREDICATE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    intent: str
+    task: str
+    budget: int
+    deadline_ms: int
+    policy: _types_pb2.Policy
+    predicate: str
+    write_scope: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., intent: _Optional[str] = ..., task: _Optional[str] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., policy: _Optional[_Union[_types_pb2.Policy, _Mapping]] = ..., predicate: _Optional[str] = ..., write_scope: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OpenRootRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class OpenRootResponse(_message.Message):
+    __slots__ = ("issued", "replayed")
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    issued: IssuedContract
+    replayed: bool
+    def __init__(self, issued: _Optional[_Union[IssuedContract, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class DelegateBody(_message.Message):
+    __slots__ = ("header", "parent_id", "intent_lineage_hash", "task", "delegate_public_key", "delegate_attestation", "budget", "deadline_ms", "liability", "predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    INTENT_LINEAGE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    DELEGATE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    DELEGATE_ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    LIABILITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICATE_FIELD_NUMBER: _ClassVar[int]
+    ESCALATION_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    MIN_RETRY_COST_FIELD_NUMBER: _ClassVar[int]
+    MIN_RETRY_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    parent_id: bytes
+    intent_lineage_hash: bytes
+    task: str
+    delegate_public_key: bytes
+    delegate_attestation: _types_pb2.Envelope
+    budget: int
+    deadline_ms: int
+    liability: _types_pb2.Liability
+    predicate: str
+    escalation_channel: str
+    min_retry_cost: int
+    min_retry_latency_ms: int
+    write_scope: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., parent_id: _Optional[bytes] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., delegate_public_key: _Optional[bytes] = ..., delegate_attestation: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., liability: _Optional[_Union[_types_pb2.Liability, str]] = ..., predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DelegateRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class IssuedContract(_message.Message):
+    __slots__ = ("contract_id", "contract")
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    contract: _types_pb2.Envelope
+    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("receipt_id", "receipt")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class DelegateResponse(_message.Message):
+    __slots__ = ("issued", "refused", "replayed")
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    issued: IssuedContract
+    refused: Refusal
+    replayed: bool
+    def __init__(self, issued: _Optional[_Union[IssuedContract, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class Ledger(_message.Message):
+    __slots__ = ("budget", "reserved", "spent", "residual", "open_children")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    SPENT_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    reserved: int
+    spent: int
+    residual: int
+    open_children: int
+    def __init__(self, budget: _Optional[int] = ..., reserved: _Optional[int] = ..., spent: _Optional[int] = ..., residual: _Optional[int] = ..., open_children: _Optional[int] = ...) -> None: ...
+
+class ContractState(_message.Message):
+    __slots__ = ("contract_id", "contract", "status", "ledger")
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    contract: _types_pb2.Envelope
+    status: ContractStatus
+    ledger: Ledger
+    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., status: _Optional[_Union[ContractStatus, str]] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ...) -> None: ...
+
+class GetContractRequest(_message.Message):
+    __slots__ = ("contract_id",)
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    def __init__(self, contract_id: _Optional[bytes] = ...) -> None: ...
+
+class GetContractResponse(_message.Message):
+    __slots__ = ("contract",)
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    contract: ContractState
+    def __init__(self, contract: _Optional[_Union[ContractState, _Mapping]] = ...) -> None: ...
+
+class GetChainRequest(_message.Message):
+    __slots__ = ("contract_id",)
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    def __init__(self, contract_id: _Optional[bytes] = ...) -> None: ...
+
+class GetChainResponse(_message.Message):
+    __slots__ = ("chain",)
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    chain: _containers.RepeatedCompositeFieldContainer[ContractState]
+    def __init__(self, chain: _Optional[_Iterable[_Union[ContractState, _Mapping]]] = ...) -> None: ...
+
+class ListChildrenRequest(_message.Message):
+    __slots__ = ("contract_id", "page_size", "page_token")
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    page_size: int
+    page_token: bytes
+    def __init__(self, contract_id: _Optional[bytes] = ..., page_size: _Optional[int] = ..., page_token: _Optional[bytes] = ...) -> None: ...
+
+class ListChildrenResponse(_message.Message):
+    __slots__ = ("children", "next_page_token")
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    children: _containers.RepeatedCompositeFieldContainer[ContractState]
+    next_page_token: bytes
+    def __init__(self, children: _Optional[_Iterable[_Union[ContractState, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+
+class GetReceiptRequest(_message.Message):
+    __slots__ = ("receipt_id",)
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    def __init__(self, receipt_id: _Optional[bytes] = ...) -> None: ...
+
+class GetReceiptResponse(_message.Message):
+    __slots__ = ("receipt",)
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    receipt: _types_pb2.Envelope
+    def __init__(self, receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class GetBrokerKeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BrokerKey(_message.Message):
+    __slots__ = ("key_id", "public_key", "current")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    public_key: bytes
+    current: bool
+    def __init__(self, key_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., current: _Optional[bool] = ...) -> None: ...
+
+class GetBrokerKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[BrokerKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[BrokerKey, _Mapping]]] = ...) -> None: ...

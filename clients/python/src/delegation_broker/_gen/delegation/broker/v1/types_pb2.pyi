@@ -1,0 +1,232 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Liability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LIABILITY_UNSPECIFIED: _ClassVar[Liability]
+    LIABILITY_PRINCIPAL: _ClassVar[Liability]
+    LIABILITY_DELEGATE: _ClassVar[Liability]
+
+class TrustSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUST_SOURCE_UNSPECIFIED: _ClassVar[TrustSource]
+    TRUST_SOURCE_ROOT: _ClassVar[TrustSource]
+    TRUST_SOURCE_ATTESTATION: _ClassVar[TrustSource]
+    TRUST_SOURCE_STATIC_TABLE: _ClassVar[TrustSource]
+    TRUST_SOURCE_NONE: _ClassVar[TrustSource]
+
+class InvariantCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INVARIANT_CODE_UNSPECIFIED: _ClassVar[InvariantCode]
+    INVARIANT_CODE_PARENT_NOT_ACTIVE: _ClassVar[InvariantCode]
+    INVARIANT_CODE_NOT_HOLDER: _ClassVar[InvariantCode]
+    INVARIANT_CODE_DEPTH_EXCEEDED: _ClassVar[InvariantCode]
+    INVARIANT_CODE_INTENT_DILUTED: _ClassVar[InvariantCode]
+    INVARIANT_CODE_TRUST_ATTENUATED: _ClassVar[InvariantCode]
+    INVARIANT_CODE_LIABILITY_WITHOUT_PREDICATE: _ClassVar[InvariantCode]
+    INVARIANT_CODE_LIABILITY_WITHOUT_ESCALATION: _ClassVar[InvariantCode]
+    INVARIANT_CODE_LIABILITY_FROM_RETAINING_PARENT: _ClassVar[InvariantCode]
+    INVARIANT_CODE_BELOW_RETRY_COST: _ClassVar[InvariantCode]
+    INVARIANT_CODE_BELOW_RETRY_LATENCY: _ClassVar[InvariantCode]
+    INVARIANT_CODE_BUDGET_EXCEEDS_PARENT: _ClassVar[InvariantCode]
+    INVARIANT_CODE_DEADLINE_EXCEEDS_PARENT: _ClassVar[InvariantCode]
+    INVARIANT_CODE_NO_RETRY_HEADROOM: _ClassVar[InvariantCode]
+    INVARIANT_CODE_SCOPE_WIDENED: _ClassVar[InvariantCode]
+    INVARIANT_CODE_FANOUT_EXCEEDED: _ClassVar[InvariantCode]
+
+class ReceiptKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECEIPT_KIND_UNSPECIFIED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_REFUSED: _ClassVar[ReceiptKind]
+LIABILITY_UNSPECIFIED: Liability
+LIABILITY_PRINCIPAL: Liability
+LIABILITY_DELEGATE: Liability
+TRUST_SOURCE_UNSPECIFIED: TrustSource
+TRUST_SOURCE_ROOT: TrustSource
+TRUST_SOURCE_ATTESTATION: TrustSource
+TRUST_SOURCE_STATIC_TABLE: TrustSource
+TRUST_SOURCE_NONE: TrustSource
+INVARIANT_CODE_UNSPECIFIED: InvariantCode
+INVARIANT_CODE_PARENT_NOT_ACTIVE: InvariantCode
+INVARIANT_CODE_NOT_HOLDER: InvariantCode
+INVARIANT_CODE_DEPTH_EXCEEDED: InvariantCode
+INVARIANT_CODE_INTENT_DILUTED: InvariantCode
+INVARIANT_CODE_TRUST_ATTENUATED: InvariantCode
+INVARIANT_CODE_LIABILITY_WITHOUT_PREDICATE: InvariantCode
+INVARIANT_CODE_LIABILITY_WITHOUT_ESCALATION: InvariantCode
+INVARIANT_CODE_LIABILITY_FROM_RETAINING_PARENT: InvariantCode
+INVARIANT_CODE_BELOW_RETRY_COST: InvariantCode
+INVARIANT_CODE_BELOW_RETRY_LATENCY: InvariantCode
+INVARIANT_CODE_BUDGET_EXCEEDS_PARENT: InvariantCode
+INVARIANT_CODE_DEADLINE_EXCEEDS_PARENT: InvariantCode
+INVARIANT_CODE_NO_RETRY_HEADROOM: InvariantCode
+INVARIANT_CODE_SCOPE_WIDENED: InvariantCode
+INVARIANT_CODE_FANOUT_EXCEEDED: InvariantCode
+RECEIPT_KIND_UNSPECIFIED: ReceiptKind
+RECEIPT_KIND_REFUSED: ReceiptKind
+
+class Envelope(_message.Message):
+    __slots__ = ("payload_type", "payload", "signatures")
+    PAYLOAD_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    payload_type: str
+    payload: bytes
+    signatures: _containers.RepeatedCompositeFieldContainer[Signature]
+    def __init__(self, payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ...) -> None: ...
+
+class Signature(_message.Message):
+    __slots__ = ("keyid", "sig")
+    KEYID_FIELD_NUMBER: _ClassVar[int]
+    SIG_FIELD_NUMBER: _ClassVar[int]
+    keyid: str
+    sig: bytes
+    def __init__(self, keyid: _Optional[str] = ..., sig: _Optional[bytes] = ...) -> None: ...
+
+class Policy(_message.Message):
+    __slots__ = ("max_depth", "min_cumulative_trust_ppm", "max_children", "disable_retry_headroom")
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MIN_CUMULATIVE_TRUST_PPM_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_RETRY_HEADROOM_FIELD_NUMBER: _ClassVar[int]
+    max_depth: int
+    min_cumulative_trust_ppm: int
+    max_children: int
+    disable_retry_headroom: bool
+    def __init__(self, max_depth: _Optional[int] = ..., min_cumulative_trust_ppm: _Optional[int] = ..., max_children: _Optional[int] = ..., disable_retry_headroom: _Optional[bool] = ...) -> None: ...
+
+class Attestation(_message.Message):
+    __slots__ = ("agent_public_key", "factor", "risk_class", "expires_at_ms")
+    AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    RISK_CLASS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    agent_public_key: bytes
+    factor: float
+    risk_class: str
+    expires_at_ms: int
+    def __init__(self, agent_public_key: _Optional[bytes] = ..., factor: _Optional[float] = ..., risk_class: _Optional[str] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
+class HopProof(_message.Message):
+    __slots__ = ("broker_key_id", "parent_id", "depth", "agent_public_key", "factor_ppm", "cumulative_trust_ppm", "trust_source", "attestation_digest", "risk_class", "intent_lineage_hash", "issued_at_ms")
+    BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_PPM_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_TRUST_PPM_FIELD_NUMBER: _ClassVar[int]
+    TRUST_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RISK_CLASS_FIELD_NUMBER: _ClassVar[int]
+    INTENT_LINEAGE_HASH_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    broker_key_id: str
+    parent_id: bytes
+    depth: int
+    agent_public_key: bytes
+    factor_ppm: int
+    cumulative_trust_ppm: int
+    trust_source: TrustSource
+    attestation_digest: bytes
+    risk_class: str
+    intent_lineage_hash: bytes
+    issued_at_ms: int
+    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., agent_public_key: _Optional[bytes] = ..., factor_ppm: _Optional[int] = ..., cumulative_trust_ppm: _Optional[int] = ..., trust_source: _Optional[_Union[TrustSource, str]] = ..., attestation_digest: _Optional[bytes] = ..., risk_class: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., issued_at_ms: _Optional[int] = ...) -> None: ...
+
+class Contract(_message.Message):
+    __slots__ = ("broker_key_id", "parent_id", "root_id", "depth", "intent", "intent_lineage_hash", "task", "principal_public_key", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "effective_predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "hop_proofs", "request_digest")
+    BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    INTENT_FIELD_NUMBER: _ClassVar[int]
+    INTENT_LINEAGE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    DELEGATE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    LIABILITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICATE_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_PREDICATE_FIELD_NUMBER: _ClassVar[int]
+    ESCALATION_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    MIN_RETRY_COST_FIELD_NUMBER: _ClassVar[int]
+    MIN_RETRY_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    HOP_PROOFS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    broker_key_id: str
+    parent_id: bytes
+    root_id: bytes
+    depth: int
+    intent: str
+    intent_lineage_hash: bytes
+    task: str
+    principal_public_key: bytes
+    delegate_public_key: bytes
+    budget: int
+    deadline_ms: int
+    issued_at_ms: int
+    liability: Liability
+    predicate: str
+    effective_predicate: str
+    escalation_channel: str
+    min_retry_cost: int
+    min_retry_latency_ms: int
+    write_scope: _containers.RepeatedScalarFieldContainer[str]
+    policy: Policy
+    hop_proofs: _containers.RepeatedCompositeFieldContainer[Envelope]
+    request_digest: bytes
+    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., principal_public_key: _Optional[bytes] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., effective_predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., hop_proofs: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., request_digest: _Optional[bytes] = ...) -> None: ...
+
+class Violation(_message.Message):
+    __slots__ = ("code", "requested", "allowed", "detail")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    code: InvariantCode
+    requested: str
+    allowed: str
+    detail: str
+    def __init__(self, code: _Optional[_Union[InvariantCode, str]] = ..., requested: _Optional[str] = ..., allowed: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Receipt(_message.Message):
+    __slots__ = ("broker_key_id", "kind", "contract_id", "root_id", "request_digest", "requester_public_key", "at_ms", "primary", "violations")
+    BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    broker_key_id: str
+    kind: ReceiptKind
+    contract_id: bytes
+    root_id: bytes
+    request_digest: bytes
+    requester_public_key: bytes
+    at_ms: int
+    primary: InvariantCode
+    violations: _containers.RepeatedCompositeFieldContainer[Violation]
+    def __init__(self, broker_key_id: _Optional[str] = ..., kind: _Optional[_Union[ReceiptKind, str]] = ..., contract_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., requester_public_key: _Optional[bytes] = ..., at_ms: _Optional[int] = ..., primary: _Optional[_Union[InvariantCode, str]] = ..., violations: _Optional[_Iterable[_Union[Violation, _Mapping]]] = ...) -> None: ...
+
+class RequestHeader(_message.Message):
+    __slots__ = ("agent_public_key", "timestamp_ms", "nonce")
+    AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    agent_public_key: bytes
+    timestamp_ms: int
+    nonce: bytes
+    def __init__(self, agent_public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,206 @@
+"""DSSE signing: PAE, key ids, payload types, and the agent key that signs requests.
+
+Mirrors ``src/crypto/mod.rs`` and ``src/client.rs`` of the broker. Uses
+PyNaCl (libsodium), whose ed25519 verification rejects non-canonical
+signatures and small-order keys like ed25519-dalek's ``verify_strict``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import TypeVar
+
+from google.protobuf.message import Message
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
+
+from . import pb
+
+__all__ = [
+    "Agent",
+    "MAX_SIGNATURES",
+    "NONCE_BYTES",
+    "key_id",
+    "lineage_hash",
+    "now_ms",
+    "pae",
+    "payload_type",
+    "sha256",
+    "verify_signature",
+]
+
+#: Most signatures the broker's verifier looks at in one envelope.
+MAX_SIGNATURES = 4
+#: Nonce length used for fresh request headers (the broker accepts 16..=64).
+NONCE_BYTES = 16
+
+_M = TypeVar("_M", bound=Message)
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE v1 pre-authentication encoding:
+    ``"DSSEv1" SP LEN(type) SP type SP LEN(body) SP body`` (lengths in bytes)."""
+    type_bytes = payload_type.encode("utf-8")
+    return b"DSSEv1 %d %s %d %s" % (len(type_bytes), type_bytes, len(payload), payload)
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def key_id(public_key: bytes) -> str:
+    """``"ed25519:"`` + lowercase hex of the first 16 bytes of SHA-256(public key)."""
+    if len(public_key) != 32:
+        raise ValueError(f"an ed25519 public key is 32 bytes, got {len(public_key)}")
+    return "ed25519:" + sha256(public_key)[:16].hex()
+
+
+def lineage_hash(intent: str) -> bytes:
+    """The intent lineage hash every contract of a tree carries: SHA-256 of the UTF-8 intent."""
+    return sha256(intent.encode("utf-8"))
+
+
+def payload_type(message: Message | type[Message]) -> str:
+    """``application/vnd.<full proto name>+protobuf``, e.g.
+    ``application/vnd.delegation.broker.v1.Contract+protobuf``."""
+    return f"application/vnd.{message.DESCRIPTOR.full_name}+protobuf"
+
+
+def now_ms() -> int:
+    """Unix time in milliseconds."""
+    return time.time_ns() // 1_000_000
+
+
+def verify_signature(envelope: pb.Envelope, public_key: bytes, expected_type: str | None = None) -> bool:
+    """True when some signature of ``envelope`` (at most :data:`MAX_SIGNATURES`)
+    verifies over PAE(payload_type, payload) under ``public_key``.
+
+    Checks only the signature (and ``payload_type`` when ``expected_type`` is
+    given); the DSSE ``keyid`` hint is ignored. For broker envelopes prefer
+    :func:`delegation_broker.verify_envelope`, which also binds the signing key
+    to the ``broker_key_id`` inside the payload.
+    """
+    if expected_type is not None and envelope.payload_type != expected_type:
+        return False
+    if len(public_key) != 32 or len(envelope.signatures) > MAX_SIGNATURES:
+        return False
+    try:
+        key = VerifyKey(public_key)
+    except Exception:  # noqa: BLE001 - any malformed key is simply "does not verify"
+        return False
+    message = pae(envelope.payload_type, envelope.payload)
+    for signature in envelope.signatures:
+        if len(signature.sig) != 64:
+            continue
+        try:
+            key.verify(message, signature.sig)
+            return True
+        except BadSignatureError:
+            continue
+    return False
+
+
+class Agent:
+    """An agent's (or an attestor's) ed25519 key pair.
+
+    >>> agent = Agent.generate()
+    >>> request = agent.delegate(pb.DelegateBody(parent_id=..., ...))  # doctest: +SKIP
+    >>> stub.Delegate(request)  # doctest: +SKIP
+    """
+
+    def __init__(self, signing_key: SigningKey):
+        self._key = signing_key
+
+    @classmethod
+    def generate(cls) -> Agent:
+        """A fresh key from the operating system's CSPRNG."""
+        return cls(SigningKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Agent:
+        """The key whose 32-byte secret seed is ``seed`` (what ``delegation-broker
+        keygen`` writes, hex-encoded)."""
+        if len(seed) != 32:
+            raise ValueError(f"an ed25519 seed is 32 bytes, got {len(seed)}")
+        return cls(SigningKey(seed))
+
+    @property
+    def seed(self) -> bytes:
+        """The 32-byte secret seed. Keep it secret."""
+        return bytes(self._key)
+
+    @property
+    def public_key(self) -> bytes:
+        """The 32-byte ed25519 public key."""
+        return bytes(self._key.verify_key)
+
+    @property
+    def key_id(self) -> str:
+        return key_id(self.public_key)
+
+    def __repr__(self) -> str:
+        return f"Agent({self.key_id})"
+
+    def header(self) -> pb.RequestHeader:
+        """A request header with the current time and a fresh random nonce.
+
+        The nonce is the idempotency key: to retry, resend the request built
+        from this header unchanged (see :func:`delegation_broker.call_idempotent`),
+        never a rebuilt one.
+        """
+        return pb.RequestHeader(agent_public_key=self.public_key, timestamp_ms=now_ms(), nonce=os.urandom(NONCE_BYTES))
+
+    def sign(self, message: Message, payload_type_: str | None = None) -> pb.Envelope:
+        """A single-signature DSSE envelope over ``message``'s serialized bytes;
+        the payload type defaults to :func:`payload_type` of the message."""
+        payload = message.SerializeToString(deterministic=True)
+        return self.sign_bytes(payload_type_ or payload_type(message), payload)
+
+    def sign_bytes(self, payload_type_: str, payload: bytes) -> pb.Envelope:
+        """A single-signature DSSE envelope over ``payload`` as given."""
+        signature = self._key.sign(pae(payload_type_, payload)).signature
+        return pb.Envelope(
+            payload_type=payload_type_,
+            payload=payload,
+            signatures=[pb.Signature(keyid=self.key_id, sig=signature)],
+        )
+
+    def _with_header(self, body: _M, template: type[_M], fields: dict) -> _M:
+        if body is None:
+            body = template(**fields)
+        elif fields:
+            raise TypeError("pass either a body message or keyword fields, not both")
+        else:
+            copy = template()
+            copy.CopyFrom(body)
+            body = copy
+        if not body.HasField("header"):
+            body.header.CopyFrom(self.header())
+        return body
+
+    def open_root(self, body: pb.OpenRootBody | None = None, **fields) -> pb.OpenRootRequest:
+        """A signed OpenRoot request. Takes an ``OpenRootBody`` or its fields as
+        keywords; fills in a fresh header when the body has none."""
+        body = self._with_header(body, pb.OpenRootBody, fields)
+        return pb.OpenRootRequest(signed=self.sign(body))
+
+    def delegate(self, body: pb.DelegateBody | None = None, **fields) -> pb.DelegateRequest:
+        """A signed Delegate request. Takes a ``DelegateBody`` or its fields as
+        keywords; fills in a fresh header when the body has none."""
+        body = self._with_header(body, pb.DelegateBody, fields)
+        return pb.DelegateRequest(signed=self.sign(body))
+
+    def attest(self, agent_public_key: bytes, factor: float, expires_at_ms: int, risk_class: str = "") -> pb.Envelope:
+        """As an attestor: an Attestation envelope vouching for ``agent_public_key``
+        with trust ``factor`` in (0, 1] until ``expires_at_ms``. The broker must
+        trust this key (``[trust] attestors = ["<hex public key>"]``)."""
+        return self.sign(
+            pb.Attestation(
+                agent_public_key=agent_public_key,
+                factor=factor,
+                risk_class=risk_class,
+                expires_at_ms=expires_at_ms,
+            )
+        )

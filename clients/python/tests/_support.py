@@ -1,0 +1,233 @@
+"""Test support: runs the real broker binary and drives it through the client.
+
+Every envelope the broker hands back goes through the helper layer's offline
+verification here (and is kept in ``Broker.received`` for the cross-language
+check), so each test verifies everything it receives.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from delegation_broker import (
+    Agent,
+    BrokerKeys,
+    Verified,
+    VerifiedContract,
+    lineage_hash,
+    now_ms,
+    pb,
+    sha256,
+    verify_contract,
+    verify_envelope,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CLIENT_ROOT = Path(__file__).resolve().parents[1]
+HOUR_MS = 3_600_000
+INTENT = "Fix the token refresh bug in src/auth/ and document it"
+ESCALATION = "broker://escalate"
+
+
+def broker_bin() -> Path:
+    """$BROKER_BIN (relative paths are taken from the repo root), else the debug build."""
+    path = Path(os.environ.get("BROKER_BIN") or "target/debug/delegation-broker")
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise RuntimeError(
+            f"broker binary not found at {path}: build it (cargo build --bin delegation-broker) or set BROKER_BIN"
+        )
+    return path
+
+
+class BrokerProcess:
+    """`delegation-broker serve` on 127.0.0.1:0 with a fresh data directory and
+    a config trusting ``attestors``."""
+
+    def __init__(self, workdir: Path, attestors: list[Agent]):
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = workdir / "broker.toml"
+        keys = ", ".join(f'"{a.public_key.hex()}"' for a in attestors)
+        config.write_text(f"[trust]\nattestors = [{keys}]\n")
+        self.log_path = workdir / "broker.log"
+        self._log = open(self.log_path, "wb")
+        env = dict(os.environ, BROKER_LOG=os.environ.get("BROKER_LOG", "warn"))
+        self.proc = subprocess.Popen(
+            [str(broker_bin()), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(workdir / "data"),
+             "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        lines: queue.Queue[bytes] = queue.Queue()
+
+        def drain() -> None:  # keep reading so the broker never blocks on (or dies of) a closed stdout
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(b"")
+
+        threading.Thread(target=drain, daemon=True).start()
+        try:
+            first = lines.get(timeout=30).decode().strip()
+        except queue.Empty:
+            first = ""
+        prefix = "listening on "
+        if not first.startswith(prefix):
+            self.stop()
+            raise RuntimeError(f"broker did not start (first line {first!r}); log:\n{self.log_path.read_text()}")
+        self.address = first[len(prefix):]
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM (graceful drain), then SIGKILL if it lingers; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@dataclass
+class Root:
+    id: bytes
+    lineage: bytes
+    contract: pb.Contract
+
+
+@dataclass
+class Outcome:
+    response: pb.DelegateResponse
+    issued: VerifiedContract | None = None
+    refused: Verified[pb.Receipt] | None = None
+    receipt_id: bytes = b""
+
+    def contract(self) -> VerifiedContract:
+        refusal = self.refused.message if self.refused else None
+        assert self.issued is not None, f"expected an issued contract, got refusal {refusal}"
+        return self.issued
+
+    def receipt(self) -> pb.Receipt:
+        assert self.refused is not None, "expected a refusal, the child was issued"
+        return self.refused.message
+
+
+class Broker:
+    """A running broker plus a stub, its published keys and a trusted attestor."""
+
+    def __init__(self, workdir: Path, attestor: Agent | None = None):
+        self.attestor = attestor or Agent.generate()
+        self.process = BrokerProcess(workdir, [self.attestor])
+        self.address = self.process.address
+        self.channel = grpc.insecure_channel(self.address)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.stub = pb.BrokerStub(self.channel)
+        self.keys = BrokerKeys.fetch(self.stub)
+        #: Every broker-signed envelope received, as (envelope, kind).
+        self.received: list[tuple[pb.Envelope, str]] = []
+
+    def close(self) -> int:
+        self.channel.close()
+        return self.process.stop()
+
+    # --- requests -----------------------------------------------------------------
+
+    def open_root(self, orchestrator: Agent, *, budget: int = 100, max_depth: int = 4, min_trust: int = 0,
+                  max_children: int = 64, predicate: str = "", deadline_ms: int | None = None,
+                  scope: tuple[str, ...] = ("src", "docs"), intent: str = INTENT) -> Root:
+        request = orchestrator.open_root(
+            intent=intent,
+            budget=budget,
+            deadline_ms=deadline_ms or now_ms() + HOUR_MS,
+            policy=pb.Policy(max_depth=max_depth, min_cumulative_trust_ppm=min_trust, max_children=max_children),
+            predicate=predicate,
+            write_scope=list(scope),
+        )
+        response = self.stub.OpenRoot(request, timeout=10)
+        issued = self.check_issued(response.issued)
+        assert issued.contract.depth == 0 and issued.contract.delegate_public_key == orchestrator.public_key
+        assert issued.contract.intent_lineage_hash == lineage_hash(intent)
+        return Root(id=issued.contract_id, lineage=issued.contract.intent_lineage_hash, contract=issued.contract)
+
+    def delegate(self, holder: Agent, body: pb.DelegateBody) -> Outcome:
+        return self.check_outcome(self.stub.Delegate(holder.delegate(body), timeout=10))
+
+    # --- verification of everything received --------------------------------------
+
+    def check_issued(self, issued: pb.IssuedContract) -> VerifiedContract:
+        verified = verify_contract(issued.contract, self.keys, issued.contract_id)
+        self.received.append((issued.contract, "contract"))
+        self.received.extend((proof, "hop proof") for proof in verified.contract.hop_proofs)
+        return verified
+
+    def check_refusal(self, refusal: pb.Refusal) -> Verified[pb.Receipt]:
+        verified = verify_envelope(refusal.receipt, self.keys, pb.Receipt)
+        assert sha256(refusal.receipt.payload) == refusal.receipt_id, "receipt id = SHA-256(payload)"
+        assert verified.message.kind == pb.RECEIPT_KIND_REFUSED
+        again = self.stub.GetReceipt(pb.GetReceiptRequest(receipt_id=refusal.receipt_id), timeout=10).receipt
+        assert again == refusal.receipt, "GetReceipt returns the receipt exactly as issued"
+        self.received.append((refusal.receipt, "receipt"))
+        return verified
+
+    def check_outcome(self, response: pb.DelegateResponse) -> Outcome:
+        which = response.WhichOneof("outcome")
+        if which == "issued":
+            return Outcome(response, issued=self.check_issued(response.issued))
+        assert which == "refused", f"no outcome in {response}"
+        return Outcome(response, refused=self.check_refusal(response.refused), receipt_id=response.refused.receipt_id)
+
+    # --- reads ------------------------------------------------------------------------
+
+    def state(self, contract_id: bytes) -> pb.ContractState:
+        state = self.stub.GetContract(pb.GetContractRequest(contract_id=contract_id), timeout=10).contract
+        verify_contract(state.contract, self.keys, state.contract_id)
+        assert state.contract_id == contract_id
+        return state
+
+    def ledger(self, contract_id: bytes) -> pb.Ledger:
+        ledger = self.state(contract_id).ledger
+        assert ledger.budget == ledger.residual + ledger.reserved + ledger.spent
+        return ledger
+
+    def attest(self, agent: Agent, factor: float) -> pb.Envelope:
+        return self.attestor.attest(agent.public_key, factor, now_ms() + HOUR_MS, "test")
+
+
+def child(parent: bytes, lineage: bytes, delegate: Agent, budget: int, **fields) -> pb.DelegateBody:
+    """A Delegate body (no header: the signer adds one) with liability PRINCIPAL
+    and nothing else asked of it."""
+    values = dict(
+        parent_id=parent,
+        intent_lineage_hash=lineage,
+        task="work on src/auth/token.rs",
+        delegate_public_key=delegate.public_key,
+        budget=budget,
+        liability=pb.LIABILITY_PRINCIPAL,
+        write_scope=["src"],
+    )
+    values.update(fields)
+    return pb.DelegateBody(**values)
+
+
+def liable_child(parent: bytes, lineage: bytes, delegate: Agent, budget: int, predicate: str, **fields) -> pb.DelegateBody:
+    """The same with liability DELEGATE, an escalation channel and ``predicate``."""
+    values = dict(liability=pb.LIABILITY_DELEGATE, predicate=predicate, escalation_channel=ESCALATION)
+    values.update(fields)
+    return child(parent, lineage, delegate, budget, **values)
+
+
+def codes(receipt: pb.Receipt) -> list[int]:
+    return [v.code for v in receipt.violations]

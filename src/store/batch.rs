@@ -1,0 +1,353 @@
+//! Group-commit planning, shared by every backend: given a batch of
+//! commands, the requests already answered and the contracts they touch,
+//! decide every command in order — each seeing the effects of the ones
+//! before it — and produce the rows to write. No SQL here: a backend loads
+//! what `needs` names, calls `plan`, writes the rows and commits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use prost::Message;
+
+use super::{Answer, Outcome, StoreError};
+use crate::core::{self, AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
+use crate::pb;
+use crate::stamp::{NewChild, NewRoot, RequestMeta, Stamper};
+
+/// Outcome codes of the `requests` table.
+pub const OUTCOME_ISSUED: i64 = 1;
+pub const OUTCOME_REFUSED: i64 = 2;
+
+/// A mutating command.
+pub enum Command {
+    OpenRoot(Box<NewRoot>),
+    Delegate(Box<NewChild>),
+}
+
+impl Command {
+    fn request(&self) -> &RequestMeta {
+        match self {
+            Command::OpenRoot(r) => &r.request,
+            Command::Delegate(c) => &c.request,
+        }
+    }
+}
+
+/// A contract as the writer knows it: immutable facts plus current status
+/// and ledger (both inside `view`).
+#[derive(Clone, Debug)]
+pub struct Known {
+    pub view: ParentView,
+    pub root_id: Id,
+    /// The decoded signed contract: hop proofs, intent and policy for
+    /// stamping children.
+    pub contract: Arc<pb::Contract>,
+}
+
+/// An earlier answered request, as loaded for idempotent replay.
+#[derive(Clone, Debug)]
+pub struct PriorRequest {
+    pub digest: [u8; 32],
+    pub outcome: i64,
+    pub ref_id: Id,
+    pub envelope: pb::Envelope,
+}
+
+pub type RequestKey = (AgentKey, Vec<u8>);
+
+/// Rows of a new contract.
+pub struct ContractRow {
+    pub id: Id,
+    pub parent_id: Option<Id>,
+    pub root_id: Id,
+    pub depth: u32,
+    pub delegate_key: AgentKey,
+    pub liability: Liability,
+    pub intent_lineage_hash: [u8; 32],
+    pub cumulative_trust_ppm: u32,
+    pub effective_predicate: String,
+    pub deadline_ms: i64,
+    /// JSON array of the normalized prefixes.
+    pub write_scope_json: String,
+    pub policy: Policy,
+    pub envelope: Vec<u8>,
+    pub issued_at_ms: i64,
+}
+
+pub struct RequestRow {
+    pub agent: AgentKey,
+    pub nonce: Vec<u8>,
+    pub digest: [u8; 32],
+    pub outcome: i64,
+    pub ref_id: Id,
+    pub at_ms: i64,
+}
+
+pub struct ReceiptRow {
+    pub id: Id,
+    pub kind: i64,
+    pub contract_id: Id,
+    pub root_id: Id,
+    pub envelope: Vec<u8>,
+    pub at_ms: i64,
+}
+
+/// Everything a batch writes, and the answers to send after commit.
+#[derive(Default)]
+pub struct Plan {
+    pub answers: Vec<Result<Answer, StoreError>>,
+    pub contracts: Vec<ContractRow>,
+    /// Status and ledger of every contract created or changed, last state
+    /// only (one upsert per contract).
+    pub states: Vec<(Id, Status, Ledger)>,
+    pub requests: Vec<RequestRow>,
+    pub receipts: Vec<ReceiptRow>,
+}
+
+/// The request keys and parent ids a batch needs loaded.
+pub fn needs(commands: &[Command], known: &HashMap<Id, Known>) -> (Vec<RequestKey>, Vec<Id>) {
+    let requests = commands
+        .iter()
+        .map(|c| (c.request().agent, c.request().nonce.clone()))
+        .collect();
+    let mut parents: Vec<Id> = commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Delegate(child) if !known.contains_key(&child.parent_id) => Some(child.parent_id),
+            _ => None,
+        })
+        .collect();
+    parents.sort_unstable();
+    parents.dedup();
+    (requests, parents)
+}
+
+fn replayed(prior: &PriorRequest, request: &RequestMeta) -> Result<Answer, StoreError> {
+    if prior.digest != request.digest {
+        return Err(StoreError::NonceReused);
+    }
+    let outcome = if prior.outcome == OUTCOME_ISSUED {
+        Outcome::Issued {
+            id: prior.ref_id,
+            envelope: prior.envelope.clone(),
+        }
+    } else {
+        Outcome::Refused {
+            receipt_id: prior.ref_id,
+            envelope: prior.envelope.clone(),
+        }
+    };
+    Ok(Answer { outcome, replayed: true })
+}
+
+/// Decides every command in order. `known` must hold every parent the
+/// batch names that exists; it is updated in place (new contracts, new
+/// ledgers), so on a failed commit the caller must discard it.
+pub fn plan(
+    commands: &[Command],
+    prior: &mut HashMap<RequestKey, PriorRequest>,
+    known: &mut HashMap<Id, Known>,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Plan {
+    let mut plan = Plan::default();
+    let mut touched: Vec<Id> = Vec::new();
+    for command in commands {
+        let request = command.request();
+        let key = (request.agent, request.nonce.clone());
+        if let Some(earlier) = prior.get(&key) {
+            plan.answers.push(replayed(earlier, request));
+            continue;
+        }
+        let answer = match command {
+            Command::OpenRoot(root) => Ok(open_root(root, known, &mut plan, &mut touched, stamper, now_ms)),
+            Command::Delegate(child) => delegate(child, known, &mut plan, &mut touched, stamper, now_ms),
+        };
+        if let Ok(answer) = &answer {
+            let (outcome, ref_id, envelope) = match &answer.outcome {
+                Outcome::Issued { id, envelope } => (OUTCOME_ISSUED, *id, envelope.clone()),
+                Outcome::Refused { receipt_id, envelope } => (OUTCOME_REFUSED, *receipt_id, envelope.clone()),
+            };
+            plan.requests.push(RequestRow {
+                agent: request.agent,
+                nonce: request.nonce.clone(),
+                digest: request.digest,
+                outcome,
+                ref_id,
+                at_ms: now_ms,
+            });
+            // A duplicate later in this same batch replays this answer.
+            prior.insert(
+                key,
+                PriorRequest {
+                    digest: request.digest,
+                    outcome,
+                    ref_id,
+                    envelope,
+                },
+            );
+        }
+        plan.answers.push(answer);
+    }
+    touched.sort_unstable();
+    touched.dedup();
+    for id in touched {
+        if let Some(k) = known.get(&id) {
+            plan.states.push((id, k.view.status, k.view.ledger));
+        }
+    }
+    plan
+}
+
+fn scope_json(scope: &Scope) -> String {
+    serde_json::to_string(scope.prefixes()).unwrap_or_else(|_| "[]".into())
+}
+
+fn open_root(
+    root: &NewRoot,
+    known: &mut HashMap<Id, Known>,
+    plan: &mut Plan,
+    touched: &mut Vec<Id>,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Answer {
+    let stamped = stamper.root(root, now_ms);
+    let lineage = crate::crypto::sha256(root.intent.as_bytes());
+    let effective = Predicate::conjoin(&Predicate::default(), &root.predicate).unwrap_or_default();
+    let view = ParentView {
+        status: Status::Open,
+        delegate_key: root.request.agent,
+        depth: 0,
+        intent_lineage_hash: lineage,
+        cumulative_trust_ppm: core::limits::PPM_ONE,
+        liability: Liability::Delegate,
+        effective_predicate: effective.clone(),
+        deadline_ms: root.deadline_ms,
+        write_scope: root.write_scope.clone(),
+        policy: root.policy,
+        ledger: Ledger::new(root.budget),
+    };
+    plan.contracts.push(ContractRow {
+        id: stamped.id,
+        parent_id: None,
+        root_id: stamped.id,
+        depth: 0,
+        delegate_key: root.request.agent,
+        liability: Liability::Delegate,
+        intent_lineage_hash: lineage,
+        cumulative_trust_ppm: core::limits::PPM_ONE,
+        effective_predicate: effective.as_str().to_owned(),
+        deadline_ms: root.deadline_ms,
+        write_scope_json: scope_json(&root.write_scope),
+        policy: root.policy,
+        envelope: stamped.envelope.encode_to_vec(),
+        issued_at_ms: now_ms,
+    });
+    remember(known, stamped.id, view, stamped.id, &stamped.envelope);
+    touched.push(stamped.id);
+    Answer {
+        outcome: Outcome::Issued {
+            id: stamped.id,
+            envelope: stamped.envelope,
+        },
+        replayed: false,
+    }
+}
+
+fn remember(known: &mut HashMap<Id, Known>, id: Id, view: ParentView, root_id: Id, envelope: &pb::Envelope) {
+    // Our own freshly encoded payload always decodes; if it ever did not,
+    // the contract is simply not cached and is loaded from the store.
+    if let Ok(contract) = pb::Contract::decode(envelope.payload.as_slice()) {
+        known.insert(
+            id,
+            Known {
+                view,
+                root_id,
+                contract: Arc::new(contract),
+            },
+        );
+    }
+}
+
+fn delegate(
+    child: &NewChild,
+    known: &mut HashMap<Id, Known>,
+    plan: &mut Plan,
+    touched: &mut Vec<Id>,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Result<Answer, StoreError> {
+    let parent = known.get_mut(&child.parent_id).ok_or_else(|| StoreError::NotFound {
+        what: "parent contract",
+        id: hex::encode(child.parent_id),
+    })?;
+    match core::check_delegation(&parent.view, &child.ask, now_ms) {
+        Ok(terms) => {
+            parent
+                .view
+                .ledger
+                .reserve(child.ask.budget)
+                .map_err(|e| StoreError::Corrupt(format!("ledger after a passed check: {e}")))?;
+            touched.push(child.parent_id);
+            let root_id = parent.root_id;
+            let stamped = stamper.child(&parent.contract, &root_id, child, &terms, now_ms);
+            let view = ParentView {
+                status: Status::Open,
+                delegate_key: child.delegate_key,
+                depth: terms.depth,
+                intent_lineage_hash: parent.view.intent_lineage_hash,
+                cumulative_trust_ppm: terms.cumulative_trust_ppm,
+                liability: child.ask.liability,
+                effective_predicate: terms.effective_predicate.clone(),
+                deadline_ms: terms.deadline_ms,
+                write_scope: child.ask.write_scope.clone(),
+                policy: parent.view.policy,
+                ledger: Ledger::new(child.ask.budget),
+            };
+            plan.contracts.push(ContractRow {
+                id: stamped.id,
+                parent_id: Some(child.parent_id),
+                root_id,
+                depth: terms.depth,
+                delegate_key: child.delegate_key,
+                liability: child.ask.liability,
+                intent_lineage_hash: view.intent_lineage_hash,
+                cumulative_trust_ppm: terms.cumulative_trust_ppm,
+                effective_predicate: terms.effective_predicate.as_str().to_owned(),
+                deadline_ms: terms.deadline_ms,
+                write_scope_json: scope_json(&child.ask.write_scope),
+                policy: view.policy,
+                envelope: stamped.envelope.encode_to_vec(),
+                issued_at_ms: now_ms,
+            });
+            remember(known, stamped.id, view, root_id, &stamped.envelope);
+            touched.push(stamped.id);
+            Ok(Answer {
+                outcome: Outcome::Issued {
+                    id: stamped.id,
+                    envelope: stamped.envelope,
+                },
+                replayed: false,
+            })
+        }
+        Err(refusal) => {
+            let root_id = parent.root_id;
+            let stamped = stamper.refusal(&child.parent_id, &root_id, &child.request, &refusal, now_ms);
+            plan.receipts.push(ReceiptRow {
+                id: stamped.id,
+                kind: pb::ReceiptKind::Refused as i64,
+                contract_id: child.parent_id,
+                root_id,
+                envelope: stamped.envelope.encode_to_vec(),
+                at_ms: now_ms,
+            });
+            Ok(Answer {
+                outcome: Outcome::Refused {
+                    receipt_id: stamped.id,
+                    envelope: stamped.envelope,
+                },
+                replayed: false,
+            })
+        }
+    }
+}
