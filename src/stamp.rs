@@ -2,6 +2,8 @@
 //! contracts, hop proofs and refusal receipts. Owns the broker's current
 //! signing key; knows protobuf and crypto, but no storage and no transport.
 
+use std::sync::Arc;
+
 use ed25519_dalek::SigningKey;
 use prost::Message;
 
@@ -54,12 +56,33 @@ pub struct NewChild {
     pub trust: HopTrust,
 }
 
-/// A signed contract ready to store and send.
+/// A signed payload ready to store and send.
 #[derive(Clone, Debug)]
 pub struct Stamped {
     /// SHA-256 of `envelope.payload`.
     pub id: Id,
     pub envelope: pb::Envelope,
+}
+
+/// A signed contract, with what storing and caching it needs, computed
+/// once where it was signed (often off the store's writer).
+#[derive(Clone, Debug)]
+pub struct StampedContract {
+    pub stamped: Stamped,
+    /// The envelope, encoded for the store.
+    pub encoded: Vec<u8>,
+    /// The signed payload, decoded: stamping its children needs it.
+    pub contract: Arc<pb::Contract>,
+}
+
+impl StampedContract {
+    fn new(stamped: Stamped, contract: pb::Contract) -> Self {
+        Self {
+            encoded: stamped.envelope.encode_to_vec(),
+            stamped,
+            contract: Arc::new(contract),
+        }
+    }
 }
 
 /// Signs everything the broker issues with its current key.
@@ -92,7 +115,7 @@ impl Stamper {
     }
 
     /// Stamps a root: depth 0, full trust, its own hop proof.
-    pub fn root(&self, root: &NewRoot, now_ms: i64) -> Stamped {
+    pub fn root(&self, root: &NewRoot, now_ms: i64) -> StampedContract {
         let lineage = crypto::sha256(root.intent.as_bytes());
         let proof = self.hop_proof(pb::HopProof {
             broker_key_id: self.key_id.clone(),
@@ -134,7 +157,7 @@ impl Stamper {
             hop_proofs: vec![proof],
             request_digest: root.request.digest.to_vec(),
         };
-        self.seal(payload_type::CONTRACT, contract.encode_to_vec())
+        StampedContract::new(self.seal(payload_type::CONTRACT, contract.encode_to_vec()), contract)
     }
 
     /// Stamps a child that passed every invariant. `parent` is the parent's
@@ -146,7 +169,7 @@ impl Stamper {
         child: &NewChild,
         terms: &ChildTerms,
         now_ms: i64,
-    ) -> Stamped {
+    ) -> StampedContract {
         let mut hop_proofs = Vec::with_capacity(parent.hop_proofs.len() + 1);
         hop_proofs.extend_from_slice(&parent.hop_proofs);
         hop_proofs.push(self.hop_proof(pb::HopProof {
@@ -190,7 +213,7 @@ impl Stamper {
             hop_proofs,
             request_digest: child.request.digest.to_vec(),
         };
-        self.seal(payload_type::CONTRACT, contract.encode_to_vec())
+        StampedContract::new(self.seal(payload_type::CONTRACT, contract.encode_to_vec()), contract)
     }
 
     /// Signs a refusal receipt naming every violated invariant.

@@ -26,7 +26,6 @@ CREATE TABLE contracts (
     issued_at_ms INTEGER NOT NULL
 );
 CREATE INDEX contracts_by_parent ON contracts (parent_id, seq);
-CREATE INDEX contracts_by_root ON contracts (root_id, seq);
 
 -- The mutable part of a contract: lifecycle status and budget ledger.
 -- Kept apart so a batch updates many ledgers with one upsert.

@@ -40,6 +40,46 @@ pub struct BenchArgs {
     /// HTTP/2 connections shared by the workers.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
+    /// Open loop: offer this many Delegate calls per second in total
+    /// (workers wait for a slot before each call). 0 = closed loop, as fast
+    /// as the workers go.
+    #[arg(long, default_value_t = 0)]
+    pub rate: u64,
+}
+
+/// Hands out send slots at a fixed rate (open-loop load).
+struct Pacer {
+    slots: tokio::sync::Semaphore,
+}
+
+impl Pacer {
+    /// Adds `rate / 1000` slots every millisecond, never holding more than
+    /// `burst`, so a stall is not followed by an unrealistic burst.
+    fn start(rate: u64, burst: usize) -> Arc<Self> {
+        let pacer = Arc::new(Self {
+            slots: tokio::sync::Semaphore::new(0),
+        });
+        let weak = Arc::downgrade(&pacer);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(1));
+            let mut owed_millislots: u64 = 0;
+            while let Some(pacer) = weak.upgrade() {
+                tick.tick().await;
+                owed_millislots += rate;
+                let whole = (owed_millislots / 1000) as usize;
+                owed_millislots %= 1000;
+                let room = burst.saturating_sub(pacer.slots.available_permits());
+                pacer.slots.add_permits(whole.min(room));
+            }
+        });
+        pacer
+    }
+
+    async fn wait(&self) {
+        if let Ok(permit) = self.slots.acquire().await {
+            permit.forget();
+        }
+    }
 }
 
 /// What one worker measured.
@@ -95,10 +135,18 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let measure_from = start + Duration::from_secs(args.warmup_s);
     let stop_at = measure_from + Duration::from_secs(args.duration_s);
+    let pacer = (args.rate > 0).then(|| Pacer::start(args.rate, args.concurrency));
     let mut workers = Vec::with_capacity(args.concurrency);
     for i in 0..args.concurrency {
         let client = BrokerClient::new(channels[i % channels.len()].clone());
-        workers.push(tokio::spawn(worker(client, attestor.clone(), args.depth, measure_from, stop_at)));
+        workers.push(tokio::spawn(worker(
+            client,
+            attestor.clone(),
+            args.depth,
+            pacer.clone(),
+            measure_from,
+            stop_at,
+        )));
     }
     let mut total = Tally::default();
     for w in workers {
@@ -118,8 +166,13 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         let index = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1;
         f64::from(lat[index]) / 1000.0
     };
+    let mode = if args.rate > 0 {
+        format!("open loop at {}/s offered", args.rate)
+    } else {
+        "closed loop".to_owned()
+    };
     println!(
-        "concurrency={} depth={} duration={}s connections={}",
+        "concurrency={} depth={} duration={}s connections={} {mode}",
         args.concurrency, args.depth, args.duration_s, args.connections
     );
     println!(
@@ -158,6 +211,7 @@ async fn worker(
     mut client: BrokerClient<Channel>,
     attestor: Arc<Agent>,
     depth: u32,
+    pacer: Option<Arc<Pacer>>,
     measure_from: Instant,
     stop_at: Instant,
 ) -> Tally {
@@ -218,6 +272,9 @@ async fn worker(
                 min_retry_latency_ms: 1_000,
                 write_scope: vec!["src".into()],
             });
+            if let Some(pacer) = &pacer {
+                pacer.wait().await;
+            }
             let began = Instant::now();
             let result = client.delegate(request).await;
             let took = began.elapsed();

@@ -63,6 +63,7 @@ pub fn new_child(
     request: RequestMeta,
     now_ms: i64,
     trust_config: &TrustConfig,
+    verified: &VerifiedAttestations,
 ) -> Result<NewChild, InputError> {
     let parent_id = id(&body.parent_id, "body.parent_id")?;
     let intent_lineage_hash = id(&body.intent_lineage_hash, "body.intent_lineage_hash")?;
@@ -89,7 +90,7 @@ pub fn new_child(
     let min_retry_latency_ms = core::non_negative(body.min_retry_latency_ms, MAX_HORIZON_MS, "body.min_retry_latency_ms")?;
     let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
     let (factor_ppm, factor_note, hop_trust) =
-        resolve_trust(body.delegate_attestation.as_ref(), &delegate_key, now_ms, trust_config)?;
+        resolve_trust(body.delegate_attestation.as_ref(), &delegate_key, now_ms, trust_config, verified)?;
     Ok(NewChild {
         parent_id,
         ask: ChildAsk {
@@ -122,6 +123,7 @@ pub fn resolve_trust(
     delegate_key: &[u8; 32],
     now_ms: i64,
     config: &TrustConfig,
+    verified: &VerifiedAttestations,
 ) -> Result<(u32, String, HopTrust), InputError> {
     let none = |note: String| {
         (
@@ -169,10 +171,12 @@ pub fn resolve_trust(
     if statement.expires_at_ms <= now_ms {
         return Ok(none("the attestation has expired".into()));
     }
-    let trusted = config
-        .attestors
-        .iter()
-        .any(|attestor| crypto::verify_envelope(envelope, payload_type::ATTESTATION, attestor).is_ok());
+    let trusted = verified.check(envelope, || {
+        config
+            .attestors
+            .iter()
+            .any(|attestor| crypto::verify_envelope(envelope, payload_type::ATTESTATION, attestor).is_ok())
+    });
     if !trusted {
         return Ok(none("the attestation is not signed by a trusted attestor".into()));
     }
@@ -185,6 +189,41 @@ pub fn resolve_trust(
             risk_class: statement.risk_class,
         },
     ))
+}
+
+/// Most attestation envelopes remembered as verified.
+const MAX_VERIFIED_ATTESTATIONS: usize = 16_384;
+
+/// Attestations are long-lived and presented again on every delegation to
+/// the same agent; remembering the ones whose signature verified saves an
+/// ed25519 verification per hop. Keyed by a digest of the whole envelope
+/// (type, payload and every signature), so any change is a miss. Expiry
+/// and the agent binding are still checked on every use.
+#[derive(Default)]
+pub struct VerifiedAttestations {
+    digests: std::sync::Mutex<std::collections::HashSet<[u8; 32]>>,
+}
+
+impl VerifiedAttestations {
+    fn check(&self, envelope: &pb::Envelope, verify: impl FnOnce() -> bool) -> bool {
+        let mut bytes = crypto::pae(&envelope.payload_type, &envelope.payload);
+        for signature in &envelope.signatures {
+            bytes.extend_from_slice(signature.keyid.as_bytes());
+            bytes.extend_from_slice(&signature.sig);
+        }
+        let digest = crypto::sha256(&bytes);
+        if self.digests.lock().is_ok_and(|set| set.contains(&digest)) {
+            return true;
+        }
+        let ok = verify();
+        if ok && let Ok(mut set) = self.digests.lock() {
+            if set.len() >= MAX_VERIFIED_ATTESTATIONS {
+                set.clear();
+            }
+            set.insert(digest);
+        }
+        ok
+    }
 }
 
 pub fn contract_state(record: ContractRecord) -> pb::ContractState {

@@ -29,6 +29,8 @@ pub struct BrokerService<S> {
     /// Published verifying keys, current first; fixed for the process's
     /// life (rotation happens offline).
     keys: Arc<Vec<pb::BrokerKey>>,
+    /// Attestation envelopes whose signature already verified.
+    verified: convert::VerifiedAttestations,
 }
 
 impl<S> BrokerService<S> {
@@ -38,6 +40,7 @@ impl<S> BrokerService<S> {
             config,
             clock,
             keys: Arc::new(keys),
+            verified: convert::VerifiedAttestations::default(),
         }
     }
 }
@@ -95,7 +98,7 @@ impl<S: Store> BrokerService<S> {
     async fn delegate(&self, request: pb::DelegateRequest) -> Result<pb::DelegateResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
         let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, self.config.limits.timestamp_window_ms)?;
-        let child = convert::new_child(signed.body, signed.request, now_ms, &self.config.trust)?;
+        let child = convert::new_child(signed.body, signed.request, now_ms, &self.config.trust, &self.verified)?;
         let answer = self.store.delegate(child).await?;
         Ok(delegate_response(answer))
     }

@@ -12,23 +12,31 @@ use prost::Message;
 use super::{Answer, Outcome, StoreError};
 use crate::core::{self, AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
 use crate::pb;
-use crate::stamp::{NewChild, NewRoot, RequestMeta, Stamper};
+use crate::stamp::{NewChild, NewRoot, RequestMeta, StampedContract, Stamper};
 
 /// Outcome codes of the `requests` table.
 pub const OUTCOME_ISSUED: i64 = 1;
 pub const OUTCOME_REFUSED: i64 = 2;
 
+/// A child stamped speculatively, off the writer, from the parent as it
+/// was last committed. The writer uses it only when its own authoritative
+/// check yields the same terms.
+pub struct Speculation {
+    pub terms: core::ChildTerms,
+    pub stamped: StampedContract,
+}
+
 /// A mutating command.
 pub enum Command {
     OpenRoot(Box<NewRoot>),
-    Delegate(Box<NewChild>),
+    Delegate(Box<NewChild>, Option<Box<Speculation>>),
 }
 
 impl Command {
     fn request(&self) -> &RequestMeta {
         match self {
             Command::OpenRoot(r) => &r.request,
-            Command::Delegate(c) => &c.request,
+            Command::Delegate(c, _) => &c.request,
         }
     }
 }
@@ -113,7 +121,7 @@ pub fn needs(commands: &[Command], known: &HashMap<Id, Known>) -> (Vec<RequestKe
     let mut parents: Vec<Id> = commands
         .iter()
         .filter_map(|c| match c {
-            Command::Delegate(child) if !known.contains_key(&child.parent_id) => Some(child.parent_id),
+            Command::Delegate(child, _) if !known.contains_key(&child.parent_id) => Some(child.parent_id),
             _ => None,
         })
         .collect();
@@ -161,7 +169,9 @@ pub fn plan(
         }
         let answer = match command {
             Command::OpenRoot(root) => Ok(open_root(root, known, &mut plan, &mut touched, stamper, now_ms)),
-            Command::Delegate(child) => delegate(child, known, &mut plan, &mut touched, stamper, now_ms),
+            Command::Delegate(child, speculation) => {
+                delegate(child, speculation.as_deref(), known, &mut plan, &mut touched, stamper, now_ms)
+            }
         };
         if let Ok(answer) = &answer {
             let (outcome, ref_id, envelope) = match &answer.outcome {
@@ -228,9 +238,9 @@ fn open_root(
         ledger: Ledger::new(root.budget),
     };
     plan.contracts.push(ContractRow {
-        id: stamped.id,
+        id: stamped.stamped.id,
         parent_id: None,
-        root_id: stamped.id,
+        root_id: stamped.stamped.id,
         depth: 0,
         delegate_key: root.request.agent,
         liability: Liability::Delegate,
@@ -240,37 +250,31 @@ fn open_root(
         deadline_ms: root.deadline_ms,
         write_scope_json: scope_json(&root.write_scope),
         policy: root.policy,
-        envelope: stamped.envelope.encode_to_vec(),
+        envelope: stamped.encoded,
         issued_at_ms: now_ms,
     });
-    remember(known, stamped.id, view, stamped.id, &stamped.envelope);
-    touched.push(stamped.id);
+    let id = stamped.stamped.id;
+    known.insert(
+        id,
+        Known {
+            view,
+            root_id: id,
+            contract: stamped.contract,
+        },
+    );
+    touched.push(id);
     Answer {
         outcome: Outcome::Issued {
-            id: stamped.id,
-            envelope: stamped.envelope,
+            id,
+            envelope: stamped.stamped.envelope,
         },
         replayed: false,
     }
 }
 
-fn remember(known: &mut HashMap<Id, Known>, id: Id, view: ParentView, root_id: Id, envelope: &pb::Envelope) {
-    // Our own freshly encoded payload always decodes; if it ever did not,
-    // the contract is simply not cached and is loaded from the store.
-    if let Ok(contract) = pb::Contract::decode(envelope.payload.as_slice()) {
-        known.insert(
-            id,
-            Known {
-                view,
-                root_id,
-                contract: Arc::new(contract),
-            },
-        );
-    }
-}
-
 fn delegate(
     child: &NewChild,
+    speculation: Option<&Speculation>,
     known: &mut HashMap<Id, Known>,
     plan: &mut Plan,
     touched: &mut Vec<Id>,
@@ -290,7 +294,10 @@ fn delegate(
                 .map_err(|e| StoreError::Corrupt(format!("ledger after a passed check: {e}")))?;
             touched.push(child.parent_id);
             let root_id = parent.root_id;
-            let stamped = stamper.child(&parent.contract, &root_id, child, &terms, now_ms);
+            let stamped = match speculation {
+                Some(s) if s.terms == terms => s.stamped.clone(),
+                _ => stamper.child(&parent.contract, &root_id, child, &terms, now_ms),
+            };
             let view = ParentView {
                 status: Status::Open,
                 delegate_key: child.delegate_key,
@@ -304,8 +311,9 @@ fn delegate(
                 policy: parent.view.policy,
                 ledger: Ledger::new(child.ask.budget),
             };
+            let id = stamped.stamped.id;
             plan.contracts.push(ContractRow {
-                id: stamped.id,
+                id,
                 parent_id: Some(child.parent_id),
                 root_id,
                 depth: terms.depth,
@@ -317,15 +325,22 @@ fn delegate(
                 deadline_ms: terms.deadline_ms,
                 write_scope_json: scope_json(&child.ask.write_scope),
                 policy: view.policy,
-                envelope: stamped.envelope.encode_to_vec(),
-                issued_at_ms: now_ms,
+                envelope: stamped.encoded,
+                issued_at_ms: stamped.contract.issued_at_ms,
             });
-            remember(known, stamped.id, view, root_id, &stamped.envelope);
-            touched.push(stamped.id);
+            known.insert(
+                id,
+                Known {
+                    view,
+                    root_id,
+                    contract: stamped.contract,
+                },
+            );
+            touched.push(id);
             Ok(Answer {
                 outcome: Outcome::Issued {
-                    id: stamped.id,
-                    envelope: stamped.envelope,
+                    id,
+                    envelope: stamped.stamped.envelope,
                 },
                 replayed: false,
             })

@@ -12,7 +12,7 @@
 //! so the PostgreSQL backend can share it.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use prost::Message;
@@ -27,7 +27,7 @@ use std::collections::HashMap;
 
 use sqlx::{QueryBuilder, Sqlite};
 
-use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey};
+use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey, Speculation};
 use super::{Answer, ContractRecord, Store, StoreError};
 use crate::clock::Clock;
 use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
@@ -50,6 +50,11 @@ pub struct SqliteOptions {
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
 
+/// Contracts' status and ledger as the writer last planned them. The writer
+/// owns every write, so it is authoritative for the writer; callers read it
+/// only to stamp speculatively (see `batch::Speculation`).
+type KnownCache = Arc<Mutex<HashMap<Id, Known>>>;
+
 /// SQLite-backed `Store`.
 #[derive(Clone)]
 pub struct SqliteStore {
@@ -57,6 +62,10 @@ pub struct SqliteStore {
     commands: mpsc::Sender<(Command, Reply)>,
     /// Read-only connections for queries.
     reader: SqlitePool,
+    known: KnownCache,
+    /// Signs speculative stamps on the caller's task, in parallel.
+    stamper: Arc<Stamper>,
+    clock: Arc<dyn Clock>,
 }
 
 fn backend(e: sqlx::Error) -> StoreError {
@@ -76,21 +85,77 @@ impl SqliteStore {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
+            // 64 MiB of page cache: the hot part of every index stays in memory.
+            .pragma("cache_size", "-65536")
+            // Checkpoints run on their own connection (see `checkpointer`),
+            // not inside the writer's commits.
+            .pragma("wal_autocheckpoint", "0")
             .busy_timeout(Duration::from_secs(10));
-        let mut writer = SqliteConnection::connect_with(&connect).await.map_err(backend)?;
-        sqlx::migrate!("./migrations/sqlite")
-            .run_direct(None, &mut writer, false)
-            .await
-            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
+        let max_batch = options.max_batch.max(1);
+        let known = KnownCache::default();
+        // The writer gets a thread and runtime of its own: its many short
+        // waits on SQLite must not queue behind request handlers busy with
+        // signature work, or every batch's round trips stretch out.
+        let (ready, writer_ready) = oneshot::channel();
+        let (writer_known, writer_stamper, writer_clock, writer_connect) =
+            (known.clone(), stamper.clone(), clock.clone(), connect.clone());
+        std::thread::Builder::new()
+            .name("store-writer".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = ready.send(Err(StoreError::Backend(format!("writer runtime: {e}"))));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    let mut writer = match open_writer(&writer_connect).await {
+                        Ok(writer) => writer,
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready.send(Ok(()));
+                    writer_loop(&mut writer, queue, writer_known, writer_stamper, writer_clock, max_batch).await;
+                    if let Err(e) = writer.close().await {
+                        tracing::warn!(error = %e, "closing the writer connection");
+                    }
+                });
+            })
+            .map_err(|e| StoreError::Backend(format!("writer thread: {e}")))?;
+        writer_ready.await.map_err(|_| StoreError::Closed)??;
+        let checkpoints = SqliteConnection::connect_with(&connect).await.map_err(backend)?;
+        tokio::spawn(checkpointer(checkpoints, commands.downgrade()));
         let reader = SqlitePoolOptions::new()
             .max_connections(options.read_connections.max(1))
             .connect_with(connect.read_only(true))
             .await
             .map_err(backend)?;
-        let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
-        let max_batch = options.max_batch.max(1);
-        tokio::spawn(writer_loop(writer, queue, stamper, clock, max_batch));
-        Ok(Self { commands, reader })
+        Ok(Self {
+            commands,
+            reader,
+            known,
+            stamper,
+            clock,
+        })
+    }
+
+    /// Stamps a child from the cached parent, so the signing happens here
+    /// rather than on the single writer. `None` when the parent is not
+    /// cached or the check (against possibly stale state) refuses.
+    fn speculate(&self, child: &NewChild) -> Option<Box<Speculation>> {
+        let (contract, root_id, view) = {
+            let known = self.known.lock().ok()?;
+            let parent = known.get(&child.parent_id)?;
+            (parent.contract.clone(), parent.root_id, parent.view.clone())
+        };
+        let now_ms = self.clock.now_ms();
+        let terms = crate::core::check_delegation(&view, &child.ask, now_ms).ok()?;
+        let stamped = self.stamper.child(&contract, &root_id, child, &terms, now_ms);
+        Some(Box::new(Speculation { terms, stamped }))
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
@@ -109,7 +174,8 @@ impl Store for SqliteStore {
     }
 
     async fn delegate(&self, child: NewChild) -> Result<Answer, StoreError> {
-        self.submit(Command::Delegate(Box::new(child))).await
+        let speculation = self.speculate(&child);
+        self.submit(Command::Delegate(Box::new(child), speculation)).await
     }
 
     async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
@@ -203,16 +269,48 @@ const MAX_CACHED_CONTRACTS: usize = 65_536;
 /// (32_766) at 18 parameters a row.
 const ROWS_PER_STATEMENT: usize = 1_000;
 
+/// How often the WAL is copied back into the database file.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Copies committed WAL frames into the database file in the background,
+/// without blocking the writer (PASSIVE), so commits never pay for it. Once
+/// everything is copied SQLite restarts the WAL from its beginning, which
+/// bounds its size. Stops when the store is dropped.
+async fn checkpointer(mut conn: SqliteConnection, alive: mpsc::WeakSender<(Command, Reply)>) {
+    let mut tick = tokio::time::interval(CHECKPOINT_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if alive.upgrade().is_none() {
+            break;
+        }
+        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&mut conn).await {
+            tracing::warn!(error = %e, "WAL checkpoint failed; will retry");
+        }
+    }
+    // A final full checkpoint leaves a compact database behind.
+    let _ = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)").execute(&mut conn).await;
+    let _ = conn.close().await;
+}
+
+/// Opens the single write connection and brings the schema up to date.
+async fn open_writer(connect: &SqliteConnectOptions) -> Result<SqliteConnection, StoreError> {
+    let mut writer = SqliteConnection::connect_with(connect).await.map_err(backend)?;
+    sqlx::migrate!("./migrations/sqlite")
+        .run_direct(None, &mut writer, false)
+        .await
+        .map_err(|e| StoreError::Backend(e.to_string()))?;
+    Ok(writer)
+}
+
 async fn writer_loop(
-    mut conn: SqliteConnection,
+    conn: &mut SqliteConnection,
     mut queue: mpsc::Receiver<(Command, Reply)>,
+    known: KnownCache,
     stamper: Arc<Stamper>,
     clock: Arc<dyn Clock>,
     max_batch: usize,
 ) {
-    // Contracts' current state as of the last commit. The writer owns every
-    // write, so this cache never goes stale; it is dropped on any failure.
-    let mut known: HashMap<Id, Known> = HashMap::new();
     let mut commands = Vec::with_capacity(max_batch);
     let mut replies = Vec::with_capacity(max_batch);
     while let Some((first, reply)) = queue.recv().await {
@@ -227,11 +325,8 @@ async fn writer_loop(
                 Err(_) => break,
             }
         }
-        if known.len() > MAX_CACHED_CONTRACTS {
-            known.clear();
-        }
         let began = std::time::Instant::now();
-        match apply_batch(&mut conn, &commands, &mut known, &stamper, clock.now_ms()).await {
+        match apply_batch(conn, &commands, &known, &stamper, clock.now_ms()).await {
             Ok(answers) => {
                 tracing::trace!(size = commands.len(), took_us = began.elapsed().as_micros() as u64, "batch committed");
                 for (reply, answer) in replies.drain(..).zip(answers) {
@@ -242,7 +337,8 @@ async fn writer_loop(
             }
             Err(e) => {
                 tracing::error!(error = %e, size = commands.len(), "batch rolled back");
-                known.clear();
+                // The plan already changed the cache; the database did not.
+                lock(&known).clear();
                 for reply in replies.drain(..) {
                     let _ = reply.send(Err(StoreError::Backend(e.to_string())));
                 }
@@ -258,12 +354,18 @@ async fn writer_loop(
 async fn apply_batch(
     conn: &mut SqliteConnection,
     commands: &[Command],
-    known: &mut HashMap<Id, Known>,
+    known: &KnownCache,
     stamper: &Stamper,
     now_ms: i64,
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
     let mut tx = conn.begin().await?;
-    let (request_keys, parent_ids) = batch::needs(commands, known);
+    let (request_keys, parent_ids) = {
+        let mut cache = lock(known);
+        if cache.len() > MAX_CACHED_CONTRACTS {
+            cache.clear();
+        }
+        batch::needs(commands, &cache)
+    };
     let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
     let mut corrupt = Vec::new();
     for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
@@ -273,10 +375,12 @@ async fn apply_batch(
             list.push_bind(id.as_slice());
         }
         query.push(")");
-        for row in query.build().fetch_all(&mut *tx).await? {
+        let rows = query.build().fetch_all(&mut *tx).await?;
+        let mut cache = lock(known);
+        for row in rows {
             match known_from_row(&row) {
                 Ok((id, k)) => {
-                    known.insert(id, k);
+                    cache.insert(id, k);
                 }
                 Err(e) => corrupt.push(e),
             }
@@ -286,12 +390,17 @@ async fn apply_batch(
         return Err(sqlx::Error::Protocol(format!("corrupt contract row: {e}")));
     }
     let t0 = std::time::Instant::now();
-    let plan = batch::plan(commands, &mut prior, known, stamper, now_ms);
+    let plan = batch::plan(commands, &mut prior, &mut lock(known), stamper, now_ms);
     let t1 = std::time::Instant::now();
     write_plan(&mut tx, &plan).await?;
     let t2 = std::time::Instant::now();
     tx.commit().await?;
-    tracing::trace!(plan_us = (t1 - t0).as_micros() as u64, write_us = (t2 - t1).as_micros() as u64, commit_us = t2.elapsed().as_micros() as u64, "phases");
+    tracing::trace!(
+        plan_us = (t1 - t0).as_micros() as u64,
+        write_us = (t2 - t1).as_micros() as u64,
+        commit_us = t2.elapsed().as_micros() as u64,
+        "batch phases"
+    );
     Ok(plan.answers)
 }
 
@@ -461,4 +570,14 @@ fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
             contract: Arc::new(contract),
         },
     ))
+}
+
+/// Locks the cache. A panic while holding it (a bug) must not wedge the
+/// broker: the cache is only an accelerator, so a poisoned one is cleared.
+fn lock(known: &KnownCache) -> MutexGuard<'_, HashMap<Id, Known>> {
+    known.lock().unwrap_or_else(|poisoned| {
+        let mut guard = poisoned.into_inner();
+        guard.clear();
+        guard
+    })
 }
