@@ -69,7 +69,13 @@ impl Agent {
     }
 
     /// As an attestor: vouches for `agent` with `factor` until `expires_at_ms`.
-    pub fn attest(&self, agent: [u8; 32], factor: f64, expires_at_ms: i64, risk_class: &str) -> pb::Envelope {
+    pub fn attest(
+        &self,
+        agent: [u8; 32],
+        factor: f64,
+        expires_at_ms: i64,
+        risk_class: &str,
+    ) -> pb::Envelope {
         self.sign(
             payload_type::ATTESTATION,
             &pb::Attestation {

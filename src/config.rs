@@ -74,9 +74,15 @@ impl Default for Limits {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {source}")]
-    Parse { path: PathBuf, source: toml::de::Error },
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("{field}: {reason}")]
     Invalid { field: String, reason: String },
 }
@@ -138,7 +144,8 @@ impl Config {
         for (agent, factor) in &file.trust.static_factors {
             let field = format!("trust.static.{agent}");
             let key = parse_public_key(agent, &field)?;
-            let ppm = trust::factor_to_ppm(*factor).ok_or_else(|| invalid(&field, "factor must be in (0, 1]"))?;
+            let ppm = trust::factor_to_ppm(*factor)
+                .ok_or_else(|| invalid(&field, "factor must be in (0, 1]"))?;
             static_factors_ppm.insert(key.to_bytes(), ppm);
         }
         let config = Self {
@@ -156,10 +163,16 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         let l = &self.limits;
         if !(4096..=64 * 1024 * 1024).contains(&l.max_request_bytes) {
-            return Err(invalid("limits.max_request_bytes", "must be in 4096..=67108864"));
+            return Err(invalid(
+                "limits.max_request_bytes",
+                "must be in 4096..=67108864",
+            ));
         }
         if !(1_000..=3_600_000).contains(&l.timestamp_window_ms) {
-            return Err(invalid("limits.timestamp_window_ms", "must be in 1000..=3600000"));
+            return Err(invalid(
+                "limits.timestamp_window_ms",
+                "must be in 1000..=3600000",
+            ));
         }
         if l.max_depth == 0 || l.max_depth > crate::core::limits::MAX_DEPTH_CEILING {
             return Err(invalid("limits.max_depth", "must be in 1..=64"));
@@ -168,10 +181,16 @@ impl Config {
             return Err(invalid("limits.max_children", "must be in 1..=1024"));
         }
         if l.writer_queue_depth == 0 || l.max_batch == 0 || l.read_connections == 0 {
-            return Err(invalid("limits", "queue depth, batch size and connections must be positive"));
+            return Err(invalid(
+                "limits",
+                "queue depth, batch size and connections must be positive",
+            ));
         }
         if l.max_concurrent_requests_per_connection == 0 || l.request_timeout_ms == 0 {
-            return Err(invalid("limits", "concurrency and timeout must be positive"));
+            return Err(invalid(
+                "limits",
+                "concurrency and timeout must be positive",
+            ));
         }
         Ok(())
     }

@@ -23,7 +23,10 @@ pub struct Keyring {
 #[derive(Debug, thiserror::Error)]
 pub enum KeystoreError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {reason}")]
     Malformed { path: PathBuf, reason: String },
 }
@@ -102,10 +105,17 @@ pub fn load_or_create(data_dir: &Path) -> Result<Keyring, KeystoreError> {
 pub fn rotate(data_dir: &Path) -> Result<VerifyingKey, KeystoreError> {
     let keyring = load_or_create(data_dir)?;
     let retired_path = data_dir.join(RETIRED_KEYS_FILE);
-    let mut lines: Vec<String> = keyring.retired.iter().map(|k| hex::encode(k.to_bytes())).collect();
+    let mut lines: Vec<String> = keyring
+        .retired
+        .iter()
+        .map(|k| hex::encode(k.to_bytes()))
+        .collect();
     lines.push(hex::encode(keyring.current.verifying_key().to_bytes()));
     write_secret(&retired_path, &(lines.join("\n") + "\n"))?;
     let fresh = crypto::generate_signing_key();
-    write_secret(&data_dir.join(CURRENT_KEY_FILE), &hex::encode(fresh.to_bytes()))?;
+    write_secret(
+        &data_dir.join(CURRENT_KEY_FILE),
+        &hex::encode(fresh.to_bytes()),
+    )?;
     Ok(fresh.verifying_key())
 }

@@ -19,5 +19,6 @@ pub mod pb {
     tonic::include_proto!("delegation.broker.v1");
 
     /// The encoded descriptor set of the public API, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/broker_descriptor.bin"));
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/broker_descriptor.bin"));
 }

@@ -34,7 +34,11 @@ pub enum ServerError {
 
 /// Serves the broker on `listener` until `shutdown` resolves, then drains
 /// in-flight requests and returns.
-pub async fn run(listener: TcpListener, config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServerError> {
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServerError> {
     run_with_clock(listener, config, Arc::new(SystemClock), shutdown).await
 }
 
@@ -95,7 +99,9 @@ pub async fn run_with_clock(
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .layer(tower::util::MapResponseLayer::new(crate::service::transport::rewrite_decoder_errors))
+        .layer(tower::util::MapResponseLayer::new(
+            crate::service::transport::rewrite_decoder_errors,
+        ))
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)
@@ -107,7 +113,9 @@ pub async fn run_with_clock(
 
 /// Accepted connections with Nagle's algorithm off: small gRPC frames
 /// would otherwise wait out delayed ACKs (~40 ms per round trip).
-fn incoming(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+fn incoming(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     use tokio_stream::StreamExt;
     TcpListenerStream::new(listener).map(|accepted| {
         let stream = accepted?;

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use ed25519_dalek::SigningKey;
 use prost::Message;
 
-use crate::core::{AgentKey, ChildAsk, ChildTerms, Id, Liability, Policy, Predicate, Refusal, Scope};
+use crate::core::{
+    AgentKey, ChildAsk, ChildTerms, Id, Liability, Policy, Predicate, Refusal, Scope,
+};
 use crate::crypto::{self, payload_type};
 use crate::pb;
 
@@ -157,7 +159,10 @@ impl Stamper {
             hop_proofs: vec![proof],
             request_digest: root.request.digest.to_vec(),
         };
-        StampedContract::new(self.seal(payload_type::CONTRACT, contract.encode_to_vec()), contract)
+        StampedContract::new(
+            self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
+            contract,
+        )
     }
 
     /// Stamps a child that passed every invariant. `parent` is the parent's
@@ -172,23 +177,25 @@ impl Stamper {
     ) -> StampedContract {
         let mut hop_proofs = Vec::with_capacity(parent.hop_proofs.len() + 1);
         hop_proofs.extend_from_slice(&parent.hop_proofs);
-        hop_proofs.push(self.hop_proof(pb::HopProof {
-            broker_key_id: self.key_id.clone(),
-            parent_id: child.parent_id.to_vec(),
-            depth: terms.depth,
-            agent_public_key: child.delegate_key.to_vec(),
-            factor_ppm: child.ask.factor_ppm,
-            cumulative_trust_ppm: terms.cumulative_trust_ppm,
-            trust_source: child.trust.source as i32,
-            attestation_digest: child
-                .trust
-                .attestation_digest
-                .map(|d| d.to_vec())
-                .unwrap_or_default(),
-            risk_class: child.trust.risk_class.clone(),
-            intent_lineage_hash: parent.intent_lineage_hash.clone(),
-            issued_at_ms: now_ms,
-        }));
+        hop_proofs.push(
+            self.hop_proof(pb::HopProof {
+                broker_key_id: self.key_id.clone(),
+                parent_id: child.parent_id.to_vec(),
+                depth: terms.depth,
+                agent_public_key: child.delegate_key.to_vec(),
+                factor_ppm: child.ask.factor_ppm,
+                cumulative_trust_ppm: terms.cumulative_trust_ppm,
+                trust_source: child.trust.source as i32,
+                attestation_digest: child
+                    .trust
+                    .attestation_digest
+                    .map(|d| d.to_vec())
+                    .unwrap_or_default(),
+                risk_class: child.trust.risk_class.clone(),
+                intent_lineage_hash: parent.intent_lineage_hash.clone(),
+                issued_at_ms: now_ms,
+            }),
+        );
         let contract = pb::Contract {
             broker_key_id: self.key_id.clone(),
             parent_id: child.parent_id.to_vec(),
@@ -213,7 +220,10 @@ impl Stamper {
             hop_proofs,
             request_digest: child.request.digest.to_vec(),
         };
-        StampedContract::new(self.seal(payload_type::CONTRACT, contract.encode_to_vec()), contract)
+        StampedContract::new(
+            self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
+            contract,
+        )
     }
 
     /// Signs a refusal receipt naming every violated invariant.

@@ -93,9 +93,15 @@ struct Tally {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.concurrency > 0 && args.concurrency <= 4096, "--concurrency must be 1..=4096");
+    anyhow::ensure!(
+        args.concurrency > 0 && args.concurrency <= 4096,
+        "--concurrency must be 1..=4096"
+    );
     anyhow::ensure!((1..=64).contains(&args.depth), "--depth must be 1..=64");
-    anyhow::ensure!(args.connections > 0 && args.connections <= 256, "--connections must be 1..=256");
+    anyhow::ensure!(
+        args.connections > 0 && args.connections <= 256,
+        "--connections must be 1..=256"
+    );
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(drive(args))
 }
@@ -116,7 +122,10 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         None => {
             let dir = tempfile_dir()?;
             let mut config = Config::load(dir.clone(), None)?;
-            config.trust.attestors.push(crate::crypto::public_key(&attestor.public_key())?);
+            config
+                .trust
+                .attestors
+                .push(crate::crypto::public_key(&attestor.public_key())?);
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let addr = format!("http://{}", listener.local_addr()?);
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -282,7 +291,9 @@ async fn worker(
             match result.map(|r| r.into_inner().outcome) {
                 Ok(Some(pb::delegate_response::Outcome::Issued(issued))) => {
                     if measured {
-                        tally.latencies_us.push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
+                        tally
+                            .latencies_us
+                            .push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
                     }
                     parent = issued.contract_id;
                     budget /= 2;

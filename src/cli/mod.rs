@@ -12,7 +12,11 @@ use tracing_subscriber::EnvFilter;
 use crate::config::Config;
 
 #[derive(Parser, Debug)]
-#[command(name = "delegation-broker", version, about = "A gRPC delegation broker for AI agents")]
+#[command(
+    name = "delegation-broker",
+    version,
+    about = "A gRPC delegation broker for AI agents"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -64,7 +68,9 @@ enum Command {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("BROKER_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(
+            EnvFilter::try_from_env("BROKER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
@@ -78,7 +84,10 @@ pub fn main() -> ExitCode {
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
             .map_err(anyhow::Error::from),
         Command::Bench(args) => bench::run(args),
-        Command::Verify { public_key, envelope } => verify(&public_key, &envelope),
+        Command::Verify {
+            public_key,
+            envelope,
+        } => verify(&public_key, &envelope),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -159,6 +168,9 @@ fn verify(public_key: &str, envelope: &std::path::Path) -> anyhow::Result<()> {
         .find(|t| *t == envelope.payload_type)
         .ok_or_else(|| anyhow::anyhow!("unknown payload type {:?}", envelope.payload_type))?;
     crate::crypto::verify_envelope(&envelope, payload_type, &key)?;
-    println!("ok {payload_type} {}", crate::crypto::key_id(&key.to_bytes()));
+    println!(
+        "ok {payload_type} {}",
+        crate::crypto::key_id(&key.to_bytes())
+    );
     Ok(())
 }

@@ -208,7 +208,10 @@ pub fn check_delegation(
             InvariantCode::DepthExceeded,
             depth.to_string(),
             parent.policy.max_depth.to_string(),
-            format!("depth {depth} exceeds the policy's max_depth {}", parent.policy.max_depth),
+            format!(
+                "depth {depth} exceeds the policy's max_depth {}",
+                parent.policy.max_depth
+            ),
         );
     }
 
@@ -308,7 +311,10 @@ pub fn check_delegation(
             InvariantCode::BudgetExceedsParent,
             ask.budget.to_string(),
             residual.max(0).to_string(),
-            format!("budget {} exceeds the parent's residual {residual}", ask.budget),
+            format!(
+                "budget {} exceeds the parent's residual {residual}",
+                ask.budget
+            ),
         );
     }
 

@@ -146,13 +146,21 @@ pub fn budget_units(value: i64, field: &'static str) -> Result<i64, InputError> 
 /// Validates a non-negative cost or latency for `field`.
 pub fn non_negative(value: i64, max: i64, field: &'static str) -> Result<i64, InputError> {
     if !(0..=max).contains(&value) {
-        return Err(InputError::new(field, format!("{value} is outside 0..={max}")));
+        return Err(InputError::new(
+            field,
+            format!("{value} is outside 0..={max}"),
+        ));
     }
     Ok(value)
 }
 
 /// Validates a text field's length (and, when required, its presence).
-pub fn text(value: &str, max_bytes: usize, required: bool, field: &'static str) -> Result<(), InputError> {
+pub fn text(
+    value: &str,
+    max_bytes: usize,
+    required: bool,
+    field: &'static str,
+) -> Result<(), InputError> {
     if required && value.trim().is_empty() {
         return Err(InputError::new(field, "is required"));
     }

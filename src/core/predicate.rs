@@ -73,7 +73,8 @@ mod tests {
         let a = Predicate::parse("result.schema_valid", "p").unwrap();
         let b = Predicate::parse("result.within_scope || result.consumed < 3", "p").unwrap();
         let c = Predicate::parse("result.tool_calls < 10", "p").unwrap();
-        let ab = Predicate::conjoin(&Predicate::conjoin(&Predicate::default(), &a).unwrap(), &b).unwrap();
+        let ab = Predicate::conjoin(&Predicate::conjoin(&Predicate::default(), &a).unwrap(), &b)
+            .unwrap();
         let abc = Predicate::conjoin(&ab, &c).unwrap();
         assert_eq!(
             abc.as_str(),
@@ -82,7 +83,10 @@ mod tests {
         assert!(Predicate::parse(abc.as_str(), "p").is_ok());
         let none = Predicate::default();
         assert_eq!(Predicate::conjoin(&ab, &none).unwrap(), ab);
-        assert_eq!(Predicate::conjoin(&none, &b).unwrap().as_str(), "(result.within_scope || result.consumed < 3)");
+        assert_eq!(
+            Predicate::conjoin(&none, &b).unwrap().as_str(),
+            "(result.within_scope || result.consumed < 3)"
+        );
         assert!(Predicate::conjoin(&none, &none).unwrap().is_empty());
     }
 }

@@ -3,7 +3,7 @@
 //! claim violation (seeds/000).
 
 use super::error::InputError;
-use super::limits::{MAX_SCOPE_PREFIXES, MAX_SCOPE_PREFIX_BYTES};
+use super::limits::{MAX_SCOPE_PREFIX_BYTES, MAX_SCOPE_PREFIXES};
 
 /// A validated, normalized list of path prefixes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -20,14 +20,18 @@ impl Scope {
         if raw.len() > MAX_SCOPE_PREFIXES {
             return Err(InputError::new(
                 field,
-                format!("{} prefixes, at most {MAX_SCOPE_PREFIXES} allowed", raw.len()),
+                format!(
+                    "{} prefixes, at most {MAX_SCOPE_PREFIXES} allowed",
+                    raw.len()
+                ),
             ));
         }
         let mut prefixes = Vec::with_capacity(raw.len());
         for (i, p) in raw.iter().enumerate() {
-            prefixes.push(normalize(p).map_err(|why| {
-                InputError::new(field, format!("prefix {i} ({p:?}): {why}"))
-            })?);
+            prefixes.push(
+                normalize(p)
+                    .map_err(|why| InputError::new(field, format!("prefix {i} ({p:?}): {why}")))?,
+            );
         }
         prefixes.sort();
         prefixes.dedup();
@@ -116,8 +120,15 @@ mod tests {
     #[test]
     fn narrowing_is_allowed_and_widening_reported() {
         let parent = scope(&["src/", "docs"]);
-        assert!(scope(&["src/auth", "docs/a.md"]).widening_over(&parent).is_empty());
-        assert_eq!(scope(&["src/auth", "tests"]).widening_over(&parent), vec!["tests"]);
+        assert!(
+            scope(&["src/auth", "docs/a.md"])
+                .widening_over(&parent)
+                .is_empty()
+        );
+        assert_eq!(
+            scope(&["src/auth", "tests"]).widening_over(&parent),
+            vec!["tests"]
+        );
         assert!(Scope::default().widening_over(&parent).is_empty());
     }
 

@@ -19,7 +19,8 @@ fn parent() -> ParentView {
         intent_lineage_hash: LINEAGE,
         cumulative_trust_ppm: 900_000,
         liability: Liability::Delegate,
-        effective_predicate: Predicate::parse("(result.schema_valid && result.within_scope)", "p").unwrap(),
+        effective_predicate: Predicate::parse("(result.schema_valid && result.within_scope)", "p")
+            .unwrap(),
         deadline_ms: NOW + 90_000,
         write_scope: scope(&["src"]),
         policy: Policy {
@@ -50,7 +51,9 @@ fn ask() -> ChildAsk {
 }
 
 fn codes(p: &ParentView, a: &ChildAsk) -> Vec<InvariantCode> {
-    check_delegation(p, a, NOW).map(|_| Vec::new()).unwrap_or_else(|r| r.codes())
+    check_delegation(p, a, NOW)
+        .map(|_| Vec::new())
+        .unwrap_or_else(|r| r.codes())
 }
 
 #[test]
@@ -66,7 +69,10 @@ fn a_well_formed_hop_is_issued_with_terms_by_construction() {
     );
     let mut a = ask();
     a.deadline_ms = None;
-    assert_eq!(check_delegation(&parent(), &a, NOW).unwrap().deadline_ms, NOW + 90_000);
+    assert_eq!(
+        check_delegation(&parent(), &a, NOW).unwrap().deadline_ms,
+        NOW + 90_000
+    );
 }
 
 #[test]
@@ -80,23 +86,39 @@ fn every_code_is_produced_alone_by_its_own_violation() {
         }),
         (InvariantCode::NotHolder, |_, a| a.requester = [9; 32]),
         (InvariantCode::DepthExceeded, |p, _| p.depth = 4),
-        (InvariantCode::IntentDiluted, |_, a| a.intent_lineage_hash = [8; 32]),
-        (InvariantCode::TrustAttenuated, |_, a| a.factor_ppm = 400_000),
-        (InvariantCode::LiabilityWithoutPredicate, |p, _| p.effective_predicate = Predicate::default()),
-        (InvariantCode::LiabilityWithoutEscalation, |_, a| a.escalation_channel.clear()),
-        (InvariantCode::LiabilityFromRetainingParent, |p, _| p.liability = Liability::Principal),
+        (InvariantCode::IntentDiluted, |_, a| {
+            a.intent_lineage_hash = [8; 32]
+        }),
+        (InvariantCode::TrustAttenuated, |_, a| {
+            a.factor_ppm = 400_000
+        }),
+        (InvariantCode::LiabilityWithoutPredicate, |p, _| {
+            p.effective_predicate = Predicate::default()
+        }),
+        (InvariantCode::LiabilityWithoutEscalation, |_, a| {
+            a.escalation_channel.clear()
+        }),
+        (InvariantCode::LiabilityFromRetainingParent, |p, _| {
+            p.liability = Liability::Principal
+        }),
         (InvariantCode::BelowRetryCost, |p, a| {
             p.policy.retry_headroom = false;
             a.budget = 11;
         }),
-        (InvariantCode::BelowRetryLatency, |_, a| a.min_retry_latency_ms = 60_001),
+        (InvariantCode::BelowRetryLatency, |_, a| {
+            a.min_retry_latency_ms = 60_001
+        }),
         (InvariantCode::BudgetExceedsParent, |p, a| {
             p.policy.retry_headroom = false;
             a.budget = 26;
         }),
-        (InvariantCode::DeadlineExceedsParent, |_, a| a.deadline_ms = Some(NOW + 90_001)),
+        (InvariantCode::DeadlineExceedsParent, |_, a| {
+            a.deadline_ms = Some(NOW + 90_001)
+        }),
         (InvariantCode::NoRetryHeadroom, |_, a| a.budget = 14),
-        (InvariantCode::ScopeWidened, |_, a| a.write_scope = scope(&["docs"])),
+        (InvariantCode::ScopeWidened, |_, a| {
+            a.write_scope = scope(&["docs"])
+        }),
         (InvariantCode::FanoutExceeded, |p, a| {
             p.policy.max_children = 1;
             p.ledger.open_children = 1;
@@ -162,7 +184,9 @@ fn the_primary_reason_is_the_lowest_code() {
     assert_eq!(refusal.primary(), InvariantCode::ParentNotActive);
     let c = refusal.codes();
     assert!(c.windows(2).all(|w| w[0] < w[1]), "{c:?}");
-    assert!(c.contains(&InvariantCode::NotHolder) && c.contains(&InvariantCode::BudgetExceedsParent));
+    assert!(
+        c.contains(&InvariantCode::NotHolder) && c.contains(&InvariantCode::BudgetExceedsParent)
+    );
 }
 
 proptest! {

@@ -24,7 +24,10 @@ pub const MAX_SIGNATURES: usize = 4;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CryptoError {
     #[error("payload_type is {found:?}, expected {expected:?}")]
-    WrongPayloadType { expected: &'static str, found: String },
+    WrongPayloadType {
+        expected: &'static str,
+        found: String,
+    },
     #[error("no signature verifies with the expected key")]
     BadSignature,
     #[error("{0} signatures, at most {MAX_SIGNATURES} allowed")]
@@ -140,8 +143,14 @@ mod tests {
         ));
         let mut tampered = env.clone();
         tampered.payload[0] ^= 1;
-        assert_eq!(verify_envelope(&tampered, payload_type::RECEIPT, &vk), Err(CryptoError::BadSignature));
+        assert_eq!(
+            verify_envelope(&tampered, payload_type::RECEIPT, &vk),
+            Err(CryptoError::BadSignature)
+        );
         let other = generate_signing_key().verifying_key();
-        assert_eq!(verify_envelope(&env, payload_type::RECEIPT, &other), Err(CryptoError::BadSignature));
+        assert_eq!(
+            verify_envelope(&env, payload_type::RECEIPT, &other),
+            Err(CryptoError::BadSignature)
+        );
     }
 }

@@ -16,6 +16,23 @@ pub struct Authenticated<T> {
     pub body: T,
     pub request: RequestMeta,
     pub agent: AgentKey,
+    /// False when the timestamp is outside the window: such a request may
+    /// only be answered from the idempotency log (a late retry of a request
+    /// the broker already answered), never executed.
+    pub fresh: bool,
+}
+
+impl<T> Authenticated<T> {
+    /// The error for a stale request with no stored answer.
+    pub fn stale_error(&self, now_ms: i64, window_ms: i64, timestamp_ms: i64) -> ServiceError {
+        let skew_ms = now_ms.saturating_sub(timestamp_ms).saturating_abs();
+        ServiceError::Unauthenticated {
+            reason: "STALE_TIMESTAMP",
+            detail: format!(
+                "body.header.timestamp_ms is {skew_ms} ms from the broker's clock, beyond the {window_ms} ms window"
+            ),
+        }
+    }
 }
 
 /// Request payloads that start with a `RequestHeader`.
@@ -46,45 +63,61 @@ pub fn authenticate<T: SignedBody>(
 ) -> Result<Authenticated<T>, ServiceError> {
     let envelope = signed.ok_or_else(|| InputError::new("signed", "is required"))?;
     if envelope.payload_type != T::PAYLOAD_TYPE {
-        return Err(InputError::new("signed.payload_type", format!("must be {:?}", T::PAYLOAD_TYPE)).into());
+        return Err(InputError::new(
+            "signed.payload_type",
+            format!("must be {:?}", T::PAYLOAD_TYPE),
+        )
+        .into());
     }
     if envelope.signatures.len() != 1 {
         return Err(InputError::new(
             "signed.signatures",
-            format!("exactly one signature required, got {}", envelope.signatures.len()),
+            format!(
+                "exactly one signature required, got {}",
+                envelope.signatures.len()
+            ),
         )
         .into());
     }
-    let body = T::decode(envelope.payload.as_slice())
-        .map_err(|e| InputError::new("signed.payload", format!("is not a valid {}: {e}", T::PAYLOAD_TYPE)))?;
-    let header = body.header().ok_or_else(|| InputError::new("body.header", "is required"))?;
+    let body = T::decode(envelope.payload.as_slice()).map_err(|e| {
+        InputError::new(
+            "signed.payload",
+            format!("is not a valid {}: {e}", T::PAYLOAD_TYPE),
+        )
+    })?;
+    let header = body
+        .header()
+        .ok_or_else(|| InputError::new("body.header", "is required"))?;
     let key = crypto::public_key(&header.agent_public_key)
         .map_err(|e| InputError::new("body.header.agent_public_key", e.to_string()))?;
     if !(MIN_NONCE_BYTES..=MAX_NONCE_BYTES).contains(&header.nonce.len()) {
         return Err(InputError::new(
             "body.header.nonce",
-            format!("{} bytes, must be {MIN_NONCE_BYTES}..={MAX_NONCE_BYTES}", header.nonce.len()),
+            format!(
+                "{} bytes, must be {MIN_NONCE_BYTES}..={MAX_NONCE_BYTES}",
+                header.nonce.len()
+            ),
         )
         .into());
     }
-    crypto::verify_envelope(envelope, T::PAYLOAD_TYPE, &key).map_err(|e| ServiceError::Unauthenticated {
-        reason: "BAD_SIGNATURE",
-        detail: format!("signed: {e}"),
+    crypto::verify_envelope(envelope, T::PAYLOAD_TYPE, &key).map_err(|e| {
+        ServiceError::Unauthenticated {
+            reason: "BAD_SIGNATURE",
+            detail: format!("signed: {e}"),
+        }
     })?;
     let skew_ms = now_ms.saturating_sub(header.timestamp_ms).saturating_abs();
-    if skew_ms > window_ms {
-        return Err(ServiceError::Unauthenticated {
-            reason: "STALE_TIMESTAMP",
-            detail: format!(
-                "body.header.timestamp_ms is {skew_ms} ms from the broker's clock, beyond the {window_ms} ms window"
-            ),
-        });
-    }
+    let fresh = skew_ms <= window_ms;
     let agent = key.to_bytes();
     let request = RequestMeta {
         agent,
         nonce: header.nonce.clone(),
         digest: crypto::sha256(&crypto::pae(&envelope.payload_type, &envelope.payload)),
     };
-    Ok(Authenticated { body, request, agent })
+    Ok(Authenticated {
+        body,
+        request,
+        agent,
+        fresh,
+    })
 }

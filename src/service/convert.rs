@@ -32,20 +32,32 @@ fn policy(p: Option<&pb::Policy>, limits: &Limits) -> Result<Policy, InputError>
     )
 }
 
-pub fn new_root(body: pb::OpenRootBody, request: RequestMeta, now_ms: i64, limits: &Limits) -> Result<NewRoot, InputError> {
+pub fn new_root(
+    body: pb::OpenRootBody,
+    request: RequestMeta,
+    now_ms: i64,
+    limits: &Limits,
+) -> Result<NewRoot, InputError> {
     core::text(&body.intent, MAX_TEXT_BYTES, true, "body.intent")?;
     core::text(&body.task, MAX_TEXT_BYTES, false, "body.task")?;
     let budget = core::budget_units(body.budget, "body.budget")?;
     if body.deadline_ms <= now_ms || body.deadline_ms > now_ms.saturating_add(MAX_HORIZON_MS) {
         return Err(InputError::new(
             "body.deadline_ms",
-            format!("{} must be in the future and at most {MAX_HORIZON_MS} ms away", body.deadline_ms),
+            format!(
+                "{} must be in the future and at most {MAX_HORIZON_MS} ms away",
+                body.deadline_ms
+            ),
         ));
     }
     let policy = policy(body.policy.as_ref(), limits)?;
     let predicate = Predicate::parse(&body.predicate, "body.predicate")?;
     let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
-    let task = if body.task.trim().is_empty() { body.intent.clone() } else { body.task };
+    let task = if body.task.trim().is_empty() {
+        body.intent.clone()
+    } else {
+        body.task
+    };
     Ok(NewRoot {
         request,
         intent: body.intent,
@@ -77,7 +89,9 @@ pub fn new_child(
         d if d < 0 || d > now_ms.saturating_add(MAX_HORIZON_MS) => {
             return Err(InputError::new(
                 "body.deadline_ms",
-                format!("{d} must be 0 (the parent's) or a unix time at most {MAX_HORIZON_MS} ms away"),
+                format!(
+                    "{d} must be 0 (the parent's) or a unix time at most {MAX_HORIZON_MS} ms away"
+                ),
             ));
         }
         d => Some(d),
@@ -85,12 +99,27 @@ pub fn new_child(
     let liability = Liability::from_i32(body.liability)
         .ok_or_else(|| InputError::new("body.liability", "must be PRINCIPAL or DELEGATE"))?;
     let predicate = Predicate::parse(&body.predicate, "body.predicate")?;
-    core::text(&body.escalation_channel, MAX_CHANNEL_BYTES, false, "body.escalation_channel")?;
-    let min_retry_cost = core::non_negative(body.min_retry_cost, MAX_BUDGET_UNITS, "body.min_retry_cost")?;
-    let min_retry_latency_ms = core::non_negative(body.min_retry_latency_ms, MAX_HORIZON_MS, "body.min_retry_latency_ms")?;
+    core::text(
+        &body.escalation_channel,
+        MAX_CHANNEL_BYTES,
+        false,
+        "body.escalation_channel",
+    )?;
+    let min_retry_cost =
+        core::non_negative(body.min_retry_cost, MAX_BUDGET_UNITS, "body.min_retry_cost")?;
+    let min_retry_latency_ms = core::non_negative(
+        body.min_retry_latency_ms,
+        MAX_HORIZON_MS,
+        "body.min_retry_latency_ms",
+    )?;
     let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
-    let (factor_ppm, factor_note, hop_trust) =
-        resolve_trust(body.delegate_attestation.as_ref(), &delegate_key, now_ms, trust_config, verified)?;
+    let (factor_ppm, factor_note, hop_trust) = resolve_trust(
+        body.delegate_attestation.as_ref(),
+        &delegate_key,
+        now_ms,
+        trust_config,
+        verified,
+    )?;
     Ok(NewChild {
         parent_id,
         ask: ChildAsk {
@@ -156,15 +185,24 @@ pub fn resolve_trust(
             format!("must be {:?}", payload_type::ATTESTATION),
         ));
     }
-    let statement = pb::Attestation::decode(envelope.payload.as_slice())
-        .map_err(|e| InputError::new("body.delegate_attestation.payload", format!("is not an Attestation: {e}")))?;
+    let statement = pb::Attestation::decode(envelope.payload.as_slice()).map_err(|e| {
+        InputError::new(
+            "body.delegate_attestation.payload",
+            format!("is not an Attestation: {e}"),
+        )
+    })?;
     let factor_ppm = trust::factor_to_ppm(statement.factor).ok_or_else(|| {
         InputError::new(
             "body.delegate_attestation.factor",
             format!("{} is outside (0, 1]", statement.factor),
         )
     })?;
-    core::text(&statement.risk_class, MAX_RISK_CLASS_BYTES, false, "body.delegate_attestation.risk_class")?;
+    core::text(
+        &statement.risk_class,
+        MAX_RISK_CLASS_BYTES,
+        false,
+        "body.delegate_attestation.risk_class",
+    )?;
     if statement.agent_public_key.as_slice() != delegate_key.as_slice() {
         return Ok(none("the attestation is for another agent".into()));
     }
@@ -172,13 +210,14 @@ pub fn resolve_trust(
         return Ok(none("the attestation has expired".into()));
     }
     let trusted = verified.check(envelope, || {
-        config
-            .attestors
-            .iter()
-            .any(|attestor| crypto::verify_envelope(envelope, payload_type::ATTESTATION, attestor).is_ok())
+        config.attestors.iter().any(|attestor| {
+            crypto::verify_envelope(envelope, payload_type::ATTESTATION, attestor).is_ok()
+        })
     });
     if !trusted {
-        return Ok(none("the attestation is not signed by a trusted attestor".into()));
+        return Ok(none(
+            "the attestation is not signed by a trusted attestor".into(),
+        ));
     }
     Ok((
         factor_ppm,

@@ -20,7 +20,10 @@ pub enum ServiceError {
     Invalid(#[from] InputError),
     /// The request's signature or timestamp does not hold.
     #[error("{detail}")]
-    Unauthenticated { reason: &'static str, detail: String },
+    Unauthenticated {
+        reason: &'static str,
+        detail: String,
+    },
     #[error("{what} {id} not found")]
     NotFound { what: &'static str, id: String },
     /// The nonce was used before with a different body.
@@ -63,15 +66,26 @@ impl From<ServiceError> for Status {
                 "NOT_FOUND",
                 vec![("what", (*what).to_owned()), ("id", id.clone())],
             ),
-            ServiceError::NonceReused => (Code::AlreadyExists, "NONCE_REUSED", vec![("field", "body.header.nonce".into())]),
-            ServiceError::Overloaded(what) => (Code::ResourceExhausted, "OVERLOADED", vec![("limit", (*what).to_owned())]),
+            ServiceError::NonceReused => (
+                Code::AlreadyExists,
+                "NONCE_REUSED",
+                vec![("field", "body.header.nonce".into())],
+            ),
+            ServiceError::Overloaded(what) => (
+                Code::ResourceExhausted,
+                "OVERLOADED",
+                vec![("limit", (*what).to_owned())],
+            ),
             ServiceError::Unavailable(_) => (Code::Unavailable, "UNAVAILABLE", vec![]),
             ServiceError::Internal(_) => (Code::Internal, "INTERNAL", vec![]),
         };
         if code == Code::Internal || code == Code::Unavailable {
             tracing::error!(error = %message, "request failed");
         }
-        let metadata: HashMap<String, String> = metadata.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        let metadata: HashMap<String, String> = metadata
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
         let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
         if let ServiceError::Invalid(input) = &e {
             details.add_bad_request_violation(input.field, input.reason.clone());

@@ -13,8 +13,8 @@ use tonic::{Request, Response, Status};
 
 use crate::clock::Clock;
 use crate::config::Config;
-use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
 use crate::core::InputError;
+use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::{Answer, Outcome, Store};
@@ -34,7 +34,12 @@ pub struct BrokerService<S> {
 }
 
 impl<S> BrokerService<S> {
-    pub fn new(store: Arc<S>, config: Arc<Config>, clock: Arc<dyn Clock>, keys: Vec<pb::BrokerKey>) -> Self {
+    pub fn new(
+        store: Arc<S>,
+        config: Arc<Config>,
+        clock: Arc<dyn Clock>,
+        keys: Vec<pb::BrokerKey>,
+    ) -> Self {
         Self {
             store,
             config,
@@ -57,11 +62,16 @@ fn issued(outcome: Outcome) -> Result<pb::IssuedContract, ServiceError> {
 
 fn delegate_response(answer: Answer) -> pb::DelegateResponse {
     let outcome = match answer.outcome {
-        Outcome::Issued { id, envelope } => pb::delegate_response::Outcome::Issued(pb::IssuedContract {
-            contract_id: id.to_vec(),
-            contract: Some(envelope),
-        }),
-        Outcome::Refused { receipt_id, envelope } => pb::delegate_response::Outcome::Refused(pb::Refusal {
+        Outcome::Issued { id, envelope } => {
+            pb::delegate_response::Outcome::Issued(pb::IssuedContract {
+                contract_id: id.to_vec(),
+                contract: Some(envelope),
+            })
+        }
+        Outcome::Refused {
+            receipt_id,
+            envelope,
+        } => pb::delegate_response::Outcome::Refused(pb::Refusal {
             receipt_id: receipt_id.to_vec(),
             receipt: Some(envelope),
         }),
@@ -84,9 +94,20 @@ fn page_cursor(token: &[u8]) -> Result<i64, InputError> {
 }
 
 impl<S: Store> BrokerService<S> {
-    async fn open_root(&self, request: pb::OpenRootRequest) -> Result<pb::OpenRootResponse, ServiceError> {
+    async fn open_root(
+        &self,
+        request: pb::OpenRootRequest,
+    ) -> Result<pb::OpenRootResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
-        let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, self.config.limits.timestamp_window_ms)?;
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, window_ms)?;
+        if !signed.fresh {
+            let answer = self.late_retry(&signed, now_ms).await?;
+            return Ok(pb::OpenRootResponse {
+                replayed: true,
+                issued: Some(issued(answer.outcome)?),
+            });
+        }
         let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
         let answer = self.store.open_root(root).await?;
         Ok(pb::OpenRootResponse {
@@ -95,20 +116,50 @@ impl<S: Store> BrokerService<S> {
         })
     }
 
-    async fn delegate(&self, request: pb::DelegateRequest) -> Result<pb::DelegateResponse, ServiceError> {
+    async fn delegate(
+        &self,
+        request: pb::DelegateRequest,
+    ) -> Result<pb::DelegateResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
-        let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, self.config.limits.timestamp_window_ms)?;
-        let child = convert::new_child(signed.body, signed.request, now_ms, &self.config.trust, &self.verified)?;
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, window_ms)?;
+        if !signed.fresh {
+            return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
+        }
+        let child = convert::new_child(
+            signed.body,
+            signed.request,
+            now_ms,
+            &self.config.trust,
+            &self.verified,
+        )?;
         let answer = self.store.delegate(child).await?;
         Ok(delegate_response(answer))
     }
 
+    /// A correctly signed request outside the timestamp window: answered
+    /// from the idempotency log if it was answered before, refused otherwise.
+    async fn late_retry<T: auth::SignedBody>(
+        &self,
+        signed: &auth::Authenticated<T>,
+        now_ms: i64,
+    ) -> Result<Answer, ServiceError> {
+        if let Some(answer) = self.store.replay(&signed.request).await? {
+            return Ok(answer);
+        }
+        let timestamp_ms = signed.body.header().map_or(0, |h| h.timestamp_ms);
+        Err(signed.stale_error(now_ms, self.config.limits.timestamp_window_ms, timestamp_ms))
+    }
+
     async fn record(&self, id: &[u8]) -> Result<crate::store::ContractRecord, ServiceError> {
         let id = convert::id(id, "contract_id")?;
-        self.store.contract(id).await?.ok_or_else(|| ServiceError::NotFound {
-            what: "contract",
-            id: hex::encode(id),
-        })
+        self.store
+            .contract(id)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound {
+                what: "contract",
+                id: hex::encode(id),
+            })
     }
 
     async fn chain(&self, id: &[u8]) -> Result<Vec<pb::ContractState>, ServiceError> {
@@ -120,22 +171,32 @@ impl<S: Store> BrokerService<S> {
             let Some(parent) = parent else { break };
             // Depth is bounded by policy; a longer walk means a cycle.
             if chain.len() > MAX_DEPTH_CEILING as usize + 1 {
-                return Err(ServiceError::Internal("contract chain longer than the depth ceiling".into()));
+                return Err(ServiceError::Internal(
+                    "contract chain longer than the depth ceiling".into(),
+                ));
             }
             record = self.store.contract(parent).await?.ok_or_else(|| {
-                ServiceError::Internal(format!("parent {} of a stored contract is missing", hex::encode(parent)))
+                ServiceError::Internal(format!(
+                    "parent {} of a stored contract is missing",
+                    hex::encode(parent)
+                ))
             })?;
         }
         chain.reverse();
         Ok(chain)
     }
 
-    async fn children(&self, request: pb::ListChildrenRequest) -> Result<pb::ListChildrenResponse, ServiceError> {
+    async fn children(
+        &self,
+        request: pb::ListChildrenRequest,
+    ) -> Result<pb::ListChildrenResponse, ServiceError> {
         let id = convert::id(&request.contract_id, "contract_id")?;
         let page_size = match request.page_size {
             0 => DEFAULT_PAGE_SIZE,
             n if n > MAX_PAGE_SIZE => {
-                return Err(InputError::new("page_size", format!("{n} is above {MAX_PAGE_SIZE}")).into());
+                return Err(
+                    InputError::new("page_size", format!("{n} is above {MAX_PAGE_SIZE}")).into(),
+                );
             }
             n => n,
         };
@@ -157,24 +218,43 @@ impl<S: Store> BrokerService<S> {
         })
     }
 
-    async fn receipt(&self, request: pb::GetReceiptRequest) -> Result<pb::GetReceiptResponse, ServiceError> {
+    async fn receipt(
+        &self,
+        request: pb::GetReceiptRequest,
+    ) -> Result<pb::GetReceiptResponse, ServiceError> {
         let id = convert::id(&request.receipt_id, "receipt_id")?;
-        let receipt = self.store.receipt(id).await?.ok_or_else(|| ServiceError::NotFound {
-            what: "receipt",
-            id: hex::encode(id),
-        })?;
-        Ok(pb::GetReceiptResponse { receipt: Some(receipt) })
+        let receipt = self
+            .store
+            .receipt(id)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound {
+                what: "receipt",
+                id: hex::encode(id),
+            })?;
+        Ok(pb::GetReceiptResponse {
+            receipt: Some(receipt),
+        })
     }
 }
 
 #[tonic::async_trait]
 impl<S: Store> Broker for BrokerService<S> {
-    async fn open_root(&self, request: Request<pb::OpenRootRequest>) -> Result<Response<pb::OpenRootResponse>, Status> {
-        Ok(Response::new(BrokerService::open_root(self, request.into_inner()).await?))
+    async fn open_root(
+        &self,
+        request: Request<pb::OpenRootRequest>,
+    ) -> Result<Response<pb::OpenRootResponse>, Status> {
+        Ok(Response::new(
+            BrokerService::open_root(self, request.into_inner()).await?,
+        ))
     }
 
-    async fn delegate(&self, request: Request<pb::DelegateRequest>) -> Result<Response<pb::DelegateResponse>, Status> {
-        Ok(Response::new(BrokerService::delegate(self, request.into_inner()).await?))
+    async fn delegate(
+        &self,
+        request: Request<pb::DelegateRequest>,
+    ) -> Result<Response<pb::DelegateResponse>, Status> {
+        Ok(Response::new(
+            BrokerService::delegate(self, request.into_inner()).await?,
+        ))
     }
 
     async fn get_contract(
@@ -187,7 +267,10 @@ impl<S: Store> Broker for BrokerService<S> {
         }))
     }
 
-    async fn get_chain(&self, request: Request<pb::GetChainRequest>) -> Result<Response<pb::GetChainResponse>, Status> {
+    async fn get_chain(
+        &self,
+        request: Request<pb::GetChainRequest>,
+    ) -> Result<Response<pb::GetChainResponse>, Status> {
         let chain = self.chain(&request.into_inner().contract_id).await?;
         Ok(Response::new(pb::GetChainResponse { chain }))
     }
@@ -199,7 +282,10 @@ impl<S: Store> Broker for BrokerService<S> {
         Ok(Response::new(self.children(request.into_inner()).await?))
     }
 
-    async fn get_receipt(&self, request: Request<pb::GetReceiptRequest>) -> Result<Response<pb::GetReceiptResponse>, Status> {
+    async fn get_receipt(
+        &self,
+        request: Request<pb::GetReceiptRequest>,
+    ) -> Result<Response<pb::GetReceiptResponse>, Status> {
         Ok(Response::new(self.receipt(request.into_inner()).await?))
     }
 

@@ -23,18 +23,30 @@ pub fn rewrite_decoder_errors(response: http::Response<Body>) -> http::Response<
         return response;
     };
     let (code, reason, limit) = match status.code() {
-        Code::OutOfRange if status.message().starts_with(TOO_LARGE_PREFIX) => {
-            (Code::ResourceExhausted, "MESSAGE_TOO_LARGE", "limits.max_request_bytes")
-        }
+        Code::OutOfRange if status.message().starts_with(TOO_LARGE_PREFIX) => (
+            Code::ResourceExhausted,
+            "MESSAGE_TOO_LARGE",
+            "limits.max_request_bytes",
+        ),
         Code::Internal if status.message().starts_with(UNDECODABLE_PREFIX) => {
             (Code::InvalidArgument, "UNDECODABLE_MESSAGE", "request")
         }
         _ => return response,
     };
     let metadata = HashMap::from([(
-        if code == Code::InvalidArgument { "field" } else { "limit" }.to_owned(),
+        if code == Code::InvalidArgument {
+            "field"
+        } else {
+            "limit"
+        }
+        .to_owned(),
         limit.to_owned(),
     )]);
     let message = format!("{limit}: {}", status.message());
-    Status::with_error_details(code, message, ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata)).into_http()
+    Status::with_error_details(
+        code,
+        message,
+        ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata),
+    )
+    .into_http()
 }

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use prost::Message;
 
 use super::{Answer, Outcome, StoreError};
-use crate::core::{self, AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
+use crate::core::{
+    self, AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status,
+};
 use crate::pb;
 use crate::stamp::{NewChild, NewRoot, RequestMeta, StampedContract, Stamper};
 
@@ -121,7 +123,9 @@ pub fn needs(commands: &[Command], known: &HashMap<Id, Known>) -> (Vec<RequestKe
     let mut parents: Vec<Id> = commands
         .iter()
         .filter_map(|c| match c {
-            Command::Delegate(child, _) if !known.contains_key(&child.parent_id) => Some(child.parent_id),
+            Command::Delegate(child, _) if !known.contains_key(&child.parent_id) => {
+                Some(child.parent_id)
+            }
             _ => None,
         })
         .collect();
@@ -130,7 +134,7 @@ pub fn needs(commands: &[Command], known: &HashMap<Id, Known>) -> (Vec<RequestKe
     (requests, parents)
 }
 
-fn replayed(prior: &PriorRequest, request: &RequestMeta) -> Result<Answer, StoreError> {
+pub fn replayed(prior: &PriorRequest, request: &RequestMeta) -> Result<Answer, StoreError> {
     if prior.digest != request.digest {
         return Err(StoreError::NonceReused);
     }
@@ -145,7 +149,10 @@ fn replayed(prior: &PriorRequest, request: &RequestMeta) -> Result<Answer, Store
             envelope: prior.envelope.clone(),
         }
     };
-    Ok(Answer { outcome, replayed: true })
+    Ok(Answer {
+        outcome,
+        replayed: true,
+    })
 }
 
 /// Decides every command in order. `known` must hold every parent the
@@ -168,15 +175,31 @@ pub fn plan(
             continue;
         }
         let answer = match command {
-            Command::OpenRoot(root) => Ok(open_root(root, known, &mut plan, &mut touched, stamper, now_ms)),
-            Command::Delegate(child, speculation) => {
-                delegate(child, speculation.as_deref(), known, &mut plan, &mut touched, stamper, now_ms)
-            }
+            Command::OpenRoot(root) => Ok(open_root(
+                root,
+                known,
+                &mut plan,
+                &mut touched,
+                stamper,
+                now_ms,
+            )),
+            Command::Delegate(child, speculation) => delegate(
+                child,
+                speculation.as_deref(),
+                known,
+                &mut plan,
+                &mut touched,
+                stamper,
+                now_ms,
+            ),
         };
         if let Ok(answer) = &answer {
             let (outcome, ref_id, envelope) = match &answer.outcome {
                 Outcome::Issued { id, envelope } => (OUTCOME_ISSUED, *id, envelope.clone()),
-                Outcome::Refused { receipt_id, envelope } => (OUTCOME_REFUSED, *receipt_id, envelope.clone()),
+                Outcome::Refused {
+                    receipt_id,
+                    envelope,
+                } => (OUTCOME_REFUSED, *receipt_id, envelope.clone()),
             };
             plan.requests.push(RequestRow {
                 agent: request.agent,
@@ -281,10 +304,12 @@ fn delegate(
     stamper: &Stamper,
     now_ms: i64,
 ) -> Result<Answer, StoreError> {
-    let parent = known.get_mut(&child.parent_id).ok_or_else(|| StoreError::NotFound {
-        what: "parent contract",
-        id: hex::encode(child.parent_id),
-    })?;
+    let parent = known
+        .get_mut(&child.parent_id)
+        .ok_or_else(|| StoreError::NotFound {
+            what: "parent contract",
+            id: hex::encode(child.parent_id),
+        })?;
     match core::check_delegation(&parent.view, &child.ask, now_ms) {
         Ok(terms) => {
             parent
@@ -347,7 +372,8 @@ fn delegate(
         }
         Err(refusal) => {
             let root_id = parent.root_id;
-            let stamped = stamper.refusal(&child.parent_id, &root_id, &child.request, &refusal, now_ms);
+            let stamped =
+                stamper.refusal(&child.parent_id, &root_id, &child.request, &refusal, now_ms);
             plan.receipts.push(ReceiptRow {
                 id: stamped.id,
                 kind: pb::ReceiptKind::Refused as i64,

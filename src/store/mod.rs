@@ -11,7 +11,7 @@ use std::future::Future;
 
 use crate::core::{Id, Ledger, Status};
 use crate::pb;
-use crate::stamp::{NewChild, NewRoot};
+use crate::stamp::{NewChild, NewRoot, RequestMeta};
 
 /// A stored contract as the broker holds it now.
 #[derive(Clone, Debug)]
@@ -30,8 +30,14 @@ pub struct ContractRecord {
 /// What a mutating call produced.
 #[derive(Clone, Debug)]
 pub enum Outcome {
-    Issued { id: Id, envelope: pb::Envelope },
-    Refused { receipt_id: Id, envelope: pb::Envelope },
+    Issued {
+        id: Id,
+        envelope: pb::Envelope,
+    },
+    Refused {
+        receipt_id: Id,
+        envelope: pb::Envelope,
+    },
 }
 
 /// A mutating call's answer.
@@ -70,8 +76,17 @@ pub trait Store: Send + Sync + 'static {
     /// reserving its budget; otherwise records a signed refusal.
     /// Idempotent on the request's nonce.
     fn delegate(&self, child: NewChild) -> impl Future<Output = Result<Answer, StoreError>> + Send;
+    /// The stored answer to an earlier request with this agent and nonce:
+    /// `NonceReused` when its body differed. Reads only.
+    fn replay(
+        &self,
+        request: &RequestMeta,
+    ) -> impl Future<Output = Result<Option<Answer>, StoreError>> + Send;
     /// One contract.
-    fn contract(&self, id: Id) -> impl Future<Output = Result<Option<ContractRecord>, StoreError>> + Send;
+    fn contract(
+        &self,
+        id: Id,
+    ) -> impl Future<Output = Result<Option<ContractRecord>, StoreError>> + Send;
     /// Children of `parent` issued after `after_seq`, at most `limit`.
     fn children(
         &self,
@@ -80,5 +95,8 @@ pub trait Store: Send + Sync + 'static {
         limit: u32,
     ) -> impl Future<Output = Result<Vec<ContractRecord>, StoreError>> + Send;
     /// A stored receipt envelope.
-    fn receipt(&self, id: Id) -> impl Future<Output = Result<Option<pb::Envelope>, StoreError>> + Send;
+    fn receipt(
+        &self,
+        id: Id,
+    ) -> impl Future<Output = Result<Option<pb::Envelope>, StoreError>> + Send;
 }

@@ -32,7 +32,7 @@ use super::{Answer, ContractRecord, Store, StoreError};
 use crate::clock::Clock;
 use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
 use crate::pb;
-use crate::stamp::{NewChild, NewRoot, Stamper};
+use crate::stamp::{NewChild, NewRoot, RequestMeta, Stamper};
 
 /// Tunables of the embedded store.
 #[derive(Clone, Debug)]
@@ -98,15 +98,23 @@ impl SqliteStore {
         // waits on SQLite must not queue behind request handlers busy with
         // signature work, or every batch's round trips stretch out.
         let (ready, writer_ready) = oneshot::channel();
-        let (writer_known, writer_stamper, writer_clock, writer_connect) =
-            (known.clone(), stamper.clone(), clock.clone(), connect.clone());
+        let (writer_known, writer_stamper, writer_clock, writer_connect) = (
+            known.clone(),
+            stamper.clone(),
+            clock.clone(),
+            connect.clone(),
+        );
         std::thread::Builder::new()
             .name("store-writer".into())
             .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
                     Ok(runtime) => runtime,
                     Err(e) => {
-                        let _ = ready.send(Err(StoreError::Backend(format!("writer runtime: {e}"))));
+                        let _ =
+                            ready.send(Err(StoreError::Backend(format!("writer runtime: {e}"))));
                         return;
                     }
                 };
@@ -119,7 +127,15 @@ impl SqliteStore {
                         }
                     };
                     let _ = ready.send(Ok(()));
-                    writer_loop(&mut writer, queue, writer_known, writer_stamper, writer_clock, max_batch).await;
+                    writer_loop(
+                        &mut writer,
+                        queue,
+                        writer_known,
+                        writer_stamper,
+                        writer_clock,
+                        max_batch,
+                    )
+                    .await;
                     if let Err(e) = writer.close().await {
                         tracing::warn!(error = %e, "closing the writer connection");
                     }
@@ -127,7 +143,9 @@ impl SqliteStore {
             })
             .map_err(|e| StoreError::Backend(format!("writer thread: {e}")))?;
         writer_ready.await.map_err(|_| StoreError::Closed)??;
-        let checkpoints = SqliteConnection::connect_with(&connect).await.map_err(backend)?;
+        let checkpoints = SqliteConnection::connect_with(&connect)
+            .await
+            .map_err(backend)?;
         tokio::spawn(checkpointer(checkpoints, commands.downgrade()));
         let reader = SqlitePoolOptions::new()
             .max_connections(options.read_connections.max(1))
@@ -154,16 +172,22 @@ impl SqliteStore {
         };
         let now_ms = self.clock.now_ms();
         let terms = crate::core::check_delegation(&view, &child.ask, now_ms).ok()?;
-        let stamped = self.stamper.child(&contract, &root_id, child, &terms, now_ms);
+        let stamped = self
+            .stamper
+            .child(&contract, &root_id, child, &terms, now_ms);
         Some(Box::new(Speculation { terms, stamped }))
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.commands.try_send((command, reply)).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => StoreError::Overloaded("writer queue is full"),
-            mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
-        })?;
+        self.commands
+            .try_send((command, reply))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => {
+                    StoreError::Overloaded("writer queue is full")
+                }
+                mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
+            })?;
         answer.await.map_err(|_| StoreError::Closed)?
     }
 }
@@ -175,7 +199,20 @@ impl Store for SqliteStore {
 
     async fn delegate(&self, child: NewChild) -> Result<Answer, StoreError> {
         let speculation = self.speculate(&child);
-        self.submit(Command::Delegate(Box::new(child), speculation)).await
+        self.submit(Command::Delegate(Box::new(child), speculation))
+            .await
+    }
+
+    async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
+        let mut conn = self.reader.acquire().await.map_err(backend)?;
+        let key = (request.agent, request.nonce.clone());
+        let mut prior = load_prior_requests(&mut conn, std::slice::from_ref(&key))
+            .await
+            .map_err(backend)?;
+        prior
+            .remove(&key)
+            .map(|p| batch::replayed(&p, request))
+            .transpose()
     }
 
     async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
@@ -187,7 +224,12 @@ impl Store for SqliteStore {
         row.map(|r| record_from_row(&r)).transpose()
     }
 
-    async fn children(&self, parent: Id, after_seq: i64, limit: u32) -> Result<Vec<ContractRecord>, StoreError> {
+    async fn children(
+        &self,
+        parent: Id,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<ContractRecord>, StoreError> {
         let rows = sqlx::query(SELECT_CHILDREN)
             .bind(parent.as_slice())
             .bind(after_seq)
@@ -225,7 +267,8 @@ fn id_column(row: &SqliteRow, column: &str) -> Result<Id, StoreError> {
 
 fn decode_envelope(row: &SqliteRow, column: &str) -> Result<pb::Envelope, StoreError> {
     let bytes: Vec<u8> = row.try_get(column).map_err(backend)?;
-    pb::Envelope::decode(bytes.as_slice()).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
+    pb::Envelope::decode(bytes.as_slice())
+        .map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
 }
 
 fn status_from(value: i64) -> Result<Status, StoreError> {
@@ -249,7 +292,10 @@ fn ledger_from_row(row: &SqliteRow) -> Result<Ledger, StoreError> {
 fn record_from_row(row: &SqliteRow) -> Result<ContractRecord, StoreError> {
     let parent: Option<Vec<u8>> = row.try_get("parent_id").map_err(backend)?;
     let parent_id = parent
-        .map(|p| p.try_into().map_err(|_| StoreError::Corrupt("parent_id is not 32 bytes".into())))
+        .map(|p| {
+            p.try_into()
+                .map_err(|_| StoreError::Corrupt("parent_id is not 32 bytes".into()))
+        })
         .transpose()?;
     Ok(ContractRecord {
         id: id_column(row, "id")?,
@@ -284,18 +330,25 @@ async fn checkpointer(mut conn: SqliteConnection, alive: mpsc::WeakSender<(Comma
         if alive.upgrade().is_none() {
             break;
         }
-        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&mut conn).await {
+        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .execute(&mut conn)
+            .await
+        {
             tracing::warn!(error = %e, "WAL checkpoint failed; will retry");
         }
     }
     // A final full checkpoint leaves a compact database behind.
-    let _ = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)").execute(&mut conn).await;
+    let _ = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+        .execute(&mut conn)
+        .await;
     let _ = conn.close().await;
 }
 
 /// Opens the single write connection and brings the schema up to date.
 async fn open_writer(connect: &SqliteConnectOptions) -> Result<SqliteConnection, StoreError> {
-    let mut writer = SqliteConnection::connect_with(connect).await.map_err(backend)?;
+    let mut writer = SqliteConnection::connect_with(connect)
+        .await
+        .map_err(backend)?;
     sqlx::migrate!("./migrations/sqlite")
         .run_direct(None, &mut writer, false)
         .await
@@ -328,7 +381,11 @@ async fn writer_loop(
         let began = std::time::Instant::now();
         match apply_batch(conn, &commands, &known, &stamper, clock.now_ms()).await {
             Ok(answers) => {
-                tracing::trace!(size = commands.len(), took_us = began.elapsed().as_micros() as u64, "batch committed");
+                tracing::trace!(
+                    size = commands.len(),
+                    took_us = began.elapsed().as_micros() as u64,
+                    "batch committed"
+                );
                 for (reply, answer) in replies.drain(..).zip(answers) {
                     // A caller that went away still had its work committed;
                     // a retry with the same nonce finds it.
@@ -369,7 +426,9 @@ async fn apply_batch(
     let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
     let mut corrupt = Vec::new();
     for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(format!("SELECT {PARENT_COLUMNS} {PARENT_FROM} WHERE c.id IN ("));
+        let mut query = QueryBuilder::<Sqlite>::new(format!(
+            "SELECT {PARENT_COLUMNS} {PARENT_FROM} WHERE c.id IN ("
+        ));
         let mut list = query.separated(", ");
         for id in chunk {
             list.push_bind(id.as_slice());
@@ -442,7 +501,8 @@ async fn load_prior_requests(
                     digest: digest.try_into().map_err(|_| bad("body_digest"))?,
                     outcome: row.try_get("outcome")?,
                     ref_id: ref_id.try_into().map_err(|_| bad("ref_id"))?,
-                    envelope: pb::Envelope::decode(envelope.as_slice()).map_err(|_| bad("envelope"))?,
+                    envelope: pb::Envelope::decode(envelope.as_slice())
+                        .map_err(|_| bad("envelope"))?,
                 },
             );
         }
@@ -479,8 +539,9 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
         query.build().execute(&mut *conn).await?;
     }
     for chunk in plan.states.chunks(ROWS_PER_STATEMENT) {
-        let mut query =
-            QueryBuilder::<Sqlite>::new("INSERT INTO contract_state (id, status, budget, reserved, spent, open_children) ");
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO contract_state (id, status, budget, reserved, spent, open_children) ",
+        );
         query.push_values(chunk, |mut b, (id, status, ledger)| {
             b.push_bind(id.as_slice())
                 .push_bind(i64::from(status.as_i32()))
@@ -496,7 +557,9 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
         query.build().execute(&mut *conn).await?;
     }
     for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new("INSERT INTO receipts (id, kind, contract_id, root_id, envelope, at_ms) ");
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO receipts (id, kind, contract_id, root_id, envelope, at_ms) ",
+        );
         query.push_values(chunk, |mut b, row| {
             b.push_bind(row.id.as_slice())
                 .push_bind(row.kind)
@@ -508,8 +571,9 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
         query.build().execute(&mut *conn).await?;
     }
     for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
-        let mut query =
-            QueryBuilder::<Sqlite>::new("INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ");
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ",
+        );
         query.push_values(chunk, |mut b, row| {
             b.push_bind(row.agent.as_slice())
                 .push_bind(row.nonce.as_slice())
@@ -536,10 +600,12 @@ fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
         u32::try_from(v).map_err(|_| corrupt(column))
     };
     let scope_json: String = row.try_get("write_scope").map_err(backend)?;
-    let prefixes: Vec<String> = serde_json::from_str(&scope_json).map_err(|_| corrupt("write_scope"))?;
+    let prefixes: Vec<String> =
+        serde_json::from_str(&scope_json).map_err(|_| corrupt("write_scope"))?;
     let liability: i64 = row.try_get("liability").map_err(backend)?;
     let envelope = decode_envelope(row, "envelope")?;
-    let contract = pb::Contract::decode(envelope.payload.as_slice()).map_err(|_| corrupt("contract payload"))?;
+    let contract = pb::Contract::decode(envelope.payload.as_slice())
+        .map_err(|_| corrupt("contract payload"))?;
     let retry_headroom: i64 = row.try_get("retry_headroom").map_err(backend)?;
     let view = ParentView {
         status: status_from(row.try_get("status").map_err(backend)?)?,
@@ -551,7 +617,9 @@ fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
             .ok()
             .and_then(Liability::from_i32)
             .ok_or_else(|| corrupt("liability"))?,
-        effective_predicate: Predicate::from_trusted(row.try_get("effective_predicate").map_err(backend)?),
+        effective_predicate: Predicate::from_trusted(
+            row.try_get("effective_predicate").map_err(backend)?,
+        ),
         deadline_ms: row.try_get("deadline_ms").map_err(backend)?,
         write_scope: Scope::from_trusted(prefixes),
         policy: Policy {

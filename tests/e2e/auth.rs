@@ -9,7 +9,10 @@ use tonic_types::StatusExt;
 use crate::harness::*;
 
 fn reason(status: &tonic::Status) -> String {
-    status.get_details_error_info().map(|i| i.reason).unwrap_or_default()
+    status
+        .get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
 }
 
 #[tokio::test]
@@ -22,28 +25,52 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut body = child(&root.id, &root.lineage, &delegate, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
-    let first = broker.client.delegate(request.clone()).await.unwrap().into_inner();
+    let first = broker
+        .client
+        .delegate(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
     let again = broker.client.delegate(request).await.unwrap().into_inner();
     assert!(!first.replayed && again.replayed);
     assert_eq!(first.outcome, again.outcome);
     assert_eq!(broker.ledger(&root.id).await.reserved, 10);
 
     // A retry re-signed with the same nonce and body is the same request.
-    let resigned = broker.client.delegate(orchestrator.delegate(body.clone())).await.unwrap().into_inner();
+    let resigned = broker
+        .client
+        .delegate(orchestrator.delegate(body.clone()))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(resigned.replayed);
     assert_eq!(resigned.outcome, first.outcome);
 
     // Same nonce, another body: refused, nothing reserved.
     let mut other = body.clone();
     other.budget = 11;
-    let err = broker.client.delegate(orchestrator.delegate(other)).await.unwrap_err();
-    assert_eq!((err.code(), reason(&err).as_str()), (Status::AlreadyExists, "NONCE_REUSED"));
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(other))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Status::AlreadyExists, "NONCE_REUSED")
+    );
 
     // A stale timestamp.
     let mut stale = child(&root.id, &root.lineage, &delegate, 10);
     stale.header = Some(header_at(&orchestrator, now_ms() - 3_600_000));
-    let err = broker.client.delegate(orchestrator.delegate(stale)).await.unwrap_err();
-    assert_eq!((err.code(), reason(&err).as_str()), (Status::Unauthenticated, "STALE_TIMESTAMP"));
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(stale))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Status::Unauthenticated, "STALE_TIMESTAMP")
+    );
 
     // Signed by a key that does not hold the parent: a NOT_HOLDER refusal.
     let intruder = Agent::generate();
@@ -60,7 +87,10 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     forged.header = Some(orchestrator.header());
     let mut request = intruder.delegate(forged);
     let err = broker.client.delegate(request.clone()).await.unwrap_err();
-    assert_eq!((err.code(), reason(&err).as_str()), (Status::Unauthenticated, "BAD_SIGNATURE"));
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Status::Unauthenticated, "BAD_SIGNATURE")
+    );
 
     // A flipped signature bit.
     let mut genuine = orchestrator.delegate(child(&root.id, &root.lineage, &delegate, 10));
@@ -74,14 +104,28 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let last = signed.payload.len() - 1;
     signed.payload[last] ^= 1;
     let err = broker.client.delegate(request).await.unwrap_err();
-    assert!(matches!(err.code(), Status::Unauthenticated | Status::InvalidArgument), "{err:?}");
+    assert!(
+        matches!(
+            err.code(),
+            Status::Unauthenticated | Status::InvalidArgument
+        ),
+        "{err:?}"
+    );
 
     let ledger = broker.ledger(&root.id).await;
-    assert_eq!((ledger.reserved, ledger.open_children), (10, 1), "only the first request reserved");
+    assert_eq!(
+        (ledger.reserved, ledger.open_children),
+        (10, 1),
+        "only the first request reserved"
+    );
     assert_eq!(
         broker
             .client
-            .list_children(pb::ListChildrenRequest { contract_id: root.id.clone(), page_size: 0, page_token: vec![] })
+            .list_children(pb::ListChildrenRequest {
+                contract_id: root.id.clone(),
+                page_size: 0,
+                page_token: vec![]
+            })
             .await
             .unwrap()
             .into_inner()
@@ -99,7 +143,12 @@ async fn open_root_is_idempotent_too() {
     let mut body = RootSpec::default().body();
     body.header = Some(orchestrator.header());
     let request = orchestrator.open_root(body);
-    let first = broker.client.open_root(request.clone()).await.unwrap().into_inner();
+    let first = broker
+        .client
+        .open_root(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
     let again = broker.client.open_root(request).await.unwrap().into_inner();
     assert!(again.replayed);
     assert_eq!(first.issued, again.issued);

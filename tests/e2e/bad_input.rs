@@ -14,7 +14,11 @@ fn assert_names(status: &tonic::Status, code: Code, key: &str, value: &str) {
     assert_eq!(status.code(), code, "{status:?}");
     let info = status.get_details_error_info().expect("ErrorInfo attached");
     assert_eq!(info.domain, "delegation.broker.v1");
-    assert_eq!(info.metadata.get(key).map(String::as_str), Some(value), "{status:?}");
+    assert_eq!(
+        info.metadata.get(key).map(String::as_str),
+        Some(value),
+        "{status:?}"
+    );
 }
 
 #[tokio::test]
@@ -25,41 +29,79 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
     let body = || child(&root.id, &root.lineage, &delegate, 10);
 
     // Missing envelope.
-    let err = broker.client.delegate(pb::DelegateRequest { signed: None }).await.unwrap_err();
+    let err = broker
+        .client
+        .delegate(pb::DelegateRequest { signed: None })
+        .await
+        .unwrap_err();
     assert_names(&err, Code::InvalidArgument, "field", "signed");
 
     // Missing fields.
     let mut b = body();
     b.parent_id.clear();
-    let err = broker.client.delegate(orchestrator.delegate(b)).await.unwrap_err();
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(b))
+        .await
+        .unwrap_err();
     assert_names(&err, Code::InvalidArgument, "field", "body.parent_id");
     let mut b = body();
     b.liability = 0;
-    let err = broker.client.delegate(orchestrator.delegate(b)).await.unwrap_err();
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(b))
+        .await
+        .unwrap_err();
     assert_names(&err, Code::InvalidArgument, "field", "body.liability");
     let mut r = RootSpec::default().body();
     r.policy = None;
-    let err = broker.client.open_root(orchestrator.open_root(r)).await.unwrap_err();
+    let err = broker
+        .client
+        .open_root(orchestrator.open_root(r))
+        .await
+        .unwrap_err();
     assert_names(&err, Code::InvalidArgument, "field", "body.policy");
 
     // Budget 0 and negative.
     for budget in [0, -5] {
-        let err = broker.client.delegate(orchestrator.delegate(pb::DelegateBody { budget, ..body() })).await.unwrap_err();
+        let err = broker
+            .client
+            .delegate(orchestrator.delegate(pb::DelegateBody { budget, ..body() }))
+            .await
+            .unwrap_err();
         assert_names(&err, Code::InvalidArgument, "field", "body.budget");
     }
 
     // Attested factor NaN or 2.0.
     for factor in [f64::NAN, 2.0, 0.0, -1.0] {
         let mut b = body();
-        b.delegate_attestation = Some(broker.attestor.attest(delegate.public_key(), factor, now_ms() + HOUR_MS, "x"));
-        let err = broker.client.delegate(orchestrator.delegate(b)).await.unwrap_err();
-        assert_names(&err, Code::InvalidArgument, "field", "body.delegate_attestation.factor");
+        b.delegate_attestation = Some(broker.attestor.attest(
+            delegate.public_key(),
+            factor,
+            now_ms() + HOUR_MS,
+            "x",
+        ));
+        let err = broker
+            .client
+            .delegate(orchestrator.delegate(b))
+            .await
+            .unwrap_err();
+        assert_names(
+            &err,
+            Code::InvalidArgument,
+            "field",
+            "body.delegate_attestation.factor",
+        );
     }
 
     // A predicate that does not parse.
     let mut b = body();
     b.predicate = "result.schema_valid && (".into();
-    let err = broker.client.delegate(orchestrator.delegate(b)).await.unwrap_err();
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(b))
+        .await
+        .unwrap_err();
     assert_names(&err, Code::InvalidArgument, "field", "body.predicate");
 
     // Garbage bytes as the signed payload, and as the attestation.
@@ -73,8 +115,17 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         payload: vec![0xff; 64],
         signatures: vec![],
     });
-    let err = broker.client.delegate(orchestrator.delegate(b)).await.unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.delegate_attestation.payload");
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(b))
+        .await
+        .unwrap_err();
+    assert_names(
+        &err,
+        Code::InvalidArgument,
+        "field",
+        "body.delegate_attestation.payload",
+    );
 
     // Wrong payload type (an OpenRoot signature replayed as a Delegate).
     let mut request = orchestrator.delegate(body());
@@ -85,39 +136,72 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
     // Bad ids on reads.
     let err = broker
         .client
-        .get_contract(pb::GetContractRequest { contract_id: vec![1, 2, 3] })
+        .get_contract(pb::GetContractRequest {
+            contract_id: vec![1, 2, 3],
+        })
         .await
         .unwrap_err();
     assert_names(&err, Code::InvalidArgument, "field", "contract_id");
     let err = broker
         .client
-        .get_contract(pb::GetContractRequest { contract_id: vec![0; 32] })
+        .get_contract(pb::GetContractRequest {
+            contract_id: vec![0; 32],
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
-    let err = broker.client.delegate(orchestrator.delegate(pb::DelegateBody { parent_id: vec![9; 32], ..body() })).await.unwrap_err();
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(pb::DelegateBody {
+            parent_id: vec![9; 32],
+            ..body()
+        }))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
 
     // A 10 MiB request.
     let mut b = body();
     b.task = "x".repeat(10 * 1024 * 1024);
-    let err = broker.client.delegate(orchestrator.delegate(b)).await.unwrap_err();
-    assert_names(&err, Code::ResourceExhausted, "limit", "limits.max_request_bytes");
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(b))
+        .await
+        .unwrap_err();
+    assert_names(
+        &err,
+        Code::ResourceExhausted,
+        "limit",
+        "limits.max_request_bytes",
+    );
 
     // Oversized fields under the message limit name the field.
     let mut b = body();
     b.task = "x".repeat(20_000);
-    let err = broker.client.delegate(orchestrator.delegate(b)).await.unwrap_err();
+    let err = broker
+        .client
+        .delegate(orchestrator.delegate(b))
+        .await
+        .unwrap_err();
     assert_names(&err, Code::InvalidArgument, "field", "body.task");
 
     // Raw garbage as the whole message, through a codec that sends bytes.
-    let err = raw_unary(&broker.addr, "/delegation.broker.v1.Broker/Delegate", vec![0xff; 32]).await;
+    let err = raw_unary(
+        &broker.addr,
+        "/delegation.broker.v1.Broker/Delegate",
+        vec![0xff; 32],
+    )
+    .await;
     assert_names(&err, Code::InvalidArgument, "field", "request");
 
     // Still serving, nothing reserved by any of it.
     let ledger = broker.ledger(&root.id).await;
     assert_eq!((ledger.reserved, ledger.open_children), (0, 0));
-    broker.delegate(&orchestrator, body()).await.unwrap().issued();
+    broker
+        .delegate(&orchestrator, body())
+        .await
+        .unwrap()
+        .issued();
     broker.stop().await;
 }
 
@@ -158,10 +242,18 @@ async fn raw_unary(addr: &str, path: &'static str, bytes: Vec<u8>) -> tonic::Sta
             Raw
         }
     }
-    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned()).unwrap().connect().await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
-    grpc.unary(tonic::Request::new(bytes), http::uri::PathAndQuery::from_static(path), Raw)
-        .await
-        .unwrap_err()
+    grpc.unary(
+        tonic::Request::new(bytes),
+        http::uri::PathAndQuery::from_static(path),
+        Raw,
+    )
+    .await
+    .unwrap_err()
 }

@@ -10,7 +10,14 @@ async fn sixty_four_concurrent_siblings_of_ten_from_three_hundred_issue_exactly_
     let mut broker = Broker::start().await;
     let orchestrator = std::sync::Arc::new(Agent::generate());
     let root = broker
-        .open_root(&orchestrator, RootSpec { budget: 300, max_children: 64, ..RootSpec::default() })
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                budget: 300,
+                max_children: 64,
+                ..RootSpec::default()
+            },
+        )
         .await;
     let mut tasks = Vec::new();
     for _ in 0..64 {
@@ -18,7 +25,11 @@ async fn sixty_four_concurrent_siblings_of_ten_from_three_hundred_issue_exactly_
         let orchestrator = orchestrator.clone();
         let body = child(&root.id, &root.lineage, &Agent::generate(), 10);
         tasks.push(tokio::spawn(async move {
-            let response = client.delegate(orchestrator.delegate(body)).await.unwrap().into_inner();
+            let response = client
+                .delegate(orchestrator.delegate(body))
+                .await
+                .unwrap()
+                .into_inner();
             Outcome::from(response.outcome.unwrap())
         }));
     }
@@ -35,7 +46,10 @@ async fn sixty_four_concurrent_siblings_of_ten_from_three_hundred_issue_exactly_
     }
     assert_eq!((issued, refused), (30, 34));
     let ledger = broker.ledger(&root.id).await;
-    assert_eq!((ledger.reserved, ledger.residual, ledger.open_children), (300, 0, 30));
+    assert_eq!(
+        (ledger.reserved, ledger.residual, ledger.open_children),
+        (300, 0, 30)
+    );
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }

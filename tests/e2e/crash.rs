@@ -24,8 +24,14 @@ fn spawn_broker(data_dir: &std::path::Path) -> (Child, String) {
         .spawn()
         .expect("broker binary starts");
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.trim().strip_prefix("listening on ").expect("address line").to_owned();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .expect("address line")
+        .to_owned();
     (child, format!("http://{addr}"))
 }
 
@@ -35,31 +41,57 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let (mut process, addr) = spawn_broker(dir.path());
     let mut client = connect(&addr).await;
     let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec { budget: 1_000_000, max_children: 1_024, ..RootSpec::default() };
-    let root = client.open_root(orchestrator.open_root(spec.body())).await.unwrap().into_inner();
+    let spec = RootSpec {
+        budget: 1_000_000,
+        max_children: 1_024,
+        ..RootSpec::default()
+    };
+    let root = client
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .unwrap()
+        .into_inner();
     let root_id = root.issued.unwrap().contract_id;
     let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
 
     let answered: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
-    let first_request: Arc<Mutex<Option<(pb::DelegateRequest, Vec<u8>)>>> = Arc::default();
+    // The first answered request and its contract id, to retry after restart.
+    type Answered = Option<(pb::DelegateRequest, Vec<u8>)>;
+    let first_request: Arc<Mutex<Answered>> = Arc::default();
     let mut tasks = Vec::new();
     for _ in 0..32 {
         let mut client = connect(&addr).await;
-        let (orchestrator, answered, first) = (orchestrator.clone(), answered.clone(), first_request.clone());
+        let (orchestrator, answered, first) = (
+            orchestrator.clone(),
+            answered.clone(),
+            first_request.clone(),
+        );
         let (root_id, lineage) = (root_id.clone(), lineage.clone());
         tasks.push(tokio::spawn(async move {
             let worker = Agent::generate();
             loop {
                 let request = orchestrator.delegate(child(&root_id, &lineage, &worker, 100));
-                let Ok(response) = client.delegate(request.clone()).await else { return };
-                let Some(pb::delegate_response::Outcome::Issued(issued)) = response.into_inner().outcome else {
+                let Ok(response) = client.delegate(request.clone()).await else {
+                    return;
+                };
+                let Some(pb::delegate_response::Outcome::Issued(issued)) =
+                    response.into_inner().outcome
+                else {
                     return;
                 };
                 answered.lock().unwrap().push(issued.contract_id.clone());
-                first.lock().unwrap().get_or_insert((request, issued.contract_id.clone()));
-                let grandchild = worker.delegate(child(&issued.contract_id, &lineage, &Agent::generate(), 10));
-                let Ok(response) = client.delegate(grandchild).await else { return };
-                if let Some(pb::delegate_response::Outcome::Issued(issued)) = response.into_inner().outcome {
+                first
+                    .lock()
+                    .unwrap()
+                    .get_or_insert((request, issued.contract_id.clone()));
+                let grandchild =
+                    worker.delegate(child(&issued.contract_id, &lineage, &Agent::generate(), 10));
+                let Ok(response) = client.delegate(grandchild).await else {
+                    return;
+                };
+                if let Some(pb::delegate_response::Outcome::Issued(issued)) =
+                    response.into_inner().outcome
+                {
                     answered.lock().unwrap().push(issued.contract_id);
                 }
             }
@@ -81,7 +113,9 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let mut broker_client = connect(&addr).await;
     for id in &answered {
         let state = broker_client
-            .get_contract(pb::GetContractRequest { contract_id: id.clone() })
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.clone(),
+            })
             .await
             .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
         assert!(state.into_inner().contract.is_some());
@@ -93,12 +127,16 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
         Ok(r) => {
             let r = r.into_inner();
             assert!(r.replayed);
-            assert!(matches!(r.outcome, Some(pb::delegate_response::Outcome::Issued(i)) if i.contract_id == id));
+            assert!(
+                matches!(r.outcome, Some(pb::delegate_response::Outcome::Issued(i)) if i.contract_id == id)
+            );
         }
         // Signed before the restart: fine to be stale only if the window passed.
         Err(e) => panic!("replay after restart failed: {e}"),
     }
-    let mut checker = LedgerCheck { client: broker_client };
+    let mut checker = LedgerCheck {
+        client: broker_client,
+    };
     checker.assert_balanced(&root_id).await;
     process.kill().unwrap();
     process.wait().unwrap();
@@ -115,16 +153,32 @@ impl LedgerCheck {
         let mut queue = vec![root.to_vec()];
         let mut seen = 0;
         while let Some(id) = queue.pop() {
-            let state = self.client.get_contract(pb::GetContractRequest { contract_id: id.clone() }).await.unwrap().into_inner().contract.unwrap();
+            let state = self
+                .client
+                .get_contract(pb::GetContractRequest {
+                    contract_id: id.clone(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .contract
+                .unwrap();
             let ledger = state.ledger.unwrap();
-            assert_eq!(ledger.budget, ledger.residual + ledger.reserved + ledger.spent);
+            assert_eq!(
+                ledger.budget,
+                ledger.residual + ledger.reserved + ledger.spent
+            );
             let mut token = Vec::new();
             let mut children_budget = 0;
             let mut children = 0;
             loop {
                 let page = self
                     .client
-                    .list_children(pb::ListChildrenRequest { contract_id: id.clone(), page_size: 1_000, page_token: token })
+                    .list_children(pb::ListChildrenRequest {
+                        contract_id: id.clone(),
+                        page_size: 1_000,
+                        page_token: token,
+                    })
                     .await
                     .unwrap()
                     .into_inner();

@@ -103,14 +103,24 @@ impl Broker {
         }
     }
 
-    pub async fn delegate(&mut self, holder: &Agent, body: pb::DelegateBody) -> Result<Outcome, tonic::Status> {
-        let response = self.client.delegate(holder.delegate(body)).await?.into_inner();
+    pub async fn delegate(
+        &mut self,
+        holder: &Agent,
+        body: pb::DelegateBody,
+    ) -> Result<Outcome, tonic::Status> {
+        let response = self
+            .client
+            .delegate(holder.delegate(body))
+            .await?
+            .into_inner();
         Ok(Outcome::from(response.outcome.expect("an outcome")))
     }
 
     pub async fn ledger(&mut self, id: &[u8]) -> pb::Ledger {
         self.client
-            .get_contract(pb::GetContractRequest { contract_id: id.to_vec() })
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.to_vec(),
+            })
             .await
             .unwrap()
             .into_inner()
@@ -121,7 +131,8 @@ impl Broker {
     }
 
     pub fn attest(&self, agent: &Agent, factor: f64) -> pb::Envelope {
-        self.attestor.attest(agent.public_key(), factor, now_ms() + HOUR_MS, "test")
+        self.attestor
+            .attest(agent.public_key(), factor, now_ms() + HOUR_MS, "test")
     }
 
     /// Every contract of the tree under `root`, breadth first.
@@ -151,7 +162,9 @@ impl Broker {
         }
         out.push(
             self.client
-                .get_contract(pb::GetContractRequest { contract_id: root.to_vec() })
+                .get_contract(pb::GetContractRequest {
+                    contract_id: root.to_vec(),
+                })
                 .await
                 .unwrap()
                 .into_inner()
@@ -167,14 +180,26 @@ impl Broker {
         let tree = self.tree(root).await;
         for state in &tree {
             let l = state.ledger.unwrap();
-            assert_eq!(l.budget, l.residual + l.reserved + l.spent, "ledger of {}", hex::encode(&state.contract_id));
+            assert_eq!(
+                l.budget,
+                l.residual + l.reserved + l.spent,
+                "ledger of {}",
+                hex::encode(&state.contract_id)
+            );
             assert!(l.residual >= 0 && l.reserved >= 0 && l.spent >= 0);
             let children: Vec<_> = tree
                 .iter()
-                .filter(|c| decode_contract(c.contract.as_ref().unwrap()).parent_id == state.contract_id)
+                .filter(|c| {
+                    decode_contract(c.contract.as_ref().unwrap()).parent_id == state.contract_id
+                })
                 .collect();
             let reserved: i64 = children.iter().map(|c| c.ledger.unwrap().budget).sum();
-            assert_eq!(l.reserved, reserved, "reserved of {}", hex::encode(&state.contract_id));
+            assert_eq!(
+                l.reserved,
+                reserved,
+                "reserved of {}",
+                hex::encode(&state.contract_id)
+            );
             assert_eq!(l.open_children as usize, children.len());
         }
     }
@@ -259,7 +284,13 @@ pub fn child(parent: &[u8], lineage: &[u8], delegate: &Agent, budget: i64) -> pb
 }
 
 /// The same with liability DELEGATE, an escalation channel and `predicate`.
-pub fn liable_child(parent: &[u8], lineage: &[u8], delegate: &Agent, budget: i64, predicate: &str) -> pb::DelegateBody {
+pub fn liable_child(
+    parent: &[u8],
+    lineage: &[u8],
+    delegate: &Agent,
+    budget: i64,
+    predicate: &str,
+) -> pb::DelegateBody {
     pb::DelegateBody {
         liability: pb::Liability::Delegate as i32,
         predicate: predicate.into(),
@@ -294,7 +325,10 @@ impl Outcome {
     pub fn issued(self) -> (Vec<u8>, pb::Contract) {
         match self {
             Outcome::Issued { id, envelope } => (id, decode_contract(&envelope)),
-            Outcome::Refused { envelope, .. } => panic!("expected issued, got refusal {:?}", decode_receipt(&envelope)),
+            Outcome::Refused { envelope, .. } => panic!(
+                "expected issued, got refusal {:?}",
+                decode_receipt(&envelope)
+            ),
         }
     }
 
@@ -330,22 +364,41 @@ pub fn codes(receipt: &pb::Receipt) -> Vec<pb::InvariantCode> {
 
 /// Verifies a broker envelope against the published keys (by the key id
 /// the payload names, never by DSSE's unauthenticated hint alone).
-pub fn verify_with_keys(envelope: &pb::Envelope, expected_type: &'static str, keys: &[pb::BrokerKey], key_id: &str) {
-    let key = keys.iter().find(|k| k.key_id == key_id).expect("payload names a published key");
+pub fn verify_with_keys(
+    envelope: &pb::Envelope,
+    expected_type: &'static str,
+    keys: &[pb::BrokerKey],
+    key_id: &str,
+) {
+    let key = keys
+        .iter()
+        .find(|k| k.key_id == key_id)
+        .expect("payload names a published key");
     let vk = crypto::public_key(&key.public_key).unwrap();
     crypto::verify_envelope(envelope, expected_type, &vk).expect("envelope verifies");
 }
 
 /// Asserts the refusal verifies with the broker's published key and can be
 /// fetched again by id.
-pub async fn assert_refusal_verifies(broker: &mut Broker, id: &[u8], envelope: &pb::Envelope) -> pb::Receipt {
+pub async fn assert_refusal_verifies(
+    broker: &mut Broker,
+    id: &[u8],
+    envelope: &pb::Envelope,
+) -> pb::Receipt {
     let keys = broker.keys().await;
     let receipt = decode_receipt(envelope);
-    verify_with_keys(envelope, payload_type::RECEIPT, &keys, &receipt.broker_key_id);
+    verify_with_keys(
+        envelope,
+        payload_type::RECEIPT,
+        &keys,
+        &receipt.broker_key_id,
+    );
     assert_eq!(crypto::sha256(&envelope.payload).to_vec(), id);
     let again = broker
         .client
-        .get_receipt(pb::GetReceiptRequest { receipt_id: id.to_vec() })
+        .get_receipt(pb::GetReceiptRequest {
+            receipt_id: id.to_vec(),
+        })
         .await
         .unwrap()
         .into_inner()

@@ -33,15 +33,27 @@ impl Case {
     /// Sends `body` signed by `signer` and expects exactly `expected`.
     async fn expect(&mut self, signer: &Agent, body: pb::DelegateBody, expected: &[Code]) {
         let before = self.broker.ledger(&body.parent_id).await;
-        let (id, envelope, _) = self.broker.delegate(signer, body.clone()).await.unwrap().refused();
+        let (id, envelope, _) = self
+            .broker
+            .delegate(signer, body.clone())
+            .await
+            .unwrap()
+            .refused();
         let receipt = assert_refusal_verifies(&mut self.broker, &id, &envelope).await;
         assert_eq!(codes(&receipt), expected);
         assert_eq!(receipt.primary, expected[0] as i32);
         assert_eq!(receipt.requester_public_key, signer.public_key().to_vec());
         for v in &receipt.violations {
-            assert!(!v.detail.is_empty() && !v.requested.is_empty() && !v.allowed.is_empty(), "{v:?}");
+            assert!(
+                !v.detail.is_empty() && !v.requested.is_empty() && !v.allowed.is_empty(),
+                "{v:?}"
+            );
         }
-        assert_eq!(self.broker.ledger(&body.parent_id).await, before, "a refusal changes no ledger");
+        assert_eq!(
+            self.broker.ledger(&body.parent_id).await,
+            before,
+            "a refusal changes no ledger"
+        );
         self.seen.extend(expected.iter().map(|c| *c as i32));
     }
 
@@ -63,59 +75,106 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
 
     // 2. Signed by someone who does not hold the parent.
     let body = case.body(10);
-    case.expect(&Agent::generate(), body, &[Code::NotHolder]).await;
+    case.expect(&Agent::generate(), body, &[Code::NotHolder])
+        .await;
     // 4. A lineage hash that is not the root's.
     let mut body = case.body(10);
     body.intent_lineage_hash = vec![0; 32];
-    case.expect(&orchestrator, body, &[Code::IntentDiluted]).await;
+    case.expect(&orchestrator, body, &[Code::IntentDiluted])
+        .await;
     // 6 + 7. Liable child without predicate or escalation channel.
     let mut body = case.body(10);
     body.liability = pb::Liability::Delegate as i32;
-    case.expect(&orchestrator, body, &[Code::LiabilityWithoutPredicate, Code::LiabilityWithoutEscalation])
-        .await;
+    case.expect(
+        &orchestrator,
+        body,
+        &[
+            Code::LiabilityWithoutPredicate,
+            Code::LiabilityWithoutEscalation,
+        ],
+    )
+    .await;
     // 9. Budget below one retry.
     let mut body = case.body(5);
     body.min_retry_cost = 10;
-    case.expect(&orchestrator, body, &[Code::BelowRetryCost]).await;
+    case.expect(&orchestrator, body, &[Code::BelowRetryCost])
+        .await;
     // 10. Not enough time left for one retry.
     let mut body = case.body(10);
     body.deadline_ms = now_ms() + 10_000;
     body.min_retry_latency_ms = 60_000;
-    case.expect(&orchestrator, body, &[Code::BelowRetryLatency]).await;
+    case.expect(&orchestrator, body, &[Code::BelowRetryLatency])
+        .await;
     // 11. More than the parent's residual.
     let body = case.body(101);
-    case.expect(&orchestrator, body, &[Code::BudgetExceedsParent]).await;
+    case.expect(&orchestrator, body, &[Code::BudgetExceedsParent])
+        .await;
     // 12. A later deadline than the parent's.
     let mut body = case.body(10);
     body.deadline_ms = case.root.contract.deadline_ms + 1_000;
-    case.expect(&orchestrator, body, &[Code::DeadlineExceedsParent]).await;
+    case.expect(&orchestrator, body, &[Code::DeadlineExceedsParent])
+        .await;
     // 13. A liable child that leaves the principal no retry.
-    let mut body = liable_child(&case.root.id, &case.root.lineage, &case.delegate, 95, "result.schema_valid");
+    let mut body = liable_child(
+        &case.root.id,
+        &case.root.lineage,
+        &case.delegate,
+        95,
+        "result.schema_valid",
+    );
     body.min_retry_cost = 10;
-    case.expect(&orchestrator, body, &[Code::NoRetryHeadroom]).await;
+    case.expect(&orchestrator, body, &[Code::NoRetryHeadroom])
+        .await;
     // 14. Writing outside the parent's scope.
     let mut body = case.body(10);
     body.write_scope = vec!["src/auth".into(), "/etc".into()];
-    case.expect(&orchestrator, body, &[Code::ScopeWidened]).await;
+    case.expect(&orchestrator, body, &[Code::ScopeWidened])
+        .await;
 
     // 3 and 8 need a child: a liability-retaining child at max depth.
     let delegate = Agent::from_seed(case.delegate.seed());
-    let (child_id, _) = case.broker.delegate(&orchestrator, case.body(10)).await.unwrap().issued();
+    let (child_id, _) = case
+        .broker
+        .delegate(&orchestrator, case.body(10))
+        .await
+        .unwrap()
+        .issued();
     let grandchild = Agent::generate();
-    let mut body = liable_child(&child_id, &case.root.lineage, &grandchild, 5, "result.schema_valid");
+    let mut body = liable_child(
+        &child_id,
+        &case.root.lineage,
+        &grandchild,
+        5,
+        "result.schema_valid",
+    );
     body.write_scope = vec![];
-    case.expect(&delegate, body, &[Code::DepthExceeded, Code::LiabilityFromRetainingParent])
-        .await;
+    case.expect(
+        &delegate,
+        body,
+        &[Code::DepthExceeded, Code::LiabilityFromRetainingParent],
+    )
+    .await;
     // 15. max_children is 2: one more child is fine, the third is refused.
-    case.broker.delegate(&orchestrator, case.body(10)).await.unwrap().issued();
+    case.broker
+        .delegate(&orchestrator, case.body(10))
+        .await
+        .unwrap()
+        .issued();
     let body = case.body(10);
-    case.expect(&orchestrator, body, &[Code::FanoutExceeded]).await;
+    case.expect(&orchestrator, body, &[Code::FanoutExceeded])
+        .await;
 
     // 5. A policy with a trust floor and a delegate nobody vouches for.
-    let mut trust = Case::new(RootSpec { min_trust: 1, ..RootSpec::default() }).await;
+    let mut trust = Case::new(RootSpec {
+        min_trust: 1,
+        ..RootSpec::default()
+    })
+    .await;
     let orchestrator2 = Agent::from_seed(trust.orchestrator.seed());
     let body = trust.body(10);
-    trust.expect(&orchestrator2, body, &[Code::TrustAttenuated]).await;
+    trust
+        .expect(&orchestrator2, body, &[Code::TrustAttenuated])
+        .await;
     case.seen.extend(trust.seen.iter());
 
     // 1. The parent's deadline has passed (the broker's clock moves on).
@@ -125,8 +184,12 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
     let mut body = late.body(10);
     body.header = Some(header_at(&orchestrator3, now_ms() + 2 * HOUR_MS));
     // No time is left either, so the retry-latency invariant fails too.
-    late.expect(&orchestrator3, body, &[Code::ParentNotActive, Code::BelowRetryLatency])
-        .await;
+    late.expect(
+        &orchestrator3,
+        body,
+        &[Code::ParentNotActive, Code::BelowRetryLatency],
+    )
+    .await;
     case.seen.extend(late.seen.iter());
 
     let all: BTreeSet<i32> = (1..=15).collect();

@@ -12,31 +12,68 @@ const SEED_001_PREDICATE: &str = "result.schema_valid && result.within_scope";
 #[tokio::test]
 async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued() {
     let mut broker = Broker::start().await;
-    let (orchestrator, planner, executor) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec { budget: 100, ..RootSpec::default() }).await;
+    let (orchestrator, planner, executor) =
+        (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                budget: 100,
+                ..RootSpec::default()
+            },
+        )
+        .await;
 
     let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
     to_planner.deadline_ms = now_ms() + 90_000;
-    let (planner_id, planner_contract) = broker.delegate(&orchestrator, to_planner).await.unwrap().issued();
-    assert_eq!(planner_contract.effective_predicate, format!("({SEED_001_PREDICATE})"));
+    let (planner_id, planner_contract) = broker
+        .delegate(&orchestrator, to_planner)
+        .await
+        .unwrap()
+        .issued();
+    assert_eq!(
+        planner_contract.effective_predicate,
+        format!("({SEED_001_PREDICATE})")
+    );
 
     // The planner does not forward the predicate; the broker keeps it anyway.
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
     to_executor.min_retry_cost = 12;
     to_executor.deadline_ms = now_ms() + 60_000;
-    let (receipt_id, envelope, _) = broker.delegate(&planner, to_executor.clone()).await.unwrap().refused();
+    let (receipt_id, envelope, _) = broker
+        .delegate(&planner, to_executor.clone())
+        .await
+        .unwrap()
+        .refused();
     let receipt = assert_refusal_verifies(&mut broker, &receipt_id, &envelope).await;
     assert_eq!(codes(&receipt), vec![Code::NoRetryHeadroom]);
     assert_eq!(receipt.primary, Code::NoRetryHeadroom as i32);
-    assert_eq!((receipt.violations[0].requested.as_str(), receipt.violations[0].allowed.as_str()), ("5", "12"));
+    assert_eq!(
+        (
+            receipt.violations[0].requested.as_str(),
+            receipt.violations[0].allowed.as_str()
+        ),
+        ("5", "12")
+    );
     assert_eq!(receipt.contract_id, planner_id);
-    assert_eq!(broker.ledger(&planner_id).await.reserved, 0, "a refusal reserves nothing");
+    assert_eq!(
+        broker.ledger(&planner_id).await.reserved,
+        0,
+        "a refusal reserves nothing"
+    );
 
     to_executor.budget = 13;
-    let (executor_id, executor_contract) = broker.delegate(&planner, to_executor).await.unwrap().issued();
+    let (executor_id, executor_contract) = broker
+        .delegate(&planner, to_executor)
+        .await
+        .unwrap()
+        .issued();
     assert_eq!(executor_contract.depth, 2);
-    assert_eq!(executor_contract.effective_predicate, format!("({SEED_001_PREDICATE})"));
+    assert_eq!(
+        executor_contract.effective_predicate,
+        format!("({SEED_001_PREDICATE})")
+    );
     assert_eq!(executor_contract.predicate, "");
     let planner_ledger = broker.ledger(&planner_id).await;
     assert_eq!((planner_ledger.residual, planner_ledger.reserved), (12, 13));
@@ -59,7 +96,13 @@ async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
     bad.deadline_ms = now_ms() + 60_000;
     let (id, envelope, _) = broker.delegate(&orchestrator, bad).await.unwrap().refused();
     let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
-    assert_eq!(codes(&receipt), vec![Code::LiabilityWithoutPredicate, Code::LiabilityWithoutEscalation]);
+    assert_eq!(
+        codes(&receipt),
+        vec![
+            Code::LiabilityWithoutPredicate,
+            Code::LiabilityWithoutEscalation
+        ]
+    );
     assert_eq!(receipt.primary, Code::LiabilityWithoutPredicate as i32);
     broker.stop().await;
 }
@@ -69,11 +112,22 @@ async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
 async fn seed_002_fifth_hop_exceeds_depth_four() {
     let mut broker = Broker::start().await;
     let agents: Vec<Agent> = (0..6).map(|_| Agent::generate()).collect();
-    let root = broker.open_root(&agents[0], RootSpec { max_depth: 4, ..RootSpec::default() }).await;
+    let root = broker
+        .open_root(
+            &agents[0],
+            RootSpec {
+                max_depth: 4,
+                ..RootSpec::default()
+            },
+        )
+        .await;
     let mut parent = root.id.clone();
     for hop in 1..=4 {
         let (id, contract) = broker
-            .delegate(&agents[hop - 1], child(&parent, &root.lineage, &agents[hop], 10))
+            .delegate(
+                &agents[hop - 1],
+                child(&parent, &root.lineage, &agents[hop], 10),
+            )
             .await
             .unwrap()
             .issued();
@@ -88,7 +142,13 @@ async fn seed_002_fifth_hop_exceeds_depth_four() {
         .refused();
     let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
     assert_eq!(codes(&receipt), vec![Code::DepthExceeded]);
-    assert_eq!((receipt.violations[0].requested.as_str(), receipt.violations[0].allowed.as_str()), ("5", "4"));
+    assert_eq!(
+        (
+            receipt.violations[0].requested.as_str(),
+            receipt.violations[0].allowed.as_str()
+        ),
+        ("5", "4")
+    );
     broker.stop().await;
 }
 
@@ -99,13 +159,23 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
     let mut broker = Broker::start().await;
     let agents: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
     let root = broker
-        .open_root(&agents[0], RootSpec { min_trust: 400_000, ..RootSpec::default() })
+        .open_root(
+            &agents[0],
+            RootSpec {
+                min_trust: 400_000,
+                ..RootSpec::default()
+            },
+        )
         .await;
     let mut parent = root.id.clone();
     for (hop, factor, cumulative) in [(1, 0.9, 900_000), (2, 0.8, 720_000)] {
         let mut body = child(&parent, &root.lineage, &agents[hop], 10);
         body.delegate_attestation = Some(broker.attest(&agents[hop], factor));
-        let (id, contract) = broker.delegate(&agents[hop - 1], body).await.unwrap().issued();
+        let (id, contract) = broker
+            .delegate(&agents[hop - 1], body)
+            .await
+            .unwrap()
+            .issued();
         let proof = decode_hop(&contract.hop_proofs[hop]);
         assert_eq!(proof.cumulative_trust_ppm, cumulative);
         parent = id;
@@ -116,7 +186,10 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
     let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
     assert_eq!(codes(&receipt), vec![Code::TrustAttenuated]);
     assert_eq!(
-        (receipt.violations[0].requested.as_str(), receipt.violations[0].allowed.as_str()),
+        (
+            receipt.violations[0].requested.as_str(),
+            receipt.violations[0].allowed.as_str()
+        ),
         ("360000", "400000")
     );
     broker.stop().await;
