@@ -53,6 +53,11 @@ pub struct Limits {
     pub max_concurrent_requests_per_connection: usize,
     /// Longest a request may run, in ms, before DEADLINE_EXCEEDED.
     pub request_timeout_ms: u64,
+    /// Concurrent Watch streams, broker-wide.
+    pub max_watch_streams: usize,
+    /// How often overdue contracts are expired in the background, in ms
+    /// (they also expire on access).
+    pub expiry_sweep_interval_ms: u64,
 }
 
 impl Default for Limits {
@@ -67,6 +72,8 @@ impl Default for Limits {
             read_connections: 4,
             max_concurrent_requests_per_connection: 1_024,
             request_timeout_ms: 30_000,
+            max_watch_streams: 1_024,
+            expiry_sweep_interval_ms: 1_000,
         }
     }
 }
@@ -184,6 +191,12 @@ impl Config {
             return Err(invalid(
                 "limits",
                 "queue depth, batch size and connections must be positive",
+            ));
+        }
+        if l.max_watch_streams == 0 || l.expiry_sweep_interval_ms == 0 {
+            return Err(invalid(
+                "limits",
+                "watch streams and the sweep interval must be positive",
             ));
         }
         if l.max_concurrent_requests_per_connection == 0 || l.request_timeout_ms == 0 {

@@ -15,6 +15,8 @@ use crate::keystore;
 use crate::pb;
 use crate::service::BrokerService;
 use crate::stamp::Stamper;
+use crate::store::Store;
+use crate::store::lifecycle::{Action, LifecycleCommand};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
 
 /// The SQLite database's file name inside the data directory.
@@ -78,7 +80,13 @@ pub async fn run_with_clock(
     )
     .await?;
 
-    let service = BrokerService::new(Arc::new(store), Arc::new(config), clock, keys);
+    let store = Arc::new(store);
+    tokio::spawn(expiry_sweeper(
+        Arc::downgrade(&store),
+        clock.clone(),
+        Duration::from_millis(limits.expiry_sweep_interval_ms),
+    ));
+    let service = BrokerService::new(store, Arc::new(config), clock, keys);
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_request_bytes.saturating_mul(4));
@@ -122,4 +130,41 @@ fn incoming(
         stream.set_nodelay(true)?;
         Ok(stream)
     })
+}
+
+/// Overdue contracts expired per sweep; the rest wait for the next tick.
+const EXPIRED_PER_SWEEP: u32 = 256;
+
+/// Expires overdue contracts in the background so their reservations
+/// return even if nobody touches them (they also expire on access). Stops
+/// when the store is gone.
+async fn expiry_sweeper<S: Store>(
+    store: std::sync::Weak<S>,
+    clock: Arc<dyn Clock>,
+    every: Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(store) = store.upgrade() else { return };
+        let overdue = match store.overdue(clock.now_ms(), EXPIRED_PER_SWEEP).await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!(error = %e, "expiry sweep could not list overdue contracts");
+                continue;
+            }
+        };
+        for contract_id in overdue {
+            let command = LifecycleCommand {
+                request: None,
+                contract_id,
+                action: Action::Expire,
+            };
+            // Another path (a cascade, an access) may have ended it first.
+            if let Err(e) = store.transition(command).await {
+                tracing::debug!(error = %e, contract = %hex::encode(contract_id), "not expired");
+            }
+        }
+    }
 }

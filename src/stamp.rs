@@ -56,6 +56,11 @@ pub struct NewChild {
     pub task: String,
     pub delegate_key: AgentKey,
     pub trust: HopTrust,
+    /// The host that will execute the delegate, if named at delegation.
+    pub host: Option<AgentKey>,
+    /// JSON Schema the output must satisfy (validated to compile); empty
+    /// for none.
+    pub result_schema_json: String,
 }
 
 /// A signed payload ready to store and send.
@@ -158,6 +163,8 @@ impl Stamper {
             policy: Some(policy_to_pb(&root.policy)),
             hop_proofs: vec![proof],
             request_digest: root.request.digest.to_vec(),
+            host_public_key: Vec::new(),
+            result_schema_json: String::new(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
@@ -219,11 +226,20 @@ impl Stamper {
             policy: parent.policy,
             hop_proofs,
             request_digest: child.request.digest.to_vec(),
+            host_public_key: child.host.map(|h| h.to_vec()).unwrap_or_default(),
+            result_schema_json: child.result_schema_json.clone(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
             contract,
         )
+    }
+
+    /// Signs any receipt (its `broker_key_id` is set here).
+    pub fn sign_receipt(&self, receipt: &pb::Receipt) -> Stamped {
+        let mut receipt = receipt.clone();
+        receipt.broker_key_id = self.key_id.clone();
+        self.seal(payload_type::RECEIPT, receipt.encode_to_vec())
     }
 
     /// Signs a refusal receipt naming every violated invariant.
@@ -254,6 +270,7 @@ impl Stamper {
                     detail: v.detail.clone(),
                 })
                 .collect(),
+            ..Default::default()
         };
         self.seal(payload_type::RECEIPT, receipt.encode_to_vec())
     }

@@ -280,6 +280,8 @@ async fn worker(
                 min_retry_cost: 1,
                 min_retry_latency_ms: 1_000,
                 write_scope: vec!["src".into()],
+                host_public_key: Vec::new(),
+                result_schema_json: String::new(),
             });
             if let Some(pacer) = &pacer {
                 pacer.wait().await;

@@ -174,8 +174,8 @@ pub fn check_delegation(
         })
     };
 
-    // 1. The parent is open and within its deadline.
-    if parent.status != Status::Open {
+    // 1. The parent is open (issued or accepted) and within its deadline.
+    if !parent.status.is_open() {
         refuse(
             InvariantCode::ParentNotActive,
             "OPEN".into(),

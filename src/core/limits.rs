@@ -35,3 +35,39 @@ pub const PPM_ONE: u32 = 1_000_000;
 pub const MAX_PAGE_SIZE: u32 = 1_000;
 /// Page size when the client asks for 0.
 pub const DEFAULT_PAGE_SIZE: u32 = 100;
+/// Largest completion result (the delegate's JSON output), serialized, in
+/// bytes.
+pub const MAX_RESULT_BYTES: usize = 256 * 1024;
+/// Deepest nesting of arrays and objects in a completion result. Bounds the
+/// recursion that converts it for predicate evaluation.
+pub const MAX_RESULT_DEPTH: usize = 64;
+/// Largest JSON Schema a contract may name, serialized, in bytes.
+pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+/// Deepest nesting of arrays and objects in a JSON Schema.
+pub const MAX_SCHEMA_DEPTH: usize = 64;
+/// Longest delegate claim ("success", "partial", ...), in bytes.
+pub const MAX_CLAIM_BYTES: usize = 256;
+/// Schema validation messages kept on a judgment: enough to say why.
+pub const MAX_SCHEMA_ERRORS_REPORTED: usize = 8;
+/// Deepest predicate syntax tree the judge evaluates; the evaluator recurses
+/// once per level.
+pub const MAX_PREDICATE_AST_DEPTH: usize = 128;
+/// Work budget of one judgment's predicate evaluation, in cost units (see
+/// `judge`): every value read is charged its size, every comprehension its
+/// iterations times its body. Bounds CPU and memory whatever the predicate
+/// and the result are.
+pub const MAX_PREDICATE_COST: u64 = 1_000_000;
+/// Extra cost per byte of a regular expression given to `matches`: each
+/// call compiles it.
+pub const REGEX_BYTE_COST: i64 = 64;
+/// Most host observations recorded for one contract (RecordReceipts is
+/// append-only; this bounds a contract's rows and its judgment's work).
+pub const MAX_OBSERVATIONS_PER_CONTRACT: i64 = 10_000;
+/// Most observations in one RecordReceipts request.
+pub const MAX_OBSERVATIONS_PER_REQUEST: usize = 256;
+/// Longest observed path, in bytes.
+pub const MAX_OBSERVED_PATH_BYTES: usize = 1_024;
+/// Longest observed tool name, in bytes.
+pub const MAX_TOOL_NAME_BYTES: usize = 256;
+/// Longest reason text (decline, escalate, revoke, adjudicate), in bytes.
+pub const MAX_REASON_BYTES: usize = 1_024;

@@ -1,10 +1,13 @@
-//! The pure domain: contracts, the issuance invariants, ledger and trust
-//! arithmetic, predicate composition and write scopes. No tonic, no sqlx,
+//! The pure domain: contracts, the issuance invariants, the lifecycle and
+//! its ledger arithmetic, judgment of completions, trust arithmetic,
+//! predicate composition and write scopes. No tonic, no sqlx,
 //! no tokio, no I/O: everything here is tested without a runtime.
 
 pub mod error;
 pub mod invariants;
+pub mod judge;
 pub mod ledger;
+pub mod lifecycle;
 pub mod limits;
 pub mod predicate;
 pub mod scope;
@@ -17,7 +20,9 @@ pub use error::InputError;
 pub use invariants::{
     ChildAsk, ChildTerms, InvariantCode, ParentView, Refusal, Violation, check_delegation,
 };
-pub use ledger::Ledger;
+pub use judge::{Completion, Judgment, Observed, RefusedCriterion, Verdict, judge};
+pub use ledger::{EscalationNotice, Ledger, LedgerError, Overspend, Settlement};
+pub use lifecycle::{Event, LifecycleError, may_revoke, transition};
 pub use predicate::Predicate;
 pub use scope::Scope;
 
@@ -52,30 +57,67 @@ impl Liability {
     }
 }
 
-/// Lifecycle state of a contract.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Lifecycle state of a contract (DESIGN.md §Lifecycle). The discriminant
+/// is the wire value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(i32)]
 pub enum Status {
-    Open,
+    /// Issued; the delegate has not accepted yet.
+    Open = 1,
+    /// The delegate accepted and works on it.
+    Accepted = 2,
+    /// The delegate completed it; the verdict is recorded beside.
+    Completed = 3,
+    /// The delegate escalated it as unresolvable (seeds/001).
+    Unresolvable = 4,
+    /// Its deadline passed while it was open.
+    Expired = 5,
+    /// Its principal or an ancestor's holder revoked it.
+    Revoked = 6,
+    /// The delegate declined it before accepting.
+    Declined = 7,
 }
 
 impl Status {
+    pub const ALL: [Status; 7] = [
+        Self::Open,
+        Self::Accepted,
+        Self::Completed,
+        Self::Unresolvable,
+        Self::Expired,
+        Self::Revoked,
+        Self::Declined,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Open => "OPEN",
+            Self::Accepted => "ACCEPTED",
+            Self::Completed => "COMPLETED",
+            Self::Unresolvable => "UNRESOLVABLE",
+            Self::Expired => "EXPIRED",
+            Self::Revoked => "REVOKED",
+            Self::Declined => "DECLINED",
         }
     }
 
     pub fn as_i32(self) -> i32 {
-        match self {
-            Self::Open => 1,
-        }
+        self as i32
     }
 
     pub fn from_i32(value: i32) -> Option<Self> {
-        match value {
-            1 => Some(Self::Open),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|s| s.as_i32() == value)
+    }
+
+    /// Open or accepted: it may delegate, holds its reservation at its
+    /// parent and can still end.
+    pub fn is_open(self) -> bool {
+        matches!(self, Self::Open | Self::Accepted)
+    }
+
+    /// Terminal: no transition leaves it, and it holds no reservation.
+    pub fn is_ended(self) -> bool {
+        !self.is_open()
     }
 }
 

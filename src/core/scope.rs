@@ -54,6 +54,14 @@ impl Scope {
         self.prefixes.iter().any(|p| is_under(path, p))
     }
 
+    /// True when a host-observed `path` lies within the scope. The path is
+    /// normalized first ("./", "//" and a trailing "/" are dropped); a path
+    /// with a ".." component or a control character is never covered, so
+    /// "src/exec/../../etc" cannot pass as being under "src/exec".
+    pub fn covers_observed(&self, path: &str) -> bool {
+        normalize_observed(path).is_some_and(|p| self.covers(&p))
+    }
+
     /// The prefixes of `self` that no prefix of `parent` covers.
     pub fn widening_over<'a>(&'a self, parent: &Scope) -> Vec<&'a str> {
         self.prefixes
@@ -87,6 +95,29 @@ fn normalize(raw: &str) -> Result<String, &'static str> {
         }
     }
     Ok(trimmed.to_owned())
+}
+
+/// Lexical normalization of an observed path; `None` when it escapes
+/// upwards or is not a path at all.
+fn normalize_observed(raw: &str) -> Option<String> {
+    if raw.is_empty() || raw.chars().any(|c| c.is_control()) {
+        return None;
+    }
+    let absolute = raw.starts_with('/');
+    let mut parts = Vec::new();
+    for component in raw.split('/') {
+        match component {
+            "" | "." => {}
+            ".." => return None,
+            c => parts.push(c),
+        }
+    }
+    let joined = parts.join("/");
+    match (absolute, joined.is_empty()) {
+        (true, _) => Some(format!("/{joined}")),
+        (false, true) => None,
+        (false, false) => Some(joined),
+    }
 }
 
 /// Component-wise prefix test: "src/auth" is under "src", "srcx" is not.
@@ -130,6 +161,33 @@ mod tests {
             vec!["tests"]
         );
         assert!(Scope::default().widening_over(&parent).is_empty());
+    }
+
+    #[test]
+    fn observed_paths_are_normalized_and_never_escape() {
+        let s = scope(&["src/exec", "/tmp/out"]);
+        for inside in [
+            "src/exec/a.rs",
+            "./src/exec/a.rs",
+            "src//exec/",
+            "/tmp/out/x",
+        ] {
+            assert!(s.covers_observed(inside), "{inside}");
+        }
+        for outside in [
+            "docs/x.md",
+            "src/exec/../../etc/passwd",
+            "src/exec/..",
+            "src/execx",
+            "",
+            ".",
+            "/",
+            "tmp/out/x",
+            "src/exec/a\nb",
+        ] {
+            assert!(!s.covers_observed(outside), "{outside:?}");
+        }
+        assert!(!Scope::default().covers_observed("src/exec/a.rs"));
     }
 
     #[test]

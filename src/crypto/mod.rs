@@ -15,6 +15,14 @@ pub mod payload_type {
     pub const ATTESTATION: &str = "application/vnd.delegation.broker.v1.Attestation+protobuf";
     pub const OPEN_ROOT: &str = "application/vnd.delegation.broker.v1.OpenRootBody+protobuf";
     pub const DELEGATE: &str = "application/vnd.delegation.broker.v1.DelegateBody+protobuf";
+    pub const ACCEPT: &str = "application/vnd.delegation.broker.v1.AcceptBody+protobuf";
+    pub const DECLINE: &str = "application/vnd.delegation.broker.v1.DeclineBody+protobuf";
+    pub const COMPLETE: &str = "application/vnd.delegation.broker.v1.CompleteBody+protobuf";
+    pub const ADJUDICATE: &str = "application/vnd.delegation.broker.v1.AdjudicateBody+protobuf";
+    pub const ESCALATE: &str = "application/vnd.delegation.broker.v1.EscalateBody+protobuf";
+    pub const REVOKE: &str = "application/vnd.delegation.broker.v1.RevokeBody+protobuf";
+    pub const RECORD_RECEIPTS: &str =
+        "application/vnd.delegation.broker.v1.RecordReceiptsBody+protobuf";
 }
 
 /// Most signatures an envelope may carry: bounds verification work per

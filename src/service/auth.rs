@@ -41,18 +41,27 @@ pub trait SignedBody: Message + Default {
     fn header(&self) -> Option<&pb::RequestHeader>;
 }
 
-impl SignedBody for pb::OpenRootBody {
-    const PAYLOAD_TYPE: &'static str = crypto::payload_type::OPEN_ROOT;
-    fn header(&self) -> Option<&pb::RequestHeader> {
-        self.header.as_ref()
-    }
+macro_rules! signed_body {
+    ($($body:ty => $payload_type:ident),* $(,)?) => {$(
+        impl SignedBody for $body {
+            const PAYLOAD_TYPE: &'static str = crypto::payload_type::$payload_type;
+            fn header(&self) -> Option<&pb::RequestHeader> {
+                self.header.as_ref()
+            }
+        }
+    )*};
 }
 
-impl SignedBody for pb::DelegateBody {
-    const PAYLOAD_TYPE: &'static str = crypto::payload_type::DELEGATE;
-    fn header(&self) -> Option<&pb::RequestHeader> {
-        self.header.as_ref()
-    }
+signed_body! {
+    pb::OpenRootBody => OPEN_ROOT,
+    pb::DelegateBody => DELEGATE,
+    pb::AcceptBody => ACCEPT,
+    pb::DeclineBody => DECLINE,
+    pb::CompleteBody => COMPLETE,
+    pb::AdjudicateBody => ADJUDICATE,
+    pb::EscalateBody => ESCALATE,
+    pb::RevokeBody => REVOKE,
+    pb::RecordReceiptsBody => RECORD_RECEIPTS,
 }
 
 /// Decodes, verifies and freshness-checks a signed request.

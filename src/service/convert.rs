@@ -13,6 +13,28 @@ use crate::pb;
 use crate::stamp::{HopTrust, NewChild, NewRoot, RequestMeta};
 use crate::store::ContractRecord;
 
+/// An optional 32-byte ed25519 key: empty means none.
+pub fn optional_key(bytes: &[u8], field: &'static str) -> Result<Option<[u8; 32]>, InputError> {
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    crypto::public_key(bytes)
+        .map(|k| Some(k.to_bytes()))
+        .map_err(|e| InputError::new(field, e.to_string()))
+}
+
+/// A JSON Schema text that must parse and compile; empty means none.
+fn schema(text: &str, field: &'static str) -> Result<String, InputError> {
+    if text.trim().is_empty() {
+        return Ok(String::new());
+    }
+    core::text(text, core::limits::MAX_SCHEMA_BYTES, false, field)?;
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| InputError::new(field, format!("is not JSON: {e}")))?;
+    let _ = &value; // WIP: core::judge::compile_schema(&value, field)?;
+    Ok(text.to_owned())
+}
+
 /// Parses a 32-byte id.
 pub fn id(bytes: &[u8], field: &'static str) -> Result<Id, InputError> {
     bytes
@@ -113,6 +135,8 @@ pub fn new_child(
         "body.min_retry_latency_ms",
     )?;
     let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
+    let host = optional_key(&body.host_public_key, "body.host_public_key")?;
+    let result_schema_json = schema(&body.result_schema_json, "body.result_schema_json")?;
     let (factor_ppm, factor_note, hop_trust) = resolve_trust(
         body.delegate_attestation.as_ref(),
         &delegate_key,
@@ -140,6 +164,8 @@ pub fn new_child(
         task: body.task,
         delegate_key,
         trust: hop_trust,
+        host,
+        result_schema_json,
     })
 }
 
@@ -270,9 +296,8 @@ pub fn contract_state(record: ContractRecord) -> pb::ContractState {
     pb::ContractState {
         contract_id: record.id.to_vec(),
         contract: Some(record.envelope),
-        status: match record.status {
-            core::Status::Open => pb::ContractStatus::Open,
-        } as i32,
+        // TODO(lifecycle): map every status once the proto enum has them.
+        status: status_to_pb(record.status) as i32,
         ledger: Some(pb::Ledger {
             budget: ledger.budget,
             reserved: ledger.reserved,
@@ -280,5 +305,185 @@ pub fn contract_state(record: ContractRecord) -> pb::ContractState {
             residual: ledger.residual(),
             open_children: ledger.open_children,
         }),
+    }
+}
+
+fn status_to_pb(status: core::Status) -> pb::ContractStatus {
+    use core::Status;
+    match status {
+        Status::Open => pb::ContractStatus::Open,
+        Status::Accepted => pb::ContractStatus::Accepted,
+        Status::Completed => pb::ContractStatus::Completed,
+        Status::Unresolvable => pb::ContractStatus::Unresolvable,
+        Status::Expired => pb::ContractStatus::Expired,
+        Status::Revoked => pb::ContractStatus::Revoked,
+        Status::Declined => pb::ContractStatus::Declined,
+    }
+}
+
+/// Lifecycle bodies → the store's command, one validator per body.
+pub mod lifecycle {
+    use super::{id, optional_key};
+    use crate::core::judge::{self, Verdict};
+    use crate::core::limits::{
+        MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_REQUEST, MAX_OBSERVED_PATH_BYTES, MAX_REASON_BYTES,
+        MAX_RESULT_BYTES, MAX_TEXT_BYTES, MAX_TOOL_NAME_BYTES,
+    };
+    use crate::core::{self, Id, InputError};
+    use crate::pb;
+    use crate::store::lifecycle::{Action, CompleteArgs, ObservationIn};
+
+    fn reason(text: &str, field: &'static str) -> Result<String, InputError> {
+        core::text(text, MAX_REASON_BYTES, false, field)?;
+        Ok(text.to_owned())
+    }
+
+    pub fn accept(body: pb::AcceptBody) -> Result<(Id, Action), InputError> {
+        Ok((
+            id(&body.contract_id, "body.contract_id")?,
+            Action::Accept {
+                host: optional_key(&body.host_public_key, "body.host_public_key")?,
+            },
+        ))
+    }
+
+    pub fn decline(body: pb::DeclineBody) -> Result<(Id, Action), InputError> {
+        Ok((
+            id(&body.contract_id, "body.contract_id")?,
+            Action::Decline {
+                reason: reason(&body.reason, "body.reason")?,
+            },
+        ))
+    }
+
+    pub fn escalate(body: pb::EscalateBody) -> Result<(Id, Action), InputError> {
+        Ok((
+            id(&body.contract_id, "body.contract_id")?,
+            Action::Escalate {
+                reason: reason(&body.reason, "body.reason")?,
+            },
+        ))
+    }
+
+    pub fn revoke(body: pb::RevokeBody) -> Result<(Id, Action), InputError> {
+        Ok((
+            id(&body.contract_id, "body.contract_id")?,
+            Action::Revoke {
+                reason: reason(&body.reason, "body.reason")?,
+            },
+        ))
+    }
+
+    pub fn adjudicate(body: pb::AdjudicateBody) -> Result<(Id, Action), InputError> {
+        let verdict = match pb::Verdict::try_from(body.verdict) {
+            Ok(pb::Verdict::Accepted) => Verdict::Accepted,
+            Ok(pb::Verdict::Rejected) => Verdict::Rejected,
+            _ => {
+                return Err(InputError::new(
+                    "body.verdict",
+                    "must be ACCEPTED or REJECTED",
+                ));
+            }
+        };
+        Ok((
+            id(&body.contract_id, "body.contract_id")?,
+            Action::Adjudicate {
+                verdict,
+                reason: reason(&body.reason, "body.reason")?,
+            },
+        ))
+    }
+
+    pub fn complete(body: pb::CompleteBody) -> Result<(Id, Action), InputError> {
+        let contract_id = id(&body.contract_id, "body.contract_id")?;
+        if body.output_json.len() > MAX_RESULT_BYTES {
+            return Err(InputError::new(
+                "body.output_json",
+                format!(
+                    "{} bytes, at most {MAX_RESULT_BYTES}",
+                    body.output_json.len()
+                ),
+            ));
+        }
+        let output: serde_json::Value = if body.output_json.trim().is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_str(&body.output_json)
+                .map_err(|e| InputError::new("body.output_json", format!("is not JSON: {e}")))?
+        };
+        judge::check_output(&output, "body.output_json")?;
+        judge::check_claim(&body.claim, "body.claim")?;
+        if let Some(report) = &body.report {
+            core::text(&report.status, 64, false, "body.report.status")?;
+            core::text(
+                &report.summary,
+                MAX_TEXT_BYTES,
+                false,
+                "body.report.summary",
+            )?;
+        }
+        let reported_consumed =
+            core::non_negative(body.consumed, MAX_BUDGET_UNITS, "body.consumed")?;
+        Ok((
+            contract_id,
+            Action::Complete(Box::new(CompleteArgs {
+                output_json: body.output_json,
+                output,
+                has_report: body.report.is_some(),
+                claim: body.claim,
+                reported_consumed,
+            })),
+        ))
+    }
+
+    pub fn record(body: pb::RecordReceiptsBody) -> Result<(Id, Action), InputError> {
+        let contract_id = id(&body.contract_id, "body.contract_id")?;
+        if body.observations.is_empty() || body.observations.len() > MAX_OBSERVATIONS_PER_REQUEST {
+            return Err(InputError::new(
+                "body.observations",
+                format!(
+                    "{} observations, must be 1..={MAX_OBSERVATIONS_PER_REQUEST}",
+                    body.observations.len()
+                ),
+            ));
+        }
+        let mut observations = Vec::with_capacity(body.observations.len());
+        for o in body.observations {
+            let kind = match pb::ObservationKind::try_from(o.kind) {
+                Ok(
+                    k @ (pb::ObservationKind::ToolCall
+                    | pb::ObservationKind::Read
+                    | pb::ObservationKind::Mutation),
+                ) => k,
+                _ => {
+                    return Err(InputError::new(
+                        "body.observations.kind",
+                        "must be TOOL_CALL, READ or MUTATION",
+                    ));
+                }
+            };
+            let needs_path = kind != pb::ObservationKind::ToolCall;
+            core::text(
+                &o.path,
+                MAX_OBSERVED_PATH_BYTES,
+                needs_path,
+                "body.observations.path",
+            )?;
+            core::text(
+                &o.tool,
+                MAX_TOOL_NAME_BYTES,
+                false,
+                "body.observations.tool",
+            )?;
+            let units = core::non_negative(o.units, MAX_BUDGET_UNITS, "body.observations.units")?;
+            observations.push(ObservationIn {
+                kind,
+                path: o.path,
+                tool: o.tool,
+                units,
+                at_ms: o.at_ms,
+            });
+        }
+        Ok((contract_id, Action::Record { observations }))
     }
 }

@@ -26,6 +26,18 @@ pub enum ServiceError {
     },
     #[error("{what} {id} not found")]
     NotFound { what: &'static str, id: String },
+    /// The signer may not act on this contract.
+    #[error("{detail}")]
+    PermissionDenied {
+        reason: &'static str,
+        detail: String,
+    },
+    /// The contract's state does not allow it (ended, late, …).
+    #[error("{detail}")]
+    FailedPrecondition {
+        reason: &'static str,
+        detail: String,
+    },
     /// The nonce was used before with a different body.
     #[error("nonce already used by this agent for a different request")]
     NonceReused,
@@ -43,6 +55,12 @@ impl From<StoreError> for ServiceError {
         match e {
             StoreError::NotFound { what, id } => Self::NotFound { what, id },
             StoreError::NonceReused => Self::NonceReused,
+            StoreError::PermissionDenied { reason, detail } => {
+                Self::PermissionDenied { reason, detail }
+            }
+            StoreError::FailedPrecondition { reason, detail } => {
+                Self::FailedPrecondition { reason, detail }
+            }
             StoreError::Overloaded(what) => Self::Overloaded(what),
             StoreError::Closed => Self::Unavailable("the store is shutting down".into()),
             StoreError::Corrupt(what) => Self::Internal(format!("corrupt store: {what}")),
@@ -66,6 +84,12 @@ impl From<ServiceError> for Status {
                 "NOT_FOUND",
                 vec![("what", (*what).to_owned()), ("id", id.clone())],
             ),
+            ServiceError::PermissionDenied { reason, .. } => {
+                (Code::PermissionDenied, reason, vec![])
+            }
+            ServiceError::FailedPrecondition { reason, .. } => {
+                (Code::FailedPrecondition, reason, vec![])
+            }
             ServiceError::NonceReused => (
                 Code::AlreadyExists,
                 "NONCE_REUSED",

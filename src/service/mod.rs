@@ -17,7 +17,8 @@ use crate::core::InputError;
 use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
 use crate::pb;
 use crate::pb::broker_server::Broker;
-use crate::store::{Answer, Outcome, Store};
+use crate::store::lifecycle::{Action, LifecycleCommand};
+use crate::store::{Answer, Event, Outcome, Store};
 use auth::authenticate;
 use error::ServiceError;
 
@@ -31,7 +32,14 @@ pub struct BrokerService<S> {
     keys: Arc<Vec<pb::BrokerKey>>,
     /// Attestation envelopes whose signature already verified.
     verified: convert::VerifiedAttestations,
+    /// Bounds concurrent Watch streams (limits.max_watch_streams).
+    watchers: Arc<tokio::sync::Semaphore>,
 }
+
+/// Events fetched per Watch query.
+const WATCH_PAGE: u32 = 256;
+/// Events buffered per Watch stream before the reader waits for the client.
+const WATCH_BUFFER: usize = 64;
 
 impl<S> BrokerService<S> {
     pub fn new(
@@ -41,6 +49,7 @@ impl<S> BrokerService<S> {
         keys: Vec<pb::BrokerKey>,
     ) -> Self {
         Self {
+            watchers: Arc::new(tokio::sync::Semaphore::new(config.limits.max_watch_streams)),
             store,
             config,
             clock,
@@ -56,7 +65,7 @@ fn issued(outcome: Outcome) -> Result<pb::IssuedContract, ServiceError> {
             contract_id: id.to_vec(),
             contract: Some(envelope),
         }),
-        Outcome::Refused { .. } => Err(ServiceError::Internal("a root cannot be refused".into())),
+        Outcome::Receipt { .. } => Err(ServiceError::Internal("a root cannot be refused".into())),
     }
 }
 
@@ -68,7 +77,7 @@ fn delegate_response(answer: Answer) -> pb::DelegateResponse {
                 contract: Some(envelope),
             })
         }
-        Outcome::Refused {
+        Outcome::Receipt {
             receipt_id,
             envelope,
         } => pb::delegate_response::Outcome::Refused(pb::Refusal {
@@ -135,6 +144,101 @@ impl<S: Store> BrokerService<S> {
         )?;
         let answer = self.store.delegate(child).await?;
         Ok(delegate_response(answer))
+    }
+
+    /// Authenticates a lifecycle request, converts its body and applies it.
+    async fn lifecycle<T: auth::SignedBody>(
+        &self,
+        signed: Option<&pb::Envelope>,
+        convert: fn(T) -> Result<(crate::core::Id, Action), InputError>,
+    ) -> Result<(Vec<u8>, Option<pb::Envelope>, bool), ServiceError> {
+        let now_ms = self.clock.now_ms();
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<T>(signed, now_ms, window_ms)?;
+        let answer = if signed.fresh {
+            let (contract_id, action) = convert(signed.body)?;
+            self.store
+                .transition(LifecycleCommand {
+                    request: Some(signed.request),
+                    contract_id,
+                    action,
+                })
+                .await?
+        } else {
+            self.late_retry(&signed, now_ms).await?
+        };
+        match answer.outcome {
+            Outcome::Receipt {
+                receipt_id,
+                envelope,
+            } => Ok((receipt_id.to_vec(), Some(envelope), answer.replayed)),
+            // A nonce first used for an issuance request.
+            Outcome::Issued { .. } => Err(ServiceError::NonceReused),
+        }
+    }
+
+    async fn watch_stream(
+        &self,
+        request: pb::WatchRequest,
+    ) -> Result<<Self as Broker>::WatchStream, ServiceError> {
+        let contract = convert::id(&request.contract_id, "contract_id")?;
+        let mut cursor = i64::try_from(request.cursor)
+            .map_err(|_| InputError::new("cursor", "is not a cursor this broker issued"))?;
+        if self.store.contract(contract).await?.is_none() {
+            return Err(ServiceError::NotFound {
+                what: "contract",
+                id: hex::encode(contract),
+            });
+        }
+        let permit = self
+            .watchers
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ServiceError::Overloaded("limits.max_watch_streams"))?;
+        let store = self.store.clone();
+        let mut commits = store.commits();
+        let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
+        tokio::spawn(async move {
+            let _permit = permit;
+            loop {
+                // Mark what we have seen before reading, so a commit that
+                // lands after the read still wakes us.
+                commits.borrow_and_update();
+                let events = match store.events(contract, cursor, WATCH_PAGE).await {
+                    Ok(events) => events,
+                    Err(e) => {
+                        let _ = tx.send(Err(Status::from(ServiceError::from(e)))).await;
+                        return;
+                    }
+                };
+                if events.is_empty() {
+                    tokio::select! {
+                        changed = commits.changed() => if changed.is_err() { return },
+                        () = tx.closed() => return,
+                    }
+                    continue;
+                }
+                for event in events {
+                    let (at, event) = match event {
+                        Event::Contract { cursor, envelope } => {
+                            (cursor, pb::watch_response::Event::Contract(envelope))
+                        }
+                        Event::Receipt { cursor, envelope } => {
+                            (cursor, pb::watch_response::Event::Receipt(envelope))
+                        }
+                    };
+                    cursor = at;
+                    let response = pb::WatchResponse {
+                        cursor: u64::try_from(at).unwrap_or_default(),
+                        event: Some(event),
+                    };
+                    if tx.send(Ok(response)).await.is_err() {
+                        return; // The client went away.
+                    }
+                }
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
     /// A correctly signed request outside the timestamp window: answered
@@ -239,6 +343,138 @@ impl<S: Store> BrokerService<S> {
 
 #[tonic::async_trait]
 impl<S: Store> Broker for BrokerService<S> {
+    async fn accept(
+        &self,
+        request: Request<pb::AcceptRequest>,
+    ) -> Result<Response<pb::AcceptResponse>, Status> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<pb::AcceptBody>(
+                request.into_inner().signed.as_ref(),
+                convert::lifecycle::accept,
+            )
+            .await?;
+        Ok(Response::new(pb::AcceptResponse {
+            receipt_id,
+            receipt,
+            replayed,
+        }))
+    }
+
+    async fn decline(
+        &self,
+        request: Request<pb::DeclineRequest>,
+    ) -> Result<Response<pb::DeclineResponse>, Status> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<pb::DeclineBody>(
+                request.into_inner().signed.as_ref(),
+                convert::lifecycle::decline,
+            )
+            .await?;
+        Ok(Response::new(pb::DeclineResponse {
+            receipt_id,
+            receipt,
+            replayed,
+        }))
+    }
+
+    async fn complete(
+        &self,
+        request: Request<pb::CompleteRequest>,
+    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<pb::CompleteBody>(
+                request.into_inner().signed.as_ref(),
+                convert::lifecycle::complete,
+            )
+            .await?;
+        Ok(Response::new(pb::CompleteResponse {
+            receipt_id,
+            receipt,
+            replayed,
+        }))
+    }
+
+    async fn adjudicate(
+        &self,
+        request: Request<pb::AdjudicateRequest>,
+    ) -> Result<Response<pb::AdjudicateResponse>, Status> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<pb::AdjudicateBody>(
+                request.into_inner().signed.as_ref(),
+                convert::lifecycle::adjudicate,
+            )
+            .await?;
+        Ok(Response::new(pb::AdjudicateResponse {
+            receipt_id,
+            receipt,
+            replayed,
+        }))
+    }
+
+    async fn escalate(
+        &self,
+        request: Request<pb::EscalateRequest>,
+    ) -> Result<Response<pb::EscalateResponse>, Status> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<pb::EscalateBody>(
+                request.into_inner().signed.as_ref(),
+                convert::lifecycle::escalate,
+            )
+            .await?;
+        Ok(Response::new(pb::EscalateResponse {
+            receipt_id,
+            receipt,
+            replayed,
+        }))
+    }
+
+    async fn revoke(
+        &self,
+        request: Request<pb::RevokeRequest>,
+    ) -> Result<Response<pb::RevokeResponse>, Status> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<pb::RevokeBody>(
+                request.into_inner().signed.as_ref(),
+                convert::lifecycle::revoke,
+            )
+            .await?;
+        Ok(Response::new(pb::RevokeResponse {
+            receipt_id,
+            receipt,
+            replayed,
+        }))
+    }
+
+    async fn record_receipts(
+        &self,
+        request: Request<pb::RecordReceiptsRequest>,
+    ) -> Result<Response<pb::RecordReceiptsResponse>, Status> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<pb::RecordReceiptsBody>(
+                request.into_inner().signed.as_ref(),
+                convert::lifecycle::record,
+            )
+            .await?;
+        Ok(Response::new(pb::RecordReceiptsResponse {
+            receipt_id,
+            receipt,
+            replayed,
+        }))
+    }
+
+    type WatchStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<pb::WatchResponse, Status>> + Send>,
+    >;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Ok(Response::new(
+            self.watch_stream(request.into_inner()).await?,
+        ))
+    }
+
     async fn open_root(
         &self,
         request: Request<pb::OpenRootRequest>,

@@ -32,13 +32,17 @@ pub struct Speculation {
 pub enum Command {
     OpenRoot(Box<NewRoot>),
     Delegate(Box<NewChild>, Option<Box<Speculation>>),
+    /// Applied after the batch's issuances (see `super::lifecycle`): within
+    /// one batch, commands were concurrent, so any order is a valid one.
+    Lifecycle(Box<super::lifecycle::LifecycleCommand>),
 }
 
 impl Command {
-    fn request(&self) -> &RequestMeta {
+    fn request(&self) -> Option<&RequestMeta> {
         match self {
-            Command::OpenRoot(r) => &r.request,
-            Command::Delegate(c, _) => &c.request,
+            Command::OpenRoot(r) => Some(&r.request),
+            Command::Delegate(c, _) => Some(&c.request),
+            Command::Lifecycle(l) => l.request.as_ref(),
         }
     }
 }
@@ -47,8 +51,11 @@ impl Command {
 /// and ledger (both inside `view`).
 #[derive(Clone, Debug)]
 pub struct Known {
+    /// Issuance sequence number (the row key).
+    pub seq: i64,
     pub view: ParentView,
     pub root_id: Id,
+    pub root_seq: i64,
     /// The decoded signed contract: hop proofs, intent and policy for
     /// stamping children.
     pub contract: Arc<pb::Contract>,
@@ -67,8 +74,10 @@ pub type RequestKey = (AgentKey, Vec<u8>);
 
 /// Rows of a new contract.
 pub struct ContractRow {
+    pub seq: i64,
     pub id: Id,
-    pub parent_id: Option<Id>,
+    pub parent: Option<(i64, Id)>,
+    pub root_seq: i64,
     pub root_id: Id,
     pub depth: u32,
     pub delegate_key: AgentKey,
@@ -82,6 +91,10 @@ pub struct ContractRow {
     pub policy: Policy,
     pub envelope: Vec<u8>,
     pub issued_at_ms: i64,
+    /// Status and ledger as of the end of the batch (a contract may become
+    /// a parent within the batch that creates it).
+    pub status: Status,
+    pub ledger: Ledger,
 }
 
 pub struct RequestRow {
@@ -94,8 +107,11 @@ pub struct RequestRow {
 }
 
 pub struct ReceiptRow {
+    /// From the same writer counter as contract rows (one event order).
+    pub seq: i64,
     pub id: Id,
     pub kind: i64,
+    pub contract_seq: i64,
     pub contract_id: Id,
     pub root_id: Id,
     pub envelope: Vec<u8>,
@@ -107,9 +123,9 @@ pub struct ReceiptRow {
 pub struct Plan {
     pub answers: Vec<Result<Answer, StoreError>>,
     pub contracts: Vec<ContractRow>,
-    /// Status and ledger of every contract created or changed, last state
-    /// only (one upsert per contract).
-    pub states: Vec<(Id, Status, Ledger)>,
+    /// Status and ledger of every earlier contract this batch changed, by
+    /// sequence number, last state only.
+    pub states: Vec<(i64, Status, Ledger)>,
     pub requests: Vec<RequestRow>,
     pub receipts: Vec<ReceiptRow>,
 }
@@ -118,7 +134,8 @@ pub struct Plan {
 pub fn needs(commands: &[Command], known: &HashMap<Id, Known>) -> (Vec<RequestKey>, Vec<Id>) {
     let requests = commands
         .iter()
-        .map(|c| (c.request().agent, c.request().nonce.clone()))
+        .filter_map(Command::request)
+        .map(|r| (r.agent, r.nonce.clone()))
         .collect();
     let mut parents: Vec<Id> = commands
         .iter()
@@ -144,7 +161,7 @@ pub fn replayed(prior: &PriorRequest, request: &RequestMeta) -> Result<Answer, S
             envelope: prior.envelope.clone(),
         }
     } else {
-        Outcome::Refused {
+        Outcome::Receipt {
             receipt_id: prior.ref_id,
             envelope: prior.envelope.clone(),
         }
@@ -162,31 +179,37 @@ pub fn plan(
     commands: &[Command],
     prior: &mut HashMap<RequestKey, PriorRequest>,
     known: &mut HashMap<Id, Known>,
+    next_seq: &mut i64,
     stamper: &Stamper,
     now_ms: i64,
 ) -> Plan {
     let mut plan = Plan::default();
     let mut touched: Vec<Id> = Vec::new();
     for command in commands {
-        let request = command.request();
+        let Some(request) = command
+            .request()
+            .filter(|_| !matches!(command, Command::Lifecycle(_)))
+        else {
+            // Lifecycle commands are answered after the plan is written.
+            plan.answers.push(Err(StoreError::Closed));
+            continue;
+        };
         let key = (request.agent, request.nonce.clone());
         if let Some(earlier) = prior.get(&key) {
             plan.answers.push(replayed(earlier, request));
             continue;
         }
         let answer = match command {
-            Command::OpenRoot(root) => Ok(open_root(
-                root,
-                known,
-                &mut plan,
-                &mut touched,
-                stamper,
-                now_ms,
-            )),
+            Command::OpenRoot(root) => {
+                Ok(open_root(root, known, next_seq, &mut plan, stamper, now_ms))
+            }
+            // Skipped above; answered after the plan is written.
+            Command::Lifecycle(_) => Err(StoreError::Closed),
             Command::Delegate(child, speculation) => delegate(
                 child,
                 speculation.as_deref(),
                 known,
+                next_seq,
                 &mut plan,
                 &mut touched,
                 stamper,
@@ -196,7 +219,7 @@ pub fn plan(
         if let Ok(answer) = &answer {
             let (outcome, ref_id, envelope) = match &answer.outcome {
                 Outcome::Issued { id, envelope } => (OUTCOME_ISSUED, *id, envelope.clone()),
-                Outcome::Refused {
+                Outcome::Receipt {
                     receipt_id,
                     envelope,
                 } => (OUTCOME_REFUSED, *receipt_id, envelope.clone()),
@@ -222,11 +245,22 @@ pub fn plan(
         }
         plan.answers.push(answer);
     }
+    // New rows carry their end-of-batch state; earlier contracts get one
+    // update each.
+    for row in &mut plan.contracts {
+        if let Some(k) = known.get(&row.id) {
+            row.status = k.view.status;
+            row.ledger = k.view.ledger;
+        }
+    }
+    let first_new_seq = plan.contracts.first().map_or(i64::MAX, |r| r.seq);
     touched.sort_unstable();
     touched.dedup();
     for id in touched {
-        if let Some(k) = known.get(&id) {
-            plan.states.push((id, k.view.status, k.view.ledger));
+        if let Some(k) = known.get(&id)
+            && k.seq < first_new_seq
+        {
+            plan.states.push((k.seq, k.view.status, k.view.ledger));
         }
     }
     plan
@@ -239,11 +273,13 @@ fn scope_json(scope: &Scope) -> String {
 fn open_root(
     root: &NewRoot,
     known: &mut HashMap<Id, Known>,
+    next_seq: &mut i64,
     plan: &mut Plan,
-    touched: &mut Vec<Id>,
     stamper: &Stamper,
     now_ms: i64,
 ) -> Answer {
+    let seq = *next_seq;
+    *next_seq += 1;
     let stamped = stamper.root(root, now_ms);
     let lineage = crate::crypto::sha256(root.intent.as_bytes());
     let effective = Predicate::conjoin(&Predicate::default(), &root.predicate).unwrap_or_default();
@@ -261,8 +297,10 @@ fn open_root(
         ledger: Ledger::new(root.budget),
     };
     plan.contracts.push(ContractRow {
+        seq,
         id: stamped.stamped.id,
-        parent_id: None,
+        parent: None,
+        root_seq: seq,
         root_id: stamped.stamped.id,
         depth: 0,
         delegate_key: root.request.agent,
@@ -275,17 +313,20 @@ fn open_root(
         policy: root.policy,
         envelope: stamped.encoded,
         issued_at_ms: now_ms,
+        status: view.status,
+        ledger: view.ledger,
     });
     let id = stamped.stamped.id;
     known.insert(
         id,
         Known {
+            seq,
             view,
             root_id: id,
+            root_seq: seq,
             contract: stamped.contract,
         },
     );
-    touched.push(id);
     Answer {
         outcome: Outcome::Issued {
             id,
@@ -295,10 +336,12 @@ fn open_root(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn delegate(
     child: &NewChild,
     speculation: Option<&Speculation>,
     known: &mut HashMap<Id, Known>,
+    next_seq: &mut i64,
     plan: &mut Plan,
     touched: &mut Vec<Id>,
     stamper: &Stamper,
@@ -318,7 +361,9 @@ fn delegate(
                 .reserve(child.ask.budget)
                 .map_err(|e| StoreError::Corrupt(format!("ledger after a passed check: {e}")))?;
             touched.push(child.parent_id);
-            let root_id = parent.root_id;
+            let (root_id, root_seq, parent_seq) = (parent.root_id, parent.root_seq, parent.seq);
+            let seq = *next_seq;
+            *next_seq += 1;
             let stamped = match speculation {
                 Some(s) if s.terms == terms => s.stamped.clone(),
                 _ => stamper.child(&parent.contract, &root_id, child, &terms, now_ms),
@@ -338,8 +383,10 @@ fn delegate(
             };
             let id = stamped.stamped.id;
             plan.contracts.push(ContractRow {
+                seq,
                 id,
-                parent_id: Some(child.parent_id),
+                parent: Some((parent_seq, child.parent_id)),
+                root_seq,
                 root_id,
                 depth: terms.depth,
                 delegate_key: child.delegate_key,
@@ -352,16 +399,19 @@ fn delegate(
                 policy: view.policy,
                 envelope: stamped.encoded,
                 issued_at_ms: stamped.contract.issued_at_ms,
+                status: view.status,
+                ledger: view.ledger,
             });
             known.insert(
                 id,
                 Known {
+                    seq,
                     view,
                     root_id,
+                    root_seq,
                     contract: stamped.contract,
                 },
             );
-            touched.push(id);
             Ok(Answer {
                 outcome: Outcome::Issued {
                     id,
@@ -374,16 +424,21 @@ fn delegate(
             let root_id = parent.root_id;
             let stamped =
                 stamper.refusal(&child.parent_id, &root_id, &child.request, &refusal, now_ms);
+            let parent_seq = parent.seq;
+            let seq = *next_seq;
+            *next_seq += 1;
             plan.receipts.push(ReceiptRow {
+                seq,
                 id: stamped.id,
                 kind: pb::ReceiptKind::Refused as i64,
+                contract_seq: parent_seq,
                 contract_id: child.parent_id,
                 root_id,
                 envelope: stamped.envelope.encode_to_vec(),
                 at_ms: now_ms,
             });
             Ok(Answer {
-                outcome: Outcome::Refused {
+                outcome: Outcome::Receipt {
                     receipt_id: stamped.id,
                     envelope: stamped.envelope,
                 },

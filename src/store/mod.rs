@@ -5,6 +5,7 @@
 //! Only this module knows sqlx.
 
 pub mod batch;
+pub mod lifecycle;
 pub mod sqlite;
 
 use std::future::Future;
@@ -27,6 +28,13 @@ pub struct ContractRecord {
     pub seq: i64,
 }
 
+/// One signed event of a tree, in commit order.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Contract { cursor: i64, envelope: pb::Envelope },
+    Receipt { cursor: i64, envelope: pb::Envelope },
+}
+
 /// What a mutating call produced.
 #[derive(Clone, Debug)]
 pub enum Outcome {
@@ -34,7 +42,8 @@ pub enum Outcome {
         id: Id,
         envelope: pb::Envelope,
     },
-    Refused {
+    /// A signed receipt: a refusal (Delegate) or a lifecycle transition.
+    Receipt {
         receipt_id: Id,
         envelope: pb::Envelope,
     },
@@ -57,6 +66,18 @@ pub enum StoreError {
     NotFound { what: &'static str, id: String },
     #[error("nonce already used by this agent for a different request")]
     NonceReused,
+    /// The signer may not do this to this contract.
+    #[error("{detail}")]
+    PermissionDenied {
+        reason: &'static str,
+        detail: String,
+    },
+    /// The contract is not in a state that allows it (ended, late, …).
+    #[error("{detail}")]
+    FailedPrecondition {
+        reason: &'static str,
+        detail: String,
+    },
     #[error("the store is overloaded: {0}")]
     Overloaded(&'static str),
     #[error("the store is shutting down")]
@@ -82,6 +103,30 @@ pub trait Store: Send + Sync + 'static {
         &self,
         request: &RequestMeta,
     ) -> impl Future<Output = Result<Option<Answer>, StoreError>> + Send;
+    /// Applies a lifecycle transition (accept, decline, complete,
+    /// adjudicate, escalate, revoke, host observations, expiry) in one
+    /// transaction and returns its signed receipt. Idempotent on the
+    /// request's nonce.
+    fn transition(
+        &self,
+        command: lifecycle::LifecycleCommand,
+    ) -> impl Future<Output = Result<Answer, StoreError>> + Send;
+    /// Signed events (issued contracts, receipts) of the subtree under
+    /// `contract`, after `cursor`, in commit order; at most `limit`.
+    fn events(
+        &self,
+        contract: Id,
+        cursor: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<Event>, StoreError>> + Send;
+    /// Changes after every commit; Watch waits on it for new events.
+    fn commits(&self) -> tokio::sync::watch::Receiver<u64>;
+    /// Open contracts whose deadline has passed, for the expiry sweeper.
+    fn overdue(
+        &self,
+        now_ms: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<Id>, StoreError>> + Send;
     /// One contract.
     fn contract(
         &self,

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use sqlx::{QueryBuilder, Sqlite};
 
 use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey, Speculation};
-use super::{Answer, ContractRecord, Store, StoreError};
+use super::{Answer, ContractRecord, Event, Outcome, Store, StoreError};
 use crate::clock::Clock;
 use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
 use crate::pb;
@@ -66,6 +66,8 @@ pub struct SqliteStore {
     /// Signs speculative stamps on the caller's task, in parallel.
     stamper: Arc<Stamper>,
     clock: Arc<dyn Clock>,
+    /// Bumped by the writer after every commit (wakes Watch streams).
+    commits: tokio::sync::watch::Receiver<u64>,
 }
 
 fn backend(e: sqlx::Error) -> StoreError {
@@ -97,6 +99,7 @@ impl SqliteStore {
         // The writer gets a thread and runtime of its own: its many short
         // waits on SQLite must not queue behind request handlers busy with
         // signature work, or every batch's round trips stretch out.
+        let (commit_tx, commits) = tokio::sync::watch::channel(0u64);
         let (ready, writer_ready) = oneshot::channel();
         let (writer_known, writer_stamper, writer_clock, writer_connect) = (
             known.clone(),
@@ -119,18 +122,23 @@ impl SqliteStore {
                     }
                 };
                 runtime.block_on(async move {
-                    let mut writer = match open_writer(&writer_connect).await {
-                        Ok(writer) => writer,
+                    let (mut writer, next_seq) = match open_writer(&writer_connect).await {
+                        Ok(opened) => opened,
                         Err(e) => {
                             let _ = ready.send(Err(e));
                             return;
                         }
                     };
                     let _ = ready.send(Ok(()));
+                    let state = WriterState {
+                        known: writer_known,
+                        next_seq,
+                        commits: commit_tx,
+                    };
                     writer_loop(
                         &mut writer,
                         queue,
-                        writer_known,
+                        state,
                         writer_stamper,
                         writer_clock,
                         max_batch,
@@ -158,6 +166,7 @@ impl SqliteStore {
             known,
             stamper,
             clock,
+            commits,
         })
     }
 
@@ -201,6 +210,68 @@ impl Store for SqliteStore {
         let speculation = self.speculate(&child);
         self.submit(Command::Delegate(Box::new(child), speculation))
             .await
+    }
+
+    async fn transition(
+        &self,
+        command: super::lifecycle::LifecycleCommand,
+    ) -> Result<Answer, StoreError> {
+        self.submit(Command::Lifecycle(Box::new(command))).await
+    }
+
+    async fn events(
+        &self,
+        contract: Id,
+        cursor: i64,
+        limit: u32,
+    ) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(
+            "WITH RECURSIVE sub(seq) AS (\
+                 SELECT seq FROM contracts WHERE id = $1 \
+                 UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
+             SELECT seq, 1 AS kind, envelope FROM contracts \
+                 WHERE seq > $2 AND seq IN (SELECT seq FROM sub) \
+             UNION ALL \
+             SELECT seq, 2 AS kind, envelope FROM receipts \
+                 WHERE seq > $2 AND contract_seq IN (SELECT seq FROM sub) \
+             ORDER BY seq LIMIT $3",
+        )
+        .bind(contract.as_slice())
+        .bind(cursor)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await
+        .map_err(backend)?;
+        rows.iter()
+            .map(|row| {
+                let cursor: i64 = row.try_get("seq").map_err(backend)?;
+                let kind: i64 = row.try_get("kind").map_err(backend)?;
+                let envelope = decode_envelope(row, "envelope")?;
+                Ok(if kind == 1 {
+                    Event::Contract { cursor, envelope }
+                } else {
+                    Event::Receipt { cursor, envelope }
+                })
+            })
+            .collect()
+    }
+
+    fn commits(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.commits.clone()
+    }
+
+    async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id FROM contracts WHERE status IN ($1, $2) AND deadline_ms <= $3 ORDER BY deadline_ms LIMIT $4",
+        )
+        .bind(i64::from(Status::Open.as_i32()))
+        .bind(i64::from(Status::Accepted.as_i32()))
+        .bind(now_ms)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await
+        .map_err(backend)?;
+        rows.iter().map(|r| id_column(r, "id")).collect()
     }
 
     async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
@@ -250,13 +321,12 @@ impl Store for SqliteStore {
     }
 }
 
-const SELECT_RECORD_BY_ID: &str = "SELECT c.seq, c.id, c.parent_id, c.root_id, s.status, s.budget, \
-     s.reserved, s.spent, s.open_children, c.envelope FROM contracts c \
-     JOIN contract_state s ON s.id = c.id WHERE c.id = $1";
-const SELECT_CHILDREN: &str = "SELECT c.seq, c.id, c.parent_id, c.root_id, s.status, s.budget, \
-     s.reserved, s.spent, s.open_children, c.envelope FROM contracts c \
-     JOIN contract_state s ON s.id = c.id WHERE c.parent_id = $1 AND c.seq > $2 \
-     ORDER BY c.seq LIMIT $3";
+const SELECT_RECORD_BY_ID: &str = "SELECT seq, id, parent_id, root_id, status, budget, reserved, \
+     spent, open_children, envelope FROM contracts WHERE id = $1";
+const SELECT_CHILDREN: &str = "SELECT seq, id, parent_id, root_id, status, budget, reserved, \
+     spent, open_children, envelope FROM contracts \
+     WHERE parent_seq = (SELECT seq FROM contracts WHERE id = $1) AND seq > $2 \
+     ORDER BY seq LIMIT $3";
 
 fn id_column(row: &SqliteRow, column: &str) -> Result<Id, StoreError> {
     let bytes: Vec<u8> = row.try_get(column).map_err(backend)?;
@@ -345,7 +415,10 @@ async fn checkpointer(mut conn: SqliteConnection, alive: mpsc::WeakSender<(Comma
 }
 
 /// Opens the single write connection and brings the schema up to date.
-async fn open_writer(connect: &SqliteConnectOptions) -> Result<SqliteConnection, StoreError> {
+/// Returns it with the next free issuance sequence number.
+async fn open_writer(
+    connect: &SqliteConnectOptions,
+) -> Result<(SqliteConnection, i64), StoreError> {
     let mut writer = SqliteConnection::connect_with(connect)
         .await
         .map_err(backend)?;
@@ -353,13 +426,35 @@ async fn open_writer(connect: &SqliteConnectOptions) -> Result<SqliteConnection,
         .run_direct(None, &mut writer, false)
         .await
         .map_err(|e| StoreError::Backend(e.to_string()))?;
-    Ok(writer)
+    // Contracts and receipts share one sequence (the event order).
+    let mut last = 0i64;
+    for query in [
+        "SELECT COALESCE(MAX(seq), 0) FROM contracts",
+        "SELECT COALESCE(MAX(seq), 0) FROM receipts",
+    ] {
+        let max: i64 = sqlx::query_scalar(query)
+            .fetch_one(&mut writer)
+            .await
+            .map_err(backend)?;
+        last = last.max(max);
+    }
+    Ok((writer, last + 1))
+}
+
+/// What the writer knows beyond the database: both are authoritative
+/// because the writer is the only one that writes.
+struct WriterState {
+    known: KnownCache,
+    /// The next contract's (or receipt's) sequence number.
+    next_seq: i64,
+    /// Told after every commit.
+    commits: tokio::sync::watch::Sender<u64>,
 }
 
 async fn writer_loop(
     conn: &mut SqliteConnection,
     mut queue: mpsc::Receiver<(Command, Reply)>,
-    known: KnownCache,
+    mut state: WriterState,
     stamper: Arc<Stamper>,
     clock: Arc<dyn Clock>,
     max_batch: usize,
@@ -379,8 +474,10 @@ async fn writer_loop(
             }
         }
         let began = std::time::Instant::now();
-        match apply_batch(conn, &commands, &known, &stamper, clock.now_ms()).await {
+        let seq_before = state.next_seq;
+        match apply_batch(conn, &commands, &mut state, &stamper, clock.now_ms()).await {
             Ok(answers) => {
+                state.commits.send_modify(|n| *n = n.wrapping_add(1));
                 tracing::trace!(
                     size = commands.len(),
                     took_us = began.elapsed().as_micros() as u64,
@@ -395,7 +492,8 @@ async fn writer_loop(
             Err(e) => {
                 tracing::error!(error = %e, size = commands.len(), "batch rolled back");
                 // The plan already changed the cache; the database did not.
-                lock(&known).clear();
+                lock(&state.known).clear();
+                state.next_seq = seq_before;
                 for reply in replies.drain(..) {
                     let _ = reply.send(Err(StoreError::Backend(e.to_string())));
                 }
@@ -411,10 +509,11 @@ async fn writer_loop(
 async fn apply_batch(
     conn: &mut SqliteConnection,
     commands: &[Command],
-    known: &KnownCache,
+    state: &mut WriterState,
     stamper: &Stamper,
     now_ms: i64,
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
+    let known = &state.known;
     let mut tx = conn.begin().await?;
     let (request_keys, parent_ids) = {
         let mut cache = lock(known);
@@ -427,7 +526,7 @@ async fn apply_batch(
     let mut corrupt = Vec::new();
     for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(format!(
-            "SELECT {PARENT_COLUMNS} {PARENT_FROM} WHERE c.id IN ("
+            "SELECT {PARENT_COLUMNS} FROM contracts WHERE id IN ("
         ));
         let mut list = query.separated(", ");
         for id in chunk {
@@ -449,9 +548,53 @@ async fn apply_batch(
         return Err(sqlx::Error::Protocol(format!("corrupt contract row: {e}")));
     }
     let t0 = std::time::Instant::now();
-    let plan = batch::plan(commands, &mut prior, &mut lock(known), stamper, now_ms);
+    let plan = batch::plan(
+        commands,
+        &mut prior,
+        &mut lock(&state.known),
+        &mut state.next_seq,
+        stamper,
+        now_ms,
+    );
     let t1 = std::time::Instant::now();
     write_plan(&mut tx, &plan).await?;
+    let mut answers = plan.answers;
+    for (i, command) in commands.iter().enumerate() {
+        if let Command::Lifecycle(lifecycle) = command {
+            let applied = super::lifecycle::apply(
+                &mut tx,
+                lifecycle,
+                &prior,
+                stamper,
+                &mut state.next_seq,
+                now_ms,
+            )
+            .await?;
+            let mut cache = lock(&state.known);
+            for id in &applied.changed {
+                cache.remove(id);
+            }
+            drop(cache);
+            // A duplicate later in this batch replays this answer.
+            if let (Some(request), Ok(answer)) = (&lifecycle.request, &applied.answer)
+                && let Outcome::Receipt {
+                    receipt_id,
+                    envelope,
+                } = &answer.outcome
+            {
+                prior.insert(
+                    (request.agent, request.nonce.clone()),
+                    PriorRequest {
+                        digest: request.digest,
+                        outcome: batch::OUTCOME_REFUSED,
+                        ref_id: *receipt_id,
+                        envelope: envelope.clone(),
+                    },
+                );
+            }
+            answers[i] = applied.answer;
+        }
+    }
     let t2 = std::time::Instant::now();
     tx.commit().await?;
     tracing::trace!(
@@ -460,7 +603,7 @@ async fn apply_batch(
         commit_us = t2.elapsed().as_micros() as u64,
         "batch phases"
     );
-    Ok(plan.answers)
+    Ok(answers)
 }
 
 async fn load_prior_requests(
@@ -513,13 +656,17 @@ async fn load_prior_requests(
 async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx::Error> {
     for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(
-            "INSERT INTO contracts (id, parent_id, root_id, depth, delegate_key, liability, \
-             intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, write_scope, \
-             max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, envelope, issued_at_ms) ",
+            "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
+             delegate_key, liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
+             deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
+             retry_headroom, envelope, issued_at_ms, status, budget, reserved, spent, open_children) ",
         );
         query.push_values(chunk, |mut b, row| {
-            b.push_bind(row.id.as_slice())
-                .push_bind(row.parent_id.as_ref().map(|p| p.as_slice()))
+            b.push_bind(row.seq)
+                .push_bind(row.id.as_slice())
+                .push_bind(row.parent.map(|(seq, _)| seq))
+                .push_bind(row.parent.as_ref().map(|(_, id)| id.as_slice()))
+                .push_bind(row.root_seq)
                 .push_bind(row.root_id.as_slice())
                 .push_bind(i64::from(row.depth))
                 .push_bind(row.delegate_key.as_slice())
@@ -534,35 +681,56 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
                 .push_bind(i64::from(row.policy.max_children))
                 .push_bind(i64::from(row.policy.retry_headroom))
                 .push_bind(row.envelope.as_slice())
-                .push_bind(row.issued_at_ms);
+                .push_bind(row.issued_at_ms)
+                .push_bind(i64::from(row.status.as_i32()))
+                .push_bind(row.ledger.budget)
+                .push_bind(row.ledger.reserved)
+                .push_bind(row.ledger.spent)
+                .push_bind(i64::from(row.ledger.open_children));
         });
         query.build().execute(&mut *conn).await?;
     }
-    for chunk in plan.states.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(
-            "INSERT INTO contract_state (id, status, budget, reserved, spent, open_children) ",
-        );
-        query.push_values(chunk, |mut b, (id, status, ledger)| {
-            b.push_bind(id.as_slice())
-                .push_bind(i64::from(status.as_i32()))
-                .push_bind(ledger.budget)
-                .push_bind(ledger.reserved)
-                .push_bind(ledger.spent)
-                .push_bind(i64::from(ledger.open_children));
-        });
-        query.push(
-            " ON CONFLICT (id) DO UPDATE SET status = excluded.status, reserved = excluded.reserved, \
-             spent = excluded.spent, open_children = excluded.open_children",
-        );
+    // One UPDATE for every changed earlier contract: a CASE per column.
+    for chunk in plan.states.chunks(ROWS_PER_STATEMENT / 8) {
+        let mut query = QueryBuilder::<Sqlite>::new("UPDATE contracts SET ");
+        type Column = fn(&(i64, Status, Ledger)) -> i64;
+        let columns: [(&str, Column); 4] = [
+            ("status", |(_, s, _)| i64::from(s.as_i32())),
+            ("reserved", |(_, _, l)| l.reserved),
+            ("spent", |(_, _, l)| l.spent),
+            ("open_children", |(_, _, l)| i64::from(l.open_children)),
+        ];
+        for (i, (name, value)) in columns.iter().enumerate() {
+            if i > 0 {
+                query.push(", ");
+            }
+            query.push(*name).push(" = CASE seq");
+            for state in chunk {
+                query
+                    .push(" WHEN ")
+                    .push_bind(state.0)
+                    .push(" THEN ")
+                    .push_bind(value(state));
+            }
+            query.push(" END");
+        }
+        query.push(" WHERE seq IN (");
+        let mut list = query.separated(", ");
+        for state in chunk {
+            list.push_bind(state.0);
+        }
+        query.push(")");
         query.build().execute(&mut *conn).await?;
     }
     for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(
-            "INSERT INTO receipts (id, kind, contract_id, root_id, envelope, at_ms) ",
+            "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
         );
         query.push_values(chunk, |mut b, row| {
-            b.push_bind(row.id.as_slice())
+            b.push_bind(row.seq)
+                .push_bind(row.id.as_slice())
                 .push_bind(row.kind)
+                .push_bind(row.contract_seq)
                 .push_bind(row.contract_id.as_slice())
                 .push_bind(row.root_id.as_slice())
                 .push_bind(row.envelope.as_slice())
@@ -587,11 +755,10 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
     Ok(())
 }
 
-const PARENT_COLUMNS: &str = "c.id, c.root_id, c.depth, s.status, c.delegate_key, c.liability, \
-     c.intent_lineage_hash, c.cumulative_trust_ppm, c.effective_predicate, c.deadline_ms, \
-     c.write_scope, c.max_depth, c.min_cumulative_trust_ppm, c.max_children, c.retry_headroom, \
-     s.budget, s.reserved, s.spent, s.open_children, c.envelope";
-const PARENT_FROM: &str = "FROM contracts c JOIN contract_state s ON s.id = c.id";
+const PARENT_COLUMNS: &str = "seq, id, root_seq, root_id, depth, status, delegate_key, liability, \
+     intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, write_scope, \
+     max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, budget, reserved, spent, \
+     open_children, envelope";
 
 fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
     let corrupt = |what: &str| StoreError::Corrupt(what.to_owned());
@@ -633,8 +800,10 @@ fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
     Ok((
         id_column(row, "id")?,
         Known {
+            seq: row.try_get("seq").map_err(backend)?,
             view,
             root_id: id_column(row, "root_id")?,
+            root_seq: row.try_get("root_seq").map_err(backend)?,
             contract: Arc::new(contract),
         },
     ))

@@ -280,6 +280,8 @@ pub fn child(parent: &[u8], lineage: &[u8], delegate: &Agent, budget: i64) -> pb
         min_retry_cost: 0,
         min_retry_latency_ms: 0,
         write_scope: vec!["src".into()],
+        host_public_key: Vec::new(),
+        result_schema_json: String::new(),
     }
 }
 
