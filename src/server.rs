@@ -86,7 +86,8 @@ pub async fn run_with_clock(
         clock.clone(),
         Duration::from_millis(limits.expiry_sweep_interval_ms),
     ));
-    let service = BrokerService::new(store, Arc::new(config), clock, keys);
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let service = BrokerService::new(store, Arc::new(config), clock, keys, stopping);
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_request_bytes.saturating_mul(4));
@@ -113,7 +114,10 @@ pub async fn run_with_clock(
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)
-        .serve_with_incoming_shutdown(incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), async move {
+            shutdown.await;
+            let _ = stop.send(true);
+        })
         .await?;
     tracing::info!("broker stopped");
     Ok(())

@@ -102,7 +102,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.connections > 0 && args.connections <= 256,
         "--connections must be 1..=256"
     );
-    let runtime = tokio::runtime::Runtime::new()?;
+    // CEL parsing at issuance recurses: give workers a deep stack.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
+        .build()?;
     runtime.block_on(drive(args))
 }
 

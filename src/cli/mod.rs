@@ -100,7 +100,11 @@ pub fn main() -> ExitCode {
 
 fn serve(listen: String, data_dir: PathBuf, config: Option<PathBuf>) -> anyhow::Result<()> {
     let config = Config::load(data_dir, config.as_deref())?;
-    let runtime = tokio::runtime::Runtime::new()?;
+    // CEL parsing at issuance recurses: give workers a deep stack.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
+        .build()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&listen).await?;
         // Print the bound address on stdout: with port 0 it is how callers

@@ -21,7 +21,8 @@
 //! of a comprehension variable) is charged the size of the value read (one
 //! unit per node, plus string and bytes lengths), every comprehension is
 //! charged, before it runs, the size of its range plus its length times its
-//! body's size, and a `matches` pattern `REGEX_BYTE_COST` per byte. Every
+//! body's size, and a `matches` call, which compiles its pattern,
+//! `REGEX_CALL_COST` plus `REGEX_BYTE_COST` per pattern character. Every
 //! standard CEL operation costs at most linear time in the values it is
 //! given, and every value comes from a charged read, a literal, or such an
 //! operation, so work and memory stay within a constant factor of the charge.
@@ -49,7 +50,7 @@ use super::error::InputError;
 use super::limits::{
     MAX_CLAIM_BYTES, MAX_PREDICATE_AST_DEPTH, MAX_PREDICATE_COST, MAX_RESULT_BYTES,
     MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED,
-    REGEX_BYTE_COST,
+    REGEX_BYTE_COST, REGEX_CALL_COST,
 };
 use super::scope::Scope;
 
@@ -606,27 +607,29 @@ impl Meter {
         self.used.load(Ordering::Relaxed) > self.limit
     }
 
-    /// `@judge_meter(value, weight)`: charges `size(value) + len(value) *
-    /// weight` and hands `value` back untouched.
+    /// `@judge_meter(value, weight, fixed)`: charges `fixed + size(value) +
+    /// len(value) * weight` and hands `value` back untouched.
     fn call<'c, 'v>(
         &self,
         ftx: &mut FunctionContext<'c, 'v>,
     ) -> Result<CowVal<'c, 'v>, ExecutionError> {
-        let weight = ftx
-            .args
-            .get(1)
-            .and_then(|w| w.downcast_ref::<CelInt>())
-            .map_or(0, |w| (*w.inner()).max(0));
+        let int = |i: usize| {
+            ftx.args
+                .get(i)
+                .and_then(|w| w.downcast_ref::<CelInt>())
+                .map_or(0, |w| (*w.inner()).max(0).unsigned_abs())
+        };
+        let (weight, fixed) = (int(1), int(2));
         let value = ftx
             .args
             .drain(..)
             .next()
             .ok_or(ExecutionError::MissingArgumentOrTarget)?;
-        self.charge(value.as_ref(), weight.unsigned_abs())?;
+        self.charge(value.as_ref(), weight, fixed)?;
         Ok(value)
     }
 
-    fn charge(&self, value: &dyn Val, weight: u64) -> Result<(), ExecutionError> {
+    fn charge(&self, value: &dyn Val, weight: u64, fixed: u64) -> Result<(), ExecutionError> {
         let used = self.used.load(Ordering::Relaxed);
         let left = self.limit.saturating_sub(used);
         let exhausted = || {
@@ -637,7 +640,9 @@ impl Meter {
         let len = value
             .as_sizer()
             .map_or(1, |s| (*s.size().inner()).max(0).unsigned_abs());
-        let cost = size.saturating_add(len.saturating_mul(weight));
+        let cost = size
+            .saturating_add(len.saturating_mul(weight))
+            .saturating_add(fixed);
         if cost > left {
             return Err(exhausted());
         }
@@ -690,17 +695,18 @@ impl Rewriter {
         self.next_id
     }
 
-    fn meter(&mut self, e: IdedExpr, weight: i64) -> IdedExpr {
-        let weight = IdedExpr {
+    fn meter(&mut self, e: IdedExpr, weight: i64, fixed: i64) -> IdedExpr {
+        let mut int = |v: i64| IdedExpr {
             id: self.fresh(),
-            expr: Expr::Literal(LiteralValue::Int(CelInt::from(weight))),
+            expr: Expr::Literal(LiteralValue::Int(CelInt::from(v))),
         };
+        let args = vec![e, int(weight), int(fixed)];
         IdedExpr {
             id: self.fresh(),
             expr: Expr::Call(CallExpr {
                 func_name: METER_FN.to_owned(),
                 target: None,
-                args: vec![e, weight],
+                args,
             }),
         }
     }
@@ -716,7 +722,7 @@ impl Rewriter {
 
     fn rewrite(&mut self, e: &IdedExpr) -> IdedExpr {
         if self.is_bound_path(&e.expr) {
-            return self.meter(e.clone(), 0);
+            return self.meter(e.clone(), 0, 0);
         }
         let expr = match &e.expr {
             Expr::Ident(_) | Expr::Literal(_) | Expr::Unspecified => e.expr.clone(),
@@ -769,7 +775,7 @@ impl Rewriter {
         if c.func_name == "matches"
             && let Some(pattern) = args.pop()
         {
-            let pattern = self.meter(pattern, REGEX_BYTE_COST);
+            let pattern = self.meter(pattern, REGEX_BYTE_COST, REGEX_CALL_COST);
             args.push(pattern);
         }
         CallExpr {
@@ -809,7 +815,7 @@ impl Rewriter {
         } else {
             self.rewrite(&c.iter_range)
         };
-        let iter_range = self.meter(range, body);
+        let iter_range = self.meter(range, body, 0);
         let accu_init = self.rewrite(&c.accu_init);
         let scope = self.bound.len();
         self.bound.push(c.iter_var.clone());

@@ -57,8 +57,9 @@ pub const MAX_PREDICATE_AST_DEPTH: usize = 128;
 /// iterations times its body. Bounds CPU and memory whatever the predicate
 /// and the result are.
 pub const MAX_PREDICATE_COST: u64 = 1_000_000;
-/// Extra cost per byte of a regular expression given to `matches`: each
-/// call compiles it.
+/// Cost of one `matches` call, which compiles its pattern every time, and
+/// the extra cost per pattern character (compilation grows with it).
+pub const REGEX_CALL_COST: i64 = 1_000;
 pub const REGEX_BYTE_COST: i64 = 64;
 /// Most host observations recorded for one contract (RecordReceipts is
 /// append-only; this bounds a contract's rows and its judgment's work).
@@ -71,3 +72,11 @@ pub const MAX_OBSERVED_PATH_BYTES: usize = 1_024;
 pub const MAX_TOOL_NAME_BYTES: usize = 256;
 /// Longest reason text (decline, escalate, revoke, adjudicate), in bytes.
 pub const MAX_REASON_BYTES: usize = 1_024;
+/// Deepest bracket nesting ((), [], {}) in a forwarded predicate. The CEL
+/// parser recurses per level; this keeps it far from any thread's stack
+/// limit (a debug build overflows a 2 MiB stack near 20 levels).
+pub const MAX_PREDICATE_NESTING: usize = 12;
+/// Most binary operators in a forwarded predicate, for the same reason.
+pub const MAX_PREDICATE_OPERATORS: usize = 48;
+/// Stack of the broker's async worker threads.
+pub const WORKER_STACK_BYTES: usize = 16 * 1024 * 1024;

@@ -4,7 +4,10 @@
 //! (seeds/001, condition 1).
 
 use super::error::InputError;
-use super::limits::{MAX_EFFECTIVE_PREDICATE_BYTES, MAX_PREDICATE_BYTES};
+use super::limits::{
+    MAX_EFFECTIVE_PREDICATE_BYTES, MAX_PREDICATE_BYTES, MAX_PREDICATE_NESTING,
+    MAX_PREDICATE_OPERATORS,
+};
 
 /// A CEL expression that parsed. Empty text means "no predicate".
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -24,6 +27,7 @@ impl Predicate {
         if text.is_empty() {
             return Ok(Self::default());
         }
+        check_shape(text).map_err(|why| InputError::new(field, why))?;
         cel::Program::compile(text)
             .map_err(|e| InputError::new(field, format!("does not parse as CEL: {e}")))?;
         Ok(Self(text.to_owned()))
@@ -56,6 +60,47 @@ impl Predicate {
     }
 }
 
+/// Bounds what the recursive CEL parser will face before it runs:
+/// bracket nesting and binary operators (a rough count outside string
+/// literals is enough for a bound).
+fn check_shape(text: &str) -> Result<(), String> {
+    let (mut depth, mut deepest, mut operators) = (0usize, 0usize, 0usize);
+    let mut quote: Option<char> = None;
+    let mut previous = ' ';
+    for c in text.chars() {
+        match quote {
+            Some(q) => {
+                if c == q && previous != '\\' {
+                    quote = None;
+                }
+            }
+            None => match c {
+                '"' | '\'' => quote = Some(c),
+                '(' | '[' | '{' => {
+                    depth += 1;
+                    deepest = deepest.max(depth);
+                }
+                ')' | ']' | '}' => depth = depth.saturating_sub(1),
+                '+' | '-' | '*' | '/' | '%' | '<' | '>' | '?' => operators += 1,
+                '&' | '|' | '=' if previous != c => operators += 1,
+                _ => {}
+            },
+        }
+        previous = c;
+    }
+    if deepest > MAX_PREDICATE_NESTING {
+        return Err(format!(
+            "nests {deepest} levels deep, at most {MAX_PREDICATE_NESTING}"
+        ));
+    }
+    if operators > MAX_PREDICATE_OPERATORS {
+        return Err(format!(
+            "has {operators} operators, at most {MAX_PREDICATE_OPERATORS}"
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,6 +111,18 @@ mod tests {
         let err = Predicate::parse("result.schema_valid &&", "body.predicate").unwrap_err();
         assert_eq!(err.field, "body.predicate");
         assert!(Predicate::parse("   ", "p").unwrap().is_empty());
+        // Shapes that would drive the recursive parser deep are refused first.
+        let deep = format!("{}true{}", "(".repeat(40), ")".repeat(40));
+        assert_eq!(Predicate::parse(&deep, "p").unwrap_err().field, "p");
+        let long = vec!["1"; 200].join(" + ");
+        assert!(Predicate::parse(&format!("{long} > 0"), "p").is_err());
+        assert!(
+            Predicate::parse(
+                "result.output.items.size() > 0 && result.claimed == \"((((\"",
+                "p"
+            )
+            .is_ok()
+        );
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub struct BrokerService<S> {
     verified: convert::VerifiedAttestations,
     /// Bounds concurrent Watch streams (limits.max_watch_streams).
     watchers: Arc<tokio::sync::Semaphore>,
+    /// Turns true when the server shuts down: Watch streams end then, or
+    /// graceful shutdown would wait on them forever.
+    stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Events fetched per Watch query.
@@ -47,8 +50,10 @@ impl<S> BrokerService<S> {
         config: Arc<Config>,
         clock: Arc<dyn Clock>,
         keys: Vec<pb::BrokerKey>,
+        stopping: tokio::sync::watch::Receiver<bool>,
     ) -> Self {
         Self {
+            stopping,
             watchers: Arc::new(tokio::sync::Semaphore::new(config.limits.max_watch_streams)),
             store,
             config,
@@ -197,6 +202,7 @@ impl<S: Store> BrokerService<S> {
             .map_err(|_| ServiceError::Overloaded("limits.max_watch_streams"))?;
         let store = self.store.clone();
         let mut commits = store.commits();
+        let mut stopping = self.stopping.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
         tokio::spawn(async move {
             let _permit = permit;
@@ -215,6 +221,7 @@ impl<S: Store> BrokerService<S> {
                     tokio::select! {
                         changed = commits.changed() => if changed.is_err() { return },
                         () = tx.closed() => return,
+                        _ = stopping.wait_for(|stop| *stop) => return,
                     }
                     continue;
                 }

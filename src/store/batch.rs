@@ -91,6 +91,8 @@ pub struct ContractRow {
     pub policy: Policy,
     pub envelope: Vec<u8>,
     pub issued_at_ms: i64,
+    /// The host named at delegation, if any.
+    pub host_key: Option<AgentKey>,
     /// Status and ledger as of the end of the batch (a contract may become
     /// a parent within the batch that creates it).
     pub status: Status,
@@ -313,6 +315,7 @@ fn open_root(
         policy: root.policy,
         envelope: stamped.encoded,
         issued_at_ms: now_ms,
+        host_key: None,
         status: view.status,
         ledger: view.ledger,
     });
@@ -399,6 +402,7 @@ fn delegate(
                 policy: view.policy,
                 envelope: stamped.encoded,
                 issued_at_ms: stamped.contract.issued_at_ms,
+                host_key: child.host,
                 status: view.status,
                 ledger: view.ledger,
             });

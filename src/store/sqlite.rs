@@ -109,6 +109,9 @@ impl SqliteStore {
         );
         std::thread::Builder::new()
             .name("store-writer".into())
+            // The writer parses and evaluates CEL when judging completions;
+            // the parser recurses, so it gets a deep stack.
+            .stack_size(WRITER_STACK_BYTES)
             .spawn(move || {
                 let runtime = match tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -377,6 +380,9 @@ fn record_from_row(row: &SqliteRow) -> Result<ContractRecord, StoreError> {
         seq: row.try_get("seq").map_err(backend)?,
     })
 }
+
+/// Stack of the writer thread (see where it is spawned).
+const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
 
 /// Most contracts the writer keeps in memory between batches; beyond it the
 /// cache is dropped and reloaded on demand.
@@ -659,7 +665,8 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
             "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
              delegate_key, liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
              deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
-             retry_headroom, envelope, issued_at_ms, status, budget, reserved, spent, open_children) ",
+             retry_headroom, envelope, issued_at_ms, status, budget, reserved, spent, open_children, \
+             host_key) ",
         );
         query.push_values(chunk, |mut b, row| {
             b.push_bind(row.seq)
@@ -686,7 +693,8 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
                 .push_bind(row.ledger.budget)
                 .push_bind(row.ledger.reserved)
                 .push_bind(row.ledger.spent)
-                .push_bind(i64::from(row.ledger.open_children));
+                .push_bind(i64::from(row.ledger.open_children))
+                .push_bind(row.host_key.map(|h| h.to_vec()));
         });
         query.build().execute(&mut *conn).await?;
     }

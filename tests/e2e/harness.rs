@@ -186,12 +186,19 @@ impl Broker {
                 "ledger of {}",
                 hex::encode(&state.contract_id)
             );
-            assert!(l.residual >= 0 && l.reserved >= 0 && l.spent >= 0);
+            // The residual may go negative only after a recorded overspend.
+            assert!(l.reserved >= 0 && l.spent >= 0);
+            // Only open children hold a reservation.
+            let open = [
+                pb::ContractStatus::Open as i32,
+                pb::ContractStatus::Accepted as i32,
+            ];
             let children: Vec<_> = tree
                 .iter()
                 .filter(|c| {
                     decode_contract(c.contract.as_ref().unwrap()).parent_id == state.contract_id
                 })
+                .filter(|c| open.contains(&c.status))
                 .collect();
             let reserved: i64 = children.iter().map(|c| c.ledger.unwrap().budget).sum();
             assert_eq!(
@@ -220,6 +227,7 @@ pub struct Root {
 }
 
 pub struct RootSpec {
+    pub retry_headroom: bool,
     pub budget: i64,
     pub max_depth: u32,
     pub min_trust: u32,
@@ -232,6 +240,7 @@ pub struct RootSpec {
 impl Default for RootSpec {
     fn default() -> Self {
         Self {
+            retry_headroom: true,
             budget: 100,
             max_depth: 4,
             min_trust: 0,
@@ -255,7 +264,7 @@ impl RootSpec {
                 max_depth: self.max_depth,
                 min_cumulative_trust_ppm: self.min_trust,
                 max_children: self.max_children,
-                disable_retry_headroom: false,
+                disable_retry_headroom: !self.retry_headroom,
             }),
             predicate: self.predicate.clone(),
             write_scope: self.scope.clone(),
@@ -420,5 +429,159 @@ pub fn header_at(agent: &Agent, timestamp_ms: i64) -> pb::RequestHeader {
     pb::RequestHeader {
         timestamp_ms,
         ..agent.header()
+    }
+}
+
+/// Signs a lifecycle body (filling in a header if it has none).
+pub fn signed<T: prost::Message>(
+    agent: &Agent,
+    payload_type: &str,
+    body: &T,
+) -> Option<pb::Envelope> {
+    Some(agent.sign(payload_type, body))
+}
+
+impl Broker {
+    pub async fn accept(
+        &mut self,
+        delegate: &Agent,
+        contract: &[u8],
+        host: Option<&Agent>,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        let body = pb::AcceptBody {
+            header: Some(delegate.header()),
+            contract_id: contract.to_vec(),
+            host_public_key: host.map(|h| h.public_key().to_vec()).unwrap_or_default(),
+        };
+        let r = self
+            .client
+            .accept(pb::AcceptRequest {
+                signed: signed(delegate, payload_type::ACCEPT, &body),
+            })
+            .await?
+            .into_inner();
+        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
+    }
+
+    pub async fn record(
+        &mut self,
+        host: &Agent,
+        contract: &[u8],
+        observations: Vec<pb::Observation>,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        let body = pb::RecordReceiptsBody {
+            header: Some(host.header()),
+            contract_id: contract.to_vec(),
+            observations,
+        };
+        let r = self
+            .client
+            .record_receipts(pb::RecordReceiptsRequest {
+                signed: signed(host, payload_type::RECORD_RECEIPTS, &body),
+            })
+            .await?
+            .into_inner();
+        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
+    }
+
+    pub async fn complete(
+        &mut self,
+        delegate: &Agent,
+        body: pb::CompleteBody,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        let body = pb::CompleteBody {
+            header: body.header.or_else(|| Some(delegate.header())),
+            ..body
+        };
+        let r = self
+            .client
+            .complete(pb::CompleteRequest {
+                signed: signed(delegate, payload_type::COMPLETE, &body),
+            })
+            .await?
+            .into_inner();
+        let envelope = r.receipt.unwrap();
+        let keys = self.keys().await;
+        let receipt = decode_receipt(&envelope);
+        verify_with_keys(
+            &envelope,
+            payload_type::RECEIPT,
+            &keys,
+            &receipt.broker_key_id,
+        );
+        Ok(receipt)
+    }
+
+    pub async fn escalate(
+        &mut self,
+        delegate: &Agent,
+        contract: &[u8],
+        reason: &str,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        let body = pb::EscalateBody {
+            header: Some(delegate.header()),
+            contract_id: contract.to_vec(),
+            reason: reason.into(),
+        };
+        let r = self
+            .client
+            .escalate(pb::EscalateRequest {
+                signed: signed(delegate, payload_type::ESCALATE, &body),
+            })
+            .await?
+            .into_inner();
+        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
+    }
+
+    pub async fn revoke(
+        &mut self,
+        signer: &Agent,
+        contract: &[u8],
+    ) -> Result<pb::Receipt, tonic::Status> {
+        let body = pb::RevokeBody {
+            header: Some(signer.header()),
+            contract_id: contract.to_vec(),
+            reason: "no longer needed".into(),
+        };
+        let r = self
+            .client
+            .revoke(pb::RevokeRequest {
+                signed: signed(signer, payload_type::REVOKE, &body),
+            })
+            .await?
+            .into_inner();
+        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
+    }
+
+    pub async fn state(&mut self, id: &[u8]) -> pb::ContractState {
+        self.client
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.to_vec(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .contract
+            .unwrap()
+    }
+}
+
+pub fn mutation(path: &str, units: i64) -> pb::Observation {
+    pb::Observation {
+        kind: pb::ObservationKind::Mutation as i32,
+        path: path.into(),
+        tool: String::new(),
+        units,
+        at_ms: now_ms(),
+    }
+}
+
+pub fn tool_call(tool: &str, units: i64) -> pb::Observation {
+    pb::Observation {
+        kind: pb::ObservationKind::ToolCall as i32,
+        path: String::new(),
+        tool: tool.into(),
+        units,
+        at_ms: now_ms(),
     }
 }

@@ -6,5 +6,6 @@ mod concurrency;
 mod crash;
 mod harness;
 mod invariants;
+mod lifecycle;
 mod offline;
 mod seeds;

@@ -1,0 +1,489 @@
+//! Lifecycle and judgment over gRPC (issue 3): seed 001's failure replayed
+//! on host-observed facts, revocation cascades, expiry, resumable watch,
+//! and refusals that change nothing.
+
+use std::time::Duration;
+
+use delegation_broker::client::Agent;
+use delegation_broker::crypto::payload_type;
+use delegation_broker::pb;
+use tokio_stream::StreamExt;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+use crate::harness::*;
+
+const SEED_001_PREDICATE: &str = "result.schema_valid && result.within_scope";
+const PATCH_SCHEMA: &str =
+    r#"{"type":"object","required":["patch"],"properties":{"patch":{"type":"string"}}}"#;
+
+/// orchestrator (root 28) → planner (25, liable, seed 001's predicate) →
+/// executor (20, liable, no predicate of its own, a host, a schema). Retry
+/// headroom is off so seed 001's original chain can be issued at all.
+struct Chain {
+    broker: Broker,
+    orchestrator: Agent,
+    planner: Agent,
+    executor: Agent,
+    executor_host: Agent,
+    root: Root,
+    planner_id: Vec<u8>,
+    executor_id: Vec<u8>,
+}
+
+async fn seed_001_chain() -> Chain {
+    let mut broker = Broker::start_with(|c| c.limits.expiry_sweep_interval_ms = 50).await;
+    let (orchestrator, planner, executor, executor_host) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                budget: 28,
+                retry_headroom: false,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
+    to_planner.min_retry_cost = 12;
+    let (planner_id, _) = broker
+        .delegate(&orchestrator, to_planner)
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&planner, &planner_id, None).await.unwrap();
+    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
+    to_executor.min_retry_cost = 12;
+    to_executor.write_scope = vec!["src/auth".into()];
+    to_executor.host_public_key = executor_host.public_key().to_vec();
+    to_executor.result_schema_json = PATCH_SCHEMA.into();
+    let (executor_id, executor_contract) = broker
+        .delegate(&planner, to_executor)
+        .await
+        .unwrap()
+        .issued();
+    assert_eq!(
+        executor_contract.effective_predicate,
+        format!("({SEED_001_PREDICATE})")
+    );
+    let accepted = broker.accept(&executor, &executor_id, None).await.unwrap();
+    assert_eq!(accepted.kind, pb::ReceiptKind::Accepted as i32);
+    Chain {
+        broker,
+        orchestrator,
+        planner,
+        executor,
+        executor_host,
+        root,
+        planner_id,
+        executor_id,
+    }
+}
+
+fn completion(contract: &[u8]) -> pb::CompleteBody {
+    pb::CompleteBody {
+        header: None,
+        contract_id: contract.to_vec(),
+        output_json: r#"{"patch":"--- a/src/auth/token.rs"}"#.into(),
+        report: Some(pb::TypedReport {
+            status: "done".into(),
+            summary: "fixed the refresh".into(),
+        }),
+        claim: "success".into(),
+        consumed: 18,
+    }
+}
+
+async fn next_receipt(
+    stream: &mut tonic::Streaming<pb::WatchResponse>,
+    kind: pb::ReceiptKind,
+) -> pb::Receipt {
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("an event in time")
+            .expect("the stream stays open")
+            .expect("no stream error");
+        if let Some(pb::watch_response::Event::Receipt(envelope)) = event.event {
+            let receipt = decode_receipt(&envelope);
+            if receipt.kind == kind as i32 {
+                return receipt;
+            }
+        }
+    }
+}
+
+/// (a) The executor writes outside its scope and claims success: REJECTED
+/// on `within_scope` alone, claim kept beside the verdict, 2 units back to
+/// the planner; the stranded planner escalates and the orchestrator's
+/// watch shows "retry not feasible".
+#[tokio::test]
+async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_the_orchestrator() {
+    let mut c = seed_001_chain().await;
+    let mut watch = c
+        .broker
+        .client
+        .watch(pb::WatchRequest {
+            contract_id: c.root.id.clone(),
+            cursor: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let observed = c
+        .broker
+        .record(
+            &c.executor_host,
+            &c.executor_id,
+            vec![
+                tool_call("edit", 6),
+                mutation("src/auth/token.rs", 6),
+                mutation("docs/auth.md", 6),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (observed.kind, observed.observations),
+        (pb::ReceiptKind::Observed as i32, 3)
+    );
+
+    let receipt = c
+        .broker
+        .complete(&c.executor, completion(&c.executor_id))
+        .await
+        .unwrap();
+    let done = receipt.completion.unwrap();
+    assert_eq!(done.verdict, pb::Verdict::Rejected as i32);
+    let refused: Vec<&str> = done
+        .refused_criteria
+        .iter()
+        .map(|r| r.criterion.as_str())
+        .collect();
+    assert_eq!(refused, vec!["result.within_scope"]);
+    assert_eq!(
+        done.claim, "success",
+        "the claim is stored beside the verdict"
+    );
+    assert!(done.has_report && done.schema_valid && !done.within_scope);
+    assert_eq!(done.out_of_scope_paths, vec!["docs/auth.md".to_owned()]);
+    assert_eq!((done.consumed, done.returned, done.overspend), (18, 2, 0));
+
+    let planner = c.broker.ledger(&c.planner_id).await;
+    assert_eq!(
+        (planner.reserved, planner.spent, planner.residual),
+        (0, 18, 7)
+    );
+    assert_eq!(
+        c.broker.state(&c.executor_id).await.status,
+        pb::ContractStatus::Completed as i32
+    );
+
+    let escalation = c
+        .broker
+        .escalate(
+            &c.planner,
+            &c.planner_id,
+            "executor out of scope; cannot retry",
+        )
+        .await
+        .unwrap();
+    let seen = next_receipt(&mut watch, pb::ReceiptKind::Escalated).await;
+    assert_eq!(seen, escalation);
+    let notice = seen.escalation.unwrap();
+    assert!(!notice.retry_feasible, "{notice:?}");
+    assert_eq!(
+        notice.principal_residual, 10,
+        "28 - 18 spent by the planner's subtree"
+    );
+    let root = c.broker.ledger(&c.root.id).await;
+    assert_eq!((root.reserved, root.spent, root.residual), (0, 18, 10));
+    c.broker.assert_ledgers_balance(&c.root.id).await;
+    c.broker.stop().await;
+}
+
+/// (b) The same chain with an in-scope mutation is ACCEPTED, attributed to
+/// the executor through root → planner → executor.
+#[tokio::test]
+async fn in_scope_work_is_accepted_and_attributed_to_the_producing_hop() {
+    let mut c = seed_001_chain().await;
+    c.broker
+        .record(
+            &c.executor_host,
+            &c.executor_id,
+            vec![mutation("src/auth/token.rs", 18)],
+        )
+        .await
+        .unwrap();
+    let receipt = c
+        .broker
+        .complete(&c.executor, completion(&c.executor_id))
+        .await
+        .unwrap();
+    let done = receipt.completion.unwrap();
+    assert_eq!(done.verdict, pb::Verdict::Accepted as i32);
+    assert!(done.refused_criteria.is_empty());
+    let attribution = done.attribution.unwrap();
+    assert_eq!(
+        attribution.agent_public_key,
+        c.executor.public_key().to_vec()
+    );
+    assert_eq!(attribution.depth, 2);
+    assert_eq!(
+        attribution.chain,
+        vec![
+            c.root.id.clone(),
+            c.planner_id.clone(),
+            c.executor_id.clone()
+        ]
+    );
+    assert_eq!(
+        done.result_digest,
+        delegation_broker::crypto::sha256(completion(&c.executor_id).output_json.as_bytes())
+            .to_vec()
+    );
+    c.broker.stop().await;
+}
+
+/// (c) Revoking the planner revokes the executor; both reservations return
+/// to the root; the executor can no longer complete.
+#[tokio::test]
+async fn revocation_cascades_and_returns_every_reservation() {
+    let mut c = seed_001_chain().await;
+    let receipt = c
+        .broker
+        .revoke(&c.orchestrator, &c.planner_id)
+        .await
+        .unwrap();
+    assert_eq!(receipt.kind, pb::ReceiptKind::Revoked as i32);
+    assert_eq!(
+        receipt.revoked_ids,
+        vec![c.planner_id.clone(), c.executor_id.clone()]
+    );
+    for id in [&c.planner_id, &c.executor_id] {
+        assert_eq!(
+            c.broker.state(id).await.status,
+            pb::ContractStatus::Revoked as i32
+        );
+    }
+    let root = c.broker.ledger(&c.root.id).await;
+    assert_eq!(
+        (root.reserved, root.residual, root.open_children),
+        (0, 28, 0)
+    );
+    let err = c
+        .broker
+        .complete(&c.executor, completion(&c.executor_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    // Only an ancestor's holder may revoke: the executor cannot revoke its parent.
+    let err = c
+        .broker
+        .revoke(&c.executor, &c.planner_id)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied);
+    c.broker.assert_ledgers_balance(&c.root.id).await;
+    c.broker.stop().await;
+}
+
+/// (d) With the broker's clock moved past a deadline, the sweeper expires
+/// the contract, its budget is back with the parent, and a late Complete is
+/// refused.
+#[tokio::test]
+async fn overdue_contracts_expire_and_late_completions_are_refused() {
+    let mut c = seed_001_chain().await;
+    let skip_ms = 2 * HOUR_MS;
+    c.broker.clock.advance_ms(skip_ms);
+    let mut status = 0;
+    for _ in 0..200 {
+        status = c.broker.state(&c.executor_id).await.status;
+        if status == pb::ContractStatus::Expired as i32 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(status, pb::ContractStatus::Expired as i32);
+    let planner = c.broker.ledger(&c.planner_id).await;
+    assert_eq!((planner.reserved, planner.open_children), (0, 0));
+    let mut late = completion(&c.executor_id);
+    late.header = Some(header_at(&c.executor, now_ms() + skip_ms));
+    let err = c.broker.complete(&c.executor, late).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    c.broker.assert_ledgers_balance(&c.root.id).await;
+    c.broker.stop().await;
+}
+
+/// (e) A watch dropped after three events and resumed from its cursor gets
+/// exactly the events it had not seen.
+#[tokio::test]
+async fn a_resumed_watch_misses_nothing_and_repeats_nothing() {
+    let mut c = seed_001_chain().await;
+    let all = collect(&mut c.broker, &c.root.id, 0, 5).await;
+    let first = collect(&mut c.broker, &c.root.id, 0, 3).await;
+    assert_eq!(first, all[..3]);
+    // More happens while the client is away.
+    c.broker
+        .record(
+            &c.executor_host,
+            &c.executor_id,
+            vec![mutation("src/auth/a.rs", 1)],
+        )
+        .await
+        .unwrap();
+    let resumed = collect(&mut c.broker, &c.root.id, first[2].0, 3).await;
+    assert_eq!(resumed[..2], all[3..]);
+    assert!(
+        resumed[2].0 > all[4].0,
+        "the new event comes after everything seen"
+    );
+    let cursors: Vec<u64> = first.iter().chain(&resumed).map(|e| e.0).collect();
+    assert!(
+        cursors.windows(2).all(|w| w[0] < w[1]),
+        "no event twice, in commit order"
+    );
+    c.broker.stop().await;
+}
+
+async fn collect(
+    broker: &mut Broker,
+    id: &[u8],
+    cursor: u64,
+    n: usize,
+) -> Vec<(u64, pb::watch_response::Event)> {
+    let mut stream = broker
+        .client
+        .watch(pb::WatchRequest {
+            contract_id: id.to_vec(),
+            cursor,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let event = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        out.push((event.cursor, event.event.unwrap()));
+    }
+    out
+}
+
+/// (g) Refusals that must change nothing.
+#[tokio::test]
+async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
+    let mut c = seed_001_chain().await;
+    let before = c.broker.ledger(&c.planner_id).await;
+
+    // Observations from a key that is not the contract's host.
+    let err = c
+        .broker
+        .record(
+            &Agent::generate(),
+            &c.executor_id,
+            vec![mutation("src/auth/x", 1)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied);
+    assert_eq!(err.get_details_error_info().unwrap().reason, "NOT_HOST");
+
+    // An output over the size limit.
+    let mut big = completion(&c.executor_id);
+    big.output_json = format!(r#"{{"patch":"{}"}}"#, "x".repeat(300 * 1024));
+    let err = c.broker.complete(&c.executor, big).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["field"],
+        "body.output_json"
+    );
+
+    // A JSON Schema that does not compile, at delegation.
+    let mut bad_schema = child(&c.executor_id, &c.root.lineage, &Agent::generate(), 1);
+    bad_schema.write_scope = vec![];
+    bad_schema.result_schema_json = r#"{"type": 12}"#.into();
+    let err = c
+        .broker
+        .delegate(&c.executor, bad_schema)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["field"],
+        "body.result_schema_json"
+    );
+
+    // Someone else completing the executor's contract.
+    let err = c
+        .broker
+        .complete(&c.planner, completion(&c.executor_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied);
+    assert_eq!(
+        c.broker.ledger(&c.planner_id).await,
+        before,
+        "nothing changed"
+    );
+    assert_eq!(
+        c.broker.state(&c.executor_id).await.status,
+        pb::ContractStatus::Accepted as i32
+    );
+
+    // Receipts after completion.
+    c.broker
+        .complete(&c.executor, completion(&c.executor_id))
+        .await
+        .unwrap();
+    let after = c.broker.ledger(&c.planner_id).await;
+    let err = c
+        .broker
+        .record(
+            &c.executor_host,
+            &c.executor_id,
+            vec![mutation("src/auth/y", 1)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert_eq!(c.broker.ledger(&c.planner_id).await, after);
+
+    // A retried Complete replays its receipt instead of settling twice.
+    let body = pb::CompleteBody {
+        header: Some(c.executor.header()),
+        ..completion(&c.executor_id)
+    };
+    let _ = payload_type::COMPLETE;
+    let err = c.broker.complete(&c.executor, body).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::FailedPrecondition,
+        "a new request on a completed contract"
+    );
+    c.broker.stop().await;
+}
+
+/// A retry of the same signed Complete returns the original receipt.
+#[tokio::test]
+async fn a_retried_completion_settles_once() {
+    let mut c = seed_001_chain().await;
+    let body = pb::CompleteBody {
+        header: Some(c.executor.header()),
+        ..completion(&c.executor_id)
+    };
+    let first = c.broker.complete(&c.executor, body.clone()).await.unwrap();
+    let again = c.broker.complete(&c.executor, body).await.unwrap();
+    assert_eq!(first, again);
+    let planner = c.broker.ledger(&c.planner_id).await;
+    assert_eq!((planner.spent, planner.reserved), (18, 0), "settled once");
+    c.broker.stop().await;
+}
