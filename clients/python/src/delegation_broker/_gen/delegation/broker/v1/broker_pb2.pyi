@@ -12,8 +12,20 @@ class ContractStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CONTRACT_STATUS_UNSPECIFIED: _ClassVar[ContractStatus]
     CONTRACT_STATUS_OPEN: _ClassVar[ContractStatus]
+    CONTRACT_STATUS_ACCEPTED: _ClassVar[ContractStatus]
+    CONTRACT_STATUS_COMPLETED: _ClassVar[ContractStatus]
+    CONTRACT_STATUS_UNRESOLVABLE: _ClassVar[ContractStatus]
+    CONTRACT_STATUS_EXPIRED: _ClassVar[ContractStatus]
+    CONTRACT_STATUS_REVOKED: _ClassVar[ContractStatus]
+    CONTRACT_STATUS_DECLINED: _ClassVar[ContractStatus]
 CONTRACT_STATUS_UNSPECIFIED: ContractStatus
 CONTRACT_STATUS_OPEN: ContractStatus
+CONTRACT_STATUS_ACCEPTED: ContractStatus
+CONTRACT_STATUS_COMPLETED: ContractStatus
+CONTRACT_STATUS_UNRESOLVABLE: ContractStatus
+CONTRACT_STATUS_EXPIRED: ContractStatus
+CONTRACT_STATUS_REVOKED: ContractStatus
+CONTRACT_STATUS_DECLINED: ContractStatus
 
 class OpenRootBody(_message.Message):
     __slots__ = ("header", "intent", "task", "budget", "deadline_ms", "policy", "predicate", "write_scope")
@@ -50,7 +62,7 @@ class OpenRootResponse(_message.Message):
     def __init__(self, issued: _Optional[_Union[IssuedContract, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class DelegateBody(_message.Message):
-    __slots__ = ("header", "parent_id", "intent_lineage_hash", "task", "delegate_public_key", "delegate_attestation", "budget", "deadline_ms", "liability", "predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope")
+    __slots__ = ("header", "parent_id", "intent_lineage_hash", "task", "delegate_public_key", "delegate_attestation", "budget", "deadline_ms", "liability", "predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "host_public_key", "result_schema_json")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     INTENT_LINEAGE_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +77,8 @@ class DelegateBody(_message.Message):
     MIN_RETRY_COST_FIELD_NUMBER: _ClassVar[int]
     MIN_RETRY_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    HOST_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
     header: _types_pb2.RequestHeader
     parent_id: bytes
     intent_lineage_hash: bytes
@@ -79,7 +93,9 @@ class DelegateBody(_message.Message):
     min_retry_cost: int
     min_retry_latency_ms: int
     write_scope: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., parent_id: _Optional[bytes] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., delegate_public_key: _Optional[bytes] = ..., delegate_attestation: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., liability: _Optional[_Union[_types_pb2.Liability, str]] = ..., predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_public_key: bytes
+    result_schema_json: str
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., parent_id: _Optional[bytes] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., delegate_public_key: _Optional[bytes] = ..., delegate_attestation: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., liability: _Optional[_Union[_types_pb2.Liability, str]] = ..., predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ...) -> None: ...
 
 class DelegateRequest(_message.Message):
     __slots__ = ("signed",)
@@ -212,3 +228,219 @@ class GetBrokerKeysResponse(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedCompositeFieldContainer[BrokerKey]
     def __init__(self, keys: _Optional[_Iterable[_Union[BrokerKey, _Mapping]]] = ...) -> None: ...
+
+class TypedReport(_message.Message):
+    __slots__ = ("status", "summary")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    summary: str
+    def __init__(self, status: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...
+
+class AcceptBody(_message.Message):
+    __slots__ = ("header", "contract_id", "host_public_key")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    contract_id: bytes
+    host_public_key: bytes
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., contract_id: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ...) -> None: ...
+
+class AcceptRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class AcceptResponse(_message.Message):
+    __slots__ = ("receipt_id", "receipt", "replayed")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    replayed: bool
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class DeclineBody(_message.Message):
+    __slots__ = ("header", "contract_id", "reason")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    contract_id: bytes
+    reason: str
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., contract_id: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DeclineRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class DeclineResponse(_message.Message):
+    __slots__ = ("receipt_id", "receipt", "replayed")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    replayed: bool
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class CompleteBody(_message.Message):
+    __slots__ = ("header", "contract_id", "output_json", "report", "claim", "consumed")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    contract_id: bytes
+    output_json: str
+    report: TypedReport
+    claim: str
+    consumed: int
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., contract_id: _Optional[bytes] = ..., output_json: _Optional[str] = ..., report: _Optional[_Union[TypedReport, _Mapping]] = ..., claim: _Optional[str] = ..., consumed: _Optional[int] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("receipt_id", "receipt", "replayed")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    replayed: bool
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class AdjudicateBody(_message.Message):
+    __slots__ = ("header", "contract_id", "verdict", "reason")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    contract_id: bytes
+    verdict: _types_pb2.Verdict
+    reason: str
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., contract_id: _Optional[bytes] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AdjudicateRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class AdjudicateResponse(_message.Message):
+    __slots__ = ("receipt_id", "receipt", "replayed")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    replayed: bool
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class EscalateBody(_message.Message):
+    __slots__ = ("header", "contract_id", "reason")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    contract_id: bytes
+    reason: str
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., contract_id: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EscalateRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class EscalateResponse(_message.Message):
+    __slots__ = ("receipt_id", "receipt", "replayed")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    replayed: bool
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class RevokeBody(_message.Message):
+    __slots__ = ("header", "contract_id", "reason")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    contract_id: bytes
+    reason: str
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., contract_id: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class RevokeResponse(_message.Message):
+    __slots__ = ("receipt_id", "receipt", "replayed")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    replayed: bool
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class RecordReceiptsBody(_message.Message):
+    __slots__ = ("header", "contract_id", "observations")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    contract_id: bytes
+    observations: _containers.RepeatedCompositeFieldContainer[_types_pb2.Observation]
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., contract_id: _Optional[bytes] = ..., observations: _Optional[_Iterable[_Union[_types_pb2.Observation, _Mapping]]] = ...) -> None: ...
+
+class RecordReceiptsRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class RecordReceiptsResponse(_message.Message):
+    __slots__ = ("receipt_id", "receipt", "replayed")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: bytes
+    receipt: _types_pb2.Envelope
+    replayed: bool
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("contract_id", "cursor")
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    cursor: int
+    def __init__(self, contract_id: _Optional[bytes] = ..., cursor: _Optional[int] = ...) -> None: ...
+
+class WatchResponse(_message.Message):
+    __slots__ = ("cursor", "contract", "receipt")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    contract: _types_pb2.Envelope
+    receipt: _types_pb2.Envelope
+    def __init__(self, cursor: _Optional[int] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...

@@ -70,6 +70,46 @@ class BrokerStub:
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysRequest.SerializeToString,
                 response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysResponse.FromString,
                 _registered_method=True)
+        self.Accept = channel.unary_unary(
+                '/delegation.broker.v1.Broker/Accept',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptResponse.FromString,
+                _registered_method=True)
+        self.Decline = channel.unary_unary(
+                '/delegation.broker.v1.Broker/Decline',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.DeclineRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.DeclineResponse.FromString,
+                _registered_method=True)
+        self.Complete = channel.unary_unary(
+                '/delegation.broker.v1.Broker/Complete',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.CompleteRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.CompleteResponse.FromString,
+                _registered_method=True)
+        self.Adjudicate = channel.unary_unary(
+                '/delegation.broker.v1.Broker/Adjudicate',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AdjudicateRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AdjudicateResponse.FromString,
+                _registered_method=True)
+        self.Escalate = channel.unary_unary(
+                '/delegation.broker.v1.Broker/Escalate',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.EscalateRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.EscalateResponse.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/delegation.broker.v1.Broker/Revoke',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RevokeResponse.FromString,
+                _registered_method=True)
+        self.RecordReceipts = channel.unary_unary(
+                '/delegation.broker.v1.Broker/RecordReceipts',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RecordReceiptsRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RecordReceiptsResponse.FromString,
+                _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/delegation.broker.v1.Broker/Watch',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -130,6 +170,78 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Accept(self, request, context):
+        """The delegate accepts a contract it holds, optionally naming its host.
+        Signed by the contract's delegate key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decline(self, request, context):
+        """The delegate declines a contract; its reservation returns to the parent.
+        Signed by the contract's delegate key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Complete(self, request, context):
+        """The delegate reports its result. The broker judges it against the
+        effective predicate on the facts its host recorded, settles the budget
+        and returns a signed completion receipt. Signed by the contract's
+        delegate key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adjudicate(self, request, context):
+        """The principal records its own verdict on a completed liability-retaining
+        contract (verdict PENDING_PRINCIPAL). Signed by the parent contract's
+        delegate key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Escalate(self, request, context):
+        """The delegate returns "unresolvable": the reservation is released and the
+        principal told at once whether one retry is still feasible. Signed by the
+        contract's delegate key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Revokes a contract and every open descendant in one transaction,
+        releasing their reservations. Signed by the delegate key of any ancestor
+        of the contract.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordReceipts(self, request, context):
+        """The host records what it observed of a contract's execution. Signed by
+        the contract's host key; append-only; refused once the contract has
+        ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Watch(self, request, context):
+        """Streams every signed event of a contract's subtree (issued contracts and
+        receipts) in commit order, from a cursor, then live as they happen. A
+        client that reconnects with the last cursor it saw misses nothing and
+        sees nothing twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +279,46 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.GetBrokerKeys,
                     request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysRequest.FromString,
                     response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysResponse.SerializeToString,
+            ),
+            'Accept': grpc.unary_unary_rpc_method_handler(
+                    servicer.Accept,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptResponse.SerializeToString,
+            ),
+            'Decline': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decline,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.DeclineRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.DeclineResponse.SerializeToString,
+            ),
+            'Complete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Complete,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.CompleteRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.CompleteResponse.SerializeToString,
+            ),
+            'Adjudicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adjudicate,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AdjudicateRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AdjudicateResponse.SerializeToString,
+            ),
+            'Escalate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Escalate,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.EscalateRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.EscalateResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RevokeRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RevokeResponse.SerializeToString,
+            ),
+            'RecordReceipts': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordReceipts,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RecordReceiptsRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.RecordReceiptsResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +511,222 @@ class Broker:
             '/delegation.broker.v1.Broker/GetBrokerKeys',
             delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysRequest.SerializeToString,
             delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Accept(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/Accept',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/Decline',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.DeclineRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.DeclineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Complete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/Complete',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.CompleteRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adjudicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/Adjudicate',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.AdjudicateRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.AdjudicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Escalate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/Escalate',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.EscalateRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.EscalateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/Revoke',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.RevokeRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.RevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordReceipts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/RecordReceipts',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.RecordReceiptsRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.RecordReceiptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/Watch',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

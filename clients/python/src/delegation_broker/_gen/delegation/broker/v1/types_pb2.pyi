@@ -44,6 +44,28 @@ class ReceiptKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RECEIPT_KIND_UNSPECIFIED: _ClassVar[ReceiptKind]
     RECEIPT_KIND_REFUSED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_ACCEPTED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_DECLINED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_COMPLETED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_ESCALATED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_REVOKED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_EXPIRED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_ADJUDICATED: _ClassVar[ReceiptKind]
+    RECEIPT_KIND_OBSERVED: _ClassVar[ReceiptKind]
+
+class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERDICT_UNSPECIFIED: _ClassVar[Verdict]
+    VERDICT_ACCEPTED: _ClassVar[Verdict]
+    VERDICT_REJECTED: _ClassVar[Verdict]
+    VERDICT_PENDING_PRINCIPAL: _ClassVar[Verdict]
+
+class ObservationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OBSERVATION_KIND_UNSPECIFIED: _ClassVar[ObservationKind]
+    OBSERVATION_KIND_TOOL_CALL: _ClassVar[ObservationKind]
+    OBSERVATION_KIND_READ: _ClassVar[ObservationKind]
+    OBSERVATION_KIND_MUTATION: _ClassVar[ObservationKind]
 LIABILITY_UNSPECIFIED: Liability
 LIABILITY_PRINCIPAL: Liability
 LIABILITY_DELEGATE: Liability
@@ -70,6 +92,22 @@ INVARIANT_CODE_SCOPE_WIDENED: InvariantCode
 INVARIANT_CODE_FANOUT_EXCEEDED: InvariantCode
 RECEIPT_KIND_UNSPECIFIED: ReceiptKind
 RECEIPT_KIND_REFUSED: ReceiptKind
+RECEIPT_KIND_ACCEPTED: ReceiptKind
+RECEIPT_KIND_DECLINED: ReceiptKind
+RECEIPT_KIND_COMPLETED: ReceiptKind
+RECEIPT_KIND_ESCALATED: ReceiptKind
+RECEIPT_KIND_REVOKED: ReceiptKind
+RECEIPT_KIND_EXPIRED: ReceiptKind
+RECEIPT_KIND_ADJUDICATED: ReceiptKind
+RECEIPT_KIND_OBSERVED: ReceiptKind
+VERDICT_UNSPECIFIED: Verdict
+VERDICT_ACCEPTED: Verdict
+VERDICT_REJECTED: Verdict
+VERDICT_PENDING_PRINCIPAL: Verdict
+OBSERVATION_KIND_UNSPECIFIED: ObservationKind
+OBSERVATION_KIND_TOOL_CALL: ObservationKind
+OBSERVATION_KIND_READ: ObservationKind
+OBSERVATION_KIND_MUTATION: ObservationKind
 
 class Envelope(_message.Message):
     __slots__ = ("payload_type", "payload", "signatures")
@@ -140,7 +178,7 @@ class HopProof(_message.Message):
     def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., agent_public_key: _Optional[bytes] = ..., factor_ppm: _Optional[int] = ..., cumulative_trust_ppm: _Optional[int] = ..., trust_source: _Optional[_Union[TrustSource, str]] = ..., attestation_digest: _Optional[bytes] = ..., risk_class: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., issued_at_ms: _Optional[int] = ...) -> None: ...
 
 class Contract(_message.Message):
-    __slots__ = ("broker_key_id", "parent_id", "root_id", "depth", "intent", "intent_lineage_hash", "task", "principal_public_key", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "effective_predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "hop_proofs", "request_digest")
+    __slots__ = ("broker_key_id", "parent_id", "root_id", "depth", "intent", "intent_lineage_hash", "task", "principal_public_key", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "effective_predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "hop_proofs", "request_digest", "host_public_key", "result_schema_json")
     BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +201,8 @@ class Contract(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HOP_PROOFS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HOST_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
     broker_key_id: str
     parent_id: bytes
     root_id: bytes
@@ -185,7 +225,9 @@ class Contract(_message.Message):
     policy: Policy
     hop_proofs: _containers.RepeatedCompositeFieldContainer[Envelope]
     request_digest: bytes
-    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., principal_public_key: _Optional[bytes] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., effective_predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., hop_proofs: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., request_digest: _Optional[bytes] = ...) -> None: ...
+    host_public_key: bytes
+    result_schema_json: str
+    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., principal_public_key: _Optional[bytes] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., effective_predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., hop_proofs: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., request_digest: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ...) -> None: ...
 
 class Violation(_message.Message):
     __slots__ = ("code", "requested", "allowed", "detail")
@@ -199,8 +241,68 @@ class Violation(_message.Message):
     detail: str
     def __init__(self, code: _Optional[_Union[InvariantCode, str]] = ..., requested: _Optional[str] = ..., allowed: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
+class RefusedCriterion(_message.Message):
+    __slots__ = ("criterion", "reason")
+    CRITERION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    criterion: str
+    reason: str
+    def __init__(self, criterion: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Attribution(_message.Message):
+    __slots__ = ("agent_public_key", "depth", "chain")
+    AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    agent_public_key: bytes
+    depth: int
+    chain: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, agent_public_key: _Optional[bytes] = ..., depth: _Optional[int] = ..., chain: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("verdict", "refused_criteria", "claim", "has_report", "result_digest", "consumed", "overspend", "returned", "schema_valid", "within_scope", "out_of_scope_paths", "attribution", "elapsed_ms")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CRITERIA_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    HAS_REPORT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    OVERSPEND_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VALID_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    OUT_OF_SCOPE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    refused_criteria: _containers.RepeatedCompositeFieldContainer[RefusedCriterion]
+    claim: str
+    has_report: bool
+    result_digest: bytes
+    consumed: int
+    overspend: int
+    returned: int
+    schema_valid: bool
+    within_scope: bool
+    out_of_scope_paths: _containers.RepeatedScalarFieldContainer[str]
+    attribution: Attribution
+    elapsed_ms: int
+    def __init__(self, verdict: _Optional[_Union[Verdict, str]] = ..., refused_criteria: _Optional[_Iterable[_Union[RefusedCriterion, _Mapping]]] = ..., claim: _Optional[str] = ..., has_report: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., consumed: _Optional[int] = ..., overspend: _Optional[int] = ..., returned: _Optional[int] = ..., schema_valid: _Optional[bool] = ..., within_scope: _Optional[bool] = ..., out_of_scope_paths: _Optional[_Iterable[str]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ..., elapsed_ms: _Optional[int] = ...) -> None: ...
+
+class EscalationNotice(_message.Message):
+    __slots__ = ("principal_residual", "principal_deadline_ms", "retry_feasible", "reason")
+    PRINCIPAL_RESIDUAL_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    principal_residual: int
+    principal_deadline_ms: int
+    retry_feasible: bool
+    reason: str
+    def __init__(self, principal_residual: _Optional[int] = ..., principal_deadline_ms: _Optional[int] = ..., retry_feasible: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Receipt(_message.Message):
-    __slots__ = ("broker_key_id", "kind", "contract_id", "root_id", "request_digest", "requester_public_key", "at_ms", "primary", "violations")
+    __slots__ = ("broker_key_id", "kind", "contract_id", "root_id", "request_digest", "requester_public_key", "at_ms", "primary", "violations", "completion", "escalation", "reason", "revoked_ids", "observations")
     BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +312,11 @@ class Receipt(_message.Message):
     AT_MS_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    ESCALATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_IDS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     broker_key_id: str
     kind: ReceiptKind
     contract_id: bytes
@@ -219,7 +326,26 @@ class Receipt(_message.Message):
     at_ms: int
     primary: InvariantCode
     violations: _containers.RepeatedCompositeFieldContainer[Violation]
-    def __init__(self, broker_key_id: _Optional[str] = ..., kind: _Optional[_Union[ReceiptKind, str]] = ..., contract_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., requester_public_key: _Optional[bytes] = ..., at_ms: _Optional[int] = ..., primary: _Optional[_Union[InvariantCode, str]] = ..., violations: _Optional[_Iterable[_Union[Violation, _Mapping]]] = ...) -> None: ...
+    completion: Completion
+    escalation: EscalationNotice
+    reason: str
+    revoked_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    observations: int
+    def __init__(self, broker_key_id: _Optional[str] = ..., kind: _Optional[_Union[ReceiptKind, str]] = ..., contract_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., requester_public_key: _Optional[bytes] = ..., at_ms: _Optional[int] = ..., primary: _Optional[_Union[InvariantCode, str]] = ..., violations: _Optional[_Iterable[_Union[Violation, _Mapping]]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ..., escalation: _Optional[_Union[EscalationNotice, _Mapping]] = ..., reason: _Optional[str] = ..., revoked_ids: _Optional[_Iterable[bytes]] = ..., observations: _Optional[int] = ...) -> None: ...
+
+class Observation(_message.Message):
+    __slots__ = ("kind", "path", "tool", "units", "at_ms")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    kind: ObservationKind
+    path: str
+    tool: str
+    units: int
+    at_ms: int
+    def __init__(self, kind: _Optional[_Union[ObservationKind, str]] = ..., path: _Optional[str] = ..., tool: _Optional[str] = ..., units: _Optional[int] = ..., at_ms: _Optional[int] = ...) -> None: ...
 
 class RequestHeader(_message.Message):
     __slots__ = ("agent_public_key", "timestamp_ms", "nonce")
