@@ -44,6 +44,8 @@ pub struct NewRoot {
     pub policy: Policy,
     pub predicate: Predicate,
     pub write_scope: Scope,
+    /// The run's labels, inherited by the whole tree.
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// A child a holder asked for, validated (not yet checked against its
@@ -165,6 +167,7 @@ impl Stamper {
             request_digest: root.request.digest.to_vec(),
             host_public_key: Vec::new(),
             result_schema_json: String::new(),
+            labels: root.labels.clone().into_iter().collect(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
@@ -228,6 +231,7 @@ impl Stamper {
             request_digest: child.request.digest.to_vec(),
             host_public_key: child.host.map(|h| h.to_vec()).unwrap_or_default(),
             result_schema_json: child.result_schema_json.clone(),
+            labels: parent.labels.clone(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),

@@ -46,8 +46,17 @@ CREATE TABLE contracts (
     -- what the contract is charged).
     observations INTEGER NOT NULL DEFAULT 0,
     observed_units INTEGER NOT NULL DEFAULT 0,
-    metered INTEGER NOT NULL DEFAULT 0
+    metered INTEGER NOT NULL DEFAULT 0,
+    -- The run's labels (JSON object), copied from the root.
+    labels TEXT NOT NULL DEFAULT '{}',
+    -- Set at completion: 1 typed report, 0 prose; NULL before.
+    has_report INTEGER,
+    -- Set at completion: criteria the verdict refused.
+    downgrades INTEGER NOT NULL DEFAULT 0,
+    -- Set at completion: the delegate's claim, kept beside the verdict.
+    claim TEXT NOT NULL DEFAULT ''
 );
+CREATE INDEX contracts_by_root ON contracts (root_seq, seq);
 CREATE INDEX contracts_open_by_deadline ON contracts (status, deadline_ms);
 CREATE INDEX contracts_by_parent ON contracts (parent_seq, seq);
 

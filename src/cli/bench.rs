@@ -252,6 +252,7 @@ async fn worker(
             }),
             predicate: "result.schema_valid && result.within_scope".into(),
             write_scope: vec!["src".into()],
+            labels: [("tool".to_owned(), "bench".to_owned())].into(),
         });
         let mut parent = match client.open_root(root).await {
             Ok(r) => match r.into_inner().issued {

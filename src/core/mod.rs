@@ -214,3 +214,45 @@ pub fn text(
     }
     Ok(())
 }
+
+/// Most labels on a run.
+pub const MAX_LABELS: usize = 16;
+/// Longest label key, in bytes.
+pub const MAX_LABEL_KEY_BYTES: usize = 64;
+/// Longest label value, in bytes.
+pub const MAX_LABEL_VALUE_BYTES: usize = 256;
+
+/// Validates run labels: at most `MAX_LABELS`, keys of `[a-z0-9_.-]`.
+pub fn labels(
+    raw: &std::collections::HashMap<String, String>,
+    field: &'static str,
+) -> Result<std::collections::BTreeMap<String, String>, InputError> {
+    if raw.len() > MAX_LABELS {
+        return Err(InputError::new(
+            field,
+            format!("{} labels, at most {MAX_LABELS}", raw.len()),
+        ));
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for (key, value) in raw {
+        let key_ok = !key.is_empty()
+            && key.len() <= MAX_LABEL_KEY_BYTES
+            && key
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b));
+        if !key_ok {
+            return Err(InputError::new(
+                field,
+                format!("key {key:?} must be 1..=64 bytes of [a-z0-9_.-]"),
+            ));
+        }
+        if value.len() > MAX_LABEL_VALUE_BYTES || value.chars().any(char::is_control) {
+            return Err(InputError::new(
+                field,
+                format!("value of {key:?} must be at most 256 bytes, no control characters"),
+            ));
+        }
+        out.insert(key.clone(), value.clone());
+    }
+    Ok(out)
+}

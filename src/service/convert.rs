@@ -75,6 +75,7 @@ pub fn new_root(
     let policy = policy(body.policy.as_ref(), limits)?;
     let predicate = Predicate::parse(&body.predicate, "body.predicate")?;
     let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
+    let labels = core::labels(&body.labels, "body.labels")?;
     let task = if body.task.trim().is_empty() {
         body.intent.clone()
     } else {
@@ -89,6 +90,7 @@ pub fn new_root(
         policy,
         predicate,
         write_scope,
+        labels,
     })
 }
 

@@ -350,6 +350,20 @@ impl<S: Store> BrokerService<S> {
 
 #[tonic::async_trait]
 impl<S: Store> Broker for BrokerService<S> {
+    async fn get_audit(
+        &self,
+        _r: Request<pb::GetAuditRequest>,
+    ) -> Result<Response<pb::GetAuditResponse>, Status> {
+        Err(Status::unimplemented("WIP(audit)"))
+    }
+
+    async fn aggregate_audits(
+        &self,
+        _r: Request<pb::AggregateAuditsRequest>,
+    ) -> Result<Response<pb::AggregateAuditsResponse>, Status> {
+        Err(Status::unimplemented("WIP(audit)"))
+    }
+
     async fn accept(
         &self,
         request: Request<pb::AcceptRequest>,

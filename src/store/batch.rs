@@ -93,6 +93,8 @@ pub struct ContractRow {
     pub issued_at_ms: i64,
     /// The host named at delegation, if any.
     pub host_key: Option<AgentKey>,
+    /// The run's labels as a JSON object.
+    pub labels_json: String,
     /// Status and ledger as of the end of the batch (a contract may become
     /// a parent within the batch that creates it).
     pub status: Status,
@@ -316,6 +318,7 @@ fn open_root(
         envelope: stamped.encoded,
         issued_at_ms: now_ms,
         host_key: None,
+        labels_json: serde_json::to_string(&root.labels).unwrap_or_else(|_| "{}".into()),
         status: view.status,
         ledger: view.ledger,
     });
@@ -403,6 +406,8 @@ fn delegate(
                 envelope: stamped.encoded,
                 issued_at_ms: stamped.contract.issued_at_ms,
                 host_key: child.host,
+                labels_json: serde_json::to_string(&stamped.contract.labels)
+                    .unwrap_or_else(|_| "{}".into()),
                 status: view.status,
                 ledger: view.ledger,
             });

@@ -733,11 +733,16 @@ pub async fn apply(
                 }
             };
             write_back(conn, &model, &mut changed).await?;
-            sqlx::query("UPDATE contracts SET verdict = $1 WHERE seq = $2")
-                .bind(i64::from(judgment.verdict.as_i32()))
-                .bind(target.seq)
-                .execute(&mut *conn)
-                .await?;
+            sqlx::query(
+                "UPDATE contracts SET verdict = $1, has_report = $2, downgrades = $3, claim = $4 WHERE seq = $5",
+            )
+            .bind(i64::from(judgment.verdict.as_i32()))
+            .bind(i64::from(args.has_report))
+            .bind(i64::try_from(judgment.refused.len()).unwrap_or(i64::MAX))
+            .bind(args.claim.as_str())
+            .bind(target.seq)
+            .execute(&mut *conn)
+            .await?;
             let own = ended.iter().find(|e| e.id == model.target);
             let lineage = lineage(conn, target.seq).await?;
             let receipt = pb::Receipt {

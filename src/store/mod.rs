@@ -28,6 +28,40 @@ pub struct ContractRecord {
     pub seq: i64,
 }
 
+/// What the audit of one contract is derived from: all stored facts,
+/// nothing computed (the core classifies).
+#[derive(Clone, Debug, Default)]
+pub struct AuditFacts {
+    pub id: Id,
+    pub depth: u32,
+    /// The task text its parent wrote for it.
+    pub task: String,
+    pub write_scope: Vec<String>,
+    pub completed: bool,
+    /// `None` before completion.
+    pub has_report: Option<bool>,
+    pub downgrades: u32,
+    /// Wire value of the verdict (0 before completion).
+    pub verdict: i32,
+    pub claim: String,
+    /// Host observations: (ObservationKind wire value, path).
+    pub observations: Vec<(i32, String)>,
+}
+
+/// One run (root) with everything its audits need.
+#[derive(Clone, Debug, Default)]
+pub struct RunFacts {
+    pub root_id: Id,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub budget: i64,
+    pub spent: i64,
+    /// Every contract of the tree but the root.
+    pub contracts: Vec<AuditFacts>,
+    pub escalations: u64,
+    /// Primary invariant code of every refusal in the tree.
+    pub refusal_codes: Vec<i32>,
+}
+
 /// One signed event of a tree, in commit order.
 #[derive(Clone, Debug)]
 pub enum Event {
@@ -127,6 +161,19 @@ pub trait Store: Send + Sync + 'static {
         now_ms: i64,
         limit: u32,
     ) -> impl Future<Output = Result<Vec<Id>, StoreError>> + Send;
+    /// The stored facts of one contract's audit, plus every mutation
+    /// (contract id, path) of its tree for conflict detection.
+    fn audit_facts(
+        &self,
+        id: Id,
+    ) -> impl Future<Output = Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError>> + Send;
+    /// Every run (root) whose labels include the selector, at most `limit`,
+    /// with their contracts' facts and their trees' mutations.
+    fn runs(
+        &self,
+        selector: &std::collections::BTreeMap<String, String>,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<(RunFacts, Vec<(Id, String)>)>, StoreError>> + Send;
     /// One contract.
     fn contract(
         &self,

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use sqlx::{QueryBuilder, Sqlite};
 
 use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey, Speculation};
-use super::{Answer, ContractRecord, Event, Outcome, Store, StoreError};
+use super::{Answer, AuditFacts, ContractRecord, Event, Outcome, RunFacts, Store, StoreError};
 use crate::clock::Clock;
 use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
 use crate::pb;
@@ -259,6 +259,102 @@ impl Store for SqliteStore {
             .collect()
     }
 
+    async fn audit_facts(
+        &self,
+        id: Id,
+    ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
+        let mut conn = self.reader.acquire().await.map_err(backend)?;
+        let Some(row) = sqlx::query(AUDIT_SELECT_BY_ID)
+            .bind(id.as_slice())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(backend)?
+        else {
+            return Ok(None);
+        };
+        let (facts, seq, root_seq) = audit_row(&row)?;
+        let mut facts = facts;
+        facts.observations = observations_of(&mut conn, seq).await?;
+        let mutations = tree_mutations(&mut conn, root_seq).await?;
+        Ok(Some((facts, mutations)))
+    }
+
+    async fn runs(
+        &self,
+        selector: &std::collections::BTreeMap<String, String>,
+        limit: u32,
+    ) -> Result<Vec<(RunFacts, Vec<(Id, String)>)>, StoreError> {
+        let mut conn = self.reader.acquire().await.map_err(backend)?;
+        // Labels are JSON: filtered here rather than in SQL, which keeps
+        // the query portable.
+        let roots = sqlx::query("SELECT seq, id, labels, budget, spent FROM contracts WHERE parent_seq IS NULL ORDER BY seq")
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(backend)?;
+        let mut runs = Vec::new();
+        for root in roots {
+            let labels_json: String = root.try_get("labels").map_err(backend)?;
+            let labels: std::collections::BTreeMap<String, String> =
+                serde_json::from_str(&labels_json)
+                    .map_err(|_| StoreError::Corrupt("labels".into()))?;
+            if !selector.iter().all(|(k, v)| labels.get(k) == Some(v)) {
+                continue;
+            }
+            if runs.len() >= limit as usize {
+                return Err(StoreError::Overloaded(
+                    "more runs match than limits.max_aggregate_runs",
+                ));
+            }
+            let root_seq: i64 = root.try_get("seq").map_err(backend)?;
+            let rows = sqlx::query(AUDIT_SELECT_TREE)
+                .bind(root_seq)
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(backend)?;
+            let mut contracts = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let (mut facts, seq, _) = audit_row(row)?;
+                facts.observations = observations_of(&mut conn, seq).await?;
+                contracts.push(facts);
+            }
+            let receipts = sqlx::query(
+                "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3)",
+            )
+            .bind(id_column(&root, "id")?.as_slice())
+            .bind(pb::ReceiptKind::Refused as i64)
+            .bind(pb::ReceiptKind::Escalated as i64)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(backend)?;
+            let (mut escalations, mut refusal_codes) = (0, Vec::new());
+            for receipt in &receipts {
+                let kind: i64 = receipt.try_get("kind").map_err(backend)?;
+                if kind == pb::ReceiptKind::Escalated as i64 {
+                    escalations += 1;
+                } else {
+                    let envelope = decode_envelope(receipt, "envelope")?;
+                    let body = pb::Receipt::decode(envelope.payload.as_slice())
+                        .map_err(|_| StoreError::Corrupt("receipt payload".into()))?;
+                    refusal_codes.push(body.primary);
+                }
+            }
+            let mutations = tree_mutations(&mut conn, root_seq).await?;
+            runs.push((
+                RunFacts {
+                    root_id: id_column(&root, "id")?,
+                    labels,
+                    budget: root.try_get("budget").map_err(backend)?,
+                    spent: root.try_get("spent").map_err(backend)?,
+                    contracts,
+                    escalations,
+                    refusal_codes,
+                },
+                mutations,
+            ));
+        }
+        Ok(runs)
+    }
+
     fn commits(&self) -> tokio::sync::watch::Receiver<u64> {
         self.commits.clone()
     }
@@ -330,6 +426,83 @@ const SELECT_CHILDREN: &str = "SELECT seq, id, parent_id, root_id, status, budge
      spent, open_children, envelope FROM contracts \
      WHERE parent_seq = (SELECT seq FROM contracts WHERE id = $1) AND seq > $2 \
      ORDER BY seq LIMIT $3";
+
+const AUDIT_SELECT_BY_ID: &str = "SELECT seq, id, root_seq, depth, write_scope, status, has_report, \
+     downgrades, verdict, claim, envelope FROM contracts WHERE id = $1";
+const AUDIT_SELECT_TREE: &str = "SELECT seq, id, root_seq, depth, write_scope, status, has_report, \
+     downgrades, verdict, claim, envelope FROM contracts WHERE root_seq = $1 AND parent_seq IS NOT NULL \
+     ORDER BY seq";
+
+/// An audit row: the facts (observations still to load), its seq and its
+/// root's seq.
+fn audit_row(row: &SqliteRow) -> Result<(AuditFacts, i64, i64), StoreError> {
+    let envelope = decode_envelope(row, "envelope")?;
+    let contract = pb::Contract::decode(envelope.payload.as_slice())
+        .map_err(|_| StoreError::Corrupt("contract payload".into()))?;
+    let scope: String = row.try_get("write_scope").map_err(backend)?;
+    let status = status_from(row.try_get("status").map_err(backend)?)?;
+    let has_report: Option<i64> = row.try_get("has_report").map_err(backend)?;
+    let downgrades: i64 = row.try_get("downgrades").map_err(backend)?;
+    let verdict: i64 = row.try_get("verdict").map_err(backend)?;
+    let depth: i64 = row.try_get("depth").map_err(backend)?;
+    Ok((
+        AuditFacts {
+            id: id_column(row, "id")?,
+            depth: u32::try_from(depth).map_err(|_| StoreError::Corrupt("depth".into()))?,
+            task: contract.task,
+            write_scope: serde_json::from_str(&scope)
+                .map_err(|_| StoreError::Corrupt("write_scope".into()))?,
+            completed: status == Status::Completed,
+            has_report: has_report.map(|h| h != 0),
+            downgrades: u32::try_from(downgrades).unwrap_or(u32::MAX),
+            verdict: i32::try_from(verdict).unwrap_or_default(),
+            claim: row.try_get("claim").map_err(backend)?,
+            observations: Vec::new(),
+        },
+        row.try_get("seq").map_err(backend)?,
+        row.try_get("root_seq").map_err(backend)?,
+    ))
+}
+
+async fn observations_of(
+    conn: &mut SqliteConnection,
+    seq: i64,
+) -> Result<Vec<(i32, String)>, StoreError> {
+    let rows =
+        sqlx::query("SELECT kind, path FROM observations WHERE contract_seq = $1 ORDER BY seq")
+            .bind(seq)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(backend)?;
+    rows.iter()
+        .map(|r| {
+            let kind: i64 = r.try_get("kind").map_err(backend)?;
+            Ok((
+                i32::try_from(kind).unwrap_or_default(),
+                r.try_get("path").map_err(backend)?,
+            ))
+        })
+        .collect()
+}
+
+/// Every (contract id, mutated path) of a tree.
+async fn tree_mutations(
+    conn: &mut SqliteConnection,
+    root_seq: i64,
+) -> Result<Vec<(Id, String)>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT c.id, o.path FROM observations o JOIN contracts c ON c.seq = o.contract_seq \
+         WHERE c.root_seq = $1 AND o.kind = $2 ORDER BY o.seq",
+    )
+    .bind(root_seq)
+    .bind(pb::ObservationKind::Mutation as i64)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(backend)?;
+    rows.iter()
+        .map(|r| Ok((id_column(r, "id")?, r.try_get("path").map_err(backend)?)))
+        .collect()
+}
 
 fn id_column(row: &SqliteRow, column: &str) -> Result<Id, StoreError> {
     let bytes: Vec<u8> = row.try_get(column).map_err(backend)?;
@@ -666,7 +839,7 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
              delegate_key, liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
              deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
              retry_headroom, envelope, issued_at_ms, status, budget, reserved, spent, open_children, \
-             host_key) ",
+             host_key, labels) ",
         );
         query.push_values(chunk, |mut b, row| {
             b.push_bind(row.seq)
@@ -694,7 +867,8 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
                 .push_bind(row.ledger.reserved)
                 .push_bind(row.ledger.spent)
                 .push_bind(i64::from(row.ledger.open_children))
-                .push_bind(row.host_key.map(|h| h.to_vec()));
+                .push_bind(row.host_key.map(|h| h.to_vec()))
+                .push_bind(row.labels_json.as_str());
         });
         query.build().execute(&mut *conn).await?;
     }

@@ -227,6 +227,7 @@ pub struct Root {
 }
 
 pub struct RootSpec {
+    pub labels: std::collections::HashMap<String, String>,
     pub retry_headroom: bool,
     pub budget: i64,
     pub max_depth: u32,
@@ -240,6 +241,7 @@ pub struct RootSpec {
 impl Default for RootSpec {
     fn default() -> Self {
         Self {
+            labels: Default::default(),
             retry_headroom: true,
             budget: 100,
             max_depth: 4,
@@ -268,6 +270,7 @@ impl RootSpec {
             }),
             predicate: self.predicate.clone(),
             write_scope: self.scope.clone(),
+            labels: self.labels.clone(),
         }
     }
 }

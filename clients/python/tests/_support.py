@@ -22,12 +22,16 @@ from delegation_broker import (
     BrokerKeys,
     Verified,
     VerifiedContract,
+    WatchEvent,
     lineage_hash,
     now_ms,
     pb,
     sha256,
     verify_contract,
     verify_envelope,
+    message_class,
+    verify_receipt,
+    watch,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -147,12 +151,14 @@ class Broker:
 
     def open_root(self, orchestrator: Agent, *, budget: int = 100, max_depth: int = 4, min_trust: int = 0,
                   max_children: int = 64, predicate: str = "", deadline_ms: int | None = None,
-                  scope: tuple[str, ...] = ("src", "docs"), intent: str = INTENT) -> Root:
+                  scope: tuple[str, ...] = ("src", "docs"), intent: str = INTENT,
+                  retry_headroom: bool = True) -> Root:
         request = orchestrator.open_root(
             intent=intent,
             budget=budget,
             deadline_ms=deadline_ms or now_ms() + HOUR_MS,
-            policy=pb.Policy(max_depth=max_depth, min_cumulative_trust_ppm=min_trust, max_children=max_children),
+            policy=pb.Policy(max_depth=max_depth, min_cumulative_trust_ppm=min_trust, max_children=max_children,
+                             disable_retry_headroom=not retry_headroom),
             predicate=predicate,
             write_scope=list(scope),
         )
@@ -188,6 +194,98 @@ class Broker:
             return Outcome(response, issued=self.check_issued(response.issued))
         assert which == "refused", f"no outcome in {response}"
         return Outcome(response, refused=self.check_refusal(response.refused), receipt_id=response.refused.receipt_id)
+
+    # --- lifecycle (mirrors the helpers at the bottom of tests/e2e/harness.rs) -----
+
+    def lifecycle(self, rpc: str, signer: Agent, body=None, **fields) -> pb.Receipt:
+        """Signs a ``<rpc>Body`` as ``signer`` (``Agent.accept`` / ``.complete`` / ...),
+        calls ``stub.<rpc>`` and returns the verified receipt (see :meth:`check_receipt`)."""
+        request = getattr(signer, RPC_METHODS[rpc])(body, **fields)
+        response = getattr(self.stub, rpc)(request, timeout=10)
+        return self.check_receipt(response, request, RECEIPT_KINDS[rpc])
+
+    def accept(self, delegate: Agent, contract: bytes, host: Agent | None = None) -> pb.Receipt:
+        return self.lifecycle("Accept", delegate, contract_id=contract,
+                              host_public_key=host.public_key if host else b"")
+
+    def record(self, host: Agent, contract: bytes, observations: list[pb.Observation]) -> pb.Receipt:
+        return self.lifecycle("RecordReceipts", host, contract_id=contract, observations=observations)
+
+    def complete(self, delegate: Agent, body: pb.CompleteBody) -> pb.Receipt:
+        return self.lifecycle("Complete", delegate, body)
+
+    def escalate(self, delegate: Agent, contract: bytes, reason: str) -> pb.Receipt:
+        return self.lifecycle("Escalate", delegate, contract_id=contract, reason=reason)
+
+    def revoke(self, signer: Agent, contract: bytes, reason: str = "no longer needed") -> pb.Receipt:
+        return self.lifecycle("Revoke", signer, contract_id=contract, reason=reason)
+
+    def decline(self, delegate: Agent, contract: bytes, reason: str) -> pb.Receipt:
+        return self.lifecycle("Decline", delegate, contract_id=contract, reason=reason)
+
+    def adjudicate(self, principal: Agent, contract: bytes, verdict: int, reason: str) -> pb.Receipt:
+        return self.lifecycle("Adjudicate", principal, contract_id=contract, verdict=verdict, reason=reason)
+
+    def check_receipt(self, response, request=None, kind: int | None = None) -> pb.Receipt:
+        """Any lifecycle response: the receipt verifies under the published keys,
+        its id is SHA-256(payload), GetReceipt returns the same bytes, and it
+        names the request (digest and signer) that caused it."""
+        receipt = verify_receipt(response.receipt, self.keys, response.receipt_id).message
+        again = self.stub.GetReceipt(pb.GetReceiptRequest(receipt_id=response.receipt_id), timeout=10).receipt
+        assert again == response.receipt, "GetReceipt returns the receipt exactly as issued"
+        if request is not None:
+            assert receipt.request_digest == sha256(request.signed.payload)
+            body = message_of(request)
+            assert receipt.requester_public_key == body.header.agent_public_key
+            assert receipt.contract_id == body.contract_id
+        if kind is not None:
+            assert receipt.kind == kind, f"{pb.ReceiptKind.Name(receipt.kind)}, expected {pb.ReceiptKind.Name(kind)}"
+        self.received.append((response.receipt, "receipt"))
+        return receipt
+
+    def watched(self, events: list[WatchEvent]) -> list[WatchEvent]:
+        """Keeps the envelopes of watch events (already verified by the watch)
+        for the session's cross-language check."""
+        for event in events:
+            self.received.append((event.envelope, event.kind))
+            if event.contract is not None:
+                self.received.extend((proof, "hop proof") for proof in event.contract.hop_proofs)
+        return events
+
+    def collect(self, contract_id: bytes, cursor: int, n: int) -> list[WatchEvent]:
+        """The first ``n`` events of a watch from ``cursor``, then the stream is cancelled."""
+        with watch(self.stub, contract_id, cursor, keys=self.keys, timeout=30) as w:
+            events = [next(w) for _ in range(n)]
+        return self.watched(events)
+
+    def tree(self, root: bytes) -> list[pb.ContractState]:
+        """Every contract under ``root`` (paged ListChildren), then the root."""
+        out, queue = [], [root]
+        while queue:
+            parent, token = queue.pop(), b""
+            while True:
+                page = self.stub.ListChildren(
+                    pb.ListChildrenRequest(contract_id=parent, page_size=7, page_token=token), timeout=10)
+                queue.extend(c.contract_id for c in page.children)
+                out.extend(page.children)
+                token = page.next_page_token
+                if not token:
+                    break
+        return out + [self.state(root)]
+
+    def assert_ledgers_balance(self, root: bytes) -> None:
+        """budget = residual + reserved + spent everywhere, and reserved = the
+        budgets of the open children."""
+        tree = self.tree(root)
+        parents = {s.contract_id: pb.Contract.FromString(s.contract.payload).parent_id for s in tree}
+        for state in tree:
+            ledger = state.ledger
+            assert ledger.budget == ledger.residual + ledger.reserved + ledger.spent, state.contract_id.hex()
+            assert ledger.reserved >= 0 and ledger.spent >= 0
+            open_children = [c for c in tree if parents[c.contract_id] == state.contract_id
+                             and c.status in (pb.CONTRACT_STATUS_OPEN, pb.CONTRACT_STATUS_ACCEPTED)]
+            assert ledger.reserved == sum(c.ledger.budget for c in open_children), state.contract_id.hex()
+            assert ledger.open_children == len(open_children)
 
     # --- reads ------------------------------------------------------------------------
 
@@ -227,6 +325,35 @@ def liable_child(parent: bytes, lineage: bytes, delegate: Agent, budget: int, pr
     values = dict(liability=pb.LIABILITY_DELEGATE, predicate=predicate, escalation_channel=ESCALATION)
     values.update(fields)
     return child(parent, lineage, delegate, budget, **values)
+
+
+#: Agent method signing each lifecycle RPC's body, and the receipt kind it answers with.
+RPC_METHODS = {
+    "Accept": "accept", "Decline": "decline", "Complete": "complete", "Adjudicate": "adjudicate",
+    "Escalate": "escalate", "Revoke": "revoke", "RecordReceipts": "record_receipts",
+}
+RECEIPT_KINDS = {
+    "Accept": pb.RECEIPT_KIND_ACCEPTED, "Decline": pb.RECEIPT_KIND_DECLINED, "Complete": pb.RECEIPT_KIND_COMPLETED,
+    "Adjudicate": pb.RECEIPT_KIND_ADJUDICATED, "Escalate": pb.RECEIPT_KIND_ESCALATED,
+    "Revoke": pb.RECEIPT_KIND_REVOKED, "RecordReceipts": pb.RECEIPT_KIND_OBSERVED,
+}
+
+
+def message_of(request):
+    """The body a signed ``<Name>Request`` carries, decoded."""
+    return message_class(request.signed.payload_type).FromString(request.signed.payload)
+
+
+def mutation(path: str, units: int) -> pb.Observation:
+    return pb.Observation(kind=pb.OBSERVATION_KIND_MUTATION, path=path, units=units, at_ms=now_ms())
+
+
+def tool_call(tool: str, units: int) -> pb.Observation:
+    return pb.Observation(kind=pb.OBSERVATION_KIND_TOOL_CALL, tool=tool, units=units, at_ms=now_ms())
+
+
+def read(path: str, units: int = 0) -> pb.Observation:
+    return pb.Observation(kind=pb.OBSERVATION_KIND_READ, path=path, units=units, at_ms=now_ms())
 
 
 def codes(receipt: pb.Receipt) -> list[int]:

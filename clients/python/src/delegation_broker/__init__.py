@@ -3,9 +3,13 @@
 * :mod:`delegation_broker.pb` — every generated message and the ``BrokerStub``;
 * :class:`Agent` — an ed25519 agent (or attestor) key that signs OpenRoot and
   Delegate requests and attestations;
+* :meth:`Agent.sign_request` and the per-RPC methods (``accept``, ``complete``,
+  ``record_receipts``, ...) — signed lifecycle requests;
 * :func:`call_idempotent` — resend the same signed request on transient errors;
 * :class:`BrokerKeys`, :func:`verify_envelope`, :func:`verify_contract`,
-  :func:`verify_chain` — offline verification of broker-signed envelopes;
+  :func:`verify_chain`, :func:`verify_receipt` — offline verification of
+  broker-signed envelopes;
+* :func:`watch` — a contract subtree's events, each verified, resumable by cursor;
 * :func:`error_info` — the ``google.rpc.ErrorInfo`` of a failed call.
 """
 
@@ -20,6 +24,7 @@ from .signing import (
     now_ms,
     pae,
     payload_type,
+    request_class_for,
     sha256,
     verify_signature,
 )
@@ -32,7 +37,9 @@ from .verify import (
     verify_chain,
     verify_contract,
     verify_envelope,
+    verify_receipt,
 )
+from .watch import Watch, WatchEvent, watch
 
 __version__ = "0.1.0"
 
@@ -46,6 +53,8 @@ __all__ = [
     "VerificationError",
     "Verified",
     "VerifiedContract",
+    "Watch",
+    "WatchEvent",
     "call_idempotent",
     "error_info",
     "key_id",
@@ -55,9 +64,12 @@ __all__ = [
     "pae",
     "payload_type",
     "pb",
+    "request_class_for",
     "sha256",
     "verify_chain",
     "verify_contract",
     "verify_envelope",
+    "verify_receipt",
     "verify_signature",
+    "watch",
 ]

@@ -1,6 +1,9 @@
 """DSSE signing: PAE, key ids, payload types, and the agent key that signs requests.
 
-Mirrors ``src/crypto/mod.rs`` and ``src/client.rs`` of the broker. Uses
+Mirrors ``src/crypto/mod.rs`` and ``src/client.rs`` of the broker. Every
+signed request is ``<Name>Request(signed=Envelope)`` over a ``<Name>Body``
+starting with a ``RequestHeader``; :meth:`Agent.sign_request` builds any of
+them. Uses
 PyNaCl (libsodium), whose ed25519 verification rejects non-canonical
 signatures and small-order keys like ed25519-dalek's ``verify_strict``.
 """
@@ -27,6 +30,7 @@ __all__ = [
     "now_ms",
     "pae",
     "payload_type",
+    "request_class_for",
     "sha256",
     "verify_signature",
 ]
@@ -102,6 +106,20 @@ def verify_signature(envelope: pb.Envelope, public_key: bytes, expected_type: st
     return False
 
 
+def request_class_for(body_class: type[Message]) -> type[Message]:
+    """The request message carrying a signed ``body_class``: ``pb.<Name>Request``
+    for ``pb.<Name>Body``. Raises TypeError for anything else."""
+    name = body_class.DESCRIPTOR.name
+    request_class = getattr(pb, name[: -len("Body")] + "Request", None) if name.endswith("Body") else None
+    if (
+        request_class is None
+        or "header" not in body_class.DESCRIPTOR.fields_by_name
+        or "signed" not in request_class.DESCRIPTOR.fields_by_name
+    ):
+        raise TypeError(f"{body_class.DESCRIPTOR.full_name} is not a signed request body")
+    return request_class
+
+
 class Agent:
     """An agent's (or an attestor's) ed25519 key pair.
 
@@ -167,11 +185,13 @@ class Agent:
             signatures=[pb.Signature(keyid=self.key_id, sig=signature)],
         )
 
-    def _with_header(self, body: _M, template: type[_M], fields: dict) -> _M:
+    def _with_header(self, body: _M | None, template: type[_M], fields: dict) -> _M:
         if body is None:
             body = template(**fields)
         elif fields:
             raise TypeError("pass either a body message or keyword fields, not both")
+        elif not isinstance(body, template):
+            raise TypeError(f"expected a {template.DESCRIPTOR.name}, got {type(body).__name__}")
         else:
             copy = template()
             copy.CopyFrom(body)
@@ -180,17 +200,67 @@ class Agent:
             body.header.CopyFrom(self.header())
         return body
 
+    def sign_request(self, body: Message) -> Message:
+        """The signed request for any request body: ``pb.<Name>Body`` in,
+        ``pb.<Name>Request(signed=<envelope over the body>)`` out, with payload
+        type ``application/vnd.delegation.broker.v1.<Name>Body+protobuf``.
+
+        A body without a ``header`` gets a fresh one (current time, new nonce);
+        ``body`` itself is not modified. Every per-RPC method below
+        (:meth:`open_root`, :meth:`delegate`, :meth:`accept`, ...) is this with
+        the body type fixed.
+        """
+        request_class = request_class_for(type(body))
+        return request_class(signed=self.sign(self._with_header(body, type(body), {})))
+
+    def _request(self, template: type[_M], body: _M | None, fields: dict) -> Message:
+        return request_class_for(template)(signed=self.sign(self._with_header(body, template, fields)))
+
     def open_root(self, body: pb.OpenRootBody | None = None, **fields) -> pb.OpenRootRequest:
         """A signed OpenRoot request. Takes an ``OpenRootBody`` or its fields as
         keywords; fills in a fresh header when the body has none."""
-        body = self._with_header(body, pb.OpenRootBody, fields)
-        return pb.OpenRootRequest(signed=self.sign(body))
+        return self._request(pb.OpenRootBody, body, fields)
 
     def delegate(self, body: pb.DelegateBody | None = None, **fields) -> pb.DelegateRequest:
         """A signed Delegate request. Takes a ``DelegateBody`` or its fields as
         keywords; fills in a fresh header when the body has none."""
-        body = self._with_header(body, pb.DelegateBody, fields)
-        return pb.DelegateRequest(signed=self.sign(body))
+        return self._request(pb.DelegateBody, body, fields)
+
+    # Lifecycle requests. Each takes its ``...Body`` or the body's fields as
+    # keywords, like open_root/delegate; the signer each RPC expects is noted.
+
+    def accept(self, body: pb.AcceptBody | None = None, **fields) -> pb.AcceptRequest:
+        """As the contract's delegate: accept it (``contract_id``; optionally
+        ``host_public_key`` when the Delegate request named no host)."""
+        return self._request(pb.AcceptBody, body, fields)
+
+    def decline(self, body: pb.DeclineBody | None = None, **fields) -> pb.DeclineRequest:
+        """As the contract's delegate: decline it (``contract_id``, ``reason``)."""
+        return self._request(pb.DeclineBody, body, fields)
+
+    def complete(self, body: pb.CompleteBody | None = None, **fields) -> pb.CompleteRequest:
+        """As the contract's delegate: report the result (``contract_id``,
+        ``output_json``, optional ``report``, ``claim``, ``consumed``)."""
+        return self._request(pb.CompleteBody, body, fields)
+
+    def adjudicate(self, body: pb.AdjudicateBody | None = None, **fields) -> pb.AdjudicateRequest:
+        """As the principal (the parent contract's delegate): record the verdict
+        on a completed contract pending it (``contract_id``, ``verdict``, ``reason``)."""
+        return self._request(pb.AdjudicateBody, body, fields)
+
+    def escalate(self, body: pb.EscalateBody | None = None, **fields) -> pb.EscalateRequest:
+        """As the contract's delegate: return it as unresolvable (``contract_id``, ``reason``)."""
+        return self._request(pb.EscalateBody, body, fields)
+
+    def revoke(self, body: pb.RevokeBody | None = None, **fields) -> pb.RevokeRequest:
+        """As the holder of any ancestor: revoke a contract and its open
+        descendants (``contract_id``, ``reason``)."""
+        return self._request(pb.RevokeBody, body, fields)
+
+    def record_receipts(self, body: pb.RecordReceiptsBody | None = None, **fields) -> pb.RecordReceiptsRequest:
+        """As the contract's host: record observations (``contract_id``,
+        ``observations``: 1..=256 ``pb.Observation``)."""
+        return self._request(pb.RecordReceiptsBody, body, fields)
 
     def attest(self, agent_public_key: bytes, factor: float, expires_at_ms: int, risk_class: str = "") -> pb.Envelope:
         """As an attestor: an Attestation envelope vouching for ``agent_public_key``

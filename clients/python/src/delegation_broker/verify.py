@@ -31,6 +31,7 @@ __all__ = [
     "verify_chain",
     "verify_contract",
     "verify_envelope",
+    "verify_receipt",
 ]
 
 _M = TypeVar("_M", bound=Message)
@@ -188,6 +189,25 @@ def verify_contract(envelope: pb.Envelope, keys: BrokerKeys, contract_id: bytes 
     return VerifiedContract(
         contract_id=own_id, contract=contract, hop_proofs=proofs, key_id=verified.key_id, envelope=envelope
     )
+
+
+def verify_receipt(envelope: pb.Envelope, keys: BrokerKeys, receipt_id: bytes | None = None) -> Verified[pb.Receipt]:
+    """Verifies a broker-signed Receipt envelope (refusals and every lifecycle
+    receipt: ACCEPTED, OBSERVED, COMPLETED, ESCALATED, REVOKED, ...) and, when
+    ``receipt_id`` is given, that it is SHA-256 of the payload.
+
+    Every lifecycle response carries ``receipt_id`` and ``receipt``:
+
+    >>> response = stub.Complete(agent.complete(contract_id=cid, output_json="{}"))
+    >>> receipt = verify_receipt(response.receipt, keys, response.receipt_id).message
+    >>> receipt.completion.verdict
+    """
+    verified = verify_envelope(envelope, keys, pb.Receipt)
+    if receipt_id is not None and bytes(receipt_id) != sha256(envelope.payload):
+        raise VerificationError(
+            f"receipt id {bytes(receipt_id).hex()} is not SHA-256(payload) {sha256(envelope.payload).hex()}"
+        )
+    return verified
 
 
 def verify_chain(chain: Iterable[pb.ContractState], keys: BrokerKeys) -> list[VerifiedContract]:

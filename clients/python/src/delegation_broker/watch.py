@@ -1,0 +1,187 @@
+"""Watching a contract's subtree, every event verified, resumable by cursor.
+
+``Watch`` streams every signed event of a subtree (issued contracts and
+receipts) in commit order: first what already happened after ``cursor``, then
+live. Each event is verified against the broker's published keys before it is
+yielded, and its cursor must be greater than the last one seen, so a watch
+resumed from :attr:`Watch.cursor` misses nothing and repeats nothing::
+
+    w = watch(stub, root_id)
+    for event in w:
+        if event.receipt and event.receipt.kind == pb.RECEIPT_KIND_ESCALATED:
+            ...
+    # The stream ended (broker shutdown, deadline, network): carry on from w.cursor.
+    w = w.resume()          # or watch(stub, root_id, cursor=saved_cursor)
+
+The server never ends a healthy stream by itself; stop with :meth:`Watch.cancel`
+(from any thread; iteration then simply stops), a ``timeout``, or ``with``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from . import pb
+from .signing import sha256
+from .verify import BrokerKeys, VerificationError, verify_contract, verify_receipt
+
+__all__ = ["Watch", "WatchEvent", "watch"]
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One verified event of a watched subtree: exactly one of ``contract`` /
+    ``receipt`` is set."""
+
+    #: Position in commit order; pass it back (``watch(..., cursor=)``) to resume after it.
+    cursor: int
+    #: The contract id or receipt id: SHA-256 of the envelope's payload.
+    id: bytes
+    #: The broker-signed envelope, exactly as received.
+    envelope: pb.Envelope
+    #: The broker key that signed it.
+    key_id: str
+    #: A contract issued in the subtree (its hop proofs verified too).
+    contract: pb.Contract | None = None
+    #: A receipt signed for a contract of the subtree.
+    receipt: pb.Receipt | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"contract"`` or ``"receipt"``."""
+        return "contract" if self.contract is not None else "receipt"
+
+
+class Watch:
+    """An iterator over the verified events of ``contract_id``'s subtree after
+    ``cursor``. Use :func:`watch` to open one.
+
+    :attr:`cursor` is the cursor of the last event yielded (or the starting
+    one): after the stream ends or fails, :meth:`resume` (or a new
+    :func:`watch` from that cursor) continues exactly after it.
+
+    Besides each envelope's signature, a watch that knows the subtree from its
+    start (``cursor=0``, or resumed from one that did) checks that every
+    contract hangs below the watched one and every receipt is about one of
+    them. Anything that does not verify raises :class:`VerificationError` and
+    cancels the stream. When an envelope names a broker key the watch does not
+    know (a rotation during a long watch), the published keys are fetched once
+    more before giving up.
+    """
+
+    def __init__(
+        self,
+        stub: pb.BrokerStub,
+        contract_id: bytes,
+        cursor: int = 0,
+        *,
+        keys: BrokerKeys | None = None,
+        timeout: float | None = None,
+        _subtree: set[bytes] | None = None,
+    ):
+        if cursor < 0:
+            raise ValueError("cursor must be >= 0")
+        self.contract_id = bytes(contract_id)
+        #: The cursor of the last event yielded; resume after it.
+        self.cursor = cursor
+        self.keys = keys if keys is not None else BrokerKeys.fetch(stub)
+        self._stub = stub
+        if _subtree is not None:
+            self._subtree: set[bytes] | None = set(_subtree)
+        else:
+            self._subtree = {self.contract_id} if cursor == 0 else None
+        self._cancelled = False
+        self._call = stub.Watch(pb.WatchRequest(contract_id=self.contract_id, cursor=cursor), timeout=timeout)
+
+    def __iter__(self) -> Watch:
+        return self
+
+    def __next__(self) -> WatchEvent:
+        try:
+            response = next(self._call)
+        except grpc.RpcError as error:
+            if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise
+        try:
+            event = self._verify(response)
+        except VerificationError:
+            self.cancel()
+            raise
+        self.cursor = event.cursor
+        return event
+
+    def cancel(self) -> None:
+        """Ends the stream; a pending or later ``next()`` stops the iteration.
+        Safe to call from another thread, and more than once."""
+        self._cancelled = True
+        self._call.cancel()
+
+    def resume(self, *, timeout: float | None = None) -> Watch:
+        """Cancels this stream and opens a new one right after :attr:`cursor`,
+        with the same keys and subtree knowledge."""
+        self.cancel()
+        return Watch(self._stub, self.contract_id, self.cursor, keys=self.keys, timeout=timeout,
+                     _subtree=self._subtree)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+    # --- verification ---------------------------------------------------------------
+
+    def _verify(self, response: pb.WatchResponse) -> WatchEvent:
+        if response.cursor <= self.cursor:
+            raise VerificationError(f"cursor {response.cursor} does not advance past {self.cursor}")
+        which = response.WhichOneof("event")
+        if which is None:
+            raise VerificationError(f"event at cursor {response.cursor} is empty")
+        envelope = getattr(response, which)
+        try:
+            event = self._decode(response.cursor, which, envelope)
+        except VerificationError:
+            hints = {s.keyid for s in envelope.signatures}
+            if not hints - set(self.keys):
+                raise
+            self.keys = BrokerKeys.fetch(self._stub)  # perhaps a key published since the watch began
+            event = self._decode(response.cursor, which, envelope)
+        self._check_subtree(event)
+        return event
+
+    def _decode(self, cursor: int, which: str, envelope: pb.Envelope) -> WatchEvent:
+        if which == "contract":
+            verified = verify_contract(envelope, self.keys)
+            return WatchEvent(cursor, verified.contract_id, envelope, verified.key_id, contract=verified.contract)
+        verified = verify_receipt(envelope, self.keys)
+        return WatchEvent(cursor, sha256(envelope.payload), envelope, verified.key_id, receipt=verified.message)
+
+    def _check_subtree(self, event: WatchEvent) -> None:
+        if self._subtree is None:
+            return
+        if event.contract is not None:
+            if event.id != self.contract_id and event.contract.parent_id not in self._subtree:
+                raise VerificationError(f"contract {event.id.hex()} at cursor {event.cursor} is outside the subtree")
+            self._subtree.add(event.id)
+        elif event.receipt.contract_id not in self._subtree:
+            raise VerificationError(
+                f"receipt {event.id.hex()} at cursor {event.cursor} is about a contract outside the subtree"
+            )
+
+
+def watch(
+    stub: pb.BrokerStub,
+    contract_id: bytes,
+    cursor: int = 0,
+    *,
+    keys: BrokerKeys | None = None,
+    timeout: float | None = None,
+) -> Watch:
+    """Opens a Watch on ``contract_id``'s subtree, resuming after ``cursor``
+    (0: from the beginning). ``keys`` defaults to ``BrokerKeys.fetch(stub)``;
+    ``timeout`` bounds the whole stream (``DEADLINE_EXCEEDED`` when it passes).
+    Iterate it for verified :class:`WatchEvent` s."""
+    return Watch(stub, contract_id, cursor, keys=keys, timeout=timeout)
