@@ -1,6 +1,7 @@
 //! The command line: `serve`, `keygen`, `rotate-key`, `bench`. Every flag
 //! has an environment override.
 
+pub mod audit;
 pub mod bench;
 
 use std::path::PathBuf;
@@ -52,6 +53,9 @@ enum Command {
     },
     /// Load generator: drives OpenRoot + Delegate chains over gRPC.
     Bench(bench::BenchArgs),
+    /// Compares orchestration arms: aggregated audits as a table, JSON or
+    /// CSV.
+    Audit(audit::AuditArgs),
     /// Verifies a DSSE envelope (binary protobuf `Envelope`) offline against
     /// an ed25519 public key. Exit status 0 when a signature verifies.
     Verify {
@@ -84,6 +88,7 @@ pub fn main() -> ExitCode {
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
             .map_err(anyhow::Error::from),
         Command::Bench(args) => bench::run(args),
+        Command::Audit(args) => audit::run(args),
         Command::Verify {
             public_key,
             envelope,

@@ -2,6 +2,7 @@
 //! core types, calls the store, and maps every error in one place
 //! (`error`). The only module that knows tonic.
 
+pub mod audit;
 pub mod auth;
 pub mod convert;
 pub mod error;
@@ -352,16 +353,41 @@ impl<S: Store> BrokerService<S> {
 impl<S: Store> Broker for BrokerService<S> {
     async fn get_audit(
         &self,
-        _r: Request<pb::GetAuditRequest>,
+        request: Request<pb::GetAuditRequest>,
     ) -> Result<Response<pb::GetAuditResponse>, Status> {
-        Err(Status::unimplemented("WIP(audit)"))
+        let id = convert::id(&request.into_inner().contract_id, "contract_id")
+            .map_err(ServiceError::from)?;
+        let (facts, mutations) = self
+            .store
+            .audit_facts(id)
+            .await
+            .map_err(ServiceError::from)?
+            .ok_or_else(|| ServiceError::NotFound {
+                what: "contract",
+                id: hex::encode(id),
+            })?;
+        Ok(Response::new(pb::GetAuditResponse {
+            audit: Some(audit::contract_audit(&facts, &mutations)),
+        }))
     }
 
     async fn aggregate_audits(
         &self,
-        _r: Request<pb::AggregateAuditsRequest>,
+        request: Request<pb::AggregateAuditsRequest>,
     ) -> Result<Response<pb::AggregateAuditsResponse>, Status> {
-        Err(Status::unimplemented("WIP(audit)"))
+        let (selector, group_by) = audit::parse_request(&request.into_inner())?;
+        let runs = self
+            .store
+            .runs(&selector, audit::MAX_AGGREGATE_RUNS)
+            .await
+            .map_err(ServiceError::from)?;
+        let totals: Vec<_> = runs
+            .iter()
+            .map(|(run, mutations)| audit::run_totals(run, mutations))
+            .collect();
+        Ok(Response::new(pb::AggregateAuditsResponse {
+            groups: audit::groups(&totals, &group_by),
+        }))
     }
 
     async fn accept(

@@ -48,6 +48,9 @@ pub struct AuditFacts {
     pub observations: Vec<(i32, String)>,
 }
 
+/// Every (contract id, mutated path) host-observed in one tree.
+pub type TreeMutations = Vec<(Id, String)>;
+
 /// One run (root) with everything its audits need.
 #[derive(Clone, Debug, Default)]
 pub struct RunFacts {
@@ -166,14 +169,14 @@ pub trait Store: Send + Sync + 'static {
     fn audit_facts(
         &self,
         id: Id,
-    ) -> impl Future<Output = Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Option<(AuditFacts, TreeMutations)>, StoreError>> + Send;
     /// Every run (root) whose labels include the selector, at most `limit`,
     /// with their contracts' facts and their trees' mutations.
     fn runs(
         &self,
         selector: &std::collections::BTreeMap<String, String>,
         limit: u32,
-    ) -> impl Future<Output = Result<Vec<(RunFacts, Vec<(Id, String)>)>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Vec<(RunFacts, TreeMutations)>, StoreError>> + Send;
     /// One contract.
     fn contract(
         &self,

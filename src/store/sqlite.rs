@@ -28,7 +28,9 @@ use std::collections::HashMap;
 use sqlx::{QueryBuilder, Sqlite};
 
 use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey, Speculation};
-use super::{Answer, AuditFacts, ContractRecord, Event, Outcome, RunFacts, Store, StoreError};
+use super::{
+    Answer, AuditFacts, ContractRecord, Event, Outcome, RunFacts, Store, StoreError, TreeMutations,
+};
 use crate::clock::Clock;
 use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
 use crate::pb;
@@ -283,7 +285,7 @@ impl Store for SqliteStore {
         &self,
         selector: &std::collections::BTreeMap<String, String>,
         limit: u32,
-    ) -> Result<Vec<(RunFacts, Vec<(Id, String)>)>, StoreError> {
+    ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
         let mut conn = self.reader.acquire().await.map_err(backend)?;
         // Labels are JSON: filtered here rather than in SQL, which keeps
         // the query portable.

@@ -25,6 +25,7 @@ from delegation_broker import (
     WatchEvent,
     lineage_hash,
     now_ms,
+    pae,
     pb,
     sha256,
     verify_contract,
@@ -234,7 +235,7 @@ class Broker:
         again = self.stub.GetReceipt(pb.GetReceiptRequest(receipt_id=response.receipt_id), timeout=10).receipt
         assert again == response.receipt, "GetReceipt returns the receipt exactly as issued"
         if request is not None:
-            assert receipt.request_digest == sha256(request.signed.payload)
+            assert receipt.request_digest == request_digest(request)
             body = message_of(request)
             assert receipt.requester_public_key == body.header.agent_public_key
             assert receipt.contract_id == body.contract_id
@@ -337,6 +338,13 @@ RECEIPT_KINDS = {
     "Adjudicate": pb.RECEIPT_KIND_ADJUDICATED, "Escalate": pb.RECEIPT_KIND_ESCALATED,
     "Revoke": pb.RECEIPT_KIND_REVOKED, "RecordReceipts": pb.RECEIPT_KIND_OBSERVED,
 }
+
+
+def request_digest(request) -> bytes:
+    """What the broker records as ``request_digest`` (receipts and contracts):
+    SHA-256 of PAE(payload_type, payload) of the signed request (src/service/auth.rs).
+    NB: types.proto documents it as "SHA-256 of the signed request payload"."""
+    return sha256(pae(request.signed.payload_type, request.signed.payload))
 
 
 def message_of(request):

@@ -107,7 +107,7 @@ class Watch:
             raise
         try:
             event = self._verify(response)
-        except VerificationError:
+        except BaseException:  # VerificationError, or the key refetch failing: the stream is done
             self.cancel()
             raise
         self.cursor = event.cursor

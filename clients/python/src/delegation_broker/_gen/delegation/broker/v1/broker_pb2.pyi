@@ -28,7 +28,14 @@ CONTRACT_STATUS_REVOKED: ContractStatus
 CONTRACT_STATUS_DECLINED: ContractStatus
 
 class OpenRootBody(_message.Message):
-    __slots__ = ("header", "intent", "task", "budget", "deadline_ms", "policy", "predicate", "write_scope")
+    __slots__ = ("header", "intent", "task", "budget", "deadline_ms", "policy", "predicate", "write_scope", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     INTENT_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +44,7 @@ class OpenRootBody(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREDICATE_FIELD_NUMBER: _ClassVar[int]
     WRITE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     header: _types_pb2.RequestHeader
     intent: str
     task: str
@@ -45,7 +53,8 @@ class OpenRootBody(_message.Message):
     policy: _types_pb2.Policy
     predicate: str
     write_scope: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., intent: _Optional[str] = ..., task: _Optional[str] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., policy: _Optional[_Union[_types_pb2.Policy, _Mapping]] = ..., predicate: _Optional[str] = ..., write_scope: _Optional[_Iterable[str]] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., intent: _Optional[str] = ..., task: _Optional[str] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., policy: _Optional[_Union[_types_pb2.Policy, _Mapping]] = ..., predicate: _Optional[str] = ..., write_scope: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenRootRequest(_message.Message):
     __slots__ = ("signed",)
@@ -444,3 +453,140 @@ class WatchResponse(_message.Message):
     contract: _types_pb2.Envelope
     receipt: _types_pb2.Envelope
     def __init__(self, cursor: _Optional[int] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class GetAuditRequest(_message.Message):
+    __slots__ = ("contract_id",)
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    def __init__(self, contract_id: _Optional[bytes] = ...) -> None: ...
+
+class GetAuditResponse(_message.Message):
+    __slots__ = ("audit",)
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    audit: ContractAudit
+    def __init__(self, audit: _Optional[_Union[ContractAudit, _Mapping]] = ...) -> None: ...
+
+class AuditConflict(_message.Message):
+    __slots__ = ("path", "other_contract_ids")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OTHER_CONTRACT_IDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    other_contract_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, path: _Optional[str] = ..., other_contract_ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ContractAudit(_message.Message):
+    __slots__ = ("contract_id", "depth", "tool_calls", "mutations", "mutation_paths", "claim_violations", "completed", "has_report", "downgrades", "parent_scope_hints", "parent_named_files", "evidence_paths", "discovered_paths", "false_completion", "conflicts", "verdict", "claim", "named_scope_hints", "named_files")
+    CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    MUTATION_PATHS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    HAS_REPORT_FIELD_NUMBER: _ClassVar[int]
+    DOWNGRADES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SCOPE_HINTS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_NAMED_FILES_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERED_PATHS_FIELD_NUMBER: _ClassVar[int]
+    FALSE_COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    NAMED_SCOPE_HINTS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FILES_FIELD_NUMBER: _ClassVar[int]
+    contract_id: bytes
+    depth: int
+    tool_calls: int
+    mutations: int
+    mutation_paths: _containers.RepeatedScalarFieldContainer[str]
+    claim_violations: int
+    completed: bool
+    has_report: bool
+    downgrades: int
+    parent_scope_hints: int
+    parent_named_files: int
+    evidence_paths: int
+    discovered_paths: int
+    false_completion: bool
+    conflicts: _containers.RepeatedCompositeFieldContainer[AuditConflict]
+    verdict: _types_pb2.Verdict
+    claim: str
+    named_scope_hints: _containers.RepeatedScalarFieldContainer[str]
+    named_files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, contract_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., tool_calls: _Optional[int] = ..., mutations: _Optional[int] = ..., mutation_paths: _Optional[_Iterable[str]] = ..., claim_violations: _Optional[int] = ..., completed: _Optional[bool] = ..., has_report: _Optional[bool] = ..., downgrades: _Optional[int] = ..., parent_scope_hints: _Optional[int] = ..., parent_named_files: _Optional[int] = ..., evidence_paths: _Optional[int] = ..., discovered_paths: _Optional[int] = ..., false_completion: _Optional[bool] = ..., conflicts: _Optional[_Iterable[_Union[AuditConflict, _Mapping]]] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, str]] = ..., claim: _Optional[str] = ..., named_scope_hints: _Optional[_Iterable[str]] = ..., named_files: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AggregateAuditsRequest(_message.Message):
+    __slots__ = ("selector", "group_by")
+    class SelectorEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BY_FIELD_NUMBER: _ClassVar[int]
+    selector: _containers.ScalarMap[str, str]
+    group_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, selector: _Optional[_Mapping[str, str]] = ..., group_by: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AuditGroup(_message.Message):
+    __slots__ = ("key", "runs", "contracts", "discovered_paths", "evidence_paths", "discovery_rate", "with_report", "false_completions", "false_completion_rate", "claim_violations", "mutations", "claim_violations_per_mutation", "conflicts", "escalations", "refusals_by_code", "budget_spent", "budget_granted", "spent_over_granted")
+    class KeyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class RefusalsByCodeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    CONTRACTS_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERED_PATHS_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERY_RATE_FIELD_NUMBER: _ClassVar[int]
+    WITH_REPORT_FIELD_NUMBER: _ClassVar[int]
+    FALSE_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    FALSE_COMPLETION_RATE_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    MUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_VIOLATIONS_PER_MUTATION_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    ESCALATIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_BY_CODE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_SPENT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    SPENT_OVER_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    key: _containers.ScalarMap[str, str]
+    runs: int
+    contracts: int
+    discovered_paths: int
+    evidence_paths: int
+    discovery_rate: float
+    with_report: int
+    false_completions: int
+    false_completion_rate: float
+    claim_violations: int
+    mutations: int
+    claim_violations_per_mutation: float
+    conflicts: int
+    escalations: int
+    refusals_by_code: _containers.ScalarMap[str, int]
+    budget_spent: int
+    budget_granted: int
+    spent_over_granted: float
+    def __init__(self, key: _Optional[_Mapping[str, str]] = ..., runs: _Optional[int] = ..., contracts: _Optional[int] = ..., discovered_paths: _Optional[int] = ..., evidence_paths: _Optional[int] = ..., discovery_rate: _Optional[float] = ..., with_report: _Optional[int] = ..., false_completions: _Optional[int] = ..., false_completion_rate: _Optional[float] = ..., claim_violations: _Optional[int] = ..., mutations: _Optional[int] = ..., claim_violations_per_mutation: _Optional[float] = ..., conflicts: _Optional[int] = ..., escalations: _Optional[int] = ..., refusals_by_code: _Optional[_Mapping[str, int]] = ..., budget_spent: _Optional[int] = ..., budget_granted: _Optional[int] = ..., spent_over_granted: _Optional[float] = ...) -> None: ...
+
+class AggregateAuditsResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[AuditGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[AuditGroup, _Mapping]]] = ...) -> None: ...

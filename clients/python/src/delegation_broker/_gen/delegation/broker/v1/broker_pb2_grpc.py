@@ -110,6 +110,16 @@ class BrokerStub:
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
                 response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.FromString,
                 _registered_method=True)
+        self.GetAudit = channel.unary_unary(
+                '/delegation.broker.v1.Broker/GetAudit',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetAuditRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetAuditResponse.FromString,
+                _registered_method=True)
+        self.AggregateAudits = channel.unary_unary(
+                '/delegation.broker.v1.Broker/AggregateAudits',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AggregateAuditsRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AggregateAuditsResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -242,6 +252,24 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAudit(self, request, context):
+        """The audit of one contract (seeds/000), derived from stored receipts and
+        host observations: what the host observed, beside what the delegate
+        reported. Reading it changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AggregateAudits(self, request, context):
+        """Aggregates the audits of every run (root) whose labels match the
+        selector, grouped by label values. Rates are ratios of sums over the
+        group, never averages of per-run rates.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +347,16 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.FromString,
                     response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.SerializeToString,
+            ),
+            'GetAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAudit,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetAuditRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetAuditResponse.SerializeToString,
+            ),
+            'AggregateAudits': grpc.unary_unary_rpc_method_handler(
+                    servicer.AggregateAudits,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AggregateAuditsRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AggregateAuditsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -727,6 +765,60 @@ class Broker:
             '/delegation.broker.v1.Broker/Watch',
             delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
             delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/GetAudit',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.GetAuditRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.GetAuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AggregateAudits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/AggregateAudits',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.AggregateAuditsRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.AggregateAuditsResponse.FromString,
             options,
             channel_credentials,
             insecure,

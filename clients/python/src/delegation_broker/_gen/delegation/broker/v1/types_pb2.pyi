@@ -178,7 +178,14 @@ class HopProof(_message.Message):
     def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., agent_public_key: _Optional[bytes] = ..., factor_ppm: _Optional[int] = ..., cumulative_trust_ppm: _Optional[int] = ..., trust_source: _Optional[_Union[TrustSource, str]] = ..., attestation_digest: _Optional[bytes] = ..., risk_class: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., issued_at_ms: _Optional[int] = ...) -> None: ...
 
 class Contract(_message.Message):
-    __slots__ = ("broker_key_id", "parent_id", "root_id", "depth", "intent", "intent_lineage_hash", "task", "principal_public_key", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "effective_predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "hop_proofs", "request_digest", "host_public_key", "result_schema_json")
+    __slots__ = ("broker_key_id", "parent_id", "root_id", "depth", "intent", "intent_lineage_hash", "task", "principal_public_key", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "effective_predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "hop_proofs", "request_digest", "host_public_key", "result_schema_json", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +210,7 @@ class Contract(_message.Message):
     REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOST_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     RESULT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     broker_key_id: str
     parent_id: bytes
     root_id: bytes
@@ -227,7 +235,8 @@ class Contract(_message.Message):
     request_digest: bytes
     host_public_key: bytes
     result_schema_json: str
-    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., principal_public_key: _Optional[bytes] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., effective_predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., hop_proofs: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., request_digest: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., principal_public_key: _Optional[bytes] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., effective_predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., hop_proofs: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., request_digest: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Violation(_message.Message):
     __slots__ = ("code", "requested", "allowed", "detail")

@@ -1,0 +1,154 @@
+//! Audits composed from stored facts by the core's classification
+//! (seeds/000): the store hands over what it holds, `core::audit` decides
+//! what it means. Reading an audit never changes anything.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::error::ServiceError;
+use crate::core::audit::{self, Audit, AuditInput, FactKind, ObservedFact, RunTotals};
+use crate::core::{Id, Scope};
+use crate::pb;
+use crate::store::AuditFacts;
+
+/// Most runs one AggregateAudits call may cover: bounds its work and its
+/// memory. Narrow the selector beyond it.
+pub const MAX_AGGREGATE_RUNS: u32 = 10_000;
+
+fn classify(facts: &AuditFacts) -> (Audit, audit::NamedPaths) {
+    let named = audit::named_paths(&facts.task);
+    let scope = Scope::from_trusted(facts.write_scope.clone());
+    let observations: Vec<ObservedFact> = facts
+        .observations
+        .iter()
+        .filter_map(|(kind, path)| {
+            let kind = match pb::ObservationKind::try_from(*kind).ok()? {
+                pb::ObservationKind::ToolCall => FactKind::ToolCall,
+                pb::ObservationKind::Read => FactKind::Read,
+                pb::ObservationKind::Mutation => FactKind::Mutation,
+                pb::ObservationKind::Unspecified => return None,
+            };
+            Some(ObservedFact {
+                kind,
+                path: path.clone(),
+            })
+        })
+        .collect();
+    let audit = audit::classify(AuditInput {
+        depth: facts.depth,
+        named: &named,
+        write_scope: &scope,
+        observations: &observations,
+        has_report: facts.has_report,
+        downgrades: facts.downgrades,
+    });
+    (audit, named)
+}
+
+/// Mutated paths per contract, for `audit::conflicts`.
+fn by_contract(mutations: &[(Id, String)]) -> Vec<(Id, Vec<String>)> {
+    let mut grouped: BTreeMap<Id, Vec<String>> = BTreeMap::new();
+    for (id, path) in mutations {
+        grouped.entry(*id).or_default().push(path.clone());
+    }
+    grouped.into_iter().collect()
+}
+
+pub fn contract_audit(facts: &AuditFacts, tree_mutations: &[(Id, String)]) -> pb::ContractAudit {
+    let (audit, named) = classify(facts);
+    let conflicts = audit::conflicts(&by_contract(tree_mutations))
+        .into_iter()
+        .filter(|c| c.contracts.contains(&facts.id))
+        .map(|c| pb::AuditConflict {
+            path: c.path,
+            other_contract_ids: c
+                .contracts
+                .into_iter()
+                .filter(|id| *id != facts.id)
+                .map(|id| id.to_vec())
+                .collect(),
+        })
+        .collect();
+    pb::ContractAudit {
+        contract_id: facts.id.to_vec(),
+        depth: audit.depth,
+        tool_calls: audit.tool_calls,
+        mutations: audit.mutations,
+        mutation_paths: audit.mutation_paths.clone(),
+        claim_violations: audit.claim_violations,
+        completed: facts.completed,
+        has_report: audit.has_report.unwrap_or(false),
+        downgrades: audit.downgrades,
+        parent_scope_hints: audit.parent_scope_hints,
+        parent_named_files: audit.parent_named_files,
+        evidence_paths: u32::try_from(audit.evidence_paths).unwrap_or(u32::MAX),
+        discovered_paths: u32::try_from(audit.discovered_paths).unwrap_or(u32::MAX),
+        false_completion: audit.false_completion,
+        conflicts,
+        verdict: facts.verdict,
+        claim: facts.claim.clone(),
+        named_scope_hints: named.scope_hints,
+        named_files: named.files,
+    }
+}
+
+/// One run's totals from its stored facts.
+pub fn run_totals(run: &crate::store::RunFacts, tree_mutations: &[(Id, String)]) -> RunTotals {
+    let mut totals = RunTotals {
+        labels: run.labels.clone(),
+        escalations: run.escalations,
+        budget_spent: run.spent,
+        budget_granted: run.budget,
+        ..RunTotals::default()
+    };
+    for facts in &run.contracts {
+        totals.add_audit(&classify(facts).0);
+    }
+    totals.conflicts = audit::conflicts(&by_contract(tree_mutations)).len() as u64;
+    for code in &run.refusal_codes {
+        let name = pb::InvariantCode::try_from(*code)
+            .map(|c| {
+                c.as_str_name()
+                    .trim_start_matches("INVARIANT_CODE_")
+                    .to_owned()
+            })
+            .unwrap_or_else(|_| format!("CODE_{code}"));
+        *totals.refusals_by_code.entry(name).or_default() += 1;
+    }
+    totals
+}
+
+pub fn groups(runs: &[RunTotals], group_by: &[String]) -> Vec<pb::AuditGroup> {
+    let narrow = |v: i128| i64::try_from(v).unwrap_or(if v < 0 { i64::MIN } else { i64::MAX });
+    audit::aggregate(runs, group_by)
+        .into_iter()
+        .map(|g| pb::AuditGroup {
+            key: g.key.into_iter().collect::<HashMap<_, _>>(),
+            runs: g.runs,
+            contracts: g.contracts,
+            discovered_paths: g.discovered,
+            evidence_paths: g.evidence,
+            discovery_rate: g.discovery_rate,
+            with_report: g.runs_with_report,
+            false_completions: g.false_completions,
+            false_completion_rate: g.false_completion_rate,
+            claim_violations: g.claim_violations,
+            mutations: g.mutations,
+            claim_violations_per_mutation: g.claim_violations_per_mutation,
+            conflicts: g.conflicts,
+            escalations: g.escalations,
+            refusals_by_code: g.refusals_by_code.into_iter().collect(),
+            budget_spent: narrow(g.budget_spent),
+            budget_granted: narrow(g.budget_granted),
+            spent_over_granted: g.spent_over_granted,
+        })
+        .collect()
+}
+
+/// Validates the request and returns (selector, group-by keys).
+pub fn parse_request(
+    request: &pb::AggregateAuditsRequest,
+) -> Result<(BTreeMap<String, String>, Vec<String>), ServiceError> {
+    let selector = crate::core::labels(&request.selector, "selector")?;
+    let group_by = audit::check_group_by(&request.group_by, "group_by")?;
+    Ok((selector, group_by))
+}
