@@ -64,7 +64,7 @@ pub struct ObservationIn {
 
 /// A contract row as lifecycle needs it.
 #[derive(Clone, Debug)]
-struct Row_ {
+struct Loaded {
     seq: i64,
     id: Id,
     parent_seq: Option<i64>,
@@ -83,6 +83,14 @@ struct Row_ {
     contract: pb::Contract,
 }
 
+impl Loaded {
+    /// What the host metered, charged when the contract ends without a
+    /// completion report of its own.
+    fn host_consumed(&self) -> i64 {
+        if self.metered { self.observed_units } else { 0 }
+    }
+}
+
 const COLUMNS: &str = "seq, id, parent_seq, status, budget, reserved, spent, open_children, \
      deadline_ms, issued_at_ms, delegate_key, host_key, verdict, observations, observed_units, \
      metered, effective_predicate, write_scope, envelope";
@@ -95,7 +103,7 @@ fn key(bytes: Vec<u8>, what: &str) -> Result<[u8; 32], sqlx::Error> {
     bytes.try_into().map_err(|_| corrupt(what))
 }
 
-fn row_from(row: &SqliteRow) -> Result<Row_, sqlx::Error> {
+fn row_from(row: &SqliteRow) -> Result<Loaded, sqlx::Error> {
     let status: i64 = row.try_get("status")?;
     let open_children: i64 = row.try_get("open_children")?;
     let host: Option<Vec<u8>> = row.try_get("host_key")?;
@@ -105,7 +113,7 @@ fn row_from(row: &SqliteRow) -> Result<Row_, sqlx::Error> {
     let contract =
         pb::Contract::decode(envelope.payload.as_slice()).map_err(|_| corrupt("payload"))?;
     let metered: i64 = row.try_get("metered")?;
-    Ok(Row_ {
+    Ok(Loaded {
         seq: row.try_get("seq")?,
         id: key(row.try_get("id")?, "id")?,
         parent_seq: row.try_get("parent_seq")?,
@@ -136,7 +144,7 @@ fn row_from(row: &SqliteRow) -> Result<Row_, sqlx::Error> {
     })
 }
 
-async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Row_>, sqlx::Error> {
+async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Loaded>, sqlx::Error> {
     let row = sqlx::query(AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM contracts WHERE id = $1"
     )))
@@ -146,7 +154,7 @@ async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Row_>, sqlx
     row.as_ref().map(row_from).transpose()
 }
 
-async fn load_seq(conn: &mut SqliteConnection, seq: i64) -> Result<Row_, sqlx::Error> {
+async fn load_seq(conn: &mut SqliteConnection, seq: i64) -> Result<Loaded, sqlx::Error> {
     let row = sqlx::query(AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM contracts WHERE seq = $1"
     )))
@@ -158,7 +166,10 @@ async fn load_seq(conn: &mut SqliteConnection, seq: i64) -> Result<Row_, sqlx::E
 
 /// Open strict descendants of `seq` (ended contracts have no open
 /// descendants: ending cascades).
-async fn open_descendants(conn: &mut SqliteConnection, seq: i64) -> Result<Vec<Row_>, sqlx::Error> {
+async fn open_descendants(
+    conn: &mut SqliteConnection,
+    seq: i64,
+) -> Result<Vec<Loaded>, sqlx::Error> {
     // COLUMNS is a constant: nothing client-supplied is interpolated.
     let rows = sqlx::query(AssertSqlSafe(format!(
         "WITH RECURSIVE sub(seq) AS (\
@@ -233,11 +244,11 @@ pub struct Applied {
 /// to rows.
 struct Model {
     tree: Tree,
-    rows: Vec<Row_>,
+    rows: Vec<Loaded>,
     target: usize,
 }
 
-async fn model(conn: &mut SqliteConnection, target: Row_) -> Result<Model, sqlx::Error> {
+async fn model(conn: &mut SqliteConnection, target: Loaded) -> Result<Model, sqlx::Error> {
     let mut rows = Vec::new();
     if let Some(parent_seq) = target.parent_seq {
         rows.push(load_seq(conn, parent_seq).await?);
@@ -304,7 +315,7 @@ impl Receipting<'_> {
     async fn record(
         &mut self,
         conn: &mut SqliteConnection,
-        target: &Row_,
+        target: &Loaded,
         request: Option<&RequestMeta>,
         mut receipt: pb::Receipt,
     ) -> Result<(Id, pb::Envelope), sqlx::Error> {
@@ -351,7 +362,7 @@ impl Receipting<'_> {
     }
 }
 
-fn root_id(row: &Row_) -> Id {
+fn root_id(row: &Loaded) -> Id {
     // A root's payload carries no root id: it is its own root.
     row.contract.root_id.as_slice().try_into().unwrap_or(row.id)
 }
@@ -397,12 +408,9 @@ pub async fn apply(
         });
     }
     let Some(target) = load(conn, &command.contract_id).await? else {
-        return Ok(Applied {
-            answer: Err(StoreError::NotFound {
-                what: "contract",
-                id: hex::encode(command.contract_id),
-            }),
-            changed,
+        return refused(StoreError::NotFound {
+            what: "contract",
+            id: hex::encode(command.contract_id),
         });
     };
     let mut receipting = Receipting {
@@ -417,18 +425,11 @@ pub async fn apply(
     let overdue = target.status.is_open() && now_ms >= target.deadline_ms;
     if overdue && !matches!(command.action, Action::Revoke { .. }) {
         let mut model = model(conn, target.clone()).await?;
-        let consumed = if target.metered {
-            target.observed_units
-        } else {
-            0
-        };
+        let consumed = target.host_consumed();
         let ended = match model.tree.expire(model.target, consumed, now_ms) {
             Ok(ended) => ended,
             Err(e) => {
-                return Ok(Applied {
-                    answer: Err(StoreError::Corrupt(e.to_string())),
-                    changed,
-                });
+                return refused(StoreError::Corrupt(e.to_string()));
             }
         };
         write_back(conn, &model, &mut changed).await?;
@@ -467,32 +468,23 @@ pub async fn apply(
         }
         Action::Accept { host } => {
             if !is_delegate {
-                return Ok(Applied {
-                    answer: Err(denied(
-                        "NOT_DELEGATE",
-                        "only the contract's delegate may accept it",
-                    )),
-                    changed,
-                });
+                return refused(denied(
+                    "NOT_DELEGATE",
+                    "only the contract's delegate may accept it",
+                ));
             }
             let host_key = match (target.host_key, host) {
                 (Some(named), Some(asked)) if named != *asked => {
-                    return Ok(Applied {
-                        answer: Err(precondition(
-                            "HOST_MISMATCH",
-                            "the contract already names another host",
-                        )),
-                        changed,
-                    });
+                    return refused(precondition(
+                        "HOST_MISMATCH",
+                        "the contract already names another host",
+                    ));
                 }
                 (named, asked) => named.or(*asked),
             };
             let mut model = model(conn, target.clone()).await?;
             if let Err(e) = model.tree.accept(model.target, now_ms) {
-                return Ok(Applied {
-                    answer: Err(tree_error(&e)),
-                    changed,
-                });
+                return refused(tree_error(&e));
             }
             write_back(conn, &model, &mut changed).await?;
             sqlx::query("UPDATE contracts SET host_key = $1 WHERE seq = $2")
@@ -516,29 +508,19 @@ pub async fn apply(
         Action::Decline { reason } | Action::Escalate { reason } => {
             let escalate = matches!(command.action, Action::Escalate { .. });
             if !is_delegate {
-                return Ok(Applied {
-                    answer: Err(denied(
-                        "NOT_DELEGATE",
-                        "only the contract's delegate may do this",
-                    )),
-                    changed,
-                });
+                return refused(denied(
+                    "NOT_DELEGATE",
+                    "only the contract's delegate may do this",
+                ));
             }
             if target.parent_seq.is_none() {
-                return Ok(Applied {
-                    answer: Err(precondition(
-                        "ROOT",
-                        "a root has no principal to return it to",
-                    )),
-                    changed,
-                });
+                return refused(precondition(
+                    "ROOT",
+                    "a root has no principal to return it to",
+                ));
             }
             let mut model = model(conn, target.clone()).await?;
-            let consumed = if target.metered {
-                target.observed_units
-            } else {
-                0
-            };
+            let consumed = target.host_consumed();
             let result = if escalate {
                 model.tree.escalate(model.target, consumed, now_ms)
             } else {
@@ -547,10 +529,7 @@ pub async fn apply(
             let ended = match result {
                 Ok(ended) => ended,
                 Err(e) => {
-                    return Ok(Applied {
-                        answer: Err(tree_error(&e)),
-                        changed,
-                    });
+                    return refused(tree_error(&e));
                 }
             };
             write_back(conn, &model, &mut changed).await?;
@@ -596,27 +575,17 @@ pub async fn apply(
                 principals.push(target.delegate_key);
             }
             if !signer.is_some_and(|s| lifecycle::may_revoke(&s, principals.iter())) {
-                return Ok(Applied {
-                    answer: Err(denied(
-                        "NOT_ANCESTOR",
-                        "only the holder of an ancestor contract may revoke it",
-                    )),
-                    changed,
-                });
+                return refused(denied(
+                    "NOT_ANCESTOR",
+                    "only the holder of an ancestor contract may revoke it",
+                ));
             }
             let mut model = model(conn, target.clone()).await?;
-            let consumed = if target.metered {
-                target.observed_units
-            } else {
-                0
-            };
+            let consumed = target.host_consumed();
             let ended = match model.tree.revoke(model.target, consumed, now_ms) {
                 Ok(ended) => ended,
                 Err(e) => {
-                    return Ok(Applied {
-                        answer: Err(tree_error(&e)),
-                        changed,
-                    });
+                    return refused(tree_error(&e));
                 }
             };
             write_back(conn, &model, &mut changed).await?;
@@ -631,29 +600,20 @@ pub async fn apply(
         }
         Action::Record { observations } => {
             if target.host_key.is_none() || signer != target.host_key {
-                return Ok(Applied {
-                    answer: Err(denied(
-                        "NOT_HOST",
-                        "only the contract's host may record observations",
-                    )),
-                    changed,
-                });
+                return refused(denied(
+                    "NOT_HOST",
+                    "only the contract's host may record observations",
+                ));
             }
             if !target.status.is_open() {
-                return Ok(Applied {
-                    answer: Err(precondition(
-                        "ENDED",
-                        format!("the contract is {}", target.status.as_str()),
-                    )),
-                    changed,
-                });
+                return refused(precondition(
+                    "ENDED",
+                    format!("the contract is {}", target.status.as_str()),
+                ));
             }
             let total = target.observations + observations.len() as i64;
             if total > MAX_OBSERVATIONS_PER_CONTRACT {
-                return Ok(Applied {
-                    answer: Err(StoreError::Overloaded("observations per contract")),
-                    changed,
-                });
+                return refused(StoreError::Overloaded("observations per contract"));
             }
             let units: i64 = observations.iter().map(|o| o.units).sum();
             let metered = target.metered || observations.iter().any(|o| o.units > 0);
@@ -686,22 +646,16 @@ pub async fn apply(
         }
         Action::Complete(args) => {
             if !is_delegate {
-                return Ok(Applied {
-                    answer: Err(denied(
-                        "NOT_DELEGATE",
-                        "only the contract's delegate may complete it",
-                    )),
-                    changed,
-                });
+                return refused(denied(
+                    "NOT_DELEGATE",
+                    "only the contract's delegate may complete it",
+                ));
             }
             let mut model = model(conn, target.clone()).await?;
             if let Err(e) =
                 lifecycle::transition(target.status, Event::Complete, target.deadline_ms, now_ms)
             {
-                return Ok(Applied {
-                    answer: Err(lifecycle_error(&e)),
-                    changed,
-                });
+                return refused(lifecycle_error(&e));
             }
             let observed = observed(conn, &target, now_ms).await?;
             let schema: Option<serde_json::Value> = if target.contract.result_schema_json.is_empty()
@@ -726,10 +680,7 @@ pub async fn apply(
             let ended = match model.tree.complete(model.target, judgment.consumed, now_ms) {
                 Ok(ended) => ended,
                 Err(e) => {
-                    return Ok(Applied {
-                        answer: Err(tree_error(&e)),
-                        changed,
-                    });
+                    return refused(tree_error(&e));
                 }
             };
             write_back(conn, &model, &mut changed).await?;
@@ -785,24 +736,18 @@ pub async fn apply(
                 None => target.delegate_key,
             };
             if signer != Some(principal) {
-                return Ok(Applied {
-                    answer: Err(denied(
-                        "NOT_PRINCIPAL",
-                        "only the contract's principal may adjudicate it",
-                    )),
-                    changed,
-                });
+                return refused(denied(
+                    "NOT_PRINCIPAL",
+                    "only the contract's principal may adjudicate it",
+                ));
             }
             if target.status != Status::Completed
                 || target.verdict != Verdict::PendingPrincipal.as_i32()
             {
-                return Ok(Applied {
-                    answer: Err(precondition(
-                        "NOT_PENDING",
-                        "only a completed contract awaiting the principal's verdict can be adjudicated",
-                    )),
-                    changed,
-                });
+                return refused(precondition(
+                    "NOT_PENDING",
+                    "only a completed contract awaiting the principal's verdict can be adjudicated",
+                ));
             }
             sqlx::query("UPDATE contracts SET verdict = $1 WHERE seq = $2")
                 .bind(i64::from(verdict.as_i32()))
@@ -826,6 +771,14 @@ pub async fn apply(
     Ok(Applied { answer, changed })
 }
 
+/// Refuses the command before it wrote anything.
+fn refused(error: StoreError) -> Result<Applied, sqlx::Error> {
+    Ok(Applied {
+        answer: Err(error),
+        changed: Vec::new(),
+    })
+}
+
 fn tree_error(e: &lifecycle::TreeError) -> StoreError {
     match e {
         lifecycle::TreeError::Lifecycle(l) => lifecycle_error(l),
@@ -836,7 +789,7 @@ fn tree_error(e: &lifecycle::TreeError) -> StoreError {
 /// What the host recorded for `target`.
 async fn observed(
     conn: &mut SqliteConnection,
-    target: &Row_,
+    target: &Loaded,
     now_ms: i64,
 ) -> Result<judge::Observed, sqlx::Error> {
     let rows =
