@@ -96,7 +96,9 @@ impl Ledger {
     /// Units still free: `budget - reserved - spent`. Negative only after a
     /// recorded overspend.
     pub fn residual(&self) -> i64 {
-        self.budget - self.reserved - self.spent
+        self.budget
+            .saturating_sub(self.reserved)
+            .saturating_sub(self.spent)
     }
 
     /// Reserves `amount` for a new open child.
@@ -121,10 +123,9 @@ impl Ledger {
         if consumed < 0 {
             return Err(LedgerError::NegativeConsumption(consumed));
         }
-        self.spent = self
-            .spent
-            .checked_add(consumed)
-            .ok_or(LedgerError::Overflow)?;
+        // Saturates: consumption is client-reported and must never make a
+        // contract impossible to end.
+        self.spent = self.spent.saturating_add(consumed);
         Ok(())
     }
 
@@ -148,10 +149,7 @@ impl Ledger {
                 budget: child.budget,
             });
         }
-        let spent = self
-            .spent
-            .checked_add(child.spent)
-            .ok_or(LedgerError::Overflow)?;
+        let spent = self.spent.saturating_add(child.spent);
         self.reserved -= child.budget;
         self.open_children -= 1;
         self.spent = spent;

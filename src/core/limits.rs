@@ -2,9 +2,10 @@
 //! Config values that an operator may tune live in `config`; these are the
 //! hard ceilings the code relies on (overflow, memory, row sizes).
 
-/// Largest budget, reserve or cost, in units. Far below `i64::MAX` so that
-/// sums of a full fan-out can never overflow.
-pub const MAX_BUDGET_UNITS: i64 = 1_000_000_000_000_000;
+/// Largest budget, reserve, cost or metered consumption, in units (10^15).
+/// Far below `i64::MAX` (~9.2 × 10^18) so sums of a full fan-out stay
+/// representable; ledger arithmetic saturates beyond that anyway.
+pub const MAX_BUDGET_UNITS: i64 = 10_i64.pow(15);
 /// Largest intent or task text, in bytes.
 pub const MAX_TEXT_BYTES: usize = 16_384;
 /// Largest forwarded predicate, in bytes.

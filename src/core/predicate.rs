@@ -66,11 +66,16 @@ impl Predicate {
 fn check_shape(text: &str) -> Result<(), String> {
     let (mut depth, mut deepest, mut operators) = (0usize, 0usize, 0usize);
     let mut quote: Option<char> = None;
+    let mut escaped = false;
     let mut previous = ' ';
     for c in text.chars() {
         match quote {
             Some(q) => {
-                if c == q && previous != '\\' {
+                if escaped {
+                    escaped = false;
+                } else if c == '\\' {
+                    escaped = true;
+                } else if c == q {
                     quote = None;
                 }
             }

@@ -41,9 +41,12 @@ pub enum ServiceError {
     /// The nonce was used before with a different body.
     #[error("nonce already used by this agent for a different request")]
     NonceReused,
-    /// A bounded queue is full; retry later with the same nonce.
-    #[error("overloaded: {0}")]
+    /// A limit was reached (named).
+    #[error("limit reached: {0}")]
     Overloaded(&'static str),
+    /// The write queue is full; retry later with the same nonce.
+    #[error("busy: the write queue is full; retry with the same nonce")]
+    Busy,
     #[error("unavailable: {0}")]
     Unavailable(String),
     #[error("internal error: {0}")]
@@ -62,6 +65,7 @@ impl From<StoreError> for ServiceError {
                 Self::FailedPrecondition { reason, detail }
             }
             StoreError::Overloaded(what) => Self::Overloaded(what),
+            StoreError::Busy => Self::Busy,
             StoreError::Closed => Self::Unavailable("the store is shutting down".into()),
             StoreError::Corrupt(what) => Self::Internal(format!("corrupt store: {what}")),
             StoreError::Backend(what) => Self::Unavailable(format!("store: {what}")),
@@ -99,6 +103,13 @@ impl From<ServiceError> for Status {
                 Code::ResourceExhausted,
                 "OVERLOADED",
                 vec![("limit", (*what).to_owned())],
+            ),
+            // UNAVAILABLE: standard gRPC retry policies retry it, and a
+            // retry with the same nonce is safe.
+            ServiceError::Busy => (
+                Code::Unavailable,
+                "OVERLOADED",
+                vec![("limit", "limits.writer_queue_depth".to_owned())],
             ),
             ServiceError::Unavailable(_) => (Code::Unavailable, "UNAVAILABLE", vec![]),
             ServiceError::Internal(_) => (Code::Internal, "INTERNAL", vec![]),

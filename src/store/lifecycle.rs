@@ -15,7 +15,7 @@ use super::batch::{OUTCOME_REFUSED, PriorRequest, RequestKey};
 use super::{Answer, Outcome, StoreError};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{self, Ended, Event, LifecycleError, Node, Tree};
-use crate::core::limits::MAX_OBSERVATIONS_PER_CONTRACT;
+use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT};
 use crate::core::{AgentKey, Id, Ledger, Scope, Status};
 use crate::crypto;
 use crate::pb;
@@ -248,8 +248,17 @@ struct Model {
     target: usize,
 }
 
-async fn model(conn: &mut SqliteConnection, target: Loaded) -> Result<Model, sqlx::Error> {
+/// Loads `target`'s parent, itself and its open descendants into the
+/// core's model. What each open descendant's host metered is charged to it
+/// first (and to the target too when `charge_target`): ending cascades
+/// must not forgive consumption.
+async fn model(
+    conn: &mut SqliteConnection,
+    target: Loaded,
+    charge_target: bool,
+) -> Result<Model, sqlx::Error> {
     let mut rows = Vec::new();
+    let rows_parent_seq = target.parent_seq;
     if let Some(parent_seq) = target.parent_seq {
         rows.push(load_seq(conn, parent_seq).await?);
     }
@@ -259,12 +268,20 @@ async fn model(conn: &mut SqliteConnection, target: Loaded) -> Result<Model, sql
     let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
     let mut nodes: Vec<Node> = rows
         .iter()
-        .map(|r| Node {
-            parent: r.parent_seq.and_then(|p| index.get(&p).copied()),
-            children: Vec::new(),
-            status: r.status,
-            deadline_ms: r.deadline_ms,
-            ledger: r.ledger,
+        .map(|r| {
+            let mut ledger = r.ledger;
+            let descendant = r.seq != target_seq && Some(r.seq) != rows_parent_seq;
+            if descendant || (charge_target && r.seq == target_seq) {
+                // Saturating: cannot fail for a non-negative amount.
+                let _ = ledger.charge(r.host_consumed());
+            }
+            Node {
+                parent: r.parent_seq.and_then(|p| index.get(&p).copied()),
+                children: Vec::new(),
+                status: r.status,
+                deadline_ms: r.deadline_ms,
+                ledger,
+            }
         })
         .collect();
     for i in 0..nodes.len() {
@@ -377,8 +394,10 @@ fn answer(id: Id, envelope: pb::Envelope) -> Result<Answer, StoreError> {
     })
 }
 
+/// Contracts a transition ended: the target first, then the open
+/// descendants it ended (`Tree::end` reports them deepest first; reversed,
+/// every contract comes before its descendants).
 fn ended_ids(model: &Model, ended: &[Ended]) -> Vec<Vec<u8>> {
-    // The target first, then the cascade (deepest first).
     let mut ids: Vec<Vec<u8>> = ended
         .iter()
         .rev()
@@ -424,7 +443,7 @@ pub async fn apply(
     // (its reservation returns), whatever was asked of it.
     let overdue = target.status.is_open() && now_ms >= target.deadline_ms;
     if overdue && !matches!(command.action, Action::Revoke { .. }) {
-        let mut model = model(conn, target.clone()).await?;
+        let mut model = model(conn, target.clone(), false).await?;
         let consumed = target.host_consumed();
         let ended = match model.tree.expire(model.target, consumed, now_ms) {
             Ok(ended) => ended,
@@ -482,7 +501,14 @@ pub async fn apply(
                 }
                 (named, asked) => named.or(*asked),
             };
-            let mut model = model(conn, target.clone()).await?;
+            // A delegate that is its own host would judge itself.
+            if host_key == Some(target.delegate_key) {
+                return refused(precondition(
+                    "HOST_IS_DELEGATE",
+                    "the host must be a key other than the delegate's",
+                ));
+            }
+            let mut model = model(conn, target.clone(), false).await?;
             if let Err(e) = model.tree.accept(model.target, now_ms) {
                 return refused(tree_error(&e));
             }
@@ -519,7 +545,9 @@ pub async fn apply(
                     "a root has no principal to return it to",
                 ));
             }
-            let mut model = model(conn, target.clone()).await?;
+            // Decline charges nothing itself: what the host metered is
+            // charged through the model instead.
+            let mut model = model(conn, target.clone(), !escalate).await?;
             let consumed = target.host_consumed();
             let result = if escalate {
                 model.tree.escalate(model.target, consumed, now_ms)
@@ -580,7 +608,7 @@ pub async fn apply(
                     "only the holder of an ancestor contract may revoke it",
                 ));
             }
-            let mut model = model(conn, target.clone()).await?;
+            let mut model = model(conn, target.clone(), false).await?;
             let consumed = target.host_consumed();
             let ended = match model.tree.revoke(model.target, consumed, now_ms) {
                 Ok(ended) => ended,
@@ -615,7 +643,18 @@ pub async fn apply(
             if total > MAX_OBSERVATIONS_PER_CONTRACT {
                 return refused(StoreError::Overloaded("observations per contract"));
             }
-            let units: i64 = observations.iter().map(|o| o.units).sum();
+            // Each unit count is at most MAX_BUDGET_UNITS (validated); the
+            // total per contract is capped too, so ending it can always settle.
+            let units = observations
+                .iter()
+                .fold(0i64, |sum, o| sum.saturating_add(o.units));
+            let metered_total = target.observed_units.saturating_add(units);
+            if metered_total > MAX_BUDGET_UNITS {
+                return refused(precondition(
+                    "METERED_LIMIT",
+                    format!("metered units would exceed {MAX_BUDGET_UNITS} for one contract"),
+                ));
+            }
             let metered = target.metered || observations.iter().any(|o| o.units > 0);
             let mut query = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
@@ -631,7 +670,7 @@ pub async fn apply(
             query.build().execute(&mut *conn).await?;
             sqlx::query("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3 WHERE seq = $4")
                 .bind(total)
-                .bind(target.observed_units.saturating_add(units))
+                .bind(metered_total)
                 .bind(i64::from(metered))
                 .bind(target.seq)
                 .execute(&mut *conn)
@@ -651,7 +690,7 @@ pub async fn apply(
                     "only the contract's delegate may complete it",
                 ));
             }
-            let mut model = model(conn, target.clone()).await?;
+            let mut model = model(conn, target.clone(), false).await?;
             if let Err(e) =
                 lifecycle::transition(target.status, Event::Complete, target.deadline_ms, now_ms)
             {

@@ -115,8 +115,12 @@ pub enum StoreError {
         reason: &'static str,
         detail: String,
     },
-    #[error("the store is overloaded: {0}")]
+    /// A per-request or per-contract limit was reached.
+    #[error("limit reached: {0}")]
     Overloaded(&'static str),
+    /// The writer's queue is full: retry later with the same nonce.
+    #[error("the store is busy: its write queue is full")]
+    Busy,
     #[error("the store is shutting down")]
     Closed,
     #[error("stored data is corrupt: {0}")]

@@ -655,7 +655,6 @@ async fn writer_loop(
             }
         }
         let began = std::time::Instant::now();
-        let seq_before = state.next_seq;
         match apply_batch(conn, &commands, &mut state, &stamper, clock.now_ms()).await {
             Ok(answers) => {
                 state.commits.send_modify(|n| *n = n.wrapping_add(1));
@@ -674,7 +673,9 @@ async fn writer_loop(
                 tracing::error!(error = %e, size = commands.len(), "batch rolled back");
                 // The plan already changed the cache; the database did not.
                 lock(&state.known).clear();
-                state.next_seq = seq_before;
+                // next_seq is not rolled back: if the commit did reach the
+                // disk, reusing numbers would fail every later batch; gaps
+                // are harmless (cursors are only compared).
                 for reply in replies.drain(..) {
                     let _ = reply.send(Err(StoreError::Backend(e.to_string())));
                 }

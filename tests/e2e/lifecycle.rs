@@ -255,6 +255,16 @@ async fn in_scope_work_is_accepted_and_attributed_to_the_producing_hop() {
 #[tokio::test]
 async fn revocation_cascades_and_returns_every_reservation() {
     let mut c = seed_001_chain().await;
+    // Work the executor's host metered is charged even though the executor
+    // only ends through the cascade.
+    c.broker
+        .record(
+            &c.executor_host,
+            &c.executor_id,
+            vec![tool_call("search", 5)],
+        )
+        .await
+        .unwrap();
     let receipt = c
         .broker
         .revoke(&c.orchestrator, &c.planner_id)
@@ -273,8 +283,9 @@ async fn revocation_cascades_and_returns_every_reservation() {
     }
     let root = c.broker.ledger(&c.root.id).await;
     assert_eq!(
-        (root.reserved, root.residual, root.open_children),
-        (0, 28, 0)
+        (root.reserved, root.spent, root.residual, root.open_children),
+        (0, 5, 23, 0),
+        "the metered 5 units stay charged"
     );
     let err = c
         .broker
@@ -420,6 +431,32 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
     assert_eq!(
         err.get_details_error_info().unwrap().metadata["field"],
         "body.result_schema_json"
+    );
+
+    // A delegate may not be its own host.
+    let mut own_host = child(&c.executor_id, &c.root.lineage, &c.executor, 1);
+    own_host.write_scope = vec![];
+    own_host.host_public_key = c.executor.public_key().to_vec();
+    let err = c.broker.delegate(&c.executor, own_host).await.unwrap_err();
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["field"],
+        "body.host_public_key"
+    );
+
+    // Metering beyond the per-contract bound.
+    let huge = 10_i64.pow(15);
+    let err = c
+        .broker
+        .record(
+            &c.executor_host,
+            &c.executor_id,
+            vec![tool_call("a", huge), tool_call("b", huge)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.get_details_error_info().unwrap().reason,
+        "METERED_LIMIT"
     );
 
     // Someone else completing the executor's contract.
