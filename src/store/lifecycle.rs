@@ -297,12 +297,33 @@ async fn model(
     })
 }
 
-/// Writes back every row whose status or ledger the model changed.
+/// Writes back every row whose status or ledger the model changed, and
+/// signs a receipt for every open descendant the transition ended with its
+/// target (a receipt per transition; Watch streams of those subtrees see
+/// it).
 async fn write_back(
     conn: &mut SqliteConnection,
     model: &Model,
+    ended: &[Ended],
+    receipting: &mut Receipting<'_>,
     changed: &mut Vec<Id>,
 ) -> Result<(), sqlx::Error> {
+    let cause = model.rows[model.target].id;
+    for e in ended.iter().filter(|e| e.id != model.target) {
+        let row = &model.rows[e.id];
+        let kind = if e.status == Status::Expired {
+            pb::ReceiptKind::Expired
+        } else {
+            pb::ReceiptKind::Revoked
+        };
+        let receipt = pb::Receipt {
+            kind: kind as i32,
+            reason: format!("ended with its ancestor {}", hex::encode(cause)),
+            revoked_ids: vec![row.id.to_vec()],
+            ..Default::default()
+        };
+        receipting.record(conn, row, None, receipt).await?;
+    }
     for (row, node) in model.rows.iter().zip(model.tree.nodes()) {
         if row.status != node.status || row.ledger != node.ledger {
             sqlx::query(
@@ -451,7 +472,7 @@ pub async fn apply(
                 return refused(StoreError::Corrupt(e.to_string()));
             }
         };
-        write_back(conn, &model, &mut changed).await?;
+        write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
         let revoked_ids = ended_ids(&model, &ended);
         let (id, envelope) = receipting
             .record(
@@ -512,7 +533,7 @@ pub async fn apply(
             if let Err(e) = model.tree.accept(model.target, now_ms) {
                 return refused(tree_error(&e));
             }
-            write_back(conn, &model, &mut changed).await?;
+            write_back(conn, &model, &[], &mut receipting, &mut changed).await?;
             sqlx::query("UPDATE contracts SET host_key = $1 WHERE seq = $2")
                 .bind(host_key.map(|h| h.to_vec()))
                 .bind(target.seq)
@@ -560,7 +581,7 @@ pub async fn apply(
                     return refused(tree_error(&e));
                 }
             };
-            write_back(conn, &model, &mut changed).await?;
+            write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
             let mut receipt = pb::Receipt {
                 kind: if escalate {
                     pb::ReceiptKind::Escalated
@@ -616,7 +637,7 @@ pub async fn apply(
                     return refused(tree_error(&e));
                 }
             };
-            write_back(conn, &model, &mut changed).await?;
+            write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
             let receipt = pb::Receipt {
                 kind: pb::ReceiptKind::Revoked as i32,
                 reason: reason.clone(),
@@ -722,7 +743,7 @@ pub async fn apply(
                     return refused(tree_error(&e));
                 }
             };
-            write_back(conn, &model, &mut changed).await?;
+            write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
             sqlx::query(
                 "UPDATE contracts SET verdict = $1, has_report = $2, downgrades = $3, claim = $4 WHERE seq = $5",
             )

@@ -287,6 +287,20 @@ async fn revocation_cascades_and_returns_every_reservation() {
         (0, 5, 23, 0),
         "the metered 5 units stay charged"
     );
+    // The executor's own subtree hears that it was revoked with its parent.
+    let mut watch = c
+        .broker
+        .client
+        .watch(pb::WatchRequest {
+            contract_id: c.executor_id.clone(),
+            cursor: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let cascaded = next_receipt(&mut watch, pb::ReceiptKind::Revoked).await;
+    assert_eq!(cascaded.contract_id, c.executor_id);
+    drop(watch);
     let err = c
         .broker
         .complete(&c.executor, completion(&c.executor_id))
