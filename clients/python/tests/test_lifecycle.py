@@ -261,12 +261,17 @@ def test_watch_resume_continues_after_the_last_event_yielded(broker):
     broker.revoke(c.orchestrator, c.planner_id)
     w = w.resume(timeout=30)  # cancels the first stream, opens one after seen[-1]
     with w:
-        while not (seen[-1].receipt and seen[-1].receipt.kind == pb.RECEIPT_KIND_REVOKED):
+        # The cascade ends the executor first (its own REVOKED receipt),
+        # then the planner, whose receipt lists both.
+        while not (seen[-1].receipt and seen[-1].receipt.kind == pb.RECEIPT_KIND_REVOKED
+                   and seen[-1].receipt.contract_id == c.planner_id):
             seen.append(next(w))
     assert next(w, None) is None, "a cancelled watch just stops"
     broker.watched(seen)
     assert shape(seen) == ["contract", "contract", "RECEIPT_KIND_ACCEPTED", "contract", "RECEIPT_KIND_ACCEPTED",
-                           "RECEIPT_KIND_REVOKED"]
+                           "RECEIPT_KIND_REVOKED", "RECEIPT_KIND_REVOKED"]
+    assert seen[-2].receipt.contract_id == c.executor_id
+    assert list(seen[-2].receipt.revoked_ids) == [c.executor_id]
     assert list(seen[-1].receipt.revoked_ids) == [c.planner_id, c.executor_id]
 
 
