@@ -304,7 +304,6 @@ pub fn contract_state(record: ContractRecord) -> pb::ContractState {
     pb::ContractState {
         contract_id: record.id.to_vec(),
         contract: Some(record.envelope),
-        // TODO(lifecycle): map every status once the proto enum has them.
         status: status_to_pb(record.status) as i32,
         ledger: Some(pb::Ledger {
             budget: ledger.budget,
