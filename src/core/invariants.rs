@@ -244,8 +244,9 @@ pub fn check_delegation(
         Liability::Delegate => Predicate::conjoin(&parent.effective_predicate, &ask.predicate),
         Liability::Principal => Predicate::conjoin(&Predicate::default(), &ask.predicate),
     };
-    // The composition can only fail on its length bound, which the service
-    // checks as malformed input before; treat it as "no predicate" here.
+    // The composition can only fail on its length bound, which the store
+    // refuses as malformed input before calling this; should it ever get
+    // here, treating it as "no predicate" refuses rather than drops it.
     let effective_predicate = effective_predicate.unwrap_or_default();
     let transfers = ask.liability == Liability::Delegate;
     if transfers && effective_predicate.is_empty() {

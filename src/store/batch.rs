@@ -359,6 +359,19 @@ fn delegate(
             what: "parent contract",
             id: hex::encode(child.parent_id),
         })?;
+    // The conjunction's size depends on the parent: only here can an
+    // over-long one be told apart from a missing predicate.
+    if child.ask.liability == Liability::Delegate
+        && Predicate::conjoin(&parent.view.effective_predicate, &child.ask.predicate).is_none()
+    {
+        return Err(StoreError::Invalid(core::InputError::new(
+            "body.predicate",
+            format!(
+                "the effective predicate (the ancestors' conjunction and this one) would exceed {} bytes",
+                core::limits::MAX_EFFECTIVE_PREDICATE_BYTES
+            ),
+        )));
+    }
     match core::check_delegation(&parent.view, &child.ask, now_ms) {
         Ok(terms) => {
             parent

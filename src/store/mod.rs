@@ -115,6 +115,9 @@ pub enum StoreError {
         reason: &'static str,
         detail: String,
     },
+    /// Input that is malformed only in the light of stored state.
+    #[error(transparent)]
+    Invalid(crate::core::InputError),
     /// A per-request or per-contract limit was reached.
     #[error("limit reached: {0}")]
     Overloaded(&'static str),

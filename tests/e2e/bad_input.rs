@@ -257,3 +257,51 @@ async fn raw_unary(addr: &str, path: &'static str, bytes: Vec<u8>) -> tonic::Sta
     .await
     .unwrap_err()
 }
+
+/// A chain of liable hops whose forwarded predicates together outgrow the
+/// effective-predicate bound is refused as malformed input naming the
+/// predicate — not mistaken for a missing predicate.
+#[tokio::test]
+async fn an_overlong_effective_predicate_names_the_predicate() {
+    let mut broker = Broker::start().await;
+    let agents: Vec<Agent> = (0..20).map(|_| Agent::generate()).collect();
+    let root = broker
+        .open_root(
+            &agents[0],
+            RootSpec {
+                budget: 1_000_000,
+                max_depth: 30,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let predicate = format!("result.claimed != \"{}\"", "x".repeat(4_000));
+    let mut parent = root.id.clone();
+    for hop in 1..agents.len() {
+        let body = liable_child(
+            &parent,
+            &root.lineage,
+            &agents[hop],
+            1_000_000 >> hop,
+            &predicate,
+        );
+        match broker.delegate(&agents[hop - 1], body).await {
+            Ok(outcome) => parent = outcome.issued().0,
+            Err(err) => {
+                assert_names(&err, Code::InvalidArgument, "field", "body.predicate");
+                assert!(
+                    hop > 10,
+                    "refused only once the conjunction is long: hop {hop}"
+                );
+                assert_eq!(
+                    broker.ledger(&parent).await.open_children,
+                    0,
+                    "nothing reserved"
+                );
+                broker.stop().await;
+                return;
+            }
+        }
+    }
+    panic!("the conjunction never hit its bound");
+}
