@@ -538,3 +538,73 @@ async fn a_retried_completion_settles_once() {
     assert_eq!((planner.spent, planner.reserved), (18, 0), "settled once");
     c.broker.stop().await;
 }
+
+/// The remaining lifecycle limits and refusal reasons, each named.
+#[tokio::test]
+async fn lifecycle_limits_and_reasons_are_named() {
+    let mut broker = Broker::start_with(|c| c.limits.max_watch_streams = 1).await;
+    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+
+    // A root has no principal to escalate to.
+    broker.accept(&orchestrator, &root.id, None).await.unwrap();
+    let err = broker
+        .escalate(&orchestrator, &root.id, "stuck")
+        .await
+        .unwrap_err();
+    assert_eq!(err.get_details_error_info().unwrap().reason, "ROOT");
+
+    // A delegate may not name itself as host at Accept either.
+    let (id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
+        .await
+        .unwrap()
+        .issued();
+    let err = broker
+        .accept(&delegate, &id, Some(&delegate))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.get_details_error_info().unwrap().reason,
+        "HOST_IS_DELEGATE"
+    );
+    assert_eq!(
+        broker.state(&id).await.status,
+        pb::ContractStatus::Open as i32
+    );
+
+    // Observations per request are bounded.
+    broker.accept(&delegate, &id, Some(&host)).await.unwrap();
+    let too_many: Vec<pb::Observation> = (0..257).map(|i| tool_call(&format!("t{i}"), 0)).collect();
+    let err = broker.record(&host, &id, too_many).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["field"],
+        "body.observations"
+    );
+
+    // Concurrent Watch streams are bounded (here to one).
+    let first = broker
+        .client
+        .watch(pb::WatchRequest {
+            contract_id: root.id.clone(),
+            cursor: 0,
+        })
+        .await
+        .unwrap();
+    let err = broker
+        .client
+        .watch(pb::WatchRequest {
+            contract_id: root.id.clone(),
+            cursor: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["limit"],
+        "limits.max_watch_streams"
+    );
+    drop(first);
+    broker.stop().await;
+}
