@@ -138,6 +138,8 @@ fn incoming(
 
 /// Overdue contracts expired per sweep; the rest wait for the next tick.
 const EXPIRED_PER_SWEEP: u32 = 256;
+/// Most contracts the sweeper remembers as failing to expire.
+const MAX_SKIPPED_EXPIRIES: usize = 1_024;
 
 /// Expires overdue contracts in the background so their reservations
 /// return even if nobody touches them (they also expire on access). Stops
@@ -149,25 +151,42 @@ async fn expiry_sweeper<S: Store>(
 ) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Contracts whose expiry failed (a bug, logged): skipped so they cannot
+    // starve the ones listed after them. Bounded; forgotten when full.
+    let mut failed: std::collections::HashSet<crate::core::Id> = std::collections::HashSet::new();
     loop {
         tick.tick().await;
         let Some(store) = store.upgrade() else { return };
-        let overdue = match store.overdue(clock.now_ms(), EXPIRED_PER_SWEEP).await {
+        let limit =
+            EXPIRED_PER_SWEEP.saturating_add(u32::try_from(failed.len()).unwrap_or(u32::MAX));
+        let overdue = match store.overdue(clock.now_ms(), limit).await {
             Ok(ids) => ids,
             Err(e) => {
                 tracing::warn!(error = %e, "expiry sweep could not list overdue contracts");
                 continue;
             }
         };
-        for contract_id in overdue {
+        let due: Vec<_> = overdue
+            .into_iter()
+            .filter(|id| !failed.contains(id))
+            .collect();
+        for contract_id in due {
             let command = LifecycleCommand {
                 request: None,
                 contract_id,
                 action: Action::Expire,
             };
-            // Another path (a cascade, an access) may have ended it first.
-            if let Err(e) = store.transition(command).await {
-                tracing::debug!(error = %e, contract = %hex::encode(contract_id), "not expired");
+            match store.transition(command).await {
+                Ok(_) => {}
+                // Another path (a cascade, an access) ended it first.
+                Err(crate::store::StoreError::FailedPrecondition { .. }) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, contract = %hex::encode(contract_id), "expiry failed; skipping it");
+                    if failed.len() >= MAX_SKIPPED_EXPIRIES {
+                        failed.clear();
+                    }
+                    failed.insert(contract_id);
+                }
             }
         }
     }
