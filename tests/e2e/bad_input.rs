@@ -94,6 +94,24 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         );
     }
 
+    // Labels outside their bounds.
+    let mut r = RootSpec::default().body();
+    r.labels = [("Arm".to_owned(), "flat".to_owned())].into();
+    let err = broker
+        .client
+        .open_root(orchestrator.open_root(r))
+        .await
+        .unwrap_err();
+    assert_names(&err, Code::InvalidArgument, "field", "body.labels");
+    let mut r = RootSpec::default().body();
+    r.labels = (0..17).map(|i| (format!("k{i}"), "v".to_owned())).collect();
+    let err = broker
+        .client
+        .open_root(orchestrator.open_root(r))
+        .await
+        .unwrap_err();
+    assert_names(&err, Code::InvalidArgument, "field", "body.labels");
+
     // A predicate that does not parse.
     let mut b = body();
     b.predicate = "result.schema_valid && (".into();
