@@ -30,7 +30,9 @@ pub struct Speculation {
 
 /// A mutating command.
 pub enum Command {
-    OpenRoot(Box<NewRoot>),
+    /// A root and its stamp: a root depends on no stored state, so the
+    /// caller signs it and the writer only assigns its sequence number.
+    OpenRoot(Box<NewRoot>, Box<StampedContract>),
     Delegate(Box<NewChild>, Option<Box<Speculation>>),
     /// Applied after the batch's issuances (see `super::lifecycle`): within
     /// one batch, commands were concurrent, so any order is a valid one.
@@ -40,7 +42,7 @@ pub enum Command {
 impl Command {
     fn request(&self) -> Option<&RequestMeta> {
         match self {
-            Command::OpenRoot(r) => Some(&r.request),
+            Command::OpenRoot(r, _) => Some(&r.request),
             Command::Delegate(c, _) => Some(&c.request),
             Command::Lifecycle(l) => l.request.as_ref(),
         }
@@ -204,9 +206,13 @@ pub fn plan(
             continue;
         }
         let answer = match command {
-            Command::OpenRoot(root) => {
-                Ok(open_root(root, known, next_seq, &mut plan, stamper, now_ms))
-            }
+            Command::OpenRoot(root, stamped) => Ok(open_root(
+                root,
+                (**stamped).clone(),
+                known,
+                next_seq,
+                &mut plan,
+            )),
             // Skipped above; answered after the plan is written.
             Command::Lifecycle(_) => Err(StoreError::Closed),
             Command::Delegate(child, speculation) => delegate(
@@ -276,15 +282,13 @@ fn scope_json(scope: &Scope) -> String {
 
 fn open_root(
     root: &NewRoot,
+    stamped: StampedContract,
     known: &mut HashMap<Id, Known>,
     next_seq: &mut i64,
     plan: &mut Plan,
-    stamper: &Stamper,
-    now_ms: i64,
 ) -> Answer {
     let seq = *next_seq;
     *next_seq += 1;
-    let stamped = stamper.root(root, now_ms);
     let lineage = crate::crypto::sha256(root.intent.as_bytes());
     let effective = Predicate::conjoin(&Predicate::default(), &root.predicate).unwrap_or_default();
     let view = ParentView {
@@ -316,7 +320,7 @@ fn open_root(
         write_scope_json: scope_json(&root.write_scope),
         policy: root.policy,
         envelope: stamped.encoded,
-        issued_at_ms: now_ms,
+        issued_at_ms: stamped.contract.issued_at_ms,
         host_key: None,
         labels_json: serde_json::to_string(&root.labels).unwrap_or_else(|_| "{}".into()),
         status: view.status,

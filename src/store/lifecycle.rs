@@ -146,7 +146,7 @@ fn row_from(row: &SqliteRow) -> Result<Loaded, sqlx::Error> {
 
 async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Loaded>, sqlx::Error> {
     let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM contracts WHERE id = $1"
+        "SELECT {COLUMNS} FROM contracts_with_envelope WHERE id = $1"
     )))
     .bind(id.as_slice())
     .fetch_optional(&mut *conn)
@@ -156,7 +156,7 @@ async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Loaded>, sq
 
 async fn load_seq(conn: &mut SqliteConnection, seq: i64) -> Result<Loaded, sqlx::Error> {
     let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM contracts WHERE seq = $1"
+        "SELECT {COLUMNS} FROM contracts_with_envelope WHERE seq = $1"
     )))
     .bind(seq)
     .fetch_one(&mut *conn)
@@ -176,7 +176,7 @@ async fn open_descendants(
              SELECT seq FROM contracts WHERE parent_seq = $1 AND status IN ($2, $3) \
              UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq \
              WHERE c.status IN ($2, $3)) \
-         SELECT {COLUMNS} FROM contracts WHERE seq IN (SELECT seq FROM sub)"
+         SELECT {COLUMNS} FROM contracts_with_envelope WHERE seq IN (SELECT seq FROM sub)"
     )))
     .bind(seq)
     .bind(i64::from(Status::Open.as_i32()))
