@@ -67,7 +67,10 @@ impl From<StoreError> for ServiceError {
             StoreError::Overloaded(what) => Self::Overloaded(what),
             StoreError::Busy => Self::Busy,
             StoreError::Invalid(input) => Self::Invalid(input),
-            StoreError::Closed => Self::Unavailable("the store is shutting down".into()),
+            StoreError::Closed => Self::Unavailable(
+                "the store is stopped (shutting down, or after a storage failure: see the log)"
+                    .into(),
+            ),
             StoreError::Corrupt(what) => Self::Internal(format!("corrupt store: {what}")),
             StoreError::Backend(what) => Self::Unavailable(format!("store: {what}")),
         }
