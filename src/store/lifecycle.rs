@@ -662,7 +662,7 @@ pub async fn apply(
             }
             let total = target.observations + observations.len() as i64;
             if total > MAX_OBSERVATIONS_PER_CONTRACT {
-                return refused(StoreError::Overloaded("observations per contract"));
+                return refused(StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT"));
             }
             // Each unit count is at most MAX_BUDGET_UNITS (validated); the
             // total per contract is capped too, so ending it can always settle.

@@ -608,3 +608,51 @@ async fn lifecycle_limits_and_reasons_are_named() {
     drop(first);
     broker.stop().await;
 }
+
+/// A contract holds at most MAX_OBSERVATIONS_PER_CONTRACT host
+/// observations: the request that would pass it is refused whole (none of
+/// its observations recorded), and the limit is named.
+#[tokio::test]
+async fn observations_per_contract_are_bounded() {
+    use delegation_broker::core::limits::{
+        MAX_OBSERVATIONS_PER_CONTRACT, MAX_OBSERVATIONS_PER_REQUEST,
+    };
+    let mut broker = Broker::start().await;
+    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&delegate, &id, Some(&host)).await.unwrap();
+    let limit = usize::try_from(MAX_OBSERVATIONS_PER_CONTRACT).unwrap();
+    let mut recorded = 0;
+    while recorded < limit {
+        let n = MAX_OBSERVATIONS_PER_REQUEST.min(limit - recorded);
+        let batch = (0..n).map(|i| tool_call(&format!("t{i}"), 0)).collect();
+        broker.record(&host, &id, batch).await.unwrap();
+        recorded += n;
+    }
+    // Two more: one over the limit, so the whole request is refused.
+    let batch = (0..2).map(|i| tool_call(&format!("over{i}"), 0)).collect();
+    let err = broker.record(&host, &id, batch).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["limit"],
+        "MAX_OBSERVATIONS_PER_CONTRACT"
+    );
+    // Nothing of the refused request was recorded.
+    let audit = broker
+        .client
+        .get_audit(pb::GetAuditRequest {
+            contract_id: id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .audit
+        .unwrap();
+    assert_eq!(audit.tool_calls, u64::try_from(limit).unwrap());
+    broker.stop().await;
+}
