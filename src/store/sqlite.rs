@@ -647,8 +647,8 @@ const MAX_CACHED_CONTRACTS: usize = 65_536;
 /// Committed batches that may wait for the syncer; beyond it the writer
 /// waits (back-pressure instead of unbounded memory).
 const MAX_UNSYNCED_BATCHES: usize = 64;
-/// Rows per multi-row statement, well under SQLite's bind-parameter limit
-/// (32_766) at 18 parameters a row.
+/// Rows per multi-row statement, under SQLite's bind-parameter limit
+/// (32_766) at up to 26 parameters a row (a contract).
 const ROWS_PER_STATEMENT: usize = 1_000;
 
 /// Prepared statements kept per connection (see where it is set).
@@ -736,7 +736,8 @@ struct WriterState {
     committed: Arc<AtomicU64>,
     /// Committed batches, to the syncer: their answers wait for its fsync.
     synced: mpsc::Sender<Unsynced>,
-    /// Set by the background checkpointer after each of its checkpoints.
+    /// Set by the background checkpointer when the WAL has grown past
+    /// `WAL_RESTART_BYTES`: the writer then finishes the checkpoint.
     finish_checkpoint: Arc<AtomicBool>,
 }
 
