@@ -94,19 +94,6 @@ async fn run(
     Run { children }
 }
 
-async fn audit(broker: &mut Broker, id: &[u8]) -> pb::ContractAudit {
-    broker
-        .client
-        .get_audit(pb::GetAuditRequest {
-            contract_id: id.to_vec(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .audit
-        .unwrap()
-}
-
 /// (a) on a real contract, (c) and (d).
 #[tokio::test]
 async fn contract_audits_count_host_facts_conflicts_and_false_completions() {

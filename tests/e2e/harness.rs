@@ -579,6 +579,20 @@ pub fn mutation(path: &str, units: i64) -> pb::Observation {
     }
 }
 
+/// The contract's audit, as GetAudit returns it.
+pub async fn audit(broker: &mut Broker, id: &[u8]) -> pb::ContractAudit {
+    broker
+        .client
+        .get_audit(pb::GetAuditRequest {
+            contract_id: id.to_vec(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .audit
+        .unwrap()
+}
+
 pub fn tool_call(tool: &str, units: i64) -> pb::Observation {
     pb::Observation {
         kind: pb::ObservationKind::ToolCall as i32,

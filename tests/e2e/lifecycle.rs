@@ -643,16 +643,7 @@ async fn observations_per_contract_are_bounded() {
         "MAX_OBSERVATIONS_PER_CONTRACT"
     );
     // Nothing of the refused request was recorded.
-    let audit = broker
-        .client
-        .get_audit(pb::GetAuditRequest {
-            contract_id: id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .audit
-        .unwrap();
+    let audit = audit(&mut broker, &id).await;
     assert_eq!(audit.tool_calls, u64::try_from(limit).unwrap());
     broker.stop().await;
 }
