@@ -17,7 +17,7 @@ use crate::service::BrokerService;
 use crate::stamp::Stamper;
 use crate::store::Store;
 use crate::store::lifecycle::{Action, LifecycleCommand};
-use crate::store::sqlite::{SqliteOptions, SqliteStore};
+use crate::store::sqlite::{SqliteOptions, SqliteStore, WAL_RESTART_BYTES};
 
 /// The SQLite database's file name inside the data directory.
 pub const DATABASE_FILE: &str = "broker.sqlite3";
@@ -74,6 +74,7 @@ pub async fn run_with_clock(
             queue_depth: limits.writer_queue_depth,
             max_batch: limits.max_batch,
             read_connections: limits.read_connections,
+            wal_restart_bytes: WAL_RESTART_BYTES,
         },
         stamper,
         clock.clone(),

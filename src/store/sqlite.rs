@@ -63,6 +63,9 @@ pub struct SqliteOptions {
     pub max_batch: usize,
     /// Read-only connections for queries.
     pub read_connections: u32,
+    /// WAL size past which the writer finishes a checkpoint so the WAL
+    /// restarts (`WAL_RESTART_BYTES` in production; tests lower it).
+    pub wal_restart_bytes: u64,
 }
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
@@ -228,6 +231,7 @@ impl SqliteStore {
             commands.downgrade(),
             finish_checkpoint,
             wal_path_of(&options.path),
+            options.wal_restart_bytes,
         ));
         let reader = SqlitePoolOptions::new()
             .max_connections(options.read_connections.max(1))
@@ -656,14 +660,14 @@ const STATEMENT_CACHE_CAPACITY: usize = 1_024;
 
 /// How often the WAL is copied back into the database file.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
-/// WAL size beyond which the writer finishes a checkpoint (so the WAL
+/// Default WAL size beyond which the writer finishes a checkpoint (so the WAL
 /// restarts from its beginning): bounds the WAL to about this plus one
 /// `CHECKPOINT_INTERVAL` of writes.
-const WAL_RESTART_BYTES: u64 = 32 * 1024 * 1024;
+pub const WAL_RESTART_BYTES: u64 = 32 * 1024 * 1024;
 
 /// Copies committed WAL frames into the database file in the background,
 /// without blocking the writer (PASSIVE), so commits never pay for it; once
-/// the WAL file (`wal`) has grown past `WAL_RESTART_BYTES` it asks the
+/// the WAL file (`wal`) has grown past `restart_bytes` it asks the
 /// writer to finish (`finish`, see `writer_loop`). Stops when the store is
 /// dropped.
 async fn checkpointer(
@@ -671,6 +675,7 @@ async fn checkpointer(
     alive: mpsc::WeakSender<(Command, Reply)>,
     finish: Arc<AtomicBool>,
     wal: PathBuf,
+    restart_bytes: u64,
 ) {
     let mut tick = tokio::time::interval(CHECKPOINT_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -685,7 +690,7 @@ async fn checkpointer(
         {
             Ok(_) => {
                 let wal_bytes = std::fs::metadata(&wal).map_or(0, |m| m.len());
-                if wal_bytes >= WAL_RESTART_BYTES {
+                if wal_bytes >= restart_bytes {
                     finish.store(true, Ordering::Release);
                 }
             }
@@ -737,7 +742,7 @@ struct WriterState {
     /// Committed batches, to the syncer: their answers wait for its fsync.
     synced: mpsc::Sender<Unsynced>,
     /// Set by the background checkpointer when the WAL has grown past
-    /// `WAL_RESTART_BYTES`: the writer then finishes the checkpoint.
+    /// `SqliteOptions::wal_restart_bytes`: the writer then finishes it.
     finish_checkpoint: Arc<AtomicBool>,
 }
 
@@ -1283,6 +1288,7 @@ mod tests {
                 queue_depth: 16,
                 max_batch: 16,
                 read_connections: 1,
+                wal_restart_bytes: WAL_RESTART_BYTES,
             },
             stamper,
             Arc::new(SystemClock),
@@ -1343,5 +1349,97 @@ mod tests {
         let second = wal.as_ref().map(|(_, inode)| *inode);
         assert_ne!(first, second);
         assert_eq!(second, Some(std::fs::metadata(&path).expect("stat").ino()));
+    }
+
+    /// Under continuous writes a background checkpoint never catches up,
+    /// so without the writer finishing it the WAL never restarts and grows
+    /// with every commit. With a small restart size it stays bounded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_wal_stays_bounded_under_continuous_writes() {
+        const RESTART_BYTES: u64 = 256 * 1024;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("broker.sqlite3");
+        let wal = wal_path_of(&path);
+        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
+            &[1u8; 32],
+        )));
+        let store = SqliteStore::open(
+            SqliteOptions {
+                path,
+                queue_depth: 1024,
+                max_batch: 64,
+                read_connections: 1,
+                wal_restart_bytes: RESTART_BYTES,
+            },
+            stamper,
+            Arc::new(SystemClock),
+        )
+        .await
+        .expect("open");
+        let stop_at = std::time::Instant::now() + Duration::from_secs(3);
+        let mut writers = Vec::new();
+        for task in 0u8..16 {
+            let store = store.clone();
+            writers.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while std::time::Instant::now() < stop_at {
+                    let mut nonce = vec![task; 8];
+                    nonce.extend_from_slice(&n.to_be_bytes());
+                    let root = NewRoot {
+                        request: RequestMeta {
+                            agent: [task; 32],
+                            nonce,
+                            digest: [0u8; 32],
+                        },
+                        intent: "keep the WAL bounded".into(),
+                        task: String::new(),
+                        budget: 100,
+                        deadline_ms: i64::MAX / 2,
+                        policy: Policy {
+                            max_depth: 4,
+                            min_cumulative_trust_ppm: 0,
+                            max_children: 8,
+                            retry_headroom: true,
+                        },
+                        predicate: Predicate::default(),
+                        write_scope: Scope::default(),
+                        labels: Default::default(),
+                    };
+                    store.open_root(root).await.expect("root");
+                    n += 1;
+                }
+                n
+            }));
+        }
+        // Each restart writes a new salt into the WAL header (bytes 16..24).
+        let (mut largest_wal_bytes, mut salts) = (0, std::collections::HashSet::new());
+        while std::time::Instant::now() < stop_at {
+            if let Ok(mut file) = std::fs::File::open(&wal) {
+                use std::io::Read;
+                let size = file.metadata().map_or(0, |m| m.len());
+                largest_wal_bytes = largest_wal_bytes.max(size);
+                let mut header = [0u8; 24];
+                if file.read_exact(&mut header).is_ok() {
+                    salts.insert(header[16..24].to_vec());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut roots = 0;
+        for writer in writers {
+            roots += writer.await.expect("writer");
+        }
+        // Restarted again and again (about once per checkpoint interval)...
+        assert!(
+            salts.len() >= 4,
+            "the WAL restarted {} times ({roots} roots, largest {largest_wal_bytes} bytes)",
+            salts.len().saturating_sub(1)
+        );
+        // ...so it holds about the restart size plus one interval of
+        // writes, never everything written (over 100 MB here without it).
+        assert!(
+            largest_wal_bytes < 64 * 1024 * 1024,
+            "WAL reached {largest_wal_bytes} bytes ({roots} roots)"
+        );
     }
 }
