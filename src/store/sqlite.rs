@@ -1048,15 +1048,18 @@ async fn load_prior_requests(
 }
 
 async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx::Error> {
+    // Every statement goes to SQLite in one script: one hand-off to sqlx's
+    // worker thread per batch instead of one per statement.
+    let mut script = Script::default();
     for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(
+        script.statement(
             "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
              delegate_key, liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
              deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
              retry_headroom, issued_at_ms, status, budget, reserved, spent, open_children, \
              host_key, labels) ",
         );
-        query.push_values(chunk, |mut b, row| {
+        script.query.push_values(chunk, |mut b, row| {
             b.push_bind(row.seq)
                 .push_bind(row.id.as_slice())
                 .push_bind(row.parent.map(|(seq, _)| seq))
@@ -1084,17 +1087,14 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
                 .push_bind(row.host_key.map(|h| h.to_vec()))
                 .push_bind(row.labels_json.as_str());
         });
-        query.build().execute(&mut *conn).await?;
-        let mut query =
-            QueryBuilder::<Sqlite>::new("INSERT INTO contract_envelopes (seq, envelope) ");
-        query.push_values(chunk, |mut b, row| {
+        script.statement("INSERT INTO contract_envelopes (seq, envelope) ");
+        script.query.push_values(chunk, |mut b, row| {
             b.push_bind(row.seq).push_bind(row.envelope.as_slice());
         });
-        query.build().execute(&mut *conn).await?;
     }
     // One UPDATE for every changed earlier contract: a CASE per column.
     for chunk in plan.states.chunks(ROWS_PER_STATEMENT / 8) {
-        let mut query = QueryBuilder::<Sqlite>::new("UPDATE contracts SET ");
+        script.statement("UPDATE contracts SET ");
         type Column = fn(&(i64, Status, Ledger)) -> i64;
         let columns: [(&str, Column); 4] = [
             ("status", |(_, s, _)| i64::from(s.as_i32())),
@@ -1104,31 +1104,31 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
         ];
         for (i, (name, value)) in columns.iter().enumerate() {
             if i > 0 {
-                query.push(", ");
+                script.query.push(", ");
             }
-            query.push(*name).push(" = CASE seq");
+            script.query.push(*name).push(" = CASE seq");
             for state in chunk {
-                query
+                script
+                    .query
                     .push(" WHEN ")
                     .push_bind(state.0)
                     .push(" THEN ")
                     .push_bind(value(state));
             }
-            query.push(" END");
+            script.query.push(" END");
         }
-        query.push(" WHERE seq IN (");
-        let mut list = query.separated(", ");
+        script.query.push(" WHERE seq IN (");
+        let mut list = script.query.separated(", ");
         for state in chunk {
             list.push_bind(state.0);
         }
-        query.push(")");
-        query.build().execute(&mut *conn).await?;
+        script.query.push(")");
     }
     for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(
+        script.statement(
             "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
         );
-        query.push_values(chunk, |mut b, row| {
+        script.query.push_values(chunk, |mut b, row| {
             b.push_bind(row.seq)
                 .push_bind(row.id.as_slice())
                 .push_bind(row.kind)
@@ -1138,13 +1138,12 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
                 .push_bind(row.envelope.as_slice())
                 .push_bind(row.at_ms);
         });
-        query.build().execute(&mut *conn).await?;
     }
     for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(
+        script.statement(
             "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ",
         );
-        query.push_values(chunk, |mut b, row| {
+        script.query.push_values(chunk, |mut b, row| {
             b.push_bind(row.agent.as_slice())
                 .push_bind(row.nonce.as_slice())
                 .push_bind(row.digest.as_slice())
@@ -1152,9 +1151,30 @@ async fn write_plan(conn: &mut SqliteConnection, plan: &Plan) -> Result<(), sqlx
                 .push_bind(row.ref_id.as_slice())
                 .push_bind(row.at_ms);
         });
-        query.build().execute(&mut *conn).await?;
+    }
+    if script.statements > 0 {
+        script.query.build().execute(&mut *conn).await?;
     }
     Ok(())
+}
+
+/// Statements joined into one SQL script (separated by `;`), with their
+/// bind parameters in order.
+#[derive(Default)]
+struct Script {
+    query: QueryBuilder<Sqlite>,
+    statements: usize,
+}
+
+impl Script {
+    /// Starts the next statement with `sql`.
+    fn statement(&mut self, sql: &str) -> &mut QueryBuilder<Sqlite> {
+        if self.statements > 0 {
+            self.query.push("; ");
+        }
+        self.statements += 1;
+        self.query.push(sql)
+    }
 }
 
 const PARENT_COLUMNS: &str = "seq, id, root_seq, root_id, depth, status, delegate_key, liability, \
