@@ -40,7 +40,7 @@ pub enum Command {
 }
 
 impl Command {
-    fn request(&self) -> Option<&RequestMeta> {
+    pub fn request(&self) -> Option<&RequestMeta> {
         match self {
             Command::OpenRoot(r, _) => Some(&r.request),
             Command::Delegate(c, _) => Some(&c.request),

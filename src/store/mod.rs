@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub mod lifecycle;
+pub mod recent;
 pub mod sqlite;
 
 use std::future::Future;
