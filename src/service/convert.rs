@@ -439,6 +439,7 @@ pub mod lifecycle {
                 has_report: body.report.is_some(),
                 claim: body.claim,
                 reported_consumed,
+                prejudged: None,
             })),
         ))
     }

@@ -50,6 +50,98 @@ pub struct CompleteArgs {
     pub has_report: bool,
     pub claim: String,
     pub reported_consumed: i64,
+    /// Judged before the command reached the writer (see `JudgeInputs`);
+    /// `None` and the writer judges.
+    pub prejudged: Option<PreJudged>,
+}
+
+/// A completion judged outside the writer, so that schema validation and
+/// CEL evaluation never hold up everyone's writes.
+#[derive(Clone, Debug)]
+pub struct PreJudged {
+    /// The contract's observation count the judgment saw. Observations are
+    /// the only input of a judgment that changes after issuance (the
+    /// predicate, scope and schema are sealed in the contract), so the
+    /// writer uses the judgment only if the count is still this.
+    pub observations: i64,
+    /// When it was judged; elapsed time is measured to here.
+    pub judged_at_ms: i64,
+    pub judgment: judge::Judgment,
+}
+
+/// Everything judging a completion of one contract reads from the store,
+/// loaded on a read connection.
+pub struct JudgeInputs {
+    observations: i64,
+    effective_predicate: String,
+    write_scope: Scope,
+    result_schema_json: String,
+    observed: judge::Observed,
+}
+
+impl JudgeInputs {
+    /// Loads the inputs for judging a completion of `id` at `now_ms`;
+    /// `None` if there is no such contract or it can no longer complete.
+    pub async fn load(
+        conn: &mut SqliteConnection,
+        id: &Id,
+        now_ms: i64,
+    ) -> Result<Option<Self>, sqlx::Error> {
+        let Some(target) = load(conn, id).await? else {
+            return Ok(None);
+        };
+        if !target.status.is_open() {
+            return Ok(None);
+        }
+        let observed = observed(conn, &target, now_ms).await?;
+        Ok(Some(Self {
+            observations: target.observations,
+            effective_predicate: target.effective_predicate,
+            write_scope: target.write_scope,
+            result_schema_json: target.contract.result_schema_json,
+            observed,
+        }))
+    }
+
+    /// Judges `args` (CPU only: run it off the async workers).
+    pub fn judge(&self, args: &CompleteArgs, judged_at_ms: i64) -> PreJudged {
+        PreJudged {
+            observations: self.observations,
+            judged_at_ms,
+            judgment: judge_completion(
+                &self.effective_predicate,
+                &self.write_scope,
+                &self.result_schema_json,
+                args,
+                &self.observed,
+            ),
+        }
+    }
+}
+
+/// The one place a completion is judged, before or on the writer.
+fn judge_completion(
+    effective_predicate: &str,
+    write_scope: &Scope,
+    result_schema_json: &str,
+    args: &CompleteArgs,
+    observed: &judge::Observed,
+) -> judge::Judgment {
+    // The schema compiled at issuance; one that no longer parses cannot
+    // vouch for the output (the judge reports it as not valid).
+    let schema: Option<serde_json::Value> = if result_schema_json.is_empty() {
+        None
+    } else {
+        serde_json::from_str(result_schema_json).ok()
+    };
+    let completion = judge::Completion {
+        output: args.output.clone(),
+        claim: args.claim.clone(),
+        reported_consumed: args.reported_consumed,
+        has_report: args.has_report,
+        schema: schema.as_ref(),
+    };
+    judge::judge(effective_predicate, write_scope, &completion, observed)
 }
 
 /// One validated host observation.
@@ -717,26 +809,23 @@ pub async fn apply(
             {
                 return refused(lifecycle_error(&e));
             }
-            let observed = observed(conn, &target, now_ms).await?;
-            let schema: Option<serde_json::Value> = if target.contract.result_schema_json.is_empty()
-            {
-                None
-            } else {
-                serde_json::from_str(&target.contract.result_schema_json).ok()
+            // Judged off the writer unless a host observation arrived since.
+            let (judgment, judged_at_ms) = match &args.prejudged {
+                Some(pre) if pre.observations == target.observations => {
+                    (pre.judgment.clone(), pre.judged_at_ms)
+                }
+                _ => {
+                    let observed = observed(conn, &target, now_ms).await?;
+                    let judgment = judge_completion(
+                        &target.effective_predicate,
+                        &target.write_scope,
+                        &target.contract.result_schema_json,
+                        args,
+                        &observed,
+                    );
+                    (judgment, now_ms)
+                }
             };
-            let completion = judge::Completion {
-                output: args.output.clone(),
-                claim: args.claim.clone(),
-                reported_consumed: args.reported_consumed,
-                has_report: args.has_report,
-                schema: schema.as_ref(),
-            };
-            let judgment = judge::judge(
-                &target.effective_predicate,
-                &target.write_scope,
-                &completion,
-                &observed,
-            );
             let ended = match model.tree.complete(model.target, judgment.consumed, now_ms) {
                 Ok(ended) => ended,
                 Err(e) => {
@@ -783,7 +872,7 @@ pub async fn apply(
                         depth: target.contract.depth,
                         chain: lineage.iter().map(|(id, _)| id.to_vec()).collect(),
                     }),
-                    elapsed_ms: now_ms.saturating_sub(target.issued_at_ms),
+                    elapsed_ms: judged_at_ms.saturating_sub(target.issued_at_ms),
                 }),
                 ..Default::default()
             };

@@ -44,6 +44,7 @@ use std::collections::HashMap;
 use sqlx::{QueryBuilder, Sqlite};
 
 use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey, Speculation};
+use super::lifecycle::{Action, CompleteArgs, JudgeInputs, LifecycleCommand};
 use super::recent::{MAX_RECENT_REQUESTS, RecentRequests};
 use super::{
     Answer, AuditFacts, ContractRecord, Event, Outcome, RunFacts, Store, StoreError, TreeMutations,
@@ -90,6 +91,8 @@ pub struct SqliteStore {
     clock: Arc<dyn Clock>,
     /// Which commits are durable; every read waits on it.
     durability: Durability,
+    /// Bounds completions being judged at once (see `prejudge`).
+    judges: Arc<tokio::sync::Semaphore>,
 }
 
 /// Commit numbers: the writer takes the next one just before each COMMIT,
@@ -247,6 +250,7 @@ impl SqliteStore {
             stamper,
             clock,
             durability: Durability { committed, durable },
+            judges: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_JUDGMENTS)),
         })
     }
 
@@ -265,6 +269,53 @@ impl SqliteStore {
             .stamper
             .child(&contract, &root_id, child, &terms, now_ms);
         Some(Box::new(Speculation { terms, stamped }))
+    }
+
+    /// Judges a completion before it reaches the writer, on a thread of its
+    /// own (CEL recurses: it needs the writer's deep stack), at most
+    /// `MAX_CONCURRENT_JUDGMENTS` at a time. Any failure here only leaves
+    /// the judging to the writer.
+    async fn prejudge(&self, contract_id: &Id, args: Box<CompleteArgs>) -> Box<CompleteArgs> {
+        let Ok(_permit) = self.judges.acquire().await else {
+            return args;
+        };
+        let now_ms = self.clock.now_ms();
+        let inputs = match self.reader.acquire().await {
+            Ok(mut conn) => JudgeInputs::load(&mut conn, contract_id, now_ms).await,
+            Err(e) => Err(e),
+        };
+        let inputs = match inputs {
+            Ok(Some(inputs)) => inputs,
+            Ok(None) => return args,
+            Err(e) => {
+                tracing::warn!(error = %e, "loading a completion's judge inputs; the writer judges it");
+                return args;
+            }
+        };
+        let shared: Arc<CompleteArgs> = Arc::from(args);
+        let for_judge = shared.clone();
+        let (done, judged) = oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name("store-judge".into())
+            .stack_size(WRITER_STACK_BYTES)
+            .spawn(move || {
+                let prejudged = inputs.judge(&for_judge, now_ms);
+                // Released before answering, so the caller's unwrap below
+                // finds the only reference.
+                drop(for_judge);
+                let _ = done.send(prejudged);
+            });
+        let prejudged = match spawned {
+            Ok(_) => judged.await.ok(),
+            Err(e) => {
+                tracing::warn!(error = %e, "starting a judge thread; the writer judges");
+                None
+            }
+        };
+        let mut args =
+            Arc::try_unwrap(shared).unwrap_or_else(|still_shared| (*still_shared).clone());
+        args.prejudged = prejudged;
+        Box::new(args)
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
@@ -294,11 +345,22 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn transition(
-        &self,
-        command: super::lifecycle::LifecycleCommand,
-    ) -> Result<Answer, StoreError> {
-        self.submit(Command::Lifecycle(Box::new(command))).await
+    async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
+        let LifecycleCommand {
+            request,
+            contract_id,
+            action,
+        } = command;
+        let action = match action {
+            Action::Complete(args) => Action::Complete(self.prejudge(&contract_id, args).await),
+            other => other,
+        };
+        self.submit(Command::Lifecycle(Box::new(LifecycleCommand {
+            request,
+            contract_id,
+            action,
+        })))
+        .await
     }
 
     async fn events(
@@ -646,6 +708,10 @@ fn record_from_row(row: &SqliteRow) -> Result<ContractRecord, StoreError> {
 
 /// Stack of the writer thread (see where it is spawned).
 const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
+/// Completions judged at once off the writer: judging is CPU-bound, so
+/// more than a few only queue for the same cores; the rest wait for a
+/// permit (each request still has its deadline).
+const MAX_CONCURRENT_JUDGMENTS: usize = 4;
 
 /// Most contracts the writer keeps in memory between batches; beyond it the
 /// cache is dropped and reloaded on demand.
@@ -1549,7 +1615,7 @@ mod tests {
                 retry_headroom: true,
             },
             predicate: Predicate::default(),
-            write_scope: Scope::default(),
+            write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),
             labels: Default::default(),
         }
     }
@@ -1655,6 +1721,186 @@ mod tests {
             .await
             .expect("count");
         assert_eq!(contracts, 2, "the retries issued nothing");
+    }
+
+    fn meta(agent: u8, nonce: u8) -> RequestMeta {
+        RequestMeta {
+            agent: [agent; 32],
+            nonce: vec![nonce; 16],
+            digest: [nonce; 32],
+        }
+    }
+
+    /// A child of `parent` for delegate `[delegate; 32]`, asked by agent
+    /// `[asker; 32]`, that must keep to `src/` and is judged by `predicate`.
+    fn test_child(asker: u8, nonce: u8, parent_id: Id, delegate: u8, predicate: &str) -> NewChild {
+        NewChild {
+            request: meta(asker, nonce),
+            parent_id,
+            ask: crate::core::ChildAsk {
+                requester: [asker; 32],
+                intent_lineage_hash: crate::crypto::sha256(b"answer once"),
+                budget: 10,
+                deadline_ms: None,
+                liability: Liability::Principal,
+                predicate: Predicate::parse(predicate, "predicate").expect("predicate"),
+                escalation_channel: String::new(),
+                min_retry_cost: 0,
+                min_retry_latency_ms: 0,
+                write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),
+                factor_ppm: 1_000_000,
+                factor_note: String::new(),
+            },
+            task: String::new(),
+            delegate_key: [delegate; 32],
+            trust: crate::stamp::HopTrust {
+                source: pb::TrustSource::StaticTable,
+                attestation_digest: None,
+                risk_class: String::new(),
+            },
+            host: None,
+            result_schema_json: String::new(),
+        }
+    }
+
+    fn issued(answer: Result<Answer, StoreError>) -> Id {
+        match answer.expect("answered").outcome {
+            Outcome::Issued { id, .. } => id,
+            Outcome::Receipt { envelope, .. } => panic!(
+                "refused: {:?}",
+                pb::Receipt::decode(envelope.payload.as_slice())
+            ),
+        }
+    }
+
+    fn receipt(answer: Result<Answer, StoreError>) -> pb::Receipt {
+        match answer.expect("answered").outcome {
+            Outcome::Receipt { envelope, .. } => {
+                pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt")
+            }
+            Outcome::Issued { .. } => panic!("a lifecycle call answers with a receipt"),
+        }
+    }
+
+    /// Completions are judged before they reach the writer. The writer
+    /// trusts such a judgment only while the contract's observations are
+    /// the ones it saw: one recorded in between (here a write outside the
+    /// scope) makes the writer judge again, on what the host reported.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_judgment_made_before_an_observation_is_made_again() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
+            &[1u8; 32],
+        )));
+        let clock = Arc::new(SystemClock);
+        let store = SqliteStore::open(
+            test_options(dir.path().join("broker.sqlite3")),
+            stamper,
+            clock.clone(),
+        )
+        .await
+        .expect("open");
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let (delegate, host) = (20u8, 30u8);
+        let mut verdicts = Vec::new();
+        // (observe before completing, tamper with the early judgment)
+        for (i, (observe_first, tamper)) in [(false, false), (true, false), (false, true)]
+            .into_iter()
+            .enumerate()
+        {
+            let i = u8::try_from(i).expect("three cases");
+            let child = issued(
+                store
+                    .delegate(test_child(9, 10 + i, root, delegate, "result.within_scope"))
+                    .await,
+            );
+            let transition = |nonce: u8, agent: u8, action: Action| {
+                Command::Lifecycle(Box::new(LifecycleCommand {
+                    request: Some(meta(agent, nonce)),
+                    contract_id: child,
+                    action,
+                }))
+            };
+            let accepted = receipt(
+                store
+                    .submit(transition(
+                        20 + i,
+                        delegate,
+                        Action::Accept {
+                            host: Some([host; 32]),
+                        },
+                    ))
+                    .await,
+            );
+            assert_eq!(accepted.kind, pb::ReceiptKind::Accepted as i32);
+            let mut args = CompleteArgs {
+                output_json: "{}".into(),
+                output: serde_json::json!({}),
+                has_report: false,
+                claim: "done".into(),
+                reported_consumed: 1,
+                prejudged: None,
+            };
+            let inputs = {
+                let mut conn = store.reader.acquire().await.expect("reader");
+                JudgeInputs::load(&mut conn, &child, clock.now_ms())
+                    .await
+                    .expect("inputs")
+                    .expect("open contract")
+            };
+            let mut before = inputs.judge(&args, clock.now_ms());
+            assert_eq!(
+                before.judgment.verdict,
+                crate::core::judge::Verdict::Accepted
+            );
+            if tamper {
+                // Shows which judgment the writer used.
+                before.judgment.verdict = crate::core::judge::Verdict::Rejected;
+            }
+            args.prejudged = Some(before);
+            if observe_first {
+                let observation = super::super::lifecycle::ObservationIn {
+                    kind: pb::ObservationKind::Mutation,
+                    path: "etc/passwd".into(),
+                    tool: "shell".into(),
+                    units: 0,
+                    at_ms: clock.now_ms(),
+                };
+                let recorded = receipt(
+                    store
+                        .submit(transition(
+                            30 + i,
+                            host,
+                            Action::Record {
+                                observations: vec![observation],
+                            },
+                        ))
+                        .await,
+                );
+                assert_eq!(recorded.kind, pb::ReceiptKind::Observed as i32);
+            }
+            let completed = receipt(
+                store
+                    .submit(transition(
+                        40 + i,
+                        delegate,
+                        Action::Complete(Box::new(args)),
+                    ))
+                    .await,
+            );
+            let completion = completed.completion.expect("completion");
+            verdicts.push((completion.verdict, completion.within_scope));
+        }
+        assert_eq!(
+            verdicts,
+            [
+                (crate::core::judge::Verdict::Accepted.as_i32(), true),
+                (crate::core::judge::Verdict::Rejected.as_i32(), false),
+                (crate::core::judge::Verdict::Rejected.as_i32(), true),
+            ],
+            "a new observation: judged again; unchanged observations: the \
+             judgment made before is used (the writer does not judge again)"
+        );
     }
 
     /// The syncer must never fsync a file SQLite no longer writes: a
