@@ -16,7 +16,47 @@ pub struct Config {
     /// Holds the broker's signing key and the SQLite database.
     pub data_dir: PathBuf,
     pub trust: TrustConfig,
+    /// Who may open roots, and with how much budget.
+    pub orchestrators: Orchestrators,
     pub limits: Limits,
+}
+
+/// The keys allowed to open roots, each with the largest budget one root
+/// may carry. Roots are where budget enters the system: without this list
+/// any key could mint any budget. Empty means open to every key (a
+/// development setup; the server logs a warning at start).
+#[derive(Clone, Debug, Default)]
+pub struct Orchestrators {
+    /// Public key → most budget units one root may carry.
+    pub max_root_budget: HashMap<[u8; 32], i64>,
+}
+
+/// Why an orchestrator may not open a root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RootDenied {
+    /// The key is not on the list.
+    NotListed,
+    /// The budget exceeds the key's allowance.
+    OverAllowance { allowed: i64 },
+}
+
+impl Orchestrators {
+    /// Whether every key may open roots of any budget.
+    pub fn is_open(&self) -> bool {
+        self.max_root_budget.is_empty()
+    }
+
+    /// May `key` open a root with `budget`?
+    pub fn admit(&self, key: &[u8; 32], budget: i64) -> Result<(), RootDenied> {
+        if self.is_open() {
+            return Ok(());
+        }
+        match self.max_root_budget.get(key) {
+            None => Err(RootDenied::NotListed),
+            Some(&allowed) if budget > allowed => Err(RootDenied::OverAllowance { allowed }),
+            Some(_) => Ok(()),
+        }
+    }
 }
 
 /// Sources of trust factors for delegates.
@@ -98,6 +138,8 @@ pub enum ConfigError {
 #[serde(default, deny_unknown_fields)]
 struct FileConfig {
     trust: FileTrust,
+    /// Hex-encoded orchestrator public key → most budget one root may carry.
+    orchestrators: HashMap<String, i64>,
     limits: Limits,
 }
 
@@ -155,12 +197,25 @@ impl Config {
                 .ok_or_else(|| invalid(&field, "factor must be in (0, 1]"))?;
             static_factors_ppm.insert(key.to_bytes(), ppm);
         }
+        let mut max_root_budget = HashMap::new();
+        for (orchestrator, budget) in &file.orchestrators {
+            let field = format!("orchestrators.{orchestrator}");
+            let key = parse_public_key(orchestrator, &field)?;
+            if *budget <= 0 {
+                return Err(invalid(
+                    &field,
+                    "the root budget allowance must be positive",
+                ));
+            }
+            max_root_budget.insert(key.to_bytes(), *budget);
+        }
         let config = Self {
             data_dir,
             trust: TrustConfig {
                 attestors,
                 static_factors_ppm,
             },
+            orchestrators: Orchestrators { max_root_budget },
             limits: file.limits,
         };
         config.validate()?;
@@ -206,5 +261,48 @@ impl Config {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("broker.toml");
+        std::fs::write(&path, text).expect("write");
+        Config::load(dir.path().to_owned(), Some(&path))
+    }
+
+    #[test]
+    fn orchestrators_are_read_and_checked() {
+        let signing = ed25519_dalek::SigningKey::from_bytes(&[7u8; 32]);
+        let key = hex::encode(signing.verifying_key().to_bytes());
+        let config = load(&format!("[orchestrators]\n\"{key}\" = 500\n")).expect("valid");
+        let listed: [u8; 32] = hex::decode(&key)
+            .expect("hex")
+            .try_into()
+            .expect("32 bytes");
+        assert_eq!(config.orchestrators.admit(&listed, 500), Ok(()));
+        assert_eq!(
+            config.orchestrators.admit(&listed, 501),
+            Err(RootDenied::OverAllowance { allowed: 500 })
+        );
+        assert_eq!(
+            config.orchestrators.admit(&[9u8; 32], 1),
+            Err(RootDenied::NotListed)
+        );
+        assert!(load("").expect("empty").orchestrators.is_open());
+        match load(&format!("[orchestrators]\n\"{key}\" = 0\n")) {
+            Err(ConfigError::Invalid { field, .. }) => {
+                assert_eq!(field, format!("orchestrators.{key}"));
+            }
+            other => panic!("a zero allowance must be refused: {other:?}"),
+        }
+        match load("[orchestrators]\n\"not-hex\" = 5\n") {
+            Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "orchestrators.not-hex"),
+            other => panic!("a bad key must be refused: {other:?}"),
+        }
     }
 }

@@ -51,6 +51,11 @@ pub async fn run_with_clock(
     clock: Arc<dyn Clock>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServerError> {
+    if config.orchestrators.is_open() {
+        tracing::warn!(
+            "no [orchestrators] in the configuration: any key may open roots with any budget"
+        );
+    }
     let data_dir = config.data_dir.clone();
     let keyring = tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
         .await

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use crate::clock::Clock;
-use crate::config::Config;
+use crate::config::{Config, RootDenied};
 use crate::core::InputError;
 use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
 use crate::pb;
@@ -124,6 +124,22 @@ impl<S: Store> BrokerService<S> {
             });
         }
         let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
+        self.config
+            .orchestrators
+            .admit(&root.request.agent, root.budget)
+            .map_err(|denied| match denied {
+                RootDenied::NotListed => ServiceError::PermissionDenied {
+                    reason: "NOT_AN_ORCHESTRATOR",
+                    detail: "this key may not open roots (it is not under [orchestrators] in the broker's configuration)".into(),
+                },
+                RootDenied::OverAllowance { allowed } => ServiceError::PermissionDenied {
+                    reason: "ROOT_BUDGET_OVER_ALLOWANCE",
+                    detail: format!(
+                        "body.budget {} exceeds this orchestrator's allowance of {allowed} per root",
+                        root.budget
+                    ),
+                },
+            })?;
         let answer = self.store.open_root(root).await?;
         Ok(pb::OpenRootResponse {
             replayed: answer.replayed,

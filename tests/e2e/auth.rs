@@ -154,3 +154,66 @@ async fn open_root_is_idempotent_too() {
     assert_eq!(first.issued, again.issued);
     broker.stop().await;
 }
+
+/// With `[orchestrators]` configured, only listed keys open roots, each up
+/// to its allowance; nothing else reaches the store.
+#[tokio::test]
+async fn only_listed_orchestrators_open_roots_within_their_allowance() {
+    let (listed, stranger) = (Agent::generate(), Agent::generate());
+    let listed_key = listed.public_key();
+    let mut broker = Broker::start_with(|config| {
+        config
+            .orchestrators
+            .max_root_budget
+            .insert(listed_key, 1_000);
+    })
+    .await;
+    let at_allowance = broker
+        .open_root(
+            &listed,
+            RootSpec {
+                budget: 1_000,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    assert_eq!(broker.ledger(&at_allowance.id).await.budget, 1_000);
+
+    let over = RootSpec {
+        budget: 1_001,
+        ..RootSpec::default()
+    };
+    let err = broker
+        .client
+        .open_root(listed.open_root(over.body()))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Status::PermissionDenied, "ROOT_BUDGET_OVER_ALLOWANCE")
+    );
+    assert!(
+        err.message().contains("body.budget 1001"),
+        "{}",
+        err.message()
+    );
+
+    let err = broker
+        .client
+        .open_root(stranger.open_root(RootSpec::default().body()))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Status::PermissionDenied, "NOT_AN_ORCHESTRATOR")
+    );
+    // The refused roots left nothing behind: the only root is the first.
+    let audits = broker
+        .client
+        .aggregate_audits(pb::AggregateAuditsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let runs: u64 = audits.groups.iter().map(|g| g.runs).sum();
+    assert_eq!(runs, 1, "{audits:?}");
+}

@@ -129,6 +129,9 @@ class BrokerServicer:
     def OpenRoot(self, request, context):
         """Opens a root contract: the orchestrator's intent, budget, deadline and
         the policy of the whole tree. The signer becomes the root's holder.
+        When the broker lists its orchestrators, other keys get
+        PERMISSION_DENIED (reason NOT_AN_ORCHESTRATOR), and a budget above the
+        key's allowance PERMISSION_DENIED (ROOT_BUDGET_OVER_ALLOWANCE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
