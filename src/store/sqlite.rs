@@ -455,10 +455,12 @@ impl Store for SqliteStore {
                 .fetch_all(&mut *conn)
                 .await
                 .map_err(backend)?;
+            // One observation query per tree, not one per contract.
+            let mut observed = tree_observations(&mut conn, root_seq).await?;
             let mut contracts = Vec::with_capacity(rows.len());
             for row in &rows {
                 let (mut facts, seq, _) = audit_row(row)?;
-                facts.observations = observations_of(&mut conn, seq).await?;
+                facts.observations = observed.remove(&seq).unwrap_or_default();
                 contracts.push(facts);
             }
             let receipts = sqlx::query(
@@ -635,6 +637,34 @@ async fn observations_of(
             ))
         })
         .collect()
+}
+
+/// Every observation (kind, path) of a tree's contracts, by contract
+/// sequence number, each in recording order.
+async fn tree_observations(
+    conn: &mut SqliteConnection,
+    root_seq: i64,
+) -> Result<HashMap<i64, Vec<(i32, String)>>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT o.contract_seq, o.kind, o.path FROM observations o \
+         JOIN contracts c ON c.seq = o.contract_seq WHERE c.root_seq = $1 ORDER BY o.seq",
+    )
+    .bind(root_seq)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(backend)?;
+    let mut by_contract: HashMap<i64, Vec<(i32, String)>> = HashMap::new();
+    for row in &rows {
+        let kind: i64 = row.try_get("kind").map_err(backend)?;
+        by_contract
+            .entry(row.try_get("contract_seq").map_err(backend)?)
+            .or_default()
+            .push((
+                i32::try_from(kind).unwrap_or_default(),
+                row.try_get("path").map_err(backend)?,
+            ));
+    }
+    Ok(by_contract)
 }
 
 /// Every (contract id, mutated path) of a tree.
