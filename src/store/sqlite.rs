@@ -1577,19 +1577,9 @@ mod tests {
         let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
             &[1u8; 32],
         )));
-        let store = SqliteStore::open(
-            SqliteOptions {
-                path,
-                queue_depth: 16,
-                max_batch: 16,
-                read_connections: 1,
-                wal_restart_bytes: WAL_RESTART_BYTES,
-            },
-            stamper,
-            Arc::new(SystemClock),
-        )
-        .await
-        .expect("open migrates");
+        let store = SqliteStore::open(test_options(path), stamper, Arc::new(SystemClock))
+            .await
+            .expect("open migrates");
         let record = store.contract(id).await.expect("read").expect("kept");
         assert_eq!(record.envelope, envelope);
         assert_eq!(record.ledger.budget, 100);
@@ -1707,30 +1697,7 @@ mod tests {
                 digest: [4u8; 32],
                 ..other.clone()
             },
-            parent_id: [0xEE; 32],
-            ask: crate::core::ChildAsk {
-                requester: request.agent,
-                intent_lineage_hash: [0u8; 32],
-                budget: 1,
-                deadline_ms: None,
-                liability: Liability::Principal,
-                predicate: Predicate::default(),
-                escalation_channel: String::new(),
-                min_retry_cost: 0,
-                min_retry_latency_ms: 0,
-                write_scope: Scope::default(),
-                factor_ppm: 1_000_000,
-                factor_note: String::new(),
-            },
-            task: String::new(),
-            delegate_key: [8u8; 32],
-            trust: crate::stamp::HopTrust {
-                source: pb::TrustSource::StaticTable,
-                attestation_digest: None,
-                risk_class: String::new(),
-            },
-            host: None,
-            result_schema_json: String::new(),
+            ..test_child(9, 6, [0xEE; 32], 8, "true")
         };
         assert!(matches!(
             store.delegate(orphan).await,
@@ -1992,26 +1959,11 @@ mod tests {
                 while std::time::Instant::now() < stop_at {
                     let mut nonce = vec![task; 8];
                     nonce.extend_from_slice(&n.to_be_bytes());
-                    let root = NewRoot {
-                        request: RequestMeta {
-                            agent: [task; 32],
-                            nonce,
-                            digest: [0u8; 32],
-                        },
-                        intent: "keep the WAL bounded".into(),
-                        task: String::new(),
-                        budget: 100,
-                        deadline_ms: i64::MAX / 2,
-                        policy: Policy {
-                            max_depth: 4,
-                            min_cumulative_trust_ppm: 0,
-                            max_children: 8,
-                            retry_headroom: true,
-                        },
-                        predicate: Predicate::default(),
-                        write_scope: Scope::default(),
-                        labels: Default::default(),
-                    };
+                    let root = test_root(RequestMeta {
+                        agent: [task; 32],
+                        nonce,
+                        digest: [0u8; 32],
+                    });
                     store.open_root(root).await.expect("root");
                     n += 1;
                 }
