@@ -195,7 +195,12 @@ impl Config {
             let key = parse_public_key(agent, &field)?;
             let ppm = trust::factor_to_ppm(*factor)
                 .ok_or_else(|| invalid(&field, "factor must be in (0, 1]"))?;
-            static_factors_ppm.insert(key.to_bytes(), ppm);
+            if static_factors_ppm.insert(key.to_bytes(), ppm).is_some() {
+                return Err(invalid(
+                    &field,
+                    "this key is listed twice (spelled differently)",
+                ));
+            }
         }
         let mut max_root_budget = HashMap::new();
         for (orchestrator, budget) in &file.orchestrators {
@@ -207,7 +212,12 @@ impl Config {
                     "the root budget allowance must be positive",
                 ));
             }
-            max_root_budget.insert(key.to_bytes(), *budget);
+            if max_root_budget.insert(key.to_bytes(), *budget).is_some() {
+                return Err(invalid(
+                    &field,
+                    "this key is listed twice (spelled differently)",
+                ));
+            }
         }
         let config = Self {
             data_dir,
@@ -299,6 +309,15 @@ mod tests {
                 assert_eq!(field, format!("orchestrators.{key}"));
             }
             other => panic!("a zero allowance must be refused: {other:?}"),
+        }
+        let upper = key.to_uppercase();
+        match load(&format!(
+            "[orchestrators]\n\"{key}\" = 5\n\"{upper}\" = 6\n"
+        )) {
+            Err(ConfigError::Invalid { reason, .. }) => {
+                assert!(reason.contains("twice"), "{reason}")
+            }
+            other => panic!("one key listed twice must be refused: {other:?}"),
         }
         match load("[orchestrators]\n\"not-hex\" = 5\n") {
             Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "orchestrators.not-hex"),

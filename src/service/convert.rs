@@ -439,6 +439,8 @@ pub mod lifecycle {
                 has_report: body.report.is_some(),
                 claim: body.claim,
                 reported_consumed,
+                // Set by the store when it takes the command.
+                received_at_ms: None,
                 prejudged: None,
             })),
         ))

@@ -124,10 +124,20 @@ impl<S: Store> BrokerService<S> {
             });
         }
         let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
-        self.config
+        if let Err(denied) = self
+            .config
             .orchestrators
             .admit(&root.request.agent, root.budget)
-            .map_err(|denied| match denied {
+        {
+            // A retry of a root admitted before the list changed still
+            // gets its answer: one request, one answer.
+            if let Some(answer) = self.store.replay(&root.request).await? {
+                return Ok(pb::OpenRootResponse {
+                    replayed: answer.replayed,
+                    issued: Some(issued(answer.outcome)?),
+                });
+            }
+            return Err(match denied {
                 RootDenied::NotListed => ServiceError::PermissionDenied {
                     reason: "NOT_AN_ORCHESTRATOR",
                     detail: "this key may not open roots (it is not under [orchestrators] in the broker's configuration)".into(),
@@ -139,7 +149,8 @@ impl<S: Store> BrokerService<S> {
                         root.budget
                     ),
                 },
-            })?;
+            });
+        }
         let answer = self.store.open_root(root).await?;
         Ok(pb::OpenRootResponse {
             replayed: answer.replayed,

@@ -50,6 +50,11 @@ pub struct CompleteArgs {
     pub has_report: bool,
     pub claim: String,
     pub reported_consumed: i64,
+    /// When the broker received the completion: `result.elapsed_ms` is
+    /// measured to here, wherever and whenever it is judged (queueing in
+    /// the broker does not count against the delegate). `None`: when the
+    /// writer handles it.
+    pub received_at_ms: Option<i64>,
     /// Judged before the command reached the writer (see `JudgeInputs`);
     /// `None` and the writer judges.
     pub prejudged: Option<PreJudged>,
@@ -61,11 +66,10 @@ pub struct CompleteArgs {
 pub struct PreJudged {
     /// The contract's observation count the judgment saw. Observations are
     /// the only input of a judgment that changes after issuance (the
-    /// predicate, scope and schema are sealed in the contract), so the
-    /// writer uses the judgment only if the count is still this.
+    /// predicate, scope and schema are sealed in the contract, and elapsed
+    /// time is measured to `CompleteArgs::received_at_ms`), so the writer
+    /// uses the judgment only if the count is still this.
     pub observations: i64,
-    /// When it was judged; elapsed time is measured to here.
-    pub judged_at_ms: i64,
     pub judgment: judge::Judgment,
 }
 
@@ -80,20 +84,26 @@ pub struct JudgeInputs {
 }
 
 impl JudgeInputs {
-    /// Loads the inputs for judging a completion of `id` at `now_ms`;
-    /// `None` if there is no such contract or it can no longer complete.
+    /// Loads the inputs for judging `signer`'s completion of `id`, received
+    /// at `received_at_ms`; `None` unless the contract exists, is open, is
+    /// not overdue and `signer` is its delegate — anything else the writer
+    /// refuses without judging, so nobody else can make the broker judge.
     pub async fn load(
         conn: &mut SqliteConnection,
         id: &Id,
-        now_ms: i64,
+        signer: &AgentKey,
+        received_at_ms: i64,
     ) -> Result<Option<Self>, sqlx::Error> {
         let Some(target) = load(conn, id).await? else {
             return Ok(None);
         };
-        if !target.status.is_open() {
+        if !target.status.is_open()
+            || target.delegate_key != *signer
+            || received_at_ms >= target.deadline_ms
+        {
             return Ok(None);
         }
-        let observed = observed(conn, &target, now_ms).await?;
+        let observed = observed(conn, &target, received_at_ms).await?;
         Ok(Some(Self {
             observations: target.observations,
             effective_predicate: target.effective_predicate,
@@ -104,10 +114,9 @@ impl JudgeInputs {
     }
 
     /// Judges `args` (CPU only: run it off the async workers).
-    pub fn judge(&self, args: &CompleteArgs, judged_at_ms: i64) -> PreJudged {
+    pub fn judge(&self, args: &CompleteArgs) -> PreJudged {
         PreJudged {
             observations: self.observations,
-            judged_at_ms,
             judgment: judge_completion(
                 &self.effective_predicate,
                 &self.write_scope,
@@ -810,20 +819,18 @@ pub async fn apply(
                 return refused(lifecycle_error(&e));
             }
             // Judged off the writer unless a host observation arrived since.
-            let (judgment, judged_at_ms) = match &args.prejudged {
-                Some(pre) if pre.observations == target.observations => {
-                    (pre.judgment.clone(), pre.judged_at_ms)
-                }
+            let received_at_ms = args.received_at_ms.unwrap_or(now_ms);
+            let judgment = match &args.prejudged {
+                Some(pre) if pre.observations == target.observations => pre.judgment.clone(),
                 _ => {
-                    let observed = observed(conn, &target, now_ms).await?;
-                    let judgment = judge_completion(
+                    let observed = observed(conn, &target, received_at_ms).await?;
+                    judge_completion(
                         &target.effective_predicate,
                         &target.write_scope,
                         &target.contract.result_schema_json,
                         args,
                         &observed,
-                    );
-                    (judgment, now_ms)
+                    )
                 }
             };
             let ended = match model.tree.complete(model.target, judgment.consumed, now_ms) {
@@ -872,7 +879,7 @@ pub async fn apply(
                         depth: target.contract.depth,
                         chain: lineage.iter().map(|(id, _)| id.to_vec()).collect(),
                     }),
-                    elapsed_ms: judged_at_ms.saturating_sub(target.issued_at_ms),
+                    elapsed_ms: received_at_ms.saturating_sub(target.issued_at_ms),
                 }),
                 ..Default::default()
             };

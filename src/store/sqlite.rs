@@ -273,15 +273,25 @@ impl SqliteStore {
 
     /// Judges a completion before it reaches the writer, on a thread of its
     /// own (CEL recurses: it needs the writer's deep stack), at most
-    /// `MAX_CONCURRENT_JUDGMENTS` at a time. Any failure here only leaves
-    /// the judging to the writer.
-    async fn prejudge(&self, contract_id: &Id, args: Box<CompleteArgs>) -> Box<CompleteArgs> {
-        let Ok(_permit) = self.judges.acquire().await else {
+    /// `MAX_CONCURRENT_JUDGMENTS` at a time — the permit travels with the
+    /// thread, so a caller that goes away does not free it early. Only the
+    /// contract's delegate gets a judgment here (see `JudgeInputs::load`).
+    /// Any failure only leaves the judging to the writer.
+    async fn prejudge(
+        &self,
+        contract_id: &Id,
+        signer: Option<&AgentKey>,
+        mut args: Box<CompleteArgs>,
+    ) -> Box<CompleteArgs> {
+        let received_at_ms = *args.received_at_ms.get_or_insert(self.clock.now_ms());
+        let Some(signer) = signer else {
             return args;
         };
-        let now_ms = self.clock.now_ms();
+        let Ok(permit) = self.judges.clone().acquire_owned().await else {
+            return args;
+        };
         let inputs = match self.reader.acquire().await {
-            Ok(mut conn) => JudgeInputs::load(&mut conn, contract_id, now_ms).await,
+            Ok(mut conn) => JudgeInputs::load(&mut conn, contract_id, signer, received_at_ms).await,
             Err(e) => Err(e),
         };
         let inputs = match inputs {
@@ -299,10 +309,11 @@ impl SqliteStore {
             .name("store-judge".into())
             .stack_size(WRITER_STACK_BYTES)
             .spawn(move || {
-                let prejudged = inputs.judge(&for_judge, now_ms);
+                let prejudged = inputs.judge(&for_judge);
                 // Released before answering, so the caller's unwrap below
                 // finds the only reference.
                 drop(for_judge);
+                drop(permit);
                 let _ = done.send(prejudged);
             });
         let prejudged = match spawned {
@@ -352,7 +363,10 @@ impl Store for SqliteStore {
             action,
         } = command;
         let action = match action {
-            Action::Complete(args) => Action::Complete(self.prejudge(&contract_id, args).await),
+            Action::Complete(args) => {
+                let signer = request.as_ref().map(|r| &r.agent);
+                Action::Complete(self.prejudge(&contract_id, signer, args).await)
+            }
             other => other,
         };
         self.submit(Command::Lifecycle(Box::new(LifecycleCommand {
@@ -806,9 +820,18 @@ async fn checkpointer(
         if done.wal_frames.saturating_mul(page_bytes) < restart_bytes {
             continue;
         }
+        // Asked after the drain, or after MAX_DRAIN_ROUNDS if the writer
+        // outpaces every round (a bounded WAL is worth one longer stall);
+        // not if a round failed or was busy: the next tick tries again.
+        let mut ask = true;
         for _ in 0..MAX_DRAIN_ROUNDS {
+            if alive.upgrade().is_none() {
+                ask = false;
+                break;
+            }
             let copied_before = done.copied_frames;
             let Some(next) = checkpoint(&mut conn).await else {
+                ask = false;
                 break;
             };
             done = next;
@@ -816,7 +839,9 @@ async fn checkpointer(
                 break;
             }
         }
-        finish.store(true, Ordering::Release);
+        if ask {
+            finish.store(true, Ordering::Release);
+        }
     }
     // A final full checkpoint leaves a compact database behind.
     let _ = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -841,13 +866,20 @@ struct Checkpointed {
     copied_frames: u64,
 }
 
-/// One PASSIVE checkpoint; `None` (logged) if it failed.
+/// One PASSIVE checkpoint; `None` (logged) if it failed or says nothing.
 async fn checkpoint(conn: &mut SqliteConnection) -> Option<Checkpointed> {
     // Returns (busy, frames in the WAL, frames copied).
     let r = sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(PASSIVE)")
         .fetch_one(conn)
         .await;
     match r {
+        // Busy (another checkpoint ran) or not in WAL mode: no counts.
+        Ok((busy, wal_frames, copied_frames))
+            if busy != 0 || wal_frames < 0 || copied_frames < 0 =>
+        {
+            tracing::debug!(busy, wal_frames, copied_frames, "WAL checkpoint skipped");
+            None
+        }
         Ok((_, wal_frames, copied_frames)) => Some(Checkpointed {
             wal_frames: u64::try_from(wal_frames).unwrap_or(0),
             copied_frames: u64::try_from(copied_frames).unwrap_or(0),
@@ -1084,13 +1116,23 @@ async fn apply_batch(
         match apply_fast(conn, commands, state, stamper, now_ms).await {
             Ok(answers) => answers,
             Err(e) => {
-                tracing::debug!(error = %e, "batch redone with request-log lookups");
                 // The script may have stopped inside its transaction.
-                if let Err(e) = sqlx::query("ROLLBACK").execute(&mut *conn).await {
-                    tracing::debug!(error = %e, "no transaction to roll back");
+                if let Err(rollback) = sqlx::query("ROLLBACK").execute(&mut *conn).await
+                    && !rollback.to_string().contains("no transaction is active")
+                {
+                    tracing::warn!(error = %rollback, "rolling back a failed batch");
                 }
                 // The plan changed the cache; the database did not.
                 lock(&state.known).clear();
+                // Only a request-log key conflict (a retry the writer did
+                // not remember) is worth redoing; anything else is the
+                // batch's error, as on the careful path.
+                let retry_found = matches!(&e, sqlx::Error::Database(db)
+                    if db.kind() == sqlx::error::ErrorKind::UniqueViolation);
+                if !retry_found {
+                    return Err(e);
+                }
+                tracing::debug!(error = %e, "batch redone with request-log lookups");
                 apply_careful(conn, commands, state, stamper, now_ms).await?
             }
         }
@@ -1674,10 +1716,15 @@ mod tests {
                 .open_root(test_root(other.clone()))
                 .await
                 .expect("root");
-            store
+            let first = store
                 .open_root(test_root(request.clone()))
                 .await
-                .expect("root")
+                .expect("root");
+            let Outcome::Issued { id: root, .. } = first.outcome else {
+                panic!("a root is issued");
+            };
+            issued(store.delegate(test_child(9, 7, root, 8, "true")).await);
+            first
         };
         assert!(!first.replayed);
         let Outcome::Issued { id, .. } = first.outcome else {
@@ -1713,11 +1760,25 @@ mod tests {
             store.open_root(test_root(reused.clone())).await,
             Err(StoreError::NonceReused)
         ));
+        // A forgotten Delegate retry: the fast plan reserved budget in the
+        // writer's cache before its insert failed; that must not stick.
+        let child_again = store
+            .delegate(test_child(9, 7, id, 8, "true"))
+            .await
+            .expect("retry");
+        assert!(child_again.replayed);
+        issued(store.delegate(test_child(9, 8, id, 8, "true")).await);
+        let root = store.contract(id).await.expect("read").expect("root");
+        assert_eq!(
+            (root.ledger.reserved, root.ledger.open_children),
+            (20, 2),
+            "two children of 10, the retry reserved nothing"
+        );
         let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
             .fetch_one(&store.reader)
             .await
             .expect("count");
-        assert_eq!(contracts, 2, "the retries issued nothing");
+        assert_eq!(contracts, 4, "the retries issued nothing");
     }
 
     fn meta(agent: u8, nonce: u8) -> RequestMeta {
@@ -1836,16 +1897,22 @@ mod tests {
                 has_report: false,
                 claim: "done".into(),
                 reported_consumed: 1,
+                received_at_ms: Some(clock.now_ms()),
                 prejudged: None,
             };
-            let inputs = {
-                let mut conn = store.reader.acquire().await.expect("reader");
-                JudgeInputs::load(&mut conn, &child, clock.now_ms())
-                    .await
-                    .expect("inputs")
-                    .expect("open contract")
-            };
-            let mut before = inputs.judge(&args, clock.now_ms());
+            let mut conn = store.reader.acquire().await.expect("reader");
+            let at_ms = clock.now_ms();
+            let stranger = JudgeInputs::load(&mut conn, &child, &[host; 32], at_ms).await;
+            assert!(
+                matches!(stranger, Ok(None)),
+                "only the delegate's completion is judged early"
+            );
+            let inputs = JudgeInputs::load(&mut conn, &child, &[delegate; 32], at_ms)
+                .await
+                .expect("inputs")
+                .expect("open contract");
+            drop(conn);
+            let mut before = inputs.judge(&args);
             assert_eq!(
                 before.judgment.verdict,
                 crate::core::judge::Verdict::Accepted
@@ -1959,10 +2026,12 @@ mod tests {
                 while std::time::Instant::now() < stop_at {
                     let mut nonce = vec![task; 8];
                     nonce.extend_from_slice(&n.to_be_bytes());
+                    // Distinct digests: two roots with the same content in
+                    // the same millisecond would have the same id.
                     let root = test_root(RequestMeta {
                         agent: [task; 32],
+                        digest: crate::crypto::sha256(&nonce),
                         nonce,
-                        digest: [0u8; 32],
                     });
                     store.open_root(root).await.expect("root");
                     n += 1;
