@@ -18,7 +18,26 @@ pub struct Config {
     pub trust: TrustConfig,
     /// Who may open roots, and with how much budget.
     pub orchestrators: Orchestrators,
+    /// The server's TLS identity; `None` serves plaintext gRPC.
+    pub tls: Option<TlsIdentity>,
     pub limits: Limits,
+}
+
+/// A PEM certificate chain and its private key, read at start so a bad
+/// path fails the start, not the first handshake.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    // Never prints the private key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsIdentity")
+            .field("cert_pem_bytes", &self.cert_pem.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The keys allowed to open roots, each with the largest budget one root
@@ -140,7 +159,41 @@ struct FileConfig {
     trust: FileTrust,
     /// Hex-encoded orchestrator public key → most budget one root may carry.
     orchestrators: HashMap<String, i64>,
+    tls: Option<FileTls>,
     limits: Limits,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTls {
+    /// PEM certificate chain, server certificate first.
+    cert: PathBuf,
+    /// PEM private key of that certificate.
+    key: PathBuf,
+}
+
+/// Most bytes read from a TLS certificate or key file.
+const MAX_TLS_FILE_BYTES: u64 = 1024 * 1024;
+
+fn read_tls_file(path: &Path, field: &str) -> Result<Vec<u8>, ConfigError> {
+    let size = std::fs::metadata(path)
+        .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?
+        .len();
+    if size > MAX_TLS_FILE_BYTES {
+        return Err(invalid(
+            field,
+            format!(
+                "{} is larger than {MAX_TLS_FILE_BYTES} bytes",
+                path.display()
+            ),
+        ));
+    }
+    let pem = std::fs::read(path)
+        .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
+    if !pem.windows(11).any(|w| w == b"-----BEGIN ") {
+        return Err(invalid(field, format!("{} is not PEM", path.display())));
+    }
+    Ok(pem)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -226,6 +279,15 @@ impl Config {
                 static_factors_ppm,
             },
             orchestrators: Orchestrators { max_root_budget },
+            tls: file
+                .tls
+                .map(|files| -> Result<_, ConfigError> {
+                    Ok(TlsIdentity {
+                        cert_pem: read_tls_file(&files.cert, "tls.cert")?,
+                        key_pem: read_tls_file(&files.key, "tls.key")?,
+                    })
+                })
+                .transpose()?,
             limits: file.limits,
         };
         config.validate()?;

@@ -32,6 +32,9 @@ pub enum ServerError {
     Reflection(String),
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// The configured certificate or key is unusable.
+    #[error("tls: {0}")]
+    Tls(String),
 }
 
 /// Serves the broker on `listener` until `shutdown` resolves, then drains
@@ -73,6 +76,7 @@ pub async fn run_with_clock(
     }));
     let stamper = Arc::new(Stamper::new(keyring.current));
     let limits = config.limits.clone();
+    let tls = config.tls.clone();
     let store = SqliteStore::open(
         SqliteOptions {
             path: config.data_dir.join(DATABASE_FILE),
@@ -109,8 +113,20 @@ pub async fn run_with_clock(
         .map_err(|e| ServerError::Reflection(e.to_string()))?;
 
     let address = listener.local_addr().ok();
-    tracing::info!(?address, key_id = %crypto::key_id(&current), "broker serving");
-    tonic::transport::Server::builder()
+    tracing::info!(?address, tls = tls.is_some(), key_id = %crypto::key_id(&current), "broker serving");
+    if tls.is_none() && address.is_some_and(|a| !a.ip().is_loopback()) {
+        tracing::warn!(
+            "serving plaintext gRPC beyond loopback: requests are signed, but intents and results travel in clear (configure [tls])"
+        );
+    }
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &tls {
+        let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem);
+        builder = builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .map_err(|e| ServerError::Tls(e.to_string()))?;
+    }
+    builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

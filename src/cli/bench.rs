@@ -25,6 +25,12 @@ pub struct BenchArgs {
     /// Hex seed of an attestor the target broker trusts (with --addr).
     #[arg(long, env = "BENCH_ATTESTOR_SEED")]
     pub attestor_seed: Option<String>,
+    /// PEM certificate (or CA) to trust for an https:// --addr.
+    #[arg(long, env = "BENCH_TLS_CA", requires = "addr")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Name the broker's certificate is for, if not the --addr host.
+    #[arg(long, env = "BENCH_TLS_DOMAIN", requires = "tls_ca")]
+    pub tls_domain: Option<String>,
     /// Concurrent workers, each with its own chain.
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
@@ -140,9 +146,18 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
             addr
         }
     };
+    let mut endpoint = Endpoint::from_shared(addr.clone())?;
+    if let Some(ca) = &args.tls_ca {
+        let mut tls = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(ca)?));
+        if let Some(domain) = &args.tls_domain {
+            tls = tls.domain_name(domain.clone());
+        }
+        endpoint = endpoint.tls_config(tls)?;
+    }
     let mut channels = Vec::with_capacity(args.connections);
     for _ in 0..args.connections {
-        channels.push(Endpoint::from_shared(addr.clone())?.connect().await?);
+        channels.push(endpoint.connect().await?);
     }
     let attestor = Arc::new(attestor);
     let start = Instant::now();

@@ -10,3 +10,4 @@ mod invariants;
 mod lifecycle;
 mod offline;
 mod seeds;
+mod tls;

@@ -1,0 +1,90 @@
+//! TLS: with `[tls]` configured the broker speaks gRPC over TLS only, and a
+//! client that trusts the certificate gets the same API.
+
+use std::sync::Arc;
+
+use delegation_broker::clock::SystemClock;
+use delegation_broker::config::{Config, TlsIdentity};
+use delegation_broker::pb;
+use delegation_broker::pb::broker_client::BrokerClient;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+
+#[tokio::test]
+async fn a_tls_broker_answers_tls_clients_and_refuses_plaintext() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let issued = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
+    let cert_pem = issued.cert.pem();
+    let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
+    config.tls = Some(TlsIdentity {
+        cert_pem: cert_pem.clone().into_bytes(),
+        key_pem: issued.signing_key.serialize_pem().into_bytes(),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(delegation_broker::server::run_with_clock(
+        listener,
+        config,
+        Arc::new(SystemClock),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&cert_pem))
+        .domain_name("localhost");
+    let channel = Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS handshake");
+    let keys = BrokerClient::new(channel)
+        .get_broker_keys(pb::GetBrokerKeysRequest::default())
+        .await
+        .expect("GetBrokerKeys over TLS")
+        .into_inner()
+        .keys;
+    assert_eq!(keys.iter().filter(|k| k.current).count(), 1);
+
+    // The same port without TLS gets no answer.
+    let plaintext = match Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .timeout(std::time::Duration::from_secs(5))
+        .connect()
+        .await
+    {
+        Ok(channel) => BrokerClient::new(channel)
+            .get_broker_keys(pb::GetBrokerKeysRequest::default())
+            .await
+            .map(drop),
+        Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+    };
+    assert!(
+        plaintext.is_err(),
+        "a plaintext call must fail: {plaintext:?}"
+    );
+
+    let _ = stop.send(());
+    server.await.expect("server task").expect("server ran");
+}
+
+#[test]
+fn a_missing_certificate_fails_the_start_naming_the_field() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.toml");
+    std::fs::write(
+        &path,
+        "[tls]\ncert = \"/nonexistent/cert.pem\"\nkey = \"/nonexistent/key.pem\"\n",
+    )
+    .unwrap();
+    match Config::load(dir.path().to_owned(), Some(&path)) {
+        Err(delegation_broker::config::ConfigError::Invalid { field, .. }) => {
+            assert_eq!(field, "tls.cert");
+        }
+        other => panic!("expected an invalid tls.cert: {other:?}"),
+    }
+}
