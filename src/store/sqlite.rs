@@ -1967,6 +1967,87 @@ mod tests {
         );
     }
 
+    /// Requests at once after a restart — retries the writer forgot, new
+    /// requests, and duplicates among the new ones — share batches (the
+    /// fast path's failure then redoes several commands at once); each is
+    /// answered once and the parent's ledger counts each child once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_retries_and_new_requests_are_each_answered_once() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("broker.sqlite3");
+        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
+            &[1u8; 32],
+        )));
+        let (root, earlier) = {
+            let store = SqliteStore::open(
+                test_options(path.clone()),
+                stamper.clone(),
+                Arc::new(SystemClock),
+            )
+            .await
+            .expect("open");
+            let root = issued(store.open_root(test_root(meta(9, 1))).await);
+            let mut earlier = Vec::new();
+            for nonce in 10..14 {
+                earlier.push(issued(
+                    store.delegate(test_child(9, nonce, root, 8, "true")).await,
+                ));
+            }
+            (root, earlier)
+        };
+        let store = SqliteStore::open(test_options(path), stamper, Arc::new(SystemClock))
+            .await
+            .expect("reopen");
+        // Retries of 10..14, new 20..24, and 20 and 21 twice.
+        let nonces: Vec<u8> = (10..14).chain(20..24).chain(20..22).collect();
+        let calls: Vec<_> = nonces
+            .iter()
+            .map(|&nonce| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let answer = store
+                        .delegate(test_child(9, nonce, root, 8, "true"))
+                        .await
+                        .expect("answered");
+                    match answer.outcome {
+                        Outcome::Issued { id, .. } => (nonce, id, answer.replayed),
+                        Outcome::Receipt { .. } => panic!("nonce {nonce} refused"),
+                    }
+                })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for call in calls {
+            answers.push(call.await.expect("call"));
+        }
+        for (i, id) in earlier.iter().enumerate() {
+            let (_, answered, replayed) = answers[i];
+            assert_eq!((answered, replayed), (*id, true), "retry {i}");
+        }
+        for twin in [20u8, 21] {
+            let pair: Vec<_> = answers.iter().filter(|(n, _, _)| *n == twin).collect();
+            assert_eq!(pair.len(), 2);
+            assert_eq!(pair[0].1, pair[1].1, "one contract for nonce {twin}");
+            assert_eq!(
+                pair.iter().filter(|(_, _, replayed)| !*replayed).count(),
+                1,
+                "issued once, replayed once"
+            );
+        }
+        let ledger = store
+            .contract(root)
+            .await
+            .expect("read")
+            .expect("root")
+            .ledger;
+        assert_eq!((ledger.reserved, ledger.open_children), (80, 8));
+        let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
+            .fetch_one(&store.reader)
+            .await
+            .expect("count");
+        assert_eq!(contracts, 9);
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
