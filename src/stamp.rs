@@ -286,5 +286,6 @@ pub fn policy_to_pb(policy: &Policy) -> pb::Policy {
         min_cumulative_trust_ppm: policy.min_cumulative_trust_ppm,
         max_children: policy.max_children,
         disable_retry_headroom: !policy.retry_headroom,
+        require_host: policy.require_host,
     }
 }

@@ -264,6 +264,7 @@ async fn worker(
                 min_cumulative_trust_ppm: 500_000,
                 max_children: 16,
                 disable_retry_headroom: false,
+                require_host: false,
             }),
             predicate: "result.schema_valid && result.within_scope".into(),
             write_scope: vec!["src".into()],

@@ -133,6 +133,9 @@ pub struct Policy {
     pub max_children: u32,
     /// Invariant 13 on (true) or off.
     pub retry_headroom: bool,
+    /// Every delegation must name its host: the principal, not the
+    /// delegate, picks whose observations judge the child.
+    pub require_host: bool,
 }
 
 impl Policy {
@@ -143,6 +146,7 @@ impl Policy {
         min_cumulative_trust_ppm: u32,
         max_children: u32,
         retry_headroom: bool,
+        require_host: bool,
         config_max_depth: u32,
         config_max_children: u32,
     ) -> Result<Self, InputError> {
@@ -171,6 +175,7 @@ impl Policy {
             min_cumulative_trust_ppm,
             max_children,
             retry_headroom,
+            require_host,
         })
     }
 }

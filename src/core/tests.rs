@@ -28,6 +28,7 @@ fn parent() -> ParentView {
             min_cumulative_trust_ppm: 400_000,
             max_children: 8,
             retry_headroom: true,
+            require_host: false,
         },
         ledger: Ledger::new(25),
     }

@@ -49,6 +49,7 @@ fn policy(p: Option<&pb::Policy>, limits: &Limits) -> Result<Policy, InputError>
         p.min_cumulative_trust_ppm,
         p.max_children,
         !p.disable_retry_headroom,
+        p.require_host,
         limits.max_depth,
         limits.max_children,
     )

@@ -363,6 +363,13 @@ fn delegate(
             what: "parent contract",
             id: hex::encode(child.parent_id),
         })?;
+    // The tree's policy, not the request, decides whether a host is due.
+    if parent.view.policy.require_host && child.host.is_none() {
+        return Err(StoreError::Invalid(core::InputError::new(
+            "body.host_public_key",
+            "this tree's policy (require_host) needs the principal to name the child's host",
+        )));
+    }
     // The conjunction's size depends on the parent: only here can an
     // over-long one be told apart from a missing predicate.
     if child.ask.liability == Liability::Delegate

@@ -1376,8 +1376,8 @@ fn plan_statements(script: &mut Script, plan: &Plan) -> usize {
             "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
              delegate_key, liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
              deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
-             retry_headroom, issued_at_ms, status, budget, reserved, spent, open_children, \
-             host_key, labels) ",
+             retry_headroom, require_host, issued_at_ms, status, budget, reserved, spent, \
+             open_children, host_key, labels) ",
         );
         script.query.push_values(chunk, |mut b, row| {
             b.push_bind(row.seq)
@@ -1398,6 +1398,7 @@ fn plan_statements(script: &mut Script, plan: &Plan) -> usize {
                 .push_bind(i64::from(row.policy.min_cumulative_trust_ppm))
                 .push_bind(i64::from(row.policy.max_children))
                 .push_bind(i64::from(row.policy.retry_headroom))
+                .push_bind(i64::from(row.policy.require_host))
                 .push_bind(row.issued_at_ms)
                 .push_bind(i64::from(row.status.as_i32()))
                 .push_bind(row.ledger.budget)
@@ -1496,7 +1497,8 @@ impl Script {
 
 const PARENT_COLUMNS: &str = "seq, id, root_seq, root_id, depth, status, delegate_key, liability, \
      intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, write_scope, \
-     max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, budget, reserved, spent, \
+     max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, require_host, budget, \
+     reserved, spent, \
      open_children, envelope";
 
 fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
@@ -1513,6 +1515,7 @@ fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
     let contract = pb::Contract::decode(envelope.payload.as_slice())
         .map_err(|_| corrupt("contract payload"))?;
     let retry_headroom: i64 = row.try_get("retry_headroom").map_err(backend)?;
+    let require_host: i64 = row.try_get("require_host").map_err(backend)?;
     let view = ParentView {
         status: status_from(row.try_get("status").map_err(backend)?)?,
         delegate_key: id_column(row, "delegate_key")?,
@@ -1533,6 +1536,7 @@ fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
             min_cumulative_trust_ppm: get_u32("min_cumulative_trust_ppm")?,
             max_children: get_u32("max_children")?,
             retry_headroom: retry_headroom != 0,
+            require_host: require_host != 0,
         },
         ledger: ledger_from_row(row)?,
     };
@@ -1675,6 +1679,7 @@ mod tests {
                 min_cumulative_trust_ppm: 0,
                 max_children: 8,
                 retry_headroom: true,
+                require_host: false,
             },
             predicate: Predicate::default(),
             write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),

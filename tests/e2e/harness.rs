@@ -229,6 +229,7 @@ pub struct Root {
 pub struct RootSpec {
     pub labels: std::collections::HashMap<String, String>,
     pub retry_headroom: bool,
+    pub require_host: bool,
     pub budget: i64,
     pub max_depth: u32,
     pub min_trust: u32,
@@ -243,6 +244,7 @@ impl Default for RootSpec {
         Self {
             labels: Default::default(),
             retry_headroom: true,
+            require_host: false,
             budget: 100,
             max_depth: 4,
             min_trust: 0,
@@ -267,6 +269,7 @@ impl RootSpec {
                 min_cumulative_trust_ppm: self.min_trust,
                 max_children: self.max_children,
                 disable_retry_headroom: !self.retry_headroom,
+                require_host: self.require_host,
             }),
             predicate: self.predicate.clone(),
             write_scope: self.scope.clone(),

@@ -647,3 +647,79 @@ async fn observations_per_contract_are_bounded() {
     assert_eq!(audit.tool_calls, u64::try_from(limit).unwrap());
     broker.stop().await;
 }
+
+/// With `require_host`, the principal names every child's host at
+/// Delegate, so a delegate can never pick (and control) the runtime whose
+/// observations judge it; the policy reaches the whole tree.
+#[tokio::test]
+async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, planner, host, stooge) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                require_host: true,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    assert!(
+        root.contract
+            .policy
+            .as_ref()
+            .is_some_and(|p| p.require_host)
+    );
+
+    let hostless = child(&root.id, &root.lineage, &planner, 10);
+    let err = broker.delegate(&orchestrator, hostless).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["field"],
+        "body.host_public_key"
+    );
+    assert_eq!(
+        broker.ledger(&root.id).await.reserved,
+        0,
+        "nothing reserved"
+    );
+
+    let mut hosted = child(&root.id, &root.lineage, &planner, 10);
+    hosted.host_public_key = host.public_key().to_vec();
+    let (planner_id, contract) = broker
+        .delegate(&orchestrator, hosted)
+        .await
+        .unwrap()
+        .issued();
+    assert!(
+        contract.policy.as_ref().is_some_and(|p| p.require_host),
+        "inherited"
+    );
+    // The delegate cannot swap in a host of its own at Accept.
+    let swapped = broker
+        .accept(&planner, &planner_id, Some(&stooge))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (
+            swapped.code(),
+            swapped.get_details_error_info().unwrap().reason.as_str()
+        ),
+        (Code::FailedPrecondition, "HOST_MISMATCH")
+    );
+    let accepted = broker.accept(&planner, &planner_id, None).await.unwrap();
+    assert_eq!(accepted.kind, pb::ReceiptKind::Accepted as i32);
+
+    // One hop further down the policy still holds.
+    let grandchild = child(&planner_id, &root.lineage, &stooge, 5);
+    let err = broker.delegate(&planner, grandchild).await.unwrap_err();
+    assert_eq!(
+        err.get_details_error_info().unwrap().metadata["field"],
+        "body.host_public_key"
+    );
+}

@@ -128,16 +128,18 @@ class Signature(_message.Message):
     def __init__(self, keyid: _Optional[str] = ..., sig: _Optional[bytes] = ...) -> None: ...
 
 class Policy(_message.Message):
-    __slots__ = ("max_depth", "min_cumulative_trust_ppm", "max_children", "disable_retry_headroom")
+    __slots__ = ("max_depth", "min_cumulative_trust_ppm", "max_children", "disable_retry_headroom", "require_host")
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MIN_CUMULATIVE_TRUST_PPM_FIELD_NUMBER: _ClassVar[int]
     MAX_CHILDREN_FIELD_NUMBER: _ClassVar[int]
     DISABLE_RETRY_HEADROOM_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_HOST_FIELD_NUMBER: _ClassVar[int]
     max_depth: int
     min_cumulative_trust_ppm: int
     max_children: int
     disable_retry_headroom: bool
-    def __init__(self, max_depth: _Optional[int] = ..., min_cumulative_trust_ppm: _Optional[int] = ..., max_children: _Optional[int] = ..., disable_retry_headroom: _Optional[bool] = ...) -> None: ...
+    require_host: bool
+    def __init__(self, max_depth: _Optional[int] = ..., min_cumulative_trust_ppm: _Optional[int] = ..., max_children: _Optional[int] = ..., disable_retry_headroom: _Optional[bool] = ..., require_host: _Optional[bool] = ...) -> None: ...
 
 class Attestation(_message.Message):
     __slots__ = ("agent_public_key", "factor", "risk_class", "expires_at_ms")
