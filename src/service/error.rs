@@ -32,6 +32,9 @@ pub enum ServiceError {
         reason: &'static str,
         detail: String,
     },
+    /// A listed orchestrator asked for a root above its allowance.
+    #[error("body.budget {requested} exceeds this orchestrator's allowance of {allowed} per root")]
+    OverAllowance { requested: i64, allowed: i64 },
     /// The contract's state does not allow it (ended, late, …).
     #[error("{detail}")]
     FailedPrecondition {
@@ -95,6 +98,15 @@ impl From<ServiceError> for Status {
             ServiceError::PermissionDenied { reason, .. } => {
                 (Code::PermissionDenied, reason, vec![])
             }
+            ServiceError::OverAllowance { requested, allowed } => (
+                Code::PermissionDenied,
+                "ROOT_BUDGET_OVER_ALLOWANCE",
+                vec![
+                    ("field", "body.budget".to_owned()),
+                    ("requested", requested.to_string()),
+                    ("allowed", allowed.to_string()),
+                ],
+            ),
             ServiceError::FailedPrecondition { reason, .. } => {
                 (Code::FailedPrecondition, reason, vec![])
             }

@@ -142,12 +142,9 @@ impl<S: Store> BrokerService<S> {
                     reason: "NOT_AN_ORCHESTRATOR",
                     detail: "this key may not open roots (it is not under [orchestrators] in the broker's configuration)".into(),
                 },
-                RootDenied::OverAllowance { allowed } => ServiceError::PermissionDenied {
-                    reason: "ROOT_BUDGET_OVER_ALLOWANCE",
-                    detail: format!(
-                        "body.budget {} exceeds this orchestrator's allowance of {allowed} per root",
-                        root.budget
-                    ),
+                RootDenied::OverAllowance { allowed } => ServiceError::OverAllowance {
+                    requested: root.budget,
+                    allowed,
                 },
             });
         }

@@ -197,6 +197,15 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
         "{}",
         err.message()
     );
+    let info = err.get_details_error_info().expect("ErrorInfo");
+    assert_eq!(
+        (
+            info.metadata["field"].as_str(),
+            info.metadata["requested"].as_str(),
+            info.metadata["allowed"].as_str()
+        ),
+        ("body.budget", "1001", "1000")
+    );
 
     let err = broker
         .client
