@@ -117,6 +117,12 @@ pub struct Limits {
     /// How often overdue contracts are expired in the background, in ms
     /// (they also expire on access).
     pub expiry_sweep_interval_ms: u64,
+    /// How long answered requests stay in the request log (the nonce and
+    /// idempotency record), in ms; older entries are deleted in the
+    /// background. At least twice `timestamp_window_ms`, so a request that
+    /// is still fresh always finds its earlier answer. A retry older than
+    /// this is refused as stale instead of being answered again.
+    pub request_log_retention_ms: i64,
 }
 
 impl Default for Limits {
@@ -133,6 +139,7 @@ impl Default for Limits {
             request_timeout_ms: 30_000,
             max_watch_streams: 1_024,
             expiry_sweep_interval_ms: 1_000,
+            request_log_retention_ms: 30 * 24 * 3_600_000,
         }
     }
 }
@@ -326,6 +333,15 @@ impl Config {
                 "watch streams and the sweep interval must be positive",
             ));
         }
+        if l.request_log_retention_ms < l.timestamp_window_ms.saturating_mul(2) {
+            return Err(invalid(
+                "limits.request_log_retention_ms",
+                format!(
+                    "must be at least twice limits.timestamp_window_ms ({} ms)",
+                    l.timestamp_window_ms.saturating_mul(2)
+                ),
+            ));
+        }
         if l.max_concurrent_requests_per_connection == 0 || l.request_timeout_ms == 0 {
             return Err(invalid(
                 "limits",
@@ -380,6 +396,12 @@ mod tests {
                 assert!(reason.contains("twice"), "{reason}")
             }
             other => panic!("one key listed twice must be refused: {other:?}"),
+        }
+        match load("[limits]\nrequest_log_retention_ms = 599999\n") {
+            Err(ConfigError::Invalid { field, .. }) => {
+                assert_eq!(field, "limits.request_log_retention_ms");
+            }
+            other => panic!("retention below twice the window must be refused: {other:?}"),
         }
         match load("[orchestrators]\n\"not-hex\" = 5\n") {
             Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "orchestrators.not-hex"),

@@ -84,6 +84,7 @@ pub async fn run_with_clock(
             max_batch: limits.max_batch,
             read_connections: limits.read_connections,
             wal_restart_bytes: WAL_RESTART_BYTES,
+            request_log_retention_ms: limits.request_log_retention_ms,
         },
         stamper,
         clock.clone(),

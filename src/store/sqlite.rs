@@ -69,6 +69,9 @@ pub struct SqliteOptions {
     /// WAL size past which the writer finishes a checkpoint so the WAL
     /// restarts (`WAL_RESTART_BYTES` in production; tests lower it).
     pub wal_restart_bytes: u64,
+    /// Request-log entries older than this (ms) are deleted by the writer
+    /// (see `prune_requests`).
+    pub request_log_retention_ms: i64,
 }
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
@@ -172,6 +175,7 @@ impl SqliteStore {
         let writer_committed = committed.clone();
         let finish_checkpoint = Arc::new(AtomicBool::new(false));
         let writer_finish = finish_checkpoint.clone();
+        let retention_ms = options.request_log_retention_ms;
         let (ready, writer_ready) = oneshot::channel();
         let (writer_known, writer_stamper, writer_clock, writer_connect) = (
             known.clone(),
@@ -211,6 +215,8 @@ impl SqliteStore {
                         committed: writer_committed,
                         synced,
                         recent: RecentRequests::new(MAX_RECENT_REQUESTS),
+                        retention_ms,
+                        next_prune: std::time::Instant::now(),
                         finish_checkpoint: writer_finish,
                     };
                     writer_loop(
@@ -931,6 +937,10 @@ struct WriterState {
     /// Request keys committed recently: lets most batches skip reading
     /// the request log (see `apply_batch`).
     recent: RecentRequests,
+    /// `SqliteOptions::request_log_retention_ms`.
+    retention_ms: i64,
+    /// When the writer next prunes the request log (see `prune_requests`).
+    next_prune: std::time::Instant,
     /// Set by the background checkpointer when the WAL has grown past
     /// `SqliteOptions::wal_restart_bytes`: the writer then finishes it.
     finish_checkpoint: Arc<AtomicBool>,
@@ -1015,8 +1025,43 @@ async fn writer_loop(
         {
             tracing::warn!(error = %e, "finishing the WAL checkpoint failed; will retry");
         }
+        let now = std::time::Instant::now();
+        if now >= state.next_prune {
+            let cutoff_ms = clock.now_ms().saturating_sub(state.retention_ms);
+            state.next_prune = match prune_requests(conn, cutoff_ms).await {
+                // A full pass: more are due; go on after the next batch.
+                Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
+                Ok(_) => now + PRUNE_INTERVAL,
+                Err(e) => {
+                    tracing::warn!(error = %e, "pruning the request log failed; will retry");
+                    now + PRUNE_INTERVAL
+                }
+            };
+        }
     }
     tracing::debug!("store writer stopped");
+}
+
+/// How often the writer looks for request-log entries past retention.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
+/// Most request-log entries deleted in one pass: bounds the writer's pause
+/// (each is a page write, like the insert it undoes).
+const MAX_PRUNED_PER_PASS: u64 = 512;
+
+/// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries that arrived
+/// before `cutoff_ms`, oldest first; returns how many. Runs on the writer,
+/// between batches, in its own transaction. Not counted as a commit for
+/// `Durability`: a deletion a crash undoes is simply done again.
+async fn prune_requests(conn: &mut SqliteConnection, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "DELETE FROM requests WHERE (agent_key, nonce) IN \
+         (SELECT agent_key, nonce FROM requests WHERE at_ms < $1 ORDER BY at_ms LIMIT $2)",
+    )
+    .bind(cutoff_ms)
+    .bind(i64::try_from(MAX_PRUNED_PER_PASS).unwrap_or(i64::MAX))
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// The WAL file SQLite keeps beside the database.
@@ -1664,6 +1709,7 @@ mod tests {
             max_batch: 16,
             read_connections: 1,
             wal_restart_bytes: WAL_RESTART_BYTES,
+            request_log_retention_ms: i64::MAX,
         }
     }
 
@@ -2097,6 +2143,7 @@ mod tests {
                 max_batch: 64,
                 read_connections: 1,
                 wal_restart_bytes: RESTART_BYTES,
+                request_log_retention_ms: i64::MAX,
             },
             stamper,
             Arc::new(SystemClock),

@@ -226,3 +226,63 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
     let runs: u64 = audits.groups.iter().map(|g| g.runs).sum();
     assert_eq!(runs, 1, "{audits:?}");
 }
+
+/// The request log keeps answers for `limits.request_log_retention_ms`: a
+/// retry after the timestamp window is still answered from it, one after
+/// the retention is refused as stale (the entry was pruned), and the log
+/// does not grow forever.
+#[tokio::test]
+async fn retries_are_answered_until_the_request_log_retention_prunes_them() {
+    const WINDOW_MS: i64 = 300_000;
+    let mut broker = Broker::start_with(|config| {
+        config.limits.timestamp_window_ms = WINDOW_MS;
+        config.limits.request_log_retention_ms = 2 * WINDOW_MS;
+    })
+    .await;
+    let orchestrator = Agent::generate();
+    let original = orchestrator.open_root(RootSpec::default().body());
+    let first = broker
+        .client
+        .open_root(original.clone())
+        .await
+        .unwrap()
+        .into_inner();
+
+    // Stale, but within retention: the original answer.
+    broker.clock.advance_ms(WINDOW_MS + 1_000);
+    let late = broker
+        .client
+        .open_root(original.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(late.replayed);
+    assert_eq!(late.issued, first.issued);
+
+    // Past retention: once the writer has pruned (it looks every second,
+    // after a batch), the same retry is refused as stale.
+    broker.clock.advance_ms(2 * WINDOW_MS);
+    let started = std::time::Instant::now();
+    let refused = loop {
+        let mut body = RootSpec::default().body();
+        body.header = Some(header_at(
+            &orchestrator,
+            delegation_broker::clock::Clock::now_ms(&*broker.clock),
+        ));
+        broker
+            .client
+            .open_root(orchestrator.open_root(body))
+            .await
+            .expect("a fresh root, so the writer runs");
+        match broker.client.open_root(original.clone()).await {
+            Ok(replayed) => assert!(replayed.into_inner().replayed),
+            Err(status) => break status,
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "the entry was never pruned"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(refused.code(), Status::Unauthenticated, "{refused:?}");
+}
