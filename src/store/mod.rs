@@ -8,6 +8,8 @@ pub mod batch;
 pub mod lifecycle;
 pub mod recent;
 pub mod sqlite;
+#[cfg(test)]
+pub(crate) mod suite;
 
 use std::future::Future;
 

@@ -1611,6 +1611,25 @@ fn lock(known: &KnownCache) -> MutexGuard<'_, HashMap<Id, Known>> {
 mod tests {
     use super::*;
     use crate::clock::SystemClock;
+    use crate::store::suite::{issued, meta, receipt, test_child, test_root};
+
+    /// The store suite (`store::suite`) against SQLite.
+    async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
+            &[1u8; 32],
+        )));
+        let store = SqliteStore::open(
+            test_options(dir.path().join("broker.sqlite3")),
+            stamper,
+            Arc::new(SystemClock),
+        )
+        .await
+        .expect("open");
+        (store, dir)
+    }
+
+    crate::store::suite::store_suite!(suite, super::open_suite_store);
 
     /// A database written by schema 1 (envelopes inside contract rows, the
     /// request log as a rowid table) opens under the current schema with
@@ -1713,26 +1732,6 @@ mod tests {
         }
     }
 
-    fn test_root(request: RequestMeta) -> NewRoot {
-        NewRoot {
-            request,
-            intent: "answer once".into(),
-            task: String::new(),
-            budget: 100,
-            deadline_ms: i64::MAX / 2,
-            policy: Policy {
-                max_depth: 4,
-                min_cumulative_trust_ppm: 0,
-                max_children: 8,
-                retry_headroom: true,
-                require_host: false,
-            },
-            predicate: Predicate::default(),
-            write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),
-            labels: Default::default(),
-        }
-    }
-
     /// After a restart the writer's recent-request set is empty, so a
     /// retry takes the fast path, meets its own request-log row and must be
     /// redone the careful way: answered from the log, nothing issued twice.
@@ -1830,65 +1829,6 @@ mod tests {
             .await
             .expect("count");
         assert_eq!(contracts, 4, "the retries issued nothing");
-    }
-
-    fn meta(agent: u8, nonce: u8) -> RequestMeta {
-        RequestMeta {
-            agent: [agent; 32],
-            nonce: vec![nonce; 16],
-            digest: [nonce; 32],
-        }
-    }
-
-    /// A child of `parent` for delegate `[delegate; 32]`, asked by agent
-    /// `[asker; 32]`, that must keep to `src/` and is judged by `predicate`.
-    fn test_child(asker: u8, nonce: u8, parent_id: Id, delegate: u8, predicate: &str) -> NewChild {
-        NewChild {
-            request: meta(asker, nonce),
-            parent_id,
-            ask: crate::core::ChildAsk {
-                requester: [asker; 32],
-                intent_lineage_hash: crate::crypto::sha256(b"answer once"),
-                budget: 10,
-                deadline_ms: None,
-                liability: Liability::Principal,
-                predicate: Predicate::parse(predicate, "predicate").expect("predicate"),
-                escalation_channel: String::new(),
-                min_retry_cost: 0,
-                min_retry_latency_ms: 0,
-                write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),
-                factor_ppm: 1_000_000,
-                factor_note: String::new(),
-            },
-            task: String::new(),
-            delegate_key: [delegate; 32],
-            trust: crate::stamp::HopTrust {
-                source: pb::TrustSource::StaticTable,
-                attestation_digest: None,
-                risk_class: String::new(),
-            },
-            host: None,
-            result_schema_json: String::new(),
-        }
-    }
-
-    fn issued(answer: Result<Answer, StoreError>) -> Id {
-        match answer.expect("answered").outcome {
-            Outcome::Issued { id, .. } => id,
-            Outcome::Receipt { envelope, .. } => panic!(
-                "refused: {:?}",
-                pb::Receipt::decode(envelope.payload.as_slice())
-            ),
-        }
-    }
-
-    fn receipt(answer: Result<Answer, StoreError>) -> pb::Receipt {
-        match answer.expect("answered").outcome {
-            Outcome::Receipt { envelope, .. } => {
-                pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt")
-            }
-            Outcome::Issued { .. } => panic!("a lifecycle call answers with a receipt"),
-        }
     }
 
     /// Completions are judged before they reach the writer. The writer

@@ -1,0 +1,280 @@
+//! The store test suite: behaviour every `Store` backend must show, written
+//! against the trait alone, plus request and contract builders. Each
+//! backend runs all of it with one line, `store_suite!(name, open)`, where
+//! `open` is an async fn returning the store and whatever keeps its data
+//! alive (Quickwit's metastore suite is the model): a PostgreSQL backend
+//! adds its line and inherits every test.
+
+use prost::Message;
+
+use super::{Answer, Event, Outcome, Store, StoreError};
+use crate::core::{Id, Liability, Policy, Predicate, Scope};
+use crate::pb;
+use crate::stamp::{NewChild, NewRoot, RequestMeta};
+
+pub fn test_root(request: RequestMeta) -> NewRoot {
+    NewRoot {
+        request,
+        intent: "answer once".into(),
+        task: String::new(),
+        budget: 100,
+        deadline_ms: i64::MAX / 2,
+        policy: Policy {
+            max_depth: 4,
+            min_cumulative_trust_ppm: 0,
+            max_children: 8,
+            retry_headroom: true,
+            require_host: false,
+        },
+        predicate: Predicate::default(),
+        write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),
+        labels: Default::default(),
+    }
+}
+
+pub fn meta(agent: u8, nonce: u8) -> RequestMeta {
+    RequestMeta {
+        agent: [agent; 32],
+        nonce: vec![nonce; 16],
+        digest: [nonce; 32],
+    }
+}
+
+/// A child of `parent` for delegate `[delegate; 32]`, asked by agent
+/// `[asker; 32]`, that must keep to `src/` and is judged by `predicate`.
+pub fn test_child(asker: u8, nonce: u8, parent_id: Id, delegate: u8, predicate: &str) -> NewChild {
+    NewChild {
+        request: meta(asker, nonce),
+        parent_id,
+        ask: crate::core::ChildAsk {
+            requester: [asker; 32],
+            intent_lineage_hash: crate::crypto::sha256(b"answer once"),
+            budget: 10,
+            deadline_ms: None,
+            liability: Liability::Principal,
+            predicate: Predicate::parse(predicate, "predicate").expect("predicate"),
+            escalation_channel: String::new(),
+            min_retry_cost: 0,
+            min_retry_latency_ms: 0,
+            write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),
+            factor_ppm: 1_000_000,
+            factor_note: String::new(),
+        },
+        task: String::new(),
+        delegate_key: [delegate; 32],
+        trust: crate::stamp::HopTrust {
+            source: pb::TrustSource::StaticTable,
+            attestation_digest: None,
+            risk_class: String::new(),
+        },
+        host: None,
+        result_schema_json: String::new(),
+    }
+}
+
+pub fn issued(answer: Result<Answer, StoreError>) -> Id {
+    match answer.expect("answered").outcome {
+        Outcome::Issued { id, .. } => id,
+        Outcome::Receipt { envelope, .. } => panic!(
+            "refused: {:?}",
+            pb::Receipt::decode(envelope.payload.as_slice())
+        ),
+    }
+}
+
+pub fn receipt(answer: Result<Answer, StoreError>) -> pb::Receipt {
+    match answer.expect("answered").outcome {
+        Outcome::Receipt { envelope, .. } => {
+            pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt")
+        }
+        Outcome::Issued { .. } => panic!("a lifecycle call answers with a receipt"),
+    }
+}
+
+/// A root's children are issued with their budget reserved in the parent,
+/// and listed in issuance order.
+pub async fn issues_reserves_and_lists_children<S: Store>(store: &S) {
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let first = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    let second = issued(store.delegate(test_child(9, 3, root, 7, "true")).await);
+    let parent = store.contract(root).await.expect("read").expect("root");
+    assert_eq!(
+        (parent.ledger.reserved, parent.ledger.open_children),
+        (20, 2)
+    );
+    let child = store.contract(first).await.expect("read").expect("child");
+    assert_eq!((child.parent_id, child.root_id), (Some(root), root));
+    let listed: Vec<Id> = store
+        .children(root, 0, 10)
+        .await
+        .expect("children")
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    assert_eq!(listed, [first, second]);
+    let after_first = store
+        .children(root, child.seq, 10)
+        .await
+        .expect("next page");
+    assert_eq!(
+        after_first.iter().map(|c| c.id).collect::<Vec<_>>(),
+        [second]
+    );
+}
+
+/// The same request twice is one contract, reserved once; the same nonce
+/// with another body is refused, through the write path and the read path.
+pub async fn a_retry_is_replayed_and_reserves_once<S: Store>(store: &S) {
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let request = test_child(9, 2, root, 8, "true");
+    let first = store.delegate(request.clone()).await.expect("first");
+    let again = store.delegate(request.clone()).await.expect("again");
+    assert!(!first.replayed && again.replayed);
+    let (Outcome::Issued { id: a, .. }, Outcome::Issued { id: b, .. }) =
+        (&first.outcome, &again.outcome)
+    else {
+        panic!("both issued");
+    };
+    assert_eq!(a, b);
+    let parent = store.contract(root).await.expect("read").expect("root");
+    assert_eq!(parent.ledger.reserved, 10);
+    let logged = store.replay(&request.request).await.expect("read");
+    assert!(logged.is_some_and(|answer| answer.replayed));
+    let reused = NewChild {
+        request: RequestMeta {
+            digest: [0xAB; 32],
+            ..request.request.clone()
+        },
+        ..request
+    };
+    assert!(matches!(
+        store.replay(&reused.request).await,
+        Err(StoreError::NonceReused)
+    ));
+    assert!(matches!(
+        store.delegate(reused).await,
+        Err(StoreError::NonceReused)
+    ));
+}
+
+/// A refused hop reserves nothing and leaves a signed receipt that can be
+/// fetched again by its id.
+pub async fn a_refusal_is_a_stored_receipt<S: Store>(store: &S) {
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let mut greedy = test_child(9, 2, root, 8, "true");
+    greedy.ask.budget = 1_000;
+    let answer = store.delegate(greedy).await.expect("answered");
+    let Outcome::Receipt {
+        receipt_id,
+        envelope,
+    } = answer.outcome
+    else {
+        panic!("a budget above the parent's is refused");
+    };
+    let refusal = pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt");
+    assert_eq!(refusal.kind, pb::ReceiptKind::Refused as i32);
+    assert_eq!(
+        store.receipt(receipt_id).await.expect("read"),
+        Some(envelope)
+    );
+    let parent = store.contract(root).await.expect("read").expect("root");
+    assert_eq!(parent.ledger.reserved, 0);
+}
+
+/// A tree's events (contracts, receipts) come in commit order, and a cursor
+/// skips what was seen.
+pub async fn events_come_in_commit_order_after_a_cursor<S: Store>(store: &S) {
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    let mut greedy = test_child(9, 3, root, 7, "true");
+    greedy.ask.budget = 1_000;
+    store.delegate(greedy).await.expect("refused");
+    let events = store.events(root, 0, 10).await.expect("events");
+    let kinds: Vec<&str> = events
+        .iter()
+        .map(|e| match e {
+            Event::Contract { .. } => "contract",
+            Event::Receipt { .. } => "receipt",
+        })
+        .collect();
+    assert_eq!(kinds, ["contract", "contract", "receipt"]);
+    let cursors: Vec<i64> = events
+        .iter()
+        .map(|e| match e {
+            Event::Contract { cursor, .. } | Event::Receipt { cursor, .. } => *cursor,
+        })
+        .collect();
+    assert!(cursors.windows(2).all(|w| w[0] < w[1]), "{cursors:?}");
+    let rest = store.events(root, cursors[0], 10).await.expect("events");
+    assert_eq!(rest.len(), 2);
+}
+
+/// Concurrent siblings never overspend the parent: exactly as many as
+/// its budget allows are issued, the rest refused.
+pub async fn concurrent_siblings_never_overspend<S: Store + Clone>(store: &S) {
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let calls: Vec<_> = (0..24u8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .delegate(test_child(9, 10 + i, root, 100 + i, "true"))
+                    .await
+                    .expect("answered")
+            })
+        })
+        .collect();
+    let mut issued_count = 0;
+    for call in calls {
+        if matches!(call.await.expect("call").outcome, Outcome::Issued { .. }) {
+            issued_count += 1;
+        }
+    }
+    let parent = store.contract(root).await.expect("read").expect("root");
+    // Budget 100, children of 10, at most 8 open children (the policy).
+    assert_eq!(issued_count, 8);
+    assert_eq!(
+        (parent.ledger.reserved, parent.ledger.open_children),
+        (80, 8)
+    );
+}
+
+/// Runs every suite test against one backend.
+macro_rules! store_suite {
+    ($backend:ident, $open:path) => {
+        mod $backend {
+            use crate::store::suite;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn issues_reserves_and_lists_children() {
+                let (store, _keep) = $open().await;
+                suite::issues_reserves_and_lists_children(&store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_retry_is_replayed_and_reserves_once() {
+                let (store, _keep) = $open().await;
+                suite::a_retry_is_replayed_and_reserves_once(&store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_refusal_is_a_stored_receipt() {
+                let (store, _keep) = $open().await;
+                suite::a_refusal_is_a_stored_receipt(&store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn events_come_in_commit_order_after_a_cursor() {
+                let (store, _keep) = $open().await;
+                suite::events_come_in_commit_order_after_a_cursor(&store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_siblings_never_overspend() {
+                let (store, _keep) = $open().await;
+                suite::concurrent_siblings_never_overspend(&store).await;
+            }
+        }
+    };
+}
+pub(crate) use store_suite;
