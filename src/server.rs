@@ -85,6 +85,7 @@ pub async fn run_with_clock(
             read_connections: limits.read_connections,
             wal_restart_bytes: WAL_RESTART_BYTES,
             request_log_retention_ms: limits.request_log_retention_ms,
+            timestamp_window_ms: limits.timestamp_window_ms,
         },
         stamper,
         clock.clone(),

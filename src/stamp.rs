@@ -31,6 +31,8 @@ pub struct RequestMeta {
     pub nonce: Vec<u8>,
     /// SHA-256 of PAE(payload_type, payload) of the signed request.
     pub digest: [u8; 32],
+    /// The signed header's timestamp (the agent's clock, unix ms).
+    pub timestamp_ms: i64,
 }
 
 /// A root the orchestrator asked for, validated.

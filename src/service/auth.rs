@@ -122,6 +122,7 @@ pub fn authenticate<T: SignedBody>(
         agent,
         nonce: header.nonce.clone(),
         digest: crypto::sha256(&crypto::pae(&envelope.payload_type, &envelope.payload)),
+        timestamp_ms: header.timestamp_ms,
     };
     Ok(Authenticated {
         body,

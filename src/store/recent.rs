@@ -1,83 +1,140 @@
-//! The request keys (agent, nonce) the writer committed most recently, as
-//! fingerprints. A batch none of whose keys is here is planned without
-//! reading the request log first: that saves the writer a round trip to
-//! SQLite per batch. The set is only a hint. A key that is missing (evicted,
-//! or committed before a restart) still cannot be answered twice: its
-//! request-log row makes the batch's insert fail, and the writer redoes
-//! the batch the careful way (see `sqlite::apply_batch`).
+//! The request keys (agent, nonce) the writer committed recently, as
+//! time-bucketed Bloom filters. A batch none of whose keys may be here is
+//! planned without reading the request log first, which saves the writer
+//! a round trip to SQLite per batch.
+//!
+//! The set is only a hint, in both directions. A false "maybe" (a Bloom
+//! collision) only sends a batch the careful way. A false "no" cannot
+//! happen for a fresh retry: the set remembers every key committed since
+//! `covered_since_ms`, and a request whose timestamp could belong to an
+//! older original is always sent the careful way (see `may_contain`).
+//! Should that reasoning ever fail, the request log's primary key still
+//! refuses the duplicate and the writer redoes the batch carefully (see
+//! `sqlite::apply_batch`), so nothing is answered twice either way. This
+//! closes the cheap amplification of replaying an old captured request
+//! to make the writer redo whole batches.
 
+use std::collections::VecDeque;
 use std::collections::hash_map::RandomState;
-use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
 
-use crate::core::limits::MAX_NONCE_BYTES;
+/// Most buckets kept: bounds memory to `MAX_BUCKETS * BUCKET_BITS / 8`
+/// bytes (6 MiB).
+pub const MAX_BUCKETS: usize = 24;
+/// Bits per bucket: at 4,000 requests/s and the default 5-minute window a
+/// bucket holds about 100,000 keys, a 0.02% false-"maybe" rate.
+const BUCKET_BITS: usize = 1 << 21;
+/// Bit probes per key.
+const PROBES: u64 = 7;
+/// Shortest bucket span.
+const MIN_BUCKET_MS: i64 = 10_000;
 
-/// Fingerprints kept: about a minute of traffic at 4,000 requests/s, in
-/// about 8 MiB. Retries of older requests take the slower path, which is
-/// still exact.
-pub const MAX_RECENT_REQUESTS: usize = 1 << 18;
+/// One span of time's keys.
+struct Bucket {
+    /// Broker time of the bucket's first insert: every key in it was
+    /// committed at or after this.
+    started_ms: i64,
+    bits: Vec<u64>,
+}
 
-/// Recently committed request keys, oldest evicted first.
+/// Recently committed request keys.
 pub struct RecentRequests {
     /// Random per process, so nobody can aim for collisions (which would
-    /// only cost them the slower path anyway).
+    /// only cost them the careful path anyway).
     hasher: RandomState,
-    /// Fingerprint → how many entries of `order` hold it.
-    counts: HashMap<u64, u32>,
-    /// Fingerprints in insertion order, for eviction.
-    order: VecDeque<u64>,
-    /// Most entries held.
-    capacity: usize,
+    /// Oldest first.
+    buckets: VecDeque<Bucket>,
+    /// How long one bucket collects keys.
+    bucket_ms: i64,
+    /// The broker's timestamp window: how far a fresh request's timestamp
+    /// may be from the time its original was committed.
+    window_ms: i64,
+    /// Every key committed at or after this is in `buckets`.
+    covered_since_ms: i64,
 }
 
 impl RecentRequests {
-    pub fn new(capacity: usize) -> Self {
-        assert!(capacity > 0, "a recent-request set needs room");
+    /// A set that can vouch for requests up to `window_ms` off the
+    /// broker's clock, starting empty at `now_ms` (so it vouches for
+    /// nothing older: after a restart the writer reads the log until the
+    /// set has filled).
+    pub fn new(window_ms: i64, now_ms: i64) -> Self {
+        assert!(window_ms >= 0, "a timestamp window is not negative");
+        // Twice the window (a fresh retry's original is at most that old),
+        // over all buckets but the one filling.
+        let keep_ms = window_ms.saturating_mul(2);
+        let spans = MAX_BUCKETS as i64 - 1;
+        let bucket_ms = keep_ms
+            .saturating_add(spans - 1)
+            .checked_div(spans)
+            .unwrap_or(MIN_BUCKET_MS)
+            .max(MIN_BUCKET_MS);
         Self {
             hasher: RandomState::new(),
-            counts: HashMap::new(),
-            order: VecDeque::new(),
-            capacity,
+            buckets: VecDeque::new(),
+            bucket_ms,
+            window_ms,
+            covered_since_ms: now_ms,
         }
     }
 
-    fn fingerprint(&self, agent: &[u8; 32], nonce: &[u8]) -> u64 {
-        debug_assert!(nonce.len() <= MAX_NONCE_BYTES);
-        self.hasher.hash_one((agent, nonce))
+    fn probes(&self, agent: &[u8; 32], nonce: &[u8]) -> impl Iterator<Item = usize> {
+        let first = self.hasher.hash_one((agent, nonce));
+        let step = self.hasher.hash_one((nonce, agent)) | 1;
+        (0..PROBES)
+            .map(move |i| (first.wrapping_add(i.wrapping_mul(step)) % BUCKET_BITS as u64) as usize)
     }
 
-    /// False only if the key was not committed recently (or was evicted);
-    /// true may also be a fingerprint collision.
-    pub fn may_contain(&self, agent: &[u8; 32], nonce: &[u8]) -> bool {
-        self.counts.contains_key(&self.fingerprint(agent, nonce))
+    /// False only if no request with this key and header timestamp
+    /// `timestamp_ms` can have been committed before: then the batch may
+    /// skip reading the request log. True for keys that may be here and
+    /// for timestamps old enough that their original could predate what
+    /// the set covers.
+    pub fn may_contain(&self, agent: &[u8; 32], nonce: &[u8], timestamp_ms: i64) -> bool {
+        // The original of a fresh request was committed no earlier than
+        // its timestamp minus the window.
+        if timestamp_ms.saturating_sub(self.window_ms) < self.covered_since_ms {
+            return true;
+        }
+        let probes: Vec<usize> = self.probes(agent, nonce).collect();
+        self.buckets.iter().any(|bucket| {
+            probes
+                .iter()
+                .all(|&bit| bucket.bits[bit / 64] & (1 << (bit % 64)) != 0)
+        })
     }
 
-    /// Records a committed key, evicting the oldest beyond capacity.
-    pub fn insert(&mut self, agent: &[u8; 32], nonce: &[u8]) {
-        let fingerprint = self.fingerprint(agent, nonce);
-        *self.counts.entry(fingerprint).or_insert(0) += 1;
-        self.order.push_back(fingerprint);
-        while self.order.len() > self.capacity {
-            let Some(oldest) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(count) = self.counts.get_mut(&oldest) {
-                *count -= 1;
-                if *count == 0 {
-                    self.counts.remove(&oldest);
+    /// Records a key committed at broker time `now_ms`.
+    pub fn insert(&mut self, agent: &[u8; 32], nonce: &[u8], now_ms: i64) {
+        let due = self
+            .buckets
+            .back()
+            .is_none_or(|newest| now_ms >= newest.started_ms.saturating_add(self.bucket_ms));
+        if due {
+            self.buckets.push_back(Bucket {
+                started_ms: now_ms,
+                bits: vec![0; BUCKET_BITS / 64],
+            });
+            while self.buckets.len() > MAX_BUCKETS {
+                self.buckets.pop_front();
+                if let Some(oldest) = self.buckets.front() {
+                    self.covered_since_ms = self.covered_since_ms.max(oldest.started_ms);
                 }
             }
         }
-        debug_assert!(self.order.len() <= self.capacity);
-        debug_assert!(self.counts.len() <= self.order.len());
+        let probes: Vec<usize> = self.probes(agent, nonce).collect();
+        let Some(newest) = self.buckets.back_mut() else {
+            unreachable!("a bucket was just ensured");
+        };
+        for bit in probes {
+            newest.bits[bit / 64] |= 1 << (bit % 64);
+        }
+        debug_assert!(self.buckets.len() <= MAX_BUCKETS);
     }
 
-    pub fn len(&self) -> usize {
-        self.order.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
+    /// Broker time since which every committed key is held.
+    pub fn covered_since_ms(&self) -> i64 {
+        self.covered_since_ms
     }
 }
 
@@ -85,33 +142,71 @@ impl RecentRequests {
 mod tests {
     use super::*;
 
+    const WINDOW_MS: i64 = 300_000;
+
     #[test]
-    fn remembers_committed_keys_and_evicts_the_oldest() {
-        let mut recent = RecentRequests::new(3);
+    fn remembers_committed_keys_by_agent_and_nonce() {
+        let start = 1_000_000;
+        let mut recent = RecentRequests::new(WINDOW_MS, start);
         let agent = [7u8; 32];
-        assert!(!recent.may_contain(&agent, b"n1"));
-        for nonce in [b"n1", b"n2", b"n3"] {
-            recent.insert(&agent, nonce);
-        }
-        assert!(recent.may_contain(&agent, b"n1"));
-        assert!(!recent.may_contain(&[8u8; 32], b"n1"), "keyed by agent too");
-        recent.insert(&agent, b"n4");
-        assert_eq!(recent.len(), 3);
-        assert!(!recent.may_contain(&agent, b"n1"), "oldest evicted");
-        assert!(recent.may_contain(&agent, b"n4"));
+        let fresh = start + WINDOW_MS; // fresh, and its original could not predate `start`
+        assert!(!recent.may_contain(&agent, b"n1", fresh));
+        recent.insert(&agent, b"n1", start + 5);
+        assert!(recent.may_contain(&agent, b"n1", fresh));
+        assert!(
+            !recent.may_contain(&[8u8; 32], b"n1", fresh),
+            "keyed by agent too"
+        );
+        assert!(!recent.may_contain(&agent, b"n2", fresh));
     }
 
     #[test]
-    fn a_key_inserted_twice_survives_the_eviction_of_its_first_entry() {
-        let mut recent = RecentRequests::new(2);
-        let agent = [1u8; 32];
-        recent.insert(&agent, b"a");
-        recent.insert(&agent, b"a");
-        recent.insert(&agent, b"b");
-        // The first "a" is gone, the second is still held.
-        assert!(recent.may_contain(&agent, b"a"));
-        recent.insert(&agent, b"c");
-        assert!(!recent.may_contain(&agent, b"a"));
-        assert!(recent.may_contain(&agent, b"b") && recent.may_contain(&agent, b"c"));
+    fn timestamps_the_set_cannot_vouch_for_take_the_careful_way() {
+        let start = 1_000_000;
+        let recent = RecentRequests::new(WINDOW_MS, start);
+        // Its original could have been committed before the set started
+        // (say, before a restart).
+        assert!(recent.may_contain(&[1u8; 32], b"never seen", start + WINDOW_MS - 1));
+        assert!(!recent.may_contain(&[1u8; 32], b"never seen", start + WINDOW_MS));
+    }
+
+    #[test]
+    fn old_buckets_go_and_the_coverage_moves_with_them() {
+        let start = 0;
+        let mut recent = RecentRequests::new(WINDOW_MS, start);
+        let agent = [3u8; 32];
+        recent.insert(&agent, b"first", start);
+        let bucket_ms = recent.bucket_ms;
+        assert!(bucket_ms * (MAX_BUCKETS as i64 - 1) >= 2 * WINDOW_MS);
+        // One key per bucket span until the first bucket is dropped.
+        for i in 1..=MAX_BUCKETS as i64 {
+            recent.insert(&agent, &i.to_be_bytes(), start + i * bucket_ms);
+        }
+        assert_eq!(recent.buckets.len(), MAX_BUCKETS);
+        assert_eq!(recent.covered_since_ms(), start + bucket_ms);
+        let now = start + MAX_BUCKETS as i64 * bucket_ms;
+        // A fresh request now may still be a retry of something in the
+        // kept buckets, and is vouched for only from the coverage on.
+        assert!(recent.may_contain(&agent, &1i64.to_be_bytes(), now));
+        assert!(
+            !recent.may_contain(&agent, b"first", now),
+            "dropped with its bucket"
+        );
+        assert!(recent.may_contain(&agent, b"anything", bucket_ms + WINDOW_MS - 1));
+    }
+
+    #[test]
+    fn false_maybes_are_rare_at_a_full_bucket() {
+        let mut recent = RecentRequests::new(WINDOW_MS, 0);
+        let agent = [5u8; 32];
+        for i in 0..100_000u32 {
+            recent.insert(&agent, &i.to_be_bytes(), 1);
+        }
+        let now = WINDOW_MS;
+        let false_maybes = (100_000..110_000u32)
+            .filter(|i| recent.may_contain(&agent, &i.to_be_bytes(), now))
+            .count();
+        // Expected about 0.02%: 2 in 10,000; allow ten times that.
+        assert!(false_maybes < 20, "{false_maybes} false maybes in 10,000");
     }
 }

@@ -45,7 +45,7 @@ use sqlx::{QueryBuilder, Sqlite};
 
 use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey, Speculation};
 use super::lifecycle::{Action, CompleteArgs, JudgeInputs, LifecycleCommand};
-use super::recent::{MAX_RECENT_REQUESTS, RecentRequests};
+use super::recent::RecentRequests;
 use super::{
     Answer, AuditFacts, ContractRecord, Event, Outcome, RunFacts, Store, StoreError, TreeMutations,
 };
@@ -72,6 +72,9 @@ pub struct SqliteOptions {
     /// Request-log entries older than this (ms) are deleted by the writer
     /// (see `prune_requests`).
     pub request_log_retention_ms: i64,
+    /// The broker's timestamp window (`limits.timestamp_window_ms`): how
+    /// far back the writer's recent-request set must reach.
+    pub timestamp_window_ms: i64,
 }
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
@@ -176,6 +179,7 @@ impl SqliteStore {
         let finish_checkpoint = Arc::new(AtomicBool::new(false));
         let writer_finish = finish_checkpoint.clone();
         let retention_ms = options.request_log_retention_ms;
+        let timestamp_window_ms = options.timestamp_window_ms;
         let (ready, writer_ready) = oneshot::channel();
         let (writer_known, writer_stamper, writer_clock, writer_connect) = (
             known.clone(),
@@ -208,13 +212,15 @@ impl SqliteStore {
                             return;
                         }
                     };
+                    let recent =
+                        load_recent(&mut writer, timestamp_window_ms, writer_clock.now_ms()).await;
                     let _ = ready.send(Ok(()));
                     let state = WriterState {
                         known: writer_known,
                         next_seq,
                         committed: writer_committed,
                         synced,
-                        recent: RecentRequests::new(MAX_RECENT_REQUESTS),
+                        recent,
                         retention_ms,
                         next_prune: std::time::Instant::now(),
                         finish_checkpoint: writer_finish,
@@ -924,6 +930,56 @@ async fn open_writer(
     Ok((writer, last + 1))
 }
 
+/// The writer's recent-request set, filled from the request log with every
+/// key committed in the last two timestamp windows (what a fresh retry can
+/// reach back to), so that right after a restart batches can already skip
+/// the request-log read. If reading fails, the set starts empty and
+/// vouches only for requests newer than now (batches read the log until
+/// then).
+async fn load_recent(conn: &mut SqliteConnection, window_ms: i64, now_ms: i64) -> RecentRequests {
+    let since_ms = now_ms.saturating_sub(window_ms.saturating_mul(2));
+    let mut recent = RecentRequests::new(window_ms, since_ms);
+    let mut rows = sqlx::query(
+        "SELECT agent_key, nonce, at_ms FROM requests WHERE at_ms >= $1 ORDER BY at_ms",
+    )
+    .bind(since_ms)
+    .fetch(&mut *conn);
+    let mut loaded: u64 = 0;
+    let failed = loop {
+        use tokio_stream::StreamExt;
+        let row = match rows.next().await {
+            None => break None,
+            Some(Ok(row)) => row,
+            Some(Err(e)) => break Some(e.to_string()),
+        };
+        let decoded = (|| -> Result<([u8; 32], Vec<u8>, i64), String> {
+            let agent: Vec<u8> = row.try_get("agent_key").map_err(|e| e.to_string())?;
+            let agent = <[u8; 32]>::try_from(agent).map_err(|_| "a corrupt agent key")?;
+            let nonce: Vec<u8> = row.try_get("nonce").map_err(|e| e.to_string())?;
+            let at_ms: i64 = row.try_get("at_ms").map_err(|e| e.to_string())?;
+            Ok((agent, nonce, at_ms))
+        })();
+        match decoded {
+            Ok((agent, nonce, at_ms)) => {
+                recent.insert(&agent, &nonce, at_ms);
+                loaded += 1;
+            }
+            Err(e) => break Some(e),
+        }
+    };
+    drop(rows);
+    match failed {
+        None => {
+            tracing::debug!(loaded, "recent request keys loaded");
+            recent
+        }
+        Some(e) => {
+            tracing::warn!(error = %e, "loading recent request keys; batches read the request log for a while");
+            RecentRequests::new(window_ms, now_ms)
+        }
+    }
+}
+
 /// What the writer knows beyond the database: both are authoritative
 /// because the writer is the only one that writes.
 struct WriterState {
@@ -1156,7 +1212,7 @@ async fn apply_batch(
         && !commands
             .iter()
             .filter_map(Command::request)
-            .any(|r| state.recent.may_contain(&r.agent, &r.nonce));
+            .any(|r| state.recent.may_contain(&r.agent, &r.nonce, r.timestamp_ms));
     let answers = if fast {
         match apply_fast(conn, commands, state, stamper, now_ms).await {
             Ok(answers) => answers,
@@ -1185,7 +1241,7 @@ async fn apply_batch(
         apply_careful(conn, commands, state, stamper, now_ms).await?
     };
     for request in commands.iter().filter_map(Command::request) {
-        state.recent.insert(&request.agent, &request.nonce);
+        state.recent.insert(&request.agent, &request.nonce, now_ms);
     }
     Ok(answers)
 }
@@ -1611,7 +1667,7 @@ fn lock(known: &KnownCache) -> MutexGuard<'_, HashMap<Id, Known>> {
 mod tests {
     use super::*;
     use crate::clock::SystemClock;
-    use crate::store::suite::{issued, meta, receipt, test_child, test_root};
+    use crate::store::suite::{TEST_TIMESTAMP_MS, issued, meta, receipt, test_child, test_root};
 
     /// The store suite (`store::suite`) against SQLite.
     async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
@@ -1697,6 +1753,7 @@ mod tests {
             agent,
             nonce,
             digest,
+            timestamp_ms: TEST_TIMESTAMP_MS,
         };
         let answer = store.replay(&request).await.expect("read").expect("logged");
         assert!(answer.replayed);
@@ -1729,6 +1786,8 @@ mod tests {
             read_connections: 1,
             wal_restart_bytes: WAL_RESTART_BYTES,
             request_log_retention_ms: i64::MAX,
+            // See `suite::TEST_TIMESTAMP_MS`.
+            timestamp_window_ms: 0,
         }
     }
 
@@ -1749,6 +1808,7 @@ mod tests {
             agent: [9u8; 32],
             nonce: vec![5u8; 16],
             digest: [3u8; 32],
+            timestamp_ms: TEST_TIMESTAMP_MS,
         };
         let other = RequestMeta {
             nonce: vec![6u8; 16],
@@ -2039,6 +2099,33 @@ mod tests {
         assert_eq!(contracts, 9);
     }
 
+    /// After a restart the writer's recent-request set is filled from the
+    /// request log (the last two windows), so it vouches for new keys at
+    /// once and never for a key it committed before.
+    #[tokio::test]
+    async fn the_recent_set_is_reloaded_from_the_request_log() {
+        let (store, dir) = open_suite_store().await;
+        issued(store.open_root(test_root(meta(9, 1))).await);
+        drop(store);
+        let mut conn = SqliteConnection::connect_with(
+            &SqliteConnectOptions::new().filename(dir.path().join("broker.sqlite3")),
+        )
+        .await
+        .expect("connect");
+        const WINDOW_MS: i64 = 300_000;
+        let now_ms = SystemClock.now_ms();
+        let recent = load_recent(&mut conn, WINDOW_MS, now_ms).await;
+        assert!(
+            recent.may_contain(&[9u8; 32], &[1u8; 16], now_ms),
+            "committed before"
+        );
+        assert!(
+            !recent.may_contain(&[9u8; 32], &[2u8; 16], now_ms),
+            "never seen"
+        );
+        assert_eq!(recent.covered_since_ms(), now_ms - 2 * WINDOW_MS);
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
@@ -2084,6 +2171,7 @@ mod tests {
                 read_connections: 1,
                 wal_restart_bytes: RESTART_BYTES,
                 request_log_retention_ms: i64::MAX,
+                timestamp_window_ms: 0,
             },
             stamper,
             Arc::new(SystemClock),
@@ -2105,6 +2193,7 @@ mod tests {
                         agent: [task; 32],
                         digest: crate::crypto::sha256(&nonce),
                         nonce,
+                        timestamp_ms: TEST_TIMESTAMP_MS,
                     });
                     store.open_root(root).await.expect("root");
                     n += 1;

@@ -32,11 +32,19 @@ pub fn test_root(request: RequestMeta) -> NewRoot {
     }
 }
 
+/// Header timestamp of the test requests: far ahead, so that with the
+/// test stores' timestamp window of 0 the writer's recent-request set
+/// vouches for every key it has not seen — even for retries of requests
+/// committed before a restart, which a real window would send the careful
+/// way. That is how the tests reach the fast path's key-conflict fallback.
+pub const TEST_TIMESTAMP_MS: i64 = i64::MAX / 4;
+
 pub fn meta(agent: u8, nonce: u8) -> RequestMeta {
     RequestMeta {
         agent: [agent; 32],
         nonce: vec![nonce; 16],
         digest: [nonce; 32],
+        timestamp_ms: TEST_TIMESTAMP_MS,
     }
 }
 
