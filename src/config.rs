@@ -119,8 +119,8 @@ pub struct Limits {
     pub expiry_sweep_interval_ms: u64,
     /// How long answered requests stay in the request log (the nonce and
     /// idempotency record), in ms; older entries are deleted in the
-    /// background. At least twice `timestamp_window_ms`, so a request that
-    /// is still fresh always finds its earlier answer. A retry older than
+    /// background. At least twice `timestamp_window_ms` plus two minutes,
+    /// so a request that is still fresh always finds its earlier answer. A retry older than
     /// this is refused as stale instead of being answered again.
     pub request_log_retention_ms: i64,
 }
@@ -178,6 +178,12 @@ struct FileTls {
     /// PEM private key of that certificate.
     key: PathBuf,
 }
+
+/// Retention beyond twice the timestamp window: a fresh retry's original
+/// arrived at most two windows before it, and the retry may still wait in
+/// the writer's queue (bounded by the request timeout) while the writer
+/// prunes, so the log keeps a margin over that.
+const RETENTION_SLACK_MS: i64 = 120_000;
 
 /// Most bytes read from a TLS certificate or key file.
 const MAX_TLS_FILE_BYTES: u64 = 1024 * 1024;
@@ -333,12 +339,15 @@ impl Config {
                 "watch streams and the sweep interval must be positive",
             ));
         }
-        if l.request_log_retention_ms < l.timestamp_window_ms.saturating_mul(2) {
+        let least_retention_ms = l
+            .timestamp_window_ms
+            .saturating_mul(2)
+            .saturating_add(RETENTION_SLACK_MS);
+        if l.request_log_retention_ms < least_retention_ms {
             return Err(invalid(
                 "limits.request_log_retention_ms",
                 format!(
-                    "must be at least twice limits.timestamp_window_ms ({} ms)",
-                    l.timestamp_window_ms.saturating_mul(2)
+                    "must be at least twice limits.timestamp_window_ms plus {RETENTION_SLACK_MS} ms ({least_retention_ms} ms)"
                 ),
             ));
         }
@@ -397,7 +406,7 @@ mod tests {
             }
             other => panic!("one key listed twice must be refused: {other:?}"),
         }
-        match load("[limits]\nrequest_log_retention_ms = 599999\n") {
+        match load("[limits]\nrequest_log_retention_ms = 719999\n") {
             Err(ConfigError::Invalid { field, .. }) => {
                 assert_eq!(field, "limits.request_log_retention_ms");
             }

@@ -37,6 +37,9 @@ pub enum ServerError {
     Tls(String),
 }
 
+/// Longest a TLS handshake may take.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Serves the broker on `listener` until `shutdown` resolves, then drains
 /// in-flight requests and returns.
 pub async fn run(
@@ -125,7 +128,13 @@ pub async fn run_with_clock(
     if let Some(tls) = &tls {
         let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem);
         builder = builder
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .tls_config(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(identity)
+                    // A client that never finishes its handshake must not
+                    // hold a task and a socket forever.
+                    .timeout(TLS_HANDSHAKE_TIMEOUT),
+            )
             .map_err(|e| ServerError::Tls(e.to_string()))?;
     }
     builder

@@ -1,5 +1,5 @@
-//! The request keys (agent, nonce) the writer committed recently, as
-//! time-bucketed Bloom filters. A batch none of whose keys may be here is
+//! The request keys (agent, nonce) the writer committed recently, as two
+//! generations of Bloom filters. A batch none of whose keys may be here is
 //! planned without reading the request log first, which saves the writer
 //! a round trip to SQLite per batch.
 //!
@@ -14,82 +14,101 @@
 //! closes the cheap amplification of replaying an old captured request
 //! to make the writer redo whole batches.
 
-use std::collections::VecDeque;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 
-/// Most buckets kept: bounds memory to `MAX_BUCKETS * BUCKET_BITS / 8`
-/// bytes (6 MiB).
-pub const MAX_BUCKETS: usize = 24;
-/// Bits per bucket: at 4,000 requests/s and the default 5-minute window a
-/// bucket holds about 100,000 keys, a 0.02% false-"maybe" rate.
-const BUCKET_BITS: usize = 1 << 21;
-/// Bit probes per key.
-const PROBES: u64 = 7;
-/// Shortest bucket span.
-const MIN_BUCKET_MS: i64 = 10_000;
+/// The request rate the filters are sized for: up to it (and with the
+/// default 5-minute window) about one key in a thousand draws a false
+/// "maybe"; beyond it the rate grows and more batches read the log.
+pub const DESIGN_REQUESTS_PER_S: usize = 5_000;
+/// Filter bits per key at the design rate (with `PROBES` probes: a
+/// 0.05% false "maybe" per filter).
+const BITS_PER_KEY: usize = 16;
+/// Bit probes per key (≈ BITS_PER_KEY × ln 2).
+const PROBES: u64 = 11;
+/// Smallest and largest filter: bounds memory to two of the largest
+/// (64 MiB) for the longest windows, where the rate degrades instead.
+const MIN_FILTER_BITS: usize = 1 << 16;
+const MAX_FILTER_BITS: usize = 1 << 28;
+/// Shortest generation.
+const MIN_SPAN_MS: i64 = 10_000;
 
-/// One span of time's keys.
-struct Bucket {
-    /// Broker time of the bucket's first insert: every key in it was
-    /// committed at or after this.
-    started_ms: i64,
+/// One generation's keys.
+struct Filter {
+    /// Broker time from which this generation collects keys.
+    since_ms: i64,
     bits: Vec<u64>,
 }
 
-/// Recently committed request keys.
+impl Filter {
+    fn new(since_ms: i64, bits: usize) -> Self {
+        Self {
+            since_ms,
+            bits: vec![0; bits / 64],
+        }
+    }
+}
+
+/// Recently committed request keys: the current generation and the one
+/// before it, each spanning twice the timestamp window.
 pub struct RecentRequests {
     /// Random per process, so nobody can aim for collisions (which would
     /// only cost them the careful path anyway).
     hasher: RandomState,
-    /// Oldest first.
-    buckets: VecDeque<Bucket>,
-    /// How long one bucket collects keys.
-    bucket_ms: i64,
+    current: Filter,
+    previous: Option<Filter>,
+    /// How long a generation collects keys.
+    span_ms: i64,
+    /// Bits per filter (a power of two).
+    filter_bits: usize,
     /// The broker's timestamp window: how far a fresh request's timestamp
     /// may be from the time its original was committed.
     window_ms: i64,
-    /// Every key committed at or after this is in `buckets`.
+    /// Every key committed at or after this is held.
     covered_since_ms: i64,
 }
 
 impl RecentRequests {
     /// A set that can vouch for requests up to `window_ms` off the
-    /// broker's clock, starting empty at `now_ms` (so it vouches for
-    /// nothing older: after a restart the writer reads the log until the
-    /// set has filled).
-    pub fn new(window_ms: i64, now_ms: i64) -> Self {
+    /// broker's clock, holding every key committed from `since_ms` on
+    /// (the caller loads those; the set vouches for nothing older).
+    pub fn new(window_ms: i64, since_ms: i64) -> Self {
         assert!(window_ms >= 0, "a timestamp window is not negative");
-        // Twice the window (a fresh retry's original is at most that old),
-        // over all buckets but the one filling.
-        let keep_ms = window_ms.saturating_mul(2);
-        let spans = MAX_BUCKETS as i64 - 1;
-        let bucket_ms = keep_ms
-            .saturating_add(spans - 1)
-            .checked_div(spans)
-            .unwrap_or(MIN_BUCKET_MS)
-            .max(MIN_BUCKET_MS);
+        // A fresh retry's original is at most two windows old; a
+        // generation that long means the one before always covers it.
+        let span_ms = window_ms.saturating_mul(2).max(MIN_SPAN_MS);
+        let span_s = usize::try_from(span_ms / 1_000)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        let filter_bits = DESIGN_REQUESTS_PER_S
+            .saturating_mul(span_s)
+            .saturating_mul(BITS_PER_KEY)
+            .clamp(MIN_FILTER_BITS, MAX_FILTER_BITS)
+            .next_power_of_two()
+            .min(MAX_FILTER_BITS);
         Self {
             hasher: RandomState::new(),
-            buckets: VecDeque::new(),
-            bucket_ms,
+            current: Filter::new(since_ms, filter_bits),
+            previous: None,
+            span_ms,
+            filter_bits,
             window_ms,
-            covered_since_ms: now_ms,
+            covered_since_ms: since_ms,
         }
     }
 
-    fn probes(&self, agent: &[u8; 32], nonce: &[u8]) -> impl Iterator<Item = usize> {
+    fn probes(&self, agent: &[u8; 32], nonce: &[u8]) -> impl Iterator<Item = usize> + use<> {
         let first = self.hasher.hash_one((agent, nonce));
         let step = self.hasher.hash_one((nonce, agent)) | 1;
-        (0..PROBES)
-            .map(move |i| (first.wrapping_add(i.wrapping_mul(step)) % BUCKET_BITS as u64) as usize)
+        let mask = self.filter_bits as u64 - 1;
+        (0..PROBES).map(move |i| (first.wrapping_add(i.wrapping_mul(step)) & mask) as usize)
     }
 
     /// False only if no request with this key and header timestamp
     /// `timestamp_ms` can have been committed before: then the batch may
     /// skip reading the request log. True for keys that may be here and
     /// for timestamps old enough that their original could predate what
-    /// the set covers.
+    /// the set holds.
     pub fn may_contain(&self, agent: &[u8; 32], nonce: &[u8], timestamp_ms: i64) -> bool {
         // The original of a fresh request was committed no earlier than
         // its timestamp minus the window.
@@ -97,39 +116,30 @@ impl RecentRequests {
             return true;
         }
         let probes: Vec<usize> = self.probes(agent, nonce).collect();
-        self.buckets.iter().any(|bucket| {
+        let held = |filter: &Filter| {
             probes
                 .iter()
-                .all(|&bit| bucket.bits[bit / 64] & (1 << (bit % 64)) != 0)
-        })
+                .all(|&bit| filter.bits[bit / 64] & (1 << (bit % 64)) != 0)
+        };
+        held(&self.current) || self.previous.as_ref().is_some_and(held)
     }
 
     /// Records a key committed at broker time `now_ms`.
     pub fn insert(&mut self, agent: &[u8; 32], nonce: &[u8], now_ms: i64) {
-        let due = self
-            .buckets
-            .back()
-            .is_none_or(|newest| now_ms >= newest.started_ms.saturating_add(self.bucket_ms));
-        if due {
-            self.buckets.push_back(Bucket {
-                started_ms: now_ms,
-                bits: vec![0; BUCKET_BITS / 64],
-            });
-            while self.buckets.len() > MAX_BUCKETS {
-                self.buckets.pop_front();
-                if let Some(oldest) = self.buckets.front() {
-                    self.covered_since_ms = self.covered_since_ms.max(oldest.started_ms);
-                }
-            }
+        if now_ms >= self.current.since_ms.saturating_add(self.span_ms) {
+            let next = Filter::new(now_ms, self.filter_bits);
+            let done = std::mem::replace(&mut self.current, next);
+            // What the dropped generation held was committed before
+            // `done` started (with a clock that only moves forward; if it
+            // ever jumps back, the request log's key still catches a
+            // retry the set let through).
+            self.covered_since_ms = self.covered_since_ms.max(done.since_ms);
+            self.previous = Some(done);
         }
         let probes: Vec<usize> = self.probes(agent, nonce).collect();
-        let Some(newest) = self.buckets.back_mut() else {
-            unreachable!("a bucket was just ensured");
-        };
         for bit in probes {
-            newest.bits[bit / 64] |= 1 << (bit % 64);
+            self.current.bits[bit / 64] |= 1 << (bit % 64);
         }
-        debug_assert!(self.buckets.len() <= MAX_BUCKETS);
     }
 
     /// Broker time since which every committed key is held.
@@ -171,42 +181,51 @@ mod tests {
     }
 
     #[test]
-    fn old_buckets_go_and_the_coverage_moves_with_them() {
+    fn generations_rotate_and_the_coverage_moves_with_them() {
         let start = 0;
         let mut recent = RecentRequests::new(WINDOW_MS, start);
         let agent = [3u8; 32];
+        let span = recent.span_ms;
+        assert!(span >= 2 * WINDOW_MS);
         recent.insert(&agent, b"first", start);
-        let bucket_ms = recent.bucket_ms;
-        assert!(bucket_ms * (MAX_BUCKETS as i64 - 1) >= 2 * WINDOW_MS);
-        // One key per bucket span until the first bucket is dropped.
-        for i in 1..=MAX_BUCKETS as i64 {
-            recent.insert(&agent, &i.to_be_bytes(), start + i * bucket_ms);
-        }
-        assert_eq!(recent.buckets.len(), MAX_BUCKETS);
-        assert_eq!(recent.covered_since_ms(), start + bucket_ms);
-        let now = start + MAX_BUCKETS as i64 * bucket_ms;
-        // A fresh request now may still be a retry of something in the
-        // kept buckets, and is vouched for only from the coverage on.
-        assert!(recent.may_contain(&agent, &1i64.to_be_bytes(), now));
-        assert!(
-            !recent.may_contain(&agent, b"first", now),
-            "dropped with its bucket"
-        );
-        assert!(recent.may_contain(&agent, b"anything", bucket_ms + WINDOW_MS - 1));
+        recent.insert(&agent, b"second", start + span);
+        // One rotation: "first" is in the previous generation, still held.
+        assert_eq!(recent.covered_since_ms(), start);
+        let now = start + span;
+        assert!(recent.may_contain(&agent, b"first", now + WINDOW_MS));
+        recent.insert(&agent, b"third", start + 2 * span);
+        // Two: the generation holding "first" is gone, and the set no
+        // longer vouches for anything its original could predate.
+        assert_eq!(recent.covered_since_ms(), start + span);
+        let now = start + 2 * span;
+        assert!(!recent.may_contain(&agent, b"first", now));
+        assert!(recent.may_contain(&agent, b"second", now));
+        assert!(recent.may_contain(&agent, b"anything", span + WINDOW_MS - 1));
     }
 
     #[test]
-    fn false_maybes_are_rare_at_a_full_bucket() {
-        let mut recent = RecentRequests::new(WINDOW_MS, 0);
+    fn false_maybes_are_rare_at_the_design_rate() {
+        // A short window keeps the test quick; the sizing rule is the same.
+        const SHORT_WINDOW_MS: i64 = 30_000;
+        let mut recent = RecentRequests::new(SHORT_WINDOW_MS, 0);
         let agent = [5u8; 32];
-        for i in 0..100_000u32 {
+        // A full generation at the design rate in the previous filter, and
+        // half of one in the current.
+        let generation = DESIGN_REQUESTS_PER_S * 2 * (SHORT_WINDOW_MS as usize / 1_000);
+        for i in 0..generation as u64 {
             recent.insert(&agent, &i.to_be_bytes(), 1);
         }
-        let now = WINDOW_MS;
-        let false_maybes = (100_000..110_000u32)
+        for i in 0..(generation / 2) as u64 {
+            recent.insert(&agent, &(u64::MAX - i).to_be_bytes(), recent.span_ms + 1);
+        }
+        let now = recent.span_ms + 1;
+        let asked = 20_000u64;
+        let false_maybes = (0..asked)
+            .map(|i| (1u64 << 40) + i)
             .filter(|i| recent.may_contain(&agent, &i.to_be_bytes(), now))
             .count();
-        // Expected about 0.02%: 2 in 10,000; allow ten times that.
-        assert!(false_maybes < 20, "{false_maybes} false maybes in 10,000");
+        // Expected about 0.06% per query (two filters): 12 in 20,000;
+        // allow four times that.
+        assert!(false_maybes < 50, "{false_maybes} false maybes in {asked}");
     }
 }

@@ -1084,7 +1084,25 @@ async fn writer_loop(
         let now = std::time::Instant::now();
         if now >= state.next_prune {
             let cutoff_ms = clock.now_ms().saturating_sub(state.retention_ms);
-            state.next_prune = match prune_requests(conn, cutoff_ms).await {
+            // A commit like any other (see `Durability`): readers that see
+            // the deletion wait for its fsync, which the syncer does even
+            // if no batch follows.
+            state.committed.fetch_add(1, Ordering::SeqCst);
+            let pruned = prune_requests(conn, cutoff_ms).await;
+            let number = state.committed.load(Ordering::SeqCst);
+            if state
+                .synced
+                .send(Unsynced {
+                    number,
+                    replies: Vec::new(),
+                })
+                .await
+                .is_err()
+            {
+                tracing::error!("the syncer stopped; the store writer stops");
+                break;
+            }
+            state.next_prune = match pruned {
                 // A full pass: more are due; go on after the next batch.
                 Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
                 Ok(_) => now + PRUNE_INTERVAL,
@@ -1101,13 +1119,13 @@ async fn writer_loop(
 /// How often the writer looks for request-log entries past retention.
 const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
 /// Most request-log entries deleted in one pass: bounds the writer's pause
-/// (each is a page write, like the insert it undoes).
-const MAX_PRUNED_PER_PASS: u64 = 512;
+/// (each is a random page write, and on a log larger than the page cache
+/// a read too). A backlog is worked off one pass after every batch.
+const MAX_PRUNED_PER_PASS: u64 = 128;
 
 /// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries that arrived
 /// before `cutoff_ms`, oldest first; returns how many. Runs on the writer,
-/// between batches, in its own transaction. Not counted as a commit for
-/// `Durability`: a deletion a crash undoes is simply done again.
+/// between batches, in its own transaction.
 async fn prune_requests(conn: &mut SqliteConnection, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
         "DELETE FROM requests WHERE (agent_key, nonce) IN \
@@ -1781,7 +1799,7 @@ mod tests {
     fn test_options(path: PathBuf) -> SqliteOptions {
         SqliteOptions {
             path,
-            queue_depth: 16,
+            queue_depth: 256,
             max_batch: 16,
             read_connections: 1,
             wal_restart_bytes: WAL_RESTART_BYTES,

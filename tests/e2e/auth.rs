@@ -236,7 +236,7 @@ async fn retries_are_answered_until_the_request_log_retention_prunes_them() {
     const WINDOW_MS: i64 = 300_000;
     let mut broker = Broker::start_with(|config| {
         config.limits.timestamp_window_ms = WINDOW_MS;
-        config.limits.request_log_retention_ms = 2 * WINDOW_MS;
+        config.limits.request_log_retention_ms = 2 * WINDOW_MS + 120_000;
     })
     .await;
     let orchestrator = Agent::generate();
@@ -261,7 +261,7 @@ async fn retries_are_answered_until_the_request_log_retention_prunes_them() {
 
     // Past retention: once the writer has pruned (it looks every second,
     // after a batch), the same retry is refused as stale.
-    broker.clock.advance_ms(2 * WINDOW_MS);
+    broker.clock.advance_ms(2 * WINDOW_MS + 120_000);
     let started = std::time::Instant::now();
     let refused = loop {
         let mut body = RootSpec::default().body();
