@@ -1687,19 +1687,24 @@ mod tests {
     use crate::clock::SystemClock;
     use crate::store::suite::{TEST_TIMESTAMP_MS, issued, meta, receipt, test_child, test_root};
 
+    fn test_stamper() -> Arc<Stamper> {
+        Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
+            &[1u8; 32],
+        )))
+    }
+
+    /// A store on `path` with the test options and the system clock.
+    async fn open_test_store(path: PathBuf, stamper: Arc<Stamper>) -> SqliteStore {
+        SqliteStore::open(test_options(path), stamper, Arc::new(SystemClock))
+            .await
+            .expect("open")
+    }
+
     /// The store suite (`store::suite`) against SQLite.
     async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
         let dir = tempfile::tempdir().expect("temp dir");
-        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-            &[1u8; 32],
-        )));
-        let store = SqliteStore::open(
-            test_options(dir.path().join("broker.sqlite3")),
-            stamper,
-            Arc::new(SystemClock),
-        )
-        .await
-        .expect("open");
+        let stamper = test_stamper();
+        let store = open_test_store(dir.path().join("broker.sqlite3"), stamper).await;
         (store, dir)
     }
 
@@ -1758,12 +1763,8 @@ mod tests {
             .expect("schema-1 request");
             conn.close().await.expect("close");
         }
-        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-            &[1u8; 32],
-        )));
-        let store = SqliteStore::open(test_options(path), stamper, Arc::new(SystemClock))
-            .await
-            .expect("open migrates");
+        let stamper = test_stamper();
+        let store = open_test_store(path, stamper).await;
         let record = store.contract(id).await.expect("read").expect("kept");
         assert_eq!(record.envelope, envelope);
         assert_eq!(record.ledger.budget, 100);
@@ -1819,9 +1820,7 @@ mod tests {
     async fn requests_the_writer_forgot_are_still_answered_once() {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("broker.sqlite3");
-        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-            &[1u8; 32],
-        )));
+        let stamper = test_stamper();
         let request = RequestMeta {
             agent: [9u8; 32],
             nonce: vec![5u8; 16],
@@ -1833,13 +1832,7 @@ mod tests {
             ..request.clone()
         };
         let first = {
-            let store = SqliteStore::open(
-                test_options(path.clone()),
-                stamper.clone(),
-                Arc::new(SystemClock),
-            )
-            .await
-            .expect("open");
+            let store = open_test_store(path.clone(), stamper.clone()).await;
             store
                 .open_root(test_root(other.clone()))
                 .await
@@ -1858,9 +1851,7 @@ mod tests {
         let Outcome::Issued { id, .. } = first.outcome else {
             panic!("a root is issued");
         };
-        let store = SqliteStore::open(test_options(path.clone()), stamper, Arc::new(SystemClock))
-            .await
-            .expect("reopen");
+        let store = open_test_store(path.clone(), stamper).await;
         let reused = RequestMeta {
             digest: [4u8; 32],
             ..request.clone()
@@ -1916,9 +1907,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_judgment_made_before_an_observation_is_made_again() {
         let dir = tempfile::tempdir().expect("temp dir");
-        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-            &[1u8; 32],
-        )));
+        let stamper = test_stamper();
         let clock = Arc::new(SystemClock);
         let store = SqliteStore::open(
             test_options(dir.path().join("broker.sqlite3")),
@@ -2044,17 +2033,9 @@ mod tests {
     async fn concurrent_retries_and_new_requests_are_each_answered_once() {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("broker.sqlite3");
-        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-            &[1u8; 32],
-        )));
+        let stamper = test_stamper();
         let (root, earlier) = {
-            let store = SqliteStore::open(
-                test_options(path.clone()),
-                stamper.clone(),
-                Arc::new(SystemClock),
-            )
-            .await
-            .expect("open");
+            let store = open_test_store(path.clone(), stamper.clone()).await;
             let root = issued(store.open_root(test_root(meta(9, 1))).await);
             let mut earlier = Vec::new();
             for nonce in 10..14 {
@@ -2064,9 +2045,7 @@ mod tests {
             }
             (root, earlier)
         };
-        let store = SqliteStore::open(test_options(path), stamper, Arc::new(SystemClock))
-            .await
-            .expect("reopen");
+        let store = open_test_store(path, stamper).await;
         // Retries of 10..14, new 20..24, and 20 and 21 twice.
         let nonces: Vec<u8> = (10..14).chain(20..24).chain(20..22).collect();
         let calls: Vec<_> = nonces
@@ -2178,9 +2157,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("broker.sqlite3");
         let wal = wal_path_of(&path);
-        let stamper = Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-            &[1u8; 32],
-        )));
+        let stamper = test_stamper();
         let store = SqliteStore::open(
             SqliteOptions {
                 path,
