@@ -89,6 +89,7 @@ pub async fn run_with_clock(
             wal_restart_bytes: WAL_RESTART_BYTES,
             request_log_retention_ms: limits.request_log_retention_ms,
             timestamp_window_ms: limits.timestamp_window_ms,
+            before_wal_sync: None,
         },
         stamper,
         clock.clone(),

@@ -75,6 +75,20 @@ pub struct SqliteOptions {
     /// The broker's timestamp window (`limits.timestamp_window_ms`): how
     /// far back the writer's recent-request set must reach.
     pub timestamp_window_ms: i64,
+    /// Fault injection for tests; `None` in production.
+    pub before_wal_sync: Option<BeforeWalSync>,
+}
+
+/// Runs on the syncer before each WAL fsync; an error counts as a failed
+/// fsync, and blocking holds the syncer. Lets tests reach the paths a real
+/// disk rarely takes (a failed fsync, a slow one).
+#[derive(Clone)]
+pub struct BeforeWalSync(pub Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>);
+
+impl std::fmt::Debug for BeforeWalSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeforeWalSync(..)")
+    }
 }
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
@@ -171,9 +185,10 @@ impl SqliteStore {
         let committed = Arc::new(AtomicU64::new(0));
         let (synced, sync_queue) = mpsc::channel(MAX_UNSYNCED_BATCHES);
         let wal_path = wal_path_of(&options.path);
+        let before_wal_sync = options.before_wal_sync.clone();
         std::thread::Builder::new()
             .name("store-syncer".into())
-            .spawn(move || syncer(&wal_path, sync_queue, durable_tx))
+            .spawn(move || syncer(&wal_path, sync_queue, durable_tx, before_wal_sync))
             .map_err(|e| StoreError::Backend(format!("syncer thread: {e}")))?;
         let writer_committed = committed.clone();
         let finish_checkpoint = Arc::new(AtomicBool::new(false));
@@ -1153,6 +1168,7 @@ fn syncer(
     wal_path: &Path,
     mut queue: mpsc::Receiver<Unsynced>,
     durable: tokio::sync::watch::Sender<u64>,
+    before_sync: Option<BeforeWalSync>,
 ) {
     let mut wal: Option<(std::fs::File, u64)> = None;
     let mut group = Vec::new();
@@ -1163,7 +1179,10 @@ fn syncer(
         }
         let last = group.iter().map(|b| b.number).max().unwrap_or_default();
         let began = std::time::Instant::now();
-        let synced = sync_wal(wal_path, &mut wal);
+        let synced = before_sync
+            .as_ref()
+            .map_or(Ok(()), |hook| (hook.0)())
+            .and_then(|()| sync_wal(wal_path, &mut wal));
         tracing::trace!(
             batches = group.len(),
             took_us = began.elapsed().as_micros() as u64,
@@ -1807,6 +1826,7 @@ mod tests {
             request_log_retention_ms: i64::MAX,
             // See `suite::TEST_TIMESTAMP_MS`.
             timestamp_window_ms: 0,
+            before_wal_sync: None,
         }
     }
 
@@ -2123,6 +2143,103 @@ mod tests {
         assert_eq!(recent.covered_since_ms(), now_ms - 2 * WINDOW_MS);
     }
 
+    /// A store whose WAL fsyncs pass through `hook`.
+    async fn open_hooked_store(
+        dir: &tempfile::TempDir,
+        hook: impl Fn() -> std::io::Result<()> + Send + Sync + 'static,
+    ) -> SqliteStore {
+        let mut options = test_options(dir.path().join("broker.sqlite3"));
+        options.before_wal_sync = Some(BeforeWalSync(Arc::new(hook)));
+        SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+            .await
+            .expect("open")
+    }
+
+    /// A failed fsync fails every answer waiting on it and stops the store
+    /// for good (after one the kernel may have dropped the pages; only a
+    /// restart knows what is on disk); a restart recovers what was durable.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_fsync_fails_the_waiting_answers_and_stops_the_store() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let failing = Arc::new(AtomicBool::new(false));
+        let hook = failing.clone();
+        let store = open_hooked_store(&dir, move || {
+            if hook.load(Ordering::SeqCst) {
+                Err(std::io::Error::other("injected fsync failure"))
+            } else {
+                Ok(())
+            }
+        })
+        .await;
+        let durable_root = issued(store.open_root(test_root(meta(9, 1))).await);
+        failing.store(true, Ordering::SeqCst);
+        match store.open_root(test_root(meta(9, 2))).await {
+            Err(StoreError::Backend(e)) => assert!(e.contains("fsync"), "{e}"),
+            other => panic!("the answer must carry the fsync failure: {other:?}"),
+        }
+        assert!(
+            store.open_root(test_root(meta(9, 3))).await.is_err(),
+            "a store whose fsync failed takes no more writes"
+        );
+        drop(store);
+        let store = open_test_store(dir.path().join("broker.sqlite3"), test_stamper()).await;
+        assert!(store.contract(durable_root).await.expect("read").is_some());
+    }
+
+    /// Nothing a crash could undo is shown: while the syncer is held, a
+    /// read that would see a committed but unsynced child waits, and the
+    /// child's own answer waits too; both come once the fsync is done.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_wait_for_the_fsync_of_what_they_would_show() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let gate = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
+        let held = gate.clone();
+        let store = open_hooked_store(&dir, move || {
+            let (open, changed) = &*held;
+            let mut open = open.lock().expect("gate");
+            while !*open {
+                open = changed.wait(open).expect("gate");
+            }
+            Ok(())
+        })
+        .await;
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let set_gate = |value: bool| {
+            let (open, changed) = &*gate;
+            *open.lock().expect("gate") = value;
+            changed.notify_all();
+        };
+        set_gate(false);
+        let before = store.durability.committed.load(Ordering::SeqCst);
+        let writer = {
+            let store = store.clone();
+            tokio::spawn(async move { store.delegate(test_child(9, 2, root, 8, "true")).await })
+        };
+        // Wait until the child is committed: its number is taken and its
+        // row is visible to a raw read (one that does not wait).
+        loop {
+            let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
+                .fetch_one(&store.reader)
+                .await
+                .expect("count");
+            if rows == 2 && store.durability.committed.load(Ordering::SeqCst) > before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let reader = {
+            let store = store.clone();
+            tokio::spawn(async move { store.children(root, 0, 10).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!reader.is_finished(), "a read returned unsynced state");
+        assert!(!writer.is_finished(), "an answer left before its fsync");
+        set_gate(true);
+        let child = issued(writer.await.expect("writer"));
+        let children = reader.await.expect("reader").expect("children");
+        assert_eq!(children.iter().map(|c| c.id).collect::<Vec<_>>(), [child]);
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
@@ -2167,6 +2284,7 @@ mod tests {
                 wal_restart_bytes: RESTART_BYTES,
                 request_log_retention_ms: i64::MAX,
                 timestamp_window_ms: 0,
+                before_wal_sync: None,
             },
             stamper,
             Arc::new(SystemClock),
