@@ -2172,6 +2172,14 @@ mod tests {
         })
         .await;
         let durable_root = issued(store.open_root(test_root(meta(9, 1))).await);
+        // The writer's first request-log prune follows that batch and is
+        // synced on its own; let it be durable first, so that the next
+        // fsync is the one of the next batch.
+        let mut durable = store.durability.durable.clone();
+        durable
+            .wait_for(|d| *d >= 2)
+            .await
+            .expect("batch and prune synced");
         failing.store(true, Ordering::SeqCst);
         match store.open_root(test_root(meta(9, 2))).await {
             Err(StoreError::Backend(e)) => assert!(e.contains("fsync"), "{e}"),
