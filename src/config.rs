@@ -189,10 +189,18 @@ const RETENTION_SLACK_MS: i64 = 120_000;
 const MAX_TLS_FILE_BYTES: u64 = 1024 * 1024;
 
 fn read_tls_file(path: &Path, field: &str) -> Result<Vec<u8>, ConfigError> {
-    let size = std::fs::metadata(path)
-        .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?
-        .len();
-    if size > MAX_TLS_FILE_BYTES {
+    use std::io::Read;
+    let unreadable =
+        |e: std::io::Error| invalid(field, format!("cannot read {}: {e}", path.display()));
+    // Read at most one byte past the limit: the size is checked on what
+    // was read, not on metadata that could change in between.
+    let mut pem = Vec::new();
+    std::fs::File::open(path)
+        .map_err(unreadable)?
+        .take(MAX_TLS_FILE_BYTES + 1)
+        .read_to_end(&mut pem)
+        .map_err(unreadable)?;
+    if pem.len() as u64 > MAX_TLS_FILE_BYTES {
         return Err(invalid(
             field,
             format!(
@@ -201,8 +209,6 @@ fn read_tls_file(path: &Path, field: &str) -> Result<Vec<u8>, ConfigError> {
             ),
         ));
     }
-    let pem = std::fs::read(path)
-        .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
     if !pem.windows(11).any(|w| w == b"-----BEGIN ") {
         return Err(invalid(field, format!("{} is not PEM", path.display())));
     }

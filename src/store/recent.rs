@@ -25,7 +25,7 @@ pub const DESIGN_REQUESTS_PER_S: usize = 5_000;
 /// 0.05% false "maybe" per filter).
 const BITS_PER_KEY: usize = 16;
 /// Bit probes per key (≈ BITS_PER_KEY × ln 2).
-const PROBES: u64 = 11;
+const PROBES: usize = 11;
 /// Smallest and largest filter: bounds memory to two of the largest
 /// (64 MiB) for the longest windows, where the rate degrades instead.
 const MIN_FILTER_BITS: usize = 1 << 16;
@@ -97,11 +97,13 @@ impl RecentRequests {
         }
     }
 
-    fn probes(&self, agent: &[u8; 32], nonce: &[u8]) -> impl Iterator<Item = usize> + use<> {
+    /// The key's bit positions (double hashing), without allocating: this
+    /// runs twice per request on the writer.
+    fn probes(&self, agent: &[u8; 32], nonce: &[u8]) -> [usize; PROBES] {
         let first = self.hasher.hash_one((agent, nonce));
         let step = self.hasher.hash_one((nonce, agent)) | 1;
         let mask = self.filter_bits as u64 - 1;
-        (0..PROBES).map(move |i| (first.wrapping_add(i.wrapping_mul(step)) & mask) as usize)
+        std::array::from_fn(|i| (first.wrapping_add((i as u64).wrapping_mul(step)) & mask) as usize)
     }
 
     /// False only if no request with this key and header timestamp
@@ -115,7 +117,7 @@ impl RecentRequests {
         if timestamp_ms.saturating_sub(self.window_ms) < self.covered_since_ms {
             return true;
         }
-        let probes: Vec<usize> = self.probes(agent, nonce).collect();
+        let probes = self.probes(agent, nonce);
         let held = |filter: &Filter| {
             probes
                 .iter()
@@ -136,8 +138,7 @@ impl RecentRequests {
             self.covered_since_ms = self.covered_since_ms.max(done.since_ms);
             self.previous = Some(done);
         }
-        let probes: Vec<usize> = self.probes(agent, nonce).collect();
-        for bit in probes {
+        for bit in self.probes(agent, nonce) {
             self.current.bits[bit / 64] |= 1 << (bit % 64);
         }
     }

@@ -88,3 +88,37 @@ fn a_missing_certificate_fails_the_start_naming_the_field() {
         other => panic!("expected an invalid tls.cert: {other:?}"),
     }
 }
+
+/// Certificate files are bounded and must be PEM; each refusal names the
+/// field.
+#[test]
+fn oversized_or_non_pem_tls_files_fail_naming_the_field() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let good = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
+    let cert = dir.path().join("cert.pem");
+    let key = dir.path().join("key.pem");
+    std::fs::write(&cert, good.cert.pem()).unwrap();
+    std::fs::write(&key, good.signing_key.serialize_pem()).unwrap();
+    let huge = dir.path().join("huge.pem");
+    let mut text = b"-----BEGIN CERTIFICATE-----\n".to_vec();
+    text.resize(1024 * 1024 + 1, b'A');
+    std::fs::write(&huge, text).unwrap();
+    let der = dir.path().join("key.der");
+    std::fs::write(&der, [0x30u8, 0x82, 0x01, 0x00]).unwrap();
+    let config = dir.path().join("broker.toml");
+    let load = |cert: &std::path::Path, key: &std::path::Path| {
+        std::fs::write(
+            &config,
+            format!("[tls]\ncert = {:?}\nkey = {:?}\n", cert, key),
+        )
+        .unwrap();
+        Config::load(dir.path().to_owned(), Some(&config))
+    };
+    let field_of = |result: Result<Config, delegation_broker::config::ConfigError>| match result {
+        Err(delegation_broker::config::ConfigError::Invalid { field, .. }) => field,
+        other => panic!("expected an invalid TLS file: {other:?}"),
+    };
+    assert!(load(&cert, &key).expect("valid PEM files").tls.is_some());
+    assert_eq!(field_of(load(&huge, &key)), "tls.cert");
+    assert_eq!(field_of(load(&cert, &der)), "tls.key");
+}
