@@ -1,8 +1,9 @@
-//! The command line: `serve`, `keygen`, `rotate-key`, `bench`. Every flag
-//! has an environment override.
+//! The command line: `serve`, `keygen`, `rotate-key`, `bench`,
+//! `disk-probe`, `audit`, `verify`. Every flag has an environment override.
 
 pub mod audit;
 pub mod bench;
+pub mod disk_probe;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,6 +54,10 @@ enum Command {
     },
     /// Load generator: drives OpenRoot + Delegate chains over gRPC.
     Bench(bench::BenchArgs),
+    /// The disk's latency floor under durable answers: replays group
+    /// commit (append, fdatasync) at a rate with no broker, to tell the
+    /// disk's share of a latency tail from the broker's.
+    DiskProbe(disk_probe::DiskProbeArgs),
     /// Compares orchestration arms: aggregated audits as a table, JSON or
     /// CSV.
     Audit(audit::AuditArgs),
@@ -88,6 +93,7 @@ pub fn main() -> ExitCode {
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
             .map_err(anyhow::Error::from),
         Command::Bench(args) => bench::run(args),
+        Command::DiskProbe(args) => disk_probe::run(args),
         Command::Audit(args) => audit::run(args),
         Command::Verify {
             public_key,
