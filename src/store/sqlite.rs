@@ -2248,6 +2248,98 @@ mod tests {
         assert_eq!(children.iter().map(|c| c.id).collect::<Vec<_>>(), [child]);
     }
 
+    /// A stuck disk bounds memory instead of growing it: while the syncer
+    /// is held, the writer commits at most `MAX_UNSYNCED_BATCHES` (plus
+    /// the group the syncer holds and the one it is handing over) and
+    /// then waits; commands queue up to `queue_depth`, and the next one is
+    /// refused as overloaded. Once the disk is back, every queued command
+    /// is answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
+        const QUEUE_DEPTH: usize = 8;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let gate = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
+        let held = gate.clone();
+        let mut options = test_options(dir.path().join("broker.sqlite3"));
+        options.queue_depth = QUEUE_DEPTH;
+        options.before_wal_sync = Some(BeforeWalSync(Arc::new(move || {
+            let (open, changed) = &*held;
+            let mut open = open.lock().expect("gate");
+            while !*open {
+                open = changed.wait(open).expect("gate");
+            }
+            Ok(())
+        })));
+        let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+            .await
+            .expect("open");
+        issued(store.open_root(test_root(meta(1, 0))).await);
+        let set_gate = |value: bool| {
+            let (open, changed) = &*gate;
+            *open.lock().expect("gate") = value;
+            changed.notify_all();
+        };
+        set_gate(false);
+        let before = store.durability.committed.load(Ordering::SeqCst);
+        // One command at a time, so that each is a batch of its own; stop
+        // when the writer no longer commits.
+        let mut pending = Vec::new();
+        let mut nonce = 0u16;
+        let mut next_meta = || {
+            nonce += 1;
+            let [agent, n] = nonce.to_be_bytes();
+            meta(agent.wrapping_add(2), n)
+        };
+        let limit = MAX_UNSYNCED_BATCHES + 3;
+        let stalled = loop {
+            let store_for_task = store.clone();
+            let request = next_meta();
+            pending.push(tokio::spawn(async move {
+                store_for_task.open_root(test_root(request)).await
+            }));
+            let seen = store.durability.committed.load(Ordering::SeqCst);
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+            while store.durability.committed.load(Ordering::SeqCst) == seen
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let committed = store.durability.committed.load(Ordering::SeqCst) - before;
+            if committed == seen - before {
+                break committed;
+            }
+            assert!(
+                committed <= u64::try_from(limit).expect("small"),
+                "the writer went on committing past the unsynced limit: {committed}"
+            );
+        };
+        assert!(
+            stalled >= u64::try_from(MAX_UNSYNCED_BATCHES).expect("small"),
+            "the writer stopped early, after {stalled} batches"
+        );
+        // The command that found the writer waiting sits in the queue;
+        // the rest of the queue fills up, and then a command is refused.
+        assert_eq!(store.commands.capacity(), QUEUE_DEPTH - 1);
+        for queued in 1..QUEUE_DEPTH {
+            let store_for_task = store.clone();
+            let request = next_meta();
+            pending.push(tokio::spawn(async move {
+                store_for_task.open_root(test_root(request)).await
+            }));
+            while store.commands.capacity() > QUEUE_DEPTH - 1 - queued {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        match store.open_root(test_root(next_meta())).await {
+            Err(StoreError::Overloaded(_)) => {}
+            other => panic!("a full writer queue must refuse, not grow: {other:?}"),
+        }
+        set_gate(true);
+        for task in pending {
+            issued(task.await.expect("task"));
+        }
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
