@@ -10,6 +10,8 @@ pub const MAX_BUDGET_UNITS: i64 = 10_i64.pow(15);
 pub const MAX_TEXT_BYTES: usize = 16_384;
 /// Largest forwarded predicate, in bytes.
 pub const MAX_PREDICATE_BYTES: usize = 4_096;
+/// Predicate texts remembered as parsed, in bytes (`Predicate::parse`).
+pub const MAX_PARSED_PREDICATE_BYTES: usize = 1024 * 1024;
 /// Largest effective (composed) predicate, in bytes: bounds what a deep
 /// chain of conjunctions can grow to.
 pub const MAX_EFFECTIVE_PREDICATE_BYTES: usize = 65_536;
