@@ -97,6 +97,10 @@ pub struct ContractRow {
     pub host_key: Option<AgentKey>,
     /// The run's labels as a JSON object.
     pub labels_json: String,
+    /// A root's labels, one `run_labels` row each, so AggregateAudits finds
+    /// runs by label through an index; empty for children (a run is found
+    /// by its root).
+    pub run_labels: Vec<(String, String)>,
     /// Status and ledger as of the end of the batch (a contract may become
     /// a parent within the batch that creates it).
     pub status: Status,
@@ -323,6 +327,11 @@ fn open_root(
         issued_at_ms: stamped.contract.issued_at_ms,
         host_key: None,
         labels_json: serde_json::to_string(&root.labels).unwrap_or_else(|_| "{}".into()),
+        run_labels: root
+            .labels
+            .iter()
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect(),
         status: view.status,
         ledger: view.ledger,
     });
@@ -432,6 +441,7 @@ fn delegate(
                 host_key: child.host,
                 labels_json: serde_json::to_string(&stamped.contract.labels)
                     .unwrap_or_else(|_| "{}".into()),
+                run_labels: Vec::new(),
                 status: view.status,
                 ledger: view.ledger,
             });

@@ -470,24 +470,44 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
         let mut conn = self.reader.acquire().await.map_err(backend)?;
-        // Labels are JSON: filtered here rather than in SQL, which keeps
-        // the query portable.
-        let roots = sqlx::query("SELECT seq, id, labels, budget, spent FROM contracts WHERE parent_seq IS NULL ORDER BY seq")
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(backend)?;
-        let mut runs = Vec::new();
+        // The roots carrying every selected label, through the run_labels
+        // index; at most limit + 1 rows are read, whatever the store holds.
+        let mut query =
+            QueryBuilder::<Sqlite>::new("SELECT seq, id, labels, budget, spent FROM contracts ");
+        query.push("WHERE parent_seq IS NULL");
+        if !selector.is_empty() {
+            query.push(" AND seq IN (");
+            for (i, (key, value)) in selector.iter().enumerate() {
+                if i > 0 {
+                    query.push(" INTERSECT ");
+                }
+                query
+                    .push("SELECT root_seq FROM run_labels WHERE label_key = ")
+                    .push_bind(key.as_str())
+                    .push(" AND label_value = ")
+                    .push_bind(value.as_str());
+            }
+            query.push(")");
+        }
+        query
+            .push(" ORDER BY seq LIMIT ")
+            .push_bind(i64::from(limit) + 1);
+        let roots = query.build().fetch_all(&mut *conn).await.map_err(backend)?;
+        if roots.len() > limit as usize {
+            return Err(StoreError::Overloaded(
+                "more runs match than limits.max_aggregate_runs",
+            ));
+        }
+        let mut runs = Vec::with_capacity(roots.len());
         for root in roots {
             let labels_json: String = root.try_get("labels").map_err(backend)?;
             let labels: std::collections::BTreeMap<String, String> =
                 serde_json::from_str(&labels_json)
                     .map_err(|_| StoreError::Corrupt("labels".into()))?;
+            // The index and the root's own labels must agree.
             if !selector.iter().all(|(k, v)| labels.get(k) == Some(v)) {
-                continue;
-            }
-            if runs.len() >= limit as usize {
-                return Err(StoreError::Overloaded(
-                    "more runs match than limits.max_aggregate_runs",
+                return Err(StoreError::Corrupt(
+                    "run_labels disagrees with the root's labels".into(),
                 ));
             }
             let root_seq: i64 = root.try_get("seq").map_err(backend)?;
@@ -1551,6 +1571,21 @@ fn plan_statements(script: &mut Script, plan: &Plan) -> usize {
             b.push_bind(row.seq).push_bind(row.envelope.as_slice());
         });
     }
+    let labels: Vec<(i64, &str, &str)> = plan
+        .contracts
+        .iter()
+        .flat_map(|row| {
+            row.run_labels
+                .iter()
+                .map(move |(key, value)| (row.seq, key.as_str(), value.as_str()))
+        })
+        .collect();
+    for chunk in labels.chunks(ROWS_PER_STATEMENT) {
+        script.statement("INSERT INTO run_labels (label_key, label_value, root_seq) ");
+        script.query.push_values(chunk, |mut b, (seq, key, value)| {
+            b.push_bind(*key).push_bind(*value).push_bind(*seq);
+        });
+    }
     // One UPDATE for every changed earlier contract: a CASE per column.
     for chunk in plan.states.chunks(ROWS_PER_STATEMENT / 8) {
         script.statement("UPDATE contracts SET ");
@@ -1759,9 +1794,9 @@ mod tests {
                 "INSERT INTO contracts (seq, id, root_seq, root_id, depth, delegate_key, liability, \
                  intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, \
                  write_scope, max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, \
-                 envelope, issued_at_ms, status, budget, reserved, spent, open_children) \
+                 envelope, issued_at_ms, status, budget, reserved, spent, open_children, labels) \
                  VALUES (1, $1, 1, $1, 0, $2, 1, $1, 1000000, 'true', 1, '[]', 4, 0, 8, 0, $3, 1, \
-                 1, 100, 0, 0, 0)",
+                 1, 100, 0, 0, 0, '{\"arm\":\"a\"}')",
             )
             .bind(id.as_slice())
             .bind(agent.as_slice())
@@ -1787,6 +1822,11 @@ mod tests {
         let record = store.contract(id).await.expect("read").expect("kept");
         assert_eq!(record.envelope, envelope);
         assert_eq!(record.ledger.budget, 100);
+        // Its labels were indexed by migration 5.
+        let selector = [("arm".to_owned(), "a".to_owned())].into_iter().collect();
+        let runs = store.runs(&selector, 10).await.expect("runs");
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].0.root_id, id);
         let request = RequestMeta {
             agent,
             nonce,

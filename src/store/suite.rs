@@ -99,6 +99,65 @@ pub fn receipt(answer: Result<Answer, StoreError>) -> pb::Receipt {
     }
 }
 
+/// Runs are found by every selected label, in issuance order; children
+/// (which carry their root's labels) are not runs; more matches than the
+/// limit is an error rather than a silent cut.
+pub async fn runs_are_selected_by_labels<S: Store>(store: &S) {
+    let labelled = |nonce: u8, labels: &[(&str, &str)]| {
+        let mut root = test_root(meta(9, nonce));
+        root.labels = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        root
+    };
+    let a1 = issued(
+        store
+            .open_root(labelled(1, &[("arm", "a"), ("exp", "1")]))
+            .await,
+    );
+    let b1 = issued(
+        store
+            .open_root(labelled(2, &[("arm", "b"), ("exp", "1")]))
+            .await,
+    );
+    let a2 = issued(
+        store
+            .open_root(labelled(3, &[("arm", "a"), ("exp", "2")]))
+            .await,
+    );
+    issued(store.delegate(test_child(9, 4, a1, 8, "true")).await);
+    let select = |labels: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
+        labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    };
+    let roots = |runs: Vec<(super::RunFacts, super::TreeMutations)>| -> Vec<Id> {
+        runs.into_iter().map(|(run, _)| run.root_id).collect()
+    };
+    let found = store
+        .runs(&select(&[("arm", "a")]), 10)
+        .await
+        .expect("runs");
+    assert_eq!(found[0].0.contracts.len(), 1, "the child is in its run");
+    assert_eq!(roots(found), [a1, a2]);
+    let found = store.runs(&select(&[("arm", "a"), ("exp", "1")]), 10).await;
+    assert_eq!(roots(found.expect("runs")), [a1]);
+    let found = store.runs(&select(&[("exp", "1")]), 10).await;
+    assert_eq!(roots(found.expect("runs")), [a1, b1]);
+    let found = store.runs(&select(&[]), 10).await;
+    assert_eq!(roots(found.expect("runs")), [a1, b1, a2]);
+    let found = store.runs(&select(&[("arm", "c")]), 10).await;
+    assert!(found.expect("runs").is_empty());
+    assert!(matches!(
+        store.runs(&select(&[("arm", "a")]), 1).await,
+        Err(StoreError::Overloaded(_))
+    ));
+    let found = store.runs(&select(&[("arm", "a"), ("exp", "2")]), 1).await;
+    assert_eq!(roots(found.expect("exactly the limit")), [a2]);
+}
+
 /// A root's children are issued with their budget reserved in the parent,
 /// and listed in issuance order.
 pub async fn issues_reserves_and_lists_children<S: Store>(store: &S) {
@@ -276,6 +335,12 @@ macro_rules! store_suite {
             async fn events_come_in_commit_order_after_a_cursor() {
                 let (store, _keep) = $open().await;
                 suite::events_come_in_commit_order_after_a_cursor(&store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn runs_are_selected_by_labels() {
+                let (store, _keep) = $open().await;
+                suite::runs_are_selected_by_labels(&store).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
