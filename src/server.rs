@@ -90,6 +90,7 @@ pub async fn run_with_clock(
             request_log_retention_ms: limits.request_log_retention_ms,
             timestamp_window_ms: limits.timestamp_window_ms,
             before_wal_sync: None,
+            before_judge: None,
         },
         stamper,
         clock.clone(),

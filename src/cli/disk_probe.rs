@@ -34,16 +34,16 @@ pub struct DiskProbeArgs {
     #[arg(long, env = "BROKER_DATA_DIR", default_value = "broker-data")]
     pub dir: PathBuf,
     /// Requests per second arriving (as `bench --rate`).
-    #[arg(long, default_value_t = 4000)]
+    #[arg(long, env = "DISK_PROBE_RATE", default_value_t = 4000)]
     pub rate: u64,
     /// Bytes each request adds to the log before the fsync.
-    #[arg(long, default_value_t = DEFAULT_BYTES_PER_REQUEST)]
+    #[arg(long, env = "DISK_PROBE_BYTES_PER_REQUEST", default_value_t = DEFAULT_BYTES_PER_REQUEST)]
     pub bytes_per_request: u64,
     /// Seconds to run.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, env = "DISK_PROBE_DURATION_S", default_value_t = 30)]
     pub duration_s: u64,
     /// Latency that counts as a stall, in milliseconds (the target's p99).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "DISK_PROBE_STALL_MS", default_value_t = 5)]
     pub stall_ms: u64,
 }
 

@@ -77,6 +77,9 @@ pub struct SqliteOptions {
     pub timestamp_window_ms: i64,
     /// Fault injection for tests; `None` in production.
     pub before_wal_sync: Option<BeforeWalSync>,
+    /// Test hook run on each judge thread before it judges; `None` in
+    /// production.
+    pub before_judge: Option<BeforeJudge>,
 }
 
 /// Runs on the syncer before each WAL fsync; an error counts as a failed
@@ -88,6 +91,17 @@ pub struct BeforeWalSync(pub Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>)
 impl std::fmt::Debug for BeforeWalSync {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("BeforeWalSync(..)")
+    }
+}
+
+/// Runs on a judge thread before it judges (see `prejudge`); blocking
+/// holds the thread and its permit. Lets tests see how many judge at once.
+#[derive(Clone)]
+pub struct BeforeJudge(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for BeforeJudge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeforeJudge(..)")
     }
 }
 
@@ -113,6 +127,8 @@ pub struct SqliteStore {
     durability: Durability,
     /// Bounds completions being judged at once (see `prejudge`).
     judges: Arc<tokio::sync::Semaphore>,
+    /// `SqliteOptions::before_judge`.
+    before_judge: Option<BeforeJudge>,
 }
 
 /// Commit numbers: the writer takes the next one just before each COMMIT,
@@ -278,6 +294,7 @@ impl SqliteStore {
             clock,
             durability: Durability { committed, durable },
             judges: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_JUDGMENTS)),
+            before_judge: options.before_judge.clone(),
         })
     }
 
@@ -332,10 +349,14 @@ impl SqliteStore {
         let shared: Arc<CompleteArgs> = Arc::from(args);
         let for_judge = shared.clone();
         let (done, judged) = oneshot::channel();
+        let hook = self.before_judge.clone();
         let spawned = std::thread::Builder::new()
             .name("store-judge".into())
             .stack_size(WRITER_STACK_BYTES)
             .spawn(move || {
+                if let Some(hook) = hook {
+                    (hook.0)();
+                }
                 let prejudged = inputs.judge(&for_judge);
                 // Released before answering, so the caller's unwrap below
                 // finds the only reference.
@@ -1867,6 +1888,7 @@ mod tests {
             // See `suite::TEST_TIMESTAMP_MS`.
             timestamp_window_ms: 0,
             before_wal_sync: None,
+            before_judge: None,
         }
     }
 
@@ -2380,6 +2402,97 @@ mod tests {
         }
     }
 
+    /// However many completions arrive at once, at most
+    /// `MAX_CONCURRENT_JUDGMENTS` are judged at a time (each judge is a
+    /// thread with a deep stack); the rest wait for a permit, and all are
+    /// answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_most_the_judgment_limit_is_judged_at_once() {
+        // More than the limit, within the test root's fan-out (8).
+        const COMPLETIONS: u8 = 7;
+        let dir = tempfile::tempdir().expect("temp dir");
+        // (open gate, live judges, most live at once)
+        type Gate = (Mutex<(bool, usize, usize)>, std::sync::Condvar);
+        let gate: Arc<Gate> = Arc::new((Mutex::new((false, 0, 0)), std::sync::Condvar::new()));
+        let held = gate.clone();
+        let mut options = test_options(dir.path().join("broker.sqlite3"));
+        options.before_judge = Some(BeforeJudge(Arc::new(move || {
+            let (state, changed) = &*held;
+            let mut state = state.lock().expect("gate");
+            state.1 += 1;
+            state.2 = state.2.max(state.1);
+            changed.notify_all();
+            while !state.0 {
+                state = changed.wait(state).expect("gate");
+            }
+            state.1 -= 1;
+        })));
+        let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+            .await
+            .expect("open");
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let delegate = 20u8;
+        let mut completions = Vec::new();
+        for i in 0..COMPLETIONS {
+            let child = issued(
+                store
+                    .delegate(test_child(9, 10 + i, root, delegate, "true"))
+                    .await,
+            );
+            let accept = LifecycleCommand {
+                request: Some(meta(delegate, 40 + i)),
+                contract_id: child,
+                action: Action::Accept {
+                    host: Some([30; 32]),
+                },
+            };
+            receipt(store.transition(accept).await);
+            let store = store.clone();
+            completions.push(tokio::spawn(async move {
+                let complete = LifecycleCommand {
+                    request: Some(meta(delegate, 80 + i)),
+                    contract_id: child,
+                    action: Action::Complete(Box::new(CompleteArgs {
+                        output_json: "{}".into(),
+                        output: serde_json::json!({}),
+                        has_report: false,
+                        claim: "done".into(),
+                        reported_consumed: 1,
+                        received_at_ms: None,
+                        prejudged: None,
+                    })),
+                };
+                store.transition(complete).await
+            }));
+        }
+        // Wait until the judges stop filling up, then look.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut last = usize::MAX;
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let live = gate.0.lock().expect("gate").1;
+            if (live == last && live > 0) || std::time::Instant::now() > deadline {
+                break;
+            }
+            last = live;
+        }
+        let most = gate.0.lock().expect("gate").2;
+        assert_eq!(
+            most, MAX_CONCURRENT_JUDGMENTS,
+            "judges at once while {COMPLETIONS} completions wait"
+        );
+        {
+            let (state, changed) = &*gate;
+            state.lock().expect("gate").0 = true;
+            changed.notify_all();
+        }
+        for completion in completions {
+            let answer = receipt(completion.await.expect("task"));
+            assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
+        }
+        assert_eq!(gate.0.lock().expect("gate").2, MAX_CONCURRENT_JUDGMENTS);
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
@@ -2425,6 +2538,7 @@ mod tests {
                 request_log_retention_ms: i64::MAX,
                 timestamp_window_ms: 0,
                 before_wal_sync: None,
+                before_judge: None,
             },
             stamper,
             Arc::new(SystemClock),
