@@ -112,6 +112,9 @@ pub struct Limits {
     pub max_concurrent_requests_per_connection: usize,
     /// Longest a request may run, in ms, before DEADLINE_EXCEEDED.
     pub request_timeout_ms: u64,
+    /// Longest a TLS handshake may take, in ms: a client that never
+    /// finishes one must not hold a task and a socket forever.
+    pub tls_handshake_timeout_ms: u64,
     /// Concurrent Watch streams, broker-wide.
     pub max_watch_streams: usize,
     /// How often overdue contracts are expired in the background, in ms
@@ -137,6 +140,7 @@ impl Default for Limits {
             read_connections: 4,
             max_concurrent_requests_per_connection: 1_024,
             request_timeout_ms: 30_000,
+            tls_handshake_timeout_ms: 10_000,
             max_watch_streams: 1_024,
             expiry_sweep_interval_ms: 1_000,
             request_log_retention_ms: 30 * 24 * 3_600_000,
@@ -184,6 +188,9 @@ struct FileTls {
 /// the writer's queue (bounded by the request timeout) while the writer
 /// prunes, so the log keeps a margin over that.
 const RETENTION_SLACK_MS: i64 = 120_000;
+/// Ceiling on `limits.tls_handshake_timeout_ms`: a minute is already
+/// generous for a handshake.
+const MAX_TLS_HANDSHAKE_TIMEOUT_MS: u64 = 60_000;
 
 /// Most bytes read from a TLS certificate or key file.
 const MAX_TLS_FILE_BYTES: u64 = 1024 * 1024;
@@ -357,6 +364,12 @@ impl Config {
                 ),
             ));
         }
+        if !(1..=MAX_TLS_HANDSHAKE_TIMEOUT_MS).contains(&l.tls_handshake_timeout_ms) {
+            return Err(invalid(
+                "limits.tls_handshake_timeout_ms",
+                format!("must be 1..={MAX_TLS_HANDSHAKE_TIMEOUT_MS}"),
+            ));
+        }
         if l.max_concurrent_requests_per_connection == 0 || l.request_timeout_ms == 0 {
             return Err(invalid(
                 "limits",
@@ -417,6 +430,14 @@ mod tests {
                 assert_eq!(field, "limits.request_log_retention_ms");
             }
             other => panic!("retention below twice the window must be refused: {other:?}"),
+        }
+        for bad in [0, MAX_TLS_HANDSHAKE_TIMEOUT_MS + 1] {
+            match load(&format!("[limits]\ntls_handshake_timeout_ms = {bad}\n")) {
+                Err(ConfigError::Invalid { field, .. }) => {
+                    assert_eq!(field, "limits.tls_handshake_timeout_ms");
+                }
+                other => panic!("a handshake timeout of {bad} ms must be refused: {other:?}"),
+            }
         }
         match load("[orchestrators]\n\"not-hex\" = 5\n") {
             Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "orchestrators.not-hex"),

@@ -37,9 +37,6 @@ pub enum ServerError {
     Tls(String),
 }
 
-/// Longest a TLS handshake may take.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Serves the broker on `listener` until `shutdown` resolves, then drains
 /// in-flight requests and returns.
 pub async fn run(
@@ -135,7 +132,7 @@ pub async fn run_with_clock(
                     .identity(identity)
                     // A client that never finishes its handshake must not
                     // hold a task and a socket forever.
-                    .timeout(TLS_HANDSHAKE_TIMEOUT),
+                    .timeout(Duration::from_millis(limits.tls_handshake_timeout_ms)),
             )
             .map_err(|e| ServerError::Tls(e.to_string()))?;
     }

@@ -122,3 +122,69 @@ fn oversized_or_non_pem_tls_files_fail_naming_the_field() {
     assert_eq!(field_of(load(&huge, &key)), "tls.cert");
     assert_eq!(field_of(load(&cert, &der)), "tls.key");
 }
+
+/// A client that opens a connection and never starts its TLS handshake is
+/// dropped after `limits.tls_handshake_timeout_ms`, not kept forever (each
+/// such socket holds a task), and the broker goes on serving.
+#[tokio::test]
+async fn an_unfinished_tls_handshake_is_dropped_after_the_timeout() {
+    use tokio::io::AsyncReadExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let issued = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
+    let cert_pem = issued.cert.pem();
+    let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
+    config.tls = Some(TlsIdentity {
+        cert_pem: cert_pem.clone().into_bytes(),
+        key_pem: issued.signing_key.serialize_pem().into_bytes(),
+    });
+    config.limits.tls_handshake_timeout_ms = 300;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(delegation_broker::server::run_with_clock(
+        listener,
+        config,
+        Arc::new(SystemClock),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+
+    let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("TCP connect");
+    let began = std::time::Instant::now();
+    let mut byte = [0u8; 1];
+    // Without the timeout the read would wait forever; 20 s is far beyond
+    // the configured 300 ms.
+    let read = tokio::time::timeout(std::time::Duration::from_secs(20), silent.read(&mut byte))
+        .await
+        .expect("the broker must drop a connection that never handshakes");
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "the connection must be closed, got {read:?}"
+    );
+    assert!(
+        began.elapsed() >= std::time::Duration::from_millis(250),
+        "closed before the handshake timeout: {:?}",
+        began.elapsed()
+    );
+
+    // And a real client is still served.
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&cert_pem))
+        .domain_name("localhost");
+    let channel = Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS handshake");
+    BrokerClient::new(channel)
+        .get_broker_keys(pb::GetBrokerKeysRequest::default())
+        .await
+        .expect("GetBrokerKeys over TLS");
+    let _ = stop.send(());
+    server.await.expect("server task").expect("server ran");
+}
