@@ -2493,6 +2493,62 @@ mod tests {
         assert_eq!(gate.0.lock().expect("gate").2, MAX_CONCURRENT_JUDGMENTS);
     }
 
+    /// A prune pass deletes at most `MAX_PRUNED_PER_PASS` entries, oldest
+    /// first and only those past the cutoff, so the writer's pause stays
+    /// bounded; a backlog is worked off pass by pass.
+    #[tokio::test]
+    async fn a_prune_pass_is_bounded_and_takes_the_oldest_first() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let connect = SqliteConnectOptions::new()
+            .filename(dir.path().join("broker.sqlite3"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        let mut conn = SqliteConnection::connect_with(&connect)
+            .await
+            .expect("connect");
+        sqlx::migrate!("./migrations/sqlite")
+            .run(&mut conn)
+            .await
+            .expect("schema");
+        let old = i64::try_from(MAX_PRUNED_PER_PASS).expect("small") * 2 + 10;
+        // `old` entries before the cutoff (at 1..=old ms), 5 after it.
+        for at_ms in 1..=old + 5 {
+            sqlx::query(
+                "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
+                 VALUES ($1, $2, $3, 1, $3, $4)",
+            )
+            .bind([7u8; 32].as_slice())
+            .bind(at_ms.to_be_bytes().as_slice())
+            .bind([1u8; 32].as_slice())
+            .bind(at_ms)
+            .execute(&mut conn)
+            .await
+            .expect("insert");
+        }
+        let cutoff_ms = old + 1;
+        let first = prune_requests(&mut conn, cutoff_ms).await.expect("prune");
+        assert_eq!(first, MAX_PRUNED_PER_PASS);
+        let oldest: i64 = sqlx::query_scalar("SELECT MIN(at_ms) FROM requests")
+            .fetch_one(&mut conn)
+            .await
+            .expect("min");
+        assert_eq!(
+            oldest,
+            i64::try_from(MAX_PRUNED_PER_PASS).expect("small") + 1,
+            "the oldest go first"
+        );
+        let mut passes = 1;
+        while prune_requests(&mut conn, cutoff_ms).await.expect("prune") > 0 {
+            passes += 1;
+        }
+        assert_eq!(passes, 3, "a backlog of {old} takes three passes");
+        let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM requests")
+            .fetch_one(&mut conn)
+            .await
+            .expect("count");
+        assert_eq!(left, 5, "entries after the cutoff stay");
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
