@@ -64,6 +64,10 @@ fn signatures(c: &mut Criterion) {
         b.iter(|| crypto::sign_envelope(&key, payload_type::DELEGATE, black_box(payload.clone())))
     });
     let public_bytes = public.to_bytes();
+    c.bench_function(
+        "decode a public key (first time: point decompression)",
+        |b| b.iter(|| ed25519_dalek::VerifyingKey::from_bytes(black_box(&public_bytes))),
+    );
     c.bench_function("public_key (a key decoded before: the memo)", |b| {
         b.iter(|| crypto::public_key(black_box(&public_bytes)))
     });
@@ -150,6 +154,15 @@ fn invariants(c: &mut Criterion) {
     let ask = ask(0, lineage);
     c.bench_function("check_delegation (all fifteen invariants)", |b| {
         b.iter(|| check_delegation(black_box(&parent), black_box(&ask), 1_000))
+    });
+    // A new text every time (the memo only adds an insert; it is cleared
+    // when full, like a cold one).
+    let mut n = 0u64;
+    c.bench_function("parse a CEL predicate (first time)", |b| {
+        b.iter(|| {
+            n += 1;
+            Predicate::parse(&format!("{PREDICATE} && result.n != {n}"), "predicate")
+        })
     });
     c.bench_function(
         "parse a CEL predicate (a text parsed before: the memo)",

@@ -26,11 +26,13 @@ const PROBE_FILE_BYTES: u64 = crate::store::sqlite::WAL_RESTART_BYTES;
 const MAX_RATE_PER_S: u64 = 100_000;
 const MAX_DURATION_S: u64 = 600;
 const MAX_BYTES_PER_REQUEST: u64 = 1024 * 1024;
+/// Most requests in one run (`rate` × `duration_s`): 40 MB of samples.
+const MAX_REQUESTS: u64 = 10_000_000;
 
 #[derive(Args, Debug)]
 pub struct DiskProbeArgs {
     /// Directory on the disk to probe (the broker's data directory). A
-    /// temporary file is written there and removed afterwards.
+    /// scratch file of 32 MiB is written there, unlinked from the start.
     #[arg(long, env = "BROKER_DATA_DIR", default_value = "broker-data")]
     pub dir: PathBuf,
     /// Requests per second arriving (as `bench --rate`).
@@ -70,6 +72,10 @@ pub fn run(args: DiskProbeArgs) -> anyhow::Result<()> {
         "--duration-s must be 1..={MAX_DURATION_S}"
     );
     anyhow::ensure!(
+        args.rate.saturating_mul(args.duration_s) <= MAX_REQUESTS,
+        "--rate × --duration-s must be at most {MAX_REQUESTS} requests"
+    );
+    anyhow::ensure!(
         (1..=MAX_BYTES_PER_REQUEST).contains(&args.bytes_per_request),
         "--bytes-per-request must be 1..={MAX_BYTES_PER_REQUEST}"
     );
@@ -79,10 +85,7 @@ pub fn run(args: DiskProbeArgs) -> anyhow::Result<()> {
         .dir
         .join(format!("disk-probe-{}.tmp", std::process::id()));
     let stall = Duration::from_millis(args.stall_ms);
-    let report = probe(&path, &args, stall);
-    // Removed whatever happened: it is only scratch.
-    let _ = std::fs::remove_file(&path);
-    let report = report?;
+    let report = probe(&path, &args, stall)?;
     let requests = report.latencies_us.len();
     println!(
         "disk probe: {requests} requests at {}/s, {} B each, {} fsyncs over {:.1}s in {}",
@@ -129,6 +132,9 @@ pub fn probe(path: &Path, args: &DiskProbeArgs, stall: Duration) -> anyhow::Resu
         .write(true)
         .open(path)
         .with_context(|| format!("creating {}", path.display()))?;
+    // Unlinked at once: the open file lives on until the probe exits, and
+    // nothing is left behind even if it is killed.
+    std::fs::remove_file(path).with_context(|| format!("unlinking {}", path.display()))?;
     preallocate(&mut file)?;
     let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
     let total = args.rate.saturating_mul(args.duration_s);
@@ -235,6 +241,7 @@ mod tests {
             stall_ms: 5,
         };
         let report = probe(&dir.path().join("p"), &args, Duration::from_millis(5)).unwrap();
+        assert!(!dir.path().join("p").exists(), "nothing is left behind");
         assert_eq!(report.latencies_us.len(), 200);
         assert!(!report.fsyncs_us.is_empty() && report.fsyncs_us.len() <= 200);
         // A request waits at least for the fsync that covers it.

@@ -73,20 +73,26 @@ static PARSED: std::sync::OnceLock<std::sync::Mutex<ParsedTexts>> = std::sync::O
 #[derive(Default)]
 struct ParsedTexts {
     texts: std::collections::HashSet<String>,
-    /// Sum of the texts' lengths: the memo's bound.
+    /// What the texts cost in memory, each its length plus
+    /// `ENTRY_OVERHEAD_BYTES`: the memo's bound.
     bytes: usize,
 }
 
+/// A `String` and its hash-table slot, beyond the text itself.
+const ENTRY_OVERHEAD_BYTES: usize = 64;
+
 impl ParsedTexts {
     /// Adds a text, forgetting everything first if it would pass
-    /// `capacity_bytes` (refilling costs one parse per text).
+    /// `capacity_bytes` (refilling costs one parse per text, as with no
+    /// memo at all — so flooding it costs no more than not having it).
     fn remember(&mut self, text: &str, capacity_bytes: usize) {
-        if self.bytes + text.len() > capacity_bytes {
+        let cost = text.len() + ENTRY_OVERHEAD_BYTES;
+        if self.bytes + cost > capacity_bytes {
             self.texts.clear();
             self.bytes = 0;
         }
         if self.texts.insert(text.to_owned()) {
-            self.bytes += text.len();
+            self.bytes += cost;
         }
     }
 }
@@ -161,14 +167,17 @@ mod tests {
             );
         }
         let mut memo = ParsedTexts::default();
+        let capacity = 2 * (4 + ENTRY_OVERHEAD_BYTES);
         for text in ["aaaa", "bbbb", "cccc", "bbbb"] {
-            memo.remember(text, 8);
-            assert!(memo.bytes <= 8 && memo.texts.contains(text));
+            memo.remember(text, capacity);
+            assert!(memo.bytes <= capacity && memo.texts.contains(text));
         }
-        assert_eq!(
-            memo.bytes,
-            memo.texts.iter().map(String::len).sum::<usize>()
-        );
+        let charged: usize = memo
+            .texts
+            .iter()
+            .map(|t| t.len() + ENTRY_OVERHEAD_BYTES)
+            .sum();
+        assert_eq!(memo.bytes, charged);
     }
 
     #[test]

@@ -89,7 +89,8 @@ pub fn public_key(bytes: &[u8]) -> Result<VerifyingKey, CryptoError> {
 
 /// Adds a decoded key, bounded by forgetting everything at once when
 /// full: simple, and a full cache only costs one decompression per key to
-/// refill.
+/// refill — so a client flooding it with fresh keys (it is filled before
+/// the signature is checked) costs no more than having no cache.
 fn remember(
     keys: &mut std::collections::HashMap<[u8; 32], VerifyingKey>,
     key: VerifyingKey,

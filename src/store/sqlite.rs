@@ -1817,7 +1817,7 @@ mod tests {
                  write_scope, max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, \
                  envelope, issued_at_ms, status, budget, reserved, spent, open_children, labels) \
                  VALUES (1, $1, 1, $1, 0, $2, 1, $1, 1000000, 'true', 1, '[]', 4, 0, 8, 0, $3, 1, \
-                 1, 100, 0, 0, 0, '{\"arm\":\"a\"}')",
+                 1, 100, 0, 0, 0, '{\"arm\":\"a\",\"note\":\"say \\\"hi\\\" \\\\ é\"}')",
             )
             .bind(id.as_slice())
             .bind(agent.as_slice())
@@ -1844,10 +1844,12 @@ mod tests {
         assert_eq!(record.envelope, envelope);
         assert_eq!(record.ledger.budget, 100);
         // Its labels were indexed by migration 5.
-        let selector = [("arm".to_owned(), "a".to_owned())].into_iter().collect();
-        let runs = store.runs(&selector, 10).await.expect("runs");
-        assert_eq!(runs.len(), 1);
-        assert_eq!(runs[0].0.root_id, id);
+        for (key, value) in [("arm", "a"), ("note", "say \"hi\" \\ é")] {
+            let selector = [(key.to_owned(), value.to_owned())].into_iter().collect();
+            let runs = store.runs(&selector, 10).await.expect("runs");
+            assert_eq!(runs.len(), 1, "{key}");
+            assert_eq!(runs[0].0.root_id, id);
+        }
         let request = RequestMeta {
             agent,
             nonce,
@@ -2354,13 +2356,15 @@ mod tests {
         };
         let limit = MAX_UNSYNCED_BATCHES + 3;
         let stalled = loop {
+            // Read before the command goes in, so a quick commit is seen.
+            let seen = store.durability.committed.load(Ordering::SeqCst);
             let store_for_task = store.clone();
             let request = next_meta();
             pending.push(tokio::spawn(async move {
                 store_for_task.open_root(test_root(request)).await
             }));
-            let seen = store.durability.committed.load(Ordering::SeqCst);
-            let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+            // Generous: only the last wait (the stalled writer) runs out.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
             while store.durability.committed.load(Ordering::SeqCst) == seen
                 && tokio::time::Instant::now() < deadline
             {
@@ -2388,7 +2392,12 @@ mod tests {
             pending.push(tokio::spawn(async move {
                 store_for_task.open_root(test_root(request)).await
             }));
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
             while store.commands.capacity() > QUEUE_DEPTH - 1 - queued {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "command {queued} never reached the queue"
+                );
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
@@ -2465,17 +2474,15 @@ mod tests {
                 store.transition(complete).await
             }));
         }
-        // Wait until the judges stop filling up, then look.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let mut last = usize::MAX;
-        loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let live = gate.0.lock().expect("gate").1;
-            if (live == last && live > 0) || std::time::Instant::now() > deadline {
-                break;
-            }
-            last = live;
+        // Wait until the limit is reached, then a while longer for any
+        // judge beyond it to show up.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while gate.0.lock().expect("gate").1 < MAX_CONCURRENT_JUDGMENTS
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let most = gate.0.lock().expect("gate").2;
         assert_eq!(
             most, MAX_CONCURRENT_JUDGMENTS,

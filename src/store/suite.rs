@@ -111,9 +111,11 @@ pub async fn runs_are_selected_by_labels<S: Store>(store: &S) {
             .collect();
         root
     };
+    // A value with quotes, a backslash and non-ASCII text, stored as is.
+    let odd = "say \"hi\" \\ é";
     let a1 = issued(
         store
-            .open_root(labelled(1, &[("arm", "a"), ("exp", "1")]))
+            .open_root(labelled(1, &[("arm", "a"), ("exp", "1"), ("note", odd)]))
             .await,
     );
     let b1 = issued(
@@ -148,6 +150,8 @@ pub async fn runs_are_selected_by_labels<S: Store>(store: &S) {
     assert_eq!(roots(found.expect("runs")), [a1, b1]);
     let found = store.runs(&select(&[]), 10).await;
     assert_eq!(roots(found.expect("runs")), [a1, b1, a2]);
+    let found = store.runs(&select(&[("note", odd)]), 10).await;
+    assert_eq!(roots(found.expect("runs")), [a1]);
     let found = store.runs(&select(&[("arm", "c")]), 10).await;
     assert!(found.expect("runs").is_empty());
     assert!(matches!(
