@@ -63,6 +63,67 @@ pub struct Known {
     pub contract: Arc<pb::Contract>,
 }
 
+/// The writer's contracts by id, with what they cost in memory: each
+/// entry is charged its contract's encoded size plus
+/// `KNOWN_ENTRY_OVERHEAD_BYTES` when inserted, so the cache can be bounded
+/// in bytes (a deep chain with long texts makes a contract tens of KiB).
+#[derive(Default)]
+pub struct KnownMap {
+    entries: HashMap<Id, (Known, usize)>,
+    bytes: usize,
+}
+
+/// A `Known` beside its contract: the view, ids, the hash-map slot.
+pub const KNOWN_ENTRY_OVERHEAD_BYTES: usize = 512;
+
+impl KnownMap {
+    pub fn get(&self, id: &Id) -> Option<&Known> {
+        self.entries.get(id).map(|(known, _)| known)
+    }
+
+    /// For status and ledger changes; the contract itself is immutable.
+    pub fn get_mut(&mut self, id: &Id) -> Option<&mut Known> {
+        self.entries.get_mut(id).map(|(known, _)| known)
+    }
+
+    pub fn contains_key(&self, id: &Id) -> bool {
+        self.entries.contains_key(id)
+    }
+
+    pub fn insert(&mut self, id: Id, known: Known) {
+        use prost::Message;
+        let cost = known.contract.encoded_len() + KNOWN_ENTRY_OVERHEAD_BYTES;
+        if let Some((_, old_cost)) = self.entries.insert(id, (known, cost)) {
+            self.bytes -= old_cost;
+        }
+        self.bytes += cost;
+    }
+
+    pub fn remove(&mut self, id: &Id) -> Option<Known> {
+        let (known, cost) = self.entries.remove(id)?;
+        self.bytes -= cost;
+        Some(known)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// What the entries were charged in all.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.bytes = 0;
+    }
+}
+
 /// An earlier answered request, as loaded for idempotent replay.
 #[derive(Clone, Debug)]
 pub struct PriorRequest {
@@ -141,7 +202,7 @@ pub struct Plan {
 }
 
 /// The request keys and parent ids a batch needs loaded.
-pub fn needs(commands: &[Command], known: &HashMap<Id, Known>) -> (Vec<RequestKey>, Vec<Id>) {
+pub fn needs(commands: &[Command], known: &KnownMap) -> (Vec<RequestKey>, Vec<Id>) {
     let requests = commands
         .iter()
         .filter_map(Command::request)
@@ -188,7 +249,7 @@ pub fn replayed(prior: &PriorRequest, request: &RequestMeta) -> Result<Answer, S
 pub fn plan(
     commands: &[Command],
     prior: &mut HashMap<RequestKey, PriorRequest>,
-    known: &mut HashMap<Id, Known>,
+    known: &mut KnownMap,
     next_seq: &mut i64,
     stamper: &Stamper,
     now_ms: i64,
@@ -287,7 +348,7 @@ fn scope_json(scope: &Scope) -> String {
 fn open_root(
     root: &NewRoot,
     stamped: StampedContract,
-    known: &mut HashMap<Id, Known>,
+    known: &mut KnownMap,
     next_seq: &mut i64,
     plan: &mut Plan,
 ) -> Answer {
@@ -359,7 +420,7 @@ fn open_root(
 fn delegate(
     child: &NewChild,
     speculation: Option<&Speculation>,
-    known: &mut HashMap<Id, Known>,
+    known: &mut KnownMap,
     next_seq: &mut i64,
     plan: &mut Plan,
     touched: &mut Vec<Id>,

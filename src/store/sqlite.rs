@@ -43,7 +43,7 @@ use std::collections::HashMap;
 
 use sqlx::{QueryBuilder, Sqlite};
 
-use super::batch::{self, Command, Known, Plan, PriorRequest, RequestKey, Speculation};
+use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey, Speculation};
 use super::lifecycle::{Action, CompleteArgs, JudgeInputs, LifecycleCommand};
 use super::recent::RecentRequests;
 use super::{
@@ -110,7 +110,7 @@ type Reply = oneshot::Sender<Result<Answer, StoreError>>;
 /// Contracts' status and ledger as the writer last planned them. The writer
 /// owns every write, so it is authoritative for the writer; callers read it
 /// only to stamp speculatively (see `batch::Speculation`).
-type KnownCache = Arc<Mutex<HashMap<Id, Known>>>;
+type KnownCache = Arc<Mutex<KnownMap>>;
 
 /// SQLite-backed `Store`.
 #[derive(Clone)]
@@ -825,9 +825,11 @@ const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
 /// permit (each request still has its deadline).
 const MAX_CONCURRENT_JUDGMENTS: usize = 4;
 
-/// Most contracts the writer keeps in memory between batches; beyond it the
-/// cache is dropped and reloaded on demand.
+/// Most contracts the writer keeps in memory between batches, by count and
+/// by bytes (`KnownMap::bytes`); beyond either the cache is dropped and
+/// reloaded on demand.
 const MAX_CACHED_CONTRACTS: usize = 65_536;
+const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
 /// Committed batches that may wait for the syncer; beyond it the writer
 /// waits (back-pressure instead of unbounded memory).
 const MAX_UNSYNCED_BATCHES: usize = 64;
@@ -1328,7 +1330,7 @@ async fn apply_batch(
 /// cache was dropped for size).
 fn missing_parents(commands: &[Command], known: &KnownCache) -> (Vec<RequestKey>, Vec<Id>) {
     let mut cache = lock(known);
-    if cache.len() > MAX_CACHED_CONTRACTS {
+    if cache.len() > MAX_CACHED_CONTRACTS || cache.bytes() > MAX_CACHED_CONTRACT_BYTES {
         cache.clear();
     }
     batch::needs(commands, &cache)
@@ -1748,7 +1750,7 @@ fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError> {
 
 /// Locks the cache. A panic while holding it (a bug) must not wedge the
 /// broker: the cache is only an accelerator, so a poisoned one is cleared.
-fn lock(known: &KnownCache) -> MutexGuard<'_, HashMap<Id, Known>> {
+fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
     known.lock().unwrap_or_else(|poisoned| {
         let mut guard = poisoned.into_inner();
         guard.clear();
@@ -2554,6 +2556,44 @@ mod tests {
             .await
             .expect("count");
         assert_eq!(left, 5, "entries after the cutoff stay");
+    }
+
+    /// The writer's cache charges each contract its encoded size, keeps
+    /// the sum right through replacement and removal, and is bounded by it.
+    #[tokio::test]
+    async fn the_contract_cache_is_charged_by_size() {
+        use prost::Message;
+        let (store, _dir) = open_suite_store().await;
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let child = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+        let (root_known, child_known) = {
+            let cache = lock(&store.known);
+            let cost = |id: &Id| {
+                cache.get(id).expect("cached").contract.encoded_len()
+                    + batch::KNOWN_ENTRY_OVERHEAD_BYTES
+            };
+            assert_eq!(cache.bytes(), cost(&root) + cost(&child));
+            (
+                cache.get(&root).expect("cached").clone(),
+                cache.get(&child).expect("cached").clone(),
+            )
+        };
+        let (root_cost, child_cost) = (
+            root_known.contract.encoded_len() + batch::KNOWN_ENTRY_OVERHEAD_BYTES,
+            child_known.contract.encoded_len() + batch::KNOWN_ENTRY_OVERHEAD_BYTES,
+        );
+        assert!(child_cost > root_cost, "a child carries one more hop proof");
+        let mut map = KnownMap::default();
+        map.insert([1; 32], root_known.clone());
+        map.insert([2; 32], child_known.clone());
+        assert_eq!(map.bytes(), root_cost + child_cost);
+        map.insert([1; 32], child_known);
+        assert_eq!(map.bytes(), 2 * child_cost, "a replaced entry is uncharged");
+        assert!(map.remove(&[2; 32]).is_some());
+        assert!(map.remove(&[2; 32]).is_none());
+        assert_eq!((map.len(), map.bytes()), (1, child_cost));
+        map.clear();
+        assert_eq!((map.len(), map.bytes()), (0, 0));
     }
 
     /// The syncer must never fsync a file SQLite no longer writes: a
