@@ -288,7 +288,10 @@ impl SqliteStore {
         ));
         let reader = SqlitePoolOptions::new()
             .max_connections(options.read_connections.max(1))
-            .connect_with(connect.read_only(true))
+            // SQLite's default 2 MiB: a reader's cache is emptied at the
+            // start of every read after a commit, so more would only hold
+            // memory.
+            .connect_with(connect.read_only(true).pragma("cache_size", "-2048"))
             .await
             .map_err(backend)?;
         Ok(Self {
