@@ -176,6 +176,14 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
             stop_at,
         )));
     }
+    // The in-process broker's WAL fsyncs over the measured window (zero
+    // against a remote broker).
+    let syncs = tokio::spawn(async move {
+        tokio::time::sleep_until(measure_from.into()).await;
+        let first = crate::store::sqlite::WAL_SYNCS.snapshot();
+        tokio::time::sleep_until(stop_at.into()).await;
+        (first, crate::store::sqlite::WAL_SYNCS.snapshot())
+    });
     let mut total = Tally::default();
     for w in workers {
         let t = w.await?;
@@ -219,6 +227,19 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         pct(0.999),
         pct(1.0)
     );
+    let (first, last) = syncs.await?;
+    if last.syncs > first.syncs {
+        let slow_ms = (last.slow_us - first.slow_us) as f64 / 1000.0;
+        println!(
+            "WAL fsyncs: {} (mean {:.2} ms); {} of them ≥ {} ms, {:.0} ms in all = {:.2}% of the measured time",
+            last.syncs - first.syncs,
+            (last.total_us - first.total_us) as f64 / 1000.0 / (last.syncs - first.syncs) as f64,
+            last.slow - first.slow,
+            crate::store::sqlite::SLOW_WAL_SYNC_US / 1000,
+            slow_ms,
+            100.0 * slow_ms / 1000.0 / seconds,
+        );
+    }
     if let Some((stop, server, dir)) = _in_process {
         let _ = stop.send(());
         server.await??;

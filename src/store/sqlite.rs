@@ -1234,11 +1234,9 @@ fn syncer(
             .as_ref()
             .map_or(Ok(()), |hook| (hook.0)())
             .and_then(|()| sync_wal(wal_path, &mut wal));
-        tracing::trace!(
-            batches = group.len(),
-            took_us = began.elapsed().as_micros() as u64,
-            "wal synced"
-        );
+        let took_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+        WAL_SYNCS.record(took_us);
+        tracing::trace!(batches = group.len(), took_us, "wal synced");
         if let Err(e) = synced {
             tracing::error!(error = %e, path = %wal_path.display(),
                 "fsync of the WAL failed; the store stops (restart the broker)");
@@ -1261,6 +1259,63 @@ fn syncer(
         }
     }
     tracing::debug!("store syncer stopped");
+}
+
+/// WAL fsyncs of every store in this process, for the load generator (and
+/// any later metrics endpoint): how much of a run the disk stalled.
+pub static WAL_SYNCS: WalSyncStats = WalSyncStats {
+    syncs: AtomicU64::new(0),
+    total_us: AtomicU64::new(0),
+    slow: AtomicU64::new(0),
+    slow_us: AtomicU64::new(0),
+    max_us: AtomicU64::new(0),
+};
+
+/// An fsync at least this long counts as slow (the foundation target's
+/// p99 latency).
+pub const SLOW_WAL_SYNC_US: u64 = 5_000;
+
+/// Counters only ever grow (`max_us` aside): callers diff two snapshots.
+pub struct WalSyncStats {
+    syncs: AtomicU64,
+    total_us: AtomicU64,
+    slow: AtomicU64,
+    slow_us: AtomicU64,
+    max_us: AtomicU64,
+}
+
+/// The counters at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WalSyncSnapshot {
+    pub syncs: u64,
+    pub total_us: u64,
+    /// Fsyncs of at least `SLOW_WAL_SYNC_US`, and their summed time.
+    pub slow: u64,
+    pub slow_us: u64,
+    /// Longest fsync since the process started.
+    pub max_us: u64,
+}
+
+impl WalSyncStats {
+    fn record(&self, took_us: u64) {
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+        self.total_us.fetch_add(took_us, Ordering::Relaxed);
+        if took_us >= SLOW_WAL_SYNC_US {
+            self.slow.fetch_add(1, Ordering::Relaxed);
+            self.slow_us.fetch_add(took_us, Ordering::Relaxed);
+        }
+        self.max_us.fetch_max(took_us, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> WalSyncSnapshot {
+        WalSyncSnapshot {
+            syncs: self.syncs.load(Ordering::Relaxed),
+            total_us: self.total_us.load(Ordering::Relaxed),
+            slow: self.slow.load(Ordering::Relaxed),
+            slow_us: self.slow_us.load(Ordering::Relaxed),
+            max_us: self.max_us.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// fsyncs the WAL. The file is reopened if it is not the one open (SQLite
@@ -2608,6 +2663,30 @@ mod tests {
         assert_eq!((map.len(), map.bytes()), (1, child_cost));
         map.clear();
         assert_eq!((map.len(), map.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn wal_sync_stats_count_slow_fsyncs_apart() {
+        let stats = WalSyncStats {
+            syncs: AtomicU64::new(0),
+            total_us: AtomicU64::new(0),
+            slow: AtomicU64::new(0),
+            slow_us: AtomicU64::new(0),
+            max_us: AtomicU64::new(0),
+        };
+        let before = stats.snapshot();
+        for took_us in [100, SLOW_WAL_SYNC_US - 1, SLOW_WAL_SYNC_US, 90_000, 300] {
+            stats.record(took_us);
+        }
+        let after = stats.snapshot();
+        assert_eq!(after.syncs - before.syncs, 5);
+        assert_eq!(after.slow - before.slow, 2);
+        assert_eq!(after.slow_us - before.slow_us, SLOW_WAL_SYNC_US + 90_000);
+        assert_eq!(
+            after.total_us,
+            100 + SLOW_WAL_SYNC_US - 1 + SLOW_WAL_SYNC_US + 90_000 + 300
+        );
+        assert_eq!(after.max_us, 90_000);
     }
 
     /// The syncer must never fsync a file SQLite no longer writes: a
