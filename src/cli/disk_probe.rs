@@ -95,20 +95,8 @@ pub fn run(args: DiskProbeArgs) -> anyhow::Result<()> {
         report.wall.as_secs_f64(),
         args.dir.display()
     );
-    println!(
-        "fsync ms:           p50 {}  p99 {}  p999 {}  max {}",
-        ms(percentile(&report.fsyncs_us, 0.50)),
-        ms(percentile(&report.fsyncs_us, 0.99)),
-        ms(percentile(&report.fsyncs_us, 0.999)),
-        ms(report.fsyncs_us.last().copied().unwrap_or(0)),
-    );
-    println!(
-        "request floor ms:   p50 {}  p99 {}  p999 {}  max {}",
-        ms(percentile(&report.latencies_us, 0.50)),
-        ms(percentile(&report.latencies_us, 0.99)),
-        ms(percentile(&report.latencies_us, 0.999)),
-        ms(report.latencies_us.last().copied().unwrap_or(0)),
-    );
+    print_percentiles("fsync ms:          ", &report.fsyncs_us);
+    print_percentiles("request floor ms:  ", &report.latencies_us);
     let over = report
         .latencies_us
         .iter()
@@ -220,6 +208,17 @@ fn percentile(sorted: &[u32], q: f64) -> u32 {
     }
     let rank = ((sorted.len() as f64) * q).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// One line of percentiles of sorted samples in µs, shown in ms.
+fn print_percentiles(label: &str, sorted_us: &[u32]) {
+    println!(
+        "{label} p50 {}  p99 {}  p999 {}  max {}",
+        ms(percentile(sorted_us, 0.50)),
+        ms(percentile(sorted_us, 0.99)),
+        ms(percentile(sorted_us, 0.999)),
+        ms(sorted_us.last().copied().unwrap_or(0)),
+    );
 }
 
 fn ms(us: u32) -> String {

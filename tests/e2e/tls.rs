@@ -9,39 +9,76 @@ use delegation_broker::pb;
 use delegation_broker::pb::broker_client::BrokerClient;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
+/// A broker serving TLS with a fresh self-signed certificate for
+/// "localhost", on 127.0.0.1:0; `adjust` may change its configuration.
+struct TlsBroker {
+    port: u16,
+    cert_pem: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), delegation_broker::server::ServerError>>,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsBroker {
+    async fn start(adjust: impl FnOnce(&mut Config)) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let issued =
+            rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
+        let cert_pem = issued.cert.pem();
+        let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
+        config.tls = Some(TlsIdentity {
+            cert_pem: cert_pem.clone().into_bytes(),
+            key_pem: issued.signing_key.serialize_pem().into_bytes(),
+        });
+        adjust(&mut config);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(delegation_broker::server::run_with_clock(
+            listener,
+            config,
+            Arc::new(SystemClock),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        Self {
+            port,
+            cert_pem,
+            stop,
+            server,
+            _dir: dir,
+        }
+    }
+
+    /// A client that trusts the certificate.
+    async fn client(&self) -> BrokerClient<tonic::transport::Channel> {
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&self.cert_pem))
+            .domain_name("localhost");
+        let channel = Endpoint::from_shared(format!("https://127.0.0.1:{}", self.port))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .connect()
+            .await
+            .expect("TLS handshake");
+        BrokerClient::new(channel)
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.server.await.expect("server task").expect("server ran");
+    }
+}
+
 #[tokio::test]
 async fn a_tls_broker_answers_tls_clients_and_refuses_plaintext() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let issued = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
-    let cert_pem = issued.cert.pem();
-    let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
-    config.tls = Some(TlsIdentity {
-        cert_pem: cert_pem.clone().into_bytes(),
-        key_pem: issued.signing_key.serialize_pem().into_bytes(),
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(delegation_broker::server::run_with_clock(
-        listener,
-        config,
-        Arc::new(SystemClock),
-        async {
-            let _ = stopped.await;
-        },
-    ));
-
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&cert_pem))
-        .domain_name("localhost");
-    let channel = Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect()
+    let broker = TlsBroker::start(|_| {}).await;
+    let port = broker.port;
+    let keys = broker
+        .client()
         .await
-        .expect("TLS handshake");
-    let keys = BrokerClient::new(channel)
         .get_broker_keys(pb::GetBrokerKeysRequest::default())
         .await
         .expect("GetBrokerKeys over TLS")
@@ -67,9 +104,7 @@ async fn a_tls_broker_answers_tls_clients_and_refuses_plaintext() {
         plaintext.is_err(),
         "a plaintext call must fail: {plaintext:?}"
     );
-
-    let _ = stop.send(());
-    server.await.expect("server task").expect("server ran");
+    broker.stop().await;
 }
 
 #[test]
@@ -129,26 +164,8 @@ fn oversized_or_non_pem_tls_files_fail_naming_the_field() {
 #[tokio::test]
 async fn an_unfinished_tls_handshake_is_dropped_after_the_timeout() {
     use tokio::io::AsyncReadExt;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let issued = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
-    let cert_pem = issued.cert.pem();
-    let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
-    config.tls = Some(TlsIdentity {
-        cert_pem: cert_pem.clone().into_bytes(),
-        key_pem: issued.signing_key.serialize_pem().into_bytes(),
-    });
-    config.limits.tls_handshake_timeout_ms = 300;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(delegation_broker::server::run_with_clock(
-        listener,
-        config,
-        Arc::new(SystemClock),
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let broker = TlsBroker::start(|config| config.limits.tls_handshake_timeout_ms = 300).await;
+    let port = broker.port;
 
     let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
@@ -171,20 +188,11 @@ async fn an_unfinished_tls_handshake_is_dropped_after_the_timeout() {
     );
 
     // And a real client is still served.
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&cert_pem))
-        .domain_name("localhost");
-    let channel = Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect()
+    broker
+        .client()
         .await
-        .expect("TLS handshake");
-    BrokerClient::new(channel)
         .get_broker_keys(pb::GetBrokerKeysRequest::default())
         .await
         .expect("GetBrokerKeys over TLS");
-    let _ = stop.send(());
-    server.await.expect("server task").expect("server ran");
+    broker.stop().await;
 }
