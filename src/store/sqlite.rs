@@ -77,7 +77,7 @@ pub struct SqliteOptions {
     pub timestamp_window_ms: i64,
     /// Fault injection for tests; `None` in production.
     pub before_wal_sync: Option<BeforeWalSync>,
-    /// Test hook run on each judge thread before it judges; `None` in
+    /// Test hook run on a judge thread before each judgment; `None` in
     /// production.
     pub before_judge: Option<BeforeJudge>,
 }
@@ -107,6 +107,50 @@ impl std::fmt::Debug for BeforeJudge {
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
 
+/// A completion to judge, run on a judge thread.
+type JudgeJob = Box<dyn FnOnce() + Send>;
+
+/// Starts the threads that judge completions off the writer (see
+/// `prejudge`): `count` of them, each with the writer's deep stack (CEL
+/// recurses), started once rather than per completion. They stop when
+/// the returned sender and all its clones are dropped (their handles are
+/// returned for tests; the store lets them run detached).
+fn start_judges(
+    count: usize,
+) -> std::io::Result<(
+    std::sync::mpsc::SyncSender<JudgeJob>,
+    Vec<std::thread::JoinHandle<()>>,
+)> {
+    let (jobs, queue) = std::sync::mpsc::sync_channel::<JudgeJob>(count);
+    let queue = Arc::new(Mutex::new(queue));
+    let mut threads = Vec::with_capacity(count);
+    for i in 0..count {
+        let queue = queue.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("store-judge-{i}"))
+            .stack_size(WRITER_STACK_BYTES)
+            .spawn(move || {
+                loop {
+                    // The lock is only held while waiting for a job.
+                    let job = queue
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .recv();
+                    let Ok(job) = job else {
+                        break;
+                    };
+                    // A judge that panics loses its answer (the writer
+                    // judges instead), not the thread.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                        tracing::error!("a judgment panicked; the writer judges that completion");
+                    }
+                }
+            })?;
+        threads.push(thread);
+    }
+    Ok((jobs, threads))
+}
+
 /// Contracts' status and ledger as the writer last planned them. The writer
 /// owns every write, so it is authoritative for the writer; callers read it
 /// only to stamp speculatively (see `batch::Speculation`).
@@ -127,6 +171,9 @@ pub struct SqliteStore {
     durability: Durability,
     /// Bounds completions being judged at once (see `prejudge`).
     judges: Arc<tokio::sync::Semaphore>,
+    /// The judge threads' queue (`start_judges`); they stop when every
+    /// clone of the store is gone.
+    judge_pool: std::sync::mpsc::SyncSender<JudgeJob>,
     /// `SqliteOptions::before_judge`.
     before_judge: Option<BeforeJudge>,
 }
@@ -302,6 +349,9 @@ impl SqliteStore {
             clock,
             durability: Durability { committed, durable },
             judges: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_JUDGMENTS)),
+            judge_pool: start_judges(MAX_CONCURRENT_JUDGMENTS)
+                .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?
+                .0,
             before_judge: options.before_judge.clone(),
         })
     }
@@ -323,10 +373,10 @@ impl SqliteStore {
         Some(Box::new(Speculation { terms, stamped }))
     }
 
-    /// Judges a completion before it reaches the writer, on a thread of its
-    /// own (CEL recurses: it needs the writer's deep stack), at most
-    /// `MAX_CONCURRENT_JUDGMENTS` at a time — the permit travels with the
-    /// thread, so a caller that goes away does not free it early. Only the
+    /// Judges a completion before it reaches the writer, on one of the
+    /// judge threads (CEL recurses: it needs the writer's deep stack), at
+    /// most `MAX_CONCURRENT_JUDGMENTS` at a time — the permit travels with
+    /// the job, so a caller that goes away does not free it early. Only the
     /// contract's delegate gets a judgment here (see `JudgeInputs::load`).
     /// Any failure only leaves the judging to the writer.
     async fn prejudge(
@@ -358,24 +408,23 @@ impl SqliteStore {
         let for_judge = shared.clone();
         let (done, judged) = oneshot::channel();
         let hook = self.before_judge.clone();
-        let spawned = std::thread::Builder::new()
-            .name("store-judge".into())
-            .stack_size(WRITER_STACK_BYTES)
-            .spawn(move || {
-                if let Some(hook) = hook {
-                    (hook.0)();
-                }
-                let prejudged = inputs.judge(&for_judge);
-                // Released before answering, so the caller's unwrap below
-                // finds the only reference.
-                drop(for_judge);
-                drop(permit);
-                let _ = done.send(prejudged);
-            });
-        let prejudged = match spawned {
-            Ok(_) => judged.await.ok(),
+        let job: JudgeJob = Box::new(move || {
+            if let Some(hook) = hook {
+                (hook.0)();
+            }
+            let prejudged = inputs.judge(&for_judge);
+            // Released before answering, so the caller's unwrap below
+            // finds the only reference.
+            drop(for_judge);
+            drop(permit);
+            let _ = done.send(prejudged);
+        });
+        // Never full: a job is only sent with one of the pool's
+        // MAX_CONCURRENT_JUDGMENTS permits, and the queue holds as many.
+        let prejudged = match self.judge_pool.try_send(job) {
+            Ok(()) => judged.await.ok(),
             Err(e) => {
-                tracing::warn!(error = %e, "starting a judge thread; the writer judges");
+                tracing::warn!(error = %e, "the judge pool refused a job; the writer judges");
                 None
             }
         };
@@ -2687,6 +2736,51 @@ mod tests {
             100 + SLOW_WAL_SYNC_US - 1 + SLOW_WAL_SYNC_US + 90_000 + 300
         );
         assert_eq!(after.max_us, 90_000);
+    }
+
+    /// The judge pool runs every job on its threads, survives a job that
+    /// panics, and its threads end once the queue's senders are gone.
+    #[test]
+    fn judge_threads_survive_a_panic_and_stop_with_the_store() {
+        // One thread: if the panic took it, nothing after would run.
+        let (jobs, threads) = start_judges(1).expect("judge thread");
+        let send = |job: JudgeJob| {
+            let mut job = job;
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                match jobs.try_send(job) {
+                    Ok(()) => return,
+                    Err(std::sync::mpsc::TrySendError::Full(back)) => job = back,
+                    Err(e) => panic!("the judge queue is gone: {e}"),
+                }
+                assert!(std::time::Instant::now() < deadline, "no judge took a job");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let (ran, done) = std::sync::mpsc::channel();
+        send(Box::new(|| panic!("a judgment that panics")));
+        for i in 0..6 {
+            let ran = ran.clone();
+            send(Box::new(move || {
+                let name = std::thread::current().name().map(str::to_owned);
+                ran.send((i, name)).expect("report");
+            }));
+        }
+        let seen: Vec<(i32, Option<String>)> = (0..6)
+            .map(|_| done.recv_timeout(Duration::from_secs(10)).expect("ran"))
+            .collect();
+        assert_eq!(
+            seen.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 4, 5]
+        );
+        assert!(
+            seen.iter()
+                .all(|(_, name)| name.as_deref() == Some("store-judge-0"))
+        );
+        drop(jobs);
+        for thread in threads {
+            thread.join().expect("the judge thread ends cleanly");
+        }
     }
 
     /// The syncer must never fsync a file SQLite no longer writes: a
