@@ -542,7 +542,10 @@ pub fn check_group_by(raw: &[String], field: &'static str) -> Result<Vec<String>
         if !ok {
             return Err(InputError::new(
                 field,
-                format!("key {key:?} must be 1..={MAX_LABEL_KEY_BYTES} bytes of [a-z0-9_.-]"),
+                format!(
+                    "key {} must be 1..={MAX_LABEL_KEY_BYTES} bytes of [a-z0-9_.-]",
+                    super::error::echo(key)
+                ),
             ));
         }
         if !out.contains(key) {

@@ -249,7 +249,10 @@ pub fn labels(
         if !key_ok {
             return Err(InputError::new(
                 field,
-                format!("key {key:?} must be 1..=64 bytes of [a-z0-9_.-]"),
+                format!(
+                    "key {} must be 1..={MAX_LABEL_KEY_BYTES} bytes of [a-z0-9_.-]",
+                    error::echo(key)
+                ),
             ));
         }
         if value.len() > MAX_LABEL_VALUE_BYTES || value.chars().any(char::is_control) {

@@ -28,10 +28,12 @@ impl Scope {
         }
         let mut prefixes = Vec::with_capacity(raw.len());
         for (i, p) in raw.iter().enumerate() {
-            prefixes.push(
-                normalize(p)
-                    .map_err(|why| InputError::new(field, format!("prefix {i} ({p:?}): {why}")))?,
-            );
+            prefixes.push(normalize(p).map_err(|why| {
+                InputError::new(
+                    field,
+                    format!("prefix {i} ({}): {why}", super::error::echo(p)),
+                )
+            })?);
         }
         prefixes.sort();
         prefixes.dedup();

@@ -573,7 +573,7 @@ impl Store for SqliteStore {
         let roots = query.build().fetch_all(&mut *conn).await.map_err(backend)?;
         if roots.len() > limit as usize {
             return Err(StoreError::Overloaded(
-                "more runs match than limits.max_aggregate_runs",
+                "more runs match than MAX_AGGREGATE_RUNS",
             ));
         }
         let mut runs = Vec::with_capacity(roots.len());
