@@ -48,9 +48,9 @@ use serde_json::Value as Json;
 
 use super::error::InputError;
 use super::limits::{
-    MAX_CLAIM_BYTES, MAX_PREDICATE_AST_DEPTH, MAX_PREDICATE_COST, MAX_RESULT_BYTES,
-    MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED,
-    REGEX_BYTE_COST, REGEX_CALL_COST,
+    MAX_CLAIM_BYTES, MAX_OUT_OF_SCOPE_PATHS_REPORTED, MAX_PREDICATE_AST_DEPTH, MAX_PREDICATE_COST,
+    MAX_RESULT_BYTES, MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_ERRORS_REPORTED, REGEX_BYTE_COST, REGEX_CALL_COST,
 };
 use super::scope::Scope;
 
@@ -134,8 +134,11 @@ pub struct Judgment {
     /// `MAX_SCHEMA_ERRORS_REPORTED` messages).
     pub schema_errors: Vec<String>,
     pub within_scope: bool,
-    /// Observed mutations outside the write scope (claim violations).
+    /// Observed mutations outside the write scope (claim violations):
+    /// distinct, sorted, at most `MAX_OUT_OF_SCOPE_PATHS_REPORTED`.
     pub out_of_scope_paths: Vec<String>,
+    /// How many distinct paths were outside the scope in all.
+    pub out_of_scope_path_count: u32,
     /// Units to charge: the host's metering when present, else the report.
     pub consumed: i64,
 }
@@ -174,13 +177,20 @@ pub fn judge(
         None => (true, Vec::new()),
         Some(schema) => validate_output(schema, &completion.output),
     };
-    let out_of_scope_paths: Vec<String> = observed
+    let mut out_of_scope_paths: Vec<String> = observed
         .mutation_paths
         .iter()
         .filter(|p| !scope.covers_observed(p))
         .cloned()
         .collect();
+    out_of_scope_paths.sort_unstable();
+    out_of_scope_paths.dedup();
     let within_scope = out_of_scope_paths.is_empty();
+    // The verdict used them all; the receipt names a bounded few (up to
+    // MAX_OBSERVATIONS_PER_CONTRACT paths of up to 1 KiB each would not
+    // fit a message) and says how many there were.
+    let out_of_scope_path_count = u32::try_from(out_of_scope_paths.len()).unwrap_or(u32::MAX);
+    out_of_scope_paths.truncate(MAX_OUT_OF_SCOPE_PATHS_REPORTED);
     let consumed = observed
         .consumed_by_host
         .unwrap_or(completion.reported_consumed);
@@ -191,6 +201,7 @@ pub fn judge(
         schema_errors,
         within_scope,
         out_of_scope_paths,
+        out_of_scope_path_count,
         consumed,
     };
     let predicate = effective_predicate.trim();
@@ -924,6 +935,36 @@ mod tests {
         assert_eq!(j.consumed, 18);
         assert!(j.schema_valid && !j.within_scope);
         assert_eq!(j.out_of_scope_paths, vec!["docs/x.md"]);
+    }
+
+    #[test]
+    fn out_of_scope_paths_are_distinct_sorted_bounded_and_counted() {
+        let schema = schema();
+        let completion = Completion {
+            output: good(),
+            claim: "success".into(),
+            reported_consumed: 18,
+            has_report: true,
+            schema: Some(&schema),
+        };
+        let distinct = MAX_OUT_OF_SCOPE_PATHS_REPORTED + 36;
+        let mut paths: Vec<String> = (0..distinct)
+            .rev()
+            .map(|i| format!("docs/{i:04}.md"))
+            .collect();
+        // Each observed twice, and one inside the scope.
+        paths.extend(paths.clone());
+        paths.push("src/exec/a.rs".to_owned());
+        let observed = Observed {
+            mutation_paths: paths,
+            ..observed("src/exec/b.rs")
+        };
+        let j = judge(SEED_001, &scope(&["src/exec"]), &completion, &observed);
+        assert!(!j.within_scope);
+        assert_eq!(j.out_of_scope_path_count as usize, distinct);
+        assert_eq!(j.out_of_scope_paths.len(), MAX_OUT_OF_SCOPE_PATHS_REPORTED);
+        assert_eq!(j.out_of_scope_paths[0], "docs/0000.md");
+        assert!(j.out_of_scope_paths.windows(2).all(|w| w[0] < w[1]));
     }
 
     #[test]

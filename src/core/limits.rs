@@ -52,6 +52,9 @@ pub const MAX_SCHEMA_DEPTH: usize = 64;
 pub const MAX_CLAIM_BYTES: usize = 256;
 /// Schema validation messages kept on a judgment: enough to say why.
 pub const MAX_SCHEMA_ERRORS_REPORTED: usize = 8;
+/// Most out-of-scope paths a completion receipt names (it also carries
+/// their total count).
+pub const MAX_OUT_OF_SCOPE_PATHS_REPORTED: usize = 64;
 /// Deepest predicate syntax tree the judge evaluates; the evaluator recurses
 /// once per level.
 pub const MAX_PREDICATE_AST_DEPTH: usize = 128;

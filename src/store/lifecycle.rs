@@ -874,6 +874,7 @@ pub async fn apply(
                     schema_valid: judgment.schema_valid,
                     within_scope: judgment.within_scope,
                     out_of_scope_paths: judgment.out_of_scope_paths.clone(),
+                    out_of_scope_path_count: judgment.out_of_scope_path_count,
                     attribution: Some(pb::Attribution {
                         agent_public_key: target.delegate_key.to_vec(),
                         depth: target.contract.depth,

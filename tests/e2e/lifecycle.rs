@@ -172,6 +172,7 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
     );
     assert!(done.has_report && done.schema_valid && !done.within_scope);
     assert_eq!(done.out_of_scope_paths, vec!["docs/auth.md".to_owned()]);
+    assert_eq!(done.out_of_scope_path_count, 1);
     assert_eq!((done.consumed, done.returned, done.overspend), (18, 2, 0));
 
     let planner = c.broker.ledger(&c.planner_id).await;

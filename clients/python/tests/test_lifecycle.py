@@ -157,6 +157,7 @@ def test_seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
     assert done.claim == "success", "the claim is stored beside the verdict"
     assert done.has_report and done.schema_valid and not done.within_scope
     assert list(done.out_of_scope_paths) == ["docs/auth.md"]
+    assert done.out_of_scope_path_count == 1
     assert (done.consumed, done.returned, done.overspend) == (18, 2, 0)
     assert ledger(broker, c.planner_id) == (0, 18, 7)
     assert broker.state(c.executor_id).status == pb.CONTRACT_STATUS_COMPLETED
