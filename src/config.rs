@@ -108,6 +108,9 @@ pub struct Limits {
     pub max_batch: usize,
     /// Read-only SQLite connections.
     pub read_connections: u32,
+    /// Client connections open at once; beyond it new ones wait in the
+    /// listen backlog until one closes.
+    pub max_connections: usize,
     /// Concurrent requests per client connection.
     pub max_concurrent_requests_per_connection: usize,
     /// Longest a request may run, in ms, before DEADLINE_EXCEEDED.
@@ -138,6 +141,7 @@ impl Default for Limits {
             writer_queue_depth: 16_384,
             max_batch: 512,
             read_connections: 4,
+            max_connections: 4_096,
             max_concurrent_requests_per_connection: 1_024,
             request_timeout_ms: 30_000,
             tls_handshake_timeout_ms: 10_000,
@@ -191,6 +195,9 @@ const RETENTION_SLACK_MS: i64 = 120_000;
 /// Ceiling on `limits.tls_handshake_timeout_ms`: a minute is already
 /// generous for a handshake.
 const MAX_TLS_HANDSHAKE_TIMEOUT_MS: u64 = 60_000;
+/// Ceiling on `limits.max_connections` (the tokio semaphore's own limit is
+/// far above; this keeps a typo from meaning "unbounded").
+const MAX_CONNECTIONS_CEILING: usize = 1_000_000;
 
 /// Most bytes read from a TLS certificate or key file.
 const MAX_TLS_FILE_BYTES: u64 = 1024 * 1024;
@@ -364,6 +371,12 @@ impl Config {
                 ),
             ));
         }
+        if !(1..=MAX_CONNECTIONS_CEILING).contains(&l.max_connections) {
+            return Err(invalid(
+                "limits.max_connections",
+                format!("must be 1..={MAX_CONNECTIONS_CEILING}"),
+            ));
+        }
         if !(1..=MAX_TLS_HANDSHAKE_TIMEOUT_MS).contains(&l.tls_handshake_timeout_ms) {
             return Err(invalid(
                 "limits.tls_handshake_timeout_ms",
@@ -430,6 +443,14 @@ mod tests {
                 assert_eq!(field, "limits.request_log_retention_ms");
             }
             other => panic!("retention below twice the window must be refused: {other:?}"),
+        }
+        for bad in [0, MAX_CONNECTIONS_CEILING + 1] {
+            match load(&format!("[limits]\nmax_connections = {bad}\n")) {
+                Err(ConfigError::Invalid { field, .. }) => {
+                    assert_eq!(field, "limits.max_connections");
+                }
+                other => panic!("max_connections = {bad} must be refused: {other:?}"),
+            }
         }
         for bad in [0, MAX_TLS_HANDSHAKE_TIMEOUT_MS + 1] {
             match load(&format!("[limits]\ntls_handshake_timeout_ms = {bad}\n")) {

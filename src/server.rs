@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
@@ -146,7 +145,7 @@ pub async fn run_with_clock(
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)
-        .serve_with_incoming_shutdown(incoming(listener), async move {
+        .serve_with_incoming_shutdown(incoming(listener, limits.max_connections), async move {
             shutdown.await;
             let _ = stop.send(true);
         })
@@ -155,17 +154,113 @@ pub async fn run_with_clock(
     Ok(())
 }
 
-/// Accepted connections with Nagle's algorithm off: small gRPC frames
-/// would otherwise wait out delayed ACKs (~40 ms per round trip).
+/// Accepted connections, at most `max_connections` open at once: beyond
+/// it the broker stops accepting (new clients wait in the listen backlog)
+/// until one closes. Nagle's algorithm is off: small gRPC frames would
+/// otherwise wait out delayed ACKs (~40 ms per round trip).
 fn incoming(
     listener: TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    use tokio_stream::StreamExt;
-    TcpListenerStream::new(listener).map(|accepted| {
-        let stream = accepted?;
-        stream.set_nodelay(true)?;
-        Ok(stream)
-    })
+    max_connections: usize,
+) -> impl tokio_stream::Stream<Item = std::io::Result<Limited>> {
+    let permits = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    // Small: the accept loop waits for the server to take each one.
+    let (accepted, queue) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        loop {
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                return;
+            };
+            let next = tokio::select! {
+                next = listener.accept() => next,
+                // The server is gone: stop accepting.
+                () = accepted.closed() => return,
+            };
+            let stream = match next
+                .and_then(|(stream, _)| stream.set_nodelay(true).map(|()| stream))
+            {
+                Ok(stream) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: retrying at
+                    // once would spin.
+                    tracing::warn!(error = %e, "accepting a connection failed; retrying shortly");
+                    tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
+                    continue;
+                }
+            };
+            let connection = Limited {
+                stream,
+                _permit: permit,
+            };
+            if accepted.send(Ok(connection)).await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(queue)
+}
+
+/// Pause after a failed accept (e.g. no file descriptors left).
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
+
+/// An accepted connection holding one of the `max_connections` permits
+/// until it is dropped.
+struct Limited {
+    stream: tokio::net::TcpStream,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tonic::transport::server::Connected for Limited {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for Limited {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Limited {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
 }
 
 /// Overdue contracts expired per sweep; the rest wait for the next tick.
