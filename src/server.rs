@@ -85,6 +85,7 @@ pub async fn run_with_clock(
             wal_restart_bytes: WAL_RESTART_BYTES,
             request_log_retention_ms: limits.request_log_retention_ms,
             timestamp_window_ms: limits.timestamp_window_ms,
+            max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,
             before_wal_sync: None,
             before_judge: None,
         },

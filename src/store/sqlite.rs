@@ -75,6 +75,9 @@ pub struct SqliteOptions {
     /// The broker's timestamp window (`limits.timestamp_window_ms`): how
     /// far back the writer's recent-request set must reach.
     pub timestamp_window_ms: i64,
+    /// Most rows (contracts and observations) one audit read may load
+    /// (`MAX_AUDIT_ROWS` in production; tests lower it).
+    pub max_audit_rows: i64,
     /// Fault injection for tests; `None` in production.
     pub before_wal_sync: Option<BeforeWalSync>,
     /// Test hook run on a judge thread before each judgment; `None` in
@@ -176,6 +179,8 @@ pub struct SqliteStore {
     judge_pool: std::sync::mpsc::SyncSender<JudgeJob>,
     /// `SqliteOptions::before_judge`.
     before_judge: Option<BeforeJudge>,
+    /// `SqliteOptions::max_audit_rows`.
+    max_audit_rows: i64,
 }
 
 /// Commit numbers: the writer takes the next one just before each COMMIT,
@@ -353,6 +358,7 @@ impl SqliteStore {
                 .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?
                 .0,
             before_judge: options.before_judge.clone(),
+            max_audit_rows: options.max_audit_rows.max(1),
         })
     }
 
@@ -535,8 +541,9 @@ impl Store for SqliteStore {
         };
         let (facts, seq, root_seq) = audit_row(&row)?;
         let mut facts = facts;
+        let mut budget = AuditRows::new(self.max_audit_rows);
         facts.observations = observations_of(&mut conn, seq).await?;
-        let mutations = tree_mutations(&mut conn, root_seq).await?;
+        let mutations = tree_mutations(&mut conn, root_seq, &mut budget).await?;
         drop(conn);
         self.durability.settle().await?;
         Ok(Some((facts, mutations)))
@@ -577,6 +584,7 @@ impl Store for SqliteStore {
             ));
         }
         let mut runs = Vec::with_capacity(roots.len());
+        let mut budget = AuditRows::new(self.max_audit_rows);
         for root in roots {
             let labels_json: String = root.try_get("labels").map_err(backend)?;
             let labels: std::collections::BTreeMap<String, String> =
@@ -591,11 +599,13 @@ impl Store for SqliteStore {
             let root_seq: i64 = root.try_get("seq").map_err(backend)?;
             let rows = sqlx::query(AUDIT_SELECT_TREE)
                 .bind(root_seq)
+                .bind(budget.query_limit())
                 .fetch_all(&mut *conn)
                 .await
                 .map_err(backend)?;
+            budget.take(rows.len())?;
             // One observation query per tree, not one per contract.
-            let mut observed = tree_observations(&mut conn, root_seq).await?;
+            let mut observed = tree_observations(&mut conn, root_seq, &mut budget).await?;
             let mut contracts = Vec::with_capacity(rows.len());
             for row in &rows {
                 let (mut facts, seq, _) = audit_row(row)?;
@@ -623,7 +633,7 @@ impl Store for SqliteStore {
                     refusal_codes.push(body.primary);
                 }
             }
-            let mutations = tree_mutations(&mut conn, root_seq).await?;
+            let mutations = tree_mutations(&mut conn, root_seq, &mut budget).await?;
             runs.push((
                 RunFacts {
                     root_id: id_column(&root, "id")?,
@@ -724,7 +734,38 @@ const AUDIT_SELECT_BY_ID: &str = "SELECT seq, id, root_seq, depth, write_scope, 
      downgrades, verdict, claim, envelope FROM contracts_with_envelope WHERE id = $1";
 const AUDIT_SELECT_TREE: &str = "SELECT seq, id, root_seq, depth, write_scope, status, has_report, \
      downgrades, verdict, claim, envelope FROM contracts_with_envelope WHERE root_seq = $1 AND parent_seq IS NOT NULL \
-     ORDER BY seq";
+     ORDER BY seq LIMIT $2";
+
+/// Most rows (contracts and observations) one audit read loads: a tree
+/// has no size limit, and AggregateAudits reads up to MAX_AGGREGATE_RUNS
+/// of them (rows are typically ~100 bytes, a path at most 1 KiB).
+pub const MAX_AUDIT_ROWS: i64 = 1_000_000;
+
+/// What is left of one audit read's row budget.
+struct AuditRows {
+    left: i64,
+}
+
+impl AuditRows {
+    fn new(rows: i64) -> Self {
+        Self { left: rows }
+    }
+
+    /// A LIMIT one past the budget, so going over is seen, not hidden.
+    fn query_limit(&self) -> i64 {
+        self.left.saturating_add(1)
+    }
+
+    fn take(&mut self, rows: usize) -> Result<(), StoreError> {
+        self.left -= i64::try_from(rows).unwrap_or(i64::MAX);
+        if self.left < 0 {
+            return Err(StoreError::Overloaded(
+                "the audit would read more than MAX_AUDIT_ROWS contracts and observations",
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// An audit row: the facts (observations still to load), its seq and its
 /// root's seq.
@@ -783,15 +824,18 @@ async fn observations_of(
 async fn tree_observations(
     conn: &mut SqliteConnection,
     root_seq: i64,
+    budget: &mut AuditRows,
 ) -> Result<HashMap<i64, Vec<(i32, String)>>, StoreError> {
     let rows = sqlx::query(
         "SELECT o.contract_seq, o.kind, o.path FROM observations o \
-         JOIN contracts c ON c.seq = o.contract_seq WHERE c.root_seq = $1 ORDER BY o.seq",
+         JOIN contracts c ON c.seq = o.contract_seq WHERE c.root_seq = $1 ORDER BY o.seq LIMIT $2",
     )
     .bind(root_seq)
+    .bind(budget.query_limit())
     .fetch_all(&mut *conn)
     .await
     .map_err(backend)?;
+    budget.take(rows.len())?;
     let mut by_contract: HashMap<i64, Vec<(i32, String)>> = HashMap::new();
     for row in &rows {
         let kind: i64 = row.try_get("kind").map_err(backend)?;
@@ -810,16 +854,19 @@ async fn tree_observations(
 async fn tree_mutations(
     conn: &mut SqliteConnection,
     root_seq: i64,
+    budget: &mut AuditRows,
 ) -> Result<Vec<(Id, String)>, StoreError> {
     let rows = sqlx::query(
         "SELECT c.id, o.path FROM observations o JOIN contracts c ON c.seq = o.contract_seq \
-         WHERE c.root_seq = $1 AND o.kind = $2 ORDER BY o.seq",
+         WHERE c.root_seq = $1 AND o.kind = $2 ORDER BY o.seq LIMIT $3",
     )
     .bind(root_seq)
     .bind(pb::ObservationKind::Mutation as i64)
+    .bind(budget.query_limit())
     .fetch_all(&mut *conn)
     .await
     .map_err(backend)?;
+    budget.take(rows.len())?;
     rows.iter()
         .map(|r| Ok((id_column(r, "id")?, r.try_get("path").map_err(backend)?)))
         .collect()
@@ -2009,6 +2056,7 @@ mod tests {
             request_log_retention_ms: i64::MAX,
             // See `suite::TEST_TIMESTAMP_MS`.
             timestamp_window_ms: 0,
+            max_audit_rows: MAX_AUDIT_ROWS,
             before_wal_sync: None,
             before_judge: None,
         }
@@ -2783,6 +2831,43 @@ mod tests {
         }
     }
 
+    /// An audit read stops at its row budget with an error naming the
+    /// limit, instead of loading a tree of any size: a tree exactly at the
+    /// budget is read, one more contract is refused.
+    #[tokio::test]
+    async fn an_audit_read_is_bounded_by_its_row_budget() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut options = test_options(dir.path().join("broker.sqlite3"));
+        options.max_audit_rows = 3;
+        let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+            .await
+            .expect("open");
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let mut children = Vec::new();
+        for i in 0..3 {
+            children.push(issued(
+                store.delegate(test_child(9, 10 + i, root, 8, "true")).await,
+            ));
+        }
+        let everything = std::collections::BTreeMap::new();
+        let runs = store.runs(&everything, 10).await.expect("at the budget");
+        assert_eq!(runs[0].0.contracts.len(), 3);
+        assert!(
+            store
+                .audit_facts(children[0])
+                .await
+                .expect("audit")
+                .is_some()
+        );
+        issued(store.delegate(test_child(9, 20, root, 8, "true")).await);
+        match store.runs(&everything, 10).await {
+            Err(StoreError::Overloaded(limit)) => {
+                assert!(limit.contains("MAX_AUDIT_ROWS"), "{limit}")
+            }
+            other => panic!("a tree past the row budget must be refused: {other:?}"),
+        }
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
@@ -2827,6 +2912,7 @@ mod tests {
                 wal_restart_bytes: RESTART_BYTES,
                 request_log_retention_ms: i64::MAX,
                 timestamp_window_ms: 0,
+                max_audit_rows: MAX_AUDIT_ROWS,
                 before_wal_sync: None,
                 before_judge: None,
             },
