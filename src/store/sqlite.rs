@@ -75,7 +75,7 @@ pub struct SqliteOptions {
     /// The broker's timestamp window (`limits.timestamp_window_ms`): how
     /// far back the writer's recent-request set must reach.
     pub timestamp_window_ms: i64,
-    /// Most rows (contracts and observations) one audit read may load
+    /// Most rows (contracts, observations, receipts) one audit read may load
     /// (`MAX_AUDIT_ROWS` in production; tests lower it).
     pub max_audit_rows: i64,
     /// Fault injection for tests; `None` in production.
@@ -613,14 +613,16 @@ impl Store for SqliteStore {
                 contracts.push(facts);
             }
             let receipts = sqlx::query(
-                "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3)",
+                "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3) LIMIT $4",
             )
             .bind(id_column(&root, "id")?.as_slice())
             .bind(pb::ReceiptKind::Refused as i64)
             .bind(pb::ReceiptKind::Escalated as i64)
+            .bind(budget.query_limit())
             .fetch_all(&mut *conn)
             .await
             .map_err(backend)?;
+            budget.take(receipts.len())?;
             let (mut escalations, mut refusal_codes) = (0, Vec::new());
             for receipt in &receipts {
                 let kind: i64 = receipt.try_get("kind").map_err(backend)?;
@@ -736,9 +738,10 @@ const AUDIT_SELECT_TREE: &str = "SELECT seq, id, root_seq, depth, write_scope, s
      downgrades, verdict, claim, envelope FROM contracts_with_envelope WHERE root_seq = $1 AND parent_seq IS NOT NULL \
      ORDER BY seq LIMIT $2";
 
-/// Most rows (contracts and observations) one audit read loads: a tree
-/// has no size limit, and AggregateAudits reads up to MAX_AGGREGATE_RUNS
-/// of them (rows are typically ~100 bytes, a path at most 1 KiB).
+/// Most rows (contracts, observations, refusals and escalations) one
+/// audit read loads: a tree has no size limit, and AggregateAudits reads
+/// up to MAX_AGGREGATE_RUNS of them (rows are typically ~100 bytes to a
+/// few KiB).
 pub const MAX_AUDIT_ROWS: i64 = 1_000_000;
 
 /// What is left of one audit read's row budget.
@@ -760,7 +763,7 @@ impl AuditRows {
         self.left -= i64::try_from(rows).unwrap_or(i64::MAX);
         if self.left < 0 {
             return Err(StoreError::Overloaded(
-                "the audit would read more than MAX_AUDIT_ROWS contracts and observations",
+                "the audit would read more than MAX_AUDIT_ROWS rows (contracts, observations, receipts)",
             ));
         }
         Ok(())
