@@ -604,18 +604,39 @@ impl Store for SqliteStore {
                 .await
                 .map_err(backend)?;
             budget.take(rows.len())?;
-            // One observation query per tree, not one per contract.
-            let mut observed = tree_observations(&mut conn, root_seq, &mut budget).await?;
+            let root_id = id_column(&root, "id")?;
             let mut contracts = Vec::with_capacity(rows.len());
+            let mut ids = HashMap::with_capacity(rows.len() + 1);
+            ids.insert(root_seq, root_id);
             for row in &rows {
-                let (mut facts, seq, _) = audit_row(row)?;
-                facts.observations = observed.remove(&seq).unwrap_or_default();
-                contracts.push(facts);
+                let (facts, seq, _) = audit_row(row)?;
+                ids.insert(seq, facts.id);
+                contracts.push((seq, facts));
             }
+            // One observation query per tree, not one per contract; the
+            // tree's mutations (for conflicts) come from the same rows.
+            let mut observed: HashMap<i64, Vec<(i32, String)>> = HashMap::new();
+            let mut mutations = Vec::new();
+            for (seq, kind, path) in tree_observations(&mut conn, root_seq, &mut budget).await? {
+                if kind == pb::ObservationKind::Mutation as i32 {
+                    let id = ids.get(&seq).ok_or_else(|| {
+                        StoreError::Corrupt("an observation outside its tree".into())
+                    })?;
+                    mutations.push((*id, path.clone()));
+                }
+                observed.entry(seq).or_default().push((kind, path));
+            }
+            let contracts: Vec<AuditFacts> = contracts
+                .into_iter()
+                .map(|(seq, mut facts)| {
+                    facts.observations = observed.remove(&seq).unwrap_or_default();
+                    facts
+                })
+                .collect();
             let receipts = sqlx::query(
                 "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3) LIMIT $4",
             )
-            .bind(id_column(&root, "id")?.as_slice())
+            .bind(root_id.as_slice())
             .bind(pb::ReceiptKind::Refused as i64)
             .bind(pb::ReceiptKind::Escalated as i64)
             .bind(budget.query_limit())
@@ -635,10 +656,9 @@ impl Store for SqliteStore {
                     refusal_codes.push(body.primary);
                 }
             }
-            let mutations = tree_mutations(&mut conn, root_seq, &mut budget).await?;
             runs.push((
                 RunFacts {
-                    root_id: id_column(&root, "id")?,
+                    root_id,
                     labels,
                     budget: root.try_get("budget").map_err(backend)?,
                     spent: root.try_get("spent").map_err(backend)?,
@@ -822,13 +842,13 @@ async fn observations_of(
         .collect()
 }
 
-/// Every observation (kind, path) of a tree's contracts, by contract
-/// sequence number, each in recording order.
+/// Every observation of a tree's contracts as (contract seq, kind, path),
+/// in recording order.
 async fn tree_observations(
     conn: &mut SqliteConnection,
     root_seq: i64,
     budget: &mut AuditRows,
-) -> Result<HashMap<i64, Vec<(i32, String)>>, StoreError> {
+) -> Result<Vec<(i64, i32, String)>, StoreError> {
     let rows = sqlx::query(
         "SELECT o.contract_seq, o.kind, o.path FROM observations o \
          JOIN contracts c ON c.seq = o.contract_seq WHERE c.root_seq = $1 ORDER BY o.seq LIMIT $2",
@@ -839,18 +859,16 @@ async fn tree_observations(
     .await
     .map_err(backend)?;
     budget.take(rows.len())?;
-    let mut by_contract: HashMap<i64, Vec<(i32, String)>> = HashMap::new();
-    for row in &rows {
-        let kind: i64 = row.try_get("kind").map_err(backend)?;
-        by_contract
-            .entry(row.try_get("contract_seq").map_err(backend)?)
-            .or_default()
-            .push((
+    rows.iter()
+        .map(|row| {
+            let kind: i64 = row.try_get("kind").map_err(backend)?;
+            Ok((
+                row.try_get("contract_seq").map_err(backend)?,
                 i32::try_from(kind).unwrap_or_default(),
                 row.try_get("path").map_err(backend)?,
-            ));
-    }
-    Ok(by_contract)
+            ))
+        })
+        .collect()
 }
 
 /// Every (contract id, mutated path) of a tree.

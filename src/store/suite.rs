@@ -314,44 +314,26 @@ pub async fn concurrent_siblings_never_overspend<S: Store + Clone>(store: &S) {
 /// Runs every suite test against one backend.
 macro_rules! store_suite {
     ($backend:ident, $open:path) => {
+        $crate::store::suite::store_suite!(@tests $backend, $open, [
+            issues_reserves_and_lists_children,
+            a_retry_is_replayed_and_reserves_once,
+            a_refusal_is_a_stored_receipt,
+            events_come_in_commit_order_after_a_cursor,
+            runs_are_selected_by_labels,
+            concurrent_siblings_never_overspend,
+        ]);
+    };
+    // One `#[tokio::test]` per suite function, each on a fresh store.
+    (@tests $backend:ident, $open:path, [$($test:ident),* $(,)?]) => {
         mod $backend {
             use crate::store::suite;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn issues_reserves_and_lists_children() {
-                let (store, _keep) = $open().await;
-                suite::issues_reserves_and_lists_children(&store).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_retry_is_replayed_and_reserves_once() {
-                let (store, _keep) = $open().await;
-                suite::a_retry_is_replayed_and_reserves_once(&store).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_refusal_is_a_stored_receipt() {
-                let (store, _keep) = $open().await;
-                suite::a_refusal_is_a_stored_receipt(&store).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn events_come_in_commit_order_after_a_cursor() {
-                let (store, _keep) = $open().await;
-                suite::events_come_in_commit_order_after_a_cursor(&store).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn runs_are_selected_by_labels() {
-                let (store, _keep) = $open().await;
-                suite::runs_are_selected_by_labels(&store).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn concurrent_siblings_never_overspend() {
-                let (store, _keep) = $open().await;
-                suite::concurrent_siblings_never_overspend(&store).await;
-            }
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let (store, _keep) = $open().await;
+                    suite::$test(&store).await;
+                }
+            )*
         }
     };
 }
