@@ -597,13 +597,9 @@ impl Store for SqliteStore {
                 ));
             }
             let root_seq: i64 = root.try_get("seq").map_err(backend)?;
-            let rows = sqlx::query(AUDIT_SELECT_TREE)
-                .bind(root_seq)
-                .bind(budget.query_limit())
-                .fetch_all(&mut *conn)
-                .await
-                .map_err(backend)?;
-            budget.take(rows.len())?;
+            let rows = budget
+                .fetch(&mut conn, sqlx::query(AUDIT_SELECT_TREE).bind(root_seq))
+                .await?;
             let root_id = id_column(&root, "id")?;
             let mut contracts = Vec::with_capacity(rows.len());
             let mut ids = HashMap::with_capacity(rows.len() + 1);
@@ -633,17 +629,17 @@ impl Store for SqliteStore {
                     facts
                 })
                 .collect();
-            let receipts = sqlx::query(
-                "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3) LIMIT $4",
-            )
-            .bind(root_id.as_slice())
-            .bind(pb::ReceiptKind::Refused as i64)
-            .bind(pb::ReceiptKind::Escalated as i64)
-            .bind(budget.query_limit())
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(backend)?;
-            budget.take(receipts.len())?;
+            let receipts = budget
+                .fetch(
+                    &mut conn,
+                    sqlx::query(
+                        "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3) LIMIT $4",
+                    )
+                    .bind(root_id.as_slice())
+                    .bind(pb::ReceiptKind::Refused as i64)
+                    .bind(pb::ReceiptKind::Escalated as i64),
+                )
+                .await?;
             let (mut escalations, mut refusal_codes) = (0, Vec::new());
             for receipt in &receipts {
                 let kind: i64 = receipt.try_get("kind").map_err(backend)?;
@@ -779,6 +775,22 @@ impl AuditRows {
         self.left.saturating_add(1)
     }
 
+    /// Runs `query` with this budget's LIMIT bound as its last parameter
+    /// and charges the rows it returned.
+    async fn fetch<'q>(
+        &mut self,
+        conn: &mut SqliteConnection,
+        query: sqlx::query::Query<'q, Sqlite, <Sqlite as sqlx::Database>::Arguments>,
+    ) -> Result<Vec<SqliteRow>, StoreError> {
+        let rows = query
+            .bind(self.query_limit())
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(backend)?;
+        self.take(rows.len())?;
+        Ok(rows)
+    }
+
     fn take(&mut self, rows: usize) -> Result<(), StoreError> {
         self.left -= i64::try_from(rows).unwrap_or(i64::MAX);
         if self.left < 0 {
@@ -849,16 +861,16 @@ async fn tree_observations(
     root_seq: i64,
     budget: &mut AuditRows,
 ) -> Result<Vec<(i64, i32, String)>, StoreError> {
-    let rows = sqlx::query(
-        "SELECT o.contract_seq, o.kind, o.path FROM observations o \
-         JOIN contracts c ON c.seq = o.contract_seq WHERE c.root_seq = $1 ORDER BY o.seq LIMIT $2",
-    )
-    .bind(root_seq)
-    .bind(budget.query_limit())
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(backend)?;
-    budget.take(rows.len())?;
+    let rows = budget
+        .fetch(
+            conn,
+            sqlx::query(
+                "SELECT o.contract_seq, o.kind, o.path FROM observations o \
+                 JOIN contracts c ON c.seq = o.contract_seq WHERE c.root_seq = $1 ORDER BY o.seq LIMIT $2",
+            )
+            .bind(root_seq),
+        )
+        .await?;
     rows.iter()
         .map(|row| {
             let kind: i64 = row.try_get("kind").map_err(backend)?;
@@ -877,17 +889,17 @@ async fn tree_mutations(
     root_seq: i64,
     budget: &mut AuditRows,
 ) -> Result<Vec<(Id, String)>, StoreError> {
-    let rows = sqlx::query(
-        "SELECT c.id, o.path FROM observations o JOIN contracts c ON c.seq = o.contract_seq \
-         WHERE c.root_seq = $1 AND o.kind = $2 ORDER BY o.seq LIMIT $3",
-    )
-    .bind(root_seq)
-    .bind(pb::ObservationKind::Mutation as i64)
-    .bind(budget.query_limit())
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(backend)?;
-    budget.take(rows.len())?;
+    let rows = budget
+        .fetch(
+            conn,
+            sqlx::query(
+                "SELECT c.id, o.path FROM observations o JOIN contracts c ON c.seq = o.contract_seq \
+                 WHERE c.root_seq = $1 AND o.kind = $2 ORDER BY o.seq LIMIT $3",
+            )
+            .bind(root_seq)
+            .bind(pb::ObservationKind::Mutation as i64),
+        )
+        .await?;
     rows.iter()
         .map(|r| Ok((id_column(r, "id")?, r.try_get("path").map_err(backend)?)))
         .collect()
