@@ -8,6 +8,7 @@ pub mod config;
 pub mod core;
 pub mod crypto;
 pub mod keystore;
+pub mod pool;
 pub mod server;
 pub mod service;
 pub mod stamp;

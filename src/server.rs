@@ -34,6 +34,9 @@ pub enum ServerError {
     /// The configured certificate or key is unusable.
     #[error("tls: {0}")]
     Tls(String),
+    /// A worker thread could not be started.
+    #[error("threads: {0}")]
+    Threads(#[from] std::io::Error),
 }
 
 /// Serves the broker on `listener` until `shutdown` resolves, then drains
@@ -101,7 +104,12 @@ pub async fn run_with_clock(
         Duration::from_millis(limits.expiry_sweep_interval_ms),
     ));
     let (stop, stopping) = tokio::sync::watch::channel(false);
-    let service = BrokerService::new(store, Arc::new(config), clock, keys, stopping);
+    let converters = crate::pool::WorkPool::start(
+        "convert",
+        crate::core::limits::MAX_CONCURRENT_CONVERSIONS,
+        crate::core::limits::DEEP_STACK_BYTES,
+    )?;
+    let service = BrokerService::new(store, Arc::new(config), clock, keys, stopping, converters);
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_request_bytes.saturating_mul(4));

@@ -13,12 +13,37 @@ pub struct InputError {
 }
 
 impl InputError {
+    /// The reason is cut at `MAX_ERROR_REASON_BYTES`: reasons quote parser
+    /// messages that may repeat the client's whole input, and an error must
+    /// fit gRPC's 8 KiB trailers or the client sees RESOURCE_EXHAUSTED
+    /// instead of the field it got wrong.
     pub fn new(field: &'static str, reason: impl Into<String>) -> Self {
         Self {
             field,
-            reason: reason.into(),
+            reason: bounded(reason.into(), MAX_ERROR_REASON_BYTES),
         }
     }
+}
+
+/// Longest reason an `InputError` carries, in bytes. It travels twice (the
+/// status message and the BadRequest detail), percent-encoded up to 3× and
+/// base64-encoded 4/3×: 1,024 bytes keep both far below 8 KiB.
+pub const MAX_ERROR_REASON_BYTES: usize = 1_024;
+
+/// `text` cut at `max_bytes` on a character boundary, marked with "…" and
+/// its full length when cut.
+pub fn bounded(mut text: String, max_bytes: usize) -> String {
+    if text.len() <= max_bytes {
+        return text;
+    }
+    let full = text.len();
+    let mut end = max_bytes;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    text.push_str(&format!("… (cut from {full} bytes)"));
+    text
 }
 
 /// Most bytes of a client's input quoted back in an error: enough to
@@ -51,5 +76,16 @@ mod tests {
         assert!(echoed.len() < MAX_ECHOED_INPUT_BYTES + 32, "{echoed}");
         assert!(echoed.ends_with("… (400 bytes)"), "{echoed}");
         assert!(echoed.starts_with("\"éé"));
+    }
+
+    #[test]
+    fn reasons_are_bounded_on_a_character_boundary() {
+        let e = InputError::new("f", "é".repeat(MAX_ERROR_REASON_BYTES));
+        assert!(e.reason.len() < MAX_ERROR_REASON_BYTES + 40, "{}", e.reason);
+        assert!(
+            e.reason
+                .ends_with(&format!("(cut from {} bytes)", 2 * MAX_ERROR_REASON_BYTES))
+        );
+        assert_eq!(InputError::new("f", "short").reason, "short");
     }
 }

@@ -419,6 +419,26 @@ fn evaluate(predicate: &str, result: &Value) -> Vec<RefusedCriterion> {
     refused
 }
 
+/// What issuance needs to know of a predicate to vouch that it can be
+/// judged: its syntax tree's depth and how many top-level conjuncts the
+/// judge will split it into.
+pub(crate) struct Shape {
+    pub depth: usize,
+    pub conjuncts: usize,
+}
+
+/// Parses `text` as the judge does and measures it.
+pub(crate) fn conjunct_shape(text: &str) -> Result<Shape, String> {
+    let program = Program::compile(text).map_err(|e| format!("does not parse as CEL: {e}"))?;
+    let root = program.expression();
+    let (depth, _) = depth_and_max_id(root);
+    let (conjuncts, _) = split_conjuncts(root, &program);
+    Ok(Shape {
+        depth,
+        conjuncts: conjuncts.len(),
+    })
+}
+
 /// The direct sub-expressions of `e`.
 fn children(e: &Expr) -> Vec<&IdedExpr> {
     fn entry_exprs(entries: &[IdedEntryExpr]) -> Vec<&IdedExpr> {

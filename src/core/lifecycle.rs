@@ -30,6 +30,9 @@ pub enum Event {
     Expire,
     /// The holder of an ancestor withdrew it.
     Revoke,
+    /// Its host recorded what it observed (never moves the status; only
+    /// an open contract takes observations).
+    Record,
 }
 
 impl Event {
@@ -41,6 +44,7 @@ impl Event {
             Self::Escalate => "ESCALATE",
             Self::Expire => "EXPIRE",
             Self::Revoke => "REVOKE",
+            Self::Record => "RECORD",
         }
     }
 
@@ -131,10 +135,31 @@ pub struct Node {
 pub struct Ended {
     pub id: usize,
     pub status: Status,
+    /// Units charged for the contract's own consumption as it ended: only a
+    /// delegate's capped report (metered units were charged as recorded).
+    pub charged_at_end: i64,
+    /// Reported units beyond what was charged (see `Consumption`).
+    pub unverified_excess: i64,
     /// How it settled into its parent; `None` for the root.
     pub settlement: Option<Settlement>,
     /// It spent more than its budget (for a child also in `settlement`).
     pub overspend: Option<Overspend>,
+}
+
+/// What a completing contract consumed itself, and so what is charged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Consumption {
+    /// The host metered it. Metered units are charged the moment they are
+    /// recorded (`Tree::meter`), so they count against the residual at once
+    /// and nothing more is charged at the end: never twice.
+    Metered,
+    /// Only the delegate's own report, which nobody observed. It is charged
+    /// up to what the contract still holds (its residual, never below 0),
+    /// so an unverifiable claim can never put debt on the chain above it;
+    /// the rest is `Ended::unverified_excess`, recorded on the completion
+    /// receipt for the principal to see. Only host metering, a fact, can
+    /// overspend a budget.
+    Reported(i64),
 }
 
 /// Why a model operation was refused; the tree is then unchanged.
@@ -222,48 +247,48 @@ impl Tree {
         Ok(())
     }
 
-    /// Completes `id`, charging `consumed` (the judgment's: host-observed
-    /// if present, else reported) to it.
+    /// Charges `units` the host metered to open contract `id` at once: they
+    /// leave its residual now, not when it ends.
+    pub fn meter(&mut self, id: usize, units: i64) -> Result<(), TreeError> {
+        let n = self.node(id)?;
+        if !n.status.is_open() {
+            return Err(LifecycleError::NotAllowed {
+                from: n.status,
+                event: Event::Record,
+            }
+            .into());
+        }
+        self.nodes[id].ledger.charge(units)?;
+        Ok(())
+    }
+
+    /// Completes `id`, charging its own consumption as `consumed` says.
     pub fn complete(
         &mut self,
         id: usize,
-        consumed: i64,
+        consumed: Consumption,
         now_ms: i64,
     ) -> Result<Vec<Ended>, TreeError> {
         self.end(id, Event::Complete, consumed, now_ms)
     }
 
-    pub fn escalate(
-        &mut self,
-        id: usize,
-        consumed: i64,
-        now_ms: i64,
-    ) -> Result<Vec<Ended>, TreeError> {
-        self.end(id, Event::Escalate, consumed, now_ms)
+    /// The remaining ways to end charge nothing more: what the host metered
+    /// is already charged, and no report is taken.
+    pub fn escalate(&mut self, id: usize, now_ms: i64) -> Result<Vec<Ended>, TreeError> {
+        self.end(id, Event::Escalate, Consumption::Metered, now_ms)
     }
 
     pub fn decline(&mut self, id: usize, now_ms: i64) -> Result<Vec<Ended>, TreeError> {
-        self.end(id, Event::Decline, 0, now_ms)
+        self.end(id, Event::Decline, Consumption::Metered, now_ms)
     }
 
-    /// Revokes `id` and every open descendant. `consumed` is what the host
-    /// observed `id` consume so far.
-    pub fn revoke(
-        &mut self,
-        id: usize,
-        consumed: i64,
-        now_ms: i64,
-    ) -> Result<Vec<Ended>, TreeError> {
-        self.end(id, Event::Revoke, consumed, now_ms)
+    /// Revokes `id` and every open descendant.
+    pub fn revoke(&mut self, id: usize, now_ms: i64) -> Result<Vec<Ended>, TreeError> {
+        self.end(id, Event::Revoke, Consumption::Metered, now_ms)
     }
 
-    pub fn expire(
-        &mut self,
-        id: usize,
-        consumed: i64,
-        now_ms: i64,
-    ) -> Result<Vec<Ended>, TreeError> {
-        self.end(id, Event::Expire, consumed, now_ms)
+    pub fn expire(&mut self, id: usize, now_ms: i64) -> Result<Vec<Ended>, TreeError> {
+        self.end(id, Event::Expire, Consumption::Metered, now_ms)
     }
 
     /// Ends `id` by `event`: its open descendants first (deepest first),
@@ -272,7 +297,7 @@ impl Tree {
         &mut self,
         id: usize,
         event: Event,
-        consumed: i64,
+        consumed: Consumption,
         now_ms: i64,
     ) -> Result<Vec<Ended>, TreeError> {
         let n = self.node(id)?;
@@ -280,17 +305,31 @@ impl Tree {
         let mut next = self.clone();
         let mut ended = Vec::new();
         for d in self.open_descendants_post_order(id) {
-            ended.push(next.settle(d, event.cascade_status(), 0)?);
+            ended.push(next.settle(d, event.cascade_status(), Consumption::Metered)?);
         }
         ended.push(next.settle(id, status, consumed)?);
         *self = next;
         Ok(ended)
     }
 
-    /// Charges `consumed` to `id`, sets its final status and settles it into
-    /// its parent. Its children must have ended already.
-    fn settle(&mut self, id: usize, status: Status, consumed: i64) -> Result<Ended, TreeError> {
-        self.nodes[id].ledger.charge(consumed)?;
+    /// Charges `id`'s own consumption, sets its final status and settles it
+    /// into its parent. Its children must have ended already, so its
+    /// residual is all it still holds.
+    fn settle(
+        &mut self,
+        id: usize,
+        status: Status,
+        consumed: Consumption,
+    ) -> Result<Ended, TreeError> {
+        let (charged_at_end, unverified_excess) = match consumed {
+            Consumption::Metered => (0, 0),
+            Consumption::Reported(units) => {
+                let held = self.nodes[id].ledger.residual().max(0);
+                let charged = units.clamp(0, held);
+                (charged, units.saturating_sub(charged).max(0))
+            }
+        };
+        self.nodes[id].ledger.charge(charged_at_end)?;
         self.nodes[id].status = status;
         let child = self.nodes[id].ledger;
         let settlement = match self.nodes[id].parent {
@@ -301,6 +340,8 @@ impl Tree {
         Ok(Ended {
             id,
             status,
+            charged_at_end,
+            unverified_excess,
             settlement,
             overspend: (excess > 0).then_some(Overspend {
                 budget: child.budget,
@@ -397,7 +438,7 @@ mod tests {
         let mut t = Tree::new(25, T0 + 90_000);
         let exec = t.delegate(0, 13, T0 + 60_000, T0).unwrap();
         t.accept(exec, T0).unwrap();
-        let ended = t.complete(exec, 11, T0 + 1).unwrap();
+        let ended = t.complete(exec, Consumption::Reported(11), T0 + 1).unwrap();
         assert_eq!(ended.len(), 1);
         assert_eq!(ended[0].settlement.unwrap().returned, 2);
         let root = &t.node(0).unwrap().ledger;
@@ -413,8 +454,9 @@ mod tests {
         let c = t.delegate(b, 10, T0 + 800, T0).unwrap();
         let d = t.delegate(a, 5, T0 + 800, T0).unwrap();
         t.accept(d, T0).unwrap();
-        t.complete(d, 4, T0).unwrap();
-        let ended = t.revoke(a, 7, T0 + 1).unwrap();
+        t.complete(d, Consumption::Reported(4), T0).unwrap();
+        t.meter(a, 7).unwrap();
+        let ended = t.revoke(a, T0 + 1).unwrap();
         let ids: Vec<usize> = ended.iter().map(|e| e.id).collect();
         assert_eq!(ids, vec![c, b, a]);
         assert!(ended.iter().all(|e| e.status == Status::Revoked));
@@ -429,12 +471,76 @@ mod tests {
         let a = t.delegate(0, 20, T0 + 100, T0).unwrap();
         let b = t.delegate(a, 10, T0 + 100, T0).unwrap();
         let before = t.clone();
-        assert!(t.expire(a, 0, T0 + 99).is_err());
-        assert!(t.complete(a, 1, T0).is_err()); // not accepted
+        assert!(t.expire(a, T0 + 99).is_err());
+        assert!(t.complete(a, Consumption::Reported(1), T0).is_err()); // not accepted
         assert_eq!(t, before);
-        let ended = t.expire(a, 0, T0 + 100).unwrap();
+        let ended = t.expire(a, T0 + 100).unwrap();
         assert_eq!(ended[0].id, b);
         assert!(ended.iter().all(|e| e.status == Status::Expired));
+    }
+
+    /// Issue 11, item 2: metered units leave the residual at once, so a
+    /// parent whose host metered its whole budget cannot issue a child.
+    #[test]
+    fn metered_units_count_against_the_residual_at_once() {
+        let mut t = Tree::new(100, T0 + 1_000);
+        t.meter(0, 100).unwrap();
+        assert_eq!(t.node(0).unwrap().ledger.residual(), 0);
+        assert!(matches!(
+            t.delegate(0, 100, T0 + 900, T0),
+            Err(TreeError::Ledger(LedgerError::InsufficientResidual { .. }))
+        ));
+    }
+
+    /// Issue 11, item 3: an ancestor accepting (or ending) after its
+    /// descendant's host metered units charges them once, and the
+    /// descendant's settlement says consumed 4, returned 26.
+    #[test]
+    fn a_late_accept_above_a_metered_descendant_charges_once() {
+        let mut t = Tree::new(100, T0 + 1_000);
+        let a = t.delegate(0, 60, T0 + 900, T0).unwrap();
+        let b = t.delegate(a, 30, T0 + 900, T0).unwrap();
+        t.accept(b, T0).unwrap();
+        t.meter(b, 4).unwrap();
+        t.accept(a, T0).unwrap();
+        let ended = t.complete(b, Consumption::Metered, T0 + 1).unwrap();
+        assert_eq!(t.node(b).unwrap().ledger.spent, 4);
+        let s = ended[0].settlement.unwrap();
+        assert_eq!((s.charged, s.returned), (4, 26));
+        let al = t.node(a).unwrap().ledger;
+        assert_eq!((al.spent, al.residual()), (4, 56));
+        // a escalates: nothing of b is charged again.
+        t.escalate(a, T0 + 2).unwrap();
+        assert_eq!(t.node(0).unwrap().ledger.spent, 4);
+    }
+
+    /// Issue 11, item 4: a report nobody observed is charged at most what
+    /// the contract still holds; the rest is recorded, not charged.
+    #[test]
+    fn an_unverified_report_is_charged_at_most_the_residual() {
+        let mut t = Tree::new(100, T0 + 1_000);
+        let a = t.delegate(0, 10, T0 + 900, T0).unwrap();
+        t.accept(a, T0).unwrap();
+        let ended = t
+            .complete(a, Consumption::Reported(1_000_000_000_000_000), T0)
+            .unwrap();
+        let e = ended[0];
+        assert_eq!(
+            (e.charged_at_end, e.unverified_excess),
+            (10, 999_999_999_999_990)
+        );
+        assert_eq!(e.overspend, None);
+        let root = t.node(0).unwrap().ledger;
+        assert_eq!((root.spent, root.residual()), (10, 90));
+        // Metered units are a fact: they may overspend, and are charged in full.
+        let b = t.delegate(0, 10, T0 + 900, T0).unwrap();
+        t.accept(b, T0).unwrap();
+        t.meter(b, 25).unwrap();
+        let ended = t.complete(b, Consumption::Metered, T0).unwrap();
+        assert_eq!(ended[0].overspend.map(|o| o.excess), Some(15));
+        assert_eq!(t.node(0).unwrap().ledger.spent, 35);
+        // An ended contract takes no metering.
+        assert!(t.meter(b, 1).is_err());
     }
 
     #[derive(Clone, Debug)]
@@ -445,11 +551,13 @@ mod tests {
             deadline: i64,
         },
         Accept(usize),
-        Complete(usize, i64),
-        Escalate(usize, i64),
+        Meter(usize, i64),
+        /// `None`: the host metered it.
+        Complete(usize, Option<i64>),
+        Escalate(usize),
         Decline(usize),
-        Revoke(usize, i64),
-        Expire(usize, i64),
+        Revoke(usize),
+        Expire(usize),
         Tick(i64),
     }
 
@@ -459,11 +567,12 @@ mod tests {
         prop_oneof![
             6 => (id.clone(), 1i64..60, 1i64..4_000).prop_map(|(parent, budget, deadline)| Op::Delegate { parent, budget, deadline }),
             2 => id.clone().prop_map(Op::Accept),
-            2 => (id.clone(), units.clone()).prop_map(|(i, c)| Op::Complete(i, c)),
-            1 => (id.clone(), units.clone()).prop_map(|(i, c)| Op::Escalate(i, c)),
+            2 => (id.clone(), units.clone()).prop_map(|(i, c)| Op::Meter(i, c)),
+            2 => (id.clone(), proptest::option::of(0i64..200)).prop_map(|(i, c)| Op::Complete(i, c)),
+            1 => id.clone().prop_map(Op::Escalate),
             1 => id.clone().prop_map(Op::Decline),
-            1 => (id.clone(), units.clone()).prop_map(|(i, c)| Op::Revoke(i, c)),
-            1 => (id, units).prop_map(|(i, c)| Op::Expire(i, c)),
+            1 => id.clone().prop_map(Op::Revoke),
+            1 => id.prop_map(Op::Expire),
             1 => (1i64..100).prop_map(Op::Tick),
         ]
     }
@@ -474,7 +583,12 @@ mod tests {
     /// unit consumed is charged exactly once, a negative residual is backed
     /// by a reported overspend, and an ended contract has no open
     /// descendant.
-    fn check(t: &Tree, consumed: i64, overspent: &[bool]) -> Result<(), TestCaseError> {
+    fn check(
+        t: &Tree,
+        consumed: i64,
+        overspent: &[bool],
+        metered: &[bool],
+    ) -> Result<(), TestCaseError> {
         let nodes = t.nodes();
         let mut unsettled_spent = 0i64;
         for (i, n) in nodes.iter().enumerate() {
@@ -498,7 +612,9 @@ mod tests {
                 prop_assert!(open.is_empty(), "ended node {} has open children", i);
             }
             if l.residual() < 0 {
-                let backed = overspent[i] || n.children.iter().any(|&c| overspent[c]);
+                // Debt comes only from facts: host metering of this node, or
+                // a child's recorded overspend.
+                let backed = overspent[i] || metered[i] || n.children.iter().any(|&c| overspent[c]);
                 prop_assert!(backed, "node {} is in debt without a recorded overspend", i);
             }
             if n.parent.is_none() || n.status.is_open() {
@@ -520,6 +636,7 @@ mod tests {
             let mut t = Tree::new(root_budget, T0 + 5_000);
             let mut consumed = 0i64;
             let mut overspent = vec![false];
+            let mut metered = vec![false; 1];
             for op in ops {
                 let before = t.clone();
                 let len = t.nodes().len();
@@ -543,12 +660,34 @@ mod tests {
                         .delegate(target(parent, true), budget, now + deadline, now)
                         .map(|_| Vec::new()),
                     Op::Accept(i) => t.accept(target(i, true), now).map(|_| Vec::new()),
-                    Op::Complete(i, c) => t.complete(target(i, false), c, now).inspect(|_| consumed += c),
-                    Op::Escalate(i, c) => t.escalate(target(i, false), c, now).inspect(|_| consumed += c),
-                    Op::Decline(i) => t.decline(target(i, false), now),
-                    Op::Revoke(i, c) => {
+                    Op::Meter(i, c) => {
+                        let target = target(i, true);
+                        t.meter(target, c).map(|()| {
+                            consumed += c;
+                            metered.resize(t.nodes().len(), false);
+                            metered[target] = true;
+                            Vec::new()
+                        })
+                    }
+                    Op::Complete(i, c) => {
                         let target = target(i, false);
-                        let r = t.revoke(target, c, now).inspect(|_| consumed += c);
+                        let how = c.map_or(Consumption::Metered, Consumption::Reported);
+                        let r = t.complete(target, how, now);
+                        if let (Ok(ended), Some(reported)) = (&r, c) {
+                            let own = ended.last().expect("the target ends last");
+                            prop_assert_eq!(own.id, target);
+                            prop_assert_eq!(own.charged_at_end + own.unverified_excess, reported);
+                            // An unverified report never creates debt.
+                            prop_assert!(own.unverified_excess == 0 || t.nodes()[target].ledger.residual() <= 0);
+                            consumed += own.charged_at_end;
+                        }
+                        r
+                    }
+                    Op::Escalate(i) => t.escalate(target(i, false), now),
+                    Op::Decline(i) => t.decline(target(i, false), now),
+                    Op::Revoke(i) => {
+                        let target = target(i, false);
+                        let r = t.revoke(target, now);
                         if r.is_ok() {
                             let mut stack = vec![target];
                             while let Some(x) = stack.pop() {
@@ -558,13 +697,14 @@ mod tests {
                         }
                         r
                     }
-                    Op::Expire(i, c) => t.expire(target(i, false), c, now).inspect(|_| consumed += c),
+                    Op::Expire(i) => t.expire(target(i, false), now),
                     Op::Tick(dt) => {
                         now += dt;
                         Ok(Vec::new())
                     }
                 };
                 overspent.resize(t.nodes().len(), false);
+                metered.resize(t.nodes().len(), false);
                 match result {
                     Ok(ended) => {
                         for e in ended {
@@ -579,7 +719,7 @@ mod tests {
                     }
                     Err(_) => prop_assert_eq!(&t, &before, "a refused {:?} changed the tree", op),
                 }
-                check(&t, consumed, &overspent)?;
+                check(&t, consumed, &overspent, &metered)?;
             }
         }
     }

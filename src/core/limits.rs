@@ -82,7 +82,21 @@ pub const MAX_REASON_BYTES: usize = 1_024;
 /// parser recurses per level; this keeps it far from any thread's stack
 /// limit (a debug build overflows a 2 MiB stack near 20 levels).
 pub const MAX_PREDICATE_NESTING: usize = 12;
+/// Most member selections and indexes (`.`, `[`) in a forwarded predicate:
+/// the parser recurses per link of a chain (2,000 overflowed a 2 MiB stack), and
+/// the judge evaluates no tree deeper than `MAX_PREDICATE_AST_DEPTH`.
+pub const MAX_PREDICATE_SELECTS: usize = 96;
 /// Most binary operators in a forwarded predicate, for the same reason.
 pub const MAX_PREDICATE_OPERATORS: usize = 48;
 /// Stack of the broker's async worker threads.
 pub const WORKER_STACK_BYTES: usize = 16 * 1024 * 1024;
+/// Delegate bodies converted at once (schema compilation, predicate
+/// composition), on the service's `convert` threads: never on an async
+/// worker, never on the writer.
+pub const MAX_CONCURRENT_CONVERSIONS: usize = 8;
+/// Longest a Delegate waits for its body to be converted, queueing
+/// included, in ms; past it the caller gets UNAVAILABLE and may retry.
+pub const CONVERSION_DEADLINE_MS: u64 = 10_000;
+/// Stack of the threads that parse and evaluate CEL (conversion, judges,
+/// writer): the parser and evaluator recurse per nesting level.
+pub const DEEP_STACK_BYTES: usize = 64 * 1024 * 1024;

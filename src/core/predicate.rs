@@ -5,8 +5,8 @@
 
 use super::error::InputError;
 use super::limits::{
-    MAX_EFFECTIVE_PREDICATE_BYTES, MAX_PARSED_PREDICATE_BYTES, MAX_PREDICATE_BYTES,
-    MAX_PREDICATE_NESTING, MAX_PREDICATE_OPERATORS,
+    MAX_EFFECTIVE_PREDICATE_BYTES, MAX_PARSED_PREDICATE_BYTES, MAX_PREDICATE_AST_DEPTH,
+    MAX_PREDICATE_BYTES, MAX_PREDICATE_NESTING, MAX_PREDICATE_OPERATORS, MAX_PREDICATE_SELECTS,
 };
 
 /// A CEL expression that parsed. Empty text means "no predicate".
@@ -52,16 +52,76 @@ impl Predicate {
     }
 
     /// The effective predicate after this hop: `inherited && (own)`. Every
-    /// part is parenthesized, so the result is always a flat conjunction
-    /// `(p1) && (p2) && ...` whatever operators the parts use. `None` when the
-    /// result would exceed the effective-predicate limit.
+    /// part is parenthesized and ends its line before its closing
+    /// parenthesis, so the result is always a flat conjunction
+    /// `(p1⏎) && (p2⏎) && ...` whatever the parts contain: a part's trailing
+    /// `//` comment ends at that newline and cannot swallow what follows
+    /// (each part parses on its own, so nothing else of it is left open).
+    /// `None` when the result would exceed the effective-predicate limit.
+    /// Cheap string work; `check_effective` is the parse that vouches for it.
     pub fn conjoin(inherited: &Predicate, own: &Predicate) -> Option<Predicate> {
         let text = match (inherited.is_empty(), own.is_empty()) {
             (_, true) => inherited.0.clone(),
-            (true, false) => format!("({})", own.0),
-            (false, false) => format!("{} && ({})", inherited.0, own.0),
+            (true, false) => format!("({}\n)", own.0),
+            (false, false) => format!("{} && ({}\n)", inherited.0, own.0),
         };
         (text.len() <= MAX_EFFECTIVE_PREDICATE_BYTES).then_some(Predicate(text))
+    }
+
+    /// The effective predicate a child would be issued with, checked so it
+    /// can always be judged: it fits `MAX_EFFECTIVE_PREDICATE_BYTES`, parses
+    /// as CEL, its syntax tree is no deeper than the judge evaluates, and it
+    /// has exactly the top-level conjuncts of its parts (so no part can
+    /// absorb another). Parsing costs up to milliseconds for a long chain:
+    /// callers run it off the writer, before the request is queued.
+    pub fn check_effective(
+        inherited: &Predicate,
+        own: &Predicate,
+        field: &'static str,
+    ) -> Result<Predicate, InputError> {
+        let composed = Self::conjoin(inherited, own).ok_or_else(|| {
+            InputError::new(
+                field,
+                format!(
+                    "the effective predicate (the ancestors' conjunction and this one) would exceed {MAX_EFFECTIVE_PREDICATE_BYTES} bytes"
+                ),
+            )
+        })?;
+        if composed.is_empty() {
+            return Ok(composed);
+        }
+        let shape = |text: &str| super::judge::conjunct_shape(text);
+        let whole = shape(&composed.0).map_err(|why| {
+            InputError::new(
+                field,
+                format!("the effective predicate cannot be judged: {why}"),
+            )
+        })?;
+        if whole.depth > MAX_PREDICATE_AST_DEPTH {
+            return Err(InputError::new(
+                field,
+                format!(
+                    "the effective predicate would nest {} levels deep, deeper than the judge evaluates ({MAX_PREDICATE_AST_DEPTH})",
+                    whole.depth
+                ),
+            ));
+        }
+        let parts = [inherited, own]
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| shape(&p.0).map(|s| s.conjuncts))
+            .sum::<Result<usize, String>>()
+            .map_err(|why| InputError::new(field, format!("a part does not parse: {why}")))?;
+        if whole.conjuncts != parts {
+            return Err(InputError::new(
+                field,
+                format!(
+                    "composing it would merge conjuncts ({} parts, {} after composition)",
+                    parts, whole.conjuncts
+                ),
+            ));
+        }
+        Ok(composed)
     }
 }
 
@@ -108,7 +168,7 @@ fn lock_parsed(parsed: &std::sync::Mutex<ParsedTexts>) -> std::sync::MutexGuard<
 /// bracket nesting and binary operators (a rough count outside string
 /// literals is enough for a bound).
 fn check_shape(text: &str) -> Result<(), String> {
-    let (mut depth, mut deepest, mut operators) = (0usize, 0usize, 0usize);
+    let (mut depth, mut deepest, mut operators, mut selects) = (0usize, 0usize, 0usize, 0usize);
     let mut quote: Option<char> = None;
     let mut escaped = false;
     let mut previous = ' ';
@@ -128,10 +188,13 @@ fn check_shape(text: &str) -> Result<(), String> {
                 '(' | '[' | '{' => {
                     depth += 1;
                     deepest = deepest.max(depth);
+                    // `a[0][0]…` recurses like `a.b.c…` and nests no deeper.
+                    selects += usize::from(c == '[');
                 }
                 ')' | ']' | '}' => depth = depth.saturating_sub(1),
                 '+' | '-' | '*' | '/' | '%' | '<' | '>' | '?' => operators += 1,
                 '&' | '|' | '=' if previous != c => operators += 1,
+                '.' => selects += 1,
                 _ => {}
             },
         }
@@ -140,6 +203,11 @@ fn check_shape(text: &str) -> Result<(), String> {
     if deepest > MAX_PREDICATE_NESTING {
         return Err(format!(
             "nests {deepest} levels deep, at most {MAX_PREDICATE_NESTING}"
+        ));
+    }
+    if selects > MAX_PREDICATE_SELECTS {
+        return Err(format!(
+            "has {selects} member selections and indexes ('.', '['), at most {MAX_PREDICATE_SELECTS}"
         ));
     }
     if operators > MAX_PREDICATE_OPERATORS {
@@ -189,6 +257,18 @@ mod tests {
         // Shapes that would drive the recursive parser deep are refused first.
         let deep = format!("{}true{}", "(".repeat(40), ")".repeat(40));
         assert_eq!(Predicate::parse(&deep, "p").unwrap_err().field, "p");
+        // A chain of member selections recurses in the parser too: 2,000
+        // of them (4 KB) overflowed a 2 MiB stack and aborted the process.
+        let selects = format!("result{}", ".a".repeat(2_000));
+        let refused = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || Predicate::parse(&selects, "p").map(drop))
+            .unwrap()
+            .join()
+            .expect("refused before the parser recurses");
+        assert!(refused.unwrap_err().reason.contains("member selections"));
+        let indexes = format!("result{}", "[0]".repeat(1_300));
+        assert!(Predicate::parse(&indexes, "p").is_err());
         let long = vec!["1"; 200].join(" + ");
         assert!(Predicate::parse(&format!("{long} > 0"), "p").is_err());
         assert!(
@@ -210,15 +290,88 @@ mod tests {
         let abc = Predicate::conjoin(&ab, &c).unwrap();
         assert_eq!(
             abc.as_str(),
-            "(result.schema_valid) && (result.within_scope || result.consumed < 3) && (result.tool_calls < 10)"
+            "(result.schema_valid\n) && (result.within_scope || result.consumed < 3\n) && (result.tool_calls < 10\n)"
         );
         assert!(Predicate::parse(abc.as_str(), "p").is_ok());
         let none = Predicate::default();
         assert_eq!(Predicate::conjoin(&ab, &none).unwrap(), ab);
         assert_eq!(
             Predicate::conjoin(&none, &b).unwrap().as_str(),
-            "(result.within_scope || result.consumed < 3)"
+            "(result.within_scope || result.consumed < 3\n)"
         );
         assert!(Predicate::conjoin(&none, &none).unwrap().is_empty());
+    }
+
+    /// Issue 11, item 1: an ancestor's trailing `//` comment cannot swallow
+    /// the closing parenthesis, and a forwarded `true⏎|| true` cannot turn
+    /// the ancestor's conjunct into a disjunction.
+    #[test]
+    fn comments_and_newlines_cannot_merge_conjuncts() {
+        let none = Predicate::default();
+        let p = Predicate::parse("result.schema_valid", "p").unwrap();
+        let q = Predicate::parse("result.output.approved // must be approved", "p").unwrap();
+        let attack = Predicate::parse("true\n|| true", "p").unwrap();
+        let pq = Predicate::check_effective(
+            &Predicate::check_effective(&none, &p, "p").unwrap(),
+            &q,
+            "p",
+        )
+        .unwrap();
+        let all = Predicate::check_effective(&pq, &attack, "p").unwrap();
+        let shape = crate::core::judge::conjunct_shape(all.as_str()).unwrap();
+        assert_eq!(shape.conjuncts, 3, "{all:?}");
+        // An effective predicate in the old, comment-swallowing form is
+        // refused, never issued.
+        let old = Predicate::from_trusted("(result.schema_valid) && (result.ok // c)".into());
+        assert!(Predicate::check_effective(&old, &attack, "body.predicate").is_err());
+    }
+
+    #[test]
+    fn an_effective_predicate_the_judge_cannot_evaluate_is_refused() {
+        // Composition parses on the broker's deep-stack threads.
+        std::thread::Builder::new()
+            .stack_size(crate::core::limits::DEEP_STACK_BYTES)
+            .spawn(|| {
+                // Every shape bound holds, yet operators over a long
+                // selection nest deeper than the judge evaluates: such a
+                // part parses, but could never be judged, so it is refused
+                // at issuance.
+                let own = format!(
+                    "result{}{} == 1",
+                    ".a".repeat(MAX_PREDICATE_SELECTS - 1),
+                    " + 1".repeat(MAX_PREDICATE_OPERATORS - 2)
+                );
+                let own = Predicate::parse(&own, "p").unwrap();
+                let mut inherited = Predicate::default();
+                let mut refused = None;
+                for hop in 0..64 {
+                    match Predicate::check_effective(&inherited, &own, "body.predicate") {
+                        Ok(next) => inherited = next,
+                        Err(e) => {
+                            refused = Some((hop, e));
+                            break;
+                        }
+                    }
+                }
+                let (hop, e) = refused.expect("a deep enough chain is refused");
+                assert_eq!(hop, 0);
+                assert_eq!(e.field, "body.predicate");
+                assert!(e.reason.contains("deeper than the judge"), "{}", e.reason);
+                // Sixty-four hops of parts at every parser bound compose.
+                let own = format!(
+                    "{}result{} == 1{}",
+                    "(".repeat(MAX_PREDICATE_NESTING),
+                    ".a".repeat(MAX_PREDICATE_SELECTS - 1),
+                    ")".repeat(MAX_PREDICATE_NESTING)
+                );
+                let own = Predicate::parse(&own, "p").unwrap();
+                let mut inherited = Predicate::default();
+                for _ in 0..64 {
+                    inherited = Predicate::check_effective(&inherited, &own, "p").unwrap();
+                }
+            })
+            .unwrap()
+            .join()
+            .unwrap();
     }
 }

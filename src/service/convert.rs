@@ -75,6 +75,8 @@ pub fn new_root(
     }
     let policy = policy(body.policy.as_ref(), limits)?;
     let predicate = Predicate::parse(&body.predicate, "body.predicate")?;
+    // A root's effective predicate is its own: it must be judgeable too.
+    Predicate::check_effective(&Predicate::default(), &predicate, "body.predicate")?;
     let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
     let labels = core::labels(&body.labels, "body.labels")?;
     let task = if body.task.trim().is_empty() {

@@ -13,6 +13,9 @@ use crate::store::StoreError;
 /// `ErrorInfo.domain` of every error this broker returns.
 pub const ERROR_DOMAIN: &str = "delegation.broker.v1";
 
+/// Longest status message, in bytes (see `core::error::MAX_ERROR_REASON_BYTES`).
+pub const MAX_STATUS_MESSAGE_BYTES: usize = 1_536;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
     /// Malformed input, naming the field.
@@ -82,7 +85,9 @@ impl From<StoreError> for ServiceError {
 
 impl From<ServiceError> for Status {
     fn from(e: ServiceError) -> Self {
-        let message = e.to_string();
+        // Server-written details may quote stored or client text: bounded
+        // like input reasons, so every error fits the 8 KiB trailers.
+        let message = crate::core::error::bounded(e.to_string(), MAX_STATUS_MESSAGE_BYTES);
         let (code, reason, metadata): (Code, &str, Vec<(&str, String)>) = match &e {
             ServiceError::Invalid(input) => (
                 Code::InvalidArgument,

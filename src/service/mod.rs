@@ -15,7 +15,9 @@ use tonic::{Request, Response, Status};
 use crate::clock::Clock;
 use crate::config::{Config, RootDenied};
 use crate::core::InputError;
-use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
+use crate::core::limits::{
+    CONVERSION_DEADLINE_MS, DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE,
+};
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::lifecycle::{Action, LifecycleCommand};
@@ -32,7 +34,10 @@ pub struct BrokerService<S> {
     /// life (rotation happens offline).
     keys: Arc<Vec<pb::BrokerKey>>,
     /// Attestation envelopes whose signature already verified.
-    verified: convert::VerifiedAttestations,
+    verified: Arc<convert::VerifiedAttestations>,
+    /// Threads that convert Delegate bodies (schema compilation, predicate
+    /// composition), MAX_CONCURRENT_CONVERSIONS at once.
+    converters: crate::pool::WorkPool,
     /// Bounds concurrent Watch streams (limits.max_watch_streams).
     watchers: Arc<tokio::sync::Semaphore>,
     /// Turns true when the server shuts down: Watch streams end then, or
@@ -52,6 +57,7 @@ impl<S> BrokerService<S> {
         clock: Arc<dyn Clock>,
         keys: Vec<pb::BrokerKey>,
         stopping: tokio::sync::watch::Receiver<bool>,
+        converters: crate::pool::WorkPool,
     ) -> Self {
         Self {
             stopping,
@@ -60,7 +66,8 @@ impl<S> BrokerService<S> {
             config,
             clock,
             keys: Arc::new(keys),
-            verified: convert::VerifiedAttestations::default(),
+            verified: Arc::default(),
+            converters,
         }
     }
 }
@@ -165,13 +172,50 @@ impl<S: Store> BrokerService<S> {
         if !signed.fresh {
             return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
         }
-        let child = convert::new_child(
-            signed.body,
-            signed.request,
-            now_ms,
-            &self.config.trust,
-            &self.verified,
-        )?;
+        // Cheap checks first (issue 11, items 5 and 7): the parent exists and
+        // the signer holds it, before any of the body is converted. A
+        // stranger is answered PERMISSION_DENIED and nothing is stored in
+        // anyone's tree.
+        let parent_id = convert::id(&signed.body.parent_id, "body.parent_id")?;
+        let parent =
+            self.store
+                .issuing_parent(parent_id)
+                .await?
+                .ok_or_else(|| ServiceError::NotFound {
+                    what: "parent contract",
+                    id: hex::encode(parent_id),
+                })?;
+        if parent.delegate_key != signed.request.agent {
+            return Err(ServiceError::PermissionDenied {
+                reason: "NOT_HOLDER",
+                detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
+            });
+        }
+        let (config, verified) = (self.config.clone(), self.verified.clone());
+        let body = signed.body;
+        let request = signed.request;
+        let deadline = std::time::Duration::from_millis(CONVERSION_DEADLINE_MS);
+        let child = self
+            .converters
+            .run(deadline, move || {
+                let child = convert::new_child(body, request, now_ms, &config.trust, &verified)?;
+                // The effective predicate is parsed here, once, so the writer
+                // only concatenates what is known to compose and be judgeable.
+                let inherited = match child.ask.liability {
+                    crate::core::Liability::Delegate => parent.effective_predicate,
+                    crate::core::Liability::Principal => crate::core::Predicate::default(),
+                };
+                crate::core::Predicate::check_effective(
+                    &inherited,
+                    &child.ask.predicate,
+                    "body.predicate",
+                )?;
+                Ok::<_, InputError>(child)
+            })
+            .await
+            .map_err(|e| {
+                ServiceError::Unavailable(format!("converting the Delegate body: {e}"))
+            })??;
         let answer = self.store.delegate(child).await?;
         Ok(delegate_response(answer))
     }

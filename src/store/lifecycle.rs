@@ -14,7 +14,7 @@ use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
 use super::batch::{OUTCOME_REFUSED, PriorRequest, RequestKey};
 use super::{Answer, Outcome, StoreError};
 use crate::core::judge::{self, Verdict};
-use crate::core::lifecycle::{self, Ended, Event, LifecycleError, Node, Tree};
+use crate::core::lifecycle::{self, Consumption, Ended, Event, LifecycleError, Node, Tree};
 use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT};
 use crate::core::{AgentKey, Id, Ledger, Scope, Status};
 use crate::crypto;
@@ -184,14 +184,6 @@ struct Loaded {
     contract: pb::Contract,
 }
 
-impl Loaded {
-    /// What the host metered, charged when the contract ends without a
-    /// completion report of its own.
-    fn host_consumed(&self) -> i64 {
-        if self.metered { self.observed_units } else { 0 }
-    }
-}
-
 const COLUMNS: &str = "seq, id, parent_seq, status, budget, reserved, spent, open_children, \
      deadline_ms, issued_at_ms, delegate_key, host_key, verdict, observations, observed_units, \
      metered, effective_predicate, write_scope, envelope";
@@ -350,16 +342,10 @@ struct Model {
 }
 
 /// Loads `target`'s parent, itself and its open descendants into the
-/// core's model. What each open descendant's host metered is charged to it
-/// first (and to the target too when `charge_target`): ending cascades
-/// must not forgive consumption.
-async fn model(
-    conn: &mut SqliteConnection,
-    target: Loaded,
-    charge_target: bool,
-) -> Result<Model, sqlx::Error> {
+/// core's model. Metered units are already in every `spent` (charged as
+/// they were recorded), so loading charges nothing.
+async fn model(conn: &mut SqliteConnection, target: Loaded) -> Result<Model, sqlx::Error> {
     let mut rows = Vec::new();
-    let rows_parent_seq = target.parent_seq;
     if let Some(parent_seq) = target.parent_seq {
         rows.push(load_seq(conn, parent_seq).await?);
     }
@@ -369,20 +355,12 @@ async fn model(
     let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
     let mut nodes: Vec<Node> = rows
         .iter()
-        .map(|r| {
-            let mut ledger = r.ledger;
-            let descendant = r.seq != target_seq && Some(r.seq) != rows_parent_seq;
-            if descendant || (charge_target && r.seq == target_seq) {
-                // Saturating: cannot fail for a non-negative amount.
-                let _ = ledger.charge(r.host_consumed());
-            }
-            Node {
-                parent: r.parent_seq.and_then(|p| index.get(&p).copied()),
-                children: Vec::new(),
-                status: r.status,
-                deadline_ms: r.deadline_ms,
-                ledger,
-            }
+        .map(|r| Node {
+            parent: r.parent_seq.and_then(|p| index.get(&p).copied()),
+            children: Vec::new(),
+            status: r.status,
+            deadline_ms: r.deadline_ms,
+            ledger: r.ledger,
         })
         .collect();
     for i in 0..nodes.len() {
@@ -565,9 +543,8 @@ pub async fn apply(
     // (its reservation returns), whatever was asked of it.
     let overdue = target.status.is_open() && now_ms >= target.deadline_ms;
     if overdue && !matches!(command.action, Action::Revoke { .. }) {
-        let mut model = model(conn, target.clone(), false).await?;
-        let consumed = target.host_consumed();
-        let ended = match model.tree.expire(model.target, consumed, now_ms) {
+        let mut model = model(conn, target.clone()).await?;
+        let ended = match model.tree.expire(model.target, now_ms) {
             Ok(ended) => ended,
             Err(e) => {
                 return refused(StoreError::Corrupt(e.to_string()));
@@ -630,7 +607,7 @@ pub async fn apply(
                     "the host must be a key other than the delegate's",
                 ));
             }
-            let mut model = model(conn, target.clone(), false).await?;
+            let mut model = model(conn, target.clone()).await?;
             if let Err(e) = model.tree.accept(model.target, now_ms) {
                 return refused(tree_error(&e));
             }
@@ -667,12 +644,9 @@ pub async fn apply(
                     "a root has no principal to return it to",
                 ));
             }
-            // Decline charges nothing itself: what the host metered is
-            // charged through the model instead.
-            let mut model = model(conn, target.clone(), !escalate).await?;
-            let consumed = target.host_consumed();
+            let mut model = model(conn, target.clone()).await?;
             let result = if escalate {
-                model.tree.escalate(model.target, consumed, now_ms)
+                model.tree.escalate(model.target, now_ms)
             } else {
                 model.tree.decline(model.target, now_ms)
             };
@@ -730,9 +704,8 @@ pub async fn apply(
                     "only the holder of an ancestor contract may revoke it",
                 ));
             }
-            let mut model = model(conn, target.clone(), false).await?;
-            let consumed = target.host_consumed();
-            let ended = match model.tree.revoke(model.target, consumed, now_ms) {
+            let mut model = model(conn, target.clone()).await?;
+            let ended = match model.tree.revoke(model.target, now_ms) {
                 Ok(ended) => ended,
                 Err(e) => {
                     return refused(tree_error(&e));
@@ -778,6 +751,12 @@ pub async fn apply(
                 ));
             }
             let metered = target.metered || observations.iter().any(|o| o.units > 0);
+            // Metered units leave the residual now (issue 11, item 2); the
+            // contract's end charges nothing of them again.
+            let mut ledger = target.ledger;
+            if let Err(e) = ledger.charge(units) {
+                return refused(StoreError::Corrupt(format!("metering: {e}")));
+            }
             let mut query = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
             );
@@ -790,13 +769,17 @@ pub async fn apply(
                     .push_bind(o.at_ms);
             });
             query.build().execute(&mut *conn).await?;
-            sqlx::query("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3 WHERE seq = $4")
+            sqlx::query("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, spent = $4 WHERE seq = $5")
                 .bind(total)
                 .bind(metered_total)
                 .bind(i64::from(metered))
+                .bind(ledger.spent)
                 .bind(target.seq)
                 .execute(&mut *conn)
                 .await?;
+            if ledger != target.ledger {
+                changed.push(target.id);
+            }
             let receipt = pb::Receipt {
                 kind: pb::ReceiptKind::Observed as i32,
                 observations: u32::try_from(observations.len()).unwrap_or(u32::MAX),
@@ -812,7 +795,7 @@ pub async fn apply(
                     "only the contract's delegate may complete it",
                 ));
             }
-            let mut model = model(conn, target.clone(), false).await?;
+            let mut model = model(conn, target.clone()).await?;
             if let Err(e) =
                 lifecycle::transition(target.status, Event::Complete, target.deadline_ms, now_ms)
             {
@@ -833,7 +816,12 @@ pub async fn apply(
                     )
                 }
             };
-            let ended = match model.tree.complete(model.target, judgment.consumed, now_ms) {
+            let consumption = if target.metered {
+                Consumption::Metered
+            } else {
+                Consumption::Reported(judgment.consumed)
+            };
+            let ended = match model.tree.complete(model.target, consumption, now_ms) {
                 Ok(ended) => ended,
                 Err(e) => {
                     return refused(tree_error(&e));
@@ -868,7 +856,12 @@ pub async fn apply(
                     claim: args.claim.clone(),
                     has_report: args.has_report,
                     result_digest: crypto::sha256(args.output_json.as_bytes()).to_vec(),
-                    consumed: judgment.consumed,
+                    consumed: if target.metered {
+                        judgment.consumed
+                    } else {
+                        own.map_or(0, |e| e.charged_at_end)
+                    },
+                    claimed_excess: own.map_or(0, |e| e.unverified_excess),
                     overspend: own.and_then(|e| e.overspend).map_or(0, |o| o.excess),
                     returned: own.and_then(|e| e.settlement).map_or(0, |s| s.returned),
                     schema_valid: judgment.schema_valid,

@@ -98,6 +98,16 @@ pub struct Answer {
     pub replayed: bool,
 }
 
+/// The immutable terms of a parent that gate a Delegate (see
+/// `Store::issuing_parent`).
+#[derive(Clone, Debug)]
+pub struct IssuingParent {
+    /// Only this key may delegate from it (invariant 2).
+    pub delegate_key: crate::core::AgentKey,
+    /// What a liability-transferring child's predicate is conjoined to.
+    pub effective_predicate: crate::core::Predicate,
+}
+
 /// The store's errors. Backend details stay inside as text: callers only
 /// need to know the class.
 #[derive(Debug, thiserror::Error)]
@@ -144,6 +154,14 @@ pub trait Store: Send + Sync + 'static {
     /// reserving its budget; otherwise records a signed refusal.
     /// Idempotent on the request's nonce.
     fn delegate(&self, child: NewChild) -> impl Future<Output = Result<Answer, StoreError>> + Send;
+    /// What a Delegate must be checked against before its body is worth
+    /// converting: the parent's holder and effective predicate (both fixed
+    /// at issuance, so any recent view will do). `None`: no such contract.
+    /// A cached or point read, never the writer.
+    fn issuing_parent(
+        &self,
+        parent: Id,
+    ) -> impl Future<Output = Result<Option<IssuingParent>, StoreError>> + Send;
     /// The stored answer to an earlier request with this agent and nonce:
     /// `NonceReused` when its body differed. Reads only.
     fn replay(

@@ -47,7 +47,8 @@ use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKe
 use super::lifecycle::{Action, CompleteArgs, JudgeInputs, LifecycleCommand};
 use super::recent::RecentRequests;
 use super::{
-    Answer, AuditFacts, ContractRecord, Event, Outcome, RunFacts, Store, StoreError, TreeMutations,
+    Answer, AuditFacts, ContractRecord, Event, IssuingParent, Outcome, RunFacts, Store, StoreError,
+    TreeMutations,
 };
 use crate::clock::Clock;
 use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
@@ -701,6 +702,32 @@ impl Store for SqliteStore {
             .remove(&key)
             .map(|p| batch::replayed(&p, request))
             .transpose()
+    }
+
+    async fn issuing_parent(&self, parent: Id) -> Result<Option<IssuingParent>, StoreError> {
+        if let Some(known) = lock(&self.known).get(&parent) {
+            return Ok(Some(IssuingParent {
+                delegate_key: known.view.delegate_key,
+                effective_predicate: known.view.effective_predicate.clone(),
+            }));
+        }
+        // Not settled: what it reads never changes once written, and it is
+        // only used to refuse or to go on to the writer, which reads again.
+        let row =
+            sqlx::query("SELECT delegate_key, effective_predicate FROM contracts WHERE id = $1")
+                .bind(parent.as_slice())
+                .fetch_optional(&self.reader)
+                .await
+                .map_err(backend)?;
+        row.map(|r| {
+            Ok(IssuingParent {
+                delegate_key: id_column(&r, "delegate_key")?,
+                effective_predicate: Predicate::from_trusted(
+                    r.try_get("effective_predicate").map_err(backend)?,
+                ),
+            })
+        })
+        .transpose()
     }
 
     async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {

@@ -2,7 +2,7 @@
 //! non-holders and bad signatures — and that none of them reserves budget.
 
 use delegation_broker::client::Agent;
-use delegation_broker::pb::{self, InvariantCode as Code};
+use delegation_broker::pb;
 use tonic::Code as Status;
 use tonic_types::StatusExt;
 
@@ -72,15 +72,17 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
         (Status::Unauthenticated, "STALE_TIMESTAMP")
     );
 
-    // Signed by a key that does not hold the parent: a NOT_HOLDER refusal.
+    // Signed by a key that does not hold the parent: denied, nothing stored
+    // (issue 11, item 5).
     let intruder = Agent::generate();
-    let (id, envelope, _) = broker
+    let err = broker
         .delegate(&intruder, child(&root.id, &root.lineage, &delegate, 10))
         .await
-        .unwrap()
-        .refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
-    assert_eq!(codes(&receipt), vec![Code::NotHolder]);
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Status::PermissionDenied, "NOT_HOLDER")
+    );
 
     // A header claiming the holder's key, signed by another key.
     let mut forged = child(&root.id, &root.lineage, &delegate, 10);

@@ -69,7 +69,7 @@ async fn seed_001_chain() -> Chain {
         .issued();
     assert_eq!(
         executor_contract.effective_predicate,
-        format!("({SEED_001_PREDICATE})")
+        format!("({SEED_001_PREDICATE}\n)")
     );
     let accepted = broker.accept(&executor, &executor_id, None).await.unwrap();
     assert_eq!(accepted.kind, pb::ReceiptKind::Accepted as i32);

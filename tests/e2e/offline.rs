@@ -154,7 +154,7 @@ async fn a_contract_and_every_hop_proof_verify_offline() {
     }
     let last =
         pb::Contract::decode(chain[3].contract.as_ref().unwrap().payload.as_slice()).unwrap();
-    assert_eq!(last.effective_predicate, "(result.schema_valid)");
+    assert_eq!(last.effective_predicate, "(result.schema_valid\n)");
     // 0.9 × 0.75 × 0.5 = 0.3375 → 337500 ppm.
     let own = pb::HopProof::decode(last.hop_proofs[3].payload.as_slice()).unwrap();
     assert_eq!(own.cumulative_trust_ppm, 337_500);

@@ -34,7 +34,7 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
         .issued();
     assert_eq!(
         planner_contract.effective_predicate,
-        format!("({SEED_001_PREDICATE})")
+        format!("({SEED_001_PREDICATE}\n)")
     );
 
     // The planner does not forward the predicate; the broker keeps it anyway.
@@ -72,7 +72,7 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     assert_eq!(executor_contract.depth, 2);
     assert_eq!(
         executor_contract.effective_predicate,
-        format!("({SEED_001_PREDICATE})")
+        format!("({SEED_001_PREDICATE}\n)")
     );
     assert_eq!(executor_contract.predicate, "");
     let planner_ledger = broker.ledger(&planner_id).await;

@@ -138,9 +138,12 @@ def test_errors_carry_error_info(broker):
     code, reason, metadata = _status(broker, lambda: broker.stub.GetContract(pb.GetContractRequest(contract_id=missing)))
     assert (code, reason, metadata["what"]) == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND", "contract")
 
-    # Someone else's contract: signed correctly, but not by the holder -> a refusal, not an error.
-    receipt = broker.delegate(delegate, child(root.id, root.lineage, Agent.generate(), 10)).receipt()
-    assert receipt.primary == pb.INVARIANT_CODE_NOT_HOLDER
+    # Someone else's contract: signed correctly, but not by the holder -> denied, and nothing
+    # is stored in the victim's tree.
+    code, reason, _ = _status(
+        broker, lambda: broker.stub.Delegate(delegate.delegate(child(root.id, root.lineage, Agent.generate(), 10)))
+    )
+    assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "NOT_HOLDER")
 
 
 def test_error_info_is_none_without_details():

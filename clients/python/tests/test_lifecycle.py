@@ -59,7 +59,7 @@ def seed_001_chain(broker: Broker, *, executor_deadline_ms: int = 0) -> Chain:
     issued = broker.delegate(planner, liable_child(
         planner_id, root.lineage, executor, 20, "", min_retry_cost=12, write_scope=["src/auth"],
         host_public_key=host.public_key, result_schema_json=PATCH_SCHEMA, deadline_ms=executor_deadline_ms)).contract()
-    assert issued.contract.effective_predicate == f"({SEED_001_PREDICATE})"
+    assert issued.contract.effective_predicate == f"({SEED_001_PREDICATE}\n)"
     assert issued.contract.host_public_key == host.public_key
     accepted = broker.accept(executor, issued.contract_id)
     assert accepted.kind == pb.RECEIPT_KIND_ACCEPTED and accepted.root_id == root.id

@@ -59,7 +59,7 @@ def test_a_chain_and_every_hop_proof_verify_offline(broker, three_hops):
                 cumulative = cumulative * proof.factor_ppm // 1_000_000
             assert proof.cumulative_trust_ppm == cumulative, "floor(product) in ppm"
     last = verified[-1]
-    assert last.contract.effective_predicate == "(result.schema_valid)"
+    assert last.contract.effective_predicate == "(result.schema_valid\n)"
     assert last.hop_proofs[3].cumulative_trust_ppm == 337_500  # 0.9 x 0.75 x 0.5
 
 

@@ -19,7 +19,7 @@ def test_seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued(b
                               min_retry_cost=12, deadline_ms=now_ms() + 90_000)
     planner_issued = broker.delegate(orchestrator, to_planner).contract()
     planner_id = planner_issued.contract_id
-    assert planner_issued.contract.effective_predicate == f"({SEED_001_PREDICATE})"
+    assert planner_issued.contract.effective_predicate == f"({SEED_001_PREDICATE}\n)"
     assert planner_issued.contract.liability == pb.LIABILITY_DELEGATE
 
     # The planner does not forward the predicate; the broker keeps it anyway.
@@ -39,7 +39,7 @@ def test_seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued(b
     executor_issued = broker.delegate(planner, to_executor).contract()
     executor_contract = executor_issued.contract
     assert executor_contract.depth == 2
-    assert executor_contract.effective_predicate == f"({SEED_001_PREDICATE})"
+    assert executor_contract.effective_predicate == f"({SEED_001_PREDICATE}\n)"
     assert executor_contract.predicate == ""
     assert executor_contract.min_retry_cost == 12
     planner_ledger = broker.ledger(planner_id)

@@ -141,6 +141,11 @@ class BrokerServicer:
         """Asks for a child contract of a contract the signer holds. Either the
         broker stamps and returns the child, reserving its budget from the
         parent, or it returns a signed refusal listing every violated invariant.
+        Checked first, before the body is converted: an unknown parent is
+        NOT_FOUND, and a signer that does not hold the parent (is not its
+        delegate) gets PERMISSION_DENIED with reason NOT_HOLDER and nothing is
+        stored in the parent's tree (so no receipt reaches its Watch or audit).
+        INVARIANT_CODE_NOT_HOLDER therefore never appears in a refusal.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -271,7 +271,7 @@ class Attribution(_message.Message):
     def __init__(self, agent_public_key: _Optional[bytes] = ..., depth: _Optional[int] = ..., chain: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("verdict", "refused_criteria", "claim", "has_report", "result_digest", "consumed", "overspend", "returned", "schema_valid", "within_scope", "out_of_scope_paths", "attribution", "elapsed_ms", "out_of_scope_path_count")
+    __slots__ = ("verdict", "refused_criteria", "claim", "has_report", "result_digest", "consumed", "overspend", "returned", "schema_valid", "within_scope", "out_of_scope_paths", "attribution", "elapsed_ms", "out_of_scope_path_count", "claimed_excess")
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CRITERIA_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class Completion(_message.Message):
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     OUT_OF_SCOPE_PATH_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_EXCESS_FIELD_NUMBER: _ClassVar[int]
     verdict: Verdict
     refused_criteria: _containers.RepeatedCompositeFieldContainer[RefusedCriterion]
     claim: str
@@ -300,7 +301,8 @@ class Completion(_message.Message):
     attribution: Attribution
     elapsed_ms: int
     out_of_scope_path_count: int
-    def __init__(self, verdict: _Optional[_Union[Verdict, str]] = ..., refused_criteria: _Optional[_Iterable[_Union[RefusedCriterion, _Mapping]]] = ..., claim: _Optional[str] = ..., has_report: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., consumed: _Optional[int] = ..., overspend: _Optional[int] = ..., returned: _Optional[int] = ..., schema_valid: _Optional[bool] = ..., within_scope: _Optional[bool] = ..., out_of_scope_paths: _Optional[_Iterable[str]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ..., elapsed_ms: _Optional[int] = ..., out_of_scope_path_count: _Optional[int] = ...) -> None: ...
+    claimed_excess: int
+    def __init__(self, verdict: _Optional[_Union[Verdict, str]] = ..., refused_criteria: _Optional[_Iterable[_Union[RefusedCriterion, _Mapping]]] = ..., claim: _Optional[str] = ..., has_report: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., consumed: _Optional[int] = ..., overspend: _Optional[int] = ..., returned: _Optional[int] = ..., schema_valid: _Optional[bool] = ..., within_scope: _Optional[bool] = ..., out_of_scope_paths: _Optional[_Iterable[str]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ..., elapsed_ms: _Optional[int] = ..., out_of_scope_path_count: _Optional[int] = ..., claimed_excess: _Optional[int] = ...) -> None: ...
 
 class EscalationNotice(_message.Message):
     __slots__ = ("principal_residual", "principal_deadline_ms", "retry_feasible", "reason")

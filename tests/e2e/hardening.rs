@@ -1,0 +1,281 @@
+//! Issue 11 (hardening): each attack a hostile agent tried, replayed over
+//! real gRPC; each test failed on the main branch before its fix.
+
+use delegation_broker::client::Agent;
+use delegation_broker::pb;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+use crate::harness::*;
+
+fn output(json: &str, consumed: i64, contract: &[u8]) -> pb::CompleteBody {
+    pb::CompleteBody {
+        header: None,
+        contract_id: contract.to_vec(),
+        output_json: json.into(),
+        report: None,
+        claim: "success".into(),
+        consumed,
+    }
+}
+
+fn reason(status: &tonic::Status) -> String {
+    status
+        .get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
+}
+
+/// Item 1: an ancestor's predicate ending in a `//` comment, and a
+/// descendant forwarding `true⏎|| true`, used to compose into
+/// `P && (Q || true)`: ACCEPTED although `approved=false`. The forwarded
+/// predicate must still be judged.
+#[tokio::test]
+async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, b) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                retry_headroom: false,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let to_a = liable_child(
+        &root.id,
+        &root.lineage,
+        &a,
+        60,
+        "result.output.approved == true // the reviewer must approve",
+    );
+    let (a_id, _) = broker.delegate(&orchestrator, to_a).await.unwrap().issued();
+    broker.accept(&a, &a_id, None).await.unwrap();
+    let to_b = liable_child(&a_id, &root.lineage, &b, 30, "true\n|| true");
+    let (b_id, b_contract) = broker.delegate(&a, to_b).await.unwrap().issued();
+    assert!(
+        b_contract
+            .effective_predicate
+            .contains("result.output.approved"),
+        "{:?}",
+        b_contract.effective_predicate
+    );
+    broker.accept(&b, &b_id, None).await.unwrap();
+    let receipt = broker
+        .complete(&b, output(r#"{"approved": false}"#, 1, &b_id))
+        .await
+        .unwrap();
+    let completion = receipt.completion.unwrap();
+    assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
+    assert!(
+        completion
+            .refused_criteria
+            .iter()
+            .any(|c| c.criterion.contains("result.output.approved")),
+        "{:?}",
+        completion.refused_criteria
+    );
+    broker.assert_ledgers_balance(&root.id).await;
+    broker.stop().await;
+}
+
+/// Item 2: a parent whose host metered all 100 of its 100 units had
+/// residual 100 and issued a 100-unit child.
+#[tokio::test]
+async fn metered_units_leave_the_residual_at_once() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, host, c) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (a_id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 100))
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&a, &a_id, Some(&host)).await.unwrap();
+    broker
+        .record(&host, &a_id, vec![tool_call("llm", 100)])
+        .await
+        .unwrap();
+    let ledger = broker.ledger(&a_id).await;
+    assert_eq!((ledger.spent, ledger.residual), (100, 0));
+    let (_, _, receipt) = broker
+        .delegate(&a, child(&a_id, &root.lineage, &c, 100))
+        .await
+        .unwrap()
+        .refused();
+    assert_eq!(
+        codes(&receipt),
+        vec![pb::InvariantCode::BudgetExceedsParent]
+    );
+    broker.assert_ledgers_balance(&root.id).await;
+    broker.stop().await;
+}
+
+/// Item 3: Root 100 → A (60, OPEN) → B (30); B accepts, B's host records 4
+/// units, A accepts late, B completes: B was charged 8 and its receipt said
+/// consumed 4, returned 22.
+#[tokio::test]
+async fn a_late_accept_above_metered_work_charges_it_once() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, b, host) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (a_id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 60))
+        .await
+        .unwrap()
+        .issued();
+    let (b_id, _) = broker
+        .delegate(&a, child(&a_id, &root.lineage, &b, 30))
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&b, &b_id, Some(&host)).await.unwrap();
+    broker
+        .record(&host, &b_id, vec![tool_call("llm", 4)])
+        .await
+        .unwrap();
+    broker.accept(&a, &a_id, None).await.unwrap();
+    let completion = broker
+        .complete(&b, output("{}", 4, &b_id))
+        .await
+        .unwrap()
+        .completion
+        .unwrap();
+    assert_eq!(
+        (
+            completion.consumed,
+            completion.returned,
+            completion.overspend
+        ),
+        (4, 26, 0)
+    );
+    assert_eq!(broker.ledger(&b_id).await.spent, 4);
+    let a_ledger = broker.ledger(&a_id).await;
+    assert_eq!((a_ledger.spent, a_ledger.residual), (4, 56));
+    // A escalates after the late accept: B's units are not charged again.
+    broker.escalate(&a, &a_id, "stuck").await.unwrap();
+    let root_ledger = broker.ledger(&root.id).await;
+    assert_eq!((root_ledger.spent, root_ledger.residual), (4, 96));
+    broker.assert_ledgers_balance(&root.id).await;
+    broker.stop().await;
+}
+
+/// Item 4: without host metering a delegate reported 10^15 units on a
+/// 10-unit contract and the debt climbed the chain. A report nobody
+/// observed is charged at most the contract's residual; the rest is
+/// recorded as `claimed_excess`.
+#[tokio::test]
+async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (a_id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 10))
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&a, &a_id, None).await.unwrap();
+    let claimed = 1_000_000_000_000_000;
+    let completion = broker
+        .complete(&a, output("{}", claimed, &a_id))
+        .await
+        .unwrap()
+        .completion
+        .unwrap();
+    assert_eq!(
+        (
+            completion.consumed,
+            completion.claimed_excess,
+            completion.overspend,
+            completion.returned
+        ),
+        (10, claimed - 10, 0, 0)
+    );
+    let root_ledger = broker.ledger(&root.id).await;
+    assert_eq!((root_ledger.spent, root_ledger.residual), (10, 90));
+    broker.assert_ledgers_balance(&root.id).await;
+    broker.stop().await;
+}
+
+/// Item 5: a Delegate signed by a key that holds nothing stored a signed
+/// NOT_HOLDER refusal under the victim's contract, visible in its Watch
+/// and audit. Now: PERMISSION_DENIED, and nothing in anyone's tree.
+#[tokio::test]
+async fn strangers_cannot_write_into_a_tree() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    for _ in 0..16 {
+        let stranger = Agent::generate();
+        let err = broker
+            .delegate(&stranger, child(&root.id, &root.lineage, &delegate, 10))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (err.code(), reason(&err).as_str()),
+            (Code::PermissionDenied, "NOT_HOLDER")
+        );
+    }
+    // Nothing was stored: the tree's event stream holds only the root.
+    let mut stream = broker
+        .client
+        .watch(pb::WatchRequest {
+            contract_id: root.id.clone(),
+            cursor: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert!(matches!(
+        first.event,
+        Some(pb::watch_response::Event::Contract(_))
+    ));
+    let next = tokio::time::timeout(std::time::Duration::from_millis(300), stream.message()).await;
+    assert!(next.is_err(), "an event after the root: {next:?}");
+    // A holder's own refusals are still signed receipts.
+    let (_, _, receipt) = broker
+        .delegate(
+            &orchestrator,
+            child(&root.id, &root.lineage, &delegate, 1_000),
+        )
+        .await
+        .unwrap()
+        .refused();
+    assert_eq!(
+        codes(&receipt),
+        vec![pb::InvariantCode::BudgetExceedsParent]
+    );
+    broker.stop().await;
+}
+
+/// Item 12: echoes of a long invalid predicate filled 8.6 KB of trailers,
+/// and clients saw RESOURCE_EXHAUSTED instead of the field.
+#[tokio::test]
+async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    // 4 KB of quotes and non-ASCII (percent-encoded 3×), that does not parse.
+    let predicate = format!("result.x == \"{}", "é\"".repeat(1_300));
+    let predicate = &predicate[..predicate.floor_char_boundary(4_000)];
+    let body = liable_child(&root.id, &root.lineage, &delegate, 10, predicate);
+    let err = broker.delegate(&orchestrator, body).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let field = err
+        .get_details_error_info()
+        .and_then(|i| i.metadata.get("field").cloned());
+    assert_eq!(field.as_deref(), Some("body.predicate"));
+    broker.stop().await;
+}
