@@ -48,9 +48,10 @@ use serde_json::Value as Json;
 
 use super::error::InputError;
 use super::limits::{
-    MAX_CLAIM_BYTES, MAX_OUT_OF_SCOPE_PATHS_REPORTED, MAX_PREDICATE_AST_DEPTH, MAX_PREDICATE_COST,
-    MAX_RESULT_BYTES, MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH,
-    MAX_SCHEMA_ERRORS_REPORTED, REGEX_BYTE_COST, REGEX_CALL_COST,
+    MAX_CLAIM_BYTES, MAX_JUDGMENT_MS, MAX_OUT_OF_SCOPE_PATHS_REPORTED, MAX_PREDICATE_AST_DEPTH,
+    MAX_PREDICATE_COST, MAX_REGEX_NFA_BYTES, MAX_RESULT_BYTES, MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED, REGEX_BYTE_COST, REGEX_CALL_COST,
+    REGEX_DFA_CACHE_BYTES, REGEX_STATES_PER_UNIT,
 };
 use super::scope::Scope;
 
@@ -364,6 +365,16 @@ fn json_to_cel(v: &Json) -> Value {
 /// Evaluates each top-level conjunct; returns the refused ones in source
 /// order.
 fn evaluate(predicate: &str, result: &Value) -> Vec<RefusedCriterion> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(MAX_JUDGMENT_MS);
+    evaluate_until(predicate, result, deadline)
+}
+
+/// `evaluate`, refusing whatever is still being evaluated at `deadline`.
+fn evaluate_until(
+    predicate: &str,
+    result: &Value,
+    deadline: std::time::Instant,
+) -> Vec<RefusedCriterion> {
     let whole = |reason: String| {
         vec![RefusedCriterion {
             text: predicate.to_owned(),
@@ -389,12 +400,20 @@ fn evaluate(predicate: &str, result: &Value) -> Vec<RefusedCriterion> {
     let meter = Arc::new(Meter {
         used: AtomicU64::new(0),
         limit: MAX_PREDICATE_COST,
+        deadline,
+        out_of_time: std::sync::atomic::AtomicBool::new(false),
+        patterns: std::sync::Mutex::new(HashMap::new()),
     });
     let mut ctx = Context::default();
     ctx.add_variable_from_value("result", result.clone());
     let m = Arc::clone(&meter);
     let metered: MeterFn = Box::new(move |ftx: &mut FunctionContext| m.call(ftx));
     if let Err(e) = ctx.add_function::<MeterFn, _>(METER_FN, metered) {
+        return whole(format!("cannot set up the evaluation: {e}"));
+    }
+    let m = Arc::clone(&meter);
+    let matches: MeterFn = Box::new(move |ftx: &mut FunctionContext| m.matches(ftx));
+    if let Err(e) = ctx.add_function::<MeterFn, _>(MATCHES_FN, matches) {
         return whole(format!("cannot set up the evaluation: {e}"));
     }
 
@@ -409,6 +428,9 @@ fn evaluate(predicate: &str, result: &Value) -> Vec<RefusedCriterion> {
             Ok(Value::Bool(true)) => continue,
             Ok(Value::Bool(false)) => "evaluated to false".to_owned(),
             Ok(other) => format!("evaluated to {}, not a bool", other.type_of()),
+            Err(_) if meter.out_of_time.load(Ordering::Relaxed) => {
+                format!("evaluation time exceeds the limit of {MAX_JUDGMENT_MS} ms")
+            }
             Err(_) if meter.exhausted() => {
                 format!("evaluation cost exceeds the limit of {MAX_PREDICATE_COST} units")
             }
@@ -627,10 +649,23 @@ type MeterFn = Box<
         + Sync,
 >;
 
+/// `matches`, rewritten to this bounded implementation (see
+/// `Meter::matches`); `@` keeps predicates from calling it by name.
+const MATCHES_FN: &str = "@judge_matches";
+
+/// A compiled `matches` pattern and its NFA's state count.
+type Pattern = Arc<(regex_automata::meta::Regex, u64)>;
+
 /// The shared evaluation budget of one judgment.
 struct Meter {
     used: AtomicU64,
     limit: u64,
+    /// Past this instant every charge fails: a judgment's wall time is
+    /// capped whatever its cost accounting says.
+    deadline: std::time::Instant,
+    out_of_time: std::sync::atomic::AtomicBool,
+    /// Patterns compiled during this judgment (each call is still charged).
+    patterns: std::sync::Mutex<HashMap<String, Pattern>>,
 }
 
 impl Meter {
@@ -660,7 +695,89 @@ impl Meter {
         Ok(value)
     }
 
+    /// `@judge_matches(text, pattern)`: CEL's `matches`, bounded. The
+    /// pattern compiles within `MAX_REGEX_NFA_BYTES` (a counted repetition
+    /// like `a[ab]{10000}` does not), and the call is charged before it runs
+    /// for compiling (`REGEX_CALL_COST` + `REGEX_BYTE_COST` per pattern
+    /// byte) and for matching at the engine's worst case, linear in the
+    /// text times the NFA's states (`REGEX_STATES_PER_UNIT` states per unit
+    /// per byte): a match that could run long is refused, never run.
+    fn matches<'c, 'v>(
+        &self,
+        ftx: &mut FunctionContext<'c, 'v>,
+    ) -> Result<CowVal<'c, 'v>, ExecutionError> {
+        let string = |i: usize| {
+            ftx.args
+                .get(i)
+                .and_then(|v| v.downcast_ref::<CelString>())
+                .map(|s| s.inner().to_owned())
+        };
+        let (Some(text), Some(pattern)) = (string(0), string(1)) else {
+            return Err(ExecutionError::function_error(
+                "matches",
+                "takes a string and a string pattern",
+            ));
+        };
+        let compile_cost = REGEX_CALL_COST
+            .unsigned_abs()
+            .saturating_add((pattern.len() as u64).saturating_mul(REGEX_BYTE_COST.unsigned_abs()));
+        self.charge_units(compile_cost)?;
+        let compiled = self.pattern(&pattern)?;
+        let per_byte = (compiled.1 / REGEX_STATES_PER_UNIT).max(1);
+        self.charge_units((text.len() as u64 + 1).saturating_mul(per_byte))?;
+        let found = compiled.0.is_match(text.as_str());
+        Ok(CowVal::owned(cel::common::types::CelBool::from(found)))
+    }
+
+    fn pattern(&self, pattern: &str) -> Result<Pattern, ExecutionError> {
+        let mut memo = self
+            .patterns
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(p) = memo.get(pattern) {
+            return Ok(p.clone());
+        }
+        let too_big = |e: &dyn std::fmt::Display| {
+            ExecutionError::function_error(
+                "matches",
+                super::error::bounded(
+                    format!("the pattern does not compile within {MAX_REGEX_NFA_BYTES} bytes: {e}"),
+                    256,
+                ),
+            )
+        };
+        use regex_automata::nfa::thompson;
+        let nfa = thompson::Compiler::new()
+            .configure(thompson::Config::new().nfa_size_limit(Some(MAX_REGEX_NFA_BYTES)))
+            .build(pattern)
+            .map_err(|e| too_big(&e))?;
+        let regex = regex_automata::meta::Regex::builder()
+            .configure(
+                regex_automata::meta::Config::new()
+                    .nfa_size_limit(Some(MAX_REGEX_NFA_BYTES))
+                    .hybrid_cache_capacity(REGEX_DFA_CACHE_BYTES),
+            )
+            .build(pattern)
+            .map_err(|e| too_big(&e))?;
+        let compiled: Pattern = Arc::new((regex, nfa.states().len() as u64));
+        memo.insert(pattern.to_owned(), compiled.clone());
+        Ok(compiled)
+    }
+
+    /// Charges `cost` units with no value to measure.
+    fn charge_units(&self, cost: u64) -> Result<(), ExecutionError> {
+        self.charge(&cel::common::types::CelNull, 0, cost.saturating_sub(1))
+    }
+
     fn charge(&self, value: &dyn Val, weight: u64, fixed: u64) -> Result<(), ExecutionError> {
+        if std::time::Instant::now() >= self.deadline {
+            self.out_of_time.store(true, Ordering::Relaxed);
+            self.used.store(self.limit + 1, Ordering::Relaxed);
+            return Err(ExecutionError::function_error(
+                "time",
+                "evaluation time exhausted",
+            ));
+        }
         let used = self.used.load(Ordering::Relaxed);
         let left = self.limit.saturating_sub(used);
         let exhausted = || {
@@ -792,7 +909,7 @@ impl Rewriter {
             let keep = (is_name(&t.expr) && !self.is_bound_path(&t.expr)) || !reads(self, t);
             Box::new(if keep { (**t).clone() } else { self.rewrite(t) })
         });
-        let mut args: Vec<IdedExpr> = c
+        let args: Vec<IdedExpr> = c
             .args
             .iter()
             .map(|a| {
@@ -803,11 +920,16 @@ impl Rewriter {
                 }
             })
             .collect();
-        if c.func_name == "matches"
-            && let Some(pattern) = args.pop()
-        {
-            let pattern = self.meter(pattern, REGEX_BYTE_COST, REGEX_CALL_COST);
-            args.push(pattern);
+        // `text.matches(p)` and `matches(text, p)` both become the bounded
+        // `@judge_matches(text, p)`, which charges for itself.
+        if c.func_name == "matches" {
+            let mut all: Vec<IdedExpr> = target.map(|t| *t).into_iter().collect();
+            all.extend(args);
+            return CallExpr {
+                func_name: MATCHES_FN.to_owned(),
+                target: None,
+                args: all,
+            };
         }
         CallExpr {
             func_name: c.func_name.clone(),
@@ -1145,6 +1267,71 @@ mod tests {
             judge(p, &scope(&["src"]), &small, &o).verdict,
             Verdict::Accepted
         );
+    }
+
+    /// Issue 11, item 8: `matches` with a short counted pattern over a
+    /// 255 KB output ran 23 s inside the cost budget.
+    #[test]
+    fn matches_is_bounded_by_pattern_size_and_charged_for_matching() {
+        let completion = |text: String| Completion {
+            output: json!({ "text": text }),
+            claim: "success".into(),
+            reported_consumed: 1,
+            has_report: false,
+            schema: None,
+        };
+        let o = Observed::default();
+        let big = completion("ab".repeat(127 * 1024));
+        let started = std::time::Instant::now();
+        for p in [
+            "result.output.text.matches('a[ab]{10000}[^ab]')",
+            "matches(result.output.text, 'a[ab]{10000}[^ab]')",
+            "result.output.text.matches('a[ab]{500}[^ab]')",
+        ] {
+            let j = judge(p, &Scope::default(), &big, &o);
+            assert_eq!(j.verdict, Verdict::Rejected, "{p}");
+            let reason = &j.refused[0].reason;
+            assert!(
+                reason.contains("does not compile within") || reason.contains("cost"),
+                "{p}: {reason}"
+            );
+        }
+        // Refused before matching: far from the 23 s it took (a generous
+        // bound, not a benchmark).
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        // Honest patterns work, in both spellings, on large text too.
+        let text = completion("item-42".into());
+        for p in [
+            "result.output.text.matches('^item-[0-9]+$')",
+            "matches(result.output.text, '[0-9]{2}')",
+            "!result.output.text.matches('^x')",
+        ] {
+            let j = judge(p, &Scope::default(), &text, &o);
+            assert_eq!(j.verdict, Verdict::Accepted, "{p}: {:?}", j.refused);
+        }
+        let j = judge(
+            "result.output.text.matches('b$')",
+            &Scope::default(),
+            &big,
+            &o,
+        );
+        assert_eq!(j.verdict, Verdict::Accepted, "{:?}", j.refused);
+        // Past the wall-time cap every conjunct still to evaluate is refused.
+        let late = evaluate_until(
+            "result.a == 1 && result.b == 2",
+            &json_to_cel(&json!({"a": 1, "b": 2})),
+            std::time::Instant::now(),
+        );
+        assert_eq!(late.len(), 2, "{late:?}");
+        assert!(late[0].reason.contains("time"), "{late:?}");
+        // A pattern that is not a regex is a refused criterion, not a panic.
+        let j = judge(
+            "result.output.text.matches('(')",
+            &Scope::default(),
+            &text,
+            &o,
+        );
+        assert_eq!(j.verdict, Verdict::Rejected);
     }
 
     #[test]

@@ -67,6 +67,20 @@ pub const MAX_PREDICATE_COST: u64 = 1_000_000;
 /// the extra cost per pattern character (compilation grows with it).
 pub const REGEX_CALL_COST: i64 = 1_000;
 pub const REGEX_BYTE_COST: i64 = 64;
+/// Largest compiled NFA of a `matches` pattern, in bytes: counted
+/// repetitions (`a[ab]{10000}`) blow a short pattern up to a huge
+/// automaton, and matching time grows with its size.
+pub const MAX_REGEX_NFA_BYTES: usize = 256 * 1024;
+/// The lazy DFA's cache of one `matches` pattern, in bytes.
+pub const REGEX_DFA_CACHE_BYTES: usize = 256 * 1024;
+/// NFA states per cost unit per matched byte: matching is charged, before
+/// it runs, at the engine's worst case (text length × states), so a match
+/// over 255 KB with a 10,000-state pattern (23 s before) is refused.
+pub const REGEX_STATES_PER_UNIT: u64 = 16;
+/// Wall time of one judgment's predicate evaluation, in ms: the cost meter
+/// bounds work, this bounds what its accounting could miss. Past it the
+/// conjunct being evaluated (and any after it) is refused.
+pub const MAX_JUDGMENT_MS: u64 = 2_000;
 /// Most host observations recorded for one contract (RecordReceipts is
 /// append-only; this bounds a contract's rows and its judgment's work).
 pub const MAX_OBSERVATIONS_PER_CONTRACT: i64 = 10_000;
