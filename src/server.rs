@@ -91,6 +91,7 @@ pub async fn run_with_clock(
             max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,
             before_wal_sync: None,
             before_judge: None,
+            judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
         },
         stamper,
         clock.clone(),

@@ -114,3 +114,7 @@ pub const CONVERSION_DEADLINE_MS: u64 = 10_000;
 /// Stack of the threads that parse and evaluate CEL (conversion, judges,
 /// writer): the parser and evaluator recurse per nesting level.
 pub const DEEP_STACK_BYTES: usize = 64 * 1024 * 1024;
+/// Longest a completion waits for its judgment, queueing for one of the
+/// judge threads included, in ms; past it the delegate is answered
+/// UNAVAILABLE (JUDGES_BUSY) and may retry with the same nonce.
+pub const JUDGMENT_DEADLINE_MS: u64 = 10_000;

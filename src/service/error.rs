@@ -55,6 +55,13 @@ pub enum ServiceError {
     Busy,
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// Temporarily unable to answer (a named reason); retry with the same
+    /// nonce.
+    #[error("{detail}")]
+    Retry {
+        reason: &'static str,
+        detail: String,
+    },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -77,6 +84,11 @@ impl From<StoreError> for ServiceError {
                 "the store is stopped (shutting down, or after a storage failure: see the log)"
                     .into(),
             ),
+            StoreError::Unavailable { reason, detail } => Self::Retry { reason, detail },
+            StoreError::StaleJudgment => Self::Retry {
+                reason: "OBSERVATIONS_CHANGING",
+                detail: "the completion's judgment went stale; retry with the same nonce".into(),
+            },
             StoreError::Corrupt(what) => Self::Internal(format!("corrupt store: {what}")),
             StoreError::Backend(what) => Self::Unavailable(format!("store: {what}")),
         }
@@ -133,6 +145,7 @@ impl From<ServiceError> for Status {
                 vec![("limit", "limits.writer_queue_depth".to_owned())],
             ),
             ServiceError::Unavailable(_) => (Code::Unavailable, "UNAVAILABLE", vec![]),
+            ServiceError::Retry { reason, .. } => (Code::Unavailable, reason, vec![]),
             ServiceError::Internal(_) => (Code::Internal, "INTERNAL", vec![]),
         };
         if code == Code::Internal || code == Code::Unavailable {

@@ -801,20 +801,13 @@ pub async fn apply(
             {
                 return refused(lifecycle_error(&e));
             }
-            // Judged off the writer unless a host observation arrived since.
+            // The writer never judges (issue 11, item 9): a judgment made
+            // before host observations it has not seen goes back to be
+            // made again, off the writer.
             let received_at_ms = args.received_at_ms.unwrap_or(now_ms);
             let judgment = match &args.prejudged {
                 Some(pre) if pre.observations == target.observations => pre.judgment.clone(),
-                _ => {
-                    let observed = observed(conn, &target, received_at_ms).await?;
-                    judge_completion(
-                        &target.effective_predicate,
-                        &target.write_scope,
-                        &target.contract.result_schema_json,
-                        args,
-                        &observed,
-                    )
-                }
+                _ => return refused(StoreError::StaleJudgment),
             };
             let consumption = if target.metered {
                 Consumption::Metered

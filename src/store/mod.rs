@@ -139,6 +139,17 @@ pub enum StoreError {
     Busy,
     #[error("the store is shutting down")]
     Closed,
+    /// Temporarily unable to answer; nothing was written, so a retry with
+    /// the same nonce is safe.
+    #[error("{detail}")]
+    Unavailable {
+        reason: &'static str,
+        detail: String,
+    },
+    /// The writer's answer to a completion judged before host observations
+    /// it has not seen: judge it again (never leaves the store).
+    #[error("the completion's judgment is stale")]
+    StaleJudgment,
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
     #[error("database error: {0}")]

@@ -84,6 +84,9 @@ pub struct SqliteOptions {
     /// Test hook run on a judge thread before each judgment; `None` in
     /// production.
     pub before_judge: Option<BeforeJudge>,
+    /// Longest a completion waits for its judgment, queueing for a judge
+    /// included (`JUDGMENT_DEADLINE_MS` in production; tests lower it).
+    pub judgment_deadline_ms: u64,
 }
 
 /// Runs on the syncer before each WAL fsync; an error counts as a failed
@@ -111,50 +114,6 @@ impl std::fmt::Debug for BeforeJudge {
 
 type Reply = oneshot::Sender<Result<Answer, StoreError>>;
 
-/// A completion to judge, run on a judge thread.
-type JudgeJob = Box<dyn FnOnce() + Send>;
-
-/// Starts the threads that judge completions off the writer (see
-/// `prejudge`): `count` of them, each with the writer's deep stack (CEL
-/// recurses), started once rather than per completion. They stop when
-/// the returned sender and all its clones are dropped (their handles are
-/// returned for tests; the store lets them run detached).
-fn start_judges(
-    count: usize,
-) -> std::io::Result<(
-    std::sync::mpsc::SyncSender<JudgeJob>,
-    Vec<std::thread::JoinHandle<()>>,
-)> {
-    let (jobs, queue) = std::sync::mpsc::sync_channel::<JudgeJob>(count);
-    let queue = Arc::new(Mutex::new(queue));
-    let mut threads = Vec::with_capacity(count);
-    for i in 0..count {
-        let queue = queue.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("store-judge-{i}"))
-            .stack_size(WRITER_STACK_BYTES)
-            .spawn(move || {
-                loop {
-                    // The lock is only held while waiting for a job.
-                    let job = queue
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .recv();
-                    let Ok(job) = job else {
-                        break;
-                    };
-                    // A judge that panics loses its answer (the writer
-                    // judges instead), not the thread.
-                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-                        tracing::error!("a judgment panicked; the writer judges that completion");
-                    }
-                }
-            })?;
-        threads.push(thread);
-    }
-    Ok((jobs, threads))
-}
-
 /// Contracts' status and ledger as the writer last planned them. The writer
 /// owns every write, so it is authoritative for the writer; callers read it
 /// only to stamp speculatively (see `batch::Speculation`).
@@ -173,11 +132,12 @@ pub struct SqliteStore {
     clock: Arc<dyn Clock>,
     /// Which commits are durable; every read waits on it.
     durability: Durability,
-    /// Bounds completions being judged at once (see `prejudge`).
-    judges: Arc<tokio::sync::Semaphore>,
-    /// The judge threads' queue (`start_judges`); they stop when every
-    /// clone of the store is gone.
-    judge_pool: std::sync::mpsc::SyncSender<JudgeJob>,
+    /// The threads that judge completions, `MAX_CONCURRENT_JUDGMENTS` of
+    /// them with deep stacks (CEL recurses); they stop when every clone of
+    /// the store is gone.
+    judges: crate::pool::WorkPool,
+    /// `SqliteOptions::judgment_deadline_ms`.
+    judgment_deadline: Duration,
     /// `SqliteOptions::before_judge`.
     before_judge: Option<BeforeJudge>,
     /// `SqliteOptions::max_audit_rows`.
@@ -354,10 +314,13 @@ impl SqliteStore {
             stamper,
             clock,
             durability: Durability { committed, durable },
-            judges: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_JUDGMENTS)),
-            judge_pool: start_judges(MAX_CONCURRENT_JUDGMENTS)
-                .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?
-                .0,
+            judges: crate::pool::WorkPool::start(
+                "store-judge",
+                MAX_CONCURRENT_JUDGMENTS,
+                WRITER_STACK_BYTES,
+            )
+            .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?,
+            judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
             before_judge: options.before_judge.clone(),
             max_audit_rows: options.max_audit_rows.max(1),
         })
@@ -381,64 +344,59 @@ impl SqliteStore {
     }
 
     /// Judges a completion before it reaches the writer, on one of the
-    /// judge threads (CEL recurses: it needs the writer's deep stack), at
-    /// most `MAX_CONCURRENT_JUDGMENTS` at a time — the permit travels with
-    /// the job, so a caller that goes away does not free it early. Only the
-    /// contract's delegate gets a judgment here (see `JudgeInputs::load`).
-    /// Any failure only leaves the judging to the writer.
+    /// judge threads, at most `MAX_CONCURRENT_JUDGMENTS` at a time (the
+    /// pool's permit stays with the job, so a caller that goes away does
+    /// not free it early). The writer never judges: it takes this judgment
+    /// if the contract's observations are what it saw, and sends the
+    /// completion back otherwise. Only the contract's delegate gets a
+    /// judgment (see `JudgeInputs::load`); anyone else is refused by the
+    /// writer before a judgment is needed. Waiting is bounded: past
+    /// `judgment_deadline` the caller is answered UNAVAILABLE (nothing was
+    /// written, so a retry with the same nonce is safe).
     async fn prejudge(
         &self,
         contract_id: &Id,
         signer: Option<&AgentKey>,
         mut args: Box<CompleteArgs>,
-    ) -> Box<CompleteArgs> {
+    ) -> Result<Box<CompleteArgs>, StoreError> {
         let received_at_ms = *args.received_at_ms.get_or_insert(self.clock.now_ms());
+        args.prejudged = None;
         let Some(signer) = signer else {
-            return args;
+            return Ok(args);
         };
-        let Ok(permit) = self.judges.clone().acquire_owned().await else {
-            return args;
+        let mut conn = self.reader.acquire().await.map_err(backend)?;
+        let inputs = JudgeInputs::load(&mut conn, contract_id, signer, received_at_ms)
+            .await
+            .map_err(backend)?;
+        drop(conn);
+        let Some(inputs) = inputs else {
+            return Ok(args);
         };
-        let inputs = match self.reader.acquire().await {
-            Ok(mut conn) => JudgeInputs::load(&mut conn, contract_id, signer, received_at_ms).await,
-            Err(e) => Err(e),
-        };
-        let inputs = match inputs {
-            Ok(Some(inputs)) => inputs,
-            Ok(None) => return args,
-            Err(e) => {
-                tracing::warn!(error = %e, "loading a completion's judge inputs; the writer judges it");
-                return args;
-            }
-        };
-        let shared: Arc<CompleteArgs> = Arc::from(args);
-        let for_judge = shared.clone();
-        let (done, judged) = oneshot::channel();
         let hook = self.before_judge.clone();
-        let job: JudgeJob = Box::new(move || {
-            if let Some(hook) = hook {
-                (hook.0)();
-            }
-            let prejudged = inputs.judge(&for_judge);
-            // Released before answering, so the caller's unwrap below
-            // finds the only reference.
-            drop(for_judge);
-            drop(permit);
-            let _ = done.send(prejudged);
-        });
-        // Never full: a job is only sent with one of the pool's
-        // MAX_CONCURRENT_JUDGMENTS permits, and the queue holds as many.
-        let prejudged = match self.judge_pool.try_send(job) {
-            Ok(()) => judged.await.ok(),
-            Err(e) => {
-                tracing::warn!(error = %e, "the judge pool refused a job; the writer judges");
-                None
-            }
-        };
-        let mut args =
-            Arc::try_unwrap(shared).unwrap_or_else(|still_shared| (*still_shared).clone());
-        args.prejudged = prejudged;
-        Box::new(args)
+        let job_args = args.clone();
+        let judged = self
+            .judges
+            .run(self.judgment_deadline, move || {
+                if let Some(hook) = hook {
+                    (hook.0)();
+                }
+                inputs.judge(&job_args)
+            })
+            .await
+            .map_err(|e| match e {
+                crate::pool::PoolError::TimedOut(ms) => StoreError::Unavailable {
+                    reason: "JUDGES_BUSY",
+                    detail: format!(
+                        "the completion could not be judged within {ms} ms (every judge is busy); nothing was recorded: retry with the same nonce"
+                    ),
+                },
+                crate::pool::PoolError::Panicked => {
+                    StoreError::Corrupt("a judgment panicked".into())
+                }
+                crate::pool::PoolError::Stopped => StoreError::Closed,
+            })?;
+        args.prejudged = Some(judged);
+        Ok(args)
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
@@ -474,19 +432,38 @@ impl Store for SqliteStore {
             contract_id,
             action,
         } = command;
-        let action = match action {
-            Action::Complete(args) => {
-                let signer = request.as_ref().map(|r| &r.agent);
-                Action::Complete(self.prejudge(&contract_id, signer, args).await)
-            }
-            other => other,
+        let Action::Complete(mut args) = action else {
+            return self
+                .submit(Command::Lifecycle(Box::new(LifecycleCommand {
+                    request,
+                    contract_id,
+                    action,
+                })))
+                .await;
         };
-        self.submit(Command::Lifecycle(Box::new(LifecycleCommand {
-            request,
-            contract_id,
-            action,
-        })))
-        .await
+        // The writer sends a completion back when host observations
+        // arrived after its judgment; it is judged again here, off the
+        // writer, a bounded number of times.
+        let signer = request.as_ref().map(|r| r.agent);
+        for _ in 0..MAX_JUDGMENT_ATTEMPTS {
+            let judged = self.prejudge(&contract_id, signer.as_ref(), args).await?;
+            args = judged.clone();
+            let command = LifecycleCommand {
+                request: request.clone(),
+                contract_id,
+                action: Action::Complete(judged),
+            };
+            match self.submit(Command::Lifecycle(Box::new(command))).await {
+                Err(StoreError::StaleJudgment) => continue,
+                answer => return answer,
+            }
+        }
+        Err(StoreError::Unavailable {
+            reason: "OBSERVATIONS_CHANGING",
+            detail: format!(
+                "the host recorded observations during each of {MAX_JUDGMENT_ATTEMPTS} judgments of this completion; nothing was recorded: retry with the same nonce"
+            ),
+        })
     }
 
     async fn events(
@@ -988,6 +965,9 @@ const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
 /// more than a few only queue for the same cores; the rest wait for a
 /// permit (each request still has its deadline).
 const MAX_CONCURRENT_JUDGMENTS: usize = 4;
+/// Judgments of one completion before giving up when host observations
+/// keep arriving while it is judged (each makes the last one stale).
+const MAX_JUDGMENT_ATTEMPTS: usize = 3;
 
 /// Most contracts the writer keeps in memory between batches, by count and
 /// by bytes (`KnownMap::bytes`); beyond either the cache is dropped and
@@ -1987,6 +1967,7 @@ fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
 mod tests {
     use super::*;
     use crate::clock::SystemClock;
+    use crate::core::limits::JUDGMENT_DEADLINE_MS;
     use crate::store::suite::{TEST_TIMESTAMP_MS, issued, meta, receipt, test_child, test_root};
 
     fn test_stamper() -> Arc<Stamper> {
@@ -2119,6 +2100,7 @@ mod tests {
             max_audit_rows: MAX_AUDIT_ROWS,
             before_wal_sync: None,
             before_judge: None,
+            judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
         }
     }
 
@@ -2215,7 +2197,8 @@ mod tests {
     /// Completions are judged before they reach the writer. The writer
     /// trusts such a judgment only while the contract's observations are
     /// the ones it saw: one recorded in between (here a write outside the
-    /// scope) makes the writer judge again, on what the host reported.
+    /// scope) makes the writer send it back to be judged again, off the
+    /// writer, on what the host reported.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_judgment_made_before_an_observation_is_made_again() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -2313,15 +2296,40 @@ mod tests {
                 );
                 assert_eq!(recorded.kind, pb::ReceiptKind::Observed as i32);
             }
-            let completed = receipt(
-                store
+            let completed = if observe_first {
+                // The writer does not judge: it sends the stale judgment
+                // back, and the store's front door judges again.
+                let answer = store
                     .submit(transition(
                         40 + i,
                         delegate,
-                        Action::Complete(Box::new(args)),
+                        Action::Complete(Box::new(args.clone())),
                     ))
-                    .await,
-            );
+                    .await;
+                assert!(
+                    matches!(answer, Err(StoreError::StaleJudgment)),
+                    "{answer:?}"
+                );
+                receipt(
+                    store
+                        .transition(LifecycleCommand {
+                            request: Some(meta(delegate, 40 + i)),
+                            contract_id: child,
+                            action: Action::Complete(Box::new(args)),
+                        })
+                        .await,
+                )
+            } else {
+                receipt(
+                    store
+                        .submit(transition(
+                            40 + i,
+                            delegate,
+                            Action::Complete(Box::new(args)),
+                        ))
+                        .await,
+                )
+            };
             let completion = completed.completion.expect("completion");
             verdicts.push((completion.verdict, completion.within_scope));
         }
@@ -2728,6 +2736,153 @@ mod tests {
         assert_eq!(gate.0.lock().expect("gate").2, MAX_CONCURRENT_JUDGMENTS);
     }
 
+    /// Opens a store whose judges run `hook` first, with a child of a root
+    /// accepted by delegate 20 with host 30; returns (store, child id).
+    async fn judged_store(
+        dir: &std::path::Path,
+        hook: BeforeJudge,
+        judgment_deadline_ms: u64,
+        predicate: &str,
+    ) -> (SqliteStore, Id) {
+        let mut options = test_options(dir.join("broker.sqlite3"));
+        options.before_judge = Some(hook);
+        options.judgment_deadline_ms = judgment_deadline_ms;
+        let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+            .await
+            .expect("open");
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let child = issued(store.delegate(test_child(9, 2, root, 20, predicate)).await);
+        let accept = LifecycleCommand {
+            request: Some(meta(20, 3)),
+            contract_id: child,
+            action: Action::Accept {
+                host: Some([30; 32]),
+            },
+        };
+        receipt(store.transition(accept).await);
+        (store, child)
+    }
+
+    fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
+        LifecycleCommand {
+            request: Some(meta(20, nonce)),
+            contract_id,
+            action: Action::Complete(Box::new(CompleteArgs {
+                output_json: "{}".into(),
+                output: serde_json::json!({}),
+                has_report: false,
+                claim: "done".into(),
+                reported_consumed: 1,
+                received_at_ms: None,
+                prejudged: None,
+            })),
+        }
+    }
+
+    /// Issue 11, item 9: a host observation recorded while a completion is
+    /// judged made the writer judge again on its own thread (with an
+    /// expensive predicate, every tenant's writes froze). Now the writer
+    /// sends the completion back and it is judged again on a judge thread,
+    /// on the new observation.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_writer_never_judges_a_completion_made_stale_by_an_observation() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let judged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let gate = Arc::new(Mutex::new(gate));
+        let (count, held) = (judged.clone(), gate.clone());
+        let hook = BeforeJudge(Arc::new(move || {
+            // The first judgment waits until the test has recorded an
+            // observation; later ones go straight on.
+            if count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                let _ = held.lock().expect("gate").recv();
+            }
+        }));
+        let (store, child) = judged_store(
+            dir.path(),
+            hook,
+            JUDGMENT_DEADLINE_MS,
+            "result.within_scope",
+        )
+        .await;
+        let completing = {
+            let store = store.clone();
+            tokio::spawn(async move { store.transition(complete(child, 4)).await })
+        };
+        while judged.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let record = LifecycleCommand {
+            request: Some(meta(30, 5)),
+            contract_id: child,
+            action: Action::Record {
+                observations: vec![super::super::lifecycle::ObservationIn {
+                    kind: pb::ObservationKind::Mutation,
+                    path: "/etc/passwd".into(),
+                    tool: String::new(),
+                    units: 0,
+                    at_ms: 0,
+                }],
+            },
+        };
+        receipt(store.transition(record).await);
+        release.send(()).expect("release");
+        let done = receipt(completing.await.expect("task"));
+        let completion = done.completion.expect("a completion");
+        assert_eq!(
+            completion.verdict,
+            crate::core::judge::Verdict::Rejected.as_i32(),
+            "judged on the observation recorded during the first judgment"
+        );
+        assert_eq!(judged.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    /// Issue 11, item 6: a completion never waits for a judge without a
+    /// deadline. With every judge held, a completion is answered
+    /// UNAVAILABLE (JUDGES_BUSY) at the deadline, nothing is recorded, and
+    /// other writes go on meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let gate = Arc::new(Mutex::new(gate));
+        let held = gate.clone();
+        let hook = BeforeJudge(Arc::new(move || {
+            let _ = held.lock().expect("gate").recv();
+        }));
+        let (store, child) = judged_store(dir.path(), hook, 300, "true").await;
+        // Fill every judge; each of these waits past its deadline too.
+        let mut stuck = Vec::new();
+        for i in 0..MAX_CONCURRENT_JUDGMENTS + 1 {
+            let store = store.clone();
+            stuck.push(tokio::spawn(async move {
+                store.transition(complete(child, 10 + i as u8)).await
+            }));
+        }
+        for task in stuck {
+            match task.await.expect("task") {
+                Err(StoreError::Unavailable { reason, .. }) => assert_eq!(reason, "JUDGES_BUSY"),
+                other => panic!("expected JUDGES_BUSY, got {other:?}"),
+            }
+        }
+        // Other writes were never held up.
+        let root_again = issued(store.open_root(test_root(meta(9, 50))).await);
+        assert_ne!(root_again, child);
+        assert_eq!(
+            store
+                .contract(child)
+                .await
+                .expect("read")
+                .expect("found")
+                .status,
+            Status::Accepted,
+            "nothing was recorded"
+        );
+        for _ in 0..MAX_CONCURRENT_JUDGMENTS {
+            let _ = release.send(());
+        }
+    }
+
     /// A prune pass deletes at most `MAX_PRUNED_PER_PASS` entries, oldest
     /// first and only those past the cutoff, so the writer's pause stays
     /// bounded; a backlog is worked off pass by pass.
@@ -2846,51 +3001,6 @@ mod tests {
         assert_eq!(after.max_us, 90_000);
     }
 
-    /// The judge pool runs every job on its threads, survives a job that
-    /// panics, and its threads end once the queue's senders are gone.
-    #[test]
-    fn judge_threads_survive_a_panic_and_stop_with_the_store() {
-        // One thread: if the panic took it, nothing after would run.
-        let (jobs, threads) = start_judges(1).expect("judge thread");
-        let send = |job: JudgeJob| {
-            let mut job = job;
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                match jobs.try_send(job) {
-                    Ok(()) => return,
-                    Err(std::sync::mpsc::TrySendError::Full(back)) => job = back,
-                    Err(e) => panic!("the judge queue is gone: {e}"),
-                }
-                assert!(std::time::Instant::now() < deadline, "no judge took a job");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        };
-        let (ran, done) = std::sync::mpsc::channel();
-        send(Box::new(|| panic!("a judgment that panics")));
-        for i in 0..6 {
-            let ran = ran.clone();
-            send(Box::new(move || {
-                let name = std::thread::current().name().map(str::to_owned);
-                ran.send((i, name)).expect("report");
-            }));
-        }
-        let seen: Vec<(i32, Option<String>)> = (0..6)
-            .map(|_| done.recv_timeout(Duration::from_secs(10)).expect("ran"))
-            .collect();
-        assert_eq!(
-            seen.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
-            [0, 1, 2, 3, 4, 5]
-        );
-        assert!(
-            seen.iter()
-                .all(|(_, name)| name.as_deref() == Some("store-judge-0"))
-        );
-        drop(jobs);
-        for thread in threads {
-            thread.join().expect("the judge thread ends cleanly");
-        }
-    }
-
     /// An audit read stops at its row budget with an error naming the
     /// limit, instead of loading a tree of any size: a tree exactly at the
     /// budget is read, one more contract is refused.
@@ -2975,6 +3085,7 @@ mod tests {
                 max_audit_rows: MAX_AUDIT_ROWS,
                 before_wal_sync: None,
                 before_judge: None,
+                judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
             },
             stamper,
             Arc::new(SystemClock),
