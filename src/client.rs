@@ -83,6 +83,7 @@ impl Agent {
                 factor,
                 risk_class: risk_class.to_owned(),
                 expires_at_ms,
+                not_before_ms: 0,
             },
         )
     }

@@ -84,6 +84,11 @@ fn normalize(raw: &str) -> Result<String, &'static str> {
     if raw.chars().any(|c| c.is_control()) {
         return Err("control character");
     }
+    // Observed paths treat '\\' as a separator (see `normalize_observed`); a
+    // prefix must say what it means with '/'.
+    if raw.contains('\\') {
+        return Err("backslash: use '/' as the separator");
+    }
     if raw == "/" {
         return Ok("/".to_owned());
     }
@@ -100,14 +105,16 @@ fn normalize(raw: &str) -> Result<String, &'static str> {
 }
 
 /// Lexical normalization of an observed path; `None` when it escapes
-/// upwards or is not a path at all.
+/// upwards or is not a path at all. Both '/' and '\\' separate components:
+/// a host on Windows reports `src\\exec\\..\\..\\etc`, which must not pass
+/// as one component under `src/exec`.
 fn normalize_observed(raw: &str) -> Option<String> {
     if raw.is_empty() || raw.chars().any(|c| c.is_control()) {
         return None;
     }
-    let absolute = raw.starts_with('/');
+    let absolute = raw.starts_with(['/', '\\']);
     let mut parts = Vec::new();
-    for component in raw.split('/') {
+    for component in raw.split(['/', '\\']) {
         match component {
             "" | "." => {}
             ".." => return None,
@@ -173,6 +180,7 @@ mod tests {
             "./src/exec/a.rs",
             "src//exec/",
             "/tmp/out/x",
+            "src\\exec\\a.rs",
         ] {
             assert!(s.covers_observed(inside), "{inside}");
         }
@@ -186,6 +194,10 @@ mod tests {
             "/",
             "tmp/out/x",
             "src/exec/a\nb",
+            // Issue 11, item 14: backslashes separate components too.
+            "src/exec/..\\..\\etc\\passwd",
+            "src\\exec\\..\\..\\etc",
+            "src/exec\\..",
         ] {
             assert!(!s.covers_observed(outside), "{outside:?}");
         }
@@ -194,7 +206,7 @@ mod tests {
 
     #[test]
     fn malformed_prefixes_name_the_field() {
-        for bad in ["", "a/../b", "./a", "a//b"] {
+        for bad in ["", "a/../b", "./a", "a//b", "src\\exec"] {
             let err = Scope::parse(&[bad.to_string()], "write_scope").unwrap_err();
             assert_eq!(err.field, "write_scope");
         }

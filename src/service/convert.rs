@@ -243,8 +243,20 @@ pub fn resolve_trust(
     if statement.agent_public_key.as_slice() != delegate_key.as_slice() {
         return Ok(none("the attestation is for another agent".into()));
     }
+    if statement.not_before_ms < 0 {
+        return Err(InputError::new(
+            "body.delegate_attestation.not_before_ms",
+            "must be 0 or a unix time in ms",
+        ));
+    }
     if statement.expires_at_ms <= now_ms {
         return Ok(none("the attestation has expired".into()));
+    }
+    if statement.not_before_ms > now_ms {
+        return Ok(none(format!(
+            "the attestation is not valid before {}",
+            statement.not_before_ms
+        )));
     }
     let trusted = verified.check(envelope, || {
         config.attestors.iter().any(|attestor| {

@@ -279,3 +279,103 @@ async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
     assert_eq!(field.as_deref(), Some("body.predicate"));
     broker.stop().await;
 }
+
+/// Item 14: an observed path with backslashes (`src/exec/..\..\etc\passwd`)
+/// counted as inside `src/exec`.
+#[tokio::test]
+async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                retry_headroom: false,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let mut body = liable_child(&root.id, &root.lineage, &a, 10, "result.within_scope");
+    body.write_scope = vec!["src/exec".into()];
+    let (a_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    broker.accept(&a, &a_id, Some(&host)).await.unwrap();
+    broker
+        .record(
+            &host,
+            &a_id,
+            vec![mutation("src/exec/..\\..\\etc\\passwd", 0)],
+        )
+        .await
+        .unwrap();
+    let completion = broker
+        .complete(&a, output("{}", 1, &a_id))
+        .await
+        .unwrap()
+        .completion
+        .unwrap();
+    assert!(!completion.within_scope);
+    assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
+    // A scope prefix must use '/'.
+    let mut body = child(&root.id, &root.lineage, &a, 10);
+    body.write_scope = vec!["src\\exec".into()];
+    let err = broker.delegate(&orchestrator, body).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    broker.stop().await;
+}
+
+/// Item 14: attestation factors rounded to nearest (0.4999995 became
+/// 500,000 ppm and passed a 500,000 minimum); and an attestation had no
+/// not-before time.
+#[tokio::test]
+async fn attested_factors_are_floored_and_not_valid_before_their_time() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a) = (Agent::generate(), Agent::generate());
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                min_trust: 500_000,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let attestor = Agent::from_seed(broker.attestor.seed());
+    let attest = |factor: f64, not_before_ms: i64| {
+        attestor.sign(
+            delegation_broker::crypto::payload_type::ATTESTATION,
+            &pb::Attestation {
+                agent_public_key: a.public_key().to_vec(),
+                factor,
+                risk_class: String::new(),
+                expires_at_ms: now_ms() + 3_600_000,
+                not_before_ms,
+            },
+        )
+    };
+    let mut body = child(&root.id, &root.lineage, &a, 10);
+    body.delegate_attestation = Some(attest(0.499_999_5, 0));
+    let (_, _, receipt) = broker
+        .delegate(&orchestrator, body)
+        .await
+        .unwrap()
+        .refused();
+    assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
+    assert_eq!(receipt.violations[0].requested, "499999");
+    let mut body = child(&root.id, &root.lineage, &a, 10);
+    body.delegate_attestation = Some(attest(0.5, now_ms() + 600_000));
+    let (_, _, receipt) = broker
+        .delegate(&orchestrator, body)
+        .await
+        .unwrap()
+        .refused();
+    assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
+    assert!(
+        receipt.violations[0].detail.contains("not valid before"),
+        "{}",
+        receipt.violations[0].detail
+    );
+    let mut body = child(&root.id, &root.lineage, &a, 10);
+    body.delegate_attestation = Some(attest(0.5, now_ms() - 1_000));
+    broker.delegate(&orchestrator, body).await.unwrap().issued();
+    broker.stop().await;
+}

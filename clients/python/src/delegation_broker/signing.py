@@ -262,15 +262,24 @@ class Agent:
         ``observations``: 1..=256 ``pb.Observation``)."""
         return self._request(pb.RecordReceiptsBody, body, fields)
 
-    def attest(self, agent_public_key: bytes, factor: float, expires_at_ms: int, risk_class: str = "") -> pb.Envelope:
+    def attest(
+        self,
+        agent_public_key: bytes,
+        factor: float,
+        expires_at_ms: int,
+        risk_class: str = "",
+        not_before_ms: int = 0,
+    ) -> pb.Envelope:
         """As an attestor: an Attestation envelope vouching for ``agent_public_key``
-        with trust ``factor`` in (0, 1] until ``expires_at_ms``. The broker must
-        trust this key (``[trust] attestors = ["<hex public key>"]``)."""
+        with trust ``factor`` in (0, 1] (floored to ppm) from ``not_before_ms``
+        (0: at once) until ``expires_at_ms``. The broker must trust this key
+        (``[trust] attestors = ["<hex public key>"]``)."""
         return self.sign(
             pb.Attestation(
                 agent_public_key=agent_public_key,
                 factor=factor,
                 risk_class=risk_class,
                 expires_at_ms=expires_at_ms,
+                not_before_ms=not_before_ms,
             )
         )

@@ -142,16 +142,18 @@ class Policy(_message.Message):
     def __init__(self, max_depth: _Optional[int] = ..., min_cumulative_trust_ppm: _Optional[int] = ..., max_children: _Optional[int] = ..., disable_retry_headroom: _Optional[bool] = ..., require_host: _Optional[bool] = ...) -> None: ...
 
 class Attestation(_message.Message):
-    __slots__ = ("agent_public_key", "factor", "risk_class", "expires_at_ms")
+    __slots__ = ("agent_public_key", "factor", "risk_class", "expires_at_ms", "not_before_ms")
     AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     RISK_CLASS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    NOT_BEFORE_MS_FIELD_NUMBER: _ClassVar[int]
     agent_public_key: bytes
     factor: float
     risk_class: str
     expires_at_ms: int
-    def __init__(self, agent_public_key: _Optional[bytes] = ..., factor: _Optional[float] = ..., risk_class: _Optional[str] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    not_before_ms: int
+    def __init__(self, agent_public_key: _Optional[bytes] = ..., factor: _Optional[float] = ..., risk_class: _Optional[str] = ..., expires_at_ms: _Optional[int] = ..., not_before_ms: _Optional[int] = ...) -> None: ...
 
 class HopProof(_message.Message):
     __slots__ = ("broker_key_id", "parent_id", "depth", "agent_public_key", "factor_ppm", "cumulative_trust_ppm", "trust_source", "attestation_digest", "risk_class", "intent_lineage_hash", "issued_at_ms")
