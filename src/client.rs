@@ -52,6 +52,17 @@ impl Agent {
         crypto::sign_envelope(&self.key, payload_type, body.encode_to_vec())
     }
 
+    /// A signed OpenSession request: the broker answers with a session for
+    /// this key, to attach to reads (see `SessionAttacher`).
+    pub fn open_session(&self) -> pb::OpenSessionRequest {
+        let body = pb::OpenSessionBody {
+            header: Some(self.header()),
+        };
+        pb::OpenSessionRequest {
+            signed: Some(self.sign(payload_type::OPEN_SESSION, &body)),
+        }
+    }
+
     /// Signs an OpenRoot body, filling in a header if it has none.
     pub fn open_root(&self, mut body: pb::OpenRootBody) -> pb::OpenRootRequest {
         body.header.get_or_insert_with(|| self.header());
@@ -86,5 +97,54 @@ impl Agent {
                 not_before_ms: 0,
             },
         )
+    }
+}
+
+/// A gRPC client whose every call carries the session its `SessionAttacher`
+/// holds (reads need one; other calls ignore it).
+pub type SessionClient = pb::broker_client::BrokerClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, SessionAttacher>,
+>;
+
+/// Attaches a read session (`x-broker-session-bin` metadata) to every call
+/// of a client; set or replace the session at any time, e.g. before it
+/// expires. Clones share the session.
+#[derive(Clone, Default)]
+pub struct SessionAttacher(
+    std::sync::Arc<std::sync::RwLock<Option<tonic::metadata::BinaryMetadataValue>>>,
+);
+
+impl SessionAttacher {
+    /// Uses `session` (OpenSessionResponse.session) from now on.
+    pub fn set(&self, session: &pb::Envelope) {
+        let value = tonic::metadata::BinaryMetadataValue::from_bytes(&session.encode_to_vec());
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(value);
+    }
+
+    /// A client over `channel` that sends this attacher's session.
+    pub fn client(&self, channel: tonic::transport::Channel) -> SessionClient {
+        pb::broker_client::BrokerClient::with_interceptor(channel, self.clone())
+    }
+}
+
+impl tonic::service::Interceptor for SessionAttacher {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        let session = self
+            .0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        if let Some(value) = session {
+            request
+                .metadata_mut()
+                .insert_bin(crate::service::session::SESSION_METADATA, value);
+        }
+        Ok(request)
     }
 }

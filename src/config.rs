@@ -20,6 +20,9 @@ pub struct Config {
     pub orchestrators: Orchestrators,
     /// The server's TLS identity; `None` serves plaintext gRPC.
     pub tls: Option<TlsIdentity>,
+    /// Keys that may read every tree (operators' dashboards, auditors);
+    /// everyone else reads only the trees they are a party of.
+    pub readers: std::collections::HashSet<[u8; 32]>,
     pub limits: Limits,
 }
 
@@ -129,6 +132,18 @@ pub struct Limits {
     /// so a request that is still fresh always finds its earlier answer. A retry older than
     /// this is refused as stale instead of being answered again.
     pub request_log_retention_ms: i64,
+    /// How long a read session (OpenSession) is accepted, in ms.
+    pub session_ttl_ms: i64,
+    /// Concurrent Watch streams one caller (session key) may hold: one
+    /// client must not take every stream.
+    pub max_watch_streams_per_caller: usize,
+    /// Concurrent Watch streams on one client connection.
+    pub max_watch_streams_per_connection: usize,
+    /// GetAudit and AggregateAudits calls running at once, broker-wide:
+    /// each may read and hold a whole tree.
+    pub max_concurrent_audits: usize,
+    /// Audit calls one caller may run at once.
+    pub max_concurrent_audits_per_caller: usize,
 }
 
 impl Default for Limits {
@@ -148,6 +163,11 @@ impl Default for Limits {
             max_watch_streams: 1_024,
             expiry_sweep_interval_ms: 1_000,
             request_log_retention_ms: 30 * 24 * 3_600_000,
+            session_ttl_ms: 3_600_000,
+            max_watch_streams_per_caller: 32,
+            max_watch_streams_per_connection: 32,
+            max_concurrent_audits: 4,
+            max_concurrent_audits_per_caller: 1,
         }
     }
 }
@@ -175,7 +195,15 @@ struct FileConfig {
     /// Hex-encoded orchestrator public key → most budget one root may carry.
     orchestrators: HashMap<String, i64>,
     tls: Option<FileTls>,
+    readers: FileReaders,
     limits: Limits,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct FileReaders {
+    /// Hex-encoded public keys that may read every tree.
+    keys: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -252,6 +280,12 @@ pub fn parse_public_key(hex_key: &str, field: &str) -> Result<VerifyingKey, Conf
     crate::crypto::public_key(&bytes).map_err(|e| invalid(field, e.to_string()))
 }
 
+/// Longest a read session may be accepted: a day.
+const MAX_SESSION_TTL_MS: i64 = 86_400_000;
+/// Most audit calls at once, whatever the configuration: each may hold a
+/// tree's rows in memory.
+const MAX_CONCURRENT_AUDITS_CEILING: usize = 64;
+
 impl Config {
     /// Defaults for `data_dir`, overridden by the TOML file at `path`.
     pub fn load(data_dir: PathBuf, path: Option<&Path>) -> Result<Self, ConfigError> {
@@ -305,7 +339,12 @@ impl Config {
                 ));
             }
         }
+        let mut readers = std::collections::HashSet::new();
+        for (i, reader) in file.readers.keys.iter().enumerate() {
+            readers.insert(parse_public_key(reader, &format!("readers.keys[{i}]"))?.to_bytes());
+        }
         let config = Self {
+            readers,
             data_dir,
             trust: TrustConfig {
                 attestors,
@@ -382,6 +421,38 @@ impl Config {
                 "limits.tls_handshake_timeout_ms",
                 format!("must be 1..={MAX_TLS_HANDSHAKE_TIMEOUT_MS}"),
             ));
+        }
+        if !(1_000..=MAX_SESSION_TTL_MS).contains(&l.session_ttl_ms) {
+            return Err(invalid(
+                "limits.session_ttl_ms",
+                format!("must be 1000..={MAX_SESSION_TTL_MS}"),
+            ));
+        }
+        for (field, value, most) in [
+            (
+                "limits.max_watch_streams_per_caller",
+                l.max_watch_streams_per_caller,
+                l.max_watch_streams,
+            ),
+            (
+                "limits.max_watch_streams_per_connection",
+                l.max_watch_streams_per_connection,
+                l.max_watch_streams,
+            ),
+            (
+                "limits.max_concurrent_audits",
+                l.max_concurrent_audits,
+                MAX_CONCURRENT_AUDITS_CEILING,
+            ),
+            (
+                "limits.max_concurrent_audits_per_caller",
+                l.max_concurrent_audits_per_caller,
+                l.max_concurrent_audits,
+            ),
+        ] {
+            if !(1..=most).contains(&value) {
+                return Err(invalid(field, format!("must be 1..={most}")));
+            }
         }
         if l.max_concurrent_requests_per_connection == 0 || l.request_timeout_ms == 0 {
             return Err(invalid(

@@ -77,6 +77,7 @@ pub async fn run_with_clock(
         current: false,
     }));
     let stamper = Arc::new(Stamper::new(keyring.current));
+    let session_stamper = stamper.clone();
     let limits = config.limits.clone();
     let tls = config.tls.clone();
     let store = SqliteStore::open(
@@ -110,7 +111,15 @@ pub async fn run_with_clock(
         crate::core::limits::MAX_CONCURRENT_CONVERSIONS,
         crate::core::limits::DEEP_STACK_BYTES,
     )?;
-    let service = BrokerService::new(store, Arc::new(config), clock, keys, stopping, converters);
+    let service = BrokerService::new(
+        store,
+        Arc::new(config),
+        clock,
+        keys,
+        stopping,
+        converters,
+        session_stamper,
+    );
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_request_bytes.saturating_mul(4));

@@ -241,6 +241,13 @@ impl Stamper {
         )
     }
 
+    /// Signs a read session (its `broker_key_id` is set here).
+    pub fn sign_session(&self, session: &pb::Session) -> pb::Envelope {
+        let mut session = session.clone();
+        session.broker_key_id = self.key_id.clone();
+        crypto::sign_envelope(&self.key, payload_type::SESSION, session.encode_to_vec())
+    }
+
     /// Signs any receipt (its `broker_key_id` is set here).
     pub fn sign_receipt(&self, receipt: &pb::Receipt) -> Stamped {
         let mut receipt = receipt.clone();

@@ -24,6 +24,12 @@ pub struct AuditArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+    /// The key to read as: a file holding its secret seed in hex, as
+    /// `keygen` writes it. Reads need a session (see the README): a reader
+    /// key listed under [readers] in the broker's configuration sees every
+    /// run, any other key the runs whose root it opened.
+    #[arg(long, env = "BROKER_KEY_FILE")]
+    pub key_file: std::path::PathBuf,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,8 +103,39 @@ pub fn run(args: AuditArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The agent whose secret seed (hex) is in `path`.
+pub fn agent_from_key_file(path: &std::path::Path) -> anyhow::Result<crate::client::Agent> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read the key file {}: {e}", path.display()))?;
+    let seed: [u8; 32] = hex::decode(text.trim())
+        .ok()
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{} does not hold a 32-byte hex seed (make one with `delegation-broker keygen`)",
+                path.display()
+            )
+        })?;
+    Ok(crate::client::Agent::from_seed(seed))
+}
+
 async fn fetch(args: &AuditArgs) -> anyhow::Result<Vec<GroupRow>> {
-    let mut client = pb::broker_client::BrokerClient::connect(args.addr.clone()).await?;
+    let agent = agent_from_key_file(&args.key_file)?;
+    let channel = tonic::transport::Channel::from_shared(args.addr.clone())?
+        .connect()
+        .await?;
+    let attacher = crate::client::SessionAttacher::default();
+    let mut client = attacher.client(channel);
+    let session = client
+        .open_session(agent.open_session())
+        .await?
+        .into_inner();
+    attacher.set(
+        session
+            .session
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("the broker answered OpenSession with no session"))?,
+    );
     let selector: HashMap<String, String> = args.select.iter().cloned().collect();
     let response = client
         .aggregate_audits(pb::AggregateAuditsRequest {

@@ -62,6 +62,7 @@ signed_body! {
     pb::EscalateBody => ESCALATE,
     pb::RevokeBody => REVOKE,
     pb::RecordReceiptsBody => RECORD_RECEIPTS,
+    pb::OpenSessionBody => OPEN_SESSION,
 }
 
 /// Decodes, verifies and freshness-checks a signed request.

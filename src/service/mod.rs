@@ -6,6 +6,7 @@ pub mod audit;
 pub mod auth;
 pub mod convert;
 pub mod error;
+pub mod session;
 pub mod transport;
 
 use std::sync::Arc;
@@ -35,6 +36,11 @@ pub struct BrokerService<S> {
     keys: Arc<Vec<pb::BrokerKey>>,
     /// Attestation envelopes whose signature already verified.
     verified: Arc<convert::VerifiedAttestations>,
+    /// Issues and checks read sessions (who is reading).
+    sessions: session::Sessions,
+    /// (contract, agent) pairs already found to be a party of the
+    /// contract's tree: being a party never ends, so a hit needs no read.
+    parties: std::sync::Mutex<std::collections::HashSet<(crate::core::Id, crate::core::AgentKey)>>,
     /// Threads that convert Delegate bodies (schema compilation, predicate
     /// composition), MAX_CONCURRENT_CONVERSIONS at once.
     converters: crate::pool::WorkPool,
@@ -44,6 +50,9 @@ pub struct BrokerService<S> {
     /// graceful shutdown would wait on them forever.
     stopping: tokio::sync::watch::Receiver<bool>,
 }
+
+/// (contract, agent) pairs remembered as parties; cleared when full.
+const MAX_REMEMBERED_PARTIES: usize = 65_536;
 
 /// Events fetched per Watch query.
 const WATCH_PAGE: u32 = 256;
@@ -58,8 +67,11 @@ impl<S> BrokerService<S> {
         keys: Vec<pb::BrokerKey>,
         stopping: tokio::sync::watch::Receiver<bool>,
         converters: crate::pool::WorkPool,
+        stamper: Arc<crate::stamp::Stamper>,
     ) -> Self {
         Self {
+            sessions: session::Sessions::new(stamper, &keys, config.limits.session_ttl_ms),
+            parties: std::sync::Mutex::default(),
             stopping,
             watchers: Arc::new(tokio::sync::Semaphore::new(config.limits.max_watch_streams)),
             store,
@@ -116,6 +128,69 @@ fn page_cursor(token: &[u8]) -> Result<i64, InputError> {
 }
 
 impl<S: Store> BrokerService<S> {
+    /// The reading agent of a request (its session), or UNAUTHENTICATED.
+    fn caller<T>(&self, request: &Request<T>) -> Result<crate::core::AgentKey, ServiceError> {
+        self.sessions
+            .caller(request.metadata(), self.clock.now_ms())
+    }
+
+    /// Lets `caller` read `contract`'s tree only if it is a configured
+    /// reader or a party of the tree; NOT_FOUND when there is no such
+    /// contract.
+    async fn authorize(
+        &self,
+        caller: &crate::core::AgentKey,
+        contract: crate::core::Id,
+    ) -> Result<(), ServiceError> {
+        if self.config.readers.contains(caller) {
+            return Ok(());
+        }
+        let remembered = |this: &Self| {
+            this.parties
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .contains(&(contract, *caller))
+        };
+        if remembered(self) {
+            return Ok(());
+        }
+        match self.store.is_party(contract, *caller).await? {
+            None => Err(ServiceError::NotFound {
+                what: "contract",
+                id: hex::encode(contract),
+            }),
+            Some(false) => Err(ServiceError::PermissionDenied {
+                reason: "NOT_A_PARTY",
+                detail: "reads are answered only to the tree's parties (the key that opened its root, its delegates and hosts) and to configured readers".into(),
+            }),
+            Some(true) => {
+                let mut parties = self
+                    .parties
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if parties.len() >= MAX_REMEMBERED_PARTIES {
+                    parties.clear();
+                }
+                parties.insert((contract, *caller));
+                Ok(())
+            }
+        }
+    }
+
+    /// A read of the tree of the contract named by `id` (raw bytes from
+    /// the request), by the request's session.
+    async fn authorize_read<T>(
+        &self,
+        request: &Request<T>,
+        id: &[u8],
+        field: &'static str,
+    ) -> Result<crate::core::Id, ServiceError> {
+        let caller = self.caller(request)?;
+        let id = convert::id(id, field)?;
+        self.authorize(&caller, id).await?;
+        Ok(id)
+    }
+
     async fn open_root(
         &self,
         request: pb::OpenRootRequest,
@@ -423,8 +498,9 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::GetAuditRequest>,
     ) -> Result<Response<pb::GetAuditResponse>, Status> {
-        let id = convert::id(&request.into_inner().contract_id, "contract_id")
-            .map_err(ServiceError::from)?;
+        let id = self
+            .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
         let (facts, mutations) = self
             .store
             .audit_facts(id)
@@ -443,10 +519,14 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::AggregateAuditsRequest>,
     ) -> Result<Response<pb::AggregateAuditsResponse>, Status> {
+        let caller = self.caller(&request)?;
+        // A configured reader sees every run; anyone else the runs whose
+        // root it opened.
+        let orchestrator = (!self.config.readers.contains(&caller)).then_some(caller);
         let (selector, group_by) = audit::parse_request(&request.into_inner())?;
         let runs = self
             .store
-            .runs(&selector, audit::MAX_AGGREGATE_RUNS)
+            .runs(orchestrator, &selector, audit::MAX_AGGREGATE_RUNS)
             .await
             .map_err(ServiceError::from)?;
         let totals: Vec<_> = runs
@@ -585,6 +665,8 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
         Ok(Response::new(
             self.watch_stream(request.into_inner()).await?,
         ))
@@ -612,6 +694,8 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::GetContractRequest>,
     ) -> Result<Response<pb::GetContractResponse>, Status> {
+        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
         let record = self.record(&request.into_inner().contract_id).await?;
         Ok(Response::new(pb::GetContractResponse {
             contract: Some(convert::contract_state(record)),
@@ -622,6 +706,8 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::GetChainRequest>,
     ) -> Result<Response<pb::GetChainResponse>, Status> {
+        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
         let chain = self.chain(&request.into_inner().contract_id).await?;
         Ok(Response::new(pb::GetChainResponse { chain }))
     }
@@ -630,6 +716,8 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::ListChildrenRequest>,
     ) -> Result<Response<pb::ListChildrenResponse>, Status> {
+        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
         Ok(Response::new(self.children(request.into_inner()).await?))
     }
 
@@ -637,7 +725,39 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::GetReceiptRequest>,
     ) -> Result<Response<pb::GetReceiptResponse>, Status> {
-        Ok(Response::new(self.receipt(request.into_inner()).await?))
+        let caller = self.caller(&request)?;
+        let response = self.receipt(request.into_inner()).await?;
+        // A receipt is read as part of the tree of the contract it is about
+        // (for a refusal, the parent asked).
+        let about = response
+            .receipt
+            .as_ref()
+            .and_then(|e| {
+                use prost::Message;
+                pb::Receipt::decode(e.payload.as_slice()).ok()
+            })
+            .and_then(|r| crate::core::Id::try_from(r.contract_id.as_slice()).ok())
+            .ok_or_else(|| ServiceError::Internal("a stored receipt names no contract".into()))?;
+        self.authorize(&caller, about).await?;
+        Ok(Response::new(response))
+    }
+
+    async fn open_session(
+        &self,
+        request: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let now_ms = self.clock.now_ms();
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<pb::OpenSessionBody>(
+            request.into_inner().signed.as_ref(),
+            now_ms,
+            window_ms,
+        )?;
+        if !signed.fresh {
+            let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
+            return Err(signed.stale_error(now_ms, window_ms, timestamp_ms).into());
+        }
+        Ok(Response::new(self.sessions.open(signed.agent, now_ms)))
     }
 
     async fn get_broker_keys(

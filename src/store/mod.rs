@@ -209,10 +209,20 @@ pub trait Store: Send + Sync + 'static {
         &self,
         id: Id,
     ) -> impl Future<Output = Result<Option<(AuditFacts, TreeMutations)>, StoreError>> + Send;
-    /// Every run (root) whose labels include the selector, at most `limit`,
-    /// with their contracts' facts and their trees' mutations.
+    /// Whether `agent` is a party of `contract`'s tree: it opened the root,
+    /// or is or was the delegate or the host of one of its contracts.
+    /// `None`: no such contract. Index seeks, never a scan of the tree.
+    fn is_party(
+        &self,
+        contract: Id,
+        agent: crate::core::AgentKey,
+    ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
+    /// Every run (root) whose labels include the selector — and, given an
+    /// orchestrator, that it opened — at most `limit`, with their
+    /// contracts' facts and their trees' mutations.
     fn runs(
         &self,
+        orchestrator: Option<crate::core::AgentKey>,
         selector: &std::collections::BTreeMap<String, String>,
         limit: u32,
     ) -> impl Future<Output = Result<Vec<(RunFacts, TreeMutations)>, StoreError>> + Send;

@@ -527,8 +527,26 @@ impl Store for SqliteStore {
         Ok(Some((facts, mutations)))
     }
 
+    async fn is_party(&self, contract: Id, agent: AgentKey) -> Result<Option<bool>, StoreError> {
+        let row = sqlx::query(
+            "SELECT EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = c.root_seq AND d.delegate_key = $2) \
+                 OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = c.root_seq AND h.host_key = $2) AS party \
+             FROM contracts c WHERE c.id = $1",
+        )
+        .bind(contract.as_slice())
+        .bind(agent.as_slice())
+        .fetch_optional(&self.reader)
+        .await
+        .map_err(backend)?;
+        // Not settled: a party stays a party, and the read that follows
+        // settles before it answers.
+        row.map(|r| r.try_get::<bool, _>("party").map_err(backend))
+            .transpose()
+    }
+
     async fn runs(
         &self,
+        orchestrator: Option<AgentKey>,
         selector: &std::collections::BTreeMap<String, String>,
         limit: u32,
     ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
@@ -538,6 +556,11 @@ impl Store for SqliteStore {
         let mut query =
             QueryBuilder::<Sqlite>::new("SELECT seq, id, labels, budget, spent FROM contracts ");
         query.push("WHERE parent_seq IS NULL");
+        if let Some(orchestrator) = orchestrator {
+            query
+                .push(" AND delegate_key = ")
+                .push_bind(orchestrator.to_vec());
+        }
         if !selector.is_empty() {
             query.push(" AND seq IN (");
             for (i, (key, value)) in selector.iter().enumerate() {
@@ -2054,7 +2077,7 @@ mod tests {
         // Its labels were indexed by migration 5.
         for (key, value) in [("arm", "a"), ("note", "say \"hi\" \\ é")] {
             let selector = [(key.to_owned(), value.to_owned())].into_iter().collect();
-            let runs = store.runs(&selector, 10).await.expect("runs");
+            let runs = store.runs(None, &selector, 10).await.expect("runs");
             assert_eq!(runs.len(), 1, "{key}");
             assert_eq!(runs[0].0.root_id, id);
         }
@@ -3020,7 +3043,10 @@ mod tests {
             ));
         }
         let everything = std::collections::BTreeMap::new();
-        let runs = store.runs(&everything, 10).await.expect("at the budget");
+        let runs = store
+            .runs(None, &everything, 10)
+            .await
+            .expect("at the budget");
         assert_eq!(runs[0].0.contracts.len(), 3);
         assert!(
             store
@@ -3030,7 +3056,7 @@ mod tests {
                 .is_some()
         );
         issued(store.delegate(test_child(9, 20, root, 8, "true")).await);
-        match store.runs(&everything, 10).await {
+        match store.runs(None, &everything, 10).await {
             Err(StoreError::Overloaded(limit)) => {
                 assert!(limit.contains("MAX_AUDIT_ROWS"), "{limit}")
             }

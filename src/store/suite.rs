@@ -139,27 +139,67 @@ pub async fn runs_are_selected_by_labels<S: Store>(store: &S) {
         runs.into_iter().map(|(run, _)| run.root_id).collect()
     };
     let found = store
-        .runs(&select(&[("arm", "a")]), 10)
+        .runs(None, &select(&[("arm", "a")]), 10)
         .await
         .expect("runs");
     assert_eq!(found[0].0.contracts.len(), 1, "the child is in its run");
     assert_eq!(roots(found), [a1, a2]);
-    let found = store.runs(&select(&[("arm", "a"), ("exp", "1")]), 10).await;
+    let found = store
+        .runs(None, &select(&[("arm", "a"), ("exp", "1")]), 10)
+        .await;
     assert_eq!(roots(found.expect("runs")), [a1]);
-    let found = store.runs(&select(&[("exp", "1")]), 10).await;
+    let found = store.runs(None, &select(&[("exp", "1")]), 10).await;
     assert_eq!(roots(found.expect("runs")), [a1, b1]);
-    let found = store.runs(&select(&[]), 10).await;
+    let found = store.runs(None, &select(&[]), 10).await;
     assert_eq!(roots(found.expect("runs")), [a1, b1, a2]);
-    let found = store.runs(&select(&[("note", odd)]), 10).await;
+    let found = store.runs(None, &select(&[("note", odd)]), 10).await;
     assert_eq!(roots(found.expect("runs")), [a1]);
-    let found = store.runs(&select(&[("arm", "c")]), 10).await;
+    let found = store.runs(None, &select(&[("arm", "c")]), 10).await;
     assert!(found.expect("runs").is_empty());
     assert!(matches!(
-        store.runs(&select(&[("arm", "a")]), 1).await,
+        store.runs(None, &select(&[("arm", "a")]), 1).await,
         Err(StoreError::Overloaded(_))
     ));
-    let found = store.runs(&select(&[("arm", "a"), ("exp", "2")]), 1).await;
+    let found = store
+        .runs(None, &select(&[("arm", "a"), ("exp", "2")]), 1)
+        .await;
     assert_eq!(roots(found.expect("exactly the limit")), [a2]);
+    // Only the runs an orchestrator opened, when one is named.
+    let found = store
+        .runs(Some([9; 32]), &select(&[("arm", "a")]), 10)
+        .await;
+    assert_eq!(roots(found.expect("runs")), [a1, a2]);
+    let found = store.runs(Some([5; 32]), &select(&[]), 10).await;
+    assert!(found.expect("runs").is_empty());
+}
+
+/// A tree's parties are the key that opened its root and every key that is
+/// or was a delegate or host in it; nobody else, and no other tree's.
+pub async fn parties_are_the_trees_own<S: Store>(store: &S) {
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let mut hosted = test_child(9, 2, root, 8, "true");
+    hosted.host = Some([30; 32]);
+    let child = issued(store.delegate(hosted).await);
+    let grandchild = issued(store.delegate(test_child(8, 3, child, 7, "true")).await);
+    for (agent, party) in [(9, true), (8, true), (7, true), (30, true), (5, false)] {
+        for contract in [root, child, grandchild] {
+            assert_eq!(
+                store.is_party(contract, [agent; 32]).await.expect("read"),
+                Some(party),
+                "agent {agent}"
+            );
+        }
+    }
+    let other = issued(store.open_root(test_root(meta(6, 4))).await);
+    assert_eq!(
+        store.is_party(other, [8; 32]).await.expect("read"),
+        Some(false)
+    );
+    assert_eq!(
+        store.is_party(other, [6; 32]).await.expect("read"),
+        Some(true)
+    );
+    assert_eq!(store.is_party([0; 32], [9; 32]).await.expect("read"), None);
 }
 
 /// A root's children are issued with their budget reserved in the parent,
@@ -320,6 +360,7 @@ macro_rules! store_suite {
             a_refusal_is_a_stored_receipt,
             events_come_in_commit_order_after_a_cursor,
             runs_are_selected_by_labels,
+            parties_are_the_trees_own,
             concurrent_siblings_never_overspend,
         ]);
     };

@@ -263,12 +263,18 @@ async fn two_arms_aggregate_to_the_expected_table() {
     // The CLI, against the same server.
     // The CLI is a separate process: run it off the async workers, which
     // must keep serving it.
+    let key_dir = tempfile::tempdir().unwrap();
+    let key_file = key_dir.path().join("reader.key");
+    std::fs::write(&key_file, hex::encode(broker.reader.seed())).unwrap();
     let cli = |format: &'static str| {
         let addr = broker.addr.clone();
+        let key_file = key_file.clone();
         tokio::task::spawn_blocking(move || {
             let out = std::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
                 .args([
                     "audit",
+                    "--key-file",
+                    key_file.to_str().unwrap(),
                     "--addr",
                     &addr,
                     "--group-by",

@@ -110,7 +110,7 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     assert!(answered.len() >= 300);
 
     let (mut process, addr) = spawn_broker(dir.path());
-    let mut broker_client = connect(&addr).await;
+    let mut broker_client = connect_as(&addr, &orchestrator).await;
     for id in &answered {
         let state = broker_client
             .get_contract(pb::GetContractRequest {
@@ -143,7 +143,7 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
 }
 
 struct LedgerCheck {
-    client: delegation_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    client: delegation_broker::client::SessionClient,
 }
 
 impl LedgerCheck {

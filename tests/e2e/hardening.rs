@@ -379,3 +379,170 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
     broker.delegate(&orchestrator, body).await.unwrap().issued();
     broker.stop().await;
 }
+
+/// Item 13: every read was unauthenticated — whoever learned one contract
+/// id could watch its whole tree, and AggregateAudits enumerated every run.
+/// Reads now need a session, and are answered only to the tree's parties
+/// and configured readers.
+#[tokio::test]
+async fn reads_are_answered_only_to_the_trees_parties() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, host, stranger) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let mut spec = RootSpec::default();
+    spec.labels.insert("arm".into(), "x".into());
+    let root = broker.open_root(&orchestrator, spec).await;
+    let mut body = child(&root.id, &root.lineage, &a, 10);
+    body.host_public_key = host.public_key().to_vec();
+    let (a_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let (refusal_id, _, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 1_000))
+        .await
+        .unwrap()
+        .refused();
+
+    // No session at all.
+    let mut anonymous = connect(&broker.addr).await;
+    let err = anonymous
+        .get_contract(pb::GetContractRequest {
+            contract_id: a_id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Code::Unauthenticated, "NO_SESSION")
+    );
+    // Public calls stay public.
+    anonymous
+        .get_broker_keys(pb::GetBrokerKeysRequest {})
+        .await
+        .unwrap();
+
+    // A stranger with a valid session reads nothing of the tree.
+    let mut outsider = connect_as(&broker.addr, &stranger).await;
+    let denied = |r: Result<(), tonic::Status>| {
+        let err = r.unwrap_err();
+        assert_eq!(
+            (err.code(), reason(&err).as_str()),
+            (Code::PermissionDenied, "NOT_A_PARTY"),
+            "{err:?}"
+        );
+    };
+    let id = || pb::GetContractRequest {
+        contract_id: a_id.clone(),
+    };
+    denied(outsider.get_contract(id()).await.map(drop));
+    denied(
+        outsider
+            .get_chain(pb::GetChainRequest {
+                contract_id: a_id.clone(),
+            })
+            .await
+            .map(drop),
+    );
+    denied(
+        outsider
+            .list_children(pb::ListChildrenRequest {
+                contract_id: root.id.clone(),
+                page_size: 0,
+                page_token: Vec::new(),
+            })
+            .await
+            .map(drop),
+    );
+    denied(
+        outsider
+            .get_receipt(pb::GetReceiptRequest {
+                receipt_id: refusal_id.clone(),
+            })
+            .await
+            .map(drop),
+    );
+    denied(
+        outsider
+            .watch(pb::WatchRequest {
+                contract_id: root.id.clone(),
+                cursor: 0,
+            })
+            .await
+            .map(drop),
+    );
+    denied(
+        outsider
+            .get_audit(pb::GetAuditRequest {
+                contract_id: a_id.clone(),
+            })
+            .await
+            .map(drop),
+    );
+    let groups = |client_groups: pb::AggregateAuditsResponse| client_groups.groups.len();
+    let aggregate = pb::AggregateAuditsRequest {
+        selector: Default::default(),
+        group_by: vec!["arm".into()],
+    };
+    let seen = outsider
+        .aggregate_audits(aggregate.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(groups(seen), 0, "a stranger enumerates no runs");
+
+    // Every party reads: the orchestrator, the delegate, the host.
+    for party in [&orchestrator, &a, &host] {
+        let mut client = connect_as(&broker.addr, party).await;
+        client.get_contract(id()).await.unwrap();
+        client
+            .get_receipt(pb::GetReceiptRequest {
+                receipt_id: refusal_id.clone(),
+            })
+            .await
+            .unwrap();
+    }
+    let mut own = connect_as(&broker.addr, &orchestrator).await;
+    let mine = own
+        .aggregate_audits(aggregate.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        groups(mine),
+        1,
+        "an orchestrator aggregates the runs it opened"
+    );
+    // The configured reader reads everything.
+    broker.client.get_contract(id()).await.unwrap();
+    let all = broker
+        .client
+        .aggregate_audits(aggregate)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(groups(all), 1);
+    // A tampered session is refused.
+    let mut forged = connect_as(&broker.addr, &stranger).await;
+    let session = forged
+        .open_session(orchestrator.open_session())
+        .await
+        .unwrap()
+        .into_inner();
+    let mut envelope = session.session.unwrap();
+    let mut decoded = <pb::Session as prost::Message>::decode(envelope.payload.as_slice()).unwrap();
+    decoded.agent_public_key = stranger.public_key().to_vec();
+    envelope.payload = prost::Message::encode_to_vec(&decoded);
+    let mut request = tonic::Request::new(id());
+    request.metadata_mut().insert_bin(
+        "x-broker-session-bin",
+        tonic::metadata::BinaryMetadataValue::from_bytes(&prost::Message::encode_to_vec(&envelope)),
+    );
+    let err = anonymous.get_contract(request).await.unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Code::Unauthenticated, "BAD_SESSION")
+    );
+    broker.stop().await;
+}

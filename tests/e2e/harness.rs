@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use delegation_broker::client::Agent;
+use delegation_broker::client::{Agent, SessionAttacher, SessionClient};
 use delegation_broker::clock::{Clock, OffsetClock, SystemClock};
 use delegation_broker::config::Config;
 use delegation_broker::crypto::{self, payload_type};
@@ -19,7 +19,9 @@ pub fn now_ms() -> i64 {
 }
 
 pub struct Broker {
-    pub client: BrokerClient<Channel>,
+    /// A reader key of the broker's configuration: `client` reads as it.
+    pub reader: Agent,
+    pub client: SessionClient,
     pub addr: String,
     /// Trusted by the broker's configuration.
     pub attestor: Agent,
@@ -38,7 +40,11 @@ impl Broker {
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let attestor = Agent::generate();
+        let reader = Agent::generate();
         let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
+        config.readers.insert(reader.public_key());
+        // Tests move the broker's clock by hours; the session must outlive it.
+        config.limits.session_ttl_ms = 86_400_000;
         config
             .trust
             .attestors
@@ -56,8 +62,9 @@ impl Broker {
             .await
             .expect("server runs");
         });
-        let client = connect(&addr).await;
+        let client = connect_as(&addr, &reader).await;
         Self {
+            reader,
             client,
             addr,
             attestor,
@@ -210,6 +217,27 @@ impl Broker {
             assert_eq!(l.open_children as usize, children.len());
         }
     }
+}
+
+/// A client that reads as `agent` (it opens a session for it).
+pub async fn connect_as(addr: &str, agent: &Agent) -> SessionClient {
+    let channel = Channel::from_shared(addr.to_owned())
+        .expect("address")
+        .connect()
+        .await
+        .expect("connect");
+    let attacher = SessionAttacher::default();
+    let mut client = attacher
+        .client(channel)
+        .max_decoding_message_size(64 * 1024 * 1024)
+        .max_encoding_message_size(64 * 1024 * 1024);
+    let session = client
+        .open_session(agent.open_session())
+        .await
+        .expect("OpenSession")
+        .into_inner();
+    attacher.set(session.session.as_ref().expect("a session"));
+    client
 }
 
 pub async fn connect(addr: &str) -> BrokerClient<Channel> {

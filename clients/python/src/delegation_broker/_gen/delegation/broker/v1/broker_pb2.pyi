@@ -164,6 +164,26 @@ class ContractState(_message.Message):
     ledger: Ledger
     def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., status: _Optional[_Union[ContractStatus, str]] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ...) -> None: ...
 
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class OpenSessionBody(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session", "expires_at_ms")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    session: _types_pb2.Envelope
+    expires_at_ms: int
+    def __init__(self, session: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
 class GetContractRequest(_message.Message):
     __slots__ = ("contract_id",)
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]

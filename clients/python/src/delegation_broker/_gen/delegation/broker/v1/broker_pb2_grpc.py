@@ -70,6 +70,11 @@ class BrokerStub:
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysRequest.SerializeToString,
                 response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/delegation.broker.v1.Broker/OpenSession',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
         self.Accept = channel.unary_unary(
                 '/delegation.broker.v1.Broker/Accept',
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptRequest.SerializeToString,
@@ -182,7 +187,17 @@ class BrokerServicer:
 
     def GetBrokerKeys(self, request, context):
         """Returns the broker's public keys, current and retired, for offline
-        verification of every envelope it signs.
+        verification of every envelope it signs. Public.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSession(self, request, context):
+        """Opens a read session for the signer's key (see the file comment).
+        Public; the request is signed like a mutating call (payload
+        OpenSessionBody), but changes nothing and is not idempotent: every call
+        returns a new session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -315,6 +330,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.GetBrokerKeys,
                     request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysRequest.FromString,
                     response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionResponse.SerializeToString,
             ),
             'Accept': grpc.unary_unary_rpc_method_handler(
                     servicer.Accept,
@@ -557,6 +577,33 @@ class Broker:
             '/delegation.broker.v1.Broker/GetBrokerKeys',
             delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysRequest.SerializeToString,
             delegation_dot_broker_dot_v1_dot_broker__pb2.GetBrokerKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/OpenSession',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

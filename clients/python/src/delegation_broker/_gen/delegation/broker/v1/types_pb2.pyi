@@ -364,6 +364,18 @@ class Observation(_message.Message):
     at_ms: int
     def __init__(self, kind: _Optional[_Union[ObservationKind, str]] = ..., path: _Optional[str] = ..., tool: _Optional[str] = ..., units: _Optional[int] = ..., at_ms: _Optional[int] = ...) -> None: ...
 
+class Session(_message.Message):
+    __slots__ = ("broker_key_id", "agent_public_key", "issued_at_ms", "expires_at_ms")
+    BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    broker_key_id: str
+    agent_public_key: bytes
+    issued_at_ms: int
+    expires_at_ms: int
+    def __init__(self, broker_key_id: _Optional[str] = ..., agent_public_key: _Optional[bytes] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
 class RequestHeader(_message.Message):
     __slots__ = ("agent_public_key", "timestamp_ms", "nonce")
     AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,211 @@
+//! Read sessions (issue 11, item 13): who is reading. A caller proves its
+//! key once with a signed OpenSession request and gets a broker-signed
+//! `Session`; each read carries it as `x-broker-session-bin` metadata. The
+//! session is self-contained (any broker holding the key that signed it can
+//! check it, current or retired), so nothing about sessions is stored.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use ed25519_dalek::VerifyingKey;
+use prost::Message;
+use tonic::metadata::MetadataMap;
+
+use super::error::ServiceError;
+use crate::core::AgentKey;
+use crate::crypto::{self, payload_type};
+use crate::pb;
+use crate::stamp::Stamper;
+
+/// The binary metadata key a read's session travels in.
+pub const SESSION_METADATA: &str = "x-broker-session-bin";
+/// Largest session envelope accepted, in bytes: a real one is ~200.
+const MAX_SESSION_BYTES: usize = 1_024;
+/// Sessions remembered as verified (by digest), so a session is verified
+/// once, not at every read; cleared when full.
+const MAX_VERIFIED_SESSIONS: usize = 16_384;
+
+/// Issues and checks sessions.
+pub struct Sessions {
+    stamper: Arc<Stamper>,
+    /// Every published broker key (current and retired), by key id.
+    keys: HashMap<String, VerifyingKey>,
+    ttl_ms: i64,
+    /// Digest of a verified session envelope → (agent, expiry).
+    verified: Mutex<HashMap<[u8; 32], (AgentKey, i64)>>,
+}
+
+fn unauthenticated(reason: &'static str, detail: impl Into<String>) -> ServiceError {
+    ServiceError::Unauthenticated {
+        reason,
+        detail: detail.into(),
+    }
+}
+
+impl Sessions {
+    pub fn new(stamper: Arc<Stamper>, keys: &[pb::BrokerKey], ttl_ms: i64) -> Self {
+        let keys = keys
+            .iter()
+            .filter_map(|k| {
+                let key = crypto::public_key(&k.public_key).ok()?;
+                Some((k.key_id.clone(), key))
+            })
+            .collect();
+        Self {
+            stamper,
+            keys,
+            ttl_ms,
+            verified: Mutex::default(),
+        }
+    }
+
+    /// A new session for `agent`, who proved its key just now.
+    pub fn open(&self, agent: AgentKey, now_ms: i64) -> pb::OpenSessionResponse {
+        let expires_at_ms = now_ms.saturating_add(self.ttl_ms);
+        let session = pb::Session {
+            broker_key_id: String::new(),
+            agent_public_key: agent.to_vec(),
+            issued_at_ms: now_ms,
+            expires_at_ms,
+        };
+        pb::OpenSessionResponse {
+            session: Some(self.stamper.sign_session(&session)),
+            expires_at_ms,
+        }
+    }
+
+    /// The reading agent, from the request's session metadata.
+    pub fn caller(&self, metadata: &MetadataMap, now_ms: i64) -> Result<AgentKey, ServiceError> {
+        let Some(value) = metadata.get_bin(SESSION_METADATA) else {
+            return Err(unauthenticated(
+                "NO_SESSION",
+                format!(
+                    "reads need a session: call OpenSession and send its envelope as {SESSION_METADATA} metadata"
+                ),
+            ));
+        };
+        let bytes = value
+            .to_bytes()
+            .map_err(|_| unauthenticated("BAD_SESSION", "the session metadata is not base64"))?;
+        if bytes.len() > MAX_SESSION_BYTES {
+            return Err(unauthenticated(
+                "BAD_SESSION",
+                format!("the session is over {MAX_SESSION_BYTES} bytes"),
+            ));
+        }
+        let digest = crypto::sha256(&bytes);
+        let known = self.lock().get(&digest).copied();
+        let (agent, expires_at_ms) = match known {
+            Some(known) => known,
+            None => {
+                let checked = self.verify(&bytes)?;
+                let mut verified = self.lock();
+                if verified.len() >= MAX_VERIFIED_SESSIONS {
+                    verified.clear();
+                }
+                verified.insert(digest, checked);
+                checked
+            }
+        };
+        if now_ms >= expires_at_ms {
+            return Err(unauthenticated(
+                "SESSION_EXPIRED",
+                format!("the session expired at {expires_at_ms}; open a new one"),
+            ));
+        }
+        Ok(agent)
+    }
+
+    fn verify(&self, bytes: &[u8]) -> Result<(AgentKey, i64), ServiceError> {
+        let bad = |detail: &str| unauthenticated("BAD_SESSION", detail.to_owned());
+        let envelope =
+            pb::Envelope::decode(bytes).map_err(|_| bad("the session is not an Envelope"))?;
+        let session = pb::Session::decode(envelope.payload.as_slice())
+            .map_err(|_| bad("the session's payload is not a Session"))?;
+        let key = self
+            .keys
+            .get(&session.broker_key_id)
+            .ok_or_else(|| bad("the session was not signed by a key of this broker"))?;
+        crypto::verify_envelope(&envelope, payload_type::SESSION, key)
+            .map_err(|_| bad("the session's signature does not verify"))?;
+        let agent: AgentKey = session
+            .agent_public_key
+            .as_slice()
+            .try_into()
+            .map_err(|_| bad("the session names no agent"))?;
+        Ok((agent, session.expires_at_ms))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (AgentKey, i64)>> {
+        // A memo of pure checks: a poisoned one is still correct.
+        self.verified
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::metadata::MetadataValue;
+
+    fn broker(seed: u8) -> (Sessions, pb::BrokerKey) {
+        let key = ed25519_dalek::SigningKey::from_bytes(&[seed; 32]);
+        let public = key.verifying_key().to_bytes();
+        let published = pb::BrokerKey {
+            key_id: crypto::key_id(&public),
+            public_key: public.to_vec(),
+            current: true,
+        };
+        let sessions = Sessions::new(Arc::new(Stamper::new(key)), &[published.clone()], 1_000);
+        (sessions, published)
+    }
+
+    fn metadata(envelope: &pb::Envelope) -> MetadataMap {
+        let mut m = MetadataMap::new();
+        m.insert_bin(
+            SESSION_METADATA,
+            MetadataValue::from_bytes(&envelope.encode_to_vec()),
+        );
+        m
+    }
+
+    #[test]
+    fn a_session_names_its_agent_until_it_expires_and_cannot_be_forged() {
+        let (sessions, _) = broker(1);
+        let opened = sessions.open([7; 32], 100);
+        let envelope = opened.session.unwrap();
+        assert_eq!(opened.expires_at_ms, 1_100);
+        assert_eq!(sessions.caller(&metadata(&envelope), 500).unwrap(), [7; 32]);
+        // Again, from the memo.
+        assert_eq!(sessions.caller(&metadata(&envelope), 500).unwrap(), [7; 32]);
+        let reason = |e: ServiceError| match e {
+            ServiceError::Unauthenticated { reason, .. } => reason,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            reason(sessions.caller(&metadata(&envelope), 1_100).unwrap_err()),
+            "SESSION_EXPIRED"
+        );
+        assert_eq!(
+            reason(sessions.caller(&MetadataMap::new(), 500).unwrap_err()),
+            "NO_SESSION"
+        );
+        // Another agent's key swapped into the payload breaks the signature.
+        let mut forged = envelope.clone();
+        let mut session = pb::Session::decode(forged.payload.as_slice()).unwrap();
+        session.agent_public_key = vec![8; 32];
+        forged.payload = session.encode_to_vec();
+        assert_eq!(
+            reason(sessions.caller(&metadata(&forged), 500).unwrap_err()),
+            "BAD_SESSION"
+        );
+        // A session from another broker is not this broker's.
+        let (other, _) = broker(2);
+        let foreign = other.open([7; 32], 100).session.unwrap();
+        assert_eq!(
+            reason(sessions.caller(&metadata(&foreign), 500).unwrap_err()),
+            "BAD_SESSION"
+        );
+    }
+}
