@@ -157,7 +157,11 @@ mod tests {
             public_key: public.to_vec(),
             current: true,
         };
-        let sessions = Sessions::new(Arc::new(Stamper::new(key)), &[published.clone()], 1_000);
+        let sessions = Sessions::new(
+            Arc::new(Stamper::new(key)),
+            std::slice::from_ref(&published),
+            1_000,
+        );
         (sessions, published)
     }
 
