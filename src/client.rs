@@ -107,8 +107,8 @@ pub type SessionClient = pb::broker_client::BrokerClient<
 >;
 
 /// Attaches a read session (`x-broker-session-bin` metadata) to every call
-/// of a client; set or replace the session at any time, e.g. before it
-/// expires. Clones share the session.
+/// of a client that does not carry one of its own; set or replace the
+/// session at any time, e.g. before it expires. Clones share the session.
 #[derive(Clone, Default)]
 pub struct SessionAttacher(
     std::sync::Arc<std::sync::RwLock<Option<tonic::metadata::BinaryMetadataValue>>>,
@@ -140,10 +140,12 @@ impl tonic::service::Interceptor for SessionAttacher {
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
-        if let Some(value) = session {
-            request
-                .metadata_mut()
-                .insert_bin(crate::service::session::SESSION_METADATA, value);
+        // A call that carries its own session keeps it.
+        let key = crate::service::session::SESSION_METADATA;
+        if let Some(value) = session
+            && request.metadata().get_bin(key).is_none()
+        {
+            request.metadata_mut().insert_bin(key, value);
         }
         Ok(request)
     }

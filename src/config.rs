@@ -146,6 +146,14 @@ pub struct Limits {
     pub max_concurrent_audits_per_caller: usize,
 }
 
+impl Limits {
+    /// Largest response the server encodes: four times the largest request
+    /// (responses carry signed envelopes the requests do not).
+    pub fn max_response_bytes(&self) -> usize {
+        self.max_request_bytes.saturating_mul(4)
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self {

@@ -122,7 +122,7 @@ pub async fn run_with_clock(
     );
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)
-        .max_encoding_message_size(limits.max_request_bytes.saturating_mul(4));
+        .max_encoding_message_size(limits.max_response_bytes());
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter

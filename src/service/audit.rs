@@ -53,27 +53,47 @@ fn by_contract(mutations: &[(Id, String)]) -> Vec<(Id, Vec<String>)> {
     grouped.into_iter().collect()
 }
 
+/// Most paths (and conflicts) one ContractAudit names; it carries their
+/// counts too. 10,000 observed paths of 1 KiB made an audit too big to send.
+pub const MAX_AUDIT_PATHS_REPORTED: usize = 256;
+/// Most other contracts one reported conflict names.
+pub const MAX_CONFLICT_CONTRACTS_REPORTED: usize = 64;
+
 pub fn contract_audit(facts: &AuditFacts, tree_mutations: &[(Id, String)]) -> pb::ContractAudit {
     let (audit, named) = classify(facts);
-    let conflicts = audit::conflicts(&by_contract(tree_mutations))
+    let mine: Vec<_> = audit::conflicts(&by_contract(tree_mutations))
         .into_iter()
         .filter(|c| c.contracts.contains(&facts.id))
+        .collect();
+    let conflict_count = u32::try_from(mine.len()).unwrap_or(u32::MAX);
+    let conflicts = mine
+        .into_iter()
+        .take(MAX_AUDIT_PATHS_REPORTED)
         .map(|c| pb::AuditConflict {
             path: c.path,
             other_contract_ids: c
                 .contracts
                 .into_iter()
                 .filter(|id| *id != facts.id)
+                .take(MAX_CONFLICT_CONTRACTS_REPORTED)
                 .map(|id| id.to_vec())
                 .collect(),
         })
         .collect();
+    let mutation_path_count = u32::try_from(audit.mutation_paths.len()).unwrap_or(u32::MAX);
     pb::ContractAudit {
         contract_id: facts.id.to_vec(),
         depth: audit.depth,
         tool_calls: audit.tool_calls,
         mutations: audit.mutations,
-        mutation_paths: audit.mutation_paths.clone(),
+        mutation_paths: audit
+            .mutation_paths
+            .iter()
+            .take(MAX_AUDIT_PATHS_REPORTED)
+            .cloned()
+            .collect(),
+        mutation_path_count,
+        conflict_count,
         claim_violations: audit.claim_violations,
         completed: facts.completed,
         has_report: audit.has_report.unwrap_or(false),

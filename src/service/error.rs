@@ -50,6 +50,15 @@ pub enum ServiceError {
     /// A limit was reached (named).
     #[error("limit reached: {0}")]
     Overloaded(&'static str),
+    /// The answer would not fit the response size limit.
+    #[error(
+        "the response would be {size} bytes, over the limit of {limit} (limits.max_request_bytes x 4); {hint}"
+    )]
+    ResponseTooLarge {
+        size: usize,
+        limit: usize,
+        hint: &'static str,
+    },
     /// The write queue is full; retry later with the same nonce.
     #[error("busy: the write queue is full; retry with the same nonce")]
     Busy,
@@ -136,6 +145,15 @@ impl From<ServiceError> for Status {
                 Code::ResourceExhausted,
                 "OVERLOADED",
                 vec![("limit", (*what).to_owned())],
+            ),
+            ServiceError::ResponseTooLarge { size, limit, .. } => (
+                Code::ResourceExhausted,
+                "RESPONSE_TOO_LARGE",
+                vec![
+                    ("limit", "limits.max_request_bytes".to_owned()),
+                    ("size", size.to_string()),
+                    ("allowed", limit.to_string()),
+                ],
             ),
             // UNAVAILABLE: standard gRPC retry policies retry it, and a
             // retry with the same nonce is safe.

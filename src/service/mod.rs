@@ -7,10 +7,12 @@ pub mod auth;
 pub mod convert;
 pub mod error;
 pub mod session;
+pub mod slots;
 pub mod transport;
 
 use std::sync::Arc;
 
+use prost::Message;
 use tonic::{Request, Response, Status};
 
 use crate::clock::Clock;
@@ -44,8 +46,12 @@ pub struct BrokerService<S> {
     /// Threads that convert Delegate bodies (schema compilation, predicate
     /// composition), MAX_CONCURRENT_CONVERSIONS at once.
     converters: crate::pool::WorkPool,
-    /// Bounds concurrent Watch streams (limits.max_watch_streams).
-    watchers: Arc<tokio::sync::Semaphore>,
+    /// Watch streams, broker-wide and per caller (session key).
+    watch_callers: Arc<slots::Slots<crate::core::AgentKey>>,
+    /// Watch streams per client connection (peer address).
+    watch_connections: Arc<slots::Slots<std::net::SocketAddr>>,
+    /// Audit calls running, broker-wide and per caller.
+    audits: Arc<slots::Slots<crate::core::AgentKey>>,
     /// Turns true when the server shuts down: Watch streams end then, or
     /// graceful shutdown would wait on them forever.
     stopping: tokio::sync::watch::Receiver<bool>,
@@ -54,10 +60,18 @@ pub struct BrokerService<S> {
 /// (contract, agent) pairs remembered as parties; cleared when full.
 const MAX_REMEMBERED_PARTIES: usize = 65_536;
 
+/// Envelope bytes of one ListChildren page: pages of deep contracts went
+/// past the 4 MiB response limit as an untyped OUT_OF_RANGE.
+const CHILDREN_PAGE_BYTES: usize = 1024 * 1024;
+
 /// Events fetched per Watch query.
 const WATCH_PAGE: u32 = 256;
+/// Envelope bytes fetched per Watch query: with `WATCH_BUFFER`, what one
+/// stream holds in memory however slowly its client reads (unbounded
+/// pages of deep contracts held 7 MB per stream).
+const WATCH_PAGE_BYTES: usize = 512 * 1024;
 /// Events buffered per Watch stream before the reader waits for the client.
-const WATCH_BUFFER: usize = 64;
+const WATCH_BUFFER: usize = 16;
 
 impl<S> BrokerService<S> {
     pub fn new(
@@ -73,7 +87,24 @@ impl<S> BrokerService<S> {
             sessions: session::Sessions::new(stamper, &keys, config.limits.session_ttl_ms),
             parties: std::sync::Mutex::default(),
             stopping,
-            watchers: Arc::new(tokio::sync::Semaphore::new(config.limits.max_watch_streams)),
+            watch_callers: slots::Slots::new(
+                config.limits.max_watch_streams,
+                "limits.max_watch_streams",
+                config.limits.max_watch_streams_per_caller,
+                "limits.max_watch_streams_per_caller",
+            ),
+            watch_connections: slots::Slots::new(
+                config.limits.max_watch_streams,
+                "limits.max_watch_streams",
+                config.limits.max_watch_streams_per_connection,
+                "limits.max_watch_streams_per_connection",
+            ),
+            audits: slots::Slots::new(
+                config.limits.max_concurrent_audits,
+                "limits.max_concurrent_audits",
+                config.limits.max_concurrent_audits_per_caller,
+                "limits.max_concurrent_audits_per_caller",
+            ),
             store,
             config,
             clock,
@@ -329,37 +360,51 @@ impl<S: Store> BrokerService<S> {
     async fn watch_stream(
         &self,
         request: pb::WatchRequest,
+        caller: crate::core::AgentKey,
+        connection: Option<std::net::SocketAddr>,
     ) -> Result<<Self as Broker>::WatchStream, ServiceError> {
         let contract = convert::id(&request.contract_id, "contract_id")?;
         let mut cursor = i64::try_from(request.cursor)
             .map_err(|_| InputError::new("cursor", "is not a cursor this broker issued"))?;
-        if self.store.contract(contract).await?.is_none() {
+        let Some(record) = self.store.contract(contract).await? else {
             return Err(ServiceError::NotFound {
                 what: "contract",
                 id: hex::encode(contract),
             });
-        }
-        let permit = self
-            .watchers
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| ServiceError::Overloaded("limits.max_watch_streams"))?;
+        };
+        // Every cap before anything is started: broker-wide, per caller and
+        // per connection, so one client cannot take every stream.
+        let by_caller = self.watch_callers.take(caller)?;
+        // Unknown peers (none on TCP or TLS) are only capped per caller.
+        let by_connection = connection
+            .map(|peer| self.watch_connections.take(peer))
+            .transpose()?;
+        let root = record.root_id;
         let store = self.store.clone();
+        let trees = store.tree_changes();
         let mut commits = store.commits();
         let mut stopping = self.stopping.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
         tokio::spawn(async move {
-            let _permit = permit;
+            let _slots = (by_caller, by_connection);
+            let mut query = true;
             loop {
                 // Mark what we have seen before reading, so a commit that
                 // lands after the read still wakes us.
                 commits.borrow_and_update();
-                let events = match store.events(contract, cursor, WATCH_PAGE).await {
-                    Ok(events) => events,
-                    Err(e) => {
-                        let _ = tx.send(Err(Status::from(ServiceError::from(e)))).await;
-                        return;
+                let events = if query {
+                    match store
+                        .events(contract, cursor, WATCH_PAGE, WATCH_PAGE_BYTES)
+                        .await
+                    {
+                        Ok(events) => events,
+                        Err(e) => {
+                            let _ = tx.send(Err(Status::from(ServiceError::from(e)))).await;
+                            return;
+                        }
                     }
+                } else {
+                    Vec::new()
                 };
                 if events.is_empty() {
                     tokio::select! {
@@ -367,8 +412,12 @@ impl<S: Store> BrokerService<S> {
                         () = tx.closed() => return,
                         _ = stopping.wait_for(|stop| *stop) => return,
                     }
+                    // Woken by any commit; query only if this tree got an
+                    // event after what was sent (see `TreeChanges`).
+                    query = trees.changed_since(&root, cursor);
                     continue;
                 }
+                query = true;
                 for event in events {
                     let (at, event) = match event {
                         Event::Contract { cursor, envelope } => {
@@ -462,15 +511,36 @@ impl<S: Store> BrokerService<S> {
                 id: hex::encode(id),
             });
         }
-        let children = self.store.children(id, after, page_size).await?;
+        // Half the response limit leaves room for the states around the
+        // envelopes.
+        let limit = self.config.limits.max_response_bytes();
+        let page_bytes = CHILDREN_PAGE_BYTES.min(limit / 2);
+        let children = self
+            .store
+            .children(id, after, page_size, page_bytes)
+            .await?;
+        let bytes: usize = children.iter().map(|c| c.envelope.encoded_len()).sum();
+        // A page cut by count or by bytes has a next page (perhaps empty).
         let next_page_token = match children.last() {
-            Some(last) if children.len() == page_size as usize => last.seq.to_be_bytes().to_vec(),
+            Some(last) if children.len() == page_size as usize || bytes >= page_bytes => {
+                last.seq.to_be_bytes().to_vec()
+            }
             _ => Vec::new(),
         };
-        Ok(pb::ListChildrenResponse {
+        let response = pb::ListChildrenResponse {
             children: children.into_iter().map(convert::contract_state).collect(),
             next_page_token,
-        })
+        };
+        // Only a single child larger than a whole response can get here.
+        let size = response.encoded_len();
+        if size > limit {
+            return Err(ServiceError::ResponseTooLarge {
+                size,
+                limit,
+                hint: "this child alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+            });
+        }
+        Ok(response)
     }
 
     async fn receipt(
@@ -498,9 +568,11 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::GetAuditRequest>,
     ) -> Result<Response<pb::GetAuditResponse>, Status> {
+        let caller = self.caller(&request)?;
         let id = self
             .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
+        let _slot = self.audits.take(caller)?;
         let (facts, mutations) = self
             .store
             .audit_facts(id)
@@ -510,9 +582,11 @@ impl<S: Store> Broker for BrokerService<S> {
                 what: "contract",
                 id: hex::encode(id),
             })?;
-        Ok(Response::new(pb::GetAuditResponse {
-            audit: Some(audit::contract_audit(&facts, &mutations)),
-        }))
+        // Classifying a tree's mutations is CPU work: off the async workers.
+        let audit = tokio::task::spawn_blocking(move || audit::contract_audit(&facts, &mutations))
+            .await
+            .map_err(|e| ServiceError::Internal(format!("an audit failed: {e}")))?;
+        Ok(Response::new(pb::GetAuditResponse { audit: Some(audit) }))
     }
 
     async fn aggregate_audits(
@@ -524,18 +598,24 @@ impl<S: Store> Broker for BrokerService<S> {
         // root it opened.
         let orchestrator = (!self.config.readers.contains(&caller)).then_some(caller);
         let (selector, group_by) = audit::parse_request(&request.into_inner())?;
+        let _slot = self.audits.take(caller)?;
         let runs = self
             .store
             .runs(orchestrator, &selector, audit::MAX_AGGREGATE_RUNS)
             .await
             .map_err(ServiceError::from)?;
-        let totals: Vec<_> = runs
-            .iter()
-            .map(|(run, mutations)| audit::run_totals(run, mutations))
-            .collect();
-        Ok(Response::new(pb::AggregateAuditsResponse {
-            groups: audit::groups(&totals, &group_by),
-        }))
+        // Classifying thousands of contracts is CPU work (1.9 s for a
+        // 4,000-contract tree): off the async workers.
+        let groups = tokio::task::spawn_blocking(move || {
+            let totals: Vec<_> = runs
+                .iter()
+                .map(|(run, mutations)| audit::run_totals(run, mutations))
+                .collect();
+            audit::groups(&totals, &group_by)
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("an aggregate failed: {e}")))?;
+        Ok(Response::new(pb::AggregateAuditsResponse { groups }))
     }
 
     async fn accept(
@@ -665,10 +745,14 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
-            .await?;
+        let caller = self.caller(&request)?;
+        let id = convert::id(&request.get_ref().contract_id, "contract_id")
+            .map_err(ServiceError::from)?;
+        self.authorize(&caller, id).await?;
+        let connection = request.remote_addr();
         Ok(Response::new(
-            self.watch_stream(request.into_inner()).await?,
+            self.watch_stream(request.into_inner(), caller, connection)
+                .await?,
         ))
     }
 
@@ -709,7 +793,18 @@ impl<S: Store> Broker for BrokerService<S> {
         self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
         let chain = self.chain(&request.into_inner().contract_id).await?;
-        Ok(Response::new(pb::GetChainResponse { chain }))
+        let response = pb::GetChainResponse { chain };
+        let limit = self.config.limits.max_response_bytes();
+        let size = response.encoded_len();
+        if size > limit {
+            return Err(ServiceError::ResponseTooLarge {
+                size,
+                limit,
+                hint: "read the chain's contracts one by one with GetContract",
+            }
+            .into());
+        }
+        Ok(Response::new(response))
     }
 
     async fn list_children(

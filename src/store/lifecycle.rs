@@ -423,6 +423,7 @@ async fn write_back(
 
 struct Receipting<'a> {
     stamper: &'a Stamper,
+    trees: &'a super::TreeChanges,
     next_seq: &'a mut i64,
     now_ms: i64,
 }
@@ -447,6 +448,7 @@ impl Receipting<'_> {
         let stamped = self.stamper.sign_receipt(&receipt);
         let seq = *self.next_seq;
         *self.next_seq += 1;
+        self.trees.touch(root_id(target), seq);
         sqlx::query(
             "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -514,6 +516,7 @@ pub async fn apply(
     command: &LifecycleCommand,
     prior: &HashMap<RequestKey, PriorRequest>,
     stamper: &Stamper,
+    trees: &super::TreeChanges,
     next_seq: &mut i64,
     now_ms: i64,
 ) -> Result<Applied, sqlx::Error> {
@@ -534,6 +537,7 @@ pub async fn apply(
     };
     let mut receipting = Receipting {
         stamper,
+        trees,
         next_seq,
         now_ms,
     };

@@ -108,6 +108,43 @@ pub struct IssuingParent {
     pub effective_predicate: crate::core::Predicate,
 }
 
+/// The last event (contract or receipt) sequence number the writer gave
+/// each tree it touched recently, by root id: lets a Watch stream that was
+/// woken by a commit skip its query when its tree did not change (800 idle
+/// watchers each re-ran a recursive subtree query at every commit). A hint
+/// only: an unknown tree counts as changed, so forgetting (the map is
+/// cleared past `MAX_TRACKED_TREES`) costs a query, never an event.
+#[derive(Clone, Default)]
+pub struct TreeChanges(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Id, i64>>>);
+
+/// Trees `TreeChanges` remembers before it starts over.
+const MAX_TRACKED_TREES: usize = 65_536;
+
+impl TreeChanges {
+    /// Records that `root`'s tree got event `seq` (before it is durable:
+    /// streams are woken only after that).
+    pub fn touch(&self, root: Id, seq: i64) {
+        let mut trees = self.lock();
+        if trees.len() >= MAX_TRACKED_TREES && !trees.contains_key(&root) {
+            trees.clear();
+        }
+        let last = trees.entry(root).or_insert(seq);
+        *last = (*last).max(seq);
+    }
+
+    /// Whether `root`'s tree may have an event after `cursor`.
+    pub fn changed_since(&self, root: &Id, cursor: i64) -> bool {
+        self.lock().get(root).is_none_or(|last| *last > cursor)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Id, i64>> {
+        // Single-step updates: a poisoned map is still a correct hint.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// The store's errors. Backend details stay inside as text: callers only
 /// need to know the class.
 #[derive(Debug, thiserror::Error)]
@@ -188,15 +225,19 @@ pub trait Store: Send + Sync + 'static {
         command: lifecycle::LifecycleCommand,
     ) -> impl Future<Output = Result<Answer, StoreError>> + Send;
     /// Signed events (issued contracts, receipts) of the subtree under
-    /// `contract`, after `cursor`, in commit order; at most `limit`.
+    /// `contract`, after `cursor`, in commit order; at most `limit`, and no
+    /// more than `max_bytes` of envelopes (but always the first one).
     fn events(
         &self,
         contract: Id,
         cursor: i64,
         limit: u32,
+        max_bytes: usize,
     ) -> impl Future<Output = Result<Vec<Event>, StoreError>> + Send;
     /// Changes after every commit; Watch waits on it for new events.
     fn commits(&self) -> tokio::sync::watch::Receiver<u64>;
+    /// Which trees got events recently (see `TreeChanges`).
+    fn tree_changes(&self) -> TreeChanges;
     /// Open contracts whose deadline has passed, for the expiry sweeper.
     fn overdue(
         &self,
@@ -231,12 +272,14 @@ pub trait Store: Send + Sync + 'static {
         &self,
         id: Id,
     ) -> impl Future<Output = Result<Option<ContractRecord>, StoreError>> + Send;
-    /// Children of `parent` issued after `after_seq`, at most `limit`.
+    /// Children of `parent` issued after `after_seq`, at most `limit`, and
+    /// no more than `max_bytes` of envelopes (but always the first one).
     fn children(
         &self,
         parent: Id,
         after_seq: i64,
         limit: u32,
+        max_bytes: usize,
     ) -> impl Future<Output = Result<Vec<ContractRecord>, StoreError>> + Send;
     /// A stored receipt envelope.
     fn receipt(

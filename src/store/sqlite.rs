@@ -132,6 +132,8 @@ pub struct SqliteStore {
     clock: Arc<dyn Clock>,
     /// Which commits are durable; every read waits on it.
     durability: Durability,
+    /// Which trees got events recently (the writer's, shared).
+    trees: super::TreeChanges,
     /// The threads that judge completions, `MAX_CONCURRENT_JUDGMENTS` of
     /// them with deep stacks (CEL recurses); they stop when every clone of
     /// the store is gone.
@@ -230,6 +232,8 @@ impl SqliteStore {
         let retention_ms = options.request_log_retention_ms;
         let timestamp_window_ms = options.timestamp_window_ms;
         let (ready, writer_ready) = oneshot::channel();
+        let trees = super::TreeChanges::default();
+        let writer_trees = trees.clone();
         let (writer_known, writer_stamper, writer_clock, writer_connect) = (
             known.clone(),
             stamper.clone(),
@@ -266,6 +270,7 @@ impl SqliteStore {
                     let _ = ready.send(Ok(()));
                     let state = WriterState {
                         known: writer_known,
+                        trees: writer_trees,
                         next_seq,
                         committed: writer_committed,
                         synced,
@@ -311,6 +316,7 @@ impl SqliteStore {
             commands,
             reader,
             known,
+            trees,
             stamper,
             clock,
             durability: Durability { committed, durable },
@@ -471,8 +477,11 @@ impl Store for SqliteStore {
         contract: Id,
         cursor: i64,
         limit: u32,
+        max_bytes: usize,
     ) -> Result<Vec<Event>, StoreError> {
-        let rows = sqlx::query(
+        use tokio_stream::StreamExt;
+        let mut conn = self.reader.acquire().await.map_err(backend)?;
+        let mut rows = sqlx::query(
             "WITH RECURSIVE sub(seq) AS (\
                  SELECT seq FROM contracts WHERE id = $1 \
                  UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
@@ -486,22 +495,30 @@ impl Store for SqliteStore {
         .bind(contract.as_slice())
         .bind(cursor)
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await
-        .map_err(backend)?;
+        .fetch(&mut *conn);
+        // Rows are pulled one at a time and the page ends at its byte
+        // budget: a page never holds more than about `max_bytes`.
+        let mut events = Vec::new();
+        let mut bytes = 0usize;
+        while let Some(row) = rows.next().await {
+            let row = row.map_err(backend)?;
+            let cursor: i64 = row.try_get("seq").map_err(backend)?;
+            let kind: i64 = row.try_get("kind").map_err(backend)?;
+            let envelope = decode_envelope(&row, "envelope")?;
+            bytes = bytes.saturating_add(envelope.encoded_len());
+            events.push(if kind == 1 {
+                Event::Contract { cursor, envelope }
+            } else {
+                Event::Receipt { cursor, envelope }
+            });
+            if bytes >= max_bytes {
+                break;
+            }
+        }
+        drop(rows);
+        drop(conn);
         self.durability.settle().await?;
-        rows.iter()
-            .map(|row| {
-                let cursor: i64 = row.try_get("seq").map_err(backend)?;
-                let kind: i64 = row.try_get("kind").map_err(backend)?;
-                let envelope = decode_envelope(row, "envelope")?;
-                Ok(if kind == 1 {
-                    Event::Contract { cursor, envelope }
-                } else {
-                    Event::Receipt { cursor, envelope }
-                })
-            })
-            .collect()
+        Ok(events)
     }
 
     async fn audit_facts(
@@ -675,6 +692,10 @@ impl Store for SqliteStore {
         self.durability.durable.clone()
     }
 
+    fn tree_changes(&self) -> super::TreeChanges {
+        self.trees.clone()
+    }
+
     async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
         let rows = sqlx::query(
             "SELECT id FROM contracts WHERE status IN ($1, $2) AND deadline_ms <= $3 ORDER BY deadline_ms LIMIT $4",
@@ -745,16 +766,30 @@ impl Store for SqliteStore {
         parent: Id,
         after_seq: i64,
         limit: u32,
+        max_bytes: usize,
     ) -> Result<Vec<ContractRecord>, StoreError> {
-        let rows = sqlx::query(SELECT_CHILDREN)
+        use tokio_stream::StreamExt;
+        let mut conn = self.reader.acquire().await.map_err(backend)?;
+        let mut rows = sqlx::query(SELECT_CHILDREN)
             .bind(parent.as_slice())
             .bind(after_seq)
             .bind(i64::from(limit))
-            .fetch_all(&self.reader)
-            .await
-            .map_err(backend)?;
+            .fetch(&mut *conn);
+        // Pulled one at a time, up to the byte budget (see `events`).
+        let mut records = Vec::new();
+        let mut bytes = 0usize;
+        while let Some(row) = rows.next().await {
+            let record = record_from_row(&row.map_err(backend)?)?;
+            bytes = bytes.saturating_add(record.envelope.encoded_len());
+            records.push(record);
+            if bytes >= max_bytes {
+                break;
+            }
+        }
+        drop(rows);
+        drop(conn);
         self.durability.settle().await?;
-        rows.iter().map(record_from_row).collect()
+        Ok(records)
     }
 
     async fn receipt(&self, id: Id) -> Result<Option<pb::Envelope>, StoreError> {
@@ -1209,6 +1244,8 @@ async fn load_recent(conn: &mut SqliteConnection, window_ms: i64, now_ms: i64) -
 /// because the writer is the only one that writes.
 struct WriterState {
     known: KnownCache,
+    /// Which trees got events (see `TreeChanges`), shared with readers.
+    trees: super::TreeChanges,
     /// The next contract's (or receipt's) sequence number.
     next_seq: i64,
     /// The commit counter (see `Durability`).
@@ -1602,7 +1639,7 @@ async fn apply_fast(
     }
     let mut script = Script::default();
     script.statement("BEGIN IMMEDIATE");
-    let writes = plan_statements(&mut script, &plan);
+    let writes = plan_statements(&mut script, &plan, &state.trees);
     if writes > 0 {
         script.statement("COMMIT");
         // Numbered before it starts: see `Durability::committed`.
@@ -1675,7 +1712,7 @@ async fn apply_careful(
     );
     let t1 = std::time::Instant::now();
     let mut script = Script::default();
-    if plan_statements(&mut script, &plan) > 0 {
+    if plan_statements(&mut script, &plan, &state.trees) > 0 {
         script.query.build().execute(&mut *tx).await?;
     }
     let mut answers = plan.answers;
@@ -1686,6 +1723,7 @@ async fn apply_careful(
                 lifecycle,
                 &prior,
                 stamper,
+                &state.trees,
                 &mut state.next_seq,
                 now_ms,
             )
@@ -1778,8 +1816,14 @@ async fn load_prior_requests(
 /// Appends the plan's writes to `script`; returns how many statements.
 /// One script per batch: one hand-off to sqlx's worker thread instead of
 /// one per statement.
-fn plan_statements(script: &mut Script, plan: &Plan) -> usize {
+fn plan_statements(script: &mut Script, plan: &Plan, trees: &super::TreeChanges) -> usize {
     let before = script.statements;
+    for row in &plan.contracts {
+        trees.touch(row.root_id, row.seq);
+    }
+    for row in &plan.receipts {
+        trees.touch(row.root_id, row.seq);
+    }
     for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
         script.statement(
             "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
@@ -2560,7 +2604,7 @@ mod tests {
         }
         let reader = {
             let store = store.clone();
-            tokio::spawn(async move { store.children(root, 0, 10).await })
+            tokio::spawn(async move { store.children(root, 0, 10, usize::MAX).await })
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(!reader.is_finished(), "a read returned unsynced state");

@@ -216,7 +216,7 @@ pub async fn issues_reserves_and_lists_children<S: Store>(store: &S) {
     let child = store.contract(first).await.expect("read").expect("child");
     assert_eq!((child.parent_id, child.root_id), (Some(root), root));
     let listed: Vec<Id> = store
-        .children(root, 0, 10)
+        .children(root, 0, 10, usize::MAX)
         .await
         .expect("children")
         .iter()
@@ -224,13 +224,16 @@ pub async fn issues_reserves_and_lists_children<S: Store>(store: &S) {
         .collect();
     assert_eq!(listed, [first, second]);
     let after_first = store
-        .children(root, child.seq, 10)
+        .children(root, child.seq, 10, usize::MAX)
         .await
         .expect("next page");
     assert_eq!(
         after_first.iter().map(|c| c.id).collect::<Vec<_>>(),
         [second]
     );
+    // A page ends at its byte budget, but always holds the next child.
+    let small = store.children(root, 0, 10, 1).await.expect("children");
+    assert_eq!(small.iter().map(|c| c.id).collect::<Vec<_>>(), [first]);
 }
 
 /// The same request twice is one contract, reserved once; the same nonce
@@ -300,7 +303,7 @@ pub async fn events_come_in_commit_order_after_a_cursor<S: Store>(store: &S) {
     let mut greedy = test_child(9, 3, root, 7, "true");
     greedy.ask.budget = 1_000;
     store.delegate(greedy).await.expect("refused");
-    let events = store.events(root, 0, 10).await.expect("events");
+    let events = store.events(root, 0, 10, usize::MAX).await.expect("events");
     let kinds: Vec<&str> = events
         .iter()
         .map(|e| match e {
@@ -316,8 +319,23 @@ pub async fn events_come_in_commit_order_after_a_cursor<S: Store>(store: &S) {
         })
         .collect();
     assert!(cursors.windows(2).all(|w| w[0] < w[1]), "{cursors:?}");
-    let rest = store.events(root, cursors[0], 10).await.expect("events");
+    let rest = store
+        .events(root, cursors[0], 10, usize::MAX)
+        .await
+        .expect("events");
     assert_eq!(rest.len(), 2);
+    // A page ends at its byte budget, but always holds the next event.
+    let one = store.events(root, 0, 10, 1).await.expect("events");
+    assert_eq!(one.len(), 1);
+    // The tree-change hint knows this tree's last event, and no other.
+    let changes = store.tree_changes();
+    let last = *cursors.last().expect("events");
+    assert!(changes.changed_since(&root, last - 1));
+    assert!(!changes.changed_since(&root, last));
+    assert!(
+        changes.changed_since(&[0; 32], i64::MAX),
+        "unknown: changed"
+    );
 }
 
 /// Concurrent siblings never overspend the parent: exactly as many as

@@ -546,3 +546,238 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     );
     broker.stop().await;
 }
+
+/// Item 10: one client could take all 1,024 Watch streams. Streams are
+/// capped per caller and per connection (and broker-wide), named in the
+/// error, and a stream's slot comes back when it ends.
+#[tokio::test]
+async fn watch_streams_are_capped_per_caller_and_per_connection() {
+    let mut broker = Broker::start_with(|c| {
+        c.limits.max_watch_streams_per_caller = 2;
+        c.limits.max_watch_streams_per_connection = 3;
+    })
+    .await;
+    let (orchestrator, d) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    // d becomes a party of the tree.
+    broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &d, 1))
+        .await
+        .unwrap()
+        .issued();
+    let watch = || pb::WatchRequest {
+        contract_id: root.id.clone(),
+        cursor: 0,
+    };
+    let limit = |err: tonic::Status| {
+        assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+        err.get_details_error_info()
+            .and_then(|i| i.metadata.get("limit").cloned())
+            .unwrap_or_default()
+    };
+    let mut first = broker.client.watch(watch()).await.unwrap().into_inner();
+    let second = broker.client.watch(watch()).await.unwrap();
+    let err = broker.client.watch(watch()).await.unwrap_err();
+    assert_eq!(limit(err), "limits.max_watch_streams_per_caller");
+    // Another caller on another connection is not held up.
+    let mut other = connect_as(&broker.addr, &d).await;
+    let third = other.watch(watch()).await.unwrap();
+    // The reader's connection holds 2; one more caller on it reaches 3,
+    // and the connection's cap stops a fourth.
+    let session = other
+        .open_session(orchestrator.open_session())
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    let as_orchestrator = |r: pb::WatchRequest| {
+        let mut request = tonic::Request::new(r);
+        request.metadata_mut().insert_bin(
+            "x-broker-session-bin",
+            tonic::metadata::BinaryMetadataValue::from_bytes(&prost::Message::encode_to_vec(
+                &session,
+            )),
+        );
+        request
+    };
+    let fourth = broker.client.watch(as_orchestrator(watch())).await.unwrap();
+    let err = broker
+        .client
+        .watch(as_orchestrator(watch()))
+        .await
+        .unwrap_err();
+    assert_eq!(limit(err), "limits.max_watch_streams_per_connection");
+    // Streams deliver; an ended stream gives its slot back.
+    assert!(first.message().await.unwrap().is_some());
+    drop(first);
+    drop(fourth);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let again = loop {
+        match broker.client.watch(watch()).await {
+            Ok(stream) => break stream,
+            Err(e) if std::time::Instant::now() < deadline => {
+                let _ = limit(e);
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the slot never came back: {e:?}"),
+        }
+    };
+    drop((second, third, again));
+    broker.stop().await;
+}
+
+/// Item 11: ListChildren pages went past 4 MiB as an untyped OUT_OF_RANGE,
+/// GetChain could not be read, and GetAudit of a contract with 10,000
+/// observed paths could not be read at all.
+#[tokio::test]
+async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
+    // The smallest request limit makes the response limit 16 KiB.
+    let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 4_096).await;
+    let (orchestrator, a, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                max_depth: 8,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    // Children whose envelopes add up past one response.
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        let mut body = child(&root.id, &root.lineage, &a, 1);
+        body.task = format!("{i} {}", "x".repeat(1_900));
+        ids.push(
+            broker
+                .delegate(&orchestrator, body)
+                .await
+                .unwrap()
+                .issued()
+                .0,
+        );
+    }
+    let mut listed = Vec::new();
+    let mut token = Vec::new();
+    let mut pages = 0;
+    loop {
+        let page = broker
+            .client
+            .list_children(pb::ListChildrenRequest {
+                contract_id: root.id.clone(),
+                page_size: 1_000,
+                page_token: token,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        pages += 1;
+        listed.extend(page.children.into_iter().map(|c| c.contract_id));
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(listed, ids, "every child, once, in order");
+    assert!(pages > 1, "pages are cut by bytes");
+    // A chain deeper than a response holds is a typed RESOURCE_EXHAUSTED.
+    let mut parent = root.id.clone();
+    let mut holder = orchestrator;
+    for _ in 0..6 {
+        let next = Agent::generate();
+        let mut body = child(&parent, &root.lineage, &next, 1);
+        body.task = "y".repeat(3_000);
+        parent = broker.delegate(&holder, body).await.unwrap().issued().0;
+        holder = next;
+    }
+    let err = broker
+        .client
+        .get_chain(pb::GetChainRequest {
+            contract_id: parent.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Code::ResourceExhausted, "RESPONSE_TOO_LARGE")
+    );
+    // An audit names a bounded number of paths and counts them all.
+    broker.accept(&a, &ids[0], Some(&host)).await.unwrap();
+    // Small batches: this broker takes requests of at most 4 KiB.
+    for batch in 0..10 {
+        let observations = (0..40)
+            .map(|i| mutation(&format!("src/{batch}/{i}"), 0))
+            .collect();
+        broker.record(&host, &ids[0], observations).await.unwrap();
+    }
+    let audit = audit(&mut broker, &ids[0]).await;
+    assert_eq!(audit.mutation_path_count, 400);
+    assert_eq!(audit.mutation_paths.len(), 256);
+    assert_eq!(audit.mutations, 400);
+    broker.stop().await;
+}
+
+/// Item 8, over gRPC: `matches` with a short counted pattern over a 255 KB
+/// output occupied a judge for 23 s. Now the completion is answered at
+/// once, and an unrelated client's reads keep answering meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expensive_matches_is_refused_without_stalling_anyone() {
+    let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 1024 * 1024).await;
+    let (orchestrator, a) = (Agent::generate(), Agent::generate());
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                retry_headroom: false,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
+    let mut completions = Vec::new();
+    for _ in 0..4 {
+        let body = liable_child(&root.id, &root.lineage, &a, 10, pattern);
+        let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+        broker.accept(&a, &id, None).await.unwrap();
+        completions.push(id);
+    }
+    let text = "ab".repeat(127 * 1024);
+    let mut tasks = Vec::new();
+    for id in completions {
+        let mut client = connect_as(&broker.addr, &a).await;
+        let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
+        let a = Agent::from_seed(a.seed());
+        tasks.push(tokio::spawn(async move {
+            let body = pb::CompleteBody {
+                header: Some(a.header()),
+                ..body
+            };
+            let request = pb::CompleteRequest {
+                signed: signed(&a, delegation_broker::crypto::payload_type::COMPLETE, &body),
+            };
+            client.complete(request).await
+        }));
+    }
+    // Meanwhile, an unrelated read answers within a generous bound.
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        broker.state(&root.id).await;
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    }
+    for task in tasks {
+        let response = task.await.unwrap().unwrap().into_inner();
+        let receipt = decode_receipt(response.receipt.as_ref().unwrap());
+        let completion = receipt.completion.unwrap();
+        assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
+        assert!(
+            completion.refused_criteria[0]
+                .reason
+                .contains("does not compile within")
+                || completion.refused_criteria[0].reason.contains("cost"),
+            "{:?}",
+            completion.refused_criteria
+        );
+    }
+    broker.stop().await;
+}

@@ -30,6 +30,7 @@ from delegation_broker import (
     error_info,
     now_ms,
     pb,
+    session_stub,
     verify_contract,
     verify_receipt,
     watch,
@@ -46,9 +47,11 @@ def main() -> int:
     args = parser.parse_args()
 
     with grpc.insecure_channel(args.target) as channel:
-        stub = pb.BrokerStub(channel)
-        keys = BrokerKeys.fetch(stub)
         orchestrator, planner, executor, host = (Agent.generate() for _ in range(4))
+        # The watch below is a read: this stub's calls carry the orchestrator's
+        # session (opened now, renewed when due). It may read its own tree.
+        stub = session_stub(channel, orchestrator)
+        keys = BrokerKeys.fetch(stub)
 
         def receipt(rpc, request) -> pb.Receipt:
             """Sends a signed lifecycle request (retrying safely) and verifies its receipt."""

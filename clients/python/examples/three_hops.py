@@ -5,7 +5,8 @@ orchestrator --(root, budget 100)--> planner --(50, liable)--> coder --(20, liab
 
 Every request is signed here with the agent's own key; every contract that
 comes back is checked against the broker's published keys, and finally the
-whole chain (4 contracts, 10 hop proofs) is fetched and verified offline.
+whole chain (4 contracts, 10 hop proofs) is fetched, with the orchestrator's
+read session, and verified offline.
 
     delegation-broker serve --listen 127.0.0.1:50051 --data-dir /tmp/broker --config broker.toml
     python examples/three_hops.py --target 127.0.0.1:50051 [--attestor-seed HEX]
@@ -32,6 +33,7 @@ from delegation_broker import (
     error_info,
     now_ms,
     pb,
+    session_stub,
     verify_chain,
     verify_contract,
     verify_envelope,
@@ -48,9 +50,11 @@ def main() -> int:
     attestor = Agent.from_seed(bytes.fromhex(args.attestor_seed)) if args.attestor_seed else None
 
     with grpc.insecure_channel(args.target) as channel:
-        stub = pb.BrokerStub(channel)
-        keys = BrokerKeys.fetch(stub)  # the broker's published verifying keys
         orchestrator, planner, coder, reviewer = (Agent.generate() for _ in range(4))
+        # Reads (GetChain below) need a session: this stub's calls carry the
+        # orchestrator's, opened now and renewed when due. It may read its own tree.
+        stub = session_stub(channel, orchestrator)
+        keys = BrokerKeys.fetch(stub)  # the broker's published verifying keys
 
         # 1. The orchestrator opens the root: intent, budget, deadline, policy.
         request = orchestrator.open_root(

@@ -31,6 +31,7 @@ from delegation_broker import (
     verify_contract,
     verify_envelope,
     message_class,
+    session_stub,
     verify_receipt,
     watch,
 )
@@ -54,16 +55,24 @@ def broker_bin() -> Path:
     return path
 
 
+def _hex_keys(agents: list[Agent]) -> str:
+    return ", ".join(f'"{a.public_key.hex()}"' for a in agents)
+
+
 class BrokerProcess:
     """`delegation-broker serve` on 127.0.0.1:0 with a fresh data directory and
-    a config trusting ``attestors``."""
+    a config trusting ``attestors`` and letting ``readers`` read every tree;
+    ``limits`` adds lines to its ``[limits]`` table."""
 
-    def __init__(self, workdir: Path, attestors: list[Agent]):
+    def __init__(self, workdir: Path, attestors: list[Agent], readers: list[Agent] | None = None,
+                 limits: dict[str, int] | None = None):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "broker.toml"
-        keys = ", ".join(f'"{a.public_key.hex()}"' for a in attestors)
-        config.write_text(f"[trust]\nattestors = [{keys}]\n")
+        text = f"[trust]\nattestors = [{_hex_keys(attestors)}]\n\n[readers]\nkeys = [{_hex_keys(readers or [])}]\n"
+        if limits:
+            text += "\n[limits]\n" + "".join(f"{name} = {value}\n" for name, value in limits.items())
+        config.write_text(text)
         self.log_path = workdir / "broker.log"
         self._log = open(self.log_path, "wb")
         env = dict(os.environ, BROKER_LOG=os.environ.get("BROKER_LOG", "warn"))
@@ -131,15 +140,23 @@ class Outcome:
 
 
 class Broker:
-    """A running broker plus a stub, its published keys and a trusted attestor."""
+    """A running broker plus a stub, its published keys, a trusted attestor and
+    a configured reader.
 
-    def __init__(self, workdir: Path, attestor: Agent | None = None):
+    ``stub`` carries the reader's session (``session_stub``), so it reads every
+    tree, as the tests did before reads needed an identity; ``bare_stub``
+    carries none. Tests of who may read use :meth:`stub_for`."""
+
+    def __init__(self, workdir: Path, attestor: Agent | None = None, *, limits: dict[str, int] | None = None):
         self.attestor = attestor or Agent.generate()
-        self.process = BrokerProcess(workdir, [self.attestor])
+        #: Listed under ``[readers]``: may read every tree.
+        self.reader = Agent.generate()
+        self.process = BrokerProcess(workdir, [self.attestor], [self.reader], limits)
         self.address = self.process.address
         self.channel = grpc.insecure_channel(self.address)
         grpc.channel_ready_future(self.channel).result(timeout=30)
-        self.stub = pb.BrokerStub(self.channel)
+        self.bare_stub = pb.BrokerStub(self.channel)
+        self.stub = session_stub(self.channel, self.reader)
         self.keys = BrokerKeys.fetch(self.stub)
         #: Every broker-signed envelope received, as (envelope, kind).
         self.received: list[tuple[pb.Envelope, str]] = []
@@ -147,6 +164,10 @@ class Broker:
     def close(self) -> int:
         self.channel.close()
         return self.process.stop()
+
+    def stub_for(self, agent: Agent) -> pb.BrokerStub:
+        """A stub on the same channel whose reads are ``agent``'s (session opened now)."""
+        return session_stub(self.channel, agent)
 
     # --- requests -----------------------------------------------------------------
 

@@ -19,6 +19,9 @@ def test_three_hops_example(broker):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verified 4 contracts and 10 hop proofs" in result.stdout, result.stdout
     assert "cumulative trust 540000 ppm" in result.stdout, result.stdout
+    readme = (CLIENT_ROOT / "README.md").read_text()
+    for line in result.stdout.splitlines()[:4]:  # the README shows these (the last line names a fresh key)
+        assert line in readme, line
 
 
 def test_readme_python_snippet(broker):
@@ -61,3 +64,20 @@ def test_readme_lifecycle_snippet(broker, capsys):
         "contract None", "contract None", "receipt RECEIPT_KIND_ACCEPTED", "receipt RECEIPT_KIND_OBSERVED",
         "receipt RECEIPT_KIND_COMPLETED"]
     assert namespace["events"].cursor == int(printed[-1].split()[0])
+
+
+def test_readme_sessions_snippet(broker, capsys):
+    readme = (CLIENT_ROOT / "README.md").read_text()
+    snippets = [s.split("```", 1)[0] for s in readme.split("```python\n")[1:]]
+    (snippet,) = [s for s in snippets if "open_session(" in s]
+    namespace: dict = {}
+    exec(compile(snippet.replace("127.0.0.1:50051", broker.address), "README.md", "exec"), namespace)
+    root_id = namespace["root_id"]
+    assert namespace["state"].contract_id == root_id
+    assert [s.contract_id for s in namespace["chain"]] == [root_id]
+    assert list(namespace["children"]) == []
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["no session: UNAUTHENTICATED NO_SESSION", "a stranger: PERMISSION_DENIED NOT_A_PARTY"]
+    # The README shows this output.
+    assert "\n".join(printed) in readme
+    namespace["channel"].close()

@@ -5,6 +5,9 @@
   Delegate requests and attestations;
 * :meth:`Agent.sign_request` and the per-RPC methods (``accept``, ``complete``,
   ``record_receipts``, ...) — signed lifecycle requests;
+* :meth:`Agent.open_session`, :func:`session_stub`, :class:`RenewingSession`,
+  :class:`SessionInterceptor` — the read session every read carries
+  (``x-broker-session-bin``), opened and renewed for an agent;
 * :func:`call_idempotent` — resend the same signed request on transient errors;
 * :class:`BrokerKeys`, :func:`verify_envelope`, :func:`verify_contract`,
   :func:`verify_chain`, :func:`verify_receipt` — offline verification of
@@ -16,6 +19,16 @@
 from . import pb
 from .errors import ERROR_DOMAIN, ErrorInfo, error_info
 from .retry import RETRYABLE, call_idempotent
+from .session import (
+    SESSION_METADATA,
+    ReadSession,
+    RenewingSession,
+    SessionInterceptor,
+    SessionSource,
+    open_session,
+    session_channel,
+    session_stub,
+)
 from .signing import (
     MAX_SIGNATURES,
     Agent,
@@ -50,6 +63,11 @@ __all__ = [
     "ErrorInfo",
     "MAX_SIGNATURES",
     "RETRYABLE",
+    "ReadSession",
+    "RenewingSession",
+    "SESSION_METADATA",
+    "SessionInterceptor",
+    "SessionSource",
     "VerificationError",
     "Verified",
     "VerifiedContract",
@@ -61,10 +79,13 @@ __all__ = [
     "lineage_hash",
     "message_class",
     "now_ms",
+    "open_session",
     "pae",
     "payload_type",
     "pb",
     "request_class_for",
+    "session_channel",
+    "session_stub",
     "sha256",
     "verify_chain",
     "verify_contract",

@@ -3,7 +3,8 @@
 Every error status carries a ``google.rpc.Status`` in the
 ``grpc-status-details-bin`` trailer with a ``google.rpc.ErrorInfo``: a stable
 ``reason`` (``INVALID_FIELD``, ``BAD_SIGNATURE``, ``STALE_TIMESTAMP``,
-``NOT_FOUND``, ``NONCE_REUSED``, ``OVERLOADED``, ...), ``domain``
+``NOT_FOUND``, ``NONCE_REUSED``, ``OVERLOADED``, ``NO_SESSION``,
+``NOT_A_PARTY``, ...), ``domain``
 ``"delegation.broker.v1"`` and metadata naming the offending ``field`` or
 ``limit``. Invariant refusals are not errors: they come back as signed
 receipts in ``DelegateResponse.refused``.

@@ -3,7 +3,7 @@
 Mirrors ``src/crypto/mod.rs`` and ``src/client.rs`` of the broker. Every
 signed request is ``<Name>Request(signed=Envelope)`` over a ``<Name>Body``
 starting with a ``RequestHeader``; :meth:`Agent.sign_request` builds any of
-them. Uses
+them (``OpenSession``, which opens a read session, included). Uses
 PyNaCl (libsodium), whose ed25519 verification rejects non-canonical
 signatures and small-order keys like ed25519-dalek's ``verify_strict``.
 """
@@ -225,6 +225,14 @@ class Agent:
         """A signed Delegate request. Takes a ``DelegateBody`` or its fields as
         keywords; fills in a fresh header when the body has none."""
         return self._request(pb.DelegateBody, body, fields)
+
+    def open_session(self, body: pb.OpenSessionBody | None = None) -> pb.OpenSessionRequest:
+        """A signed OpenSession request: the broker answers with a read session
+        for this key (``OpenSessionResponse.session``), to send as the
+        ``x-broker-session-bin`` metadata of every read (see
+        :mod:`delegation_broker.session`). Fills in a fresh header when the body
+        has none; the timestamp must be within the broker's window."""
+        return self._request(pb.OpenSessionBody, body, {})
 
     # Lifecycle requests. Each takes its ``...Body`` or the body's fields as
     # keywords, like open_root/delegate; the signer each RPC expects is noted.

@@ -13,6 +13,12 @@ resumed from :attr:`Watch.cursor` misses nothing and repeats nothing::
     # The stream ended (broker shutdown, deadline, network): carry on from w.cursor.
     w = w.resume()          # or watch(stub, root_id, cursor=saved_cursor)
 
+``stub`` must carry a read session (``x-broker-session-bin``) of a party of
+the tree or a configured reader, e.g. ``session_stub(channel, agent)``; see
+:mod:`delegation_broker.session`. The broker checks the session when the
+stream opens; with ``session_stub`` a resumed stream opens with a session
+renewed if it is due.
+
 The server never ends a healthy stream by itself; stop with :meth:`Watch.cancel`
 (from any thread; iteration then simply stops), a ``timeout``, or ``with``.
 """
@@ -181,7 +187,8 @@ def watch(
     timeout: float | None = None,
 ) -> Watch:
     """Opens a Watch on ``contract_id``'s subtree, resuming after ``cursor``
-    (0: from the beginning). ``keys`` defaults to ``BrokerKeys.fetch(stub)``;
+    (0: from the beginning). ``stub`` must carry a read session (see
+    :func:`delegation_broker.session_stub`). ``keys`` defaults to ``BrokerKeys.fetch(stub)``;
     ``timeout`` bounds the whole stream (``DEADLINE_EXCEEDED`` when it passes).
     Iterate it for verified :class:`WatchEvent` s."""
     return Watch(stub, contract_id, cursor, keys=keys, timeout=timeout)

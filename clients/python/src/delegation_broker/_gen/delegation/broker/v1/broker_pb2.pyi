@@ -495,7 +495,7 @@ class AuditConflict(_message.Message):
     def __init__(self, path: _Optional[str] = ..., other_contract_ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ContractAudit(_message.Message):
-    __slots__ = ("contract_id", "depth", "tool_calls", "mutations", "mutation_paths", "claim_violations", "completed", "has_report", "downgrades", "parent_scope_hints", "parent_named_files", "evidence_paths", "discovered_paths", "false_completion", "conflicts", "verdict", "claim", "named_scope_hints", "named_files")
+    __slots__ = ("contract_id", "depth", "tool_calls", "mutations", "mutation_paths", "claim_violations", "completed", "has_report", "downgrades", "parent_scope_hints", "parent_named_files", "evidence_paths", "discovered_paths", "false_completion", "conflicts", "verdict", "claim", "named_scope_hints", "named_files", "mutation_path_count", "conflict_count")
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
@@ -515,6 +515,8 @@ class ContractAudit(_message.Message):
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     NAMED_SCOPE_HINTS_FIELD_NUMBER: _ClassVar[int]
     NAMED_FILES_FIELD_NUMBER: _ClassVar[int]
+    MUTATION_PATH_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CONFLICT_COUNT_FIELD_NUMBER: _ClassVar[int]
     contract_id: bytes
     depth: int
     tool_calls: int
@@ -534,7 +536,9 @@ class ContractAudit(_message.Message):
     claim: str
     named_scope_hints: _containers.RepeatedScalarFieldContainer[str]
     named_files: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, contract_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., tool_calls: _Optional[int] = ..., mutations: _Optional[int] = ..., mutation_paths: _Optional[_Iterable[str]] = ..., claim_violations: _Optional[int] = ..., completed: _Optional[bool] = ..., has_report: _Optional[bool] = ..., downgrades: _Optional[int] = ..., parent_scope_hints: _Optional[int] = ..., parent_named_files: _Optional[int] = ..., evidence_paths: _Optional[int] = ..., discovered_paths: _Optional[int] = ..., false_completion: _Optional[bool] = ..., conflicts: _Optional[_Iterable[_Union[AuditConflict, _Mapping]]] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, str]] = ..., claim: _Optional[str] = ..., named_scope_hints: _Optional[_Iterable[str]] = ..., named_files: _Optional[_Iterable[str]] = ...) -> None: ...
+    mutation_path_count: int
+    conflict_count: int
+    def __init__(self, contract_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., tool_calls: _Optional[int] = ..., mutations: _Optional[int] = ..., mutation_paths: _Optional[_Iterable[str]] = ..., claim_violations: _Optional[int] = ..., completed: _Optional[bool] = ..., has_report: _Optional[bool] = ..., downgrades: _Optional[int] = ..., parent_scope_hints: _Optional[int] = ..., parent_named_files: _Optional[int] = ..., evidence_paths: _Optional[int] = ..., discovered_paths: _Optional[int] = ..., false_completion: _Optional[bool] = ..., conflicts: _Optional[_Iterable[_Union[AuditConflict, _Mapping]]] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, str]] = ..., claim: _Optional[str] = ..., named_scope_hints: _Optional[_Iterable[str]] = ..., named_files: _Optional[_Iterable[str]] = ..., mutation_path_count: _Optional[int] = ..., conflict_count: _Optional[int] = ...) -> None: ...
 
 class AggregateAuditsRequest(_message.Message):
     __slots__ = ("selector", "group_by")
