@@ -50,8 +50,8 @@ use super::error::InputError;
 use super::limits::{
     MAX_CLAIM_BYTES, MAX_JUDGMENT_MS, MAX_OUT_OF_SCOPE_PATHS_REPORTED, MAX_PREDICATE_AST_DEPTH,
     MAX_PREDICATE_COST, MAX_REGEX_NFA_BYTES, MAX_RESULT_BYTES, MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES,
-    MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED, REGEX_BYTE_COST, REGEX_CALL_COST,
-    REGEX_DFA_CACHE_BYTES, REGEX_STATES_PER_UNIT,
+    MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED, MAX_SCHEMA_WORK, REGEX_BYTE_COST,
+    REGEX_CALL_COST, REGEX_DFA_CACHE_BYTES, REGEX_STATES_PER_UNIT,
 };
 use super::scope::Scope;
 
@@ -154,15 +154,18 @@ pub fn check_claim(claim: &str, field: &'static str) -> Result<(), InputError> {
     super::text(claim, MAX_CLAIM_BYTES, false, field)
 }
 
-/// Checks that a JSON Schema is within bounds and compiles, so a contract
+/// Checks that a JSON Schema is within bounds, compiles and is bounded in
+/// what validating against it can cost (`schema::compile`), so a contract
 /// never names a schema its completion could not be judged against.
-/// External `$ref`s are never fetched (they fail here), and `pattern`s must
-/// suit the linear-time regex engine.
+/// External `$ref`s are never fetched (they fail here), `pattern`s must
+/// suit the linear-time regex engine within its size limits, and the
+/// schema's expansion must stay within `MAX_SCHEMA_EXPANSION`. The compiled
+/// schema is remembered for the judgment.
 pub fn compile_schema(schema: &Json, field: &'static str) -> Result<(), InputError> {
     check_json(schema, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, field)?;
-    validator(schema)
+    super::schema::compile(schema)
         .map(drop)
-        .map_err(|e| InputError::new(field, format!("does not compile as a JSON Schema: {e}")))
+        .map_err(|why| InputError::new(field, why))
 }
 
 /// Judges a completion: builds `result`, then evaluates every top-level
@@ -239,29 +242,52 @@ struct Facts {
     mutations: usize,
 }
 
-fn validator(schema: &Json) -> Result<jsonschema::Validator, jsonschema::ValidationError<'static>> {
-    jsonschema::options()
-        .offline()
-        .with_pattern_options(jsonschema::PatternOptions::regex())
-        .build(schema)
-}
-
+/// The output against its schema: valid, or why not. Never valid unchecked:
+/// a schema that does not compile, or an output whose validation would cost
+/// more than `MAX_SCHEMA_WORK` (`schema::Profile::work`), is not valid.
 fn validate_output(schema: &Json, output: &Json) -> (bool, Vec<String>) {
-    // A schema is compiled when the contract is issued; one that fails here
-    // anyway cannot vouch for the output.
-    let validator = match validator(schema) {
-        Ok(v) => v,
+    // A schema is compiled when the contract is issued (and remembered);
+    // one that fails here anyway cannot vouch for the output.
+    let compiled = match super::schema::compile(schema) {
+        Ok(c) => c,
         Err(e) => return (false, vec![format!("the schema does not compile: {e}")]),
     };
-    let errors: Vec<String> = validator
+    let work = compiled.profile().work(output);
+    if work > MAX_SCHEMA_WORK {
+        return (
+            false,
+            vec![format!(
+                "/: not validated: checking this output against the schema would cost more than MAX_SCHEMA_WORK ({MAX_SCHEMA_WORK}) work units (estimated {work})"
+            )],
+        );
+    }
+    if compiled.validator().is_valid(output) {
+        return (true, Vec::new());
+    }
+    // Collecting details re-checks anyOf/oneOf branches: bounded apart.
+    if compiled.profile().error_work(output) > MAX_SCHEMA_WORK {
+        return (
+            false,
+            vec![format!(
+                "/: does not match the schema (the details would cost more than MAX_SCHEMA_WORK ({MAX_SCHEMA_WORK}) work units to collect)"
+            )],
+        );
+    }
+    let mut errors: Vec<String> = compiled
+        .validator()
         .iter_errors(output)
         .take(MAX_SCHEMA_ERRORS_REPORTED)
         .map(|e| {
             let at = e.instance_path().to_string();
-            format!("{}: {e}", if at.is_empty() { "/" } else { &at })
+            let message = format!("{}: {e}", if at.is_empty() { "/" } else { &at });
+            // Messages quote the output, which may be large.
+            super::error::bounded(message, super::error::MAX_ERROR_REASON_BYTES)
         })
         .collect();
-    (errors.is_empty(), errors)
+    if errors.is_empty() {
+        errors.push("/: does not match the schema".to_owned());
+    }
+    (false, errors)
 }
 
 /// Size (serialized bytes) and depth bound of a JSON value, checked without
@@ -1386,6 +1412,120 @@ mod tests {
         assert!(compile_schema(&lookaround, "body.schema").is_err());
         let huge = json!({"description": "x".repeat(MAX_SCHEMA_BYTES)});
         assert!(compile_schema(&huge, "body.schema").is_err());
+        // Issue 11: a pattern that would take seconds to build, a reference
+        // cycle, and a chain of anyOf that doubles per level.
+        let regex = json!({"type": "string", "pattern": "[\\p{L}\\p{N}]{50}N"});
+        let err = compile_schema(&regex, "body.schema").unwrap_err();
+        assert!(err.reason.contains("REGEX_SIZE_LIMIT_BYTES"), "{err}");
+        let cycle = compile_schema(&json!({"$ref": "#"}), "body.schema").unwrap_err();
+        assert!(cycle.reason.contains("cycle"), "{cycle}");
+        let mut defs = serde_json::Map::new();
+        for i in 0..40 {
+            let next = format!("#/$defs/{}", i + 1);
+            defs.insert(
+                i.to_string(),
+                json!({"anyOf": [{"$ref": next}, {"$ref": next}]}),
+            );
+        }
+        defs.insert("40".into(), json!({"type": "string"}));
+        let chain = json!({"not": {"$ref": "#/$defs/0"}, "$defs": defs});
+        let err = compile_schema(&chain, "body.schema").unwrap_err();
+        assert_eq!(err.field, "body.schema");
+        assert!(err.reason.contains("MAX_SCHEMA_EXPANSION"), "{err}");
+    }
+
+    fn judged(schema: &Json, output: Json) -> Judgment {
+        let completion = Completion {
+            output,
+            claim: "success".into(),
+            reported_consumed: 1,
+            has_report: false,
+            schema: Some(schema),
+        };
+        judge(
+            SEED_001,
+            &Scope::default(),
+            &completion,
+            &Observed::default(),
+        )
+    }
+
+    #[test]
+    fn an_output_past_the_schema_work_budget_is_not_validated_and_not_valid() {
+        // 200 schema nodes apply to every element.
+        let branches: Vec<Json> = (0..200)
+            .map(|i| json!({"type": "string", "minLength": i % 2}))
+            .collect();
+        let schema = json!({"type": "array", "items": {"allOf": branches}});
+        compile_schema(&schema, "s").unwrap();
+        let profile = super::super::schema::profile(&schema).unwrap();
+        let large = json!(vec!["an ordinary string"; 10_000]);
+        assert!(check_output(&large, "o").is_ok());
+        assert!(profile.work(&large) > MAX_SCHEMA_WORK);
+        let j = judged(&schema, large);
+        assert!(!j.schema_valid, "never valid unchecked");
+        assert_eq!(j.schema_errors.len(), 1, "{:?}", j.schema_errors);
+        assert!(
+            j.schema_errors[0].contains("MAX_SCHEMA_WORK"),
+            "{:?}",
+            j.schema_errors
+        );
+        assert_eq!(texts(&j), vec!["result.schema_valid"]);
+        // Within the budget it is validated, either way.
+        let small = json!(vec!["an ordinary string"; 10]);
+        assert!(profile.work(&small) <= MAX_SCHEMA_WORK);
+        let j = judged(&schema, small);
+        assert!(
+            j.schema_valid && j.schema_errors.is_empty(),
+            "{:?}",
+            j.schema_errors
+        );
+        assert_eq!(j.verdict, Verdict::Accepted);
+        let j = judged(&schema, json!(["a", 7]));
+        assert!(!j.schema_valid);
+        assert!(
+            j.schema_errors[0].starts_with("/1"),
+            "{:?}",
+            j.schema_errors
+        );
+    }
+
+    #[test]
+    fn error_details_are_collected_only_within_the_budget() {
+        // Collecting details re-checks each anyOf branch: twice the work.
+        let branches: Vec<Json> = (0..50).map(|_| json!({"type": "integer"})).collect();
+        let schema = json!({"items": {"anyOf": branches}});
+        let profile = super::super::schema::profile(&schema).unwrap();
+        let output = |n: usize| json!(vec!["not an integer"; n]);
+        // The largest output whose validity is within the budget.
+        let (mut lo, mut hi) = (1usize, 100_000usize);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if profile.work(&output(mid)) <= MAX_SCHEMA_WORK {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        let output = output(lo);
+        assert!(profile.error_work(&output) > MAX_SCHEMA_WORK);
+        let j = judged(&schema, output);
+        assert!(!j.schema_valid);
+        assert_eq!(j.schema_errors.len(), 1, "{:?}", j.schema_errors);
+        assert!(
+            j.schema_errors[0].contains("does not match")
+                && j.schema_errors[0].contains("MAX_SCHEMA_WORK"),
+            "{:?}",
+            j.schema_errors
+        );
+        // A small one gets its details.
+        let j = judged(&schema, json!([1, "x"]));
+        assert!(!j.schema_valid);
+        assert!(
+            j.schema_errors[0].starts_with("/1"),
+            "{:?}",
+            j.schema_errors
+        );
     }
 
     #[test]

@@ -48,6 +48,46 @@ pub const MAX_RESULT_DEPTH: usize = 64;
 pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 /// Deepest nesting of arrays and objects in a JSON Schema.
 pub const MAX_SCHEMA_DEPTH: usize = 64;
+/// Largest compiled form of one schema `pattern` (or `patternProperties`
+/// key), in bytes (the regex engine's size limit). One Unicode-wide class
+/// fits (`[\p{L}\p{N}]` takes ~48 KB); `[\p{L}\p{N}]{50}N` needs 2.3 MB
+/// and is refused at once instead of taking seconds to build. A pattern at
+/// the limit compiles in ~2 ms in a debug build.
+pub const REGEX_SIZE_LIMIT_BYTES: usize = 64 * 1024;
+/// Cache of one pattern's lazy DFA, per thread using it, in bytes. Small:
+/// a pattern whose DFA outgrows it falls back to the engine's linear-time
+/// simulation, which the work estimate charges for (`core::schema`).
+pub const REGEX_DFA_SIZE_LIMIT_BYTES: usize = 64 * 1024;
+/// Most distinct patterns in one schema: 64 patterns each just under
+/// `REGEX_SIZE_LIMIT_BYTES` compile in ~0.15 s in a debug build (was 37 s
+/// for one 58 KB schema with no limits), and a compiled schema holds at
+/// most 4 MiB of them. Honest schemas use a handful.
+pub const MAX_SCHEMA_PATTERNS: usize = 64;
+/// Most schema nodes applied, summed over the output's depths, to the
+/// output nodes along any one path from its root (`core::schema`'s
+/// profile), checked at issuance. Honest schemas need tens to hundreds (a
+/// recursive tree schema: a few per depth); a chain of two-way `anyOf`s
+/// doubles per level and exceeds it after 13 levels. It also bounds the
+/// validator's recursion: at most this many nested applications, ~1 KiB of
+/// stack each in a debug build, far inside the judge threads' 64 MiB.
+pub const MAX_SCHEMA_EXPANSION: u64 = 10_000;
+/// Work budget of validating one output against its schema, in the units of
+/// `core::schema::Profile::work` (roughly: schema keywords × output bytes
+/// they examine). Past it the output is not validated and is not valid.
+/// Measured in a debug build, a unit costs ~0.5-0.7 ns for ordinary
+/// keywords and up to ~36 ns for the worst kind (a regex position stepped
+/// over a byte once the lazy DFA gives up), so 20,000,000 units take at
+/// most ~0.7 s of a core, usually ~15 ms; a 140 KB output of 2,000 typed
+/// objects needs 2.7 million.
+pub const MAX_SCHEMA_WORK: u64 = 20_000_000;
+/// Compiled schemas remembered (`core::schema::compile`): contracts of a
+/// run share a few schemas, and each compile costs up to ~0.15 s.
+pub const MAX_COMPILED_SCHEMAS: usize = 1_024;
+/// What the remembered compiled schemas may hold, in bytes, as charged by
+/// `core::schema` (schema text × 32, ~27 measured, plus every pattern at its
+/// size and DFA limits): at least six of the largest schemas, hundreds of
+/// ordinary ones.
+pub const MAX_COMPILED_SCHEMA_BYTES: usize = 64 * 1024 * 1024;
 /// Longest delegate claim ("success", "partial", ...), in bytes.
 pub const MAX_CLAIM_BYTES: usize = 256;
 /// Schema validation messages kept on a judgment: enough to say why.

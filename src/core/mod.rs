@@ -11,6 +11,7 @@ pub mod ledger;
 pub mod lifecycle;
 pub mod limits;
 pub mod predicate;
+pub mod schema;
 pub mod scope;
 pub mod trust;
 

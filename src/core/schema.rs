@@ -1,0 +1,1304 @@
+//! The JSON Schema a contract names for its completion output: what makes
+//! one acceptable at issuance, and what validating an output against it may
+//! cost at judgment. Owns the schema's pattern bounds (regex size limits, at
+//! most `MAX_SCHEMA_PATTERNS`), its `Profile` (found at issuance, refused
+//! past `MAX_SCHEMA_EXPANSION`), the work estimate that gates validation
+//! (`MAX_SCHEMA_WORK`), and the process-wide memo of compiled schemas.
+//!
+//! Why. `jsonschema` validates by walking the schema over the output:
+//! `allOf`, `anyOf`, `oneOf`, `not`, `if` and `$ref` apply several schemas
+//! to the same output node, so a chain of them multiplies (a 3.9 KB chain of
+//! two-way `anyOf`s doubles per level), and a short `pattern` can compile to
+//! megabytes of automaton (`[\p{L}\p{N}]{50}N`).
+//!
+//! The profile. Schema nodes (objects and booleans, told apart by address)
+//! are linked by *in-place* applicators, which apply to the same output
+//! node (`allOf`/`anyOf`/`oneOf` items, `not`, `if`/`then`/`else`, `$ref`,
+//! `$dynamicRef` and `$recursiveRef` resolved in the document,
+//! `dependentSchemas`, schema-valued `dependencies`), and *descending* ones,
+//! which apply to a member (`properties`, `patternProperties`,
+//! `additionalProperties`, `propertyNames`, `unevaluatedProperties`) or an
+//! element (`items`, `prefixItems`, `additionalItems`, `contains`,
+//! `unevaluatedItems`). `paths[d]` bounds how many schema nodes apply to any
+//! one output node at depth d: in-place children add up (only one of `then`
+//! and `else`); a member gets at most one `properties` entry and an element
+//! one `prefixItems` (or tuple `items`) entry, plus everything else that
+//! descends; an output node is an object or an array, never both, so the
+//! larger side counts. It is computed depth by depth over the schema
+//! nodes, children first, in O(nodes × depths) whatever the sharing,
+//! iteratively (no recursion). A `$ref` cycle that never descends is
+//! refused, and so is a schema whose `Σ paths[d]` exceeds
+//! `MAX_SCHEMA_EXPANSION`. `unevaluatedProperties`/`unevaluatedItems`
+//! re-validate their node's in-place subschemas to learn what those
+//! evaluated, once more per level of in-place nesting: their node's
+//! in-place edges count 2 + that nesting depth times (its `contains`
+//! twice).
+//!
+//! The work model, an upper bound up to a constant factor. Each schema
+//! node applies at most `paths[d]` times to an output node at depth d, and
+//! each application does work linear in the node's *weight* times the
+//! output node's *cost*. A node's weight is 1 + its keywords + what it
+//! scans per output node: the entries of `properties`, `patternProperties`
+//! and `dependent*`, the JSON size of `enum`, `const` and `required`, and
+//! for each pattern the automaton positions it can keep alive
+//! (bounded repetitions counted out), since the regex engine, once its
+//! small lazy DFA gives up, steps every live position at every byte
+//! (`[ab]*a[ab]{904}c`, within the size limit, costs ~40 µs per byte in a
+//! debug build). An output node costs 1 + its string's bytes + its members
+//! or elements + its keys' bytes (and a member its key's bytes again, for
+//! `propertyNames`). `Profile::work` is Σ_d weight[d] × cost(d), plus, for
+//! `uniqueItems`, `UNIQUE_ITEMS_FACTOR` × the subtrees it compares.
+//! Collecting error details re-checks every `anyOf`/`oneOf` branch before
+//! descending into it, so `Profile::error_work` counts each node once more
+//! per such applicator above it.
+//!
+//! References are resolved in the document only: `#`, `#/json/pointer`
+//! (with `~0`/`~1` and percent-decoding) and `#name` (a `$anchor` or
+//! `$dynamicAnchor`, unique in the document). A `$id` below the root is
+//! refused: it would change what those references mean. With a single
+//! resource, `$dynamicRef` and `$recursiveRef` resolve as plain references.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+
+use regex_syntax::hir::{Hir, HirKind};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::error::echo;
+use super::limits::{
+    MAX_COMPILED_SCHEMA_BYTES, MAX_COMPILED_SCHEMAS, MAX_RESULT_DEPTH, MAX_SCHEMA_EXPANSION,
+    MAX_SCHEMA_PATTERNS, REGEX_DFA_SIZE_LIMIT_BYTES, REGEX_SIZE_LIMIT_BYTES,
+};
+
+/// Output depths a profile covers: the root (0) to `MAX_RESULT_DEPTH`.
+const DEPTHS: usize = MAX_RESULT_DEPTH + 1;
+
+/// Work of `uniqueItems` per unit of the arrays it checks: up to 15 items
+/// are compared pairwise (each with 14 others), more are hashed.
+const UNIQUE_ITEMS_FACTOR: u64 = 16;
+
+/// Memory charged per byte of schema text for its compiled validator
+/// (~27 measured for a schema of plain properties).
+const VALIDATOR_BYTES_PER_SCHEMA_BYTE: usize = 32;
+
+/// A memo slot and its key, beyond the validator.
+const ENTRY_OVERHEAD_BYTES: usize = 1_024;
+
+/// How many schema nodes apply to the output at each depth, and what they
+/// weigh (see the module doc). Computed once per schema, at issuance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Profile {
+    /// `paths[d]`: most schema nodes applied to one output node at depth d.
+    paths: Vec<u64>,
+    /// Their weights, summed.
+    weight: Vec<u64>,
+    /// How many of them check `uniqueItems`.
+    unique: Vec<u64>,
+    /// `weight`, each node counted once more per `anyOf`/`oneOf` above it.
+    error_weight: Vec<u64>,
+    /// `unique`, counted the same way.
+    error_unique: Vec<u64>,
+}
+
+impl Profile {
+    /// `paths[d]` for d in 0..=`MAX_RESULT_DEPTH`.
+    pub fn paths(&self) -> &[u64] {
+        &self.paths
+    }
+
+    /// `Σ paths[d]`, the bound `MAX_SCHEMA_EXPANSION` applies to.
+    pub fn expansion(&self) -> u64 {
+        self.paths.iter().fold(0, |a, p| a.saturating_add(*p))
+    }
+
+    /// Upper bound (in work units) of deciding whether `instance` is valid;
+    /// `u64::MAX` if it is deeper than the profile covers.
+    pub fn work(&self, instance: &Value) -> u64 {
+        self.estimate(instance, &self.weight, &self.unique)
+    }
+
+    /// Upper bound of collecting `instance`'s validation errors.
+    pub fn error_work(&self, instance: &Value) -> u64 {
+        self.estimate(instance, &self.error_weight, &self.error_unique)
+    }
+
+    fn estimate(&self, instance: &Value, weight: &[u64], unique: &[u64]) -> u64 {
+        let Some(cost) = instance_cost(instance) else {
+            return u64::MAX;
+        };
+        // Deepest first, so `below` is what every node at depth d holds.
+        let mut below = 0u64;
+        let mut work = 0u64;
+        for d in (0..DEPTHS).rev() {
+            below = below.saturating_add(cost[d]);
+            work = work
+                .saturating_add(weight[d].saturating_mul(cost[d]))
+                .saturating_add(
+                    unique[d]
+                        .saturating_mul(UNIQUE_ITEMS_FACTOR)
+                        .saturating_mul(below),
+                );
+        }
+        work
+    }
+}
+
+/// Cost of the output's nodes at each depth (module doc), without
+/// recursion; `None` if it is deeper than `MAX_RESULT_DEPTH`.
+fn instance_cost(instance: &Value) -> Option<[u64; DEPTHS]> {
+    let mut cost = [0u64; DEPTHS];
+    let mut stack = vec![(instance, 0usize, 0usize)];
+    while let Some((value, depth, key_bytes)) = stack.pop() {
+        let slot = cost.get_mut(depth)?;
+        let own = match value {
+            Value::String(s) => s.len(),
+            Value::Array(items) => {
+                stack.extend(items.iter().map(|v| (v, depth + 1, 0)));
+                items.len()
+            }
+            Value::Object(map) => {
+                stack.extend(map.iter().map(|(k, v)| (v, depth + 1, k.len())));
+                map.len() + map.keys().map(String::len).sum::<usize>()
+            }
+            _ => 0,
+        };
+        let own = u64::try_from(1 + key_bytes + own).unwrap_or(u64::MAX);
+        *slot = slot.saturating_add(own);
+    }
+    Some(cost)
+}
+
+/// Profiles a schema (module doc): refuses references it cannot resolve in
+/// the document, a `$ref` cycle that never descends, patterns the regex
+/// engine would not take, and an expansion past `MAX_SCHEMA_EXPANSION`.
+pub fn profile(schema: &Value) -> Result<Profile, String> {
+    profile_scanned(schema, &Scan::of(schema))
+}
+
+fn profile_scanned(schema: &Value, scan: &Scan<'_>) -> Result<Profile, String> {
+    let (graph, order) = Graph::build(schema, scan)?.children_first()?;
+    graph.layers(&order)
+}
+
+/// What a whole-document pass finds: anchors (`None` when a name is
+/// ambiguous) and the distinct patterns (`pattern` values and
+/// `patternProperties` keys, wherever they are: a superset of what
+/// compiles).
+struct Scan<'a> {
+    anchors: HashMap<&'a str, Option<&'a Value>>,
+    patterns: HashSet<&'a str>,
+}
+
+impl<'a> Scan<'a> {
+    fn of(root: &'a Value) -> Self {
+        let mut scan = Scan {
+            anchors: HashMap::new(),
+            patterns: HashSet::new(),
+        };
+        let mut stack = vec![root];
+        while let Some(value) = stack.pop() {
+            match value {
+                Value::Object(map) => {
+                    for keyword in ["$anchor", "$dynamicAnchor"] {
+                        if let Some(Value::String(name)) = map.get(keyword) {
+                            scan.anchors
+                                .entry(name.as_str())
+                                .and_modify(|seen| {
+                                    if !seen.is_some_and(|s| std::ptr::eq(s, value)) {
+                                        *seen = None;
+                                    }
+                                })
+                                .or_insert(Some(value));
+                        }
+                    }
+                    if let Some(Value::String(pattern)) = map.get("pattern") {
+                        scan.patterns.insert(pattern);
+                    }
+                    if let Some(Value::Object(patterns)) = map.get("patternProperties") {
+                        scan.patterns.extend(patterns.keys().map(String::as_str));
+                    }
+                    stack.extend(map.values());
+                }
+                Value::Array(items) => stack.extend(items),
+                _ => {}
+            }
+        }
+        scan
+    }
+}
+
+/// Where an applicator's subschema applies, relative to the output node
+/// its parent applies to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    /// The same node; these add up.
+    Here,
+    /// The same node, one of several (`then`/`else`).
+    HereEither,
+    /// Each member of an object (or its key).
+    Member,
+    /// The members of one name only (`properties`).
+    OneMember,
+    /// Each element of an array.
+    Element,
+    /// The element at one index only (`prefixItems`, tuple `items`).
+    OneElement,
+}
+
+impl Slot {
+    fn in_place(self) -> bool {
+        matches!(self, Self::Here | Self::HereEither)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Edge {
+    to: usize,
+    slot: Slot,
+    /// A `contains` subschema (re-checked by `unevaluatedItems`).
+    contains: bool,
+    /// An `anyOf` or `oneOf` branch (see `Tally::rechecked`).
+    rechecked: bool,
+}
+
+/// What the profile adds up per depth (module doc), saturating.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Tally {
+    paths: u64,
+    weight: u64,
+    unique: u64,
+    error_weight: u64,
+    error_unique: u64,
+}
+
+impl Tally {
+    fn zip(self, other: Self, f: impl Fn(u64, u64) -> u64) -> Self {
+        Self {
+            paths: f(self.paths, other.paths),
+            weight: f(self.weight, other.weight),
+            unique: f(self.unique, other.unique),
+            error_weight: f(self.error_weight, other.error_weight),
+            error_unique: f(self.error_unique, other.error_unique),
+        }
+    }
+
+    fn add(self, other: Self) -> Self {
+        self.zip(other, u64::saturating_add)
+    }
+
+    fn max(self, other: Self) -> Self {
+        self.zip(other, u64::max)
+    }
+
+    fn times(self, factor: u64) -> Self {
+        self.zip(self, |a, _| a.saturating_mul(factor))
+    }
+
+    /// Collecting errors re-checks an `anyOf`/`oneOf` branch once before
+    /// descending into it.
+    fn rechecked(self) -> Self {
+        Self {
+            error_weight: self.error_weight.saturating_add(self.weight),
+            error_unique: self.error_unique.saturating_add(self.unique),
+            ..self
+        }
+    }
+}
+
+/// One schema node: what it costs where it applies, and its applicators.
+struct Node {
+    own: Tally,
+    edges: Vec<Edge>,
+    /// Has `unevaluatedProperties` or `unevaluatedItems`.
+    unevaluated: bool,
+    /// Longest chain of in-place edges from here.
+    nesting: u64,
+}
+
+impl Node {
+    /// This node's tally at output depth `d`, where it applies to an object
+    /// and to an array, from its in-place children's at `d` (`here`) and
+    /// its descending children's at `d - 1` (`above`).
+    fn tally(&self, d: usize, here: &[(Tally, Tally)], above: &[Tally]) -> (Tally, Tally) {
+        let (mut object, mut array) = (Tally::default(), Tally::default());
+        let (mut either, mut one_member, mut one_element) = (
+            (Tally::default(), Tally::default()),
+            Tally::default(),
+            Tally::default(),
+        );
+        for edge in &self.edges {
+            let f = self.factor(edge);
+            let (mut o, mut a) = here[edge.to];
+            if edge.rechecked {
+                (o, a) = (o.rechecked(), a.rechecked());
+            }
+            let below = above[edge.to].times(f);
+            match edge.slot {
+                Slot::Here => {
+                    object = object.add(o.times(f));
+                    array = array.add(a.times(f));
+                }
+                Slot::HereEither => {
+                    either = (either.0.max(o.times(f)), either.1.max(a.times(f)));
+                }
+                Slot::Member if d > 0 => object = object.add(below),
+                Slot::OneMember if d > 0 => one_member = one_member.max(below),
+                Slot::Element if d > 0 => array = array.add(below),
+                Slot::OneElement if d > 0 => one_element = one_element.max(below),
+                _ => {}
+            }
+        }
+        object = object.add(either.0).add(one_member);
+        array = array.add(either.1).add(one_element);
+        if d == 0 {
+            object = object.add(self.own);
+            array = array.add(self.own);
+        }
+        (object, array)
+    }
+
+    /// How many times a child is evaluated each time this node is.
+    fn factor(&self, edge: &Edge) -> u64 {
+        if !self.unevaluated {
+            1
+        } else if edge.slot.in_place() {
+            self.nesting.saturating_add(2)
+        } else if edge.contains {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+/// The schema's nodes, found from the root through applicators and
+/// references; node 0 is the root.
+struct Graph {
+    nodes: Vec<Node>,
+}
+
+/// Discovery state of `Graph::build`.
+struct Walk<'s, 'a> {
+    root: &'a Value,
+    scan: &'s Scan<'a>,
+    /// Draft 4 names a schema's base URI `id` rather than `$id`.
+    legacy_id: bool,
+    index: HashMap<*const Value, usize>,
+    values: Vec<&'a Value>,
+    pattern_weights: HashMap<&'a str, u64>,
+}
+
+impl Graph {
+    fn build(root: &Value, scan: &Scan<'_>) -> Result<Self, String> {
+        let legacy_id = root
+            .get("$schema")
+            .and_then(Value::as_str)
+            .is_some_and(|s| s.contains("draft-04"));
+        let mut walk = Walk {
+            root,
+            scan,
+            legacy_id,
+            index: HashMap::new(),
+            values: Vec::new(),
+            pattern_weights: HashMap::new(),
+        };
+        walk.id(root);
+        let mut nodes = Vec::new();
+        // `values` grows as nodes are discovered; each is expanded once.
+        while nodes.len() < walk.values.len() {
+            let node = walk.expand(nodes.len())?;
+            nodes.push(node);
+        }
+        Ok(Self { nodes })
+    }
+
+    /// The nodes ordered so that every in-place child comes before its
+    /// parent (Kahn's algorithm), with each node's `nesting` set; an error
+    /// if in-place edges form a cycle.
+    fn children_first(mut self) -> Result<(Self, Vec<usize>), String> {
+        let n = self.nodes.len();
+        let mut parents = vec![0usize; n];
+        for node in &self.nodes {
+            for edge in node.edges.iter().filter(|e| e.slot.in_place()) {
+                parents[edge.to] += 1;
+            }
+        }
+        let mut ready: Vec<usize> = (0..n).filter(|&i| parents[i] == 0).collect();
+        let mut parents_first = Vec::with_capacity(n);
+        while let Some(i) = ready.pop() {
+            parents_first.push(i);
+            for edge in self.nodes[i].edges.iter().filter(|e| e.slot.in_place()) {
+                parents[edge.to] -= 1;
+                if parents[edge.to] == 0 {
+                    ready.push(edge.to);
+                }
+            }
+        }
+        if parents_first.len() < n {
+            return Err(
+                "has a reference cycle that never descends into the output (like {\"$ref\": \"#\"}): validation would not end"
+                    .to_owned(),
+            );
+        }
+        let order: Vec<usize> = parents_first.into_iter().rev().collect();
+        for &i in &order {
+            let nesting = self.nodes[i]
+                .edges
+                .iter()
+                .filter(|e| e.slot.in_place())
+                .map(|e| self.nodes[e.to].nesting.saturating_add(1))
+                .max()
+                .unwrap_or(0);
+            self.nodes[i].nesting = nesting;
+        }
+        Ok((self, order))
+    }
+
+    /// The profile: the root's tally at each depth, computed depth by depth
+    /// over the nodes in `order` (children first; module doc).
+    fn layers(&self, order: &[usize]) -> Result<Profile, String> {
+        let n = self.nodes.len();
+        let mut profile = Profile {
+            paths: vec![0; DEPTHS],
+            weight: vec![0; DEPTHS],
+            unique: vec![0; DEPTHS],
+            error_weight: vec![0; DEPTHS],
+            error_unique: vec![0; DEPTHS],
+        };
+        // Below the output's root, only nodes that descend (or apply one
+        // that does in place) can apply anything: the others are left out.
+        let mut descends = vec![false; n];
+        for &i in order {
+            descends[i] = self.nodes[i]
+                .edges
+                .iter()
+                .any(|e| !e.slot.in_place() || descends[e.to]);
+        }
+        let deeper: Vec<usize> = order.iter().copied().filter(|&i| descends[i]).collect();
+        // Each node's tally at the depth above: what applies below its
+        // members and elements.
+        let mut above = vec![Tally::default(); n];
+        // At this depth, where the node applies to an object (`.0`) or an
+        // array (`.1`).
+        let mut here = vec![(Tally::default(), Tally::default()); n];
+        let mut expansion = 0u64;
+        for d in 0..DEPTHS {
+            let layer = if d == 0 { order } else { &deeper };
+            if d == 1 {
+                here.fill(Default::default());
+            }
+            for &i in layer {
+                here[i] = self.nodes[i].tally(d, &here, &above);
+            }
+            if d == 1 {
+                above.fill(Tally::default());
+            }
+            for &i in layer {
+                above[i] = here[i].0.max(here[i].1);
+            }
+            let root = above[0];
+            // No path of the schema descends this far: none descends further.
+            if root.paths == 0 {
+                break;
+            }
+            profile.paths[d] = root.paths;
+            profile.weight[d] = root.weight;
+            profile.unique[d] = root.unique;
+            profile.error_weight[d] = root.error_weight;
+            profile.error_unique[d] = root.error_unique;
+            expansion = expansion.saturating_add(root.paths);
+            if expansion > MAX_SCHEMA_EXPANSION {
+                return Err(format!(
+                    "applies more than MAX_SCHEMA_EXPANSION ({MAX_SCHEMA_EXPANSION}) schema nodes along one path of the output ({expansion} by depth {d}): anyOf, oneOf, allOf, not, if and $ref branches multiply"
+                ));
+            }
+        }
+        Ok(profile)
+    }
+}
+
+impl<'a> Walk<'_, 'a> {
+    /// The node id of a schema value, by address.
+    fn id(&mut self, value: &'a Value) -> usize {
+        let next = self.values.len();
+        let id = *self.index.entry(std::ptr::from_ref(value)).or_insert(next);
+        if id == next {
+            self.values.push(value);
+        }
+        id
+    }
+
+    /// Whether a value sets a base URI for the references inside it.
+    fn sets_base(&self, value: &Value) -> bool {
+        let named = |keyword| value.get(keyword).is_some_and(Value::is_string);
+        named("$id") || (self.legacy_id && named("id"))
+    }
+
+    fn expand(&mut self, i: usize) -> Result<Node, String> {
+        let value = self.values[i];
+        let mut node = Node {
+            own: Tally {
+                paths: 1,
+                weight: 1,
+                unique: 0,
+                error_weight: 1,
+                error_unique: 0,
+            },
+            edges: Vec::new(),
+            unevaluated: false,
+            nesting: 0,
+        };
+        // A boolean schema, or a value `jsonschema` refuses to compile.
+        let Value::Object(map) = value else {
+            return Ok(node);
+        };
+        if i != 0 && self.sets_base(value) {
+            return Err(
+                "sets $id below the root; references are resolved in the root document only"
+                    .to_owned(),
+            );
+        }
+        let mut weight = 1 + len(map.len());
+        for (keyword, sub) in map {
+            let (edges, scanned) = self.applicators(keyword, sub)?;
+            for (target, slot) in edges {
+                let to = self.id(target);
+                node.edges.push(Edge {
+                    to,
+                    slot,
+                    contains: keyword == "contains",
+                    rechecked: keyword == "anyOf" || keyword == "oneOf",
+                });
+            }
+            weight = weight.saturating_add(scanned);
+        }
+        node.unevaluated =
+            map.contains_key("unevaluatedProperties") || map.contains_key("unevaluatedItems");
+        let unique = u64::from(map.get("uniqueItems") == Some(&Value::Bool(true)));
+        node.own = Tally {
+            paths: 1,
+            weight,
+            unique,
+            error_weight: weight,
+            error_unique: unique,
+        };
+        Ok(node)
+    }
+
+    /// One keyword's subschemas and where they apply, and what it scans per
+    /// output node (its share of the weight).
+    #[allow(clippy::type_complexity)]
+    fn applicators(
+        &mut self,
+        keyword: &str,
+        sub: &'a Value,
+    ) -> Result<(Vec<(&'a Value, Slot)>, u64), String> {
+        let each = |slot: Slot| -> Vec<(&'a Value, Slot)> {
+            match sub {
+                Value::Array(items) => schemas(items.iter(), slot),
+                _ => Vec::new(),
+            }
+        };
+        let one = |slot: Slot| schemas(std::iter::once(sub), slot);
+        let values = |slot: Slot| -> Vec<(&'a Value, Slot)> {
+            match sub {
+                Value::Object(map) => schemas(map.values(), slot),
+                _ => Vec::new(),
+            }
+        };
+        let entries = || match sub {
+            Value::Object(map) => len(map.len()),
+            _ => 0,
+        };
+        Ok(match keyword {
+            "allOf" | "anyOf" | "oneOf" => (each(Slot::Here), 0),
+            "not" | "if" => (one(Slot::Here), 0),
+            "then" | "else" => (one(Slot::HereEither), 0),
+            "$ref" | "$dynamicRef" | "$recursiveRef" => match sub.as_str() {
+                Some(reference) => (vec![(self.resolve(reference)?, Slot::Here)], 0),
+                None => (Vec::new(), 0),
+            },
+            "dependentSchemas" => (values(Slot::Here), entries()),
+            "dependencies" => {
+                // Draft 7: each value is a schema or a list of names.
+                let scanned = match sub {
+                    Value::Object(map) => map
+                        .values()
+                        .filter(|v| v.is_array())
+                        .fold(entries(), |a, v| a.saturating_add(json_size(v))),
+                    _ => 0,
+                };
+                (values(Slot::Here), scanned)
+            }
+            "properties" => (values(Slot::OneMember), entries()),
+            "patternProperties" => {
+                let mut scanned = entries();
+                if let Value::Object(map) = sub {
+                    for pattern in map.keys() {
+                        scanned = scanned.saturating_add(self.pattern_weight(pattern)?);
+                    }
+                }
+                (values(Slot::Member), scanned)
+            }
+            "additionalProperties" | "propertyNames" | "unevaluatedProperties" => {
+                (one(Slot::Member), 0)
+            }
+            "items" if sub.is_array() => (each(Slot::OneElement), 0),
+            "items" | "additionalItems" | "contains" | "unevaluatedItems" => {
+                (one(Slot::Element), 0)
+            }
+            "prefixItems" => (each(Slot::OneElement), 0),
+            "pattern" => match sub.as_str() {
+                Some(pattern) => (Vec::new(), self.pattern_weight(pattern)?),
+                None => (Vec::new(), 0),
+            },
+            "enum" | "const" | "required" | "dependentRequired" => (Vec::new(), json_size(sub)),
+            "type" => (
+                Vec::new(),
+                sub.as_array().map_or(0, |types| len(types.len())),
+            ),
+            _ => (Vec::new(), 0),
+        })
+    }
+
+    /// Resolves a reference in the document (module doc).
+    fn resolve(&self, reference: &str) -> Result<&'a Value, String> {
+        let refused = |why: &str| format!("$ref {}: {why}", echo(reference));
+        let Some(fragment) = reference.strip_prefix('#') else {
+            return Err(refused(
+                "only references inside the schema (\"#...\") are supported",
+            ));
+        };
+        let fragment = percent_decode(fragment).ok_or_else(|| refused("bad percent-encoding"))?;
+        let target = if fragment.is_empty() {
+            Some(self.root)
+        } else if let Some(pointer) = fragment.strip_prefix('/') {
+            let mut at = self.root;
+            for token in pointer.split('/') {
+                let token = unescape(token).ok_or_else(|| refused("bad JSON pointer escape"))?;
+                let next = match at {
+                    Value::Object(map) => map.get(token.as_ref()),
+                    Value::Array(items) => array_index(&token).and_then(|i| items.get(i)),
+                    _ => None,
+                };
+                let Some(next) = next else {
+                    return Err(refused("points to nothing in this schema"));
+                };
+                if self.sets_base(next) {
+                    return Err(refused(
+                        "passes a $id below the root; references are resolved in the root document only",
+                    ));
+                }
+                at = next;
+            }
+            Some(at)
+        } else {
+            match self.scan.anchors.get(fragment.as_str()) {
+                Some(Some(anchored)) => Some(*anchored),
+                Some(None) => return Err(refused("names an anchor defined more than once")),
+                None => None,
+            }
+        };
+        match target {
+            Some(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(schema),
+            _ => Err(refused("does not resolve to a schema in this document")),
+        }
+    }
+
+    fn pattern_weight(&mut self, pattern: &'a str) -> Result<u64, String> {
+        if let Some(weight) = self.pattern_weights.get(pattern) {
+            return Ok(*weight);
+        }
+        let weight = pattern_weight(pattern)?;
+        self.pattern_weights.insert(pattern, weight);
+        Ok(weight)
+    }
+}
+
+/// The values among `items` that are schemas, each with `slot`.
+fn schemas<'a>(items: impl Iterator<Item = &'a Value>, slot: Slot) -> Vec<(&'a Value, Slot)> {
+    items
+        .filter(|v| v.is_object() || v.is_boolean())
+        .map(|v| (v, slot))
+        .collect()
+}
+
+fn len(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+/// Nodes plus string and key bytes of a JSON value, without recursion.
+fn json_size(value: &Value) -> u64 {
+    let mut size = 0u64;
+    let mut stack = vec![value];
+    while let Some(v) = stack.pop() {
+        let own = match v {
+            Value::String(s) => s.len(),
+            Value::Array(items) => {
+                stack.extend(items);
+                0
+            }
+            Value::Object(map) => {
+                stack.extend(map.values());
+                map.keys().map(String::len).sum()
+            }
+            _ => 0,
+        };
+        size = size.saturating_add(1 + len(own));
+    }
+    size
+}
+
+/// A URI fragment's percent-escapes decoded; `None` if malformed or not
+/// UTF-8.
+fn percent_decode(fragment: &str) -> Option<String> {
+    if !fragment.contains('%') {
+        return Some(fragment.to_owned());
+    }
+    let bytes = fragment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return None;
+            }
+            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// A JSON pointer token with `~1` and `~0` undone; `None` on another `~`.
+fn unescape(token: &str) -> Option<Cow<'_, str>> {
+    if !token.contains('~') {
+        return Some(Cow::Borrowed(token));
+    }
+    let mut out = String::with_capacity(token.len());
+    let mut chars = token.chars();
+    while let Some(c) = chars.next() {
+        if c == '~' {
+            match chars.next() {
+                Some('0') => out.push('~'),
+                Some('1') => out.push('/'),
+                _ => return None,
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    Some(Cow::Owned(out))
+}
+
+/// A JSON pointer array index: digits, no leading zero.
+fn array_index(token: &str) -> Option<usize> {
+    let digits = !token.is_empty() && token.bytes().all(|b| b.is_ascii_digit());
+    (digits && (token == "0" || !token.starts_with('0')))
+        .then(|| token.parse().ok())
+        .flatten()
+}
+
+/// Automaton positions a pattern can keep alive at once: its atoms, each
+/// bounded repetition counted out (`x{50}` is 50), as the engine compiles
+/// it (`jsonschema`'s translation and edge collapsing). 1 when `jsonschema`
+/// counts characters instead (`^X{m,n}$`).
+fn pattern_weight(pattern: &str) -> Result<u64, String> {
+    let unsupported = || {
+        format!(
+            "pattern {} is not a regular expression the broker supports (ECMA-262, no look-around or backreferences)",
+            echo(pattern)
+        )
+    };
+    let translated = jsonschema_regex::to_rust_regex(pattern).map_err(|()| unsupported())?;
+    let engine = match jsonschema_regex::search_form(pattern, &translated) {
+        Some(jsonschema_regex::Search::RepeatedClass(_)) => return Ok(1),
+        Some(jsonschema_regex::Search::Collapsed(collapsed)) => Cow::Owned(collapsed),
+        None => translated,
+    };
+    let hir = regex_syntax::Parser::new()
+        .parse(&engine)
+        .map_err(|_| unsupported())?;
+    Ok(positions(&hir))
+}
+
+/// See `pattern_weight`; without recursion.
+fn positions(hir: &Hir) -> u64 {
+    let mut total = 0u64;
+    let mut stack = vec![(hir, 1u64)];
+    while let Some((hir, copies)) = stack.pop() {
+        match hir.kind() {
+            HirKind::Empty => {}
+            HirKind::Literal(literal) => {
+                total = total.saturating_add(copies.saturating_mul(len(literal.0.len())));
+            }
+            HirKind::Class(_) | HirKind::Look(_) => total = total.saturating_add(copies),
+            HirKind::Repetition(repetition) => {
+                // `x{m,n}` compiles n copies, `x{m,}` m copies and a loop.
+                let count = repetition
+                    .max
+                    .unwrap_or_else(|| repetition.min.saturating_add(1))
+                    .max(1);
+                stack.push((&repetition.sub, copies.saturating_mul(u64::from(count))));
+            }
+            HirKind::Capture(capture) => stack.push((&capture.sub, copies)),
+            HirKind::Concat(parts) | HirKind::Alternation(parts) => {
+                stack.extend(parts.iter().map(|part| (part, copies)));
+            }
+        }
+    }
+    total.max(1)
+}
+
+/// A schema compiled for validation, with its profile.
+pub struct Compiled {
+    validator: jsonschema::Validator,
+    profile: Profile,
+    /// What it is charged in the memo, in bytes (an over-estimate).
+    charge: usize,
+}
+
+impl Compiled {
+    pub fn validator(&self) -> &jsonschema::Validator {
+        &self.validator
+    }
+
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+}
+
+/// Compiles and profiles a schema, or says why it cannot be used: more
+/// than `MAX_SCHEMA_PATTERNS` patterns, one that does not compile within
+/// the regex limits, remote references (never fetched), or a profile
+/// refusal. Remembered by the SHA-256 of the schema's text, so a contract's
+/// schema is compiled once, not at every judgment; a hit answers what
+/// compiling would.
+pub fn compile(schema: &Value) -> Result<Arc<Compiled>, String> {
+    let (key, bytes) = fingerprint(schema);
+    let memo = COMPILED.get_or_init(Default::default);
+    if let Some(hit) = lock(memo).entries.get(&key) {
+        return Ok(Arc::clone(hit));
+    }
+    let compiled = Arc::new(compile_uncached(schema, bytes)?);
+    lock(memo).remember(
+        key,
+        Arc::clone(&compiled),
+        MAX_COMPILED_SCHEMAS,
+        MAX_COMPILED_SCHEMA_BYTES,
+    );
+    Ok(compiled)
+}
+
+fn compile_uncached(schema: &Value, bytes: usize) -> Result<Compiled, String> {
+    let scan = Scan::of(schema);
+    if scan.patterns.len() > MAX_SCHEMA_PATTERNS {
+        return Err(format!(
+            "has {} distinct patterns, at most MAX_SCHEMA_PATTERNS ({MAX_SCHEMA_PATTERNS})",
+            scan.patterns.len()
+        ));
+    }
+    let validator = build(schema).map_err(|e| {
+        let regex = matches!(e.kind(), jsonschema::error::ValidationErrorKind::Format { format } if format == "regex");
+        if regex {
+            format!(
+                "does not compile as a JSON Schema: {e} (patterns must be ECMA-262 without look-around or backreferences, and compile within REGEX_SIZE_LIMIT_BYTES ({REGEX_SIZE_LIMIT_BYTES}))"
+            )
+        } else {
+            format!("does not compile as a JSON Schema: {e}")
+        }
+    })?;
+    let profile = profile_scanned(schema, &scan)?;
+    let patterns = scan.patterns.len();
+    let charge = ENTRY_OVERHEAD_BYTES
+        .saturating_add(bytes.saturating_mul(VALIDATOR_BYTES_PER_SCHEMA_BYTE))
+        .saturating_add(
+            patterns.saturating_mul(REGEX_SIZE_LIMIT_BYTES + REGEX_DFA_SIZE_LIMIT_BYTES),
+        );
+    Ok(Compiled {
+        validator,
+        profile,
+        charge,
+    })
+}
+
+/// The validator, offline (remote references fail) and with small regex
+/// limits: a pattern whose automaton would pass `REGEX_SIZE_LIMIT_BYTES`
+/// fails at once instead of taking seconds to build.
+fn build(schema: &Value) -> Result<jsonschema::Validator, jsonschema::ValidationError<'static>> {
+    jsonschema::options()
+        .offline()
+        .with_pattern_options(
+            jsonschema::PatternOptions::regex()
+                .size_limit(REGEX_SIZE_LIMIT_BYTES)
+                .dfa_size_limit(REGEX_DFA_SIZE_LIMIT_BYTES),
+        )
+        .build(schema)
+}
+
+/// SHA-256 of the schema's text (as serialized: equal texts are equal
+/// values) and its length.
+fn fingerprint(schema: &Value) -> ([u8; 32], usize) {
+    struct Hasher(Sha256, usize);
+    impl std::io::Write for Hasher {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            self.1 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut hasher = Hasher(Sha256::new(), 0);
+    // Writing to a hasher cannot fail, nor can serializing a `Value`.
+    let _ = serde_json::to_writer(&mut hasher, schema);
+    (hasher.0.finalize().into(), hasher.1)
+}
+
+/// Schemas that compiled and profiled, by `fingerprint`: compiling one
+/// costs up to ~0.1 s, and a contract's completion is judged once or twice
+/// more. A memo of a pure function holding only successes.
+static COMPILED: OnceLock<Mutex<Memo>> = OnceLock::new();
+
+#[derive(Default)]
+struct Memo {
+    entries: HashMap<[u8; 32], Arc<Compiled>>,
+    /// Their charges, summed: the memo's bound.
+    bytes: usize,
+}
+
+impl Memo {
+    /// Adds an entry, forgetting everything first if it would pass either
+    /// bound (refilling costs one compile per schema, as with no memo at
+    /// all — so flooding it costs no more than not having it).
+    fn remember(
+        &mut self,
+        key: [u8; 32],
+        compiled: Arc<Compiled>,
+        capacity: usize,
+        capacity_bytes: usize,
+    ) {
+        let charge = compiled.charge;
+        if charge > capacity_bytes || self.entries.contains_key(&key) {
+            return;
+        }
+        if self.entries.len() >= capacity || self.bytes.saturating_add(charge) > capacity_bytes {
+            self.entries.clear();
+            self.bytes = 0;
+        }
+        self.entries.insert(key, compiled);
+        self.bytes += charge;
+    }
+}
+
+fn lock(memo: &Mutex<Memo>) -> MutexGuard<'_, Memo> {
+    // Inserts are single calls: a poisoned memo is still a correct one.
+    memo.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::limits::MAX_SCHEMA_WORK;
+    use serde_json::json;
+
+    /// `levels` of `anyOf: [{"$ref": next}, {"$ref": next}]` under `not`:
+    /// validation time doubles per level.
+    fn doubling_chain(levels: usize) -> Value {
+        let mut defs = serde_json::Map::new();
+        for i in 0..levels {
+            let next = format!("#/$defs/{}", i + 1);
+            defs.insert(
+                i.to_string(),
+                json!({"anyOf": [{"$ref": next}, {"$ref": next}]}),
+            );
+        }
+        defs.insert(levels.to_string(), json!({"type": "string"}));
+        json!({"not": {"$ref": "#/$defs/0"}, "$defs": defs})
+    }
+
+    fn tree() -> Value {
+        json!({
+            "$defs": {"node": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}
+                },
+                "additionalProperties": false
+            }},
+            "$ref": "#/$defs/node"
+        })
+    }
+
+    fn valid(schema: &Value, instance: &Value) -> bool {
+        compile(schema).unwrap().validator().is_valid(instance)
+    }
+
+    #[test]
+    fn the_anyof_doubling_chain_is_refused_at_compile_saying_why() {
+        let attack = doubling_chain(60);
+        assert!(serde_json::to_string(&attack).unwrap().len() < 4_000);
+        let why = compile(&attack).err().unwrap();
+        assert!(why.contains("MAX_SCHEMA_EXPANSION"), "{why}");
+        assert!(why.contains("anyOf"), "{why}");
+        // It is the doubling that is refused: each level doubles the count,
+        // and a short chain passes.
+        let counts: Vec<u64> = (1..6)
+            .map(|l| profile(&doubling_chain(l)).unwrap().paths()[0])
+            .collect();
+        assert!(counts.windows(2).all(|w| w[1] >= 2 * w[0]), "{counts:?}");
+        assert!(compile(&doubling_chain(5)).is_ok());
+    }
+
+    #[test]
+    fn a_pattern_past_the_regex_size_limit_is_refused_at_compile() {
+        let one = json!({"properties": {"a": {"pattern": "[\\p{L}\\p{N}]{50}N"}}});
+        let why = compile(&one).err().unwrap();
+        assert!(why.contains("REGEX_SIZE_LIMIT_BYTES"), "{why}");
+        // The 58 KB schema of such patterns (distinct, or not, or as
+        // patternProperties keys) is refused too, one way or the other.
+        for distinct in [usize::MAX, MAX_SCHEMA_PATTERNS, 1] {
+            let mut props = serde_json::Map::new();
+            for i in 0..1_300 {
+                let pattern = format!("[\\p{{L}}\\p{{N}}]{{50}}N{}", i % distinct);
+                props.insert(format!("p{i}"), json!({ "pattern": pattern }));
+            }
+            let schema = json!({ "properties": props });
+            assert!(serde_json::to_string(&schema).unwrap().len() > 50_000);
+            let why = compile(&schema).err().unwrap();
+            assert!(
+                why.contains("REGEX_SIZE_LIMIT_BYTES") || why.contains("MAX_SCHEMA_PATTERNS"),
+                "{why}"
+            );
+        }
+        let keys = json!({"patternProperties": {"[\\p{L}\\p{N}]{50}N": true}});
+        assert!(compile(&keys).is_err());
+        // One Unicode-wide class fits, and matches as it should.
+        let word = json!({"type": "string", "pattern": "^[\\p{L}\\p{N}_-]+$"});
+        assert!(valid(&word, &json!("Grüße_42")));
+        assert!(!valid(&word, &json!("two words")));
+    }
+
+    #[test]
+    fn honest_schemas_are_accepted_and_validate() {
+        let object = json!({
+            "type": "object",
+            "required": ["items", "status"],
+            "properties": {
+                "items": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "status": {"anyOf": [{"const": "ok"}, {"const": "partial"}, {"type": "null"}]},
+                "score": {"oneOf": [{"type": "integer"}, {"type": "number", "maximum": 1}]}
+            }
+        });
+        assert!(valid(
+            &object,
+            &json!({"items": ["a"], "status": "ok", "score": 3})
+        ));
+        assert!(!valid(&object, &json!({"items": [""], "status": "ok"})));
+        assert!(!valid(&object, &json!({"items": ["a"], "status": "bad"})));
+        // A member gets one `properties` entry: the largest (status: 1 + 3).
+        assert_eq!(profile(&object).unwrap().paths()[..4], [1, 4, 1, 0]);
+
+        let tree = tree();
+        assert!(valid(
+            &tree,
+            &json!({"name": "a", "children": [{"name": "b", "children": [{"name": "c"}]}]})
+        ));
+        assert!(!valid(
+            &tree,
+            &json!({"name": "a", "children": [{"name": "b", "children": [{"nam": "c"}]}]})
+        ));
+        // The same few schema nodes at every depth of the output.
+        let p = profile(&tree).unwrap();
+        assert!(p.paths().iter().all(|&n| n <= 3), "{:?}", p.paths());
+        assert!(p.expansion() < 200, "{}", p.expansion());
+
+        // Two recursive properties apply to different members: no doubling.
+        let binary = json!({"type": "object", "properties": {
+            "value": {"type": "integer"},
+            "left": {"$ref": "#"},
+            "right": {"$ref": "#"}
+        }});
+        assert!(valid(
+            &binary,
+            &json!({"value": 1, "left": {"value": 2}, "right": {"left": {}}})
+        ));
+        assert!(!valid(&binary, &json!({"left": {"right": {"value": "x"}}})));
+        assert!(profile(&binary).unwrap().expansion() < 200);
+
+        // Any JSON value: an object and an array are never both.
+        let any = json!({"anyOf": [
+            {"type": ["string", "number", "boolean", "null"]},
+            {"type": "array", "items": {"$ref": "#"}},
+            {"type": "object", "additionalProperties": {"$ref": "#"}}
+        ]});
+        assert!(valid(&any, &json!({"a": [1, {"b": null}]})));
+        assert!(profile(&any).unwrap().expansion() < 1_000);
+    }
+
+    #[test]
+    fn references_resolve_in_the_document_or_are_refused() {
+        let defs = json!({
+            "$defs": {
+                "a/b": {"type": "string"},
+                "c~d": {"type": "integer"},
+                "e f": {"type": "boolean"},
+                "named": {"$anchor": "here", "type": "null"}
+            },
+            "properties": {
+                "slash": {"$ref": "#/$defs/a~1b"},
+                "tilde": {"$ref": "#/$defs/c~0d"},
+                "space": {"$ref": "#/$defs/e%20f"},
+                "anchor": {"$ref": "#here"},
+                "tuple": {"prefixItems": [{"type": "string"}, {"$ref": "#/properties/tuple/prefixItems/0"}]}
+            }
+        });
+        assert!(valid(
+            &defs,
+            &json!({"slash": "s", "tilde": 1, "space": true, "anchor": null, "tuple": ["a", "b"]})
+        ));
+        assert!(!valid(&defs, &json!({"space": "no"})));
+        assert!(!valid(&defs, &json!({"tuple": ["a", 2]})));
+        assert!(profile(&defs).is_ok());
+
+        for (schema, why) in [
+            (json!({"$ref": "#/$defs/missing"}), "points to nothing"),
+            (json!({"$ref": "#nowhere"}), "does not resolve"),
+            (json!({"$ref": "#/$defs/a%2"}), "percent"),
+            (json!({"$defs": {}, "$ref": "#/$defs/a~2"}), "escape"),
+            (json!({"$ref": "other.json#/a"}), "only references inside"),
+            (
+                json!({"$defs": {"x": {"$anchor": "a"}, "y": {"$anchor": "a"}}, "$ref": "#a"}),
+                "more than once",
+            ),
+            (
+                json!({"$defs": {"x": {"$id": "http://e.com/x", "$defs": {"y": {}}}}, "$ref": "#/$defs/x/$defs/y"}),
+                "$id",
+            ),
+        ] {
+            let refused = profile(&schema).err().unwrap();
+            assert!(refused.contains(why), "{schema}: {refused}");
+        }
+        // Remote references are never fetched, whatever the profile says.
+        assert!(compile(&json!({"$ref": "https://example.com/s.json"})).is_err());
+    }
+
+    #[test]
+    fn a_reference_cycle_that_never_descends_is_refused() {
+        for schema in [
+            json!({"$ref": "#"}),
+            json!({"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"anyOf": [{"not": {"$ref": "#"}}]}}}),
+        ] {
+            let why = compile(&schema).err().unwrap();
+            assert!(why.contains("cycle"), "{schema}: {why}");
+        }
+        // Through a descent it is recursion, and fine.
+        assert!(compile(&json!({"items": {"$ref": "#"}})).is_ok());
+    }
+
+    #[test]
+    fn unevaluated_keywords_count_the_re_evaluation_of_what_they_apply_in_place() {
+        let base = json!({"allOf": [{"allOf": [{"properties": {"a": true}}]}]});
+        let mut strict = base.clone();
+        strict["unevaluatedProperties"] = json!(false);
+        let plain = profile(&base).unwrap().paths()[0];
+        let counted = profile(&strict).unwrap().paths()[0];
+        // Two levels of in-place nesting: its children count 2 + 2 times.
+        assert_eq!((plain, counted), (3, 1 + 4 * 2));
+        assert!(valid(&strict, &json!({"a": 1})));
+        assert!(!valid(&strict, &json!({"b": 1})));
+    }
+
+    #[test]
+    fn work_grows_with_paths_output_size_and_pattern_positions() {
+        let items = json!({"items": {"type": "string"}});
+        let p = profile(&items).unwrap();
+        let small = p.work(&json!(["ab"]));
+        let large = p.work(&json!(vec!["ab"; 1_000]));
+        assert!(large > 500 * small, "{small} {large}");
+        // Each bounded repetition is counted out: matching may step each
+        // position at every byte.
+        let positions = |pattern: &str| pattern_weight(pattern).unwrap();
+        assert!(positions("[ab]*a[ab]{904}c") > 900);
+        assert!(positions("^\\d{4}-\\d{2}-\\d{2}$") < 20);
+        assert_eq!(positions("^[a-z]{1,64}$"), 1, "counted, not matched");
+        let regex = profile(&json!({"items": {"pattern": "[ab]*a[ab]{904}c"}})).unwrap();
+        let text = json!(["ab".repeat(10_000)]);
+        assert!(regex.work(&text) > 900 * 20_000);
+        assert!(regex.work(&text) > MAX_SCHEMA_WORK / 2);
+        // `uniqueItems` compares whole subtrees.
+        let unique = profile(&json!({"uniqueItems": true})).unwrap();
+        let nested = json!([[["x".repeat(1_000)]], [["y".repeat(1_000)]]]);
+        assert!(unique.work(&nested) > UNIQUE_ITEMS_FACTOR * 2_000);
+        // An output deeper than any allowed cannot be bounded.
+        let mut deep = json!(1);
+        for _ in 0..DEPTHS {
+            deep = json!([deep]);
+        }
+        assert_eq!(p.work(&deep), u64::MAX);
+    }
+
+    #[test]
+    fn collecting_errors_counts_anyof_branches_twice() {
+        let p = profile(&json!({"anyOf": [{"type": "string"}, {"type": "integer"}]})).unwrap();
+        let output = json!("x");
+        assert!(p.error_work(&output) > p.work(&output));
+        let q = profile(&json!({"allOf": [{"type": "string"}, {"type": "integer"}]})).unwrap();
+        assert_eq!(q.error_work(&output), q.work(&output));
+    }
+
+    #[test]
+    fn the_memo_answers_as_compiling_does_and_stays_bounded() {
+        let schema = json!({"type": "object", "properties": {"memo_test": {"const": 1}}});
+        let first = compile(&schema).unwrap();
+        let again = compile(&schema).unwrap();
+        assert!(Arc::ptr_eq(&first, &again), "a hit");
+        let fresh = compile_uncached(&schema, 0).unwrap();
+        assert_eq!(again.profile(), fresh.profile());
+        for output in [json!({"memo_test": 1}), json!({"memo_test": 2}), json!(3)] {
+            assert_eq!(
+                again.validator().is_valid(&output),
+                fresh.validator().is_valid(&output)
+            );
+        }
+        // A failure is not remembered: it fails again.
+        for _ in 0..2 {
+            assert!(compile(&json!({"$ref": "#"})).is_err());
+        }
+        // Bounded in entries and in bytes, clearing when full.
+        let entry = |i: u8| {
+            let c = compile_uncached(&json!({ "minimum": i }), 0).unwrap();
+            ([i; 32], Arc::new(c))
+        };
+        let charge = entry(0).1.charge;
+        let mut memo = Memo::default();
+        for i in 0..5 {
+            let (key, compiled) = entry(i);
+            memo.remember(key, compiled, 3, 10 * charge);
+            assert!(memo.entries.len() <= 3 && memo.entries.contains_key(&key));
+        }
+        let mut memo = Memo::default();
+        for i in 0..5 {
+            let (key, compiled) = entry(i);
+            memo.remember(key, compiled, 100, 2 * charge);
+            assert!(memo.bytes <= 2 * charge && memo.entries.contains_key(&key));
+        }
+        assert_eq!(
+            memo.bytes,
+            memo.entries.values().map(|c| c.charge).sum::<usize>()
+        );
+        // One entry larger than the memo is not kept.
+        let (key, compiled) = entry(9);
+        memo.remember(key, compiled, 100, charge - 1);
+        assert!(!memo.entries.contains_key(&key));
+    }
+}
