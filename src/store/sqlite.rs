@@ -242,8 +242,9 @@ impl SqliteStore {
         );
         std::thread::Builder::new()
             .name("store-writer".into())
-            // The writer parses and evaluates CEL when judging completions;
-            // the parser recurses, so it gets a deep stack.
+            // The writer never judges (see `prejudge`), but it stamps and
+            // checks what clients sent; a deep stack keeps any recursion in
+            // those far from the limit.
             .stack_size(WRITER_STACK_BYTES)
             .spawn(move || {
                 let runtime = match tokio::runtime::Builder::new_current_thread()

@@ -781,3 +781,106 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     }
     broker.stop().await;
 }
+
+/// A schema of `count` string properties, each with a distinct pattern of
+/// a Unicode class repeated 50 times (item 7's attack: 58 KB of them cost
+/// 37+ s of CPU to compile).
+fn regex_bomb_schema(count: usize) -> String {
+    let properties: Vec<String> = (0..count)
+        .map(|i| format!(r#""p{i}":{{"type":"string","pattern":"[\\p{{L}}\\p{{N}}]{{50}}N{i}"}}"#))
+        .collect();
+    format!(
+        r#"{{"type":"object","properties":{{{}}}}}"#,
+        properties.join(",")
+    )
+}
+
+/// Item 6's attack: `anyOf: [$ref next, $ref next]` under `not`, sixty
+/// levels deep, doubling validation time per level.
+fn doubling_schema(levels: usize) -> String {
+    let defs: Vec<String> = (0..levels)
+        .map(|i| {
+            format!(
+                r##""d{i}":{{"not":{{"anyOf":[{{"$ref":"#/$defs/d{n}"}},{{"$ref":"#/$defs/d{n}"}}]}}}}"##,
+                n = i + 1
+            )
+        })
+        .chain(std::iter::once(format!(r#""d{levels}":{{"type":"string"}}"#)))
+        .collect();
+    format!(
+        r##"{{"$defs":{{{}}},"$ref":"#/$defs/d0"}}"##,
+        defs.join(",")
+    )
+}
+
+/// Items 6 and 7: expensive schemas are refused at issuance, cheap checks
+/// (parent, holder) come before any of them, and an unrelated client's
+/// reads keep answering meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, stranger) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let bomb = regex_bomb_schema(950);
+    assert!(bomb.len() > 50_000 && bomb.len() < 65_536, "{}", bomb.len());
+    let with_schema = |parent: &[u8], schema: &str| {
+        let mut body = child(parent, &root.lineage, &a, 10);
+        body.result_schema_json = schema.to_owned();
+        body
+    };
+    let mut attackers = Vec::new();
+    for i in 0..4 {
+        let mut client = connect(&broker.addr).await;
+        let stranger = Agent::from_seed(stranger.seed());
+        // A random parent, then the victim's real parent: both refused
+        // before the schema is looked at.
+        let parent = if i % 2 == 0 {
+            vec![7; 32]
+        } else {
+            root.id.clone()
+        };
+        let body = with_schema(&parent, &bomb);
+        attackers.push(tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let err = client.delegate(stranger.delegate(body)).await.unwrap_err();
+            (err.code(), started.elapsed())
+        }));
+    }
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        broker.state(&root.id).await;
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    }
+    for (i, attacker) in attackers.into_iter().enumerate() {
+        let (code, took) = attacker.await.unwrap();
+        let expected = if i % 2 == 0 {
+            Code::NotFound
+        } else {
+            Code::PermissionDenied
+        };
+        assert_eq!(code, expected);
+        assert!(took < std::time::Duration::from_secs(1), "{took:?}");
+    }
+    // The holder's own expensive schemas: INVALID_ARGUMENT naming the field.
+    for schema in [bomb.as_str(), doubling_schema(60).as_str()] {
+        let started = std::time::Instant::now();
+        let err = broker
+            .delegate(&orchestrator, with_schema(&root.id, schema))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        let field = err
+            .get_details_error_info()
+            .and_then(|i| i.metadata.get("field").cloned());
+        assert_eq!(field.as_deref(), Some("body.result_schema_json"));
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+    // An honest schema is still issued.
+    let honest = r#"{"type":"object","required":["patch"],"properties":{"patch":{"type":"string","pattern":"^---"}}}"#;
+    broker
+        .delegate(&orchestrator, with_schema(&root.id, honest))
+        .await
+        .unwrap()
+        .issued();
+    broker.stop().await;
+}

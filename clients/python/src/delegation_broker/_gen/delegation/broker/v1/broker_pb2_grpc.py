@@ -165,7 +165,9 @@ class BrokerServicer:
 
     def GetChain(self, request, context):
         """Returns the chain root → contract, each with its envelope (and thus
-        every hop proof), status and ledger.
+        every hop proof), status and ledger. A chain larger than a response
+        (4 × limits.max_request_bytes) is RESOURCE_EXHAUSTED with reason
+        RESPONSE_TOO_LARGE: read its contracts one by one with GetContract.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +175,9 @@ class BrokerServicer:
 
     def ListChildren(self, request, context):
         """Lists the children of a contract in issuance order, a page at a time.
+        A page ends at page_size children or at about 1 MiB of envelopes,
+        whichever comes first; a non-empty next_page_token means there may be
+        more (the last page may be empty).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,7 +228,11 @@ class BrokerServicer:
         """The delegate reports its result. The broker judges it against the
         effective predicate on the facts its host recorded, settles the budget
         and returns a signed completion receipt. Signed by the contract's
-        delegate key.
+        delegate key. Judging is bounded: when every judge stays busy past the
+        broker's deadline (10 s) the answer is UNAVAILABLE (reason
+        JUDGES_BUSY), and when the host keeps recording observations while the
+        completion is judged, UNAVAILABLE (OBSERVATIONS_CHANGING); nothing is
+        recorded either way, so retry with the same nonce.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -269,7 +278,10 @@ class BrokerServicer:
         """Streams every signed event of a contract's subtree (issued contracts and
         receipts) in commit order, from a cursor, then live as they happen. A
         client that reconnects with the last cursor it saw misses nothing and
-        sees nothing twice.
+        sees nothing twice. Streams are capped broker-wide, per caller (session
+        key) and per connection (limits.max_watch_streams*); past a cap the call
+        is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it). A stream
+        that stops reading holds at most a bounded buffer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -278,7 +290,9 @@ class BrokerServicer:
     def GetAudit(self, request, context):
         """The audit of one contract (seeds/000), derived from stored receipts and
         host observations: what the host observed, beside what the delegate
-        reported. Reading it changes nothing.
+        reported. Reading it changes nothing. Audit calls are capped broker-wide
+        and per caller (limits.max_concurrent_audits*: RESOURCE_EXHAUSTED,
+        OVERLOADED naming the limit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
