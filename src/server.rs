@@ -90,6 +90,7 @@ pub async fn run_with_clock(
             request_log_retention_ms: limits.request_log_retention_ms,
             timestamp_window_ms: limits.timestamp_window_ms,
             max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,
+            max_audit_bytes: crate::store::sqlite::MAX_AUDIT_BYTES,
             before_wal_sync: None,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,

@@ -79,6 +79,9 @@ pub struct SqliteOptions {
     /// Most rows (contracts, observations, receipts) one audit read may load
     /// (`MAX_AUDIT_ROWS` in production; tests lower it).
     pub max_audit_rows: i64,
+    /// Most bytes of envelopes and paths one audit read may load
+    /// (`MAX_AUDIT_BYTES` in production; tests lower it).
+    pub max_audit_bytes: usize,
     /// Fault injection for tests; `None` in production.
     pub before_wal_sync: Option<BeforeWalSync>,
     /// Test hook run on a judge thread before each judgment; `None` in
@@ -144,6 +147,8 @@ pub struct SqliteStore {
     before_judge: Option<BeforeJudge>,
     /// `SqliteOptions::max_audit_rows`.
     max_audit_rows: i64,
+    /// `SqliteOptions::max_audit_bytes`.
+    max_audit_bytes: usize,
 }
 
 /// Commit numbers: the writer takes the next one just before each COMMIT,
@@ -330,6 +335,7 @@ impl SqliteStore {
             judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
             before_judge: options.before_judge.clone(),
             max_audit_rows: options.max_audit_rows.max(1),
+            max_audit_bytes: options.max_audit_bytes.max(1),
         })
     }
 
@@ -537,7 +543,7 @@ impl Store for SqliteStore {
         };
         let (facts, seq, root_seq) = audit_row(&row)?;
         let mut facts = facts;
-        let mut budget = AuditRows::new(self.max_audit_rows);
+        let mut budget = AuditRows::new(self.max_audit_rows, self.max_audit_bytes);
         facts.observations = observations_of(&mut conn, seq).await?;
         let mutations = tree_mutations(&mut conn, root_seq, &mut budget).await?;
         drop(conn);
@@ -603,7 +609,7 @@ impl Store for SqliteStore {
             ));
         }
         let mut runs = Vec::with_capacity(roots.len());
-        let mut budget = AuditRows::new(self.max_audit_rows);
+        let mut budget = AuditRows::new(self.max_audit_rows, self.max_audit_bytes);
         for root in roots {
             let labels_json: String = root.try_get("labels").map_err(backend)?;
             let labels: std::collections::BTreeMap<String, String> =
@@ -823,14 +829,23 @@ const AUDIT_SELECT_TREE: &str = "SELECT seq, id, root_seq, depth, write_scope, s
 /// few KiB).
 pub const MAX_AUDIT_ROWS: i64 = 1_000_000;
 
-/// What is left of one audit read's row budget.
+/// Most bytes of envelopes and observed paths one audit read loads: with
+/// `MAX_AUDIT_ROWS` alone, a million rows of 1 KiB paths were a gigabyte
+/// (16 audits at once took 1.8 GB).
+pub const MAX_AUDIT_BYTES: usize = 128 * 1024 * 1024;
+
+/// What is left of one audit read's budget, in rows and in bytes.
 struct AuditRows {
     left: i64,
+    bytes_left: usize,
 }
 
 impl AuditRows {
-    fn new(rows: i64) -> Self {
-        Self { left: rows }
+    fn new(rows: i64, bytes: usize) -> Self {
+        Self {
+            left: rows,
+            bytes_left: bytes,
+        }
     }
 
     /// A LIMIT one past the budget, so going over is seen, not hidden.
@@ -838,29 +853,43 @@ impl AuditRows {
         self.left.saturating_add(1)
     }
 
-    /// Runs `query` with this budget's LIMIT bound as its last parameter
-    /// and charges the rows it returned.
+    /// Runs `query` with this budget's LIMIT bound as its last parameter,
+    /// pulling rows one at a time and charging each its row and the bytes
+    /// of its large columns (`envelope`, `path`): the read stops as soon as
+    /// either budget is spent, before the rest is loaded.
     async fn fetch<'q>(
         &mut self,
         conn: &mut SqliteConnection,
         query: sqlx::query::Query<'q, Sqlite, <Sqlite as sqlx::Database>::Arguments>,
     ) -> Result<Vec<SqliteRow>, StoreError> {
-        let rows = query
-            .bind(self.query_limit())
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(backend)?;
-        self.take(rows.len())?;
+        use tokio_stream::StreamExt;
+        let mut stream = query.bind(self.query_limit()).fetch(&mut *conn);
+        let mut rows = Vec::new();
+        while let Some(row) = stream.next().await {
+            let row = row.map_err(backend)?;
+            let bytes = row
+                .try_get::<&[u8], _>("envelope")
+                .map_or(0, <[u8]>::len)
+                .saturating_add(row.try_get::<&str, _>("path").map_or(0, str::len));
+            self.take(1, bytes)?;
+            rows.push(row);
+        }
         Ok(rows)
     }
 
-    fn take(&mut self, rows: usize) -> Result<(), StoreError> {
+    fn take(&mut self, rows: usize, bytes: usize) -> Result<(), StoreError> {
         self.left -= i64::try_from(rows).unwrap_or(i64::MAX);
         if self.left < 0 {
             return Err(StoreError::Overloaded(
                 "the audit would read more than MAX_AUDIT_ROWS rows (contracts, observations, receipts)",
             ));
         }
+        self.bytes_left = self
+            .bytes_left
+            .checked_sub(bytes)
+            .ok_or(StoreError::Overloaded(
+                "the audit would read more than MAX_AUDIT_BYTES of envelopes and paths",
+            ))?;
         Ok(())
     }
 }
@@ -2166,6 +2195,7 @@ mod tests {
             // See `suite::TEST_TIMESTAMP_MS`.
             timestamp_window_ms: 0,
             max_audit_rows: MAX_AUDIT_ROWS,
+            max_audit_bytes: MAX_AUDIT_BYTES,
             before_wal_sync: None,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
@@ -3109,6 +3139,35 @@ mod tests {
         }
     }
 
+    /// An audit read also stops at its byte budget (envelopes and paths),
+    /// pulling rows one at a time, whatever its row budget allows.
+    #[tokio::test]
+    async fn an_audit_read_is_bounded_by_its_byte_budget() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut options = test_options(dir.path().join("broker.sqlite3"));
+        // About two contract envelopes.
+        options.max_audit_bytes = 1_500;
+        let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+            .await
+            .expect("open");
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let everything = std::collections::BTreeMap::new();
+        issued(store.delegate(test_child(9, 10, root, 8, "true")).await);
+        assert!(
+            store.runs(None, &everything, 10).await.is_ok(),
+            "one child fits"
+        );
+        for i in 0..4 {
+            issued(store.delegate(test_child(9, 11 + i, root, 8, "true")).await);
+        }
+        match store.runs(None, &everything, 10).await {
+            Err(StoreError::Overloaded(limit)) => {
+                assert!(limit.contains("MAX_AUDIT_BYTES"), "{limit}")
+            }
+            other => panic!("a tree past the byte budget must be refused: {other:?}"),
+        }
+    }
+
     /// The syncer must never fsync a file SQLite no longer writes: a
     /// missing WAL is an error (the store stops), a replaced one is
     /// reopened.
@@ -3154,6 +3213,7 @@ mod tests {
                 request_log_retention_ms: i64::MAX,
                 timestamp_window_ms: 0,
                 max_audit_rows: MAX_AUDIT_ROWS,
+                max_audit_bytes: MAX_AUDIT_BYTES,
                 before_wal_sync: None,
                 before_judge: None,
                 judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
