@@ -175,8 +175,10 @@ fn verify(public_key: &str, envelope: &std::path::Path) -> anyhow::Result<()> {
         crate::crypto::payload_type::HOP_PROOF,
         crate::crypto::payload_type::RECEIPT,
         crate::crypto::payload_type::ATTESTATION,
+        crate::crypto::payload_type::SESSION,
         crate::crypto::payload_type::OPEN_ROOT,
         crate::crypto::payload_type::DELEGATE,
+        crate::crypto::payload_type::OPEN_SESSION,
     ];
     let payload_type = known
         .into_iter()

@@ -69,9 +69,9 @@ const WATCH_PAGE: u32 = 256;
 /// Envelope bytes fetched per Watch query: with `WATCH_BUFFER`, what one
 /// stream holds in memory however slowly its client reads (unbounded
 /// pages of deep contracts held 7 MB per stream).
-const WATCH_PAGE_BYTES: usize = 512 * 1024;
+const WATCH_PAGE_BYTES: usize = 256 * 1024;
 /// Events buffered per Watch stream before the reader waits for the client.
-const WATCH_BUFFER: usize = 16;
+const WATCH_BUFFER: usize = 8;
 
 impl<S> BrokerService<S> {
     pub fn new(
@@ -319,8 +319,14 @@ impl<S: Store> BrokerService<S> {
                 Ok::<_, InputError>(child)
             })
             .await
-            .map_err(|e| {
-                ServiceError::Unavailable(format!("converting the Delegate body: {e}"))
+            .map_err(|e| match e {
+                crate::pool::PoolError::TimedOut(ms) => ServiceError::Retry {
+                    reason: "CONVERTERS_BUSY",
+                    detail: format!(
+                        "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
+                    ),
+                },
+                other => ServiceError::Internal(format!("converting the Delegate body: {other}")),
             })??;
         let answer = self.store.delegate(child).await?;
         Ok(delegate_response(answer))

@@ -150,7 +150,11 @@ class BrokerServicer:
         NOT_FOUND, and a signer that does not hold the parent (is not its
         delegate) gets PERMISSION_DENIED with reason NOT_HOLDER and nothing is
         stored in the parent's tree (so no receipt reaches its Watch or audit).
-        INVARIANT_CODE_NOT_HOLDER therefore never appears in a refusal.
+        INVARIANT_CODE_NOT_HOLDER therefore never appears in a refusal. The body
+        is then checked (schema compilation, predicate composition) on a small
+        pool of threads; when it stays busy past 10 s the answer is UNAVAILABLE
+        (reason CONVERTERS_BUSY) and nothing is recorded: retry with the same
+        nonce.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
