@@ -48,10 +48,11 @@ use serde_json::Value as Json;
 
 use super::error::InputError;
 use super::limits::{
-    MAX_CLAIM_BYTES, MAX_JUDGMENT_MS, MAX_OUT_OF_SCOPE_PATHS_REPORTED, MAX_PREDICATE_AST_DEPTH,
-    MAX_PREDICATE_COST, MAX_REGEX_NFA_BYTES, MAX_RESULT_BYTES, MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES,
-    MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED, MAX_SCHEMA_WORK, REGEX_BYTE_COST,
-    REGEX_CALL_COST, REGEX_DFA_CACHE_BYTES, REGEX_STATES_PER_UNIT,
+    MAX_CLAIM_BYTES, MAX_JUDGMENT_MS, MAX_OUT_OF_SCOPE_PATHS_REPORTED, MAX_PATTERNS_PER_JUDGMENT,
+    MAX_PREDICATE_AST_DEPTH, MAX_PREDICATE_COST, MAX_REGEX_NFA_BYTES, MAX_RESULT_BYTES,
+    MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED,
+    MAX_SCHEMA_WORK, REGEX_BYTE_COST, REGEX_CALL_COST, REGEX_DFA_CACHE_BYTES,
+    REGEX_STATES_PER_UNIT,
 };
 use super::scope::Scope;
 
@@ -763,6 +764,14 @@ impl Meter {
         if let Some(p) = memo.get(pattern) {
             return Ok(p.clone());
         }
+        // Each compiled pattern may hold up to MAX_REGEX_NFA_BYTES and its
+        // cache: a judgment keeps only a few.
+        if memo.len() >= MAX_PATTERNS_PER_JUDGMENT {
+            return Err(ExecutionError::function_error(
+                "matches",
+                format!("more than {MAX_PATTERNS_PER_JUDGMENT} distinct patterns in one judgment"),
+            ));
+        }
         let too_big = |e: &dyn std::fmt::Display| {
             ExecutionError::function_error(
                 "matches",
@@ -948,7 +957,9 @@ impl Rewriter {
             .collect();
         // `text.matches(p)` and `matches(text, p)` both become the bounded
         // `@judge_matches(text, p)`, which charges for itself.
-        if c.func_name == "matches" {
+        // `.matches(...)` (a leading dot: the root namespace) resolves to
+        // the same built-in, unmetered: both spellings are rewritten.
+        if c.func_name.trim_start_matches('.') == "matches" {
             let mut all: Vec<IdedExpr> = target.map(|t| *t).into_iter().collect();
             all.extend(args);
             return CallExpr {
@@ -1312,6 +1323,9 @@ mod tests {
         for p in [
             "result.output.text.matches('a[ab]{10000}[^ab]')",
             "matches(result.output.text, 'a[ab]{10000}[^ab]')",
+            // The root-namespace spelling reaches the same built-in.
+            ".matches(result.output.text, 'a[ab]{10000}[^ab]')",
+            "[result.output.text].all(t, .matches(t, 'a[ab]{10000}[^ab]'))",
             "result.output.text.matches('a[ab]{500}[^ab]')",
         ] {
             let j = judge(p, &Scope::default(), &big, &o);
@@ -1350,6 +1364,16 @@ mod tests {
         );
         assert_eq!(late.len(), 2, "{late:?}");
         assert!(late[0].reason.contains("time"), "{late:?}");
+        // Distinct patterns per judgment are capped.
+        let many = "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]\
+                    .all(i, !result.output.text.matches('x{' + string(i + 1) + '}'))";
+        let j = judge(many, &Scope::default(), &text, &o);
+        assert_eq!(j.verdict, Verdict::Rejected);
+        assert!(
+            j.refused[0].reason.contains("distinct patterns"),
+            "{:?}",
+            j.refused
+        );
         // A pattern that is not a regex is a refused criterion, not a panic.
         let j = judge(
             "result.output.text.matches('(')",

@@ -111,6 +111,9 @@ pub const REGEX_BYTE_COST: i64 = 64;
 /// repetitions (`a[ab]{10000}`) blow a short pattern up to a huge
 /// automaton, and matching time grows with its size.
 pub const MAX_REGEX_NFA_BYTES: usize = 256 * 1024;
+/// Distinct `matches` patterns one judgment compiles: each may hold up to
+/// `MAX_REGEX_NFA_BYTES` plus its cache.
+pub const MAX_PATTERNS_PER_JUDGMENT: usize = 16;
 /// The lazy DFA's cache of one `matches` pattern, in bytes.
 pub const REGEX_DFA_CACHE_BYTES: usize = 256 * 1024;
 /// NFA states per cost unit per matched byte: matching is charged, before

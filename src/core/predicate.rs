@@ -165,38 +165,25 @@ fn lock_parsed(parsed: &std::sync::Mutex<ParsedTexts>) -> std::sync::MutexGuard<
 }
 
 /// Bounds what the recursive CEL parser will face before it runs:
-/// bracket nesting and binary operators (a rough count outside string
-/// literals is enough for a bound).
+/// bracket nesting, binary operators, and member selections and indexes
+/// (a rough count of the code outside string literals and comments is
+/// enough for a bound; see `code_bytes`).
 fn check_shape(text: &str) -> Result<(), String> {
     let (mut depth, mut deepest, mut operators, mut selects) = (0usize, 0usize, 0usize, 0usize);
-    let mut quote: Option<char> = None;
-    let mut escaped = false;
-    let mut previous = ' ';
-    for c in text.chars() {
-        match quote {
-            Some(q) => {
-                if escaped {
-                    escaped = false;
-                } else if c == '\\' {
-                    escaped = true;
-                } else if c == q {
-                    quote = None;
-                }
+    let mut previous = b' ';
+    for c in code_bytes(text) {
+        match c {
+            b'(' | b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+                // `a[0][0]…` recurses like `a.b.c…` and nests no deeper.
+                selects += usize::from(c == b'[');
             }
-            None => match c {
-                '"' | '\'' => quote = Some(c),
-                '(' | '[' | '{' => {
-                    depth += 1;
-                    deepest = deepest.max(depth);
-                    // `a[0][0]…` recurses like `a.b.c…` and nests no deeper.
-                    selects += usize::from(c == '[');
-                }
-                ')' | ']' | '}' => depth = depth.saturating_sub(1),
-                '+' | '-' | '*' | '/' | '%' | '<' | '>' | '?' => operators += 1,
-                '&' | '|' | '=' if previous != c => operators += 1,
-                '.' => selects += 1,
-                _ => {}
-            },
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            b'+' | b'-' | b'*' | b'/' | b'%' | b'<' | b'>' | b'?' => operators += 1,
+            b'&' | b'|' | b'=' if previous != c => operators += 1,
+            b'.' => selects += 1,
+            _ => {}
         }
         previous = c;
     }
@@ -216,6 +203,53 @@ fn check_shape(text: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The bytes of `text` that are code, as CEL's lexer reads it: string
+/// literals (single, double and triple quoted; raw ones, prefixed `r`/`R`
+/// possibly after `b`/`B`, take no escapes) and `//` comments are skipped,
+/// each literal standing as one `"`. A quote inside a comment, or a
+/// backslash in a raw string, cannot hide code from the count.
+fn code_bytes(text: &str) -> impl Iterator<Item = u8> + '_ {
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        loop {
+            let c = *bytes.get(i)?;
+            match c {
+                b'/' if bytes.get(i + 1) == Some(&b'/') => {
+                    while i < bytes.len() && bytes[i] != b'\n' {
+                        i += 1;
+                    }
+                }
+                b'"' | b'\'' => {
+                    let prefix = |back: usize| i.checked_sub(back).map(|at| bytes[at]);
+                    let raw = matches!(prefix(1), Some(b'r' | b'R'))
+                        || (matches!(prefix(1), Some(b'b' | b'B'))
+                            && matches!(prefix(2), Some(b'r' | b'R')));
+                    let triple = bytes.get(i + 1) == Some(&c) && bytes.get(i + 2) == Some(&c);
+                    let delim = if triple { 3 } else { 1 };
+                    i += delim;
+                    while i < bytes.len() {
+                        if !raw && bytes[i] == b'\\' {
+                            i += 2;
+                            continue;
+                        }
+                        if bytes[i] == c && (!triple || bytes[i..].starts_with(&[c, c, c])) {
+                            i += delim;
+                            break;
+                        }
+                        i += 1;
+                    }
+                    return Some(b'"');
+                }
+                _ => {
+                    i += 1;
+                    return Some(c);
+                }
+            }
+        }
+    })
 }
 
 #[cfg(test)]
@@ -269,6 +303,26 @@ mod tests {
         assert!(refused.unwrap_err().reason.contains("member selections"));
         let indexes = format!("result{}", "[0]".repeat(1_300));
         assert!(Predicate::parse(&indexes, "p").is_err());
+        // Neither a quote in a comment, a raw string's backslash nor a
+        // triple-quoted string hides what follows from the count.
+        for hidden in [
+            format!("true // '\n&& result{}", ".a".repeat(200)),
+            format!(r"r'\' == 'x' && result{}", ".a".repeat(200)),
+            format!("'''a'b''' == 'x' && result{}", ".a".repeat(200)),
+        ] {
+            let err = Predicate::parse(&hidden, "p").unwrap_err();
+            assert!(
+                err.reason.contains("member selections"),
+                "{hidden:?}: {}",
+                err.reason
+            );
+        }
+        let lexed: Vec<u8> = code_bytes(
+            r"a + 'b+c' // d+e
++ r'\' + '''f'g''' + br'x'",
+        )
+        .collect();
+        assert_eq!(lexed, b"a + \" \n+ r\" + \" + br\"".to_vec());
         let long = vec!["1"; 200].join(" + ");
         assert!(Predicate::parse(&format!("{long} > 0"), "p").is_err());
         assert!(

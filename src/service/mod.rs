@@ -236,15 +236,16 @@ impl<S: Store> BrokerService<S> {
                 issued: Some(issued(answer.outcome)?),
             });
         }
-        let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
+        // The allow-list first: a key that may not open roots costs no
+        // conversion (predicate parsing) at all.
         if let Err(denied) = self
             .config
             .orchestrators
-            .admit(&root.request.agent, root.budget)
+            .admit(&signed.request.agent, signed.body.budget)
         {
             // A retry of a root admitted before the list changed still
             // gets its answer: one request, one answer.
-            if let Some(answer) = self.store.replay(&root.request).await? {
+            if let Some(answer) = self.store.replay(&signed.request).await? {
                 return Ok(pb::OpenRootResponse {
                     replayed: answer.replayed,
                     issued: Some(issued(answer.outcome)?),
@@ -256,11 +257,12 @@ impl<S: Store> BrokerService<S> {
                     detail: "this key may not open roots (it is not under [orchestrators] in the broker's configuration)".into(),
                 },
                 RootDenied::OverAllowance { allowed } => ServiceError::OverAllowance {
-                    requested: root.budget,
+                    requested: signed.body.budget,
                     allowed,
                 },
             });
         }
+        let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
         let answer = self.store.open_root(root).await?;
         Ok(pb::OpenRootResponse {
             replayed: answer.replayed,
@@ -395,10 +397,10 @@ impl<S: Store> BrokerService<S> {
             let _slots = (by_caller, by_connection);
             let mut query = true;
             loop {
-                // Mark what we have seen before reading, so a commit that
-                // lands after the read still wakes us.
-                commits.borrow_and_update();
                 let events = if query {
+                    // Mark what we have seen before reading, so a commit
+                    // that lands after the read still wakes us.
+                    commits.borrow_and_update();
                     match store
                         .events(contract, cursor, WATCH_PAGE, WATCH_PAGE_BYTES)
                         .await
@@ -419,7 +421,11 @@ impl<S: Store> BrokerService<S> {
                         _ = stopping.wait_for(|stop| *stop) => return,
                     }
                     // Woken by any commit; query only if this tree got an
-                    // event after what was sent (see `TreeChanges`).
+                    // event after what was sent (see `TreeChanges`). Marked
+                    // seen first: a tree is touched before its commit is
+                    // announced, so any announcement after this mark wakes
+                    // us again, and any before it is visible to the check.
+                    commits.borrow_and_update();
                     query = trees.changed_since(&root, cursor);
                     continue;
                 }
