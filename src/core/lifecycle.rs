@@ -146,6 +146,32 @@ pub struct Ended {
     pub overspend: Option<Overspend>,
 }
 
+/// Who named the host whose metering a contract receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostChoice {
+    /// The principal, at Delegate: its metering is a fact the principal
+    /// chose to trust, charged in full (it may overspend the budget).
+    Principal,
+    /// The delegate itself, at Accept (or nobody above it, for a root): a
+    /// host the delegate picked may be the delegate's own second key, so
+    /// its metering is worth no more than the delegate's report.
+    Delegate,
+}
+
+/// What recording `units` of host metering charges now, and what it
+/// records without charging: `(charged, uncharged)`. A principal-chosen
+/// host's units are charged in full; a delegate-chosen host's only up to
+/// what the contract still holds (its residual, never below 0), so a host
+/// the delegate controls can never put debt on the chain above it.
+pub fn metering_charge(ledger: &Ledger, units: i64, host: HostChoice) -> (i64, i64) {
+    let units = units.max(0);
+    let charged = match host {
+        HostChoice::Principal => units,
+        HostChoice::Delegate => units.min(ledger.residual().max(0)),
+    };
+    (charged, units - charged)
+}
+
 /// What a completing contract consumed itself, and so what is charged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Consumption {
@@ -248,8 +274,9 @@ impl Tree {
     }
 
     /// Charges `units` the host metered to open contract `id` at once: they
-    /// leave its residual now, not when it ends.
-    pub fn meter(&mut self, id: usize, units: i64) -> Result<(), TreeError> {
+    /// leave its residual now, not when it ends (see `metering_charge`).
+    /// Returns the units recorded but not charged.
+    pub fn meter(&mut self, id: usize, units: i64, host: HostChoice) -> Result<i64, TreeError> {
         let n = self.node(id)?;
         if !n.status.is_open() {
             return Err(LifecycleError::NotAllowed {
@@ -258,8 +285,9 @@ impl Tree {
             }
             .into());
         }
-        self.nodes[id].ledger.charge(units)?;
-        Ok(())
+        let (charged, uncharged) = metering_charge(&n.ledger, units, host);
+        self.nodes[id].ledger.charge(charged)?;
+        Ok(uncharged)
     }
 
     /// Completes `id`, charging its own consumption as `consumed` says.
@@ -455,7 +483,7 @@ mod tests {
         let d = t.delegate(a, 5, T0 + 800, T0).unwrap();
         t.accept(d, T0).unwrap();
         t.complete(d, Consumption::Reported(4), T0).unwrap();
-        t.meter(a, 7).unwrap();
+        t.meter(a, 7, HostChoice::Principal).unwrap();
         let ended = t.revoke(a, T0 + 1).unwrap();
         let ids: Vec<usize> = ended.iter().map(|e| e.id).collect();
         assert_eq!(ids, vec![c, b, a]);
@@ -484,7 +512,7 @@ mod tests {
     #[test]
     fn metered_units_count_against_the_residual_at_once() {
         let mut t = Tree::new(100, T0 + 1_000);
-        t.meter(0, 100).unwrap();
+        assert_eq!(t.meter(0, 100, HostChoice::Principal), Ok(0));
         assert_eq!(t.node(0).unwrap().ledger.residual(), 0);
         assert!(matches!(
             t.delegate(0, 100, T0 + 900, T0),
@@ -501,7 +529,7 @@ mod tests {
         let a = t.delegate(0, 60, T0 + 900, T0).unwrap();
         let b = t.delegate(a, 30, T0 + 900, T0).unwrap();
         t.accept(b, T0).unwrap();
-        t.meter(b, 4).unwrap();
+        t.meter(b, 4, HostChoice::Principal).unwrap();
         t.accept(a, T0).unwrap();
         let ended = t.complete(b, Consumption::Metered, T0 + 1).unwrap();
         assert_eq!(t.node(b).unwrap().ledger.spent, 4);
@@ -535,12 +563,20 @@ mod tests {
         // Metered units are a fact: they may overspend, and are charged in full.
         let b = t.delegate(0, 10, T0 + 900, T0).unwrap();
         t.accept(b, T0).unwrap();
-        t.meter(b, 25).unwrap();
+        t.meter(b, 25, HostChoice::Principal).unwrap();
         let ended = t.complete(b, Consumption::Metered, T0).unwrap();
         assert_eq!(ended[0].overspend.map(|o| o.excess), Some(15));
         assert_eq!(t.node(0).unwrap().ledger.spent, 35);
         // An ended contract takes no metering.
-        assert!(t.meter(b, 1).is_err());
+        assert!(t.meter(b, 1, HostChoice::Principal).is_err());
+        // A host the delegate chose is charged up to the residual only.
+        let c = t.delegate(0, 10, T0 + 900, T0).unwrap();
+        t.accept(c, T0).unwrap();
+        assert_eq!(t.meter(c, 1_000_000, HostChoice::Delegate), Ok(999_990));
+        assert_eq!(t.meter(c, 5, HostChoice::Delegate), Ok(5));
+        let ended = t.complete(c, Consumption::Metered, T0).unwrap();
+        assert_eq!(ended[0].overspend, None);
+        assert_eq!(t.node(0).unwrap().ledger.spent, 45);
     }
 
     #[derive(Clone, Debug)]
@@ -551,7 +587,7 @@ mod tests {
             deadline: i64,
         },
         Accept(usize),
-        Meter(usize, i64),
+        Meter(usize, i64, bool),
         /// `None`: the host metered it.
         Complete(usize, Option<i64>),
         Escalate(usize),
@@ -567,7 +603,7 @@ mod tests {
         prop_oneof![
             6 => (id.clone(), 1i64..60, 1i64..4_000).prop_map(|(parent, budget, deadline)| Op::Delegate { parent, budget, deadline }),
             2 => id.clone().prop_map(Op::Accept),
-            2 => (id.clone(), units.clone()).prop_map(|(i, c)| Op::Meter(i, c)),
+            2 => (id.clone(), units.clone(), any::<bool>()).prop_map(|(i, c, p)| Op::Meter(i, c, p)),
             2 => (id.clone(), proptest::option::of(0i64..200)).prop_map(|(i, c)| Op::Complete(i, c)),
             1 => id.clone().prop_map(Op::Escalate),
             1 => id.clone().prop_map(Op::Decline),
@@ -660,12 +696,14 @@ mod tests {
                         .delegate(target(parent, true), budget, now + deadline, now)
                         .map(|_| Vec::new()),
                     Op::Accept(i) => t.accept(target(i, true), now).map(|_| Vec::new()),
-                    Op::Meter(i, c) => {
+                    Op::Meter(i, c, principal) => {
                         let target = target(i, true);
-                        t.meter(target, c).map(|()| {
-                            consumed += c;
+                        let host = if principal { HostChoice::Principal } else { HostChoice::Delegate };
+                        t.meter(target, c, host).map(|uncharged| {
+                            consumed += c - uncharged;
                             metered.resize(t.nodes().len(), false);
-                            metered[target] = true;
+                            // Only a principal's host can put a node in debt.
+                            metered[target] |= principal;
                             Vec::new()
                         })
                     }

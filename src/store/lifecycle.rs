@@ -14,7 +14,9 @@ use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
 use super::batch::{OUTCOME_REFUSED, PriorRequest, RequestKey};
 use super::{Answer, Outcome, StoreError};
 use crate::core::judge::{self, Verdict};
-use crate::core::lifecycle::{self, Consumption, Ended, Event, LifecycleError, Node, Tree};
+use crate::core::lifecycle::{
+    self, Consumption, Ended, Event, HostChoice, LifecycleError, Node, Tree,
+};
 use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT};
 use crate::core::{AgentKey, Id, Ledger, Scope, Status};
 use crate::crypto;
@@ -179,6 +181,8 @@ struct Loaded {
     observations: i64,
     observed_units: i64,
     metered: bool,
+    /// Metered units recorded but not charged (see `metering_charge`).
+    metered_uncharged: i64,
     effective_predicate: String,
     write_scope: Scope,
     contract: pb::Contract,
@@ -186,7 +190,7 @@ struct Loaded {
 
 const COLUMNS: &str = "seq, id, parent_seq, status, budget, reserved, spent, open_children, \
      deadline_ms, issued_at_ms, delegate_key, host_key, verdict, observations, observed_units, \
-     metered, effective_predicate, write_scope, envelope";
+     metered, metered_uncharged, effective_predicate, write_scope, envelope";
 
 fn corrupt(what: &str) -> sqlx::Error {
     sqlx::Error::Protocol(format!("corrupt contract row: {what}"))
@@ -229,6 +233,7 @@ fn row_from(row: &SqliteRow) -> Result<Loaded, sqlx::Error> {
         observations: row.try_get("observations")?,
         observed_units: row.try_get("observed_units")?,
         metered: metered != 0,
+        metered_uncharged: row.try_get("metered_uncharged")?,
         effective_predicate: row.try_get("effective_predicate")?,
         write_scope: Scope::from_trusted(
             serde_json::from_str(&scope).map_err(|_| corrupt("write_scope"))?,
@@ -756,11 +761,19 @@ pub async fn apply(
             }
             let metered = target.metered || observations.iter().any(|o| o.units > 0);
             // Metered units leave the residual now (issue 11, item 2); the
-            // contract's end charges nothing of them again.
+            // contract's end charges nothing of them again. A host the
+            // delegate chose is charged only up to the residual.
+            let host = if target.contract.host_public_key.is_empty() {
+                HostChoice::Delegate
+            } else {
+                HostChoice::Principal
+            };
+            let (charged, uncharged) = lifecycle::metering_charge(&target.ledger, units, host);
             let mut ledger = target.ledger;
-            if let Err(e) = ledger.charge(units) {
+            if let Err(e) = ledger.charge(charged) {
                 return refused(StoreError::Corrupt(format!("metering: {e}")));
             }
+            let metered_uncharged = target.metered_uncharged.saturating_add(uncharged);
             let mut query = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
             );
@@ -773,11 +786,12 @@ pub async fn apply(
                     .push_bind(o.at_ms);
             });
             query.build().execute(&mut *conn).await?;
-            sqlx::query("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, spent = $4 WHERE seq = $5")
+            sqlx::query("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, spent = $4, metered_uncharged = $5 WHERE seq = $6")
                 .bind(total)
                 .bind(metered_total)
                 .bind(i64::from(metered))
                 .bind(ledger.spent)
+                .bind(metered_uncharged)
                 .bind(target.seq)
                 .execute(&mut *conn)
                 .await?;
@@ -854,11 +868,15 @@ pub async fn apply(
                     has_report: args.has_report,
                     result_digest: crypto::sha256(args.output_json.as_bytes()).to_vec(),
                     consumed: if target.metered {
-                        judgment.consumed
+                        judgment.consumed.saturating_sub(target.metered_uncharged)
                     } else {
                         own.map_or(0, |e| e.charged_at_end)
                     },
-                    claimed_excess: own.map_or(0, |e| e.unverified_excess),
+                    claimed_excess: if target.metered {
+                        target.metered_uncharged
+                    } else {
+                        own.map_or(0, |e| e.unverified_excess)
+                    },
                     overspend: own.and_then(|e| e.overspend).map_or(0, |o| o.excess),
                     returned: own.and_then(|e| e.settlement).map_or(0, |s| s.returned),
                     schema_valid: judgment.schema_valid,

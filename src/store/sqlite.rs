@@ -2184,6 +2184,73 @@ mod tests {
         ));
     }
 
+    /// Migration 7 puts an open contract's own metered units into its
+    /// spent once, even where the old late-Accept bug had already written
+    /// them in: spent is recomputed (own metered + ended children's spent).
+    #[tokio::test]
+    async fn migration_7_charges_metered_units_once() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("broker.sqlite3");
+        let connect = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        {
+            let mut conn = SqliteConnection::connect_with(&connect)
+                .await
+                .expect("connect");
+            sqlx::migrate!("./migrations/sqlite")
+                .run_to(6, &mut conn)
+                .await
+                .expect("schema 6");
+            // (seq, parent, status, budget, reserved, spent, open children,
+            // metered units): root → A (accepted, metered 2, one ended
+            // child C that spent 7) → B (accepted, metered 4, whose spent
+            // the old bug already set to 4 when A accepted late).
+            let rows: [(i64, Option<i64>, i64, i64, i64, i64, i64, i64); 4] = [
+                (1, None, 2, 100, 60, 0, 1, 0),
+                (2, Some(1), 2, 60, 30, 7, 1, 2),
+                (3, Some(2), 2, 30, 0, 4, 0, 4),
+                (4, Some(2), 3, 10, 0, 7, 0, 0),
+            ];
+            for (seq, parent, status, budget, reserved, spent, open, units) in rows {
+                sqlx::query(
+                    "INSERT INTO contracts (seq, id, parent_seq, root_seq, root_id, depth, delegate_key, \
+                     liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
+                     deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
+                     retry_headroom, issued_at_ms, status, budget, reserved, spent, open_children, \
+                     observed_units, metered) \
+                     VALUES ($1, $2, $3, 1, $2, 0, $2, 1, $2, 1000000, '', 1, '[]', 4, 0, 8, 0, 1, \
+                     $4, $5, $6, $7, $8, $9, $10)",
+                )
+                .bind(seq)
+                .bind(vec![u8::try_from(seq).expect("small"); 32])
+                .bind(parent)
+                .bind(status)
+                .bind(budget)
+                .bind(reserved)
+                .bind(spent)
+                .bind(open)
+                .bind(units)
+                .bind(i64::from(units > 0))
+                .execute(&mut conn)
+                .await
+                .expect("schema-6 contract");
+            }
+            sqlx::migrate!("./migrations/sqlite")
+                .run(&mut conn)
+                .await
+                .expect("migrated");
+            let spent: Vec<(i64, i64)> =
+                sqlx::query_as("SELECT seq, spent FROM contracts ORDER BY seq")
+                    .fetch_all(&mut conn)
+                    .await
+                    .expect("read");
+            // B: 4 once (not 8); A: its own 2 plus C's 7; C ended: as it was.
+            assert_eq!(spent, [(1, 0), (2, 9), (3, 4), (4, 7)]);
+        }
+    }
+
     fn test_options(path: PathBuf) -> SqliteOptions {
         SqliteOptions {
             path,

@@ -884,3 +884,74 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
         .issued();
     broker.stop().await;
 }
+
+/// Item 4 through a host: without `require_host`, a delegate may name its
+/// own second key as host at Accept, and that host's metering was charged
+/// in full (10^15 units on a 10-unit contract). A host the delegate chose
+/// is charged only up to the residual, the rest recorded; a host the
+/// principal named is a fact and may overspend.
+#[tokio::test]
+async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, own_host, b, named_host) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (a_id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 10))
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&a, &a_id, Some(&own_host)).await.unwrap();
+    let huge = 1_000_000_000_000_000;
+    broker
+        .record(&own_host, &a_id, vec![tool_call("llm", huge)])
+        .await
+        .unwrap();
+    assert_eq!(broker.ledger(&a_id).await.spent, 10);
+    let completion = broker
+        .complete(&a, output("{}", 1, &a_id))
+        .await
+        .unwrap()
+        .completion
+        .unwrap();
+    assert_eq!(
+        (
+            completion.consumed,
+            completion.claimed_excess,
+            completion.overspend
+        ),
+        (10, huge - 10, 0)
+    );
+    // The principal's own choice of host is trusted in full.
+    let mut body = child(&root.id, &root.lineage, &b, 10);
+    body.host_public_key = named_host.public_key().to_vec();
+    let (b_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    broker.accept(&b, &b_id, None).await.unwrap();
+    broker
+        .record(&named_host, &b_id, vec![tool_call("llm", 25)])
+        .await
+        .unwrap();
+    let completion = broker
+        .complete(&b, output("{}", 1, &b_id))
+        .await
+        .unwrap()
+        .completion
+        .unwrap();
+    assert_eq!(
+        (
+            completion.consumed,
+            completion.claimed_excess,
+            completion.overspend
+        ),
+        (25, 0, 15)
+    );
+    let root_ledger = broker.ledger(&root.id).await;
+    assert_eq!((root_ledger.spent, root_ledger.residual), (35, 65));
+    broker.assert_ledgers_balance(&root.id).await;
+    broker.stop().await;
+}
