@@ -2207,7 +2207,8 @@ mod tests {
             // metered units): root → A (accepted, metered 2, one ended
             // child C that spent 7) → B (accepted, metered 4, whose spent
             // the old bug already set to 4 when A accepted late).
-            let rows: [(i64, Option<i64>, i64, i64, i64, i64, i64, i64); 4] = [
+            type Row = (i64, Option<i64>, i64, i64, i64, i64, i64, i64);
+            let rows: [Row; 4] = [
                 (1, None, 2, 100, 60, 0, 1, 0),
                 (2, Some(1), 2, 60, 30, 7, 1, 2),
                 (3, Some(2), 2, 30, 0, 4, 0, 4),
