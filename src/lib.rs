@@ -11,6 +11,7 @@ pub mod keystore;
 pub mod pool;
 pub mod server;
 pub mod service;
+pub mod slots;
 pub mod stamp;
 pub mod store;
 

@@ -7,7 +7,6 @@ pub mod auth;
 pub mod convert;
 pub mod error;
 pub mod session;
-pub mod slots;
 pub mod transport;
 
 use std::sync::Arc;
@@ -47,11 +46,11 @@ pub struct BrokerService<S> {
     /// composition), MAX_CONCURRENT_CONVERSIONS at once.
     converters: crate::pool::WorkPool,
     /// Watch streams, broker-wide and per caller (session key).
-    watch_callers: Arc<slots::Slots<crate::core::AgentKey>>,
+    watch_callers: Arc<crate::slots::Slots<crate::core::AgentKey>>,
     /// Watch streams per client connection (peer address).
-    watch_connections: Arc<slots::Slots<std::net::SocketAddr>>,
+    watch_connections: Arc<crate::slots::Slots<std::net::SocketAddr>>,
     /// Audit calls running, broker-wide and per caller.
-    audits: Arc<slots::Slots<crate::core::AgentKey>>,
+    audits: Arc<crate::slots::Slots<crate::core::AgentKey>>,
     /// Turns true when the server shuts down: Watch streams end then, or
     /// graceful shutdown would wait on them forever.
     stopping: tokio::sync::watch::Receiver<bool>,
@@ -87,19 +86,19 @@ impl<S> BrokerService<S> {
             sessions: session::Sessions::new(stamper, &keys, config.limits.session_ttl_ms),
             parties: std::sync::Mutex::default(),
             stopping,
-            watch_callers: slots::Slots::new(
+            watch_callers: crate::slots::Slots::new(
                 config.limits.max_watch_streams,
                 "limits.max_watch_streams",
                 config.limits.max_watch_streams_per_caller,
                 "limits.max_watch_streams_per_caller",
             ),
-            watch_connections: slots::Slots::new(
+            watch_connections: crate::slots::Slots::new(
                 config.limits.max_watch_streams,
                 "limits.max_watch_streams",
                 config.limits.max_watch_streams_per_connection,
                 "limits.max_watch_streams_per_connection",
             ),
-            audits: slots::Slots::new(
+            audits: crate::slots::Slots::new(
                 config.limits.max_concurrent_audits,
                 "limits.max_concurrent_audits",
                 config.limits.max_concurrent_audits_per_caller,
@@ -382,10 +381,17 @@ impl<S: Store> BrokerService<S> {
         };
         // Every cap before anything is started: broker-wide, per caller and
         // per connection, so one client cannot take every stream.
-        let by_caller = self.watch_callers.take(caller)?;
+        let by_caller = self
+            .watch_callers
+            .take(caller)
+            .map_err(ServiceError::Overloaded)?;
         // Unknown peers (none on TCP or TLS) are only capped per caller.
         let by_connection = connection
-            .map(|peer| self.watch_connections.take(peer))
+            .map(|peer| {
+                self.watch_connections
+                    .take(peer)
+                    .map_err(ServiceError::Overloaded)
+            })
             .transpose()?;
         let root = record.root_id;
         let store = self.store.clone();
@@ -584,7 +590,7 @@ impl<S: Store> Broker for BrokerService<S> {
         let id = self
             .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
-        let _slot = self.audits.take(caller)?;
+        let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
         let (facts, mutations) = self
             .store
             .audit_facts(id)
@@ -610,7 +616,7 @@ impl<S: Store> Broker for BrokerService<S> {
         // root it opened.
         let orchestrator = (!self.config.readers.contains(&caller)).then_some(caller);
         let (selector, group_by) = audit::parse_request(&request.into_inner())?;
-        let _slot = self.audits.take(caller)?;
+        let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
         let runs = self
             .store
             .runs(orchestrator, &selector, audit::MAX_AGGREGATE_RUNS)

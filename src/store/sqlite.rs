@@ -143,6 +143,12 @@ pub struct SqliteStore {
     judges: crate::pool::WorkPool,
     /// `SqliteOptions::judgment_deadline_ms`.
     judgment_deadline: Duration,
+    /// Completions being judged, one per contract (a second one waits for
+    /// the first to be answered).
+    judging_contracts: Arc<crate::slots::Slots<Id>>,
+    /// Completions being judged per signing key: one delegate cannot take
+    /// every judge.
+    judging_signers: Arc<crate::slots::Slots<AgentKey>>,
     /// `SqliteOptions::before_judge`.
     before_judge: Option<BeforeJudge>,
     /// `SqliteOptions::max_audit_rows`.
@@ -333,6 +339,18 @@ impl SqliteStore {
             )
             .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?,
             judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
+            judging_contracts: crate::slots::Slots::new(
+                usize::MAX,
+                "judgments",
+                1,
+                "JUDGMENT_IN_PROGRESS",
+            ),
+            judging_signers: crate::slots::Slots::new(
+                usize::MAX,
+                "judgments",
+                MAX_JUDGMENTS_PER_SIGNER,
+                "MAX_JUDGMENTS_PER_SIGNER",
+            ),
             before_judge: options.before_judge.clone(),
             max_audit_rows: options.max_audit_rows.max(1),
             max_audit_bytes: options.max_audit_bytes.max(1),
@@ -458,6 +476,19 @@ impl Store for SqliteStore {
         // arrived after its judgment; it is judged again here, off the
         // writer, a bounded number of times.
         let signer = request.as_ref().map(|r| r.agent);
+        // One judgment per contract, and a few per signer, at a time: a
+        // delegate (and a host it controls) cannot keep every judge busy
+        // with completions of one contract or of its own.
+        let _contract_slot = self.judging_contracts.take(contract_id).map_err(|_| {
+            StoreError::Unavailable {
+                reason: "JUDGMENT_IN_PROGRESS",
+                detail: "another completion of this contract is being judged; retry with the same nonce once it is answered".into(),
+            }
+        })?;
+        let _signer_slot = signer
+            .map(|s| self.judging_signers.take(s))
+            .transpose()
+            .map_err(StoreError::Overloaded)?;
         for _ in 0..MAX_JUDGMENT_ATTEMPTS {
             let judged = self.prejudge(&contract_id, signer.as_ref(), args).await?;
             args = judged.clone();
@@ -1053,6 +1084,8 @@ const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
 /// more than a few only queue for the same cores; the rest wait for a
 /// permit (each request still has its deadline).
 const MAX_CONCURRENT_JUDGMENTS: usize = 4;
+/// Completions one signing key may have judged at once.
+const MAX_JUDGMENTS_PER_SIGNER: usize = 2;
 /// Judgments of one completion before giving up when host observations
 /// keep arriving while it is judged (each makes the last one stale).
 const MAX_JUDGMENT_ATTEMPTS: usize = 3;
@@ -2842,9 +2875,11 @@ mod tests {
             .await
             .expect("open");
         let root = issued(store.open_root(test_root(meta(9, 1))).await);
-        let delegate = 20u8;
         let mut completions = Vec::new();
         for i in 0..COMPLETIONS {
+            // Each from its own delegate: one signer's judgments are capped
+            // lower (MAX_JUDGMENTS_PER_SIGNER).
+            let delegate = 20 + i;
             let child = issued(
                 store
                     .delegate(test_child(9, 10 + i, root, delegate, "true"))
@@ -3003,8 +3038,33 @@ mod tests {
         assert_eq!(judged.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
+    /// An accepted child of `root` for delegate `[delegate; 32]` (host 30).
+    async fn accepted_child(store: &SqliteStore, root: Id, delegate: u8, nonce: u8) -> Id {
+        let child = issued(
+            store
+                .delegate(test_child(9, nonce, root, delegate, "true"))
+                .await,
+        );
+        let accept = LifecycleCommand {
+            request: Some(meta(delegate, nonce)),
+            contract_id: child,
+            action: Action::Accept {
+                host: Some([30; 32]),
+            },
+        };
+        receipt(store.transition(accept).await);
+        child
+    }
+
+    fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
+        LifecycleCommand {
+            request: Some(meta(delegate, nonce)),
+            ..complete(contract_id, nonce)
+        }
+    }
+
     /// Issue 11, item 6: a completion never waits for a judge without a
-    /// deadline. With every judge held, a completion is answered
+    /// deadline. With every judge held, completions are answered
     /// UNAVAILABLE (JUDGES_BUSY) at the deadline, nothing is recorded, and
     /// other writes go on meanwhile.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -3016,13 +3076,30 @@ mod tests {
         let hook = BeforeJudge(Arc::new(move || {
             let _ = held.lock().expect("gate").recv();
         }));
-        let (store, child) = judged_store(dir.path(), hook, 300, "true").await;
-        // Fill every judge; each of these waits past its deadline too.
+        let (store, first) = judged_store(dir.path(), hook, 300, "true").await;
+        let root = store
+            .contract(first)
+            .await
+            .expect("read")
+            .expect("found")
+            .root_id;
+        let mut children = vec![(20u8, first)];
+        for i in 1..=MAX_CONCURRENT_JUDGMENTS {
+            let delegate = 20 + u8::try_from(i).expect("few");
+            children.push((
+                delegate,
+                accepted_child(&store, root, delegate, 40 + delegate).await,
+            ));
+        }
+        // Fill every judge, each completion from its own delegate; each
+        // waits past its deadline, the one beyond the pool too.
         let mut stuck = Vec::new();
-        for i in 0..MAX_CONCURRENT_JUDGMENTS + 1 {
+        for (delegate, child) in children.clone() {
             let store = store.clone();
             stuck.push(tokio::spawn(async move {
-                store.transition(complete(child, 10 + i as u8)).await
+                store
+                    .transition(complete_by(delegate, child, 100 + delegate))
+                    .await
             }));
         }
         for task in stuck {
@@ -3033,20 +3110,82 @@ mod tests {
         }
         // Other writes were never held up.
         let root_again = issued(store.open_root(test_root(meta(9, 50))).await);
-        assert_ne!(root_again, child);
-        assert_eq!(
-            store
+        assert_ne!(root_again, first);
+        for (_, child) in children {
+            let status = store
                 .contract(child)
                 .await
                 .expect("read")
                 .expect("found")
-                .status,
-            Status::Accepted,
-            "nothing was recorded"
-        );
+                .status;
+            assert_eq!(status, Status::Accepted, "nothing was recorded");
+        }
         for _ in 0..MAX_CONCURRENT_JUDGMENTS {
             let _ = release.send(());
         }
+    }
+
+    /// Review of issue 11: one delegate (with a host it controls) could keep
+    /// every judge busy. One completion of a contract is judged at a time,
+    /// and one signer has at most `MAX_JUDGMENTS_PER_SIGNER` judged at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn judgments_are_one_per_contract_and_few_per_signer() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let gate = Arc::new(Mutex::new(gate));
+        let (count, held) = (entered.clone(), gate.clone());
+        let hook = BeforeJudge(Arc::new(move || {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = held.lock().expect("gate").recv();
+        }));
+        let (store, first) = judged_store(dir.path(), hook, JUDGMENT_DEADLINE_MS, "true").await;
+        let root = store
+            .contract(first)
+            .await
+            .expect("read")
+            .expect("found")
+            .root_id;
+        let mut mine = vec![first];
+        for i in 0..MAX_JUDGMENTS_PER_SIGNER {
+            mine.push(accepted_child(&store, root, 20, 60 + u8::try_from(i).expect("few")).await);
+        }
+        let mut running = Vec::new();
+        for (i, child) in mine.iter().take(MAX_JUDGMENTS_PER_SIGNER).enumerate() {
+            let (store, child) = (store.clone(), *child);
+            running.push(tokio::spawn(async move {
+                store
+                    .transition(complete(child, 90 + u8::try_from(i).expect("few")))
+                    .await
+            }));
+        }
+        while entered.load(std::sync::atomic::Ordering::SeqCst) < MAX_JUDGMENTS_PER_SIGNER {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // A second completion of a contract being judged: not queued.
+        match store.transition(complete(first, 99)).await {
+            Err(StoreError::Unavailable { reason, .. }) => {
+                assert_eq!(reason, "JUDGMENT_IN_PROGRESS")
+            }
+            other => panic!("expected JUDGMENT_IN_PROGRESS, got {other:?}"),
+        }
+        // The same signer's next contract: over its share.
+        let last = *mine.last().expect("children");
+        match store.transition(complete(last, 98)).await {
+            Err(StoreError::Overloaded(limit)) => assert_eq!(limit, "MAX_JUDGMENTS_PER_SIGNER"),
+            other => panic!("expected MAX_JUDGMENTS_PER_SIGNER, got {other:?}"),
+        }
+        for _ in 0..MAX_JUDGMENTS_PER_SIGNER {
+            release.send(()).expect("release");
+        }
+        for task in running {
+            let answer = receipt(task.await.expect("task"));
+            assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
+        }
+        // Once answered, the signer's other contract is judged as usual.
+        release.send(()).expect("release");
+        let answer = receipt(store.transition(complete(last, 97)).await);
+        assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
     }
 
     /// A prune pass deletes at most `MAX_PRUNED_PER_PASS` entries, oldest

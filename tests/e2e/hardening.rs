@@ -724,7 +724,7 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 1024 * 1024).await;
-    let (orchestrator, a) = (Agent::generate(), Agent::generate());
+    let orchestrator = Agent::generate();
     let root = broker
         .open_root(
             &orchestrator,
@@ -735,26 +735,27 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
         )
         .await;
     let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
+    // Four delegates (one signer's judgments are capped at two at once).
+    let delegates: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
     let mut completions = Vec::new();
-    for _ in 0..4 {
-        let body = liable_child(&root.id, &root.lineage, &a, 10, pattern);
+    for d in &delegates {
+        let body = liable_child(&root.id, &root.lineage, d, 10, pattern);
         let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
-        broker.accept(&a, &id, None).await.unwrap();
-        completions.push(id);
+        broker.accept(d, &id, None).await.unwrap();
+        completions.push((Agent::from_seed(d.seed()), id));
     }
     let text = "ab".repeat(127 * 1024);
     let mut tasks = Vec::new();
-    for id in completions {
-        let mut client = connect_as(&broker.addr, &a).await;
+    for (d, id) in completions {
+        let mut client = connect_as(&broker.addr, &d).await;
         let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
-        let a = Agent::from_seed(a.seed());
         tasks.push(tokio::spawn(async move {
             let body = pb::CompleteBody {
-                header: Some(a.header()),
+                header: Some(d.header()),
                 ..body
             };
             let request = pb::CompleteRequest {
-                signed: signed(&a, delegation_broker::crypto::payload_type::COMPLETE, &body),
+                signed: signed(&d, delegation_broker::crypto::payload_type::COMPLETE, &body),
             };
             client.complete(request).await
         }));

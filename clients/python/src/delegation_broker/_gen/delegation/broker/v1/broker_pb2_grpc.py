@@ -235,8 +235,12 @@ class BrokerServicer:
         delegate key. Judging is bounded: when every judge stays busy past the
         broker's deadline (10 s) the answer is UNAVAILABLE (reason
         JUDGES_BUSY), and when the host keeps recording observations while the
-        completion is judged, UNAVAILABLE (OBSERVATIONS_CHANGING); nothing is
-        recorded either way, so retry with the same nonce.
+        completion is judged, UNAVAILABLE (OBSERVATIONS_CHANGING); while
+        another completion of the same contract is being judged, UNAVAILABLE
+        (JUDGMENT_IN_PROGRESS). One signing key has at most two completions
+        judged at once; a third is RESOURCE_EXHAUSTED (OVERLOADED, `limit`
+        MAX_JUDGMENTS_PER_SIGNER). Nothing is recorded in any of these cases, so
+        retry with the same nonce.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

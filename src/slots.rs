@@ -1,13 +1,12 @@
 //! Per-caller limits: a broker-wide cap on some kind of work (Watch
-//! streams, audit calls) and a cap per key (a caller, a connection), so one
-//! client can never take all of it. Taking a slot never waits: past a cap
-//! the request is answered RESOURCE_EXHAUSTED naming the config key.
+//! streams, audit calls, judgments) and a cap per key (a caller, a
+//! connection, a contract), so one client can never take all of it.
+//! Taking a slot never waits: past a cap the caller is told which limit
+//! (its config key or constant) it reached.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
-
-use super::error::ServiceError;
 
 /// Slots of one kind of work.
 pub struct Slots<K: Hash + Eq + Clone> {
@@ -43,14 +42,14 @@ impl<K: Hash + Eq + Clone> Slots<K> {
     }
 
     /// Takes a slot for `key`, or names the cap that is reached.
-    pub fn take(self: &Arc<Self>, key: K) -> Result<Slot<K>, ServiceError> {
+    pub fn take(self: &Arc<Self>, key: K) -> Result<Slot<K>, &'static str> {
         let mut taken = self.lock();
         if taken.0 >= self.max_total {
-            return Err(ServiceError::Overloaded(self.total_limit));
+            return Err(self.total_limit);
         }
         let mine = taken.1.entry(key.clone()).or_insert(0);
         if *mine >= self.max_per_key {
-            return Err(ServiceError::Overloaded(self.per_key_limit));
+            return Err(self.per_key_limit);
         }
         *mine += 1;
         taken.0 += 1;
@@ -98,22 +97,13 @@ mod tests {
         let slots = Slots::new(3, "total", 2, "per key");
         let a1 = slots.take('a').unwrap();
         let _a2 = slots.take('a').unwrap();
-        assert!(matches!(
-            slots.take('a'),
-            Err(ServiceError::Overloaded("per key"))
-        ));
+        assert!(matches!(slots.take('a'), Err("per key")));
         let _b1 = slots.take('b').unwrap();
-        assert!(matches!(
-            slots.take('c'),
-            Err(ServiceError::Overloaded("total"))
-        ));
+        assert!(matches!(slots.take('c'), Err("total")));
         drop(a1);
         assert_eq!(slots.taken(), 2);
         let _c1 = slots.take('c').unwrap();
-        assert!(matches!(
-            slots.take('a'),
-            Err(ServiceError::Overloaded("total"))
-        ));
+        assert!(matches!(slots.take('a'), Err("total")));
     }
 
     #[test]
