@@ -52,11 +52,13 @@ impl Agent {
         crypto::sign_envelope(&self.key, payload_type, body.encode_to_vec())
     }
 
-    /// A signed OpenSession request: the broker answers with a session for
-    /// this key, to attach to reads (see `SessionAttacher`).
-    pub fn open_session(&self) -> pb::OpenSessionRequest {
+    /// A signed OpenSession request for the broker whose current key id is
+    /// `broker_key_id` (from GetBrokerKeys): the broker answers with a
+    /// session for this key, to attach to reads (see `SessionAttacher`).
+    pub fn open_session(&self, broker_key_id: &str) -> pb::OpenSessionRequest {
         let body = pb::OpenSessionBody {
             header: Some(self.header()),
+            broker_key_id: broker_key_id.to_owned(),
         };
         pb::OpenSessionRequest {
             signed: Some(self.sign(payload_type::OPEN_SESSION, &body)),
@@ -127,6 +129,33 @@ impl SessionAttacher {
     /// A client over `channel` that sends this attacher's session.
     pub fn client(&self, channel: tonic::transport::Channel) -> SessionClient {
         pb::broker_client::BrokerClient::with_interceptor(channel, self.clone())
+    }
+
+    /// Opens a session for `agent` on the broker behind `client` (asking
+    /// it for its current key first) and attaches it from now on.
+    pub async fn open(
+        &self,
+        client: &mut SessionClient,
+        agent: &Agent,
+    ) -> Result<(), tonic::Status> {
+        let keys = client
+            .get_broker_keys(pb::GetBrokerKeysRequest {})
+            .await?
+            .into_inner()
+            .keys;
+        let current = keys
+            .iter()
+            .find(|k| k.current)
+            .ok_or_else(|| tonic::Status::internal("the broker published no current key"))?;
+        let session = client
+            .open_session(agent.open_session(&current.key_id))
+            .await?
+            .into_inner();
+        let envelope = session
+            .session
+            .ok_or_else(|| tonic::Status::internal("OpenSession answered no session"))?;
+        self.set(&envelope);
+        Ok(())
     }
 }
 

@@ -139,6 +139,10 @@ pub struct Limits {
     pub max_watch_streams_per_caller: usize,
     /// Concurrent Watch streams on one client connection.
     pub max_watch_streams_per_connection: usize,
+    /// Concurrent Watch streams on one tree, whoever opens them: a party
+    /// can make new keys parties (by delegating to them), so per-caller
+    /// caps alone do not stop one tree from taking every stream.
+    pub max_watch_streams_per_tree: usize,
     /// GetAudit and AggregateAudits calls running at once, broker-wide:
     /// each may read and hold a whole tree.
     pub max_concurrent_audits: usize,
@@ -174,6 +178,7 @@ impl Default for Limits {
             session_ttl_ms: 3_600_000,
             max_watch_streams_per_caller: 32,
             max_watch_streams_per_connection: 32,
+            max_watch_streams_per_tree: 64,
             max_concurrent_audits: 4,
             max_concurrent_audits_per_caller: 1,
         }

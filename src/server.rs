@@ -76,6 +76,7 @@ pub async fn run_with_clock(
         public_key: k.to_bytes().to_vec(),
         current: false,
     }));
+    let current_key = keyring.current.verifying_key();
     let stamper = Arc::new(Stamper::new(keyring.current));
     let session_stamper = stamper.clone();
     let limits = config.limits.clone();
@@ -120,6 +121,7 @@ pub async fn run_with_clock(
         stopping,
         converters,
         session_stamper,
+        current_key,
     );
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)

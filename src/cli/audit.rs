@@ -126,16 +126,7 @@ async fn fetch(args: &AuditArgs) -> anyhow::Result<Vec<GroupRow>> {
         .await?;
     let attacher = crate::client::SessionAttacher::default();
     let mut client = attacher.client(channel);
-    let session = client
-        .open_session(agent.open_session())
-        .await?
-        .into_inner();
-    attacher.set(
-        session
-            .session
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("the broker answered OpenSession with no session"))?,
-    );
+    attacher.open(&mut client, &agent).await?;
     let selector: HashMap<String, String> = args.select.iter().cloned().collect();
     let response = client
         .aggregate_audits(pb::AggregateAuditsRequest {

@@ -47,6 +47,8 @@ pub struct BrokerService<S> {
     converters: crate::pool::WorkPool,
     /// Watch streams, broker-wide and per caller (session key).
     watch_callers: Arc<crate::slots::Slots<crate::core::AgentKey>>,
+    /// Watch streams per tree (root id).
+    watch_trees: Arc<crate::slots::Slots<crate::core::Id>>,
     /// Watch streams per client connection (peer address).
     watch_connections: Arc<crate::slots::Slots<std::net::SocketAddr>>,
     /// Audit calls running, broker-wide and per caller.
@@ -81,9 +83,10 @@ impl<S> BrokerService<S> {
         stopping: tokio::sync::watch::Receiver<bool>,
         converters: crate::pool::WorkPool,
         stamper: Arc<crate::stamp::Stamper>,
+        current_key: ed25519_dalek::VerifyingKey,
     ) -> Self {
         Self {
-            sessions: session::Sessions::new(stamper, &keys, config.limits.session_ttl_ms),
+            sessions: session::Sessions::new(stamper, current_key, config.limits.session_ttl_ms),
             parties: std::sync::Mutex::default(),
             stopping,
             watch_callers: crate::slots::Slots::new(
@@ -91,6 +94,12 @@ impl<S> BrokerService<S> {
                 "limits.max_watch_streams",
                 config.limits.max_watch_streams_per_caller,
                 "limits.max_watch_streams_per_caller",
+            ),
+            watch_trees: crate::slots::Slots::new(
+                config.limits.max_watch_streams,
+                "limits.max_watch_streams",
+                config.limits.max_watch_streams_per_tree,
+                "limits.max_watch_streams_per_tree",
             ),
             watch_connections: crate::slots::Slots::new(
                 config.limits.max_watch_streams,
@@ -394,13 +403,17 @@ impl<S: Store> BrokerService<S> {
             })
             .transpose()?;
         let root = record.root_id;
+        let by_tree = self
+            .watch_trees
+            .take(root)
+            .map_err(ServiceError::Overloaded)?;
         let store = self.store.clone();
         let trees = store.tree_changes();
         let mut commits = store.commits();
         let mut stopping = self.stopping.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
         tokio::spawn(async move {
-            let _slots = (by_caller, by_connection);
+            let _slots = (by_caller, by_connection, by_tree);
             let mut query = true;
             loop {
                 let events = if query {
@@ -870,6 +883,7 @@ impl<S: Store> Broker for BrokerService<S> {
             let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
             return Err(signed.stale_error(now_ms, window_ms, timestamp_ms).into());
         }
+        self.sessions.check_audience(&signed.body.broker_key_id)?;
         Ok(Response::new(self.sessions.open(signed.agent, now_ms)))
     }
 

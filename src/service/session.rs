@@ -28,8 +28,9 @@ const MAX_VERIFIED_SESSIONS: usize = 16_384;
 /// Issues and checks sessions.
 pub struct Sessions {
     stamper: Arc<Stamper>,
-    /// Every published broker key (current and retired), by key id.
-    keys: HashMap<String, VerifyingKey>,
+    /// The current signing key, the only one sessions are accepted from:
+    /// a retired key (perhaps retired because it leaked) issues none.
+    current: (String, VerifyingKey),
     ttl_ms: i64,
     /// Digest of a verified session envelope → (agent, expiry).
     verified: Mutex<HashMap<[u8; 32], (AgentKey, i64)>>,
@@ -43,20 +44,32 @@ fn unauthenticated(reason: &'static str, detail: impl Into<String>) -> ServiceEr
 }
 
 impl Sessions {
-    pub fn new(stamper: Arc<Stamper>, keys: &[pb::BrokerKey], ttl_ms: i64) -> Self {
-        let keys = keys
-            .iter()
-            .filter_map(|k| {
-                let key = crypto::public_key(&k.public_key).ok()?;
-                Some((k.key_id.clone(), key))
-            })
-            .collect();
+    pub fn new(stamper: Arc<Stamper>, current: VerifyingKey, ttl_ms: i64) -> Self {
+        let current = (crypto::key_id(&current.to_bytes()), current);
         Self {
             stamper,
-            keys,
+            current,
             ttl_ms,
             verified: Mutex::default(),
         }
+    }
+
+    /// Checks that an OpenSession request was meant for this broker.
+    pub fn check_audience(&self, broker_key_id: &str) -> Result<(), ServiceError> {
+        if broker_key_id.is_empty() {
+            return Err(crate::core::InputError::new(
+                "body.broker_key_id",
+                "is required: the key id of this broker's current key (GetBrokerKeys)",
+            )
+            .into());
+        }
+        if broker_key_id != self.current.0 {
+            return Err(unauthenticated(
+                "WRONG_BROKER",
+                "body.broker_key_id is not this broker's current key: the request was meant for another broker (or a retired key)",
+            ));
+        }
+        Ok(())
     }
 
     /// A new session for `agent`, who proved its key just now.
@@ -122,12 +135,18 @@ impl Sessions {
             pb::Envelope::decode(bytes).map_err(|_| bad("the session is not an Envelope"))?;
         let session = pb::Session::decode(envelope.payload.as_slice())
             .map_err(|_| bad("the session's payload is not a Session"))?;
-        let key = self
-            .keys
-            .get(&session.broker_key_id)
-            .ok_or_else(|| bad("the session was not signed by a key of this broker"))?;
-        crypto::verify_envelope(&envelope, payload_type::SESSION, key)
+        if session.broker_key_id != self.current.0 {
+            return Err(bad(
+                "the session was not signed by this broker's current key (open a new one)",
+            ));
+        }
+        crypto::verify_envelope(&envelope, payload_type::SESSION, &self.current.1)
             .map_err(|_| bad("the session's signature does not verify"))?;
+        // Only this broker's sessions verify, and it never issues one longer
+        // than its lifetime: a longer one was not made by this code.
+        if session.expires_at_ms.saturating_sub(session.issued_at_ms) > self.ttl_ms {
+            return Err(bad("the session outlives the broker's session lifetime"));
+        }
         let agent: AgentKey = session
             .agent_public_key
             .as_slice()
@@ -158,8 +177,8 @@ mod tests {
             current: true,
         };
         let sessions = Sessions::new(
-            Arc::new(Stamper::new(key)),
-            std::slice::from_ref(&published),
+            Arc::new(Stamper::new(key.clone())),
+            key.verifying_key(),
             1_000,
         );
         (sessions, published)
@@ -211,5 +230,32 @@ mod tests {
             reason(sessions.caller(&metadata(&foreign), 500).unwrap_err()),
             "BAD_SESSION"
         );
+        // A session longer than the lifetime was not issued by this code
+        // (a leaked key could sign one): refused.
+        let key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]);
+        let long = Stamper::new(key).sign_session(&pb::Session {
+            broker_key_id: String::new(),
+            agent_public_key: vec![7; 32],
+            issued_at_ms: 100,
+            expires_at_ms: 100 + 1_001,
+        });
+        assert_eq!(
+            reason(sessions.caller(&metadata(&long), 500).unwrap_err()),
+            "BAD_SESSION"
+        );
+        // OpenSession requests name the broker they are for.
+        let (_, published) = broker(1);
+        assert!(sessions.check_audience(&published.key_id).is_ok());
+        assert!(matches!(
+            sessions.check_audience("other"),
+            Err(ServiceError::Unauthenticated {
+                reason: "WRONG_BROKER",
+                ..
+            })
+        ));
+        assert!(matches!(
+            sessions.check_audience(""),
+            Err(ServiceError::Invalid(_))
+        ));
     }
 }

@@ -524,9 +524,19 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         .into_inner();
     assert_eq!(groups(all), 1);
     // A tampered session is refused.
+    let key_id = broker.current_key_id().await;
     let mut forged = connect_as(&broker.addr, &stranger).await;
+    // A request meant for another broker opens nothing here.
+    let err = forged
+        .open_session(orchestrator.open_session("another-broker"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Code::Unauthenticated, "WRONG_BROKER")
+    );
     let session = forged
-        .open_session(orchestrator.open_session())
+        .open_session(orchestrator.open_session(&key_id))
         .await
         .unwrap()
         .into_inner();
@@ -555,6 +565,7 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
     let mut broker = Broker::start_with(|c| {
         c.limits.max_watch_streams_per_caller = 2;
         c.limits.max_watch_streams_per_connection = 3;
+        c.limits.max_watch_streams_per_tree = 4;
     })
     .await;
     let (orchestrator, d) = (Agent::generate(), Agent::generate());
@@ -584,8 +595,9 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
     let third = other.watch(watch()).await.unwrap();
     // The reader's connection holds 2; one more caller on it reaches 3,
     // and the connection's cap stops a fourth.
+    let key_id = broker.current_key_id().await;
     let session = other
-        .open_session(orchestrator.open_session())
+        .open_session(orchestrator.open_session(&key_id))
         .await
         .unwrap()
         .into_inner()
@@ -608,6 +620,17 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
         .await
         .unwrap_err();
     assert_eq!(limit(err), "limits.max_watch_streams_per_connection");
+    // A fifth stream on the tree, from a fresh party on a fresh connection:
+    // the tree's cap (new keys made parties cannot take every stream).
+    let e = Agent::generate();
+    broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &e, 1))
+        .await
+        .unwrap()
+        .issued();
+    let mut fresh = connect_as(&broker.addr, &e).await;
+    let err = fresh.watch(watch()).await.unwrap_err();
+    assert_eq!(limit(err), "limits.max_watch_streams_per_tree");
     // Streams deliver; an ended stream gives its slot back.
     assert!(first.message().await.unwrap().is_some());
     drop(first);

@@ -93,6 +93,16 @@ impl Broker {
             .keys
     }
 
+    /// The key id of the broker's current signing key (what OpenSession
+    /// requests name).
+    pub async fn current_key_id(&mut self) -> String {
+        let keys = self.keys().await;
+        keys.into_iter()
+            .find(|k| k.current)
+            .expect("a current key")
+            .key_id
+    }
+
     /// Opens a root held by `orchestrator`.
     pub async fn open_root(&mut self, orchestrator: &Agent, spec: RootSpec) -> Root {
         let response = self
@@ -231,12 +241,10 @@ pub async fn connect_as(addr: &str, agent: &Agent) -> SessionClient {
         .client(channel)
         .max_decoding_message_size(64 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024);
-    let session = client
-        .open_session(agent.open_session())
+    attacher
+        .open(&mut client, agent)
         .await
-        .expect("OpenSession")
-        .into_inner();
-    attacher.set(session.session.as_ref().expect("a session"));
+        .expect("OpenSession");
     client
 }
 

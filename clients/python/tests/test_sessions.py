@@ -18,6 +18,7 @@ from delegation_broker import (
     ReadSession,
     RenewingSession,
     SessionInterceptor,
+    current_key_id,
     error_info,
     now_ms,
     open_session,
@@ -89,13 +90,17 @@ def tree(broker) -> Tree:
 
 def test_open_session_is_a_signed_request_and_returns_a_broker_signed_session(broker):
     agent = Agent.generate()
-    request = agent.open_session()
+    request = agent.open_session(broker_key_id="k")
     assert isinstance(request, pb.OpenSessionRequest)
     assert request.signed.payload_type == "application/vnd.delegation.broker.v1.OpenSessionBody+protobuf"
     assert request.signed.payload_type == payload_type(pb.OpenSessionBody)
     assert verify_signature(request.signed, agent.public_key)
     body = pb.OpenSessionBody.FromString(request.signed.payload)
     assert body.header.agent_public_key == agent.public_key and len(body.header.nonce) == 16
+    assert body.broker_key_id == "k"
+    # A request naming another broker opens nothing here.
+    assert _status(lambda: broker.bare_stub.OpenSession(request, timeout=10)) == (
+        grpc.StatusCode.UNAUTHENTICATED, "WRONG_BROKER")
 
     before = now_ms()
     session = open_session(broker.bare_stub, agent)
@@ -187,7 +192,8 @@ def test_explicit_metadata_and_the_interceptor(broker, tree):
     # Other metadata is kept beside the session.
     assert stub.GetChain(request, timeout=10, metadata=[("x-trace", "1")]).chain == chain
     # OpenSession through an intercepted stub is sent as is.
-    assert ReadSession.from_response(stub.OpenSession(tree.worker.open_session(), timeout=10)).agent_public_key \
+    request = tree.worker.open_session(broker_key_id=current_key_id(stub))
+    assert ReadSession.from_response(stub.OpenSession(request, timeout=10)).agent_public_key \
         == tree.worker.public_key
 
 

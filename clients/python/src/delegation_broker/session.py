@@ -102,11 +102,23 @@ class ReadSession:
         return ((SESSION_METADATA, self.metadata_value()),)
 
 
+def current_key_id(stub: pb.BrokerStub, *, timeout: float | None = 10.0) -> str:
+    """The key id of the broker's current signing key (``GetBrokerKeys``, a
+    public call): what an ``OpenSession`` request must name."""
+    keys = stub.GetBrokerKeys(pb.GetBrokerKeysRequest(), timeout=timeout).keys
+    for key in keys:
+        if key.current:
+            return key.key_id
+    raise ValueError("the broker published no current key")
+
+
 def open_session(stub: pb.BrokerStub, agent: Agent, *, timeout: float | None = 10.0) -> ReadSession:
-    """Calls ``OpenSession`` with a request freshly signed by ``agent`` and
+    """Asks the broker behind ``stub`` for its current key id, then calls
+    ``OpenSession`` with a request freshly signed by ``agent`` naming it, and
     returns the session. Every call opens a new one (the request is not
     idempotent, nor need it be: opening changes nothing on the broker)."""
-    return ReadSession.from_response(stub.OpenSession(agent.open_session(), timeout=timeout))
+    request = agent.open_session(broker_key_id=current_key_id(stub, timeout=timeout))
+    return ReadSession.from_response(stub.OpenSession(request, timeout=timeout))
 
 
 class SessionSource(Protocol):

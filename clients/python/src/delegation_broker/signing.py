@@ -226,13 +226,17 @@ class Agent:
         keywords; fills in a fresh header when the body has none."""
         return self._request(pb.DelegateBody, body, fields)
 
-    def open_session(self, body: pb.OpenSessionBody | None = None) -> pb.OpenSessionRequest:
+    def open_session(self, body: pb.OpenSessionBody | None = None, **fields) -> pb.OpenSessionRequest:
         """A signed OpenSession request: the broker answers with a read session
         for this key (``OpenSessionResponse.session``), to send as the
         ``x-broker-session-bin`` metadata of every read (see
-        :mod:`delegation_broker.session`). Fills in a fresh header when the body
-        has none; the timestamp must be within the broker's window."""
-        return self._request(pb.OpenSessionBody, body, {})
+        :mod:`delegation_broker.session`, whose ``open_session`` fills in the
+        broker for you). Takes an ``OpenSessionBody`` or its fields as keywords:
+        ``broker_key_id`` (required) is the broker's current key id from
+        ``GetBrokerKeys``, so the request opens a session on that broker only.
+        Fills in a fresh header when the body has none; the timestamp must be
+        within the broker's window."""
+        return self._request(pb.OpenSessionBody, body, fields)
 
     # Lifecycle requests. Each takes its ``...Body`` or the body's fields as
     # keywords, like open_root/delegate; the signer each RPC expects is noted.

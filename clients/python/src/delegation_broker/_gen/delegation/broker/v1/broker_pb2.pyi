@@ -171,10 +171,12 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
 
 class OpenSessionBody(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "broker_key_id")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     header: _types_pb2.RequestHeader
-    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+    broker_key_id: str
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., broker_key_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session", "expires_at_ms")

@@ -287,7 +287,7 @@ class BrokerServicer:
         receipts) in commit order, from a cursor, then live as they happen. A
         client that reconnects with the last cursor it saw misses nothing and
         sees nothing twice. Streams are capped broker-wide, per caller (session
-        key) and per connection (limits.max_watch_streams*); past a cap the call
+        key), per connection and per tree (limits.max_watch_streams*); past a cap the call
         is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it). A stream
         that stops reading holds at most a bounded buffer.
         """
