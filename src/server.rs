@@ -120,8 +120,7 @@ pub async fn run_with_clock(
         keys,
         stopping,
         converters,
-        session_stamper,
-        current_key,
+        crate::service::session::Sessions::new(session_stamper, current_key, limits.session_ttl_ms),
     );
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)

@@ -82,11 +82,10 @@ impl<S> BrokerService<S> {
         keys: Vec<pb::BrokerKey>,
         stopping: tokio::sync::watch::Receiver<bool>,
         converters: crate::pool::WorkPool,
-        stamper: Arc<crate::stamp::Stamper>,
-        current_key: ed25519_dalek::VerifyingKey,
+        sessions: session::Sessions,
     ) -> Self {
         Self {
-            sessions: session::Sessions::new(stamper, current_key, config.limits.session_ttl_ms),
+            sessions,
             parties: std::sync::Mutex::default(),
             stopping,
             watch_callers: crate::slots::Slots::new(
