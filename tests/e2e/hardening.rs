@@ -979,3 +979,93 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }
+
+/// Item 9: a host observation recorded while a completion was being judged
+/// made the single writer judge it again on its own thread; with item 8's
+/// predicate that froze every tenant's writes for 73 s. Now judging never
+/// runs on the writer (and is bounded): an unrelated tenant's writes keep
+/// answering while the completion and the observation race.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observation_during_judgment_never_makes_the_writer_judge() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, host, tenant) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                retry_headroom: false,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
+    let mut body = liable_child(&root.id, &root.lineage, &a, 10, pattern);
+    body.host_public_key = host.public_key().to_vec();
+    let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    broker.accept(&a, &id, None).await.unwrap();
+    let text = "ab".repeat(127 * 1024);
+    let mut completer = connect_as(&broker.addr, &a).await;
+    let complete = {
+        let body = pb::CompleteBody {
+            header: Some(a.header()),
+            ..output(&format!("{{\"text\":\"{text}\"}}"), 1, &id)
+        };
+        let request = pb::CompleteRequest {
+            signed: signed(&a, delegation_broker::crypto::payload_type::COMPLETE, &body),
+        };
+        tokio::spawn(async move { completer.complete(request).await })
+    };
+    // The host records while the completion is (perhaps) being judged; it
+    // may also find the contract already completed.
+    let mut recorder = connect_as(&broker.addr, &host).await;
+    let record = tokio::spawn(async move {
+        let body = pb::RecordReceiptsBody {
+            header: Some(host.header()),
+            contract_id: id.clone(),
+            observations: vec![mutation("src/a.rs", 1)],
+        };
+        let request = pb::RecordReceiptsRequest {
+            signed: signed(
+                &host,
+                delegation_broker::crypto::payload_type::RECORD_RECEIPTS,
+                &body,
+            ),
+        };
+        recorder.record_receipts(request).await
+    });
+    // Meanwhile an unrelated tenant's writes answer within a generous bound.
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        broker.open_root(&tenant, RootSpec::default()).await;
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(1),
+            "a write took {:?}",
+            started.elapsed()
+        );
+    }
+    let receipt = decode_receipt(
+        complete
+            .await
+            .unwrap()
+            .unwrap()
+            .into_inner()
+            .receipt
+            .as_ref()
+            .unwrap(),
+    );
+    assert_eq!(
+        receipt.completion.unwrap().verdict,
+        pb::Verdict::Rejected as i32
+    );
+    match record.await.unwrap() {
+        Ok(_) => {}
+        Err(e) => assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}"),
+    }
+    broker.assert_ledgers_balance(&root.id).await;
+    broker.stop().await;
+}
