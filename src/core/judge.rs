@@ -622,46 +622,21 @@ struct Parens {
 
 /// Matches parentheses outside CEL string literals and comments.
 fn match_parens(s: &str) -> Parens {
-    let bytes = s.as_bytes();
     let mut stack: Vec<usize> = Vec::new();
     let mut result = Parens {
         first_open: None,
         last_close_unmatched: false,
     };
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
+    for (i, c) in super::predicate::code_bytes(s) {
+        match c {
             b'(' => stack.push(i),
             b')' => match stack.pop() {
                 Some(0) => result.first_open = Some(i),
                 Some(_) => {}
-                None => result.last_close_unmatched = i + 1 == bytes.len(),
+                None => result.last_close_unmatched = i + 1 == s.len(),
             },
-            b'/' if bytes.get(i + 1) == Some(&b'/') => {
-                while i < bytes.len() && bytes[i] != b'\n' {
-                    i += 1;
-                }
-            }
-            q @ (b'"' | b'\'') => {
-                let raw = i > 0 && matches!(bytes[i - 1], b'r' | b'R');
-                let triple = bytes.get(i + 1) == Some(&q) && bytes.get(i + 2) == Some(&q);
-                let delim = if triple { 3 } else { 1 };
-                i += delim;
-                while i < bytes.len() {
-                    if !raw && bytes[i] == b'\\' {
-                        i += 2;
-                        continue;
-                    }
-                    if bytes[i] == q && (!triple || bytes[i..].starts_with(&[q, q, q])) {
-                        i += delim - 1;
-                        break;
-                    }
-                    i += 1;
-                }
-            }
             _ => {}
         }
-        i += 1;
     }
     result
 }

@@ -171,7 +171,7 @@ fn lock_parsed(parsed: &std::sync::Mutex<ParsedTexts>) -> std::sync::MutexGuard<
 fn check_shape(text: &str) -> Result<(), String> {
     let (mut depth, mut deepest, mut operators, mut selects) = (0usize, 0usize, 0usize, 0usize);
     let mut previous = b' ';
-    for c in code_bytes(text) {
+    for (_, c) in code_bytes(text) {
         match c {
             b'(' | b'[' | b'{' => {
                 depth += 1;
@@ -205,12 +205,13 @@ fn check_shape(text: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The bytes of `text` that are code, as CEL's lexer reads it: string
-/// literals (single, double and triple quoted; raw ones, prefixed `r`/`R`
-/// possibly after `b`/`B`, take no escapes) and `//` comments are skipped,
-/// each literal standing as one `"`. A quote inside a comment, or a
-/// backslash in a raw string, cannot hide code from the count.
-fn code_bytes(text: &str) -> impl Iterator<Item = u8> + '_ {
+/// The bytes of `text` that are code, with their offsets, as CEL's lexer
+/// reads it: string literals (single, double and triple quoted; raw ones,
+/// prefixed `r`/`R` possibly after `b`/`B`, take no escapes) and `//`
+/// comments are skipped, each literal standing as one `"` at its opening
+/// quote. A quote inside a comment, or a backslash in a raw string, cannot
+/// hide code from whoever reads these.
+pub(crate) fn code_bytes(text: &str) -> impl Iterator<Item = (usize, u8)> + '_ {
     let bytes = text.as_bytes();
     let mut i = 0;
     std::iter::from_fn(move || {
@@ -223,6 +224,7 @@ fn code_bytes(text: &str) -> impl Iterator<Item = u8> + '_ {
                     }
                 }
                 b'"' | b'\'' => {
+                    let start = i;
                     let prefix = |back: usize| i.checked_sub(back).map(|at| bytes[at]);
                     let raw = matches!(prefix(1), Some(b'r' | b'R'))
                         || (matches!(prefix(1), Some(b'b' | b'B'))
@@ -241,11 +243,11 @@ fn code_bytes(text: &str) -> impl Iterator<Item = u8> + '_ {
                         }
                         i += 1;
                     }
-                    return Some(b'"');
+                    return Some((start, b'"'));
                 }
                 _ => {
                     i += 1;
-                    return Some(c);
+                    return Some((i - 1, c));
                 }
             }
         }
@@ -321,6 +323,7 @@ mod tests {
             r"a + 'b+c' // d+e
 + r'\' + '''f'g''' + br'x'",
         )
+        .map(|(_, c)| c)
         .collect();
         assert_eq!(lexed, b"a + \" \n+ r\" + \" + br\"".to_vec());
         let long = vec!["1"; 200].join(" + ");
