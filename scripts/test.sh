@@ -3,8 +3,10 @@
 # machine (Rust toolchain and Python 3 with pip assumed, npm for buf):
 #   1. formatting and clippy,
 #   2. Rust unit, property and end-to-end tests (real gRPC on 127.0.0.1:0),
-#   3. the Python client's tests against the real broker binary,
-#   4. buf lint and buf breaking against the previous commit.
+#   3. a short bounded run of every fuzz target (scripts/fuzz.sh; installs
+#      cargo-fuzz if missing),
+#   4. the Python client's tests against the real broker binary,
+#   5. buf lint and buf breaking against the previous commit.
 # .ci/run calls exactly this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,6 +25,9 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
     cargo test --locked --no-fail-fast
 fi
+
+step "Fuzzing: each target in fuzz/ for ${FUZZ_SECONDS:-20} s (scripts/fuzz.sh)"
+scripts/fuzz.sh
 
 step "Python client tests"
 cargo build --locked --bin delegation-broker

@@ -1,9 +1,10 @@
 //! Judgment of a completion (DESIGN.md §Lifecycle, Complete): the broker
 //! evaluates the contract's effective acceptance predicate over a `result`
 //! it builds from facts it checked or observed itself, never over the
-//! delegate's claim alone. Owns the completion input bounds (result size,
-//! schema compilation), the `result` value, the split of the predicate into
-//! its top-level conjuncts and their bounded evaluation.
+//! delegate's claim alone. Owns the completion input bounds (result size;
+//! the schema's own bounds are `core::schema`'s), the `result` value, the
+//! split of the predicate into its top-level conjuncts and their bounded
+//! evaluation, including `matches` (see `Meter::matches`).
 //!
 //! `result` has: `schema_valid` (the output against the contract's JSON
 //! Schema; true without one), `within_scope` (no host-observed mutation
