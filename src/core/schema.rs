@@ -178,7 +178,18 @@ pub fn profile(schema: &Value) -> Result<Profile, String> {
 }
 
 fn profile_scanned(schema: &Value, scan: &Scan<'_>) -> Result<Profile, String> {
-    let (graph, order) = Graph::build(schema, scan)?.children_first()?;
+    let graph = Graph::build(schema, scan)?;
+    if graph.nodes.iter().any(|n| n.unevaluated) && graph.has_cycle() {
+        // jsonschema 0.61 leaks the validators of `unevaluated*` reached
+        // through a reference back into themselves (an `Arc` cycle, ~88 KB
+        // per compile; found by fuzzing under LeakSanitizer): every new
+        // schema text would leak again.
+        return Err(
+            "uses unevaluatedProperties or unevaluatedItems in a recursive schema (a $ref back into itself), which this broker does not support"
+                .to_owned(),
+        );
+    }
+    let (graph, order) = graph.children_first()?;
     graph.layers(&order)
 }
 
@@ -412,6 +423,30 @@ impl Graph {
             nodes.push(node);
         }
         Ok(Self { nodes })
+    }
+
+    /// Whether any edge, in-place or descending, lies on a cycle: the
+    /// schema refers back into itself somewhere.
+    fn has_cycle(&self) -> bool {
+        let n = self.nodes.len();
+        let mut parents = vec![0usize; n];
+        for node in &self.nodes {
+            for edge in &node.edges {
+                parents[edge.to] += 1;
+            }
+        }
+        let mut ready: Vec<usize> = (0..n).filter(|&i| parents[i] == 0).collect();
+        let mut seen = 0;
+        while let Some(i) = ready.pop() {
+            seen += 1;
+            for edge in &self.nodes[i].edges {
+                parents[edge.to] -= 1;
+                if parents[edge.to] == 0 {
+                    ready.push(edge.to);
+                }
+            }
+        }
+        seen < n
     }
 
     /// The nodes ordered so that every in-place child comes before its
@@ -904,6 +939,9 @@ fn compile_uncached(schema: &Value, bytes: usize) -> Result<Compiled, String> {
             scan.patterns.len()
         ));
     }
+    // The profile first: it refuses what the validator library must not
+    // even compile (a schema it would leak, one that would never end).
+    let profile = profile_scanned(schema, &scan)?;
     let validator = build(schema).map_err(|e| {
         let regex = matches!(e.kind(), jsonschema::error::ValidationErrorKind::Format { format } if format == "regex");
         if regex {
@@ -914,7 +952,6 @@ fn compile_uncached(schema: &Value, bytes: usize) -> Result<Compiled, String> {
             format!("does not compile as a JSON Schema: {e}")
         }
     })?;
-    let profile = profile_scanned(schema, &scan)?;
     let patterns = scan.patterns.len();
     let charge = ENTRY_OVERHEAD_BYTES
         .saturating_add(bytes.saturating_mul(VALIDATOR_BYTES_PER_SCHEMA_BYTE))
@@ -1216,6 +1253,35 @@ mod tests {
         assert_eq!((plain, counted), (3, 1 + 4 * 2));
         assert!(valid(&strict, &json!({"a": 1})));
         assert!(!valid(&strict, &json!({"b": 1})));
+    }
+
+    /// Found by fuzzing under LeakSanitizer: jsonschema leaks the compiled
+    /// `unevaluated*` validators of a schema that refers back into itself,
+    /// at every compile. Such schemas are refused before compiling; a
+    /// recursive schema without `unevaluated*`, and `unevaluated*` without
+    /// recursion, still compile.
+    #[test]
+    fn unevaluated_keywords_in_a_recursive_schema_are_refused_before_compiling() {
+        for leaking in [
+            json!({"$ref": "#", "type": "null", "unevaluatedProperties": false}),
+            json!({"properties": {"child": {"$ref": "#"}}, "unevaluatedProperties": false}),
+            json!({"$defs": {"t": {"items": {"$ref": "#/$defs/t"}, "unevaluatedItems": false}},
+                   "$ref": "#/$defs/t"}),
+        ] {
+            let why = compile_uncached(&leaking, 64).err().expect("refused");
+            assert!(
+                why.contains("recursive") || why.contains("cycle"),
+                "{leaking}: {why}"
+            );
+        }
+        // The fuzzer's second reproducer is refused too (its reference is
+        // not local), before the library sees it.
+        let recursive =
+            json!({"$recursiveRef": "", "type": "null", "unevaluatedItems": {"type": "null"}});
+        assert!(compile_uncached(&recursive, 64).is_err());
+        let tree = json!({"properties": {"child": {"$ref": "#"}}});
+        assert!(compile_uncached(&tree, 64).is_ok());
+        assert!(compile_uncached(&json!({"unevaluatedProperties": false}), 64).is_ok());
     }
 
     #[test]
