@@ -7,7 +7,10 @@
 #
 #   FUZZ_SECONDS    seconds per target (default 20)
 #   FUZZ_TARGETS    space-separated targets (default: all five)
-#   FUZZ_SANITIZER  none (default) or address
+#   FUZZ_SANITIZER  none (default) or address (AddressSanitizer with
+#                   LeakSanitizer: about 1.5x the build time, 4-25x slower
+#                   runs; fuzz/regressions/README.md lists what only it
+#                   catches)
 #   FUZZ_TIMEOUT    seconds one input may take before it counts as a
 #                   crash (default 30; the judge's own cap is 2 s per
 #                   evaluation, the conversion deadline 10 s)
@@ -38,8 +41,9 @@ cp Cargo.lock fuzz/Cargo.lock
 
 start=$(date +%s)
 # opt-level 1 and 16 codegen units (cargo-fuzz's defaults are 3 and 1)
-# build the instrumented dependency tree in about half the time on two
-# cores, at some cost in executions per second.
+# build the instrumented dependency tree about a third faster on two cores
+# (4.3 instead of 6.4 minutes, measured), with executions per second
+# within 20 % of opt-level 3's either way.
 CARGO_PROFILE_RELEASE_OPT_LEVEL="${FUZZ_OPT_LEVEL:-1}" RUSTC_BOOTSTRAP=1 \
     cargo fuzz build --sanitizer "$sanitizer" --codegen-units 16
 echo "fuzz targets built in $(($(date +%s) - start)) s"
