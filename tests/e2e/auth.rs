@@ -8,13 +8,6 @@ use tonic_types::StatusExt;
 
 use crate::harness::*;
 
-fn reason(status: &tonic::Status) -> String {
-    status
-        .get_details_error_info()
-        .map(|i| i.reason)
-        .unwrap_or_default()
-}
-
 #[tokio::test]
 async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut broker = Broker::start().await;

@@ -19,13 +19,6 @@ fn output(json: &str, consumed: i64, contract: &[u8]) -> pb::CompleteBody {
     }
 }
 
-fn reason(status: &tonic::Status) -> String {
-    status
-        .get_details_error_info()
-        .map(|i| i.reason)
-        .unwrap_or_default()
-}
-
 /// Item 1: an ancestor's predicate ending in a `//` comment, and a
 /// descendant forwarding `true⏎|| true`, used to compose into
 /// `P && (Q || true)`: ACCEPTED although `approved=false`. The forwarded

@@ -641,3 +641,12 @@ pub fn tool_call(tool: &str, units: i64) -> pb::Observation {
         at_ms: now_ms(),
     }
 }
+
+/// The `ErrorInfo.reason` of an error status (empty without one).
+pub fn reason(status: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    status
+        .get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
+}
