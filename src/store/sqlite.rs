@@ -389,6 +389,7 @@ impl SqliteStore {
         contract_id: &Id,
         signer: Option<&AgentKey>,
         mut args: Box<CompleteArgs>,
+        slots: &mut Option<JudgingSlots>,
     ) -> Result<Box<CompleteArgs>, StoreError> {
         let received_at_ms = *args.received_at_ms.get_or_insert(self.clock.now_ms());
         args.prejudged = None;
@@ -403,6 +404,23 @@ impl SqliteStore {
         let Some(inputs) = inputs else {
             return Ok(args);
         };
+        // One judgment per contract, and a few per signer, at a time: a
+        // delegate (and a host it controls) cannot keep every judge busy.
+        // Taken only now that the signer is the contract's delegate, so a
+        // stranger's requests never hold them.
+        if slots.is_none() {
+            let contract = self.judging_contracts.take(*contract_id).map_err(|_| {
+                StoreError::Unavailable {
+                    reason: "JUDGMENT_IN_PROGRESS",
+                    detail: "another completion of this contract is being judged; retry with the same nonce once it is answered".into(),
+                }
+            })?;
+            let signer = self
+                .judging_signers
+                .take(*signer)
+                .map_err(StoreError::Overloaded)?;
+            *slots = Some((contract, signer));
+        }
         let hook = self.before_judge.clone();
         let job_args = args.clone();
         let judged = self
@@ -476,21 +494,13 @@ impl Store for SqliteStore {
         // arrived after its judgment; it is judged again here, off the
         // writer, a bounded number of times.
         let signer = request.as_ref().map(|r| r.agent);
-        // One judgment per contract, and a few per signer, at a time: a
-        // delegate (and a host it controls) cannot keep every judge busy
-        // with completions of one contract or of its own.
-        let _contract_slot = self.judging_contracts.take(contract_id).map_err(|_| {
-            StoreError::Unavailable {
-                reason: "JUDGMENT_IN_PROGRESS",
-                detail: "another completion of this contract is being judged; retry with the same nonce once it is answered".into(),
-            }
-        })?;
-        let _signer_slot = signer
-            .map(|s| self.judging_signers.take(s))
-            .transpose()
-            .map_err(StoreError::Overloaded)?;
+        // Slots held while this completion is judged (taken in `prejudge`,
+        // once the signer is known to be the delegate of an open contract).
+        let mut slots = None;
         for _ in 0..MAX_JUDGMENT_ATTEMPTS {
-            let judged = self.prejudge(&contract_id, signer.as_ref(), args).await?;
+            let judged = self
+                .prejudge(&contract_id, signer.as_ref(), args, &mut slots)
+                .await?;
             args = judged.clone();
             let command = LifecycleCommand {
                 request: request.clone(),
@@ -1084,6 +1094,9 @@ const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
 /// more than a few only queue for the same cores; the rest wait for a
 /// permit (each request still has its deadline).
 const MAX_CONCURRENT_JUDGMENTS: usize = 4;
+/// What a completion being judged holds (see `prejudge`).
+type JudgingSlots = (crate::slots::Slot<Id>, crate::slots::Slot<AgentKey>);
+
 /// Completions one signing key may have judged at once.
 const MAX_JUDGMENTS_PER_SIGNER: usize = 2;
 /// Judgments of one completion before giving up when host observations
@@ -3168,6 +3181,12 @@ mod tests {
                 assert_eq!(reason, "JUDGMENT_IN_PROGRESS")
             }
             other => panic!("expected JUDGMENT_IN_PROGRESS, got {other:?}"),
+        }
+        // A stranger's completion of that contract holds nothing: it is
+        // refused for what it is, not for the judgment in progress.
+        match store.transition(complete_by(77, first, 96)).await {
+            Err(StoreError::PermissionDenied { reason, .. }) => assert_eq!(reason, "NOT_DELEGATE"),
+            other => panic!("expected NOT_DELEGATE, got {other:?}"),
         }
         // The same signer's next contract: over its share.
         let last = *mine.last().expect("children");
