@@ -118,7 +118,7 @@ pub struct SessionAttacher(
 
 impl SessionAttacher {
     /// Uses `session` (OpenSessionResponse.session) from now on.
-    pub fn set(&self, session: &pb::Envelope) {
+    pub fn set(&self, session: &pb::Sealed) {
         let value = tonic::metadata::BinaryMetadataValue::from_bytes(&session.encode_to_vec());
         *self
             .0

@@ -1,6 +1,7 @@
 //! The delegation broker: a gRPC service every agent-to-agent delegation
 //! passes through. See ARCHITECTURE.md for the map of this crate.
 
+pub mod chain;
 pub mod cli;
 pub mod client;
 pub mod clock;

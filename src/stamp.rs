@@ -1,5 +1,6 @@
-//! Turns the core's decisions into broker-signed envelopes: stamped
-//! contracts, hop proofs and refusal receipts. Owns the broker's current
+//! Turns the core's decisions into broker-signed payloads: stamped
+//! contracts (each carrying its own hop's trust evidence), receipts and
+//! sessions. Owns the broker's current
 //! signing key; knows protobuf and crypto, but no storage and no transport.
 
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use crate::core::{
 use crate::crypto::{self, payload_type};
 use crate::pb;
 
-/// Where a hop's trust factor came from, for its proof.
+/// Where a hop's trust factor came from, for its contract.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HopTrust {
     pub source: pb::TrustSource,
@@ -72,7 +73,7 @@ pub struct NewChild {
 pub struct Stamped {
     /// SHA-256 of `envelope.payload`.
     pub id: Id,
-    pub envelope: pb::Envelope,
+    pub envelope: pb::Sealed,
 }
 
 /// A signed contract, with what storing and caching it needs, computed
@@ -99,7 +100,7 @@ impl StampedContract {
 /// Signs everything the broker issues with its current key.
 pub struct Stamper {
     key: SigningKey,
-    /// Cached `crypto::key_id` of `key`, repeated inside every payload.
+    /// Cached `crypto::key_id` of `key`, inside every payload it signs.
     key_id: String,
 }
 
@@ -117,59 +118,40 @@ impl Stamper {
         let id = crypto::sha256(&payload);
         Stamped {
             id,
-            envelope: crypto::sign_envelope(&self.key, payload_type, payload),
+            envelope: crypto::seal(&self.key, payload_type, payload),
         }
     }
 
-    fn hop_proof(&self, proof: pb::HopProof) -> pb::Envelope {
-        crypto::sign_envelope(&self.key, payload_type::HOP_PROOF, proof.encode_to_vec())
-    }
-
-    /// Stamps a root: depth 0, full trust, its own hop proof.
+    /// Stamps a root: depth 0, full trust, the tree's intent, policy and
+    /// labels (children carry none of them: they commit to the root).
     pub fn root(&self, root: &NewRoot, now_ms: i64) -> StampedContract {
-        let lineage = crypto::sha256(root.intent.as_bytes());
-        let proof = self.hop_proof(pb::HopProof {
-            broker_key_id: self.key_id.clone(),
-            parent_id: Vec::new(),
-            depth: 0,
-            agent_public_key: root.request.agent.to_vec(),
-            factor_ppm: crate::core::limits::PPM_ONE,
-            cumulative_trust_ppm: crate::core::limits::PPM_ONE,
-            trust_source: pb::TrustSource::Root as i32,
-            attestation_digest: Vec::new(),
-            risk_class: String::new(),
-            intent_lineage_hash: lineage.to_vec(),
-            issued_at_ms: now_ms,
-        });
         let contract = pb::Contract {
             broker_key_id: self.key_id.clone(),
             parent_id: Vec::new(),
-            root_id: Vec::new(),
             depth: 0,
             intent: root.intent.clone(),
-            intent_lineage_hash: lineage.to_vec(),
+            intent_lineage_hash: crypto::sha256(root.intent.as_bytes()).to_vec(),
             task: root.task.clone(),
-            principal_public_key: root.request.agent.to_vec(),
             delegate_public_key: root.request.agent.to_vec(),
             budget: root.budget,
             deadline_ms: root.deadline_ms,
             issued_at_ms: now_ms,
             liability: Liability::Delegate.as_i32(),
             predicate: root.predicate.as_str().to_owned(),
-            effective_predicate: Predicate::conjoin(&Predicate::default(), &root.predicate)
-                .unwrap_or_default()
-                .as_str()
-                .to_owned(),
             escalation_channel: String::new(),
             min_retry_cost: 0,
             min_retry_latency_ms: 0,
             write_scope: root.write_scope.prefixes().to_vec(),
             policy: Some(policy_to_pb(&root.policy)),
-            hop_proofs: vec![proof],
             request_digest: root.request.digest.to_vec(),
             host_public_key: Vec::new(),
             result_schema_json: String::new(),
             labels: root.labels.clone().into_iter().collect(),
+            factor_ppm: crate::core::limits::PPM_ONE,
+            cumulative_trust_ppm: crate::core::limits::PPM_ONE,
+            trust_source: pb::TrustSource::Root as i32,
+            attestation_digest: Vec::new(),
+            risk_class: String::new(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
@@ -177,63 +159,47 @@ impl Stamper {
         )
     }
 
-    /// Stamps a child that passed every invariant. `parent` is the parent's
-    /// decoded contract; `root_id` the tree's root.
+    /// Stamps a child that passed every invariant: its own hop's terms and
+    /// trust evidence, committed to its parent by the parent's id. Its size
+    /// does not depend on its depth.
     pub fn child(
         &self,
-        parent: &pb::Contract,
-        root_id: &Id,
+        intent_lineage_hash: &[u8; 32],
         child: &NewChild,
         terms: &ChildTerms,
         now_ms: i64,
     ) -> StampedContract {
-        let mut hop_proofs = Vec::with_capacity(parent.hop_proofs.len() + 1);
-        hop_proofs.extend_from_slice(&parent.hop_proofs);
-        hop_proofs.push(
-            self.hop_proof(pb::HopProof {
-                broker_key_id: self.key_id.clone(),
-                parent_id: child.parent_id.to_vec(),
-                depth: terms.depth,
-                agent_public_key: child.delegate_key.to_vec(),
-                factor_ppm: child.ask.factor_ppm,
-                cumulative_trust_ppm: terms.cumulative_trust_ppm,
-                trust_source: child.trust.source as i32,
-                attestation_digest: child
-                    .trust
-                    .attestation_digest
-                    .map(|d| d.to_vec())
-                    .unwrap_or_default(),
-                risk_class: child.trust.risk_class.clone(),
-                intent_lineage_hash: parent.intent_lineage_hash.clone(),
-                issued_at_ms: now_ms,
-            }),
-        );
         let contract = pb::Contract {
             broker_key_id: self.key_id.clone(),
             parent_id: child.parent_id.to_vec(),
-            root_id: root_id.to_vec(),
             depth: terms.depth,
-            intent: parent.intent.clone(),
-            intent_lineage_hash: parent.intent_lineage_hash.clone(),
+            intent: String::new(),
+            intent_lineage_hash: intent_lineage_hash.to_vec(),
             task: child.task.clone(),
-            principal_public_key: child.request.agent.to_vec(),
             delegate_public_key: child.delegate_key.to_vec(),
             budget: child.ask.budget,
             deadline_ms: terms.deadline_ms,
             issued_at_ms: now_ms,
             liability: child.ask.liability.as_i32(),
             predicate: child.ask.predicate.as_str().to_owned(),
-            effective_predicate: terms.effective_predicate.as_str().to_owned(),
             escalation_channel: child.ask.escalation_channel.clone(),
             min_retry_cost: child.ask.min_retry_cost,
             min_retry_latency_ms: child.ask.min_retry_latency_ms,
             write_scope: child.ask.write_scope.prefixes().to_vec(),
-            policy: parent.policy,
-            hop_proofs,
+            policy: None,
             request_digest: child.request.digest.to_vec(),
             host_public_key: child.host.map(|h| h.to_vec()).unwrap_or_default(),
             result_schema_json: child.result_schema_json.clone(),
-            labels: parent.labels.clone(),
+            labels: Default::default(),
+            factor_ppm: child.ask.factor_ppm,
+            cumulative_trust_ppm: terms.cumulative_trust_ppm,
+            trust_source: child.trust.source as i32,
+            attestation_digest: child
+                .trust
+                .attestation_digest
+                .map(|d| d.to_vec())
+                .unwrap_or_default(),
+            risk_class: child.trust.risk_class.clone(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
@@ -242,10 +208,10 @@ impl Stamper {
     }
 
     /// Signs a read session (its `broker_key_id` is set here).
-    pub fn sign_session(&self, session: &pb::Session) -> pb::Envelope {
+    pub fn sign_session(&self, session: &pb::Session) -> pb::Sealed {
         let mut session = session.clone();
         session.broker_key_id = self.key_id.clone();
-        crypto::sign_envelope(&self.key, payload_type::SESSION, session.encode_to_vec())
+        crypto::seal(&self.key, payload_type::SESSION, session.encode_to_vec())
     }
 
     /// Signs any receipt (its `broker_key_id` is set here).

@@ -61,15 +61,34 @@ enum Command {
     /// Compares orchestration arms: aggregated audits as a table, JSON or
     /// CSV.
     Audit(audit::AuditArgs),
-    /// Verifies a DSSE envelope (binary protobuf `Envelope`) offline against
-    /// an ed25519 public key. Exit status 0 when a signature verifies.
+    /// Verifies offline, with public keys alone: a whole chain (every
+    /// contract's terms, as types.proto's "Verifying a chain" says), one
+    /// receipt, or an agent's or attestor's DSSE envelope. Exit status 0
+    /// when it verifies.
     Verify {
-        /// Hex-encoded 32-byte ed25519 public key (e.g. from GetBrokerKeys).
+        /// Hex-encoded 32-byte ed25519 broker public key (GetBrokerKeys);
+        /// repeat for retired keys.
+        #[arg(long = "public-key", required = true)]
+        public_keys: Vec<String>,
+        /// File holding a serialized `delegation.broker.v1.GetChainResponse`
+        /// (what GetChain returns: root first).
+        #[arg(long, conflicts_with_all = ["receipt", "envelope"], required_unless_present_any = ["receipt", "envelope"])]
+        chain: Option<PathBuf>,
+        /// Hex id the chain's last contract must have.
+        #[arg(long, requires = "chain")]
+        contract_id: Option<String>,
+        /// Also batch-verify every contract's own signature (not needed to
+        /// trust the chain: the leaf's covers it).
+        #[arg(long, requires = "chain")]
+        all_signatures: bool,
+        /// File holding a serialized `delegation.broker.v1.Sealed` Receipt.
+        #[arg(long, conflicts_with = "envelope")]
+        receipt: Option<PathBuf>,
+        /// File holding a serialized `delegation.broker.v1.Envelope` (a
+        /// signed request or an attestation), checked against the first
+        /// --public-key.
         #[arg(long)]
-        public_key: String,
-        /// File holding the serialized `delegation.broker.v1.Envelope`.
-        #[arg(long)]
-        envelope: PathBuf,
+        envelope: Option<PathBuf>,
     },
 }
 
@@ -96,9 +115,22 @@ pub fn main() -> ExitCode {
         Command::DiskProbe(args) => disk_probe::run(args),
         Command::Audit(args) => audit::run(args),
         Command::Verify {
-            public_key,
+            public_keys,
+            chain,
+            contract_id,
+            all_signatures,
+            receipt,
             envelope,
-        } => verify(&public_key, &envelope),
+        } => match envelope {
+            Some(path) => verify_envelope(&public_keys[0], &path),
+            None => verify(
+                &public_keys,
+                chain.as_deref(),
+                contract_id.as_deref(),
+                all_signatures,
+                receipt.as_deref(),
+            ),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -165,19 +197,39 @@ fn keygen(out: PathBuf) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn verify(public_key: &str, envelope: &std::path::Path) -> anyhow::Result<()> {
+/// Most bytes of a file `verify` reads (a depth-64 chain is tens of KiB).
+const MAX_VERIFY_FILE_BYTES: u64 = 64 * 1024 * 1024;
+
+fn read_bounded(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_VERIFY_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    anyhow::ensure!(
+        bytes.len() as u64 <= MAX_VERIFY_FILE_BYTES,
+        "{} is larger than {MAX_VERIFY_FILE_BYTES} bytes",
+        path.display()
+    );
+    Ok(bytes)
+}
+
+/// An agent-signed request or an attestation (DSSE, type carried).
+fn verify_envelope(public_key: &str, envelope: &std::path::Path) -> anyhow::Result<()> {
     use prost::Message;
     let key = crate::config::parse_public_key(public_key, "--public-key")?;
-    let bytes = std::fs::read(envelope)?;
-    let envelope = crate::pb::Envelope::decode(bytes.as_slice())?;
+    let envelope = crate::pb::Envelope::decode(read_bounded(envelope)?.as_slice())?;
     let known = [
-        crate::crypto::payload_type::CONTRACT,
-        crate::crypto::payload_type::HOP_PROOF,
-        crate::crypto::payload_type::RECEIPT,
         crate::crypto::payload_type::ATTESTATION,
-        crate::crypto::payload_type::SESSION,
         crate::crypto::payload_type::OPEN_ROOT,
         crate::crypto::payload_type::DELEGATE,
+        crate::crypto::payload_type::ACCEPT,
+        crate::crypto::payload_type::DECLINE,
+        crate::crypto::payload_type::COMPLETE,
+        crate::crypto::payload_type::ADJUDICATE,
+        crate::crypto::payload_type::ESCALATE,
+        crate::crypto::payload_type::REVOKE,
+        crate::crypto::payload_type::RECORD_RECEIPTS,
         crate::crypto::payload_type::OPEN_SESSION,
     ];
     let payload_type = known
@@ -188,6 +240,102 @@ fn verify(public_key: &str, envelope: &std::path::Path) -> anyhow::Result<()> {
     println!(
         "ok {payload_type} {}",
         crate::crypto::key_id(&key.to_bytes())
+    );
+    Ok(())
+}
+
+fn verify(
+    public_keys: &[String],
+    chain: Option<&std::path::Path>,
+    contract_id: Option<&str>,
+    all_signatures: bool,
+    receipt: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    use prost::Message;
+    let published = public_keys
+        .iter()
+        .map(|hex_key| {
+            let key = crate::config::parse_public_key(hex_key, "--public-key")?;
+            Ok(crate::pb::BrokerKey {
+                key_id: crate::crypto::key_id(&key.to_bytes()),
+                public_key: key.to_bytes().to_vec(),
+                current: false,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let keys = crate::chain::BrokerKeys::from_published(&published);
+    if let Some(path) = receipt {
+        let sealed = crate::pb::Sealed::decode(read_bounded(path)?.as_slice())?;
+        let receipt = crate::pb::Receipt::decode(sealed.payload.as_slice())?;
+        crate::chain::verify_sealed_batch(
+            std::slice::from_ref(&sealed),
+            crate::crypto::payload_type::RECEIPT,
+            &keys,
+            |_| Some(receipt.broker_key_id.clone()),
+        )?;
+        println!(
+            "ok receipt {} kind={} contract={}",
+            hex::encode(crate::crypto::sha256(&sealed.payload)),
+            crate::pb::ReceiptKind::try_from(receipt.kind)
+                .map(|k| k.as_str_name())
+                .unwrap_or("unknown"),
+            hex::encode(&receipt.contract_id)
+        );
+        return Ok(());
+    }
+    let path = chain.ok_or_else(|| anyhow::anyhow!("--chain or --receipt is required"))?;
+    let response = crate::pb::GetChainResponse::decode(read_bounded(path)?.as_slice())?;
+    let sealed: Vec<crate::pb::Sealed> = response
+        .chain
+        .into_iter()
+        .enumerate()
+        .map(|(i, state)| {
+            state
+                .contract
+                .ok_or_else(|| anyhow::anyhow!("chain[{i}] carries no contract"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let leaf = contract_id
+        .map(|hex_id| {
+            hex::decode(hex_id)
+                .ok()
+                .and_then(|b| <[u8; 32]>::try_from(b).ok())
+                .ok_or_else(|| anyhow::anyhow!("--contract-id must be 64 hex digits"))
+        })
+        .transpose()?;
+    let hops = crate::chain::verify_chain(&sealed, &keys, leaf.as_ref())?;
+    if all_signatures {
+        crate::chain::verify_every_signature(&sealed, &keys)?;
+    }
+    for hop in &hops {
+        let c = &hop.contract;
+        println!(
+            "depth={} id={} delegate={} budget={} deadline_ms={} trust_ppm={} liability={} effective_predicate={:?}",
+            c.depth,
+            hex::encode(hop.id),
+            crate::crypto::key_id(
+                &c.delegate_public_key
+                    .as_slice()
+                    .try_into()
+                    .unwrap_or([0u8; 32])
+            ),
+            c.budget,
+            c.deadline_ms,
+            c.cumulative_trust_ppm,
+            crate::pb::Liability::try_from(c.liability)
+                .map(|l| l.as_str_name())
+                .unwrap_or("unknown"),
+            hop.effective_predicate
+        );
+    }
+    println!(
+        "ok chain of {} contracts{}",
+        hops.len(),
+        if all_signatures {
+            ", every signature checked"
+        } else {
+            ""
+        }
     );
     Ok(())
 }

@@ -319,6 +319,7 @@ pub fn contract_state(record: ContractRecord) -> pb::ContractState {
     pb::ContractState {
         contract_id: record.id.to_vec(),
         contract: Some(record.envelope),
+        effective_predicate: record.effective_predicate,
         status: status_to_pb(record.status) as i32,
         ledger: Some(pb::Ledger {
             budget: ledger.budget,

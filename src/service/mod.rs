@@ -346,7 +346,7 @@ impl<S: Store> BrokerService<S> {
         &self,
         signed: Option<&pb::Envelope>,
         convert: fn(T) -> Result<(crate::core::Id, Action), InputError>,
-    ) -> Result<(Vec<u8>, Option<pb::Envelope>, bool), ServiceError> {
+    ) -> Result<(Vec<u8>, Option<pb::Sealed>, bool), ServiceError> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<T>(signed, now_ms, window_ms)?;

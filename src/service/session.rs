@@ -132,7 +132,7 @@ impl Sessions {
     fn verify(&self, bytes: &[u8]) -> Result<(AgentKey, i64), ServiceError> {
         let bad = |detail: &str| unauthenticated("BAD_SESSION", detail.to_owned());
         let envelope =
-            pb::Envelope::decode(bytes).map_err(|_| bad("the session is not an Envelope"))?;
+            pb::Sealed::decode(bytes).map_err(|_| bad("the session is not a Sealed Session"))?;
         let session = pb::Session::decode(envelope.payload.as_slice())
             .map_err(|_| bad("the session's payload is not a Session"))?;
         if session.broker_key_id != self.current.0 {
@@ -140,7 +140,7 @@ impl Sessions {
                 "the session was not signed by this broker's current key (open a new one)",
             ));
         }
-        crypto::verify_envelope(&envelope, payload_type::SESSION, &self.current.1)
+        crypto::verify_sealed(&envelope, payload_type::SESSION, &self.current.1)
             .map_err(|_| bad("the session's signature does not verify"))?;
         // Only this broker's sessions verify, and it never issues one longer
         // than its lifetime: a longer one was not made by this code.
@@ -184,7 +184,7 @@ mod tests {
         (sessions, published)
     }
 
-    fn metadata(envelope: &pb::Envelope) -> MetadataMap {
+    fn metadata(envelope: &pb::Sealed) -> MetadataMap {
         let mut m = MetadataMap::new();
         m.insert_bin(
             SESSION_METADATA,

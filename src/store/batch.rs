@@ -58,8 +58,8 @@ pub struct Known {
     pub view: ParentView,
     pub root_id: Id,
     pub root_seq: i64,
-    /// The decoded signed contract: hop proofs, intent and policy for
-    /// stamping children.
+    /// The decoded signed contract (what the cache holds it for is
+    /// charged by its encoded size).
     pub contract: Arc<pb::Contract>,
 }
 
@@ -130,7 +130,7 @@ pub struct PriorRequest {
     pub digest: [u8; 32],
     pub outcome: i64,
     pub ref_id: Id,
-    pub envelope: pb::Envelope,
+    pub envelope: pb::Sealed,
 }
 
 pub type RequestKey = (AgentKey, Vec<u8>);
@@ -466,7 +466,7 @@ fn delegate(
             *next_seq += 1;
             let stamped = match speculation {
                 Some(s) if s.terms == terms => s.stamped.clone(),
-                _ => stamper.child(&parent.contract, &root_id, child, &terms, now_ms),
+                _ => stamper.child(&parent.view.intent_lineage_hash, child, &terms, now_ms),
             };
             let view = ParentView {
                 status: Status::Open,
@@ -500,8 +500,8 @@ fn delegate(
                 envelope: stamped.encoded,
                 issued_at_ms: stamped.contract.issued_at_ms,
                 host_key: child.host,
-                labels_json: serde_json::to_string(&stamped.contract.labels)
-                    .unwrap_or_else(|_| "{}".into()),
+                // The run's labels are the root's; a child's row has none.
+                labels_json: "{}".into(),
                 run_labels: Vec::new(),
                 status: view.status,
                 ledger: view.ledger,

@@ -185,10 +185,11 @@ struct Loaded {
     metered_uncharged: i64,
     effective_predicate: String,
     write_scope: Scope,
+    root_id: Id,
     contract: pb::Contract,
 }
 
-const COLUMNS: &str = "seq, id, parent_seq, status, budget, reserved, spent, open_children, \
+const COLUMNS: &str = "seq, id, root_id, parent_seq, status, budget, reserved, spent, open_children, \
      deadline_ms, issued_at_ms, delegate_key, host_key, verdict, observations, observed_units, \
      metered, metered_uncharged, effective_predicate, write_scope, envelope";
 
@@ -206,13 +207,14 @@ fn row_from(row: &SqliteRow) -> Result<Loaded, sqlx::Error> {
     let host: Option<Vec<u8>> = row.try_get("host_key")?;
     let scope: String = row.try_get("write_scope")?;
     let envelope: Vec<u8> = row.try_get("envelope")?;
-    let envelope = pb::Envelope::decode(envelope.as_slice()).map_err(|_| corrupt("envelope"))?;
+    let envelope = pb::Sealed::decode(envelope.as_slice()).map_err(|_| corrupt("envelope"))?;
     let contract =
         pb::Contract::decode(envelope.payload.as_slice()).map_err(|_| corrupt("payload"))?;
     let metered: i64 = row.try_get("metered")?;
     Ok(Loaded {
         seq: row.try_get("seq")?,
         id: key(row.try_get("id")?, "id")?,
+        root_id: key(row.try_get("root_id")?, "root_id")?,
         parent_seq: row.try_get("parent_seq")?,
         status: i32::try_from(status)
             .ok()
@@ -441,7 +443,7 @@ impl Receipting<'_> {
         target: &Loaded,
         request: Option<&RequestMeta>,
         mut receipt: pb::Receipt,
-    ) -> Result<(Id, pb::Envelope), sqlx::Error> {
+    ) -> Result<(Id, pb::Sealed), sqlx::Error> {
         receipt.broker_key_id = self.stamper.key_id().to_owned();
         receipt.contract_id = target.id.to_vec();
         receipt.root_id = root_id(target).to_vec();
@@ -487,11 +489,11 @@ impl Receipting<'_> {
 }
 
 fn root_id(row: &Loaded) -> Id {
-    // A root's payload carries no root id: it is its own root.
-    row.contract.root_id.as_slice().try_into().unwrap_or(row.id)
+    // A root's row names itself.
+    row.root_id
 }
 
-fn answer(id: Id, envelope: pb::Envelope) -> Result<Answer, StoreError> {
+fn answer(id: Id, envelope: pb::Sealed) -> Result<Answer, StoreError> {
     Ok(Answer {
         outcome: Outcome::Receipt {
             receipt_id: id,

@@ -23,8 +23,11 @@ pub struct ContractRecord {
     pub id: Id,
     pub parent_id: Option<Id>,
     pub root_id: Id,
-    /// The broker-signed envelope exactly as issued.
-    pub envelope: pb::Envelope,
+    /// The broker-signed contract exactly as issued.
+    pub envelope: pb::Sealed,
+    /// The effective predicate as the broker derived it at issuance (not
+    /// in the signed contract: verifiers derive it from the chain).
+    pub effective_predicate: String,
     pub status: Status,
     pub ledger: Ledger,
     /// Issuance order; the page cursor of `children`.
@@ -71,8 +74,8 @@ pub struct RunFacts {
 /// One signed event of a tree, in commit order.
 #[derive(Clone, Debug)]
 pub enum Event {
-    Contract { cursor: i64, envelope: pb::Envelope },
-    Receipt { cursor: i64, envelope: pb::Envelope },
+    Contract { cursor: i64, envelope: pb::Sealed },
+    Receipt { cursor: i64, envelope: pb::Sealed },
 }
 
 /// What a mutating call produced.
@@ -80,12 +83,12 @@ pub enum Event {
 pub enum Outcome {
     Issued {
         id: Id,
-        envelope: pb::Envelope,
+        envelope: pb::Sealed,
     },
     /// A signed receipt: a refusal (Delegate) or a lifecycle transition.
     Receipt {
         receipt_id: Id,
-        envelope: pb::Envelope,
+        envelope: pb::Sealed,
     },
 }
 
@@ -285,5 +288,5 @@ pub trait Store: Send + Sync + 'static {
     fn receipt(
         &self,
         id: Id,
-    ) -> impl Future<Output = Result<Option<pb::Envelope>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Option<pb::Sealed>, StoreError>> + Send;
 }

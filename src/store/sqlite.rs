@@ -361,16 +361,15 @@ impl SqliteStore {
     /// rather than on the single writer. `None` when the parent is not
     /// cached or the check (against possibly stale state) refuses.
     fn speculate(&self, child: &NewChild) -> Option<Box<Speculation>> {
-        let (contract, root_id, view) = {
+        let view = {
             let known = self.known.lock().ok()?;
-            let parent = known.get(&child.parent_id)?;
-            (parent.contract.clone(), parent.root_id, parent.view.clone())
+            known.get(&child.parent_id)?.view.clone()
         };
         let now_ms = self.clock.now_ms();
         let terms = crate::core::check_delegation(&view, &child.ask, now_ms).ok()?;
         let stamped = self
             .stamper
-            .child(&contract, &root_id, child, &terms, now_ms);
+            .child(&view.intent_lineage_hash, child, &terms, now_ms);
         Some(Box::new(Speculation { terms, stamped }))
     }
 
@@ -840,7 +839,7 @@ impl Store for SqliteStore {
         Ok(records)
     }
 
-    async fn receipt(&self, id: Id) -> Result<Option<pb::Envelope>, StoreError> {
+    async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
         let row = sqlx::query("SELECT envelope FROM receipts WHERE id = $1")
             .bind(id.as_slice())
             .fetch_optional(&self.reader)
@@ -852,9 +851,9 @@ impl Store for SqliteStore {
 }
 
 const SELECT_RECORD_BY_ID: &str = "SELECT seq, id, parent_id, root_id, status, budget, reserved, \
-     spent, open_children, envelope FROM contracts_with_envelope WHERE id = $1";
+     spent, open_children, effective_predicate, envelope FROM contracts_with_envelope WHERE id = $1";
 const SELECT_CHILDREN: &str = "SELECT seq, id, parent_id, root_id, status, budget, reserved, \
-     spent, open_children, envelope FROM contracts_with_envelope \
+     spent, open_children, effective_predicate, envelope FROM contracts_with_envelope \
      WHERE parent_seq = (SELECT seq FROM contracts WHERE id = $1) AND seq > $2 \
      ORDER BY seq LIMIT $3";
 
@@ -1045,10 +1044,9 @@ fn id_column(row: &SqliteRow, column: &str) -> Result<Id, StoreError> {
         .map_err(|_| StoreError::Corrupt(format!("{column} is not 32 bytes")))
 }
 
-fn decode_envelope(row: &SqliteRow, column: &str) -> Result<pb::Envelope, StoreError> {
+fn decode_envelope(row: &SqliteRow, column: &str) -> Result<pb::Sealed, StoreError> {
     let bytes: Vec<u8> = row.try_get(column).map_err(backend)?;
-    pb::Envelope::decode(bytes.as_slice())
-        .map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
+    pb::Sealed::decode(bytes.as_slice()).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
 }
 
 fn status_from(value: i64) -> Result<Status, StoreError> {
@@ -1082,6 +1080,7 @@ fn record_from_row(row: &SqliteRow) -> Result<ContractRecord, StoreError> {
         parent_id,
         root_id: id_column(row, "root_id")?,
         envelope: decode_envelope(row, "envelope")?,
+        effective_predicate: row.try_get("effective_predicate").map_err(backend)?,
         status: status_from(row.try_get("status").map_err(backend)?)?,
         ledger: ledger_from_row(row)?,
         seq: row.try_get("seq").map_err(backend)?,
@@ -1239,6 +1238,56 @@ async fn checkpoint(conn: &mut SqliteConnection) -> Option<Checkpointed> {
     }
 }
 
+/// The migration that records the linear contract format (issue 15).
+const LINEAR_FORMAT_MIGRATION: i64 = 10;
+
+/// Refuses a database holding contracts signed in the format before
+/// `LINEAR_FORMAT_MIGRATION`: they cannot be converted (ids are hashes of
+/// the signed bytes) and must not be served as if they were the new one.
+async fn refuse_old_format(conn: &mut SqliteConnection) -> Result<(), StoreError> {
+    let has = |table: &'static str| {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = $1",
+        )
+        .bind(table)
+    };
+    if has("contracts")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(backend)?
+        == 0
+    {
+        return Ok(());
+    }
+    let linear: i64 = if has("_sqlx_migrations")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(backend)?
+        == 0
+    {
+        0
+    } else {
+        sqlx::query_scalar("SELECT COUNT(*) FROM _sqlx_migrations WHERE version = $1")
+            .bind(LINEAR_FORMAT_MIGRATION)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(backend)?
+    };
+    let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(backend)?;
+    if linear == 0 && contracts > 0 {
+        return Err(StoreError::Backend(format!(
+            "this data directory holds {contracts} contracts signed in the format used before \
+             linear chains (issue 15), which cannot be converted (a contract's id is the hash \
+             of its signed bytes); keep it for reading with an older broker and start this \
+             one with an empty --data-dir"
+        )));
+    }
+    Ok(())
+}
+
 /// Opens the single write connection and brings the schema up to date.
 /// Returns it with the next free issuance sequence number.
 async fn open_writer(
@@ -1247,6 +1296,7 @@ async fn open_writer(
     let mut writer = SqliteConnection::connect_with(connect)
         .await
         .map_err(backend)?;
+    refuse_old_format(&mut writer).await?;
     sqlx::migrate!("./migrations/sqlite")
         .run_direct(None, &mut writer, false)
         .await
@@ -1880,7 +1930,7 @@ async fn load_prior_requests(
                     digest: digest.try_into().map_err(|_| bad("body_digest"))?,
                     outcome: row.try_get("outcome")?,
                     ref_id: ref_id.try_into().map_err(|_| bad("ref_id"))?,
-                    envelope: pb::Envelope::decode(envelope.as_slice())
+                    envelope: pb::Sealed::decode(envelope.as_slice())
                         .map_err(|_| bad("envelope"))?,
                 },
             );
@@ -2137,11 +2187,14 @@ mod tests {
     crate::store::suite::store_suite!(suite, super::open_suite_store);
 
     /// A database written by schema 1 (envelopes inside contract rows, the
-    /// request log as a rowid table) opens under the current schema with
-    /// nothing lost: the contract comes back with its envelope and a retry
-    /// of the logged request is still answered from the log.
+    /// request log as a rowid table) migrates through every schema change
+    /// with nothing lost — the contract keeps its envelope, its labels are
+    /// indexed, the request log keeps its answer — and is then refused with
+    /// a clear error rather than served: its contracts are signed in the
+    /// format before linear chains (migration 10), which cannot be
+    /// converted.
     #[tokio::test]
-    async fn a_schema_1_database_migrates_without_losing_rows() {
+    async fn a_schema_1_database_migrates_without_losing_rows_then_is_refused() {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("broker.sqlite3");
         let connect = SqliteConnectOptions::new()
@@ -2149,11 +2202,7 @@ mod tests {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal);
         let (id, agent, nonce, digest) = ([7u8; 32], [9u8; 32], vec![5u8; 16], [3u8; 32]);
-        let envelope = pb::Envelope {
-            payload: b"contract payload".to_vec(),
-            payload_type: "test".into(),
-            signatures: Vec::new(),
-        };
+        let envelope = b"an old-format signed contract".to_vec();
         {
             let mut conn = SqliteConnection::connect_with(&connect)
                 .await
@@ -2172,7 +2221,7 @@ mod tests {
             )
             .bind(id.as_slice())
             .bind(agent.as_slice())
-            .bind(envelope.encode_to_vec())
+            .bind(envelope.as_slice())
             .execute(&mut conn)
             .await
             .expect("schema-1 contract");
@@ -2187,47 +2236,50 @@ mod tests {
             .execute(&mut conn)
             .await
             .expect("schema-1 request");
+            sqlx::migrate!("./migrations/sqlite")
+                .run_to(LINEAR_FORMAT_MIGRATION - 1, &mut conn)
+                .await
+                .expect("schema 9");
+            let (kept, budget): (Vec<u8>, i64) = sqlx::query_as(
+                "SELECT envelope, budget FROM contracts_with_envelope WHERE id = $1",
+            )
+            .bind(id.as_slice())
+            .fetch_one(&mut conn)
+            .await
+            .expect("the contract");
+            assert_eq!((kept, budget), (envelope.clone(), 100));
+            // Its labels were indexed by migration 5.
+            let labels: Vec<(String, String)> =
+                sqlx::query_as("SELECT label_key, label_value FROM run_labels ORDER BY label_key")
+                    .fetch_all(&mut conn)
+                    .await
+                    .expect("labels");
+            assert_eq!(
+                labels,
+                [
+                    ("arm".to_owned(), "a".to_owned()),
+                    ("note".to_owned(), "say \"hi\" \\ é".to_owned())
+                ]
+            );
+            let logged: (Vec<u8>, i64, Vec<u8>) = sqlx::query_as(
+                "SELECT body_digest, outcome, ref_id FROM requests WHERE agent_key = $1 AND nonce = $2",
+            )
+            .bind(agent.as_slice())
+            .bind(nonce.as_slice())
+            .fetch_one(&mut conn)
+            .await
+            .expect("the request log");
+            assert_eq!(logged, (digest.to_vec(), 1, id.to_vec()));
             conn.close().await.expect("close");
         }
-        let stamper = test_stamper();
-        let store = open_test_store(path, stamper).await;
-        let record = store.contract(id).await.expect("read").expect("kept");
-        assert_eq!(record.envelope, envelope);
-        assert_eq!(record.ledger.budget, 100);
-        // Its labels were indexed by migration 5.
-        for (key, value) in [("arm", "a"), ("note", "say \"hi\" \\ é")] {
-            let selector = [(key.to_owned(), value.to_owned())].into_iter().collect();
-            let runs = store.runs(None, &selector, 10).await.expect("runs");
-            assert_eq!(runs.len(), 1, "{key}");
-            assert_eq!(runs[0].0.root_id, id);
-        }
-        let request = RequestMeta {
-            agent,
-            nonce,
-            digest,
-            timestamp_ms: TEST_TIMESTAMP_MS,
-        };
-        let answer = store.replay(&request).await.expect("read").expect("logged");
-        assert!(answer.replayed);
-        match answer.outcome {
-            Outcome::Issued {
-                id: issued,
-                envelope: replayed,
-            } => {
-                assert_eq!(issued, id);
-                assert_eq!(replayed, envelope);
-            }
-            Outcome::Receipt { .. } => panic!("the log says issued"),
-        }
-        // A different body under the same nonce is still refused.
-        let reused = RequestMeta {
-            digest: [4u8; 32],
-            ..request
-        };
-        assert!(matches!(
-            store.replay(&reused).await,
-            Err(StoreError::NonceReused)
-        ));
+        let refused = SqliteStore::open(test_options(path), test_stamper(), Arc::new(SystemClock))
+            .await
+            .err()
+            .expect("an old-format database is refused");
+        assert!(
+            matches!(&refused, StoreError::Backend(m) if m.contains("1 contracts signed in the format used before linear chains")),
+            "{refused}"
+        );
     }
 
     /// Migration 7 puts an open contract's own metered units into its
@@ -3371,7 +3423,7 @@ mod tests {
     async fn an_audit_read_is_bounded_by_its_byte_budget() {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut options = test_options(dir.path().join("broker.sqlite3"));
-        // About two contract envelopes.
+        // About four contracts.
         options.max_audit_bytes = 1_500;
         let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
             .await
@@ -3383,7 +3435,9 @@ mod tests {
             store.runs(None, &everything, 10).await.is_ok(),
             "one child fits"
         );
-        for i in 0..4 {
+        // Contracts are a few hundred bytes each (one hop's terms); the
+        // tree's fan-out allows eight children.
+        for i in 0..7 {
             issued(store.delegate(test_child(9, 11 + i, root, 8, "true")).await);
         }
         match store.runs(None, &everything, 10).await {

@@ -84,6 +84,32 @@ impl Broker {
         }
     }
 
+    /// The effective predicate of contract `id`, derived from its chain
+    /// verified offline (types.proto's procedure), and checked to be the
+    /// broker's own copy in ContractState.
+    pub async fn effective_predicate(&mut self, id: &[u8]) -> String {
+        let keys = self.keys().await;
+        let chain = self
+            .client
+            .get_chain(pb::GetChainRequest {
+                contract_id: id.to_vec(),
+            })
+            .await
+            .expect("GetChain")
+            .into_inner()
+            .chain;
+        let sealed: Vec<pb::Sealed> = chain.iter().map(|s| s.contract.clone().unwrap()).collect();
+        let hops = delegation_broker::chain::verify_chain(
+            &sealed,
+            &delegation_broker::chain::BrokerKeys::from_published(&keys),
+            Some(&id.try_into().expect("a 32-byte id")),
+        )
+        .expect("the chain verifies");
+        let derived = hops.last().unwrap().effective_predicate.clone();
+        assert_eq!(derived, chain.last().unwrap().effective_predicate);
+        derived
+    }
+
     pub async fn keys(&mut self) -> Vec<pb::BrokerKey> {
         self.client
             .get_broker_keys(pb::GetBrokerKeysRequest {})
@@ -354,8 +380,8 @@ pub fn liable_child(
 
 #[derive(Debug)]
 pub enum Outcome {
-    Issued { id: Vec<u8>, envelope: pb::Envelope },
-    Refused { id: Vec<u8>, envelope: pb::Envelope },
+    Issued { id: Vec<u8>, envelope: pb::Sealed },
+    Refused { id: Vec<u8>, envelope: pb::Sealed },
 }
 
 impl From<pb::delegate_response::Outcome> for Outcome {
@@ -386,7 +412,7 @@ impl Outcome {
     }
 
     #[track_caller]
-    pub fn refused(self) -> (Vec<u8>, pb::Envelope, pb::Receipt) {
+    pub fn refused(self) -> (Vec<u8>, pb::Sealed, pb::Receipt) {
         match self {
             Outcome::Refused { id, envelope } => {
                 let receipt = decode_receipt(&envelope);
@@ -397,13 +423,11 @@ impl Outcome {
     }
 }
 
-pub fn decode_contract(envelope: &pb::Envelope) -> pb::Contract {
-    assert_eq!(envelope.payload_type, payload_type::CONTRACT);
+pub fn decode_contract(envelope: &pb::Sealed) -> pb::Contract {
     pb::Contract::decode(envelope.payload.as_slice()).unwrap()
 }
 
-pub fn decode_receipt(envelope: &pb::Envelope) -> pb::Receipt {
-    assert_eq!(envelope.payload_type, payload_type::RECEIPT);
+pub fn decode_receipt(envelope: &pb::Sealed) -> pb::Receipt {
     pb::Receipt::decode(envelope.payload.as_slice()).unwrap()
 }
 
@@ -415,10 +439,10 @@ pub fn codes(receipt: &pb::Receipt) -> Vec<pb::InvariantCode> {
         .collect()
 }
 
-/// Verifies a broker envelope against the published keys (by the key id
-/// the payload names, never by DSSE's unauthenticated hint alone).
+/// Verifies a broker-signed payload against the published keys (by the
+/// key id the payload names).
 pub fn verify_with_keys(
-    envelope: &pb::Envelope,
+    envelope: &pb::Sealed,
     expected_type: &'static str,
     keys: &[pb::BrokerKey],
     key_id: &str,
@@ -428,7 +452,7 @@ pub fn verify_with_keys(
         .find(|k| k.key_id == key_id)
         .expect("payload names a published key");
     let vk = crypto::public_key(&key.public_key).unwrap();
-    crypto::verify_envelope(envelope, expected_type, &vk).expect("envelope verifies");
+    crypto::verify_sealed(envelope, expected_type, &vk).expect("the signature verifies");
 }
 
 /// Asserts the refusal verifies with the broker's published key and can be
@@ -436,7 +460,7 @@ pub fn verify_with_keys(
 pub async fn assert_refusal_verifies(
     broker: &mut Broker,
     id: &[u8],
-    envelope: &pb::Envelope,
+    envelope: &pb::Sealed,
 ) -> pb::Receipt {
     let keys = broker.keys().await;
     let receipt = decode_receipt(envelope);
@@ -459,11 +483,6 @@ pub async fn assert_refusal_verifies(
         .unwrap();
     assert_eq!(&again, envelope);
     receipt
-}
-
-pub fn decode_hop(envelope: &pb::Envelope) -> pb::HopProof {
-    assert_eq!(envelope.payload_type, payload_type::HOP_PROOF);
-    pb::HopProof::decode(envelope.payload.as_slice()).unwrap()
 }
 
 /// A header signed "at" `timestamp_ms` (for a broker whose clock was moved).

@@ -62,13 +62,13 @@ async fn seed_001_chain() -> Chain {
     to_executor.write_scope = vec!["src/auth".into()];
     to_executor.host_public_key = executor_host.public_key().to_vec();
     to_executor.result_schema_json = PATCH_SCHEMA.into();
-    let (executor_id, executor_contract) = broker
+    let (executor_id, _) = broker
         .delegate(&planner, to_executor)
         .await
         .unwrap()
         .issued();
     assert_eq!(
-        executor_contract.effective_predicate,
+        broker.effective_predicate(&executor_id).await,
         format!("({SEED_001_PREDICATE}\n)")
     );
     let accepted = broker.accept(&executor, &executor_id, None).await.unwrap();
@@ -697,9 +697,14 @@ async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
         .await
         .unwrap()
         .issued();
+    // The tree's policy is the root's; a child carries none of its own.
+    assert!(contract.policy.is_none());
     assert!(
-        contract.policy.as_ref().is_some_and(|p| p.require_host),
-        "inherited"
+        root.contract
+            .policy
+            .as_ref()
+            .is_some_and(|p| p.require_host),
+        "in the root"
     );
     // The delegate cannot swap in a host of its own at Accept.
     let swapped = broker

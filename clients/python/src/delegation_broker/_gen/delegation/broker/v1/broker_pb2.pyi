@@ -117,16 +117,16 @@ class IssuedContract(_message.Message):
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     contract_id: bytes
-    contract: _types_pb2.Envelope
-    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+    contract: _types_pb2.Sealed
+    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("receipt_id", "receipt")
     RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+    receipt: _types_pb2.Sealed
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ...) -> None: ...
 
 class DelegateResponse(_message.Message):
     __slots__ = ("issued", "refused", "replayed")
@@ -153,16 +153,18 @@ class Ledger(_message.Message):
     def __init__(self, budget: _Optional[int] = ..., reserved: _Optional[int] = ..., spent: _Optional[int] = ..., residual: _Optional[int] = ..., open_children: _Optional[int] = ...) -> None: ...
 
 class ContractState(_message.Message):
-    __slots__ = ("contract_id", "contract", "status", "ledger")
+    __slots__ = ("contract_id", "contract", "status", "ledger", "effective_predicate")
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_PREDICATE_FIELD_NUMBER: _ClassVar[int]
     contract_id: bytes
-    contract: _types_pb2.Envelope
+    contract: _types_pb2.Sealed
     status: ContractStatus
     ledger: Ledger
-    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., status: _Optional[_Union[ContractStatus, str]] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ...) -> None: ...
+    effective_predicate: str
+    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., status: _Optional[_Union[ContractStatus, str]] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., effective_predicate: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("signed",)
@@ -182,9 +184,9 @@ class OpenSessionResponse(_message.Message):
     __slots__ = ("session", "expires_at_ms")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
-    session: _types_pb2.Envelope
+    session: _types_pb2.Sealed
     expires_at_ms: int
-    def __init__(self, session: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, session: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class GetContractRequest(_message.Message):
     __slots__ = ("contract_id",)
@@ -237,8 +239,8 @@ class GetReceiptRequest(_message.Message):
 class GetReceiptResponse(_message.Message):
     __slots__ = ("receipt",)
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
-    receipt: _types_pb2.Envelope
-    def __init__(self, receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+    receipt: _types_pb2.Sealed
+    def __init__(self, receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ...) -> None: ...
 
 class GetBrokerKeysRequest(_message.Message):
     __slots__ = ()
@@ -290,9 +292,9 @@ class AcceptResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
+    receipt: _types_pb2.Sealed
     replayed: bool
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class DeclineBody(_message.Message):
     __slots__ = ("header", "contract_id", "reason")
@@ -316,9 +318,9 @@ class DeclineResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
+    receipt: _types_pb2.Sealed
     replayed: bool
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class CompleteBody(_message.Message):
     __slots__ = ("header", "contract_id", "output_json", "report", "claim", "consumed")
@@ -348,9 +350,9 @@ class CompleteResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
+    receipt: _types_pb2.Sealed
     replayed: bool
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class AdjudicateBody(_message.Message):
     __slots__ = ("header", "contract_id", "verdict", "reason")
@@ -376,9 +378,9 @@ class AdjudicateResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
+    receipt: _types_pb2.Sealed
     replayed: bool
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class EscalateBody(_message.Message):
     __slots__ = ("header", "contract_id", "reason")
@@ -402,9 +404,9 @@ class EscalateResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
+    receipt: _types_pb2.Sealed
     replayed: bool
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class RevokeBody(_message.Message):
     __slots__ = ("header", "contract_id", "reason")
@@ -428,9 +430,9 @@ class RevokeResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
+    receipt: _types_pb2.Sealed
     replayed: bool
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class RecordReceiptsBody(_message.Message):
     __slots__ = ("header", "contract_id", "observations")
@@ -454,9 +456,9 @@ class RecordReceiptsResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     receipt_id: bytes
-    receipt: _types_pb2.Envelope
+    receipt: _types_pb2.Sealed
     replayed: bool
-    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, receipt_id: _Optional[bytes] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("contract_id", "cursor")
@@ -472,9 +474,9 @@ class WatchResponse(_message.Message):
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     cursor: int
-    contract: _types_pb2.Envelope
-    receipt: _types_pb2.Envelope
-    def __init__(self, cursor: _Optional[int] = ..., contract: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+    contract: _types_pb2.Sealed
+    receipt: _types_pb2.Sealed
+    def __init__(self, cursor: _Optional[int] = ..., contract: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ...) -> None: ...
 
 class GetAuditRequest(_message.Message):
     __slots__ = ("contract_id",)

@@ -168,8 +168,9 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetChain(self, request, context):
-        """Returns the chain root → contract, each with its envelope (and thus
-        every hop proof), status and ledger. A chain larger than a response
+        """Returns the chain root → contract, each with its signed contract,
+        status and ledger: everything a verifier needs besides GetBrokerKeys
+        (see "Verifying a chain" in types.proto). A chain larger than a response
         (4 × limits.max_request_bytes) is RESOURCE_EXHAUSTED with reason
         RESPONSE_TOO_LARGE: read its contracts one by one with GetContract.
         """
@@ -179,7 +180,7 @@ class BrokerServicer:
 
     def ListChildren(self, request, context):
         """Lists the children of a contract in issuance order, a page at a time.
-        A page ends at page_size children or at about 1 MiB of envelopes,
+        A page ends at page_size children or at about 1 MiB of contracts,
         whichever comes first; a non-empty next_page_token means there may be
         more (the last page may be empty).
         """
@@ -196,7 +197,7 @@ class BrokerServicer:
 
     def GetBrokerKeys(self, request, context):
         """Returns the broker's public keys, current and retired, for offline
-        verification of every envelope it signs. Public.
+        verification of everything it signs. Public.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -127,6 +127,14 @@ class Signature(_message.Message):
     sig: bytes
     def __init__(self, keyid: _Optional[str] = ..., sig: _Optional[bytes] = ...) -> None: ...
 
+class Sealed(_message.Message):
+    __slots__ = ("payload", "signature")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    signature: bytes
+    def __init__(self, payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
 class Policy(_message.Message):
     __slots__ = ("max_depth", "min_cumulative_trust_ppm", "max_children", "disable_retry_headroom", "require_host")
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -155,34 +163,8 @@ class Attestation(_message.Message):
     not_before_ms: int
     def __init__(self, agent_public_key: _Optional[bytes] = ..., factor: _Optional[float] = ..., risk_class: _Optional[str] = ..., expires_at_ms: _Optional[int] = ..., not_before_ms: _Optional[int] = ...) -> None: ...
 
-class HopProof(_message.Message):
-    __slots__ = ("broker_key_id", "parent_id", "depth", "agent_public_key", "factor_ppm", "cumulative_trust_ppm", "trust_source", "attestation_digest", "risk_class", "intent_lineage_hash", "issued_at_ms")
-    BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
-    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
-    DEPTH_FIELD_NUMBER: _ClassVar[int]
-    AGENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
-    FACTOR_PPM_FIELD_NUMBER: _ClassVar[int]
-    CUMULATIVE_TRUST_PPM_FIELD_NUMBER: _ClassVar[int]
-    TRUST_SOURCE_FIELD_NUMBER: _ClassVar[int]
-    ATTESTATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
-    RISK_CLASS_FIELD_NUMBER: _ClassVar[int]
-    INTENT_LINEAGE_HASH_FIELD_NUMBER: _ClassVar[int]
-    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
-    broker_key_id: str
-    parent_id: bytes
-    depth: int
-    agent_public_key: bytes
-    factor_ppm: int
-    cumulative_trust_ppm: int
-    trust_source: TrustSource
-    attestation_digest: bytes
-    risk_class: str
-    intent_lineage_hash: bytes
-    issued_at_ms: int
-    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., agent_public_key: _Optional[bytes] = ..., factor_ppm: _Optional[int] = ..., cumulative_trust_ppm: _Optional[int] = ..., trust_source: _Optional[_Union[TrustSource, str]] = ..., attestation_digest: _Optional[bytes] = ..., risk_class: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., issued_at_ms: _Optional[int] = ...) -> None: ...
-
 class Contract(_message.Message):
-    __slots__ = ("broker_key_id", "parent_id", "root_id", "depth", "intent", "intent_lineage_hash", "task", "principal_public_key", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "effective_predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "hop_proofs", "request_digest", "host_public_key", "result_schema_json", "labels")
+    __slots__ = ("broker_key_id", "parent_id", "depth", "intent", "intent_lineage_hash", "task", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "request_digest", "host_public_key", "result_schema_json", "labels", "factor_ppm", "cumulative_trust_ppm", "trust_source", "attestation_digest", "risk_class")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -192,55 +174,57 @@ class Contract(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BROKER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
-    ROOT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     INTENT_FIELD_NUMBER: _ClassVar[int]
     INTENT_LINEAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
-    PRINCIPAL_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     DELEGATE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     LIABILITY_FIELD_NUMBER: _ClassVar[int]
     PREDICATE_FIELD_NUMBER: _ClassVar[int]
-    EFFECTIVE_PREDICATE_FIELD_NUMBER: _ClassVar[int]
     ESCALATION_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     MIN_RETRY_COST_FIELD_NUMBER: _ClassVar[int]
     MIN_RETRY_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
-    HOP_PROOFS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOST_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     RESULT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_PPM_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_TRUST_PPM_FIELD_NUMBER: _ClassVar[int]
+    TRUST_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RISK_CLASS_FIELD_NUMBER: _ClassVar[int]
     broker_key_id: str
     parent_id: bytes
-    root_id: bytes
     depth: int
     intent: str
     intent_lineage_hash: bytes
     task: str
-    principal_public_key: bytes
     delegate_public_key: bytes
     budget: int
     deadline_ms: int
     issued_at_ms: int
     liability: Liability
     predicate: str
-    effective_predicate: str
     escalation_channel: str
     min_retry_cost: int
     min_retry_latency_ms: int
     write_scope: _containers.RepeatedScalarFieldContainer[str]
     policy: Policy
-    hop_proofs: _containers.RepeatedCompositeFieldContainer[Envelope]
     request_digest: bytes
     host_public_key: bytes
     result_schema_json: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., principal_public_key: _Optional[bytes] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., effective_predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., hop_proofs: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., request_digest: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    factor_ppm: int
+    cumulative_trust_ppm: int
+    trust_source: TrustSource
+    attestation_digest: bytes
+    risk_class: str
+    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., request_digest: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., factor_ppm: _Optional[int] = ..., cumulative_trust_ppm: _Optional[int] = ..., trust_source: _Optional[_Union[TrustSource, str]] = ..., attestation_digest: _Optional[bytes] = ..., risk_class: _Optional[str] = ...) -> None: ...
 
 class Violation(_message.Message):
     __slots__ = ("code", "requested", "allowed", "detail")
