@@ -5,15 +5,16 @@ orchestrator --(root, budget 100)--> planner --(50, liable)--> coder --(20, liab
 
 Every request is signed here with the agent's own key; every contract that
 comes back is checked against the broker's published keys, and finally the
-whole chain (4 contracts, 10 hop proofs) is fetched, with the orchestrator's
-read session, and verified offline.
+whole chain (4 contracts) is fetched, with the orchestrator's read session,
+and verified offline: the leaf's signature, the hash links back to the root,
+and every hop's terms against its parent's.
 
     delegation-broker serve --listen 127.0.0.1:50051 --data-dir /tmp/broker --config broker.toml
     python examples/three_hops.py --target 127.0.0.1:50051 [--attestor-seed HEX]
 
 With --attestor-seed (the 32-byte seed, hex, of an attestor the broker's
-config trusts) each delegate carries an attestation and the hop proofs record
-attenuating trust; without it the broker finds no trust source (factor 0) and
+config trusts) each delegate carries an attestation and each contract records
+its hop's trust factor and the attenuated cumulative trust; without it the broker finds no trust source (factor 0) and
 the tree's policy must allow that (min_cumulative_trust_ppm 0).
 """
 
@@ -36,7 +37,7 @@ from delegation_broker import (
     session_stub,
     verify_chain,
     verify_contract,
-    verify_envelope,
+    verify_receipt,
 )
 
 INTENT = "Fix the token refresh bug in src/auth/ and document it"
@@ -96,26 +97,28 @@ def main() -> int:
                 print(f"Delegate failed: {e.code().name} {info.reason if info else ''} {dict(info.metadata) if info else ''}")
                 return 1
             if response.WhichOneof("outcome") == "refused":
-                receipt = verify_envelope(response.refused.receipt, keys, pb.Receipt).message
+                receipt = verify_receipt(response.refused.receipt, keys, response.refused.receipt_id).message
                 for v in receipt.violations:
                     print(f"refused: {pb.InvariantCode.Name(v.code)}: {v.detail}")
                 return 1
             parent = verify_contract(response.issued.contract, keys, response.issued.contract_id).contract_id
 
-        # 3. Anyone holding the published keys can verify the whole chain offline.
+        # 3. Anyone holding the published keys can verify the whole chain offline:
+        #    one signature (the leaf's), the hash links to the root, and each
+        #    hop's terms against its parent's. The effective predicate is derived.
         chain = stub.GetChain(pb.GetChainRequest(contract_id=parent)).chain
         try:
-            verified = verify_chain(chain, keys)
+            verified = verify_chain(chain, keys, parent)
         except VerificationError as e:
             print(f"chain does not verify: {e}")
             return 1
         for v, state in zip(verified, chain, strict=True):
-            c, own = v.contract, v.hop_proofs[-1]
+            c = v.contract
             print(f"depth {c.depth}: budget {c.budget} (residual {state.ledger.residual}), "
-                  f"{pb.Liability.Name(c.liability)}, predicate {c.effective_predicate or '-'!r}, "
-                  f"cumulative trust {own.cumulative_trust_ppm} ppm ({pb.TrustSource.Name(own.trust_source)})")
-        proofs = sum(len(v.hop_proofs) for v in verified)
-        print(f"verified {len(verified)} contracts and {proofs} hop proofs with broker key {verified[-1].key_id}")
+                  f"{pb.Liability.Name(c.liability)}, predicate {v.effective_predicate or '-'!r}, "
+                  f"cumulative trust {c.cumulative_trust_ppm} ppm ({pb.TrustSource.Name(c.trust_source)})")
+        print(f"verified a chain of {len(verified)} contracts: {len(verified) - 1} hash links and the leaf's "
+              f"signature by broker key {verified[-1].key_id}")
         return 0
 
 

@@ -1,8 +1,11 @@
 """Test support: runs the real broker binary and drives it through the client.
 
-Every envelope the broker hands back goes through the helper layer's offline
-verification here (and is kept in ``Broker.received`` for the cross-language
-check), so each test verifies everything it receives.
+Everything the broker signs and hands back (a ``pb.Sealed`` contract or
+receipt) goes through the helper layer's offline verification here (and is
+kept in ``Broker.received`` for the cross-language check at the end of the
+session), so each test verifies everything it receives. Also: the Rust
+``delegation-broker verify`` CLI as a function, and chains forged under a
+test key, to check each term of "Verifying a chain" on its own.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ from delegation_broker import (
     Verified,
     VerifiedContract,
     WatchEvent,
+    key_id,
     lineage_hash,
+    message_class,
     now_ms,
     pae,
+    payload_type,
     pb,
-    sha256,
-    verify_contract,
-    verify_envelope,
-    message_class,
     session_stub,
+    sha256,
+    verify_chain,
+    verify_contract,
+    verify_every_signature,
     verify_receipt,
     watch,
 )
@@ -158,8 +164,8 @@ class Broker:
         self.bare_stub = pb.BrokerStub(self.channel)
         self.stub = session_stub(self.channel, self.reader)
         self.keys = BrokerKeys.fetch(self.stub)
-        #: Every broker-signed envelope received, as (envelope, kind).
-        self.received: list[tuple[pb.Envelope, str]] = []
+        #: Everything broker-signed received, as (Sealed, "contract" | "receipt").
+        self.received: list[tuple[pb.Sealed, str]] = []
 
     def close(self) -> int:
         self.channel.close()
@@ -198,11 +204,10 @@ class Broker:
     def check_issued(self, issued: pb.IssuedContract) -> VerifiedContract:
         verified = verify_contract(issued.contract, self.keys, issued.contract_id)
         self.received.append((issued.contract, "contract"))
-        self.received.extend((proof, "hop proof") for proof in verified.contract.hop_proofs)
         return verified
 
     def check_refusal(self, refusal: pb.Refusal) -> Verified[pb.Receipt]:
-        verified = verify_envelope(refusal.receipt, self.keys, pb.Receipt)
+        verified = verify_receipt(refusal.receipt, self.keys, refusal.receipt_id)
         assert sha256(refusal.receipt.payload) == refusal.receipt_id, "receipt id = SHA-256(payload)"
         assert verified.message.kind == pb.RECEIPT_KIND_REFUSED
         again = self.stub.GetReceipt(pb.GetReceiptRequest(receipt_id=refusal.receipt_id), timeout=10).receipt
@@ -266,12 +271,10 @@ class Broker:
         return receipt
 
     def watched(self, events: list[WatchEvent]) -> list[WatchEvent]:
-        """Keeps the envelopes of watch events (already verified by the watch)
+        """Keeps the Sealed of watch events (already verified by the watch)
         for the session's cross-language check."""
         for event in events:
-            self.received.append((event.envelope, event.kind))
-            if event.contract is not None:
-                self.received.extend((proof, "hop proof") for proof in event.contract.hop_proofs)
+            self.received.append((event.sealed, event.kind))
         return events
 
     def collect(self, contract_id: bytes, cursor: int, n: int) -> list[WatchEvent]:
@@ -317,6 +320,18 @@ class Broker:
         assert state.contract_id == contract_id
         return state
 
+    def chain(self, contract_id: bytes) -> list[VerifiedContract]:
+        """GetChain, verified as types.proto says (:func:`verify_chain`), every
+        contract's own signature too; the broker's copy of each effective
+        predicate must be the derived one."""
+        states = list(self.stub.GetChain(pb.GetChainRequest(contract_id=contract_id), timeout=10).chain)
+        verified = verify_chain(states, self.keys, contract_id)
+        verify_every_signature(states, self.keys)
+        for hop, state in zip(verified, states, strict=True):
+            assert hop.contract_id == state.contract_id
+            assert hop.effective_predicate == state.effective_predicate, hop.contract.depth
+        return verified
+
     def ledger(self, contract_id: bytes) -> pb.Ledger:
         ledger = self.state(contract_id).ledger
         assert ledger.budget == ledger.residual + ledger.reserved + ledger.spent
@@ -324,6 +339,213 @@ class Broker:
 
     def attest(self, agent: Agent, factor: float) -> pb.Envelope:
         return self.attestor.attest(agent.public_key, factor, now_ms() + HOUR_MS, "test")
+
+
+# --- the Rust verifier ---------------------------------------------------------------
+
+
+def rust_verify(args: list[str]) -> subprocess.CompletedProcess:
+    """``delegation-broker verify <args>``."""
+    return subprocess.run([str(broker_bin()), "verify", *args], capture_output=True, text=True, timeout=60,
+                          env={"BROKER_LOG": "error", "PATH": "/usr/bin:/bin"})
+
+
+def _key_args(public_keys) -> list[str]:
+    return [arg for key in public_keys for arg in ("--public-key", bytes(key).hex())]
+
+
+def rust_chain(path: Path, chain, public_keys, contract_id: bytes | None = None,
+               all_signatures: bool = False) -> list[str] | None:
+    """Writes ``chain`` (ContractStates or Sealed contracts) as a
+    GetChainResponse to ``path`` and verifies it with the Rust CLI: its stdout
+    lines when it verifies, None when it does not (stderr then starts with
+    ``error:``)."""
+    states = [c if isinstance(c, pb.ContractState) else pb.ContractState(contract_id=sha256(c.payload), contract=c)
+              for c in chain]
+    path.write_bytes(pb.GetChainResponse(chain=states).SerializeToString())
+    args = [*_key_args(public_keys), "--chain", str(path)]
+    if contract_id is not None:
+        args += ["--contract-id", contract_id.hex()]
+    if all_signatures:
+        args.append("--all-signatures")
+    result = rust_verify(args)
+    if result.returncode == 0:
+        return result.stdout.splitlines()
+    assert result.stderr.startswith("error:"), result.stderr
+    return None
+
+
+def rust_receipt(path: Path, sealed: pb.Sealed, public_keys) -> str | None:
+    """The Rust CLI's ``--receipt`` verdict: its ``ok receipt ...`` line, or None."""
+    path.write_bytes(sealed.SerializeToString())
+    result = rust_verify([*_key_args(public_keys), "--receipt", str(path)])
+    if result.returncode == 0:
+        return result.stdout.strip()
+    assert result.stderr.startswith("error:"), result.stderr
+    return None
+
+
+def rust_envelope(path: Path, envelope: pb.Envelope, public_key: bytes) -> bool:
+    """The Rust CLI's ``--envelope`` verdict on an agent-signed DSSE envelope."""
+    path.write_bytes(envelope.SerializeToString())
+    result = rust_verify([*_key_args([public_key]), "--envelope", str(path)])
+    if result.returncode == 0:
+        assert result.stdout.split() == ["ok", envelope.payload_type, key_id(public_key)]
+        return True
+    assert result.stderr.startswith("error:"), result.stderr
+    return False
+
+
+def rust_debug(text: str) -> str:
+    """``format!("{:?}", text)`` in Rust, for the printable text predicates hold."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "\0": "\\0"}
+    return '"' + "".join(escapes.get(ch, ch if ch.isprintable() else f"\\u{{{ord(ch):x}}}") for ch in text) + '"'
+
+
+def rust_chain_lines(verified: list[VerifiedContract]) -> list[str]:
+    """What ``delegation-broker verify --chain`` prints for a chain Python verified."""
+    lines = [
+        f"depth={v.contract.depth} id={v.contract_id.hex()} delegate={key_id(v.contract.delegate_public_key)} "
+        f"budget={v.contract.budget} deadline_ms={v.contract.deadline_ms} trust_ppm={v.contract.cumulative_trust_ppm} "
+        f"liability={pb.Liability.Name(v.contract.liability)} effective_predicate={rust_debug(v.effective_predicate)}"
+        for v in verified
+    ]
+    return [*lines, f"ok chain of {len(verified)} contracts"]
+
+
+# --- chains forged under a test key ----------------------------------------------------
+
+
+def seal(signer: Agent, message) -> pb.Sealed:
+    """``message`` sealed as the broker seals it, but by ``signer``: the payload
+    and one signature over PAE(its type, payload)."""
+    payload = message.SerializeToString(deterministic=True)
+    signature = signer.sign_bytes(payload_type(message), payload).signatures[0].sig
+    return pb.Sealed(payload=payload, signature=signature)
+
+
+def published(*agents: Agent) -> BrokerKeys:
+    """``agents``' keys, published as broker keys."""
+    return BrokerKeys(pb.BrokerKey(key_id=a.key_id, public_key=a.public_key, current=i == 0) for i, a in enumerate(agents))
+
+
+def forge_chain(signer: Agent, contracts: list[pb.Contract], link: bool = True) -> list[pb.Sealed]:
+    """Seals ``contracts`` by ``signer`` (each naming its key), root first, each
+    child's ``parent_id`` set to the id of the contract before it (unless
+    ``link`` is False: then they are sealed as given)."""
+    out: list[pb.Sealed] = []
+    for contract in contracts:
+        c = pb.Contract()
+        c.CopyFrom(contract)
+        c.broker_key_id = signer.key_id
+        if link and out:
+            c.parent_id = sha256(out[-1].payload)
+        out.append(seal(signer, c))
+    return out
+
+
+SYNTHETIC_INTENT = "a synthetic tree"
+SYNTHETIC_DEADLINE = 4_000_000_000_000
+#: The effective predicates of :func:`synthetic_chain`, root first.
+SYNTHETIC_EFFECTIVE = ["(result.a\n)", "(result.a\n)", "(result.a\n) && (result.b\n)", "(result.c\n)"]
+
+
+def synthetic_chain() -> list[pb.Contract]:
+    """Four contracts that satisfy every term of "Verifying a chain" (to be
+    linked and sealed by :func:`forge_chain`): a DELEGATE root with predicate
+    ``result.a``, a DELEGATE child adding nothing, a DELEGATE grandchild adding
+    ``result.b``, and a PRINCIPAL leaf with ``result.c`` alone."""
+    lineage = lineage_hash(SYNTHETIC_INTENT)
+    delegates = [Agent.from_seed(bytes([i + 1]) * 32).public_key for i in range(4)]
+    root = pb.Contract(
+        depth=0, intent=SYNTHETIC_INTENT, intent_lineage_hash=lineage, task="root", delegate_public_key=delegates[0],
+        budget=100, deadline_ms=SYNTHETIC_DEADLINE, issued_at_ms=1, liability=pb.LIABILITY_DELEGATE,
+        predicate="result.a", escalation_channel="e", write_scope=["docs", "src"], labels={"run": "1"},
+        policy=pb.Policy(max_depth=4, min_cumulative_trust_ppm=300_000, max_children=8),
+        factor_ppm=1_000_000, cumulative_trust_ppm=1_000_000, trust_source=pb.TRUST_SOURCE_ROOT,
+    )
+    hop = dict(intent_lineage_hash=lineage, issued_at_ms=2, escalation_channel="e")
+    return [
+        root,
+        pb.Contract(depth=1, task="one", delegate_public_key=delegates[1], budget=50, deadline_ms=SYNTHETIC_DEADLINE,
+                    liability=pb.LIABILITY_DELEGATE, write_scope=["src/auth"], factor_ppm=900_000,
+                    cumulative_trust_ppm=900_000, trust_source=pb.TRUST_SOURCE_ATTESTATION,
+                    attestation_digest=sha256(b"attestation"), risk_class="sandboxed", **hop),
+        pb.Contract(depth=2, task="two", delegate_public_key=delegates[2], budget=50,
+                    deadline_ms=SYNTHETIC_DEADLINE - 1, liability=pb.LIABILITY_DELEGATE, predicate="result.b",
+                    write_scope=["src/auth/token.rs", "src/auth"], factor_ppm=500_001, cumulative_trust_ppm=450_000,
+                    trust_source=pb.TRUST_SOURCE_STATIC_TABLE, **hop),
+        pb.Contract(depth=3, task="three", delegate_public_key=delegates[3], budget=0,
+                    deadline_ms=SYNTHETIC_DEADLINE - 1, liability=pb.LIABILITY_PRINCIPAL, predicate="result.c",
+                    write_scope=[], factor_ppm=999_999, cumulative_trust_ppm=449_999,
+                    trust_source=pb.TRUST_SOURCE_ATTESTATION, **hop),
+    ]
+
+
+def _edit(**changes):
+    """A tampering of :func:`synthetic_chain`: ``changes`` maps an index to a
+    function editing that contract in place."""
+    def apply(contracts: list[pb.Contract]) -> list[pb.Contract]:
+        for index, change in changes.items():
+            change(contracts[int(index[1:])])
+        return contracts
+    return apply
+
+
+def _set(**fields):
+    def change(contract: pb.Contract) -> None:
+        for name, value in fields.items():
+            if name == "policy":
+                contract.policy.CopyFrom(value)
+            elif name == "labels":
+                contract.labels.update(value)
+            elif name == "write_scope":
+                contract.ClearField("write_scope")
+                contract.write_scope.extend(value)
+            else:
+                setattr(contract, name, value)
+    return change
+
+
+#: (what is wrong, the error it must give, how to break :func:`synthetic_chain`).
+#: Every broken chain is re-linked and re-signed, so only the term is wrong.
+SYNTHETIC_VIOLATIONS = [
+    ("root lineage is not SHA-256(intent)", "contract 0: intent_lineage_hash is not SHA-256",
+     _edit(c0=_set(intent="another intent"))),
+    ("root trust source", "contract 0: a root's trust", _edit(c0=_set(trust_source=pb.TRUST_SOURCE_STATIC_TABLE))),
+    ("root factor", "contract 0: a root's trust", _edit(c0=_set(factor_ppm=999_999))),
+    ("root cumulative trust", "contract 0: a root's trust", _edit(c0=_set(cumulative_trust_ppm=999_999))),
+    ("root without a policy", "contract 0: the root carries no policy", _edit(c0=lambda c: c.ClearField("policy"))),
+    ("first contract not a root", "contract 0: the first contract is not a root", _edit(c0=_set(depth=1))),
+    ("child carries an intent", "contract 2: a child carries intent", _edit(c2=_set(intent=SYNTHETIC_INTENT))),
+    ("child carries a policy", "contract 1: a child carries intent, policy",
+     _edit(c1=_set(policy=pb.Policy(max_depth=64)))),
+    ("child carries labels", "contract 3: a child carries intent, policy or labels", _edit(c3=_set(labels={"a": "b"}))),
+    ("child lineage differs", "contract 1: intent_lineage_hash differs",
+     _edit(c1=_set(intent_lineage_hash=sha256(b"another")))),
+    ("depth skips one", "contract 2: depth is not its parent's + 1", _edit(c2=_set(depth=3), c3=_set(depth=4))),
+    ("depth above max_depth", "contract 3: depth exceeds", _edit(c0=_set(policy=pb.Policy(max_depth=2)))),
+    ("cumulative trust not floored", "contract 2: cumulative_trust_ppm is not floor",
+     _edit(c2=_set(cumulative_trust_ppm=450_001))),
+    ("cumulative trust rounded up", "contract 3: cumulative_trust_ppm is not floor",
+     _edit(c3=_set(cumulative_trust_ppm=450_000))),
+    ("factor above 1_000_000", "contract 1: cumulative_trust_ppm is not floor",
+     _edit(c1=_set(factor_ppm=1_000_001, cumulative_trust_ppm=1_000_001))),
+    ("trust below the minimum", "contract 3: cumulative trust is below",
+     _edit(c0=_set(policy=pb.Policy(max_depth=4, min_cumulative_trust_ppm=450_000)))),
+    ("budget above the parent's", "contract 2: budget exceeds the parent's", _edit(c2=_set(budget=51))),
+    ("negative budget", "contract 3: budget exceeds the parent's", _edit(c3=_set(budget=-1))),
+    ("deadline after the parent's", "contract 1: deadline is later", _edit(c1=_set(deadline_ms=SYNTHETIC_DEADLINE + 1))),
+    ("scope widened", "contract 2: write_scope reaches outside", _edit(c2=_set(write_scope=["src"]))),
+    ("scope widened by a shared name prefix", "contract 1: write_scope reaches outside",
+     _edit(c1=_set(write_scope=["srcx"]))),
+    ("scope widened into a sibling", "contract 3: write_scope reaches outside",
+     _edit(c3=_set(write_scope=["src/auth", "docs"]))),
+    ("DELEGATE under PRINCIPAL", "contract 3: a DELEGATE contract under a liability-retaining parent",
+     _edit(c2=_set(liability=pb.LIABILITY_PRINCIPAL), c3=_set(liability=pb.LIABILITY_DELEGATE))),
+    ("effective predicate too long", "contract 0: the effective predicate exceeds",
+     _edit(c0=_set(predicate="x" * 65_536))),
+]
 
 
 def child(parent: bytes, lineage: bytes, delegate: Agent, budget: int, **fields) -> pb.DelegateBody:
@@ -363,8 +585,7 @@ RECEIPT_KINDS = {
 
 def request_digest(request) -> bytes:
     """What the broker records as ``request_digest`` (receipts and contracts):
-    SHA-256 of PAE(payload_type, payload) of the signed request (src/service/auth.rs).
-    NB: types.proto documents it as "SHA-256 of the signed request payload"."""
+    SHA-256 of PAE(payload_type, payload) of the signed request, as types.proto says."""
     return sha256(pae(request.signed.payload_type, request.signed.payload))
 
 

@@ -17,7 +17,7 @@ def test_three_hops_example(broker):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "verified 4 contracts and 10 hop proofs" in result.stdout, result.stdout
+    assert "verified a chain of 4 contracts: 3 hash links and the leaf's signature" in result.stdout, result.stdout
     assert "cumulative trust 540000 ppm" in result.stdout, result.stdout
     readme = (CLIENT_ROOT / "README.md").read_text()
     for line in result.stdout.splitlines()[:4]:  # the README shows these (the last line names a fresh key)
@@ -31,6 +31,7 @@ def test_readme_python_snippet(broker):
     namespace: dict = {}
     exec(compile(snippet.replace("127.0.0.1:50051", broker.address), "README.md", "exec"), namespace)
     assert [v.contract.depth for v in namespace["chain"]] == [0, 1]
+    assert namespace["chain"][-1].effective_predicate == "(result.schema_valid\n)"
 
 
 def test_seed_001_lifecycle_example(broker):

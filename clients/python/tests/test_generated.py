@@ -42,7 +42,8 @@ def test_committed_generated_code_matches_the_protos(tmp_path):
 
 def test_the_installed_package_is_the_committed_one():
     installed = Path(delegation_broker.__file__).parent
-    files = sorted(_generated_files(COMMITTED)) + ["signing.py", "verify.py", "watch.py", "errors.py", "retry.py", "__init__.py"]
+    files = sorted(_generated_files(COMMITTED)) + ["signing.py", "verify.py", "watch.py", "session.py", "errors.py", "retry.py",
+                                                   "__init__.py"]
     stale = [f for f in files if not filecmp.cmp(COMMITTED / f, installed / f, shallow=False)]
     assert not stale, f"installed package at {installed} is stale: {stale}"
 

@@ -59,7 +59,7 @@ def seed_001_chain(broker: Broker, *, executor_deadline_ms: int = 0) -> Chain:
     issued = broker.delegate(planner, liable_child(
         planner_id, root.lineage, executor, 20, "", min_retry_cost=12, write_scope=["src/auth"],
         host_public_key=host.public_key, result_schema_json=PATCH_SCHEMA, deadline_ms=executor_deadline_ms)).contract()
-    assert issued.contract.effective_predicate == f"({SEED_001_PREDICATE}\n)"
+    assert broker.chain(issued.contract_id)[-1].effective_predicate == f"({SEED_001_PREDICATE}\n)"
     assert issued.contract.host_public_key == host.public_key
     accepted = broker.accept(executor, issued.contract_id)
     assert accepted.kind == pb.RECEIPT_KIND_ACCEPTED and accepted.root_id == root.id
@@ -168,7 +168,7 @@ def test_seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
     response = broker.stub.Escalate(request, timeout=10)
     escalation = broker.check_receipt(response, request, pb.RECEIPT_KIND_ESCALATED)
     seen = root_watch.until(pb.RECEIPT_KIND_ESCALATED)
-    assert seen.receipt == escalation and seen.envelope == response.receipt and seen.id == response.receipt_id
+    assert seen.receipt == escalation and seen.sealed == response.receipt and seen.id == response.receipt_id
     notice = seen.receipt.escalation
     assert not notice.retry_feasible, notice
     assert notice.principal_residual == 10, "28 - 18 spent by the planner's subtree"
@@ -283,7 +283,7 @@ def test_a_subtree_watch_sees_only_its_subtree(broker):
     assert shape(events) == ["contract", "RECEIPT_KIND_ACCEPTED", "RECEIPT_KIND_OBSERVED"]
     assert events[0].id == c.executor_id
     assert {e.receipt.contract_id for e in events[1:]} == {c.executor_id}
-    # A watch from a later cursor does not know the subtree's start; it still verifies every envelope.
+    # A watch from a later cursor does not know the subtree's start; it still verifies every event.
     assert broker.collect(c.executor_id, events[0].cursor, 2) == events[1:]
     # A refused delegation is an event of the parent it was asked from.
     refusal = broker.delegate(c.executor, child(c.executor_id, c.root.lineage, Agent.generate(), 21,
@@ -320,8 +320,8 @@ def test_the_watch_helper_refuses_what_does_not_verify(broker):
                         out = pb.WatchResponse()
                         out.CopyFrom(response)
                         if mode == "payload":
-                            envelope = getattr(out, out.WhichOneof("event"))
-                            envelope.payload = envelope.payload[:-1] + bytes([envelope.payload[-1] ^ 1])
+                            sealed = getattr(out, out.WhichOneof("event"))
+                            sealed.payload = sealed.payload[:-1] + bytes([sealed.payload[-1] ^ 1])
                         else:
                             out.cursor = 1
                         return out
@@ -335,7 +335,7 @@ def test_the_watch_helper_refuses_what_does_not_verify(broker):
         def GetBrokerKeys(self, request, timeout=None):  # noqa: N802
             return broker.stub.GetBrokerKeys(request, timeout=timeout)
 
-    for mode, message in (("payload", "no signature verifies"), ("cursor", "does not advance")):
+    for mode, message in (("payload", "signature does not verify|payload is not a"), ("cursor", "does not advance")):
         w = watch(Tampering(mode), c.root.id, keys=broker.keys, timeout=30)
         next(w), next(w)
         with pytest.raises(VerificationError, match=message):
@@ -456,24 +456,22 @@ def test_a_host_named_twice_must_match(broker):
 
 
 def test_rust_verifies_the_completion_receipt_python_verified(tmp_path, broker):
-    from test_cross_language import rust_verdict, tamperings
+    from test_cross_language import receipt_verdict, sealed_tamperings
 
     c = seed_001_chain(broker)
     broker.record(c.host, c.executor_id, [mutation("docs/auth.md", 4)])
     response = broker.stub.Complete(c.executor.complete(completion(c.executor_id)), timeout=10)
-    envelope = response.receipt
-    verified = verify_receipt(envelope, broker.keys, response.receipt_id)
+    verified = verify_receipt(response.receipt, broker.keys, response.receipt_id)
     assert verified.message.completion.verdict == pb.VERDICT_REJECTED
+    assert verified.message.contract_id == c.executor_id
     key = broker.keys[verified.key_id]
-    for name, variant in tamperings(envelope):
-        try:
-            verify_receipt(variant, broker.keys)
-            python = True
-        except VerificationError:
-            python = False
-        assert python == rust_verdict(tmp_path, variant, key), name
-        if name == "genuine":
-            assert python
+    for name, variant in sealed_tamperings(response.receipt):
+        assert receipt_verdict(tmp_path, variant, [key]) == (name == "genuine"), name
+    # The receipt binds to the contract by id: with the verified chain to
+    # contract_id it proves the completion happened to exactly those terms.
+    chain = broker.chain(verified.message.contract_id)
+    assert chain[-1].contract.delegate_public_key == c.executor.public_key
+    assert [v.contract_id for v in chain] == list(verified.message.completion.attribution.chain)
 
 
 def test_every_lifecycle_body_has_a_signing_method():

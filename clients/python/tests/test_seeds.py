@@ -1,6 +1,7 @@
 """The observed failures of seeds/001 and seeds/002, replayed from Python
 (mirrors tests/e2e/seeds.rs). Every request is signed in Python and every
-envelope received is verified offline in Python (see _support.Broker)."""
+contract and receipt received is verified offline in Python (see
+_support.Broker)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ def test_seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued(b
                               min_retry_cost=12, deadline_ms=now_ms() + 90_000)
     planner_issued = broker.delegate(orchestrator, to_planner).contract()
     planner_id = planner_issued.contract_id
-    assert planner_issued.contract.effective_predicate == f"({SEED_001_PREDICATE}\n)"
+    assert broker.chain(planner_id)[-1].effective_predicate == f"({SEED_001_PREDICATE}\n)"
     assert planner_issued.contract.liability == pb.LIABILITY_DELEGATE
+    assert planner_issued.contract.predicate == SEED_001_PREDICATE
 
     # The planner does not forward the predicate; the broker keeps it anyway.
     to_executor = liable_child(planner_id, root.lineage, executor, 20, "",
@@ -39,7 +41,11 @@ def test_seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued(b
     executor_issued = broker.delegate(planner, to_executor).contract()
     executor_contract = executor_issued.contract
     assert executor_contract.depth == 2
-    assert executor_contract.effective_predicate == f"({SEED_001_PREDICATE}\n)"
+    # Derived from the chain (and the broker's copy says the same).
+    chain = broker.chain(executor_issued.contract_id)
+    assert chain[-1].effective_predicate == f"({SEED_001_PREDICATE}\n)"
+    assert broker.state(executor_issued.contract_id).effective_predicate == f"({SEED_001_PREDICATE}\n)"
+    assert chain[-1].principal_public_key == planner.public_key
     assert executor_contract.predicate == ""
     assert executor_contract.min_retry_cost == 12
     planner_ledger = broker.ledger(planner_id)
@@ -65,7 +71,7 @@ def test_seed_002_fifth_hop_exceeds_depth_four(broker):
     for hop in range(1, 5):
         issued = broker.delegate(agents[hop - 1], child(parent, root.lineage, agents[hop], 10)).contract()
         assert issued.contract.depth == hop
-        assert len(issued.hop_proofs) == hop + 1
+        assert len(broker.chain(issued.contract_id)) == hop + 1
         parent = issued.contract_id
     refused = broker.delegate(agents[4], child(parent, root.lineage, agents[5], 5))
     receipt = refused.receipt()
@@ -81,12 +87,13 @@ def test_seed_002_third_hop_attenuates_trust_below_the_minimum(broker):
     for hop, factor, cumulative in [(1, 0.9, 900_000), (2, 0.8, 720_000)]:
         body = child(parent, root.lineage, agents[hop], 10, delegate_attestation=broker.attest(agents[hop], factor))
         issued = broker.delegate(agents[hop - 1], body).contract()
-        proof = issued.hop_proofs[hop]
-        assert proof.cumulative_trust_ppm == cumulative
-        assert proof.factor_ppm == round(factor * 1_000_000)
-        assert proof.trust_source == pb.TRUST_SOURCE_ATTESTATION
-        assert proof.risk_class == "test"
-        assert proof.attestation_digest == sha256(body.delegate_attestation.payload)
+        hop_terms = issued.contract  # each hop's trust evidence is in its own contract
+        assert hop_terms.cumulative_trust_ppm == cumulative
+        assert hop_terms.factor_ppm == round(factor * 1_000_000)
+        assert hop_terms.trust_source == pb.TRUST_SOURCE_ATTESTATION
+        assert hop_terms.risk_class == "test"
+        assert hop_terms.attestation_digest == sha256(body.delegate_attestation.payload)
+        assert [v.contract.cumulative_trust_ppm for v in broker.chain(issued.contract_id)][-1] == cumulative
         parent = issued.contract_id
     body = child(parent, root.lineage, agents[3], 5, delegate_attestation=broker.attest(agents[3], 0.5))
     receipt = broker.delegate(agents[2], body).receipt()

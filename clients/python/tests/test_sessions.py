@@ -18,13 +18,15 @@ from delegation_broker import (
     ReadSession,
     RenewingSession,
     SessionInterceptor,
+    VerificationError,
     current_key_id,
     error_info,
     now_ms,
     open_session,
     pb,
     payload_type,
-    verify_envelope,
+    verify_receipt,
+    verify_sealed,
     verify_signature,
     watch,
 )
@@ -104,14 +106,18 @@ def test_open_session_is_a_signed_request_and_returns_a_broker_signed_session(br
 
     before = now_ms()
     session = open_session(broker.bare_stub, agent)
-    verified = verify_envelope(session.envelope, broker.keys, pb.Session)
-    # (Not kept for the session's Rust cross-check: `delegation-broker verify` knows no Session payload type.)
+    verified = verify_sealed(session.sealed, broker.keys, pb.Session)
+    # (Not kept for the session's Rust cross-check: `delegation-broker verify` checks chains and receipts only.)
     assert verified.message.agent_public_key == agent.public_key == session.agent_public_key
     assert session.expires_at_ms == verified.message.expires_at_ms
     assert session.lifetime_ms == HOUR_MS, "the broker's default session lifetime"
     assert abs(session.issued_at_ms - before) < 60_000
-    assert session.metadata() == ((SESSION_METADATA, session.envelope.SerializeToString()),)
-    assert open_session(broker.bare_stub, agent).envelope != session.envelope, "every call opens a new session"
+    assert session.metadata() == ((SESSION_METADATA, session.sealed.SerializeToString()),)
+    assert pb.Sealed.FromString(session.metadata_value()) == session.sealed
+    assert open_session(broker.bare_stub, agent).sealed != session.sealed, "every call opens a new session"
+    # A session is a Session: signed under its own type, it passes as nothing else.
+    with pytest.raises(VerificationError):
+        verify_receipt(session.sealed, broker.keys)
 
 
 def test_a_read_without_a_session_is_unauthenticated_no_session(broker, tree):
@@ -124,12 +130,15 @@ def test_a_read_without_a_session_is_unauthenticated_no_session(broker, tree):
 
 def test_a_session_that_does_not_verify_is_unauthenticated_bad_session(broker, tree):
     session = open_session(broker.bare_stub, tree.orchestrator)
-    forged = pb.Envelope()
-    forged.CopyFrom(session.envelope)
+    forged = pb.Sealed()
+    forged.CopyFrom(session.sealed)
     claims = pb.Session.FromString(forged.payload)
     claims.agent_public_key = broker.reader.public_key  # claim to be the configured reader
     forged.payload = claims.SerializeToString()
-    for metadata in ([(SESSION_METADATA, forged.SerializeToString())], [(SESSION_METADATA, b"\x01garbage")]):
+    # An agent-signed envelope over the same Session: not what the broker signed.
+    envelope = tree.orchestrator.sign_bytes(payload_type(pb.Session), session.sealed.payload)
+    for metadata in ([(SESSION_METADATA, forged.SerializeToString())], [(SESSION_METADATA, b"\x01garbage")],
+                     [(SESSION_METADATA, envelope.SerializeToString())]):
         for name, call in tree.reads(broker.bare_stub, metadata=metadata):
             assert _status(call) == (grpc.StatusCode.UNAUTHENTICATED, "BAD_SESSION"), name
 
@@ -227,13 +236,13 @@ def test_renewal_happens_on_the_first_call_after_90_percent_of_the_lifetime(brok
     clock.now = renew_after
     read()  # this call opens a new session first
     second = keeper.current()
-    assert second is not first and second.envelope != first.envelope
+    assert second is not first and second.sealed != first.sealed
     assert second.issued_at_ms >= first.issued_at_ms
     assert not keeper.needs_renewal()
     assert keeper.needs_renewal(renew_after + int(HOUR_MS * 0.9))
 
     third = keeper.renew()  # forced
-    assert third.envelope != second.envelope and keeper.current() is third
+    assert third.sealed != second.sealed and keeper.current() is third
     read()
 
     with pytest.raises(ValueError):

@@ -6,7 +6,26 @@ import hashlib
 
 import pytest
 
-from delegation_broker import Agent, key_id, lineage_hash, message_class, pae, payload_type, pb, verify_signature
+from _support import published, seal
+
+from delegation_broker import (
+    SESSION_TYPE,
+    Agent,
+    VerificationError,
+    key_id,
+    lineage_hash,
+    message_class,
+    pae,
+    payload_type,
+    pb,
+    sha256,
+    verify_pae_signature,
+    verify_receipt,
+    verify_sealed,
+    verify_signature,
+)
+
+L = 2**252 + 27742317777372353535851937790883648493  # order of the ed25519 base point
 
 # RFC 8032, section 7.1, TEST 1.
 RFC8032_SEED = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
@@ -31,7 +50,7 @@ def test_key_id_and_seed():
 
 
 def test_payload_types_name_the_messages():
-    for name in ("OpenRootBody", "DelegateBody", "Contract", "HopProof", "Receipt", "Attestation"):
+    for name in ("OpenRootBody", "DelegateBody", "Contract", "Receipt", "Session", "Attestation"):
         cls = getattr(pb, name)
         assert payload_type(cls) == f"application/vnd.delegation.broker.v1.{name}+protobuf"
         assert message_class(payload_type(cls)) is cls
@@ -79,3 +98,56 @@ def test_verify_signature_rejects_tampering_and_other_keys():
     assert not verify_signature(envelope, b"\x01" + b"\x00" * 31)  # small-order (identity) key
     envelope.payload = envelope.payload + b"\x00"
     assert not verify_signature(envelope, agent.public_key)
+
+
+def test_verify_pae_signature_is_strict():
+    agent = Agent.generate()
+    payload = b"\x0a\x03abc"
+    signature = agent.sign_bytes(SESSION_TYPE, payload).signatures[0].sig
+    assert verify_pae_signature(SESSION_TYPE, payload, signature, agent.public_key)
+    assert not verify_pae_signature(SESSION_TYPE, payload, signature, agent.public_key[:31])
+    assert not verify_pae_signature(SESSION_TYPE, payload, signature, Agent.generate().public_key)
+    # The type is signed: the same bytes under another type do not verify.
+    assert not verify_pae_signature(payload_type(pb.Receipt), payload, signature, agent.public_key)
+    # The same signature with S + L (non-canonical), a flipped bit, a short or long one.
+    s = int.from_bytes(signature[32:], "little") + L
+    assert not verify_pae_signature(SESSION_TYPE, payload, signature[:32] + s.to_bytes(32, "little"), agent.public_key)
+    assert not verify_pae_signature(SESSION_TYPE, payload, signature[:5] + bytes([signature[5] ^ 1]) + signature[6:],
+                                    agent.public_key)
+    assert not verify_pae_signature(SESSION_TYPE, payload, signature[:63], agent.public_key)
+    assert not verify_pae_signature(SESSION_TYPE, payload, signature + b"\x00", agent.public_key)
+    # Small-order key and R: the identity point, with S = 0, "verifies" any
+    # message under a non-strict verifier.
+    identity = b"\x01" + b"\x00" * 31
+    assert not verify_pae_signature(SESSION_TYPE, payload, identity + b"\x00" * 32, identity)
+
+
+def test_a_sealed_is_verified_under_the_key_its_payload_names_and_its_type():
+    broker_key, other = Agent.generate(), Agent.generate()
+    keys = published(broker_key, other)
+    session = pb.Session(broker_key_id=broker_key.key_id, agent_public_key=b"\x07" * 32, issued_at_ms=1,
+                         expires_at_ms=2)
+    sealed = seal(broker_key, session)
+    verified = verify_sealed(sealed, keys, pb.Session)
+    assert (verified.message, verified.key_id, verified.id) == (session, broker_key.key_id, sha256(sealed.payload))
+    assert verified.sealed is sealed
+    # The signature binds the type: a Session is no Receipt.
+    with pytest.raises(VerificationError):
+        verify_sealed(sealed, keys, pb.Receipt)
+    with pytest.raises(VerificationError):
+        verify_receipt(sealed, keys)
+    # Signed by a published key other than the one the payload names.
+    with pytest.raises(VerificationError, match=f"does not verify under broker key {broker_key.key_id}"):
+        verify_sealed(seal(other, session), keys, pb.Session)
+    # Naming a key that is not published.
+    stranger = Agent.generate()
+    renamed = pb.Session(broker_key_id=stranger.key_id)
+    with pytest.raises(VerificationError, match="not a published broker key"):
+        verify_sealed(seal(stranger, renamed), keys, pb.Session)
+    # Not decodable; not a broker message type; not a Sealed.
+    with pytest.raises(VerificationError, match="not a delegation.broker.v1.Session"):
+        verify_sealed(pb.Sealed(payload=b"\xff\xff", signature=sealed.signature), keys, pb.Session)
+    with pytest.raises(VerificationError, match="not signed by the broker"):
+        verify_sealed(sealed, keys, pb.Attestation)
+    with pytest.raises(TypeError):
+        verify_sealed(broker_key.sign(session), keys, pb.Session)

@@ -9,9 +9,14 @@
   :class:`SessionInterceptor` — the read session every read carries
   (``x-broker-session-bin``), opened and renewed for an agent;
 * :func:`call_idempotent` — resend the same signed request on transient errors;
-* :class:`BrokerKeys`, :func:`verify_envelope`, :func:`verify_contract`,
-  :func:`verify_chain`, :func:`verify_receipt` — offline verification of
-  broker-signed envelopes;
+* :class:`BrokerKeys`, :func:`verify_chain`, :func:`verify_contract`,
+  :func:`verify_receipt`, :func:`verify_sealed`, :func:`verify_every_signature`
+  — offline verification of what the broker signs (a ``pb.Sealed``: payload and
+  signature, its type implied by the field carrying it), whole chains
+  included: the leaf's signature, the hash links and every hop's terms;
+* :func:`verify_signature`, :func:`verify_pae_signature` — the strict ed25519
+  check of agent-signed DSSE envelopes (requests, attestations) and of any
+  (type, payload, signature);
 * :func:`watch` — a contract subtree's events, each verified, resumable by cursor;
 * :func:`error_info` — the ``google.rpc.ErrorInfo`` of a failed call.
 """
@@ -40,18 +45,25 @@ from .signing import (
     payload_type,
     request_class_for,
     sha256,
+    verify_pae_signature,
     verify_signature,
 )
 from .verify import (
+    CONTRACT_TYPE,
+    MAX_CHAIN_CONTRACTS,
+    RECEIPT_TYPE,
+    SESSION_TYPE,
     BrokerKeys,
     VerificationError,
     Verified,
     VerifiedContract,
+    conjoin_predicates,
     message_class,
     verify_chain,
     verify_contract,
-    verify_envelope,
+    verify_every_signature,
     verify_receipt,
+    verify_sealed,
 )
 from .watch import Watch, WatchEvent, watch
 
@@ -60,13 +72,17 @@ __version__ = "0.1.0"
 __all__ = [
     "Agent",
     "BrokerKeys",
+    "CONTRACT_TYPE",
     "ERROR_DOMAIN",
     "ErrorInfo",
+    "MAX_CHAIN_CONTRACTS",
     "MAX_SIGNATURES",
+    "RECEIPT_TYPE",
     "RETRYABLE",
     "ReadSession",
     "RenewingSession",
     "SESSION_METADATA",
+    "SESSION_TYPE",
     "SessionInterceptor",
     "SessionSource",
     "VerificationError",
@@ -75,6 +91,7 @@ __all__ = [
     "Watch",
     "WatchEvent",
     "call_idempotent",
+    "conjoin_predicates",
     "error_info",
     "key_id",
     "lineage_hash",
@@ -91,8 +108,10 @@ __all__ = [
     "sha256",
     "verify_chain",
     "verify_contract",
-    "verify_envelope",
+    "verify_every_signature",
+    "verify_pae_signature",
     "verify_receipt",
+    "verify_sealed",
     "verify_signature",
     "watch",
 ]

@@ -6,8 +6,9 @@ parties (the key that opened its root, its delegates and hosts) and to the
 reader keys in the broker's ``[readers]`` config. A caller proves its key once
 with a signed ``OpenSession`` request (:meth:`Agent.open_session
 <delegation_broker.Agent.open_session>`) and gets a broker-signed ``Session``
-envelope, which it then sends, protobuf-encoded, as the binary metadata
-``x-broker-session-bin`` of every read until it expires (one hour by default).
+(a ``pb.Sealed``: the Session payload and the broker's signature), which it
+then sends, protobuf-encoded, as the binary metadata ``x-broker-session-bin``
+of every read until it expires (one hour by default).
 
 The simplest way, a stub whose every call carries a session that is opened now
 and renewed on the first call after 90% of its lifetime::
@@ -59,15 +60,16 @@ Metadata = tuple[tuple[str, bytes], ...]
 
 @dataclass(frozen=True)
 class ReadSession:
-    """A session the broker issued (``OpenSessionResponse``): the envelope to
+    """A session the broker issued (``OpenSessionResponse``): the Sealed to
     send with reads, and what it says.
 
     ``issued_at_ms`` and ``expires_at_ms`` are the broker's clock; the session
-    is not verified here (the broker verifies it at every read), only decoded.
+    is not verified here (the broker verifies it at every read), only decoded;
+    ``verify_sealed(session.sealed, keys, pb.Session)`` verifies it offline.
     """
 
-    #: The broker-signed ``Session`` envelope, exactly as received.
-    envelope: pb.Envelope
+    #: The broker-signed ``Session`` (a ``pb.Sealed``), exactly as received.
+    sealed: pb.Sealed
     #: The key the session reads as.
     agent_public_key: bytes
     #: Unix ms at which the broker issued it.
@@ -79,10 +81,10 @@ class ReadSession:
     def from_response(cls, response: pb.OpenSessionResponse) -> ReadSession:
         """Decodes an ``OpenSessionResponse``."""
         session = pb.Session.FromString(response.session.payload)
-        envelope = pb.Envelope()
-        envelope.CopyFrom(response.session)
+        sealed = pb.Sealed()
+        sealed.CopyFrom(response.session)
         return cls(
-            envelope=envelope,
+            sealed=sealed,
             agent_public_key=bytes(session.agent_public_key),
             issued_at_ms=session.issued_at_ms,
             expires_at_ms=response.expires_at_ms or session.expires_at_ms,
@@ -94,8 +96,8 @@ class ReadSession:
         return max(0, self.expires_at_ms - self.issued_at_ms)
 
     def metadata_value(self) -> bytes:
-        """The value of ``x-broker-session-bin``: the envelope, protobuf-encoded."""
-        return self.envelope.SerializeToString()
+        """The value of ``x-broker-session-bin``: the Sealed session, protobuf-encoded."""
+        return self.sealed.SerializeToString()
 
     def metadata(self) -> Metadata:
         """Call metadata carrying this session: ``stub.GetContract(request, metadata=session.metadata())``."""

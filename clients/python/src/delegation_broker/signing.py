@@ -1,11 +1,20 @@
-"""DSSE signing: PAE, key ids, payload types, and the agent key that signs requests.
+"""Signing rules: PAE, key ids, payload types, strict ed25519 verification,
+and the agent key that signs requests.
 
-Mirrors ``src/crypto/mod.rs`` and ``src/client.rs`` of the broker. Every
-signed request is ``<Name>Request(signed=Envelope)`` over a ``<Name>Body``
-starting with a ``RequestHeader``; :meth:`Agent.sign_request` builds any of
-them (``OpenSession``, which opens a read session, included). Uses
-PyNaCl (libsodium), whose ed25519 verification rejects non-canonical
-signatures and small-order keys like ed25519-dalek's ``verify_strict``.
+Mirrors ``src/crypto/mod.rs`` and ``src/client.rs`` of the broker. Two signed
+forms share one rule, an ed25519 signature over PAE(type, payload):
+
+* agents and attestors sign a DSSE ``pb.Envelope``, which names its type.
+  Every signed request is ``<Name>Request(signed=Envelope)`` over a
+  ``<Name>Body`` starting with a ``RequestHeader``; :meth:`Agent.sign_request`
+  builds any of them (``OpenSession``, which opens a read session, included);
+* the broker signs a ``pb.Sealed`` (payload and signature only), whose type
+  is fixed by the field carrying it (see :mod:`delegation_broker.verify`).
+
+:func:`verify_pae_signature` is the one strict check both use. It relies on
+PyNaCl (libsodium), whose ed25519 verification rejects non-canonical ``S``,
+small-order ``R`` and non-canonical or small-order public keys, like
+ed25519-dalek's ``verify_strict`` (RFC 8032 section 5.1.7).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ __all__ = [
     "payload_type",
     "request_class_for",
     "sha256",
+    "verify_pae_signature",
     "verify_signature",
 ]
 
@@ -62,7 +72,8 @@ def key_id(public_key: bytes) -> str:
 
 
 def lineage_hash(intent: str) -> bytes:
-    """The intent lineage hash every contract of a tree carries: SHA-256 of the UTF-8 intent."""
+    """The intent lineage hash every contract of a tree carries: SHA-256 of the
+    UTF-8 bytes of the root's intent."""
     return sha256(intent.encode("utf-8"))
 
 
@@ -77,33 +88,47 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def verify_signature(envelope: pb.Envelope, public_key: bytes, expected_type: str | None = None) -> bool:
-    """True when some signature of ``envelope`` (at most :data:`MAX_SIGNATURES`)
-    verifies over PAE(payload_type, payload) under ``public_key``.
+def verify_pae_signature(payload_type_: str, payload: bytes, signature: bytes, public_key: bytes) -> bool:
+    """True when ``signature`` is a valid ed25519 signature by ``public_key`` over
+    ``PAE(payload_type_, payload)``, under strict verification.
 
-    Checks only the signature (and ``payload_type`` when ``expected_type`` is
-    given); the DSSE ``keyid`` hint is ignored. For broker envelopes prefer
-    :func:`delegation_broker.verify_envelope`, which also binds the signing key
-    to the ``broker_key_id`` inside the payload.
+    Strict (libsodium, as ed25519-dalek's ``verify_strict``): a signature whose
+    ``S`` is not reduced below the group order, whose ``R`` is of small order,
+    or a public key that is non-canonical or of small order never verifies.
+    Anything malformed (a key that is not 32 bytes, a signature that is not 64)
+    is simply False. The bytes are used exactly as given: never re-encode a
+    payload before verifying it.
+    """
+    if len(public_key) != 32 or len(signature) != 64:
+        return False
+    try:
+        key = VerifyKey(bytes(public_key))
+        key.verify(pae(payload_type_, bytes(payload)), bytes(signature))
+        return True
+    except BadSignatureError:
+        return False
+    except Exception:  # noqa: BLE001 - any malformed key or signature is simply "does not verify"
+        return False
+
+
+def verify_signature(envelope: pb.Envelope, public_key: bytes, expected_type: str | None = None) -> bool:
+    """True when some signature of the DSSE ``envelope`` (at most
+    :data:`MAX_SIGNATURES`) verifies over PAE(payload_type, payload) under
+    ``public_key`` (:func:`verify_pae_signature`).
+
+    For agent-signed envelopes (requests, attestations). Checks only the
+    signature (and ``payload_type`` when ``expected_type`` is given); the DSSE
+    ``keyid`` hint is ignored. What the broker signs is a ``pb.Sealed``, not an
+    envelope: verify it with :func:`delegation_broker.verify_sealed` and friends.
     """
     if expected_type is not None and envelope.payload_type != expected_type:
         return False
     if len(public_key) != 32 or len(envelope.signatures) > MAX_SIGNATURES:
         return False
-    try:
-        key = VerifyKey(public_key)
-    except Exception:  # noqa: BLE001 - any malformed key is simply "does not verify"
-        return False
-    message = pae(envelope.payload_type, envelope.payload)
-    for signature in envelope.signatures:
-        if len(signature.sig) != 64:
-            continue
-        try:
-            key.verify(message, signature.sig)
-            return True
-        except BadSignatureError:
-            continue
-    return False
+    return any(
+        verify_pae_signature(envelope.payload_type, envelope.payload, signature.sig, public_key)
+        for signature in envelope.signatures
+    )
 
 
 def request_class_for(body_class: type[Message]) -> type[Message]:

@@ -1,10 +1,11 @@
 """Watching a contract's subtree, every event verified, resumable by cursor.
 
 ``Watch`` streams every signed event of a subtree (issued contracts and
-receipts) in commit order: first what already happened after ``cursor``, then
-live. Each event is verified against the broker's published keys before it is
-yielded, and its cursor must be greater than the last one seen, so a watch
-resumed from :attr:`Watch.cursor` misses nothing and repeats nothing::
+receipts, each a broker-signed ``pb.Sealed``) in commit order: first what
+already happened after ``cursor``, then live. Each event is verified against
+the broker's published keys before it is yielded, and its cursor must be
+greater than the last one seen, so a watch resumed from :attr:`Watch.cursor`
+misses nothing and repeats nothing::
 
     w = watch(stub, root_id)
     for event in w:
@@ -28,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from . import pb
-from .signing import sha256
 from .verify import BrokerKeys, VerificationError, verify_contract, verify_receipt
 
 __all__ = ["Watch", "WatchEvent", "watch"]
@@ -43,13 +44,15 @@ class WatchEvent:
 
     #: Position in commit order; pass it back (``watch(..., cursor=)``) to resume after it.
     cursor: int
-    #: The contract id or receipt id: SHA-256 of the envelope's payload.
+    #: The contract id or receipt id: SHA-256 of the Sealed payload.
     id: bytes
-    #: The broker-signed envelope, exactly as received.
-    envelope: pb.Envelope
+    #: The broker-signed Sealed (a Contract or a Receipt), exactly as received.
+    sealed: pb.Sealed
     #: The broker key that signed it.
     key_id: str
-    #: A contract issued in the subtree (its hop proofs verified too).
+    #: A contract issued in the subtree, its signature verified (see
+    #: :func:`delegation_broker.verify_contract`: its terms against its
+    #: ancestors need :func:`delegation_broker.verify_chain`).
     contract: pb.Contract | None = None
     #: A receipt signed for a contract of the subtree.
     receipt: pb.Receipt | None = None
@@ -68,11 +71,12 @@ class Watch:
     one): after the stream ends or fails, :meth:`resume` (or a new
     :func:`watch` from that cursor) continues exactly after it.
 
-    Besides each envelope's signature, a watch that knows the subtree from its
-    start (``cursor=0``, or resumed from one that did) checks that every
-    contract hangs below the watched one and every receipt is about one of
+    Besides each event's signature (and, for a root contract, its terms), a
+    watch that knows the subtree from its start (``cursor=0``, or resumed from
+    one that did) checks that every contract hangs below the watched one (its
+    ``parent_id`` is a contract seen before) and every receipt is about one of
     them. Anything that does not verify raises :class:`VerificationError` and
-    cancels the stream. When an envelope names a broker key the watch does not
+    cancels the stream. When an event names a broker key the watch does not
     know (a rotation during a long watch), the published keys are fetched once
     more before giving up.
     """
@@ -146,24 +150,23 @@ class Watch:
         which = response.WhichOneof("event")
         if which is None:
             raise VerificationError(f"event at cursor {response.cursor} is empty")
-        envelope = getattr(response, which)
+        sealed = getattr(response, which)
         try:
-            event = self._decode(response.cursor, which, envelope)
+            event = self._decode(response.cursor, which, sealed)
         except VerificationError:
-            hints = {s.keyid for s in envelope.signatures}
-            if not hints - set(self.keys):
+            if _named_key(which, sealed) in (None, *self.keys):
                 raise
             self.keys = BrokerKeys.fetch(self._stub)  # perhaps a key published since the watch began
-            event = self._decode(response.cursor, which, envelope)
+            event = self._decode(response.cursor, which, sealed)
         self._check_subtree(event)
         return event
 
-    def _decode(self, cursor: int, which: str, envelope: pb.Envelope) -> WatchEvent:
+    def _decode(self, cursor: int, which: str, sealed: pb.Sealed) -> WatchEvent:
         if which == "contract":
-            verified = verify_contract(envelope, self.keys)
-            return WatchEvent(cursor, verified.contract_id, envelope, verified.key_id, contract=verified.contract)
-        verified = verify_receipt(envelope, self.keys)
-        return WatchEvent(cursor, sha256(envelope.payload), envelope, verified.key_id, receipt=verified.message)
+            contract = verify_contract(sealed, self.keys)
+            return WatchEvent(cursor, contract.contract_id, sealed, contract.key_id, contract=contract.contract)
+        receipt = verify_receipt(sealed, self.keys)
+        return WatchEvent(cursor, receipt.id, sealed, receipt.key_id, receipt=receipt.message)
 
     def _check_subtree(self, event: WatchEvent) -> None:
         if self._subtree is None:
@@ -176,6 +179,14 @@ class Watch:
             raise VerificationError(
                 f"receipt {event.id.hex()} at cursor {event.cursor} is about a contract outside the subtree"
             )
+
+
+def _named_key(which: str, sealed: pb.Sealed) -> str | None:
+    """The (not yet verified) broker_key_id a Sealed event's payload names."""
+    try:
+        return (pb.Contract if which == "contract" else pb.Receipt).FromString(sealed.payload).broker_key_id
+    except DecodeError:
+        return None
 
 
 def watch(
