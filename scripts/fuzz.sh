@@ -6,7 +6,7 @@
 # longer run.
 #
 #   FUZZ_SECONDS    seconds per target (default 20)
-#   FUZZ_TARGETS    space-separated targets (default: all five)
+#   FUZZ_TARGETS    space-separated targets (default: all six)
 #   FUZZ_SANITIZER  none (default) or address (AddressSanitizer with
 #                   LeakSanitizer: about 1.5x the build time, 4-25x slower
 #                   runs; fuzz/regressions/README.md lists what only it
@@ -26,7 +26,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 CARGO_FUZZ_VERSION=0.13.2
 seconds="${FUZZ_SECONDS:-20}"
-targets="${FUZZ_TARGETS:-decode_convert predicate schema scope invariants}"
+targets="${FUZZ_TARGETS:-decode_convert predicate schema scope invariants chain}"
 sanitizer="${FUZZ_SANITIZER:-none}"
 timeout="${FUZZ_TIMEOUT:-30}"
 

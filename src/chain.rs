@@ -60,7 +60,8 @@ impl BrokerKeys {
         )
     }
 
-    fn get(&self, index: usize, key_id: &str) -> Result<&VerifyingKey, ChainError> {
+    /// The key published as `key_id`; `index` names the item for the error.
+    pub fn get(&self, index: usize, key_id: &str) -> Result<&VerifyingKey, ChainError> {
         self.0.get(key_id).ok_or_else(|| ChainError::UnknownKey {
             index,
             key_id: key_id.chars().take(80).collect(),
@@ -133,9 +134,12 @@ pub fn verify_sealed_batch(
         messages.push(crypto::pae(type_, &item.payload));
     }
     let refs: Vec<&[u8]> = messages.iter().map(Vec::as_slice).collect();
-    // Batch verification does not reject what strict verification rejects
-    // for small-order keys, so it is trusted only when no key is one.
+    // A batch checks the verification equation only; strict verification
+    // also refuses small-order keys and small-order or non-canonically
+    // encoded R. Those are checked here first, so the batch accepts exactly
+    // what `verify_strict` one by one would.
     if verifying.iter().all(|key| !key.is_weak())
+        && items.iter().all(|item| strict_r(&item.signature))
         && ed25519_dalek::verify_batch(&refs, &signatures, &verifying).is_ok()
     {
         return Ok(());
@@ -144,6 +148,21 @@ pub fn verify_sealed_batch(
         crypto::verify_sealed(item, type_, key).map_err(|_| ChainError::BadSignature { index })?;
     }
     Ok(())
+}
+
+/// R (the signature's first 32 bytes) is a canonical encoding of a point
+/// that is not of small order.
+fn strict_r(signature: &[u8]) -> bool {
+    let Some(bytes) = signature
+        .get(..32)
+        .and_then(|b| <[u8; 32]>::try_from(b).ok())
+    else {
+        return false;
+    };
+    let compressed = curve25519_dalek::edwards::CompressedEdwardsY(bytes);
+    compressed
+        .decompress()
+        .is_some_and(|r| !r.is_small_order() && r.compress() == compressed)
 }
 
 fn decode(chain: &[pb::Sealed]) -> Result<Vec<Hop>, ChainError> {
@@ -258,4 +277,182 @@ fn conjoin(index: usize, inherited: &str, own: &str) -> Result<String, ChainErro
         index,
         detail: "the effective predicate exceeds its limit".into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::{ChildAsk, ChildTerms, Liability, Policy};
+    use crate::stamp::{NewChild, NewRoot, RequestMeta, Stamper};
+
+    fn request(n: u8) -> RequestMeta {
+        RequestMeta {
+            agent: [n; 32],
+            nonce: vec![n; 16],
+            digest: [n; 32],
+            timestamp_ms: 1,
+        }
+    }
+
+    /// A root and `depth` DELEGATE hops at factor 0.9, each with its own
+    /// predicate, stamped by the broker's own code.
+    fn stamped(depth: usize) -> (Vec<pb::Sealed>, BrokerKeys) {
+        let key = crypto::generate_signing_key();
+        let stamper = Stamper::new(key.clone());
+        let scope = Scope::parse(&["src".to_owned()], "write_scope").expect("scope");
+        let root = NewRoot {
+            request: request(0),
+            intent: "intent".into(),
+            task: "root".into(),
+            budget: 100,
+            deadline_ms: 10_000,
+            policy: Policy {
+                max_depth: 8,
+                min_cumulative_trust_ppm: 0,
+                max_children: 8,
+                retry_headroom: true,
+                require_host: false,
+            },
+            predicate: Predicate::from_trusted("result.schema_valid".into()),
+            write_scope: scope.clone(),
+            labels: Default::default(),
+        };
+        let lineage = crypto::sha256(b"intent");
+        let mut parent = stamper.root(&root, 1);
+        let mut chain = vec![parent.stamped.envelope.clone()];
+        let mut cumulative = u64::from(PPM_ONE);
+        for hop in 1..=depth {
+            cumulative = cumulative * 900_000 / u64::from(PPM_ONE);
+            let child = NewChild {
+                request: request(hop as u8),
+                parent_id: parent.stamped.id,
+                ask: ChildAsk {
+                    requester: [hop as u8 - 1; 32],
+                    intent_lineage_hash: lineage,
+                    budget: 100 - hop as i64,
+                    deadline_ms: None,
+                    liability: Liability::Delegate,
+                    predicate: Predicate::from_trusted(format!("result.n > {hop}")),
+                    escalation_channel: "up".into(),
+                    min_retry_cost: 0,
+                    min_retry_latency_ms: 0,
+                    write_scope: scope.clone(),
+                    factor_ppm: 900_000,
+                    factor_note: String::new(),
+                },
+                task: format!("hop {hop}"),
+                delegate_key: [hop as u8; 32],
+                trust: crate::stamp::HopTrust {
+                    source: pb::TrustSource::Attestation,
+                    attestation_digest: Some([1; 32]),
+                    risk_class: String::new(),
+                },
+                host: None,
+                result_schema_json: String::new(),
+            };
+            let terms = ChildTerms {
+                depth: hop as u32,
+                deadline_ms: 10_000,
+                effective_predicate: Predicate::default(),
+                cumulative_trust_ppm: cumulative as u32,
+            };
+            parent = stamper.child(&lineage, &child, &terms, 1);
+            chain.push(parent.stamped.envelope.clone());
+        }
+        let public = key.verifying_key().to_bytes();
+        let keys = BrokerKeys::from_published(&[pb::BrokerKey {
+            key_id: crypto::key_id(&public),
+            public_key: public.to_vec(),
+            current: true,
+        }]);
+        (chain, keys)
+    }
+
+    #[test]
+    fn a_stamped_chain_verifies_with_derived_effective_predicates() {
+        let (chain, keys) = stamped(3);
+        let leaf = crypto::sha256(&chain[3].payload);
+        let hops = verify_chain(&chain, &keys, Some(&leaf)).expect("verifies");
+        assert_eq!(hops[3].contract.cumulative_trust_ppm, 729_000);
+        assert_eq!(
+            hops[3].effective_predicate,
+            "(result.schema_valid\n) && (result.n > 1\n) && (result.n > 2\n) && (result.n > 3\n)"
+        );
+        verify_every_signature(&chain, &keys).expect("every signature");
+        // Any prefix is a chain too.
+        assert!(verify_chain(&chain[..2], &keys, None).is_ok());
+    }
+
+    #[test]
+    fn malformed_chains_are_refused_by_name() {
+        let (chain, keys) = stamped(2);
+        assert_eq!(
+            verify_chain(&[], &keys, None).err(),
+            Some(ChainError::Empty)
+        );
+        let long = vec![chain[0].clone(); MAX_CHAIN_CONTRACTS + 1];
+        assert_eq!(
+            verify_chain(&long, &keys, None).err(),
+            Some(ChainError::TooLong(MAX_CHAIN_CONTRACTS + 1))
+        );
+        assert!(matches!(
+            verify_chain(&chain, &keys, Some(&[0; 32])),
+            Err(ChainError::WrongLeaf { .. })
+        ));
+        assert!(matches!(
+            verify_chain(&chain, &BrokerKeys::default(), None),
+            Err(ChainError::UnknownKey { index: 2, .. })
+        ));
+        let mut swapped = chain.clone();
+        swapped.swap(1, 2);
+        assert!(verify_chain(&swapped, &keys, None).is_err());
+        let mut junk = chain.clone();
+        junk[1].payload = vec![0xff; 8];
+        assert_eq!(
+            verify_chain(&junk, &keys, None).err(),
+            Some(ChainError::Undecodable { index: 1 })
+        );
+        // A published key whose id is not its own vouches for nothing.
+        let other = crypto::generate_signing_key().verifying_key().to_bytes();
+        let lying = BrokerKeys::from_published(&[pb::BrokerKey {
+            key_id: pb::Contract::decode(chain[2].payload.as_slice())
+                .expect("contract")
+                .broker_key_id,
+            public_key: other.to_vec(),
+            current: true,
+        }]);
+        assert!(matches!(
+            verify_chain(&chain, &lying, None),
+            Err(ChainError::UnknownKey { .. })
+        ));
+    }
+
+    #[test]
+    fn batch_verification_names_the_bad_signature() {
+        let (mut chain, keys) = stamped(4);
+        chain[2].signature[5] ^= 1;
+        assert_eq!(
+            verify_every_signature(&chain, &keys),
+            Err(ChainError::BadSignature { index: 2 })
+        );
+        // The leaf's signature (and the links) still prove every term.
+        assert!(verify_chain(&chain, &keys, None).is_ok());
+    }
+
+    #[test]
+    fn small_order_and_non_canonical_r_are_refused_before_a_batch() {
+        // The identity point (y = 1): small order.
+        let mut identity = [0u8; 64];
+        identity[0] = 1;
+        assert!(!strict_r(&identity));
+        // y = p + 1 encodes the identity again, non-canonically.
+        let mut non_canonical = [0xffu8; 64];
+        non_canonical[0] = 0xee;
+        non_canonical[31] = 0x7f;
+        assert!(!strict_r(&non_canonical));
+        assert!(!strict_r(&[0u8; 10]));
+        // A real signature's R passes.
+        let (chain, _) = stamped(1);
+        assert!(strict_r(&chain[1].signature));
+    }
 }

@@ -267,12 +267,8 @@ fn verify(
     if let Some(path) = receipt {
         let sealed = crate::pb::Sealed::decode(read_bounded(path)?.as_slice())?;
         let receipt = crate::pb::Receipt::decode(sealed.payload.as_slice())?;
-        crate::chain::verify_sealed_batch(
-            std::slice::from_ref(&sealed),
-            crate::crypto::payload_type::RECEIPT,
-            &keys,
-            |_| Some(receipt.broker_key_id.clone()),
-        )?;
+        let key = keys.get(0, &receipt.broker_key_id)?;
+        crate::crypto::verify_sealed(&sealed, crate::crypto::payload_type::RECEIPT, key)?;
         println!(
             "ok receipt {} kind={} contract={}",
             hex::encode(crate::crypto::sha256(&sealed.payload)),
@@ -290,9 +286,16 @@ fn verify(
         .into_iter()
         .enumerate()
         .map(|(i, state)| {
-            state
+            let contract = state
                 .contract
-                .ok_or_else(|| anyhow::anyhow!("chain[{i}] carries no contract"))
+                .ok_or_else(|| anyhow::anyhow!("chain[{i}] carries no contract"))?;
+            // The unsigned id beside it must be the id of what is signed.
+            anyhow::ensure!(
+                state.contract_id.is_empty()
+                    || state.contract_id == crate::crypto::sha256(&contract.payload),
+                "chain[{i}].contract_id is not SHA-256 of its contract's payload"
+            );
+            Ok(contract)
         })
         .collect::<anyhow::Result<_>>()?;
     let leaf = contract_id

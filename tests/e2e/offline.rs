@@ -130,6 +130,7 @@ fn verify(chain: &[pb::Sealed], keys: &[pb::BrokerKey]) -> Result<Vec<Hop>, Stri
                 let inside = |path: &String| {
                     p.write_scope.iter().any(|q| {
                         path == q
+                            || (q == "/" && path.starts_with('/'))
                             || path
                                 .strip_prefix(q.as_str())
                                 .is_some_and(|r| r.starts_with('/'))

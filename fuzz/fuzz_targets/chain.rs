@@ -1,0 +1,235 @@
+//! Offline chain verification (`chain::verify_chain`, what
+//! `delegation-broker verify --chain` runs on files from anywhere).
+//!
+//! Asserts:
+//! - arbitrary bytes, decoded as a GetChainResponse, never panic the
+//!   verifier, and a chain that verifies satisfies what verification
+//!   promises (checked again here, independently: hash links, root first,
+//!   depths, non-increasing budgets and deadlines, the cumulative-trust
+//!   product);
+//! - a genuine chain stamped by the broker's own `Stamper` verifies, and
+//!   every mutation of it fails — a changed byte in any contract's payload,
+//!   a changed byte in the leaf's signature, contracts dropped, swapped or
+//!   duplicated — unless the mutation left the verified bytes as they were
+//!   (an ancestor's own signature is not part of what the leaf's proves;
+//!   `verify_every_signature` catches a change there).
+#![no_main]
+
+use std::sync::OnceLock;
+
+use arbitrary::{Arbitrary, Unstructured};
+use delegation_broker::chain::{self, BrokerKeys};
+use delegation_broker::core::{ChildAsk, ChildTerms, Liability, Policy, Predicate, Scope};
+use delegation_broker::crypto;
+use delegation_broker::pb;
+use delegation_broker::stamp::{HopTrust, NewChild, NewRoot, RequestMeta, Stamper};
+use libfuzzer_sys::fuzz_target;
+use prost::Message;
+
+const DEPTH: usize = 6;
+
+/// One genuine chain and its key, stamped once.
+fn genuine() -> &'static (Vec<pb::Sealed>, BrokerKeys) {
+    static CHAIN: OnceLock<(Vec<pb::Sealed>, BrokerKeys)> = OnceLock::new();
+    CHAIN.get_or_init(|| {
+        let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
+        let stamper = Stamper::new(key.clone());
+        let request = |n: u8| RequestMeta {
+            agent: [n; 32],
+            nonce: vec![n; 16],
+            digest: [n; 32],
+            timestamp_ms: 1,
+        };
+        let scope = |p: &str| Scope::parse(&[p.to_owned()], "write_scope").expect("scope");
+        let root = NewRoot {
+            request: request(0),
+            intent: "fuzz".into(),
+            task: "root".into(),
+            budget: 1_000,
+            deadline_ms: 10_000,
+            policy: Policy {
+                max_depth: 8,
+                min_cumulative_trust_ppm: 0,
+                max_children: 8,
+                retry_headroom: true,
+                require_host: false,
+            },
+            predicate: Predicate::from_trusted("result.schema_valid".into()),
+            write_scope: scope("src"),
+            labels: Default::default(),
+        };
+        let lineage = crypto::sha256(b"fuzz");
+        let mut parent = stamper.root(&root, 1);
+        let mut out = vec![parent.stamped.envelope.clone()];
+        let mut cumulative = 1_000_000u64;
+        for hop in 1..=DEPTH {
+            cumulative = cumulative * 900_000 / 1_000_000;
+            let child = NewChild {
+                request: request(hop as u8),
+                parent_id: parent.stamped.id,
+                ask: ChildAsk {
+                    requester: [hop as u8 - 1; 32],
+                    intent_lineage_hash: lineage,
+                    budget: 1_000 - 10 * hop as i64,
+                    deadline_ms: None,
+                    liability: Liability::Delegate,
+                    predicate: Predicate::from_trusted(format!("result.n > {hop}")),
+                    escalation_channel: "up".into(),
+                    min_retry_cost: 0,
+                    min_retry_latency_ms: 0,
+                    write_scope: scope("src"),
+                    factor_ppm: 900_000,
+                    factor_note: String::new(),
+                },
+                task: format!("hop {hop}"),
+                delegate_key: [hop as u8; 32],
+                trust: HopTrust {
+                    source: pb::TrustSource::Attestation,
+                    attestation_digest: Some([hop as u8; 32]),
+                    risk_class: String::new(),
+                },
+                host: None,
+                result_schema_json: String::new(),
+            };
+            let terms = ChildTerms {
+                depth: hop as u32,
+                deadline_ms: 10_000,
+                effective_predicate: Predicate::default(),
+                cumulative_trust_ppm: cumulative as u32,
+            };
+            parent = stamper.child(&lineage, &child, &terms, 1);
+            out.push(parent.stamped.envelope.clone());
+        }
+        let public = key.verifying_key().to_bytes();
+        let keys = BrokerKeys::from_published(&[pb::BrokerKey {
+            key_id: crypto::key_id(&public),
+            public_key: public.to_vec(),
+            current: true,
+        }]);
+        (out, keys)
+    })
+}
+
+#[derive(Debug, Arbitrary)]
+enum Mutation {
+    PayloadByte { contract: u8, at: u16, xor: u8 },
+    LeafSignatureByte { at: u8, xor: u8 },
+    AncestorSignatureByte { contract: u8, at: u8, xor: u8 },
+    Drop { contract: u8 },
+    Swap { a: u8, b: u8 },
+    Duplicate { contract: u8 },
+}
+
+#[derive(Debug)]
+enum Input {
+    Bytes(Vec<u8>),
+    Mutations(Vec<Mutation>),
+}
+
+impl<'a> Arbitrary<'a> for Input {
+    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
+        Ok(if u.ratio(1, 3)? {
+            Input::Bytes(u.arbitrary()?)
+        } else {
+            let n = u.int_in_range(1..=3)?;
+            Input::Mutations((0..n).map(|_| u.arbitrary()).collect::<Result<_, _>>()?)
+        })
+    }
+}
+
+/// What a verified chain must satisfy, checked without the library.
+fn promised(chain: &[pb::Sealed], hops: &[chain::Hop]) {
+    assert_eq!(chain.len(), hops.len());
+    for (i, (sealed, hop)) in chain.iter().zip(hops).enumerate() {
+        assert_eq!(hop.id, crypto::sha256(&sealed.payload));
+        assert_eq!(hop.contract.depth as usize, i);
+        if i == 0 {
+            assert!(hop.contract.parent_id.is_empty());
+            assert_eq!(hop.contract.cumulative_trust_ppm, 1_000_000);
+        } else {
+            let p = &hops[i - 1].contract;
+            assert_eq!(hop.contract.parent_id, hops[i - 1].id.to_vec());
+            assert!(hop.contract.budget <= p.budget);
+            assert!(hop.contract.deadline_ms <= p.deadline_ms);
+            assert_eq!(
+                u64::from(hop.contract.cumulative_trust_ppm),
+                u64::from(p.cumulative_trust_ppm) * u64::from(hop.contract.factor_ppm) / 1_000_000
+            );
+        }
+    }
+}
+
+fuzz_target!(|input: Input| {
+    let (genuine, keys) = genuine();
+    match input {
+        Input::Bytes(bytes) => {
+            let Ok(response) = pb::GetChainResponse::decode(bytes.as_slice()) else {
+                return;
+            };
+            let chain: Vec<pb::Sealed> = response
+                .chain
+                .into_iter()
+                .filter_map(|s| s.contract)
+                .collect();
+            if let Ok(hops) = chain::verify_chain(&chain, keys, None) {
+                promised(&chain, &hops);
+            }
+        }
+        Input::Mutations(mutations) => {
+            let hops = chain::verify_chain(genuine, keys, None).expect("the genuine chain verifies");
+            promised(genuine, &hops);
+            let mut chain = genuine.clone();
+            for m in &mutations {
+                let n = chain.len().max(1);
+                match *m {
+                    Mutation::PayloadByte { contract, at, xor } => {
+                        if let Some(c) = chain.get_mut(contract as usize % n) {
+                            let len = c.payload.len().max(1);
+                            if let Some(b) = c.payload.get_mut(at as usize % len) {
+                                *b ^= xor;
+                            }
+                        }
+                    }
+                    Mutation::LeafSignatureByte { at, xor } => {
+                        if let Some(c) = chain.last_mut() {
+                            let len = c.signature.len().max(1);
+                            if let Some(b) = c.signature.get_mut(at as usize % len) {
+                                *b ^= xor;
+                            }
+                        }
+                    }
+                    Mutation::AncestorSignatureByte { contract, at, xor } => {
+                        let last = chain.len().saturating_sub(1).max(1);
+                        if let Some(c) = chain.get_mut(contract as usize % last) {
+                            if let Some(b) = c.signature.get_mut(at as usize % 64) {
+                                *b ^= xor;
+                            }
+                        }
+                    }
+                    Mutation::Drop { contract } => {
+                        if chain.len() > 1 {
+                            chain.remove(contract as usize % n);
+                        }
+                    }
+                    Mutation::Swap { a, b } => chain.swap(a as usize % n, b as usize % n),
+                    Mutation::Duplicate { contract } => {
+                        let c = chain[contract as usize % n].clone();
+                        chain.insert(contract as usize % n, c);
+                    }
+                }
+            }
+            // The leaf's signature and every payload are what verification
+            // rests on; an ancestor's signature is not.
+            let unchanged = chain.len() == genuine.len()
+                && chain.iter().zip(genuine).all(|(a, b)| a.payload == b.payload)
+                && chain.last().map(|c| &c.signature) == genuine.last().map(|c| &c.signature);
+            match chain::verify_chain(&chain, keys, None) {
+                Ok(hops) => {
+                    assert!(unchanged, "a mutated chain verified: {mutations:?}");
+                    promised(&chain, &hops);
+                }
+                Err(_) => assert!(!unchanged, "an unchanged chain failed: {mutations:?}"),
+            }
+        }
+    }
+});

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""The write path per delegation, for one or more broker builds, alternating
+builds in one sitting (this machine is noisy): for each depth, each build
+serves on a fresh data directory, its own `bench --addr` drives it, and we
+report throughput, latency, the broker process's CPU per delegation, and the
+bytes stored per delegation (the signed contract, and the database files).
+
+    scripts/write-path-bench.py --build before=/tmp/broker-before \\
+        --build after=target/release/delegation-broker --depths 1,8,32
+
+Only the Python standard library; sqlite3 reads the finished database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sqlite3
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def wait_for_port(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"broker did not listen on {port}")
+
+
+def run(binary: str, depth: int, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="write-path-") as tmp:
+        tmp = Path(tmp)
+        env = {**os.environ, "BROKER_LOG": "warn"}
+        public = subprocess.run(
+            [binary, "keygen", "--out", str(tmp / "attestor.key")],
+            check=True, capture_output=True, text=True, env=env,
+        ).stdout.strip()
+        seed = (tmp / "attestor.key").read_text().strip()
+        (tmp / "config.toml").write_text(f'[trust]\nattestors = ["{public}"]\n')
+        port = free_port()
+        data = tmp / "data"
+        server = subprocess.Popen(
+            [binary, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data),
+             "--config", str(tmp / "config.toml")],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for_port(port)
+            cpu_before = cpu_seconds(server.pid)
+            out = subprocess.run(
+                [binary, "bench", "--addr", f"http://127.0.0.1:{port}", "--attestor-seed", seed,
+                 "--depth", str(depth), "--concurrency", str(args.concurrency),
+                 "--duration-s", str(args.duration_s), "--warmup-s", str(args.warmup_s)],
+                check=True, capture_output=True, text=True, env=env, timeout=600,
+            ).stdout
+            cpu = cpu_seconds(server.pid) - cpu_before
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        issued = re.search(r"delegations: (\d+) issued in ([\d.]+)s = (\d+)/s \(roots opened (\d+)", out)
+        latency = re.search(r"p50 ([\d.]+)\s+p99 ([\d.]+)\s+p999 ([\d.]+)", out)
+        db = sqlite3.connect(data / "broker.sqlite3")
+        children, envelope_bytes, row_count = db.execute(
+            "SELECT COUNT(*), SUM(LENGTH(e.envelope)), (SELECT COUNT(*) FROM contracts) "
+            "FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq WHERE c.parent_seq IS NOT NULL"
+        ).fetchone()
+        deepest = db.execute(
+            "SELECT AVG(LENGTH(e.envelope)) FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq "
+            "WHERE c.depth = (SELECT MAX(depth) FROM contracts)"
+        ).fetchone()[0]
+        db.close()
+        files = sum(p.stat().st_size for p in data.glob("broker.sqlite3*"))
+        # Every delegation the run made (warm-up and measured, finished
+        # chains or not) left one child row: the disk per delegation.
+        return {
+            "rate": int(issued.group(3)),
+            "measured": int(issued.group(1)),
+            "p50": float(latency.group(1)),
+            "p99": float(latency.group(2)),
+            "p999": float(latency.group(3)),
+            "cpu_us_per_delegation": 1e6 * cpu / max(children, 1),
+            "contract_bytes": envelope_bytes / max(children, 1),
+            "deepest_contract_bytes": deepest,
+            "db_bytes_per_contract": files / max(row_count, 1),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", action="append", required=True, help="name=path of a broker binary")
+    parser.add_argument("--depths", default="1,8,32")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--duration-s", type=int, default=10)
+    parser.add_argument("--warmup-s", type=int, default=2)
+    args = parser.parse_args()
+    builds = [b.split("=", 1) for b in args.build]
+    print("| round | depth | build | delegations/s | p50 ms | p99 ms | p999 ms | broker CPU µs/delegation "
+          "| signed contract B (mean child) | deepest contract B | DB bytes/contract |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for round_ in range(1, args.rounds + 1):
+        for depth in [int(d) for d in args.depths.split(",")]:
+            order = builds if round_ % 2 else list(reversed(builds))
+            for name, binary in order:
+                r = run(binary, depth, args)
+                print(f"| {round_} | {depth} | {name} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} | "
+                      f"{r['p999']:.2f} | {r['cpu_us_per_delegation']:.0f} | {r['contract_bytes']:.0f} | "
+                      f"{r['deepest_contract_bytes']:.0f} | {r['db_bytes_per_contract']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
