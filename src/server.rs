@@ -101,6 +101,7 @@ pub async fn run_with_clock(
     )
     .await?;
 
+    let durability_lost = store.durability_lost();
     let store = Arc::new(store);
     tokio::spawn(expiry_sweeper(
         Arc::downgrade(&store),
@@ -130,10 +131,32 @@ pub async fn run_with_clock(
     health_reporter
         .set_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    // Health tells the truth: once the store cannot make anything durable
+    // (a failed fsync stops it for good), the broker is NOT_SERVING until
+    // it is restarted.
+    let reporter = health_reporter.clone();
+    tokio::spawn(async move {
+        durability_lost.await;
+        tracing::error!("the store stopped: health is NOT_SERVING until the broker is restarted");
+        reporter
+            .set_not_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
+            .await;
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+    });
+    // Reflection in both versions: v1, and v1alpha for the clients that
+    // still speak only it (grpcurl 1.8, many GUI clients).
+    let reflection_of = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_of()
         .build_v1()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    let reflection_v1alpha = reflection_of()
+        .build_v1alpha()
         .map_err(|e| ServerError::Reflection(e.to_string()))?;
 
     let address = listener.local_addr().ok();
@@ -165,6 +188,7 @@ pub async fn run_with_clock(
         ))
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(broker)
         .serve_with_incoming_shutdown(incoming(listener, limits.max_connections), async move {
             shutdown.await;

@@ -8,7 +8,8 @@
 //!   depths, non-increasing budgets and deadlines, the cumulative-trust
 //!   product);
 //! - a genuine chain stamped by the broker's own `Stamper` verifies, and
-//!   every mutation of it fails — a changed byte in any contract's payload,
+//!   every mutation of it fails for a verifier that names the leaf it asked
+//!   for — a changed byte in any contract's payload,
 //!   a changed byte in the leaf's signature, contracts dropped, swapped or
 //!   duplicated — unless the mutation left the verified bytes as they were
 //!   (an ancestor's own signature is not part of what the leaf's proves;
@@ -223,7 +224,10 @@ fuzz_target!(|input: Input| {
             let unchanged = chain.len() == genuine.len()
                 && chain.iter().zip(genuine).all(|(a, b)| a.payload == b.payload)
                 && chain.last().map(|c| &c.signature) == genuine.last().map(|c| &c.signature);
-            match chain::verify_chain(&chain, keys, None) {
+            // A prefix is a genuine chain for its own leaf: the verifier
+            // names the leaf it asked for.
+            let leaf = crypto::sha256(&genuine[genuine.len() - 1].payload);
+            match chain::verify_chain(&chain, keys, Some(&leaf)) {
                 Ok(hops) => {
                     assert!(unchanged, "a mutated chain verified: {mutations:?}");
                     promised(&chain, &hops);

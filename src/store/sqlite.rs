@@ -357,6 +357,15 @@ impl SqliteStore {
         })
     }
 
+    /// Resolves when the store can no longer make anything durable: its
+    /// syncer stopped, after a failed fsync (the store refuses every write
+    /// from then on) or at shutdown. Holds only a watch receiver, so it
+    /// does not keep the store alive.
+    pub fn durability_lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut durable = self.durability.durable.clone();
+        async move { while durable.changed().await.is_ok() {} }
+    }
+
     /// Stamps a child from the cached parent, so the signing happens here
     /// rather than on the single writer. `None` when the parent is not
     /// cached or the check (against possibly stale state) refuses.

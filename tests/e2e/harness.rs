@@ -75,6 +75,11 @@ impl Broker {
         }
     }
 
+    /// The broker's data directory (its key and SQLite database).
+    pub fn data_dir(&self) -> &std::path::Path {
+        self._dir.path()
+    }
+
     pub async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());

@@ -10,5 +10,6 @@ mod harness;
 mod invariants;
 mod lifecycle;
 mod offline;
+mod operability;
 mod seeds;
 mod tls;
