@@ -9,6 +9,7 @@ pub mod config;
 pub mod core;
 pub mod crypto;
 pub mod keystore;
+pub mod metrics;
 pub mod pool;
 pub mod server;
 pub mod service;

@@ -56,6 +56,26 @@ pub async fn run_with_clock(
     clock: Arc<dyn Clock>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServerError> {
+    run_with_options(listener, config, clock, ServeOptions::default(), shutdown).await
+}
+
+/// What `serve` adds beyond the gRPC listener.
+#[derive(Debug, Default)]
+pub struct ServeOptions {
+    /// Where to serve Prometheus metrics (`GET /metrics`); none when
+    /// absent (`serve --metrics ADDR`).
+    pub metrics_listener: Option<TcpListener>,
+}
+
+/// `run_with_clock` with options (the metrics endpoint).
+pub async fn run_with_options(
+    listener: TcpListener,
+    config: Config,
+    clock: Arc<dyn Clock>,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServerError> {
+    let metrics = crate::metrics::Metrics::new();
     if config.orchestrators.is_open() {
         tracing::warn!(
             "no [orchestrators] in the configuration: any key may open roots with any budget"
@@ -122,7 +142,8 @@ pub async fn run_with_clock(
         stopping,
         converters,
         crate::service::session::Sessions::new(session_stamper, current_key, limits.session_ttl_ms),
-    );
+    )
+    .with_metrics(metrics.clone());
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_response_bytes());
@@ -166,6 +187,17 @@ pub async fn run_with_clock(
             "serving plaintext gRPC beyond loopback: requests are signed, but intents and results travel in clear (configure [tls])"
         );
     }
+    let (metrics_stop, metrics_stopping) = tokio::sync::oneshot::channel::<()>();
+    if let Some(metrics_listener) = options.metrics_listener {
+        tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving metrics at /metrics");
+        tokio::spawn(crate::metrics::serve(
+            metrics_listener,
+            metrics.clone(),
+            async move {
+                let _ = metrics_stopping.await;
+            },
+        ));
+    }
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &tls {
         let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem);
@@ -183,6 +215,9 @@ pub async fn run_with_clock(
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        // Outermost, so every call is counted with the status the client
+        // receives.
+        .layer(crate::metrics::MetricsLayer(metrics.clone()))
         .layer(tower::util::MapResponseLayer::new(
             crate::service::transport::rewrite_decoder_errors,
         ))
@@ -190,11 +225,15 @@ pub async fn run_with_clock(
         .add_service(reflection)
         .add_service(reflection_v1alpha)
         .add_service(broker)
-        .serve_with_incoming_shutdown(incoming(listener, limits.max_connections), async move {
-            shutdown.await;
-            let _ = stop.send(true);
-        })
+        .serve_with_incoming_shutdown(
+            incoming(listener, limits.max_connections, metrics.clone()),
+            async move {
+                shutdown.await;
+                let _ = stop.send(true);
+            },
+        )
         .await?;
+    let _ = metrics_stop.send(());
     tracing::info!("broker stopped");
     Ok(())
 }
@@ -206,6 +245,7 @@ pub async fn run_with_clock(
 fn incoming(
     listener: TcpListener,
     max_connections: usize,
+    metrics: Arc<crate::metrics::Metrics>,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<Limited>> {
     let permits = Arc::new(tokio::sync::Semaphore::new(max_connections));
     // Small: the accept loop waits for the server to take each one.
@@ -232,9 +272,11 @@ fn incoming(
                     continue;
                 }
             };
+            metrics.connections_open.inc();
             let connection = Limited {
                 stream,
                 _permit: permit,
+                open: metrics.connections_open.clone(),
             };
             if accepted.send(Ok(connection)).await.is_err() {
                 return;
@@ -252,6 +294,14 @@ const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 struct Limited {
     stream: tokio::net::TcpStream,
     _permit: tokio::sync::OwnedSemaphorePermit,
+    /// `broker_connections_open`, decremented when the connection closes.
+    open: prometheus::IntGauge,
+}
+
+impl Drop for Limited {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
 }
 
 impl tonic::transport::server::Connected for Limited {

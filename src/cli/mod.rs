@@ -38,6 +38,10 @@ enum Command {
         /// Optional TOML file: trusted attestors, static trust, limits.
         #[arg(long, env = "BROKER_CONFIG")]
         config: Option<PathBuf>,
+        /// Serve Prometheus metrics at http://ADDR/metrics (off when
+        /// absent), e.g. 127.0.0.1:9464.
+        #[arg(long, env = "BROKER_METRICS")]
+        metrics: Option<String>,
     },
     /// Generates an agent key pair; prints the public key and writes the
     /// secret seed (hex) to a file readable only by its owner.
@@ -106,7 +110,8 @@ pub fn main() -> ExitCode {
             listen,
             data_dir,
             config,
-        } => serve(listen, data_dir, config),
+            metrics,
+        } => serve(listen, data_dir, config, metrics),
         Command::Keygen { out } => keygen(out),
         Command::RotateKey { data_dir } => crate::keystore::rotate(&data_dir)
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
@@ -141,7 +146,12 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn serve(listen: String, data_dir: PathBuf, config: Option<PathBuf>) -> anyhow::Result<()> {
+fn serve(
+    listen: String,
+    data_dir: PathBuf,
+    config: Option<PathBuf>,
+    metrics: Option<String>,
+) -> anyhow::Result<()> {
     let config = Config::load(data_dir, config.as_deref())?;
     // CEL parsing at issuance recurses: give workers a deep stack.
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -153,7 +163,23 @@ fn serve(listen: String, data_dir: PathBuf, config: Option<PathBuf>) -> anyhow::
         // Print the bound address on stdout: with port 0 it is how callers
         // (tests, scripts) learn the port.
         println!("listening on {}", listener.local_addr()?);
-        crate::server::run(listener, config, shutdown_signal()).await?;
+        let mut options = crate::server::ServeOptions::default();
+        if let Some(address) = metrics {
+            let metrics_listener = tokio::net::TcpListener::bind(&address).await?;
+            println!(
+                "metrics on http://{}/metrics",
+                metrics_listener.local_addr()?
+            );
+            options.metrics_listener = Some(metrics_listener);
+        }
+        crate::server::run_with_options(
+            listener,
+            config,
+            std::sync::Arc::new(crate::clock::SystemClock),
+            options,
+            shutdown_signal(),
+        )
+        .await?;
         Ok(())
     })
 }

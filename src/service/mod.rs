@@ -56,6 +56,8 @@ pub struct BrokerService<S> {
     /// Turns true when the server shuts down: Watch streams end then, or
     /// graceful shutdown would wait on them forever.
     stopping: tokio::sync::watch::Receiver<bool>,
+    /// Counts issuances, refusals and transitions (`/metrics`).
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// (contract, agent) pairs remembered as parties; cleared when full.
@@ -85,6 +87,7 @@ impl<S> BrokerService<S> {
         sessions: session::Sessions,
     ) -> Self {
         Self {
+            metrics: crate::metrics::Metrics::new(),
             sessions,
             parties: std::sync::Mutex::default(),
             stopping,
@@ -119,6 +122,15 @@ impl<S> BrokerService<S> {
             verified: Arc::default(),
             converters,
         }
+    }
+}
+
+impl<S> BrokerService<S> {
+    /// Counts into `metrics` (the registry `/metrics` serves) instead of a
+    /// registry of its own.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 }
 
@@ -337,7 +349,28 @@ impl<S: Store> BrokerService<S> {
                 },
                 other => ServiceError::Internal(format!("converting the Delegate body: {other}")),
             })??;
+        let budget = child.ask.budget;
         let answer = self.store.delegate(child).await?;
+        if !answer.replayed {
+            match &answer.outcome {
+                Outcome::Issued { .. } => {
+                    self.metrics.delegations_issued.inc();
+                    self.metrics
+                        .budget_reserved_units
+                        .inc_by(u64::try_from(budget).unwrap_or(0));
+                }
+                Outcome::Receipt { envelope, .. } => {
+                    let primary = pb::Receipt::decode(envelope.payload.as_slice())
+                        .ok()
+                        .and_then(|r| pb::InvariantCode::try_from(r.primary).ok())
+                        .map_or("UNKNOWN", |c| c.as_str_name());
+                    self.metrics
+                        .delegations_refused
+                        .with_label_values(&[primary])
+                        .inc();
+                }
+            }
+        }
         Ok(delegate_response(answer))
     }
 
@@ -366,10 +399,32 @@ impl<S: Store> BrokerService<S> {
             Outcome::Receipt {
                 receipt_id,
                 envelope,
-            } => Ok((receipt_id.to_vec(), Some(envelope), answer.replayed)),
+            } => {
+                if !answer.replayed {
+                    self.count_transition(&envelope);
+                }
+                Ok((receipt_id.to_vec(), Some(envelope), answer.replayed))
+            }
             // A nonce first used for an issuance request.
             Outcome::Issued { .. } => Err(ServiceError::NonceReused),
         }
+    }
+
+    /// Counts a signed lifecycle receipt by kind and verdict (labels from
+    /// the enums: bounded).
+    fn count_transition(&self, receipt: &pb::Sealed) {
+        let Ok(receipt) = pb::Receipt::decode(receipt.payload.as_slice()) else {
+            return;
+        };
+        let kind = pb::ReceiptKind::try_from(receipt.kind).map_or("UNKNOWN", |k| k.as_str_name());
+        let verdict = receipt
+            .completion
+            .and_then(|c| pb::Verdict::try_from(c.verdict).ok())
+            .map_or("", |v| v.as_str_name());
+        self.metrics
+            .transitions
+            .with_label_values(&[kind, verdict])
+            .inc();
     }
 
     async fn watch_stream(

@@ -29,6 +29,8 @@ pub struct Broker {
     pub clock: Arc<OffsetClock>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
+    /// Where `/metrics` is served (brokers started with metrics).
+    pub metrics_addr: Option<std::net::SocketAddr>,
     _dir: tempfile::TempDir,
 }
 
@@ -38,6 +40,15 @@ impl Broker {
     }
 
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Self {
+        Self::start_full(adjust, false).await
+    }
+
+    /// A broker that also serves Prometheus metrics (`metrics_addr`).
+    pub async fn start_with_metrics() -> Self {
+        Self::start_full(|_| {}, true).await
+    }
+
+    async fn start_full(adjust: impl FnOnce(&mut Config), metrics: bool) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let attestor = Agent::generate();
         let reader = Agent::generate();
@@ -52,13 +63,26 @@ impl Broker {
         adjust(&mut config);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = format!("http://{}", listener.local_addr().unwrap());
+        let mut options = delegation_broker::server::ServeOptions::default();
+        let mut metrics_addr = None;
+        if metrics {
+            let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            metrics_addr = Some(metrics_listener.local_addr().unwrap());
+            options.metrics_listener = Some(metrics_listener);
+        }
         let clock = Arc::new(OffsetClock::default());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server_clock: Arc<dyn Clock> = clock.clone();
         let server = tokio::spawn(async move {
-            delegation_broker::server::run_with_clock(listener, config, server_clock, async {
-                let _ = stopped.await;
-            })
+            delegation_broker::server::run_with_options(
+                listener,
+                config,
+                server_clock,
+                options,
+                async {
+                    let _ = stopped.await;
+                },
+            )
             .await
             .expect("server runs");
         });
@@ -71,6 +95,7 @@ impl Broker {
             clock,
             stop: Some(stop),
             server: Some(server),
+            metrics_addr,
             _dir: dir,
         }
     }

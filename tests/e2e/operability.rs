@@ -114,3 +114,210 @@ async fn a_failed_fsync_turns_health_not_serving() {
     }
     broker.stop().await;
 }
+
+/// GET /metrics over plain HTTP/1.1: the body, after checking the status
+/// and the content type.
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("a full response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_owned()
+}
+
+/// The value of the sample `metric` whose labels include `labels`, 0 when
+/// there is none.
+fn value(scrape: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == metric)
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => *v,
+            other => panic!("{metric} is not a number: {other:?}"),
+        })
+        .sum()
+}
+
+/// The seed 001 chain, then 64 siblings racing for a residual of 300 at
+/// 10 each: the scrape, parsed by a Prometheus text parser, counts exactly
+/// what happened — issuances, refusals by code, every call by method and
+/// code — and every histogram is well-formed.
+#[tokio::test]
+async fn metrics_count_a_scripted_run_exactly() {
+    use crate::harness::{RootSpec, child, liable_child};
+    use delegation_broker::client::Agent;
+
+    let mut broker = Broker::start_with_metrics().await;
+    let metrics_addr = broker.metrics_addr.unwrap();
+    // seeds/001: the planner's liable child, a refused executor (no retry
+    // headroom), then the executor it can afford.
+    let (orchestrator, planner, executor) =
+        (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, "result.schema_valid");
+    to_planner.min_retry_cost = 12;
+    let (planner_id, _) = broker
+        .delegate(&orchestrator, to_planner)
+        .await
+        .unwrap()
+        .issued();
+    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
+    to_executor.min_retry_cost = 12;
+    broker
+        .delegate(&planner, to_executor.clone())
+        .await
+        .unwrap()
+        .refused();
+    to_executor.budget = 13;
+    broker
+        .delegate(&planner, to_executor)
+        .await
+        .unwrap()
+        .issued();
+    // A stranger's Delegate: PERMISSION_DENIED, never a refusal.
+    let stranger = Agent::generate();
+    let denied = broker
+        .delegate(&stranger, child(&planner_id, &root.lineage, &stranger, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+
+    // The race: 64 siblings of 10 from a residual of 300.
+    let racer = Agent::generate();
+    let race_root = broker
+        .open_root(
+            &racer,
+            RootSpec {
+                budget: 300,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..64 {
+        let mut client = broker.client.clone();
+        let request = racer.delegate(child(
+            &race_root.id,
+            &race_root.lineage,
+            &Agent::generate(),
+            10,
+        ));
+        calls.spawn(async move { client.delegate(request).await.unwrap().into_inner() });
+    }
+    let mut issued = 0;
+    while let Some(answer) = calls.join_next().await {
+        if matches!(
+            answer.unwrap().outcome,
+            Some(delegation_broker::pb::delegate_response::Outcome::Issued(_))
+        ) {
+            issued += 1;
+        }
+    }
+    assert_eq!(issued, 30);
+
+    let text = scrape(metrics_addr).await;
+    let parsed =
+        prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses");
+    let delegate = [("grpc_method", "Delegate")];
+    assert_eq!(value(&parsed, "broker_delegations_issued_total", &[]), 32.0);
+    assert_eq!(
+        value(
+            &parsed,
+            "broker_delegations_refused_total",
+            &[("code", "INVARIANT_CODE_BUDGET_EXCEEDS_PARENT")]
+        ),
+        34.0
+    );
+    assert_eq!(
+        value(
+            &parsed,
+            "broker_delegations_refused_total",
+            &[("code", "INVARIANT_CODE_NO_RETRY_HEADROOM")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(&parsed, "broker_delegations_refused_total", &[]),
+        35.0
+    );
+    assert_eq!(
+        value(&parsed, "broker_budget_reserved_units_total", &[]),
+        25.0 + 13.0 + 300.0
+    );
+    // Every call, by method and code: refusals are answers (OK).
+    for (method, code, count) in [
+        ("Delegate", "OK", 67.0),
+        ("Delegate", "PermissionDenied", 1.0),
+        ("OpenRoot", "OK", 2.0),
+    ] {
+        assert_eq!(
+            value(
+                &parsed,
+                "grpc_server_handled_total",
+                &[
+                    ("grpc_service", "delegation.broker.v1.Broker"),
+                    ("grpc_method", method),
+                    ("grpc_code", code),
+                    ("grpc_type", "unary"),
+                ]
+            ),
+            count,
+            "{method} {code}"
+        );
+    }
+    assert_eq!(value(&parsed, "grpc_server_started_total", &delegate), 68.0);
+    // Every started call was handled (the scrape itself is not gRPC).
+    assert_eq!(
+        value(&parsed, "grpc_server_started_total", &[]),
+        value(&parsed, "grpc_server_handled_total", &[])
+    );
+    // Histograms: cumulative buckets ending at +Inf = _count.
+    let mut histograms = 0;
+    for sample in &parsed.samples {
+        let prometheus_parse::Value::Histogram(buckets) = &sample.value else {
+            continue;
+        };
+        histograms += 1;
+        assert!(
+            buckets
+                .windows(2)
+                .all(|w| w[0].less_than < w[1].less_than && w[0].count <= w[1].count)
+        );
+        let last = buckets.last().expect("buckets");
+        assert!(last.less_than.is_infinite(), "{:?}", sample.labels);
+        let labels: Vec<(&str, &str)> = sample
+            .labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(
+            value(&parsed, &format!("{}_count", sample.metric), &labels),
+            last.count
+        );
+    }
+    assert!(histograms >= 2, "one per method called");
+    assert_eq!(
+        value(
+            &parsed,
+            "grpc_server_handling_seconds_count",
+            &[("grpc_method", "Delegate")]
+        ),
+        68.0
+    );
+    broker.stop().await;
+}

@@ -1,0 +1,460 @@
+//! Prometheus metrics: the registry of one broker, the gRPC layer that
+//! counts every call by method and code (`grpc_server_*`, the names
+//! go-grpc-prometheus made the convention), the broker's own counters,
+//! and the `/metrics` endpoint (`serve --metrics ADDR`). Label values are
+//! bounded: methods come from a fixed list, codes and invariant codes
+//! from their enums, never a contract id or a key.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame};
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+use tokio::net::TcpListener;
+
+/// Buckets of `grpc_server_handling_seconds`: 0.5 ms to 10 s (a durable
+/// answer waits for an fsync; a judgment may take seconds).
+const HANDLING_BUCKETS_S: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Most scrapes served at once; more wait for the accept loop.
+const MAX_CONCURRENT_SCRAPES: usize = 8;
+/// A scraper must send its request headers within this.
+const SCRAPE_HEADER_TIMEOUT_MS: u64 = 5_000;
+
+/// The methods the broker serves, by gRPC path, with their kind: any other
+/// path is counted as service and method "unknown", so a client cannot
+/// grow the label set.
+const METHODS: &[(&str, &str)] = &[
+    ("/delegation.broker.v1.Broker/OpenRoot", "unary"),
+    ("/delegation.broker.v1.Broker/Delegate", "unary"),
+    ("/delegation.broker.v1.Broker/GetContract", "unary"),
+    ("/delegation.broker.v1.Broker/GetChain", "unary"),
+    ("/delegation.broker.v1.Broker/ListChildren", "unary"),
+    ("/delegation.broker.v1.Broker/GetReceipt", "unary"),
+    ("/delegation.broker.v1.Broker/GetBrokerKeys", "unary"),
+    ("/delegation.broker.v1.Broker/OpenSession", "unary"),
+    ("/delegation.broker.v1.Broker/Accept", "unary"),
+    ("/delegation.broker.v1.Broker/Decline", "unary"),
+    ("/delegation.broker.v1.Broker/Complete", "unary"),
+    ("/delegation.broker.v1.Broker/Adjudicate", "unary"),
+    ("/delegation.broker.v1.Broker/Escalate", "unary"),
+    ("/delegation.broker.v1.Broker/Revoke", "unary"),
+    ("/delegation.broker.v1.Broker/RecordReceipts", "unary"),
+    ("/delegation.broker.v1.Broker/Watch", "server_stream"),
+    ("/delegation.broker.v1.Broker/GetAudit", "unary"),
+    ("/delegation.broker.v1.Broker/AggregateAudits", "unary"),
+    ("/grpc.health.v1.Health/Check", "unary"),
+    ("/grpc.health.v1.Health/Watch", "server_stream"),
+    (
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        "bidi_stream",
+    ),
+    (
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "bidi_stream",
+    ),
+];
+
+/// gRPC status codes by number, as their canonical names.
+const CODES: [&str; 17] = [
+    "OK",
+    "Canceled",
+    "Unknown",
+    "InvalidArgument",
+    "DeadlineExceeded",
+    "NotFound",
+    "AlreadyExists",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "FailedPrecondition",
+    "Aborted",
+    "OutOfRange",
+    "Unimplemented",
+    "Internal",
+    "Unavailable",
+    "DataLoss",
+    "Unauthenticated",
+];
+
+/// One broker's metrics.
+pub struct Metrics {
+    registry: Registry,
+    grpc_started: IntCounterVec,
+    grpc_handled: IntCounterVec,
+    grpc_handling: HistogramVec,
+    /// Children issued (replayed answers not counted again).
+    pub delegations_issued: IntCounter,
+    /// Delegations refused, by the refusal's primary invariant code.
+    pub delegations_refused: IntCounterVec,
+    /// Budget units reserved for issued children.
+    pub budget_reserved_units: IntCounter,
+    /// Lifecycle receipts signed, by kind and (for completions) verdict.
+    pub transitions: IntCounterVec,
+    /// Connections open now.
+    pub connections_open: IntGauge,
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered.
+    pub fn new() -> Arc<Self> {
+        let registry = Registry::new();
+        let method_labels = ["grpc_type", "grpc_service", "grpc_method"];
+        let grpc_started = IntCounterVec::new(
+            Opts::new(
+                "grpc_server_started_total",
+                "RPCs started on the server, by method.",
+            ),
+            &method_labels,
+        )
+        .expect("valid metric");
+        let grpc_handled = IntCounterVec::new(
+            Opts::new(
+                "grpc_server_handled_total",
+                "RPCs completed on the server, by method and status code.",
+            ),
+            &["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
+        )
+        .expect("valid metric");
+        let grpc_handling = HistogramVec::new(
+            HistogramOpts::new(
+                "grpc_server_handling_seconds",
+                "Time from an RPC's arrival to its status, by method.",
+            )
+            .buckets(HANDLING_BUCKETS_S.to_vec()),
+            &method_labels,
+        )
+        .expect("valid metric");
+        let delegations_issued = IntCounter::new(
+            "broker_delegations_issued_total",
+            "Child contracts issued (a replayed answer is not counted again).",
+        )
+        .expect("valid metric");
+        let delegations_refused = IntCounterVec::new(
+            Opts::new(
+                "broker_delegations_refused_total",
+                "Delegations refused with a signed receipt, by the refusal's primary invariant code.",
+            ),
+            &["code"],
+        )
+        .expect("valid metric");
+        let budget_reserved_units = IntCounter::new(
+            "broker_budget_reserved_units_total",
+            "Budget units reserved from parents for issued children.",
+        )
+        .expect("valid metric");
+        let transitions = IntCounterVec::new(
+            Opts::new(
+                "broker_lifecycle_transitions_total",
+                "Lifecycle receipts signed, by kind and, for completions and adjudications, verdict.",
+            ),
+            &["kind", "verdict"],
+        )
+        .expect("valid metric");
+        let connections_open =
+            IntGauge::new("broker_connections_open", "gRPC connections open now.")
+                .expect("valid metric");
+        for collector in [
+            Box::new(grpc_started.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(grpc_handled.clone()),
+            Box::new(grpc_handling.clone()),
+            Box::new(delegations_issued.clone()),
+            Box::new(delegations_refused.clone()),
+            Box::new(budget_reserved_units.clone()),
+            Box::new(transitions.clone()),
+            Box::new(connections_open.clone()),
+        ] {
+            registry.register(collector).expect("unique metric names");
+        }
+        Arc::new(Self {
+            registry,
+            grpc_started,
+            grpc_handled,
+            grpc_handling,
+            delegations_issued,
+            delegations_refused,
+            budget_reserved_units,
+            transitions,
+            connections_open,
+        })
+    }
+
+    /// The Prometheus text exposition (format 0.0.4) of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        // Encoding our own registry into a Vec cannot fail.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// (type, service, method) label values of a request path.
+fn method_labels(path: &str) -> [&'static str; 3] {
+    let Some((path, kind)) = METHODS.iter().find(|(known, _)| *known == path).copied() else {
+        return ["unary", "unknown", "unknown"];
+    };
+    let (service, method) = path[1..].split_once('/').unwrap_or(("unknown", "unknown"));
+    [kind, service, method]
+}
+
+/// The tower layer that counts every call (`Server::builder().layer`).
+#[derive(Clone)]
+pub struct MetricsLayer(pub Arc<Metrics>);
+
+impl<S> tower::Layer<S> for MetricsLayer {
+    type Service = MetricsService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        MetricsService {
+            inner,
+            metrics: self.0.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct MetricsService<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+impl<S, B> tower::Service<http::Request<B>> for MetricsService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let labels = method_labels(request.uri().path());
+        self.metrics.grpc_started.with_label_values(&labels).inc();
+        let call = Call {
+            metrics: self.metrics.clone(),
+            labels,
+            started: Instant::now(),
+            done: false,
+        };
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await?;
+            let (parts, body) = response.into_parts();
+            // A trailers-only response (every error) carries its status in
+            // the headers; otherwise it comes in the trailers.
+            let mut call = call;
+            if let Some(code) = status_code(&parts.headers) {
+                call.finish(code);
+            }
+            let body = tonic::body::Body::new(MeteredBody { inner: body, call });
+            Ok(http::Response::from_parts(parts, body))
+        })
+    }
+}
+
+fn status_code(headers: &http::HeaderMap) -> Option<i32> {
+    headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+/// One call in flight: counted once, when its status is known (or, if
+/// the body is dropped first, as Canceled).
+struct Call {
+    metrics: Arc<Metrics>,
+    labels: [&'static str; 3],
+    started: Instant,
+    done: bool,
+}
+
+impl Call {
+    fn finish(&mut self, code: i32) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let code = usize::try_from(code)
+            .ok()
+            .and_then(|c| CODES.get(c))
+            .copied()
+            .unwrap_or("Unknown");
+        let [kind, service, method] = self.labels;
+        self.metrics
+            .grpc_handled
+            .with_label_values(&[kind, service, method, code])
+            .inc();
+        self.metrics
+            .grpc_handling
+            .with_label_values(&self.labels)
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        // The client went away (or the stream was cut) before a status.
+        self.finish(1);
+    }
+}
+
+/// The response body, watched for the trailers that carry the status.
+struct MeteredBody {
+    inner: tonic::body::Body,
+    call: Call,
+}
+
+impl HttpBody for MeteredBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(code) = frame.trailers_ref().and_then(status_code) {
+                    self.call.finish(code);
+                }
+            }
+            Poll::Ready(Some(Err(status))) => self.call.finish(status.code() as i32),
+            // The body ended without trailers: HTTP/2 ended well, but gRPC
+            // says nothing; count it as gRPC does (Unknown).
+            Poll::Ready(None) => self.call.finish(2),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) {
+    let scrapes = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_SCRAPES));
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => return,
+            permit = scrapes.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return,
+            },
+        };
+        let stream = tokio::select! {
+            () = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics endpoint: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request: http::Request<_>| {
+                let metrics = metrics.clone();
+                async move { Ok::<_, Infallible>(respond(&metrics, &request)) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_millis(SCRAPE_HEADER_TIMEOUT_MS))
+                .keep_alive(false)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+            drop(permit);
+        });
+    }
+}
+
+fn respond<B>(
+    metrics: &Metrics,
+    request: &http::Request<B>,
+) -> http::Response<http_body_util::Full<Bytes>> {
+    let (status, content_type, body) =
+        if request.method() == http::Method::GET && request.uri().path() == "/metrics" {
+            (
+                http::StatusCode::OK,
+                "text/plain; version=0.0.4; charset=utf-8",
+                metrics.render(),
+            )
+        } else {
+            (
+                http::StatusCode::NOT_FOUND,
+                "text/plain; charset=utf-8",
+                "metrics are served at GET /metrics\n".to_owned(),
+            )
+        };
+    let mut response = http::Response::new(http_body_util::Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(content_type),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_paths_cannot_grow_the_label_set() {
+        assert_eq!(
+            method_labels("/delegation.broker.v1.Broker/Delegate"),
+            ["unary", "delegation.broker.v1.Broker", "Delegate"]
+        );
+        assert_eq!(
+            method_labels("/delegation.broker.v1.Broker/Watch"),
+            ["server_stream", "delegation.broker.v1.Broker", "Watch"]
+        );
+        for path in ["/x.Y/Z", "/delegation.broker.v1.Broker/Nope", "", "/"] {
+            assert_eq!(method_labels(path), ["unary", "unknown", "unknown"]);
+        }
+    }
+
+    #[test]
+    fn a_call_is_counted_once_with_its_code() {
+        let metrics = Metrics::new();
+        let labels = method_labels("/delegation.broker.v1.Broker/Delegate");
+        let mut call = Call {
+            metrics: metrics.clone(),
+            labels,
+            started: Instant::now(),
+            done: false,
+        };
+        call.finish(5);
+        drop(call);
+        let text = metrics.render();
+        assert!(text.contains("grpc_code=\"NotFound\""), "{text}");
+        assert!(!text.contains("Canceled"), "{text}");
+    }
+}
