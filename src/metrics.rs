@@ -13,9 +13,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame};
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 use tokio::net::TcpListener;
 
@@ -24,6 +26,16 @@ use tokio::net::TcpListener;
 const HANDLING_BUCKETS_S: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
+
+/// Buckets of `broker_wal_fsync_seconds`: 50 µs to 2.5 s (this disk's
+/// fsync is ~0.1 ms, its stalls 40–730 ms).
+const FSYNC_BUCKETS_S: [f64; 12] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 2.5,
+];
+
+/// Buckets of `broker_group_commit_commands`: 1 to the writer's largest
+/// batch.
+const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// Most scrapes served at once; more wait for the accept loop.
 const MAX_CONCURRENT_SCRAPES: usize = 8;
@@ -101,6 +113,42 @@ pub struct Metrics {
     pub transitions: IntCounterVec,
     /// Connections open now.
     pub connections_open: IntGauge,
+    /// Units charged to contracts that completed (`Completion.consumed`).
+    pub budget_spent_units: IntCounter,
+    /// Units returned to parents by completions (`Completion.returned`).
+    pub budget_returned_units: IntCounter,
+    /// What the store reports from its writer and syncer threads.
+    pub store: StoreMetrics,
+}
+
+/// What the SQLite store reports from its own threads. Cheap to clone:
+/// the handles are atomics.
+#[derive(Clone, Debug)]
+pub struct StoreMetrics {
+    /// Commands per group commit (one write transaction).
+    pub batch_commands: Histogram,
+    /// Time of each fsync of the write-ahead log.
+    pub wal_fsync_seconds: Histogram,
+    /// Fsyncs of at least `SLOW_WAL_SYNC_US` (the disk stalled).
+    pub wal_fsync_stalls: IntCounter,
+}
+
+/// A gauge read at scrape time from a closure (queue depths, stream
+/// counts: state that lives elsewhere).
+struct Sampled {
+    gauge: IntGauge,
+    sample: Box<dyn Fn() -> i64 + Send + Sync>,
+}
+
+impl Collector for Sampled {
+    fn desc(&self) -> Vec<&Desc> {
+        self.gauge.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.gauge.set((self.sample)());
+        self.gauge.collect()
+    }
 }
 
 impl Metrics {
@@ -162,8 +210,41 @@ impl Metrics {
         let connections_open =
             IntGauge::new("broker_connections_open", "gRPC connections open now.")
                 .expect("valid metric");
+        let budget_spent_units = IntCounter::new(
+            "broker_budget_spent_units_total",
+            "Budget units charged to contracts that completed (their Completion.consumed).",
+        )
+        .expect("valid metric");
+        let budget_returned_units = IntCounter::new(
+            "broker_budget_returned_units_total",
+            "Budget units completions returned to their parents (Completion.returned).",
+        )
+        .expect("valid metric");
+        let store = StoreMetrics {
+            batch_commands: Histogram::with_opts(
+                HistogramOpts::new(
+                    "broker_group_commit_commands",
+                    "Commands per group commit (one write transaction of the store's writer).",
+                )
+                .buckets(BATCH_BUCKETS.to_vec()),
+            )
+            .expect("valid metric"),
+            wal_fsync_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "broker_wal_fsync_seconds",
+                    "Time of each fsync of the SQLite write-ahead log (every durable answer waits for one).",
+                )
+                .buckets(FSYNC_BUCKETS_S.to_vec()),
+            )
+            .expect("valid metric"),
+            wal_fsync_stalls: IntCounter::new(
+                "broker_wal_fsync_stalls_total",
+                "Fsyncs of the write-ahead log that took 5 ms or more.",
+            )
+            .expect("valid metric"),
+        };
         for collector in [
-            Box::new(grpc_started.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(grpc_started.clone()) as Box<dyn Collector>,
             Box::new(grpc_handled.clone()),
             Box::new(grpc_handling.clone()),
             Box::new(delegations_issued.clone()),
@@ -171,6 +252,11 @@ impl Metrics {
             Box::new(budget_reserved_units.clone()),
             Box::new(transitions.clone()),
             Box::new(connections_open.clone()),
+            Box::new(budget_spent_units.clone()),
+            Box::new(budget_returned_units.clone()),
+            Box::new(store.batch_commands.clone()),
+            Box::new(store.wal_fsync_seconds.clone()),
+            Box::new(store.wal_fsync_stalls.clone()),
         ] {
             registry.register(collector).expect("unique metric names");
         }
@@ -184,7 +270,27 @@ impl Metrics {
             budget_reserved_units,
             transitions,
             connections_open,
+            budget_spent_units,
+            budget_returned_units,
+            store,
         })
+    }
+
+    /// Registers a gauge whose value `sample` reads at each scrape. Names
+    /// are the broker's own: a duplicate is a programming error.
+    pub fn sampled(
+        &self,
+        name: &str,
+        help: &str,
+        sample: impl Fn() -> i64 + Send + Sync + 'static,
+    ) {
+        let gauge = IntGauge::new(name, help).expect("valid metric");
+        self.registry
+            .register(Box::new(Sampled {
+                gauge,
+                sample: Box::new(sample),
+            }))
+            .expect("unique metric names");
     }
 
     /// The Prometheus text exposition (format 0.0.4) of every metric.

@@ -115,6 +115,7 @@ pub async fn run_with_options(
             before_wal_sync: None,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+            metrics: Some(metrics.store.clone()),
         },
         stamper,
         clock.clone(),
@@ -123,6 +124,18 @@ pub async fn run_with_options(
 
     let durability_lost = store.durability_lost();
     let store = Arc::new(store);
+    // Read at scrape time; a weak reference, so metrics never keep the
+    // store alive.
+    let queued = Arc::downgrade(&store);
+    metrics.sampled(
+        "broker_write_queue_depth",
+        "Commands waiting for the store's single writer.",
+        move || {
+            queued
+                .upgrade()
+                .map_or(0, |s| i64::try_from(s.queue_depth()).unwrap_or(i64::MAX))
+        },
+    );
     tokio::spawn(expiry_sweeper(
         Arc::downgrade(&store),
         clock.clone(),
@@ -144,6 +157,12 @@ pub async fn run_with_options(
         crate::service::session::Sessions::new(session_stamper, current_key, limits.session_ttl_ms),
     )
     .with_metrics(metrics.clone());
+    let streams = service.watch_streams();
+    metrics.sampled(
+        "broker_watch_streams",
+        "Watch streams open now.",
+        move || i64::try_from(streams.taken()).unwrap_or(i64::MAX),
+    );
     let broker = pb::broker_server::BrokerServer::new(service)
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_response_bytes());

@@ -132,6 +132,11 @@ impl<S> BrokerService<S> {
         self.metrics = metrics;
         self
     }
+
+    /// The broker-wide count of open Watch streams (for a gauge).
+    pub fn watch_streams(&self) -> Arc<crate::slots::Slots<crate::core::AgentKey>> {
+        self.watch_callers.clone()
+    }
 }
 
 fn issued(outcome: Outcome) -> Result<pb::IssuedContract, ServiceError> {
@@ -419,12 +424,24 @@ impl<S: Store> BrokerService<S> {
         let kind = pb::ReceiptKind::try_from(receipt.kind).map_or("UNKNOWN", |k| k.as_str_name());
         let verdict = receipt
             .completion
+            .as_ref()
             .and_then(|c| pb::Verdict::try_from(c.verdict).ok())
             .map_or("", |v| v.as_str_name());
         self.metrics
             .transitions
             .with_label_values(&[kind, verdict])
             .inc();
+        // Adjudications repeat a completion's figures: counted once, here.
+        if receipt.kind == pb::ReceiptKind::Completed as i32
+            && let Some(completion) = &receipt.completion
+        {
+            self.metrics
+                .budget_spent_units
+                .inc_by(u64::try_from(completion.consumed).unwrap_or(0));
+            self.metrics
+                .budget_returned_units
+                .inc_by(u64::try_from(completion.returned).unwrap_or(0));
+        }
     }
 
     async fn watch_stream(

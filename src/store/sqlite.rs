@@ -90,6 +90,9 @@ pub struct SqliteOptions {
     /// Longest a completion waits for its judgment, queueing for a judge
     /// included (`JUDGMENT_DEADLINE_MS` in production; tests lower it).
     pub judgment_deadline_ms: u64,
+    /// Where the writer and syncer report batch sizes and fsyncs (the
+    /// server's `/metrics`); `None` reports nowhere.
+    pub metrics: Option<crate::metrics::StoreMetrics>,
 }
 
 /// Runs on the syncer before each WAL fsync; an error counts as a failed
@@ -233,11 +236,21 @@ impl SqliteStore {
         let (synced, sync_queue) = mpsc::channel(MAX_UNSYNCED_BATCHES);
         let wal_path = wal_path_of(&options.path);
         let before_wal_sync = options.before_wal_sync.clone();
+        let syncer_metrics = options.metrics.clone();
         std::thread::Builder::new()
             .name("store-syncer".into())
-            .spawn(move || syncer(&wal_path, sync_queue, durable_tx, before_wal_sync))
+            .spawn(move || {
+                syncer(
+                    &wal_path,
+                    sync_queue,
+                    durable_tx,
+                    before_wal_sync,
+                    syncer_metrics,
+                )
+            })
             .map_err(|e| StoreError::Backend(format!("syncer thread: {e}")))?;
         let writer_committed = committed.clone();
+        let writer_metrics = options.metrics.clone();
         let finish_checkpoint = Arc::new(AtomicBool::new(false));
         let writer_finish = finish_checkpoint.clone();
         let retention_ms = options.request_log_retention_ms;
@@ -290,6 +303,7 @@ impl SqliteStore {
                         retention_ms,
                         next_prune: std::time::Instant::now(),
                         finish_checkpoint: writer_finish,
+                        metrics: writer_metrics,
                     };
                     writer_loop(
                         &mut writer,
@@ -364,6 +378,11 @@ impl SqliteStore {
     pub fn durability_lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut durable = self.durability.durable.clone();
         async move { while durable.changed().await.is_ok() {} }
+    }
+
+    /// Commands waiting for the writer now (the write queue's depth).
+    pub fn queue_depth(&self) -> usize {
+        self.commands.max_capacity() - self.commands.capacity()
     }
 
     /// Stamps a child from the cached parent, so the signing happens here
@@ -1397,6 +1416,8 @@ struct WriterState {
     /// Set by the background checkpointer when the WAL has grown past
     /// `SqliteOptions::wal_restart_bytes`: the writer then finishes it.
     finish_checkpoint: Arc<AtomicBool>,
+    /// `SqliteOptions::metrics`.
+    metrics: Option<crate::metrics::StoreMetrics>,
 }
 
 /// A committed (or rolled-back) batch whose answers wait for the fsync
@@ -1427,6 +1448,9 @@ async fn writer_loop(
                 }
                 Err(_) => break,
             }
+        }
+        if let Some(metrics) = &state.metrics {
+            metrics.batch_commands.observe(commands.len() as f64);
         }
         let began = std::time::Instant::now();
         let applied = apply_batch(conn, &commands, &mut state, &stamper, clock.now_ms()).await;
@@ -1551,6 +1575,7 @@ fn syncer(
     mut queue: mpsc::Receiver<Unsynced>,
     durable: tokio::sync::watch::Sender<u64>,
     before_sync: Option<BeforeWalSync>,
+    metrics: Option<crate::metrics::StoreMetrics>,
 ) {
     let mut wal: Option<(std::fs::File, u64)> = None;
     let mut group = Vec::new();
@@ -1567,6 +1592,12 @@ fn syncer(
             .and_then(|()| sync_wal(wal_path, &mut wal));
         let took_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
         WAL_SYNCS.record(took_us);
+        if let Some(metrics) = &metrics {
+            metrics.wal_fsync_seconds.observe(took_us as f64 / 1e6);
+            if took_us >= SLOW_WAL_SYNC_US {
+                metrics.wal_fsync_stalls.inc();
+            }
+        }
         tracing::trace!(batches = group.len(), took_us, "wal synced");
         if let Err(e) = synced {
             tracing::error!(error = %e, path = %wal_path.display(),
@@ -2374,6 +2405,7 @@ mod tests {
             before_wal_sync: None,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+            metrics: None,
         }
     }
 
@@ -3506,6 +3538,7 @@ mod tests {
                 before_wal_sync: None,
                 before_judge: None,
                 judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+                metrics: None,
             },
             stamper,
             Arc::new(SystemClock),

@@ -153,10 +153,11 @@ fn value(scrape: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)
         .sum()
 }
 
-/// The seed 001 chain, then 64 siblings racing for a residual of 300 at
-/// 10 each: the scrape, parsed by a Prometheus text parser, counts exactly
-/// what happened — issuances, refusals by code, every call by method and
-/// code — and every histogram is well-formed.
+/// The seed 001 chain (its executor completing), then 64 siblings racing
+/// for a residual of 300 at 10 each: the scrape, parsed by a Prometheus
+/// text parser, counts exactly what happened — issuances, refusals by
+/// code, transitions, budget, every call by method and code — and every
+/// histogram is well-formed.
 #[tokio::test]
 async fn metrics_count_a_scripted_run_exactly() {
     use crate::harness::{RootSpec, child, liable_child};
@@ -184,11 +185,29 @@ async fn metrics_count_a_scripted_run_exactly() {
         .unwrap()
         .refused();
     to_executor.budget = 13;
-    broker
+    let (executor_id, _) = broker
         .delegate(&planner, to_executor)
         .await
         .unwrap()
         .issued();
+    // The executor accepts and completes, reporting 4 units (no host).
+    broker.accept(&executor, &executor_id, None).await.unwrap();
+    let completed = broker
+        .complete(
+            &executor,
+            delegation_broker::pb::CompleteBody {
+                header: None,
+                contract_id: executor_id.clone(),
+                output_json: "{}".into(),
+                report: None,
+                claim: "success".into(),
+                consumed: 4,
+            },
+        )
+        .await
+        .unwrap();
+    let completion = completed.completion.unwrap();
+    assert_eq!((completion.consumed, completion.returned), (4, 9));
     // A stranger's Delegate: PERMISSION_DENIED, never a refusal.
     let stranger = Agent::generate();
     let denied = broker
@@ -259,11 +278,40 @@ async fn metrics_count_a_scripted_run_exactly() {
         value(&parsed, "broker_budget_reserved_units_total", &[]),
         25.0 + 13.0 + 300.0
     );
+    assert_eq!(value(&parsed, "broker_budget_spent_units_total", &[]), 4.0);
+    assert_eq!(
+        value(&parsed, "broker_budget_returned_units_total", &[]),
+        9.0
+    );
+    for (kind, verdict) in [
+        ("RECEIPT_KIND_ACCEPTED", ""),
+        ("RECEIPT_KIND_COMPLETED", "VERDICT_ACCEPTED"),
+    ] {
+        assert_eq!(
+            value(
+                &parsed,
+                "broker_lifecycle_transitions_total",
+                &[("kind", kind), ("verdict", verdict)]
+            ),
+            1.0,
+            "{kind}"
+        );
+    }
+    // The store's side: every answer above waited for a group commit and
+    // an fsync; nothing is queued or watched now; the harness's client
+    // holds a connection.
+    assert!(value(&parsed, "broker_group_commit_commands_count", &[]) >= 1.0);
+    assert!(value(&parsed, "broker_wal_fsync_seconds_count", &[]) >= 1.0);
+    assert_eq!(value(&parsed, "broker_write_queue_depth", &[]), 0.0);
+    assert_eq!(value(&parsed, "broker_watch_streams", &[]), 0.0);
+    assert!(value(&parsed, "broker_connections_open", &[]) >= 1.0);
     // Every call, by method and code: refusals are answers (OK).
     for (method, code, count) in [
         ("Delegate", "OK", 67.0),
         ("Delegate", "PermissionDenied", 1.0),
         ("OpenRoot", "OK", 2.0),
+        ("Accept", "OK", 1.0),
+        ("Complete", "OK", 1.0),
     ] {
         assert_eq!(
             value(
