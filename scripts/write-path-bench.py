@@ -20,7 +20,9 @@ import socket
 import sqlite3
 import subprocess
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -48,7 +50,16 @@ def wait_for_port(port: int, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"broker did not listen on {port}")
 
 
-def run(binary: str, depth: int, args) -> dict:
+def scrape_every_second(port: int, stop: threading.Event) -> None:
+    """What a Prometheus server does to a target, a little more often."""
+    while not stop.wait(1.0):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except OSError:
+            pass
+
+
+def run(binary: str, depth: int, args, metrics: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="write-path-") as tmp:
         tmp = Path(tmp)
         env = {**os.environ, "BROKER_LOG": "warn"}
@@ -60,11 +71,15 @@ def run(binary: str, depth: int, args) -> dict:
         (tmp / "config.toml").write_text(f'[trust]\nattestors = ["{public}"]\n')
         port = free_port()
         data = tmp / "data"
-        server = subprocess.Popen(
-            [binary, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data),
-             "--config", str(tmp / "config.toml")],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        serve = [binary, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data),
+                 "--config", str(tmp / "config.toml")]
+        metrics_port = free_port()
+        if metrics:
+            serve += ["--metrics", f"127.0.0.1:{metrics_port}"]
+        server = subprocess.Popen(serve, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stop_scraping = threading.Event()
+        if metrics:
+            threading.Thread(target=scrape_every_second, args=(metrics_port, stop_scraping), daemon=True).start()
         try:
             wait_for_port(port)
             cpu_before = cpu_seconds(server.pid)
@@ -76,6 +91,7 @@ def run(binary: str, depth: int, args) -> dict:
             ).stdout
             cpu = cpu_seconds(server.pid) - cpu_before
         finally:
+            stop_scraping.set()
             server.terminate()
             server.wait(timeout=30)
         issued = re.search(r"delegations: (\d+) issued in ([\d.]+)s = (\d+)/s \(roots opened (\d+)", out)
@@ -114,6 +130,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--duration-s", type=int, default=10)
     parser.add_argument("--warmup-s", type=int, default=2)
+    parser.add_argument("--metrics", action="append", default=[],
+                        help="name of a build to serve with --metrics (scraped every second)")
     args = parser.parse_args()
     builds = [b.split("=", 1) for b in args.build]
     print("| round | depth | build | delegations/s | p50 ms | p99 ms | p999 ms | broker CPU µs/delegation "
@@ -123,7 +141,7 @@ def main() -> None:
         for depth in [int(d) for d in args.depths.split(",")]:
             order = builds if round_ % 2 else list(reversed(builds))
             for name, binary in order:
-                r = run(binary, depth, args)
+                r = run(binary, depth, args, metrics=name in args.metrics)
                 print(f"| {round_} | {depth} | {name} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} | "
                       f"{r['p999']:.2f} | {r['cpu_us_per_delegation']:.0f} | {r['contract_bytes']:.0f} | "
                       f"{r['deepest_contract_bytes']:.0f} | {r['db_bytes_per_contract']:.0f} |", flush=True)
