@@ -16,6 +16,7 @@ pub mod service;
 pub mod slots;
 pub mod stamp;
 pub mod store;
+pub mod telemetry;
 
 /// Types generated from `proto/delegation/broker/v1/*.proto`.
 pub mod pb {

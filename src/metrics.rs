@@ -303,7 +303,7 @@ impl Metrics {
 }
 
 /// (type, service, method) label values of a request path.
-fn method_labels(path: &str) -> [&'static str; 3] {
+pub fn method_labels(path: &str) -> [&'static str; 3] {
     let Some((path, kind)) = METHODS.iter().find(|(known, _)| *known == path).copied() else {
         return ["unary", "unknown", "unknown"];
     };

@@ -237,6 +237,8 @@ pub async fn run_with_options(
         // Outermost, so every call is counted with the status the client
         // receives.
         .layer(crate::metrics::MetricsLayer(metrics.clone()))
+        // Every call in its span: method, trace id, the broker's facts.
+        .layer(crate::telemetry::CallSpanLayer)
         .layer(tower::util::MapResponseLayer::new(
             crate::service::transport::rewrite_decoder_errors,
         ))

@@ -20,10 +20,12 @@ use crate::core::InputError;
 use crate::core::limits::{
     CONVERSION_DEADLINE_MS, DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE,
 };
+use crate::crypto;
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::lifecycle::{Action, LifecycleCommand};
 use crate::store::{Answer, Event, Outcome, Store};
+use crate::telemetry;
 use auth::authenticate;
 use error::ServiceError;
 
@@ -136,6 +138,16 @@ impl<S> BrokerService<S> {
     /// The broker-wide count of open Watch streams (for a gauge).
     pub fn watch_streams(&self) -> Arc<crate::slots::Slots<crate::core::AgentKey>> {
         self.watch_callers.clone()
+    }
+}
+
+/// The call span's `broker.outcome`: what happened, and whether this was
+/// the stored answer to a retry.
+fn outcome_name(what: &'static str, replayed: bool) -> String {
+    if replayed {
+        format!("{what} (replayed)")
+    } else {
+        what.to_owned()
     }
 }
 
@@ -253,6 +265,7 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, window_ms)?;
+        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.request.agent));
         if !signed.fresh {
             let answer = self.late_retry(&signed, now_ms).await?;
             return Ok(pb::OpenRootResponse {
@@ -288,6 +301,12 @@ impl<S: Store> BrokerService<S> {
         }
         let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
         let answer = self.store.open_root(root).await?;
+        if let Outcome::Issued { id, .. } = &answer.outcome {
+            telemetry::record("broker.contract_id", hex::encode(id));
+            telemetry::record("broker.root_id", hex::encode(id));
+            telemetry::record("broker.depth", 0);
+            telemetry::record("broker.outcome", outcome_name("issued", answer.replayed));
+        }
         Ok(pb::OpenRootResponse {
             replayed: answer.replayed,
             issued: Some(issued(answer.outcome)?),
@@ -301,6 +320,7 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, window_ms)?;
+        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.request.agent));
         if !signed.fresh {
             return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
         }
@@ -317,6 +337,9 @@ impl<S: Store> BrokerService<S> {
                     what: "parent contract",
                     id: hex::encode(parent_id),
                 })?;
+        telemetry::record("broker.parent_id", hex::encode(parent_id));
+        telemetry::record("broker.root_id", hex::encode(parent.root_id));
+        let depth = parent.depth + 1;
         if parent.delegate_key != signed.request.agent {
             return Err(ServiceError::PermissionDenied {
                 reason: "NOT_HOLDER",
@@ -356,22 +379,29 @@ impl<S: Store> BrokerService<S> {
             })??;
         let budget = child.ask.budget;
         let answer = self.store.delegate(child).await?;
-        if !answer.replayed {
-            match &answer.outcome {
-                Outcome::Issued { .. } => {
+        match &answer.outcome {
+            Outcome::Issued { id, .. } => {
+                telemetry::record("broker.contract_id", hex::encode(id));
+                telemetry::record("broker.depth", depth);
+                telemetry::record("broker.outcome", outcome_name("issued", answer.replayed));
+                if !answer.replayed {
                     self.metrics.delegations_issued.inc();
                     self.metrics
                         .budget_reserved_units
                         .inc_by(u64::try_from(budget).unwrap_or(0));
                 }
-                Outcome::Receipt { envelope, .. } => {
-                    let primary = pb::Receipt::decode(envelope.payload.as_slice())
-                        .ok()
-                        .and_then(|r| pb::InvariantCode::try_from(r.primary).ok())
-                        .map_or("UNKNOWN", |c| c.as_str_name());
+            }
+            Outcome::Receipt { envelope, .. } => {
+                let receipt = pb::Receipt::decode(envelope.payload.as_slice()).unwrap_or_default();
+                let code =
+                    |c: i32| pb::InvariantCode::try_from(c).map_or("UNKNOWN", |c| c.as_str_name());
+                let codes: Vec<&str> = receipt.violations.iter().map(|v| code(v.code)).collect();
+                telemetry::record("broker.refused_codes", codes.join(","));
+                telemetry::record("broker.outcome", outcome_name("refused", answer.replayed));
+                if !answer.replayed {
                     self.metrics
                         .delegations_refused
-                        .with_label_values(&[primary])
+                        .with_label_values(&[code(receipt.primary)])
                         .inc();
                 }
             }
@@ -388,8 +418,10 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<T>(signed, now_ms, window_ms)?;
+        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.request.agent));
         let answer = if signed.fresh {
             let (contract_id, action) = convert(signed.body)?;
+            telemetry::record("broker.contract_id", hex::encode(contract_id));
             self.store
                 .transition(LifecycleCommand {
                     request: Some(signed.request),
@@ -405,9 +437,7 @@ impl<S: Store> BrokerService<S> {
                 receipt_id,
                 envelope,
             } => {
-                if !answer.replayed {
-                    self.count_transition(&envelope);
-                }
+                self.note_transition(&envelope, answer.replayed);
                 Ok((receipt_id.to_vec(), Some(envelope), answer.replayed))
             }
             // A nonce first used for an issuance request.
@@ -415,13 +445,19 @@ impl<S: Store> BrokerService<S> {
         }
     }
 
-    /// Counts a signed lifecycle receipt by kind and verdict (labels from
-    /// the enums: bounded).
-    fn count_transition(&self, receipt: &pb::Sealed) {
+    /// Names a lifecycle receipt on the call's span and, unless it is a
+    /// replayed answer, counts it by kind and verdict (labels from the
+    /// enums: bounded).
+    fn note_transition(&self, receipt: &pb::Sealed, replayed: bool) {
         let Ok(receipt) = pb::Receipt::decode(receipt.payload.as_slice()) else {
             return;
         };
         let kind = pb::ReceiptKind::try_from(receipt.kind).map_or("UNKNOWN", |k| k.as_str_name());
+        telemetry::record("broker.outcome", outcome_name(kind, replayed));
+        telemetry::record("broker.root_id", hex::encode(&receipt.root_id));
+        if replayed {
+            return;
+        }
         let verdict = receipt
             .completion
             .as_ref()

@@ -109,6 +109,10 @@ pub struct IssuingParent {
     pub delegate_key: crate::core::AgentKey,
     /// What a liability-transferring child's predicate is conjoined to.
     pub effective_predicate: crate::core::Predicate,
+    /// Its tree's root (for the call's span).
+    pub root_id: Id,
+    /// Its depth: a child's is one more.
+    pub depth: u32,
 }
 
 /// The last event (contract or receipt) sequence number the writer gave

@@ -805,22 +805,28 @@ impl Store for SqliteStore {
             return Ok(Some(IssuingParent {
                 delegate_key: known.view.delegate_key,
                 effective_predicate: known.view.effective_predicate.clone(),
+                root_id: known.root_id,
+                depth: known.view.depth,
             }));
         }
         // Not settled: what it reads never changes once written, and it is
         // only used to refuse or to go on to the writer, which reads again.
-        let row =
-            sqlx::query("SELECT delegate_key, effective_predicate FROM contracts WHERE id = $1")
-                .bind(parent.as_slice())
-                .fetch_optional(&self.reader)
-                .await
-                .map_err(backend)?;
+        let row = sqlx::query(
+            "SELECT delegate_key, effective_predicate, root_id, depth FROM contracts WHERE id = $1",
+        )
+        .bind(parent.as_slice())
+        .fetch_optional(&self.reader)
+        .await
+        .map_err(backend)?;
         row.map(|r| {
             Ok(IssuingParent {
                 delegate_key: id_column(&r, "delegate_key")?,
                 effective_predicate: Predicate::from_trusted(
                     r.try_get("effective_predicate").map_err(backend)?,
                 ),
+                root_id: id_column(&r, "root_id")?,
+                depth: u32::try_from(r.try_get::<i64, _>("depth").map_err(backend)?)
+                    .map_err(|_| StoreError::Corrupt("depth".into()))?,
             })
         })
         .transpose()

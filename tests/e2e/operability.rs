@@ -369,3 +369,143 @@ async fn metrics_count_a_scripted_run_exactly() {
     );
     broker.stop().await;
 }
+
+/// `BROKER_LOG_FORMAT=json`: every line the broker writes is one JSON
+/// object, and every line written during a call carries that call's trace
+/// id — the one its `traceparent` sent, or a fresh one — with the
+/// broker's facts about it.
+#[tokio::test]
+async fn json_logs_carry_each_calls_trace_id() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    use delegation_broker::client::Agent;
+    use delegation_broker::pb;
+
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("broker.log");
+    let mut process = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .env("BROKER_LOG_FORMAT", "json")
+        .env("BROKER_LOG", "info,delegation_broker=debug")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .expect("broker binary starts");
+    let mut line = String::new();
+    BufReader::new(process.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = format!(
+        "http://{}",
+        line.trim().strip_prefix("listening on ").expect("address")
+    );
+    let mut client = pb::broker_client::BrokerClient::connect(addr)
+        .await
+        .unwrap();
+    fn traced<T>(body: T, trace_id: &str) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(body);
+        request.metadata_mut().insert(
+            "traceparent",
+            format!("00-{trace_id}-00f067aa0ba902b7-01")
+                .parse()
+                .unwrap(),
+        );
+        request
+    }
+    let (t_root, t_delegate) = (
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+        "0af7651916cd43dd8448eb211c80319c",
+    );
+    let orchestrator = Agent::generate();
+    let spec = crate::harness::RootSpec::default();
+    let root = client
+        .open_root(traced(orchestrator.open_root(spec.body()), t_root))
+        .await
+        .unwrap()
+        .into_inner()
+        .issued
+        .unwrap();
+    let root_contract =
+        <pb::Contract as prost::Message>::decode(root.contract.unwrap().payload.as_slice())
+            .unwrap();
+    let worker = Agent::generate();
+    let body = crate::harness::child(
+        &root.contract_id,
+        &root_contract.intent_lineage_hash,
+        &worker,
+        10,
+    );
+    let issued = client
+        .delegate(traced(orchestrator.delegate(body), t_delegate))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(pb::delegate_response::Outcome::Issued(child)) = issued.outcome else {
+        panic!("issued");
+    };
+    // No trace context at all: the call still gets a trace id of its own.
+    client
+        .get_broker_keys(pb::GetBrokerKeysRequest {})
+        .await
+        .unwrap();
+    // Let the last lines reach the file, then stop the broker.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    process.kill().unwrap();
+    process.wait().unwrap();
+
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(!lines.is_empty());
+    let answered = |method: &str| {
+        lines
+            .iter()
+            .find(|l| {
+                l["fields"]["message"] == "call answered" && l["span"]["rpc.method"] == method
+            })
+            .unwrap_or_else(|| panic!("no line for {method}: {log}"))
+            .clone()
+    };
+    let open = answered("OpenRoot");
+    assert_eq!(open["span"]["trace_id"], t_root);
+    assert_eq!(
+        open["span"]["broker.contract_id"],
+        hex::encode(&root.contract_id)
+    );
+    assert_eq!(open["span"]["broker.outcome"], "issued");
+    assert_eq!(
+        open["span"]["broker.agent_key_id"],
+        delegation_broker::crypto::key_id(&orchestrator.public_key())
+    );
+    let delegate = answered("Delegate");
+    assert_eq!(delegate["span"]["trace_id"], t_delegate);
+    assert_eq!(
+        delegate["span"]["broker.contract_id"],
+        hex::encode(&child.contract_id)
+    );
+    assert_eq!(
+        delegate["span"]["broker.parent_id"],
+        hex::encode(&root.contract_id)
+    );
+    assert_eq!(
+        delegate["span"]["broker.root_id"],
+        hex::encode(&root.contract_id)
+    );
+    assert_eq!(delegate["span"]["broker.depth"], "1");
+    let keys = answered("GetBrokerKeys");
+    let fresh = keys["span"]["trace_id"].as_str().unwrap();
+    assert_eq!(fresh.len(), 32);
+    assert!(fresh != t_root && fresh != t_delegate);
+    // Every line written inside a call carries a trace id.
+    for line in lines.iter().filter(|l| l.get("span").is_some()) {
+        assert_eq!(
+            line["span"]["trace_id"].as_str().map(str::len),
+            Some(32),
+            "{line}"
+        );
+    }
+}
