@@ -1,10 +1,12 @@
-//! Logs: the process's tracing subscriber (human-readable, or one JSON
-//! object per line with `BROKER_LOG_FORMAT=json`), and the span every gRPC
-//! call runs in — named by its method, carrying the W3C trace id the
-//! caller sent in `traceparent` (a fresh one when it sent none), and the
-//! broker's facts about the call (contract, parent, root, depth, the
-//! acting key's id, the outcome, refused codes) as the handlers learn
-//! them. Every log line written during a call carries its trace id.
+//! Logs and traces: the process's tracing subscriber (human-readable, or
+//! one JSON object per line with `BROKER_LOG_FORMAT=json`), spans exported
+//! over OTLP when an endpoint is configured (`--otlp-endpoint`,
+//! `OTEL_EXPORTER_OTLP_ENDPOINT`), and the span every gRPC call runs in:
+//! named by its method, continuing the W3C trace context the caller sent
+//! (`traceparent`, `tracestate`, `baggage`) or starting a trace, and
+//! carrying the broker's facts about the call (contract, parent, root,
+//! depth, the acting key's id, the outcome, refused codes) as the handlers
+//! learn them. Every log line written during a call carries its trace id.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -12,6 +14,7 @@ use std::time::Instant;
 
 use tracing::Instrument;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer as _;
 
 /// Environment variable choosing the log format: `text` (the default) or
 /// `json`.
@@ -19,14 +22,22 @@ pub const LOG_FORMAT_ENV: &str = "BROKER_LOG_FORMAT";
 /// Environment variable filtering logs (`tracing` directives).
 pub const LOG_FILTER_ENV: &str = "BROKER_LOG";
 
-/// Longest `traceparent` header read (the W3C form is 55 bytes; later
-/// versions may append fields).
-const MAX_TRACEPARENT_BYTES: usize = 512;
+/// Longest trace-context header read (`traceparent` is 55 bytes; W3C caps
+/// `tracestate` at 512 and `baggage` at 8,192).
+const MAX_TRACE_HEADER_BYTES: usize = 8_192;
+/// Longest an export of one batch of spans may take.
+const OTLP_EXPORT_TIMEOUT_MS: u64 = 5_000;
+/// The name of every call's span (and the only spans exported).
+const CALL_SPAN: &str = "call";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
     #[error("{LOG_FORMAT_ENV} must be \"text\" or \"json\", not {0:?}")]
     LogFormat(String),
+    #[error("the OTLP exporter: {0}")]
+    Exporter(String),
+    #[error("the log subscriber: {0}")]
+    Subscriber(String),
 }
 
 /// How log lines are written.
@@ -47,52 +58,133 @@ impl LogFormat {
     }
 }
 
+/// The running telemetry: exports what is buffered and stops the span
+/// exporter on `shutdown`.
+pub struct Telemetry {
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Exports what is buffered and stops the exporter (off the async
+    /// threads: it waits for the export).
+    pub async fn shutdown(self) {
+        if let Some(provider) = self.provider {
+            let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+        }
+    }
+
+    /// Exports what is buffered now. Blocks the calling thread until the
+    /// export is done: call it off the async threads.
+    pub fn flush(&self) {
+        if let Some(provider) = &self.provider {
+            let _ = provider.force_flush();
+        }
+    }
+}
+
 /// Installs the process's subscriber: logs to stderr, filtered by
-/// `BROKER_LOG` (default `info`), in `format`.
-pub fn init_logs(format: LogFormat) {
+/// `BROKER_LOG` (default `info`), in `format`; and, with `otlp_endpoint`
+/// (e.g. `http://127.0.0.1:4317`), the call spans exported over OTLP/gRPC
+/// in batches. Must run inside a tokio runtime when exporting (the
+/// exporter's channel lives on it).
+pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry, TelemetryError> {
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_otlp::WithExportConfig as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+
     let filter = EnvFilter::try_from_env(LOG_FILTER_ENV).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        Format::Text => builder.init(),
-        Format::Json => builder
+    let (provider, traces) = match otlp_endpoint {
+        Some(endpoint) => {
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_endpoint(endpoint)
+                .with_timeout(std::time::Duration::from_millis(OTLP_EXPORT_TIMEOUT_MS))
+                .build()
+                .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+            let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                .with_batch_exporter(exporter)
+                .with_resource(
+                    opentelemetry_sdk::Resource::builder()
+                        .with_service_name("delegation-broker")
+                        .build(),
+                )
+                .build();
+            let layer = tracing_opentelemetry::layer()
+                .with_tracer(provider.tracer("delegation-broker"))
+                // The call spans only, not every library's debug spans.
+                .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
+                    meta.is_span() && meta.name() == CALL_SPAN
+                }));
+            (Some(provider), Some(layer))
+        }
+        None => (None, None),
+    };
+    let text = (format == LogFormat::Text).then(|| {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(filter.clone())
+    });
+    let json = (format == LogFormat::Json).then(|| {
+        tracing_subscriber::fmt::layer()
             .json()
             // The call's span (trace id, method, contract…) in every line.
             .with_current_span(true)
             .with_span_list(false)
-            .init(),
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+    });
+    tracing_subscriber::registry()
+        .with(traces)
+        .with(text)
+        .with(json)
+        .try_init()
+        .map_err(|e| TelemetryError::Subscriber(e.to_string()))?;
+    Ok(Telemetry { provider })
+}
+
+/// Reads W3C trace context from gRPC request headers.
+struct Headers<'a>(&'a http::HeaderMap);
+
+impl opentelemetry::propagation::Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| v.len() <= MAX_TRACE_HEADER_BYTES)
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(http::HeaderName::as_str).collect()
     }
 }
 
-use LogFormat as Format;
+/// The trace context (and baggage) a call's headers carry.
+fn extract(headers: &http::HeaderMap) -> opentelemetry::Context {
+    use opentelemetry::propagation::TextMapPropagator as _;
+    let trace = opentelemetry_sdk::propagation::TraceContextPropagator::new();
+    let baggage = opentelemetry_sdk::propagation::BaggagePropagator::new();
+    let cx = trace.extract(&Headers(headers));
+    baggage.extract_with_context(&cx, &Headers(headers))
+}
 
-/// The trace id of a W3C `traceparent` value
-/// (`version-traceid-parentid-flags`), as 32 lowercase hex digits; `None`
-/// for anything malformed or the all-zero id the specification forbids.
-pub fn trace_id_of(traceparent: &str) -> Option<String> {
-    if traceparent.len() > MAX_TRACEPARENT_BYTES {
-        return None;
+/// Makes `parent` the span's parent and returns the call's trace id: the
+/// exported span's (which continues the caller's trace); without an
+/// exporter, the caller's, or a fresh one.
+fn continue_trace(span: &tracing::Span, parent: opentelemetry::Context) -> String {
+    use opentelemetry::trace::{TraceContextExt as _, TraceId};
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let sent = parent.span().span_context().trace_id();
+    // Fails (harmlessly) when no exporter is installed.
+    let _ = span.set_parent(parent);
+    let exported = span.context().span().span_context().trace_id();
+    if exported != TraceId::INVALID {
+        exported.to_string()
+    } else if sent != TraceId::INVALID {
+        sent.to_string()
+    } else {
+        fresh_trace_id()
     }
-    let mut parts = traceparent.trim().split('-');
-    let (version, trace_id, parent_id, flags) =
-        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |s: &str, len: usize| {
-        s.len() == len
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    // Version ff is invalid; version 00 has exactly four fields.
-    if !hex(version, 2) || version == "ff" || (version == "00" && parts.next().is_some()) {
-        return None;
-    }
-    if !hex(trace_id, 32) || !hex(parent_id, 16) || !hex(flags, 2) {
-        return None;
-    }
-    if trace_id.bytes().all(|b| b == b'0') || parent_id.bytes().all(|b| b == b'0') {
-        return None;
-    }
-    Some(trace_id.to_owned())
 }
 
 /// A fresh random trace id (for a call that brought none).
@@ -140,17 +232,16 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let [_, service, method] = crate::metrics::method_labels(request.uri().path());
-        let trace_id = request
-            .headers()
-            .get("traceparent")
-            .and_then(|v| v.to_str().ok())
-            .and_then(trace_id_of)
-            .unwrap_or_else(fresh_trace_id);
         let span = tracing::info_span!(
             "call",
-            trace_id = %trace_id,
+            otel.name = %format!("{service}/{method}"),
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
             rpc.service = service,
             rpc.method = method,
+            rpc.grpc.status_code = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
             broker.contract_id = tracing::field::Empty,
             broker.parent_id = tracing::field::Empty,
             broker.root_id = tracing::field::Empty,
@@ -159,6 +250,10 @@ where
             broker.outcome = tracing::field::Empty,
             broker.refused_codes = tracing::field::Empty,
         );
+        if !span.is_disabled() {
+            let trace_id = continue_trace(&span, extract(request.headers()));
+            span.record("trace_id", tracing::field::display(trace_id));
+        }
         let started = Instant::now();
         let response = {
             let _entered = span.enter();
@@ -168,12 +263,20 @@ where
             async move {
                 let response = response.await;
                 if let Ok(response) = &response {
+                    // Errors come trailers-only, their code in the headers;
+                    // an OK call's code follows in the trailers.
+                    let code = response
+                        .headers()
+                        .get("grpc-status")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("0");
+                    let span = tracing::Span::current();
+                    span.record("rpc.grpc.status_code", code);
+                    if code != "0" {
+                        span.record("otel.status_code", "ERROR");
+                    }
                     tracing::debug!(
-                        grpc_status = response
-                            .headers()
-                            .get("grpc-status")
-                            .and_then(|v| v.to_str().ok())
-                            .unwrap_or("in trailers"),
+                        grpc_status = code,
                         elapsed_us = started.elapsed().as_micros() as u64,
                         "call answered"
                     );
@@ -195,33 +298,35 @@ pub fn record(field: &'static str, value: impl std::fmt::Display) {
 mod tests {
     use super::*;
 
+    fn headers(pairs: &[(&'static str, &str)]) -> http::HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    http::HeaderName::from_static(k),
+                    http::HeaderValue::from_str(v).expect("header value"),
+                )
+            })
+            .collect()
+    }
+
     #[test]
-    fn traceparent_is_parsed_as_the_w3c_specification_says() {
+    fn the_callers_trace_is_continued_or_a_trace_started() {
         let id = "4bf92f3577b34da6a3ce929d0e0e4736";
-        assert_eq!(
-            trace_id_of(&format!("00-{id}-00f067aa0ba902b7-01")).as_deref(),
-            Some(id)
-        );
-        // A later version may carry more fields.
-        assert_eq!(
-            trace_id_of(&format!("01-{id}-00f067aa0ba902b7-01-extra")).as_deref(),
-            Some(id)
-        );
+        let span = tracing::Span::none();
+        let sent = headers(&[("traceparent", &format!("00-{id}-00f067aa0ba902b7-01"))]);
+        assert_eq!(continue_trace(&span, extract(&sent)), id);
+        // Malformed or all-zero: not continued; a fresh id instead.
         for bad in [
-            "",
-            "00",
-            &format!("00-{id}-00f067aa0ba902b7-01-extra"),
-            &format!("ff-{id}-00f067aa0ba902b7-01"),
-            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
-            &format!("00-{id}-0000000000000000-01"),
-            &format!("00-{}-00f067aa0ba902b7-01", id.to_uppercase()),
-            &format!("00-{id}-00f067aa0ba902b7"),
-            &format!("00-{id}x-00f067aa0ba902b7-01"),
-            &"0".repeat(MAX_TRACEPARENT_BYTES + 1),
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01".to_owned(),
+            format!("00-{id}-0000000000000000-01"),
+            format!("00-{}-00f067aa0ba902b7-01", &id[..30]),
+            "garbage".to_owned(),
         ] {
-            assert_eq!(trace_id_of(bad), None, "{bad:?}");
+            let fresh = continue_trace(&span, extract(&headers(&[("traceparent", &bad)])));
+            assert_eq!(fresh.len(), 32, "{bad}");
+            assert_ne!(fresh, id, "{bad}");
         }
-        assert_eq!(fresh_trace_id().len(), 32);
         assert_ne!(fresh_trace_id(), fresh_trace_id());
     }
 }

@@ -41,6 +41,10 @@ enum Command {
         /// absent), e.g. 127.0.0.1:9464.
         #[arg(long, env = "BROKER_METRICS")]
         metrics: Option<String>,
+        /// Export each call's span over OTLP/gRPC to this collector, e.g.
+        /// http://127.0.0.1:4317 (off when absent).
+        #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+        otlp_endpoint: Option<String>,
     },
     /// Generates an agent key pair; prints the public key and writes the
     /// secret seed (hex) to a file readable only by its owner.
@@ -98,12 +102,19 @@ enum Command {
 /// Parses arguments, sets up logging and runs the chosen command.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match crate::telemetry::LogFormat::from_env() {
-        Ok(format) => crate::telemetry::init_logs(format),
+    let format = match crate::telemetry::LogFormat::from_env() {
+        Ok(format) => format,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
+    };
+    // `serve` installs its own (it may export traces, from its runtime).
+    if !matches!(cli.command, Command::Serve { .. })
+        && let Err(e) = crate::telemetry::init(format, None)
+    {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
     }
     let result = match cli.command {
         Command::Serve {
@@ -111,7 +122,8 @@ pub fn main() -> ExitCode {
             data_dir,
             config,
             metrics,
-        } => serve(listen, data_dir, config, metrics),
+            otlp_endpoint,
+        } => serve(listen, data_dir, config, metrics, otlp_endpoint, format),
         Command::Keygen { out } => keygen(out),
         Command::RotateKey { data_dir } => crate::keystore::rotate(&data_dir)
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
@@ -151,6 +163,8 @@ fn serve(
     data_dir: PathBuf,
     config: Option<PathBuf>,
     metrics: Option<String>,
+    otlp_endpoint: Option<String>,
+    format: crate::telemetry::LogFormat,
 ) -> anyhow::Result<()> {
     let config = Config::load(data_dir, config.as_deref())?;
     // CEL parsing at issuance recurses: give workers a deep stack.
@@ -159,6 +173,7 @@ fn serve(
         .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
         .build()?;
     runtime.block_on(async move {
+        let telemetry = crate::telemetry::init(format, otlp_endpoint.as_deref())?;
         let listener = tokio::net::TcpListener::bind(&listen).await?;
         // Print the bound address on stdout: with port 0 it is how callers
         // (tests, scripts) learn the port.
@@ -180,6 +195,7 @@ fn serve(
             shutdown_signal(),
         )
         .await?;
+        telemetry.shutdown().await;
         Ok(())
     })
 }

@@ -509,3 +509,128 @@ async fn json_logs_carry_each_calls_trace_id() {
         );
     }
 }
+
+/// OTLP: with the broker's telemetry exporting to an in-process receiver
+/// (the collector's gRPC TraceService, from the opentelemetry-proto
+/// definitions), a Delegate sent with a `traceparent` arrives as a server
+/// span of that trace, child of the caller's span, with the broker's
+/// attributes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
+    use delegation_broker::client::Agent;
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    use opentelemetry_proto::tonic::trace::v1::Span;
+
+    /// Keeps every span it is sent.
+    struct Receiver(tokio::sync::mpsc::UnboundedSender<Span>);
+
+    #[tonic::async_trait]
+    impl TraceService for Receiver {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            for resource in request.into_inner().resource_spans {
+                for scope in resource.scope_spans {
+                    for span in scope.spans {
+                        let _ = self.0.send(span);
+                    }
+                }
+            }
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    let (sent, mut spans) = tokio::sync::mpsc::unbounded_channel();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver(sent)))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let telemetry = delegation_broker::telemetry::init(
+        delegation_broker::telemetry::LogFormat::Text,
+        Some(&endpoint),
+    )
+    .expect("telemetry");
+
+    let mut broker = Broker::start().await;
+    let orchestrator = Agent::generate();
+    let root = broker
+        .open_root(&orchestrator, crate::harness::RootSpec::default())
+        .await;
+    let (trace_id, caller_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let mut request = tonic::Request::new(orchestrator.delegate(crate::harness::child(
+        &root.id,
+        &root.lineage,
+        &Agent::generate(),
+        10,
+    )));
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-{caller_span}-01").parse().unwrap(),
+    );
+    let answer = broker.client.delegate(request).await.unwrap().into_inner();
+    let Some(delegation_broker::pb::delegate_response::Outcome::Issued(child)) = answer.outcome
+    else {
+        panic!("issued");
+    };
+    tokio::task::spawn_blocking(move || {
+        telemetry.flush();
+        telemetry
+    })
+    .await
+    .unwrap();
+
+    let span = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let span = spans.recv().await.expect("the receiver runs");
+            if hex::encode(&span.trace_id) == trace_id {
+                return span;
+            }
+        }
+    })
+    .await
+    .expect("the Delegate's span arrives");
+    assert_eq!(span.name, "delegation.broker.v1.Broker/Delegate");
+    assert_eq!(hex::encode(&span.parent_span_id), caller_span);
+    assert_eq!(
+        span.kind,
+        opentelemetry_proto::tonic::trace::v1::span::SpanKind::Server as i32
+    );
+    let attribute = |key: &str| {
+        span.attributes
+            .iter()
+            .find(|a| a.key == key)
+            .and_then(|a| a.value.as_ref()?.value.clone())
+            .map(|v| match v {
+                Value::StringValue(s) => s,
+                Value::IntValue(i) => i.to_string(),
+                other => format!("{other:?}"),
+            })
+            .unwrap_or_else(|| panic!("no attribute {key}: {:?}", span.attributes))
+    };
+    assert_eq!(attribute("rpc.system"), "grpc");
+    assert_eq!(attribute("rpc.method"), "Delegate");
+    assert_eq!(
+        attribute("broker.contract_id"),
+        hex::encode(&child.contract_id)
+    );
+    assert_eq!(attribute("broker.parent_id"), hex::encode(&root.id));
+    assert_eq!(attribute("broker.root_id"), hex::encode(&root.id));
+    assert_eq!(attribute("broker.depth"), "1");
+    assert_eq!(attribute("broker.outcome"), "issued");
+    assert_eq!(
+        attribute("broker.agent_key_id"),
+        delegation_broker::crypto::key_id(&orchestrator.public_key())
+    );
+    assert_eq!(attribute("trace_id"), trace_id);
+    broker.stop().await;
+}
