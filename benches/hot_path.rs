@@ -88,6 +88,7 @@ fn stamping(c: &mut Criterion) {
         predicate: Predicate::default(),
         write_scope: Scope::parse(&["src/".to_owned()], "write_scope").expect("scope"),
         labels: Default::default(),
+        trace: None,
     };
     let lineage = crypto::sha256(root.intent.as_bytes());
     // A parent at depth DEPTH - 1 (a child's stamp no longer depends on
@@ -119,6 +120,7 @@ fn new_child(parent_id: [u8; 32], asker: u8, lineage: [u8; 32]) -> NewChild {
         },
         host: None,
         result_schema_json: String::new(),
+        trace: None,
     }
 }
 

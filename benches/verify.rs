@@ -58,6 +58,7 @@ fn broker_chain(depth: usize) -> (Vec<u8>, Vec<pb::BrokerKey>) {
         predicate: Predicate::default(),
         write_scope: Scope::parse(&["src".to_owned()], "write_scope").expect("scope"),
         labels: Default::default(),
+        trace: None,
     };
     let lineage = crypto::sha256(root.intent.as_bytes());
     let mut parent = stamper.root(&root, 1_000);
@@ -91,6 +92,7 @@ fn broker_chain(depth: usize) -> (Vec<u8>, Vec<pb::BrokerKey>) {
             },
             host: None,
             result_schema_json: String::new(),
+            trace: None,
         };
         let terms = ChildTerms {
             depth: hop as u32,

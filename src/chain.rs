@@ -316,6 +316,7 @@ mod tests {
             predicate: Predicate::from_trusted("result.schema_valid".into()),
             write_scope: scope.clone(),
             labels: Default::default(),
+            trace: None,
         };
         let lineage = crypto::sha256(b"intent");
         let mut parent = stamper.root(&root, 1);
@@ -349,6 +350,7 @@ mod tests {
                 },
                 host: None,
                 result_schema_json: String::new(),
+                trace: None,
             };
             let terms = ChildTerms {
                 depth: hop as u32,

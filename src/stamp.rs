@@ -49,6 +49,9 @@ pub struct NewRoot {
     pub write_scope: Scope,
     /// The run's labels, inherited by the whole tree.
     pub labels: std::collections::BTreeMap<String, String>,
+    /// The issuing call's trace context, when it was traced (see
+    /// `telemetry::TraceContext`).
+    pub trace: Option<crate::telemetry::TraceContext>,
 }
 
 /// A child a holder asked for, validated (not yet checked against its
@@ -66,6 +69,8 @@ pub struct NewChild {
     /// JSON Schema the output must satisfy (validated to compile); empty
     /// for none.
     pub result_schema_json: String,
+    /// The issuing call's trace context, when it was traced.
+    pub trace: Option<crate::telemetry::TraceContext>,
 }
 
 /// A signed payload ready to store and send.

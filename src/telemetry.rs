@@ -187,6 +187,49 @@ fn continue_trace(span: &tracing::Span, parent: opentelemetry::Context) -> Strin
     }
 }
 
+/// A span's W3C identity as stored with what it issued: trace id (16
+/// bytes), span id (8), trace flags (1).
+pub type TraceContext = [u8; 25];
+
+/// The current call's exported span, when traces are exported (`None`
+/// otherwise: nothing to link to).
+pub fn current_trace_context() -> Option<TraceContext> {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let cx = tracing::Span::current().context();
+    let span = cx.span();
+    let span = span.span_context();
+    if !span.is_valid() {
+        return None;
+    }
+    let mut out = [0u8; 25];
+    out[..16].copy_from_slice(&span.trace_id().to_bytes());
+    out[16..24].copy_from_slice(&span.span_id().to_bytes());
+    out[24] = span.trace_flags().to_u8();
+    Some(out)
+}
+
+/// Links the current call's span to the span stored in `stored` (the call
+/// that issued the contract it acts on).
+pub fn link_to(stored: &TraceContext) {
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let mut trace_id = [0u8; 16];
+    trace_id.copy_from_slice(&stored[..16]);
+    let mut span_id = [0u8; 8];
+    span_id.copy_from_slice(&stored[16..24]);
+    let linked = SpanContext::new(
+        TraceId::from_bytes(trace_id),
+        SpanId::from_bytes(span_id),
+        TraceFlags::new(stored[24]),
+        true,
+        TraceState::default(),
+    );
+    if linked.is_valid() {
+        tracing::Span::current().add_link(linked);
+    }
+}
+
 /// A fresh random trace id (for a call that brought none).
 fn fresh_trace_id() -> String {
     let mut id = [0u8; 16];

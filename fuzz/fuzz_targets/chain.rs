@@ -58,6 +58,7 @@ fn genuine() -> &'static (Vec<pb::Sealed>, BrokerKeys) {
             predicate: Predicate::from_trusted("result.schema_valid".into()),
             write_scope: scope("src"),
             labels: Default::default(),
+            trace: None,
         };
         let lineage = crypto::sha256(b"fuzz");
         let mut parent = stamper.root(&root, 1);
@@ -91,6 +92,7 @@ fn genuine() -> &'static (Vec<pb::Sealed>, BrokerKeys) {
                 },
                 host: None,
                 result_schema_json: String::new(),
+                trace: None,
             };
             let terms = ChildTerms {
                 depth: hop as u32,

@@ -94,6 +94,8 @@ pub fn new_root(
         predicate,
         write_scope,
         labels,
+        // The call's span is the handler's: it sets this.
+        trace: None,
     })
 }
 
@@ -177,6 +179,8 @@ pub fn new_child(
         trust: hop_trust,
         host,
         result_schema_json,
+        // Converted off the call's task: the handler sets this.
+        trace: None,
     })
 }
 

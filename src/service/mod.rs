@@ -299,7 +299,8 @@ impl<S: Store> BrokerService<S> {
                 },
             });
         }
-        let root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
+        let mut root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
+        root.trace = telemetry::current_trace_context();
         let answer = self.store.open_root(root).await?;
         if let Outcome::Issued { id, .. } = &answer.outcome {
             telemetry::record("broker.contract_id", hex::encode(id));
@@ -377,6 +378,8 @@ impl<S: Store> BrokerService<S> {
                 },
                 other => ServiceError::Internal(format!("converting the Delegate body: {other}")),
             })??;
+        let mut child = child;
+        child.trace = telemetry::current_trace_context();
         let budget = child.ask.budget;
         let answer = self.store.delegate(child).await?;
         match &answer.outcome {
@@ -422,6 +425,14 @@ impl<S: Store> BrokerService<S> {
         let answer = if signed.fresh {
             let (contract_id, action) = convert(signed.body)?;
             telemetry::record("broker.contract_id", hex::encode(contract_id));
+            // One task, one connected trace: this call's span links to the
+            // one that issued the contract, even when the agents passed no
+            // context between them.
+            if telemetry::current_trace_context().is_some()
+                && let Some(issued) = self.store.issuance_trace(contract_id).await?
+            {
+                telemetry::link_to(&issued);
+            }
             self.store
                 .transition(LifecycleCommand {
                     request: Some(signed.request),

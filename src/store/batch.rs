@@ -156,6 +156,8 @@ pub struct ContractRow {
     pub issued_at_ms: i64,
     /// The host named at delegation, if any.
     pub host_key: Option<AgentKey>,
+    /// The issuing call's trace context, if it was traced.
+    pub trace: Option<crate::telemetry::TraceContext>,
     /// The run's labels as a JSON object.
     pub labels_json: String,
     /// A root's labels, one `run_labels` row each, so AggregateAudits finds
@@ -387,6 +389,7 @@ fn open_root(
         envelope: stamped.encoded,
         issued_at_ms: stamped.contract.issued_at_ms,
         host_key: None,
+        trace: root.trace,
         labels_json: serde_json::to_string(&root.labels).unwrap_or_else(|_| "{}".into()),
         run_labels: root
             .labels
@@ -500,6 +503,7 @@ fn delegate(
                 envelope: stamped.encoded,
                 issued_at_ms: stamped.contract.issued_at_ms,
                 host_key: child.host,
+                trace: child.trace,
                 // The run's labels are the root's; a child's row has none.
                 labels_json: "{}".into(),
                 run_labels: Vec::new(),

@@ -217,6 +217,13 @@ pub trait Store: Send + Sync + 'static {
         &self,
         parent: Id,
     ) -> impl Future<Output = Result<Option<IssuingParent>, StoreError>> + Send;
+    /// The trace context of the call that issued contract `id`, when that
+    /// call was traced (`None` too for an unknown contract). One point
+    /// read; callers ask only while exporting traces.
+    fn issuance_trace(
+        &self,
+        id: Id,
+    ) -> impl Future<Output = Result<Option<crate::telemetry::TraceContext>, StoreError>> + Send;
     /// The stored answer to an earlier request with this agent and nonce:
     /// `NonceReused` when its body differed. Reads only.
     fn replay(

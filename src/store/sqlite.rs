@@ -832,6 +832,22 @@ impl Store for SqliteStore {
         .transpose()
     }
 
+    async fn issuance_trace(
+        &self,
+        id: Id,
+    ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
+        let stored: Option<Option<Vec<u8>>> = sqlx::query_scalar(
+            "SELECT e.trace_context FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
+             WHERE c.id = $1",
+        )
+        .bind(id.as_slice())
+        .fetch_optional(&self.reader)
+        .await
+        .map_err(backend)?;
+        // Written once with the contract; a wrong length is not ours.
+        Ok(stored.flatten().and_then(|t| t.try_into().ok()))
+    }
+
     async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
         let row = sqlx::query(SELECT_RECORD_BY_ID)
             .bind(id.as_slice())
@@ -2033,9 +2049,11 @@ fn plan_statements(script: &mut Script, plan: &Plan, trees: &super::TreeChanges)
                 .push_bind(row.host_key.map(|h| h.to_vec()))
                 .push_bind(row.labels_json.as_str());
         });
-        script.statement("INSERT INTO contract_envelopes (seq, envelope) ");
+        script.statement("INSERT INTO contract_envelopes (seq, envelope, trace_context) ");
         script.query.push_values(chunk, |mut b, row| {
-            b.push_bind(row.seq).push_bind(row.envelope.as_slice());
+            b.push_bind(row.seq)
+                .push_bind(row.envelope.as_slice())
+                .push_bind(row.trace.map(|t| t.to_vec()));
         });
     }
     let labels: Vec<(i64, &str, &str)> = plan

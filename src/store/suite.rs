@@ -29,6 +29,7 @@ pub fn test_root(request: RequestMeta) -> NewRoot {
         predicate: Predicate::default(),
         write_scope: Scope::parse(&["src".to_owned()], "scope").expect("scope"),
         labels: Default::default(),
+        trace: None,
     }
 }
 
@@ -77,6 +78,7 @@ pub fn test_child(asker: u8, nonce: u8, parent_id: Id, delegate: u8, predicate: 
         },
         host: None,
         result_schema_json: String::new(),
+        trace: None,
     }
 }
 
@@ -236,6 +238,30 @@ pub async fn issues_reserves_and_lists_children<S: Store>(store: &S) {
     assert_eq!(small.iter().map(|c| c.id).collect::<Vec<_>>(), [first]);
 }
 
+/// The trace context a contract was issued with is kept beside it, for
+/// later calls on it to link to; untraced contracts and unknown ids have
+/// none.
+pub async fn the_issuing_calls_trace_is_kept<S: Store>(store: &S) {
+    let traced: crate::telemetry::TraceContext = std::array::from_fn(|i| i as u8 + 1);
+    let mut root = test_root(meta(9, 1));
+    root.trace = Some(traced);
+    let root = issued(store.open_root(root).await);
+    let mut child = test_child(9, 2, root, 8, "true");
+    child.trace = Some(traced.map(|b| b ^ 0xff));
+    let child = issued(store.delegate(child).await);
+    let plain = issued(store.delegate(test_child(9, 3, root, 7, "true")).await);
+    assert_eq!(
+        store.issuance_trace(root).await.expect("read"),
+        Some(traced)
+    );
+    assert_eq!(
+        store.issuance_trace(child).await.expect("read"),
+        Some(traced.map(|b| b ^ 0xff))
+    );
+    assert_eq!(store.issuance_trace(plain).await.expect("read"), None);
+    assert_eq!(store.issuance_trace([0x5a; 32]).await.expect("read"), None);
+}
+
 /// The same request twice is one contract, reserved once; the same nonce
 /// with another body is refused, through the write path and the read path.
 pub async fn a_retry_is_replayed_and_reserves_once<S: Store>(store: &S) {
@@ -380,6 +406,7 @@ macro_rules! store_suite {
             runs_are_selected_by_labels,
             parties_are_the_trees_own,
             concurrent_siblings_never_overspend,
+            the_issuing_calls_trace_is_kept,
         ]);
     };
     // One `#[tokio::test]` per suite function, each on a fresh store.

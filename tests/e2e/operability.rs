@@ -514,7 +514,8 @@ async fn json_logs_carry_each_calls_trace_id() {
 /// (the collector's gRPC TraceService, from the opentelemetry-proto
 /// definitions), a Delegate sent with a `traceparent` arrives as a server
 /// span of that trace, child of the caller's span, with the broker's
-/// attributes.
+/// attributes; the delegate's later Accept and Complete, sent with no trace
+/// context at all, produce spans linked to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     use delegation_broker::client::Agent;
@@ -567,10 +568,11 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
         .open_root(&orchestrator, crate::harness::RootSpec::default())
         .await;
     let (trace_id, caller_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let worker = Agent::generate();
     let mut request = tonic::Request::new(orchestrator.delegate(crate::harness::child(
         &root.id,
         &root.lineage,
-        &Agent::generate(),
+        &worker,
         10,
     )));
     request.metadata_mut().insert(
@@ -582,6 +584,26 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     else {
         panic!("issued");
     };
+    // The worker never sees the trace context: it accepts and completes
+    // with none.
+    broker
+        .accept(&worker, &child.contract_id, None)
+        .await
+        .unwrap();
+    broker
+        .complete(
+            &worker,
+            delegation_broker::pb::CompleteBody {
+                header: None,
+                contract_id: child.contract_id.clone(),
+                output_json: "{}".into(),
+                report: None,
+                claim: "done".into(),
+                consumed: 1,
+            },
+        )
+        .await
+        .unwrap();
     tokio::task::spawn_blocking(move || {
         telemetry.flush();
         telemetry
@@ -589,16 +611,43 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     .await
     .unwrap();
 
-    let span = tokio::time::timeout(std::time::Duration::from_secs(10), async {
-        loop {
-            let span = spans.recv().await.expect("the receiver runs");
-            if hex::encode(&span.trace_id) == trace_id {
-                return span;
-            }
+    let mut received = Vec::new();
+    let wanted =
+        ["Delegate", "Accept", "Complete"].map(|m| format!("delegation.broker.v1.Broker/{m}"));
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while !wanted
+            .iter()
+            .all(|name| received.iter().any(|s: &Span| &s.name == name))
+        {
+            received.push(spans.recv().await.expect("the receiver runs"));
         }
     })
     .await
-    .expect("the Delegate's span arrives");
+    .expect("the spans arrive");
+    let named = |name: &str| {
+        received
+            .iter()
+            .find(|s| s.name == format!("delegation.broker.v1.Broker/{name}"))
+            .unwrap()
+            .clone()
+    };
+    let span = named("Delegate");
+    assert_eq!(hex::encode(&span.trace_id), trace_id);
+    // Later calls on the contract, sent with no context, start traces of
+    // their own and link to the call that issued the contract.
+    for later in ["Accept", "Complete"] {
+        let later = named(later);
+        assert_ne!(hex::encode(&later.trace_id), trace_id);
+        assert!(
+            later
+                .links
+                .iter()
+                .any(|l| l.trace_id == span.trace_id && l.span_id == span.span_id),
+            "{} links to the Delegate: {:?}",
+            later.name,
+            later.links
+        );
+    }
     assert_eq!(span.name, "delegation.broker.v1.Broker/Delegate");
     assert_eq!(hex::encode(&span.parent_span_id), caller_span);
     assert_eq!(
