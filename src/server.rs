@@ -142,6 +142,7 @@ pub async fn run_with_options(
         Duration::from_millis(limits.expiry_sweep_interval_ms),
     ));
     let (stop, stopping) = tokio::sync::watch::channel(false);
+    let shutting_down = stopping.clone();
     let converters = crate::pool::WorkPool::start(
         "convert",
         crate::core::limits::MAX_CONCURRENT_CONVERSIONS,
@@ -177,7 +178,12 @@ pub async fn run_with_options(
     let reporter = health_reporter.clone();
     tokio::spawn(async move {
         durability_lost.await;
-        tracing::error!("the store stopped: health is NOT_SERVING until the broker is restarted");
+        // At shutdown the store stops last, by design: not an error.
+        if !*shutting_down.borrow() {
+            tracing::error!(
+                "the store stopped: health is NOT_SERVING until the broker is restarted"
+            );
+        }
         reporter
             .set_not_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
             .await;

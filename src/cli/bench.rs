@@ -46,6 +46,11 @@ pub struct BenchArgs {
     /// HTTP/2 connections shared by the workers.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
+    /// With the in-process broker: also serve metrics (scraped every
+    /// second) and export every call's span over OTLP to an in-process
+    /// receiver, to measure what telemetry costs.
+    #[arg(long, conflicts_with = "addr")]
+    pub telemetry: bool,
     /// Open loop: offer this many Delegate calls per second in total
     /// (workers wait for a slot before each call). 0 = closed loop, as fast
     /// as the workers go.
@@ -113,7 +118,73 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .enable_all()
         .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
         .build()?;
-    runtime.block_on(drive(args))
+    runtime.block_on(async move {
+        let format = crate::telemetry::LogFormat::from_env()?;
+        let receiver = if args.telemetry {
+            Some(SpanSink::start().await?)
+        } else {
+            None
+        };
+        let telemetry =
+            crate::telemetry::init(format, receiver.as_ref().map(|r| r.endpoint.as_str()))?;
+        let result = drive(args).await;
+        telemetry.shutdown().await;
+        if let Some(receiver) = receiver {
+            println!(
+                "telemetry: {} spans received over OTLP",
+                receiver.spans.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+        result
+    })
+}
+
+/// An OTLP trace receiver that counts and drops what it is sent.
+struct SpanSink {
+    endpoint: String,
+    spans: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SpanSink {
+    async fn start() -> anyhow::Result<Self> {
+        use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+            TraceService, TraceServiceServer,
+        };
+        use opentelemetry_proto::tonic::collector::trace::v1::{
+            ExportTraceServiceRequest, ExportTraceServiceResponse,
+        };
+
+        struct Counter(Arc<std::sync::atomic::AtomicU64>);
+
+        #[tonic::async_trait]
+        impl TraceService for Counter {
+            async fn export(
+                &self,
+                request: tonic::Request<ExportTraceServiceRequest>,
+            ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+                let spans: usize = request
+                    .into_inner()
+                    .resource_spans
+                    .iter()
+                    .flat_map(|r| &r.scope_spans)
+                    .map(|s| s.spans.len())
+                    .sum();
+                self.0
+                    .fetch_add(spans as u64, std::sync::atomic::Ordering::Relaxed);
+                Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+            }
+        }
+
+        let spans = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let endpoint = format!("http://{}", listener.local_addr()?);
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(Counter(spans.clone())))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        Ok(Self { endpoint, spans })
+    }
 }
 
 async fn drive(args: BenchArgs) -> anyhow::Result<()> {
@@ -139,9 +210,21 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let addr = format!("http://{}", listener.local_addr()?);
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let server = tokio::spawn(crate::server::run(listener, config, async {
-                let _ = stopped.await;
-            }));
+            let mut options = crate::server::ServeOptions::default();
+            if args.telemetry {
+                let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                tokio::spawn(scrape_every_second(metrics.local_addr()?));
+                options.metrics_listener = Some(metrics);
+            }
+            let server = tokio::spawn(crate::server::run_with_options(
+                listener,
+                config,
+                Arc::new(SystemClock),
+                options,
+                async {
+                    let _ = stopped.await;
+                },
+            ));
             _in_process = Some((stop, server, dir));
             addr
         }
@@ -246,6 +329,26 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(dir);
     }
     Ok(())
+}
+
+/// What a Prometheus server does to a target, a little more often.
+async fn scrape_every_second(address: std::net::SocketAddr) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Ok(mut stream) = tokio::net::TcpStream::connect(address).await else {
+            continue;
+        };
+        if stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+            .await
+            .is_ok()
+        {
+            let mut sink = Vec::new();
+            let _ = stream.read_to_end(&mut sink).await;
+        }
+    }
 }
 
 fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {

@@ -109,8 +109,9 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // `serve` installs its own (it may export traces, from its runtime).
-    if !matches!(cli.command, Command::Serve { .. })
+    // `serve` and `bench` install their own (they may export traces, from
+    // their runtime).
+    if !matches!(cli.command, Command::Serve { .. } | Command::Bench(_))
         && let Err(e) = crate::telemetry::init(format, None)
     {
         eprintln!("error: {e}");
