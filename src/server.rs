@@ -206,7 +206,12 @@ pub async fn run_with_options(
         .map_err(|e| ServerError::Reflection(e.to_string()))?;
 
     let address = listener.local_addr().ok();
-    tracing::info!(?address, tls = tls.is_some(), key_id = %crypto::key_id(&current), "broker serving");
+    tracing::info!(
+        address = %address.map_or_else(|| "unknown".to_owned(), |a| a.to_string()),
+        tls = tls.is_some(),
+        key_id = %crypto::key_id(&current),
+        "broker serving"
+    );
     if tls.is_none() && address.is_some_and(|a| !a.ip().is_loopback()) {
         tracing::warn!(
             "serving plaintext gRPC beyond loopback: requests are signed, but intents and results travel in clear (configure [tls])"

@@ -197,8 +197,11 @@ fn page_cursor(token: &[u8]) -> Result<i64, InputError> {
 impl<S: Store> BrokerService<S> {
     /// The reading agent of a request (its session), or UNAUTHENTICATED.
     fn caller<T>(&self, request: &Request<T>) -> Result<crate::core::AgentKey, ServiceError> {
-        self.sessions
-            .caller(request.metadata(), self.clock.now_ms())
+        let caller = self
+            .sessions
+            .caller(request.metadata(), self.clock.now_ms())?;
+        telemetry::record("broker.agent_key_id", crypto::key_id(&caller));
+        Ok(caller)
     }
 
     /// Lets `caller` read `contract`'s tree only if it is a configured
@@ -254,6 +257,7 @@ impl<S: Store> BrokerService<S> {
     ) -> Result<crate::core::Id, ServiceError> {
         let caller = self.caller(request)?;
         let id = convert::id(id, field)?;
+        telemetry::record("broker.contract_id", hex::encode(id));
         self.authorize(&caller, id).await?;
         Ok(id)
     }
@@ -997,6 +1001,7 @@ impl<S: Store> Broker for BrokerService<S> {
             now_ms,
             window_ms,
         )?;
+        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.agent));
         if !signed.fresh {
             let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
             return Err(signed.stale_error(now_ms, window_ms, timestamp_ms).into());

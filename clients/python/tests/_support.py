@@ -68,10 +68,11 @@ def _hex_keys(agents: list[Agent]) -> str:
 class BrokerProcess:
     """`delegation-broker serve` on 127.0.0.1:0 with a fresh data directory and
     a config trusting ``attestors`` and letting ``readers`` read every tree;
-    ``limits`` adds lines to its ``[limits]`` table."""
+    ``limits`` adds lines to its ``[limits]`` table, ``env`` variables to its
+    environment (e.g. ``BROKER_LOG_FORMAT``); its stderr goes to ``log_path``."""
 
     def __init__(self, workdir: Path, attestors: list[Agent], readers: list[Agent] | None = None,
-                 limits: dict[str, int] | None = None):
+                 limits: dict[str, int] | None = None, env: dict[str, str] | None = None):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "broker.toml"
@@ -81,7 +82,7 @@ class BrokerProcess:
         config.write_text(text)
         self.log_path = workdir / "broker.log"
         self._log = open(self.log_path, "wb")
-        env = dict(os.environ, BROKER_LOG=os.environ.get("BROKER_LOG", "warn"))
+        env = {**os.environ, "BROKER_LOG": os.environ.get("BROKER_LOG", "warn"), **(env or {})}
         self.proc = subprocess.Popen(
             [str(broker_bin()), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(workdir / "data"),
              "--config", str(config)],
@@ -153,11 +154,12 @@ class Broker:
     tree, as the tests did before reads needed an identity; ``bare_stub``
     carries none. Tests of who may read use :meth:`stub_for`."""
 
-    def __init__(self, workdir: Path, attestor: Agent | None = None, *, limits: dict[str, int] | None = None):
+    def __init__(self, workdir: Path, attestor: Agent | None = None, *, limits: dict[str, int] | None = None,
+                 env: dict[str, str] | None = None):
         self.attestor = attestor or Agent.generate()
         #: Listed under ``[readers]``: may read every tree.
         self.reader = Agent.generate()
-        self.process = BrokerProcess(workdir, [self.attestor], [self.reader], limits)
+        self.process = BrokerProcess(workdir, [self.attestor], [self.reader], limits, env)
         self.address = self.process.address
         self.channel = grpc.insecure_channel(self.address)
         grpc.channel_ready_future(self.channel).result(timeout=30)

@@ -18,6 +18,9 @@
   check of agent-signed DSSE envelopes (requests, attestations) and of any
   (type, payload, signature);
 * :func:`watch` — a contract subtree's events, each verified, resumable by cursor;
+* :class:`TraceContextInterceptor`, :func:`traced_channel` — every call carries
+  the caller's OpenTelemetry trace context (``traceparent``, ...), when
+  ``opentelemetry`` is installed; :func:`session_stub` installs it;
 * :func:`error_info` — the ``google.rpc.ErrorInfo`` of a failed call.
 """
 
@@ -65,6 +68,7 @@ from .verify import (
     verify_receipt,
     verify_sealed,
 )
+from .tracing import TraceContextInterceptor, traced_channel
 from .watch import Watch, WatchEvent, watch
 
 __version__ = "0.1.0"
@@ -85,6 +89,7 @@ __all__ = [
     "SESSION_TYPE",
     "SessionInterceptor",
     "SessionSource",
+    "TraceContextInterceptor",
     "VerificationError",
     "Verified",
     "VerifiedContract",
@@ -106,6 +111,7 @@ __all__ = [
     "session_channel",
     "session_stub",
     "sha256",
+    "traced_channel",
     "verify_chain",
     "verify_contract",
     "verify_every_signature",

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, Protocol
 
 import grpc
 
 from . import pb
+from ._calls import with_metadata
 from .signing import Agent, now_ms
+from .tracing import traced_channel
 
 __all__ = [
     "SESSION_METADATA",
@@ -204,19 +206,6 @@ class RenewingSession:
         return f"RenewingSession({self.agent.key_id})"
 
 
-class _CallDetails(NamedTuple):
-    method: str
-    timeout: Optional[float]
-    metadata: Optional[Sequence[tuple[str, Any]]]
-    credentials: Optional[grpc.CallCredentials]
-    wait_for_ready: Optional[bool]
-    compression: Optional[grpc.Compression]
-
-
-class _ClientCallDetails(_CallDetails, grpc.ClientCallDetails):
-    pass
-
-
 class SessionInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """A client interceptor adding ``source``'s session
     (``x-broker-session-bin``) to every unary and server-streaming call, except
@@ -237,14 +226,7 @@ class SessionInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClien
         if method.endswith("/OpenSession") or any(key == SESSION_METADATA for key, _ in metadata):
             return details
         metadata.extend(self.source.metadata())
-        return _ClientCallDetails(
-            details.method,
-            details.timeout,
-            metadata,
-            details.credentials,
-            getattr(details, "wait_for_ready", None),
-            getattr(details, "compression", None),
-        )
+        return with_metadata(details, metadata)
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
@@ -263,11 +245,14 @@ def session_channel(
     """``channel`` with every call carrying ``agent``'s read session: opens
     one now (so a broker that refuses it fails here, with ``grpc.RpcError``)
     and renews it lazily, on the first call after ``renew_at`` of its
-    lifetime (see :class:`RenewingSession`). Closing the returned channel
-    closes ``channel``."""
-    session = RenewingSession(agent, pb.BrokerStub(channel), renew_at=renew_at, timeout=timeout)
+    lifetime (see :class:`RenewingSession`). Every call, the renewals'
+    ``OpenSession`` included, also carries the caller's OpenTelemetry trace
+    context (:func:`delegation_broker.traced_channel`). Closing the returned
+    channel closes ``channel``."""
+    traced = traced_channel(channel)
+    session = RenewingSession(agent, pb.BrokerStub(traced), renew_at=renew_at, timeout=timeout)
     session.current()
-    return grpc.intercept_channel(channel, SessionInterceptor(session))
+    return grpc.intercept_channel(traced, SessionInterceptor(session))
 
 
 def session_stub(
@@ -278,5 +263,6 @@ def session_stub(
     timeout: float | None = 10.0,
 ) -> pb.BrokerStub:
     """``pb.BrokerStub(session_channel(channel, agent, ...))``: a stub whose
-    reads are ``agent``'s, session opened now and renewed as needed."""
+    reads are ``agent``'s, session opened now and renewed as needed, and
+    whose every call carries the caller's trace context."""
     return pb.BrokerStub(session_channel(channel, agent, renew_at=renew_at, timeout=timeout))
