@@ -37,6 +37,9 @@ const FSYNC_BUCKETS_S: [f64; 12] = [
 /// batch.
 const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
+/// How often the open contracts are counted (one indexed count query).
+pub const OPEN_CONTRACTS_SAMPLE_MS: u64 = 1_000;
+
 /// Most scrapes served at once; more wait for the accept loop.
 const MAX_CONCURRENT_SCRAPES: usize = 8;
 /// A scraper must send its request headers within this.
@@ -97,6 +100,20 @@ const CODES: [&str; 17] = [
     "Unauthenticated",
 ];
 
+/// Store errors by class, counted where they become service errors (one
+/// place: `service::error`). Process-wide, like the store's own counters;
+/// every broker's registry exposes it.
+pub static STORE_ERRORS: std::sync::LazyLock<IntCounterVec> = std::sync::LazyLock::new(|| {
+    IntCounterVec::new(
+        Opts::new(
+            "broker_store_errors_total",
+            "Errors the store answered, by class (the StoreError variant): client errors such as NotFound as well as failures such as Backend or Overloaded.",
+        ),
+        &["class"],
+    )
+    .expect("valid metric")
+});
+
 /// One broker's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -119,6 +136,9 @@ pub struct Metrics {
     pub budget_returned_units: IntCounter,
     /// What the store reports from its writer and syncer threads.
     pub store: StoreMetrics,
+    /// Contracts open or accepted, as last counted (every
+    /// `OPEN_CONTRACTS_SAMPLE_MS`).
+    pub open_contracts: IntGauge,
 }
 
 /// What the SQLite store reports from its own threads. Cheap to clone:
@@ -220,6 +240,11 @@ impl Metrics {
             "Budget units completions returned to their parents (Completion.returned).",
         )
         .expect("valid metric");
+        let open_contracts = IntGauge::new(
+            "broker_open_contracts",
+            "Contracts open or accepted (not yet ended), counted every few seconds.",
+        )
+        .expect("valid metric");
         let store = StoreMetrics {
             batch_commands: Histogram::with_opts(
                 HistogramOpts::new(
@@ -257,6 +282,8 @@ impl Metrics {
             Box::new(store.batch_commands.clone()),
             Box::new(store.wal_fsync_seconds.clone()),
             Box::new(store.wal_fsync_stalls.clone()),
+            Box::new(open_contracts.clone()),
+            Box::new(STORE_ERRORS.clone()),
         ] {
             registry.register(collector).expect("unique metric names");
         }
@@ -273,6 +300,7 @@ impl Metrics {
             budget_spent_units,
             budget_returned_units,
             store,
+            open_contracts,
         })
     }
 
@@ -545,6 +573,19 @@ mod tests {
         for path in ["/x.Y/Z", "/delegation.broker.v1.Broker/Nope", "", "/"] {
             assert_eq!(method_labels(path), ["unary", "unknown", "unknown"]);
         }
+    }
+
+    #[test]
+    fn store_errors_are_counted_by_class_where_they_become_service_errors() {
+        let busy = || STORE_ERRORS.with_label_values(&["Busy"]).get();
+        let before = busy();
+        let _ = crate::service::error::ServiceError::from(crate::store::StoreError::Busy);
+        assert_eq!(busy(), before + 1);
+        assert!(
+            Metrics::new()
+                .render()
+                .contains("broker_store_errors_total{class=\"Busy\"}"),
+        );
     }
 
     #[test]

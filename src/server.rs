@@ -124,6 +124,25 @@ pub async fn run_with_options(
 
     let durability_lost = store.durability_lost();
     let store = Arc::new(store);
+    // Counted in the background (a query cannot run inside a scrape's
+    // synchronous collection); a weak reference, so the count never keeps
+    // the store alive.
+    let counted = Arc::downgrade(&store);
+    let open_contracts = metrics.open_contracts.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(
+            crate::metrics::OPEN_CONTRACTS_SAMPLE_MS,
+        ));
+        loop {
+            tick.tick().await;
+            let Some(store) = counted.upgrade() else {
+                return;
+            };
+            if let Ok(open) = store.open_contracts().await {
+                open_contracts.set(open);
+            }
+        }
+    });
     // Read at scrape time; a weak reference, so metrics never keep the
     // store alive.
     let queued = Arc::downgrade(&store);

@@ -77,6 +77,23 @@ pub enum ServiceError {
 
 impl From<StoreError> for ServiceError {
     fn from(e: StoreError) -> Self {
+        let class = match &e {
+            StoreError::NotFound { .. } => "NotFound",
+            StoreError::NonceReused => "NonceReused",
+            StoreError::PermissionDenied { .. } => "PermissionDenied",
+            StoreError::FailedPrecondition { .. } => "FailedPrecondition",
+            StoreError::Overloaded(_) => "Overloaded",
+            StoreError::Busy => "Busy",
+            StoreError::Invalid(_) => "Invalid",
+            StoreError::Closed => "Closed",
+            StoreError::Unavailable { .. } => "Unavailable",
+            StoreError::StaleJudgment => "StaleJudgment",
+            StoreError::Corrupt(_) => "Corrupt",
+            StoreError::Backend(_) => "Backend",
+        };
+        crate::metrics::STORE_ERRORS
+            .with_label_values(&[class])
+            .inc();
         match e {
             StoreError::NotFound { what, id } => Self::NotFound { what, id },
             StoreError::NonceReused => Self::NonceReused,

@@ -380,6 +380,16 @@ impl SqliteStore {
         async move { while durable.changed().await.is_ok() {} }
     }
 
+    /// Contracts open or accepted now (one count over the status index).
+    pub async fn open_contracts(&self) -> Result<i64, StoreError> {
+        sqlx::query_scalar("SELECT COUNT(*) FROM contracts WHERE status IN ($1, $2)")
+            .bind(Status::Open as i64)
+            .bind(Status::Accepted as i64)
+            .fetch_one(&self.reader)
+            .await
+            .map_err(backend)
+    }
+
     /// Commands waiting for the writer now (the write queue's depth).
     pub fn queue_depth(&self) -> usize {
         self.commands.max_capacity() - self.commands.capacity()

@@ -305,6 +305,23 @@ async fn metrics_count_a_scripted_run_exactly() {
     assert_eq!(value(&parsed, "broker_write_queue_depth", &[]), 0.0);
     assert_eq!(value(&parsed, "broker_watch_streams", &[]), 0.0);
     assert!(value(&parsed, "broker_connections_open", &[]) >= 1.0);
+    // Counted in the background: the two roots, the planner (never
+    // accepted) and the 30 racers are open; the executor completed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let text = scrape(metrics_addr).await;
+        let now = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+            .expect("parses");
+        if value(&now, "broker_open_contracts", &[]) == 33.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "open contracts: {}",
+            value(&now, "broker_open_contracts", &[])
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     // Every call, by method and code: refusals are answers (OK).
     for (method, code, count) in [
         ("Delegate", "OK", 67.0),
