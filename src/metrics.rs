@@ -330,6 +330,15 @@ impl Metrics {
     }
 }
 
+/// The full method name (`package.Service/Method`) of a request path, the
+/// name of its span; "unknown" for a path the broker does not serve.
+pub fn method_name(path: &str) -> &'static str {
+    METHODS
+        .iter()
+        .find(|(known, _)| *known == path)
+        .map_or("unknown", |(known, _)| &known[1..])
+}
+
 /// (type, service, method) label values of a request path.
 pub fn method_labels(path: &str) -> [&'static str; 3] {
     let Some((path, kind)) = METHODS.iter().find(|(known, _)| *known == path).copied() else {
@@ -572,7 +581,12 @@ mod tests {
         );
         for path in ["/x.Y/Z", "/delegation.broker.v1.Broker/Nope", "", "/"] {
             assert_eq!(method_labels(path), ["unary", "unknown", "unknown"]);
+            assert_eq!(method_name(path), "unknown");
         }
+        assert_eq!(
+            method_name("/grpc.health.v1.Health/Check"),
+            "grpc.health.v1.Health/Check"
+        );
     }
 
     #[test]

@@ -274,10 +274,11 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let [_, service, method] = crate::metrics::method_labels(request.uri().path());
+        let path = request.uri().path();
+        let [_, service, method] = crate::metrics::method_labels(path);
         let span = tracing::info_span!(
             "call",
-            otel.name = %format!("{service}/{method}"),
+            otel.name = crate::metrics::method_name(path),
             otel.kind = "server",
             otel.status_code = tracing::field::Empty,
             rpc.system = "grpc",
