@@ -279,73 +279,102 @@ fn conjoin(index: usize, inherited: &str, own: &str) -> Result<String, ChainErro
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::core::{ChildAsk, ChildTerms, Liability, Policy};
-    use crate::stamp::{NewChild, NewRoot, RequestMeta, Stamper};
+/// Chains stamped by the broker's own `Stamper`, for the unit tests, the
+/// `chain` fuzz target and `benches/verify.rs`: what GetChain would
+/// return for a tree, without a store.
+#[doc(hidden)]
+pub mod fixture {
+    use super::BrokerKeys;
+    use crate::core::limits::PPM_ONE;
+    use crate::core::{ChildAsk, ChildTerms, Liability, Policy, Predicate, Scope};
+    use crate::crypto;
+    use crate::pb;
+    use crate::stamp::{HopTrust, NewChild, NewRoot, RequestMeta, Stamper};
 
-    fn request(n: u8) -> RequestMeta {
+    /// What one hop asks for.
+    pub struct Hop {
+        pub budget: i64,
+        pub liability: Liability,
+        pub predicate: String,
+        pub factor_ppm: u32,
+    }
+
+    /// The root's budget and deadline (every hop's deadline).
+    pub const ROOT_BUDGET: i64 = 1_000_000;
+    pub const DEADLINE_MS: i64 = 1_900_000_000_000;
+
+    fn request(n: usize) -> RequestMeta {
         RequestMeta {
-            agent: [n; 32],
-            nonce: vec![n; 16],
-            digest: [n; 32],
-            timestamp_ms: 1,
+            agent: [n as u8; 32],
+            nonce: (n as u64).to_be_bytes().to_vec(),
+            digest: crypto::sha256(&n.to_be_bytes()),
+            timestamp_ms: 1_000,
         }
     }
 
-    /// A root and `depth` DELEGATE hops at factor 0.9, each with its own
-    /// predicate, stamped by the broker's own code.
-    fn stamped(depth: usize) -> (Vec<pb::Sealed>, BrokerKeys) {
-        let key = crypto::generate_signing_key();
+    /// The delegate key of hop `n` (the root's holder is hop 0).
+    pub fn delegate_key(n: usize) -> [u8; 32] {
+        crypto::sha256(format!("delegate {n}").as_bytes())
+    }
+
+    /// A root with `root_predicate` and `depth` children, hop `n` asking
+    /// `hop(n)`, all under scope "src", signed with `key`; and the keys a
+    /// verifier would take from GetBrokerKeys.
+    pub fn stamped_chain(
+        key: &ed25519_dalek::SigningKey,
+        depth: usize,
+        root_predicate: &str,
+        hop: impl Fn(usize) -> Hop,
+    ) -> (Vec<pb::Sealed>, BrokerKeys) {
         let stamper = Stamper::new(key.clone());
-        let scope = Scope::parse(&["src".to_owned()], "write_scope").expect("scope");
+        let scope = Scope::parse(&["src".to_owned()], "write_scope").expect("a valid scope");
         let root = NewRoot {
             request: request(0),
-            intent: "intent".into(),
-            task: "root".into(),
-            budget: 100,
-            deadline_ms: 10_000,
+            intent: "ship the release".into(),
+            task: "ship".into(),
+            budget: ROOT_BUDGET,
+            deadline_ms: DEADLINE_MS,
             policy: Policy {
-                max_depth: 8,
+                max_depth: crate::core::limits::MAX_DEPTH_CEILING,
                 min_cumulative_trust_ppm: 0,
-                max_children: 8,
+                max_children: 64,
                 retry_headroom: true,
                 require_host: false,
             },
-            predicate: Predicate::from_trusted("result.schema_valid".into()),
+            predicate: Predicate::from_trusted(root_predicate.to_owned()),
             write_scope: scope.clone(),
             labels: Default::default(),
             trace: None,
         };
-        let lineage = crypto::sha256(b"intent");
-        let mut parent = stamper.root(&root, 1);
+        let lineage = crypto::sha256(root.intent.as_bytes());
+        let mut parent = stamper.root(&root, 1_000);
         let mut chain = vec![parent.stamped.envelope.clone()];
         let mut cumulative = u64::from(PPM_ONE);
-        for hop in 1..=depth {
-            cumulative = cumulative * 900_000 / u64::from(PPM_ONE);
+        for n in 1..=depth {
+            let asked = hop(n);
+            cumulative = cumulative * u64::from(asked.factor_ppm) / u64::from(PPM_ONE);
             let child = NewChild {
-                request: request(hop as u8),
+                request: request(n),
                 parent_id: parent.stamped.id,
                 ask: ChildAsk {
-                    requester: [hop as u8 - 1; 32],
+                    requester: delegate_key(n - 1),
                     intent_lineage_hash: lineage,
-                    budget: 100 - hop as i64,
+                    budget: asked.budget,
                     deadline_ms: None,
-                    liability: Liability::Delegate,
-                    predicate: Predicate::from_trusted(format!("result.n > {hop}")),
+                    liability: asked.liability,
+                    predicate: Predicate::from_trusted(asked.predicate),
                     escalation_channel: "up".into(),
                     min_retry_cost: 0,
                     min_retry_latency_ms: 0,
                     write_scope: scope.clone(),
-                    factor_ppm: 900_000,
+                    factor_ppm: asked.factor_ppm,
                     factor_note: String::new(),
                 },
-                task: format!("hop {hop}"),
-                delegate_key: [hop as u8; 32],
-                trust: crate::stamp::HopTrust {
+                task: format!("step {n}"),
+                delegate_key: delegate_key(n),
+                trust: HopTrust {
                     source: pb::TrustSource::Attestation,
-                    attestation_digest: Some([1; 32]),
+                    attestation_digest: Some([3; 32]),
                     risk_class: String::new(),
                 },
                 host: None,
@@ -353,12 +382,13 @@ mod tests {
                 trace: None,
             };
             let terms = ChildTerms {
-                depth: hop as u32,
-                deadline_ms: 10_000,
+                depth: n as u32,
+                deadline_ms: DEADLINE_MS,
+                // Not signed: only the store keeps it.
                 effective_predicate: Predicate::default(),
-                cumulative_trust_ppm: cumulative as u32,
+                cumulative_trust_ppm: u32::try_from(cumulative).unwrap_or(PPM_ONE),
             };
-            parent = stamper.child(&lineage, &child, &terms, 1);
+            parent = stamper.child(&lineage, &child, &terms, 1_000);
             chain.push(parent.stamped.envelope.clone());
         }
         let public = key.verifying_key().to_bytes();
@@ -368,6 +398,27 @@ mod tests {
             current: true,
         }]);
         (chain, keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A root and `depth` DELEGATE hops at factor 0.9, each with its own
+    /// predicate.
+    fn stamped(depth: usize) -> (Vec<pb::Sealed>, BrokerKeys) {
+        fixture::stamped_chain(
+            &crypto::generate_signing_key(),
+            depth,
+            "result.schema_valid",
+            |n| fixture::Hop {
+                budget: 100 - n as i64,
+                liability: crate::core::Liability::Delegate,
+                predicate: format!("result.n > {n}"),
+                factor_ppm: 900_000,
+            },
+        )
     }
 
     #[test]

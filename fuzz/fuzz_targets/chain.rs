@@ -19,97 +19,30 @@
 use std::sync::OnceLock;
 
 use arbitrary::{Arbitrary, Unstructured};
-use delegation_broker::chain::{self, BrokerKeys};
-use delegation_broker::core::{ChildAsk, ChildTerms, Liability, Policy, Predicate, Scope};
+use delegation_broker::chain::{self, BrokerKeys, fixture};
+use delegation_broker::core::Liability;
 use delegation_broker::crypto;
 use delegation_broker::pb;
-use delegation_broker::stamp::{HopTrust, NewChild, NewRoot, RequestMeta, Stamper};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 
 const DEPTH: usize = 6;
 
-/// One genuine chain and its key, stamped once.
+/// One genuine chain and its key, stamped once by the broker's `Stamper`.
 fn genuine() -> &'static (Vec<pb::Sealed>, BrokerKeys) {
     static CHAIN: OnceLock<(Vec<pb::Sealed>, BrokerKeys)> = OnceLock::new();
     CHAIN.get_or_init(|| {
-        let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
-        let stamper = Stamper::new(key.clone());
-        let request = |n: u8| RequestMeta {
-            agent: [n; 32],
-            nonce: vec![n; 16],
-            digest: [n; 32],
-            timestamp_ms: 1,
-        };
-        let scope = |p: &str| Scope::parse(&[p.to_owned()], "write_scope").expect("scope");
-        let root = NewRoot {
-            request: request(0),
-            intent: "fuzz".into(),
-            task: "root".into(),
-            budget: 1_000,
-            deadline_ms: 10_000,
-            policy: Policy {
-                max_depth: 8,
-                min_cumulative_trust_ppm: 0,
-                max_children: 8,
-                retry_headroom: true,
-                require_host: false,
+        fixture::stamped_chain(
+            &ed25519_dalek::SigningKey::from_bytes(&[7; 32]),
+            DEPTH,
+            "result.schema_valid",
+            |n| fixture::Hop {
+                budget: 1_000 - 10 * n as i64,
+                liability: Liability::Delegate,
+                predicate: format!("result.n > {n}"),
+                factor_ppm: 900_000,
             },
-            predicate: Predicate::from_trusted("result.schema_valid".into()),
-            write_scope: scope("src"),
-            labels: Default::default(),
-            trace: None,
-        };
-        let lineage = crypto::sha256(b"fuzz");
-        let mut parent = stamper.root(&root, 1);
-        let mut out = vec![parent.stamped.envelope.clone()];
-        let mut cumulative = 1_000_000u64;
-        for hop in 1..=DEPTH {
-            cumulative = cumulative * 900_000 / 1_000_000;
-            let child = NewChild {
-                request: request(hop as u8),
-                parent_id: parent.stamped.id,
-                ask: ChildAsk {
-                    requester: [hop as u8 - 1; 32],
-                    intent_lineage_hash: lineage,
-                    budget: 1_000 - 10 * hop as i64,
-                    deadline_ms: None,
-                    liability: Liability::Delegate,
-                    predicate: Predicate::from_trusted(format!("result.n > {hop}")),
-                    escalation_channel: "up".into(),
-                    min_retry_cost: 0,
-                    min_retry_latency_ms: 0,
-                    write_scope: scope("src"),
-                    factor_ppm: 900_000,
-                    factor_note: String::new(),
-                },
-                task: format!("hop {hop}"),
-                delegate_key: [hop as u8; 32],
-                trust: HopTrust {
-                    source: pb::TrustSource::Attestation,
-                    attestation_digest: Some([hop as u8; 32]),
-                    risk_class: String::new(),
-                },
-                host: None,
-                result_schema_json: String::new(),
-                trace: None,
-            };
-            let terms = ChildTerms {
-                depth: hop as u32,
-                deadline_ms: 10_000,
-                effective_predicate: Predicate::default(),
-                cumulative_trust_ppm: cumulative as u32,
-            };
-            parent = stamper.child(&lineage, &child, &terms, 1);
-            out.push(parent.stamped.envelope.clone());
-        }
-        let public = key.verifying_key().to_bytes();
-        let keys = BrokerKeys::from_published(&[pb::BrokerKey {
-            key_id: crypto::key_id(&public),
-            public_key: public.to_vec(),
-            current: true,
-        }]);
-        (out, keys)
+        )
     })
 }
 
