@@ -333,9 +333,48 @@ where
 }
 
 /// Records a broker fact on the current call's span (`field` is one of the
-/// `broker.*` fields declared in `CallSpan`).
+/// `broker.*` fields declared in `CallSpan`). `value` is formatted only if
+/// a layer takes the span: pass the lazy adapters below, not strings.
 pub fn record(field: &'static str, value: impl std::fmt::Display) {
     tracing::Span::current().record(field, tracing::field::display(value));
+}
+
+/// Bytes as lowercase hex, formatted only when recorded.
+pub struct Hex<'a>(pub &'a [u8]);
+
+impl std::fmt::Display for Hex<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+/// A public key's id (`crypto::key_id`), hashed only when recorded.
+pub struct KeyId<'a>(pub &'a [u8; 32]);
+
+impl std::fmt::Display for KeyId<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&crate::crypto::key_id(self.0))
+    }
+}
+
+/// `broker.outcome`: what happened, and whether it was the stored answer
+/// to a retry.
+pub struct Outcome<'a>(pub &'a str, pub bool);
+
+impl std::fmt::Display for Outcome<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)?;
+        if self.1 {
+            f.write_str(" (replayed)")?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether the current call's span is taken by any layer (facts that are
+/// costly to gather are skipped otherwise).
+pub fn recording() -> bool {
+    !tracing::Span::current().is_disabled()
 }
 
 #[cfg(test)]
@@ -352,6 +391,14 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    #[test]
+    fn lazy_facts_format_as_their_eager_forms() {
+        assert_eq!(Hex(&[0, 0xab, 7]).to_string(), "00ab07");
+        assert_eq!(KeyId(&[9; 32]).to_string(), crate::crypto::key_id(&[9; 32]));
+        assert_eq!(Outcome("issued", false).to_string(), "issued");
+        assert_eq!(Outcome("issued", true).to_string(), "issued (replayed)");
     }
 
     #[test]

@@ -20,7 +20,6 @@ use crate::core::InputError;
 use crate::core::limits::{
     CONVERSION_DEADLINE_MS, DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE,
 };
-use crate::crypto;
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::lifecycle::{Action, LifecycleCommand};
@@ -141,16 +140,6 @@ impl<S> BrokerService<S> {
     }
 }
 
-/// The call span's `broker.outcome`: what happened, and whether this was
-/// the stored answer to a retry.
-fn outcome_name(what: &'static str, replayed: bool) -> String {
-    if replayed {
-        format!("{what} (replayed)")
-    } else {
-        what.to_owned()
-    }
-}
-
 fn issued(outcome: Outcome) -> Result<pb::IssuedContract, ServiceError> {
     match outcome {
         Outcome::Issued { id, envelope } => Ok(pb::IssuedContract {
@@ -200,7 +189,7 @@ impl<S: Store> BrokerService<S> {
         let caller = self
             .sessions
             .caller(request.metadata(), self.clock.now_ms())?;
-        telemetry::record("broker.agent_key_id", crypto::key_id(&caller));
+        telemetry::record("broker.agent_key_id", telemetry::KeyId(&caller));
         Ok(caller)
     }
 
@@ -257,7 +246,7 @@ impl<S: Store> BrokerService<S> {
     ) -> Result<crate::core::Id, ServiceError> {
         let caller = self.caller(request)?;
         let id = convert::id(id, field)?;
-        telemetry::record("broker.contract_id", hex::encode(id));
+        telemetry::record("broker.contract_id", telemetry::Hex(&id));
         self.authorize(&caller, id).await?;
         Ok(id)
     }
@@ -269,7 +258,10 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, window_ms)?;
-        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.request.agent));
+        telemetry::record(
+            "broker.agent_key_id",
+            telemetry::KeyId(&signed.request.agent),
+        );
         if !signed.fresh {
             let answer = self.late_retry(&signed, now_ms).await?;
             return Ok(pb::OpenRootResponse {
@@ -307,10 +299,13 @@ impl<S: Store> BrokerService<S> {
         root.trace = telemetry::current_trace_context();
         let answer = self.store.open_root(root).await?;
         if let Outcome::Issued { id, .. } = &answer.outcome {
-            telemetry::record("broker.contract_id", hex::encode(id));
-            telemetry::record("broker.root_id", hex::encode(id));
+            telemetry::record("broker.contract_id", telemetry::Hex(id));
+            telemetry::record("broker.root_id", telemetry::Hex(id));
             telemetry::record("broker.depth", 0);
-            telemetry::record("broker.outcome", outcome_name("issued", answer.replayed));
+            telemetry::record(
+                "broker.outcome",
+                telemetry::Outcome("issued", answer.replayed),
+            );
         }
         Ok(pb::OpenRootResponse {
             replayed: answer.replayed,
@@ -325,7 +320,10 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, window_ms)?;
-        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.request.agent));
+        telemetry::record(
+            "broker.agent_key_id",
+            telemetry::KeyId(&signed.request.agent),
+        );
         if !signed.fresh {
             return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
         }
@@ -342,8 +340,8 @@ impl<S: Store> BrokerService<S> {
                     what: "parent contract",
                     id: hex::encode(parent_id),
                 })?;
-        telemetry::record("broker.parent_id", hex::encode(parent_id));
-        telemetry::record("broker.root_id", hex::encode(parent.root_id));
+        telemetry::record("broker.parent_id", telemetry::Hex(&parent_id));
+        telemetry::record("broker.root_id", telemetry::Hex(&parent.root_id));
         let depth = parent.depth + 1;
         if parent.delegate_key != signed.request.agent {
             return Err(ServiceError::PermissionDenied {
@@ -388,9 +386,12 @@ impl<S: Store> BrokerService<S> {
         let answer = self.store.delegate(child).await?;
         match &answer.outcome {
             Outcome::Issued { id, .. } => {
-                telemetry::record("broker.contract_id", hex::encode(id));
+                telemetry::record("broker.contract_id", telemetry::Hex(id));
                 telemetry::record("broker.depth", depth);
-                telemetry::record("broker.outcome", outcome_name("issued", answer.replayed));
+                telemetry::record(
+                    "broker.outcome",
+                    telemetry::Outcome("issued", answer.replayed),
+                );
                 if !answer.replayed {
                     self.metrics.delegations_issued.inc();
                     self.metrics
@@ -402,9 +403,15 @@ impl<S: Store> BrokerService<S> {
                 let receipt = pb::Receipt::decode(envelope.payload.as_slice()).unwrap_or_default();
                 let code =
                     |c: i32| pb::InvariantCode::try_from(c).map_or("UNKNOWN", |c| c.as_str_name());
-                let codes: Vec<&str> = receipt.violations.iter().map(|v| code(v.code)).collect();
-                telemetry::record("broker.refused_codes", codes.join(","));
-                telemetry::record("broker.outcome", outcome_name("refused", answer.replayed));
+                if telemetry::recording() {
+                    let codes: Vec<&str> =
+                        receipt.violations.iter().map(|v| code(v.code)).collect();
+                    telemetry::record("broker.refused_codes", codes.join(","));
+                }
+                telemetry::record(
+                    "broker.outcome",
+                    telemetry::Outcome("refused", answer.replayed),
+                );
                 if !answer.replayed {
                     self.metrics
                         .delegations_refused
@@ -425,10 +432,13 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<T>(signed, now_ms, window_ms)?;
-        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.request.agent));
+        telemetry::record(
+            "broker.agent_key_id",
+            telemetry::KeyId(&signed.request.agent),
+        );
         let answer = if signed.fresh {
             let (contract_id, action) = convert(signed.body)?;
-            telemetry::record("broker.contract_id", hex::encode(contract_id));
+            telemetry::record("broker.contract_id", telemetry::Hex(&contract_id));
             // One task, one connected trace: this call's span links to the
             // one that issued the contract, even when the agents passed no
             // context between them.
@@ -468,8 +478,8 @@ impl<S: Store> BrokerService<S> {
             return;
         };
         let kind = pb::ReceiptKind::try_from(receipt.kind).map_or("UNKNOWN", |k| k.as_str_name());
-        telemetry::record("broker.outcome", outcome_name(kind, replayed));
-        telemetry::record("broker.root_id", hex::encode(&receipt.root_id));
+        telemetry::record("broker.outcome", telemetry::Outcome(kind, replayed));
+        telemetry::record("broker.root_id", telemetry::Hex(&receipt.root_id));
         if replayed {
             return;
         }
@@ -1001,7 +1011,7 @@ impl<S: Store> Broker for BrokerService<S> {
             now_ms,
             window_ms,
         )?;
-        telemetry::record("broker.agent_key_id", crypto::key_id(&signed.agent));
+        telemetry::record("broker.agent_key_id", telemetry::KeyId(&signed.agent));
         if !signed.fresh {
             let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
             return Err(signed.stale_error(now_ms, window_ms, timestamp_ms).into());
