@@ -27,8 +27,6 @@ pub const LOG_FILTER_ENV: &str = "BROKER_LOG";
 const MAX_TRACE_HEADER_BYTES: usize = 8_192;
 /// Longest an export of one batch of spans may take.
 const OTLP_EXPORT_TIMEOUT_MS: u64 = 5_000;
-/// The name of every call's span (and the only spans exported).
-const CALL_SPAN: &str = "call";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
@@ -112,10 +110,14 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
                 .build();
             let layer = tracing_opentelemetry::layer()
                 .with_tracer(provider.tracer("delegation-broker"))
-                // The call spans only, not every library's debug spans.
-                .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
-                    meta.is_span() && meta.name() == CALL_SPAN
-                }));
+                // The call spans only (they are this module's), not every
+                // library's. A static filter: each callsite's interest is
+                // decided once, where a predicate would make every event of
+                // every library (h2, hyper, sqlx…) be asked at run time.
+                .with_filter(
+                    tracing_subscriber::filter::Targets::new()
+                        .with_target(module_path!(), tracing::Level::INFO),
+                );
             (Some(provider), Some(layer))
         }
         None => (None, None),
