@@ -92,6 +92,10 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
     use tracing_subscriber::util::SubscriberInitExt as _;
 
     let filter = EnvFilter::try_from_env(LOG_FILTER_ENV).unwrap_or_else(|_| EnvFilter::new("info"));
+    CALL_SPANS_AT_INFO.store(
+        format == LogFormat::Json || otlp_endpoint.is_some(),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let (provider, traces) = match otlp_endpoint {
         Some(endpoint) => {
             let exporter = opentelemetry_otlp::SpanExporter::builder()
@@ -242,6 +246,39 @@ fn fresh_trace_id() -> String {
     hex::encode(id)
 }
 
+/// Whether call spans are made at INFO — something consumes them: JSON
+/// logs or a trace exporter — or at DEBUG: with text logs at the default
+/// level they would cost a loaded broker several percent of its CPU for
+/// nobody (`BROKER_LOG=delegation_broker=debug` shows them).
+static CALL_SPANS_AT_INFO: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// A call's span at `$level` (a constant: each level is its own callsite),
+/// with every field a handler may record declared empty.
+macro_rules! call_span {
+    ($level:expr, $name:expr, $service:expr, $method:expr) => {
+        tracing::span!(
+            $level,
+            "call",
+            otel.name = $name,
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = $service,
+            rpc.method = $method,
+            rpc.grpc.status_code = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            broker.contract_id = tracing::field::Empty,
+            broker.parent_id = tracing::field::Empty,
+            broker.root_id = tracing::field::Empty,
+            broker.depth = tracing::field::Empty,
+            broker.agent_key_id = tracing::field::Empty,
+            broker.outcome = tracing::field::Empty,
+            broker.refused_codes = tracing::field::Empty,
+        )
+    };
+}
+
 /// The tower layer that runs every call in its span.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CallSpanLayer;
@@ -278,24 +315,12 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let path = request.uri().path();
         let [_, service, method] = crate::metrics::method_labels(path);
-        let span = tracing::info_span!(
-            "call",
-            otel.name = crate::metrics::method_name(path),
-            otel.kind = "server",
-            otel.status_code = tracing::field::Empty,
-            rpc.system = "grpc",
-            rpc.service = service,
-            rpc.method = method,
-            rpc.grpc.status_code = tracing::field::Empty,
-            trace_id = tracing::field::Empty,
-            broker.contract_id = tracing::field::Empty,
-            broker.parent_id = tracing::field::Empty,
-            broker.root_id = tracing::field::Empty,
-            broker.depth = tracing::field::Empty,
-            broker.agent_key_id = tracing::field::Empty,
-            broker.outcome = tracing::field::Empty,
-            broker.refused_codes = tracing::field::Empty,
-        );
+        let name = crate::metrics::method_name(path);
+        let span = if CALL_SPANS_AT_INFO.load(std::sync::atomic::Ordering::Relaxed) {
+            call_span!(tracing::Level::INFO, name, service, method)
+        } else {
+            call_span!(tracing::Level::DEBUG, name, service, method)
+        };
         if !span.is_disabled() {
             let trace_id = continue_trace(&span, extract(request.headers()));
             span.record("trace_id", tracing::field::display(trace_id));
