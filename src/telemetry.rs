@@ -421,6 +421,16 @@ mod tests {
     }
 
     #[test]
+    fn trace_headers_past_the_limit_are_not_read() {
+        use opentelemetry::propagation::Extractor as _;
+        let long = "k=".to_owned() + &"v".repeat(MAX_TRACE_HEADER_BYTES);
+        let fits = "k=".to_owned() + &"v".repeat(MAX_TRACE_HEADER_BYTES - 2);
+        let map = headers(&[("baggage", &long), ("tracestate", &fits)]);
+        assert_eq!(Headers(&map).get("baggage"), None);
+        assert_eq!(Headers(&map).get("tracestate"), Some(fits.as_str()));
+    }
+
+    #[test]
     fn lazy_facts_format_as_their_eager_forms() {
         assert_eq!(Hex(&[0, 0xab, 7]).to_string(), "00ab07");
         assert_eq!(KeyId(&[9; 32]).to_string(), crate::crypto::key_id(&[9; 32]));

@@ -310,7 +310,12 @@ fn verify(
     if let Some(path) = receipt {
         let sealed = crate::pb::Sealed::decode(read_bounded(path)?.as_slice())?;
         let receipt = crate::pb::Receipt::decode(sealed.payload.as_slice())?;
-        let key = keys.get(0, &receipt.broker_key_id)?;
+        let key = keys.get(0, &receipt.broker_key_id).map_err(|_| {
+            anyhow::anyhow!(
+                "the receipt is signed by {:?}, which no --public-key matches",
+                receipt.broker_key_id.chars().take(80).collect::<String>()
+            )
+        })?;
         crate::crypto::verify_sealed(&sealed, crate::crypto::payload_type::RECEIPT, key)?;
         println!(
             "ok receipt {} kind={} contract={}",
