@@ -8,8 +8,9 @@ use std::sync::Arc;
 use ed25519_dalek::SigningKey;
 use prost::Message;
 
+use crate::core::lifecycle::ReceiptBody;
 use crate::core::{
-    AgentKey, ChildAsk, ChildTerms, Id, Liability, Policy, Predicate, Refusal, Scope,
+    AgentKey, ChildAsk, ChildTerms, Id, Liability, Policy, Predicate, Refusal, Scope, Status,
 };
 use crate::crypto::{self, payload_type};
 use crate::pb;
@@ -268,4 +269,122 @@ pub fn policy_to_pb(policy: &Policy) -> pb::Policy {
         disable_retry_headroom: !policy.retry_headroom,
         require_host: policy.require_host,
     }
+}
+
+/// A lifecycle receipt's content as the core decided it; the store adds
+/// the contract, root, time, request binding and key id before signing.
+pub fn lifecycle_receipt(body: &ReceiptBody) -> pb::Receipt {
+    let ids = |ids: &[Id]| ids.iter().map(|id| id.to_vec()).collect::<Vec<_>>();
+    let (kind, mut receipt) = match body {
+        ReceiptBody::Expired { ended } => (
+            pb::ReceiptKind::Expired,
+            pb::Receipt {
+                revoked_ids: ids(ended),
+                ..Default::default()
+            },
+        ),
+        ReceiptBody::Cascaded { id, status, cause } => (
+            if *status == Status::Expired {
+                pb::ReceiptKind::Expired
+            } else {
+                pb::ReceiptKind::Revoked
+            },
+            pb::Receipt {
+                reason: format!("ended with its ancestor {}", hex::encode(cause)),
+                revoked_ids: vec![id.to_vec()],
+                ..Default::default()
+            },
+        ),
+        ReceiptBody::Accepted => (pb::ReceiptKind::Accepted, pb::Receipt::default()),
+        ReceiptBody::Declined { reason, ended } => (
+            pb::ReceiptKind::Declined,
+            pb::Receipt {
+                reason: reason.clone(),
+                revoked_ids: ids(ended),
+                ..Default::default()
+            },
+        ),
+        ReceiptBody::Escalated {
+            reason,
+            ended,
+            notice,
+        } => (
+            pb::ReceiptKind::Escalated,
+            pb::Receipt {
+                reason: reason.clone(),
+                revoked_ids: ids(ended),
+                escalation: Some(pb::EscalationNotice {
+                    principal_residual: notice.residual,
+                    principal_deadline_ms: notice.deadline_ms,
+                    retry_feasible: notice.retry_feasible,
+                    reason: reason.clone(),
+                }),
+                ..Default::default()
+            },
+        ),
+        ReceiptBody::Revoked { reason, ended } => (
+            pb::ReceiptKind::Revoked,
+            pb::Receipt {
+                reason: reason.clone(),
+                revoked_ids: ids(ended),
+                ..Default::default()
+            },
+        ),
+        ReceiptBody::Observed { count } => (
+            pb::ReceiptKind::Observed,
+            pb::Receipt {
+                observations: *count,
+                ..Default::default()
+            },
+        ),
+        ReceiptBody::Completed(c) => (
+            pb::ReceiptKind::Completed,
+            pb::Receipt {
+                revoked_ids: ids(&c.ended),
+                completion: Some(pb::Completion {
+                    verdict: c.judgment.verdict.as_i32(),
+                    refused_criteria: c
+                        .judgment
+                        .refused
+                        .iter()
+                        .map(|r| pb::RefusedCriterion {
+                            criterion: r.text.clone(),
+                            reason: r.reason.clone(),
+                        })
+                        .collect(),
+                    claim: c.claim.clone(),
+                    has_report: c.has_report,
+                    result_digest: c.result_digest.to_vec(),
+                    consumed: c.consumed,
+                    claimed_excess: c.claimed_excess,
+                    overspend: c.overspend,
+                    returned: c.returned,
+                    schema_valid: c.judgment.schema_valid,
+                    within_scope: c.judgment.within_scope,
+                    out_of_scope_paths: c.judgment.out_of_scope_paths.clone(),
+                    out_of_scope_path_count: c.judgment.out_of_scope_path_count,
+                    attribution: Some(pb::Attribution {
+                        agent_public_key: c.delegate_key.to_vec(),
+                        depth: c.depth,
+                        chain: ids(&c.chain),
+                    }),
+                    elapsed_ms: c.elapsed_ms,
+                }),
+                ..Default::default()
+            },
+        ),
+        ReceiptBody::Adjudicated { verdict, reason } => (
+            pb::ReceiptKind::Adjudicated,
+            pb::Receipt {
+                reason: reason.clone(),
+                completion: Some(pb::Completion {
+                    verdict: verdict.as_i32(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        ),
+    };
+    receipt.kind = kind as i32;
+    receipt
 }

@@ -143,11 +143,8 @@ pub fn new_child(
     )?;
     let write_scope = Scope::parse(&body.write_scope, "body.write_scope")?;
     let host = optional_key(&body.host_public_key, "body.host_public_key")?;
-    if host.is_some() && host == Some(delegate_key) {
-        return Err(InputError::new(
-            "body.host_public_key",
-            "must differ from the delegate's key: a delegate may not observe itself",
-        ));
+    if let Some(host) = &host {
+        core::lifecycle::check_host(&delegate_key, host)?;
     }
     let result_schema_json = schema(&body.result_schema_json, "body.result_schema_json")?;
     let (factor_ppm, factor_note, hop_trust) = resolve_trust(

@@ -18,7 +18,9 @@ use crate::stamp::{NewChild, NewRoot, RequestMeta, StampedContract, Stamper};
 
 /// Outcome codes of the `requests` table.
 pub const OUTCOME_ISSUED: i64 = 1;
-pub const OUTCOME_REFUSED: i64 = 2;
+/// The request was answered by a signed receipt: a refusal at Delegate or
+/// a lifecycle transition.
+pub const OUTCOME_RECEIPT: i64 = 2;
 
 /// A child stamped speculatively, off the writer, from the parent as it
 /// was last committed. The writer uses it only when its own authoritative
@@ -299,7 +301,7 @@ pub fn plan(
                 Outcome::Receipt {
                     receipt_id,
                     envelope,
-                } => (OUTCOME_REFUSED, *receipt_id, envelope.clone()),
+                } => (OUTCOME_RECEIPT, *receipt_id, envelope.clone()),
             };
             plan.requests.push(RequestRow {
                 agent: request.agent,

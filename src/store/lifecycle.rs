@@ -11,13 +11,12 @@ use prost::Message;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
 
-use super::batch::{OUTCOME_REFUSED, PriorRequest, RequestKey};
+use super::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey};
 use super::{Answer, Outcome, StoreError};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{
-    self, Consumption, Ended, Event, HostChoice, LifecycleError, Node, Tree,
+    self, CompleteFacts, Decision, Facts, LifecycleError, Refused, Subtree, TargetWrite,
 };
-use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT};
 use crate::core::{AgentKey, Id, Ledger, Scope, Status};
 use crate::crypto;
 use crate::pb;
@@ -99,10 +98,7 @@ impl JudgeInputs {
         let Some(target) = load(conn, id).await? else {
             return Ok(None);
         };
-        if !target.status.is_open()
-            || target.delegate_key != *signer
-            || received_at_ms >= target.deadline_ms
-        {
+        if !lifecycle::judgment_due(&target.facts(None), signer, received_at_ms) {
             return Ok(None);
         }
         let observed = observed(conn, &target, received_at_ms).await?;
@@ -324,12 +320,31 @@ fn precondition(reason: &'static str, detail: impl Into<String>) -> StoreError {
     }
 }
 
-fn lifecycle_error(e: &LifecycleError) -> StoreError {
-    match e {
-        LifecycleError::Late { .. } => precondition("LATE", e.to_string()),
-        LifecycleError::NotAllowed { .. } | LifecycleError::NotDue { .. } => {
-            precondition("WRONG_STATE", e.to_string())
+/// The one place a core refusal becomes a store error with its stable
+/// reason.
+fn refusal(why: Refused) -> StoreError {
+    let detail = why.to_string();
+    match why {
+        Refused::NotDelegate(_) => denied("NOT_DELEGATE", detail),
+        Refused::NotHost => denied("NOT_HOST", detail),
+        Refused::NotAncestor => denied("NOT_ANCESTOR", detail),
+        Refused::NotPrincipal => denied("NOT_PRINCIPAL", detail),
+        Refused::HostMismatch => precondition("HOST_MISMATCH", detail),
+        Refused::Invalid(input) => StoreError::Invalid(input),
+        Refused::Root => precondition("ROOT", detail),
+        Refused::Ended(_) => precondition("ENDED", detail),
+        Refused::NotPending => precondition("NOT_PENDING", detail),
+        Refused::MeteredLimit => precondition("METERED_LIMIT", detail),
+        Refused::TooManyObservations => StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT"),
+        Refused::Expired { .. } | Refused::Lifecycle(LifecycleError::Late { .. }) => {
+            precondition("LATE", detail)
         }
+        Refused::NotOverdue
+        | Refused::Lifecycle(LifecycleError::NotAllowed { .. } | LifecycleError::NotDue { .. }) => {
+            precondition("WRONG_STATE", detail)
+        }
+        Refused::StaleJudgment => StoreError::StaleJudgment,
+        Refused::Corrupt(what) => StoreError::Corrupt(what),
     }
 }
 
@@ -340,18 +355,39 @@ pub struct Applied {
     pub changed: Vec<Id>,
 }
 
-/// The subtree of one transition in the core's model, with the map back
-/// to rows.
-struct Model {
-    tree: Tree,
-    rows: Vec<Loaded>,
-    target: usize,
+impl Loaded {
+    /// The row as the core's decision reads it; `parent` indexes the
+    /// loaded subtree.
+    fn facts(&self, parent: Option<usize>) -> Facts {
+        Facts {
+            id: self.id,
+            parent,
+            status: self.status,
+            ledger: self.ledger,
+            deadline_ms: self.deadline_ms,
+            issued_at_ms: self.issued_at_ms,
+            delegate_key: self.delegate_key,
+            host_key: self.host_key,
+            host_named_at_delegate: !self.contract.host_public_key.is_empty(),
+            verdict: Verdict::from_i32(self.verdict),
+            observations: self.observations,
+            observed_units: self.observed_units,
+            metered: self.metered,
+            metered_uncharged: self.metered_uncharged,
+            depth: self.contract.depth,
+            min_retry_cost: self.contract.min_retry_cost,
+            min_retry_latency_ms: self.contract.min_retry_latency_ms,
+        }
+    }
 }
 
-/// Loads `target`'s parent, itself and its open descendants into the
-/// core's model. Metered units are already in every `spent` (charged as
-/// they were recorded), so loading charges nothing.
-async fn model(conn: &mut SqliteConnection, target: Loaded) -> Result<Model, sqlx::Error> {
+/// Loads what `decide` reads: `target`'s parent, itself and its open
+/// descendants, and its lineage when the action needs it.
+async fn subtree(
+    conn: &mut SqliteConnection,
+    target: Loaded,
+    needs_lineage: bool,
+) -> Result<(Subtree, Vec<Loaded>), sqlx::Error> {
     let mut rows = Vec::new();
     if let Some(parent_seq) = target.parent_seq {
         rows.push(load_seq(conn, parent_seq).await?);
@@ -360,164 +396,57 @@ async fn model(conn: &mut SqliteConnection, target: Loaded) -> Result<Model, sql
     rows.push(target);
     rows.extend(open_descendants(conn, target_seq).await?);
     let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
-    let mut nodes: Vec<Node> = rows
+    let facts = rows
         .iter()
-        .map(|r| Node {
-            parent: r.parent_seq.and_then(|p| index.get(&p).copied()),
-            children: Vec::new(),
-            status: r.status,
-            deadline_ms: r.deadline_ms,
-            ledger: r.ledger,
-        })
+        .map(|r| r.facts(r.parent_seq.and_then(|p| index.get(&p).copied())))
         .collect();
-    for i in 0..nodes.len() {
-        if let Some(p) = nodes[i].parent {
-            nodes[p].children.push(i);
-        }
-    }
-    let target = index[&target_seq];
-    Ok(Model {
-        tree: Tree::from_nodes(nodes),
-        rows,
-        target,
-    })
+    let lineage = if needs_lineage {
+        lineage(conn, target_seq).await?
+    } else {
+        Vec::new()
+    };
+    let subtree = Subtree {
+        rows: facts,
+        target: index[&target_seq],
+        lineage,
+    };
+    Ok((subtree, rows))
 }
 
-/// Writes back every row whose status or ledger the model changed, and
-/// signs a receipt for every open descendant the transition ended with its
-/// target (a receipt per transition; Watch streams of those subtrees see
-/// it).
-async fn write_back(
-    conn: &mut SqliteConnection,
-    model: &Model,
-    ended: &[Ended],
-    receipting: &mut Receipting<'_>,
-    changed: &mut Vec<Id>,
-) -> Result<(), sqlx::Error> {
-    let cause = model.rows[model.target].id;
-    for e in ended.iter().filter(|e| e.id != model.target) {
-        let row = &model.rows[e.id];
-        let kind = if e.status == Status::Expired {
-            pb::ReceiptKind::Expired
-        } else {
-            pb::ReceiptKind::Revoked
-        };
-        let receipt = pb::Receipt {
-            kind: kind as i32,
-            reason: format!("ended with its ancestor {}", hex::encode(cause)),
-            revoked_ids: vec![row.id.to_vec()],
-            ..Default::default()
-        };
-        receipting.record(conn, row, None, receipt).await?;
-    }
-    for (row, node) in model.rows.iter().zip(model.tree.nodes()) {
-        if row.status != node.status || row.ledger != node.ledger {
-            sqlx::query(
-                "UPDATE contracts SET status = $1, reserved = $2, spent = $3, open_children = $4 WHERE seq = $5",
-            )
-            .bind(i64::from(node.status.as_i32()))
-            .bind(node.ledger.reserved)
-            .bind(node.ledger.spent)
-            .bind(i64::from(node.ledger.open_children))
-            .bind(row.seq)
-            .execute(&mut *conn)
-            .await?;
-            changed.push(row.id);
-        }
-    }
-    Ok(())
-}
-
-struct Receipting<'a> {
-    stamper: &'a Stamper,
-    trees: &'a super::TreeChanges,
-    next_seq: &'a mut i64,
-    now_ms: i64,
-}
-
-impl Receipting<'_> {
-    /// Signs and stores a receipt about `target`.
-    async fn record(
-        &mut self,
-        conn: &mut SqliteConnection,
-        target: &Loaded,
-        request: Option<&RequestMeta>,
-        mut receipt: pb::Receipt,
-    ) -> Result<(Id, pb::Sealed), sqlx::Error> {
-        receipt.broker_key_id = self.stamper.key_id().to_owned();
-        receipt.contract_id = target.id.to_vec();
-        receipt.root_id = root_id(target).to_vec();
-        receipt.at_ms = self.now_ms;
-        if let Some(request) = request {
-            receipt.request_digest = request.digest.to_vec();
-            receipt.requester_public_key = request.agent.to_vec();
-        }
-        let stamped = self.stamper.sign_receipt(&receipt);
-        let seq = *self.next_seq;
-        *self.next_seq += 1;
-        self.trees.touch(root_id(target), seq);
-        sqlx::query(
-            "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .bind(seq)
-        .bind(stamped.id.as_slice())
-        .bind(i64::from(receipt.kind))
-        .bind(target.seq)
-        .bind(target.id.as_slice())
-        .bind(receipt.root_id.as_slice())
-        .bind(stamped.envelope.encode_to_vec())
-        .bind(self.now_ms)
-        .execute(&mut *conn)
-        .await?;
-        if let Some(request) = request {
-            sqlx::query(
-                "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(request.agent.as_slice())
-            .bind(request.nonce.as_slice())
-            .bind(request.digest.as_slice())
-            .bind(OUTCOME_REFUSED)
-            .bind(stamped.id.as_slice())
-            .bind(self.now_ms)
-            .execute(&mut *conn)
-            .await?;
-        }
-        Ok((stamped.id, stamped.envelope))
-    }
-}
-
-fn root_id(row: &Loaded) -> Id {
-    // A root's row names itself.
-    row.root_id
-}
-
-fn answer(id: Id, envelope: pb::Sealed) -> Result<Answer, StoreError> {
-    Ok(Answer {
-        outcome: Outcome::Receipt {
-            receipt_id: id,
-            envelope,
+/// The core's view of a validated command.
+fn core_action(action: &Action, now_ms: i64) -> lifecycle::Action<'_> {
+    match action {
+        Action::Accept { host } => lifecycle::Action::Accept { host: *host },
+        Action::Decline { reason } => lifecycle::Action::Decline { reason },
+        Action::Escalate { reason } => lifecycle::Action::Escalate { reason },
+        Action::Revoke { reason } => lifecycle::Action::Revoke { reason },
+        Action::Record { observations } => lifecycle::Action::Record {
+            count: observations.len(),
+            units: observations
+                .iter()
+                .fold(0i64, |sum, o| sum.saturating_add(o.units)),
         },
-        replayed: false,
-    })
+        Action::Complete(args) => lifecycle::Action::Complete(CompleteFacts {
+            judgment: args
+                .prejudged
+                .as_ref()
+                .map(|p| (&p.judgment, p.observations)),
+            received_at_ms: args.received_at_ms.unwrap_or(now_ms),
+            claim: &args.claim,
+            has_report: args.has_report,
+            result_digest: crypto::sha256(args.output_json.as_bytes()),
+        }),
+        Action::Adjudicate { verdict, reason } => lifecycle::Action::Adjudicate {
+            verdict: *verdict,
+            reason,
+        },
+        Action::Expire => lifecycle::Action::Expire,
+    }
 }
 
-/// Contracts a transition ended: the target first, then the open
-/// descendants it ended (`Tree::end` reports them deepest first; reversed,
-/// every contract comes before its descendants).
-fn ended_ids(model: &Model, ended: &[Ended]) -> Vec<Vec<u8>> {
-    let mut ids: Vec<Vec<u8>> = ended
-        .iter()
-        .rev()
-        .map(|e| model.rows[e.id].id.to_vec())
-        .collect();
-    ids.dedup();
-    ids
-}
-
-/// Applies one lifecycle command. The outer error aborts the batch; the
-/// inner one refuses only this command.
+/// Applies one lifecycle command: loads the subtree, lets the core decide,
+/// writes the decision. The outer error aborts the batch; the inner one
+/// refuses only this command.
 pub async fn apply(
     conn: &mut SqliteConnection,
     command: &LifecycleCommand,
@@ -527,255 +456,81 @@ pub async fn apply(
     next_seq: &mut i64,
     now_ms: i64,
 ) -> Result<Applied, sqlx::Error> {
-    let mut changed = Vec::new();
     if let Some(request) = &command.request
         && let Some(earlier) = prior.get(&(request.agent, request.nonce.clone()))
     {
         return Ok(Applied {
             answer: super::batch::replayed(earlier, request),
-            changed,
+            changed: Vec::new(),
         });
     }
     let Some(target) = load(conn, &command.contract_id).await? else {
-        return refused(StoreError::NotFound {
-            what: "contract",
-            id: hex::encode(command.contract_id),
+        return Ok(Applied {
+            answer: Err(StoreError::NotFound {
+                what: "contract",
+                id: hex::encode(command.contract_id),
+            }),
+            changed: Vec::new(),
         });
     };
-    let mut receipting = Receipting {
-        stamper,
-        trees,
-        next_seq,
-        now_ms,
-    };
+    let action = core_action(&command.action, now_ms);
+    let (subtree, rows) = subtree(conn, target, action.needs_lineage()).await?;
     let request = command.request.as_ref();
+    let decision = lifecycle::decide(&subtree, request.map(|r| &r.agent), &action, now_ms);
+    write(
+        conn, &decision, &subtree, &rows, command, stamper, trees, next_seq, now_ms,
+    )
+    .await
+}
 
-    // Expiry on access: an open contract past its deadline expires now
-    // (its reservation returns), whatever was asked of it.
-    let overdue = target.status.is_open() && now_ms >= target.deadline_ms;
-    if overdue && !matches!(command.action, Action::Revoke { .. }) {
-        let mut model = model(conn, target.clone()).await?;
-        let ended = match model.tree.expire(model.target, now_ms) {
-            Ok(ended) => ended,
-            Err(e) => {
-                return refused(StoreError::Corrupt(e.to_string()));
-            }
-        };
-        write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
-        let revoked_ids = ended_ids(&model, &ended);
-        let (id, envelope) = receipting
-            .record(
-                conn,
-                &target,
-                None,
-                pb::Receipt {
-                    kind: pb::ReceiptKind::Expired as i32,
-                    revoked_ids,
-                    ..Default::default()
-                },
-            )
-            .await?;
-        let answer = match command.action {
-            Action::Expire => answer(id, envelope),
-            _ => Err(precondition(
-                "LATE",
-                format!(
-                    "the contract's deadline {} passed; it has expired",
-                    target.deadline_ms
-                ),
-            )),
-        };
-        return Ok(Applied { answer, changed });
+/// Writes `decision`: rows, the target's columns, observations, receipts
+/// (with the request's log entry beside the one that answers it).
+#[allow(clippy::too_many_arguments)]
+async fn write(
+    conn: &mut SqliteConnection,
+    decision: &Decision,
+    subtree: &Subtree,
+    rows: &[Loaded],
+    command: &LifecycleCommand,
+    stamper: &Stamper,
+    trees: &super::TreeChanges,
+    next_seq: &mut i64,
+    now_ms: i64,
+) -> Result<Applied, sqlx::Error> {
+    let target = &rows[subtree.target];
+    for u in &decision.updates {
+        sqlx::query(
+            "UPDATE contracts SET status = $1, reserved = $2, spent = $3, open_children = $4 WHERE seq = $5",
+        )
+        .bind(i64::from(u.status.as_i32()))
+        .bind(u.ledger.reserved)
+        .bind(u.ledger.spent)
+        .bind(i64::from(u.ledger.open_children))
+        .bind(rows[u.row].seq)
+        .execute(&mut *conn)
+        .await?;
     }
-
-    let signer = request.map(|r| r.agent);
-    let is_delegate = signer == Some(target.delegate_key);
-    let answer = match &command.action {
-        Action::Expire => {
-            // Not (or no longer) due: the sweeper raced with a completion.
-            Err(precondition("WRONG_STATE", "the contract is not overdue"))
-        }
-        Action::Accept { host } => {
-            if !is_delegate {
-                return refused(denied(
-                    "NOT_DELEGATE",
-                    "only the contract's delegate may accept it",
-                ));
-            }
-            let host_key = match (target.host_key, host) {
-                (Some(named), Some(asked)) if named != *asked => {
-                    return refused(precondition(
-                        "HOST_MISMATCH",
-                        "the contract already names another host",
-                    ));
-                }
-                (named, asked) => named.or(*asked),
-            };
-            // A delegate that is its own host would judge itself.
-            if host_key == Some(target.delegate_key) {
-                return refused(precondition(
-                    "HOST_IS_DELEGATE",
-                    "the host must be a key other than the delegate's",
-                ));
-            }
-            let mut model = model(conn, target.clone()).await?;
-            if let Err(e) = model.tree.accept(model.target, now_ms) {
-                return refused(tree_error(&e));
-            }
-            write_back(conn, &model, &[], &mut receipting, &mut changed).await?;
+    match &decision.write {
+        TargetWrite::None => {}
+        TargetWrite::Host(host) => {
             sqlx::query("UPDATE contracts SET host_key = $1 WHERE seq = $2")
-                .bind(host_key.map(|h| h.to_vec()))
+                .bind(host.map(|h| h.to_vec()))
                 .bind(target.seq)
                 .execute(&mut *conn)
                 .await?;
-            let (id, envelope) = receipting
-                .record(
-                    conn,
-                    &target,
-                    request,
-                    pb::Receipt {
-                        kind: pb::ReceiptKind::Accepted as i32,
-                        ..Default::default()
-                    },
-                )
-                .await?;
-            answer(id, envelope)
         }
-        Action::Decline { reason } | Action::Escalate { reason } => {
-            let escalate = matches!(command.action, Action::Escalate { .. });
-            if !is_delegate {
-                return refused(denied(
-                    "NOT_DELEGATE",
-                    "only the contract's delegate may do this",
-                ));
-            }
-            if target.parent_seq.is_none() {
-                return refused(precondition(
-                    "ROOT",
-                    "a root has no principal to return it to",
-                ));
-            }
-            let mut model = model(conn, target.clone()).await?;
-            let result = if escalate {
-                model.tree.escalate(model.target, now_ms)
-            } else {
-                model.tree.decline(model.target, now_ms)
-            };
-            let ended = match result {
-                Ok(ended) => ended,
-                Err(e) => {
-                    return refused(tree_error(&e));
-                }
-            };
-            write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
-            let mut receipt = pb::Receipt {
-                kind: if escalate {
-                    pb::ReceiptKind::Escalated
-                } else {
-                    pb::ReceiptKind::Declined
-                } as i32,
-                reason: reason.clone(),
-                revoked_ids: ended_ids(&model, &ended),
-                ..Default::default()
-            };
-            if escalate {
-                // The principal is the parent: model index 0.
-                let principal = &model.tree.nodes()[0];
-                let notice = principal.ledger.escalation_notice(
-                    principal.deadline_ms,
-                    now_ms,
-                    target.contract.min_retry_cost,
-                    target.contract.min_retry_latency_ms,
-                );
-                receipt.escalation = Some(pb::EscalationNotice {
-                    principal_residual: notice.residual,
-                    principal_deadline_ms: notice.deadline_ms,
-                    retry_feasible: notice.retry_feasible,
-                    reason: reason.clone(),
+        TargetWrite::Observations {
+            total,
+            observed_units,
+            metered,
+            metered_uncharged,
+        } => {
+            let Action::Record { observations } = &command.action else {
+                return Ok(Applied {
+                    answer: Err(StoreError::Corrupt("observations without a record".into())),
+                    changed: Vec::new(),
                 });
-            }
-            let (id, envelope) = receipting.record(conn, &target, request, receipt).await?;
-            answer(id, envelope)
-        }
-        Action::Revoke { reason } => {
-            let lineage = lineage(conn, target.seq).await?;
-            // Principals: the delegates of every strict ancestor; for a root,
-            // the orchestrator that opened it.
-            let mut principals: Vec<AgentKey> = lineage
-                .iter()
-                .filter(|(id, _)| *id != target.id)
-                .map(|(_, k)| *k)
-                .collect();
-            if target.parent_seq.is_none() {
-                principals.push(target.delegate_key);
-            }
-            if !signer.is_some_and(|s| lifecycle::may_revoke(&s, principals.iter())) {
-                return refused(denied(
-                    "NOT_ANCESTOR",
-                    "only the holder of an ancestor contract may revoke it",
-                ));
-            }
-            let mut model = model(conn, target.clone()).await?;
-            let ended = match model.tree.revoke(model.target, now_ms) {
-                Ok(ended) => ended,
-                Err(e) => {
-                    return refused(tree_error(&e));
-                }
             };
-            write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
-            let receipt = pb::Receipt {
-                kind: pb::ReceiptKind::Revoked as i32,
-                reason: reason.clone(),
-                revoked_ids: ended_ids(&model, &ended),
-                ..Default::default()
-            };
-            let (id, envelope) = receipting.record(conn, &target, request, receipt).await?;
-            answer(id, envelope)
-        }
-        Action::Record { observations } => {
-            if target.host_key.is_none() || signer != target.host_key {
-                return refused(denied(
-                    "NOT_HOST",
-                    "only the contract's host may record observations",
-                ));
-            }
-            if !target.status.is_open() {
-                return refused(precondition(
-                    "ENDED",
-                    format!("the contract is {}", target.status.as_str()),
-                ));
-            }
-            let total = target.observations + observations.len() as i64;
-            if total > MAX_OBSERVATIONS_PER_CONTRACT {
-                return refused(StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT"));
-            }
-            // Each unit count is at most MAX_BUDGET_UNITS (validated); the
-            // total per contract is capped too, so ending it can always settle.
-            let units = observations
-                .iter()
-                .fold(0i64, |sum, o| sum.saturating_add(o.units));
-            let metered_total = target.observed_units.saturating_add(units);
-            if metered_total > MAX_BUDGET_UNITS {
-                return refused(precondition(
-                    "METERED_LIMIT",
-                    format!("metered units would exceed {MAX_BUDGET_UNITS} for one contract"),
-                ));
-            }
-            let metered = target.metered || observations.iter().any(|o| o.units > 0);
-            // Metered units leave the residual now (issue 11, item 2); the
-            // contract's end charges nothing of them again. A host the
-            // delegate chose is charged only up to the residual.
-            let host = if target.contract.host_public_key.is_empty() {
-                HostChoice::Delegate
-            } else {
-                HostChoice::Principal
-            };
-            let (charged, uncharged) = lifecycle::metering_charge(&target.ledger, units, host);
-            let mut ledger = target.ledger;
-            if let Err(e) = ledger.charge(charged) {
-                return refused(StoreError::Corrupt(format!("metering: {e}")));
-            }
-            let metered_uncharged = target.metered_uncharged.saturating_add(uncharged);
             let mut query = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
             );
@@ -788,169 +543,103 @@ pub async fn apply(
                     .push_bind(o.at_ms);
             });
             query.build().execute(&mut *conn).await?;
-            sqlx::query("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, spent = $4, metered_uncharged = $5 WHERE seq = $6")
+            sqlx::query("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, metered_uncharged = $4 WHERE seq = $5")
                 .bind(total)
-                .bind(metered_total)
-                .bind(i64::from(metered))
-                .bind(ledger.spent)
+                .bind(observed_units)
+                .bind(i64::from(*metered))
                 .bind(metered_uncharged)
                 .bind(target.seq)
                 .execute(&mut *conn)
                 .await?;
-            if ledger != target.ledger {
-                changed.push(target.id);
-            }
-            let receipt = pb::Receipt {
-                kind: pb::ReceiptKind::Observed as i32,
-                observations: u32::try_from(observations.len()).unwrap_or(u32::MAX),
-                ..Default::default()
-            };
-            let (id, envelope) = receipting.record(conn, &target, request, receipt).await?;
-            answer(id, envelope)
         }
-        Action::Complete(args) => {
-            if !is_delegate {
-                return refused(denied(
-                    "NOT_DELEGATE",
-                    "only the contract's delegate may complete it",
-                ));
-            }
-            let mut model = model(conn, target.clone()).await?;
-            if let Err(e) =
-                lifecycle::transition(target.status, Event::Complete, target.deadline_ms, now_ms)
-            {
-                return refused(lifecycle_error(&e));
-            }
-            // The writer never judges (issue 11, item 9): a judgment made
-            // before host observations it has not seen goes back to be
-            // made again, off the writer.
-            let received_at_ms = args.received_at_ms.unwrap_or(now_ms);
-            let judgment = match &args.prejudged {
-                Some(pre) if pre.observations == target.observations => pre.judgment.clone(),
-                _ => return refused(StoreError::StaleJudgment),
-            };
-            let consumption = if target.metered {
-                Consumption::Metered
-            } else {
-                Consumption::Reported(judgment.consumed)
-            };
-            let ended = match model.tree.complete(model.target, consumption, now_ms) {
-                Ok(ended) => ended,
-                Err(e) => {
-                    return refused(tree_error(&e));
-                }
-            };
-            write_back(conn, &model, &ended, &mut receipting, &mut changed).await?;
+        TargetWrite::Judged {
+            verdict,
+            has_report,
+            downgrades,
+            claim,
+        } => {
             sqlx::query(
                 "UPDATE contracts SET verdict = $1, has_report = $2, downgrades = $3, claim = $4 WHERE seq = $5",
             )
-            .bind(i64::from(judgment.verdict.as_i32()))
-            .bind(i64::from(args.has_report))
-            .bind(i64::try_from(judgment.refused.len()).unwrap_or(i64::MAX))
-            .bind(args.claim.as_str())
+            .bind(i64::from(verdict.as_i32()))
+            .bind(i64::from(*has_report))
+            .bind(i64::from(*downgrades))
+            .bind(claim.as_str())
             .bind(target.seq)
             .execute(&mut *conn)
             .await?;
-            let own = ended.iter().find(|e| e.id == model.target);
-            let lineage = lineage(conn, target.seq).await?;
-            let receipt = pb::Receipt {
-                kind: pb::ReceiptKind::Completed as i32,
-                revoked_ids: ended_ids(&model, &ended).into_iter().skip(1).collect(),
-                completion: Some(pb::Completion {
-                    verdict: judgment.verdict.as_i32(),
-                    refused_criteria: judgment
-                        .refused
-                        .iter()
-                        .map(|r| pb::RefusedCriterion {
-                            criterion: r.text.clone(),
-                            reason: r.reason.clone(),
-                        })
-                        .collect(),
-                    claim: args.claim.clone(),
-                    has_report: args.has_report,
-                    result_digest: crypto::sha256(args.output_json.as_bytes()).to_vec(),
-                    consumed: if target.metered {
-                        judgment.consumed.saturating_sub(target.metered_uncharged)
-                    } else {
-                        own.map_or(0, |e| e.charged_at_end)
-                    },
-                    claimed_excess: if target.metered {
-                        target.metered_uncharged
-                    } else {
-                        own.map_or(0, |e| e.unverified_excess)
-                    },
-                    overspend: own.and_then(|e| e.overspend).map_or(0, |o| o.excess),
-                    returned: own.and_then(|e| e.settlement).map_or(0, |s| s.returned),
-                    schema_valid: judgment.schema_valid,
-                    within_scope: judgment.within_scope,
-                    out_of_scope_paths: judgment.out_of_scope_paths.clone(),
-                    out_of_scope_path_count: judgment.out_of_scope_path_count,
-                    attribution: Some(pb::Attribution {
-                        agent_public_key: target.delegate_key.to_vec(),
-                        depth: target.contract.depth,
-                        chain: lineage.iter().map(|(id, _)| id.to_vec()).collect(),
-                    }),
-                    elapsed_ms: received_at_ms.saturating_sub(target.issued_at_ms),
-                }),
-                ..Default::default()
-            };
-            let (id, envelope) = receipting.record(conn, &target, request, receipt).await?;
-            answer(id, envelope)
         }
-        Action::Adjudicate { verdict, reason } => {
-            let principal = match target.parent_seq {
-                Some(p) => load_seq(conn, p).await?.delegate_key,
-                None => target.delegate_key,
-            };
-            if signer != Some(principal) {
-                return refused(denied(
-                    "NOT_PRINCIPAL",
-                    "only the contract's principal may adjudicate it",
-                ));
-            }
-            if target.status != Status::Completed
-                || target.verdict != Verdict::PendingPrincipal.as_i32()
-            {
-                return refused(precondition(
-                    "NOT_PENDING",
-                    "only a completed contract awaiting the principal's verdict can be adjudicated",
-                ));
-            }
+        TargetWrite::Verdict(verdict) => {
             sqlx::query("UPDATE contracts SET verdict = $1 WHERE seq = $2")
                 .bind(i64::from(verdict.as_i32()))
                 .bind(target.seq)
                 .execute(&mut *conn)
                 .await?;
-            changed.push(target.id);
-            let receipt = pb::Receipt {
-                kind: pb::ReceiptKind::Adjudicated as i32,
-                reason: reason.clone(),
-                completion: Some(pb::Completion {
-                    verdict: verdict.as_i32(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            };
-            let (id, envelope) = receipting.record(conn, &target, request, receipt).await?;
-            answer(id, envelope)
         }
+    }
+    let mut signed = Vec::with_capacity(decision.receipts.len());
+    for planned in &decision.receipts {
+        let row = &rows[planned.row];
+        let request = command.request.as_ref().filter(|_| planned.answers_request);
+        let mut receipt = crate::stamp::lifecycle_receipt(&planned.body);
+        receipt.broker_key_id = stamper.key_id().to_owned();
+        receipt.contract_id = row.id.to_vec();
+        receipt.root_id = row.root_id.to_vec();
+        receipt.at_ms = now_ms;
+        if let Some(request) = request {
+            receipt.request_digest = request.digest.to_vec();
+            receipt.requester_public_key = request.agent.to_vec();
+        }
+        let stamped = stamper.sign_receipt(&receipt);
+        let seq = *next_seq;
+        *next_seq += 1;
+        trees.touch(row.root_id, seq);
+        sqlx::query(
+            "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(seq)
+        .bind(stamped.id.as_slice())
+        .bind(i64::from(receipt.kind))
+        .bind(row.seq)
+        .bind(row.id.as_slice())
+        .bind(row.root_id.as_slice())
+        .bind(stamped.envelope.encode_to_vec())
+        .bind(now_ms)
+        .execute(&mut *conn)
+        .await?;
+        if let Some(request) = request {
+            sqlx::query(
+                "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(request.agent.as_slice())
+            .bind(request.nonce.as_slice())
+            .bind(request.digest.as_slice())
+            .bind(OUTCOME_RECEIPT)
+            .bind(stamped.id.as_slice())
+            .bind(now_ms)
+            .execute(&mut *conn)
+            .await?;
+        }
+        signed.push(stamped);
+    }
+    let changed = decision
+        .changed(subtree.target)
+        .into_iter()
+        .map(|i| rows[i].id)
+        .collect();
+    let answer = match &decision.answer {
+        Ok(i) => Ok(Answer {
+            outcome: Outcome::Receipt {
+                receipt_id: signed[*i].id,
+                envelope: signed[*i].envelope.clone(),
+            },
+            replayed: false,
+        }),
+        Err(why) => Err(refusal(why.clone())),
     };
     Ok(Applied { answer, changed })
-}
-
-/// Refuses the command before it wrote anything.
-fn refused(error: StoreError) -> Result<Applied, sqlx::Error> {
-    Ok(Applied {
-        answer: Err(error),
-        changed: Vec::new(),
-    })
-}
-
-fn tree_error(e: &lifecycle::TreeError) -> StoreError {
-    match e {
-        lifecycle::TreeError::Lifecycle(l) => lifecycle_error(l),
-        other => StoreError::Corrupt(other.to_string()),
-    }
 }
 
 /// What the host recorded for `target`.

@@ -1942,7 +1942,7 @@ async fn apply_careful(
                     (request.agent, request.nonce.clone()),
                     PriorRequest {
                         digest: request.digest,
-                        outcome: batch::OUTCOME_REFUSED,
+                        outcome: batch::OUTCOME_RECEIPT,
                         ref_id: *receipt_id,
                         envelope: envelope.clone(),
                     },

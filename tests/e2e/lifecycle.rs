@@ -555,7 +555,8 @@ async fn lifecycle_limits_and_reasons_are_named() {
         .unwrap_err();
     assert_eq!(err.get_details_error_info().unwrap().reason, "ROOT");
 
-    // A delegate may not name itself as host at Accept either.
+    // A delegate may not name itself as host at Accept either: the same
+    // rule, the same answer as at Delegate (the field is invalid).
     let (id, _) = broker
         .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
         .await
@@ -565,10 +566,10 @@ async fn lifecycle_limits_and_reasons_are_named() {
         .accept(&delegate, &id, Some(&delegate))
         .await
         .unwrap_err();
-    assert_eq!(
-        err.get_details_error_info().unwrap().reason,
-        "HOST_IS_DELEGATE"
-    );
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    let info = err.get_details_error_info().unwrap();
+    assert_eq!(info.reason, "INVALID_FIELD");
+    assert_eq!(info.metadata["field"], "body.host_public_key");
     assert_eq!(
         broker.state(&id).await.status,
         pb::ContractStatus::Open as i32

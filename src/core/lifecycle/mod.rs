@@ -11,6 +11,13 @@
 //! an expired contract expire (their deadlines are no later than its); those
 //! of a contract that ends any other way are revoked.
 
+mod decide;
+
+pub use decide::{
+    Action, CompleteFacts, CompletedFacts, Decision, Facts, PlannedReceipt, ReceiptBody, Refused,
+    RowUpdate, Subtree, TargetWrite, check_host, decide, judgment_due,
+};
+
 use super::AgentKey;
 use super::Status;
 use super::ledger::{Ledger, LedgerError, Overspend, Settlement};

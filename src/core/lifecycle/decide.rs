@@ -1,0 +1,728 @@
+//! `decide`: one lifecycle command judged against the subtree it touches —
+//! who may act, the statuses and ledgers that change, the cascade, the
+//! receipts to sign and the answer — with no store. A backend loads a
+//! `Subtree`, calls `decide` and writes the `Decision` as it is; property
+//! tests run the same function over whole trees in memory.
+
+use super::{
+    Consumption, Ended, Event, HostChoice, LifecycleError, Node, Tree, TreeError, may_revoke,
+    transition,
+};
+use crate::core::error::InputError;
+use crate::core::judge::{Judgment, Verdict};
+use crate::core::ledger::{EscalationNotice, Ledger};
+use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT};
+use crate::core::{AgentKey, Id, Status};
+
+/// One contract as a decision reads it: its stored row, nothing derived.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Facts {
+    pub id: Id,
+    /// Index of its parent in `Subtree::rows`; `None` for the first row.
+    pub parent: Option<usize>,
+    pub status: Status,
+    pub ledger: Ledger,
+    pub deadline_ms: i64,
+    pub issued_at_ms: i64,
+    pub delegate_key: AgentKey,
+    /// The key that records observations, once named.
+    pub host_key: Option<AgentKey>,
+    /// The principal named the host at Delegate (its metering is then
+    /// charged in full); otherwise the delegate named it at Accept.
+    pub host_named_at_delegate: bool,
+    /// `None` before completion.
+    pub verdict: Option<Verdict>,
+    /// Observations recorded so far (a judgment is valid for this count).
+    pub observations: i64,
+    /// Metered units recorded so far, charged or not.
+    pub observed_units: i64,
+    /// A host metered units: its metering, not the report, is consumption.
+    pub metered: bool,
+    /// Metered units recorded but not charged (see `metering_charge`).
+    pub metered_uncharged: i64,
+    pub depth: u32,
+    pub min_retry_cost: i64,
+    pub min_retry_latency_ms: i64,
+}
+
+/// What a decision reads: the target, its parent (when it has one: a
+/// target without a parent row is a root) and its open descendants.
+#[derive(Clone, Debug)]
+pub struct Subtree {
+    /// The parent first when there is one, then the target, then the
+    /// target's open descendants in any order.
+    pub rows: Vec<Facts>,
+    pub target: usize,
+    /// `(id, delegate key)` of the target's ancestors root first, then of
+    /// the target; loaded only when `Action::needs_lineage`.
+    pub lineage: Vec<(Id, AgentKey)>,
+}
+
+impl Subtree {
+    fn target(&self) -> &Facts {
+        &self.rows[self.target]
+    }
+
+    fn is_root(&self) -> bool {
+        self.target().parent.is_none()
+    }
+
+    fn model(&self) -> Tree {
+        let mut nodes: Vec<Node> = self
+            .rows
+            .iter()
+            .map(|r| Node {
+                parent: r.parent,
+                children: Vec::new(),
+                status: r.status,
+                deadline_ms: r.deadline_ms,
+                ledger: r.ledger,
+            })
+            .collect();
+        for i in 0..nodes.len() {
+            if let Some(p) = nodes[i].parent {
+                nodes[p].children.push(i);
+            }
+        }
+        Tree::from_nodes(nodes)
+    }
+}
+
+/// A completion as the writer receives it, judged beforehand.
+#[derive(Clone, Debug)]
+pub struct CompleteFacts<'a> {
+    /// The judgment and the observation count it saw; `None`: not judged.
+    pub judgment: Option<(&'a Judgment, i64)>,
+    /// When the broker received it (`elapsed_ms` is measured to here).
+    pub received_at_ms: i64,
+    pub claim: &'a str,
+    pub has_report: bool,
+    /// SHA-256 of the output exactly as sent.
+    pub result_digest: [u8; 32],
+}
+
+/// What is asked of the target.
+#[derive(Clone, Debug)]
+pub enum Action<'a> {
+    Accept {
+        host: Option<AgentKey>,
+    },
+    Decline {
+        reason: &'a str,
+    },
+    Escalate {
+        reason: &'a str,
+    },
+    Revoke {
+        reason: &'a str,
+    },
+    Record {
+        count: usize,
+        /// Metered units of the request in all (each was validated).
+        units: i64,
+    },
+    Complete(CompleteFacts<'a>),
+    Adjudicate {
+        verdict: Verdict,
+        reason: &'a str,
+    },
+    /// The broker's own expiry sweep.
+    Expire,
+}
+
+impl Action<'_> {
+    /// Whether the decision reads `Subtree::lineage`.
+    pub fn needs_lineage(&self) -> bool {
+        matches!(self, Self::Revoke { .. } | Self::Complete(_))
+    }
+}
+
+/// A row whose status or ledger the decision changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowUpdate {
+    pub row: usize,
+    pub status: Status,
+    pub ledger: Ledger,
+}
+
+/// The target's columns a decision sets besides status and ledger.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TargetWrite {
+    None,
+    /// Accept: the host that records observations from now on.
+    Host(Option<AgentKey>),
+    /// Record: the request's observations are stored, and these counters.
+    Observations {
+        total: i64,
+        observed_units: i64,
+        metered: bool,
+        metered_uncharged: i64,
+    },
+    /// Complete: the judgment's stored facts.
+    Judged {
+        verdict: Verdict,
+        has_report: bool,
+        downgrades: u32,
+        claim: String,
+    },
+    /// Adjudicate: the principal's verdict.
+    Verdict(Verdict),
+}
+
+/// The facts of a completion receipt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompletedFacts {
+    pub judgment: Judgment,
+    /// Descendants the completion ended, each before its descendants.
+    pub ended: Vec<Id>,
+    pub claim: String,
+    pub has_report: bool,
+    pub result_digest: [u8; 32],
+    /// Units charged for the contract's own consumption.
+    pub consumed: i64,
+    /// Reported or metered units recorded but not charged.
+    pub claimed_excess: i64,
+    pub overspend: i64,
+    /// Units returned to the parent.
+    pub returned: i64,
+    pub delegate_key: AgentKey,
+    pub depth: u32,
+    /// Ids root first, then the contract's.
+    pub chain: Vec<Id>,
+    pub elapsed_ms: i64,
+}
+
+/// What one receipt says (the store adds ids, time and the signature).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReceiptBody {
+    /// The target expired; `ended` is it, then what ended with it.
+    Expired {
+        ended: Vec<Id>,
+    },
+    /// Open descendant `id` ended because `cause` did.
+    Cascaded {
+        id: Id,
+        status: Status,
+        cause: Id,
+    },
+    Accepted,
+    Declined {
+        reason: String,
+        ended: Vec<Id>,
+    },
+    Escalated {
+        reason: String,
+        ended: Vec<Id>,
+        notice: EscalationNotice,
+    },
+    Revoked {
+        reason: String,
+        ended: Vec<Id>,
+    },
+    Observed {
+        count: u32,
+    },
+    Completed(Box<CompletedFacts>),
+    Adjudicated {
+        verdict: Verdict,
+        reason: String,
+    },
+}
+
+impl ReceiptBody {
+    /// The status this receipt ends its contract with, if it ends one.
+    pub fn ends(&self) -> Option<Status> {
+        match self {
+            Self::Expired { .. } => Some(Status::Expired),
+            Self::Cascaded { status, .. } => Some(*status),
+            Self::Declined { .. } => Some(Status::Declined),
+            Self::Escalated { .. } => Some(Status::Unresolvable),
+            Self::Revoked { .. } => Some(Status::Revoked),
+            Self::Completed(_) => Some(Status::Completed),
+            Self::Accepted | Self::Observed { .. } | Self::Adjudicated { .. } => None,
+        }
+    }
+}
+
+/// One receipt to sign, about `rows[row]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedReceipt {
+    pub row: usize,
+    /// It answers the command's signed request, which is logged with it.
+    pub answers_request: bool,
+    pub body: ReceiptBody,
+}
+
+/// Why a command is refused. The store maps each to a stable reason.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// The signer is not the delegate; says what it tried.
+    #[error("only the contract's delegate may {0}")]
+    NotDelegate(&'static str),
+    #[error("only the contract's host may record observations")]
+    NotHost,
+    #[error("only the holder of an ancestor contract may revoke it")]
+    NotAncestor,
+    #[error("only the contract's principal may adjudicate it")]
+    NotPrincipal,
+    #[error("the contract already names another host")]
+    HostMismatch,
+    #[error(transparent)]
+    Invalid(InputError),
+    #[error("a root has no principal to return it to")]
+    Root,
+    #[error("the contract is {}", .0.as_str())]
+    Ended(Status),
+    #[error("only a completed contract awaiting the principal's verdict can be adjudicated")]
+    NotPending,
+    #[error("metered units would exceed {MAX_BUDGET_UNITS} for one contract")]
+    MeteredLimit,
+    #[error("the contract would hold more than {MAX_OBSERVATIONS_PER_CONTRACT} observations")]
+    TooManyObservations,
+    /// Asked of an open contract past its deadline: it expired instead.
+    #[error("the contract's deadline {deadline_ms} passed; it has expired")]
+    Expired { deadline_ms: i64 },
+    /// The sweep found it no longer due (a completion raced it).
+    #[error("the contract is not overdue")]
+    NotOverdue,
+    #[error(transparent)]
+    Lifecycle(LifecycleError),
+    /// Host observations arrived after the judgment: judge again.
+    #[error("the completion's judgment is stale")]
+    StaleJudgment,
+    /// The stored subtree broke the model's rules.
+    #[error("{0}")]
+    Corrupt(String),
+}
+
+impl From<TreeError> for Refused {
+    fn from(e: TreeError) -> Self {
+        match e {
+            TreeError::Lifecycle(l) => Self::Lifecycle(l),
+            other => Self::Corrupt(other.to_string()),
+        }
+    }
+}
+
+/// Everything one command does, to be written as it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Rows whose status or ledger changed.
+    pub updates: Vec<RowUpdate>,
+    pub write: TargetWrite,
+    /// Receipts in the order they are to be numbered.
+    pub receipts: Vec<PlannedReceipt>,
+    /// The answer: the receipt (index in `receipts`) or why not. A refusal
+    /// may still carry writes: an overdue contract expires on access.
+    pub answer: Result<usize, Refused>,
+}
+
+impl Decision {
+    fn refused(why: Refused) -> Self {
+        Self {
+            updates: Vec::new(),
+            write: TargetWrite::None,
+            receipts: Vec::new(),
+            answer: Err(why),
+        }
+    }
+
+    /// Rows whose cached state this decision made stale.
+    pub fn changed(&self, target: usize) -> Vec<usize> {
+        let mut rows: Vec<usize> = self.updates.iter().map(|u| u.row).collect();
+        if matches!(self.write, TargetWrite::Verdict(_)) && !rows.contains(&target) {
+            rows.push(target);
+        }
+        rows
+    }
+}
+
+/// A completion may be judged (off the writer) only for the delegate of
+/// an open contract, before its deadline: nobody else can make the broker
+/// judge, and anything else is refused without a judgment.
+pub fn judgment_due(target: &Facts, signer: &AgentKey, received_at_ms: i64) -> bool {
+    target.status.is_open() && target.delegate_key == *signer && received_at_ms < target.deadline_ms
+}
+
+/// A host must be a key other than the delegate's: a delegate that is its
+/// own host would observe, and so judge, itself. One rule for Delegate and
+/// Accept.
+pub fn check_host(delegate: &AgentKey, host: &AgentKey) -> Result<(), InputError> {
+    if host == delegate {
+        return Err(InputError::new(
+            "body.host_public_key",
+            "must differ from the delegate's key: a delegate may not observe itself",
+        ));
+    }
+    Ok(())
+}
+
+/// Decides `action`, asked by `signer` (`None`: the broker itself), of
+/// `subtree`'s target at `now_ms`.
+pub fn decide(
+    subtree: &Subtree,
+    signer: Option<&AgentKey>,
+    action: &Action<'_>,
+    now_ms: i64,
+) -> Decision {
+    let target = subtree.target();
+    // Expiry on access: an open contract past its deadline expires now
+    // (its reservation returns), whatever was asked of it but revocation.
+    if target.status.is_open()
+        && now_ms >= target.deadline_ms
+        && !matches!(action, Action::Revoke { .. })
+    {
+        return expire_on_access(subtree, action, now_ms);
+    }
+    let is_delegate = signer == Some(&target.delegate_key);
+    match action {
+        Action::Expire => Decision::refused(Refused::NotOverdue),
+        Action::Accept { host } => {
+            if !is_delegate {
+                return Decision::refused(Refused::NotDelegate("accept it"));
+            }
+            let host_key = match (target.host_key, host) {
+                (Some(named), Some(asked)) if named != *asked => {
+                    return Decision::refused(Refused::HostMismatch);
+                }
+                (named, asked) => named.or(*asked),
+            };
+            if let Some(host) = &host_key
+                && let Err(e) = check_host(&target.delegate_key, host)
+            {
+                return Decision::refused(Refused::Invalid(e));
+            }
+            ending(subtree, |tree, t| {
+                tree.accept(t, now_ms).map(|()| Vec::new())
+            })
+            .finish(TargetWrite::Host(host_key), |_, _| ReceiptBody::Accepted)
+        }
+        Action::Decline { reason } | Action::Escalate { reason } => {
+            let escalate = matches!(action, Action::Escalate { .. });
+            if !is_delegate {
+                return Decision::refused(Refused::NotDelegate("do this"));
+            }
+            if subtree.is_root() {
+                return Decision::refused(Refused::Root);
+            }
+            let reason = (*reason).to_owned();
+            let step = ending(subtree, |tree, t| {
+                if escalate {
+                    tree.escalate(t, now_ms)
+                } else {
+                    tree.decline(t, now_ms)
+                }
+            });
+            step.finish(TargetWrite::None, |tree, ended| {
+                if escalate {
+                    // The principal (the parent, row 0) after settlement.
+                    let principal = &tree.nodes()[0];
+                    let notice = principal.ledger.escalation_notice(
+                        principal.deadline_ms,
+                        now_ms,
+                        target.min_retry_cost,
+                        target.min_retry_latency_ms,
+                    );
+                    ReceiptBody::Escalated {
+                        reason,
+                        ended,
+                        notice,
+                    }
+                } else {
+                    ReceiptBody::Declined { reason, ended }
+                }
+            })
+        }
+        Action::Revoke { reason } => {
+            // Principals: the delegates of every strict ancestor; for a
+            // root, the orchestrator that opened it.
+            let mut principals: Vec<&AgentKey> = subtree
+                .lineage
+                .iter()
+                .filter(|(id, _)| *id != target.id)
+                .map(|(_, k)| k)
+                .collect();
+            if subtree.is_root() {
+                principals.push(&target.delegate_key);
+            }
+            if !signer.is_some_and(|s| may_revoke(s, principals)) {
+                return Decision::refused(Refused::NotAncestor);
+            }
+            let reason = (*reason).to_owned();
+            ending(subtree, |tree, t| tree.revoke(t, now_ms)).finish(
+                TargetWrite::None,
+                |_, ended| ReceiptBody::Revoked { reason, ended },
+            )
+        }
+        Action::Record { count, units } => record(subtree, signer, *count, *units),
+        Action::Complete(facts) => complete(subtree, is_delegate, facts, now_ms),
+        Action::Adjudicate { verdict, reason } => {
+            let principal = match target.parent {
+                Some(p) => subtree.rows[p].delegate_key,
+                None => target.delegate_key,
+            };
+            if signer != Some(&principal) {
+                return Decision::refused(Refused::NotPrincipal);
+            }
+            if target.status != Status::Completed
+                || target.verdict != Some(Verdict::PendingPrincipal)
+            {
+                return Decision::refused(Refused::NotPending);
+            }
+            Decision {
+                updates: Vec::new(),
+                write: TargetWrite::Verdict(*verdict),
+                receipts: vec![PlannedReceipt {
+                    row: subtree.target,
+                    answers_request: true,
+                    body: ReceiptBody::Adjudicated {
+                        verdict: *verdict,
+                        reason: (*reason).to_owned(),
+                    },
+                }],
+                answer: Ok(0),
+            }
+        }
+    }
+}
+
+fn expire_on_access(subtree: &Subtree, action: &Action<'_>, now_ms: i64) -> Decision {
+    let target = subtree.target();
+    let step = ending(subtree, |tree, t| tree.expire(t, now_ms));
+    let mut decision = match step.outcome {
+        // The stored target is open and overdue: expiring cannot fail but
+        // on rows that break the model's rules.
+        Err(e) => return Decision::refused(Refused::Corrupt(e.to_string())),
+        Ok(ended) => {
+            let ids = ended_ids(subtree, &ended);
+            let mut receipts = cascades(subtree, &ended);
+            receipts.push(PlannedReceipt {
+                row: subtree.target,
+                answers_request: false,
+                body: ReceiptBody::Expired { ended: ids },
+            });
+            Decision {
+                updates: updates(subtree, &step.tree),
+                write: TargetWrite::None,
+                answer: Ok(receipts.len() - 1),
+                receipts,
+            }
+        }
+    };
+    if !matches!(action, Action::Expire) {
+        decision.answer = Err(Refused::Expired {
+            deadline_ms: target.deadline_ms,
+        });
+    }
+    decision
+}
+
+fn record(subtree: &Subtree, signer: Option<&AgentKey>, count: usize, units: i64) -> Decision {
+    let target = subtree.target();
+    if target.host_key.is_none() || signer != target.host_key.as_ref() {
+        return Decision::refused(Refused::NotHost);
+    }
+    if !target.status.is_open() {
+        return Decision::refused(Refused::Ended(target.status));
+    }
+    let total = target
+        .observations
+        .saturating_add(i64::try_from(count).unwrap_or(i64::MAX));
+    if total > MAX_OBSERVATIONS_PER_CONTRACT {
+        return Decision::refused(Refused::TooManyObservations);
+    }
+    // Each unit count is at most MAX_BUDGET_UNITS (validated); the total
+    // per contract is capped too, so ending it can always settle.
+    let observed_units = target.observed_units.saturating_add(units);
+    if observed_units > MAX_BUDGET_UNITS {
+        return Decision::refused(Refused::MeteredLimit);
+    }
+    // Metered units leave the residual now; the contract's end charges
+    // nothing of them again.
+    let host = if target.host_named_at_delegate {
+        HostChoice::Principal
+    } else {
+        HostChoice::Delegate
+    };
+    let mut tree = subtree.model();
+    let uncharged = match tree.meter(subtree.target, units, host) {
+        Ok(u) => u,
+        Err(e) => return Decision::refused(Refused::Corrupt(format!("metering: {e}"))),
+    };
+    Decision {
+        updates: updates(subtree, &tree),
+        write: TargetWrite::Observations {
+            total,
+            observed_units,
+            metered: target.metered || units > 0,
+            metered_uncharged: target.metered_uncharged.saturating_add(uncharged),
+        },
+        receipts: vec![PlannedReceipt {
+            row: subtree.target,
+            answers_request: true,
+            body: ReceiptBody::Observed {
+                count: u32::try_from(count).unwrap_or(u32::MAX),
+            },
+        }],
+        answer: Ok(0),
+    }
+}
+
+fn complete(
+    subtree: &Subtree,
+    is_delegate: bool,
+    facts: &CompleteFacts<'_>,
+    now_ms: i64,
+) -> Decision {
+    let target = subtree.target();
+    if !is_delegate {
+        return Decision::refused(Refused::NotDelegate("complete it"));
+    }
+    if let Err(e) = transition(target.status, Event::Complete, target.deadline_ms, now_ms) {
+        return Decision::refused(Refused::Lifecycle(e));
+    }
+    // The writer never judges: a judgment made before host observations
+    // it has not seen goes back to be made again, off the writer.
+    let judgment = match facts.judgment {
+        Some((judgment, seen)) if seen == target.observations => judgment,
+        _ => return Decision::refused(Refused::StaleJudgment),
+    };
+    let consumption = if target.metered {
+        Consumption::Metered
+    } else {
+        Consumption::Reported(judgment.consumed)
+    };
+    let step = ending(subtree, |tree, t| tree.complete(t, consumption, now_ms));
+    let own = step
+        .outcome
+        .as_ref()
+        .ok()
+        .and_then(|ended| ended.iter().find(|e| e.id == subtree.target).copied());
+    let write = TargetWrite::Judged {
+        verdict: judgment.verdict,
+        has_report: facts.has_report,
+        downgrades: u32::try_from(judgment.refused.len()).unwrap_or(u32::MAX),
+        claim: facts.claim.to_owned(),
+    };
+    step.finish(write, |_, ended| {
+        ReceiptBody::Completed(Box::new(CompletedFacts {
+            judgment: judgment.clone(),
+            ended: ended.into_iter().skip(1).collect(),
+            claim: facts.claim.to_owned(),
+            has_report: facts.has_report,
+            result_digest: facts.result_digest,
+            consumed: if target.metered {
+                judgment.consumed.saturating_sub(target.metered_uncharged)
+            } else {
+                own.map_or(0, |e| e.charged_at_end)
+            },
+            claimed_excess: if target.metered {
+                target.metered_uncharged
+            } else {
+                own.map_or(0, |e| e.unverified_excess)
+            },
+            overspend: own.and_then(|e| e.overspend).map_or(0, |o| o.excess),
+            returned: own.and_then(|e| e.settlement).map_or(0, |s| s.returned),
+            delegate_key: target.delegate_key,
+            depth: target.depth,
+            chain: subtree.lineage.iter().map(|(id, _)| *id).collect(),
+            elapsed_ms: facts.received_at_ms.saturating_sub(target.issued_at_ms),
+        }))
+    })
+}
+
+/// A model operation on the target, before its receipt is known.
+struct Step<'a> {
+    subtree: &'a Subtree,
+    tree: Tree,
+    outcome: Result<Vec<Ended>, TreeError>,
+}
+
+fn ending<'a>(
+    subtree: &'a Subtree,
+    op: impl FnOnce(&mut Tree, usize) -> Result<Vec<Ended>, TreeError>,
+) -> Step<'a> {
+    let mut tree = subtree.model();
+    let outcome = op(&mut tree, subtree.target);
+    Step {
+        subtree,
+        tree,
+        outcome,
+    }
+}
+
+impl Step<'_> {
+    /// The decision: the descendants' cascade receipts, then the target's
+    /// receipt built by `body` from the settled model and the ended ids
+    /// (the target first, each before its descendants).
+    fn finish(
+        self,
+        write: TargetWrite,
+        body: impl FnOnce(&Tree, Vec<Id>) -> ReceiptBody,
+    ) -> Decision {
+        let ended = match self.outcome {
+            Ok(ended) => ended,
+            Err(e) => return Decision::refused(e.into()),
+        };
+        let mut receipts = cascades(self.subtree, &ended);
+        receipts.push(PlannedReceipt {
+            row: self.subtree.target,
+            answers_request: true,
+            body: body(&self.tree, ended_ids(self.subtree, &ended)),
+        });
+        Decision {
+            updates: updates(self.subtree, &self.tree),
+            write,
+            answer: Ok(receipts.len() - 1),
+            receipts,
+        }
+    }
+}
+
+/// A receipt for every open descendant that ended with the target,
+/// deepest first (a receipt per transition: Watch streams of those
+/// subtrees see it).
+fn cascades(subtree: &Subtree, ended: &[Ended]) -> Vec<PlannedReceipt> {
+    let cause = subtree.target().id;
+    ended
+        .iter()
+        .filter(|e| e.id != subtree.target)
+        .map(|e| PlannedReceipt {
+            row: e.id,
+            answers_request: false,
+            body: ReceiptBody::Cascaded {
+                id: subtree.rows[e.id].id,
+                status: e.status,
+                cause,
+            },
+        })
+        .collect()
+}
+
+/// Contracts a transition ended: the target first, then the open
+/// descendants it ended (`Tree::end` reports them deepest first; reversed,
+/// every contract comes before its descendants).
+fn ended_ids(subtree: &Subtree, ended: &[Ended]) -> Vec<Id> {
+    let mut ids: Vec<Id> = ended.iter().rev().map(|e| subtree.rows[e.id].id).collect();
+    ids.dedup();
+    ids
+}
+
+fn updates(subtree: &Subtree, tree: &Tree) -> Vec<RowUpdate> {
+    subtree
+        .rows
+        .iter()
+        .zip(tree.nodes())
+        .enumerate()
+        .filter(|(_, (row, node))| row.status != node.status || row.ledger != node.ledger)
+        .map(|(i, (_, node))| RowUpdate {
+            row: i,
+            status: node.status,
+            ledger: node.ledger,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+#[path = "decide_tests.rs"]
+mod tests;
