@@ -5,12 +5,13 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use delegation_broker::command::{HopTrust, NewChild, NewRoot, RequestMeta};
 use delegation_broker::core::{
     ChildAsk, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status, check_delegation,
 };
 use delegation_broker::crypto::{self, payload_type};
 use delegation_broker::pb;
-use delegation_broker::stamp::{HopTrust, NewChild, NewRoot, RequestMeta, Stamper};
+use delegation_broker::stamp::Stamper;
 use delegation_broker::store::recent::RecentRequests;
 
 /// A request payload about the size of the load generator's Delegate.

@@ -285,11 +285,12 @@ fn conjoin(index: usize, inherited: &str, own: &str) -> Result<String, ChainErro
 #[doc(hidden)]
 pub mod fixture {
     use super::BrokerKeys;
+    use crate::command::{HopTrust, NewChild, NewRoot, RequestMeta};
     use crate::core::limits::PPM_ONE;
     use crate::core::{ChildAsk, ChildTerms, Liability, Policy, Predicate, Scope};
     use crate::crypto;
     use crate::pb;
-    use crate::stamp::{HopTrust, NewChild, NewRoot, RequestMeta, Stamper};
+    use crate::stamp::Stamper;
 
     /// What one hop asks for.
     pub struct Hop {

@@ -5,6 +5,7 @@ pub mod chain;
 pub mod cli;
 pub mod client;
 pub mod clock;
+pub mod command;
 pub mod config;
 pub mod core;
 pub mod crypto;

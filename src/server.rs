@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::clock::{Clock, SystemClock};
+use crate::command::{Action, LifecycleCommand};
 use crate::config::Config;
 use crate::crypto;
 use crate::keystore;
@@ -15,7 +16,6 @@ use crate::pb;
 use crate::service::BrokerService;
 use crate::stamp::Stamper;
 use crate::store::Store;
-use crate::store::lifecycle::{Action, LifecycleCommand};
 use crate::store::sqlite::{SqliteOptions, SqliteStore, WAL_RESTART_BYTES};
 
 /// The SQLite database's file name inside the data directory.
@@ -29,6 +29,9 @@ pub enum ServerError {
     Store(#[from] crate::store::StoreError),
     #[error("reflection: {0}")]
     Reflection(String),
+    /// The blocking task that loads (or creates) the signing keys failed.
+    #[error("loading the signing keys failed: {0}")]
+    KeyLoading(String),
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
     /// The configured certificate or key is unusable.
@@ -84,7 +87,7 @@ pub async fn run_with_options(
     let data_dir = config.data_dir.clone();
     let keyring = tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
         .await
-        .map_err(|e| ServerError::Reflection(format!("key loading panicked: {e}")))??;
+        .map_err(|e| ServerError::KeyLoading(e.to_string()))??;
     let current = keyring.current.verifying_key().to_bytes();
     let mut keys = vec![pb::BrokerKey {
         key_id: crypto::key_id(&current),

@@ -8,71 +8,11 @@ use std::sync::Arc;
 use ed25519_dalek::SigningKey;
 use prost::Message;
 
+use crate::command::{NewChild, NewRoot, RequestMeta};
 use crate::core::lifecycle::ReceiptBody;
-use crate::core::{
-    AgentKey, ChildAsk, ChildTerms, Id, Liability, Policy, Predicate, Refusal, Scope, Status,
-};
+use crate::core::{ChildTerms, Id, Liability, Policy, Refusal, Status};
 use crate::crypto::{self, payload_type};
 use crate::pb;
-
-/// Where a hop's trust factor came from, for its contract.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HopTrust {
-    pub source: pb::TrustSource,
-    /// SHA-256 of the attestation payload, when one vouched.
-    pub attestation_digest: Option<[u8; 32]>,
-    pub risk_class: String,
-}
-
-/// The signed request a stamp answers, for binding and idempotency.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RequestMeta {
-    /// The signer.
-    pub agent: AgentKey,
-    /// Idempotency key, unique per agent.
-    pub nonce: Vec<u8>,
-    /// SHA-256 of PAE(payload_type, payload) of the signed request.
-    pub digest: [u8; 32],
-    /// The signed header's timestamp (the agent's clock, unix ms).
-    pub timestamp_ms: i64,
-}
-
-/// A root the orchestrator asked for, validated.
-#[derive(Clone, Debug)]
-pub struct NewRoot {
-    pub request: RequestMeta,
-    pub intent: String,
-    pub task: String,
-    pub budget: i64,
-    pub deadline_ms: i64,
-    pub policy: Policy,
-    pub predicate: Predicate,
-    pub write_scope: Scope,
-    /// The run's labels, inherited by the whole tree.
-    pub labels: std::collections::BTreeMap<String, String>,
-    /// The issuing call's trace context, when it was traced (see
-    /// `telemetry::TraceContext`).
-    pub trace: Option<crate::telemetry::TraceContext>,
-}
-
-/// A child a holder asked for, validated (not yet checked against its
-/// parent: that happens in the store's transaction).
-#[derive(Clone, Debug)]
-pub struct NewChild {
-    pub request: RequestMeta,
-    pub parent_id: Id,
-    pub ask: ChildAsk,
-    pub task: String,
-    pub delegate_key: AgentKey,
-    pub trust: HopTrust,
-    /// The host that will execute the delegate, if named at delegation.
-    pub host: Option<AgentKey>,
-    /// JSON Schema the output must satisfy (validated to compile); empty
-    /// for none.
-    pub result_schema_json: String,
-    /// The issuing call's trace context, when it was traced.
-    pub trace: Option<crate::telemetry::TraceContext>,
-}
 
 /// A signed payload ready to store and send.
 #[derive(Clone, Debug)]

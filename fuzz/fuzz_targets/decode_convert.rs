@@ -39,7 +39,7 @@ use delegation_broker::pb;
 use delegation_broker::service::auth::{Authenticated, SignedBody, authenticate};
 use delegation_broker::service::convert::{self, VerifiedAttestations};
 use delegation_broker::service::error::{MAX_STATUS_MESSAGE_BYTES, ServiceError};
-use delegation_broker::store::lifecycle::Action;
+use delegation_broker::command::Action;
 use ed25519_dalek::SigningKey;
 use fuzz_support::{
     DEEP_STACK_BYTES, WORKER_STACK_BYTES, cel, json, note, on_stack, path, schema, word,

@@ -405,7 +405,7 @@ pub struct RunTotals {
     pub discovered: u64,
     pub evidence: u64,
     /// Contracts that completed with a typed report.
-    pub runs_with_report: u64,
+    pub contracts_with_report: u64,
     pub false_completions: u64,
     pub claim_violations: u64,
     pub mutations: u64,
@@ -425,8 +425,8 @@ impl RunTotals {
         self.contracts = self.contracts.saturating_add(1);
         self.discovered = self.discovered.saturating_add(audit.discovered_paths);
         self.evidence = self.evidence.saturating_add(audit.evidence_paths);
-        self.runs_with_report = self
-            .runs_with_report
+        self.contracts_with_report = self
+            .contracts_with_report
             .saturating_add(u64::from(audit.has_report == Some(true)));
         self.false_completions = self
             .false_completions
@@ -445,7 +445,7 @@ pub struct GroupRow {
     pub contracts: u64,
     pub discovered: u64,
     pub evidence: u64,
-    pub runs_with_report: u64,
+    pub contracts_with_report: u64,
     pub false_completions: u64,
     pub claim_violations: u64,
     pub mutations: u64,
@@ -471,7 +471,9 @@ impl GroupRow {
         self.contracts = self.contracts.saturating_add(run.contracts);
         self.discovered = self.discovered.saturating_add(run.discovered);
         self.evidence = self.evidence.saturating_add(run.evidence);
-        self.runs_with_report = self.runs_with_report.saturating_add(run.runs_with_report);
+        self.contracts_with_report = self
+            .contracts_with_report
+            .saturating_add(run.contracts_with_report);
         self.false_completions = self.false_completions.saturating_add(run.false_completions);
         self.claim_violations = self.claim_violations.saturating_add(run.claim_violations);
         self.mutations = self.mutations.saturating_add(run.mutations);
@@ -487,7 +489,7 @@ impl GroupRow {
 
     fn with_rates(mut self) -> Self {
         self.discovery_rate = ratio(self.discovered, self.evidence);
-        self.false_completion_rate = ratio(self.false_completions, self.runs_with_report);
+        self.false_completion_rate = ratio(self.false_completions, self.contracts_with_report);
         self.claim_violations_per_mutation = ratio(self.claim_violations, self.mutations);
         self.spent_over_granted = (self.budget_granted > 0)
             .then(|| self.budget_spent as f64 / self.budget_granted as f64);
@@ -910,7 +912,7 @@ mod tests {
             });
         }
         assert_eq!(
-            (t.contracts, t.runs_with_report, t.false_completions),
+            (t.contracts, t.contracts_with_report, t.false_completions),
             (3, 1, 1)
         );
         assert_eq!(

@@ -6,7 +6,7 @@ use super::ledger::Ledger;
 use super::predicate::Predicate;
 use super::scope::Scope;
 use super::trust;
-use super::{AgentKey, Liability, Policy, Status};
+use super::{AgentKey, InputError, Liability, Policy, Status};
 
 /// Stable invariant codes; the discriminant is the wire value and the
 /// precedence (lowest first) of a refusal's primary reason.
@@ -155,6 +155,36 @@ pub struct ChildTerms {
     /// For DELEGATE: parent's effective predicate ∧ own; else own alone.
     pub effective_predicate: Predicate,
     pub cumulative_trust_ppm: u32,
+}
+
+/// The request's fields that are malformed only in the light of its
+/// parent, checked before the invariants: the tree's policy may demand
+/// that the principal names the child's host, and a liability-transferring
+/// child's effective predicate (the ancestors' conjunction and its own)
+/// must fit `MAX_EFFECTIVE_PREDICATE_BYTES`. Errors name the field.
+pub fn check_child_fields(
+    parent: &ParentView,
+    ask: &ChildAsk,
+    host_named: bool,
+) -> Result<(), InputError> {
+    if parent.policy.require_host && !host_named {
+        return Err(InputError::new(
+            "body.host_public_key",
+            "this tree's policy (require_host) needs the principal to name the child's host",
+        ));
+    }
+    if ask.liability == Liability::Delegate
+        && Predicate::conjoin(&parent.effective_predicate, &ask.predicate).is_none()
+    {
+        return Err(InputError::new(
+            "body.predicate",
+            format!(
+                "the effective predicate (the ancestors' conjunction and this one) would exceed {} bytes",
+                super::limits::MAX_EFFECTIVE_PREDICATE_BYTES
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks all fifteen invariants. Returns the child's terms, or a refusal

@@ -148,7 +148,7 @@ pub fn groups(runs: &[RunTotals], group_by: &[String]) -> Vec<pb::AuditGroup> {
             discovered_paths: g.discovered,
             evidence_paths: g.evidence,
             discovery_rate: g.discovery_rate,
-            with_report: g.runs_with_report,
+            with_report: g.contracts_with_report,
             false_completions: g.false_completions,
             false_completion_rate: g.false_completion_rate,
             claim_violations: g.claim_violations,

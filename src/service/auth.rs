@@ -5,11 +5,11 @@
 use prost::Message;
 
 use super::error::ServiceError;
+use crate::command::RequestMeta;
 use crate::core::limits::{MAX_NONCE_BYTES, MIN_NONCE_BYTES};
 use crate::core::{AgentKey, InputError};
 use crate::crypto;
 use crate::pb;
-use crate::stamp::RequestMeta;
 
 /// A verified request body and who signed it.
 pub struct Authenticated<T> {

@@ -3,6 +3,7 @@
 
 use prost::Message;
 
+use crate::command::{HopTrust, NewChild, NewRoot, RequestMeta};
 use crate::config::{Limits, TrustConfig};
 use crate::core::limits::{
     MAX_BUDGET_UNITS, MAX_CHANNEL_BYTES, MAX_HORIZON_MS, MAX_RISK_CLASS_BYTES, MAX_TEXT_BYTES,
@@ -10,7 +11,6 @@ use crate::core::limits::{
 use crate::core::{self, ChildAsk, Id, InputError, Liability, Policy, Predicate, Scope, trust};
 use crate::crypto::{self, payload_type};
 use crate::pb;
-use crate::stamp::{HopTrust, NewChild, NewRoot, RequestMeta};
 use crate::store::ContractRecord;
 
 /// An optional 32-byte ed25519 key: empty means none.
@@ -348,6 +348,7 @@ fn status_to_pb(status: core::Status) -> pb::ContractStatus {
 /// Lifecycle bodies → the store's command, one validator per body.
 pub mod lifecycle {
     use super::{id, optional_key};
+    use crate::command::{Action, CompleteArgs, ObservationIn};
     use crate::core::judge::{self, Verdict};
     use crate::core::limits::{
         MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_REQUEST, MAX_OBSERVED_PATH_BYTES, MAX_REASON_BYTES,
@@ -355,7 +356,6 @@ pub mod lifecycle {
     };
     use crate::core::{self, Id, InputError};
     use crate::pb;
-    use crate::store::lifecycle::{Action, CompleteArgs, ObservationIn};
 
     fn reason(text: &str, field: &'static str) -> Result<String, InputError> {
         core::text(text, MAX_REASON_BYTES, false, field)?;

@@ -15,6 +15,7 @@ use prost::Message;
 use tonic::{Request, Response, Status};
 
 use crate::clock::Clock;
+use crate::command::{Action, LifecycleCommand};
 use crate::config::{Config, RootDenied};
 use crate::core::InputError;
 use crate::core::limits::{
@@ -22,7 +23,6 @@ use crate::core::limits::{
 };
 use crate::pb;
 use crate::pb::broker_server::Broker;
-use crate::store::lifecycle::{Action, LifecycleCommand};
 use crate::store::{Answer, Event, Outcome, Store};
 use crate::telemetry;
 use auth::authenticate;

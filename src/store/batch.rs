@@ -10,11 +10,12 @@ use std::sync::Arc;
 use prost::Message;
 
 use super::{Answer, Outcome, StoreError};
+use crate::command::{NewChild, NewRoot, RequestMeta};
 use crate::core::{
     self, AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status,
 };
 use crate::pb;
-use crate::stamp::{NewChild, NewRoot, RequestMeta, StampedContract, Stamper};
+use crate::stamp::{StampedContract, Stamper};
 
 /// Outcome codes of the `requests` table.
 pub const OUTCOME_ISSUED: i64 = 1;
@@ -38,7 +39,7 @@ pub enum Command {
     Delegate(Box<NewChild>, Option<Box<Speculation>>),
     /// Applied after the batch's issuances (see `super::lifecycle`): within
     /// one batch, commands were concurrent, so any order is a valid one.
-    Lifecycle(Box<super::lifecycle::LifecycleCommand>),
+    Lifecycle(Box<crate::command::LifecycleCommand>),
 }
 
 impl Command {
@@ -438,26 +439,8 @@ fn delegate(
             what: "parent contract",
             id: hex::encode(child.parent_id),
         })?;
-    // The tree's policy, not the request, decides whether a host is due.
-    if parent.view.policy.require_host && child.host.is_none() {
-        return Err(StoreError::Invalid(core::InputError::new(
-            "body.host_public_key",
-            "this tree's policy (require_host) needs the principal to name the child's host",
-        )));
-    }
-    // The conjunction's size depends on the parent: only here can an
-    // over-long one be told apart from a missing predicate.
-    if child.ask.liability == Liability::Delegate
-        && Predicate::conjoin(&parent.view.effective_predicate, &child.ask.predicate).is_none()
-    {
-        return Err(StoreError::Invalid(core::InputError::new(
-            "body.predicate",
-            format!(
-                "the effective predicate (the ancestors' conjunction and this one) would exceed {} bytes",
-                core::limits::MAX_EFFECTIVE_PREDICATE_BYTES
-            ),
-        )));
-    }
+    core::invariants::check_child_fields(&parent.view, &child.ask, child.host.is_some())
+        .map_err(StoreError::Invalid)?;
     match core::check_delegation(&parent.view, &child.ask, now_ms) {
         Ok(terms) => {
             parent

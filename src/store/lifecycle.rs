@@ -13,6 +13,7 @@ use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
 
 use super::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey};
 use super::{Answer, Outcome, StoreError};
+use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{
     self, CompleteFacts, Decision, Facts, LifecycleError, Refused, Subtree, TargetWrite,
@@ -20,59 +21,7 @@ use crate::core::lifecycle::{
 use crate::core::{AgentKey, Id, Ledger, Scope, Status};
 use crate::crypto;
 use crate::pb;
-use crate::stamp::{RequestMeta, Stamper};
-
-/// A lifecycle request, validated by the service.
-#[derive(Clone, Debug)]
-pub struct LifecycleCommand {
-    /// The signed request; `None` for the broker's own expiry sweep.
-    pub request: Option<RequestMeta>,
-    pub contract_id: Id,
-    pub action: Action,
-}
-
-#[derive(Clone, Debug)]
-pub enum Action {
-    Accept { host: Option<AgentKey> },
-    Decline { reason: String },
-    Complete(Box<CompleteArgs>),
-    Adjudicate { verdict: Verdict, reason: String },
-    Escalate { reason: String },
-    Revoke { reason: String },
-    Record { observations: Vec<ObservationIn> },
-    Expire,
-}
-
-#[derive(Clone, Debug)]
-pub struct CompleteArgs {
-    /// The output exactly as sent (its digest is receipted).
-    pub output_json: String,
-    pub output: serde_json::Value,
-    pub has_report: bool,
-    pub claim: String,
-    pub reported_consumed: i64,
-    /// When the broker received the completion: `result.elapsed_ms` is
-    /// measured to here, wherever and whenever it is judged (queueing in
-    /// the broker does not count against the delegate). `None`: when the
-    /// writer handles it.
-    pub received_at_ms: Option<i64>,
-    /// Judged before the command reached the writer (see `JudgeInputs`);
-    /// `None` and the writer judges.
-    pub prejudged: Option<PreJudged>,
-}
-
-/// A completion judged outside the writer, so that schema validation and
-/// CEL evaluation never hold up everyone's writes.
-#[derive(Clone, Debug)]
-pub struct PreJudged {
-    /// The contract's observation count the judgment saw. Observations are
-    /// the only input of a judgment that changes after issuance (the
-    /// predicate, scope and schema are sealed in the contract, and elapsed
-    /// time is measured to `CompleteArgs::received_at_ms`), so the writer
-    /// uses the judgment only if the count is still this.
-    pub observations: i64,
-    pub judgment: judge::Judgment,
-}
+use crate::stamp::Stamper;
 
 /// Everything judging a completion of one contract reads from the store,
 /// loaded on a read connection.
@@ -149,16 +98,6 @@ fn judge_completion(
         schema: schema.as_ref(),
     };
     judge::judge(effective_predicate, write_scope, &completion, observed)
-}
-
-/// One validated host observation.
-#[derive(Clone, Debug)]
-pub struct ObservationIn {
-    pub kind: pb::ObservationKind,
-    pub path: String,
-    pub tool: String,
-    pub units: i64,
-    pub at_ms: i64,
 }
 
 /// A contract row as lifecycle needs it.

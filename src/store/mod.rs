@@ -13,9 +13,9 @@ pub(crate) mod suite;
 
 use std::future::Future;
 
+use crate::command::{NewChild, NewRoot, RequestMeta};
 use crate::core::{Id, Ledger, Status};
 use crate::pb;
-use crate::stamp::{NewChild, NewRoot, RequestMeta};
 
 /// A stored contract as the broker holds it now.
 #[derive(Clone, Debug)]
@@ -236,7 +236,7 @@ pub trait Store: Send + Sync + 'static {
     /// request's nonce.
     fn transition(
         &self,
-        command: lifecycle::LifecycleCommand,
+        command: crate::command::LifecycleCommand,
     ) -> impl Future<Output = Result<Answer, StoreError>> + Send;
     /// Signed events (issued contracts, receipts) of the subtree under
     /// `contract`, after `cursor`, in commit order; at most `limit`, and no

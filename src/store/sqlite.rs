@@ -44,16 +44,18 @@ use std::collections::HashMap;
 use sqlx::{QueryBuilder, Sqlite};
 
 use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey, Speculation};
-use super::lifecycle::{Action, CompleteArgs, JudgeInputs, LifecycleCommand};
+use super::lifecycle::JudgeInputs;
 use super::recent::RecentRequests;
 use super::{
     Answer, AuditFacts, ContractRecord, Event, IssuingParent, Outcome, RunFacts, Store, StoreError,
     TreeMutations,
 };
 use crate::clock::Clock;
+use crate::command::{Action, CompleteArgs, LifecycleCommand};
+use crate::command::{NewChild, NewRoot, RequestMeta};
 use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
 use crate::pb;
-use crate::stamp::{NewChild, NewRoot, RequestMeta, Stamper};
+use crate::stamp::Stamper;
 
 /// Tunables of the embedded store.
 #[derive(Clone, Debug)]
@@ -490,9 +492,7 @@ impl SqliteStore {
         self.commands
             .try_send((command, reply))
             .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => {
-                    StoreError::Overloaded("writer queue is full")
-                }
+                mpsc::error::TrySendError::Full(_) => StoreError::Busy,
                 mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
             })?;
         answer.await.map_err(|_| StoreError::Closed)?
@@ -2615,7 +2615,7 @@ mod tests {
             }
             args.prejudged = Some(before);
             if observe_first {
-                let observation = super::super::lifecycle::ObservationIn {
+                let observation = crate::command::ObservationIn {
                     kind: pb::ObservationKind::Mutation,
                     path: "etc/passwd".into(),
                     tool: "shell".into(),
@@ -2977,7 +2977,9 @@ mod tests {
             }
         }
         match store.open_root(test_root(next_meta())).await {
-            Err(StoreError::Overloaded(_)) => {}
+            // Busy: UNAVAILABLE for the client, which standard retry
+            // policies retry (with the same nonce, safely).
+            Err(StoreError::Busy) => {}
             other => panic!("a full writer queue must refuse, not grow: {other:?}"),
         }
         set_gate(true);
@@ -3157,7 +3159,7 @@ mod tests {
             request: Some(meta(30, 5)),
             contract_id: child,
             action: Action::Record {
-                observations: vec![super::super::lifecycle::ObservationIn {
+                observations: vec![crate::command::ObservationIn {
                     kind: pb::ObservationKind::Mutation,
                     path: "/etc/passwd".into(),
                     tool: String::new(),

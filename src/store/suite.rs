@@ -8,9 +8,9 @@
 use prost::Message;
 
 use super::{Answer, Event, Outcome, Store, StoreError};
+use crate::command::{NewChild, NewRoot, RequestMeta};
 use crate::core::{Id, Liability, Policy, Predicate, Scope};
 use crate::pb;
-use crate::stamp::{NewChild, NewRoot, RequestMeta};
 
 pub fn test_root(request: RequestMeta) -> NewRoot {
     NewRoot {
@@ -71,7 +71,7 @@ pub fn test_child(asker: u8, nonce: u8, parent_id: Id, delegate: u8, predicate: 
         },
         task: String::new(),
         delegate_key: [delegate; 32],
-        trust: crate::stamp::HopTrust {
+        trust: crate::command::HopTrust {
             source: pb::TrustSource::StaticTable,
             attestation_digest: None,
             risk_class: String::new(),
