@@ -5,7 +5,6 @@
 //! Only this module knows sqlx.
 
 pub mod batch;
-pub mod lifecycle;
 pub mod recent;
 pub mod sqlite;
 #[cfg(test)]

@@ -11,8 +11,6 @@ use prost::Message;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
 
-use super::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey};
-use super::{Answer, Outcome, StoreError};
 use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{
@@ -22,6 +20,8 @@ use crate::core::{AgentKey, Id, Ledger, Scope, Status};
 use crate::crypto;
 use crate::pb;
 use crate::stamp::Stamper;
+use crate::store::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey};
+use crate::store::{Answer, Outcome, StoreError};
 
 /// Everything judging a completion of one contract reads from the store,
 /// loaded on a read connection.
@@ -391,7 +391,7 @@ pub async fn apply(
     command: &LifecycleCommand,
     prior: &HashMap<RequestKey, PriorRequest>,
     stamper: &Stamper,
-    trees: &super::TreeChanges,
+    trees: &crate::store::TreeChanges,
     next_seq: &mut i64,
     now_ms: i64,
 ) -> Result<Applied, sqlx::Error> {
@@ -399,7 +399,7 @@ pub async fn apply(
         && let Some(earlier) = prior.get(&(request.agent, request.nonce.clone()))
     {
         return Ok(Applied {
-            answer: super::batch::replayed(earlier, request),
+            answer: crate::store::batch::replayed(earlier, request),
             changed: Vec::new(),
         });
     }
@@ -432,7 +432,7 @@ async fn write(
     rows: &[Loaded],
     command: &LifecycleCommand,
     stamper: &Stamper,
-    trees: &super::TreeChanges,
+    trees: &crate::store::TreeChanges,
     next_seq: &mut i64,
     now_ms: i64,
 ) -> Result<Applied, sqlx::Error> {

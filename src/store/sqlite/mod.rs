@@ -1,0 +1,556 @@
+//! The embedded store: SQLite in WAL mode, every answer fsynced.
+//!
+//! All writes go through one writer task that owns the only write
+//! connection and commits in groups: it takes every command queued while
+//! the previous batch was being written (up to `max_batch`), applies them
+//! in order inside one transaction — each seeing the effects of the ones
+//! before it — and commits. Most batches reach SQLite as a single script,
+//! BEGIN to COMMIT (see `apply_batch`). Reads use a separate pool of
+//! read-only connections (WAL readers never block the writer).
+//!
+//! Durability is pipelined, not traded. SQLite runs with
+//! `synchronous=NORMAL`, so a commit writes its WAL frames without waiting
+//! for the disk; a second thread, the syncer, then fsyncs the WAL file and
+//! only after that sends the batch's answers, while the writer is already
+//! writing the next batch. One fsync covers every batch committed before
+//! it. Nothing leaves the store before it is on disk: answers wait for the
+//! syncer, Watch is woken by it, and every read waits, after its query,
+//! until the last commit it could have seen is durable (`Durability`).
+//! (SQLite itself still syncs the WAL before each checkpoint and the
+//! database after it, and the WAL header when the WAL is reused.) If an
+//! fsync fails the store stops: after a failed fsync the kernel may have
+//! dropped the dirty pages, so only a restart (recovery from the disk)
+//! knows what is durable.
+//!
+//! The SQL is portable (positional `$n` parameters, no SQLite-only syntax)
+//! so the PostgreSQL backend can share it.
+
+mod audit;
+mod checkpoint;
+mod durability;
+mod judge;
+mod lifecycle;
+mod migrate;
+mod reads;
+mod rows;
+mod script;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use self::checkpoint::*;
+use self::durability::*;
+use self::judge::*;
+use self::lifecycle::JudgeInputs;
+use self::migrate::*;
+use self::rows::*;
+use self::script::*;
+use self::writer::*;
+pub use audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
+pub use checkpoint::WAL_RESTART_BYTES;
+pub use durability::{SLOW_WAL_SYNC_US, WAL_SYNCS, WalSyncSnapshot, WalSyncStats};
+
+use std::os::unix::fs::MetadataExt;
+
+use std::path::{Path, PathBuf};
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use std::time::Duration;
+
+use prost::Message;
+
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
+};
+
+use sqlx::{Connection, Row};
+
+use tokio::sync::{mpsc, oneshot};
+
+use std::collections::HashMap;
+
+use sqlx::{QueryBuilder, Sqlite};
+
+use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey, Speculation};
+
+use super::recent::RecentRequests;
+
+use super::{
+    Answer, AuditFacts, ContractRecord, Event, IssuingParent, Outcome, RunFacts, Store, StoreError,
+    TreeMutations,
+};
+
+use crate::clock::Clock;
+
+use crate::command::{Action, CompleteArgs, LifecycleCommand};
+
+use crate::command::{NewChild, NewRoot, RequestMeta};
+
+use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
+
+use crate::pb;
+
+use crate::stamp::Stamper;
+
+/// Tunables of the embedded store.
+#[derive(Clone, Debug)]
+pub struct SqliteOptions {
+    /// The database file; created on first start.
+    pub path: PathBuf,
+    /// Commands that may wait for the writer; beyond it callers get
+    /// RESOURCE_EXHAUSTED instead of unbounded memory growth.
+    pub queue_depth: usize,
+    /// Most commands committed together.
+    pub max_batch: usize,
+    /// Read-only connections for queries.
+    pub read_connections: u32,
+    /// WAL size past which the writer finishes a checkpoint so the WAL
+    /// restarts (`WAL_RESTART_BYTES` in production; tests lower it).
+    pub wal_restart_bytes: u64,
+    /// Request-log entries older than this (ms) are deleted by the writer
+    /// (see `prune_requests`).
+    pub request_log_retention_ms: i64,
+    /// The broker's timestamp window (`limits.timestamp_window_ms`): how
+    /// far back the writer's recent-request set must reach.
+    pub timestamp_window_ms: i64,
+    /// Most rows (contracts, observations, receipts) one audit read may load
+    /// (`MAX_AUDIT_ROWS` in production; tests lower it).
+    pub max_audit_rows: i64,
+    /// Most bytes of envelopes and paths one audit read may load
+    /// (`MAX_AUDIT_BYTES` in production; tests lower it).
+    pub max_audit_bytes: usize,
+    /// Fault injection for tests; `None` in production.
+    pub before_wal_sync: Option<BeforeWalSync>,
+    /// Test hook run on a judge thread before each judgment; `None` in
+    /// production.
+    pub before_judge: Option<BeforeJudge>,
+    /// Longest a completion waits for its judgment, queueing for a judge
+    /// included (`JUDGMENT_DEADLINE_MS` in production; tests lower it).
+    pub judgment_deadline_ms: u64,
+    /// Where the writer and syncer report batch sizes and fsyncs (the
+    /// server's `/metrics`); `None` reports nowhere.
+    pub metrics: Option<crate::metrics::StoreMetrics>,
+}
+
+/// Runs on the syncer before each WAL fsync; an error counts as a failed
+/// fsync, and blocking holds the syncer. Lets tests reach the paths a real
+/// disk rarely takes (a failed fsync, a slow one).
+#[derive(Clone)]
+pub struct BeforeWalSync(pub Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>);
+
+impl std::fmt::Debug for BeforeWalSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeforeWalSync(..)")
+    }
+}
+
+/// Runs on a judge thread before it judges (see `prejudge`); blocking
+/// holds the thread and its permit. Lets tests see how many judge at once.
+#[derive(Clone)]
+pub struct BeforeJudge(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for BeforeJudge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeforeJudge(..)")
+    }
+}
+
+type Reply = oneshot::Sender<Result<Answer, StoreError>>;
+
+/// Contracts' status and ledger as the writer last planned them. The writer
+/// owns every write, so it is authoritative for the writer; callers read it
+/// only to stamp speculatively (see `batch::Speculation`).
+type KnownCache = Arc<Mutex<KnownMap>>;
+
+/// SQLite-backed `Store`.
+#[derive(Clone)]
+pub struct SqliteStore {
+    /// Queue to the single writer task; it exits when every clone is gone.
+    commands: mpsc::Sender<(Command, Reply)>,
+    /// Read-only connections for queries.
+    reader: SqlitePool,
+    known: KnownCache,
+    /// Signs speculative stamps on the caller's task, in parallel.
+    stamper: Arc<Stamper>,
+    clock: Arc<dyn Clock>,
+    /// Which commits are durable; every read waits on it.
+    durability: Durability,
+    /// Which trees got events recently (the writer's, shared).
+    trees: super::TreeChanges,
+    /// The threads that judge completions, `MAX_CONCURRENT_JUDGMENTS` of
+    /// them with deep stacks (CEL recurses); they stop when every clone of
+    /// the store is gone.
+    judges: crate::pool::WorkPool,
+    /// `SqliteOptions::judgment_deadline_ms`.
+    judgment_deadline: Duration,
+    /// Completions being judged, one per contract (a second one waits for
+    /// the first to be answered).
+    judging_contracts: Arc<crate::slots::Slots<Id>>,
+    /// Completions being judged per signing key: one delegate cannot take
+    /// every judge.
+    judging_signers: Arc<crate::slots::Slots<AgentKey>>,
+    /// `SqliteOptions::before_judge`.
+    before_judge: Option<BeforeJudge>,
+    /// `SqliteOptions::max_audit_rows`.
+    max_audit_rows: i64,
+    /// `SqliteOptions::max_audit_bytes`.
+    max_audit_bytes: usize,
+}
+
+fn backend(e: sqlx::Error) -> StoreError {
+    StoreError::Backend(e.to_string())
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database, migrates it and starts the
+    /// writer task.
+    pub async fn open(
+        options: SqliteOptions,
+        stamper: Arc<Stamper>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, StoreError> {
+        let connect = SqliteConnectOptions::new()
+            .filename(&options.path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // Commits do not wait for the disk; the syncer fsyncs the WAL
+            // before any answer leaves (see the module docs).
+            .synchronous(SqliteSynchronous::Normal)
+            // 16 MiB of page cache: the recent (hot) end of every index
+            // stays in memory. Not more: while the database is under 1 GiB,
+            // SQLite scans the whole cache at the end of every write
+            // transaction (B-tree balancing briefly files a page under the
+            // lock page's number, 1 GiB / page size, and the commit then
+            // drops cached pages past the database's end by a full scan),
+            // so a bigger cache costs every commit (measured: 3% of all CPU
+            // at 64 MiB, ~100 µs per commit at 16 MiB). Readers' caches
+            // are flushed whenever the WAL changed anyway.
+            .pragma("cache_size", "-16384")
+            // Checkpoints run on their own connection (see `checkpointer`),
+            // not inside the writer's commits.
+            .pragma("wal_autocheckpoint", "0")
+            // Multi-row statements need a statement journal (to undo a
+            // half-applied statement); in memory it costs a copy, on disk a
+            // write per page.
+            .pragma("temp_store", "MEMORY")
+            // Multi-row statements differ by row count: one cached
+            // statement per count, or every batch re-parses its SQL.
+            .statement_cache_capacity(STATEMENT_CACHE_CAPACITY)
+            .busy_timeout(Duration::from_secs(10));
+        let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
+        let max_batch = options.max_batch.max(1);
+        let known = KnownCache::default();
+        // The writer gets a thread and runtime of its own: its many short
+        // waits on SQLite must not queue behind request handlers busy with
+        // signature work, or every batch's round trips stretch out.
+        let (durable_tx, durable) = tokio::sync::watch::channel(0u64);
+        let committed = Arc::new(AtomicU64::new(0));
+        let (synced, sync_queue) = mpsc::channel(MAX_UNSYNCED_BATCHES);
+        let wal_path = wal_path_of(&options.path);
+        let before_wal_sync = options.before_wal_sync.clone();
+        let syncer_metrics = options.metrics.clone();
+        std::thread::Builder::new()
+            .name("store-syncer".into())
+            .spawn(move || {
+                syncer(
+                    &wal_path,
+                    sync_queue,
+                    durable_tx,
+                    before_wal_sync,
+                    syncer_metrics,
+                )
+            })
+            .map_err(|e| StoreError::Backend(format!("syncer thread: {e}")))?;
+        let writer_committed = committed.clone();
+        let writer_metrics = options.metrics.clone();
+        let finish_checkpoint = Arc::new(AtomicBool::new(false));
+        let writer_finish = finish_checkpoint.clone();
+        let retention_ms = options.request_log_retention_ms;
+        let timestamp_window_ms = options.timestamp_window_ms;
+        let (ready, writer_ready) = oneshot::channel();
+        let trees = super::TreeChanges::default();
+        let writer_trees = trees.clone();
+        let (writer_known, writer_stamper, writer_clock, writer_connect) = (
+            known.clone(),
+            stamper.clone(),
+            clock.clone(),
+            connect.clone(),
+        );
+        std::thread::Builder::new()
+            .name("store-writer".into())
+            // The writer never judges (see `prejudge`), but it stamps and
+            // checks what clients sent; a deep stack keeps any recursion in
+            // those far from the limit.
+            .stack_size(WRITER_STACK_BYTES)
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ =
+                            ready.send(Err(StoreError::Backend(format!("writer runtime: {e}"))));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    let (mut writer, next_seq) = match open_writer(&writer_connect).await {
+                        Ok(opened) => opened,
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    };
+                    let recent =
+                        load_recent(&mut writer, timestamp_window_ms, writer_clock.now_ms()).await;
+                    let _ = ready.send(Ok(()));
+                    let state = WriterState {
+                        known: writer_known,
+                        trees: writer_trees,
+                        next_seq,
+                        committed: writer_committed,
+                        synced,
+                        recent,
+                        retention_ms,
+                        next_prune: std::time::Instant::now(),
+                        finish_checkpoint: writer_finish,
+                        metrics: writer_metrics,
+                    };
+                    writer_loop(
+                        &mut writer,
+                        queue,
+                        state,
+                        writer_stamper,
+                        writer_clock,
+                        max_batch,
+                    )
+                    .await;
+                    if let Err(e) = writer.close().await {
+                        tracing::warn!(error = %e, "closing the writer connection");
+                    }
+                });
+            })
+            .map_err(|e| StoreError::Backend(format!("writer thread: {e}")))?;
+        writer_ready.await.map_err(|_| StoreError::Closed)??;
+        let checkpoints = SqliteConnection::connect_with(&connect)
+            .await
+            .map_err(backend)?;
+        tokio::spawn(checkpointer(
+            checkpoints,
+            commands.downgrade(),
+            finish_checkpoint,
+            options.wal_restart_bytes,
+        ));
+        let reader = SqlitePoolOptions::new()
+            .max_connections(options.read_connections.max(1))
+            // SQLite's default 2 MiB: a reader's cache is emptied at the
+            // start of every read after a commit, so more would only hold
+            // memory.
+            .connect_with(connect.read_only(true).pragma("cache_size", "-2048"))
+            .await
+            .map_err(backend)?;
+        Ok(Self {
+            commands,
+            reader,
+            known,
+            trees,
+            stamper,
+            clock,
+            durability: Durability { committed, durable },
+            judges: crate::pool::WorkPool::start(
+                "store-judge",
+                MAX_CONCURRENT_JUDGMENTS,
+                WRITER_STACK_BYTES,
+            )
+            .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?,
+            judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
+            judging_contracts: crate::slots::Slots::new(
+                usize::MAX,
+                "judgments",
+                1,
+                "JUDGMENT_IN_PROGRESS",
+            ),
+            judging_signers: crate::slots::Slots::new(
+                usize::MAX,
+                "judgments",
+                MAX_JUDGMENTS_PER_SIGNER,
+                "MAX_JUDGMENTS_PER_SIGNER",
+            ),
+            before_judge: options.before_judge.clone(),
+            max_audit_rows: options.max_audit_rows.max(1),
+            max_audit_bytes: options.max_audit_bytes.max(1),
+        })
+    }
+
+    /// Resolves when the store can no longer make anything durable: its
+    /// syncer stopped, after a failed fsync (the store refuses every write
+    /// from then on) or at shutdown. Holds only a watch receiver, so it
+    /// does not keep the store alive.
+    pub fn durability_lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut durable = self.durability.durable.clone();
+        async move { while durable.changed().await.is_ok() {} }
+    }
+
+    /// Contracts open or accepted now (one count over the status index).
+    pub async fn open_contracts(&self) -> Result<i64, StoreError> {
+        sqlx::query_scalar("SELECT COUNT(*) FROM contracts WHERE status IN ($1, $2)")
+            .bind(Status::Open as i64)
+            .bind(Status::Accepted as i64)
+            .fetch_one(&self.reader)
+            .await
+            .map_err(backend)
+    }
+
+    /// Commands waiting for the writer now (the write queue's depth).
+    pub fn queue_depth(&self) -> usize {
+        self.commands.max_capacity() - self.commands.capacity()
+    }
+
+    /// Stamps a child from the cached parent, so the signing happens here
+    /// rather than on the single writer. `None` when the parent is not
+    /// cached or the check (against possibly stale state) refuses.
+    fn speculate(&self, child: &NewChild) -> Option<Box<Speculation>> {
+        let view = {
+            let known = self.known.lock().ok()?;
+            known.get(&child.parent_id)?.view.clone()
+        };
+        let now_ms = self.clock.now_ms();
+        let terms = crate::core::check_delegation(&view, &child.ask, now_ms).ok()?;
+        let stamped = self
+            .stamper
+            .child(&view.intent_lineage_hash, child, &terms, now_ms);
+        Some(Box::new(Speculation { terms, stamped }))
+    }
+
+    async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .try_send((command, reply))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => StoreError::Busy,
+                mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
+            })?;
+        answer.await.map_err(|_| StoreError::Closed)?
+    }
+}
+
+impl Store for SqliteStore {
+    async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
+        let stamped = self.stamper.root(&root, self.clock.now_ms());
+        self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
+            .await
+    }
+
+    async fn delegate(&self, child: NewChild) -> Result<Answer, StoreError> {
+        let speculation = self.speculate(&child);
+        self.submit(Command::Delegate(Box::new(child), speculation))
+            .await
+    }
+
+    async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
+        judge::transition(self, command).await
+    }
+
+    async fn events(
+        &self,
+        contract: Id,
+        cursor: i64,
+        limit: u32,
+        max_bytes: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        reads::events(self, contract, cursor, limit, max_bytes).await
+    }
+
+    async fn audit_facts(
+        &self,
+        id: Id,
+    ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
+        audit::audit_facts(self, id).await
+    }
+
+    async fn is_party(&self, contract: Id, agent: AgentKey) -> Result<Option<bool>, StoreError> {
+        reads::is_party(self, contract, agent).await
+    }
+
+    async fn runs(
+        &self,
+        orchestrator: Option<AgentKey>,
+        selector: &std::collections::BTreeMap<String, String>,
+        limit: u32,
+    ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
+        audit::runs(self, orchestrator, selector, limit).await
+    }
+
+    fn commits(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.durability.durable.clone()
+    }
+
+    fn tree_changes(&self) -> super::TreeChanges {
+        self.trees.clone()
+    }
+
+    async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
+        reads::overdue(self, now_ms, limit).await
+    }
+
+    async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
+        reads::replay(self, request).await
+    }
+
+    async fn issuing_parent(&self, parent: Id) -> Result<Option<IssuingParent>, StoreError> {
+        reads::issuing_parent(self, parent).await
+    }
+
+    async fn issuance_trace(
+        &self,
+        id: Id,
+    ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
+        reads::issuance_trace(self, id).await
+    }
+
+    async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
+        reads::contract(self, id).await
+    }
+
+    async fn children(
+        &self,
+        parent: Id,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: usize,
+    ) -> Result<Vec<ContractRecord>, StoreError> {
+        reads::children(self, parent, after_seq, limit, max_bytes).await
+    }
+
+    async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
+        reads::receipt(self, id).await
+    }
+}
+
+/// Stack of the writer thread (see where it is spawned).
+const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
+
+/// Most contracts the writer keeps in memory between batches, by count and
+/// by bytes (`KnownMap::bytes`); beyond either the cache is dropped and
+/// reloaded on demand.
+const MAX_CACHED_CONTRACTS: usize = 65_536;
+
+const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
+
+/// Prepared statements kept per connection (see where it is set).
+const STATEMENT_CACHE_CAPACITY: usize = 1_024;
+
+/// Locks the cache. A panic while holding it (a bug) must not wedge the
+/// broker: the cache is only an accelerator, so a poisoned one is cleared.
+fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
+    known.lock().unwrap_or_else(|poisoned| {
+        let mut guard = poisoned.into_inner();
+        guard.clear();
+        guard
+    })
+}

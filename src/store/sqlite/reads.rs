@@ -1,0 +1,208 @@
+//! Reads: contracts, children, receipts, events for Watch, parties,
+//! replays and the writer-cache-backed parent lookup. Every read waits for
+//! the durability of what it could have seen (`Durability::settle`).
+
+use super::*;
+
+pub(super) async fn events(
+    store: &SqliteStore,
+    contract: Id,
+    cursor: i64,
+    limit: u32,
+    max_bytes: usize,
+) -> Result<Vec<Event>, StoreError> {
+    use tokio_stream::StreamExt;
+    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let mut rows = sqlx::query(
+        "WITH RECURSIVE sub(seq) AS (\
+             SELECT seq FROM contracts WHERE id = $1 \
+             UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
+         SELECT seq, 1 AS kind, envelope FROM contract_envelopes \
+             WHERE seq > $2 AND seq IN (SELECT seq FROM sub) \
+         UNION ALL \
+         SELECT seq, 2 AS kind, envelope FROM receipts \
+             WHERE seq > $2 AND contract_seq IN (SELECT seq FROM sub) \
+         ORDER BY seq LIMIT $3",
+    )
+    .bind(contract.as_slice())
+    .bind(cursor)
+    .bind(i64::from(limit))
+    .fetch(&mut *conn);
+    // Rows are pulled one at a time and the page ends at its byte
+    // budget: a page never holds more than about `max_bytes`.
+    let mut events = Vec::new();
+    let mut bytes = 0usize;
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(backend)?;
+        let cursor: i64 = row.try_get("seq").map_err(backend)?;
+        let kind: i64 = row.try_get("kind").map_err(backend)?;
+        let envelope = decode_envelope(&row, "envelope")?;
+        bytes = bytes.saturating_add(envelope.encoded_len());
+        events.push(if kind == 1 {
+            Event::Contract { cursor, envelope }
+        } else {
+            Event::Receipt { cursor, envelope }
+        });
+        if bytes >= max_bytes {
+            break;
+        }
+    }
+    drop(rows);
+    drop(conn);
+    store.durability.settle().await?;
+    Ok(events)
+}
+pub(super) async fn is_party(
+    store: &SqliteStore,
+    contract: Id,
+    agent: AgentKey,
+) -> Result<Option<bool>, StoreError> {
+    let row = sqlx::query(
+        "SELECT EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = c.root_seq AND d.delegate_key = $2) \
+             OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = c.root_seq AND h.host_key = $2) AS party \
+         FROM contracts c WHERE c.id = $1",
+    )
+    .bind(contract.as_slice())
+    .bind(agent.as_slice())
+    .fetch_optional(&store.reader)
+    .await
+    .map_err(backend)?;
+    // Not settled: a party stays a party, and the read that follows
+    // settles before it answers.
+    row.map(|r| r.try_get::<bool, _>("party").map_err(backend))
+        .transpose()
+}
+pub(super) async fn overdue(
+    store: &SqliteStore,
+    now_ms: i64,
+    limit: u32,
+) -> Result<Vec<Id>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT id FROM contracts WHERE status IN ($1, $2) AND deadline_ms <= $3 ORDER BY deadline_ms LIMIT $4",
+    )
+    .bind(i64::from(Status::Open.as_i32()))
+    .bind(i64::from(Status::Accepted.as_i32()))
+    .bind(now_ms)
+    .bind(i64::from(limit))
+    .fetch_all(&store.reader)
+    .await
+    .map_err(backend)?;
+    store.durability.settle().await?;
+    rows.iter().map(|r| id_column(r, "id")).collect()
+}
+pub(super) async fn replay(
+    store: &SqliteStore,
+    request: &RequestMeta,
+) -> Result<Option<Answer>, StoreError> {
+    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let key = (request.agent, request.nonce.clone());
+    let mut prior = load_prior_requests(&mut conn, std::slice::from_ref(&key))
+        .await
+        .map_err(backend)?;
+    drop(conn);
+    store.durability.settle().await?;
+    prior
+        .remove(&key)
+        .map(|p| batch::replayed(&p, request))
+        .transpose()
+}
+pub(super) async fn issuing_parent(
+    store: &SqliteStore,
+    parent: Id,
+) -> Result<Option<IssuingParent>, StoreError> {
+    if let Some(known) = lock(&store.known).get(&parent) {
+        return Ok(Some(IssuingParent {
+            delegate_key: known.view.delegate_key,
+            effective_predicate: known.view.effective_predicate.clone(),
+            root_id: known.root_id,
+            depth: known.view.depth,
+        }));
+    }
+    // Not settled: what it reads never changes once written, and it is
+    // only used to refuse or to go on to the writer, which reads again.
+    let row = sqlx::query(
+        "SELECT delegate_key, effective_predicate, root_id, depth FROM contracts WHERE id = $1",
+    )
+    .bind(parent.as_slice())
+    .fetch_optional(&store.reader)
+    .await
+    .map_err(backend)?;
+    row.map(|r| {
+        Ok(IssuingParent {
+            delegate_key: id_column(&r, "delegate_key")?,
+            effective_predicate: Predicate::from_trusted(
+                r.try_get("effective_predicate").map_err(backend)?,
+            ),
+            root_id: id_column(&r, "root_id")?,
+            depth: u32::try_from(r.try_get::<i64, _>("depth").map_err(backend)?)
+                .map_err(|_| StoreError::Corrupt("depth".into()))?,
+        })
+    })
+    .transpose()
+}
+pub(super) async fn issuance_trace(
+    store: &SqliteStore,
+    id: Id,
+) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
+    let stored: Option<Option<Vec<u8>>> = sqlx::query_scalar(
+        "SELECT e.trace_context FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
+         WHERE c.id = $1",
+    )
+    .bind(id.as_slice())
+    .fetch_optional(&store.reader)
+    .await
+    .map_err(backend)?;
+    // Written once with the contract; a wrong length is not ours.
+    Ok(stored.flatten().and_then(|t| t.try_into().ok()))
+}
+pub(super) async fn contract(
+    store: &SqliteStore,
+    id: Id,
+) -> Result<Option<ContractRecord>, StoreError> {
+    let row = sqlx::query(SELECT_RECORD_BY_ID)
+        .bind(id.as_slice())
+        .fetch_optional(&store.reader)
+        .await
+        .map_err(backend)?;
+    store.durability.settle().await?;
+    row.map(|r| record_from_row(&r)).transpose()
+}
+pub(super) async fn children(
+    store: &SqliteStore,
+    parent: Id,
+    after_seq: i64,
+    limit: u32,
+    max_bytes: usize,
+) -> Result<Vec<ContractRecord>, StoreError> {
+    use tokio_stream::StreamExt;
+    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let mut rows = sqlx::query(SELECT_CHILDREN)
+        .bind(parent.as_slice())
+        .bind(after_seq)
+        .bind(i64::from(limit))
+        .fetch(&mut *conn);
+    // Pulled one at a time, up to the byte budget (see `events`).
+    let mut records = Vec::new();
+    let mut bytes = 0usize;
+    while let Some(row) = rows.next().await {
+        let record = record_from_row(&row.map_err(backend)?)?;
+        bytes = bytes.saturating_add(record.envelope.encoded_len());
+        records.push(record);
+        if bytes >= max_bytes {
+            break;
+        }
+    }
+    drop(rows);
+    drop(conn);
+    store.durability.settle().await?;
+    Ok(records)
+}
+pub(super) async fn receipt(store: &SqliteStore, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
+    let row = sqlx::query("SELECT envelope FROM receipts WHERE id = $1")
+        .bind(id.as_slice())
+        .fetch_optional(&store.reader)
+        .await
+        .map_err(backend)?;
+    store.durability.settle().await?;
+    row.map(|r| decode_envelope(&r, "envelope")).transpose()
+}

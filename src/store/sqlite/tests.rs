@@ -1,0 +1,1405 @@
+//! The SQLite backend's own behaviours: migrations, the writer and its
+//! group commit, durability, judging limits, checkpoints, audit budgets.
+
+use super::*;
+use crate::clock::SystemClock;
+use crate::core::limits::JUDGMENT_DEADLINE_MS;
+use crate::store::suite::{TEST_TIMESTAMP_MS, issued, meta, receipt, test_child, test_root};
+
+fn test_stamper() -> Arc<Stamper> {
+    Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
+        &[1u8; 32],
+    )))
+}
+
+/// A store on `path` with the test options and the system clock.
+async fn open_test_store(path: PathBuf, stamper: Arc<Stamper>) -> SqliteStore {
+    SqliteStore::open(test_options(path), stamper, Arc::new(SystemClock))
+        .await
+        .expect("open")
+}
+
+/// The store suite (`store::suite`) against SQLite.
+async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let stamper = test_stamper();
+    let store = open_test_store(dir.path().join("broker.sqlite3"), stamper).await;
+    (store, dir)
+}
+
+crate::store::suite::store_suite!(suite, super::open_suite_store);
+
+/// A database written by schema 1 (envelopes inside contract rows, the
+/// request log as a rowid table) migrates through every schema change
+/// with nothing lost — the contract keeps its envelope, its labels are
+/// indexed, the request log keeps its answer — and is then refused with
+/// a clear error rather than served: its contracts are signed in the
+/// format before linear chains (migration 10), which cannot be
+/// converted.
+#[tokio::test]
+async fn a_schema_1_database_migrates_without_losing_rows_then_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let connect = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal);
+    let (id, agent, nonce, digest) = ([7u8; 32], [9u8; 32], vec![5u8; 16], [3u8; 32]);
+    let envelope = b"an old-format signed contract".to_vec();
+    {
+        let mut conn = SqliteConnection::connect_with(&connect)
+            .await
+            .expect("connect");
+        sqlx::migrate!("./migrations/sqlite")
+            .run_to(1, &mut conn)
+            .await
+            .expect("schema 1");
+        sqlx::query(
+            "INSERT INTO contracts (seq, id, root_seq, root_id, depth, delegate_key, liability, \
+             intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, \
+             write_scope, max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, \
+             envelope, issued_at_ms, status, budget, reserved, spent, open_children, labels) \
+             VALUES (1, $1, 1, $1, 0, $2, 1, $1, 1000000, 'true', 1, '[]', 4, 0, 8, 0, $3, 1, \
+             1, 100, 0, 0, 0, '{\"arm\":\"a\",\"note\":\"say \\\"hi\\\" \\\\ é\"}')",
+        )
+        .bind(id.as_slice())
+        .bind(agent.as_slice())
+        .bind(envelope.as_slice())
+        .execute(&mut conn)
+        .await
+        .expect("schema-1 contract");
+        sqlx::query(
+            "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
+             VALUES ($1, $2, $3, 1, $4, 1)",
+        )
+        .bind(agent.as_slice())
+        .bind(nonce.as_slice())
+        .bind(digest.as_slice())
+        .bind(id.as_slice())
+        .execute(&mut conn)
+        .await
+        .expect("schema-1 request");
+        sqlx::migrate!("./migrations/sqlite")
+            .run_to(LINEAR_FORMAT_MIGRATION - 1, &mut conn)
+            .await
+            .expect("schema 9");
+        let (kept, budget): (Vec<u8>, i64) =
+            sqlx::query_as("SELECT envelope, budget FROM contracts_with_envelope WHERE id = $1")
+                .bind(id.as_slice())
+                .fetch_one(&mut conn)
+                .await
+                .expect("the contract");
+        assert_eq!((kept, budget), (envelope.clone(), 100));
+        // Its labels were indexed by migration 5.
+        let labels: Vec<(String, String)> =
+            sqlx::query_as("SELECT label_key, label_value FROM run_labels ORDER BY label_key")
+                .fetch_all(&mut conn)
+                .await
+                .expect("labels");
+        assert_eq!(
+            labels,
+            [
+                ("arm".to_owned(), "a".to_owned()),
+                ("note".to_owned(), "say \"hi\" \\ é".to_owned())
+            ]
+        );
+        let logged: (Vec<u8>, i64, Vec<u8>) = sqlx::query_as(
+            "SELECT body_digest, outcome, ref_id FROM requests WHERE agent_key = $1 AND nonce = $2",
+        )
+        .bind(agent.as_slice())
+        .bind(nonce.as_slice())
+        .fetch_one(&mut conn)
+        .await
+        .expect("the request log");
+        assert_eq!(logged, (digest.to_vec(), 1, id.to_vec()));
+        conn.close().await.expect("close");
+    }
+    let refused = SqliteStore::open(test_options(path), test_stamper(), Arc::new(SystemClock))
+        .await
+        .err()
+        .expect("an old-format database is refused");
+    assert!(
+        matches!(&refused, StoreError::Backend(m) if m.contains("1 contracts signed in the format used before linear chains")),
+        "{refused}"
+    );
+}
+
+/// Migration 7 puts an open contract's own metered units into its
+/// spent once, even where the old late-Accept bug had already written
+/// them in: spent is recomputed (own metered + ended children's spent).
+#[tokio::test]
+async fn migration_7_charges_metered_units_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let connect = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal);
+    {
+        let mut conn = SqliteConnection::connect_with(&connect)
+            .await
+            .expect("connect");
+        sqlx::migrate!("./migrations/sqlite")
+            .run_to(6, &mut conn)
+            .await
+            .expect("schema 6");
+        // (seq, parent, status, budget, reserved, spent, open children,
+        // metered units): root → A (accepted, metered 2, one ended
+        // child C that spent 7) → B (accepted, metered 4, whose spent
+        // the old bug already set to 4 when A accepted late).
+        type Row = (i64, Option<i64>, i64, i64, i64, i64, i64, i64);
+        let rows: [Row; 4] = [
+            (1, None, 2, 100, 60, 0, 1, 0),
+            (2, Some(1), 2, 60, 30, 7, 1, 2),
+            (3, Some(2), 2, 30, 0, 4, 0, 4),
+            (4, Some(2), 3, 10, 0, 7, 0, 0),
+        ];
+        for (seq, parent, status, budget, reserved, spent, open, units) in rows {
+            sqlx::query(
+                "INSERT INTO contracts (seq, id, parent_seq, root_seq, root_id, depth, delegate_key, \
+                 liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
+                 deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
+                 retry_headroom, issued_at_ms, status, budget, reserved, spent, open_children, \
+                 observed_units, metered) \
+                 VALUES ($1, $2, $3, 1, $2, 0, $2, 1, $2, 1000000, '', 1, '[]', 4, 0, 8, 0, 1, \
+                 $4, $5, $6, $7, $8, $9, $10)",
+            )
+            .bind(seq)
+            .bind(vec![u8::try_from(seq).expect("small"); 32])
+            .bind(parent)
+            .bind(status)
+            .bind(budget)
+            .bind(reserved)
+            .bind(spent)
+            .bind(open)
+            .bind(units)
+            .bind(i64::from(units > 0))
+            .execute(&mut conn)
+            .await
+            .expect("schema-6 contract");
+        }
+        sqlx::migrate!("./migrations/sqlite")
+            .run(&mut conn)
+            .await
+            .expect("migrated");
+        let spent: Vec<(i64, i64)> =
+            sqlx::query_as("SELECT seq, spent FROM contracts ORDER BY seq")
+                .fetch_all(&mut conn)
+                .await
+                .expect("read");
+        // B: 4 once (not 8); A: its own 2 plus C's 7; C ended: as it was.
+        assert_eq!(spent, [(1, 0), (2, 9), (3, 4), (4, 7)]);
+    }
+}
+
+fn test_options(path: PathBuf) -> SqliteOptions {
+    SqliteOptions {
+        path,
+        queue_depth: 256,
+        max_batch: 16,
+        read_connections: 1,
+        wal_restart_bytes: WAL_RESTART_BYTES,
+        request_log_retention_ms: i64::MAX,
+        // See `suite::TEST_TIMESTAMP_MS`.
+        timestamp_window_ms: 0,
+        max_audit_rows: MAX_AUDIT_ROWS,
+        max_audit_bytes: MAX_AUDIT_BYTES,
+        before_wal_sync: None,
+        before_judge: None,
+        judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+        metrics: None,
+    }
+}
+
+/// After a restart the writer's recent-request set is empty, so a
+/// retry takes the fast path, meets its own request-log row and must be
+/// redone the careful way: answered from the log, nothing issued twice.
+/// A reused nonce is refused as such even where the fast plan alone
+/// would have answered "unknown parent". (Each key below is the first
+/// the reopened writer sees, so each takes the fast path.)
+#[tokio::test]
+async fn requests_the_writer_forgot_are_still_answered_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let stamper = test_stamper();
+    let request = RequestMeta {
+        agent: [9u8; 32],
+        nonce: vec![5u8; 16],
+        digest: [3u8; 32],
+        timestamp_ms: TEST_TIMESTAMP_MS,
+    };
+    let other = RequestMeta {
+        nonce: vec![6u8; 16],
+        ..request.clone()
+    };
+    let first = {
+        let store = open_test_store(path.clone(), stamper.clone()).await;
+        store
+            .open_root(test_root(other.clone()))
+            .await
+            .expect("root");
+        let first = store
+            .open_root(test_root(request.clone()))
+            .await
+            .expect("root");
+        let Outcome::Issued { id: root, .. } = first.outcome else {
+            panic!("a root is issued");
+        };
+        issued(store.delegate(test_child(9, 7, root, 8, "true")).await);
+        first
+    };
+    assert!(!first.replayed);
+    let Outcome::Issued { id, .. } = first.outcome else {
+        panic!("a root is issued");
+    };
+    let store = open_test_store(path.clone(), stamper).await;
+    let reused = RequestMeta {
+        digest: [4u8; 32],
+        ..request.clone()
+    };
+    // The fast plan answers this one "unknown parent" and writes no log
+    // row, so only the lookup of its key finds the reuse.
+    let orphan = NewChild {
+        request: RequestMeta {
+            digest: [4u8; 32],
+            ..other.clone()
+        },
+        ..test_child(9, 6, [0xEE; 32], 8, "true")
+    };
+    assert!(matches!(
+        store.delegate(orphan).await,
+        Err(StoreError::NonceReused)
+    ));
+    let again = store
+        .open_root(test_root(request.clone()))
+        .await
+        .expect("retry");
+    assert!(again.replayed, "answered from the request log");
+    assert!(matches!(again.outcome, Outcome::Issued { id: same, .. } if same == id));
+    assert!(matches!(
+        store.open_root(test_root(reused.clone())).await,
+        Err(StoreError::NonceReused)
+    ));
+    // A forgotten Delegate retry: the fast plan reserved budget in the
+    // writer's cache before its insert failed; that must not stick.
+    let child_again = store
+        .delegate(test_child(9, 7, id, 8, "true"))
+        .await
+        .expect("retry");
+    assert!(child_again.replayed);
+    issued(store.delegate(test_child(9, 8, id, 8, "true")).await);
+    let root = store.contract(id).await.expect("read").expect("root");
+    assert_eq!(
+        (root.ledger.reserved, root.ledger.open_children),
+        (20, 2),
+        "two children of 10, the retry reserved nothing"
+    );
+    let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
+        .fetch_one(&store.reader)
+        .await
+        .expect("count");
+    assert_eq!(contracts, 4, "the retries issued nothing");
+}
+
+/// Completions are judged before they reach the writer. The writer
+/// trusts such a judgment only while the contract's observations are
+/// the ones it saw: one recorded in between (here a write outside the
+/// scope) makes the writer send it back to be judged again, off the
+/// writer, on what the host reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_judgment_made_before_an_observation_is_made_again() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let stamper = test_stamper();
+    let clock = Arc::new(SystemClock);
+    let store = SqliteStore::open(
+        test_options(dir.path().join("broker.sqlite3")),
+        stamper,
+        clock.clone(),
+    )
+    .await
+    .expect("open");
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let (delegate, host) = (20u8, 30u8);
+    let mut verdicts = Vec::new();
+    // (observe before completing, tamper with the early judgment)
+    for (i, (observe_first, tamper)) in [(false, false), (true, false), (false, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let i = u8::try_from(i).expect("three cases");
+        let child = issued(
+            store
+                .delegate(test_child(9, 10 + i, root, delegate, "result.within_scope"))
+                .await,
+        );
+        let transition = |nonce: u8, agent: u8, action: Action| {
+            Command::Lifecycle(Box::new(LifecycleCommand {
+                request: Some(meta(agent, nonce)),
+                contract_id: child,
+                action,
+            }))
+        };
+        let accepted = receipt(
+            store
+                .submit(transition(
+                    20 + i,
+                    delegate,
+                    Action::Accept {
+                        host: Some([host; 32]),
+                    },
+                ))
+                .await,
+        );
+        assert_eq!(accepted.kind, pb::ReceiptKind::Accepted as i32);
+        let mut args = CompleteArgs {
+            output_json: "{}".into(),
+            output: serde_json::json!({}),
+            has_report: false,
+            claim: "done".into(),
+            reported_consumed: 1,
+            received_at_ms: Some(clock.now_ms()),
+            prejudged: None,
+        };
+        let mut conn = store.reader.acquire().await.expect("reader");
+        let at_ms = clock.now_ms();
+        let stranger = JudgeInputs::load(&mut conn, &child, &[host; 32], at_ms).await;
+        assert!(
+            matches!(stranger, Ok(None)),
+            "only the delegate's completion is judged early"
+        );
+        let inputs = JudgeInputs::load(&mut conn, &child, &[delegate; 32], at_ms)
+            .await
+            .expect("inputs")
+            .expect("open contract");
+        drop(conn);
+        let mut before = inputs.judge(&args);
+        assert_eq!(
+            before.judgment.verdict,
+            crate::core::judge::Verdict::Accepted
+        );
+        if tamper {
+            // Shows which judgment the writer used.
+            before.judgment.verdict = crate::core::judge::Verdict::Rejected;
+        }
+        args.prejudged = Some(before);
+        if observe_first {
+            let observation = crate::command::ObservationIn {
+                kind: pb::ObservationKind::Mutation,
+                path: "etc/passwd".into(),
+                tool: "shell".into(),
+                units: 0,
+                at_ms: clock.now_ms(),
+            };
+            let recorded = receipt(
+                store
+                    .submit(transition(
+                        30 + i,
+                        host,
+                        Action::Record {
+                            observations: vec![observation],
+                        },
+                    ))
+                    .await,
+            );
+            assert_eq!(recorded.kind, pb::ReceiptKind::Observed as i32);
+        }
+        let completed = if observe_first {
+            // The writer does not judge: it sends the stale judgment
+            // back, and the store's front door judges again.
+            let answer = store
+                .submit(transition(
+                    40 + i,
+                    delegate,
+                    Action::Complete(Box::new(args.clone())),
+                ))
+                .await;
+            assert!(
+                matches!(answer, Err(StoreError::StaleJudgment)),
+                "{answer:?}"
+            );
+            receipt(
+                store
+                    .transition(LifecycleCommand {
+                        request: Some(meta(delegate, 40 + i)),
+                        contract_id: child,
+                        action: Action::Complete(Box::new(args)),
+                    })
+                    .await,
+            )
+        } else {
+            receipt(
+                store
+                    .submit(transition(
+                        40 + i,
+                        delegate,
+                        Action::Complete(Box::new(args)),
+                    ))
+                    .await,
+            )
+        };
+        let completion = completed.completion.expect("completion");
+        verdicts.push((completion.verdict, completion.within_scope));
+    }
+    assert_eq!(
+        verdicts,
+        [
+            (crate::core::judge::Verdict::Accepted.as_i32(), true),
+            (crate::core::judge::Verdict::Rejected.as_i32(), false),
+            (crate::core::judge::Verdict::Rejected.as_i32(), true),
+        ],
+        "a new observation: judged again; unchanged observations: the \
+         judgment made before is used (the writer does not judge again)"
+    );
+}
+
+/// Requests at once after a restart — retries the writer forgot, new
+/// requests, and duplicates among the new ones — share batches (the
+/// fast path's failure then redoes several commands at once); each is
+/// answered once and the parent's ledger counts each child once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_retries_and_new_requests_are_each_answered_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let stamper = test_stamper();
+    let (root, earlier) = {
+        let store = open_test_store(path.clone(), stamper.clone()).await;
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let mut earlier = Vec::new();
+        for nonce in 10..14 {
+            earlier.push(issued(
+                store.delegate(test_child(9, nonce, root, 8, "true")).await,
+            ));
+        }
+        (root, earlier)
+    };
+    let store = open_test_store(path, stamper).await;
+    // Retries of 10..14, new 20..24, and 20 and 21 twice.
+    let nonces: Vec<u8> = (10..14).chain(20..24).chain(20..22).collect();
+    let calls: Vec<_> = nonces
+        .iter()
+        .map(|&nonce| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let answer = store
+                    .delegate(test_child(9, nonce, root, 8, "true"))
+                    .await
+                    .expect("answered");
+                match answer.outcome {
+                    Outcome::Issued { id, .. } => (nonce, id, answer.replayed),
+                    Outcome::Receipt { .. } => panic!("nonce {nonce} refused"),
+                }
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for call in calls {
+        answers.push(call.await.expect("call"));
+    }
+    for (i, id) in earlier.iter().enumerate() {
+        let (_, answered, replayed) = answers[i];
+        assert_eq!((answered, replayed), (*id, true), "retry {i}");
+    }
+    for twin in [20u8, 21] {
+        let pair: Vec<_> = answers.iter().filter(|(n, _, _)| *n == twin).collect();
+        assert_eq!(pair.len(), 2);
+        assert_eq!(pair[0].1, pair[1].1, "one contract for nonce {twin}");
+        assert_eq!(
+            pair.iter().filter(|(_, _, replayed)| !*replayed).count(),
+            1,
+            "issued once, replayed once"
+        );
+    }
+    let ledger = store
+        .contract(root)
+        .await
+        .expect("read")
+        .expect("root")
+        .ledger;
+    assert_eq!((ledger.reserved, ledger.open_children), (80, 8));
+    let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
+        .fetch_one(&store.reader)
+        .await
+        .expect("count");
+    assert_eq!(contracts, 9);
+}
+
+/// After a restart the writer's recent-request set is filled from the
+/// request log (the last two windows), so it vouches for new keys at
+/// once and never for a key it committed before.
+#[tokio::test]
+async fn the_recent_set_is_reloaded_from_the_request_log() {
+    let (store, dir) = open_suite_store().await;
+    issued(store.open_root(test_root(meta(9, 1))).await);
+    drop(store);
+    let mut conn = SqliteConnection::connect_with(
+        &SqliteConnectOptions::new().filename(dir.path().join("broker.sqlite3")),
+    )
+    .await
+    .expect("connect");
+    const WINDOW_MS: i64 = 300_000;
+    let now_ms = SystemClock.now_ms();
+    let recent = load_recent(&mut conn, WINDOW_MS, now_ms).await;
+    assert!(
+        recent.may_contain(&[9u8; 32], &[1u8; 16], now_ms),
+        "committed before"
+    );
+    assert!(
+        !recent.may_contain(&[9u8; 32], &[2u8; 16], now_ms),
+        "never seen"
+    );
+    assert_eq!(recent.covered_since_ms(), now_ms - 2 * WINDOW_MS);
+}
+
+/// A store whose WAL fsyncs pass through `hook`.
+async fn open_hooked_store(
+    dir: &tempfile::TempDir,
+    hook: impl Fn() -> std::io::Result<()> + Send + Sync + 'static,
+) -> SqliteStore {
+    let mut options = test_options(dir.path().join("broker.sqlite3"));
+    options.before_wal_sync = Some(BeforeWalSync(Arc::new(hook)));
+    SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open")
+}
+
+/// A failed fsync fails every answer waiting on it and stops the store
+/// for good (after one the kernel may have dropped the pages; only a
+/// restart knows what is on disk); a restart recovers what was durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_fsync_fails_the_waiting_answers_and_stops_the_store() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let failing = Arc::new(AtomicBool::new(false));
+    let hook = failing.clone();
+    let store = open_hooked_store(&dir, move || {
+        if hook.load(Ordering::SeqCst) {
+            Err(std::io::Error::other("injected fsync failure"))
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+    let durable_root = issued(store.open_root(test_root(meta(9, 1))).await);
+    // The writer's first request-log prune follows that batch and is
+    // synced on its own; let it be durable first, so that the next
+    // fsync is the one of the next batch.
+    let mut durable = store.durability.durable.clone();
+    durable
+        .wait_for(|d| *d >= 2)
+        .await
+        .expect("batch and prune synced");
+    failing.store(true, Ordering::SeqCst);
+    match store.open_root(test_root(meta(9, 2))).await {
+        Err(StoreError::Backend(e)) => assert!(e.contains("fsync"), "{e}"),
+        other => panic!("the answer must carry the fsync failure: {other:?}"),
+    }
+    assert!(
+        store.open_root(test_root(meta(9, 3))).await.is_err(),
+        "a store whose fsync failed takes no more writes"
+    );
+    drop(store);
+    let store = open_test_store(dir.path().join("broker.sqlite3"), test_stamper()).await;
+    assert!(store.contract(durable_root).await.expect("read").is_some());
+}
+
+/// Nothing a crash could undo is shown: while the syncer is held, a
+/// read that would see a committed but unsynced child waits, and the
+/// child's own answer waits too; both come once the fsync is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_wait_for_the_fsync_of_what_they_would_show() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let gate = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
+    let held = gate.clone();
+    let store = open_hooked_store(&dir, move || {
+        let (open, changed) = &*held;
+        let mut open = open.lock().expect("gate");
+        while !*open {
+            open = changed.wait(open).expect("gate");
+        }
+        Ok(())
+    })
+    .await;
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let set_gate = |value: bool| {
+        let (open, changed) = &*gate;
+        *open.lock().expect("gate") = value;
+        changed.notify_all();
+    };
+    set_gate(false);
+    let before = store.durability.committed.load(Ordering::SeqCst);
+    let writer = {
+        let store = store.clone();
+        tokio::spawn(async move { store.delegate(test_child(9, 2, root, 8, "true")).await })
+    };
+    // Wait until the child is committed: its number is taken and its
+    // row is visible to a raw read (one that does not wait).
+    loop {
+        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
+            .fetch_one(&store.reader)
+            .await
+            .expect("count");
+        if rows == 2 && store.durability.committed.load(Ordering::SeqCst) > before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let reader = {
+        let store = store.clone();
+        tokio::spawn(async move { store.children(root, 0, 10, usize::MAX).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!reader.is_finished(), "a read returned unsynced state");
+    assert!(!writer.is_finished(), "an answer left before its fsync");
+    set_gate(true);
+    let child = issued(writer.await.expect("writer"));
+    let children = reader.await.expect("reader").expect("children");
+    assert_eq!(children.iter().map(|c| c.id).collect::<Vec<_>>(), [child]);
+}
+
+/// A stuck disk bounds memory instead of growing it: while the syncer
+/// is held, the writer commits at most `MAX_UNSYNCED_BATCHES` (plus
+/// the group the syncer holds and the one it is handing over) and
+/// then waits; commands queue up to `queue_depth`, and the next one is
+/// refused as overloaded. Once the disk is back, every queued command
+/// is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
+    const QUEUE_DEPTH: usize = 8;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let gate = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
+    let held = gate.clone();
+    let mut options = test_options(dir.path().join("broker.sqlite3"));
+    options.queue_depth = QUEUE_DEPTH;
+    options.before_wal_sync = Some(BeforeWalSync(Arc::new(move || {
+        let (open, changed) = &*held;
+        let mut open = open.lock().expect("gate");
+        while !*open {
+            open = changed.wait(open).expect("gate");
+        }
+        Ok(())
+    })));
+    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    issued(store.open_root(test_root(meta(1, 0))).await);
+    let set_gate = |value: bool| {
+        let (open, changed) = &*gate;
+        *open.lock().expect("gate") = value;
+        changed.notify_all();
+    };
+    set_gate(false);
+    let before = store.durability.committed.load(Ordering::SeqCst);
+    // One command at a time, so that each is a batch of its own; stop
+    // when the writer no longer commits.
+    let mut pending = Vec::new();
+    let mut nonce = 0u16;
+    let mut next_meta = || {
+        nonce += 1;
+        let [agent, n] = nonce.to_be_bytes();
+        meta(agent.wrapping_add(2), n)
+    };
+    let limit = MAX_UNSYNCED_BATCHES + 3;
+    let stalled = loop {
+        // Read before the command goes in, so a quick commit is seen.
+        let seen = store.durability.committed.load(Ordering::SeqCst);
+        let store_for_task = store.clone();
+        let request = next_meta();
+        pending.push(tokio::spawn(async move {
+            store_for_task.open_root(test_root(request)).await
+        }));
+        // Generous: only the last wait (the stalled writer) runs out.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while store.durability.committed.load(Ordering::SeqCst) == seen
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let committed = store.durability.committed.load(Ordering::SeqCst) - before;
+        if committed == seen - before {
+            break committed;
+        }
+        assert!(
+            committed <= u64::try_from(limit).expect("small"),
+            "the writer went on committing past the unsynced limit: {committed}"
+        );
+    };
+    assert!(
+        stalled >= u64::try_from(MAX_UNSYNCED_BATCHES).expect("small"),
+        "the writer stopped early, after {stalled} batches"
+    );
+    // The command that found the writer waiting sits in the queue;
+    // the rest of the queue fills up, and then a command is refused.
+    assert_eq!(store.commands.capacity(), QUEUE_DEPTH - 1);
+    for queued in 1..QUEUE_DEPTH {
+        let store_for_task = store.clone();
+        let request = next_meta();
+        pending.push(tokio::spawn(async move {
+            store_for_task.open_root(test_root(request)).await
+        }));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while store.commands.capacity() > QUEUE_DEPTH - 1 - queued {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "command {queued} never reached the queue"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    match store.open_root(test_root(next_meta())).await {
+        // Busy: UNAVAILABLE for the client, which standard retry
+        // policies retry (with the same nonce, safely).
+        Err(StoreError::Busy) => {}
+        other => panic!("a full writer queue must refuse, not grow: {other:?}"),
+    }
+    set_gate(true);
+    for task in pending {
+        issued(task.await.expect("task"));
+    }
+}
+
+/// However many completions arrive at once, at most
+/// `MAX_CONCURRENT_JUDGMENTS` are judged at a time (each judge is a
+/// thread with a deep stack); the rest wait for a permit, and all are
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_the_judgment_limit_is_judged_at_once() {
+    // More than the limit, within the test root's fan-out (8).
+    const COMPLETIONS: u8 = 7;
+    let dir = tempfile::tempdir().expect("temp dir");
+    // (open gate, live judges, most live at once)
+    type Gate = (Mutex<(bool, usize, usize)>, std::sync::Condvar);
+    let gate: Arc<Gate> = Arc::new((Mutex::new((false, 0, 0)), std::sync::Condvar::new()));
+    let held = gate.clone();
+    let mut options = test_options(dir.path().join("broker.sqlite3"));
+    options.before_judge = Some(BeforeJudge(Arc::new(move || {
+        let (state, changed) = &*held;
+        let mut state = state.lock().expect("gate");
+        state.1 += 1;
+        state.2 = state.2.max(state.1);
+        changed.notify_all();
+        while !state.0 {
+            state = changed.wait(state).expect("gate");
+        }
+        state.1 -= 1;
+    })));
+    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let mut completions = Vec::new();
+    for i in 0..COMPLETIONS {
+        // Each from its own delegate: one signer's judgments are capped
+        // lower (MAX_JUDGMENTS_PER_SIGNER).
+        let delegate = 20 + i;
+        let child = issued(
+            store
+                .delegate(test_child(9, 10 + i, root, delegate, "true"))
+                .await,
+        );
+        let accept = LifecycleCommand {
+            request: Some(meta(delegate, 40 + i)),
+            contract_id: child,
+            action: Action::Accept {
+                host: Some([30; 32]),
+            },
+        };
+        receipt(store.transition(accept).await);
+        let store = store.clone();
+        completions.push(tokio::spawn(async move {
+            let complete = LifecycleCommand {
+                request: Some(meta(delegate, 80 + i)),
+                contract_id: child,
+                action: Action::Complete(Box::new(CompleteArgs {
+                    output_json: "{}".into(),
+                    output: serde_json::json!({}),
+                    has_report: false,
+                    claim: "done".into(),
+                    reported_consumed: 1,
+                    received_at_ms: None,
+                    prejudged: None,
+                })),
+            };
+            store.transition(complete).await
+        }));
+    }
+    // Wait until the limit is reached, then a while longer for any
+    // judge beyond it to show up.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gate.0.lock().expect("gate").1 < MAX_CONCURRENT_JUDGMENTS
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let most = gate.0.lock().expect("gate").2;
+    assert_eq!(
+        most, MAX_CONCURRENT_JUDGMENTS,
+        "judges at once while {COMPLETIONS} completions wait"
+    );
+    {
+        let (state, changed) = &*gate;
+        state.lock().expect("gate").0 = true;
+        changed.notify_all();
+    }
+    for completion in completions {
+        let answer = receipt(completion.await.expect("task"));
+        assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
+    }
+    assert_eq!(gate.0.lock().expect("gate").2, MAX_CONCURRENT_JUDGMENTS);
+}
+
+/// Opens a store whose judges run `hook` first, with a child of a root
+/// accepted by delegate 20 with host 30; returns (store, child id).
+async fn judged_store(
+    dir: &std::path::Path,
+    hook: BeforeJudge,
+    judgment_deadline_ms: u64,
+    predicate: &str,
+) -> (SqliteStore, Id) {
+    let mut options = test_options(dir.join("broker.sqlite3"));
+    options.before_judge = Some(hook);
+    options.judgment_deadline_ms = judgment_deadline_ms;
+    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let child = issued(store.delegate(test_child(9, 2, root, 20, predicate)).await);
+    let accept = LifecycleCommand {
+        request: Some(meta(20, 3)),
+        contract_id: child,
+        action: Action::Accept {
+            host: Some([30; 32]),
+        },
+    };
+    receipt(store.transition(accept).await);
+    (store, child)
+}
+
+fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
+    LifecycleCommand {
+        request: Some(meta(20, nonce)),
+        contract_id,
+        action: Action::Complete(Box::new(CompleteArgs {
+            output_json: "{}".into(),
+            output: serde_json::json!({}),
+            has_report: false,
+            claim: "done".into(),
+            reported_consumed: 1,
+            received_at_ms: None,
+            prejudged: None,
+        })),
+    }
+}
+
+/// Issue 11, item 9: a host observation recorded while a completion is
+/// judged made the writer judge again on its own thread (with an
+/// expensive predicate, every tenant's writes froze). Now the writer
+/// sends the completion back and it is judged again on a judge thread,
+/// on the new observation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_never_judges_a_completion_made_stale_by_an_observation() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let judged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let gate = Arc::new(Mutex::new(gate));
+    let (count, held) = (judged.clone(), gate.clone());
+    let hook = BeforeJudge(Arc::new(move || {
+        // The first judgment waits until the test has recorded an
+        // observation; later ones go straight on.
+        if count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let _ = held.lock().expect("gate").recv();
+        }
+    }));
+    let (store, child) = judged_store(
+        dir.path(),
+        hook,
+        JUDGMENT_DEADLINE_MS,
+        "result.within_scope",
+    )
+    .await;
+    let completing = {
+        let store = store.clone();
+        tokio::spawn(async move { store.transition(complete(child, 4)).await })
+    };
+    while judged.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let record = LifecycleCommand {
+        request: Some(meta(30, 5)),
+        contract_id: child,
+        action: Action::Record {
+            observations: vec![crate::command::ObservationIn {
+                kind: pb::ObservationKind::Mutation,
+                path: "/etc/passwd".into(),
+                tool: String::new(),
+                units: 0,
+                at_ms: 0,
+            }],
+        },
+    };
+    receipt(store.transition(record).await);
+    release.send(()).expect("release");
+    let done = receipt(completing.await.expect("task"));
+    let completion = done.completion.expect("a completion");
+    assert_eq!(
+        completion.verdict,
+        crate::core::judge::Verdict::Rejected.as_i32(),
+        "judged on the observation recorded during the first judgment"
+    );
+    assert_eq!(judged.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// An accepted child of `root` for delegate `[delegate; 32]` (host 30).
+async fn accepted_child(store: &SqliteStore, root: Id, delegate: u8, nonce: u8) -> Id {
+    let child = issued(
+        store
+            .delegate(test_child(9, nonce, root, delegate, "true"))
+            .await,
+    );
+    let accept = LifecycleCommand {
+        request: Some(meta(delegate, nonce)),
+        contract_id: child,
+        action: Action::Accept {
+            host: Some([30; 32]),
+        },
+    };
+    receipt(store.transition(accept).await);
+    child
+}
+
+fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
+    LifecycleCommand {
+        request: Some(meta(delegate, nonce)),
+        ..complete(contract_id, nonce)
+    }
+}
+
+/// Issue 11, item 6: a completion never waits for a judge without a
+/// deadline. With every judge held, completions are answered
+/// UNAVAILABLE (JUDGES_BUSY) at the deadline, nothing is recorded, and
+/// other writes go on meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let gate = Arc::new(Mutex::new(gate));
+    let held = gate.clone();
+    let hook = BeforeJudge(Arc::new(move || {
+        let _ = held.lock().expect("gate").recv();
+    }));
+    let (store, first) = judged_store(dir.path(), hook, 300, "true").await;
+    let root = store
+        .contract(first)
+        .await
+        .expect("read")
+        .expect("found")
+        .root_id;
+    let mut children = vec![(20u8, first)];
+    for i in 1..=MAX_CONCURRENT_JUDGMENTS {
+        let delegate = 20 + u8::try_from(i).expect("few");
+        children.push((
+            delegate,
+            accepted_child(&store, root, delegate, 40 + delegate).await,
+        ));
+    }
+    // Fill every judge, each completion from its own delegate; each
+    // waits past its deadline, the one beyond the pool too.
+    let mut stuck = Vec::new();
+    for (delegate, child) in children.clone() {
+        let store = store.clone();
+        stuck.push(tokio::spawn(async move {
+            store
+                .transition(complete_by(delegate, child, 100 + delegate))
+                .await
+        }));
+    }
+    for task in stuck {
+        match task.await.expect("task") {
+            Err(StoreError::Unavailable { reason, .. }) => assert_eq!(reason, "JUDGES_BUSY"),
+            other => panic!("expected JUDGES_BUSY, got {other:?}"),
+        }
+    }
+    // Other writes were never held up.
+    let root_again = issued(store.open_root(test_root(meta(9, 50))).await);
+    assert_ne!(root_again, first);
+    for (_, child) in children {
+        let status = store
+            .contract(child)
+            .await
+            .expect("read")
+            .expect("found")
+            .status;
+        assert_eq!(status, Status::Accepted, "nothing was recorded");
+    }
+    for _ in 0..MAX_CONCURRENT_JUDGMENTS {
+        let _ = release.send(());
+    }
+}
+
+/// Review of issue 11: one delegate (with a host it controls) could keep
+/// every judge busy. One completion of a contract is judged at a time,
+/// and one signer has at most `MAX_JUDGMENTS_PER_SIGNER` judged at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn judgments_are_one_per_contract_and_few_per_signer() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let gate = Arc::new(Mutex::new(gate));
+    let (count, held) = (entered.clone(), gate.clone());
+    let hook = BeforeJudge(Arc::new(move || {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _ = held.lock().expect("gate").recv();
+    }));
+    let (store, first) = judged_store(dir.path(), hook, JUDGMENT_DEADLINE_MS, "true").await;
+    let root = store
+        .contract(first)
+        .await
+        .expect("read")
+        .expect("found")
+        .root_id;
+    let mut mine = vec![first];
+    for i in 0..MAX_JUDGMENTS_PER_SIGNER {
+        mine.push(accepted_child(&store, root, 20, 60 + u8::try_from(i).expect("few")).await);
+    }
+    let mut running = Vec::new();
+    for (i, child) in mine.iter().take(MAX_JUDGMENTS_PER_SIGNER).enumerate() {
+        let (store, child) = (store.clone(), *child);
+        running.push(tokio::spawn(async move {
+            store
+                .transition(complete(child, 90 + u8::try_from(i).expect("few")))
+                .await
+        }));
+    }
+    while entered.load(std::sync::atomic::Ordering::SeqCst) < MAX_JUDGMENTS_PER_SIGNER {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A second completion of a contract being judged: not queued.
+    match store.transition(complete(first, 99)).await {
+        Err(StoreError::Unavailable { reason, .. }) => {
+            assert_eq!(reason, "JUDGMENT_IN_PROGRESS")
+        }
+        other => panic!("expected JUDGMENT_IN_PROGRESS, got {other:?}"),
+    }
+    // A stranger's completion of that contract holds nothing: it is
+    // refused for what it is, not for the judgment in progress.
+    match store.transition(complete_by(77, first, 96)).await {
+        Err(StoreError::PermissionDenied { reason, .. }) => assert_eq!(reason, "NOT_DELEGATE"),
+        other => panic!("expected NOT_DELEGATE, got {other:?}"),
+    }
+    // The same signer's next contract: over its share.
+    let last = *mine.last().expect("children");
+    match store.transition(complete(last, 98)).await {
+        Err(StoreError::Overloaded(limit)) => assert_eq!(limit, "MAX_JUDGMENTS_PER_SIGNER"),
+        other => panic!("expected MAX_JUDGMENTS_PER_SIGNER, got {other:?}"),
+    }
+    for _ in 0..MAX_JUDGMENTS_PER_SIGNER {
+        release.send(()).expect("release");
+    }
+    for task in running {
+        let answer = receipt(task.await.expect("task"));
+        assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
+    }
+    // Once answered, the signer's other contract is judged as usual.
+    release.send(()).expect("release");
+    let answer = receipt(store.transition(complete(last, 97)).await);
+    assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
+}
+
+/// A prune pass deletes at most `MAX_PRUNED_PER_PASS` entries, oldest
+/// first and only those past the cutoff, so the writer's pause stays
+/// bounded; a backlog is worked off pass by pass.
+#[tokio::test]
+async fn a_prune_pass_is_bounded_and_takes_the_oldest_first() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let connect = SqliteConnectOptions::new()
+        .filename(dir.path().join("broker.sqlite3"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal);
+    let mut conn = SqliteConnection::connect_with(&connect)
+        .await
+        .expect("connect");
+    sqlx::migrate!("./migrations/sqlite")
+        .run(&mut conn)
+        .await
+        .expect("schema");
+    let old = i64::try_from(MAX_PRUNED_PER_PASS).expect("small") * 2 + 10;
+    // `old` entries before the cutoff (at 1..=old ms), 5 after it.
+    for at_ms in 1..=old + 5 {
+        sqlx::query(
+            "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
+             VALUES ($1, $2, $3, 1, $3, $4)",
+        )
+        .bind([7u8; 32].as_slice())
+        .bind(at_ms.to_be_bytes().as_slice())
+        .bind([1u8; 32].as_slice())
+        .bind(at_ms)
+        .execute(&mut conn)
+        .await
+        .expect("insert");
+    }
+    let cutoff_ms = old + 1;
+    let first = prune_requests(&mut conn, cutoff_ms).await.expect("prune");
+    assert_eq!(first, MAX_PRUNED_PER_PASS);
+    let oldest: i64 = sqlx::query_scalar("SELECT MIN(at_ms) FROM requests")
+        .fetch_one(&mut conn)
+        .await
+        .expect("min");
+    assert_eq!(
+        oldest,
+        i64::try_from(MAX_PRUNED_PER_PASS).expect("small") + 1,
+        "the oldest go first"
+    );
+    let mut passes = 1;
+    while prune_requests(&mut conn, cutoff_ms).await.expect("prune") > 0 {
+        passes += 1;
+    }
+    assert_eq!(passes, 3, "a backlog of {old} takes three passes");
+    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM requests")
+        .fetch_one(&mut conn)
+        .await
+        .expect("count");
+    assert_eq!(left, 5, "entries after the cutoff stay");
+}
+
+/// The writer's cache charges each contract its encoded size, keeps
+/// the sum right through replacement and removal, and is bounded by it.
+#[tokio::test]
+async fn the_contract_cache_is_charged_by_size() {
+    use prost::Message;
+    let (store, _dir) = open_suite_store().await;
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let child = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    let (root_known, child_known) = {
+        let cache = lock(&store.known);
+        let cost = |id: &Id| {
+            cache.get(id).expect("cached").contract.encoded_len()
+                + batch::KNOWN_ENTRY_OVERHEAD_BYTES
+        };
+        assert_eq!(cache.bytes(), cost(&root) + cost(&child));
+        (
+            cache.get(&root).expect("cached").clone(),
+            cache.get(&child).expect("cached").clone(),
+        )
+    };
+    let (root_cost, child_cost) = (
+        root_known.contract.encoded_len() + batch::KNOWN_ENTRY_OVERHEAD_BYTES,
+        child_known.contract.encoded_len() + batch::KNOWN_ENTRY_OVERHEAD_BYTES,
+    );
+    assert!(child_cost > root_cost, "a child carries one more hop proof");
+    let mut map = KnownMap::default();
+    map.insert([1; 32], root_known.clone());
+    map.insert([2; 32], child_known.clone());
+    assert_eq!(map.bytes(), root_cost + child_cost);
+    map.insert([1; 32], child_known);
+    assert_eq!(map.bytes(), 2 * child_cost, "a replaced entry is uncharged");
+    assert!(map.remove(&[2; 32]).is_some());
+    assert!(map.remove(&[2; 32]).is_none());
+    assert_eq!((map.len(), map.bytes()), (1, child_cost));
+    map.clear();
+    assert_eq!((map.len(), map.bytes()), (0, 0));
+}
+
+#[test]
+fn wal_sync_stats_count_slow_fsyncs_apart() {
+    let stats = WalSyncStats {
+        syncs: AtomicU64::new(0),
+        total_us: AtomicU64::new(0),
+        slow: AtomicU64::new(0),
+        slow_us: AtomicU64::new(0),
+        max_us: AtomicU64::new(0),
+    };
+    let before = stats.snapshot();
+    for took_us in [100, SLOW_WAL_SYNC_US - 1, SLOW_WAL_SYNC_US, 90_000, 300] {
+        stats.record(took_us);
+    }
+    let after = stats.snapshot();
+    assert_eq!(after.syncs - before.syncs, 5);
+    assert_eq!(after.slow - before.slow, 2);
+    assert_eq!(after.slow_us - before.slow_us, SLOW_WAL_SYNC_US + 90_000);
+    assert_eq!(
+        after.total_us,
+        100 + SLOW_WAL_SYNC_US - 1 + SLOW_WAL_SYNC_US + 90_000 + 300
+    );
+    assert_eq!(after.max_us, 90_000);
+}
+
+/// An audit read stops at its row budget with an error naming the
+/// limit, instead of loading a tree of any size: a tree exactly at the
+/// budget is read, one more contract is refused.
+#[tokio::test]
+async fn an_audit_read_is_bounded_by_its_row_budget() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut options = test_options(dir.path().join("broker.sqlite3"));
+    options.max_audit_rows = 3;
+    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let mut children = Vec::new();
+    for i in 0..3 {
+        children.push(issued(
+            store.delegate(test_child(9, 10 + i, root, 8, "true")).await,
+        ));
+    }
+    let everything = std::collections::BTreeMap::new();
+    let runs = store
+        .runs(None, &everything, 10)
+        .await
+        .expect("at the budget");
+    assert_eq!(runs[0].0.contracts.len(), 3);
+    assert!(
+        store
+            .audit_facts(children[0])
+            .await
+            .expect("audit")
+            .is_some()
+    );
+    issued(store.delegate(test_child(9, 20, root, 8, "true")).await);
+    match store.runs(None, &everything, 10).await {
+        Err(StoreError::Overloaded(limit)) => {
+            assert!(limit.contains("MAX_AUDIT_ROWS"), "{limit}")
+        }
+        other => panic!("a tree past the row budget must be refused: {other:?}"),
+    }
+}
+
+/// An audit read also stops at its byte budget (envelopes and paths),
+/// pulling rows one at a time, whatever its row budget allows.
+#[tokio::test]
+async fn an_audit_read_is_bounded_by_its_byte_budget() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut options = test_options(dir.path().join("broker.sqlite3"));
+    // About four contracts.
+    options.max_audit_bytes = 1_500;
+    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let everything = std::collections::BTreeMap::new();
+    issued(store.delegate(test_child(9, 10, root, 8, "true")).await);
+    assert!(
+        store.runs(None, &everything, 10).await.is_ok(),
+        "one child fits"
+    );
+    // Contracts are a few hundred bytes each (one hop's terms); the
+    // tree's fan-out allows eight children.
+    for i in 0..7 {
+        issued(store.delegate(test_child(9, 11 + i, root, 8, "true")).await);
+    }
+    match store.runs(None, &everything, 10).await {
+        Err(StoreError::Overloaded(limit)) => {
+            assert!(limit.contains("MAX_AUDIT_BYTES"), "{limit}")
+        }
+        other => panic!("a tree past the byte budget must be refused: {other:?}"),
+    }
+}
+
+/// The syncer must never fsync a file SQLite no longer writes: a
+/// missing WAL is an error (the store stops), a replaced one is
+/// reopened.
+#[test]
+fn the_wal_is_synced_by_path_and_reopened_when_replaced() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = wal_path_of(&dir.path().join("broker.sqlite3"));
+    assert!(path.to_string_lossy().ends_with("broker.sqlite3-wal"));
+    let mut wal = None;
+    assert!(sync_wal(&path, &mut wal).is_err());
+    assert!(wal.is_none());
+    std::fs::write(&path, b"first").expect("write");
+    sync_wal(&path, &mut wal).expect("sync");
+    let first = wal.as_ref().map(|(_, inode)| *inode);
+    assert_eq!(first, Some(std::fs::metadata(&path).expect("stat").ino()));
+    // Replace it: a new file (kept alive) has a new inode.
+    let aside = dir.path().join("old-wal");
+    std::fs::rename(&path, &aside).expect("rename");
+    std::fs::write(&path, b"second").expect("write");
+    sync_wal(&path, &mut wal).expect("sync");
+    let second = wal.as_ref().map(|(_, inode)| *inode);
+    assert_ne!(first, second);
+    assert_eq!(second, Some(std::fs::metadata(&path).expect("stat").ino()));
+}
+
+/// Under continuous writes a background checkpoint never catches up,
+/// so without the writer finishing it the WAL never restarts and grows
+/// with every commit. With a small restart size it stays bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wal_stays_bounded_under_continuous_writes() {
+    const RESTART_BYTES: u64 = 256 * 1024;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let wal = wal_path_of(&path);
+    let stamper = test_stamper();
+    let store = SqliteStore::open(
+        SqliteOptions {
+            path,
+            queue_depth: 1024,
+            max_batch: 64,
+            read_connections: 1,
+            wal_restart_bytes: RESTART_BYTES,
+            request_log_retention_ms: i64::MAX,
+            timestamp_window_ms: 0,
+            max_audit_rows: MAX_AUDIT_ROWS,
+            max_audit_bytes: MAX_AUDIT_BYTES,
+            before_wal_sync: None,
+            before_judge: None,
+            judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+            metrics: None,
+        },
+        stamper,
+        Arc::new(SystemClock),
+    )
+    .await
+    .expect("open");
+    let stop_at = std::time::Instant::now() + Duration::from_secs(3);
+    let mut writers = Vec::new();
+    for task in 0u8..16 {
+        let store = store.clone();
+        writers.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while std::time::Instant::now() < stop_at {
+                let mut nonce = vec![task; 8];
+                nonce.extend_from_slice(&n.to_be_bytes());
+                // Distinct digests: two roots with the same content in
+                // the same millisecond would have the same id.
+                let root = test_root(RequestMeta {
+                    agent: [task; 32],
+                    digest: crate::crypto::sha256(&nonce),
+                    nonce,
+                    timestamp_ms: TEST_TIMESTAMP_MS,
+                });
+                store.open_root(root).await.expect("root");
+                n += 1;
+            }
+            n
+        }));
+    }
+    // Each restart writes a new salt into the WAL header (bytes 16..24).
+    let (mut largest_wal_bytes, mut salts) = (0, std::collections::HashSet::new());
+    while std::time::Instant::now() < stop_at {
+        if let Ok(mut file) = std::fs::File::open(&wal) {
+            use std::io::Read;
+            let size = file.metadata().map_or(0, |m| m.len());
+            largest_wal_bytes = largest_wal_bytes.max(size);
+            let mut header = [0u8; 24];
+            if file.read_exact(&mut header).is_ok() {
+                salts.insert(header[16..24].to_vec());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut roots = 0;
+    for writer in writers {
+        roots += writer.await.expect("writer");
+    }
+    // Restarted again and again (about once per checkpoint interval)...
+    assert!(
+        salts.len() >= 4,
+        "the WAL restarted {} times ({roots} roots, largest {largest_wal_bytes} bytes)",
+        salts.len().saturating_sub(1)
+    );
+    // ...so it holds about the restart size plus one interval of
+    // writes, never everything written (over 100 MB here without it).
+    assert!(
+        largest_wal_bytes < 64 * 1024 * 1024,
+        "WAL reached {largest_wal_bytes} bytes ({roots} roots)"
+    );
+}

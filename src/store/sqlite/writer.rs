@@ -1,0 +1,510 @@
+//! The single writer: takes queued commands in groups, plans them with
+//! the backend-neutral planner (`store::batch`) and the core's lifecycle
+//! decisions, writes each group in one transaction and hands it to the
+//! syncer; prunes the request log between batches.
+
+use super::*;
+
+/// The writer's recent-request set, filled from the request log with every
+/// key committed in the last two timestamp windows (what a fresh retry can
+/// reach back to), so that right after a restart batches can already skip
+/// the request-log read. If reading fails, the set starts empty and
+/// vouches only for requests newer than now (batches read the log until
+/// then).
+pub(super) async fn load_recent(
+    conn: &mut SqliteConnection,
+    window_ms: i64,
+    now_ms: i64,
+) -> RecentRequests {
+    let since_ms = now_ms.saturating_sub(window_ms.saturating_mul(2));
+    let mut recent = RecentRequests::new(window_ms, since_ms);
+    let mut rows = sqlx::query(
+        "SELECT agent_key, nonce, at_ms FROM requests WHERE at_ms >= $1 ORDER BY at_ms",
+    )
+    .bind(since_ms)
+    .fetch(&mut *conn);
+    let mut loaded: u64 = 0;
+    let failed = loop {
+        use tokio_stream::StreamExt;
+        let row = match rows.next().await {
+            None => break None,
+            Some(Ok(row)) => row,
+            Some(Err(e)) => break Some(e.to_string()),
+        };
+        let decoded = (|| -> Result<([u8; 32], Vec<u8>, i64), String> {
+            let agent: Vec<u8> = row.try_get("agent_key").map_err(|e| e.to_string())?;
+            let agent = <[u8; 32]>::try_from(agent).map_err(|_| "a corrupt agent key")?;
+            let nonce: Vec<u8> = row.try_get("nonce").map_err(|e| e.to_string())?;
+            let at_ms: i64 = row.try_get("at_ms").map_err(|e| e.to_string())?;
+            Ok((agent, nonce, at_ms))
+        })();
+        match decoded {
+            Ok((agent, nonce, at_ms)) => {
+                recent.insert(&agent, &nonce, at_ms);
+                loaded += 1;
+            }
+            Err(e) => break Some(e),
+        }
+    };
+    drop(rows);
+    match failed {
+        None => {
+            tracing::debug!(loaded, "recent request keys loaded");
+            recent
+        }
+        Some(e) => {
+            tracing::warn!(error = %e, "loading recent request keys; batches read the request log for a while");
+            RecentRequests::new(window_ms, now_ms)
+        }
+    }
+}
+
+/// What the writer knows beyond the database: both are authoritative
+/// because the writer is the only one that writes.
+pub(super) struct WriterState {
+    pub(super) known: KnownCache,
+    /// Which trees got events (see `TreeChanges`), shared with readers.
+    pub(super) trees: crate::store::TreeChanges,
+    /// The next contract's (or receipt's) sequence number.
+    pub(super) next_seq: i64,
+    /// The commit counter (see `Durability`).
+    pub(super) committed: Arc<AtomicU64>,
+    /// Committed batches, to the syncer: their answers wait for its fsync.
+    pub(super) synced: mpsc::Sender<Unsynced>,
+    /// Request keys committed recently: lets most batches skip reading
+    /// the request log (see `apply_batch`).
+    pub(super) recent: RecentRequests,
+    /// `SqliteOptions::request_log_retention_ms`.
+    pub(super) retention_ms: i64,
+    /// When the writer next prunes the request log (see `prune_requests`).
+    pub(super) next_prune: std::time::Instant,
+    /// Set by the background checkpointer when the WAL has grown past
+    /// `SqliteOptions::wal_restart_bytes`: the writer then finishes it.
+    pub(super) finish_checkpoint: Arc<AtomicBool>,
+    /// `SqliteOptions::metrics`.
+    pub(super) metrics: Option<crate::metrics::StoreMetrics>,
+}
+
+pub(super) async fn writer_loop(
+    conn: &mut SqliteConnection,
+    mut queue: mpsc::Receiver<(Command, Reply)>,
+    mut state: WriterState,
+    stamper: Arc<Stamper>,
+    clock: Arc<dyn Clock>,
+    max_batch: usize,
+) {
+    let mut commands = Vec::with_capacity(max_batch);
+    let mut replies = Vec::with_capacity(max_batch);
+    while let Some((first, reply)) = queue.recv().await {
+        commands.push(first);
+        replies.push(reply);
+        while commands.len() < max_batch {
+            match queue.try_recv() {
+                Ok((next, reply)) => {
+                    commands.push(next);
+                    replies.push(reply);
+                }
+                Err(_) => break,
+            }
+        }
+        if let Some(metrics) = &state.metrics {
+            metrics.batch_commands.observe(commands.len() as f64);
+        }
+        let began = std::time::Instant::now();
+        let applied = apply_batch(conn, &commands, &mut state, &stamper, clock.now_ms()).await;
+        let replies: Vec<_> = match applied {
+            Ok(answers) => {
+                tracing::trace!(
+                    size = commands.len(),
+                    took_us = began.elapsed().as_micros() as u64,
+                    "batch committed"
+                );
+                replies.drain(..).zip(answers).collect()
+            }
+            Err(e) => {
+                tracing::error!(error = %e, size = commands.len(), "batch rolled back");
+                // The plan already changed the cache; the database did not.
+                lock(&state.known).clear();
+                // next_seq is not rolled back: if the commit did reach the
+                // disk, reusing numbers would fail every later batch; gaps
+                // are harmless (cursors are only compared).
+                replies
+                    .drain(..)
+                    .map(|reply| (reply, Err(StoreError::Backend(e.to_string()))))
+                    .collect()
+            }
+        };
+        commands.clear();
+        // Even a failed batch goes through the syncer: its commit number
+        // may have been taken, and readers wait for it to be published.
+        let number = state.committed.load(Ordering::SeqCst);
+        if state
+            .synced
+            .send(Unsynced { number, replies })
+            .await
+            .is_err()
+        {
+            tracing::error!("the syncer stopped; the store writer stops");
+            break;
+        }
+        // The WAL only restarts from its beginning once every frame is
+        // copied, and a background checkpoint never catches up with a busy
+        // writer: the WAL would grow without bound (measured: 300 MB in 4
+        // s). So once it is big and drained (see `checkpointer`), the
+        // writer, between batches, copies the few frames written since; its
+        // next commit then restarts the WAL.
+        if state.finish_checkpoint.swap(false, Ordering::AcqRel)
+            && let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+                .execute(&mut *conn)
+                .await
+        {
+            tracing::warn!(error = %e, "finishing the WAL checkpoint failed; will retry");
+        }
+        let now = std::time::Instant::now();
+        if now >= state.next_prune {
+            let cutoff_ms = clock.now_ms().saturating_sub(state.retention_ms);
+            // A commit like any other (see `Durability`): readers that see
+            // the deletion wait for its fsync, which the syncer does even
+            // if no batch follows.
+            state.committed.fetch_add(1, Ordering::SeqCst);
+            let pruned = prune_requests(conn, cutoff_ms).await;
+            let number = state.committed.load(Ordering::SeqCst);
+            if state
+                .synced
+                .send(Unsynced {
+                    number,
+                    replies: Vec::new(),
+                })
+                .await
+                .is_err()
+            {
+                tracing::error!("the syncer stopped; the store writer stops");
+                break;
+            }
+            state.next_prune = match pruned {
+                // A full pass: more are due; go on after the next batch.
+                Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
+                Ok(_) => now + PRUNE_INTERVAL,
+                Err(e) => {
+                    tracing::warn!(error = %e, "pruning the request log failed; will retry");
+                    now + PRUNE_INTERVAL
+                }
+            };
+        }
+    }
+    tracing::debug!("store writer stopped");
+}
+
+/// How often the writer looks for request-log entries past retention.
+pub(super) const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Most request-log entries deleted in one pass: bounds the writer's pause
+/// (each is a random page write, and on a log larger than the page cache
+/// a read too). A backlog is worked off one pass after every batch.
+pub(super) const MAX_PRUNED_PER_PASS: u64 = 128;
+
+/// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries that arrived
+/// before `cutoff_ms`, oldest first; returns how many. Runs on the writer,
+/// between batches, in its own transaction.
+pub(super) async fn prune_requests(
+    conn: &mut SqliteConnection,
+    cutoff_ms: i64,
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "DELETE FROM requests WHERE (agent_key, nonce) IN \
+         (SELECT agent_key, nonce FROM requests WHERE at_ms < $1 ORDER BY at_ms LIMIT $2)",
+    )
+    .bind(cutoff_ms)
+    .bind(i64::try_from(MAX_PRUNED_PER_PASS).unwrap_or(i64::MAX))
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Plans, writes and commits a batch; an error aborts the whole batch
+/// (nothing is committed).
+///
+/// Most batches take the fast path: issuance only, and none of their
+/// request keys committed recently (`RecentRequests`). Those are planned
+/// as if no request were a retry and go to SQLite as one script with
+/// their BEGIN and COMMIT: one round trip to SQLite's worker thread
+/// instead of four (each a pair of thread wake-ups, the largest per-batch
+/// cost measured). If a request was a retry after all, its request-log
+/// row already exists, the script fails, and the batch is redone the
+/// careful way, which reads the request log first. Either way a request
+/// is answered once.
+pub(super) async fn apply_batch(
+    conn: &mut SqliteConnection,
+    commands: &[Command],
+    state: &mut WriterState,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
+    let fast = commands.iter().all(|c| !matches!(c, Command::Lifecycle(_)))
+        && !commands
+            .iter()
+            .filter_map(Command::request)
+            .any(|r| state.recent.may_contain(&r.agent, &r.nonce, r.timestamp_ms));
+    let answers = if fast {
+        match apply_fast(conn, commands, state, stamper, now_ms).await {
+            Ok(answers) => answers,
+            Err(e) => {
+                // The script may have stopped inside its transaction.
+                if let Err(rollback) = sqlx::query("ROLLBACK").execute(&mut *conn).await
+                    && !rollback.to_string().contains("no transaction is active")
+                {
+                    tracing::warn!(error = %rollback, "rolling back a failed batch");
+                }
+                // The plan changed the cache; the database did not.
+                lock(&state.known).clear();
+                // Only a request-log key conflict (a retry the writer did
+                // not remember) is worth redoing; anything else is the
+                // batch's error, as on the careful path.
+                let retry_found = matches!(&e, sqlx::Error::Database(db)
+                    if db.kind() == sqlx::error::ErrorKind::UniqueViolation);
+                if !retry_found {
+                    return Err(e);
+                }
+                tracing::debug!(error = %e, "batch redone with request-log lookups");
+                apply_careful(conn, commands, state, stamper, now_ms).await?
+            }
+        }
+    } else {
+        apply_careful(conn, commands, state, stamper, now_ms).await?
+    };
+    for request in commands.iter().filter_map(Command::request) {
+        state.recent.insert(&request.agent, &request.nonce, now_ms);
+    }
+    Ok(answers)
+}
+
+/// Parents the batch names that the cache lacks (all of them after the
+/// cache was dropped for size).
+pub(super) fn missing_parents(
+    commands: &[Command],
+    known: &KnownCache,
+) -> (Vec<RequestKey>, Vec<Id>) {
+    let mut cache = lock(known);
+    if cache.len() > MAX_CACHED_CONTRACTS || cache.bytes() > MAX_CACHED_CONTRACT_BYTES {
+        cache.clear();
+    }
+    batch::needs(commands, &cache)
+}
+
+/// The fast path of `apply_batch`: no request-log read before planning.
+pub(super) async fn apply_fast(
+    conn: &mut SqliteConnection,
+    commands: &[Command],
+    state: &mut WriterState,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
+    let (_, parent_ids) = missing_parents(commands, &state.known);
+    // Outside a transaction: the writer is the only writer, so nothing
+    // changes between this read and the script.
+    load_parents(conn, &parent_ids, &state.known).await?;
+    let mut prior = HashMap::new();
+    let mut plan = batch::plan(
+        commands,
+        &mut prior,
+        &mut lock(&state.known),
+        &mut state.next_seq,
+        stamper,
+        now_ms,
+    );
+    // A command answered with an error (unknown parent, over-long
+    // predicate) writes no request-log row, so no insert would catch a
+    // retry among them: those few keys are looked up here. Their errors
+    // changed nothing, so a replayed answer simply replaces them.
+    let unlogged: Vec<RequestKey> = commands
+        .iter()
+        .zip(&plan.answers)
+        .filter(|(_, answer)| answer.is_err())
+        .filter_map(|(command, _)| command.request())
+        .map(|r| (r.agent, r.nonce.clone()))
+        .collect();
+    if !unlogged.is_empty() {
+        let earlier = load_prior_requests(conn, &unlogged).await?;
+        for (command, answer) in commands.iter().zip(plan.answers.iter_mut()) {
+            if let (Err(_), Some(request)) = (&answer, command.request())
+                && let Some(prior) = earlier.get(&(request.agent, request.nonce.clone()))
+            {
+                *answer = batch::replayed(prior, request);
+            }
+        }
+    }
+    let mut script = Script::default();
+    script.statement("BEGIN IMMEDIATE");
+    let writes = plan_statements(&mut script, &plan, &state.trees);
+    if writes > 0 {
+        script.statement("COMMIT");
+        // Numbered before it starts: see `Durability::committed`.
+        state.committed.fetch_add(1, Ordering::SeqCst);
+        let began = std::time::Instant::now();
+        script.query.build().execute(&mut *conn).await?;
+        tracing::trace!(
+            statements = script.statements,
+            took_us = began.elapsed().as_micros() as u64,
+            "batch script ran"
+        );
+    }
+    Ok(plan.answers)
+}
+
+/// Loads the named parents into the cache.
+pub(super) async fn load_parents(
+    conn: &mut SqliteConnection,
+    parent_ids: &[Id],
+    known: &KnownCache,
+) -> Result<(), sqlx::Error> {
+    let mut corrupt = Vec::new();
+    for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(format!(
+            "SELECT {PARENT_COLUMNS} FROM contracts_with_envelope WHERE id IN ("
+        ));
+        let mut list = query.separated(", ");
+        for id in chunk {
+            list.push_bind(id.as_slice());
+        }
+        query.push(")");
+        let rows = query.build().fetch_all(&mut *conn).await?;
+        let mut cache = lock(known);
+        for row in rows {
+            match known_from_row(&row) {
+                Ok((id, k)) => {
+                    cache.insert(id, k);
+                }
+                Err(e) => corrupt.push(e),
+            }
+        }
+    }
+    match corrupt.pop() {
+        Some(e) => Err(sqlx::Error::Protocol(format!("corrupt contract row: {e}"))),
+        None => Ok(()),
+    }
+}
+
+/// The careful path of `apply_batch`: reads the request log first and runs
+/// lifecycle commands, all in one transaction.
+pub(super) async fn apply_careful(
+    conn: &mut SqliteConnection,
+    commands: &[Command],
+    state: &mut WriterState,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let (request_keys, parent_ids) = missing_parents(commands, &state.known);
+    let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
+    load_parents(&mut tx, &parent_ids, &state.known).await?;
+    let t0 = std::time::Instant::now();
+    let plan = batch::plan(
+        commands,
+        &mut prior,
+        &mut lock(&state.known),
+        &mut state.next_seq,
+        stamper,
+        now_ms,
+    );
+    let t1 = std::time::Instant::now();
+    let mut script = Script::default();
+    if plan_statements(&mut script, &plan, &state.trees) > 0 {
+        script.query.build().execute(&mut *tx).await?;
+    }
+    let mut answers = plan.answers;
+    for (i, command) in commands.iter().enumerate() {
+        if let Command::Lifecycle(lifecycle) = command {
+            let applied = super::lifecycle::apply(
+                &mut tx,
+                lifecycle,
+                &prior,
+                stamper,
+                &state.trees,
+                &mut state.next_seq,
+                now_ms,
+            )
+            .await?;
+            let mut cache = lock(&state.known);
+            for id in &applied.changed {
+                cache.remove(id);
+            }
+            drop(cache);
+            // A duplicate later in this batch replays this answer.
+            if let (Some(request), Ok(answer)) = (&lifecycle.request, &applied.answer)
+                && let Outcome::Receipt {
+                    receipt_id,
+                    envelope,
+                } = &answer.outcome
+            {
+                prior.insert(
+                    (request.agent, request.nonce.clone()),
+                    PriorRequest {
+                        digest: request.digest,
+                        outcome: batch::OUTCOME_RECEIPT,
+                        ref_id: *receipt_id,
+                        envelope: envelope.clone(),
+                    },
+                );
+            }
+            answers[i] = applied.answer;
+        }
+    }
+    let t2 = std::time::Instant::now();
+    // Numbered before it starts: see `Durability::committed`.
+    state.committed.fetch_add(1, Ordering::SeqCst);
+    tx.commit().await?;
+    tracing::trace!(
+        plan_us = (t1 - t0).as_micros() as u64,
+        write_us = (t2 - t1).as_micros() as u64,
+        commit_us = t2.elapsed().as_micros() as u64,
+        "batch phases"
+    );
+    Ok(answers)
+}
+
+pub(super) async fn load_prior_requests(
+    conn: &mut SqliteConnection,
+    keys: &[RequestKey],
+) -> Result<HashMap<RequestKey, PriorRequest>, sqlx::Error> {
+    let mut prior = HashMap::new();
+    for chunk in keys.chunks(ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "SELECT r.agent_key, r.nonce, r.body_digest, r.outcome, r.ref_id, \
+             COALESCE(c.envelope, x.envelope) AS envelope FROM requests r \
+             LEFT JOIN contracts_with_envelope c ON r.outcome = 1 AND c.id = r.ref_id \
+             LEFT JOIN receipts x ON r.outcome = 2 AND x.id = r.ref_id WHERE ",
+        );
+        let mut first = true;
+        for (agent, nonce) in chunk {
+            if !first {
+                query.push(" OR ");
+            }
+            first = false;
+            query.push("(r.agent_key = ");
+            query.push_bind(agent.as_slice());
+            query.push(" AND r.nonce = ");
+            query.push_bind(nonce.as_slice());
+            query.push(")");
+        }
+        for row in query.build().fetch_all(&mut *conn).await? {
+            let agent: Vec<u8> = row.try_get("agent_key")?;
+            let nonce: Vec<u8> = row.try_get("nonce")?;
+            let digest: Vec<u8> = row.try_get("body_digest")?;
+            let ref_id: Vec<u8> = row.try_get("ref_id")?;
+            let envelope: Vec<u8> = row.try_get("envelope")?;
+            let bad = |what: &str| sqlx::Error::Protocol(format!("corrupt requests row: {what}"));
+            let agent: AgentKey = agent.try_into().map_err(|_| bad("agent_key"))?;
+            prior.insert(
+                (agent, nonce),
+                PriorRequest {
+                    digest: digest.try_into().map_err(|_| bad("body_digest"))?,
+                    outcome: row.try_get("outcome")?,
+                    ref_id: ref_id.try_into().map_err(|_| bad("ref_id"))?,
+                    envelope: pb::Sealed::decode(envelope.as_slice())
+                        .map_err(|_| bad("envelope"))?,
+                },
+            );
+        }
+    }
+    Ok(prior)
+}
