@@ -7,6 +7,12 @@
 
 use prost::Message;
 
+mod lifecycle;
+mod reads;
+
+pub use lifecycle::*;
+pub use reads::*;
+
 use super::{Answer, Event, Outcome, Store, StoreError};
 use crate::command::{NewChild, NewRoot, RequestMeta};
 use crate::core::{Id, Liability, Policy, Predicate, Scope};
@@ -407,6 +413,29 @@ macro_rules! store_suite {
             parties_are_the_trees_own,
             concurrent_siblings_never_overspend,
             the_issuing_calls_trace_is_kept,
+            a_completion_settles_into_the_parent,
+            only_the_entitled_key_may_act,
+            a_transition_from_the_wrong_state_is_refused,
+            a_decline_returns_the_reservation,
+            an_escalation_tells_the_principal_what_is_left,
+            a_revocation_cascades_with_a_receipt_each,
+            metering_is_charged_once,
+            observations_per_contract_are_capped,
+            only_a_pending_completion_is_adjudicated,
+            a_lifecycle_retry_is_replayed,
+            an_overdue_contract_expires_once,
+            an_unknown_contract_is_not_found,
+            the_host_is_fixed_and_never_the_delegate,
+            events_are_paged_by_count_and_bytes,
+            a_subtrees_events_leave_out_its_siblings,
+            commits_and_tree_changes_follow_every_write,
+            audit_facts_are_the_stored_facts,
+            the_issuing_parent_names_its_holder,
+            a_policy_refusal_names_its_invariant,
+            a_tree_requiring_hosts_refuses_a_child_without_one,
+            unknown_ids_read_as_absent,
+            a_refusal_is_replayed_not_redone,
+            a_childs_terms_follow_its_parent,
         ]);
     };
     // One `#[tokio::test]` per suite function, each on a fresh store.
