@@ -53,19 +53,11 @@ use super::MAX_LABEL_KEY_BYTES;
 use super::error::InputError;
 use super::scope::Scope;
 
-/// Most paths (directories and files together) taken from one text; bounds
-/// the work of matching evidence against named files.
-pub const MAX_NAMED_PATHS: usize = 256;
-/// Longest named path, in bytes: the same bound as an observed path, so a
-/// longer token could never match one.
-pub const MAX_NAMED_PATH_BYTES: usize = super::limits::MAX_OBSERVED_PATH_BYTES;
-/// Longest file extension, in characters; long enough for dotfiles such as
-/// `.gitattributes`.
-pub const MAX_EXTENSION_CHARS: usize = 16;
-/// Most `:N` line references stripped from a token (`:line:column`).
-pub const MAX_LINE_REFERENCE_PARTS: usize = 2;
-/// Most label keys an aggregation may group by.
-pub const MAX_GROUP_BY_KEYS: usize = 8;
+pub use crate::core::limits::MAX_EXTENSION_CHARS;
+pub use crate::core::limits::MAX_GROUP_BY_KEYS;
+pub use crate::core::limits::MAX_LINE_REFERENCE_PARTS;
+pub use crate::core::limits::MAX_NAMED_PATH_BYTES;
+pub use crate::core::limits::MAX_NAMED_PATHS;
 
 /// Extensionless names read as files (compared with exact case).
 pub const EXTENSIONLESS_FILES: &[&str] = &[

@@ -25,10 +25,7 @@ impl InputError {
     }
 }
 
-/// Longest reason an `InputError` carries, in bytes. It travels twice (the
-/// status message and the BadRequest detail), percent-encoded up to 3× and
-/// base64-encoded 4/3×: 1,024 bytes keep both far below 8 KiB.
-pub const MAX_ERROR_REASON_BYTES: usize = 1_024;
+pub use crate::core::limits::MAX_ERROR_REASON_BYTES;
 
 /// `text` cut at `max_bytes` on a character boundary, marked with "…" and
 /// its full length when cut.
@@ -46,9 +43,7 @@ pub fn bounded(mut text: String, max_bytes: usize) -> String {
     text
 }
 
-/// Most bytes of a client's input quoted back in an error: enough to
-/// recognise it, while a huge bad value does not make a huge error.
-pub const MAX_ECHOED_INPUT_BYTES: usize = 128;
+pub use crate::core::limits::MAX_ECHOED_INPUT_BYTES;
 
 /// `text` quoted for an error message (as `{:?}` would), cut at
 /// `MAX_ECHOED_INPUT_BYTES` on a character boundary with "…" and its full

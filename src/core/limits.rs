@@ -161,3 +161,54 @@ pub const DEEP_STACK_BYTES: usize = 64 * 1024 * 1024;
 /// judge threads included, in ms; past it the delegate is answered
 /// UNAVAILABLE (JUDGES_BUSY) and may retry with the same nonce.
 pub const JUDGMENT_DEADLINE_MS: u64 = 10_000;
+
+// Audits (seeds/000): named paths, group-by keys.
+
+/// Most paths (directories and files together) taken from one text; bounds
+/// the work of matching evidence against named files.
+pub const MAX_NAMED_PATHS: usize = 256;
+/// Longest named path, in bytes: the same bound as an observed path, so a
+/// longer token could never match one.
+pub const MAX_NAMED_PATH_BYTES: usize = MAX_OBSERVED_PATH_BYTES;
+/// Longest file extension, in characters; long enough for dotfiles such as
+/// `.gitattributes`.
+pub const MAX_EXTENSION_CHARS: usize = 16;
+/// Most `:N` line references stripped from a token (`:line:column`).
+pub const MAX_LINE_REFERENCE_PARTS: usize = 2;
+/// Most label keys an aggregation may group by.
+pub const MAX_GROUP_BY_KEYS: usize = 8;
+
+// Run labels.
+
+/// Most labels on a run.
+pub const MAX_LABELS: usize = 16;
+/// Longest label key, in bytes.
+pub const MAX_LABEL_KEY_BYTES: usize = 64;
+/// Longest label value, in bytes.
+pub const MAX_LABEL_VALUE_BYTES: usize = 256;
+
+// Error texts.
+
+/// Longest reason an `InputError` carries, in bytes. It travels twice (the
+/// status message and the BadRequest detail), percent-encoded up to 3× and
+/// base64-encoded 4/3×: 1,024 bytes keep both far below 8 KiB.
+pub const MAX_ERROR_REASON_BYTES: usize = 1_024;
+/// Most bytes of a client's input quoted back in an error: enough to
+/// recognise it, while a huge bad value does not make a huge error.
+pub const MAX_ECHOED_INPUT_BYTES: usize = 128;
+
+// Audit answers.
+
+/// Most runs one AggregateAudits call may cover: bounds its work and its
+/// memory. Narrow the selector beyond it.
+pub const MAX_AGGREGATE_RUNS: u32 = 10_000;
+/// Most paths (and conflicts) one ContractAudit names; it carries their
+/// counts too. 10,000 observed paths of 1 KiB made an audit too big to send.
+pub const MAX_AUDIT_PATHS_REPORTED: usize = 256;
+/// Most other contracts one reported conflict names.
+pub const MAX_CONFLICT_CONTRACTS_REPORTED: usize = 64;
+
+// Read sessions.
+
+/// Largest session envelope accepted, in bytes: a real one is ~200.
+pub const MAX_SESSION_BYTES: usize = 1_024;

@@ -222,12 +222,9 @@ pub fn text(
     Ok(())
 }
 
-/// Most labels on a run.
-pub const MAX_LABELS: usize = 16;
-/// Longest label key, in bytes.
-pub const MAX_LABEL_KEY_BYTES: usize = 64;
-/// Longest label value, in bytes.
-pub const MAX_LABEL_VALUE_BYTES: usize = 256;
+pub use crate::core::limits::MAX_LABEL_KEY_BYTES;
+pub use crate::core::limits::MAX_LABEL_VALUE_BYTES;
+pub use crate::core::limits::MAX_LABELS;
 
 /// Validates run labels: at most `MAX_LABELS`, keys of `[a-z0-9_.-]`.
 pub fn labels(

@@ -10,9 +10,7 @@ use crate::core::{Id, Scope};
 use crate::pb;
 use crate::store::AuditFacts;
 
-/// Most runs one AggregateAudits call may cover: bounds its work and its
-/// memory. Narrow the selector beyond it.
-pub const MAX_AGGREGATE_RUNS: u32 = 10_000;
+pub use crate::core::limits::MAX_AGGREGATE_RUNS;
 
 fn classify(facts: &AuditFacts) -> (Audit, audit::NamedPaths) {
     let named = audit::named_paths(&facts.task);
@@ -53,11 +51,8 @@ fn by_contract(mutations: &[(Id, String)]) -> Vec<(Id, Vec<String>)> {
     grouped.into_iter().collect()
 }
 
-/// Most paths (and conflicts) one ContractAudit names; it carries their
-/// counts too. 10,000 observed paths of 1 KiB made an audit too big to send.
-pub const MAX_AUDIT_PATHS_REPORTED: usize = 256;
-/// Most other contracts one reported conflict names.
-pub const MAX_CONFLICT_CONTRACTS_REPORTED: usize = 64;
+pub use crate::core::limits::MAX_AUDIT_PATHS_REPORTED;
+pub use crate::core::limits::MAX_CONFLICT_CONTRACTS_REPORTED;
 
 pub fn contract_audit(facts: &AuditFacts, tree_mutations: &[(Id, String)]) -> pb::ContractAudit {
     let (audit, named) = classify(facts);

@@ -167,7 +167,7 @@ impl From<ServiceError> for Status {
                 Code::ResourceExhausted,
                 "RESPONSE_TOO_LARGE",
                 vec![
-                    ("limit", "limits.max_request_bytes".to_owned()),
+                    ("limit", crate::config::keys::max_request_bytes.to_owned()),
                     ("size", size.to_string()),
                     ("allowed", limit.to_string()),
                 ],
@@ -177,7 +177,7 @@ impl From<ServiceError> for Status {
             ServiceError::Busy => (
                 Code::Unavailable,
                 "OVERLOADED",
-                vec![("limit", "limits.writer_queue_depth".to_owned())],
+                vec![("limit", crate::config::keys::writer_queue_depth.to_owned())],
             ),
             ServiceError::Unavailable(_) => (Code::Unavailable, "UNAVAILABLE", vec![]),
             ServiceError::Retry { reason, .. } => (Code::Unavailable, reason, vec![]),

@@ -19,8 +19,7 @@ use crate::stamp::Stamper;
 
 /// The binary metadata key a read's session travels in.
 pub const SESSION_METADATA: &str = "x-broker-session-bin";
-/// Largest session envelope accepted, in bytes: a real one is ~200.
-const MAX_SESSION_BYTES: usize = 1_024;
+use crate::core::limits::MAX_SESSION_BYTES;
 /// Sessions remembered as verified (by digest), so a session is verified
 /// once, not at every read; cleared when full.
 const MAX_VERIFIED_SESSIONS: usize = 16_384;

@@ -26,7 +26,7 @@ pub fn rewrite_decoder_errors(response: http::Response<Body>) -> http::Response<
         Code::OutOfRange if status.message().starts_with(TOO_LARGE_PREFIX) => (
             Code::ResourceExhausted,
             "MESSAGE_TOO_LARGE",
-            "limits.max_request_bytes",
+            crate::config::keys::max_request_bytes,
         ),
         Code::Internal if status.message().starts_with(UNDECODABLE_PREFIX) => {
             (Code::InvalidArgument, "UNDECODABLE_MESSAGE", "request")

@@ -3,9 +3,21 @@
 
 use super::*;
 
-/// Rows per multi-row statement, under SQLite's bind-parameter limit
-/// (32_766) at up to 26 parameters a row (a contract).
+/// Rows per multi-row statement, under SQLite's bind-parameter limit at
+/// the widest row (a contract).
 pub(super) const ROWS_PER_STATEMENT: usize = 1_000;
+/// SQLite's bind parameters per statement (`SQLITE_MAX_VARIABLE_NUMBER`,
+/// the default since 3.32).
+const SQLITE_MAX_BIND_PARAMETERS: usize = 32_766;
+/// Bind parameters per row of the `contracts` insert, the widest row.
+const CONTRACT_ROW_PARAMETERS: usize = 27;
+/// Rows per state `UPDATE`: each binds its seq twice per column (4) and
+/// once in the `IN` list.
+const STATE_ROWS_PER_STATEMENT: usize = ROWS_PER_STATEMENT / 8;
+const STATE_ROW_PARAMETERS: usize = 4 * 2 + 1;
+const _: () = assert!(ROWS_PER_STATEMENT * CONTRACT_ROW_PARAMETERS <= SQLITE_MAX_BIND_PARAMETERS);
+const _: () =
+    assert!(STATE_ROWS_PER_STATEMENT * STATE_ROW_PARAMETERS <= SQLITE_MAX_BIND_PARAMETERS);
 
 /// Appends the plan's writes to `script`; returns how many statements.
 /// One script per batch: one hand-off to sqlx's worker thread instead of
@@ -82,7 +94,7 @@ pub(super) fn plan_statements(
         });
     }
     // One UPDATE for every changed earlier contract: a CASE per column.
-    for chunk in plan.states.chunks(ROWS_PER_STATEMENT / 8) {
+    for chunk in plan.states.chunks(STATE_ROWS_PER_STATEMENT) {
         script.statement("UPDATE contracts SET ");
         type Column = fn(&(i64, Status, Ledger)) -> i64;
         let columns: [(&str, Column); 4] = [

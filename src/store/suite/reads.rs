@@ -354,7 +354,11 @@ pub async fn a_childs_terms_follow_its_parent<S: Store>(store: &S) {
         .expect("stored");
     let contract = pb::Contract::decode(record.envelope.payload.as_slice()).expect("contract");
     assert_eq!(contract.depth, 2);
-    assert_eq!(contract.deadline_ms, i64::MAX / 16, "inherited from its parent");
+    assert_eq!(
+        contract.deadline_ms,
+        i64::MAX / 16,
+        "inherited from its parent"
+    );
     assert_eq!(contract.parent_id, child.to_vec());
     assert_eq!((record.parent_id, record.root_id), (Some(child), root));
 }

@@ -10,6 +10,10 @@ use serde::Deserialize;
 
 use crate::core::trust;
 
+mod limits;
+
+pub use limits::{LIMITS, LimitSpec, Limits, keys};
+
 /// Everything the server needs besides its listener.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -91,100 +95,6 @@ pub struct TrustConfig {
     pub static_factors_ppm: HashMap<[u8; 32], u32>,
 }
 
-/// Tunable limits; every one has a safe default.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct Limits {
-    /// Largest gRPC message accepted, in bytes (RESOURCE_EXHAUSTED above).
-    pub max_request_bytes: usize,
-    /// Largest distance between a request's timestamp and the broker's
-    /// clock, in ms; beyond it the request is stale (UNAUTHENTICATED).
-    pub timestamp_window_ms: i64,
-    /// Ceiling on a policy's max_depth.
-    pub max_depth: u32,
-    /// Ceiling on a policy's max_children.
-    pub max_children: u32,
-    /// Writes that may queue for the store's writer before callers are
-    /// told RESOURCE_EXHAUSTED.
-    pub writer_queue_depth: usize,
-    /// Most writes committed in one transaction (group commit).
-    pub max_batch: usize,
-    /// Read-only SQLite connections.
-    pub read_connections: u32,
-    /// Client connections open at once; beyond it new ones wait in the
-    /// listen backlog until one closes.
-    pub max_connections: usize,
-    /// Concurrent requests per client connection.
-    pub max_concurrent_requests_per_connection: usize,
-    /// Longest a request may run, in ms, before DEADLINE_EXCEEDED.
-    pub request_timeout_ms: u64,
-    /// Longest a TLS handshake may take, in ms: a client that never
-    /// finishes one must not hold a task and a socket forever.
-    pub tls_handshake_timeout_ms: u64,
-    /// Concurrent Watch streams, broker-wide.
-    pub max_watch_streams: usize,
-    /// How often overdue contracts are expired in the background, in ms
-    /// (they also expire on access).
-    pub expiry_sweep_interval_ms: u64,
-    /// How long answered requests stay in the request log (the nonce and
-    /// idempotency record), in ms; older entries are deleted in the
-    /// background. At least twice `timestamp_window_ms` plus two minutes,
-    /// so a request that is still fresh always finds its earlier answer. A retry older than
-    /// this is refused as stale instead of being answered again.
-    pub request_log_retention_ms: i64,
-    /// How long a read session (OpenSession) is accepted, in ms.
-    pub session_ttl_ms: i64,
-    /// Concurrent Watch streams one caller (session key) may hold: one
-    /// client must not take every stream.
-    pub max_watch_streams_per_caller: usize,
-    /// Concurrent Watch streams on one client connection.
-    pub max_watch_streams_per_connection: usize,
-    /// Concurrent Watch streams on one tree, whoever opens them: a party
-    /// can make new keys parties (by delegating to them), so per-caller
-    /// caps alone do not stop one tree from taking every stream.
-    pub max_watch_streams_per_tree: usize,
-    /// GetAudit and AggregateAudits calls running at once, broker-wide:
-    /// each may read and hold a whole tree.
-    pub max_concurrent_audits: usize,
-    /// Audit calls one caller may run at once.
-    pub max_concurrent_audits_per_caller: usize,
-}
-
-impl Limits {
-    /// Largest response the server encodes: four times the largest request
-    /// (responses carry signed envelopes the requests do not).
-    pub fn max_response_bytes(&self) -> usize {
-        self.max_request_bytes.saturating_mul(4)
-    }
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_request_bytes: 1024 * 1024,
-            timestamp_window_ms: 300_000,
-            max_depth: crate::core::limits::MAX_DEPTH_CEILING,
-            max_children: crate::core::limits::MAX_CHILDREN_CEILING,
-            writer_queue_depth: 16_384,
-            max_batch: 512,
-            read_connections: 4,
-            max_connections: 4_096,
-            max_concurrent_requests_per_connection: 1_024,
-            request_timeout_ms: 30_000,
-            tls_handshake_timeout_ms: 10_000,
-            max_watch_streams: 1_024,
-            expiry_sweep_interval_ms: 1_000,
-            request_log_retention_ms: 30 * 24 * 3_600_000,
-            session_ttl_ms: 3_600_000,
-            max_watch_streams_per_caller: 32,
-            max_watch_streams_per_connection: 32,
-            max_watch_streams_per_tree: 64,
-            max_concurrent_audits: 4,
-            max_concurrent_audits_per_caller: 1,
-        }
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
@@ -233,12 +143,6 @@ struct FileTls {
 /// the writer's queue (bounded by the request timeout) while the writer
 /// prunes, so the log keeps a margin over that.
 const RETENTION_SLACK_MS: i64 = 120_000;
-/// Ceiling on `limits.tls_handshake_timeout_ms`: a minute is already
-/// generous for a handshake.
-const MAX_TLS_HANDSHAKE_TIMEOUT_MS: u64 = 60_000;
-/// Ceiling on `limits.max_connections` (the tokio semaphore's own limit is
-/// far above; this keeps a typo from meaning "unbounded").
-const MAX_CONNECTIONS_CEILING: usize = 1_000_000;
 
 /// Most bytes read from a TLS certificate or key file.
 const MAX_TLS_FILE_BYTES: u64 = 1024 * 1024;
@@ -292,12 +196,6 @@ pub fn parse_public_key(hex_key: &str, field: &str) -> Result<VerifyingKey, Conf
     let bytes = hex::decode(hex_key.trim()).map_err(|e| invalid(field, format!("not hex: {e}")))?;
     crate::crypto::public_key(&bytes).map_err(|e| invalid(field, e.to_string()))
 }
-
-/// Longest a read session may be accepted: a day.
-const MAX_SESSION_TTL_MS: i64 = 86_400_000;
-/// Most audit calls at once, whatever the configuration: each may hold a
-/// tree's rows in memory.
-const MAX_CONCURRENT_AUDITS_CEILING: usize = 64;
 
 impl Config {
     /// Defaults for `data_dir`, overridden by the TOML file at `path`.
@@ -379,99 +277,57 @@ impl Config {
         Ok(config)
     }
 
+    /// Every limit within its registered range, then the rules that tie
+    /// limits to each other.
     fn validate(&self) -> Result<(), ConfigError> {
         let l = &self.limits;
-        if !(4096..=64 * 1024 * 1024).contains(&l.max_request_bytes) {
-            return Err(invalid(
-                "limits.max_request_bytes",
-                "must be in 4096..=67108864",
-            ));
-        }
-        if !(1_000..=3_600_000).contains(&l.timestamp_window_ms) {
-            return Err(invalid(
-                "limits.timestamp_window_ms",
-                "must be in 1000..=3600000",
-            ));
-        }
-        if l.max_depth == 0 || l.max_depth > crate::core::limits::MAX_DEPTH_CEILING {
-            return Err(invalid("limits.max_depth", "must be in 1..=64"));
-        }
-        if l.max_children == 0 || l.max_children > crate::core::limits::MAX_CHILDREN_CEILING {
-            return Err(invalid("limits.max_children", "must be in 1..=1024"));
-        }
-        if l.writer_queue_depth == 0 || l.max_batch == 0 || l.read_connections == 0 {
-            return Err(invalid(
-                "limits",
-                "queue depth, batch size and connections must be positive",
-            ));
-        }
-        if l.max_watch_streams == 0 || l.expiry_sweep_interval_ms == 0 {
-            return Err(invalid(
-                "limits",
-                "watch streams and the sweep interval must be positive",
-            ));
-        }
+        l.check_ranges()
+            .map_err(|(field, reason)| invalid(field, reason))?;
         let least_retention_ms = l
             .timestamp_window_ms
             .saturating_mul(2)
             .saturating_add(RETENTION_SLACK_MS);
         if l.request_log_retention_ms < least_retention_ms {
             return Err(invalid(
-                "limits.request_log_retention_ms",
+                keys::request_log_retention_ms,
                 format!(
-                    "must be at least twice limits.timestamp_window_ms plus {RETENTION_SLACK_MS} ms ({least_retention_ms} ms)"
+                    "must be at least twice {} plus {RETENTION_SLACK_MS} ms ({least_retention_ms} ms)",
+                    keys::timestamp_window_ms
                 ),
             ));
         }
-        if !(1..=MAX_CONNECTIONS_CEILING).contains(&l.max_connections) {
-            return Err(invalid(
-                "limits.max_connections",
-                format!("must be 1..={MAX_CONNECTIONS_CEILING}"),
-            ));
-        }
-        if !(1..=MAX_TLS_HANDSHAKE_TIMEOUT_MS).contains(&l.tls_handshake_timeout_ms) {
-            return Err(invalid(
-                "limits.tls_handshake_timeout_ms",
-                format!("must be 1..={MAX_TLS_HANDSHAKE_TIMEOUT_MS}"),
-            ));
-        }
-        if !(1_000..=MAX_SESSION_TTL_MS).contains(&l.session_ttl_ms) {
-            return Err(invalid(
-                "limits.session_ttl_ms",
-                format!("must be 1000..={MAX_SESSION_TTL_MS}"),
-            ));
-        }
-        for (field, value, most) in [
+        for (field, value, most, most_key) in [
             (
-                "limits.max_watch_streams_per_caller",
+                keys::max_watch_streams_per_caller,
                 l.max_watch_streams_per_caller,
                 l.max_watch_streams,
+                keys::max_watch_streams,
             ),
             (
-                "limits.max_watch_streams_per_connection",
+                keys::max_watch_streams_per_connection,
                 l.max_watch_streams_per_connection,
                 l.max_watch_streams,
+                keys::max_watch_streams,
             ),
             (
-                "limits.max_concurrent_audits",
-                l.max_concurrent_audits,
-                MAX_CONCURRENT_AUDITS_CEILING,
+                keys::max_watch_streams_per_tree,
+                l.max_watch_streams_per_tree,
+                l.max_watch_streams,
+                keys::max_watch_streams,
             ),
             (
-                "limits.max_concurrent_audits_per_caller",
+                keys::max_concurrent_audits_per_caller,
                 l.max_concurrent_audits_per_caller,
                 l.max_concurrent_audits,
+                keys::max_concurrent_audits,
             ),
         ] {
-            if !(1..=most).contains(&value) {
-                return Err(invalid(field, format!("must be 1..={most}")));
+            if value > most {
+                return Err(invalid(
+                    field,
+                    format!("must be at most {most_key} ({most})"),
+                ));
             }
-        }
-        if l.max_concurrent_requests_per_connection == 0 || l.request_timeout_ms == 0 {
-            return Err(invalid(
-                "limits",
-                "concurrency and timeout must be positive",
-            ));
         }
         Ok(())
     }
@@ -528,7 +384,7 @@ mod tests {
             }
             other => panic!("retention below twice the window must be refused: {other:?}"),
         }
-        for bad in [0, MAX_CONNECTIONS_CEILING + 1] {
+        for bad in [0, limits::MAX_CONNECTIONS_CEILING + 1] {
             match load(&format!("[limits]\nmax_connections = {bad}\n")) {
                 Err(ConfigError::Invalid { field, .. }) => {
                     assert_eq!(field, "limits.max_connections");
@@ -536,7 +392,7 @@ mod tests {
                 other => panic!("max_connections = {bad} must be refused: {other:?}"),
             }
         }
-        for bad in [0, MAX_TLS_HANDSHAKE_TIMEOUT_MS + 1] {
+        for bad in [0, limits::MAX_TLS_HANDSHAKE_TIMEOUT_MS + 1] {
             match load(&format!("[limits]\ntls_handshake_timeout_ms = {bad}\n")) {
                 Err(ConfigError::Invalid { field, .. }) => {
                     assert_eq!(field, "limits.tls_handshake_timeout_ms");

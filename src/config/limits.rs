@@ -1,0 +1,212 @@
+//! The registry of every operator-tunable limit: one table (name, type,
+//! default, range, doc) from which `Limits`, its defaults, its range checks
+//! and their error messages, the config keys that errors name
+//! (`keys::…`) and the README's `[limits]` block are all generated, so
+//! none of them can drift from another. Every limit has an upper bound.
+//! Rules that tie two limits together live in `Config::validate`.
+
+use serde::Deserialize;
+
+use crate::core::limits::{MAX_CHILDREN_CEILING, MAX_DEPTH_CEILING};
+
+/// Ceiling on `limits.max_connections` (the tokio semaphore's own limit is
+/// far above; this keeps a typo from meaning "unbounded").
+pub const MAX_CONNECTIONS_CEILING: usize = 1_000_000;
+/// Ceiling on `limits.tls_handshake_timeout_ms`: a minute is already
+/// generous for a handshake.
+pub const MAX_TLS_HANDSHAKE_TIMEOUT_MS: u64 = 60_000;
+/// Longest a read session may be accepted: a day.
+const MAX_SESSION_TTL_MS: i64 = 86_400_000;
+/// Most audit calls at once, whatever the configuration: each may hold a
+/// tree's rows in memory.
+const MAX_CONCURRENT_AUDITS_CEILING: usize = 64;
+/// Ceiling on any count of concurrent streams or requests.
+const MAX_CONCURRENCY_CEILING: usize = 65_536;
+/// Longest any configurable wait or interval may be: an hour.
+const MAX_INTERVAL_MS: u64 = 3_600_000;
+/// Longest the request log may be kept: a year.
+const MAX_RETENTION_MS: i64 = 366 * 24 * 3_600_000;
+
+/// One limit as the registry describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LimitSpec {
+    /// The TOML key under `[limits]`.
+    pub name: &'static str,
+    pub default: i128,
+    pub min: i128,
+    pub max: i128,
+    /// One line for the README and the error messages.
+    pub doc: &'static str,
+}
+
+macro_rules! limits {
+    ($(
+        $(#[doc = $long:literal])*
+        $name:ident : $ty:ty = $default:expr, $min:expr, $max:expr, $doc:literal;
+    )*) => {
+        /// Tunable limits; every one has a safe default and a range.
+        #[derive(Clone, Debug, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct Limits {
+            $(
+                #[doc = $doc]
+                $(#[doc = $long])*
+                pub $name: $ty,
+            )*
+        }
+
+        impl Default for Limits {
+            fn default() -> Self {
+                Self { $($name: $default,)* }
+            }
+        }
+
+        /// Every limit, in the order of the `[limits]` section.
+        pub const LIMITS: &[LimitSpec] = &[$(
+            LimitSpec {
+                name: stringify!($name),
+                default: ({ const V: $ty = $default; V as i128 }),
+                min: ({ const V: $ty = $min; V as i128 }),
+                max: ({ const V: $ty = $max; V as i128 }),
+                doc: $doc,
+            },
+        )*];
+
+        /// The config key of each limit, as errors name it.
+        pub mod keys {
+            $(
+                #[allow(non_upper_case_globals, dead_code)]
+                pub const $name: &str = concat!("limits.", stringify!($name));
+            )*
+        }
+
+        impl Limits {
+            /// Each limit within its registered range; the error names the
+            /// key and says the range.
+            pub fn check_ranges(&self) -> Result<(), (String, String)> {
+                $(
+                    let value = self.$name as i128;
+                    if !({ const V: $ty = $min; V as i128 }..={ const V: $ty = $max; V as i128 }).contains(&value) {
+                        return Err((
+                            concat!("limits.", stringify!($name)).to_owned(),
+                            format!("must be in {}..={} (was {value})", { const V: $ty = $min; V }, { const V: $ty = $max; V }),
+                        ));
+                    }
+                )*
+                Ok(())
+            }
+        }
+
+        // Every default within its range, checked by the compiler.
+        $(const _: () = assert!(
+            { const V: $ty = $min; V as i128 } <= { const V: $ty = $default; V as i128 } && { const V: $ty = $default; V as i128 } <= { const V: $ty = $max; V as i128 }
+        );)*
+    };
+}
+
+limits! {
+    max_request_bytes: usize = 1024 * 1024, 4096, 64 * 1024 * 1024,
+        "largest gRPC message accepted, in bytes; larger: RESOURCE_EXHAUSTED";
+    timestamp_window_ms: i64 = 300_000, 1_000, 3_600_000,
+        "request timestamps further off the broker's clock: UNAUTHENTICATED";
+    max_depth: u32 = MAX_DEPTH_CEILING, 1, MAX_DEPTH_CEILING,
+        "ceiling on a policy's max_depth";
+    max_children: u32 = MAX_CHILDREN_CEILING, 1, MAX_CHILDREN_CEILING,
+        "ceiling on a policy's max_children";
+    writer_queue_depth: usize = 16_384, 1, 1_048_576,
+        "writes queued for the store's writer before UNAVAILABLE (OVERLOADED)";
+    max_batch: usize = 512, 1, 16_384,
+        "writes per group commit";
+    read_connections: u32 = 4, 1, 256,
+        "read-only database connections";
+    max_connections: usize = 4_096, 1, MAX_CONNECTIONS_CEILING,
+        "open client connections; more wait in the listen backlog";
+    max_concurrent_requests_per_connection: usize = 1_024, 1, MAX_CONCURRENCY_CEILING,
+        "concurrent requests on one client connection";
+    request_timeout_ms: u64 = 30_000, 1, MAX_INTERVAL_MS,
+        "longest a request may run before DEADLINE_EXCEEDED";
+    tls_handshake_timeout_ms: u64 = 10_000, 1, MAX_TLS_HANDSHAKE_TIMEOUT_MS,
+        "with [tls]: unfinished handshakes are dropped after this";
+    max_watch_streams: usize = 1_024, 1, MAX_CONCURRENCY_CEILING,
+        "concurrent Watch streams, broker-wide";
+    max_watch_streams_per_caller: usize = 32, 1, MAX_CONCURRENCY_CEILING,
+        "concurrent Watch streams per session key (at most max_watch_streams)";
+    max_watch_streams_per_connection: usize = 32, 1, MAX_CONCURRENCY_CEILING,
+        "concurrent Watch streams per client connection (at most max_watch_streams)";
+    /// A party can make new keys parties (by delegating to them), so
+    /// per-caller caps alone do not stop one tree from taking every stream.
+    max_watch_streams_per_tree: usize = 64, 1, MAX_CONCURRENCY_CEILING,
+        "concurrent Watch streams per tree, whoever opens them (at most max_watch_streams)";
+    max_concurrent_audits: usize = 4, 1, MAX_CONCURRENT_AUDITS_CEILING,
+        "GetAudit/AggregateAudits calls running at once, broker-wide";
+    max_concurrent_audits_per_caller: usize = 1, 1, MAX_CONCURRENT_AUDITS_CEILING,
+        "audit calls one caller may run at once (at most max_concurrent_audits)";
+    session_ttl_ms: i64 = 3_600_000, 1_000, MAX_SESSION_TTL_MS,
+        "how long a read session (OpenSession) is accepted";
+    expiry_sweep_interval_ms: u64 = 1_000, 1, MAX_INTERVAL_MS,
+        "how often overdue contracts are expired in the background (they also expire on access)";
+    /// At least twice `timestamp_window_ms` plus two minutes, so a request
+    /// that is still fresh always finds its earlier answer; a retry older
+    /// than this is refused as stale instead of being answered again.
+    request_log_retention_ms: i64 = 30 * 24 * 3_600_000, 1, MAX_RETENTION_MS,
+        "how long answered requests stay in the request log (≥ 2 × timestamp_window_ms + 2 min)";
+}
+
+impl Limits {
+    /// Largest response the server encodes: four times the largest request
+    /// (responses carry signed envelopes the requests do not).
+    pub fn max_response_bytes(&self) -> usize {
+        self.max_request_bytes.saturating_mul(4)
+    }
+
+    /// The README's `[limits]` block: every limit at its default, with its
+    /// line of documentation.
+    pub fn readme_block() -> String {
+        let mut out = String::from("[limits]\n");
+        for l in LIMITS {
+            out.push_str(&format!(
+                "{} = {}  # {} [{}..={}]\n",
+                l.name, l.default, l.doc, l.min, l.max
+            ));
+        }
+        out
+    }
+}
+
+// Responses are four requests: the largest must still fit a usize.
+const _: () = assert!(64 * 1024 * 1024 * 4 < usize::MAX);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_limit_is_checked_against_its_range_by_name() {
+        for spec in LIMITS {
+            assert!(spec.min <= spec.default && spec.default <= spec.max);
+            for bad in [spec.min - 1, spec.max + 1] {
+                let toml = format!("{} = {bad}", spec.name);
+                let limits: Result<Limits, _> = toml::from_str(&toml);
+                // Out of the type's range fails at parsing; otherwise the
+                // range check names the key.
+                if let Ok(limits) = limits {
+                    let (field, reason) = limits.check_ranges().expect_err(&toml);
+                    assert_eq!(field, format!("limits.{}", spec.name));
+                    assert!(reason.contains(&spec.max.to_string()), "{reason}");
+                }
+            }
+        }
+        assert!(Limits::default().check_ranges().is_ok());
+    }
+
+    #[test]
+    fn the_readme_shows_every_limit_as_the_registry_says() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .expect("README.md");
+        let block = Limits::readme_block();
+        assert!(
+            readme.contains(&block),
+            "README.md's [limits] block drifted from the registry; it must read:\n{block}"
+        );
+    }
+}
