@@ -7,6 +7,7 @@ use std::path::PathBuf;
 const PROTO_ROOT: &str = "proto";
 const PROTO_FILES: &[&str] = &[
     "proto/delegation/broker/v1/types.proto",
+    "proto/delegation/broker/v1/errors.proto",
     "proto/delegation/broker/v1/broker.proto",
 ];
 

@@ -27,7 +27,7 @@ impl<T> Authenticated<T> {
     pub fn stale_error(&self, now_ms: i64, window_ms: i64, timestamp_ms: i64) -> ServiceError {
         let skew_ms = now_ms.saturating_sub(timestamp_ms).saturating_abs();
         ServiceError::Unauthenticated {
-            reason: "STALE_TIMESTAMP",
+            reason: pb::ErrorReason::StaleTimestamp,
             detail: format!(
                 "body.header.timestamp_ms is {skew_ms} ms from the broker's clock, beyond the {window_ms} ms window"
             ),
@@ -112,7 +112,7 @@ pub fn authenticate<T: SignedBody>(
     }
     crypto::verify_envelope(envelope, T::PAYLOAD_TYPE, &key).map_err(|e| {
         ServiceError::Unauthenticated {
-            reason: "BAD_SIGNATURE",
+            reason: pb::ErrorReason::BadSignature,
             detail: format!("signed: {e}"),
         }
     })?;

@@ -8,7 +8,15 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::core::InputError;
-use crate::store::StoreError;
+use crate::pb;
+use crate::store::{Entity, StoreError};
+
+/// The wire form of a reason: its name in errors.proto without the
+/// `ERROR_REASON_` prefix, as invariant codes are sent.
+pub fn reason_name(reason: pb::ErrorReason) -> &'static str {
+    let name = reason.as_str_name();
+    name.strip_prefix("ERROR_REASON_").unwrap_or(name)
+}
 
 /// `ErrorInfo.domain` of every error this broker returns.
 pub const ERROR_DOMAIN: &str = "delegation.broker.v1";
@@ -24,15 +32,15 @@ pub enum ServiceError {
     /// The request's signature or timestamp does not hold.
     #[error("{detail}")]
     Unauthenticated {
-        reason: &'static str,
+        reason: pb::ErrorReason,
         detail: String,
     },
-    #[error("{what} {id} not found")]
-    NotFound { what: &'static str, id: String },
+    #[error("{} {id} not found", what.as_str())]
+    NotFound { what: Entity, id: String },
     /// The signer may not act on this contract.
     #[error("{detail}")]
     PermissionDenied {
-        reason: &'static str,
+        reason: pb::ErrorReason,
         detail: String,
     },
     /// A listed orchestrator asked for a root above its allowance.
@@ -41,13 +49,14 @@ pub enum ServiceError {
     /// The contract's state does not allow it (ended, late, …).
     #[error("{detail}")]
     FailedPrecondition {
-        reason: &'static str,
+        reason: pb::ErrorReason,
         detail: String,
     },
     /// The nonce was used before with a different body.
     #[error("nonce already used by this agent for a different request")]
     NonceReused,
-    /// A limit was reached (named).
+    /// A per-caller or per-contract limit was reached: its config key
+    /// (`config::keys`) or, for a fixed limit, the constant's name.
     #[error("limit reached: {0}")]
     Overloaded(&'static str),
     /// The answer would not fit the response size limit.
@@ -68,7 +77,7 @@ pub enum ServiceError {
     /// nonce.
     #[error("{detail}")]
     Retry {
-        reason: &'static str,
+        reason: pb::ErrorReason,
         detail: String,
     },
     #[error("internal error: {0}")]
@@ -112,7 +121,7 @@ impl From<StoreError> for ServiceError {
             ),
             StoreError::Unavailable { reason, detail } => Self::Retry { reason, detail },
             StoreError::StaleJudgment => Self::Retry {
-                reason: "OBSERVATIONS_CHANGING",
+                reason: pb::ErrorReason::ObservationsChanging,
                 detail: "the completion's judgment went stale; retry with the same nonce".into(),
             },
             StoreError::Corrupt(what) => Self::Internal(format!("corrupt store: {what}")),
@@ -126,24 +135,27 @@ impl From<ServiceError> for Status {
         // Server-written details may quote stored or client text: bounded
         // like input reasons, so every error fits the 8 KiB trailers.
         let message = crate::core::error::bounded(e.to_string(), MAX_STATUS_MESSAGE_BYTES);
-        let (code, reason, metadata): (Code, &str, Vec<(&str, String)>) = match &e {
+        use pb::ErrorReason as R;
+        let (code, reason, metadata): (Code, R, Vec<(&str, String)>) = match &e {
             ServiceError::Invalid(input) => (
                 Code::InvalidArgument,
-                "INVALID_FIELD",
+                R::InvalidField,
                 vec![("field", input.field.to_owned())],
             ),
-            ServiceError::Unauthenticated { reason, .. } => (Code::Unauthenticated, reason, vec![]),
+            ServiceError::Unauthenticated { reason, .. } => {
+                (Code::Unauthenticated, *reason, vec![])
+            }
             ServiceError::NotFound { what, id } => (
                 Code::NotFound,
-                "NOT_FOUND",
-                vec![("what", (*what).to_owned()), ("id", id.clone())],
+                R::NotFound,
+                vec![("what", what.as_str().to_owned()), ("id", id.clone())],
             ),
             ServiceError::PermissionDenied { reason, .. } => {
-                (Code::PermissionDenied, reason, vec![])
+                (Code::PermissionDenied, *reason, vec![])
             }
             ServiceError::OverAllowance { requested, allowed } => (
                 Code::PermissionDenied,
-                "ROOT_BUDGET_OVER_ALLOWANCE",
+                R::RootBudgetOverAllowance,
                 vec![
                     ("field", "body.budget".to_owned()),
                     ("requested", requested.to_string()),
@@ -151,21 +163,21 @@ impl From<ServiceError> for Status {
                 ],
             ),
             ServiceError::FailedPrecondition { reason, .. } => {
-                (Code::FailedPrecondition, reason, vec![])
+                (Code::FailedPrecondition, *reason, vec![])
             }
             ServiceError::NonceReused => (
                 Code::AlreadyExists,
-                "NONCE_REUSED",
+                R::NonceReused,
                 vec![("field", "body.header.nonce".into())],
             ),
             ServiceError::Overloaded(what) => (
                 Code::ResourceExhausted,
-                "OVERLOADED",
+                R::Overloaded,
                 vec![("limit", (*what).to_owned())],
             ),
             ServiceError::ResponseTooLarge { size, limit, .. } => (
                 Code::ResourceExhausted,
-                "RESPONSE_TOO_LARGE",
+                R::ResponseTooLarge,
                 vec![
                     ("limit", crate::config::keys::max_request_bytes.to_owned()),
                     ("size", size.to_string()),
@@ -176,12 +188,12 @@ impl From<ServiceError> for Status {
             // retry with the same nonce is safe.
             ServiceError::Busy => (
                 Code::Unavailable,
-                "OVERLOADED",
+                R::Overloaded,
                 vec![("limit", crate::config::keys::writer_queue_depth.to_owned())],
             ),
-            ServiceError::Unavailable(_) => (Code::Unavailable, "UNAVAILABLE", vec![]),
-            ServiceError::Retry { reason, .. } => (Code::Unavailable, reason, vec![]),
-            ServiceError::Internal(_) => (Code::Internal, "INTERNAL", vec![]),
+            ServiceError::Unavailable(_) => (Code::Unavailable, R::Unavailable, vec![]),
+            ServiceError::Retry { reason, .. } => (Code::Unavailable, *reason, vec![]),
+            ServiceError::Internal(_) => (Code::Internal, R::Internal, vec![]),
         };
         if code == Code::Internal || code == Code::Unavailable {
             tracing::error!(error = %message, "request failed");
@@ -190,10 +202,303 @@ impl From<ServiceError> for Status {
             .into_iter()
             .map(|(k, v)| (k.to_owned(), v))
             .collect();
-        let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
+        let mut details =
+            ErrorDetails::with_error_info(reason_name(reason), ERROR_DOMAIN, metadata);
         if let ServiceError::Invalid(input) = &e {
             details.add_bad_request_violation(input.field, input.reason.clone());
         }
         Status::with_error_details(code, message, details)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::lifecycle::LifecycleError;
+
+    fn info(status: &Status) -> (String, HashMap<String, String>) {
+        let info = status
+            .get_details_error_info()
+            .expect("every error has an ErrorInfo");
+        assert_eq!(info.domain, ERROR_DOMAIN);
+        (info.reason, info.metadata)
+    }
+
+    /// The whole mapping, store error → service error → gRPC status: code,
+    /// reason and metadata keys, one row per error the broker can answer.
+    #[test]
+    fn every_error_maps_to_its_documented_status() {
+        use pb::ErrorReason as R;
+        let denied = |reason| StoreError::PermissionDenied {
+            reason,
+            detail: "d".into(),
+        };
+        let precondition = |reason| StoreError::FailedPrecondition {
+            reason,
+            detail: "d".into(),
+        };
+        let store_cases: Vec<(StoreError, Code, R, &[&str])> = vec![
+            (
+                StoreError::NotFound {
+                    what: Entity::Contract,
+                    id: "ab".into(),
+                },
+                Code::NotFound,
+                R::NotFound,
+                &["what", "id"],
+            ),
+            (
+                StoreError::NonceReused,
+                Code::AlreadyExists,
+                R::NonceReused,
+                &["field"],
+            ),
+            (
+                denied(R::NotDelegate),
+                Code::PermissionDenied,
+                R::NotDelegate,
+                &[],
+            ),
+            (denied(R::NotHost), Code::PermissionDenied, R::NotHost, &[]),
+            (
+                denied(R::NotAncestor),
+                Code::PermissionDenied,
+                R::NotAncestor,
+                &[],
+            ),
+            (
+                denied(R::NotPrincipal),
+                Code::PermissionDenied,
+                R::NotPrincipal,
+                &[],
+            ),
+            (
+                precondition(R::WrongState),
+                Code::FailedPrecondition,
+                R::WrongState,
+                &[],
+            ),
+            (
+                precondition(R::Late),
+                Code::FailedPrecondition,
+                R::Late,
+                &[],
+            ),
+            (
+                precondition(R::Ended),
+                Code::FailedPrecondition,
+                R::Ended,
+                &[],
+            ),
+            (
+                precondition(R::Root),
+                Code::FailedPrecondition,
+                R::Root,
+                &[],
+            ),
+            (
+                precondition(R::NotPending),
+                Code::FailedPrecondition,
+                R::NotPending,
+                &[],
+            ),
+            (
+                precondition(R::HostMismatch),
+                Code::FailedPrecondition,
+                R::HostMismatch,
+                &[],
+            ),
+            (
+                precondition(R::MeteredLimit),
+                Code::FailedPrecondition,
+                R::MeteredLimit,
+                &[],
+            ),
+            (
+                StoreError::Invalid(InputError::new("body.host_public_key", "x")),
+                Code::InvalidArgument,
+                R::InvalidField,
+                &["field"],
+            ),
+            (
+                StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT"),
+                Code::ResourceExhausted,
+                R::Overloaded,
+                &["limit"],
+            ),
+            // A full write queue: UNAVAILABLE, which standard retry
+            // policies retry, naming the config key.
+            (
+                StoreError::Busy,
+                Code::Unavailable,
+                R::Overloaded,
+                &["limit"],
+            ),
+            (StoreError::Closed, Code::Unavailable, R::Unavailable, &[]),
+            (
+                StoreError::Unavailable {
+                    reason: R::JudgesBusy,
+                    detail: "d".into(),
+                },
+                Code::Unavailable,
+                R::JudgesBusy,
+                &[],
+            ),
+            (
+                StoreError::StaleJudgment,
+                Code::Unavailable,
+                R::ObservationsChanging,
+                &[],
+            ),
+            // Data that does not decode is INTERNAL: retrying cannot help.
+            (
+                StoreError::Corrupt("row".into()),
+                Code::Internal,
+                R::Internal,
+                &[],
+            ),
+            (
+                StoreError::Backend("io".into()),
+                Code::Unavailable,
+                R::Unavailable,
+                &[],
+            ),
+        ];
+        let service_cases: Vec<(ServiceError, Code, R, &[&str])> = vec![
+            (
+                ServiceError::Unauthenticated {
+                    reason: R::BadSignature,
+                    detail: "d".into(),
+                },
+                Code::Unauthenticated,
+                R::BadSignature,
+                &[],
+            ),
+            (
+                ServiceError::OverAllowance {
+                    requested: 2,
+                    allowed: 1,
+                },
+                Code::PermissionDenied,
+                R::RootBudgetOverAllowance,
+                &["field", "requested", "allowed"],
+            ),
+            (
+                ServiceError::ResponseTooLarge {
+                    size: 9,
+                    limit: 8,
+                    hint: "page",
+                },
+                Code::ResourceExhausted,
+                R::ResponseTooLarge,
+                &["limit", "size", "allowed"],
+            ),
+            (
+                ServiceError::Retry {
+                    reason: R::ConvertersBusy,
+                    detail: "d".into(),
+                },
+                Code::Unavailable,
+                R::ConvertersBusy,
+                &[],
+            ),
+            (
+                ServiceError::Internal("x".into()),
+                Code::Internal,
+                R::Internal,
+                &[],
+            ),
+        ];
+        let all = store_cases
+            .into_iter()
+            .map(|(e, c, r, m)| (ServiceError::from(e), c, r, m))
+            .chain(service_cases);
+        for (error, code, reason, keys) in all {
+            let shown = format!("{error:?}");
+            let status = Status::from(error);
+            assert_eq!(status.code(), code, "{shown}");
+            let (wire, metadata) = info(&status);
+            assert_eq!(wire, reason_name(reason), "{shown}");
+            let mut got: Vec<&str> = metadata.keys().map(String::as_str).collect();
+            got.sort_unstable();
+            let mut want = keys.to_vec();
+            want.sort_unstable();
+            assert_eq!(got, want, "{shown}");
+        }
+        let busy = Status::from(ServiceError::from(StoreError::Busy));
+        assert_eq!(
+            info(&busy).1["limit"],
+            crate::config::keys::writer_queue_depth
+        );
+    }
+
+    /// Every reason the broker sends is a value of errors.proto's enum,
+    /// and its wire name drops only the prefix.
+    #[test]
+    fn reasons_are_named_as_errors_proto_says() {
+        assert_eq!(reason_name(pb::ErrorReason::NotDelegate), "NOT_DELEGATE");
+        assert_eq!(reason_name(pb::ErrorReason::NotAParty), "NOT_A_PARTY");
+        // Every core lifecycle refusal reaches the wire with its reason.
+        use crate::core::lifecycle::Refused as F;
+        use pb::ErrorReason as R;
+        let cases = [
+            (
+                F::NotDelegate("accept it"),
+                Code::PermissionDenied,
+                R::NotDelegate,
+            ),
+            (F::NotHost, Code::PermissionDenied, R::NotHost),
+            (F::NotAncestor, Code::PermissionDenied, R::NotAncestor),
+            (F::NotPrincipal, Code::PermissionDenied, R::NotPrincipal),
+            (F::HostMismatch, Code::FailedPrecondition, R::HostMismatch),
+            (
+                F::Invalid(InputError::new("body.host_public_key", "x")),
+                Code::InvalidArgument,
+                R::InvalidField,
+            ),
+            (F::Root, Code::FailedPrecondition, R::Root),
+            (
+                F::Ended(crate::core::Status::Revoked),
+                Code::FailedPrecondition,
+                R::Ended,
+            ),
+            (F::NotPending, Code::FailedPrecondition, R::NotPending),
+            (F::MeteredLimit, Code::FailedPrecondition, R::MeteredLimit),
+            (
+                F::TooManyObservations,
+                Code::ResourceExhausted,
+                R::Overloaded,
+            ),
+            (
+                F::Expired { deadline_ms: 1 },
+                Code::FailedPrecondition,
+                R::Late,
+            ),
+            (F::NotOverdue, Code::FailedPrecondition, R::WrongState),
+            (
+                F::Lifecycle(LifecycleError::Late {
+                    deadline_ms: 1,
+                    now_ms: 2,
+                }),
+                Code::FailedPrecondition,
+                R::Late,
+            ),
+            (
+                F::Lifecycle(LifecycleError::NotAllowed {
+                    from: crate::core::Status::Open,
+                    event: crate::core::Event::Complete,
+                }),
+                Code::FailedPrecondition,
+                R::WrongState,
+            ),
+            (F::StaleJudgment, Code::Unavailable, R::ObservationsChanging),
+            (F::Corrupt("x".into()), Code::Internal, R::Internal),
+        ];
+        for (refused, code, reason) in cases {
+            let shown = format!("{refused:?}");
+            let status = Status::from(ServiceError::from(StoreError::from(refused)));
+            assert_eq!(status.code(), code, "{shown}");
+            assert_eq!(info(&status).0, reason_name(reason), "{shown}");
+        }
     }
 }

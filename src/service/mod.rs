@@ -215,11 +215,11 @@ impl<S: Store> BrokerService<S> {
         }
         match self.store.is_party(contract, *caller).await? {
             None => Err(ServiceError::NotFound {
-                what: "contract",
+                what: crate::store::Entity::Contract,
                 id: hex::encode(contract),
             }),
             Some(false) => Err(ServiceError::PermissionDenied {
-                reason: "NOT_A_PARTY",
+                reason: pb::ErrorReason::NotAParty,
                 detail: "reads are answered only to the tree's parties (the key that opened its root, its delegates and hosts) and to configured readers".into(),
             }),
             Some(true) => {
@@ -286,7 +286,7 @@ impl<S: Store> BrokerService<S> {
             }
             return Err(match denied {
                 RootDenied::NotListed => ServiceError::PermissionDenied {
-                    reason: "NOT_AN_ORCHESTRATOR",
+                    reason: pb::ErrorReason::NotAnOrchestrator,
                     detail: "this key may not open roots (it is not under [orchestrators] in the broker's configuration)".into(),
                 },
                 RootDenied::OverAllowance { allowed } => ServiceError::OverAllowance {
@@ -337,7 +337,7 @@ impl<S: Store> BrokerService<S> {
                 .issuing_parent(parent_id)
                 .await?
                 .ok_or_else(|| ServiceError::NotFound {
-                    what: "parent contract",
+                    what: crate::store::Entity::ParentContract,
                     id: hex::encode(parent_id),
                 })?;
         telemetry::record("broker.parent_id", telemetry::Hex(&parent_id));
@@ -345,7 +345,7 @@ impl<S: Store> BrokerService<S> {
         let depth = parent.depth + 1;
         if parent.delegate_key != signed.request.agent {
             return Err(ServiceError::PermissionDenied {
-                reason: "NOT_HOLDER",
+                reason: pb::ErrorReason::NotHolder,
                 detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
             });
         }
@@ -373,7 +373,7 @@ impl<S: Store> BrokerService<S> {
             .await
             .map_err(|e| match e {
                 crate::pool::PoolError::TimedOut(ms) => ServiceError::Retry {
-                    reason: "CONVERTERS_BUSY",
+                    reason: pb::ErrorReason::ConvertersBusy,
                     detail: format!(
                         "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
                     ),
@@ -516,7 +516,7 @@ impl<S: Store> BrokerService<S> {
             .map_err(|_| InputError::new("cursor", "is not a cursor this broker issued"))?;
         let Some(record) = self.store.contract(contract).await? else {
             return Err(ServiceError::NotFound {
-                what: "contract",
+                what: crate::store::Entity::Contract,
                 id: hex::encode(contract),
             });
         };
@@ -624,7 +624,7 @@ impl<S: Store> BrokerService<S> {
             .contract(id)
             .await?
             .ok_or_else(|| ServiceError::NotFound {
-                what: "contract",
+                what: crate::store::Entity::Contract,
                 id: hex::encode(id),
             })
     }
@@ -670,7 +670,7 @@ impl<S: Store> BrokerService<S> {
         let after = page_cursor(&request.page_token)?;
         if self.store.contract(id).await?.is_none() {
             return Err(ServiceError::NotFound {
-                what: "contract",
+                what: crate::store::Entity::Contract,
                 id: hex::encode(id),
             });
         }
@@ -716,7 +716,7 @@ impl<S: Store> BrokerService<S> {
             .receipt(id)
             .await?
             .ok_or_else(|| ServiceError::NotFound {
-                what: "receipt",
+                what: crate::store::Entity::Receipt,
                 id: hex::encode(id),
             })?;
         Ok(pb::GetReceiptResponse {
@@ -742,7 +742,7 @@ impl<S: Store> Broker for BrokerService<S> {
             .await
             .map_err(ServiceError::from)?
             .ok_or_else(|| ServiceError::NotFound {
-                what: "contract",
+                what: crate::store::Entity::Contract,
                 id: hex::encode(id),
             })?;
         // Classifying a tree's mutations is CPU work: off the async workers.

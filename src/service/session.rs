@@ -35,7 +35,7 @@ pub struct Sessions {
     verified: Mutex<HashMap<[u8; 32], (AgentKey, i64)>>,
 }
 
-fn unauthenticated(reason: &'static str, detail: impl Into<String>) -> ServiceError {
+fn unauthenticated(reason: pb::ErrorReason, detail: impl Into<String>) -> ServiceError {
     ServiceError::Unauthenticated {
         reason,
         detail: detail.into(),
@@ -64,7 +64,7 @@ impl Sessions {
         }
         if broker_key_id != self.current.0 {
             return Err(unauthenticated(
-                "WRONG_BROKER",
+                pb::ErrorReason::WrongBroker,
                 "body.broker_key_id is not this broker's current key: the request was meant for another broker (or a retired key)",
             ));
         }
@@ -90,18 +90,21 @@ impl Sessions {
     pub fn caller(&self, metadata: &MetadataMap, now_ms: i64) -> Result<AgentKey, ServiceError> {
         let Some(value) = metadata.get_bin(SESSION_METADATA) else {
             return Err(unauthenticated(
-                "NO_SESSION",
+                pb::ErrorReason::NoSession,
                 format!(
                     "reads need a session: call OpenSession and send its envelope as {SESSION_METADATA} metadata"
                 ),
             ));
         };
-        let bytes = value
-            .to_bytes()
-            .map_err(|_| unauthenticated("BAD_SESSION", "the session metadata is not base64"))?;
+        let bytes = value.to_bytes().map_err(|_| {
+            unauthenticated(
+                pb::ErrorReason::BadSession,
+                "the session metadata is not base64",
+            )
+        })?;
         if bytes.len() > MAX_SESSION_BYTES {
             return Err(unauthenticated(
-                "BAD_SESSION",
+                pb::ErrorReason::BadSession,
                 format!("the session is over {MAX_SESSION_BYTES} bytes"),
             ));
         }
@@ -121,7 +124,7 @@ impl Sessions {
         };
         if now_ms >= expires_at_ms {
             return Err(unauthenticated(
-                "SESSION_EXPIRED",
+                pb::ErrorReason::SessionExpired,
                 format!("the session expired at {expires_at_ms}; open a new one"),
             ));
         }
@@ -129,7 +132,7 @@ impl Sessions {
     }
 
     fn verify(&self, bytes: &[u8]) -> Result<(AgentKey, i64), ServiceError> {
-        let bad = |detail: &str| unauthenticated("BAD_SESSION", detail.to_owned());
+        let bad = |detail: &str| unauthenticated(pb::ErrorReason::BadSession, detail.to_owned());
         let envelope =
             pb::Sealed::decode(bytes).map_err(|_| bad("the session is not a Sealed Session"))?;
         let session = pb::Session::decode(envelope.payload.as_slice())
@@ -207,11 +210,11 @@ mod tests {
         };
         assert_eq!(
             reason(sessions.caller(&metadata(&envelope), 1_100).unwrap_err()),
-            "SESSION_EXPIRED"
+            pb::ErrorReason::SessionExpired
         );
         assert_eq!(
             reason(sessions.caller(&MetadataMap::new(), 500).unwrap_err()),
-            "NO_SESSION"
+            pb::ErrorReason::NoSession
         );
         // Another agent's key swapped into the payload breaks the signature.
         let mut forged = envelope.clone();
@@ -220,14 +223,14 @@ mod tests {
         forged.payload = session.encode_to_vec();
         assert_eq!(
             reason(sessions.caller(&metadata(&forged), 500).unwrap_err()),
-            "BAD_SESSION"
+            pb::ErrorReason::BadSession
         );
         // A session from another broker is not this broker's.
         let (other, _) = broker(2);
         let foreign = other.open([7; 32], 100).session.unwrap();
         assert_eq!(
             reason(sessions.caller(&metadata(&foreign), 500).unwrap_err()),
-            "BAD_SESSION"
+            pb::ErrorReason::BadSession
         );
         // A session longer than the lifetime was not issued by this code
         // (a leaked key could sign one): refused.
@@ -240,7 +243,7 @@ mod tests {
         });
         assert_eq!(
             reason(sessions.caller(&metadata(&long), 500).unwrap_err()),
-            "BAD_SESSION"
+            pb::ErrorReason::BadSession
         );
         // OpenSession requests name the broker they are for.
         let (_, published) = broker(1);
@@ -248,7 +251,7 @@ mod tests {
         assert!(matches!(
             sessions.check_audience("other"),
             Err(ServiceError::Unauthenticated {
-                reason: "WRONG_BROKER",
+                reason: pb::ErrorReason::WrongBroker,
                 ..
             })
         ));

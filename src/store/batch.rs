@@ -436,7 +436,7 @@ fn delegate(
     let parent = known
         .get_mut(&child.parent_id)
         .ok_or_else(|| StoreError::NotFound {
-            what: "parent contract",
+            what: crate::store::Entity::ParentContract,
             id: hex::encode(child.parent_id),
         })?;
     core::invariants::check_child_fields(&parent.view, &child.ask, child.host.is_some())

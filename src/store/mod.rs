@@ -13,6 +13,7 @@ pub(crate) mod suite;
 use std::future::Future;
 
 use crate::command::{NewChild, NewRoot, RequestMeta};
+use crate::core::lifecycle::{LifecycleError, Refused};
 use crate::core::{Id, Ledger, Status};
 use crate::pb;
 
@@ -151,24 +152,43 @@ impl TreeChanges {
     }
 }
 
+/// What was not found (`ErrorInfo` metadata `what`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entity {
+    Contract,
+    /// The parent a Delegate names.
+    ParentContract,
+    Receipt,
+}
+
+impl Entity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Contract => "contract",
+            Self::ParentContract => "parent contract",
+            Self::Receipt => "receipt",
+        }
+    }
+}
+
 /// The store's errors. Backend details stay inside as text: callers only
 /// need to know the class.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("{what} {id} not found")]
-    NotFound { what: &'static str, id: String },
+    #[error("{} {id} not found", what.as_str())]
+    NotFound { what: Entity, id: String },
     #[error("nonce already used by this agent for a different request")]
     NonceReused,
     /// The signer may not do this to this contract.
     #[error("{detail}")]
     PermissionDenied {
-        reason: &'static str,
+        reason: pb::ErrorReason,
         detail: String,
     },
     /// The contract is not in a state that allows it (ended, late, …).
     #[error("{detail}")]
     FailedPrecondition {
-        reason: &'static str,
+        reason: pb::ErrorReason,
         detail: String,
     },
     /// Input that is malformed only in the light of stored state.
@@ -186,7 +206,7 @@ pub enum StoreError {
     /// the same nonce is safe.
     #[error("{detail}")]
     Unavailable {
-        reason: &'static str,
+        reason: pb::ErrorReason,
         detail: String,
     },
     /// The writer's answer to a completion judged before host observations
@@ -197,6 +217,50 @@ pub enum StoreError {
     Corrupt(String),
     #[error("database error: {0}")]
     Backend(String),
+}
+
+fn denied(reason: pb::ErrorReason, detail: impl Into<String>) -> StoreError {
+    StoreError::PermissionDenied {
+        reason,
+        detail: detail.into(),
+    }
+}
+
+fn precondition(reason: pb::ErrorReason, detail: impl Into<String>) -> StoreError {
+    StoreError::FailedPrecondition {
+        reason,
+        detail: detail.into(),
+    }
+}
+
+/// The one place a core lifecycle refusal becomes a store error with its
+/// stable reason, for every backend.
+impl From<Refused> for StoreError {
+    fn from(why: Refused) -> Self {
+        let detail = why.to_string();
+        match why {
+            Refused::NotDelegate(_) => denied(pb::ErrorReason::NotDelegate, detail),
+            Refused::NotHost => denied(pb::ErrorReason::NotHost, detail),
+            Refused::NotAncestor => denied(pb::ErrorReason::NotAncestor, detail),
+            Refused::NotPrincipal => denied(pb::ErrorReason::NotPrincipal, detail),
+            Refused::HostMismatch => precondition(pb::ErrorReason::HostMismatch, detail),
+            Refused::Invalid(input) => StoreError::Invalid(input),
+            Refused::Root => precondition(pb::ErrorReason::Root, detail),
+            Refused::Ended(_) => precondition(pb::ErrorReason::Ended, detail),
+            Refused::NotPending => precondition(pb::ErrorReason::NotPending, detail),
+            Refused::MeteredLimit => precondition(pb::ErrorReason::MeteredLimit, detail),
+            Refused::TooManyObservations => StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT"),
+            Refused::Expired { .. } | Refused::Lifecycle(LifecycleError::Late { .. }) => {
+                precondition(pb::ErrorReason::Late, detail)
+            }
+            Refused::NotOverdue
+            | Refused::Lifecycle(
+                LifecycleError::NotAllowed { .. } | LifecycleError::NotDue { .. },
+            ) => precondition(pb::ErrorReason::WrongState, detail),
+            Refused::StaleJudgment => StoreError::StaleJudgment,
+            Refused::Corrupt(what) => StoreError::Corrupt(what),
+        }
+    }
 }
 
 /// The broker's persistence. Implementations run the core's checks inside

@@ -67,16 +67,12 @@ impl AuditRows {
     pub(super) fn take(&mut self, rows: usize, bytes: usize) -> Result<(), StoreError> {
         self.left -= i64::try_from(rows).unwrap_or(i64::MAX);
         if self.left < 0 {
-            return Err(StoreError::Overloaded(
-                "the audit would read more than MAX_AUDIT_ROWS rows (contracts, observations, receipts)",
-            ));
+            return Err(StoreError::Overloaded("MAX_AUDIT_ROWS"));
         }
         self.bytes_left = self
             .bytes_left
             .checked_sub(bytes)
-            .ok_or(StoreError::Overloaded(
-                "the audit would read more than MAX_AUDIT_BYTES of envelopes and paths",
-            ))?;
+            .ok_or(StoreError::Overloaded("MAX_AUDIT_BYTES"))?;
         Ok(())
     }
 }
@@ -242,9 +238,7 @@ pub(super) async fn runs(
         .push_bind(i64::from(limit) + 1);
     let roots = query.build().fetch_all(&mut *conn).await.map_err(backend)?;
     if roots.len() > limit as usize {
-        return Err(StoreError::Overloaded(
-            "more runs match than MAX_AGGREGATE_RUNS",
-        ));
+        return Err(StoreError::Overloaded("MAX_AGGREGATE_RUNS"));
     }
     let mut runs = Vec::with_capacity(roots.len());
     let mut budget = AuditRows::new(store.max_audit_rows, store.max_audit_bytes);

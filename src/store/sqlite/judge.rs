@@ -61,7 +61,7 @@ pub(super) async fn transition(
         }
     }
     Err(StoreError::Unavailable {
-        reason: "OBSERVATIONS_CHANGING",
+        reason: pb::ErrorReason::ObservationsChanging,
         detail: format!(
             "the host recorded observations during each of {MAX_JUDGMENT_ATTEMPTS} judgments of this completion; nothing was recorded: retry with the same nonce"
         ),
@@ -104,7 +104,7 @@ pub(super) async fn prejudge(
     if slots.is_none() {
         let contract = store.judging_contracts.take(*contract_id).map_err(|_| {
             StoreError::Unavailable {
-                reason: "JUDGMENT_IN_PROGRESS",
+                reason: pb::ErrorReason::JudgmentInProgress,
                 detail: "another completion of this contract is being judged; retry with the same nonce once it is answered".into(),
             }
         })?;
@@ -127,7 +127,7 @@ pub(super) async fn prejudge(
         .await
         .map_err(|e| match e {
             crate::pool::PoolError::TimedOut(ms) => StoreError::Unavailable {
-                reason: "JUDGES_BUSY",
+                reason: pb::ErrorReason::JudgesBusy,
                 detail: format!(
                     "the completion could not be judged within {ms} ms (every judge is busy); nothing was recorded: retry with the same nonce"
                 ),

@@ -13,9 +13,7 @@ use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
 
 use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
-use crate::core::lifecycle::{
-    self, CompleteFacts, Decision, Facts, LifecycleError, Refused, Subtree, TargetWrite,
-};
+use crate::core::lifecycle::{self, CompleteFacts, Decision, Facts, Subtree, TargetWrite};
 use crate::core::{AgentKey, Id, Ledger, Scope, Status};
 use crate::crypto;
 use crate::pb;
@@ -245,48 +243,6 @@ async fn lineage(
         .collect()
 }
 
-fn denied(reason: &'static str, detail: impl Into<String>) -> StoreError {
-    StoreError::PermissionDenied {
-        reason,
-        detail: detail.into(),
-    }
-}
-
-fn precondition(reason: &'static str, detail: impl Into<String>) -> StoreError {
-    StoreError::FailedPrecondition {
-        reason,
-        detail: detail.into(),
-    }
-}
-
-/// The one place a core refusal becomes a store error with its stable
-/// reason.
-fn refusal(why: Refused) -> StoreError {
-    let detail = why.to_string();
-    match why {
-        Refused::NotDelegate(_) => denied("NOT_DELEGATE", detail),
-        Refused::NotHost => denied("NOT_HOST", detail),
-        Refused::NotAncestor => denied("NOT_ANCESTOR", detail),
-        Refused::NotPrincipal => denied("NOT_PRINCIPAL", detail),
-        Refused::HostMismatch => precondition("HOST_MISMATCH", detail),
-        Refused::Invalid(input) => StoreError::Invalid(input),
-        Refused::Root => precondition("ROOT", detail),
-        Refused::Ended(_) => precondition("ENDED", detail),
-        Refused::NotPending => precondition("NOT_PENDING", detail),
-        Refused::MeteredLimit => precondition("METERED_LIMIT", detail),
-        Refused::TooManyObservations => StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT"),
-        Refused::Expired { .. } | Refused::Lifecycle(LifecycleError::Late { .. }) => {
-            precondition("LATE", detail)
-        }
-        Refused::NotOverdue
-        | Refused::Lifecycle(LifecycleError::NotAllowed { .. } | LifecycleError::NotDue { .. }) => {
-            precondition("WRONG_STATE", detail)
-        }
-        Refused::StaleJudgment => StoreError::StaleJudgment,
-        Refused::Corrupt(what) => StoreError::Corrupt(what),
-    }
-}
-
 /// What the writer must do after a transition besides writing rows.
 pub struct Applied {
     pub answer: Result<Answer, StoreError>,
@@ -406,7 +362,7 @@ pub async fn apply(
     let Some(target) = load(conn, &command.contract_id).await? else {
         return Ok(Applied {
             answer: Err(StoreError::NotFound {
-                what: "contract",
+                what: crate::store::Entity::Contract,
                 id: hex::encode(command.contract_id),
             }),
             changed: Vec::new(),
@@ -576,7 +532,7 @@ async fn write(
             },
             replayed: false,
         }),
-        Err(why) => Err(refusal(why.clone())),
+        Err(why) => Err(StoreError::from(why.clone())),
     };
     Ok(Applied { answer, changed })
 }

@@ -201,8 +201,23 @@ pub struct SqliteStore {
     max_audit_bytes: usize,
 }
 
+/// A database error as the store reports it: data that does not decode
+/// is corrupt (INTERNAL: retrying cannot help), anything else a backend
+/// failure (UNAVAILABLE).
 fn backend(e: sqlx::Error) -> StoreError {
-    StoreError::Backend(e.to_string())
+    backend_ref(&e)
+}
+
+fn backend_ref(e: &sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::TypeNotFound { .. }
+        | sqlx::Error::Protocol(_) => StoreError::Corrupt(e.to_string()),
+        _ => StoreError::Backend(e.to_string()),
+    }
 }
 
 impl SqliteStore {

@@ -1014,7 +1014,9 @@ async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline() {
     }
     for task in stuck {
         match task.await.expect("task") {
-            Err(StoreError::Unavailable { reason, .. }) => assert_eq!(reason, "JUDGES_BUSY"),
+            Err(StoreError::Unavailable { reason, .. }) => {
+                assert_eq!(reason, pb::ErrorReason::JudgesBusy)
+            }
             other => panic!("expected JUDGES_BUSY, got {other:?}"),
         }
     }
@@ -1075,14 +1077,16 @@ async fn judgments_are_one_per_contract_and_few_per_signer() {
     // A second completion of a contract being judged: not queued.
     match store.transition(complete(first, 99)).await {
         Err(StoreError::Unavailable { reason, .. }) => {
-            assert_eq!(reason, "JUDGMENT_IN_PROGRESS")
+            assert_eq!(reason, pb::ErrorReason::JudgmentInProgress)
         }
         other => panic!("expected JUDGMENT_IN_PROGRESS, got {other:?}"),
     }
     // A stranger's completion of that contract holds nothing: it is
     // refused for what it is, not for the judgment in progress.
     match store.transition(complete_by(77, first, 96)).await {
-        Err(StoreError::PermissionDenied { reason, .. }) => assert_eq!(reason, "NOT_DELEGATE"),
+        Err(StoreError::PermissionDenied { reason, .. }) => {
+            assert_eq!(reason, pb::ErrorReason::NotDelegate)
+        }
         other => panic!("expected NOT_DELEGATE, got {other:?}"),
     }
     // The same signer's next contract: over its share.

@@ -130,7 +130,7 @@ pub(super) async fn writer_loop(
                 // are harmless (cursors are only compared).
                 replies
                     .drain(..)
-                    .map(|reply| (reply, Err(StoreError::Backend(e.to_string()))))
+                    .map(|reply| (reply, Err(backend_ref(&e))))
                     .collect()
             }
         };

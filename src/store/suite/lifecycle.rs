@@ -81,11 +81,12 @@ async fn ledger<S: Store>(store: &S, id: Id) -> (crate::core::Status, crate::cor
     (c.status, c.ledger)
 }
 
-fn reason(e: &StoreError) -> &str {
+/// The wire name of a refusal's reason.
+pub fn reason(e: &StoreError) -> &'static str {
     match e {
         StoreError::PermissionDenied { reason, .. }
         | StoreError::FailedPrecondition { reason, .. }
-        | StoreError::Unavailable { reason, .. } => reason,
+        | StoreError::Unavailable { reason, .. } => crate::service::error::reason_name(*reason),
         other => panic!("not a reasoned refusal: {other:?}"),
     }
 }

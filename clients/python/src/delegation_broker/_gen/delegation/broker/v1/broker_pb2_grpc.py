@@ -215,15 +215,18 @@ class BrokerServicer:
 
     def Accept(self, request, context):
         """The delegate accepts a contract it holds, optionally naming its host.
-        Signed by the contract's delegate key.
+        Signed by the contract's delegate key (else NOT_DELEGATE). Needs OPEN
+        (else WRONG_STATE); moves it to ACCEPTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Decline(self, request, context):
-        """The delegate declines a contract; its reservation returns to the parent.
-        Signed by the contract's delegate key.
+        """The delegate declines a contract; its reservation returns to the parent
+        and its open descendants are revoked. Signed by the contract's delegate
+        key (else NOT_DELEGATE); not for a root (ROOT). Needs OPEN (else
+        WRONG_STATE); moves it to DECLINED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -233,15 +236,16 @@ class BrokerServicer:
         """The delegate reports its result. The broker judges it against the
         effective predicate on the facts its host recorded, settles the budget
         and returns a signed completion receipt. Signed by the contract's
-        delegate key. Judging is bounded: when every judge stays busy past the
-        broker's deadline (10 s) the answer is UNAVAILABLE (reason
-        JUDGES_BUSY), and when the host keeps recording observations while the
-        completion is judged, UNAVAILABLE (OBSERVATIONS_CHANGING); while
-        another completion of the same contract is being judged, UNAVAILABLE
-        (JUDGMENT_IN_PROGRESS). One signing key has at most two completions
-        judged at once; a third is RESOURCE_EXHAUSTED (OVERLOADED, `limit`
-        MAX_JUDGMENTS_PER_SIGNER). Nothing is recorded in any of these cases, so
-        retry with the same nonce.
+        delegate key (else NOT_DELEGATE). Needs ACCEPTED (else WRONG_STATE);
+        moves it to COMPLETED, revoking its open descendants first. Judging is
+        bounded: when every judge stays busy past the broker's deadline (10 s)
+        the answer is UNAVAILABLE (reason JUDGES_BUSY), and when the host keeps
+        recording observations while the completion is judged, UNAVAILABLE
+        (OBSERVATIONS_CHANGING); while another completion of the same contract
+        is being judged, UNAVAILABLE (JUDGMENT_IN_PROGRESS). One signing key has
+        at most two completions judged at once; a third is RESOURCE_EXHAUSTED
+        (OVERLOADED, `limit` MAX_JUDGMENTS_PER_SIGNER). Nothing is recorded in
+        any of these cases, so retry with the same nonce.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,17 +253,20 @@ class BrokerServicer:
 
     def Adjudicate(self, request, context):
         """The principal records its own verdict on a completed liability-retaining
-        contract (verdict PENDING_PRINCIPAL). Signed by the parent contract's
-        delegate key.
+        contract. Signed by the parent contract's delegate key (for a root, the
+        root's own; else NOT_PRINCIPAL). Needs COMPLETED with verdict
+        PENDING_PRINCIPAL, once (else NOT_PENDING); the status stays COMPLETED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Escalate(self, request, context):
-        """The delegate returns "unresolvable": the reservation is released and the
-        principal told at once whether one retry is still feasible. Signed by the
-        contract's delegate key.
+        """The delegate returns "unresolvable": the reservation is released, open
+        descendants are revoked, and the principal told at once whether one
+        retry is still feasible. Signed by the contract's delegate key (else
+        NOT_DELEGATE); not for a root (ROOT). Needs ACCEPTED (else
+        WRONG_STATE); moves it to UNRESOLVABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -268,29 +275,47 @@ class BrokerServicer:
     def Revoke(self, request, context):
         """Revokes a contract and every open descendant in one transaction,
         releasing their reservations. Signed by the delegate key of any ancestor
-        of the contract.
+        of the contract (for a root, the root's own; else NOT_ANCESTOR). Needs
+        OPEN or ACCEPTED (else WRONG_STATE), even past the deadline (it is
+        never LATE); moves it to REVOKED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RecordReceipts(self, request, context):
-        """The host records what it observed of a contract's execution. Signed by
-        the contract's host key; append-only; refused once the contract has
-        ended.
+        """The host records what it observed of a contract's execution; metered
+        units are charged at once (see Observation.units). Signed by the
+        contract's host key (else NOT_HOST); append-only. Needs OPEN or
+        ACCEPTED (else ENDED); the status does not change.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Streams every signed event of a contract's subtree (issued contracts and
-        receipts) in commit order, from a cursor, then live as they happen. A
-        client that reconnects with the last cursor it saw misses nothing and
-        sees nothing twice. Streams are capped broker-wide, per caller (session
-        key), per connection and per tree (limits.max_watch_streams*); past a cap the call
-        is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it). A stream
-        that stops reading holds at most a bounded buffer.
+        """Streams every signed event of a contract's subtree — the contract and
+        its descendants as issued, and every receipt about any of them
+        (refusals of Delegates asked of them included) — in commit order, from
+        a cursor, then live as they happen. From cursor 0 that is every event
+        stored for the subtree, oldest first; watch a root for its whole tree.
+        A client that reconnects with the last cursor it saw misses nothing and
+        sees nothing twice.
+
+        Nothing marks the end of the stored events: no "caught up" message and
+        no heartbeat; the stream goes quiet until the next event. To know it
+        has caught up with a state, read that state first (GetContract,
+        ListChildren) and consume until the events behind it have arrived (the
+        contracts listed, the receipt that gave each its status): a stored
+        event is sent without waiting for new commits. The stream never ends by
+        itself, even once every contract has ended: the client cancels it. It
+        ends with OK when the broker shuts down, with an error status when the
+        store fails; reconnect with the last cursor. A slow reader is never
+        skipped: the broker buffers a few events and waits for it.
+
+        Streams are capped broker-wide, per caller (session key), per
+        connection and per tree (limits.max_watch_streams*); past a cap the call
+        is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

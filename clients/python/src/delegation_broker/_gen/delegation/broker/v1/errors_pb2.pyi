@@ -1,0 +1,78 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from typing import ClassVar as _ClassVar
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_FIELD: _ClassVar[ErrorReason]
+    ERROR_REASON_UNDECODABLE_MESSAGE: _ClassVar[ErrorReason]
+    ERROR_REASON_MESSAGE_TOO_LARGE: _ClassVar[ErrorReason]
+    ERROR_REASON_BAD_SIGNATURE: _ClassVar[ErrorReason]
+    ERROR_REASON_STALE_TIMESTAMP: _ClassVar[ErrorReason]
+    ERROR_REASON_NONCE_REUSED: _ClassVar[ErrorReason]
+    ERROR_REASON_NO_SESSION: _ClassVar[ErrorReason]
+    ERROR_REASON_BAD_SESSION: _ClassVar[ErrorReason]
+    ERROR_REASON_SESSION_EXPIRED: _ClassVar[ErrorReason]
+    ERROR_REASON_WRONG_BROKER: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_AN_ORCHESTRATOR: _ClassVar[ErrorReason]
+    ERROR_REASON_ROOT_BUDGET_OVER_ALLOWANCE: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_HOLDER: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_DELEGATE: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_HOST: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_ANCESTOR: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_PRINCIPAL: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_A_PARTY: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_WRONG_STATE: _ClassVar[ErrorReason]
+    ERROR_REASON_LATE: _ClassVar[ErrorReason]
+    ERROR_REASON_ENDED: _ClassVar[ErrorReason]
+    ERROR_REASON_ROOT: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_PENDING: _ClassVar[ErrorReason]
+    ERROR_REASON_HOST_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_METERED_LIMIT: _ClassVar[ErrorReason]
+    ERROR_REASON_OVERLOADED: _ClassVar[ErrorReason]
+    ERROR_REASON_RESPONSE_TOO_LARGE: _ClassVar[ErrorReason]
+    ERROR_REASON_CONVERTERS_BUSY: _ClassVar[ErrorReason]
+    ERROR_REASON_JUDGES_BUSY: _ClassVar[ErrorReason]
+    ERROR_REASON_JUDGMENT_IN_PROGRESS: _ClassVar[ErrorReason]
+    ERROR_REASON_OBSERVATIONS_CHANGING: _ClassVar[ErrorReason]
+    ERROR_REASON_UNAVAILABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_INTERNAL: _ClassVar[ErrorReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_INVALID_FIELD: ErrorReason
+ERROR_REASON_UNDECODABLE_MESSAGE: ErrorReason
+ERROR_REASON_MESSAGE_TOO_LARGE: ErrorReason
+ERROR_REASON_BAD_SIGNATURE: ErrorReason
+ERROR_REASON_STALE_TIMESTAMP: ErrorReason
+ERROR_REASON_NONCE_REUSED: ErrorReason
+ERROR_REASON_NO_SESSION: ErrorReason
+ERROR_REASON_BAD_SESSION: ErrorReason
+ERROR_REASON_SESSION_EXPIRED: ErrorReason
+ERROR_REASON_WRONG_BROKER: ErrorReason
+ERROR_REASON_NOT_AN_ORCHESTRATOR: ErrorReason
+ERROR_REASON_ROOT_BUDGET_OVER_ALLOWANCE: ErrorReason
+ERROR_REASON_NOT_HOLDER: ErrorReason
+ERROR_REASON_NOT_DELEGATE: ErrorReason
+ERROR_REASON_NOT_HOST: ErrorReason
+ERROR_REASON_NOT_ANCESTOR: ErrorReason
+ERROR_REASON_NOT_PRINCIPAL: ErrorReason
+ERROR_REASON_NOT_A_PARTY: ErrorReason
+ERROR_REASON_NOT_FOUND: ErrorReason
+ERROR_REASON_WRONG_STATE: ErrorReason
+ERROR_REASON_LATE: ErrorReason
+ERROR_REASON_ENDED: ErrorReason
+ERROR_REASON_ROOT: ErrorReason
+ERROR_REASON_NOT_PENDING: ErrorReason
+ERROR_REASON_HOST_MISMATCH: ErrorReason
+ERROR_REASON_METERED_LIMIT: ErrorReason
+ERROR_REASON_OVERLOADED: ErrorReason
+ERROR_REASON_RESPONSE_TOO_LARGE: ErrorReason
+ERROR_REASON_CONVERTERS_BUSY: ErrorReason
+ERROR_REASON_JUDGES_BUSY: ErrorReason
+ERROR_REASON_JUDGMENT_IN_PROGRESS: ErrorReason
+ERROR_REASON_OBSERVATIONS_CHANGING: ErrorReason
+ERROR_REASON_UNAVAILABLE: ErrorReason
+ERROR_REASON_INTERNAL: ErrorReason
