@@ -49,7 +49,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::MAX_LABEL_KEY_BYTES;
 use super::error::InputError;
 use super::scope::Scope;
 
@@ -389,9 +388,10 @@ pub fn conflicts<K: Ord + Clone>(mutations_by_contract: &[(K, Vec<String>)]) -> 
 
 /// One run (a root and its tree): its labels and sums over its contracts.
 /// Sums saturate rather than wrap.
+/// The counters audits sum, per run and per group of runs: the one list
+/// of them, added in one place.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RunTotals {
-    pub labels: BTreeMap<String, String>,
+pub struct Sums {
     /// Contracts audited.
     pub contracts: u64,
     pub discovered: u64,
@@ -406,6 +406,59 @@ pub struct RunTotals {
     pub escalations: u64,
     /// Refusals by their primary invariant code.
     pub refusals_by_code: BTreeMap<String, u64>,
+}
+
+impl Sums {
+    /// One contract's audit as counters.
+    pub fn of_audit(audit: &Audit) -> Self {
+        Self {
+            contracts: 1,
+            discovered: audit.discovered_paths,
+            evidence: audit.evidence_paths,
+            contracts_with_report: u64::from(audit.has_report == Some(true)),
+            false_completions: u64::from(audit.false_completion),
+            claim_violations: audit.claim_violations,
+            mutations: audit.mutations,
+            ..Self::default()
+        }
+    }
+
+    pub fn add(&mut self, other: &Sums) {
+        let Sums {
+            contracts,
+            discovered,
+            evidence,
+            contracts_with_report,
+            false_completions,
+            claim_violations,
+            mutations,
+            conflicts,
+            escalations,
+            refusals_by_code,
+        } = other;
+        self.contracts = self.contracts.saturating_add(*contracts);
+        self.discovered = self.discovered.saturating_add(*discovered);
+        self.evidence = self.evidence.saturating_add(*evidence);
+        self.contracts_with_report = self
+            .contracts_with_report
+            .saturating_add(*contracts_with_report);
+        self.false_completions = self.false_completions.saturating_add(*false_completions);
+        self.claim_violations = self.claim_violations.saturating_add(*claim_violations);
+        self.mutations = self.mutations.saturating_add(*mutations);
+        self.conflicts = self.conflicts.saturating_add(*conflicts);
+        self.escalations = self.escalations.saturating_add(*escalations);
+        for (code, n) in refusals_by_code {
+            let sum = self.refusals_by_code.entry(code.clone()).or_default();
+            *sum = sum.saturating_add(*n);
+        }
+    }
+}
+
+/// One run (root): its labels, its sums and its budget.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunTotals {
+    pub labels: BTreeMap<String, String>,
+    pub sums: Sums,
     /// Units the root spent and was granted.
     pub budget_spent: i64,
     pub budget_granted: i64,
@@ -414,17 +467,7 @@ pub struct RunTotals {
 impl RunTotals {
     /// Adds one contract's audit to the sums.
     pub fn add_audit(&mut self, audit: &Audit) {
-        self.contracts = self.contracts.saturating_add(1);
-        self.discovered = self.discovered.saturating_add(audit.discovered_paths);
-        self.evidence = self.evidence.saturating_add(audit.evidence_paths);
-        self.contracts_with_report = self
-            .contracts_with_report
-            .saturating_add(u64::from(audit.has_report == Some(true)));
-        self.false_completions = self
-            .false_completions
-            .saturating_add(u64::from(audit.false_completion));
-        self.claim_violations = self.claim_violations.saturating_add(audit.claim_violations);
-        self.mutations = self.mutations.saturating_add(audit.mutations);
+        self.sums.add(&Sums::of_audit(audit));
     }
 }
 
@@ -434,22 +477,13 @@ pub struct GroupRow {
     /// The group's value of each group-by label ("" when a run lacks it).
     pub key: BTreeMap<String, String>,
     pub runs: u64,
-    pub contracts: u64,
-    pub discovered: u64,
-    pub evidence: u64,
-    pub contracts_with_report: u64,
-    pub false_completions: u64,
-    pub claim_violations: u64,
-    pub mutations: u64,
-    pub conflicts: u64,
-    pub escalations: u64,
-    pub refusals_by_code: BTreeMap<String, u64>,
+    pub sums: Sums,
     /// Wider than a run's sums: many roots of up to 10^15 units each.
     pub budget_spent: i128,
     pub budget_granted: i128,
     /// Σ discovered / Σ evidence.
     pub discovery_rate: Option<f64>,
-    /// Σ false completions / Σ runs with report.
+    /// Σ false completions / Σ contracts with report.
     pub false_completion_rate: Option<f64>,
     /// Σ claim violations / Σ mutations.
     pub claim_violations_per_mutation: Option<f64>,
@@ -460,29 +494,16 @@ pub struct GroupRow {
 impl GroupRow {
     fn add(&mut self, run: &RunTotals) {
         self.runs = self.runs.saturating_add(1);
-        self.contracts = self.contracts.saturating_add(run.contracts);
-        self.discovered = self.discovered.saturating_add(run.discovered);
-        self.evidence = self.evidence.saturating_add(run.evidence);
-        self.contracts_with_report = self
-            .contracts_with_report
-            .saturating_add(run.contracts_with_report);
-        self.false_completions = self.false_completions.saturating_add(run.false_completions);
-        self.claim_violations = self.claim_violations.saturating_add(run.claim_violations);
-        self.mutations = self.mutations.saturating_add(run.mutations);
-        self.conflicts = self.conflicts.saturating_add(run.conflicts);
-        self.escalations = self.escalations.saturating_add(run.escalations);
-        for (code, n) in &run.refusals_by_code {
-            let sum = self.refusals_by_code.entry(code.clone()).or_default();
-            *sum = sum.saturating_add(*n);
-        }
+        self.sums.add(&run.sums);
         self.budget_spent += i128::from(run.budget_spent);
         self.budget_granted += i128::from(run.budget_granted);
     }
 
     fn with_rates(mut self) -> Self {
-        self.discovery_rate = ratio(self.discovered, self.evidence);
-        self.false_completion_rate = ratio(self.false_completions, self.contracts_with_report);
-        self.claim_violations_per_mutation = ratio(self.claim_violations, self.mutations);
+        let s = &self.sums;
+        self.discovery_rate = ratio(s.discovered, s.evidence);
+        self.false_completion_rate = ratio(s.false_completions, s.contracts_with_report);
+        self.claim_violations_per_mutation = ratio(s.claim_violations, s.mutations);
         self.spent_over_granted = (self.budget_granted > 0)
             .then(|| self.budget_spent as f64 / self.budget_granted as f64);
         self
@@ -528,20 +549,7 @@ pub fn check_group_by(raw: &[String], field: &'static str) -> Result<Vec<String>
     }
     let mut out: Vec<String> = Vec::with_capacity(raw.len());
     for key in raw {
-        let ok = !key.is_empty()
-            && key.len() <= MAX_LABEL_KEY_BYTES
-            && key
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b));
-        if !ok {
-            return Err(InputError::new(
-                field,
-                format!(
-                    "key {} must be 1..={MAX_LABEL_KEY_BYTES} bytes of [a-z0-9_.-]",
-                    super::error::echo(key)
-                ),
-            ));
-        }
+        super::check_label_key(key, field)?;
         if !out.contains(key) {
             out.push(key.clone());
         }
@@ -827,8 +835,11 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-            discovered,
-            evidence,
+            sums: Sums {
+                discovered,
+                evidence,
+                ..Sums::default()
+            },
             ..RunTotals::default()
         }
     }
@@ -847,7 +858,7 @@ mod tests {
         assert!((mean_of_rates - 0.3f64).abs() < 1e-12);
         assert_ne!(rate, mean_of_rates);
         assert_eq!(
-            (rows[0].discovered, rows[0].evidence, rows[0].runs),
+            (rows[0].sums.discovered, rows[0].sums.evidence, rows[0].runs),
             (5, 42, 2)
         );
     }
@@ -855,14 +866,18 @@ mod tests {
     #[test]
     fn groups_are_keyed_sorted_and_missing_labels_are_empty() {
         let mut a = run(&[("arm", "tree"), ("run", "1")], 1, 1);
-        a.refusals_by_code.insert("NO_RETRY_HEADROOM".into(), 2);
+        a.sums
+            .refusals_by_code
+            .insert("NO_RETRY_HEADROOM".into(), 2);
         a.budget_spent = 6;
         a.budget_granted = 10;
         let mut b = run(&[("arm", "flat"), ("run", "2")], 0, 3);
-        b.refusals_by_code.insert("NO_RETRY_HEADROOM".into(), 1);
+        b.sums
+            .refusals_by_code
+            .insert("NO_RETRY_HEADROOM".into(), 1);
         let c = run(&[("run", "3")], 0, 0);
         let mut d = run(&[("arm", "tree")], 0, 1);
-        d.refusals_by_code.insert("DEPTH".into(), 1);
+        d.sums.refusals_by_code.insert("DEPTH".into(), 1);
         d.budget_spent = i64::MAX;
         d.budget_granted = i64::MAX;
         let rows = aggregate(&[a, b, c, d], &["arm".to_owned()]);
@@ -875,7 +890,7 @@ mod tests {
         assert_eq!(tree.runs, 2);
         assert_eq!(tree.discovery_rate, Some(0.5));
         assert_eq!(
-            tree.refusals_by_code,
+            tree.sums.refusals_by_code,
             BTreeMap::from([("DEPTH".into(), 1), ("NO_RETRY_HEADROOM".into(), 2)])
         );
         assert_eq!(tree.budget_granted, i128::from(i64::MAX) + 10);
@@ -904,11 +919,20 @@ mod tests {
             });
         }
         assert_eq!(
-            (t.contracts, t.contracts_with_report, t.false_completions),
+            (
+                t.sums.contracts,
+                t.sums.contracts_with_report,
+                t.sums.false_completions
+            ),
             (3, 1, 1)
         );
         assert_eq!(
-            (t.mutations, t.claim_violations, t.evidence, t.discovered),
+            (
+                t.sums.mutations,
+                t.sums.claim_violations,
+                t.sums.evidence,
+                t.sums.discovered
+            ),
             (6, 3, 9, 3)
         );
         let rows = aggregate(&[t], &[]);
@@ -1097,11 +1121,11 @@ mod tests {
             for row in &rows {
                 let members: Vec<&RunTotals> =
                     runs.iter().filter(|r| r.labels["arm"] == row.key["arm"]).collect();
-                let num: u64 = members.iter().map(|r| r.discovered).sum();
-                let den: u64 = members.iter().map(|r| r.evidence).sum();
+                let num: u64 = members.iter().map(|r| r.sums.discovered).sum();
+                let den: u64 = members.iter().map(|r| r.sums.evidence).sum();
                 prop_assert_eq!(row.discovery_rate, ratio(num, den));
                 let per_run: Vec<f64> =
-                    members.iter().filter_map(|r| ratio(r.discovered, r.evidence)).collect();
+                    members.iter().filter_map(|r| ratio(r.sums.discovered, r.sums.evidence)).collect();
                 if let Some(rate) = row.discovery_rate {
                     let lo = per_run.iter().copied().fold(f64::INFINITY, f64::min);
                     let hi = per_run.iter().copied().fold(f64::NEG_INFINITY, f64::max);

@@ -226,6 +226,26 @@ pub use crate::core::limits::MAX_LABEL_KEY_BYTES;
 pub use crate::core::limits::MAX_LABEL_VALUE_BYTES;
 pub use crate::core::limits::MAX_LABELS;
 
+/// The label-key rule, for labels and for the keys audits group by:
+/// 1..=`MAX_LABEL_KEY_BYTES` bytes of `[a-z0-9_.-]`.
+pub fn check_label_key(key: &str, field: &'static str) -> Result<(), InputError> {
+    let ok = !key.is_empty()
+        && key.len() <= MAX_LABEL_KEY_BYTES
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b));
+    if !ok {
+        return Err(InputError::new(
+            field,
+            format!(
+                "key {} must be 1..={MAX_LABEL_KEY_BYTES} bytes of [a-z0-9_.-]",
+                error::echo(key)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Validates run labels: at most `MAX_LABELS`, keys of `[a-z0-9_.-]`.
 pub fn labels(
     raw: &std::collections::HashMap<String, String>,
@@ -239,20 +259,7 @@ pub fn labels(
     }
     let mut out = std::collections::BTreeMap::new();
     for (key, value) in raw {
-        let key_ok = !key.is_empty()
-            && key.len() <= MAX_LABEL_KEY_BYTES
-            && key
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b));
-        if !key_ok {
-            return Err(InputError::new(
-                field,
-                format!(
-                    "key {} must be 1..={MAX_LABEL_KEY_BYTES} bytes of [a-z0-9_.-]",
-                    error::echo(key)
-                ),
-            ));
-        }
+        check_label_key(key, field)?;
         if value.len() > MAX_LABEL_VALUE_BYTES || value.chars().any(char::is_control) {
             return Err(InputError::new(
                 field,

@@ -110,7 +110,10 @@ pub fn contract_audit(facts: &AuditFacts, tree_mutations: &[(Id, String)]) -> pb
 pub fn run_totals(run: &crate::store::RunFacts, tree_mutations: &[(Id, String)]) -> RunTotals {
     let mut totals = RunTotals {
         labels: run.labels.clone(),
-        escalations: run.escalations,
+        sums: audit::Sums {
+            escalations: run.escalations,
+            ..audit::Sums::default()
+        },
         budget_spent: run.spent,
         budget_granted: run.budget,
         ..RunTotals::default()
@@ -118,7 +121,7 @@ pub fn run_totals(run: &crate::store::RunFacts, tree_mutations: &[(Id, String)])
     for facts in &run.contracts {
         totals.add_audit(&classify(facts).0);
     }
-    totals.conflicts = audit::conflicts(&by_contract(tree_mutations)).len() as u64;
+    totals.sums.conflicts = audit::conflicts(&by_contract(tree_mutations)).len() as u64;
     for code in &run.refusal_codes {
         let name = pb::InvariantCode::try_from(*code)
             .map(|c| {
@@ -127,7 +130,7 @@ pub fn run_totals(run: &crate::store::RunFacts, tree_mutations: &[(Id, String)])
                     .to_owned()
             })
             .unwrap_or_else(|_| format!("CODE_{code}"));
-        *totals.refusals_by_code.entry(name).or_default() += 1;
+        *totals.sums.refusals_by_code.entry(name).or_default() += 1;
     }
     totals
 }
@@ -139,19 +142,19 @@ pub fn groups(runs: &[RunTotals], group_by: &[String]) -> Vec<pb::AuditGroup> {
         .map(|g| pb::AuditGroup {
             key: g.key.into_iter().collect::<HashMap<_, _>>(),
             runs: g.runs,
-            contracts: g.contracts,
-            discovered_paths: g.discovered,
-            evidence_paths: g.evidence,
+            contracts: g.sums.contracts,
+            discovered_paths: g.sums.discovered,
+            evidence_paths: g.sums.evidence,
             discovery_rate: g.discovery_rate,
-            with_report: g.contracts_with_report,
-            false_completions: g.false_completions,
+            with_report: g.sums.contracts_with_report,
+            false_completions: g.sums.false_completions,
             false_completion_rate: g.false_completion_rate,
-            claim_violations: g.claim_violations,
-            mutations: g.mutations,
+            claim_violations: g.sums.claim_violations,
+            mutations: g.sums.mutations,
             claim_violations_per_mutation: g.claim_violations_per_mutation,
-            conflicts: g.conflicts,
-            escalations: g.escalations,
-            refusals_by_code: g.refusals_by_code.into_iter().collect(),
+            conflicts: g.sums.conflicts,
+            escalations: g.sums.escalations,
+            refusals_by_code: g.sums.refusals_by_code.into_iter().collect(),
             budget_spent: narrow(g.budget_spent),
             budget_granted: narrow(g.budget_granted),
             spent_over_granted: g.spent_over_granted,

@@ -118,15 +118,7 @@ pub(super) async fn observations_of(
             .fetch_all(&mut *conn)
             .await
             .map_err(backend)?;
-    rows.iter()
-        .map(|r| {
-            let kind: i64 = r.try_get("kind").map_err(backend)?;
-            Ok((
-                i32::try_from(kind).unwrap_or_default(),
-                r.try_get("path").map_err(backend)?,
-            ))
-        })
-        .collect()
+    rows.iter().map(observation_from_row).collect()
 }
 
 /// Every observation of a tree's contracts as (contract seq, kind, path),
@@ -148,12 +140,8 @@ pub(super) async fn tree_observations(
         .await?;
     rows.iter()
         .map(|row| {
-            let kind: i64 = row.try_get("kind").map_err(backend)?;
-            Ok((
-                row.try_get("contract_seq").map_err(backend)?,
-                i32::try_from(kind).unwrap_or_default(),
-                row.try_get("path").map_err(backend)?,
-            ))
+            let (kind, path) = observation_from_row(row)?;
+            Ok((row.try_get("contract_seq").map_err(backend)?, kind, path))
         })
         .collect()
 }

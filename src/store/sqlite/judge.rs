@@ -90,9 +90,7 @@ pub(super) async fn prejudge(
         return Ok(args);
     };
     let mut conn = store.reader.acquire().await.map_err(backend)?;
-    let inputs = JudgeInputs::load(&mut conn, contract_id, signer, received_at_ms)
-        .await
-        .map_err(backend)?;
+    let inputs = JudgeInputs::load(&mut conn, contract_id, signer, received_at_ms).await?;
     drop(conn);
     let Some(inputs) = inputs else {
         return Ok(args);

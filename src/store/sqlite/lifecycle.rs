@@ -11,6 +11,8 @@ use prost::Message;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
 
+use super::audit::observations_of;
+use super::backend;
 use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{self, CompleteFacts, Decision, Facts, Subtree, TargetWrite};
@@ -41,8 +43,8 @@ impl JudgeInputs {
         id: &Id,
         signer: &AgentKey,
         received_at_ms: i64,
-    ) -> Result<Option<Self>, sqlx::Error> {
-        let Some(target) = load(conn, id).await? else {
+    ) -> Result<Option<Self>, StoreError> {
+        let Some(target) = load(conn, id).await.map_err(backend)? else {
             return Ok(None);
         };
         if !lifecycle::judgment_due(&target.facts(None), signer, received_at_ms) {
@@ -537,25 +539,19 @@ async fn write(
     Ok(Applied { answer, changed })
 }
 
-/// What the host recorded for `target`.
+/// What the host recorded for `target`, as the judge reads it.
 async fn observed(
     conn: &mut SqliteConnection,
     target: &Loaded,
     now_ms: i64,
-) -> Result<judge::Observed, sqlx::Error> {
-    let rows =
-        sqlx::query("SELECT kind, path FROM observations WHERE contract_seq = $1 ORDER BY seq")
-            .bind(target.seq)
-            .fetch_all(&mut *conn)
-            .await?;
+) -> Result<judge::Observed, StoreError> {
     let mut tool_calls = 0;
     let mut mutation_paths = Vec::new();
-    for row in rows {
-        let kind: i64 = row.try_get("kind")?;
-        if kind == pb::ObservationKind::ToolCall as i64 {
+    for (kind, path) in observations_of(conn, target.seq).await? {
+        if kind == pb::ObservationKind::ToolCall as i32 {
             tool_calls += 1;
-        } else if kind == pb::ObservationKind::Mutation as i64 {
-            mutation_paths.push(row.try_get("path")?);
+        } else if kind == pb::ObservationKind::Mutation as i32 {
+            mutation_paths.push(path);
         }
     }
     Ok(judge::Observed {

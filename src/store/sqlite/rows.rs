@@ -117,3 +117,11 @@ pub(super) fn known_from_row(row: &SqliteRow) -> Result<(Id, Known), StoreError>
         },
     ))
 }
+
+/// One row of the `observations` table as every reader takes it:
+/// (ObservationKind wire value, path). The one decoder of that table.
+pub(super) fn observation_from_row(row: &SqliteRow) -> Result<(i32, String), StoreError> {
+    let kind: i64 = row.try_get("kind").map_err(backend)?;
+    let kind = i32::try_from(kind).map_err(|_| StoreError::Corrupt("observation kind".into()))?;
+    Ok((kind, row.try_get("path").map_err(backend)?))
+}
