@@ -116,7 +116,6 @@ pub fn run_totals(run: &crate::store::RunFacts, tree_mutations: &[(Id, String)])
         },
         budget_spent: run.spent,
         budget_granted: run.budget,
-        ..RunTotals::default()
     };
     for facts in &run.contracts {
         totals.add_audit(&classify(facts).0);
