@@ -21,135 +21,228 @@ fn assert_names(status: &tonic::Status, code: Code, key: &str, value: &str) {
     );
 }
 
+/// A change to a request and the error it must get: code, metadata key,
+/// metadata value.
+type Case<T> = (
+    &'static str,
+    Box<dyn Fn(&mut T)>,
+    Code,
+    &'static str,
+    &'static str,
+);
+
+fn case<T>(
+    what: &'static str,
+    edit: impl Fn(&mut T) + 'static,
+    code: Code,
+    key: &'static str,
+    value: &'static str,
+) -> Case<T> {
+    (what, Box::new(edit), code, key, value)
+}
+
 #[tokio::test]
 async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
+    use Code::{InvalidArgument as Invalid, ResourceExhausted as Exhausted};
     let mut broker = Broker::start().await;
     let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     let body = || child(&root.id, &root.lineage, &delegate, 10);
+    let attested: Vec<pb::Envelope> = [f64::NAN, 2.0, 0.0, -1.0]
+        .into_iter()
+        .map(|factor| {
+            broker
+                .attestor
+                .attest(delegate.public_key(), factor, now_ms() + HOUR_MS, "x")
+        })
+        .collect();
+    let attestation = |i: usize| {
+        let envelope = attested[i].clone();
+        move |b: &mut pb::DelegateBody| b.delegate_attestation = Some(envelope.clone())
+    };
 
-    // Missing envelope.
-    let err = broker
-        .client
-        .delegate(pb::DelegateRequest { signed: None })
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "signed");
-
-    // Missing fields.
-    let mut b = body();
-    b.parent_id.clear();
-    let err = broker
-        .client
-        .delegate(orchestrator.delegate(b))
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.parent_id");
-    let mut b = body();
-    b.liability = 0;
-    let err = broker
-        .client
-        .delegate(orchestrator.delegate(b))
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.liability");
-    let mut r = RootSpec::default().body();
-    r.policy = None;
-    let err = broker
-        .client
-        .open_root(orchestrator.open_root(r))
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.policy");
-
-    // Budget 0 and negative.
-    for budget in [0, -5] {
-        let err = broker
-            .client
-            .delegate(orchestrator.delegate(pb::DelegateBody { budget, ..body() }))
-            .await
-            .unwrap_err();
-        assert_names(&err, Code::InvalidArgument, "field", "body.budget");
-    }
-
-    // Attested factor NaN or 2.0.
-    for factor in [f64::NAN, 2.0, 0.0, -1.0] {
+    // Delegate bodies, each one field wrong.
+    let delegate_cases: Vec<Case<pb::DelegateBody>> = vec![
+        case(
+            "no parent",
+            |b: &mut pb::DelegateBody| b.parent_id.clear(),
+            Invalid,
+            "field",
+            "body.parent_id",
+        ),
+        case(
+            "no liability",
+            |b: &mut pb::DelegateBody| b.liability = 0,
+            Invalid,
+            "field",
+            "body.liability",
+        ),
+        case(
+            "budget 0",
+            |b: &mut pb::DelegateBody| b.budget = 0,
+            Invalid,
+            "field",
+            "body.budget",
+        ),
+        case(
+            "budget -5",
+            |b: &mut pb::DelegateBody| b.budget = -5,
+            Invalid,
+            "field",
+            "body.budget",
+        ),
+        case(
+            "factor NaN",
+            attestation(0),
+            Invalid,
+            "field",
+            "body.delegate_attestation.factor",
+        ),
+        case(
+            "factor 2",
+            attestation(1),
+            Invalid,
+            "field",
+            "body.delegate_attestation.factor",
+        ),
+        case(
+            "factor 0",
+            attestation(2),
+            Invalid,
+            "field",
+            "body.delegate_attestation.factor",
+        ),
+        case(
+            "factor -1",
+            attestation(3),
+            Invalid,
+            "field",
+            "body.delegate_attestation.factor",
+        ),
+        case(
+            "predicate that does not parse",
+            |b: &mut pb::DelegateBody| b.predicate = "result.schema_valid && (".into(),
+            Invalid,
+            "field",
+            "body.predicate",
+        ),
+        case(
+            "garbage attestation",
+            |b: &mut pb::DelegateBody| {
+                b.delegate_attestation = Some(pb::Envelope {
+                    payload_type: payload_type::ATTESTATION.into(),
+                    payload: vec![0xff; 64],
+                    signatures: vec![],
+                })
+            },
+            Invalid,
+            "field",
+            "body.delegate_attestation.payload",
+        ),
+        case(
+            "the host is the delegate",
+            |b: &mut pb::DelegateBody| b.host_public_key = b.delegate_public_key.clone(),
+            Invalid,
+            "field",
+            "body.host_public_key",
+        ),
+        case(
+            "task of 20,000 bytes",
+            |b: &mut pb::DelegateBody| b.task = "x".repeat(20_000),
+            Invalid,
+            "field",
+            "body.task",
+        ),
+        case(
+            "a 10 MiB request",
+            |b: &mut pb::DelegateBody| b.task = "x".repeat(10 * 1024 * 1024),
+            Exhausted,
+            "limit",
+            "limits.max_request_bytes",
+        ),
+    ];
+    for (what, edit, code, key, value) in delegate_cases {
         let mut b = body();
-        b.delegate_attestation = Some(broker.attestor.attest(
-            delegate.public_key(),
-            factor,
-            now_ms() + HOUR_MS,
-            "x",
-        ));
+        edit(&mut b);
         let err = broker
             .client
             .delegate(orchestrator.delegate(b))
             .await
-            .unwrap_err();
-        assert_names(
-            &err,
-            Code::InvalidArgument,
-            "field",
-            "body.delegate_attestation.factor",
-        );
+            .expect_err(what);
+        assert_names(&err, code, key, value);
     }
 
-    // Labels outside their bounds.
-    let mut r = RootSpec::default().body();
-    r.labels = [("Arm".to_owned(), "flat".to_owned())].into();
-    let err = broker
-        .client
-        .open_root(orchestrator.open_root(r))
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.labels");
-    let mut r = RootSpec::default().body();
-    r.labels = (0..17).map(|i| (format!("k{i}"), "v".to_owned())).collect();
-    let err = broker
-        .client
-        .open_root(orchestrator.open_root(r))
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.labels");
+    // OpenRoot bodies.
+    let root_cases: Vec<Case<pb::OpenRootBody>> = vec![
+        case(
+            "no policy",
+            |r: &mut pb::OpenRootBody| r.policy = None,
+            Invalid,
+            "field",
+            "body.policy",
+        ),
+        case(
+            "an upper-case label key",
+            |r: &mut pb::OpenRootBody| r.labels = [("Arm".to_owned(), "flat".to_owned())].into(),
+            Invalid,
+            "field",
+            "body.labels",
+        ),
+        case(
+            "17 labels",
+            |r: &mut pb::OpenRootBody| {
+                r.labels = (0..17).map(|i| (format!("k{i}"), "v".to_owned())).collect()
+            },
+            Invalid,
+            "field",
+            "body.labels",
+        ),
+    ];
+    for (what, edit, code, key, value) in root_cases {
+        let mut r = RootSpec::default().body();
+        edit(&mut r);
+        let err = broker
+            .client
+            .open_root(orchestrator.open_root(r))
+            .await
+            .expect_err(what);
+        assert_names(&err, code, key, value);
+    }
 
-    // A predicate that does not parse.
-    let mut b = body();
-    b.predicate = "result.schema_valid && (".into();
-    let err = broker
-        .client
-        .delegate(orchestrator.delegate(b))
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.predicate");
-
-    // Garbage bytes as the signed payload, and as the attestation.
-    let mut request = orchestrator.delegate(body());
-    request.signed.as_mut().unwrap().payload = vec![0xff; 64];
-    let err = broker.client.delegate(request).await.unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "signed.payload");
-    let mut b = body();
-    b.delegate_attestation = Some(pb::Envelope {
-        payload_type: payload_type::ATTESTATION.into(),
-        payload: vec![0xff; 64],
-        signatures: vec![],
-    });
-    let err = broker
-        .client
-        .delegate(orchestrator.delegate(b))
-        .await
-        .unwrap_err();
-    assert_names(
-        &err,
-        Code::InvalidArgument,
-        "field",
-        "body.delegate_attestation.payload",
-    );
-
-    // Wrong payload type (an OpenRoot signature replayed as a Delegate).
-    let mut request = orchestrator.delegate(body());
-    request.signed.as_mut().unwrap().payload_type = payload_type::OPEN_ROOT.into();
-    let err = broker.client.delegate(request).await.unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "signed.payload_type");
+    // Signed envelopes: missing, garbage payload, another RPC's payload type.
+    let envelope_cases: Vec<Case<pb::DelegateRequest>> = vec![
+        case(
+            "no envelope",
+            |r: &mut pb::DelegateRequest| r.signed = None,
+            Invalid,
+            "field",
+            "signed",
+        ),
+        case(
+            "garbage payload",
+            |r: &mut pb::DelegateRequest| {
+                r.signed.as_mut().expect("signed").payload = vec![0xff; 64]
+            },
+            Invalid,
+            "field",
+            "signed.payload",
+        ),
+        case(
+            "an OpenRoot signature replayed as a Delegate",
+            |r: &mut pb::DelegateRequest| {
+                r.signed.as_mut().expect("signed").payload_type = payload_type::OPEN_ROOT.into()
+            },
+            Invalid,
+            "field",
+            "signed.payload_type",
+        ),
+    ];
+    for (what, edit, code, key, value) in envelope_cases {
+        let mut request = orchestrator.delegate(body());
+        edit(&mut request);
+        let err = broker.client.delegate(request).await.expect_err(what);
+        assert_names(&err, code, key, value);
+    }
 
     // Bad ids on reads.
     let err = broker
@@ -167,7 +260,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::NotFound);
+    assert_names(&err, Code::NotFound, "what", "contract");
     let err = broker
         .client
         .delegate(orchestrator.delegate(pb::DelegateBody {
@@ -176,32 +269,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         }))
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::NotFound);
-
-    // A 10 MiB request.
-    let mut b = body();
-    b.task = "x".repeat(10 * 1024 * 1024);
-    let err = broker
-        .client
-        .delegate(orchestrator.delegate(b))
-        .await
-        .unwrap_err();
-    assert_names(
-        &err,
-        Code::ResourceExhausted,
-        "limit",
-        "limits.max_request_bytes",
-    );
-
-    // Oversized fields under the message limit name the field.
-    let mut b = body();
-    b.task = "x".repeat(20_000);
-    let err = broker
-        .client
-        .delegate(orchestrator.delegate(b))
-        .await
-        .unwrap_err();
-    assert_names(&err, Code::InvalidArgument, "field", "body.task");
+    assert_names(&err, Code::NotFound, "what", "parent contract");
 
     // Raw garbage as the whole message, through a codec that sends bytes.
     let err = raw_unary(

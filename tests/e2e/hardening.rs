@@ -764,14 +764,7 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
         let mut client = connect_as(&broker.addr, &d).await;
         let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
         tasks.push(tokio::spawn(async move {
-            let body = pb::CompleteBody {
-                header: Some(d.header()),
-                ..body
-            };
-            let request = pb::CompleteRequest {
-                signed: signed(&d, delegation_broker::crypto::payload_type::COMPLETE, &body),
-            };
-            client.complete(request).await
+            send_lifecycle(&mut client, &d, body).await
         }));
     }
     // Meanwhile, an unrelated read answers within a generous bound.
@@ -781,8 +774,7 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
         assert!(started.elapsed() < std::time::Duration::from_secs(1));
     }
     for task in tasks {
-        let response = task.await.unwrap().unwrap().into_inner();
-        let receipt = decode_receipt(response.receipt.as_ref().unwrap());
+        let receipt = decode_receipt(&task.await.unwrap().unwrap());
         let completion = receipt.completion.unwrap();
         assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
         assert!(
@@ -1002,32 +994,19 @@ async fn an_observation_during_judgment_never_makes_the_writer_judge() {
     let text = "ab".repeat(127 * 1024);
     let mut completer = connect_as(&broker.addr, &a).await;
     let complete = {
-        let body = pb::CompleteBody {
-            header: Some(a.header()),
-            ..output(&format!("{{\"text\":\"{text}\"}}"), 1, &id)
-        };
-        let request = pb::CompleteRequest {
-            signed: signed(&a, delegation_broker::crypto::payload_type::COMPLETE, &body),
-        };
-        tokio::spawn(async move { completer.complete(request).await })
+        let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
+        tokio::spawn(async move { send_lifecycle(&mut completer, &a, body).await })
     };
     // The host records while the completion is (perhaps) being judged; it
     // may also find the contract already completed.
     let mut recorder = connect_as(&broker.addr, &host).await;
     let record = tokio::spawn(async move {
         let body = pb::RecordReceiptsBody {
-            header: Some(host.header()),
+            header: None,
             contract_id: id.clone(),
             observations: vec![mutation("src/a.rs", 1)],
         };
-        let request = pb::RecordReceiptsRequest {
-            signed: signed(
-                &host,
-                delegation_broker::crypto::payload_type::RECORD_RECEIPTS,
-                &body,
-            ),
-        };
-        recorder.record_receipts(request).await
+        send_lifecycle(&mut recorder, &host, body).await
     });
     // Meanwhile an unrelated tenant's writes answer within a generous bound.
     for _ in 0..5 {
@@ -1039,16 +1018,7 @@ async fn an_observation_during_judgment_never_makes_the_writer_judge() {
             started.elapsed()
         );
     }
-    let receipt = decode_receipt(
-        complete
-            .await
-            .unwrap()
-            .unwrap()
-            .into_inner()
-            .receipt
-            .as_ref()
-            .unwrap(),
-    );
+    let receipt = decode_receipt(&complete.await.unwrap().unwrap());
     assert_eq!(
         receipt.completion.unwrap().verdict,
         pb::Verdict::Rejected as i32

@@ -532,68 +532,70 @@ pub fn signed<T: prost::Message>(
     Some(agent.sign(payload_type, body))
 }
 
+/// A lifecycle RPC's signed body: its payload type, its header, and the
+/// call that sends it. One implementation per RPC (`lifecycle_body!`);
+/// `Broker::act` is the one helper that signs, sends and checks them all.
+pub trait LifecycleBody: prost::Message + Sized {
+    const PAYLOAD_TYPE: &'static str;
+    fn header(&mut self) -> &mut Option<pb::RequestHeader>;
+    fn send(
+        client: &mut SessionClient,
+        signed: Option<pb::Envelope>,
+    ) -> impl std::future::Future<Output = Result<Option<pb::Sealed>, tonic::Status>>;
+}
+
+macro_rules! lifecycle_body {
+    ($($body:ident => $request:ident, $method:ident, $payload_type:ident;)*) => {$(
+        impl LifecycleBody for pb::$body {
+            const PAYLOAD_TYPE: &'static str = payload_type::$payload_type;
+            fn header(&mut self) -> &mut Option<pb::RequestHeader> {
+                &mut self.header
+            }
+            async fn send(
+                client: &mut SessionClient,
+                signed: Option<pb::Envelope>,
+            ) -> Result<Option<pb::Sealed>, tonic::Status> {
+                Ok(client.$method(pb::$request { signed }).await?.into_inner().receipt)
+            }
+        }
+    )*};
+}
+
+lifecycle_body! {
+    AcceptBody => AcceptRequest, accept, ACCEPT;
+    DeclineBody => DeclineRequest, decline, DECLINE;
+    CompleteBody => CompleteRequest, complete, COMPLETE;
+    AdjudicateBody => AdjudicateRequest, adjudicate, ADJUDICATE;
+    EscalateBody => EscalateRequest, escalate, ESCALATE;
+    RevokeBody => RevokeRequest, revoke, REVOKE;
+    RecordReceiptsBody => RecordReceiptsRequest, record_receipts, RECORD_RECEIPTS;
+}
+
+/// Signs `body` as `signer` (with a fresh header unless it has one) and
+/// sends it on `client`; the answer's receipt envelope.
+pub async fn send_lifecycle<B: LifecycleBody>(
+    client: &mut SessionClient,
+    signer: &Agent,
+    mut body: B,
+) -> Result<pb::Sealed, tonic::Status> {
+    if body.header().is_none() {
+        *body.header() = Some(signer.header());
+    }
+    let receipt = B::send(client, signed(signer, B::PAYLOAD_TYPE, &body)).await?;
+    Ok(receipt.expect("a lifecycle answer carries its receipt"))
+}
+
 impl Broker {
-    pub async fn accept(
+    /// `send_lifecycle` on this broker's client, returning the receipt
+    /// after checking its signature with the broker's published keys.
+    pub async fn act<B: LifecycleBody>(
         &mut self,
-        delegate: &Agent,
-        contract: &[u8],
-        host: Option<&Agent>,
+        signer: &Agent,
+        body: B,
     ) -> Result<pb::Receipt, tonic::Status> {
-        let body = pb::AcceptBody {
-            header: Some(delegate.header()),
-            contract_id: contract.to_vec(),
-            host_public_key: host.map(|h| h.public_key().to_vec()).unwrap_or_default(),
-        };
-        let r = self
-            .client
-            .accept(pb::AcceptRequest {
-                signed: signed(delegate, payload_type::ACCEPT, &body),
-            })
-            .await?
-            .into_inner();
-        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
-    }
-
-    pub async fn record(
-        &mut self,
-        host: &Agent,
-        contract: &[u8],
-        observations: Vec<pb::Observation>,
-    ) -> Result<pb::Receipt, tonic::Status> {
-        let body = pb::RecordReceiptsBody {
-            header: Some(host.header()),
-            contract_id: contract.to_vec(),
-            observations,
-        };
-        let r = self
-            .client
-            .record_receipts(pb::RecordReceiptsRequest {
-                signed: signed(host, payload_type::RECORD_RECEIPTS, &body),
-            })
-            .await?
-            .into_inner();
-        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
-    }
-
-    pub async fn complete(
-        &mut self,
-        delegate: &Agent,
-        body: pb::CompleteBody,
-    ) -> Result<pb::Receipt, tonic::Status> {
-        let body = pb::CompleteBody {
-            header: body.header.or_else(|| Some(delegate.header())),
-            ..body
-        };
-        let r = self
-            .client
-            .complete(pb::CompleteRequest {
-                signed: signed(delegate, payload_type::COMPLETE, &body),
-            })
-            .await?
-            .into_inner();
-        let envelope = r.receipt.unwrap();
-        let keys = self.keys().await;
+        let envelope = send_lifecycle(&mut self.client, signer, body).await?;
         let receipt = decode_receipt(&envelope);
+        let keys = self.keys().await;
         verify_with_keys(
             &envelope,
             payload_type::RECEIPT,
@@ -603,6 +605,43 @@ impl Broker {
         Ok(receipt)
     }
 
+    pub async fn accept(
+        &mut self,
+        delegate: &Agent,
+        contract: &[u8],
+        host: Option<&Agent>,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        let host_public_key = host.map(|h| h.public_key().to_vec()).unwrap_or_default();
+        let body = pb::AcceptBody {
+            header: None,
+            contract_id: contract.to_vec(),
+            host_public_key,
+        };
+        self.act(delegate, body).await
+    }
+
+    pub async fn record(
+        &mut self,
+        host: &Agent,
+        contract: &[u8],
+        observations: Vec<pb::Observation>,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        let body = pb::RecordReceiptsBody {
+            header: None,
+            contract_id: contract.to_vec(),
+            observations,
+        };
+        self.act(host, body).await
+    }
+
+    pub async fn complete(
+        &mut self,
+        delegate: &Agent,
+        body: pb::CompleteBody,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        self.act(delegate, body).await
+    }
+
     pub async fn escalate(
         &mut self,
         delegate: &Agent,
@@ -610,18 +649,11 @@ impl Broker {
         reason: &str,
     ) -> Result<pb::Receipt, tonic::Status> {
         let body = pb::EscalateBody {
-            header: Some(delegate.header()),
+            header: None,
             contract_id: contract.to_vec(),
             reason: reason.into(),
         };
-        let r = self
-            .client
-            .escalate(pb::EscalateRequest {
-                signed: signed(delegate, payload_type::ESCALATE, &body),
-            })
-            .await?
-            .into_inner();
-        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
+        self.act(delegate, body).await
     }
 
     pub async fn revoke(
@@ -630,18 +662,11 @@ impl Broker {
         contract: &[u8],
     ) -> Result<pb::Receipt, tonic::Status> {
         let body = pb::RevokeBody {
-            header: Some(signer.header()),
+            header: None,
             contract_id: contract.to_vec(),
             reason: "no longer needed".into(),
         };
-        let r = self
-            .client
-            .revoke(pb::RevokeRequest {
-                signed: signed(signer, payload_type::REVOKE, &body),
-            })
-            .await?
-            .into_inner();
-        Ok(decode_receipt(r.receipt.as_ref().unwrap()))
+        self.act(signer, body).await
     }
 
     pub async fn state(&mut self, id: &[u8]) -> pb::ContractState {

@@ -514,7 +514,6 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
         header: Some(c.executor.header()),
         ..completion(&c.executor_id)
     };
-    let _ = payload_type::COMPLETE;
     let err = c.broker.complete(&c.executor, body).await.unwrap_err();
     assert_eq!(
         err.code(),
