@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use delegation_broker::client::Agent;
-use delegation_broker::crypto::payload_type;
 use delegation_broker::pb;
 use tokio_stream::StreamExt;
 use tonic::Code;
