@@ -377,112 +377,133 @@ pub fn decide(
     let is_delegate = signer == Some(&target.delegate_key);
     match action {
         Action::Expire => Decision::refused(Refused::NotOverdue),
-        Action::Accept { host } => {
-            if !is_delegate {
-                return Decision::refused(Refused::NotDelegate("accept it"));
-            }
-            let host_key = match (target.host_key, host) {
-                (Some(named), Some(asked)) if named != *asked => {
-                    return Decision::refused(Refused::HostMismatch);
-                }
-                (named, asked) => named.or(*asked),
-            };
-            if let Some(host) = &host_key
-                && let Err(e) = check_host(&target.delegate_key, host)
-            {
-                return Decision::refused(Refused::Invalid(e));
-            }
-            ending(subtree, |tree, t| {
-                tree.accept(t, now_ms).map(|()| Vec::new())
-            })
-            .finish(TargetWrite::Host(host_key), |_, _| ReceiptBody::Accepted)
-        }
-        Action::Decline { reason } | Action::Escalate { reason } => {
-            let escalate = matches!(action, Action::Escalate { .. });
-            if !is_delegate {
-                return Decision::refused(Refused::NotDelegate("do this"));
-            }
-            if subtree.is_root() {
-                return Decision::refused(Refused::Root);
-            }
-            let reason = (*reason).to_owned();
-            let step = ending(subtree, |tree, t| {
-                if escalate {
-                    tree.escalate(t, now_ms)
-                } else {
-                    tree.decline(t, now_ms)
-                }
-            });
-            step.finish(TargetWrite::None, |tree, ended| {
-                if escalate {
-                    // The principal (the parent, row 0) after settlement.
-                    let principal = &tree.nodes()[0];
-                    let notice = principal.ledger.escalation_notice(
-                        principal.deadline_ms,
-                        now_ms,
-                        target.min_retry_cost,
-                        target.min_retry_latency_ms,
-                    );
-                    ReceiptBody::Escalated {
-                        reason,
-                        ended,
-                        notice,
-                    }
-                } else {
-                    ReceiptBody::Declined { reason, ended }
-                }
-            })
-        }
-        Action::Revoke { reason } => {
-            // Principals: the delegates of every strict ancestor; for a
-            // root, the orchestrator that opened it.
-            let mut principals: Vec<&AgentKey> = subtree
-                .lineage
-                .iter()
-                .filter(|(id, _)| *id != target.id)
-                .map(|(_, k)| k)
-                .collect();
-            if subtree.is_root() {
-                principals.push(&target.delegate_key);
-            }
-            if !signer.is_some_and(|s| may_revoke(s, principals)) {
-                return Decision::refused(Refused::NotAncestor);
-            }
-            let reason = (*reason).to_owned();
-            ending(subtree, |tree, t| tree.revoke(t, now_ms)).finish(
-                TargetWrite::None,
-                |_, ended| ReceiptBody::Revoked { reason, ended },
-            )
-        }
+        Action::Accept { host } => accept(subtree, is_delegate, *host, now_ms),
+        Action::Decline { reason } => give_back(subtree, is_delegate, false, reason, now_ms),
+        Action::Escalate { reason } => give_back(subtree, is_delegate, true, reason, now_ms),
+        Action::Revoke { reason } => revoke(subtree, signer, reason, now_ms),
         Action::Record { count, units } => record(subtree, signer, *count, *units),
         Action::Complete(facts) => complete(subtree, is_delegate, facts, now_ms),
-        Action::Adjudicate { verdict, reason } => {
-            let principal = match target.parent {
-                Some(p) => subtree.rows[p].delegate_key,
-                None => target.delegate_key,
-            };
-            if signer != Some(&principal) {
-                return Decision::refused(Refused::NotPrincipal);
-            }
-            if target.status != Status::Completed
-                || target.verdict != Some(Verdict::PendingPrincipal)
-            {
-                return Decision::refused(Refused::NotPending);
-            }
-            Decision {
-                updates: Vec::new(),
-                write: TargetWrite::Verdict(*verdict),
-                receipts: vec![PlannedReceipt {
-                    row: subtree.target,
-                    answers_request: true,
-                    body: ReceiptBody::Adjudicated {
-                        verdict: *verdict,
-                        reason: (*reason).to_owned(),
-                    },
-                }],
-                answer: Ok(0),
-            }
+        Action::Adjudicate { verdict, reason } => adjudicate(subtree, signer, *verdict, reason),
+    }
+}
+
+fn accept(subtree: &Subtree, is_delegate: bool, host: Option<AgentKey>, now_ms: i64) -> Decision {
+    let target = subtree.target();
+    if !is_delegate {
+        return Decision::refused(Refused::NotDelegate("accept it"));
+    }
+    let host_key = match (target.host_key, host) {
+        (Some(named), Some(asked)) if named != asked => {
+            return Decision::refused(Refused::HostMismatch);
         }
+        (named, asked) => named.or(asked),
+    };
+    if let Some(host) = &host_key
+        && let Err(e) = check_host(&target.delegate_key, host)
+    {
+        return Decision::refused(Refused::Invalid(e));
+    }
+    ending(subtree, |tree, t| {
+        tree.accept(t, now_ms).map(|()| Vec::new())
+    })
+    .finish(TargetWrite::Host(host_key), |_, _| ReceiptBody::Accepted)
+}
+
+/// Decline (before accepting) or escalate (after): the contract goes back
+/// to its principal; an escalation tells the principal what it has left.
+fn give_back(
+    subtree: &Subtree,
+    is_delegate: bool,
+    escalate: bool,
+    reason: &str,
+    now_ms: i64,
+) -> Decision {
+    let target = subtree.target();
+    if !is_delegate {
+        return Decision::refused(Refused::NotDelegate("do this"));
+    }
+    if subtree.is_root() {
+        return Decision::refused(Refused::Root);
+    }
+    let reason = reason.to_owned();
+    let step = ending(subtree, |tree, t| {
+        if escalate {
+            tree.escalate(t, now_ms)
+        } else {
+            tree.decline(t, now_ms)
+        }
+    });
+    step.finish(TargetWrite::None, |tree, ended| {
+        if !escalate {
+            return ReceiptBody::Declined { reason, ended };
+        }
+        // The principal (the parent, row 0) after settlement.
+        let principal = &tree.nodes()[0];
+        let notice = principal.ledger.escalation_notice(
+            principal.deadline_ms,
+            now_ms,
+            target.min_retry_cost,
+            target.min_retry_latency_ms,
+        );
+        ReceiptBody::Escalated {
+            reason,
+            ended,
+            notice,
+        }
+    })
+}
+
+fn revoke(subtree: &Subtree, signer: Option<&AgentKey>, reason: &str, now_ms: i64) -> Decision {
+    let target = subtree.target();
+    // Principals: the delegates of every strict ancestor; for a root, the
+    // orchestrator that opened it.
+    let mut principals: Vec<&AgentKey> = subtree
+        .lineage
+        .iter()
+        .filter(|(id, _)| *id != target.id)
+        .map(|(_, k)| k)
+        .collect();
+    if subtree.is_root() {
+        principals.push(&target.delegate_key);
+    }
+    if !signer.is_some_and(|s| may_revoke(s, principals)) {
+        return Decision::refused(Refused::NotAncestor);
+    }
+    let reason = reason.to_owned();
+    ending(subtree, |tree, t| tree.revoke(t, now_ms)).finish(TargetWrite::None, |_, ended| {
+        ReceiptBody::Revoked { reason, ended }
+    })
+}
+
+fn adjudicate(
+    subtree: &Subtree,
+    signer: Option<&AgentKey>,
+    verdict: Verdict,
+    reason: &str,
+) -> Decision {
+    let target = subtree.target();
+    let principal = match target.parent {
+        Some(p) => subtree.rows[p].delegate_key,
+        None => target.delegate_key,
+    };
+    if signer != Some(&principal) {
+        return Decision::refused(Refused::NotPrincipal);
+    }
+    if target.status != Status::Completed || target.verdict != Some(Verdict::PendingPrincipal) {
+        return Decision::refused(Refused::NotPending);
+    }
+    Decision {
+        updates: Vec::new(),
+        write: TargetWrite::Verdict(verdict),
+        receipts: vec![PlannedReceipt {
+            row: subtree.target,
+            answers_request: true,
+            body: ReceiptBody::Adjudicated {
+                verdict,
+                reason: reason.to_owned(),
+            },
+        }],
+        answer: Ok(0),
     }
 }
 

@@ -380,21 +380,15 @@ pub async fn apply(
     .await
 }
 
-/// Writes `decision`: rows, the target's columns, observations, receipts
-/// (with the request's log entry beside the one that answers it).
-#[allow(clippy::too_many_arguments)]
-async fn write(
+/// Writes the decision's rows and the target's columns (and, for a
+/// record, its observations). The inner error refuses the command.
+async fn write_state(
     conn: &mut SqliteConnection,
     decision: &Decision,
-    subtree: &Subtree,
+    target: &Loaded,
     rows: &[Loaded],
     command: &LifecycleCommand,
-    stamper: &Stamper,
-    trees: &crate::store::TreeChanges,
-    next_seq: &mut i64,
-    now_ms: i64,
-) -> Result<Applied, sqlx::Error> {
-    let target = &rows[subtree.target];
+) -> Result<Result<(), StoreError>, sqlx::Error> {
     for u in &decision.updates {
         sqlx::query(
             "UPDATE contracts SET status = $1, reserved = $2, spent = $3, open_children = $4 WHERE seq = $5",
@@ -423,10 +417,9 @@ async fn write(
             metered_uncharged,
         } => {
             let Action::Record { observations } = &command.action else {
-                return Ok(Applied {
-                    answer: Err(StoreError::Corrupt("observations without a record".into())),
-                    changed: Vec::new(),
-                });
+                return Ok(Err(StoreError::Corrupt(
+                    "observations without a record".into(),
+                )));
             };
             let mut query = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
@@ -474,6 +467,22 @@ async fn write(
                 .await?;
         }
     }
+    Ok(Ok(()))
+}
+
+/// Signs and stores the decision's receipts in order, logging the
+/// request beside the one that answers it.
+#[allow(clippy::too_many_arguments)]
+async fn write_receipts(
+    conn: &mut SqliteConnection,
+    decision: &Decision,
+    rows: &[Loaded],
+    command: &LifecycleCommand,
+    stamper: &Stamper,
+    trees: &crate::store::TreeChanges,
+    next_seq: &mut i64,
+    now_ms: i64,
+) -> Result<Vec<crate::stamp::Stamped>, sqlx::Error> {
     let mut signed = Vec::with_capacity(decision.receipts.len());
     for planned in &decision.receipts {
         let row = &rows[planned.row];
@@ -521,6 +530,33 @@ async fn write(
         }
         signed.push(stamped);
     }
+    Ok(signed)
+}
+
+/// Writes `decision`: rows, the target's columns, observations, receipts
+/// (with the request's log entry beside the one that answers it).
+#[allow(clippy::too_many_arguments)]
+async fn write(
+    conn: &mut SqliteConnection,
+    decision: &Decision,
+    subtree: &Subtree,
+    rows: &[Loaded],
+    command: &LifecycleCommand,
+    stamper: &Stamper,
+    trees: &crate::store::TreeChanges,
+    next_seq: &mut i64,
+    now_ms: i64,
+) -> Result<Applied, sqlx::Error> {
+    if let Err(e) = write_state(conn, decision, &rows[subtree.target], rows, command).await? {
+        return Ok(Applied {
+            answer: Err(e),
+            changed: Vec::new(),
+        });
+    }
+    let signed = write_receipts(
+        conn, decision, rows, command, stamper, trees, next_seq, now_ms,
+    )
+    .await?;
     let changed = decision
         .changed(subtree.target)
         .into_iter()
