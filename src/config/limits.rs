@@ -124,7 +124,7 @@ limits! {
     max_concurrent_requests_per_connection: usize = 1_024, 1, MAX_CONCURRENCY_CEILING,
         "concurrent requests on one client connection";
     request_timeout_ms: u64 = 30_000, 1, MAX_INTERVAL_MS,
-        "longest a request may run before DEADLINE_EXCEEDED";
+        "longest a request may run; past it the call is answered CANCELLED";
     tls_handshake_timeout_ms: u64 = 10_000, 1, MAX_TLS_HANDSHAKE_TIMEOUT_MS,
         "with [tls]: unfinished handshakes are dropped after this";
     max_watch_streams: usize = 1_024, 1, MAX_CONCURRENCY_CEILING,

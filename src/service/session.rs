@@ -1,8 +1,10 @@
 //! Read sessions (issue 11, item 13): who is reading. A caller proves its
 //! key once with a signed OpenSession request and gets a broker-signed
 //! `Session`; each read carries it as `x-broker-session-bin` metadata. The
-//! session is self-contained (any broker holding the key that signed it can
-//! check it, current or retired), so nothing about sessions is stored.
+//! session is self-contained (checked against the broker's current key
+//! alone: a session signed by a key since retired is refused as
+//! BAD_SESSION, so a rotation ends every session), and nothing about
+//! sessions is stored.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
