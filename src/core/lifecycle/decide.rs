@@ -46,7 +46,8 @@ pub struct Facts {
 }
 
 /// What a decision reads: the target, its parent (when it has one: a
-/// target without a parent row is a root) and its open descendants.
+/// target without a parent row is a root) and, when
+/// `Action::needs_descendants`, its open descendants.
 #[derive(Clone, Debug)]
 pub struct Subtree {
     /// The parent first when there is one, then the target, then the
@@ -134,6 +135,24 @@ impl Action<'_> {
     /// Whether the decision reads `Subtree::lineage`.
     pub fn needs_lineage(&self) -> bool {
         matches!(self, Self::Revoke { .. } | Self::Complete(_))
+    }
+
+    /// Whether the decision reads the target's open descendants: only
+    /// when it may end the target (they end with it). Accept, Record and
+    /// Adjudicate read the target and its parent alone, so a host
+    /// recording on a contract with a large open subtree costs the writer
+    /// no more than on a leaf.
+    pub fn needs_descendants(&self, target: &Facts, now_ms: i64) -> bool {
+        let expires_on_access = target.status.is_open() && now_ms >= target.deadline_ms;
+        expires_on_access
+            || matches!(
+                self,
+                Self::Decline { .. }
+                    | Self::Escalate { .. }
+                    | Self::Revoke { .. }
+                    | Self::Complete(_)
+                    | Self::Expire
+            )
     }
 }
 

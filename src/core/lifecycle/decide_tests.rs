@@ -385,15 +385,15 @@ impl World {
     }
 
     /// What a store loads for `target`: its parent, itself, its open
-    /// descendants; lineage root first.
-    fn load(&self, target: usize) -> (Subtree, Vec<usize>) {
+    /// descendants when the action needs them; lineage root first.
+    fn load(&self, target: usize, descendants: bool) -> (Subtree, Vec<usize>) {
         let mut map = Vec::new();
         if let Some(p) = self.rows[target].parent {
             map.push(p);
         }
         map.push(target);
         let mut i = map.len() - 1;
-        while i < map.len() {
+        while descendants && i < map.len() {
             let at = map[i];
             for (c, row) in self.rows.iter().enumerate() {
                 if row.parent == Some(at) && row.status.is_open() {
@@ -529,7 +529,6 @@ proptest! {
                 Op::Tick(dt) => now += dt,
                 Op::Act(t, a, s, units) => {
                     let target = t % w.rows.len();
-                    let (subtree, map) = w.load(target);
                     let row = &w.rows[target];
                     let principal = row.parent.map_or(row.delegate_key, |p| w.rows[p].delegate_key);
                     // Mostly the entitled signer, sometimes anyone.
@@ -555,6 +554,7 @@ proptest! {
                         _ => Action::Expire,
                     };
                     let before = w.clone();
+                    let (subtree, map) = w.load(target, action.needs_descendants(row, now));
                     let d = decide(&subtree, Some(&signer), &action, now);
                     w.apply(&d, &map, target);
                     // Consumption charged: the target's own spent growth

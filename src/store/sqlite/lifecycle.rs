@@ -278,26 +278,30 @@ impl Loaded {
     }
 }
 
-/// Loads what `decide` reads: `target`'s parent, itself and its open
-/// descendants, and its lineage when the action needs it.
+/// Loads what `decide` reads: `target`'s parent and itself, its open
+/// descendants and its lineage when the action needs them.
 async fn subtree(
     conn: &mut SqliteConnection,
     target: Loaded,
-    needs_lineage: bool,
+    action: &lifecycle::Action<'_>,
+    now_ms: i64,
 ) -> Result<(Subtree, Vec<Loaded>), sqlx::Error> {
     let mut rows = Vec::new();
     if let Some(parent_seq) = target.parent_seq {
         rows.push(load_seq(conn, parent_seq).await?);
     }
     let target_seq = target.seq;
+    let needs_descendants = action.needs_descendants(&target.facts(None), now_ms);
     rows.push(target);
-    rows.extend(open_descendants(conn, target_seq).await?);
+    if needs_descendants {
+        rows.extend(open_descendants(conn, target_seq).await?);
+    }
     let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
     let facts = rows
         .iter()
         .map(|r| r.facts(r.parent_seq.and_then(|p| index.get(&p).copied())))
         .collect();
-    let lineage = if needs_lineage {
+    let lineage = if action.needs_lineage() {
         lineage(conn, target_seq).await?
     } else {
         Vec::new()
@@ -371,7 +375,7 @@ pub async fn apply(
         });
     };
     let action = core_action(&command.action, now_ms);
-    let (subtree, rows) = subtree(conn, target, action.needs_lineage()).await?;
+    let (subtree, rows) = subtree(conn, target, &action, now_ms).await?;
     let request = command.request.as_ref();
     let decision = lifecycle::decide(&subtree, request.map(|r| &r.agent), &action, now_ms);
     write(
