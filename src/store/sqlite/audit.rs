@@ -3,12 +3,10 @@
 
 use super::*;
 
-pub(super) const AUDIT_SELECT_BY_ID: &str = "SELECT seq, id, root_seq, depth, write_scope, status, has_report, \
-     downgrades, verdict, claim, envelope FROM contracts_with_envelope WHERE id = $1";
+pub(super) const AUDIT_SELECT_BY_ID: &str = select_contracts!("WHERE id = $1");
 
-pub(super) const AUDIT_SELECT_TREE: &str = "SELECT seq, id, root_seq, depth, write_scope, status, has_report, \
-     downgrades, verdict, claim, envelope FROM contracts_with_envelope WHERE root_seq = $1 AND parent_seq IS NOT NULL \
-     ORDER BY seq LIMIT $2";
+pub(super) const AUDIT_SELECT_TREE: &str =
+    select_contracts!("WHERE root_seq = $1 AND parent_seq IS NOT NULL ORDER BY seq LIMIT $2");
 
 /// Most rows (contracts, observations, refusals and escalations) one
 /// audit read loads: a tree has no size limit, and AggregateAudits reads
@@ -77,35 +75,10 @@ impl AuditRows {
     }
 }
 
-/// An audit row: the facts (observations still to load), its seq and its
-/// root's seq.
+/// A contract's audit facts with its seq and its root's seq.
 pub(super) fn audit_row(row: &SqliteRow) -> Result<(AuditFacts, i64, i64), StoreError> {
-    let envelope = decode_envelope(row, "envelope")?;
-    let contract = pb::Contract::decode(envelope.payload.as_slice())
-        .map_err(|_| StoreError::Corrupt("contract payload".into()))?;
-    let scope: String = row.try_get("write_scope").map_err(backend)?;
-    let status = status_from(row.try_get("status").map_err(backend)?)?;
-    let has_report: Option<i64> = row.try_get("has_report").map_err(backend)?;
-    let downgrades: i64 = row.try_get("downgrades").map_err(backend)?;
-    let verdict: i64 = row.try_get("verdict").map_err(backend)?;
-    let depth: i64 = row.try_get("depth").map_err(backend)?;
-    Ok((
-        AuditFacts {
-            id: id_column(row, "id")?,
-            depth: u32::try_from(depth).map_err(|_| StoreError::Corrupt("depth".into()))?,
-            task: contract.task,
-            write_scope: serde_json::from_str(&scope)
-                .map_err(|_| StoreError::Corrupt("write_scope".into()))?,
-            completed: status == Status::Completed,
-            has_report: has_report.map(|h| h != 0),
-            downgrades: u32::try_from(downgrades).unwrap_or(u32::MAX),
-            verdict: i32::try_from(verdict).unwrap_or_default(),
-            claim: row.try_get("claim").map_err(backend)?,
-            observations: Vec::new(),
-        },
-        row.try_get("seq").map_err(backend)?,
-        row.try_get("root_seq").map_err(backend)?,
-    ))
+    let row = StoredContract::from_row(row)?;
+    Ok((row.audit_facts(), row.seq, row.root_seq))
 }
 
 pub(super) async fn observations_of(
@@ -166,6 +139,93 @@ pub(super) async fn tree_mutations(
     rows.iter()
         .map(|r| Ok((id_column(r, "id")?, r.try_get("path").map_err(backend)?)))
         .collect()
+}
+
+/// One run's facts: its contracts with their observations, its tree's
+/// mutations, its escalations and refusal codes, read within `budget`.
+async fn run_facts(
+    conn: &mut SqliteConnection,
+    root: &SqliteRow,
+    selector: &std::collections::BTreeMap<String, String>,
+    budget: &mut AuditRows,
+) -> Result<(RunFacts, TreeMutations), StoreError> {
+    let labels_json: String = root.try_get("labels").map_err(backend)?;
+    let labels: std::collections::BTreeMap<String, String> =
+        serde_json::from_str(&labels_json).map_err(|_| StoreError::Corrupt("labels".into()))?;
+    // The index and the root's own labels must agree.
+    if !selector.iter().all(|(k, v)| labels.get(k) == Some(v)) {
+        return Err(StoreError::Corrupt(
+            "run_labels disagrees with the root's labels".into(),
+        ));
+    }
+    let root_seq: i64 = root.try_get("seq").map_err(backend)?;
+    let rows = budget
+        .fetch(conn, sqlx::query(AUDIT_SELECT_TREE).bind(root_seq))
+        .await?;
+    let root_id = id_column(root, "id")?;
+    let mut contracts = Vec::with_capacity(rows.len());
+    let mut ids = HashMap::with_capacity(rows.len() + 1);
+    ids.insert(root_seq, root_id);
+    for row in &rows {
+        let (facts, seq, _) = audit_row(row)?;
+        ids.insert(seq, facts.id);
+        contracts.push((seq, facts));
+    }
+    // One observation query per tree, not one per contract; the
+    // tree's mutations (for conflicts) come from the same rows.
+    let mut observed: HashMap<i64, Vec<(i32, String)>> = HashMap::new();
+    let mut mutations = Vec::new();
+    for (seq, kind, path) in tree_observations(conn, root_seq, budget).await? {
+        if kind == pb::ObservationKind::Mutation as i32 {
+            let id = ids
+                .get(&seq)
+                .ok_or_else(|| StoreError::Corrupt("an observation outside its tree".into()))?;
+            mutations.push((*id, path.clone()));
+        }
+        observed.entry(seq).or_default().push((kind, path));
+    }
+    let contracts: Vec<AuditFacts> = contracts
+        .into_iter()
+        .map(|(seq, mut facts)| {
+            facts.observations = observed.remove(&seq).unwrap_or_default();
+            facts
+        })
+        .collect();
+    let receipts = budget
+        .fetch(
+            conn,
+            sqlx::query(
+                "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3) LIMIT $4",
+            )
+            .bind(root_id.as_slice())
+            .bind(pb::ReceiptKind::Refused as i64)
+            .bind(pb::ReceiptKind::Escalated as i64),
+        )
+        .await?;
+    let (mut escalations, mut refusal_codes) = (0, Vec::new());
+    for receipt in &receipts {
+        let kind: i64 = receipt.try_get("kind").map_err(backend)?;
+        if kind == pb::ReceiptKind::Escalated as i64 {
+            escalations += 1;
+        } else {
+            let envelope = decode_envelope(receipt, "envelope")?;
+            let body = pb::Receipt::decode(envelope.payload.as_slice())
+                .map_err(|_| StoreError::Corrupt("receipt payload".into()))?;
+            refusal_codes.push(body.primary);
+        }
+    }
+    Ok((
+        RunFacts {
+            root_id,
+            labels,
+            budget: root.try_get("budget").map_err(backend)?,
+            spent: root.try_get("spent").map_err(backend)?,
+            contracts,
+            escalations,
+            refusal_codes,
+        },
+        mutations,
+    ))
 }
 
 pub(super) async fn audit_facts(
@@ -231,83 +291,7 @@ pub(super) async fn runs(
     let mut runs = Vec::with_capacity(roots.len());
     let mut budget = AuditRows::new(store.max_audit_rows, store.max_audit_bytes);
     for root in roots {
-        let labels_json: String = root.try_get("labels").map_err(backend)?;
-        let labels: std::collections::BTreeMap<String, String> =
-            serde_json::from_str(&labels_json).map_err(|_| StoreError::Corrupt("labels".into()))?;
-        // The index and the root's own labels must agree.
-        if !selector.iter().all(|(k, v)| labels.get(k) == Some(v)) {
-            return Err(StoreError::Corrupt(
-                "run_labels disagrees with the root's labels".into(),
-            ));
-        }
-        let root_seq: i64 = root.try_get("seq").map_err(backend)?;
-        let rows = budget
-            .fetch(&mut conn, sqlx::query(AUDIT_SELECT_TREE).bind(root_seq))
-            .await?;
-        let root_id = id_column(&root, "id")?;
-        let mut contracts = Vec::with_capacity(rows.len());
-        let mut ids = HashMap::with_capacity(rows.len() + 1);
-        ids.insert(root_seq, root_id);
-        for row in &rows {
-            let (facts, seq, _) = audit_row(row)?;
-            ids.insert(seq, facts.id);
-            contracts.push((seq, facts));
-        }
-        // One observation query per tree, not one per contract; the
-        // tree's mutations (for conflicts) come from the same rows.
-        let mut observed: HashMap<i64, Vec<(i32, String)>> = HashMap::new();
-        let mut mutations = Vec::new();
-        for (seq, kind, path) in tree_observations(&mut conn, root_seq, &mut budget).await? {
-            if kind == pb::ObservationKind::Mutation as i32 {
-                let id = ids
-                    .get(&seq)
-                    .ok_or_else(|| StoreError::Corrupt("an observation outside its tree".into()))?;
-                mutations.push((*id, path.clone()));
-            }
-            observed.entry(seq).or_default().push((kind, path));
-        }
-        let contracts: Vec<AuditFacts> = contracts
-            .into_iter()
-            .map(|(seq, mut facts)| {
-                facts.observations = observed.remove(&seq).unwrap_or_default();
-                facts
-            })
-            .collect();
-        let receipts = budget
-            .fetch(
-                &mut conn,
-                sqlx::query(
-                    "SELECT kind, envelope FROM receipts WHERE root_id = $1 AND kind IN ($2, $3) LIMIT $4",
-                )
-                .bind(root_id.as_slice())
-                .bind(pb::ReceiptKind::Refused as i64)
-                .bind(pb::ReceiptKind::Escalated as i64),
-            )
-            .await?;
-        let (mut escalations, mut refusal_codes) = (0, Vec::new());
-        for receipt in &receipts {
-            let kind: i64 = receipt.try_get("kind").map_err(backend)?;
-            if kind == pb::ReceiptKind::Escalated as i64 {
-                escalations += 1;
-            } else {
-                let envelope = decode_envelope(receipt, "envelope")?;
-                let body = pb::Receipt::decode(envelope.payload.as_slice())
-                    .map_err(|_| StoreError::Corrupt("receipt payload".into()))?;
-                refusal_codes.push(body.primary);
-            }
-        }
-        runs.push((
-            RunFacts {
-                root_id,
-                labels,
-                budget: root.try_get("budget").map_err(backend)?,
-                spent: root.try_get("spent").map_err(backend)?,
-                contracts,
-                escalations,
-                refusal_codes,
-            },
-            mutations,
-        ));
+        runs.push(run_facts(&mut conn, &root, selector, &mut budget).await?);
     }
     drop(conn);
     store.durability.settle().await?;

@@ -9,14 +9,15 @@ use std::collections::HashMap;
 
 use prost::Message;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
-use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
+use sqlx::{AssertSqlSafe, QueryBuilder, Sqlite};
 
 use super::audit::observations_of;
 use super::backend;
+use super::rows::{CONTRACT_COLUMNS, StoredContract, id_column};
 use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{self, CompleteFacts, Decision, Facts, Subtree, TargetWrite};
-use crate::core::{AgentKey, Id, Ledger, Scope, Status};
+use crate::core::{AgentKey, Id, Scope, Status};
 use crate::crypto;
 use crate::pb;
 use crate::stamp::Stamper;
@@ -100,88 +101,18 @@ fn judge_completion(
     judge::judge(effective_predicate, write_scope, &completion, observed)
 }
 
-/// A contract row as lifecycle needs it.
-#[derive(Clone, Debug)]
-struct Loaded {
-    seq: i64,
-    id: Id,
-    parent_seq: Option<i64>,
-    status: Status,
-    ledger: Ledger,
-    deadline_ms: i64,
-    issued_at_ms: i64,
-    delegate_key: AgentKey,
-    host_key: Option<AgentKey>,
-    verdict: i32,
-    observations: i64,
-    observed_units: i64,
-    metered: bool,
-    /// Metered units recorded but not charged (see `metering_charge`).
-    metered_uncharged: i64,
-    effective_predicate: String,
-    write_scope: Scope,
-    root_id: Id,
-    contract: pb::Contract,
-}
+/// A contract row as lifecycle reads it: the table's one decoder.
+type Loaded = StoredContract;
 
-const COLUMNS: &str = "seq, id, root_id, parent_seq, status, budget, reserved, spent, open_children, \
-     deadline_ms, issued_at_ms, delegate_key, host_key, verdict, observations, observed_units, \
-     metered, metered_uncharged, effective_predicate, write_scope, envelope";
-
-fn corrupt(what: &str) -> sqlx::Error {
-    sqlx::Error::Protocol(format!("corrupt contract row: {what}"))
-}
-
-fn key(bytes: Vec<u8>, what: &str) -> Result<[u8; 32], sqlx::Error> {
-    bytes.try_into().map_err(|_| corrupt(what))
-}
-
+/// Decodes a contract row; a row that does not decode aborts the batch as
+/// corrupt data (see `backend_ref`).
 fn row_from(row: &SqliteRow) -> Result<Loaded, sqlx::Error> {
-    let status: i64 = row.try_get("status")?;
-    let open_children: i64 = row.try_get("open_children")?;
-    let host: Option<Vec<u8>> = row.try_get("host_key")?;
-    let scope: String = row.try_get("write_scope")?;
-    let envelope: Vec<u8> = row.try_get("envelope")?;
-    let envelope = pb::Sealed::decode(envelope.as_slice()).map_err(|_| corrupt("envelope"))?;
-    let contract =
-        pb::Contract::decode(envelope.payload.as_slice()).map_err(|_| corrupt("payload"))?;
-    let metered: i64 = row.try_get("metered")?;
-    Ok(Loaded {
-        seq: row.try_get("seq")?,
-        id: key(row.try_get("id")?, "id")?,
-        root_id: key(row.try_get("root_id")?, "root_id")?,
-        parent_seq: row.try_get("parent_seq")?,
-        status: i32::try_from(status)
-            .ok()
-            .and_then(Status::from_i32)
-            .ok_or_else(|| corrupt("status"))?,
-        ledger: Ledger {
-            budget: row.try_get("budget")?,
-            reserved: row.try_get("reserved")?,
-            spent: row.try_get("spent")?,
-            open_children: u32::try_from(open_children).map_err(|_| corrupt("open_children"))?,
-        },
-        deadline_ms: row.try_get("deadline_ms")?,
-        issued_at_ms: row.try_get("issued_at_ms")?,
-        delegate_key: key(row.try_get("delegate_key")?, "delegate_key")?,
-        host_key: host.map(|h| key(h, "host_key")).transpose()?,
-        verdict: i32::try_from(row.try_get::<i64, _>("verdict")?)
-            .map_err(|_| corrupt("verdict"))?,
-        observations: row.try_get("observations")?,
-        observed_units: row.try_get("observed_units")?,
-        metered: metered != 0,
-        metered_uncharged: row.try_get("metered_uncharged")?,
-        effective_predicate: row.try_get("effective_predicate")?,
-        write_scope: Scope::from_trusted(
-            serde_json::from_str(&scope).map_err(|_| corrupt("write_scope"))?,
-        ),
-        contract,
-    })
+    StoredContract::from_row(row).map_err(|e| sqlx::Error::Protocol(e.to_string()))
 }
 
 async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Loaded>, sqlx::Error> {
     let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM contracts_with_envelope WHERE id = $1"
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id = $1"
     )))
     .bind(id.as_slice())
     .fetch_optional(&mut *conn)
@@ -191,7 +122,7 @@ async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Loaded>, sq
 
 async fn load_seq(conn: &mut SqliteConnection, seq: i64) -> Result<Loaded, sqlx::Error> {
     let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM contracts_with_envelope WHERE seq = $1"
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE seq = $1"
     )))
     .bind(seq)
     .fetch_one(&mut *conn)
@@ -205,13 +136,13 @@ async fn open_descendants(
     conn: &mut SqliteConnection,
     seq: i64,
 ) -> Result<Vec<Loaded>, sqlx::Error> {
-    // COLUMNS is a constant: nothing client-supplied is interpolated.
+    // CONTRACT_COLUMNS is a constant: nothing client-supplied is interpolated.
     let rows = sqlx::query(AssertSqlSafe(format!(
         "WITH RECURSIVE sub(seq) AS (\
              SELECT seq FROM contracts WHERE parent_seq = $1 AND status IN ($2, $3) \
              UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq \
              WHERE c.status IN ($2, $3)) \
-         SELECT {COLUMNS} FROM contracts_with_envelope WHERE seq IN (SELECT seq FROM sub)"
+         SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE seq IN (SELECT seq FROM sub)"
     )))
     .bind(seq)
     .bind(i64::from(Status::Open.as_i32()))
@@ -235,11 +166,12 @@ async fn lineage(
     .bind(seq)
     .fetch_all(&mut *conn)
     .await?;
+    let corrupt = |e: StoreError| sqlx::Error::Protocol(e.to_string());
     rows.iter()
         .map(|r| {
             Ok((
-                key(r.try_get("id")?, "id")?,
-                key(r.try_get("delegate_key")?, "delegate_key")?,
+                id_column(r, "id").map_err(corrupt)?,
+                id_column(r, "delegate_key").map_err(corrupt)?,
             ))
         })
         .collect()

@@ -120,22 +120,18 @@ pub(super) async fn issuing_parent(
     }
     // Not settled: what it reads never changes once written, and it is
     // only used to refuse or to go on to the writer, which reads again.
-    let row = sqlx::query(
-        "SELECT delegate_key, effective_predicate, root_id, depth FROM contracts WHERE id = $1",
-    )
-    .bind(parent.as_slice())
-    .fetch_optional(&store.reader)
-    .await
-    .map_err(backend)?;
+    let row = sqlx::query(SELECT_RECORD_BY_ID)
+        .bind(parent.as_slice())
+        .fetch_optional(&store.reader)
+        .await
+        .map_err(backend)?;
     row.map(|r| {
+        let c = StoredContract::from_row(&r)?;
         Ok(IssuingParent {
-            delegate_key: id_column(&r, "delegate_key")?,
-            effective_predicate: Predicate::from_trusted(
-                r.try_get("effective_predicate").map_err(backend)?,
-            ),
-            root_id: id_column(&r, "root_id")?,
-            depth: u32::try_from(r.try_get::<i64, _>("depth").map_err(backend)?)
-                .map_err(|_| StoreError::Corrupt("depth".into()))?,
+            delegate_key: c.delegate_key,
+            effective_predicate: Predicate::from_trusted(c.effective_predicate),
+            root_id: c.root_id,
+            depth: c.depth,
         })
     })
     .transpose()
@@ -165,7 +161,8 @@ pub(super) async fn contract(
         .await
         .map_err(backend)?;
     store.durability.settle().await?;
-    row.map(|r| record_from_row(&r)).transpose()
+    row.map(|r| StoredContract::from_row(&r).map(StoredContract::record))
+        .transpose()
 }
 pub(super) async fn children(
     store: &SqliteStore,
@@ -185,7 +182,7 @@ pub(super) async fn children(
     let mut records = Vec::new();
     let mut bytes = 0usize;
     while let Some(row) = rows.next().await {
-        let record = record_from_row(&row.map_err(backend)?)?;
+        let record = StoredContract::from_row(&row.map_err(backend)?)?.record();
         bytes = bytes.saturating_add(record.envelope.encoded_len());
         records.push(record);
         if bytes >= max_bytes {

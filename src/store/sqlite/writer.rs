@@ -360,7 +360,7 @@ pub(super) async fn load_parents(
     let mut corrupt = Vec::new();
     for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(format!(
-            "SELECT {PARENT_COLUMNS} FROM contracts_with_envelope WHERE id IN ("
+            "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id IN ("
         ));
         let mut list = query.separated(", ");
         for id in chunk {
@@ -370,7 +370,7 @@ pub(super) async fn load_parents(
         let rows = query.build().fetch_all(&mut *conn).await?;
         let mut cache = lock(known);
         for row in rows {
-            match known_from_row(&row) {
+            match StoredContract::from_row(&row).map(StoredContract::known) {
                 Ok((id, k)) => {
                     cache.insert(id, k);
                 }
