@@ -38,6 +38,22 @@ pub(super) fn wal_path_of(database: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Starts the syncer thread (an fsync blocks: never on a runtime).
+pub(super) fn start_syncer(
+    options: &SqliteOptions,
+    queue: mpsc::Receiver<Unsynced>,
+    durable: tokio::sync::watch::Sender<u64>,
+) -> Result<(), StoreError> {
+    let wal_path = wal_path_of(&options.path);
+    let before_wal_sync = options.before_wal_sync.clone();
+    let metrics = options.metrics.clone();
+    std::thread::Builder::new()
+        .name("store-syncer".into())
+        .spawn(move || syncer(&wal_path, queue, durable, before_wal_sync, metrics))
+        .map_err(|e| StoreError::Backend(format!("syncer thread: {e}")))?;
+    Ok(())
+}
+
 /// Makes committed batches durable and only then answers them: takes every
 /// batch committed so far, fsyncs the WAL once for all of them, publishes
 /// the last commit number and sends the answers. Runs on its own thread

@@ -220,6 +220,38 @@ fn backend_ref(e: &sqlx::Error) -> StoreError {
     }
 }
 
+/// The connection settings of every connection to the database.
+fn connect_options(path: &Path) -> SqliteConnectOptions {
+    SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        // Commits do not wait for the disk; the syncer fsyncs the WAL
+        // before any answer leaves (see the module docs).
+        .synchronous(SqliteSynchronous::Normal)
+        // 16 MiB of page cache: the recent (hot) end of every index
+        // stays in memory. Not more: while the database is under 1 GiB,
+        // SQLite scans the whole cache at the end of every write
+        // transaction (B-tree balancing briefly files a page under the
+        // lock page's number, 1 GiB / page size, and the commit then
+        // drops cached pages past the database's end by a full scan),
+        // so a bigger cache costs every commit (measured: 3% of all CPU
+        // at 64 MiB, ~100 µs per commit at 16 MiB). Readers' caches
+        // are flushed whenever the WAL changed anyway.
+        .pragma("cache_size", "-16384")
+        // Checkpoints run on their own connection (see `checkpointer`),
+        // not inside the writer's commits.
+        .pragma("wal_autocheckpoint", "0")
+        // Multi-row statements need a statement journal (to undo a
+        // half-applied statement); in memory it costs a copy, on disk a
+        // write per page.
+        .pragma("temp_store", "MEMORY")
+        // Multi-row statements differ by row count: one cached
+        // statement per count, or every batch re-parses its SQL.
+        .statement_cache_capacity(STATEMENT_CACHE_CAPACITY)
+        .busy_timeout(Duration::from_secs(10))
+}
+
 impl SqliteStore {
     /// Opens (creating if needed) the database, migrates it and starts the
     /// writer task.
@@ -228,130 +260,30 @@ impl SqliteStore {
         stamper: Arc<Stamper>,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StoreError> {
-        let connect = SqliteConnectOptions::new()
-            .filename(&options.path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            // Commits do not wait for the disk; the syncer fsyncs the WAL
-            // before any answer leaves (see the module docs).
-            .synchronous(SqliteSynchronous::Normal)
-            // 16 MiB of page cache: the recent (hot) end of every index
-            // stays in memory. Not more: while the database is under 1 GiB,
-            // SQLite scans the whole cache at the end of every write
-            // transaction (B-tree balancing briefly files a page under the
-            // lock page's number, 1 GiB / page size, and the commit then
-            // drops cached pages past the database's end by a full scan),
-            // so a bigger cache costs every commit (measured: 3% of all CPU
-            // at 64 MiB, ~100 µs per commit at 16 MiB). Readers' caches
-            // are flushed whenever the WAL changed anyway.
-            .pragma("cache_size", "-16384")
-            // Checkpoints run on their own connection (see `checkpointer`),
-            // not inside the writer's commits.
-            .pragma("wal_autocheckpoint", "0")
-            // Multi-row statements need a statement journal (to undo a
-            // half-applied statement); in memory it costs a copy, on disk a
-            // write per page.
-            .pragma("temp_store", "MEMORY")
-            // Multi-row statements differ by row count: one cached
-            // statement per count, or every batch re-parses its SQL.
-            .statement_cache_capacity(STATEMENT_CACHE_CAPACITY)
-            .busy_timeout(Duration::from_secs(10));
+        let connect = connect_options(&options.path);
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
-        let max_batch = options.max_batch.max(1);
         let known = KnownCache::default();
-        // The writer gets a thread and runtime of its own: its many short
-        // waits on SQLite must not queue behind request handlers busy with
-        // signature work, or every batch's round trips stretch out.
+        let trees = super::TreeChanges::default();
         let (durable_tx, durable) = tokio::sync::watch::channel(0u64);
         let committed = Arc::new(AtomicU64::new(0));
         let (synced, sync_queue) = mpsc::channel(MAX_UNSYNCED_BATCHES);
-        let wal_path = wal_path_of(&options.path);
-        let before_wal_sync = options.before_wal_sync.clone();
-        let syncer_metrics = options.metrics.clone();
-        std::thread::Builder::new()
-            .name("store-syncer".into())
-            .spawn(move || {
-                syncer(
-                    &wal_path,
-                    sync_queue,
-                    durable_tx,
-                    before_wal_sync,
-                    syncer_metrics,
-                )
-            })
-            .map_err(|e| StoreError::Backend(format!("syncer thread: {e}")))?;
-        let writer_committed = committed.clone();
-        let writer_metrics = options.metrics.clone();
+        start_syncer(&options, sync_queue, durable_tx)?;
         let finish_checkpoint = Arc::new(AtomicBool::new(false));
-        let writer_finish = finish_checkpoint.clone();
-        let retention_ms = options.request_log_retention_ms;
-        let timestamp_window_ms = options.timestamp_window_ms;
-        let (ready, writer_ready) = oneshot::channel();
-        let trees = super::TreeChanges::default();
-        let writer_trees = trees.clone();
-        let (writer_known, writer_stamper, writer_clock, writer_connect) = (
-            known.clone(),
-            stamper.clone(),
-            clock.clone(),
-            connect.clone(),
-        );
-        std::thread::Builder::new()
-            .name("store-writer".into())
-            // The writer never judges (see `prejudge`), but it stamps and
-            // checks what clients sent; a deep stack keeps any recursion in
-            // those far from the limit.
-            .stack_size(WRITER_STACK_BYTES)
-            .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(runtime) => runtime,
-                    Err(e) => {
-                        let _ =
-                            ready.send(Err(StoreError::Backend(format!("writer runtime: {e}"))));
-                        return;
-                    }
-                };
-                runtime.block_on(async move {
-                    let (mut writer, next_seq) = match open_writer(&writer_connect).await {
-                        Ok(opened) => opened,
-                        Err(e) => {
-                            let _ = ready.send(Err(e));
-                            return;
-                        }
-                    };
-                    let recent =
-                        load_recent(&mut writer, timestamp_window_ms, writer_clock.now_ms()).await;
-                    let _ = ready.send(Ok(()));
-                    let state = WriterState {
-                        known: writer_known,
-                        trees: writer_trees,
-                        next_seq,
-                        committed: writer_committed,
-                        synced,
-                        recent,
-                        retention_ms,
-                        next_prune: std::time::Instant::now(),
-                        finish_checkpoint: writer_finish,
-                        metrics: writer_metrics,
-                    };
-                    writer_loop(
-                        &mut writer,
-                        queue,
-                        state,
-                        writer_stamper,
-                        writer_clock,
-                        max_batch,
-                    )
-                    .await;
-                    if let Err(e) = writer.close().await {
-                        tracing::warn!(error = %e, "closing the writer connection");
-                    }
-                });
-            })
-            .map_err(|e| StoreError::Backend(format!("writer thread: {e}")))?;
-        writer_ready.await.map_err(|_| StoreError::Closed)??;
+        let writer = WriterStart {
+            connect: connect.clone(),
+            queue,
+            known: known.clone(),
+            trees: trees.clone(),
+            committed: committed.clone(),
+            synced,
+            finish_checkpoint: finish_checkpoint.clone(),
+            stamper: stamper.clone(),
+            clock: clock.clone(),
+            options: options.clone(),
+        };
+        start_writer(writer)?
+            .await
+            .map_err(|_| StoreError::Closed)??;
         let checkpoints = SqliteConnection::connect_with(&connect)
             .await
             .map_err(backend)?;

@@ -59,6 +59,93 @@ pub(super) async fn load_recent(
     }
 }
 
+/// What the writer thread is started with.
+pub(super) struct WriterStart {
+    pub(super) connect: SqliteConnectOptions,
+    pub(super) queue: mpsc::Receiver<(Command, Reply)>,
+    pub(super) known: KnownCache,
+    pub(super) trees: crate::store::TreeChanges,
+    pub(super) committed: Arc<AtomicU64>,
+    pub(super) synced: mpsc::Sender<Unsynced>,
+    pub(super) finish_checkpoint: Arc<AtomicBool>,
+    pub(super) stamper: Arc<Stamper>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) options: SqliteOptions,
+}
+
+/// Starts the writer on a thread and runtime of its own: its many short
+/// waits on SQLite must not queue behind request handlers busy with
+/// signature work, or every batch's round trips stretch out. The receiver
+/// answers once the schema is migrated and the writer serves (or why not).
+pub(super) fn start_writer(
+    start: WriterStart,
+) -> Result<oneshot::Receiver<Result<(), StoreError>>, StoreError> {
+    let (ready, writer_ready) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("store-writer".into())
+        // The writer never judges (see `prejudge`), but it stamps and
+        // checks what clients sent; a deep stack keeps any recursion in
+        // those far from the limit.
+        .stack_size(WRITER_STACK_BYTES)
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    let _ = ready.send(Err(StoreError::Backend(format!("writer runtime: {e}"))));
+                    return;
+                }
+            };
+            runtime.block_on(run_writer(start, ready));
+        })
+        .map_err(|e| StoreError::Backend(format!("writer thread: {e}")))?;
+    Ok(writer_ready)
+}
+
+async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreError>>) {
+    let (mut writer, next_seq) = match open_writer(&start.connect).await {
+        Ok(opened) => opened,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let recent = load_recent(
+        &mut writer,
+        start.options.timestamp_window_ms,
+        start.clock.now_ms(),
+    )
+    .await;
+    let _ = ready.send(Ok(()));
+    let state = WriterState {
+        known: start.known,
+        trees: start.trees,
+        next_seq,
+        committed: start.committed,
+        synced: start.synced,
+        recent,
+        retention_ms: start.options.request_log_retention_ms,
+        next_prune: std::time::Instant::now(),
+        finish_checkpoint: start.finish_checkpoint,
+        metrics: start.options.metrics.clone(),
+    };
+    let max_batch = start.options.max_batch.max(1);
+    writer_loop(
+        &mut writer,
+        start.queue,
+        state,
+        start.stamper,
+        start.clock,
+        max_batch,
+    )
+    .await;
+    if let Err(e) = writer.close().await {
+        tracing::warn!(error = %e, "closing the writer connection");
+    }
+}
+
 /// What the writer knows beyond the database: both are authoritative
 /// because the writer is the only one that writes.
 pub(super) struct WriterState {
