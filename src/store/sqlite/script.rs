@@ -34,6 +34,16 @@ pub(super) fn plan_statements(
     for row in &plan.receipts {
         trees.touch(row.root_id, row.seq);
     }
+    insert_contracts(script, plan);
+    insert_run_labels(script, plan);
+    update_states(script, plan);
+    insert_receipts(script, plan);
+    insert_requests(script, plan);
+    script.statements - before
+}
+
+/// The batch's new contracts and their envelopes.
+fn insert_contracts(script: &mut Script, plan: &Plan) {
     for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
         script.statement(
             "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
@@ -78,6 +88,11 @@ pub(super) fn plan_statements(
                 .push_bind(row.trace.map(|t| t.to_vec()));
         });
     }
+}
+
+/// One `run_labels` row per label of each new root (the index audits
+/// select runs by).
+fn insert_run_labels(script: &mut Script, plan: &Plan) {
     let labels: Vec<(i64, &str, &str)> = plan
         .contracts
         .iter()
@@ -93,6 +108,10 @@ pub(super) fn plan_statements(
             b.push_bind(*key).push_bind(*value).push_bind(*seq);
         });
     }
+}
+
+/// Status and ledger of every earlier contract the batch changed.
+fn update_states(script: &mut Script, plan: &Plan) {
     // One UPDATE for every changed earlier contract: a CASE per column.
     for chunk in plan.states.chunks(STATE_ROWS_PER_STATEMENT) {
         script.statement("UPDATE contracts SET ");
@@ -125,6 +144,10 @@ pub(super) fn plan_statements(
         }
         script.query.push(")");
     }
+}
+
+/// The batch's receipts (refusals).
+fn insert_receipts(script: &mut Script, plan: &Plan) {
     for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
         script.statement(
             "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
@@ -140,6 +163,10 @@ pub(super) fn plan_statements(
                 .push_bind(row.at_ms);
         });
     }
+}
+
+/// The request log entries of the batch's answers.
+fn insert_requests(script: &mut Script, plan: &Plan) {
     for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
         script.statement(
             "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ",
@@ -153,7 +180,6 @@ pub(super) fn plan_statements(
                 .push_bind(row.at_ms);
         });
     }
-    script.statements - before
 }
 
 /// Statements joined into one SQL script (separated by `;`), with their
