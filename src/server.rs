@@ -84,80 +84,14 @@ pub async fn run_with_options(
             "no [orchestrators] in the configuration: any key may open roots with any budget"
         );
     }
-    let data_dir = config.data_dir.clone();
-    let keyring = tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
-        .await
-        .map_err(|e| ServerError::KeyLoading(e.to_string()))??;
-    let current = keyring.current.verifying_key().to_bytes();
-    let mut keys = vec![pb::BrokerKey {
-        key_id: crypto::key_id(&current),
-        public_key: current.to_vec(),
-        current: true,
-    }];
-    keys.extend(keyring.retired.iter().map(|k| pb::BrokerKey {
-        key_id: crypto::key_id(&k.to_bytes()),
-        public_key: k.to_bytes().to_vec(),
-        current: false,
-    }));
-    let current_key = keyring.current.verifying_key();
-    let stamper = Arc::new(Stamper::new(keyring.current));
+    let (keys, current_key, stamper) = load_keys(&config).await?;
     let session_stamper = stamper.clone();
     let limits = config.limits.clone();
     let tls = config.tls.clone();
-    let store = SqliteStore::open(
-        SqliteOptions {
-            path: config.data_dir.join(DATABASE_FILE),
-            queue_depth: limits.writer_queue_depth,
-            max_batch: limits.max_batch,
-            read_connections: limits.read_connections,
-            wal_restart_bytes: WAL_RESTART_BYTES,
-            request_log_retention_ms: limits.request_log_retention_ms,
-            timestamp_window_ms: limits.timestamp_window_ms,
-            max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,
-            max_audit_bytes: crate::store::sqlite::MAX_AUDIT_BYTES,
-            before_wal_sync: None,
-            before_judge: None,
-            judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
-            metrics: Some(metrics.store.clone()),
-        },
-        stamper,
-        clock.clone(),
-    )
-    .await?;
-
+    let store = open_store(&config, stamper, clock.clone(), &metrics).await?;
     let durability_lost = store.durability_lost();
     let store = Arc::new(store);
-    // Counted in the background (a query cannot run inside a scrape's
-    // synchronous collection); a weak reference, so the count never keeps
-    // the store alive.
-    let counted = Arc::downgrade(&store);
-    let open_contracts = metrics.open_contracts.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(
-            crate::metrics::OPEN_CONTRACTS_SAMPLE_MS,
-        ));
-        loop {
-            tick.tick().await;
-            let Some(store) = counted.upgrade() else {
-                return;
-            };
-            if let Ok(open) = store.open_contracts().await {
-                open_contracts.set(open);
-            }
-        }
-    });
-    // Read at scrape time; a weak reference, so metrics never keep the
-    // store alive.
-    let queued = Arc::downgrade(&store);
-    metrics.sampled(
-        "broker_write_queue_depth",
-        "Commands waiting for the store's single writer.",
-        move || {
-            queued
-                .upgrade()
-                .map_or(0, |s| i64::try_from(s.queue_depth()).unwrap_or(i64::MAX))
-        },
-    );
+    sample_store(&metrics, &store);
     tokio::spawn(expiry_sweeper(
         Arc::downgrade(&store),
         clock.clone(),
@@ -194,51 +128,13 @@ pub async fn run_with_options(
     health_reporter
         .set_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
         .await;
-    // Health tells the truth: once the store cannot make anything durable
-    // (a failed fsync stops it for good), the broker is NOT_SERVING until
-    // it is restarted.
-    let reporter = health_reporter.clone();
-    tokio::spawn(async move {
-        durability_lost.await;
-        // At shutdown the store stops last, by design: not an error.
-        if !*shutting_down.borrow() {
-            tracing::error!(
-                "the store stopped: health is NOT_SERVING until the broker is restarted"
-            );
-        }
-        reporter
-            .set_not_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
-            .await;
-        reporter
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-    });
-    // Reflection in both versions: v1, and v1alpha for the clients that
-    // still speak only it (grpcurl 1.8, many GUI clients).
-    let reflection_of = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
-    let reflection = reflection_of()
-        .build_v1()
-        .map_err(|e| ServerError::Reflection(e.to_string()))?;
-    let reflection_v1alpha = reflection_of()
-        .build_v1alpha()
-        .map_err(|e| ServerError::Reflection(e.to_string()))?;
-
-    let address = listener.local_addr().ok();
-    tracing::info!(
-        address = %address.map_or_else(|| "unknown".to_owned(), |a| a.to_string()),
-        tls = tls.is_some(),
-        key_id = %crypto::key_id(&current),
-        "broker serving"
-    );
-    if tls.is_none() && address.is_some_and(|a| !a.ip().is_loopback()) {
-        tracing::warn!(
-            "serving plaintext gRPC beyond loopback: requests are signed, but intents and results travel in clear (configure [tls])"
-        );
-    }
+    tokio::spawn(report_lost_durability(
+        health_reporter.clone(),
+        durability_lost,
+        shutting_down,
+    ));
+    let (reflection, reflection_v1alpha) = reflection_services()?;
+    log_start(&listener, tls.is_some(), &current_key);
     let (metrics_stop, metrics_stopping) = tokio::sync::oneshot::channel::<()>();
     if let Some(metrics_listener) = options.metrics_listener {
         tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving metrics at /metrics");
@@ -250,19 +146,7 @@ pub async fn run_with_options(
             },
         ));
     }
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = &tls {
-        let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem);
-        builder = builder
-            .tls_config(
-                tonic::transport::ServerTlsConfig::new()
-                    .identity(identity)
-                    // A client that never finishes its handshake must not
-                    // hold a task and a socket forever.
-                    .timeout(Duration::from_millis(limits.tls_handshake_timeout_ms)),
-            )
-            .map_err(|e| ServerError::Tls(e.to_string()))?;
-    }
+    let builder = server_builder(tls.as_ref(), &limits)?;
     builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
@@ -290,6 +174,185 @@ pub async fn run_with_options(
     let _ = metrics_stop.send(());
     tracing::info!("broker stopped");
     Ok(())
+}
+
+/// The broker's signing keys (created on first start): the published list
+/// (current and retired), the current public key and its stamper.
+async fn load_keys(
+    config: &Config,
+) -> Result<
+    (
+        Vec<pb::BrokerKey>,
+        ed25519_dalek::VerifyingKey,
+        Arc<Stamper>,
+    ),
+    ServerError,
+> {
+    let data_dir = config.data_dir.clone();
+    let keyring = tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
+        .await
+        .map_err(|e| ServerError::KeyLoading(e.to_string()))??;
+    let current = keyring.current.verifying_key().to_bytes();
+    let mut keys = vec![pb::BrokerKey {
+        key_id: crypto::key_id(&current),
+        public_key: current.to_vec(),
+        current: true,
+    }];
+    keys.extend(keyring.retired.iter().map(|k| pb::BrokerKey {
+        key_id: crypto::key_id(&k.to_bytes()),
+        public_key: k.to_bytes().to_vec(),
+        current: false,
+    }));
+    let current_key = keyring.current.verifying_key();
+    Ok((keys, current_key, Arc::new(Stamper::new(keyring.current))))
+}
+
+/// The embedded store in the data directory, with the configured limits.
+async fn open_store(
+    config: &Config,
+    stamper: Arc<Stamper>,
+    clock: Arc<dyn Clock>,
+    metrics: &crate::metrics::Metrics,
+) -> Result<SqliteStore, ServerError> {
+    let limits = &config.limits;
+    let store = SqliteStore::open(
+        SqliteOptions {
+            path: config.data_dir.join(DATABASE_FILE),
+            queue_depth: limits.writer_queue_depth,
+            max_batch: limits.max_batch,
+            read_connections: limits.read_connections,
+            wal_restart_bytes: WAL_RESTART_BYTES,
+            request_log_retention_ms: limits.request_log_retention_ms,
+            timestamp_window_ms: limits.timestamp_window_ms,
+            max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,
+            max_audit_bytes: crate::store::sqlite::MAX_AUDIT_BYTES,
+            before_wal_sync: None,
+            before_judge: None,
+            judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+            metrics: Some(metrics.store.clone()),
+        },
+        stamper,
+        clock,
+    )
+    .await?;
+    Ok(store)
+}
+
+/// The store's gauges: open contracts counted in the background (a query
+/// cannot run inside a scrape's synchronous collection), the write queue
+/// read at scrape time. Weak references: metrics never keep the store
+/// alive.
+fn sample_store(metrics: &crate::metrics::Metrics, store: &Arc<SqliteStore>) {
+    let counted = Arc::downgrade(store);
+    let open_contracts = metrics.open_contracts.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(
+            crate::metrics::OPEN_CONTRACTS_SAMPLE_MS,
+        ));
+        loop {
+            tick.tick().await;
+            let Some(store) = counted.upgrade() else {
+                return;
+            };
+            if let Ok(open) = store.open_contracts().await {
+                open_contracts.set(open);
+            }
+        }
+    });
+    let queued = Arc::downgrade(store);
+    metrics.sampled(
+        "broker_write_queue_depth",
+        "Commands waiting for the store's single writer.",
+        move || {
+            queued
+                .upgrade()
+                .map_or(0, |s| i64::try_from(s.queue_depth()).unwrap_or(i64::MAX))
+        },
+    );
+}
+
+/// Health tells the truth: once the store cannot make anything durable (a
+/// failed fsync stops it for good), the broker is NOT_SERVING until it is
+/// restarted.
+async fn report_lost_durability(
+    reporter: tonic_health::server::HealthReporter,
+    durability_lost: impl Future<Output = ()>,
+    shutting_down: tokio::sync::watch::Receiver<bool>,
+) {
+    durability_lost.await;
+    // At shutdown the store stops last, by design: not an error.
+    if !*shutting_down.borrow() {
+        tracing::error!("the store stopped: health is NOT_SERVING until the broker is restarted");
+    }
+    reporter
+        .set_not_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
+        .await;
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+}
+
+/// Reflection in both versions: v1, and v1alpha for the clients that
+/// still speak only it (grpcurl 1.8, many GUI clients).
+fn reflection_services() -> Result<
+    (
+        tonic_reflection::server::v1::ServerReflectionServer<
+            impl tonic_reflection::server::v1::ServerReflection,
+        >,
+        tonic_reflection::server::v1alpha::ServerReflectionServer<
+            impl tonic_reflection::server::v1alpha::ServerReflection,
+        >,
+    ),
+    ServerError,
+> {
+    let reflection_of = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let v1 = reflection_of()
+        .build_v1()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    let v1alpha = reflection_of()
+        .build_v1alpha()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    Ok((v1, v1alpha))
+}
+
+fn log_start(listener: &TcpListener, tls: bool, key: &ed25519_dalek::VerifyingKey) {
+    let address = listener.local_addr().ok();
+    tracing::info!(
+        address = %address.map_or_else(|| "unknown".to_owned(), |a| a.to_string()),
+        tls,
+        key_id = %crypto::key_id(&key.to_bytes()),
+        "broker serving"
+    );
+    if !tls && address.is_some_and(|a| !a.ip().is_loopback()) {
+        tracing::warn!(
+            "serving plaintext gRPC beyond loopback: requests are signed, but intents and results travel in clear (configure [tls])"
+        );
+    }
+}
+
+/// The transport, with TLS when configured.
+fn server_builder(
+    tls: Option<&crate::config::TlsIdentity>,
+    limits: &crate::config::Limits,
+) -> Result<tonic::transport::Server, ServerError> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem);
+        builder = builder
+            .tls_config(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(identity)
+                    // A client that never finishes its handshake must not
+                    // hold a task and a socket forever.
+                    .timeout(Duration::from_millis(limits.tls_handshake_timeout_ms)),
+            )
+            .map_err(|e| ServerError::Tls(e.to_string()))?;
+    }
+    Ok(builder)
 }
 
 /// Accepted connections, at most `max_connections` open at once: beyond
