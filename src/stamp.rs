@@ -281,35 +281,7 @@ pub fn lifecycle_receipt(body: &ReceiptBody) -> pb::Receipt {
             pb::ReceiptKind::Completed,
             pb::Receipt {
                 revoked_ids: ids(&c.ended),
-                completion: Some(pb::Completion {
-                    verdict: c.judgment.verdict.as_i32(),
-                    refused_criteria: c
-                        .judgment
-                        .refused
-                        .iter()
-                        .map(|r| pb::RefusedCriterion {
-                            criterion: r.text.clone(),
-                            reason: r.reason.clone(),
-                        })
-                        .collect(),
-                    claim: c.claim.clone(),
-                    has_report: c.has_report,
-                    result_digest: c.result_digest.to_vec(),
-                    consumed: c.consumed,
-                    claimed_excess: c.claimed_excess,
-                    overspend: c.overspend,
-                    returned: c.returned,
-                    schema_valid: c.judgment.schema_valid,
-                    within_scope: c.judgment.within_scope,
-                    out_of_scope_paths: c.judgment.out_of_scope_paths.clone(),
-                    out_of_scope_path_count: c.judgment.out_of_scope_path_count,
-                    attribution: Some(pb::Attribution {
-                        agent_public_key: c.delegate_key.to_vec(),
-                        depth: c.depth,
-                        chain: ids(&c.chain),
-                    }),
-                    elapsed_ms: c.elapsed_ms,
-                }),
+                completion: Some(completion(c)),
                 ..Default::default()
             },
         ),
@@ -327,4 +299,38 @@ pub fn lifecycle_receipt(body: &ReceiptBody) -> pb::Receipt {
     };
     receipt.kind = kind as i32;
     receipt
+}
+
+/// A completion receipt's facts as protobuf.
+fn completion(c: &crate::core::lifecycle::CompletedFacts) -> pb::Completion {
+    let ids = |ids: &[Id]| ids.iter().map(|id| id.to_vec()).collect::<Vec<_>>();
+    pb::Completion {
+        verdict: c.judgment.verdict.as_i32(),
+        refused_criteria: c
+            .judgment
+            .refused
+            .iter()
+            .map(|r| pb::RefusedCriterion {
+                criterion: r.text.clone(),
+                reason: r.reason.clone(),
+            })
+            .collect(),
+        claim: c.claim.clone(),
+        has_report: c.has_report,
+        result_digest: c.result_digest.to_vec(),
+        consumed: c.consumed,
+        claimed_excess: c.claimed_excess,
+        overspend: c.overspend,
+        returned: c.returned,
+        schema_valid: c.judgment.schema_valid,
+        within_scope: c.judgment.within_scope,
+        out_of_scope_paths: c.judgment.out_of_scope_paths.clone(),
+        out_of_scope_path_count: c.judgment.out_of_scope_path_count,
+        attribution: Some(pb::Attribution {
+            agent_public_key: c.delegate_key.to_vec(),
+            depth: c.depth,
+            chain: ids(&c.chain),
+        }),
+        elapsed_ms: c.elapsed_ms,
+    }
 }

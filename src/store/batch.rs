@@ -514,29 +514,44 @@ fn delegate(
             })
         }
         Err(refusal) => {
-            let root_id = parent.root_id;
-            let stamped =
-                stamper.refusal(&child.parent_id, &root_id, &child.request, &refusal, now_ms);
-            let parent_seq = parent.seq;
-            let seq = *next_seq;
-            *next_seq += 1;
-            plan.receipts.push(ReceiptRow {
-                seq,
-                id: stamped.id,
-                kind: pb::ReceiptKind::Refused as i64,
-                contract_seq: parent_seq,
-                contract_id: child.parent_id,
-                root_id,
-                envelope: stamped.envelope.encode_to_vec(),
-                at_ms: now_ms,
-            });
-            Ok(Answer {
-                outcome: Outcome::Receipt {
-                    receipt_id: stamped.id,
-                    envelope: stamped.envelope,
-                },
-                replayed: false,
-            })
+            let (root_id, parent_seq) = (parent.root_id, parent.seq);
+            Ok(plan_refusal(
+                child, root_id, parent_seq, &refusal, next_seq, plan, stamper, now_ms,
+            ))
         }
+    }
+}
+
+/// A refused hop: its signed receipt, stored against the parent.
+#[allow(clippy::too_many_arguments)]
+fn plan_refusal(
+    child: &NewChild,
+    root_id: Id,
+    parent_seq: i64,
+    refusal: &core::Refusal,
+    next_seq: &mut i64,
+    plan: &mut Plan,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Answer {
+    let stamped = stamper.refusal(&child.parent_id, &root_id, &child.request, refusal, now_ms);
+    let seq = *next_seq;
+    *next_seq += 1;
+    plan.receipts.push(ReceiptRow {
+        seq,
+        id: stamped.id,
+        kind: pb::ReceiptKind::Refused as i64,
+        contract_seq: parent_seq,
+        contract_id: child.parent_id,
+        root_id,
+        envelope: stamped.envelope.encode_to_vec(),
+        at_ms: now_ms,
+    });
+    Answer {
+        outcome: Outcome::Receipt {
+            receipt_id: stamped.id,
+            envelope: stamped.envelope,
+        },
+        replayed: false,
     }
 }
