@@ -341,7 +341,7 @@ fn flow<T: SignedBody + Clone + PartialEq>(
     let mut tampered = envelope.clone();
     tampered.signatures[0].sig[7] ^= 0x20;
     match authenticate::<T>(Some(&tampered), NOW_MS, WINDOW_MS) {
-        Err(ServiceError::Unauthenticated { reason, .. }) => assert_eq!(reason, "BAD_SIGNATURE"),
+        Err(ServiceError::Unauthenticated { reason, .. }) => assert_eq!(reason, pb::ErrorReason::BadSignature),
         other => panic!("a tampered signature: {:?}", other.map(|_| ())),
     }
     let forged = crypto::sign_envelope(&k.stranger, T::PAYLOAD_TYPE, envelope.payload.clone());

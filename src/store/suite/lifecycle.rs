@@ -52,15 +52,21 @@ pub fn observation(kind: pb::ObservationKind, path: &str, units: i64) -> Observa
     }
 }
 
-/// A root (100 units) and a child of 10 for `delegate`, accepted with
-/// `HOST` as its host.
-async fn accepted_child<S: Store>(store: &S, delegate: u8) -> (Id, Id) {
+/// A root (100 units) opened by `ORCHESTRATOR` and a child of 10 for
+/// `delegate`, judged by `predicate`.
+async fn root_and_child<S: Store>(store: &S, delegate: u8, predicate: &str) -> (Id, Id) {
     let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
     let child = issued(
         store
-            .delegate(test_child(ORCHESTRATOR, 2, root, delegate, "true"))
+            .delegate(test_child(ORCHESTRATOR, 2, root, delegate, predicate))
             .await,
     );
+    (root, child)
+}
+
+/// `root_and_child`, the child accepted with `HOST` as its host.
+async fn accepted_child<S: Store>(store: &S, delegate: u8) -> (Id, Id) {
+    let (root, child) = root_and_child(store, delegate, "true").await;
     receipt(
         act(
             store,
@@ -112,12 +118,7 @@ pub async fn a_completion_settles_into_the_parent<S: Store>(store: &S) {
 /// Only a contract's delegate may accept, complete, decline or escalate
 /// it; only its host may record; only an ancestor's holder may revoke.
 pub async fn only_the_entitled_key_may_act<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let child = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
+    let (root, child) = root_and_child(store, 8, "true").await;
     let cases: Vec<(u8, Action, &str)> = vec![
         (7, Action::Accept { host: None }, "NOT_DELEGATE"),
         (
@@ -154,12 +155,7 @@ pub async fn only_the_entitled_key_may_act<S: Store>(store: &S) {
 /// A transition the contract's status does not allow is refused with
 /// WRONG_STATE and changes nothing.
 pub async fn a_transition_from_the_wrong_state_is_refused<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let child = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
+    let (root, child) = root_and_child(store, 8, "true").await;
     // Escalate and Complete need ACCEPTED.
     let err = act(store, 8, 3, child, Action::Escalate { reason: "x".into() })
         .await
@@ -178,12 +174,7 @@ pub async fn a_transition_from_the_wrong_state_is_refused<S: Store>(store: &S) {
 
 /// Declining returns the whole reservation to the parent.
 pub async fn a_decline_returns_the_reservation<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let child = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
+    let (root, child) = root_and_child(store, 8, "true").await;
     let declined = receipt(
         act(
             store,
@@ -242,12 +233,7 @@ pub async fn an_escalation_tells_the_principal_what_is_left<S: Store>(store: &S)
 /// Revoking a contract ends every open descendant, deepest first, with a
 /// receipt each; every reservation returns up the chain.
 pub async fn a_revocation_cascades_with_a_receipt_each<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let child = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
+    let (root, child) = root_and_child(store, 8, "true").await;
     let mut small = test_child(8, 3, child, 7, "true");
     small.ask.budget = 4;
     let grandchild = issued(store.delegate(small).await);
@@ -365,12 +351,7 @@ pub async fn observations_per_contract_are_capped<S: Store>(store: &S) {
 /// Without a predicate liability stays with the principal, who alone
 /// adjudicates, once.
 pub async fn only_a_pending_completion_is_adjudicated<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let child = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, ""))
-            .await,
-    );
+    let (root, child) = root_and_child(store, 8, "").await;
     receipt(act(store, 8, 3, child, Action::Accept { host: None }).await);
     let adjudicate = |verdict| Action::Adjudicate {
         verdict,
