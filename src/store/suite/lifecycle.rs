@@ -118,7 +118,7 @@ pub async fn a_completion_settles_into_the_parent<S: Store>(store: &S) {
 /// Only a contract's delegate may accept, complete, decline or escalate
 /// it; only its host may record; only an ancestor's holder may revoke.
 pub async fn only_the_entitled_key_may_act<S: Store>(store: &S) {
-    let (root, child) = root_and_child(store, 8, "true").await;
+    let (_, child) = root_and_child(store, 8, "true").await;
     let cases: Vec<(u8, Action, &str)> = vec![
         (7, Action::Accept { host: None }, "NOT_DELEGATE"),
         (
@@ -155,7 +155,7 @@ pub async fn only_the_entitled_key_may_act<S: Store>(store: &S) {
 /// A transition the contract's status does not allow is refused with
 /// WRONG_STATE and changes nothing.
 pub async fn a_transition_from_the_wrong_state_is_refused<S: Store>(store: &S) {
-    let (root, child) = root_and_child(store, 8, "true").await;
+    let (_, child) = root_and_child(store, 8, "true").await;
     // Escalate and Complete need ACCEPTED.
     let err = act(store, 8, 3, child, Action::Escalate { reason: "x".into() })
         .await
@@ -351,7 +351,7 @@ pub async fn observations_per_contract_are_capped<S: Store>(store: &S) {
 /// Without a predicate liability stays with the principal, who alone
 /// adjudicates, once.
 pub async fn only_a_pending_completion_is_adjudicated<S: Store>(store: &S) {
-    let (root, child) = root_and_child(store, 8, "").await;
+    let (_, child) = root_and_child(store, 8, "").await;
     receipt(act(store, 8, 3, child, Action::Accept { host: None }).await);
     let adjudicate = |verdict| Action::Adjudicate {
         verdict,
