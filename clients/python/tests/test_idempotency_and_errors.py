@@ -91,6 +91,11 @@ def test_call_idempotent_retries_only_transient_codes():
     with pytest.raises(grpc.RpcError):
         call_idempotent(failing(grpc.StatusCode.UNAVAILABLE), object(), attempts=3, sleep=lambda _: None)
     assert calls == [grpc.StatusCode.UNAVAILABLE] * 3
+    calls.clear()
+    # A limit (RESOURCE_EXHAUSTED) is met again by the same request.
+    with pytest.raises(grpc.RpcError):
+        call_idempotent(failing(grpc.StatusCode.RESOURCE_EXHAUSTED), object(), attempts=3, sleep=lambda _: None)
+    assert calls == [grpc.StatusCode.RESOURCE_EXHAUSTED]
 
 
 def test_call_idempotent_against_an_unreachable_broker_gives_up_with_unavailable():

@@ -357,10 +357,13 @@ impl Decision {
 }
 
 /// A completion may be judged (off the writer) only for the delegate of
-/// an open contract, before its deadline: nobody else can make the broker
-/// judge, and anything else is refused without a judgment.
+/// an accepted contract (the only status Complete moves), before its
+/// deadline: nobody else can make the broker judge, and anything else is
+/// refused without a judgment (so a Complete before Accept takes no judge).
 pub fn judgment_due(target: &Facts, signer: &AgentKey, received_at_ms: i64) -> bool {
-    target.status.is_open() && target.delegate_key == *signer && received_at_ms < target.deadline_ms
+    target.status == Status::Accepted
+        && target.delegate_key == *signer
+        && received_at_ms < target.deadline_ms
 }
 
 /// A host must be a key other than the delegate's: a delegate that is its

@@ -289,6 +289,10 @@ fn a_stale_judgment_goes_back_to_be_judged_again() {
     assert!(judgment_due(&s.rows[1], &DELEGATE, T0));
     assert!(!judgment_due(&s.rows[1], &HOST, T0));
     assert!(!judgment_due(&s.rows[1], &DELEGATE, T0 + 60_000));
+    assert!(
+        !judgment_due(&pair(Status::Open).rows[1], &DELEGATE, T0),
+        "a Complete before Accept is refused without taking a judge"
+    );
 }
 
 #[test]

@@ -45,7 +45,7 @@ pub(super) async fn transition(
     // writer, a bounded number of times.
     let signer = request.as_ref().map(|r| r.agent);
     // Slots held while this completion is judged (taken in `prejudge`,
-    // once the signer is known to be the delegate of an open contract).
+    // once the signer is known to be the delegate of an accepted contract).
     let mut slots = None;
     for _ in 0..MAX_JUDGMENT_ATTEMPTS {
         let judged = prejudge(store, &contract_id, signer.as_ref(), args, &mut slots).await?;

@@ -36,7 +36,7 @@ pub struct JudgeInputs {
 
 impl JudgeInputs {
     /// Loads the inputs for judging `signer`'s completion of `id`, received
-    /// at `received_at_ms`; `None` unless the contract exists, is open, is
+    /// at `received_at_ms`; `None` unless the contract exists, is accepted, is
     /// not overdue and `signer` is its delegate — anything else the writer
     /// refuses without judging, so nobody else can make the broker judge.
     pub async fn load(

@@ -21,11 +21,11 @@ _Resp = TypeVar("_Resp")
 
 #: Codes after which resending the same signed request is safe and useful:
 #: the transport failed, the answer was lost, or the broker shed load
-#: (``RESOURCE_EXHAUSTED`` with reason ``OVERLOADED``: "retry later with the
-#: same nonce").
-RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
+#: (``UNAVAILABLE`` with reason ``OVERLOADED``, ``JUDGES_BUSY``, …: "retry
+#: later with the same nonce"). ``RESOURCE_EXHAUSTED`` is not among them:
+#: it names a limit (a message too large, a per-contract cap) that a resent
+#: request meets again (see ``errors.proto``).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 def call_idempotent(
@@ -44,9 +44,11 @@ def call_idempotent(
     jittered exponential backoff.
 
     ``request`` must be a signed request built once (``agent.delegate(...)``,
-    ``agent.open_root(...)``). The broker only accepts a request whose
-    ``timestamp_ms`` is within its window (default 5 minutes) of its clock,
-    replays included, so keep the total retry time well under that.
+    ``agent.open_root(...)``). A resent request the broker already answered
+    gets that answer from its request log (kept for
+    ``limits.request_log_retention_ms``, 30 days by default), however late;
+    one it never saw is checked afresh, and refused as stale once its
+    ``timestamp_ms`` is outside the broker's window (default 5 minutes).
 
     >>> request = agent.delegate(body)
     >>> response = call_idempotent(stub.Delegate, request)
