@@ -384,6 +384,13 @@ impl<S: Store> BrokerService<S> {
         child.trace = telemetry::current_trace_context();
         let budget = child.ask.budget;
         let answer = self.store.delegate(child).await?;
+        self.observe_delegation(&answer, budget, depth);
+        Ok(delegate_response(answer))
+    }
+
+    /// The Delegate's facts on its span and in the metrics (a replay is
+    /// not counted again).
+    fn observe_delegation(&self, answer: &crate::store::Answer, budget: i64, depth: u32) {
         match &answer.outcome {
             Outcome::Issued { id, .. } => {
                 telemetry::record("broker.contract_id", telemetry::Hex(id));
@@ -420,7 +427,6 @@ impl<S: Store> BrokerService<S> {
                 }
             }
         }
-        Ok(delegate_response(answer))
     }
 
     /// Authenticates a lifecycle request, converts its body and applies it.

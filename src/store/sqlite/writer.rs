@@ -172,6 +172,48 @@ pub(super) struct WriterState {
     pub(super) metrics: Option<crate::metrics::StoreMetrics>,
 }
 
+/// Prunes the request log when due (a commit of its own, sent to the
+/// syncer like any other). False when the syncer has stopped: the writer
+/// stops too.
+async fn prune_when_due(
+    conn: &mut SqliteConnection,
+    state: &mut WriterState,
+    clock: &dyn Clock,
+) -> bool {
+    let now = std::time::Instant::now();
+    if now >= state.next_prune {
+        let cutoff_ms = clock.now_ms().saturating_sub(state.retention_ms);
+        // A commit like any other (see `Durability`): readers that see
+        // the deletion wait for its fsync, which the syncer does even
+        // if no batch follows.
+        state.committed.fetch_add(1, Ordering::SeqCst);
+        let pruned = prune_requests(conn, cutoff_ms).await;
+        let number = state.committed.load(Ordering::SeqCst);
+        if state
+            .synced
+            .send(Unsynced {
+                number,
+                replies: Vec::new(),
+            })
+            .await
+            .is_err()
+        {
+            tracing::error!("the syncer stopped; the store writer stops");
+            return false;
+        }
+        state.next_prune = match pruned {
+            // A full pass: more are due; go on after the next batch.
+            Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
+            Ok(_) => now + PRUNE_INTERVAL,
+            Err(e) => {
+                tracing::warn!(error = %e, "pruning the request log failed; will retry");
+                now + PRUNE_INTERVAL
+            }
+        };
+    }
+    true
+}
+
 pub(super) async fn writer_loop(
     conn: &mut SqliteConnection,
     mut queue: mpsc::Receiver<(Command, Reply)>,
@@ -247,36 +289,8 @@ pub(super) async fn writer_loop(
         {
             tracing::warn!(error = %e, "finishing the WAL checkpoint failed; will retry");
         }
-        let now = std::time::Instant::now();
-        if now >= state.next_prune {
-            let cutoff_ms = clock.now_ms().saturating_sub(state.retention_ms);
-            // A commit like any other (see `Durability`): readers that see
-            // the deletion wait for its fsync, which the syncer does even
-            // if no batch follows.
-            state.committed.fetch_add(1, Ordering::SeqCst);
-            let pruned = prune_requests(conn, cutoff_ms).await;
-            let number = state.committed.load(Ordering::SeqCst);
-            if state
-                .synced
-                .send(Unsynced {
-                    number,
-                    replies: Vec::new(),
-                })
-                .await
-                .is_err()
-            {
-                tracing::error!("the syncer stopped; the store writer stops");
-                break;
-            }
-            state.next_prune = match pruned {
-                // A full pass: more are due; go on after the next batch.
-                Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
-                Ok(_) => now + PRUNE_INTERVAL,
-                Err(e) => {
-                    tracing::warn!(error = %e, "pruning the request log failed; will retry");
-                    now + PRUNE_INTERVAL
-                }
-            };
+        if !prune_when_due(conn, &mut state, clock.as_ref()).await {
+            break;
         }
     }
     tracing::debug!("store writer stopped");
