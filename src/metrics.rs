@@ -171,27 +171,40 @@ impl Collector for Sampled {
     }
 }
 
+// Metric constructors: the names and help texts are constants, checked
+// by the tests that scrape them, so a failure here is a programming error.
+fn counter(name: &str, help: &str) -> IntCounter {
+    IntCounter::new(name, help).expect("valid metric")
+}
+
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+}
+
+fn gauge(name: &str, help: &str) -> IntGauge {
+    IntGauge::new(name, help).expect("valid metric")
+}
+
+fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+        .expect("valid metric")
+}
+
 impl Metrics {
     /// A fresh registry with every metric registered.
     pub fn new() -> Arc<Self> {
         let registry = Registry::new();
         let method_labels = ["grpc_type", "grpc_service", "grpc_method"];
-        let grpc_started = IntCounterVec::new(
-            Opts::new(
-                "grpc_server_started_total",
-                "RPCs started on the server, by method.",
-            ),
+        let grpc_started = counter_vec(
+            "grpc_server_started_total",
+            "RPCs started on the server, by method.",
             &method_labels,
-        )
-        .expect("valid metric");
-        let grpc_handled = IntCounterVec::new(
-            Opts::new(
-                "grpc_server_handled_total",
-                "RPCs completed on the server, by method and status code.",
-            ),
+        );
+        let grpc_handled = counter_vec(
+            "grpc_server_handled_total",
+            "RPCs completed on the server, by method and status code.",
             &["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
-        )
-        .expect("valid metric");
+        );
         let grpc_handling = HistogramVec::new(
             HistogramOpts::new(
                 "grpc_server_handling_seconds",
@@ -201,72 +214,52 @@ impl Metrics {
             &method_labels,
         )
         .expect("valid metric");
-        let delegations_issued = IntCounter::new(
+        let delegations_issued = counter(
             "broker_delegations_issued_total",
             "Child contracts issued (a replayed answer is not counted again).",
-        )
-        .expect("valid metric");
-        let delegations_refused = IntCounterVec::new(
-            Opts::new(
-                "broker_delegations_refused_total",
-                "Delegations refused with a signed receipt, by the refusal's primary invariant code.",
-            ),
+        );
+        let delegations_refused = counter_vec(
+            "broker_delegations_refused_total",
+            "Delegations refused with a signed receipt, by the refusal's primary invariant code.",
             &["code"],
-        )
-        .expect("valid metric");
-        let budget_reserved_units = IntCounter::new(
+        );
+        let budget_reserved_units = counter(
             "broker_budget_reserved_units_total",
             "Budget units reserved from parents for issued children.",
-        )
-        .expect("valid metric");
-        let transitions = IntCounterVec::new(
-            Opts::new(
-                "broker_lifecycle_transitions_total",
-                "Lifecycle receipts signed, by kind and, for completions and adjudications, verdict.",
-            ),
+        );
+        let transitions = counter_vec(
+            "broker_lifecycle_transitions_total",
+            "Lifecycle receipts signed, by kind and, for completions and adjudications, verdict.",
             &["kind", "verdict"],
-        )
-        .expect("valid metric");
-        let connections_open =
-            IntGauge::new("broker_connections_open", "gRPC connections open now.")
-                .expect("valid metric");
-        let budget_spent_units = IntCounter::new(
+        );
+        let connections_open = gauge("broker_connections_open", "gRPC connections open now.");
+        let budget_spent_units = counter(
             "broker_budget_spent_units_total",
             "Budget units charged to contracts that completed (their Completion.consumed).",
-        )
-        .expect("valid metric");
-        let budget_returned_units = IntCounter::new(
+        );
+        let budget_returned_units = counter(
             "broker_budget_returned_units_total",
             "Budget units completions returned to their parents (Completion.returned).",
-        )
-        .expect("valid metric");
-        let open_contracts = IntGauge::new(
+        );
+        let open_contracts = gauge(
             "broker_open_contracts",
             "Contracts open or accepted (not yet ended), counted every few seconds.",
-        )
-        .expect("valid metric");
+        );
         let store = StoreMetrics {
-            batch_commands: Histogram::with_opts(
-                HistogramOpts::new(
-                    "broker_group_commit_commands",
-                    "Commands per group commit (one write transaction of the store's writer).",
-                )
-                .buckets(BATCH_BUCKETS.to_vec()),
-            )
-            .expect("valid metric"),
-            wal_fsync_seconds: Histogram::with_opts(
-                HistogramOpts::new(
-                    "broker_wal_fsync_seconds",
-                    "Time of each fsync of the SQLite write-ahead log (every durable answer waits for one).",
-                )
-                .buckets(FSYNC_BUCKETS_S.to_vec()),
-            )
-            .expect("valid metric"),
-            wal_fsync_stalls: IntCounter::new(
+            batch_commands: histogram(
+                "broker_group_commit_commands",
+                "Commands per group commit (one write transaction of the store's writer).",
+                &BATCH_BUCKETS,
+            ),
+            wal_fsync_seconds: histogram(
+                "broker_wal_fsync_seconds",
+                "Time of each fsync of the SQLite write-ahead log (every durable answer waits for one).",
+                &FSYNC_BUCKETS_S,
+            ),
+            wal_fsync_stalls: counter(
                 "broker_wal_fsync_stalls_total",
                 "Fsyncs of the write-ahead log that took 5 ms or more.",
-            )
-            .expect("valid metric"),
+            ),
         };
         for collector in [
             Box::new(grpc_started.clone()) as Box<dyn Collector>,
