@@ -144,145 +144,151 @@ fn rate(r: Option<f64>) -> String {
 
 /// Renders groups in `format`.
 pub fn render(groups: &[GroupRow], group_by: &[String], format: Format) -> anyhow::Result<String> {
-    Ok(match format {
-        Format::Json => serde_json::to_string_pretty(groups)? + "\n",
-        Format::Csv => {
-            let mut out = String::new();
-            let mut header: Vec<String> = group_by.to_vec();
-            header.extend(
-                [
-                    "runs",
-                    "contracts",
-                    "discovered_paths",
-                    "evidence_paths",
-                    "discovery_rate",
-                    "with_report",
-                    "false_completions",
-                    "false_completion_rate",
-                    "claim_violations",
-                    "mutations",
-                    "claim_violations_per_mutation",
-                    "conflicts",
-                    "escalations",
-                    "refusals",
-                    "budget_spent",
-                    "budget_granted",
-                    "spent_over_granted",
-                ]
-                .map(str::to_owned),
-            );
-            writeln!(out, "{}", header.join(","))?;
-            for g in groups {
-                let mut cells: Vec<String> = group_by
+    match format {
+        Format::Json => Ok(serde_json::to_string_pretty(groups)? + "\n"),
+        Format::Csv => render_csv(groups, group_by),
+        Format::Table => render_table(groups, group_by),
+    }
+}
+
+/// One header line, one line per group; cells quoted when needed.
+fn render_csv(groups: &[GroupRow], group_by: &[String]) -> anyhow::Result<String> {
+    let mut out = String::new();
+    let mut header: Vec<String> = group_by.to_vec();
+    header.extend(
+        [
+            "runs",
+            "contracts",
+            "discovered_paths",
+            "evidence_paths",
+            "discovery_rate",
+            "with_report",
+            "false_completions",
+            "false_completion_rate",
+            "claim_violations",
+            "mutations",
+            "claim_violations_per_mutation",
+            "conflicts",
+            "escalations",
+            "refusals",
+            "budget_spent",
+            "budget_granted",
+            "spent_over_granted",
+        ]
+        .map(str::to_owned),
+    );
+    writeln!(out, "{}", header.join(","))?;
+    for g in groups {
+        let mut cells: Vec<String> = group_by
+            .iter()
+            .map(|k| csv_cell(g.key.get(k).map_or("", String::as_str)))
+            .collect();
+        let opt = |r: Option<f64>| r.map(|r| r.to_string()).unwrap_or_default();
+        cells.extend([
+            g.runs.to_string(),
+            g.contracts.to_string(),
+            g.discovered_paths.to_string(),
+            g.evidence_paths.to_string(),
+            opt(g.discovery_rate),
+            g.with_report.to_string(),
+            g.false_completions.to_string(),
+            opt(g.false_completion_rate),
+            g.claim_violations.to_string(),
+            g.mutations.to_string(),
+            opt(g.claim_violations_per_mutation),
+            g.conflicts.to_string(),
+            g.escalations.to_string(),
+            csv_cell(&refusals(g)),
+            g.budget_spent.to_string(),
+            g.budget_granted.to_string(),
+            opt(g.spent_over_granted),
+        ]);
+        writeln!(out, "{}", cells.join(","))?;
+    }
+    Ok(out)
+}
+
+/// Aligned columns for a terminal, ratios shown with their sums.
+fn render_table(groups: &[GroupRow], group_by: &[String]) -> anyhow::Result<String> {
+    let mut rows = vec![vec![
+        "group".to_owned(),
+        "runs".to_owned(),
+        "contracts".to_owned(),
+        "discovery".to_owned(),
+        "false compl.".to_owned(),
+        "violations/mut".to_owned(),
+        "conflicts".to_owned(),
+        "escalations".to_owned(),
+        "refusals".to_owned(),
+        "spent/granted".to_owned(),
+    ]];
+    for g in groups {
+        let key = if group_by.is_empty() {
+            "(all)".to_owned()
+        } else {
+            group_by
+                .iter()
+                .map(|k| format!("{k}={}", g.key.get(k).map_or("", String::as_str)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        rows.push(vec![
+            key,
+            g.runs.to_string(),
+            g.contracts.to_string(),
+            format!(
+                "{}/{} = {}",
+                g.discovered_paths,
+                g.evidence_paths,
+                rate(g.discovery_rate)
+            ),
+            format!(
+                "{}/{} = {}",
+                g.false_completions,
+                g.with_report,
+                rate(g.false_completion_rate)
+            ),
+            format!(
+                "{}/{} = {}",
+                g.claim_violations,
+                g.mutations,
+                rate(g.claim_violations_per_mutation)
+            ),
+            g.conflicts.to_string(),
+            g.escalations.to_string(),
+            refusals(g),
+            format!(
+                "{}/{} = {}",
+                g.budget_spent,
+                g.budget_granted,
+                rate(g.spent_over_granted)
+            ),
+        ]);
+    }
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for (i, row) in rows.iter().enumerate() {
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        writeln!(out, "{}", line.join("  ").trim_end())?;
+        if i == 0 {
+            writeln!(
+                out,
+                "{}",
+                widths
                     .iter()
-                    .map(|k| csv_cell(g.key.get(k).map_or("", String::as_str)))
-                    .collect();
-                let opt = |r: Option<f64>| r.map(|r| r.to_string()).unwrap_or_default();
-                cells.extend([
-                    g.runs.to_string(),
-                    g.contracts.to_string(),
-                    g.discovered_paths.to_string(),
-                    g.evidence_paths.to_string(),
-                    opt(g.discovery_rate),
-                    g.with_report.to_string(),
-                    g.false_completions.to_string(),
-                    opt(g.false_completion_rate),
-                    g.claim_violations.to_string(),
-                    g.mutations.to_string(),
-                    opt(g.claim_violations_per_mutation),
-                    g.conflicts.to_string(),
-                    g.escalations.to_string(),
-                    csv_cell(&refusals(g)),
-                    g.budget_spent.to_string(),
-                    g.budget_granted.to_string(),
-                    opt(g.spent_over_granted),
-                ]);
-                writeln!(out, "{}", cells.join(","))?;
-            }
-            out
+                    .map(|w| "-".repeat(*w))
+                    .collect::<Vec<_>>()
+                    .join("  ")
+            )?;
         }
-        Format::Table => {
-            let mut rows = vec![vec![
-                "group".to_owned(),
-                "runs".to_owned(),
-                "contracts".to_owned(),
-                "discovery".to_owned(),
-                "false compl.".to_owned(),
-                "violations/mut".to_owned(),
-                "conflicts".to_owned(),
-                "escalations".to_owned(),
-                "refusals".to_owned(),
-                "spent/granted".to_owned(),
-            ]];
-            for g in groups {
-                let key = if group_by.is_empty() {
-                    "(all)".to_owned()
-                } else {
-                    group_by
-                        .iter()
-                        .map(|k| format!("{k}={}", g.key.get(k).map_or("", String::as_str)))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                };
-                rows.push(vec![
-                    key,
-                    g.runs.to_string(),
-                    g.contracts.to_string(),
-                    format!(
-                        "{}/{} = {}",
-                        g.discovered_paths,
-                        g.evidence_paths,
-                        rate(g.discovery_rate)
-                    ),
-                    format!(
-                        "{}/{} = {}",
-                        g.false_completions,
-                        g.with_report,
-                        rate(g.false_completion_rate)
-                    ),
-                    format!(
-                        "{}/{} = {}",
-                        g.claim_violations,
-                        g.mutations,
-                        rate(g.claim_violations_per_mutation)
-                    ),
-                    g.conflicts.to_string(),
-                    g.escalations.to_string(),
-                    refusals(g),
-                    format!(
-                        "{}/{} = {}",
-                        g.budget_spent,
-                        g.budget_granted,
-                        rate(g.spent_over_granted)
-                    ),
-                ]);
-            }
-            let widths: Vec<usize> = (0..rows[0].len())
-                .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
-                .collect();
-            let mut out = String::new();
-            for (i, row) in rows.iter().enumerate() {
-                let line: Vec<String> = row
-                    .iter()
-                    .zip(&widths)
-                    .map(|(cell, w)| format!("{cell:<w$}"))
-                    .collect();
-                writeln!(out, "{}", line.join("  ").trim_end())?;
-                if i == 0 {
-                    writeln!(
-                        out,
-                        "{}",
-                        widths
-                            .iter()
-                            .map(|w| "-".repeat(*w))
-                            .collect::<Vec<_>>()
-                            .join("  ")
-                    )?;
-                }
-            }
-            out
-        }
-    })
+    }
+    Ok(out)
 }
 
 fn refusals(g: &GroupRow) -> String {

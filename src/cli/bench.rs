@@ -187,6 +187,104 @@ impl SpanSink {
     }
 }
 
+/// A broker served in this process on `127.0.0.1:0`, trusting the
+/// bench's attestor: its stop signal, its task and its data directory.
+type InProcess = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), crate::server::ServerError>>,
+    std::path::PathBuf,
+);
+
+async fn start_in_process(
+    args: &BenchArgs,
+    attestor: &Agent,
+) -> anyhow::Result<(String, InProcess)> {
+    let dir = tempfile_dir()?;
+    let mut config = Config::load(dir.clone(), None)?;
+    config
+        .trust
+        .attestors
+        .push(crate::crypto::public_key(&attestor.public_key())?);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = format!("http://{}", listener.local_addr()?);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut options = crate::server::ServeOptions::default();
+    if args.telemetry {
+        let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        tokio::spawn(scrape_every_second(metrics.local_addr()?));
+        options.metrics_listener = Some(metrics);
+    }
+    let server = tokio::spawn(crate::server::run_with_options(
+        listener,
+        config,
+        Arc::new(SystemClock),
+        options,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    Ok((addr, (stop, server, dir)))
+}
+
+/// Prints the run's throughput, latency and, for an in-process broker,
+/// its WAL fsyncs over the measured window.
+fn report(
+    args: &BenchArgs,
+    total: Tally,
+    (first, last): (
+        crate::store::sqlite::WalSyncSnapshot,
+        crate::store::sqlite::WalSyncSnapshot,
+    ),
+) {
+    let seconds = args.duration_s as f64;
+    let mut lat = total.latencies_us;
+    lat.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if lat.is_empty() {
+            return 0.0;
+        }
+        let index = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1;
+        f64::from(lat[index]) / 1000.0
+    };
+    let mode = if args.rate > 0 {
+        format!("open loop at {}/s offered", args.rate)
+    } else {
+        "closed loop".to_owned()
+    };
+    println!(
+        "concurrency={} depth={} duration={}s connections={} {mode}",
+        args.concurrency, args.depth, args.duration_s, args.connections
+    );
+    println!(
+        "delegations: {} issued in {:.1}s = {:.0}/s (roots opened {}, refused {}, errors {})",
+        lat.len(),
+        seconds,
+        lat.len() as f64 / seconds,
+        total.roots,
+        total.refused,
+        total.errors
+    );
+    println!(
+        "delegate latency ms: p50 {:.2}  p99 {:.2}  p999 {:.2}  max {:.2}",
+        pct(0.50),
+        pct(0.99),
+        pct(0.999),
+        pct(1.0)
+    );
+    if last.syncs > first.syncs {
+        let slow_ms = (last.slow_us - first.slow_us) as f64 / 1000.0;
+        println!(
+            "WAL fsyncs: {} (mean {:.2} ms); {} of them ≥ {} ms, {:.0} ms in all = {:.2}% of the measured time",
+            last.syncs - first.syncs,
+            (last.total_us - first.total_us) as f64 / 1000.0 / (last.syncs - first.syncs) as f64,
+            last.slow - first.slow,
+            crate::store::sqlite::SLOW_WAL_SYNC_US / 1000,
+            slow_ms,
+            100.0 * slow_ms / 1000.0 / seconds,
+        );
+    }
+}
+
 async fn drive(args: BenchArgs) -> anyhow::Result<()> {
     let attestor = match &args.attestor_seed {
         Some(seed) => {
@@ -197,36 +295,11 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         }
         None => Agent::generate(),
     };
-    let mut _in_process = None;
-    let addr = match &args.addr {
-        Some(addr) => addr.clone(),
+    let (addr, _in_process) = match &args.addr {
+        Some(addr) => (addr.clone(), None),
         None => {
-            let dir = tempfile_dir()?;
-            let mut config = Config::load(dir.clone(), None)?;
-            config
-                .trust
-                .attestors
-                .push(crate::crypto::public_key(&attestor.public_key())?);
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let addr = format!("http://{}", listener.local_addr()?);
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let mut options = crate::server::ServeOptions::default();
-            if args.telemetry {
-                let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                tokio::spawn(scrape_every_second(metrics.local_addr()?));
-                options.metrics_listener = Some(metrics);
-            }
-            let server = tokio::spawn(crate::server::run_with_options(
-                listener,
-                config,
-                Arc::new(SystemClock),
-                options,
-                async {
-                    let _ = stopped.await;
-                },
-            ));
-            _in_process = Some((stop, server, dir));
-            addr
+            let (addr, in_process) = start_in_process(&args, &attestor).await?;
+            (addr, Some(in_process))
         }
     };
     let mut endpoint = Endpoint::from_shared(addr.clone())?;
@@ -275,54 +348,7 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         total.errors += t.errors;
         total.roots += t.roots;
     }
-    let seconds = args.duration_s as f64;
-    let mut lat = total.latencies_us;
-    lat.sort_unstable();
-    let pct = |p: f64| -> f64 {
-        if lat.is_empty() {
-            return 0.0;
-        }
-        let index = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1;
-        f64::from(lat[index]) / 1000.0
-    };
-    let mode = if args.rate > 0 {
-        format!("open loop at {}/s offered", args.rate)
-    } else {
-        "closed loop".to_owned()
-    };
-    println!(
-        "concurrency={} depth={} duration={}s connections={} {mode}",
-        args.concurrency, args.depth, args.duration_s, args.connections
-    );
-    println!(
-        "delegations: {} issued in {:.1}s = {:.0}/s (roots opened {}, refused {}, errors {})",
-        lat.len(),
-        seconds,
-        lat.len() as f64 / seconds,
-        total.roots,
-        total.refused,
-        total.errors
-    );
-    println!(
-        "delegate latency ms: p50 {:.2}  p99 {:.2}  p999 {:.2}  max {:.2}",
-        pct(0.50),
-        pct(0.99),
-        pct(0.999),
-        pct(1.0)
-    );
-    let (first, last) = syncs.await?;
-    if last.syncs > first.syncs {
-        let slow_ms = (last.slow_us - first.slow_us) as f64 / 1000.0;
-        println!(
-            "WAL fsyncs: {} (mean {:.2} ms); {} of them ≥ {} ms, {:.0} ms in all = {:.2}% of the measured time",
-            last.syncs - first.syncs,
-            (last.total_us - first.total_us) as f64 / 1000.0 / (last.syncs - first.syncs) as f64,
-            last.slow - first.slow,
-            crate::store::sqlite::SLOW_WAL_SYNC_US / 1000,
-            slow_ms,
-            100.0 * slow_ms / 1000.0 / seconds,
-        );
-    }
+    report(&args, total, syncs.await?);
     if let Some((stop, server, dir)) = _in_process {
         let _ = stop.send(());
         server.await??;
