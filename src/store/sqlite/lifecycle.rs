@@ -317,14 +317,15 @@ pub async fn apply(
 }
 
 /// Writes the decision's rows and the target's columns (and, for a
-/// record, its observations). The inner error refuses the command.
+/// record, its observations). Any error aborts the whole batch: nothing
+/// of a half-written decision is committed.
 async fn write_state(
     conn: &mut SqliteConnection,
     decision: &Decision,
     target: &Loaded,
     rows: &[Loaded],
     command: &LifecycleCommand,
-) -> Result<Result<(), StoreError>, sqlx::Error> {
+) -> Result<(), sqlx::Error> {
     for u in &decision.updates {
         sqlx::query(
             "UPDATE contracts SET status = $1, reserved = $2, spent = $3, open_children = $4 WHERE seq = $5",
@@ -353,9 +354,10 @@ async fn write_state(
             metered_uncharged,
         } => {
             let Action::Record { observations } = &command.action else {
-                return Ok(Err(StoreError::Corrupt(
-                    "observations without a record".into(),
-                )));
+                // A decision the core cannot make: abort as corrupt.
+                return Err(sqlx::Error::Protocol(
+                    "a decision to record observations for another command".into(),
+                ));
             };
             let mut query = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
@@ -403,7 +405,7 @@ async fn write_state(
                 .await?;
         }
     }
-    Ok(Ok(()))
+    Ok(())
 }
 
 /// Signs and stores the decision's receipts in order, logging the
@@ -483,12 +485,7 @@ async fn write(
     next_seq: &mut i64,
     now_ms: i64,
 ) -> Result<Applied, sqlx::Error> {
-    if let Err(e) = write_state(conn, decision, &rows[subtree.target], rows, command).await? {
-        return Ok(Applied {
-            answer: Err(e),
-            changed: Vec::new(),
-        });
-    }
+    write_state(conn, decision, &rows[subtree.target], rows, command).await?;
     let signed = write_receipts(
         conn, decision, rows, command, stamper, trees, next_seq, now_ms,
     )
