@@ -136,24 +136,6 @@ impl Action<'_> {
     pub fn needs_lineage(&self) -> bool {
         matches!(self, Self::Revoke { .. } | Self::Complete(_))
     }
-
-    /// Whether the decision reads the target's open descendants: only
-    /// when it may end the target (they end with it). Accept, Record and
-    /// Adjudicate read the target and its parent alone, so a host
-    /// recording on a contract with a large open subtree costs the writer
-    /// no more than on a leaf.
-    pub fn needs_descendants(&self, target: &Facts, now_ms: i64) -> bool {
-        let expires_on_access = target.status.is_open() && now_ms >= target.deadline_ms;
-        expires_on_access
-            || matches!(
-                self,
-                Self::Decline { .. }
-                    | Self::Escalate { .. }
-                    | Self::Revoke { .. }
-                    | Self::Complete(_)
-                    | Self::Expire
-            )
-    }
 }
 
 /// A row whose status or ledger the decision changed.
@@ -396,24 +378,112 @@ pub fn decide(
     {
         return expire_on_access(subtree, action, now_ms);
     }
-    let is_delegate = signer == Some(&target.delegate_key);
+    if let Err(why) = authorize(subtree, signer, action) {
+        return Decision::refused(why);
+    }
     match action {
         Action::Expire => Decision::refused(Refused::NotOverdue),
-        Action::Accept { host } => accept(subtree, is_delegate, *host, now_ms),
-        Action::Decline { reason } => give_back(subtree, is_delegate, false, reason, now_ms),
-        Action::Escalate { reason } => give_back(subtree, is_delegate, true, reason, now_ms),
-        Action::Revoke { reason } => revoke(subtree, signer, reason, now_ms),
-        Action::Record { count, units } => record(subtree, signer, *count, *units),
-        Action::Complete(facts) => complete(subtree, is_delegate, facts, now_ms),
-        Action::Adjudicate { verdict, reason } => adjudicate(subtree, signer, *verdict, reason),
+        Action::Accept { host } => accept(subtree, *host, now_ms),
+        Action::Decline { reason } => give_back(subtree, false, reason, now_ms),
+        Action::Escalate { reason } => give_back(subtree, true, reason, now_ms),
+        Action::Revoke { reason } => revoke(subtree, reason, now_ms),
+        Action::Record { count, units } => record(subtree, *count, *units),
+        Action::Complete(facts) => complete(subtree, facts, now_ms),
+        Action::Adjudicate { verdict, reason } => adjudicate(subtree, *verdict, reason),
     }
 }
 
-fn accept(subtree: &Subtree, is_delegate: bool, host: Option<AgentKey>, now_ms: i64) -> Decision {
+/// Who may ask `action` of the target: its delegate (accept, decline,
+/// escalate, complete), its host (record), its principal (adjudicate),
+/// the holder of an ancestor (revoke), the broker itself (expire). Reads
+/// only the target, its parent and its lineage: never the descendants.
+pub fn authorize(
+    subtree: &Subtree,
+    signer: Option<&AgentKey>,
+    action: &Action<'_>,
+) -> Result<(), Refused> {
     let target = subtree.target();
-    if !is_delegate {
-        return Decision::refused(Refused::NotDelegate("accept it"));
+    let is_delegate = signer == Some(&target.delegate_key);
+    match action {
+        Action::Expire => Ok(()),
+        Action::Accept { .. } if !is_delegate => Err(Refused::NotDelegate("accept it")),
+        Action::Complete(_) if !is_delegate => Err(Refused::NotDelegate("complete it")),
+        Action::Decline { .. } | Action::Escalate { .. } if !is_delegate => {
+            Err(Refused::NotDelegate("do this"))
+        }
+        Action::Decline { .. } | Action::Escalate { .. } if subtree.is_root() => Err(Refused::Root),
+        Action::Accept { .. }
+        | Action::Complete(_)
+        | Action::Decline { .. }
+        | Action::Escalate { .. } => Ok(()),
+        Action::Revoke { .. } => {
+            // Principals: the delegates of every strict ancestor; for a
+            // root, the orchestrator that opened it.
+            let mut principals: Vec<&AgentKey> = subtree
+                .lineage
+                .iter()
+                .filter(|(id, _)| *id != target.id)
+                .map(|(_, k)| k)
+                .collect();
+            if subtree.is_root() {
+                principals.push(&target.delegate_key);
+            }
+            if signer.is_some_and(|s| may_revoke(s, principals)) {
+                Ok(())
+            } else {
+                Err(Refused::NotAncestor)
+            }
+        }
+        Action::Record { .. } => {
+            if target.host_key.is_some() && signer == target.host_key.as_ref() {
+                Ok(())
+            } else {
+                Err(Refused::NotHost)
+            }
+        }
+        Action::Adjudicate { .. } => {
+            let principal = match target.parent {
+                Some(p) => subtree.rows[p].delegate_key,
+                None => target.delegate_key,
+            };
+            if signer == Some(&principal) {
+                Ok(())
+            } else {
+                Err(Refused::NotPrincipal)
+            }
+        }
     }
+}
+
+/// Whether deciding `action` reads the target's open descendants, given
+/// the subtree loaded without them: only when the decision may end the
+/// target (they end with it) — an overdue contract expiring on access, or
+/// an authorized decline, escalation, revocation, completion or expiry. A
+/// refusal never reads them, so a stranger's request costs the writer no
+/// more than the target, its parent and its lineage.
+pub fn needs_descendants(
+    partial: &Subtree,
+    signer: Option<&AgentKey>,
+    action: &Action<'_>,
+    now_ms: i64,
+) -> bool {
+    let target = partial.target();
+    let expires_on_access = target.status.is_open()
+        && now_ms >= target.deadline_ms
+        && !matches!(action, Action::Revoke { .. });
+    let may_end = matches!(
+        action,
+        Action::Decline { .. }
+            | Action::Escalate { .. }
+            | Action::Revoke { .. }
+            | Action::Complete(_)
+            | Action::Expire
+    );
+    expires_on_access || (may_end && authorize(partial, signer, action).is_ok())
+}
+
+fn accept(subtree: &Subtree, host: Option<AgentKey>, now_ms: i64) -> Decision {
+    let target = subtree.target();
     let host_key = match (target.host_key, host) {
         (Some(named), Some(asked)) if named != asked => {
             return Decision::refused(Refused::HostMismatch);
@@ -433,20 +503,8 @@ fn accept(subtree: &Subtree, is_delegate: bool, host: Option<AgentKey>, now_ms: 
 
 /// Decline (before accepting) or escalate (after): the contract goes back
 /// to its principal; an escalation tells the principal what it has left.
-fn give_back(
-    subtree: &Subtree,
-    is_delegate: bool,
-    escalate: bool,
-    reason: &str,
-    now_ms: i64,
-) -> Decision {
+fn give_back(subtree: &Subtree, escalate: bool, reason: &str, now_ms: i64) -> Decision {
     let target = subtree.target();
-    if !is_delegate {
-        return Decision::refused(Refused::NotDelegate("do this"));
-    }
-    if subtree.is_root() {
-        return Decision::refused(Refused::Root);
-    }
     let reason = reason.to_owned();
     let step = ending(subtree, |tree, t| {
         if escalate {
@@ -475,42 +533,15 @@ fn give_back(
     })
 }
 
-fn revoke(subtree: &Subtree, signer: Option<&AgentKey>, reason: &str, now_ms: i64) -> Decision {
-    let target = subtree.target();
-    // Principals: the delegates of every strict ancestor; for a root, the
-    // orchestrator that opened it.
-    let mut principals: Vec<&AgentKey> = subtree
-        .lineage
-        .iter()
-        .filter(|(id, _)| *id != target.id)
-        .map(|(_, k)| k)
-        .collect();
-    if subtree.is_root() {
-        principals.push(&target.delegate_key);
-    }
-    if !signer.is_some_and(|s| may_revoke(s, principals)) {
-        return Decision::refused(Refused::NotAncestor);
-    }
+fn revoke(subtree: &Subtree, reason: &str, now_ms: i64) -> Decision {
     let reason = reason.to_owned();
     ending(subtree, |tree, t| tree.revoke(t, now_ms)).finish(TargetWrite::None, |_, ended| {
         ReceiptBody::Revoked { reason, ended }
     })
 }
 
-fn adjudicate(
-    subtree: &Subtree,
-    signer: Option<&AgentKey>,
-    verdict: Verdict,
-    reason: &str,
-) -> Decision {
+fn adjudicate(subtree: &Subtree, verdict: Verdict, reason: &str) -> Decision {
     let target = subtree.target();
-    let principal = match target.parent {
-        Some(p) => subtree.rows[p].delegate_key,
-        None => target.delegate_key,
-    };
-    if signer != Some(&principal) {
-        return Decision::refused(Refused::NotPrincipal);
-    }
     if target.status != Status::Completed || target.verdict != Some(Verdict::PendingPrincipal) {
         return Decision::refused(Refused::NotPending);
     }
@@ -560,11 +591,8 @@ fn expire_on_access(subtree: &Subtree, action: &Action<'_>, now_ms: i64) -> Deci
     decision
 }
 
-fn record(subtree: &Subtree, signer: Option<&AgentKey>, count: usize, units: i64) -> Decision {
+fn record(subtree: &Subtree, count: usize, units: i64) -> Decision {
     let target = subtree.target();
-    if target.host_key.is_none() || signer != target.host_key.as_ref() {
-        return Decision::refused(Refused::NotHost);
-    }
     if !target.status.is_open() {
         return Decision::refused(Refused::Ended(target.status));
     }
@@ -611,16 +639,8 @@ fn record(subtree: &Subtree, signer: Option<&AgentKey>, count: usize, units: i64
     }
 }
 
-fn complete(
-    subtree: &Subtree,
-    is_delegate: bool,
-    facts: &CompleteFacts<'_>,
-    now_ms: i64,
-) -> Decision {
+fn complete(subtree: &Subtree, facts: &CompleteFacts<'_>, now_ms: i64) -> Decision {
     let target = subtree.target();
-    if !is_delegate {
-        return Decision::refused(Refused::NotDelegate("complete it"));
-    }
     if let Err(e) = transition(target.status, Event::Complete, target.deadline_ms, now_ms) {
         return Decision::refused(Refused::Lifecycle(e));
     }

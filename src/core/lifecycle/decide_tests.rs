@@ -558,8 +558,20 @@ proptest! {
                         _ => Action::Expire,
                     };
                     let before = w.clone();
-                    let (subtree, map) = w.load(target, action.needs_descendants(row, now));
+                    // As a store loads: without the descendants unless
+                    // `needs_descendants` says the decision reads them —
+                    // and then deciding without them must change nothing.
+                    let (partial, _) = w.load(target, false);
+                    let needs = needs_descendants(&partial, Some(&signer), &action, now);
+                    let (subtree, map) = w.load(target, true);
                     let d = decide(&subtree, Some(&signer), &action, now);
+                    if !needs {
+                        prop_assert_eq!(
+                            &decide(&partial, Some(&signer), &action, now),
+                            &d,
+                            "decided without the descendants it reads"
+                        );
+                    }
                     w.apply(&d, &map, target);
                     // Consumption charged: the target's own spent growth
                     // (metering, or its report at completion).

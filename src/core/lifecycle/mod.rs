@@ -15,7 +15,8 @@ mod decide;
 
 pub use decide::{
     Action, CompleteFacts, CompletedFacts, Decision, Facts, PlannedReceipt, ReceiptBody, Refused,
-    RowUpdate, Subtree, TargetWrite, check_host, decide, judgment_due,
+    RowUpdate, Subtree, TargetWrite, authorize, check_host, decide, judgment_due,
+    needs_descendants,
 };
 
 use super::AgentKey;

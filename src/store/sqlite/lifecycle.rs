@@ -210,22 +210,21 @@ impl Loaded {
     }
 }
 
-/// Loads what `decide` reads: `target`'s parent and itself, its open
-/// descendants and its lineage when the action needs them.
+/// Loads what `decide` reads: `target`'s parent and itself, its lineage
+/// when the action needs it, and its open descendants when `descendants`.
 async fn subtree(
     conn: &mut SqliteConnection,
     target: Loaded,
     action: &lifecycle::Action<'_>,
-    now_ms: i64,
+    descendants: bool,
 ) -> Result<(Subtree, Vec<Loaded>), sqlx::Error> {
     let mut rows = Vec::new();
     if let Some(parent_seq) = target.parent_seq {
         rows.push(load_seq(conn, parent_seq).await?);
     }
     let target_seq = target.seq;
-    let needs_descendants = action.needs_descendants(&target.facts(None), now_ms);
     rows.push(target);
-    if needs_descendants {
+    if descendants {
         rows.extend(open_descendants(conn, target_seq).await?);
     }
     let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
@@ -307,9 +306,16 @@ pub async fn apply(
         });
     };
     let action = core_action(&command.action, now_ms);
-    let (subtree, rows) = subtree(conn, target, &action, now_ms).await?;
-    let request = command.request.as_ref();
-    let decision = lifecycle::decide(&subtree, request.map(|r| &r.agent), &action, now_ms);
+    let signer = command.request.as_ref().map(|r| &r.agent);
+    // Loaded without the open descendants first: only a decision that
+    // may end the target reads them (`needs_descendants`), so a stranger's
+    // request costs the writer the target, its parent and its lineage.
+    let full = target.clone();
+    let (mut subtree, mut rows) = subtree(conn, target, &action, false).await?;
+    if lifecycle::needs_descendants(&subtree, signer, &action, now_ms) {
+        (subtree, rows) = self::subtree(conn, full, &action, true).await?;
+    }
+    let decision = lifecycle::decide(&subtree, signer, &action, now_ms);
     write(
         conn, &decision, &subtree, &rows, command, stamper, trees, next_seq, now_ms,
     )
