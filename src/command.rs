@@ -88,8 +88,9 @@ pub enum Action {
 
 #[derive(Clone, Debug)]
 pub struct CompleteArgs {
-    /// The output exactly as sent (its digest is receipted).
-    pub output_json: String,
+    /// SHA-256 of the output exactly as sent (receipted), computed when
+    /// the request is converted: never by the store's writer.
+    pub output_digest: [u8; 32],
     pub output: serde_json::Value,
     pub has_report: bool,
     pub claim: String,

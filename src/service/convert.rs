@@ -451,7 +451,7 @@ pub mod lifecycle {
         Ok((
             contract_id,
             Action::Complete(Box::new(CompleteArgs {
-                output_json: body.output_json,
+                output_digest: crate::crypto::sha256(body.output_json.as_bytes()),
                 output,
                 has_report: body.report.is_some(),
                 claim: body.claim,

@@ -18,7 +18,6 @@ use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{self, CompleteFacts, Decision, Facts, Subtree, TargetWrite};
 use crate::core::{AgentKey, Id, Scope, Status};
-use crate::crypto;
 use crate::pb;
 use crate::stamp::Stamper;
 use crate::store::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey};
@@ -266,7 +265,7 @@ fn core_action(action: &Action, now_ms: i64) -> lifecycle::Action<'_> {
             received_at_ms: args.received_at_ms.unwrap_or(now_ms),
             claim: &args.claim,
             has_report: args.has_report,
-            result_digest: crypto::sha256(args.output_json.as_bytes()),
+            result_digest: args.output_digest,
         }),
         Action::Adjudicate { verdict, reason } => lifecycle::Action::Adjudicate {
             verdict: *verdict,

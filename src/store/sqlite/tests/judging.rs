@@ -54,7 +54,7 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
         );
         assert_eq!(accepted.kind, pb::ReceiptKind::Accepted as i32);
         let mut args = CompleteArgs {
-            output_json: "{}".into(),
+            output_digest: crate::crypto::sha256("{}".as_bytes()),
             output: serde_json::json!({}),
             has_report: false,
             claim: "done".into(),
@@ -207,7 +207,7 @@ async fn at_most_the_judgment_limit_is_judged_at_once() {
                 request: Some(meta(delegate, 80 + i)),
                 contract_id: child,
                 action: Action::Complete(Box::new(CompleteArgs {
-                    output_json: "{}".into(),
+                    output_digest: crate::crypto::sha256("{}".as_bytes()),
                     output: serde_json::json!({}),
                     has_report: false,
                     claim: "done".into(),
@@ -277,7 +277,7 @@ fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
         request: Some(meta(20, nonce)),
         contract_id,
         action: Action::Complete(Box::new(CompleteArgs {
-            output_json: "{}".into(),
+            output_digest: crate::crypto::sha256("{}".as_bytes()),
             output: serde_json::json!({}),
             has_report: false,
             claim: "done".into(),
