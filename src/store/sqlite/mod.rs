@@ -25,13 +25,20 @@
 //! The SQL is portable (positional `$n` parameters, no SQLite-only syntax)
 //! so the PostgreSQL backend can share it.
 
+// The SQL both backends share (see `store::sql`), compiled here against
+// SQLite's types.
+#[path = "../sql/audit.rs"]
 mod audit;
 mod checkpoint;
 mod durability;
+#[path = "../sql/judge.rs"]
 mod judge;
+#[path = "../sql/lifecycle.rs"]
 mod lifecycle;
 mod migrate;
+#[path = "../sql/reads.rs"]
 mod reads;
+#[path = "../sql/rows.rs"]
 mod rows;
 mod script;
 #[cfg(test)]
@@ -95,6 +102,15 @@ use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate
 use crate::pb;
 
 use crate::stamp::Stamper;
+
+/// The types the shared SQL (`store::sql`) is compiled against.
+type Db = Sqlite;
+type DbConn = SqliteConnection;
+type DbRow = SqliteRow;
+type BackendStore = SqliteStore;
+/// SQLite has one writer at a time and no row locks: the writer's
+/// transaction already excludes every other.
+const LOCK_ROWS: &str = "";
 
 /// Tunables of the embedded store.
 #[derive(Clone, Debug)]
@@ -341,6 +357,12 @@ impl SqliteStore {
     pub fn durability_lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut durable = self.durability.durable.clone();
         async move { while durable.changed().await.is_ok() {} }
+    }
+
+    /// Waits until everything a read could have seen is durable (see
+    /// `Durability::settle`).
+    async fn settle(&self) -> Result<(), StoreError> {
+        self.durability.settle().await
     }
 
     /// Contracts open or accepted now (one count over the status index).

@@ -79,7 +79,7 @@ pub(super) struct StoredContract {
 
 impl StoredContract {
     /// The one decoder of a `CONTRACT_COLUMNS` row.
-    pub(super) fn from_row(row: &SqliteRow) -> Result<Self, StoreError> {
+    pub(super) fn from_row(row: &DbRow) -> Result<Self, StoreError> {
         let corrupt = |what: &str| StoreError::Corrupt(format!("contract row: {what}"));
         let int =
             |column: &str| -> Result<i64, StoreError> { row.try_get(column).map_err(backend) };
@@ -201,14 +201,14 @@ impl StoredContract {
     }
 }
 
-pub(super) fn id_column(row: &SqliteRow, column: &str) -> Result<Id, StoreError> {
+pub(super) fn id_column(row: &DbRow, column: &str) -> Result<Id, StoreError> {
     let bytes: Vec<u8> = row.try_get(column).map_err(backend)?;
     bytes
         .try_into()
         .map_err(|_| StoreError::Corrupt(format!("{column} is not 32 bytes")))
 }
 
-pub(super) fn decode_envelope(row: &SqliteRow, column: &str) -> Result<pb::Sealed, StoreError> {
+pub(super) fn decode_envelope(row: &DbRow, column: &str) -> Result<pb::Sealed, StoreError> {
     let bytes: Vec<u8> = row.try_get(column).map_err(backend)?;
     pb::Sealed::decode(bytes.as_slice()).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
 }
@@ -220,7 +220,7 @@ pub(super) fn status_from(value: i64) -> Result<Status, StoreError> {
         .ok_or_else(|| StoreError::Corrupt(format!("unknown status {value}")))
 }
 
-pub(super) fn ledger_from_row(row: &SqliteRow) -> Result<Ledger, StoreError> {
+pub(super) fn ledger_from_row(row: &DbRow) -> Result<Ledger, StoreError> {
     let open_children: i64 = row.try_get("open_children").map_err(backend)?;
     Ok(Ledger {
         budget: row.try_get("budget").map_err(backend)?,
@@ -233,7 +233,7 @@ pub(super) fn ledger_from_row(row: &SqliteRow) -> Result<Ledger, StoreError> {
 
 /// One row of the `observations` table as every reader takes it:
 /// (ObservationKind wire value, path). The one decoder of that table.
-pub(super) fn observation_from_row(row: &SqliteRow) -> Result<(i32, String), StoreError> {
+pub(super) fn observation_from_row(row: &DbRow) -> Result<(i32, String), StoreError> {
     let kind: i64 = row.try_get("kind").map_err(backend)?;
     let kind = i32::try_from(kind).map_err(|_| StoreError::Corrupt("observation kind".into()))?;
     Ok((kind, row.try_get("path").map_err(backend)?))

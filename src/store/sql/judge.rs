@@ -23,7 +23,7 @@ pub(super) const MAX_JUDGMENT_ATTEMPTS: usize = 3;
 /// off the writer (`prejudge`), and again if the writer finds the judgment
 /// stale, at most `MAX_JUDGMENT_ATTEMPTS` times.
 pub(super) async fn transition(
-    store: &SqliteStore,
+    store: &BackendStore,
     command: LifecycleCommand,
 ) -> Result<Answer, StoreError> {
     let LifecycleCommand {
@@ -78,7 +78,7 @@ pub(super) async fn transition(
 /// `judgment_deadline` the caller is answered UNAVAILABLE (nothing was
 /// written, so a retry with the same nonce is safe).
 pub(super) async fn prejudge(
-    store: &SqliteStore,
+    store: &BackendStore,
     contract_id: &Id,
     signer: Option<&AgentKey>,
     mut args: Box<CompleteArgs>,

@@ -44,9 +44,9 @@ impl AuditRows {
     /// either budget is spent, before the rest is loaded.
     pub(super) async fn fetch<'q>(
         &mut self,
-        conn: &mut SqliteConnection,
-        query: sqlx::query::Query<'q, Sqlite, <Sqlite as sqlx::Database>::Arguments>,
-    ) -> Result<Vec<SqliteRow>, StoreError> {
+        conn: &mut DbConn,
+        query: sqlx::query::Query<'q, Db, <Db as sqlx::Database>::Arguments>,
+    ) -> Result<Vec<DbRow>, StoreError> {
         use tokio_stream::StreamExt;
         let mut stream = query.bind(self.query_limit()).fetch(&mut *conn);
         let mut rows = Vec::new();
@@ -76,13 +76,13 @@ impl AuditRows {
 }
 
 /// A contract's audit facts with its seq and its root's seq.
-pub(super) fn audit_row(row: &SqliteRow) -> Result<(AuditFacts, i64, i64), StoreError> {
+pub(super) fn audit_row(row: &DbRow) -> Result<(AuditFacts, i64, i64), StoreError> {
     let row = StoredContract::from_row(row)?;
     Ok((row.audit_facts(), row.seq, row.root_seq))
 }
 
 pub(super) async fn observations_of(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     seq: i64,
 ) -> Result<Vec<(i32, String)>, StoreError> {
     let rows =
@@ -97,7 +97,7 @@ pub(super) async fn observations_of(
 /// Every observation of a tree's contracts as (contract seq, kind, path),
 /// in recording order.
 pub(super) async fn tree_observations(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     root_seq: i64,
     budget: &mut AuditRows,
 ) -> Result<Vec<(i64, i32, String)>, StoreError> {
@@ -121,7 +121,7 @@ pub(super) async fn tree_observations(
 
 /// Every (contract id, mutated path) of a tree.
 pub(super) async fn tree_mutations(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     root_seq: i64,
     budget: &mut AuditRows,
 ) -> Result<Vec<(Id, String)>, StoreError> {
@@ -144,8 +144,8 @@ pub(super) async fn tree_mutations(
 /// One run's facts: its contracts with their observations, its tree's
 /// mutations, its escalations and refusal codes, read within `budget`.
 async fn run_facts(
-    conn: &mut SqliteConnection,
-    root: &SqliteRow,
+    conn: &mut DbConn,
+    root: &DbRow,
     selector: &std::collections::BTreeMap<String, String>,
     budget: &mut AuditRows,
 ) -> Result<(RunFacts, TreeMutations), StoreError> {
@@ -229,7 +229,7 @@ async fn run_facts(
 }
 
 pub(super) async fn audit_facts(
-    store: &SqliteStore,
+    store: &BackendStore,
     id: Id,
 ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
     let mut conn = store.reader.acquire().await.map_err(backend)?;
@@ -247,11 +247,11 @@ pub(super) async fn audit_facts(
     facts.observations = observations_of(&mut conn, seq).await?;
     let mutations = tree_mutations(&mut conn, root_seq, &mut budget).await?;
     drop(conn);
-    store.durability.settle().await?;
+    store.settle().await?;
     Ok(Some((facts, mutations)))
 }
 pub(super) async fn runs(
-    store: &SqliteStore,
+    store: &BackendStore,
     orchestrator: Option<AgentKey>,
     selector: &std::collections::BTreeMap<String, String>,
     limit: u32,
@@ -260,7 +260,7 @@ pub(super) async fn runs(
     // The roots carrying every selected label, through the run_labels
     // index; at most limit + 1 rows are read, whatever the store holds.
     let mut query =
-        QueryBuilder::<Sqlite>::new("SELECT seq, id, labels, budget, spent FROM contracts ");
+        QueryBuilder::<Db>::new("SELECT seq, id, labels, budget, spent FROM contracts ");
     query.push("WHERE parent_seq IS NULL");
     if let Some(orchestrator) = orchestrator {
         query
@@ -294,6 +294,6 @@ pub(super) async fn runs(
         runs.push(run_facts(&mut conn, &root, selector, &mut budget).await?);
     }
     drop(conn);
-    store.durability.settle().await?;
+    store.settle().await?;
     Ok(runs)
 }

@@ -5,7 +5,7 @@
 use super::*;
 
 pub(super) async fn events(
-    store: &SqliteStore,
+    store: &BackendStore,
     contract: Id,
     cursor: i64,
     limit: u32,
@@ -49,11 +49,11 @@ pub(super) async fn events(
     }
     drop(rows);
     drop(conn);
-    store.durability.settle().await?;
+    store.settle().await?;
     Ok(events)
 }
 pub(super) async fn is_party(
-    store: &SqliteStore,
+    store: &BackendStore,
     contract: Id,
     agent: AgentKey,
 ) -> Result<Option<bool>, StoreError> {
@@ -73,7 +73,7 @@ pub(super) async fn is_party(
         .transpose()
 }
 pub(super) async fn overdue(
-    store: &SqliteStore,
+    store: &BackendStore,
     now_ms: i64,
     limit: u32,
 ) -> Result<Vec<Id>, StoreError> {
@@ -87,11 +87,11 @@ pub(super) async fn overdue(
     .fetch_all(&store.reader)
     .await
     .map_err(backend)?;
-    store.durability.settle().await?;
+    store.settle().await?;
     rows.iter().map(|r| id_column(r, "id")).collect()
 }
 pub(super) async fn replay(
-    store: &SqliteStore,
+    store: &BackendStore,
     request: &RequestMeta,
 ) -> Result<Option<Answer>, StoreError> {
     let mut conn = store.reader.acquire().await.map_err(backend)?;
@@ -100,14 +100,14 @@ pub(super) async fn replay(
         .await
         .map_err(backend)?;
     drop(conn);
-    store.durability.settle().await?;
+    store.settle().await?;
     prior
         .remove(&key)
         .map(|p| batch::replayed(&p, request))
         .transpose()
 }
 pub(super) async fn issuing_parent(
-    store: &SqliteStore,
+    store: &BackendStore,
     parent: Id,
 ) -> Result<Option<IssuingParent>, StoreError> {
     if let Some(known) = lock(&store.known).get(&parent) {
@@ -137,7 +137,7 @@ pub(super) async fn issuing_parent(
     .transpose()
 }
 pub(super) async fn issuance_trace(
-    store: &SqliteStore,
+    store: &BackendStore,
     id: Id,
 ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
     let stored: Option<Option<Vec<u8>>> = sqlx::query_scalar(
@@ -152,7 +152,7 @@ pub(super) async fn issuance_trace(
     Ok(stored.flatten().and_then(|t| t.try_into().ok()))
 }
 pub(super) async fn contract(
-    store: &SqliteStore,
+    store: &BackendStore,
     id: Id,
 ) -> Result<Option<ContractRecord>, StoreError> {
     let row = sqlx::query(SELECT_RECORD_BY_ID)
@@ -160,12 +160,12 @@ pub(super) async fn contract(
         .fetch_optional(&store.reader)
         .await
         .map_err(backend)?;
-    store.durability.settle().await?;
+    store.settle().await?;
     row.map(|r| StoredContract::from_row(&r).map(StoredContract::record))
         .transpose()
 }
 pub(super) async fn children(
-    store: &SqliteStore,
+    store: &BackendStore,
     parent: Id,
     after_seq: i64,
     limit: u32,
@@ -191,15 +191,15 @@ pub(super) async fn children(
     }
     drop(rows);
     drop(conn);
-    store.durability.settle().await?;
+    store.settle().await?;
     Ok(records)
 }
-pub(super) async fn receipt(store: &SqliteStore, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
+pub(super) async fn receipt(store: &BackendStore, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
     let row = sqlx::query("SELECT envelope FROM receipts WHERE id = $1")
         .bind(id.as_slice())
         .fetch_optional(&store.reader)
         .await
         .map_err(backend)?;
-    store.durability.settle().await?;
+    store.settle().await?;
     row.map(|r| decode_envelope(&r, "envelope")).transpose()
 }

@@ -1,5 +1,5 @@
 //! Lifecycle transitions after issuance, applied by the store's writer
-//! inside its batch transaction: who may act (core rules), the contract
+//! inside a transaction (shared by the backends, see `store::sql`): who may act (core rules), the contract
 //! subtree loaded into the core's `lifecycle::Tree` so ending, cascading
 //! and settlement use the very same arithmetic the property tests check,
 //! the completion judged by `core::judge`, and one signed receipt per
@@ -8,8 +8,9 @@
 use std::collections::HashMap;
 
 use prost::Message;
-use sqlx::sqlite::{SqliteConnection, SqliteRow};
-use sqlx::{AssertSqlSafe, QueryBuilder, Sqlite};
+use sqlx::{AssertSqlSafe, QueryBuilder};
+
+use super::{Db, DbConn, DbRow, LOCK_ROWS};
 
 use super::audit::observations_of;
 use super::backend;
@@ -39,7 +40,7 @@ impl JudgeInputs {
     /// not overdue and `signer` is its delegate — anything else the writer
     /// refuses without judging, so nobody else can make the broker judge.
     pub async fn load(
-        conn: &mut SqliteConnection,
+        conn: &mut DbConn,
         id: &Id,
         signer: &AgentKey,
         received_at_ms: i64,
@@ -105,11 +106,11 @@ type Loaded = StoredContract;
 
 /// Decodes a contract row; a row that does not decode aborts the batch as
 /// corrupt data (see `backend_ref`).
-fn row_from(row: &SqliteRow) -> Result<Loaded, sqlx::Error> {
+fn row_from(row: &DbRow) -> Result<Loaded, sqlx::Error> {
     StoredContract::from_row(row).map_err(|e| sqlx::Error::Protocol(e.to_string()))
 }
 
-async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Loaded>, sqlx::Error> {
+async fn load(conn: &mut DbConn, id: &Id) -> Result<Option<Loaded>, sqlx::Error> {
     let row = sqlx::query(AssertSqlSafe(format!(
         "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id = $1"
     )))
@@ -119,20 +120,41 @@ async fn load(conn: &mut SqliteConnection, id: &Id) -> Result<Option<Loaded>, sq
     row.as_ref().map(row_from).transpose()
 }
 
-async fn load_seq(conn: &mut SqliteConnection, seq: i64) -> Result<Loaded, sqlx::Error> {
-    let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE seq = $1"
+/// `id` and its parent, ancestors first and locked for the transaction
+/// (`LOCK_ROWS`): every writer locks contracts in (depth, id) order —
+/// parents of a batch, then a target's parent, the target and its
+/// descendants — so concurrent writers (PostgreSQL replicas) never wait
+/// for each other in a cycle. `None`: no such contract.
+async fn load_locked(
+    conn: &mut DbConn,
+    id: &Id,
+) -> Result<Option<(Option<Loaded>, Loaded)>, sqlx::Error> {
+    // CONTRACT_COLUMNS and LOCK_ROWS are constants: nothing
+    // client-supplied is interpolated.
+    let rows = sqlx::query(AssertSqlSafe(format!(
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope \
+         WHERE id = $1 OR seq = (SELECT parent_seq FROM contracts WHERE id = $1) \
+         ORDER BY depth{LOCK_ROWS}"
     )))
-    .bind(seq)
-    .fetch_one(&mut *conn)
+    .bind(id.as_slice())
+    .fetch_all(&mut *conn)
     .await?;
-    row_from(&row)
+    let mut loaded = rows.iter().map(row_from).collect::<Result<Vec<_>, _>>()?;
+    let Some(target) = loaded.pop() else {
+        return Ok(None);
+    };
+    if target.id != *id || loaded.len() > 1 {
+        return Err(sqlx::Error::Protocol(
+            "a contract and its parent loaded out of order".into(),
+        ));
+    }
+    Ok(Some((loaded.pop(), target)))
 }
 
 /// Open strict descendants of `seq` (ended contracts have no open
 /// descendants: ending cascades).
 async fn open_descendants(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     seq: i64,
 ) -> Result<Vec<Loaded>, sqlx::Error> {
     // CONTRACT_COLUMNS is a constant: nothing client-supplied is interpolated.
@@ -141,7 +163,8 @@ async fn open_descendants(
              SELECT seq FROM contracts WHERE parent_seq = $1 AND status IN ($2, $3) \
              UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq \
              WHERE c.status IN ($2, $3)) \
-         SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE seq IN (SELECT seq FROM sub)"
+         SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE seq IN (SELECT seq FROM sub) \
+         ORDER BY depth, id{LOCK_ROWS}"
     )))
     .bind(seq)
     .bind(i64::from(Status::Open.as_i32()))
@@ -153,7 +176,7 @@ async fn open_descendants(
 
 /// Ancestors root first, then the contract itself: (id, delegate key).
 async fn lineage(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     seq: i64,
 ) -> Result<Vec<(Id, AgentKey)>, sqlx::Error> {
     let rows = sqlx::query(
@@ -212,14 +235,15 @@ impl Loaded {
 /// Loads what `decide` reads: `target`'s parent and itself, its lineage
 /// when the action needs it, and its open descendants when `descendants`.
 async fn subtree(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
+    parent: Option<Loaded>,
     target: Loaded,
     action: &lifecycle::Action<'_>,
     descendants: bool,
 ) -> Result<(Subtree, Vec<Loaded>), sqlx::Error> {
     let mut rows = Vec::new();
-    if let Some(parent_seq) = target.parent_seq {
-        rows.push(load_seq(conn, parent_seq).await?);
+    if let Some(parent) = parent {
+        rows.push(parent);
     }
     let target_seq = target.seq;
     rows.push(target);
@@ -279,7 +303,7 @@ fn core_action(action: &Action, now_ms: i64) -> lifecycle::Action<'_> {
 /// writes the decision. The outer error aborts the batch; the inner one
 /// refuses only this command.
 pub async fn apply(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     command: &LifecycleCommand,
     prior: &HashMap<RequestKey, PriorRequest>,
     stamper: &Stamper,
@@ -295,7 +319,7 @@ pub async fn apply(
             changed: Vec::new(),
         });
     }
-    let Some(target) = load(conn, &command.contract_id).await? else {
+    let Some((parent, target)) = load_locked(conn, &command.contract_id).await? else {
         return Ok(Applied {
             answer: Err(StoreError::NotFound {
                 what: crate::store::Entity::Contract,
@@ -309,10 +333,10 @@ pub async fn apply(
     // Loaded without the open descendants first: only a decision that
     // may end the target reads them (`needs_descendants`), so a stranger's
     // request costs the writer the target, its parent and its lineage.
-    let full = target.clone();
-    let (mut subtree, mut rows) = subtree(conn, target, &action, false).await?;
+    let full = (parent.clone(), target.clone());
+    let (mut subtree, mut rows) = subtree(conn, parent, target, &action, false).await?;
     if lifecycle::needs_descendants(&subtree, signer, &action, now_ms) {
-        (subtree, rows) = self::subtree(conn, full, &action, true).await?;
+        (subtree, rows) = self::subtree(conn, full.0, full.1, &action, true).await?;
     }
     let decision = lifecycle::decide(&subtree, signer, &action, now_ms);
     write(
@@ -325,7 +349,7 @@ pub async fn apply(
 /// record, its observations). Any error aborts the whole batch: nothing
 /// of a half-written decision is committed.
 async fn write_state(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     decision: &Decision,
     target: &Loaded,
     rows: &[Loaded],
@@ -364,7 +388,7 @@ async fn write_state(
                     "a decision to record observations for another command".into(),
                 ));
             };
-            let mut query = QueryBuilder::<Sqlite>::new(
+            let mut query = QueryBuilder::<Db>::new(
                 "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
             );
             query.push_values(observations, |mut b, o| {
@@ -417,7 +441,7 @@ async fn write_state(
 /// request beside the one that answers it.
 #[allow(clippy::too_many_arguments)]
 async fn write_receipts(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     decision: &Decision,
     rows: &[Loaded],
     command: &LifecycleCommand,
@@ -480,7 +504,7 @@ async fn write_receipts(
 /// (with the request's log entry beside the one that answers it).
 #[allow(clippy::too_many_arguments)]
 async fn write(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     decision: &Decision,
     subtree: &Subtree,
     rows: &[Loaded],
@@ -515,7 +539,7 @@ async fn write(
 
 /// What the host recorded for `target`, as the judge reads it.
 async fn observed(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     target: &Loaded,
     now_ms: i64,
 ) -> Result<judge::Observed, StoreError> {
