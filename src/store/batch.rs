@@ -23,6 +23,22 @@ pub const OUTCOME_ISSUED: i64 = 1;
 /// a lifecycle transition.
 pub const OUTCOME_RECEIPT: i64 = 2;
 
+/// Where a batch's contract and receipt numbers come from: SQLite's
+/// single writer counts (`i64`), PostgreSQL writers take numbers the
+/// database reserved for their transaction.
+pub trait SeqSource {
+    /// The next unused number.
+    fn take(&mut self) -> i64;
+}
+
+impl SeqSource for i64 {
+    fn take(&mut self) -> i64 {
+        let seq = *self;
+        *self += 1;
+        seq
+    }
+}
+
 /// A child stamped speculatively, off the writer, from the parent as it
 /// was last committed. The writer uses it only when its own authoritative
 /// check yields the same terms.
@@ -255,7 +271,7 @@ pub fn plan(
     commands: &[Command],
     prior: &mut HashMap<RequestKey, PriorRequest>,
     known: &mut KnownMap,
-    next_seq: &mut i64,
+    next_seq: &mut impl SeqSource,
     stamper: &Stamper,
     now_ms: i64,
 ) -> Plan {
@@ -354,11 +370,10 @@ fn open_root(
     root: &NewRoot,
     stamped: StampedContract,
     known: &mut KnownMap,
-    next_seq: &mut i64,
+    next_seq: &mut impl SeqSource,
     plan: &mut Plan,
 ) -> Answer {
-    let seq = *next_seq;
-    *next_seq += 1;
+    let seq = next_seq.take();
     let lineage = crate::crypto::sha256(root.intent.as_bytes());
     let effective = Predicate::conjoin(&Predicate::default(), &root.predicate).unwrap_or_default();
     let view = ParentView {
@@ -427,7 +442,7 @@ fn delegate(
     child: &NewChild,
     speculation: Option<&Speculation>,
     known: &mut KnownMap,
-    next_seq: &mut i64,
+    next_seq: &mut impl SeqSource,
     plan: &mut Plan,
     touched: &mut Vec<Id>,
     stamper: &Stamper,
@@ -450,8 +465,7 @@ fn delegate(
                 .map_err(|e| StoreError::Corrupt(format!("ledger after a passed check: {e}")))?;
             touched.push(child.parent_id);
             let (root_id, root_seq, parent_seq) = (parent.root_id, parent.root_seq, parent.seq);
-            let seq = *next_seq;
-            *next_seq += 1;
+            let seq = next_seq.take();
             let stamped = match speculation {
                 Some(s) if s.terms == terms => s.stamped.clone(),
                 _ => stamper.child(&parent.view.intent_lineage_hash, child, &terms, now_ms),
@@ -529,14 +543,13 @@ fn plan_refusal(
     root_id: Id,
     parent_seq: i64,
     refusal: &core::Refusal,
-    next_seq: &mut i64,
+    next_seq: &mut impl SeqSource,
     plan: &mut Plan,
     stamper: &Stamper,
     now_ms: i64,
 ) -> Answer {
     let stamped = stamper.refusal(&child.parent_id, &root_id, &child.request, refusal, now_ms);
-    let seq = *next_seq;
-    *next_seq += 1;
+    let seq = next_seq.take();
     plan.receipts.push(ReceiptRow {
         seq,
         id: stamped.id,

@@ -10,7 +10,8 @@ use std::collections::HashMap;
 use prost::Message;
 use sqlx::{AssertSqlSafe, QueryBuilder};
 
-use super::{Db, DbConn, DbRow, LOCK_ROWS};
+use super::{Db, DbConn, DbRow, LOCK_ROWS, Seqs, reserve_seqs};
+use crate::store::batch::SeqSource;
 
 use super::audit::observations_of;
 use super::backend;
@@ -153,10 +154,7 @@ async fn load_locked(
 
 /// Open strict descendants of `seq` (ended contracts have no open
 /// descendants: ending cascades).
-async fn open_descendants(
-    conn: &mut DbConn,
-    seq: i64,
-) -> Result<Vec<Loaded>, sqlx::Error> {
+async fn open_descendants(conn: &mut DbConn, seq: i64) -> Result<Vec<Loaded>, sqlx::Error> {
     // CONTRACT_COLUMNS is a constant: nothing client-supplied is interpolated.
     let rows = sqlx::query(AssertSqlSafe(format!(
         "WITH RECURSIVE sub(seq) AS (\
@@ -175,10 +173,7 @@ async fn open_descendants(
 }
 
 /// Ancestors root first, then the contract itself: (id, delegate key).
-async fn lineage(
-    conn: &mut DbConn,
-    seq: i64,
-) -> Result<Vec<(Id, AgentKey)>, sqlx::Error> {
+async fn lineage(conn: &mut DbConn, seq: i64) -> Result<Vec<(Id, AgentKey)>, sqlx::Error> {
     let rows = sqlx::query(
         "WITH RECURSIVE up(seq, parent_seq) AS (\
              SELECT seq, parent_seq FROM contracts WHERE seq = $1 \
@@ -308,7 +303,7 @@ pub async fn apply(
     prior: &HashMap<RequestKey, PriorRequest>,
     stamper: &Stamper,
     trees: &crate::store::TreeChanges,
-    next_seq: &mut i64,
+    next_seq: &mut Seqs,
     now_ms: i64,
 ) -> Result<Applied, sqlx::Error> {
     if let Some(request) = &command.request
@@ -447,7 +442,7 @@ async fn write_receipts(
     command: &LifecycleCommand,
     stamper: &Stamper,
     trees: &crate::store::TreeChanges,
-    next_seq: &mut i64,
+    next_seq: &mut Seqs,
     now_ms: i64,
 ) -> Result<Vec<crate::stamp::Stamped>, sqlx::Error> {
     let mut signed = Vec::with_capacity(decision.receipts.len());
@@ -464,8 +459,7 @@ async fn write_receipts(
             receipt.requester_public_key = request.agent.to_vec();
         }
         let stamped = stamper.sign_receipt(&receipt);
-        let seq = *next_seq;
-        *next_seq += 1;
+        let seq = next_seq.take();
         trees.touch(row.root_id, seq);
         sqlx::query(
             "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
@@ -511,10 +505,11 @@ async fn write(
     command: &LifecycleCommand,
     stamper: &Stamper,
     trees: &crate::store::TreeChanges,
-    next_seq: &mut i64,
+    next_seq: &mut Seqs,
     now_ms: i64,
 ) -> Result<Applied, sqlx::Error> {
     write_state(conn, decision, &rows[subtree.target], rows, command).await?;
+    reserve_seqs(conn, next_seq, decision.receipts.len()).await?;
     let signed = write_receipts(
         conn, decision, rows, command, stamper, trees, next_seq, now_ms,
     )

@@ -1,57 +1,9 @@
-//! Reads: contracts, children, receipts, events for Watch, parties,
+//! Reads: contracts, children, receipts, parties,
 //! replays and the writer-cache-backed parent lookup. Every read waits for
 //! the durability of what it could have seen (`Durability::settle`).
 
 use super::*;
 
-pub(super) async fn events(
-    store: &BackendStore,
-    contract: Id,
-    cursor: i64,
-    limit: u32,
-    max_bytes: usize,
-) -> Result<Vec<Event>, StoreError> {
-    use tokio_stream::StreamExt;
-    let mut conn = store.reader.acquire().await.map_err(backend)?;
-    let mut rows = sqlx::query(
-        "WITH RECURSIVE sub(seq) AS (\
-             SELECT seq FROM contracts WHERE id = $1 \
-             UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
-         SELECT seq, 1 AS kind, envelope FROM contract_envelopes \
-             WHERE seq > $2 AND seq IN (SELECT seq FROM sub) \
-         UNION ALL \
-         SELECT seq, 2 AS kind, envelope FROM receipts \
-             WHERE seq > $2 AND contract_seq IN (SELECT seq FROM sub) \
-         ORDER BY seq LIMIT $3",
-    )
-    .bind(contract.as_slice())
-    .bind(cursor)
-    .bind(i64::from(limit))
-    .fetch(&mut *conn);
-    // Rows are pulled one at a time and the page ends at its byte
-    // budget: a page never holds more than about `max_bytes`.
-    let mut events = Vec::new();
-    let mut bytes = 0usize;
-    while let Some(row) = rows.next().await {
-        let row = row.map_err(backend)?;
-        let cursor: i64 = row.try_get("seq").map_err(backend)?;
-        let kind: i64 = row.try_get("kind").map_err(backend)?;
-        let envelope = decode_envelope(&row, "envelope")?;
-        bytes = bytes.saturating_add(envelope.encoded_len());
-        events.push(if kind == 1 {
-            Event::Contract { cursor, envelope }
-        } else {
-            Event::Receipt { cursor, envelope }
-        });
-        if bytes >= max_bytes {
-            break;
-        }
-    }
-    drop(rows);
-    drop(conn);
-    store.settle().await?;
-    Ok(events)
-}
 pub(super) async fn is_party(
     store: &BackendStore,
     contract: Id,
@@ -194,7 +146,10 @@ pub(super) async fn children(
     store.settle().await?;
     Ok(records)
 }
-pub(super) async fn receipt(store: &BackendStore, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
+pub(super) async fn receipt(
+    store: &BackendStore,
+    id: Id,
+) -> Result<Option<pb::Sealed>, StoreError> {
     let row = sqlx::query("SELECT envelope FROM receipts WHERE id = $1")
         .bind(id.as_slice())
         .fetch_optional(&store.reader)

@@ -38,6 +38,8 @@ mod lifecycle;
 mod migrate;
 #[path = "../sql/reads.rs"]
 mod reads;
+#[path = "../sql/requests.rs"]
+mod requests;
 #[path = "../sql/rows.rs"]
 mod rows;
 mod script;
@@ -50,6 +52,7 @@ use self::durability::*;
 use self::judge::*;
 use self::lifecycle::JudgeInputs;
 use self::migrate::*;
+use self::requests::*;
 use self::rows::*;
 use self::script::*;
 use self::writer::*;
@@ -111,6 +114,13 @@ type BackendStore = SqliteStore;
 /// SQLite has one writer at a time and no row locks: the writer's
 /// transaction already excludes every other.
 const LOCK_ROWS: &str = "";
+/// The single writer numbers contracts and receipts itself.
+type Seqs = i64;
+
+/// Nothing to reserve: the writer's counter is authoritative.
+async fn reserve_seqs(_: &mut DbConn, _: &mut Seqs, _: usize) -> Result<(), sqlx::Error> {
+    Ok(())
+}
 
 /// Tunables of the embedded store.
 #[derive(Clone, Debug)]
@@ -432,7 +442,7 @@ impl Store for SqliteStore {
         limit: u32,
         max_bytes: usize,
     ) -> Result<Vec<Event>, StoreError> {
-        reads::events(self, contract, cursor, limit, max_bytes).await
+        events(self, contract, cursor, limit, max_bytes).await
     }
 
     async fn audit_facts(
@@ -499,6 +509,58 @@ impl Store for SqliteStore {
     async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
         reads::receipt(self, id).await
     }
+}
+
+/// Watch's events: contracts and receipts of the subtree share one
+/// counter, so the cursor is the sequence number itself (one writer
+/// commits in sequence order).
+async fn events(
+    store: &BackendStore,
+    contract: Id,
+    cursor: i64,
+    limit: u32,
+    max_bytes: usize,
+) -> Result<Vec<Event>, StoreError> {
+    use tokio_stream::StreamExt;
+    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let mut rows = sqlx::query(
+        "WITH RECURSIVE sub(seq) AS (\
+             SELECT seq FROM contracts WHERE id = $1 \
+             UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
+         SELECT seq, 1 AS kind, envelope FROM contract_envelopes \
+             WHERE seq > $2 AND seq IN (SELECT seq FROM sub) \
+         UNION ALL \
+         SELECT seq, 2 AS kind, envelope FROM receipts \
+             WHERE seq > $2 AND contract_seq IN (SELECT seq FROM sub) \
+         ORDER BY seq LIMIT $3",
+    )
+    .bind(contract.as_slice())
+    .bind(cursor)
+    .bind(i64::from(limit))
+    .fetch(&mut *conn);
+    // Rows are pulled one at a time and the page ends at its byte
+    // budget: a page never holds more than about `max_bytes`.
+    let mut events = Vec::new();
+    let mut bytes = 0usize;
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(backend)?;
+        let cursor: i64 = row.try_get("seq").map_err(backend)?;
+        let kind: i64 = row.try_get("kind").map_err(backend)?;
+        let envelope = decode_envelope(&row, "envelope")?;
+        bytes = bytes.saturating_add(envelope.encoded_len());
+        events.push(if kind == 1 {
+            Event::Contract { cursor, envelope }
+        } else {
+            Event::Receipt { cursor, envelope }
+        });
+        if bytes >= max_bytes {
+            break;
+        }
+    }
+    drop(rows);
+    drop(conn);
+    store.settle().await?;
+    Ok(events)
 }
 
 /// Stack of the writer thread (see where it is spawned).
