@@ -2,11 +2,15 @@
 # Runs every test of the repository, setting up what it needs on a fresh
 # machine (Rust toolchain and Python 3 with pip assumed, npm for buf):
 #   1. formatting and clippy,
-#   2. Rust unit, property and end-to-end tests (real gRPC on 127.0.0.1:0),
-#   3. a short bounded run of every fuzz target (scripts/fuzz.sh; installs
+#   2. a throwaway PostgreSQL server (scripts/pg.sh; installs the Debian
+#      package if missing) on which each test creates its own database:
+#      BROKER_TEST_POSTGRES_URL and BROKER_PG_DIR are exported to the rest
+#      of the run, and the server and its data are removed on exit,
+#   3. Rust unit, property and end-to-end tests (real gRPC on 127.0.0.1:0),
+#   4. a short bounded run of every fuzz target (scripts/fuzz.sh; installs
 #      cargo-fuzz if missing),
-#   4. the Python client's tests against the real broker binary,
-#   5. buf lint and buf breaking against the previous commit.
+#   5. the Python client's tests against the real broker binary,
+#   6. buf lint and buf breaking against the previous commit.
 # .ci/run calls exactly this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,6 +22,17 @@ cargo fmt --check
 
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
+
+step "Throwaway PostgreSQL (scripts/pg.sh)"
+BROKER_PG_DIR="$(mktemp -d)"
+export BROKER_PG_DIR # a test may run: scripts/pg.sh restart "$BROKER_PG_DIR"
+pg_sh="$PWD/scripts/pg.sh"
+trap '"$pg_sh" stop "$BROKER_PG_DIR"' EXIT
+trap 'exit 130' INT # exit, so that the EXIT trap stops the server
+trap 'exit 143' TERM
+# Not eval "$(...)": that would hide a failed start from set -e.
+pg_env="$("$pg_sh" start "$BROKER_PG_DIR")"
+eval "$pg_env" # exports BROKER_TEST_POSTGRES_URL
 
 step "Rust tests"
 if cargo nextest --version >/dev/null 2>&1; then

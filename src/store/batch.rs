@@ -105,6 +105,10 @@ impl KnownMap {
         self.entries.get_mut(id).map(|(known, _)| known)
     }
 
+    pub fn iter(&self) -> impl Iterator<Item = (&Id, &Known)> {
+        self.entries.iter().map(|(id, (known, _))| (id, known))
+    }
+
     pub fn contains_key(&self, id: &Id) -> bool {
         self.entries.contains_key(id)
     }

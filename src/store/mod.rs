@@ -5,6 +5,7 @@
 //! Only this module knows sqlx.
 
 pub mod batch;
+pub mod postgres;
 pub mod recent;
 pub mod sqlite;
 #[cfg(test)]

@@ -197,7 +197,9 @@ async fn lineage(conn: &mut DbConn, seq: i64) -> Result<Vec<(Id, AgentKey)>, sql
 /// What the writer must do after a transition besides writing rows.
 pub struct Applied {
     pub answer: Result<Answer, StoreError>,
-    /// Contracts whose cached state is now stale.
+    /// Contracts whose cached state is now stale (SQLite's writer cache;
+    /// PostgreSQL caches only immutable terms).
+    #[allow(dead_code)]
     pub changed: Vec<Id>,
 }
 

@@ -4,12 +4,12 @@
 use super::*;
 
 pub(super) async fn load_prior_requests(
-    conn: &mut SqliteConnection,
+    conn: &mut DbConn,
     keys: &[RequestKey],
 ) -> Result<HashMap<RequestKey, PriorRequest>, sqlx::Error> {
     let mut prior = HashMap::new();
     for chunk in keys.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(
+        let mut query = QueryBuilder::<Db>::new(
             "SELECT r.agent_key, r.nonce, r.body_digest, r.outcome, r.ref_id, \
              COALESCE(c.envelope, x.envelope) AS envelope FROM requests r \
              LEFT JOIN contracts_with_envelope c ON r.outcome = 1 AND c.id = r.ref_id \

@@ -36,6 +36,8 @@ mod judge;
 #[path = "../sql/lifecycle.rs"]
 mod lifecycle;
 mod migrate;
+#[path = "../sql/plan.rs"]
+mod plan;
 #[path = "../sql/reads.rs"]
 mod reads;
 #[path = "../sql/requests.rs"]
@@ -52,6 +54,7 @@ use self::durability::*;
 use self::judge::*;
 use self::lifecycle::JudgeInputs;
 use self::migrate::*;
+use self::plan::*;
 use self::requests::*;
 use self::rows::*;
 use self::script::*;
@@ -114,6 +117,9 @@ type BackendStore = SqliteStore;
 /// SQLite has one writer at a time and no row locks: the writer's
 /// transaction already excludes every other.
 const LOCK_ROWS: &str = "";
+/// SQLite's bind parameters per statement (`SQLITE_MAX_VARIABLE_NUMBER`,
+/// the default since 3.32).
+const MAX_BIND_PARAMETERS: usize = 32_766;
 /// The single writer numbers contracts and receipts itself.
 type Seqs = i64;
 

@@ -1,0 +1,1 @@
+INSERT INTO contract_format (version) VALUES (2);

@@ -1,0 +1,274 @@
+//! Watch across replicas: the outbox's commit-order positions and the
+//! cursors made from them.
+//!
+//! Every transaction writes one `events` row per contract or receipt it
+//! numbered, without a position. A sequencer — every replica runs one;
+//! they take turns under the `event_clock` row lock — gives the committed
+//! rows the next positions, in `seq` order, and commits. A transaction that
+//! commits late is simply placed later: positions are given in the order
+//! rows became visible, so a reader that has seen position n has seen every
+//! event placed before it (placements are serialized, and each commits
+//! whole), and never misses one that commits afterwards. A child's event is
+//! never placed before its parent's: the child's number was taken after
+//! the parent committed, so the parent's row is visible first or in the
+//! same pass with a smaller number.
+//!
+//! A cursor is `tag << 48 | position`: the tag, random per database (see
+//! the `event_clock` migration), makes a cursor from another database fail
+//! loudly instead of skipping or repeating events.
+
+use super::*;
+
+/// Bits of a cursor that hold the position (2^48 events per database).
+const POSITION_BITS: u32 = 48;
+const POSITION_MASK: i64 = (1 << POSITION_BITS) - 1;
+/// Events placed per sequencer pass (one statement's worth).
+const MAX_PLACED_PER_PASS: i64 = 4_096;
+/// How often a sequencer looks for events committed through other
+/// replicas (and places its own that no local commit announced).
+const SEQUENCER_POLL: Duration = Duration::from_millis(10);
+
+/// Longest a writer holds its answers waiting for a placement pass (the
+/// database may be unreachable): past it the answers go out, and the
+/// events are placed by whichever sequencer next reaches the database.
+const MAX_PLACEMENT_WAIT: Duration = Duration::from_secs(5);
+
+/// Placement passes of this replica's sequencer: a writer answers only
+/// after a pass that started after its commit has placed and announced
+/// its events, so whoever has an answer finds its event in Watch (read
+/// your writes), on this replica and, once placed, on every other.
+pub(super) struct Placement {
+    /// Passes started (the one running included).
+    started: std::sync::atomic::AtomicU64,
+    /// Passes finished.
+    done: tokio::sync::watch::Sender<u64>,
+    wake: tokio::sync::Notify,
+}
+
+impl Placement {
+    pub(super) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            started: std::sync::atomic::AtomicU64::new(0),
+            done: tokio::sync::watch::channel(0).0,
+            wake: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// Waits (at most `MAX_PLACEMENT_WAIT`) for a pass that starts after
+    /// now: call it after a commit.
+    pub(super) async fn placed(&self) {
+        use std::sync::atomic::Ordering;
+        let target = self.started.load(Ordering::SeqCst) + 1;
+        let mut done = self.done.subscribe();
+        self.wake.notify_one();
+        if tokio::time::timeout(MAX_PLACEMENT_WAIT, done.wait_for(|d| *d >= target))
+            .await
+            .is_err()
+        {
+            tracing::warn!("events not placed in time; answering anyway");
+        }
+    }
+}
+
+/// This database's cursor tag.
+pub(super) async fn tag(pool: &PgPool) -> Result<i64, StoreError> {
+    let tag: i64 = sqlx::query_scalar("SELECT tag FROM event_clock WHERE id = 1")
+        .fetch_one(pool)
+        .await
+        .map_err(backend)?;
+    if !(1..1 << 15).contains(&tag) {
+        return Err(StoreError::Corrupt(format!("event_clock tag {tag}")));
+    }
+    Ok(tag)
+}
+
+fn cursor_of(tag: i64, position: i64) -> i64 {
+    tag << POSITION_BITS | (position & POSITION_MASK)
+}
+
+/// The position a client's cursor stands for; a cursor from another
+/// database is refused.
+fn position_of(tag: i64, cursor: i64) -> Result<i64, StoreError> {
+    if cursor == 0 {
+        return Ok(0);
+    }
+    if cursor >> POSITION_BITS != tag {
+        return Err(StoreError::Invalid(crate::core::InputError::new(
+            "cursor",
+            "was not issued by this broker's database (a cursor from another deployment)",
+        )));
+    }
+    Ok(cursor & POSITION_MASK)
+}
+
+/// Signed events of the subtree under `contract` after `cursor`, in
+/// commit order (see the module docs).
+pub(super) async fn events(
+    store: &PostgresStore,
+    contract: Id,
+    cursor: i64,
+    limit: u32,
+    max_bytes: usize,
+) -> Result<Vec<Event>, StoreError> {
+    use tokio_stream::StreamExt;
+    let after = position_of(store.tag, cursor)?;
+    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let mut rows = sqlx::query(
+        "WITH RECURSIVE sub(seq) AS (\
+             SELECT seq FROM contracts WHERE id = $1 \
+             UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
+         SELECT e.pos, e.kind, COALESCE(ce.envelope, r.envelope) AS envelope FROM events e \
+             LEFT JOIN contract_envelopes ce ON e.kind = 1 AND ce.seq = e.seq \
+             LEFT JOIN receipts r ON e.kind = 2 AND r.seq = e.seq \
+         WHERE e.pos > $2 AND e.contract_seq IN (SELECT seq FROM sub) \
+         ORDER BY e.pos LIMIT $3",
+    )
+    .bind(contract.as_slice())
+    .bind(after)
+    .bind(i64::from(limit))
+    .fetch(&mut *conn);
+    // Pulled one at a time, up to the byte budget.
+    let mut events = Vec::new();
+    let mut bytes = 0usize;
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(backend)?;
+        let position: i64 = row.try_get("pos").map_err(backend)?;
+        let kind: i64 = row.try_get("kind").map_err(backend)?;
+        let envelope = decode_envelope(&row, "envelope")?;
+        bytes = bytes.saturating_add(envelope.encoded_len());
+        let cursor = cursor_of(store.tag, position);
+        events.push(if kind == 1 {
+            Event::Contract { cursor, envelope }
+        } else {
+            Event::Receipt { cursor, envelope }
+        });
+        if bytes >= max_bytes {
+            break;
+        }
+    }
+    Ok(events)
+}
+
+/// Places committed events and announces new positions to this replica's
+/// Watch streams, after each local commit and every `SEQUENCER_POLL`;
+/// stops when the store is gone.
+pub(super) async fn sequencer(
+    pool: PgPool,
+    tag: i64,
+    trees: crate::store::TreeChanges,
+    commits: tokio::sync::watch::Sender<u64>,
+    placement: Arc<Placement>,
+    alive: mpsc::WeakSender<(Command, Reply)>,
+) {
+    use std::sync::atomic::Ordering;
+    let mut seen =
+        match sqlx::query_scalar::<_, i64>("SELECT last_pos FROM event_clock WHERE id = 1")
+            .fetch_one(&pool)
+            .await
+        {
+            Ok(last) => last,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the event clock; announcing from the start");
+                0
+            }
+        };
+    loop {
+        tokio::select! {
+            () = placement.wake.notified() => {}
+            () = tokio::time::sleep(SEQUENCER_POLL) => {}
+        }
+        if alive.upgrade().is_none() {
+            return;
+        }
+        let pass = placement.started.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Err(e) = place(&pool).await {
+            tracing::debug!(error = %e, "placing events failed; will retry");
+        }
+        match announce(&pool, tag, &mut seen, &trees).await {
+            Ok(true) => {
+                commits.send_modify(|n| *n = n.wrapping_add(1));
+            }
+            Ok(false) => {}
+            Err(e) => tracing::debug!(error = %e, "reading new event positions failed; will retry"),
+        }
+        placement.done.send_replace(pass);
+    }
+}
+
+/// Gives the committed, unplaced events the next positions, in `seq`
+/// order, in one transaction under the `event_clock` row lock.
+async fn place(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let last: i64 = sqlx::query_scalar("SELECT last_pos FROM event_clock WHERE id = 1 FOR UPDATE")
+        .fetch_one(&mut *tx)
+        .await?;
+    let seqs: Vec<i64> =
+        sqlx::query_scalar("SELECT seq FROM events WHERE pos IS NULL ORDER BY seq LIMIT $1")
+            .bind(MAX_PLACED_PER_PASS)
+            .fetch_all(&mut *tx)
+            .await?;
+    if seqs.is_empty() {
+        tx.rollback().await?;
+        return Ok(());
+    }
+    let positions: Vec<i64> = (1..=seqs.len())
+        .map(|i| last + i64::try_from(i).unwrap_or(i64::MAX))
+        .collect();
+    let new_last = positions.last().copied().unwrap_or(last);
+    sqlx::query(
+        "UPDATE events SET pos = u.pos FROM UNNEST($1::BIGINT[], $2::BIGINT[]) AS u(seq, pos) \
+         WHERE events.seq = u.seq",
+    )
+    .bind(&seqs)
+    .bind(&positions)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("UPDATE event_clock SET last_pos = $1 WHERE id = 1")
+        .bind(new_last)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await
+}
+
+/// Marks the trees of events placed after `seen` (by any replica) as
+/// changed; true when there were any.
+async fn announce(
+    pool: &PgPool,
+    tag: i64,
+    seen: &mut i64,
+    trees: &crate::store::TreeChanges,
+) -> Result<bool, sqlx::Error> {
+    let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+        "SELECT e.pos, c.root_id FROM events e JOIN contracts c ON c.seq = e.contract_seq \
+         WHERE e.pos > $1 ORDER BY e.pos LIMIT $2",
+    )
+    .bind(*seen)
+    .bind(MAX_PLACED_PER_PASS)
+    .fetch_all(pool)
+    .await?;
+    for (position, root) in &rows {
+        if let Ok(root) = Id::try_from(root.as_slice()) {
+            trees.touch(root, cursor_of(tag, *position));
+        }
+        *seen = (*seen).max(*position);
+    }
+    Ok(!rows.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_carry_their_database() {
+        let cursor = cursor_of(7, 12345);
+        assert_eq!(position_of(7, cursor).unwrap(), 12345);
+        assert_eq!(position_of(7, 0).unwrap(), 0);
+        assert!(matches!(
+            position_of(8, cursor),
+            Err(StoreError::Invalid(e)) if e.field == "cursor"
+        ));
+        // A plain position (another backend's cursor) is refused too.
+        assert!(position_of(7, 12345).is_err());
+    }
+}

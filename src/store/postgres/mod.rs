@@ -1,0 +1,478 @@
+//! The shared store: PostgreSQL, for several stateless broker replicas
+//! over one database. Only what differs from SQLite lives here; the SQL
+//! both backends run (reads, audits, lifecycle, judging, a batch's writes)
+//! is `store::sql`, compiled here against PostgreSQL's types.
+//!
+//! No replica holds authoritative state. Each replica's writers take
+//! queued commands in groups, like SQLite's single writer, but every group
+//! is one PostgreSQL transaction that loads what it decides on under row
+//! locks (`SELECT … FOR UPDATE`, always in (depth, id) order, so replicas
+//! never wait for each other in a cycle), plans with the same
+//! backend-neutral planner and core, writes and commits. A transaction
+//! that meets a serialization failure, a deadlock or a concurrent insert
+//! of the same request key is redone whole, a bounded number of times with
+//! jitter (`writer`); past that the caller gets UNAVAILABLE naming the
+//! contention. A retry after an ambiguous commit is answered from the
+//! request log, never reserved twice.
+//!
+//! Watch reads an outbox (`events`) whose positions a sequencer gives in
+//! commit order after commit (`events.rs`). Commits are durable when
+//! PostgreSQL acknowledges them (`synchronous_commit = on`, its default),
+//! so reads need no durability barrier.
+//!
+//! Portable to PostgreSQL-wire distributed engines: no advisory locks, no
+//! LISTEN/NOTIFY, no `FOR SHARE`, one DDL statement per migration, and no
+//! correctness resting on sequence order (see ARCHITECTURE.md).
+
+#[path = "../sql/audit.rs"]
+mod audit;
+mod events;
+#[path = "../sql/judge.rs"]
+mod judge;
+#[path = "../sql/lifecycle.rs"]
+mod lifecycle;
+pub mod migrate;
+#[path = "../sql/plan.rs"]
+mod plan;
+#[path = "../sql/reads.rs"]
+mod reads;
+#[path = "../sql/requests.rs"]
+mod requests;
+#[path = "../sql/rows.rs"]
+mod rows;
+#[doc(hidden)]
+pub mod testing;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use self::judge::*;
+use self::lifecycle::JudgeInputs;
+use self::plan::*;
+use self::requests::*;
+use self::rows::*;
+use self::writer::*;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use prost::Message;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Postgres, QueryBuilder, Row};
+use tokio::sync::{mpsc, oneshot};
+
+use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey};
+use super::{
+    Answer, AuditFacts, ContractRecord, Event, IssuingParent, RunFacts, Store, StoreError,
+    TreeMutations,
+};
+use crate::clock::Clock;
+use crate::command::{Action, CompleteArgs, LifecycleCommand, NewChild, NewRoot, RequestMeta};
+use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
+use crate::pb;
+use crate::stamp::Stamper;
+
+pub use audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
+
+/// The types the shared SQL (`store::sql`) is compiled against.
+type Db = Postgres;
+type DbConn = PgConnection;
+type DbRow = PgRow;
+type BackendStore = PostgresStore;
+/// Every contract a transaction decides on is locked until it commits;
+/// the shared queries lock in (depth, id) order.
+const LOCK_ROWS: &str = " FOR UPDATE";
+/// PostgreSQL's bind parameters per statement (a 16-bit count).
+const MAX_BIND_PARAMETERS: usize = 65_535;
+/// Numbers the database reserved for one transaction.
+type Seqs = Reserved;
+
+/// Reserves `count` more numbers for `seqs` (see `Reserved`).
+async fn reserve_seqs(conn: &mut DbConn, seqs: &mut Seqs, count: usize) -> Result<(), sqlx::Error> {
+    seqs.reserve(conn, count).await
+}
+
+/// Contracts' immutable terms as recently loaded, for `issuing_parent`
+/// (holder, effective predicate, root, depth: fixed at issuance, so any
+/// replica's copy is current). Never used to decide a write.
+type KnownCache = Arc<Mutex<KnownMap>>;
+
+/// Most contracts (and bytes of them) the terms cache holds before it
+/// starts over.
+const MAX_CACHED_CONTRACTS: usize = 65_536;
+const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
+
+/// Stack of the judge threads (CEL recurses).
+const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
+
+type Reply = oneshot::Sender<Result<Answer, StoreError>>;
+
+/// Tunables of the shared store.
+#[derive(Clone, Debug)]
+pub struct PostgresOptions {
+    /// `postgres://user@host:port/database`.
+    pub url: String,
+    /// Apply pending migrations at start (off when a deployment runs
+    /// `delegation-broker migrate` once, as a job).
+    pub migrate: bool,
+    /// Connections for reads (the writers have their own).
+    pub read_connections: u32,
+    /// Concurrent write transactions of this replica: while one commits
+    /// (waiting for PostgreSQL's WAL flush) the next is being written.
+    pub writers: usize,
+    /// Commands that may wait for a writer; beyond it callers get
+    /// UNAVAILABLE (`limits.writer_queue_depth`).
+    pub queue_depth: usize,
+    /// Most commands one transaction carries (`limits.max_batch`).
+    pub max_batch: usize,
+    /// Request-log entries older than this (ms) are deleted.
+    pub request_log_retention_ms: i64,
+    pub max_audit_rows: i64,
+    pub max_audit_bytes: usize,
+    /// Test hook run on a judge thread before each judgment.
+    pub before_judge: Option<BeforeJudge>,
+    /// Longest a completion waits for its judgment.
+    pub judgment_deadline_ms: u64,
+    /// Longest a writer or reader waits for a connection before the
+    /// caller is answered UNAVAILABLE (the database is unreachable).
+    pub connect_timeout_ms: u64,
+}
+
+impl PostgresOptions {
+    /// Production defaults for `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            migrate: true,
+            read_connections: 16,
+            writers: DEFAULT_WRITERS,
+            queue_depth: 16_384,
+            max_batch: 512,
+            request_log_retention_ms: 24 * 3_600_000,
+            max_audit_rows: MAX_AUDIT_ROWS,
+            max_audit_bytes: MAX_AUDIT_BYTES,
+            before_judge: None,
+            judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+            connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
+        }
+    }
+}
+
+/// Write transactions in flight per replica by default.
+pub const DEFAULT_WRITERS: usize = 4;
+
+/// How long a request waits for a database connection by default.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
+
+/// Runs on a judge thread before it judges; blocking holds the thread.
+#[derive(Clone)]
+pub struct BeforeJudge(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for BeforeJudge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeforeJudge(..)")
+    }
+}
+
+/// PostgreSQL-backed `Store`: one replica's handle on the shared database.
+#[derive(Clone)]
+pub struct PostgresStore {
+    /// Queue to this replica's writers.
+    commands: mpsc::Sender<(Command, Reply)>,
+    reader: PgPool,
+    known: KnownCache,
+    stamper: Arc<Stamper>,
+    clock: Arc<dyn Clock>,
+    /// Which trees got events, fed by the sequencer (positions, not seqs).
+    trees: super::TreeChanges,
+    /// Bumped whenever new event positions became visible.
+    commits: tokio::sync::watch::Receiver<u64>,
+    /// This database's cursor tag (see `events`).
+    tag: i64,
+    /// False while the database cannot be reached (health).
+    reachable: tokio::sync::watch::Receiver<bool>,
+    judges: crate::pool::WorkPool,
+    judgment_deadline: Duration,
+    judging_contracts: Arc<crate::slots::Slots<Id>>,
+    judging_signers: Arc<crate::slots::Slots<AgentKey>>,
+    before_judge: Option<BeforeJudge>,
+    max_audit_rows: i64,
+    max_audit_bytes: usize,
+}
+
+/// A database error as the store reports it: data that does not decode
+/// is corrupt, anything else a backend failure (UNAVAILABLE).
+fn backend(e: sqlx::Error) -> StoreError {
+    backend_ref(&e)
+}
+
+fn backend_ref(e: &sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::TypeNotFound { .. }
+        | sqlx::Error::Protocol(_) => StoreError::Corrupt(e.to_string()),
+        _ => StoreError::Backend(e.to_string()),
+    }
+}
+
+/// The pool options every pool of this store shares.
+fn pool_options(options: &PostgresOptions, connections: u32) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(connections.max(1))
+        .acquire_timeout(Duration::from_millis(options.connect_timeout_ms.max(1)))
+        // A connection PostgreSQL closed (a restart) is found before use.
+        .test_before_acquire(true)
+}
+
+/// Connection settings from the URL; a bad URL names itself.
+pub fn connect_options(url: &str) -> Result<PgConnectOptions, StoreError> {
+    url.parse::<PgConnectOptions>()
+        .map_err(|e| StoreError::Backend(format!("database URL: {e}")))
+}
+
+impl PostgresStore {
+    /// Connects, migrates when asked, refuses a database in another
+    /// format, and starts this replica's writers and sequencer.
+    pub async fn open(
+        options: PostgresOptions,
+        stamper: Arc<Stamper>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, StoreError> {
+        let connect = connect_options(&options.url)?;
+        if options.migrate {
+            migrate::run(&connect).await?;
+        }
+        let writers = options.writers.max(1);
+        let write_pool = pool_options(&options, u32::try_from(writers + 1).unwrap_or(u32::MAX))
+            .connect_with(connect.clone())
+            .await
+            .map_err(backend)?;
+        migrate::check(&write_pool).await?;
+        let reader = pool_options(&options, options.read_connections)
+            .connect_with(connect)
+            .await
+            .map_err(backend)?;
+        let tag = events::tag(&reader).await?;
+        let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
+        let known = KnownCache::default();
+        let trees = super::TreeChanges::default();
+        let (commits_tx, commits) = tokio::sync::watch::channel(0u64);
+        let (reachable_tx, reachable) = tokio::sync::watch::channel(true);
+        let placement = events::Placement::new();
+        let queue = Arc::new(tokio::sync::Mutex::new(queue));
+        for number in 0..writers {
+            let writer = Writer {
+                pool: write_pool.clone(),
+                queue: queue.clone(),
+                stamper: stamper.clone(),
+                clock: clock.clone(),
+                known: known.clone(),
+                max_batch: options.max_batch.max(1),
+                placement: placement.clone(),
+                reachable: reachable_tx.clone(),
+                // One writer per replica prunes; every replica does.
+                prune: (number == 0).then_some(options.request_log_retention_ms),
+            };
+            tokio::spawn(writer.run());
+        }
+        tokio::spawn(events::sequencer(
+            write_pool,
+            tag,
+            trees.clone(),
+            commits_tx,
+            placement,
+            commands.downgrade(),
+        ));
+        Ok(Self {
+            commands,
+            reader,
+            known,
+            stamper,
+            clock,
+            trees,
+            commits,
+            tag,
+            reachable,
+            judges: crate::pool::WorkPool::start(
+                "store-judge",
+                MAX_CONCURRENT_JUDGMENTS,
+                WRITER_STACK_BYTES,
+            )
+            .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?,
+            judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
+            judging_contracts: crate::slots::Slots::new(
+                usize::MAX,
+                "judgments",
+                1,
+                "JUDGMENT_IN_PROGRESS",
+            ),
+            judging_signers: crate::slots::Slots::new(
+                usize::MAX,
+                "judgments",
+                MAX_JUDGMENTS_PER_SIGNER,
+                "MAX_JUDGMENTS_PER_SIGNER",
+            ),
+            before_judge: options.before_judge.clone(),
+            max_audit_rows: options.max_audit_rows.max(1),
+            max_audit_bytes: options.max_audit_bytes.max(1),
+        })
+    }
+
+    /// Nothing to wait for: PostgreSQL acknowledges a commit once durable.
+    async fn settle(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Whether the database answered this replica's last write (health).
+    pub fn reachable(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.reachable.clone()
+    }
+
+    /// Contracts open or accepted now.
+    pub async fn open_contracts(&self) -> Result<i64, StoreError> {
+        sqlx::query_scalar("SELECT COUNT(*) FROM contracts WHERE status IN ($1, $2)")
+            .bind(i64::from(Status::Open.as_i32()))
+            .bind(i64::from(Status::Accepted.as_i32()))
+            .fetch_one(&self.reader)
+            .await
+            .map_err(backend)
+    }
+
+    /// Commands waiting for this replica's writers.
+    pub fn queue_depth(&self) -> usize {
+        self.commands.max_capacity() - self.commands.capacity()
+    }
+
+    /// Registers this replica's public signing keys (current and retired)
+    /// and returns every key registered by any replica, current ones first.
+    pub async fn register_keys(
+        &self,
+        current: &[u8; 32],
+        retired: &[[u8; 32]],
+    ) -> Result<Vec<pb::BrokerKey>, StoreError> {
+        migrate::register_keys(&self.reader, current, retired, self.clock.now_ms()).await?;
+        self.broker_keys().await
+    }
+
+    /// Every key registered by any replica, current ones first.
+    pub async fn broker_keys(&self) -> Result<Vec<pb::BrokerKey>, StoreError> {
+        migrate::broker_keys(&self.reader).await
+    }
+
+    async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .try_send((command, reply))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => StoreError::Busy,
+                mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
+            })?;
+        answer.await.map_err(|_| StoreError::Closed)?
+    }
+}
+
+impl Store for PostgresStore {
+    async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
+        let stamped = self.stamper.root(&root, self.clock.now_ms());
+        self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
+            .await
+    }
+
+    async fn delegate(&self, child: NewChild) -> Result<Answer, StoreError> {
+        // No speculation: another replica may change the parent at any
+        // time, so the child is stamped under the parent's row lock.
+        self.submit(Command::Delegate(Box::new(child), None)).await
+    }
+
+    async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
+        judge::transition(self, command).await
+    }
+
+    async fn events(
+        &self,
+        contract: Id,
+        cursor: i64,
+        limit: u32,
+        max_bytes: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        events::events(self, contract, cursor, limit, max_bytes).await
+    }
+
+    async fn audit_facts(
+        &self,
+        id: Id,
+    ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
+        audit::audit_facts(self, id).await
+    }
+
+    async fn is_party(&self, contract: Id, agent: AgentKey) -> Result<Option<bool>, StoreError> {
+        reads::is_party(self, contract, agent).await
+    }
+
+    async fn runs(
+        &self,
+        orchestrator: Option<AgentKey>,
+        selector: &std::collections::BTreeMap<String, String>,
+        limit: u32,
+    ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
+        audit::runs(self, orchestrator, selector, limit).await
+    }
+
+    fn commits(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.commits.clone()
+    }
+
+    fn tree_changes(&self) -> super::TreeChanges {
+        self.trees.clone()
+    }
+
+    async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
+        reads::overdue(self, now_ms, limit).await
+    }
+
+    async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
+        reads::replay(self, request).await
+    }
+
+    async fn issuing_parent(&self, parent: Id) -> Result<Option<IssuingParent>, StoreError> {
+        reads::issuing_parent(self, parent).await
+    }
+
+    async fn issuance_trace(
+        &self,
+        id: Id,
+    ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
+        reads::issuance_trace(self, id).await
+    }
+
+    async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
+        reads::contract(self, id).await
+    }
+
+    async fn children(
+        &self,
+        parent: Id,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: usize,
+    ) -> Result<Vec<ContractRecord>, StoreError> {
+        reads::children(self, parent, after_seq, limit, max_bytes).await
+    }
+
+    async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
+        reads::receipt(self, id).await
+    }
+}
+
+/// Locks the terms cache; a poisoned one is cleared (it is only a hint).
+fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
+    known.lock().unwrap_or_else(|poisoned| {
+        let mut guard = poisoned.into_inner();
+        guard.clear();
+        guard
+    })
+}

@@ -1,0 +1,410 @@
+//! This replica's writers: each takes the queued commands in a group and
+//! writes issuances (roots and delegations) as one transaction, then each
+//! lifecycle command as a transaction of its own (a lifecycle command
+//! locks a target's parent before the target: in one transaction with a
+//! batch's parents, that order could not hold). A transaction that loses
+//! a race with another replica is redone whole (`MAX_TX_ATTEMPTS`).
+
+use super::*;
+
+/// Attempts of one transaction before its callers are answered
+/// UNAVAILABLE (contention): enough for a hot parent shared by a few
+/// replicas, bounded so a caller never waits without limit.
+pub(super) const MAX_TX_ATTEMPTS: u32 = 10;
+/// First backoff before a redo; doubled at each attempt, with jitter.
+const RETRY_BASE_MS: u64 = 2;
+/// Longest backoff between two attempts.
+const RETRY_CAP_MS: u64 = 100;
+/// How often the request log is pruned, and most entries per pass.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
+const MAX_PRUNED_PER_PASS: i64 = 1_024;
+
+/// Numbers `nextval('seqs')` reserved for one transaction, in increasing
+/// order, taken after the rows they depend on are locked (so the children
+/// of one parent are numbered in commit order, a child after its parent).
+#[derive(Default)]
+pub(super) struct Reserved {
+    left: std::collections::VecDeque<i64>,
+    /// Every number handed out: the events this transaction writes.
+    pub(super) taken: Vec<i64>,
+}
+
+impl Reserved {
+    pub(super) async fn reserve(
+        &mut self,
+        conn: &mut PgConnection,
+        count: usize,
+    ) -> Result<(), sqlx::Error> {
+        if count == 0 {
+            return Ok(());
+        }
+        let mut seqs: Vec<i64> =
+            sqlx::query_scalar("SELECT nextval('seqs') FROM generate_series(1, $1)")
+                .bind(i64::try_from(count).unwrap_or(i64::MAX))
+                .fetch_all(&mut *conn)
+                .await?;
+        seqs.sort_unstable();
+        self.left.extend(seqs);
+        Ok(())
+    }
+}
+
+impl batch::SeqSource for Reserved {
+    fn take(&mut self) -> i64 {
+        // Callers reserve exactly what they take (one number per issuance
+        // command, one per receipt of a decision). Should that ever fail,
+        // a number no row has is handed out: the insert of a second one
+        // fails the transaction, nothing is written twice.
+        let seq = self.left.pop_front().unwrap_or_else(|| {
+            tracing::error!("a transaction took more numbers than it reserved");
+            i64::MIN + i64::try_from(self.taken.len()).unwrap_or(0)
+        });
+        self.taken.push(seq);
+        seq
+    }
+}
+
+/// Whether redoing the whole transaction may succeed: a serialization
+/// failure or deadlock (40001, 40P01), or a request key another replica
+/// committed meanwhile (23505 on the request log: the redo replays it).
+pub(super) fn retryable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            matches!(db.code().as_deref(), Some("40001" | "40P01" | "23505"))
+        }
+        _ => false,
+    }
+}
+
+/// Whether the database could not be reached (or went away mid-way):
+/// nothing, or an unknown outcome that the request log settles on retry.
+pub(super) fn unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::WorkerCrashed => true,
+        // admin_shutdown, crash_shutdown, cannot_connect_now, and the
+        // connection-exception class.
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            matches!(c.as_ref(), "57P01" | "57P02" | "57P03") || c.starts_with("08")
+        }),
+        _ => false,
+    }
+}
+
+/// The answer to callers of a transaction that failed for good.
+fn failed(e: &sqlx::Error, attempts: u32) -> StoreError {
+    if retryable(e) {
+        StoreError::Unavailable {
+            reason: pb::ErrorReason::Contention,
+            detail: format!(
+                "{attempts} attempts lost to concurrent writers (the last: {e}); nothing was recorded: retry with the same nonce"
+            ),
+        }
+    } else if unreachable(e) {
+        StoreError::Unavailable {
+            reason: pb::ErrorReason::Unavailable,
+            detail: "the database cannot be reached; retry with the same nonce (a request that was recorded after all gets its answer)".into(),
+        }
+    } else {
+        backend_ref(e)
+    }
+}
+
+/// Sleeps before attempt `attempt` (1-based redo count), exponentially
+/// longer with full jitter so replicas that collided do not collide again.
+async fn backoff(attempt: u32) {
+    let cap = RETRY_BASE_MS
+        .saturating_mul(1u64 << attempt.min(16))
+        .min(RETRY_CAP_MS);
+    let mut bytes = [0u8; 8];
+    let jitter = match getrandom::fill(&mut bytes) {
+        Ok(()) => u64::from_le_bytes(bytes) % cap.max(1),
+        Err(_) => cap / 2,
+    };
+    tokio::time::sleep(Duration::from_millis(jitter.max(1))).await;
+}
+
+pub(super) struct Writer {
+    pub(super) pool: PgPool,
+    /// Shared by this replica's writers: one takes a group at a time.
+    pub(super) queue: Arc<tokio::sync::Mutex<mpsc::Receiver<(Command, Reply)>>>,
+    pub(super) stamper: Arc<Stamper>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) known: KnownCache,
+    pub(super) max_batch: usize,
+    /// The sequencer's passes: answers wait for their events' placement.
+    pub(super) placement: Arc<events::Placement>,
+    /// Health: whether the last transaction reached the database.
+    pub(super) reachable: tokio::sync::watch::Sender<bool>,
+    /// `Some(retention_ms)` on the writer that prunes the request log.
+    pub(super) prune: Option<i64>,
+}
+
+impl Writer {
+    pub(super) async fn run(self) {
+        let mut next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
+        loop {
+            let Some(group) = self.take_group().await else {
+                tracing::debug!("a PostgreSQL writer stopped");
+                return;
+            };
+            let (issuances, lifecycle): (Vec<_>, Vec<_>) = group
+                .into_iter()
+                .partition(|(c, _)| !matches!(c, Command::Lifecycle(_)));
+            let mut answered = Vec::with_capacity(self.max_batch);
+            if !issuances.is_empty() {
+                let (commands, replies): (Vec<_>, Vec<_>) = issuances.into_iter().unzip();
+                let answers = self.issue(&commands).await;
+                answered.extend(replies.into_iter().zip(answers));
+            }
+            for (command, reply) in lifecycle {
+                let Command::Lifecycle(command) = command else {
+                    continue;
+                };
+                answered.push((reply, self.transition(&command).await));
+            }
+            self.placement.placed().await;
+            for (reply, answer) in answered {
+                let _ = reply.send(answer);
+            }
+            if let Some(retention_ms) = self.prune
+                && std::time::Instant::now() >= next_prune
+            {
+                next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
+                let cutoff_ms = self.clock.now_ms().saturating_sub(retention_ms);
+                if let Err(e) = prune_requests(&self.pool, cutoff_ms).await {
+                    tracing::warn!(error = %e, "pruning the request log failed; will retry");
+                }
+            }
+        }
+    }
+
+    /// The next group of queued commands; `None` once every sender is gone.
+    async fn take_group(&self) -> Option<Vec<(Command, Reply)>> {
+        let mut queue = self.queue.lock().await;
+        let first = queue.recv().await?;
+        let mut group = vec![first];
+        while group.len() < self.max_batch {
+            match queue.try_recv() {
+                Ok(next) => group.push(next),
+                Err(_) => break,
+            }
+        }
+        Some(group)
+    }
+
+    /// Records the outcome of a transaction for health.
+    fn reached(&self, result: &Result<(), &sqlx::Error>) {
+        let reachable = !matches!(result, Err(e) if unreachable(e));
+        self.reachable.send_if_modified(|now| {
+            let changed = *now != reachable;
+            *now = reachable;
+            changed
+        });
+    }
+
+    /// Roots and delegations in one transaction, redone on contention.
+    async fn issue(&self, commands: &[Command]) -> Vec<Result<Answer, StoreError>> {
+        let mut attempt = 1;
+        loop {
+            let result = self.try_issue(commands).await;
+            self.reached(&result.as_ref().map(|_| ()));
+            match result {
+                Ok(answers) => return answers,
+                Err(e) if retryable(&e) && attempt < MAX_TX_ATTEMPTS => {
+                    tracing::debug!(error = %e, attempt, "issuance redone");
+                    backoff(attempt).await;
+                    attempt += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, attempt, size = commands.len(), "issuance failed");
+                    return commands.iter().map(|_| Err(failed(&e, attempt))).collect();
+                }
+            }
+        }
+    }
+
+    async fn try_issue(
+        &self,
+        commands: &[Command],
+    ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let (request_keys, parent_ids) = batch::needs(commands, &KnownMap::default());
+        let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
+        let mut known = KnownMap::default();
+        load_parents_locked(&mut tx, &parent_ids, &mut known).await?;
+        self.remember(&known);
+        let mut seqs = Reserved::default();
+        seqs.reserve(&mut tx, commands.len()).await?;
+        let now_ms = self.clock.now_ms();
+        let plan = batch::plan(
+            commands,
+            &mut prior,
+            &mut known,
+            &mut seqs,
+            &self.stamper,
+            now_ms,
+        );
+        let mut script = Script::default();
+        // Watch's hint is fed by the sequencer (positions), not here.
+        plan_statements(&mut script, &plan, &super::super::TreeChanges::default());
+        script.execute(&mut tx).await?;
+        insert_events(&mut tx, &seqs.taken).await?;
+        tx.commit().await?;
+        Ok(plan.answers)
+    }
+
+    /// One lifecycle command in its own transaction, redone on contention.
+    async fn transition(&self, command: &LifecycleCommand) -> Result<Answer, StoreError> {
+        let mut attempt = 1;
+        loop {
+            let result = self.try_transition(command).await;
+            self.reached(&result.as_ref().map(|_| ()));
+            match result {
+                Ok(answer) => return answer,
+                Err(e) if retryable(&e) && attempt < MAX_TX_ATTEMPTS => {
+                    tracing::debug!(error = %e, attempt, "transition redone");
+                    backoff(attempt).await;
+                    attempt += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, attempt, "transition failed");
+                    return Err(failed(&e, attempt));
+                }
+            }
+        }
+    }
+
+    async fn try_transition(
+        &self,
+        command: &LifecycleCommand,
+    ) -> Result<Result<Answer, StoreError>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let keys: Vec<RequestKey> = command
+            .request
+            .iter()
+            .map(|r| (r.agent, r.nonce.clone()))
+            .collect();
+        let prior = load_prior_requests(&mut tx, &keys).await?;
+        let mut seqs = Reserved::default();
+        let applied = lifecycle::apply(
+            &mut tx,
+            command,
+            &prior,
+            &self.stamper,
+            &super::super::TreeChanges::default(),
+            &mut seqs,
+            self.clock.now_ms(),
+        )
+        .await?;
+        insert_events(&mut tx, &seqs.taken).await?;
+        tx.commit().await?;
+        Ok(applied.answer)
+    }
+
+    /// Keeps the loaded parents' immutable terms for `issuing_parent`.
+    fn remember(&self, loaded: &KnownMap) {
+        let mut cache = lock(&self.known);
+        if cache.len() > MAX_CACHED_CONTRACTS || cache.bytes() > MAX_CACHED_CONTRACT_BYTES {
+            cache.clear();
+        }
+        for (id, known) in loaded.iter() {
+            cache.insert(*id, known.clone());
+        }
+    }
+}
+
+/// Loads and locks the named parents, in (depth, id) order (see the
+/// module docs of `store::postgres`).
+async fn load_parents_locked(
+    conn: &mut PgConnection,
+    parent_ids: &[Id],
+    known: &mut KnownMap,
+) -> Result<(), sqlx::Error> {
+    if parent_ids.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&[u8]> = parent_ids.iter().map(|id| id.as_slice()).collect();
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id = ANY($1) \
+         ORDER BY depth, id{LOCK_ROWS}"
+    )))
+    .bind(ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    for row in rows {
+        let (id, k) = StoredContract::from_row(&row)
+            .map_err(|e| sqlx::Error::Protocol(format!("corrupt contract row: {e}")))?
+            .known();
+        known.insert(id, k);
+    }
+    Ok(())
+}
+
+/// The outbox rows of everything a transaction numbered: contracts (their
+/// own event) and receipts (an event of the contract they are about).
+async fn insert_events(conn: &mut PgConnection, seqs: &[i64]) -> Result<(), sqlx::Error> {
+    if seqs.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO events (seq, kind, contract_seq) \
+         SELECT seq, 1, seq FROM contracts WHERE seq = ANY($1) \
+         UNION ALL SELECT seq, 2, contract_seq FROM receipts WHERE seq = ANY($1)",
+    )
+    .bind(seqs)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries older than
+/// `cutoff_ms`. Replicas may prune at once: a row two of them pick is
+/// deleted once, the other deletes nothing.
+async fn prune_requests(pool: &PgPool, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "DELETE FROM requests WHERE (agent_key, nonce) IN \
+         (SELECT agent_key, nonce FROM requests WHERE at_ms < $1 ORDER BY at_ms LIMIT $2)",
+    )
+    .bind(cutoff_ms)
+    .bind(MAX_PRUNED_PER_PASS)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// A planned batch's statements, run one after another in the caller's
+/// transaction (PostgreSQL's extended protocol takes one statement at a
+/// time).
+#[derive(Default)]
+pub(super) struct Script {
+    pub(super) query: QueryBuilder<Postgres>,
+    done: Vec<QueryBuilder<Postgres>>,
+    pub(super) statements: usize,
+}
+
+impl Script {
+    /// Starts the next statement with `sql`.
+    pub(super) fn statement(&mut self, sql: &str) -> &mut QueryBuilder<Postgres> {
+        if self.statements > 0 {
+            let finished = std::mem::replace(&mut self.query, QueryBuilder::new(""));
+            self.done.push(finished);
+        }
+        self.statements += 1;
+        self.query.push(sql)
+    }
+
+    async fn execute(mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        if self.statements == 0 {
+            return Ok(());
+        }
+        self.done.push(self.query);
+        for mut statement in self.done {
+            statement.build().execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+}
