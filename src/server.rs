@@ -16,6 +16,7 @@ use crate::pb;
 use crate::service::BrokerService;
 use crate::stamp::Stamper;
 use crate::store::Store;
+use crate::store::postgres::{PostgresOptions, PostgresStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore, WAL_RESTART_BYTES};
 
 /// The SQLite database's file name inside the data directory.
@@ -68,9 +69,21 @@ pub struct ServeOptions {
     /// Where to serve Prometheus metrics (`GET /metrics`); none when
     /// absent (`serve --metrics ADDR`).
     pub metrics_listener: Option<TcpListener>,
+    /// The shared PostgreSQL database (`serve --database-url`); SQLite in
+    /// the data directory when absent.
+    pub database: Option<DatabaseOptions>,
 }
 
-/// `run_with_clock` with options (the metrics endpoint).
+/// The shared database of a replicated broker.
+#[derive(Clone, Debug)]
+pub struct DatabaseOptions {
+    /// `postgres://…`.
+    pub url: String,
+    /// Apply pending migrations at start (`--no-migrate` turns it off).
+    pub migrate: bool,
+}
+
+/// `run_with_clock` with options (the metrics endpoint, the database).
 pub async fn run_with_options(
     listener: TcpListener,
     config: Config,
@@ -84,14 +97,115 @@ pub async fn run_with_options(
             "no [orchestrators] in the configuration: any key may open roots with any budget"
         );
     }
-    let (keys, current_key, stamper) = load_keys(&config).await?;
-    let session_stamper = stamper.clone();
+    let keyring = load_keys(&config).await?;
+    let stamper = Arc::new(Stamper::new(keyring.current.clone()));
+    let parts = Parts {
+        listener,
+        clock: clock.clone(),
+        metrics_listener: options.metrics_listener,
+        metrics: metrics.clone(),
+        current_key: keyring.current.verifying_key(),
+        stamper: stamper.clone(),
+    };
+    match options.database {
+        None => {
+            let store = open_store(&config, stamper, clock, &metrics).await?;
+            let keys = crate::service::PublishedKeys::new(published(&keyring));
+            serve(parts, config, store, keys, shutdown).await
+        }
+        Some(database) => {
+            let store = open_postgres(&config, &database, stamper, clock, &metrics).await?;
+            let retired: Vec<[u8; 32]> = keyring.retired.iter().map(|k| k.to_bytes()).collect();
+            let registered = store
+                .register_keys(&keyring.current.verifying_key().to_bytes(), &retired)
+                .await?;
+            let keys = crate::service::PublishedKeys::new(registered);
+            serve(parts, config, store, keys, shutdown).await
+        }
+    }
+}
+
+/// What serving needs besides the store and the configuration.
+struct Parts {
+    listener: TcpListener,
+    clock: Arc<dyn Clock>,
+    metrics_listener: Option<TcpListener>,
+    metrics: Arc<crate::metrics::Metrics>,
+    current_key: ed25519_dalek::VerifyingKey,
+    stamper: Arc<Stamper>,
+}
+
+/// The store a broker serves from, with what the server reads beside the
+/// `Store` trait: health, and the gauges of `/metrics`.
+pub trait Served: Store + Clone {
+    /// True while the store can serve; false after it stopped (SQLite,
+    /// for good: a failed fsync) or while its database is unreachable
+    /// (PostgreSQL, until it is back).
+    fn serving(&self) -> tokio::sync::watch::Receiver<bool>;
+    /// Contracts open or accepted now.
+    fn open_contracts(&self) -> impl Future<Output = Result<i64, crate::store::StoreError>> + Send;
+    /// Commands waiting for the store's writers.
+    fn queue_depth(&self) -> usize;
+}
+
+impl Served for SqliteStore {
+    fn serving(&self) -> tokio::sync::watch::Receiver<bool> {
+        let (serving, status) = tokio::sync::watch::channel(true);
+        let lost = self.durability_lost();
+        tokio::spawn(async move {
+            lost.await;
+            let _ = serving.send(false);
+            // Held until every receiver is gone: the status stays false.
+            serving.closed().await;
+        });
+        status
+    }
+
+    async fn open_contracts(&self) -> Result<i64, crate::store::StoreError> {
+        SqliteStore::open_contracts(self).await
+    }
+
+    fn queue_depth(&self) -> usize {
+        SqliteStore::queue_depth(self)
+    }
+}
+
+impl Served for PostgresStore {
+    fn serving(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.reachable()
+    }
+
+    async fn open_contracts(&self) -> Result<i64, crate::store::StoreError> {
+        PostgresStore::open_contracts(self).await
+    }
+
+    fn queue_depth(&self) -> usize {
+        PostgresStore::queue_depth(self)
+    }
+}
+
+/// Serves the broker over `store` until `shutdown` resolves.
+async fn serve<S: Served>(
+    parts: Parts,
+    config: Config,
+    store: S,
+    keys: crate::service::PublishedKeys,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServerError> {
+    let Parts {
+        listener,
+        clock,
+        metrics_listener,
+        metrics,
+        current_key,
+        stamper,
+    } = parts;
     let limits = config.limits.clone();
     let tls = config.tls.clone();
-    let store = open_store(&config, stamper, clock.clone(), &metrics).await?;
-    let durability_lost = store.durability_lost();
+    let serving = store.serving();
     let store = Arc::new(store);
     sample_store(&metrics, &store);
+    tokio::spawn(refresh_keys(Arc::downgrade(&store), keys.clone()));
     tokio::spawn(expiry_sweeper(
         Arc::downgrade(&store),
         clock.clone(),
@@ -104,6 +218,9 @@ pub async fn run_with_options(
         crate::core::limits::MAX_CONCURRENT_CONVERSIONS,
         crate::core::limits::DEEP_STACK_BYTES,
     )?;
+    let sessions =
+        crate::service::session::Sessions::new(stamper, current_key, limits.session_ttl_ms)
+            .with_published(keys.clone());
     let service = BrokerService::new(
         store,
         Arc::new(config),
@@ -111,7 +228,7 @@ pub async fn run_with_options(
         keys,
         stopping,
         converters,
-        crate::service::session::Sessions::new(session_stamper, current_key, limits.session_ttl_ms),
+        sessions,
     )
     .with_metrics(metrics.clone());
     let streams = service.watch_streams();
@@ -126,17 +243,17 @@ pub async fn run_with_options(
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
-        .set_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
+        .set_serving::<pb::broker_server::BrokerServer<BrokerService<S>>>()
         .await;
-    tokio::spawn(report_lost_durability(
+    tokio::spawn(report_health::<S>(
         health_reporter.clone(),
-        durability_lost,
+        serving,
         shutting_down,
     ));
     let (reflection, reflection_v1alpha) = reflection_services()?;
     log_start(&listener, tls.is_some(), &current_key);
     let (metrics_stop, metrics_stopping) = tokio::sync::oneshot::channel::<()>();
-    if let Some(metrics_listener) = options.metrics_listener {
+    if let Some(metrics_listener) = metrics_listener {
         tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving metrics at /metrics");
         tokio::spawn(crate::metrics::serve(
             metrics_listener,
@@ -176,22 +293,40 @@ pub async fn run_with_options(
     Ok(())
 }
 
-/// The broker's signing keys (created on first start): the published list
-/// (current and retired), the current public key and its stamper.
-async fn load_keys(
-    config: &Config,
-) -> Result<
-    (
-        Vec<pb::BrokerKey>,
-        ed25519_dalek::VerifyingKey,
-        Arc<Stamper>,
-    ),
-    ServerError,
-> {
+/// How often a replica re-reads the registered keys: a replica that
+/// started (or rotated) since is published within this.
+const KEYS_REFRESH: Duration = Duration::from_millis(500);
+
+/// Keeps `keys` equal to the shared registry while the store lives (a
+/// single broker's keys never change while it runs: returns at once).
+async fn refresh_keys<S: Served>(store: std::sync::Weak<S>, keys: crate::service::PublishedKeys) {
+    let mut tick = tokio::time::interval(KEYS_REFRESH);
+    loop {
+        tick.tick().await;
+        let Some(store) = store.upgrade() else { return };
+        match store.broker_keys().await {
+            Ok(Some(registered)) if !registered.is_empty() => keys.set(registered),
+            Ok(Some(_)) => {}
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "refreshing the published keys; keeping the last")
+            }
+        }
+    }
+}
+
+/// The broker's signing keys (created on first start).
+async fn load_keys(config: &Config) -> Result<keystore::Keyring, ServerError> {
     let data_dir = config.data_dir.clone();
-    let keyring = tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
-        .await
-        .map_err(|e| ServerError::KeyLoading(e.to_string()))??;
+    Ok(
+        tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
+            .await
+            .map_err(|e| ServerError::KeyLoading(e.to_string()))??,
+    )
+}
+
+/// The keys a single broker publishes: its current key, then the retired.
+fn published(keyring: &keystore::Keyring) -> Vec<pb::BrokerKey> {
     let current = keyring.current.verifying_key().to_bytes();
     let mut keys = vec![pb::BrokerKey {
         key_id: crypto::key_id(&current),
@@ -203,8 +338,26 @@ async fn load_keys(
         public_key: k.to_bytes().to_vec(),
         current: false,
     }));
-    let current_key = keyring.current.verifying_key();
-    Ok((keys, current_key, Arc::new(Stamper::new(keyring.current))))
+    keys
+}
+
+/// The shared store, with the configured limits.
+async fn open_postgres(
+    config: &Config,
+    database: &DatabaseOptions,
+    stamper: Arc<Stamper>,
+    clock: Arc<dyn Clock>,
+    metrics: &crate::metrics::Metrics,
+) -> Result<PostgresStore, ServerError> {
+    let limits = &config.limits;
+    let mut options = PostgresOptions::new(database.url.clone());
+    options.migrate = database.migrate;
+    options.queue_depth = limits.writer_queue_depth;
+    options.max_batch = limits.max_batch;
+    options.read_connections = limits.read_connections;
+    options.request_log_retention_ms = limits.request_log_retention_ms;
+    options.metrics = Some(metrics.store.clone());
+    Ok(PostgresStore::open(options, stamper, clock).await?)
 }
 
 /// The embedded store in the data directory, with the configured limits.
@@ -242,7 +395,7 @@ async fn open_store(
 /// cannot run inside a scrape's synchronous collection), the write queue
 /// read at scrape time. Weak references: metrics never keep the store
 /// alive.
-fn sample_store(metrics: &crate::metrics::Metrics, store: &Arc<SqliteStore>) {
+fn sample_store<S: Served>(metrics: &crate::metrics::Metrics, store: &Arc<S>) {
     let counted = Arc::downgrade(store);
     let open_contracts = metrics.open_contracts.clone();
     tokio::spawn(async move {
@@ -271,25 +424,48 @@ fn sample_store(metrics: &crate::metrics::Metrics, store: &Arc<SqliteStore>) {
     );
 }
 
-/// Health tells the truth: once the store cannot make anything durable (a
-/// failed fsync stops it for good), the broker is NOT_SERVING until it is
-/// restarted.
-async fn report_lost_durability(
+/// Health tells the truth: NOT_SERVING while the store cannot serve (a
+/// failed fsync stops SQLite for good; an unreachable PostgreSQL until it
+/// is back), SERVING again when it can.
+async fn report_health<S: Served>(
     reporter: tonic_health::server::HealthReporter,
-    durability_lost: impl Future<Output = ()>,
+    mut serving: tokio::sync::watch::Receiver<bool>,
     shutting_down: tokio::sync::watch::Receiver<bool>,
 ) {
-    durability_lost.await;
-    // At shutdown the store stops last, by design: not an error.
-    if !*shutting_down.borrow() {
-        tracing::error!("the store stopped: health is NOT_SERVING until the broker is restarted");
+    loop {
+        let up = *serving.borrow_and_update();
+        let status = if up {
+            tonic_health::ServingStatus::Serving
+        } else {
+            // At shutdown the store stops last, by design: not an error.
+            if !*shutting_down.borrow() {
+                tracing::error!("the store cannot serve: health is NOT_SERVING");
+            }
+            tonic_health::ServingStatus::NotServing
+        };
+        reporter
+            .set_service_status(
+                <pb::broker_server::BrokerServer<BrokerService<S>> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+        reporter.set_service_status("", status).await;
+        if serving.changed().await.is_err() {
+            // The sender is gone: the store stopped.
+            if up {
+                reporter
+                    .set_service_status(
+                        <pb::broker_server::BrokerServer<BrokerService<S>> as tonic::server::NamedService>::NAME,
+                        tonic_health::ServingStatus::NotServing,
+                    )
+                    .await;
+                reporter
+                    .set_service_status("", tonic_health::ServingStatus::NotServing)
+                    .await;
+            }
+            return;
+        }
     }
-    reporter
-        .set_not_serving::<pb::broker_server::BrokerServer<BrokerService<SqliteStore>>>()
-        .await;
-    reporter
-        .set_service_status("", tonic_health::ServingStatus::NotServing)
-        .await;
 }
 
 /// Reflection in both versions: v1, and v1alpha for the clients that

@@ -1,4 +1,4 @@
-//! The command line: `serve`, `keygen`, `rotate-key`, `bench`,
+//! The command line: `serve`, `migrate`, `keygen`, `rotate-key`, `bench`,
 //! `disk-probe`, `audit`, `verify`. Every flag has an environment override.
 
 pub mod audit;
@@ -45,6 +45,16 @@ enum Command {
         /// http://127.0.0.1:4317 (off when absent).
         #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
         otlp_endpoint: Option<String>,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Applies the PostgreSQL schema's pending migrations and exits: for
+    /// deployments that migrate once, as a job, and start every replica
+    /// with `serve --no-migrate`.
+    Migrate {
+        /// The shared database, e.g. postgres://broker@db:5432/broker.
+        #[arg(long, env = "BROKER_DATABASE_URL")]
+        database_url: String,
     },
     /// Generates an agent key pair; prints the public key and writes the
     /// secret seed (hex) to a file readable only by its owner.
@@ -99,6 +109,21 @@ enum Command {
     },
 }
 
+/// Where a replicated broker keeps its state.
+#[derive(clap::Args, Debug)]
+pub struct DatabaseArgs {
+    /// A PostgreSQL database shared by every replica, e.g.
+    /// postgres://broker@db:5432/broker (SQLite in --data-dir when
+    /// absent). The data directory still holds this replica's signing key.
+    #[arg(long, env = "BROKER_DATABASE_URL")]
+    database_url: Option<String>,
+    /// Do not apply pending migrations at start (they were applied by
+    /// `delegation-broker migrate`); a database behind this broker's
+    /// schema is refused.
+    #[arg(long, requires = "database_url")]
+    no_migrate: bool,
+}
+
 /// Parses arguments, sets up logging and runs the chosen command.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -124,7 +149,17 @@ pub fn main() -> ExitCode {
             config,
             metrics,
             otlp_endpoint,
-        } => serve(listen, data_dir, config, metrics, otlp_endpoint, format),
+            database,
+        } => serve(
+            listen,
+            data_dir,
+            config,
+            metrics,
+            otlp_endpoint,
+            database,
+            format,
+        ),
+        Command::Migrate { database_url } => migrate(&database_url),
         Command::Keygen { out } => keygen(out),
         Command::RotateKey { data_dir } => crate::keystore::rotate(&data_dir)
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
@@ -165,6 +200,7 @@ fn serve(
     config: Option<PathBuf>,
     metrics: Option<String>,
     otlp_endpoint: Option<String>,
+    database: DatabaseArgs,
     format: crate::telemetry::LogFormat,
 ) -> anyhow::Result<()> {
     let config = Config::load(data_dir, config.as_deref())?;
@@ -179,7 +215,15 @@ fn serve(
         // Print the bound address on stdout: with port 0 it is how callers
         // (tests, scripts) learn the port.
         println!("listening on {}", listener.local_addr()?);
-        let mut options = crate::server::ServeOptions::default();
+        let mut options = crate::server::ServeOptions {
+            database: database
+                .database_url
+                .map(|url| crate::server::DatabaseOptions {
+                    url,
+                    migrate: !database.no_migrate,
+                }),
+            ..Default::default()
+        };
         if let Some(address) = metrics {
             let metrics_listener = tokio::net::TcpListener::bind(&address).await?;
             println!(
@@ -197,6 +241,19 @@ fn serve(
         )
         .await?;
         telemetry.shutdown().await;
+        Ok(())
+    })
+}
+
+/// `delegation-broker migrate`: the PostgreSQL schema, brought up to date.
+fn migrate(database_url: &str) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let connect = crate::store::postgres::connect_options(database_url)?;
+        crate::store::postgres::migrate::run(&connect).await?;
+        println!("the database schema is up to date");
         Ok(())
     })
 }

@@ -28,14 +28,77 @@ use crate::telemetry;
 use auth::authenticate;
 use error::ServiceError;
 
+/// Longest a replicated broker's GetBrokerKeys answers from its copy of
+/// the shared key registry.
+pub const KEYS_MAX_AGE_MS: u64 = 100;
+
+/// The verifying keys GetBrokerKeys publishes; shared with whatever
+/// refreshes them.
+#[derive(Clone, Default)]
+pub struct PublishedKeys(Arc<std::sync::RwLock<(Vec<pb::BrokerKey>, Option<std::time::Instant>)>>);
+
+impl PublishedKeys {
+    pub fn new(keys: Vec<pb::BrokerKey>) -> Self {
+        Self(Arc::new(std::sync::RwLock::new((keys, None))))
+    }
+
+    pub fn get(&self) -> Vec<pb::BrokerKey> {
+        self.read().0.clone()
+    }
+
+    /// Whether the list is older than `max_age_ms` (or was never
+    /// refreshed); claims the refresh, so one caller at a time reads.
+    pub fn stale(&self, max_age_ms: u64) -> bool {
+        let now = std::time::Instant::now();
+        let max_age = std::time::Duration::from_millis(max_age_ms);
+        if self
+            .read()
+            .1
+            .is_some_and(|at| now.duration_since(at) < max_age)
+        {
+            return false;
+        }
+        let mut keys = self.write();
+        if keys.1.is_some_and(|at| now.duration_since(at) < max_age) {
+            return false;
+        }
+        keys.1 = Some(now);
+        true
+    }
+
+    pub fn set(&self, keys: Vec<pb::BrokerKey>) {
+        let mut published = self.write();
+        published.0 = keys;
+        published.1 = Some(std::time::Instant::now());
+    }
+
+    // Replaced whole: a poisoned lock still holds a complete list.
+    fn read(
+        &self,
+    ) -> std::sync::RwLockReadGuard<'_, (Vec<pb::BrokerKey>, Option<std::time::Instant>)> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn write(
+        &self,
+    ) -> std::sync::RwLockWriteGuard<'_, (Vec<pb::BrokerKey>, Option<std::time::Instant>)> {
+        self.0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// The broker's gRPC service over a store.
 pub struct BrokerService<S> {
     store: Arc<S>,
     config: Arc<Config>,
     clock: Arc<dyn Clock>,
-    /// Published verifying keys, current first; fixed for the process's
-    /// life (rotation happens offline).
-    keys: Arc<Vec<pb::BrokerKey>>,
+    /// Published verifying keys, current first: this broker's (rotation
+    /// happens offline), or, on a replicated broker, every replica's,
+    /// refreshed from the shared database.
+    keys: PublishedKeys,
     /// Attestation envelopes whose signature already verified.
     verified: Arc<convert::VerifiedAttestations>,
     /// Issues and checks read sessions (who is reading).
@@ -82,7 +145,7 @@ impl<S> BrokerService<S> {
         store: Arc<S>,
         config: Arc<Config>,
         clock: Arc<dyn Clock>,
-        keys: Vec<pb::BrokerKey>,
+        keys: PublishedKeys,
         stopping: tokio::sync::watch::Receiver<bool>,
         converters: crate::pool::WorkPool,
         sessions: session::Sessions,
@@ -119,7 +182,7 @@ impl<S> BrokerService<S> {
             store,
             config,
             clock,
-            keys: Arc::new(keys),
+            keys,
             verified: Arc::default(),
             converters,
         }
@@ -1030,8 +1093,18 @@ impl<S: Store> Broker for BrokerService<S> {
         &self,
         _request: Request<pb::GetBrokerKeysRequest>,
     ) -> Result<Response<pb::GetBrokerKeysResponse>, Status> {
+        // A replicated broker reads the shared registry (at most
+        // `KEYS_MAX_AGE_MS` old, one read at a time): a replica registers
+        // its key before it serves, so its contracts verify with the keys
+        // of any replica asked after that.
+        if self.keys.stale(KEYS_MAX_AGE_MS)
+            && let Ok(Some(keys)) = self.store.broker_keys().await
+            && !keys.is_empty()
+        {
+            self.keys.set(keys);
+        }
         Ok(Response::new(pb::GetBrokerKeysResponse {
-            keys: self.keys.as_ref().clone(),
+            keys: self.keys.get(),
         }))
     }
 }

@@ -1,10 +1,11 @@
 //! Read sessions (issue 11, item 13): who is reading. A caller proves its
 //! key once with a signed OpenSession request and gets a broker-signed
 //! `Session`; each read carries it as `x-broker-session-bin` metadata. The
-//! session is self-contained (checked against the broker's current key
-//! alone: a session signed by a key since retired is refused as
-//! BAD_SESSION, so a rotation ends every session), and nothing about
-//! sessions is stored.
+//! session is self-contained (checked against current keys alone: a
+//! session signed by a key since retired is refused as BAD_SESSION, so a
+//! rotation ends every session), and nothing about sessions is stored. On
+//! a replicated broker every replica's current key is current: a session
+//! opened through one replica reads through any other.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -29,9 +30,13 @@ const MAX_VERIFIED_SESSIONS: usize = 16_384;
 /// Issues and checks sessions.
 pub struct Sessions {
     stamper: Arc<Stamper>,
-    /// The current signing key, the only one sessions are accepted from:
-    /// a retired key (perhaps retired because it leaked) issues none.
+    /// This broker's current signing key: sessions are accepted from it
+    /// and from the other current keys `published` lists (replicas), never
+    /// from a retired key (perhaps retired because it leaked).
     current: (String, VerifyingKey),
+    /// The keys GetBrokerKeys publishes (a replicated broker's include
+    /// every replica's).
+    published: super::PublishedKeys,
     ttl_ms: i64,
     /// Digest of a verified session envelope → (agent, expiry).
     verified: Mutex<HashMap<[u8; 32], (AgentKey, i64)>>,
@@ -50,9 +55,29 @@ impl Sessions {
         Self {
             stamper,
             current,
+            published: super::PublishedKeys::default(),
             ttl_ms,
             verified: Mutex::default(),
         }
+    }
+
+    /// Also accepts sessions (and OpenSession audiences) of the other
+    /// current keys in `published`: a replicated broker's replicas.
+    pub fn with_published(mut self, published: super::PublishedKeys) -> Self {
+        self.published = published;
+        self
+    }
+
+    /// The current key with this id: this broker's, or a replica's.
+    fn current_key(&self, key_id: &str) -> Option<VerifyingKey> {
+        if key_id == self.current.0 {
+            return Some(self.current.1);
+        }
+        self.published
+            .get()
+            .into_iter()
+            .find(|k| k.current && k.key_id == key_id)
+            .and_then(|k| crypto::public_key(&k.public_key).ok())
     }
 
     /// Checks that an OpenSession request was meant for this broker.
@@ -64,7 +89,7 @@ impl Sessions {
             )
             .into());
         }
-        if broker_key_id != self.current.0 {
+        if self.current_key(broker_key_id).is_none() {
             return Err(unauthenticated(
                 pb::ErrorReason::WrongBroker,
                 "body.broker_key_id is not this broker's current key: the request was meant for another broker (or a retired key)",
@@ -139,12 +164,12 @@ impl Sessions {
             pb::Sealed::decode(bytes).map_err(|_| bad("the session is not a Sealed Session"))?;
         let session = pb::Session::decode(envelope.payload.as_slice())
             .map_err(|_| bad("the session's payload is not a Session"))?;
-        if session.broker_key_id != self.current.0 {
+        let Some(key) = self.current_key(&session.broker_key_id) else {
             return Err(bad(
                 "the session was not signed by this broker's current key (open a new one)",
             ));
-        }
-        crypto::verify_sealed(&envelope, payload_type::SESSION, &self.current.1)
+        };
+        crypto::verify_sealed(&envelope, payload_type::SESSION, &key)
             .map_err(|_| bad("the session's signature does not verify"))?;
         // Only this broker's sessions verify, and it never issues one longer
         // than its lifetime: a longer one was not made by this code.

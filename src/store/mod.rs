@@ -364,4 +364,10 @@ pub trait Store: Send + Sync + 'static {
         &self,
         id: Id,
     ) -> impl Future<Output = Result<Option<pb::Sealed>, StoreError>> + Send;
+    /// The signing keys every replica registered, current first, when the
+    /// store is shared by replicas; `None` when the broker's own keyring
+    /// is all it publishes (SQLite).
+    fn broker_keys(
+        &self,
+    ) -> impl Future<Output = Result<Option<Vec<pb::BrokerKey>>, StoreError>> + Send;
 }

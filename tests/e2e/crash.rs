@@ -13,11 +13,17 @@ use delegation_broker::pb;
 
 use crate::harness::*;
 
-/// Starts `delegation-broker serve` on port 0 and returns it with its address.
-fn spawn_broker(data_dir: &std::path::Path) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+/// Starts `delegation-broker serve` on port 0 (on `database` when given:
+/// a PostgreSQL URL) and returns it with its address.
+pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Child, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_delegation-broker"));
+    command
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data_dir)
+        .arg(data_dir);
+    if let Some(url) = database {
+        command.args(["--database-url", url]);
+    }
+    let mut child = command
         .env("BROKER_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -38,7 +44,13 @@ fn spawn_broker(data_dir: &std::path::Path) -> (Child, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut process, addr) = spawn_broker(dir.path());
+    let database = if on_postgres() {
+        Some(delegation_broker::store::postgres::testing::TestDatabase::create().await)
+    } else {
+        None
+    };
+    let url = database.as_ref().map(|d| d.url.as_str());
+    let (mut process, addr) = spawn_broker(dir.path(), url);
     let mut client = connect(&addr).await;
     let orchestrator = Arc::new(Agent::generate());
     let spec = RootSpec {
@@ -109,7 +121,7 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let answered = answered.lock().unwrap().clone();
     assert!(answered.len() >= 300);
 
-    let (mut process, addr) = spawn_broker(dir.path());
+    let (mut process, addr) = spawn_broker(dir.path(), url);
     let mut broker_client = connect_as(&addr, &orchestrator).await;
     for id in &answered {
         let state = broker_client
@@ -142,14 +154,14 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     process.wait().unwrap();
 }
 
-struct LedgerCheck {
-    client: delegation_broker::client::SessionClient,
+pub struct LedgerCheck {
+    pub client: delegation_broker::client::SessionClient,
 }
 
 impl LedgerCheck {
     /// budget = residual + reserved + spent everywhere; reserved = the sum
     /// of the children's budgets.
-    async fn assert_balanced(&mut self, root: &[u8]) {
+    pub async fn assert_balanced(&mut self, root: &[u8]) {
         let mut queue = vec![root.to_vec()];
         let mut seen = 0;
         while let Some(id) = queue.pop() {

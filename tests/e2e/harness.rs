@@ -31,7 +31,24 @@ pub struct Broker {
     server: Option<tokio::task::JoinHandle<()>>,
     /// Where `/metrics` is served (brokers started with metrics).
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The PostgreSQL database of this broker (`on_postgres`), dropped
+    /// after the broker stops.
+    pub database: Option<delegation_broker::store::postgres::testing::TestDatabase>,
     _dir: tempfile::TempDir,
+}
+
+/// The variable that runs the end-to-end tests against PostgreSQL
+/// (`BROKER_TEST_BACKEND=postgres`, set by the test command's second
+/// pass); SQLite otherwise.
+pub const BACKEND_VAR: &str = "BROKER_TEST_BACKEND";
+
+/// Whether this run's brokers keep their state in PostgreSQL.
+pub fn on_postgres() -> bool {
+    match std::env::var(BACKEND_VAR).as_deref() {
+        Ok("postgres") => true,
+        Ok("sqlite") | Err(_) => false,
+        Ok(other) => panic!("{BACKEND_VAR}={other}: expected sqlite or postgres"),
+    }
 }
 
 impl Broker {
@@ -40,15 +57,42 @@ impl Broker {
     }
 
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Self {
-        Self::start_full(adjust, false).await
+        Self::start_full(adjust, false, None).await
     }
 
     /// A broker that also serves Prometheus metrics (`metrics_addr`).
     pub async fn start_with_metrics() -> Self {
-        Self::start_full(|_| {}, true).await
+        Self::start_full(|_| {}, true, None).await
     }
 
-    async fn start_full(adjust: impl FnOnce(&mut Config), metrics: bool) -> Self {
+    /// The first replica of a replicated broker: on a fresh PostgreSQL
+    /// database of its own whatever the backend of this run (it owns the
+    /// database: stop it last).
+    pub async fn start_replicated() -> Self {
+        let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
+        let url = database.url.clone();
+        let mut broker = Self::start_full(|_| {}, false, Some(&url)).await;
+        broker.database = Some(database);
+        broker
+    }
+
+    /// Another replica on `first`'s database (its own signing key, data
+    /// directory and address).
+    pub async fn start_replica(first: &Broker) -> Self {
+        let url = first
+            .database
+            .as_ref()
+            .expect("a replicated broker")
+            .url
+            .clone();
+        Self::start_full(|_| {}, false, Some(&url)).await
+    }
+
+    async fn start_full(
+        adjust: impl FnOnce(&mut Config),
+        metrics: bool,
+        shared: Option<&str>,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let attestor = Agent::generate();
         let reader = Agent::generate();
@@ -64,6 +108,23 @@ impl Broker {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = format!("http://{}", listener.local_addr().unwrap());
         let mut options = delegation_broker::server::ServeOptions::default();
+        let database = if let Some(url) = shared {
+            options.database = Some(delegation_broker::server::DatabaseOptions {
+                url: url.to_owned(),
+                migrate: true,
+            });
+            None
+        } else if on_postgres() {
+            let database =
+                delegation_broker::store::postgres::testing::TestDatabase::create().await;
+            options.database = Some(delegation_broker::server::DatabaseOptions {
+                url: database.url.clone(),
+                migrate: true,
+            });
+            Some(database)
+        } else {
+            None
+        };
         let mut metrics_addr = None;
         if metrics {
             let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -96,6 +157,7 @@ impl Broker {
             stop: Some(stop),
             server: Some(server),
             metrics_addr,
+            database,
             _dir: dir,
         }
     }

@@ -11,5 +11,6 @@ mod invariants;
 mod lifecycle;
 mod offline;
 mod operability;
+mod replicas;
 mod seeds;
 mod tls;

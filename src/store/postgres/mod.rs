@@ -137,6 +137,9 @@ pub struct PostgresOptions {
     /// Longest a writer or reader waits for a connection before the
     /// caller is answered UNAVAILABLE (the database is unreachable).
     pub connect_timeout_ms: u64,
+    /// Where the writers report their group sizes (the server's
+    /// `/metrics`); `None` reports nowhere.
+    pub metrics: Option<crate::metrics::StoreMetrics>,
 }
 
 impl PostgresOptions {
@@ -155,6 +158,7 @@ impl PostgresOptions {
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
             connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
+            metrics: None,
         }
     }
 }
@@ -276,6 +280,7 @@ impl PostgresStore {
                 reachable: reachable_tx.clone(),
                 // One writer per replica prunes; every replica does.
                 prune: (number == 0).then_some(options.request_log_retention_ms),
+                metrics: options.metrics.clone(),
             };
             tokio::spawn(writer.run());
         }
@@ -355,11 +360,6 @@ impl PostgresStore {
         retired: &[[u8; 32]],
     ) -> Result<Vec<pb::BrokerKey>, StoreError> {
         migrate::register_keys(&self.reader, current, retired, self.clock.now_ms()).await?;
-        self.broker_keys().await
-    }
-
-    /// Every key registered by any replica, current ones first.
-    pub async fn broker_keys(&self) -> Result<Vec<pb::BrokerKey>, StoreError> {
         migrate::broker_keys(&self.reader).await
     }
 
@@ -465,6 +465,10 @@ impl Store for PostgresStore {
 
     async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
         reads::receipt(self, id).await
+    }
+
+    async fn broker_keys(&self) -> Result<Option<Vec<pb::BrokerKey>>, StoreError> {
+        migrate::broker_keys(&self.reader).await.map(Some)
     }
 }
 

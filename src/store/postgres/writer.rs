@@ -141,6 +141,8 @@ pub(super) struct Writer {
     pub(super) reachable: tokio::sync::watch::Sender<bool>,
     /// `Some(retention_ms)` on the writer that prunes the request log.
     pub(super) prune: Option<i64>,
+    /// `PostgresOptions::metrics`.
+    pub(super) metrics: Option<crate::metrics::StoreMetrics>,
 }
 
 impl Writer {
@@ -192,6 +194,9 @@ impl Writer {
                 Ok(next) => group.push(next),
                 Err(_) => break,
             }
+        }
+        if let Some(metrics) = &self.metrics {
+            metrics.batch_commands.observe(group.len() as f64);
         }
         Some(group)
     }

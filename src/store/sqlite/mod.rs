@@ -515,6 +515,10 @@ impl Store for SqliteStore {
     async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
         reads::receipt(self, id).await
     }
+
+    async fn broker_keys(&self) -> Result<Option<Vec<pb::BrokerKey>>, StoreError> {
+        Ok(None)
+    }
 }
 
 /// Watch's events: contracts and receipts of the subtree share one

@@ -1,0 +1,346 @@
+//! A replicated broker: several broker replicas over one PostgreSQL
+//! database (issue 13's acceptance). Every test here runs on PostgreSQL
+//! whatever the run's backend, on a database of its own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use delegation_broker::client::Agent;
+use delegation_broker::pb;
+use delegation_broker::pb::InvariantCode as Code;
+use tokio_stream::StreamExt;
+
+use crate::harness::*;
+use delegation_broker::crypto::payload_type;
+
+/// Three replicas on one fresh database.
+async fn three() -> (Broker, Broker, Broker) {
+    let a = Broker::start_replicated().await;
+    let b = Broker::start_replica(&a).await;
+    let c = Broker::start_replica(&a).await;
+    (a, b, c)
+}
+
+async fn stop_all(a: Broker, b: Broker, c: Broker) {
+    // The first owns the database: it goes last.
+    c.stop().await;
+    b.stop().await;
+    a.stop().await;
+}
+
+/// (a, g) 64 concurrent siblings of 10 from a parent whose residual is
+/// 300, round-robin over three replicas: exactly 30 issued and 34 signed
+/// BUDGET_EXCEEDS_PARENT refusals, no other answer (no raw database
+/// error), and every ledger of the tree balances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn siblings_racing_through_three_replicas_never_overspend() {
+    let (mut a, b, c) = three().await;
+    let orchestrator = Arc::new(Agent::generate());
+    let root = a
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                budget: 300,
+                max_children: 64,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let addrs = [a.addr.clone(), b.addr.clone(), c.addr.clone()];
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let mut client = connect(&addrs[i % 3]).await;
+        let orchestrator = orchestrator.clone();
+        let body = child(&root.id, &root.lineage, &Agent::generate(), 10);
+        tasks.push(tokio::spawn(async move {
+            let response = client
+                .delegate(orchestrator.delegate(body))
+                .await
+                .unwrap_or_else(|e| panic!("every answer is issued or refused: {e:?}"))
+                .into_inner();
+            Outcome::from(response.outcome.unwrap())
+        }));
+    }
+    let (mut issued, mut refused) = (0, 0);
+    let keys = a.keys().await;
+    for task in tasks {
+        match task.await.unwrap() {
+            Outcome::Issued { .. } => issued += 1,
+            outcome @ Outcome::Refused { .. } => {
+                let (_, envelope, receipt) = outcome.refused();
+                assert_eq!(codes(&receipt), vec![Code::BudgetExceedsParent]);
+                // Signed by whichever replica answered; every key is
+                // published by every replica.
+                verify_with_keys(
+                    &envelope,
+                    payload_type::RECEIPT,
+                    &keys,
+                    &receipt.broker_key_id,
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((issued, refused), (30, 34));
+    let ledger = a.ledger(&root.id).await;
+    assert_eq!(
+        (ledger.reserved, ledger.residual, ledger.open_children),
+        (300, 0, 30)
+    );
+    a.assert_ledgers_balance(&root.id).await;
+    stop_all(a, b, c).await;
+}
+
+/// (b) A request answered by replica A and retried with the same nonce on
+/// B gets the original answer, reserved once; the same nonce with another
+/// body on C is ALREADY_EXISTS. The contract A issued verifies with the
+/// keys B publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
+    let (mut a, mut b, mut c) = three().await;
+    let orchestrator = Agent::generate();
+    let root = a.open_root(&orchestrator, RootSpec::default()).await;
+    let worker = Agent::generate();
+    let mut body = child(&root.id, &root.lineage, &worker, 10);
+    body.header = Some(orchestrator.header());
+    let request = orchestrator.delegate(body.clone());
+    let first = a
+        .client
+        .delegate(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!first.replayed);
+    let again = b
+        .client
+        .delegate(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.replayed, "answered from the request log");
+    assert_eq!(again.outcome, first.outcome);
+    assert_eq!(b.ledger(&root.id).await.reserved, 10, "reserved once");
+    // The same nonce, another body.
+    let mut other = body;
+    other.budget = 20;
+    let status = c
+        .client
+        .delegate(orchestrator.delegate(other))
+        .await
+        .expect_err("a reused nonce");
+    assert_eq!(
+        (status.code(), reason(&status).as_str()),
+        (tonic::Code::AlreadyExists, "NONCE_REUSED")
+    );
+    assert_eq!(c.ledger(&root.id).await.reserved, 10, "still reserved once");
+    // Issued through A, verified with B's published keys.
+    let Some(pb::delegate_response::Outcome::Issued(issued)) = first.outcome else {
+        panic!("issued");
+    };
+    let keys_b = b.keys().await;
+    let sealed = issued.contract.as_ref().unwrap();
+    verify_with_keys(
+        sealed,
+        payload_type::CONTRACT,
+        &keys_b,
+        &decode_contract(sealed).broker_key_id,
+    );
+    assert_eq!(
+        keys_b.iter().filter(|k| k.current).count(),
+        3,
+        "every replica's key is published: {keys_b:?}"
+    );
+    stop_all(a, b, c).await;
+}
+
+/// (c) A revocation through A is seen at once by B and C: a Delegate from
+/// inside the revoked subtree through B is refused PARENT_NOT_ACTIVE, an
+/// Accept through C is FAILED_PRECONDITION.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_through_one_replica_holds_on_the_others() {
+    let (mut a, mut b, mut c) = three().await;
+    let orchestrator = Agent::generate();
+    let root = a.open_root(&orchestrator, RootSpec::default()).await;
+    let mid = Agent::generate();
+    let (mid_id, _) = a
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &mid, 50))
+        .await
+        .unwrap()
+        .issued();
+    let leaf = Agent::generate();
+    let (leaf_id, _) = a
+        .delegate(&mid, child(&mid_id, &root.lineage, &leaf, 20))
+        .await
+        .unwrap()
+        .issued();
+    a.revoke(&orchestrator, &mid_id).await.expect("revoked");
+    let (_, _, receipt) = b
+        .delegate(&leaf, child(&leaf_id, &root.lineage, &Agent::generate(), 5))
+        .await
+        .unwrap()
+        .refused();
+    assert_eq!(codes(&receipt), vec![Code::ParentNotActive]);
+    let status = c
+        .accept(&leaf, &leaf_id, None)
+        .await
+        .expect_err("an ended contract");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    a.assert_ledgers_balance(&root.id).await;
+    stop_all(a, b, c).await;
+}
+
+/// Opens a tree through `broker` for `churn`: its root and holder.
+async fn open_tree(broker: &mut Broker) -> (Agent, Root) {
+    let orchestrator = Agent::generate();
+    let root = broker
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                budget: 1_000_000,
+                max_children: 1_024,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    (orchestrator, root)
+}
+
+/// Events issued and ended through `broker` in the tree of `root`:
+/// `children` children, each accepted, then all revoked with the root.
+async fn churn(broker: &mut Broker, orchestrator: &Agent, root: &Root, children: usize) {
+    for _ in 0..children {
+        let worker = Agent::generate();
+        let (id, _) = broker
+            .delegate(orchestrator, child(&root.id, &root.lineage, &worker, 10))
+            .await
+            .unwrap()
+            .issued();
+        broker.accept(&worker, &id, None).await.expect("accepted");
+    }
+    broker
+        .revoke(orchestrator, &root.id)
+        .await
+        .expect("root revoked");
+}
+
+/// One event as a test reads it: its cursor, the contract it is (or is
+/// about), and for a contract its parent id (empty for a root).
+type Seen = (u64, Vec<u8>, Option<Vec<u8>>);
+
+/// Reads `want` events from `stream` (within a deadline).
+async fn read_events(stream: &mut tonic::Streaming<pb::WatchResponse>, want: usize) -> Vec<Seen> {
+    let mut seen = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while seen.len() < want {
+        let next = tokio::time::timeout_at(deadline, stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("only {} of {want} events arrived", seen.len()))
+            .expect("the stream stays open")
+            .expect("an event");
+        let (id, parent) = match next.event.expect("an event") {
+            pb::watch_response::Event::Contract(sealed) => {
+                let contract = decode_contract(&sealed);
+                let id = delegation_broker::crypto::sha256(&sealed.payload).to_vec();
+                (id, Some(contract.parent_id))
+            }
+            pb::watch_response::Event::Receipt(sealed) => {
+                (decode_receipt(&sealed).contract_id, None)
+            }
+        };
+        seen.push((next.cursor, id, parent));
+    }
+    seen
+}
+
+async fn watch(
+    broker: &mut Broker,
+    root: &[u8],
+    cursor: u64,
+) -> tonic::Streaming<pb::WatchResponse> {
+    broker
+        .client
+        .watch(pb::WatchRequest {
+            contract_id: root.to_vec(),
+            cursor,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// (e) Watch on A while B and C issue and end contracts concurrently
+/// (over 1,000 events in several trees): each stream holds every event of
+/// its tree exactly once, a child after its parent, in increasing cursor
+/// order; resuming from any cursor on another replica continues with no
+/// gap and no duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_on_one_replica_sees_every_replicas_events_once() {
+    let (mut a, mut b, mut c) = three().await;
+    // Each tree: its root, 60 children and their acceptances, and 61
+    // revocations (the root's cascade).
+    const CHILDREN: usize = 60;
+    const TREES_EACH: usize = 3;
+    const PER_TREE: usize = 1 + CHILDREN * 2 + CHILDREN + 1;
+    const _: () = assert!(2 * TREES_EACH * PER_TREE >= 1_000);
+    let mut trees = Vec::new();
+    for (broker, writer) in [(&mut b, 0), (&mut c, 1)] {
+        for _ in 0..TREES_EACH {
+            trees.push((writer, open_tree(broker).await));
+        }
+    }
+    // A watches every tree from its beginning while B and C write.
+    let mut streams = Vec::new();
+    for (_, (_, root)) in &trees {
+        streams.push(watch(&mut a, &root.id, 0).await);
+    }
+    let (mut on_b, mut on_c): (Vec<_>, Vec<_>) = trees.into_iter().partition(|(w, _)| *w == 0);
+    let write_b = tokio::spawn(async move {
+        for (_, (orchestrator, root)) in &on_b {
+            churn(&mut b, orchestrator, root, CHILDREN).await;
+        }
+        on_b.clear();
+        b
+    });
+    let write_c = tokio::spawn(async move {
+        for (_, (orchestrator, root)) in &on_c {
+            churn(&mut c, orchestrator, root, CHILDREN).await;
+        }
+        on_c.clear();
+        c
+    });
+    let mut seen = Vec::new();
+    for stream in &mut streams {
+        seen.push(read_events(stream, PER_TREE).await);
+    }
+    let mut b = write_b.await.unwrap();
+    let c = write_c.await.unwrap();
+    for events in &seen {
+        let cursors: Vec<u64> = events.iter().map(|e| e.0).collect();
+        assert!(
+            cursors.windows(2).all(|w| w[0] < w[1]),
+            "increasing, no duplicate"
+        );
+        let mut issued = std::collections::HashSet::new();
+        for (_, id, parent) in events {
+            if let Some(parent) = parent {
+                assert!(
+                    parent.is_empty() || issued.contains(parent),
+                    "a child before its parent"
+                );
+                issued.insert(id.clone());
+            }
+        }
+        assert_eq!(issued.len(), 1 + CHILDREN, "every contract of the tree");
+        // Resume on another replica from several cursors: the rest, exactly.
+        let root = events[0].1.clone();
+        for from in [1, PER_TREE / 3, PER_TREE - 1] {
+            let mut resumed = watch(&mut b, &root, events[from - 1].0).await;
+            let rest = read_events(&mut resumed, PER_TREE - from).await;
+            assert_eq!(rest, events[from..].to_vec(), "no gap, no duplicate");
+        }
+    }
+    // Nothing more arrives on a caught-up stream: every event was once.
+    let extra = tokio::time::timeout(Duration::from_millis(300), streams[0].next()).await;
+    assert!(extra.is_err(), "an event beyond the tree's: {extra:?}");
+    stop_all(a, b, c).await;
+}
