@@ -7,6 +7,7 @@
 #      BROKER_TEST_POSTGRES_URL and BROKER_PG_DIR are exported to the rest
 #      of the run, and the server and its data are removed on exit,
 #   3. Rust unit, property and end-to-end tests (real gRPC on 127.0.0.1:0),
+#      then the end-to-end tests again on PostgreSQL,
 #   4. a short bounded run of every fuzz target (scripts/fuzz.sh; installs
 #      cargo-fuzz if missing),
 #   5. the Python client's tests against the real broker binary,
@@ -39,6 +40,18 @@ if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --locked --no-fail-fast
 else
     cargo test --locked --no-fail-fast
+fi
+
+# Every end-to-end test that is not about SQLite itself, again with the
+# broker's state in PostgreSQL (tests named sqlite_* are SQLite's own;
+# replicas::* run on PostgreSQL in the first pass already).
+step "End-to-end tests on PostgreSQL (BROKER_TEST_BACKEND=postgres)"
+if cargo nextest --version >/dev/null 2>&1; then
+    BROKER_TEST_BACKEND=postgres cargo nextest run --locked --no-fail-fast --test e2e \
+        -E 'not (test(/^replicas::/) | test(/::sqlite_/))'
+else
+    BROKER_TEST_BACKEND=postgres cargo test --locked --no-fail-fast --test e2e -- \
+        --skip replicas:: --skip ::sqlite_
 fi
 
 step "Fuzzing: each target in fuzz/ for ${FUZZ_SECONDS:-20} s (scripts/fuzz.sh)"

@@ -344,3 +344,403 @@ async fn watch_on_one_replica_sees_every_replicas_events_once() {
     assert!(extra.is_err(), "an event beyond the tree's: {extra:?}");
     stop_all(a, b, c).await;
 }
+
+/// (g) Forced contention: 96 siblings on one parent at once, spread over
+/// three replicas, with budget for all: every one is issued (writers that
+/// lose a race wait for the parent's row lock or redo their transaction),
+/// no client sees a database error, and the ledger holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contention_on_one_parent_yields_only_issued_contracts() {
+    let (mut a, b, c) = three().await;
+    let orchestrator = Arc::new(Agent::generate());
+    let root = a
+        .open_root(
+            &orchestrator,
+            RootSpec {
+                budget: 10_000,
+                max_children: 1_024,
+                ..RootSpec::default()
+            },
+        )
+        .await;
+    let addrs = [a.addr.clone(), b.addr.clone(), c.addr.clone()];
+    let mut tasks = Vec::new();
+    for i in 0..96 {
+        let mut client = connect(&addrs[i % 3]).await;
+        let orchestrator = orchestrator.clone();
+        let body = child(&root.id, &root.lineage, &Agent::generate(), 10);
+        tasks.push(tokio::spawn(async move {
+            client
+                .delegate(orchestrator.delegate(body))
+                .await
+                .map(|r| Outcome::from(r.into_inner().outcome.unwrap()))
+        }));
+    }
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok(outcome) => {
+                outcome.issued();
+            }
+            Err(status) => panic!("no error reaches a client: {status:?}"),
+        }
+    }
+    let ledger = a.ledger(&root.id).await;
+    assert_eq!((ledger.reserved, ledger.open_children), (960, 96));
+    a.assert_ledgers_balance(&root.id).await;
+    stop_all(a, b, c).await;
+}
+
+/// UNAVAILABLE answers `delegate_until` workers retried (the one test
+/// that counts them runs alone in its process under nextest).
+static UNAVAILABLE_SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Delegations one `delegate_until` worker makes at most.
+const MAX_PER_WORKER: usize = 80;
+
+/// Kills a broker process when dropped (also when a test fails).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Polls `count` until it is at least `at_least` (within 30 s).
+async fn wait_for_children(
+    client: &mut delegation_broker::client::SessionClient,
+    root: &[u8],
+    at_least: u32,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = count_children(client, root).await;
+        if now >= at_least {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{now} of {at_least} children"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Delegations from `root` through `addr`, each retried with the same
+/// signed request while the answer is UNAVAILABLE, until `stop` is set or
+/// (when `give_up`) the replica is gone; the ids answered.
+async fn delegate_until(
+    addr: String,
+    orchestrator: Arc<Agent>,
+    root: (Vec<u8>, Vec<u8>),
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    give_up: bool,
+) -> Vec<Vec<u8>> {
+    use std::sync::atomic::Ordering;
+    let mut client = connect(&addr).await;
+    let mut answered = Vec::new();
+    // A root has at most 1,024 children: 12 workers stay under it.
+    while !stop.load(Ordering::SeqCst) && answered.len() < MAX_PER_WORKER {
+        let request = orchestrator.delegate(child(&root.0, &root.1, &Agent::generate(), 1));
+        loop {
+            match client.delegate(request.clone()).await {
+                Ok(response) => {
+                    let (id, _) = Outcome::from(response.into_inner().outcome.unwrap()).issued();
+                    answered.push(id);
+                    break;
+                }
+                Err(status) if give_up => {
+                    // The replica was killed: its clients stop.
+                    let _ = status;
+                    return answered;
+                }
+                Err(status) => {
+                    assert_eq!(
+                        status.code(),
+                        tonic::Code::Unavailable,
+                        "only UNAVAILABLE while the database is away: {status:?}"
+                    );
+                    UNAVAILABLE_SEEN.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+    answered
+}
+
+/// (d) SIGKILL one of three replica processes during a burst spread over
+/// all three: the other two go on serving, every contract a client got
+/// an answer for is stored, the ledger equation holds, and the restarted
+/// replica serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let mut processes: Vec<_> = dirs
+        .iter()
+        .map(|d| crate::crash::spawn_broker(d.path(), Some(&database.url)))
+        .map(|(process, addr)| (Killed(process), addr))
+        .collect();
+    let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
+    let orchestrator = Arc::new(Agent::generate());
+    let spec = RootSpec {
+        budget: 1_000_000,
+        max_children: 1_024,
+        ..RootSpec::default()
+    };
+    let mut client = connect(&addrs[0]).await;
+    let root = client
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .unwrap()
+        .into_inner()
+        .issued
+        .unwrap()
+        .contract_id;
+    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let mut watcher = connect_as(&addrs[0], &orchestrator).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for i in 0..12 {
+        workers.push(tokio::spawn(delegate_until(
+            addrs[i % 3].clone(),
+            orchestrator.clone(),
+            (root.clone(), lineage.clone()),
+            stop.clone(),
+            i % 3 == 2,
+        )));
+    }
+    wait_for_children(&mut watcher, &root, 150).await;
+    let (killed, _) = &mut processes[2];
+    killed.0.kill().unwrap(); // SIGKILL
+    killed.0.wait().unwrap();
+    let at_kill = count_children(&mut watcher, &root).await;
+    // The other replicas go on serving.
+    wait_for_children(&mut watcher, &root, at_kill + 100).await;
+    stop.store(true, Ordering::SeqCst);
+    let mut answered = Vec::new();
+    for worker in workers {
+        answered.extend(worker.await.unwrap());
+    }
+    assert!(answered.len() > 50, "a burst: {}", answered.len());
+    let (restarted, restarted_addr) =
+        crate::crash::spawn_broker(dirs[2].path(), Some(&database.url));
+    let restarted = Killed(restarted);
+    let mut reader = crate::crash::LedgerCheck {
+        client: connect_as(&restarted_addr, &orchestrator).await,
+    };
+    for id in &answered {
+        reader
+            .client
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
+    }
+    // Every answer once, each reserved once (the ledgers sum up); the
+    // killed replica may have committed requests it never answered.
+    let distinct: std::collections::HashSet<_> = answered.iter().collect();
+    assert_eq!(distinct.len(), answered.len());
+    assert!(reader.assert_balanced(&root).await > answered.len());
+    // The restarted replica serves writes again.
+    let mut fresh = connect(&restarted_addr).await;
+    fresh
+        .delegate(orchestrator.delegate(child(&root, &lineage, &Agent::generate(), 1)))
+        .await
+        .expect("the restarted replica issues");
+    drop((processes, restarted));
+    drop(database);
+}
+
+/// The open children of `root` (its ledger), read through `client`.
+async fn count_children(client: &mut delegation_broker::client::SessionClient, root: &[u8]) -> u32 {
+    client
+        .get_contract(pb::GetContractRequest {
+            contract_id: root.to_vec(),
+        })
+        .await
+        .expect("the root")
+        .into_inner()
+        .contract
+        .and_then(|c| c.ledger)
+        .expect("a ledger")
+        .open_children
+}
+
+/// A PostgreSQL server of a test's own (`scripts/pg.sh`), for a test that
+/// restarts it: the test command's shared server must stay up for the
+/// others. Stopped and removed when dropped.
+struct PrivateServer {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+impl PrivateServer {
+    fn script() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh")
+    }
+
+    fn start() -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("pg")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let out = std::process::Command::new(Self::script())
+            .arg("start")
+            .arg(dir.path())
+            .output()
+            .expect("scripts/pg.sh runs");
+        assert!(
+            out.status.success(),
+            "pg.sh start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = String::from_utf8(out.stdout).unwrap();
+        let admin = line
+            .trim()
+            .strip_prefix("export BROKER_TEST_POSTGRES_URL=")
+            .expect("the URL line")
+            .to_owned();
+        let base = admin.rsplit_once('/').unwrap().0.to_owned();
+        Self {
+            dir,
+            url: format!("{base}/postgres"),
+        }
+    }
+
+    fn restart(&self) {
+        let out = std::process::Command::new(Self::script())
+            .arg("restart")
+            .arg(self.dir.path())
+            .output()
+            .expect("scripts/pg.sh runs");
+        assert!(
+            out.status.success(),
+            "pg.sh restart: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(Self::script())
+            .arg("stop")
+            .arg(self.dir.path())
+            .output();
+    }
+}
+
+/// (f) The PostgreSQL server restarts during load: meanwhile the replicas
+/// answer UNAVAILABLE (the clients retry with the same nonce), afterwards
+/// they reconnect by themselves; nothing acknowledged is lost, nothing is
+/// reserved twice, and health says NOT_SERVING while the database is away
+/// only as long as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_restart_is_survived_without_loss() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let server = PrivateServer::start();
+    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let processes: Vec<_> = dirs
+        .iter()
+        .map(|d| crate::crash::spawn_broker(d.path(), Some(&server.url)))
+        .map(|(process, addr)| (Killed(process), addr))
+        .collect();
+    let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
+    let orchestrator = Arc::new(Agent::generate());
+    let spec = RootSpec {
+        budget: 1_000_000,
+        max_children: 1_024,
+        ..RootSpec::default()
+    };
+    let root = connect(&addrs[0])
+        .await
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .unwrap()
+        .into_inner()
+        .issued
+        .unwrap()
+        .contract_id;
+    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for i in 0..8 {
+        workers.push(tokio::spawn(delegate_until(
+            addrs[i % 2].clone(),
+            orchestrator.clone(),
+            (root.clone(), lineage.clone()),
+            stop.clone(),
+            false,
+        )));
+    }
+    // Health, polled through the outage.
+    let health_addr = addrs[0].clone();
+    let health_stop = stop.clone();
+    let health = tokio::spawn(async move {
+        use tonic_health::pb::health_client::HealthClient;
+        let channel = tonic::transport::Endpoint::from_shared(health_addr)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = HealthClient::new(channel);
+        let mut statuses = Vec::new();
+        while !health_stop.load(Ordering::SeqCst) {
+            if let Ok(answer) = client
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+            {
+                let status = answer.into_inner().status;
+                if statuses.last() != Some(&status) {
+                    statuses.push(status);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        statuses
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.restart();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    let statuses = health.await.unwrap();
+    assert_eq!(
+        statuses,
+        vec![serving, not_serving, serving],
+        "health follows the database"
+    );
+    assert!(
+        UNAVAILABLE_SEEN.load(Ordering::SeqCst) > 0,
+        "the outage was seen (and retried)"
+    );
+    let mut answered = Vec::new();
+    for worker in workers {
+        answered.extend(worker.await.unwrap());
+    }
+    let distinct: std::collections::HashSet<_> = answered.iter().collect();
+    assert_eq!(distinct.len(), answered.len());
+    let mut reader = crate::crash::LedgerCheck {
+        client: connect_as(&addrs[1], &orchestrator).await,
+    };
+    for id in &answered {
+        reader
+            .client
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
+    }
+    // Retried with the same nonce through the outage: each once.
+    assert_eq!(reader.assert_balanced(&root).await, 1 + answered.len());
+    drop(processes);
+}

@@ -150,8 +150,9 @@ pub(super) async fn events(
 }
 
 /// Places committed events and announces new positions to this replica's
-/// Watch streams, after each local commit and every `SEQUENCER_POLL`;
-/// stops when the store is gone.
+/// Watch streams, after each local commit and every `SEQUENCER_POLL`, and
+/// reports whether the database answers (health); stops when the store
+/// is gone.
 pub(super) async fn sequencer(
     pool: PgPool,
     tag: i64,
@@ -159,6 +160,7 @@ pub(super) async fn sequencer(
     commits: tokio::sync::watch::Sender<u64>,
     placement: Arc<Placement>,
     alive: mpsc::WeakSender<(Command, Reply)>,
+    reachable: tokio::sync::watch::Sender<bool>,
 ) {
     use std::sync::atomic::Ordering;
     let mut seen =
@@ -181,7 +183,12 @@ pub(super) async fn sequencer(
             return;
         }
         let pass = placement.started.fetch_add(1, Ordering::SeqCst) + 1;
-        if let Err(e) = place(&pool).await {
+        // Health follows the database even when nothing is written: the
+        // sequencer reaches it every `SEQUENCER_POLL`.
+        let placed = place(&pool).await;
+        let up = !matches!(&placed, Err(e) if writer::unreachable(e));
+        reachable.send_if_modified(|now| std::mem::replace(now, up) != up);
+        if let Err(e) = placed {
             tracing::debug!(error = %e, "placing events failed; will retry");
         }
         match announce(&pool, tag, &mut seen, &trees).await {

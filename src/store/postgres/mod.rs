@@ -291,6 +291,7 @@ impl PostgresStore {
             commits_tx,
             placement,
             commands.downgrade(),
+            reachable_tx,
         ));
         Ok(Self {
             commands,

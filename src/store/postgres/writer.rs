@@ -204,11 +204,8 @@ impl Writer {
     /// Records the outcome of a transaction for health.
     fn reached(&self, result: &Result<(), &sqlx::Error>) {
         let reachable = !matches!(result, Err(e) if unreachable(e));
-        self.reachable.send_if_modified(|now| {
-            let changed = *now != reachable;
-            *now = reachable;
-            changed
-        });
+        self.reachable
+            .send_if_modified(|now| std::mem::replace(now, reachable) != reachable);
     }
 
     /// Roots and delegations in one transaction, redone on contention.
