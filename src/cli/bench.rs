@@ -18,10 +18,18 @@ use crate::pb::broker_client::BrokerClient;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Broker to drive, e.g. http://127.0.0.1:50051. Without it an
+    /// Broker to drive, e.g. http://127.0.0.1:50051, or several replicas
+    /// of one broker, comma-separated (the connections, and so the
+    /// workers, are spread over them round-robin). Without it an
     /// in-process broker is started on a temporary data directory.
     #[arg(long, env = "BENCH_ADDR")]
     pub addr: Option<String>,
+    /// Every worker delegates from one shared parent (a root the bench
+    /// opens; replaced by a fresh one when it has `max_children`
+    /// children): the contention of one hot contract, instead of a chain
+    /// per worker.
+    #[arg(long)]
+    pub hot_parent: bool,
     /// Hex seed of an attestor the target broker trusts (with --addr).
     #[arg(long, env = "BENCH_ATTESTOR_SEED")]
     pub attestor_seed: Option<String>,
@@ -251,9 +259,14 @@ fn report(
     } else {
         "closed loop".to_owned()
     };
+    let shape = if args.hot_parent {
+        "hot parent".to_owned()
+    } else {
+        format!("depth={}", args.depth)
+    };
     println!(
-        "concurrency={} depth={} duration={}s connections={} {mode}",
-        args.concurrency, args.depth, args.duration_s, args.connections
+        "concurrency={} {shape} duration={}s connections={} {mode}",
+        args.concurrency, args.duration_s, args.connections
     );
     println!(
         "delegations: {} issued in {:.1}s = {:.0}/s (roots opened {}, refused {}, errors {})",
@@ -295,27 +308,49 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         }
         None => Agent::generate(),
     };
-    let (addr, _in_process) = match &args.addr {
-        Some(addr) => (addr.clone(), None),
+    let (addrs, _in_process) = match &args.addr {
+        Some(addrs) => (
+            addrs
+                .split(',')
+                .map(|a| a.trim().to_owned())
+                .filter(|a| !a.is_empty())
+                .collect::<Vec<_>>(),
+            None,
+        ),
         None => {
             let (addr, in_process) = start_in_process(&args, &attestor).await?;
-            (addr, Some(in_process))
+            (vec![addr], Some(in_process))
         }
     };
-    let mut endpoint = Endpoint::from_shared(addr.clone())?;
-    if let Some(ca) = &args.tls_ca {
-        let mut tls = tonic::transport::ClientTlsConfig::new()
-            .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(ca)?));
-        if let Some(domain) = &args.tls_domain {
-            tls = tls.domain_name(domain.clone());
+    anyhow::ensure!(
+        (1..=MAX_ADDRS).contains(&addrs.len()),
+        "--addr names 1..={MAX_ADDRS} brokers"
+    );
+    let mut endpoints = Vec::with_capacity(addrs.len());
+    for addr in &addrs {
+        let mut endpoint = Endpoint::from_shared(addr.clone())?;
+        if let Some(ca) = &args.tls_ca {
+            let mut tls = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(ca)?));
+            if let Some(domain) = &args.tls_domain {
+                tls = tls.domain_name(domain.clone());
+            }
+            endpoint = endpoint.tls_config(tls)?;
         }
-        endpoint = endpoint.tls_config(tls)?;
+        endpoints.push(endpoint);
     }
-    let mut channels = Vec::with_capacity(args.connections);
-    for _ in 0..args.connections {
-        channels.push(endpoint.connect().await?);
+    // At least one connection per broker, spread round-robin.
+    let connections = args.connections.max(endpoints.len());
+    let mut channels = Vec::with_capacity(connections);
+    for i in 0..connections {
+        channels.push(endpoints[i % endpoints.len()].connect().await?);
     }
     let attestor = Arc::new(attestor);
+    let hot = if args.hot_parent {
+        Some(HotParent::open(BrokerClient::new(channels[0].clone())).await?)
+    } else {
+        None
+    };
     let start = Instant::now();
     let measure_from = start + Duration::from_secs(args.warmup_s);
     let stop_at = measure_from + Duration::from_secs(args.duration_s);
@@ -323,14 +358,24 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
     let mut workers = Vec::with_capacity(args.concurrency);
     for i in 0..args.concurrency {
         let client = BrokerClient::new(channels[i % channels.len()].clone());
-        workers.push(tokio::spawn(worker(
-            client,
-            attestor.clone(),
-            args.depth,
-            pacer.clone(),
-            measure_from,
-            stop_at,
-        )));
+        let window = (measure_from, stop_at);
+        match &hot {
+            Some(hot) => workers.push(tokio::spawn(hot_worker(
+                client,
+                hot.clone(),
+                attestor.clone(),
+                pacer.clone(),
+                window,
+            ))),
+            None => workers.push(tokio::spawn(worker(
+                client,
+                attestor.clone(),
+                args.depth,
+                pacer.clone(),
+                measure_from,
+                stop_at,
+            ))),
+        }
     }
     // The in-process broker's WAL fsyncs over the measured window (zero
     // against a remote broker).
@@ -355,6 +400,140 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(dir);
     }
     Ok(())
+}
+
+/// Brokers `--addr` may name (replicas of one broker).
+const MAX_ADDRS: usize = 64;
+
+/// Children the hot parent takes before the bench replaces it (the
+/// policy's ceiling).
+const HOT_PARENT_CHILDREN: u32 = 1_024;
+
+/// The one parent every `--hot-parent` worker delegates from, and its
+/// holder; replaced by a fresh root once full.
+#[derive(Clone)]
+struct HotParent {
+    holder: Arc<Agent>,
+    current: Arc<tokio::sync::RwLock<Vec<u8>>>,
+    client: BrokerClient<Channel>,
+}
+
+impl HotParent {
+    async fn open(client: BrokerClient<Channel>) -> anyhow::Result<Self> {
+        let hot = Self {
+            holder: Arc::new(Agent::generate()),
+            current: Arc::default(),
+            client,
+        };
+        let root = hot.open_root().await?;
+        *hot.current.write().await = root;
+        Ok(hot)
+    }
+
+    async fn open_root(&self) -> anyhow::Result<Vec<u8>> {
+        let body = pb::OpenRootBody {
+            header: None,
+            intent: HOT_INTENT.into(),
+            task: String::new(),
+            budget: 1 << 40,
+            deadline_ms: SystemClock.now_ms() + 3_600_000,
+            policy: Some(pb::Policy {
+                max_depth: 2,
+                min_cumulative_trust_ppm: 500_000,
+                max_children: HOT_PARENT_CHILDREN,
+                disable_retry_headroom: false,
+                require_host: false,
+            }),
+            predicate: "result.schema_valid && result.within_scope".into(),
+            write_scope: vec!["src".into()],
+            labels: [("tool".to_owned(), "bench".to_owned())].into(),
+        };
+        let issued = self
+            .client
+            .clone()
+            .open_root(self.holder.open_root(body))
+            .await?
+            .into_inner()
+            .issued
+            .ok_or_else(|| anyhow::anyhow!("the hot parent was not issued"))?;
+        Ok(issued.contract_id)
+    }
+
+    /// Replaces `full` (once, whoever asks first) with a fresh root.
+    async fn replace(&self, full: &[u8]) {
+        let mut current = self.current.write().await;
+        if current.as_slice() == full
+            && let Ok(root) = self.open_root().await
+        {
+            *current = root;
+        }
+    }
+}
+
+const HOT_INTENT: &str = "benchmark: many delegates of one parent";
+
+/// A `--hot-parent` worker: one delegation after another from the shared
+/// parent.
+async fn hot_worker(
+    mut client: BrokerClient<Channel>,
+    hot: HotParent,
+    attestor: Arc<Agent>,
+    pacer: Option<Arc<Pacer>>,
+    (measure_from, stop_at): (Instant, Instant),
+) -> Tally {
+    let delegate = Agent::generate();
+    let attestation = attestor.attest(
+        delegate.public_key(),
+        0.99,
+        SystemClock.now_ms() + 3_600_000,
+        "bench",
+    );
+    let lineage = crate::crypto::sha256(HOT_INTENT.as_bytes()).to_vec();
+    let mut tally = Tally::default();
+    while Instant::now() < stop_at {
+        let parent = hot.current.read().await.clone();
+        let request = hot.holder.delegate(pb::DelegateBody {
+            header: None,
+            parent_id: parent.clone(),
+            intent_lineage_hash: lineage.clone(),
+            task: "handle part of src/".into(),
+            delegate_public_key: delegate.public_key().to_vec(),
+            delegate_attestation: Some(attestation.clone()),
+            budget: 1,
+            deadline_ms: 0,
+            liability: pb::Liability::Delegate as i32,
+            predicate: String::new(),
+            escalation_channel: "broker".into(),
+            min_retry_cost: 1,
+            min_retry_latency_ms: 1_000,
+            write_scope: vec!["src".into()],
+            host_public_key: Vec::new(),
+            result_schema_json: String::new(),
+        });
+        if let Some(pacer) = &pacer {
+            pacer.wait().await;
+        }
+        let began = Instant::now();
+        let result = client.delegate(request).await;
+        let took = began.elapsed();
+        let measured = began >= measure_from && Instant::now() <= stop_at;
+        match result.map(|r| r.into_inner().outcome) {
+            Ok(Some(pb::delegate_response::Outcome::Issued(_))) => {
+                if measured {
+                    tally
+                        .latencies_us
+                        .push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
+                }
+            }
+            Ok(Some(pb::delegate_response::Outcome::Refused(_))) => {
+                // Full: a fresh hot parent.
+                tally.refused += 1;
+                hot.replace(&parent).await;
+            }
+            _ => tally.errors += 1,
+        }
+    }
+    tally
 }
 
 /// What a Prometheus server does to a target, a little more often.
