@@ -12,5 +12,7 @@ CREATE TABLE events (
     kind BIGINT NOT NULL,
     -- The contract the event belongs to (for a contract, itself).
     contract_seq BIGINT NOT NULL,
+    -- Its tree's root: announcing an event names the tree it changed.
+    root_id BYTEA NOT NULL,
     pos BIGINT UNIQUE
 );

@@ -70,6 +70,10 @@ impl Placement {
     }
 }
 
+/// Longest pause between two sequencer passes while the database cannot
+/// be reached.
+const MAX_SEQUENCER_PAUSE: Duration = Duration::from_secs(1);
+
 /// This database's cursor tag.
 pub(super) async fn tag(pool: &PgPool) -> Result<i64, StoreError> {
     let tag: i64 = sqlx::query_scalar("SELECT tag FROM event_clock WHERE id = 1")
@@ -174,10 +178,13 @@ pub(super) async fn sequencer(
                 0
             }
         };
+    // Longer while the database is away: a replica must not hammer a
+    // database that is down (or gone) with connection attempts.
+    let mut pause = SEQUENCER_POLL;
     loop {
         tokio::select! {
             () = placement.wake.notified() => {}
-            () = tokio::time::sleep(SEQUENCER_POLL) => {}
+            () = tokio::time::sleep(pause) => {}
         }
         if alive.upgrade().is_none() {
             return;
@@ -188,6 +195,11 @@ pub(super) async fn sequencer(
         let placed = place(&pool).await;
         let up = !matches!(&placed, Err(e) if writer::unreachable(e));
         reachable.send_if_modified(|now| std::mem::replace(now, up) != up);
+        pause = if up {
+            SEQUENCER_POLL
+        } else {
+            (pause * 2).min(MAX_SEQUENCER_PAUSE)
+        };
         if let Err(e) = placed {
             tracing::debug!(error = %e, "placing events failed; will retry");
         }
@@ -246,8 +258,7 @@ async fn announce(
     trees: &crate::store::TreeChanges,
 ) -> Result<bool, sqlx::Error> {
     let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-        "SELECT e.pos, c.root_id FROM events e JOIN contracts c ON c.seq = e.contract_seq \
-         WHERE e.pos > $1 ORDER BY e.pos LIMIT $2",
+        "SELECT pos, root_id FROM events WHERE pos > $1 ORDER BY pos LIMIT $2",
     )
     .bind(*seen)
     .bind(MAX_PLACED_PER_PASS)

@@ -209,10 +209,15 @@ impl Writer {
     }
 
     /// Roots and delegations in one transaction, redone on contention.
+    /// The first attempt does not read the request log (most requests are
+    /// new): a retry among the batch meets its request-log row when the
+    /// batch inserts its own, the transaction fails (23505) and is redone
+    /// reading the log first, so the retry is answered from it.
     async fn issue(&self, commands: &[Command]) -> Vec<Result<Answer, StoreError>> {
         let mut attempt = 1;
         loop {
-            let result = self.try_issue(commands).await;
+            let careful = attempt > 1;
+            let result = self.try_issue(commands, careful).await;
             self.reached(&result.as_ref().map(|_| ()));
             match result {
                 Ok(answers) => return answers,
@@ -232,13 +237,17 @@ impl Writer {
     async fn try_issue(
         &self,
         commands: &[Command],
+        careful: bool,
     ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
         let (request_keys, parent_ids) = batch::needs(commands, &KnownMap::default());
-        let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
+        let mut prior = if careful {
+            load_prior_requests(&mut tx, &request_keys).await?
+        } else {
+            HashMap::new()
+        };
         let mut known = KnownMap::default();
         load_parents_locked(&mut tx, &parent_ids, &mut known).await?;
-        self.remember(&known);
         let mut seqs = Reserved::default();
         seqs.reserve(&mut tx, commands.len()).await?;
         let now_ms = self.clock.now_ms();
@@ -250,13 +259,44 @@ impl Writer {
             &self.stamper,
             now_ms,
         );
+        let mut answers = plan.answers;
+        if !careful {
+            // A command answered with an error (unknown parent, …) writes
+            // no request-log row that a retry could meet: those few keys
+            // are looked up (their errors changed nothing, so a replayed
+            // answer simply replaces them).
+            let unlogged: Vec<RequestKey> = commands
+                .iter()
+                .zip(&answers)
+                .filter(|(_, answer)| answer.is_err())
+                .filter_map(|(command, _)| command.request())
+                .map(|r| (r.agent, r.nonce.clone()))
+                .collect();
+            if !unlogged.is_empty() {
+                let earlier = load_prior_requests(&mut tx, &unlogged).await?;
+                for (command, answer) in commands.iter().zip(answers.iter_mut()) {
+                    if let (Err(_), Some(request)) = (&answer, command.request())
+                        && let Some(prior) = earlier.get(&(request.agent, request.nonce.clone()))
+                    {
+                        *answer = batch::replayed(prior, request);
+                    }
+                }
+            }
+        }
         let mut script = Script::default();
         // Watch's hint is fed by the sequencer (positions), not here.
+        let plan = Plan {
+            answers: Vec::new(),
+            ..plan
+        };
         plan_statements(&mut script, &plan, &super::super::TreeChanges::default());
         script.execute(&mut tx).await?;
         insert_events(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
-        Ok(plan.answers)
+        // The parents and the new contracts: the next Delegate from one of
+        // them finds its terms here (`issuing_parent`).
+        self.remember(&known);
+        Ok(answers)
     }
 
     /// One lifecycle command in its own transaction, redone on contention.
@@ -353,9 +393,9 @@ async fn insert_events(conn: &mut PgConnection, seqs: &[i64]) -> Result<(), sqlx
         return Ok(());
     }
     sqlx::query(
-        "INSERT INTO events (seq, kind, contract_seq) \
-         SELECT seq, 1, seq FROM contracts WHERE seq = ANY($1) \
-         UNION ALL SELECT seq, 2, contract_seq FROM receipts WHERE seq = ANY($1)",
+        "INSERT INTO events (seq, kind, contract_seq, root_id) \
+         SELECT seq, 1, seq, root_id FROM contracts WHERE seq = ANY($1) \
+         UNION ALL SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)",
     )
     .bind(seqs)
     .execute(&mut *conn)

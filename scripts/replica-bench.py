@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Throughput, latency and CPU per delegation of the broker on SQLite and on
+PostgreSQL with one and with several replicas, measured in one sitting
+(issue 13). Every configuration runs real `delegation-broker serve`
+processes driven by `delegation-broker bench --addr A,B,C`; configurations
+alternate round by round (this machine is noisy).
+
+CPU is read from /proc: utime + stime of each broker process and of every
+process of the PostgreSQL server's user (the postmaster and its backends),
+over the measured window only (after the warm-up).
+
+    scripts/replica-bench.py --bin target/release/delegation-broker \\
+        --rounds 2 --configs sqlite,pg1,pg3,sqlite-hot,pg1-hot,pg3-hot
+
+Prints one markdown table row per run, then the means.
+"""
+
+import argparse
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """utime + stime of one process, in seconds (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+
+
+def user_cpu_seconds(uid):
+    """utime + stime of every live process of `uid`, plus what its reaped
+    children used (cutime + cstime of the postmaster covers backends that
+    exited)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICKS
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return total
+
+
+def start_postgres(workdir):
+    pgdir = os.path.join(workdir, "pg")
+    os.makedirs(pgdir)
+    out = subprocess.run(
+        [os.path.join(HERE, "pg.sh"), "start", pgdir],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    url = re.search(r"BROKER_TEST_POSTGRES_URL=(\S+)", out).group(1)
+    owner = os.stat(os.path.join(pgdir, "data")).st_uid
+    return pgdir, url, owner
+
+
+def create_database(admin_url, name):
+    subprocess.run(["psql", admin_url, "-qc", f"CREATE DATABASE {name}"], check=True)
+    return admin_url.rsplit("/", 1)[0] + "/" + name
+
+
+def spawn_broker(binary, workdir, name, attestor_pub, database_url):
+    data = os.path.join(workdir, name)
+    os.makedirs(data)
+    config = os.path.join(data, "broker.toml")
+    with open(config, "w") as f:
+        f.write(f'[trust]\nattestors = ["{attestor_pub}"]\n')
+    args = [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", data, "--config", config]
+    if database_url:
+        args += ["--database-url", database_url]
+    env = dict(os.environ, BROKER_LOG="warn")
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, env=env, text=True)
+    line = process.stdout.readline().strip()
+    address = line.removeprefix("listening on ")
+    return process, f"http://{address}"
+
+
+def run_bench(binary, addrs, seed, hot, args):
+    command = [
+        binary, "bench", "--addr", ",".join(addrs), "--attestor-seed", seed,
+        "--concurrency", str(args.concurrency), "--depth", str(args.depth),
+        "--duration-s", str(args.duration), "--warmup-s", str(args.warmup),
+    ]
+    if hot:
+        command.append("--hot-parent")
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def parse(output):
+    rate = re.search(r"= (\d+)/s", output)
+    issued = re.search(r"delegations: (\d+) issued", output)
+    errors = re.search(r"errors (\d+)", output)
+    lat = re.search(r"p50 ([\d.]+)\s+p99 ([\d.]+)\s+p999 ([\d.]+)", output)
+    if not (rate and issued and lat):
+        sys.exit(f"bench output not understood:\n{output}")
+    return {
+        "rate": int(rate.group(1)),
+        "issued": int(issued.group(1)),
+        "errors": int(errors.group(1)) if errors else 0,
+        "p50": float(lat.group(1)), "p99": float(lat.group(2)), "p999": float(lat.group(3)),
+    }
+
+
+def one_run(config, args, workdir, pg, seed, attestor_pub, number):
+    backend, _, mode = config.partition("-")
+    replicas = {"sqlite": 1, "pg1": 1, "pg3": 3}[backend]
+    url = None
+    if backend != "sqlite":
+        url = create_database(pg[1], f"bench_{number}")
+    brokers = []
+    for i in range(replicas):
+        brokers.append(spawn_broker(args.bin, workdir, f"run{number}-b{i}", attestor_pub, url))
+    addrs = [addr for _, addr in brokers]
+    bench = run_bench(args.bin, addrs, seed, mode == "hot", args)
+    # CPU over the measured window only.
+    time.sleep(args.warmup)
+    before = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
+    time.sleep(args.duration)
+    after = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
+    output, _ = bench.communicate()
+    result = parse(output)
+    for process, _ in brokers:
+        process.terminate()
+        process.wait()
+    broker_cpu = sum(a - b for a, b in zip(after[0], before[0]))
+    pg_cpu = after[1] - before[1]
+    issued = max(result["issued"], 1)
+    result.update(
+        config=config,
+        broker_us=1e6 * broker_cpu / issued,
+        pg_us=1e6 * pg_cpu / issued,
+        broker_cpu=broker_cpu,
+        pg_cpu=pg_cpu,
+    )
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bin", required=True)
+    parser.add_argument("--configs", default="sqlite,pg1,pg3,sqlite-hot,pg1-hot,pg3-hot")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    args.bin = os.path.abspath(args.bin)
+    configs = [c for c in args.configs.split(",") if c]
+    workdir = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+    # The PostgreSQL server runs as its own user: it must reach its dir.
+    os.chmod(workdir, 0o755)
+    keyfile = os.path.join(workdir, "attestor.seed")
+    attestor_pub = subprocess.run(
+        [args.bin, "keygen", "--out", keyfile], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    seed = open(keyfile).read().strip()
+    pg = start_postgres(workdir) if any(c.startswith("pg") for c in configs) else None
+    print("| round | configuration | delegations/s | p50 ms | p99 ms | p999 ms | errors "
+          "| broker CPU s | PostgreSQL CPU s | broker CPU µs/delegation | PostgreSQL CPU µs/delegation |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    results = []
+    number = 0
+    try:
+        for round_ in range(1, args.rounds + 1):
+            order = configs if round_ % 2 else list(reversed(configs))
+            for config in order:
+                number += 1
+                r = one_run(config, args, workdir, pg, seed, attestor_pub, number)
+                results.append(r)
+                print(f"| {round_} | {config} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} "
+                      f"| {r['p999']:.2f} | {r['errors']} | {r['broker_cpu']:.1f} | {r['pg_cpu']:.1f} "
+                      f"| {r['broker_us']:.0f} | {r['pg_us']:.0f} |", flush=True)
+    finally:
+        if pg:
+            subprocess.run([os.path.join(HERE, "pg.sh"), "stop", pg[0]], capture_output=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("\nMeans:")
+    for config in configs:
+        runs = [r for r in results if r["config"] == config]
+        mean = lambda k: sum(r[k] for r in runs) / len(runs)
+        print(f"- {config}: {mean('rate'):.0f}/s, p99 {mean('p99'):.2f} ms, broker "
+              f"{mean('broker_us'):.0f} µs + PostgreSQL {mean('pg_us'):.0f} µs of CPU per delegation")
+
+
+if __name__ == "__main__":
+    main()
