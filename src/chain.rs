@@ -397,6 +397,7 @@ pub mod fixture {
             key_id: crypto::key_id(&public),
             public_key: public.to_vec(),
             current: true,
+            retired_at_ms: 0,
         }]);
         (chain, keys)
     }
@@ -474,6 +475,7 @@ mod tests {
                 .broker_key_id,
             public_key: other.to_vec(),
             current: true,
+            retired_at_ms: 0,
         }]);
         assert!(matches!(
             verify_chain(&chain, &lying, None),

@@ -332,11 +332,13 @@ fn published(keyring: &keystore::Keyring) -> Vec<pb::BrokerKey> {
         key_id: crypto::key_id(&current),
         public_key: current.to_vec(),
         current: true,
+        retired_at_ms: 0,
     }];
     keys.extend(keyring.retired.iter().map(|k| pb::BrokerKey {
         key_id: crypto::key_id(&k.to_bytes()),
         public_key: k.to_bytes().to_vec(),
         current: false,
+        retired_at_ms: 0,
     }));
     keys
 }

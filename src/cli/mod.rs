@@ -360,6 +360,7 @@ fn verify(
                 key_id: crate::crypto::key_id(&key.to_bytes()),
                 public_key: key.to_bytes().to_vec(),
                 current: false,
+                retired_at_ms: 0,
             })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;

@@ -204,6 +204,7 @@ mod tests {
             key_id: crypto::key_id(&public),
             public_key: public.to_vec(),
             current: true,
+            retired_at_ms: 0,
         };
         let sessions = Sessions::new(
             Arc::new(Stamper::new(key.clone())),

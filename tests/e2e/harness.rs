@@ -69,9 +69,14 @@ impl Broker {
     /// database of its own whatever the backend of this run (it owns the
     /// database: stop it last).
     pub async fn start_replicated() -> Self {
+        Self::start_replicated_with(|_| {}).await
+    }
+
+    /// `start_replicated` with an adjusted configuration.
+    pub async fn start_replicated_with(adjust: impl FnOnce(&mut Config)) -> Self {
         let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
         let url = database.url.clone();
-        let mut broker = Self::start_full(|_| {}, false, Some(&url)).await;
+        let mut broker = Self::start_full(adjust, false, Some(&url)).await;
         broker.database = Some(database);
         broker
     }
@@ -79,13 +84,18 @@ impl Broker {
     /// Another replica on `first`'s database (its own signing key, data
     /// directory and address).
     pub async fn start_replica(first: &Broker) -> Self {
+        Self::start_replica_with(first, |_| {}).await
+    }
+
+    /// `start_replica` with an adjusted configuration.
+    pub async fn start_replica_with(first: &Broker, adjust: impl FnOnce(&mut Config)) -> Self {
         let url = first
             .database
             .as_ref()
             .expect("a replicated broker")
             .url
             .clone();
-        Self::start_full(|_| {}, false, Some(&url)).await
+        Self::start_full(adjust, false, Some(&url)).await
     }
 
     async fn start_full(

@@ -347,6 +347,7 @@ async fn every_tampering_of_a_chain_is_rejected() {
         key_id: key_id(&stranger.public_key()),
         public_key: stranger.public_key().to_vec(),
         current: true,
+        retired_at_ms: 0,
     };
     assert!(
         !verdict(&genuine, std::slice::from_ref(&other_key)),

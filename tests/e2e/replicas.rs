@@ -744,3 +744,132 @@ async fn a_database_restart_is_survived_without_loss() {
     assert_eq!(reader.assert_balanced(&root).await, 1 + answered.len());
     drop(processes);
 }
+
+/// Background work with three replicas: every replica's expiry sweeper
+/// runs, and still each overdue contract expires once, with one receipt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sweeper_runs_and_each_contract_expires_once() {
+    let fast = |config: &mut delegation_broker::config::Config| {
+        config.limits.expiry_sweep_interval_ms = 20;
+    };
+    let mut a = Broker::start_replicated_with(fast).await;
+    let b = Broker::start_replica_with(&a, fast).await;
+    let c = Broker::start_replica_with(&a, fast).await;
+    let orchestrator = Agent::generate();
+    let root = a.open_root(&orchestrator, RootSpec::default()).await;
+    let mut children = Vec::new();
+    for _ in 0..12 {
+        let (id, _) = a
+            .delegate(
+                &orchestrator,
+                child(&root.id, &root.lineage, &Agent::generate(), 5),
+            )
+            .await
+            .unwrap()
+            .issued();
+        children.push(id);
+    }
+    // Past every deadline, on every replica's clock.
+    for broker in [&a, &b, &c] {
+        broker.clock.advance_ms(2 * HOUR_MS);
+    }
+    let expired = pb::ContractStatus::Expired as i32;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while a.state(&root.id).await.status != expired {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sweepers expire the root"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Let every sweeper pass again: nothing more may be written.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut stream = watch(&mut a, &root.id, 0).await;
+    let events = read_events(&mut stream, 1 + children.len() * 2 + 1).await;
+    let mut expiries: std::collections::HashMap<Vec<u8>, usize> = Default::default();
+    for (_, id, parent) in &events {
+        if parent.is_none() {
+            *expiries.entry(id.clone()).or_default() += 1;
+        }
+    }
+    assert_eq!(expiries.len(), 1 + children.len(), "every contract expired");
+    assert!(
+        expiries.values().all(|n| *n == 1),
+        "once each: {expiries:?}"
+    );
+    let extra = tokio::time::timeout(Duration::from_millis(300), stream.next()).await;
+    assert!(extra.is_err(), "a second expiry: {extra:?}");
+    for id in &children {
+        assert_eq!(a.state(id).await.status, expired);
+    }
+    a.assert_ledgers_balance(&root.id).await;
+    stop_all(a, b, c).await;
+}
+
+/// `delegation-broker migrate` brings a database up to date for replicas
+/// started with `--no-migrate`; a replica started with `--no-migrate` on
+/// a database without the schema refuses to start and says what to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_once_then_serve_without_migrating() {
+    let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
+    let binary = env!("CARGO_BIN_EXE_delegation-broker");
+    let dir = tempfile::tempdir().unwrap();
+    let refused = std::process::Command::new(binary)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-migrate",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .args(["--database-url", &database.url])
+        .env("BROKER_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("delegation-broker migrate"), "{stderr}");
+    let migrated = std::process::Command::new(binary)
+        .args(["migrate", "--database-url", &database.url])
+        .output()
+        .unwrap();
+    assert!(migrated.status.success(), "{migrated:?}");
+    // Twice is fine: nothing is pending.
+    let again = std::process::Command::new(binary)
+        .args(["migrate", "--database-url", &database.url])
+        .output()
+        .unwrap();
+    assert!(again.status.success(), "{again:?}");
+    let mut command = std::process::Command::new(binary);
+    command
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-migrate",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .args(["--database-url", &database.url])
+        .env("BROKER_LOG", "warn")
+        .stdout(std::process::Stdio::piped());
+    let mut process = Killed(command.spawn().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(process.0.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let addr = format!(
+        "http://{}",
+        line.trim().strip_prefix("listening on ").unwrap()
+    );
+    let orchestrator = Agent::generate();
+    connect(&addr)
+        .await
+        .open_root(orchestrator.open_root(RootSpec::default().body()))
+        .await
+        .expect("serves");
+    drop(process);
+}

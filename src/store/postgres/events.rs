@@ -257,13 +257,12 @@ async fn announce(
     seen: &mut i64,
     trees: &crate::store::TreeChanges,
 ) -> Result<bool, sqlx::Error> {
-    let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-        "SELECT pos, root_id FROM events WHERE pos > $1 ORDER BY pos LIMIT $2",
-    )
-    .bind(*seen)
-    .bind(MAX_PLACED_PER_PASS)
-    .fetch_all(pool)
-    .await?;
+    let rows: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT pos, root_id FROM events WHERE pos > $1 ORDER BY pos LIMIT $2")
+            .bind(*seen)
+            .bind(MAX_PLACED_PER_PASS)
+            .fetch_all(pool)
+            .await?;
     for (position, root) in &rows {
         if let Ok(root) = Id::try_from(root.as_slice()) {
             trees.touch(root, cursor_of(tag, *position));

@@ -136,6 +136,7 @@ pub(super) async fn broker_keys(pool: &PgPool) -> Result<Vec<pb::BrokerKey>, Sto
             key_id,
             public_key,
             current: retired_at_ms.is_none(),
+            retired_at_ms: retired_at_ms.unwrap_or(0),
         })
         .collect())
 }

@@ -79,6 +79,7 @@ from ._gen.delegation.broker.v1.broker_pb2_grpc import (  # noqa: F401
 from ._gen.delegation.broker.v1.errors_pb2 import (  # noqa: F401
     ERROR_REASON_BAD_SESSION,
     ERROR_REASON_BAD_SIGNATURE,
+    ERROR_REASON_CONTENTION,
     ERROR_REASON_CONVERTERS_BUSY,
     ERROR_REASON_ENDED,
     ERROR_REASON_HOST_MISMATCH,
@@ -220,6 +221,7 @@ __all__ = [
     "DelegateResponse",
     "ERROR_REASON_BAD_SESSION",
     "ERROR_REASON_BAD_SIGNATURE",
+    "ERROR_REASON_CONTENTION",
     "ERROR_REASON_CONVERTERS_BUSY",
     "ERROR_REASON_ENDED",
     "ERROR_REASON_HOST_MISMATCH",

@@ -247,14 +247,16 @@ class GetBrokerKeysRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BrokerKey(_message.Message):
-    __slots__ = ("key_id", "public_key", "current")
+    __slots__ = ("key_id", "public_key", "current", "retired_at_ms")
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     key_id: str
     public_key: bytes
     current: bool
-    def __init__(self, key_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., current: _Optional[bool] = ...) -> None: ...
+    retired_at_ms: int
+    def __init__(self, key_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., current: _Optional[bool] = ..., retired_at_ms: _Optional[int] = ...) -> None: ...
 
 class GetBrokerKeysResponse(_message.Message):
     __slots__ = ("keys",)
