@@ -402,6 +402,62 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Sends one Delegate once the pacer (if any) gives a slot; records its
+/// latency when it was issued inside the measured window. `None`: no
+/// answer (an error).
+async fn send_timed(
+    client: &mut BrokerClient<Channel>,
+    request: pb::DelegateRequest,
+    pacer: Option<&Pacer>,
+    (measure_from, stop_at): (Instant, Instant),
+    tally: &mut Tally,
+) -> Option<pb::delegate_response::Outcome> {
+    if let Some(pacer) = pacer {
+        pacer.wait().await;
+    }
+    let began = Instant::now();
+    let result = client.delegate(request).await;
+    let took = began.elapsed();
+    let measured = began >= measure_from && Instant::now() <= stop_at;
+    let outcome = result.ok()?.into_inner().outcome?;
+    if measured && matches!(outcome, pb::delegate_response::Outcome::Issued(_)) {
+        tally
+            .latencies_us
+            .push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
+    }
+    Some(outcome)
+}
+
+/// The Delegate every bench worker sends: liability on the delegate, a
+/// retry floor, scoped to `src`.
+fn delegate_body(
+    parent: &[u8],
+    lineage: &[u8],
+    task: String,
+    delegate: &Agent,
+    attestation: &pb::Envelope,
+    budget: i64,
+) -> pb::DelegateBody {
+    pb::DelegateBody {
+        header: None,
+        parent_id: parent.to_vec(),
+        intent_lineage_hash: lineage.to_vec(),
+        task,
+        delegate_public_key: delegate.public_key().to_vec(),
+        delegate_attestation: Some(attestation.clone()),
+        budget,
+        deadline_ms: 0,
+        liability: pb::Liability::Delegate as i32,
+        predicate: String::new(),
+        escalation_channel: "broker".into(),
+        min_retry_cost: 1,
+        min_retry_latency_ms: 1_000,
+        write_scope: vec!["src".into()],
+        host_public_key: Vec::new(),
+        result_schema_json: String::new(),
+    }
+}
+
 /// Brokers `--addr` may name (replicas of one broker).
 const MAX_ADDRS: usize = 64;
 
@@ -492,45 +548,23 @@ async fn hot_worker(
     let mut tally = Tally::default();
     while Instant::now() < stop_at {
         let parent = hot.current.read().await.clone();
-        let request = hot.holder.delegate(pb::DelegateBody {
-            header: None,
-            parent_id: parent.clone(),
-            intent_lineage_hash: lineage.clone(),
-            task: "handle part of src/".into(),
-            delegate_public_key: delegate.public_key().to_vec(),
-            delegate_attestation: Some(attestation.clone()),
-            budget: 1,
-            deadline_ms: 0,
-            liability: pb::Liability::Delegate as i32,
-            predicate: String::new(),
-            escalation_channel: "broker".into(),
-            min_retry_cost: 1,
-            min_retry_latency_ms: 1_000,
-            write_scope: vec!["src".into()],
-            host_public_key: Vec::new(),
-            result_schema_json: String::new(),
-        });
-        if let Some(pacer) = &pacer {
-            pacer.wait().await;
-        }
-        let began = Instant::now();
-        let result = client.delegate(request).await;
-        let took = began.elapsed();
-        let measured = began >= measure_from && Instant::now() <= stop_at;
-        match result.map(|r| r.into_inner().outcome) {
-            Ok(Some(pb::delegate_response::Outcome::Issued(_))) => {
-                if measured {
-                    tally
-                        .latencies_us
-                        .push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
-                }
-            }
-            Ok(Some(pb::delegate_response::Outcome::Refused(_))) => {
+        let request = hot.holder.delegate(delegate_body(
+            &parent,
+            &lineage,
+            "handle part of src/".into(),
+            &delegate,
+            &attestation,
+            1,
+        ));
+        let window = (measure_from, stop_at);
+        match send_timed(&mut client, request, pacer.as_deref(), window, &mut tally).await {
+            Some(pb::delegate_response::Outcome::Issued(_)) => {}
+            Some(pb::delegate_response::Outcome::Refused(_)) => {
                 // Full: a fresh hot parent.
                 tally.refused += 1;
                 hot.replace(&parent).await;
             }
-            _ => tally.errors += 1,
+            None => tally.errors += 1,
         }
     }
     tally
@@ -615,46 +649,25 @@ async fn worker(
         tally.roots += 1;
         let mut budget: i64 = 1 << 39;
         for hop in 1..=depth as usize {
-            let request = agents[hop - 1].delegate(pb::DelegateBody {
-                header: None,
-                parent_id: parent.clone(),
-                intent_lineage_hash: lineage.clone(),
-                task: format!("hop {hop}: handle part of src/"),
-                delegate_public_key: agents[hop].public_key().to_vec(),
-                delegate_attestation: Some(attestations[hop].clone()),
+            let request = agents[hop - 1].delegate(delegate_body(
+                &parent,
+                &lineage,
+                format!("hop {hop}: handle part of src/"),
+                &agents[hop],
+                &attestations[hop],
                 budget,
-                deadline_ms: 0,
-                liability: pb::Liability::Delegate as i32,
-                predicate: String::new(),
-                escalation_channel: "broker".into(),
-                min_retry_cost: 1,
-                min_retry_latency_ms: 1_000,
-                write_scope: vec!["src".into()],
-                host_public_key: Vec::new(),
-                result_schema_json: String::new(),
-            });
-            if let Some(pacer) = &pacer {
-                pacer.wait().await;
-            }
-            let began = Instant::now();
-            let result = client.delegate(request).await;
-            let took = began.elapsed();
-            let measured = began >= measure_from && Instant::now() <= stop_at;
-            match result.map(|r| r.into_inner().outcome) {
-                Ok(Some(pb::delegate_response::Outcome::Issued(issued))) => {
-                    if measured {
-                        tally
-                            .latencies_us
-                            .push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
-                    }
+            ));
+            let window = (measure_from, stop_at);
+            match send_timed(&mut client, request, pacer.as_deref(), window, &mut tally).await {
+                Some(pb::delegate_response::Outcome::Issued(issued)) => {
                     parent = issued.contract_id;
                     budget /= 2;
                 }
-                Ok(Some(pb::delegate_response::Outcome::Refused(_))) => {
+                Some(pb::delegate_response::Outcome::Refused(_)) => {
                     tally.refused += 1;
                     break;
                 }
-                _ => {
+                None => {
                     tally.errors += 1;
                     break;
                 }

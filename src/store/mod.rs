@@ -172,6 +172,79 @@ impl Entity {
     }
 }
 
+/// The `Store` methods both SQL backends answer with the shared SQL
+/// (`store/sql/`): expanded inside each backend's `impl Store`, where
+/// `reads`, `audit` and `judge` are that backend's instantiation.
+macro_rules! sql_store_methods {
+    () => {
+        async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
+            judge::transition(self, command).await
+        }
+
+        async fn audit_facts(
+            &self,
+            id: Id,
+        ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
+            audit::audit_facts(self, id).await
+        }
+
+        async fn is_party(
+            &self,
+            contract: Id,
+            agent: AgentKey,
+        ) -> Result<Option<bool>, StoreError> {
+            reads::is_party(self, contract, agent).await
+        }
+
+        async fn runs(
+            &self,
+            orchestrator: Option<AgentKey>,
+            selector: &std::collections::BTreeMap<String, String>,
+            limit: u32,
+        ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
+            audit::runs(self, orchestrator, selector, limit).await
+        }
+
+        async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
+            reads::overdue(self, now_ms, limit).await
+        }
+
+        async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
+            reads::replay(self, request).await
+        }
+
+        async fn issuing_parent(&self, parent: Id) -> Result<Option<IssuingParent>, StoreError> {
+            reads::issuing_parent(self, parent).await
+        }
+
+        async fn issuance_trace(
+            &self,
+            id: Id,
+        ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
+            reads::issuance_trace(self, id).await
+        }
+
+        async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
+            reads::contract(self, id).await
+        }
+
+        async fn children(
+            &self,
+            parent: Id,
+            after_seq: i64,
+            limit: u32,
+            max_bytes: usize,
+        ) -> Result<Vec<ContractRecord>, StoreError> {
+            reads::children(self, parent, after_seq, limit, max_bytes).await
+        }
+
+        async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
+            reads::receipt(self, id).await
+        }
+    };
+}
+pub(crate) use sql_store_methods;
+
 /// The store's errors. Backend details stay inside as text: callers only
 /// need to know the class.
 #[derive(Debug, thiserror::Error)]
@@ -218,6 +291,25 @@ pub enum StoreError {
     Corrupt(String),
     #[error("database error: {0}")]
     Backend(String),
+}
+
+/// A database error as the store reports it, for every backend: data that
+/// does not decode is corrupt (INTERNAL: retrying cannot help), anything
+/// else a backend failure (UNAVAILABLE).
+fn backend(e: sqlx::Error) -> StoreError {
+    backend_ref(&e)
+}
+
+fn backend_ref(e: &sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::TypeNotFound { .. }
+        | sqlx::Error::Protocol(_) => StoreError::Corrupt(e.to_string()),
+        _ => StoreError::Backend(e.to_string()),
+    }
 }
 
 fn denied(reason: pb::ErrorReason, detail: impl Into<String>) -> StoreError {

@@ -114,14 +114,14 @@ pub(super) async fn events(
     limit: u32,
     max_bytes: usize,
 ) -> Result<Vec<Event>, StoreError> {
-    use tokio_stream::StreamExt;
     let after = position_of(store.tag, cursor)?;
     let mut conn = store.reader.acquire().await.map_err(backend)?;
     let mut rows = sqlx::query(
         "WITH RECURSIVE sub(seq) AS (\
              SELECT seq FROM contracts WHERE id = $1 \
              UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
-         SELECT e.pos, e.kind, COALESCE(ce.envelope, r.envelope) AS envelope FROM events e \
+         SELECT e.pos AS position, e.kind, COALESCE(ce.envelope, r.envelope) AS envelope \
+         FROM events e \
              LEFT JOIN contract_envelopes ce ON e.kind = 1 AND ce.seq = e.seq \
              LEFT JOIN receipts r ON e.kind = 2 AND r.seq = e.seq \
          WHERE e.pos > $2 AND e.contract_seq IN (SELECT seq FROM sub) \
@@ -131,26 +131,12 @@ pub(super) async fn events(
     .bind(after)
     .bind(i64::from(limit))
     .fetch(&mut *conn);
-    // Pulled one at a time, up to the byte budget.
-    let mut events = Vec::new();
-    let mut bytes = 0usize;
-    while let Some(row) = rows.next().await {
-        let row = row.map_err(backend)?;
-        let position: i64 = row.try_get("pos").map_err(backend)?;
-        let kind: i64 = row.try_get("kind").map_err(backend)?;
-        let envelope = decode_envelope(&row, "envelope")?;
-        bytes = bytes.saturating_add(envelope.encoded_len());
-        let cursor = cursor_of(store.tag, position);
-        events.push(if kind == 1 {
-            Event::Contract { cursor, envelope }
-        } else {
-            Event::Receipt { cursor, envelope }
-        });
-        if bytes >= max_bytes {
-            break;
-        }
-    }
-    Ok(events)
+    reads::collect_events(
+        &mut rows,
+        |position| cursor_of(store.tag, position),
+        max_bytes,
+    )
+    .await
 }
 
 /// Places committed events and announces new positions to this replica's

@@ -65,7 +65,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey};
 use super::{
     Answer, AuditFacts, ContractRecord, Event, IssuingParent, RunFacts, Store, StoreError,
-    TreeMutations,
+    TreeMutations, backend, backend_ref,
 };
 use crate::clock::Clock;
 use crate::command::{Action, CompleteArgs, LifecycleCommand, NewChild, NewRoot, RequestMeta};
@@ -203,24 +203,6 @@ pub struct PostgresStore {
     before_judge: Option<BeforeJudge>,
     max_audit_rows: i64,
     max_audit_bytes: usize,
-}
-
-/// A database error as the store reports it: data that does not decode
-/// is corrupt, anything else a backend failure (UNAVAILABLE).
-fn backend(e: sqlx::Error) -> StoreError {
-    backend_ref(&e)
-}
-
-fn backend_ref(e: &sqlx::Error) -> StoreError {
-    match e {
-        sqlx::Error::ColumnDecode { .. }
-        | sqlx::Error::Decode(_)
-        | sqlx::Error::ColumnNotFound(_)
-        | sqlx::Error::ColumnIndexOutOfBounds { .. }
-        | sqlx::Error::TypeNotFound { .. }
-        | sqlx::Error::Protocol(_) => StoreError::Corrupt(e.to_string()),
-        _ => StoreError::Backend(e.to_string()),
-    }
 }
 
 /// The pool options every pool of this store shares.
@@ -391,6 +373,9 @@ impl PostgresStore {
 }
 
 impl Store for PostgresStore {
+    // The methods both backends answer with the shared SQL (`store::sql`).
+    crate::store::sql_store_methods!();
+
     async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
         let stamped = self.stamper.root(&root, self.clock.now_ms());
         self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
@@ -403,10 +388,6 @@ impl Store for PostgresStore {
         self.submit(Command::Delegate(Box::new(child), None)).await
     }
 
-    async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
-        judge::transition(self, command).await
-    }
-
     async fn events(
         &self,
         contract: Id,
@@ -417,69 +398,12 @@ impl Store for PostgresStore {
         events::events(self, contract, cursor, limit, max_bytes).await
     }
 
-    async fn audit_facts(
-        &self,
-        id: Id,
-    ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
-        audit::audit_facts(self, id).await
-    }
-
-    async fn is_party(&self, contract: Id, agent: AgentKey) -> Result<Option<bool>, StoreError> {
-        reads::is_party(self, contract, agent).await
-    }
-
-    async fn runs(
-        &self,
-        orchestrator: Option<AgentKey>,
-        selector: &std::collections::BTreeMap<String, String>,
-        limit: u32,
-    ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
-        audit::runs(self, orchestrator, selector, limit).await
-    }
-
     fn commits(&self) -> tokio::sync::watch::Receiver<u64> {
         self.commits.clone()
     }
 
     fn tree_changes(&self) -> super::TreeChanges {
         self.trees.clone()
-    }
-
-    async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
-        reads::overdue(self, now_ms, limit).await
-    }
-
-    async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
-        reads::replay(self, request).await
-    }
-
-    async fn issuing_parent(&self, parent: Id) -> Result<Option<IssuingParent>, StoreError> {
-        reads::issuing_parent(self, parent).await
-    }
-
-    async fn issuance_trace(
-        &self,
-        id: Id,
-    ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
-        reads::issuance_trace(self, id).await
-    }
-
-    async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
-        reads::contract(self, id).await
-    }
-
-    async fn children(
-        &self,
-        parent: Id,
-        after_seq: i64,
-        limit: u32,
-        max_bytes: usize,
-    ) -> Result<Vec<ContractRecord>, StoreError> {
-        reads::children(self, parent, after_seq, limit, max_bytes).await
-    }
-
-    async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
-        reads::receipt(self, id).await
     }
 
     async fn broker_keys(&self) -> Result<Option<Vec<pb::BrokerKey>>, StoreError> {

@@ -158,3 +158,34 @@ pub(super) async fn receipt(
     store.settle().await?;
     row.map(|r| decode_envelope(&r, "envelope")).transpose()
 }
+
+/// Watch events from `rows` (columns `position`, `kind` — 1 a contract, 2
+/// a receipt — and `envelope`), pulled one at a time until the page
+/// holds `max_bytes` of envelopes (always the first one); `cursor_of`
+/// turns a stored position into the client's cursor.
+pub(super) async fn collect_events<'r>(
+    rows: &mut (impl tokio_stream::Stream<Item = Result<DbRow, sqlx::Error>> + Unpin + 'r),
+    cursor_of: impl Fn(i64) -> i64,
+    max_bytes: usize,
+) -> Result<Vec<Event>, StoreError> {
+    use tokio_stream::StreamExt;
+    let mut events = Vec::new();
+    let mut bytes = 0usize;
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(backend)?;
+        let position: i64 = row.try_get("position").map_err(backend)?;
+        let kind: i64 = row.try_get("kind").map_err(backend)?;
+        let envelope = decode_envelope(&row, "envelope")?;
+        bytes = bytes.saturating_add(envelope.encoded_len());
+        let cursor = cursor_of(position);
+        events.push(if kind == 1 {
+            Event::Contract { cursor, envelope }
+        } else {
+            Event::Receipt { cursor, envelope }
+        });
+        if bytes >= max_bytes {
+            break;
+        }
+    }
+    Ok(events)
+}

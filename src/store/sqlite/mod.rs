@@ -94,7 +94,7 @@ use super::recent::RecentRequests;
 
 use super::{
     Answer, AuditFacts, ContractRecord, Event, IssuingParent, Outcome, RunFacts, Store, StoreError,
-    TreeMutations,
+    TreeMutations, backend, backend_ref,
 };
 
 use crate::clock::Clock;
@@ -231,25 +231,6 @@ pub struct SqliteStore {
     max_audit_rows: i64,
     /// `SqliteOptions::max_audit_bytes`.
     max_audit_bytes: usize,
-}
-
-/// A database error as the store reports it: data that does not decode
-/// is corrupt (INTERNAL: retrying cannot help), anything else a backend
-/// failure (UNAVAILABLE).
-fn backend(e: sqlx::Error) -> StoreError {
-    backend_ref(&e)
-}
-
-fn backend_ref(e: &sqlx::Error) -> StoreError {
-    match e {
-        sqlx::Error::ColumnDecode { .. }
-        | sqlx::Error::Decode(_)
-        | sqlx::Error::ColumnNotFound(_)
-        | sqlx::Error::ColumnIndexOutOfBounds { .. }
-        | sqlx::Error::TypeNotFound { .. }
-        | sqlx::Error::Protocol(_) => StoreError::Corrupt(e.to_string()),
-        _ => StoreError::Backend(e.to_string()),
-    }
 }
 
 /// The connection settings of every connection to the database.
@@ -425,6 +406,9 @@ impl SqliteStore {
 }
 
 impl Store for SqliteStore {
+    // The methods both backends answer with the shared SQL (`store::sql`).
+    crate::store::sql_store_methods!();
+
     async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
         let stamped = self.stamper.root(&root, self.clock.now_ms());
         self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
@@ -437,10 +421,6 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
-        judge::transition(self, command).await
-    }
-
     async fn events(
         &self,
         contract: Id,
@@ -451,69 +431,12 @@ impl Store for SqliteStore {
         events(self, contract, cursor, limit, max_bytes).await
     }
 
-    async fn audit_facts(
-        &self,
-        id: Id,
-    ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
-        audit::audit_facts(self, id).await
-    }
-
-    async fn is_party(&self, contract: Id, agent: AgentKey) -> Result<Option<bool>, StoreError> {
-        reads::is_party(self, contract, agent).await
-    }
-
-    async fn runs(
-        &self,
-        orchestrator: Option<AgentKey>,
-        selector: &std::collections::BTreeMap<String, String>,
-        limit: u32,
-    ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
-        audit::runs(self, orchestrator, selector, limit).await
-    }
-
     fn commits(&self) -> tokio::sync::watch::Receiver<u64> {
         self.durability.durable.clone()
     }
 
     fn tree_changes(&self) -> super::TreeChanges {
         self.trees.clone()
-    }
-
-    async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
-        reads::overdue(self, now_ms, limit).await
-    }
-
-    async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
-        reads::replay(self, request).await
-    }
-
-    async fn issuing_parent(&self, parent: Id) -> Result<Option<IssuingParent>, StoreError> {
-        reads::issuing_parent(self, parent).await
-    }
-
-    async fn issuance_trace(
-        &self,
-        id: Id,
-    ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
-        reads::issuance_trace(self, id).await
-    }
-
-    async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
-        reads::contract(self, id).await
-    }
-
-    async fn children(
-        &self,
-        parent: Id,
-        after_seq: i64,
-        limit: u32,
-        max_bytes: usize,
-    ) -> Result<Vec<ContractRecord>, StoreError> {
-        reads::children(self, parent, after_seq, limit, max_bytes).await
-    }
-
-    async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
-        reads::receipt(self, id).await
     }
 
     async fn broker_keys(&self) -> Result<Option<Vec<pb::BrokerKey>>, StoreError> {
@@ -531,42 +454,23 @@ async fn events(
     limit: u32,
     max_bytes: usize,
 ) -> Result<Vec<Event>, StoreError> {
-    use tokio_stream::StreamExt;
     let mut conn = store.reader.acquire().await.map_err(backend)?;
     let mut rows = sqlx::query(
         "WITH RECURSIVE sub(seq) AS (\
              SELECT seq FROM contracts WHERE id = $1 \
              UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq) \
-         SELECT seq, 1 AS kind, envelope FROM contract_envelopes \
+         SELECT seq AS position, 1 AS kind, envelope FROM contract_envelopes \
              WHERE seq > $2 AND seq IN (SELECT seq FROM sub) \
          UNION ALL \
          SELECT seq, 2 AS kind, envelope FROM receipts \
              WHERE seq > $2 AND contract_seq IN (SELECT seq FROM sub) \
-         ORDER BY seq LIMIT $3",
+         ORDER BY position LIMIT $3",
     )
     .bind(contract.as_slice())
     .bind(cursor)
     .bind(i64::from(limit))
     .fetch(&mut *conn);
-    // Rows are pulled one at a time and the page ends at its byte
-    // budget: a page never holds more than about `max_bytes`.
-    let mut events = Vec::new();
-    let mut bytes = 0usize;
-    while let Some(row) = rows.next().await {
-        let row = row.map_err(backend)?;
-        let cursor: i64 = row.try_get("seq").map_err(backend)?;
-        let kind: i64 = row.try_get("kind").map_err(backend)?;
-        let envelope = decode_envelope(&row, "envelope")?;
-        bytes = bytes.saturating_add(envelope.encoded_len());
-        events.push(if kind == 1 {
-            Event::Contract { cursor, envelope }
-        } else {
-            Event::Receipt { cursor, envelope }
-        });
-        if bytes >= max_bytes {
-            break;
-        }
-    }
+    let events = reads::collect_events(&mut rows, |seq| seq, max_bytes).await?;
     drop(rows);
     drop(conn);
     store.settle().await?;
