@@ -695,8 +695,19 @@ async fn expiry_sweeper<S: Store>(
             };
             match store.transition(command).await {
                 Ok(_) => {}
-                // Another path (a cascade, an access) ended it first.
+                // Another path (a cascade, an access, another replica's
+                // sweeper) ended it first.
                 Err(crate::store::StoreError::FailedPrecondition { .. }) => {}
+                // Passing (a full queue, a database away or contended):
+                // the next sweep tries again.
+                Err(
+                    e @ (crate::store::StoreError::Busy
+                    | crate::store::StoreError::Unavailable { .. }
+                    | crate::store::StoreError::Backend(_)),
+                ) => {
+                    tracing::warn!(error = %e, contract = %hex::encode(contract_id), "expiry deferred to the next sweep");
+                    break;
+                }
                 Err(e) => {
                     tracing::error!(error = %e, contract = %hex::encode(contract_id), "expiry failed; skipping it");
                     if failed.len() >= MAX_SKIPPED_EXPIRIES {

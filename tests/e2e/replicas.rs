@@ -873,3 +873,69 @@ async fn migrate_once_then_serve_without_migrating() {
         .expect("serves");
     drop(process);
 }
+
+/// Key rotation with replicas running: replica A is stopped, rotates its
+/// key and starts again while B serves throughout. B then publishes A's
+/// old key as retired (with its retirement time) and A's new one as
+/// current: a contract A signed before the rotation and one it signed
+/// after both verify with B's keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_rotates_its_key_while_the_others_serve() {
+    let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
+    let binary = env!("CARGO_BIN_EXE_delegation-broker");
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, addr_a) = crate::crash::spawn_broker(dir_a.path(), Some(&database.url));
+    let a = Killed(a);
+    let (b, addr_b) = crate::crash::spawn_broker(dir_b.path(), Some(&database.url));
+    let _b = Killed(b);
+    let orchestrator = Agent::generate();
+    let open = |addr: String| {
+        let body = orchestrator.open_root(RootSpec::default().body());
+        async move {
+            let issued = connect(&addr)
+                .await
+                .open_root(body)
+                .await
+                .expect("issued")
+                .into_inner()
+                .issued
+                .unwrap();
+            issued.contract.unwrap()
+        }
+    };
+    let before = open(addr_a.clone()).await;
+    drop(a); // stopped
+    let rotated = std::process::Command::new(binary)
+        .args(["rotate-key", "--data-dir"])
+        .arg(dir_a.path())
+        .output()
+        .unwrap();
+    assert!(rotated.status.success(), "{rotated:?}");
+    let (a, addr_a) = crate::crash::spawn_broker(dir_a.path(), Some(&database.url));
+    let _a = Killed(a);
+    let after = open(addr_a).await;
+    let old_id = decode_contract(&before).broker_key_id;
+    let new_id = decode_contract(&after).broker_key_id;
+    assert_ne!(old_id, new_id);
+    // B publishes both (its registry copy is at most 100 ms old).
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let keys = connect(&addr_b)
+        .await
+        .get_broker_keys(pb::GetBrokerKeysRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .keys;
+    let old = keys
+        .iter()
+        .find(|k| k.key_id == old_id)
+        .expect("the old key");
+    assert!(!old.current && old.retired_at_ms > 0, "{old:?}");
+    let new = keys
+        .iter()
+        .find(|k| k.key_id == new_id)
+        .expect("the new key");
+    assert!(new.current && new.retired_at_ms == 0, "{new:?}");
+    verify_with_keys(&before, payload_type::CONTRACT, &keys, &old_id);
+    verify_with_keys(&after, payload_type::CONTRACT, &keys, &new_id);
+}
