@@ -28,6 +28,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TICKS = os.sysconf("SC_CLK_TCK")
+# `limits.database_writers` of the replicas (--writers); None: default.
+WRITERS = None
 
 
 def cpu_seconds(pid):
@@ -82,6 +84,8 @@ def spawn_broker(binary, workdir, name, attestor_pub, database_url):
     config = os.path.join(data, "broker.toml")
     with open(config, "w") as f:
         f.write(f'[trust]\nattestors = ["{attestor_pub}"]\n')
+        if WRITERS:
+            f.write(f"[limits]\ndatabase_writers = {WRITERS}\n")
     args = [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", data, "--config", config]
     if database_url:
         args += ["--database-url", database_url]
@@ -161,7 +165,11 @@ def main():
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--writers", type=int, default=None,
+                        help="limits.database_writers of the PostgreSQL replicas")
     args = parser.parse_args()
+    global WRITERS
+    WRITERS = args.writers
     args.bin = os.path.abspath(args.bin)
     configs = [c for c in args.configs.split(",") if c]
     workdir = tempfile.mkdtemp(prefix="rb", dir="/tmp")

@@ -357,6 +357,7 @@ async fn open_postgres(
     options.queue_depth = limits.writer_queue_depth;
     options.max_batch = limits.max_batch;
     options.read_connections = limits.read_connections;
+    options.writers = limits.database_writers;
     options.request_log_retention_ms = limits.request_log_retention_ms;
     options.metrics = Some(metrics.store.clone());
     Ok(PostgresStore::open(options, stamper, clock).await?)

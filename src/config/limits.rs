@@ -119,6 +119,8 @@ limits! {
         "writes per group commit";
     read_connections: u32 = 4, 1, 256,
         "read-only database connections";
+    database_writers: usize = 1, 1, 64,
+        "with --database-url: write transactions in flight per replica (one makes the largest groups: least database CPU per write; more overlap commits)";
     max_connections: usize = 4_096, 1, MAX_CONNECTIONS_CEILING,
         "open client connections; more wait in the listen backlog";
     max_concurrent_requests_per_connection: usize = 1_024, 1, MAX_CONCURRENCY_CEILING,

@@ -370,9 +370,13 @@ async fn load_parents_locked(
         return Ok(());
     }
     let ids: Vec<&[u8]> = parent_ids.iter().map(|id| id.as_slice()).collect();
+    // `FOR UPDATE OF c`: the contract rows only. Through the view the
+    // envelope rows were locked too, and a row lock is a write (the row's
+    // header and a WAL record) on rows nothing ever updates.
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id = ANY($1) \
-         ORDER BY depth, id{LOCK_ROWS}"
+        "SELECT {CONTRACT_COLUMNS} FROM (\
+             SELECT c.*, e.envelope FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
+             WHERE c.id = ANY($1) ORDER BY c.depth, c.id FOR UPDATE OF c) locked"
     )))
     .bind(ids)
     .fetch_all(&mut *conn)
