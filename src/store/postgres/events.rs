@@ -2,16 +2,19 @@
 //! cursors made from them.
 //!
 //! Every transaction writes one `events` row per contract or receipt it
-//! numbered, without a position. A sequencer — every replica runs one;
-//! they take turns under the `event_clock` row lock — gives the committed
-//! rows the next positions, in `seq` order, and commits. A transaction that
-//! commits late is simply placed later: positions are given in the order
-//! rows became visible, so a reader that has seen position n has seen every
-//! event placed before it (placements are serialized, and each commits
-//! whole), and never misses one that commits afterwards. A child's event is
-//! never placed before its parent's: the child's number was taken after
-//! the parent committed, so the parent's row is visible first or in the
-//! same pass with a smaller number.
+//! numbered, with its position: as its last step it takes the
+//! `event_clock` row lock, gives its events the next positions in `seq`
+//! order and holds the lock until it commits (`place_own`). Positions
+//! therefore become visible in the order they were given, whole
+//! transactions at a time, and none is given between: a reader that has
+//! seen position n has seen every event placed before it, and never misses
+//! one placed later. A child's event is never placed before its parent's:
+//! the child's transaction locked the parent after the parent committed.
+//! The lock is taken after every contract lock, so its holder never waits
+//! for another lock (no cycle), and it is held only for the commit.
+//! A sequencer per replica announces positions given through other
+//! replicas to this replica's Watch streams (every `SEQUENCER_POLL`), and
+//! places, as a safety net, any event a transaction left unplaced.
 //!
 //! A cursor is `tag << 48 | position`: the tag, random per database (see
 //! the `event_clock` migration), makes a cursor from another database fail
@@ -28,51 +31,14 @@ const MAX_PLACED_PER_PASS: i64 = 4_096;
 /// replicas (and places its own that no local commit announced).
 const SEQUENCER_POLL: Duration = Duration::from_millis(10);
 
-/// Longest a writer holds its answers waiting for a placement pass (the
-/// database may be unreachable): past it the answers go out, and the
-/// events are placed by whichever sequencer next reaches the database.
-const MAX_PLACEMENT_WAIT: Duration = Duration::from_secs(5);
-
-/// Placement passes of this replica's sequencer: a writer answers only
-/// after a pass that started after its commit has placed and announced
-/// its events, so whoever has an answer finds its event in Watch (read
-/// your writes), on this replica and, once placed, on every other.
-pub(super) struct Placement {
-    /// Passes started (the one running included).
-    started: std::sync::atomic::AtomicU64,
-    /// Passes finished.
-    done: tokio::sync::watch::Sender<u64>,
-    wake: tokio::sync::Notify,
-}
-
-impl Placement {
-    pub(super) fn new() -> Arc<Self> {
-        Arc::new(Self {
-            started: std::sync::atomic::AtomicU64::new(0),
-            done: tokio::sync::watch::channel(0).0,
-            wake: tokio::sync::Notify::new(),
-        })
-    }
-
-    /// Waits (at most `MAX_PLACEMENT_WAIT`) for a pass that starts after
-    /// now: call it after a commit.
-    pub(super) async fn placed(&self) {
-        use std::sync::atomic::Ordering;
-        let target = self.started.load(Ordering::SeqCst) + 1;
-        let mut done = self.done.subscribe();
-        self.wake.notify_one();
-        if tokio::time::timeout(MAX_PLACEMENT_WAIT, done.wait_for(|d| *d >= target))
-            .await
-            .is_err()
-        {
-            tracing::warn!("events not placed in time; answering anyway");
-        }
-    }
-}
-
 /// Longest pause between two sequencer passes while the database cannot
 /// be reached.
 const MAX_SEQUENCER_PAUSE: Duration = Duration::from_secs(1);
+
+/// How often a sequencer places events no writer placed (none, unless a
+/// transaction wrote events without placing them): a safety net, not the
+/// path of every write.
+const LEFTOVERS_EVERY: Duration = Duration::from_secs(1);
 
 /// This database's cursor tag.
 pub(super) async fn tag(pool: &PgPool) -> Result<i64, StoreError> {
@@ -139,20 +105,17 @@ pub(super) async fn events(
     .await
 }
 
-/// Places committed events and announces new positions to this replica's
-/// Watch streams, after each local commit and every `SEQUENCER_POLL`, and
-/// reports whether the database answers (health); stops when the store
-/// is gone.
+/// Announces the positions other replicas gave (and places leftovers)
+/// to this replica's Watch streams every `SEQUENCER_POLL`, and reports
+/// whether the database answers (health); stops when the store is gone.
 pub(super) async fn sequencer(
     pool: PgPool,
     tag: i64,
     trees: crate::store::TreeChanges,
-    commits: tokio::sync::watch::Sender<u64>,
-    placement: Arc<Placement>,
+    commits: Arc<tokio::sync::watch::Sender<u64>>,
     alive: mpsc::WeakSender<(Command, Reply)>,
     reachable: tokio::sync::watch::Sender<bool>,
 ) {
-    use std::sync::atomic::Ordering;
     let mut seen =
         match sqlx::query_scalar::<_, i64>("SELECT last_pos FROM event_clock WHERE id = 1")
             .fetch_one(&pool)
@@ -167,41 +130,100 @@ pub(super) async fn sequencer(
     // Longer while the database is away: a replica must not hammer a
     // database that is down (or gone) with connection attempts.
     let mut pause = SEQUENCER_POLL;
+    let mut next_leftovers = tokio::time::Instant::now() + LEFTOVERS_EVERY;
     loop {
-        tokio::select! {
-            () = placement.wake.notified() => {}
-            () = tokio::time::sleep(pause) => {}
-        }
+        tokio::time::sleep(pause).await;
         if alive.upgrade().is_none() {
             return;
         }
-        let pass = placement.started.fetch_add(1, Ordering::SeqCst) + 1;
+        let placed = if tokio::time::Instant::now() >= next_leftovers {
+            next_leftovers = tokio::time::Instant::now() + LEFTOVERS_EVERY;
+            place(&pool).await
+        } else {
+            Ok(())
+        };
+        if let Err(e) = &placed {
+            tracing::debug!(error = %e, "placing leftover events failed; will retry");
+        }
+        let announced = announce(&pool, tag, &mut seen, &trees).await;
         // Health follows the database even when nothing is written: the
         // sequencer reaches it every `SEQUENCER_POLL`.
-        let placed = place(&pool).await;
-        let up = !matches!(&placed, Err(e) if writer::unreachable(e));
+        let up = !matches!(&placed, Err(e) if writer::unreachable(e))
+            && !matches!(&announced, Err(e) if writer::unreachable(e));
         reachable.send_if_modified(|now| std::mem::replace(now, up) != up);
         pause = if up {
             SEQUENCER_POLL
         } else {
             (pause * 2).min(MAX_SEQUENCER_PAUSE)
         };
-        if let Err(e) = placed {
-            tracing::debug!(error = %e, "placing events failed; will retry");
-        }
-        match announce(&pool, tag, &mut seen, &trees).await {
+        match announced {
             Ok(true) => {
                 commits.send_modify(|n| *n = n.wrapping_add(1));
             }
             Ok(false) => {}
             Err(e) => tracing::debug!(error = %e, "reading new event positions failed; will retry"),
         }
-        placement.done.send_replace(pass);
     }
 }
 
+/// Places a transaction's own events (the contracts and receipts it
+/// numbered, `seqs`) at the next positions, in `seq` order, under the
+/// `event_clock` row lock, which the transaction then holds until it
+/// commits: positions become visible in the order they were given, and
+/// none is given between. Taken last, after every contract lock, so a
+/// transaction holding it never waits for another lock. Returns the
+/// (position, root) of each event, to announce after commit.
+pub(super) async fn place_own(
+    conn: &mut PgConnection,
+    seqs: &[i64],
+) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
+    if seqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let last: i64 = sqlx::query_scalar("SELECT last_pos FROM event_clock WHERE id = 1 FOR UPDATE")
+        .fetch_one(&mut *conn)
+        .await?;
+    let placed: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+        "INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
+         SELECT seq, kind, contract_seq, root_id, $2 + row_number() OVER (ORDER BY seq) FROM (\
+             SELECT seq, 1 AS kind, seq AS contract_seq, root_id FROM contracts WHERE seq = ANY($1) \
+             UNION ALL \
+             SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)) own \
+         RETURNING pos, root_id",
+    )
+    .bind(seqs)
+    .bind(last)
+    .fetch_all(&mut *conn)
+    .await?;
+    let new_last = placed.iter().map(|(p, _)| *p).max().unwrap_or(last);
+    sqlx::query("UPDATE event_clock SET last_pos = $1 WHERE id = 1")
+        .bind(new_last)
+        .execute(&mut *conn)
+        .await?;
+    Ok(placed)
+}
+
+/// Tells this replica's Watch streams about events it placed itself.
+pub(super) fn announce_own(
+    tag: i64,
+    trees: &crate::store::TreeChanges,
+    commits: &tokio::sync::watch::Sender<u64>,
+    placed: &[(i64, Vec<u8>)],
+) {
+    if placed.is_empty() {
+        return;
+    }
+    for (position, root) in placed {
+        if let Ok(root) = Id::try_from(root.as_slice()) {
+            trees.touch(root, cursor_of(tag, *position));
+        }
+    }
+    commits.send_modify(|n| *n = n.wrapping_add(1));
+}
+
 /// Gives the committed, unplaced events the next positions, in `seq`
-/// order, in one transaction under the `event_clock` row lock.
+/// order, in one transaction under the `event_clock` row lock (events of
+/// transactions that did not place their own).
 async fn place(pool: &PgPool) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     let last: i64 = sqlx::query_scalar("SELECT last_pos FROM event_clock WHERE id = 1 FOR UPDATE")

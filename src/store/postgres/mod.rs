@@ -15,8 +15,9 @@
 //! contention. A retry after an ambiguous commit is answered from the
 //! request log, never reserved twice.
 //!
-//! Watch reads an outbox (`events`) whose positions a sequencer gives in
-//! commit order after commit (`events.rs`). Commits are durable when
+//! Watch reads an outbox (`events`) whose positions each transaction
+//! gives its own events in commit order, under one row lock held for its
+//! commit (`events.rs`). Commits are durable when
 //! PostgreSQL acknowledges them (`synchronous_commit = on`, its default),
 //! so reads need no durability barrier.
 //!
@@ -265,8 +266,8 @@ impl PostgresStore {
         let known = KnownCache::default();
         let trees = super::TreeChanges::default();
         let (commits_tx, commits) = tokio::sync::watch::channel(0u64);
+        let commits_tx = Arc::new(commits_tx);
         let (reachable_tx, reachable) = tokio::sync::watch::channel(true);
-        let placement = events::Placement::new();
         let queue = Arc::new(tokio::sync::Mutex::new(queue));
         for number in 0..writers {
             let writer = Writer {
@@ -276,7 +277,9 @@ impl PostgresStore {
                 clock: clock.clone(),
                 known: known.clone(),
                 max_batch: options.max_batch.max(1),
-                placement: placement.clone(),
+                tag,
+                trees: trees.clone(),
+                commits: commits_tx.clone(),
                 reachable: reachable_tx.clone(),
                 // One writer per replica prunes; every replica does.
                 prune: (number == 0).then_some(options.request_log_retention_ms),
@@ -289,7 +292,6 @@ impl PostgresStore {
             tag,
             trees.clone(),
             commits_tx,
-            placement,
             commands.downgrade(),
             reachable_tx,
         ));

@@ -135,8 +135,11 @@ pub(super) struct Writer {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) known: KnownCache,
     pub(super) max_batch: usize,
-    /// The sequencer's passes: answers wait for their events' placement.
-    pub(super) placement: Arc<events::Placement>,
+    /// This database's cursor tag, the Watch hint and signal: a writer
+    /// announces the events it placed before it answers.
+    pub(super) tag: i64,
+    pub(super) trees: crate::store::TreeChanges,
+    pub(super) commits: Arc<tokio::sync::watch::Sender<u64>>,
     /// Health: whether the last transaction reached the database.
     pub(super) reachable: tokio::sync::watch::Sender<bool>,
     /// `Some(retention_ms)` on the writer that prunes the request log.
@@ -168,7 +171,6 @@ impl Writer {
                 };
                 answered.push((reply, self.transition(&command).await));
             }
-            self.placement.placed().await;
             for (reply, answer) in answered {
                 let _ = reply.send(answer);
             }
@@ -291,8 +293,9 @@ impl Writer {
         };
         plan_statements(&mut script, &plan, &super::super::TreeChanges::default());
         script.execute(&mut tx).await?;
-        insert_events(&mut tx, &seqs.taken).await?;
+        let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
+        events::announce_own(self.tag, &self.trees, &self.commits, &placed);
         // The parents and the new contracts: the next Delegate from one of
         // them finds its terms here (`issuing_parent`).
         self.remember(&known);
@@ -342,8 +345,9 @@ impl Writer {
             self.clock.now_ms(),
         )
         .await?;
-        insert_events(&mut tx, &seqs.taken).await?;
+        let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
+        events::announce_own(self.tag, &self.trees, &self.commits, &placed);
         Ok(applied.answer)
     }
 
@@ -387,23 +391,6 @@ async fn load_parents_locked(
             .known();
         known.insert(id, k);
     }
-    Ok(())
-}
-
-/// The outbox rows of everything a transaction numbered: contracts (their
-/// own event) and receipts (an event of the contract they are about).
-async fn insert_events(conn: &mut PgConnection, seqs: &[i64]) -> Result<(), sqlx::Error> {
-    if seqs.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "INSERT INTO events (seq, kind, contract_seq, root_id) \
-         SELECT seq, 1, seq, root_id FROM contracts WHERE seq = ANY($1) \
-         UNION ALL SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)",
-    )
-    .bind(seqs)
-    .execute(&mut *conn)
-    .await?;
     Ok(())
 }
 
