@@ -27,8 +27,8 @@ const POSITION_BITS: u32 = 48;
 const POSITION_MASK: i64 = (1 << POSITION_BITS) - 1;
 /// Events placed per sequencer pass (one statement's worth).
 const MAX_PLACED_PER_PASS: i64 = 4_096;
-/// How often a sequencer looks for events committed through other
-/// replicas (and places its own that no local commit announced).
+/// How often a sequencer looks for positions given through other replicas
+/// (and reaches the database, for health).
 const SEQUENCER_POLL: Duration = Duration::from_millis(10);
 
 /// Longest pause between two sequencer passes while the database cannot
