@@ -172,6 +172,25 @@ impl Entity {
     }
 }
 
+/// Queues `command` for a backend's writer(s) and waits for its answer: a
+/// full queue is `Busy` at once (never an unbounded wait), a writer gone
+/// is `Closed`.
+async fn submit(
+    queue: &tokio::sync::mpsc::Sender<(batch::Command, Reply)>,
+    command: batch::Command,
+) -> Result<Answer, StoreError> {
+    use tokio::sync::mpsc::error::TrySendError;
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    queue.try_send((command, reply)).map_err(|e| match e {
+        TrySendError::Full(_) => StoreError::Busy,
+        TrySendError::Closed(_) => StoreError::Closed,
+    })?;
+    answer.await.map_err(|_| StoreError::Closed)?
+}
+
+/// Where a writer sends a command's answer.
+type Reply = tokio::sync::oneshot::Sender<Result<Answer, StoreError>>;
+
 /// The `Store` methods both SQL backends answer with the shared SQL
 /// (`store/sql/`): expanded inside each backend's `impl Store`, where
 /// `reads`, `audit` and `judge` are that backend's instantiation.

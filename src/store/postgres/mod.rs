@@ -61,7 +61,7 @@ use std::time::Duration;
 use prost::Message;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection, Postgres, QueryBuilder, Row};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey};
 use super::{
@@ -107,7 +107,7 @@ const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
 /// Stack of the judge threads (CEL recurses).
 const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
 
-type Reply = oneshot::Sender<Result<Answer, StoreError>>;
+use super::Reply;
 
 /// Tunables of the shared store.
 #[derive(Clone, Debug)]
@@ -367,14 +367,7 @@ impl PostgresStore {
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .try_send((command, reply))
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => StoreError::Busy,
-                mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
-            })?;
-        answer.await.map_err(|_| StoreError::Closed)?
+        super::submit(&self.commands, command).await
     }
 }
 

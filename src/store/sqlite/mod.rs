@@ -191,7 +191,7 @@ impl std::fmt::Debug for BeforeJudge {
     }
 }
 
-type Reply = oneshot::Sender<Result<Answer, StoreError>>;
+use super::Reply;
 
 /// Contracts' status and ledger as the writer last planned them. The writer
 /// owns every write, so it is authoritative for the writer; callers read it
@@ -394,14 +394,7 @@ impl SqliteStore {
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .try_send((command, reply))
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => StoreError::Busy,
-                mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
-            })?;
-        answer.await.map_err(|_| StoreError::Closed)?
+        super::submit(&self.commands, command).await
     }
 }
 
