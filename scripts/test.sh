@@ -16,6 +16,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# A one-off run gains nothing from incremental compilation, whose caches
+# would double the target directory on disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 step() { printf '\n==> %s\n' "$*"; }
 
 step "cargo fmt --check"
