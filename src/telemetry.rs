@@ -7,6 +7,14 @@
 //! carrying the broker's facts about the call (contract, parent, root,
 //! depth, the acting key's id, the outcome, refused codes) as the handlers
 //! learn them. Every log line written during a call carries its trace id.
+//!
+//! A call has up to two spans, each made only when something consumes it:
+//! the exported OpenTelemetry span, made with the SDK directly (handlers'
+//! facts are kept as plain values in a task-local and become typed
+//! attributes once, when the call ends), and a `tracing` span for log
+//! lines (JSON logs, or text logs at DEBUG). Exporting through the
+//! `tracing` bridge instead cost about twice as much CPU per call
+//! (BENCHMARKS.md, "Telemetry overhead").
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -93,10 +101,10 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
 
     let filter = EnvFilter::try_from_env(LOG_FILTER_ENV).unwrap_or_else(|_| EnvFilter::new("info"));
     CALL_SPANS_AT_INFO.store(
-        format == LogFormat::Json || otlp_endpoint.is_some(),
+        format == LogFormat::Json,
         std::sync::atomic::Ordering::Relaxed,
     );
-    let (provider, traces) = match otlp_endpoint {
+    let provider = match otlp_endpoint {
         Some(endpoint) => {
             let exporter = opentelemetry_otlp::SpanExporter::builder()
                 .with_tonic()
@@ -112,19 +120,14 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
                         .build(),
                 )
                 .build();
-            let layer = tracing_opentelemetry::layer()
-                .with_tracer(provider.tracer("delegation-broker"))
-                // The call spans only (they are this module's), not every
-                // library's. A static filter: each callsite's interest is
-                // decided once, where a predicate would make every event of
-                // every library (h2, hyper, sqlx…) be asked at run time.
-                .with_filter(
-                    tracing_subscriber::filter::Targets::new()
-                        .with_target(module_path!(), tracing::Level::INFO),
-                );
-            (Some(provider), Some(layer))
+            if EXPORT.set(provider.tracer("delegation-broker")).is_err() {
+                return Err(TelemetryError::Subscriber(
+                    "telemetry is initialised once per process".into(),
+                ));
+            }
+            Some(provider)
         }
-        None => (None, None),
+        None => None,
     };
     let text = (format == LogFormat::Text).then(|| {
         tracing_subscriber::fmt::layer()
@@ -141,7 +144,6 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
             .with_filter(filter)
     });
     tracing_subscriber::registry()
-        .with(traces)
         .with(text)
         .with(json)
         .try_init()
@@ -174,22 +176,88 @@ fn extract(headers: &http::HeaderMap) -> opentelemetry::Context {
     baggage.extract_with_context(&cx, &Headers(headers))
 }
 
-/// Makes `parent` the span's parent and returns the call's trace id: the
-/// exported span's (which continues the caller's trace); without an
-/// exporter, the caller's, or a fresh one.
-fn continue_trace(span: &tracing::Span, parent: opentelemetry::Context) -> String {
+/// The tracer of exported call spans, when an OTLP endpoint is configured
+/// (set once, by `init`).
+static EXPORT: std::sync::OnceLock<opentelemetry_sdk::trace::SdkTracer> =
+    std::sync::OnceLock::new();
+
+tokio::task_local! {
+    /// The current call's exported span and the facts handlers recorded
+    /// for it (only while exporting).
+    static CALL: std::cell::RefCell<Call>;
+}
+
+/// A call's exported span and what the handlers learned, as plain values:
+/// formatted into attributes once, when the call ends.
+struct Call {
+    span: opentelemetry_sdk::trace::Span,
+    facts: Facts,
+}
+
+/// What handlers learned about a call (each `Fact` once; a later one
+/// replaces an earlier).
+#[derive(Default)]
+struct Facts {
+    contract_id: Option<[u8; 32]>,
+    parent_id: Option<[u8; 32]>,
+    root_id: Option<[u8; 32]>,
+    depth: Option<u32>,
+    agent_key: Option<[u8; 32]>,
+    outcome: Option<(&'static str, bool)>,
+    refused_codes: Option<String>,
+}
+
+impl Call {
+    /// Ends the span with the call's facts and gRPC status code.
+    fn end(&mut self, grpc_code: Option<i64>) {
+        use opentelemetry::KeyValue;
+        use opentelemetry::trace::{Span as _, Status};
+        if !self.span.is_recording() {
+            return;
+        }
+        let facts = std::mem::take(&mut self.facts);
+        let id = |key: &'static str, id: Option<[u8; 32]>| {
+            id.map(|id| KeyValue::new(key, hex::encode(id)))
+        };
+        let attributes = [
+            grpc_code.map(|code| KeyValue::new("rpc.grpc.status_code", code)),
+            id("broker.contract_id", facts.contract_id),
+            id("broker.parent_id", facts.parent_id),
+            id("broker.root_id", facts.root_id),
+            facts
+                .depth
+                .map(|d| KeyValue::new("broker.depth", i64::from(d))),
+            facts
+                .agent_key
+                .map(|k| KeyValue::new("broker.agent_key_id", crate::crypto::key_id(&k))),
+            facts.outcome.map(|(o, replayed)| {
+                KeyValue::new("broker.outcome", Outcome(o, replayed).to_string())
+            }),
+            facts
+                .refused_codes
+                .map(|c| KeyValue::new("broker.refused_codes", c)),
+        ];
+        self.span.set_attributes(attributes.into_iter().flatten());
+        if grpc_code.is_some_and(|code| code != 0) {
+            self.span.set_status(Status::error(""));
+        }
+        self.span.end();
+    }
+}
+
+/// The call's trace id for its log lines: the exported span's (which
+/// continues the caller's trace); without an exporter, the caller's, or a
+/// fresh one.
+fn log_trace_id(
+    exported: Option<opentelemetry::trace::TraceId>,
+    sent: &opentelemetry::Context,
+) -> String {
     use opentelemetry::trace::{TraceContextExt as _, TraceId};
-    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-    let sent = parent.span().span_context().trace_id();
-    // Fails (harmlessly) when no exporter is installed.
-    let _ = span.set_parent(parent);
-    let exported = span.context().span().span_context().trace_id();
-    if exported != TraceId::INVALID {
-        exported.to_string()
-    } else if sent != TraceId::INVALID {
-        sent.to_string()
-    } else {
-        fresh_trace_id()
+    let sent = sent.span().span_context().trace_id();
+    match exported {
+        Some(id) if id != TraceId::INVALID => id.to_string(),
+        _ if sent != TraceId::INVALID => sent.to_string(),
+        _ => fresh_trace_id(),
     }
 }
 
@@ -200,26 +268,27 @@ pub type TraceContext = [u8; 25];
 /// The current call's exported span, when traces are exported (`None`
 /// otherwise: nothing to link to).
 pub fn current_trace_context() -> Option<TraceContext> {
-    use opentelemetry::trace::TraceContextExt as _;
-    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-    let cx = tracing::Span::current().context();
-    let span = cx.span();
-    let span = span.span_context();
-    if !span.is_valid() {
-        return None;
-    }
-    let mut out = [0u8; 25];
-    out[..16].copy_from_slice(&span.trace_id().to_bytes());
-    out[16..24].copy_from_slice(&span.span_id().to_bytes());
-    out[24] = span.trace_flags().to_u8();
-    Some(out)
+    use opentelemetry::trace::Span as _;
+    CALL.try_with(|call| {
+        let call = call.borrow();
+        let span = call.span.span_context();
+        if !span.is_valid() {
+            return None;
+        }
+        let mut out = [0u8; 25];
+        out[..16].copy_from_slice(&span.trace_id().to_bytes());
+        out[16..24].copy_from_slice(&span.span_id().to_bytes());
+        out[24] = span.trace_flags().to_u8();
+        Some(out)
+    })
+    .ok()
+    .flatten()
 }
 
-/// Links the current call's span to the span stored in `stored` (the call
-/// that issued the contract it acts on).
+/// Links the current call's exported span to the span stored in `stored`
+/// (the call that issued the contract it acts on).
 pub fn link_to(stored: &TraceContext) {
-    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
-    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    use opentelemetry::trace::{Span as _, SpanContext, SpanId, TraceFlags, TraceId, TraceState};
     let mut trace_id = [0u8; 16];
     trace_id.copy_from_slice(&stored[..16]);
     let mut span_id = [0u8; 8];
@@ -232,7 +301,7 @@ pub fn link_to(stored: &TraceContext) {
         TraceState::default(),
     );
     if linked.is_valid() {
-        tracing::Span::current().add_link(linked);
+        let _ = CALL.try_with(|call| call.borrow_mut().span.add_link(linked, Vec::new()));
     }
 }
 
@@ -246,15 +315,15 @@ fn fresh_trace_id() -> String {
     hex::encode(id)
 }
 
-/// Whether call spans are made at INFO — something consumes them: JSON
-/// logs or a trace exporter — or at DEBUG: with text logs at the default
+/// Whether the `tracing` call spans (log lines' context) are made at INFO
+/// — JSON logs consume them — or at DEBUG: with text logs at the default
 /// level they would cost a loaded broker several percent of its CPU for
 /// nobody (`BROKER_LOG=delegation_broker=debug` shows them).
 static CALL_SPANS_AT_INFO: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
-/// A call's span at `$level` (a constant: each level is its own callsite),
-/// with every field a handler may record declared empty.
+/// A call's `tracing` span at `$level` (a constant: each level is its own
+/// callsite), with every field a handler may record declared empty.
 macro_rules! call_span {
     ($level:expr, $name:expr, $service:expr, $method:expr) => {
         tracing::span!(
@@ -279,7 +348,7 @@ macro_rules! call_span {
     };
 }
 
-/// The tower layer that runs every call in its span.
+/// The tower layer that runs every call in its spans.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CallSpanLayer;
 
@@ -298,6 +367,16 @@ pub struct CallSpan<S> {
 
 type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
+/// The gRPC status code of an answered call: errors come trailers-only,
+/// their code in the headers; an OK call's code follows in the trailers.
+fn grpc_code<B>(response: &http::Response<B>) -> &str {
+    response
+        .headers()
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("0")
+}
+
 impl<S, B> tower::Service<http::Request<B>> for CallSpan<S>
 where
     S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
@@ -313,6 +392,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        use opentelemetry::trace::{Span as _, SpanKind, Tracer as _};
         let path = request.uri().path();
         let [_, service, method] = crate::metrics::method_labels(path);
         let name = crate::metrics::method_name(path);
@@ -321,53 +401,121 @@ where
         } else {
             call_span!(tracing::Level::DEBUG, name, service, method)
         };
-        if !span.is_disabled() {
-            let trace_id = continue_trace(&span, extract(request.headers()));
-            span.record("trace_id", tracing::field::display(trace_id));
+        let tracer = EXPORT.get();
+        let sent = (tracer.is_some() || !span.is_disabled()).then(|| extract(request.headers()));
+        let exported = tracer.zip(sent.as_ref()).map(|(tracer, sent)| {
+            use opentelemetry::KeyValue;
+            let span = tracer
+                .span_builder(name)
+                .with_kind(SpanKind::Server)
+                .with_attributes([
+                    KeyValue::new("rpc.system", "grpc"),
+                    KeyValue::new("rpc.service", service),
+                    KeyValue::new("rpc.method", method),
+                ])
+                .start_with_context(tracer, sent);
+            Call {
+                span,
+                facts: Facts::default(),
+            }
+        });
+        if let Some(sent) = &sent
+            && !span.is_disabled()
+        {
+            let exported = exported.as_ref().map(|c| c.span.span_context().trace_id());
+            span.record(
+                "trace_id",
+                tracing::field::display(log_trace_id(exported, sent)),
+            );
         }
         let started = Instant::now();
         let response = {
             let _entered = span.enter();
             self.inner.call(request)
         };
-        Box::pin(
-            async move {
-                let response = response.await;
-                if let Ok(response) = &response {
-                    // Errors come trailers-only, their code in the headers;
-                    // an OK call's code follows in the trailers.
-                    let code = response
-                        .headers()
-                        .get("grpc-status")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or("0");
-                    let span = tracing::Span::current();
-                    span.record("rpc.grpc.status_code", code);
-                    if code != "0" {
-                        span.record("otel.status_code", "ERROR");
-                    }
-                    tracing::debug!(
-                        grpc_status = code,
-                        elapsed_us = started.elapsed().as_micros() as u64,
-                        "call answered"
-                    );
+        let answered = async move {
+            let response = response.await;
+            let code = response.as_ref().ok().map(grpc_code);
+            if let Some(code) = code {
+                let span = tracing::Span::current();
+                span.record("rpc.grpc.status_code", code);
+                if code != "0" {
+                    span.record("otel.status_code", "ERROR");
                 }
-                response
+                tracing::debug!(
+                    grpc_status = code,
+                    elapsed_us = started.elapsed().as_micros() as u64,
+                    "call answered"
+                );
             }
-            .instrument(span),
-        )
+            let code = code.and_then(|c| c.parse::<i64>().ok());
+            let _ = CALL.try_with(|call| call.borrow_mut().end(code));
+            response
+        }
+        .instrument(span);
+        match exported {
+            Some(call) => Box::pin(CALL.scope(std::cell::RefCell::new(call), answered)),
+            None => Box::pin(answered),
+        }
     }
 }
 
-/// Records a broker fact on the current call's span (`field` is one of the
-/// `broker.*` fields declared in `CallSpan`). `value` is formatted only if
-/// a layer takes the span: pass the lazy adapters below, not strings.
-pub fn record(field: &'static str, value: impl std::fmt::Display) {
-    tracing::Span::current().record(field, tracing::field::display(value));
+/// A broker fact about the current call.
+#[derive(Clone, Copy, Debug)]
+pub enum Fact<'a> {
+    /// The contract acted on, or issued (`broker.contract_id`).
+    ContractId(&'a [u8]),
+    /// The parent a delegation is asked from (`broker.parent_id`).
+    ParentId(&'a [u8]),
+    /// The tree's root (`broker.root_id`).
+    RootId(&'a [u8]),
+    /// The issued contract's depth (`broker.depth`).
+    Depth(u32),
+    /// The acting key (`broker.agent_key_id`, its id).
+    AgentKey(&'a [u8; 32]),
+    /// What happened, and whether it was the stored answer to a retry
+    /// (`broker.outcome`).
+    Outcome(&'static str, bool),
+    /// The invariant codes a refusal names (`broker.refused_codes`).
+    RefusedCodes(&'a [&'static str]),
+}
+
+/// Records a broker fact on the current call's spans: as a plain value for
+/// the exported span, formatted for the `tracing` span only if a layer
+/// takes it.
+pub fn record(fact: Fact<'_>) {
+    use tracing::field::display;
+    let span = tracing::Span::current();
+    if !span.is_disabled() {
+        match fact {
+            Fact::ContractId(id) => span.record("broker.contract_id", display(Hex(id))),
+            Fact::ParentId(id) => span.record("broker.parent_id", display(Hex(id))),
+            Fact::RootId(id) => span.record("broker.root_id", display(Hex(id))),
+            Fact::Depth(depth) => span.record("broker.depth", depth),
+            Fact::AgentKey(key) => span.record("broker.agent_key_id", display(KeyId(key))),
+            Fact::Outcome(o, replayed) => {
+                span.record("broker.outcome", display(Outcome(o, replayed)))
+            }
+            Fact::RefusedCodes(codes) => span.record("broker.refused_codes", codes.join(",")),
+        };
+    }
+    let _ = CALL.try_with(|call| {
+        let facts = &mut call.borrow_mut().facts;
+        let id = |id: &[u8]| <[u8; 32]>::try_from(id).ok();
+        match fact {
+            Fact::ContractId(v) => facts.contract_id = id(v),
+            Fact::ParentId(v) => facts.parent_id = id(v),
+            Fact::RootId(v) => facts.root_id = id(v),
+            Fact::Depth(v) => facts.depth = Some(v),
+            Fact::AgentKey(v) => facts.agent_key = Some(*v),
+            Fact::Outcome(o, replayed) => facts.outcome = Some((o, replayed)),
+            Fact::RefusedCodes(codes) => facts.refused_codes = Some(codes.join(",")),
+        }
+    });
 }
 
 /// Bytes as lowercase hex, formatted only when recorded.
-pub struct Hex<'a>(pub &'a [u8]);
+struct Hex<'a>(&'a [u8]);
 
 impl std::fmt::Display for Hex<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -376,7 +524,7 @@ impl std::fmt::Display for Hex<'_> {
 }
 
 /// A public key's id (`crypto::key_id`), hashed only when recorded.
-pub struct KeyId<'a>(pub &'a [u8; 32]);
+struct KeyId<'a>(&'a [u8; 32]);
 
 impl std::fmt::Display for KeyId<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -386,7 +534,7 @@ impl std::fmt::Display for KeyId<'_> {
 
 /// `broker.outcome`: what happened, and whether it was the stored answer
 /// to a retry.
-pub struct Outcome<'a>(pub &'a str, pub bool);
+struct Outcome<'a>(&'a str, bool);
 
 impl std::fmt::Display for Outcome<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -398,10 +546,10 @@ impl std::fmt::Display for Outcome<'_> {
     }
 }
 
-/// Whether the current call's span is taken by any layer (facts that are
+/// Whether any span of the current call takes facts (facts that are
 /// costly to gather are skipped otherwise).
 pub fn recording() -> bool {
-    !tracing::Span::current().is_disabled()
+    CALL.try_with(|_| ()).is_ok() || !tracing::Span::current().is_disabled()
 }
 
 #[cfg(test)]
@@ -441,9 +589,14 @@ mod tests {
     #[test]
     fn the_callers_trace_is_continued_or_a_trace_started() {
         let id = "4bf92f3577b34da6a3ce929d0e0e4736";
-        let span = tracing::Span::none();
         let sent = headers(&[("traceparent", &format!("00-{id}-00f067aa0ba902b7-01"))]);
-        assert_eq!(continue_trace(&span, extract(&sent)), id);
+        assert_eq!(log_trace_id(None, &extract(&sent)), id);
+        // The exported span's id first (the same trace, when it continues).
+        let exported = opentelemetry::trace::TraceId::from_bytes([7; 16]);
+        assert_eq!(
+            log_trace_id(Some(exported), &extract(&sent)),
+            "07".repeat(16)
+        );
         // Malformed or all-zero: not continued; a fresh id instead.
         for bad in [
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01".to_owned(),
@@ -451,7 +604,7 @@ mod tests {
             format!("00-{}-00f067aa0ba902b7-01", &id[..30]),
             "garbage".to_owned(),
         ] {
-            let fresh = continue_trace(&span, extract(&headers(&[("traceparent", &bad)])));
+            let fresh = log_trace_id(None, &extract(&headers(&[("traceparent", &bad)])));
             assert_eq!(fresh.len(), 32, "{bad}");
             assert_ne!(fresh, id, "{bad}");
         }

@@ -24,7 +24,7 @@ use crate::core::limits::{
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::{Answer, Event, Outcome, Store};
-use crate::telemetry;
+use crate::telemetry::{self, Fact};
 use auth::authenticate;
 use error::ServiceError;
 
@@ -252,7 +252,7 @@ impl<S: Store> BrokerService<S> {
         let caller = self
             .sessions
             .caller(request.metadata(), self.clock.now_ms())?;
-        telemetry::record("broker.agent_key_id", telemetry::KeyId(&caller));
+        telemetry::record(Fact::AgentKey(&caller));
         Ok(caller)
     }
 
@@ -309,7 +309,7 @@ impl<S: Store> BrokerService<S> {
     ) -> Result<crate::core::Id, ServiceError> {
         let caller = self.caller(request)?;
         let id = convert::id(id, field)?;
-        telemetry::record("broker.contract_id", telemetry::Hex(&id));
+        telemetry::record(Fact::ContractId(&id));
         self.authorize(&caller, id).await?;
         Ok(id)
     }
@@ -321,10 +321,7 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, window_ms)?;
-        telemetry::record(
-            "broker.agent_key_id",
-            telemetry::KeyId(&signed.request.agent),
-        );
+        telemetry::record(Fact::AgentKey(&signed.request.agent));
         if !signed.fresh {
             let answer = self.late_retry(&signed, now_ms).await?;
             return Ok(pb::OpenRootResponse {
@@ -362,13 +359,10 @@ impl<S: Store> BrokerService<S> {
         root.trace = telemetry::current_trace_context();
         let answer = self.store.open_root(root).await?;
         if let Outcome::Issued { id, .. } = &answer.outcome {
-            telemetry::record("broker.contract_id", telemetry::Hex(id));
-            telemetry::record("broker.root_id", telemetry::Hex(id));
-            telemetry::record("broker.depth", 0);
-            telemetry::record(
-                "broker.outcome",
-                telemetry::Outcome("issued", answer.replayed),
-            );
+            telemetry::record(Fact::ContractId(id));
+            telemetry::record(Fact::RootId(id));
+            telemetry::record(Fact::Depth(0));
+            telemetry::record(Fact::Outcome("issued", answer.replayed));
         }
         Ok(pb::OpenRootResponse {
             replayed: answer.replayed,
@@ -383,10 +377,7 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, window_ms)?;
-        telemetry::record(
-            "broker.agent_key_id",
-            telemetry::KeyId(&signed.request.agent),
-        );
+        telemetry::record(Fact::AgentKey(&signed.request.agent));
         if !signed.fresh {
             return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
         }
@@ -403,8 +394,8 @@ impl<S: Store> BrokerService<S> {
                     what: crate::store::Entity::ParentContract,
                     id: hex::encode(parent_id),
                 })?;
-        telemetry::record("broker.parent_id", telemetry::Hex(&parent_id));
-        telemetry::record("broker.root_id", telemetry::Hex(&parent.root_id));
+        telemetry::record(Fact::ParentId(&parent_id));
+        telemetry::record(Fact::RootId(&parent.root_id));
         let depth = parent.depth + 1;
         if parent.delegate_key != signed.request.agent {
             return Err(ServiceError::PermissionDenied {
@@ -456,12 +447,9 @@ impl<S: Store> BrokerService<S> {
     fn observe_delegation(&self, answer: &crate::store::Answer, budget: i64, depth: u32) {
         match &answer.outcome {
             Outcome::Issued { id, .. } => {
-                telemetry::record("broker.contract_id", telemetry::Hex(id));
-                telemetry::record("broker.depth", depth);
-                telemetry::record(
-                    "broker.outcome",
-                    telemetry::Outcome("issued", answer.replayed),
-                );
+                telemetry::record(Fact::ContractId(id));
+                telemetry::record(Fact::Depth(depth));
+                telemetry::record(Fact::Outcome("issued", answer.replayed));
                 if !answer.replayed {
                     self.metrics.delegations_issued.inc();
                     self.metrics
@@ -476,12 +464,9 @@ impl<S: Store> BrokerService<S> {
                 if telemetry::recording() {
                     let codes: Vec<&str> =
                         receipt.violations.iter().map(|v| code(v.code)).collect();
-                    telemetry::record("broker.refused_codes", codes.join(","));
+                    telemetry::record(Fact::RefusedCodes(&codes));
                 }
-                telemetry::record(
-                    "broker.outcome",
-                    telemetry::Outcome("refused", answer.replayed),
-                );
+                telemetry::record(Fact::Outcome("refused", answer.replayed));
                 if !answer.replayed {
                     self.metrics
                         .delegations_refused
@@ -501,13 +486,10 @@ impl<S: Store> BrokerService<S> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<T>(signed, now_ms, window_ms)?;
-        telemetry::record(
-            "broker.agent_key_id",
-            telemetry::KeyId(&signed.request.agent),
-        );
+        telemetry::record(Fact::AgentKey(&signed.request.agent));
         let answer = if signed.fresh {
             let (contract_id, action) = convert(signed.body)?;
-            telemetry::record("broker.contract_id", telemetry::Hex(&contract_id));
+            telemetry::record(Fact::ContractId(&contract_id));
             // One task, one connected trace: this call's span links to the
             // one that issued the contract, even when the agents passed no
             // context between them.
@@ -547,8 +529,8 @@ impl<S: Store> BrokerService<S> {
             return;
         };
         let kind = pb::ReceiptKind::try_from(receipt.kind).map_or("UNKNOWN", |k| k.as_str_name());
-        telemetry::record("broker.outcome", telemetry::Outcome(kind, replayed));
-        telemetry::record("broker.root_id", telemetry::Hex(&receipt.root_id));
+        telemetry::record(Fact::Outcome(kind, replayed));
+        telemetry::record(Fact::RootId(&receipt.root_id));
         if replayed {
             return;
         }
@@ -1080,7 +1062,7 @@ impl<S: Store> Broker for BrokerService<S> {
             now_ms,
             window_ms,
         )?;
-        telemetry::record("broker.agent_key_id", telemetry::KeyId(&signed.agent));
+        telemetry::record(Fact::AgentKey(&signed.agent));
         if !signed.fresh {
             let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
             return Err(signed.stale_error(now_ms, window_ms, timestamp_ms).into());
