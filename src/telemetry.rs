@@ -610,4 +610,100 @@ mod tests {
         }
         assert_ne!(fresh_trace_id(), fresh_trace_id());
     }
+
+    /// Keeps what it is sent, for the test to read.
+    #[derive(Clone, Debug, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_sdk::trace::SpanData>>>);
+
+    impl opentelemetry_sdk::trace::SpanExporter for Captured {
+        async fn export(
+            &self,
+            batch: Vec<opentelemetry_sdk::trace::SpanData>,
+        ) -> opentelemetry_sdk::error::OTelSdkResult {
+            self.0.lock().expect("not poisoned").extend(batch);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_calls_facts_become_typed_attributes_of_its_exported_span() {
+        use opentelemetry::Value;
+        use opentelemetry::trace::{Span as _, Status, Tracer as _, TracerProvider as _};
+        let captured = Captured::default();
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .with_simple_exporter(captured.clone())
+            .build();
+        let tracer = provider.tracer("test");
+        let call = Call {
+            span: tracer.start("delegation.broker.v1.Broker/Delegate"),
+            facts: Facts::default(),
+        };
+        let issuing: TraceContext = {
+            let mut t = [0u8; 25];
+            t[..16].copy_from_slice(&[3; 16]);
+            t[16..24].copy_from_slice(&[4; 8]);
+            t[24] = 1;
+            t
+        };
+        // Outside a call: facts go nowhere, nothing to link from.
+        record(Fact::Depth(9));
+        assert_eq!(current_trace_context(), None);
+        assert!(!recording());
+        let own = CALL
+            .scope(std::cell::RefCell::new(call), async {
+                assert!(recording());
+                record(Fact::AgentKey(&[9; 32]));
+                record(Fact::ContractId(&[1; 32]));
+                record(Fact::ParentId(&[2; 32]));
+                record(Fact::RootId(&[5; 32]));
+                record(Fact::RootId(&[2; 32])); // the later one stays
+                record(Fact::Depth(3));
+                record(Fact::Outcome("refused", true));
+                record(Fact::RefusedCodes(&[
+                    "BUDGET_EXCEEDS_PARENT",
+                    "DEPTH_EXCEEDED",
+                ]));
+                record(Fact::ContractId(&[7; 5])); // not an id: dropped
+                link_to(&issuing);
+                let own = current_trace_context().expect("a recording span");
+                let _ = CALL.try_with(|c| c.borrow_mut().end(Some(9)));
+                own
+            })
+            .await;
+        let spans = captured.0.lock().expect("not poisoned").clone();
+        let [span] = spans.as_slice() else {
+            panic!("one span: {spans:?}")
+        };
+        assert_eq!(&own[..16], &span.span_context.trace_id().to_bytes());
+        assert_eq!(&own[16..24], &span.span_context.span_id().to_bytes());
+        let attribute = |key: &str| {
+            span.attributes
+                .iter()
+                .find(|a| a.key.as_str() == key)
+                .map(|a| a.value.clone())
+        };
+        let string = |s: String| Some(Value::String(s.into()));
+        assert_eq!(attribute("rpc.grpc.status_code"), Some(Value::I64(9)));
+        assert_eq!(attribute("broker.contract_id"), None);
+        assert_eq!(attribute("broker.parent_id"), string("02".repeat(32)));
+        assert_eq!(attribute("broker.root_id"), string("02".repeat(32)));
+        assert_eq!(attribute("broker.depth"), Some(Value::I64(3)));
+        assert_eq!(
+            attribute("broker.agent_key_id"),
+            string(crate::crypto::key_id(&[9; 32]))
+        );
+        assert_eq!(
+            attribute("broker.outcome"),
+            string("refused (replayed)".into())
+        );
+        assert_eq!(
+            attribute("broker.refused_codes"),
+            string("BUDGET_EXCEEDS_PARENT,DEPTH_EXCEEDED".into())
+        );
+        assert_eq!(span.status, Status::error(""));
+        let links: Vec<_> = span.links.iter().map(|l| l.span_context.clone()).collect();
+        assert_eq!(links.len(), 1);
+        assert_eq!(links[0].trace_id().to_bytes(), [3; 16]);
+        assert_eq!(links[0].span_id().to_bytes(), [4; 8]);
+    }
 }
