@@ -628,7 +628,7 @@ mod tests {
     #[tokio::test]
     async fn a_calls_facts_become_typed_attributes_of_its_exported_span() {
         use opentelemetry::Value;
-        use opentelemetry::trace::{Span as _, Status, Tracer as _, TracerProvider as _};
+        use opentelemetry::trace::{Status, Tracer as _, TracerProvider as _};
         let captured = Captured::default();
         let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
             .with_simple_exporter(captured.clone())
