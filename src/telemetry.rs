@@ -13,8 +13,8 @@
 //! facts are kept as plain values in a task-local and become typed
 //! attributes once, when the call ends), and a `tracing` span for log
 //! lines (JSON logs, or text logs at DEBUG). Exporting through the
-//! `tracing` bridge instead cost about twice as much CPU per call
-//! (BENCHMARKS.md, "Telemetry overhead").
+//! `tracing` bridge instead cost about four times as much CPU per call
+//! (BENCHMARKS.md, "Telemetry overhead, met").
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
