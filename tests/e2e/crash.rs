@@ -13,9 +13,21 @@ use delegation_broker::pb;
 
 use crate::harness::*;
 
+/// A broker process, killed when dropped: also when a test panics, so a
+/// failed test leaves no broker behind (one left running reconnects to its
+/// dropped database and steals CPU from whatever runs next).
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Starts `delegation-broker serve` on port 0 (on `database` when given:
 /// a PostgreSQL URL) and returns it with its address.
-pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Child, String) {
+pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Killed, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_delegation-broker"));
     command
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
@@ -38,7 +50,7 @@ pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Chil
         .strip_prefix("listening on ")
         .expect("address line")
         .to_owned();
-    (child, format!("http://{addr}"))
+    (Killed(child), format!("http://{addr}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,8 +125,8 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     while answered.lock().unwrap().len() < 300 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    process.kill().unwrap(); // SIGKILL
-    process.wait().unwrap();
+    process.0.kill().unwrap(); // SIGKILL
+    process.0.wait().unwrap();
     for task in tasks {
         task.await.unwrap();
     }
@@ -150,8 +162,8 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
         client: broker_client,
     };
     assert!(checker.assert_balanced(&root_id).await > 300);
-    process.kill().unwrap();
-    process.wait().unwrap();
+    process.0.kill().unwrap();
+    process.0.wait().unwrap();
 }
 
 pub struct LedgerCheck {

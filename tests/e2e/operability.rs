@@ -404,17 +404,19 @@ async fn json_logs_carry_each_calls_trace_id() {
 
     let dir = tempfile::tempdir().unwrap();
     let log_path = dir.path().join("broker.log");
-    let mut process = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .env("BROKER_LOG_FORMAT", "json")
-        .env("BROKER_LOG", "info,delegation_broker=debug")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .expect("broker binary starts");
+    let mut process = crate::crash::Killed(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .env("BROKER_LOG_FORMAT", "json")
+            .env("BROKER_LOG", "info,delegation_broker=debug")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .expect("broker binary starts"),
+    );
     let mut line = String::new();
-    BufReader::new(process.stdout.take().unwrap())
+    BufReader::new(process.0.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
     let addr = format!(
@@ -472,8 +474,8 @@ async fn json_logs_carry_each_calls_trace_id() {
         .unwrap();
     // Let the last lines reach the file, then stop the broker.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    process.kill().unwrap();
-    process.wait().unwrap();
+    process.0.kill().unwrap();
+    process.0.wait().unwrap();
 
     let log = std::fs::read_to_string(&log_path).unwrap();
     let lines: Vec<serde_json::Value> = log

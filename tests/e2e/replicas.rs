@@ -397,16 +397,6 @@ static UNAVAILABLE_SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 /// Delegations one `delegate_until` worker makes at most.
 const MAX_PER_WORKER: usize = 80;
 
-/// Kills a broker process when dropped (also when a test fails).
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Polls `count` until it is at least `at_least` (within 30 s).
 async fn wait_for_children(
     client: &mut delegation_broker::client::SessionClient,
@@ -482,7 +472,6 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
     let mut processes: Vec<_> = dirs
         .iter()
         .map(|d| crate::crash::spawn_broker(d.path(), Some(&database.url)))
-        .map(|(process, addr)| (Killed(process), addr))
         .collect();
     let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
     let orchestrator = Arc::new(Agent::generate());
@@ -528,7 +517,6 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
     assert!(answered.len() > 50, "a burst: {}", answered.len());
     let (restarted, restarted_addr) =
         crate::crash::spawn_broker(dirs[2].path(), Some(&database.url));
-    let restarted = Killed(restarted);
     let mut reader = crate::crash::LedgerCheck {
         client: connect_as(&restarted_addr, &orchestrator).await,
     };
@@ -650,7 +638,6 @@ async fn a_database_restart_is_survived_without_loss() {
     let processes: Vec<_> = dirs
         .iter()
         .map(|d| crate::crash::spawn_broker(d.path(), Some(&server.url)))
-        .map(|(process, addr)| (Killed(process), addr))
         .collect();
     let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
     let orchestrator = Arc::new(Agent::generate());
@@ -861,7 +848,7 @@ async fn migrate_once_then_serve_without_migrating() {
         .args(["--database-url", &database.url])
         .env("BROKER_LOG", "warn")
         .stdout(std::process::Stdio::piped());
-    let mut process = Killed(command.spawn().unwrap());
+    let mut process = crate::crash::Killed(command.spawn().unwrap());
     let mut line = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(process.0.stdout.take().unwrap()),
@@ -892,9 +879,7 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
     let binary = env!("CARGO_BIN_EXE_delegation-broker");
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (a, addr_a) = crate::crash::spawn_broker(dir_a.path(), Some(&database.url));
-    let a = Killed(a);
-    let (b, addr_b) = crate::crash::spawn_broker(dir_b.path(), Some(&database.url));
-    let _b = Killed(b);
+    let (_b, addr_b) = crate::crash::spawn_broker(dir_b.path(), Some(&database.url));
     let orchestrator = Agent::generate();
     let open = |addr: String| {
         let body = orchestrator.open_root(RootSpec::default().body());
@@ -918,8 +903,7 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
         .output()
         .unwrap();
     assert!(rotated.status.success(), "{rotated:?}");
-    let (a, addr_a) = crate::crash::spawn_broker(dir_a.path(), Some(&database.url));
-    let _a = Killed(a);
+    let (_a, addr_a) = crate::crash::spawn_broker(dir_a.path(), Some(&database.url));
     let after = open(addr_a).await;
     let old_id = decode_contract(&before).broker_key_id;
     let new_id = decode_contract(&after).broker_key_id;
