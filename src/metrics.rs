@@ -171,6 +171,26 @@ impl Collector for Sampled {
     }
 }
 
+/// A counter read at scrape time from a closure (counts kept elsewhere,
+/// e.g. process-wide atomics): it advances to the sampled value, never
+/// back.
+struct SampledCounter {
+    counter: IntCounter,
+    sample: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl Collector for SampledCounter {
+    fn desc(&self) -> Vec<&Desc> {
+        self.counter.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let now = (self.sample)();
+        self.counter.inc_by(now.saturating_sub(self.counter.get()));
+        self.counter.collect()
+    }
+}
+
 // Metric constructors: the names and help texts are constants, checked
 // by the tests that scrape them, so a failure here is a programming error.
 fn counter(name: &str, help: &str) -> IntCounter {
@@ -309,6 +329,23 @@ impl Metrics {
         self.registry
             .register(Box::new(Sampled {
                 gauge,
+                sample: Box::new(sample),
+            }))
+            .expect("unique metric names");
+    }
+
+    /// Registers a counter whose value `sample` reads at each scrape (a
+    /// count that only grows). Names are the broker's own: a duplicate is
+    /// a programming error.
+    pub fn sampled_counter(
+        &self,
+        name: &str,
+        help: &str,
+        sample: impl Fn() -> u64 + Send + Sync + 'static,
+    ) {
+        self.registry
+            .register(Box::new(SampledCounter {
+                counter: counter(name, help),
                 sample: Box::new(sample),
             }))
             .expect("unique metric names");
@@ -610,5 +647,30 @@ mod tests {
         let text = metrics.render();
         assert!(text.contains("grpc_code=\"NotFound\""), "{text}");
         assert!(!text.contains("Canceled"), "{text}");
+    }
+
+    #[test]
+    fn a_sampled_counter_follows_its_source_and_never_goes_back() {
+        let metrics = Metrics::new();
+        let source = Arc::new(std::sync::atomic::AtomicU64::new(5));
+        let read = source.clone();
+        metrics.sampled_counter("test_things_total", "Things.", move || {
+            read.load(std::sync::atomic::Ordering::Relaxed)
+        });
+        let sample = |metrics: &Metrics| {
+            let text = metrics.render();
+            let line = text
+                .lines()
+                .find(|l| l.starts_with("test_things_total "))
+                .unwrap_or_else(|| panic!("{text}"))
+                .to_owned();
+            assert!(text.contains("# TYPE test_things_total counter"), "{text}");
+            line
+        };
+        assert_eq!(sample(&metrics), "test_things_total 5");
+        source.store(9, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(sample(&metrics), "test_things_total 9");
+        source.store(3, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(sample(&metrics), "test_things_total 9");
     }
 }

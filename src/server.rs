@@ -231,6 +231,7 @@ async fn serve<S: Served>(
         sessions,
     )
     .with_metrics(metrics.clone());
+    trace_export_metrics(&metrics);
     let streams = service.watch_streams();
     metrics.sampled(
         "broker_watch_streams",
@@ -719,4 +720,25 @@ async fn expiry_sweeper<S: Store>(
             }
         }
     }
+}
+
+/// The span exporter's counts (process-wide; zero without `--otlp-endpoint`):
+/// ended but neither exported nor failed means queued, or dropped by the
+/// full queue.
+fn trace_export_metrics(metrics: &crate::metrics::Metrics) {
+    metrics.sampled_counter(
+        "broker_trace_spans_ended_total",
+        "Call spans ended and handed to the OTLP export queue.",
+        || crate::telemetry::span_counts().ended,
+    );
+    metrics.sampled_counter(
+        "broker_trace_spans_exported_total",
+        "Call spans the OTLP collector accepted.",
+        || crate::telemetry::span_counts().exported,
+    );
+    metrics.sampled_counter(
+        "broker_trace_spans_failed_total",
+        "Call spans in batches whose OTLP export failed (collector away, timeout).",
+        || crate::telemetry::span_counts().failed,
+    );
 }

@@ -17,6 +17,7 @@
 //! (BENCHMARKS.md, "Telemetry overhead, met").
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -113,7 +114,7 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
                 .build()
                 .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
             let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
-                .with_batch_exporter(exporter)
+                .with_batch_exporter(Counted(exporter))
                 .with_resource(
                     opentelemetry_sdk::Resource::builder()
                         .with_service_name("delegation-broker")
@@ -181,6 +182,70 @@ fn extract(headers: &http::HeaderMap) -> opentelemetry::Context {
 static EXPORT: std::sync::OnceLock<opentelemetry_sdk::trace::SdkTracer> =
     std::sync::OnceLock::new();
 
+/// Spans this process ended and handed to the exporter's queue, exported,
+/// and lost to failed exports (one exporter per process). A span ended
+/// but neither exported nor failed is queued, or was dropped by the full
+/// queue: `/metrics` shows all three, so a lagging collector is visible.
+static SPANS_ENDED: AtomicU64 = AtomicU64::new(0);
+static SPANS_EXPORTED: AtomicU64 = AtomicU64::new(0);
+static SPANS_FAILED: AtomicU64 = AtomicU64::new(0);
+
+/// What the span exporter has done so far in this process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpanCounts {
+    /// Spans ended and handed to the export queue.
+    pub ended: u64,
+    /// Spans the collector accepted.
+    pub exported: u64,
+    /// Spans in batches whose export failed (collector away, timeout).
+    pub failed: u64,
+}
+
+/// The process's span counts (all zero without an exporter).
+pub fn span_counts() -> SpanCounts {
+    SpanCounts {
+        ended: SPANS_ENDED.load(Ordering::Relaxed),
+        exported: SPANS_EXPORTED.load(Ordering::Relaxed),
+        failed: SPANS_FAILED.load(Ordering::Relaxed),
+    }
+}
+
+/// An exporter that counts what it exports and what fails.
+#[derive(Debug)]
+struct Counted<E>(E);
+
+impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter
+    for Counted<E>
+{
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        let spans = batch.len() as u64;
+        let result = self.0.export(batch).await;
+        match result {
+            Ok(()) => SPANS_EXPORTED.fetch_add(spans, Ordering::Relaxed),
+            Err(_) => SPANS_FAILED.fetch_add(spans, Ordering::Relaxed),
+        };
+        result
+    }
+
+    fn shutdown_with_timeout(
+        &self,
+        timeout: std::time::Duration,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.0.set_resource(resource);
+    }
+}
+
 tokio::task_local! {
     /// The current call's exported span and the facts handlers recorded
     /// for it (only while exporting).
@@ -241,7 +306,20 @@ impl Call {
         if grpc_code.is_some_and(|code| code != 0) {
             self.span.set_status(Status::error(""));
         }
+        SPANS_ENDED.fetch_add(1, Ordering::Relaxed);
         self.span.end();
+    }
+}
+
+impl Drop for Call {
+    /// A call dropped before its answer (the client went away) still ends
+    /// its span, without the answer's facts.
+    fn drop(&mut self) {
+        use opentelemetry::trace::Span as _;
+        if self.span.is_recording() {
+            SPANS_ENDED.fetch_add(1, Ordering::Relaxed);
+            self.span.end();
+        }
     }
 }
 
@@ -705,5 +783,58 @@ mod tests {
         assert_eq!(links.len(), 1);
         assert_eq!(links[0].trace_id().to_bytes(), [3; 16]);
         assert_eq!(links[0].span_id().to_bytes(), [4; 8]);
+    }
+
+    /// Fails every export, like a collector that is away.
+    #[derive(Debug)]
+    struct Away;
+
+    impl opentelemetry_sdk::trace::SpanExporter for Away {
+        async fn export(
+            &self,
+            _batch: Vec<opentelemetry_sdk::trace::SpanData>,
+        ) -> opentelemetry_sdk::error::OTelSdkResult {
+            Err(opentelemetry_sdk::error::OTelSdkError::InternalFailure(
+                "away".into(),
+            ))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_exporter_counts_spans_ended_exported_and_failed() {
+        use opentelemetry::trace::{Tracer as _, TracerProvider as _};
+        // Counts are process-wide: compare before and after.
+        let before = span_counts();
+        for away in [false, true] {
+            let provider = if away {
+                opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                    .with_simple_exporter(Counted(Away))
+                    .build()
+            } else {
+                opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                    .with_simple_exporter(Counted(Captured::default()))
+                    .build()
+            };
+            let tracer = provider.tracer("test");
+            // One call answered, one dropped before its answer (the client
+            // went away): both spans end, once each.
+            let mut answered = Call {
+                span: tracer.start("answered"),
+                facts: Facts::default(),
+            };
+            answered.end(Some(0));
+            drop(answered);
+            drop(Call {
+                span: tracer.start("dropped"),
+                facts: Facts::default(),
+            });
+        }
+        let after = span_counts();
+        assert!(after.ended >= before.ended + 4, "{before:?} {after:?}");
+        assert!(
+            after.exported >= before.exported + 2,
+            "{before:?} {after:?}"
+        );
+        assert!(after.failed >= before.failed + 2, "{before:?} {after:?}");
     }
 }

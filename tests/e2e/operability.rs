@@ -584,7 +584,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     )
     .expect("telemetry");
 
-    let mut broker = Broker::start().await;
+    let mut broker = Broker::start_with_metrics().await;
     let orchestrator = Agent::generate();
     let root = broker
         .open_root(&orchestrator, crate::harness::RootSpec::default())
@@ -646,6 +646,16 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     })
     .await
     .expect("the spans arrive");
+    // The exporter's counts, after the flush: every span ended so far was
+    // exported (at least this test's four calls), none failed.
+    let text = scrape(broker.metrics_addr.unwrap()).await;
+    let parsed =
+        prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses");
+    let ended = value(&parsed, "broker_trace_spans_ended_total", &[]);
+    let exported = value(&parsed, "broker_trace_spans_exported_total", &[]);
+    assert!(exported >= 4.0, "{exported} spans exported");
+    assert!(exported <= ended, "{exported} exported of {ended} ended");
+    assert_eq!(value(&parsed, "broker_trace_spans_failed_total", &[]), 0.0);
     let named = |name: &str| {
         received
             .iter()
