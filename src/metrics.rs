@@ -177,6 +177,8 @@ impl Collector for Sampled {
 struct SampledCounter {
     counter: IntCounter,
     sample: Box<dyn Fn() -> u64 + Send + Sync>,
+    /// Two scrapes at once must not both add the same difference.
+    advancing: std::sync::Mutex<()>,
 }
 
 impl Collector for SampledCounter {
@@ -185,8 +187,13 @@ impl Collector for SampledCounter {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let now = (self.sample)();
-        self.counter.inc_by(now.saturating_sub(self.counter.get()));
+        {
+            // A poisoned lock only means another scrape panicked mid-way:
+            // the counter is still consistent.
+            let _advancing = self.advancing.lock().unwrap_or_else(|e| e.into_inner());
+            let now = (self.sample)();
+            self.counter.inc_by(now.saturating_sub(self.counter.get()));
+        }
         self.counter.collect()
     }
 }
@@ -347,6 +354,7 @@ impl Metrics {
             .register(Box::new(SampledCounter {
                 counter: counter(name, help),
                 sample: Box::new(sample),
+                advancing: std::sync::Mutex::new(()),
             }))
             .expect("unique metric names");
     }

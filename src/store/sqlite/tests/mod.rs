@@ -518,11 +518,17 @@ async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
     let dir = tempfile::tempdir().expect("temp dir");
     let gate = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
     let held = gate.clone();
+    // Set once the syncer waits at the closed gate.
+    let blocked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let blocking = blocked.clone();
     let mut options = test_options(dir.path().join("broker.sqlite3"));
     options.queue_depth = QUEUE_DEPTH;
     options.before_wal_sync = Some(BeforeWalSync(Arc::new(move || {
         let (open, changed) = &*held;
         let mut open = open.lock().expect("gate");
+        if !*open {
+            blocking.store(true, Ordering::SeqCst);
+        }
         while !*open {
             open = changed.wait(open).expect("gate");
         }
@@ -567,6 +573,18 @@ async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
         let committed = store.durability.committed.load(Ordering::SeqCst) - before;
         if committed == seen - before {
             break committed;
+        }
+        // The syncer must block holding the first batch alone: woken late,
+        // it would take several at once, and the limit below counts one.
+        if pending.len() == 1 {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while !blocked.load(Ordering::SeqCst) && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            assert!(
+                blocked.load(Ordering::SeqCst),
+                "the syncer never reached the gate"
+            );
         }
         assert!(
             committed <= u64::try_from(limit).expect("small"),
