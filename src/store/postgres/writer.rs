@@ -441,3 +441,120 @@ impl Script {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A database error with a given SQLSTATE, as PostgreSQL would send.
+    #[derive(Debug)]
+    struct Sqlstate(&'static str);
+
+    impl std::fmt::Display for Sqlstate {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "error with SQLSTATE {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Sqlstate {}
+
+    impl sqlx::error::DatabaseError for Sqlstate {
+        fn message(&self) -> &str {
+            "error"
+        }
+
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.0.into())
+        }
+
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    fn database(code: &'static str) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Sqlstate(code)))
+    }
+
+    fn io() -> sqlx::Error {
+        sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+    }
+
+    #[test]
+    fn lost_races_are_redone_and_nothing_else_is() {
+        // Serialization failure, deadlock, a request key committed
+        // meanwhile by another replica.
+        for code in ["40001", "40P01", "23505"] {
+            assert!(retryable(&database(code)), "{code}");
+            assert!(!unreachable(&database(code)), "{code}");
+        }
+        // A foreign key, a syntax error, a value too long, a lost
+        // connection: redoing the same transaction cannot help.
+        for e in [
+            database("23503"),
+            database("42601"),
+            database("22001"),
+            io(),
+        ] {
+            assert!(!retryable(&e), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_database_away_is_unreachable() {
+        for e in [
+            io(),
+            sqlx::Error::PoolTimedOut,
+            sqlx::Error::PoolClosed,
+            sqlx::Error::WorkerCrashed,
+            database("57P01"), // admin_shutdown
+            database("57P03"), // cannot_connect_now
+            database("08006"), // connection_failure
+        ] {
+            assert!(unreachable(&e), "{e}");
+        }
+        for code in ["40001", "23505", "42601", "53100"] {
+            assert!(!unreachable(&database(code)), "{code}");
+        }
+    }
+
+    #[test]
+    fn what_callers_are_told_when_a_transaction_fails_for_good() {
+        match failed(&database("40001"), MAX_TX_ATTEMPTS) {
+            StoreError::Unavailable { reason, detail } => {
+                assert_eq!(reason, pb::ErrorReason::Contention);
+                assert!(detail.contains(&MAX_TX_ATTEMPTS.to_string()), "{detail}");
+                assert!(detail.contains("same nonce"), "{detail}");
+            }
+            other => panic!("contention: {other:?}"),
+        }
+        match failed(&database("57P01"), 1) {
+            StoreError::Unavailable { reason, detail } => {
+                assert_eq!(reason, pb::ErrorReason::Unavailable);
+                assert!(detail.contains("same nonce"), "{detail}");
+            }
+            other => panic!("unreachable: {other:?}"),
+        }
+        // Anything else is the backend's own failure, never a retry hint.
+        assert!(matches!(
+            failed(&database("42601"), 1),
+            StoreError::Backend(_)
+        ));
+        assert!(matches!(
+            failed(&sqlx::Error::Protocol("garbled".into()), 1),
+            StoreError::Corrupt(_)
+        ));
+    }
+}
