@@ -6,7 +6,8 @@
 //! (`traceparent`, `tracestate`, `baggage`) or starting a trace, and
 //! carrying the broker's facts about the call (contract, parent, root,
 //! depth, the acting key's id, the outcome, refused codes) as the handlers
-//! learn them. Every log line written during a call carries its trace id.
+//! learn them. Every JSON log line written during a call carries its
+//! trace id (text lines too, at DEBUG).
 //!
 //! A call has up to two spans, each made only when something consumes it:
 //! the exported OpenTelemetry span, made with the SDK directly (handlers'
@@ -114,7 +115,10 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
                 .build()
                 .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
             let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
-                .with_batch_exporter(Counted(exporter))
+                .with_batch_exporter(Counted {
+                    inner: exporter,
+                    counts: &SPANS,
+                })
                 .with_resource(
                     opentelemetry_sdk::Resource::builder()
                         .with_service_name("delegation-broker")
@@ -182,13 +186,37 @@ fn extract(headers: &http::HeaderMap) -> opentelemetry::Context {
 static EXPORT: std::sync::OnceLock<opentelemetry_sdk::trace::SdkTracer> =
     std::sync::OnceLock::new();
 
-/// Spans this process ended and handed to the exporter's queue, exported,
-/// and lost to failed exports (one exporter per process). A span ended
-/// but neither exported nor failed is queued, or was dropped by the full
-/// queue: `/metrics` shows all three, so a lagging collector is visible.
-static SPANS_ENDED: AtomicU64 = AtomicU64::new(0);
-static SPANS_EXPORTED: AtomicU64 = AtomicU64::new(0);
-static SPANS_FAILED: AtomicU64 = AtomicU64::new(0);
+/// Spans ended and handed to the exporter's queue, exported, and lost to
+/// failed exports. A span ended but neither exported nor failed is
+/// queued, or was dropped by the full queue: `/metrics` shows all three,
+/// so a lagging collector is visible.
+#[derive(Debug)]
+struct SpanCounters {
+    ended: AtomicU64,
+    exported: AtomicU64,
+    failed: AtomicU64,
+}
+
+impl SpanCounters {
+    const fn new() -> Self {
+        Self {
+            ended: AtomicU64::new(0),
+            exported: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+        }
+    }
+
+    fn snapshot(&self) -> SpanCounts {
+        SpanCounts {
+            ended: self.ended.load(Ordering::Relaxed),
+            exported: self.exported.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The process's counts (one exporter per process).
+static SPANS: SpanCounters = SpanCounters::new();
 
 /// What the span exporter has done so far in this process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -203,16 +231,15 @@ pub struct SpanCounts {
 
 /// The process's span counts (all zero without an exporter).
 pub fn span_counts() -> SpanCounts {
-    SpanCounts {
-        ended: SPANS_ENDED.load(Ordering::Relaxed),
-        exported: SPANS_EXPORTED.load(Ordering::Relaxed),
-        failed: SPANS_FAILED.load(Ordering::Relaxed),
-    }
+    SPANS.snapshot()
 }
 
 /// An exporter that counts what it exports and what fails.
 #[derive(Debug)]
-struct Counted<E>(E);
+struct Counted<E> {
+    inner: E,
+    counts: &'static SpanCounters,
+}
 
 impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter
     for Counted<E>
@@ -222,10 +249,10 @@ impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanEx
         batch: Vec<opentelemetry_sdk::trace::SpanData>,
     ) -> opentelemetry_sdk::error::OTelSdkResult {
         let spans = batch.len() as u64;
-        let result = self.0.export(batch).await;
+        let result = self.inner.export(batch).await;
         match result {
-            Ok(()) => SPANS_EXPORTED.fetch_add(spans, Ordering::Relaxed),
-            Err(_) => SPANS_FAILED.fetch_add(spans, Ordering::Relaxed),
+            Ok(()) => self.counts.exported.fetch_add(spans, Ordering::Relaxed),
+            Err(_) => self.counts.failed.fetch_add(spans, Ordering::Relaxed),
         };
         result
     }
@@ -234,15 +261,15 @@ impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanEx
         &self,
         timeout: std::time::Duration,
     ) -> opentelemetry_sdk::error::OTelSdkResult {
-        self.0.shutdown_with_timeout(timeout)
+        self.inner.shutdown_with_timeout(timeout)
     }
 
     fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
-        self.0.force_flush()
+        self.inner.force_flush()
     }
 
     fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
-        self.0.set_resource(resource);
+        self.inner.set_resource(resource);
     }
 }
 
@@ -257,6 +284,8 @@ tokio::task_local! {
 struct Call {
     span: opentelemetry_sdk::trace::Span,
     facts: Facts,
+    /// Where the span's end is counted.
+    counts: &'static SpanCounters,
 }
 
 /// What handlers learned about a call (each `Fact` once; a later one
@@ -306,7 +335,7 @@ impl Call {
         if grpc_code.is_some_and(|code| code != 0) {
             self.span.set_status(Status::error(""));
         }
-        SPANS_ENDED.fetch_add(1, Ordering::Relaxed);
+        self.counts.ended.fetch_add(1, Ordering::Relaxed);
         self.span.end();
     }
 }
@@ -317,7 +346,7 @@ impl Drop for Call {
     fn drop(&mut self) {
         use opentelemetry::trace::Span as _;
         if self.span.is_recording() {
-            SPANS_ENDED.fetch_add(1, Ordering::Relaxed);
+            self.counts.ended.fetch_add(1, Ordering::Relaxed);
             self.span.end();
         }
     }
@@ -495,6 +524,7 @@ where
             Call {
                 span,
                 facts: Facts::default(),
+                counts: &SPANS,
             }
         });
         if let Some(sent) = &sent
@@ -712,9 +742,11 @@ mod tests {
             .with_simple_exporter(captured.clone())
             .build();
         let tracer = provider.tracer("test");
+        static COUNTS: SpanCounters = SpanCounters::new();
         let call = Call {
             span: tracer.start("delegation.broker.v1.Broker/Delegate"),
             facts: Facts::default(),
+            counts: &COUNTS,
         };
         let issuing: TraceContext = {
             let mut t = [0u8; 25];
@@ -803,16 +835,22 @@ mod tests {
     #[tokio::test]
     async fn the_exporter_counts_spans_ended_exported_and_failed() {
         use opentelemetry::trace::{Tracer as _, TracerProvider as _};
-        // Counts are process-wide: compare before and after.
-        let before = span_counts();
+        // This test's own counters: exact, whatever else runs.
+        static COUNTS: SpanCounters = SpanCounters::new();
         for away in [false, true] {
             let provider = if away {
                 opentelemetry_sdk::trace::SdkTracerProvider::builder()
-                    .with_simple_exporter(Counted(Away))
+                    .with_simple_exporter(Counted {
+                        inner: Away,
+                        counts: &COUNTS,
+                    })
                     .build()
             } else {
                 opentelemetry_sdk::trace::SdkTracerProvider::builder()
-                    .with_simple_exporter(Counted(Captured::default()))
+                    .with_simple_exporter(Counted {
+                        inner: Captured::default(),
+                        counts: &COUNTS,
+                    })
                     .build()
             };
             let tracer = provider.tracer("test");
@@ -821,20 +859,23 @@ mod tests {
             let mut answered = Call {
                 span: tracer.start("answered"),
                 facts: Facts::default(),
+                counts: &COUNTS,
             };
             answered.end(Some(0));
             drop(answered);
             drop(Call {
                 span: tracer.start("dropped"),
                 facts: Facts::default(),
+                counts: &COUNTS,
             });
         }
-        let after = span_counts();
-        assert!(after.ended >= before.ended + 4, "{before:?} {after:?}");
-        assert!(
-            after.exported >= before.exported + 2,
-            "{before:?} {after:?}"
+        assert_eq!(
+            COUNTS.snapshot(),
+            SpanCounts {
+                ended: 4,
+                exported: 2,
+                failed: 2
+            }
         );
-        assert!(after.failed >= before.failed + 2, "{before:?} {after:?}");
     }
 }
