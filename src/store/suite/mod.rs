@@ -7,7 +7,7 @@
 
 use prost::Message;
 
-mod lifecycle;
+pub(crate) mod lifecycle;
 mod reads;
 
 pub use lifecycle::*;
