@@ -95,7 +95,11 @@ impl Telemetry {
 /// (e.g. `http://127.0.0.1:4317`), the call spans exported over OTLP/gRPC
 /// in batches. Must run inside a tokio runtime when exporting (the
 /// exporter's channel lives on it).
-pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry, TelemetryError> {
+pub fn init(
+    format: LogFormat,
+    otlp_endpoint: Option<&str>,
+    sample_ratio: f64,
+) -> Result<Telemetry, TelemetryError> {
     use opentelemetry::trace::TracerProvider as _;
     use opentelemetry_otlp::WithExportConfig as _;
     use tracing_subscriber::layer::SubscriberExt as _;
@@ -115,6 +119,7 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> Result<Telemetry,
                 .build()
                 .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
             let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                .with_sampler(sampler(sample_ratio))
                 .with_batch_exporter(Counted {
                     inner: exporter,
                     counts: &SPANS,
@@ -499,7 +504,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        use opentelemetry::trace::{Span as _, SpanKind, Tracer as _};
+        use opentelemetry::trace::Span as _;
         let path = request.uri().path();
         let [_, service, method] = crate::metrics::method_labels(path);
         let name = crate::metrics::method_name(path);
@@ -511,16 +516,7 @@ where
         let tracer = EXPORT.get();
         let sent = (tracer.is_some() || !span.is_disabled()).then(|| extract(request.headers()));
         let exported = tracer.zip(sent.as_ref()).map(|(tracer, sent)| {
-            use opentelemetry::KeyValue;
-            let span = tracer
-                .span_builder(name)
-                .with_kind(SpanKind::Server)
-                .with_attributes([
-                    KeyValue::new("rpc.system", "grpc"),
-                    KeyValue::new("rpc.service", service),
-                    KeyValue::new("rpc.method", method),
-                ])
-                .start_with_context(tracer, sent);
+            let span = start_call_span(tracer, name, service, method, sent);
             Call {
                 span,
                 facts: Facts::default(),
@@ -565,6 +561,46 @@ where
             Some(call) => Box::pin(CALL.scope(std::cell::RefCell::new(call), answered)),
             None => Box::pin(answered),
         }
+    }
+}
+
+/// The broker's sampler: `ratio` of traces by trace id, whatever the
+/// caller's `traceparent` flags say (not parent-based: a caller must not
+/// be able to keep its calls out of the operator's traces).
+pub fn sampler(ratio: f64) -> opentelemetry_sdk::trace::Sampler {
+    opentelemetry_sdk::trace::Sampler::TraceIdRatioBased(ratio)
+}
+
+/// Starts a call's exported span: a child of the caller's span when the
+/// caller's context is sampled; otherwise a trace of its own with a link
+/// to the caller's span (when it sent one), so an unsampled caller is
+/// still findable from the broker's trace but cannot switch it off.
+fn start_call_span(
+    tracer: &opentelemetry_sdk::trace::SdkTracer,
+    name: &'static str,
+    service: &'static str,
+    method: &'static str,
+    sent: &opentelemetry::Context,
+) -> opentelemetry_sdk::trace::Span {
+    use opentelemetry::KeyValue;
+    use opentelemetry::trace::{Link, SpanKind, TraceContextExt as _, Tracer as _};
+    let builder = tracer
+        .span_builder(name)
+        .with_kind(SpanKind::Server)
+        .with_attributes([
+            KeyValue::new("rpc.system", "grpc"),
+            KeyValue::new("rpc.service", service),
+            KeyValue::new("rpc.method", method),
+        ]);
+    let callers = sent.span().span_context().clone();
+    if callers.is_valid() && callers.is_sampled() {
+        builder.start_with_context(tracer, sent)
+    } else if callers.is_valid() {
+        builder
+            .with_links(vec![Link::with_context(callers)])
+            .start_with_context(tracer, &opentelemetry::Context::new())
+    } else {
+        builder.start_with_context(tracer, sent)
     }
 }
 
@@ -731,6 +767,46 @@ mod tests {
             self.0.lock().expect("not poisoned").extend(batch);
             Ok(())
         }
+    }
+
+    /// A caller's `traceparent` with flags 00 does not stop the broker's
+    /// span when the broker's sampler says sample: the span starts a trace
+    /// of its own, linked to the caller's; a sampled caller's trace is
+    /// continued; a ratio of 0 samples nothing, whatever the caller says.
+    #[test]
+    fn the_broker_samples_not_the_caller() {
+        use opentelemetry::trace::{Span as _, TracerProvider as _};
+        let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let caller_span = "00f067aa0ba902b7";
+        let with_flags = |flags: &str| {
+            extract(&headers(&[(
+                "traceparent",
+                &format!("00-{caller_trace}-{caller_span}-{flags}"),
+            )]))
+        };
+        let tracer = |ratio: f64| {
+            opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                .with_sampler(sampler(ratio))
+                .build()
+                .tracer("test")
+        };
+        let all = tracer(1.0);
+        let name = "delegation.broker.v1.Broker/Delegate";
+        let span = start_call_span(&all, name, "s", "m", &with_flags("00"));
+        let own = span.span_context().clone();
+        assert!(own.is_sampled(), "flags 00 switched the broker's span off");
+        assert_ne!(own.trace_id().to_string(), caller_trace);
+        let links = &span.exported_data().expect("recording").links.links;
+        assert_eq!(links.len(), 1, "the caller's span is linked");
+        assert_eq!(links[0].span_context.span_id().to_string(), caller_span);
+        let span = start_call_span(&all, name, "s", "m", &with_flags("01"));
+        assert!(span.span_context().is_sampled());
+        assert_eq!(span.span_context().trace_id().to_string(), caller_trace);
+        let span = start_call_span(&all, name, "s", "m", &opentelemetry::Context::new());
+        assert!(span.span_context().is_sampled(), "no caller context");
+        let none = tracer(0.0);
+        let span = start_call_span(&none, name, "s", "m", &with_flags("01"));
+        assert!(!span.span_context().is_sampled(), "the operator's ratio rules");
     }
 
     #[tokio::test]

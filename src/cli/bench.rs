@@ -134,7 +134,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             None
         };
         let telemetry =
-            crate::telemetry::init(format, receiver.as_ref().map(|r| r.endpoint.as_str()))?;
+            crate::telemetry::init(format, receiver.as_ref().map(|r| r.endpoint.as_str()), 1.0)?;
         let result = drive(args).await;
         telemetry.shutdown().await;
         if let Some(receiver) = receiver {

@@ -45,6 +45,13 @@ enum Command {
         /// http://127.0.0.1:4317 (off when absent).
         #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
         otlp_endpoint: Option<String>,
+        /// The share of calls whose spans are exported, 0 to 1 (by trace
+        /// id). The broker's own decision: a caller's unsampled
+        /// `traceparent` does not switch it off (the span then starts a
+        /// trace of its own, linked to the caller's).
+        #[arg(long, env = "BROKER_TRACE_SAMPLE_RATIO", default_value_t = 1.0,
+              value_parser = parse_sample_ratio)]
+        trace_sample_ratio: f64,
         #[command(flatten)]
         database: DatabaseArgs,
     },
@@ -137,7 +144,7 @@ pub fn main() -> ExitCode {
     // `serve` and `bench` install their own (they may export traces, from
     // their runtime).
     if !matches!(cli.command, Command::Serve { .. } | Command::Bench(_))
-        && let Err(e) = crate::telemetry::init(format, None)
+        && let Err(e) = crate::telemetry::init(format, None, 1.0)
     {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
@@ -149,13 +156,14 @@ pub fn main() -> ExitCode {
             config,
             metrics,
             otlp_endpoint,
+            trace_sample_ratio,
             database,
         } => serve(
             listen,
             data_dir,
             config,
             metrics,
-            otlp_endpoint,
+            (otlp_endpoint, trace_sample_ratio),
             database,
             format,
         ),
@@ -199,7 +207,7 @@ fn serve(
     data_dir: PathBuf,
     config: Option<PathBuf>,
     metrics: Option<String>,
-    otlp_endpoint: Option<String>,
+    (otlp_endpoint, trace_sample_ratio): (Option<String>, f64),
     database: DatabaseArgs,
     format: crate::telemetry::LogFormat,
 ) -> anyhow::Result<()> {
@@ -210,7 +218,11 @@ fn serve(
         .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
         .build()?;
     runtime.block_on(async move {
-        let telemetry = crate::telemetry::init(format, otlp_endpoint.as_deref())?;
+        let telemetry = crate::telemetry::init(
+            format,
+            otlp_endpoint.as_deref(),
+            trace_sample_ratio,
+        )?;
         let listener = tokio::net::TcpListener::bind(&listen).await?;
         // Print the bound address on stdout: with port 0 it is how callers
         // (tests, scripts) learn the port.
@@ -447,4 +459,12 @@ fn verify(
         }
     );
     Ok(())
+}
+
+/// `--trace-sample-ratio`: a number from 0 to 1.
+fn parse_sample_ratio(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
+        _ => Err(format!("{text:?} is not a number from 0 to 1")),
+    }
 }

@@ -581,6 +581,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     let telemetry = delegation_broker::telemetry::init(
         delegation_broker::telemetry::LogFormat::Text,
         Some(&endpoint),
+        1.0,
     )
     .expect("telemetry");
 
