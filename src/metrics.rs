@@ -40,10 +40,16 @@ const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 2
 /// How often the open contracts are counted (one indexed count query).
 pub const OPEN_CONTRACTS_SAMPLE_MS: u64 = 1_000;
 
-/// Most scrapes served at once; more wait for the accept loop.
-const MAX_CONCURRENT_SCRAPES: usize = 8;
+/// Most connections the metrics port holds at once; past it a new
+/// connection is closed at once (never queued behind the others). High
+/// enough that idle or slow connections cannot fill it faster than their
+/// timeouts empty it.
+const MAX_METRICS_CONNECTIONS: usize = 1_024;
 /// A scraper must send its request headers within this.
-const SCRAPE_HEADER_TIMEOUT_MS: u64 = 5_000;
+const SCRAPE_HEADER_TIMEOUT_MS: u64 = 2_000;
+/// A connection's whole life (request and response), so one that reads
+/// its answer slowly cannot hold a slot either.
+const SCRAPE_CONNECTION_TIMEOUT_MS: u64 = 10_000;
 
 /// The methods the broker serves, by gRPC path, with their kind: any other
 /// path is counted as service and method "unknown", so a client cannot
@@ -532,22 +538,19 @@ impl HttpBody for MeteredBody {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves. Every
+/// connection is accepted at once and served on its own task, bounded in
+/// time (`SCRAPE_HEADER_TIMEOUT_MS`, `SCRAPE_CONNECTION_TIMEOUT_MS`) and
+/// in number (`MAX_METRICS_CONNECTIONS`): idle or slow connections never
+/// make a scrape wait behind them.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) {
-    let scrapes = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_SCRAPES));
+    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_METRICS_CONNECTIONS));
     tokio::pin!(shutdown);
     loop {
-        let permit = tokio::select! {
-            () = &mut shutdown => return,
-            permit = scrapes.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => return,
-            },
-        };
         let stream = tokio::select! {
             () = &mut shutdown => return,
             accepted = listener.accept() => match accepted {
@@ -559,18 +562,26 @@ pub async fn serve(
                 }
             },
         };
+        // Past the cap the connection is dropped (closed) now.
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            continue;
+        };
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: http::Request<_>| {
                 let metrics = metrics.clone();
                 async move { Ok::<_, Infallible>(respond(&metrics, &request)) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
+            let connection = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(Duration::from_millis(SCRAPE_HEADER_TIMEOUT_MS))
                 .keep_alive(false)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(
+                Duration::from_millis(SCRAPE_CONNECTION_TIMEOUT_MS),
+                connection,
+            )
+            .await;
             drop(permit);
         });
     }
@@ -606,6 +617,47 @@ fn respond<B>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 64 connections that send half a request and stall, and 64 that
+    /// send nothing, do not delay a scrape: it is answered before even one
+    /// header timeout (a scrape queued behind them used to wait for
+    /// theirs, 30 s and more).
+    #[tokio::test]
+    async fn slow_connections_do_not_delay_a_scrape() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(listener, Metrics::new(), async {
+            let _ = stopping.await;
+        }));
+        let mut slow = Vec::new();
+        for i in 0..128 {
+            let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+            if i % 2 == 0 {
+                stream.write_all(b"GET /metrics HTTP/1.1\r\n").await.expect("write");
+            }
+            slow.push(stream);
+        }
+        let started = std::time::Instant::now();
+        let scrape = async {
+            let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+            stream
+                .write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+                .await
+                .expect("write");
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await.expect("read");
+            String::from_utf8_lossy(&answer).into_owned()
+        };
+        let answer = tokio::time::timeout(Duration::from_millis(SCRAPE_HEADER_TIMEOUT_MS), scrape)
+            .await
+            .unwrap_or_else(|_| panic!("the scrape waited {:?}", started.elapsed()));
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+        assert!(answer.contains("broker_"), "{answer}");
+        drop(slow);
+        let _ = stop.send(());
+    }
 
     #[test]
     fn unknown_paths_cannot_grow_the_label_set() {
