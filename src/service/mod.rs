@@ -407,9 +407,13 @@ impl<S: Store> BrokerService<S> {
         let body = signed.body;
         let request = signed.request;
         let deadline = std::time::Duration::from_millis(CONVERSION_DEADLINE_MS);
+        let share = crate::pool::Share {
+            tenant: parent.tenant,
+            key: request.agent,
+        };
         let child = self
             .converters
-            .run(deadline, move || {
+            .run(share, deadline, move || {
                 let child = convert::new_child(body, request, now_ms, &config.trust, &verified)?;
                 // The effective predicate is parsed here, once, so the writer
                 // only concatenates what is known to compose and be judgeable.
@@ -430,6 +434,13 @@ impl<S: Store> BrokerService<S> {
                     reason: pb::ErrorReason::ConvertersBusy,
                     detail: format!(
                         "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
+                    ),
+                },
+                crate::pool::PoolError::Full => ServiceError::Retry {
+                    reason: pb::ErrorReason::ConvertersBusy,
+                    detail: format!(
+                        "this tree's tenant already has {} Delegates waiting for a converter; nothing was recorded: retry with the same nonce",
+                        crate::pool::MAX_WAITING_PER_TENANT
                     ),
                 },
                 other => ServiceError::Internal(format!("converting the Delegate body: {other}")),

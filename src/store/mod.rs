@@ -114,6 +114,9 @@ pub struct IssuingParent {
     pub root_id: Id,
     /// Its depth: a child's is one more.
     pub depth: u32,
+    /// Its tree's tenant, the key that opened the root: whose share of
+    /// the converters the Delegate's conversion takes.
+    pub tenant: crate::core::AgentKey,
 }
 
 /// The last event (contract or receipt) sequence number the writer gave

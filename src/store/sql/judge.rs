@@ -114,9 +114,13 @@ pub(super) async fn prejudge(
     }
     let hook = store.before_judge.clone();
     let job_args = args.clone();
+    let share = crate::pool::Share {
+        tenant: inputs.tenant,
+        key: *signer,
+    };
     let judged = store
         .judges
-        .run(store.judgment_deadline, move || {
+        .run(share, store.judgment_deadline, move || {
             if let Some(hook) = hook {
                 (hook.0)();
             }
@@ -128,6 +132,13 @@ pub(super) async fn prejudge(
                 reason: pb::ErrorReason::JudgesBusy,
                 detail: format!(
                     "the completion could not be judged within {ms} ms (every judge is busy); nothing was recorded: retry with the same nonce"
+                ),
+            },
+            crate::pool::PoolError::Full => StoreError::Unavailable {
+                reason: pb::ErrorReason::JudgesBusy,
+                detail: format!(
+                    "this tree's tenant already has {} completions waiting for a judge; nothing was recorded: retry with the same nonce",
+                    crate::pool::MAX_WAITING_PER_TENANT
                 ),
             },
             crate::pool::PoolError::Panicked => {

@@ -29,6 +29,9 @@ use crate::store::{Answer, Outcome, StoreError};
 /// Everything judging a completion of one contract reads from the store,
 /// loaded on a read connection.
 pub struct JudgeInputs {
+    /// The tree's tenant (its root's opener): whose share of the judges
+    /// the judgment takes.
+    pub tenant: AgentKey,
     observations: i64,
     effective_predicate: String,
     write_scope: Scope,
@@ -54,7 +57,19 @@ impl JudgeInputs {
             return Ok(None);
         }
         let observed = observed(conn, &target, received_at_ms).await?;
+        let tenant = match target.parent_seq {
+            None => target.delegate_key,
+            Some(_) => {
+                let row = sqlx::query("SELECT delegate_key FROM contracts WHERE seq = $1")
+                    .bind(target.root_seq)
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(backend)?;
+                id_column(&row, "delegate_key")?
+            }
+        };
         Ok(Some(Self {
+            tenant,
             observations: target.observations,
             effective_predicate: target.effective_predicate,
             write_scope: target.write_scope,

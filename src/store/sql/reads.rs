@@ -62,31 +62,64 @@ pub(super) async fn issuing_parent(
     store: &BackendStore,
     parent: Id,
 ) -> Result<Option<IssuingParent>, StoreError> {
-    if let Some(known) = lock(&store.known).get(&parent) {
-        return Ok(Some(IssuingParent {
+    let cached = lock(&store.known).get(&parent).map(|known| {
+        let parent = IssuingParent {
             delegate_key: known.view.delegate_key,
             effective_predicate: known.view.effective_predicate.clone(),
             root_id: known.root_id,
             depth: known.view.depth,
-        }));
+            tenant: known.view.delegate_key,
+        };
+        (parent, known.root_seq)
+    });
+    let (mut found, root_seq) = match cached {
+        Some(cached) => cached,
+        None => {
+            // Not settled: what it reads never changes once written, and it
+            // is only used to refuse or to go on to the writer, which reads
+            // again.
+            let row = sqlx::query(SELECT_RECORD_BY_ID)
+                .bind(parent.as_slice())
+                .fetch_optional(&store.reader)
+                .await
+                .map_err(backend)?;
+            let Some(row) = row else {
+                return Ok(None);
+            };
+            let c = StoredContract::from_row(&row)?;
+            let parent = IssuingParent {
+                delegate_key: c.delegate_key,
+                effective_predicate: Predicate::from_trusted(c.effective_predicate),
+                root_id: c.root_id,
+                depth: c.depth,
+                tenant: c.delegate_key,
+            };
+            (parent, c.root_seq)
+        }
+    };
+    if found.depth > 0 {
+        found.tenant = tenant(store, found.root_id, root_seq).await?;
     }
-    // Not settled: what it reads never changes once written, and it is
-    // only used to refuse or to go on to the writer, which reads again.
-    let row = sqlx::query(SELECT_RECORD_BY_ID)
-        .bind(parent.as_slice())
+    Ok(Some(found))
+}
+
+/// The tenant of a tree: the key that opened its root (the root's
+/// delegate), from the writer's cache or one read by key.
+pub(super) async fn tenant(
+    store: &BackendStore,
+    root_id: Id,
+    root_seq: i64,
+) -> Result<AgentKey, StoreError> {
+    if let Some(root) = lock(&store.known).get(&root_id) {
+        return Ok(root.view.delegate_key);
+    }
+    let row = sqlx::query("SELECT delegate_key FROM contracts WHERE seq = $1")
+        .bind(root_seq)
         .fetch_optional(&store.reader)
         .await
-        .map_err(backend)?;
-    row.map(|r| {
-        let c = StoredContract::from_row(&r)?;
-        Ok(IssuingParent {
-            delegate_key: c.delegate_key,
-            effective_predicate: Predicate::from_trusted(c.effective_predicate),
-            root_id: c.root_id,
-            depth: c.depth,
-        })
-    })
-    .transpose()
+        .map_err(backend)?
+        .ok_or_else(|| StoreError::Corrupt(format!("the root of tree {} is missing", hex::encode(root_id))))?;
+    id_column(&row, "delegate_key")
 }
 pub(super) async fn issuance_trace(
     store: &BackendStore,
