@@ -132,6 +132,7 @@ fn terms(depth: u32, lineage: [u8; 32]) -> delegation_broker::core::ChildTerms {
 
 fn parent_view(depth: u32, lineage: [u8; 32]) -> ParentView {
     ParentView {
+        ending: false,
         status: Status::Accepted,
         delegate_key: [0; 32],
         depth,

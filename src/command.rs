@@ -84,6 +84,9 @@ pub enum Action {
     Revoke { reason: String },
     Record { observations: Vec<ObservationIn> },
     Expire,
+    /// The broker's own: ends the next bounded step of the contract's
+    /// drain (`core::lifecycle::Ending`).
+    Drain,
 }
 
 #[derive(Clone, Debug)]

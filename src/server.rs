@@ -360,6 +360,7 @@ async fn open_postgres(
     options.read_connections = limits.read_connections;
     options.writers = limits.database_writers;
     options.request_log_retention_ms = limits.request_log_retention_ms;
+    options.cascade_step_rows = limits.cascade_step_rows;
     options.metrics = Some(metrics.store.clone());
     Ok(PostgresStore::open(options, stamper, clock).await?)
 }
@@ -386,6 +387,7 @@ async fn open_store(
             before_wal_sync: None,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+            cascade_step_rows: limits.cascade_step_rows,
             metrics: Some(metrics.store.clone()),
         },
         stamper,

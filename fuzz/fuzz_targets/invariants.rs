@@ -136,6 +136,7 @@ impl<'a> Arbitrary<'a> for Input {
                 Predicate::from_trusted(format!("{}true", chunk.repeat(65_536 / chunk.len())));
         }
         let parent = ParentView {
+            ending: false,
             status: if fit(u)? {
                 *u.choose(&[Status::Open, Status::Accepted])?
             } else {

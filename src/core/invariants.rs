@@ -108,6 +108,9 @@ impl Refusal {
 #[derive(Clone, Debug)]
 pub struct ParentView {
     pub status: Status,
+    /// The parent or an ancestor is draining (`lifecycle::Ending`): the
+    /// parent is ending, so it issues nothing more.
+    pub ending: bool,
     /// Only this key may delegate from the parent (invariant 2).
     pub delegate_key: AgentKey,
     pub depth: u32,
@@ -204,13 +207,22 @@ pub fn check_delegation(
         })
     };
 
-    // 1. The parent is open (issued or accepted) and within its deadline.
+    // 1. The parent is open (issued or accepted), not ending, and within
+    // its deadline.
     if !parent.status.is_open() {
         refuse(
             InvariantCode::ParentNotActive,
             "OPEN".into(),
             parent.status.as_str().into(),
             format!("the parent contract is {}", parent.status.as_str()),
+        );
+    } else if parent.ending {
+        refuse(
+            InvariantCode::ParentNotActive,
+            "OPEN".into(),
+            "ENDING".into(),
+            "the parent contract is ending: it or an ancestor is being ended with its descendants"
+                .into(),
         );
     } else if now_ms >= parent.deadline_ms {
         refuse(

@@ -13,6 +13,7 @@ fn scope(p: &[&str]) -> Scope {
 
 fn parent() -> ParentView {
     ParentView {
+        ending: false,
         status: Status::Open,
         delegate_key: HOLDER,
         depth: 1,

@@ -492,6 +492,12 @@ mod tests {
                 R::WrongState,
             ),
             (F::StaleJudgment, Code::Unavailable, R::ObservationsChanging),
+            (F::DescendantsEnding, Code::Unavailable, R::DescendantsEnding),
+            (
+                F::AncestorEnding { cause: [7; 32] },
+                Code::FailedPrecondition,
+                R::AncestorEnding,
+            ),
             (F::Corrupt("x".into()), Code::Internal, R::Internal),
         ];
         for (refused, code, reason) in cases {

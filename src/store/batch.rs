@@ -96,6 +96,14 @@ pub struct KnownMap {
 pub const KNOWN_ENTRY_OVERHEAD_BYTES: usize = 512;
 
 impl KnownMap {
+    /// Marks a known contract as ending or not (`ParentView::ending`):
+    /// decided per batch by the backend, which knows the drains.
+    pub fn set_ending(&mut self, id: &Id, ending: bool) {
+        if let Some((known, _)) = self.entries.get_mut(id) {
+            known.view.ending = ending;
+        }
+    }
+
     pub fn get(&self, id: &Id) -> Option<&Known> {
         self.entries.get(id).map(|(known, _)| known)
     }
@@ -381,6 +389,7 @@ fn open_root(
     let lineage = crate::crypto::sha256(root.intent.as_bytes());
     let effective = Predicate::conjoin(&Predicate::default(), &root.predicate).unwrap_or_default();
     let view = ParentView {
+        ending: false,
         status: Status::Open,
         delegate_key: root.request.agent,
         depth: 0,
@@ -475,6 +484,7 @@ fn delegate(
                 _ => stamper.child(&parent.view.intent_lineage_hash, child, &terms, now_ms),
             };
             let view = ParentView {
+                ending: false,
                 status: Status::Open,
                 delegate_key: child.delegate_key,
                 depth: terms.depth,

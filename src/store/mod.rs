@@ -373,6 +373,13 @@ impl From<Refused> for StoreError {
                 LifecycleError::NotAllowed { .. } | LifecycleError::NotDue { .. },
             ) => precondition(pb::ErrorReason::WrongState, detail),
             Refused::StaleJudgment => StoreError::StaleJudgment,
+            Refused::DescendantsEnding => StoreError::Unavailable {
+                reason: pb::ErrorReason::DescendantsEnding,
+                detail,
+            },
+            Refused::AncestorEnding { .. } => {
+                precondition(pb::ErrorReason::AncestorEnding, detail)
+            }
             Refused::Corrupt(what) => StoreError::Corrupt(what),
         }
     }

@@ -57,6 +57,26 @@ pub struct Subtree {
     /// `(id, delegate key)` of the target's ancestors root first, then of
     /// the target; loaded only when `Action::needs_lineage`.
     pub lineage: Vec<(Id, AgentKey)>,
+    /// Whether the target or an ancestor is draining (see `Ending`).
+    pub ending: Ending,
+}
+
+/// A subtree whose open descendants are being ended in bounded steps
+/// (`drain_step`), after a request to end its top (the *draining*
+/// contract) found more of them than one step may end. From the instant
+/// the drain starts, its open descendants are frozen: every request about
+/// them is refused as about an ended contract (the broker's own expiry
+/// still ends them), and every request that would end the draining
+/// contract waits until its descendants have ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ending {
+    /// Neither the target nor an ancestor is draining.
+    #[default]
+    None,
+    /// The target itself is draining.
+    Draining,
+    /// An ancestor, `cause`, is draining: the target ends with `status`.
+    Frozen { cause: Id, status: Status },
 }
 
 impl Subtree {
@@ -291,6 +311,16 @@ pub enum Refused {
     /// Host observations arrived after the judgment: judge again.
     #[error("the completion's judgment is stale")]
     StaleJudgment,
+    /// The target has more open descendants than one step may end: they
+    /// are being ended in steps (`Ending::Draining`); asked again once they
+    /// have, the request goes through.
+    #[error(
+        "the contract's open descendants are being ended in steps first (more than one step ends); nothing was recorded: retry with the same nonce"
+    )]
+    DescendantsEnding,
+    /// An ancestor is draining: the target is ending with it.
+    #[error("the contract is ending: its ancestor {} is ending", hex::encode(.cause))]
+    AncestorEnding { cause: Id },
     /// The stored subtree broke the model's rules.
     #[error("{0}")]
     Corrupt(String),
@@ -380,6 +410,15 @@ pub fn decide(
     }
     if let Err(why) = authorize(subtree, signer, action) {
         return Decision::refused(why);
+    }
+    match subtree.ending {
+        Ending::Frozen { cause, .. } if signer.is_some() => {
+            return Decision::refused(Refused::AncestorEnding { cause });
+        }
+        Ending::Draining if ends_target(action) => {
+            return Decision::refused(Refused::DescendantsEnding);
+        }
+        _ => {}
     }
     match action {
         Action::Expire => Decision::refused(Refused::NotOverdue),
@@ -471,15 +510,76 @@ pub fn needs_descendants(
     let expires_on_access = target.status.is_open()
         && now_ms >= target.deadline_ms
         && !matches!(action, Action::Revoke { .. });
-    let may_end = matches!(
+    expires_on_access || (ends_target(action) && authorize(partial, signer, action).is_ok())
+}
+
+/// Whether `action`, when it succeeds, ends the target.
+fn ends_target(action: &Action<'_>) -> bool {
+    matches!(
         action,
         Action::Decline { .. }
             | Action::Escalate { .. }
             | Action::Revoke { .. }
             | Action::Complete(_)
             | Action::Expire
-    );
-    expires_on_access || (may_end && authorize(partial, signer, action).is_ok())
+    )
+}
+
+/// The status a draining contract's descendants end with when `action`
+/// (one that ends the target) found too many of them: expired with an
+/// expiry, revoked otherwise.
+pub fn drain_status(action: &Action<'_>) -> Status {
+    match action {
+        Action::Expire => Event::Expire.cascade_status(),
+        _ => Event::Revoke.cascade_status(),
+    }
+}
+
+/// One bounded step of a drain: `rows` are contracts of the draining
+/// subtree (each with its parent among them, but for the first, the
+/// draining contract), `order` the ones to end now, every child before its
+/// parent and each with no open child left outside `order`. Each ends
+/// with `status` and settles into its parent with the ledger's rules, and
+/// gets the `Cascaded` receipt naming `cause` that ending it at once would
+/// have given it.
+pub fn drain_step(rows: &[Facts], order: &[usize], cause: Id, status: Status) -> Decision {
+    let subtree = Subtree {
+        rows: rows.to_vec(),
+        target: 0,
+        lineage: Vec::new(),
+        ending: Ending::Draining,
+    };
+    let mut tree = subtree.model();
+    let mut receipts = Vec::with_capacity(order.len());
+    for &row in order {
+        if row == 0 || !rows[row].status.is_open() {
+            return Decision::refused(Refused::Corrupt(format!(
+                "a drain step cannot end row {row}"
+            )));
+        }
+        if let Err(e) = tree.settle(row, status, Consumption::Metered) {
+            return Decision::refused(e.into());
+        }
+        receipts.push(PlannedReceipt {
+            row,
+            answers_request: false,
+            body: ReceiptBody::Cascaded {
+                id: rows[row].id,
+                status,
+                cause,
+            },
+        });
+    }
+    Decision {
+        updates: updates(&subtree, &tree),
+        write: TargetWrite::None,
+        answer: if receipts.is_empty() {
+            Err(Refused::NotOverdue)
+        } else {
+            Ok(0)
+        },
+        receipts,
+    }
 }
 
 fn accept(subtree: &Subtree, host: Option<AgentKey>, now_ms: i64) -> Decision {

@@ -60,6 +60,7 @@ fn pair(status: Status) -> Subtree {
         rows: vec![parent, child],
         target: 1,
         lineage: vec![([1; 32], PRINCIPAL), ([2; 32], DELEGATE)],
+        ending: Ending::None,
     }
 }
 
@@ -180,6 +181,7 @@ fn a_root_is_revoked_by_its_opener_and_has_nobody_to_return_it_to() {
         rows: vec![facts(1, None, PRINCIPAL, 10)],
         target: 0,
         lineage: vec![([1; 32], PRINCIPAL)],
+        ending: Ending::None,
     };
     let d = decide(
         &root,
@@ -427,6 +429,7 @@ impl World {
                 rows,
                 target: index,
                 lineage,
+                ending: Ending::None,
             },
             map,
         )

@@ -14,9 +14,9 @@
 mod decide;
 
 pub use decide::{
-    Action, CompleteFacts, CompletedFacts, Decision, Facts, PlannedReceipt, ReceiptBody, Refused,
-    RowUpdate, Subtree, TargetWrite, authorize, check_host, decide, judgment_due,
-    needs_descendants,
+    Action, CompleteFacts, CompletedFacts, Decision, Ending, Facts, PlannedReceipt, ReceiptBody,
+    Refused, RowUpdate, Subtree, TargetWrite, authorize, check_host, decide, drain_status,
+    drain_step, judgment_due, needs_descendants,
 };
 
 use super::AgentKey;

@@ -135,6 +135,9 @@ pub struct PostgresOptions {
     pub before_judge: Option<BeforeJudge>,
     /// Longest a completion waits for its judgment.
     pub judgment_deadline_ms: u64,
+    /// Most descendants one writer transaction ends: a request that would
+    /// end more starts a drain (`limits.cascade_step_rows`).
+    pub cascade_step_rows: usize,
     /// Longest a writer or reader waits for a connection before the
     /// caller is answered UNAVAILABLE (the database is unreachable).
     pub connect_timeout_ms: u64,
@@ -158,6 +161,7 @@ impl PostgresOptions {
             max_audit_bytes: MAX_AUDIT_BYTES,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+            cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
             connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
             metrics: None,
         }
@@ -284,9 +288,11 @@ impl PostgresStore {
                 // One writer per replica prunes; every replica does.
                 prune: (number == 0).then_some(options.request_log_retention_ms),
                 metrics: options.metrics.clone(),
+                cascade_step_rows: options.cascade_step_rows.max(1),
             };
             tokio::spawn(writer.run());
         }
+        tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
         tokio::spawn(events::sequencer(
             write_pool,
             tag,

@@ -146,6 +146,8 @@ pub(super) struct Writer {
     pub(super) prune: Option<i64>,
     /// `PostgresOptions::metrics`.
     pub(super) metrics: Option<crate::metrics::StoreMetrics>,
+    /// `PostgresOptions::cascade_step_rows`.
+    pub(super) cascade_step_rows: usize,
 }
 
 impl Writer {
@@ -250,6 +252,7 @@ impl Writer {
         };
         let mut known = KnownMap::default();
         load_parents_locked(&mut tx, &parent_ids, &mut known).await?;
+        lifecycle::mark_ending(&mut tx, &mut known, &parent_ids).await?;
         let mut seqs = Reserved::default();
         seqs.reserve(&mut tx, commands.len()).await?;
         let now_ms = self.clock.now_ms();
@@ -343,6 +346,7 @@ impl Writer {
             &super::super::TreeChanges::default(),
             &mut seqs,
             self.clock.now_ms(),
+            self.cascade_step_rows,
         )
         .await?;
         let placed = events::place_own(&mut tx, &seqs.taken).await?;

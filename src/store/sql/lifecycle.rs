@@ -19,7 +19,9 @@ use super::plan::ROWS_PER_STATEMENT;
 use super::rows::{CONTRACT_COLUMNS, StoredContract, contract_columns, id_column, select_contracts};
 use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
-use crate::core::lifecycle::{self, CompleteFacts, Decision, Facts, Subtree, TargetWrite};
+use crate::core::lifecycle::{
+    self, CompleteFacts, Decision, Ending, Facts, Refused, Subtree, TargetWrite,
+};
 use crate::core::{AgentKey, Id, Scope, Status};
 use crate::pb;
 use crate::stamp::Stamper;
@@ -170,17 +172,23 @@ async fn load_locked(
 
 /// Open strict descendants of `seq` (ended contracts have no open
 /// descendants: ending cascades), locked (`LOCK_ROWS`) in (depth, id)
-/// order. Walked one level at a time down `contracts_by_parent`, each
-/// level found by its parents' seqs (`CHILDREN_OF`) and then loaded by key
-/// in id order: the cost is what the subtree holds, whatever else is open.
-/// A recursive query was planned through `contracts_open_by_deadline` by
-/// SQLite (every open contract of the database scanned per descendant: a
-/// revoke of 30,000 held the writer 80 s) and through a scan of the whole
-/// table per level by PostgreSQL; the plan tests of both backends hold the
-/// two statements here to their indexes. Locking each level before
-/// reading the next also means a child committed under a locked contract
-/// meanwhile is seen (PostgreSQL reads each statement afresh).
-async fn open_descendants(conn: &mut DbConn, seq: i64) -> Result<Vec<Loaded>, sqlx::Error> {
+/// order; `None` when there are more than `max` (then nothing is locked
+/// but what was read to count them). Walked one level at a time down
+/// `contracts_by_parent`, each level found by its parents' seqs
+/// (`CHILDREN_OF`) and then loaded by key in id order: the cost is what
+/// the subtree holds, whatever else is open. A recursive query was planned
+/// through `contracts_open_by_deadline` by SQLite (every open contract of
+/// the database scanned per descendant: a revoke of 30,000 held the writer
+/// 80 s) and through a scan of the whole table per level by PostgreSQL;
+/// the plan tests of both backends hold the two statements here to their
+/// indexes. Locking each level before reading the next also means a child
+/// committed under a locked contract meanwhile is seen (PostgreSQL reads
+/// each statement afresh).
+async fn open_descendants(
+    conn: &mut DbConn,
+    seq: i64,
+    max: usize,
+) -> Result<Option<Vec<Loaded>>, sqlx::Error> {
     let mut found = Vec::new();
     let mut level = vec![seq];
     while !level.is_empty() {
@@ -188,8 +196,15 @@ async fn open_descendants(conn: &mut DbConn, seq: i64) -> Result<Vec<Loaded>, sq
         for parents in level.chunks(ROWS_PER_STATEMENT) {
             let mut query = QueryBuilder::<Db>::new(CHILDREN_OF);
             in_list(&mut query, parents);
+            // At most one past the bound: enough to know it is passed.
+            let left = max.saturating_sub(found.len()).saturating_sub(children.len());
+            query.push(" LIMIT ");
+            query.push_bind(i64::try_from(left.saturating_add(1)).unwrap_or(i64::MAX));
             for row in query.build().fetch_all(&mut *conn).await? {
                 children.push((row.try_get("id")?, row.try_get("seq")?));
+            }
+            if found.len() + children.len() > max {
+                return Ok(None);
             }
         }
         children.sort_unstable();
@@ -208,7 +223,7 @@ async fn open_descendants(conn: &mut DbConn, seq: i64) -> Result<Vec<Loaded>, sq
             }
         }
     }
-    Ok(found)
+    Ok(Some(found))
 }
 
 /// The open children of a level's contracts, found by the parent index:
@@ -259,6 +274,9 @@ pub struct Applied {
     /// PostgreSQL caches only immutable terms).
     #[allow(dead_code)]
     pub changed: Vec<Id>,
+    /// A drain started or ended: which contracts issue is now different.
+    #[allow(dead_code)]
+    pub draining_changed: bool,
 }
 
 impl Loaded {
@@ -287,41 +305,368 @@ impl Loaded {
     }
 }
 
-/// Loads what `decide` reads: `target`'s parent and itself, its lineage
-/// when the action needs it, and its open descendants when `descendants`.
-async fn subtree(
-    conn: &mut DbConn,
-    parent: Option<Loaded>,
-    target: Loaded,
-    action: &lifecycle::Action<'_>,
-    descendants: bool,
-) -> Result<(Subtree, Vec<Loaded>), sqlx::Error> {
-    let mut rows = Vec::new();
-    if let Some(parent) = parent {
-        rows.push(parent);
-    }
-    let target_seq = target.seq;
-    rows.push(target);
-    if descendants {
-        rows.extend(open_descendants(conn, target_seq).await?);
-    }
+/// What `decide` reads: `rows` (the parent when there is one, the target,
+/// then any of its open descendants), with the lineage and the drain state
+/// loaded once.
+fn subtree(
+    rows: Vec<Loaded>,
+    target_seq: i64,
+    lineage: Vec<(Id, AgentKey)>,
+    ending: Ending,
+) -> (Subtree, Vec<Loaded>) {
     let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
     let facts = rows
         .iter()
         .map(|r| r.facts(r.parent_seq.and_then(|p| index.get(&p).copied())))
         .collect();
-    let lineage = if action.needs_lineage() {
-        lineage(conn, target_seq).await?
-    } else {
-        Vec::new()
-    };
     let subtree = Subtree {
         rows: facts,
         target: index[&target_seq],
         lineage,
+        ending,
     };
-    Ok((subtree, rows))
+    (subtree, rows)
 }
+
+/// The drains in a tree: (draining contract's seq, the status its
+/// descendants end with). Almost always none: one indexed read of a table
+/// that holds only drains in progress.
+async fn drains_of(conn: &mut DbConn, root_seq: i64) -> Result<Vec<(i64, Status)>, sqlx::Error> {
+    let rows = sqlx::query("SELECT target_seq, status FROM draining WHERE root_seq = $1")
+        .bind(root_seq)
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let status: i64 = r.try_get("status")?;
+            let status = i32::try_from(status)
+                .ok()
+                .and_then(Status::from_i32)
+                .ok_or_else(|| sqlx::Error::Protocol(format!("draining status {status}")))?;
+            Ok((r.try_get("target_seq")?, status))
+        })
+        .collect()
+}
+
+/// `seq` and its ancestors: (seq, id), the contract itself included.
+async fn ancestry(conn: &mut DbConn, seq: i64) -> Result<Vec<(i64, Id)>, sqlx::Error> {
+    let rows = sqlx::query(
+        "WITH RECURSIVE up(seq, parent_seq) AS (\
+             SELECT seq, parent_seq FROM contracts WHERE seq = $1 \
+             UNION ALL SELECT c.seq, c.parent_seq FROM contracts c JOIN up ON c.seq = up.parent_seq) \
+         SELECT c.seq, c.id FROM contracts c WHERE c.seq IN (SELECT seq FROM up)",
+    )
+    .bind(seq)
+    .fetch_all(&mut *conn)
+    .await?;
+    let corrupt = |e: StoreError| sqlx::Error::Protocol(e.to_string());
+    rows.iter()
+        .map(|r| Ok((r.try_get("seq")?, id_column(r, "id").map_err(corrupt)?)))
+        .collect()
+}
+
+/// Whether `target` or an ancestor is draining.
+async fn ending_of(conn: &mut DbConn, target: &Loaded) -> Result<Ending, sqlx::Error> {
+    let drains = drains_of(conn, target.root_seq).await?;
+    if drains.is_empty() {
+        return Ok(Ending::None);
+    }
+    for (seq, id) in ancestry(conn, target.seq).await? {
+        if seq == target.seq {
+            continue;
+        }
+        if let Some((_, status)) = drains.iter().find(|(s, _)| *s == seq) {
+            return Ok(Ending::Frozen {
+                cause: id,
+                status: *status,
+            });
+        }
+    }
+    Ok(if drains.iter().any(|(s, _)| *s == target.seq) {
+        Ending::Draining
+    } else {
+        Ending::None
+    })
+}
+
+/// Marks the issuing parents `ids` (loaded in `known`) that are draining
+/// or frozen as ending (`ParentView::ending`): they issue nothing more.
+/// Reads the draining table once per batch; the lineage of a parent only
+/// when its tree has a drain.
+pub(super) async fn mark_ending(
+    conn: &mut DbConn,
+    known: &mut crate::store::batch::KnownMap,
+    ids: &[Id],
+) -> Result<(), sqlx::Error> {
+    let drains: Vec<(i64, i64)> = sqlx::query_as("SELECT root_seq, target_seq FROM draining")
+        .fetch_all(&mut *conn)
+        .await?;
+    for id in ids {
+        let Some((seq, root_seq)) = known.get(id).map(|k| (k.seq, k.root_seq)) else {
+            continue;
+        };
+        let ending = if drains.iter().any(|(root, _)| *root == root_seq) {
+            ancestry(conn, seq)
+                .await?
+                .iter()
+                .any(|(s, _)| drains.iter().any(|(_, target)| target == s))
+        } else {
+            false
+        };
+        known.set_ending(id, ending);
+    }
+    Ok(())
+}
+
+/// Whether any drain is in progress (SQLite's writer keeps this as a flag;
+/// PostgreSQL's writers read the table per batch, as other replicas start
+/// drains).
+#[allow(dead_code)]
+pub(super) async fn any_drain(conn: &mut DbConn) -> Result<bool, sqlx::Error> {
+    let any: Option<i64> = sqlx::query_scalar("SELECT target_seq FROM draining LIMIT 1")
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(any.is_some())
+}
+
+/// Ends the next bounded step of `target`'s drain: up to `step_rows` of
+/// its open descendants, each with every open child it has, children
+/// first (a depth-first walk down the parent index, each contract's open
+/// children read only when its ledger says it has any), each with its
+/// `Cascaded` receipt and its settlement into its parent, in one
+/// transaction. The last step (nothing left open below the target)
+/// deletes the drain: a crash between steps resumes with the next one.
+#[allow(clippy::too_many_arguments)]
+async fn drain(
+    conn: &mut DbConn,
+    target_id: &Id,
+    stamper: &Stamper,
+    trees: &crate::store::TreeChanges,
+    next_seq: &mut Seqs,
+    now_ms: i64,
+    step_rows: usize,
+) -> Result<Applied, sqlx::Error> {
+    let gone = |changed: bool| Applied {
+        answer: Err(StoreError::NotFound {
+            what: crate::store::Entity::Contract,
+            id: hex::encode(target_id),
+        }),
+        changed: Vec::new(),
+        draining_changed: changed,
+    };
+    let Some((_, target)) = load_locked(conn, target_id).await? else {
+        return Ok(gone(false));
+    };
+    let status = sqlx::query_scalar::<_, i64>("SELECT status FROM draining WHERE target_seq = $1")
+        .bind(target.seq)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some(status) = status else {
+        return Ok(gone(false));
+    };
+    let status = i32::try_from(status)
+        .ok()
+        .and_then(Status::from_i32)
+        .ok_or_else(|| sqlx::Error::Protocol(format!("draining status {status}")))?;
+    let (rows, order) = drain_walk(conn, target, step_rows.max(1)).await?;
+    let mut done = rows[0].ledger.open_children == 0;
+    let mut answer = Err(StoreError::NotFound {
+        what: crate::store::Entity::Contract,
+        id: hex::encode(target_id),
+    });
+    let mut changed = Vec::new();
+    if !order.is_empty() {
+        let index: HashMap<i64, usize> =
+            rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
+        let facts: Vec<Facts> = rows
+            .iter()
+            .map(|r| r.facts(r.parent_seq.and_then(|p| index.get(&p).copied())))
+            .collect();
+        let decision = lifecycle::drain_step(&facts, &order, rows[0].id, status);
+        if let Err(why) = &decision.answer {
+            return Err(sqlx::Error::Protocol(format!("a drain step: {why}")));
+        }
+        let command = LifecycleCommand {
+            request: None,
+            contract_id: *target_id,
+            action: Action::Drain,
+        };
+        write_state(conn, &decision, &rows[0], &rows, &command).await?;
+        reserve_seqs(conn, next_seq, decision.receipts.len()).await?;
+        let signed = write_receipts(
+            conn, &decision, &rows, &command, stamper, trees, next_seq, now_ms,
+        )
+        .await?;
+        done = decision
+            .updates
+            .iter()
+            .find(|u| u.row == 0)
+            .map_or(done, |u| u.ledger.open_children == 0);
+        changed = decision.changed(0).into_iter().map(|i| rows[i].id).collect();
+        answer = Ok(Answer {
+            outcome: Outcome::Receipt {
+                receipt_id: signed[0].id,
+                envelope: signed[0].envelope.clone(),
+            },
+            replayed: false,
+        });
+    }
+    if done {
+        sqlx::query("DELETE FROM draining WHERE target_seq = $1")
+            .bind(rows[0].seq)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(Applied {
+        answer,
+        changed,
+        draining_changed: done,
+    })
+}
+
+/// The contracts one drain step reads (`rows[0]` the draining contract,
+/// then every contract the walk loaded, each after its parent) and which
+/// it ends (`order`: indexes into `rows`, children first, at most
+/// `step_rows`). A depth-first walk that ends a contract once all its open
+/// children are in `order`, and stops at the bound.
+async fn drain_walk(
+    conn: &mut DbConn,
+    target: Loaded,
+    step_rows: usize,
+) -> Result<(Vec<Loaded>, Vec<usize>), sqlx::Error> {
+    /// A contract on the walk's path and its open children not yet walked.
+    struct Frame {
+        row: usize,
+        children: Vec<Loaded>,
+        /// It has open children beyond `children` (not loaded).
+        more: bool,
+    }
+    let mut rows = vec![target];
+    let mut order = Vec::new();
+    let (children, more) = open_children(conn, rows[0].seq, step_rows).await?;
+    let mut stack = vec![Frame {
+        row: 0,
+        children,
+        more,
+    }];
+    while order.len() < step_rows {
+        let Some(frame) = stack.last_mut() else { break };
+        if let Some(child) = frame.children.pop() {
+            let leaf = child.ledger.open_children == 0;
+            let seq = child.seq;
+            rows.push(child);
+            let row = rows.len() - 1;
+            if leaf {
+                order.push(row);
+            } else {
+                let (children, more) = open_children(conn, seq, step_rows - order.len()).await?;
+                stack.push(Frame {
+                    row,
+                    children,
+                    more,
+                });
+            }
+        } else {
+            let Some(frame) = stack.pop() else { break };
+            if frame.row == 0 || frame.more {
+                break;
+            }
+            order.push(frame.row);
+        }
+    }
+    Ok((rows, order))
+}
+
+/// Up to `max` open children of `seq`, locked, in reverse id order (the
+/// walk pops them from the end); and whether it has more.
+async fn open_children(
+    conn: &mut DbConn,
+    seq: i64,
+    max: usize,
+) -> Result<(Vec<Loaded>, bool), sqlx::Error> {
+    // CONTRACT_COLUMNS and LOCK_ROWS are constants.
+    let rows = sqlx::query(AssertSqlSafe(format!(
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope \
+         WHERE parent_seq = $1 AND +status IN ($2, $3) ORDER BY id LIMIT $4{LOCK_ROWS}"
+    )))
+    .bind(seq)
+    .bind(i64::from(Status::Open.as_i32()))
+    .bind(i64::from(Status::Accepted.as_i32()))
+    .bind(i64::try_from(max.saturating_add(1)).unwrap_or(i64::MAX))
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut children = rows.iter().map(row_from).collect::<Result<Vec<_>, _>>()?;
+    let more = children.len() > max;
+    children.truncate(max);
+    children.reverse();
+    Ok((children, more))
+}
+
+/// The contracts being drained, oldest drain first: what the drainer
+/// (`drainer`) steps through.
+async fn draining_targets(pool: &sqlx::Pool<Db>, limit: i64) -> Result<Vec<Id>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT c.id FROM draining d JOIN contracts c ON c.seq = d.target_seq \
+         ORDER BY d.started_at_ms, d.target_seq LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let corrupt = |e: StoreError| sqlx::Error::Protocol(e.to_string());
+    rows.iter()
+        .map(|r| id_column(r, "id").map_err(corrupt))
+        .collect()
+}
+
+/// Steps every drain in progress through the writer's queue, one step of
+/// each in turn, each waiting behind whatever was queued before it: a drain
+/// never holds the writer longer than one step, and others' requests
+/// interleave. Polls the draining table every `DRAIN_POLL_MS` when idle (a
+/// drain another replica started, or one left by a crash, is found so).
+/// Stops when the store is gone.
+pub(super) async fn drainer(
+    reader: sqlx::Pool<Db>,
+    commands: tokio::sync::mpsc::WeakSender<(crate::store::batch::Command, crate::store::Reply)>,
+) {
+    loop {
+        let targets = match draining_targets(&reader, DRAINS_PER_PASS).await {
+            Ok(targets) => targets,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing drains failed; will retry");
+                Vec::new()
+            }
+        };
+        if targets.is_empty() {
+            tokio::time::sleep(std::time::Duration::from_millis(DRAIN_POLL_MS)).await;
+        }
+        for contract_id in targets {
+            let Some(queue) = commands.upgrade() else {
+                return;
+            };
+            let step = crate::store::batch::Command::Lifecycle(Box::new(LifecycleCommand {
+                request: None,
+                contract_id,
+                action: Action::Drain,
+            }));
+            match crate::store::submit(&queue, step).await {
+                Ok(_) | Err(StoreError::NotFound { .. }) => {}
+                Err(StoreError::Closed) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, contract = %hex::encode(contract_id), "a drain step failed; will retry");
+                    tokio::time::sleep(std::time::Duration::from_millis(DRAIN_POLL_MS)).await;
+                }
+            }
+        }
+        if commands.upgrade().is_none() {
+            return;
+        }
+    }
+}
+
+/// Drains stepped per pass of the drainer.
+const DRAINS_PER_PASS: i64 = 16;
+/// How often the drainer looks for drains when there are none.
+const DRAIN_POLL_MS: u64 = 200;
 
 /// The core's view of a validated command.
 fn core_action(action: &Action, now_ms: i64) -> lifecycle::Action<'_> {
@@ -350,13 +695,17 @@ fn core_action(action: &Action, now_ms: i64) -> lifecycle::Action<'_> {
             verdict: *verdict,
             reason,
         },
-        Action::Expire => lifecycle::Action::Expire,
+        Action::Expire | Action::Drain => lifecycle::Action::Expire,
     }
 }
 
 /// Applies one lifecycle command: loads the subtree, lets the core decide,
 /// writes the decision. The outer error aborts the batch; the inner one
-/// refuses only this command.
+/// refuses only this command. A decision that would end more open
+/// descendants than one step (`step_rows`) starts a drain instead
+/// (`drain`): nothing else is written, and the request is answered
+/// `DescendantsEnding` (retry with the same nonce).
+#[allow(clippy::too_many_arguments)]
 pub async fn apply(
     conn: &mut DbConn,
     command: &LifecycleCommand,
@@ -365,6 +714,7 @@ pub async fn apply(
     trees: &crate::store::TreeChanges,
     next_seq: &mut Seqs,
     now_ms: i64,
+    step_rows: usize,
 ) -> Result<Applied, sqlx::Error> {
     if let Some(request) = &command.request
         && let Some(earlier) = prior.get(&(request.agent, request.nonce.clone()))
@@ -372,7 +722,20 @@ pub async fn apply(
         return Ok(Applied {
             answer: crate::store::batch::replayed(earlier, request),
             changed: Vec::new(),
+            draining_changed: false,
         });
+    }
+    if matches!(command.action, Action::Drain) {
+        return drain(
+            conn,
+            &command.contract_id,
+            stamper,
+            trees,
+            next_seq,
+            now_ms,
+            step_rows,
+        )
+        .await;
     }
     let Some((parent, target)) = load_locked(conn, &command.contract_id).await? else {
         return Ok(Applied {
@@ -381,23 +744,71 @@ pub async fn apply(
                 id: hex::encode(command.contract_id),
             }),
             changed: Vec::new(),
+            draining_changed: false,
         });
     };
     let action = core_action(&command.action, now_ms);
     let signer = command.request.as_ref().map(|r| &r.agent);
+    let ending = ending_of(conn, &target).await?;
+    let lineage = if action.needs_lineage() {
+        lineage(conn, target.seq).await?
+    } else {
+        Vec::new()
+    };
+    let (target_seq, root_seq) = (target.seq, target.root_seq);
+    let mut rows: Vec<Loaded> = parent.into_iter().collect();
+    rows.push(target);
     // Loaded without the open descendants first: only a decision that
     // may end the target reads them (`needs_descendants`), so a stranger's
     // request costs the writer the target, its parent and its lineage.
-    let full = (parent.clone(), target.clone());
-    let (mut subtree, mut rows) = subtree(conn, parent, target, &action, false).await?;
-    if lifecycle::needs_descendants(&subtree, signer, &action, now_ms) {
-        (subtree, rows) = self::subtree(conn, full.0, full.1, &action, true).await?;
-    }
+    let (partial, rows) = subtree(rows, target_seq, lineage, ending);
+    let (subtree, rows) = if lifecycle::needs_descendants(&partial, signer, &action, now_ms) {
+        match open_descendants(conn, target_seq, step_rows.max(1)).await? {
+            Some(descendants) => {
+                let mut rows = rows;
+                rows.extend(descendants);
+                self::subtree(rows, target_seq, partial.lineage, ending)
+            }
+            None => {
+                start_drain(conn, target_seq, root_seq, lifecycle::drain_status(&action), now_ms)
+                    .await?;
+                return Ok(Applied {
+                    answer: Err(StoreError::from(Refused::DescendantsEnding)),
+                    changed: Vec::new(),
+                    draining_changed: true,
+                });
+            }
+        }
+    } else {
+        (partial, rows)
+    };
     let decision = lifecycle::decide(&subtree, signer, &action, now_ms);
     write(
         conn, &decision, &subtree, &rows, command, stamper, trees, next_seq, now_ms,
     )
     .await
+}
+
+/// Records that `target_seq`'s open descendants are to be ended in steps
+/// with `status` (once: a second request finds the drain started).
+async fn start_drain(
+    conn: &mut DbConn,
+    target_seq: i64,
+    root_seq: i64,
+    status: Status,
+    now_ms: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO draining (target_seq, root_seq, status, started_at_ms) \
+         VALUES ($1, $2, $3, $4) ON CONFLICT (target_seq) DO NOTHING",
+    )
+    .bind(target_seq)
+    .bind(root_seq)
+    .bind(i64::from(status.as_i32()))
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Writes the decision's rows and the target's columns (and, for a
@@ -589,7 +1000,11 @@ async fn write(
         }),
         Err(why) => Err(StoreError::from(why.clone())),
     };
-    Ok(Applied { answer, changed })
+    Ok(Applied {
+        answer,
+        changed,
+        draining_changed: false,
+    })
 }
 
 /// What the host recorded for `target`, as the judge reads it.

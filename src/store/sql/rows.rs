@@ -159,6 +159,7 @@ impl StoredContract {
     /// The contract as the writer's parent cache holds it.
     pub(super) fn known(self) -> (Id, Known) {
         let view = ParentView {
+            ending: false,
             status: self.status,
             delegate_key: self.delegate_key,
             depth: self.depth,

@@ -163,6 +163,9 @@ pub struct SqliteOptions {
     /// Longest a completion waits for its judgment, queueing for a judge
     /// included (`JUDGMENT_DEADLINE_MS` in production; tests lower it).
     pub judgment_deadline_ms: u64,
+    /// Most descendants one writer transaction ends: a request that would
+    /// end more starts a drain (`limits.cascade_step_rows`).
+    pub cascade_step_rows: usize,
     /// Where the writer and syncer report batch sizes and fsyncs (the
     /// server's `/metrics`); `None` reports nowhere.
     pub metrics: Option<crate::metrics::StoreMetrics>,
@@ -314,6 +317,7 @@ impl SqliteStore {
             .connect_with(connect.read_only(true).pragma("cache_size", "-2048"))
             .await
             .map_err(backend)?;
+        tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
         Ok(Self {
             commands,
             reader,

@@ -118,8 +118,17 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
         start.clock.now_ms(),
     )
     .await;
+    let draining = match super::lifecycle::any_drain(&mut writer).await {
+        Ok(any) => any,
+        Err(e) => {
+            let _ = ready.send(Err(StoreError::Backend(format!("reading drains: {e}"))));
+            return;
+        }
+    };
     let _ = ready.send(Ok(()));
     let state = WriterState {
+        draining,
+        cascade_step_rows: start.options.cascade_step_rows.max(1),
         known: start.known,
         trees: start.trees,
         next_seq,
@@ -150,6 +159,12 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
 /// because the writer is the only one that writes.
 pub(super) struct WriterState {
     pub(super) known: KnownCache,
+    /// A drain is in progress (`core::lifecycle::Ending`): batches then
+    /// mark their issuing parents that are ending. Kept by the writer,
+    /// the only one that starts or ends drains.
+    pub(super) draining: bool,
+    /// `SqliteOptions::cascade_step_rows`.
+    pub(super) cascade_step_rows: usize,
     /// Which trees got events (see `TreeChanges`), shared with readers.
     pub(super) trees: crate::store::TreeChanges,
     /// The next contract's (or receipt's) sequence number.
@@ -404,6 +419,7 @@ pub(super) async fn apply_fast(
     // Outside a transaction: the writer is the only writer, so nothing
     // changes between this read and the script.
     load_parents(conn, &parent_ids, &state.known).await?;
+    mark_ending(conn, commands, state).await?;
     let mut prior = HashMap::new();
     let mut plan = batch::plan(
         commands,
@@ -452,6 +468,29 @@ pub(super) async fn apply_fast(
     Ok(plan.answers)
 }
 
+/// While a drain is in progress, marks the batch's issuing parents that
+/// are ending (`ParentView::ending`); nothing to read otherwise.
+async fn mark_ending(
+    conn: &mut SqliteConnection,
+    commands: &[Command],
+    state: &WriterState,
+) -> Result<(), sqlx::Error> {
+    if !state.draining {
+        return Ok(());
+    }
+    let parents: Vec<Id> = commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Delegate(child, _) => Some(child.parent_id),
+            _ => None,
+        })
+        .collect();
+    let mut known = std::mem::take(&mut *lock(&state.known));
+    let marked = super::lifecycle::mark_ending(conn, &mut known, &parents).await;
+    *lock(&state.known) = known;
+    marked
+}
+
 /// Loads the named parents into the cache.
 pub(super) async fn load_parents(
     conn: &mut SqliteConnection,
@@ -498,6 +537,7 @@ pub(super) async fn apply_careful(
     let (request_keys, parent_ids) = missing_parents(commands, &state.known);
     let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
     load_parents(&mut tx, &parent_ids, &state.known).await?;
+    mark_ending(&mut tx, commands, state).await?;
     let t0 = std::time::Instant::now();
     let plan = batch::plan(
         commands,
@@ -513,6 +553,7 @@ pub(super) async fn apply_careful(
         script.query.build().execute(&mut *tx).await?;
     }
     let mut answers = plan.answers;
+    let mut drains_changed = false;
     for (i, command) in commands.iter().enumerate() {
         if let Command::Lifecycle(lifecycle) = command {
             let applied = super::lifecycle::apply(
@@ -523,9 +564,16 @@ pub(super) async fn apply_careful(
                 &state.trees,
                 &mut state.next_seq,
                 now_ms,
+                state.cascade_step_rows,
             )
             .await?;
             let mut cache = lock(&state.known);
+            if applied.draining_changed {
+                // Which contracts may issue changed: the cache's ending
+                // marks are recomputed from the drains.
+                cache.clear();
+                drains_changed = true;
+            }
             for id in &applied.changed {
                 cache.remove(id);
             }
@@ -549,6 +597,9 @@ pub(super) async fn apply_careful(
             }
             answers[i] = applied.answer;
         }
+    }
+    if drains_changed {
+        state.draining = super::lifecycle::any_drain(&mut tx).await?;
     }
     let t2 = std::time::Instant::now();
     // Numbered before it starts: see `Durability::committed`.

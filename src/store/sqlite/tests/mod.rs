@@ -209,6 +209,7 @@ fn test_options(path: PathBuf) -> SqliteOptions {
         before_wal_sync: None,
         before_judge: None,
         judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+        cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
         metrics: None,
     }
 }
@@ -863,6 +864,7 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
             before_wal_sync: None,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+        cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
             metrics: None,
         },
         stamper,
