@@ -65,5 +65,8 @@ step "Python client tests"
 cargo build --locked --bin delegation-broker
 BROKER_BIN="$PWD/target/debug/delegation-broker" clients/python/run-tests.sh -q
 
+step "TypeScript client tests"
+BROKER_BIN="$PWD/target/debug/delegation-broker" clients/typescript/run-tests.sh
+
 step "buf lint and breaking"
 scripts/buf.sh

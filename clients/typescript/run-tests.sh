@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The TypeScript client's checks and tests, against the real broker binary:
+#   1. npm ci (the exact versions of package-lock.json),
+#   2. drift check: buf generate with the repository's buf.gen.yaml into a
+#      temporary directory must reproduce src/gen/ exactly,
+#   3. tsc --noEmit over the generated code and the sources,
+#   4. the build (dist/: ESM and .d.ts) and the tests' build (build/),
+#   5. the Python client installed into .venv-python (again only when
+#      clients/python changed) for the cross-language test,
+#   6. node --test: every test file starts its own broker from $BROKER_BIN.
+#
+#   BROKER_BIN=/path/to/delegation-broker clients/typescript/run-tests.sh [node --test args]
+#
+# BROKER_BIN defaults to <repo>/target/debug/delegation-broker; a relative
+# path is taken from the current directory if it exists there, else from the
+# repo root. PYTHON picks the interpreter for the venv (default python3.11,
+# else python3). Exits non-zero on the first failing step.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$HERE/../.." && pwd)"
+
+BROKER_BIN="${BROKER_BIN:-target/debug/delegation-broker}"
+if [[ "$BROKER_BIN" != /* ]]; then
+    if [[ -e "$PWD/$BROKER_BIN" ]]; then BROKER_BIN="$PWD/$BROKER_BIN"; else BROKER_BIN="$REPO_ROOT/$BROKER_BIN"; fi
+fi
+if [[ ! -x "$BROKER_BIN" ]]; then
+    echo "run-tests.sh: no broker binary at $BROKER_BIN (cargo build --bin delegation-broker, or set BROKER_BIN)" >&2
+    exit 2
+fi
+export BROKER_BIN
+
+step() { printf -- '--> %s\n' "$*"; }
+cd "$HERE"
+
+step "npm ci"
+npm ci --no-audit --no-fund --loglevel=error
+
+step "drift check: buf generate (buf.gen.yaml) against the committed src/gen"
+fresh="$(mktemp -d)"
+trap 'rm -rf "$fresh"' EXIT
+(cd "$REPO_ROOT" && "$HERE/node_modules/.bin/buf" generate --template buf.gen.yaml -o "$fresh")
+if ! diff -r "$fresh/clients/typescript/src/gen" "$HERE/src/gen"; then
+    echo "run-tests.sh: src/gen drifted from proto/: regenerate with 'npm run generate' (in clients/typescript) and commit" >&2
+    exit 1
+fi
+# What buf generated type-checks on its own, too (acceptance g of issue 23).
+cat >"$fresh/tsconfig.json" <<JSON
+{
+  "extends": "$HERE/tsconfig.json",
+  "compilerOptions": { "noEmit": true, "rootDir": "clients/typescript/src/gen", "typeRoots": ["$HERE/node_modules/@types"] },
+  "include": ["clients/typescript/src/gen"]
+}
+JSON
+echo '{ "type": "module" }' >"$fresh/package.json"
+ln -s "$HERE/node_modules" "$fresh/node_modules"
+"$HERE/node_modules/.bin/tsc" -p "$fresh/tsconfig.json"
+
+step "tsc --noEmit (generated code and sources)"
+"$HERE/node_modules/.bin/tsc" -p tsconfig.json --noEmit
+
+step "build (dist/) and the tests (build/)"
+rm -rf dist build
+"$HERE/node_modules/.bin/tsc" -p tsconfig.json
+"$HERE/node_modules/.bin/tsc" -p tsconfig.test.json
+
+step "the Python client, for the cross-language test"
+VENV="$HERE/.venv-python"
+if [[ -z "${PYTHON:-}" ]]; then
+    if command -v python3.11 >/dev/null 2>&1; then PYTHON=python3.11; else PYTHON=python3; fi
+fi
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "run-tests.sh: $PYTHON not found: the cross-language test needs Python 3 (with venv and pip) to run the Python client; set PYTHON" >&2
+    exit 2
+fi
+if [[ -d "$VENV" ]] && ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
+    rm -rf "$VENV"
+fi
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PYCLIENT="$REPO_ROOT/clients/python"
+stamp="$(
+    cd "$PYCLIENT"
+    {
+        "$VENV/bin/python" -c 'import sys; print(sys.version)'
+        find pyproject.toml README.md src -type f ! -path '*/__pycache__/*' ! -path '*.egg-info/*' -print0 \
+            | LC_ALL=C sort -z | xargs -0 sha256sum
+    } | sha256sum | cut -d' ' -f1
+)"
+if [[ "$(cat "$VENV/.installed-stamp" 2>/dev/null || true)" != "$stamp" ]]; then
+    # Installed from a copy, so nothing is written into clients/python (build/, *.egg-info).
+    copy="$fresh/python-client"
+    mkdir -p "$copy"
+    cp -R "$PYCLIENT/pyproject.toml" "$PYCLIENT/README.md" "$PYCLIENT/src" "$copy/"
+    find "$copy" -name '__pycache__' -prune -exec rm -rf {} + -o -name '*.egg-info' -prune -exec rm -rf {} +
+    export PIP_DISABLE_PIP_VERSION_CHECK=1
+    "$VENV/bin/python" -m pip install --quiet "setuptools>=77"
+    "$VENV/bin/python" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps "$copy"
+    "$VENV/bin/python" -m pip install --quiet --no-build-isolation "$copy"
+    echo "$stamp" >"$VENV/.installed-stamp"
+fi
+export CROSS_PYTHON="$VENV/bin/python"
+
+step "node --test (broker: $BROKER_BIN)"
+node --test "$@" build/test/*.test.js

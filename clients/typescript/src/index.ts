@@ -1,0 +1,78 @@
+/**
+ * TypeScript client of the delegation broker (`delegation.broker.v1`):
+ * the generated protobuf-es v2 messages and service (`pb`), and a thin
+ * helper layer that runs in Node and in browsers alike —
+ *
+ * - {@link Agent}: an ed25519 key that signs OpenRoot, Delegate, the
+ *   lifecycle requests, OpenSession and attestations;
+ * - {@link sessionClient}, {@link RenewingSession}, {@link openSession},
+ *   {@link sessionInterceptor}: the read session every read carries
+ *   (`x-broker-session-bin`), opened and renewed before it expires;
+ * - {@link callIdempotent}: resend the same signed request on transient errors;
+ * - {@link BrokerKeys}, {@link verifyChain}, {@link verifyContract},
+ *   {@link verifyReceipt}, {@link verifySealed}, {@link verifyEverySignature}:
+ *   offline verification from the broker's published keys alone;
+ * - {@link watch}: a subtree's events, each verified, resumable by cursor;
+ * - {@link BrokerError}: failed calls with their code, ErrorInfo reason and
+ *   offending field.
+ *
+ * Transports: `@delegation-broker/client/node` (gRPC over HTTP/2, TLS
+ * optional) and `@delegation-broker/client/web` (gRPC-Web, for browsers).
+ */
+export * as pb from "./pb.js";
+export * as rpc from "./rpc.js";
+export { fromHex, toHex, equalBytes } from "./bytes.js";
+export {
+  Agent,
+  MAX_SIGNATURES,
+  NONCE_BYTES,
+  keyId,
+  lineageHash,
+  nowMs,
+  pae,
+  payloadType,
+  registry,
+  requestSchemaFor,
+  sha256,
+  verifyPaeSignature,
+  verifySignature,
+} from "./signing.js";
+export {
+  BrokerKeys,
+  CONTRACT_TYPE,
+  MAX_CHAIN_CONTRACTS,
+  MAX_EFFECTIVE_PREDICATE_BYTES,
+  PPM_ONE,
+  RECEIPT_TYPE,
+  SESSION_TYPE,
+  VerificationError,
+  conjoinPredicates,
+  isUnder,
+  verifyChain,
+  verifyContract,
+  verifyEverySignature,
+  verifyReceipt,
+  verifySealed,
+  type ChainInput,
+  type KeysSource,
+  type SealedSchema,
+  type Verified,
+  type VerifiedContract,
+} from "./verify.js";
+export { BrokerError, ERROR_DOMAIN, codeName, errorInfo } from "./errors.js";
+export { RETRYABLE, callIdempotent, type RetryOptions } from "./retry.js";
+export {
+  PUBLIC_METHODS,
+  RENEW_AT,
+  ReadSession,
+  RenewingSession,
+  SESSION_HEADER,
+  currentKeyId,
+  openSession,
+  sessionInterceptor,
+  type RenewingSessionOptions,
+  type SessionOpener,
+  type SessionSource,
+} from "./session.js";
+export { brokerTransport, createBrokerClient, sessionClient, type BrokerClient } from "./client.js";
+export { Watch, watch, type ReconnectOptions, type WatchEvent, type WatchOptions, type WatchSource } from "./watch.js";
