@@ -388,6 +388,7 @@ async fn open_store(
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
             cascade_step_rows: limits.cascade_step_rows,
+            drainer: true,
             metrics: Some(metrics.store.clone()),
         },
         stamper,

@@ -138,6 +138,9 @@ pub struct PostgresOptions {
     /// Most descendants one writer transaction ends: a request that would
     /// end more starts a drain (`limits.cascade_step_rows`).
     pub cascade_step_rows: usize,
+    /// Runs the drainer, which ends drains in steps (always, but in tests
+    /// that step drains by hand).
+    pub drainer: bool,
     /// Longest a writer or reader waits for a connection before the
     /// caller is answered UNAVAILABLE (the database is unreachable).
     pub connect_timeout_ms: u64,
@@ -162,6 +165,7 @@ impl PostgresOptions {
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
             cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
+            drainer: true,
             connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
             metrics: None,
         }
@@ -292,7 +296,9 @@ impl PostgresStore {
             };
             tokio::spawn(writer.run());
         }
-        tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
+        if options.drainer {
+            tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
+        }
         tokio::spawn(events::sequencer(
             write_pool,
             tag,

@@ -166,6 +166,9 @@ pub struct SqliteOptions {
     /// Most descendants one writer transaction ends: a request that would
     /// end more starts a drain (`limits.cascade_step_rows`).
     pub cascade_step_rows: usize,
+    /// Runs the drainer, which ends drains in steps (always, but in tests
+    /// that step drains by hand).
+    pub drainer: bool,
     /// Where the writer and syncer report batch sizes and fsyncs (the
     /// server's `/metrics`); `None` reports nowhere.
     pub metrics: Option<crate::metrics::StoreMetrics>,
@@ -317,7 +320,9 @@ impl SqliteStore {
             .connect_with(connect.read_only(true).pragma("cache_size", "-2048"))
             .await
             .map_err(backend)?;
-        tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
+        if options.drainer {
+            tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
+        }
         Ok(Self {
             commands,
             reader,

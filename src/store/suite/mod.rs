@@ -7,9 +7,11 @@
 
 use prost::Message;
 
+pub(crate) mod drains;
 pub(crate) mod lifecycle;
 mod reads;
 
+pub use drains::a_large_revoke_ends_in_steps;
 pub use lifecycle::*;
 pub use reads::*;
 
@@ -436,6 +438,7 @@ macro_rules! store_suite {
             unknown_ids_read_as_absent,
             a_refusal_is_replayed_not_redone,
             a_childs_terms_follow_its_parent,
+            a_large_revoke_ends_in_steps,
         ]);
     };
     // One `#[tokio::test]` per suite function, each on a fresh store.

@@ -210,6 +210,7 @@ fn test_options(path: PathBuf) -> SqliteOptions {
         before_judge: None,
         judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
         cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
+        drainer: true,
         metrics: None,
     }
 }
@@ -865,6 +866,7 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
         cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
+        drainer: true,
             metrics: None,
         },
         stamper,

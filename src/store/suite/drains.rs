@@ -1,0 +1,204 @@
+//! Ending a subtree larger than one writer step (`Ending`, drains): the
+//! request starts a drain and is answered DESCENDANTS_ENDING, the subtree
+//! is frozen at once, its descendants end in bounded steps with the
+//! receipts ending them at once would have given, and the retried request
+//! then goes through. Run on every backend (`drain_suite`).
+
+use prost::Message;
+
+use super::{issued, receipt, test_child, test_root};
+use crate::command::{Action, LifecycleCommand, RequestMeta};
+use crate::core::{Id, Status};
+use crate::pb;
+use crate::store::{Answer, Event, Store, StoreError};
+
+/// The orchestrator that opens every tree here.
+const OPENER: u8 = 1;
+/// The delegate of the middle contracts, and of the leaves.
+const MIDDLE: u8 = 2;
+const LEAF: u8 = 3;
+
+/// Fresh request metadata: nonces never repeat within a test.
+pub struct Requests(u64);
+
+impl Requests {
+    pub fn new() -> Self {
+        Self(0)
+    }
+
+    pub fn next(&mut self, agent: u8) -> RequestMeta {
+        self.0 += 1;
+        let nonce = self.0.to_le_bytes().to_vec();
+        RequestMeta {
+            agent: [agent; 32],
+            digest: crate::crypto::sha256(&nonce),
+            nonce,
+            timestamp_ms: super::TEST_TIMESTAMP_MS,
+        }
+    }
+}
+
+/// A tree: a root, `middles` children of it, each with `leaves` children
+/// of 1 unit; ends within `deadline_ms` (absolute).
+pub struct Tree {
+    pub root: Id,
+    pub middles: Vec<Id>,
+    pub leaves: Vec<Id>,
+}
+
+pub async fn build<S: Store + Clone>(
+    store: &S,
+    requests: &mut Requests,
+    middles: usize,
+    leaves: usize,
+    deadline_ms: i64,
+) -> Tree {
+    let mut root = test_root(requests.next(OPENER));
+    root.budget = 10_000_000;
+    root.deadline_ms = deadline_ms;
+    root.policy.max_children = 1_024;
+    let root = issued(store.open_root(root).await);
+    let mut tree = Tree {
+        root,
+        middles: Vec::new(),
+        leaves: Vec::new(),
+    };
+    for _ in 0..middles {
+        let mut child = test_child(OPENER, 0, root, MIDDLE, "true");
+        child.request = requests.next(OPENER);
+        child.ask.budget = 5_000;
+        tree.middles.push(issued(store.delegate(child).await));
+    }
+    // Concurrently, as agents would: the writer groups them.
+    for middle in tree.middles.clone() {
+        let mut pending = Vec::new();
+        for i in 0..leaves {
+            let mut child = test_child(MIDDLE, 0, middle, LEAF, "true");
+            child.request = requests.next(MIDDLE);
+            child.ask.budget = 1;
+            let store = store.clone();
+            pending.push(tokio::spawn(async move { store.delegate(child).await }));
+            // Within the test stores' write queue.
+            if pending.len() == 128 || i + 1 == leaves {
+                for p in pending.drain(..) {
+                    tree.leaves.push(issued(p.await.expect("task")));
+                }
+            }
+        }
+    }
+    tree
+}
+
+fn reason(e: &StoreError) -> &'static str {
+    super::lifecycle::reason(e)
+}
+
+/// Every receipt of the tree, by the contract it is about.
+pub async fn receipts_by_contract<S: Store>(
+    store: &S,
+    root: Id,
+) -> std::collections::HashMap<Vec<u8>, Vec<pb::Receipt>> {
+    let mut by_contract: std::collections::HashMap<Vec<u8>, Vec<pb::Receipt>> =
+        std::collections::HashMap::new();
+    let mut cursor = 0;
+    loop {
+        let events = store
+            .events(root, cursor, 1_000, usize::MAX)
+            .await
+            .expect("events");
+        let Some(last) = events.last() else { break };
+        cursor = match last {
+            Event::Contract { cursor, .. } | Event::Receipt { cursor, .. } => *cursor,
+        };
+        for event in events {
+            if let Event::Receipt { envelope, .. } = event {
+                let receipt = pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt");
+                // A refused Delegate's receipt is about its parent: not a
+                // transition of it.
+                if receipt.kind == pb::ReceiptKind::Refused as i32 {
+                    continue;
+                }
+                by_contract
+                    .entry(receipt.contract_id.clone())
+                    .or_default()
+                    .push(receipt);
+            }
+        }
+    }
+    by_contract
+}
+
+/// Waits until the drain of `id` is over (it has no open child left).
+pub async fn drained<S: Store>(store: &S, id: Id) {
+    for _ in 0..1_200 {
+        let c = store.contract(id).await.expect("read").expect("contract");
+        if c.ledger.open_children == 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("the drain of {} did not end within 60 s", hex::encode(id));
+}
+
+/// After a drain: every descendant ended with `status` by exactly one
+/// receipt naming the drained contract, holds nothing, and the drained
+/// contract holds no reservation, so the ledger equation settles to the
+/// top.
+pub async fn check_drained<S: Store>(store: &S, tree: &Tree, status: Status) {
+    let receipts = receipts_by_contract(store, tree.root).await;
+    let kind = if status == Status::Expired {
+        pb::ReceiptKind::Expired
+    } else {
+        pb::ReceiptKind::Revoked
+    };
+    let cause = format!("ended with its ancestor {}", hex::encode(tree.root));
+    for id in tree.middles.iter().chain(&tree.leaves) {
+        let c = store.contract(*id).await.expect("read").expect("contract");
+        assert_eq!(c.status, status, "{}", hex::encode(id));
+        assert_eq!((c.ledger.reserved, c.ledger.open_children), (0, 0));
+        let mine = receipts.get(id.as_slice()).map_or(&[][..], Vec::as_slice);
+        assert_eq!(mine.len(), 1, "one receipt each: {}", hex::encode(id));
+        assert_eq!(mine[0].kind, kind as i32);
+        assert_eq!(mine[0].reason, cause);
+        assert_eq!(mine[0].revoked_ids, vec![id.to_vec()]);
+    }
+    let root = store.contract(tree.root).await.expect("read").expect("root");
+    assert_eq!((root.ledger.reserved, root.ledger.open_children), (0, 0));
+    assert_eq!(root.ledger.spent, 0, "nothing was consumed");
+}
+
+/// A revoke of a root with more open descendants than one step ends
+/// them in steps: answered DESCENDANTS_ENDING, the subtree issues
+/// nothing from then on, the drainer ends every descendant once, and the
+/// retried revoke then goes through with a receipt of its own.
+pub async fn a_large_revoke_ends_in_steps<S: Store + Clone>(store: &S) {
+    let mut requests = Requests::new();
+    let step = crate::config::Limits::default().cascade_step_rows;
+    let per_middle = step / 2 + 10;
+    let tree = build(store, &mut requests, 2, per_middle, i64::MAX / 2).await;
+    let revoke = requests.next(OPENER);
+    let command = LifecycleCommand {
+        request: Some(revoke.clone()),
+        contract_id: tree.root,
+        action: Action::Revoke {
+            reason: "stop".into(),
+        },
+    };
+    let err = store.transition(command.clone()).await.unwrap_err();
+    assert_eq!(reason(&err), "DESCENDANTS_ENDING", "{err:?}");
+    // Frozen (or already revoked by the drain): nothing more is issued
+    // under it, with a signed refusal.
+    let mut child = test_child(LEAF, 0, tree.leaves[tree.leaves.len() - 1], 4, "true");
+    child.request = requests.next(LEAF);
+    let refused = receipt(store.delegate(child).await);
+    assert_eq!(refused.kind, pb::ReceiptKind::Refused as i32);
+    assert_eq!(refused.primary, pb::InvariantCode::ParentNotActive as i32);
+    drained(store, tree.root).await;
+    check_drained(store, &tree, Status::Revoked).await;
+    // The retry goes through now, and ends the root alone.
+    let revoked = receipt(store.transition(command.clone()).await);
+    assert_eq!(revoked.kind, pb::ReceiptKind::Revoked as i32);
+    assert_eq!(revoked.revoked_ids, vec![tree.root.to_vec()]);
+    let replayed: Answer = store.transition(command).await.expect("replayed");
+    assert!(replayed.replayed);
+}
