@@ -510,7 +510,16 @@ pub fn needs_descendants(
     let expires_on_access = target.status.is_open()
         && now_ms >= target.deadline_ms
         && !matches!(action, Action::Revoke { .. });
-    expires_on_access || (ends_target(action) && authorize(partial, signer, action).is_ok())
+    if expires_on_access {
+        return true;
+    }
+    // A request the drain state refuses reads no descendant either.
+    let refused_by_ending = match partial.ending {
+        Ending::None => false,
+        Ending::Draining => true,
+        Ending::Frozen { .. } => signer.is_some(),
+    };
+    ends_target(action) && !refused_by_ending && authorize(partial, signer, action).is_ok()
 }
 
 /// Whether `action`, when it succeeds, ends the target.

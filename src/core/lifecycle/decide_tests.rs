@@ -504,6 +504,104 @@ enum Op {
     Tick(i64),
 }
 
+/// A drain step ends the contracts it is given children first, each
+/// settling into its parent with the ledger's rules and getting the
+/// `Cascaded` receipt that names the draining contract; the draining
+/// contract itself only takes back what they held.
+#[test]
+fn a_drain_step_settles_children_first() {
+    // Target (100) → a (40, spent 5) → b (10, spent 3): b is a leaf.
+    let mut target = facts(1, None, PRINCIPAL, 100);
+    let mut a = facts(2, Some(0), DELEGATE, 40);
+    let mut b = facts(3, Some(1), agent(4), 10);
+    target.ledger.reserve(40).unwrap();
+    a.ledger.reserve(10).unwrap();
+    a.ledger.charge(5).unwrap();
+    b.ledger.charge(3).unwrap();
+    b.status = Status::Accepted;
+    let rows = vec![target, a, b];
+    let d = drain_step(&rows, &[2, 1], [1; 32], Status::Revoked);
+    assert_eq!(d.answer, Ok(0));
+    let ended: Vec<_> = d
+        .receipts
+        .iter()
+        .map(|r| (r.row, r.body.clone()))
+        .collect();
+    assert_eq!(
+        ended,
+        [
+            (
+                2,
+                ReceiptBody::Cascaded {
+                    id: [3; 32],
+                    status: Status::Revoked,
+                    cause: [1; 32]
+                }
+            ),
+            (
+                1,
+                ReceiptBody::Cascaded {
+                    id: [2; 32],
+                    status: Status::Revoked,
+                    cause: [1; 32]
+                }
+            ),
+        ]
+    );
+    let update = |row: usize| *d.updates.iter().find(|u| u.row == row).unwrap();
+    assert_eq!(update(1).status, Status::Revoked);
+    assert_eq!(update(2).status, Status::Revoked);
+    // The target: nothing reserved, a's 5 and b's 3 spent.
+    let target = update(0).ledger;
+    assert_eq!((target.reserved, target.spent, target.open_children), (0, 8, 0));
+    assert_eq!(target.residual(), 92);
+    // A parent before its open child, or the draining contract itself, is
+    // not a step: nothing is decided.
+    let bad = drain_step(&rows, &[1, 2], [1; 32], Status::Revoked);
+    assert!(matches!(bad.answer, Err(Refused::Corrupt(_))), "{bad:?}");
+    let bad = drain_step(&rows, &[0], [1; 32], Status::Revoked);
+    assert!(matches!(bad.answer, Err(Refused::Corrupt(_))), "{bad:?}");
+}
+
+/// Under a draining ancestor every request is refused as ending (but the
+/// broker's own expiry); a draining contract's own ending waits for its
+/// descendants, and neither reads a descendant.
+#[test]
+fn a_drain_freezes_what_is_below_it() {
+    let j = judgment(1);
+    let mut frozen = pair(Status::Accepted);
+    frozen.ending = Ending::Frozen {
+        cause: [1; 32],
+        status: Status::Revoked,
+    };
+    for (name, signer, action) in entitled(&j) {
+        let d = decide(&frozen, Some(&signer), &action, T0);
+        assert_eq!(d.answer, Err(Refused::AncestorEnding { cause: [1; 32] }), "{name}");
+        assert!(d.updates.is_empty() && d.receipts.is_empty(), "{name}");
+        assert!(!needs_descendants(&frozen, Some(&signer), &action, T0), "{name}");
+    }
+    // The broker's expiry of a frozen, overdue contract goes through.
+    let late = T0 + 60_000;
+    let d = decide(&frozen, None, &Action::Expire, late);
+    assert_eq!(d.answer, Ok(0));
+    assert!(needs_descendants(&frozen, None, &Action::Expire, late));
+    let mut draining = pair(Status::Accepted);
+    draining.ending = Ending::Draining;
+    for (name, signer, action) in entitled(&j) {
+        let d = decide(&draining, Some(&signer), &action, T0);
+        let ends = matches!(
+            action,
+            Action::Decline { .. } | Action::Escalate { .. } | Action::Revoke { .. } | Action::Complete(_)
+        );
+        if ends {
+            assert_eq!(d.answer, Err(Refused::DescendantsEnding), "{name}");
+            assert!(!needs_descendants(&draining, Some(&signer), &action, T0), "{name}");
+        } else {
+            assert_ne!(d.answer, Err(Refused::DescendantsEnding), "{name}");
+        }
+    }
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0usize..64, 1i64..60, 1i64..4_000).prop_map(|(p, b, d)| Op::Delegate(p, b, d)),

@@ -35,6 +35,25 @@ async fn open_suite_store() -> (PostgresStore, TestDatabase) {
 
 crate::store::suite::store_suite!(suite, super::open_suite_store);
 
+/// `suite::drains::a_drain_is_frozen_stepped_and_resumed` on PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_is_frozen_stepped_and_resumed() {
+    let database = TestDatabase::create().await;
+    let clock = Arc::new(crate::clock::OffsetClock::default());
+    let open = |drainer: bool| {
+        let (url, clock) = (database.url.clone(), clock.clone());
+        async move {
+            let mut options = test_options(&url);
+            options.cascade_step_rows = crate::store::suite::drains::TEST_STEP_ROWS;
+            options.drainer = drainer;
+            PostgresStore::open(options, test_stamper(), clock)
+                .await
+                .expect("open")
+        }
+    };
+    crate::store::suite::drains::a_drain_is_frozen_stepped_and_resumed(clock.clone(), open).await;
+}
+
 /// The statements a cascade walks its open descendants with, as
 /// PostgreSQL plans them (`EXPLAIN`) over a database of 20,031 open
 /// contracts with statistics: a level's children are found down

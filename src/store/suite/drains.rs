@@ -202,3 +202,111 @@ pub async fn a_large_revoke_ends_in_steps<S: Store + Clone>(store: &S) {
     let replayed: Answer = store.transition(command).await.expect("replayed");
     assert!(replayed.replayed);
 }
+
+/// The step size the backends' drain tests open their stores with.
+pub const TEST_STEP_ROWS: usize = 8;
+
+/// A drain driven step by step (a store opened with `drainer` off and
+/// `TEST_STEP_ROWS`), stopped half-way as a crash would stop it (each step
+/// is one transaction: a crash inside one rolls it back), and resumed by
+/// the drainer of the store reopened on the same database: while it lasts
+/// the subtree is frozen, each step ends at most a step of it, and in the
+/// end every descendant was ended exactly once. `open(drainer)` opens the
+/// store on the test's database; `clock` is the stores' clock. Then the
+/// same for an expiry: the descendants expire.
+pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
+    clock: std::sync::Arc<crate::clock::OffsetClock>,
+    open: F,
+) where
+    S: Store + Clone,
+    F: Fn(bool) -> Fut,
+    Fut: std::future::Future<Output = S>,
+{
+    use crate::clock::Clock as _;
+    let store = open(false).await;
+    let mut requests = Requests::new();
+    let tree = build(&store, &mut requests, 4, 30, i64::MAX / 2).await;
+    let revoke = LifecycleCommand {
+        request: Some(requests.next(OPENER)),
+        contract_id: tree.root,
+        action: Action::Revoke {
+            reason: "stop".into(),
+        },
+    };
+    let err = store.transition(revoke.clone()).await.unwrap_err();
+    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
+    // Frozen: its holders can do nothing more with it.
+    let leaf = tree.leaves[0];
+    let act = |agent: u8, contract_id: Id, action: Action, requests: &mut Requests| LifecycleCommand {
+        request: Some(requests.next(agent)),
+        contract_id,
+        action,
+    };
+    let err = store
+        .transition(act(LEAF, leaf, Action::Accept { host: None }, &mut requests))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&err), "ANCESTOR_ENDING");
+    let middle_revoke = Action::Revoke {
+        reason: "me too".into(),
+    };
+    let err = store
+        .transition(act(OPENER, tree.middles[0], middle_revoke, &mut requests))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&err), "ANCESTOR_ENDING");
+    let mut child = test_child(LEAF, 0, leaf, 4, "true");
+    child.request = requests.next(LEAF);
+    let refused = receipt(store.delegate(child).await);
+    assert_eq!(refused.primary, pb::InvariantCode::ParentNotActive as i32);
+    assert_eq!(refused.violations[0].allowed, "ENDING");
+    let mut child = test_child(OPENER, 0, tree.root, 4, "true");
+    child.request = requests.next(OPENER);
+    let refused = receipt(store.delegate(child).await);
+    assert_eq!(refused.primary, pb::InvariantCode::ParentNotActive as i32);
+    // A retry while it drains: still waiting.
+    let err = store.transition(revoke.clone()).await.unwrap_err();
+    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
+    // Three steps by hand, each ending at most a step.
+    let step = LifecycleCommand {
+        request: None,
+        contract_id: tree.root,
+        action: Action::Drain,
+    };
+    let mut ended = 0;
+    for _ in 0..3 {
+        store.transition(step.clone()).await.expect("a step");
+        let now = receipts_by_contract(&store, tree.root)
+            .await
+            .values()
+            .map(Vec::len)
+            .sum::<usize>();
+        assert!(now > ended && now - ended <= TEST_STEP_ROWS, "{ended} then {now}");
+        ended = now;
+    }
+    drop(store);
+    // Reopened with its drainer: the drain resumes and ends.
+    let store = open(true).await;
+    drained(&store, tree.root).await;
+    check_drained(&store, &tree, Status::Revoked).await;
+    let revoked = receipt(store.transition(revoke).await);
+    assert_eq!(revoked.revoked_ids, vec![tree.root.to_vec()]);
+
+    // Expiry: the sweeper's request starts a drain whose descendants
+    // expire.
+    let deadline_ms = clock.now_ms() + 60_000;
+    let tree = build(&store, &mut requests, 3, 20, deadline_ms).await;
+    clock.advance_ms(120_000);
+    let expire = LifecycleCommand {
+        request: None,
+        contract_id: tree.root,
+        action: Action::Expire,
+    };
+    let err = store.transition(expire.clone()).await.unwrap_err();
+    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
+    drained(&store, tree.root).await;
+    check_drained(&store, &tree, Status::Expired).await;
+    let expired = receipt(store.transition(expire).await);
+    assert_eq!(expired.kind, pb::ReceiptKind::Expired as i32);
+    assert_eq!(expired.revoked_ids, vec![tree.root.to_vec()]);
+}

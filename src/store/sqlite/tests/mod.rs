@@ -29,6 +29,26 @@ async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
 
 mod judging;
 
+/// `suite::drains::a_drain_is_frozen_stepped_and_resumed` on SQLite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_is_frozen_stepped_and_resumed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let clock = Arc::new(crate::clock::OffsetClock::default());
+    let open = |drainer: bool| {
+        let (path, clock) = (path.clone(), clock.clone());
+        async move {
+            let mut options = test_options(path);
+            options.cascade_step_rows = crate::store::suite::drains::TEST_STEP_ROWS;
+            options.drainer = drainer;
+            SqliteStore::open(options, test_stamper(), clock)
+                .await
+                .expect("open")
+        }
+    };
+    crate::store::suite::drains::a_drain_is_frozen_stepped_and_resumed(clock.clone(), open).await;
+}
+
 crate::store::suite::store_suite!(suite, super::open_suite_store);
 
 /// A database written by schema 1 (envelopes inside contract rows, the
