@@ -21,6 +21,21 @@
 // background sweep, every limits.expiry_sweep_interval_ms (default 1 s),
 // expires it.
 //
+// Ending a large subtree. A Decline, Complete, Escalate, Revoke (or the
+// sweep's expiry) that would end more open descendants than
+// limits.cascade_step_rows (default 1,024) does not end them in one step:
+// it is answered UNAVAILABLE (DESCENDANTS_ENDING), nothing but that is
+// recorded, and from that moment the descendants are frozen — every
+// lifecycle call about one of them is FAILED_PRECONDITION
+// (ANCESTOR_ENDING), and a Delegate from one of them or from the contract
+// itself is refused (PARENT_NOT_ACTIVE, allowed "ENDING"). The broker then
+// ends them in the background in steps of that size, interleaved with
+// other work, each with the REVOKED (EXPIRED for an expiry) receipt naming
+// the contract as the ancestor it ended with, and survives a restart
+// halfway. Retry the request with the same nonce (with backoff, or when
+// Watch shows its children ended): once they have ended it goes through,
+// and its receipt's revoked_ids holds the contract alone.
+//
 // Reads (GetContract, GetChain, ListChildren, GetReceipt, Watch, GetAudit,
 // AggregateAudits) need an identity too. The caller first calls OpenSession,
 // signed like a mutating call, and gets a broker-signed Session (a Sealed);
@@ -2435,7 +2450,8 @@ export const Broker: GenService<{
   },
   /**
    * Revokes a contract and every open descendant in one transaction,
-   * releasing their reservations. Signed by the delegate key of any ancestor
+   * releasing their reservations (more descendants than one step: see
+   * "Ending a large subtree" above). Signed by the delegate key of any ancestor
    * of the contract (for a root, the root's own; else NOT_ANCESTOR). Needs
    * OPEN or ACCEPTED (else WRONG_STATE), even past the deadline (it is
    * never LATE); moves it to REVOKED.

@@ -965,7 +965,11 @@ export type Receipt = Message<"delegation.broker.v1.Receipt"> & {
    * Contracts this transition ended, each before its descendants: for
    * REVOKED, EXPIRED, DECLINED and ESCALATED the target first, then the
    * open descendants ended with it (revoked, or expired for EXPIRED); for
-   * COMPLETED only those descendants.
+   * COMPLETED only those descendants. When they were more than one writer
+   * step ends (limits.cascade_step_rows), they were ended before, in steps,
+   * each by a REVOKED or EXPIRED receipt of its own whose reason names this
+   * contract ("ended with its ancestor <hex id>"): the list then holds the
+   * target alone (broker.proto, "Ending a large subtree").
    *
    * @generated from field: repeated bytes revoked_ids = 13;
    */

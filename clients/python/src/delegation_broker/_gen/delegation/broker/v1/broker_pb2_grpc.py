@@ -274,7 +274,8 @@ class BrokerServicer:
 
     def Revoke(self, request, context):
         """Revokes a contract and every open descendant in one transaction,
-        releasing their reservations. Signed by the delegate key of any ancestor
+        releasing their reservations (more descendants than one step: see
+        "Ending a large subtree" above). Signed by the delegate key of any ancestor
         of the contract (for a root, the root's own; else NOT_ANCESTOR). Needs
         OPEN or ACCEPTED (else WRONG_STATE), even past the deadline (it is
         never LATE); moves it to REVOKED.
