@@ -10,7 +10,9 @@
 #      then the end-to-end tests again on PostgreSQL,
 #   4. a short bounded run of every fuzz target (scripts/fuzz.sh; installs
 #      cargo-fuzz if missing),
-#   5. the Python client's tests against the real broker binary,
+#   5. the Python and TypeScript clients' tests against the real broker
+#      binary (clients/typescript/run-tests.sh: npm ci, generated-code drift,
+#      tsc, node --test, chains verified across the three languages),
 #   6. buf lint and buf breaking against the previous commit.
 # .ci/run calls exactly this script.
 set -euo pipefail
