@@ -58,6 +58,14 @@ pub const REGEX_SIZE_LIMIT_BYTES: usize = 64 * 1024;
 /// a pattern whose DFA outgrows it falls back to the engine's linear-time
 /// simulation, which the work estimate charges for (`core::schema`).
 pub const REGEX_DFA_SIZE_LIMIT_BYTES: usize = 64 * 1024;
+
+/// Longest string a result schema's `"format": "regex"` assertion accepts:
+/// the broker checks it as a pattern itself (`core::schema`), linearly,
+/// instead of the validator library's check, which is quadratic in nested
+/// groups (a 250 KB string of 32,000 nested named groups took 1.8 s).
+pub const MAX_REGEX_FORMAT_BYTES: usize = 4_096;
+/// Deepest nesting a `"format": "regex"` string may have.
+pub const MAX_REGEX_FORMAT_NEST: u32 = 64;
 /// Most distinct patterns in one schema: 64 patterns each just under
 /// `REGEX_SIZE_LIMIT_BYTES` compile in ~0.15 s in a debug build (was 37 s
 /// for one 58 KB schema with no limits), and a compiled schema holds at

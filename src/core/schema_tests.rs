@@ -325,3 +325,93 @@ fn the_memo_answers_as_compiling_does_and_stays_bounded() {
     memo.remember(key, compiled, 100, charge - 1);
     assert!(!memo.entries.contains_key(&key));
 }
+
+/// `"format": "regex"` is the broker's own check: a pattern, at most
+/// `MAX_REGEX_FORMAT_BYTES`, nested at most `MAX_REGEX_FORMAT_NEST` deep;
+/// the library's check took 1.8 s on 32,000 nested named groups.
+#[test]
+fn a_regex_format_is_checked_by_the_broker() {
+    let schema = json!({
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "string",
+        "format": "regex"
+    });
+    assert!(valid(&schema, &json!("^a+(?<x>b|c)*$")));
+    assert!(!valid(&schema, &json!("(unclosed")));
+    let long = "a".repeat(MAX_REGEX_FORMAT_BYTES + 1);
+    assert!(!valid(&schema, &json!(long)));
+    assert!(valid(&schema, &json!("a".repeat(MAX_REGEX_FORMAT_BYTES))));
+    let deep = format!("{}a{}", "(".repeat(100), ")".repeat(100));
+    assert!(!valid(&schema, &json!(deep)));
+    let nested: String = format!(
+        "{}x{}",
+        (0..32_000).map(|i| format!("(?<g{i}>")).collect::<String>(),
+        ")".repeat(32_000)
+    );
+    // Refused by its length, before anything parses it.
+    assert!(!valid(&schema, &json!(nested)));
+}
+
+/// The validation-work estimate against the time validation takes, keyword
+/// by keyword: no keyword costs more than `ESTIMATE_SPREAD` times the
+/// median nanoseconds per estimated unit. The estimate is an upper bound,
+/// so a keyword may cost far less than it is charged (a string's `type`);
+/// one charged far less than it costs (as `format` was, and the library's
+/// quadratic `regex` format) fails here. Each case is sized to take
+/// milliseconds and timed as its fastest of several runs, so a loaded
+/// machine slows every case rather than one.
+#[test]
+fn the_work_estimate_follows_validation_time_across_keywords() {
+    const ESTIMATE_SPREAD: f64 = 32.0;
+    let draft7 = "http://json-schema.org/draft-07/schema#";
+    let strings = |n: usize, s: &str| json!(vec![s; n]);
+    let cases: Vec<(&str, Value, Value)> = vec![
+        ("type", json!({"items": {"type": "string"}}), strings(20_000, "abcdefgh")),
+        ("long string", json!({"type": "string"}), json!("x".repeat(1 << 20))),
+        ("pattern", json!({"items": {"pattern": "^[a-z]+$"}}), strings(5_000, "abcdefghijklmnop")),
+        ("format email", json!({"$schema": draft7, "items": {"format": "email"}}), strings(5_000, "someone@example.com")),
+        ("format date-time", json!({"$schema": draft7, "items": {"format": "date-time"}}), strings(5_000, "2026-12-01T12:00:00Z")),
+        ("format hostname", json!({"$schema": draft7, "items": {"format": "hostname"}}), strings(5_000, "a.very.long.host.example.com")),
+        ("format uri", json!({"$schema": draft7, "items": {"format": "uri"}}), strings(5_000, "https://example.com/a/b?c=d#e")),
+        ("format regex", json!({"$schema": draft7, "items": {"format": "regex"}}), strings(500, &"(?<g>a|b)".repeat(400))),
+        ("enum", json!({"items": {"enum": (0..200).map(|i| format!("v{i}")).collect::<Vec<_>>()}}), strings(2_000, "v199")),
+        ("properties", json!({"properties": (0..500).map(|i| (format!("k{i}"), json!({"type": "integer"}))).collect::<serde_json::Map<_, _>>()}),
+            Value::Object((0..5_000).map(|i| (format!("k{i}"), json!(i))).collect())),
+        ("required", json!({"required": (0..300).map(|i| format!("k{i}")).collect::<Vec<_>>()}),
+            Value::Object((0..300).map(|i| (format!("k{i}"), json!(i))).collect())),
+        ("uniqueItems", json!({"uniqueItems": true}), json!((0..20_000).collect::<Vec<_>>())),
+        ("anyOf chain", doubling_chain(8), json!(vec![1; 1])),
+        ("nested objects", tree(), {
+            let mut node = json!({"name": "leaf"});
+            for _ in 0..30 {
+                node = json!({"name": "n", "children": [node.clone(), {"name": "x"}]});
+            }
+            node
+        }),
+    ];
+    let mut rates = Vec::new();
+    for (name, schema, instance) in &cases {
+        let compiled = compile(schema).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let work = compiled.profile().work(instance).max(1);
+        let mut best = std::time::Duration::MAX;
+        for _ in 0..5 {
+            let started = std::time::Instant::now();
+            let _ = compiled.validator().is_valid(instance);
+            best = best.min(started.elapsed());
+        }
+        let rate = best.as_nanos() as f64 / work as f64;
+        rates.push((rate, *name, work, best));
+    }
+    rates.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (rate, name, work, best) in &rates {
+        println!("{name:>18}: {work:>10} units {best:>12?} {rate:8.3} ns/unit");
+    }
+    let median = rates[rates.len() / 2].0;
+    let costliest = rates[rates.len() - 1];
+    assert!(
+        costliest.0 <= median * ESTIMATE_SPREAD,
+        "{} costs {:.3} ns per estimated unit, more than {ESTIMATE_SPREAD} times the median {median:.3}: its estimate is too low",
+        costliest.1,
+        costliest.0,
+    );
+}
