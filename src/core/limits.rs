@@ -59,6 +59,12 @@ pub const REGEX_SIZE_LIMIT_BYTES: usize = 64 * 1024;
 /// simulation, which the work estimate charges for (`core::schema`).
 pub const REGEX_DFA_SIZE_LIMIT_BYTES: usize = 64 * 1024;
 
+/// Judgments of one contract's completions the host may make stale by
+/// recording while they are judged (each is judged again): past it the
+/// contract takes no more observations while it is ACCEPTED, so the next
+/// judgment holds (`RECORDING_CLOSED`). Three completions' worth.
+pub const MAX_STALE_JUDGMENTS: i64 = 9;
+
 /// Longest string a result schema's `"format": "regex"` assertion accepts:
 /// the broker checks it as a pattern itself (`core::schema`), linearly,
 /// instead of the validator library's check, which is quadratic in nested

@@ -493,6 +493,7 @@ mod tests {
             ),
             (F::StaleJudgment, Code::Unavailable, R::ObservationsChanging),
             (F::DescendantsEnding, Code::Unavailable, R::DescendantsEnding),
+            (F::RecordingClosed, Code::FailedPrecondition, R::RecordingClosed),
             (
                 F::AncestorEnding { cause: [7; 32] },
                 Code::FailedPrecondition,

@@ -365,6 +365,7 @@ impl From<Refused> for StoreError {
             Refused::NotPending => precondition(pb::ErrorReason::NotPending, detail),
             Refused::MeteredLimit => precondition(pb::ErrorReason::MeteredLimit, detail),
             Refused::TooManyObservations => StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT"),
+            Refused::RecordingClosed => precondition(pb::ErrorReason::RecordingClosed, detail),
             Refused::Expired { .. } | Refused::Lifecycle(LifecycleError::Late { .. }) => {
                 precondition(pb::ErrorReason::Late, detail)
             }

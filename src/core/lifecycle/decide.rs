@@ -11,7 +11,7 @@ use super::{
 use crate::core::error::InputError;
 use crate::core::judge::{Judgment, Verdict};
 use crate::core::ledger::{EscalationNotice, Ledger};
-use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT};
+use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT, MAX_STALE_JUDGMENTS};
 use crate::core::{AgentKey, Id, Status};
 
 /// One contract as a decision reads it: its stored row, nothing derived.
@@ -34,6 +34,9 @@ pub struct Facts {
     pub verdict: Option<Verdict>,
     /// Observations recorded so far (a judgment is valid for this count).
     pub observations: i64,
+    /// Judgments of its completions made stale by observations recorded
+    /// meanwhile (`MAX_STALE_JUDGMENTS`).
+    pub stale_judgments: i64,
     /// Metered units recorded so far, charged or not.
     pub observed_units: i64,
     /// A host metered units: its metering, not the report, is consumption.
@@ -188,6 +191,8 @@ pub enum TargetWrite {
     },
     /// Adjudicate: the principal's verdict.
     Verdict(Verdict),
+    /// Complete with a stale judgment: one more (`Facts::stale_judgments`).
+    StaleJudgment,
 }
 
 /// The facts of a completion receipt.
@@ -300,6 +305,11 @@ pub enum Refused {
     MeteredLimit,
     #[error("the contract would hold more than {MAX_OBSERVATIONS_PER_CONTRACT} observations")]
     TooManyObservations,
+    /// The host kept recording while completions were judged.
+    #[error(
+        "the host recorded while {MAX_STALE_JUDGMENTS} judgments of the contract's completions were made, making each stale: it takes no more observations while ACCEPTED"
+    )]
+    RecordingClosed,
     /// Asked of an open contract past its deadline: it expired instead.
     #[error("the contract's deadline {deadline_ms} passed; it has expired")]
     Expired { deadline_ms: i64 },
@@ -705,6 +715,9 @@ fn record(subtree: &Subtree, count: usize, units: i64) -> Decision {
     if !target.status.is_open() {
         return Decision::refused(Refused::Ended(target.status));
     }
+    if target.status == Status::Accepted && target.stale_judgments >= MAX_STALE_JUDGMENTS {
+        return Decision::refused(Refused::RecordingClosed);
+    }
     let total = target
         .observations
         .saturating_add(i64::try_from(count).unwrap_or(i64::MAX));
@@ -757,7 +770,14 @@ fn complete(subtree: &Subtree, facts: &CompleteFacts<'_>, now_ms: i64) -> Decisi
     // it has not seen goes back to be made again, off the writer.
     let judgment = match facts.judgment {
         Some((judgment, seen)) if seen == target.observations => judgment,
-        _ => return Decision::refused(Refused::StaleJudgment),
+        None => return Decision::refused(Refused::StaleJudgment),
+        Some(_) => {
+            // Counted, so the host cannot keep the judges busy forever:
+            // past the bound, recording closes (see `record`).
+            let mut stale = Decision::refused(Refused::StaleJudgment);
+            stale.write = TargetWrite::StaleJudgment;
+            return stale;
+        }
     };
     let consumption = if target.metered {
         Consumption::Metered

@@ -5,6 +5,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::core::judge::Judgment;
+use crate::core::limits::MAX_STALE_JUDGMENTS;
 
 const T0: i64 = 1_000_000;
 const PRINCIPAL: AgentKey = [1; 32];
@@ -32,6 +33,7 @@ fn facts(id: u8, parent: Option<usize>, delegate: AgentKey, budget: i64) -> Fact
         host_named_at_delegate: false,
         verdict: None,
         observations: 0,
+        stale_judgments: 0,
         observed_units: 0,
         metered: false,
         metered_uncharged: 0,
@@ -272,7 +274,9 @@ fn a_stale_judgment_goes_back_to_be_judged_again() {
         &Action::Complete(complete_facts(&j, 1)),
         T0,
     );
-    assert_eq!(d, Decision::refused(Refused::StaleJudgment));
+    assert_eq!(d.answer, Err(Refused::StaleJudgment));
+    assert_eq!(d.write, TargetWrite::StaleJudgment, "counted");
+    assert!(d.updates.is_empty() && d.receipts.is_empty());
     let mut unjudged = complete_facts(&j, 2);
     unjudged.judgment = None;
     let d = decide(&s, Some(&DELEGATE), &Action::Complete(unjudged), T0);
@@ -459,6 +463,7 @@ impl World {
             TargetWrite::Judged { verdict, .. } | TargetWrite::Verdict(verdict) => {
                 t.verdict = Some(*verdict)
             }
+            TargetWrite::StaleJudgment => t.stale_judgments += 1,
         }
         for r in &d.receipts {
             if r.body.ends().is_some() {
@@ -502,6 +507,41 @@ enum Op {
     Delegate(usize, i64, i64),
     Act(usize, u8, u8, i64),
     Tick(i64),
+}
+
+/// Each stale judgment is counted; past `MAX_STALE_JUDGMENTS` an
+/// accepted contract takes no more observations, so the next judgment
+/// holds and the re-judgment loop ends.
+#[test]
+fn a_host_that_keeps_judgments_stale_loses_its_pen() {
+    let j = judgment(1);
+    let mut subtree = pair(Status::Accepted);
+    for n in 0..MAX_STALE_JUDGMENTS {
+        subtree.rows[1].stale_judgments = n;
+        let d = decide(
+            &subtree,
+            Some(&DELEGATE),
+            &Action::Complete(complete_facts(&j, subtree.rows[1].observations + 1)),
+            T0,
+        );
+        assert_eq!(d.answer, Err(Refused::StaleJudgment));
+        assert_eq!(d.write, TargetWrite::StaleJudgment);
+        let record = Action::Record { count: 1, units: 0 };
+        assert_eq!(decide(&subtree, Some(&HOST), &record, T0).answer, Ok(0));
+    }
+    subtree.rows[1].stale_judgments = MAX_STALE_JUDGMENTS;
+    let record = Action::Record { count: 1, units: 0 };
+    assert_eq!(
+        decide(&subtree, Some(&HOST), &record, T0).answer,
+        Err(Refused::RecordingClosed)
+    );
+    let d = decide(
+        &subtree,
+        Some(&DELEGATE),
+        &Action::Complete(complete_facts(&j, subtree.rows[1].observations)),
+        T0,
+    );
+    assert_eq!(d.answer, Ok(0));
 }
 
 /// A drain step ends the contracts it is given children first, each

@@ -295,6 +295,7 @@ impl Loaded {
             host_named_at_delegate: !self.contract.host_public_key.is_empty(),
             verdict: Verdict::from_i32(self.verdict),
             observations: self.observations,
+            stale_judgments: self.stale_judgments,
             observed_units: self.observed_units,
             metered: self.metered,
             metered_uncharged: self.metered_uncharged,
@@ -891,6 +892,12 @@ async fn write_state(
             .bind(target.seq)
             .execute(&mut *conn)
             .await?;
+        }
+        TargetWrite::StaleJudgment => {
+            sqlx::query("UPDATE contracts SET stale_judgments = stale_judgments + 1 WHERE seq = $1")
+                .bind(target.seq)
+                .execute(&mut *conn)
+                .await?;
         }
         TargetWrite::Verdict(verdict) => {
             sqlx::query("UPDATE contracts SET verdict = $1 WHERE seq = $2")

@@ -13,7 +13,7 @@ macro_rules! contract_columns {
          host_key, liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
          deadline_ms, issued_at_ms, write_scope, max_depth, min_cumulative_trust_ppm, \
          max_children, retry_headroom, require_host, budget, reserved, spent, open_children, \
-         verdict, has_report, downgrades, claim, observations, observed_units, metered, \
+         verdict, has_report, downgrades, claim, observations, stale_judgments, observed_units, metered, \
          metered_uncharged, envelope"
     };
 }
@@ -69,6 +69,7 @@ pub(super) struct StoredContract {
     pub(super) downgrades: u32,
     pub(super) claim: String,
     pub(super) observations: i64,
+    pub(super) stale_judgments: i64,
     pub(super) observed_units: i64,
     pub(super) metered: bool,
     /// Metered units recorded but not charged (see `metering_charge`).
@@ -134,6 +135,7 @@ impl StoredContract {
             downgrades: u32::try_from(int("downgrades")?).unwrap_or(u32::MAX),
             claim: row.try_get("claim").map_err(backend)?,
             observations: int("observations")?,
+            stale_judgments: int("stale_judgments")?,
             observed_units: int("observed_units")?,
             metered: int("metered")? != 0,
             metered_uncharged: int("metered_uncharged")?,

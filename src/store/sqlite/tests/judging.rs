@@ -505,3 +505,69 @@ async fn judgments_are_one_per_contract_and_few_per_signer() {
     let answer = receipt(store.transition(complete(last, 97)).await);
     assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
 }
+
+/// Issue 21, item 3: a host recording during every judgment kept each
+/// completion stale (OBSERVATIONS_CHANGING), retryable without end, three
+/// judgments per call. Each stale judgment is now counted; past
+/// `MAX_STALE_JUDGMENTS` the contract takes no more observations
+/// (RECORDING_CLOSED) and the next completion's judgment holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_recording_during_every_judgment_cannot_loop_the_judges() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let handle = tokio::runtime::Handle::current();
+    let store_cell: Arc<std::sync::OnceLock<(SqliteStore, Id)>> = Arc::default();
+    let judged = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let refused = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let hook = {
+        let (cell, judged, refused) = (store_cell.clone(), judged.clone(), refused.clone());
+        BeforeJudge(Arc::new(move || {
+            let n = judged.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let Some((store, child)) = cell.get() else { return };
+            // The host records on the judge's own thread, so the
+            // judgment it is making is stale when it reaches the writer.
+            let record = LifecycleCommand {
+                request: Some(RequestMeta {
+                    nonce: (1_000 + n).to_le_bytes().to_vec(),
+                    digest: crate::crypto::sha256(&(1_000 + n).to_le_bytes()),
+                    ..meta(30, 0)
+                }),
+                contract_id: *child,
+                action: Action::Record {
+                    observations: vec![crate::command::ObservationIn {
+                        kind: pb::ObservationKind::ToolCall,
+                        path: String::new(),
+                        tool: "search".into(),
+                        units: 0,
+                        at_ms: SystemClock.now_ms(),
+                    }],
+                },
+            };
+            if let Err(e) = handle.block_on(store.transition(record)) {
+                refused.lock().unwrap().push(crate::store::suite::reason(&e).to_owned());
+            }
+        }))
+    };
+    let (store, child) = judged_store(dir.path(), hook, 10_000, "true").await;
+    let _ = store_cell.set((store.clone(), child));
+    let max = usize::try_from(crate::core::limits::MAX_STALE_JUDGMENTS).unwrap();
+    let calls = max / MAX_JUDGMENT_ATTEMPTS;
+    for call in 0..calls {
+        let err = store
+            .transition(complete(child, 50 + u8::try_from(call).unwrap()))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Unavailable { reason, .. } if *reason == pb::ErrorReason::ObservationsChanging),
+            "{err:?}"
+        );
+    }
+    assert!(refused.lock().unwrap().is_empty());
+    let done = receipt(store.transition(complete(child, 99)).await);
+    assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
+    assert_eq!(
+        judged.load(std::sync::atomic::Ordering::SeqCst),
+        u64::try_from(max + 1).unwrap(),
+        "the stale ones and the one that held"
+    );
+    assert_eq!(*refused.lock().unwrap(), ["RECORDING_CLOSED"]);
+}
