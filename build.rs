@@ -14,6 +14,10 @@ const PROTO_FILES: &[&str] = &[
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Cargo only re-runs build scripts for paths we name; name each proto.
     println!("cargo:rerun-if-changed=build.rs");
+    // `sqlx::migrate!` embeds the migrations when the crate compiles: a new
+    // migration file must recompile it (cargo watches directories' entries).
+    println!("cargo:rerun-if-changed=migrations/sqlite");
+    println!("cargo:rerun-if-changed=migrations/postgres");
     for file in PROTO_FILES {
         println!("cargo:rerun-if-changed={file}");
     }

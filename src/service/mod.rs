@@ -259,6 +259,18 @@ impl<S: Store> BrokerService<S> {
     /// Lets `caller` read `contract`'s tree only if it is a configured
     /// reader or a party of the tree; NOT_FOUND when there is no such
     /// contract.
+    /// Whether `caller` may learn that `contract` exists: a configured
+    /// reader, or a party of its tree. Asked only on refusal paths, so an
+    /// honest call pays nothing for it.
+    async fn may_know(
+        &self,
+        caller: &crate::core::AgentKey,
+        contract: crate::core::Id,
+    ) -> Result<bool, ServiceError> {
+        Ok(self.config.readers.contains(caller)
+            || self.store.is_party(contract, *caller).await? == Some(true))
+    }
+
     async fn authorize(
         &self,
         caller: &crate::core::AgentKey,
@@ -281,9 +293,11 @@ impl<S: Store> BrokerService<S> {
                 what: crate::store::Entity::Contract,
                 id: hex::encode(contract),
             }),
-            Some(false) => Err(ServiceError::PermissionDenied {
-                reason: pb::ErrorReason::NotAParty,
-                detail: "reads are answered only to the tree's parties (the key that opened its root, its delegates and hosts) and to configured readers".into(),
+            // Answered as if it did not exist: a stranger cannot tell a
+            // real id from a random one.
+            Some(false) => Err(ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(contract),
             }),
             Some(true) => {
                 let mut parties = self
@@ -398,6 +412,13 @@ impl<S: Store> BrokerService<S> {
         telemetry::record(Fact::RootId(&parent.root_id));
         let depth = parent.depth + 1;
         if parent.delegate_key != signed.request.agent {
+            // A stranger is told what an unknown parent gets.
+            if !self.may_know(&signed.request.agent, parent_id).await? {
+                return Err(ServiceError::NotFound {
+                    what: crate::store::Entity::ParentContract,
+                    id: hex::encode(parent_id),
+                });
+            }
             return Err(ServiceError::PermissionDenied {
                 reason: pb::ErrorReason::NotHolder,
                 detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
@@ -509,13 +530,34 @@ impl<S: Store> BrokerService<S> {
             {
                 telemetry::link_to(&issued);
             }
-            self.store
+            let signer = signed.request.agent;
+            let answer = self
+                .store
                 .transition(LifecycleCommand {
                     request: Some(signed.request),
                     contract_id,
                     action,
                 })
-                .await?
+                .await;
+            match answer {
+                Ok(answer) => answer,
+                // A stranger is told what an unknown contract gets, however
+                // the store refused it (who may act, or its state).
+                Err(
+                    e @ (crate::store::StoreError::PermissionDenied { .. }
+                    | crate::store::StoreError::FailedPrecondition { .. }),
+                ) => {
+                    return Err(if self.may_know(&signer, contract_id).await? {
+                        e.into()
+                    } else {
+                        ServiceError::NotFound {
+                            what: crate::store::Entity::Contract,
+                            id: hex::encode(contract_id),
+                        }
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
         } else {
             self.late_retry(&signed, now_ms).await?
         };
@@ -1046,6 +1088,7 @@ impl<S: Store> Broker for BrokerService<S> {
         request: Request<pb::GetReceiptRequest>,
     ) -> Result<Response<pb::GetReceiptResponse>, Status> {
         let caller = self.caller(&request)?;
+        let request_id = request.get_ref().receipt_id.clone();
         let response = self.receipt(request.into_inner()).await?;
         // A receipt is read as part of the tree of the contract it is about
         // (for a refusal, the parent asked).
@@ -1058,8 +1101,16 @@ impl<S: Store> Broker for BrokerService<S> {
             })
             .and_then(|r| crate::core::Id::try_from(r.contract_id.as_slice()).ok())
             .ok_or_else(|| ServiceError::Internal("a stored receipt names no contract".into()))?;
-        self.authorize(&caller, about).await?;
-        Ok(Response::new(response))
+        // A stranger is told what an unknown receipt gets.
+        match self.authorize(&caller, about).await {
+            Ok(()) => Ok(Response::new(response)),
+            Err(ServiceError::NotFound { .. }) => Err(ServiceError::NotFound {
+                what: crate::store::Entity::Receipt,
+                id: hex::encode(&request_id),
+            }
+            .into()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn open_session(

@@ -66,7 +66,8 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     );
 
     // Signed by a key that does not hold the parent: denied, nothing stored
-    // (issue 11, item 5).
+    // (issue 11, item 5); a stranger to the tree is told what an unknown
+    // parent gets (issue 21, item 4).
     let intruder = Agent::generate();
     let err = broker
         .delegate(&intruder, child(&root.id, &root.lineage, &delegate, 10))
@@ -74,7 +75,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
         .unwrap_err();
     assert_eq!(
         (err.code(), reason(&err).as_str()),
-        (Status::PermissionDenied, "NOT_HOLDER")
+        (Status::NotFound, "NOT_FOUND")
     );
 
     // A header claiming the holder's key, signed by another key.

@@ -201,7 +201,8 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
 
 /// Item 5: a Delegate signed by a key that holds nothing stored a signed
 /// NOT_HOLDER refusal under the victim's contract, visible in its Watch
-/// and audit. Now: PERMISSION_DENIED, and nothing in anyone's tree.
+/// and audit. Now: refused (NOT_FOUND, as for an unknown parent, since
+/// issue 21 item 4), and nothing in anyone's tree.
 #[tokio::test]
 async fn strangers_cannot_write_into_a_tree() {
     let mut broker = Broker::start().await;
@@ -215,7 +216,7 @@ async fn strangers_cannot_write_into_a_tree() {
             .unwrap_err();
         assert_eq!(
             (err.code(), reason(&err).as_str()),
-            (Code::PermissionDenied, "NOT_HOLDER")
+            (Code::NotFound, "NOT_FOUND")
         );
     }
     // Nothing was stored: the tree's event stream holds only the root.
@@ -414,63 +415,75 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         .await
         .unwrap();
 
-    // A stranger with a valid session reads nothing of the tree.
+    // A stranger with a valid session reads nothing of the tree, and cannot
+    // even tell its ids from random ones (issue 21, item 4): the answer for
+    // each real id is the answer for a random id, message and all.
     let mut outsider = connect_as(&broker.addr, &stranger).await;
-    let denied = |r: Result<(), tonic::Status>| {
-        let err = r.unwrap_err();
+    let random = vec![0x5a; 32];
+    let same = |real: Result<(), tonic::Status>, fake: Result<(), tonic::Status>, real_id: &[u8]| {
+        let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
+        assert_eq!((real.code(), reason(&real)), (Code::NotFound, "NOT_FOUND".into()));
         assert_eq!(
-            (err.code(), reason(&err).as_str()),
-            (Code::PermissionDenied, "NOT_A_PARTY"),
-            "{err:?}"
+            (real.code(), reason(&real), real.message().replace(&hex::encode(real_id), "ID")),
+            (fake.code(), reason(&fake), fake.message().replace(&hex::encode(&random), "ID")),
         );
     };
+    for (real, fake) in [(&a_id, &random), (&root.id, &random)] {
+        let contract = |id: &Vec<u8>| pb::GetContractRequest {
+            contract_id: id.clone(),
+        };
+        same(
+            outsider.get_contract(contract(real)).await.map(drop),
+            outsider.get_contract(contract(fake)).await.map(drop),
+            real,
+        );
+        let chain = |id: &Vec<u8>| pb::GetChainRequest {
+            contract_id: id.clone(),
+        };
+        same(
+            outsider.get_chain(chain(real)).await.map(drop),
+            outsider.get_chain(chain(fake)).await.map(drop),
+            real,
+        );
+        let children = |id: &Vec<u8>| pb::ListChildrenRequest {
+            contract_id: id.clone(),
+            page_size: 0,
+            page_token: Vec::new(),
+        };
+        same(
+            outsider.list_children(children(real)).await.map(drop),
+            outsider.list_children(children(fake)).await.map(drop),
+            real,
+        );
+        let watch = |id: &Vec<u8>| pb::WatchRequest {
+            contract_id: id.clone(),
+            cursor: 0,
+        };
+        same(
+            outsider.watch(watch(real)).await.map(drop),
+            outsider.watch(watch(fake)).await.map(drop),
+            real,
+        );
+        let audit = |id: &Vec<u8>| pb::GetAuditRequest {
+            contract_id: id.clone(),
+        };
+        same(
+            outsider.get_audit(audit(real)).await.map(drop),
+            outsider.get_audit(audit(fake)).await.map(drop),
+            real,
+        );
+    }
+    let receipt_of = |id: &Vec<u8>| pb::GetReceiptRequest {
+        receipt_id: id.clone(),
+    };
+    same(
+        outsider.get_receipt(receipt_of(&refusal_id)).await.map(drop),
+        outsider.get_receipt(receipt_of(&random)).await.map(drop),
+        &refusal_id,
+    );
     let id = || pb::GetContractRequest {
         contract_id: a_id.clone(),
     };
-    denied(outsider.get_contract(id()).await.map(drop));
-    denied(
-        outsider
-            .get_chain(pb::GetChainRequest {
-                contract_id: a_id.clone(),
-            })
-            .await
-            .map(drop),
-    );
-    denied(
-        outsider
-            .list_children(pb::ListChildrenRequest {
-                contract_id: root.id.clone(),
-                page_size: 0,
-                page_token: Vec::new(),
-            })
-            .await
-            .map(drop),
-    );
-    denied(
-        outsider
-            .get_receipt(pb::GetReceiptRequest {
-                receipt_id: refusal_id.clone(),
-            })
-            .await
-            .map(drop),
-    );
-    denied(
-        outsider
-            .watch(pb::WatchRequest {
-                contract_id: root.id.clone(),
-                cursor: 0,
-            })
-            .await
-            .map(drop),
-    );
-    denied(
-        outsider
-            .get_audit(pb::GetAuditRequest {
-                contract_id: a_id.clone(),
-            })
-            .await
-            .map(drop),
-    );
     let groups = |client_groups: pb::AggregateAuditsResponse| client_groups.groups.len();
     let aggregate = pb::AggregateAuditsRequest {
         selector: Default::default(),
@@ -860,12 +873,10 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
     }
     for (i, attacker) in attackers.into_iter().enumerate() {
         let (code, took) = attacker.await.unwrap();
-        let expected = if i % 2 == 0 {
-            Code::NotFound
-        } else {
-            Code::PermissionDenied
-        };
-        assert_eq!(code, expected);
+        // A random parent or one the stranger does not hold: both read
+        // as unknown to a stranger (issue 21, item 4).
+        let _ = i;
+        assert_eq!(code, Code::NotFound);
         assert!(took < std::time::Duration::from_secs(1), "{took:?}");
     }
     // The holder's own expensive schemas: INVALID_ARGUMENT naming the field.
@@ -1157,5 +1168,109 @@ async fn idle_watch_streams_hold_bounded_memory() {
         assert!(stream.message().await.unwrap().is_some());
     }
     drop(streams);
+    broker.stop().await;
+}
+
+/// Issue 21, item 4: every call that names an id answered a stranger
+/// NOT_A_PARTY / NOT_HOLDER / NOT_DELEGATE… for a real id and NOT_FOUND for
+/// a random one, so anyone could learn which ids exist. Now a stranger's
+/// answer for a real id is its answer for a random one (code, reason and
+/// message, ids aside), on Delegate and every lifecycle call; a party
+/// still learns why it was refused.
+#[tokio::test]
+async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, a, host, stranger) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (a_id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 10))
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&a, &a_id, Some(&host)).await.unwrap();
+    let random = vec![0x5a; 32];
+    let same = |real: Result<pb::Receipt, tonic::Status>,
+                fake: Result<pb::Receipt, tonic::Status>,
+                real_id: &[u8],
+                name: &str| {
+        let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
+        assert_eq!(real.code(), Code::NotFound, "{name}: {real:?}");
+        assert_eq!(
+            (real.code(), reason(&real), real.message().replace(&hex::encode(real_id), "ID")),
+            (fake.code(), reason(&fake), fake.message().replace(&hex::encode(&random), "ID")),
+            "{name}"
+        );
+    };
+    // Delegate from a contract the stranger does not hold.
+    let real = broker
+        .delegate(&stranger, child(&root.id, &root.lineage, &a, 1))
+        .await
+        .map(|_| pb::Receipt::default());
+    let fake = broker
+        .delegate(&stranger, child(&random, &root.lineage, &a, 1))
+        .await
+        .map(|_| pb::Receipt::default());
+    same(real, fake, &root.id, "Delegate");
+    for id in [&a_id, &root.id] {
+        let real = broker.accept(&stranger, id, None).await;
+        let fake = broker.accept(&stranger, &random, None).await;
+        same(real, fake, id, "Accept");
+        let decline = |id: &Vec<u8>| pb::DeclineBody {
+            header: None,
+            contract_id: id.clone(),
+            reason: "no".into(),
+        };
+        let real = broker.act(&stranger, decline(id)).await;
+        let fake = broker.act(&stranger, decline(&random)).await;
+        same(real, fake, id, "Decline");
+        let complete = |id: &Vec<u8>| pb::CompleteBody {
+            header: None,
+            contract_id: id.clone(),
+            output_json: "{}".into(),
+            claim: "done".into(),
+            ..Default::default()
+        };
+        let real = broker.complete(&stranger, complete(id)).await;
+        let fake = broker.complete(&stranger, complete(&random)).await;
+        same(real, fake, id, "Complete");
+        let real = broker.escalate(&stranger, id, "stuck").await;
+        let fake = broker.escalate(&stranger, &random, "stuck").await;
+        same(real, fake, id, "Escalate");
+        let real = broker.revoke(&stranger, id).await;
+        let fake = broker.revoke(&stranger, &random).await;
+        same(real, fake, id, "Revoke");
+        let real = broker.record(&stranger, id, vec![tool_call("t", 0)]).await;
+        let fake = broker.record(&stranger, &random, vec![tool_call("t", 0)]).await;
+        same(real, fake, id, "RecordReceipts");
+        let adjudicate = |id: &Vec<u8>| pb::AdjudicateBody {
+            header: None,
+            contract_id: id.clone(),
+            verdict: pb::Verdict::Accepted as i32,
+            reason: "fine".into(),
+        };
+        let real = broker.act(&stranger, adjudicate(id)).await;
+        let fake = broker.act(&stranger, adjudicate(&random)).await;
+        same(real, fake, id, "Adjudicate");
+    }
+    // A party is still told why: the delegate may not revoke its own
+    // contract, nor delegate from the root it does not hold.
+    let err = broker.revoke(&a, &a_id).await.unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Code::PermissionDenied, "NOT_ANCESTOR")
+    );
+    let err = broker
+        .delegate(&a, child(&root.id, &root.lineage, &host, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.code(), reason(&err).as_str()),
+        (Code::PermissionDenied, "NOT_HOLDER")
+    );
     broker.stop().await;
 }

@@ -409,11 +409,12 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
     let mut c = seed_001_chain().await;
     let before = c.broker.ledger(&c.planner_id).await;
 
-    // Observations from a key that is not the contract's host.
+    // Observations from a key that is not the contract's host (a party:
+    // a stranger is told NOT_FOUND, as for an unknown contract).
     let err = c
         .broker
         .record(
-            &Agent::generate(),
+            &c.executor,
             &c.executor_id,
             vec![mutation("src/auth/x", 1)],
         )

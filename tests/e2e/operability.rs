@@ -208,13 +208,14 @@ async fn metrics_count_a_scripted_run_exactly() {
         .unwrap();
     let completion = completed.completion.unwrap();
     assert_eq!((completion.consumed, completion.returned), (4, 9));
-    // A stranger's Delegate: PERMISSION_DENIED, never a refusal.
+    // A stranger's Delegate: NOT_FOUND (as for an unknown parent), never
+    // a refusal.
     let stranger = Agent::generate();
     let denied = broker
         .delegate(&stranger, child(&planner_id, &root.lineage, &stranger, 1))
         .await
         .unwrap_err();
-    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+    assert_eq!(denied.code(), tonic::Code::NotFound);
 
     // The race: 64 siblings of 10 from a residual of 300.
     let racer = Agent::generate();
@@ -328,7 +329,7 @@ async fn metrics_count_a_scripted_run_exactly() {
     // Every call, by method and code: refusals are answers (OK).
     for (method, code, count) in [
         ("Delegate", "OK", 67.0),
-        ("Delegate", "PermissionDenied", 1.0),
+        ("Delegate", "NotFound", 1.0),
         ("OpenRoot", "OK", 2.0),
         ("Accept", "OK", 1.0),
         ("Complete", "OK", 1.0),
