@@ -57,7 +57,62 @@ pub struct WorkPool {
     jobs: std::sync::mpsc::SyncSender<Job>,
     /// Free threads and the callers waiting for one: a job is queued only
     /// with a `Turn`, so the channel (as deep as the pool) never fills.
+    turns: FairQueue,
+}
+
+/// `count` places handed out fairly (tenants in turn, then keys), each
+/// wait bounded by its caller's deadline: the threads of a `WorkPool`, or
+/// any scarce work (audits). Cloning shares it.
+#[derive(Clone)]
+pub struct FairQueue {
     turns: Arc<Mutex<Turns>>,
+}
+
+impl FairQueue {
+    pub fn new(count: usize) -> Self {
+        Self {
+            turns: Arc::new(Mutex::new(Turns {
+                free: count,
+                ..Turns::default()
+            })),
+        }
+    }
+
+    /// A place for `share`, once it is its turn, within `deadline`.
+    pub async fn acquire(&self, share: Share, deadline: Duration) -> Result<Turn, PoolError> {
+        let timed_out =
+            PoolError::TimedOut(u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX));
+        let waiting = self.enqueue(share)?;
+        tokio::time::timeout(deadline, async {
+            match waiting {
+                Ok(turn) => Ok(turn),
+                Err(turn) => turn.await.map_err(|_| PoolError::Stopped),
+            }
+        })
+        .await
+        .map_err(|_| timed_out)?
+    }
+
+    /// A place now, or the receiver of one in turn.
+    fn enqueue(&self, share: Share) -> Result<Result<Turn, oneshot::Receiver<Turn>>, PoolError> {
+        let mut turns = lock(&self.turns);
+        if turns.free > 0 && turns.ring.is_empty() {
+            turns.free -= 1;
+            Ok(Ok(Turn {
+                turns: self.turns.clone(),
+                held: true,
+            }))
+        } else {
+            let (waiter, turn) = oneshot::channel();
+            turns.enqueue(share, waiter)?;
+            Ok(Err(turn))
+        }
+    }
+
+    /// Callers waiting for a place.
+    pub fn waiting(&self) -> usize {
+        lock(&self.turns).tenants.values().map(|t| t.count).sum()
+    }
 }
 
 /// The fair queue of callers waiting for a thread.
@@ -141,9 +196,9 @@ impl Turns {
     }
 }
 
-/// A thread held for one job; handing it back gives it to the next waiter
-/// in fair order.
-struct Turn {
+/// A place held (a thread for one job, an audit); handing it back gives
+/// it to the next waiter in fair order.
+pub struct Turn {
     turns: Arc<Mutex<Turns>>,
     /// False once handed on (or never given out): dropping it does nothing.
     held: bool,
@@ -184,7 +239,7 @@ impl WorkPool {
     /// Callers waiting for a thread (for tests).
     #[cfg(test)]
     fn waiting(&self) -> usize {
-        lock(&self.turns).tenants.values().map(|t| t.count).sum()
+        self.turns.waiting()
     }
 
     /// Starts `count` threads named `name-i` with `stack_bytes` stacks.
@@ -212,10 +267,7 @@ impl WorkPool {
         }
         Ok(Self {
             jobs,
-            turns: Arc::new(Mutex::new(Turns {
-                free: count,
-                ..Turns::default()
-            })),
+            turns: FairQueue::new(count),
         })
     }
 
@@ -231,20 +283,7 @@ impl WorkPool {
     ) -> Result<T, PoolError> {
         let timed_out =
             PoolError::TimedOut(u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX));
-        let waiting = {
-            let mut turns = lock(&self.turns);
-            if turns.free > 0 && turns.ring.is_empty() {
-                turns.free -= 1;
-                Ok(Turn {
-                    turns: self.turns.clone(),
-                    held: true,
-                })
-            } else {
-                let (waiter, turn) = oneshot::channel();
-                turns.enqueue(share, waiter)?;
-                Err(turn)
-            }
-        };
+        let waiting = self.turns.enqueue(share)?;
         tokio::time::timeout(deadline, async {
             let turn = match waiting {
                 Ok(turn) => turn,

@@ -143,6 +143,8 @@ limits! {
         "GetAudit/AggregateAudits calls running at once, broker-wide";
     max_concurrent_audits_per_caller: usize = 1, 1, MAX_CONCURRENT_AUDITS_CEILING,
         "audit calls one caller may run at once (at most max_concurrent_audits)";
+    audit_wait_ms: u64 = 10_000, 1, MAX_INTERVAL_MS,
+        "longest an audit call waits for its turn (audits are shared in turn among tenants); then RESOURCE_EXHAUSTED";
     session_ttl_ms: i64 = 3_600_000, 1_000, MAX_SESSION_TTL_MS,
         "how long a read session (OpenSession) is accepted";
     /// One writer transaction ends at most this many descendants of a

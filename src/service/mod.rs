@@ -117,6 +117,8 @@ pub struct BrokerService<S> {
     watch_connections: Arc<crate::slots::Slots<std::net::SocketAddr>>,
     /// Audit calls running, broker-wide and per caller.
     audits: Arc<crate::slots::Slots<crate::core::AgentKey>>,
+    /// Audits running at once, handed out fairly among tenants.
+    audit_turns: crate::pool::FairQueue,
     /// Turns true when the server shuts down: Watch streams end then, or
     /// graceful shutdown would wait on them forever.
     stopping: tokio::sync::watch::Receiver<bool>,
@@ -139,6 +141,11 @@ const WATCH_PAGE: u32 = 256;
 const WATCH_PAGE_BYTES: usize = 256 * 1024;
 /// Events buffered per Watch stream before the reader waits for the client.
 const WATCH_BUFFER: usize = 8;
+/// Watch streams past `limits.max_watch_streams` kept for tenants holding
+/// fewer than `WATCH_SMALL_SHARE`: this fraction of it (an eighth).
+const WATCH_RESERVE_DIVISOR: usize = 8;
+/// Streams a tenant may hold and still take one from the reserve.
+const WATCH_SMALL_SHARE: usize = 2;
 
 impl<S> BrokerService<S> {
     pub fn new(
@@ -155,30 +162,38 @@ impl<S> BrokerService<S> {
             sessions,
             parties: std::sync::Mutex::default(),
             stopping,
-            watch_callers: crate::slots::Slots::new(
+            // The broker-wide cap is held here, with a reserve for
+            // tenants that hold almost no streams (see `Reserve`).
+            watch_callers: crate::slots::Slots::with_reserve(
                 config.limits.max_watch_streams,
                 crate::config::keys::max_watch_streams,
                 config.limits.max_watch_streams_per_caller,
                 crate::config::keys::max_watch_streams_per_caller,
+                crate::slots::Reserve {
+                    slots: config.limits.max_watch_streams / WATCH_RESERVE_DIVISOR,
+                    small_share: WATCH_SMALL_SHARE,
+                },
             ),
             watch_trees: crate::slots::Slots::new(
-                config.limits.max_watch_streams,
+                usize::MAX,
                 crate::config::keys::max_watch_streams,
                 config.limits.max_watch_streams_per_tree,
                 crate::config::keys::max_watch_streams_per_tree,
             ),
             watch_connections: crate::slots::Slots::new(
-                config.limits.max_watch_streams,
+                usize::MAX,
                 crate::config::keys::max_watch_streams,
                 config.limits.max_watch_streams_per_connection,
                 crate::config::keys::max_watch_streams_per_connection,
             ),
+            // Per caller only: the broker-wide bound is `audit_turns`.
             audits: crate::slots::Slots::new(
-                config.limits.max_concurrent_audits,
+                usize::MAX,
                 crate::config::keys::max_concurrent_audits,
                 config.limits.max_concurrent_audits_per_caller,
                 crate::config::keys::max_concurrent_audits_per_caller,
             ),
+            audit_turns: crate::pool::FairQueue::new(config.limits.max_concurrent_audits),
             store,
             config,
             clock,
@@ -259,6 +274,47 @@ impl<S: Store> BrokerService<S> {
     /// Lets `caller` read `contract`'s tree only if it is a configured
     /// reader or a party of the tree; NOT_FOUND when there is no such
     /// contract.
+    /// The tenant of `contract`'s tree: the key that opened its root.
+    async fn tenant_of(
+        &self,
+        contract: crate::core::Id,
+    ) -> Result<crate::core::AgentKey, ServiceError> {
+        self.store
+            .issuing_parent(contract)
+            .await?
+            .map(|p| p.tenant)
+            .ok_or_else(|| ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(contract),
+            })
+    }
+
+    /// A place among the audits running at once, in turn among tenants
+    /// (then keys), waiting at most `limits.audit_wait_ms`.
+    async fn audit_turn(
+        &self,
+        tenant: crate::core::AgentKey,
+        caller: crate::core::AgentKey,
+    ) -> Result<crate::pool::Turn, ServiceError> {
+        let wait = std::time::Duration::from_millis(self.config.limits.audit_wait_ms);
+        let share = crate::pool::Share {
+            tenant,
+            key: caller,
+        };
+        self.audit_turns
+            .acquire(share, wait)
+            .await
+            .map_err(|e| match e {
+                crate::pool::PoolError::TimedOut(_) => {
+                    ServiceError::Overloaded(crate::config::keys::audit_wait_ms)
+                }
+                crate::pool::PoolError::Full => {
+                    ServiceError::Overloaded(crate::config::keys::max_concurrent_audits)
+                }
+                other => ServiceError::Internal(format!("an audit's turn: {other}")),
+            })
+    }
+
     /// Whether `caller` may learn that `contract` exists: a configured
     /// reader, or a party of its tree. Asked only on refusal paths, so an
     /// honest call pays nothing for it.
@@ -625,10 +681,13 @@ impl<S: Store> BrokerService<S> {
             });
         };
         // Every cap before anything is started: broker-wide, per caller and
-        // per connection, so one client cannot take every stream.
+        // per connection, so one client cannot take every stream; the
+        // broker-wide one keeps a reserve for tenants holding few streams,
+        // so many keys filling it cannot keep another tenant out.
+        let tenant = self.tenant_of(contract).await?;
         let by_caller = self
             .watch_callers
-            .take(caller)
+            .take_for(caller, tenant)
             .map_err(ServiceError::Overloaded)?;
         // Unknown peers (none on TCP or TLS) are only capped per caller.
         let by_connection = connection
@@ -840,6 +899,8 @@ impl<S: Store> Broker for BrokerService<S> {
             .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
         let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
+        let tenant = self.tenant_of(id).await?;
+        let _turn = self.audit_turn(tenant, caller).await?;
         let (facts, mutations) = self
             .store
             .audit_facts(id)
@@ -866,6 +927,8 @@ impl<S: Store> Broker for BrokerService<S> {
         let orchestrator = (!self.config.readers.contains(&caller)).then_some(caller);
         let (selector, group_by) = audit::parse_request(&request.into_inner())?;
         let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
+        // The runs it reads are the caller's own (or, for a reader, all).
+        let _turn = self.audit_turn(caller, caller).await?;
         let runs = self
             .store
             .runs(orchestrator, &selector, audit::MAX_AGGREGATE_RUNS)
