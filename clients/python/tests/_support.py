@@ -21,11 +21,13 @@ from pathlib import Path
 import grpc
 
 from delegation_broker import (
+    ERROR_DOMAIN,
     Agent,
     BrokerKeys,
     Verified,
     VerifiedContract,
     WatchEvent,
+    error_info,
     key_id,
     lineage_hash,
     message_class,
@@ -341,6 +343,42 @@ class Broker:
 
     def attest(self, agent: Agent, factor: float) -> pb.Envelope:
         return self.attestor.attest(agent.public_key, factor, now_ms() + HOUR_MS, "test")
+
+
+# --- refusals ----------------------------------------------------------------------
+
+
+def refusal(call, *ids: bytes) -> tuple[grpc.StatusCode, str, dict[str, str], str]:
+    """Runs ``call``, which must fail with the broker's ErrorInfo: (code, reason,
+    metadata, message), each of ``ids`` (lowercase hex) written ``<id>`` in the
+    metadata and the message, so answers about different ids compare."""
+
+    def masked(text: str) -> str:
+        for named in ids:
+            text = text.replace(named.hex(), "<id>")
+        return text
+
+    try:
+        call()
+    except grpc.RpcError as error:
+        info = error_info(error)
+        assert info is not None and info.domain == ERROR_DOMAIN, error
+        return (error.code(), info.reason, {k: masked(v) for k, v in info.metadata.items()},
+                masked(error.details() or ""))
+    raise AssertionError("expected a refusal, the call was answered")
+
+
+def assert_unknowable(call, real_id: bytes) -> tuple[grpc.StatusCode, str, dict[str, str], str]:
+    """``call(id)`` is made by a stranger to ``real_id``'s tree (no party of it,
+    nor a configured reader): its answer for ``real_id`` must be its answer for
+    a random 32-byte id (code, reason, metadata and message, the id aside), and
+    that is NOT_FOUND, so the stranger cannot tell that ``real_id`` exists.
+    Returns the answer, as :func:`refusal` does."""
+    random_id = os.urandom(32)
+    real = refusal(lambda: call(real_id), real_id)
+    assert real == refusal(lambda: call(random_id), random_id), "a real id answered unlike a random one"
+    assert real[:2] == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND"), real
+    return real
 
 
 # --- the Rust verifier ---------------------------------------------------------------

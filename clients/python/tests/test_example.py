@@ -78,7 +78,7 @@ def test_readme_sessions_snippet(broker, capsys):
     assert [s.contract_id for s in namespace["chain"]] == [root_id]
     assert list(namespace["children"]) == []
     printed = capsys.readouterr().out.splitlines()
-    assert printed == ["no session: UNAUTHENTICATED NO_SESSION", "a stranger: PERMISSION_DENIED NOT_A_PARTY"]
+    assert printed == ["no session: UNAUTHENTICATED NO_SESSION", "a stranger: NOT_FOUND NOT_FOUND"]
     # The README shows this output.
     assert "\n".join(printed) in readme
     namespace["channel"].close()

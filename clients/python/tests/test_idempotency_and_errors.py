@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from _support import child
+from _support import assert_unknowable, child
 
 from delegation_broker import ERROR_DOMAIN, Agent, call_idempotent, error_info, now_ms, pb, verify_contract
 
@@ -143,10 +143,18 @@ def test_errors_carry_error_info(broker):
     code, reason, metadata = _status(broker, lambda: broker.stub.GetContract(pb.GetContractRequest(contract_id=missing)))
     assert (code, reason, metadata["what"]) == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND", "contract")
 
-    # Someone else's contract: signed correctly, but not by the holder -> denied, and nothing
-    # is stored in the victim's tree.
+    # Someone else's contract: signed correctly, but not by the holder -> refused before the body is
+    # looked at, and nothing is stored in the victim's tree. The delegate holds nothing in this tree
+    # yet, so it is a stranger: told exactly what an unknown parent gets.
+    grandchild = Agent.generate()
+    _, _, metadata, _ = assert_unknowable(
+        lambda parent: broker.stub.Delegate(delegate.delegate(child(parent, root.lineage, grandchild, 10))), root.id)
+    assert metadata == {"what": "parent contract", "id": "<id>"}
+    assert not broker.stub.ListChildren(pb.ListChildrenRequest(contract_id=root.id)).children
+    # Once a party of the tree (a delegate in it), it is told why: it does not hold the root.
+    broker.delegate(orchestrator, child(root.id, root.lineage, delegate, 10)).contract()
     code, reason, _ = _status(
-        broker, lambda: broker.stub.Delegate(delegate.delegate(child(root.id, root.lineage, Agent.generate(), 10)))
+        broker, lambda: broker.stub.Delegate(delegate.delegate(child(root.id, root.lineage, grandchild, 10)))
     )
     assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "NOT_HOLDER")
 

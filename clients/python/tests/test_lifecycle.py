@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from _support import Broker, Root, child, liable_child, mutation, read, tool_call
+from _support import Broker, Root, assert_unknowable, child, liable_child, mutation, read, tool_call
 
 from delegation_broker import (
     Agent,
@@ -368,9 +368,21 @@ def test_bad_lifecycle_requests_are_refused_and_change_nothing(broker):
     c = seed_001_chain(broker)
     before = broker.ledger(c.planner_id)
 
-    # Observations from a key that is not the contract's host.
-    refused(lambda: broker.record(Agent.generate(), c.executor_id, [mutation("src/auth/x", 1)]),
+    # Observations from a key that is not the contract's host, but a party of the tree (its delegate).
+    refused(lambda: broker.record(c.executor, c.executor_id, [mutation("src/auth/x", 1)]),
             grpc.StatusCode.PERMISSION_DENIED, "NOT_HOST")
+    # A stranger to the tree, whatever it asks, is answered as for a contract that does not exist.
+    stranger = Agent.generate()
+    for call in (lambda cid: broker.accept(stranger, cid),
+                 lambda cid: broker.decline(stranger, cid, "no"),
+                 lambda cid: broker.complete(stranger, completion(cid)),
+                 lambda cid: broker.escalate(stranger, cid, "stuck"),
+                 lambda cid: broker.revoke(stranger, cid),
+                 lambda cid: broker.record(stranger, cid, [mutation("src/auth/x", 1)]),
+                 lambda cid: broker.adjudicate(stranger, cid, pb.VERDICT_ACCEPTED, "fine")):
+        for contract in (c.executor_id, c.root.id):
+            _, _, metadata, _ = assert_unknowable(call, contract)
+            assert metadata == {"what": "contract", "id": "<id>"}
     # An output over the size limit.
     big = completion(c.executor_id, output_json='{"patch":"%s"}' % ("x" * 300 * 1024))
     refused(lambda: broker.complete(c.executor, big), grpc.StatusCode.INVALID_ARGUMENT, field="body.output_json")
@@ -431,8 +443,10 @@ def test_a_host_named_at_accept_records_and_a_liability_retaining_result_awaits_
     root = broker.open_root(orchestrator, budget=50)
     contract = broker.delegate(orchestrator, child(root.id, root.lineage, worker, 20)).contract().contract_id
     broker.accept(worker, contract, host=host)
-    refused(lambda: broker.record(other_host, contract, [tool_call("ls", 1)]), grpc.StatusCode.PERMISSION_DENIED,
+    # Not the host: a party of the tree is told so, another host (a stranger to it) learns nothing.
+    refused(lambda: broker.record(orchestrator, contract, [tool_call("ls", 1)]), grpc.StatusCode.PERMISSION_DENIED,
             "NOT_HOST")
+    assert_unknowable(lambda cid: broker.record(other_host, cid, [tool_call("ls", 1)]), contract)
     broker.record(host, contract, [tool_call("ls", 1), mutation("src/x.rs", 2)])
     done = broker.complete(worker, pb.CompleteBody(contract_id=contract, output_json="{}", claim="done")).completion
     assert done.verdict == pb.VERDICT_PENDING_PRINCIPAL, "PRINCIPAL liability without a predicate"

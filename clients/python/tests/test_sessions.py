@@ -9,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from _support import HOUR_MS, Broker, child, mutation
+from _support import HOUR_MS, Broker, assert_unknowable, child, mutation, refusal
 
 from delegation_broker import (
     ERROR_DOMAIN,
@@ -60,23 +60,27 @@ class Tree:
         self.receipt_id = accepted.receipt_id
         broker.record(self.host, self.child_id, [mutation("src/a.rs", 3)])
 
-    def reads(self, stub: pb.BrokerStub, metadata=None):
-        """(name, call) for every read RPC but AggregateAudits, each about this tree."""
+    def reads(self, stub: pb.BrokerStub, metadata=None, *, root_id: bytes | None = None,
+              child_id: bytes | None = None, receipt_id: bytes | None = None):
+        """(name, call) for every read RPC but AggregateAudits, each about this tree
+        (or about the ids given instead of its root's, its child's, its receipt's)."""
         kw = dict(timeout=10, metadata=metadata)
+        root_id, child_id = root_id or self.root_id, child_id or self.child_id
+        receipt_id = receipt_id or self.receipt_id
 
         def watch_first_event():
-            stream = stub.Watch(pb.WatchRequest(contract_id=self.root_id), **kw)
+            stream = stub.Watch(pb.WatchRequest(contract_id=root_id), **kw)
             try:
                 return next(stream)
             finally:
                 stream.cancel()
 
         return [
-            ("GetContract", lambda: stub.GetContract(pb.GetContractRequest(contract_id=self.child_id), **kw)),
-            ("GetChain", lambda: stub.GetChain(pb.GetChainRequest(contract_id=self.child_id), **kw)),
-            ("ListChildren", lambda: stub.ListChildren(pb.ListChildrenRequest(contract_id=self.root_id), **kw)),
-            ("GetReceipt", lambda: stub.GetReceipt(pb.GetReceiptRequest(receipt_id=self.receipt_id), **kw)),
-            ("GetAudit", lambda: stub.GetAudit(pb.GetAuditRequest(contract_id=self.child_id), **kw)),
+            ("GetContract", lambda: stub.GetContract(pb.GetContractRequest(contract_id=child_id), **kw)),
+            ("GetChain", lambda: stub.GetChain(pb.GetChainRequest(contract_id=child_id), **kw)),
+            ("ListChildren", lambda: stub.ListChildren(pb.ListChildrenRequest(contract_id=root_id), **kw)),
+            ("GetReceipt", lambda: stub.GetReceipt(pb.GetReceiptRequest(receipt_id=receipt_id), **kw)),
+            ("GetAudit", lambda: stub.GetAudit(pb.GetAuditRequest(contract_id=child_id), **kw)),
             ("Watch", watch_first_event),
         ]
 
@@ -143,16 +147,18 @@ def test_a_session_that_does_not_verify_is_unauthenticated_bad_session(broker, t
             assert _status(call) == (grpc.StatusCode.UNAUTHENTICATED, "BAD_SESSION"), name
 
 
-def test_a_stranger_is_permission_denied_not_a_party(broker, tree):
+def test_a_stranger_cannot_tell_the_trees_ids_from_random_ones(broker, tree):
     stranger = broker.stub_for(Agent.generate())
-    for name, call in tree.reads(stranger):
-        assert _status(call) == (grpc.StatusCode.PERMISSION_DENIED, "NOT_A_PARTY"), name
-    with pytest.raises(grpc.RpcError) as caught:
-        next(iter(watch(stranger, tree.root_id, keys=broker.keys, timeout=10)))
-    assert (caught.value.code(), error_info(caught.value).reason) == (grpc.StatusCode.PERMISSION_DENIED, "NOT_A_PARTY")
-    # A contract that does not exist is still NOT_FOUND, whoever asks.
-    assert _status(lambda: stranger.GetContract(pb.GetContractRequest(contract_id=b"\x00" * 32), timeout=10)) == (
-        grpc.StatusCode.NOT_FOUND, "NOT_FOUND")
+    # Every read of the tree is answered as the same read of random ids: NOT_FOUND, message and all.
+    real = dict(root_id=tree.root_id, child_id=tree.child_id, receipt_id=tree.receipt_id)
+    fake = {name: os.urandom(32) for name in real}
+    for (name, real_call), (_, fake_call) in zip(tree.reads(stranger), tree.reads(stranger, **fake), strict=True):
+        answer = refusal(real_call, *real.values())
+        assert answer == refusal(fake_call, *fake.values()), name
+        assert answer[:3] == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND", {
+            "what": "receipt" if name == "GetReceipt" else "contract", "id": "<id>"}), name
+    # The watch helper, too.
+    assert_unknowable(lambda cid: next(iter(watch(stranger, cid, keys=broker.keys, timeout=10))), tree.root_id)
     # AggregateAudits answers, but covers only the runs whose root the caller opened.
     assert tree.aggregate_runs(stranger) == 0
 
@@ -179,10 +185,10 @@ def test_the_trees_parties_read_it_through_the_session_helpers(broker, tree):
 def test_a_new_delegate_becomes_a_party(broker, tree):
     newcomer = Agent.generate()
     stub = broker.stub_for(newcomer)
-    call = lambda: stub.GetContract(pb.GetContractRequest(contract_id=tree.root_id), timeout=10)  # noqa: E731
-    assert _status(call) == (grpc.StatusCode.PERMISSION_DENIED, "NOT_A_PARTY")
+    call = lambda cid: stub.GetContract(pb.GetContractRequest(contract_id=cid), timeout=10)  # noqa: E731
+    assert_unknowable(call, tree.root_id)
     broker.delegate(tree.worker, child(tree.child_id, tree.lineage, newcomer, 5)).contract()
-    assert call().contract.contract_id == tree.root_id, "the same session reads once the key is a party"
+    assert call(tree.root_id).contract.contract_id == tree.root_id, "the same session reads once the key is a party"
 
 
 def test_explicit_metadata_and_the_interceptor(broker, tree):
@@ -197,7 +203,7 @@ def test_explicit_metadata_and_the_interceptor(broker, tree):
     # The call's own session wins over the interceptor's (here the reader's stub sends a stranger's).
     stranger = open_session(broker.bare_stub, Agent.generate())
     assert _status(lambda: broker.stub.GetChain(request, timeout=10, metadata=stranger.metadata())) == (
-        grpc.StatusCode.PERMISSION_DENIED, "NOT_A_PARTY")
+        grpc.StatusCode.NOT_FOUND, "NOT_FOUND")
     # Other metadata is kept beside the session.
     assert stub.GetChain(request, timeout=10, metadata=[("x-trace", "1")]).chain == chain
     # OpenSession through an intercepted stub is sent as is.

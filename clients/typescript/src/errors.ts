@@ -6,9 +6,11 @@
  * `google.rpc.ErrorInfo` (domain `delegation.broker.v1`, a stable `reason`
  * from errors.proto's `ErrorReason`, and metadata such as `field` — the
  * offending request field — or `limit`), plus a `google.rpc.BadRequest` for
- * INVALID_FIELD. {@link BrokerError} carries all of it. Invariant refusals
- * are not errors: they come back as signed receipts in
- * `DelegateResponse.outcome` (case "refused").
+ * INVALID_FIELD. {@link BrokerError} carries all of it. A key that is not a
+ * party of a tree (nor a configured reader) gets NOT_FOUND for each of its
+ * ids, exactly as for an id that does not exist. Invariant refusals are not
+ * errors: they come back as signed receipts in `DelegateResponse.outcome`
+ * (case "refused").
  */
 
 import { Code, ConnectError } from "@connectrpc/connect";

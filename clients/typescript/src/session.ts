@@ -11,8 +11,9 @@
  *
  * Without one a read fails UNAUTHENTICATED (reason NO_SESSION; BAD_SESSION
  * when it does not verify, SESSION_EXPIRED after it expired); a key that is
- * neither a party of the tree nor a configured reader gets PERMISSION_DENIED
- * (NOT_A_PARTY).
+ * neither a party of the tree nor a configured reader gets NOT_FOUND (reason
+ * NOT_FOUND), exactly the answer for an id that does not exist, so it cannot
+ * tell which ids exist.
  */
 
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";

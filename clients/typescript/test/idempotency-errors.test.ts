@@ -24,7 +24,7 @@ import {
 } from "@delegation-broker/client";
 import { createNodeTransport } from "@delegation-broker/client/node";
 
-import { Broker, child } from "./support.js";
+import { Broker, assertUnknowable, child, issuedOf } from "./support.js";
 
 let broker: Broker;
 before(async () => {
@@ -163,12 +163,25 @@ test("a forged request is refused: UNAUTHENTICATED (BAD_SIGNATURE), nothing reco
   error = await failure(() => broker.client.delegate(create(pb.DelegateRequestSchema, { signed: { ...envelope, payloadType: retyped.signed!.payloadType } })));
   assert.equal(error.code, Code.Unauthenticated);
 
-  // Signed correctly, but not by the holder: PERMISSION_DENIED (NOT_HOLDER), nothing stored.
-  error = await failure(() => broker.client.delegate(mallory.delegate(child(root.id, root.lineage, Agent.generate(), 10n))));
-  assert.deepEqual([error.code, error.reason], [Code.PermissionDenied, "NOT_HOLDER"]);
+  // Signed correctly, but not by the holder, nothing stored. Mallory is no party of the tree, so
+  // it is told exactly what an unknown parent gets (NOT_FOUND, message and all).
+  const grandchild = Agent.generate();
+  const [, , info] = await assertUnknowable(
+    (parent) => broker.client.delegate(mallory.delegate(child(parent, root.lineage, grandchild, 10n))),
+    root.id,
+    "Delegate",
+  );
+  assert.deepEqual(info, { what: "parent contract", id: "<id>" });
 
   const ledger = await broker.ledger(root.id);
   assert.deepEqual([ledger.reserved, ledger.openChildren], [0n, 0], "none of them reserved anything");
+
+  // A party of the tree that does not hold the parent is told why: PERMISSION_DENIED (NOT_HOLDER).
+  issuedOf(await broker.delegate(orchestrator, child(root.id, root.lineage, delegate, 10n)));
+  error = await failure(() => broker.client.delegate(delegate.delegate(child(root.id, root.lineage, grandchild, 10n))));
+  assert.deepEqual([error.code, error.reason], [Code.PermissionDenied, "NOT_HOLDER"]);
+  const later = await broker.ledger(root.id);
+  assert.deepEqual([later.reserved, later.openChildren], [10n, 1], "only the holder's own Delegate reserved");
 });
 
 test("errors carry their ErrorReason and the offending field", async () => {

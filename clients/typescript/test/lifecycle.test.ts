@@ -3,15 +3,17 @@
  * Python client's examples/seed_001_lifecycle.py): the executor writes
  * docs/auth.md outside src/auth and claims success, the broker judges it on
  * its host's observations (REJECTED on result.within_scope), the planner
- * escalates; every receipt verified. Also decline and adjudicate.
+ * escalates; every receipt verified. Also decline and adjudicate, and what
+ * a stranger to a tree is told (what an unknown contract gets).
  */
 
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 
+import { Code } from "@connectrpc/connect";
 import { Agent, callIdempotent, equalBytes, nowMs, pb, verifyReceipt, watch } from "@delegation-broker/client";
 
-import { Broker, ESCALATION, child, issuedOf, requestDigest } from "./support.js";
+import { Broker, ESCALATION, assertUnknowable, child, issuedOf, refusal, requestDigest } from "./support.js";
 
 const PREDICATE = "result.schema_valid && result.within_scope";
 const PATCH_SCHEMA = '{"type":"object","required":["patch"],"properties":{"patch":{"type":"string"}}}';
@@ -114,4 +116,34 @@ test("decline returns the reservation; adjudicate records the principal's verdic
   const receipt = verifyReceipt(adjudicated.receipt!, broker.keys, adjudicated.receiptId).message;
   assert.equal(receipt.kind, pb.ReceiptKind.ADJUDICATED);
   assert.equal(receipt.completion!.verdict, pb.Verdict.ACCEPTED);
+});
+
+test("a stranger's lifecycle call is answered as for an unknown contract; a party is told why", async () => {
+  const [orchestrator, worker, host, stranger] = Array.from({ length: 4 }, () => Agent.generate()) as [Agent, Agent, Agent, Agent];
+  const root = await broker.openRoot(orchestrator);
+  const contractId = issuedOf(await broker.delegate(orchestrator, child(root.id, root.lineage, worker, 10n))).contractId;
+  await broker.checkReceipt(await broker.client.accept(worker.accept({ contractId, hostPublicKey: host.publicKey })), pb.ReceiptKind.ACCEPTED);
+  const client = broker.client;
+  const observations = [{ kind: pb.ObservationKind.TOOL_CALL, tool: "ls", units: 1n, atMs: nowMs() }];
+  const calls: [string, (id: Uint8Array) => Promise<unknown>][] = [
+    ["Accept", (id) => client.accept(stranger.accept({ contractId: id }))],
+    ["Decline", (id) => client.decline(stranger.decline({ contractId: id, reason: "no" }))],
+    ["Complete", (id) => client.complete(stranger.complete({ contractId: id, outputJson: "{}", claim: "done" }))],
+    ["Escalate", (id) => client.escalate(stranger.escalate({ contractId: id, reason: "stuck" }))],
+    ["Revoke", (id) => client.revoke(stranger.revoke({ contractId: id, reason: "mine now" }))],
+    ["RecordReceipts", (id) => client.recordReceipts(stranger.recordReceipts({ contractId: id, observations }))],
+    ["Adjudicate", (id) => client.adjudicate(stranger.adjudicate({ contractId: id, verdict: pb.Verdict.ACCEPTED, reason: "fine" }))],
+  ];
+  for (const id of [contractId, root.id]) {
+    for (const [name, call] of calls) {
+      const [, , info] = await assertUnknowable(call, id, name);
+      assert.deepEqual(info, { what: "contract", id: "<id>" }, name);
+    }
+  }
+  // The tree's parties are told why they are refused.
+  const why = async (call: () => Promise<unknown>) => (await refusal(call)).slice(0, 2);
+  assert.deepEqual(await why(() => client.revoke(worker.revoke({ contractId, reason: "x" }))), [Code.PermissionDenied, "NOT_ANCESTOR"]);
+  assert.deepEqual(await why(() => client.recordReceipts(worker.recordReceipts({ contractId, observations }))), [Code.PermissionDenied, "NOT_HOST"]);
+  assert.deepEqual(await why(() => client.escalate(host.escalate({ contractId, reason: "x" }))), [Code.PermissionDenied, "NOT_DELEGATE"]);
+  assert.equal((await broker.state(contractId)).status, pb.ContractStatus.ACCEPTED, "nothing changed");
 });

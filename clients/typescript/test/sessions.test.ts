@@ -5,6 +5,7 @@
  */
 
 import assert from "node:assert/strict";
+import { randomBytes } from "node:crypto";
 import { after, before, test } from "node:test";
 
 import { fromBinary } from "@bufbuild/protobuf";
@@ -30,11 +31,12 @@ import {
   verifyReceipt,
   verifySealed,
   verifySignature,
+  watch,
   type BrokerClient,
 } from "@delegation-broker/client";
 import { createNodeTransport } from "@delegation-broker/client/node";
 
-import { Broker, HOUR_MS, child, issuedOf } from "./support.js";
+import { Broker, HOUR_MS, assertUnknowable, child, issuedOf, refusal } from "./support.js";
 
 async function failure(call: () => Promise<unknown>): Promise<[Code, string | undefined]> {
   try {
@@ -143,15 +145,26 @@ test("a read without a session is refused (NO_SESSION); with one, answered", asy
   assert.ok(equalBytes(state.contractId, t.childId));
 });
 
-test("every party of the tree reads it, a configured reader too, a stranger is NOT_A_PARTY", async () => {
+test("every party of the tree reads it, a configured reader too; a stranger cannot tell its ids from random ones", async () => {
   for (const agent of [t.orchestrator, t.worker, t.host, broker.reader]) {
     const client = await broker.clientFor(agent);
     for (const [name, call] of reads(client, t)) assert.ok(await call(), name);
   }
+  // Every read of the tree is answered as the same read of random ids: NOT_FOUND, message and all.
   const stranger = await broker.clientFor(Agent.generate());
-  for (const [name, call] of reads(stranger, t)) {
-    assert.deepEqual(await failure(call), [Code.PermissionDenied, "NOT_A_PARTY"], name);
+  const random = () => new Uint8Array(randomBytes(32));
+  const fake: Tree = { ...t, rootId: random(), childId: random(), receiptId: random() };
+  const fakeReads = reads(stranger, fake);
+  for (const [i, [name, call]] of reads(stranger, t).entries()) {
+    const answer = await refusal(call, t.rootId, t.childId, t.receiptId);
+    assert.deepEqual(answer, await refusal(fakeReads[i]![1], fake.rootId, fake.childId, fake.receiptId), name);
+    const what = name === "GetReceipt" ? "receipt" : "contract";
+    assert.deepEqual(answer.slice(0, 3), [Code.NotFound, "NOT_FOUND", { what, id: "<id>" }], name);
   }
+  // The watch helper, too.
+  await assertUnknowable(async (id) => {
+    for await (const event of watch(stranger, id, { keys: broker.keys })) return event;
+  }, t.rootId, "watch");
 });
 
 test("a tampered or foreign session is BAD_SESSION", async () => {

@@ -6,6 +6,7 @@
  */
 
 import { spawn, type ChildProcess } from "node:child_process";
+import { randomBytes } from "node:crypto";
 import { createWriteStream, existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync, type WriteStream } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -14,9 +15,10 @@ import { fileURLToPath } from "node:url";
 import assert from "node:assert/strict";
 
 import { create, toBinary } from "@bufbuild/protobuf";
-import type { Transport } from "@connectrpc/connect";
+import { Code, type Transport } from "@connectrpc/connect";
 import {
   Agent,
+  BrokerError,
   BrokerKeys,
   createBrokerClient,
   equalBytes,
@@ -388,6 +390,42 @@ export function codes(receipt: pb.Receipt): pb.InvariantCode[] {
 /** SHA-256 of PAE(payload_type, payload) of a signed request: what the broker records as request_digest. */
 export function requestDigest(request: { signed?: pb.Envelope }): Uint8Array {
   return sha256(pae(request.signed!.payloadType, request.signed!.payload));
+}
+
+// --- refusals --------------------------------------------------------------------------
+
+/** A refused call's answer: code, `ErrorInfo` reason and metadata, message. */
+export type Answer = [Code, string | undefined, Record<string, string>, string];
+
+/**
+ * Runs `call`, which must fail; its answer, each of `ids` (lowercase hex)
+ * written `<id>` in the metadata and the message, so answers about different
+ * ids compare.
+ */
+export async function refusal(call: () => Promise<unknown>, ...ids: Uint8Array[]): Promise<Answer> {
+  const masked = (text: string) => ids.reduce((t, id) => t.replaceAll(toHex(id), "<id>"), text);
+  try {
+    await call();
+  } catch (caught) {
+    const error = BrokerError.from(caught);
+    const info = Object.fromEntries(Object.entries(error.info).map(([k, v]) => [k, masked(v)]));
+    return [error.code, error.reason, info, masked(error.rawMessage)];
+  }
+  assert.fail("expected a refusal, the call was answered");
+}
+
+/**
+ * `call(id)` is made by a stranger to `realId`'s tree (no party of it, nor a
+ * configured reader): its answer for `realId` must be its answer for a random
+ * 32-byte id (code, reason, metadata and message, the id aside), and that is
+ * NOT_FOUND, so the stranger cannot tell that `realId` exists. Returns it.
+ */
+export async function assertUnknowable(call: (id: Uint8Array) => Promise<unknown>, realId: Uint8Array, what = ""): Promise<Answer> {
+  const randomId = new Uint8Array(randomBytes(32));
+  const real = await refusal(() => call(realId), realId);
+  assert.deepEqual(real, await refusal(() => call(randomId), randomId), `${what}: a real id answered unlike a random one`);
+  assert.deepEqual(real.slice(0, 2), [Code.NotFound, "NOT_FOUND"], what);
+  return real;
 }
 
 // --- the Rust verifier ----------------------------------------------------------------

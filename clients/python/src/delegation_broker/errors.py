@@ -4,10 +4,11 @@ Every error status carries a ``google.rpc.Status`` in the
 ``grpc-status-details-bin`` trailer with a ``google.rpc.ErrorInfo``: a stable
 ``reason`` (``INVALID_FIELD``, ``BAD_SIGNATURE``, ``STALE_TIMESTAMP``,
 ``NOT_FOUND``, ``NONCE_REUSED``, ``OVERLOADED``, ``NO_SESSION``,
-``NOT_A_PARTY``, ...), ``domain``
-``"delegation.broker.v1"`` and metadata naming the offending ``field`` or
-``limit``. Invariant refusals are not errors: they come back as signed
-receipts in ``DelegateResponse.refused``.
+``NOT_HOLDER``, ...), ``domain`` ``"delegation.broker.v1"`` and metadata
+naming the offending ``field`` or ``limit``. A key that is not a party of a
+tree (nor a configured reader) gets ``NOT_FOUND`` for each of its ids, exactly
+as for an id that does not exist. Invariant refusals are not errors: they come
+back as signed receipts in ``DelegateResponse.refused``.
 """
 
 from __future__ import annotations

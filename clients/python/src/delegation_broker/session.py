@@ -25,7 +25,8 @@ Or by hand, one session for a few calls::
 A read without a session fails with ``UNAUTHENTICATED`` (``ErrorInfo.reason``
 ``NO_SESSION``; ``BAD_SESSION`` when it does not verify, ``SESSION_EXPIRED``
 after it expired); a key that is neither a party of the tree nor a configured
-reader gets ``PERMISSION_DENIED`` (``NOT_A_PARTY``).
+reader gets ``NOT_FOUND`` (``NOT_FOUND``), exactly the answer for an id that
+does not exist, so it cannot tell which ids exist.
 """
 
 from __future__ import annotations

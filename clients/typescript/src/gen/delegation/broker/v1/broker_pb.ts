@@ -48,7 +48,10 @@
 // tree's parties — the key that opened its root and every key that is or
 // was a delegate (holder) or host of one of its contracts — and to reader
 // keys the operator lists in the broker's configuration; anyone else gets
-// PERMISSION_DENIED (reason NOT_A_PARTY). AggregateAudits covers the runs
+// NOT_FOUND, exactly the answer for an id that does not exist (so nobody
+// learns which ids exist by asking). Delegate and the lifecycle calls
+// answer a signer that is not a party of the tree the same way, whatever
+// the refusal would have been. AggregateAudits covers the runs
 // whose root the caller opened (every run, for a configured reader).
 // GetBrokerKeys, OpenSession and the gRPC health service stay public.
 
@@ -2288,8 +2291,10 @@ export const Broker: GenService<{
    * parent, or it returns a signed refusal listing every violated invariant.
    * Checked first, before the body is converted: an unknown parent is
    * NOT_FOUND, and a signer that does not hold the parent (is not its
-   * delegate) gets PERMISSION_DENIED with reason NOT_HOLDER and nothing is
-   * stored in the parent's tree (so no receipt reaches its Watch or audit).
+   * delegate) gets PERMISSION_DENIED with reason NOT_HOLDER if it is a
+   * party of the tree, NOT_FOUND (as for an unknown parent) if it is not;
+   * either way nothing is stored in the parent's tree (so no receipt
+   * reaches its Watch or audit).
    * INVARIANT_CODE_NOT_HOLDER therefore never appears in a refusal. The body
    * is then checked (schema compilation, predicate composition) on a small
    * pool of threads; when it stays busy past 10 s the answer is UNAVAILABLE

@@ -195,8 +195,10 @@ export enum ErrorReason {
 
   /**
    * PERMISSION_DENIED, Delegate. The signer is not the parent contract's
-   * delegate (its holder). Checked before the body is looked at; nothing is
-   * stored, not even a refusal receipt. No metadata. Fails again.
+   * delegate (its holder), but is a party of its tree (a signer that is
+   * not gets NOT_FOUND, exactly as for an unknown parent). Checked before
+   * the body is looked at; nothing is stored, not even a refusal receipt.
+   * No metadata. Fails again.
    *
    * @generated from enum value: ERROR_REASON_NOT_HOLDER = 13;
    */
@@ -238,11 +240,11 @@ export enum ErrorReason {
   NOT_PRINCIPAL = 17,
 
   /**
-   * PERMISSION_DENIED, GetContract, GetChain, ListChildren, GetReceipt,
-   * Watch, GetAudit. The session's key is not a party of the tree (the key
-   * that opened its root, or a key that is or was a delegate or host of
-   * one of its contracts) nor a reader the configuration lists. No
-   * metadata. Fails again.
+   * No longer sent. A read by a key that is not a party of the tree (the
+   * key that opened its root, or a key that is or was a delegate or host
+   * of one of its contracts) nor a configured reader is answered NOT_FOUND,
+   * exactly as for an id that does not exist, so a stranger cannot learn
+   * which ids exist. Kept so old clients still decode it.
    *
    * @generated from enum value: ERROR_REASON_NOT_A_PARTY = 18;
    */
@@ -250,7 +252,11 @@ export enum ErrorReason {
 
   /**
    * NOT_FOUND, Delegate, every lifecycle RPC and every read that names an
-   * id. No such contract or receipt. Metadata `what` ("contract", "parent
+   * id. No such contract or receipt — or one the caller may not know of:
+   * a key that is not a party of the tree (nor a configured reader) gets
+   * this same answer, message included, for a real id it may not read or
+   * act on as for a random one (a party is told NOT_HOLDER, NOT_DELEGATE,
+   * WRONG_STATE… as the RPC says). Metadata `what` ("contract", "parent
    * contract" for DelegateBody.parent_id, "receipt") and `id` (lowercase
    * hex). Fails again.
    *

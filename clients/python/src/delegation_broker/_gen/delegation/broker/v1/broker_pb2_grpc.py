@@ -148,8 +148,10 @@ class BrokerServicer:
         parent, or it returns a signed refusal listing every violated invariant.
         Checked first, before the body is converted: an unknown parent is
         NOT_FOUND, and a signer that does not hold the parent (is not its
-        delegate) gets PERMISSION_DENIED with reason NOT_HOLDER and nothing is
-        stored in the parent's tree (so no receipt reaches its Watch or audit).
+        delegate) gets PERMISSION_DENIED with reason NOT_HOLDER if it is a
+        party of the tree, NOT_FOUND (as for an unknown parent) if it is not;
+        either way nothing is stored in the parent's tree (so no receipt
+        reaches its Watch or audit).
         INVARIANT_CODE_NOT_HOLDER therefore never appears in a refusal. The body
         is then checked (schema compilation, predicate composition) on a small
         pool of threads; when it stays busy past 10 s the answer is UNAVAILABLE
