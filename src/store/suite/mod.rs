@@ -11,7 +11,7 @@ pub(crate) mod drains;
 pub(crate) mod lifecycle;
 mod reads;
 
-pub use drains::a_large_revoke_ends_in_steps;
+pub use drains::{a_large_revoke_does_not_stall_other_tenants, a_large_revoke_ends_in_steps};
 pub use lifecycle::*;
 pub use reads::*;
 
@@ -439,6 +439,7 @@ macro_rules! store_suite {
             a_refusal_is_replayed_not_redone,
             a_childs_terms_follow_its_parent,
             a_large_revoke_ends_in_steps,
+            a_large_revoke_does_not_stall_other_tenants,
         ]);
     };
     // One `#[tokio::test]` per suite function, each on a fresh store.
