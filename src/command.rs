@@ -76,13 +76,26 @@ pub struct LifecycleCommand {
 
 #[derive(Clone, Debug)]
 pub enum Action {
-    Accept { host: Option<AgentKey> },
-    Decline { reason: String },
+    Accept {
+        host: Option<AgentKey>,
+    },
+    Decline {
+        reason: String,
+    },
     Complete(Box<CompleteArgs>),
-    Adjudicate { verdict: Verdict, reason: String },
-    Escalate { reason: String },
-    Revoke { reason: String },
-    Record { observations: Vec<ObservationIn> },
+    Adjudicate {
+        verdict: Verdict,
+        reason: String,
+    },
+    Escalate {
+        reason: String,
+    },
+    Revoke {
+        reason: String,
+    },
+    Record {
+        observations: Vec<ObservationIn>,
+    },
     Expire,
     /// The broker's own: ends the next bounded step of the contract's
     /// drain (`core::lifecycle::Ending`).

@@ -633,15 +633,22 @@ mod tests {
         }));
         let mut slow = Vec::new();
         for i in 0..128 {
-            let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+            let mut stream = tokio::net::TcpStream::connect(address)
+                .await
+                .expect("connect");
             if i % 2 == 0 {
-                stream.write_all(b"GET /metrics HTTP/1.1\r\n").await.expect("write");
+                stream
+                    .write_all(b"GET /metrics HTTP/1.1\r\n")
+                    .await
+                    .expect("write");
             }
             slow.push(stream);
         }
         let started = std::time::Instant::now();
         let scrape = async {
-            let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+            let mut stream = tokio::net::TcpStream::connect(address)
+                .await
+                .expect("connect");
             stream
                 .write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
                 .await

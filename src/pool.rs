@@ -232,7 +232,9 @@ impl Drop for Turn {
 fn lock(turns: &Mutex<Turns>) -> MutexGuard<'_, Turns> {
     // Every change is a single step on plain data: a poisoned lock still
     // holds a usable queue.
-    turns.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    turns
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl WorkPool {
@@ -319,7 +321,8 @@ mod tests {
         assert_eq!(pool.run(ONE, Duration::from_secs(5), || 7).await, Ok(7));
         // A panic loses the answer, not the thread.
         assert_eq!(
-            pool.run(ONE, Duration::from_secs(5), || panic!("boom")).await,
+            pool.run(ONE, Duration::from_secs(5), || panic!("boom"))
+                .await,
             Err::<(), _>(PoolError::Panicked)
         );
         // Two slow jobs hold both threads; a third caller gives up at its

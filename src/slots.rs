@@ -87,9 +87,16 @@ impl<K: Hash + Eq + Clone> Slots<K> {
         self.take_in(key, Some(tenant))
     }
 
-    fn take_in(self: &Arc<Self>, key: K, tenant: Option<[u8; 32]>) -> Result<Slot<K>, &'static str> {
+    fn take_in(
+        self: &Arc<Self>,
+        key: K,
+        tenant: Option<[u8; 32]>,
+    ) -> Result<Slot<K>, &'static str> {
         // Lock order: tenants, then taken (also on drop).
-        let mut tenants = self.tenants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut tenants = self
+            .tenants
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut taken = self.lock();
         let held = tenant.map_or(usize::MAX, |t| tenants.get(&t).copied().unwrap_or(0));
         let cap = if held < self.reserve.small_share {
@@ -205,13 +212,22 @@ mod tests {
         let victim = [99; 32];
         let a = slots.take_for(99, victim).unwrap();
         let _b = slots.take_for(99, victim).unwrap();
-        assert!(matches!(slots.take_for(99, victim), Err("total")), "past its small share");
+        assert!(
+            matches!(slots.take_for(99, victim), Err("total")),
+            "past its small share"
+        );
         drop(a);
         let _c = slots.take_for(99, victim).unwrap();
         for t in 100..102u8 {
-            slots.take_for(t, [t; 32]).map(|s| held.push(s)).unwrap_or_else(|_| panic!("{t}"));
+            slots
+                .take_for(t, [t; 32])
+                .map(|s| held.push(s))
+                .unwrap_or_else(|_| panic!("{t}"));
         }
-        assert!(matches!(slots.take_for(103, [103; 32]), Err("total")), "the reserve is full");
+        assert!(
+            matches!(slots.take_for(103, [103; 32]), Err("total")),
+            "the reserve is full"
+        );
         drop(held);
         assert_eq!(slots.taken(), 2);
         assert_eq!(slots.tenants.lock().unwrap().len(), 1);

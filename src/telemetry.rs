@@ -806,7 +806,10 @@ mod tests {
         assert!(span.span_context().is_sampled(), "no caller context");
         let none = tracer(0.0);
         let span = start_call_span(&none, name, "s", "m", &with_flags("01"));
-        assert!(!span.span_context().is_sampled(), "the operator's ratio rules");
+        assert!(
+            !span.span_context().is_sampled(),
+            "the operator's ratio rules"
+        );
     }
 
     #[tokio::test]

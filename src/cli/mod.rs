@@ -218,11 +218,8 @@ fn serve(
         .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
         .build()?;
     runtime.block_on(async move {
-        let telemetry = crate::telemetry::init(
-            format,
-            otlp_endpoint.as_deref(),
-            trace_sample_ratio,
-        )?;
+        let telemetry =
+            crate::telemetry::init(format, otlp_endpoint.as_deref(), trace_sample_ratio)?;
         let listener = tokio::net::TcpListener::bind(&listen).await?;
         // Print the bound address on stdout: with port 0 it is how callers
         // (tests, scripts) learn the port.

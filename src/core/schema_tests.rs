@@ -366,20 +366,66 @@ fn the_work_estimate_follows_validation_time_across_keywords() {
     let draft7 = "http://json-schema.org/draft-07/schema#";
     let strings = |n: usize, s: &str| json!(vec![s; n]);
     let cases: Vec<(&str, Value, Value)> = vec![
-        ("type", json!({"items": {"type": "string"}}), strings(20_000, "abcdefgh")),
-        ("long string", json!({"type": "string"}), json!("x".repeat(1 << 20))),
-        ("pattern", json!({"items": {"pattern": "^[a-z]+$"}}), strings(5_000, "abcdefghijklmnop")),
-        ("format email", json!({"$schema": draft7, "items": {"format": "email"}}), strings(5_000, "someone@example.com")),
-        ("format date-time", json!({"$schema": draft7, "items": {"format": "date-time"}}), strings(5_000, "2026-12-01T12:00:00Z")),
-        ("format hostname", json!({"$schema": draft7, "items": {"format": "hostname"}}), strings(5_000, "a.very.long.host.example.com")),
-        ("format uri", json!({"$schema": draft7, "items": {"format": "uri"}}), strings(5_000, "https://example.com/a/b?c=d#e")),
-        ("format regex", json!({"$schema": draft7, "items": {"format": "regex"}}), strings(500, &"(?<g>a|b)".repeat(400))),
-        ("enum", json!({"items": {"enum": (0..200).map(|i| format!("v{i}")).collect::<Vec<_>>()}}), strings(2_000, "v199")),
-        ("properties", json!({"properties": (0..500).map(|i| (format!("k{i}"), json!({"type": "integer"}))).collect::<serde_json::Map<_, _>>()}),
-            Value::Object((0..5_000).map(|i| (format!("k{i}"), json!(i))).collect())),
-        ("required", json!({"required": (0..300).map(|i| format!("k{i}")).collect::<Vec<_>>()}),
-            Value::Object((0..300).map(|i| (format!("k{i}"), json!(i))).collect())),
-        ("uniqueItems", json!({"uniqueItems": true}), json!((0..20_000).collect::<Vec<_>>())),
+        (
+            "type",
+            json!({"items": {"type": "string"}}),
+            strings(20_000, "abcdefgh"),
+        ),
+        (
+            "long string",
+            json!({"type": "string"}),
+            json!("x".repeat(1 << 20)),
+        ),
+        (
+            "pattern",
+            json!({"items": {"pattern": "^[a-z]+$"}}),
+            strings(5_000, "abcdefghijklmnop"),
+        ),
+        (
+            "format email",
+            json!({"$schema": draft7, "items": {"format": "email"}}),
+            strings(5_000, "someone@example.com"),
+        ),
+        (
+            "format date-time",
+            json!({"$schema": draft7, "items": {"format": "date-time"}}),
+            strings(5_000, "2026-12-01T12:00:00Z"),
+        ),
+        (
+            "format hostname",
+            json!({"$schema": draft7, "items": {"format": "hostname"}}),
+            strings(5_000, "a.very.long.host.example.com"),
+        ),
+        (
+            "format uri",
+            json!({"$schema": draft7, "items": {"format": "uri"}}),
+            strings(5_000, "https://example.com/a/b?c=d#e"),
+        ),
+        (
+            "format regex",
+            json!({"$schema": draft7, "items": {"format": "regex"}}),
+            strings(500, &"(?<g>a|b)".repeat(400)),
+        ),
+        (
+            "enum",
+            json!({"items": {"enum": (0..200).map(|i| format!("v{i}")).collect::<Vec<_>>()}}),
+            strings(2_000, "v199"),
+        ),
+        (
+            "properties",
+            json!({"properties": (0..500).map(|i| (format!("k{i}"), json!({"type": "integer"}))).collect::<serde_json::Map<_, _>>()}),
+            Value::Object((0..5_000).map(|i| (format!("k{i}"), json!(i))).collect()),
+        ),
+        (
+            "required",
+            json!({"required": (0..300).map(|i| format!("k{i}")).collect::<Vec<_>>()}),
+            Value::Object((0..300).map(|i| (format!("k{i}"), json!(i))).collect()),
+        ),
+        (
+            "uniqueItems",
+            json!({"uniqueItems": true}),
+            json!((0..20_000).collect::<Vec<_>>()),
+        ),
         ("anyOf chain", doubling_chain(8), json!(vec![1; 1])),
         ("nested objects", tree(), {
             let mut node = json!({"name": "leaf"});

@@ -492,8 +492,16 @@ mod tests {
                 R::WrongState,
             ),
             (F::StaleJudgment, Code::Unavailable, R::ObservationsChanging),
-            (F::DescendantsEnding, Code::Unavailable, R::DescendantsEnding),
-            (F::RecordingClosed, Code::FailedPrecondition, R::RecordingClosed),
+            (
+                F::DescendantsEnding,
+                Code::Unavailable,
+                R::DescendantsEnding,
+            ),
+            (
+                F::RecordingClosed,
+                Code::FailedPrecondition,
+                R::RecordingClosed,
+            ),
             (
                 F::AncestorEnding { cause: [7; 32] },
                 Code::FailedPrecondition,

@@ -378,9 +378,7 @@ impl From<Refused> for StoreError {
                 reason: pb::ErrorReason::DescendantsEnding,
                 detail,
             },
-            Refused::AncestorEnding { .. } => {
-                precondition(pb::ErrorReason::AncestorEnding, detail)
-            }
+            Refused::AncestorEnding { .. } => precondition(pb::ErrorReason::AncestorEnding, detail),
             Refused::Corrupt(what) => StoreError::Corrupt(what),
         }
     }

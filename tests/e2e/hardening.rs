@@ -420,14 +420,26 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     // each real id is the answer for a random id, message and all.
     let mut outsider = connect_as(&broker.addr, &stranger).await;
     let random = vec![0x5a; 32];
-    let same = |real: Result<(), tonic::Status>, fake: Result<(), tonic::Status>, real_id: &[u8]| {
-        let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
-        assert_eq!((real.code(), reason(&real)), (Code::NotFound, "NOT_FOUND".into()));
-        assert_eq!(
-            (real.code(), reason(&real), real.message().replace(&hex::encode(real_id), "ID")),
-            (fake.code(), reason(&fake), fake.message().replace(&hex::encode(&random), "ID")),
-        );
-    };
+    let same =
+        |real: Result<(), tonic::Status>, fake: Result<(), tonic::Status>, real_id: &[u8]| {
+            let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
+            assert_eq!(
+                (real.code(), reason(&real)),
+                (Code::NotFound, "NOT_FOUND".into())
+            );
+            assert_eq!(
+                (
+                    real.code(),
+                    reason(&real),
+                    real.message().replace(&hex::encode(real_id), "ID")
+                ),
+                (
+                    fake.code(),
+                    reason(&fake),
+                    fake.message().replace(&hex::encode(&random), "ID")
+                ),
+            );
+        };
     for (real, fake) in [(&a_id, &random), (&root.id, &random)] {
         let contract = |id: &Vec<u8>| pb::GetContractRequest {
             contract_id: id.clone(),
@@ -477,7 +489,10 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         receipt_id: id.clone(),
     };
     same(
-        outsider.get_receipt(receipt_of(&refusal_id)).await.map(drop),
+        outsider
+            .get_receipt(receipt_of(&refusal_id))
+            .await
+            .map(drop),
         outsider.get_receipt(receipt_of(&random)).await.map(drop),
         &refusal_id,
     );
@@ -1201,8 +1216,16 @@ async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
         let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
         assert_eq!(real.code(), Code::NotFound, "{name}: {real:?}");
         assert_eq!(
-            (real.code(), reason(&real), real.message().replace(&hex::encode(real_id), "ID")),
-            (fake.code(), reason(&fake), fake.message().replace(&hex::encode(&random), "ID")),
+            (
+                real.code(),
+                reason(&real),
+                real.message().replace(&hex::encode(real_id), "ID")
+            ),
+            (
+                fake.code(),
+                reason(&fake),
+                fake.message().replace(&hex::encode(&random), "ID")
+            ),
             "{name}"
         );
     };
@@ -1245,7 +1268,9 @@ async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
         let fake = broker.revoke(&stranger, &random).await;
         same(real, fake, id, "Revoke");
         let real = broker.record(&stranger, id, vec![tool_call("t", 0)]).await;
-        let fake = broker.record(&stranger, &random, vec![tool_call("t", 0)]).await;
+        let fake = broker
+            .record(&stranger, &random, vec![tool_call("t", 0)])
+            .await;
         same(real, fake, id, "RecordReceipts");
         let adjudicate = |id: &Vec<u8>| pb::AdjudicateBody {
             header: None,

@@ -413,11 +413,7 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
     // a stranger is told NOT_FOUND, as for an unknown contract).
     let err = c
         .broker
-        .record(
-            &c.executor,
-            &c.executor_id,
-            vec![mutation("src/auth/x", 1)],
-        )
+        .record(&c.executor, &c.executor_id, vec![mutation("src/auth/x", 1)])
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied);

@@ -5,6 +5,7 @@ mod auth;
 mod bad_input;
 mod concurrency;
 mod crash;
+mod fairness;
 mod hardening;
 mod harness;
 mod invariants;

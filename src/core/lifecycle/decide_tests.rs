@@ -562,11 +562,7 @@ fn a_drain_step_settles_children_first() {
     let rows = vec![target, a, b];
     let d = drain_step(&rows, &[2, 1], [1; 32], Status::Revoked);
     assert_eq!(d.answer, Ok(0));
-    let ended: Vec<_> = d
-        .receipts
-        .iter()
-        .map(|r| (r.row, r.body.clone()))
-        .collect();
+    let ended: Vec<_> = d.receipts.iter().map(|r| (r.row, r.body.clone())).collect();
     assert_eq!(
         ended,
         [
@@ -593,7 +589,10 @@ fn a_drain_step_settles_children_first() {
     assert_eq!(update(2).status, Status::Revoked);
     // The target: nothing reserved, a's 5 and b's 3 spent.
     let target = update(0).ledger;
-    assert_eq!((target.reserved, target.spent, target.open_children), (0, 8, 0));
+    assert_eq!(
+        (target.reserved, target.spent, target.open_children),
+        (0, 8, 0)
+    );
     assert_eq!(target.residual(), 92);
     // A parent before its open child, or the draining contract itself, is
     // not a step: nothing is decided.
@@ -616,9 +615,16 @@ fn a_drain_freezes_what_is_below_it() {
     };
     for (name, signer, action) in entitled(&j) {
         let d = decide(&frozen, Some(&signer), &action, T0);
-        assert_eq!(d.answer, Err(Refused::AncestorEnding { cause: [1; 32] }), "{name}");
+        assert_eq!(
+            d.answer,
+            Err(Refused::AncestorEnding { cause: [1; 32] }),
+            "{name}"
+        );
         assert!(d.updates.is_empty() && d.receipts.is_empty(), "{name}");
-        assert!(!needs_descendants(&frozen, Some(&signer), &action, T0), "{name}");
+        assert!(
+            !needs_descendants(&frozen, Some(&signer), &action, T0),
+            "{name}"
+        );
     }
     // The broker's expiry of a frozen, overdue contract goes through.
     let late = T0 + 60_000;
@@ -631,11 +637,17 @@ fn a_drain_freezes_what_is_below_it() {
         let d = decide(&draining, Some(&signer), &action, T0);
         let ends = matches!(
             action,
-            Action::Decline { .. } | Action::Escalate { .. } | Action::Revoke { .. } | Action::Complete(_)
+            Action::Decline { .. }
+                | Action::Escalate { .. }
+                | Action::Revoke { .. }
+                | Action::Complete(_)
         );
         if ends {
             assert_eq!(d.answer, Err(Refused::DescendantsEnding), "{name}");
-            assert!(!needs_descendants(&draining, Some(&signer), &action, T0), "{name}");
+            assert!(
+                !needs_descendants(&draining, Some(&signer), &action, T0),
+                "{name}"
+            );
         } else {
             assert_ne!(d.answer, Err(Refused::DescendantsEnding), "{name}");
         }

@@ -84,15 +84,27 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
     .execute(&mut conn)
     .await
     .expect("contracts");
-    sqlx::query("INSERT INTO contract_envelopes (seq, envelope) SELECT seq, '\\x00' FROM contracts")
+    sqlx::query(
+        "INSERT INTO contract_envelopes (seq, envelope) SELECT seq, '\\x00' FROM contracts",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("envelopes");
+    sqlx::query("ANALYZE")
         .execute(&mut conn)
         .await
-        .expect("envelopes");
-    sqlx::query("ANALYZE").execute(&mut conn).await.expect("analyze");
+        .expect("analyze");
     let children = explain(&mut conn, format!("{}(2)", lifecycle::CHILDREN_OF)).await;
     assert!(children.contains("contracts_by_parent"), "{children}");
     assert!(!children.contains("Seq Scan"), "{children}");
-    let rows = explain(&mut conn, format!("{}(40, 41, 42) ORDER BY id FOR UPDATE", lifecycle::LOAD_BY_SEQ)).await;
+    let rows = explain(
+        &mut conn,
+        format!(
+            "{}(40, 41, 42) ORDER BY id FOR UPDATE",
+            lifecycle::LOAD_BY_SEQ
+        ),
+    )
+    .await;
     assert!(rows.contains("contracts_pkey"), "{rows}");
     assert!(!rows.contains("Seq Scan on contracts"), "{rows}");
 }

@@ -16,7 +16,9 @@ use crate::store::batch::SeqSource;
 use super::audit::observations_of;
 use super::backend;
 use super::plan::ROWS_PER_STATEMENT;
-use super::rows::{CONTRACT_COLUMNS, StoredContract, contract_columns, id_column, select_contracts};
+use super::rows::{
+    CONTRACT_COLUMNS, StoredContract, contract_columns, id_column, select_contracts,
+};
 use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge::{self, Verdict};
 use crate::core::lifecycle::{
@@ -197,7 +199,9 @@ async fn open_descendants(
             let mut query = QueryBuilder::<Db>::new(CHILDREN_OF);
             in_list(&mut query, parents);
             // At most one past the bound: enough to know it is passed.
-            let left = max.saturating_sub(found.len()).saturating_sub(children.len());
+            let left = max
+                .saturating_sub(found.len())
+                .saturating_sub(children.len());
             query.push(" LIMIT ");
             query.push_bind(i64::try_from(left.saturating_add(1)).unwrap_or(i64::MAX));
             for row in query.build().fetch_all(&mut *conn).await? {
@@ -229,7 +233,8 @@ async fn open_descendants(
 /// The open children of a level's contracts, found by the parent index:
 /// `+status` keeps SQLite from planning it through
 /// `contracts_open_by_deadline`. Followed by `in_list`.
-pub(crate) const CHILDREN_OF: &str = "SELECT id, seq FROM contracts WHERE +status IN (1, 2) AND parent_seq IN ";
+pub(crate) const CHILDREN_OF: &str =
+    "SELECT id, seq FROM contracts WHERE +status IN (1, 2) AND parent_seq IN ";
 const _: () = assert!(Status::Open as i32 == 1 && Status::Accepted as i32 == 2);
 
 /// Contract rows by key. Followed by `in_list`.
@@ -477,8 +482,7 @@ async fn drain(
     });
     let mut changed = Vec::new();
     if !order.is_empty() {
-        let index: HashMap<i64, usize> =
-            rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
+        let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
         let facts: Vec<Facts> = rows
             .iter()
             .map(|r| r.facts(r.parent_seq.and_then(|p| index.get(&p).copied())))
@@ -503,7 +507,11 @@ async fn drain(
             .iter()
             .find(|u| u.row == 0)
             .map_or(done, |u| u.ledger.open_children == 0);
-        changed = decision.changed(0).into_iter().map(|i| rows[i].id).collect();
+        changed = decision
+            .changed(0)
+            .into_iter()
+            .map(|i| rows[i].id)
+            .collect();
         answer = Ok(Answer {
             outcome: Outcome::Receipt {
                 receipt_id: signed[0].id,
@@ -771,8 +779,14 @@ pub async fn apply(
                 self::subtree(rows, target_seq, partial.lineage, ending)
             }
             None => {
-                start_drain(conn, target_seq, root_seq, lifecycle::drain_status(&action), now_ms)
-                    .await?;
+                start_drain(
+                    conn,
+                    target_seq,
+                    root_seq,
+                    lifecycle::drain_status(&action),
+                    now_ms,
+                )
+                .await?;
                 return Ok(Applied {
                     answer: Err(StoreError::from(Refused::DescendantsEnding)),
                     changed: Vec::new(),
@@ -894,10 +908,12 @@ async fn write_state(
             .await?;
         }
         TargetWrite::StaleJudgment => {
-            sqlx::query("UPDATE contracts SET stale_judgments = stale_judgments + 1 WHERE seq = $1")
-                .bind(target.seq)
-                .execute(&mut *conn)
-                .await?;
+            sqlx::query(
+                "UPDATE contracts SET stale_judgments = stale_judgments + 1 WHERE seq = $1",
+            )
+            .bind(target.seq)
+            .execute(&mut *conn)
+            .await?;
         }
         TargetWrite::Verdict(verdict) => {
             sqlx::query("UPDATE contracts SET verdict = $1 WHERE seq = $2")

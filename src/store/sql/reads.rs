@@ -118,7 +118,12 @@ pub(super) async fn tenant(
         .fetch_optional(&store.reader)
         .await
         .map_err(backend)?
-        .ok_or_else(|| StoreError::Corrupt(format!("the root of tree {} is missing", hex::encode(root_id))))?;
+        .ok_or_else(|| {
+            StoreError::Corrupt(format!(
+                "the root of tree {} is missing",
+                hex::encode(root_id)
+            ))
+        })?;
     id_column(&row, "delegate_key")
 }
 pub(super) async fn issuance_trace(

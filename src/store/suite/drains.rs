@@ -162,7 +162,11 @@ pub async fn check_drained<S: Store>(store: &S, tree: &Tree, status: Status) {
         assert_eq!(mine[0].reason, cause);
         assert_eq!(mine[0].revoked_ids, vec![id.to_vec()]);
     }
-    let root = store.contract(tree.root).await.expect("read").expect("root");
+    let root = store
+        .contract(tree.root)
+        .await
+        .expect("read")
+        .expect("root");
     assert_eq!((root.ledger.reserved, root.ledger.open_children), (0, 0));
     assert_eq!(root.ledger.spent, 0, "nothing was consumed");
 }
@@ -237,13 +241,19 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
     assert_eq!(reason(&err), "DESCENDANTS_ENDING");
     // Frozen: its holders can do nothing more with it.
     let leaf = tree.leaves[0];
-    let act = |agent: u8, contract_id: Id, action: Action, requests: &mut Requests| LifecycleCommand {
-        request: Some(requests.next(agent)),
-        contract_id,
-        action,
-    };
+    let act =
+        |agent: u8, contract_id: Id, action: Action, requests: &mut Requests| LifecycleCommand {
+            request: Some(requests.next(agent)),
+            contract_id,
+            action,
+        };
     let err = store
-        .transition(act(LEAF, leaf, Action::Accept { host: None }, &mut requests))
+        .transition(act(
+            LEAF,
+            leaf,
+            Action::Accept { host: None },
+            &mut requests,
+        ))
         .await
         .unwrap_err();
     assert_eq!(reason(&err), "ANCESTOR_ENDING");
@@ -281,7 +291,10 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
             .values()
             .map(Vec::len)
             .sum::<usize>();
-        assert!(now > ended && now - ended <= TEST_STEP_ROWS, "{ended} then {now}");
+        assert!(
+            now > ended && now - ended <= TEST_STEP_ROWS,
+            "{ended} then {now}"
+        );
         ended = now;
     }
     drop(store);
@@ -377,7 +390,10 @@ pub async fn a_large_revoke_does_not_stall_other_tenants<S: Store + Clone>(store
         }
         assert!(started.elapsed().as_secs() < 300, "the drain did not end");
     }
-    assert!(rounds > 1, "the drain ended before the other tenant's first call");
+    assert!(
+        rounds > 1,
+        "the drain ended before the other tenant's first call"
+    );
     assert!(
         slowest.as_millis() < OTHER_TENANT_MAX_MS,
         "the other tenant waited {slowest:?} during the drain"

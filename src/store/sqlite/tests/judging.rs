@@ -522,7 +522,9 @@ async fn a_host_recording_during_every_judgment_cannot_loop_the_judges() {
         let (cell, judged, refused) = (store_cell.clone(), judged.clone(), refused.clone());
         BeforeJudge(Arc::new(move || {
             let n = judged.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let Some((store, child)) = cell.get() else { return };
+            let Some((store, child)) = cell.get() else {
+                return;
+            };
             // The host records on the judge's own thread, so the
             // judgment it is making is stale when it reaches the writer.
             let record = LifecycleCommand {
@@ -543,7 +545,10 @@ async fn a_host_recording_during_every_judgment_cannot_loop_the_judges() {
                 },
             };
             if let Err(e) = handle.block_on(store.transition(record)) {
-                refused.lock().unwrap().push(crate::store::suite::reason(&e).to_owned());
+                refused
+                    .lock()
+                    .unwrap()
+                    .push(crate::store::suite::reason(&e).to_owned());
             }
         }))
     };

@@ -885,8 +885,8 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
             before_wal_sync: None,
             before_judge: None,
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
-        cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
-        drainer: true,
+            cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
+            drainer: true,
             metrics: None,
         },
         stamper,
@@ -974,13 +974,14 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
         format!("{}(1, 2, 3) ORDER BY id", lifecycle::LOAD_BY_SEQ),
         OLD_WALK.to_owned(),
     ] {
-        let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
-            .fetch_all(&mut conn)
-            .await
-            .expect("plan")
-            .iter()
-            .map(|row| row.get::<String, _>("detail"))
-            .collect();
+        let plan: Vec<String> =
+            sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
+                .fetch_all(&mut conn)
+                .await
+                .expect("plan")
+                .iter()
+                .map(|row| row.get::<String, _>("detail"))
+                .collect();
         plans.push(plan);
     }
     // Every read of the contracts table goes by the parent index or by key.
@@ -1004,7 +1005,11 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
         plans[0]
     );
     assert!(by_parent_or_key(&plans[1]), "rows: {:#?}", plans[1]);
-    assert!(!by_parent_or_key(&plans[2]), "the check cannot tell the old walk: {:#?}", plans[2]);
+    assert!(
+        !by_parent_or_key(&plans[2]),
+        "the check cannot tell the old walk: {:#?}",
+        plans[2]
+    );
 }
 
 #[tokio::test]

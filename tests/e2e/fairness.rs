@@ -1,0 +1,260 @@
+//! Issue 21, acceptance (c): a hostile party with many keys, each the
+//! tenant of a tree of its own (the open configuration, where any key may
+//! open roots), floods the converters (Delegates whose schemas each
+//! compile 64 distinct patterns), the judges (completions against a
+//! pattern schema over large outputs), the audits and the Watch streams,
+//! while an honest tenant delegates, accepts, completes, audits and
+//! watches its own tree. Every honest call succeeds — no CONVERTERS_BUSY,
+//! JUDGES_BUSY or OVERLOADED — each within a generous bound: shares go
+//! to tenants in turn, not to whoever grabs them first.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use delegation_broker::client::Agent;
+use delegation_broker::pb;
+
+use crate::harness::*;
+
+/// Hostile tenants (keys that each open a root) and honest rounds.
+const HOSTILE_TENANTS: usize = 8;
+const HONEST_ROUNDS: usize = 4;
+/// Generous: an honest call waits at most about one job per tenant ahead
+/// of it in each shared queue; first come first served made it wait for
+/// the whole flood (10 s, then BUSY).
+const HONEST_CALL_MAX: Duration = Duration::from_secs(8);
+
+/// A schema of 64 patterns no other request uses (`salt`): compiled anew.
+fn pattern_schema(salt: &str) -> String {
+    let patterns: Vec<String> = (0..64)
+        .map(|i| format!(r#"{{"pattern": "^(?:[a-z0-9]{{1,8}}-){{1,6}}{salt}-{i}$"}}"#))
+        .collect();
+    format!(r#"{{"anyOf": [{}]}}"#, patterns.join(","))
+}
+
+/// A pattern schema over the output's items (judging scans every byte).
+const HEAVY_OUTPUT_SCHEMA: &str = r#"{"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "pattern": "^(a|b)*c$"}}}}"#;
+
+fn heavy_output() -> String {
+    let item = format!("{}c", "ab".repeat(100));
+    format!(
+        r#"{{"items": [{}]}}"#,
+        vec![format!("\"{item}\""); 1_000].join(",")
+    )
+}
+
+/// What the flood got done: conversions answered, completions judged.
+#[derive(Default)]
+struct Flooded {
+    converted: AtomicUsize,
+    judged: AtomicUsize,
+}
+
+async fn hostile_tenant(addr: String, stop: Arc<AtomicBool>, n: usize, flooded: Arc<Flooded>) {
+    let (tenant, worker) = (Agent::generate(), Agent::generate());
+    let spec = RootSpec {
+        budget: 1_000_000,
+        max_children: 1_024,
+        ..RootSpec::default()
+    };
+    let mut raw = connect(&addr).await;
+    let root_id = raw
+        .open_root(tenant.open_root(spec.body()))
+        .await
+        .expect("a hostile root")
+        .into_inner()
+        .issued
+        .expect("issued")
+        .contract_id;
+    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    // Watch streams on its own tree, held for the whole flood (past the
+    // broker-wide total the rest are refused: that is the flood's point).
+    let mut streams = Vec::new();
+    let mut watcher = connect_as(&addr, &tenant).await;
+    for _ in 0..8 {
+        if let Ok(s) = watcher
+            .watch(pb::WatchRequest {
+                contract_id: root_id.clone(),
+                cursor: 0,
+            })
+            .await
+        {
+            streams.push(s);
+        }
+    }
+    // Audits of its own tree, in a loop.
+    let auditor = {
+        let (addr, stop, root) = (addr.clone(), stop.clone(), root_id.clone());
+        let tenant = Agent::from_seed(tenant.seed());
+        tokio::spawn(async move {
+            let mut client = connect_as(&addr, &tenant).await;
+            while !stop.load(Ordering::SeqCst) {
+                let _ = client
+                    .get_audit(pb::GetAuditRequest {
+                        contract_id: root.clone(),
+                    })
+                    .await;
+            }
+        })
+    };
+    // Conversions and judgments: fresh schemas to compile, heavy outputs to
+    // judge, four at a time.
+    let mut round = 0;
+    while !stop.load(Ordering::SeqCst) {
+        let mut calls = Vec::new();
+        for k in 0..4 {
+            round += 1;
+            let (addr, root_id, lineage) = (addr.clone(), root_id.clone(), lineage.clone());
+            let flooded = flooded.clone();
+            let (tenant, worker) = (
+                Agent::from_seed(tenant.seed()),
+                Agent::from_seed(worker.seed()),
+            );
+            calls.push(tokio::spawn(async move {
+                let mut raw = connect(&addr).await;
+                let mut body = child(&root_id, &lineage, &worker, 1);
+                body.result_schema_json = if k % 2 == 0 {
+                    pattern_schema(&format!("h{n}r{round}"))
+                } else {
+                    HEAVY_OUTPUT_SCHEMA.to_owned()
+                };
+                let Ok(answer) = raw.delegate(tenant.delegate(body)).await else {
+                    return;
+                };
+                flooded.converted.fetch_add(1, Ordering::SeqCst);
+                let Some(Outcome::Issued { id, .. }) =
+                    answer.into_inner().outcome.map(Outcome::from)
+                else {
+                    return;
+                };
+                if k % 2 == 0 {
+                    return;
+                }
+                let mut client = connect_as(&addr, &worker).await;
+                let accept = pb::AcceptBody {
+                    header: None,
+                    contract_id: id.clone(),
+                    host_public_key: Vec::new(),
+                };
+                if send_lifecycle(&mut client, &worker, accept).await.is_err() {
+                    return;
+                }
+                let complete = pb::CompleteBody {
+                    header: None,
+                    contract_id: id,
+                    output_json: heavy_output(),
+                    claim: "done".into(),
+                    ..Default::default()
+                };
+                if send_lifecycle(&mut client, &worker, complete).await.is_ok() {
+                    flooded.judged.fetch_add(1, Ordering::SeqCst);
+                }
+            }));
+        }
+        for call in calls {
+            let _ = call.await;
+        }
+    }
+    let _ = auditor.await;
+    drop(streams);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hostile_flood_does_not_starve_an_honest_tenant() {
+    let mut broker = Broker::start_with(|c| {
+        // Small shares, so a few keys fill them fast.
+        c.limits.max_watch_streams = 32;
+        c.limits.max_watch_streams_per_caller = 8;
+        c.limits.max_concurrent_audits = 2;
+    })
+    .await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooded = Arc::new(Flooded::default());
+    let attackers: Vec<_> = (0..HOSTILE_TENANTS)
+        .map(|n| {
+            tokio::spawn(hostile_tenant(
+                broker.addr.clone(),
+                stop.clone(),
+                n,
+                flooded.clone(),
+            ))
+        })
+        .collect();
+    // Let the flood fill every queue first.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (honest, worker) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&honest, RootSpec::default()).await;
+    let mut slowest = Duration::ZERO;
+    let mut timed = |started: Instant, what: &str| {
+        let took = started.elapsed();
+        assert!(took < HONEST_CALL_MAX, "the honest {what} took {took:?}");
+        slowest = slowest.max(took);
+    };
+    let mut own = connect_as(&broker.addr, &honest).await;
+    let started = Instant::now();
+    let mut stream = own
+        .watch(pb::WatchRequest {
+            contract_id: root.id.clone(),
+            cursor: 0,
+        })
+        .await
+        .expect("the honest tenant watches its tree")
+        .into_inner();
+    stream.message().await.expect("an event").expect("the root");
+    timed(started, "Watch");
+    for round in 0..HONEST_ROUNDS {
+        let started = Instant::now();
+        let mut body = child(&root.id, &root.lineage, &worker, 1);
+        body.result_schema_json = pattern_schema(&format!("honest{round}"));
+        let (id, _) = broker
+            .delegate(&honest, body)
+            .await
+            .expect("the honest Delegate")
+            .issued();
+        timed(started, "Delegate");
+        let started = Instant::now();
+        broker.accept(&worker, &id, None).await.expect("Accept");
+        timed(started, "Accept");
+        let started = Instant::now();
+        let done = broker
+            .complete(
+                &worker,
+                pb::CompleteBody {
+                    header: None,
+                    contract_id: id,
+                    output_json: r#""ab-honest0-1""#.into(),
+                    claim: "done".into(),
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("the honest Complete");
+        assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
+        timed(started, "Complete");
+        let started = Instant::now();
+        own.get_audit(pb::GetAuditRequest {
+            contract_id: root.id.clone(),
+        })
+        .await
+        .expect("the honest GetAudit");
+        timed(started, "GetAudit");
+    }
+    stop.store(true, Ordering::SeqCst);
+    for attacker in attackers {
+        attacker.await.expect("attacker");
+    }
+    let (converted, judged) = (
+        flooded.converted.load(Ordering::SeqCst),
+        flooded.judged.load(Ordering::SeqCst),
+    );
+    println!(
+        "the honest tenant's slowest call: {slowest:?}; the flood: {converted} conversions, {judged} judgments"
+    );
+    // The flood was real: the shared work was busy the whole time.
+    assert!(
+        converted > 2 * HONEST_ROUNDS && judged > HONEST_ROUNDS,
+        "{converted} {judged}"
+    );
+    broker.stop().await;
+}
