@@ -52,8 +52,8 @@ use super::limits::{
     MAX_CLAIM_BYTES, MAX_JUDGMENT_MS, MAX_OUT_OF_SCOPE_PATHS_REPORTED, MAX_PATTERNS_PER_JUDGMENT,
     MAX_PREDICATE_AST_DEPTH, MAX_PREDICATE_COST, MAX_REGEX_NFA_BYTES, MAX_RESULT_BYTES,
     MAX_RESULT_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_ERRORS_REPORTED,
-    MAX_SCHEMA_WORK, REGEX_BYTE_COST, REGEX_CALL_COST, REGEX_DFA_CACHE_BYTES,
-    REGEX_STATES_PER_UNIT,
+    MAX_SCHEMA_VALIDATION_MS, MAX_SCHEMA_WORK, REGEX_BYTE_COST, REGEX_CALL_COST,
+    REGEX_DFA_CACHE_BYTES, REGEX_STATES_PER_UNIT,
 };
 use super::scope::Scope;
 
@@ -263,8 +263,20 @@ fn validate_output(schema: &Json, output: &Json) -> (bool, Vec<String>) {
             )],
         );
     }
-    if compiled.validator().is_valid(output) {
-        return (true, Vec::new());
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(MAX_SCHEMA_VALIDATION_MS);
+    let out_of_time = || {
+        (
+            false,
+            vec![format!(
+                "/: not validated: validation time exceeds the limit of MAX_SCHEMA_VALIDATION_MS ({MAX_SCHEMA_VALIDATION_MS} ms)"
+            )],
+        )
+    };
+    match super::schema::within(deadline, || compiled.validator().is_valid(output)) {
+        None => return out_of_time(),
+        Some(true) => return (true, Vec::new()),
+        Some(false) => {}
     }
     // Collecting details re-checks anyOf/oneOf branches: bounded apart.
     if compiled.profile().error_work(output) > MAX_SCHEMA_WORK {
@@ -275,17 +287,22 @@ fn validate_output(schema: &Json, output: &Json) -> (bool, Vec<String>) {
             )],
         );
     }
-    let mut errors: Vec<String> = compiled
-        .validator()
-        .iter_errors(output)
-        .take(MAX_SCHEMA_ERRORS_REPORTED)
-        .map(|e| {
-            let at = e.instance_path().to_string();
-            let message = format!("{}: {e}", if at.is_empty() { "/" } else { &at });
-            // Messages quote the output, which may be large.
-            super::error::bounded(message, super::error::MAX_ERROR_REASON_BYTES)
-        })
-        .collect();
+    let errors = super::schema::within(deadline, || {
+        compiled
+            .validator()
+            .iter_errors(output)
+            .take(MAX_SCHEMA_ERRORS_REPORTED)
+            .map(|e| {
+                let at = e.instance_path().to_string();
+                let message = format!("{}: {e}", if at.is_empty() { "/" } else { &at });
+                // Messages quote the output, which may be large.
+                super::error::bounded(message, super::error::MAX_ERROR_REASON_BYTES)
+            })
+            .collect::<Vec<String>>()
+    });
+    let Some(mut errors) = errors else {
+        return out_of_time();
+    };
     if errors.is_empty() {
         errors.push("/: does not match the schema".to_owned());
     }

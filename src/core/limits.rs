@@ -138,6 +138,11 @@ pub const REGEX_STATES_PER_UNIT: u64 = 16;
 /// bounds work, this bounds what its accounting could miss. Past it the
 /// conjunct being evaluated (and any after it) is refused.
 pub const MAX_JUDGMENT_MS: u64 = 2_000;
+/// Longest a completion's output is validated against its schema: past
+/// it, every schema node the validator enters fails at once and the output
+/// is not valid (the work estimate, `MAX_SCHEMA_WORK`, is checked first;
+/// this bounds what an estimate missed).
+pub const MAX_SCHEMA_VALIDATION_MS: u64 = 1_000;
 /// Most host observations recorded for one contract (RecordReceipts is
 /// append-only; this bounds a contract's rows and its judgment's work).
 pub const MAX_OBSERVATIONS_PER_CONTRACT: i64 = 10_000;

@@ -461,3 +461,57 @@ fn the_work_estimate_follows_validation_time_across_keywords() {
         costliest.0,
     );
 }
+
+/// Validation stops at its deadline: the broker's clock keyword sits in
+/// every schema object of the compiled copy, and past the deadline every
+/// node the validator enters fails, and `within` says it ran out of time.
+#[test]
+fn validation_stops_at_its_deadline() {
+    let schema = json!({
+        "$defs": {"leaf": {"type": "string"}},
+        "anyOf": [{"$ref": "#/$defs/leaf"}, {"not": {"type": "null"}}],
+        "properties": {"a": {"items": [{"type": "integer"}], "additionalItems": false}},
+        "items": {"contains": {"const": 1}},
+        "dependencies": {"a": ["b"], "c": {"required": ["d"]}}
+    });
+    let clocked = clocked(&schema);
+    let at = |pointer: &str| {
+        clocked
+            .pointer(pointer)
+            .unwrap_or_else(|| panic!("{pointer}"))
+            .get(CLOCK_KEYWORD)
+            .cloned()
+    };
+    for pointer in [
+        "",
+        "/$defs/leaf",
+        "/anyOf/0",
+        "/anyOf/1",
+        "/anyOf/1/not",
+        "/properties/a",
+        "/properties/a/items/0",
+        "/items",
+        "/items/contains",
+        "/dependencies/c",
+    ] {
+        assert_eq!(at(pointer), Some(json!(true)), "{pointer}");
+    }
+    // Not in data: the list of names, the const, the original schema.
+    assert_eq!(clocked.pointer("/dependencies/a"), Some(&json!(["b"])));
+    assert_eq!(clocked.pointer("/items/contains/const"), Some(&json!(1)));
+    assert!(schema.get(CLOCK_KEYWORD).is_none());
+
+    let compiled = compile(&doubling_chain(6)).unwrap();
+    let later = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    assert_eq!(
+        within(later, || compiled.validator().is_valid(&json!(1))),
+        Some(true)
+    );
+    let now = std::time::Instant::now();
+    assert_eq!(
+        within(now, || compiled.validator().is_valid(&json!(1))),
+        None
+    );
+    // Outside `within` the clock never stops anything.
+    assert!(compiled.validator().is_valid(&json!(1)));
+}
