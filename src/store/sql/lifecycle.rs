@@ -344,14 +344,17 @@ async fn drains_of(conn: &mut DbConn, root_seq: i64) -> Result<Vec<(i64, Status)
         .await?;
     rows.iter()
         .map(|r| {
-            let status: i64 = r.try_get("status")?;
-            let status = i32::try_from(status)
-                .ok()
-                .and_then(Status::from_i32)
-                .ok_or_else(|| sqlx::Error::Protocol(format!("draining status {status}")))?;
-            Ok((r.try_get("target_seq")?, status))
+            Ok((r.try_get("target_seq")?, draining_status(r.try_get("status")?)?))
         })
         .collect()
+}
+
+/// A drain's stored status; another value is corrupt data.
+fn draining_status(stored: i64) -> Result<Status, sqlx::Error> {
+    i32::try_from(stored)
+        .ok()
+        .and_then(Status::from_i32)
+        .ok_or_else(|| sqlx::Error::Protocol(format!("draining status {stored}")))
 }
 
 /// `seq` and its ancestors: (seq, id), the contract itself included.
@@ -470,10 +473,7 @@ async fn drain(
     let Some(status) = status else {
         return Ok(gone(false));
     };
-    let status = i32::try_from(status)
-        .ok()
-        .and_then(Status::from_i32)
-        .ok_or_else(|| sqlx::Error::Protocol(format!("draining status {status}")))?;
+    let status = draining_status(status)?;
     let (rows, order) = drain_walk(conn, target, step_rows.max(1)).await?;
     let mut done = rows[0].ledger.open_children == 0;
     let mut answer = Err(StoreError::NotFound {
