@@ -703,6 +703,12 @@ async fn expiry_sweeper<S: Store>(
                 // Another path (a cascade, an access, another replica's
                 // sweeper) ended it first.
                 Err(crate::store::StoreError::FailedPrecondition { .. }) => {}
+                // Its descendants are being ended in steps (a drain): it is
+                // expired by a later sweep; the others go on now.
+                Err(crate::store::StoreError::Unavailable {
+                    reason: crate::pb::ErrorReason::DescendantsEnding,
+                    ..
+                }) => {}
                 // Passing (a full queue, a database away or contended):
                 // the next sweep tries again.
                 Err(
