@@ -69,8 +69,9 @@ pub struct Subtree {
 /// contract) found more of them than one step may end. From the instant
 /// the drain starts, its open descendants are frozen: every request about
 /// them is refused as about an ended contract (the broker's own expiry
-/// still ends them), and every request that would end the draining
-/// contract waits until its descendants have ended.
+/// still ends them), and every request about the draining contract waits
+/// until its descendants have ended (it issues, records and accepts
+/// nothing meanwhile); then the request that ends it goes through.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Ending {
     /// Neither the target nor an ancestor is draining.
@@ -425,9 +426,9 @@ pub fn decide(
         Ending::Frozen { cause, .. } if signer.is_some() => {
             return Decision::refused(Refused::AncestorEnding { cause });
         }
-        Ending::Draining if ends_target(action) => {
-            return Decision::refused(Refused::DescendantsEnding);
-        }
+        // Nothing happens to a draining contract but its ending, once its
+        // descendants have ended: not charged, not accepted.
+        Ending::Draining => return Decision::refused(Refused::DescendantsEnding),
         _ => {}
     }
     match action {

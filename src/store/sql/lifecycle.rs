@@ -344,7 +344,10 @@ async fn drains_of(conn: &mut DbConn, root_seq: i64) -> Result<Vec<(i64, Status)
         .await?;
     rows.iter()
         .map(|r| {
-            Ok((r.try_get("target_seq")?, draining_status(r.try_get("status")?)?))
+            Ok((
+                r.try_get("target_seq")?,
+                draining_status(r.try_get("status")?)?,
+            ))
         })
         .collect()
 }

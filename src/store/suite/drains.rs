@@ -274,8 +274,18 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
     child.request = requests.next(OPENER);
     let refused = receipt(store.delegate(child).await);
     assert_eq!(refused.primary, pb::InvariantCode::ParentNotActive as i32);
-    // A retry while it drains: still waiting.
+    // A retry while it drains: still waiting; nothing else happens to it.
     let err = store.transition(revoke.clone()).await.unwrap_err();
+    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
+    let err = store
+        .transition(act(
+            OPENER,
+            tree.root,
+            Action::Accept { host: None },
+            &mut requests,
+        ))
+        .await
+        .unwrap_err();
     assert_eq!(reason(&err), "DESCENDANTS_ENDING");
     // Three steps by hand, each ending at most a step.
     let step = LifecycleCommand {
