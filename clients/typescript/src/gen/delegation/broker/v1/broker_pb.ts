@@ -27,8 +27,9 @@
 // it is answered UNAVAILABLE (DESCENDANTS_ENDING), nothing but that is
 // recorded, and from that moment the descendants are frozen — every
 // lifecycle call about one of them is FAILED_PRECONDITION
-// (ANCESTOR_ENDING), and a Delegate from one of them or from the contract
-// itself is refused (PARENT_NOT_ACTIVE, allowed "ENDING"). The broker then
+// (ANCESTOR_ENDING), any other call about the contract itself waits too
+// (DESCENDANTS_ENDING), and a Delegate from one of them or from the
+// contract is refused (PARENT_NOT_ACTIVE, allowed "ENDING"). The broker then
 // ends them in the background in steps of that size, interleaved with
 // other work, each with the REVOKED (EXPIRED for an expiry) receipt naming
 // the contract as the ancestor it ended with, and survives a restart

@@ -451,12 +451,15 @@ export enum ErrorReason {
 
   /**
    * UNAVAILABLE, Complete, Escalate, Decline, Revoke (and the broker's own
-   * expiry). The contract has more open descendants than one writer step
-   * ends (limits.cascade_step_rows): they are being ended in bounded steps
-   * first, each with the CASCADED receipt it would have had, naming this
-   * contract as the cause. From the moment this is answered they are
-   * frozen (every request about them fails with ANCESTOR_ENDING) and this
-   * contract issues no child. No metadata. Nothing else is recorded: retry
+   * expiry); then every lifecycle call about the contract until its
+   * descendants have ended. The contract has more open descendants than
+   * one writer step ends (limits.cascade_step_rows): they are being ended
+   * in bounded steps first, each with the CASCADED receipt it would have
+   * had, naming this contract as the cause. From the moment this is
+   * answered they are frozen (every request about them fails with
+   * ANCESTOR_ENDING) and this contract takes nothing either (no child:
+   * PARENT_NOT_ACTIVE; no observation, no acceptance: DESCENDANTS_ENDING).
+   * No metadata. Nothing else is recorded: retry
    * with the same nonce; once they have ended (Watch the contract, or
    * retry with backoff) the request goes through, and its receipt lists
    * only the contracts that request ended itself.
