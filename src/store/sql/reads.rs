@@ -62,16 +62,26 @@ pub(super) async fn issuing_parent(
     store: &BackendStore,
     parent: Id,
 ) -> Result<Option<IssuingParent>, StoreError> {
-    let cached = lock(&store.known).get(&parent).map(|known| {
-        let parent = IssuingParent {
-            delegate_key: known.view.delegate_key,
-            effective_predicate: known.view.effective_predicate.clone(),
-            root_id: known.root_id,
-            depth: known.view.depth,
-            tenant: known.view.delegate_key,
-        };
-        (parent, known.root_seq)
-    });
+    // One lock for the parent and its root (the writer holds it while it
+    // plans a batch: a second acquisition is a second wait).
+    let cached = {
+        let known = lock(&store.known);
+        known.get(&parent).map(|k| {
+            let tenant = known.get(&k.root_id).map(|root| root.view.delegate_key);
+            let parent = IssuingParent {
+                delegate_key: k.view.delegate_key,
+                effective_predicate: k.view.effective_predicate.clone(),
+                root_id: k.root_id,
+                depth: k.view.depth,
+                tenant: tenant.unwrap_or(k.view.delegate_key),
+            };
+            (parent, k.root_seq, tenant.is_some() || k.view.depth == 0)
+        })
+    };
+    if let Some((parent, _, true)) = cached {
+        return Ok(Some(parent));
+    }
+    let cached = cached.map(|(parent, root_seq, _)| (parent, root_seq));
     let (mut found, root_seq) = match cached {
         Some(cached) => cached,
         None => {
