@@ -51,8 +51,17 @@ struct Flooded {
     judged: AtomicUsize,
 }
 
-async fn hostile_tenant(addr: String, stop: Arc<AtomicBool>, n: usize, flooded: Arc<Flooded>) {
-    let (tenant, worker) = (Agent::generate(), Agent::generate());
+/// One flooding party: its roots are opened by `opener` (a key of its
+/// own, so a tenant of its own, when `None`).
+async fn hostile_tenant(
+    addr: String,
+    stop: Arc<AtomicBool>,
+    n: usize,
+    flooded: Arc<Flooded>,
+    opener: Option<[u8; 32]>,
+) {
+    let tenant = opener.map_or_else(Agent::generate, Agent::from_seed);
+    let worker = Agent::generate();
     let spec = RootSpec {
         budget: 1_000_000,
         max_children: 1_024,
@@ -160,15 +169,37 @@ async fn hostile_tenant(addr: String, stop: Arc<AtomicBool>, n: usize, flooded: 
     drop(streams);
 }
 
+/// The open configuration: every hostile key opens roots of its own, so
+/// each is a tenant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hostile_flood_does_not_starve_an_honest_tenant() {
+    flood(false).await;
+}
+
+/// With `[orchestrators]` set (production): the hostile party's roots all
+/// belong to its one listed orchestrator, one tenant however many keys
+/// work in its trees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_listed_orchestrators_flood_does_not_starve_another() {
+    flood(true).await;
+}
+
+async fn flood(orchestrated: bool) {
+    let (honest, hostile) = (Agent::generate(), Agent::generate());
+    let listed = [honest.public_key(), hostile.public_key()];
     let mut broker = Broker::start_with(|c| {
         // Small shares, so a few keys fill them fast.
         c.limits.max_watch_streams = 32;
         c.limits.max_watch_streams_per_caller = 8;
         c.limits.max_concurrent_audits = 2;
+        if orchestrated {
+            for key in listed {
+                c.orchestrators.max_root_budget.insert(key, 1_000_000);
+            }
+        }
     })
     .await;
+    let opener = orchestrated.then(|| hostile.seed());
     let stop = Arc::new(AtomicBool::new(false));
     let flooded = Arc::new(Flooded::default());
     let attackers: Vec<_> = (0..HOSTILE_TENANTS)
@@ -178,12 +209,13 @@ async fn a_hostile_flood_does_not_starve_an_honest_tenant() {
                 stop.clone(),
                 n,
                 flooded.clone(),
+                opener,
             ))
         })
         .collect();
     // Let the flood fill every queue first.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (honest, worker) = (Agent::generate(), Agent::generate());
+    let worker = Agent::generate();
     let root = broker.open_root(&honest, RootSpec::default()).await;
     let mut slowest = Duration::ZERO;
     let mut timed = |started: Instant, what: &str| {
