@@ -223,3 +223,157 @@ impl LedgerCheck {
         seen
     }
 }
+
+/// Issue 21, acceptance (a)'s crash: a revoke of a root with more open
+/// descendants than one writer step is answered DESCENDANTS_ENDING, the
+/// broker is SIGKILLed at once (its drain begun or not), and restarted on
+/// the same data: the drain resumes and ends, every descendant revoked by
+/// exactly one receipt, and the retried revoke (the same signed bytes)
+/// then ends the root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_a_drain_finishes_it_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = if on_postgres() {
+        Some(delegation_broker::store::postgres::testing::TestDatabase::create().await)
+    } else {
+        None
+    };
+    let url = database.as_ref().map(|d| d.url.as_str());
+    let (mut process, addr) = spawn_broker(dir.path(), url);
+    let mut client = connect(&addr).await;
+    let orchestrator = Agent::generate();
+    let spec = RootSpec {
+        budget: 1_000_000,
+        max_children: 1_024,
+        ..RootSpec::default()
+    };
+    let root = client
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .unwrap()
+        .into_inner()
+        .issued
+        .unwrap()
+        .contract_id;
+    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    // 2 children of the root, 520 children each: 1,042 descendants, past
+    // the default step of 1,024.
+    let middle = Agent::generate();
+    let mut descendants = Vec::new();
+    for _ in 0..2 {
+        let answer = client
+            .delegate(orchestrator.delegate(child(&root, &lineage, &middle, 1_000)))
+            .await
+            .unwrap()
+            .into_inner();
+        let (id, _) = Outcome::from(answer.outcome.unwrap()).issued();
+        let mut calls = Vec::new();
+        for _ in 0..520 {
+            let (mut client, middle, id, lineage) = (
+                client.clone(),
+                Agent::from_seed(middle.seed()),
+                id.clone(),
+                lineage.clone(),
+            );
+            calls.push(tokio::spawn(async move {
+                let leaf = Agent::generate();
+                let answer = client
+                    .delegate(middle.delegate(child(&id, &lineage, &leaf, 1)))
+                    .await
+                    .unwrap()
+                    .into_inner();
+                Outcome::from(answer.outcome.unwrap()).issued().0
+            }));
+        }
+        descendants.push(id);
+        for call in calls {
+            descendants.push(call.await.unwrap());
+        }
+    }
+    let body = pb::RevokeBody {
+        header: Some(orchestrator.header()),
+        contract_id: root.clone(),
+        reason: "stop".into(),
+    };
+    let revoke = pb::RevokeRequest {
+        signed: signed(
+            &orchestrator,
+            <pb::RevokeBody as LifecycleBody>::PAYLOAD_TYPE,
+            &body,
+        ),
+    };
+    let mut session = connect_as(&addr, &orchestrator).await;
+    let err = session.revoke(revoke.clone()).await.unwrap_err();
+    assert_eq!(reason(&err), "DESCENDANTS_ENDING", "{err:?}");
+    process.0.kill().unwrap(); // SIGKILL
+    process.0.wait().unwrap();
+    drop(process);
+
+    let (_restarted, addr) = spawn_broker(dir.path(), url);
+    let mut session = connect_as(&addr, &orchestrator).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let open = session
+            .get_contract(pb::GetContractRequest {
+                contract_id: root.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .contract
+            .and_then(|c| c.ledger)
+            .unwrap()
+            .open_children;
+        if open == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the drain did not resume"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Every descendant revoked, by exactly one receipt.
+    let mut stream = session
+        .watch(pb::WatchRequest {
+            contract_id: root.clone(),
+            cursor: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut receipts: std::collections::HashMap<Vec<u8>, usize> = Default::default();
+    while let Ok(Ok(Some(event))) =
+        tokio::time::timeout(Duration::from_secs(3), stream.message()).await
+    {
+        if let Some(pb::watch_response::Event::Receipt(sealed)) = event.event {
+            let receipt = decode_receipt(&sealed);
+            assert_eq!(receipt.kind, pb::ReceiptKind::Revoked as i32);
+            *receipts.entry(receipt.contract_id).or_default() += 1;
+        }
+    }
+    assert_eq!(receipts.len(), descendants.len(), "a receipt for each");
+    for id in &descendants {
+        assert_eq!(receipts.get(id), Some(&1), "{}", hex::encode(id));
+        let state = session
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .contract
+            .unwrap();
+        assert_eq!(
+            state.status,
+            pb::ContractStatus::Revoked as i32,
+            "{}",
+            hex::encode(id)
+        );
+    }
+    // The retried revoke goes through now and ends the root alone.
+    let receipt = session.revoke(revoke).await.unwrap().into_inner();
+    let receipt = decode_receipt(&receipt.receipt.unwrap());
+    assert_eq!(receipt.revoked_ids, vec![root.clone()]);
+    drop(database);
+}
