@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod postgres;
 pub mod recent;
+pub(crate) mod sql;
 pub mod sqlite;
 #[cfg(test)]
 pub(crate) mod suite;
@@ -195,19 +196,19 @@ async fn submit(
 type Reply = tokio::sync::oneshot::Sender<Result<Answer, StoreError>>;
 
 /// The `Store` methods both SQL backends answer with the shared SQL
-/// (`store/sql/`): expanded inside each backend's `impl Store`, where
-/// `reads`, `audit` and `judge` are that backend's instantiation.
+/// (`store::sql`, generic over `store::sql::Backend`): expanded inside each
+/// backend's `impl Store`, each a call of one shared function.
 macro_rules! sql_store_methods {
     () => {
         async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
-            judge::transition(self, command).await
+            crate::store::sql::judge::transition(self, command).await
         }
 
         async fn audit_facts(
             &self,
             id: Id,
         ) -> Result<Option<(AuditFacts, Vec<(Id, String)>)>, StoreError> {
-            audit::audit_facts(self, id).await
+            crate::store::sql::audit::audit_facts(self, id).await
         }
 
         async fn is_party(
@@ -215,7 +216,7 @@ macro_rules! sql_store_methods {
             contract: Id,
             agent: AgentKey,
         ) -> Result<Option<bool>, StoreError> {
-            reads::is_party(self, contract, agent).await
+            crate::store::sql::reads::is_party(self, contract, agent).await
         }
 
         async fn runs(
@@ -224,30 +225,30 @@ macro_rules! sql_store_methods {
             selector: &std::collections::BTreeMap<String, String>,
             limit: u32,
         ) -> Result<Vec<(RunFacts, TreeMutations)>, StoreError> {
-            audit::runs(self, orchestrator, selector, limit).await
+            crate::store::sql::audit::runs(self, orchestrator, selector, limit).await
         }
 
         async fn overdue(&self, now_ms: i64, limit: u32) -> Result<Vec<Id>, StoreError> {
-            reads::overdue(self, now_ms, limit).await
+            crate::store::sql::reads::overdue(self, now_ms, limit).await
         }
 
         async fn replay(&self, request: &RequestMeta) -> Result<Option<Answer>, StoreError> {
-            reads::replay(self, request).await
+            crate::store::sql::reads::replay(self, request).await
         }
 
         async fn issuing_parent(&self, parent: Id) -> Result<Option<IssuingParent>, StoreError> {
-            reads::issuing_parent(self, parent).await
+            crate::store::sql::reads::issuing_parent(self, parent).await
         }
 
         async fn issuance_trace(
             &self,
             id: Id,
         ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
-            reads::issuance_trace(self, id).await
+            crate::store::sql::reads::issuance_trace(self, id).await
         }
 
         async fn contract(&self, id: Id) -> Result<Option<ContractRecord>, StoreError> {
-            reads::contract(self, id).await
+            crate::store::sql::reads::contract(self, id).await
         }
 
         async fn children(
@@ -257,11 +258,11 @@ macro_rules! sql_store_methods {
             limit: u32,
             max_bytes: usize,
         ) -> Result<Vec<ContractRecord>, StoreError> {
-            reads::children(self, parent, after_seq, limit, max_bytes).await
+            crate::store::sql::reads::children(self, parent, after_seq, limit, max_bytes).await
         }
 
         async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
-            reads::receipt(self, id).await
+            crate::store::sql::reads::receipt(self, id).await
         }
     };
 }

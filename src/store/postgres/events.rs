@@ -81,7 +81,7 @@ pub(super) async fn events(
     max_bytes: usize,
 ) -> Result<Vec<Event>, StoreError> {
     let after = position_of(store.tag, cursor)?;
-    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let mut conn = store.sql.read().await?;
     let mut rows = sqlx::query(
         "WITH RECURSIVE sub(seq) AS (\
              SELECT seq FROM contracts WHERE id = $1 \
@@ -97,7 +97,7 @@ pub(super) async fn events(
     .bind(after)
     .bind(i64::from(limit))
     .fetch(&mut *conn);
-    reads::collect_events(
+    crate::store::sql::reads::collect_events::<sqlx::Postgres>(
         &mut rows,
         |position| cursor_of(store.tag, position),
         max_bytes,

@@ -25,87 +25,68 @@
 //! LISTEN/NOTIFY, no `FOR SHARE`, one DDL statement per migration, and no
 //! correctness resting on sequence order (see ARCHITECTURE.md).
 
-#[path = "../sql/audit.rs"]
-mod audit;
 mod events;
-#[path = "../sql/judge.rs"]
-mod judge;
-#[path = "../sql/lifecycle.rs"]
-mod lifecycle;
 pub mod migrate;
-#[path = "../sql/plan.rs"]
-mod plan;
-#[path = "../sql/reads.rs"]
-mod reads;
-#[path = "../sql/requests.rs"]
-mod requests;
-#[path = "../sql/rows.rs"]
-mod rows;
 #[doc(hidden)]
 pub mod testing;
 #[cfg(test)]
 mod tests;
 mod writer;
 
-use self::judge::*;
-use self::lifecycle::JudgeInputs;
-use self::plan::*;
-use self::requests::*;
-use self::rows::*;
 use self::writer::*;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
-use prost::Message;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Connection, Postgres, QueryBuilder, Row};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::{Connection, Postgres, QueryBuilder};
 use tokio::sync::mpsc;
 
-use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey};
+use super::batch::{self, Command, KnownMap, Plan, RequestKey};
 use super::{
     Answer, AuditFacts, ContractRecord, Event, IssuingParent, RunFacts, Store, StoreError,
     TreeMutations, backend, backend_ref,
 };
 use crate::clock::Clock;
-use crate::command::{Action, CompleteArgs, LifecycleCommand, NewChild, NewRoot, RequestMeta};
-use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
+use crate::command::{LifecycleCommand, NewChild, NewRoot, RequestMeta};
+use crate::core::{AgentKey, Id, Status};
 use crate::pb;
 use crate::stamp::Stamper;
 
-pub use audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
+pub use super::sql::BeforeJudge;
+pub use super::sql::audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
+use super::sql::drain;
+use super::sql::lifecycle;
+use super::sql::plan::plan_statements;
+use super::sql::requests::load_prior_requests;
+use super::sql::rows::StoredContract;
+use super::sql::{
+    Backend, KnownCache, MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS, Shared, SharedOptions,
+    lock,
+};
 
-/// The types the shared SQL (`store::sql`) is compiled against.
-type Db = Postgres;
-type DbConn = PgConnection;
-type DbRow = PgRow;
-type BackendStore = PostgresStore;
-/// Every contract a transaction decides on is locked until it commits;
-/// the shared queries lock in (depth, id) order.
-const LOCK_ROWS: &str = " FOR UPDATE";
-/// PostgreSQL's bind parameters per statement (a 16-bit count).
-const MAX_BIND_PARAMETERS: usize = 65_535;
-/// Numbers the database reserved for one transaction.
-type Seqs = Reserved;
+/// PostgreSQL as the shared SQL's dialect.
+impl super::sql::Dialect for Postgres {
+    /// Every contract a transaction decides on is locked until it commits;
+    /// the shared queries lock in (depth, id) order.
+    const LOCK_ROWS: &'static str = " FOR UPDATE";
+    /// Numbers the database reserved for one transaction.
+    type Seqs = Reserved;
 
-/// Reserves `count` more numbers for `seqs` (see `Reserved`).
-async fn reserve_seqs(conn: &mut DbConn, seqs: &mut Seqs, count: usize) -> Result<(), sqlx::Error> {
-    seqs.reserve(conn, count).await
+    /// Reserves `count` more numbers for `seqs` (see `Reserved`).
+    async fn reserve_seqs(
+        conn: &mut PgConnection,
+        seqs: &mut Reserved,
+        count: usize,
+    ) -> Result<(), sqlx::Error> {
+        seqs.reserve(conn, count).await
+    }
 }
 
-/// Contracts' immutable terms as recently loaded, for `issuing_parent`
-/// (holder, effective predicate, root, depth: fixed at issuance, so any
-/// replica's copy is current). Never used to decide a write.
-type KnownCache = Arc<Mutex<KnownMap>>;
-
-/// Most contracts (and bytes of them) the terms cache holds before it
-/// starts over.
-const MAX_CACHED_CONTRACTS: usize = 65_536;
-const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
-
-/// Stack of the judge threads (CEL recurses).
-const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
+/// PostgreSQL's bind parameters per statement (a 16-bit count).
+const MAX_BIND_PARAMETERS: usize = 65_535;
+const _: () = assert!(super::sql::plan::MAX_PARAMETERS_PER_STATEMENT <= MAX_BIND_PARAMETERS);
 
 use super::Reply;
 
@@ -182,25 +163,15 @@ pub const DEFAULT_WRITERS: usize = 1;
 /// How long a request waits for a database connection by default.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 
-/// Runs on a judge thread before it judges; blocking holds the thread.
-#[derive(Clone)]
-pub struct BeforeJudge(pub Arc<dyn Fn() + Send + Sync>);
-
-impl std::fmt::Debug for BeforeJudge {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("BeforeJudge(..)")
-    }
-}
-
 /// PostgreSQL-backed `Store`: one replica's handle on the shared database.
 #[derive(Clone)]
 pub struct PostgresStore {
     /// Queue to this replica's writers.
     commands: mpsc::Sender<(Command, Reply)>,
-    reader: PgPool,
-    known: KnownCache,
+    /// The read pool, the terms cache and the judges
+    /// (`store::sql::Shared`).
+    sql: Arc<Shared<Postgres>>,
     stamper: Arc<Stamper>,
-    clock: Arc<dyn Clock>,
     /// Which trees got events, fed by the sequencer (positions, not seqs).
     trees: super::TreeChanges,
     /// Bumped whenever new event positions became visible.
@@ -209,13 +180,6 @@ pub struct PostgresStore {
     tag: i64,
     /// False while the database cannot be reached (health).
     reachable: tokio::sync::watch::Receiver<bool>,
-    judges: crate::pool::WorkPool,
-    judgment_deadline: Duration,
-    judging_contracts: Arc<crate::slots::Slots<Id>>,
-    judging_signers: Arc<crate::slots::Slots<AgentKey>>,
-    before_judge: Option<BeforeJudge>,
-    max_audit_rows: i64,
-    max_audit_bytes: usize,
 }
 
 /// The pool options every pool of this store shares.
@@ -297,7 +261,7 @@ impl PostgresStore {
             tokio::spawn(writer.run());
         }
         if options.drainer {
-            tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
+            tokio::spawn(drain::drainer(reader.clone(), commands.downgrade()));
         }
         tokio::spawn(events::sequencer(
             write_pool,
@@ -307,44 +271,21 @@ impl PostgresStore {
             commands.downgrade(),
             reachable_tx,
         ));
+        let shared = SharedOptions {
+            judgment_deadline_ms: options.judgment_deadline_ms,
+            before_judge: options.before_judge.clone(),
+            max_audit_rows: options.max_audit_rows,
+            max_audit_bytes: options.max_audit_bytes,
+        };
         Ok(Self {
             commands,
-            reader,
-            known,
+            sql: Arc::new(Shared::new(reader, known, clock, shared)?),
             stamper,
-            clock,
             trees,
             commits,
             tag,
             reachable,
-            judges: crate::pool::WorkPool::start(
-                "store-judge",
-                MAX_CONCURRENT_JUDGMENTS,
-                WRITER_STACK_BYTES,
-            )
-            .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?,
-            judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
-            judging_contracts: crate::slots::Slots::new(
-                usize::MAX,
-                "judgments",
-                1,
-                "JUDGMENT_IN_PROGRESS",
-            ),
-            judging_signers: crate::slots::Slots::new(
-                usize::MAX,
-                "judgments",
-                MAX_JUDGMENTS_PER_SIGNER,
-                "MAX_JUDGMENTS_PER_SIGNER",
-            ),
-            before_judge: options.before_judge.clone(),
-            max_audit_rows: options.max_audit_rows.max(1),
-            max_audit_bytes: options.max_audit_bytes.max(1),
         })
-    }
-
-    /// Nothing to wait for: PostgreSQL acknowledges a commit once durable.
-    async fn settle(&self) -> Result<(), StoreError> {
-        Ok(())
     }
 
     /// Whether the database answered this replica's last write (health).
@@ -357,7 +298,7 @@ impl PostgresStore {
         sqlx::query_scalar("SELECT COUNT(*) FROM contracts WHERE status IN ($1, $2)")
             .bind(i64::from(Status::Open.as_i32()))
             .bind(i64::from(Status::Accepted.as_i32()))
-            .fetch_one(&self.reader)
+            .fetch_one(&self.sql.reader)
             .await
             .map_err(backend)
     }
@@ -374,8 +315,21 @@ impl PostgresStore {
         current: &[u8; 32],
         retired: &[[u8; 32]],
     ) -> Result<Vec<pb::BrokerKey>, StoreError> {
-        migrate::register_keys(&self.reader, current, retired, self.clock.now_ms()).await?;
-        migrate::broker_keys(&self.reader).await
+        migrate::register_keys(&self.sql.reader, current, retired, self.sql.clock.now_ms()).await?;
+        migrate::broker_keys(&self.sql.reader).await
+    }
+}
+
+impl Backend for PostgresStore {
+    type Db = Postgres;
+
+    fn sql(&self) -> &Shared<Postgres> {
+        &self.sql
+    }
+
+    /// Nothing to wait for: PostgreSQL acknowledges a commit once durable.
+    async fn settle(&self) -> Result<(), StoreError> {
+        Ok(())
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
@@ -388,7 +342,7 @@ impl Store for PostgresStore {
     crate::store::sql_store_methods!();
 
     async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
-        let stamped = self.stamper.root(&root, self.clock.now_ms());
+        let stamped = self.stamper.root(&root, self.sql.clock.now_ms());
         self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
             .await
     }
@@ -418,15 +372,6 @@ impl Store for PostgresStore {
     }
 
     async fn broker_keys(&self) -> Result<Option<Vec<pb::BrokerKey>>, StoreError> {
-        migrate::broker_keys(&self.reader).await.map(Some)
+        migrate::broker_keys(&self.sql.reader).await.map(Some)
     }
-}
-
-/// Locks the terms cache; a poisoned one is cleared (it is only a hint).
-fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
-    known.lock().unwrap_or_else(|poisoned| {
-        let mut guard = poisoned.into_inner();
-        guard.clear();
-        guard
-    })
 }

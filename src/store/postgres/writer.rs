@@ -23,7 +23,7 @@ const MAX_PRUNED_PER_PASS: i64 = 1_024;
 /// order, taken after the rows they depend on are locked (so the children
 /// of one parent are numbered in commit order, a child after its parent).
 #[derive(Default)]
-pub(super) struct Reserved {
+pub(crate) struct Reserved {
     left: std::collections::VecDeque<i64>,
     /// Every number handed out: the events this transaction writes.
     pub(super) taken: Vec<i64>,
@@ -246,13 +246,13 @@ impl Writer {
         let mut tx = self.pool.begin().await?;
         let (request_keys, parent_ids) = batch::needs(commands, &KnownMap::default());
         let mut prior = if careful {
-            load_prior_requests(&mut tx, &request_keys).await?
+            load_prior_requests::<Postgres>(&mut tx, &request_keys).await?
         } else {
             HashMap::new()
         };
         let mut known = KnownMap::default();
         load_parents_locked(&mut tx, &parent_ids, &mut known).await?;
-        lifecycle::mark_ending(&mut tx, &mut known, &parent_ids).await?;
+        drain::mark_ending::<Postgres>(&mut tx, &mut known, &parent_ids).await?;
         let mut seqs = Reserved::default();
         seqs.reserve(&mut tx, commands.len()).await?;
         let now_ms = self.clock.now_ms();
@@ -278,7 +278,7 @@ impl Writer {
                 .map(|r| (r.agent, r.nonce.clone()))
                 .collect();
             if !unlogged.is_empty() {
-                let earlier = load_prior_requests(&mut tx, &unlogged).await?;
+                let earlier = load_prior_requests::<Postgres>(&mut tx, &unlogged).await?;
                 for (command, answer) in commands.iter().zip(answers.iter_mut()) {
                     if let (Err(_), Some(request)) = (&answer, command.request())
                         && let Some(prior) = earlier.get(&(request.agent, request.nonce.clone()))
@@ -294,7 +294,7 @@ impl Writer {
             answers: Vec::new(),
             ..plan
         };
-        plan_statements(&mut script, &plan, &super::super::TreeChanges::default());
+        plan_statements(&mut script, &plan);
         script.execute(&mut tx).await?;
         let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
@@ -336,19 +336,16 @@ impl Writer {
             .iter()
             .map(|r| (r.agent, r.nonce.clone()))
             .collect();
-        let prior = load_prior_requests(&mut tx, &keys).await?;
+        let prior = load_prior_requests::<Postgres>(&mut tx, &keys).await?;
         let mut seqs = Reserved::default();
-        let applied = lifecycle::apply(
-            &mut tx,
-            command,
-            &prior,
-            &self.stamper,
-            &super::super::TreeChanges::default(),
-            &mut seqs,
-            self.clock.now_ms(),
-            self.cascade_step_rows,
-        )
-        .await?;
+        let mut writing = lifecycle::Writing {
+            stamper: &self.stamper,
+            seqs: &mut seqs,
+            now_ms: self.clock.now_ms(),
+            step_rows: self.cascade_step_rows,
+        };
+        // The events' trees reach Watch through the sequencer (positions).
+        let applied = lifecycle::apply::<Postgres>(&mut tx, command, &prior, &mut writing).await?;
         let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
         events::announce_own(self.tag, &self.trees, &self.commits, &placed);
@@ -382,15 +379,16 @@ async fn load_parents_locked(
     // envelope rows were locked too, and a row lock is a write (the row's
     // header and a WAL record) on rows nothing ever updates.
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {CONTRACT_COLUMNS} FROM (\
+        "SELECT {columns} FROM (\
              SELECT c.*, e.envelope FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
-             WHERE c.id = ANY($1) ORDER BY c.depth, c.id FOR UPDATE OF c) locked"
+             WHERE c.id = ANY($1) ORDER BY c.depth, c.id FOR UPDATE OF c) locked",
+        columns = crate::store::sql::rows::CONTRACT_COLUMNS
     )))
     .bind(ids)
     .fetch_all(&mut *conn)
     .await?;
     for row in rows {
-        let (id, k) = StoredContract::from_row(&row)
+        let (id, k) = StoredContract::from_row::<Postgres>(&row)
             .map_err(|e| sqlx::Error::Protocol(format!("corrupt contract row: {e}")))?
             .known();
         known.insert(id, k);
@@ -423,9 +421,8 @@ pub(super) struct Script {
     pub(super) statements: usize,
 }
 
-impl Script {
-    /// Starts the next statement with `sql`.
-    pub(super) fn statement(&mut self, sql: &str) -> &mut QueryBuilder<Postgres> {
+impl crate::store::sql::plan::Script<Postgres> for Script {
+    fn statement(&mut self, sql: &str) -> &mut QueryBuilder<Postgres> {
         if self.statements > 0 {
             let finished = std::mem::replace(&mut self.query, QueryBuilder::new(""));
             self.done.push(finished);
@@ -434,6 +431,16 @@ impl Script {
         self.query.push(sql)
     }
 
+    fn query(&mut self) -> &mut QueryBuilder<Postgres> {
+        &mut self.query
+    }
+
+    fn statements(&self) -> usize {
+        self.statements
+    }
+}
+
+impl Script {
     async fn execute(mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         if self.statements == 0 {
             return Ok(());

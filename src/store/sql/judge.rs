@@ -2,28 +2,36 @@
 //! threads, one per contract and a few per signer at a time, each wait
 //! bounded; a judgment made stale by new observations is made again.
 
-use super::*;
+use super::lifecycle::{Loaded, load};
+use super::{Backend, Dialect, QueryExt};
+use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
+use crate::core::judge;
+use crate::core::lifecycle;
+use crate::core::{AgentKey, Id, Scope};
+use crate::pb;
+use crate::store::batch::Command;
+use crate::store::{Answer, StoreError, backend};
 
 /// Completions judged at once off the writer: judging is CPU-bound, so
 /// more than a few only queue for the same cores; the rest wait for a
 /// permit (each request still has its deadline).
-pub(super) const MAX_CONCURRENT_JUDGMENTS: usize = 4;
+pub(crate) const MAX_CONCURRENT_JUDGMENTS: usize = 4;
 
 /// What a completion being judged holds (see `prejudge`).
-pub(super) type JudgingSlots = (crate::slots::Slot<Id>, crate::slots::Slot<AgentKey>);
+pub(crate) type JudgingSlots = (crate::slots::Slot<Id>, crate::slots::Slot<AgentKey>);
 
 /// Completions one signing key may have judged at once.
-pub(super) const MAX_JUDGMENTS_PER_SIGNER: usize = 2;
+pub(crate) const MAX_JUDGMENTS_PER_SIGNER: usize = 2;
 
 /// Judgments of one completion before giving up when host observations
 /// keep arriving while it is judged (each makes the last one stale).
-pub(super) const MAX_JUDGMENT_ATTEMPTS: usize = 3;
+pub(crate) const MAX_JUDGMENT_ATTEMPTS: usize = 3;
 
 /// A lifecycle command through the writer; a completion is judged first,
 /// off the writer (`prejudge`), and again if the writer finds the judgment
 /// stale, at most `MAX_JUDGMENT_ATTEMPTS` times.
-pub(super) async fn transition(
-    store: &BackendStore,
+pub(crate) async fn transition<B: Backend>(
+    store: &B,
     command: LifecycleCommand,
 ) -> Result<Answer, StoreError> {
     let LifecycleCommand {
@@ -77,20 +85,21 @@ pub(super) async fn transition(
 /// writer before a judgment is needed. Waiting is bounded: past
 /// `judgment_deadline` the caller is answered UNAVAILABLE (nothing was
 /// written, so a retry with the same nonce is safe).
-pub(super) async fn prejudge(
-    store: &BackendStore,
+async fn prejudge<B: Backend>(
+    store: &B,
     contract_id: &Id,
     signer: Option<&AgentKey>,
     mut args: Box<CompleteArgs>,
     slots: &mut Option<JudgingSlots>,
 ) -> Result<Box<CompleteArgs>, StoreError> {
-    let received_at_ms = *args.received_at_ms.get_or_insert(store.clock.now_ms());
+    let sql = store.sql();
+    let received_at_ms = *args.received_at_ms.get_or_insert(sql.clock.now_ms());
     args.prejudged = None;
     let Some(signer) = signer else {
         return Ok(args);
     };
-    let mut conn = store.reader.acquire().await.map_err(backend)?;
-    let inputs = JudgeInputs::load(&mut conn, contract_id, signer, received_at_ms).await?;
+    let mut conn = sql.read().await?;
+    let inputs = JudgeInputs::load::<B::Db>(&mut conn, contract_id, signer, received_at_ms).await?;
     drop(conn);
     let Some(inputs) = inputs else {
         return Ok(args);
@@ -100,27 +109,27 @@ pub(super) async fn prejudge(
     // Taken only now that the signer is the contract's delegate, so a
     // stranger's requests never hold them.
     if slots.is_none() {
-        let contract = store.judging_contracts.take(*contract_id).map_err(|_| {
+        let contract = sql.judging_contracts.take(*contract_id).map_err(|_| {
             StoreError::Unavailable {
                 reason: pb::ErrorReason::JudgmentInProgress,
                 detail: "another completion of this contract is being judged; retry with the same nonce once it is answered".into(),
             }
         })?;
-        let signer = store
+        let signer = sql
             .judging_signers
             .take(*signer)
             .map_err(StoreError::Overloaded)?;
         *slots = Some((contract, signer));
     }
-    let hook = store.before_judge.clone();
+    let hook = sql.before_judge.clone();
     let job_args = args.clone();
     let share = crate::pool::Share {
         tenant: inputs.tenant,
         key: *signer,
     };
-    let judged = store
+    let judged = sql
         .judges
-        .run(share, store.judgment_deadline, move || {
+        .run(share, sql.judgment_deadline, move || {
             if let Some(hook) = hook {
                 (hook.0)();
             }
@@ -148,4 +157,120 @@ pub(super) async fn prejudge(
         })?;
     args.prejudged = Some(judged);
     Ok(args)
+}
+
+/// Everything judging a completion of one contract reads from the store,
+/// loaded on a read connection.
+pub struct JudgeInputs {
+    /// The tree's tenant (its root's opener): whose share of the judges
+    /// the judgment takes.
+    pub tenant: AgentKey,
+    observations: i64,
+    effective_predicate: String,
+    write_scope: Scope,
+    result_schema_json: String,
+    observed: judge::Observed,
+}
+
+impl JudgeInputs {
+    /// Loads the inputs for judging `signer`'s completion of `id`, received
+    /// at `received_at_ms`; `None` unless the contract exists, is accepted, is
+    /// not overdue and `signer` is its delegate — anything else the writer
+    /// refuses without judging, so nobody else can make the broker judge.
+    pub(crate) async fn load<D: Dialect>(
+        conn: &mut D::Connection,
+        id: &Id,
+        signer: &AgentKey,
+        received_at_ms: i64,
+    ) -> Result<Option<Self>, StoreError> {
+        let Some(target) = load::<D>(conn, id).await.map_err(backend)? else {
+            return Ok(None);
+        };
+        if !lifecycle::judgment_due(&target.facts(None), signer, received_at_ms) {
+            return Ok(None);
+        }
+        let observed = observed::<D>(conn, &target, received_at_ms).await?;
+        let tenant = match target.parent_seq {
+            None => target.delegate_key,
+            Some(_) => {
+                let row = sqlx::query::<D>("SELECT delegate_key FROM contracts WHERE seq = $1")
+                    .arg(target.root_seq)
+                    .optional(&mut *conn)
+                    .await
+                    .map_err(backend)?
+                    .ok_or_else(|| StoreError::Corrupt("a tree without its root".into()))?;
+                super::rows::id_column::<D>(&row, "delegate_key")?
+            }
+        };
+        Ok(Some(Self {
+            tenant,
+            observations: target.observations,
+            effective_predicate: target.effective_predicate,
+            write_scope: target.write_scope,
+            result_schema_json: target.contract.result_schema_json,
+            observed,
+        }))
+    }
+
+    /// Judges `args` (CPU only: run it off the async workers).
+    pub fn judge(&self, args: &CompleteArgs) -> PreJudged {
+        PreJudged {
+            observations: self.observations,
+            judgment: judge_completion(
+                &self.effective_predicate,
+                &self.write_scope,
+                &self.result_schema_json,
+                args,
+                &self.observed,
+            ),
+        }
+    }
+}
+
+/// The one place a completion is judged, before or on the writer.
+fn judge_completion(
+    effective_predicate: &str,
+    write_scope: &Scope,
+    result_schema_json: &str,
+    args: &CompleteArgs,
+    observed: &judge::Observed,
+) -> judge::Judgment {
+    // The schema compiled at issuance; one that no longer parses cannot
+    // vouch for the output (the judge reports it as not valid).
+    let schema: Option<serde_json::Value> = if result_schema_json.is_empty() {
+        None
+    } else {
+        serde_json::from_str(result_schema_json).ok()
+    };
+    let completion = judge::Completion {
+        output: args.output.clone(),
+        claim: args.claim.clone(),
+        reported_consumed: args.reported_consumed,
+        has_report: args.has_report,
+        schema: schema.as_ref(),
+    };
+    judge::judge(effective_predicate, write_scope, &completion, observed)
+}
+
+/// What the host recorded for `target`, as the judge reads it.
+async fn observed<D: Dialect>(
+    conn: &mut D::Connection,
+    target: &Loaded,
+    now_ms: i64,
+) -> Result<judge::Observed, StoreError> {
+    let mut tool_calls = 0;
+    let mut mutation_paths = Vec::new();
+    for (kind, path) in super::audit::observations_of::<D>(conn, target.seq).await? {
+        if kind == pb::ObservationKind::ToolCall as i32 {
+            tool_calls += 1;
+        } else if kind == pb::ObservationKind::Mutation as i32 {
+            mutation_paths.push(path);
+        }
+    }
+    Ok(judge::Observed {
+        tool_calls,
+        mutation_paths,
+        consumed_by_host: target.metered.then_some(target.observed_units),
+        elapsed_ms: now_ms.saturating_sub(target.issued_at_ms),
+    })
 }

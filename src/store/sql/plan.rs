@@ -2,45 +2,58 @@
 //! backends: each backend's `Script` decides how the statements reach the
 //! database (SQLite: one script, BEGIN to COMMIT, in one round trip).
 
-use super::*;
+use sqlx::QueryBuilder;
+
+use super::{Dialect, PushArg};
+use crate::core::{Ledger, Status};
+use crate::store::batch::Plan;
+
+/// Where a planned batch's statements go: each backend decides how they
+/// reach its database.
+pub(crate) trait Script<D: Dialect> {
+    /// Starts the next statement with `sql`; returns it to be continued.
+    fn statement(&mut self, sql: &str) -> &mut QueryBuilder<D>;
+    /// The statement `statement` last started.
+    fn query(&mut self) -> &mut QueryBuilder<D>;
+    /// Statements started so far.
+    fn statements(&self) -> usize;
+}
 
 /// Rows per multi-row statement, under the backend's bind-parameter limit at
 /// the widest row (a contract).
-pub(super) const ROWS_PER_STATEMENT: usize = 1_000;
+pub(crate) const ROWS_PER_STATEMENT: usize = 1_000;
 /// Bind parameters per row of the `contracts` insert, the widest row.
 const CONTRACT_ROW_PARAMETERS: usize = 27;
 /// Rows per state `UPDATE`: each binds its seq twice per column (4) and
 /// once in the `IN` list.
 const STATE_ROWS_PER_STATEMENT: usize = ROWS_PER_STATEMENT / 8;
 const STATE_ROW_PARAMETERS: usize = 4 * 2 + 1;
-const _: () = assert!(ROWS_PER_STATEMENT * CONTRACT_ROW_PARAMETERS <= MAX_BIND_PARAMETERS);
-const _: () = assert!(STATE_ROWS_PER_STATEMENT * STATE_ROW_PARAMETERS <= MAX_BIND_PARAMETERS);
+/// Most parameters one planned statement binds: each backend asserts its
+/// database takes that many.
+pub(crate) const MAX_PARAMETERS_PER_STATEMENT: usize = max(
+    ROWS_PER_STATEMENT * CONTRACT_ROW_PARAMETERS,
+    STATE_ROWS_PER_STATEMENT * STATE_ROW_PARAMETERS,
+);
+
+const fn max(a: usize, b: usize) -> usize {
+    if a > b { a } else { b }
+}
 
 /// Appends the plan's writes to `script`; returns how many statements.
 /// One script per batch: one hand-off to sqlx's worker thread instead of
 /// one per statement.
-pub(super) fn plan_statements(
-    script: &mut Script,
-    plan: &Plan,
-    trees: &crate::store::TreeChanges,
-) -> usize {
-    let before = script.statements;
-    for row in &plan.contracts {
-        trees.touch(row.root_id, row.seq);
-    }
-    for row in &plan.receipts {
-        trees.touch(row.root_id, row.seq);
-    }
+pub(crate) fn plan_statements<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) -> usize {
+    let before = script.statements();
     insert_contracts(script, plan);
     insert_run_labels(script, plan);
     update_states(script, plan);
     insert_receipts(script, plan);
     insert_requests(script, plan);
-    script.statements - before
+    script.statements() - before
 }
 
 /// The batch's new contracts and their envelopes.
-fn insert_contracts(script: &mut Script, plan: &Plan) {
+fn insert_contracts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
     for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
         script.statement(
             "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
@@ -49,47 +62,47 @@ fn insert_contracts(script: &mut Script, plan: &Plan) {
              retry_headroom, require_host, issued_at_ms, status, budget, reserved, spent, \
              open_children, host_key, labels) ",
         );
-        script.query.push_values(chunk, |mut b, row| {
-            b.push_bind(row.seq)
-                .push_bind(row.id.as_slice())
-                .push_bind(row.parent.map(|(seq, _)| seq))
-                .push_bind(row.parent.as_ref().map(|(_, id)| id.as_slice()))
-                .push_bind(row.root_seq)
-                .push_bind(row.root_id.as_slice())
-                .push_bind(i64::from(row.depth))
-                .push_bind(row.delegate_key.as_slice())
-                .push_bind(i64::from(row.liability.as_i32()))
-                .push_bind(row.intent_lineage_hash.as_slice())
-                .push_bind(i64::from(row.cumulative_trust_ppm))
-                .push_bind(row.effective_predicate.as_str())
-                .push_bind(row.deadline_ms)
-                .push_bind(row.write_scope_json.as_str())
-                .push_bind(i64::from(row.policy.max_depth))
-                .push_bind(i64::from(row.policy.min_cumulative_trust_ppm))
-                .push_bind(i64::from(row.policy.max_children))
-                .push_bind(i64::from(row.policy.retry_headroom))
-                .push_bind(i64::from(row.policy.require_host))
-                .push_bind(row.issued_at_ms)
-                .push_bind(i64::from(row.status.as_i32()))
-                .push_bind(row.ledger.budget)
-                .push_bind(row.ledger.reserved)
-                .push_bind(row.ledger.spent)
-                .push_bind(i64::from(row.ledger.open_children))
-                .push_bind(row.host_key.map(|h| h.to_vec()))
-                .push_bind(row.labels_json.as_str());
+        script.query().push_values(chunk, |mut b, row| {
+            b.push_arg(row.seq)
+                .push_arg(row.id.as_slice())
+                .push_arg(row.parent.map(|(seq, _)| seq))
+                .push_arg(row.parent.as_ref().map(|(_, id)| id.as_slice()))
+                .push_arg(row.root_seq)
+                .push_arg(row.root_id.as_slice())
+                .push_arg(i64::from(row.depth))
+                .push_arg(row.delegate_key.as_slice())
+                .push_arg(i64::from(row.liability.as_i32()))
+                .push_arg(row.intent_lineage_hash.as_slice())
+                .push_arg(i64::from(row.cumulative_trust_ppm))
+                .push_arg(row.effective_predicate.as_str())
+                .push_arg(row.deadline_ms)
+                .push_arg(row.write_scope_json.as_str())
+                .push_arg(i64::from(row.policy.max_depth))
+                .push_arg(i64::from(row.policy.min_cumulative_trust_ppm))
+                .push_arg(i64::from(row.policy.max_children))
+                .push_arg(i64::from(row.policy.retry_headroom))
+                .push_arg(i64::from(row.policy.require_host))
+                .push_arg(row.issued_at_ms)
+                .push_arg(i64::from(row.status.as_i32()))
+                .push_arg(row.ledger.budget)
+                .push_arg(row.ledger.reserved)
+                .push_arg(row.ledger.spent)
+                .push_arg(i64::from(row.ledger.open_children))
+                .push_arg(row.host_key.map(|h| h.to_vec()))
+                .push_arg(row.labels_json.as_str());
         });
         script.statement("INSERT INTO contract_envelopes (seq, envelope, trace_context) ");
-        script.query.push_values(chunk, |mut b, row| {
-            b.push_bind(row.seq)
-                .push_bind(row.envelope.as_slice())
-                .push_bind(row.trace.map(|t| t.to_vec()));
+        script.query().push_values(chunk, |mut b, row| {
+            b.push_arg(row.seq)
+                .push_arg(row.envelope.as_slice())
+                .push_arg(row.trace.map(|t| t.to_vec()));
         });
     }
 }
 
 /// One `run_labels` row per label of each new root (the index audits
 /// select runs by).
-fn insert_run_labels(script: &mut Script, plan: &Plan) {
+fn insert_run_labels<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
     let labels: Vec<(i64, &str, &str)> = plan
         .contracts
         .iter()
@@ -101,14 +114,16 @@ fn insert_run_labels(script: &mut Script, plan: &Plan) {
         .collect();
     for chunk in labels.chunks(ROWS_PER_STATEMENT) {
         script.statement("INSERT INTO run_labels (label_key, label_value, root_seq) ");
-        script.query.push_values(chunk, |mut b, (seq, key, value)| {
-            b.push_bind(*key).push_bind(*value).push_bind(*seq);
-        });
+        script
+            .query()
+            .push_values(chunk, |mut b, (seq, key, value)| {
+                b.push_arg(*key).push_arg(*value).push_arg(*seq);
+            });
     }
 }
 
 /// Status and ledger of every earlier contract the batch changed.
-fn update_states(script: &mut Script, plan: &Plan) {
+fn update_states<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
     // One UPDATE for every changed earlier contract: a CASE per column.
     for chunk in plan.states.chunks(STATE_ROWS_PER_STATEMENT) {
         script.statement("UPDATE contracts SET ");
@@ -121,60 +136,60 @@ fn update_states(script: &mut Script, plan: &Plan) {
         ];
         for (i, (name, value)) in columns.iter().enumerate() {
             if i > 0 {
-                script.query.push(", ");
+                script.query().push(", ");
             }
-            script.query.push(*name).push(" = CASE seq");
+            script.query().push(*name).push(" = CASE seq");
             for state in chunk {
                 script
-                    .query
+                    .query()
                     .push(" WHEN ")
-                    .push_bind(state.0)
+                    .push_arg(state.0)
                     .push(" THEN ")
-                    .push_bind(value(state));
+                    .push_arg(value(state));
             }
-            script.query.push(" END");
+            script.query().push(" END");
         }
-        script.query.push(" WHERE seq IN (");
-        let mut list = script.query.separated(", ");
+        script.query().push(" WHERE seq IN (");
+        let mut list = script.query().separated(", ");
         for state in chunk {
-            list.push_bind(state.0);
+            list.push_arg(state.0);
         }
-        script.query.push(")");
+        script.query().push(")");
     }
 }
 
 /// The batch's receipts (refusals).
-fn insert_receipts(script: &mut Script, plan: &Plan) {
+fn insert_receipts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
     for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
         script.statement(
             "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
         );
-        script.query.push_values(chunk, |mut b, row| {
-            b.push_bind(row.seq)
-                .push_bind(row.id.as_slice())
-                .push_bind(row.kind)
-                .push_bind(row.contract_seq)
-                .push_bind(row.contract_id.as_slice())
-                .push_bind(row.root_id.as_slice())
-                .push_bind(row.envelope.as_slice())
-                .push_bind(row.at_ms);
+        script.query().push_values(chunk, |mut b, row| {
+            b.push_arg(row.seq)
+                .push_arg(row.id.as_slice())
+                .push_arg(row.kind)
+                .push_arg(row.contract_seq)
+                .push_arg(row.contract_id.as_slice())
+                .push_arg(row.root_id.as_slice())
+                .push_arg(row.envelope.as_slice())
+                .push_arg(row.at_ms);
         });
     }
 }
 
 /// The request log entries of the batch's answers.
-fn insert_requests(script: &mut Script, plan: &Plan) {
+fn insert_requests<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
     for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
         script.statement(
             "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ",
         );
-        script.query.push_values(chunk, |mut b, row| {
-            b.push_bind(row.agent.as_slice())
-                .push_bind(row.nonce.as_slice())
-                .push_bind(row.digest.as_slice())
-                .push_bind(row.outcome)
-                .push_bind(row.ref_id.as_slice())
-                .push_bind(row.at_ms);
+        script.query().push_values(chunk, |mut b, row| {
+            b.push_arg(row.agent.as_slice())
+                .push_arg(row.nonce.as_slice())
+                .push_arg(row.digest.as_slice())
+                .push_arg(row.outcome)
+                .push_arg(row.ref_id.as_slice())
+                .push_arg(row.at_ms);
         });
     }
 }

@@ -2,53 +2,64 @@
 //! replays and the writer-cache-backed parent lookup. Every read waits for
 //! the durability of what it could have seen (`Durability::settle`).
 
-use super::*;
+use prost::Message;
 
-pub(super) async fn is_party(
-    store: &BackendStore,
+use super::requests::load_prior_requests;
+use super::rows::{
+    SELECT_CHILDREN, SELECT_RECORD_BY_ID, StoredContract, decode_envelope, id_column,
+};
+use super::{Backend, Cell, Dialect, QueryExt, lock};
+use crate::command::RequestMeta;
+use crate::core::{AgentKey, Id, Predicate, Status};
+use crate::pb;
+use crate::store::batch;
+use crate::store::{Answer, ContractRecord, Event, IssuingParent, StoreError, backend};
+
+pub(crate) async fn is_party<B: Backend>(
+    store: &B,
     contract: Id,
     agent: AgentKey,
 ) -> Result<Option<bool>, StoreError> {
-    let row = sqlx::query(
+    let row = sqlx::query::<B::Db>(
         "SELECT EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = c.root_seq AND d.delegate_key = $2) \
              OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = c.root_seq AND h.host_key = $2) AS party \
          FROM contracts c WHERE c.id = $1",
     )
-    .bind(contract.as_slice())
-    .bind(agent.as_slice())
-    .fetch_optional(&store.reader)
+    .arg(contract.as_slice())
+    .arg(agent.as_slice())
+    .optional(&mut *store.sql().read().await?)
     .await
     .map_err(backend)?;
     // Not settled: a party stays a party, and the read that follows
     // settles before it answers.
-    row.map(|r| r.try_get::<bool, _>("party").map_err(backend))
+    row.map(|r| r.cell::<bool>("party").map_err(backend))
         .transpose()
 }
-pub(super) async fn overdue(
-    store: &BackendStore,
+pub(crate) async fn overdue<B: Backend>(
+    store: &B,
     now_ms: i64,
     limit: u32,
 ) -> Result<Vec<Id>, StoreError> {
-    let rows = sqlx::query(
+    let rows = sqlx::query::<B::Db>(
         "SELECT id FROM contracts WHERE status IN ($1, $2) AND deadline_ms <= $3 ORDER BY deadline_ms LIMIT $4",
     )
-    .bind(i64::from(Status::Open.as_i32()))
-    .bind(i64::from(Status::Accepted.as_i32()))
-    .bind(now_ms)
-    .bind(i64::from(limit))
-    .fetch_all(&store.reader)
+    .arg(i64::from(Status::Open.as_i32()))
+    .arg(i64::from(Status::Accepted.as_i32()))
+    .arg(now_ms)
+    .arg(i64::from(limit))
+    .all(&mut *store.sql().read().await?)
     .await
     .map_err(backend)?;
     store.settle().await?;
-    rows.iter().map(|r| id_column(r, "id")).collect()
+    rows.iter().map(|r| id_column::<B::Db>(r, "id")).collect()
 }
-pub(super) async fn replay(
-    store: &BackendStore,
+pub(crate) async fn replay<B: Backend>(
+    store: &B,
     request: &RequestMeta,
 ) -> Result<Option<Answer>, StoreError> {
-    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let mut conn = store.sql().read().await?;
     let key = (request.agent, request.nonce.clone());
-    let mut prior = load_prior_requests(&mut conn, std::slice::from_ref(&key))
+    let mut prior = load_prior_requests::<B::Db>(&mut conn, std::slice::from_ref(&key))
         .await
         .map_err(backend)?;
     drop(conn);
@@ -58,14 +69,14 @@ pub(super) async fn replay(
         .map(|p| batch::replayed(&p, request))
         .transpose()
 }
-pub(super) async fn issuing_parent(
-    store: &BackendStore,
+pub(crate) async fn issuing_parent<B: Backend>(
+    store: &B,
     parent: Id,
 ) -> Result<Option<IssuingParent>, StoreError> {
     // One lock for the parent and its root (the writer holds it while it
     // plans a batch: a second acquisition is a second wait).
     let cached = {
-        let known = lock(&store.known);
+        let known = lock(&store.sql().known);
         known.get(&parent).map(|k| {
             let tenant = known.get(&k.root_id).map(|root| root.view.delegate_key);
             let parent = IssuingParent {
@@ -88,15 +99,15 @@ pub(super) async fn issuing_parent(
             // Not settled: what it reads never changes once written, and it
             // is only used to refuse or to go on to the writer, which reads
             // again.
-            let row = sqlx::query(SELECT_RECORD_BY_ID)
-                .bind(parent.as_slice())
-                .fetch_optional(&store.reader)
+            let row = sqlx::query::<B::Db>(SELECT_RECORD_BY_ID)
+                .arg(parent.as_slice())
+                .optional(&mut *store.sql().read().await?)
                 .await
                 .map_err(backend)?;
             let Some(row) = row else {
                 return Ok(None);
             };
-            let c = StoredContract::from_row(&row)?;
+            let c = StoredContract::from_row::<B::Db>(&row)?;
             let parent = IssuingParent {
                 delegate_key: c.delegate_key,
                 effective_predicate: Predicate::from_trusted(c.effective_predicate),
@@ -115,17 +126,17 @@ pub(super) async fn issuing_parent(
 
 /// The tenant of a tree: the key that opened its root (the root's
 /// delegate), from the writer's cache or one read by key.
-pub(super) async fn tenant(
-    store: &BackendStore,
+pub(crate) async fn tenant<B: Backend>(
+    store: &B,
     root_id: Id,
     root_seq: i64,
 ) -> Result<AgentKey, StoreError> {
-    if let Some(root) = lock(&store.known).get(&root_id) {
+    if let Some(root) = lock(&store.sql().known).get(&root_id) {
         return Ok(root.view.delegate_key);
     }
-    let row = sqlx::query("SELECT delegate_key FROM contracts WHERE seq = $1")
-        .bind(root_seq)
-        .fetch_optional(&store.reader)
+    let row = sqlx::query::<B::Db>("SELECT delegate_key FROM contracts WHERE seq = $1")
+        .arg(root_seq)
+        .optional(&mut *store.sql().read().await?)
         .await
         .map_err(backend)?
         .ok_or_else(|| {
@@ -134,55 +145,59 @@ pub(super) async fn tenant(
                 hex::encode(root_id)
             ))
         })?;
-    id_column(&row, "delegate_key")
+    id_column::<B::Db>(&row, "delegate_key")
 }
-pub(super) async fn issuance_trace(
-    store: &BackendStore,
+pub(crate) async fn issuance_trace<B: Backend>(
+    store: &B,
     id: Id,
 ) -> Result<Option<crate::telemetry::TraceContext>, StoreError> {
-    let stored: Option<Option<Vec<u8>>> = sqlx::query_scalar(
+    let row = sqlx::query::<B::Db>(
         "SELECT e.trace_context FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
          WHERE c.id = $1",
     )
-    .bind(id.as_slice())
-    .fetch_optional(&store.reader)
+    .arg(id.as_slice())
+    .optional(&mut *store.sql().read().await?)
     .await
     .map_err(backend)?;
+    let stored: Option<Vec<u8>> = match row {
+        Some(row) => row.cell("trace_context").map_err(backend)?,
+        None => None,
+    };
     // Written once with the contract; a wrong length is not ours.
-    Ok(stored.flatten().and_then(|t| t.try_into().ok()))
+    Ok(stored.and_then(|t| t.try_into().ok()))
 }
-pub(super) async fn contract(
-    store: &BackendStore,
+pub(crate) async fn contract<B: Backend>(
+    store: &B,
     id: Id,
 ) -> Result<Option<ContractRecord>, StoreError> {
-    let row = sqlx::query(SELECT_RECORD_BY_ID)
-        .bind(id.as_slice())
-        .fetch_optional(&store.reader)
+    let row = sqlx::query::<B::Db>(SELECT_RECORD_BY_ID)
+        .arg(id.as_slice())
+        .optional(&mut *store.sql().read().await?)
         .await
         .map_err(backend)?;
     store.settle().await?;
-    row.map(|r| StoredContract::from_row(&r).map(StoredContract::record))
+    row.map(|r| StoredContract::from_row::<B::Db>(&r).map(StoredContract::record))
         .transpose()
 }
-pub(super) async fn children(
-    store: &BackendStore,
+pub(crate) async fn children<B: Backend>(
+    store: &B,
     parent: Id,
     after_seq: i64,
     limit: u32,
     max_bytes: usize,
 ) -> Result<Vec<ContractRecord>, StoreError> {
     use tokio_stream::StreamExt;
-    let mut conn = store.reader.acquire().await.map_err(backend)?;
-    let mut rows = sqlx::query(SELECT_CHILDREN)
-        .bind(parent.as_slice())
-        .bind(after_seq)
-        .bind(i64::from(limit))
-        .fetch(&mut *conn);
+    let mut conn = store.sql().read().await?;
+    let mut rows = sqlx::query::<B::Db>(SELECT_CHILDREN)
+        .arg(parent.as_slice())
+        .arg(after_seq)
+        .arg(i64::from(limit))
+        .rows(&mut *conn);
     // Pulled one at a time, up to the byte budget (see `events`).
     let mut records = Vec::new();
     let mut bytes = 0usize;
     while let Some(row) = rows.next().await {
-        let record = StoredContract::from_row(&row.map_err(backend)?)?.record();
+        let record = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?.record();
         bytes = bytes.saturating_add(record.envelope.encoded_len());
         records.push(record);
         if bytes >= max_bytes {
@@ -194,25 +209,26 @@ pub(super) async fn children(
     store.settle().await?;
     Ok(records)
 }
-pub(super) async fn receipt(
-    store: &BackendStore,
+pub(crate) async fn receipt<B: Backend>(
+    store: &B,
     id: Id,
 ) -> Result<Option<pb::Sealed>, StoreError> {
-    let row = sqlx::query("SELECT envelope FROM receipts WHERE id = $1")
-        .bind(id.as_slice())
-        .fetch_optional(&store.reader)
+    let row = sqlx::query::<B::Db>("SELECT envelope FROM receipts WHERE id = $1")
+        .arg(id.as_slice())
+        .optional(&mut *store.sql().read().await?)
         .await
         .map_err(backend)?;
     store.settle().await?;
-    row.map(|r| decode_envelope(&r, "envelope")).transpose()
+    row.map(|r| decode_envelope::<B::Db>(&r, "envelope"))
+        .transpose()
 }
 
 /// Watch events from `rows` (columns `position`, `kind` — 1 a contract, 2
 /// a receipt — and `envelope`), pulled one at a time until the page
 /// holds `max_bytes` of envelopes (always the first one); `cursor_of`
 /// turns a stored position into the client's cursor.
-pub(super) async fn collect_events<'r>(
-    rows: &mut (impl tokio_stream::Stream<Item = Result<DbRow, sqlx::Error>> + Unpin + 'r),
+pub(crate) async fn collect_events<'r, D: Dialect>(
+    rows: &mut (impl tokio_stream::Stream<Item = Result<D::Row, sqlx::Error>> + Unpin + 'r),
     cursor_of: impl Fn(i64) -> i64,
     max_bytes: usize,
 ) -> Result<Vec<Event>, StoreError> {
@@ -221,9 +237,9 @@ pub(super) async fn collect_events<'r>(
     let mut bytes = 0usize;
     while let Some(row) = rows.next().await {
         let row = row.map_err(backend)?;
-        let position: i64 = row.try_get("position").map_err(backend)?;
-        let kind: i64 = row.try_get("kind").map_err(backend)?;
-        let envelope = decode_envelope(&row, "envelope")?;
+        let position: i64 = row.cell("position").map_err(backend)?;
+        let kind: i64 = row.cell("kind").map_err(backend)?;
+        let envelope = decode_envelope::<D>(&row, "envelope")?;
         bytes = bytes.saturating_add(envelope.encoded_len());
         let cursor = cursor_of(position);
         events.push(if kind == 1 {

@@ -25,25 +25,9 @@
 //! The SQL is portable (positional `$n` parameters, no SQLite-only syntax)
 //! so the PostgreSQL backend can share it.
 
-// The SQL both backends share (see `store::sql`), compiled here against
-// SQLite's types.
-#[path = "../sql/audit.rs"]
-mod audit;
 mod checkpoint;
 mod durability;
-#[path = "../sql/judge.rs"]
-mod judge;
-#[path = "../sql/lifecycle.rs"]
-mod lifecycle;
 mod migrate;
-#[path = "../sql/plan.rs"]
-mod plan;
-#[path = "../sql/reads.rs"]
-mod reads;
-#[path = "../sql/requests.rs"]
-mod requests;
-#[path = "../sql/rows.rs"]
-mod rows;
 mod script;
 #[cfg(test)]
 mod tests;
@@ -51,15 +35,22 @@ mod writer;
 
 use self::checkpoint::*;
 use self::durability::*;
-use self::judge::*;
-use self::lifecycle::JudgeInputs;
 use self::migrate::*;
-use self::plan::*;
-use self::requests::*;
-use self::rows::*;
 use self::script::*;
 use self::writer::*;
-pub use audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
+pub use super::sql::BeforeJudge;
+pub use super::sql::audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
+use super::sql::drain;
+use super::sql::lifecycle::{self, Writing};
+use super::sql::plan::plan_statements;
+use super::sql::plan::{ROWS_PER_STATEMENT, Script as _};
+use super::sql::requests::load_prior_requests;
+use super::sql::rows::CONTRACT_COLUMNS;
+use super::sql::rows::StoredContract;
+use super::sql::{
+    Backend, KnownCache, MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS, Shared, SharedOptions,
+    lock,
+};
 pub use checkpoint::WAL_RESTART_BYTES;
 pub use durability::{SLOW_WAL_SYNC_US, WAL_SYNCS, WalSyncSnapshot, WalSyncStats};
 
@@ -69,15 +60,12 @@ use std::path::{Path, PathBuf};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use std::time::Duration;
 
-use prost::Message;
-
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteRow, SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
 };
 
 use sqlx::{Connection, Row};
@@ -88,7 +76,7 @@ use std::collections::HashMap;
 
 use sqlx::{QueryBuilder, Sqlite};
 
-use super::batch::{self, Command, Known, KnownMap, Plan, PriorRequest, RequestKey, Speculation};
+use super::batch::{self, Command, Plan, PriorRequest, RequestKey, Speculation};
 
 use super::recent::RecentRequests;
 
@@ -99,34 +87,38 @@ use super::{
 
 use crate::clock::Clock;
 
-use crate::command::{Action, CompleteArgs, LifecycleCommand};
+use crate::command::LifecycleCommand;
 
 use crate::command::{NewChild, NewRoot, RequestMeta};
 
-use crate::core::{AgentKey, Id, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status};
+use crate::core::{AgentKey, Id, Status};
 
 use crate::pb;
 
 use crate::stamp::Stamper;
 
-/// The types the shared SQL (`store::sql`) is compiled against.
-type Db = Sqlite;
-type DbConn = SqliteConnection;
-type DbRow = SqliteRow;
-type BackendStore = SqliteStore;
-/// SQLite has one writer at a time and no row locks: the writer's
-/// transaction already excludes every other.
-const LOCK_ROWS: &str = "";
+/// SQLite as the shared SQL's dialect.
+impl super::sql::Dialect for Sqlite {
+    /// SQLite has one writer at a time and no row locks: the writer's
+    /// transaction already excludes every other.
+    const LOCK_ROWS: &'static str = "";
+    /// The single writer numbers contracts and receipts itself.
+    type Seqs = i64;
+
+    /// Nothing to reserve: the writer's counter is authoritative.
+    async fn reserve_seqs(
+        _: &mut SqliteConnection,
+        _: &mut i64,
+        _: usize,
+    ) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+}
+
 /// SQLite's bind parameters per statement (`SQLITE_MAX_VARIABLE_NUMBER`,
 /// the default since 3.32).
 const MAX_BIND_PARAMETERS: usize = 32_766;
-/// The single writer numbers contracts and receipts itself.
-type Seqs = i64;
-
-/// Nothing to reserve: the writer's counter is authoritative.
-async fn reserve_seqs(_: &mut DbConn, _: &mut Seqs, _: usize) -> Result<(), sqlx::Error> {
-    Ok(())
-}
+const _: () = assert!(super::sql::plan::MAX_PARAMETERS_PER_STATEMENT <= MAX_BIND_PARAMETERS);
 
 /// Tunables of the embedded store.
 #[derive(Clone, Debug)]
@@ -186,57 +178,22 @@ impl std::fmt::Debug for BeforeWalSync {
     }
 }
 
-/// Runs on a judge thread before it judges (see `prejudge`); blocking
-/// holds the thread and its permit. Lets tests see how many judge at once.
-#[derive(Clone)]
-pub struct BeforeJudge(pub Arc<dyn Fn() + Send + Sync>);
-
-impl std::fmt::Debug for BeforeJudge {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("BeforeJudge(..)")
-    }
-}
-
 use super::Reply;
-
-/// Contracts' status and ledger as the writer last planned them. The writer
-/// owns every write, so it is authoritative for the writer; callers read it
-/// only to stamp speculatively (see `batch::Speculation`).
-type KnownCache = Arc<Mutex<KnownMap>>;
 
 /// SQLite-backed `Store`.
 #[derive(Clone)]
 pub struct SqliteStore {
     /// Queue to the single writer task; it exits when every clone is gone.
     commands: mpsc::Sender<(Command, Reply)>,
-    /// Read-only connections for queries.
-    reader: SqlitePool,
-    known: KnownCache,
+    /// The read pool (read-only connections), the writer's cache and the
+    /// judges (`store::sql::Shared`).
+    sql: Arc<Shared<Sqlite>>,
     /// Signs speculative stamps on the caller's task, in parallel.
     stamper: Arc<Stamper>,
-    clock: Arc<dyn Clock>,
     /// Which commits are durable; every read waits on it.
     durability: Durability,
     /// Which trees got events recently (the writer's, shared).
     trees: super::TreeChanges,
-    /// The threads that judge completions, `MAX_CONCURRENT_JUDGMENTS` of
-    /// them with deep stacks (CEL recurses); they stop when every clone of
-    /// the store is gone.
-    judges: crate::pool::WorkPool,
-    /// `SqliteOptions::judgment_deadline_ms`.
-    judgment_deadline: Duration,
-    /// Completions being judged, one per contract (a second one waits for
-    /// the first to be answered).
-    judging_contracts: Arc<crate::slots::Slots<Id>>,
-    /// Completions being judged per signing key: one delegate cannot take
-    /// every judge.
-    judging_signers: Arc<crate::slots::Slots<AgentKey>>,
-    /// `SqliteOptions::before_judge`.
-    before_judge: Option<BeforeJudge>,
-    /// `SqliteOptions::max_audit_rows`.
-    max_audit_rows: i64,
-    /// `SqliteOptions::max_audit_bytes`.
-    max_audit_bytes: usize,
 }
 
 /// The connection settings of every connection to the database.
@@ -321,38 +278,20 @@ impl SqliteStore {
             .await
             .map_err(backend)?;
         if options.drainer {
-            tokio::spawn(lifecycle::drainer(reader.clone(), commands.downgrade()));
+            tokio::spawn(drain::drainer(reader.clone(), commands.downgrade()));
         }
+        let shared = SharedOptions {
+            judgment_deadline_ms: options.judgment_deadline_ms,
+            before_judge: options.before_judge.clone(),
+            max_audit_rows: options.max_audit_rows,
+            max_audit_bytes: options.max_audit_bytes,
+        };
         Ok(Self {
             commands,
-            reader,
-            known,
+            sql: Arc::new(Shared::new(reader, known, clock, shared)?),
             trees,
             stamper,
-            clock,
             durability: Durability { committed, durable },
-            judges: crate::pool::WorkPool::start(
-                "store-judge",
-                MAX_CONCURRENT_JUDGMENTS,
-                WRITER_STACK_BYTES,
-            )
-            .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?,
-            judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
-            judging_contracts: crate::slots::Slots::new(
-                usize::MAX,
-                "judgments",
-                1,
-                "JUDGMENT_IN_PROGRESS",
-            ),
-            judging_signers: crate::slots::Slots::new(
-                usize::MAX,
-                "judgments",
-                MAX_JUDGMENTS_PER_SIGNER,
-                "MAX_JUDGMENTS_PER_SIGNER",
-            ),
-            before_judge: options.before_judge.clone(),
-            max_audit_rows: options.max_audit_rows.max(1),
-            max_audit_bytes: options.max_audit_bytes.max(1),
         })
     }
 
@@ -365,18 +304,12 @@ impl SqliteStore {
         async move { while durable.changed().await.is_ok() {} }
     }
 
-    /// Waits until everything a read could have seen is durable (see
-    /// `Durability::settle`).
-    async fn settle(&self) -> Result<(), StoreError> {
-        self.durability.settle().await
-    }
-
     /// Contracts open or accepted now (one count over the status index).
     pub async fn open_contracts(&self) -> Result<i64, StoreError> {
         sqlx::query_scalar("SELECT COUNT(*) FROM contracts WHERE status IN ($1, $2)")
             .bind(Status::Open as i64)
             .bind(Status::Accepted as i64)
-            .fetch_one(&self.reader)
+            .fetch_one(&self.sql.reader)
             .await
             .map_err(backend)
     }
@@ -391,15 +324,29 @@ impl SqliteStore {
     /// cached or the check (against possibly stale state) refuses.
     fn speculate(&self, child: &NewChild) -> Option<Box<Speculation>> {
         let view = {
-            let known = self.known.lock().ok()?;
+            let known = self.sql.known.lock().ok()?;
             known.get(&child.parent_id)?.view.clone()
         };
-        let now_ms = self.clock.now_ms();
+        let now_ms = self.sql.clock.now_ms();
         let terms = crate::core::check_delegation(&view, &child.ask, now_ms).ok()?;
         let stamped = self
             .stamper
             .child(&view.intent_lineage_hash, child, &terms, now_ms);
         Some(Box::new(Speculation { terms, stamped }))
+    }
+}
+
+impl Backend for SqliteStore {
+    type Db = Sqlite;
+
+    fn sql(&self) -> &Shared<Sqlite> {
+        &self.sql
+    }
+
+    /// Waits until everything a read could have seen is durable (see
+    /// `Durability::settle`).
+    async fn settle(&self) -> Result<(), StoreError> {
+        self.durability.settle().await
     }
 
     async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
@@ -412,7 +359,7 @@ impl Store for SqliteStore {
     crate::store::sql_store_methods!();
 
     async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
-        let stamped = self.stamper.root(&root, self.clock.now_ms());
+        let stamped = self.stamper.root(&root, self.sql.clock.now_ms());
         self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
             .await
     }
@@ -450,13 +397,13 @@ impl Store for SqliteStore {
 /// counter, so the cursor is the sequence number itself (one writer
 /// commits in sequence order).
 async fn events(
-    store: &BackendStore,
+    store: &SqliteStore,
     contract: Id,
     cursor: i64,
     limit: u32,
     max_bytes: usize,
 ) -> Result<Vec<Event>, StoreError> {
-    let mut conn = store.reader.acquire().await.map_err(backend)?;
+    let mut conn = store.sql.read().await?;
     let mut rows = sqlx::query(
         "WITH RECURSIVE sub(seq) AS (\
              SELECT seq FROM contracts WHERE id = $1 \
@@ -472,32 +419,17 @@ async fn events(
     .bind(cursor)
     .bind(i64::from(limit))
     .fetch(&mut *conn);
-    let events = reads::collect_events(&mut rows, |seq| seq, max_bytes).await?;
+    let events =
+        super::sql::reads::collect_events::<Sqlite>(&mut rows, |seq| seq, max_bytes).await?;
     drop(rows);
     drop(conn);
     store.settle().await?;
     Ok(events)
 }
 
-/// Stack of the writer thread (see where it is spawned).
-const WRITER_STACK_BYTES: usize = 64 * 1024 * 1024;
-
-/// Most contracts the writer keeps in memory between batches, by count and
-/// by bytes (`KnownMap::bytes`); beyond either the cache is dropped and
-/// reloaded on demand.
-const MAX_CACHED_CONTRACTS: usize = 65_536;
-
-const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
+/// Stack of the writer thread: it plans and checks with the core, which
+/// recurses like a judge does (see `store::sql::JUDGE_STACK_BYTES`).
+const WRITER_STACK_BYTES: usize = super::sql::JUDGE_STACK_BYTES;
 
 /// Prepared statements kept per connection (see where it is set).
 const STATEMENT_CACHE_CAPACITY: usize = 1_024;
-
-/// Locks the cache. A panic while holding it (a bug) must not wedge the
-/// broker: the cache is only an accelerator, so a poisoned one is cleared.
-fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
-    known.lock().unwrap_or_else(|poisoned| {
-        let mut guard = poisoned.into_inner();
-        guard.clear();
-        guard
-    })
-}

@@ -118,7 +118,7 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
         start.clock.now_ms(),
     )
     .await;
-    let draining = match super::lifecycle::any_drain(&mut writer).await {
+    let draining = match drain::any_drain::<Sqlite>(&mut writer).await {
         Ok(any) => any,
         Err(e) => {
             let _ = ready.send(Err(StoreError::Backend(format!("reading drains: {e}"))));
@@ -441,7 +441,7 @@ pub(super) async fn apply_fast(
         .map(|r| (r.agent, r.nonce.clone()))
         .collect();
     if !unlogged.is_empty() {
-        let earlier = load_prior_requests(conn, &unlogged).await?;
+        let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
         for (command, answer) in commands.iter().zip(plan.answers.iter_mut()) {
             if let (Err(_), Some(request)) = (&answer, command.request())
                 && let Some(prior) = earlier.get(&(request.agent, request.nonce.clone()))
@@ -452,20 +452,32 @@ pub(super) async fn apply_fast(
     }
     let mut script = Script::default();
     script.statement("BEGIN IMMEDIATE");
-    let writes = plan_statements(&mut script, &plan, &state.trees);
+    touch_trees(&state.trees, &plan);
+    let writes = plan_statements(&mut script, &plan);
     if writes > 0 {
         script.statement("COMMIT");
         // Numbered before it starts: see `Durability::committed`.
         state.committed.fetch_add(1, Ordering::SeqCst);
         let began = std::time::Instant::now();
-        script.query.build().execute(&mut *conn).await?;
+        script.query().build().execute(&mut *conn).await?;
         tracing::trace!(
-            statements = script.statements,
+            statements = script.statements(),
             took_us = began.elapsed().as_micros() as u64,
             "batch script ran"
         );
     }
     Ok(plan.answers)
+}
+
+/// Records the trees the plan's contracts and receipts join (Watch's hint,
+/// `TreeChanges`), before the commit (streams wake only once it is durable).
+fn touch_trees(trees: &crate::store::TreeChanges, plan: &Plan) {
+    for row in &plan.contracts {
+        trees.touch(row.root_id, row.seq);
+    }
+    for row in &plan.receipts {
+        trees.touch(row.root_id, row.seq);
+    }
 }
 
 /// While a drain is in progress, marks the batch's issuing parents that
@@ -486,7 +498,7 @@ async fn mark_ending(
         })
         .collect();
     let mut known = std::mem::take(&mut *lock(&state.known));
-    let marked = super::lifecycle::mark_ending(conn, &mut known, &parents).await;
+    let marked = drain::mark_ending::<Sqlite>(conn, &mut known, &parents).await;
     *lock(&state.known) = known;
     marked
 }
@@ -510,7 +522,7 @@ pub(super) async fn load_parents(
         let rows = query.build().fetch_all(&mut *conn).await?;
         let mut cache = lock(known);
         for row in rows {
-            match StoredContract::from_row(&row).map(StoredContract::known) {
+            match StoredContract::from_row::<Sqlite>(&row).map(StoredContract::known) {
                 Ok((id, k)) => {
                     cache.insert(id, k);
                 }
@@ -535,7 +547,7 @@ pub(super) async fn apply_careful(
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
     let mut tx = conn.begin().await?;
     let (request_keys, parent_ids) = missing_parents(commands, &state.known);
-    let mut prior = load_prior_requests(&mut tx, &request_keys).await?;
+    let mut prior = load_prior_requests::<Sqlite>(&mut tx, &request_keys).await?;
     load_parents(&mut tx, &parent_ids, &state.known).await?;
     mark_ending(&mut tx, commands, state).await?;
     let t0 = std::time::Instant::now();
@@ -549,24 +561,25 @@ pub(super) async fn apply_careful(
     );
     let t1 = std::time::Instant::now();
     let mut script = Script::default();
-    if plan_statements(&mut script, &plan, &state.trees) > 0 {
-        script.query.build().execute(&mut *tx).await?;
+    touch_trees(&state.trees, &plan);
+    if plan_statements(&mut script, &plan) > 0 {
+        script.query().build().execute(&mut *tx).await?;
     }
     let mut answers = plan.answers;
     let mut drains_changed = false;
     for (i, command) in commands.iter().enumerate() {
         if let Command::Lifecycle(lifecycle) = command {
-            let applied = super::lifecycle::apply(
-                &mut tx,
-                lifecycle,
-                &prior,
+            let mut writing = Writing {
                 stamper,
-                &state.trees,
-                &mut state.next_seq,
+                seqs: &mut state.next_seq,
                 now_ms,
-                state.cascade_step_rows,
-            )
-            .await?;
+                step_rows: state.cascade_step_rows,
+            };
+            let applied =
+                lifecycle::apply::<Sqlite>(&mut tx, lifecycle, &prior, &mut writing).await?;
+            for (root, seq) in &applied.events {
+                state.trees.touch(*root, *seq);
+            }
             let mut cache = lock(&state.known);
             if applied.draining_changed {
                 // Which contracts may issue changed: the cache's ending
@@ -599,7 +612,7 @@ pub(super) async fn apply_careful(
         }
     }
     if drains_changed {
-        state.draining = super::lifecycle::any_drain(&mut tx).await?;
+        state.draining = drain::any_drain::<Sqlite>(&mut tx).await?;
     }
     let t2 = std::time::Instant::now();
     // Numbered before it starts: see `Durability::committed`.

@@ -62,14 +62,14 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
             received_at_ms: Some(clock.now_ms()),
             prejudged: None,
         };
-        let mut conn = store.reader.acquire().await.expect("reader");
+        let mut conn = store.sql.reader.acquire().await.expect("reader");
         let at_ms = clock.now_ms();
-        let stranger = JudgeInputs::load(&mut conn, &child, &[host; 32], at_ms).await;
+        let stranger = JudgeInputs::load::<Sqlite>(&mut conn, &child, &[host; 32], at_ms).await;
         assert!(
             matches!(stranger, Ok(None)),
             "only the delegate's completion is judged early"
         );
-        let inputs = JudgeInputs::load(&mut conn, &child, &[delegate; 32], at_ms)
+        let inputs = JudgeInputs::load::<Sqlite>(&mut conn, &child, &[delegate; 32], at_ms)
             .await
             .expect("inputs")
             .expect("open contract");

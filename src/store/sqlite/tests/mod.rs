@@ -3,8 +3,15 @@
 
 use super::*;
 use crate::clock::SystemClock;
+use crate::command::{Action, CompleteArgs};
 use crate::core::limits::JUDGMENT_DEADLINE_MS;
+use crate::store::batch::KnownMap;
+use crate::store::sql::judge::{
+    JudgeInputs, MAX_CONCURRENT_JUDGMENTS, MAX_JUDGMENT_ATTEMPTS, MAX_JUDGMENTS_PER_SIGNER,
+};
 use crate::store::suite::{TEST_TIMESTAMP_MS, issued, meta, receipt, test_child, test_root};
+use sqlx::Row;
+use std::sync::Mutex;
 
 fn test_stamper() -> Arc<Stamper> {
     Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
@@ -319,7 +326,7 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
         "two children of 10, the retry reserved nothing"
     );
     let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
-        .fetch_one(&store.reader)
+        .fetch_one(&store.sql.reader)
         .await
         .expect("count");
     assert_eq!(contracts, 4, "the retries issued nothing");
@@ -390,7 +397,7 @@ async fn concurrent_retries_and_new_requests_are_each_answered_once() {
         .ledger;
     assert_eq!((ledger.reserved, ledger.open_children), (80, 8));
     let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
-        .fetch_one(&store.reader)
+        .fetch_one(&store.sql.reader)
         .await
         .expect("count");
     assert_eq!(contracts, 9);
@@ -507,7 +514,7 @@ async fn reads_wait_for_the_fsync_of_what_they_would_show() {
     // row is visible to a raw read (one that does not wait).
     loop {
         let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
-            .fetch_one(&store.reader)
+            .fetch_one(&store.sql.reader)
             .await
             .expect("count");
         if rows == 2 && store.durability.committed.load(Ordering::SeqCst) > before {
@@ -712,7 +719,7 @@ async fn the_contract_cache_is_charged_by_size() {
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
     let child = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
     let (root_known, child_known) = {
-        let cache = lock(&store.known);
+        let cache = lock(&store.sql.known);
         let cost = |id: &Id| {
             cache.get(id).expect("cached").contract.encoded_len()
                 + batch::KNOWN_ENTRY_OVERHEAD_BYTES

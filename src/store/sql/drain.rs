@@ -1,0 +1,373 @@
+//! Drains: a revoke (or any ending) of a subtree larger than one step
+//! (`limits.cascade_step_rows`) ends its descendants in bounded steps, one
+//! transaction each, through the writer's queue (`drainer`), while the
+//! subtree is frozen (`core::lifecycle::Ending`). Each step's rules are
+//! the core's (`lifecycle::drain_step`); this module loads and writes.
+
+use std::collections::HashMap;
+
+use sqlx::AssertSqlSafe;
+
+use super::lifecycle::{
+    Applied, Loaded, Writing, load_locked, row_from, write_receipts, write_state,
+};
+use super::rows::{CONTRACT_COLUMNS, key_cell};
+use super::{Cell, Dialect, QueryExt};
+use crate::command::{Action, LifecycleCommand};
+use crate::core::lifecycle::{self, Ending, Facts};
+use crate::core::{AgentKey, Id, Status};
+use crate::store::{Answer, Outcome, StoreError};
+
+/// The drains in a tree: (draining contract's seq, the status its
+/// descendants end with). Almost always none: one indexed read of a table
+/// that holds only drains in progress.
+pub(crate) async fn drains_of<D: Dialect>(
+    conn: &mut D::Connection,
+    root_seq: i64,
+) -> Result<Vec<(i64, Status)>, sqlx::Error> {
+    let rows = sqlx::query::<D>("SELECT target_seq, status FROM draining WHERE root_seq = $1")
+        .arg(root_seq)
+        .all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.cell("target_seq")?, draining_status(r.cell("status")?)?)))
+        .collect()
+}
+
+/// A drain's stored status; another value is corrupt data.
+fn draining_status(stored: i64) -> Result<Status, sqlx::Error> {
+    i32::try_from(stored)
+        .ok()
+        .and_then(Status::from_i32)
+        .ok_or_else(|| sqlx::Error::Protocol(format!("draining status {stored}")))
+}
+
+/// Whether the contract `target_seq` or an ancestor is draining, from its
+/// tree's `drains` and its `lineage` (root first: the topmost draining
+/// ancestor is the cause).
+pub(crate) fn ending_of(
+    drains: &[(i64, Status)],
+    lineage: &[(i64, Id, AgentKey)],
+    target_seq: i64,
+) -> Ending {
+    if drains.is_empty() {
+        return Ending::None;
+    }
+    for (seq, id, _) in lineage {
+        if *seq == target_seq {
+            continue;
+        }
+        if let Some((_, status)) = drains.iter().find(|(s, _)| s == seq) {
+            return Ending::Frozen {
+                cause: *id,
+                status: *status,
+            };
+        }
+    }
+    if drains.iter().any(|(s, _)| *s == target_seq) {
+        Ending::Draining
+    } else {
+        Ending::None
+    }
+}
+
+/// Marks the issuing parents `ids` (loaded in `known`) that are draining
+/// or frozen as ending (`ParentView::ending`): they issue nothing more.
+/// Reads the draining table once per batch; the lineage of a parent only
+/// when its tree has a drain.
+pub(crate) async fn mark_ending<D: Dialect>(
+    conn: &mut D::Connection,
+    known: &mut crate::store::batch::KnownMap,
+    ids: &[Id],
+) -> Result<(), sqlx::Error> {
+    let rows = sqlx::query::<D>("SELECT root_seq, target_seq FROM draining")
+        .all(&mut *conn)
+        .await?;
+    let drains = rows
+        .iter()
+        .map(|r| Ok((r.cell::<i64>("root_seq")?, r.cell::<i64>("target_seq")?)))
+        .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    for id in ids {
+        let Some((seq, root_seq)) = known.get(id).map(|k| (k.seq, k.root_seq)) else {
+            continue;
+        };
+        let ending = if drains.iter().any(|(root, _)| *root == root_seq) {
+            super::lifecycle::lineage::<D>(conn, seq)
+                .await?
+                .iter()
+                .any(|(s, _, _)| drains.iter().any(|(_, target)| target == s))
+        } else {
+            false
+        };
+        known.set_ending(id, ending);
+    }
+    Ok(())
+}
+
+/// Whether any drain is in progress (SQLite's writer keeps this as a flag;
+/// PostgreSQL's writers read the table per batch, as other replicas start
+/// drains).
+pub(crate) async fn any_drain<D: Dialect>(conn: &mut D::Connection) -> Result<bool, sqlx::Error> {
+    let any = sqlx::query::<D>("SELECT target_seq FROM draining LIMIT 1")
+        .optional(&mut *conn)
+        .await?;
+    Ok(any.is_some())
+}
+
+/// Ends the next bounded step of `target`'s drain: up to `step_rows` of
+/// its open descendants, each with every open child it has, children
+/// first (a depth-first walk down the parent index, each contract's open
+/// children read only when its ledger says it has any), each with its
+/// `Cascaded` receipt and its settlement into its parent, in one
+/// transaction. The last step (nothing left open below the target)
+/// deletes the drain: a crash between steps resumes with the next one.
+pub(crate) async fn step<D: Dialect>(
+    conn: &mut D::Connection,
+    target_id: &Id,
+    w: &mut Writing<'_, D>,
+) -> Result<Applied, sqlx::Error> {
+    let gone = || {
+        Applied::nothing(Err(StoreError::NotFound {
+            what: crate::store::Entity::Contract,
+            id: hex::encode(target_id),
+        }))
+    };
+    let Some((_, target)) = load_locked::<D>(conn, target_id).await? else {
+        return Ok(gone());
+    };
+    let status = sqlx::query::<D>("SELECT status FROM draining WHERE target_seq = $1")
+        .arg(target.seq)
+        .optional(&mut *conn)
+        .await?;
+    let Some(status) = status else {
+        return Ok(gone());
+    };
+    let status = draining_status(status.cell("status")?)?;
+    let (rows, order) = walk::<D>(conn, target, w.step_rows.max(1)).await?;
+    let mut done = rows[0].ledger.open_children == 0;
+    let mut answer = Err(StoreError::NotFound {
+        what: crate::store::Entity::Contract,
+        id: hex::encode(target_id),
+    });
+    let mut changed = Vec::new();
+    let mut events = Vec::new();
+    if !order.is_empty() {
+        let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
+        let facts: Vec<Facts> = rows
+            .iter()
+            .map(|r| r.facts(r.parent_seq.and_then(|p| index.get(&p).copied())))
+            .collect();
+        let decision = lifecycle::drain_step(&facts, &order, rows[0].id, status);
+        if let Err(why) = &decision.answer {
+            return Err(sqlx::Error::Protocol(format!("a drain step: {why}")));
+        }
+        let command = LifecycleCommand {
+            request: None,
+            contract_id: *target_id,
+            action: Action::Drain,
+        };
+        write_state::<D>(conn, &decision, &rows[0], &rows, &command).await?;
+        let signed;
+        (signed, events) = write_receipts::<D>(conn, &decision, &rows, &command, w).await?;
+        done = decision
+            .updates
+            .iter()
+            .find(|u| u.row == 0)
+            .map_or(done, |u| u.ledger.open_children == 0);
+        changed = decision
+            .changed(0)
+            .into_iter()
+            .map(|i| rows[i].id)
+            .collect();
+        answer = Ok(Answer {
+            outcome: Outcome::Receipt {
+                receipt_id: signed[0].id,
+                envelope: signed[0].envelope.clone(),
+            },
+            replayed: false,
+        });
+    }
+    if done {
+        sqlx::query::<D>("DELETE FROM draining WHERE target_seq = $1")
+            .arg(rows[0].seq)
+            .run(&mut *conn)
+            .await?;
+    }
+    Ok(Applied {
+        answer,
+        changed,
+        draining_changed: done,
+        events,
+    })
+}
+
+/// The contracts one drain step reads (`rows[0]` the draining contract,
+/// then every contract the walk loaded, each after its parent) and which
+/// it ends (`order`: indexes into `rows`, children first, at most
+/// `step_rows`). A depth-first walk that ends a contract once all its open
+/// children are in `order`, and stops at the bound.
+async fn walk<D: Dialect>(
+    conn: &mut D::Connection,
+    target: Loaded,
+    step_rows: usize,
+) -> Result<(Vec<Loaded>, Vec<usize>), sqlx::Error> {
+    /// A contract on the walk's path and its open children not yet walked.
+    struct Frame {
+        row: usize,
+        children: Vec<Loaded>,
+        /// It has open children beyond `children` (not loaded).
+        more: bool,
+    }
+    let mut rows = vec![target];
+    let mut order = Vec::new();
+    let (children, more) = open_children::<D>(conn, rows[0].seq, step_rows).await?;
+    let mut stack = vec![Frame {
+        row: 0,
+        children,
+        more,
+    }];
+    while order.len() < step_rows {
+        let Some(frame) = stack.last_mut() else { break };
+        if let Some(child) = frame.children.pop() {
+            let leaf = child.ledger.open_children == 0;
+            let seq = child.seq;
+            rows.push(child);
+            let row = rows.len() - 1;
+            if leaf {
+                order.push(row);
+            } else {
+                let (children, more) =
+                    open_children::<D>(conn, seq, step_rows - order.len()).await?;
+                stack.push(Frame {
+                    row,
+                    children,
+                    more,
+                });
+            }
+        } else {
+            let Some(frame) = stack.pop() else { break };
+            if frame.row == 0 || frame.more {
+                break;
+            }
+            order.push(frame.row);
+        }
+    }
+    Ok((rows, order))
+}
+
+/// Up to `max` open children of `seq`, locked, in reverse id order (the
+/// walk pops them from the end); and whether it has more.
+async fn open_children<D: Dialect>(
+    conn: &mut D::Connection,
+    seq: i64,
+    max: usize,
+) -> Result<(Vec<Loaded>, bool), sqlx::Error> {
+    // CONTRACT_COLUMNS and LOCK_ROWS are constants.
+    let rows = sqlx::query::<D>(AssertSqlSafe(format!(
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope \
+         WHERE parent_seq = $1 AND +status IN ($2, $3) ORDER BY id LIMIT $4{lock_rows}",
+        lock_rows = D::LOCK_ROWS
+    )))
+    .arg(seq)
+    .arg(i64::from(Status::Open.as_i32()))
+    .arg(i64::from(Status::Accepted.as_i32()))
+    .arg(i64::try_from(max.saturating_add(1)).unwrap_or(i64::MAX))
+    .all(&mut *conn)
+    .await?;
+    let mut children = rows
+        .iter()
+        .map(row_from::<D>)
+        .collect::<Result<Vec<_>, _>>()?;
+    let more = children.len() > max;
+    children.truncate(max);
+    children.reverse();
+    Ok((children, more))
+}
+
+/// The contracts being drained, oldest drain first: what the drainer
+/// (`drainer`) steps through.
+async fn draining_targets<D: Dialect>(
+    pool: &sqlx::Pool<D>,
+    limit: i64,
+) -> Result<Vec<Id>, sqlx::Error> {
+    let rows = sqlx::query::<D>(
+        "SELECT c.id FROM draining d JOIN contracts c ON c.seq = d.target_seq \
+         ORDER BY d.started_at_ms, d.target_seq LIMIT $1",
+    )
+    .arg(limit)
+    .all(&mut *pool.acquire().await?)
+    .await?;
+    rows.iter().map(|r| key_cell::<D>(r, "id")).collect()
+}
+
+/// Steps every drain in progress through the writer's queue, one step of
+/// each in turn, each waiting behind whatever was queued before it: a drain
+/// never holds the writer longer than one step, and others' requests
+/// interleave. Polls the draining table every `DRAIN_POLL_MS` when idle (a
+/// drain another replica started, or one left by a crash, is found so).
+/// Stops when the store is gone.
+pub(crate) async fn drainer<D: Dialect>(
+    reader: sqlx::Pool<D>,
+    commands: tokio::sync::mpsc::WeakSender<(crate::store::batch::Command, crate::store::Reply)>,
+) {
+    loop {
+        let targets = match draining_targets::<D>(&reader, DRAINS_PER_PASS).await {
+            Ok(targets) => targets,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing drains failed; will retry");
+                Vec::new()
+            }
+        };
+        if targets.is_empty() {
+            tokio::time::sleep(std::time::Duration::from_millis(DRAIN_POLL_MS)).await;
+        }
+        for contract_id in targets {
+            let Some(queue) = commands.upgrade() else {
+                return;
+            };
+            let step = crate::store::batch::Command::Lifecycle(Box::new(LifecycleCommand {
+                request: None,
+                contract_id,
+                action: Action::Drain,
+            }));
+            match crate::store::submit(&queue, step).await {
+                Ok(_) | Err(StoreError::NotFound { .. }) => {}
+                Err(StoreError::Closed) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, contract = %hex::encode(contract_id), "a drain step failed; will retry");
+                    tokio::time::sleep(std::time::Duration::from_millis(DRAIN_POLL_MS)).await;
+                }
+            }
+        }
+        if commands.upgrade().is_none() {
+            return;
+        }
+    }
+}
+
+/// Drains stepped per pass of the drainer.
+const DRAINS_PER_PASS: i64 = 16;
+/// How often the drainer looks for drains when there are none.
+const DRAIN_POLL_MS: u64 = 200;
+
+/// Records that `target_seq`'s open descendants are to be ended in steps
+/// with `status` (once: a second request finds the drain started).
+pub(crate) async fn start<D: Dialect>(
+    conn: &mut D::Connection,
+    target_seq: i64,
+    root_seq: i64,
+    status: Status,
+    now_ms: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query::<D>(
+        "INSERT INTO draining (target_seq, root_seq, status, started_at_ms) \
+         VALUES ($1, $2, $3, $4) ON CONFLICT (target_seq) DO NOTHING",
+    )
+    .arg(target_seq)
+    .arg(root_seq)
+    .arg(i64::from(status.as_i32()))
+    .arg(now_ms)
+    .run(&mut *conn)
+    .await?;
+    Ok(())
+}
