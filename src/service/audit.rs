@@ -1,14 +1,18 @@
 //! Audits composed from stored facts by the core's classification
 //! (seeds/000): the store hands over what it holds, `core::audit` decides
-//! what it means. Reading an audit never changes anything.
+//! what it means. Reading an audit never changes anything. GetAudit and
+//! AggregateAudits run a few at a time, in turn among tenants.
 
 use std::collections::{BTreeMap, HashMap};
 
+use tonic::Request;
+
+use super::BrokerService;
 use super::error::ServiceError;
 use crate::core::audit::{self, Audit, AuditInput, FactKind, ObservedFact, RunTotals};
 use crate::core::{Id, Scope};
 use crate::pb;
-use crate::store::AuditFacts;
+use crate::store::{AuditFacts, Store};
 
 pub use crate::core::limits::MAX_AGGREGATE_RUNS;
 
@@ -168,4 +172,88 @@ pub fn parse_request(
     let selector = crate::core::labels(&request.selector, "selector")?;
     let group_by = audit::check_group_by(&request.group_by, "group_by")?;
     Ok((selector, group_by))
+}
+
+impl<S: Store> BrokerService<S> {
+    /// A place among the audits running at once, in turn among tenants
+    /// (then keys), waiting at most `limits.audit_wait_ms`.
+    pub(super) async fn audit_turn(
+        &self,
+        tenant: crate::core::AgentKey,
+        caller: crate::core::AgentKey,
+    ) -> Result<crate::pool::Turn, ServiceError> {
+        let wait = std::time::Duration::from_millis(self.config.limits.audit_wait_ms);
+        let share = crate::pool::Share {
+            tenant,
+            key: caller,
+        };
+        self.audit_turns
+            .acquire(share, wait)
+            .await
+            .map_err(|e| match e {
+                crate::pool::PoolError::TimedOut(_) => {
+                    ServiceError::Overloaded(crate::config::keys::audit_wait_ms)
+                }
+                crate::pool::PoolError::Full => {
+                    ServiceError::Overloaded(crate::config::keys::max_concurrent_audits)
+                }
+                other => ServiceError::Internal(format!("an audit's turn: {other}")),
+            })
+    }
+
+    pub(super) async fn get_audit(
+        &self,
+        request: Request<pb::GetAuditRequest>,
+    ) -> Result<pb::GetAuditResponse, ServiceError> {
+        let caller = self.caller(&request)?;
+        let id = self
+            .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
+        let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
+        let tenant = self.tenant_of(id).await?;
+        let _turn = self.audit_turn(tenant, caller).await?;
+        let (facts, mutations) =
+            self.store
+                .audit_facts(id)
+                .await?
+                .ok_or_else(|| ServiceError::NotFound {
+                    what: crate::store::Entity::Contract,
+                    id: hex::encode(id),
+                })?;
+        // Classifying a tree's mutations is CPU work: off the async workers.
+        let audit = tokio::task::spawn_blocking(move || contract_audit(&facts, &mutations))
+            .await
+            .map_err(|e| ServiceError::Internal(format!("an audit failed: {e}")))?;
+        Ok(pb::GetAuditResponse { audit: Some(audit) })
+    }
+
+    pub(super) async fn aggregate_audits(
+        &self,
+        request: Request<pb::AggregateAuditsRequest>,
+    ) -> Result<pb::AggregateAuditsResponse, ServiceError> {
+        let caller = self.caller(&request)?;
+        // A configured reader sees every run; anyone else the runs whose
+        // root it opened.
+        let orchestrator = (!self.config.readers.contains(&caller)).then_some(caller);
+        let (selector, group_by) = parse_request(&request.into_inner())?;
+        let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
+        // The runs it reads are the caller's own (or, for a reader, all).
+        let _turn = self.audit_turn(caller, caller).await?;
+        let runs = self
+            .store
+            .runs(orchestrator, &selector, MAX_AGGREGATE_RUNS)
+            .await?;
+        // Classifying thousands of contracts is CPU work (1.9 s for a
+        // 4,000-contract tree): off the async workers.
+        let groups = tokio::task::spawn_blocking(move || {
+            let totals: Vec<_> = runs
+                .iter()
+                .map(|(run, mutations)| run_totals(run, mutations))
+                .collect();
+            groups(&totals, &group_by)
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("an aggregate failed: {e}")))?;
+        Ok(pb::AggregateAuditsResponse { groups })
+    }
 }

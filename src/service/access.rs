@@ -1,0 +1,130 @@
+//! Who is asking and what they may learn: the session of a read, the
+//! tenant of a tree, whether a caller is a party (strangers are told what
+//! an unknown id gets), and the answer to a correctly signed retry that
+//! arrived late.
+
+use tonic::Request;
+
+use super::error::ServiceError;
+use super::{BrokerService, auth, convert};
+
+use crate::store::{Answer, Store};
+use crate::telemetry::{self, Fact};
+
+/// (contract, agent) pairs remembered as parties; cleared when full.
+pub(super) const MAX_REMEMBERED_PARTIES: usize = 65_536;
+
+impl<S: Store> BrokerService<S> {
+    /// The reading agent of a request (its session), or UNAUTHENTICATED.
+    pub(super) fn caller<T>(
+        &self,
+        request: &Request<T>,
+    ) -> Result<crate::core::AgentKey, ServiceError> {
+        let caller = self
+            .sessions
+            .caller(request.metadata(), self.clock.now_ms())?;
+        telemetry::record(Fact::AgentKey(&caller));
+        Ok(caller)
+    }
+
+    /// The tenant of `contract`'s tree: the key that opened its root.
+    pub(super) async fn tenant_of(
+        &self,
+        contract: crate::core::Id,
+    ) -> Result<crate::core::AgentKey, ServiceError> {
+        self.store
+            .issuing_parent(contract)
+            .await?
+            .map(|p| p.tenant)
+            .ok_or_else(|| ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(contract),
+            })
+    }
+
+    /// Whether `caller` may learn that `contract` exists: a configured
+    /// reader, or a party of its tree. Asked only on refusal paths, so an
+    /// honest call pays nothing for it.
+    pub(super) async fn may_know(
+        &self,
+        caller: &crate::core::AgentKey,
+        contract: crate::core::Id,
+    ) -> Result<bool, ServiceError> {
+        Ok(self.config.readers.contains(caller)
+            || self.store.is_party(contract, *caller).await? == Some(true))
+    }
+
+    /// Lets `caller` read `contract`'s tree only if it is a configured
+    /// reader or a party of the tree; NOT_FOUND when there is no such
+    /// contract, and when it is not a party.
+    pub(super) async fn authorize(
+        &self,
+        caller: &crate::core::AgentKey,
+        contract: crate::core::Id,
+    ) -> Result<(), ServiceError> {
+        if self.config.readers.contains(caller) {
+            return Ok(());
+        }
+        let remembered = |this: &Self| {
+            this.parties
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .contains(&(contract, *caller))
+        };
+        if remembered(self) {
+            return Ok(());
+        }
+        match self.store.is_party(contract, *caller).await? {
+            None => Err(ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(contract),
+            }),
+            // Answered as if it did not exist: a stranger cannot tell a
+            // real id from a random one.
+            Some(false) => Err(ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(contract),
+            }),
+            Some(true) => {
+                let mut parties = self
+                    .parties
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if parties.len() >= MAX_REMEMBERED_PARTIES {
+                    parties.clear();
+                }
+                parties.insert((contract, *caller));
+                Ok(())
+            }
+        }
+    }
+
+    /// A read of the tree of the contract named by `id` (raw bytes from
+    /// the request), by the request's session.
+    pub(super) async fn authorize_read<T>(
+        &self,
+        request: &Request<T>,
+        id: &[u8],
+        field: &'static str,
+    ) -> Result<crate::core::Id, ServiceError> {
+        let caller = self.caller(request)?;
+        let id = convert::id(id, field)?;
+        telemetry::record(Fact::ContractId(&id));
+        self.authorize(&caller, id).await?;
+        Ok(id)
+    }
+
+    /// A correctly signed request outside the timestamp window: answered
+    /// from the idempotency log if it was answered before, refused otherwise.
+    pub(super) async fn late_retry<T: auth::SignedBody>(
+        &self,
+        signed: &auth::Authenticated<T>,
+        now_ms: i64,
+    ) -> Result<Answer, ServiceError> {
+        if let Some(answer) = self.store.replay(&signed.request).await? {
+            return Ok(answer);
+        }
+        let timestamp_ms = signed.body.header().map_or(0, |h| h.timestamp_ms);
+        Err(signed.stale_error(now_ms, self.config.limits.timestamp_window_ms, timestamp_ms))
+    }
+}

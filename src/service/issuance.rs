@@ -1,0 +1,236 @@
+//! Issuance: OpenRoot and Delegate. Cheap checks (signature, holder)
+//! come before the body is converted, off the async workers, in the
+//! tenant's share of the converters.
+
+use prost::Message;
+
+use super::BrokerService;
+use super::auth::authenticate;
+use super::convert;
+use super::error::ServiceError;
+use crate::config::RootDenied;
+use crate::core::InputError;
+use crate::core::limits::CONVERSION_DEADLINE_MS;
+use crate::pb;
+use crate::store::{Answer, Outcome, Store};
+use crate::telemetry::{self, Fact};
+
+fn issued(outcome: Outcome) -> Result<pb::IssuedContract, ServiceError> {
+    match outcome {
+        Outcome::Issued { id, envelope } => Ok(pb::IssuedContract {
+            contract_id: id.to_vec(),
+            contract: Some(envelope),
+        }),
+        Outcome::Receipt { .. } => Err(ServiceError::Internal("a root cannot be refused".into())),
+    }
+}
+
+fn delegate_response(answer: Answer) -> pb::DelegateResponse {
+    let outcome = match answer.outcome {
+        Outcome::Issued { id, envelope } => {
+            pb::delegate_response::Outcome::Issued(pb::IssuedContract {
+                contract_id: id.to_vec(),
+                contract: Some(envelope),
+            })
+        }
+        Outcome::Receipt {
+            receipt_id,
+            envelope,
+        } => pb::delegate_response::Outcome::Refused(pb::Refusal {
+            receipt_id: receipt_id.to_vec(),
+            receipt: Some(envelope),
+        }),
+    };
+    pb::DelegateResponse {
+        outcome: Some(outcome),
+        replayed: answer.replayed,
+    }
+}
+
+impl<S: Store> BrokerService<S> {
+    pub(super) async fn open_root(
+        &self,
+        request: pb::OpenRootRequest,
+    ) -> Result<pb::OpenRootResponse, ServiceError> {
+        let now_ms = self.clock.now_ms();
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, window_ms)?;
+        telemetry::record(Fact::AgentKey(&signed.request.agent));
+        if !signed.fresh {
+            let answer = self.late_retry(&signed, now_ms).await?;
+            return Ok(pb::OpenRootResponse {
+                replayed: true,
+                issued: Some(issued(answer.outcome)?),
+            });
+        }
+        // The allow-list first: a key that may not open roots costs no
+        // conversion (predicate parsing) at all.
+        if let Err(denied) = self
+            .config
+            .orchestrators
+            .admit(&signed.request.agent, signed.body.budget)
+        {
+            // A retry of a root admitted before the list changed still
+            // gets its answer: one request, one answer.
+            if let Some(answer) = self.store.replay(&signed.request).await? {
+                return Ok(pb::OpenRootResponse {
+                    replayed: answer.replayed,
+                    issued: Some(issued(answer.outcome)?),
+                });
+            }
+            return Err(match denied {
+                RootDenied::NotListed => ServiceError::PermissionDenied {
+                    reason: pb::ErrorReason::NotAnOrchestrator,
+                    detail: "this key may not open roots (it is not under [orchestrators] in the broker's configuration)".into(),
+                },
+                RootDenied::OverAllowance { allowed } => ServiceError::OverAllowance {
+                    requested: signed.body.budget,
+                    allowed,
+                },
+            });
+        }
+        let mut root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
+        root.trace = telemetry::current_trace_context();
+        let answer = self.store.open_root(root).await?;
+        if let Outcome::Issued { id, .. } = &answer.outcome {
+            telemetry::record(Fact::ContractId(id));
+            telemetry::record(Fact::RootId(id));
+            telemetry::record(Fact::Depth(0));
+            telemetry::record(Fact::Outcome("issued", answer.replayed));
+        }
+        Ok(pb::OpenRootResponse {
+            replayed: answer.replayed,
+            issued: Some(issued(answer.outcome)?),
+        })
+    }
+
+    pub(super) async fn delegate(
+        &self,
+        request: pb::DelegateRequest,
+    ) -> Result<pb::DelegateResponse, ServiceError> {
+        let now_ms = self.clock.now_ms();
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, window_ms)?;
+        telemetry::record(Fact::AgentKey(&signed.request.agent));
+        if !signed.fresh {
+            return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
+        }
+        // Cheap checks first (issue 11, items 5 and 7): the parent exists and
+        // the signer holds it, before any of the body is converted. A
+        // stranger is answered PERMISSION_DENIED and nothing is stored in
+        // anyone's tree.
+        let parent_id = convert::id(&signed.body.parent_id, "body.parent_id")?;
+        let parent =
+            self.store
+                .issuing_parent(parent_id)
+                .await?
+                .ok_or_else(|| ServiceError::NotFound {
+                    what: crate::store::Entity::ParentContract,
+                    id: hex::encode(parent_id),
+                })?;
+        telemetry::record(Fact::ParentId(&parent_id));
+        telemetry::record(Fact::RootId(&parent.root_id));
+        let depth = parent.depth + 1;
+        if parent.delegate_key != signed.request.agent {
+            // A stranger is told what an unknown parent gets.
+            if !self.may_know(&signed.request.agent, parent_id).await? {
+                return Err(ServiceError::NotFound {
+                    what: crate::store::Entity::ParentContract,
+                    id: hex::encode(parent_id),
+                });
+            }
+            return Err(ServiceError::PermissionDenied {
+                reason: pb::ErrorReason::NotHolder,
+                detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
+            });
+        }
+        let (config, verified) = (self.config.clone(), self.verified.clone());
+        let body = signed.body;
+        let request = signed.request;
+        let deadline = std::time::Duration::from_millis(CONVERSION_DEADLINE_MS);
+        let share = crate::pool::Share {
+            tenant: parent.tenant,
+            key: request.agent,
+        };
+        let child = self
+            .converters
+            .run(share, deadline, move || {
+                let child = convert::new_child(body, request, now_ms, &config.trust, &verified)?;
+                // The effective predicate is parsed here, once, so the writer
+                // only concatenates what is known to compose and be judgeable.
+                let inherited = match child.ask.liability {
+                    crate::core::Liability::Delegate => parent.effective_predicate,
+                    crate::core::Liability::Principal => crate::core::Predicate::default(),
+                };
+                crate::core::Predicate::check_effective(
+                    &inherited,
+                    &child.ask.predicate,
+                    "body.predicate",
+                )?;
+                Ok::<_, InputError>(child)
+            })
+            .await
+            .map_err(|e| match e {
+                crate::pool::PoolError::TimedOut(ms) => ServiceError::Retry {
+                    reason: pb::ErrorReason::ConvertersBusy,
+                    detail: format!(
+                        "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
+                    ),
+                },
+                crate::pool::PoolError::Full => ServiceError::Retry {
+                    reason: pb::ErrorReason::ConvertersBusy,
+                    detail: format!(
+                        "this tree's tenant already has {} Delegates waiting for a converter; nothing was recorded: retry with the same nonce",
+                        crate::pool::MAX_WAITING_PER_TENANT
+                    ),
+                },
+                other => ServiceError::Internal(format!("converting the Delegate body: {other}")),
+            })??;
+        let mut child = child;
+        child.trace = telemetry::current_trace_context();
+        let budget = child.ask.budget;
+        let answer = self.store.delegate(child).await?;
+        self.observe_delegation(&answer, budget, depth);
+        Ok(delegate_response(answer))
+    }
+
+    /// The Delegate's facts on its span and in the metrics (a replay is
+    /// not counted again).
+    pub(super) fn observe_delegation(
+        &self,
+        answer: &crate::store::Answer,
+        budget: i64,
+        depth: u32,
+    ) {
+        match &answer.outcome {
+            Outcome::Issued { id, .. } => {
+                telemetry::record(Fact::ContractId(id));
+                telemetry::record(Fact::Depth(depth));
+                telemetry::record(Fact::Outcome("issued", answer.replayed));
+                if !answer.replayed {
+                    self.metrics.delegations_issued.inc();
+                    self.metrics
+                        .budget_reserved_units
+                        .inc_by(u64::try_from(budget).unwrap_or(0));
+                }
+            }
+            Outcome::Receipt { envelope, .. } => {
+                let receipt = pb::Receipt::decode(envelope.payload.as_slice()).unwrap_or_default();
+                let code =
+                    |c: i32| pb::InvariantCode::try_from(c).map_or("UNKNOWN", |c| c.as_str_name());
+                if telemetry::recording() {
+                    let codes: Vec<&str> =
+                        receipt.violations.iter().map(|v| code(v.code)).collect();
+                    telemetry::record(Fact::RefusedCodes(&codes));
+                }
+                telemetry::record(Fact::Outcome("refused", answer.replayed));
+                if !answer.replayed {
+                    self.metrics
+                        .delegations_refused
+                        .with_label_values(&[code(receipt.primary)])
+                        .inc();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! Lifecycle RPCs (Accept, Decline, Complete, Adjudicate, Escalate,
+//! Revoke, RecordReceipts): one generic path (`LifecycleRpc`) that
+//! authenticates, converts the body and applies it through the store.
+
+use prost::Message;
+
+use super::BrokerService;
+use super::auth::{self, authenticate};
+use super::convert;
+use super::error::ServiceError;
+use crate::command::{Action, LifecycleCommand};
+use crate::core::InputError;
+use crate::pb;
+use crate::store::{Outcome, Store};
+use crate::telemetry::{self, Fact};
+
+/// A lifecycle body's conversion to (contract, action).
+type Convert<B> = fn(B) -> Result<(crate::core::Id, Action), InputError>;
+
+/// One lifecycle RPC: its signed body, how the body becomes a command,
+/// and its response (every lifecycle RPC answers with its receipt).
+pub(super) trait LifecycleRpc {
+    type Body: auth::SignedBody;
+    type Response;
+    /// The body's conversion to (contract, action).
+    const CONVERT: Convert<Self::Body>;
+    fn signed(&self) -> Option<&pb::Envelope>;
+    fn response(receipt_id: Vec<u8>, receipt: Option<pb::Sealed>, replayed: bool)
+    -> Self::Response;
+}
+
+macro_rules! lifecycle_rpc {
+    ($($request:ident, $body:ident, $response:ident, $convert:path;)*) => {$(
+        impl LifecycleRpc for pb::$request {
+            type Body = pb::$body;
+            type Response = pb::$response;
+            const CONVERT: Convert<pb::$body> = $convert;
+            fn signed(&self) -> Option<&pb::Envelope> {
+                self.signed.as_ref()
+            }
+            fn response(
+                receipt_id: Vec<u8>,
+                receipt: Option<pb::Sealed>,
+                replayed: bool,
+            ) -> pb::$response {
+                pb::$response {
+                    receipt_id,
+                    receipt,
+                    replayed,
+                }
+            }
+        }
+    )*};
+}
+
+lifecycle_rpc! {
+    AcceptRequest, AcceptBody, AcceptResponse, convert::lifecycle::accept;
+    DeclineRequest, DeclineBody, DeclineResponse, convert::lifecycle::decline;
+    CompleteRequest, CompleteBody, CompleteResponse, convert::lifecycle::complete;
+    AdjudicateRequest, AdjudicateBody, AdjudicateResponse, convert::lifecycle::adjudicate;
+    EscalateRequest, EscalateBody, EscalateResponse, convert::lifecycle::escalate;
+    RevokeRequest, RevokeBody, RevokeResponse, convert::lifecycle::revoke;
+    RecordReceiptsRequest, RecordReceiptsBody, RecordReceiptsResponse, convert::lifecycle::record;
+}
+
+impl<S: Store> BrokerService<S> {
+    /// Any lifecycle RPC: the one path all seven take.
+    pub(super) async fn transition<R: LifecycleRpc>(
+        &self,
+        request: tonic::Request<R>,
+    ) -> Result<R::Response, ServiceError> {
+        let (receipt_id, receipt, replayed) = self
+            .lifecycle::<R::Body>(request.get_ref().signed(), R::CONVERT)
+            .await?;
+        Ok(R::response(receipt_id, receipt, replayed))
+    }
+
+    /// Authenticates a lifecycle request, converts its body and applies it.
+    pub(super) async fn lifecycle<T: auth::SignedBody>(
+        &self,
+        signed: Option<&pb::Envelope>,
+        convert: Convert<T>,
+    ) -> Result<(Vec<u8>, Option<pb::Sealed>, bool), ServiceError> {
+        let now_ms = self.clock.now_ms();
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<T>(signed, now_ms, window_ms)?;
+        telemetry::record(Fact::AgentKey(&signed.request.agent));
+        let answer = if signed.fresh {
+            let (contract_id, action) = convert(signed.body)?;
+            telemetry::record(Fact::ContractId(&contract_id));
+            // One task, one connected trace: this call's span links to the
+            // one that issued the contract, even when the agents passed no
+            // context between them.
+            if telemetry::current_trace_context().is_some()
+                && let Some(issued) = self.store.issuance_trace(contract_id).await?
+            {
+                telemetry::link_to(&issued);
+            }
+            let signer = signed.request.agent;
+            let answer = self
+                .store
+                .transition(LifecycleCommand {
+                    request: Some(signed.request),
+                    contract_id,
+                    action,
+                })
+                .await;
+            match answer {
+                Ok(answer) => answer,
+                // A stranger is told what an unknown contract gets, however
+                // the store refused it (who may act, or its state).
+                Err(
+                    e @ (crate::store::StoreError::PermissionDenied { .. }
+                    | crate::store::StoreError::FailedPrecondition { .. }),
+                ) => {
+                    return Err(if self.may_know(&signer, contract_id).await? {
+                        e.into()
+                    } else {
+                        ServiceError::NotFound {
+                            what: crate::store::Entity::Contract,
+                            id: hex::encode(contract_id),
+                        }
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            self.late_retry(&signed, now_ms).await?
+        };
+        match answer.outcome {
+            Outcome::Receipt {
+                receipt_id,
+                envelope,
+            } => {
+                self.note_transition(&envelope, answer.replayed);
+                Ok((receipt_id.to_vec(), Some(envelope), answer.replayed))
+            }
+            // A nonce first used for an issuance request.
+            Outcome::Issued { .. } => Err(ServiceError::NonceReused),
+        }
+    }
+
+    /// Names a lifecycle receipt on the call's span and, unless it is a
+    /// replayed answer, counts it by kind and verdict (labels from the
+    /// enums: bounded).
+    pub(super) fn note_transition(&self, receipt: &pb::Sealed, replayed: bool) {
+        let Ok(receipt) = pb::Receipt::decode(receipt.payload.as_slice()) else {
+            return;
+        };
+        let kind = pb::ReceiptKind::try_from(receipt.kind).map_or("UNKNOWN", |k| k.as_str_name());
+        telemetry::record(Fact::Outcome(kind, replayed));
+        telemetry::record(Fact::RootId(&receipt.root_id));
+        if replayed {
+            return;
+        }
+        let verdict = receipt
+            .completion
+            .as_ref()
+            .and_then(|c| pb::Verdict::try_from(c.verdict).ok())
+            .map_or("", |v| v.as_str_name());
+        self.metrics
+            .transitions
+            .with_label_values(&[kind, verdict])
+            .inc();
+        // Adjudications repeat a completion's figures: counted once, here.
+        if receipt.kind == pb::ReceiptKind::Completed as i32
+            && let Some(completion) = &receipt.completion
+        {
+            self.metrics
+                .budget_spent_units
+                .inc_by(u64::try_from(completion.consumed).unwrap_or(0));
+            self.metrics
+                .budget_returned_units
+                .inc_by(u64::try_from(completion.returned).unwrap_or(0));
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! Reads: GetContract, GetChain, ListChildren and GetReceipt, each for a
+//! configured reader or a party of the tree, each answer within the
+//! response limit.
+
+use prost::Message;
+use tonic::Request;
+
+use super::BrokerService;
+use super::convert;
+use super::error::ServiceError;
+use crate::core::InputError;
+use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
+use crate::pb;
+use crate::store::Store;
+
+/// Envelope bytes of one ListChildren page: pages of deep contracts went
+/// past the 4 MiB response limit as an untyped OUT_OF_RANGE.
+const CHILDREN_PAGE_BYTES: usize = 1024 * 1024;
+
+/// Page tokens are the last returned issuance sequence number, big-endian.
+fn page_cursor(token: &[u8]) -> Result<i64, InputError> {
+    if token.is_empty() {
+        return Ok(0);
+    }
+    let bytes: [u8; 8] = token
+        .try_into()
+        .map_err(|_| InputError::new("page_token", "is not a token this broker issued"))?;
+    Ok(i64::from_be_bytes(bytes))
+}
+
+impl<S: Store> BrokerService<S> {
+    pub(super) async fn record(
+        &self,
+        id: &[u8],
+    ) -> Result<crate::store::ContractRecord, ServiceError> {
+        let id = convert::id(id, "contract_id")?;
+        self.store
+            .contract(id)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(id),
+            })
+    }
+
+    pub(super) async fn chain(&self, id: &[u8]) -> Result<Vec<pb::ContractState>, ServiceError> {
+        let mut record = self.record(id).await?;
+        let mut chain = Vec::new();
+        loop {
+            let parent = record.parent_id;
+            chain.push(convert::contract_state(record));
+            let Some(parent) = parent else { break };
+            // Depth is bounded by policy; a longer walk means a cycle.
+            if chain.len() > MAX_DEPTH_CEILING as usize + 1 {
+                return Err(ServiceError::Internal(
+                    "contract chain longer than the depth ceiling".into(),
+                ));
+            }
+            record = self.store.contract(parent).await?.ok_or_else(|| {
+                ServiceError::Internal(format!(
+                    "parent {} of a stored contract is missing",
+                    hex::encode(parent)
+                ))
+            })?;
+        }
+        chain.reverse();
+        Ok(chain)
+    }
+
+    pub(super) async fn children(
+        &self,
+        request: pb::ListChildrenRequest,
+    ) -> Result<pb::ListChildrenResponse, ServiceError> {
+        let id = convert::id(&request.contract_id, "contract_id")?;
+        let page_size = match request.page_size {
+            0 => DEFAULT_PAGE_SIZE,
+            n if n > MAX_PAGE_SIZE => {
+                return Err(
+                    InputError::new("page_size", format!("{n} is above {MAX_PAGE_SIZE}")).into(),
+                );
+            }
+            n => n,
+        };
+        let after = page_cursor(&request.page_token)?;
+        if self.store.contract(id).await?.is_none() {
+            return Err(ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(id),
+            });
+        }
+        // Half the response limit leaves room for the states around the
+        // envelopes.
+        let limit = self.config.limits.max_response_bytes();
+        let page_bytes = CHILDREN_PAGE_BYTES.min(limit / 2);
+        let children = self
+            .store
+            .children(id, after, page_size, page_bytes)
+            .await?;
+        let bytes: usize = children.iter().map(|c| c.envelope.encoded_len()).sum();
+        // A page cut by count or by bytes has a next page (perhaps empty).
+        let next_page_token = match children.last() {
+            Some(last) if children.len() == page_size as usize || bytes >= page_bytes => {
+                last.seq.to_be_bytes().to_vec()
+            }
+            _ => Vec::new(),
+        };
+        let response = pb::ListChildrenResponse {
+            children: children.into_iter().map(convert::contract_state).collect(),
+            next_page_token,
+        };
+        // Only a single child larger than a whole response can get here.
+        let size = response.encoded_len();
+        if size > limit {
+            return Err(ServiceError::ResponseTooLarge {
+                size,
+                limit,
+                hint: "this child alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+            });
+        }
+        Ok(response)
+    }
+
+    pub(super) async fn receipt(
+        &self,
+        request: pb::GetReceiptRequest,
+    ) -> Result<pb::GetReceiptResponse, ServiceError> {
+        let id = convert::id(&request.receipt_id, "receipt_id")?;
+        let receipt = self
+            .store
+            .receipt(id)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound {
+                what: crate::store::Entity::Receipt,
+                id: hex::encode(id),
+            })?;
+        Ok(pb::GetReceiptResponse {
+            receipt: Some(receipt),
+        })
+    }
+
+    pub(super) async fn get_contract(
+        &self,
+        request: Request<pb::GetContractRequest>,
+    ) -> Result<pb::GetContractResponse, ServiceError> {
+        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
+        let record = self.record(&request.into_inner().contract_id).await?;
+        Ok(pb::GetContractResponse {
+            contract: Some(convert::contract_state(record)),
+        })
+    }
+
+    pub(super) async fn get_chain(
+        &self,
+        request: Request<pb::GetChainRequest>,
+    ) -> Result<pb::GetChainResponse, ServiceError> {
+        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
+        let chain = self.chain(&request.into_inner().contract_id).await?;
+        let response = pb::GetChainResponse { chain };
+        let limit = self.config.limits.max_response_bytes();
+        let size = response.encoded_len();
+        if size > limit {
+            return Err(ServiceError::ResponseTooLarge {
+                size,
+                limit,
+                hint: "read the chain's contracts one by one with GetContract",
+            });
+        }
+        Ok(response)
+    }
+
+    pub(super) async fn list_children(
+        &self,
+        request: Request<pb::ListChildrenRequest>,
+    ) -> Result<pb::ListChildrenResponse, ServiceError> {
+        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+            .await?;
+        self.children(request.into_inner()).await
+    }
+
+    pub(super) async fn get_receipt(
+        &self,
+        request: Request<pb::GetReceiptRequest>,
+    ) -> Result<pb::GetReceiptResponse, ServiceError> {
+        let caller = self.caller(&request)?;
+        let request_id = request.get_ref().receipt_id.clone();
+        let response = self.receipt(request.into_inner()).await?;
+        // A receipt is read as part of the tree of the contract it is about
+        // (for a refusal, the parent asked).
+        let about = response
+            .receipt
+            .as_ref()
+            .and_then(|e| pb::Receipt::decode(e.payload.as_slice()).ok())
+            .and_then(|r| crate::core::Id::try_from(r.contract_id.as_slice()).ok())
+            .ok_or_else(|| ServiceError::Internal("a stored receipt names no contract".into()))?;
+        // A stranger is told what an unknown receipt gets.
+        match self.authorize(&caller, about).await {
+            Ok(()) => Ok(response),
+            Err(ServiceError::NotFound { .. }) => Err(ServiceError::NotFound {
+                what: crate::store::Entity::Receipt,
+                id: hex::encode(&request_id),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! Watch: a stream of a subtree's signed events, capped broker-wide (with
+//! a reserve for small tenants), per caller, per connection and per tree,
+//! and woken only when its tree changed.
+
+use tonic::Status;
+
+use super::BrokerService;
+use super::convert;
+use super::error::ServiceError;
+use crate::core::InputError;
+use crate::pb;
+use crate::pb::broker_server::Broker;
+use crate::store::{Event, Store};
+
+/// Events fetched per Watch query.
+pub(super) const WATCH_PAGE: u32 = 256;
+/// Envelope bytes fetched per Watch query: with `WATCH_BUFFER`, what one
+/// stream holds in memory however slowly its client reads (unbounded
+/// pages of deep contracts held 7 MB per stream).
+pub(super) const WATCH_PAGE_BYTES: usize = 256 * 1024;
+/// Events buffered per Watch stream before the reader waits for the client.
+pub(super) const WATCH_BUFFER: usize = 8;
+/// Watch streams past `limits.max_watch_streams` kept for tenants holding
+/// fewer than `WATCH_SMALL_SHARE`: this fraction of it (an eighth).
+pub(super) const WATCH_RESERVE_DIVISOR: usize = 8;
+/// Streams a tenant may hold and still take one from the reserve.
+pub(super) const WATCH_SMALL_SHARE: usize = 2;
+
+impl<S: Store> BrokerService<S> {
+    pub(super) async fn watch_stream(
+        &self,
+        request: pb::WatchRequest,
+        caller: crate::core::AgentKey,
+        connection: Option<std::net::SocketAddr>,
+    ) -> Result<<Self as Broker>::WatchStream, ServiceError> {
+        let contract = convert::id(&request.contract_id, "contract_id")?;
+        let mut cursor = i64::try_from(request.cursor)
+            .map_err(|_| InputError::new("cursor", "is not a cursor this broker issued"))?;
+        let Some(record) = self.store.contract(contract).await? else {
+            return Err(ServiceError::NotFound {
+                what: crate::store::Entity::Contract,
+                id: hex::encode(contract),
+            });
+        };
+        // Every cap before anything is started: broker-wide, per caller and
+        // per connection, so one client cannot take every stream; the
+        // broker-wide one keeps a reserve for tenants holding few streams,
+        // so many keys filling it cannot keep another tenant out.
+        let tenant = self.tenant_of(contract).await?;
+        let by_caller = self
+            .watch_callers
+            .take_for(caller, tenant)
+            .map_err(ServiceError::Overloaded)?;
+        // Unknown peers (none on TCP or TLS) are only capped per caller.
+        let by_connection = connection
+            .map(|peer| {
+                self.watch_connections
+                    .take(peer)
+                    .map_err(ServiceError::Overloaded)
+            })
+            .transpose()?;
+        let root = record.root_id;
+        let by_tree = self
+            .watch_trees
+            .take(root)
+            .map_err(ServiceError::Overloaded)?;
+        let store = self.store.clone();
+        let trees = store.tree_changes();
+        let mut commits = store.commits();
+        let mut stopping = self.stopping.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
+        tokio::spawn(async move {
+            let _slots = (by_caller, by_connection, by_tree);
+            let mut query = true;
+            loop {
+                let events = if query {
+                    // Mark what we have seen before reading, so a commit
+                    // that lands after the read still wakes us.
+                    commits.borrow_and_update();
+                    match store
+                        .events(contract, cursor, WATCH_PAGE, WATCH_PAGE_BYTES)
+                        .await
+                    {
+                        Ok(events) => events,
+                        Err(e) => {
+                            let _ = tx.send(Err(Status::from(ServiceError::from(e)))).await;
+                            return;
+                        }
+                    }
+                } else {
+                    Vec::new()
+                };
+                if events.is_empty() {
+                    tokio::select! {
+                        changed = commits.changed() => if changed.is_err() { return },
+                        () = tx.closed() => return,
+                        _ = stopping.wait_for(|stop| *stop) => return,
+                    }
+                    // Woken by any commit; query only if this tree got an
+                    // event after what was sent (see `TreeChanges`). Marked
+                    // seen first: a tree is touched before its commit is
+                    // announced, so any announcement after this mark wakes
+                    // us again, and any before it is visible to the check.
+                    commits.borrow_and_update();
+                    query = trees.changed_since(&root, cursor);
+                    continue;
+                }
+                query = true;
+                for event in events {
+                    let (at, event) = match event {
+                        Event::Contract { cursor, envelope } => {
+                            (cursor, pb::watch_response::Event::Contract(envelope))
+                        }
+                        Event::Receipt { cursor, envelope } => {
+                            (cursor, pb::watch_response::Event::Receipt(envelope))
+                        }
+                    };
+                    cursor = at;
+                    let response = pb::WatchResponse {
+                        cursor: u64::try_from(at).unwrap_or_default(),
+                        event: Some(event),
+                    };
+                    if tx.send(Ok(response)).await.is_err() {
+                        return; // The client went away.
+                    }
+                }
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+
+    pub(super) async fn watch(
+        &self,
+        request: tonic::Request<pb::WatchRequest>,
+    ) -> Result<<Self as Broker>::WatchStream, ServiceError> {
+        let caller = self.caller(&request)?;
+        let id = convert::id(&request.get_ref().contract_id, "contract_id")?;
+        self.authorize(&caller, id).await?;
+        let connection = request.remote_addr();
+        self.watch_stream(request.into_inner(), caller, connection)
+            .await
+    }
+}
