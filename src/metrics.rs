@@ -159,6 +159,28 @@ pub struct StoreMetrics {
     pub wal_fsync_stalls: IntCounter,
 }
 
+impl StoreMetrics {
+    /// The store's metrics, not yet registered (`Metrics::new` does).
+    fn new() -> Self {
+        Self {
+            batch_commands: histogram(
+                "broker_group_commit_commands",
+                "Commands per group commit (one write transaction of the store's writer).",
+                &BATCH_BUCKETS,
+            ),
+            wal_fsync_seconds: histogram(
+                "broker_wal_fsync_seconds",
+                "Time of each fsync of the SQLite write-ahead log (every durable answer waits for one).",
+                &FSYNC_BUCKETS_S,
+            ),
+            wal_fsync_stalls: counter(
+                "broker_wal_fsync_stalls_total",
+                "Fsyncs of the write-ahead log that took 5 ms or more.",
+            ),
+        }
+    }
+}
+
 /// A gauge read at scrape time from a closure (queue depths, stream
 /// counts: state that lives elsewhere).
 struct Sampled {
@@ -278,22 +300,7 @@ impl Metrics {
             "broker_open_contracts",
             "Contracts open or accepted (not yet ended), counted every few seconds.",
         );
-        let store = StoreMetrics {
-            batch_commands: histogram(
-                "broker_group_commit_commands",
-                "Commands per group commit (one write transaction of the store's writer).",
-                &BATCH_BUCKETS,
-            ),
-            wal_fsync_seconds: histogram(
-                "broker_wal_fsync_seconds",
-                "Time of each fsync of the SQLite write-ahead log (every durable answer waits for one).",
-                &FSYNC_BUCKETS_S,
-            ),
-            wal_fsync_stalls: counter(
-                "broker_wal_fsync_stalls_total",
-                "Fsyncs of the write-ahead log that took 5 ms or more.",
-            ),
-        };
+        let store = StoreMetrics::new();
         for collector in [
             Box::new(grpc_started.clone()) as Box<dyn Collector>,
             Box::new(grpc_handled.clone()),

@@ -242,28 +242,10 @@ async fn serve<S: Served>(
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_response_bytes());
 
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<pb::broker_server::BrokerServer<BrokerService<S>>>()
-        .await;
-    tokio::spawn(report_health::<S>(
-        health_reporter.clone(),
-        serving,
-        shutting_down,
-    ));
+    let health = health_service::<S>(serving, shutting_down).await;
     let (reflection, reflection_v1alpha) = reflection_services()?;
     log_start(&listener, tls.is_some(), &current_key);
-    let (metrics_stop, metrics_stopping) = tokio::sync::oneshot::channel::<()>();
-    if let Some(metrics_listener) = metrics_listener {
-        tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving metrics at /metrics");
-        tokio::spawn(crate::metrics::serve(
-            metrics_listener,
-            metrics.clone(),
-            async move {
-                let _ = metrics_stopping.await;
-            },
-        ));
-    }
+    let metrics_stop = serve_metrics(metrics_listener, &metrics);
     let builder = server_builder(tls.as_ref(), &limits)?;
     builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
@@ -292,6 +274,44 @@ async fn serve<S: Served>(
     let _ = metrics_stop.send(());
     tracing::info!("broker stopped");
     Ok(())
+}
+
+/// gRPC health, SERVING while the store can serve (`report_health` follows
+/// it from here on).
+async fn health_service<S: Served>(
+    serving: tokio::sync::watch::Receiver<bool>,
+    shutting_down: tokio::sync::watch::Receiver<bool>,
+) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<pb::broker_server::BrokerServer<BrokerService<S>>>()
+        .await;
+    tokio::spawn(report_health::<S>(
+        health_reporter.clone(),
+        serving,
+        shutting_down,
+    ));
+    health
+}
+
+/// Serves `/metrics` on `metrics_listener`, when there is one, until the
+/// returned sender fires.
+fn serve_metrics(
+    metrics_listener: Option<TcpListener>,
+    metrics: &Arc<crate::metrics::Metrics>,
+) -> tokio::sync::oneshot::Sender<()> {
+    let (metrics_stop, metrics_stopping) = tokio::sync::oneshot::channel::<()>();
+    if let Some(metrics_listener) = metrics_listener {
+        tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving metrics at /metrics");
+        tokio::spawn(crate::metrics::serve(
+            metrics_listener,
+            metrics.clone(),
+            async move {
+                let _ = metrics_stopping.await;
+            },
+        ));
+    }
+    metrics_stop
 }
 
 /// How often a replica re-reads the registered keys: a replica that

@@ -326,25 +326,7 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         (1..=MAX_ADDRS).contains(&addrs.len()),
         "--addr names 1..={MAX_ADDRS} brokers"
     );
-    let mut endpoints = Vec::with_capacity(addrs.len());
-    for addr in &addrs {
-        let mut endpoint = Endpoint::from_shared(addr.clone())?;
-        if let Some(ca) = &args.tls_ca {
-            let mut tls = tonic::transport::ClientTlsConfig::new()
-                .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(ca)?));
-            if let Some(domain) = &args.tls_domain {
-                tls = tls.domain_name(domain.clone());
-            }
-            endpoint = endpoint.tls_config(tls)?;
-        }
-        endpoints.push(endpoint);
-    }
-    // At least one connection per broker, spread round-robin.
-    let connections = args.connections.max(endpoints.len());
-    let mut channels = Vec::with_capacity(connections);
-    for i in 0..connections {
-        channels.push(endpoints[i % endpoints.len()].connect().await?);
-    }
+    let channels = open_channels(&args, &addrs).await?;
     let attestor = Arc::new(attestor);
     let hot = if args.hot_parent {
         Some(HotParent::open(BrokerClient::new(channels[0].clone())).await?)
@@ -400,6 +382,31 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(dir);
     }
     Ok(())
+}
+
+/// The channels to the brokers at `addrs` (over TLS with `--tls-ca`): at
+/// least one per broker, spread round-robin.
+async fn open_channels(args: &BenchArgs, addrs: &[String]) -> anyhow::Result<Vec<Channel>> {
+    let mut endpoints = Vec::with_capacity(addrs.len());
+    for addr in addrs {
+        let mut endpoint = Endpoint::from_shared(addr.clone())?;
+        if let Some(ca) = &args.tls_ca {
+            let mut tls = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(ca)?));
+            if let Some(domain) = &args.tls_domain {
+                tls = tls.domain_name(domain.clone());
+            }
+            endpoint = endpoint.tls_config(tls)?;
+        }
+        endpoints.push(endpoint);
+    }
+    // At least one connection per broker, spread round-robin.
+    let connections = args.connections.max(endpoints.len());
+    let mut channels = Vec::with_capacity(connections);
+    for i in 0..connections {
+        channels.push(endpoints[i % endpoints.len()].connect().await?);
+    }
+    Ok(channels)
 }
 
 /// Sends one Delegate once the pacer (if any) gives a slot; records its

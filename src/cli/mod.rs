@@ -353,48 +353,32 @@ fn verify_envelope(public_key: &str, envelope: &std::path::Path) -> anyhow::Resu
     Ok(())
 }
 
-fn verify(
-    public_keys: &[String],
-    chain: Option<&std::path::Path>,
-    contract_id: Option<&str>,
-    all_signatures: bool,
-    receipt: Option<&std::path::Path>,
-) -> anyhow::Result<()> {
+/// A receipt (a `Sealed` file) signed by one of `keys`.
+fn verify_receipt(keys: &crate::chain::BrokerKeys, path: &std::path::Path) -> anyhow::Result<()> {
     use prost::Message;
-    let published = public_keys
-        .iter()
-        .map(|hex_key| {
-            let key = crate::config::parse_public_key(hex_key, "--public-key")?;
-            Ok(crate::pb::BrokerKey {
-                key_id: crate::crypto::key_id(&key.to_bytes()),
-                public_key: key.to_bytes().to_vec(),
-                current: false,
-                retired_at_ms: 0,
-            })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let keys = crate::chain::BrokerKeys::from_published(&published);
-    if let Some(path) = receipt {
-        let sealed = crate::pb::Sealed::decode(read_bounded(path)?.as_slice())?;
-        let receipt = crate::pb::Receipt::decode(sealed.payload.as_slice())?;
-        let key = keys.get(0, &receipt.broker_key_id).map_err(|_| {
-            anyhow::anyhow!(
-                "the receipt is signed by {:?}, which no --public-key matches",
-                receipt.broker_key_id.chars().take(80).collect::<String>()
-            )
-        })?;
-        crate::crypto::verify_sealed(&sealed, crate::crypto::payload_type::RECEIPT, key)?;
-        println!(
-            "ok receipt {} kind={} contract={}",
-            hex::encode(crate::crypto::sha256(&sealed.payload)),
-            crate::pb::ReceiptKind::try_from(receipt.kind)
-                .map(|k| k.as_str_name())
-                .unwrap_or("unknown"),
-            hex::encode(&receipt.contract_id)
-        );
-        return Ok(());
-    }
-    let path = chain.ok_or_else(|| anyhow::anyhow!("--chain or --receipt is required"))?;
+    let sealed = crate::pb::Sealed::decode(read_bounded(path)?.as_slice())?;
+    let receipt = crate::pb::Receipt::decode(sealed.payload.as_slice())?;
+    let key = keys.get(0, &receipt.broker_key_id).map_err(|_| {
+        anyhow::anyhow!(
+            "the receipt is signed by {:?}, which no --public-key matches",
+            receipt.broker_key_id.chars().take(80).collect::<String>()
+        )
+    })?;
+    crate::crypto::verify_sealed(&sealed, crate::crypto::payload_type::RECEIPT, key)?;
+    println!(
+        "ok receipt {} kind={} contract={}",
+        hex::encode(crate::crypto::sha256(&sealed.payload)),
+        crate::pb::ReceiptKind::try_from(receipt.kind)
+            .map(|k| k.as_str_name())
+            .unwrap_or("unknown"),
+        hex::encode(&receipt.contract_id)
+    );
+    Ok(())
+}
+
+/// The signed contracts of a `GetChainResponse` file, root first.
+fn read_chain(path: &std::path::Path) -> anyhow::Result<Vec<crate::pb::Sealed>> {
+    use prost::Message;
     let response = crate::pb::GetChainResponse::decode(read_bounded(path)?.as_slice())?;
     let sealed: Vec<crate::pb::Sealed> = response
         .chain
@@ -413,6 +397,34 @@ fn verify(
             Ok(contract)
         })
         .collect::<anyhow::Result<_>>()?;
+    Ok(sealed)
+}
+
+fn verify(
+    public_keys: &[String],
+    chain: Option<&std::path::Path>,
+    contract_id: Option<&str>,
+    all_signatures: bool,
+    receipt: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let published = public_keys
+        .iter()
+        .map(|hex_key| {
+            let key = crate::config::parse_public_key(hex_key, "--public-key")?;
+            Ok(crate::pb::BrokerKey {
+                key_id: crate::crypto::key_id(&key.to_bytes()),
+                public_key: key.to_bytes().to_vec(),
+                current: false,
+                retired_at_ms: 0,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let keys = crate::chain::BrokerKeys::from_published(&published);
+    if let Some(path) = receipt {
+        return verify_receipt(&keys, path);
+    }
+    let path = chain.ok_or_else(|| anyhow::anyhow!("--chain or --receipt is required"))?;
+    let sealed = read_chain(path)?;
     let leaf = contract_id
         .map(|hex_id| {
             hex::decode(hex_id)

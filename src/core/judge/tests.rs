@@ -1,6 +1,10 @@
 //! Unit and property tests of `core::judge`.
 
+use super::conjuncts::strip_parens;
+use super::evaluate::evaluate_until;
+use super::result::json_to_cel;
 use super::*;
+use crate::core::limits::MAX_SCHEMA_WORK;
 use serde_json::json;
 
 const SEED_001: &str = "(result.schema_valid && result.within_scope)";

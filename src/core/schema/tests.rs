@@ -1,7 +1,8 @@
 //! Unit and property tests of `core::schema`.
 
+use super::patterns::pattern_weight;
 use super::*;
-use crate::core::limits::MAX_SCHEMA_WORK;
+use crate::core::limits::{MAX_REGEX_FORMAT_BYTES, MAX_SCHEMA_WORK};
 use serde_json::json;
 
 /// `levels` of `anyOf: [{"$ref": next}, {"$ref": next}]` under `not`:
