@@ -9,14 +9,11 @@ use std::collections::HashMap;
 use ed25519_dalek::VerifyingKey;
 use prost::Message;
 
+pub use crate::core::limits::MAX_CHAIN_CONTRACTS;
 use crate::core::limits::PPM_ONE;
 use crate::core::{Id, Predicate, Scope};
 use crate::crypto::{self, payload_type};
 use crate::pb;
-
-/// Longest chain verified: the deepest policy the broker allows is 64, so
-/// a longer "chain" is not one (bounds the work a hostile file can cause).
-pub const MAX_CHAIN_CONTRACTS: usize = crate::core::limits::MAX_DEPTH_CEILING as usize + 1;
 
 /// Why a chain does not verify. `index` counts from the root (0).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,9 +1,6 @@
 //! The delegation broker: a gRPC service every agent-to-agent delegation
 //! passes through. See ARCHITECTURE.md for the map of this crate.
 
-// The store's shared SQL is compiled once per backend (see `store`).
-#![allow(clippy::duplicate_mod)]
-
 pub mod chain;
 pub mod cli;
 pub mod client;

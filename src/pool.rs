@@ -16,13 +16,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+pub use crate::core::limits::MAX_WAITING_PER_TENANT;
 use tokio::sync::oneshot;
 
 type Job = Box<dyn FnOnce() + Send>;
-
-/// Jobs one tenant may have waiting for a thread at once; more are refused
-/// at once rather than queued (each waiter is a caller holding a request).
-pub const MAX_WAITING_PER_TENANT: usize = 256;
 
 /// Who a job is for: the tenant it is charged to (the opener of the tree
 /// it works for) and the key that asked, its share within the tenant.

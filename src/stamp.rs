@@ -167,7 +167,8 @@ impl Stamper {
         self.seal(payload_type::RECEIPT, receipt.encode_to_vec())
     }
 
-    /// Signs a refusal receipt naming every violated invariant.
+    /// Signs a refusal receipt naming every violated invariant; returns it
+    /// with the receipt it signed.
     pub fn refusal(
         &self,
         parent_id: &Id,
@@ -175,7 +176,7 @@ impl Stamper {
         request: &RequestMeta,
         refusal: &Refusal,
         now_ms: i64,
-    ) -> Stamped {
+    ) -> (Stamped, pb::Receipt) {
         let receipt = pb::Receipt {
             broker_key_id: self.key_id.clone(),
             kind: pb::ReceiptKind::Refused as i32,
@@ -197,7 +198,8 @@ impl Stamper {
                 .collect(),
             ..Default::default()
         };
-        self.seal(payload_type::RECEIPT, receipt.encode_to_vec())
+        let stamped = self.seal(payload_type::RECEIPT, receipt.encode_to_vec());
+        (stamped, receipt)
     }
 }
 

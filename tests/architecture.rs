@@ -77,17 +77,99 @@ fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// Whether a file holds only tests (`tests.rs`, `*_tests.rs`).
+/// Whether a file holds only tests (`tests.rs`, `*_tests.rs`, anything
+/// under a `tests/` folder, the store suite).
 fn is_test_file(path: &Path) -> bool {
-    path.file_stem()
-        .and_then(|s| s.to_str())
-        .is_some_and(|s| s == "tests" || s.ends_with("_tests"))
+    let rel = path.strip_prefix(src()).unwrap_or(path);
+    rel.components()
+        .any(|c| c.as_os_str() == "tests" || c.as_os_str() == "suite")
+        || path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .is_some_and(|s| s == "tests" || s.ends_with("_tests"))
 }
 
 /// The file's production code with comments removed (prose may name
-/// anything) and without its test module (`#[cfg(test)]` then `mod`, by
-/// convention at the end: tests may use threads and runtimes).
+/// anything) and without its inline test module (`#[cfg(test)]` then
+/// `mod … {`, by convention at the end: tests may use threads and
+/// runtimes). A `#[cfg(test)] mod tests;` line only declares a test file
+/// (skipped as a whole by `is_test_file`).
 fn code(path: &Path) -> Vec<(usize, String)> {
+    let lines = raw_code(path);
+    expand_groups(&lines)
+}
+
+/// `use crate::{pb, store::X}` (on one line or many) also as the paths it
+/// names (`crate::pb`, `crate::store::X`), on the line where its group
+/// opened, so a rule against `crate::pb` sees it.
+fn expand_groups(lines: &[(usize, String)]) -> Vec<(usize, String)> {
+    let mut out = lines.to_vec();
+    let text: String = lines
+        .iter()
+        .map(|(_, code)| code.as_str())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let line_at = |offset: usize| {
+        let index = text[..offset].matches('\n').count();
+        lines[index].0
+    };
+    for (at, _) in text.match_indices("crate::{") {
+        let open = at + "crate::{".len();
+        let mut depth = 1;
+        let mut close = open;
+        for (i, c) in text[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+            if depth == 0 {
+                close = open + i;
+                break;
+            }
+        }
+        for path in group_paths("crate", &text[open..close]) {
+            out.push((line_at(at), path));
+        }
+    }
+    out
+}
+
+/// The full paths a `prefix::{…}` group names (nested groups too).
+fn group_paths(prefix: &str, group: &str) -> Vec<String> {
+    let mut parts = Vec::new();
+    let (mut depth, mut start) = (0, 0);
+    for (i, c) in group.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&group[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&group[start..]);
+    let mut paths = Vec::new();
+    for part in parts {
+        let part: String = part.split_whitespace().collect::<Vec<_>>().join("");
+        if part.is_empty() {
+            continue;
+        }
+        match part.split_once("::{") {
+            Some((head, rest)) => {
+                let inner = rest.strip_suffix('}').unwrap_or(rest);
+                paths.extend(group_paths(&format!("{prefix}::{head}"), inner));
+            }
+            None => paths.push(format!("{prefix}::{part}")),
+        }
+    }
+    paths
+}
+
+/// The file's production code with comments removed, line by line.
+fn raw_code(path: &Path) -> Vec<(usize, String)> {
     if is_test_file(path) {
         return Vec::new();
     }
@@ -99,7 +181,10 @@ fn code(path: &Path) -> Vec<(usize, String)> {
                 && lines[i + 1..]
                     .iter()
                     .find(|l| !l.trim_start().starts_with("#["))
-                    .is_some_and(|l| l.trim_start().starts_with("mod "))
+                    .is_some_and(|l| {
+                        let l = l.trim();
+                        (l.starts_with("mod ") || l.starts_with("pub mod ")) && l.ends_with('{')
+                    })
         })
         .unwrap_or(lines.len());
     lines[..end]
@@ -190,4 +275,392 @@ fn the_checker_sees_a_forbidden_name() {
         None => text,
     };
     assert!(!names(stripped, "tokio"));
+    // Grouped imports name their members.
+    let grouped = expand_groups(&[
+        (1, "use crate::{".into()),
+        (2, "    clock::Clock,".into()),
+        (3, "    pb, store::{Answer, Store},".into()),
+        (4, "};".into()),
+    ]);
+    let paths: Vec<&str> = grouped.iter().map(|(_, p)| p.as_str()).collect();
+    for path in ["crate::pb", "crate::store::Answer", "crate::clock::Clock"] {
+        assert!(paths.contains(&path), "{path} not in {paths:?}");
+    }
+    assert!(
+        grouped
+            .iter()
+            .any(|(line, p)| *line == 1 && names(p, "crate::pb"))
+    );
+}
+
+/// Every `.rs` file under `src/`, with its path relative to `src/`.
+fn all_files() -> Vec<(String, PathBuf)> {
+    let root = src();
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    files
+        .into_iter()
+        .map(|f| {
+            let rel = f
+                .strip_prefix(&root)
+                .unwrap_or(&f)
+                .to_string_lossy()
+                .replace('\\', "/");
+            (rel, f)
+        })
+        .collect()
+}
+
+/// Files (relative to `src/`, a folder ending in `/`) a name may appear in.
+fn allowed(rel: &str, places: &[&str]) -> bool {
+    places.iter().any(|p| {
+        if p.ends_with('/') {
+            rel.starts_with(p)
+        } else {
+            rel == *p
+        }
+    })
+}
+
+/// `name` appears only in `places`: one violation per other mention.
+fn only_in(name: &str, places: &[&str], why: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (rel, file) in all_files() {
+        if allowed(&rel, places) {
+            continue;
+        }
+        for (line, code) in code(&file) {
+            if names(&code, name) {
+                found.push(format!("{rel}:{line}: names `{name}`: {why}"));
+            }
+        }
+    }
+    found
+}
+
+fn assert_none(found: Vec<String>) {
+    assert!(
+        found.is_empty(),
+        "architecture invariants broken (see ARCHITECTURE.md):\n{}",
+        found.join("\n")
+    );
+}
+
+/// Only `service/` knows tonic, plus what wires it (`server.rs`, the
+/// generated code's include in `lib.rs`), the transport layers of
+/// `metrics.rs` and `telemetry/`, and the client side (`client.rs`,
+/// `cli/bench.rs`, `cli/audit.rs`).
+fn tonic_violations() -> Vec<String> {
+    only_in(
+        "tonic",
+        &[
+            "service/",
+            "server.rs",
+            "lib.rs",
+            "metrics.rs",
+            "telemetry/",
+            "client.rs",
+            "cli/bench.rs",
+            "cli/audit.rs",
+        ],
+        "only the service (and what wires it) knows tonic",
+    )
+}
+
+#[test]
+fn only_the_service_and_its_wiring_know_tonic() {
+    assert_none(tonic_violations());
+}
+
+/// A `Status` is built only by the one mapping (`service/error.rs`) and
+/// by the rewrite of tonic's own errors (`service/transport.rs`); anyone
+/// else converts a `ServiceError` (`Status::from`).
+fn status_violations() -> Vec<String> {
+    let mut found = Vec::new();
+    for (rel, file) in all_files() {
+        // The client side (`client.rs`) makes its own local errors.
+        if allowed(
+            &rel,
+            &["service/error.rs", "service/transport.rs", "client.rs"],
+        ) {
+            continue;
+        }
+        for (line, code) in code(&file) {
+            for (at, _) in code.match_indices("Status::") {
+                let rest = &code[at + "Status::".len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                let called = rest[name.len()..].trim_start().starts_with('(');
+                let before = code[..at].chars().next_back();
+                let is_status_type = !before.is_some_and(|c| c.is_alphanumeric() || c == '_');
+                if is_status_type && called && TONIC_STATUS_CONSTRUCTORS.contains(&name.as_str()) {
+                    found.push(format!(
+                        "{rel}:{line}: builds a Status (`Status::{name}`): every error becomes a status in service/error.rs"
+                    ));
+                }
+            }
+        }
+    }
+    found
+}
+
+/// tonic's `Status` constructors (OpenTelemetry's `Status::error` is
+/// another type).
+const TONIC_STATUS_CONSTRUCTORS: &[&str] = &[
+    "new",
+    "with_details",
+    "with_metadata",
+    "with_details_and_metadata",
+    "with_error_details",
+    "with_error_details_vec",
+    "from_error",
+    "ok",
+    "cancelled",
+    "unknown",
+    "invalid_argument",
+    "deadline_exceeded",
+    "not_found",
+    "already_exists",
+    "permission_denied",
+    "resource_exhausted",
+    "failed_precondition",
+    "aborted",
+    "out_of_range",
+    "unimplemented",
+    "internal",
+    "unavailable",
+    "data_loss",
+    "unauthenticated",
+];
+
+#[test]
+fn one_place_builds_a_status() {
+    assert_none(status_violations());
+}
+
+/// The core's rules are called from one place each, and the backends
+/// (`store/sqlite/`, `store/postgres/`) call none of them: they load,
+/// call the shared code, write. A backend that decided would name a rule
+/// or build a refusal.
+fn decision_violations() -> Vec<String> {
+    let mut found = Vec::new();
+    for (name, places) in [
+        (
+            "check_delegation",
+            &["core/", "store/batch.rs", "store/sqlite/mod.rs"][..],
+        ),
+        (
+            "lifecycle::decide",
+            &["core/", "store/sql/lifecycle.rs"][..],
+        ),
+        ("drain_step", &["core/", "store/sql/drain.rs"][..]),
+        ("judge::judge", &["core/", "store/sql/judge.rs"][..]),
+    ] {
+        found.extend(only_in(
+            name,
+            places,
+            "a core rule is called from one place",
+        ));
+    }
+    for (rel, file) in all_files() {
+        if !allowed(&rel, &["store/sqlite/", "store/postgres/"]) {
+            continue;
+        }
+        for (line, code) in code(&file) {
+            for name in ["Refused", "Refusal", "Decision", "Ledger"] {
+                if names(&code, name) {
+                    found.push(format!(
+                        "{rel}:{line}: names `{name}`: a backend loads and writes; the core decides"
+                    ));
+                }
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_backends_never_decide() {
+    assert_none(decision_violations());
+}
+
+/// Bounds (`const MAX_…`, `const MIN_…`) of the store, the service, the
+/// pools and the signing code live in a limits module: `core/limits.rs`
+/// (what a client meets), `store/limits.rs`, `service/limits.rs`; tunable
+/// ones in the registry (`config/limits.rs`).
+fn bound_violations() -> Vec<String> {
+    let mut found = Vec::new();
+    for (rel, file) in all_files() {
+        let covered = allowed(
+            &rel,
+            &[
+                "store/",
+                "service/",
+                "pool.rs",
+                "slots.rs",
+                "crypto/",
+                "chain.rs",
+                "stamp.rs",
+                "command.rs",
+                "core/",
+            ],
+        );
+        if !covered || rel.ends_with("limits.rs") || rel.starts_with("store/suite/") {
+            continue;
+        }
+        for (line, code) in code(&file) {
+            let code = code.trim_start();
+            let code = code
+                .strip_prefix("pub(crate) ")
+                .or_else(|| code.strip_prefix("pub(super) "))
+                .or_else(|| code.strip_prefix("pub "))
+                .unwrap_or(code);
+            if let Some(rest) = code.strip_prefix("const ")
+                && (rest.starts_with("MAX_") || rest.starts_with("MIN_"))
+            {
+                found.push(format!(
+                    "{rel}:{line}: defines a bound outside a limits module: {}",
+                    rest.split(':').next().unwrap_or(rest)
+                ));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn bounds_live_in_the_limits_modules() {
+    assert_none(bound_violations());
+}
+
+/// Process-wide state, each item with why it may be: memos of pure
+/// functions, hints and counters. Nothing a request's outcome depends on.
+const STATICS: &[(&str, &str, &str)] = &[
+    ("crypto/mod.rs", "KEY_CACHE", "decoded public keys (a memo)"),
+    (
+        "core/predicate.rs",
+        "PARSED",
+        "predicate texts that parsed (a memo)",
+    ),
+    (
+        "core/schema/mod.rs",
+        "COMPILED",
+        "compiled schemas (a memo)",
+    ),
+    (
+        "core/schema/clock.rs",
+        "DEADLINE",
+        "this thread's validation deadline",
+    ),
+    (
+        "core/schema/clock.rs",
+        "OUT_OF_TIME",
+        "this thread's validation ran out of time",
+    ),
+    (
+        "store/sqlite/durability.rs",
+        "WAL_SYNCS",
+        "WAL fsync counters",
+    ),
+    (
+        "metrics.rs",
+        "STORE_ERRORS",
+        "store errors by class (a counter)",
+    ),
+    (
+        "telemetry/mod.rs",
+        "EXPORT",
+        "the span exporter, set once at start",
+    ),
+    ("telemetry/mod.rs", "SPANS", "span counters"),
+    ("telemetry/mod.rs", "CALL", "the call's facts (task-local)"),
+    (
+        "telemetry/mod.rs",
+        "CALL_SPANS_AT_INFO",
+        "log level of call spans, set at start",
+    ),
+];
+
+fn static_violations() -> Vec<String> {
+    let mut found = Vec::new();
+    for (rel, file) in all_files() {
+        for (line, code) in code(&file) {
+            let trimmed = code.trim_start();
+            let item = trimmed
+                .strip_prefix("pub(crate) ")
+                .or_else(|| trimmed.strip_prefix("pub "))
+                .unwrap_or(trimmed);
+            let Some(rest) = item.strip_prefix("static ") else {
+                continue;
+            };
+            let rest = rest.strip_prefix("mut ").unwrap_or(rest);
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if !STATICS.iter().any(|(f, n, _)| *f == rel && *n == name) {
+                found.push(format!(
+                    "{rel}:{line}: process-wide `{name}` is not a listed memo, hint or counter"
+                ));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn process_wide_state_is_the_listed_memos_and_counters() {
+    assert_none(static_violations());
+}
+
+/// What PostgreSQL-wire distributed engines lack: advisory locks,
+/// LISTEN/NOTIFY, `FOR SHARE`, more than one DDL statement per migration.
+fn portability_violations() -> Vec<String> {
+    let mut found = Vec::new();
+    for (rel, file) in all_files() {
+        if !allowed(&rel, &["store/postgres/", "store/sql/"]) {
+            continue;
+        }
+        for (line, code) in code(&file) {
+            let upper = code.to_uppercase();
+            for construct in ["PG_ADVISORY", "LISTEN ", "NOTIFY", "FOR SHARE"] {
+                if upper.contains(construct) {
+                    found.push(format!(
+                        "{rel}:{line}: uses {construct:?}, which distributed PostgreSQL-wire engines lack"
+                    ));
+                }
+            }
+        }
+    }
+    let migrations = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&migrations)
+        .expect("migrations/postgres")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sql"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no PostgreSQL migrations found");
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("migration");
+        let statements = text
+            .lines()
+            .map(|l| l.split("--").next().unwrap_or(""))
+            .collect::<String>()
+            .matches(';')
+            .count();
+        if statements != 1 {
+            found.push(format!(
+                "{}: {statements} statements: one DDL statement per migration",
+                file.display()
+            ));
+        }
+    }
+    found
+}
+
+#[test]
+fn postgres_stays_portable() {
+    assert_none(portability_violations());
 }

@@ -231,3 +231,53 @@ pub const MAX_CONFLICT_CONTRACTS_REPORTED: usize = 64;
 
 /// Largest session envelope accepted, in bytes: a real one is ~200.
 pub const MAX_SESSION_BYTES: usize = 1_024;
+
+// Bounds the service and the store enforce that clients meet (quoted in
+// errors.proto or the README; `service::error`'s tests hold the quotes).
+
+/// Longest status message, in bytes (see `core::error::MAX_ERROR_REASON_BYTES`).
+pub const MAX_STATUS_MESSAGE_BYTES: usize = 1_536;
+
+/// Jobs one tenant may have waiting for a thread at once; more are refused
+/// at once rather than queued (each waiter is a caller holding a request).
+pub const MAX_WAITING_PER_TENANT: usize = 256;
+
+/// Most rows (contracts, observations, refusals and escalations) one
+/// audit read loads: a tree has no size limit, and AggregateAudits reads
+/// up to MAX_AGGREGATE_RUNS of them (rows are typically ~100 bytes to a
+/// few KiB).
+pub const MAX_AUDIT_ROWS: i64 = 1_000_000;
+
+/// Most bytes of envelopes and observed paths one audit read loads: with
+/// `MAX_AUDIT_ROWS` alone, a million rows of 1 KiB paths were a gigabyte
+/// (16 audits at once took 1.8 GB).
+pub const MAX_AUDIT_BYTES: usize = 128 * 1024 * 1024;
+
+/// Attempts of one transaction before its callers are answered
+/// UNAVAILABLE (contention): enough for a hot parent shared by a few
+/// replicas, bounded so a caller never waits without limit.
+pub const MAX_TX_ATTEMPTS: u32 = 10;
+
+/// Judgments of one completion before giving up when host observations
+/// keep arriving while it is judged (each makes the last one stale).
+pub const MAX_JUDGMENT_ATTEMPTS: usize = 3;
+
+/// Longest a replicated broker's GetBrokerKeys answers from its copy of
+/// the shared key registry.
+pub const KEYS_MAX_AGE_MS: u64 = 100;
+
+/// Envelope bytes of one ListChildren page: pages of deep contracts went
+/// past the 4 MiB response limit as an untyped OUT_OF_RANGE.
+pub const CHILDREN_PAGE_BYTES: usize = 1024 * 1024;
+
+/// Longest trace-context header read (`traceparent` is 55 bytes; W3C caps
+/// `tracestate` at 512 and `baggage` at 8,192).
+pub const MAX_TRACE_HEADER_BYTES: usize = 8_192;
+
+/// Longest chain verified: the deepest policy the broker allows is 64, so
+/// a longer "chain" is not one (bounds the work a hostile file can cause).
+pub const MAX_CHAIN_CONTRACTS: usize = MAX_DEPTH_CEILING as usize + 1;
+
+/// Most signatures an envelope may carry: bounds verification work per
+/// request.
+pub const MAX_SIGNATURES: usize = 4;

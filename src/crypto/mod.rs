@@ -5,6 +5,7 @@
 use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
 use sha2::{Digest, Sha256};
 
+pub use crate::core::limits::MAX_SIGNATURES;
 use crate::pb;
 
 /// Media types of every signed payload. PAE binds the type into the
@@ -26,10 +27,6 @@ pub mod payload_type {
     pub const RECORD_RECEIPTS: &str =
         "application/vnd.delegation.broker.v1.RecordReceiptsBody+protobuf";
 }
-
-/// Most signatures an envelope may carry: bounds verification work per
-/// request.
-pub const MAX_SIGNATURES: usize = 4;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CryptoError {

@@ -8,11 +8,9 @@ use tonic::Request;
 use super::error::ServiceError;
 use super::{BrokerService, auth, convert};
 
+use super::limits::MAX_REMEMBERED_PARTIES;
 use crate::store::{Answer, Store};
 use crate::telemetry::{self, Fact};
-
-/// (contract, agent) pairs remembered as parties; cleared when full.
-pub(super) const MAX_REMEMBERED_PARTIES: usize = 65_536;
 
 impl<S: Store> BrokerService<S> {
     /// The reading agent of a request (its session), or UNAUTHENTICATED.

@@ -3,6 +3,7 @@
 
 use prost::Message;
 
+use super::limits::MAX_VERIFIED_ATTESTATIONS;
 use crate::command::{HopTrust, NewChild, NewRoot, RequestMeta};
 use crate::config::{Limits, TrustConfig};
 use crate::core::limits::{
@@ -279,9 +280,6 @@ pub fn resolve_trust(
         },
     ))
 }
-
-/// Most attestation envelopes remembered as verified.
-const MAX_VERIFIED_ATTESTATIONS: usize = 16_384;
 
 /// Attestations are long-lived and presented again on every delegation to
 /// the same agent; remembering the ones whose signature verified saves an

@@ -8,6 +8,7 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::core::InputError;
+use crate::core::limits::MAX_STATUS_MESSAGE_BYTES;
 use crate::pb;
 use crate::store::{Entity, StoreError};
 
@@ -20,9 +21,6 @@ pub fn reason_name(reason: pb::ErrorReason) -> &'static str {
 
 /// `ErrorInfo.domain` of every error this broker returns.
 pub const ERROR_DOMAIN: &str = "delegation.broker.v1";
-
-/// Longest status message, in bytes (see `core::error::MAX_ERROR_REASON_BYTES`).
-pub const MAX_STATUS_MESSAGE_BYTES: usize = 1_536;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -515,5 +513,142 @@ mod tests {
             assert_eq!(status.code(), code, "{shown}");
             assert_eq!(info(&status).0, reason_name(reason), "{shown}");
         }
+    }
+}
+
+/// The numbers errors.proto and the README quote are the constants' (and
+/// the registry defaults') values: a bound changed in code and not in the
+/// contract fails here.
+#[cfg(test)]
+mod quoted_limits {
+    use crate::core::limits::*;
+
+    /// `1_000_000` as the docs write numbers.
+    fn grouped(n: u64) -> String {
+        let digits = n.to_string();
+        let mut out = String::new();
+        for (i, c) in digits.chars().enumerate() {
+            if i > 0 && (digits.len() - i).is_multiple_of(3) {
+                out.push('_');
+            }
+            out.push(c);
+        }
+        out
+    }
+
+    /// A comment block as one line: wrapped lines joined by single spaces.
+    fn prose(text: &str) -> String {
+        text.lines()
+            .map(|l| l.trim().trim_start_matches("//").trim())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    fn secs(ms: u64) -> String {
+        assert_eq!(ms % 1_000, 0, "{ms} ms is quoted in whole seconds");
+        format!("{} s", ms / 1_000)
+    }
+
+    fn u(n: impl TryInto<u64>) -> u64 {
+        n.try_into().ok().expect("a non-negative bound")
+    }
+
+    #[test]
+    fn the_numbers_the_contract_quotes_are_the_constants() {
+        let errors = prose(include_str!(
+            "../../proto/delegation/broker/v1/errors.proto"
+        ));
+        let readme = prose(include_str!("../../README.md"));
+        let defaults = crate::config::Limits::default();
+        let quotes = [
+            (
+                &errors,
+                format!("at most {} bytes", grouped(u(MAX_STATUS_MESSAGE_BYTES))),
+            ),
+            (
+                &errors,
+                format!("over {} bytes", grouped(u(MAX_SESSION_BYTES))),
+            ),
+            (
+                &errors,
+                format!("above 10^{}", u(MAX_BUDGET_UNITS).to_string().len() - 1),
+            ),
+            (
+                &errors,
+                format!(
+                    "\"MAX_OBSERVATIONS_PER_CONTRACT\" ({} observations per contract",
+                    grouped(u(MAX_OBSERVATIONS_PER_CONTRACT))
+                ),
+            ),
+            (
+                &errors,
+                format!(
+                    "\"MAX_AUDIT_ROWS\" ({} rows read)",
+                    grouped(u(MAX_AUDIT_ROWS))
+                ),
+            ),
+            (
+                &errors,
+                format!("\"MAX_AUDIT_BYTES\" ({} MiB read)", MAX_AUDIT_BYTES >> 20),
+            ),
+            (
+                &errors,
+                format!(
+                    "\"MAX_AGGREGATE_RUNS\" ({} runs",
+                    grouped(u(MAX_AGGREGATE_RUNS))
+                ),
+            ),
+            (
+                &errors,
+                format!(
+                    "predicate composition) within {}",
+                    secs(CONVERSION_DEADLINE_MS)
+                ),
+            ),
+            (
+                &errors,
+                format!("already had {MAX_WAITING_PER_TENANT} Delegates waiting"),
+            ),
+            (
+                &errors,
+                format!("could not be judged within {}", secs(JUDGMENT_DEADLINE_MS)),
+            ),
+            (
+                &errors,
+                format!("already had {MAX_WAITING_PER_TENANT} completions waiting"),
+            ),
+            (
+                &errors,
+                format!("contracts) {MAX_TX_ATTEMPTS} times in a row"),
+            ),
+            (
+                &errors,
+                format!(
+                    "limits.timestamp_window_ms (default {} ms)",
+                    grouped(u(defaults.timestamp_window_ms))
+                ),
+            ),
+            (
+                &errors,
+                format!(
+                    "limits.request_timeout_ms (default {}",
+                    secs(defaults.request_timeout_ms)
+                ),
+            ),
+            (&readme, format!("at most {KEYS_MAX_AGE_MS} ms old")),
+            (
+                &readme,
+                format!("at most {MAX_WAITING_PER_TENANT} requests waiting"),
+            ),
+            (
+                &readme,
+                format!("ends at the {} deadline", secs(JUDGMENT_DEADLINE_MS)),
+            ),
+        ];
+        for (text, quote) in quotes {
+            assert!(text.contains(&quote), "the docs no longer say {quote:?}");
+        }
+        // The two deadlines the README quotes as one.
+        assert_eq!(JUDGMENT_DEADLINE_MS, CONVERSION_DEADLINE_MS);
     }
 }

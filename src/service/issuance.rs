@@ -2,8 +2,6 @@
 //! come before the body is converted, off the async workers, in the
 //! tenant's share of the converters.
 
-use prost::Message;
-
 use super::BrokerService;
 use super::auth::authenticate;
 use super::convert;
@@ -36,6 +34,7 @@ fn delegate_response(answer: Answer) -> pb::DelegateResponse {
         Outcome::Receipt {
             receipt_id,
             envelope,
+            ..
         } => pb::delegate_response::Outcome::Refused(pb::Refusal {
             receipt_id: receipt_id.to_vec(),
             receipt: Some(envelope),
@@ -181,7 +180,7 @@ impl<S: Store> BrokerService<S> {
                     reason: pb::ErrorReason::ConvertersBusy,
                     detail: format!(
                         "this tree's tenant already has {} Delegates waiting for a converter; nothing was recorded: retry with the same nonce",
-                        crate::pool::MAX_WAITING_PER_TENANT
+                        crate::core::limits::MAX_WAITING_PER_TENANT
                     ),
                 },
                 other => ServiceError::Internal(format!("converting the Delegate body: {other}")),
@@ -214,20 +213,18 @@ impl<S: Store> BrokerService<S> {
                         .inc_by(u64::try_from(budget).unwrap_or(0));
                 }
             }
-            Outcome::Receipt { envelope, .. } => {
-                let receipt = pb::Receipt::decode(envelope.payload.as_slice()).unwrap_or_default();
+            Outcome::Receipt { decided, .. } => {
                 let code =
                     |c: i32| pb::InvariantCode::try_from(c).map_or("UNKNOWN", |c| c.as_str_name());
                 if telemetry::recording() {
-                    let codes: Vec<&str> =
-                        receipt.violations.iter().map(|v| code(v.code)).collect();
+                    let codes: Vec<&str> = decided.codes.iter().map(|c| code(*c)).collect();
                     telemetry::record(Fact::RefusedCodes(&codes));
                 }
                 telemetry::record(Fact::Outcome("refused", answer.replayed));
                 if !answer.replayed {
                     self.metrics
                         .delegations_refused
-                        .with_label_values(&[code(receipt.primary)])
+                        .with_label_values(&[code(decided.primary)])
                         .inc();
                 }
             }

@@ -8,13 +8,10 @@ use tonic::Request;
 use super::BrokerService;
 use super::auth::authenticate;
 use super::error::ServiceError;
+use crate::core::limits::KEYS_MAX_AGE_MS;
 use crate::pb;
 use crate::store::Store;
 use crate::telemetry::{self, Fact};
-
-/// Longest a replicated broker's GetBrokerKeys answers from its copy of
-/// the shared key registry.
-pub const KEYS_MAX_AGE_MS: u64 = 100;
 
 /// The verifying keys GetBrokerKeys publishes; shared with whatever
 /// refreshes them.

@@ -2,8 +2,6 @@
 //! Revoke, RecordReceipts): one generic path (`LifecycleRpc`) that
 //! authenticates, converts the body and applies it through the store.
 
-use prost::Message;
-
 use super::BrokerService;
 use super::auth::{self, authenticate};
 use super::convert;
@@ -11,7 +9,7 @@ use super::error::ServiceError;
 use crate::command::{Action, LifecycleCommand};
 use crate::core::InputError;
 use crate::pb;
-use crate::store::{Outcome, Store};
+use crate::store::{Decided, Outcome, Store};
 use crate::telemetry::{self, Fact};
 
 /// A lifecycle body's conversion to (contract, action).
@@ -131,8 +129,9 @@ impl<S: Store> BrokerService<S> {
             Outcome::Receipt {
                 receipt_id,
                 envelope,
+                decided,
             } => {
-                self.note_transition(&envelope, answer.replayed);
+                self.note_transition(&decided, answer.replayed);
                 Ok((receipt_id.to_vec(), Some(envelope), answer.replayed))
             }
             // A nonce first used for an issuance request.
@@ -143,35 +142,29 @@ impl<S: Store> BrokerService<S> {
     /// Names a lifecycle receipt on the call's span and, unless it is a
     /// replayed answer, counts it by kind and verdict (labels from the
     /// enums: bounded).
-    pub(super) fn note_transition(&self, receipt: &pb::Sealed, replayed: bool) {
-        let Ok(receipt) = pb::Receipt::decode(receipt.payload.as_slice()) else {
-            return;
-        };
-        let kind = pb::ReceiptKind::try_from(receipt.kind).map_or("UNKNOWN", |k| k.as_str_name());
+    pub(super) fn note_transition(&self, decided: &Decided, replayed: bool) {
+        let kind = pb::ReceiptKind::try_from(decided.kind).map_or("UNKNOWN", |k| k.as_str_name());
         telemetry::record(Fact::Outcome(kind, replayed));
-        telemetry::record(Fact::RootId(&receipt.root_id));
+        telemetry::record(Fact::RootId(&decided.root_id));
         if replayed {
             return;
         }
-        let verdict = receipt
-            .completion
-            .as_ref()
-            .and_then(|c| pb::Verdict::try_from(c.verdict).ok())
+        let verdict = pb::Verdict::try_from(decided.verdict)
+            .ok()
+            .filter(|v| *v != pb::Verdict::Unspecified)
             .map_or("", |v| v.as_str_name());
         self.metrics
             .transitions
             .with_label_values(&[kind, verdict])
             .inc();
         // Adjudications repeat a completion's figures: counted once, here.
-        if receipt.kind == pb::ReceiptKind::Completed as i32
-            && let Some(completion) = &receipt.completion
-        {
+        if decided.kind == pb::ReceiptKind::Completed as i32 {
             self.metrics
                 .budget_spent_units
-                .inc_by(u64::try_from(completion.consumed).unwrap_or(0));
+                .inc_by(u64::try_from(decided.consumed).unwrap_or(0));
             self.metrics
                 .budget_returned_units
-                .inc_by(u64::try_from(completion.returned).unwrap_or(0));
+                .inc_by(u64::try_from(decided.returned).unwrap_or(0));
         }
     }
 }

@@ -14,6 +14,7 @@ pub mod error;
 mod issuance;
 mod keys;
 mod lifecycle;
+mod limits;
 mod reads;
 pub mod session;
 pub mod transport;
@@ -29,7 +30,8 @@ use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::Store;
 
-pub use keys::{KEYS_MAX_AGE_MS, PublishedKeys};
+pub use crate::core::limits::KEYS_MAX_AGE_MS;
+pub use keys::PublishedKeys;
 
 /// The broker's gRPC service over a store.
 pub struct BrokerService<S> {
@@ -90,8 +92,8 @@ impl<S> BrokerService<S> {
                 config.limits.max_watch_streams_per_caller,
                 crate::config::keys::max_watch_streams_per_caller,
                 crate::slots::Reserve {
-                    slots: config.limits.max_watch_streams / watch::WATCH_RESERVE_DIVISOR,
-                    small_share: watch::WATCH_SMALL_SHARE,
+                    slots: config.limits.max_watch_streams / limits::WATCH_RESERVE_DIVISOR,
+                    small_share: limits::WATCH_SMALL_SHARE,
                 },
             ),
             watch_trees: crate::slots::Slots::new(

@@ -9,13 +9,10 @@ use super::BrokerService;
 use super::convert;
 use super::error::ServiceError;
 use crate::core::InputError;
+use crate::core::limits::CHILDREN_PAGE_BYTES;
 use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
 use crate::pb;
 use crate::store::Store;
-
-/// Envelope bytes of one ListChildren page: pages of deep contracts went
-/// past the 4 MiB response limit as an untyped OUT_OF_RANGE.
-const CHILDREN_PAGE_BYTES: usize = 1024 * 1024;
 
 /// Page tokens are the last returned issuance sequence number, big-endian.
 fn page_cursor(token: &[u8]) -> Result<i64, InputError> {

@@ -22,10 +22,8 @@ use crate::stamp::Stamper;
 
 /// The binary metadata key a read's session travels in.
 pub const SESSION_METADATA: &str = "x-broker-session-bin";
+use super::limits::MAX_VERIFIED_SESSIONS;
 use crate::core::limits::MAX_SESSION_BYTES;
-/// Sessions remembered as verified (by digest), so a session is verified
-/// once, not at every read; cleared when full.
-const MAX_VERIFIED_SESSIONS: usize = 16_384;
 
 /// Issues and checks sessions.
 pub struct Sessions {

@@ -7,24 +7,11 @@ use tonic::Status;
 use super::BrokerService;
 use super::convert;
 use super::error::ServiceError;
+use super::limits::{WATCH_BUFFER, WATCH_PAGE, WATCH_PAGE_BYTES};
 use crate::core::InputError;
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::{Event, Store};
-
-/// Events fetched per Watch query.
-pub(super) const WATCH_PAGE: u32 = 256;
-/// Envelope bytes fetched per Watch query: with `WATCH_BUFFER`, what one
-/// stream holds in memory however slowly its client reads (unbounded
-/// pages of deep contracts held 7 MB per stream).
-pub(super) const WATCH_PAGE_BYTES: usize = 256 * 1024;
-/// Events buffered per Watch stream before the reader waits for the client.
-pub(super) const WATCH_BUFFER: usize = 8;
-/// Watch streams past `limits.max_watch_streams` kept for tenants holding
-/// fewer than `WATCH_SMALL_SHARE`: this fraction of it (an eighth).
-pub(super) const WATCH_RESERVE_DIVISOR: usize = 8;
-/// Streams a tenant may hold and still take one from the reserve.
-pub(super) const WATCH_SMALL_SHARE: usize = 2;
 
 impl<S: Store> BrokerService<S> {
     pub(super) async fn watch_stream(

@@ -222,10 +222,21 @@ pub struct ReceiptRow {
     pub at_ms: i64,
 }
 
+/// A command's answer as the planner leaves it.
+#[derive(Debug)]
+pub enum Slot {
+    /// Answered by the plan: issued, refused, replayed, or an error.
+    Planned(Result<Answer, StoreError>),
+    /// A lifecycle command: answered by `store::sql::lifecycle::apply`
+    /// once the plan is written (`Slot::Planned` then).
+    Lifecycle,
+}
+
 /// Everything a batch writes, and the answers to send after commit.
 #[derive(Default)]
 pub struct Plan {
-    pub answers: Vec<Result<Answer, StoreError>>,
+    /// One per command, in order.
+    pub answers: Vec<Slot>,
     pub contracts: Vec<ContractRow>,
     /// Status and ledger of every earlier contract this batch changed, by
     /// sequence number, last state only.
@@ -265,15 +276,63 @@ pub fn replayed(prior: &PriorRequest, request: &RequestMeta) -> Result<Answer, S
             envelope: prior.envelope.clone(),
         }
     } else {
+        // The store's own stored receipt, read back once to report it.
+        let receipt = pb::Receipt::decode(prior.envelope.payload.as_slice()).unwrap_or_default();
         Outcome::Receipt {
             receipt_id: prior.ref_id,
             envelope: prior.envelope.clone(),
+            decided: crate::store::Decided::of(&receipt),
         }
     };
     Ok(Answer {
         outcome,
         replayed: true,
     })
+}
+
+/// The request keys of the commands the plan answered with an error: such
+/// an answer writes no request-log row a retry could meet, so a writer
+/// that did not read the log first looks these few up (`replay_unlogged`).
+pub fn unlogged(commands: &[Command], answers: &[Slot]) -> Vec<RequestKey> {
+    commands
+        .iter()
+        .zip(answers)
+        .filter(|(_, slot)| matches!(slot, Slot::Planned(Err(_))))
+        .filter_map(|(command, _)| command.request())
+        .map(|r| (r.agent, r.nonce.clone()))
+        .collect()
+}
+
+/// Answers each error of a request answered before with its earlier
+/// answer (the error changed nothing, so the earlier answer simply
+/// replaces it).
+pub fn replay_unlogged(
+    commands: &[Command],
+    answers: &mut [Slot],
+    earlier: &HashMap<RequestKey, PriorRequest>,
+) {
+    for (command, slot) in commands.iter().zip(answers.iter_mut()) {
+        if let (Slot::Planned(Err(_)), Some(request)) = (&slot, command.request())
+            && let Some(prior) = earlier.get(&(request.agent, request.nonce.clone()))
+        {
+            *slot = Slot::Planned(replayed(prior, request));
+        }
+    }
+}
+
+/// The answers to send, once every lifecycle slot has been answered; one
+/// left open is a writer bug, answered as such (INTERNAL), never as a
+/// made-up outcome.
+pub fn answers(slots: Vec<Slot>) -> Vec<Result<Answer, StoreError>> {
+    slots
+        .into_iter()
+        .map(|slot| match slot {
+            Slot::Planned(answer) => answer,
+            Slot::Lifecycle => Err(StoreError::Corrupt(
+                "a lifecycle command of the batch was not applied".into(),
+            )),
+        })
+        .collect()
 }
 
 /// Decides every command in order. `known` must hold every parent the
@@ -294,13 +353,12 @@ pub fn plan(
             .request()
             .filter(|_| !matches!(command, Command::Lifecycle(_)))
         else {
-            // Lifecycle commands are answered after the plan is written.
-            plan.answers.push(Err(StoreError::Closed));
+            plan.answers.push(Slot::Lifecycle);
             continue;
         };
         let key = (request.agent, request.nonce.clone());
         if let Some(earlier) = prior.get(&key) {
-            plan.answers.push(replayed(earlier, request));
+            plan.answers.push(Slot::Planned(replayed(earlier, request)));
             continue;
         }
         let answer = match command {
@@ -311,8 +369,8 @@ pub fn plan(
                 next_seq,
                 &mut plan,
             )),
-            // Skipped above; answered after the plan is written.
-            Command::Lifecycle(_) => Err(StoreError::Closed),
+            // Slotted above.
+            Command::Lifecycle(_) => continue,
             Command::Delegate(child, speculation) => delegate(
                 child,
                 speculation.as_deref(),
@@ -330,6 +388,7 @@ pub fn plan(
                 Outcome::Receipt {
                     receipt_id,
                     envelope,
+                    ..
                 } => (OUTCOME_RECEIPT, *receipt_id, envelope.clone()),
             };
             plan.requests.push(RequestRow {
@@ -351,7 +410,7 @@ pub fn plan(
                 },
             );
         }
-        plan.answers.push(answer);
+        plan.answers.push(Slot::Planned(answer));
     }
     // New rows carry their end-of-batch state; earlier contracts get one
     // update each.
@@ -562,7 +621,8 @@ fn plan_refusal(
     stamper: &Stamper,
     now_ms: i64,
 ) -> Answer {
-    let stamped = stamper.refusal(&child.parent_id, &root_id, &child.request, refusal, now_ms);
+    let (stamped, receipt) =
+        stamper.refusal(&child.parent_id, &root_id, &child.request, refusal, now_ms);
     let seq = next_seq.take();
     plan.receipts.push(ReceiptRow {
         seq,
@@ -578,6 +638,7 @@ fn plan_refusal(
         outcome: Outcome::Receipt {
             receipt_id: stamped.id,
             envelope: stamped.envelope,
+            decided: crate::store::Decided::of(&receipt),
         },
         replayed: false,
     }

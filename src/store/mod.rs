@@ -5,6 +5,7 @@
 //! Only this module knows sqlx.
 
 pub mod batch;
+pub(crate) mod limits;
 pub mod postgres;
 pub mod recent;
 pub(crate) mod sql;
@@ -91,7 +92,43 @@ pub enum Outcome {
     Receipt {
         receipt_id: Id,
         envelope: pb::Sealed,
+        /// What it says, for the call's span and the metrics: nobody
+        /// decodes the signed payload back to learn what was decided.
+        decided: Decided,
     },
+}
+
+/// A receipt's facts the service reports (span facts, metrics).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decided {
+    /// `ReceiptKind` wire value.
+    pub kind: i32,
+    pub root_id: Id,
+    /// `Verdict` wire value of a completion (0 otherwise).
+    pub verdict: i32,
+    /// A completion's consumed and returned units (0 otherwise).
+    pub consumed: i64,
+    pub returned: i64,
+    /// A refusal's violated invariants (`InvariantCode` wire values), and
+    /// the primary one among them.
+    pub codes: Vec<i32>,
+    pub primary: i32,
+}
+
+impl Decided {
+    /// The facts of `receipt`, as it is signed (or was stored).
+    pub fn of(receipt: &pb::Receipt) -> Self {
+        let completion = receipt.completion.as_ref();
+        Self {
+            kind: receipt.kind,
+            root_id: Id::try_from(receipt.root_id.as_slice()).unwrap_or_default(),
+            verdict: completion.map_or(0, |c| c.verdict),
+            consumed: completion.map_or(0, |c| c.consumed),
+            returned: completion.map_or(0, |c| c.returned),
+            codes: receipt.violations.iter().map(|v| v.code).collect(),
+            primary: receipt.primary,
+        }
+    }
 }
 
 /// A mutating call's answer.
@@ -129,15 +166,12 @@ pub struct IssuingParent {
 #[derive(Clone, Default)]
 pub struct TreeChanges(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Id, i64>>>);
 
-/// Trees `TreeChanges` remembers before it starts over.
-const MAX_TRACKED_TREES: usize = 65_536;
-
 impl TreeChanges {
     /// Records that `root`'s tree got event `seq` (before it is durable:
     /// streams are woken only after that).
     pub fn touch(&self, root: Id, seq: i64) {
         let mut trees = self.lock();
-        if trees.len() >= MAX_TRACKED_TREES && !trees.contains_key(&root) {
+        if trees.len() >= limits::MAX_TRACKED_TREES && !trees.contains_key(&root) {
             trees.clear();
         }
         let last = trees.entry(root).or_insert(seq);
@@ -200,6 +234,10 @@ type Reply = tokio::sync::oneshot::Sender<Result<Answer, StoreError>>;
 /// backend's `impl Store`, each a call of one shared function.
 macro_rules! sql_store_methods {
     () => {
+        async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
+            crate::store::sql::open_root(self, root).await
+        }
+
         async fn transition(&self, command: LifecycleCommand) -> Result<Answer, StoreError> {
             crate::store::sql::judge::transition(self, command).await
         }

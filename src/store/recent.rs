@@ -14,6 +14,7 @@
 //! closes the cheap amplification of replaying an old captured request
 //! to make the writer redo whole batches.
 
+use super::limits::{MAX_FILTER_BITS, MIN_FILTER_BITS, MIN_SPAN_MS};
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 
@@ -26,12 +27,6 @@ pub const DESIGN_REQUESTS_PER_S: usize = 5_000;
 const BITS_PER_KEY: usize = 16;
 /// Bit probes per key (≈ BITS_PER_KEY × ln 2).
 const PROBES: usize = 11;
-/// Smallest and largest filter: bounds memory to two of the largest
-/// (64 MiB) for the longest windows, where the rate degrades instead.
-const MIN_FILTER_BITS: usize = 1 << 16;
-const MAX_FILTER_BITS: usize = 1 << 28;
-/// Shortest generation.
-const MIN_SPAN_MS: i64 = 10_000;
 
 /// One generation's keys.
 struct Filter {

@@ -57,7 +57,7 @@ pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Kill
 async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let dir = tempfile::tempdir().unwrap();
     let database = if on_postgres() {
-        Some(delegation_broker::store::postgres::testing::TestDatabase::create().await)
+        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
     } else {
         None
     };
@@ -234,7 +234,7 @@ impl LedgerCheck {
 async fn sigkill_during_a_drain_finishes_it_once() {
     let dir = tempfile::tempdir().unwrap();
     let database = if on_postgres() {
-        Some(delegation_broker::store::postgres::testing::TestDatabase::create().await)
+        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
     } else {
         None
     };

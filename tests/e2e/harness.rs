@@ -74,7 +74,7 @@ impl Broker {
 
     /// `start_replicated` with an adjusted configuration.
     pub async fn start_replicated_with(adjust: impl FnOnce(&mut Config)) -> Self {
-        let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
+        let database = delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
         let url = database.url.clone();
         let mut broker = Self::start_full(adjust, false, Some(&url)).await;
         broker.database = Some(database);
@@ -126,7 +126,7 @@ impl Broker {
             None
         } else if on_postgres() {
             let database =
-                delegation_broker::store::postgres::testing::TestDatabase::create().await;
+                delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
             options.database = Some(delegation_broker::server::DatabaseOptions {
                 url: database.url.clone(),
                 migrate: true,

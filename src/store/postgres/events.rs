@@ -13,32 +13,22 @@
 //! The lock is taken after every contract lock, so its holder never waits
 //! for another lock (no cycle), and it is held only for the commit.
 //! A sequencer per replica announces positions given through other
-//! replicas to this replica's Watch streams (every `SEQUENCER_POLL`), and
-//! places, as a safety net, any event a transaction left unplaced.
+//! replicas to this replica's Watch streams (every `SEQUENCER_POLL`). No
+//! writer leaves an event unplaced; a database written by an earlier
+//! version (whose sequencer placed every event after commit) may hold
+//! some, and each replica places them once when it starts
+//! (`place_leftovers`).
 //!
 //! A cursor is `tag << 48 | position`: the tag, random per database (see
 //! the `event_clock` migration), makes a cursor from another database fail
 //! loudly instead of skipping or repeating events.
 
 use super::*;
+use crate::store::limits::postgres::{MAX_PLACED_PER_PASS, MAX_SEQUENCER_PAUSE, SEQUENCER_POLL};
 
 /// Bits of a cursor that hold the position (2^48 events per database).
 const POSITION_BITS: u32 = 48;
 const POSITION_MASK: i64 = (1 << POSITION_BITS) - 1;
-/// Events placed per sequencer pass (one statement's worth).
-const MAX_PLACED_PER_PASS: i64 = 4_096;
-/// How often a sequencer looks for positions given through other replicas
-/// (and reaches the database, for health).
-const SEQUENCER_POLL: Duration = Duration::from_millis(10);
-
-/// Longest pause between two sequencer passes while the database cannot
-/// be reached.
-const MAX_SEQUENCER_PAUSE: Duration = Duration::from_secs(1);
-
-/// How often a sequencer places events no writer placed (none, unless a
-/// transaction wrote events without placing them): a safety net, not the
-/// path of every write.
-const LEFTOVERS_EVERY: Duration = Duration::from_secs(1);
 
 /// This database's cursor tag.
 pub(super) async fn tag(pool: &PgPool) -> Result<i64, StoreError> {
@@ -105,9 +95,9 @@ pub(super) async fn events(
     .await
 }
 
-/// Announces the positions other replicas gave (and places leftovers)
-/// to this replica's Watch streams every `SEQUENCER_POLL`, and reports
-/// whether the database answers (health); stops when the store is gone.
+/// Announces the positions other replicas gave to this replica's Watch
+/// streams every `SEQUENCER_POLL`, and reports whether the database
+/// answers (health); stops when the store is gone.
 pub(super) async fn sequencer(
     pool: PgPool,
     tag: i64,
@@ -130,26 +120,15 @@ pub(super) async fn sequencer(
     // Longer while the database is away: a replica must not hammer a
     // database that is down (or gone) with connection attempts.
     let mut pause = SEQUENCER_POLL;
-    let mut next_leftovers = tokio::time::Instant::now() + LEFTOVERS_EVERY;
     loop {
         tokio::time::sleep(pause).await;
         if alive.upgrade().is_none() {
             return;
         }
-        let placed = if tokio::time::Instant::now() >= next_leftovers {
-            next_leftovers = tokio::time::Instant::now() + LEFTOVERS_EVERY;
-            place(&pool).await
-        } else {
-            Ok(())
-        };
-        if let Err(e) = &placed {
-            tracing::debug!(error = %e, "placing leftover events failed; will retry");
-        }
         let announced = announce(&pool, tag, &mut seen, &trees).await;
         // Health follows the database even when nothing is written: the
         // sequencer reaches it every `SEQUENCER_POLL`.
-        let up = !matches!(&placed, Err(e) if writer::unreachable(e))
-            && !matches!(&announced, Err(e) if writer::unreachable(e));
+        let up = !matches!(&announced, Err(e) if writer::unreachable(e));
         reachable.send_if_modified(|now| std::mem::replace(now, up) != up);
         pause = if up {
             SEQUENCER_POLL
@@ -221,10 +200,17 @@ pub(super) fn announce_own(
     commits.send_modify(|n| *n = n.wrapping_add(1));
 }
 
-/// Gives the committed, unplaced events the next positions, in `seq`
-/// order, in one transaction under the `event_clock` row lock (events of
-/// transactions that did not place their own).
-async fn place(pool: &PgPool) -> Result<(), sqlx::Error> {
+/// Places every event an earlier version left unplaced (see the module
+/// docs), a pass at a time, before this replica serves.
+pub(super) async fn place_leftovers(pool: &PgPool) -> Result<(), StoreError> {
+    while place(pool).await.map_err(backend)? == MAX_PLACED_PER_PASS as usize {}
+    Ok(())
+}
+
+/// Gives up to `MAX_PLACED_PER_PASS` committed, unplaced events the next
+/// positions, in `seq` order, in one transaction under the `event_clock`
+/// row lock; returns how many.
+async fn place(pool: &PgPool) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let last: i64 = sqlx::query_scalar("SELECT last_pos FROM event_clock WHERE id = 1 FOR UPDATE")
         .fetch_one(&mut *tx)
@@ -236,7 +222,7 @@ async fn place(pool: &PgPool) -> Result<(), sqlx::Error> {
             .await?;
     if seqs.is_empty() {
         tx.rollback().await?;
-        return Ok(());
+        return Ok(0);
     }
     let positions: Vec<i64> = (1..=seqs.len())
         .map(|i| last + i64::try_from(i).unwrap_or(i64::MAX))
@@ -254,7 +240,8 @@ async fn place(pool: &PgPool) -> Result<(), sqlx::Error> {
         .bind(new_last)
         .execute(&mut *tx)
         .await?;
-    tx.commit().await
+    tx.commit().await?;
+    Ok(seqs.len())
 }
 
 /// Marks the trees of events placed after `seen` (by any replica) as

@@ -2,11 +2,8 @@
 //! the registry of the replicas' public signing keys.
 
 use super::*;
+use crate::store::limits::postgres::MIGRATE_ATTEMPTS;
 
-/// Attempts at applying the migrations when replicas start together (no
-/// advisory lock: the loser of a race finds the migration applied on its
-/// next attempt).
-const MIGRATE_ATTEMPTS: u32 = 5;
 /// Wait between two attempts.
 const MIGRATE_RETRY: Duration = Duration::from_millis(500);
 
@@ -14,7 +11,7 @@ const MIGRATE_RETRY: Duration = Duration::from_millis(500);
 /// 10): a database in another format is refused, not served.
 const CONTRACT_FORMAT: i64 = 2;
 
-fn migrator() -> sqlx::migrate::Migrator {
+pub(super) fn migrator() -> sqlx::migrate::Migrator {
     let mut migrator = sqlx::migrate!("./migrations/postgres");
     // Session advisory locks are not portable (CockroachDB): concurrent
     // starters are retried instead (`MIGRATE_ATTEMPTS`).

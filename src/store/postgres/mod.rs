@@ -43,7 +43,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, Postgres, QueryBuilder};
 use tokio::sync::mpsc;
 
-use super::batch::{self, Command, KnownMap, Plan, RequestKey};
+use super::batch::{self, Command, KnownMap, RequestKey};
 use super::{
     Answer, AuditFacts, ContractRecord, Event, IssuingParent, RunFacts, Store, StoreError,
     TreeMutations, backend, backend_ref,
@@ -55,16 +55,13 @@ use crate::pb;
 use crate::stamp::Stamper;
 
 pub use super::sql::BeforeJudge;
-pub use super::sql::audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
 use super::sql::drain;
 use super::sql::lifecycle;
 use super::sql::plan::plan_statements;
 use super::sql::requests::load_prior_requests;
 use super::sql::rows::StoredContract;
-use super::sql::{
-    Backend, KnownCache, MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS, Shared, SharedOptions,
-    lock,
-};
+use super::sql::{Backend, KnownCache, Shared, SharedOptions, lock};
+pub use crate::core::limits::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
 
 /// PostgreSQL as the shared SQL's dialect.
 impl super::sql::Dialect for Postgres {
@@ -84,11 +81,9 @@ impl super::sql::Dialect for Postgres {
     }
 }
 
-/// PostgreSQL's bind parameters per statement (a 16-bit count).
-const MAX_BIND_PARAMETERS: usize = 65_535;
-const _: () = assert!(super::sql::plan::MAX_PARAMETERS_PER_STATEMENT <= MAX_BIND_PARAMETERS);
-
 use super::Reply;
+use super::limits::postgres::STATEMENT_CACHE_CAPACITY;
+use super::limits::{MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS};
 
 /// Tunables of the shared store.
 #[derive(Clone, Debug)]
@@ -166,12 +161,9 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// PostgreSQL-backed `Store`: one replica's handle on the shared database.
 #[derive(Clone)]
 pub struct PostgresStore {
-    /// Queue to this replica's writers.
-    commands: mpsc::Sender<(Command, Reply)>,
-    /// The read pool, the terms cache and the judges
-    /// (`store::sql::Shared`).
+    /// The queue to this replica's writers, the stamper, the read pool,
+    /// the terms cache and the judges (`store::sql::Shared`).
     sql: Arc<Shared<Postgres>>,
-    stamper: Arc<Stamper>,
     /// Which trees got events, fed by the sequencer (positions, not seqs).
     trees: super::TreeChanges,
     /// Bumped whenever new event positions became visible.
@@ -206,11 +198,6 @@ pub fn connect_options(url: &str) -> Result<PgConnectOptions, StoreError> {
         .map_err(|e| StoreError::Backend(format!("database URL: {e}")))
 }
 
-/// Prepared statements kept per connection: a batch's multi-row
-/// statements differ by row count, and one planned anew per batch costs
-/// PostgreSQL more than running it.
-const STATEMENT_CACHE_CAPACITY: usize = 2_048;
-
 impl PostgresStore {
     /// Connects, migrates when asked, refuses a database in another
     /// format, and starts this replica's writers and sequencer.
@@ -234,6 +221,7 @@ impl PostgresStore {
             .await
             .map_err(backend)?;
         let tag = events::tag(&reader).await?;
+        events::place_leftovers(&write_pool).await?;
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
         let known = KnownCache::default();
         let trees = super::TreeChanges::default();
@@ -278,9 +266,9 @@ impl PostgresStore {
             max_audit_bytes: options.max_audit_bytes,
         };
         Ok(Self {
-            commands,
-            sql: Arc::new(Shared::new(reader, known, clock, shared)?),
-            stamper,
+            sql: Arc::new(Shared::new(
+                commands, stamper, reader, known, clock, shared,
+            )?),
             trees,
             commits,
             tag,
@@ -305,7 +293,7 @@ impl PostgresStore {
 
     /// Commands waiting for this replica's writers.
     pub fn queue_depth(&self) -> usize {
-        self.commands.max_capacity() - self.commands.capacity()
+        self.sql.queue_depth()
     }
 
     /// Registers this replica's public signing keys (current and retired)
@@ -331,26 +319,18 @@ impl Backend for PostgresStore {
     async fn settle(&self) -> Result<(), StoreError> {
         Ok(())
     }
-
-    async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
-        super::submit(&self.commands, command).await
-    }
 }
 
 impl Store for PostgresStore {
     // The methods both backends answer with the shared SQL (`store::sql`).
     crate::store::sql_store_methods!();
 
-    async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
-        let stamped = self.stamper.root(&root, self.sql.clock.now_ms());
-        self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
-            .await
-    }
-
     async fn delegate(&self, child: NewChild) -> Result<Answer, StoreError> {
         // No speculation: another replica may change the parent at any
         // time, so the child is stamped under the parent's row lock.
-        self.submit(Command::Delegate(Box::new(child), None)).await
+        self.sql
+            .submit(Command::Delegate(Box::new(child), None))
+            .await
     }
 
     async fn events(

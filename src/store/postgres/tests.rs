@@ -22,7 +22,7 @@ pub(super) fn test_options(url: &str) -> PostgresOptions {
 }
 
 async fn open_suite_store() -> (PostgresStore, TestDatabase) {
-    let database = TestDatabase::create().await;
+    let database = TestDatabase::migrated().await;
     let store = PostgresStore::open(
         test_options(&database.url),
         test_stamper(),
@@ -35,10 +35,28 @@ async fn open_suite_store() -> (PostgresStore, TestDatabase) {
 
 crate::store::suite::store_suite!(suite, super::open_suite_store);
 
+/// A store with the judging options set, for `judging_suite!`.
+async fn open_judged_store(
+    options: crate::store::suite::judging::JudgingOptions,
+) -> (PostgresStore, TestDatabase) {
+    let database = TestDatabase::migrated().await;
+    let mut postgres = test_options(&database.url);
+    postgres.before_judge = options.before_judge;
+    if let Some(ms) = options.judgment_deadline_ms {
+        postgres.judgment_deadline_ms = ms;
+    }
+    let store = PostgresStore::open(postgres, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    (store, database)
+}
+
+crate::store::suite::judging_suite!(judging, super::open_judged_store);
+
 /// `suite::drains::a_drain_is_frozen_stepped_and_resumed` on PostgreSQL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_is_frozen_stepped_and_resumed() {
-    let database = TestDatabase::create().await;
+    let database = TestDatabase::migrated().await;
     let clock = Arc::new(crate::clock::OffsetClock::default());
     let open = |drainer: bool| {
         let (url, clock) = (database.url.clone(), clock.clone());
@@ -116,4 +134,50 @@ async fn explain(conn: &mut sqlx::PgConnection, query: String) -> String {
         .await
         .expect("plan");
     plan.join("\n")
+}
+
+/// An event an earlier version left unplaced (its sequencer placed every
+/// event after commit; writers now place their own) is placed when a
+/// replica starts, and Watch then reads it: the one reason the sequencer
+/// once placed leftovers every second.
+#[tokio::test]
+async fn events_left_unplaced_are_placed_at_start() {
+    use crate::store::suite::{meta, test_root};
+    let (store, database) = open_suite_store().await;
+    let root = match store
+        .open_root(test_root(meta(1, 1)))
+        .await
+        .expect("root")
+        .outcome
+    {
+        crate::store::Outcome::Issued { id, .. } => id,
+        other => panic!("not issued: {other:?}"),
+    };
+    // As the earlier version wrote it: committed, no position.
+    sqlx::query("UPDATE events SET pos = NULL")
+        .execute(&store.sql.reader)
+        .await
+        .expect("unplace");
+    assert!(
+        store
+            .events(root, 0, 16, usize::MAX)
+            .await
+            .expect("events")
+            .is_empty()
+    );
+    drop(store);
+    let store = PostgresStore::open(
+        test_options(&database.url),
+        test_stamper(),
+        Arc::new(SystemClock),
+    )
+    .await
+    .expect("reopen");
+    let events = store.events(root, 0, 16, usize::MAX).await.expect("events");
+    assert_eq!(events.len(), 1, "the root's event is placed: {events:?}");
+    let unplaced: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM events WHERE pos IS NULL")
+        .fetch_one(&store.sql.reader)
+        .await
+        .expect("count");
+    assert_eq!(unplaced, 0);
 }

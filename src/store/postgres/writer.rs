@@ -6,18 +6,9 @@
 //! a race with another replica is redone whole (`MAX_TX_ATTEMPTS`).
 
 use super::*;
-
-/// Attempts of one transaction before its callers are answered
-/// UNAVAILABLE (contention): enough for a hot parent shared by a few
-/// replicas, bounded so a caller never waits without limit.
-pub(super) const MAX_TX_ATTEMPTS: u32 = 10;
-/// First backoff before a redo; doubled at each attempt, with jitter.
-const RETRY_BASE_MS: u64 = 2;
-/// Longest backoff between two attempts.
-const RETRY_CAP_MS: u64 = 100;
-/// How often the request log is pruned, and most entries per pass.
-const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
-const MAX_PRUNED_PER_PASS: i64 = 1_024;
+use crate::core::limits::MAX_TX_ATTEMPTS;
+use crate::store::limits::PRUNE_INTERVAL;
+use crate::store::limits::postgres::{MAX_PRUNED_PER_PASS, RETRY_BASE_MS, RETRY_CAP_MS};
 
 /// Numbers `nextval('seqs')` reserved for one transaction, in increasing
 /// order, taken after the rows they depend on are locked (so the children
@@ -256,7 +247,7 @@ impl Writer {
         let mut seqs = Reserved::default();
         seqs.reserve(&mut tx, commands.len()).await?;
         let now_ms = self.clock.now_ms();
-        let plan = batch::plan(
+        let mut plan = batch::plan(
             commands,
             &mut prior,
             &mut known,
@@ -264,36 +255,18 @@ impl Writer {
             &self.stamper,
             now_ms,
         );
-        let mut answers = plan.answers;
+        let mut answers = std::mem::take(&mut plan.answers);
         if !careful {
-            // A command answered with an error (unknown parent, …) writes
-            // no request-log row that a retry could meet: those few keys
-            // are looked up (their errors changed nothing, so a replayed
-            // answer simply replaces them).
-            let unlogged: Vec<RequestKey> = commands
-                .iter()
-                .zip(&answers)
-                .filter(|(_, answer)| answer.is_err())
-                .filter_map(|(command, _)| command.request())
-                .map(|r| (r.agent, r.nonce.clone()))
-                .collect();
+            // Requests answered with an error wrote no request-log row a
+            // retry could meet: those few keys are looked up.
+            let unlogged = batch::unlogged(commands, &answers);
             if !unlogged.is_empty() {
                 let earlier = load_prior_requests::<Postgres>(&mut tx, &unlogged).await?;
-                for (command, answer) in commands.iter().zip(answers.iter_mut()) {
-                    if let (Err(_), Some(request)) = (&answer, command.request())
-                        && let Some(prior) = earlier.get(&(request.agent, request.nonce.clone()))
-                    {
-                        *answer = batch::replayed(prior, request);
-                    }
-                }
+                batch::replay_unlogged(commands, &mut answers, &earlier);
             }
         }
         let mut script = Script::default();
         // Watch's hint is fed by the sequencer (positions), not here.
-        let plan = Plan {
-            answers: Vec::new(),
-            ..plan
-        };
         plan_statements(&mut script, &plan);
         script.execute(&mut tx).await?;
         let placed = events::place_own(&mut tx, &seqs.taken).await?;
@@ -302,7 +275,7 @@ impl Writer {
         // The parents and the new contracts: the next Delegate from one of
         // them finds its terms here (`issuing_parent`).
         self.remember(&known);
-        Ok(answers)
+        Ok(batch::answers(answers))
     }
 
     /// One lifecycle command in its own transaction, redone on contention.

@@ -19,17 +19,6 @@ pub(crate) const AUDIT_SELECT_BY_ID: &str = select_contracts!("WHERE id = $1");
 pub(crate) const AUDIT_SELECT_TREE: &str =
     select_contracts!("WHERE root_seq = $1 AND parent_seq IS NOT NULL ORDER BY seq LIMIT $2");
 
-/// Most rows (contracts, observations, refusals and escalations) one
-/// audit read loads: a tree has no size limit, and AggregateAudits reads
-/// up to MAX_AGGREGATE_RUNS of them (rows are typically ~100 bytes to a
-/// few KiB).
-pub const MAX_AUDIT_ROWS: i64 = 1_000_000;
-
-/// Most bytes of envelopes and observed paths one audit read loads: with
-/// `MAX_AUDIT_ROWS` alone, a million rows of 1 KiB paths were a gigabyte
-/// (16 audits at once took 1.8 GB).
-pub const MAX_AUDIT_BYTES: usize = 128 * 1024 * 1024;
-
 /// What is left of one audit read's budget, in rows and in bytes.
 pub(crate) struct AuditRows {
     pub(crate) left: i64,

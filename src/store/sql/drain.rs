@@ -16,6 +16,7 @@ use super::{Cell, Dialect, QueryExt};
 use crate::command::{Action, LifecycleCommand};
 use crate::core::lifecycle::{self, Ending, Facts};
 use crate::core::{AgentKey, Id, Status};
+use crate::store::limits::{DRAIN_POLL_MS, DRAINS_PER_PASS};
 use crate::store::{Answer, Outcome, StoreError};
 
 /// The drains in a tree: (draining contract's seq, the status its
@@ -181,8 +182,9 @@ pub(crate) async fn step<D: Dialect>(
             .collect();
         answer = Ok(Answer {
             outcome: Outcome::Receipt {
-                receipt_id: signed[0].id,
-                envelope: signed[0].envelope.clone(),
+                receipt_id: signed[0].0.id,
+                envelope: signed[0].0.envelope.clone(),
+                decided: signed[0].1.clone(),
             },
             replayed: false,
         });
@@ -344,11 +346,6 @@ pub(crate) async fn drainer<D: Dialect>(
         }
     }
 }
-
-/// Drains stepped per pass of the drainer.
-const DRAINS_PER_PASS: i64 = 16;
-/// How often the drainer looks for drains when there are none.
-const DRAIN_POLL_MS: u64 = 200;
 
 /// Records that `target_seq`'s open descendants are to be ended in steps
 /// with `status` (once: a second request finds the drain started).

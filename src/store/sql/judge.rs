@@ -7,25 +7,14 @@ use super::{Backend, Dialect, QueryExt};
 use crate::command::{Action, CompleteArgs, LifecycleCommand, PreJudged};
 use crate::core::judge;
 use crate::core::lifecycle;
+use crate::core::limits::{MAX_JUDGMENT_ATTEMPTS, MAX_WAITING_PER_TENANT};
 use crate::core::{AgentKey, Id, Scope};
 use crate::pb;
 use crate::store::batch::Command;
 use crate::store::{Answer, StoreError, backend};
 
-/// Completions judged at once off the writer: judging is CPU-bound, so
-/// more than a few only queue for the same cores; the rest wait for a
-/// permit (each request still has its deadline).
-pub(crate) const MAX_CONCURRENT_JUDGMENTS: usize = 4;
-
 /// What a completion being judged holds (see `prejudge`).
 pub(crate) type JudgingSlots = (crate::slots::Slot<Id>, crate::slots::Slot<AgentKey>);
-
-/// Completions one signing key may have judged at once.
-pub(crate) const MAX_JUDGMENTS_PER_SIGNER: usize = 2;
-
-/// Judgments of one completion before giving up when host observations
-/// keep arriving while it is judged (each makes the last one stale).
-pub(crate) const MAX_JUDGMENT_ATTEMPTS: usize = 3;
 
 /// A lifecycle command through the writer; a completion is judged first,
 /// off the writer (`prejudge`), and again if the writer finds the judgment
@@ -41,6 +30,7 @@ pub(crate) async fn transition<B: Backend>(
     } = command;
     let Action::Complete(mut args) = action else {
         return store
+            .sql()
             .submit(Command::Lifecycle(Box::new(LifecycleCommand {
                 request,
                 contract_id,
@@ -63,7 +53,11 @@ pub(crate) async fn transition<B: Backend>(
             contract_id,
             action: Action::Complete(judged),
         };
-        match store.submit(Command::Lifecycle(Box::new(command))).await {
+        match store
+            .sql()
+            .submit(Command::Lifecycle(Box::new(command)))
+            .await
+        {
             Err(StoreError::StaleJudgment) => continue,
             answer => return answer,
         }
@@ -147,7 +141,7 @@ async fn prejudge<B: Backend>(
                 reason: pb::ErrorReason::JudgesBusy,
                 detail: format!(
                     "this tree's tenant already has {} completions waiting for a judge; nothing was recorded: retry with the same nonce",
-                    crate::pool::MAX_WAITING_PER_TENANT
+                    MAX_WAITING_PER_TENANT
                 ),
             },
             crate::pool::PoolError::Panicked => {

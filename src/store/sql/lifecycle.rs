@@ -11,7 +11,6 @@ use prost::Message;
 use sqlx::{AssertSqlSafe, QueryBuilder};
 
 use super::drain;
-use super::plan::ROWS_PER_STATEMENT;
 use super::rows::{CONTRACT_COLUMNS, StoredContract, select_contracts};
 use super::{Cell, Dialect, PushArg, QueryExt};
 use crate::command::{Action, LifecycleCommand};
@@ -22,7 +21,8 @@ use crate::core::lifecycle::{
 use crate::core::{AgentKey, Id, Status};
 use crate::stamp::Stamper;
 use crate::store::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey, SeqSource};
-use crate::store::{Answer, Outcome, StoreError};
+use crate::store::limits::ROWS_PER_STATEMENT;
+use crate::store::{Answer, Decided, Outcome, StoreError};
 
 /// A contract row as lifecycle reads it: the table's one decoder.
 pub(crate) type Loaded = StoredContract;
@@ -482,7 +482,7 @@ pub(crate) async fn write_receipts<D: Dialect>(
     rows: &[Loaded],
     command: &LifecycleCommand,
     w: &mut Writing<'_, D>,
-) -> Result<(Vec<crate::stamp::Stamped>, Vec<(Id, i64)>), sqlx::Error> {
+) -> Result<(Vec<(crate::stamp::Stamped, Decided)>, Vec<(Id, i64)>), sqlx::Error> {
     D::reserve_seqs(conn, w.seqs, decision.receipts.len()).await?;
     let mut signed = Vec::with_capacity(decision.receipts.len());
     let mut events = Vec::with_capacity(decision.receipts.len());
@@ -529,7 +529,7 @@ pub(crate) async fn write_receipts<D: Dialect>(
             .run(&mut *conn)
             .await?;
         }
-        signed.push(stamped);
+        signed.push((stamped, Decided::of(&receipt)));
     }
     Ok((signed, events))
 }
@@ -555,8 +555,9 @@ async fn write<D: Dialect>(
     let answer = match &decision.answer {
         Ok(i) => Ok(Answer {
             outcome: Outcome::Receipt {
-                receipt_id: signed[*i].id,
-                envelope: signed[*i].envelope.clone(),
+                receipt_id: signed[*i].0.id,
+                envelope: signed[*i].0.envelope.clone(),
+                decided: signed[*i].1.clone(),
             },
             replayed: false,
         }),

@@ -297,8 +297,17 @@ pub(crate) trait Backend: Send + Sync {
     /// Waits until everything a read could have seen is durable (SQLite
     /// acknowledges commits before they are synced; PostgreSQL after).
     fn settle(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Queues a command for the writer(s) and waits for its answer.
-    fn submit(&self, command: Command) -> impl Future<Output = Result<Answer, StoreError>> + Send;
+}
+
+/// Opens a root through the writer(s): stamped here, on the caller's task.
+pub(crate) async fn open_root<B: Backend>(
+    store: &B,
+    root: crate::command::NewRoot,
+) -> Result<Answer, StoreError> {
+    let sql = store.sql();
+    let stamped = sql.stamper.root(&root, sql.clock.now_ms());
+    sql.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
+        .await
 }
 
 /// Runs `f` before each judgment (tests: to hold a judge busy or record
@@ -326,12 +335,16 @@ pub(crate) type KnownCache = Arc<Mutex<KnownMap>>;
 
 /// The state every SQL store shares, built in one place (`Shared::new`).
 pub(crate) struct Shared<D: Database> {
+    /// Queue to the store's writer(s); they stop when every sender is gone.
+    pub(crate) commands: tokio::sync::mpsc::Sender<(Command, crate::store::Reply)>,
+    /// Signs what is stamped on callers' tasks (roots, speculative children).
+    pub(crate) stamper: Arc<crate::stamp::Stamper>,
     /// Connections for queries (read-only on SQLite).
     pub(crate) reader: sqlx::Pool<D>,
     /// The writer's cache of contracts, shared with readers.
     pub(crate) known: KnownCache,
     pub(crate) clock: Arc<dyn Clock>,
-    /// The threads that judge completions, `judge::MAX_CONCURRENT_JUDGMENTS`
+    /// The threads that judge completions, `crate::store::limits::MAX_CONCURRENT_JUDGMENTS`
     /// of them with deep stacks (CEL recurses); they stop when the store
     /// is dropped.
     pub(crate) judges: crate::pool::WorkPool,
@@ -356,20 +369,34 @@ impl<D: Database> Shared<D> {
         self.reader.acquire().await.map_err(crate::store::backend)
     }
 
+    /// Queues `command` for the writer(s) and waits for its answer.
+    pub(crate) async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
+        crate::store::submit(&self.commands, command).await
+    }
+
+    /// Commands waiting for the writer(s) now.
+    pub(crate) fn queue_depth(&self) -> usize {
+        self.commands.max_capacity() - self.commands.capacity()
+    }
+
     pub(crate) fn new(
+        commands: tokio::sync::mpsc::Sender<(Command, crate::store::Reply)>,
+        stamper: Arc<crate::stamp::Stamper>,
         reader: sqlx::Pool<D>,
         known: KnownCache,
         clock: Arc<dyn Clock>,
         options: SharedOptions,
     ) -> Result<Self, StoreError> {
         Ok(Self {
+            commands,
+            stamper,
             reader,
             known,
             clock,
             judges: crate::pool::WorkPool::start(
                 "store-judge",
-                judge::MAX_CONCURRENT_JUDGMENTS,
-                JUDGE_STACK_BYTES,
+                crate::store::limits::MAX_CONCURRENT_JUDGMENTS,
+                crate::store::limits::JUDGE_STACK_BYTES,
             )
             .map_err(|e| StoreError::Backend(format!("judge threads: {e}")))?,
             judgment_deadline: Duration::from_millis(options.judgment_deadline_ms.max(1)),
@@ -382,7 +409,7 @@ impl<D: Database> Shared<D> {
             judging_signers: crate::slots::Slots::new(
                 usize::MAX,
                 "judgments",
-                judge::MAX_JUDGMENTS_PER_SIGNER,
+                crate::store::limits::MAX_JUDGMENTS_PER_SIGNER,
                 "MAX_JUDGMENTS_PER_SIGNER",
             ),
             before_judge: options.before_judge,
@@ -391,16 +418,6 @@ impl<D: Database> Shared<D> {
         })
     }
 }
-
-/// Most contracts a writer's cache (`KnownCache`) holds, by count and by
-/// bytes (`KnownMap::bytes`); beyond either it is dropped and reloaded on
-/// demand.
-pub(crate) const MAX_CACHED_CONTRACTS: usize = 65_536;
-pub(crate) const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
-
-/// Stack of a writer or judge thread: judging recurses through CEL and
-/// JSON Schema (each bounded in depth), deeper than a default stack.
-pub(crate) const JUDGE_STACK_BYTES: usize = 64 * 1024 * 1024;
 
 /// Locks the writer's cache; a poisoned one is cleared (readers take it
 /// only as a hint, and the writer reloads what it misses).

@@ -7,6 +7,7 @@ use sqlx::QueryBuilder;
 use super::{Dialect, PushArg};
 use crate::core::{Ledger, Status};
 use crate::store::batch::Plan;
+use crate::store::limits::ROWS_PER_STATEMENT;
 
 /// Where a planned batch's statements go: each backend decides how they
 /// reach its database.
@@ -19,18 +20,16 @@ pub(crate) trait Script<D: Dialect> {
     fn statements(&self) -> usize;
 }
 
-/// Rows per multi-row statement, under the backend's bind-parameter limit at
-/// the widest row (a contract).
-pub(crate) const ROWS_PER_STATEMENT: usize = 1_000;
 /// Bind parameters per row of the `contracts` insert, the widest row.
 const CONTRACT_ROW_PARAMETERS: usize = 27;
 /// Rows per state `UPDATE`: each binds its seq twice per column (4) and
 /// once in the `IN` list.
 const STATE_ROWS_PER_STATEMENT: usize = ROWS_PER_STATEMENT / 8;
 const STATE_ROW_PARAMETERS: usize = 4 * 2 + 1;
+
 /// Most parameters one planned statement binds: each backend asserts its
-/// database takes that many.
-pub(crate) const MAX_PARAMETERS_PER_STATEMENT: usize = max(
+/// database takes that many (`store::limits`).
+pub(crate) const PARAMETERS_PER_STATEMENT: usize = max(
     ROWS_PER_STATEMENT * CONTRACT_ROW_PARAMETERS,
     STATE_ROWS_PER_STATEMENT * STATE_ROW_PARAMETERS,
 );

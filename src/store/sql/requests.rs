@@ -6,11 +6,11 @@ use std::collections::HashMap;
 use prost::Message;
 use sqlx::QueryBuilder;
 
-use super::plan::ROWS_PER_STATEMENT;
 use super::{Cell, Dialect, PushArg, QueryExt};
 use crate::core::AgentKey;
 use crate::pb;
 use crate::store::batch::{PriorRequest, RequestKey};
+use crate::store::limits::ROWS_PER_STATEMENT;
 
 pub(crate) async fn load_prior_requests<D: Dialect>(
     conn: &mut D::Connection,

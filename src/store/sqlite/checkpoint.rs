@@ -2,9 +2,7 @@
 //! the writer.
 
 use super::*;
-
-/// How often the WAL is copied back into the database file.
-pub(super) const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
+use crate::store::limits::sqlite::{CHECKPOINT_INTERVAL, MAX_DRAIN_ROUNDS};
 
 /// Default WAL size beyond which the writer finishes a checkpoint (so the WAL
 /// restarts from its beginning): bounds the WAL to about this plus one
@@ -86,9 +84,6 @@ pub(super) async fn checkpointer(
 
 /// SQLite's default page size; only used if asking for it fails.
 pub(super) const DEFAULT_PAGE_BYTES: u64 = 4096;
-
-/// Back-to-back checkpoints at most before the writer is asked to finish.
-pub(super) const MAX_DRAIN_ROUNDS: usize = 8;
 
 /// A round that had at most this many frames to copy leaves the writer
 /// little to do (about a millisecond of writes at full load).

@@ -182,10 +182,6 @@ pub(super) fn sync_wal(path: &Path, wal: &mut Option<(std::fs::File, u64)>) -> s
     file.sync_data()
 }
 
-/// Committed batches that may wait for the syncer; beyond it the writer
-/// waits (back-pressure instead of unbounded memory).
-pub(super) const MAX_UNSYNCED_BATCHES: usize = 64;
-
 /// A committed (or rolled-back) batch whose answers wait for the fsync
 /// that makes commit `number` durable.
 pub(super) struct Unsynced {

@@ -39,18 +39,15 @@ use self::migrate::*;
 use self::script::*;
 use self::writer::*;
 pub use super::sql::BeforeJudge;
-pub use super::sql::audit::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
 use super::sql::drain;
 use super::sql::lifecycle::{self, Writing};
+use super::sql::plan::Script as _;
 use super::sql::plan::plan_statements;
-use super::sql::plan::{ROWS_PER_STATEMENT, Script as _};
 use super::sql::requests::load_prior_requests;
 use super::sql::rows::CONTRACT_COLUMNS;
 use super::sql::rows::StoredContract;
-use super::sql::{
-    Backend, KnownCache, MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS, Shared, SharedOptions,
-    lock,
-};
+use super::sql::{Backend, KnownCache, Shared, SharedOptions, lock};
+pub use crate::core::limits::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
 pub use checkpoint::WAL_RESTART_BYTES;
 pub use durability::{SLOW_WAL_SYNC_US, WAL_SYNCS, WalSyncSnapshot, WalSyncStats};
 
@@ -95,6 +92,8 @@ use crate::core::{AgentKey, Id, Status};
 
 use crate::pb;
 
+use super::limits::sqlite::{MAX_UNSYNCED_BATCHES, STATEMENT_CACHE_CAPACITY};
+use super::limits::{MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS, ROWS_PER_STATEMENT};
 use crate::stamp::Stamper;
 
 /// SQLite as the shared SQL's dialect.
@@ -114,11 +113,6 @@ impl super::sql::Dialect for Sqlite {
         Ok(())
     }
 }
-
-/// SQLite's bind parameters per statement (`SQLITE_MAX_VARIABLE_NUMBER`,
-/// the default since 3.32).
-const MAX_BIND_PARAMETERS: usize = 32_766;
-const _: () = assert!(super::sql::plan::MAX_PARAMETERS_PER_STATEMENT <= MAX_BIND_PARAMETERS);
 
 /// Tunables of the embedded store.
 #[derive(Clone, Debug)]
@@ -183,13 +177,10 @@ use super::Reply;
 /// SQLite-backed `Store`.
 #[derive(Clone)]
 pub struct SqliteStore {
-    /// Queue to the single writer task; it exits when every clone is gone.
-    commands: mpsc::Sender<(Command, Reply)>,
-    /// The read pool (read-only connections), the writer's cache and the
-    /// judges (`store::sql::Shared`).
+    /// The queue to the single writer task, the stamper, the read pool
+    /// (read-only connections), the writer's cache and the judges
+    /// (`store::sql::Shared`).
     sql: Arc<Shared<Sqlite>>,
-    /// Signs speculative stamps on the caller's task, in parallel.
-    stamper: Arc<Stamper>,
     /// Which commits are durable; every read waits on it.
     durability: Durability,
     /// Which trees got events recently (the writer's, shared).
@@ -287,10 +278,10 @@ impl SqliteStore {
             max_audit_bytes: options.max_audit_bytes,
         };
         Ok(Self {
-            commands,
-            sql: Arc::new(Shared::new(reader, known, clock, shared)?),
+            sql: Arc::new(Shared::new(
+                commands, stamper, reader, known, clock, shared,
+            )?),
             trees,
-            stamper,
             durability: Durability { committed, durable },
         })
     }
@@ -316,7 +307,7 @@ impl SqliteStore {
 
     /// Commands waiting for the writer now (the write queue's depth).
     pub fn queue_depth(&self) -> usize {
-        self.commands.max_capacity() - self.commands.capacity()
+        self.sql.queue_depth()
     }
 
     /// Stamps a child from the cached parent, so the signing happens here
@@ -330,6 +321,7 @@ impl SqliteStore {
         let now_ms = self.sql.clock.now_ms();
         let terms = crate::core::check_delegation(&view, &child.ask, now_ms).ok()?;
         let stamped = self
+            .sql
             .stamper
             .child(&view.intent_lineage_hash, child, &terms, now_ms);
         Some(Box::new(Speculation { terms, stamped }))
@@ -348,25 +340,16 @@ impl Backend for SqliteStore {
     async fn settle(&self) -> Result<(), StoreError> {
         self.durability.settle().await
     }
-
-    async fn submit(&self, command: Command) -> Result<Answer, StoreError> {
-        super::submit(&self.commands, command).await
-    }
 }
 
 impl Store for SqliteStore {
     // The methods both backends answer with the shared SQL (`store::sql`).
     crate::store::sql_store_methods!();
 
-    async fn open_root(&self, root: NewRoot) -> Result<Answer, StoreError> {
-        let stamped = self.stamper.root(&root, self.sql.clock.now_ms());
-        self.submit(Command::OpenRoot(Box::new(root), Box::new(stamped)))
-            .await
-    }
-
     async fn delegate(&self, child: NewChild) -> Result<Answer, StoreError> {
         let speculation = self.speculate(&child);
-        self.submit(Command::Delegate(Box::new(child), speculation))
+        self.sql
+            .submit(Command::Delegate(Box::new(child), speculation))
             .await
     }
 
@@ -429,7 +412,4 @@ async fn events(
 
 /// Stack of the writer thread: it plans and checks with the core, which
 /// recurses like a judge does (see `store::sql::JUDGE_STACK_BYTES`).
-const WRITER_STACK_BYTES: usize = super::sql::JUDGE_STACK_BYTES;
-
-/// Prepared statements kept per connection (see where it is set).
-const STATEMENT_CACHE_CAPACITY: usize = 1_024;
+const WRITER_STACK_BYTES: usize = super::limits::JUDGE_STACK_BYTES;

@@ -4,6 +4,9 @@
 //! syncer; prunes the request log between batches.
 
 use super::*;
+use crate::store::batch::Slot;
+use crate::store::limits::PRUNE_INTERVAL;
+use crate::store::limits::sqlite::MAX_PRUNED_PER_PASS;
 
 /// The writer's recent-request set, filled from the request log with every
 /// key committed in the last two timestamp windows (what a fresh retry can
@@ -311,14 +314,6 @@ pub(super) async fn writer_loop(
     tracing::debug!("store writer stopped");
 }
 
-/// How often the writer looks for request-log entries past retention.
-pub(super) const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
-
-/// Most request-log entries deleted in one pass: bounds the writer's pause
-/// (each is a random page write, and on a log larger than the page cache
-/// a read too). A backlog is worked off one pass after every batch.
-pub(super) const MAX_PRUNED_PER_PASS: u64 = 128;
-
 /// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries that arrived
 /// before `cutoff_ms`, oldest first; returns how many. Runs on the writer,
 /// between batches, in its own transaction.
@@ -433,22 +428,10 @@ pub(super) async fn apply_fast(
     // predicate) writes no request-log row, so no insert would catch a
     // retry among them: those few keys are looked up here. Their errors
     // changed nothing, so a replayed answer simply replaces them.
-    let unlogged: Vec<RequestKey> = commands
-        .iter()
-        .zip(&plan.answers)
-        .filter(|(_, answer)| answer.is_err())
-        .filter_map(|(command, _)| command.request())
-        .map(|r| (r.agent, r.nonce.clone()))
-        .collect();
+    let unlogged = batch::unlogged(commands, &plan.answers);
     if !unlogged.is_empty() {
         let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
-        for (command, answer) in commands.iter().zip(plan.answers.iter_mut()) {
-            if let (Err(_), Some(request)) = (&answer, command.request())
-                && let Some(prior) = earlier.get(&(request.agent, request.nonce.clone()))
-            {
-                *answer = batch::replayed(prior, request);
-            }
-        }
+        batch::replay_unlogged(commands, &mut plan.answers, &earlier);
     }
     let mut script = Script::default();
     script.statement("BEGIN IMMEDIATE");
@@ -466,7 +449,7 @@ pub(super) async fn apply_fast(
             "batch script ran"
         );
     }
-    Ok(plan.answers)
+    Ok(batch::answers(plan.answers))
 }
 
 /// Records the trees the plan's contracts and receipts join (Watch's hint,
@@ -551,7 +534,7 @@ pub(super) async fn apply_careful(
     load_parents(&mut tx, &parent_ids, &state.known).await?;
     mark_ending(&mut tx, commands, state).await?;
     let t0 = std::time::Instant::now();
-    let plan = batch::plan(
+    let mut plan = batch::plan(
         commands,
         &mut prior,
         &mut lock(&state.known),
@@ -565,7 +548,7 @@ pub(super) async fn apply_careful(
     if plan_statements(&mut script, &plan) > 0 {
         script.query().build().execute(&mut *tx).await?;
     }
-    let mut answers = plan.answers;
+    let mut answers = std::mem::take(&mut plan.answers);
     let mut drains_changed = false;
     for (i, command) in commands.iter().enumerate() {
         if let Command::Lifecycle(lifecycle) = command {
@@ -596,6 +579,7 @@ pub(super) async fn apply_careful(
                 && let Outcome::Receipt {
                     receipt_id,
                     envelope,
+                    ..
                 } = &answer.outcome
             {
                 prior.insert(
@@ -608,7 +592,7 @@ pub(super) async fn apply_careful(
                     },
                 );
             }
-            answers[i] = applied.answer;
+            answers[i] = Slot::Planned(applied.answer);
         }
     }
     if drains_changed {
@@ -624,5 +608,5 @@ pub(super) async fn apply_careful(
         commit_us = t2.elapsed().as_micros() as u64,
         "batch phases"
     );
-    Ok(answers)
+    Ok(batch::answers(answers))
 }

@@ -8,6 +8,7 @@
 use prost::Message;
 
 pub(crate) mod drains;
+pub(crate) mod judging;
 pub(crate) mod lifecycle;
 mod reads;
 
@@ -315,6 +316,7 @@ pub async fn a_refusal_is_a_stored_receipt<S: Store>(store: &S) {
     let Outcome::Receipt {
         receipt_id,
         envelope,
+        ..
     } = answer.outcome
     else {
         panic!("a budget above the parent's is refused");
@@ -457,3 +459,29 @@ macro_rules! store_suite {
     };
 }
 pub(crate) use store_suite;
+
+/// Runs the judge pool's tests (`judging`) against one SQL backend;
+/// `$open` is an async fn taking `judging::JudgingOptions`.
+macro_rules! judging_suite {
+    ($backend:ident, $open:path) => {
+        $crate::store::suite::judging_suite!(@tests $backend, $open, [
+            a_judgment_made_before_an_observation_is_made_again,
+            at_most_the_judgment_limit_is_judged_at_once,
+            the_writer_never_judges_a_completion_made_stale_by_an_observation,
+            a_completion_waits_for_a_judge_no_longer_than_its_deadline,
+            judgments_are_one_per_contract_and_few_per_signer,
+            a_host_recording_during_every_judgment_cannot_loop_the_judges,
+        ]);
+    };
+    (@tests $backend:ident, $open:path, [$($test:ident),* $(,)?]) => {
+        mod $backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    crate::store::suite::judging::$test($open).await;
+                }
+            )*
+        }
+    };
+}
+pub(crate) use judging_suite;

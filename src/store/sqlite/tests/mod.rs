@@ -3,13 +3,9 @@
 
 use super::*;
 use crate::clock::SystemClock;
-use crate::command::{Action, CompleteArgs};
-use crate::core::limits::JUDGMENT_DEADLINE_MS;
 use crate::store::batch::KnownMap;
-use crate::store::sql::judge::{
-    JudgeInputs, MAX_CONCURRENT_JUDGMENTS, MAX_JUDGMENT_ATTEMPTS, MAX_JUDGMENTS_PER_SIGNER,
-};
-use crate::store::suite::{TEST_TIMESTAMP_MS, issued, meta, receipt, test_child, test_root};
+use crate::store::limits::sqlite::MAX_PRUNED_PER_PASS;
+use crate::store::suite::{TEST_TIMESTAMP_MS, issued, meta, test_child, test_root};
 use sqlx::Row;
 use std::sync::Mutex;
 
@@ -34,7 +30,23 @@ async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
     (store, dir)
 }
 
-mod judging;
+/// A store with the judging options set, for `judging_suite!`.
+async fn open_judged_store(
+    options: crate::store::suite::judging::JudgingOptions,
+) -> (SqliteStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut sqlite = test_options(dir.path().join("broker.sqlite3"));
+    sqlite.before_judge = options.before_judge;
+    if let Some(ms) = options.judgment_deadline_ms {
+        sqlite.judgment_deadline_ms = ms;
+    }
+    let store = SqliteStore::open(sqlite, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    (store, dir)
+}
+
+crate::store::suite::judging_suite!(judging, super::open_judged_store);
 
 /// `suite::drains::a_drain_is_frozen_stepped_and_resumed` on SQLite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -626,7 +638,7 @@ async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
     );
     // The command that found the writer waiting sits in the queue;
     // the rest of the queue fills up, and then a command is refused.
-    assert_eq!(store.commands.capacity(), QUEUE_DEPTH - 1);
+    assert_eq!(store.sql.commands.capacity(), QUEUE_DEPTH - 1);
     for queued in 1..QUEUE_DEPTH {
         let store_for_task = store.clone();
         let request = next_meta();
@@ -634,7 +646,7 @@ async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
             store_for_task.open_root(test_root(request)).await
         }));
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while store.commands.capacity() > QUEUE_DEPTH - 1 - queued {
+        while store.sql.commands.capacity() > QUEUE_DEPTH - 1 - queued {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "command {queued} never reached the queue"

@@ -1,25 +1,48 @@
-//! The judge pool's behaviours on SQLite: judgments made off the writer,
-//! made again when stale, bounded in number and in waiting.
+//! The judge pool's behaviours, on every SQL backend (`judging_suite!`):
+//! judgments made off the writer, made again when stale, bounded in
+//! number and in waiting. Each test opens its store through `open`, with
+//! the judge hook and deadline it needs (`JudgingOptions`).
 
-use super::*;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{issued, meta, receipt, test_child, test_root};
+use crate::clock::{Clock, SystemClock};
+use crate::command::{Action, CompleteArgs, LifecycleCommand, RequestMeta};
+use crate::core::limits::JUDGMENT_DEADLINE_MS;
+use crate::core::limits::MAX_JUDGMENT_ATTEMPTS;
+use crate::core::{Id, Status};
+use crate::pb;
+use crate::store::batch::Command;
+use crate::store::limits::{MAX_CONCURRENT_JUDGMENTS, MAX_JUDGMENTS_PER_SIGNER};
+use crate::store::sql::judge::JudgeInputs;
+use crate::store::sql::{Backend, BeforeJudge};
+use crate::store::{Store, StoreError};
+
+/// What a judging test sets on the store it opens.
+#[derive(Clone, Default)]
+pub struct JudgingOptions {
+    /// Run on a judge thread before each judgment.
+    pub before_judge: Option<BeforeJudge>,
+    /// The longest a completion waits for its judgment (the backend's
+    /// test default when `None`).
+    pub judgment_deadline_ms: Option<u64>,
+}
+
+/// A store of the backend under test, opened with `JudgingOptions`.
+pub trait Judged: Store + Backend + Clone {}
+impl<S: Store + Backend + Clone> Judged for S {}
 
 /// Completions are judged before they reach the writer. The writer
 /// trusts such a judgment only while the contract's observations are
 /// the ones it saw: one recorded in between (here a write outside the
 /// scope) makes the writer send it back to be judged again, off the
 /// writer, on what the host reported.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_judgment_made_before_an_observation_is_made_again() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let stamper = test_stamper();
-    let clock = Arc::new(SystemClock);
-    let store = SqliteStore::open(
-        test_options(dir.path().join("broker.sqlite3")),
-        stamper,
-        clock.clone(),
-    )
-    .await
-    .expect("open");
+pub async fn a_judgment_made_before_an_observation_is_made_again<S: Judged, G>(
+    open: impl AsyncFn(JudgingOptions) -> (S, G),
+) {
+    let clock = SystemClock;
+    let (store, _guard) = open(JudgingOptions::default()).await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
     let (delegate, host) = (20u8, 30u8);
     let mut verdicts = Vec::new();
@@ -43,6 +66,7 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
         };
         let accepted = receipt(
             store
+                .sql()
                 .submit(transition(
                     20 + i,
                     delegate,
@@ -62,14 +86,14 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
             received_at_ms: Some(clock.now_ms()),
             prejudged: None,
         };
-        let mut conn = store.sql.reader.acquire().await.expect("reader");
+        let mut conn = store.sql().read().await.expect("reader");
         let at_ms = clock.now_ms();
-        let stranger = JudgeInputs::load::<Sqlite>(&mut conn, &child, &[host; 32], at_ms).await;
+        let stranger = JudgeInputs::load::<S::Db>(&mut conn, &child, &[host; 32], at_ms).await;
         assert!(
             matches!(stranger, Ok(None)),
             "only the delegate's completion is judged early"
         );
-        let inputs = JudgeInputs::load::<Sqlite>(&mut conn, &child, &[delegate; 32], at_ms)
+        let inputs = JudgeInputs::load::<S::Db>(&mut conn, &child, &[delegate; 32], at_ms)
             .await
             .expect("inputs")
             .expect("open contract");
@@ -94,6 +118,7 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
             };
             let recorded = receipt(
                 store
+                    .sql()
                     .submit(transition(
                         30 + i,
                         host,
@@ -109,6 +134,7 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
             // The writer does not judge: it sends the stale judgment
             // back, and the store's front door judges again.
             let answer = store
+                .sql()
                 .submit(transition(
                     40 + i,
                     delegate,
@@ -131,6 +157,7 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
         } else {
             receipt(
                 store
+                    .sql()
                     .submit(transition(
                         40 + i,
                         delegate,
@@ -158,17 +185,16 @@ async fn a_judgment_made_before_an_observation_is_made_again() {
 /// `MAX_CONCURRENT_JUDGMENTS` are judged at a time (each judge is a
 /// thread with a deep stack); the rest wait for a permit, and all are
 /// answered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn at_most_the_judgment_limit_is_judged_at_once() {
+pub async fn at_most_the_judgment_limit_is_judged_at_once<S: Judged, G>(
+    open: impl AsyncFn(JudgingOptions) -> (S, G),
+) {
     // More than the limit, within the test root's fan-out (8).
     const COMPLETIONS: u8 = 7;
-    let dir = tempfile::tempdir().expect("temp dir");
     // (open gate, live judges, most live at once)
     type Gate = (Mutex<(bool, usize, usize)>, std::sync::Condvar);
     let gate: Arc<Gate> = Arc::new((Mutex::new((false, 0, 0)), std::sync::Condvar::new()));
     let held = gate.clone();
-    let mut options = test_options(dir.path().join("broker.sqlite3"));
-    options.before_judge = Some(BeforeJudge(Arc::new(move || {
+    let hook = BeforeJudge(Arc::new(move || {
         let (state, changed) = &*held;
         let mut state = state.lock().expect("gate");
         state.1 += 1;
@@ -178,10 +204,12 @@ async fn at_most_the_judgment_limit_is_judged_at_once() {
             state = changed.wait(state).expect("gate");
         }
         state.1 -= 1;
-    })));
-    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
+    }));
+    let (store, _guard) = open(JudgingOptions {
+        before_judge: Some(hook),
+        judgment_deadline_ms: None,
+    })
+    .await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
     let mut completions = Vec::new();
     for i in 0..COMPLETIONS {
@@ -247,18 +275,17 @@ async fn at_most_the_judgment_limit_is_judged_at_once() {
 
 /// Opens a store whose judges run `hook` first, with a child of a root
 /// accepted by delegate 20 with host 30; returns (store, child id).
-async fn judged_store(
-    dir: &std::path::Path,
+async fn judged_store<S: Judged, G>(
+    open: impl AsyncFn(JudgingOptions) -> (S, G),
     hook: BeforeJudge,
     judgment_deadline_ms: u64,
     predicate: &str,
-) -> (SqliteStore, Id) {
-    let mut options = test_options(dir.join("broker.sqlite3"));
-    options.before_judge = Some(hook);
-    options.judgment_deadline_ms = judgment_deadline_ms;
-    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
+) -> (S, G, Id) {
+    let (store, guard) = open(JudgingOptions {
+        before_judge: Some(hook),
+        judgment_deadline_ms: Some(judgment_deadline_ms),
+    })
+    .await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
     let child = issued(store.delegate(test_child(9, 2, root, 20, predicate)).await);
     let accept = LifecycleCommand {
@@ -269,7 +296,7 @@ async fn judged_store(
         },
     };
     receipt(store.transition(accept).await);
-    (store, child)
+    (store, guard, child)
 }
 
 fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
@@ -293,9 +320,9 @@ fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
 /// expensive predicate, every tenant's writes froze). Now the writer
 /// sends the completion back and it is judged again on a judge thread,
 /// on the new observation.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_writer_never_judges_a_completion_made_stale_by_an_observation() {
-    let dir = tempfile::tempdir().expect("temp dir");
+pub async fn the_writer_never_judges_a_completion_made_stale_by_an_observation<S: Judged, G>(
+    open: impl AsyncFn(JudgingOptions) -> (S, G),
+) {
     let judged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (release, gate) = std::sync::mpsc::channel::<()>();
     let gate = Arc::new(Mutex::new(gate));
@@ -307,13 +334,8 @@ async fn the_writer_never_judges_a_completion_made_stale_by_an_observation() {
             let _ = held.lock().expect("gate").recv();
         }
     }));
-    let (store, child) = judged_store(
-        dir.path(),
-        hook,
-        JUDGMENT_DEADLINE_MS,
-        "result.within_scope",
-    )
-    .await;
+    let (store, _guard, child) =
+        judged_store(&open, hook, JUDGMENT_DEADLINE_MS, "result.within_scope").await;
     let completing = {
         let store = store.clone();
         tokio::spawn(async move { store.transition(complete(child, 4)).await })
@@ -347,7 +369,7 @@ async fn the_writer_never_judges_a_completion_made_stale_by_an_observation() {
 }
 
 /// An accepted child of `root` for delegate `[delegate; 32]` (host 30).
-async fn accepted_child(store: &SqliteStore, root: Id, delegate: u8, nonce: u8) -> Id {
+async fn accepted_child<S: Judged>(store: &S, root: Id, delegate: u8, nonce: u8) -> Id {
     let child = issued(
         store
             .delegate(test_child(9, nonce, root, delegate, "true"))
@@ -375,16 +397,16 @@ fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
 /// deadline. With every judge held, completions are answered
 /// UNAVAILABLE (JUDGES_BUSY) at the deadline, nothing is recorded, and
 /// other writes go on meanwhile.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline() {
-    let dir = tempfile::tempdir().expect("temp dir");
+pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judged, G>(
+    open: impl AsyncFn(JudgingOptions) -> (S, G),
+) {
     let (release, gate) = std::sync::mpsc::channel::<()>();
     let gate = Arc::new(Mutex::new(gate));
     let held = gate.clone();
     let hook = BeforeJudge(Arc::new(move || {
         let _ = held.lock().expect("gate").recv();
     }));
-    let (store, first) = judged_store(dir.path(), hook, 300, "true").await;
+    let (store, _guard, first) = judged_store(&open, hook, 300, "true").await;
     let root = store
         .contract(first)
         .await
@@ -438,9 +460,9 @@ async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline() {
 /// Review of issue 11: one delegate (with a host it controls) could keep
 /// every judge busy. One completion of a contract is judged at a time,
 /// and one signer has at most `MAX_JUDGMENTS_PER_SIGNER` judged at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn judgments_are_one_per_contract_and_few_per_signer() {
-    let dir = tempfile::tempdir().expect("temp dir");
+pub async fn judgments_are_one_per_contract_and_few_per_signer<S: Judged, G>(
+    open: impl AsyncFn(JudgingOptions) -> (S, G),
+) {
     let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (release, gate) = std::sync::mpsc::channel::<()>();
     let gate = Arc::new(Mutex::new(gate));
@@ -449,7 +471,7 @@ async fn judgments_are_one_per_contract_and_few_per_signer() {
         count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let _ = held.lock().expect("gate").recv();
     }));
-    let (store, first) = judged_store(dir.path(), hook, JUDGMENT_DEADLINE_MS, "true").await;
+    let (store, _guard, first) = judged_store(&open, hook, JUDGMENT_DEADLINE_MS, "true").await;
     let root = store
         .contract(first)
         .await
@@ -511,11 +533,11 @@ async fn judgments_are_one_per_contract_and_few_per_signer() {
 /// judgments per call. Each stale judgment is now counted; past
 /// `MAX_STALE_JUDGMENTS` the contract takes no more observations
 /// (RECORDING_CLOSED) and the next completion's judgment holds.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_host_recording_during_every_judgment_cannot_loop_the_judges() {
-    let dir = tempfile::tempdir().expect("temp dir");
+pub async fn a_host_recording_during_every_judgment_cannot_loop_the_judges<S: Judged, G>(
+    open: impl AsyncFn(JudgingOptions) -> (S, G),
+) {
     let handle = tokio::runtime::Handle::current();
-    let store_cell: Arc<std::sync::OnceLock<(SqliteStore, Id)>> = Arc::default();
+    let store_cell: Arc<std::sync::OnceLock<(S, Id)>> = Arc::default();
     let judged = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let refused = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let hook = {
@@ -552,7 +574,7 @@ async fn a_host_recording_during_every_judgment_cannot_loop_the_judges() {
             }
         }))
     };
-    let (store, child) = judged_store(dir.path(), hook, 10_000, "true").await;
+    let (store, _guard, child) = judged_store(&open, hook, 10_000, "true").await;
     let _ = store_cell.set((store.clone(), child));
     let max = usize::try_from(crate::core::limits::MAX_STALE_JUDGMENTS).unwrap();
     let calls = max / MAX_JUDGMENT_ATTEMPTS;

@@ -1,0 +1,31 @@
+//! The service's own bounds (memos, Watch paging and reserves). Bounds a
+//! client meets are in `core::limits`; tunable ones in the config
+//! registry (`config::limits`).
+
+/// (contract, agent) pairs remembered as parties; cleared when full.
+pub(crate) const MAX_REMEMBERED_PARTIES: usize = 65_536;
+
+/// Most attestation envelopes remembered as verified.
+pub(crate) const MAX_VERIFIED_ATTESTATIONS: usize = 16_384;
+
+/// Sessions remembered as verified (by digest), so a session is verified
+/// once, not at every read; cleared when full.
+pub(crate) const MAX_VERIFIED_SESSIONS: usize = 16_384;
+
+/// Events fetched per Watch query.
+pub(crate) const WATCH_PAGE: u32 = 256;
+
+/// Envelope bytes fetched per Watch query: with `WATCH_BUFFER`, what one
+/// stream holds in memory however slowly its client reads (unbounded
+/// pages of deep contracts held 7 MB per stream).
+pub(crate) const WATCH_PAGE_BYTES: usize = 256 * 1024;
+
+/// Events buffered per Watch stream before the reader waits for the client.
+pub(crate) const WATCH_BUFFER: usize = 8;
+
+/// Watch streams past `limits.max_watch_streams` kept for tenants holding
+/// fewer than `WATCH_SMALL_SHARE`: this fraction of it (an eighth).
+pub(crate) const WATCH_RESERVE_DIVISOR: usize = 8;
+
+/// Streams a tenant may hold and still take one from the reserve.
+pub(crate) const WATCH_SMALL_SHARE: usize = 2;

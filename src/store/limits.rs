@@ -1,0 +1,119 @@
+//! The store's engine bounds, in one place: what both backends share,
+//! then what each engine needs of its own (`sqlite`, `postgres`). Bounds a
+//! client meets are in `core::limits`; tunable ones in the config
+//! registry (`config::limits`).
+
+use std::time::Duration;
+
+/// Most contracts a writer's cache (`KnownCache`) holds, by count and by
+/// bytes (`KnownMap::bytes`); beyond either it is dropped and reloaded on
+/// demand.
+pub(crate) const MAX_CACHED_CONTRACTS: usize = 65_536;
+
+pub(crate) const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;
+
+/// Stack of a writer or judge thread: judging recurses through CEL and
+/// JSON Schema (each bounded in depth), deeper than a default stack.
+pub(crate) const JUDGE_STACK_BYTES: usize = 64 * 1024 * 1024;
+
+/// Rows per multi-row statement, under the backend's bind-parameter limit at
+/// the widest row (a contract).
+pub(crate) const ROWS_PER_STATEMENT: usize = 1_000;
+
+/// Completions judged at once off the writer: judging is CPU-bound, so
+/// more than a few only queue for the same cores; the rest wait for a
+/// permit (each request still has its deadline).
+pub(crate) const MAX_CONCURRENT_JUDGMENTS: usize = 4;
+
+/// Completions one signing key may have judged at once.
+pub(crate) const MAX_JUDGMENTS_PER_SIGNER: usize = 2;
+
+/// Drains stepped per pass of the drainer.
+pub(crate) const DRAINS_PER_PASS: i64 = 16;
+
+/// How often the drainer looks for drains when there are none.
+pub(crate) const DRAIN_POLL_MS: u64 = 200;
+
+/// Trees `TreeChanges` remembers before it starts over.
+pub(crate) const MAX_TRACKED_TREES: usize = 65_536;
+
+/// How often the writer looks for request-log entries past retention.
+pub(crate) const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Smallest and largest filter: bounds memory to two of the largest
+/// (64 MiB) for the longest windows, where the rate degrades instead.
+pub(crate) const MIN_FILTER_BITS: usize = 1 << 16;
+
+pub(crate) const MAX_FILTER_BITS: usize = 1 << 28;
+
+/// Shortest generation.
+pub(crate) const MIN_SPAN_MS: i64 = 10_000;
+
+/// SQLite's own bounds.
+pub(crate) mod sqlite {
+    use std::time::Duration;
+
+    /// SQLite's bind parameters per statement (`SQLITE_MAX_VARIABLE_NUMBER`,
+    /// the default since 3.32).
+    pub(crate) const MAX_BIND_PARAMETERS: usize = 32_766;
+    const _: () = assert!(crate::store::sql::plan::PARAMETERS_PER_STATEMENT <= MAX_BIND_PARAMETERS);
+
+    /// Most request-log entries deleted in one pass: bounds the writer's pause
+    /// (each is a random page write, and on a log larger than the page cache
+    /// a read too). A backlog is worked off one pass after every batch.
+    pub(crate) const MAX_PRUNED_PER_PASS: u64 = 128;
+
+    /// Prepared statements kept per connection (see where it is set).
+    pub(crate) const STATEMENT_CACHE_CAPACITY: usize = 1_024;
+
+    /// Committed batches that may wait for the syncer; beyond it the writer
+    /// waits (back-pressure instead of unbounded memory).
+    pub(crate) const MAX_UNSYNCED_BATCHES: usize = 64;
+
+    /// How often the WAL is copied back into the database file.
+    pub(crate) const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
+
+    /// Back-to-back checkpoints at most before the writer is asked to finish.
+    pub(crate) const MAX_DRAIN_ROUNDS: usize = 8;
+}
+
+/// PostgreSQL's own bounds.
+pub(crate) mod postgres {
+    use std::time::Duration;
+
+    /// PostgreSQL's bind parameters per statement (a 16-bit count).
+    pub(crate) const MAX_BIND_PARAMETERS: usize = 65_535;
+    const _: () = assert!(crate::store::sql::plan::PARAMETERS_PER_STATEMENT <= MAX_BIND_PARAMETERS);
+
+    /// First backoff before a redo; doubled at each attempt, with jitter.
+    pub(crate) const RETRY_BASE_MS: u64 = 2;
+
+    /// Longest backoff between two attempts.
+    pub(crate) const RETRY_CAP_MS: u64 = 100;
+
+    /// Most request-log entries one prune pass deletes: the pass runs on a
+    /// pool connection beside the writers, so it may take more than SQLite's
+    /// writer-blocking pass.
+    pub(crate) const MAX_PRUNED_PER_PASS: i64 = 1_024;
+
+    /// Events placed per sequencer pass (one statement's worth).
+    pub(crate) const MAX_PLACED_PER_PASS: i64 = 4_096;
+
+    /// How often a sequencer looks for positions given through other replicas
+    /// (and reaches the database, for health).
+    pub(crate) const SEQUENCER_POLL: Duration = Duration::from_millis(10);
+
+    /// Longest pause between two sequencer passes while the database cannot
+    /// be reached.
+    pub(crate) const MAX_SEQUENCER_PAUSE: Duration = Duration::from_secs(1);
+
+    /// Prepared statements kept per connection: a batch's multi-row
+    /// statements differ by row count, and one planned anew per batch costs
+    /// PostgreSQL more than running it.
+    pub(crate) const STATEMENT_CACHE_CAPACITY: usize = 2_048;
+
+    /// Attempts at applying the migrations when replicas start together (no
+    /// advisory lock: the loser of a race finds the migration applied on its
+    /// next attempt).
+    pub(crate) const MIGRATE_ATTEMPTS: u32 = 5;
+}
