@@ -21,7 +21,7 @@ impl<S: Store> BrokerService<S> {
         connection: Option<std::net::SocketAddr>,
     ) -> Result<<Self as Broker>::WatchStream, ServiceError> {
         let contract = convert::id(&request.contract_id, "contract_id")?;
-        let mut cursor = i64::try_from(request.cursor)
+        let cursor = i64::try_from(request.cursor)
             .map_err(|_| InputError::new("cursor", "is not a cursor this broker issued"))?;
         let Some(record) = self.store.contract(contract).await? else {
             return Err(ServiceError::NotFound {
@@ -51,67 +51,18 @@ impl<S: Store> BrokerService<S> {
             .watch_trees
             .take(root)
             .map_err(ServiceError::Overloaded)?;
-        let store = self.store.clone();
-        let trees = store.tree_changes();
-        let mut commits = store.commits();
-        let mut stopping = self.stopping.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
+        let stream = Stream {
+            store: self.store.clone(),
+            contract,
+            root,
+            cursor,
+            stopping: self.stopping.clone(),
+            tx,
+        };
         tokio::spawn(async move {
             let _slots = (by_caller, by_connection, by_tree);
-            let mut query = true;
-            loop {
-                let events = if query {
-                    // Mark what we have seen before reading, so a commit
-                    // that lands after the read still wakes us.
-                    commits.borrow_and_update();
-                    match store
-                        .events(contract, cursor, WATCH_PAGE, WATCH_PAGE_BYTES)
-                        .await
-                    {
-                        Ok(events) => events,
-                        Err(e) => {
-                            let _ = tx.send(Err(Status::from(ServiceError::from(e)))).await;
-                            return;
-                        }
-                    }
-                } else {
-                    Vec::new()
-                };
-                if events.is_empty() {
-                    tokio::select! {
-                        changed = commits.changed() => if changed.is_err() { return },
-                        () = tx.closed() => return,
-                        _ = stopping.wait_for(|stop| *stop) => return,
-                    }
-                    // Woken by any commit; query only if this tree got an
-                    // event after what was sent (see `TreeChanges`). Marked
-                    // seen first: a tree is touched before its commit is
-                    // announced, so any announcement after this mark wakes
-                    // us again, and any before it is visible to the check.
-                    commits.borrow_and_update();
-                    query = trees.changed_since(&root, cursor);
-                    continue;
-                }
-                query = true;
-                for event in events {
-                    let (at, event) = match event {
-                        Event::Contract { cursor, envelope } => {
-                            (cursor, pb::watch_response::Event::Contract(envelope))
-                        }
-                        Event::Receipt { cursor, envelope } => {
-                            (cursor, pb::watch_response::Event::Receipt(envelope))
-                        }
-                    };
-                    cursor = at;
-                    let response = pb::WatchResponse {
-                        cursor: u64::try_from(at).unwrap_or_default(),
-                        event: Some(event),
-                    };
-                    if tx.send(Ok(response)).await.is_err() {
-                        return; // The client went away.
-                    }
-                }
-            }
+            stream.pump().await;
         });
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
@@ -126,5 +77,81 @@ impl<S: Store> BrokerService<S> {
         let connection = request.remote_addr();
         self.watch_stream(request.into_inner(), caller, connection)
             .await
+    }
+}
+
+/// One Watch stream's state on its task.
+struct Stream<S> {
+    store: std::sync::Arc<S>,
+    contract: crate::core::Id,
+    /// Its tree's root: a commit elsewhere does not make it query.
+    root: crate::core::Id,
+    /// The last event sent.
+    cursor: i64,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    tx: tokio::sync::mpsc::Sender<Result<pb::WatchResponse, Status>>,
+}
+
+impl<S: Store> Stream<S> {
+    /// Sends the subtree's events after `cursor`, then each new one as its
+    /// tree changes, until the client goes away or the server stops.
+    async fn pump(mut self) {
+        let trees = self.store.tree_changes();
+        let mut commits = self.store.commits();
+        let mut query = true;
+        loop {
+            let events = if query {
+                // Mark what we have seen before reading, so a commit
+                // that lands after the read still wakes us.
+                commits.borrow_and_update();
+                match self
+                    .store
+                    .events(self.contract, self.cursor, WATCH_PAGE, WATCH_PAGE_BYTES)
+                    .await
+                {
+                    Ok(events) => events,
+                    Err(e) => {
+                        let _ = self.tx.send(Err(Status::from(ServiceError::from(e)))).await;
+                        return;
+                    }
+                }
+            } else {
+                Vec::new()
+            };
+            if events.is_empty() {
+                tokio::select! {
+                    changed = commits.changed() => if changed.is_err() { return },
+                    () = self.tx.closed() => return,
+                    _ = self.stopping.wait_for(|stop| *stop) => return,
+                }
+                // Woken by any commit; query only if this tree got an
+                // event after what was sent (see `TreeChanges`). Marked
+                // seen first: a tree is touched before its commit is
+                // announced, so any announcement after this mark wakes
+                // us again, and any before it is visible to the check.
+                commits.borrow_and_update();
+                query = trees.changed_since(&self.root, self.cursor);
+                continue;
+            }
+            query = true;
+            for event in events {
+                let (at, event) = match event {
+                    Event::Contract { cursor, envelope } => {
+                        (cursor, pb::watch_response::Event::Contract(envelope))
+                    }
+                    Event::Receipt { cursor, envelope } => {
+                        (cursor, pb::watch_response::Event::Receipt(envelope))
+                    }
+                };
+                self.cursor = at;
+                let response = pb::WatchResponse {
+                    cursor: u64::try_from(at).unwrap_or_default(),
+                    event: Some(event),
+                };
+                if self.tx.send(Ok(response)).await.is_err() {
+                    return; // The client went away.
+                }
+            }
+        }
     }
 }

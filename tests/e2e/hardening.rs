@@ -82,12 +82,7 @@ async fn metered_units_leave_the_residual_at_once() {
         Agent::generate(),
         Agent::generate(),
     );
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (a_id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 100))
-        .await
-        .unwrap()
-        .issued();
+    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 100).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     broker
         .record(&host, &a_id, vec![tool_call("llm", 100)])
@@ -120,12 +115,7 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
         Agent::generate(),
         Agent::generate(),
     );
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (a_id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 60))
-        .await
-        .unwrap()
-        .issued();
+    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 60).await;
     let (b_id, _) = broker
         .delegate(&a, child(&a_id, &root.lineage, &b, 30))
         .await
@@ -170,12 +160,7 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
 async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
     let mut broker = Broker::start().await;
     let (orchestrator, a) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (a_id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 10))
-        .await
-        .unwrap()
-        .issued();
+    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, None).await.unwrap();
     let claimed = 1_000_000_000_000_000;
     let completion = broker
@@ -933,12 +918,7 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
         Agent::generate(),
         Agent::generate(),
     );
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (a_id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 10))
-        .await
-        .unwrap()
-        .issued();
+    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, Some(&own_host)).await.unwrap();
     let huge = 1_000_000_000_000_000;
     broker
@@ -1201,12 +1181,7 @@ async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
         Agent::generate(),
         Agent::generate(),
     );
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (a_id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 10))
-        .await
-        .unwrap()
-        .issued();
+    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     let random = vec![0x5a; 32];
     let same = |real: Result<pb::Receipt, tonic::Status>,

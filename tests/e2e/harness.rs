@@ -248,6 +248,27 @@ impl Broker {
         }
     }
 
+    /// The set-up most tests start from: a default root opened by
+    /// `orchestrator` and one PRINCIPAL child of `budget` for `delegate`;
+    /// returns the root and the child's id.
+    pub async fn root_and_child(
+        &mut self,
+        orchestrator: &Agent,
+        delegate: &Agent,
+        budget: i64,
+    ) -> (Root, Vec<u8>) {
+        let root = self.open_root(orchestrator, RootSpec::default()).await;
+        let (child_id, _) = self
+            .delegate(
+                orchestrator,
+                child(&root.id, &root.lineage, delegate, budget),
+            )
+            .await
+            .expect("Delegate answers")
+            .issued();
+        (root, child_id)
+    }
+
     pub async fn delegate(
         &mut self,
         holder: &Agent,

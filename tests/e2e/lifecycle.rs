@@ -616,12 +616,7 @@ async fn observations_per_contract_are_bounded() {
     };
     let mut broker = Broker::start().await;
     let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
-        .await
-        .unwrap()
-        .issued();
+    let (_root, id) = broker.root_and_child(&orchestrator, &delegate, 10).await;
     broker.accept(&delegate, &id, Some(&host)).await.unwrap();
     let limit = usize::try_from(MAX_OBSERVATIONS_PER_CONTRACT).unwrap();
     let mut recorded = 0;

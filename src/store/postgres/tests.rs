@@ -35,23 +35,23 @@ async fn open_suite_store() -> (PostgresStore, TestDatabase) {
 
 crate::store::suite::store_suite!(suite, super::open_suite_store);
 
-/// A store with the judging options set, for `judging_suite!`.
-async fn open_judged_store(
-    options: crate::store::suite::judging::JudgingOptions,
-) -> (PostgresStore, TestDatabase) {
+/// A store with the tuned options set, for `tuned_suite!`.
+async fn open_tuned_store(options: crate::store::suite::Tuned) -> (PostgresStore, TestDatabase) {
     let database = TestDatabase::migrated().await;
     let mut postgres = test_options(&database.url);
     postgres.before_judge = options.before_judge;
     if let Some(ms) = options.judgment_deadline_ms {
         postgres.judgment_deadline_ms = ms;
     }
+    postgres.max_audit_rows = options.max_audit_rows.unwrap_or(postgres.max_audit_rows);
+    postgres.max_audit_bytes = options.max_audit_bytes.unwrap_or(postgres.max_audit_bytes);
     let store = PostgresStore::open(postgres, test_stamper(), Arc::new(SystemClock))
         .await
         .expect("open");
     (store, database)
 }
 
-crate::store::suite::judging_suite!(judging, super::open_judged_store);
+crate::store::suite::tuned_suite!(tuned, super::open_tuned_store);
 
 /// `suite::drains::a_drain_is_frozen_stepped_and_resumed` on PostgreSQL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,37 +1,23 @@
 //! The judge pool's behaviours, on every SQL backend (`judging_suite!`):
 //! judgments made off the writer, made again when stale, bounded in
 //! number and in waiting. Each test opens its store through `open`, with
-//! the judge hook and deadline it needs (`JudgingOptions`).
+//! the judge hook and deadline it needs (`Tuned`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{issued, meta, receipt, test_child, test_root};
+use super::{Judged, Tuned, issued, meta, receipt, test_child, test_root};
 use crate::clock::{Clock, SystemClock};
 use crate::command::{Action, CompleteArgs, LifecycleCommand, RequestMeta};
 use crate::core::limits::JUDGMENT_DEADLINE_MS;
 use crate::core::limits::MAX_JUDGMENT_ATTEMPTS;
 use crate::core::{Id, Status};
 use crate::pb;
+use crate::store::StoreError;
 use crate::store::batch::Command;
 use crate::store::limits::{MAX_CONCURRENT_JUDGMENTS, MAX_JUDGMENTS_PER_SIGNER};
+use crate::store::sql::BeforeJudge;
 use crate::store::sql::judge::JudgeInputs;
-use crate::store::sql::{Backend, BeforeJudge};
-use crate::store::{Store, StoreError};
-
-/// What a judging test sets on the store it opens.
-#[derive(Clone, Default)]
-pub struct JudgingOptions {
-    /// Run on a judge thread before each judgment.
-    pub before_judge: Option<BeforeJudge>,
-    /// The longest a completion waits for its judgment (the backend's
-    /// test default when `None`).
-    pub judgment_deadline_ms: Option<u64>,
-}
-
-/// A store of the backend under test, opened with `JudgingOptions`.
-pub trait Judged: Store + Backend + Clone {}
-impl<S: Store + Backend + Clone> Judged for S {}
 
 /// Completions are judged before they reach the writer. The writer
 /// trusts such a judgment only while the contract's observations are
@@ -39,10 +25,10 @@ impl<S: Store + Backend + Clone> Judged for S {}
 /// scope) makes the writer send it back to be judged again, off the
 /// writer, on what the host reported.
 pub async fn a_judgment_made_before_an_observation_is_made_again<S: Judged, G>(
-    open: impl AsyncFn(JudgingOptions) -> (S, G),
+    open: impl AsyncFn(Tuned) -> (S, G),
 ) {
     let clock = SystemClock;
-    let (store, _guard) = open(JudgingOptions::default()).await;
+    let (store, _guard) = open(Tuned::default()).await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
     let (delegate, host) = (20u8, 30u8);
     let mut verdicts = Vec::new();
@@ -186,7 +172,7 @@ pub async fn a_judgment_made_before_an_observation_is_made_again<S: Judged, G>(
 /// thread with a deep stack); the rest wait for a permit, and all are
 /// answered.
 pub async fn at_most_the_judgment_limit_is_judged_at_once<S: Judged, G>(
-    open: impl AsyncFn(JudgingOptions) -> (S, G),
+    open: impl AsyncFn(Tuned) -> (S, G),
 ) {
     // More than the limit, within the test root's fan-out (8).
     const COMPLETIONS: u8 = 7;
@@ -205,9 +191,9 @@ pub async fn at_most_the_judgment_limit_is_judged_at_once<S: Judged, G>(
         }
         state.1 -= 1;
     }));
-    let (store, _guard) = open(JudgingOptions {
+    let (store, _guard) = open(Tuned {
         before_judge: Some(hook),
-        judgment_deadline_ms: None,
+        ..Tuned::default()
     })
     .await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
@@ -276,14 +262,15 @@ pub async fn at_most_the_judgment_limit_is_judged_at_once<S: Judged, G>(
 /// Opens a store whose judges run `hook` first, with a child of a root
 /// accepted by delegate 20 with host 30; returns (store, child id).
 async fn judged_store<S: Judged, G>(
-    open: impl AsyncFn(JudgingOptions) -> (S, G),
+    open: impl AsyncFn(Tuned) -> (S, G),
     hook: BeforeJudge,
     judgment_deadline_ms: u64,
     predicate: &str,
 ) -> (S, G, Id) {
-    let (store, guard) = open(JudgingOptions {
+    let (store, guard) = open(Tuned {
         before_judge: Some(hook),
         judgment_deadline_ms: Some(judgment_deadline_ms),
+        ..Tuned::default()
     })
     .await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
@@ -321,7 +308,7 @@ fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
 /// sends the completion back and it is judged again on a judge thread,
 /// on the new observation.
 pub async fn the_writer_never_judges_a_completion_made_stale_by_an_observation<S: Judged, G>(
-    open: impl AsyncFn(JudgingOptions) -> (S, G),
+    open: impl AsyncFn(Tuned) -> (S, G),
 ) {
     let judged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (release, gate) = std::sync::mpsc::channel::<()>();
@@ -398,7 +385,7 @@ fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
 /// UNAVAILABLE (JUDGES_BUSY) at the deadline, nothing is recorded, and
 /// other writes go on meanwhile.
 pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judged, G>(
-    open: impl AsyncFn(JudgingOptions) -> (S, G),
+    open: impl AsyncFn(Tuned) -> (S, G),
 ) {
     let (release, gate) = std::sync::mpsc::channel::<()>();
     let gate = Arc::new(Mutex::new(gate));
@@ -461,7 +448,7 @@ pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judge
 /// every judge busy. One completion of a contract is judged at a time,
 /// and one signer has at most `MAX_JUDGMENTS_PER_SIGNER` judged at once.
 pub async fn judgments_are_one_per_contract_and_few_per_signer<S: Judged, G>(
-    open: impl AsyncFn(JudgingOptions) -> (S, G),
+    open: impl AsyncFn(Tuned) -> (S, G),
 ) {
     let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (release, gate) = std::sync::mpsc::channel::<()>();
@@ -534,7 +521,7 @@ pub async fn judgments_are_one_per_contract_and_few_per_signer<S: Judged, G>(
 /// `MAX_STALE_JUDGMENTS` the contract takes no more observations
 /// (RECORDING_CLOSED) and the next completion's judgment holds.
 pub async fn a_host_recording_during_every_judgment_cannot_loop_the_judges<S: Judged, G>(
-    open: impl AsyncFn(JudgingOptions) -> (S, G),
+    open: impl AsyncFn(Tuned) -> (S, G),
 ) {
     let handle = tokio::runtime::Handle::current();
     let store_cell: Arc<std::sync::OnceLock<(S, Id)>> = Arc::default();

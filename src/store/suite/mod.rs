@@ -7,6 +7,7 @@
 
 use prost::Message;
 
+pub(crate) mod budgets;
 pub(crate) mod drains;
 pub(crate) mod judging;
 pub(crate) mod lifecycle;
@@ -460,28 +461,48 @@ macro_rules! store_suite {
 }
 pub(crate) use store_suite;
 
-/// Runs the judge pool's tests (`judging`) against one SQL backend;
-/// `$open` is an async fn taking `judging::JudgingOptions`.
-macro_rules! judging_suite {
+/// What a test of `tuned_suite!` sets on the store it opens (the
+/// backend's test defaults where `None`).
+#[derive(Clone, Default)]
+pub struct Tuned {
+    /// Run on a judge thread before each judgment.
+    pub before_judge: Option<crate::store::sql::BeforeJudge>,
+    /// The longest a completion waits for its judgment.
+    pub judgment_deadline_ms: Option<u64>,
+    /// One audit read's row and byte budgets.
+    pub max_audit_rows: Option<i64>,
+    pub max_audit_bytes: Option<usize>,
+}
+
+/// A store of the SQL backend under test (what `tuned_suite!` runs on).
+pub trait Judged: Store + crate::store::sql::Backend + Clone {}
+impl<S: Store + crate::store::sql::Backend + Clone> Judged for S {}
+
+/// Runs the tests that open their store with tuned options (the judge
+/// pool's, `judging`; audit budgets, `budgets`) against one SQL backend;
+/// `$open` is an async fn taking a `Tuned`.
+macro_rules! tuned_suite {
     ($backend:ident, $open:path) => {
-        $crate::store::suite::judging_suite!(@tests $backend, $open, [
-            a_judgment_made_before_an_observation_is_made_again,
-            at_most_the_judgment_limit_is_judged_at_once,
-            the_writer_never_judges_a_completion_made_stale_by_an_observation,
-            a_completion_waits_for_a_judge_no_longer_than_its_deadline,
-            judgments_are_one_per_contract_and_few_per_signer,
-            a_host_recording_during_every_judgment_cannot_loop_the_judges,
+        $crate::store::suite::tuned_suite!(@tests $backend, $open, [
+            budgets::an_audit_read_is_bounded_by_its_row_budget,
+            budgets::an_audit_read_is_bounded_by_its_byte_budget,
+            judging::a_judgment_made_before_an_observation_is_made_again,
+            judging::at_most_the_judgment_limit_is_judged_at_once,
+            judging::the_writer_never_judges_a_completion_made_stale_by_an_observation,
+            judging::a_completion_waits_for_a_judge_no_longer_than_its_deadline,
+            judging::judgments_are_one_per_contract_and_few_per_signer,
+            judging::a_host_recording_during_every_judgment_cannot_loop_the_judges,
         ]);
     };
-    (@tests $backend:ident, $open:path, [$($test:ident),* $(,)?]) => {
+    (@tests $backend:ident, $open:path, [$($module:ident::$test:ident),* $(,)?]) => {
         mod $backend {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $test() {
-                    crate::store::suite::judging::$test($open).await;
+                    crate::store::suite::$module::$test($open).await;
                 }
             )*
         }
     };
 }
-pub(crate) use judging_suite;
+pub(crate) use tuned_suite;

@@ -30,23 +30,23 @@ async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
     (store, dir)
 }
 
-/// A store with the judging options set, for `judging_suite!`.
-async fn open_judged_store(
-    options: crate::store::suite::judging::JudgingOptions,
-) -> (SqliteStore, tempfile::TempDir) {
+/// A store with the tuned options set, for `tuned_suite!`.
+async fn open_tuned_store(options: crate::store::suite::Tuned) -> (SqliteStore, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut sqlite = test_options(dir.path().join("broker.sqlite3"));
     sqlite.before_judge = options.before_judge;
     if let Some(ms) = options.judgment_deadline_ms {
         sqlite.judgment_deadline_ms = ms;
     }
+    sqlite.max_audit_rows = options.max_audit_rows.unwrap_or(sqlite.max_audit_rows);
+    sqlite.max_audit_bytes = options.max_audit_bytes.unwrap_or(sqlite.max_audit_bytes);
     let store = SqliteStore::open(sqlite, test_stamper(), Arc::new(SystemClock))
         .await
         .expect("open");
     (store, dir)
 }
 
-crate::store::suite::judging_suite!(judging, super::open_judged_store);
+crate::store::suite::tuned_suite!(tuned, super::open_tuned_store);
 
 /// `suite::drains::a_drain_is_frozen_stepped_and_resumed` on SQLite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -782,77 +782,6 @@ fn wal_sync_stats_count_slow_fsyncs_apart() {
         100 + SLOW_WAL_SYNC_US - 1 + SLOW_WAL_SYNC_US + 90_000 + 300
     );
     assert_eq!(after.max_us, 90_000);
-}
-
-/// An audit read stops at its row budget with an error naming the
-/// limit, instead of loading a tree of any size: a tree exactly at the
-/// budget is read, one more contract is refused.
-#[tokio::test]
-async fn an_audit_read_is_bounded_by_its_row_budget() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut options = test_options(dir.path().join("broker.sqlite3"));
-    options.max_audit_rows = 3;
-    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
-    let mut children = Vec::new();
-    for i in 0..3 {
-        children.push(issued(
-            store.delegate(test_child(9, 10 + i, root, 8, "true")).await,
-        ));
-    }
-    let everything = std::collections::BTreeMap::new();
-    let runs = store
-        .runs(None, &everything, 10)
-        .await
-        .expect("at the budget");
-    assert_eq!(runs[0].0.contracts.len(), 3);
-    assert!(
-        store
-            .audit_facts(children[0])
-            .await
-            .expect("audit")
-            .is_some()
-    );
-    issued(store.delegate(test_child(9, 20, root, 8, "true")).await);
-    match store.runs(None, &everything, 10).await {
-        Err(StoreError::Overloaded(limit)) => {
-            assert!(limit.contains("MAX_AUDIT_ROWS"), "{limit}")
-        }
-        other => panic!("a tree past the row budget must be refused: {other:?}"),
-    }
-}
-
-/// An audit read also stops at its byte budget (envelopes and paths),
-/// pulling rows one at a time, whatever its row budget allows.
-#[tokio::test]
-async fn an_audit_read_is_bounded_by_its_byte_budget() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut options = test_options(dir.path().join("broker.sqlite3"));
-    // About four contracts.
-    options.max_audit_bytes = 1_500;
-    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
-    let everything = std::collections::BTreeMap::new();
-    issued(store.delegate(test_child(9, 10, root, 8, "true")).await);
-    assert!(
-        store.runs(None, &everything, 10).await.is_ok(),
-        "one child fits"
-    );
-    // Contracts are a few hundred bytes each (one hop's terms); the
-    // tree's fan-out allows eight children.
-    for i in 0..7 {
-        issued(store.delegate(test_child(9, 11 + i, root, 8, "true")).await);
-    }
-    match store.runs(None, &everything, 10).await {
-        Err(StoreError::Overloaded(limit)) => {
-            assert!(limit.contains("MAX_AUDIT_BYTES"), "{limit}")
-        }
-        other => panic!("a tree past the byte budget must be refused: {other:?}"),
-    }
 }
 
 /// The syncer must never fsync a file SQLite no longer writes: a
