@@ -585,11 +585,13 @@ const STATICS: &[(&str, &str, &str)] = &[
 
 fn static_violations() -> Vec<String> {
     let mut found = Vec::new();
+    let mut seen = Vec::new();
     for (rel, file) in all_files() {
         for (line, code) in code(&file) {
             let trimmed = code.trim_start();
             let item = trimmed
                 .strip_prefix("pub(crate) ")
+                .or_else(|| trimmed.strip_prefix("pub(super) "))
                 .or_else(|| trimmed.strip_prefix("pub "))
                 .unwrap_or(trimmed);
             let Some(rest) = item.strip_prefix("static ") else {
@@ -605,6 +607,14 @@ fn static_violations() -> Vec<String> {
                     "{rel}:{line}: process-wide `{name}` is not a listed memo, hint or counter"
                 ));
             }
+            seen.push((rel.clone(), name));
+        }
+    }
+    for (file, name, _) in STATICS {
+        if !seen.iter().any(|(f, n)| f == file && n == name) {
+            found.push(format!(
+                "{file}: the listed `{name}` is gone: update STATICS"
+            ));
         }
     }
     found
@@ -663,4 +673,42 @@ fn portability_violations() -> Vec<String> {
 #[test]
 fn postgres_stays_portable() {
     assert_none(portability_violations());
+}
+
+/// The folders and files `is_test_file` skips (`tests`, `suite`) are
+/// compiled for tests only: each is declared under `#[cfg(test)]`, so no
+/// production code can hide from the rules there.
+fn test_module_violations() -> Vec<String> {
+    let mut found = Vec::new();
+    for (rel, file) in all_files() {
+        let text = std::fs::read_to_string(&file).expect("source");
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let declared = line
+                .trim()
+                .trim_start_matches("pub(crate) ")
+                .trim_start_matches("pub(super) ")
+                .trim_start_matches("pub ");
+            if declared != "mod tests;" && declared != "mod suite;" {
+                continue;
+            }
+            let test_only = lines[..i]
+                .iter()
+                .rev()
+                .take_while(|l| l.trim_start().starts_with("#["))
+                .any(|l| l.trim() == "#[cfg(test)]");
+            if !test_only {
+                found.push(format!(
+                    "{rel}:{}: `{declared}` is not under #[cfg(test)]: the rules skip it",
+                    i + 1
+                ));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn test_modules_are_compiled_for_tests_only() {
+    assert_none(test_module_violations());
 }

@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::core::InputError;
-use crate::core::limits::MAX_STATUS_MESSAGE_BYTES;
+pub use crate::core::limits::MAX_STATUS_MESSAGE_BYTES;
 use crate::pb;
 use crate::store::{Entity, StoreError};
 

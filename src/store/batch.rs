@@ -369,8 +369,12 @@ pub fn plan(
                 next_seq,
                 &mut plan,
             )),
-            // Slotted above.
-            Command::Lifecycle(_) => continue,
+            // Slotted above (never reached: a lifecycle command has its
+            // slot already); a slot still, so answers never shift.
+            Command::Lifecycle(_) => {
+                plan.answers.push(Slot::Lifecycle);
+                continue;
+            }
             Command::Delegate(child, speculation) => delegate(
                 child,
                 speculation.as_deref(),
@@ -641,5 +645,26 @@ fn plan_refusal(
             decided: crate::store::Decided::of(&receipt),
         },
         replayed: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lifecycle slot the writer did not fill is answered as a writer
+    /// bug, never as an outcome; planned answers keep their order.
+    #[test]
+    fn an_unfilled_lifecycle_slot_is_an_internal_error() {
+        let answers = answers(vec![
+            Slot::Planned(Err(StoreError::Busy)),
+            Slot::Lifecycle,
+            Slot::Planned(Err(StoreError::NonceReused)),
+        ]);
+        assert!(matches!(answers[0], Err(StoreError::Busy)));
+        assert!(
+            matches!(&answers[1], Err(StoreError::Corrupt(what)) if what.contains("lifecycle"))
+        );
+        assert!(matches!(answers[2], Err(StoreError::NonceReused)));
     }
 }

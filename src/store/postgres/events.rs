@@ -16,8 +16,10 @@
 //! replicas to this replica's Watch streams (every `SEQUENCER_POLL`). No
 //! writer leaves an event unplaced; a database written by an earlier
 //! version (whose sequencer placed every event after commit) may hold
-//! some, and each replica places them once when it starts
-//! (`place_leftovers`).
+//! some, and each replica's sequencer places them when it starts, trying
+//! again until it has (`place_leftovers`). Replicas of that older version
+//! should be stopped before this one starts: events they write later are
+//! placed only when a replica starts again.
 //!
 //! A cursor is `tag << 48 | position`: the tag, random per database (see
 //! the `event_clock` migration), makes a cursor from another database fail
@@ -120,10 +122,14 @@ pub(super) async fn sequencer(
     // Longer while the database is away: a replica must not hammer a
     // database that is down (or gone) with connection attempts.
     let mut pause = SEQUENCER_POLL;
+    let mut leftovers_placed = place_leftovers(&pool).await;
     loop {
         tokio::time::sleep(pause).await;
         if alive.upgrade().is_none() {
             return;
+        }
+        if !leftovers_placed {
+            leftovers_placed = place_leftovers(&pool).await;
         }
         let announced = announce(&pool, tag, &mut seen, &trees).await;
         // Health follows the database even when nothing is written: the
@@ -201,10 +207,20 @@ pub(super) fn announce_own(
 }
 
 /// Places every event an earlier version left unplaced (see the module
-/// docs), a pass at a time, before this replica serves.
-pub(super) async fn place_leftovers(pool: &PgPool) -> Result<(), StoreError> {
-    while place(pool).await.map_err(backend)? == MAX_PLACED_PER_PASS as usize {}
-    Ok(())
+/// docs), a pass at a time; true once none is left. A pass that loses a
+/// race for the clock (or meets a database away) is left for the
+/// sequencer to try again: it never keeps a replica from starting.
+pub(super) async fn place_leftovers(pool: &PgPool) -> bool {
+    loop {
+        match place(pool).await {
+            Ok(placed) if placed == MAX_PLACED_PER_PASS as usize => {}
+            Ok(_) => return true,
+            Err(e) => {
+                tracing::warn!(error = %e, "placing events an earlier version left; will retry");
+                return false;
+            }
+        }
+    }
 }
 
 /// Gives up to `MAX_PLACED_PER_PASS` committed, unplaced events the next

@@ -221,7 +221,6 @@ impl PostgresStore {
             .await
             .map_err(backend)?;
         let tag = events::tag(&reader).await?;
-        events::place_leftovers(&write_pool).await?;
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
         let known = KnownCache::default();
         let trees = super::TreeChanges::default();

@@ -100,11 +100,27 @@ impl TestDatabase {
         let base = admin
             .rsplit_once('/')
             .map_or(admin.as_str(), |(base, _)| base);
-        Self {
+        let database = Self {
             url: format!("{base}/{name}"),
             admin,
             name,
+        };
+        if template.is_some() {
+            // A clone has its template's cursor tag: each database gets
+            // its own, as migrating it would have given (cursors from
+            // another database must be refused).
+            let mut conn = sqlx::PgConnection::connect(&database.url)
+                .await
+                .unwrap_or_else(|e| panic!("connecting to {}: {e}", database.url));
+            sqlx::query(
+                "UPDATE event_clock SET tag = 1 + floor(random() * 32767)::BIGINT WHERE id = 1",
+            )
+            .execute(&mut conn)
+            .await
+            .expect("a tag of its own");
+            let _ = conn.close().await;
         }
+        database
     }
 }
 

@@ -368,3 +368,45 @@ pub(crate) async fn start<D: Dialect>(
     .await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ROOT: (i64, Id, AgentKey) = (1, [1; 32], [9; 32]);
+    const MIDDLE: (i64, Id, AgentKey) = (5, [5; 32], [9; 32]);
+    const TARGET: (i64, Id, AgentKey) = (7, [7; 32], [9; 32]);
+
+    /// The topmost draining ancestor is the cause; a draining target with
+    /// no draining ancestor is Draining; the target itself is never its
+    /// own cause; no drain in the tree is None.
+    #[test]
+    fn the_ending_follows_the_lineage_root_first() {
+        let lineage = [ROOT, MIDDLE, TARGET];
+        assert_eq!(ending_of(&[], &lineage, 7), Ending::None);
+        assert_eq!(
+            ending_of(&[(7, Status::Revoked)], &lineage, 7),
+            Ending::Draining
+        );
+        assert_eq!(
+            ending_of(&[(7, Status::Revoked), (5, Status::Declined)], &lineage, 7),
+            Ending::Frozen {
+                cause: [5; 32],
+                status: Status::Declined
+            }
+        );
+        assert_eq!(
+            ending_of(&[(5, Status::Declined), (1, Status::Revoked)], &lineage, 7),
+            Ending::Frozen {
+                cause: [1; 32],
+                status: Status::Revoked
+            },
+            "nested drains: the root-most one"
+        );
+        assert_eq!(
+            ending_of(&[(9, Status::Revoked)], &lineage, 7),
+            Ending::None,
+            "a drain elsewhere in the tree"
+        );
+    }
+}

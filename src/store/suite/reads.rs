@@ -130,6 +130,38 @@ pub async fn commits_and_tree_changes_follow_every_write<S: Store>(store: &S) {
         !changes.changed_since(&other, at),
         "the other tree did not change"
     );
+    // A lifecycle receipt changes its tree too (the writer returns the
+    // trees its receipts touched).
+    let child = issued(
+        store
+            .delegate(test_child(ORCHESTRATOR, 4, root, 8, "true"))
+            .await,
+    );
+    let seen = store
+        .events(root, 0, 100, usize::MAX)
+        .await
+        .expect("events");
+    let at = cursor(seen.last().expect("the root's events"));
+    assert!(
+        !changes.changed_since(&root, at),
+        "nothing after the last event"
+    );
+    receipt(
+        act(
+            store,
+            8,
+            5,
+            child,
+            Action::Accept {
+                host: Some([30; 32]),
+            },
+        )
+        .await,
+    );
+    assert!(
+        changes.changed_since(&root, at),
+        "an accepted contract's tree changed"
+    );
 }
 
 /// The audit facts of a contract are what was stored: its completion,
