@@ -230,6 +230,31 @@ class ListChildrenResponse(_message.Message):
     next_page_token: bytes
     def __init__(self, children: _Optional[_Iterable[_Union[ContractState, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
 
+class ListRootsRequest(_message.Message):
+    __slots__ = ("labels", "page_size", "page_token")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.ScalarMap[str, str]
+    page_size: int
+    page_token: bytes
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[bytes] = ...) -> None: ...
+
+class ListRootsResponse(_message.Message):
+    __slots__ = ("roots", "next_page_token")
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    roots: _containers.RepeatedCompositeFieldContainer[ContractState]
+    next_page_token: bytes
+    def __init__(self, roots: _Optional[_Iterable[_Union[ContractState, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+
 class GetReceiptRequest(_message.Message):
     __slots__ = ("receipt_id",)
     RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]

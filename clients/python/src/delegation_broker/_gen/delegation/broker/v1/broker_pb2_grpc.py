@@ -60,6 +60,11 @@ class BrokerStub:
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListChildrenRequest.SerializeToString,
                 response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListChildrenResponse.FromString,
                 _registered_method=True)
+        self.ListRoots = channel.unary_unary(
+                '/delegation.broker.v1.Broker/ListRoots',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsResponse.FromString,
+                _registered_method=True)
         self.GetReceipt = channel.unary_unary(
                 '/delegation.broker.v1.Broker/GetReceipt',
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetReceiptRequest.SerializeToString,
@@ -185,6 +190,19 @@ class BrokerServicer:
         A page ends at page_size children or at about 1 MiB of contracts,
         whichever comes first; a non-empty next_page_token means there may be
         more (the last page may be empty).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRoots(self, request, context):
+        """Lists roots, newest first, a page at a time: only roots of trees the
+        caller may read (it opened the root, is or was a delegate or host in
+        the tree, or is a configured reader), optionally only those carrying
+        given labels. So a reader finds trees without knowing their ids. Each
+        call looks at no more than 1,000 roots (newer than page_token): a page
+        may hold fewer than page_size roots, even none, and still have a next
+        page; keep reading until next_page_token is empty.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -371,6 +389,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.ListChildren,
                     request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListChildrenRequest.FromString,
                     response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListChildrenResponse.SerializeToString,
+            ),
+            'ListRoots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRoots,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsResponse.SerializeToString,
             ),
             'GetReceipt': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReceipt,
@@ -574,6 +597,33 @@ class Broker:
             '/delegation.broker.v1.Broker/ListChildren',
             delegation_dot_broker_dot_v1_dot_broker__pb2.ListChildrenRequest.SerializeToString,
             delegation_dot_broker_dot_v1_dot_broker__pb2.ListChildrenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRoots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/ListRoots',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsResponse.FromString,
             options,
             channel_credentials,
             insecure,
