@@ -38,6 +38,10 @@ pub const PPM_ONE: u32 = 1_000_000;
 pub const MAX_PAGE_SIZE: u32 = 1_000;
 /// Page size when the client asks for 0.
 pub const DEFAULT_PAGE_SIZE: u32 = 100;
+/// Most roots one ListRoots call looks at, shown or not: a caller who is a
+/// party of few trees among many gets short (even empty) pages with a next
+/// token, never a scan of every root.
+pub const MAX_ROOTS_SCANNED: u32 = 1_000;
 /// Largest completion result (the delegate's JSON output), serialized, in
 /// bytes.
 pub const MAX_RESULT_BYTES: usize = 256 * 1024;

@@ -559,8 +559,18 @@ mod quoted_limits {
             "../../proto/delegation/broker/v1/errors.proto"
         ));
         let readme = prose(include_str!("../../README.md"));
+        let broker = prose(include_str!(
+            "../../proto/delegation/broker/v1/broker.proto"
+        ));
         let defaults = crate::config::Limits::default();
         let quotes = [
+            (
+                &broker,
+                format!(
+                    "looks at no more than {} roots",
+                    grouped(u(MAX_ROOTS_SCANNED)).replace('_', ",")
+                ),
+            ),
             (
                 &errors,
                 format!("at most {} bytes", grouped(u(MAX_STATUS_MESSAGE_BYTES))),

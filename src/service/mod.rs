@@ -247,6 +247,15 @@ impl<S: Store> Broker for BrokerService<S> {
         ))
     }
 
+    async fn list_roots(
+        &self,
+        request: Request<pb::ListRootsRequest>,
+    ) -> Result<Response<pb::ListRootsResponse>, Status> {
+        Ok(Response::new(
+            BrokerService::list_roots(self, request).await?,
+        ))
+    }
+
     async fn get_receipt(
         &self,
         request: Request<pb::GetReceiptRequest>,

@@ -1,4 +1,4 @@
-//! Reads: GetContract, GetChain, ListChildren and GetReceipt, each for a
+//! Reads: GetContract, GetChain, ListChildren, ListRoots and GetReceipt, each for a
 //! configured reader or a party of the tree, each answer within the
 //! response limit.
 
@@ -10,7 +10,7 @@ use super::convert;
 use super::error::ServiceError;
 use crate::core::InputError;
 use crate::core::limits::CHILDREN_PAGE_BYTES;
-use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE};
+use crate::core::limits::{DEFAULT_PAGE_SIZE, MAX_DEPTH_CEILING, MAX_PAGE_SIZE, MAX_ROOTS_SCANNED};
 use crate::pb;
 use crate::store::Store;
 
@@ -23,6 +23,19 @@ fn page_cursor(token: &[u8]) -> Result<i64, InputError> {
         .try_into()
         .map_err(|_| InputError::new("page_token", "is not a token this broker issued"))?;
     Ok(i64::from_be_bytes(bytes))
+}
+
+/// A request's page size: 0 means the default, above the maximum is an
+/// error.
+fn page_size(requested: u32) -> Result<u32, InputError> {
+    match requested {
+        0 => Ok(DEFAULT_PAGE_SIZE),
+        n if n > MAX_PAGE_SIZE => Err(InputError::new(
+            "page_size",
+            format!("{n} is above {MAX_PAGE_SIZE}"),
+        )),
+        n => Ok(n),
+    }
 }
 
 impl<S: Store> BrokerService<S> {
@@ -69,15 +82,7 @@ impl<S: Store> BrokerService<S> {
         request: pb::ListChildrenRequest,
     ) -> Result<pb::ListChildrenResponse, ServiceError> {
         let id = convert::id(&request.contract_id, "contract_id")?;
-        let page_size = match request.page_size {
-            0 => DEFAULT_PAGE_SIZE,
-            n if n > MAX_PAGE_SIZE => {
-                return Err(
-                    InputError::new("page_size", format!("{n} is above {MAX_PAGE_SIZE}")).into(),
-                );
-            }
-            n => n,
-        };
+        let page_size = page_size(request.page_size)?;
         let after = page_cursor(&request.page_token)?;
         if self.store.contract(id).await?.is_none() {
             return Err(ServiceError::NotFound {
@@ -174,6 +179,55 @@ impl<S: Store> BrokerService<S> {
         self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
         self.children(request.into_inner()).await
+    }
+
+    pub(super) async fn list_roots(
+        &self,
+        request: Request<pb::ListRootsRequest>,
+    ) -> Result<pb::ListRootsResponse, ServiceError> {
+        let caller = self.caller(&request)?;
+        let request = request.into_inner();
+        let labels = crate::core::labels(&request.labels, "labels")?;
+        let limit = page_size(request.page_size)?;
+        let before_seq = page_cursor(&request.page_token)?;
+        if before_seq < 0 {
+            return Err(InputError::new("page_token", "is not a token this broker issued").into());
+        }
+        let response_limit = self.config.limits.max_response_bytes();
+        let page = self
+            .store
+            .roots(&crate::store::RootsQuery {
+                viewer: (!self.config.readers.contains(&caller)).then_some(caller),
+                labels,
+                before_seq,
+                limit,
+                scan: MAX_ROOTS_SCANNED,
+                // Half the response limit leaves room for the states around
+                // the envelopes.
+                max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
+            })
+            .await?;
+        let response = pb::ListRootsResponse {
+            roots: page
+                .roots
+                .into_iter()
+                .map(convert::contract_state)
+                .collect(),
+            next_page_token: page
+                .next_before
+                .map(|seq| seq.to_be_bytes().to_vec())
+                .unwrap_or_default(),
+        };
+        // Only a single root larger than a whole response can get here.
+        let size = response.encoded_len();
+        if size > response_limit {
+            return Err(ServiceError::ResponseTooLarge {
+                size,
+                limit: response_limit,
+                hint: "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+            });
+        }
+        Ok(response)
     }
 
     pub(super) async fn get_receipt(

@@ -37,6 +37,34 @@ pub struct ContractRecord {
     pub seq: i64,
 }
 
+/// Which roots `Store::roots` lists, and how many.
+#[derive(Clone, Debug)]
+pub struct RootsQuery {
+    /// Only roots of trees this key is a party of; `None` lists every root
+    /// (a configured reader).
+    pub viewer: Option<crate::core::AgentKey>,
+    /// Only roots carrying every one of these labels.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Only roots issued before this sequence number; 0 from the newest.
+    pub before_seq: i64,
+    /// Most roots returned.
+    pub limit: u32,
+    /// Most roots looked at (whether shown or not): bounds the work of a
+    /// viewer who is a party of few trees among many.
+    pub scan: u32,
+    /// Stop after this many bytes of envelopes (always the first root).
+    pub max_bytes: usize,
+}
+
+/// One page of roots, newest first.
+#[derive(Clone, Debug)]
+pub struct RootsPage {
+    pub roots: Vec<ContractRecord>,
+    /// Where the next page starts (`RootsQuery::before_seq`); `None` when
+    /// no older root remains.
+    pub next_before: Option<i64>,
+}
+
 /// What the audit of one contract is derived from: all stored facts,
 /// nothing computed (the core classifies).
 #[derive(Clone, Debug, Default)]
@@ -299,6 +327,13 @@ macro_rules! sql_store_methods {
             crate::store::sql::reads::children(self, parent, after_seq, limit, max_bytes).await
         }
 
+        async fn roots(
+            &self,
+            query: &crate::store::RootsQuery,
+        ) -> Result<crate::store::RootsPage, StoreError> {
+            crate::store::sql::reads::roots(self, query).await
+        }
+
         async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
             crate::store::sql::reads::receipt(self, id).await
         }
@@ -518,6 +553,11 @@ pub trait Store: Send + Sync + 'static {
         limit: u32,
         max_bytes: usize,
     ) -> impl Future<Output = Result<Vec<ContractRecord>, StoreError>> + Send;
+    /// Roots, newest first: a page of `query`.
+    fn roots(
+        &self,
+        query: &RootsQuery,
+    ) -> impl Future<Output = Result<RootsPage, StoreError>> + Send;
     /// A stored receipt envelope.
     fn receipt(
         &self,

@@ -8,7 +8,7 @@ use super::requests::load_prior_requests;
 use super::rows::{
     SELECT_CHILDREN, SELECT_RECORD_BY_ID, StoredContract, decode_envelope, id_column,
 };
-use super::{Backend, Cell, Dialect, QueryExt, lock};
+use super::{Backend, Cell, Dialect, PushArg, QueryExt, lock};
 use crate::command::RequestMeta;
 use crate::core::{AgentKey, Id, Predicate, Status};
 use crate::pb;
@@ -252,4 +252,104 @@ pub(crate) async fn collect_events<'r, D: Dialect>(
         }
     }
     Ok(events)
+}
+
+/// A page of `Store::roots`.
+pub(crate) async fn roots<B: Backend>(
+    store: &B,
+    query: &crate::store::RootsQuery,
+) -> Result<crate::store::RootsPage, StoreError> {
+    use sqlx::QueryBuilder;
+    use tokio_stream::StreamExt;
+    let mut conn = store.sql().read().await?;
+    // The window: at most `scan` roots older than the cursor (and carrying
+    // the labels, through the run_labels index), newest first, each with
+    // whether the viewer is a party of its tree (two index seeks).
+    let mut window = QueryBuilder::<B::Db>::new("SELECT w.seq, ");
+    match query.viewer {
+        Some(viewer) => {
+            window
+                .push("(EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = w.seq AND d.delegate_key = ")
+                .push_arg(viewer.to_vec())
+                .push(") OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = w.seq AND h.host_key = ")
+                .push_arg(viewer.to_vec())
+                .push(")) AS visible");
+        }
+        None => {
+            window.push("TRUE AS visible");
+        }
+    }
+    window.push(" FROM (SELECT seq FROM contracts WHERE parent_seq IS NULL");
+    if query.before_seq > 0 {
+        window.push(" AND seq < ").push_arg(query.before_seq);
+    }
+    if !query.labels.is_empty() {
+        window.push(" AND seq IN (");
+        for (i, (key, value)) in query.labels.iter().enumerate() {
+            if i > 0 {
+                window.push(" INTERSECT ");
+            }
+            window
+                .push("SELECT root_seq FROM run_labels WHERE label_key = ")
+                .push_arg(key.as_str())
+                .push(" AND label_value = ")
+                .push_arg(value.as_str());
+        }
+        window.push(")");
+    }
+    window
+        .push(" ORDER BY seq DESC LIMIT ")
+        // One more than the window: whether any older root remains.
+        .push_arg(i64::from(query.scan) + 1)
+        .push(") w ORDER BY w.seq DESC");
+    let scanned = window.build().all(&mut *conn).await.map_err(backend)?;
+    let window_len = scanned.len().min(query.scan as usize);
+    let mut shown = Vec::new();
+    // Where the next page starts: after the last root shown when the page
+    // is full, after the last root looked at when the window is; none
+    // when no older root remains.
+    let mut next_before = None;
+    for (i, row) in scanned[..window_len].iter().enumerate() {
+        let seq: i64 = row.cell("seq").map_err(backend)?;
+        if row.cell::<bool>("visible").map_err(backend)? {
+            shown.push(seq);
+        }
+        let more = i + 1 < scanned.len();
+        if shown.len() == query.limit as usize || i + 1 == window_len {
+            next_before = more.then_some(seq);
+            break;
+        }
+    }
+    let mut roots = Vec::with_capacity(shown.len());
+    if !shown.is_empty() {
+        let mut load = QueryBuilder::<B::Db>::new(concat!(
+            "SELECT ",
+            crate::store::sql::rows::contract_columns!(),
+            " FROM contracts_with_envelope WHERE seq IN ("
+        ));
+        let mut list = load.separated(", ");
+        for seq in &shown {
+            list.push_arg(*seq);
+        }
+        load.push(") ORDER BY seq DESC");
+        let built = load.build();
+        let mut rows = built.rows(&mut *conn);
+        // Pulled one at a time, up to the byte budget (as `children`).
+        let mut bytes = 0usize;
+        while let Some(row) = rows.next().await {
+            let record = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?.record();
+            bytes = bytes.saturating_add(record.envelope.encoded_len());
+            roots.push(record);
+            if bytes >= query.max_bytes {
+                break;
+            }
+        }
+        drop(rows);
+        if roots.len() < shown.len() {
+            next_before = roots.last().map(|r| r.seq);
+        }
+    }
+    drop(conn);
+    store.settle().await?;
+    Ok(crate::store::RootsPage { roots, next_before })
 }

@@ -185,6 +185,119 @@ pub async fn runs_are_selected_by_labels<S: Store>(store: &S) {
     assert!(found.expect("runs").is_empty());
 }
 
+/// Roots are listed newest first, a page at a time: every root for a
+/// reader (`viewer: None`), only the trees it is a party of for anyone
+/// else (a stranger sees nothing), filtered by labels; a window of `scan`
+/// roots bounds each call, and its page may be short yet continue.
+pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
+    let labelled = |agent: u8, nonce: u8, arm: &str| {
+        let mut root = test_root(meta(agent, nonce));
+        root.labels = [("arm".to_owned(), arm.to_owned())].into_iter().collect();
+        root
+    };
+    // Opened by 9 (flat, tree, flat) and 6 (flat); 8 is a delegate in the
+    // first, 30 a host in the last of 9's.
+    let r1 = issued(store.open_root(labelled(9, 1, "flat")).await);
+    let r2 = issued(store.open_root(labelled(9, 2, "tree")).await);
+    let r3 = issued(store.open_root(labelled(6, 3, "flat")).await);
+    let r4 = issued(store.open_root(labelled(9, 4, "flat")).await);
+    issued(store.delegate(test_child(9, 5, r1, 8, "true")).await);
+    let mut hosted = test_child(9, 6, r4, 7, "true");
+    hosted.host = Some([30; 32]);
+    issued(store.delegate(hosted).await);
+    let page = |viewer: Option<u8>, arm: Option<&str>, before_seq: i64, limit: u32, scan: u32| {
+        super::RootsQuery {
+            viewer: viewer.map(|v| [v; 32]),
+            labels: arm
+                .map(|a| ("arm".to_owned(), a.to_owned()))
+                .into_iter()
+                .collect(),
+            before_seq,
+            limit,
+            scan,
+            max_bytes: usize::MAX,
+        }
+    };
+    let ids = |page: &super::RootsPage| page.roots.iter().map(|r| r.id).collect::<Vec<_>>();
+    // A reader: every root, newest first; children are not roots.
+    let all = store.roots(&page(None, None, 0, 10, 100)).await.expect("roots");
+    assert_eq!(ids(&all), [r4, r3, r2, r1]);
+    assert_eq!(all.next_before, None);
+    assert!(all.roots.iter().all(|r| r.parent_id.is_none()));
+    // Pages of two, the second from the first's cursor.
+    let first = store.roots(&page(None, None, 0, 2, 100)).await.expect("roots");
+    assert_eq!(ids(&first), [r4, r3]);
+    let cursor = first.next_before.expect("a full page continues");
+    let second = store
+        .roots(&page(None, None, cursor, 2, 100))
+        .await
+        .expect("roots");
+    assert_eq!(ids(&second), [r2, r1]);
+    assert_eq!(second.next_before, None, "no older root remains");
+    // Labels.
+    let flat = store
+        .roots(&page(None, Some("flat"), 0, 10, 100))
+        .await
+        .expect("roots");
+    assert_eq!(ids(&flat), [r4, r3, r1]);
+    let none = store
+        .roots(&page(None, Some("other"), 0, 10, 100))
+        .await
+        .expect("roots");
+    assert!(none.roots.is_empty() && none.next_before.is_none());
+    // Parties: the opener, a delegate, a host; a stranger sees nothing.
+    for (viewer, expected) in [
+        (9, vec![r4, r2, r1]),
+        (6, vec![r3]),
+        (8, vec![r1]),
+        (30, vec![r4]),
+        (7, vec![r4]),
+        (5, vec![]),
+    ] {
+        let seen = store
+            .roots(&page(Some(viewer), None, 0, 10, 100))
+            .await
+            .expect("roots");
+        assert_eq!(ids(&seen), expected, "viewer {viewer}");
+        assert_eq!(seen.next_before, None, "viewer {viewer}");
+    }
+    let flat_of_9 = store
+        .roots(&page(Some(9), Some("flat"), 0, 10, 100))
+        .await
+        .expect("roots");
+    assert_eq!(ids(&flat_of_9), [r4, r1]);
+    // A window of two roots: 8's only tree is the oldest, so the first
+    // two calls show nothing yet continue, and the walk ends on it.
+    let mut before = 0;
+    let mut seen = Vec::new();
+    let mut calls = 0;
+    loop {
+        let got = store
+            .roots(&page(Some(8), None, before, 10, 2))
+            .await
+            .expect("roots");
+        calls += 1;
+        seen.extend(ids(&got));
+        match got.next_before {
+            Some(next) => before = next,
+            None => break,
+        }
+        assert!(calls < 10, "the walk ends");
+    }
+    assert_eq!(seen, [r1]);
+    assert_eq!(calls, 2, "4 roots in windows of 2, the last one knowing it is");
+    // A byte budget cuts a page after its first root and continues there.
+    let mut tight = page(None, None, 0, 10, 100);
+    tight.max_bytes = 1;
+    let cut = store.roots(&tight).await.expect("roots");
+    assert_eq!(ids(&cut), [r4]);
+    let rest = store
+        .roots(&page(None, None, cut.next_before.expect("cut"), 10, 100))
+        .await
+        .expect("roots");
+    assert_eq!(ids(&rest), [r3, r2, r1]);
+}
+
 /// A tree's parties are the key that opened its root and every key that is
 /// or was a delegate or host in it; nobody else, and no other tree's.
 pub async fn parties_are_the_trees_own<S: Store>(store: &S) {
@@ -416,6 +529,7 @@ macro_rules! store_suite {
             events_come_in_commit_order_after_a_cursor,
             runs_are_selected_by_labels,
             parties_are_the_trees_own,
+            roots_are_paged_newest_first,
             concurrent_siblings_never_overspend,
             the_issuing_calls_trace_is_kept,
             a_completion_settles_into_the_parent,
