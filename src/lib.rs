@@ -7,6 +7,7 @@ pub mod client;
 pub mod clock;
 pub mod command;
 pub mod config;
+pub mod console;
 pub mod core;
 pub mod crypto;
 pub mod keystore;

@@ -38,6 +38,9 @@ pub enum ServerError {
     /// The configured certificate or key is unusable.
     #[error("tls: {0}")]
     Tls(String),
+    /// `--console` without what the console needs.
+    #[error("console: {0}")]
+    Console(String),
     /// A worker thread could not be started.
     #[error("threads: {0}")]
     Threads(#[from] std::io::Error),
@@ -72,6 +75,8 @@ pub struct ServeOptions {
     /// The shared PostgreSQL database (`serve --database-url`); SQLite in
     /// the data directory when absent.
     pub database: Option<DatabaseOptions>,
+    /// The browser console (`serve --console ADDR`); none when absent.
+    pub console: Option<crate::console::ConsoleOptions>,
 }
 
 /// The shared database of a replicated broker.
@@ -103,6 +108,7 @@ pub async fn run_with_options(
         listener,
         clock: clock.clone(),
         metrics_listener: options.metrics_listener,
+        console: options.console,
         metrics: metrics.clone(),
         current_key: keyring.current.verifying_key(),
         stamper: stamper.clone(),
@@ -130,6 +136,7 @@ struct Parts {
     listener: TcpListener,
     clock: Arc<dyn Clock>,
     metrics_listener: Option<TcpListener>,
+    console: Option<crate::console::ConsoleOptions>,
     metrics: Arc<crate::metrics::Metrics>,
     current_key: ed25519_dalek::VerifyingKey,
     stamper: Arc<Stamper>,
@@ -196,6 +203,7 @@ async fn serve<S: Served>(
         listener,
         clock,
         metrics_listener,
+        console,
         metrics,
         current_key,
         stamper,
@@ -218,9 +226,14 @@ async fn serve<S: Served>(
         crate::core::limits::MAX_CONCURRENT_CONVERSIONS,
         crate::core::limits::DEEP_STACK_BYTES,
     )?;
+    let console_sessions =
+        crate::service::session::Sessions::new(stamper.clone(), current_key, limits.session_ttl_ms)
+            .with_published(keys.clone());
     let sessions =
         crate::service::session::Sessions::new(stamper, current_key, limits.session_ttl_ms)
             .with_published(keys.clone());
+    let console_settings = config.console.clone();
+    let console_clock = clock.clone();
     let service = BrokerService::new(
         store,
         Arc::new(config),
@@ -242,6 +255,24 @@ async fn serve<S: Served>(
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(limits.max_response_bytes());
 
+    let console = match console {
+        Some(options) => Some(
+            start_console(
+                options,
+                &console_settings,
+                console_sessions,
+                console_clock,
+                crate::console::Wiring {
+                    broker: broker.clone(),
+                    limits: limits.clone(),
+                    metrics: metrics.clone(),
+                },
+                shutting_down.clone(),
+            )
+            .await?,
+        ),
+        None => None,
+    };
     let health = health_service::<S>(serving, shutting_down).await;
     let (reflection, reflection_v1alpha) = reflection_services()?;
     log_start(&listener, tls.is_some(), &current_key);
@@ -272,8 +303,59 @@ async fn serve<S: Served>(
         )
         .await?;
     let _ = metrics_stop.send(());
+    if let Some(console) = console {
+        // It stops on the same signal; its streams end with the broker's.
+        match console.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "the console stopped with an error"),
+            Err(e) => tracing::warn!(error = %e, "the console's task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
     tracing::info!("broker stopped");
     Ok(())
+}
+
+/// Starts the console on its listener: its gate (token, origins, the
+/// reader it hands sessions of) in front of the broker's read RPCs.
+async fn start_console<S: Served>(
+    options: crate::console::ConsoleOptions,
+    settings: &crate::config::ConsoleConfig,
+    sessions: crate::service::session::Sessions,
+    clock: Arc<dyn Clock>,
+    wiring: crate::console::Wiring<S>,
+    stopping: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, ServerError> {
+    let reader = settings.reader.ok_or_else(|| {
+        ServerError::Console(
+            "--console needs [console] reader = \"<hex public key>\" in the configuration: the key whose rights the console reads with".into(),
+        )
+    })?;
+    let address = options.listener.local_addr()?;
+    // Off the runtime's threads: it may read files (assets_dir).
+    let dir = settings.assets_dir.clone();
+    let assets = tokio::task::spawn_blocking(move || crate::console::assets::load(dir.as_deref()))
+        .await
+        .map_err(|e| ServerError::Console(e.to_string()))?
+        .map_err(|e| ServerError::Console(format!("console.assets_dir: {e}")))?;
+    let gate = crate::console::gate::GateState::new(
+        &options.token,
+        crate::console::origins(address, &settings.allowed_origins),
+        reader,
+        sessions,
+        clock,
+        &settings.names,
+        assets,
+    );
+    if !address.ip().is_loopback() {
+        tracing::warn!(%address, "serving the console beyond loopback: plaintext HTTP, anyone who sees the token reads what its reader may");
+    }
+    tracing::info!(%address, reader = %hex::encode(reader), "serving the console");
+    Ok(tokio::spawn(crate::console::serve(
+        options.listener,
+        gate,
+        wiring,
+        stopping,
+    )))
 }
 
 /// gRPC health, SERVING while the store can serve (`report_health` follows
@@ -562,7 +644,7 @@ fn server_builder(
 /// it the broker stops accepting (new clients wait in the listen backlog)
 /// until one closes. Nagle's algorithm is off: small gRPC frames would
 /// otherwise wait out delayed ACKs (~40 ms per round trip).
-fn incoming(
+pub(crate) fn incoming(
     listener: TcpListener,
     max_connections: usize,
     metrics: Arc<crate::metrics::Metrics>,
@@ -611,7 +693,7 @@ const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 
 /// An accepted connection holding one of the `max_connections` permits
 /// until it is dropped.
-struct Limited {
+pub(crate) struct Limited {
     stream: tokio::net::TcpStream,
     _permit: tokio::sync::OwnedSemaphorePermit,
     /// `broker_connections_open`, decremented when the connection closes.

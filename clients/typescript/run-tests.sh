@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The TypeScript client's checks and tests, against the real broker binary:
 #   1. npm ci (the exact versions of package-lock.json),
-#   2. drift check: buf generate with the repository's buf.gen.yaml into a
-#      temporary directory must reproduce src/gen/ exactly,
-#   3. tsc --noEmit over the generated code and the sources,
-#   4. the build (dist/: ESM and .d.ts) and the tests' build (build/),
-#   5. the Python client installed into .venv-python (again only when
-#      clients/python changed) for the cross-language test,
-#   6. node --test: every test file starts its own broker from $BROKER_BIN.
+#   2. .venv-python: grpcio-tools (pinned as clients/python's codegen extra)
+#      for buf.gen.yaml's Python plugins, and the Python client (again only
+#      when clients/python changed) for the cross-language test,
+#   3. Debian's protoc-gen-go and protoc-gen-go-grpc for buf.gen.yaml's Go
+#      plugins (apt-get, through sudo when not root, if missing),
+#   4. drift check: buf generate with the repository's buf.gen.yaml into a
+#      temporary directory must reproduce src/gen/ exactly; its Go and Python
+#      output (not committed) must be there, and the Python modules import,
+#   5. tsc --noEmit over the generated code and the sources,
+#   6. the build (dist/: ESM and .d.ts) and the tests' build (build/),
+#   7. node --test: every test file starts its own broker from $BROKER_BIN.
 #
 #   BROKER_BIN=/path/to/delegation-broker clients/typescript/run-tests.sh [node --test args]
 #
@@ -36,41 +40,16 @@ cd "$HERE"
 step "npm ci"
 npm ci --no-audit --no-fund --loglevel=error
 
-step "drift check: buf generate (buf.gen.yaml) against the committed src/gen"
 fresh="$(mktemp -d)"
 trap 'rm -rf "$fresh"' EXIT
-(cd "$REPO_ROOT" && "$HERE/node_modules/.bin/buf" generate --template buf.gen.yaml -o "$fresh")
-if ! diff -r "$fresh/clients/typescript/src/gen" "$HERE/src/gen"; then
-    echo "run-tests.sh: src/gen drifted from proto/: regenerate with 'npm run generate' (in clients/typescript) and commit" >&2
-    exit 1
-fi
-# What buf generated type-checks on its own, too (acceptance g of issue 23).
-cat >"$fresh/tsconfig.json" <<JSON
-{
-  "extends": "$HERE/tsconfig.json",
-  "compilerOptions": { "noEmit": true, "rootDir": "clients/typescript/src/gen", "typeRoots": ["$HERE/node_modules/@types"] },
-  "include": ["clients/typescript/src/gen"]
-}
-JSON
-echo '{ "type": "module" }' >"$fresh/package.json"
-ln -s "$HERE/node_modules" "$fresh/node_modules"
-"$HERE/node_modules/.bin/tsc" -p "$fresh/tsconfig.json"
 
-step "tsc --noEmit (generated code and sources)"
-"$HERE/node_modules/.bin/tsc" -p tsconfig.json --noEmit
-
-step "build (dist/) and the tests (build/)"
-rm -rf dist build
-"$HERE/node_modules/.bin/tsc" -p tsconfig.json
-"$HERE/node_modules/.bin/tsc" -p tsconfig.test.json
-
-step "the Python client, for the cross-language test"
+step ".venv-python: grpcio-tools (for buf generate) and the Python client (for the cross-language test)"
 VENV="$HERE/.venv-python"
 if [[ -z "${PYTHON:-}" ]]; then
     if command -v python3.11 >/dev/null 2>&1; then PYTHON=python3.11; else PYTHON=python3; fi
 fi
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
-    echo "run-tests.sh: $PYTHON not found: the cross-language test needs Python 3 (with venv and pip) to run the Python client; set PYTHON" >&2
+    echo "run-tests.sh: $PYTHON not found: the cross-language test (the Python client) and buf generate (grpcio-tools) need Python 3 with venv and pip; set PYTHON" >&2
     exit 2
 fi
 if [[ -d "$VENV" ]] && ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
@@ -99,6 +78,85 @@ if [[ "$(cat "$VENV/.installed-stamp" 2>/dev/null || true)" != "$stamp" ]]; then
     echo "$stamp" >"$VENV/.installed-stamp"
 fi
 export CROSS_PYTHON="$VENV/bin/python"
+# buf.gen.yaml's Python plugins run grpcio-tools' protoc (scripts/grpc-tools-protoc),
+# at the version the Python client's stubs are generated with.
+tools="$(grep -o '"grpcio-tools==[^"]*"' "$PYCLIENT/pyproject.toml" | head -1 | tr -d '"')"
+if ! "$VENV/bin/python" -c "import grpc_tools, importlib.metadata as m, sys; sys.exit(m.version('grpcio-tools') != '${tools#grpcio-tools==}')" 2>/dev/null; then
+    PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/python" -m pip install --quiet "$tools"
+fi
+export GRPC_TOOLS_PYTHON="$VENV/bin/python"
+
+step "Go protoc plugins (Debian's protoc-gen-go, protoc-gen-go-grpc) for buf generate"
+missing=()
+for plugin in protoc-gen-go protoc-gen-go-grpc; do
+    command -v "$plugin" >/dev/null 2>&1 || missing+=("$plugin")
+done
+if ((${#missing[@]})); then
+    apt=(env DEBIAN_FRONTEND=noninteractive apt-get)
+    if [[ $(id -u) -ne 0 ]]; then
+        if ! command -v sudo >/dev/null 2>&1; then
+            echo "run-tests.sh: ${missing[*]} not installed and no sudo to install them (apt-get install ${missing[*]})" >&2
+            exit 2
+        fi
+        apt=(sudo "${apt[@]}")
+    fi
+    if ! "${apt[@]}" install -y --no-install-recommends "${missing[@]}"; then
+        "${apt[@]}" update
+        "${apt[@]}" install -y --no-install-recommends "${missing[@]}"
+    fi
+fi
+
+step "drift check: buf generate (buf.gen.yaml) against the committed src/gen; its Go and Python output"
+(cd "$REPO_ROOT" && "$HERE/node_modules/.bin/buf" generate --template buf.gen.yaml -o "$fresh")
+if ! diff -r "$fresh/clients/typescript/src/gen" "$HERE/src/gen"; then
+    echo "run-tests.sh: src/gen drifted from proto/: regenerate with 'npm run generate' (in clients/typescript) and commit" >&2
+    exit 1
+fi
+# Go and Python are not committed (no Go toolchain here to compile the Go):
+# each proto file of our package gave its non-empty files, the Go ones in
+# package brokerv1, and the Python modules import.
+protos=()
+for proto in "$REPO_ROOT"/proto/delegation/broker/v1/*.proto; do protos+=("$(basename "$proto" .proto)"); done
+expected=()
+for name in "${protos[@]}"; do
+    expected+=("go/delegation/broker/v1/$name.pb.go" "python/delegation/broker/v1/${name}_pb2.py"
+        "python/delegation/broker/v1/${name}_pb2.pyi" "python/delegation/broker/v1/${name}_pb2_grpc.py")
+done
+expected+=("go/delegation/broker/v1/broker_grpc.pb.go")
+for file in "${expected[@]}"; do
+    if [[ ! -s "$fresh/gen/$file" ]]; then
+        echo "run-tests.sh: buf generate did not write gen/$file (buf.gen.yaml)" >&2
+        exit 1
+    fi
+done
+for file in "$fresh"/gen/go/delegation/broker/v1/*.go; do
+    if ! grep -q '^package brokerv1$' "$file"; then
+        echo "run-tests.sh: generated ${file#"$fresh/"} is not in package brokerv1 (go_package)" >&2
+        exit 1
+    fi
+done
+modules=""
+for name in "${protos[@]}"; do modules+="delegation.broker.v1.${name}_pb2, delegation.broker.v1.${name}_pb2_grpc, "; done
+PYTHONPATH="$fresh/gen/python" "$VENV/bin/python" -c "import ${modules%, }"
+# What buf generated type-checks on its own, too (acceptance g of issue 23).
+cat >"$fresh/tsconfig.json" <<JSON
+{
+  "extends": "$HERE/tsconfig.json",
+  "compilerOptions": { "noEmit": true, "rootDir": "clients/typescript/src/gen", "typeRoots": ["$HERE/node_modules/@types"] },
+  "include": ["clients/typescript/src/gen"]
+}
+JSON
+echo '{ "type": "module" }' >"$fresh/package.json"
+ln -s "$HERE/node_modules" "$fresh/node_modules"
+"$HERE/node_modules/.bin/tsc" -p "$fresh/tsconfig.json"
+
+step "tsc --noEmit (generated code and sources)"
+"$HERE/node_modules/.bin/tsc" -p tsconfig.json --noEmit
+
+step "build (dist/) and the tests (build/)"
+rm -rf dist build
+"$HERE/node_modules/.bin/tsc" -p tsconfig.json
+"$HERE/node_modules/.bin/tsc" -p tsconfig.test.json
 
 step "node --test (broker: $BROKER_BIN)"
 node --test "$@" build/test/*.test.js

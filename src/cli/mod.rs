@@ -41,6 +41,11 @@ enum Command {
         /// absent), e.g. 127.0.0.1:9464.
         #[arg(long, env = "BROKER_METRICS")]
         metrics: Option<String>,
+        /// Serve the read-only browser console at http://ADDR/ (off when
+        /// absent), e.g. 127.0.0.1:8080. Needs `[console] reader` in the
+        /// configuration; prints the URL with a fresh access token.
+        #[arg(long, env = "BROKER_CONSOLE")]
+        console: Option<String>,
         /// Export each call's span over OTLP/gRPC to this collector, e.g.
         /// http://127.0.0.1:4317 (off when absent).
         #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
@@ -155,6 +160,7 @@ pub fn main() -> ExitCode {
             data_dir,
             config,
             metrics,
+            console,
             otlp_endpoint,
             trace_sample_ratio,
             database,
@@ -162,7 +168,7 @@ pub fn main() -> ExitCode {
             listen,
             data_dir,
             config,
-            metrics,
+            (metrics, console),
             (otlp_endpoint, trace_sample_ratio),
             database,
             format,
@@ -206,7 +212,7 @@ fn serve(
     listen: String,
     data_dir: PathBuf,
     config: Option<PathBuf>,
-    metrics: Option<String>,
+    (metrics, console): (Option<String>, Option<String>),
     (otlp_endpoint, trace_sample_ratio): (Option<String>, f64),
     database: DatabaseArgs,
     format: crate::telemetry::LogFormat,
@@ -240,6 +246,17 @@ fn serve(
                 metrics_listener.local_addr()?
             );
             options.metrics_listener = Some(metrics_listener);
+        }
+        if let Some(address) = console {
+            let listener = tokio::net::TcpListener::bind(&address).await?;
+            let token = crate::console::new_token();
+            // Printed once, on stdout only (never logged): the fragment
+            // stays in the browser, out of request lines and proxies' logs.
+            println!(
+                "console on http://{}/#token={token}",
+                listener.local_addr()?
+            );
+            options.console = Some(crate::console::ConsoleOptions { listener, token });
         }
         crate::server::run_with_options(
             listener,

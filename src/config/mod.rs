@@ -27,8 +27,37 @@ pub struct Config {
     /// Keys that may read every tree (operators' dashboards, auditors);
     /// everyone else reads only the trees they are a party of.
     pub readers: std::collections::HashSet<[u8; 32]>,
+    /// The browser console's settings (`[console]`; used with
+    /// `serve --console`).
+    pub console: ConsoleConfig,
     pub limits: Limits,
 }
+
+/// `[console]`: whose rights the browser console reads with, which other
+/// origins may call it, and the names it shows for keys.
+#[derive(Clone, Debug, Default)]
+pub struct ConsoleConfig {
+    /// The key whose sessions the console hands to the browser (a key in
+    /// `[readers]` sees every tree; any other key, its own trees). No
+    /// private key is involved: the broker signs the sessions. Required
+    /// by `serve --console`.
+    pub reader: Option<[u8; 32]>,
+    /// Origins besides the console's own (`http://ADDR`, and
+    /// `http://localhost:PORT` on loopback) whose pages may call it.
+    pub allowed_origins: Vec<String>,
+    /// The address book: names shown instead of short keys.
+    pub names: std::collections::BTreeMap<[u8; 32], String>,
+    /// Serve the page from this folder (read at start) instead of the copy
+    /// built into the binary: for work on the console itself.
+    pub assets_dir: Option<PathBuf>,
+}
+
+/// Most entries of `[console.names]` and `console.allowed_origins`.
+pub const MAX_CONSOLE_ENTRIES: usize = 10_000;
+/// Longest name in `[console.names]`, in bytes.
+pub const MAX_CONSOLE_NAME_BYTES: usize = 64;
+/// Longest origin in `console.allowed_origins`, in bytes.
+pub const MAX_ORIGIN_BYTES: usize = 256;
 
 /// A PEM certificate chain and its private key, read at start so a bad
 /// path fails the start, not the first handshake.
@@ -119,7 +148,21 @@ struct FileConfig {
     orchestrators: HashMap<String, i64>,
     tls: Option<FileTls>,
     readers: FileReaders,
+    console: FileConsole,
     limits: Limits,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct FileConsole {
+    /// Hex-encoded public key the console reads as.
+    reader: Option<String>,
+    /// Extra origins, e.g. "https://dashboard.example".
+    allowed_origins: Vec<String>,
+    /// Hex-encoded public key → display name.
+    names: HashMap<String, String>,
+    /// A folder with index.html, console.js and console.css.
+    assets_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -191,6 +234,70 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     }
 }
 
+fn console_config(file: &FileConsole) -> Result<ConsoleConfig, ConfigError> {
+    let reader = file
+        .reader
+        .as_deref()
+        .map(|k| parse_public_key(k, "console.reader").map(|k| k.to_bytes()))
+        .transpose()?;
+    if file.allowed_origins.len() > MAX_CONSOLE_ENTRIES || file.names.len() > MAX_CONSOLE_ENTRIES {
+        return Err(invalid(
+            "console",
+            format!(
+                "at most {MAX_CONSOLE_ENTRIES} allowed origins and {MAX_CONSOLE_ENTRIES} names"
+            ),
+        ));
+    }
+    for (i, origin) in file.allowed_origins.iter().enumerate() {
+        let field = format!("console.allowed_origins[{i}]");
+        // An origin is scheme://host[:port], nothing after it: browsers
+        // send exactly that in the Origin header.
+        let rest = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"));
+        match rest {
+            Some(host)
+                if origin.len() <= MAX_ORIGIN_BYTES
+                    && !host.is_empty()
+                    && !host.contains(['/', '?', '#', ' ']) => {}
+            _ => {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "{origin:?} is not an origin (http[s]://host[:port], at most {MAX_ORIGIN_BYTES} bytes)"
+                    ),
+                ));
+            }
+        }
+    }
+    let mut names = std::collections::BTreeMap::new();
+    for (key, name) in &file.names {
+        let field = format!("console.names.{key}");
+        let key = parse_public_key(key, &field)?.to_bytes();
+        if name.is_empty()
+            || name.len() > MAX_CONSOLE_NAME_BYTES
+            || name.chars().any(char::is_control)
+        {
+            return Err(invalid(
+                field,
+                format!("a name is 1 ..= {MAX_CONSOLE_NAME_BYTES} bytes, no control characters"),
+            ));
+        }
+        if names.insert(key, name.clone()).is_some() {
+            return Err(invalid(
+                field,
+                "this key is listed twice (spelled differently)",
+            ));
+        }
+    }
+    Ok(ConsoleConfig {
+        reader,
+        allowed_origins: file.allowed_origins.clone(),
+        names,
+        assets_dir: file.assets_dir.clone(),
+    })
+}
+
 /// Parses a hex-encoded ed25519 public key.
 pub fn parse_public_key(hex_key: &str, field: &str) -> Result<VerifyingKey, ConfigError> {
     let bytes = hex::decode(hex_key.trim()).map_err(|e| invalid(field, format!("not hex: {e}")))?;
@@ -254,8 +361,10 @@ impl Config {
         for (i, reader) in file.readers.keys.iter().enumerate() {
             readers.insert(parse_public_key(reader, &format!("readers.keys[{i}]"))?.to_bytes());
         }
+        let console = console_config(&file.console)?;
         let config = Self {
             readers,
+            console,
             data_dir,
             trust: TrustConfig {
                 attestors,

@@ -31,6 +31,8 @@ pub struct Broker {
     server: Option<tokio::task::JoinHandle<()>>,
     /// Where `/metrics` is served (brokers started with metrics).
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The console's address and access token (brokers started with it).
+    pub console: Option<(std::net::SocketAddr, String)>,
     /// The PostgreSQL database of this broker (`on_postgres`), dropped
     /// after the broker stops.
     pub database: Option<delegation_broker::store::postgres::testing::TestDatabase>,
@@ -51,18 +53,32 @@ pub fn on_postgres() -> bool {
     }
 }
 
+/// What a test broker serves besides gRPC.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Listener {
+    None,
+    Metrics,
+    Console,
+}
+
 impl Broker {
     pub async fn start() -> Self {
         Self::start_with(|_| {}).await
     }
 
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Self {
-        Self::start_full(adjust, false, None).await
+        Self::start_full(adjust, Listener::None, None).await
+    }
+
+    /// A broker that also serves the browser console (`console`); the
+    /// configuration must name `console.reader`.
+    pub async fn start_with_console(adjust: impl FnOnce(&mut Config)) -> Self {
+        Self::start_full(adjust, Listener::Console, None).await
     }
 
     /// A broker that also serves Prometheus metrics (`metrics_addr`).
     pub async fn start_with_metrics() -> Self {
-        Self::start_full(|_| {}, true, None).await
+        Self::start_full(|_| {}, Listener::Metrics, None).await
     }
 
     /// The first replica of a replicated broker: on a fresh PostgreSQL
@@ -76,7 +92,7 @@ impl Broker {
     pub async fn start_replicated_with(adjust: impl FnOnce(&mut Config)) -> Self {
         let database = delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
         let url = database.url.clone();
-        let mut broker = Self::start_full(adjust, false, Some(&url)).await;
+        let mut broker = Self::start_full(adjust, Listener::None, Some(&url)).await;
         broker.database = Some(database);
         broker
     }
@@ -95,12 +111,12 @@ impl Broker {
             .expect("a replicated broker")
             .url
             .clone();
-        Self::start_full(adjust, false, Some(&url)).await
+        Self::start_full(adjust, Listener::None, Some(&url)).await
     }
 
     async fn start_full(
         adjust: impl FnOnce(&mut Config),
-        metrics: bool,
+        extra: Listener,
         shared: Option<&str>,
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -136,7 +152,13 @@ impl Broker {
             None
         };
         let mut metrics_addr = None;
-        if metrics {
+        let mut console = None;
+        if extra == Listener::Console {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let token = delegation_broker::console::new_token();
+            console = Some((listener.local_addr().unwrap(), token.clone()));
+            options.console = Some(delegation_broker::console::ConsoleOptions { listener, token });
+        } else if extra == Listener::Metrics {
             let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             metrics_addr = Some(metrics_listener.local_addr().unwrap());
             options.metrics_listener = Some(metrics_listener);
@@ -167,6 +189,7 @@ impl Broker {
             stop: Some(stop),
             server: Some(server),
             metrics_addr,
+            console,
             database,
             _dir: dir,
         }

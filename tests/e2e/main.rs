@@ -4,6 +4,7 @@ mod audit;
 mod auth;
 mod bad_input;
 mod concurrency;
+mod console;
 mod crash;
 mod fairness;
 mod hardening;

@@ -220,12 +220,18 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
     };
     let ids = |page: &super::RootsPage| page.roots.iter().map(|r| r.id).collect::<Vec<_>>();
     // A reader: every root, newest first; children are not roots.
-    let all = store.roots(&page(None, None, 0, 10, 100)).await.expect("roots");
+    let all = store
+        .roots(&page(None, None, 0, 10, 100))
+        .await
+        .expect("roots");
     assert_eq!(ids(&all), [r4, r3, r2, r1]);
     assert_eq!(all.next_before, None);
     assert!(all.roots.iter().all(|r| r.parent_id.is_none()));
     // Pages of two, the second from the first's cursor.
-    let first = store.roots(&page(None, None, 0, 2, 100)).await.expect("roots");
+    let first = store
+        .roots(&page(None, None, 0, 2, 100))
+        .await
+        .expect("roots");
     assert_eq!(ids(&first), [r4, r3]);
     let cursor = first.next_before.expect("a full page continues");
     let second = store
@@ -285,7 +291,10 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
         assert!(calls < 10, "the walk ends");
     }
     assert_eq!(seen, [r1]);
-    assert_eq!(calls, 2, "4 roots in windows of 2, the last one knowing it is");
+    assert_eq!(
+        calls, 2,
+        "4 roots in windows of 2, the last one knowing it is"
+    );
     // A byte budget cuts a page after its first root and continues there.
     let mut tight = page(None, None, 0, 10, 100);
     tight.max_bytes = 1;

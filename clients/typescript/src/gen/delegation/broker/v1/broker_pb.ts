@@ -834,8 +834,9 @@ export const ListChildrenResponseSchema: GenMessage<ListChildrenResponse> = /*@_
 export type ListRootsRequest = Message<"delegation.broker.v1.ListRootsRequest"> & {
   /**
    * Only roots whose labels (OpenRootBody.labels) include every one of
-   * these key/value pairs; empty for every root. At most 8 pairs, each key
-   * and value at most 256 bytes (else INVALID_ARGUMENT naming `labels`).
+   * these key/value pairs; empty for every root. The limits of
+   * OpenRootBody.labels apply (at most 16 pairs, keys at most 64 bytes,
+   * values at most 256 bytes; else INVALID_ARGUMENT naming `labels`).
    *
    * @generated from field: map<string, string> labels = 1;
    */

@@ -1,0 +1,90 @@
+//! The browser console (`serve --console ADDR`, off by default): a
+//! read-only page the broker serves itself, over a listener of its own.
+//! It owns the access token, the gate in front of the listener (`gate`)
+//! and the embedded page (`assets`). No agent or broker key reaches the
+//! browser: it shows the token, receives a short-lived session of the
+//! reader named in `[console]` (signed by the broker, as OpenSession
+//! would), and calls the read RPCs over gRPC-Web with it.
+
+pub mod assets;
+pub mod gate;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::pb;
+use crate::service::BrokerService;
+use crate::store::Store;
+
+/// `serve --console`: where to serve the console and the token it asks
+/// for.
+#[derive(Debug)]
+pub struct ConsoleOptions {
+    pub listener: TcpListener,
+    /// The access token (`new_token`); `serve` prints it once, in the URL
+    /// it logs.
+    pub token: String,
+}
+
+/// Bytes of randomness in an access token (printed as hex).
+const TOKEN_BYTES: usize = 32;
+
+/// A fresh random access token, hex-encoded.
+pub fn new_token() -> String {
+    let mut token = [0u8; TOKEN_BYTES];
+    getrandom::fill(&mut token).expect("the operating system's CSPRNG is available");
+    hex::encode(token)
+}
+
+/// The origins whose pages may call the console: its own address, its
+/// `localhost` spelling on loopback, and the configured extras.
+pub fn origins(address: std::net::SocketAddr, extra: &[String]) -> Vec<String> {
+    let mut origins = vec![format!("http://{address}")];
+    if address.ip().is_loopback() {
+        origins.push(format!("http://localhost:{}", address.port()));
+    }
+    origins.extend(extra.iter().cloned());
+    origins
+}
+
+/// What the console needs from the broker's wiring.
+pub(crate) struct Wiring<S> {
+    pub broker: pb::broker_server::BrokerServer<BrokerService<S>>,
+    pub limits: crate::config::Limits,
+    pub metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// Serves the console on `listener` until `stopping` turns true.
+pub(crate) async fn serve<S: Store>(
+    listener: TcpListener,
+    gate: gate::GateState,
+    wiring: Wiring<S>,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let Wiring {
+        broker,
+        limits,
+        metrics,
+    } = wiring;
+    let incoming = crate::server::incoming(listener, limits.max_connections, metrics.clone());
+    tonic::transport::Server::builder()
+        // gRPC-Web runs over HTTP/1.1 from browsers.
+        .accept_http1(true)
+        .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
+        .timeout(Duration::from_millis(limits.request_timeout_ms))
+        // Outermost: nothing the gate refuses reaches anything else.
+        .layer(gate::GateLayer(Arc::new(gate)))
+        .layer(tonic_web::GrpcWebLayer::new())
+        .layer(crate::metrics::MetricsLayer(metrics))
+        .layer(crate::telemetry::CallSpanLayer)
+        .layer(tower::util::MapResponseLayer::new(
+            crate::service::transport::rewrite_decoder_errors,
+        ))
+        .add_service(broker)
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = stopping.wait_for(|stop| *stop).await;
+        })
+        .await
+}
