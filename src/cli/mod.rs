@@ -4,6 +4,7 @@
 pub mod audit;
 pub mod bench;
 pub mod disk_probe;
+pub mod tree;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -90,6 +91,10 @@ enum Command {
     /// Compares orchestration arms: aggregated audits as a table, JSON or
     /// CSV.
     Audit(audit::AuditArgs),
+    /// Prints one delegation tree as indented text: each contract's
+    /// delegate, status, depth, trust, deadline and ledger, the refusals
+    /// beside the parent asked, and completion verdicts.
+    Tree(tree::TreeArgs),
     /// Verifies offline, with public keys alone: a whole chain (every
     /// contract's terms, as types.proto's "Verifying a chain" says), one
     /// receipt, or an agent's or attestor's DSSE envelope. Exit status 0
@@ -181,6 +186,7 @@ pub fn main() -> ExitCode {
         Command::Bench(args) => bench::run(args),
         Command::DiskProbe(args) => disk_probe::run(args),
         Command::Audit(args) => audit::run(args),
+        Command::Tree(args) => tree::run(args),
         Command::Verify {
             public_keys,
             chain,

@@ -16,3 +16,4 @@ mod operability;
 mod replicas;
 mod seeds;
 mod tls;
+mod tree;

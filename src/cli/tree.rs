@@ -1,0 +1,462 @@
+//! `tree`: one delegation tree in the terminal, for people on a server
+//! without a browser: each contract with its delegate, status, depth,
+//! trust, deadline and ledger; the refusals beside the parent they were
+//! asked of, with every violated code and its requested and allowed
+//! values; completion verdicts with the refused criteria and the claim.
+//! Reading only: contracts by ListChildren, receipts by Watch.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use clap::Args;
+use prost::Message;
+
+use crate::pb;
+
+#[derive(Args, Debug, Clone)]
+pub struct TreeArgs {
+    /// The contract (hex id) whose subtree to print; a root for the whole
+    /// tree.
+    pub contract_id: String,
+    /// Broker address, e.g. http://127.0.0.1:50051.
+    #[arg(long, env = "BROKER_ADDR", default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// The key to read as: a file holding its secret seed in hex, as
+    /// `keygen` writes it. A reader key listed under [readers] in the
+    /// broker's configuration reads every tree, any other key the trees it
+    /// is a party of.
+    #[arg(long, env = "BROKER_KEY_FILE")]
+    pub key_file: std::path::PathBuf,
+    /// An address book: a TOML file of `"<hex public key>" = "name"` lines
+    /// (the format of the broker configuration's [console.names]); names
+    /// replace short keys.
+    #[arg(long)]
+    pub names: Option<std::path::PathBuf>,
+    /// Most contracts printed; the rest are counted.
+    #[arg(long, default_value_t = DEFAULT_TREE_CONTRACTS,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_TREE_CONTRACTS)))]
+    pub max_contracts: u32,
+}
+
+/// Contracts printed unless `--max-contracts` says otherwise.
+pub const DEFAULT_TREE_CONTRACTS: u32 = 2_000;
+/// Most contracts `--max-contracts` may ask for.
+pub const MAX_TREE_CONTRACTS: u32 = 100_000;
+/// Most Watch events read (receipts and contracts of the subtree).
+pub const MAX_TREE_EVENTS: usize = 1_000_000;
+/// Watch does not mark the end of the stored events: once this long passes
+/// without one, they are all in (stored events are sent without waiting).
+pub const QUIET_MS: u64 = 500;
+/// Longest the whole read may take.
+pub const TREE_READ_TIMEOUT_MS: u64 = 120_000;
+/// Children asked per ListChildren page.
+const CHILDREN_PAGE: u32 = 1_000;
+/// Most bytes read from `--names`.
+const MAX_NAMES_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// What the tree is drawn from.
+#[derive(Debug, Default)]
+pub struct TreeData {
+    /// The contract asked for, first; then every contract read, parents
+    /// before children.
+    pub contracts: Vec<pb::ContractState>,
+    /// Receipts by the contract they are about (a refusal: the parent
+    /// asked), in the order signed.
+    pub receipts: HashMap<Vec<u8>, Vec<pb::Receipt>>,
+    /// Contracts not read because of `--max-contracts`.
+    pub left_out: u64,
+}
+
+pub fn run(args: TreeArgs) -> anyhow::Result<()> {
+    let names = match &args.names {
+        Some(path) => read_names(path)?,
+        None => BTreeMap::new(),
+    };
+    let id = hex::decode(args.contract_id.trim())
+        .ok()
+        .filter(|id| id.len() == 32)
+        .ok_or_else(|| anyhow::anyhow!("CONTRACT_ID must be 64 hex characters (a 32-byte id)"))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let data = runtime.block_on(async {
+        let agent = super::audit::agent_from_key_file(&args.key_file)?;
+        let channel = tonic::transport::Channel::from_shared(args.addr.clone())?
+            .connect()
+            .await?;
+        let attacher = crate::client::SessionAttacher::default();
+        let mut client = attacher.client(channel);
+        attacher.open(&mut client, &agent).await?;
+        tokio::time::timeout(
+            Duration::from_millis(TREE_READ_TIMEOUT_MS),
+            fetch(&mut client, &id, args.max_contracts),
+        )
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!("reading the tree took longer than {TREE_READ_TIMEOUT_MS} ms")
+        })?
+    })?;
+    print!("{}", render(&data, &names));
+    Ok(())
+}
+
+/// The address book of `--names`.
+fn read_names(path: &std::path::Path) -> anyhow::Result<BTreeMap<[u8; 32], String>> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_NAMES_FILE_BYTES).read_to_string(&mut text))
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let table: HashMap<String, String> =
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    table
+        .into_iter()
+        .map(|(key, name)| {
+            let key = crate::config::parse_public_key(&key, &format!("names.{key}"))?;
+            Ok((key.to_bytes(), name))
+        })
+        .collect()
+}
+
+/// Reads the subtree of `id`: its contracts breadth first (at most `max`),
+/// then its receipts from Watch until the stream goes quiet.
+pub async fn fetch(
+    client: &mut crate::client::SessionClient,
+    id: &[u8],
+    max: u32,
+) -> anyhow::Result<TreeData> {
+    use tokio_stream::StreamExt;
+    let mut data = TreeData::default();
+    let top = client
+        .get_contract(pb::GetContractRequest {
+            contract_id: id.to_vec(),
+        })
+        .await?
+        .into_inner()
+        .contract
+        .ok_or_else(|| anyhow::anyhow!("the broker answered without the contract"))?;
+    data.contracts.push(top);
+    let mut next = 0;
+    while next < data.contracts.len() {
+        let parent = data.contracts[next].contract_id.clone();
+        next += 1;
+        let mut page_token = Vec::new();
+        loop {
+            let page = client
+                .list_children(pb::ListChildrenRequest {
+                    contract_id: parent.clone(),
+                    page_size: CHILDREN_PAGE,
+                    page_token,
+                })
+                .await?
+                .into_inner();
+            for child in page.children {
+                if data.contracts.len() < max as usize {
+                    data.contracts.push(child);
+                } else {
+                    data.left_out += 1;
+                }
+            }
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            page_token = page.next_page_token;
+        }
+    }
+    let mut events = client
+        .watch(pb::WatchRequest {
+            contract_id: id.to_vec(),
+            cursor: 0,
+        })
+        .await?
+        .into_inner();
+    let mut seen = 0usize;
+    while seen < MAX_TREE_EVENTS {
+        let event = match tokio::time::timeout(Duration::from_millis(QUIET_MS), events.next()).await
+        {
+            Err(_) | Ok(None) => break,
+            Ok(Some(event)) => event?,
+        };
+        seen += 1;
+        if let Some(pb::watch_response::Event::Receipt(sealed)) = event.event {
+            let receipt = pb::Receipt::decode(sealed.payload.as_slice())?;
+            data.receipts
+                .entry(receipt.contract_id.clone())
+                .or_default()
+                .push(receipt);
+        }
+    }
+    Ok(data)
+}
+
+/// The tree as indented text (pure: what `tree` prints).
+pub fn render(data: &TreeData, names: &BTreeMap<[u8; 32], String>) -> String {
+    let mut drawing = Drawing {
+        data,
+        names,
+        children: HashMap::new(),
+        contracts: HashMap::new(),
+    };
+    for state in &data.contracts {
+        if let Some(contract) = decode(state) {
+            drawing
+                .children
+                .entry(contract.parent_id.clone())
+                .or_default()
+                .push(state);
+            drawing
+                .contracts
+                .insert(state.contract_id.as_slice(), contract);
+        }
+    }
+    let mut out = String::new();
+    if let Some(top) = data.contracts.first() {
+        drawing.node(&mut out, top, "", "");
+    }
+    if data.left_out > 0 {
+        let _ = writeln!(
+            out,
+            "… {} more contracts not shown (--max-contracts)",
+            data.left_out
+        );
+    }
+    out
+}
+
+fn decode(state: &pb::ContractState) -> Option<pb::Contract> {
+    pb::Contract::decode(state.contract.as_ref()?.payload.as_slice()).ok()
+}
+
+/// `name` from the address book, else the key's first 8 hex characters.
+fn who(key: &[u8], names: &BTreeMap<[u8; 32], String>) -> String {
+    <[u8; 32]>::try_from(key)
+        .ok()
+        .and_then(|k| names.get(&k).cloned())
+        .unwrap_or_else(|| format!("key:{}", short(key)))
+}
+
+fn short(bytes: &[u8]) -> String {
+    hex::encode(&bytes[..bytes.len().min(4)])
+}
+
+/// What drawing a tree reads: the data, indexed.
+struct Drawing<'a> {
+    data: &'a TreeData,
+    names: &'a BTreeMap<[u8; 32], String>,
+    /// Contracts by their parent's id.
+    children: HashMap<Vec<u8>, Vec<&'a pb::ContractState>>,
+    /// Decoded contracts by id.
+    contracts: HashMap<&'a [u8], pb::Contract>,
+}
+
+impl Drawing<'_> {
+    /// One contract's lines, then its children's: `lead` starts its first
+    /// line, `rest` every line below it.
+    fn node(&self, out: &mut String, state: &pb::ContractState, lead: &str, rest: &str) {
+        let (data, names) = (self.data, self.names);
+        let Some(contract) = self.contracts.get(state.contract_id.as_slice()) else {
+            let _ = writeln!(
+                out,
+                "{lead}{} (undecodable contract)",
+                short(&state.contract_id)
+            );
+            return;
+        };
+        let status = pb::ContractStatus::try_from(state.status)
+            .map(|s| {
+                s.as_str_name()
+                    .trim_start_matches("CONTRACT_STATUS_")
+                    .to_owned()
+            })
+            .unwrap_or_else(|_| format!("status {}", state.status));
+        let _ = writeln!(
+            out,
+            "{lead}{} {} {status} depth {} trust {} deadline {}",
+            short(&state.contract_id),
+            who(&contract.delegate_public_key, names),
+            contract.depth,
+            ppm(contract.cumulative_trust_ppm),
+            rfc3339(contract.deadline_ms),
+        );
+        let pad = format!("{rest}  ");
+        if let Some(ledger) = &state.ledger {
+            let _ = writeln!(
+                out,
+                "{pad}ledger {} {} spent, {} reserved, {} free of {}",
+                bar(ledger),
+                ledger.spent,
+                ledger.reserved,
+                ledger.residual,
+                ledger.budget
+            );
+        }
+        for receipt in data
+            .receipts
+            .get(&state.contract_id)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            receipt_lines(out, &pad, receipt);
+        }
+        let kids = self
+            .children
+            .get(state.contract_id.as_slice())
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        for (i, kid) in kids.iter().enumerate() {
+            let last = i + 1 == kids.len();
+            let (branch, more) = if last {
+                ("└─ ", "   ")
+            } else {
+                ("├─ ", "│  ")
+            };
+            self.node(
+                out,
+                kid,
+                &format!("{rest}{branch}"),
+                &format!("{rest}{more}"),
+            );
+        }
+    }
+}
+
+/// The lines a receipt adds under its contract: refusals and verdicts
+/// (acceptances and cascades show in the status already).
+fn receipt_lines(out: &mut String, pad: &str, receipt: &pb::Receipt) {
+    let kind = pb::ReceiptKind::try_from(receipt.kind).unwrap_or(pb::ReceiptKind::Unspecified);
+    match kind {
+        pb::ReceiptKind::Refused => {
+            let codes: Vec<String> = receipt
+                .violations
+                .iter()
+                .map(|v| {
+                    let code = pb::InvariantCode::try_from(v.code)
+                        .map(|c| {
+                            c.as_str_name()
+                                .trim_start_matches("INVARIANT_CODE_")
+                                .to_owned()
+                        })
+                        .unwrap_or_else(|_| format!("code {}", v.code));
+                    format!("{code} (requested {}, allowed {})", v.requested, v.allowed)
+                })
+                .collect();
+            let _ = writeln!(out, "{pad}✗ refused a child: {}", codes.join("; "));
+        }
+        _ => {
+            if let Some(completion) = &receipt.completion {
+                let verdict = pb::Verdict::try_from(completion.verdict)
+                    .map(|v| v.as_str_name().trim_start_matches("VERDICT_").to_owned())
+                    .unwrap_or_else(|_| format!("verdict {}", completion.verdict));
+                let refused: Vec<&str> = completion
+                    .refused_criteria
+                    .iter()
+                    .map(|c| c.criterion.as_str())
+                    .collect();
+                let _ = write!(
+                    out,
+                    "{pad}verdict {verdict}, consumed {}, returned {}",
+                    completion.consumed, completion.returned
+                );
+                if !refused.is_empty() {
+                    let _ = write!(out, ", refused: {}", refused.join(", "));
+                }
+                if !completion.out_of_scope_paths.is_empty() {
+                    let _ = write!(
+                        out,
+                        ", out of scope: {}",
+                        completion.out_of_scope_paths.join(", ")
+                    );
+                }
+                let _ = writeln!(out);
+                if !completion.claim.is_empty() {
+                    let _ = writeln!(out, "{pad}  claim: {}", one_line(&completion.claim));
+                }
+            }
+        }
+    }
+}
+
+/// A claim on one line, at most 120 characters.
+fn one_line(text: &str) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if flat.chars().count() > 120 {
+        format!("{}…", flat.chars().take(119).collect::<String>())
+    } else {
+        flat
+    }
+}
+
+/// 10 cells: spent `#`, reserved `+`, free `.` (an overspend is all `#`).
+fn bar(ledger: &pb::Ledger) -> String {
+    const CELLS: i64 = 10;
+    if ledger.budget <= 0 {
+        return format!("[{}]", ".".repeat(CELLS as usize));
+    }
+    let cells = |n: i64| (n.clamp(0, ledger.budget) * CELLS / ledger.budget) as usize;
+    let spent = cells(ledger.spent);
+    let reserved = cells(ledger.spent.saturating_add(ledger.reserved)).saturating_sub(spent);
+    let free = (CELLS as usize).saturating_sub(spent + reserved);
+    format!(
+        "[{}{}{}]",
+        "#".repeat(spent),
+        "+".repeat(reserved),
+        ".".repeat(free)
+    )
+}
+
+/// Parts per million as a decimal fraction, e.g. 900000 → "0.900".
+fn ppm(ppm: u32) -> String {
+    format!("{}.{:03}", ppm / 1_000_000, (ppm % 1_000_000) / 1_000)
+}
+
+/// Unix milliseconds as UTC RFC 3339, to the second.
+pub fn rfc3339(ms: i64) -> String {
+    let secs = ms.div_euclid(1_000);
+    let (days, rest) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3_600,
+        rest % 3_600 / 60,
+        rest % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_ledgers_and_trust_print_exactly() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_155_162_394), "2026-12-01T19:59:22Z");
+        assert_eq!(ppm(1_000_000), "1.000");
+        assert_eq!(ppm(810_000), "0.810");
+        let ledger = |budget, spent, reserved| pb::Ledger {
+            budget,
+            spent,
+            reserved,
+            residual: budget - spent - reserved,
+            open_children: 0,
+        };
+        assert_eq!(bar(&ledger(100, 0, 0)), "[..........]");
+        assert_eq!(bar(&ledger(100, 30, 20)), "[###++.....]");
+        assert_eq!(bar(&ledger(100, 150, 0)), "[##########]");
+        assert_eq!(bar(&ledger(0, 0, 0)), "[..........]");
+        assert_eq!(one_line("a\nb"), "a b");
+    }
+}

@@ -1,0 +1,107 @@
+//! `delegation-broker tree` (issue 23, acceptance e): the seed 001 tree,
+//! read from a real broker and drawn, against a golden file. Ids and
+//! deadlines vary between runs; they are replaced by stable marks before
+//! comparing. `UPDATE_GOLDEN=1` rewrites the file.
+
+use std::collections::BTreeMap;
+
+use delegation_broker::cli::tree;
+use delegation_broker::client::Agent;
+use delegation_broker::pb;
+
+use crate::harness::*;
+
+const GOLDEN: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/golden/tree-seed-001.txt"
+);
+
+#[tokio::test]
+async fn tree_prints_the_seed_001_tree() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, planner, executor, host) = (
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+        Agent::generate(),
+    );
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    // seeds/001: the planner (25, 12 to retry) asks for an executor of 20
+    // (refused NO_RETRY_HEADROOM), then of 13.
+    let predicate = "result.schema_valid && result.within_scope";
+    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, predicate);
+    to_planner.min_retry_cost = 12;
+    let (planner_id, _) = broker
+        .delegate(&orchestrator, to_planner)
+        .await
+        .unwrap()
+        .issued();
+    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
+    to_executor.min_retry_cost = 12;
+    broker
+        .delegate(&planner, to_executor.clone())
+        .await
+        .unwrap()
+        .refused();
+    to_executor.budget = 13;
+    let (executor_id, _) = broker
+        .delegate(&planner, to_executor)
+        .await
+        .unwrap()
+        .issued();
+    // The executor mutates outside its scope and claims success: REJECTED
+    // on within_scope, on what the host observed.
+    broker
+        .accept(&executor, &executor_id, Some(&host))
+        .await
+        .unwrap();
+    broker
+        .record(&host, &executor_id, vec![mutation("etc/passwd", 0)])
+        .await
+        .unwrap();
+    let completion = broker
+        .complete(
+            &executor,
+            pb::CompleteBody {
+                header: None,
+                contract_id: executor_id.clone(),
+                output_json: "{}".into(),
+                report: None,
+                claim: "fixed the token refresh, all in src/auth".into(),
+                consumed: 4,
+            },
+        )
+        .await
+        .unwrap()
+        .completion
+        .unwrap();
+    assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
+
+    let data = tree::fetch(&mut broker.client, &root.id, tree::DEFAULT_TREE_CONTRACTS)
+        .await
+        .expect("the tree reads");
+    let names: BTreeMap<[u8; 32], String> = [
+        (orchestrator.public_key(), "orchestrator"),
+        (planner.public_key(), "planner"),
+        (executor.public_key(), "executor"),
+        (host.public_key(), "host"),
+    ]
+    .into_iter()
+    .map(|(k, n)| (k, n.to_owned()))
+    .collect();
+    let mut text = tree::render(&data, &names);
+    // Stable marks for what varies: contract ids in order of appearance,
+    // deadlines.
+    for (n, state) in data.contracts.iter().enumerate() {
+        text = text.replace(&hex::encode(&state.contract_id[..4]), &format!("#{n}"));
+        let contract: pb::Contract =
+            prost::Message::decode(state.contract.as_ref().unwrap().payload.as_slice()).unwrap();
+        text = text.replace(&tree::rfc3339(contract.deadline_ms), "<deadline>");
+    }
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(GOLDEN, &text).unwrap();
+    }
+    let golden = std::fs::read_to_string(GOLDEN).expect("tests/golden/tree-seed-001.txt");
+    assert_eq!(text, golden, "the tree's drawing changed:\n{text}");
+    broker.stop().await;
+}
