@@ -13,7 +13,10 @@
 #   5. the Python and TypeScript clients' tests against the real broker
 #      binary (clients/typescript/run-tests.sh: npm ci, generated-code drift,
 #      tsc, node --test, chains verified across the three languages),
-#   6. buf lint and buf breaking against the previous commit.
+#   6. the browser console's tests (console/run-tests.sh: npm ci, page
+#      drift, tsc, a Playwright test in Debian's headless chromium, which it
+#      installs if missing),
+#   7. buf lint and buf breaking against the previous commit.
 # .ci/run calls exactly this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -69,6 +72,9 @@ BROKER_BIN="$PWD/target/debug/delegation-broker" clients/python/run-tests.sh -q
 
 step "TypeScript client tests"
 BROKER_BIN="$PWD/target/debug/delegation-broker" clients/typescript/run-tests.sh
+
+step "Console tests (console/run-tests.sh: page drift, tsc, the browser test in headless chromium)"
+BROKER_BIN="$PWD/target/debug/delegation-broker" console/run-tests.sh
 
 step "buf lint and breaking"
 scripts/buf.sh
