@@ -303,12 +303,17 @@ async fn serve<S: Served>(
         )
         .await?;
     let _ = metrics_stop.send(());
-    if let Some(console) = console {
-        // It stops on the same signal; its streams end with the broker's.
-        match console.await {
-            Ok(Err(e)) => tracing::warn!(error = %e, "the console stopped with an error"),
-            Err(e) => tracing::warn!(error = %e, "the console's task failed"),
-            Ok(Ok(())) => {}
+    if let Some(mut console) = console {
+        // It stops on the same signal; a client that never reads its
+        // answer must not hold the broker's exit, so it gets a bound.
+        match tokio::time::timeout(crate::console::CONSOLE_DRAIN, &mut console).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the console stopped with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the console's task failed"),
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => {
+                tracing::warn!("the console's connections did not finish in time; cut");
+                console.abort();
+            }
         }
     }
     tracing::info!("broker stopped");
@@ -337,9 +342,11 @@ async fn start_console<S: Served>(
         .await
         .map_err(|e| ServerError::Console(e.to_string()))?
         .map_err(|e| ServerError::Console(format!("console.assets_dir: {e}")))?;
+    let origins = crate::console::origins(address, &settings.allowed_origins)
+        .map_err(ServerError::Console)?;
     let gate = crate::console::gate::GateState::new(
         &options.token,
-        crate::console::origins(address, &settings.allowed_origins),
+        origins,
         reader,
         sessions,
         clock,

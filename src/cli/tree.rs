@@ -45,10 +45,17 @@ pub const DEFAULT_TREE_CONTRACTS: u32 = 2_000;
 pub const MAX_TREE_CONTRACTS: u32 = 100_000;
 /// Most Watch events read (receipts and contracts of the subtree).
 pub const MAX_TREE_EVENTS: usize = 1_000_000;
-/// Watch does not mark the end of the stored events: once this long passes
-/// without one, they are all in (stored events are sent without waiting).
+/// Most receipts kept per contract (the rest are counted).
+pub const MAX_RECEIPTS_SHOWN: usize = 32;
+/// Watch does not mark the end of the stored events. Stored events are
+/// sent without waiting, in commit order, so once every contract read has
+/// arrived as an event and this long passes without another, the receipts
+/// behind them are in.
 pub const QUIET_MS: u64 = 500;
-/// Longest the whole read may take.
+/// Longest the Watch phase may take; past it the tree is printed with a
+/// note that receipts may be missing.
+pub const WATCH_PHASE_MS: u64 = 30_000;
+/// Longest the contracts phase may take.
 pub const TREE_READ_TIMEOUT_MS: u64 = 120_000;
 /// Children asked per ListChildren page.
 const CHILDREN_PAGE: u32 = 1_000;
@@ -64,8 +71,13 @@ pub struct TreeData {
     /// Receipts by the contract they are about (a refusal: the parent
     /// asked), in the order signed.
     pub receipts: HashMap<Vec<u8>, Vec<pb::Receipt>>,
-    /// Contracts not read because of `--max-contracts`.
+    /// Children of printed contracts not read because of
+    /// `--max-contracts` (their own descendants are not counted).
     pub left_out: u64,
+    /// Receipts not kept (`MAX_RECEIPTS_SHOWN` per contract).
+    pub receipts_left_out: u64,
+    /// The Watch phase ran out of time: receipts may be missing.
+    pub receipts_incomplete: bool,
 }
 
 pub fn run(args: TreeArgs) -> anyhow::Result<()> {
@@ -88,21 +100,14 @@ pub fn run(args: TreeArgs) -> anyhow::Result<()> {
         let attacher = crate::client::SessionAttacher::default();
         let mut client = attacher.client(channel);
         attacher.open(&mut client, &agent).await?;
-        tokio::time::timeout(
-            Duration::from_millis(TREE_READ_TIMEOUT_MS),
-            fetch(&mut client, &id, args.max_contracts),
-        )
-        .await
-        .map_err(|_| {
-            anyhow::anyhow!("reading the tree took longer than {TREE_READ_TIMEOUT_MS} ms")
-        })?
+        fetch(&mut client, &id, args.max_contracts).await
     })?;
     print!("{}", render(&data, &names));
     Ok(())
 }
 
 /// The address book of `--names`.
-fn read_names(path: &std::path::Path) -> anyhow::Result<BTreeMap<[u8; 32], String>> {
+pub(crate) fn read_names(path: &std::path::Path) -> anyhow::Result<BTreeMap<[u8; 32], String>> {
     use std::io::Read;
     let mut text = String::new();
     std::fs::File::open(path)
@@ -120,13 +125,30 @@ fn read_names(path: &std::path::Path) -> anyhow::Result<BTreeMap<[u8; 32], Strin
 }
 
 /// Reads the subtree of `id`: its contracts breadth first (at most `max`),
-/// then its receipts from Watch until the stream goes quiet.
+/// then its receipts from Watch (see `QUIET_MS`).
 pub async fn fetch(
     client: &mut crate::client::SessionClient,
     id: &[u8],
     max: u32,
 ) -> anyhow::Result<TreeData> {
-    use tokio_stream::StreamExt;
+    let mut data = tokio::time::timeout(
+        Duration::from_millis(TREE_READ_TIMEOUT_MS),
+        contracts(client, id, max),
+    )
+    .await
+    .map_err(|_| {
+        anyhow::anyhow!("reading the contracts took longer than {TREE_READ_TIMEOUT_MS} ms")
+    })??;
+    receipts(client, id, &mut data).await?;
+    Ok(data)
+}
+
+/// The contracts of the subtree, breadth first, at most `max`.
+async fn contracts(
+    client: &mut crate::client::SessionClient,
+    id: &[u8],
+    max: u32,
+) -> anyhow::Result<TreeData> {
     let mut data = TreeData::default();
     let top = client
         .get_contract(pb::GetContractRequest {
@@ -151,6 +173,7 @@ pub async fn fetch(
                 })
                 .await?
                 .into_inner();
+            let full = data.contracts.len() >= max as usize;
             for child in page.children {
                 if data.contracts.len() < max as usize {
                     data.contracts.push(child);
@@ -158,12 +181,29 @@ pub async fn fetch(
                     data.left_out += 1;
                 }
             }
-            if page.next_page_token.is_empty() {
+            // Past the cap, one page per parent is enough to say "at least".
+            if page.next_page_token.is_empty() || full {
                 break;
             }
             page_token = page.next_page_token;
         }
     }
+    Ok(data)
+}
+
+/// The receipts of the contracts read, from Watch.
+async fn receipts(
+    client: &mut crate::client::SessionClient,
+    id: &[u8],
+    data: &mut TreeData,
+) -> anyhow::Result<()> {
+    use tokio_stream::StreamExt;
+    let known: std::collections::HashSet<Vec<u8>> = data
+        .contracts
+        .iter()
+        .map(|c| c.contract_id.clone())
+        .collect();
+    let mut unseen = known.clone();
     let mut events = client
         .watch(pb::WatchRequest {
             contract_id: id.to_vec(),
@@ -171,23 +211,47 @@ pub async fn fetch(
         })
         .await?
         .into_inner();
-    let mut seen = 0usize;
-    while seen < MAX_TREE_EVENTS {
-        let event = match tokio::time::timeout(Duration::from_millis(QUIET_MS), events.next()).await
-        {
-            Err(_) | Ok(None) => break,
-            Ok(Some(event)) => event?,
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(WATCH_PHASE_MS);
+    for _ in 0..MAX_TREE_EVENTS {
+        // Until every contract read has come by, wait up to the deadline;
+        // after, only for the quiet period.
+        let quiet = tokio::time::Instant::now() + Duration::from_millis(QUIET_MS);
+        let wait = if unseen.is_empty() {
+            deadline.min(quiet)
+        } else {
+            deadline
         };
-        seen += 1;
-        if let Some(pb::watch_response::Event::Receipt(sealed)) = event.event {
-            let receipt = pb::Receipt::decode(sealed.payload.as_slice())?;
-            data.receipts
-                .entry(receipt.contract_id.clone())
-                .or_default()
-                .push(receipt);
+        let event = match tokio::time::timeout_at(wait, events.next()).await {
+            Ok(Some(event)) => event?,
+            Ok(None) => break,
+            Err(_) => {
+                data.receipts_incomplete = wait == deadline;
+                break;
+            }
+        };
+        match event.event {
+            Some(pb::watch_response::Event::Contract(sealed)) => {
+                unseen.remove(crate::crypto::sha256(&sealed.payload).as_slice());
+            }
+            Some(pb::watch_response::Event::Receipt(sealed)) => {
+                let receipt = pb::Receipt::decode(sealed.payload.as_slice())?;
+                if !known.contains(&receipt.contract_id) {
+                    continue;
+                }
+                let kept = data
+                    .receipts
+                    .entry(receipt.contract_id.clone())
+                    .or_default();
+                if kept.len() < MAX_RECEIPTS_SHOWN {
+                    kept.push(receipt);
+                } else {
+                    data.receipts_left_out += 1;
+                }
+            }
+            None => {}
         }
     }
-    Ok(data)
+    Ok(())
 }
 
 /// The tree as indented text (pure: what `tree` prints).
@@ -197,6 +261,7 @@ pub fn render(data: &TreeData, names: &BTreeMap<[u8; 32], String>) -> String {
         names,
         children: HashMap::new(),
         contracts: HashMap::new(),
+        drawn: std::cell::RefCell::new(std::collections::HashSet::new()),
     };
     for state in &data.contracts {
         if let Some(contract) = decode(state) {
@@ -217,8 +282,21 @@ pub fn render(data: &TreeData, names: &BTreeMap<[u8; 32], String>) -> String {
     if data.left_out > 0 {
         let _ = writeln!(
             out,
-            "… {} more contracts not shown (--max-contracts)",
+            "… at least {} more contracts not shown (--max-contracts)",
             data.left_out
+        );
+    }
+    if data.receipts_left_out > 0 {
+        let _ = writeln!(
+            out,
+            "… {} more receipts not shown (at most {MAX_RECEIPTS_SHOWN} per contract)",
+            data.receipts_left_out
+        );
+    }
+    if data.receipts_incomplete {
+        let _ = writeln!(
+            out,
+            "… the broker's events stopped before the tree's were all in: receipts may be missing"
         );
     }
     out
@@ -232,7 +310,7 @@ fn decode(state: &pb::ContractState) -> Option<pb::Contract> {
 fn who(key: &[u8], names: &BTreeMap<[u8; 32], String>) -> String {
     <[u8; 32]>::try_from(key)
         .ok()
-        .and_then(|k| names.get(&k).cloned())
+        .and_then(|k| names.get(&k).map(|n| safe(n)))
         .unwrap_or_else(|| format!("key:{}", short(key)))
 }
 
@@ -248,6 +326,8 @@ struct Drawing<'a> {
     children: HashMap<Vec<u8>, Vec<&'a pb::ContractState>>,
     /// Decoded contracts by id.
     contracts: HashMap<&'a [u8], pb::Contract>,
+    /// Contracts drawn so far: bad data with a cycle is drawn once.
+    drawn: std::cell::RefCell<std::collections::HashSet<Vec<u8>>>,
 }
 
 impl Drawing<'_> {
@@ -255,6 +335,10 @@ impl Drawing<'_> {
     /// line, `rest` every line below it.
     fn node(&self, out: &mut String, state: &pb::ContractState, lead: &str, rest: &str) {
         let (data, names) = (self.data, self.names);
+        if !self.drawn.borrow_mut().insert(state.contract_id.clone()) {
+            let _ = writeln!(out, "{lead}{} (drawn above)", short(&state.contract_id));
+            return;
+        }
         let Some(contract) = self.contracts.get(state.contract_id.as_slice()) else {
             let _ = writeln!(
                 out,
@@ -338,7 +422,11 @@ fn receipt_lines(out: &mut String, pad: &str, receipt: &pb::Receipt) {
                                 .to_owned()
                         })
                         .unwrap_or_else(|_| format!("code {}", v.code));
-                    format!("{code} (requested {}, allowed {})", v.requested, v.allowed)
+                    format!(
+                        "{code} (requested {}, allowed {})",
+                        safe(&v.requested),
+                        safe(&v.allowed)
+                    )
                 })
                 .collect();
             let _ = writeln!(out, "{pad}✗ refused a child: {}", codes.join("; "));
@@ -348,10 +436,10 @@ fn receipt_lines(out: &mut String, pad: &str, receipt: &pb::Receipt) {
                 let verdict = pb::Verdict::try_from(completion.verdict)
                     .map(|v| v.as_str_name().trim_start_matches("VERDICT_").to_owned())
                     .unwrap_or_else(|_| format!("verdict {}", completion.verdict));
-                let refused: Vec<&str> = completion
+                let refused: Vec<String> = completion
                     .refused_criteria
                     .iter()
-                    .map(|c| c.criterion.as_str())
+                    .map(|c| safe(&c.criterion))
                     .collect();
                 let _ = write!(
                     out,
@@ -365,7 +453,12 @@ fn receipt_lines(out: &mut String, pad: &str, receipt: &pb::Receipt) {
                     let _ = write!(
                         out,
                         ", out of scope: {}",
-                        completion.out_of_scope_paths.join(", ")
+                        completion
+                            .out_of_scope_paths
+                            .iter()
+                            .map(|p| safe(p))
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     );
                 }
                 let _ = writeln!(out);
@@ -377,17 +470,33 @@ fn receipt_lines(out: &mut String, pad: &str, receipt: &pb::Receipt) {
     }
 }
 
-/// A claim on one line, at most 120 characters.
+/// A claim on one line, at most 120 characters, made safe.
 fn one_line(text: &str) -> String {
     let flat: String = text
         .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| if c == '\n' || c == '\t' { ' ' } else { c })
         .collect();
     if flat.chars().count() > 120 {
-        format!("{}…", flat.chars().take(119).collect::<String>())
+        format!("{}…", safe(&flat.chars().take(119).collect::<String>()))
     } else {
-        flat
+        safe(&flat)
     }
+}
+
+/// Text an agent wrote, safe for a terminal: control characters (ANSI and
+/// OSC escapes start with one) and bidirectional overrides, which could
+/// forge or reorder what the operator reads, are shown as `\u{…}`.
+fn safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        let bidi = matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || bidi {
+            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// 10 cells: spent `#`, reserved `+`, free `.` (an overspend is all `#`).
@@ -458,5 +567,7 @@ mod tests {
         assert_eq!(bar(&ledger(100, 150, 0)), "[##########]");
         assert_eq!(bar(&ledger(0, 0, 0)), "[..........]");
         assert_eq!(one_line("a\nb"), "a b");
+        assert_eq!(safe("ok \u{1b}[2J\u{202e}x"), "ok \\u{1b}[2J\\u{202e}x");
+        assert_eq!(safe("src/é.rs"), "src/é.rs");
     }
 }

@@ -77,7 +77,7 @@ impl GateState {
             .into();
         Self {
             token_digest: crate::crypto::sha256(token.as_bytes()),
-            origins,
+            origins: origins.iter().map(|o| normalize_origin(o)).collect(),
             reader,
             sessions,
             clock,
@@ -136,7 +136,7 @@ enum Route {
 fn route(state: &GateState, method: &Method, path: &str, headers: &http::HeaderMap) -> Route {
     let origin = headers.get(header::ORIGIN).map(HeaderValue::as_bytes);
     if let Some(origin) = origin
-        && !state.origins.iter().any(|o| o.as_bytes() == origin)
+        && !std::str::from_utf8(origin).is_ok_and(|o| state.origins.contains(&normalize_origin(o)))
     {
         return Route::ForeignOrigin;
     }
@@ -151,20 +151,36 @@ fn route(state: &GateState, method: &Method, path: &str, headers: &http::HeaderM
     if *method == Method::POST && path == SESSION_PATH {
         return Route::Session;
     }
-    if *method == Method::POST {
-        if let Some(name) = path.strip_prefix(SERVICE_PREFIX)
-            && READ_METHODS.contains(&name)
-        {
-            return Route::Read;
+    // gRPC-Web only: native gRPC (HTTP/2, `application/grpc`) belongs to
+    // the main listener, with its TLS.
+    let grpc = headers
+        .get(header::CONTENT_TYPE)
+        .map(HeaderValue::as_bytes)
+        .filter(|c| c.starts_with(b"application/grpc"));
+    match grpc {
+        Some(c) if *method == Method::POST && c.starts_with(b"application/grpc-web") => {
+            match path.strip_prefix(SERVICE_PREFIX) {
+                Some(name) if READ_METHODS.contains(&name) => Route::Read,
+                _ => Route::NotRead,
+            }
         }
-        let grpc_web = headers
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|c| c.as_bytes().starts_with(b"application/grpc-web"));
-        if grpc_web {
-            return Route::NotRead;
+        Some(_) => Route::NotRead,
+        None => Route::NotFound,
+    }
+}
+
+/// An origin as compared: lower case, without the scheme's default port
+/// (browsers send `http://host`, never `http://host:80`).
+pub fn normalize_origin(origin: &str) -> String {
+    let lower = origin.trim().to_ascii_lowercase();
+    for (scheme, port) in [("http://", ":80"), ("https://", ":443")] {
+        if lower.starts_with(scheme)
+            && let Some(bare) = lower.strip_suffix(port)
+        {
+            return bare.to_owned();
         }
     }
-    Route::NotFound
+    lower
 }
 
 impl<S, B> tower::Service<Request<B>> for Gate<S>
@@ -181,15 +197,20 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let state = &self.state;
-        let origin = request.headers().get(header::ORIGIN).cloned();
-        let answer = match route(
+        let route = route(
             state,
             request.method(),
             request.uri().path(),
             request.headers(),
-        ) {
+        );
+        // CORS headers only for an origin that passed the check.
+        let origin = match route {
+            Route::ForeignOrigin => None,
+            _ => request.headers().get(header::ORIGIN).cloned(),
+        };
+        let answer = match route {
             Route::ForeignOrigin => plain(
                 StatusCode::FORBIDDEN,
                 "this origin may not call the console",
@@ -204,6 +225,8 @@ where
                 "the console's access token is missing or wrong (header x-console-token)",
             ),
             Route::Read => {
+                // The token is the console's, not the broker's metadata.
+                request.headers_mut().remove(TOKEN_HEADER);
                 let call = self.inner.call(request);
                 return Box::pin(async move {
                     let mut response = call.await?;
@@ -378,6 +401,39 @@ mod tests {
             assert_eq!(post(&path, &grpc), Route::NotRead, "{mutating}");
         }
         assert_eq!(post("/grpc.health.v1.Health/Check", &grpc), Route::NotRead);
+        // Native gRPC is the main listener's, reads included.
+        let native = [("content-type", "application/grpc")];
+        assert_eq!(
+            post("/delegation.broker.v1.Broker/GetContract", &native),
+            Route::NotRead
+        );
+        for odd in [
+            "/delegation.broker.v1.Broker//GetContract",
+            "/delegation.broker.v1.Broker/getcontract",
+            "/delegation.broker.v1.Broker/GetContract/",
+            "/delegation.broker.v1.Broker%2FGetContract",
+            "//delegation.broker.v1.Broker/GetContract",
+        ] {
+            assert_eq!(post(odd, &grpc), Route::NotRead, "{odd}");
+        }
+        let get = route(
+            &s,
+            &Method::GET,
+            "/delegation.broker.v1.Broker/GetContract",
+            &headers(&grpc),
+        );
+        assert_eq!(get, Route::NotRead);
+        assert_eq!(
+            route(&s, &Method::OPTIONS, "/x", &headers(&[])),
+            Route::NotFound
+        );
+        assert_eq!(
+            post(SESSION_PATH, &[("origin", "null")]),
+            Route::ForeignOrigin
+        );
+        // Origins compare case-insensitively, default ports dropped.
+        let spelled = [("origin", "HTTPS://Extra.Example:443")];
+        assert_eq!(post(SESSION_PATH, &spelled), Route::Session);
         assert_eq!(post("/elsewhere", &[]), Route::NotFound);
         assert_eq!(post(SESSION_PATH, &[]), Route::Session);
         let foreign = [("origin", "http://evil.example")];

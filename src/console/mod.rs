@@ -30,6 +30,15 @@ pub struct ConsoleOptions {
 
 /// Bytes of randomness in an access token (printed as hex).
 const TOKEN_BYTES: usize = 32;
+/// Most connections open on the console at once: a few people's browsers
+/// (each holds up to six), not agents. Beyond it, new ones wait.
+pub const MAX_CONSOLE_CONNECTIONS: usize = 64;
+/// Keepalive pings on idle connections, so a vanished browser's
+/// connection (and its Watch) is noticed and closed.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+/// How long the console's connections get to finish once the broker
+/// stops; then they are cut, so no client can hold the shutdown.
+pub const CONSOLE_DRAIN: Duration = Duration::from_secs(5);
 
 /// A fresh random access token, hex-encoded.
 pub fn new_token() -> String {
@@ -39,14 +48,26 @@ pub fn new_token() -> String {
 }
 
 /// The origins whose pages may call the console: its own address, its
-/// `localhost` spelling on loopback, and the configured extras.
-pub fn origins(address: std::net::SocketAddr, extra: &[String]) -> Vec<String> {
-    let mut origins = vec![format!("http://{address}")];
-    if address.ip().is_loopback() {
-        origins.push(format!("http://localhost:{}", address.port()));
+/// `localhost` spelling on loopback, and the configured extras. Bound to
+/// every interface (0.0.0.0, ::) it has no address of its own a browser
+/// would send: then only the configured ones, which must exist.
+pub fn origins(address: std::net::SocketAddr, extra: &[String]) -> Result<Vec<String>, String> {
+    let mut origins = Vec::new();
+    if address.ip().is_unspecified() {
+        if extra.is_empty() {
+            return Err(format!(
+                "bound to {address}, the console has no origin of its own: list the URLs browsers use in [console] allowed_origins (e.g. \"http://broker.internal:{}\")",
+                address.port()
+            ));
+        }
+    } else {
+        origins.push(format!("http://{address}"));
+        if address.ip().is_loopback() {
+            origins.push(format!("http://localhost:{}", address.port()));
+        }
     }
     origins.extend(extra.iter().cloned());
-    origins
+    Ok(origins)
 }
 
 /// What the console needs from the broker's wiring.
@@ -68,10 +89,12 @@ pub(crate) async fn serve<S: Store>(
         limits,
         metrics,
     } = wiring;
-    let incoming = crate::server::incoming(listener, limits.max_connections, metrics.clone());
+    let incoming = crate::server::incoming(listener, MAX_CONSOLE_CONNECTIONS, metrics.clone());
     tonic::transport::Server::builder()
         // gRPC-Web runs over HTTP/1.1 from browsers.
         .accept_http1(true)
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .tcp_keepalive(Some(KEEPALIVE))
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         // Outermost: nothing the gate refuses reaches anything else.

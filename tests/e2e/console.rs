@@ -339,6 +339,7 @@ async fn the_console_serves_reads_only_with_its_readers_rights() {
         orchestrator.delegate(child(&visible.id, &visible.lineage, &Agent::generate(), 5));
     let refused = grpc_web(&console, token, session, "Delegate", &delegate).await;
     assert_eq!(refused.status, 7, "PERMISSION_DENIED: {}", refused.message);
+    assert_eq!(refused.message, "the console serves the read RPCs only");
     let open_root = orchestrator.open_root(RootSpec::default().body());
     assert_eq!(
         grpc_web(&console, token, session, "OpenRoot", &open_root)
@@ -519,6 +520,13 @@ async fn list_roots_shows_each_caller_its_own_trees() {
     let error = list(&mut reader, &[], 1_001, vec![]).await.unwrap_err();
     assert_eq!(error.code(), tonic::Code::InvalidArgument);
     assert!(error.message().contains("page_size"), "{}", error.message());
+    let negative = (-5i64).to_be_bytes().to_vec();
+    let error = list(&mut reader, &[], 0, negative).await.unwrap_err();
+    assert!(
+        error.message().contains("page_token"),
+        "{}",
+        error.message()
+    );
     let error = list(&mut reader, &[], 0, vec![1, 2, 3]).await.unwrap_err();
     assert!(
         error.message().contains("page_token"),

@@ -100,6 +100,7 @@ async fn tree_prints_the_seed_001_tree() {
     }
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(GOLDEN, &text).unwrap();
+        panic!("rewrote {GOLDEN}; run again without UPDATE_GOLDEN to check it");
     }
     let golden = std::fs::read_to_string(GOLDEN).expect("tests/golden/tree-seed-001.txt");
     assert_eq!(text, golden, "the tree's drawing changed:\n{text}");

@@ -262,44 +262,55 @@ pub(crate) async fn roots<B: Backend>(
     use sqlx::QueryBuilder;
     use tokio_stream::StreamExt;
     let mut conn = store.sql().read().await?;
-    // The window: at most `scan` roots older than the cursor (and carrying
-    // the labels, through the run_labels index), newest first, each with
-    // whether the viewer is a party of its tree (two index seeks).
-    let mut window = QueryBuilder::<B::Db>::new("SELECT w.seq, ");
-    match query.viewer {
-        Some(viewer) => {
-            window
-                .push("(EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = w.seq AND d.delegate_key = ")
-                .push_arg(viewer.to_vec())
-                .push(") OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = w.seq AND h.host_key = ")
-                .push_arg(viewer.to_vec())
-                .push(")) AS visible");
-        }
+    // The window: the next `scan` roots older than the cursor, newest
+    // first, read in index order (the roots-only index, or run_labels for
+    // the first label), each with whether the caller may see it: it
+    // carries the other labels and the viewer is a party of its tree
+    // (index seeks per row). Every row looked at counts against `scan`,
+    // matching or not, so no call walks more than that.
+    let mut labels = query.labels.iter();
+    let first = labels.next();
+    let mut window = QueryBuilder::<B::Db>::new("SELECT w.seq, (TRUE");
+    for (key, value) in labels {
+        window
+            .push(" AND EXISTS(SELECT 1 FROM run_labels l WHERE l.root_seq = w.seq AND l.label_key = ")
+            .push_arg(key.as_str())
+            .push(" AND l.label_value = ")
+            .push_arg(value.as_str())
+            .push(")");
+    }
+    if let Some(viewer) = query.viewer {
+        window
+            .push(" AND (EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = w.seq AND d.delegate_key = ")
+            .push_arg(viewer.to_vec())
+            .push(") OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = w.seq AND h.host_key = ")
+            .push_arg(viewer.to_vec())
+            .push("))");
+    }
+    window.push(") AS visible FROM (");
+    match first {
         None => {
-            window.push("TRUE AS visible");
-        }
-    }
-    window.push(" FROM (SELECT seq FROM contracts WHERE parent_seq IS NULL");
-    if query.before_seq > 0 {
-        window.push(" AND seq < ").push_arg(query.before_seq);
-    }
-    if !query.labels.is_empty() {
-        window.push(" AND seq IN (");
-        for (i, (key, value)) in query.labels.iter().enumerate() {
-            if i > 0 {
-                window.push(" INTERSECT ");
+            window.push("SELECT seq FROM contracts WHERE parent_seq IS NULL");
+            if query.before_seq > 0 {
+                window.push(" AND seq < ").push_arg(query.before_seq);
             }
+            window.push(" ORDER BY seq DESC");
+        }
+        Some((key, value)) => {
             window
-                .push("SELECT root_seq FROM run_labels WHERE label_key = ")
+                .push("SELECT root_seq AS seq FROM run_labels WHERE label_key = ")
                 .push_arg(key.as_str())
                 .push(" AND label_value = ")
                 .push_arg(value.as_str());
+            if query.before_seq > 0 {
+                window.push(" AND root_seq < ").push_arg(query.before_seq);
+            }
+            window.push(" ORDER BY root_seq DESC");
         }
-        window.push(")");
     }
     window
-        .push(" ORDER BY seq DESC LIMIT ")
         // One more than the window: whether any older root remains.
+        .push(" LIMIT ")
         .push_arg(i64::from(query.scan) + 1)
         .push(") w ORDER BY w.seq DESC");
     let scanned = window.build().all(&mut *conn).await.map_err(backend)?;
@@ -345,8 +356,10 @@ pub(crate) async fn roots<B: Backend>(
             }
         }
         drop(rows);
-        if roots.len() < shown.len() {
-            next_before = roots.last().map(|r| r.seq);
+        if roots.len() < shown.len()
+            && let Some(last) = roots.last()
+        {
+            next_before = Some(last.seq);
         }
     }
     drop(conn);

@@ -305,6 +305,41 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
         .await
         .expect("roots");
     assert_eq!(ids(&rest), [r3, r2, r1]);
+    // Two labels: every one must match, also through a window.
+    let two = |agent: u8, nonce: u8, arm: &str| {
+        let mut root = test_root(meta(agent, nonce));
+        root.labels = [("arm", arm), ("run", "2")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        root
+    };
+    let r5 = issued(store.open_root(two(9, 7, "flat")).await);
+    let r6 = issued(store.open_root(two(6, 8, "tree")).await);
+    let mut both = page(None, Some("flat"), 0, 10, 100);
+    both.labels.insert("run".into(), "2".into());
+    assert_eq!(ids(&store.roots(&both).await.expect("roots")), [r5]);
+    both.viewer = Some([6; 32]);
+    assert!(store.roots(&both).await.expect("roots").roots.is_empty());
+    let mut run = page(None, None, 0, 10, 100);
+    run.labels.insert("run".into(), "2".into());
+    assert_eq!(ids(&store.roots(&run).await.expect("roots")), [r6, r5]);
+    // arm=flat in windows of one: r5, r4, r3 (opened by 6), r1; the
+    // window counts roots looked at, shown or not.
+    let mut before = 0;
+    let mut seen = Vec::new();
+    loop {
+        let got = store
+            .roots(&page(Some(9), Some("flat"), before, 10, 1))
+            .await
+            .expect("roots");
+        seen.extend(ids(&got));
+        match got.next_before {
+            Some(next) => before = next,
+            None => break,
+        }
+    }
+    assert_eq!(seen, [r5, r4, r1]);
 }
 
 /// A tree's parties are the key that opened its root and every key that is

@@ -200,9 +200,12 @@ class BrokerServicer:
         caller may read (it opened the root, is or was a delegate or host in
         the tree, or is a configured reader), optionally only those carrying
         given labels. So a reader finds trees without knowing their ids. Each
-        call looks at no more than 1,000 roots (newer than page_token): a page
+        call looks at no more than 1,000 roots (older than page_token): a page
         may hold fewer than page_size roots, even none, and still have a next
-        page; keep reading until next_page_token is empty.
+        page; keep reading until next_page_token is empty. A browsing aid, not
+        a log: on replicas a root opened while you page may commit behind your
+        position and be missed by that walk (start again from the first page
+        to see it; Watch is the complete record of a tree).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
