@@ -16,7 +16,8 @@
 #   6. the browser console's tests (console/run-tests.sh: npm ci, page
 #      drift, tsc, a Playwright test in Debian's headless chromium, which it
 #      installs if missing),
-#   7. buf lint and buf breaking against the previous commit.
+#   7. `mcp tools` driven by the official Python MCP SDK (tests/mcp),
+#   8. buf lint and buf breaking against the previous commit.
 # .ci/run calls exactly this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -75,6 +76,9 @@ BROKER_BIN="$PWD/target/debug/delegation-broker" clients/typescript/run-tests.sh
 
 step "Console tests (console/run-tests.sh: page drift, tsc, the browser test in headless chromium)"
 BROKER_BIN="$PWD/target/debug/delegation-broker" console/run-tests.sh
+
+step "MCP tools with the official Python MCP SDK (tests/mcp/run-tests.sh)"
+BROKER_BIN="$PWD/target/debug/delegation-broker" tests/mcp/run-tests.sh -q
 
 step "buf lint and breaking"
 scripts/buf.sh

@@ -95,6 +95,9 @@ enum Command {
     /// delegate, status, depth, trust, deadline and ledger, the refusals
     /// beside the parent asked, and completion verdicts.
     Tree(tree::TreeArgs),
+    /// The broker for MCP clients: `mcp tools` serves its calls as tools
+    /// for a model, on stdio, signing as one agent.
+    Mcp(crate::mcp::McpArgs),
     /// Verifies offline, with public keys alone: a whole chain (every
     /// contract's terms, as types.proto's "Verifying a chain" says), one
     /// receipt, or an agent's or attestor's DSSE envelope. Exit status 0
@@ -187,6 +190,7 @@ pub fn main() -> ExitCode {
         Command::DiskProbe(args) => disk_probe::run(args),
         Command::Audit(args) => audit::run(args),
         Command::Tree(args) => tree::run(args),
+        Command::Mcp(args) => crate::mcp::run(args),
         Command::Verify {
             public_keys,
             chain,
@@ -256,8 +260,10 @@ fn serve(
         if let Some(address) = console {
             let listener = tokio::net::TcpListener::bind(&address).await?;
             let token = crate::console::new_token();
-            // Printed once, on stdout only (never logged): the fragment
-            // stays in the browser, out of request lines and proxies' logs.
+            // Printed once, on stdout, never through the logger (where
+            // stdout is collected, treat it as secret as the log). The
+            // fragment stays in the browser, out of request lines and
+            // proxies' logs.
             println!(
                 "console on http://{}/#token={token}",
                 listener.local_addr()?

@@ -1,0 +1,1002 @@
+//! The tools: each parses what the model sent (a clear tool error for
+//! anything wrong, nothing sent), signs one request as the agent, and turns
+//! the broker's answer into structured content. Refusals and errors are
+//! tool results with `isError`, never protocol errors: the model reads them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use prost::Message as _;
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{CallToolResult, ServerCapabilities, ServerConfig};
+use rmcp::schemars::JsonSchema;
+use rmcp::{ServerHandler, tool, tool_handler, tool_router};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::client::{Agent, SessionAttacher, SessionClient};
+use crate::crypto::payload_type;
+use crate::pb;
+
+/// A read session is renewed after this long (sessions last an hour by
+/// default; renewing early keeps a slow clock from costing a call).
+const SESSION_RENEW_MS: u64 = 20 * 60 * 1000;
+/// Longest text field a tool takes (tasks, reasons, claims, intents); the
+/// broker has its own, smaller limits for each and names them.
+const MAX_TEXT_BYTES: usize = 64 * 1024;
+/// Largest `output` a completion carries, serialized.
+const MAX_OUTPUT_BYTES: usize = 256 * 1024;
+/// Times a call is sent again (same signed request, so never twice in
+/// effect) when the broker answers UNAVAILABLE.
+const RETRIES: u32 = 3;
+/// Pause before the first retry; doubled each time.
+const RETRY_PAUSE_MS: u64 = 200;
+/// Largest answer taken from the broker (a GetChain of a deep chain).
+const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+
+/// The MCP server: one agent's key, one broker.
+#[derive(Clone)]
+pub struct Tools {
+    agent: Arc<Agent>,
+    client: SessionClient,
+    attacher: SessionAttacher,
+    /// When the session was last opened; `None` before the first read.
+    session_at: Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>,
+    names: Arc<BTreeMap<[u8; 32], String>>,
+    by_name: Arc<HashMap<String, [u8; 32]>>,
+    arguments: Arc<ArgumentCheck>,
+    tool_router: ToolRouter<Self>,
+}
+
+/// A tool's failure, as the model reads it.
+pub struct ToolError {
+    reason: String,
+    field: Option<String>,
+    message: String,
+}
+
+impl ToolError {
+    fn input(field: &str, message: impl Into<String>) -> Self {
+        Self {
+            reason: "INVALID_INPUT".into(),
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+
+    fn result(self) -> CallToolResult {
+        CallToolResult::structured_error(json!({
+            "error": {"reason": self.reason, "field": self.field, "message": self.message}
+        }))
+    }
+}
+
+impl From<tonic::Status> for ToolError {
+    fn from(status: tonic::Status) -> Self {
+        use tonic_types::StatusExt as _;
+        let reason = status
+            .get_details_error_info()
+            .map(|info| info.reason)
+            .unwrap_or_else(|| format!("{:?}", status.code()).to_uppercase());
+        let field = status
+            .get_details_bad_request()
+            .and_then(|b| b.field_violations.first().map(|v| v.field.clone()))
+            // The broker names a request body's fields `body.x`; the
+            // tools' arguments carry the same names without the prefix.
+            .map(|f| f.strip_prefix("body.").map(str::to_owned).unwrap_or(f));
+        Self {
+            reason,
+            field,
+            message: status.message().to_owned(),
+        }
+    }
+}
+
+type Answer = Result<CallToolResult, rmcp::ErrorData>;
+
+fn answer(result: Result<Value, ToolError>) -> Answer {
+    Ok(match result {
+        Ok(value) => CallToolResult::structured(value),
+        Err(error) => error.result(),
+    })
+}
+
+// ---- Inputs ----
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(deny_unknown_fields)]
+pub struct Empty {}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(deny_unknown_fields)]
+pub struct OpenRootInput {
+    /// The run's intent, verbatim: every contract of the tree commits to it.
+    pub intent: String,
+    /// Budget units the root carries.
+    pub budget: i64,
+    /// Time to live, in milliseconds from now (default one hour).
+    pub ttl_ms: Option<i64>,
+    /// Most hops below the root (default 4).
+    pub max_depth: Option<u32>,
+    /// Most children of one contract (default 64).
+    pub max_children: Option<u32>,
+    /// Lowest cumulative trust, in parts per million (default 0).
+    pub min_cumulative_trust_ppm: Option<u32>,
+    /// Refuse children that would leave their parent unable to retry once
+    /// (default true).
+    pub retry_headroom: Option<bool>,
+    /// Path prefixes the run may write (default: none).
+    pub write_scope: Option<Vec<String>>,
+    /// CEL acceptance predicate over `result` (default: none).
+    pub predicate: Option<String>,
+    /// Labels of the run, e.g. {"arm": "flat"}.
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(deny_unknown_fields)]
+pub struct DelegateInput {
+    /// The contract to delegate from (64 hex characters); you must hold it.
+    pub parent_id: String,
+    /// Who receives it: a name from the address book or a 64-hex public key.
+    pub delegate: String,
+    /// The child's own task text.
+    pub task: String,
+    /// Budget units to reserve from the parent's residual.
+    pub budget: i64,
+    /// Time to live in milliseconds from now (default: the parent's deadline).
+    pub ttl_ms: Option<i64>,
+    /// Path prefixes the child may write, each under one of the parent's
+    /// (default: the parent's).
+    pub write_scope: Option<Vec<String>>,
+    /// CEL predicate the child's completion must also satisfy.
+    pub predicate: Option<String>,
+    /// "principal" (you keep liability, default) or "delegate".
+    pub liability: Option<String>,
+    /// What one retry of this work costs, in units.
+    pub min_retry_cost: Option<i64>,
+    /// How long one retry takes, in milliseconds.
+    pub min_retry_latency_ms: Option<i64>,
+    /// Where the delegate escalates (required with liability "delegate"
+    /// and no predicate).
+    pub escalation_channel: Option<String>,
+    /// The host whose observations count: a name or a hex key.
+    pub host: Option<String>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(deny_unknown_fields)]
+pub struct ContractInput {
+    /// The contract (64 hex characters).
+    pub contract_id: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(deny_unknown_fields)]
+pub struct AcceptInput {
+    /// The contract you hold as its delegate (64 hex characters).
+    pub contract_id: String,
+    /// Your host, if Delegate did not name one: a name or a hex key.
+    pub host: Option<String>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(deny_unknown_fields)]
+pub struct ReasonInput {
+    /// The contract (64 hex characters).
+    pub contract_id: String,
+    /// Why, in a sentence: it goes into the signed receipt.
+    pub reason: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(deny_unknown_fields)]
+pub struct CompleteInput {
+    /// The contract you hold as its delegate (64 hex characters).
+    pub contract_id: String,
+    /// Your output, any JSON value (judged against the contract's schema).
+    pub output: Value,
+    /// What you claim you did.
+    pub claim: String,
+    /// Budget units you consumed (host metering, when there is any, wins).
+    pub consumed: i64,
+}
+
+// ---- Parsing ----
+
+fn id(text: &str, field: &str) -> Result<Vec<u8>, ToolError> {
+    hex::decode(text.trim())
+        .ok()
+        .filter(|b| b.len() == 32)
+        .ok_or_else(|| ToolError::input(field, "must be 64 hex characters (a 32-byte id)"))
+}
+
+fn text(value: &str, field: &str) -> Result<String, ToolError> {
+    if value.len() > MAX_TEXT_BYTES {
+        return Err(ToolError::input(
+            field,
+            format!("is {} bytes, at most {MAX_TEXT_BYTES}", value.len()),
+        ));
+    }
+    Ok(value.to_owned())
+}
+
+fn deadline(ttl_ms: Option<i64>, field: &str) -> Result<i64, ToolError> {
+    match ttl_ms {
+        None => Ok(0),
+        Some(ttl) if ttl > 0 && ttl <= crate::core::limits::MAX_HORIZON_MS => {
+            Ok(crate::clock::SystemClock.now_ms().saturating_add(ttl))
+        }
+        Some(ttl) => Err(ToolError::input(
+            field,
+            format!(
+                "{ttl} ms: must be 1 ..= {} ms",
+                crate::core::limits::MAX_HORIZON_MS
+            ),
+        )),
+    }
+}
+
+fn status_name(status: i32) -> String {
+    pb::ContractStatus::try_from(status)
+        .map(|s| {
+            s.as_str_name()
+                .trim_start_matches("CONTRACT_STATUS_")
+                .to_owned()
+        })
+        .unwrap_or_else(|_| status.to_string())
+}
+
+fn code_name(code: i32) -> String {
+    pb::InvariantCode::try_from(code)
+        .map(|c| {
+            c.as_str_name()
+                .trim_start_matches("INVARIANT_CODE_")
+                .to_owned()
+        })
+        .unwrap_or_else(|_| code.to_string())
+}
+
+fn ledger(ledger: Option<&pb::Ledger>) -> Value {
+    ledger.map_or(Value::Null, |l| {
+        json!({
+            "budget": l.budget, "reserved": l.reserved, "spent": l.spent,
+            "residual": l.residual, "open_children": l.open_children,
+        })
+    })
+}
+
+use crate::clock::Clock as _;
+
+impl Tools {
+    pub fn new(
+        agent: Agent,
+        channel: tonic::transport::Channel,
+        names: BTreeMap<[u8; 32], String>,
+    ) -> Self {
+        let attacher = SessionAttacher::default();
+        let client = attacher
+            .client(channel)
+            .max_decoding_message_size(MAX_RESPONSE_BYTES);
+        let by_name = names.iter().map(|(k, n)| (n.clone(), *k)).collect();
+        let tool_router = Self::tool_router();
+        let arguments = Arc::new(ArgumentCheck::new(&tool_router.list_all()));
+        Self {
+            agent: Arc::new(agent),
+            client,
+            attacher,
+            session_at: Arc::default(),
+            names: Arc::new(names),
+            by_name: Arc::new(by_name),
+            arguments,
+            tool_router,
+        }
+    }
+
+    /// A client whose reads carry a fresh enough session.
+    async fn reader(&self) -> Result<SessionClient, ToolError> {
+        let mut client = self.client.clone();
+        let mut opened = self.session_at.lock().await;
+        let stale = opened
+            .is_none_or(|at| at.elapsed() > std::time::Duration::from_millis(SESSION_RENEW_MS));
+        if stale {
+            self.attacher.open(&mut client, &self.agent).await?;
+            *opened = Some(tokio::time::Instant::now());
+        }
+        Ok(client)
+    }
+
+    /// A name or a hex key, as a key.
+    fn key(&self, who: &str, field: &str) -> Result<[u8; 32], ToolError> {
+        if let Some(key) = self.by_name.get(who) {
+            return Ok(*key);
+        }
+        hex::decode(who.trim())
+            .ok()
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            .ok_or_else(|| {
+                ToolError::input(
+                    field,
+                    format!(
+                        "{who:?} is neither a name in the address book nor a 64-hex public key"
+                    ),
+                )
+            })
+    }
+
+    fn who(&self, key: &[u8]) -> String {
+        <[u8; 32]>::try_from(key)
+            .ok()
+            .and_then(|k| self.names.get(&k).cloned())
+            .unwrap_or_else(|| hex::encode(key))
+    }
+
+    async fn contract(&self, contract_id: &[u8]) -> Result<pb::ContractState, ToolError> {
+        let mut client = self.reader().await?;
+        client
+            .get_contract(pb::GetContractRequest {
+                contract_id: contract_id.to_vec(),
+            })
+            .await?
+            .into_inner()
+            .contract
+            .ok_or_else(|| ToolError {
+                reason: "INTERNAL".into(),
+                field: None,
+                message: "the broker answered without the contract".into(),
+            })
+    }
+
+    /// Sends a signed request, again (the same bytes) while the broker is
+    /// UNAVAILABLE: the nonce makes a repeat harmless.
+    async fn send<T, F, Fut>(&self, request: T, call: F) -> Result<T::Response, ToolError>
+    where
+        T: Sendable,
+        F: Fn(SessionClient, T) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T::Response>, tonic::Status>>,
+    {
+        let mut pause = std::time::Duration::from_millis(RETRY_PAUSE_MS);
+        let mut tries = 0;
+        loop {
+            match call(self.client.clone(), request.clone()).await {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) if status.code() == tonic::Code::Unavailable && tries < RETRIES => {
+                    tries += 1;
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                Err(status) => return Err(status.into()),
+            }
+        }
+    }
+
+    fn signed<B: prost::Message>(&self, payload_type: &str, body: &B) -> Option<pb::Envelope> {
+        Some(self.agent.sign(payload_type, body))
+    }
+
+    /// A lifecycle receipt as the model reads it.
+    fn receipt(contract_id: &[u8], sealed: Option<pb::Sealed>) -> Result<Value, ToolError> {
+        let sealed = sealed.ok_or_else(|| ToolError {
+            reason: "INTERNAL".into(),
+            field: None,
+            message: "the broker answered without a receipt".into(),
+        })?;
+        let receipt_id = crate::crypto::sha256(&sealed.payload);
+        let receipt = pb::Receipt::decode(sealed.payload.as_slice()).map_err(|e| ToolError {
+            reason: "INTERNAL".into(),
+            field: None,
+            message: format!("undecodable receipt: {e}"),
+        })?;
+        let kind = pb::ReceiptKind::try_from(receipt.kind).unwrap_or(pb::ReceiptKind::Unspecified);
+        // The contract's status after it, as get_contract shows it.
+        let status = match kind {
+            pb::ReceiptKind::Escalated => "UNRESOLVABLE".to_owned(),
+            other => other
+                .as_str_name()
+                .trim_start_matches("RECEIPT_KIND_")
+                .to_owned(),
+        };
+        let mut out = json!({
+            "contract_id": hex::encode(contract_id),
+            "status": status,
+            "receipt_kind": kind.as_str_name().trim_start_matches("RECEIPT_KIND_"),
+            "receipt_id": hex::encode(receipt_id),
+        });
+        if let Some(c) = &receipt.completion {
+            let verdict = pb::Verdict::try_from(c.verdict)
+                .map(|v| v.as_str_name().trim_start_matches("VERDICT_").to_owned())
+                .unwrap_or_default();
+            out["verdict"] = json!(verdict);
+            out["refused_criteria"] = json!(
+                c.refused_criteria
+                    .iter()
+                    .map(|r| r.criterion.clone())
+                    .collect::<Vec<_>>()
+            );
+            out["consumed"] = json!(c.consumed);
+            out["returned"] = json!(c.returned);
+            out["claimed_excess"] = json!(c.claimed_excess);
+            out["within_scope"] = json!(c.within_scope);
+            out["schema_valid"] = json!(c.schema_valid);
+            out["out_of_scope_paths"] = json!(c.out_of_scope_paths);
+        }
+        if let Some(e) = &receipt.escalation {
+            out["escalation"] = json!({
+                "principal_residual": e.principal_residual,
+                "retry_feasible": e.retry_feasible,
+            });
+        }
+        Ok(out)
+    }
+
+    /// A refusal receipt as a tool error the model can act on.
+    fn refusal(refused: pb::Refusal) -> CallToolResult {
+        let Some(sealed) = refused.receipt else {
+            return ToolError {
+                reason: "INTERNAL".into(),
+                field: None,
+                message: "a refusal without its receipt".into(),
+            }
+            .result();
+        };
+        let receipt = pb::Receipt::decode(sealed.payload.as_slice()).unwrap_or_default();
+        let violations: Vec<Value> = receipt
+            .violations
+            .iter()
+            .map(|v| {
+                json!({
+                    "code": code_name(v.code),
+                    "requested": v.requested,
+                    "allowed": v.allowed,
+                    "detail": v.detail,
+                })
+            })
+            .collect();
+        let listed: Vec<String> = receipt
+            .violations
+            .iter()
+            .map(|v| {
+                format!(
+                    "{} (requested {}, allowed {}): {}",
+                    code_name(v.code),
+                    v.requested,
+                    v.allowed,
+                    v.detail
+                )
+            })
+            .collect();
+        let hint = "The broker refused this delegation and reserved nothing. Change the named terms to within what is allowed (or ask for less) and call delegate again.";
+        let value = json!({
+            "refused": true,
+            "receipt_id": hex::encode(&refused.receipt_id),
+            "primary": code_name(receipt.primary),
+            "violations": violations,
+            "hint": hint,
+        });
+        let mut result = CallToolResult::structured_error(value);
+        result.content = vec![rmcp::model::ContentBlock::text(format!(
+            "Refused: {}. {hint}",
+            listed.join("; ")
+        ))];
+        result
+    }
+
+    async fn lifecycle<B: Lifecycle>(
+        &self,
+        contract_id: &[u8],
+        body: B,
+    ) -> Result<Value, ToolError> {
+        let request = B::request(self.signed(B::PAYLOAD_TYPE, &body));
+        let receipt = self.send(request, B::call).await.map(B::receipt)?;
+        Self::receipt(contract_id, receipt)
+    }
+}
+
+/// A request that can be sent again as is.
+trait Sendable: Clone + Send + 'static {
+    type Response;
+}
+
+macro_rules! sendable {
+    ($($request:ident => $response:ident),* $(,)?) => {$(
+        impl Sendable for pb::$request {
+            type Response = pb::$response;
+        }
+    )*};
+}
+
+sendable! {
+    OpenRootRequest => OpenRootResponse,
+    DelegateRequest => DelegateResponse,
+    AcceptRequest => AcceptResponse,
+    DeclineRequest => DeclineResponse,
+    CompleteRequest => CompleteResponse,
+    EscalateRequest => EscalateResponse,
+    RevokeRequest => RevokeResponse,
+}
+
+/// A lifecycle body: its request, its call and its receipt.
+trait Lifecycle: prost::Message + Sized {
+    const PAYLOAD_TYPE: &'static str;
+    type Request: Sendable;
+    fn request(signed: Option<pb::Envelope>) -> Self::Request;
+    fn call(
+        client: SessionClient,
+        request: Self::Request,
+    ) -> impl std::future::Future<
+        Output = Result<tonic::Response<<Self::Request as Sendable>::Response>, tonic::Status>,
+    >;
+    fn receipt(response: <Self::Request as Sendable>::Response) -> Option<pb::Sealed>;
+}
+
+macro_rules! lifecycle {
+    ($($body:ident => $request:ident, $method:ident, $payload:ident;)*) => {$(
+        impl Lifecycle for pb::$body {
+            const PAYLOAD_TYPE: &'static str = payload_type::$payload;
+            type Request = pb::$request;
+            fn request(signed: Option<pb::Envelope>) -> Self::Request {
+                pb::$request { signed }
+            }
+            async fn call(
+                mut client: SessionClient,
+                request: Self::Request,
+            ) -> Result<tonic::Response<<Self::Request as Sendable>::Response>, tonic::Status> {
+                client.$method(request).await
+            }
+            fn receipt(response: <Self::Request as Sendable>::Response) -> Option<pb::Sealed> {
+                response.receipt
+            }
+        }
+    )*};
+}
+
+lifecycle! {
+    AcceptBody => AcceptRequest, accept, ACCEPT;
+    DeclineBody => DeclineRequest, decline, DECLINE;
+    CompleteBody => CompleteRequest, complete, COMPLETE;
+    EscalateBody => EscalateRequest, escalate, ESCALATE;
+    RevokeBody => RevokeRequest, revoke, REVOKE;
+}
+
+#[tool_router(router = tool_router)]
+impl Tools {
+    /// Who this server signs as.
+    #[tool(description = "Your agent identity: public key, key id and address-book name.")]
+    async fn whoami(&self, Parameters(_): Parameters<Empty>) -> Answer {
+        let key = self.agent.public_key();
+        answer(Ok(json!({
+            "public_key": hex::encode(key),
+            "key_id": crate::crypto::key_id(&key),
+            "name": self.names.get(&key),
+        })))
+    }
+
+    #[tool(
+        description = "Open a root contract (a run): the intent, budget, deadline and policy every delegation below it is checked against. Returns the root's contract_id."
+    )]
+    async fn open_root(&self, Parameters(input): Parameters<OpenRootInput>) -> Answer {
+        answer(self.open_root_inner(input).await)
+    }
+
+    #[tool(
+        description = "Delegate part of a contract you hold to another agent. The broker checks every invariant (budget, depth, trust, deadline, scope, retry headroom, liability); a refusal is an error listing each violated invariant with the requested and allowed values: adjust and call again."
+    )]
+    async fn delegate(&self, Parameters(input): Parameters<DelegateInput>) -> Answer {
+        match self.delegate_inner(input).await {
+            Ok(Ok(value)) => answer(Ok(value)),
+            Ok(Err(refused)) => Ok(Self::refusal(refused)),
+            Err(error) => answer(Err(error)),
+        }
+    }
+
+    #[tool(
+        description = "Accept a contract delegated to you, optionally naming the host whose observations count."
+    )]
+    async fn accept(&self, Parameters(input): Parameters<AcceptInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let host = input
+                .host
+                .as_deref()
+                .map(|h| self.key(h, "host").map(|k| k.to_vec()))
+                .transpose()?
+                .unwrap_or_default();
+            let body = pb::AcceptBody {
+                header: Some(self.agent.header()),
+                contract_id: contract_id.clone(),
+                host_public_key: host,
+            };
+            self.lifecycle(&contract_id, body).await
+        };
+        answer(run.await)
+    }
+
+    #[tool(
+        description = "Decline a contract delegated to you (before accepting it); its reservation returns to the principal."
+    )]
+    async fn decline(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let body = pb::DeclineBody {
+                header: Some(self.agent.header()),
+                contract_id: contract_id.clone(),
+                reason: text(&input.reason, "reason")?,
+            };
+            self.lifecycle(&contract_id, body).await
+        };
+        answer(run.await)
+    }
+
+    #[tool(
+        description = "Complete a contract you accepted: your output (JSON), your claim and what you consumed. The broker judges it on what the host observed and answers with the verdict and any refused criteria."
+    )]
+    async fn complete(&self, Parameters(input): Parameters<CompleteInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let output_json = input.output.to_string();
+            if output_json.len() > MAX_OUTPUT_BYTES {
+                return Err(ToolError::input(
+                    "output",
+                    format!(
+                        "is {} bytes serialized, at most {MAX_OUTPUT_BYTES}",
+                        output_json.len()
+                    ),
+                ));
+            }
+            if input.consumed < 0 {
+                return Err(ToolError::input("consumed", "must be 0 or more"));
+            }
+            let body = pb::CompleteBody {
+                header: Some(self.agent.header()),
+                contract_id: contract_id.clone(),
+                output_json,
+                report: None,
+                claim: text(&input.claim, "claim")?,
+                consumed: input.consumed,
+            };
+            self.lifecycle(&contract_id, body).await
+        };
+        answer(run.await)
+    }
+
+    #[tool(
+        description = "Escalate a contract you accepted as unresolvable: its reservation returns and the principal learns what is left."
+    )]
+    async fn escalate(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let body = pb::EscalateBody {
+                header: Some(self.agent.header()),
+                contract_id: contract_id.clone(),
+                reason: text(&input.reason, "reason")?,
+            };
+            self.lifecycle(&contract_id, body).await
+        };
+        answer(run.await)
+    }
+
+    #[tool(
+        description = "Revoke a contract below one you hold (and every open contract below it)."
+    )]
+    async fn revoke(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let body = pb::RevokeBody {
+                header: Some(self.agent.header()),
+                contract_id: contract_id.clone(),
+                reason: text(&input.reason, "reason")?,
+            };
+            self.lifecycle(&contract_id, body).await
+        };
+        answer(run.await)
+    }
+
+    #[tool(
+        description = "A contract's terms and state: status, ledger (budget = residual + reserved + spent), deadline, effective predicate, write scope, task."
+    )]
+    async fn get_contract(&self, Parameters(input): Parameters<ContractInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let state = self.contract(&contract_id).await?;
+            let contract = state
+                .contract
+                .as_ref()
+                .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+                .unwrap_or_default();
+            Ok(json!({
+                "contract_id": hex::encode(&contract_id),
+                "status": status_name(state.status),
+                "depth": contract.depth,
+                "delegate": self.who(&contract.delegate_public_key),
+                "budget": contract.budget,
+                "ledger": ledger(state.ledger.as_ref()),
+                "deadline_ms": contract.deadline_ms,
+                "deadline": crate::cli::tree::rfc3339(contract.deadline_ms),
+                "effective_predicate": state.effective_predicate,
+                "write_scope": contract.write_scope,
+                "task": contract.task,
+                "cumulative_trust_ppm": contract.cumulative_trust_ppm,
+            }))
+        };
+        answer(run.await)
+    }
+
+    #[tool(
+        description = "The subtree under a contract as indented text: each contract's delegate, status, ledger, refusals and verdicts."
+    )]
+    async fn tree(&self, Parameters(input): Parameters<ContractInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let mut client = self.reader().await?;
+            let data = crate::cli::tree::fetch(
+                &mut client,
+                &contract_id,
+                crate::cli::tree::DEFAULT_TREE_CONTRACTS,
+            )
+            .await
+            .map_err(|e| ToolError {
+                reason: "UNAVAILABLE".into(),
+                field: None,
+                message: e.to_string(),
+            })?;
+            Ok::<_, ToolError>(crate::cli::tree::render(&data, &self.names))
+        };
+        Ok(match run.await {
+            Ok(text) => CallToolResult::success(vec![rmcp::model::ContentBlock::text(text)]),
+            Err(error) => error.result(),
+        })
+    }
+
+    #[tool(
+        description = "Verify a contract's chain here, offline, against the broker's published keys (signature, hash links, every hop's terms)."
+    )]
+    async fn verify_chain(&self, Parameters(input): Parameters<ContractInput>) -> Answer {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let mut client = self.reader().await?;
+            let keys = client
+                .get_broker_keys(pb::GetBrokerKeysRequest {})
+                .await?
+                .into_inner()
+                .keys;
+            let chain = client
+                .get_chain(pb::GetChainRequest {
+                    contract_id: contract_id.clone(),
+                })
+                .await?
+                .into_inner()
+                .chain;
+            let sealed: Vec<pb::Sealed> = chain.into_iter().filter_map(|s| s.contract).collect();
+            let leaf: [u8; 32] = contract_id
+                .as_slice()
+                .try_into()
+                .map_err(|_| ToolError::input("contract_id", "must be 32 bytes"))?;
+            let verified = crate::chain::BrokerKeys::from_published(&keys);
+            let hops =
+                crate::chain::verify_chain(&sealed, &verified, Some(&leaf)).map_err(|e| {
+                    ToolError {
+                        reason: "CHAIN_INVALID".into(),
+                        field: None,
+                        message: e.to_string(),
+                    }
+                })?;
+            Ok(json!({
+                "verified": true,
+                "verified_locally": "the signature, hash links and terms were checked in this process against GetBrokerKeys",
+                "contracts": hops.len(),
+                "key_ids": keys.iter().map(|k| k.key_id.clone()).collect::<Vec<_>>(),
+                "effective_predicate": hops.last().map(|h| h.effective_predicate.clone()),
+            }))
+        };
+        answer(run.await)
+    }
+}
+
+impl Tools {
+    async fn open_root_inner(&self, input: OpenRootInput) -> Result<Value, ToolError> {
+        let deadline_ms = deadline(Some(input.ttl_ms.unwrap_or(3_600_000)), "ttl_ms")?;
+        let body = pb::OpenRootBody {
+            header: Some(self.agent.header()),
+            intent: text(&input.intent, "intent")?,
+            task: String::new(),
+            budget: input.budget,
+            deadline_ms,
+            policy: Some(pb::Policy {
+                max_depth: input.max_depth.unwrap_or(4),
+                min_cumulative_trust_ppm: input.min_cumulative_trust_ppm.unwrap_or(0),
+                max_children: input.max_children.unwrap_or(64),
+                disable_retry_headroom: !input.retry_headroom.unwrap_or(true),
+                require_host: false,
+            }),
+            predicate: text(input.predicate.as_deref().unwrap_or(""), "predicate")?,
+            write_scope: input.write_scope.unwrap_or_default(),
+            labels: input.labels.unwrap_or_default().into_iter().collect(),
+        };
+        let request = pb::OpenRootRequest {
+            signed: self.signed(payload_type::OPEN_ROOT, &body),
+        };
+        let response = self
+            .send(request, |mut c, r| async move { c.open_root(r).await })
+            .await?;
+        match response.issued {
+            Some(issued) => Ok(self.issued(&issued)),
+            None => Err(ToolError {
+                reason: "INTERNAL".into(),
+                field: None,
+                message: "OpenRoot answered without a contract".into(),
+            }),
+        }
+    }
+
+    fn issued(&self, issued: &pb::IssuedContract) -> Value {
+        let contract = issued
+            .contract
+            .as_ref()
+            .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+            .unwrap_or_default();
+        json!({
+            "contract_id": hex::encode(&issued.contract_id),
+            "depth": contract.depth,
+            "delegate": self.who(&contract.delegate_public_key),
+            "budget": contract.budget,
+            "deadline_ms": contract.deadline_ms,
+            "cumulative_trust_ppm": contract.cumulative_trust_ppm,
+        })
+    }
+
+    /// Issued, or refused (a receipt), or an error.
+    async fn delegate_inner(
+        &self,
+        input: DelegateInput,
+    ) -> Result<Result<Value, pb::Refusal>, ToolError> {
+        let parent_id = id(&input.parent_id, "parent_id")?;
+        let delegate = self.key(&input.delegate, "delegate")?;
+        let host = input
+            .host
+            .as_deref()
+            .map(|h| self.key(h, "host").map(|k| k.to_vec()))
+            .transpose()?
+            .unwrap_or_default();
+        let liability = match input.liability.as_deref() {
+            None | Some("principal") => pb::Liability::Principal,
+            Some("delegate") => pb::Liability::Delegate,
+            Some(other) => {
+                return Err(ToolError::input(
+                    "liability",
+                    format!("{other:?}: \"principal\" or \"delegate\""),
+                ));
+            }
+        };
+        let deadline_ms = deadline(input.ttl_ms, "ttl_ms")?;
+        // The lineage hash is the parent's (every contract of a tree has the
+        // root's); a read, so a stranger's parent is NOT_FOUND here.
+        let parent = self.contract(&parent_id).await?;
+        let parent_contract = parent
+            .contract
+            .as_ref()
+            .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+            .unwrap_or_default();
+        let body = pb::DelegateBody {
+            header: Some(self.agent.header()),
+            parent_id,
+            intent_lineage_hash: parent_contract.intent_lineage_hash.clone(),
+            task: text(&input.task, "task")?,
+            delegate_public_key: delegate.to_vec(),
+            delegate_attestation: None,
+            budget: input.budget,
+            deadline_ms,
+            liability: liability as i32,
+            predicate: text(input.predicate.as_deref().unwrap_or(""), "predicate")?,
+            escalation_channel: text(
+                input.escalation_channel.as_deref().unwrap_or(""),
+                "escalation_channel",
+            )?,
+            min_retry_cost: input.min_retry_cost.unwrap_or(0),
+            min_retry_latency_ms: input.min_retry_latency_ms.unwrap_or(0),
+            write_scope: input
+                .write_scope
+                .unwrap_or_else(|| parent_contract.write_scope.clone()),
+            host_public_key: host,
+            result_schema_json: String::new(),
+        };
+        let request = pb::DelegateRequest {
+            signed: self.signed(payload_type::DELEGATE, &body),
+        };
+        let response = self
+            .send(request, |mut c, r| async move { c.delegate(r).await })
+            .await?;
+        Ok(match response.outcome {
+            Some(pb::delegate_response::Outcome::Issued(issued)) => Ok(self.issued(&issued)),
+            Some(pb::delegate_response::Outcome::Refused(refused)) => Err(refused),
+            None => {
+                return Err(ToolError {
+                    reason: "INTERNAL".into(),
+                    field: None,
+                    message: "Delegate answered neither issued nor refused".into(),
+                });
+            }
+        })
+    }
+}
+
+/// Checks a call's arguments against the tool's published input schema
+/// first, so a wrong type, a missing or an unknown argument is a tool error
+/// naming the argument (what the model must fix), before any parsing.
+pub struct ArgumentCheck(HashMap<String, jsonschema::Validator>);
+
+impl ArgumentCheck {
+    fn new(tools: &[rmcp::model::Tool]) -> Self {
+        Self(
+            tools
+                .iter()
+                .filter_map(|tool| {
+                    let schema = Value::Object((*tool.input_schema).clone());
+                    let validator = jsonschema::validator_for(&schema).ok()?;
+                    Some((tool.name.to_string(), validator))
+                })
+                .collect(),
+        )
+    }
+
+    fn check(
+        &self,
+        tool: &str,
+        arguments: &serde_json::Map<String, Value>,
+    ) -> Result<(), ToolError> {
+        let Some(validator) = self.0.get(tool) else {
+            return Ok(());
+        };
+        let instance = Value::Object(arguments.clone());
+        let Some(error) = validator.iter_errors(&instance).next() else {
+            return Ok(());
+        };
+        use jsonschema::error::ValidationErrorKind as Kind;
+        let pointer = error.instance_path().as_str().to_owned();
+        let field = match error.kind() {
+            Kind::Required { property } => property.as_str().unwrap_or_default().to_owned(),
+            Kind::AdditionalProperties { unexpected } => unexpected.join(", "),
+            _ => pointer
+                .trim_start_matches('/')
+                .split('/')
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+        };
+        let message: String = error.to_string().chars().take(512).collect();
+        Err(ToolError::input(&field, message))
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for Tools {
+    async fn call_tool(
+        &self,
+        request: rmcp::model::CallToolRequestParams,
+        context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+        let arguments = request.arguments.clone().unwrap_or_default();
+        if let Err(error) = self.arguments.check(&request.name, &arguments) {
+            return Ok(error.result().into());
+        }
+        let call = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
+        self.tool_router.call(call).await
+    }
+
+    fn get_info(&self) -> ServerConfig {
+        let mut config = ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_instructions(
+                "Delegation through the broker: open_root or hold a contract, delegate parts of it, accept/complete what is delegated to you. Refusals list each violated invariant with requested and allowed values.",
+            );
+        config.server_info =
+            rmcp::model::Implementation::new("delegation-broker", env!("CARGO_PKG_VERSION"));
+        config
+    }
+}
