@@ -119,14 +119,24 @@ pub fn agent_from_key_file(path: &std::path::Path) -> anyhow::Result<crate::clie
     Ok(crate::client::Agent::from_seed(seed))
 }
 
-async fn fetch(args: &AuditArgs) -> anyhow::Result<Vec<GroupRow>> {
-    let agent = agent_from_key_file(&args.key_file)?;
-    let channel = tonic::transport::Channel::from_shared(args.addr.clone())?
+/// A client of the broker at `addr` whose reads carry a session of the key
+/// in `key_file` (the reading commands: `audit`, `tree`).
+pub async fn reader(
+    addr: &str,
+    key_file: &std::path::Path,
+) -> anyhow::Result<crate::client::SessionClient> {
+    let agent = agent_from_key_file(key_file)?;
+    let channel = tonic::transport::Channel::from_shared(addr.to_owned())?
         .connect()
         .await?;
     let attacher = crate::client::SessionAttacher::default();
     let mut client = attacher.client(channel);
     attacher.open(&mut client, &agent).await?;
+    Ok(client)
+}
+
+async fn fetch(args: &AuditArgs) -> anyhow::Result<Vec<GroupRow>> {
+    let mut client = reader(&args.addr, &args.key_file).await?;
     let selector: HashMap<String, String> = args.select.iter().cloned().collect();
     let response = client
         .aggregate_audits(pb::AggregateAuditsRequest {

@@ -93,13 +93,7 @@ pub fn run(args: TreeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let data = runtime.block_on(async {
-        let agent = super::audit::agent_from_key_file(&args.key_file)?;
-        let channel = tonic::transport::Channel::from_shared(args.addr.clone())?
-            .connect()
-            .await?;
-        let attacher = crate::client::SessionAttacher::default();
-        let mut client = attacher.client(channel);
-        attacher.open(&mut client, &agent).await?;
+        let mut client = super::audit::reader(&args.addr, &args.key_file).await?;
         fetch(&mut client, &id, args.max_contracts).await
     })?;
     print!("{}", render(&data, &names));

@@ -489,6 +489,18 @@ impl Tools {
         result
     }
 
+    /// A lifecycle call whose body is a contract and a reason.
+    async fn with_reason<B: Lifecycle>(
+        &self,
+        input: ReasonInput,
+        body: impl FnOnce(Option<pb::RequestHeader>, Vec<u8>, String) -> B,
+    ) -> Result<Value, ToolError> {
+        let contract_id = id(&input.contract_id, "contract_id")?;
+        let reason = text(&input.reason, "reason")?;
+        let body = body(Some(self.agent.header()), contract_id.clone(), reason);
+        self.lifecycle(&contract_id, body).await
+    }
+
     async fn lifecycle<B: Lifecycle>(
         &self,
         contract_id: &[u8],
@@ -620,22 +632,6 @@ impl Tools {
     }
 
     #[tool(
-        description = "Decline a contract delegated to you (before accepting it); its reservation returns to the principal."
-    )]
-    async fn decline(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        let run = async {
-            let contract_id = id(&input.contract_id, "contract_id")?;
-            let body = pb::DeclineBody {
-                header: Some(self.agent.header()),
-                contract_id: contract_id.clone(),
-                reason: text(&input.reason, "reason")?,
-            };
-            self.lifecycle(&contract_id, body).await
-        };
-        answer(run.await)
-    }
-
-    #[tool(
         description = "Complete a contract you accepted: your output (JSON), your claim and what you consumed. The broker judges it on what the host observed and answers with the verdict and any refused criteria."
     )]
     async fn complete(&self, Parameters(input): Parameters<CompleteInput>) -> Answer {
@@ -668,35 +664,45 @@ impl Tools {
     }
 
     #[tool(
+        description = "Decline a contract delegated to you (before accepting it); its reservation returns to the principal."
+    )]
+    async fn decline(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
+        answer(
+            self.with_reason(input, |header, contract_id, reason| pb::DeclineBody {
+                header,
+                contract_id,
+                reason,
+            })
+            .await,
+        )
+    }
+
+    #[tool(
         description = "Escalate a contract you accepted as unresolvable: its reservation returns and the principal learns what is left."
     )]
     async fn escalate(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        let run = async {
-            let contract_id = id(&input.contract_id, "contract_id")?;
-            let body = pb::EscalateBody {
-                header: Some(self.agent.header()),
-                contract_id: contract_id.clone(),
-                reason: text(&input.reason, "reason")?,
-            };
-            self.lifecycle(&contract_id, body).await
-        };
-        answer(run.await)
+        answer(
+            self.with_reason(input, |header, contract_id, reason| pb::EscalateBody {
+                header,
+                contract_id,
+                reason,
+            })
+            .await,
+        )
     }
 
     #[tool(
         description = "Revoke a contract below one you hold (and every open contract below it)."
     )]
     async fn revoke(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        let run = async {
-            let contract_id = id(&input.contract_id, "contract_id")?;
-            let body = pb::RevokeBody {
-                header: Some(self.agent.header()),
-                contract_id: contract_id.clone(),
-                reason: text(&input.reason, "reason")?,
-            };
-            self.lifecycle(&contract_id, body).await
-        };
-        answer(run.await)
+        answer(
+            self.with_reason(input, |header, contract_id, reason| pb::RevokeBody {
+                header,
+                contract_id,
+                reason,
+            })
+            .await,
+        )
     }
 
     #[tool(
