@@ -46,6 +46,14 @@ pub struct ToolsArgs {
     pub names: Option<PathBuf>,
 }
 
+/// Longest wait for the broker's connection.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Longest one call to the broker may take.
+const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// Largest MCP message taken from the client: a line beyond it is dropped
+/// by the transport (the client gets no answer to it).
+const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+
 pub fn run(args: McpArgs) -> anyhow::Result<()> {
     match args.command {
         McpCommand::Tools(args) => serve_tools(args),
@@ -65,13 +73,20 @@ fn serve_tools(args: ToolsArgs) -> anyhow::Result<()> {
         .build()?;
     runtime.block_on(async {
         let channel = tonic::transport::Channel::from_shared(args.addr.clone())?
+            .connect_timeout(CONNECT_TIMEOUT)
+            // Longer than the Watch phase of `tree`, the longest call.
+            .timeout(CALL_TIMEOUT)
+            .http2_keep_alive_interval(CONNECT_TIMEOUT)
             // Connected on first use: the MCP client may list tools before
             // the broker is up.
             .connect_lazy();
-        let tools = Tools::new(agent, channel, names);
+        let tools = Tools::new(agent, channel, names)?;
         tracing::info!(addr = %args.addr, "serving MCP tools on stdio");
+        let (stdin, stdout) = rmcp::transport::stdio();
+        let transport = rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout)
+            .with_max_line_length(MAX_MESSAGE_BYTES);
         let running = tools
-            .serve(rmcp::transport::stdio())
+            .serve(transport)
             .await
             .map_err(|e| anyhow::anyhow!("MCP initialization failed: {e}"))?;
         running.waiting().await?;

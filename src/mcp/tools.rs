@@ -1,7 +1,8 @@
 //! The tools: each parses what the model sent (a clear tool error for
 //! anything wrong, nothing sent), signs one request as the agent, and turns
 //! the broker's answer into structured content. Refusals and errors are
-//! tool results with `isError`, never protocol errors: the model reads them.
+//! tool results with `isError`, which the model reads; only a tool name
+//! that does not exist is a protocol error (rmcp's router answers it).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -34,6 +35,13 @@ const RETRIES: u32 = 3;
 const RETRY_PAUSE_MS: u64 = 200;
 /// Largest answer taken from the broker (a GetChain of a deep chain).
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+/// Most contracts the `tree` tool reads, and most bytes of its text: a
+/// model's context is small.
+const MAX_TREE_CONTRACTS: u32 = 200;
+const MAX_TREE_TEXT_BYTES: usize = 64 * 1024;
+/// Most write-scope prefixes and labels a tool takes (the broker has its
+/// own limits; these bound what is built before asking it).
+const MAX_LIST_ITEMS: usize = 64;
 
 /// The MCP server: one agent's key, one broker.
 #[derive(Clone)]
@@ -78,7 +86,7 @@ impl From<tonic::Status> for ToolError {
         let reason = status
             .get_details_error_info()
             .map(|info| info.reason)
-            .unwrap_or_else(|| format!("{:?}", status.code()).to_uppercase());
+            .unwrap_or_else(|| code_name_of(status.code()));
         let field = status
             .get_details_bad_request()
             .and_then(|b| b.field_violations.first().map(|v| v.field.clone()))
@@ -151,7 +159,7 @@ pub struct DelegateInput {
     /// Time to live in milliseconds from now (default: the parent's deadline).
     pub ttl_ms: Option<i64>,
     /// Path prefixes the child may write, each under one of the parent's
-    /// (default: the parent's).
+    /// (default: none, nothing writable).
     pub write_scope: Option<Vec<String>>,
     /// CEL predicate the child's completion must also satisfy.
     pub predicate: Option<String>,
@@ -245,6 +253,18 @@ fn deadline(ttl_ms: Option<i64>, field: &str) -> Result<i64, ToolError> {
     }
 }
 
+/// A gRPC code as its canonical name, e.g. NOT_FOUND.
+fn code_name_of(code: tonic::Code) -> String {
+    let mut name = String::new();
+    for (i, c) in format!("{code:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            name.push('_');
+        }
+        name.push(c.to_ascii_uppercase());
+    }
+    name
+}
+
 fn status_name(status: i32) -> String {
     pb::ContractStatus::try_from(status)
         .map(|s| {
@@ -281,15 +301,24 @@ impl Tools {
         agent: Agent,
         channel: tonic::transport::Channel,
         names: BTreeMap<[u8; 32], String>,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
+        // A name must mean one key, and never look like a key itself.
+        let mut by_name = HashMap::new();
+        for (key, name) in &names {
+            if hex::decode(name).is_ok_and(|b| b.len() == 32) {
+                anyhow::bail!("--names: the name {name:?} is itself a 64-hex key");
+            }
+            if by_name.insert(name.clone(), *key).is_some() {
+                anyhow::bail!("--names: the name {name:?} is given to two keys");
+            }
+        }
         let attacher = SessionAttacher::default();
         let client = attacher
             .client(channel)
             .max_decoding_message_size(MAX_RESPONSE_BYTES);
-        let by_name = names.iter().map(|(k, n)| (n.clone(), *k)).collect();
         let tool_router = Self::tool_router();
-        let arguments = Arc::new(ArgumentCheck::new(&tool_router.list_all()));
-        Self {
+        let arguments = Arc::new(ArgumentCheck::new(&tool_router.list_all())?);
+        Ok(Self {
             agent: Arc::new(agent),
             client,
             attacher,
@@ -298,6 +327,23 @@ impl Tools {
             by_name: Arc::new(by_name),
             arguments,
             tool_router,
+        })
+    }
+
+    /// Runs a read, opening a session again once if the broker no longer
+    /// takes the one held (expired early, or signed by a key since
+    /// retired).
+    async fn read<T, F, Fut>(&self, call: F) -> Result<T, ToolError>
+    where
+        F: Fn(SessionClient) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        match call(self.reader().await?).await {
+            Err(status) if status.code() == tonic::Code::Unauthenticated => {
+                *self.session_at.lock().await = None;
+                Ok(call(self.reader().await?).await?)
+            }
+            other => Ok(other?),
         }
     }
 
@@ -340,19 +386,21 @@ impl Tools {
     }
 
     async fn contract(&self, contract_id: &[u8]) -> Result<pb::ContractState, ToolError> {
-        let mut client = self.reader().await?;
-        client
-            .get_contract(pb::GetContractRequest {
-                contract_id: contract_id.to_vec(),
-            })
-            .await?
-            .into_inner()
-            .contract
-            .ok_or_else(|| ToolError {
-                reason: "INTERNAL".into(),
-                field: None,
-                message: "the broker answered without the contract".into(),
-            })
+        let request = pb::GetContractRequest {
+            contract_id: contract_id.to_vec(),
+        };
+        self.read(|mut client| {
+            let request = request.clone();
+            async move { client.get_contract(request).await }
+        })
+        .await?
+        .into_inner()
+        .contract
+        .ok_or_else(|| ToolError {
+            reason: "INTERNAL".into(),
+            field: None,
+            message: "the broker answered without the contract".into(),
+        })
     }
 
     /// Sends a signed request, again (the same bytes) while the broker is
@@ -363,17 +411,36 @@ impl Tools {
         F: Fn(SessionClient, T) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T::Response>, tonic::Status>>,
     {
+        use tonic_types::StatusExt as _;
         let mut pause = std::time::Duration::from_millis(RETRY_PAUSE_MS);
         let mut tries = 0;
         loop {
             match call(self.client.clone(), request.clone()).await {
                 Ok(response) => return Ok(response.into_inner()),
-                Err(status) if status.code() == tonic::Code::Unavailable && tries < RETRIES => {
-                    tries += 1;
-                    tokio::time::sleep(pause).await;
-                    pause *= 2;
+                Err(status) => {
+                    // The broker's own answers carry an ErrorInfo; a bare
+                    // status is the transport's (a dropped connection, a
+                    // timeout): the request may or may not have been done.
+                    let transport = status.get_details_error_info().is_none();
+                    let again = transport || status.code() == tonic::Code::Unavailable;
+                    if again && tries < RETRIES {
+                        tries += 1;
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                        continue;
+                    }
+                    if transport {
+                        return Err(ToolError {
+                            reason: "OUTCOME_UNKNOWN".into(),
+                            field: None,
+                            message: format!(
+                                "the broker could not be reached or did not answer ({}); the call may have taken effect: check with get_contract or tree before calling again",
+                                status.message().chars().take(200).collect::<String>()
+                            ),
+                        });
+                    }
+                    return Err(status.into());
                 }
-                Err(status) => return Err(status.into()),
             }
         }
     }
@@ -476,7 +543,7 @@ impl Tools {
         let hint = "The broker refused this delegation and reserved nothing. Change the named terms to within what is allowed (or ask for less) and call delegate again.";
         let value = json!({
             "refused": true,
-            "receipt_id": hex::encode(&refused.receipt_id),
+            "receipt_id": hex::encode(crate::crypto::sha256(&sealed.payload)),
             "primary": code_name(receipt.primary),
             "violations": violations,
             "hint": hint,
@@ -742,18 +809,27 @@ impl Tools {
         let run = async {
             let contract_id = id(&input.contract_id, "contract_id")?;
             let mut client = self.reader().await?;
-            let data = crate::cli::tree::fetch(
-                &mut client,
-                &contract_id,
-                crate::cli::tree::DEFAULT_TREE_CONTRACTS,
-            )
-            .await
-            .map_err(|e| ToolError {
-                reason: "UNAVAILABLE".into(),
-                field: None,
-                message: e.to_string(),
-            })?;
-            Ok::<_, ToolError>(crate::cli::tree::render(&data, &self.names))
+            let data = crate::cli::tree::fetch(&mut client, &contract_id, MAX_TREE_CONTRACTS)
+                .await
+                .map_err(|e| match e.downcast::<tonic::Status>() {
+                    Ok(status) => ToolError::from(status),
+                    Err(e) => ToolError {
+                        reason: "UNAVAILABLE".into(),
+                        field: None,
+                        message: e.to_string(),
+                    },
+                })?;
+            let mut text = crate::cli::tree::render(&data, &self.names);
+            // A model's context is small: cut long drawings, and say so.
+            if text.len() > MAX_TREE_TEXT_BYTES {
+                let mut cut = MAX_TREE_TEXT_BYTES;
+                while !text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                text.truncate(cut);
+                text.push_str("\n… cut: call tree on a contract further down to see the rest\n");
+            }
+            Ok::<_, ToolError>(text)
         };
         Ok(match run.await {
             Ok(text) => CallToolResult::success(vec![rmcp::model::ContentBlock::text(text)]),
@@ -809,6 +885,20 @@ impl Tools {
 impl Tools {
     async fn open_root_inner(&self, input: OpenRootInput) -> Result<Value, ToolError> {
         let deadline_ms = deadline(Some(input.ttl_ms.unwrap_or(3_600_000)), "ttl_ms")?;
+        let write_scope = input.write_scope.unwrap_or_default();
+        let labels = input.labels.unwrap_or_default();
+        if write_scope.len() > MAX_LIST_ITEMS {
+            return Err(ToolError::input(
+                "write_scope",
+                format!("at most {MAX_LIST_ITEMS} prefixes"),
+            ));
+        }
+        if labels.len() > MAX_LIST_ITEMS {
+            return Err(ToolError::input(
+                "labels",
+                format!("at most {MAX_LIST_ITEMS} labels"),
+            ));
+        }
         let body = pb::OpenRootBody {
             header: Some(self.agent.header()),
             intent: text(&input.intent, "intent")?,
@@ -823,8 +913,8 @@ impl Tools {
                 require_host: false,
             }),
             predicate: text(input.predicate.as_deref().unwrap_or(""), "predicate")?,
-            write_scope: input.write_scope.unwrap_or_default(),
-            labels: input.labels.unwrap_or_default().into_iter().collect(),
+            write_scope,
+            labels: labels.into_iter().collect(),
         };
         let request = pb::OpenRootRequest {
             signed: self.signed(payload_type::OPEN_ROOT, &body),
@@ -882,6 +972,19 @@ impl Tools {
             }
         };
         let deadline_ms = deadline(input.ttl_ms, "ttl_ms")?;
+        let task = text(&input.task, "task")?;
+        let predicate = text(input.predicate.as_deref().unwrap_or(""), "predicate")?;
+        let escalation_channel = text(
+            input.escalation_channel.as_deref().unwrap_or(""),
+            "escalation_channel",
+        )?;
+        let write_scope = input.write_scope.unwrap_or_default();
+        if write_scope.len() > MAX_LIST_ITEMS {
+            return Err(ToolError::input(
+                "write_scope",
+                format!("at most {MAX_LIST_ITEMS} prefixes"),
+            ));
+        }
         // The lineage hash is the parent's (every contract of a tree has the
         // root's); a read, so a stranger's parent is NOT_FOUND here.
         let parent = self.contract(&parent_id).await?;
@@ -889,27 +992,26 @@ impl Tools {
             .contract
             .as_ref()
             .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-            .unwrap_or_default();
+            .ok_or_else(|| ToolError {
+                reason: "INTERNAL".into(),
+                field: None,
+                message: "the broker sent a parent contract that does not decode".into(),
+            })?;
         let body = pb::DelegateBody {
             header: Some(self.agent.header()),
             parent_id,
             intent_lineage_hash: parent_contract.intent_lineage_hash.clone(),
-            task: text(&input.task, "task")?,
+            task,
             delegate_public_key: delegate.to_vec(),
             delegate_attestation: None,
             budget: input.budget,
             deadline_ms,
             liability: liability as i32,
-            predicate: text(input.predicate.as_deref().unwrap_or(""), "predicate")?,
-            escalation_channel: text(
-                input.escalation_channel.as_deref().unwrap_or(""),
-                "escalation_channel",
-            )?,
+            predicate,
+            escalation_channel,
             min_retry_cost: input.min_retry_cost.unwrap_or(0),
             min_retry_latency_ms: input.min_retry_latency_ms.unwrap_or(0),
-            write_scope: input
-                .write_scope
-                .unwrap_or_else(|| parent_contract.write_scope.clone()),
+            write_scope,
             host_public_key: host,
             result_schema_json: String::new(),
         };
@@ -939,17 +1041,21 @@ impl Tools {
 pub struct ArgumentCheck(HashMap<String, jsonschema::Validator>);
 
 impl ArgumentCheck {
-    fn new(tools: &[rmcp::model::Tool]) -> Self {
-        Self(
-            tools
-                .iter()
-                .filter_map(|tool| {
-                    let schema = Value::Object((*tool.input_schema).clone());
-                    let validator = jsonschema::validator_for(&schema).ok()?;
-                    Some((tool.name.to_string(), validator))
-                })
-                .collect(),
-        )
+    fn new(tools: &[rmcp::model::Tool]) -> anyhow::Result<Self> {
+        tools
+            .iter()
+            .map(|tool| {
+                let schema = Value::Object((*tool.input_schema).clone());
+                let validator = jsonschema::validator_for(&schema).map_err(|e| {
+                    anyhow::anyhow!(
+                        "the input schema of tool {} does not compile: {e}",
+                        tool.name
+                    )
+                })?;
+                Ok((tool.name.to_string(), validator))
+            })
+            .collect::<anyhow::Result<_>>()
+            .map(Self)
     }
 
     fn check(
@@ -1004,5 +1110,51 @@ impl ServerHandler for Tools {
         config.server_info =
             rmcp::model::Implementation::new("delegation-broker", env!("CARGO_PKG_VERSION"));
         config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field(check: &ArgumentCheck, tool: &str, args: Value) -> Option<String> {
+        let args = args.as_object().expect("an object").clone();
+        check.check(tool, &args).err().and_then(|e| e.field)
+    }
+
+    #[test]
+    fn every_schema_compiles_and_a_bad_argument_is_named() {
+        let tools = Tools::tool_router().list_all();
+        let check = ArgumentCheck::new(&tools).expect("every schema compiles");
+        assert_eq!(check.0.len(), tools.len());
+        let ok = json!({"parent_id": "00", "delegate": "x", "task": "t", "budget": 5});
+        assert_eq!(field(&check, "delegate", ok), None);
+        let wrong_type = json!({"parent_id": "00", "delegate": "x", "task": "t", "budget": "ten"});
+        assert_eq!(
+            field(&check, "delegate", wrong_type).as_deref(),
+            Some("budget")
+        );
+        let missing = json!({"parent_id": "00", "delegate": "x", "task": "t"});
+        assert_eq!(
+            field(&check, "delegate", missing).as_deref(),
+            Some("budget")
+        );
+        let unknown = json!({"contract_id": "00", "bogus": 1});
+        assert_eq!(
+            field(&check, "get_contract", unknown).as_deref(),
+            Some("bogus")
+        );
+        let null_optional = json!({"contract_id": "00", "host": null});
+        assert_eq!(field(&check, "accept", null_optional), None);
+    }
+
+    #[test]
+    fn grpc_codes_read_as_their_canonical_names() {
+        assert_eq!(code_name_of(tonic::Code::NotFound), "NOT_FOUND");
+        assert_eq!(code_name_of(tonic::Code::Unavailable), "UNAVAILABLE");
+        assert_eq!(
+            code_name_of(tonic::Code::FailedPrecondition),
+            "FAILED_PRECONDITION"
+        );
     }
 }
