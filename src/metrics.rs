@@ -61,6 +61,7 @@ const METHODS: &[(&str, &str)] = &[
     ("/delegation.broker.v1.Broker/GetChain", "unary"),
     ("/delegation.broker.v1.Broker/ListChildren", "unary"),
     ("/delegation.broker.v1.Broker/ListRoots", "unary"),
+    ("/delegation.broker.v1.Broker/ListHeld", "unary"),
     ("/delegation.broker.v1.Broker/GetReceipt", "unary"),
     ("/delegation.broker.v1.Broker/GetBrokerKeys", "unary"),
     ("/delegation.broker.v1.Broker/OpenSession", "unary"),

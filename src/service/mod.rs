@@ -256,6 +256,15 @@ impl<S: Store> Broker for BrokerService<S> {
         ))
     }
 
+    async fn list_held(
+        &self,
+        request: Request<pb::ListHeldRequest>,
+    ) -> Result<Response<pb::ListHeldResponse>, Status> {
+        Ok(Response::new(
+            BrokerService::list_held(self, request).await?,
+        ))
+    }
+
     async fn get_receipt(
         &self,
         request: Request<pb::GetReceiptRequest>,

@@ -230,6 +230,62 @@ impl<S: Store> BrokerService<S> {
         Ok(response)
     }
 
+    pub(super) async fn list_held(
+        &self,
+        request: Request<pb::ListHeldRequest>,
+    ) -> Result<pb::ListHeldResponse, ServiceError> {
+        let caller = self.caller(&request)?;
+        let request = request.into_inner();
+        let role = match pb::HeldRole::try_from(request.role) {
+            Ok(pb::HeldRole::Delegate) => crate::store::HeldRole::Delegate,
+            Ok(pb::HeldRole::Host) => crate::store::HeldRole::Host,
+            Ok(pb::HeldRole::Unspecified) | Err(_) => {
+                return Err(InputError::new(
+                    "role",
+                    "must be HELD_ROLE_DELEGATE or HELD_ROLE_HOST",
+                )
+                .into());
+            }
+        };
+        let limit = page_size(request.page_size)?;
+        let before_seq = page_cursor(&request.page_token)?;
+        if before_seq < 0 {
+            return Err(InputError::new("page_token", "is not a token this broker issued").into());
+        }
+        let response_limit = self.config.limits.max_response_bytes();
+        let page = self
+            .store
+            .held(&crate::store::HeldQuery {
+                key: caller,
+                role,
+                before_seq,
+                limit,
+                // As ListRoots: room for the states around the envelopes.
+                max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
+            })
+            .await?;
+        let response = pb::ListHeldResponse {
+            contracts: page
+                .contracts
+                .into_iter()
+                .map(convert::contract_state)
+                .collect(),
+            next_page_token: page
+                .next_before
+                .map(|seq| seq.to_be_bytes().to_vec())
+                .unwrap_or_default(),
+        };
+        let size = response.encoded_len();
+        if size > response_limit {
+            return Err(ServiceError::ResponseTooLarge {
+                size,
+                limit: response_limit,
+                hint: "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+            });
+        }
+        Ok(response)
+    }
+
     pub(super) async fn get_receipt(
         &self,
         request: Request<pb::GetReceiptRequest>,

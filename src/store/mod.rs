@@ -65,6 +65,37 @@ pub struct RootsPage {
     pub next_before: Option<i64>,
 }
 
+/// Whose open contracts `Store::held` lists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeldRole {
+    /// Contracts whose delegate is the key.
+    Delegate,
+    /// Contracts whose host is the key.
+    Host,
+}
+
+/// Which open contracts `Store::held` lists, and how many.
+#[derive(Clone, Debug)]
+pub struct HeldQuery {
+    pub key: crate::core::AgentKey,
+    pub role: HeldRole,
+    /// Only contracts issued before this sequence number; 0 from the newest.
+    pub before_seq: i64,
+    /// Most contracts returned.
+    pub limit: u32,
+    /// Stop after this many bytes of envelopes (always the first one).
+    pub max_bytes: usize,
+}
+
+/// One page of open contracts, newest first.
+#[derive(Clone, Debug)]
+pub struct HeldPage {
+    pub contracts: Vec<ContractRecord>,
+    /// Where the next page starts (`HeldQuery::before_seq`); `None` when
+    /// no older one remains.
+    pub next_before: Option<i64>,
+}
+
 /// What the audit of one contract is derived from: all stored facts,
 /// nothing computed (the core classifies).
 #[derive(Clone, Debug, Default)]
@@ -334,6 +365,13 @@ macro_rules! sql_store_methods {
             crate::store::sql::reads::roots(self, query).await
         }
 
+        async fn held(
+            &self,
+            query: &crate::store::HeldQuery,
+        ) -> Result<crate::store::HeldPage, StoreError> {
+            crate::store::sql::reads::held(self, query).await
+        }
+
         async fn receipt(&self, id: Id) -> Result<Option<pb::Sealed>, StoreError> {
             crate::store::sql::reads::receipt(self, id).await
         }
@@ -558,6 +596,8 @@ pub trait Store: Send + Sync + 'static {
         &self,
         query: &RootsQuery,
     ) -> impl Future<Output = Result<RootsPage, StoreError>> + Send;
+    /// Open contracts the key is the delegate or host of, newest first.
+    fn held(&self, query: &HeldQuery) -> impl Future<Output = Result<HeldPage, StoreError>> + Send;
     /// A stored receipt envelope.
     fn receipt(
         &self,

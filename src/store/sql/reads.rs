@@ -366,3 +366,59 @@ pub(crate) async fn roots<B: Backend>(
     store.settle().await?;
     Ok(crate::store::RootsPage { roots, next_before })
 }
+
+/// Open contracts (OPEN, ACCEPTED) whose delegate or host is the key,
+/// newest first: a walk of a partial index holding open contracts only,
+/// so every row read is shown and the work is the page's.
+pub(crate) async fn held<B: Backend>(
+    store: &B,
+    query: &crate::store::HeldQuery,
+) -> Result<crate::store::HeldPage, StoreError> {
+    use sqlx::QueryBuilder;
+    use tokio_stream::StreamExt;
+    let column = match query.role {
+        crate::store::HeldRole::Delegate => "delegate_key",
+        crate::store::HeldRole::Host => "host_key",
+    };
+    let mut conn = store.sql().read().await?;
+    // The filter repeats the partial indexes' predicate word for word, so
+    // both engines use them.
+    let mut page = QueryBuilder::<B::Db>::new(concat!(
+        "SELECT ",
+        crate::store::sql::rows::contract_columns!(),
+        " FROM contracts_with_envelope WHERE seq IN (SELECT seq FROM contracts WHERE "
+    ));
+    page.push(column)
+        .push(" = ")
+        .push_arg(query.key.to_vec())
+        .push(" AND status IN (1, 2)");
+    if query.before_seq > 0 {
+        page.push(" AND seq < ").push_arg(query.before_seq);
+    }
+    page.push(" ORDER BY seq DESC LIMIT ")
+        // One more than the page: whether any older one remains.
+        .push_arg(i64::from(query.limit) + 1)
+        .push(") ORDER BY seq DESC");
+    let built = page.build();
+    let mut rows = built.rows(&mut *conn);
+    let mut contracts = Vec::new();
+    let mut bytes = 0usize;
+    let mut next_before = None;
+    while let Some(row) = rows.next().await {
+        let record = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?.record();
+        if contracts.len() == query.limit as usize || bytes >= query.max_bytes {
+            // A row past the page: there is more, from the last one shown.
+            next_before = contracts.last().map(|c: &ContractRecord| c.seq);
+            break;
+        }
+        bytes = bytes.saturating_add(record.envelope.encoded_len());
+        contracts.push(record);
+    }
+    drop(rows);
+    drop(conn);
+    store.settle().await?;
+    Ok(crate::store::HeldPage {
+        contracts,
+        next_before,
+    })
+}

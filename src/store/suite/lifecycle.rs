@@ -506,3 +506,151 @@ pub async fn the_host_is_fixed_and_never_the_delegate<S: Store>(store: &S) {
     let r = pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt");
     assert_eq!(r.requester_public_key, vec![8; 32]);
 }
+
+/// Open contracts are listed for their delegate and their host, newest
+/// first and a page at a time; an ended one leaves both lists, and a key
+/// never sees another's.
+pub async fn held_contracts_are_the_open_ones<S: Store>(store: &S) {
+    let held = |key: u8, role: crate::store::HeldRole, before_seq: i64, limit: u32| {
+        crate::store::HeldQuery {
+            key: [key; 32],
+            role,
+            before_seq,
+            limit,
+            max_bytes: usize::MAX,
+        }
+    };
+    let ids =
+        |page: &crate::store::HeldPage| page.contracts.iter().map(|c| c.id).collect::<Vec<_>>();
+    use crate::store::HeldRole::{Delegate, Host};
+    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
+    let a = issued(
+        store
+            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
+            .await,
+    );
+    let b = issued(
+        store
+            .delegate(test_child(ORCHESTRATOR, 3, root, 8, "true"))
+            .await,
+    );
+    let c = issued(
+        store
+            .delegate(test_child(ORCHESTRATOR, 4, root, 8, "true"))
+            .await,
+    );
+    let other = issued(
+        store
+            .delegate(test_child(ORCHESTRATOR, 5, root, 7, "true"))
+            .await,
+    );
+    // The root is held by its orchestrator.
+    let mine = store
+        .held(&held(ORCHESTRATOR, Delegate, 0, 10))
+        .await
+        .expect("held");
+    assert_eq!(ids(&mine), [root]);
+    let all = store.held(&held(8, Delegate, 0, 10)).await.expect("held");
+    assert_eq!(ids(&all), [c, b, a]);
+    assert_eq!(all.next_before, None);
+    // Pages of two.
+    let first = store.held(&held(8, Delegate, 0, 2)).await.expect("held");
+    assert_eq!(ids(&first), [c, b]);
+    let cursor = first.next_before.expect("a full page with more continues");
+    let second = store
+        .held(&held(8, Delegate, cursor, 2))
+        .await
+        .expect("held");
+    assert_eq!((ids(&second), second.next_before), (vec![a], None));
+    // An exactly full last page says there is no more.
+    let exact = store.held(&held(8, Delegate, 0, 3)).await.expect("held");
+    assert_eq!((exact.contracts.len(), exact.next_before), (3, None));
+    // A byte budget cuts after the first contract and continues there.
+    let mut tight = held(8, Delegate, 0, 10);
+    tight.max_bytes = 1;
+    let cut = store.held(&tight).await.expect("held");
+    assert_eq!(ids(&cut), [c]);
+    assert_eq!(cut.next_before, Some(cut.contracts[0].seq));
+    // Hosts: named at Accept; accepted contracts stay listed.
+    receipt(
+        act(
+            store,
+            8,
+            6,
+            a,
+            Action::Accept {
+                host: Some([HOST; 32]),
+            },
+        )
+        .await,
+    );
+    receipt(
+        act(
+            store,
+            8,
+            7,
+            b,
+            Action::Accept {
+                host: Some([HOST; 32]),
+            },
+        )
+        .await,
+    );
+    let hosted = store.held(&held(HOST, Host, 0, 10)).await.expect("held");
+    assert_eq!(ids(&hosted), [b, a]);
+    assert!(
+        hosted
+            .contracts
+            .iter()
+            .all(|c| c.status == crate::core::Status::Accepted)
+    );
+    // A host holds nothing as delegate, a delegate hosts nothing.
+    assert!(
+        store
+            .held(&held(HOST, Delegate, 0, 10))
+            .await
+            .expect("held")
+            .contracts
+            .is_empty()
+    );
+    assert!(
+        store
+            .held(&held(8, Host, 0, 10))
+            .await
+            .expect("held")
+            .contracts
+            .is_empty()
+    );
+    // Ending contracts takes them off both lists.
+    receipt(act(store, 8, 8, a, complete_action(1)).await);
+    receipt(
+        act(
+            store,
+            ORCHESTRATOR,
+            9,
+            c,
+            Action::Revoke { reason: "x".into() },
+        )
+        .await,
+    );
+    assert_eq!(
+        ids(&store.held(&held(8, Delegate, 0, 10)).await.expect("held")),
+        [b]
+    );
+    assert_eq!(
+        ids(&store.held(&held(HOST, Host, 0, 10)).await.expect("held")),
+        [b]
+    );
+    assert_eq!(
+        ids(&store.held(&held(7, Delegate, 0, 10)).await.expect("held")),
+        [other]
+    );
+    assert!(
+        store
+            .held(&held(5, Delegate, 0, 10))
+            .await
+            .expect("held")
+            .contracts
+            .is_empty()
+    );
+}

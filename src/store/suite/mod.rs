@@ -574,6 +574,7 @@ macro_rules! store_suite {
             runs_are_selected_by_labels,
             parties_are_the_trees_own,
             roots_are_paged_newest_first,
+            held_contracts_are_the_open_ones,
             concurrent_siblings_never_overspend,
             the_issuing_calls_trace_is_kept,
             a_completion_settles_into_the_parent,

@@ -18,6 +18,12 @@ class ContractStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTRACT_STATUS_EXPIRED: _ClassVar[ContractStatus]
     CONTRACT_STATUS_REVOKED: _ClassVar[ContractStatus]
     CONTRACT_STATUS_DECLINED: _ClassVar[ContractStatus]
+
+class HeldRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HELD_ROLE_UNSPECIFIED: _ClassVar[HeldRole]
+    HELD_ROLE_DELEGATE: _ClassVar[HeldRole]
+    HELD_ROLE_HOST: _ClassVar[HeldRole]
 CONTRACT_STATUS_UNSPECIFIED: ContractStatus
 CONTRACT_STATUS_OPEN: ContractStatus
 CONTRACT_STATUS_ACCEPTED: ContractStatus
@@ -26,6 +32,9 @@ CONTRACT_STATUS_UNRESOLVABLE: ContractStatus
 CONTRACT_STATUS_EXPIRED: ContractStatus
 CONTRACT_STATUS_REVOKED: ContractStatus
 CONTRACT_STATUS_DECLINED: ContractStatus
+HELD_ROLE_UNSPECIFIED: HeldRole
+HELD_ROLE_DELEGATE: HeldRole
+HELD_ROLE_HOST: HeldRole
 
 class OpenRootBody(_message.Message):
     __slots__ = ("header", "intent", "task", "budget", "deadline_ms", "policy", "predicate", "write_scope", "labels")
@@ -254,6 +263,24 @@ class ListRootsResponse(_message.Message):
     roots: _containers.RepeatedCompositeFieldContainer[ContractState]
     next_page_token: bytes
     def __init__(self, roots: _Optional[_Iterable[_Union[ContractState, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+
+class ListHeldRequest(_message.Message):
+    __slots__ = ("role", "page_size", "page_token")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    role: HeldRole
+    page_size: int
+    page_token: bytes
+    def __init__(self, role: _Optional[_Union[HeldRole, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[bytes] = ...) -> None: ...
+
+class ListHeldResponse(_message.Message):
+    __slots__ = ("contracts", "next_page_token")
+    CONTRACTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    contracts: _containers.RepeatedCompositeFieldContainer[ContractState]
+    next_page_token: bytes
+    def __init__(self, contracts: _Optional[_Iterable[_Union[ContractState, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
 
 class GetReceiptRequest(_message.Message):
     __slots__ = ("receipt_id",)

@@ -65,6 +65,11 @@ class BrokerStub:
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsRequest.SerializeToString,
                 response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsResponse.FromString,
                 _registered_method=True)
+        self.ListHeld = channel.unary_unary(
+                '/delegation.broker.v1.Broker/ListHeld',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListHeldRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListHeldResponse.FromString,
+                _registered_method=True)
         self.GetReceipt = channel.unary_unary(
                 '/delegation.broker.v1.Broker/GetReceipt',
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetReceiptRequest.SerializeToString,
@@ -206,6 +211,21 @@ class BrokerServicer:
         a log: on replicas a root opened while you page may commit behind your
         position and be missed by that walk (start again from the first page
         to see it; Watch is the complete record of a tree).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListHeld(self, request, context):
+        """Lists the caller's open work, newest first, a page at a time: the
+        contracts (OPEN or ACCEPTED) whose delegate is the caller's session key
+        (role DELEGATE: what it holds and may accept, complete or delegate
+        from), or whose host it is (role HOST: what it observes and records
+        receipts for, as an MCP gateway does). A contract that ends leaves the
+        list. A page ends at page_size contracts or at about 1 MiB of
+        contracts; a non-empty next_page_token means there may be more. A
+        browsing aid, as ListRoots: a contract issued while you page may be
+        missed by that walk (start again from the first page to see it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -397,6 +417,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.ListRoots,
                     request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsRequest.FromString,
                     response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsResponse.SerializeToString,
+            ),
+            'ListHeld': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHeld,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListHeldRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.ListHeldResponse.SerializeToString,
             ),
             'GetReceipt': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReceipt,
@@ -627,6 +652,33 @@ class Broker:
             '/delegation.broker.v1.Broker/ListRoots',
             delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsRequest.SerializeToString,
             delegation_dot_broker_dot_v1_dot_broker__pb2.ListRootsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHeld(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/ListHeld',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.ListHeldRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.ListHeldResponse.FromString,
             options,
             channel_credentials,
             insecure,
