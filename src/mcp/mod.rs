@@ -9,6 +9,8 @@
 //! the public API, like `tree` and `audit`: the broker learns nothing of
 //! MCP.
 
+pub mod gateway;
+mod link;
 mod tools;
 
 use std::collections::BTreeMap;
@@ -29,6 +31,20 @@ pub enum McpCommand {
     /// Serves the broker's calls as MCP tools on stdin/stdout, signing as
     /// the agent of --key-file (logs go to stderr).
     Tools(ToolsArgs),
+    /// Serves the agent's own tool servers (from --config) as the host of
+    /// its contract: every call checked against the contract and recorded
+    /// at the broker before it is answered.
+    Gateway(GatewayArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct GatewayArgs {
+    /// The gateway's TOML configuration (README, "MCP gateway").
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Serve streamable HTTP at http://ADDR/mcp instead of stdio.
+    #[arg(long)]
+    pub listen: Option<String>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -44,6 +60,9 @@ pub struct ToolsArgs {
     /// tools take either a name or a hex key wherever they name an agent.
     #[arg(long)]
     pub names: Option<PathBuf>,
+    /// Serve streamable HTTP at http://ADDR/mcp instead of stdio.
+    #[arg(long)]
+    pub listen: Option<String>,
 }
 
 /// Longest wait for the broker's connection.
@@ -57,39 +76,100 @@ const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
 pub fn run(args: McpArgs) -> anyhow::Result<()> {
     match args.command {
         McpCommand::Tools(args) => serve_tools(args),
+        McpCommand::Gateway(args) => serve_gateway(args),
     }
 }
 
-fn serve_tools(args: ToolsArgs) -> anyhow::Result<()> {
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// A lazily connected channel to the broker.
+fn broker_channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
+    Ok(tonic::transport::Channel::from_shared(addr.to_owned())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        // Longer than the Watch phase of `tree`, the longest call.
+        .timeout(CALL_TIMEOUT)
+        .http2_keep_alive_interval(CONNECT_TIMEOUT)
+        // Connected on first use: the MCP client may list tools before
+        // the broker is up.
+        .connect_lazy())
+}
+
+fn serve_gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let config = gateway::config::GatewayConfig::load(&args.config)?;
+    runtime()?.block_on(async {
+        let channel = broker_channel(&config.broker)?;
+        let gateway = gateway::Gateway::start(config, channel).await?;
+        tracing::info!(host = %gateway.host(), "MCP gateway ready");
+        serve(gateway, args.listen.as_deref()).await
+    })
+}
+
+/// Serves one MCP server on stdio, or on streamable HTTP at `/mcp` when
+/// `listen` is given (the address is printed on stdout).
+async fn serve<S>(server: S, listen: Option<&str>) -> anyhow::Result<()>
+where
+    S: rmcp::ServerHandler + Clone + Send + Sync + 'static,
+{
     use rmcp::ServiceExt as _;
+    let Some(listen) = listen else {
+        let (stdin, stdout) = rmcp::transport::stdio();
+        let transport = rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout)
+            .with_max_line_length(MAX_MESSAGE_BYTES);
+        let running = server
+            .serve(transport)
+            .await
+            .map_err(|e| anyhow::anyhow!("MCP initialization failed: {e}"))?;
+        running.waiting().await?;
+        return Ok(());
+    };
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("--listen {listen}: {e}"))?;
+    let addr = listener.local_addr()?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut config = StreamableHttpServerConfig::default()
+        .with_cancellation_token(stop.child_token())
+        .with_max_request_body_bytes(MAX_MESSAGE_BYTES);
+    if !addr.ip().is_loopback() {
+        // Loopback hosts only by default (against DNS rebinding); a
+        // listener on another address takes requests naming it.
+        config = config.with_allowed_hosts([addr.to_string(), addr.ip().to_string()]);
+    }
+    let service = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        std::sync::Arc::new(LocalSessionManager::default()),
+        config,
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    println!("mcp on http://{addr}/mcp");
+    use std::io::Write as _;
+    std::io::stdout().flush()?;
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            stop.cancel();
+        })
+        .await?;
+    Ok(())
+}
+
+fn serve_tools(args: ToolsArgs) -> anyhow::Result<()> {
     let agent = crate::cli::audit::agent_from_key_file(&args.key_file)?;
     let names = match &args.names {
         Some(path) => crate::cli::tree::read_names(path)?,
         None => BTreeMap::new(),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        let channel = tonic::transport::Channel::from_shared(args.addr.clone())?
-            .connect_timeout(CONNECT_TIMEOUT)
-            // Longer than the Watch phase of `tree`, the longest call.
-            .timeout(CALL_TIMEOUT)
-            .http2_keep_alive_interval(CONNECT_TIMEOUT)
-            // Connected on first use: the MCP client may list tools before
-            // the broker is up.
-            .connect_lazy();
-        let tools = Tools::new(agent, channel, names)?;
-        tracing::info!(addr = %args.addr, "serving MCP tools on stdio");
-        let (stdin, stdout) = rmcp::transport::stdio();
-        let transport = rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout)
-            .with_max_line_length(MAX_MESSAGE_BYTES);
-        let running = tools
-            .serve(transport)
-            .await
-            .map_err(|e| anyhow::anyhow!("MCP initialization failed: {e}"))?;
-        running.waiting().await?;
-        Ok(())
+    runtime()?.block_on(async {
+        let tools = Tools::new(agent, broker_channel(&args.addr)?, names)?;
+        tracing::info!(addr = %args.addr, "serving MCP tools");
+        serve(tools, args.listen.as_deref()).await
     })
 }

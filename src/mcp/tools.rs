@@ -16,25 +16,16 @@ use rmcp::{ServerHandler, tool, tool_handler, tool_router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::client::{Agent, SessionAttacher, SessionClient};
+use super::link::{Link, Sendable, ToolError, cut};
+use crate::client::{Agent, SessionClient};
 use crate::crypto::payload_type;
 use crate::pb;
 
-/// A read session is renewed after this long (sessions last an hour by
-/// default; renewing early keeps a slow clock from costing a call).
-const SESSION_RENEW_MS: u64 = 20 * 60 * 1000;
 /// Longest text field a tool takes (tasks, reasons, claims, intents); the
 /// broker has its own, smaller limits for each and names them.
 const MAX_TEXT_BYTES: usize = 64 * 1024;
 /// Largest `output` a completion carries, serialized.
 const MAX_OUTPUT_BYTES: usize = 256 * 1024;
-/// Times a call is sent again (same signed request, so never twice in
-/// effect) when the broker answers UNAVAILABLE.
-const RETRIES: u32 = 3;
-/// Pause before the first retry; doubled each time.
-const RETRY_PAUSE_MS: u64 = 200;
-/// Largest answer taken from the broker (a GetChain of a deep chain).
-const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 /// Most contracts the `tree` tool reads, and most bytes of its text: a
 /// model's context is small.
 const MAX_TREE_CONTRACTS: u32 = 200;
@@ -42,63 +33,20 @@ const MAX_TREE_TEXT_BYTES: usize = 64 * 1024;
 /// Most write-scope prefixes and labels a tool takes (the broker has its
 /// own limits; these bound what is built before asking it).
 const MAX_LIST_ITEMS: usize = 64;
+/// Most held contracts `whoami` lists (the newest).
+const MAX_HELD_LISTED: u32 = 50;
+/// Most bytes of each held contract's task `whoami` shows (get_contract
+/// has all of it).
+const MAX_HELD_TASK_BYTES: usize = 512;
 
 /// The MCP server: one agent's key, one broker.
 #[derive(Clone)]
 pub struct Tools {
-    agent: Arc<Agent>,
-    client: SessionClient,
-    attacher: SessionAttacher,
-    /// When the session was last opened; `None` before the first read.
-    session_at: Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>,
+    link: Link,
     names: Arc<BTreeMap<[u8; 32], String>>,
     by_name: Arc<HashMap<String, [u8; 32]>>,
     arguments: Arc<ArgumentCheck>,
     tool_router: ToolRouter<Self>,
-}
-
-/// A tool's failure, as the model reads it.
-pub struct ToolError {
-    reason: String,
-    field: Option<String>,
-    message: String,
-}
-
-impl ToolError {
-    fn input(field: &str, message: impl Into<String>) -> Self {
-        Self {
-            reason: "INVALID_INPUT".into(),
-            field: Some(field.into()),
-            message: message.into(),
-        }
-    }
-
-    fn result(self) -> CallToolResult {
-        CallToolResult::structured_error(json!({
-            "error": {"reason": self.reason, "field": self.field, "message": self.message}
-        }))
-    }
-}
-
-impl From<tonic::Status> for ToolError {
-    fn from(status: tonic::Status) -> Self {
-        use tonic_types::StatusExt as _;
-        let reason = status
-            .get_details_error_info()
-            .map(|info| info.reason)
-            .unwrap_or_else(|| code_name_of(status.code()));
-        let field = status
-            .get_details_bad_request()
-            .and_then(|b| b.field_violations.first().map(|v| v.field.clone()))
-            // The broker names a request body's fields `body.x`; the
-            // tools' arguments carry the same names without the prefix.
-            .map(|f| f.strip_prefix("body.").map(str::to_owned).unwrap_or(f));
-        Self {
-            reason,
-            field,
-            message: status.message().to_owned(),
-        }
-    }
 }
 
 type Answer = Result<CallToolResult, rmcp::ErrorData>;
@@ -253,18 +201,6 @@ fn deadline(ttl_ms: Option<i64>, field: &str) -> Result<i64, ToolError> {
     }
 }
 
-/// A gRPC code as its canonical name, e.g. NOT_FOUND.
-fn code_name_of(code: tonic::Code) -> String {
-    let mut name = String::new();
-    for (i, c) in format!("{code:?}").chars().enumerate() {
-        if c.is_ascii_uppercase() && i > 0 {
-            name.push('_');
-        }
-        name.push(c.to_ascii_uppercase());
-    }
-    name
-}
-
 fn status_name(status: i32) -> String {
     pb::ContractStatus::try_from(status)
         .map(|s| {
@@ -312,52 +248,15 @@ impl Tools {
                 anyhow::bail!("--names: the name {name:?} is given to two keys");
             }
         }
-        let attacher = SessionAttacher::default();
-        let client = attacher
-            .client(channel)
-            .max_decoding_message_size(MAX_RESPONSE_BYTES);
         let tool_router = Self::tool_router();
         let arguments = Arc::new(ArgumentCheck::new(&tool_router.list_all())?);
         Ok(Self {
-            agent: Arc::new(agent),
-            client,
-            attacher,
-            session_at: Arc::default(),
+            link: Link::new(agent, channel),
             names: Arc::new(names),
             by_name: Arc::new(by_name),
             arguments,
             tool_router,
         })
-    }
-
-    /// Runs a read, opening a session again once if the broker no longer
-    /// takes the one held (expired early, or signed by a key since
-    /// retired).
-    async fn read<T, F, Fut>(&self, call: F) -> Result<T, ToolError>
-    where
-        F: Fn(SessionClient) -> Fut,
-        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
-    {
-        match call(self.reader().await?).await {
-            Err(status) if status.code() == tonic::Code::Unauthenticated => {
-                *self.session_at.lock().await = None;
-                Ok(call(self.reader().await?).await?)
-            }
-            other => Ok(other?),
-        }
-    }
-
-    /// A client whose reads carry a fresh enough session.
-    async fn reader(&self) -> Result<SessionClient, ToolError> {
-        let mut client = self.client.clone();
-        let mut opened = self.session_at.lock().await;
-        let stale = opened
-            .is_none_or(|at| at.elapsed() > std::time::Duration::from_millis(SESSION_RENEW_MS));
-        if stale {
-            self.attacher.open(&mut client, &self.agent).await?;
-            *opened = Some(tokio::time::Instant::now());
-        }
-        Ok(client)
     }
 
     /// A name or a hex key, as a key.
@@ -389,75 +288,33 @@ impl Tools {
         let request = pb::GetContractRequest {
             contract_id: contract_id.to_vec(),
         };
-        self.read(|mut client| {
-            let request = request.clone();
-            async move { client.get_contract(request).await }
-        })
-        .await?
-        .into_inner()
-        .contract
-        .ok_or_else(|| ToolError {
-            reason: "INTERNAL".into(),
-            field: None,
-            message: "the broker answered without the contract".into(),
-        })
-    }
-
-    /// Sends a signed request, again (the same bytes) while the broker is
-    /// UNAVAILABLE: the nonce makes a repeat harmless.
-    async fn send<T, F, Fut>(&self, request: T, call: F) -> Result<T::Response, ToolError>
-    where
-        T: Sendable,
-        F: Fn(SessionClient, T) -> Fut,
-        Fut: std::future::Future<Output = Result<tonic::Response<T::Response>, tonic::Status>>,
-    {
-        use tonic_types::StatusExt as _;
-        let mut pause = std::time::Duration::from_millis(RETRY_PAUSE_MS);
-        let mut tries = 0;
-        loop {
-            match call(self.client.clone(), request.clone()).await {
-                Ok(response) => return Ok(response.into_inner()),
-                Err(status) => {
-                    // The broker's own answers carry an ErrorInfo; a bare
-                    // status is the transport's (a dropped connection, a
-                    // timeout): the request may or may not have been done.
-                    let transport = status.get_details_error_info().is_none();
-                    let again = transport || status.code() == tonic::Code::Unavailable;
-                    if again && tries < RETRIES {
-                        tries += 1;
-                        tokio::time::sleep(pause).await;
-                        pause *= 2;
-                        continue;
-                    }
-                    if transport {
-                        return Err(ToolError {
-                            reason: "OUTCOME_UNKNOWN".into(),
-                            field: None,
-                            message: format!(
-                                "the broker could not be reached or did not answer ({}); the call may have taken effect: check with get_contract or tree before calling again",
-                                status.message().chars().take(200).collect::<String>()
-                            ),
-                        });
-                    }
-                    return Err(status.into());
-                }
-            }
-        }
-    }
-
-    fn signed<B: prost::Message>(&self, payload_type: &str, body: &B) -> Option<pb::Envelope> {
-        Some(self.agent.sign(payload_type, body))
+        self.link
+            .read(|mut client| {
+                let request = request.clone();
+                async move { client.get_contract(request).await }
+            })
+            .await?
+            .into_inner()
+            .contract
+            .ok_or_else(|| ToolError {
+                details: Default::default(),
+                reason: "INTERNAL".into(),
+                field: None,
+                message: "the broker answered without the contract".into(),
+            })
     }
 
     /// A lifecycle receipt as the model reads it.
     fn receipt(contract_id: &[u8], sealed: Option<pb::Sealed>) -> Result<Value, ToolError> {
         let sealed = sealed.ok_or_else(|| ToolError {
+            details: Default::default(),
             reason: "INTERNAL".into(),
             field: None,
             message: "the broker answered without a receipt".into(),
         })?;
         let receipt_id = crate::crypto::sha256(&sealed.payload);
         let receipt = pb::Receipt::decode(sealed.payload.as_slice()).map_err(|e| ToolError {
+            details: Default::default(),
             reason: "INTERNAL".into(),
             field: None,
             message: format!("undecodable receipt: {e}"),
@@ -508,6 +365,7 @@ impl Tools {
     fn refusal(refused: pb::Refusal) -> CallToolResult {
         let Some(sealed) = refused.receipt else {
             return ToolError {
+                details: Default::default(),
                 reason: "INTERNAL".into(),
                 field: None,
                 message: "a refusal without its receipt".into(),
@@ -564,7 +422,7 @@ impl Tools {
     ) -> Result<Value, ToolError> {
         let contract_id = id(&input.contract_id, "contract_id")?;
         let reason = text(&input.reason, "reason")?;
-        let body = body(Some(self.agent.header()), contract_id.clone(), reason);
+        let body = body(Some(self.link.agent.header()), contract_id.clone(), reason);
         self.lifecycle(&contract_id, body).await
     }
 
@@ -573,33 +431,10 @@ impl Tools {
         contract_id: &[u8],
         body: B,
     ) -> Result<Value, ToolError> {
-        let request = B::request(self.signed(B::PAYLOAD_TYPE, &body));
-        let receipt = self.send(request, B::call).await.map(B::receipt)?;
+        let request = B::request(self.link.signed(B::PAYLOAD_TYPE, &body));
+        let receipt = self.link.send(request, B::call).await.map(B::receipt)?;
         Self::receipt(contract_id, receipt)
     }
-}
-
-/// A request that can be sent again as is.
-trait Sendable: Clone + Send + 'static {
-    type Response;
-}
-
-macro_rules! sendable {
-    ($($request:ident => $response:ident),* $(,)?) => {$(
-        impl Sendable for pb::$request {
-            type Response = pb::$response;
-        }
-    )*};
-}
-
-sendable! {
-    OpenRootRequest => OpenRootResponse,
-    DelegateRequest => DelegateResponse,
-    AcceptRequest => AcceptResponse,
-    DeclineRequest => DeclineResponse,
-    CompleteRequest => CompleteResponse,
-    EscalateRequest => EscalateResponse,
-    RevokeRequest => RevokeResponse,
 }
 
 /// A lifecycle body: its request, its call and its receipt.
@@ -648,14 +483,40 @@ lifecycle! {
 #[tool_router(router = tool_router)]
 impl Tools {
     /// Who this server signs as.
-    #[tool(description = "Your agent identity: public key, key id and address-book name.")]
+    #[tool(
+        description = "Your agent identity (public key, key id, address-book name) and the open contracts you hold as delegate, newest first: each with its status, ledger, deadline and task."
+    )]
     async fn whoami(&self, Parameters(_): Parameters<Empty>) -> Answer {
-        let key = self.agent.public_key();
-        answer(Ok(json!({
-            "public_key": hex::encode(key),
-            "key_id": crate::crypto::key_id(&key),
-            "name": self.names.get(&key),
-        })))
+        let run = async {
+            let key = self.link.agent.public_key();
+            let request = pb::ListHeldRequest {
+                role: pb::HeldRole::Delegate as i32,
+                page_size: MAX_HELD_LISTED,
+                page_token: Vec::new(),
+            };
+            let page = self
+                .link
+                .read(|mut client| {
+                    let request = request.clone();
+                    async move { client.list_held(request).await }
+                })
+                .await?
+                .into_inner();
+            let held: Vec<Value> = page
+                .contracts
+                .iter()
+                .map(|state| self.held(state))
+                .collect();
+            Ok(json!({
+                "public_key": hex::encode(key),
+                "key_id": crate::crypto::key_id(&key),
+                "name": self.names.get(&key),
+                "held": held,
+                // The newest are listed; `tree` on a root shows the rest.
+                "more_held": !page.next_page_token.is_empty(),
+            }))
+        };
+        answer(run.await)
     }
 
     #[tool(
@@ -689,7 +550,7 @@ impl Tools {
                 .transpose()?
                 .unwrap_or_default();
             let body = pb::AcceptBody {
-                header: Some(self.agent.header()),
+                header: Some(self.link.agent.header()),
                 contract_id: contract_id.clone(),
                 host_public_key: host,
             };
@@ -718,7 +579,7 @@ impl Tools {
                 return Err(ToolError::input("consumed", "must be 0 or more"));
             }
             let body = pb::CompleteBody {
-                header: Some(self.agent.header()),
+                header: Some(self.link.agent.header()),
                 contract_id: contract_id.clone(),
                 output_json,
                 report: None,
@@ -808,12 +669,13 @@ impl Tools {
     async fn tree(&self, Parameters(input): Parameters<ContractInput>) -> Answer {
         let run = async {
             let contract_id = id(&input.contract_id, "contract_id")?;
-            let mut client = self.reader().await?;
+            let mut client = self.link.reader().await?;
             let data = crate::cli::tree::fetch(&mut client, &contract_id, MAX_TREE_CONTRACTS)
                 .await
                 .map_err(|e| match e.downcast::<tonic::Status>() {
                     Ok(status) => ToolError::from(status),
                     Err(e) => ToolError {
+                        details: Default::default(),
                         reason: "UNAVAILABLE".into(),
                         field: None,
                         message: e.to_string(),
@@ -822,11 +684,7 @@ impl Tools {
             let mut text = crate::cli::tree::render(&data, &self.names);
             // A model's context is small: cut long drawings, and say so.
             if text.len() > MAX_TREE_TEXT_BYTES {
-                let mut cut = MAX_TREE_TEXT_BYTES;
-                while !text.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                text.truncate(cut);
+                text = cut(&text, MAX_TREE_TEXT_BYTES);
                 text.push_str("\n… cut: call tree on a contract further down to see the rest\n");
             }
             Ok::<_, ToolError>(text)
@@ -843,7 +701,7 @@ impl Tools {
     async fn verify_chain(&self, Parameters(input): Parameters<ContractInput>) -> Answer {
         let run = async {
             let contract_id = id(&input.contract_id, "contract_id")?;
-            let mut client = self.reader().await?;
+            let mut client = self.link.reader().await?;
             let keys = client
                 .get_broker_keys(pb::GetBrokerKeysRequest {})
                 .await?
@@ -865,6 +723,7 @@ impl Tools {
             let hops =
                 crate::chain::verify_chain(&sealed, &verified, Some(&leaf)).map_err(|e| {
                     ToolError {
+                        details: Default::default(),
                         reason: "CHAIN_INVALID".into(),
                         field: None,
                         message: e.to_string(),
@@ -900,7 +759,7 @@ impl Tools {
             ));
         }
         let body = pb::OpenRootBody {
-            header: Some(self.agent.header()),
+            header: Some(self.link.agent.header()),
             intent: text(&input.intent, "intent")?,
             task: String::new(),
             budget: input.budget,
@@ -917,19 +776,38 @@ impl Tools {
             labels: labels.into_iter().collect(),
         };
         let request = pb::OpenRootRequest {
-            signed: self.signed(payload_type::OPEN_ROOT, &body),
+            signed: self.link.signed(payload_type::OPEN_ROOT, &body),
         };
         let response = self
+            .link
             .send(request, |mut c, r| async move { c.open_root(r).await })
             .await?;
         match response.issued {
             Some(issued) => Ok(self.issued(&issued)),
             None => Err(ToolError {
+                details: Default::default(),
                 reason: "INTERNAL".into(),
                 field: None,
                 message: "OpenRoot answered without a contract".into(),
             }),
         }
+    }
+
+    /// One contract of `whoami`'s list.
+    fn held(&self, state: &pb::ContractState) -> Value {
+        let contract = state
+            .contract
+            .as_ref()
+            .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+            .unwrap_or_default();
+        json!({
+            "contract_id": hex::encode(&state.contract_id),
+            "status": status_name(state.status),
+            "depth": contract.depth,
+            "ledger": ledger(state.ledger.as_ref()),
+            "deadline": crate::cli::tree::rfc3339(contract.deadline_ms),
+            "task": cut(&contract.task, MAX_HELD_TASK_BYTES),
+        })
     }
 
     fn issued(&self, issued: &pb::IssuedContract) -> Value {
@@ -993,12 +871,13 @@ impl Tools {
             .as_ref()
             .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
             .ok_or_else(|| ToolError {
+                details: Default::default(),
                 reason: "INTERNAL".into(),
                 field: None,
                 message: "the broker sent a parent contract that does not decode".into(),
             })?;
         let body = pb::DelegateBody {
-            header: Some(self.agent.header()),
+            header: Some(self.link.agent.header()),
             parent_id,
             intent_lineage_hash: parent_contract.intent_lineage_hash.clone(),
             task,
@@ -1016,9 +895,10 @@ impl Tools {
             result_schema_json: String::new(),
         };
         let request = pb::DelegateRequest {
-            signed: self.signed(payload_type::DELEGATE, &body),
+            signed: self.link.signed(payload_type::DELEGATE, &body),
         };
         let response = self
+            .link
             .send(request, |mut c, r| async move { c.delegate(r).await })
             .await?;
         Ok(match response.outcome {
@@ -1026,6 +906,7 @@ impl Tools {
             Some(pb::delegate_response::Outcome::Refused(refused)) => Err(refused),
             None => {
                 return Err(ToolError {
+                    details: Default::default(),
                     reason: "INTERNAL".into(),
                     field: None,
                     message: "Delegate answered neither issued nor refused".into(),
@@ -1150,10 +1031,16 @@ mod tests {
 
     #[test]
     fn grpc_codes_read_as_their_canonical_names() {
-        assert_eq!(code_name_of(tonic::Code::NotFound), "NOT_FOUND");
-        assert_eq!(code_name_of(tonic::Code::Unavailable), "UNAVAILABLE");
         assert_eq!(
-            code_name_of(tonic::Code::FailedPrecondition),
+            super::super::link::code_name_of(tonic::Code::NotFound),
+            "NOT_FOUND"
+        );
+        assert_eq!(
+            super::super::link::code_name_of(tonic::Code::Unavailable),
+            "UNAVAILABLE"
+        );
+        assert_eq!(
+            super::super::link::code_name_of(tonic::Code::FailedPrecondition),
             "FAILED_PRECONDITION"
         );
     }

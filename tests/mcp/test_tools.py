@@ -9,7 +9,9 @@ initialize handshake) and `mode="auto"` (the SDK's default: it probes
 
 - the tool list: the expected names, every input (and output) schema a valid
   Draft 2020-12 JSON Schema;
-- `whoami` for each agent: its public key, key id and address-book name;
+- `whoami` for each agent: its public key, key id and address-book name,
+  and the open contracts it holds (an issued contract listed, gone once
+  completed);
 - seed 001's chain: the planner's over-budget liable child is refused as a
   tool error (NO_RETRY_HEADROOM, requested 5, allowed 12) that reserves
   nothing; the corrected call (13) is issued at depth 2 and leaves the
@@ -567,6 +569,13 @@ def test_seed_001_chain_over_mcp(broker: Broker, mode: str) -> None:
             assert ledger_of(mine)["residual"] == 13, mine
             assert mine["write_scope"] == [], mine
 
+            # whoami lists it among the executor's open work (ListHeld).
+            me = await ok(outputs, executor, "whoami", {})
+            held = {c["contract_id"]: c for c in me["held"]}
+            assert executor_id in held, f"whoami does not list the issued contract: {me}"
+            assert (held[executor_id]["status"], held[executor_id]["task"]) == ("OPEN", executor_task), held
+            assert planner_id not in held, f"the executor does not hold the planner's contract: {me}"
+
             accepted = await ok(outputs, executor, "accept", {"contract_id": executor_id})
             assert (accepted["contract_id"], accepted["status"]) == (executor_id, "ACCEPTED"), accepted
             assert_hex_id(accepted["receipt_id"], "the acceptance's receipt_id")
@@ -590,6 +599,8 @@ def test_seed_001_chain_over_mcp(broker: Broker, mode: str) -> None:
             assert (ledger["spent"], ledger["reserved"], ledger["residual"]) == (4, 0, 21), ledger
             mine = await ok(outputs, executor, "get_contract", {"contract_id": executor_id})
             assert mine["status"] == "COMPLETED", mine
+            me = await ok(outputs, executor, "whoami", {})
+            assert executor_id not in {c["contract_id"] for c in me["held"]}, f"a completed contract is still held: {me}"
 
             # The orchestrator's tree: the three contracts, each indented below its parent.
             drawn = await call(outputs, orchestrator, "tree", {"contract_id": root_id})

@@ -1,0 +1,400 @@
+//! `delegation-broker mcp gateway`: an MCP server in front of an agent's
+//! own tool servers that is the host of its contract (issue 25, item 2).
+//! It serves the union of their tools and, for every call: refuses it as a
+//! tool error, before it reaches a tool server, when the contract has
+//! ended or expired, when its metered units exceed the residual, or when
+//! it mutates a path outside the write scope (or lets that through and
+//! records it, in record mode); else forwards it, and records what it saw
+//! — the call, its units, the paths it read and mutated — as host
+//! observations (RecordReceipts, batched, signed with the host key)
+//! *before* answering, so a call the model saw answered is in the broker
+//! whatever happens to the gateway afterwards. The broker judges the
+//! delegate's completion on these observations, not on its claim.
+
+pub mod config;
+mod recorder;
+pub mod rules;
+mod upstream;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::Message as _;
+use rmcp::ErrorData;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+
+use self::config::{GatewayConfig, OutOfScope, ToolRule};
+use self::recorder::Recorder;
+use self::rules::ContractView;
+use self::upstream::Upstream;
+use crate::clock::Clock as _;
+use crate::mcp::link::{Link, ToolError};
+use crate::pb;
+
+/// The `_meta` key a call may name its contract with (64 hex), when the
+/// gateway hosts several.
+pub const CONTRACT_META_KEY: &str = "delegation-broker/contract_id";
+
+/// One served tool: where it goes and what its calls record.
+struct Route {
+    server: usize,
+    /// The tool's name on its server.
+    upstream: String,
+    /// `"<server>.<tool>"`: the name receipts record and rules are keyed by.
+    qualified: String,
+    rule: ToolRule,
+}
+
+struct Inner {
+    link: Link,
+    recorder: Recorder,
+    mode: OutOfScope,
+    pinned: Option<[u8; 32]>,
+    /// The contract found by its host key, kept while it stays open.
+    found: tokio::sync::Mutex<Option<[u8; 32]>>,
+    servers: Vec<Upstream>,
+    routes: HashMap<String, Route>,
+    tools: Vec<Tool>,
+    call_timeout: Duration,
+}
+
+/// The MCP server; clones share one gateway.
+#[derive(Clone)]
+pub struct Gateway(Arc<Inner>);
+
+impl Gateway {
+    /// Reads the host key, starts every tool server and lists their tools.
+    pub async fn start(
+        config: GatewayConfig,
+        channel: tonic::transport::Channel,
+    ) -> anyhow::Result<Self> {
+        let agent = crate::cli::audit::agent_from_key_file(&config.key_file)?;
+        let link = Link::new(agent, channel);
+        let mut servers = Vec::new();
+        for server in &config.servers {
+            servers.push(Upstream::connect(server).await?);
+        }
+        let (routes, tools) = route(&servers, &config);
+        for (name, route) in &routes {
+            tracing::info!(tool = %name, upstream = %route.qualified, "serving");
+        }
+        let pinned = config
+            .contract
+            .as_deref()
+            .and_then(|c| hex::decode(c).ok())
+            .and_then(|b| <[u8; 32]>::try_from(b).ok());
+        Ok(Self(Arc::new(Inner {
+            recorder: Recorder::start(link.clone()),
+            link,
+            mode: config.out_of_scope,
+            pinned,
+            found: tokio::sync::Mutex::new(None),
+            servers,
+            routes,
+            tools,
+            call_timeout: Duration::from_millis(config.call_timeout_ms),
+        })))
+    }
+
+    /// The host key's public key, hex.
+    pub fn host(&self) -> String {
+        hex::encode(self.0.link.agent.public_key())
+    }
+
+    async fn call(&self, request: CallToolRequestParams) -> Result<CallToolResult, ToolError> {
+        let gateway = &self.0;
+        let Some(route) = gateway.routes.get(request.name.as_ref()) else {
+            let name = crate::mcp::link::cut(&request.name, 256);
+            return Err(ToolError::new(
+                "UNKNOWN_TOOL",
+                format!("no tool {name:?} here: tools/list names the tools served"),
+            ));
+        };
+        // Cheap checks first: the arguments' size and depth, their paths.
+        rules::check_arguments(request.arguments.as_ref())?;
+        let paths = rules::paths(&route.rule, request.arguments.as_ref())?;
+        let named = request
+            .meta
+            .as_ref()
+            .and_then(|m| m.0.0.get(CONTRACT_META_KEY))
+            .map(|v| {
+                v.as_str()
+                    .and_then(|s| hex::decode(s).ok())
+                    .and_then(|b| <[u8; 32]>::try_from(b).ok())
+                    .ok_or_else(|| {
+                        ToolError::input(
+                            CONTRACT_META_KEY,
+                            "_meta names a contract that is not 64 hex",
+                        )
+                    })
+            })
+            .transpose()?;
+        let (contract, view) = self.contract(named).await?;
+        let now_ms = crate::clock::SystemClock.now_ms();
+        rules::admit(&view, now_ms, route.rule.units, &paths, gateway.mode)?;
+        // Forwarded as the model sent it, under the tool's own name; of
+        // `_meta` only the trace context goes on.
+        let mut forward = CallToolRequestParams::new(route.upstream.clone());
+        forward.arguments = request.arguments.clone();
+        forward.meta = trace_meta(request.meta.as_ref());
+        let upstream = &gateway.servers[route.server];
+        let answered = upstream.call(forward, gateway.call_timeout).await;
+        let result = match answered {
+            Ok(result) => Ok(result),
+            // It ran and answered, too much to hand back: recorded.
+            Err(error) if error.reason == "RESULT_TOO_LARGE" => Err(error),
+            // No answer: whether it ran is unknown, nothing is recorded.
+            Err(error) => return Err(error),
+        };
+        let failed = match &result {
+            Ok(r) => r.is_error == Some(true),
+            Err(_) => false,
+        };
+        let structured = result
+            .as_ref()
+            .ok()
+            .and_then(|r| r.structured_content.as_ref());
+        let units = rules::units_of(&route.rule, structured).unwrap_or_else(|| {
+            tracing::warn!(tool = %route.qualified, "the result carries no units at units_from: recorded unmetered");
+            0
+        });
+        // A failed call is recorded as a call, without the paths it meant
+        // to touch.
+        let recorded_paths = if failed {
+            rules::Paths::default()
+        } else {
+            paths
+        };
+        let observations = rules::observations(&route.qualified, units, &recorded_paths, now_ms);
+        gateway.recorder.record(contract, observations).await?;
+        result
+    }
+
+    /// The contract a call is for, and its state now: the one the call's
+    /// `_meta` names, else the configured one, else the one open contract
+    /// whose host is this gateway's key.
+    async fn contract(
+        &self,
+        named: Option<[u8; 32]>,
+    ) -> Result<([u8; 32], ContractView), ToolError> {
+        let gateway = &self.0;
+        if let Some(id) = named.or(gateway.pinned) {
+            return Ok((id, self.view(id).await?));
+        }
+        let mut found = gateway.found.lock().await;
+        if let Some(id) = *found {
+            let view = self.view(id).await?;
+            if matches!(
+                view.status,
+                pb::ContractStatus::Open | pb::ContractStatus::Accepted
+            ) {
+                return Ok((id, view));
+            }
+            // Ended: is there a new one for this host?
+            *found = None;
+            match self.hosted().await? {
+                Some(next) if next != id => {}
+                _ => return Ok((id, view)),
+            }
+        }
+        let id = self.hosted().await?.ok_or_else(|| {
+            ToolError::new(
+                "NO_CONTRACT",
+                format!(
+                    "no open contract names this gateway's key ({}) as its host: the principal names it at Delegate, or the delegate at Accept",
+                    crate::crypto::key_id(&gateway.link.agent.public_key())
+                ),
+            )
+        })?;
+        *found = Some(id);
+        Ok((id, self.view(id).await?))
+    }
+
+    /// The one open contract hosted by this key; an error when several are.
+    async fn hosted(&self) -> Result<Option<[u8; 32]>, ToolError> {
+        let request = pb::ListHeldRequest {
+            role: pb::HeldRole::Host as i32,
+            page_size: 2,
+            page_token: Vec::new(),
+        };
+        let page = self
+            .0
+            .link
+            .read(|mut client| {
+                let request = request.clone();
+                async move { client.list_held(request).await }
+            })
+            .await?
+            .into_inner();
+        match page.contracts.as_slice() {
+            [] => Ok(None),
+            [one] => Ok(<[u8; 32]>::try_from(one.contract_id.as_slice()).ok()),
+            several => Err(ToolError::new(
+                "NO_CONTRACT",
+                format!(
+                    "this gateway hosts several open contracts ({} and more): name one in the call's _meta under {CONTRACT_META_KEY:?}, or in the config's `contract`",
+                    several
+                        .iter()
+                        .map(|c| hex::encode(&c.contract_id))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        }
+    }
+
+    async fn view(&self, id: [u8; 32]) -> Result<ContractView, ToolError> {
+        let request = pb::GetContractRequest {
+            contract_id: id.to_vec(),
+        };
+        let state = self
+            .0
+            .link
+            .read(|mut client| {
+                let request = request.clone();
+                async move { client.get_contract(request).await }
+            })
+            .await?
+            .into_inner()
+            .contract
+            .ok_or_else(|| {
+                ToolError::new("INTERNAL", "the broker answered without the contract")
+            })?;
+        let contract = state
+            .contract
+            .as_ref()
+            .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+            .ok_or_else(|| {
+                ToolError::new(
+                    "INTERNAL",
+                    "the broker sent a contract that does not decode",
+                )
+            })?;
+        Ok(ContractView {
+            status: pb::ContractStatus::try_from(state.status)
+                .unwrap_or(pb::ContractStatus::Unspecified),
+            deadline_ms: contract.deadline_ms,
+            residual: state.ledger.map_or(0, |l| l.residual),
+            write_scope: contract.write_scope,
+        })
+    }
+}
+
+/// The served tools: each under its own name, or `<server>.<tool>` when
+/// two servers offer the same name.
+fn route(servers: &[Upstream], config: &GatewayConfig) -> (HashMap<String, Route>, Vec<Tool>) {
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for server in servers {
+        for tool in &server.tools {
+            *count.entry(tool.name.as_ref()).or_default() += 1;
+        }
+    }
+    let mut routes = HashMap::new();
+    let mut tools = Vec::new();
+    for (i, server) in servers.iter().enumerate() {
+        for tool in &server.tools {
+            let qualified = format!("{}.{}", server.name, tool.name);
+            let served = if count[tool.name.as_ref()] > 1 {
+                qualified.clone()
+            } else {
+                tool.name.to_string()
+            };
+            if routes.contains_key(&served) {
+                // A server listing one name twice: the first is served.
+                continue;
+            }
+            let mut listed = tool.clone();
+            listed.name = served.clone().into();
+            tools.push(listed);
+            routes.insert(
+                served,
+                Route {
+                    server: i,
+                    upstream: tool.name.to_string(),
+                    rule: config.tools.get(&qualified).cloned().unwrap_or_default(),
+                    qualified,
+                },
+            );
+        }
+    }
+    (routes, tools)
+}
+
+/// The W3C trace context of a call's `_meta`, to pass on.
+fn trace_meta(
+    meta: Option<&rmcp::model::RequestMetaObject>,
+) -> Option<rmcp::model::RequestMetaObject> {
+    let meta = meta?;
+    let mut out = rmcp::model::RequestMetaObject::default();
+    for key in ["traceparent", "tracestate"] {
+        if let Some(value) = meta
+            .0
+            .0
+            .get(key)
+            .filter(|v| v.as_str().is_some_and(|s| s.len() <= 512))
+        {
+            out.0.0.insert(key.into(), value.clone());
+        }
+    }
+    (!out.0.0.is_empty()).then_some(out)
+}
+
+impl rmcp::ServerHandler for Gateway {
+    fn get_info(&self) -> ServerConfig {
+        let mut config = ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+            "Your tools, behind the delegation broker's host: every call is checked against your contract (open, within budget and write scope) and recorded. A refused call is a tool error naming why, with requested and allowed values.",
+        );
+        config.server_info = rmcp::model::Implementation::new(
+            "delegation-broker-gateway",
+            env!("CARGO_PKG_VERSION"),
+        );
+        config
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(self.0.tools.clone()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let tool = request.name.clone();
+        let result = match self.call(request).await {
+            Ok(result) => result,
+            Err(error) => {
+                tracing::info!(tool = %tool, reason = %error.reason, "tool call refused or failed");
+                error.result()
+            }
+        };
+        Ok(result.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_trace_context_is_passed_on() {
+        let mut meta = rmcp::model::RequestMetaObject::default();
+        meta.0
+            .0
+            .insert("traceparent".into(), "00-abc-def-01".into());
+        meta.0.0.insert(CONTRACT_META_KEY.into(), "ff".into());
+        meta.0.0.insert("tracestate".into(), "x".repeat(600).into());
+        let passed = trace_meta(Some(&meta)).expect("a traceparent");
+        assert_eq!(passed.0.0.len(), 1);
+        assert!(trace_meta(None).is_none());
+    }
+}
