@@ -11,6 +11,7 @@
 
 pub mod gateway;
 mod link;
+mod resources;
 mod tools;
 
 use std::collections::BTreeMap;

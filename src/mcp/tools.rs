@@ -43,6 +43,9 @@ const MAX_HELD_TASK_BYTES: usize = 512;
 #[derive(Clone)]
 pub struct Tools {
     link: Link,
+    /// The `contract://` resources followed for `resources/subscribe`, by
+    /// URI (at most `resources::MAX_SUBSCRIPTIONS`).
+    subscriptions: Arc<std::sync::Mutex<HashMap<String, tokio::task::AbortHandle>>>,
     names: Arc<BTreeMap<[u8; 32], String>>,
     by_name: Arc<HashMap<String, [u8; 32]>>,
     arguments: Arc<ArgumentCheck>,
@@ -252,6 +255,7 @@ impl Tools {
         let arguments = Arc::new(ArgumentCheck::new(&tool_router.list_all())?);
         Ok(Self {
             link: Link::new(agent, channel),
+            subscriptions: Arc::default(),
             names: Arc::new(names),
             by_name: Arc::new(by_name),
             arguments,
@@ -639,26 +643,7 @@ impl Tools {
     async fn get_contract(&self, Parameters(input): Parameters<ContractInput>) -> Answer {
         let run = async {
             let contract_id = id(&input.contract_id, "contract_id")?;
-            let state = self.contract(&contract_id).await?;
-            let contract = state
-                .contract
-                .as_ref()
-                .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-                .unwrap_or_default();
-            Ok(json!({
-                "contract_id": hex::encode(&contract_id),
-                "status": status_name(state.status),
-                "depth": contract.depth,
-                "delegate": self.who(&contract.delegate_public_key),
-                "budget": contract.budget,
-                "ledger": ledger(state.ledger.as_ref()),
-                "deadline_ms": contract.deadline_ms,
-                "deadline": crate::cli::tree::rfc3339(contract.deadline_ms),
-                "effective_predicate": state.effective_predicate,
-                "write_scope": contract.write_scope,
-                "task": contract.task,
-                "cumulative_trust_ppm": contract.cumulative_trust_ppm,
-            }))
+            self.contract_json(&contract_id).await
         };
         answer(run.await)
     }
@@ -791,6 +776,30 @@ impl Tools {
                 message: "OpenRoot answered without a contract".into(),
             }),
         }
+    }
+
+    /// A contract as `get_contract` and the `contract://` resource show it.
+    async fn contract_json(&self, contract_id: &[u8]) -> Result<Value, ToolError> {
+        let state = self.contract(contract_id).await?;
+        let contract = state
+            .contract
+            .as_ref()
+            .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+            .unwrap_or_default();
+        Ok(json!({
+            "contract_id": hex::encode(contract_id),
+            "status": status_name(state.status),
+            "depth": contract.depth,
+            "delegate": self.who(&contract.delegate_public_key),
+            "budget": contract.budget,
+            "ledger": ledger(state.ledger.as_ref()),
+            "deadline_ms": contract.deadline_ms,
+            "deadline": crate::cli::tree::rfc3339(contract.deadline_ms),
+            "effective_predicate": state.effective_predicate,
+            "write_scope": contract.write_scope,
+            "task": contract.task,
+            "cumulative_trust_ppm": contract.cumulative_trust_ppm,
+        }))
     }
 
     /// One contract of `whoami`'s list.
@@ -983,8 +992,138 @@ impl ServerHandler for Tools {
         self.tool_router.call(call).await
     }
 
+    async fn list_resource_templates(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListResourceTemplatesResult, rmcp::ErrorData> {
+        Ok(rmcp::model::ListResourceTemplatesResult::with_all_items(
+            super::resources::templates(),
+        ))
+    }
+
+    async fn read_resource(
+        &self,
+        request: rmcp::model::ReadResourceRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ReadResourceResponse, rmcp::ErrorData> {
+        let contract_id = super::resources::parse(&request.uri)?;
+        let value = self.contract_json(&contract_id).await.map_err(|e| {
+            rmcp::ErrorData::resource_not_found(format!("{}: {}", e.reason, e.message), None)
+        })?;
+        Ok(rmcp::model::ReadResourceResult::new(vec![
+            rmcp::model::ResourceContents::text(value.to_string(), request.uri)
+                .with_mime_type("application/json"),
+        ])
+        .into())
+    }
+
+    #[allow(deprecated)]
+    async fn subscribe(
+        &self,
+        request: rmcp::model::SubscribeRequestParams,
+        context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<(), rmcp::ErrorData> {
+        let contract_id = super::resources::parse(&request.uri)?;
+        let mut subscriptions = self.subscriptions.lock().unwrap_or_else(|p| p.into_inner());
+        subscriptions.retain(|_, task| !task.is_finished());
+        if subscriptions.contains_key(&request.uri) {
+            return Ok(());
+        }
+        if subscriptions.len() >= super::resources::MAX_SUBSCRIPTIONS {
+            return Err(rmcp::ErrorData::invalid_request(
+                format!(
+                    "at most {} contracts are followed at once: unsubscribe one first",
+                    super::resources::MAX_SUBSCRIPTIONS
+                ),
+                None,
+            ));
+        }
+        let uri = request.uri.clone();
+        let peer = context.peer;
+        let task = tokio::spawn(super::resources::follow(
+            self.link.clone(),
+            contract_id,
+            move || {
+                let (peer, uri) = (peer.clone(), uri.clone());
+                async move {
+                    peer.notify_resource_updated(
+                        rmcp::model::ResourceUpdatedNotificationParam::new(uri),
+                    )
+                    .await
+                    .is_ok()
+                }
+            },
+        ));
+        subscriptions.insert(request.uri, task.abort_handle());
+        Ok(())
+    }
+
+    #[allow(deprecated)]
+    async fn unsubscribe(
+        &self,
+        request: rmcp::model::UnsubscribeRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<(), rmcp::ErrorData> {
+        let mut subscriptions = self.subscriptions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(task) = subscriptions.remove(&request.uri) {
+            task.abort();
+        }
+        Ok(())
+    }
+
+    fn accepted_subscription_filter(
+        &self,
+        requested: &rmcp::model::SubscriptionFilter,
+    ) -> Option<rmcp::model::SubscriptionFilter> {
+        let mut accepted = rmcp::model::SubscriptionFilter::default();
+        accepted.resource_subscriptions = requested.resource_subscriptions.as_ref().map(|uris| {
+            uris.iter()
+                .filter(|uri| super::resources::parse(uri).is_ok())
+                .take(super::resources::MAX_SUBSCRIPTIONS)
+                .cloned()
+                .collect()
+        });
+        Some(accepted)
+    }
+
+    async fn listen(
+        &self,
+        context: rmcp::service::SubscriptionContext,
+    ) -> Result<(), rmcp::ErrorData> {
+        let uris = context
+            .accepted()
+            .resource_subscriptions
+            .clone()
+            .unwrap_or_default();
+        let mut follows = tokio::task::JoinSet::new();
+        for uri in uris {
+            let Ok(contract_id) = super::resources::parse(&uri) else {
+                continue;
+            };
+            let sink = context.sink().clone();
+            follows.spawn(super::resources::follow(
+                self.link.clone(),
+                contract_id,
+                move || {
+                    let (sink, uri) = (sink.clone(), uri.clone());
+                    async move { sink.notify_resource_updated(uri).await.is_ok() }
+                },
+            ));
+        }
+        context.cancelled().await;
+        follows.abort_all();
+        Ok(())
+    }
+
     fn get_info(&self) -> ServerConfig {
-        let mut config = ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        let mut config = ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_resources()
+                .enable_resources_subscribe()
+                .build(),
+        )
             .with_instructions(
                 "Delegation through the broker: open_root or hold a contract, delegate parts of it, accept/complete what is delegated to you. Refusals list each violated invariant with requested and allowed values.",
             );

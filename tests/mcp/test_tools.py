@@ -199,7 +199,12 @@ def make_agents(broker: Broker, names: list[str]) -> tuple[dict[str, Agent], Pat
 
 
 async def connect(
-    stack: AsyncExitStack, broker: Broker, agent: Agent, names_file: Path, mode: str
+    stack: AsyncExitStack,
+    broker: Broker,
+    agent: Agent,
+    names_file: Path,
+    mode: str,
+    message_handler: Any = None,
 ) -> Client:
     params = StdioServerParameters(
         command=broker.bin,
@@ -216,7 +221,12 @@ async def connect(
         env={"RUST_LOG": os.environ.get("RUST_LOG", "info"), "NO_COLOR": "1"},
     )
     errlog = stack.enter_context(open(agent.log_path, "w"))
-    client = Client(stdio_client(params, errlog=errlog), mode=mode, read_timeout_seconds=CALL_TIMEOUT_S)
+    client = Client(
+        stdio_client(params, errlog=errlog),
+        mode=mode,
+        read_timeout_seconds=CALL_TIMEOUT_S,
+        message_handler=message_handler,
+    )
     try:
         await stack.enter_async_context(client)
     except BaseException as error:  # the handshake itself failed: say which mode and show the server's log
@@ -698,3 +708,74 @@ def test_decline_escalate_revoke(broker: Broker, mode: str) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", *sys.argv[1:]]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_contract_resource_follows_the_contract(broker: Broker, mode: str) -> None:
+    """`contract://{id}`: a template, the contract as JSON, and a
+    subscription (resources/subscribe before 2026-07-28, subscriptions/listen
+    from it) that hears of a delegation below the contract."""
+    agents, names_file = make_agents(broker, ["orchestrator", "planner"])
+    orchestrator = agents["orchestrator"]
+    outputs = Outputs()
+    updates: list[str] = []
+    heard = anyio.Event()
+
+    async def on_message(message: Any) -> None:  # legacy subscriptions arrive here
+        root = getattr(message, "root", message)
+        if getattr(root, "method", None) == "notifications/resources/updated":
+            updates.append(root.params.uri)
+            heard.set()
+
+    async def test() -> None:
+        async with AsyncExitStack() as stack:
+            client = await connect(stack, broker, orchestrator, names_file, mode, on_message)
+            templates = await client.list_resource_templates()
+            assert [t.uri_template for t in templates.resource_templates] == ["contract://{contract_id}"], templates
+            root = await ok(outputs, orchestrator, "open_root", {"intent": "resources", "budget": 50})
+            uri = f"contract://{root['contract_id']}"
+            read = await client.read_resource(uri)
+            state = json.loads(read.contents[0].text)
+            assert (state["contract_id"], state["status"]) == (root["contract_id"], "OPEN"), state
+            assert ledger_of(state)["reserved"] == 0, state
+            with pytest.raises(MCPError):
+                await client.read_resource("contract://not-hex")
+
+            async def delegate_then_read() -> dict[str, Any]:
+                nonlocal heard
+                # The stored events (the root's issuance) are heard first...
+                with anyio.fail_after(20):
+                    await heard.wait()
+                heard = anyio.Event()
+                before = len(updates)
+                # ...then the delegation below it, live.
+                await ok(
+                    outputs,
+                    orchestrator,
+                    "delegate",
+                    {"parent_id": root["contract_id"], "delegate": "planner", "task": "t", "budget": 20, "ttl_ms": 600_000},
+                )
+                with anyio.fail_after(20):
+                    await heard.wait()
+                assert len(updates) > before and updates[-1] == uri, updates
+                return json.loads((await client.read_resource(uri)).contents[0].text)
+
+            if client.protocol_version >= "2026-07-28":
+                async with client.listen(resource_subscriptions=[uri]) as subscription:
+                    async def consume() -> None:
+                        async for event in subscription:
+                            updates.append(getattr(event, "uri", repr(event)))
+                            heard.set()
+
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(consume)
+                        after = await delegate_then_read()
+                        group.cancel_scope.cancel()
+            else:
+                await client.subscribe_resource(uri)
+                after = await delegate_then_read()
+                await client.unsubscribe_resource(uri)
+            assert updates, "no update was heard"
+            assert ledger_of(after)["reserved"] == 20, f"the contract read after the update: {after}"
+
+    run(test, agents)
