@@ -230,6 +230,14 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_example_is_a_valid_config() {
+        let config: GatewayConfig =
+            toml::from_str(include_str!("../../../examples/mcp/gateway.toml")).expect("parses");
+        config.check().expect("valid");
+        assert_eq!(config.servers.len(), 1);
+    }
+
+    #[test]
     fn each_mistake_names_its_key() {
         let server = "[[servers]]\nname = \"fs\"\ncommand = \"x\"\n";
         for (text, needle) in [
