@@ -154,11 +154,14 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // `serve` and `bench` install their own (they may export traces, from
-    // their runtime).
-    if !matches!(cli.command, Command::Serve { .. } | Command::Bench(_))
-        && let Err(e) = crate::telemetry::init(format, None, 1.0)
-    {
+    // `serve`, `bench` and `mcp gateway` install their own (they may
+    // export traces, from their runtime).
+    let own = match &cli.command {
+        Command::Serve { .. } | Command::Bench(_) => true,
+        Command::Mcp(args) => args.installs_telemetry(),
+        _ => false,
+    };
+    if !own && let Err(e) = crate::telemetry::init(format, None, 1.0) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }

@@ -46,6 +46,18 @@ pub struct GatewayArgs {
     /// Serve streamable HTTP at http://ADDR/mcp instead of stdio.
     #[arg(long)]
     pub listen: Option<String>,
+    /// Export the spans of tool calls over OTLP/gRPC to this collector
+    /// (e.g. http://127.0.0.1:4317).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+impl McpArgs {
+    /// Whether the command sets up logging itself (the gateway: it may
+    /// export spans, from its runtime).
+    pub fn installs_telemetry(&self) -> bool {
+        matches!(self.command, McpCommand::Gateway(_))
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -102,11 +114,18 @@ fn broker_channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
 
 fn serve_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let config = gateway::config::GatewayConfig::load(&args.config)?;
+    // reqwest (HTTP upstreams) takes the process's rustls provider; one
+    // already installed is as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let format = crate::telemetry::LogFormat::from_env()?;
     runtime()?.block_on(async {
+        let telemetry = crate::telemetry::init(format, args.otlp_endpoint.as_deref(), 1.0)?;
         let channel = broker_channel(&config.broker)?;
         let gateway = gateway::Gateway::start(config, channel).await?;
         tracing::info!(host = %gateway.host(), "MCP gateway ready");
-        serve(gateway, args.listen.as_deref()).await
+        let served = serve(gateway, args.listen.as_deref()).await;
+        telemetry.shutdown().await;
+        served
     })
 }
 

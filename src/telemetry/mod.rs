@@ -696,3 +696,56 @@ pub fn recording() -> bool {
 
 #[cfg(test)]
 mod tests;
+
+/// A span of this process around an outgoing step (the MCP gateway's tool
+/// calls), exported when an OTLP endpoint is configured: a child of the
+/// W3C `traceparent` the step came with, and the parent its downstream
+/// calls name in theirs.
+pub struct StepSpan {
+    span: opentelemetry_sdk::trace::Span,
+}
+
+impl StepSpan {
+    /// Starts one, when spans are exported (`None` otherwise). A
+    /// `traceparent` longer than the limit or malformed starts a new trace.
+    pub fn start(name: &'static str, traceparent: Option<&str>) -> Option<Self> {
+        use opentelemetry::propagation::TextMapPropagator as _;
+        use opentelemetry::trace::{SpanKind, Tracer as _};
+        let tracer = EXPORT.get()?;
+        let mut carrier = std::collections::HashMap::new();
+        if let Some(value) = traceparent.filter(|v| v.len() <= MAX_TRACE_HEADER_BYTES) {
+            carrier.insert("traceparent".to_owned(), value.to_owned());
+        }
+        let parent =
+            opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&carrier);
+        let span = tracer
+            .span_builder(name)
+            .with_kind(SpanKind::Client)
+            .start_with_context(tracer, &parent);
+        Some(Self { span })
+    }
+
+    /// The `traceparent` naming this span, for the calls made under it.
+    pub fn traceparent(&self) -> String {
+        use opentelemetry::trace::Span as _;
+        let context = self.span.span_context();
+        format!(
+            "00-{}-{}-{:02x}",
+            context.trace_id(),
+            context.span_id(),
+            context.trace_flags().to_u8()
+        )
+    }
+
+    pub fn attribute(&mut self, key: &'static str, value: String) {
+        use opentelemetry::trace::Span as _;
+        self.span
+            .set_attribute(opentelemetry::KeyValue::new(key, value));
+    }
+
+    pub fn end(mut self) {
+        use opentelemetry::trace::Span as _;
+        self.span.end();
+        SPANS.ended.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Acceptance (a) of issue 25: `delegation-broker mcp tools` driven over stdio by
-# the official Python MCP SDK, in both of its connect modes (legacy, auto).
+# Acceptance (a–d) of issue 25: `delegation-broker mcp tools` and `mcp gateway`
+# driven over stdio by the official Python MCP SDK, in both of its connect
+# modes (legacy, auto).
 #   1. .venv: created (or reused) with the exact pins below,
-#   2. pytest on test_tools.py: it starts its own broker (`serve`), makes three
-#      agent keys (`keygen`) and spawns one `mcp tools` per agent, all from
-#      $BROKER_BIN.
+#   2. pytest on test_tools.py and test_gateway.py: each starts its own broker
+#      (`serve`), makes agent keys (`keygen`) and spawns `mcp tools` per agent
+#      and `mcp gateway` processes (in front of servers/*.py, run on the
+#      venv's Python), all from $BROKER_BIN.
 #
 #   BROKER_BIN=/path/to/delegation-broker tests/mcp/run-tests.sh [pytest args]
 #
@@ -53,7 +55,7 @@ if [[ "$(cat "$VENV/.installed-stamp" 2>/dev/null || true)" != "$stamp" ]]; then
     echo "$stamp" >"$VENV/.installed-stamp"
 fi
 
-step "pytest test_tools.py (broker: $BROKER_BIN)"
+step "pytest test_tools.py test_gateway.py (broker: $BROKER_BIN)"
 cd "$HERE"
 export PYTHONDONTWRITEBYTECODE=1
-exec "$VENV/bin/python" -m pytest -p no:cacheprovider --rootdir "$HERE" -v "$@" "$HERE/test_tools.py"
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider --rootdir "$HERE" -v "$@" "$HERE/test_tools.py" "$HERE/test_gateway.py"

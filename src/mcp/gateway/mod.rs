@@ -106,7 +106,39 @@ impl Gateway {
         hex::encode(self.0.link.agent.public_key())
     }
 
+    /// One call, in a span of its own when spans are exported: a child of
+    /// the call's `_meta.traceparent`, and the parent of what the gateway
+    /// asks the broker and the tool server for it.
     async fn call(&self, request: CallToolRequestParams) -> Result<CallToolResult, ToolError> {
+        let sent = request
+            .meta
+            .as_ref()
+            .and_then(|m| m.0.0.get("traceparent"))
+            .and_then(|v| v.as_str())
+            .filter(|v| valid_traceparent(v))
+            .map(str::to_owned);
+        let mut span = crate::telemetry::StepSpan::start("mcp.gateway/tools/call", sent.as_deref());
+        let trace = span.as_ref().map(|s| s.traceparent()).or(sent);
+        let result = self.call_traced(request, trace).await;
+        if let Some(span) = &mut span {
+            let outcome = match &result {
+                Ok(r) if r.is_error == Some(true) => "tool_error".to_owned(),
+                Ok(_) => "ok".to_owned(),
+                Err(e) => e.reason.clone(),
+            };
+            span.attribute("mcp.outcome", outcome);
+        }
+        if let Some(span) = span {
+            span.end();
+        }
+        result
+    }
+
+    async fn call_traced(
+        &self,
+        request: CallToolRequestParams,
+        trace: Option<String>,
+    ) -> Result<CallToolResult, ToolError> {
         let gateway = &self.0;
         let Some(route) = gateway.routes.get(request.name.as_ref()) else {
             let name = crate::mcp::link::cut(&request.name, 256);
@@ -134,14 +166,14 @@ impl Gateway {
                     })
             })
             .transpose()?;
-        let (contract, view) = self.contract(named).await?;
+        let (contract, view) = self.contract(named, trace.as_deref()).await?;
         let now_ms = crate::clock::SystemClock.now_ms();
         rules::admit(&view, now_ms, route.rule.units, &paths, gateway.mode)?;
         // Forwarded as the model sent it, under the tool's own name; of
         // `_meta` only the trace context goes on.
         let mut forward = CallToolRequestParams::new(route.upstream.clone());
         forward.arguments = request.arguments.clone();
-        forward.meta = trace_meta(request.meta.as_ref());
+        forward.meta = trace.as_deref().map(trace_meta);
         let upstream = &gateway.servers[route.server];
         let answered = upstream.call(forward, gateway.call_timeout).await;
         let result = match answered {
@@ -171,7 +203,10 @@ impl Gateway {
             paths
         };
         let observations = rules::observations(&route.qualified, units, &recorded_paths, now_ms);
-        gateway.recorder.record(contract, observations).await?;
+        gateway
+            .recorder
+            .record(contract, observations, trace)
+            .await?;
         result
     }
 
@@ -181,14 +216,15 @@ impl Gateway {
     async fn contract(
         &self,
         named: Option<[u8; 32]>,
+        trace: Option<&str>,
     ) -> Result<([u8; 32], ContractView), ToolError> {
         let gateway = &self.0;
         if let Some(id) = named.or(gateway.pinned) {
-            return Ok((id, self.view(id).await?));
+            return Ok((id, self.view(id, trace).await?));
         }
         let mut found = gateway.found.lock().await;
         if let Some(id) = *found {
-            let view = self.view(id).await?;
+            let view = self.view(id, trace).await?;
             if matches!(
                 view.status,
                 pb::ContractStatus::Open | pb::ContractStatus::Accepted
@@ -212,7 +248,7 @@ impl Gateway {
             )
         })?;
         *found = Some(id);
-        Ok((id, self.view(id).await?))
+        Ok((id, self.view(id, trace).await?))
     }
 
     /// The one open contract hosted by this key; an error when several are.
@@ -248,7 +284,7 @@ impl Gateway {
         }
     }
 
-    async fn view(&self, id: [u8; 32]) -> Result<ContractView, ToolError> {
+    async fn view(&self, id: [u8; 32], trace: Option<&str>) -> Result<ContractView, ToolError> {
         let request = pb::GetContractRequest {
             contract_id: id.to_vec(),
         };
@@ -256,7 +292,7 @@ impl Gateway {
             .0
             .link
             .read(|mut client| {
-                let request = request.clone();
+                let request = traced(request.clone(), trace);
                 async move { client.get_contract(request).await }
             })
             .await?
@@ -325,23 +361,31 @@ fn route(servers: &[Upstream], config: &GatewayConfig) -> (HashMap<String, Route
     (routes, tools)
 }
 
-/// The W3C trace context of a call's `_meta`, to pass on.
-fn trace_meta(
-    meta: Option<&rmcp::model::RequestMetaObject>,
-) -> Option<rmcp::model::RequestMetaObject> {
-    let meta = meta?;
-    let mut out = rmcp::model::RequestMetaObject::default();
-    for key in ["traceparent", "tracestate"] {
-        if let Some(value) = meta
-            .0
-            .0
-            .get(key)
-            .filter(|v| v.as_str().is_some_and(|s| s.len() <= 512))
-        {
-            out.0.0.insert(key.into(), value.clone());
-        }
+/// A `traceparent` as W3C writes it (version 00): passed on only then.
+fn valid_traceparent(value: &str) -> bool {
+    let parts: Vec<&str> = value.split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    parts.len() == 4
+        && hex(parts[0], 2)
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2)
+}
+
+/// The `_meta` a forwarded call carries: the trace context only.
+fn trace_meta(traceparent: &str) -> rmcp::model::RequestMetaObject {
+    let mut meta = rmcp::model::RequestMetaObject::default();
+    meta.0.0.insert("traceparent".into(), traceparent.into());
+    meta
+}
+
+/// A request to the broker carrying the trace context, when there is one.
+pub(crate) fn traced<T>(message: T, trace: Option<&str>) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(value) = trace.and_then(|t| t.parse().ok()) {
+        request.metadata_mut().insert("traceparent", value);
     }
-    (!out.0.0.is_empty()).then_some(out)
+    request
 }
 
 impl rmcp::ServerHandler for Gateway {
@@ -386,15 +430,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_trace_context_is_passed_on() {
-        let mut meta = rmcp::model::RequestMetaObject::default();
-        meta.0
-            .0
-            .insert("traceparent".into(), "00-abc-def-01".into());
-        meta.0.0.insert(CONTRACT_META_KEY.into(), "ff".into());
-        meta.0.0.insert("tracestate".into(), "x".repeat(600).into());
-        let passed = trace_meta(Some(&meta)).expect("a traceparent");
-        assert_eq!(passed.0.0.len(), 1);
-        assert!(trace_meta(None).is_none());
+    fn only_a_w3c_traceparent_is_passed_on() {
+        assert!(valid_traceparent(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        ));
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473x-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        ] {
+            assert!(!valid_traceparent(bad), "{bad}");
+        }
+        let meta = trace_meta("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        assert_eq!(meta.0.0.len(), 1);
+        let request = traced(
+            (),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        );
+        assert!(request.metadata().get("traceparent").is_some());
+        assert!(traced((), None).metadata().get("traceparent").is_none());
     }
 }

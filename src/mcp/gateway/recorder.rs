@@ -23,6 +23,8 @@ const MAX_CALLS_PER_ROUND: usize = 1024;
 pub struct Entry {
     pub contract: [u8; 32],
     pub observations: Vec<pb::Observation>,
+    /// The call's trace context; a request carries its first entry's.
+    pub trace: Option<String>,
     pub done: oneshot::Sender<Result<(), ToolError>>,
 }
 
@@ -70,11 +72,13 @@ impl Recorder {
         &self,
         contract: [u8; 32],
         observations: Vec<pb::Observation>,
+        trace: Option<String>,
     ) -> Result<(), ToolError> {
         let (done, recorded) = oneshot::channel();
         let entry = Entry {
             contract,
             observations,
+            trace,
             done,
         };
         let stopped = || ToolError::new("NOT_RECORDED", "the gateway's recorder has stopped");
@@ -126,8 +130,12 @@ async fn send(link: Link, entries: Vec<Entry>) {
     let request = pb::RecordReceiptsRequest {
         signed: link.signed(payload_type::RECORD_RECEIPTS, &body),
     };
+    let trace = entries.iter().find_map(|e| e.trace.clone());
     let outcome = link
-        .send(request, |mut client, request| async move { client.record_receipts(request).await })
+        .send(request, |mut client, request| {
+            let request = super::traced(request, trace.as_deref());
+            async move { client.record_receipts(request).await }
+        })
         .await
         .map(|_| ())
         .inspect_err(|error| {

@@ -119,7 +119,13 @@ impl Upstream {
                     format!("server {:?} failed {tool}: {message}", self.name),
                 ));
             }
-            Ok(Ok(result)) => result,
+            // The gateway may speak a newer protocol to its client than
+            // the server spoke to it: a result is complete (rmcp drops the
+            // field again for clients of older versions).
+            Ok(Ok(mut result)) => {
+                result.result_type = Some(rmcp::model::ResultType::COMPLETE);
+                result
+            }
         };
         let size = serde_json::to_vec(&result).map_or(usize::MAX, |b| b.len());
         if size > MAX_RESULT_BYTES {
