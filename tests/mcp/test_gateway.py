@@ -151,7 +151,8 @@ def gbroker() -> Any:
             stdout=subprocess.PIPE,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "NO_COLOR": "1"},
+            # A JSON line per answered call, with its trace id (the trace test).
+            env={**os.environ, "NO_COLOR": "1", "BROKER_LOG_FORMAT": "json", "BROKER_LOG": "info,delegation_broker=debug"},
         )
     lines: queue.Queue[str] = queue.Queue()
 
@@ -699,7 +700,8 @@ def test_scope_budget_and_audit(gbroker: ConsoleBroker, mode: str) -> None:
             result = await forwarded(refusing, "write_file", {"path": "out/report.txt", "content": "hello"})
             assert result.structured_content == {"path": "out/report.txt", "bytes": 5}, _brief_result(result)
             assert (root_a / "out/report.txt").read_text() == "hello"
-            assert log_lines(log_a)[-1] == {
+            received = {k: v for k, v in log_lines(log_a)[-1].items() if k != "meta"}
+            assert received == {
                 "tool": "write_file", "arguments": {"path": "out/report.txt", "content": "hello"}
             }, "fs_server did not receive the call as the agent made it"
             await assert_spent(outputs, worker, c1, 2, "write_file (2 units)")
@@ -1246,3 +1248,62 @@ def test_streamable_http_upstream(gbroker: ConsoleBroker) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", *sys.argv[1:]]))
+
+
+# --------------------------------------------------------------------------
+# traces: _meta.traceparent goes on to the tool server and the broker
+# --------------------------------------------------------------------------
+
+
+def test_trace_context_goes_on(gbroker: ConsoleBroker) -> None:
+    """A call sent with `_meta.traceparent` reaches the tool server with the
+    same trace (and nothing else of `_meta`), and the broker's calls made
+    for it (GetContract, RecordReceipts) are in that trace (the broker's
+    JSON log lines carry each call's trace id)."""
+    mode = "legacy"
+    agents, names_file = make_agents(gbroker, ["orchestrator", "worker", "host"])
+    orchestrator, worker = agents["orchestrator"], agents["worker"]
+    outputs = Outputs()
+    home = Path(tempfile.mkdtemp(prefix="fs-", dir=gbroker.workdir))
+    log = home / "fs.log"
+    gateways: list[Gateway] = []
+    trace_id = os.urandom(16).hex()
+    traceparent = f"00-{trace_id}-{os.urandom(8).hex()}-01"
+
+    async def test() -> None:
+        async with AsyncExitStack() as stack:
+            for agent in (orchestrator, worker):
+                await connect(stack, gbroker, agent, names_file, mode)
+            root_id = await open_root(outputs, orchestrator, "gateway-trace")
+            contract = await issue(outputs, orchestrator, worker, root_id, agents["host"], 10, "write out/t.txt")
+            gateway = make_gateway(gbroker, "trace", agents["host"], [fs_server("fs", home / "root", log)], fs_tools("fs"))
+            gateways.append(gateway)
+            client = await open_gateway(stack, gbroker, gateway, mode)
+            result = await client.call_tool(
+                "write_file",
+                {"path": "out/t.txt", "content": "traced"},
+                meta={"traceparent": traceparent, "delegation-broker/contract_id": contract, "secret": "x"},
+            )
+            assert not result.is_error, _brief_result(result)
+            received = [line.get("meta") or {} for line in log_lines(log)]
+            assert len(received) == 1, received
+            assert received[0].get("traceparent", "").split("-")[1:2] == [trace_id], received
+            assert "secret" not in received[0] and "delegation-broker/contract_id" not in received[0], received
+            # The broker's lines for the gateway's calls carry the trace id.
+            def traced_methods() -> set[str]:
+                methods = set()
+                for raw in gbroker.stderr_path.read_text(errors="replace").splitlines():
+                    try:
+                        line = json.loads(raw)
+                    except ValueError:
+                        continue
+                    span = line.get("span") or {}
+                    if line.get("fields", {}).get("message") == "call answered" and span.get("trace_id") == trace_id:
+                        methods.add(span.get("rpc.method"))
+                return methods
+
+            with anyio.fail_after(10):
+                while not {"GetContract", "RecordReceipts"} <= traced_methods():
+                    await anyio.sleep(0.1)
+
+    run(test, agents, gateways, gbroker)

@@ -410,9 +410,13 @@ impl rmcp::ServerHandler for Gateway {
 
     async fn call_tool(
         &self,
-        request: CallToolRequestParams,
-        _context: RequestContext<RoleServer>,
+        mut request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
+        // rmcp moves the request's `_meta` into the context.
+        if request.meta.is_none() && !context.meta.0.0.is_empty() {
+            request.meta = Some(context.meta);
+        }
         let tool = request.name.clone();
         let result = match self.call(request).await {
             Ok(result) => result,

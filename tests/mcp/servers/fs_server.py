@@ -75,7 +75,10 @@ def build(root: Path, log: Path, delay_ms: int = 0, name: str = "fs") -> MCPServ
         async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> Any:
             if ctx.method == "tools/call":
                 params = dict(ctx.params or {})
-                line = json.dumps({"tool": params.get("name"), "arguments": params.get("arguments")}, sort_keys=True)
+                line = json.dumps(
+                    {"tool": params.get("name"), "arguments": params.get("arguments"), "meta": params.get("_meta")},
+                    sort_keys=True,
+                )
                 with open(log, "a", encoding="utf-8") as out:
                     out.write(line + "\n")
                     out.flush()
