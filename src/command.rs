@@ -142,4 +142,8 @@ pub struct ObservationIn {
     pub tool: String,
     pub units: i64,
     pub at_ms: i64,
+    /// Tool calls: SHA-256 of the arguments, when the host gave it.
+    pub arguments_sha256: Option<[u8; 32]>,
+    /// Tool calls: how the call ended (UNSPECIFIED when not said).
+    pub outcome: pb::ToolOutcome,
 }

@@ -589,7 +589,8 @@ fn body(u: &mut Unstructured<'_>, kind: Kind) -> arbitrary::Result<Vec<u8>> {
                         tool: word(u, &["shell", "edit", ""])?,
                         units: int(u, MAX_BUDGET_UNITS)?,
                         at_ms: u.arbitrary()?,
-                        ..Default::default()
+                        arguments_sha256: vec![7; *u.choose(&[0usize, 32, 31])?],
+                        outcome: u.int_in_range(0..=3)?,
                     })
                 })
                 .collect::<arbitrary::Result<_>>()?,

@@ -501,12 +501,35 @@ pub mod lifecycle {
                 "body.observations.tool",
             )?;
             let units = core::non_negative(o.units, MAX_BUDGET_UNITS, "body.observations.units")?;
+            let is_call = kind == pb::ObservationKind::ToolCall;
+            let arguments_sha256 = match o.arguments_sha256.len() {
+                0 => None,
+                32 if is_call => o.arguments_sha256.as_slice().try_into().ok(),
+                _ => {
+                    return Err(InputError::new(
+                        "body.observations.arguments_sha256",
+                        "must be empty, or 32 bytes on a TOOL_CALL",
+                    ));
+                }
+            };
+            let outcome = match pb::ToolOutcome::try_from(o.outcome) {
+                Ok(pb::ToolOutcome::Unspecified) => pb::ToolOutcome::Unspecified,
+                Ok(outcome) if is_call => outcome,
+                _ => {
+                    return Err(InputError::new(
+                        "body.observations.outcome",
+                        "must be UNSPECIFIED, or SUCCEEDED or FAILED on a TOOL_CALL",
+                    ));
+                }
+            };
             observations.push(ObservationIn {
                 kind,
                 path: o.path,
                 tool: o.tool,
                 units,
                 at_ms: o.at_ms,
+                arguments_sha256,
+                outcome,
             });
         }
         Ok((contract_id, Action::Record { observations }))

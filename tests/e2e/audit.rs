@@ -57,6 +57,7 @@ async fn run(
                 tool: String::new(),
                 units: 0,
                 at_ms: now_ms(),
+                ..Default::default()
             })
             .collect();
         observations.extend(w.mutations.iter().map(|p| mutation(p, 0)));
@@ -305,4 +306,63 @@ async fn two_arms_aggregate_to_the_expected_table() {
     assert_eq!(csv.lines().count(), 3, "{csv}");
     assert!(csv.starts_with("arm,runs,contracts"), "{csv}");
     broker.stop().await;
+}
+
+/// A host may say of each tool call its arguments' digest and how it ended
+/// (what the MCP gateway records); anything else in those fields is
+/// INVALID_ARGUMENT naming the field, and nothing is recorded.
+#[tokio::test]
+async fn a_tool_calls_digest_and_outcome_are_checked() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let mut body = child(&root.id, &root.lineage, &delegate, 20);
+    body.host_public_key = host.public_key().to_vec();
+    let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let said = pb::Observation {
+        arguments_sha256: vec![9; 32],
+        outcome: pb::ToolOutcome::Failed as i32,
+        ..tool_call("write_file", 1)
+    };
+    let receipt = broker.record(&host, &id, vec![said.clone()]).await.unwrap();
+    assert_eq!(receipt.observations, 1);
+    for (bad, field) in [
+        (
+            pb::Observation {
+                arguments_sha256: vec![9; 31],
+                ..said.clone()
+            },
+            "body.observations.arguments_sha256",
+        ),
+        (
+            pb::Observation {
+                outcome: 7,
+                ..said.clone()
+            },
+            "body.observations.outcome",
+        ),
+        (
+            pb::Observation {
+                arguments_sha256: vec![9; 32],
+                ..mutation("src/a", 0)
+            },
+            "body.observations.arguments_sha256",
+        ),
+        (
+            pb::Observation {
+                outcome: pb::ToolOutcome::Succeeded as i32,
+                ..mutation("src/a", 0)
+            },
+            "body.observations.outcome",
+        ),
+    ] {
+        let status = broker.record(&host, &id, vec![bad]).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(
+            status.message().contains(field) || format!("{status:?}").contains(field),
+            "{field}: {status:?}"
+        );
+    }
+    let audit = audit(&mut broker, &id).await;
+    assert_eq!(audit.tool_calls, 1, "only the valid call was recorded");
 }

@@ -805,6 +805,7 @@ pub fn mutation(path: &str, units: i64) -> pb::Observation {
         tool: String::new(),
         units,
         at_ms: now_ms(),
+        ..Default::default()
     }
 }
 
@@ -829,6 +830,7 @@ pub fn tool_call(tool: &str, units: i64) -> pb::Observation {
         tool: tool.into(),
         units,
         at_ms: now_ms(),
+        ..Default::default()
     }
 }
 

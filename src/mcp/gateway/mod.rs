@@ -183,10 +183,13 @@ impl Gateway {
             // No answer: whether it ran is unknown, nothing is recorded.
             Err(error) => return Err(error),
         };
-        let failed = match &result {
-            Ok(r) => r.is_error == Some(true),
-            Err(_) => false,
+        let outcome = match &result {
+            Ok(r) if r.is_error == Some(true) => pb::ToolOutcome::Failed,
+            Ok(_) => pb::ToolOutcome::Succeeded,
+            // Answered, but withheld: how is not looked at.
+            Err(_) => pb::ToolOutcome::Unspecified,
         };
+        let failed = outcome == pb::ToolOutcome::Failed;
         let structured = result
             .as_ref()
             .ok()
@@ -202,7 +205,13 @@ impl Gateway {
         } else {
             paths
         };
-        let observations = rules::observations(&route.qualified, units, &recorded_paths, now_ms);
+        let call = rules::CallFacts {
+            units,
+            arguments_sha256: rules::arguments_sha256(request.arguments.as_ref()),
+            outcome,
+            at_ms: now_ms,
+        };
+        let observations = rules::observations(&route.qualified, call, &recorded_paths);
         gateway
             .recorder
             .record(contract, observations, trace)

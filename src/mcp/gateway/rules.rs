@@ -219,13 +219,35 @@ pub fn units_of(rule: &ToolRule, structured: Option<&Value>) -> Option<i64> {
 
 /// The observations one answered call is recorded as: the call, then each
 /// read and mutation.
-pub fn observations(tool: &str, units: i64, paths: &Paths, at_ms: i64) -> Vec<pb::Observation> {
+/// What the host says of the call itself beside its name.
+#[derive(Clone, Copy, Debug)]
+pub struct CallFacts {
+    pub units: i64,
+    pub arguments_sha256: [u8; 32],
+    pub outcome: pb::ToolOutcome,
+    pub at_ms: i64,
+}
+
+/// SHA-256 of a call's arguments: their JSON, object keys sorted, no
+/// whitespace (no arguments: `{}`).
+pub fn arguments_sha256(arguments: Option<&JsonObject>) -> [u8; 32] {
+    let json = arguments.map_or_else(
+        || b"{}".to_vec(),
+        |a| serde_json::to_vec(a).unwrap_or_default(),
+    );
+    crate::crypto::sha256(&json)
+}
+
+pub fn observations(tool: &str, call: CallFacts, paths: &Paths) -> Vec<pb::Observation> {
+    let CallFacts { units, at_ms, .. } = call;
     let tool = crate::mcp::link::cut(tool, MAX_TOOL_NAME_BYTES);
     let mut out = vec![pb::Observation {
         kind: pb::ObservationKind::ToolCall as i32,
         tool: tool.clone(),
         units,
         at_ms,
+        arguments_sha256: call.arguments_sha256.to_vec(),
+        outcome: call.outcome as i32,
         ..Default::default()
     }];
     for path in &paths.reads {
@@ -399,7 +421,19 @@ mod tests {
             reads: vec!["in/a".into()],
             mutates: vec![("path".into(), "out/b".into())],
         };
-        let made = observations("fs.write_file", 2, &paths, 7);
+        let call = CallFacts {
+            units: 2,
+            arguments_sha256: arguments_sha256(Some(&object(json!({"b": 1, "a": [2]})))),
+            outcome: pb::ToolOutcome::Succeeded,
+            at_ms: 7,
+        };
+        // Keys sorted, no whitespace: the digest of a known text.
+        assert_eq!(
+            call.arguments_sha256,
+            crate::crypto::sha256(br#"{"a":[2],"b":1}"#)
+        );
+        assert_eq!(arguments_sha256(None), crate::crypto::sha256(b"{}"));
+        let made = observations("fs.write_file", call, &paths);
         let kinds: Vec<i32> = made.iter().map(|o| o.kind).collect();
         assert_eq!(
             kinds,
@@ -414,7 +448,7 @@ mod tests {
             (2, 0, "out/b")
         );
         assert!(
-            observations(&"é".repeat(200), 0, &Paths::default(), 0)[0]
+            observations(&"é".repeat(200), call, &Paths::default())[0]
                 .tool
                 .len()
                 <= MAX_TOOL_NAME_BYTES

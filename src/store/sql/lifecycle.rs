@@ -417,7 +417,7 @@ pub(crate) async fn write_state<D: Dialect>(
                 ));
             };
             let mut query = QueryBuilder::<D>::new(
-                "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms) ",
+                "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms, arguments_sha256, outcome) ",
             );
             query.push_values(observations, |mut b, o| {
                 b.push_arg(target.seq)
@@ -425,7 +425,9 @@ pub(crate) async fn write_state<D: Dialect>(
                     .push_arg(o.path.as_str())
                     .push_arg(o.tool.as_str())
                     .push_arg(o.units)
-                    .push_arg(o.at_ms);
+                    .push_arg(o.at_ms)
+                    .push_arg(o.arguments_sha256.map(|d| d.to_vec()))
+                    .push_arg(i64::from(o.outcome as i32));
             });
             query.build().run(&mut *conn).await?;
             sqlx::query::<D>("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, metered_uncharged = $4 WHERE seq = $5")

@@ -101,6 +101,8 @@ pub async fn a_judgment_made_before_an_observation_is_made_again<S: Judged, G>(
                 tool: "shell".into(),
                 units: 0,
                 at_ms: clock.now_ms(),
+                arguments_sha256: None,
+                outcome: pb::ToolOutcome::Unspecified,
             };
             let recorded = receipt(
                 store
@@ -340,6 +342,8 @@ pub async fn the_writer_never_judges_a_completion_made_stale_by_an_observation<S
                 tool: String::new(),
                 units: 0,
                 at_ms: 0,
+                arguments_sha256: None,
+                outcome: pb::ToolOutcome::Unspecified,
             }],
         },
     };
@@ -550,6 +554,8 @@ pub async fn a_host_recording_during_every_judgment_cannot_loop_the_judges<S: Ju
                         tool: "search".into(),
                         units: 0,
                         at_ms: SystemClock.now_ms(),
+                        arguments_sha256: None,
+                        outcome: pb::ToolOutcome::Unspecified,
                     }],
                 },
             };

@@ -49,6 +49,14 @@ pub fn observation(kind: pb::ObservationKind, path: &str, units: i64) -> Observa
         tool: "tool".into(),
         units,
         at_ms: 1,
+        // Tool calls carry what a gateway says of them, so every backend
+        // stores both columns.
+        arguments_sha256: (kind == pb::ObservationKind::ToolCall).then_some([1; 32]),
+        outcome: if kind == pb::ObservationKind::ToolCall {
+            pb::ToolOutcome::Failed
+        } else {
+            pb::ToolOutcome::Unspecified
+        },
     }
 }
 

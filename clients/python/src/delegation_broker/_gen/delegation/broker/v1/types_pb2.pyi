@@ -66,6 +66,12 @@ class ObservationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OBSERVATION_KIND_TOOL_CALL: _ClassVar[ObservationKind]
     OBSERVATION_KIND_READ: _ClassVar[ObservationKind]
     OBSERVATION_KIND_MUTATION: _ClassVar[ObservationKind]
+
+class ToolOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_OUTCOME_UNSPECIFIED: _ClassVar[ToolOutcome]
+    TOOL_OUTCOME_SUCCEEDED: _ClassVar[ToolOutcome]
+    TOOL_OUTCOME_FAILED: _ClassVar[ToolOutcome]
 LIABILITY_UNSPECIFIED: Liability
 LIABILITY_PRINCIPAL: Liability
 LIABILITY_DELEGATE: Liability
@@ -108,6 +114,9 @@ OBSERVATION_KIND_UNSPECIFIED: ObservationKind
 OBSERVATION_KIND_TOOL_CALL: ObservationKind
 OBSERVATION_KIND_READ: ObservationKind
 OBSERVATION_KIND_MUTATION: ObservationKind
+TOOL_OUTCOME_UNSPECIFIED: ToolOutcome
+TOOL_OUTCOME_SUCCEEDED: ToolOutcome
+TOOL_OUTCOME_FAILED: ToolOutcome
 
 class Envelope(_message.Message):
     __slots__ = ("payload_type", "payload", "signatures")
@@ -335,18 +344,22 @@ class Receipt(_message.Message):
     def __init__(self, broker_key_id: _Optional[str] = ..., kind: _Optional[_Union[ReceiptKind, str]] = ..., contract_id: _Optional[bytes] = ..., root_id: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., requester_public_key: _Optional[bytes] = ..., at_ms: _Optional[int] = ..., primary: _Optional[_Union[InvariantCode, str]] = ..., violations: _Optional[_Iterable[_Union[Violation, _Mapping]]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ..., escalation: _Optional[_Union[EscalationNotice, _Mapping]] = ..., reason: _Optional[str] = ..., revoked_ids: _Optional[_Iterable[bytes]] = ..., observations: _Optional[int] = ...) -> None: ...
 
 class Observation(_message.Message):
-    __slots__ = ("kind", "path", "tool", "units", "at_ms")
+    __slots__ = ("kind", "path", "tool", "units", "at_ms", "arguments_sha256", "outcome")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
     kind: ObservationKind
     path: str
     tool: str
     units: int
     at_ms: int
-    def __init__(self, kind: _Optional[_Union[ObservationKind, str]] = ..., path: _Optional[str] = ..., tool: _Optional[str] = ..., units: _Optional[int] = ..., at_ms: _Optional[int] = ...) -> None: ...
+    arguments_sha256: bytes
+    outcome: ToolOutcome
+    def __init__(self, kind: _Optional[_Union[ObservationKind, str]] = ..., path: _Optional[str] = ..., tool: _Optional[str] = ..., units: _Optional[int] = ..., at_ms: _Optional[int] = ..., arguments_sha256: _Optional[bytes] = ..., outcome: _Optional[_Union[ToolOutcome, str]] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("broker_key_id", "agent_public_key", "issued_at_ms", "expires_at_ms")
