@@ -10,7 +10,7 @@
 //! MCP.
 
 pub mod gateway;
-mod link;
+pub mod link;
 mod resources;
 mod tools;
 

@@ -779,3 +779,37 @@ def test_contract_resource_follows_the_contract(broker: Broker, mode: str) -> No
             assert ledger_of(after)["reserved"] == 20, f"the contract read after the update: {after}"
 
     run(test, agents)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streamable_http_listen(broker: Broker, mode: str) -> None:
+    """`mcp tools --listen 127.0.0.1:0`: the address on stdout, the same
+    tools over streamable HTTP, whoami answered, in both connect modes."""
+    agents, _ = make_agents(broker, ["solo"])
+    agent = agents["solo"]
+    process = subprocess.Popen(
+        [broker.bin, "mcp", "tools", "--key-file", str(agent.key_file), "--addr", broker.addr,
+         "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=open(agent.log_path, "wb"), stdin=subprocess.DEVNULL,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    try:
+        first: list[bytes] = []
+        reader = threading.Thread(target=lambda: first.append(process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(30)
+        line = first[0].decode().strip() if first else ""
+        match = re.fullmatch(r"mcp on (http://127\.0\.0\.1:\d+/mcp)", line)
+        assert match, f"`mcp tools --listen` printed {line!r}, not `mcp on http://127.0.0.1:PORT/mcp`"
+
+        async def test() -> None:
+            async with Client(match.group(1), mode=mode, read_timeout_seconds=CALL_TIMEOUT_S) as client:
+                names = {tool.name for tool in (await client.list_tools()).tools}
+                assert EXPECTED_TOOLS <= names, names
+                me = await client.call_tool("whoami", {})
+                assert not me.is_error and me.structured_content["public_key"] == agent.public_key, me
+
+        run(test, agents)
+    finally:
+        process.terminate()
+        process.wait(15)

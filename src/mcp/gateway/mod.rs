@@ -12,7 +12,7 @@
 //! delegate's completion on these observations, not on its claim.
 
 pub mod config;
-mod recorder;
+pub mod recorder;
 pub mod rules;
 mod upstream;
 
