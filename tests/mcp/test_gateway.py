@@ -1307,3 +1307,50 @@ def test_trace_context_goes_on(gbroker: ConsoleBroker) -> None:
                     await anyio.sleep(0.1)
 
     run(test, agents, gateways, gbroker)
+
+
+def test_gateway_over_streamable_http(gbroker: ConsoleBroker) -> None:
+    """`mcp gateway --listen 127.0.0.1:0`: served over streamable HTTP in
+    both connect modes, the same checks and recording as on stdio."""
+    agents, names_file = make_agents(gbroker, ["orchestrator", "worker", "host"])
+    orchestrator, worker = agents["orchestrator"], agents["worker"]
+    outputs = Outputs()
+    home = Path(tempfile.mkdtemp(prefix="fs-", dir=gbroker.workdir))
+    log = home / "fs.log"
+    gateways: list[Gateway] = []
+    processes: list[subprocess.Popen[bytes]] = []
+
+    async def test() -> None:
+        async with AsyncExitStack() as stack:
+            for agent in (orchestrator, worker):
+                await connect(stack, gbroker, agent, names_file, "legacy")
+            root_id = await open_root(outputs, orchestrator, "gateway-listen")
+            contract = await issue(outputs, orchestrator, worker, root_id, agents["host"], 20, "write out/")
+            gateway = make_gateway(gbroker, "listen", agents["host"], [fs_server("fs", home / "root", log)], fs_tools("fs"))
+            gateways.append(gateway)
+            process = subprocess.Popen(
+                [gbroker.bin, "mcp", "gateway", "--config", str(gateway.config), "--listen", "127.0.0.1:0"],
+                stdout=subprocess.PIPE, stderr=open(gateway.stderr, "wb"), stdin=subprocess.DEVNULL,
+                env={**os.environ, "NO_COLOR": "1"},
+            )
+            processes.append(process)
+            line = await anyio.to_thread.run_sync(process.stdout.readline)  # type: ignore[union-attr]
+            match = re.fullmatch(r"mcp on (http://127\.0\.0\.1:\d+/mcp)", line.decode().strip())
+            assert match, f"`mcp gateway --listen` printed {line!r}\n{gateway.tail()}"
+            for i, mode in enumerate(["legacy", "auto"]):
+                async with Client(match.group(1), mode=mode, read_timeout_seconds=CALL_TIMEOUT_S) as client:
+                    gateway.client = client
+                    names = sorted(tool.name for tool in (await client.list_tools()).tools)
+                    assert names == sorted(FS_TOOLS), names
+                    await forwarded(gateway, "write_file", {"path": f"out/{mode}.txt", "content": mode})
+                    await refused(gateway, "write_file", {"path": "notes/x.txt", "content": "x"}, "OUT_OF_SCOPE", "path")
+                    assert_unreached(log, i + 1, "a write outside the scope, over HTTP")
+            audit = await get_audit(gbroker, contract)
+            assert audit["mutation_paths"] == ["out/auto.txt", "out/legacy.txt"], audit
+
+    try:
+        run(test, agents, gateways, gbroker)
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(15)
