@@ -70,7 +70,12 @@ where
         };
         let stream = match link.reader().await {
             Ok(mut client) => client.watch(request).await.map(tonic::Response::into_inner),
-            Err(error) => Err(tonic::Status::unavailable(error.message)),
+            Err(error) => {
+                tracing::debug!(reason = %error.reason, "no read session to follow a contract");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
         };
         match stream {
             Ok(mut events) => {
