@@ -110,6 +110,26 @@ impl Link {
         }
     }
 
+    /// The first page of the agent's open contracts in `role` (ListHeld).
+    pub async fn held(
+        &self,
+        role: pb::HeldRole,
+        page_size: u32,
+    ) -> Result<pb::ListHeldResponse, ToolError> {
+        let request = pb::ListHeldRequest {
+            role: role as i32,
+            page_size,
+            page_token: Vec::new(),
+        };
+        Ok(self
+            .read(|mut client| {
+                let request = request.clone();
+                async move { client.list_held(request).await }
+            })
+            .await?
+            .into_inner())
+    }
+
     /// Signs a request body as the agent.
     pub fn signed<B: prost::Message>(&self, payload_type: &str, body: &B) -> Option<pb::Envelope> {
         Some(self.agent.sign(payload_type, body))

@@ -493,19 +493,10 @@ impl Tools {
     async fn whoami(&self, Parameters(_): Parameters<Empty>) -> Answer {
         let run = async {
             let key = self.link.agent.public_key();
-            let request = pb::ListHeldRequest {
-                role: pb::HeldRole::Delegate as i32,
-                page_size: MAX_HELD_LISTED,
-                page_token: Vec::new(),
-            };
             let page = self
                 .link
-                .read(|mut client| {
-                    let request = request.clone();
-                    async move { client.list_held(request).await }
-                })
-                .await?
-                .into_inner();
+                .held(pb::HeldRole::Delegate, MAX_HELD_LISTED)
+                .await?;
             let held: Vec<Value> = page
                 .contracts
                 .iter()

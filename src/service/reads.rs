@@ -38,6 +38,39 @@ fn page_size(requested: u32) -> Result<u32, InputError> {
     }
 }
 
+/// A page's start from its token, refusing tokens the broker never issued.
+fn page_start(token: &[u8]) -> Result<i64, InputError> {
+    match page_cursor(token)? {
+        seq if seq < 0 => Err(InputError::new(
+            "page_token",
+            "is not a token this broker issued",
+        )),
+        seq => Ok(seq),
+    }
+}
+
+/// A page of contracts as states, and the token of the next page.
+fn contract_page(
+    records: Vec<crate::store::ContractRecord>,
+    next_before: Option<i64>,
+) -> (Vec<pb::ContractState>, Vec<u8>) {
+    (
+        records.into_iter().map(convert::contract_state).collect(),
+        next_before
+            .map(|seq| seq.to_be_bytes().to_vec())
+            .unwrap_or_default(),
+    )
+}
+
+/// Refuses a page larger than a response: only a single contract larger
+/// than a whole response gets there (pages are cut at half of one).
+fn fits(size: usize, limit: usize, hint: &'static str) -> Result<(), ServiceError> {
+    if size > limit {
+        return Err(ServiceError::ResponseTooLarge { size, limit, hint });
+    }
+    Ok(())
+}
+
 impl<S: Store> BrokerService<S> {
     pub(super) async fn record(
         &self,
@@ -189,10 +222,7 @@ impl<S: Store> BrokerService<S> {
         let request = request.into_inner();
         let labels = crate::core::labels(&request.labels, "labels")?;
         let limit = page_size(request.page_size)?;
-        let before_seq = page_cursor(&request.page_token)?;
-        if before_seq < 0 {
-            return Err(InputError::new("page_token", "is not a token this broker issued").into());
-        }
+        let before_seq = page_start(&request.page_token)?;
         let response_limit = self.config.limits.max_response_bytes();
         let page = self
             .store
@@ -207,26 +237,16 @@ impl<S: Store> BrokerService<S> {
                 max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
             })
             .await?;
+        let (roots, next_page_token) = contract_page(page.roots, page.next_before);
         let response = pb::ListRootsResponse {
-            roots: page
-                .roots
-                .into_iter()
-                .map(convert::contract_state)
-                .collect(),
-            next_page_token: page
-                .next_before
-                .map(|seq| seq.to_be_bytes().to_vec())
-                .unwrap_or_default(),
+            roots,
+            next_page_token,
         };
-        // Only a single root larger than a whole response can get here.
-        let size = response.encoded_len();
-        if size > response_limit {
-            return Err(ServiceError::ResponseTooLarge {
-                size,
-                limit: response_limit,
-                hint: "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
-            });
-        }
+        fits(
+            response.encoded_len(),
+            response_limit,
+            "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+        )?;
         Ok(response)
     }
 
@@ -248,10 +268,7 @@ impl<S: Store> BrokerService<S> {
             }
         };
         let limit = page_size(request.page_size)?;
-        let before_seq = page_cursor(&request.page_token)?;
-        if before_seq < 0 {
-            return Err(InputError::new("page_token", "is not a token this broker issued").into());
-        }
+        let before_seq = page_start(&request.page_token)?;
         let response_limit = self.config.limits.max_response_bytes();
         let page = self
             .store
@@ -264,25 +281,16 @@ impl<S: Store> BrokerService<S> {
                 max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
             })
             .await?;
+        let (contracts, next_page_token) = contract_page(page.contracts, page.next_before);
         let response = pb::ListHeldResponse {
-            contracts: page
-                .contracts
-                .into_iter()
-                .map(convert::contract_state)
-                .collect(),
-            next_page_token: page
-                .next_before
-                .map(|seq| seq.to_be_bytes().to_vec())
-                .unwrap_or_default(),
+            contracts,
+            next_page_token,
         };
-        let size = response.encoded_len();
-        if size > response_limit {
-            return Err(ServiceError::ResponseTooLarge {
-                size,
-                limit: response_limit,
-                hint: "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
-            });
-        }
+        fits(
+            response.encoded_len(),
+            response_limit,
+            "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+        )?;
         Ok(response)
     }
 

@@ -546,3 +546,88 @@ async fn list_roots_shows_each_caller_its_own_trees() {
     assert_eq!(error.code(), tonic::Code::Unauthenticated);
     broker.stop().await;
 }
+
+/// ListHeld: each caller's open contracts as delegate, newest first (a
+/// root is its opener's), nothing for a stranger, none once ended; a role
+/// left unset names `role`, a bad token `page_token`.
+#[tokio::test]
+async fn list_held_shows_each_caller_its_open_work() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (first, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
+        .await
+        .unwrap()
+        .issued();
+    let (second, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
+        .await
+        .unwrap()
+        .issued();
+    let addr = broker.addr.clone();
+    let held = |agent, role, token| held(&addr, agent, role, token);
+    let stranger = Agent::generate();
+    use pb::HeldRole::{Delegate, Host, Unspecified};
+    assert_eq!(
+        held(&delegate, Delegate, vec![]).await.unwrap(),
+        [second.clone(), first.clone()]
+    );
+    assert_eq!(
+        held(&orchestrator, Delegate, vec![]).await.unwrap(),
+        std::slice::from_ref(&root.id)
+    );
+    assert!(held(&delegate, Host, vec![]).await.unwrap().is_empty());
+    assert!(held(&stranger, Delegate, vec![]).await.unwrap().is_empty());
+    broker.accept(&delegate, &first, None).await.unwrap();
+    broker
+        .complete(
+            &delegate,
+            pb::CompleteBody {
+                header: None,
+                contract_id: first.clone(),
+                output_json: "{}".into(),
+                report: None,
+                claim: "done".into(),
+                consumed: 1,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        held(&delegate, Delegate, vec![]).await.unwrap(),
+        std::slice::from_ref(&second)
+    );
+    let error = held(&delegate, Unspecified, vec![]).await.unwrap_err();
+    assert_eq!(error.code(), tonic::Code::InvalidArgument);
+    assert!(error.message().contains("role"), "{}", error.message());
+    let error = held(&delegate, Delegate, vec![1, 2]).await.unwrap_err();
+    assert!(
+        error.message().contains("page_token"),
+        "{}",
+        error.message()
+    );
+}
+
+/// The ids ListHeld gives `agent` for `role`.
+async fn held(
+    addr: &str,
+    agent: &Agent,
+    role: pb::HeldRole,
+    page_token: Vec<u8>,
+) -> Result<Vec<Vec<u8>>, tonic::Status> {
+    let mut client = connect_as(addr, agent).await;
+    let response = client
+        .list_held(pb::ListHeldRequest {
+            role: role as i32,
+            page_size: 0,
+            page_token,
+        })
+        .await?;
+    Ok(response
+        .into_inner()
+        .contracts
+        .into_iter()
+        .map(|c| c.contract_id)
+        .collect())
+}

@@ -56,7 +56,7 @@ struct Inner {
     mode: OutOfScope,
     pinned: Option<[u8; 32]>,
     /// The contract found by its host key, kept while it stays open.
-    found: tokio::sync::Mutex<Option<[u8; 32]>>,
+    found: std::sync::Mutex<Option<[u8; 32]>>,
     servers: Vec<Upstream>,
     routes: HashMap<String, Route>,
     tools: Vec<Tool>,
@@ -93,7 +93,7 @@ impl Gateway {
             link,
             mode: config.out_of_scope,
             pinned,
-            found: tokio::sync::Mutex::new(None),
+            found: std::sync::Mutex::new(None),
             servers,
             routes,
             tools,
@@ -231,8 +231,10 @@ impl Gateway {
         if let Some(id) = named.or(gateway.pinned) {
             return Ok((id, self.view(id, trace).await?));
         }
-        let mut found = gateway.found.lock().await;
-        if let Some(id) = *found {
+        // The lock is never held across a call to the broker: concurrent
+        // tool calls read the contract concurrently.
+        let cached = *gateway.found.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(id) = cached {
             let view = self.view(id, trace).await?;
             if matches!(
                 view.status,
@@ -240,12 +242,15 @@ impl Gateway {
             ) {
                 return Ok((id, view));
             }
-            // Ended: is there a new one for this host?
-            *found = None;
-            match self.hosted().await? {
-                Some(next) if next != id => {}
-                _ => return Ok((id, view)),
-            }
+            // Ended: a new contract for this host, if there is one; else
+            // this one's state, which is refused as ended.
+            return match self.hosted().await? {
+                Some(next) if next != id => {
+                    *gateway.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(next);
+                    Ok((next, self.view(next, trace).await?))
+                }
+                _ => Ok((id, view)),
+            };
         }
         let id = self.hosted().await?.ok_or_else(|| {
             ToolError::new(
@@ -256,26 +261,13 @@ impl Gateway {
                 ),
             )
         })?;
-        *found = Some(id);
+        *gateway.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
         Ok((id, self.view(id, trace).await?))
     }
 
     /// The one open contract hosted by this key; an error when several are.
     async fn hosted(&self) -> Result<Option<[u8; 32]>, ToolError> {
-        let request = pb::ListHeldRequest {
-            role: pb::HeldRole::Host as i32,
-            page_size: 2,
-            page_token: Vec::new(),
-        };
-        let page = self
-            .0
-            .link
-            .read(|mut client| {
-                let request = request.clone();
-                async move { client.list_held(request).await }
-            })
-            .await?
-            .into_inner();
+        let page = self.0.link.held(pb::HeldRole::Host, 2).await?;
         match page.contracts.as_slice() {
             [] => Ok(None),
             [one] => Ok(<[u8; 32]>::try_from(one.contract_id.as_slice()).ok()),
