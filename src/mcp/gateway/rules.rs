@@ -354,6 +354,41 @@ mod tests {
             Some(&object(json!({"path": "a".repeat(MAX_PATH_BYTES + 1)}))),
         );
         assert!(long.is_err());
+        // One argument lists at most MAX_PATHS_PER_ARGUMENT, a call at most
+        // MAX_PATHS_PER_CALL in all (so it fits one RecordReceipts).
+        let list = |n: usize| Value::from((0..n).map(|i| format!("out/{i}")).collect::<Vec<_>>());
+        let too_many = paths(
+            &rule,
+            Some(&object(json!({"also": list(MAX_PATHS_PER_ARGUMENT + 1)}))),
+        );
+        assert_eq!(
+            too_many.expect_err("one argument").field.as_deref(),
+            Some("also")
+        );
+        let wide = ToolRule {
+            mutates: (0..5).map(|i| format!("p{i}")).collect(),
+            ..Default::default()
+        };
+        let mut arguments = serde_json::Map::new();
+        for i in 0..5 {
+            arguments.insert(format!("p{i}"), list(MAX_PATHS_PER_ARGUMENT));
+        }
+        const { assert!(5 * MAX_PATHS_PER_ARGUMENT > MAX_PATHS_PER_CALL) };
+        let error = paths(&wide, Some(&arguments)).expect_err("too many in all");
+        assert!(
+            error.message.contains(&MAX_PATHS_PER_CALL.to_string()),
+            "{}",
+            error.message
+        );
+        arguments.remove("p4");
+        arguments.remove("p3");
+        assert_eq!(
+            paths(&wide, Some(&arguments))
+                .expect("three lists fit")
+                .mutates
+                .len(),
+            3 * MAX_PATHS_PER_ARGUMENT
+        );
     }
 
     #[test]
