@@ -11,6 +11,7 @@ pub mod console;
 pub mod core;
 pub mod crypto;
 pub mod keystore;
+pub mod a2a;
 pub mod mcp;
 pub mod metrics;
 pub mod pool;

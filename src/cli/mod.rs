@@ -98,6 +98,10 @@ enum Command {
     /// The broker for MCP clients: `mcp tools` serves its calls as tools
     /// for a model, on stdio, signing as one agent.
     Mcp(crate::mcp::McpArgs),
+    /// The mandatory hop for an A2A agent: admits its tasks only under a
+    /// broker contract naming it, and turns its outbound A2A calls into
+    /// Delegates (README, "A2A gateway").
+    A2aGateway(crate::a2a::A2aArgs),
     /// Verifies offline, with public keys alone: a whole chain (every
     /// contract's terms, as types.proto's "Verifying a chain" says), one
     /// receipt, or an agent's or attestor's DSSE envelope. Exit status 0
@@ -194,6 +198,7 @@ pub fn main() -> ExitCode {
         Command::Audit(args) => audit::run(args),
         Command::Tree(args) => tree::run(args),
         Command::Mcp(args) => crate::mcp::run(args),
+        Command::A2aGateway(args) => crate::a2a::run(args),
         Command::Verify {
             public_keys,
             chain,

@@ -1,0 +1,564 @@
+//! The ingress: in front of the fronted agent. A task starts only with a
+//! chain that verifies offline, names this agent as the leaf's delegate
+//! and whose contract is open and not bound to another task; nothing else
+//! reaches the agent. The gateway then follows the task (polling the agent
+//! with a bound), moves the contract as the task moves (ext::step), cancels
+//! the task when the contract is revoked or expires, and shows the
+//! broker's verdict to the caller (ext::decorate).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use a2a_pb::protojson::{self as a2a, TaskState};
+use serde_json::Value;
+
+use super::client::CallError;
+use super::ext::{self, Refused, code};
+use super::{Gateway, Rpc, Slot, broker, broker_error, now_ms, params, passed_headers};
+use crate::chain::{ChainError, verify_chain};
+use crate::core::Id;
+use crate::pb;
+
+pub(super) async fn handle(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
+    match rpc.method.as_str() {
+        "SendMessage" => send(gateway, rpc).await,
+        "GetTask" => get(gateway, rpc).await,
+        "CancelTask" => cancel(gateway, rpc).await,
+        other => Err(Refused::new(
+            code::METHOD_NOT_FOUND,
+            "INVALID_FIELD",
+            format!("{other}: not served"),
+        )
+        .into()),
+    }
+}
+
+fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, CallError> {
+    serde_json::to_value(value).map_err(|e| {
+        Refused::new(code::INTERNAL, "INTERNAL", format!("encoding the answer: {e}")).into()
+    })
+}
+
+fn slot_of(gateway: &Gateway, task_id: &str) -> Result<Arc<Slot>, Refused> {
+    let admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+    admitted.tasks.get(task_id).cloned().ok_or_else(|| {
+        Refused::new(
+            code::TASK_NOT_FOUND,
+            "NOT_FOUND",
+            format!("task {:?}: no task admitted under a contract by this gateway", ext_cut(task_id)),
+        )
+    })
+}
+
+fn ext_cut(text: &str) -> String {
+    crate::mcp::link::cut(text, 128)
+}
+
+fn check_size(message: &a2a::Message) -> Result<(), Refused> {
+    if message.parts.len() > ext::MAX_PARTS {
+        return Err(Refused::new(
+            code::INVALID_PARAMS,
+            "MESSAGE_TOO_LARGE",
+            format!("message.parts: {} parts, at most {}", message.parts.len(), ext::MAX_PARTS),
+        )
+        .with("field", "message.parts"));
+    }
+    Ok(())
+}
+
+/// Verifies a chain offline and returns its leaf, refusing what does not
+/// name this agent or has passed its deadline.
+async fn admit_chain(gateway: &Gateway, chain: &pb::GetChainResponse) -> Result<(Id, i64), Refused> {
+    let field = format!("message.metadata[{}].chain", ext::URI);
+    let sealed: Vec<pb::Sealed> = chain
+        .chain
+        .iter()
+        .map(|state| state.contract.clone().unwrap_or_default())
+        .collect();
+    let mut verified = verify_chain(&sealed, &gateway.keys(false).await?, None);
+    if matches!(verified, Err(ChainError::UnknownKey { .. })) {
+        // A key published since the gateway last read them (a rotation).
+        verified = verify_chain(&sealed, &gateway.keys(true).await?, None);
+    }
+    let hops = verified.map_err(|e| {
+        let reason = match e {
+            ChainError::Empty | ChainError::TooLong(_) | ChainError::Undecodable { .. } => {
+                "UNDECODABLE_MESSAGE"
+            }
+            _ => "BAD_SIGNATURE",
+        };
+        Refused::new(
+            code::INVALID_PARAMS,
+            reason,
+            format!("{field} does not verify against the broker's keys: {e}"),
+        )
+        .with("field", field.clone())
+    })?;
+    let leaf = hops.last().ok_or_else(|| {
+        Refused::new(code::INVALID_PARAMS, "UNDECODABLE_MESSAGE", format!("{field} is empty"))
+    })?;
+    if leaf.contract.delegate_public_key != gateway.agent_key {
+        return Err(Refused::new(
+            code::INVALID_PARAMS,
+            "NOT_DELEGATE",
+            format!(
+                "contract {} is for agent {}, not for this one ({}): ask the broker for a contract naming this agent",
+                hex::encode(leaf.id),
+                hex::encode(&leaf.contract.delegate_public_key),
+                hex::encode(gateway.agent_key)
+            ),
+        )
+        .with("contractId", hex::encode(leaf.id)));
+    }
+    if leaf.contract.deadline_ms <= now_ms() {
+        return Err(Refused::new(
+            code::INVALID_PARAMS,
+            "LATE",
+            format!(
+                "contract {} passed its deadline ({} ms since the Unix epoch)",
+                hex::encode(leaf.id),
+                leaf.contract.deadline_ms
+            ),
+        )
+        .with("contractId", hex::encode(leaf.id)));
+    }
+    Ok((leaf.id, leaf.contract.deadline_ms))
+}
+
+fn status_name(status: i32) -> String {
+    pb::ContractStatus::try_from(status)
+        .map(|s| s.as_str_name().trim_start_matches("CONTRACT_STATUS_").to_owned())
+        .unwrap_or_else(|_| status.to_string())
+}
+
+fn ended(contract_id: &Id, why: String) -> Refused {
+    Refused::new(
+        code::INVALID_PARAMS,
+        "ENDED",
+        format!("contract {}: {why}; a new task needs a new contract", hex::encode(contract_id)),
+    )
+    .with("contractId", hex::encode(contract_id))
+}
+
+/// Unbinds a contract whose task never started (a refusal or an error
+/// after binding).
+struct Binding<'a> {
+    gateway: &'a Gateway,
+    contract_id: Id,
+    kept: bool,
+}
+
+impl Drop for Binding<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            let mut admitted = self.gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+            admitted.contracts.remove(&self.contract_id);
+        }
+    }
+}
+
+fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<'a>, Refused> {
+    let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(task) = admitted.contracts.get(&contract_id) {
+        return Err(ended(
+            &contract_id,
+            match task {
+                Some(task) => format!("already bound to task {:?}", ext_cut(task)),
+                None => "a task is being started under it".into(),
+            },
+        ));
+    }
+    if admitted.tasks.len() >= gateway.config.max_tasks {
+        // Forget tasks whose contract has ended; refuse when none has.
+        let done: Vec<String> = admitted
+            .tasks
+            .iter()
+            .filter(|(_, slot)| slot.progress.try_lock().is_ok_and(|p| p.0.ended))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in done {
+            admitted.tasks.remove(&id);
+        }
+        if admitted.tasks.len() >= gateway.config.max_tasks {
+            return Err(Refused::new(
+                code::INTERNAL,
+                "OVERLOADED",
+                format!("this gateway follows {} tasks already (max_tasks)", gateway.config.max_tasks),
+            ));
+        }
+    }
+    admitted.contracts.insert(contract_id, None);
+    Ok(Binding {
+        gateway,
+        contract_id,
+        kept: false,
+    })
+}
+
+async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
+    let mut request: a2a::SendMessageRequest = params(rpc)?;
+    let message = request.message.as_mut().ok_or_else(|| {
+        Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
+            .with("field", "message")
+    })?;
+    check_size(message)?;
+    let extension = ext::take(message)?;
+    let wait = !request
+        .configuration
+        .as_ref()
+        .is_some_and(|c| c.return_immediately);
+    // The gateway follows the task itself: the agent answers at once.
+    request
+        .configuration
+        .get_or_insert_with(Default::default)
+        .return_immediately = true;
+    let headers = passed_headers(&rpc.headers);
+    if !message.task_id.is_empty() {
+        return continue_task(gateway, request, wait, &headers).await;
+    }
+    let chain = ext::chain_of(extension.as_ref())?;
+    let (contract_id, deadline_ms) = admit_chain(gateway, &chain).await?;
+    let mut binding = bind(gateway, contract_id)?;
+    let state = gateway.contract(&contract_id).await?;
+    match pb::ContractStatus::try_from(state.status) {
+        Ok(pb::ContractStatus::Open) => {}
+        Ok(pb::ContractStatus::Accepted) => {
+            return Err(ended(&contract_id, "already accepted: its task was started".into()).into());
+        }
+        _ => {
+            return Err(ended(&contract_id, format!("it is {}", status_name(state.status))).into());
+        }
+    }
+    let response: a2a::SendMessageResponse = gateway
+        .http
+        .call(&gateway.upstream_rpc, "SendMessage", &request, &headers)
+        .await?;
+    let slot = Arc::new(Slot {
+        contract_id,
+        deadline_ms,
+        progress: tokio::sync::Mutex::new((
+            ext::Progress::default(),
+            ext::Judged {
+                contract_id: contract_id.to_vec(),
+                ..Default::default()
+            },
+        )),
+        latest: tokio::sync::watch::Sender::new(None),
+    });
+    let task = match response.payload {
+        Some(a2a::send_message_response::Payload::Task(task)) => task,
+        Some(a2a::send_message_response::Payload::Message(reply)) => {
+            // A direct answer, no task: it completes the contract at once.
+            binding.kept = true;
+            return direct(gateway, &slot, reply).await;
+        }
+        None => {
+            return Err(Refused::new(
+                code::INTERNAL,
+                "UNDECODABLE_MESSAGE",
+                "the agent answered SendMessage with neither a task nor a message",
+            )
+            .into());
+        }
+    };
+    {
+        let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        admitted.contracts.insert(contract_id, Some(task.id.clone()));
+        admitted.tasks.insert(task.id.clone(), slot.clone());
+    }
+    binding.kept = true;
+    gateway.remember_context(&task.context_id, contract_id);
+    let task_id = task.id.clone();
+    let observed = observe(gateway, &slot, task).await;
+    tokio::spawn(follow(gateway.clone(), slot.clone(), task_id));
+    let task = observed?;
+    answer_task(gateway, &slot, task, wait).await
+}
+
+/// A message in a task already admitted: forwarded while its contract is
+/// open.
+async fn continue_task(
+    gateway: &Arc<Gateway>,
+    request: a2a::SendMessageRequest,
+    wait: bool,
+    headers: &[(http::HeaderName, http::HeaderValue)],
+) -> Result<Value, CallError> {
+    let task_id = request
+        .message
+        .as_ref()
+        .map(|m| m.task_id.clone())
+        .unwrap_or_default();
+    let slot = slot_of(gateway, &task_id)?;
+    if slot.progress.lock().await.0.ended {
+        return Err(ended(&slot.contract_id, "the task's contract has ended".into()).into());
+    }
+    let state = gateway.contract(&slot.contract_id).await?;
+    if !matches!(
+        pb::ContractStatus::try_from(state.status),
+        Ok(pb::ContractStatus::Open | pb::ContractStatus::Accepted)
+    ) {
+        return Err(ended(&slot.contract_id, format!("it is {}", status_name(state.status))).into());
+    }
+    let response: a2a::SendMessageResponse = gateway
+        .http
+        .call(&gateway.upstream_rpc, "SendMessage", &request, headers)
+        .await?;
+    match response.payload {
+        Some(a2a::send_message_response::Payload::Task(task)) => {
+            let task = observe(gateway, &slot, task).await?;
+            answer_task(gateway, &slot, task, wait).await
+        }
+        Some(a2a::send_message_response::Payload::Message(reply)) => to_value(&a2a::SendMessageResponse {
+            payload: Some(a2a::send_message_response::Payload::Message(reply)),
+        }),
+        None => Err(Refused::new(
+            code::INTERNAL,
+            "UNDECODABLE_MESSAGE",
+            "the agent answered SendMessage with neither a task nor a message",
+        )
+        .into()),
+    }
+}
+
+/// An agent that answered with a message and no task: Accept and Complete
+/// with the message's parts as the output.
+async fn direct(gateway: &Gateway, slot: &Slot, mut reply: a2a::Message) -> Result<Value, CallError> {
+    let artifact = a2a::Artifact {
+        parts: reply.parts.clone(),
+        ..Default::default()
+    };
+    let task = a2a::Task {
+        status: Some(a2a::TaskStatus {
+            state: TaskState::Completed as i32,
+            ..Default::default()
+        }),
+        artifacts: vec![artifact],
+        ..Default::default()
+    };
+    let judged = observe(gateway, slot, task).await?;
+    let mut metadata = serde_json::to_value(&reply.metadata)
+        .ok()
+        .and_then(|v| v.as_object().cloned())
+        .unwrap_or_default();
+    if let Some(ext) = serde_json::to_value(&judged.metadata)
+        .ok()
+        .and_then(|v| v.get(ext::URI).cloned())
+    {
+        metadata.insert(ext::URI.into(), ext);
+    }
+    reply.metadata = serde_json::from_value(Value::Object(metadata)).ok();
+    to_value(&a2a::SendMessageResponse {
+        payload: Some(a2a::send_message_response::Payload::Message(reply)),
+    })
+}
+
+/// Answers a SendMessage: at once, or once the task settles when the
+/// caller did not ask for `returnImmediately` (bounded by call_timeout_ms).
+async fn answer_task(
+    gateway: &Gateway,
+    slot: &Slot,
+    task: a2a::Task,
+    wait: bool,
+) -> Result<Value, CallError> {
+    let mut task = task;
+    if wait && !settled(&task) {
+        let mut latest = slot.latest.subscribe();
+        let timeout = Duration::from_millis(gateway.config.call_timeout_ms);
+        let waited = tokio::time::timeout(timeout, latest.wait_for(|t| t.as_ref().is_some_and(settled))).await;
+        if let Ok(Ok(seen)) = waited
+            && let Some(seen) = seen.clone()
+        {
+            task = seen;
+        } else if let Some(seen) = slot.latest.borrow().clone() {
+            task = seen;
+        }
+    }
+    to_value(&a2a::SendMessageResponse {
+        payload: Some(a2a::send_message_response::Payload::Task(task)),
+    })
+}
+
+fn state_of(task: &a2a::Task) -> TaskState {
+    task.status
+        .as_ref()
+        .and_then(|s| TaskState::try_from(s.state).ok())
+        .unwrap_or(TaskState::Unspecified)
+}
+
+fn settled(task: &a2a::Task) -> bool {
+    ext::is_settled(state_of(task))
+}
+
+/// Reasons a lifecycle call cannot succeed later either: the contract is
+/// no longer this agent's to move.
+fn final_refusal(reason: &str) -> bool {
+    matches!(
+        reason,
+        "ENDED" | "WRONG_STATE" | "LATE" | "NOT_DELEGATE" | "NOT_FOUND" | "ANCESTOR_ENDING"
+    )
+}
+
+/// Moves the contract as far as the task's state asks (ext::step), then
+/// publishes the task, decorated with the broker's word.
+async fn observe(gateway: &Gateway, slot: &Slot, mut task: a2a::Task) -> Result<a2a::Task, Refused> {
+    let mut guard = slot.progress.lock().await;
+    let (progress, judged) = &mut *guard;
+    loop {
+        let state = state_of(&task);
+        let step = ext::step(state, task.status.as_ref(), *progress);
+        let id = slot.contract_id;
+        let outcome = match &step {
+            ext::Step::Wait => break,
+            ext::Step::Accept => broker::accept(&gateway.link, &id).await.map(|r| r.receipt_id),
+            ext::Step::Complete { claim } => {
+                let output = ext::output_json(&task.artifacts)?;
+                broker::complete(&gateway.link, &id, output, claim)
+                    .await
+                    .map(|r| {
+                        if let Some(receipt) = broker::receipt(r.receipt.as_ref()) {
+                            judged.completed(&receipt);
+                        }
+                        r.receipt_id
+                    })
+            }
+            ext::Step::Escalate { reason } => broker::escalate(&gateway.link, &id, reason.clone())
+                .await
+                .map(|r| r.receipt_id),
+            ext::Step::Decline { reason } => broker::decline(&gateway.link, &id, reason.clone())
+                .await
+                .map(|r| r.receipt_id),
+        };
+        match outcome {
+            Ok(receipt_id) => {
+                judged.receipt_id = Some(receipt_id);
+                match step {
+                    ext::Step::Accept => progress.accepted = true,
+                    _ => progress.ended = true,
+                }
+            }
+            Err(error) if final_refusal(&error.reason) => {
+                tracing::info!(contract = %hex::encode(id), reason = %error.reason, "the contract moved without this gateway");
+                // Accepted already (a retry after a lost answer) is fine;
+                // anything else ended the contract elsewhere.
+                match step {
+                    ext::Step::Accept => {
+                        let status = gateway.contract(&id).await?.status;
+                        if status == pb::ContractStatus::Accepted as i32 {
+                            progress.accepted = true;
+                        } else {
+                            progress.accepted = true;
+                            progress.ended = true;
+                        }
+                    }
+                    _ => progress.ended = true,
+                }
+            }
+            Err(error) => return Err(broker_error(error)),
+        }
+    }
+    ext::decorate(&mut task, judged);
+    slot.latest.send_replace(Some(task.clone()));
+    Ok(task)
+}
+
+/// Follows an admitted task until it settles and its contract has moved:
+/// polls the agent every poll_ms, and cancels the task when the contract
+/// is revoked or expires, or its deadline passes.
+async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: String) {
+    let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let get = a2a::GetTaskRequest {
+        id: task_id.clone(),
+        ..Default::default()
+    };
+    loop {
+        tick.tick().await;
+        let ended = slot.progress.lock().await.0.ended;
+        if ended && slot.latest.borrow().as_ref().is_some_and(settled) {
+            return;
+        }
+        let expired = now_ms() >= slot.deadline_ms;
+        let revoked = match gateway.contract(&slot.contract_id).await {
+            Ok(state) => matches!(
+                pb::ContractStatus::try_from(state.status),
+                Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
+            ),
+            Err(_) => false,
+        };
+        if expired || revoked {
+            let why = if revoked { "revoked" } else { "past its deadline" };
+            tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
+            let cancel = a2a::CancelTaskRequest {
+                id: task_id.clone(),
+                ..Default::default()
+            };
+            let canceled: Result<a2a::Task, _> = gateway
+                .http
+                .call(&gateway.upstream_rpc, "CancelTask", &cancel, &[])
+                .await;
+            if let Ok(task) = canceled {
+                let _ = observe(&gateway, &slot, task).await;
+            }
+            slot.progress.lock().await.0.ended = true;
+            return;
+        }
+        let task: Result<a2a::Task, _> = gateway
+            .http
+            .call(&gateway.upstream_rpc, "GetTask", &get, &[])
+            .await;
+        match task {
+            Ok(task) => {
+                if let Err(e) = observe(&gateway, &slot, task).await {
+                    tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
+                }
+            }
+            Err(CallError::Remote(error)) => {
+                tracing::warn!(task = %task_id, %error, "the agent no longer answers for its task");
+                return;
+            }
+            Err(CallError::Local(e)) => {
+                tracing::warn!(task = %task_id, error = %e.message, "reading the agent's task failed");
+            }
+        }
+    }
+}
+
+async fn get(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
+    let request: a2a::GetTaskRequest = params(rpc)?;
+    let slot = slot_of(gateway, &request.id)?;
+    let task: a2a::Task = gateway
+        .http
+        .call(&gateway.upstream_rpc, "GetTask", &request, &passed_headers(&rpc.headers))
+        .await?;
+    let task = observe(gateway, &slot, task).await?;
+    to_value(&task)
+}
+
+async fn cancel(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
+    let request: a2a::CancelTaskRequest = params(rpc)?;
+    let slot = slot_of(gateway, &request.id)?;
+    // Only the principal cancels, by its signed Revoke: an anonymous
+    // CancelTask is taken once the contract has ended.
+    let state = gateway.contract(&slot.contract_id).await?;
+    if matches!(
+        pb::ContractStatus::try_from(state.status),
+        Ok(pb::ContractStatus::Open | pb::ContractStatus::Accepted)
+    ) {
+        return Err(Refused::new(
+            code::TASK_NOT_CANCELABLE,
+            "NOT_PRINCIPAL",
+            format!(
+                "task {:?} runs under contract {}, which is open: its principal cancels it by revoking the contract (this gateway then cancels the task)",
+                ext_cut(&request.id),
+                hex::encode(slot.contract_id)
+            ),
+        )
+        .into());
+    }
+    let task: a2a::Task = gateway
+        .http
+        .call(&gateway.upstream_rpc, "CancelTask", &request, &passed_headers(&rpc.headers))
+        .await?;
+    let task = observe(gateway, &slot, task).await?;
+    to_value(&task)
+}

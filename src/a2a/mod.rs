@@ -1,0 +1,454 @@
+//! `delegation-broker a2a-gateway`: the mandatory hop for agents that speak
+//! A2A (issue 24). One process fronts one agent: its ingress admits a task
+//! only under a broker-issued contract naming that agent and moves the
+//! contract through its lifecycle as the task moves; its egress turns the
+//! agent's outbound A2A calls into broker Delegates. The extension it
+//! speaks is proto/delegation/broker/v1/a2a-extension.md. It is a client of
+//! the broker's public API: the broker learns nothing of A2A.
+
+mod broker;
+mod client;
+pub mod config;
+mod egress;
+pub mod ext;
+mod ingress;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use a2a_pb::protojson as a2a;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use clap::Args;
+use serde_json::{Value, json};
+
+use crate::chain::BrokerKeys;
+use crate::core::Id;
+use crate::mcp::link::Link;
+use crate::pb;
+use client::A2aClient;
+use config::A2aConfig;
+use ext::{Refused, code};
+
+#[derive(Args, Debug, Clone)]
+pub struct A2aArgs {
+    /// The gateway's TOML configuration (README, "A2A gateway").
+    #[arg(long)]
+    pub config: PathBuf,
+}
+
+/// Longest wait for the broker's connection.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Longest one call to the broker may take.
+const BROKER_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// The broker's keys are read again at most this often when a chain names
+/// a key not yet known (a rotation), so a stream of forged key ids costs
+/// one read per interval.
+const KEYS_REFRESH_MS: u64 = 5_000;
+/// Most contracts remembered per A2A context (egress lookups).
+const MAX_CONTEXTS: usize = 65_536;
+
+pub fn run(args: A2aArgs) -> anyhow::Result<()> {
+    let config = A2aConfig::load(&args.config)?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(serve(config))
+}
+
+/// One admitted task's contract and how far the gateway moved it.
+pub(crate) struct Slot {
+    pub contract_id: Id,
+    pub deadline_ms: i64,
+    /// Serializes the lifecycle calls of one task.
+    pub progress: tokio::sync::Mutex<(ext::Progress, ext::Judged)>,
+    /// The latest task seen, decorated: callers waiting for a settled
+    /// state watch it.
+    pub latest: tokio::sync::watch::Sender<Option<a2a::Task>>,
+}
+
+/// What the ingress remembers (in memory: a restart reads the broker).
+#[derive(Default)]
+pub(crate) struct Admitted {
+    /// Task id → its slot.
+    pub tasks: HashMap<String, Arc<Slot>>,
+    /// Contracts bound to a task (or being bound: `None`).
+    pub contracts: HashMap<Id, Option<String>>,
+    /// A2A context id → the contract of the task admitted in it: the
+    /// parent of the agent's outbound calls in that context.
+    pub contexts: HashMap<String, Id>,
+}
+
+/// A task sent to a peer through the egress.
+#[derive(Clone)]
+pub(crate) struct Sent {
+    pub peer: String,
+    pub contract_id: Id,
+}
+
+pub(crate) struct Gateway {
+    pub config: A2aConfig,
+    pub link: Link,
+    pub agent_key: [u8; 32],
+    pub http: A2aClient,
+    /// The agent's card as it serves it, and its JSON-RPC URL.
+    pub upstream_card: a2a::AgentCard,
+    pub upstream_rpc: String,
+    pub public_url: String,
+    pub egress_url: String,
+    keys: tokio::sync::Mutex<(BrokerKeys, Option<tokio::time::Instant>)>,
+    pub admitted: Mutex<Admitted>,
+    pub sent: Mutex<HashMap<String, Sent>>,
+}
+
+impl Gateway {
+    /// The broker's published keys; read again (at most every
+    /// KEYS_REFRESH_MS) when `fresh` asks for it.
+    pub async fn keys(&self, fresh: bool) -> Result<BrokerKeys, Refused> {
+        let mut keys = self.keys.lock().await;
+        let due = keys.1.is_none_or(|at| {
+            fresh && at.elapsed() > std::time::Duration::from_millis(KEYS_REFRESH_MS)
+        });
+        if due {
+            let published = self
+                .link
+                .read(|mut client| async move {
+                    client.get_broker_keys(pb::GetBrokerKeysRequest {}).await
+                })
+                .await
+                .map_err(broker_error)?
+                .into_inner()
+                .keys;
+            *keys = (
+                BrokerKeys::from_published(&published),
+                Some(tokio::time::Instant::now()),
+            );
+        }
+        Ok(keys.0.clone())
+    }
+
+    /// A contract's current state (a read with the gateway's session).
+    pub async fn contract(&self, contract_id: &[u8]) -> Result<pb::ContractState, Refused> {
+        let id = contract_id.to_vec();
+        self.link
+            .read(|mut client| {
+                let contract_id = id.clone();
+                async move { client.get_contract(pb::GetContractRequest { contract_id }).await }
+            })
+            .await
+            .map_err(broker_error)?
+            .into_inner()
+            .contract
+            .ok_or_else(|| Refused::new(code::INTERNAL, "INTERNAL", "GetContract answered nothing"))
+    }
+
+    pub fn remember_context(&self, context_id: &str, contract_id: Id) {
+        if context_id.is_empty() {
+            return;
+        }
+        let mut admitted = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        if admitted.contexts.len() >= MAX_CONTEXTS && !admitted.contexts.contains_key(context_id) {
+            // Oldest-first eviction would need an order; dropping an
+            // arbitrary one keeps memory bounded, and a lookup that misses
+            // falls back to the agent's one held contract.
+            if let Some(key) = admitted.contexts.keys().next().cloned() {
+                admitted.contexts.remove(&key);
+            }
+        }
+        admitted.contexts.insert(context_id.to_owned(), contract_id);
+    }
+}
+
+/// A broker error as an A2A error (the broker's reason kept).
+pub(crate) fn broker_error(error: crate::mcp::link::ToolError) -> Refused {
+    let code = match error.reason.as_str() {
+        "UNAVAILABLE" | "OUTCOME_UNKNOWN" | "INTERNAL" | "OVERLOADED" => code::INTERNAL,
+        _ => code::INVALID_PARAMS,
+    };
+    let mut refused = Refused::new(code, &error.reason, format!("the broker: {}", error.message));
+    if let Some(field) = error.field {
+        refused = refused.with("field", field);
+    }
+    refused
+}
+
+async fn serve(config: A2aConfig) -> anyhow::Result<()> {
+    let agent = crate::cli::audit::agent_from_key_file(&config.key_file)?;
+    let agent_key = agent.public_key();
+    let channel = tonic::transport::Channel::from_shared(config.broker.clone())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .timeout(BROKER_CALL_TIMEOUT)
+        .connect_lazy();
+    let link = Link::new(agent, channel);
+    let http = A2aClient::new(config.call_timeout_ms, config.max_message_bytes)?;
+    let upstream_card = http
+        .card(&config.upstream)
+        .await
+        .map_err(|e| anyhow::anyhow!("upstream: {}", e.message))?;
+    let upstream_rpc = client::jsonrpc_url(&upstream_card).ok_or_else(|| {
+        anyhow::anyhow!(
+            "upstream: the agent's card lists no JSONRPC interface (supportedInterfaces)"
+        )
+    })?;
+    let ingress = tokio::net::TcpListener::bind(&config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("listen {}: {e}", config.listen))?;
+    let ingress_addr = ingress.local_addr()?;
+    let egress = match &config.egress_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("egress_listen {addr}: {e}"))?,
+        ),
+        None => None,
+    };
+    let egress_url = match &egress {
+        Some(listener) => format!("http://{}", listener.local_addr()?),
+        None => String::new(),
+    };
+    let public_url = config
+        .public_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{ingress_addr}"));
+    let max_body = config.max_message_bytes;
+    let gateway = Arc::new(Gateway {
+        config,
+        link,
+        agent_key,
+        http,
+        upstream_card,
+        upstream_rpc,
+        public_url: public_url.clone(),
+        egress_url: egress_url.clone(),
+        keys: tokio::sync::Mutex::new((BrokerKeys::default(), None)),
+        admitted: Mutex::default(),
+        sent: Mutex::default(),
+    });
+    let limit = axum::extract::DefaultBodyLimit::max(max_body);
+    let ingress_router = axum::Router::new()
+        .route(client::CARD_PATH, axum::routing::get(ingress_card))
+        .route("/", axum::routing::post(ingress_rpc))
+        .layer(limit)
+        .with_state(gateway.clone());
+    println!("a2a ingress on {public_url}");
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut servers = tokio::task::JoinSet::new();
+    let token = stop.clone();
+    servers.spawn(async move {
+        axum::serve(ingress, ingress_router)
+            .with_graceful_shutdown(token.cancelled_owned())
+            .await
+    });
+    if let Some(egress) = egress {
+        let egress_router = axum::Router::new()
+            .route("/peers/{peer}/.well-known/agent-card.json", axum::routing::get(egress_card))
+            .route("/peers/{peer}", axum::routing::post(egress_rpc))
+            .route("/peers/{peer}/", axum::routing::post(egress_rpc))
+            .layer(limit)
+            .with_state(gateway.clone());
+        println!("a2a egress on {egress_url}");
+        let token = stop.clone();
+        servers.spawn(async move {
+            axum::serve(egress, egress_router)
+                .with_graceful_shutdown(token.cancelled_owned())
+                .await
+        });
+    }
+    use std::io::Write as _;
+    std::io::stdout().flush()?;
+    tracing::info!(agent = %hex::encode(agent_key), "A2A gateway ready");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        Some(done) = servers.join_next() => { done??; }
+    }
+    stop.cancel();
+    while let Some(done) = servers.join_next().await {
+        done??;
+    }
+    Ok(())
+}
+
+/// The card a gateway serves for an agent (its own or a peer's): the
+/// agent's, with `url` as its only interface, the extension required, and
+/// no streaming or push (the gateway answers SendMessage, GetTask and
+/// CancelTask).
+fn gateway_card(mut card: a2a::AgentCard, url: &str, agent_key: &[u8]) -> a2a::AgentCard {
+    card.supported_interfaces = vec![a2a::AgentInterface {
+        url: url.to_owned(),
+        protocol_binding: "JSONRPC".into(),
+        tenant: String::new(),
+        protocol_version: client::PROTOCOL_VERSION.into(),
+    }];
+    let capabilities = card.capabilities.get_or_insert_with(Default::default);
+    capabilities.streaming = Some(false);
+    capabilities.push_notifications = Some(false);
+    capabilities.extended_agent_card = Some(false);
+    capabilities.extensions.retain(|e| e.uri != ext::URI);
+    capabilities.extensions.push(a2a::AgentExtension {
+        uri: ext::URI.into(),
+        description: "Tasks run only under a delegation-broker contract naming this agent (proto/delegation/broker/v1/a2a-extension.md).".into(),
+        required: true,
+        params: serde_json::from_value(json!({ "agentPublicKey": hex::encode(agent_key) })).ok(),
+    });
+    card
+}
+
+async fn ingress_card(State(gateway): State<Arc<Gateway>>) -> Response {
+    let card = gateway_card(
+        gateway.upstream_card.clone(),
+        &gateway.public_url,
+        &gateway.agent_key,
+    );
+    axum::Json(card).into_response()
+}
+
+async fn egress_card(State(gateway): State<Arc<Gateway>>, Path(peer): Path<String>) -> Response {
+    match egress::card(&gateway, &peer).await {
+        Ok(card) => axum::Json(card).into_response(),
+        Err(refused) => (
+            http::StatusCode::NOT_FOUND,
+            axum::Json(json!({"error": refused.to_jsonrpc()})),
+        )
+            .into_response(),
+    }
+}
+
+/// One JSON-RPC request, read within its limits.
+pub(crate) struct Rpc {
+    pub id: Value,
+    pub method: String,
+    pub params: Value,
+    pub headers: http::HeaderMap,
+}
+
+fn parse_rpc(body: &[u8], headers: http::HeaderMap) -> Result<Rpc, (Value, Refused)> {
+    let mut request: Value = serde_json::from_slice(body).map_err(|e| {
+        (
+            Value::Null,
+            Refused::new(code::PARSE_ERROR, "UNDECODABLE_MESSAGE", format!("not JSON: {e}")),
+        )
+    })?;
+    let id = request.get_mut("id").map(Value::take).unwrap_or(Value::Null);
+    let method = match request.get("method").and_then(Value::as_str) {
+        Some(method) if request.get("jsonrpc") == Some(&json!("2.0")) => method.to_owned(),
+        _ => {
+            return Err((
+                id,
+                Refused::new(
+                    code::INVALID_REQUEST,
+                    "INVALID_FIELD",
+                    "not a JSON-RPC 2.0 request (jsonrpc \"2.0\" and a method)",
+                ),
+            ));
+        }
+    };
+    let params = request.get_mut("params").map(Value::take).unwrap_or(json!({}));
+    Ok(Rpc {
+        id,
+        method,
+        params,
+        headers,
+    })
+}
+
+fn answer(id: Value, result: Result<Value, client::CallError>) -> Response {
+    let body = match result {
+        Ok(result) => json!({"jsonrpc": "2.0", "id": id, "result": result}),
+        Err(client::CallError::Remote(error)) => json!({"jsonrpc": "2.0", "id": id, "error": error}),
+        Err(client::CallError::Local(refused)) => {
+            json!({"jsonrpc": "2.0", "id": id, "error": refused.to_jsonrpc()})
+        }
+    };
+    axum::Json(body).into_response()
+}
+
+/// Params of one method, as its A2A type.
+pub(crate) fn params<T: serde::de::DeserializeOwned>(rpc: &Rpc) -> Result<T, Refused> {
+    serde_json::from_value(rpc.params.clone()).map_err(|e| {
+        Refused::new(
+            code::INVALID_PARAMS,
+            "INVALID_FIELD",
+            format!("{}: params are not its A2A v1 request ({e})", rpc.method),
+        )
+    })
+}
+
+/// Methods neither side serves, with the reason.
+fn unserved(method: &str) -> Option<Refused> {
+    let (code, why) = match method {
+        "SendStreamingMessage" | "SubscribeToTask" => (
+            code::UNSUPPORTED_OPERATION,
+            "streaming is not served through the delegation gateway (its card says streaming: false); use SendMessage and GetTask",
+        ),
+        "CreateTaskPushNotificationConfig"
+        | "GetTaskPushNotificationConfig"
+        | "ListTaskPushNotificationConfigs"
+        | "DeleteTaskPushNotificationConfig" => (
+            code::PUSH_NOT_SUPPORTED,
+            "push notifications are not served through the delegation gateway",
+        ),
+        "ListTasks" | "GetExtendedAgentCard" => (
+            code::UNSUPPORTED_OPERATION,
+            "not served through the delegation gateway: read each task with GetTask",
+        ),
+        "SendMessage" | "GetTask" | "CancelTask" => return None,
+        _ => (code::METHOD_NOT_FOUND, "no such A2A v1 method"),
+    };
+    Some(Refused::new(code, "INVALID_FIELD", format!("{method}: {why}")).with("field", "method"))
+}
+
+async fn ingress_rpc(
+    State(gateway): State<Arc<Gateway>>,
+    headers: http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    let rpc = match parse_rpc(&body, headers) {
+        Ok(rpc) => rpc,
+        Err((id, refused)) => return answer(id, Err(refused.into())),
+    };
+    if let Some(refused) = unserved(&rpc.method) {
+        return answer(rpc.id, Err(refused.into()));
+    }
+    let result = ingress::handle(&gateway, &rpc).await;
+    answer(rpc.id, result)
+}
+
+async fn egress_rpc(
+    State(gateway): State<Arc<Gateway>>,
+    Path(peer): Path<String>,
+    headers: http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    let rpc = match parse_rpc(&body, headers) {
+        Ok(rpc) => rpc,
+        Err((id, refused)) => return answer(id, Err(refused.into())),
+    };
+    if let Some(refused) = unserved(&rpc.method) {
+        return answer(rpc.id, Err(refused.into()));
+    }
+    let result = egress::handle(&gateway, &peer, &rpc).await;
+    answer(rpc.id, result)
+}
+
+/// Headers passed on to the next hop: the W3C trace context.
+pub(crate) fn passed_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, http::HeaderValue)> {
+    ["traceparent", "tracestate"]
+        .into_iter()
+        .filter_map(|name| {
+            let value = headers.get(name)?.clone();
+            Some((http::HeaderName::from_static(name), value))
+        })
+        .collect()
+}
+
+/// Now, in Unix milliseconds.
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
