@@ -35,9 +35,14 @@ pub struct A2aConfig {
     pub key_file: PathBuf,
     /// The agent's A2A base URL; its card is read from
     /// `/.well-known/agent-card.json` there.
-    pub upstream: String,
-    /// Ingress address (the agent's public face).
-    pub listen: String,
+    /// Required with `listen`.
+    pub upstream: Option<String>,
+    /// Ingress address (the agent's public face); without it the gateway
+    /// serves only `authz_listen` (a proxy in front of the agent).
+    pub listen: Option<String>,
+    /// Envoy's external authorization (`Authorization/Check`, gRPC) for a
+    /// proxy in front of the agent.
+    pub authz_listen: Option<String>,
     /// Egress address, for the fronted agent's outbound client only.
     pub egress_listen: Option<String>,
     /// The ingress URL put in the served card (default: http://<listen>).
@@ -155,10 +160,18 @@ impl A2aConfig {
     }
 
     fn check(&self) -> Result<(), ConfigError> {
-        for (key, url) in [("broker", &self.broker), ("upstream", &self.upstream)] {
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
+        for (key, url) in [("broker", Some(&self.broker)), ("upstream", self.upstream.as_ref())] {
+            if let Some(url) = url
+                && !(url.starts_with("http://") || url.starts_with("https://"))
+            {
                 return Err(invalid(key, format!("{url:?} is not an http(s) URL")));
             }
+        }
+        if self.listen.is_some() && self.upstream.is_none() {
+            return Err(invalid("upstream", "required with listen: the agent the ingress fronts"));
+        }
+        if self.listen.is_none() && self.authz_listen.is_none() {
+            return Err(invalid("listen", "nothing to serve: set listen (the ingress) or authz_listen"));
         }
         if !(MIN_POLL_MS..=MAX_POLL_MS).contains(&self.poll_ms) {
             return Err(invalid(

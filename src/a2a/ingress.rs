@@ -54,7 +54,7 @@ fn ext_cut(text: &str) -> String {
     crate::mcp::link::cut(text, 128)
 }
 
-fn check_size(message: &a2a::Message) -> Result<(), Refused> {
+pub(super) fn check_size(message: &a2a::Message) -> Result<(), Refused> {
     if message.parts.len() > ext::MAX_PARTS {
         return Err(Refused::new(
             code::INVALID_PARAMS,
@@ -68,7 +68,7 @@ fn check_size(message: &a2a::Message) -> Result<(), Refused> {
 
 /// Verifies a chain offline and returns its leaf, refusing what does not
 /// name this agent or has passed its deadline.
-async fn admit_chain(gateway: &Gateway, chain: &pb::GetChainResponse) -> Result<(Id, i64), Refused> {
+pub(super) async fn admit_chain(gateway: &Gateway, chain: &pb::GetChainResponse) -> Result<(Id, i64), Refused> {
     let field = format!("message.metadata[{}].chain", ext::URI);
     let sealed: Vec<pb::Sealed> = chain
         .chain
@@ -125,13 +125,13 @@ async fn admit_chain(gateway: &Gateway, chain: &pb::GetChainResponse) -> Result<
     Ok((leaf.id, leaf.contract.deadline_ms))
 }
 
-fn status_name(status: i32) -> String {
+pub(super) fn status_name(status: i32) -> String {
     pb::ContractStatus::try_from(status)
         .map(|s| s.as_str_name().trim_start_matches("CONTRACT_STATUS_").to_owned())
         .unwrap_or_else(|_| status.to_string())
 }
 
-fn ended(contract_id: &Id, why: String) -> Refused {
+pub(super) fn ended(contract_id: &Id, why: String) -> Refused {
     Refused::new(
         code::INVALID_PARAMS,
         "ENDED",
@@ -142,10 +142,19 @@ fn ended(contract_id: &Id, why: String) -> Refused {
 
 /// Unbinds a contract whose task never started (a refusal or an error
 /// after binding).
-struct Binding<'a> {
+pub(super) struct Binding<'a> {
     gateway: &'a Gateway,
     contract_id: Id,
     kept: bool,
+}
+
+impl Binding<'_> {
+    /// Keeps the contract bound to `task` (a task id, or a label).
+    pub(super) fn keep(&mut self, task: String) {
+        let mut admitted = self.gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        admitted.contracts.insert(self.contract_id, Some(task));
+        self.kept = true;
+    }
 }
 
 impl Drop for Binding<'_> {
@@ -157,7 +166,7 @@ impl Drop for Binding<'_> {
     }
 }
 
-fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<'a>, Refused> {
+pub(super) fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<'a>, Refused> {
     let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(task) = admitted.contracts.get(&contract_id) {
         return Err(ended(
@@ -249,7 +258,7 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         Some(a2a::send_message_response::Payload::Task(task)) => task,
         Some(a2a::send_message_response::Payload::Message(reply)) => {
             // A direct answer, no task: it completes the contract at once.
-            binding.kept = true;
+            binding.keep(format!("message:{}", ext_cut(&reply.message_id)));
             return direct(gateway, &slot, reply).await;
         }
         None => {
@@ -261,12 +270,11 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
             .into());
         }
     };
+    binding.keep(task.id.clone());
     {
         let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
-        admitted.contracts.insert(contract_id, Some(task.id.clone()));
         admitted.tasks.insert(task.id.clone(), slot.clone());
     }
-    binding.kept = true;
     gateway.remember_context(&task.context_id, contract_id);
     let task_id = task.id.clone();
     let observed = observe(gateway, &slot, task).await;

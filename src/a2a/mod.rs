@@ -6,6 +6,7 @@
 //! speaks is proto/delegation/broker/v1/a2a-extension.md. It is a client of
 //! the broker's public API: the broker learns nothing of A2A.
 
+mod authz;
 mod broker;
 mod client;
 pub mod config;
@@ -176,6 +177,12 @@ pub(crate) fn broker_error(error: crate::mcp::link::ToolError) -> Refused {
     refused
 }
 
+async fn bind(addr: &str, key: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("{key} {addr}: {e}"))
+}
+
 async fn serve(config: A2aConfig) -> anyhow::Result<()> {
     let agent = crate::cli::audit::agent_from_key_file(&config.key_file)?;
     let agent_key = agent.public_key();
@@ -185,35 +192,42 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         .connect_lazy();
     let link = Link::new(agent, channel);
     let http = A2aClient::new(config.call_timeout_ms, config.max_message_bytes)?;
-    let upstream_card = http
-        .card(&config.upstream)
-        .await
-        .map_err(|e| anyhow::anyhow!("upstream: {}", e.message))?;
-    let upstream_rpc = client::jsonrpc_url(&upstream_card).ok_or_else(|| {
-        anyhow::anyhow!(
-            "upstream: the agent's card lists no JSONRPC interface (supportedInterfaces)"
-        )
-    })?;
-    let ingress = tokio::net::TcpListener::bind(&config.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("listen {}: {e}", config.listen))?;
-    let ingress_addr = ingress.local_addr()?;
-    let egress = match &config.egress_listen {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
+    let (upstream_card, upstream_rpc) = match (&config.listen, &config.upstream) {
+        (Some(_), Some(upstream)) => {
+            let card = http
+                .card(upstream)
                 .await
-                .map_err(|e| anyhow::anyhow!("egress_listen {addr}: {e}"))?,
-        ),
+                .map_err(|e| anyhow::anyhow!("upstream: {}", e.message))?;
+            let rpc = client::jsonrpc_url(&card).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "upstream: the agent's card lists no JSONRPC interface (supportedInterfaces)"
+                )
+            })?;
+            (card, rpc)
+        }
+        _ => (a2a::AgentCard::default(), String::new()),
+    };
+    let ingress = match &config.listen {
+        Some(addr) => Some(bind(addr, "listen").await?),
+        None => None,
+    };
+    let egress = match &config.egress_listen {
+        Some(addr) => Some(bind(addr, "egress_listen").await?),
+        None => None,
+    };
+    let authz = match &config.authz_listen {
+        Some(addr) => Some(bind(addr, "authz_listen").await?),
         None => None,
     };
     let egress_url = match &egress {
         Some(listener) => format!("http://{}", listener.local_addr()?),
         None => String::new(),
     };
-    let public_url = config
-        .public_url
-        .clone()
-        .unwrap_or_else(|| format!("http://{ingress_addr}"));
+    let public_url = match (&config.public_url, &ingress) {
+        (Some(url), _) => url.clone(),
+        (None, Some(listener)) => format!("http://{}", listener.local_addr()?),
+        (None, None) => String::new(),
+    };
     let max_body = config.max_message_bytes;
     let gateway = Arc::new(Gateway {
         config,
@@ -229,22 +243,24 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         sent: Mutex::default(),
     });
     let limit = axum::extract::DefaultBodyLimit::max(max_body);
-    let ingress_router = axum::Router::new()
-        .route(client::CARD_PATH, axum::routing::get(ingress_card))
-        .route("/", axum::routing::post(ingress_rpc))
-        .layer(limit)
-        .with_state(gateway.clone());
-    println!("a2a ingress on {public_url}");
     let stop = tokio_util::sync::CancellationToken::new();
-    let mut servers = tokio::task::JoinSet::new();
-    let token = stop.clone();
-    servers.spawn(async move {
-        axum::serve(ingress, ingress_router)
-            .with_graceful_shutdown(token.cancelled_owned())
-            .await
-    });
+    let mut servers: tokio::task::JoinSet<anyhow::Result<()>> = tokio::task::JoinSet::new();
+    if let Some(ingress) = ingress {
+        let router = axum::Router::new()
+            .route(client::CARD_PATH, axum::routing::get(ingress_card))
+            .route("/", axum::routing::post(ingress_rpc))
+            .layer(limit)
+            .with_state(gateway.clone());
+        println!("a2a ingress on {public_url}");
+        let token = stop.clone();
+        servers.spawn(async move {
+            Ok(axum::serve(ingress, router)
+                .with_graceful_shutdown(token.cancelled_owned())
+                .await?)
+        });
+    }
     if let Some(egress) = egress {
-        let egress_router = axum::Router::new()
+        let router = axum::Router::new()
             .route("/peers/{peer}/.well-known/agent-card.json", axum::routing::get(egress_card))
             .route("/peers/{peer}", axum::routing::post(egress_rpc))
             .route("/peers/{peer}/", axum::routing::post(egress_rpc))
@@ -253,9 +269,28 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         println!("a2a egress on {egress_url}");
         let token = stop.clone();
         servers.spawn(async move {
-            axum::serve(egress, egress_router)
+            Ok(axum::serve(egress, router)
                 .with_graceful_shutdown(token.cancelled_owned())
-                .await
+                .await?)
+        });
+    }
+    if let Some(authz) = authz {
+        use envoy_types::ext_authz::v3::pb::AuthorizationServer;
+        let addr = authz.local_addr()?;
+        let service = AuthorizationServer::new(authz::Authz {
+            gateway: gateway.clone(),
+        })
+        .max_decoding_message_size(max_body.saturating_mul(2));
+        println!("a2a authz on {addr}");
+        let token = stop.clone();
+        servers.spawn(async move {
+            Ok(tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(authz),
+                    token.cancelled_owned(),
+                )
+                .await?)
         });
     }
     use std::io::Write as _;
