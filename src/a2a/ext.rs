@@ -143,6 +143,24 @@ pub fn attach_chain(message: &mut a2a::Message, chain: &pb::GetChainResponse) {
     }
 }
 
+/// Marks a forwarded message with its contract's id: the agent's own task
+/// history then records the contract, and a restarted gateway finds it
+/// there (`marked`).
+pub fn mark(message: &mut a2a::Message, contract_id: &[u8]) {
+    let mut metadata = to_json(&message.metadata);
+    metadata.insert(URI.into(), json!({ "contractId": hex::encode(contract_id) }));
+    message.metadata = from_json(metadata);
+}
+
+/// The contract a task's first marked message names.
+pub fn marked(task: &a2a::Task) -> Option<Vec<u8>> {
+    task.history.iter().find_map(|message| {
+        let metadata = to_json(&message.metadata);
+        let id = metadata.get(URI)?.get("contractId")?.as_str()?;
+        hex::decode(id).ok().filter(|id| id.len() == 32)
+    })
+}
+
 /// The chain a task-starting message carries, decoded (not yet verified).
 pub fn chain_of(ext: Option<&Map<String, Value>>) -> Result<pb::GetChainResponse, Refused> {
     let field = format!("message.metadata[{URI}].chain");
@@ -513,6 +531,13 @@ mod tests {
         // What is forwarded keeps the agent's own metadata only.
         assert!(message.extensions.is_empty());
         assert_eq!(to_json(&message.metadata)["other"], json!(1.0));
+        // Marked with its contract, the task's history names it.
+        mark(&mut message, &[9; 32]);
+        let task = a2a::Task {
+            history: vec![message],
+            ..Default::default()
+        };
+        assert_eq!(marked(&task), Some(vec![9; 32]));
     }
 
     #[test]

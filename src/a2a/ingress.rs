@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use a2a_pb::protojson::{self as a2a, TaskState};
+use prost::Message as _;
 use serde_json::Value;
 
 use super::client::CallError;
@@ -39,14 +40,78 @@ fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, CallError> {
     })
 }
 
-fn slot_of(gateway: &Gateway, task_id: &str) -> Result<Arc<Slot>, Refused> {
-    let admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
-    admitted.tasks.get(task_id).cloned().ok_or_else(|| {
+/// An admitted task's slot; after a restart, rebuilt from the agent's own
+/// record of the task (the contract its first message was marked with)
+/// and the broker's state of that contract.
+async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Refused> {
+    let known = {
+        let admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        admitted.tasks.get(task_id).cloned()
+    };
+    if let Some(slot) = known {
+        return Ok(slot);
+    }
+    let not_found = || {
         Refused::new(
             code::TASK_NOT_FOUND,
             "NOT_FOUND",
             format!("task {:?}: no task admitted under a contract by this gateway", ext_cut(task_id)),
         )
+    };
+    let get = a2a::GetTaskRequest {
+        id: task_id.to_owned(),
+        ..Default::default()
+    };
+    let task: a2a::Task = gateway
+        .http
+        .call(&gateway.upstream_rpc, "GetTask", &get, &[])
+        .await
+        .map_err(|_| not_found())?;
+    let contract_id: Id = ext::marked(&task)
+        .and_then(|id| id.try_into().ok())
+        .ok_or_else(not_found)?;
+    let state = gateway.contract(&contract_id).await?;
+    let contract = state
+        .contract
+        .as_ref()
+        .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+        .ok_or_else(not_found)?;
+    if contract.delegate_public_key != gateway.agent_key {
+        return Err(not_found());
+    }
+    let status = pb::ContractStatus::try_from(state.status).unwrap_or(pb::ContractStatus::Unspecified);
+    let progress = ext::Progress {
+        accepted: status != pb::ContractStatus::Open,
+        ended: !matches!(status, pb::ContractStatus::Open | pb::ContractStatus::Accepted),
+    };
+    let slot = new_slot(contract_id, contract.deadline_ms, progress);
+    let slot = {
+        let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        // Another call may have rebuilt it meanwhile: keep the first.
+        let slot = admitted.tasks.entry(task_id.to_owned()).or_insert(slot).clone();
+        admitted.contracts.insert(contract_id, Some(task_id.to_owned()));
+        slot
+    };
+    gateway.remember_context(&task.context_id, contract_id);
+    tracing::info!(task = %ext_cut(task_id), contract = %hex::encode(contract_id), "task found again after a restart");
+    if !progress.ended {
+        tokio::spawn(follow(gateway.clone(), slot.clone(), task_id.to_owned()));
+    }
+    Ok(slot)
+}
+
+fn new_slot(contract_id: Id, deadline_ms: i64, progress: ext::Progress) -> Arc<Slot> {
+    Arc::new(Slot {
+        contract_id,
+        deadline_ms,
+        progress: tokio::sync::Mutex::new((
+            progress,
+            ext::Judged {
+                contract_id: contract_id.to_vec(),
+                ..Default::default()
+            },
+        )),
+        latest: tokio::sync::watch::Sender::new(None),
     })
 }
 
@@ -229,6 +294,9 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     let (contract_id, deadline_ms) = admit_chain(gateway, &chain).await?;
     let mut binding = bind(gateway, contract_id)?;
     let state = gateway.contract(&contract_id).await?;
+    if let Some(message) = request.message.as_mut() {
+        ext::mark(message, &contract_id);
+    }
     match pb::ContractStatus::try_from(state.status) {
         Ok(pb::ContractStatus::Open) => {}
         Ok(pb::ContractStatus::Accepted) => {
@@ -242,18 +310,7 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         .http
         .call(&gateway.upstream_rpc, "SendMessage", &request, &headers)
         .await?;
-    let slot = Arc::new(Slot {
-        contract_id,
-        deadline_ms,
-        progress: tokio::sync::Mutex::new((
-            ext::Progress::default(),
-            ext::Judged {
-                contract_id: contract_id.to_vec(),
-                ..Default::default()
-            },
-        )),
-        latest: tokio::sync::watch::Sender::new(None),
-    });
+    let slot = new_slot(contract_id, deadline_ms, ext::Progress::default());
     let task = match response.payload {
         Some(a2a::send_message_response::Payload::Task(task)) => task,
         Some(a2a::send_message_response::Payload::Message(reply)) => {
@@ -296,7 +353,7 @@ async fn continue_task(
         .as_ref()
         .map(|m| m.task_id.clone())
         .unwrap_or_default();
-    let slot = slot_of(gateway, &task_id)?;
+    let slot = slot_of(gateway, &task_id).await?;
     if slot.progress.lock().await.0.ended {
         return Err(ended(&slot.contract_id, "the task's contract has ended".into()).into());
     }
@@ -533,7 +590,7 @@ async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: String) {
 
 async fn get(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     let request: a2a::GetTaskRequest = params(rpc)?;
-    let slot = slot_of(gateway, &request.id)?;
+    let slot = slot_of(gateway, &request.id).await?;
     let task: a2a::Task = gateway
         .http
         .call(&gateway.upstream_rpc, "GetTask", &request, &passed_headers(&rpc.headers))
@@ -544,7 +601,7 @@ async fn get(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
 
 async fn cancel(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     let request: a2a::CancelTaskRequest = params(rpc)?;
-    let slot = slot_of(gateway, &request.id)?;
+    let slot = slot_of(gateway, &request.id).await?;
     // Only the principal cancels, by its signed Revoke: an anonymous
     // CancelTask is taken once the contract has ended.
     let state = gateway.contract(&slot.contract_id).await?;
