@@ -17,7 +17,9 @@
 #      drift, tsc, a Playwright test in Debian's headless chromium, which it
 #      installs if missing),
 #   7. `mcp tools` driven by the official Python MCP SDK (tests/mcp),
-#   8. buf lint and buf breaking against the previous commit.
+#   8. `a2a-gateway` in front of stock agents of the official Python A2A
+#      SDK (tests/a2a),
+#   9. buf lint and buf breaking against the previous commit.
 # .ci/run calls exactly this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -79,6 +81,9 @@ BROKER_BIN="$PWD/target/debug/delegation-broker" console/run-tests.sh
 
 step "MCP tools with the official Python MCP SDK (tests/mcp/run-tests.sh)"
 BROKER_BIN="$PWD/target/debug/delegation-broker" tests/mcp/run-tests.sh -q
+
+step "A2A gateway with stock agents of the official Python A2A SDK (tests/a2a/run-tests.sh)"
+BROKER_BIN="$PWD/target/debug/delegation-broker" tests/a2a/run-tests.sh -q
 
 step "buf lint and breaking"
 scripts/buf.sh

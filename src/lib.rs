@@ -1,6 +1,7 @@
 //! The delegation broker: a gRPC service every agent-to-agent delegation
 //! passes through. See ARCHITECTURE.md for the map of this crate.
 
+pub mod a2a;
 pub mod chain;
 pub mod cli;
 pub mod client;
@@ -11,7 +12,6 @@ pub mod console;
 pub mod core;
 pub mod crypto;
 pub mod keystore;
-pub mod a2a;
 pub mod mcp;
 pub mod metrics;
 pub mod pool;

@@ -365,9 +365,27 @@ fn tonic_violations() -> Vec<String> {
             "cli/audit.rs",
             "cli/tree.rs",
             "mcp/",
+            "a2a/",
         ],
         "only the service (and what wires it) knows tonic",
     )
+}
+
+/// A2A and Envoy's ext_authz are the A2A gateway's (a client of the
+/// public API): the broker's core, store and service never learn them.
+#[test]
+fn only_the_a2a_gateway_knows_a2a() {
+    let mut found = only_in(
+        "a2a_pb",
+        &["a2a/"],
+        "only the A2A gateway knows A2A's types",
+    );
+    found.extend(only_in(
+        "envoy_types",
+        &["a2a/"],
+        "only the A2A gateway knows Envoy's types",
+    ));
+    assert_none(found);
 }
 
 #[test]

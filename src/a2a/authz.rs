@@ -130,7 +130,10 @@ type HttpRequest = envoy_types::pb::envoy::service::auth::v3::attribute_context:
 
 /// Allowed (with the contract, for a task-starting message), or refused;
 /// beside it the JSON-RPC id to answer with.
-async fn decide(gateway: &Gateway, http: &HttpRequest) -> (Value, Result<Option<Allowed>, Refused>) {
+async fn decide(
+    gateway: &Gateway,
+    http: &HttpRequest,
+) -> (Value, Result<Option<Allowed>, Refused>) {
     if http.method.eq_ignore_ascii_case("GET") {
         // The agent card is public.
         let path = http.path.split('?').next().unwrap_or_default();
@@ -142,7 +145,10 @@ async fn decide(gateway: &Gateway, http: &HttpRequest) -> (Value, Result<Option<
                 Err(Refused::new(
                     code::UNSUPPORTED_OPERATION,
                     "INVALID_FIELD",
-                    format!("GET {}: only the agent card is served", crate::mcp::link::cut(path, 256)),
+                    format!(
+                        "GET {}: only the agent card is served",
+                        crate::mcp::link::cut(path, 256)
+                    ),
                 )),
             )
         };
@@ -167,15 +173,29 @@ async fn decide(gateway: &Gateway, http: &HttpRequest) -> (Value, Result<Option<
         Err(e) => {
             return (
                 Value::Null,
-                Err(Refused::new(code::PARSE_ERROR, "UNDECODABLE_MESSAGE", format!("not JSON: {e}"))),
+                Err(Refused::new(
+                    code::PARSE_ERROR,
+                    "UNDECODABLE_MESSAGE",
+                    format!("not JSON: {e}"),
+                )),
             );
         }
     };
-    let id = request.get_mut("id").map(Value::take).unwrap_or(Value::Null);
-    let method = request.get("method").and_then(Value::as_str).unwrap_or_default().to_owned();
+    let id = request
+        .get_mut("id")
+        .map(Value::take)
+        .unwrap_or(Value::Null);
+    let method = request
+        .get("method")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
     let decision = match method.as_str() {
         "SendMessage" | "SendStreamingMessage" => {
-            let params = request.get_mut("params").map(Value::take).unwrap_or(Value::Null);
+            let params = request
+                .get_mut("params")
+                .map(Value::take)
+                .unwrap_or(Value::Null);
             admit(gateway, params).await.map(Some)
         }
         // Task ids are the agent's unguessable ids, given to the caller.
@@ -201,7 +221,8 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
         )
     })?;
     let message = request.message.as_mut().ok_or_else(|| {
-        Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required").with("field", "message")
+        Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
+            .with("field", "message")
     })?;
     ingress::check_size(message)?;
     // Behind a proxy every message carries its chain: the proxy does not
@@ -210,7 +231,9 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
     let chain = ext::chain_of(extension.as_ref())?;
     let (contract_id, _) = ingress::admit_chain(gateway, &chain).await?;
     let starts = message.task_id.is_empty();
-    let mut binding = starts.then(|| ingress::bind(gateway, contract_id)).transpose()?;
+    let mut binding = starts
+        .then(|| ingress::bind(gateway, contract_id))
+        .transpose()?;
     let state = gateway.contract(&contract_id).await?;
     let open = match pb::ContractStatus::try_from(state.status) {
         Ok(pb::ContractStatus::Open) => true,

@@ -160,7 +160,10 @@ impl A2aConfig {
     }
 
     fn check(&self) -> Result<(), ConfigError> {
-        for (key, url) in [("broker", Some(&self.broker)), ("upstream", self.upstream.as_ref())] {
+        for (key, url) in [
+            ("broker", Some(&self.broker)),
+            ("upstream", self.upstream.as_ref()),
+        ] {
             if let Some(url) = url
                 && !(url.starts_with("http://") || url.starts_with("https://"))
             {
@@ -168,10 +171,16 @@ impl A2aConfig {
             }
         }
         if self.listen.is_some() && self.upstream.is_none() {
-            return Err(invalid("upstream", "required with listen: the agent the ingress fronts"));
+            return Err(invalid(
+                "upstream",
+                "required with listen: the agent the ingress fronts",
+            ));
         }
         if self.listen.is_none() && self.authz_listen.is_none() {
-            return Err(invalid("listen", "nothing to serve: set listen (the ingress) or authz_listen"));
+            return Err(invalid(
+                "listen",
+                "nothing to serve: set listen (the ingress) or authz_listen",
+            ));
         }
         if !(MIN_POLL_MS..=MAX_POLL_MS).contains(&self.poll_ms) {
             return Err(invalid(
@@ -188,7 +197,10 @@ impl A2aConfig {
         if self.max_message_bytes < 1024 || self.max_message_bytes > MAX_MESSAGE_BYTES {
             return Err(invalid(
                 "max_message_bytes",
-                format!("{} not in 1024..={MAX_MESSAGE_BYTES}", self.max_message_bytes),
+                format!(
+                    "{} not in 1024..={MAX_MESSAGE_BYTES}",
+                    self.max_message_bytes
+                ),
             ));
         }
         if self.max_tasks == 0 || self.max_tasks > MAX_TASKS {
@@ -216,10 +228,16 @@ impl A2aConfig {
                 ));
             }
             if !names.insert(peer.name.as_str()) {
-                return Err(invalid(format!("{key}.name"), format!("{:?} twice", peer.name)));
+                return Err(invalid(
+                    format!("{key}.name"),
+                    format!("{:?} twice", peer.name),
+                ));
             }
             if peer.public_key().is_none() {
-                return Err(invalid(format!("{key}.public_key"), "must be 64 hex digits"));
+                return Err(invalid(
+                    format!("{key}.public_key"),
+                    "must be 64 hex digits",
+                ));
             }
             if !(peer.url.starts_with("http://") || peer.url.starts_with("https://")) {
                 return Err(invalid(format!("{key}.url"), "not an http(s) URL"));
@@ -266,6 +284,14 @@ mod tests {
     const BASE: &str = "broker = \"http://127.0.0.1:1\"\nkey_file = \"k\"\nupstream = \"http://127.0.0.1:2\"\nlisten = \"127.0.0.1:0\"\n";
 
     #[test]
+    fn the_example_in_the_repository_parses() {
+        let text = include_str!("../../examples/a2a/gateway.toml");
+        let config = A2aConfig::parse(text).unwrap();
+        assert_eq!(config.peers.len(), 1);
+        assert_eq!(config.routes["worker-a"].budget, Some(30));
+    }
+
+    #[test]
     fn a_minimal_config_takes_the_defaults() {
         let config = A2aConfig::parse(BASE).unwrap();
         assert_eq!(config.poll_ms, DEFAULT_POLL_MS);
@@ -280,13 +306,24 @@ mod tests {
         );
         for (extra, key) in [
             ("poll_ms = 1\n".to_owned(), "poll_ms"),
-            ("[[peers]]\nname = \"a b\"\npublic_key = \"00\"\nurl = \"http://x\"\n".into(), "peers[0].name"),
-            ("[[peers]]\nname = \"w\"\npublic_key = \"00\"\nurl = \"http://x\"\n".into(), "peers[0].public_key"),
-            (format!("{peer}{}", peer.replace("[[peers]]", "[[peers]]")), "peers[1].name"),
+            (
+                "[[peers]]\nname = \"a b\"\npublic_key = \"00\"\nurl = \"http://x\"\n".into(),
+                "peers[0].name",
+            ),
+            (
+                "[[peers]]\nname = \"w\"\npublic_key = \"00\"\nurl = \"http://x\"\n".into(),
+                "peers[0].public_key",
+            ),
+            (format!("{peer}{peer}"), "peers[1].name"),
             ("[routes.nobody]\nbudget = 1\n".into(), "routes.nobody"),
-            (format!("{peer}[routes.w]\nbudget_share = 1.5\n"), "routes.w.budget_share"),
+            (
+                format!("{peer}[routes.w]\nbudget_share = 1.5\n"),
+                "routes.w.budget_share",
+            ),
         ] {
-            let error = A2aConfig::parse(&format!("{BASE}{extra}")).unwrap_err().to_string();
+            let error = A2aConfig::parse(&format!("{BASE}{extra}"))
+                .unwrap_err()
+                .to_string();
             assert!(error.starts_with(key), "{key}: {error}");
         }
         assert!(A2aConfig::parse(&format!("{BASE}bogus = 1\n")).is_err());

@@ -15,7 +15,9 @@ use serde_json::Value;
 use super::client::CallError;
 use super::config::Peer;
 use super::ext::{self, Refused, code};
-use super::{Gateway, Rpc, Sent, broker, broker_error, gateway_card, now_ms, params, passed_headers};
+use super::{
+    Gateway, Rpc, Sent, broker, broker_error, gateway_card, now_ms, params, passed_headers,
+};
 use crate::core::Id;
 use crate::pb;
 
@@ -29,7 +31,10 @@ fn peer<'a>(gateway: &'a Gateway, name: &str) -> Result<&'a Peer, Refused> {
         Refused::new(
             code::TASK_NOT_FOUND,
             "NOT_FOUND",
-            format!("no agent named {:?} in this gateway's address book", crate::mcp::link::cut(name, 64)),
+            format!(
+                "no agent named {:?} in this gateway's address book",
+                crate::mcp::link::cut(name, 64)
+            ),
         )
     })
 }
@@ -39,10 +44,18 @@ pub(super) async fn card(gateway: &Gateway, name: &str) -> Result<a2a::AgentCard
     let peer = peer(gateway, name)?;
     let card = gateway.http.card(&peer.url).await?;
     let url = format!("{}/peers/{name}/", gateway.egress_url);
-    Ok(gateway_card(card, &url, &peer.public_key().unwrap_or_default()))
+    Ok(gateway_card(
+        card,
+        &url,
+        &peer.public_key().unwrap_or_default(),
+    ))
 }
 
-pub(super) async fn handle(gateway: &Arc<Gateway>, name: &str, rpc: &Rpc) -> Result<Value, CallError> {
+pub(super) async fn handle(
+    gateway: &Arc<Gateway>,
+    name: &str,
+    rpc: &Rpc,
+) -> Result<Value, CallError> {
     let peer = peer(gateway, name)?;
     let headers = passed_headers(&rpc.headers);
     match rpc.method.as_str() {
@@ -50,21 +63,38 @@ pub(super) async fn handle(gateway: &Arc<Gateway>, name: &str, rpc: &Rpc) -> Res
         "GetTask" => {
             let request: a2a::GetTaskRequest = params(rpc)?;
             sent_to(gateway, peer, &request.id)?;
-            gateway.http.call(&peer.url, "GetTask", &request, &headers).await
+            gateway
+                .http
+                .call(&peer.url, "GetTask", &request, &headers)
+                .await
         }
         "CancelTask" => {
             let request: a2a::CancelTaskRequest = params(rpc)?;
             let sent = sent_to(gateway, peer, &request.id)?;
             // The principal's signed Revoke is what cancels: the peer's
             // gateway cancels the task when it sees the contract revoked.
-            match broker::revoke(&gateway.link, &sent.contract_id, "canceled by the principal over A2A".into()).await {
+            match broker::revoke(
+                &gateway.link,
+                &sent.contract_id,
+                "canceled by the principal over A2A".into(),
+            )
+            .await
+            {
                 Ok(_) => {}
                 Err(e) if matches!(e.reason.as_str(), "ENDED" | "WRONG_STATE") => {}
                 Err(e) => return Err(broker_error(e).into()),
             }
-            gateway.http.call(&peer.url, "CancelTask", &request, &headers).await
+            gateway
+                .http
+                .call(&peer.url, "CancelTask", &request, &headers)
+                .await
         }
-        other => Err(Refused::new(code::METHOD_NOT_FOUND, "INVALID_FIELD", format!("{other}: not served")).into()),
+        other => Err(Refused::new(
+            code::METHOD_NOT_FOUND,
+            "INVALID_FIELD",
+            format!("{other}: not served"),
+        )
+        .into()),
     }
 }
 
@@ -77,15 +107,29 @@ fn sent_to(gateway: &Gateway, peer: &Peer, task_id: &str) -> Result<Sent, Refuse
             Refused::new(
                 code::TASK_NOT_FOUND,
                 "NOT_FOUND",
-                format!("task {:?} was not sent to {} through this gateway", crate::mcp::link::cut(task_id, 128), peer.name),
+                format!(
+                    "task {:?} was not sent to {} through this gateway",
+                    crate::mcp::link::cut(task_id, 128),
+                    peer.name
+                ),
             )
         })
 }
 
 /// The contract a message to a peer is delegated from.
-async fn parent_of(gateway: &Gateway, named: Option<Vec<u8>>, context_id: &str) -> Result<Id, Refused> {
+async fn parent_of(
+    gateway: &Gateway,
+    named: Option<Vec<u8>>,
+    context_id: &str,
+) -> Result<Id, Refused> {
     if let Some(id) = named {
-        return id.try_into().map_err(|_| Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "contractId must be 32 bytes"));
+        return id.try_into().map_err(|_| {
+            Refused::new(
+                code::INVALID_PARAMS,
+                "INVALID_FIELD",
+                "contractId must be 32 bytes",
+            )
+        });
     }
     let known = {
         let admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
@@ -118,8 +162,16 @@ async fn parent_of(gateway: &Gateway, named: Option<Vec<u8>>, context_id: &str) 
             "NOT_FOUND",
             format!(
                 "this agent holds several open contracts ({}{}) and context {:?} names none: send the message in the context of the task it works for, or set message.metadata[{}].contractId",
-                several.iter().map(|c| hex::encode(&c.contract_id)).collect::<Vec<_>>().join(", "),
-                if held.next_page_token.is_empty() { "" } else { ", …" },
+                several
+                    .iter()
+                    .map(|c| hex::encode(&c.contract_id))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if held.next_page_token.is_empty() {
+                    ""
+                } else {
+                    ", …"
+                },
                 crate::mcp::link::cut(context_id, 128),
                 ext::URI
             ),
@@ -145,13 +197,17 @@ async fn send(
 ) -> Result<Value, CallError> {
     let mut request: a2a::SendMessageRequest = params(rpc)?;
     let message = request.message.as_mut().ok_or_else(|| {
-        Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required").with("field", "message")
+        Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
+            .with("field", "message")
     })?;
     let outbound = ext::outbound(ext::take(message)?)?;
     if !message.task_id.is_empty() {
         // A message in a task already delegated: its contract goes on.
         sent_to(gateway, peer, &message.task_id)?;
-        return gateway.http.call(&peer.url, "SendMessage", &request, headers).await;
+        return gateway
+            .http
+            .call(&peer.url, "SendMessage", &request, headers)
+            .await;
     }
     let parent_id = parent_of(gateway, outbound.contract_id, &message.context_id).await?;
     let parent = gateway.contract(&parent_id).await?;
@@ -159,14 +215,29 @@ async fn send(
         .contract
         .as_ref()
         .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-        .ok_or_else(|| Refused::new(code::INTERNAL, "INTERNAL", "the broker sent a parent contract that does not decode"))?;
-    let route = gateway.config.routes.get(&peer.name).cloned().unwrap_or_default();
+        .ok_or_else(|| {
+            Refused::new(
+                code::INTERNAL,
+                "INTERNAL",
+                "the broker sent a parent contract that does not decode",
+            )
+        })?;
+    let route = gateway
+        .config
+        .routes
+        .get(&peer.name)
+        .cloned()
+        .unwrap_or_default();
     let terms = outbound.terms;
     let residual = parent.ledger.as_ref().map_or(0, |l| l.residual);
     let budget = terms
         .budget
         .or(route.budget)
-        .or_else(|| route.budget_share.map(|share| (residual as f64 * share).floor() as i64))
+        .or_else(|| {
+            route
+                .budget_share
+                .map(|share| (residual as f64 * share).floor() as i64)
+        })
         .ok_or_else(|| missing_term(&peer.name, "budget", "budget or budget_share"))?;
     let deadline_ms = match terms.ttl_ms.or(route.ttl_ms) {
         Some(ttl_ms) => now_ms().saturating_add(ttl_ms),
@@ -195,32 +266,59 @@ async fn send(
         min_retry_latency_ms: terms.min_retry_latency_ms.unwrap_or(0),
         write_scope: terms.write_scope.or(route.write_scope).unwrap_or_default(),
         host_public_key: Vec::new(),
-        result_schema_json: terms.result_schema_json.or(route.result_schema_json).unwrap_or_default(),
+        result_schema_json: terms
+            .result_schema_json
+            .or(route.result_schema_json)
+            .unwrap_or_default(),
     };
-    let response = broker::delegate(&gateway.link, body).await.map_err(broker_error)?;
+    let response = broker::delegate(&gateway.link, body)
+        .await
+        .map_err(broker_error)?;
     let child_id: Id = match response.outcome {
-        Some(pb::delegate_response::Outcome::Issued(issued)) => issued
-            .contract_id
-            .try_into()
-            .map_err(|_| Refused::new(code::INTERNAL, "INTERNAL", "Delegate answered a bad contract id"))?,
+        Some(pb::delegate_response::Outcome::Issued(issued)) => {
+            issued.contract_id.try_into().map_err(|_| {
+                Refused::new(
+                    code::INTERNAL,
+                    "INTERNAL",
+                    "Delegate answered a bad contract id",
+                )
+            })?
+        }
         Some(pb::delegate_response::Outcome::Refused(refused)) => {
             let receipt = broker::receipt(refused.receipt.as_ref()).unwrap_or_default();
             tracing::info!(peer = %peer.name, primary = receipt.primary, "delegation refused");
             return Err(ext::refusal(&receipt, &refused.receipt_id).into());
         }
-        None => return Err(Refused::new(code::INTERNAL, "INTERNAL", "Delegate answered neither issued nor refused").into()),
+        None => {
+            return Err(Refused::new(
+                code::INTERNAL,
+                "INTERNAL",
+                "Delegate answered neither issued nor refused",
+            )
+            .into());
+        }
     };
-    let chain = broker::chain(&gateway.link, &child_id).await.map_err(broker_error)?;
+    let chain = broker::chain(&gateway.link, &child_id)
+        .await
+        .map_err(broker_error)?;
     if let Some(message) = request.message.as_mut() {
         ext::attach_chain(message, &chain);
     }
-    let answer: Result<a2a::SendMessageResponse, CallError> =
-        gateway.http.call(&peer.url, "SendMessage", &request, headers).await;
+    let answer: Result<a2a::SendMessageResponse, CallError> = gateway
+        .http
+        .call(&peer.url, "SendMessage", &request, headers)
+        .await;
     let response = match answer {
         Ok(response) => response,
         Err(error) => {
             // The task never started: release what the contract reserved.
-            if let Err(e) = broker::revoke(&gateway.link, &child_id, "the peer did not take the task".into()).await {
+            if let Err(e) = broker::revoke(
+                &gateway.link,
+                &child_id,
+                "the peer did not take the task".into(),
+            )
+            .await
+            {
                 tracing::warn!(contract = %hex::encode(child_id), reason = %e.reason, "revoking an unstarted contract failed");
             }
             return Err(error);
@@ -241,6 +339,12 @@ async fn send(
             },
         );
     }
-    serde_json::to_value(&response)
-        .map_err(|e| Refused::new(code::INTERNAL, "INTERNAL", format!("encoding the answer: {e}")).into())
+    serde_json::to_value(&response).map_err(|e| {
+        Refused::new(
+            code::INTERNAL,
+            "INTERNAL",
+            format!("encoding the answer: {e}"),
+        )
+        .into()
+    })
 }

@@ -116,9 +116,7 @@ pub fn take(message: &mut a2a::Message) -> Result<Option<Map<String, Value>>, Re
         return Err(Refused::new(
             code::INVALID_PARAMS,
             "MESSAGE_TOO_LARGE",
-            format!(
-                "message.metadata[{URI}] is {size} bytes, at most {MAX_EXTENSION_BYTES}"
-            ),
+            format!("message.metadata[{URI}] is {size} bytes, at most {MAX_EXTENSION_BYTES}"),
         ));
     }
     match ext {
@@ -148,7 +146,10 @@ pub fn attach_chain(message: &mut a2a::Message, chain: &pb::GetChainResponse) {
 /// there (`marked`).
 pub fn mark(message: &mut a2a::Message, contract_id: &[u8]) {
     let mut metadata = to_json(&message.metadata);
-    metadata.insert(URI.into(), json!({ "contractId": hex::encode(contract_id) }));
+    metadata.insert(
+        URI.into(),
+        json!({ "contractId": hex::encode(contract_id) }),
+    );
     message.metadata = from_json(metadata);
 }
 
@@ -180,8 +181,12 @@ pub fn chain_of(ext: Option<&Map<String, Value>>) -> Result<pb::GetChainResponse
         .ok_or_else(missing)?
         .as_str()
         .ok_or_else(|| {
-            Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", format!("{field} must be a string"))
-                .with("field", field.clone())
+            Refused::new(
+                code::INVALID_PARAMS,
+                "INVALID_FIELD",
+                format!("{field} must be a string"),
+            )
+            .with("field", field.clone())
         })?;
     let undecodable = |why: String| {
         Refused::new(
@@ -227,8 +232,12 @@ pub fn outbound(ext: Option<Map<String, Value>>) -> Result<Outbound, Refused> {
     };
     let bad = |key: &str, why: String| {
         let field = format!("message.metadata[{URI}].{key}");
-        Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", format!("{field}: {why}"))
-            .with("field", field)
+        Refused::new(
+            code::INVALID_PARAMS,
+            "INVALID_FIELD",
+            format!("{field}: {why}"),
+        )
+        .with("field", field)
     };
     let contract_id = match ext.remove("contractId") {
         None | Some(Value::Null) => None,
@@ -327,9 +336,15 @@ pub enum Step {
     /// Nothing yet (the task is not started, or already handled).
     Wait,
     Accept,
-    Complete { claim: &'static str },
-    Escalate { reason: String },
-    Decline { reason: String },
+    Complete {
+        claim: &'static str,
+    },
+    Escalate {
+        reason: String,
+    },
+    Decline {
+        reason: String,
+    },
 }
 
 /// Where a task's contract stands, as the gateway has moved it.
@@ -543,11 +558,20 @@ mod tests {
     #[test]
     fn a_missing_or_broken_chain_is_refused_with_its_reason() {
         let missing = chain_of(None).unwrap_err();
-        assert_eq!((missing.code, missing.reason.as_str()), (code::EXTENSION_REQUIRED, "INVALID_FIELD"));
+        assert_eq!(
+            (missing.code, missing.reason.as_str()),
+            (code::EXTENSION_REQUIRED, "INVALID_FIELD")
+        );
         let ext = json!({"chain": "@@@"}).as_object().unwrap().clone();
-        assert_eq!(chain_of(Some(&ext)).unwrap_err().reason, "UNDECODABLE_MESSAGE");
+        assert_eq!(
+            chain_of(Some(&ext)).unwrap_err().reason,
+            "UNDECODABLE_MESSAGE"
+        );
         let ext = json!({"chain": "AAEC"}).as_object().unwrap().clone();
-        assert_eq!(chain_of(Some(&ext)).unwrap_err().reason, "UNDECODABLE_MESSAGE");
+        assert_eq!(
+            chain_of(Some(&ext)).unwrap_err().reason,
+            "UNDECODABLE_MESSAGE"
+        );
     }
 
     #[test]
@@ -561,7 +585,10 @@ mod tests {
         let refused = outbound(bad.as_object().cloned()).unwrap_err();
         assert!(refused.message.contains("budgett"), "{}", refused.message);
         let bad = json!({"contractId": "abc"});
-        assert_eq!(outbound(bad.as_object().cloned()).unwrap_err().reason, "INVALID_FIELD");
+        assert_eq!(
+            outbound(bad.as_object().cloned()).unwrap_err().reason,
+            "INVALID_FIELD"
+        );
     }
 
     #[test]
@@ -570,12 +597,18 @@ mod tests {
             parts: vec![data(json!({"answer": 42}))],
             ..Default::default()
         };
-        assert_eq!(output_json(std::slice::from_ref(&one)).unwrap(), r#"{"answer":42}"#);
+        assert_eq!(
+            output_json(std::slice::from_ref(&one)).unwrap(),
+            r#"{"answer":42}"#
+        );
         let two = a2a::Artifact {
             parts: vec![text("hi"), data(json!([1.5]))],
             ..Default::default()
         };
-        assert_eq!(output_json(&[one, two]).unwrap(), r#"[[{"answer":42}],["hi",[1.5]]]"#);
+        assert_eq!(
+            output_json(&[one, two]).unwrap(),
+            r#"[[{"answer":42}],["hi",[1.5]]]"#
+        );
         assert_eq!(output_json(&[]).unwrap(), "[]");
     }
 
@@ -593,7 +626,10 @@ mod tests {
             step(TaskState::Completed, None, accepted),
             Step::Complete { claim: "completed" }
         );
-        assert_eq!(step(TaskState::Failed, None, accepted), Step::Complete { claim: "failed" });
+        assert_eq!(
+            step(TaskState::Failed, None, accepted),
+            Step::Complete { claim: "failed" }
+        );
         let asking = a2a::TaskStatus {
             message: Some(a2a::Message {
                 parts: vec![text("need the date range")],
@@ -607,7 +643,10 @@ mod tests {
                 reason: "need the date range".into()
             }
         );
-        assert!(matches!(step(TaskState::Rejected, None, fresh), Step::Decline { .. }));
+        assert!(matches!(
+            step(TaskState::Rejected, None, fresh),
+            Step::Decline { .. }
+        ));
         let ended = Progress {
             accepted: true,
             ended: true,

@@ -36,7 +36,12 @@ pub(super) async fn handle(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, C
 
 fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, CallError> {
     serde_json::to_value(value).map_err(|e| {
-        Refused::new(code::INTERNAL, "INTERNAL", format!("encoding the answer: {e}")).into()
+        Refused::new(
+            code::INTERNAL,
+            "INTERNAL",
+            format!("encoding the answer: {e}"),
+        )
+        .into()
     })
 }
 
@@ -55,7 +60,10 @@ async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Ref
         Refused::new(
             code::TASK_NOT_FOUND,
             "NOT_FOUND",
-            format!("task {:?}: no task admitted under a contract by this gateway", ext_cut(task_id)),
+            format!(
+                "task {:?}: no task admitted under a contract by this gateway",
+                ext_cut(task_id)
+            ),
         )
     };
     let get = a2a::GetTaskRequest {
@@ -79,17 +87,27 @@ async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Ref
     if contract.delegate_public_key != gateway.agent_key {
         return Err(not_found());
     }
-    let status = pb::ContractStatus::try_from(state.status).unwrap_or(pb::ContractStatus::Unspecified);
+    let status =
+        pb::ContractStatus::try_from(state.status).unwrap_or(pb::ContractStatus::Unspecified);
     let progress = ext::Progress {
         accepted: status != pb::ContractStatus::Open,
-        ended: !matches!(status, pb::ContractStatus::Open | pb::ContractStatus::Accepted),
+        ended: !matches!(
+            status,
+            pb::ContractStatus::Open | pb::ContractStatus::Accepted
+        ),
     };
     let slot = new_slot(contract_id, contract.deadline_ms, progress);
     let slot = {
         let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
         // Another call may have rebuilt it meanwhile: keep the first.
-        let slot = admitted.tasks.entry(task_id.to_owned()).or_insert(slot).clone();
-        admitted.contracts.insert(contract_id, Some(task_id.to_owned()));
+        let slot = admitted
+            .tasks
+            .entry(task_id.to_owned())
+            .or_insert(slot)
+            .clone();
+        admitted
+            .contracts
+            .insert(contract_id, Some(task_id.to_owned()));
         slot
     };
     gateway.remember_context(&task.context_id, contract_id);
@@ -124,7 +142,11 @@ pub(super) fn check_size(message: &a2a::Message) -> Result<(), Refused> {
         return Err(Refused::new(
             code::INVALID_PARAMS,
             "MESSAGE_TOO_LARGE",
-            format!("message.parts: {} parts, at most {}", message.parts.len(), ext::MAX_PARTS),
+            format!(
+                "message.parts: {} parts, at most {}",
+                message.parts.len(),
+                ext::MAX_PARTS
+            ),
         )
         .with("field", "message.parts"));
     }
@@ -133,7 +155,10 @@ pub(super) fn check_size(message: &a2a::Message) -> Result<(), Refused> {
 
 /// Verifies a chain offline and returns its leaf, refusing what does not
 /// name this agent or has passed its deadline.
-pub(super) async fn admit_chain(gateway: &Gateway, chain: &pb::GetChainResponse) -> Result<(Id, i64), Refused> {
+pub(super) async fn admit_chain(
+    gateway: &Gateway,
+    chain: &pb::GetChainResponse,
+) -> Result<(Id, i64), Refused> {
     let field = format!("message.metadata[{}].chain", ext::URI);
     let sealed: Vec<pb::Sealed> = chain
         .chain
@@ -160,7 +185,11 @@ pub(super) async fn admit_chain(gateway: &Gateway, chain: &pb::GetChainResponse)
         .with("field", field.clone())
     })?;
     let leaf = hops.last().ok_or_else(|| {
-        Refused::new(code::INVALID_PARAMS, "UNDECODABLE_MESSAGE", format!("{field} is empty"))
+        Refused::new(
+            code::INVALID_PARAMS,
+            "UNDECODABLE_MESSAGE",
+            format!("{field} is empty"),
+        )
     })?;
     if leaf.contract.delegate_public_key != gateway.agent_key {
         return Err(Refused::new(
@@ -192,7 +221,11 @@ pub(super) async fn admit_chain(gateway: &Gateway, chain: &pb::GetChainResponse)
 
 pub(super) fn status_name(status: i32) -> String {
     pb::ContractStatus::try_from(status)
-        .map(|s| s.as_str_name().trim_start_matches("CONTRACT_STATUS_").to_owned())
+        .map(|s| {
+            s.as_str_name()
+                .trim_start_matches("CONTRACT_STATUS_")
+                .to_owned()
+        })
         .unwrap_or_else(|_| status.to_string())
 }
 
@@ -200,7 +233,10 @@ pub(super) fn ended(contract_id: &Id, why: String) -> Refused {
     Refused::new(
         code::INVALID_PARAMS,
         "ENDED",
-        format!("contract {}: {why}; a new task needs a new contract", hex::encode(contract_id)),
+        format!(
+            "contract {}: {why}; a new task needs a new contract",
+            hex::encode(contract_id)
+        ),
     )
     .with("contractId", hex::encode(contract_id))
 }
@@ -216,7 +252,11 @@ pub(super) struct Binding<'a> {
 impl Binding<'_> {
     /// Keeps the contract bound to `task` (a task id, or a label).
     pub(super) fn keep(&mut self, task: String) {
-        let mut admitted = self.gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        let mut admitted = self
+            .gateway
+            .admitted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         admitted.contracts.insert(self.contract_id, Some(task));
         self.kept = true;
     }
@@ -225,7 +265,11 @@ impl Binding<'_> {
 impl Drop for Binding<'_> {
     fn drop(&mut self) {
         if !self.kept {
-            let mut admitted = self.gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+            let mut admitted = self
+                .gateway
+                .admitted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             admitted.contracts.remove(&self.contract_id);
         }
     }
@@ -257,7 +301,10 @@ pub(super) fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<
             return Err(Refused::new(
                 code::INTERNAL,
                 "OVERLOADED",
-                format!("this gateway follows {} tasks already (max_tasks)", gateway.config.max_tasks),
+                format!(
+                    "this gateway follows {} tasks already (max_tasks)",
+                    gateway.config.max_tasks
+                ),
             ));
         }
     }
@@ -300,7 +347,11 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     match pb::ContractStatus::try_from(state.status) {
         Ok(pb::ContractStatus::Open) => {}
         Ok(pb::ContractStatus::Accepted) => {
-            return Err(ended(&contract_id, "already accepted: its task was started".into()).into());
+            return Err(ended(
+                &contract_id,
+                "already accepted: its task was started".into(),
+            )
+            .into());
         }
         _ => {
             return Err(ended(&contract_id, format!("it is {}", status_name(state.status))).into());
@@ -362,7 +413,11 @@ async fn continue_task(
         pb::ContractStatus::try_from(state.status),
         Ok(pb::ContractStatus::Open | pb::ContractStatus::Accepted)
     ) {
-        return Err(ended(&slot.contract_id, format!("it is {}", status_name(state.status))).into());
+        return Err(ended(
+            &slot.contract_id,
+            format!("it is {}", status_name(state.status)),
+        )
+        .into());
     }
     let response: a2a::SendMessageResponse = gateway
         .http
@@ -373,9 +428,11 @@ async fn continue_task(
             let task = observe(gateway, &slot, task).await?;
             answer_task(gateway, &slot, task, wait).await
         }
-        Some(a2a::send_message_response::Payload::Message(reply)) => to_value(&a2a::SendMessageResponse {
-            payload: Some(a2a::send_message_response::Payload::Message(reply)),
-        }),
+        Some(a2a::send_message_response::Payload::Message(reply)) => {
+            to_value(&a2a::SendMessageResponse {
+                payload: Some(a2a::send_message_response::Payload::Message(reply)),
+            })
+        }
         None => Err(Refused::new(
             code::INTERNAL,
             "UNDECODABLE_MESSAGE",
@@ -387,7 +444,11 @@ async fn continue_task(
 
 /// An agent that answered with a message and no task: Accept and Complete
 /// with the message's parts as the output.
-async fn direct(gateway: &Gateway, slot: &Slot, mut reply: a2a::Message) -> Result<Value, CallError> {
+async fn direct(
+    gateway: &Gateway,
+    slot: &Slot,
+    mut reply: a2a::Message,
+) -> Result<Value, CallError> {
     let artifact = a2a::Artifact {
         parts: reply.parts.clone(),
         ..Default::default()
@@ -429,7 +490,11 @@ async fn answer_task(
     if wait && !settled(&task) {
         let mut latest = slot.latest.subscribe();
         let timeout = Duration::from_millis(gateway.config.call_timeout_ms);
-        let waited = tokio::time::timeout(timeout, latest.wait_for(|t| t.as_ref().is_some_and(settled))).await;
+        let waited = tokio::time::timeout(
+            timeout,
+            latest.wait_for(|t| t.as_ref().is_some_and(settled)),
+        )
+        .await;
         if let Ok(Ok(seen)) = waited
             && let Some(seen) = seen.clone()
         {
@@ -465,7 +530,11 @@ fn final_refusal(reason: &str) -> bool {
 
 /// Moves the contract as far as the task's state asks (ext::step), then
 /// publishes the task, decorated with the broker's word.
-async fn observe(gateway: &Gateway, slot: &Slot, mut task: a2a::Task) -> Result<a2a::Task, Refused> {
+async fn observe(
+    gateway: &Gateway,
+    slot: &Slot,
+    mut task: a2a::Task,
+) -> Result<a2a::Task, Refused> {
     let mut guard = slot.progress.lock().await;
     let (progress, judged) = &mut *guard;
     loop {
@@ -474,7 +543,9 @@ async fn observe(gateway: &Gateway, slot: &Slot, mut task: a2a::Task) -> Result<
         let id = slot.contract_id;
         let outcome = match &step {
             ext::Step::Wait => break,
-            ext::Step::Accept => broker::accept(&gateway.link, &id).await.map(|r| r.receipt_id),
+            ext::Step::Accept => broker::accept(&gateway.link, &id)
+                .await
+                .map(|r| r.receipt_id),
             ext::Step::Complete { claim } => {
                 let output = ext::output_json(&task.artifacts)?;
                 broker::complete(&gateway.link, &id, output, claim)
@@ -551,7 +622,11 @@ async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: String) {
             Err(_) => false,
         };
         if expired || revoked {
-            let why = if revoked { "revoked" } else { "past its deadline" };
+            let why = if revoked {
+                "revoked"
+            } else {
+                "past its deadline"
+            };
             tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
             let cancel = a2a::CancelTaskRequest {
                 id: task_id.clone(),
@@ -593,7 +668,12 @@ async fn get(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     let slot = slot_of(gateway, &request.id).await?;
     let task: a2a::Task = gateway
         .http
-        .call(&gateway.upstream_rpc, "GetTask", &request, &passed_headers(&rpc.headers))
+        .call(
+            &gateway.upstream_rpc,
+            "GetTask",
+            &request,
+            &passed_headers(&rpc.headers),
+        )
         .await?;
     let task = observe(gateway, &slot, task).await?;
     to_value(&task)
@@ -622,7 +702,12 @@ async fn cancel(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     }
     let task: a2a::Task = gateway
         .http
-        .call(&gateway.upstream_rpc, "CancelTask", &request, &passed_headers(&rpc.headers))
+        .call(
+            &gateway.upstream_rpc,
+            "CancelTask",
+            &request,
+            &passed_headers(&rpc.headers),
+        )
         .await?;
     let task = observe(gateway, &slot, task).await?;
     to_value(&task)

@@ -138,7 +138,11 @@ impl Gateway {
         self.link
             .read(|mut client| {
                 let contract_id = id.clone();
-                async move { client.get_contract(pb::GetContractRequest { contract_id }).await }
+                async move {
+                    client
+                        .get_contract(pb::GetContractRequest { contract_id })
+                        .await
+                }
             })
             .await
             .map_err(broker_error)?
@@ -170,7 +174,11 @@ pub(crate) fn broker_error(error: crate::mcp::link::ToolError) -> Refused {
         "UNAVAILABLE" | "OUTCOME_UNKNOWN" | "INTERNAL" | "OVERLOADED" => code::INTERNAL,
         _ => code::INVALID_PARAMS,
     };
-    let mut refused = Refused::new(code, &error.reason, format!("the broker: {}", error.message));
+    let mut refused = Refused::new(
+        code,
+        &error.reason,
+        format!("the broker: {}", error.message),
+    );
     if let Some(field) = error.field {
         refused = refused.with("field", field);
     }
@@ -261,7 +269,10 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
     }
     if let Some(egress) = egress {
         let router = axum::Router::new()
-            .route("/peers/{peer}/.well-known/agent-card.json", axum::routing::get(egress_card))
+            .route(
+                "/peers/{peer}/.well-known/agent-card.json",
+                axum::routing::get(egress_card),
+            )
             .route("/peers/{peer}", axum::routing::post(egress_rpc))
             .route("/peers/{peer}/", axum::routing::post(egress_rpc))
             .layer(limit)
@@ -364,10 +375,17 @@ fn parse_rpc(body: &[u8], headers: http::HeaderMap) -> Result<Rpc, (Value, Refus
     let mut request: Value = serde_json::from_slice(body).map_err(|e| {
         (
             Value::Null,
-            Refused::new(code::PARSE_ERROR, "UNDECODABLE_MESSAGE", format!("not JSON: {e}")),
+            Refused::new(
+                code::PARSE_ERROR,
+                "UNDECODABLE_MESSAGE",
+                format!("not JSON: {e}"),
+            ),
         )
     })?;
-    let id = request.get_mut("id").map(Value::take).unwrap_or(Value::Null);
+    let id = request
+        .get_mut("id")
+        .map(Value::take)
+        .unwrap_or(Value::Null);
     let method = match request.get("method").and_then(Value::as_str) {
         Some(method) if request.get("jsonrpc") == Some(&json!("2.0")) => method.to_owned(),
         _ => {
@@ -381,7 +399,10 @@ fn parse_rpc(body: &[u8], headers: http::HeaderMap) -> Result<Rpc, (Value, Refus
             ));
         }
     };
-    let params = request.get_mut("params").map(Value::take).unwrap_or(json!({}));
+    let params = request
+        .get_mut("params")
+        .map(Value::take)
+        .unwrap_or(json!({}));
     Ok(Rpc {
         id,
         method,
@@ -393,7 +414,9 @@ fn parse_rpc(body: &[u8], headers: http::HeaderMap) -> Result<Rpc, (Value, Refus
 fn answer(id: Value, result: Result<Value, client::CallError>) -> Response {
     let body = match result {
         Ok(result) => json!({"jsonrpc": "2.0", "id": id, "result": result}),
-        Err(client::CallError::Remote(error)) => json!({"jsonrpc": "2.0", "id": id, "error": error}),
+        Err(client::CallError::Remote(error)) => {
+            json!({"jsonrpc": "2.0", "id": id, "error": error})
+        }
         Err(client::CallError::Local(refused)) => {
             json!({"jsonrpc": "2.0", "id": id, "error": refused.to_jsonrpc()})
         }
@@ -470,7 +493,9 @@ async fn egress_rpc(
 }
 
 /// Headers passed on to the next hop: the W3C trace context.
-pub(crate) fn passed_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, http::HeaderValue)> {
+pub(crate) fn passed_headers(
+    headers: &http::HeaderMap,
+) -> Vec<(http::HeaderName, http::HeaderValue)> {
     ["traceparent", "tracestate"]
         .into_iter()
         .filter_map(|name| {

@@ -14,9 +14,9 @@ use delegation_broker::a2a::ext::URI;
 use delegation_broker::client::Agent;
 use delegation_broker::pb;
 use envoy_types::ext_authz::v3::pb::{CheckRequest, CheckResponse, HttpResponse};
+use envoy_types::pb::envoy::service::auth::v3::AttributeContext;
 use envoy_types::pb::envoy::service::auth::v3::attribute_context::{HttpRequest, Request};
 use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
-use envoy_types::pb::envoy::service::auth::v3::AttributeContext;
 use prost::Message as _;
 use serde_json::json;
 
@@ -72,7 +72,6 @@ fn check_request(body: &serde_json::Value) -> CheckRequest {
             }),
             ..Default::default()
         }),
-        ..Default::default()
     }
 }
 
@@ -118,8 +117,15 @@ fn header(response: &CheckResponse, key: &str) -> Option<String> {
 /// Asserts a denial with `reason`, its JSON-RPC body naming it too.
 fn assert_denied(response: &CheckResponse, reason: &str) {
     let status = response.status.as_ref().expect("a status");
-    assert_eq!(status.code, tonic::Code::PermissionDenied as i32, "{response:?}");
-    assert_eq!(header(response, "x-delegation-refusal").as_deref(), Some(reason));
+    assert_eq!(
+        status.code,
+        tonic::Code::PermissionDenied as i32,
+        "{response:?}"
+    );
+    assert_eq!(
+        header(response, "x-delegation-refusal").as_deref(),
+        Some(reason)
+    );
     let Some(HttpResponse::DeniedResponse(denied)) = &response.http_response else {
         panic!("a denied response: {response:?}");
     };
@@ -176,7 +182,13 @@ async fn check_allows_only_this_agents_open_unused_contract() {
         .await
         .unwrap()
         .into_inner();
-    let leaf = tampered.chain.last_mut().unwrap().contract.as_mut().unwrap();
+    let leaf = tampered
+        .chain
+        .last_mut()
+        .unwrap()
+        .contract
+        .as_mut()
+        .unwrap();
     let at = leaf.payload.len() / 2;
     leaf.payload[at] ^= 0x01;
     assert_denied(
@@ -203,7 +215,10 @@ async fn check_allows_only_this_agents_open_unused_contract() {
         Some(hex::encode(&contract))
     );
     assert_eq!(header(&allowed, "x-delegation-depth").as_deref(), Some("1"));
-    assert_eq!(header(&allowed, "x-delegation-residual").as_deref(), Some("10"));
+    assert_eq!(
+        header(&allowed, "x-delegation-residual").as_deref(),
+        Some("10")
+    );
     let deadline: i64 = header(&allowed, "x-delegation-deadline-ms")
         .unwrap()
         .parse()
@@ -224,7 +239,6 @@ async fn check_allows_only_this_agents_open_unused_contract() {
             }),
             ..Default::default()
         }),
-        ..Default::default()
     };
     let card = authz.check(card).await.unwrap().into_inner();
     assert_eq!(card.status.unwrap().code, 0);
