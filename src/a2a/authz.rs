@@ -99,6 +99,9 @@ impl Authorization for Authz {
             },
             Err(refused) => {
                 tracing::info!(reason = %refused.reason, "authz denied");
+                self.gateway
+                    .metrics
+                    .refused(super::metrics::Side::Authz, &refused.reason);
                 let body = json!({"jsonrpc": "2.0", "id": id, "error": refused.to_jsonrpc()});
                 CheckResponse {
                     status: Some(rpc::Status {
@@ -253,6 +256,7 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
         .unwrap_or_default();
     if let Some(binding) = binding.as_mut() {
         binding.keep(format!("authz:{}", message.message_id));
+        gateway.metrics.admitted.inc();
     }
     Ok(Allowed {
         contract_id,

@@ -5,7 +5,9 @@
 
 use prost::Message as _;
 
+use super::Gateway;
 use crate::crypto::payload_type;
+use crate::mcp::gateway::traced;
 use crate::mcp::link::{Link, ToolError};
 use crate::pb;
 
@@ -15,7 +17,12 @@ pub fn receipt(sealed: Option<&pb::Sealed>) -> Option<pb::Receipt> {
     sealed.and_then(|s| pb::Receipt::decode(s.payload.as_slice()).ok())
 }
 
-pub async fn accept(link: &Link, contract_id: &[u8]) -> Result<pb::AcceptResponse, ToolError> {
+pub async fn accept(
+    gateway: &Gateway,
+    trace: Option<&str>,
+    contract_id: &[u8],
+) -> Result<pb::AcceptResponse, ToolError> {
+    let link = &gateway.link;
     let body = pb::AcceptBody {
         header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
@@ -24,16 +31,25 @@ pub async fn accept(link: &Link, contract_id: &[u8]) -> Result<pb::AcceptRespons
     let request = pb::AcceptRequest {
         signed: link.signed(payload_type::ACCEPT, &body),
     };
-    link.send(request, |mut c, r| async move { c.accept(r).await })
-        .await
+    counted(
+        gateway,
+        "accept",
+        link.send(request, |mut c, r| {
+            let trace = trace.map(str::to_owned);
+            async move { c.accept(traced(r, trace.as_deref())).await }
+        })
+        .await,
+    )
 }
 
 pub async fn complete(
-    link: &Link,
+    gateway: &Gateway,
+    trace: Option<&str>,
     contract_id: &[u8],
     output_json: String,
     claim: &str,
 ) -> Result<pb::CompleteResponse, ToolError> {
+    let link = &gateway.link;
     let body = pb::CompleteBody {
         header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
@@ -45,15 +61,24 @@ pub async fn complete(
     let request = pb::CompleteRequest {
         signed: link.signed(payload_type::COMPLETE, &body),
     };
-    link.send(request, |mut c, r| async move { c.complete(r).await })
-        .await
+    counted(
+        gateway,
+        "complete",
+        link.send(request, |mut c, r| {
+            let trace = trace.map(str::to_owned);
+            async move { c.complete(traced(r, trace.as_deref())).await }
+        })
+        .await,
+    )
 }
 
 pub async fn escalate(
-    link: &Link,
+    gateway: &Gateway,
+    trace: Option<&str>,
     contract_id: &[u8],
     reason: String,
 ) -> Result<pb::EscalateResponse, ToolError> {
+    let link = &gateway.link;
     let body = pb::EscalateBody {
         header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
@@ -62,15 +87,24 @@ pub async fn escalate(
     let request = pb::EscalateRequest {
         signed: link.signed(payload_type::ESCALATE, &body),
     };
-    link.send(request, |mut c, r| async move { c.escalate(r).await })
-        .await
+    counted(
+        gateway,
+        "escalate",
+        link.send(request, |mut c, r| {
+            let trace = trace.map(str::to_owned);
+            async move { c.escalate(traced(r, trace.as_deref())).await }
+        })
+        .await,
+    )
 }
 
 pub async fn decline(
-    link: &Link,
+    gateway: &Gateway,
+    trace: Option<&str>,
     contract_id: &[u8],
     reason: String,
 ) -> Result<pb::DeclineResponse, ToolError> {
+    let link = &gateway.link;
     let body = pb::DeclineBody {
         header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
@@ -79,15 +113,24 @@ pub async fn decline(
     let request = pb::DeclineRequest {
         signed: link.signed(payload_type::DECLINE, &body),
     };
-    link.send(request, |mut c, r| async move { c.decline(r).await })
-        .await
+    counted(
+        gateway,
+        "decline",
+        link.send(request, |mut c, r| {
+            let trace = trace.map(str::to_owned);
+            async move { c.decline(traced(r, trace.as_deref())).await }
+        })
+        .await,
+    )
 }
 
 pub async fn revoke(
-    link: &Link,
+    gateway: &Gateway,
+    trace: Option<&str>,
     contract_id: &[u8],
     reason: String,
 ) -> Result<pb::RevokeResponse, ToolError> {
+    let link = &gateway.link;
     let body = pb::RevokeBody {
         header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
@@ -96,19 +139,42 @@ pub async fn revoke(
     let request = pb::RevokeRequest {
         signed: link.signed(payload_type::REVOKE, &body),
     };
-    link.send(request, |mut c, r| async move { c.revoke(r).await })
-        .await
+    counted(
+        gateway,
+        "revoke",
+        link.send(request, |mut c, r| {
+            let trace = trace.map(str::to_owned);
+            async move { c.revoke(traced(r, trace.as_deref())).await }
+        })
+        .await,
+    )
 }
 
 pub async fn delegate(
-    link: &Link,
+    gateway: &Gateway,
+    trace: Option<&str>,
     body: pb::DelegateBody,
 ) -> Result<pb::DelegateResponse, ToolError> {
+    let link = &gateway.link;
     let request = pb::DelegateRequest {
         signed: link.signed(payload_type::DELEGATE, &body),
     };
-    link.send(request, |mut c, r| async move { c.delegate(r).await })
-        .await
+    let result = link
+        .send(request, |mut c, r| {
+            let trace = trace.map(str::to_owned);
+            async move { c.delegate(traced(r, trace.as_deref())).await }
+        })
+        .await;
+    let outcome = match &result {
+        Ok(pb::DelegateResponse {
+            outcome: Some(pb::delegate_response::Outcome::Refused(_)),
+            ..
+        }) => "refused",
+        Ok(_) => "ok",
+        Err(_) => "error",
+    };
+    gateway.metrics.broker_call("delegate", outcome);
+    result
 }
 
 pub async fn chain(link: &Link, contract_id: &[u8]) -> Result<pb::GetChainResponse, ToolError> {
@@ -120,4 +186,16 @@ pub async fn chain(link: &Link, contract_id: &[u8]) -> Result<pb::GetChainRespon
         })
         .await?
         .into_inner())
+}
+
+/// Counts a broker call's outcome (a2a_gateway_broker_calls_total).
+fn counted<T>(
+    gateway: &Gateway,
+    call: &'static str,
+    result: Result<T, ToolError>,
+) -> Result<T, ToolError> {
+    gateway
+        .metrics
+        .broker_call(call, if result.is_ok() { "ok" } else { "error" });
+    result
 }

@@ -36,15 +36,24 @@ impl From<Refused> for CallError {
 pub struct A2aClient {
     http: reqwest::Client,
     max_bytes: usize,
+    metrics: std::sync::Arc<super::metrics::GatewayMetrics>,
 }
 
 impl A2aClient {
-    pub fn new(timeout_ms: u64, max_bytes: usize) -> anyhow::Result<Self> {
+    pub fn new(
+        timeout_ms: u64,
+        max_bytes: usize,
+        metrics: std::sync::Arc<super::metrics::GatewayMetrics>,
+    ) -> anyhow::Result<Self> {
         let http = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(Duration::from_millis(timeout_ms))
             .build()?;
-        Ok(Self { http, max_bytes })
+        Ok(Self {
+            http,
+            max_bytes,
+            metrics,
+        })
     }
 
     /// Reads a body up to the byte limit.
@@ -110,11 +119,14 @@ impl A2aClient {
         for (name, value) in headers {
             builder = builder.header(name, value);
         }
+        let started = std::time::Instant::now();
         let response = builder
             .body(request.to_string())
             .send()
             .await
             .map_err(|e| unreachable_peer(url, &e))?;
+        self.metrics
+            .upstream(method, started.elapsed().as_secs_f64());
         let status = response.status();
         let body = self.body(response, url).await?;
         let mut answer: Value = serde_json::from_slice(&body).map_err(|_| {

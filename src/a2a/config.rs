@@ -45,6 +45,8 @@ pub struct A2aConfig {
     pub authz_listen: Option<String>,
     /// Egress address, for the fronted agent's outbound client only.
     pub egress_listen: Option<String>,
+    /// Where `GET /metrics` is served (Prometheus).
+    pub metrics_listen: Option<String>,
     /// The ingress URL put in the served card (default: http://<listen>).
     pub public_url: Option<String>,
     #[serde(default = "default_poll_ms")]

@@ -57,7 +57,7 @@ pub(super) async fn handle(
     rpc: &Rpc,
 ) -> Result<Value, CallError> {
     let peer = peer(gateway, name)?;
-    let headers = passed_headers(&rpc.headers);
+    let headers = passed_headers(rpc);
     match rpc.method.as_str() {
         "SendMessage" => send(gateway, peer, rpc, &headers).await,
         "GetTask" => {
@@ -74,7 +74,8 @@ pub(super) async fn handle(
             // The principal's signed Revoke is what cancels: the peer's
             // gateway cancels the task when it sees the contract revoked.
             match broker::revoke(
-                &gateway.link,
+                gateway,
+                rpc.trace.as_deref(),
                 &sent.contract_id,
                 "canceled by the principal over A2A".into(),
             )
@@ -271,7 +272,7 @@ async fn send(
             .or(route.result_schema_json)
             .unwrap_or_default(),
     };
-    let response = broker::delegate(&gateway.link, body)
+    let response = broker::delegate(gateway, rpc.trace.as_deref(), body)
         .await
         .map_err(broker_error)?;
     let child_id: Id = match response.outcome {
@@ -313,7 +314,8 @@ async fn send(
         Err(error) => {
             // The task never started: release what the contract reserved.
             if let Err(e) = broker::revoke(
-                &gateway.link,
+                gateway,
+                rpc.trace.as_deref(),
                 &child_id,
                 "the peer did not take the task".into(),
             )

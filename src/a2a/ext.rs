@@ -356,14 +356,14 @@ pub struct Progress {
 }
 
 /// The next broker call for a task in `state`: `Accept` first for any
-/// state but REJECTED, then the call that ends the contract.
+/// state but REJECTED and CANCELED, then the call that ends the contract.
 pub fn step(state: TaskState, status: Option<&a2a::TaskStatus>, progress: Progress) -> Step {
     if progress.ended {
         return Step::Wait;
     }
     match state {
         TaskState::Unspecified => Step::Wait,
-        TaskState::Rejected => Step::Decline {
+        TaskState::Rejected if !progress.accepted => Step::Decline {
             reason: status_text(status, "the agent rejected the task"),
         },
         TaskState::Canceled if !progress.accepted => Step::Decline {
@@ -379,9 +379,11 @@ pub fn step(state: TaskState, status: Option<&a2a::TaskStatus>, progress: Progre
         TaskState::AuthRequired => Step::Escalate {
             reason: status_text(status, "the agent needs authorization"),
         },
-        TaskState::Canceled => Step::Decline {
-            reason: status_text(status, "the agent canceled the task"),
-        },
+        // Decline takes an OPEN contract only: once accepted, a task the
+        // agent gives up ends as a failed completion (a root, which has
+        // no principal to escalate to, included), judged like any other.
+        TaskState::Rejected => Step::Complete { claim: "rejected" },
+        TaskState::Canceled => Step::Complete { claim: "canceled" },
     }
 }
 

@@ -20,6 +20,10 @@ use crate::chain::{ChainError, verify_chain};
 use crate::core::Id;
 use crate::pb;
 
+/// How long a task canceled for its contract (revoked, expired) is read
+/// again until the agent reports it settled.
+const CANCEL_GRACE_MS: u64 = 10_000;
+
 pub(super) async fn handle(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     match rpc.method.as_str() {
         "SendMessage" => send(gateway, rpc).await,
@@ -96,7 +100,7 @@ async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Ref
             pb::ContractStatus::Open | pb::ContractStatus::Accepted
         ),
     };
-    let slot = new_slot(contract_id, contract.deadline_ms, progress);
+    let slot = new_slot(contract_id, contract.deadline_ms, progress, None);
     let slot = {
         let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
         // Another call may have rebuilt it meanwhile: keep the first.
@@ -118,10 +122,16 @@ async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Ref
     Ok(slot)
 }
 
-fn new_slot(contract_id: Id, deadline_ms: i64, progress: ext::Progress) -> Arc<Slot> {
+fn new_slot(
+    contract_id: Id,
+    deadline_ms: i64,
+    progress: ext::Progress,
+    trace: Option<String>,
+) -> Arc<Slot> {
     Arc::new(Slot {
         contract_id,
         deadline_ms,
+        trace,
         progress: tokio::sync::Mutex::new((
             progress,
             ext::Judged {
@@ -130,6 +140,7 @@ fn new_slot(contract_id: Id, deadline_ms: i64, progress: ext::Progress) -> Arc<S
             },
         )),
         latest: tokio::sync::watch::Sender::new(None),
+        finished: std::sync::atomic::AtomicBool::new(false),
     })
 }
 
@@ -333,7 +344,7 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         .configuration
         .get_or_insert_with(Default::default)
         .return_immediately = true;
-    let headers = passed_headers(&rpc.headers);
+    let headers = passed_headers(rpc);
     if !message.task_id.is_empty() {
         return continue_task(gateway, request, wait, &headers).await;
     }
@@ -361,7 +372,12 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         .http
         .call(&gateway.upstream_rpc, "SendMessage", &request, &headers)
         .await?;
-    let slot = new_slot(contract_id, deadline_ms, ext::Progress::default());
+    let slot = new_slot(
+        contract_id,
+        deadline_ms,
+        ext::Progress::default(),
+        rpc.trace.clone(),
+    );
     let task = match response.payload {
         Some(a2a::send_message_response::Payload::Task(task)) => task,
         Some(a2a::send_message_response::Payload::Message(reply)) => {
@@ -384,6 +400,7 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         admitted.tasks.insert(task.id.clone(), slot.clone());
     }
     gateway.remember_context(&task.context_id, contract_id);
+    gateway.metrics.admitted.inc();
     let task_id = task.id.clone();
     let observed = observe(gateway, &slot, task).await;
     tokio::spawn(follow(gateway.clone(), slot.clone(), task_id));
@@ -490,9 +507,10 @@ async fn answer_task(
     if wait && !settled(&task) {
         let mut latest = slot.latest.subscribe();
         let timeout = Duration::from_millis(gateway.config.call_timeout_ms);
+        let finished = || slot.finished.load(std::sync::atomic::Ordering::Acquire);
         let waited = tokio::time::timeout(
             timeout,
-            latest.wait_for(|t| t.as_ref().is_some_and(settled)),
+            latest.wait_for(|t| t.as_ref().is_some_and(settled) || finished()),
         )
         .await;
         if let Ok(Ok(seen)) = waited
@@ -522,9 +540,18 @@ fn settled(task: &a2a::Task) -> bool {
 /// Reasons a lifecycle call cannot succeed later either: the contract is
 /// no longer this agent's to move.
 fn final_refusal(reason: &str) -> bool {
+    // errors.proto: each of these "fails again".
     matches!(
         reason,
-        "ENDED" | "WRONG_STATE" | "LATE" | "NOT_DELEGATE" | "NOT_FOUND" | "ANCESTOR_ENDING"
+        "ENDED"
+            | "WRONG_STATE"
+            | "LATE"
+            | "ROOT"
+            | "NOT_PENDING"
+            | "NOT_DELEGATE"
+            | "NOT_HOLDER"
+            | "NOT_FOUND"
+            | "ANCESTOR_ENDING"
     )
 }
 
@@ -543,12 +570,12 @@ async fn observe(
         let id = slot.contract_id;
         let outcome = match &step {
             ext::Step::Wait => break,
-            ext::Step::Accept => broker::accept(&gateway.link, &id)
+            ext::Step::Accept => broker::accept(gateway, slot.trace.as_deref(), &id)
                 .await
                 .map(|r| r.receipt_id),
             ext::Step::Complete { claim } => {
                 let output = ext::output_json(&task.artifacts)?;
-                broker::complete(&gateway.link, &id, output, claim)
+                broker::complete(gateway, slot.trace.as_deref(), &id, output, claim)
                     .await
                     .map(|r| {
                         if let Some(receipt) = broker::receipt(r.receipt.as_ref()) {
@@ -557,12 +584,16 @@ async fn observe(
                         r.receipt_id
                     })
             }
-            ext::Step::Escalate { reason } => broker::escalate(&gateway.link, &id, reason.clone())
-                .await
-                .map(|r| r.receipt_id),
-            ext::Step::Decline { reason } => broker::decline(&gateway.link, &id, reason.clone())
-                .await
-                .map(|r| r.receipt_id),
+            ext::Step::Escalate { reason } => {
+                broker::escalate(gateway, slot.trace.as_deref(), &id, reason.clone())
+                    .await
+                    .map(|r| r.receipt_id)
+            }
+            ext::Step::Decline { reason } => {
+                broker::decline(gateway, slot.trace.as_deref(), &id, reason.clone())
+                    .await
+                    .map(|r| r.receipt_id)
+            }
         };
         match outcome {
             Ok(receipt_id) => {
@@ -601,46 +632,66 @@ async fn observe(
 /// polls the agent every poll_ms, and cancels the task when the contract
 /// is revoked or expires, or its deadline passes.
 async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: String) {
+    gateway.metrics.followed.inc();
+    following(&gateway, &slot, &task_id).await;
+    gateway.metrics.followed.dec();
+    // Callers still waiting for the task are answered with what is known.
+    slot.finished
+        .store(true, std::sync::atomic::Ordering::Release);
+    slot.latest.send_modify(|_| {});
+}
+
+async fn following(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) {
     let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let get = a2a::GetTaskRequest {
-        id: task_id.clone(),
+        id: task_id.to_owned(),
         ..Default::default()
     };
+    // Set once the task was canceled for its contract: the task is then
+    // read until it settles, for at most CANCEL_GRACE_MS.
+    let mut canceled_at: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
         let ended = slot.progress.lock().await.0.ended;
         if ended && slot.latest.borrow().as_ref().is_some_and(settled) {
             return;
         }
-        let expired = now_ms() >= slot.deadline_ms;
-        let revoked = match gateway.contract(&slot.contract_id).await {
-            Ok(state) => matches!(
-                pb::ContractStatus::try_from(state.status),
-                Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
-            ),
-            Err(_) => false,
-        };
-        if expired || revoked {
-            let why = if revoked {
-                "revoked"
-            } else {
-                "past its deadline"
-            };
-            tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
-            let cancel = a2a::CancelTaskRequest {
-                id: task_id.clone(),
-                ..Default::default()
-            };
-            let canceled: Result<a2a::Task, _> = gateway
-                .http
-                .call(&gateway.upstream_rpc, "CancelTask", &cancel, &[])
-                .await;
-            if let Ok(task) = canceled {
-                let _ = observe(&gateway, &slot, task).await;
+        if let Some(at) = canceled_at {
+            if at.elapsed() > Duration::from_millis(CANCEL_GRACE_MS) {
+                tracing::warn!(task = %task_id, "the agent's task did not settle after its cancel");
+                return;
             }
-            slot.progress.lock().await.0.ended = true;
-            return;
+        } else {
+            let expired = now_ms() >= slot.deadline_ms;
+            let revoked = match gateway.contract(&slot.contract_id).await {
+                Ok(state) => matches!(
+                    pb::ContractStatus::try_from(state.status),
+                    Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
+                ),
+                Err(_) => false,
+            };
+            if expired || revoked {
+                let why = if revoked {
+                    "revoked"
+                } else {
+                    "past its deadline"
+                };
+                tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
+                let cancel = a2a::CancelTaskRequest {
+                    id: task_id.to_owned(),
+                    ..Default::default()
+                };
+                let canceled: Result<a2a::Task, _> = gateway
+                    .http
+                    .call(&gateway.upstream_rpc, "CancelTask", &cancel, &[])
+                    .await;
+                if let Err(CallError::Remote(error)) = &canceled {
+                    tracing::warn!(task = %task_id, %error, "the agent refused to cancel its task");
+                }
+                canceled_at = Some(tokio::time::Instant::now());
+                continue;
+            }
         }
         let task: Result<a2a::Task, _> = gateway
             .http
@@ -648,7 +699,7 @@ async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: String) {
             .await;
         match task {
             Ok(task) => {
-                if let Err(e) = observe(&gateway, &slot, task).await {
+                if let Err(e) = observe(gateway, slot, task).await {
                     tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
                 }
             }
@@ -672,7 +723,7 @@ async fn get(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
             &gateway.upstream_rpc,
             "GetTask",
             &request,
-            &passed_headers(&rpc.headers),
+            &passed_headers(rpc),
         )
         .await?;
     let task = observe(gateway, &slot, task).await?;
@@ -706,7 +757,7 @@ async fn cancel(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
             &gateway.upstream_rpc,
             "CancelTask",
             &request,
-            &passed_headers(&rpc.headers),
+            &passed_headers(rpc),
         )
         .await?;
     let task = observe(gateway, &slot, task).await?;

@@ -13,6 +13,7 @@ pub mod config;
 mod egress;
 pub mod ext;
 mod ingress;
+pub mod metrics;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -38,6 +39,10 @@ pub struct A2aArgs {
     /// The gateway's TOML configuration (README, "A2A gateway").
     #[arg(long)]
     pub config: PathBuf,
+    /// Export the spans of its calls over OTLP/gRPC to this collector
+    /// (e.g. http://127.0.0.1:4317).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Longest wait for the broker's connection.
@@ -54,22 +59,33 @@ const MAX_CONTEXTS: usize = 65_536;
 pub fn run(args: A2aArgs) -> anyhow::Result<()> {
     let config = A2aConfig::load(&args.config)?;
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let format = crate::telemetry::LogFormat::from_env()?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?
-        .block_on(serve(config))
+        .block_on(async {
+            let telemetry = crate::telemetry::init(format, args.otlp_endpoint.as_deref(), 1.0)?;
+            let served = serve(config).await;
+            telemetry.shutdown().await;
+            served
+        })
 }
 
 /// One admitted task's contract and how far the gateway moved it.
 pub(crate) struct Slot {
     pub contract_id: Id,
     pub deadline_ms: i64,
+    /// The trace of the call that started the task: its lifecycle calls
+    /// join it.
+    pub trace: Option<String>,
     /// Serializes the lifecycle calls of one task.
     pub progress: tokio::sync::Mutex<(ext::Progress, ext::Judged)>,
     /// The latest task seen, decorated: callers waiting for a settled
     /// state watch it.
     pub latest: tokio::sync::watch::Sender<Option<a2a::Task>>,
+    /// The follower stopped: waiting callers take the latest task as is.
+    pub finished: std::sync::atomic::AtomicBool,
 }
 
 /// What the ingress remembers (in memory: a restart reads the broker).
@@ -104,6 +120,7 @@ pub(crate) struct Gateway {
     keys: tokio::sync::Mutex<(BrokerKeys, Option<tokio::time::Instant>)>,
     pub admitted: Mutex<Admitted>,
     pub sent: Mutex<HashMap<String, Sent>>,
+    pub metrics: Arc<metrics::GatewayMetrics>,
 }
 
 impl Gateway {
@@ -199,7 +216,12 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         .timeout(BROKER_CALL_TIMEOUT)
         .connect_lazy();
     let link = Link::new(agent, channel);
-    let http = A2aClient::new(config.call_timeout_ms, config.max_message_bytes)?;
+    let gateway_metrics = Arc::new(metrics::GatewayMetrics::new());
+    let http = A2aClient::new(
+        config.call_timeout_ms,
+        config.max_message_bytes,
+        gateway_metrics.clone(),
+    )?;
     let (upstream_card, upstream_rpc) = match (&config.listen, &config.upstream) {
         (Some(_), Some(upstream)) => {
             let card = http
@@ -221,6 +243,10 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
     };
     let egress = match &config.egress_listen {
         Some(addr) => Some(bind(addr, "egress_listen").await?),
+        None => None,
+    };
+    let metrics_listener = match &config.metrics_listen {
+        Some(addr) => Some(bind(addr, "metrics_listen").await?),
         None => None,
     };
     let authz = match &config.authz_listen {
@@ -249,6 +275,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         keys: tokio::sync::Mutex::new((BrokerKeys::default(), None)),
         admitted: Mutex::default(),
         sent: Mutex::default(),
+        metrics: gateway_metrics,
     });
     let limit = axum::extract::DefaultBodyLimit::max(max_body);
     let stop = tokio_util::sync::CancellationToken::new();
@@ -281,6 +308,18 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         let token = stop.clone();
         servers.spawn(async move {
             Ok(axum::serve(egress, router)
+                .with_graceful_shutdown(token.cancelled_owned())
+                .await?)
+        });
+    }
+    if let Some(listener) = metrics_listener {
+        let router = axum::Router::new()
+            .route("/metrics", axum::routing::get(serve_metrics))
+            .with_state(gateway.clone());
+        println!("a2a metrics on http://{}/metrics", listener.local_addr()?);
+        let token = stop.clone();
+        servers.spawn(async move {
+            Ok(axum::serve(listener, router)
                 .with_graceful_shutdown(token.cancelled_owned())
                 .await?)
         });
@@ -343,6 +382,17 @@ fn gateway_card(mut card: a2a::AgentCard, url: &str, agent_key: &[u8]) -> a2a::A
     card
 }
 
+async fn serve_metrics(State(gateway): State<Arc<Gateway>>) -> Response {
+    (
+        [(
+            http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        gateway.metrics.render(),
+    )
+        .into_response()
+}
+
 async fn ingress_card(State(gateway): State<Arc<Gateway>>) -> Response {
     let card = gateway_card(
         gateway.upstream_card.clone(),
@@ -369,6 +419,9 @@ pub(crate) struct Rpc {
     pub method: String,
     pub params: Value,
     pub headers: http::HeaderMap,
+    /// The `traceparent` of the gateway's span for this call (else the
+    /// caller's): every call it makes for it carries this one.
+    pub trace: Option<String>,
 }
 
 fn parse_rpc(body: &[u8], headers: http::HeaderMap) -> Result<Rpc, (Value, Refused)> {
@@ -408,10 +461,19 @@ fn parse_rpc(body: &[u8], headers: http::HeaderMap) -> Result<Rpc, (Value, Refus
         method,
         params,
         headers,
+        trace: None,
     })
 }
 
-fn answer(id: Value, result: Result<Value, client::CallError>) -> Response {
+fn answer(
+    gateway: &Gateway,
+    side: metrics::Side,
+    id: Value,
+    result: Result<Value, client::CallError>,
+) -> Response {
+    if let Err(client::CallError::Local(refused)) = &result {
+        gateway.metrics.refused(side, &refused.reason);
+    }
     let body = match result {
         Ok(result) => json!({"jsonrpc": "2.0", "id": id, "result": result}),
         Err(client::CallError::Remote(error)) => {
@@ -466,13 +528,24 @@ async fn ingress_rpc(
 ) -> Response {
     let rpc = match parse_rpc(&body, headers) {
         Ok(rpc) => rpc,
-        Err((id, refused)) => return answer(id, Err(refused.into())),
+        Err((id, refused)) => {
+            return answer(&gateway, metrics::Side::Ingress, id, Err(refused.into()));
+        }
     };
     if let Some(refused) = unserved(&rpc.method) {
-        return answer(rpc.id, Err(refused.into()));
+        return answer(
+            &gateway,
+            metrics::Side::Ingress,
+            rpc.id,
+            Err(refused.into()),
+        );
     }
-    let result = ingress::handle(&gateway, &rpc).await;
-    answer(rpc.id, result)
+    let (id, result) = traced_call("ingress", rpc, async |rpc| {
+        let result = ingress::handle(&gateway, &rpc).await;
+        (rpc, result)
+    })
+    .await;
+    answer(&gateway, metrics::Side::Ingress, id, result)
 }
 
 async fn egress_rpc(
@@ -483,26 +556,73 @@ async fn egress_rpc(
 ) -> Response {
     let rpc = match parse_rpc(&body, headers) {
         Ok(rpc) => rpc,
-        Err((id, refused)) => return answer(id, Err(refused.into())),
+        Err((id, refused)) => {
+            return answer(&gateway, metrics::Side::Egress, id, Err(refused.into()));
+        }
     };
     if let Some(refused) = unserved(&rpc.method) {
-        return answer(rpc.id, Err(refused.into()));
+        return answer(&gateway, metrics::Side::Egress, rpc.id, Err(refused.into()));
     }
-    let result = egress::handle(&gateway, &peer, &rpc).await;
-    answer(rpc.id, result)
+    let (id, result) = traced_call("egress", rpc, async |rpc| {
+        let result = egress::handle(&gateway, &peer, &rpc).await;
+        (rpc, result)
+    })
+    .await;
+    answer(&gateway, metrics::Side::Egress, id, result)
 }
 
-/// Headers passed on to the next hop: the W3C trace context.
-pub(crate) fn passed_headers(
-    headers: &http::HeaderMap,
-) -> Vec<(http::HeaderName, http::HeaderValue)> {
-    ["traceparent", "tracestate"]
-        .into_iter()
-        .filter_map(|name| {
-            let value = headers.get(name)?.clone();
-            Some((http::HeaderName::from_static(name), value))
-        })
-        .collect()
+/// Headers passed on to the next hop: the W3C trace context (this call's
+/// span as the parent, the caller's `tracestate`).
+pub(crate) fn passed_headers(rpc: &Rpc) -> Vec<(http::HeaderName, http::HeaderValue)> {
+    let mut headers = Vec::new();
+    if let Some(value) = rpc.trace.as_deref().and_then(|t| t.parse().ok()) {
+        headers.push((http::HeaderName::from_static("traceparent"), value));
+        if let Some(state) = rpc.headers.get("tracestate") {
+            headers.push((http::HeaderName::from_static("tracestate"), state.clone()));
+        }
+    }
+    headers
+}
+
+/// Runs one JSON-RPC call in a span of its own when spans are exported: a
+/// child of the caller's `traceparent`, the parent of what the gateway
+/// asks the broker, the agent and peers for it.
+async fn traced_call<F, Fut>(
+    side: &'static str,
+    mut rpc: Rpc,
+    call: F,
+) -> (Value, Result<Value, client::CallError>)
+where
+    F: FnOnce(Rpc) -> Fut,
+    Fut: std::future::Future<Output = (Rpc, Result<Value, client::CallError>)>,
+{
+    let sent = rpc
+        .headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| crate::mcp::gateway::valid_traceparent(v))
+        .map(str::to_owned);
+    let name = match (side, rpc.method.as_str()) {
+        ("ingress", "SendMessage") => "a2a.gateway/ingress/SendMessage",
+        ("ingress", "GetTask") => "a2a.gateway/ingress/GetTask",
+        ("ingress", _) => "a2a.gateway/ingress/CancelTask",
+        (_, "SendMessage") => "a2a.gateway/egress/SendMessage",
+        (_, "GetTask") => "a2a.gateway/egress/GetTask",
+        _ => "a2a.gateway/egress/CancelTask",
+    };
+    let mut span = crate::telemetry::StepSpan::start(name, sent.as_deref());
+    rpc.trace = span.as_ref().map(|s| s.traceparent()).or(sent);
+    let (rpc, result) = call(rpc).await;
+    if let Some(mut span) = span.take() {
+        let outcome = match &result {
+            Ok(_) => "ok".to_owned(),
+            Err(client::CallError::Local(refused)) => refused.reason.clone(),
+            Err(client::CallError::Remote(_)) => "agent_error".to_owned(),
+        };
+        span.attribute("a2a.outcome", outcome);
+        span.end();
+    }
+    (rpc.id, result)
 }
 
 /// Now, in Unix milliseconds.

@@ -158,10 +158,10 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // `serve`, `bench` and `mcp gateway` install their own (they may
+    // `serve`, `bench`, `mcp gateway` and `a2a-gateway` install their own (they may
     // export traces, from their runtime).
     let own = match &cli.command {
-        Command::Serve { .. } | Command::Bench(_) => true,
+        Command::Serve { .. } | Command::Bench(_) | Command::A2aGateway(_) => true,
         Command::Mcp(args) => args.installs_telemetry(),
         _ => false,
     };

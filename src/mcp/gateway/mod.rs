@@ -363,7 +363,7 @@ fn route(servers: &[Upstream], config: &GatewayConfig) -> (HashMap<String, Route
 }
 
 /// A `traceparent` as W3C writes it (version 00): passed on only then.
-fn valid_traceparent(value: &str) -> bool {
+pub(crate) fn valid_traceparent(value: &str) -> bool {
     let parts: Vec<&str> = value.split('-').collect();
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
     parts.len() == 4

@@ -1,0 +1,383 @@
+"""What the test agents share: serving an AgentExecutor with the official A2A
+Python SDK (a2a-sdk 1.3.0: its DefaultRequestHandler, its Starlette JSON-RPC
+and agent-card routes, served by uvicorn), a log of every request received,
+and calling another agent with the SDK's client.
+
+Nothing here knows the delegation broker. The only trace of the extension is
+that a caller may pass `terms` through to its outbound message's metadata
+under the extension's URI, and reads back what a returned task's metadata
+says under that URI (an agent is free to read metadata it was handed); the
+URI is a plain string to these agents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import uvicorn
+from google.protobuf import json_format
+from starlette.applications import Starlette
+
+from a2a.client import ClientConfig, ClientFactory
+from a2a.helpers import new_data_part, new_text_part
+from a2a.server.agent_execution import AgentExecutor
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.tasks import InMemoryTaskStore
+from a2a.types.a2a_pb2 import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    CancelTaskRequest,
+    GetTaskRequest,
+    Message,
+    Role,
+    SendMessageRequest,
+    Task,
+    TaskState,
+)
+from a2a.utils.errors import A2AError
+
+# The extension's URI: metadata under it is read from answers and, when a
+# caller asks for terms, written into outbound messages. A plain string here.
+EXTENSION_URI = "urn:delegation-broker:a2a:delegation:v1"
+
+TERMINAL = {
+    TaskState.TASK_STATE_COMPLETED,
+    TaskState.TASK_STATE_CANCELED,
+    TaskState.TASK_STATE_FAILED,
+    TaskState.TASK_STATE_REJECTED,
+}
+INTERRUPTED = {TaskState.TASK_STATE_INPUT_REQUIRED, TaskState.TASK_STATE_AUTH_REQUIRED}
+
+
+# --------------------------------------------------------------------------
+# The request log: one JSON line per event, appended and flushed at once
+# --------------------------------------------------------------------------
+
+
+class EventLog:
+    def __init__(self, path: str | None):
+        self._file = open(path, "a", buffering=1, encoding="utf-8") if path else None  # noqa: SIM115
+
+    def write(self, **entry: Any) -> None:
+        entry = {"t": round(time.time(), 6), **entry}
+        line = json.dumps(entry, sort_keys=True)
+        if self._file is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+
+def _abridged(value: Any, depth: int = 0) -> Any:
+    """A JSON value with long strings cut (to 80 characters) and deep nesting dropped."""
+    if isinstance(value, str):
+        return value if len(value) <= 80 else value[:80] + f"...({len(value)} chars)"
+    if depth >= 4:
+        return "..."
+    if isinstance(value, dict):
+        return {k: _abridged(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_abridged(v, depth + 1) for v in value[:16]]
+    return value
+
+
+def _describe_rpc(body: bytes) -> dict[str, Any]:
+    """What a JSON-RPC request asked: its method and the task/context ids it names."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return {"method": None, "unparsed": body[:200].decode(errors="replace")}
+    if not isinstance(request, dict):
+        return {"method": None, "unparsed": str(request)[:200]}
+    params = request.get("params") if isinstance(request.get("params"), dict) else {}
+    out: dict[str, Any] = {"method": request.get("method"), "rpcId": request.get("id")}
+    message = params.get("message")
+    if isinstance(message, dict):
+        out["messageId"] = message.get("messageId")
+        out["taskId"] = message.get("taskId")
+        out["contextId"] = message.get("contextId")
+        out["extensions"] = message.get("extensions") or []
+        metadata = message.get("metadata")
+        out["metadataKeys"] = sorted(metadata) if isinstance(metadata, dict) else []
+        out["metadata"] = _abridged(metadata) if isinstance(metadata, dict) else {}
+    elif "id" in params:
+        out["taskId"] = params.get("id")
+    return out
+
+
+class RequestLog:
+    """ASGI middleware: logs every HTTP request before the app sees it (a
+    JSON-RPC request with its method and ids), then hands the app the very
+    body it read. So an empty log proves nothing reached the agent."""
+
+    def __init__(self, app: Any, log: EventLog):
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        received: list[dict] = []
+        body = b""
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        entry: dict[str, Any] = {"kind": "http", "http": f"{scope['method']} {scope['path']}"}
+        if scope["method"] == "POST":
+            entry["kind"] = "rpc"
+            entry.update(_describe_rpc(body))
+        self.log.write(**entry)
+        pending = iter(received)
+
+        async def replay() -> dict:
+            try:
+                return next(pending)
+            except StopIteration:
+                return await receive()
+
+        await self.app(scope, replay, send)
+
+
+# --------------------------------------------------------------------------
+# Serving
+# --------------------------------------------------------------------------
+
+
+def agent_card(name: str, url: str, description: str, skill: str) -> AgentCard:
+    return AgentCard(
+        name=name,
+        description=description,
+        version="1.0.0",
+        supported_interfaces=[AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="1.0")],
+        # A stock agent that streams; a gateway in front serves it as not streaming.
+        capabilities=AgentCapabilities(streaming=True, push_notifications=False),
+        default_input_modes=["text/plain", "application/json"],
+        default_output_modes=["application/json", "text/plain"],
+        skills=[AgentSkill(id=skill, name=skill, description=description, tags=["test"])],
+    )
+
+
+def serve(
+    executor_factory: Callable[[EventLog], AgentExecutor],
+    *,
+    name: str,
+    description: str,
+    skill: str,
+    port: int,
+    log_path: str | None,
+) -> None:
+    """Binds 127.0.0.1:port (0 picks one), prints `agent on http://127.0.0.1:PORT`
+    on stdout, and serves the executor until SIGTERM/SIGINT."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    bound = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{bound}"
+    log = EventLog(log_path)
+    card = agent_card(name, url + "/", description, skill)
+    handler = DefaultRequestHandler(
+        agent_executor=executor_factory(log),
+        task_store=InMemoryTaskStore(),
+        agent_card=card,
+    )
+    routes = [*create_agent_card_routes(card), *create_jsonrpc_routes(handler, rpc_url="/")]
+    app = Starlette(routes=routes)
+    config = uvicorn.Config(
+        RequestLog(app, log),
+        log_level=os.environ.get("AGENT_LOG_LEVEL", "warning"),
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    log.write(kind="start", url=url, name=name)
+    print(f"agent on {url}", flush=True)
+    server.run(sockets=[sock])
+
+
+def stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------
+# Reading messages and tasks
+# --------------------------------------------------------------------------
+
+
+def data_parts(message: Message | None) -> list[Any]:
+    if message is None:
+        return []
+    return [json_format.MessageToDict(part.data) for part in message.parts if part.HasField("data")]
+
+
+def text_of(message: Message | None) -> str:
+    if message is None:
+        return ""
+    return "\n".join(part.text for part in message.parts if part.HasField("text"))
+
+
+def integers(value: Any) -> Any:
+    """protobuf Values are doubles: 60.0 back to 60 where whole."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: integers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integers(v) for v in value]
+    return value
+
+
+def extension_metadata(task: Task) -> dict[str, Any]:
+    metadata = json_format.MessageToDict(task.metadata) if task.HasField("metadata") else {}
+    ext = metadata.get(EXTENSION_URI)
+    return integers(ext) if isinstance(ext, dict) else {}
+
+
+def first_output(task: Task) -> Any:
+    """The first data part of the task's first artifact (else its text, else None)."""
+    for artifact in task.artifacts:
+        for part in artifact.parts:
+            if part.HasField("data"):
+                return integers(json_format.MessageToDict(part.data))
+            if part.HasField("text"):
+                return part.text
+    return None
+
+
+# --------------------------------------------------------------------------
+# Calling another agent (the SDK's client, card resolution included)
+# --------------------------------------------------------------------------
+
+
+async def call_agent(
+    base_url: str,
+    *,
+    context_id: str,
+    text: str,
+    terms: dict[str, Any] | None = None,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.1,
+    verdict_wait_s: float = 5.0,
+    return_immediately: bool = False,
+    cancel_after_s: float | None = None,
+    log: EventLog | None = None,
+) -> dict[str, Any]:
+    """Sends one task-starting message to the agent at `base_url` (its card at
+    `<base_url>/.well-known/agent-card.json`), follows the task with GetTask
+    until it settles, and says how it ended. With `return_immediately` the
+    SendMessage asks not to wait for the task (A2A's configuration flag); with
+    `cancel_after_s` the caller sends CancelTask that long after the first
+    answer (`canceled` then holds the state CancelTask answered). Outcome:
+    {state, verdict, error, errorType, errorData, contractId, failedChecks,
+    receiptId, output, taskId, statusText, canceled}: a task that ended COMPLETED or
+    FAILED without a verdict in its metadata is read again for up to
+    `verdict_wait_s`. Never raises for the callee's or the network's failures: they are the outcome."""
+    outcome: dict[str, Any] = {
+        "state": None,
+        "verdict": None,
+        "error": None,
+        "errorType": None,
+        "errorData": None,
+        "contractId": None,
+        "failedChecks": None,
+        "receiptId": None,
+        "output": None,
+        "taskId": None,
+        "canceled": None,
+    }
+    deadline = time.monotonic() + timeout_s
+    # The SDK's own default timeout is 5 s: far too short for a task that
+    # waits on other agents.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as http:
+        try:
+            factory = ClientFactory(ClientConfig(httpx_client=http, streaming=False))
+            client = await factory.create_from_url(base_url)
+            message = Message(
+                role=Role.ROLE_USER,
+                message_id=str(uuid.uuid4()),
+                context_id=context_id,
+                parts=[new_text_part(text)],
+            )
+            if terms:
+                message.metadata.update({EXTENSION_URI: {"terms": terms}})
+                message.extensions.append(EXTENSION_URI)
+            task: Task | None = None
+            request = SendMessageRequest(message=message)
+            request.configuration.return_immediately = return_immediately
+            async for response in client.send_message(request):
+                if response.HasField("task"):
+                    task = response.task
+                elif response.HasField("message"):
+                    outcome["output"] = text_of(response.message) or data_parts(response.message)
+                    outcome["state"] = "MESSAGE"
+                    return outcome
+            if task is None:
+                outcome["error"] = "the agent answered neither a task nor a message"
+                return outcome
+            if log is not None:
+                log.write(kind="answered", url=base_url, taskId=task.id, state=TaskState.Name(task.status.state))
+            if cancel_after_s is not None and task.status.state not in TERMINAL:
+                await asyncio.sleep(cancel_after_s)
+                canceled = await client.cancel_task(CancelTaskRequest(id=task.id))
+                outcome["canceled"] = TaskState.Name(canceled.status.state)
+                if log is not None:
+                    log.write(kind="canceled-peer", url=base_url, taskId=task.id, state=outcome["canceled"])
+                task = canceled
+            # Follow until settled, then (bounded) until a judged end carries its verdict.
+            verdict_wait_until: float | None = None
+            while True:
+                state = task.status.state
+                ext = extension_metadata(task)
+                if state in INTERRUPTED:
+                    break
+                if state in TERMINAL:
+                    if "verdict" in ext or state in (TaskState.TASK_STATE_CANCELED, TaskState.TASK_STATE_REJECTED):
+                        break
+                    verdict_wait_until = verdict_wait_until or min(deadline, time.monotonic() + verdict_wait_s)
+                    if time.monotonic() >= verdict_wait_until:
+                        break
+                if time.monotonic() >= deadline:
+                    outcome["error"] = f"gave up after {timeout_s} s with the task {TaskState.Name(state)}"
+                    break
+                await asyncio.sleep(poll_s)
+                task = await client.get_task(GetTaskRequest(id=task.id))
+            ext = extension_metadata(task)
+            outcome.update(
+                state=TaskState.Name(task.status.state),
+                verdict=ext.get("verdict"),
+                contractId=ext.get("contractId"),
+                failedChecks=ext.get("failedChecks"),
+                receiptId=ext.get("receiptId"),
+                output=first_output(task),
+                taskId=task.id,
+                statusText=text_of(task.status.message) if task.status.HasField("message") else None,
+            )
+            await client.close()
+        except A2AError as error:
+            outcome["error"] = error.message if getattr(error, "message", None) else str(error)
+            outcome["errorType"] = type(error).__name__
+            outcome["errorData"] = integers(error.data) if error.data else None
+        except Exception as error:  # noqa: BLE001 -- the outcome of the call, whatever it was
+            outcome["error"] = f"{type(error).__name__}: {error}"
+            outcome["errorType"] = type(error).__name__
+    return outcome
+
+
+def result_part(value: Any):
+    return new_data_part(value)

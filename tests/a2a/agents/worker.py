@@ -1,0 +1,135 @@
+"""A stock A2A worker agent (a2a-sdk 1.3.0), knowing nothing of the broker.
+
+    python worker.py --port 0 --mode good|bad|input|slow|call-peer [--log FILE]
+                     [--name NAME] [--delay-ms N] [--outbound URL] [--peer-terms JSON]
+
+Prints `agent on http://127.0.0.1:PORT` once listening. Modes:
+- good: WORKING, then COMPLETED with one artifact of one data part {"answer": 42};
+- bad: the same with {"answer": "forty-two"} (fails a schema asking an integer);
+- input: WORKING, then INPUT_REQUIRED with the status message "need the date
+  range"; a follow-up message on that task completes it with {"answer": 42};
+- slow: WORKING until canceled (at most --slow-max-s, then FAILED); its
+  cancel() logs `cancel <task_id>` on stderr and a {"kind": "cancel"} line in
+  the log, and moves the task to CANCELED;
+- call-peer: calls the agent at --outbound (its gateway's egress
+  `/peers/NAME`) with the SDK's client, with the same contextId as its own
+  task, and completes with {"call": <outcome>} (state, verdict, error text, …).
+--delay-ms delays good/bad/call-peer's end. The log (--log) gets one JSON
+line per HTTP request received (method, taskId, contextId, extensions and
+metadata keys of the message), and per execute/cancel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _lib import EventLog, call_agent, data_parts, result_part, serve, stderr, text_of  # noqa: E402
+
+from a2a.helpers import new_task_from_user_message, new_text_part  # noqa: E402
+from a2a.server.agent_execution import AgentExecutor, RequestContext  # noqa: E402
+from a2a.server.events import EventQueue  # noqa: E402
+from a2a.server.tasks import TaskUpdater  # noqa: E402
+from a2a.types.a2a_pb2 import TaskState  # noqa: E402
+
+MODES = ("good", "bad", "input", "slow", "call-peer")
+
+
+class WorkerExecutor(AgentExecutor):
+    def __init__(self, args: argparse.Namespace, log: EventLog):
+        self.args = args
+        self.log = log
+
+    async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        args = self.args
+        task = context.current_task
+        self.log.write(
+            kind="execute",
+            mode=args.mode,
+            taskId=context.task_id,
+            contextId=context.context_id,
+            followUp=task is not None,
+            text=text_of(context.message),
+            data=data_parts(context.message),
+        )
+        stderr(f"execute {context.task_id} {args.mode}")
+        if task is None:
+            await event_queue.enqueue_event(new_task_from_user_message(context.message))
+        updater = TaskUpdater(event_queue, context.task_id, context.context_id)
+
+        if task is not None and task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED:
+            # The follow-up an input-required task asked for.
+            await updater.start_work()
+            await updater.add_artifact([result_part({"answer": 42})], name="answer")
+            await updater.complete()
+            return
+
+        await updater.start_work()
+        if args.mode == "slow":
+            # Stays WORKING; the framework cancels this coroutine and calls cancel().
+            await asyncio.sleep(args.slow_max_s)
+            await updater.failed(updater.new_agent_message([new_text_part("slow worker gave up waiting")]))
+            return
+        if args.delay_ms:
+            await asyncio.sleep(args.delay_ms / 1000)
+        if args.mode == "good":
+            await updater.add_artifact([result_part({"answer": 42})], name="answer")
+            await updater.complete()
+        elif args.mode == "bad":
+            await updater.add_artifact([result_part({"answer": "forty-two"})], name="answer")
+            await updater.complete()
+        elif args.mode == "input":
+            await updater.requires_input(updater.new_agent_message([new_text_part("need the date range")]))
+        elif args.mode == "call-peer":
+            outcome = await call_agent(
+                args.outbound,
+                context_id=context.context_id,
+                text=f"sub-task of {args.name}: answer the question",
+                terms=json.loads(args.peer_terms) if args.peer_terms else None,
+                timeout_s=args.call_timeout_s,
+                verdict_wait_s=args.verdict_wait_s,
+            )
+            self.log.write(kind="called", url=args.outbound, outcome=outcome)
+            await updater.add_artifact([result_part({"call": outcome})], name="call")
+            await updater.complete()
+
+    async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
+        self.log.write(kind="cancel", taskId=context.task_id, contextId=context.context_id)
+        stderr(f"cancel {context.task_id}")
+        updater = TaskUpdater(event_queue, context.task_id, context.context_id)
+        await updater.cancel(updater.new_agent_message([new_text_part("canceled")]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--name", default="worker")
+    parser.add_argument("--log", default=None, help="JSON-lines log of every request and execute/cancel")
+    parser.add_argument("--delay-ms", type=int, default=0)
+    parser.add_argument("--slow-max-s", type=float, default=600.0)
+    parser.add_argument("--outbound", default=None, help="call-peer: the peer's base URL (gateway egress /peers/NAME)")
+    parser.add_argument("--peer-terms", default=None, help="call-peer: JSON object sent as the extension's terms")
+    parser.add_argument("--call-timeout-s", type=float, default=120.0)
+    parser.add_argument("--verdict-wait-s", type=float, default=5.0,
+                        help="how long to re-read a task that ended without a verdict in its metadata")
+    args = parser.parse_args()
+    if args.mode == "call-peer" and not args.outbound:
+        parser.error("--mode call-peer needs --outbound URL")
+    serve(
+        lambda log: WorkerExecutor(args, log),
+        name=args.name,
+        description=f"test worker ({args.mode})",
+        skill=f"worker-{args.mode}",
+        port=args.port,
+        log_path=args.log,
+    )
+
+
+if __name__ == "__main__":
+    main()

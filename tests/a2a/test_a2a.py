@@ -1,0 +1,1764 @@
+"""End-to-end tests of `delegation-broker a2a-gateway`: the delegation
+extension for A2A (proto/delegation/broker/v1/a2a-extension.md), with stock
+agents built on the official A2A Python SDK (a2a-sdk 1.3.0, agents/) behind
+one gateway each, a real broker (`serve`), the SDK's client on the caller's
+side and the repo's Python client (clients/python) for what the test does
+and reads at the broker.
+
+The module starts one broker (with a [readers] key, the test's "auditor", so
+the test reads every tree), keys for each agent (`keygen`), the agents and
+their gateways:
+
+    orchestrator (orchestrator.py)  -> egress /peers/{worker-a, worker-b, worker-c, slow-1, slow-2, worker-i}
+    worker-a (good), worker-b (bad), third (good), slow-1, slow-2 (slow), worker-i (input)
+    worker-c (call-peer)            -> egress /peers/third
+
+Every A2A message of the tests goes through gateways. Roots are opened by
+the test with the orchestrator's key (a root's delegate is the key that
+opens it: the test plays the orchestrator's principal); contracts a test
+sends straight to a worker are delegated from such a root the same way.
+
+- test_agents_work_directly: every agent mode against the SDK's client with
+  no gateway and no broker (the agents themselves are sound).
+- test_cards: the gateway's card (its own URL, streaming and push off, the
+  extension required with the agent's key) and the egress card of a peer;
+  test_egress_unknown_peer: a peer missing from the address book (-32001
+  NOT_FOUND).
+- a. test_fanout_judged_by_broker: the orchestrator fans out to worker-a
+  (good) and worker-b (bad) under route terms with a result schema; both
+  children depth 1, budgets carved from the root, lineage the root's;
+  worker-a COMPLETED/ACCEPTED, worker-b FAILED/REJECTED on schema_valid, in
+  the orchestrator's artifact and at the broker (ListChildren, GetChain
+  verified offline, completion receipts, the root's ledger).
+- b. test_overspending_fanout_refused_at_egress: with 40 of the root's 100
+  left, a fan-out asking 60 per peer is refused at the egress,
+  BUDGET_EXCEEDS_PARENT (requested 60, allowed 40) in the error text, the
+  refusal receipts at the broker, nothing reaching either worker.
+  test_depth_limit_refused_at_egress: under a root of max_depth 1, worker-c
+  (depth 1) calling the third agent is refused DEPTH_EXCEEDED (requested 2,
+  allowed 1) and the third agent receives nothing.
+- c. test_bypass_refused: messages straight to worker-a's gateway without
+  the extension's metadata or its chain (-32008 INVALID_FIELD), with an
+  undecodable chain (UNDECODABLE_MESSAGE), a tampered one (a signature byte,
+  a payload byte: BAD_SIGNATURE), a foreign one (another agent's, the
+  root's: NOT_DELEGATE), a revoked leaf (ENDED), an expired one or one past its
+  deadline but not yet expired (LATE; the broker runs no expiry sweep here),
+  replayed after completion, or already bound to a running task (ENDED):
+  each refused with the spec's code,
+  reason and domain, nothing reaching worker-a; the open contract itself is
+  admitted once and judged.
+- later (marked `later`): test_input_required_escalates_at_once (the
+  escalation is at the broker when the INPUT_REQUIRED answer is back; a
+  follow-up is refused ENDED), test_revoke_cancels_upstream_tasks (revoking
+  the root cancels both slow workers' tasks and the orchestrator's, and the
+  caller's pending SendMessage is answered),
+  test_cancel_through_principal_gateway (the orchestrator's CancelTask
+  through its egress revokes the child, then reaches the worker),
+  test_gateway_restart_mid_task (a worker's gateway SIGKILLed mid-task and
+  started again: the contract is still completed and judged).
+
+A failing test prints the tail of every process's stderr and agent log.
+A2A_TEST_KEEP=1 keeps the temporary directory (configs, keys, logs).
+BROKER_BIN names the broker binary (default: <repo>/target/debug/delegation-broker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import httpx
+import pytest
+from google.protobuf import json_format
+
+from a2a.client import ClientConfig, ClientFactory
+from a2a.helpers import new_data_part, new_text_part
+from a2a.types.a2a_pb2 import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    Message,
+    Role,
+    SendMessageConfiguration,
+    SendMessageRequest,
+    Task,
+    TaskState,
+)
+from a2a.utils.errors import JSON_RPC_ERROR_CODE_MAP, A2AError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+try:
+    from delegation_broker import Agent, BrokerKeys, error_info, now_ms, pb, session_stub, verify_chain, verify_receipt
+except ImportError:  # a venv without the client installed: take it from the checkout
+    sys.path.insert(0, str(REPO_ROOT / "clients/python/src"))
+    from delegation_broker import Agent, BrokerKeys, error_info, now_ms, pb, session_stub, verify_chain, verify_receipt
+
+HERE = Path(__file__).resolve().parent
+AGENTS = HERE / "agents"
+# The agents run on this interpreter: the test venv's, which has the SDK.
+PYTHON = sys.executable
+
+URI = "urn:delegation-broker:a2a:delegation:v1"
+DOMAIN = "delegation.broker.v1"
+ESCALATION = "broker://escalate"
+PREDICATE = "result.schema_valid"
+# Draft 2020-12: 42.0 (what a protobuf Value carries) is an integer.
+SCHEMA = json.dumps(
+    {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "required": ["answer"],
+        "properties": {"answer": {"type": "integer"}},
+    }
+)
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+AGENT_START_S = 120.0  # several Python agents importing the SDK at once on 2 cores
+GATEWAY_START_S = 60.0
+BROKER_START_S = 60.0
+CALL_TIMEOUT_S = 120.0  # one A2A call through gateways
+STATE_TIMEOUT_S = 30.0  # a state the broker or an agent must reach
+TEST_TIMEOUT_S = 300.0  # one whole test
+
+TERMINAL = {
+    TaskState.TASK_STATE_COMPLETED,
+    TaskState.TASK_STATE_CANCELED,
+    TaskState.TASK_STATE_FAILED,
+    TaskState.TASK_STATE_REJECTED,
+}
+INTERRUPTED = {TaskState.TASK_STATE_INPUT_REQUIRED, TaskState.TASK_STATE_AUTH_REQUIRED}
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------
+
+# Every process started by this module, for the logs shown when a test fails.
+PROCS: list[Proc] = []
+AGENT_LOGS: list[Path] = []
+
+
+class StartError(Exception):
+    pass
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes]
+    stderr_path: Path
+    lines: queue.Queue[str | None]
+    seen: list[str] = field(default_factory=list)
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-chars:]
+        except OSError as error:
+            return f"<{error}>"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                self.popen.send_signal(sig)
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+            except ProcessLookupError:
+                pass
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the test process dies (Linux),
+    so a killed pytest leaves no broker, agent or gateway behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None) -> Proc:
+    stderr_path = workdir / f"{name}.stderr"
+    with open(stderr_path, "ab") as stderr:
+        popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "NO_COLOR": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=workdir,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:  # every stdout line, so the process never blocks on a full pipe
+        try:
+            for raw in popen.stdout:  # type: ignore[union-attr]
+                lines.put(raw.decode(errors="replace").rstrip("\r\n"))
+        except (OSError, ValueError):
+            pass
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True, name=f"stdout-{name}").start()
+    proc = Proc(name, argv, popen, stderr_path, lines)
+    PROCS.append(proc)
+    return proc
+
+
+def expect_lines(proc: Proc, patterns: dict[str, re.Pattern[str]], timeout: float) -> dict[str, str]:
+    """Reads the process's stdout until every pattern matched a line (its
+    group 1 is returned under the pattern's key), it exits or time is up."""
+    found: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(found) < len(patterns):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            line = proc.lines.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            if proc.popen.poll() is not None and proc.lines.empty():
+                break
+            continue
+        if line is None:
+            break
+        proc.seen.append(line)
+        for key, pattern in patterns.items():
+            if key not in found and (match := pattern.fullmatch(line.strip())):
+                found[key] = match.group(1)
+    if len(found) < len(patterns):
+        raise StartError(
+            f"{proc.name} ({' '.join(proc.argv[:3])} ...) did not print "
+            f"{[p.pattern for k, p in patterns.items() if k not in found]} within {timeout:.0f} s "
+            f"(exit status {proc.popen.poll()}); stdout so far {proc.seen!r}; stderr:\n{proc.tail()}"
+        )
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def broker_bin() -> str:
+    path = os.environ.get("BROKER_BIN") or str(REPO_ROOT / "target/debug/delegation-broker")
+    if not os.path.isabs(path):
+        path = str(Path.cwd() / path) if (Path.cwd() / path).exists() else str(REPO_ROOT / path)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        pytest.fail(f"no broker binary at {path} (set BROKER_BIN)", pytrace=False)
+    return path
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = STATE_TIMEOUT_S, interval: float = 0.05) -> T:
+    """Polls `check` until it returns something truthy, and returns that."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+async def await_for(
+    what: str, check: Callable[[], T | None], timeout: float = STATE_TIMEOUT_S, interval: float = 0.05
+) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def run(coro: Awaitable[T], timeout: float = TEST_TIMEOUT_S) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout))  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
+# Keys and the broker
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Key:
+    name: str
+    public_hex: str
+    key_file: Path
+    signer: Agent
+
+    @property
+    def public(self) -> bytes:
+        return bytes.fromhex(self.public_hex)
+
+
+def keygen(binary: str, name: str, home: Path) -> Key:
+    key_file = home / f"{name}.key"
+    done = subprocess.run([binary, "keygen", "--out", str(key_file)], capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    public_hex = done.stdout.decode().strip()
+    assert HEX64.fullmatch(public_hex), f"keygen printed {public_hex!r}"
+    seed = bytes.fromhex(key_file.read_text().strip())
+    signer = Agent.from_seed(seed)
+    assert signer.public_key.hex() == public_hex
+    return Key(name, public_hex, key_file, signer)
+
+
+@dataclass
+class Root:
+    id: bytes
+    lineage: bytes
+    deadline_ms: int
+    budget: int
+
+
+class BrokerSide:
+    """The broker as the test sees it: mutations signed by the keys the test
+    holds, reads as the auditor (a [readers] key: it reads every tree)."""
+
+    def __init__(self, addr: str, auditor: Agent):
+        target = addr.removeprefix("http://")
+        self.addr = addr
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb.BrokerStub(self.channel)
+        self.read_channel = grpc.insecure_channel(target)
+        self.reads = session_stub(self.read_channel, auditor)
+        self.keys = BrokerKeys.fetch(self.stub)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.read_channel.close()
+
+    def open_root(
+        self,
+        holder: Key,
+        *,
+        budget: int = 100,
+        max_depth: int = 4,
+        ttl_ms: int = 600_000,
+        predicate: str = PREDICATE,
+        intent: str | None = None,
+    ) -> Root:
+        deadline = now_ms() + ttl_ms
+        response = self.stub.OpenRoot(
+            holder.signer.open_root(
+                intent=intent or f"answer the question ({uuid.uuid4().hex[:8]})",
+                budget=budget,
+                deadline_ms=deadline,
+                policy=pb.Policy(max_depth=max_depth, max_children=16, min_cumulative_trust_ppm=0),
+                predicate=predicate,
+            ),
+            timeout=30,
+        )
+        verified = verify_chain([response.issued.contract], self.keys, response.issued.contract_id)[-1]
+        assert verified.contract.delegate_public_key == holder.public, "a root's delegate is the key that opened it"
+        return Root(bytes(response.issued.contract_id), bytes(verified.contract.intent_lineage_hash), deadline, budget)
+
+    def delegate(
+        self,
+        holder: Key,
+        parent: Root | bytes,
+        delegate: Key,
+        *,
+        lineage: bytes | None = None,
+        budget: int = 10,
+        task: str = "answer the question",
+        deadline_ms: int = 0,
+        predicate: str = PREDICATE,
+        schema: str = SCHEMA,
+    ) -> bytes:
+        parent_id = parent.id if isinstance(parent, Root) else parent
+        if lineage is None:
+            assert isinstance(parent, Root)
+            lineage = parent.lineage
+        response = self.stub.Delegate(
+            holder.signer.delegate(
+                parent_id=parent_id,
+                intent_lineage_hash=lineage,
+                task=task,
+                delegate_public_key=delegate.public,
+                budget=budget,
+                deadline_ms=deadline_ms,
+                liability=pb.LIABILITY_DELEGATE,
+                predicate=predicate,
+                escalation_channel=ESCALATION,
+                result_schema_json=schema,
+            ),
+            timeout=30,
+        )
+        if response.WhichOneof("outcome") != "issued":
+            receipt = verify_receipt(response.refused.receipt, self.keys).message
+            raise AssertionError(f"the test's own Delegate was refused: {receipt.violations}")
+        return bytes(response.issued.contract_id)
+
+    def revoke(self, holder: Key, contract_id: bytes, reason: str = "revoked by the test") -> pb.Receipt:
+        response = self.stub.Revoke(holder.signer.revoke(contract_id=contract_id, reason=reason), timeout=30)
+        return verify_receipt(response.receipt, self.keys, response.receipt_id).message
+
+    def chain(self, contract_id: bytes) -> pb.GetChainResponse:
+        return self.reads.GetChain(pb.GetChainRequest(contract_id=contract_id), timeout=30)
+
+    def chain_b64(self, contract_id: bytes) -> str:
+        return base64.b64encode(self.chain(contract_id).SerializeToString()).decode()
+
+    def state(self, contract_id: bytes) -> pb.ContractState:
+        return self.reads.GetContract(pb.GetContractRequest(contract_id=contract_id), timeout=30).contract
+
+    def contract(self, contract_id: bytes) -> pb.Contract:
+        """The contract's terms, its whole chain verified offline."""
+        return verify_chain(self.chain(contract_id), self.keys, contract_id)[-1].contract
+
+    def children(self, contract_id: bytes) -> list[pb.ContractState]:
+        out: list[pb.ContractState] = []
+        token = b""
+        while True:
+            page = self.reads.ListChildren(
+                pb.ListChildrenRequest(contract_id=contract_id, page_size=100, page_token=token), timeout=30
+            )
+            out.extend(page.children)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def receipt(self, receipt_id: bytes | str) -> pb.Receipt:
+        rid = bytes.fromhex(receipt_id) if isinstance(receipt_id, str) else receipt_id
+        sealed = self.reads.GetReceipt(pb.GetReceiptRequest(receipt_id=rid), timeout=30).receipt
+        return verify_receipt(sealed, self.keys, rid).message
+
+    def wait_status(self, contract_id: bytes, *statuses: int, timeout: float = STATE_TIMEOUT_S) -> pb.ContractState:
+        names = [pb.ContractStatus.Name(s) for s in statuses]
+
+        def check() -> pb.ContractState | None:
+            state = self.state(contract_id)
+            return state if state.status in statuses else None
+
+        return wait_for(f"contract {contract_id.hex()[:12]} to be {names}", check, timeout)
+
+
+def status_name(state: pb.ContractState) -> str:
+    return pb.ContractStatus.Name(state.status)
+
+
+def terms_of(state: pb.ContractState) -> pb.Contract:
+    return pb.Contract.FromString(state.contract.payload)
+
+
+def assert_ledger_balances(state: pb.ContractState, what: str) -> None:
+    ledger = state.ledger
+    assert ledger.budget == ledger.residual + ledger.reserved + ledger.spent, (
+        f"{what}: budget {ledger.budget} != residual {ledger.residual} + reserved {ledger.reserved} + spent {ledger.spent}"
+    )
+
+
+# --------------------------------------------------------------------------
+# Agents and gateways
+# --------------------------------------------------------------------------
+
+AGENT_LINE = re.compile(r"agent on (http://127\.0\.0\.1:\d+)")
+INGRESS_LINE = re.compile(r"a2a ingress on (http://127\.0\.0\.1:\d+)")
+EGRESS_LINE = re.compile(r"a2a egress on (http://127\.0\.0\.1:\d+)")
+
+
+@dataclass
+class AgentProc:
+    name: str
+    proc: Proc
+    log_path: Path
+    key: Key | None = None
+    url: str = ""
+
+    def entries(self) -> list[dict[str, Any]]:
+        try:
+            text = self.log_path.read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def mark(self) -> int:
+        return len(self.entries())
+
+    def since(self, mark: int, kind: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.entries()[mark:] if kind is None or e.get("kind") == kind]
+
+    def sends_since(self, mark: int) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.since(mark, "rpc")
+            if e.get("method") in ("SendMessage", "SendStreamingMessage", "message/send", "message/stream")
+        ]
+
+    def executions(self, context_id: str | None = None, since: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.since(since, "execute") if context_id is None or e.get("contextId") == context_id]
+
+    def cancels(self, task_id: str) -> list[dict[str, Any]]:
+        return [e for e in self.entries() if e.get("kind") == "cancel" and e.get("taskId") == task_id]
+
+
+def start_agent(workdir: Path, name: str, script: str, args: list[str], key: Key | None = None) -> AgentProc:
+    log_path = workdir / f"{name}.agent.jsonl"
+    AGENT_LOGS.append(log_path)
+    proc = spawn(
+        f"agent-{name}",
+        [PYTHON, str(AGENTS / script), "--port", "0", "--name", name, "--log", str(log_path), *args],
+        workdir,
+    )
+    return AgentProc(name, proc, log_path, key)
+
+
+def await_agent(agent: AgentProc) -> AgentProc:
+    agent.url = expect_lines(agent.proc, {"url": AGENT_LINE}, AGENT_START_S)["url"]
+    return agent
+
+
+def toml_str(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a TOML basic string
+
+
+@dataclass
+class Peer:
+    name: str
+    key: Key
+    url: str  # the peer's gateway ingress
+
+
+@dataclass
+class Gateway:
+    name: str
+    proc: Proc
+    config_path: Path
+    ingress: str = ""
+    egress: str = ""
+
+    def port(self, which: str) -> int:
+        return int((self.ingress if which == "ingress" else self.egress).rsplit(":", 1)[1])
+
+
+def gateway_config(
+    path: Path,
+    *,
+    broker: str,
+    key: Key,
+    upstream: str,
+    listen: str = "127.0.0.1:0",
+    egress_listen: str = "127.0.0.1:0",
+    peers: list[Peer] = (),  # type: ignore[assignment]
+    routes: dict[str, dict[str, Any]] | None = None,
+    poll_ms: int = 100,
+) -> Path:
+    lines = [
+        f"broker = {toml_str(broker)}",
+        f"key_file = {toml_str(str(key.key_file))}",
+        f"upstream = {toml_str(upstream)}",
+        f"listen = {toml_str(listen)}",
+        f"egress_listen = {toml_str(egress_listen)}",
+        f"poll_ms = {poll_ms}",
+        "",
+    ]
+    for peer in peers:
+        lines += [
+            "[[peers]]",
+            f"name = {toml_str(peer.name)}",
+            f"public_key = {toml_str(peer.key.public_hex)}",
+            f"url = {toml_str(peer.url)}",
+            "",
+        ]
+    for name, route in (routes or {}).items():
+        lines.append(f"[routes.{toml_str(name)}]")
+        for k, v in route.items():
+            lines.append(f"{k} = {toml_str(v) if isinstance(v, str) else json.dumps(v)}")
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def start_gateway(binary: str, workdir: Path, name: str, config_path: Path, tag: str = "") -> Gateway:
+    proc = spawn(
+        f"gateway-{name}{tag}",
+        [binary, "a2a-gateway", "--config", str(config_path)],
+        workdir,
+        env={"BROKER_LOG": os.environ.get("BROKER_LOG", "info,delegation_broker=debug"),
+             "RUST_LOG": os.environ.get("RUST_LOG", "info")},
+    )
+    return Gateway(name, proc, config_path)
+
+
+def await_gateway(gateway: Gateway) -> Gateway:
+    found = expect_lines(gateway.proc, {"ingress": INGRESS_LINE, "egress": EGRESS_LINE}, GATEWAY_START_S)
+    gateway.ingress, gateway.egress = found["ingress"], found["egress"]
+    return gateway
+
+
+# --------------------------------------------------------------------------
+# The world: broker, keys, agents, gateways
+# --------------------------------------------------------------------------
+
+WORKER_ROUTE = {"budget": 30, "ttl_ms": 60_000, "predicate": PREDICATE, "result_schema_json": SCHEMA}
+PLAIN_ROUTE = {"budget": 30, "ttl_ms": 60_000, "predicate": PREDICATE}
+SMALL_ROUTE = {"budget": 20, "ttl_ms": 120_000, "predicate": PREDICATE}
+THIRD_ROUTE = {"budget": 10, "ttl_ms": 60_000, "predicate": PREDICATE, "result_schema_json": SCHEMA}
+
+ORCHESTRATOR_PEERS = ["worker-a", "worker-b", "worker-c", "slow-1", "slow-2", "worker-i"]
+
+
+@dataclass
+class World:
+    binary: str
+    workdir: Path
+    broker_proc: Proc
+    broker_addr: str
+    broker: BrokerSide
+    keys: dict[str, Key]
+    agents: dict[str, AgentProc]
+    gateways: dict[str, Gateway]
+
+
+def start_broker(binary: str, workdir: Path, reader: Key) -> tuple[Proc, str]:
+    data_dir = workdir / "broker-data"
+    data_dir.mkdir()
+    config = workdir / "broker.toml"
+    # No background expiry sweep: a contract past its deadline stays OPEN
+    # until a lifecycle call expires it, so a test can hold one of each.
+    config.write_text(
+        f'[readers]\nkeys = ["{reader.public_hex}"]\n\n[limits]\nexpiry_sweep_interval_ms = 3600000\n'
+    )
+    proc = spawn(
+        "broker",
+        [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--config", str(config)],
+        workdir,
+    )
+    addr = expect_lines(proc, {"addr": re.compile(r"listening on (127\.0\.0\.1:\d+)")}, BROKER_START_S)["addr"]
+    return proc, f"http://{addr}"
+
+
+@pytest.fixture(scope="module")
+def world() -> Any:
+    binary = broker_bin()
+    workdir = Path(tempfile.mkdtemp(prefix="a2a-gateway-test-"))
+    started: list[Proc] = []
+    broker_side: BrokerSide | None = None
+    try:
+        names = ["auditor", "orchestrator", "worker-a", "worker-b", "worker-c", "third", "slow-1", "slow-2", "worker-i"]
+        keys = {name: keygen(binary, name, workdir) for name in names}
+        broker_proc, broker_addr = start_broker(binary, workdir, keys["auditor"])
+        started.append(broker_proc)
+        broker_side = BrokerSide(broker_addr, keys["auditor"].signer)
+
+        # The agents that call out are told their gateway's egress before it
+        # exists (the gateway needs the agent's URL first): a port picked now.
+        orchestrator_egress = free_port()
+        worker_c_egress = free_port()
+        agents = {
+            "orchestrator": start_agent(
+                workdir,
+                "orchestrator",
+                "orchestrator.py",
+                ["--outbound-base", f"http://127.0.0.1:{orchestrator_egress}", "--peers", "worker-a,worker-b"],
+            ),
+            "worker-a": start_agent(workdir, "worker-a", "worker.py", ["--mode", "good"]),
+            "worker-b": start_agent(workdir, "worker-b", "worker.py", ["--mode", "bad"]),
+            "worker-c": start_agent(
+                workdir,
+                "worker-c",
+                "worker.py",
+                ["--mode", "call-peer", "--outbound", f"http://127.0.0.1:{worker_c_egress}/peers/third"],
+            ),
+            "third": start_agent(workdir, "third", "worker.py", ["--mode", "good"]),
+            "slow-1": start_agent(workdir, "slow-1", "worker.py", ["--mode", "slow"]),
+            "slow-2": start_agent(workdir, "slow-2", "worker.py", ["--mode", "slow"]),
+            "worker-i": start_agent(workdir, "worker-i", "worker.py", ["--mode", "input"]),
+        }
+        for name, agent in agents.items():
+            agent.key = keys[name]
+            started.append(agent.proc)
+        for agent in agents.values():
+            await_agent(agent)
+
+        def config(name: str, **kwargs: Any) -> Path:
+            return gateway_config(
+                workdir / f"{name}.gateway.toml",
+                broker=broker_addr,
+                key=keys[name],
+                upstream=agents[name].url,
+                **kwargs,
+            )
+
+        gateways: dict[str, Gateway] = {}
+        leaves = ["worker-a", "worker-b", "third", "slow-1", "slow-2", "worker-i"]
+        for name in leaves:
+            gateways[name] = start_gateway(binary, workdir, name, config(name))
+            started.append(gateways[name].proc)
+        for name in leaves:
+            await_gateway(gateways[name])
+
+        gateways["worker-c"] = start_gateway(
+            binary,
+            workdir,
+            "worker-c",
+            config(
+                "worker-c",
+                egress_listen=f"127.0.0.1:{worker_c_egress}",
+                peers=[Peer("third", keys["third"], gateways["third"].ingress)],
+                routes={"third": THIRD_ROUTE},
+            ),
+        )
+        started.append(gateways["worker-c"].proc)
+        await_gateway(gateways["worker-c"])
+
+        routes = {
+            "worker-a": WORKER_ROUTE,
+            "worker-b": WORKER_ROUTE,
+            "worker-c": PLAIN_ROUTE,
+            "slow-1": SMALL_ROUTE,
+            "slow-2": SMALL_ROUTE,
+            "worker-i": SMALL_ROUTE,
+        }
+        gateways["orchestrator"] = start_gateway(
+            binary,
+            workdir,
+            "orchestrator",
+            config(
+                "orchestrator",
+                egress_listen=f"127.0.0.1:{orchestrator_egress}",
+                peers=[Peer(n, keys[n], gateways[n].ingress) for n in ORCHESTRATOR_PEERS],
+                routes=routes,
+            ),
+        )
+        started.append(gateways["orchestrator"].proc)
+        await_gateway(gateways["orchestrator"])
+        assert gateways["orchestrator"].port("egress") == orchestrator_egress
+        assert gateways["worker-c"].port("egress") == worker_c_egress
+    except BaseException as error:
+        for proc in reversed(started):
+            proc.stop()
+        if broker_side is not None:
+            broker_side.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        if isinstance(error, StartError):
+            pytest.fail(str(error), pytrace=False)
+        raise
+
+    yield World(binary, workdir, broker_proc, broker_addr, broker_side, keys, agents, gateways)
+
+    for proc in reversed(started):
+        proc.stop()
+    broker_side.close()
+    if os.environ.get("A2A_TEST_KEEP"):
+        print(f"kept {workdir} (A2A_TEST_KEEP)")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def show_logs_on_failure(request: pytest.FixtureRequest) -> Any:
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is None or not report.failed:
+        return
+    for proc in PROCS:
+        print(f"\n===== {proc.name} (exit {proc.popen.poll()}) stderr tail =====\n{proc.tail(2500)}")
+    for path in AGENT_LOGS:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        print(f"\n===== {path.name} (last lines) =====\n" + "\n".join(text.splitlines()[-15:]))
+
+
+# --------------------------------------------------------------------------
+# The test as an A2A client
+# --------------------------------------------------------------------------
+
+
+class Refusal(Exception):
+    """A JSON-RPC error answered by a gateway, as it was on the wire."""
+
+    def __init__(self, raw: dict[str, Any], sdk_error: BaseException):
+        self.raw = raw
+        self.sdk_error = sdk_error
+        self.code = raw.get("code")
+        self.message = str(raw.get("message", ""))
+        info = next(
+            (d for d in raw.get("data") or [] if isinstance(d, dict) and str(d.get("@type", "")).endswith("ErrorInfo")),
+            {},
+        )
+        self.reason = info.get("reason")
+        self.domain = info.get("domain")
+        self.metadata = info.get("metadata") or {}
+        super().__init__(f"JSON-RPC error {self.code} {self.reason}: {self.message}")
+
+
+class A2AUser:
+    """The SDK's client, plus every raw JSON-RPC answer (an httpx response
+    hook), since the SDK keeps an error's message and ErrorInfo metadata but
+    not its reason."""
+
+    def __init__(self, timeout: float = CALL_TIMEOUT_S):
+        self.timeout = timeout
+        self.raw: list[Any] = []
+        self.http: httpx.AsyncClient | None = None
+        self.clients: dict[str, Any] = {}
+
+    async def __aenter__(self) -> A2AUser:
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout), event_hooks={"response": [self._hook]})
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self.http is not None
+        await self.http.aclose()
+
+    async def _hook(self, response: httpx.Response) -> None:
+        if response.request.method != "POST":
+            return
+        await response.aread()
+        try:
+            self.raw.append(response.json())
+        except ValueError:
+            self.raw.append({"status": response.status_code, "body": response.text[:500]})
+
+    async def client(self, base_url: str) -> Any:
+        if base_url not in self.clients:
+            factory = ClientFactory(ClientConfig(httpx_client=self.http, streaming=False))
+            self.clients[base_url] = await factory.create_from_url(base_url)
+        return self.clients[base_url]
+
+    def _refusal(self, error: BaseException, first: int) -> Refusal:
+        errors = [r["error"] for r in self.raw[first:] if isinstance(r, dict) and isinstance(r.get("error"), dict)]
+        if not errors:
+            raise AssertionError(f"the SDK raised {error!r}, but no JSON-RPC error came back: {self.raw[first:]!r}")
+        return Refusal(errors[-1], error)
+
+    async def send(self, base_url: str, message: Message, *, return_immediately: bool = False) -> Task:
+        client = await self.client(base_url)
+        first = len(self.raw)
+        request = SendMessageRequest(message=message)
+        if return_immediately:
+            request.configuration.CopyFrom(SendMessageConfiguration(return_immediately=True))
+        try:
+            async for response in client.send_message(request):
+                if response.HasField("task"):
+                    return response.task
+                raise AssertionError(f"{base_url} answered a message, not a task: {response}")
+        except A2AError as error:
+            raise self._refusal(error, first) from error
+        raise AssertionError(f"{base_url} answered nothing")
+
+    async def get_task(self, base_url: str, task_id: str) -> Task:
+        client = await self.client(base_url)
+        first = len(self.raw)
+        try:
+            return await client.get_task(GetTaskRequest(id=task_id))
+        except A2AError as error:
+            raise self._refusal(error, first) from error
+
+    async def cancel_task(self, base_url: str, task_id: str) -> Task:
+        client = await self.client(base_url)
+        first = len(self.raw)
+        try:
+            return await client.cancel_task(CancelTaskRequest(id=task_id))
+        except A2AError as error:
+            raise self._refusal(error, first) from error
+
+    async def follow(
+        self, base_url: str, task_id: str, done: Callable[[Task], bool], timeout: float = CALL_TIMEOUT_S
+    ) -> Task:
+        deadline = time.monotonic() + timeout
+        while True:
+            task = await self.get_task(base_url, task_id)
+            if done(task):
+                return task
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"task {task_id} still {TaskState.Name(task.status.state)} after {timeout:.0f} s: "
+                    f"{json_format.MessageToJson(task)}"
+                )
+            await asyncio.sleep(0.1)
+
+
+def task_message(
+    text: str,
+    *,
+    context_id: str | None = None,
+    chain: str | None = None,
+    data: Any = None,
+    task_id: str | None = None,
+    ext: dict[str, Any] | None = None,
+) -> Message:
+    message = Message(
+        role=Role.ROLE_USER,
+        message_id=str(uuid.uuid4()),
+        context_id=context_id or str(uuid.uuid4()),
+        parts=[new_text_part(text)] + ([new_data_part(data)] if data is not None else []),
+    )
+    if task_id:
+        message.task_id = task_id
+    metadata = dict(ext or {})
+    if chain is not None:
+        metadata["chain"] = chain
+    if metadata:
+        message.metadata.update({URI: metadata})
+        message.extensions.append(URI)
+    return message
+
+
+def ints(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [ints(v) for v in value]
+    return value
+
+
+def ext_of(task: Task) -> dict[str, Any]:
+    metadata = json_format.MessageToDict(task.metadata) if task.HasField("metadata") else {}
+    ext = metadata.get(URI)
+    return ints(ext) if isinstance(ext, dict) else {}
+
+
+def output_of(task: Task) -> Any:
+    assert len(task.artifacts) == 1 and len(task.artifacts[0].parts) == 1, (
+        f"expected one artifact of one part: {json_format.MessageToJson(task)}"
+    )
+    part = task.artifacts[0].parts[0]
+    assert part.HasField("data"), f"expected a data part: {part}"
+    return ints(json_format.MessageToDict(part.data))
+
+
+def state_of(task: Task) -> str:
+    return TaskState.Name(task.status.state)
+
+
+def show(task: Task) -> str:
+    return json_format.MessageToJson(task)
+
+
+async def settle(pending: asyncio.Task[Any], timeout: float = STATE_TIMEOUT_S) -> None:
+    """Lets a background call end (bounded), else cancels it; its outcome is dropped."""
+    if not pending.done():
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), timeout)
+        except BaseException:  # noqa: BLE001
+            pending.cancel()
+    try:
+        await pending
+    except BaseException:  # noqa: BLE001 -- whatever the call ended with
+        pass
+
+
+async def expect_refused(
+    user: A2AUser, base_url: str, message: Message, *, code: int, reason: str, why: str
+) -> Refusal:
+    try:
+        task = await user.send(base_url, message)
+    except Refusal as refusal:
+        if (refusal.code, refusal.reason) != (code, reason):
+            raise AssertionError(
+                f"{why}: expected JSON-RPC {code} {reason}, got {refusal.code} {refusal.reason}: {refusal.raw}"
+            ) from None
+        if refusal.domain != DOMAIN:
+            raise AssertionError(f"{why}: ErrorInfo domain {refusal.domain!r}: {refusal.raw}") from None
+        if not refusal.message:
+            raise AssertionError(f"{why}: an error without a message: {refusal.raw}") from None
+        sdk_type = next((t for t, c in JSON_RPC_ERROR_CODE_MAP.items() if c == code), None)
+        if sdk_type is not None and not isinstance(refusal.sdk_error, sdk_type):
+            raise AssertionError(
+                f"{why}: the SDK raised {type(refusal.sdk_error).__name__}, not {sdk_type.__name__}"
+            ) from None
+        return refusal
+    raise AssertionError(f"{why}: expected a refusal ({code} {reason}), got a task: {show(task)}")
+
+
+def assert_no_chain_forwarded(sent: dict[str, Any], contract_hex: str | None, why: str) -> None:
+    """What reached an agent carries no chain: the extension's metadata is
+    gone, or names the task's contract and nothing else (a gateway's own mark)."""
+    forwarded = (sent.get("metadata") or {}).get(URI)
+    assert forwarded is None or (set(forwarded) == {"contractId"} and forwarded["contractId"] == contract_hex), (
+        f"{why}: the agent was handed the extension's metadata {forwarded!r}"
+    )
+    assert URI not in sent.get("extensions", []), f"{why}: the message still lists the extension: {sent}"
+
+
+def assert_nothing_reached(agent: AgentProc, mark: int, why: str) -> None:
+    """Nothing new reached the agent since `mark`: no JSON-RPC request (a
+    gateway's GetTask/CancelTask about a task started before is tolerated), no
+    execution. Card reads are not requests to the agent's work."""
+    before = agent.entries()[:mark]
+    known = {e.get("taskId") for e in before if e.get("kind") == "execute"}
+    new = [
+        e
+        for e in agent.since(mark)
+        if e.get("kind") in ("rpc", "execute", "cancel")
+        and not (e.get("kind") == "rpc" and e.get("method") in ("GetTask", "CancelTask") and e.get("taskId") in known)
+    ]
+    assert not new, f"{why}: {agent.name} received {new}"
+
+
+# --------------------------------------------------------------------------
+# The agents alone (no gateway, no broker)
+# --------------------------------------------------------------------------
+
+
+class DirectPeers:
+    """A stand-in for a gateway's egress with no gateway: serves
+    /peers/NAME/.well-known/agent-card.json as NAME's own card, so the SDK's
+    client then talks to NAME directly."""
+
+    def __init__(self, peers: dict[str, str]):
+        upstream = dict(peers)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                match = re.fullmatch(r"/peers/([^/]+)/\.well-known/agent-card\.json", self.path)
+                if not match or match.group(1) not in upstream:
+                    self.send_error(404)
+                    return
+                with urllib.request.urlopen(upstream[match.group(1)] + "/.well-known/agent-card.json", timeout=10) as r:
+                    body = r.read()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_agents_work_directly() -> None:
+    """Each agent mode against the SDK's client, with no gateway and no broker."""
+    workdir = Path(tempfile.mkdtemp(prefix="a2a-agents-test-"))
+    procs: list[AgentProc] = []
+    direct: DirectPeers | None = None
+    try:
+        good = start_agent(workdir, "d-good", "worker.py", ["--mode", "good"])
+        bad = start_agent(workdir, "d-bad", "worker.py", ["--mode", "bad"])
+        ask = start_agent(workdir, "d-input", "worker.py", ["--mode", "input"])
+        slow = start_agent(workdir, "d-slow", "worker.py", ["--mode", "slow"])
+        procs += [good, bad, ask, slow]
+        for agent in procs:
+            await_agent(agent)
+        direct = DirectPeers({"good": good.url, "bad": bad.url, "slow": slow.url})
+        caller = start_agent(workdir, "d-call", "worker.py", ["--mode", "call-peer", "--outbound", f"{direct.url}/peers/good", "--verdict-wait-s", "0"])
+        orchestrator = start_agent(
+            workdir,
+            "d-orchestrator",
+            "orchestrator.py",
+            ["--outbound-base", direct.url, "--peers", "good,bad", "--verdict-wait-s", "0"],
+        )
+        procs += [caller, orchestrator]
+        await_agent(caller)
+        await_agent(orchestrator)
+
+        async def body() -> None:
+            async with A2AUser(timeout=60) as user:
+                card = (await user.client(good.url))._card
+                assert card.capabilities.streaming, "the stock agents stream (a gateway serves them as not streaming)"
+                assert card.supported_interfaces[0].url.startswith(good.url)
+
+                task = await user.send(good.url, task_message("six times seven?"))
+                assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+                assert output_of(task) == {"answer": 42}
+                task = await user.send(bad.url, task_message("six times seven?"))
+                assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+                assert output_of(task) == {"answer": "forty-two"}
+
+                task = await user.send(ask.url, task_message("a report"))
+                assert state_of(task) == "TASK_STATE_INPUT_REQUIRED", show(task)
+                assert task.status.message.parts[0].text == "need the date range"
+                follow_up = task_message("2024", context_id=task.context_id, task_id=task.id)
+                task = await user.send(ask.url, follow_up)
+                assert state_of(task) == "TASK_STATE_COMPLETED" and output_of(task) == {"answer": 42}, show(task)
+
+                task = await user.send(slow.url, task_message("take your time"), return_immediately=True)
+                assert task.status.state in (TaskState.TASK_STATE_SUBMITTED, TaskState.TASK_STATE_WORKING), show(task)
+                await asyncio.sleep(0.2)
+                assert state_of(await user.get_task(slow.url, task.id)) == "TASK_STATE_WORKING"
+                canceled = await user.cancel_task(slow.url, task.id)
+                assert state_of(canceled) == "TASK_STATE_CANCELED", show(canceled)
+                await await_for("the slow agent to log its cancel", lambda: slow.cancels(task.id), 10)
+                assert f"cancel {task.id}" in slow.proc.tail()
+
+                mark = good.mark()
+                task = await user.send(caller.url, task_message("ask your peer"))
+                assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+                call = output_of(task)["call"]
+                assert call["state"] == "TASK_STATE_COMPLETED" and call["output"] == {"answer": 42}, call
+                assert call["error"] is None and call["verdict"] is None, call
+                sent = good.sends_since(mark)
+                assert [e["contextId"] for e in sent] == [task.context_id], "call-peer keeps its own contextId"
+
+                marks = {a.name: a.mark() for a in (good, bad)}
+                task = await user.send(orchestrator.url, task_message("six times seven?"))
+                assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+                results = output_of(task)["results"]
+                assert set(results) == {"good", "bad"}
+                for name, want in (("good", {"answer": 42}), ("bad", {"answer": "forty-two"})):
+                    assert results[name]["state"] == "TASK_STATE_COMPLETED", results
+                    assert results[name]["verdict"] is None and results[name]["error"] is None, results
+                    assert results[name]["output"] == want, results
+                for agent in (good, bad):
+                    sent = agent.sends_since(marks[agent.name])
+                    assert [e["contextId"] for e in sent] == [task.context_id], f"{agent.name}: {sent}"
+
+                # A call that does not wait, then cancels.
+                task = await user.send(
+                    orchestrator.url,
+                    task_message("x", data={"peers": ["slow"], "returnImmediately": True, "cancelAfterMs": {"slow": 300}}),
+                )
+                slow_result = output_of(task)["results"]["slow"]
+                assert slow_result["canceled"] == "TASK_STATE_CANCELED", slow_result
+                assert slow_result["state"] == "TASK_STATE_CANCELED" and slow_result["error"] is None, slow_result
+                assert slow.cancels(slow_result["taskId"]), "the slow agent's cancel() ran"
+
+                # An unknown peer is an outcome, not a crash.
+                task = await user.send(orchestrator.url, task_message("x", data={"peers": ["nobody"]}))
+                assert state_of(task) == "TASK_STATE_COMPLETED"
+                nobody = output_of(task)["results"]["nobody"]
+                assert nobody["state"] is None and "404" in nobody["error"], nobody
+
+        run(body(), 180)
+        for agent in procs:
+            entries = agent.entries()
+            assert any(e.get("kind") == "rpc" for e in entries), f"{agent.name} logged no request"
+    finally:
+        if direct is not None:
+            direct.close()
+        for agent in procs:
+            agent.proc.stop()
+        if not os.environ.get("A2A_TEST_KEEP"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Cards and the address book
+# --------------------------------------------------------------------------
+
+
+def test_cards(world: World) -> None:
+    gateway = world.gateways["worker-a"]
+    agent = world.agents["worker-a"]
+    with httpx.Client(timeout=30) as http:
+        own = http.get(f"{agent.url}/.well-known/agent-card.json").json()
+        assert own["capabilities"].get("streaming") is True
+        card = http.get(f"{gateway.ingress}/.well-known/agent-card.json").json()
+        interfaces = card.get("supportedInterfaces") or []
+        assert interfaces, card
+        for interface in interfaces:
+            assert interface["url"].startswith(gateway.ingress), f"not the gateway's URL: {interface}"
+            assert not interface["url"].startswith(agent.url), f"the agent's own URL leaked: {interface}"
+        assert any(i.get("protocolBinding") == "JSONRPC" for i in interfaces), interfaces
+        capabilities = card.get("capabilities") or {}
+        assert capabilities.get("streaming", False) is False, capabilities
+        assert capabilities.get("pushNotifications", False) is False, capabilities
+        extensions = [e for e in capabilities.get("extensions") or [] if e.get("uri") == URI]
+        assert len(extensions) == 1, capabilities
+        assert extensions[0].get("required") is True, extensions
+        assert extensions[0].get("params", {}).get("agentPublicKey") == world.keys["worker-a"].public_hex, extensions
+        assert card.get("name") == own.get("name"), "the card describes the agent"
+
+        # The orchestrator's egress serves each peer's card under /peers/NAME.
+        egress = world.gateways["orchestrator"].egress
+        peer_card = http.get(f"{egress}/peers/worker-a/.well-known/agent-card.json")
+        assert peer_card.status_code == 200, peer_card.text
+        peer_card = peer_card.json()
+        peer_interfaces = peer_card.get("supportedInterfaces") or []
+        assert peer_interfaces and all(
+            i["url"].startswith(f"{egress}/peers/worker-a") for i in peer_interfaces
+        ), peer_card
+        assert peer_card.get("name") == own.get("name"), peer_card
+
+    async def body() -> None:
+        async with A2AUser() as user:
+            card = (await user.client(gateway.ingress))._card
+            assert not card.capabilities.streaming
+            assert card.supported_interfaces[0].url.startswith(gateway.ingress)
+
+    run(body(), 60)
+
+
+def test_egress_unknown_peer(world: World) -> None:
+    """A peer missing from the address book: -32001 NOT_FOUND, as JSON-RPC."""
+    egress = world.gateways["orchestrator"].egress
+    request = {
+        "jsonrpc": "2.0",
+        "id": "1",
+        "method": "SendMessage",
+        "params": {"message": {"messageId": str(uuid.uuid4()), "role": "ROLE_USER", "parts": [{"text": "hi"}]}},
+    }
+    with httpx.Client(timeout=30) as http:
+        answer = http.post(f"{egress}/peers/nobody/", json=request, headers={"A2A-Version": "1.0"})
+    body = answer.json()
+    error = body.get("error")
+    assert isinstance(error, dict), f"HTTP {answer.status_code}: {body}"
+    refusal = Refusal(error, Exception())
+    assert (refusal.code, refusal.reason, refusal.domain) == (-32001, "NOT_FOUND", DOMAIN), error
+    assert "nobody" in refusal.message, error
+
+
+# --------------------------------------------------------------------------
+# a. A fan-out judged by the broker
+# --------------------------------------------------------------------------
+
+
+def test_fanout_judged_by_broker(world: World) -> None:
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    root = broker.open_root(orchestrator, budget=100, max_depth=2)
+    chain = broker.chain_b64(root.id)
+    a, b = world.agents["worker-a"], world.agents["worker-b"]
+    marks = {"worker-a": a.mark(), "worker-b": b.mark()}
+    context_id = str(uuid.uuid4())
+
+    async def body() -> Task:
+        async with A2AUser() as user:
+            message = task_message(
+                "What is six times seven?",
+                context_id=context_id,
+                chain=chain,
+                data={"peers": ["worker-a", "worker-b"]},
+            )
+            task = await user.send(world.gateways["orchestrator"].ingress, message)
+            if task.status.state not in TERMINAL:
+                task = await user.follow(world.gateways["orchestrator"].ingress, task.id, lambda t: t.status.state in TERMINAL)
+            return task
+
+    task = run(body())
+    assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+    assert task.context_id == context_id
+    ext = ext_of(task)
+    assert ext.get("contractId") == root.id.hex(), ext
+    assert ext.get("verdict") == "ACCEPTED", ext
+    results = output_of(task)["results"]
+    assert set(results) == {"worker-a", "worker-b"}, results
+    ra, rb = results["worker-a"], results["worker-b"]
+    assert ra["state"] == "TASK_STATE_COMPLETED" and ra["verdict"] == "ACCEPTED" and ra["error"] is None, ra
+    assert rb["state"] == "TASK_STATE_FAILED" and rb["verdict"] == "REJECTED" and rb["error"] is None, rb
+    assert any("schema_valid" in check for check in rb["failedChecks"] or []), rb
+    assert ra["output"] == {"answer": 42} and rb["output"] == {"answer": "forty-two"}, results
+
+    # Each worker got the task once, with the orchestrator's contextId and
+    # without the caller's extension metadata (the chain is taken out; the
+    # gateway may mark the message with the contract's id alone).
+    for agent, result in ((a, ra), (b, rb)):
+        sent = agent.sends_since(marks[agent.name])
+        assert len(sent) == 1, f"{agent.name}: {sent}"
+        assert sent[0]["contextId"] == context_id, sent
+        assert_no_chain_forwarded(sent[0], result["contractId"], agent.name)
+        assert len(agent.executions(context_id)) == 1
+
+    # At the broker: two children of the root, depth 1, carved from it.
+    children = broker.children(root.id)
+    assert len(children) == 2, [status_name(c) for c in children]
+    by_delegate = {terms_of(c).delegate_public_key.hex(): c for c in children}
+    assert set(by_delegate) == {world.keys["worker-a"].public_hex, world.keys["worker-b"].public_hex}
+    consumed = {}
+    for name, result, verdict in (("worker-a", ra, pb.VERDICT_ACCEPTED), ("worker-b", rb, pb.VERDICT_REJECTED)):
+        state = by_delegate[world.keys[name].public_hex]
+        child_id = bytes(state.contract_id)
+        terms = broker.contract(child_id)  # the chain root -> child verifies offline
+        assert result["contractId"] == child_id.hex(), (name, result)
+        assert terms.depth == 1 and bytes(terms.parent_id) == root.id, (name, terms.depth)
+        assert bytes(terms.intent_lineage_hash) == root.lineage, name
+        assert terms.budget == WORKER_ROUTE["budget"], (name, terms.budget)
+        assert json.loads(terms.result_schema_json) == json.loads(SCHEMA), (name, terms.result_schema_json)
+        assert 0 < terms.deadline_ms <= root.deadline_ms, name
+        assert status_name(state) == "CONTRACT_STATUS_COMPLETED", (name, status_name(state))
+        assert "result.schema_valid" in state.effective_predicate, state.effective_predicate
+        assert_ledger_balances(state, name)
+        assert result.get("receiptId"), (name, result)
+        receipt = broker.receipt(result["receiptId"])
+        assert receipt.kind == pb.RECEIPT_KIND_COMPLETED and bytes(receipt.contract_id) == child_id, (name, receipt)
+        assert bytes(receipt.requester_public_key) == world.keys[name].public, "completed with the worker's key"
+        assert receipt.completion.verdict == verdict, (name, receipt.completion)
+        assert receipt.completion.schema_valid is (name == "worker-a"), (name, receipt.completion)
+        consumed[name] = receipt.completion.consumed
+    refused = broker.receipt(rb["receiptId"]).completion.refused_criteria
+    assert any("schema_valid" in c.criterion for c in refused), refused
+
+    # The root's ledger: both children settled into it.
+    root_state = broker.state(root.id)
+    assert status_name(root_state) == "CONTRACT_STATUS_COMPLETED", status_name(root_state)
+    assert_ledger_balances(root_state, "root")
+    assert root_state.ledger.reserved == 0 and root_state.ledger.open_children == 0, root_state.ledger
+    root_receipt = broker.receipt(ext["receiptId"])
+    assert root_receipt.kind == pb.RECEIPT_KIND_COMPLETED and bytes(root_receipt.contract_id) == root.id
+    assert bytes(root_receipt.requester_public_key) == orchestrator.public
+    assert root_state.ledger.spent == root_receipt.completion.consumed + sum(consumed.values()), (
+        root_state.ledger,
+        root_receipt.completion.consumed,
+        consumed,
+    )
+
+
+# --------------------------------------------------------------------------
+# b. Refusals at the egress
+# --------------------------------------------------------------------------
+
+
+def test_overspending_fanout_refused_at_egress(world: World) -> None:
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    root = broker.open_root(orchestrator, budget=100, max_depth=2)
+    # A sibling already holds 60 of the root's 100: 40 are left.
+    sibling = broker.delegate(orchestrator, root, world.keys["slow-2"], budget=60, task="an earlier sub-task")
+    assert broker.state(root.id).ledger.residual == 40
+    a, b = world.agents["worker-a"], world.agents["worker-b"]
+    marks = {"worker-a": a.mark(), "worker-b": b.mark()}
+
+    async def body() -> Task:
+        async with A2AUser() as user:
+            message = task_message(
+                "What is six times seven?",
+                chain=broker.chain_b64(root.id),
+                data={"peers": ["worker-a", "worker-b"], "terms": {"worker-a": {"budget": 60}, "worker-b": {"budget": 60}}},
+            )
+            return await user.send(world.gateways["orchestrator"].ingress, message)
+
+    task = run(body())
+    assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+    results = output_of(task)["results"]
+    for name in ("worker-a", "worker-b"):
+        result = results[name]
+        assert result["state"] is None and result["error"], (name, result)
+        assert "BUDGET_EXCEEDS_PARENT (requested 60, allowed 40)" in result["error"], (name, result["error"])
+        assert result["errorType"] == "InvalidParamsError", (name, result)  # -32602
+        data = result["errorData"] or {}
+        assert "BUDGET_EXCEEDS_PARENT (requested 60, allowed 40)" in data.get("violations", ""), (name, data)
+        receipt = broker.receipt(data["receiptId"])
+        assert receipt.kind == pb.RECEIPT_KIND_REFUSED and bytes(receipt.contract_id) == root.id, receipt
+        assert receipt.primary == pb.INVARIANT_CODE_BUDGET_EXCEEDS_PARENT, receipt
+        violation = next(v for v in receipt.violations if v.code == pb.INVARIANT_CODE_BUDGET_EXCEEDS_PARENT)
+        assert (violation.requested, violation.allowed) == ("60", "40"), violation
+        assert bytes(receipt.requester_public_key) == orchestrator.public, "the Delegate was the orchestrator's"
+        assert_nothing_reached(world.agents[name], marks[name], f"{name} after a refused Delegate")
+    # Nothing was issued for them: the root's only child is the sibling.
+    assert [bytes(c.contract_id) for c in broker.children(root.id)] == [sibling]
+
+
+def test_depth_limit_refused_at_egress(world: World) -> None:
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    root = broker.open_root(orchestrator, budget=100, max_depth=1)
+    third = world.agents["third"]
+    mark = third.mark()
+    context_id = str(uuid.uuid4())
+
+    async def body() -> Task:
+        async with A2AUser() as user:
+            message = task_message(
+                "Ask around", context_id=context_id, chain=broker.chain_b64(root.id), data={"peers": ["worker-c"]}
+            )
+            return await user.send(world.gateways["orchestrator"].ingress, message)
+
+    task = run(body())
+    assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+    result = output_of(task)["results"]["worker-c"]
+    # worker-c itself ran at depth 1 and was judged; its own call was refused.
+    assert result["state"] == "TASK_STATE_COMPLETED" and result["verdict"] == "ACCEPTED", result
+    call = result["output"]["call"]
+    assert call["state"] is None and call["error"], call
+    assert "DEPTH_EXCEEDED (requested 2, allowed 1)" in call["error"], call["error"]
+    assert call["errorType"] == "InvalidParamsError", call
+    assert [e["contextId"] for e in world.agents["worker-c"].executions(context_id)] == [context_id]
+    assert_nothing_reached(third, mark, "the third agent past max_depth")
+
+    worker_c = bytes.fromhex(result["contractId"])
+    assert broker.contract(worker_c).depth == 1
+    assert broker.children(worker_c) == []
+    receipt = broker.receipt(call["errorData"]["receiptId"])
+    assert receipt.kind == pb.RECEIPT_KIND_REFUSED and bytes(receipt.contract_id) == worker_c, receipt
+    assert receipt.primary == pb.INVARIANT_CODE_DEPTH_EXCEEDED, receipt
+    assert bytes(receipt.requester_public_key) == world.keys["worker-c"].public, "the Delegate was worker-c's"
+    violation = next(v for v in receipt.violations if v.code == pb.INVARIANT_CODE_DEPTH_EXCEEDED)
+    assert (violation.requested, violation.allowed) == ("2", "1"), violation
+
+
+# --------------------------------------------------------------------------
+# c. Bypass attempts at a worker's gateway
+# --------------------------------------------------------------------------
+
+
+def flip_signature(chain_b64: str) -> str:
+    chain = pb.GetChainResponse.FromString(base64.b64decode(chain_b64))
+    signature = bytearray(chain.chain[-1].contract.signature)
+    signature[7] ^= 0x01
+    chain.chain[-1].contract.signature = bytes(signature)
+    return base64.b64encode(chain.SerializeToString()).decode()
+
+
+def flip_payload(chain_b64: str, marker: bytes) -> str:
+    """Flips one letter of the leaf's task text inside its signed payload:
+    the payload still decodes, its hash and signature no longer match."""
+    chain = pb.GetChainResponse.FromString(base64.b64decode(chain_b64))
+    payload = bytearray(chain.chain[-1].contract.payload)
+    at = bytes(payload).find(marker)
+    assert at >= 0, "the task text is in the payload"
+    payload[at] ^= 0x20  # 'b' <-> 'B'
+    chain.chain[-1].contract.payload = bytes(payload)
+    pb.Contract.FromString(bytes(payload))  # still a Contract
+    return base64.b64encode(chain.SerializeToString()).decode()
+
+
+def test_bypass_refused(world: World) -> None:
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    worker = world.agents["worker-a"]
+    ingress = world.gateways["worker-a"].ingress
+    root = broker.open_root(orchestrator, budget=200, max_depth=2)
+
+    def child(delegate: str = "worker-a", **kwargs: Any) -> bytes:
+        return broker.delegate(orchestrator, root, world.keys[delegate], **kwargs)
+
+    open_child = child(task="bypass probe: answer the question")
+    other_agents = child("worker-b")
+    revoked = child()
+    broker.revoke(orchestrator, revoked)
+    assert status_name(broker.state(revoked)) == "CONTRACT_STATUS_REVOKED"
+    # Two leaves past their deadline: one expired (its delegate's Accept is
+    # refused LATE and expires it), one still OPEN (the broker runs no sweep).
+    deadline = now_ms() + 1000
+    expired = child(deadline_ms=deadline)
+    late = child(deadline_ms=deadline)
+    wait_for("the short deadline to pass", lambda: now_ms() > deadline + 20, 10)
+    with pytest.raises(grpc.RpcError) as refused:
+        broker.stub.Accept(world.keys["worker-a"].signer.accept(contract_id=expired), timeout=30)
+    assert (info := error_info(refused.value)) is not None and info.reason == "LATE", refused.value
+    assert status_name(broker.state(expired)) == "CONTRACT_STATUS_EXPIRED"
+    assert status_name(broker.state(late)) == "CONTRACT_STATUS_OPEN"
+    chains = {
+        "open": broker.chain_b64(open_child),
+        "other": broker.chain_b64(other_agents),
+        "root": broker.chain_b64(root.id),
+        "revoked": broker.chain_b64(revoked),
+        "expired": broker.chain_b64(expired),
+        "late": broker.chain_b64(late),
+    }
+
+    cases = [
+        ("no extension metadata", None, {}, -32008, "INVALID_FIELD"),
+        ("extension metadata without a chain", None, {"note": "no chain"}, -32008, "INVALID_FIELD"),
+        ("a chain that is not base64", "not base64!!", {}, -32602, "UNDECODABLE_MESSAGE"),
+        ("a chain that is not a GetChainResponse", base64.b64encode(b"\xff\xff\xff\xff").decode(), {}, -32602,
+         "UNDECODABLE_MESSAGE"),
+        ("a tampered signature", flip_signature(chains["open"]), {}, -32602, "BAD_SIGNATURE"),
+        ("a tampered payload", flip_payload(chains["open"], b"bypass probe"), {}, -32602, "BAD_SIGNATURE"),
+        ("another agent's chain", chains["other"], {}, -32602, "NOT_DELEGATE"),
+        ("the root's chain (the orchestrator's contract)", chains["root"], {}, -32602, "NOT_DELEGATE"),
+        ("a revoked leaf", chains["revoked"], {}, -32602, "ENDED"),
+        # Its deadline has passed too, which the offline check sees first.
+        ("an expired leaf (status EXPIRED)", chains["expired"], {}, -32602, "LATE"),
+        ("a leaf past its deadline, not yet expired", chains["late"], {}, -32602, "LATE"),
+    ]
+
+    # Every case is tried; the failures are reported together.
+    failures: list[str] = []
+
+    async def body() -> None:
+        async with A2AUser() as user:
+            for why, chain, ext, code, reason in cases:
+                mark = worker.mark()
+                try:
+                    await expect_refused(
+                        user, ingress, task_message("six times seven?", chain=chain, ext=ext), code=code, reason=reason,
+                        why=why,
+                    )
+                except AssertionError as error:
+                    failures.append(str(error))
+                try:
+                    assert_nothing_reached(worker, mark, why)
+                except AssertionError as error:
+                    failures.append(str(error))
+
+            # The open contract itself is admitted, once; a replay after its
+            # completion (the same message, or a new one with its chain) is not.
+            mark = worker.mark()
+            message = task_message("six times seven?", chain=chains["open"])
+            task = await user.send(ingress, message)
+            if task.status.state not in TERMINAL:
+                task = await user.follow(ingress, task.id, lambda t: t.status.state in TERMINAL and "verdict" in ext_of(t))
+            assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+            assert ext_of(task).get("verdict") == "ACCEPTED" and ext_of(task).get("contractId") == open_child.hex(), show(task)
+            sent = worker.sends_since(mark)
+            assert len(sent) == 1, sent
+            assert_no_chain_forwarded(sent[0], open_child.hex(), "the admitted message")
+            assert status_name(broker.state(open_child)) == "CONTRACT_STATUS_COMPLETED"
+            for why, replay in (
+                ("the same message replayed after completion", message),
+                ("a new message with a completed contract's chain", task_message("again", chain=chains["open"])),
+            ):
+                mark = worker.mark()
+                try:
+                    await expect_refused(user, ingress, replay, code=-32602, reason="ENDED", why=why)
+                    assert_nothing_reached(worker, mark, why)
+                except AssertionError as error:
+                    failures.append(str(error))
+
+            # A contract already bound to a task still running (slow-2's):
+            # a second message with its chain is not admitted.
+            slow = world.agents["slow-2"]
+            bound = child("slow-2", task="a long one")
+            bound_chain = broker.chain_b64(bound)
+            first = task_message("take your time", chain=bound_chain)
+            sending = asyncio.create_task(user.send(world.gateways["slow-2"].ingress, first))
+            try:
+                await await_for("slow-2 to start the task", lambda: slow.executions(first.context_id))
+                mark = slow.mark()
+                why = "a second message with a contract bound to a running task"
+                try:
+                    await expect_refused(
+                        user, world.gateways["slow-2"].ingress, task_message("me too", chain=bound_chain),
+                        code=-32602, reason="ENDED", why=why,
+                    )
+                    assert_nothing_reached(slow, mark, why)
+                except AssertionError as error:
+                    failures.append(str(error))
+            finally:
+                broker.revoke(orchestrator, bound, reason="end of the probe")
+                await settle(sending)
+
+    run(body())
+    assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------
+# Later: escalation, revocation, cancellation, restart
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.later
+def test_input_required_escalates_at_once(world: World) -> None:
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    root = broker.open_root(orchestrator, budget=100, max_depth=2)
+    contract = broker.delegate(orchestrator, root, world.keys["worker-i"], budget=20)
+    ingress = world.gateways["worker-i"].ingress
+    worker = world.agents["worker-i"]
+
+    async def body() -> None:
+        async with A2AUser() as user:
+            task = await user.send(ingress, task_message("a report", chain=broker.chain_b64(contract)))
+            # Visible at once: when the answer is back, the broker already has the escalation.
+            state = broker.state(contract)
+            assert state_of(task) == "TASK_STATE_INPUT_REQUIRED", show(task)
+            assert "need the date range" in task.status.message.parts[0].text
+            assert status_name(state) == "CONTRACT_STATUS_UNRESOLVABLE", status_name(state)
+            ext = ext_of(task)
+            assert ext.get("contractId") == contract.hex(), ext
+            receipt = broker.receipt(ext["receiptId"])
+            assert receipt.kind == pb.RECEIPT_KIND_ESCALATED and bytes(receipt.contract_id) == contract, receipt
+            assert "need the date range" in receipt.escalation.reason, receipt.escalation
+            assert bytes(receipt.requester_public_key) == world.keys["worker-i"].public
+            root_state = broker.state(root.id)
+            assert root_state.ledger.reserved == 0 and root_state.ledger.residual == 100, root_state.ledger
+
+            # The contract has ended: a follow-up on the task is not forwarded.
+            mark = worker.mark()
+            follow_up = task_message("2024", context_id=task.context_id, task_id=task.id)
+            await expect_refused(user, ingress, follow_up, code=-32602, reason="ENDED", why="a follow-up after escalation")
+            assert_nothing_reached(worker, mark, "a follow-up after escalation")
+
+    run(body())
+
+
+@pytest.mark.later
+def test_revoke_cancels_upstream_tasks(world: World) -> None:
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    root = broker.open_root(orchestrator, budget=100, max_depth=2)
+    slows = [world.agents["slow-1"], world.agents["slow-2"]]
+    context_id = str(uuid.uuid4())
+
+    async def body() -> None:
+        async with A2AUser() as user:
+            message = task_message(
+                "Take your time", context_id=context_id, chain=broker.chain_b64(root.id), data={"peers": ["slow-1", "slow-2"]}
+            )
+            sending = asyncio.create_task(user.send(world.gateways["orchestrator"].ingress, message))
+            try:
+                task_ids = {}
+                for slow in slows:
+                    started = await await_for(f"{slow.name} to start the task", lambda s=slow: s.executions(context_id))
+                    task_ids[slow.name] = started[0]["taskId"]
+                children = await await_for(
+                    "both children to be accepted",
+                    lambda: (lambda cs: cs if len(cs) == 2 and all(
+                        c.status == pb.CONTRACT_STATUS_ACCEPTED for c in cs) else None)(broker.children(root.id)),
+                )
+                broker.revoke(orchestrator, root.id, reason="the principal changed its mind")
+                for slow in slows:
+                    await await_for(
+                        f"{slow.name}'s task {task_ids[slow.name]} to be canceled",
+                        lambda s=slow: s.cancels(task_ids[s.name]),
+                    )
+                    assert f"cancel {task_ids[slow.name]}" in slow.proc.tail()
+                for c in children:
+                    assert status_name(broker.state(bytes(c.contract_id))) == "CONTRACT_STATUS_REVOKED"
+                # The orchestrator's own task is canceled too (its contract was revoked).
+                orchestrator_agent = world.agents["orchestrator"]
+                started = orchestrator_agent.executions(context_id)
+                assert len(started) == 1, started
+                await await_for(
+                    "the orchestrator's task to be canceled", lambda: orchestrator_agent.cancels(started[0]["taskId"])
+                )
+                # The caller is answered, not left waiting: the task CANCELED (or
+                # an error saying the contract ended).
+                try:
+                    task = await asyncio.wait_for(asyncio.shield(sending), STATE_TIMEOUT_S)
+                except TimeoutError:
+                    raise AssertionError(
+                        f"the caller's SendMessage was still unanswered {STATE_TIMEOUT_S:.0f} s after its "
+                        "contract was revoked and the orchestrator's task canceled"
+                    ) from None
+                except Refusal as refusal:
+                    assert refusal.reason == "ENDED", refusal.raw
+                else:
+                    assert state_of(task) == "TASK_STATE_CANCELED", show(task)
+            finally:
+                await settle(sending, timeout=0)
+
+    run(body())
+
+
+@pytest.mark.later
+def test_cancel_through_principal_gateway(world: World) -> None:
+    """CancelTask by the principal through its gateway: the orchestrator (a
+    stock client: SendMessage asking not to wait, then CancelTask a second
+    later, both to its egress) cancels its call to slow-1. The child contract
+    is revoked at the broker (REVOKED, not declined), then the cancel reaches
+    slow-1."""
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    root = broker.open_root(orchestrator, budget=100, max_depth=2)
+    slow = world.agents["slow-1"]
+    context_id = str(uuid.uuid4())
+
+    async def body() -> Task:
+        async with A2AUser() as user:
+            message = task_message(
+                "Take your time",
+                context_id=context_id,
+                chain=broker.chain_b64(root.id),
+                data={"peers": ["slow-1"], "returnImmediately": True, "cancelAfterMs": {"slow-1": 1000}},
+            )
+            return await user.send(world.gateways["orchestrator"].ingress, message)
+
+    task = run(body())
+    assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+    result = output_of(task)["results"]["slow-1"]
+    assert result["error"] is None, result
+    assert result["canceled"] == "TASK_STATE_CANCELED" and result["state"] == "TASK_STATE_CANCELED", result
+    executions = slow.executions(context_id)
+    assert [e["taskId"] for e in executions] == [result["taskId"]], executions
+    wait_for("slow-1 to log the cancel", lambda: slow.cancels(result["taskId"]), 10)
+    children = broker.children(root.id)
+    assert len(children) == 1 and terms_of(children[0]).delegate_public_key == world.keys["slow-1"].public
+    assert status_name(children[0]) == "CONTRACT_STATUS_REVOKED", status_name(children[0])
+
+
+@pytest.mark.later
+def test_gateway_restart_mid_task(world: World) -> None:
+    """The worker's gateway is killed (SIGKILL) while the worker runs a task
+    and started again with the same config: the task's contract is still
+    completed and judged, and the task is read through the new gateway."""
+    broker = world.broker
+    orchestrator = world.keys["orchestrator"]
+    key = keygen(world.binary, "worker-d", world.workdir)
+    agent = await_agent(start_agent(world.workdir, "worker-d", "worker.py", ["--mode", "good", "--delay-ms", "4000"], key))
+    gateway: Gateway | None = None
+    try:
+        config = gateway_config(
+            world.workdir / "worker-d.gateway.toml", broker=world.broker_addr, key=key, upstream=agent.url
+        )
+        gateway = await_gateway(start_gateway(world.binary, world.workdir, "worker-d", config))
+        # The restart keeps the addresses.
+        config = gateway_config(
+            world.workdir / "worker-d.gateway.toml",
+            broker=world.broker_addr,
+            key=key,
+            upstream=agent.url,
+            listen=f"127.0.0.1:{gateway.port('ingress')}",
+            egress_listen=f"127.0.0.1:{gateway.port('egress')}",
+        )
+        root = broker.open_root(orchestrator, budget=100, max_depth=2)
+        contract = broker.delegate(orchestrator, root, key, budget=20)
+        context_id = str(uuid.uuid4())
+
+        async def body() -> None:
+            nonlocal gateway
+            assert gateway is not None
+            async with A2AUser() as user:
+                message = task_message("six times seven?", context_id=context_id, chain=broker.chain_b64(contract))
+                sending = asyncio.create_task(user.send(gateway.ingress, message))
+                try:
+                    started = await await_for("worker-d to start the task", lambda: agent.executions(context_id))
+                    task_id = started[0]["taskId"]
+                    gateway.proc.stop(signal.SIGKILL)
+                finally:
+                    await settle(sending)  # the call dies with its gateway
+                gateway = await_gateway(start_gateway(world.binary, world.workdir, "worker-d", config, tag="-restarted"))
+                async with A2AUser() as fresh:
+                    task = await fresh.follow(
+                        gateway.ingress,
+                        task_id,
+                        lambda t: t.status.state in TERMINAL and "verdict" in ext_of(t),
+                        timeout=CALL_TIMEOUT_S,
+                    )
+                assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
+                assert ext_of(task).get("verdict") == "ACCEPTED" and ext_of(task).get("contractId") == contract.hex()
+                state = broker.wait_status(contract, pb.CONTRACT_STATUS_COMPLETED)
+                receipt = broker.receipt(ext_of(task)["receiptId"])
+                assert receipt.kind == pb.RECEIPT_KIND_COMPLETED and receipt.completion.verdict == pb.VERDICT_ACCEPTED
+                assert_ledger_balances(state, "worker-d")
+                assert len(agent.executions(context_id)) == 1, "the task ran once"
+
+        run(body())
+    finally:
+        if gateway is not None:
+            gateway.proc.stop()
+        agent.proc.stop()
