@@ -164,11 +164,3 @@ fn unreachable_peer(url: &str, error: &reqwest::Error) -> Refused {
     };
     Refused::new(code::INTERNAL, "UNAVAILABLE", format!("{url} {why}"))
 }
-
-/// The JSON-RPC URL of a card (its first JSONRPC interface).
-pub fn jsonrpc_url(card: &a2a::AgentCard) -> Option<String> {
-    card.supported_interfaces
-        .iter()
-        .find(|i| i.protocol_binding.eq_ignore_ascii_case("JSONRPC"))
-        .map(|i| i.url.clone())
-}

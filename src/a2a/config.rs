@@ -45,6 +45,13 @@ pub struct A2aConfig {
     pub authz_listen: Option<String>,
     /// Egress address, for the fronted agent's outbound client only.
     pub egress_listen: Option<String>,
+    /// The ingress over A2A's gRPC binding (beside `listen`'s JSON-RPC).
+    pub grpc_listen: Option<String>,
+    /// The egress over gRPC: a peer is named by the request's `tenant`.
+    pub egress_grpc_listen: Option<String>,
+    /// How the agent is called (default: JSON-RPC when its card lists
+    /// it, else gRPC).
+    pub upstream_binding: Option<Binding>,
     /// Where `GET /metrics` is served (Prometheus).
     pub metrics_listen: Option<String>,
     /// The ingress URL put in the served card (default: http://<listen>).
@@ -63,6 +70,14 @@ pub struct A2aConfig {
     /// Default Delegate terms per peer name.
     #[serde(default)]
     pub routes: BTreeMap<String, Route>,
+}
+
+/// An A2A protocol binding the gateway speaks to the agent.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Binding {
+    Jsonrpc,
+    Grpc,
 }
 
 /// One agent the fronted agent may call.
@@ -176,6 +191,18 @@ impl A2aConfig {
             return Err(invalid(
                 "upstream",
                 "required with listen: the agent the ingress fronts",
+            ));
+        }
+        if self.grpc_listen.is_some() && self.listen.is_none() {
+            return Err(invalid(
+                "grpc_listen",
+                "needs listen (the card is served there)",
+            ));
+        }
+        if self.egress_grpc_listen.is_some() && self.egress_listen.is_none() {
+            return Err(invalid(
+                "egress_grpc_listen",
+                "needs egress_listen (peer cards are served there)",
             ));
         }
         if self.listen.is_none() && self.authz_listen.is_none() {

@@ -44,9 +44,11 @@ pub(super) async fn card(gateway: &Gateway, name: &str) -> Result<a2a::AgentCard
     let peer = peer(gateway, name)?;
     let card = gateway.http.card(&peer.url).await?;
     let url = format!("{}/peers/{name}/", gateway.egress_url);
+    let grpc = gateway.egress_grpc_url.as_deref().map(|url| (url, name));
     Ok(gateway_card(
         card,
         &url,
+        grpc,
         &peer.public_key().unwrap_or_default(),
     ))
 }

@@ -75,8 +75,7 @@ async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Ref
         ..Default::default()
     };
     let task: a2a::Task = gateway
-        .http
-        .call(&gateway.upstream_rpc, "GetTask", &get, &[])
+        .upstream_call("GetTask", &get, &[])
         .await
         .map_err(|_| not_found())?;
     let contract_id: Id = ext::marked(&task)
@@ -369,8 +368,7 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         }
     }
     let response: a2a::SendMessageResponse = gateway
-        .http
-        .call(&gateway.upstream_rpc, "SendMessage", &request, &headers)
+        .upstream_call("SendMessage", &request, &headers)
         .await?;
     let slot = new_slot(
         contract_id,
@@ -437,8 +435,7 @@ async fn continue_task(
         .into());
     }
     let response: a2a::SendMessageResponse = gateway
-        .http
-        .call(&gateway.upstream_rpc, "SendMessage", &request, headers)
+        .upstream_call("SendMessage", &request, headers)
         .await?;
     match response.payload {
         Some(a2a::send_message_response::Payload::Task(task)) => {
@@ -682,10 +679,8 @@ async fn following(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) {
                     id: task_id.to_owned(),
                     ..Default::default()
                 };
-                let canceled: Result<a2a::Task, _> = gateway
-                    .http
-                    .call(&gateway.upstream_rpc, "CancelTask", &cancel, &[])
-                    .await;
+                let canceled: Result<a2a::Task, _> =
+                    gateway.upstream_call("CancelTask", &cancel, &[]).await;
                 if let Err(CallError::Remote(error)) = &canceled {
                     tracing::warn!(task = %task_id, %error, "the agent refused to cancel its task");
                 }
@@ -693,10 +688,7 @@ async fn following(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) {
                 continue;
             }
         }
-        let task: Result<a2a::Task, _> = gateway
-            .http
-            .call(&gateway.upstream_rpc, "GetTask", &get, &[])
-            .await;
+        let task: Result<a2a::Task, _> = gateway.upstream_call("GetTask", &get, &[]).await;
         match task {
             Ok(task) => {
                 if let Err(e) = observe(gateway, slot, task).await {
@@ -718,13 +710,7 @@ async fn get(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     let request: a2a::GetTaskRequest = params(rpc)?;
     let slot = slot_of(gateway, &request.id).await?;
     let task: a2a::Task = gateway
-        .http
-        .call(
-            &gateway.upstream_rpc,
-            "GetTask",
-            &request,
-            &passed_headers(rpc),
-        )
+        .upstream_call("GetTask", &request, &passed_headers(rpc))
         .await?;
     let task = observe(gateway, &slot, task).await?;
     to_value(&task)
@@ -752,13 +738,7 @@ async fn cancel(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         .into());
     }
     let task: a2a::Task = gateway
-        .http
-        .call(
-            &gateway.upstream_rpc,
-            "CancelTask",
-            &request,
-            &passed_headers(rpc),
-        )
+        .upstream_call("CancelTask", &request, &passed_headers(rpc))
         .await?;
     let task = observe(gateway, &slot, task).await?;
     to_value(&task)

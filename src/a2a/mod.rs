@@ -12,6 +12,7 @@ mod client;
 pub mod config;
 mod egress;
 pub mod ext;
+mod grpc;
 mod ingress;
 pub mod metrics;
 
@@ -112,9 +113,12 @@ pub(crate) struct Gateway {
     pub link: Link,
     pub agent_key: [u8; 32],
     pub http: A2aClient,
-    /// The agent's card as it serves it, and its JSON-RPC URL.
+    /// The agent's card as it serves it, and how to call it.
     pub upstream_card: a2a::AgentCard,
-    pub upstream_rpc: String,
+    pub upstream: Upstream,
+    /// The gRPC ingress and egress addresses, when served.
+    pub grpc_url: Option<String>,
+    pub egress_grpc_url: Option<String>,
     pub public_url: String,
     pub egress_url: String,
     keys: tokio::sync::Mutex<(BrokerKeys, Option<tokio::time::Instant>)>,
@@ -123,7 +127,37 @@ pub(crate) struct Gateway {
     pub metrics: Arc<metrics::GatewayMetrics>,
 }
 
+/// How the gateway calls the fronted agent.
+pub(crate) enum Upstream {
+    /// No ingress: nothing to call.
+    None,
+    JsonRpc(String),
+    Grpc(a2a_pb::proto::a2a_service_client::A2aServiceClient<tonic::transport::Channel>),
+}
+
 impl Gateway {
+    /// One call to the fronted agent, in its binding.
+    pub async fn upstream_call<P, R>(
+        &self,
+        method: &str,
+        params: &P,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<R, client::CallError>
+    where
+        P: serde::Serialize + prost::Message,
+        R: serde::de::DeserializeOwned + prost::Message + Default,
+    {
+        match &self.upstream {
+            Upstream::JsonRpc(url) => self.http.call(url, method, params, headers).await,
+            Upstream::Grpc(client) => {
+                grpc::call_agent(client, method, params, headers, &self.metrics).await
+            }
+            Upstream::None => {
+                Err(Refused::new(code::INTERNAL, "INTERNAL", "no agent to call").into())
+            }
+        }
+    }
+
     /// The broker's published keys; read again (at most every
     /// KEYS_REFRESH_MS) when `fresh` asks for it.
     pub async fn keys(&self, fresh: bool) -> Result<BrokerKeys, Refused> {
@@ -222,20 +256,46 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         config.max_message_bytes,
         gateway_metrics.clone(),
     )?;
-    let (upstream_card, upstream_rpc) = match (&config.listen, &config.upstream) {
+    let (upstream_card, upstream) = match (&config.listen, &config.upstream) {
         (Some(_), Some(upstream)) => {
             let card = http
                 .card(upstream)
                 .await
                 .map_err(|e| anyhow::anyhow!("upstream: {}", e.message))?;
-            let rpc = client::jsonrpc_url(&card).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "upstream: the agent's card lists no JSONRPC interface (supportedInterfaces)"
-                )
-            })?;
-            (card, rpc)
+            let interface = |binding: &str| {
+                card.supported_interfaces
+                    .iter()
+                    .find(|i| i.protocol_binding.eq_ignore_ascii_case(binding))
+                    .map(|i| i.url.clone())
+            };
+            let binding = match config.upstream_binding {
+                Some(binding) => binding,
+                None if interface("JSONRPC").is_some() => config::Binding::Jsonrpc,
+                None => config::Binding::Grpc,
+            };
+            let upstream = match binding {
+                config::Binding::Jsonrpc => Upstream::JsonRpc(interface("JSONRPC").ok_or_else(|| {
+                    anyhow::anyhow!("upstream: the agent's card lists no JSONRPC interface (supportedInterfaces)")
+                })?),
+                config::Binding::Grpc => {
+                    let url = interface("GRPC").ok_or_else(|| {
+                        anyhow::anyhow!("upstream: the agent's card lists no GRPC interface (supportedInterfaces)")
+                    })?;
+                    let url = if url.contains("://") { url } else { format!("http://{url}") };
+                    let channel = tonic::transport::Channel::from_shared(url.clone())
+                        .map_err(|e| anyhow::anyhow!("upstream: the agent's GRPC interface {url:?}: {e}"))?
+                        .connect_timeout(CONNECT_TIMEOUT)
+                        .timeout(std::time::Duration::from_millis(config.call_timeout_ms))
+                        .connect_lazy();
+                    Upstream::Grpc(
+                        a2a_pb::proto::a2a_service_client::A2aServiceClient::new(channel)
+                            .max_decoding_message_size(config.max_message_bytes),
+                    )
+                }
+            };
+            (card, upstream)
         }
-        _ => (a2a::AgentCard::default(), String::new()),
+        _ => (a2a::AgentCard::default(), Upstream::None),
     };
     let ingress = match &config.listen {
         Some(addr) => Some(bind(addr, "listen").await?),
@@ -249,6 +309,24 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         Some(addr) => Some(bind(addr, "metrics_listen").await?),
         None => None,
     };
+    let grpc = match &config.grpc_listen {
+        Some(addr) => Some(bind(addr, "grpc_listen").await?),
+        None => None,
+    };
+    let egress_grpc = match &config.egress_grpc_listen {
+        Some(addr) => Some(bind(addr, "egress_grpc_listen").await?),
+        None => None,
+    };
+    let grpc_url = grpc
+        .as_ref()
+        .map(|l| l.local_addr())
+        .transpose()?
+        .map(|a| a.to_string());
+    let egress_grpc_url = egress_grpc
+        .as_ref()
+        .map(|l| l.local_addr())
+        .transpose()?
+        .map(|a| a.to_string());
     let authz = match &config.authz_listen {
         Some(addr) => Some(bind(addr, "authz_listen").await?),
         None => None,
@@ -269,7 +347,9 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         agent_key,
         http,
         upstream_card,
-        upstream_rpc,
+        upstream,
+        grpc_url: grpc_url.clone(),
+        egress_grpc_url: egress_grpc_url.clone(),
         public_url: public_url.clone(),
         egress_url: egress_url.clone(),
         keys: tokio::sync::Mutex::new((BrokerKeys::default(), None)),
@@ -309,6 +389,30 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         servers.spawn(async move {
             Ok(axum::serve(egress, router)
                 .with_graceful_shutdown(token.cancelled_owned())
+                .await?)
+        });
+    }
+    for (listener, url, role) in [
+        (grpc, &grpc_url, "ingress"),
+        (egress_grpc, &egress_grpc_url, "egress"),
+    ] {
+        let Some(listener) = listener else { continue };
+        let service = if role == "ingress" {
+            grpc::A2aGrpc::ingress(gateway.clone())
+        } else {
+            grpc::A2aGrpc::egress(gateway.clone())
+        };
+        let service = a2a_pb::proto::a2a_service_server::A2aServiceServer::new(service)
+            .max_decoding_message_size(max_body);
+        println!("a2a {role} grpc on {}", url.as_deref().unwrap_or_default());
+        let token = stop.clone();
+        servers.spawn(async move {
+            Ok(tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    token.cancelled_owned(),
+                )
                 .await?)
         });
     }
@@ -361,13 +465,26 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
 /// agent's, with `url` as its only interface, the extension required, and
 /// no streaming or push (the gateway answers SendMessage, GetTask and
 /// CancelTask).
-fn gateway_card(mut card: a2a::AgentCard, url: &str, agent_key: &[u8]) -> a2a::AgentCard {
+fn gateway_card(
+    mut card: a2a::AgentCard,
+    url: &str,
+    grpc: Option<(&str, &str)>,
+    agent_key: &[u8],
+) -> a2a::AgentCard {
     card.supported_interfaces = vec![a2a::AgentInterface {
         url: url.to_owned(),
         protocol_binding: "JSONRPC".into(),
         tenant: String::new(),
         protocol_version: client::PROTOCOL_VERSION.into(),
     }];
+    if let Some((grpc_url, tenant)) = grpc {
+        card.supported_interfaces.push(a2a::AgentInterface {
+            url: grpc_url.to_owned(),
+            protocol_binding: "GRPC".into(),
+            tenant: tenant.to_owned(),
+            protocol_version: client::PROTOCOL_VERSION.into(),
+        });
+    }
     let capabilities = card.capabilities.get_or_insert_with(Default::default);
     capabilities.streaming = Some(false);
     capabilities.push_notifications = Some(false);
@@ -397,6 +514,7 @@ async fn ingress_card(State(gateway): State<Arc<Gateway>>) -> Response {
     let card = gateway_card(
         gateway.upstream_card.clone(),
         &gateway.public_url,
+        gateway.grpc_url.as_deref().map(|url| (url, "")),
         &gateway.agent_key,
     );
     axum::Json(card).into_response()

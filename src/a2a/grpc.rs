@@ -1,0 +1,419 @@
+//! A2A's gRPC binding (`lf.a2a.v1.A2AService`, a2a-pb's tonic types) on
+//! both sides of the gateway: served at `grpc_listen` (ingress) and
+//! `egress_grpc_listen` (egress: the peer is the request's `tenant`, which
+//! the served peer card names), and spoken to an agent that serves only
+//! gRPC (`upstream_binding`). Requests are transcoded to the ProtoJSON
+//! types the JSON-RPC side uses (same messages, same field numbers), so
+//! one code path admits, delegates and follows tasks whatever the binding.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use a2a_pb::proto;
+use a2a_pb::protojson;
+use prost::Message as _;
+use serde_json::Value;
+use tonic_types::{ErrorDetails, StatusExt as _};
+
+use super::client::CallError;
+use super::ext::{DOMAIN, Refused, code};
+use super::metrics::Side;
+use super::{Gateway, Rpc, egress, ingress, traced_call, unserved};
+
+/// The same message as another generated type (both are the normative
+/// a2a.proto's): encode one, decode the other.
+pub fn transcode<A: prost::Message, B: prost::Message + Default>(a: &A) -> Result<B, Refused> {
+    B::decode(a.encode_to_vec().as_slice()).map_err(|e| {
+        Refused::new(
+            code::INTERNAL,
+            "UNDECODABLE_MESSAGE",
+            format!("transcoding an A2A message: {e}"),
+        )
+    })
+}
+
+/// A refusal as a gRPC status: the same message, and the same ErrorInfo
+/// as the JSON-RPC error carries.
+pub fn status_of(refused: &Refused) -> tonic::Status {
+    let grpc_code = match (refused.code, refused.reason.as_str()) {
+        (_, "UNAVAILABLE") => tonic::Code::Unavailable,
+        (code::INVALID_PARAMS | code::INVALID_REQUEST | code::PARSE_ERROR, _) => {
+            tonic::Code::InvalidArgument
+        }
+        (code::EXTENSION_REQUIRED | code::TASK_NOT_CANCELABLE, _) => {
+            tonic::Code::FailedPrecondition
+        }
+        (code::TASK_NOT_FOUND, _) => tonic::Code::NotFound,
+        (code::UNSUPPORTED_OPERATION | code::PUSH_NOT_SUPPORTED | code::METHOD_NOT_FOUND, _) => {
+            tonic::Code::Unimplemented
+        }
+        _ => tonic::Code::Internal,
+    };
+    let metadata: HashMap<String, String> = refused.metadata.clone().into_iter().collect();
+    tonic::Status::with_error_details(
+        grpc_code,
+        refused.message.clone(),
+        ErrorDetails::with_error_info(refused.reason.clone(), DOMAIN, metadata),
+    )
+}
+
+/// An error the agent or a peer answered over JSON-RPC, for a gRPC caller.
+fn remote_status(error: &Value) -> tonic::Status {
+    let message = error
+        .get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("the agent answered an error")
+        .to_owned();
+    let reason = error
+        .pointer("/data/0/reason")
+        .and_then(Value::as_str)
+        .unwrap_or("AGENT_ERROR")
+        .to_owned();
+    let code = error
+        .get("code")
+        .and_then(Value::as_i64)
+        .unwrap_or(code::INTERNAL as i64);
+    let mut refused = Refused::new(code as i32, &reason, message);
+    if let Some(metadata) = error.pointer("/data/0/metadata").and_then(Value::as_object) {
+        for (key, value) in metadata {
+            if let Some(value) = value.as_str() {
+                refused = refused.with(key, value);
+            }
+        }
+    }
+    status_of(&refused)
+}
+
+/// A status the agent answered over gRPC, relayed as a JSON-RPC error.
+pub fn remote_error(status: &tonic::Status) -> Value {
+    let code = match status.code() {
+        tonic::Code::NotFound => code::TASK_NOT_FOUND,
+        tonic::Code::InvalidArgument => code::INVALID_PARAMS,
+        tonic::Code::Unimplemented => code::UNSUPPORTED_OPERATION,
+        tonic::Code::FailedPrecondition => code::TASK_NOT_CANCELABLE,
+        _ => code::INTERNAL,
+    };
+    let mut error = serde_json::json!({"code": code, "message": status.message()});
+    if let Some(info) = status.get_details_error_info() {
+        error["data"] = serde_json::json!([{
+            "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+            "reason": info.reason,
+            "domain": info.domain,
+            "metadata": info.metadata,
+        }]);
+    }
+    error
+}
+
+/// Which side a service is, and how it handles one call.
+#[derive(Clone, Copy)]
+enum Role {
+    Ingress,
+    Egress,
+}
+
+pub struct A2aGrpc {
+    gateway: Arc<Gateway>,
+    role: Role,
+}
+
+impl A2aGrpc {
+    pub fn ingress(gateway: Arc<Gateway>) -> Self {
+        Self {
+            gateway,
+            role: Role::Ingress,
+        }
+    }
+
+    pub fn egress(gateway: Arc<Gateway>) -> Self {
+        Self {
+            gateway,
+            role: Role::Egress,
+        }
+    }
+
+    /// One unary call through the JSON-RPC side's handlers.
+    async fn call<Q, A, R, B>(
+        &self,
+        method: &'static str,
+        request: tonic::Request<Q>,
+    ) -> Result<tonic::Response<R>, tonic::Status>
+    where
+        Q: prost::Message,
+        A: prost::Message + Default + serde::Serialize,
+        R: prost::Message + Default,
+        B: prost::Message + Default + serde::de::DeserializeOwned,
+    {
+        let (metadata, _, message) = request.into_parts();
+        let gateway = self.gateway.clone();
+        let side = match self.role {
+            Role::Ingress => Side::Ingress,
+            Role::Egress => Side::Egress,
+        };
+        let refuse = |refused: Refused| {
+            gateway.metrics.refused(side, &refused.reason);
+            status_of(&refused)
+        };
+        let json: A = transcode(&message).map_err(refuse)?;
+        let params = serde_json::to_value(&json).map_err(|e| {
+            refuse(Refused::new(
+                code::INTERNAL,
+                "INTERNAL",
+                format!("encoding the request: {e}"),
+            ))
+        })?;
+        let tenant = params
+            .get("tenant")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let rpc = Rpc {
+            id: Value::Null,
+            method: method.to_owned(),
+            params,
+            headers: metadata.into_headers(),
+            trace: None,
+        };
+        let role = self.role;
+        let (_, result) = traced_call(
+            match role {
+                Role::Ingress => "ingress",
+                Role::Egress => "egress",
+            },
+            rpc,
+            async |rpc| {
+                let result = match role {
+                    Role::Ingress => ingress::handle(&gateway, &rpc).await,
+                    Role::Egress if tenant.is_empty() => Err(Refused::new(
+                        code::INVALID_PARAMS,
+                        "INVALID_FIELD",
+                        "tenant: name the peer (the egress card's GRPC interface gives it)",
+                    )
+                    .with("field", "tenant")
+                    .into()),
+                    Role::Egress => egress::handle(&gateway, &tenant, &rpc).await,
+                };
+                (rpc, result)
+            },
+        )
+        .await;
+        match result {
+            Ok(value) => {
+                let answer: B = serde_json::from_value(value).map_err(|e| {
+                    refuse(Refused::new(
+                        code::INTERNAL,
+                        "UNDECODABLE_MESSAGE",
+                        format!("{method}: the answer is not its A2A type ({e})"),
+                    ))
+                })?;
+                Ok(tonic::Response::new(transcode(&answer).map_err(refuse)?))
+            }
+            Err(CallError::Local(refused)) => Err(refuse(refused)),
+            Err(CallError::Remote(error)) => Err(remote_status(&error)),
+        }
+    }
+
+    fn unserved<T>(&self, method: &str) -> Result<T, tonic::Status> {
+        let refused = unserved(method).unwrap_or_else(|| {
+            Refused::new(
+                code::METHOD_NOT_FOUND,
+                "INVALID_FIELD",
+                format!("{method}: not served"),
+            )
+        });
+        Err(status_of(&refused))
+    }
+}
+
+type Stream = std::pin::Pin<
+    Box<dyn tokio_stream::Stream<Item = Result<proto::StreamResponse, tonic::Status>> + Send>,
+>;
+
+#[tonic::async_trait]
+impl proto::a2a_service_server::A2aService for A2aGrpc {
+    async fn send_message(
+        &self,
+        request: tonic::Request<proto::SendMessageRequest>,
+    ) -> Result<tonic::Response<proto::SendMessageResponse>, tonic::Status> {
+        self.call::<_, protojson::SendMessageRequest, _, protojson::SendMessageResponse>(
+            "SendMessage",
+            request,
+        )
+        .await
+    }
+
+    type SendStreamingMessageStream = Stream;
+
+    async fn send_streaming_message(
+        &self,
+        _: tonic::Request<proto::SendMessageRequest>,
+    ) -> Result<tonic::Response<Stream>, tonic::Status> {
+        self.unserved("SendStreamingMessage")
+    }
+
+    async fn get_task(
+        &self,
+        request: tonic::Request<proto::GetTaskRequest>,
+    ) -> Result<tonic::Response<proto::Task>, tonic::Status> {
+        self.call::<_, protojson::GetTaskRequest, _, protojson::Task>("GetTask", request)
+            .await
+    }
+
+    async fn list_tasks(
+        &self,
+        _: tonic::Request<proto::ListTasksRequest>,
+    ) -> Result<tonic::Response<proto::ListTasksResponse>, tonic::Status> {
+        self.unserved("ListTasks")
+    }
+
+    async fn cancel_task(
+        &self,
+        request: tonic::Request<proto::CancelTaskRequest>,
+    ) -> Result<tonic::Response<proto::Task>, tonic::Status> {
+        self.call::<_, protojson::CancelTaskRequest, _, protojson::Task>("CancelTask", request)
+            .await
+    }
+
+    type SubscribeToTaskStream = Stream;
+
+    async fn subscribe_to_task(
+        &self,
+        _: tonic::Request<proto::SubscribeToTaskRequest>,
+    ) -> Result<tonic::Response<Stream>, tonic::Status> {
+        self.unserved("SubscribeToTask")
+    }
+
+    async fn create_task_push_notification_config(
+        &self,
+        _: tonic::Request<proto::TaskPushNotificationConfig>,
+    ) -> Result<tonic::Response<proto::TaskPushNotificationConfig>, tonic::Status> {
+        self.unserved("CreateTaskPushNotificationConfig")
+    }
+
+    async fn get_task_push_notification_config(
+        &self,
+        _: tonic::Request<proto::GetTaskPushNotificationConfigRequest>,
+    ) -> Result<tonic::Response<proto::TaskPushNotificationConfig>, tonic::Status> {
+        self.unserved("GetTaskPushNotificationConfig")
+    }
+
+    async fn list_task_push_notification_configs(
+        &self,
+        _: tonic::Request<proto::ListTaskPushNotificationConfigsRequest>,
+    ) -> Result<tonic::Response<proto::ListTaskPushNotificationConfigsResponse>, tonic::Status>
+    {
+        self.unserved("ListTaskPushNotificationConfigs")
+    }
+
+    async fn get_extended_agent_card(
+        &self,
+        _: tonic::Request<proto::GetExtendedAgentCardRequest>,
+    ) -> Result<tonic::Response<proto::AgentCard>, tonic::Status> {
+        self.unserved("GetExtendedAgentCard")
+    }
+
+    async fn delete_task_push_notification_config(
+        &self,
+        _: tonic::Request<proto::DeleteTaskPushNotificationConfigRequest>,
+    ) -> Result<tonic::Response<()>, tonic::Status> {
+        self.unserved("DeleteTaskPushNotificationConfig")
+    }
+}
+
+/// Calls the fronted agent over gRPC: `method` with ProtoJSON-typed
+/// params and answer (transcoded both ways).
+pub async fn call_agent<P, R>(
+    client: &proto::a2a_service_client::A2aServiceClient<tonic::transport::Channel>,
+    method: &str,
+    params: &P,
+    headers: &[(http::HeaderName, http::HeaderValue)],
+    metrics: &super::metrics::GatewayMetrics,
+) -> Result<R, CallError>
+where
+    P: prost::Message,
+    R: prost::Message + Default,
+{
+    fn request<T>(
+        message: T,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+    ) -> tonic::Request<T> {
+        use tonic::metadata::{MetadataKey, MetadataValue};
+        let mut request = tonic::Request::new(message);
+        let metadata = request.metadata_mut();
+        metadata.insert(
+            "a2a-version",
+            MetadataValue::from_static(super::client::PROTOCOL_VERSION),
+        );
+        for (name, value) in headers {
+            if let (Ok(key), Some(value)) = (
+                MetadataKey::from_bytes(name.as_str().as_bytes()),
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| MetadataValue::try_from(v).ok()),
+            ) {
+                metadata.insert(key, value);
+            }
+        }
+        request
+    }
+    let mut client = client.clone();
+    let started = std::time::Instant::now();
+    let answer: Result<Vec<u8>, tonic::Status> = match method {
+        "SendMessage" => client
+            .send_message(request(
+                transcode::<_, proto::SendMessageRequest>(params)?,
+                headers,
+            ))
+            .await
+            .map(|r| r.into_inner().encode_to_vec()),
+        "GetTask" => client
+            .get_task(request(
+                transcode::<_, proto::GetTaskRequest>(params)?,
+                headers,
+            ))
+            .await
+            .map(|r| r.into_inner().encode_to_vec()),
+        "CancelTask" => client
+            .cancel_task(request(
+                transcode::<_, proto::CancelTaskRequest>(params)?,
+                headers,
+            ))
+            .await
+            .map(|r| r.into_inner().encode_to_vec()),
+        other => {
+            return Err(Refused::new(
+                code::METHOD_NOT_FOUND,
+                "INVALID_FIELD",
+                format!("{other}: not called over gRPC"),
+            )
+            .into());
+        }
+    };
+    metrics.upstream(method, started.elapsed().as_secs_f64());
+    match answer {
+        Ok(bytes) => R::decode(bytes.as_slice()).map_err(|e| {
+            Refused::new(
+                code::INTERNAL,
+                "UNDECODABLE_MESSAGE",
+                format!("the agent's {method} answer: {e}"),
+            )
+            .into()
+        }),
+        Err(status)
+            if status.get_details_error_info().is_none()
+                && status.code() == tonic::Code::Unavailable =>
+        {
+            Err(Refused::new(
+                code::INTERNAL,
+                "UNAVAILABLE",
+                format!(
+                    "the agent could not be reached over gRPC ({})",
+                    status.message()
+                ),
+            )
+            .into())
+        }
+        Err(status) => Err(CallError::Remote(remote_error(&status))),
+    }
+}
