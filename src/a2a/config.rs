@@ -20,6 +20,10 @@ pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 120_000;
 /// Largest A2A request or response body taken, by default and at most.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+/// Requests in progress at once, per caller (IP address) and in all.
+pub const DEFAULT_MAX_IN_FLIGHT_PER_CALLER: usize = 64;
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 512;
+pub const MAX_IN_FLIGHT: usize = 65_536;
 /// Most tasks followed at once (each holds a poller); more are refused.
 pub const DEFAULT_MAX_TASKS: usize = 1024;
 pub const MAX_TASKS: usize = 65_536;
@@ -64,6 +68,10 @@ pub struct A2aConfig {
     pub max_message_bytes: usize,
     #[serde(default = "default_max_tasks")]
     pub max_tasks: usize,
+    #[serde(default = "default_max_in_flight_per_caller")]
+    pub max_in_flight_per_caller: usize,
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
     /// The address book.
     #[serde(default)]
     pub peers: Vec<Peer>,
@@ -122,6 +130,12 @@ fn default_max_message_bytes() -> usize {
 }
 fn default_max_tasks() -> usize {
     DEFAULT_MAX_TASKS
+}
+fn default_max_in_flight_per_caller() -> usize {
+    DEFAULT_MAX_IN_FLIGHT_PER_CALLER
+}
+fn default_max_in_flight() -> usize {
+    DEFAULT_MAX_IN_FLIGHT
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +251,14 @@ impl A2aConfig {
                 "max_tasks",
                 format!("{} not in 1..={MAX_TASKS}", self.max_tasks),
             ));
+        }
+        for (key, value) in [
+            ("max_in_flight_per_caller", self.max_in_flight_per_caller),
+            ("max_in_flight", self.max_in_flight),
+        ] {
+            if value == 0 || value > MAX_IN_FLIGHT {
+                return Err(invalid(key, format!("{value} not in 1..={MAX_IN_FLIGHT}")));
+            }
         }
         if self.peers.len() > MAX_PEERS {
             return Err(invalid("peers", format!("at most {MAX_PEERS}")));

@@ -144,6 +144,10 @@ impl A2aGrpc {
         R: prost::Message + Default,
         B: prost::Message + Default + serde::de::DeserializeOwned,
     {
+        let caller = match self.role {
+            Role::Ingress => request.remote_addr().map(|a| a.ip()),
+            Role::Egress => None,
+        };
         let (metadata, _, message) = request.into_parts();
         let gateway = self.gateway.clone();
         let side = match self.role {
@@ -154,6 +158,7 @@ impl A2aGrpc {
             gateway.metrics.refused(side, &refused.reason);
             status_of(&refused)
         };
+        let _ticket = gateway.ticket(caller).map_err(refuse)?;
         let json: A = transcode(&message).map_err(refuse)?;
         let params = serde_json::to_value(&json).map_err(|e| {
             refuse(Refused::new(

@@ -125,6 +125,67 @@ pub(crate) struct Gateway {
     pub admitted: Mutex<Admitted>,
     pub sent: Mutex<HashMap<String, Sent>>,
     pub metrics: Arc<metrics::GatewayMetrics>,
+    /// Requests in progress: in all, and per caller.
+    in_flight: Mutex<InFlight>,
+}
+
+/// Requests in progress, in all and per caller.
+#[derive(Default)]
+pub(crate) struct InFlight {
+    total: usize,
+    per_caller: HashMap<std::net::IpAddr, usize>,
+}
+
+impl InFlight {
+    /// Counts one more request, or names the limit it would pass.
+    fn take(
+        &mut self,
+        caller: Option<std::net::IpAddr>,
+        per_caller: usize,
+        total: usize,
+    ) -> Result<(), &'static str> {
+        if self.total >= total {
+            return Err("max_in_flight");
+        }
+        if let Some(ip) = caller {
+            let count = self.per_caller.entry(ip).or_insert(0);
+            if *count >= per_caller {
+                return Err("max_in_flight_per_caller");
+            }
+            *count += 1;
+        }
+        self.total += 1;
+        Ok(())
+    }
+
+    fn give(&mut self, caller: Option<std::net::IpAddr>) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(ip) = caller
+            && let Some(count) = self.per_caller.get_mut(&ip)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.per_caller.remove(&ip);
+            }
+        }
+    }
+}
+
+/// A request's place among those in progress; given back when dropped.
+pub(crate) struct Ticket<'a> {
+    gateway: &'a Gateway,
+    caller: Option<std::net::IpAddr>,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = self
+            .gateway
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        in_flight.give(self.caller);
+    }
 }
 
 /// How the gateway calls the fronted agent.
@@ -136,6 +197,31 @@ pub(crate) enum Upstream {
 }
 
 impl Gateway {
+    /// Takes a place for one request of `caller`, or refuses it OVERLOADED
+    /// at once (max_in_flight_per_caller, max_in_flight): a caller holding
+    /// many slow calls open cannot take the gateway from the others.
+    pub fn ticket(&self, caller: Option<std::net::IpAddr>) -> Result<Ticket<'_>, Refused> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        in_flight
+            .take(
+                caller,
+                self.config.max_in_flight_per_caller,
+                self.config.max_in_flight,
+            )
+            .map_err(|limit| {
+                Refused::new(
+                    code::INTERNAL,
+                    "OVERLOADED",
+                    format!("too many requests in progress ({limit}): try again later"),
+                )
+                .with("limit", limit)
+            })?;
+        Ok(Ticket {
+            gateway: self,
+            caller,
+        })
+    }
+
     /// One call to the fronted agent, in its binding.
     pub async fn upstream_call<P, R>(
         &self,
@@ -356,6 +442,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         admitted: Mutex::default(),
         sent: Mutex::default(),
         metrics: gateway_metrics,
+        in_flight: Mutex::default(),
     });
     let limit = axum::extract::DefaultBodyLimit::max(max_body);
     let stop = tokio_util::sync::CancellationToken::new();
@@ -369,9 +456,12 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         println!("a2a ingress on {public_url}");
         let token = stop.clone();
         servers.spawn(async move {
-            Ok(axum::serve(ingress, router)
-                .with_graceful_shutdown(token.cancelled_owned())
-                .await?)
+            Ok(axum::serve(
+                ingress,
+                router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+            )
+            .with_graceful_shutdown(token.cancelled_owned())
+            .await?)
         });
     }
     if let Some(egress) = egress {
@@ -641,9 +731,21 @@ fn unserved(method: &str) -> Option<Refused> {
 
 async fn ingress_rpc(
     State(gateway): State<Arc<Gateway>>,
+    axum::extract::ConnectInfo(caller): axum::extract::ConnectInfo<std::net::SocketAddr>,
     headers: http::HeaderMap,
     body: Bytes,
 ) -> Response {
+    let _ticket = match gateway.ticket(Some(caller.ip())) {
+        Ok(ticket) => ticket,
+        Err(refused) => {
+            return answer(
+                &gateway,
+                metrics::Side::Ingress,
+                Value::Null,
+                Err(refused.into()),
+            );
+        }
+    };
     let rpc = match parse_rpc(&body, headers) {
         Ok(rpc) => rpc,
         Err((id, refused)) => {
@@ -672,6 +774,17 @@ async fn egress_rpc(
     headers: http::HeaderMap,
     body: Bytes,
 ) -> Response {
+    let _ticket = match gateway.ticket(None) {
+        Ok(ticket) => ticket,
+        Err(refused) => {
+            return answer(
+                &gateway,
+                metrics::Side::Egress,
+                Value::Null,
+                Err(refused.into()),
+            );
+        }
+    };
     let rpc = match parse_rpc(&body, headers) {
         Ok(rpc) => rpc,
         Err((id, refused)) => {
@@ -749,4 +862,64 @@ pub(crate) fn now_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_caller_cannot_take_every_place() {
+        let (a, b): (std::net::IpAddr, std::net::IpAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let mut in_flight = InFlight::default();
+        assert_eq!(in_flight.take(Some(a), 2, 3), Ok(()));
+        assert_eq!(in_flight.take(Some(a), 2, 3), Ok(()));
+        assert_eq!(
+            in_flight.take(Some(a), 2, 3),
+            Err("max_in_flight_per_caller")
+        );
+        assert_eq!(in_flight.take(Some(b), 2, 3), Ok(()));
+        assert_eq!(in_flight.take(Some(b), 2, 3), Err("max_in_flight"));
+        in_flight.give(Some(a));
+        assert_eq!(in_flight.take(Some(b), 2, 3), Ok(()));
+        for ip in [a, b, b] {
+            in_flight.give(Some(ip));
+        }
+        assert_eq!(in_flight.total, 0);
+        assert!(in_flight.per_caller.is_empty());
+    }
+
+    #[test]
+    fn a_gateway_card_lists_its_own_interfaces_and_requires_the_extension() {
+        let card = a2a::AgentCard {
+            name: "worker".into(),
+            supported_interfaces: vec![a2a::AgentInterface {
+                url: "http://10.0.0.9:1".into(),
+                protocol_binding: "JSONRPC".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let served = gateway_card(card, "http://gw:1", Some(("gw:2", "worker-a")), &[7; 32]);
+        let urls: Vec<_> = served
+            .supported_interfaces
+            .iter()
+            .map(|i| {
+                (
+                    i.url.as_str(),
+                    i.protocol_binding.as_str(),
+                    i.tenant.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            urls,
+            [("http://gw:1", "JSONRPC", ""), ("gw:2", "GRPC", "worker-a")]
+        );
+        let capabilities = served.capabilities.unwrap();
+        assert_eq!(capabilities.streaming, Some(false));
+        let extension = &capabilities.extensions[0];
+        assert!(extension.required && extension.uri == ext::URI);
+    }
 }
