@@ -219,10 +219,10 @@ impl A2aConfig {
                 "needs egress_listen (peer cards are served there)",
             ));
         }
-        if self.listen.is_none() && self.authz_listen.is_none() {
+        if self.listen.is_none() && self.egress_listen.is_none() && self.authz_listen.is_none() {
             return Err(invalid(
                 "listen",
-                "nothing to serve: set listen (the ingress) or authz_listen",
+                "nothing to serve: set listen (the ingress), egress_listen or authz_listen",
             ));
         }
         if !(MIN_POLL_MS..=MAX_POLL_MS).contains(&self.poll_ms) {

@@ -63,7 +63,9 @@ pub(super) async fn handle(
     match rpc.method.as_str() {
         "SendMessage" => send(gateway, peer, rpc, &headers).await,
         "GetTask" => {
-            let request: a2a::GetTaskRequest = params(rpc)?;
+            let mut request: a2a::GetTaskRequest = params(rpc)?;
+            // The tenant named the peer here; it means nothing there.
+            request.tenant.clear();
             sent_to(gateway, peer, &request.id)?;
             gateway
                 .http
@@ -71,7 +73,8 @@ pub(super) async fn handle(
                 .await
         }
         "CancelTask" => {
-            let request: a2a::CancelTaskRequest = params(rpc)?;
+            let mut request: a2a::CancelTaskRequest = params(rpc)?;
+            request.tenant.clear();
             let sent = sent_to(gateway, peer, &request.id)?;
             // The principal's signed Revoke is what cancels: the peer's
             // gateway cancels the task when it sees the contract revoked.
@@ -199,6 +202,7 @@ async fn send(
     headers: &[(http::HeaderName, http::HeaderValue)],
 ) -> Result<Value, CallError> {
     let mut request: a2a::SendMessageRequest = params(rpc)?;
+    request.tenant.clear();
     let message = request.message.as_mut().ok_or_else(|| {
         Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
             .with("field", "message")

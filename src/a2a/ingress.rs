@@ -20,6 +20,13 @@ use crate::chain::{ChainError, verify_chain};
 use crate::core::Id;
 use crate::pb;
 
+/// After a restart: the agent's tasks read for recovery, at most this many
+/// pages of `RECOVERY_PAGE_SIZE`.
+const MAX_RECOVERY_PAGES: usize = 64;
+const RECOVERY_PAGE_SIZE: i32 = 100;
+/// Most held contracts read for recovery (the broker's largest page).
+const MAX_RECOVERY_HELD: u32 = 1000;
+
 /// How long a task canceled for its contract (revoked, expired) is read
 /// again until the agent reports it settled.
 const CANCEL_GRACE_MS: u64 = 10_000;
@@ -742,4 +749,63 @@ async fn cancel(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         .await?;
     let task = observe(gateway, &slot, task).await?;
     to_value(&task)
+}
+
+/// At start: follows again the tasks of contracts this agent holds
+/// ACCEPTED (a previous run admitted them), found in the agent's own task
+/// list by the contract each task's first message was marked with. Tasks
+/// nobody asks about still reach their Complete.
+pub(super) async fn recover(gateway: Arc<Gateway>) {
+    let held = match gateway
+        .link
+        .held(pb::HeldRole::Delegate, MAX_RECOVERY_HELD)
+        .await
+    {
+        Ok(held) => held,
+        Err(e) => {
+            tracing::warn!(reason = %e.reason, "recovery: the broker's list of held contracts could not be read");
+            return;
+        }
+    };
+    let accepted: std::collections::HashSet<Vec<u8>> = held
+        .contracts
+        .iter()
+        .filter(|c| c.status == pb::ContractStatus::Accepted as i32)
+        .map(|c| c.contract_id.clone())
+        .collect();
+    if accepted.is_empty() {
+        return;
+    }
+    let mut page_token = String::new();
+    let mut recovered = 0usize;
+    for _ in 0..MAX_RECOVERY_PAGES {
+        let request = a2a::ListTasksRequest {
+            page_size: Some(RECOVERY_PAGE_SIZE),
+            page_token: page_token.clone(),
+            ..Default::default()
+        };
+        let page: a2a::ListTasksResponse = match gateway
+            .upstream_call("ListTasks", &request, &[])
+            .await
+        {
+            Ok(page) => page,
+            Err(_) => {
+                tracing::warn!(
+                    "recovery: the agent's task list could not be read; tasks are found again when asked for"
+                );
+                return;
+            }
+        };
+        for task in &page.tasks {
+            let ours = ext::marked(task).is_some_and(|id| accepted.contains(&id));
+            if ours && !settled(task) && slot_of(&gateway, &task.id).await.is_ok() {
+                recovered += 1;
+            }
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    tracing::info!(recovered, "recovery: tasks followed again");
 }

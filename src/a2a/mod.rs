@@ -537,6 +537,9 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
                 .await?)
         });
     }
+    if !matches!(gateway.upstream, Upstream::None) {
+        tokio::spawn(ingress::recover(gateway.clone()));
+    }
     use std::io::Write as _;
     std::io::stdout().flush()?;
     tracing::info!(agent = %hex::encode(agent_key), "A2A gateway ready");

@@ -1,5 +1,6 @@
-"""pytest wiring for test_a2a.py: the `later` marker, and each test's outcome
-kept on its item so fixtures can show the processes' logs when it failed."""
+"""pytest wiring for test_a2a.py: the `later` and `bindings` markers, and each
+test's outcome kept on its item so fixtures can show the processes' logs when
+it failed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "later: needs a part of the extension that comes after the first cut "
         "(deselect with -m 'not later')",
+    )
+    config.addinivalue_line(
+        "markers",
+        "bindings(*names): the A2A bindings (jsonrpc, grpc) a test taking `world` or `binding` runs "
+        "over (default: both)",
     )
 
 

@@ -18,12 +18,32 @@ the test with the orchestrator's key (a root's delegate is the key that
 opens it: the test plays the orchestrator's principal); contracts a test
 sends straight to a worker are delegated from such a root the same way.
 
-- test_agents_work_directly: every agent mode against the SDK's client with
-  no gateway and no broker (the agents themselves are sound).
+Bindings (acceptance e): every test taking `world` runs once per A2A
+binding, `[jsonrpc]` then `[grpc]`, each with a world of its own
+(pytest_generate_tests; `@pytest.mark.bindings(...)` narrows a test). In the
+gRPC world the agents serve the gRPC binding too (listed in their cards) and
+their outbound clients take only a card's GRPC interface, every gateway has
+`grpc_listen`, `egress_grpc_listen` and `upstream_binding = "grpc"`, and the
+test's own client takes the gateway card's GRPC interface: the test's calls,
+the agents' calls to their egress (the peer picked by the interface's
+`tenant`) and the gateway->agent hop are all gRPC; gateway->gateway stays
+JSON-RPC. The tests check that it was so (the binding each agent logged a
+request over, the binding each outcome's client took). Over gRPC an error is
+read from the call's google.rpc.Status: the JSON-RPC code's gRPC code
+(grpc_code_for), the same ErrorInfo reason, domain and metadata, the
+Status's message the call's. The JSON-RPC world has none of the gRPC keys
+(its configs are those from before gRPC).
+
+- test_agents_work_directly[binding]: every agent mode against the SDK's
+  client with no gateway and no broker (the agents themselves are sound, on
+  either binding).
 - test_cards: the gateway's card (its own URL, streaming and push off, the
-  extension required with the agent's key) and the egress card of a peer;
-  test_egress_unknown_peer: a peer missing from the address book (-32001
-  NOT_FOUND).
+  extension required with the agent's key; over gRPC also its gRPC address,
+  never the agent's) and the egress card of a peer (over gRPC with a GRPC
+  interface whose tenant is the peer's name); test_egress_unknown_peer: a
+  peer missing from the address book (-32001 NOT_FOUND; gRPC NOT_FOUND);
+  test_grpc_unserved_methods (gRPC only): ListTasks and
+  SendStreamingMessage are UNIMPLEMENTED and reach no agent.
 - a. test_fanout_judged_by_broker: the orchestrator fans out to worker-a
   (good) and worker-b (bad) under route terms with a result schema; both
   children depth 1, budgets carved from the root, lineage the root's;
@@ -90,12 +110,17 @@ import grpc
 import httpx
 import pytest
 from google.protobuf import json_format
+from google.rpc import error_details_pb2, status_pb2
 
-from a2a.client import ClientConfig, ClientFactory
+from a2a.client import ClientCallContext, ClientConfig, ClientFactory
+from a2a.client.transports.grpc import GrpcTransport
+from a2a.client.transports.tenant_decorator import TenantTransportDecorator
 from a2a.helpers import new_data_part, new_text_part
+from a2a.types import a2a_pb2_grpc
 from a2a.types.a2a_pb2 import (
     CancelTaskRequest,
     GetTaskRequest,
+    ListTasksRequest,
     Message,
     Role,
     SendMessageConfiguration,
@@ -131,6 +156,27 @@ SCHEMA = json.dumps(
     }
 )
 HEX64 = re.compile(r"[0-9a-f]{64}")
+
+# The A2A bindings the core tests run over (a `world` per binding, see
+# pytest_generate_tests): the test's own client, the agents' outbound clients
+# and the gateway->agent hop all on it; gateway->gateway stays JSON-RPC.
+BINDINGS = ("jsonrpc", "grpc")
+# A JSON-RPC error code's gRPC status code, for the gateway's errors over gRPC.
+GRPC_CODE_OF_JSONRPC = {
+    -32602: "INVALID_ARGUMENT",
+    -32008: "FAILED_PRECONDITION",
+    -32002: "FAILED_PRECONDITION",
+    -32001: "NOT_FOUND",
+    -32004: "UNIMPLEMENTED",
+    -32003: "UNIMPLEMENTED",
+    -32601: "UNIMPLEMENTED",
+}
+
+
+def grpc_code_for(code: int, reason: str) -> str:
+    if reason == "UNAVAILABLE":
+        return "UNAVAILABLE"
+    return GRPC_CODE_OF_JSONRPC.get(code, "INTERNAL")
 
 AGENT_START_S = 120.0  # several Python agents importing the SDK at once on 2 cores
 GATEWAY_START_S = 60.0
@@ -486,8 +532,11 @@ def assert_ledger_balances(state: pb.ContractState, what: str) -> None:
 # --------------------------------------------------------------------------
 
 AGENT_LINE = re.compile(r"agent on (http://127\.0\.0\.1:\d+)")
+AGENT_GRPC_LINE = re.compile(r"agent grpc on (127\.0\.0\.1:\d+)")
 INGRESS_LINE = re.compile(r"a2a ingress on (http://127\.0\.0\.1:\d+)")
 EGRESS_LINE = re.compile(r"a2a egress on (http://127\.0\.0\.1:\d+)")
+INGRESS_GRPC_LINE = re.compile(r"a2a ingress grpc on (127\.0\.0\.1:\d+)")
+EGRESS_GRPC_LINE = re.compile(r"a2a egress grpc on (127\.0\.0\.1:\d+)")
 
 
 @dataclass
@@ -497,6 +546,8 @@ class AgentProc:
     log_path: Path
     key: Key | None = None
     url: str = ""
+    binding: str = "jsonrpc"  # grpc: serves the gRPC binding too, and calls out over gRPC
+    grpc: str = ""  # 127.0.0.1:PORT of its gRPC binding
 
     def entries(self) -> list[dict[str, Any]]:
         try:
@@ -531,19 +582,29 @@ class AgentProc:
         return [e for e in self.entries() if e.get("kind") == "cancel" and e.get("taskId") == task_id]
 
 
-def start_agent(workdir: Path, name: str, script: str, args: list[str], key: Key | None = None) -> AgentProc:
+def start_agent(
+    workdir: Path, name: str, script: str, args: list[str], key: Key | None = None, binding: str = "jsonrpc"
+) -> AgentProc:
+    """An agent; with binding grpc it serves the gRPC binding too (listed in
+    its card) and its outbound client takes only the GRPC interface of a card."""
     log_path = workdir / f"{name}.agent.jsonl"
     AGENT_LOGS.append(log_path)
+    extra = ["--grpc-port", "0", "--outbound-binding", "grpc"] if binding == "grpc" else []
     proc = spawn(
         f"agent-{name}",
-        [PYTHON, str(AGENTS / script), "--port", "0", "--name", name, "--log", str(log_path), *args],
+        [PYTHON, str(AGENTS / script), "--port", "0", "--name", name, "--log", str(log_path), *extra, *args],
         workdir,
     )
-    return AgentProc(name, proc, log_path, key)
+    return AgentProc(name, proc, log_path, key, binding=binding)
 
 
 def await_agent(agent: AgentProc) -> AgentProc:
-    agent.url = expect_lines(agent.proc, {"url": AGENT_LINE}, AGENT_START_S)["url"]
+    patterns = {"url": AGENT_LINE}
+    if agent.binding == "grpc":
+        patterns["grpc"] = AGENT_GRPC_LINE
+    found = expect_lines(agent.proc, patterns, AGENT_START_S)
+    agent.url = found["url"]
+    agent.grpc = found.get("grpc", "")
     return agent
 
 
@@ -563,11 +624,15 @@ class Gateway:
     name: str
     proc: Proc
     config_path: Path
+    binding: str = "jsonrpc"  # grpc: serves the gRPC binding on both sides and calls its agent over gRPC
     ingress: str = ""
     egress: str = ""
+    grpc: str = ""  # 127.0.0.1:PORT, the ingress's gRPC binding
+    egress_grpc: str = ""  # 127.0.0.1:PORT, the egress's gRPC binding
 
     def port(self, which: str) -> int:
-        return int((self.ingress if which == "ingress" else self.egress).rsplit(":", 1)[1])
+        address = {"ingress": self.ingress, "egress": self.egress, "grpc": self.grpc, "egress_grpc": self.egress_grpc}
+        return int(address[which].rsplit(":", 1)[1])
 
 
 def gateway_config(
@@ -581,7 +646,14 @@ def gateway_config(
     peers: list[Peer] = (),  # type: ignore[assignment]
     routes: dict[str, dict[str, Any]] | None = None,
     poll_ms: int = 100,
+    binding: str = "jsonrpc",
+    grpc_listen: str = "127.0.0.1:0",
+    egress_grpc_listen: str = "127.0.0.1:0",
 ) -> Path:
+    """A gateway's TOML. With binding grpc it serves the gRPC binding on its
+    ingress (`grpc_listen`) and egress (`egress_grpc_listen`) and calls its
+    agent on the GRPC interface of the agent's card (`upstream_binding`);
+    with jsonrpc none of these keys is written (the config as before gRPC)."""
     lines = [
         f"broker = {toml_str(broker)}",
         f"key_file = {toml_str(str(key.key_file))}",
@@ -589,8 +661,14 @@ def gateway_config(
         f"listen = {toml_str(listen)}",
         f"egress_listen = {toml_str(egress_listen)}",
         f"poll_ms = {poll_ms}",
-        "",
     ]
+    if binding == "grpc":
+        lines += [
+            f"grpc_listen = {toml_str(grpc_listen)}",
+            f"egress_grpc_listen = {toml_str(egress_grpc_listen)}",
+            'upstream_binding = "grpc"',
+        ]
+    lines.append("")
     for peer in peers:
         lines += [
             "[[peers]]",
@@ -608,7 +686,9 @@ def gateway_config(
     return path
 
 
-def start_gateway(binary: str, workdir: Path, name: str, config_path: Path, tag: str = "") -> Gateway:
+def start_gateway(
+    binary: str, workdir: Path, name: str, config_path: Path, tag: str = "", binding: str = "jsonrpc"
+) -> Gateway:
     proc = spawn(
         f"gateway-{name}{tag}",
         [binary, "a2a-gateway", "--config", str(config_path)],
@@ -616,12 +696,16 @@ def start_gateway(binary: str, workdir: Path, name: str, config_path: Path, tag:
         env={"BROKER_LOG": os.environ.get("BROKER_LOG", "info,delegation_broker=debug"),
              "RUST_LOG": os.environ.get("RUST_LOG", "info")},
     )
-    return Gateway(name, proc, config_path)
+    return Gateway(name, proc, config_path, binding)
 
 
 def await_gateway(gateway: Gateway) -> Gateway:
-    found = expect_lines(gateway.proc, {"ingress": INGRESS_LINE, "egress": EGRESS_LINE}, GATEWAY_START_S)
+    patterns = {"ingress": INGRESS_LINE, "egress": EGRESS_LINE}
+    if gateway.binding == "grpc":
+        patterns |= {"grpc": INGRESS_GRPC_LINE, "egress_grpc": EGRESS_GRPC_LINE}
+    found = expect_lines(gateway.proc, patterns, GATEWAY_START_S)
     gateway.ingress, gateway.egress = found["ingress"], found["egress"]
+    gateway.grpc, gateway.egress_grpc = found.get("grpc", ""), found.get("egress_grpc", "")
     return gateway
 
 
@@ -647,6 +731,31 @@ class World:
     keys: dict[str, Key]
     agents: dict[str, AgentProc]
     gateways: dict[str, Gateway]
+    binding: str = "jsonrpc"
+    first_proc: int = 0  # PROCS[first_proc:] and AGENT_LOGS[first_log:] are this world's
+    first_log: int = 0
+
+    @property
+    def sdk_binding(self) -> str:
+        """The binding's name in a card and in an outcome's `binding`."""
+        return self.binding.upper()
+
+    def user(self, timeout: float = CALL_TIMEOUT_S) -> A2AUser:
+        """The test's own A2A client, on this world's binding."""
+        return A2AUser(binding=self.binding, timeout=timeout)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test taking `world` runs once per binding (a module-scoped world per
+    binding: pytest runs all of one world's tests, tears it down, then starts
+    the other); `@pytest.mark.bindings("jsonrpc")` narrows that. A test
+    taking `binding` (and no world) gets it the same way."""
+    marker = metafunc.definition.get_closest_marker("bindings")
+    bindings = list(marker.args) if marker else list(BINDINGS)
+    if "world" in metafunc.fixturenames:
+        metafunc.parametrize("world", bindings, indirect=True, scope="module", ids=bindings)
+    elif "binding" in metafunc.fixturenames:
+        metafunc.parametrize("binding", bindings, ids=bindings)
 
 
 def start_broker(binary: str, workdir: Path, reader: Key) -> tuple[Proc, str]:
@@ -668,9 +777,11 @@ def start_broker(binary: str, workdir: Path, reader: Key) -> tuple[Proc, str]:
 
 
 @pytest.fixture(scope="module")
-def world() -> Any:
+def world(request: pytest.FixtureRequest) -> Any:
+    binding = getattr(request, "param", "jsonrpc")
     binary = broker_bin()
-    workdir = Path(tempfile.mkdtemp(prefix="a2a-gateway-test-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"a2a-gateway-test-{binding}-"))
+    first_proc, first_log = len(PROCS), len(AGENT_LOGS)
     started: list[Proc] = []
     broker_side: BrokerSide | None = None
     try:
@@ -684,25 +795,29 @@ def world() -> Any:
         # exists (the gateway needs the agent's URL first): a port picked now.
         orchestrator_egress = free_port()
         worker_c_egress = free_port()
+        # (The outbound clients resolve the egress's card over HTTP; with
+        # binding grpc they then take its GRPC interface.)
         agents = {
             "orchestrator": start_agent(
                 workdir,
                 "orchestrator",
                 "orchestrator.py",
                 ["--outbound-base", f"http://127.0.0.1:{orchestrator_egress}", "--peers", "worker-a,worker-b"],
+                binding=binding,
             ),
-            "worker-a": start_agent(workdir, "worker-a", "worker.py", ["--mode", "good"]),
-            "worker-b": start_agent(workdir, "worker-b", "worker.py", ["--mode", "bad"]),
+            "worker-a": start_agent(workdir, "worker-a", "worker.py", ["--mode", "good"], binding=binding),
+            "worker-b": start_agent(workdir, "worker-b", "worker.py", ["--mode", "bad"], binding=binding),
             "worker-c": start_agent(
                 workdir,
                 "worker-c",
                 "worker.py",
                 ["--mode", "call-peer", "--outbound", f"http://127.0.0.1:{worker_c_egress}/peers/third"],
+                binding=binding,
             ),
-            "third": start_agent(workdir, "third", "worker.py", ["--mode", "good"]),
-            "slow-1": start_agent(workdir, "slow-1", "worker.py", ["--mode", "slow"]),
-            "slow-2": start_agent(workdir, "slow-2", "worker.py", ["--mode", "slow"]),
-            "worker-i": start_agent(workdir, "worker-i", "worker.py", ["--mode", "input"]),
+            "third": start_agent(workdir, "third", "worker.py", ["--mode", "good"], binding=binding),
+            "slow-1": start_agent(workdir, "slow-1", "worker.py", ["--mode", "slow"], binding=binding),
+            "slow-2": start_agent(workdir, "slow-2", "worker.py", ["--mode", "slow"], binding=binding),
+            "worker-i": start_agent(workdir, "worker-i", "worker.py", ["--mode", "input"], binding=binding),
         }
         for name, agent in agents.items():
             agent.key = keys[name]
@@ -716,13 +831,14 @@ def world() -> Any:
                 broker=broker_addr,
                 key=keys[name],
                 upstream=agents[name].url,
+                binding=binding,
                 **kwargs,
             )
 
         gateways: dict[str, Gateway] = {}
         leaves = ["worker-a", "worker-b", "third", "slow-1", "slow-2", "worker-i"]
         for name in leaves:
-            gateways[name] = start_gateway(binary, workdir, name, config(name))
+            gateways[name] = start_gateway(binary, workdir, name, config(name), binding=binding)
             started.append(gateways[name].proc)
         for name in leaves:
             await_gateway(gateways[name])
@@ -737,6 +853,7 @@ def world() -> Any:
                 peers=[Peer("third", keys["third"], gateways["third"].ingress)],
                 routes={"third": THIRD_ROUTE},
             ),
+            binding=binding,
         )
         started.append(gateways["worker-c"].proc)
         await_gateway(gateways["worker-c"])
@@ -759,6 +876,7 @@ def world() -> Any:
                 peers=[Peer(n, keys[n], gateways[n].ingress) for n in ORCHESTRATOR_PEERS],
                 routes=routes,
             ),
+            binding=binding,
         )
         started.append(gateways["orchestrator"].proc)
         await_gateway(gateways["orchestrator"])
@@ -774,7 +892,9 @@ def world() -> Any:
             pytest.fail(str(error), pytrace=False)
         raise
 
-    yield World(binary, workdir, broker_proc, broker_addr, broker_side, keys, agents, gateways)
+    yield World(
+        binary, workdir, broker_proc, broker_addr, broker_side, keys, agents, gateways, binding, first_proc, first_log
+    )
 
     for proc in reversed(started):
         proc.stop()
@@ -787,13 +907,19 @@ def world() -> Any:
 
 @pytest.fixture(autouse=True)
 def show_logs_on_failure(request: pytest.FixtureRequest) -> Any:
+    """On a failure: the processes of the test's world (and those the test
+    started itself), not those of a world torn down before."""
+    first_proc, first_log = len(PROCS), len(AGENT_LOGS)
     yield
     report = getattr(request.node, "rep_call", None)
     if report is None or not report.failed:
         return
-    for proc in PROCS:
+    world = request.node.funcargs.get("world") if hasattr(request.node, "funcargs") else None
+    if isinstance(world, World):
+        first_proc, first_log = min(first_proc, world.first_proc), min(first_log, world.first_log)
+    for proc in PROCS[first_proc:]:
         print(f"\n===== {proc.name} (exit {proc.popen.poll()}) stderr tail =====\n{proc.tail(2500)}")
-    for path in AGENT_LOGS:
+    for path in AGENT_LOGS[first_log:]:
         try:
             text = path.read_text(errors="replace")
         except OSError:
@@ -807,12 +933,18 @@ def show_logs_on_failure(request: pytest.FixtureRequest) -> Any:
 
 
 class Refusal(Exception):
-    """A JSON-RPC error answered by a gateway, as it was on the wire."""
+    """An A2A error answered by a gateway, as it was on the wire: a JSON-RPC
+    error (`code`, its `data`'s ErrorInfo), or a gRPC status (`grpc_code`,
+    the google.rpc.Status in its trailers and that Status's ErrorInfo)."""
 
     def __init__(self, raw: dict[str, Any], sdk_error: BaseException):
+        self.binding = "jsonrpc"
         self.raw = raw
         self.sdk_error = sdk_error
         self.code = raw.get("code")
+        self.grpc_code: str | None = None
+        self.status: status_pb2.Status | None = None
+        self.problems: list[str] = []  # what is wrong with the gRPC status itself
         self.message = str(raw.get("message", ""))
         info = next(
             (d for d in raw.get("data") or [] if isinstance(d, dict) and str(d.get("@type", "")).endswith("ErrorInfo")),
@@ -823,17 +955,107 @@ class Refusal(Exception):
         self.metadata = info.get("metadata") or {}
         super().__init__(f"JSON-RPC error {self.code} {self.reason}: {self.message}")
 
+    @classmethod
+    def from_grpc(cls, rpc_error: Any, sdk_error: BaseException) -> Refusal:
+        """From a gRPC error (grpc.aio.AioRpcError or a sync call's RpcError):
+        its status code and details, and the google.rpc.Status of its
+        `grpc-status-details-bin` trailer, whose ErrorInfo of the extension's
+        domain (else the first ErrorInfo) gives reason, domain and metadata."""
+        refusal = cls.__new__(cls)
+        refusal.binding = "grpc"
+        refusal.sdk_error = sdk_error
+        refusal.code = None
+        refusal.grpc_code = rpc_error.code().name
+        details = rpc_error.details() or ""
+        refusal.problems = []
+        refusal.status = grpc_status_of(rpc_error)
+        infos = error_infos(refusal.status)
+        info = next((i for i in infos if i.domain == DOMAIN), infos[0] if infos else None)
+        refusal.message = refusal.status.message if refusal.status is not None else details
+        refusal.reason = info.reason if info is not None else None
+        refusal.domain = info.domain if info is not None else None
+        refusal.metadata = dict(info.metadata) if info is not None else {}
+        if refusal.status is None:
+            refusal.problems.append("no google.rpc.Status in the trailers (grpc-status-details-bin)")
+        else:
+            if refusal.status.code != rpc_error.code().value[0]:
+                refusal.problems.append(
+                    f"the Status's code {refusal.status.code} is not the call's {refusal.grpc_code}"
+                )
+            if refusal.status.message != details:
+                refusal.problems.append(
+                    f"the Status's message {refusal.status.message!r} is not the call's {details!r}"
+                )
+        refusal.raw = {
+            "grpcCode": refusal.grpc_code,
+            "details": details,
+            "status": json_format.MessageToDict(refusal.status) if refusal.status is not None else None,
+        }
+        Exception.__init__(refusal, f"gRPC error {refusal.grpc_code} {refusal.reason}: {refusal.message}")
+        return refusal
+
+
+def grpc_status_of(rpc_error: Any) -> status_pb2.Status | None:
+    try:
+        trailers = rpc_error.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001
+        return None
+    for key, value in trailers:
+        if key == "grpc-status-details-bin":
+            return status_pb2.Status.FromString(value)
+    return None
+
+
+def error_infos(status: status_pb2.Status | None) -> list[error_details_pb2.ErrorInfo]:
+    out = []
+    for detail in status.details if status is not None else []:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            out.append(info)
+    return out
+
+
+def find_rpc_error(error: BaseException | None) -> Any:
+    """The gRPC error an SDK error was raised from (its __cause__/__context__ chain)."""
+    for _ in range(10):
+        if error is None:
+            return None
+        if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def client_binding(client: Any) -> tuple[str, str | None]:
+    """The binding an SDK client took (its transport) and the tenant it sends."""
+    transport = getattr(client, "_transport", None)
+    tenant = None
+    if isinstance(transport, TenantTransportDecorator):
+        tenant, transport = transport._tenant, transport._base
+    if isinstance(transport, GrpcTransport):
+        return "GRPC", tenant
+    name = type(transport).__name__
+    return ("JSONRPC" if "JsonRpc" in name else name), tenant
+
 
 class A2AUser:
-    """The SDK's client, plus every raw JSON-RPC answer (an httpx response
-    hook), since the SDK keeps an error's message and ErrorInfo metadata but
-    not its reason."""
+    """The SDK's client. With binding jsonrpc (the SDK's default, JSON-RPC
+    only) it keeps every raw JSON-RPC answer (an httpx response hook), since
+    the SDK keeps an error's message and ErrorInfo metadata but not its
+    reason. With binding grpc the client supports GRPC only (the card is
+    still read over HTTP from the URL given, then its GRPC interface is
+    called on a grpc.aio channel), and an error is read from the gRPC status
+    itself: the SDK maps only ErrorInfo of domain a2a-protocol.org."""
 
-    def __init__(self, timeout: float = CALL_TIMEOUT_S):
+    def __init__(self, *, binding: str = "jsonrpc", timeout: float = CALL_TIMEOUT_S):
+        assert binding in BINDINGS, binding
+        self.binding = binding
         self.timeout = timeout
         self.raw: list[Any] = []
         self.http: httpx.AsyncClient | None = None
         self.clients: dict[str, Any] = {}
+        self.channels: list[grpc.aio.Channel] = []
 
     async def __aenter__(self) -> A2AUser:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout), event_hooks={"response": [self._hook]})
@@ -842,6 +1064,8 @@ class A2AUser:
     async def __aexit__(self, *exc: Any) -> None:
         assert self.http is not None
         await self.http.aclose()
+        for channel in self.channels:
+            await channel.close()
 
     async def _hook(self, response: httpx.Response) -> None:
         if response.request.method != "POST":
@@ -852,17 +1076,48 @@ class A2AUser:
         except ValueError:
             self.raw.append({"status": response.status_code, "body": response.text[:500]})
 
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = grpc.aio.insecure_channel(target)
+        self.channels.append(channel)
+        return channel
+
+    def _context(self) -> ClientCallContext | None:
+        # A gRPC call has no deadline unless given one; JSON-RPC has the httpx timeout.
+        return ClientCallContext(timeout=self.timeout) if self.binding == "grpc" else None
+
     async def client(self, base_url: str) -> Any:
         if base_url not in self.clients:
-            factory = ClientFactory(ClientConfig(httpx_client=self.http, streaming=False))
-            self.clients[base_url] = await factory.create_from_url(base_url)
+            if self.binding == "grpc":
+                config = ClientConfig(
+                    httpx_client=self.http,
+                    streaming=False,
+                    supported_protocol_bindings=["GRPC"],
+                    use_client_preference=True,
+                    grpc_channel_factory=self._channel,
+                )
+            else:
+                config = ClientConfig(httpx_client=self.http, streaming=False)
+            client = await ClientFactory(config).create_from_url(base_url)
+            taken, _ = client_binding(client)
+            assert taken == self.binding.upper(), f"the SDK's client for {base_url} took {taken}, not {self.binding}"
+            self.clients[base_url] = client
         return self.clients[base_url]
 
     def _refusal(self, error: BaseException, first: int) -> Refusal:
+        if self.binding == "grpc":
+            rpc_error = find_rpc_error(error)
+            if rpc_error is None:
+                raise AssertionError(f"the SDK raised {error!r}, not from a gRPC error") from error
+            return Refusal.from_grpc(rpc_error, error)
         errors = [r["error"] for r in self.raw[first:] if isinstance(r, dict) and isinstance(r.get("error"), dict)]
         if not errors:
             raise AssertionError(f"the SDK raised {error!r}, but no JSON-RPC error came back: {self.raw[first:]!r}")
         return Refusal(errors[-1], error)
+
+    def _caught(self) -> tuple[type[BaseException], ...]:
+        # Over gRPC the SDK may raise other than A2AError on a malformed status
+        # (its status_from_call raises ValueError): caught and read here too.
+        return (A2AError,) if self.binding == "jsonrpc" else (A2AError, ValueError, grpc.RpcError)
 
     async def send(self, base_url: str, message: Message, *, return_immediately: bool = False) -> Task:
         client = await self.client(base_url)
@@ -871,11 +1126,11 @@ class A2AUser:
         if return_immediately:
             request.configuration.CopyFrom(SendMessageConfiguration(return_immediately=True))
         try:
-            async for response in client.send_message(request):
+            async for response in client.send_message(request, context=self._context()):
                 if response.HasField("task"):
                     return response.task
                 raise AssertionError(f"{base_url} answered a message, not a task: {response}")
-        except A2AError as error:
+        except self._caught() as error:
             raise self._refusal(error, first) from error
         raise AssertionError(f"{base_url} answered nothing")
 
@@ -883,16 +1138,16 @@ class A2AUser:
         client = await self.client(base_url)
         first = len(self.raw)
         try:
-            return await client.get_task(GetTaskRequest(id=task_id))
-        except A2AError as error:
+            return await client.get_task(GetTaskRequest(id=task_id), context=self._context())
+        except self._caught() as error:
             raise self._refusal(error, first) from error
 
     async def cancel_task(self, base_url: str, task_id: str) -> Task:
         client = await self.client(base_url)
         first = len(self.raw)
         try:
-            return await client.cancel_task(CancelTaskRequest(id=task_id))
-        except A2AError as error:
+            return await client.cancel_task(CancelTaskRequest(id=task_id), context=self._context())
+        except self._caught() as error:
             raise self._refusal(error, first) from error
 
     async def follow(
@@ -986,9 +1241,33 @@ async def settle(pending: asyncio.Task[Any], timeout: float = STATE_TIMEOUT_S) -
 async def expect_refused(
     user: A2AUser, base_url: str, message: Message, *, code: int, reason: str, why: str
 ) -> Refusal:
+    """The message is refused with the JSON-RPC `code` and ErrorInfo `reason`
+    of the extension's domain; over gRPC, with the gRPC code the gateway maps
+    `code` to (grpc_code_for), the reason and domain in the Status's ErrorInfo,
+    the Status's message the call's."""
     try:
         task = await user.send(base_url, message)
     except Refusal as refusal:
+        if refusal.binding == "grpc":
+            want = grpc_code_for(code, reason)
+            if (refusal.grpc_code, refusal.reason) != (want, reason):
+                raise AssertionError(
+                    f"{why}: expected gRPC {want} {reason} (JSON-RPC {code}), got {refusal.grpc_code} "
+                    f"{refusal.reason}: {refusal.raw}"
+                ) from None
+            if refusal.problems:
+                raise AssertionError(f"{why}: {'; '.join(refusal.problems)}: {refusal.raw}") from None
+            if refusal.domain != DOMAIN:
+                raise AssertionError(f"{why}: ErrorInfo domain {refusal.domain!r}: {refusal.raw}") from None
+            if not refusal.message:
+                raise AssertionError(f"{why}: an error without a message: {refusal.raw}") from None
+            # The SDK maps only domain a2a-protocol.org: a generic client
+            # error, whose text carries the status's message.
+            if not isinstance(refusal.sdk_error, A2AError) or refusal.message not in str(refusal.sdk_error):
+                raise AssertionError(
+                    f"{why}: the SDK raised {refusal.sdk_error!r}, not an A2AError carrying {refusal.message!r}"
+                ) from None
+            return refusal
         if (refusal.code, refusal.reason) != (code, reason):
             raise AssertionError(
                 f"{why}: expected JSON-RPC {code} {reason}, got {refusal.code} {refusal.reason}: {refusal.raw}"
@@ -1017,9 +1296,10 @@ def assert_no_chain_forwarded(sent: dict[str, Any], contract_hex: str | None, wh
 
 
 def assert_nothing_reached(agent: AgentProc, mark: int, why: str) -> None:
-    """Nothing new reached the agent since `mark`: no JSON-RPC request (a
-    gateway's GetTask/CancelTask about a task started before is tolerated), no
-    execution. Card reads are not requests to the agent's work."""
+    """Nothing new reached the agent since `mark`: no request on either
+    binding (a gateway's GetTask/CancelTask about a task started before is
+    tolerated), no execution. Card reads are not requests to the agent's work
+    (HTTP GETs; over gRPC, GetExtendedAgentCard)."""
     before = agent.entries()[:mark]
     known = {e.get("taskId") for e in before if e.get("kind") == "execute"}
     new = [
@@ -1027,8 +1307,15 @@ def assert_nothing_reached(agent: AgentProc, mark: int, why: str) -> None:
         for e in agent.since(mark)
         if e.get("kind") in ("rpc", "execute", "cancel")
         and not (e.get("kind") == "rpc" and e.get("method") in ("GetTask", "CancelTask") and e.get("taskId") in known)
+        and not (e.get("binding") == "grpc" and e.get("method") == "GetExtendedAgentCard")
     ]
     assert not new, f"{why}: {agent.name} received {new}"
+
+
+def assert_sent_over(sent: list[dict[str, Any]], binding: str, why: str) -> None:
+    """Each request logged by an agent came over `binding` (its gateway's upstream hop)."""
+    wrong = [e for e in sent if e.get("binding") != binding]
+    assert not wrong, f"{why}: expected requests over {binding}, got {wrong}"
 
 
 # --------------------------------------------------------------------------
@@ -1070,36 +1357,53 @@ class DirectPeers:
         self.server.server_close()
 
 
-def test_agents_work_directly() -> None:
-    """Each agent mode against the SDK's client, with no gateway and no broker."""
-    workdir = Path(tempfile.mkdtemp(prefix="a2a-agents-test-"))
+def test_agents_work_directly(binding: str) -> None:
+    """Each agent mode against the SDK's client, with no gateway and no broker;
+    with binding grpc the agents serve the gRPC binding too, and the test's
+    client and the agents' outbound clients take it (every request each
+    agent logged came over it)."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"a2a-agents-test-{binding}-"))
     procs: list[AgentProc] = []
     direct: DirectPeers | None = None
     try:
-        good = start_agent(workdir, "d-good", "worker.py", ["--mode", "good"])
-        bad = start_agent(workdir, "d-bad", "worker.py", ["--mode", "bad"])
-        ask = start_agent(workdir, "d-input", "worker.py", ["--mode", "input"])
-        slow = start_agent(workdir, "d-slow", "worker.py", ["--mode", "slow"])
+        good = start_agent(workdir, "d-good", "worker.py", ["--mode", "good"], binding=binding)
+        bad = start_agent(workdir, "d-bad", "worker.py", ["--mode", "bad"], binding=binding)
+        ask = start_agent(workdir, "d-input", "worker.py", ["--mode", "input"], binding=binding)
+        slow = start_agent(workdir, "d-slow", "worker.py", ["--mode", "slow"], binding=binding)
         procs += [good, bad, ask, slow]
         for agent in procs:
             await_agent(agent)
         direct = DirectPeers({"good": good.url, "bad": bad.url, "slow": slow.url})
-        caller = start_agent(workdir, "d-call", "worker.py", ["--mode", "call-peer", "--outbound", f"{direct.url}/peers/good", "--verdict-wait-s", "0"])
+        caller = start_agent(
+            workdir,
+            "d-call",
+            "worker.py",
+            ["--mode", "call-peer", "--outbound", f"{direct.url}/peers/good", "--verdict-wait-s", "0"],
+            binding=binding,
+        )
         orchestrator = start_agent(
             workdir,
             "d-orchestrator",
             "orchestrator.py",
             ["--outbound-base", direct.url, "--peers", "good,bad", "--verdict-wait-s", "0"],
+            binding=binding,
         )
         procs += [caller, orchestrator]
         await_agent(caller)
         await_agent(orchestrator)
+        sdk_binding = binding.upper()
 
         async def body() -> None:
-            async with A2AUser(timeout=60) as user:
+            async with A2AUser(binding=binding, timeout=60) as user:
                 card = (await user.client(good.url))._card
                 assert card.capabilities.streaming, "the stock agents stream (a gateway serves them as not streaming)"
                 assert card.supported_interfaces[0].url.startswith(good.url)
+                assert card.supported_interfaces[0].protocol_binding == "JSONRPC", card.supported_interfaces
+                grpc_interfaces = [i for i in card.supported_interfaces if i.protocol_binding == "GRPC"]
+                if binding == "grpc":
+                    assert [i.url for i in grpc_interfaces] == [good.grpc], card.supported_interfaces
+                else:
+                    assert not grpc_interfaces and not good.grpc, card.supported_interfaces
 
                 task = await user.send(good.url, task_message("six times seven?"))
                 assert state_of(task) == "TASK_STATE_COMPLETED", show(task)
@@ -1130,8 +1434,10 @@ def test_agents_work_directly() -> None:
                 call = output_of(task)["call"]
                 assert call["state"] == "TASK_STATE_COMPLETED" and call["output"] == {"answer": 42}, call
                 assert call["error"] is None and call["verdict"] is None, call
+                assert call["binding"] == sdk_binding, call
                 sent = good.sends_since(mark)
                 assert [e["contextId"] for e in sent] == [task.context_id], "call-peer keeps its own contextId"
+                assert_sent_over(sent, binding, "call-peer's call")
 
                 marks = {a.name: a.mark() for a in (good, bad)}
                 task = await user.send(orchestrator.url, task_message("six times seven?"))
@@ -1142,6 +1448,7 @@ def test_agents_work_directly() -> None:
                     assert results[name]["state"] == "TASK_STATE_COMPLETED", results
                     assert results[name]["verdict"] is None and results[name]["error"] is None, results
                     assert results[name]["output"] == want, results
+                    assert results[name]["binding"] == sdk_binding, results
                 for agent in (good, bad):
                     sent = agent.sends_since(marks[agent.name])
                     assert [e["contextId"] for e in sent] == [task.context_id], f"{agent.name}: {sent}"
@@ -1155,6 +1462,10 @@ def test_agents_work_directly() -> None:
                 assert slow_result["canceled"] == "TASK_STATE_CANCELED", slow_result
                 assert slow_result["state"] == "TASK_STATE_CANCELED" and slow_result["error"] is None, slow_result
                 assert slow.cancels(slow_result["taskId"]), "the slow agent's cancel() ran"
+                cancel_calls = [e for e in slow.since(0, "rpc") if e.get("method") == "CancelTask"
+                                and e.get("taskId") == slow_result["taskId"]]
+                assert cancel_calls, "the orchestrator's CancelTask reached the slow agent"
+                assert_sent_over(cancel_calls, binding, "the orchestrator's CancelTask")
 
                 # An unknown peer is an outcome, not a crash.
                 task = await user.send(orchestrator.url, task_message("x", data={"peers": ["nobody"]}))
@@ -1166,6 +1477,7 @@ def test_agents_work_directly() -> None:
         for agent in procs:
             entries = agent.entries()
             assert any(e.get("kind") == "rpc" for e in entries), f"{agent.name} logged no request"
+            assert_sent_over([e for e in entries if e.get("kind") == "rpc"], binding, agent.name)
     finally:
         if direct is not None:
             direct.close()
@@ -1181,6 +1493,9 @@ def test_agents_work_directly() -> None:
 
 
 def test_cards(world: World) -> None:
+    """The gateway's card and an egress peer card. With binding grpc both list
+    a GRPC interface besides the JSON-RPC one: the ingress's gRPC address,
+    and the egress's with the peer's name as its tenant."""
     gateway = world.gateways["worker-a"]
     agent = world.agents["worker-a"]
     with httpx.Client(timeout=30) as http:
@@ -1189,9 +1504,21 @@ def test_cards(world: World) -> None:
         card = http.get(f"{gateway.ingress}/.well-known/agent-card.json").json()
         interfaces = card.get("supportedInterfaces") or []
         assert interfaces, card
-        for interface in interfaces:
-            assert interface["url"].startswith(gateway.ingress), f"not the gateway's URL: {interface}"
-            assert not interface["url"].startswith(agent.url), f"the agent's own URL leaked: {interface}"
+        if world.binding == "jsonrpc":
+            for interface in interfaces:
+                assert interface["url"].startswith(gateway.ingress), f"not the gateway's URL: {interface}"
+                assert not interface["url"].startswith(agent.url), f"the agent's own URL leaked: {interface}"
+        else:
+            assert any(i.get("protocolBinding") == "GRPC" for i in own["supportedInterfaces"]), own
+            for interface in interfaces:
+                if interface.get("protocolBinding") == "GRPC":
+                    assert interface["url"] == gateway.grpc, f"not the gateway's gRPC address: {interface}"
+                else:
+                    assert interface["url"].startswith(gateway.ingress), f"not the gateway's URL: {interface}"
+                assert not interface["url"].startswith(agent.url), f"the agent's own URL leaked: {interface}"
+                assert agent.grpc not in interface["url"], f"the agent's own gRPC address leaked: {interface}"
+            grpc_interfaces = [i for i in interfaces if i.get("protocolBinding") == "GRPC"]
+            assert len(grpc_interfaces) == 1, interfaces
         assert any(i.get("protocolBinding") == "JSONRPC" for i in interfaces), interfaces
         capabilities = card.get("capabilities") or {}
         assert capabilities.get("streaming", False) is False, capabilities
@@ -1208,22 +1535,56 @@ def test_cards(world: World) -> None:
         assert peer_card.status_code == 200, peer_card.text
         peer_card = peer_card.json()
         peer_interfaces = peer_card.get("supportedInterfaces") or []
-        assert peer_interfaces and all(
-            i["url"].startswith(f"{egress}/peers/worker-a") for i in peer_interfaces
-        ), peer_card
+        if world.binding == "jsonrpc":
+            assert peer_interfaces and all(
+                i["url"].startswith(f"{egress}/peers/worker-a") for i in peer_interfaces
+            ), peer_card
+        else:
+            egress_grpc = world.gateways["orchestrator"].egress_grpc
+            grpc_interfaces = [i for i in peer_interfaces if i.get("protocolBinding") == "GRPC"]
+            assert len(grpc_interfaces) == 1, peer_card
+            assert grpc_interfaces[0]["url"] == egress_grpc, f"not the egress's gRPC address: {grpc_interfaces}"
+            assert grpc_interfaces[0].get("tenant") == "worker-a", (
+                f"the peer is picked by the tenant: {grpc_interfaces}"
+            )
+            others = [i for i in peer_interfaces if i.get("protocolBinding") != "GRPC"]
+            assert others and all(i["url"].startswith(f"{egress}/peers/worker-a") for i in others), peer_card
         assert peer_card.get("name") == own.get("name"), peer_card
 
     async def body() -> None:
-        async with A2AUser() as user:
-            card = (await user.client(gateway.ingress))._card
+        async with world.user(timeout=60) as user:
+            client = await user.client(gateway.ingress)  # asserts the client took the world's binding
+            card = client._card
             assert not card.capabilities.streaming
-            assert card.supported_interfaces[0].url.startswith(gateway.ingress)
+            if world.binding == "jsonrpc":
+                assert card.supported_interfaces[0].url.startswith(gateway.ingress)
+            else:
+                jsonrpc = [i.url for i in card.supported_interfaces if i.protocol_binding == "JSONRPC"]
+                assert jsonrpc and all(url.startswith(gateway.ingress) for url in jsonrpc), card.supported_interfaces
+                # The test's client calls the gateway's gRPC address.
+                assert [i.url for i in card.supported_interfaces if i.protocol_binding == "GRPC"] == [gateway.grpc]
 
     run(body(), 60)
 
 
 def test_egress_unknown_peer(world: World) -> None:
-    """A peer missing from the address book: -32001 NOT_FOUND, as JSON-RPC."""
+    """A peer missing from the address book: -32001 NOT_FOUND, as JSON-RPC;
+    over gRPC (the peer named by the request's tenant) status NOT_FOUND with
+    the same ErrorInfo."""
+    if world.binding == "grpc":
+        request = SendMessageRequest(
+            tenant="nobody",
+            message=Message(message_id=str(uuid.uuid4()), role=Role.ROLE_USER, parts=[new_text_part("hi")]),
+        )
+        with grpc.insecure_channel(world.gateways["orchestrator"].egress_grpc) as channel:
+            stub = a2a_pb2_grpc.A2AServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.SendMessage(request, timeout=30, metadata=[("a2a-version", "1.0")])
+        refusal = Refusal.from_grpc(raised.value, raised.value)
+        assert not refusal.problems, (refusal.problems, refusal.raw)
+        assert (refusal.grpc_code, refusal.reason, refusal.domain) == ("NOT_FOUND", "NOT_FOUND", DOMAIN), refusal.raw
+        assert "nobody" in refusal.message, refusal.raw
+        return
     egress = world.gateways["orchestrator"].egress
     request = {
         "jsonrpc": "2.0",
@@ -1241,6 +1602,26 @@ def test_egress_unknown_peer(world: World) -> None:
     assert "nobody" in refusal.message, error
 
 
+@pytest.mark.bindings("grpc")
+def test_grpc_unserved_methods(world: World) -> None:
+    """The gRPC ingress serves SendMessage, GetTask and CancelTask; ListTasks
+    and SendStreamingMessage (the card says no streaming) are UNIMPLEMENTED,
+    and the agent receives nothing."""
+    agent = world.agents["worker-a"]
+    mark = agent.mark()
+    message = task_message("six times seven?", chain="not checked")
+    with grpc.insecure_channel(world.gateways["worker-a"].grpc) as channel:
+        stub = a2a_pb2_grpc.A2AServiceStub(channel)
+        metadata = [("a2a-version", "1.0")]
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ListTasks(ListTasksRequest(), timeout=30, metadata=metadata)
+        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED, raised.value
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stub.SendStreamingMessage(SendMessageRequest(message=message), timeout=30, metadata=metadata))
+        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED, raised.value
+    assert_nothing_reached(agent, mark, "unserved gRPC methods")
+
+
 # --------------------------------------------------------------------------
 # a. A fan-out judged by the broker
 # --------------------------------------------------------------------------
@@ -1256,7 +1637,7 @@ def test_fanout_judged_by_broker(world: World) -> None:
     context_id = str(uuid.uuid4())
 
     async def body() -> Task:
-        async with A2AUser() as user:
+        async with world.user() as user:
             message = task_message(
                 "What is six times seven?",
                 context_id=context_id,
@@ -1281,15 +1662,23 @@ def test_fanout_judged_by_broker(world: World) -> None:
     assert rb["state"] == "TASK_STATE_FAILED" and rb["verdict"] == "REJECTED" and rb["error"] is None, rb
     assert any("schema_valid" in check for check in rb["failedChecks"] or []), rb
     assert ra["output"] == {"answer": 42} and rb["output"] == {"answer": "forty-two"}, results
+    # The orchestrator's client took the world's binding to its egress (over
+    # gRPC the peer is the interface's tenant).
+    for name, result in (("worker-a", ra), ("worker-b", rb)):
+        assert result["binding"] == world.sdk_binding, (name, result)
+        if world.binding == "grpc":
+            assert result["tenant"] == name, (name, result)
 
     # Each worker got the task once, with the orchestrator's contextId and
     # without the caller's extension metadata (the chain is taken out; the
-    # gateway may mark the message with the contract's id alone).
+    # gateway may mark the message with the contract's id alone), over the
+    # world's binding (the gateway->agent hop).
     for agent, result in ((a, ra), (b, rb)):
         sent = agent.sends_since(marks[agent.name])
         assert len(sent) == 1, f"{agent.name}: {sent}"
         assert sent[0]["contextId"] == context_id, sent
         assert_no_chain_forwarded(sent[0], result["contractId"], agent.name)
+        assert_sent_over(agent.since(marks[agent.name], "rpc"), world.binding, agent.name)
         assert len(agent.executions(context_id)) == 1
 
     # At the broker: two children of the root, depth 1, carved from it.
@@ -1352,7 +1741,7 @@ def test_overspending_fanout_refused_at_egress(world: World) -> None:
     marks = {"worker-a": a.mark(), "worker-b": b.mark()}
 
     async def body() -> Task:
-        async with A2AUser() as user:
+        async with world.user() as user:
             message = task_message(
                 "What is six times seven?",
                 chain=broker.chain_b64(root.id),
@@ -1367,7 +1756,7 @@ def test_overspending_fanout_refused_at_egress(world: World) -> None:
         result = results[name]
         assert result["state"] is None and result["error"], (name, result)
         assert "BUDGET_EXCEEDS_PARENT (requested 60, allowed 40)" in result["error"], (name, result["error"])
-        assert result["errorType"] == "InvalidParamsError", (name, result)  # -32602
+        assert_outbound_refusal(world, result, "BUDGET_EXCEEDS_PARENT", name)
         data = result["errorData"] or {}
         assert "BUDGET_EXCEEDS_PARENT (requested 60, allowed 40)" in data.get("violations", ""), (name, data)
         receipt = broker.receipt(data["receiptId"])
@@ -1381,6 +1770,19 @@ def test_overspending_fanout_refused_at_egress(world: World) -> None:
     assert [bytes(c.contract_id) for c in broker.children(root.id)] == [sibling]
 
 
+def assert_outbound_refusal(world: World, result: dict[str, Any], reason: str, why: str) -> None:
+    """An agent's outbound call refused at its egress with -32602 and
+    `reason`: over JSON-RPC the SDK's InvalidParamsError (the SDK keeps no
+    reason); over gRPC (the agent's client on gRPC) status INVALID_ARGUMENT
+    with the reason and domain in the Status's ErrorInfo, read by the agent."""
+    assert result["binding"] == world.sdk_binding, (why, result)
+    if world.binding == "jsonrpc":
+        assert result["errorType"] == "InvalidParamsError", (why, result)  # -32602
+        return
+    assert result["errorCode"] == "INVALID_ARGUMENT", (why, result)
+    assert (result["errorReason"], result["errorDomain"]) == (reason, DOMAIN), (why, result)
+
+
 def test_depth_limit_refused_at_egress(world: World) -> None:
     broker = world.broker
     orchestrator = world.keys["orchestrator"]
@@ -1390,7 +1792,7 @@ def test_depth_limit_refused_at_egress(world: World) -> None:
     context_id = str(uuid.uuid4())
 
     async def body() -> Task:
-        async with A2AUser() as user:
+        async with world.user() as user:
             message = task_message(
                 "Ask around", context_id=context_id, chain=broker.chain_b64(root.id), data={"peers": ["worker-c"]}
             )
@@ -1404,7 +1806,10 @@ def test_depth_limit_refused_at_egress(world: World) -> None:
     call = result["output"]["call"]
     assert call["state"] is None and call["error"], call
     assert "DEPTH_EXCEEDED (requested 2, allowed 1)" in call["error"], call["error"]
-    assert call["errorType"] == "InvalidParamsError", call
+    assert_outbound_refusal(world, call, "DEPTH_EXCEEDED", "worker-c's call to third")
+    assert result["binding"] == world.sdk_binding, result
+    if world.binding == "grpc":
+        assert call["tenant"] == "third" and result["tenant"] == "worker-c", (call, result)
     assert [e["contextId"] for e in world.agents["worker-c"].executions(context_id)] == [context_id]
     assert_nothing_reached(third, mark, "the third agent past max_depth")
 
@@ -1500,7 +1905,7 @@ def test_bypass_refused(world: World) -> None:
     failures: list[str] = []
 
     async def body() -> None:
-        async with A2AUser() as user:
+        async with world.user() as user:
             for why, chain, ext, code, reason in cases:
                 mark = worker.mark()
                 try:
@@ -1527,6 +1932,7 @@ def test_bypass_refused(world: World) -> None:
             sent = worker.sends_since(mark)
             assert len(sent) == 1, sent
             assert_no_chain_forwarded(sent[0], open_child.hex(), "the admitted message")
+            assert_sent_over(sent, world.binding, "the admitted message")
             assert status_name(broker.state(open_child)) == "CONTRACT_STATUS_COMPLETED"
             for why, replay in (
                 ("the same message replayed after completion", message),
@@ -1581,7 +1987,7 @@ def test_input_required_escalates_at_once(world: World) -> None:
     worker = world.agents["worker-i"]
 
     async def body() -> None:
-        async with A2AUser() as user:
+        async with world.user() as user:
             task = await user.send(ingress, task_message("a report", chain=broker.chain_b64(contract)))
             # Visible at once: when the answer is back, the broker already has the escalation.
             state = broker.state(contract)
@@ -1615,7 +2021,7 @@ def test_revoke_cancels_upstream_tasks(world: World) -> None:
     context_id = str(uuid.uuid4())
 
     async def body() -> None:
-        async with A2AUser() as user:
+        async with world.user() as user:
             message = task_message(
                 "Take your time", context_id=context_id, chain=broker.chain_b64(root.id), data={"peers": ["slow-1", "slow-2"]}
             )
@@ -1637,6 +2043,11 @@ def test_revoke_cancels_upstream_tasks(world: World) -> None:
                         lambda s=slow: s.cancels(task_ids[s.name]),
                     )
                     assert f"cancel {task_ids[slow.name]}" in slow.proc.tail()
+                    # The gateway's CancelTask reached the agent over the world's binding.
+                    cancel_calls = [e for e in slow.since(0, "rpc") if e.get("method") == "CancelTask"
+                                    and e.get("taskId") == task_ids[slow.name]]
+                    assert cancel_calls, f"{slow.name}: no CancelTask logged for {task_ids[slow.name]}"
+                    assert_sent_over(cancel_calls, world.binding, f"the CancelTask to {slow.name}")
                 for c in children:
                     assert status_name(broker.state(bytes(c.contract_id))) == "CONTRACT_STATUS_REVOKED"
                 # The orchestrator's own task is canceled too (its contract was revoked).
@@ -1679,7 +2090,7 @@ def test_cancel_through_principal_gateway(world: World) -> None:
     context_id = str(uuid.uuid4())
 
     async def body() -> Task:
-        async with A2AUser() as user:
+        async with world.user() as user:
             message = task_message(
                 "Take your time",
                 context_id=context_id,
@@ -1693,6 +2104,7 @@ def test_cancel_through_principal_gateway(world: World) -> None:
     result = output_of(task)["results"]["slow-1"]
     assert result["error"] is None, result
     assert result["canceled"] == "TASK_STATE_CANCELED" and result["state"] == "TASK_STATE_CANCELED", result
+    assert result["binding"] == world.sdk_binding, result  # the CancelTask went to the egress on it
     executions = slow.executions(context_id)
     assert [e["taskId"] for e in executions] == [result["taskId"]], executions
     wait_for("slow-1 to log the cancel", lambda: slow.cancels(result["taskId"]), 10)
@@ -1709,14 +2121,25 @@ def test_gateway_restart_mid_task(world: World) -> None:
     broker = world.broker
     orchestrator = world.keys["orchestrator"]
     key = keygen(world.binary, "worker-d", world.workdir)
-    agent = await_agent(start_agent(world.workdir, "worker-d", "worker.py", ["--mode", "good", "--delay-ms", "4000"], key))
+    agent = await_agent(
+        start_agent(
+            world.workdir, "worker-d", "worker.py", ["--mode", "good", "--delay-ms", "4000"], key, binding=world.binding
+        )
+    )
     gateway: Gateway | None = None
     try:
         config = gateway_config(
-            world.workdir / "worker-d.gateway.toml", broker=world.broker_addr, key=key, upstream=agent.url
+            world.workdir / "worker-d.gateway.toml",
+            broker=world.broker_addr,
+            key=key,
+            upstream=agent.url,
+            binding=world.binding,
         )
-        gateway = await_gateway(start_gateway(world.binary, world.workdir, "worker-d", config))
+        gateway = await_gateway(start_gateway(world.binary, world.workdir, "worker-d", config, binding=world.binding))
         # The restart keeps the addresses.
+        grpc_addresses = (
+            {"grpc_listen": gateway.grpc, "egress_grpc_listen": gateway.egress_grpc} if world.binding == "grpc" else {}
+        )
         config = gateway_config(
             world.workdir / "worker-d.gateway.toml",
             broker=world.broker_addr,
@@ -1724,6 +2147,8 @@ def test_gateway_restart_mid_task(world: World) -> None:
             upstream=agent.url,
             listen=f"127.0.0.1:{gateway.port('ingress')}",
             egress_listen=f"127.0.0.1:{gateway.port('egress')}",
+            binding=world.binding,
+            **grpc_addresses,
         )
         root = broker.open_root(orchestrator, budget=100, max_depth=2)
         contract = broker.delegate(orchestrator, root, key, budget=20)
@@ -1732,7 +2157,7 @@ def test_gateway_restart_mid_task(world: World) -> None:
         async def body() -> None:
             nonlocal gateway
             assert gateway is not None
-            async with A2AUser() as user:
+            async with world.user() as user:
                 message = task_message("six times seven?", context_id=context_id, chain=broker.chain_b64(contract))
                 sending = asyncio.create_task(user.send(gateway.ingress, message))
                 try:
@@ -1741,8 +2166,12 @@ def test_gateway_restart_mid_task(world: World) -> None:
                     gateway.proc.stop(signal.SIGKILL)
                 finally:
                     await settle(sending)  # the call dies with its gateway
-                gateway = await_gateway(start_gateway(world.binary, world.workdir, "worker-d", config, tag="-restarted"))
-                async with A2AUser() as fresh:
+                gateway = await_gateway(
+                    start_gateway(
+                        world.binary, world.workdir, "worker-d", config, tag="-restarted", binding=world.binding
+                    )
+                )
+                async with world.user() as fresh:
                     task = await fresh.follow(
                         gateway.ingress,
                         task_id,
@@ -1756,6 +2185,7 @@ def test_gateway_restart_mid_task(world: World) -> None:
                 assert receipt.kind == pb.RECEIPT_KIND_COMPLETED and receipt.completion.verdict == pb.VERDICT_ACCEPTED
                 assert_ledger_balances(state, "worker-d")
                 assert len(agent.executions(context_id)) == 1, "the task ran once"
+                assert_sent_over(agent.since(0, "rpc"), world.binding, "worker-d, through both gateways")
 
         run(body())
     finally:

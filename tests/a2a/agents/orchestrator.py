@@ -1,16 +1,21 @@
 """A stock A2A orchestrator agent (a2a-sdk 1.3.0), knowing nothing of the broker.
 
     python orchestrator.py --port 0 --outbound-base http://EGRESS --peers worker-a,worker-b [--log FILE]
+                           [--grpc-port N] [--outbound-binding jsonrpc|grpc]
 
-Prints `agent on http://127.0.0.1:PORT` once listening. On a task it calls
-each peer NAME at `<outbound-base>/peers/NAME` with the SDK's client (card
-resolution, JSON-RPC), all at once, each with the SAME contextId as its own
-task, and completes with one artifact of one data part:
+Prints `agent on http://127.0.0.1:PORT` once listening (with --grpc-port,
+then `agent grpc on 127.0.0.1:PORT`: the gRPC binding served too). On a task
+it calls each peer NAME at `<outbound-base>/peers/NAME` with the SDK's client
+(card resolution over HTTP, then JSON-RPC, or with --outbound-binding grpc
+(default $A2A_OUTBOUND_BINDING) the card's GRPC interface and its tenant),
+all at once, each with the SAME contextId as its own task, and completes with
+one artifact of one data part:
 
     {"results": {NAME: {"state": <final TaskState name, e.g. TASK_STATE_COMPLETED>,
                         "verdict": <metadata[URI].verdict of the returned task, or null>,
                         "error": <the error's text, or null>,
-                        ... errorType, errorData, contractId, failedChecks, output, taskId}}}
+                        ... errorType, errorData, contractId, failedChecks, output, taskId,
+                        binding, tenant, errorCode, errorReason, errorDomain}}}
 
 The incoming message's first data part may steer it:
     {"peers": [NAME, ...],                 # instead of --peers
@@ -29,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lib import EventLog, call_agent, data_parts, integers, result_part, serve, stderr, text_of  # noqa: E402
+from _lib import EventLog, add_binding_args, call_agent, data_parts, integers, result_part, serve, stderr, text_of  # noqa: E402
 
 from a2a.helpers import new_task_from_user_message, new_text_part  # noqa: E402
 from a2a.server.agent_execution import AgentExecutor, RequestContext  # noqa: E402
@@ -77,6 +82,7 @@ class OrchestratorExecutor(AgentExecutor):
                 log=self.log,
                 timeout_s=args.call_timeout_s,
                 verdict_wait_s=args.verdict_wait_s,
+                binding=args.outbound_binding,
             )
             self.log.write(kind="called", peer=name, outcome=outcome)
             return outcome
@@ -106,6 +112,7 @@ def main() -> None:
     parser.add_argument("--call-timeout-s", type=float, default=120.0)
     parser.add_argument("--verdict-wait-s", type=float, default=5.0,
                         help="how long to re-read a task that ended without a verdict in its metadata")
+    add_binding_args(parser)
     args = parser.parse_args()
     serve(
         lambda log: OrchestratorExecutor(args, log),
@@ -114,6 +121,7 @@ def main() -> None:
         skill="orchestrate",
         port=args.port,
         log_path=args.log,
+        grpc_port=args.grpc_port,
     )
 
 

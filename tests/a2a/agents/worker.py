@@ -2,8 +2,11 @@
 
     python worker.py --port 0 --mode good|bad|input|slow|call-peer [--log FILE]
                      [--name NAME] [--delay-ms N] [--outbound URL] [--peer-terms JSON]
+                     [--grpc-port N] [--outbound-binding jsonrpc|grpc]
 
-Prints `agent on http://127.0.0.1:PORT` once listening. Modes:
+Prints `agent on http://127.0.0.1:PORT` once listening (with --grpc-port,
+then `agent grpc on 127.0.0.1:PORT`: the gRPC binding served too, listed in
+the card after the JSON-RPC interface). Modes:
 - good: WORKING, then COMPLETED with one artifact of one data part {"answer": 42};
 - bad: the same with {"answer": "forty-two"} (fails a schema asking an integer);
 - input: WORKING, then INPUT_REQUIRED with the status message "need the date
@@ -15,8 +18,11 @@ Prints `agent on http://127.0.0.1:PORT` once listening. Modes:
   `/peers/NAME`) with the SDK's client, with the same contextId as its own
   task, and completes with {"call": <outcome>} (state, verdict, error text, …).
 --delay-ms delays good/bad/call-peer's end. The log (--log) gets one JSON
-line per HTTP request received (method, taskId, contextId, extensions and
-metadata keys of the message), and per execute/cancel.
+line per request received on either binding (`binding` jsonrpc|grpc, method,
+taskId, contextId, extensions and metadata keys of the message), and per
+execute/cancel. --outbound-binding (default $A2A_OUTBOUND_BINDING, else
+jsonrpc) is call-peer's client's binding: grpc takes the card's GRPC
+interface only.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lib import EventLog, call_agent, data_parts, result_part, serve, stderr, text_of  # noqa: E402
+from _lib import EventLog, add_binding_args, call_agent, data_parts, result_part, serve, stderr, text_of  # noqa: E402
 
 from a2a.helpers import new_task_from_user_message, new_text_part  # noqa: E402
 from a2a.server.agent_execution import AgentExecutor, RequestContext  # noqa: E402
@@ -93,6 +99,7 @@ class WorkerExecutor(AgentExecutor):
                 terms=json.loads(args.peer_terms) if args.peer_terms else None,
                 timeout_s=args.call_timeout_s,
                 verdict_wait_s=args.verdict_wait_s,
+                binding=args.outbound_binding,
             )
             self.log.write(kind="called", url=args.outbound, outcome=outcome)
             await updater.add_artifact([result_part({"call": outcome})], name="call")
@@ -118,6 +125,7 @@ def main() -> None:
     parser.add_argument("--call-timeout-s", type=float, default=120.0)
     parser.add_argument("--verdict-wait-s", type=float, default=5.0,
                         help="how long to re-read a task that ended without a verdict in its metadata")
+    add_binding_args(parser)
     args = parser.parse_args()
     if args.mode == "call-peer" and not args.outbound:
         parser.error("--mode call-peer needs --outbound URL")
@@ -128,6 +136,7 @@ def main() -> None:
         skill=f"worker-{args.mode}",
         port=args.port,
         log_path=args.log,
+        grpc_port=args.grpc_port,
     )
 
 
