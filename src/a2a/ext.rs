@@ -474,29 +474,8 @@ pub fn decorate(task: &mut a2a::Task, judged: &Judged) {
 
 /// A refused Delegate as an A2A error: every violation in the text.
 pub fn refusal(receipt: &pb::Receipt, receipt_id: &[u8]) -> Refused {
-    let code_name = |code: i32| {
-        pb::InvariantCode::try_from(code)
-            .map(|c| {
-                c.as_str_name()
-                    .trim_start_matches("INVARIANT_CODE_")
-                    .to_owned()
-            })
-            .unwrap_or_else(|_| code.to_string())
-    };
-    let listed: Vec<String> = receipt
-        .violations
-        .iter()
-        .map(|v| {
-            format!(
-                "{} (requested {}, allowed {}): {}",
-                code_name(v.code),
-                v.requested,
-                v.allowed,
-                v.detail
-            )
-        })
-        .collect();
-    let primary = code_name(receipt.primary);
+    let listed = crate::mcp::link::listed_violations(receipt);
+    let primary = crate::mcp::link::code_name(receipt.primary);
     Refused::new(
         code::INVALID_PARAMS,
         &primary,

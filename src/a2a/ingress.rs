@@ -236,15 +236,7 @@ pub(super) async fn admit_chain(
     Ok((leaf.id, leaf.contract.deadline_ms))
 }
 
-pub(super) fn status_name(status: i32) -> String {
-    pb::ContractStatus::try_from(status)
-        .map(|s| {
-            s.as_str_name()
-                .trim_start_matches("CONTRACT_STATUS_")
-                .to_owned()
-        })
-        .unwrap_or_else(|_| status.to_string())
-}
+pub(super) use crate::mcp::link::status_name;
 
 pub(super) fn ended(contract_id: &Id, why: String) -> Refused {
     Refused::new(

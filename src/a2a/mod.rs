@@ -328,6 +328,30 @@ async fn bind(addr: &str, key: &str) -> anyhow::Result<tokio::net::TcpListener> 
         .map_err(|e| anyhow::anyhow!("{key} {addr}: {e}"))
 }
 
+/// Small answers go out at once: without TCP_NODELAY a response written
+/// in two parts waits for the peer's delayed ACK (tens of ms per hop).
+fn no_delay(
+    listener: tokio::net::TcpListener,
+) -> axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
+    use axum::serve::ListenerExt as _;
+    fn set(tcp: &mut tokio::net::TcpStream) {
+        let _ = tcp.set_nodelay(true);
+    }
+    listener.tap_io(set as fn(&mut tokio::net::TcpStream))
+}
+
+/// The accepted connections of a gRPC listener, with TCP_NODELAY.
+fn no_delay_incoming(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt as _;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
+        accepted.inspect(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        })
+    })
+}
+
 async fn serve(config: A2aConfig) -> anyhow::Result<()> {
     let agent = crate::cli::audit::agent_from_key_file(&config.key_file)?;
     let agent_key = agent.public_key();
@@ -457,7 +481,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         let token = stop.clone();
         servers.spawn(async move {
             Ok(axum::serve(
-                ingress,
+                no_delay(ingress),
                 router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
             )
             .with_graceful_shutdown(token.cancelled_owned())
@@ -477,7 +501,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         println!("a2a egress on {egress_url}");
         let token = stop.clone();
         servers.spawn(async move {
-            Ok(axum::serve(egress, router)
+            Ok(axum::serve(no_delay(egress), router)
                 .with_graceful_shutdown(token.cancelled_owned())
                 .await?)
         });
@@ -499,10 +523,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         servers.spawn(async move {
             Ok(tonic::transport::Server::builder()
                 .add_service(service)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    token.cancelled_owned(),
-                )
+                .serve_with_incoming_shutdown(no_delay_incoming(listener), token.cancelled_owned())
                 .await?)
         });
     }
@@ -513,7 +534,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         println!("a2a metrics on http://{}/metrics", listener.local_addr()?);
         let token = stop.clone();
         servers.spawn(async move {
-            Ok(axum::serve(listener, router)
+            Ok(axum::serve(no_delay(listener), router)
                 .with_graceful_shutdown(token.cancelled_owned())
                 .await?)
         });
@@ -530,10 +551,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         servers.spawn(async move {
             Ok(tonic::transport::Server::builder()
                 .add_service(service)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(authz),
-                    token.cancelled_owned(),
-                )
+                .serve_with_incoming_shutdown(no_delay_incoming(authz), token.cancelled_owned())
                 .await?)
         });
     }

@@ -252,3 +252,43 @@ pub fn cut(text: &str, max: usize) -> String {
     }
     text[..end].to_owned()
 }
+
+/// A contract status as its name without the prefix, e.g. ACCEPTED.
+pub fn status_name(status: i32) -> String {
+    pb::ContractStatus::try_from(status)
+        .map(|s| {
+            s.as_str_name()
+                .trim_start_matches("CONTRACT_STATUS_")
+                .to_owned()
+        })
+        .unwrap_or_else(|_| status.to_string())
+}
+
+/// An invariant code as its name without the prefix, e.g. DEPTH_EXCEEDED.
+pub fn code_name(code: i32) -> String {
+    pb::InvariantCode::try_from(code)
+        .map(|c| {
+            c.as_str_name()
+                .trim_start_matches("INVARIANT_CODE_")
+                .to_owned()
+        })
+        .unwrap_or_else(|_| code.to_string())
+}
+
+/// A refusal's violations as a model or a person reads them:
+/// `CODE (requested R, allowed A): detail`.
+pub fn listed_violations(receipt: &pb::Receipt) -> Vec<String> {
+    receipt
+        .violations
+        .iter()
+        .map(|v| {
+            format!(
+                "{} (requested {}, allowed {}): {}",
+                code_name(v.code),
+                v.requested,
+                v.allowed,
+                v.detail
+            )
+        })
+        .collect()
+}

@@ -16,7 +16,7 @@ use rmcp::{ServerHandler, tool, tool_handler, tool_router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::link::{Link, Sendable, ToolError, cut};
+use super::link::{Link, Sendable, ToolError, code_name, cut, status_name};
 use crate::client::{Agent, SessionClient};
 use crate::crypto::payload_type;
 use crate::pb;
@@ -204,26 +204,6 @@ fn deadline(ttl_ms: Option<i64>, field: &str) -> Result<i64, ToolError> {
     }
 }
 
-fn status_name(status: i32) -> String {
-    pb::ContractStatus::try_from(status)
-        .map(|s| {
-            s.as_str_name()
-                .trim_start_matches("CONTRACT_STATUS_")
-                .to_owned()
-        })
-        .unwrap_or_else(|_| status.to_string())
-}
-
-fn code_name(code: i32) -> String {
-    pb::InvariantCode::try_from(code)
-        .map(|c| {
-            c.as_str_name()
-                .trim_start_matches("INVARIANT_CODE_")
-                .to_owned()
-        })
-        .unwrap_or_else(|_| code.to_string())
-}
-
 fn ledger(ledger: Option<&pb::Ledger>) -> Value {
     ledger.map_or(Value::Null, |l| {
         json!({
@@ -389,19 +369,7 @@ impl Tools {
                 })
             })
             .collect();
-        let listed: Vec<String> = receipt
-            .violations
-            .iter()
-            .map(|v| {
-                format!(
-                    "{} (requested {}, allowed {}): {}",
-                    code_name(v.code),
-                    v.requested,
-                    v.allowed,
-                    v.detail
-                )
-            })
-            .collect();
+        let listed = crate::mcp::link::listed_violations(&receipt);
         let hint = "The broker refused this delegation and reserved nothing. Change the named terms to within what is allowed (or ask for less) and call delegate again.";
         let value = json!({
             "refused": true,
