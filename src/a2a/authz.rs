@@ -3,9 +3,11 @@
 //! Istio, agentgateway, Consul) enforces the ingress rule without this
 //! gateway in the data path: a task-starting A2A message reaches the agent
 //! only with a chain that verifies offline, names the fronted agent as
-//! the leaf's delegate, and whose contract is open and not yet used. An
-//! allowed request goes on with the contract's id, depth, deadline and
-//! residual as headers; a denied one gets a JSON-RPC error body.
+//! the leaf's delegate, and whose contract is open and not yet used. The
+//! gateway accepts the contract for the agent (so the chain cannot be
+//! replayed), and the request goes on with the contract's id, depth,
+//! deadline and residual as headers; a denied one gets a JSON-RPC error
+//! body. Completing is then the agent's own call.
 //!
 //! Served by the gateway process (not the broker): it needs the fronted
 //! agent's identity and a read session, and it parses A2A bodies, which
@@ -255,6 +257,12 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
         .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
         .unwrap_or_default();
     if let Some(binding) = binding.as_mut() {
+        // Accepted at the broker before the request goes on: a replay of
+        // the same chain is refused (ACCEPTED) even by a restarted
+        // gateway or another replica of it. Fails closed.
+        super::broker::accept(gateway, None, &contract_id)
+            .await
+            .map_err(super::broker_error)?;
         binding.keep(format!("authz:{}", message.message_id));
         gateway.metrics.admitted.inc();
     }

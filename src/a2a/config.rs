@@ -56,6 +56,10 @@ pub struct A2aConfig {
     /// How the agent is called (default: JSON-RPC when its card lists
     /// it, else gRPC).
     pub upstream_binding: Option<Binding>,
+    /// Keep connections to the agent open between calls (default off: see
+    /// `A2aClient::new`).
+    #[serde(default)]
+    pub upstream_keep_alive: bool,
     /// Where `GET /metrics` is served (Prometheus).
     pub metrics_listen: Option<String>,
     /// The ingress URL put in the served card (default: http://<listen>).

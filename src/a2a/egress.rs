@@ -216,6 +216,7 @@ async fn send(
             .call(&peer.url, "SendMessage", &request, headers)
             .await;
     }
+    let started = std::time::Instant::now();
     let parent_id = parent_of(gateway, outbound.contract_id, &message.context_id).await?;
     let parent = gateway.contract(&parent_id).await?;
     let parent_contract = parent
@@ -305,6 +306,10 @@ async fn send(
             .into());
         }
     };
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "egress: delegated"
+    );
     let chain = broker::chain(&gateway.link, &child_id)
         .await
         .map_err(broker_error)?;
@@ -315,6 +320,10 @@ async fn send(
         .http
         .call(&peer.url, "SendMessage", &request, headers)
         .await;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "egress: peer answered"
+    );
     let response = match answer {
         Ok(response) => response,
         Err(error) => {

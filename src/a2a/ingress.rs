@@ -346,8 +346,13 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     if !message.task_id.is_empty() {
         return continue_task(gateway, request, wait, &headers).await;
     }
+    let started = std::time::Instant::now();
     let chain = ext::chain_of(extension.as_ref())?;
     let (contract_id, deadline_ms) = admit_chain(gateway, &chain).await?;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "ingress: chain verified"
+    );
     let mut binding = bind(gateway, contract_id)?;
     let state = gateway.contract(&contract_id).await?;
     if let Some(message) = request.message.as_mut() {
@@ -366,9 +371,17 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
             return Err(ended(&contract_id, format!("it is {}", status_name(state.status))).into());
         }
     }
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "ingress: contract read"
+    );
     let response: a2a::SendMessageResponse = gateway
         .upstream_call("SendMessage", &request, &headers)
         .await?;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "ingress: agent answered"
+    );
     let slot = new_slot(
         contract_id,
         deadline_ms,
@@ -400,9 +413,18 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     gateway.metrics.admitted.inc();
     let task_id = task.id.clone();
     let observed = observe(gateway, &slot, task).await;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "ingress: first state moved"
+    );
     tokio::spawn(follow(gateway.clone(), slot.clone(), task_id));
     let task = observed?;
-    answer_task(gateway, &slot, task, wait).await
+    let answered = answer_task(gateway, &slot, task, wait).await;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "ingress: answered"
+    );
+    answered
 }
 
 /// A message in a task already admitted: forwarded while its contract is

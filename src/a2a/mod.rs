@@ -112,7 +112,11 @@ pub(crate) struct Gateway {
     pub config: A2aConfig,
     pub link: Link,
     pub agent_key: [u8; 32],
+    /// Peers' gateways (connections kept open).
     pub http: A2aClient,
+    /// The fronted agent (A2aClient::new says why connections are not
+    /// kept by default).
+    pub agent_http: A2aClient,
     /// The agent's card as it serves it, and how to call it.
     pub upstream_card: a2a::AgentCard,
     pub upstream: Upstream,
@@ -234,7 +238,7 @@ impl Gateway {
         R: serde::de::DeserializeOwned + prost::Message + Default,
     {
         match &self.upstream {
-            Upstream::JsonRpc(url) => self.http.call(url, method, params, headers).await,
+            Upstream::JsonRpc(url) => self.agent_http.call(url, method, params, headers).await,
             Upstream::Grpc(client) => {
                 grpc::call_agent(client, method, params, headers, &self.metrics).await
             }
@@ -364,6 +368,13 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
     let http = A2aClient::new(
         config.call_timeout_ms,
         config.max_message_bytes,
+        true,
+        gateway_metrics.clone(),
+    )?;
+    let agent_http = A2aClient::new(
+        config.call_timeout_ms,
+        config.max_message_bytes,
+        config.upstream_keep_alive,
         gateway_metrics.clone(),
     )?;
     let (upstream_card, upstream) = match (&config.listen, &config.upstream) {
@@ -456,6 +467,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         link,
         agent_key,
         http,
+        agent_http,
         upstream_card,
         upstream,
         grpc_url: grpc_url.clone(),

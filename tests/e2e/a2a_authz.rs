@@ -224,7 +224,12 @@ async fn check_allows_only_this_agents_open_unused_contract() {
         .parse()
         .unwrap();
     assert!(deadline > now_ms());
-    // The same contract again: one task per contract.
+    // Accepted for the agent at once, so the same chain again is refused,
+    // by this gateway and by a restarted one alike.
+    assert_eq!(
+        broker.state(&contract).await.status,
+        pb::ContractStatus::Accepted as i32
+    );
     assert_denied(&check(send_message(Some(&good))).await, "ENDED");
     // The agent card is public.
     let card = CheckRequest {
