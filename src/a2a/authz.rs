@@ -236,7 +236,7 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
     let chain = ext::chain_of(extension.as_ref())?;
     let (contract_id, _) = ingress::admit_chain(gateway, &chain).await?;
     let starts = message.task_id.is_empty();
-    let mut binding = starts
+    let binding = starts
         .then(|| ingress::bind(gateway, contract_id))
         .transpose()?;
     let state = gateway.contract(&contract_id).await?;
@@ -256,16 +256,18 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
         .as_ref()
         .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
         .unwrap_or_default();
-    if let Some(binding) = binding.as_mut() {
+    if binding.is_some() {
         // Accepted at the broker before the request goes on: a replay of
         // the same chain is refused (ACCEPTED) even by a restarted
-        // gateway or another replica of it. Fails closed.
+        // gateway or another replica of it. Fails closed. The binding
+        // only covers concurrent checks until then, so it is not kept
+        // (nothing in memory grows with the contracts allowed).
         super::broker::accept(gateway, None, &contract_id)
             .await
             .map_err(super::broker_error)?;
-        binding.keep(format!("authz:{}", message.message_id));
         gateway.metrics.admitted.inc();
     }
+    drop(binding);
     Ok(Allowed {
         contract_id,
         depth: contract.depth,

@@ -304,7 +304,11 @@ pub(super) fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<
             .map(|(id, _)| id.clone())
             .collect();
         for id in done {
-            admitted.tasks.remove(&id);
+            // An ended contract is refused by the broker's state from
+            // here on: its binding need not be remembered either.
+            if let Some(slot) = admitted.tasks.remove(&id) {
+                admitted.contracts.remove(&slot.contract_id);
+            }
         }
         if admitted.tasks.len() >= gateway.config.max_tasks {
             return Err(Refused::new(
@@ -391,9 +395,12 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     let task = match response.payload {
         Some(a2a::send_message_response::Payload::Task(task)) => task,
         Some(a2a::send_message_response::Payload::Message(reply)) => {
-            // A direct answer, no task: it completes the contract at once.
-            binding.keep(format!("message:{}", ext_cut(&reply.message_id)));
-            return direct(gateway, &slot, reply).await;
+            // A direct answer, no task: it completes the contract at once
+            // (the binding covers the calls until then; the broker's
+            // COMPLETED refuses any replay after).
+            let answered = direct(gateway, &slot, reply).await;
+            drop(binding);
+            return answered;
         }
         None => {
             return Err(Refused::new(

@@ -452,6 +452,15 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         Some(addr) => Some(bind(addr, "authz_listen").await?),
         None => None,
     };
+    if let Some(listener) = &egress
+        && !listener.local_addr()?.ip().is_loopback()
+    {
+        // Whoever reaches the egress delegates with the agent's key.
+        tracing::warn!(
+            addr = %listener.local_addr()?,
+            "egress_listen is not a loopback address: only the fronted agent may reach it"
+        );
+    }
     let egress_url = match &egress {
         Some(listener) => format!("http://{}", listener.local_addr()?),
         None => String::new(),
