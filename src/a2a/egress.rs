@@ -207,6 +207,7 @@ async fn send(
         Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
             .with("field", "message")
     })?;
+    super::ingress::check_size(message)?;
     let outbound = ext::outbound(ext::take(message)?)?;
     if !message.task_id.is_empty() {
         // A message in a task already delegated: its contract goes on.

@@ -830,3 +830,39 @@ pub(super) async fn recover(gateway: Arc<Gateway>) {
     }
     tracing::info!(recovered, "recovery: tasks followed again");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_of_too_many_parts_is_refused_by_name() {
+        let part = a2a::Part {
+            content: Some(a2a::part::Content::Text("x".into())),
+            ..Default::default()
+        };
+        let mut message = a2a::Message {
+            parts: vec![part; ext::MAX_PARTS],
+            ..Default::default()
+        };
+        assert!(check_size(&message).is_ok());
+        message.parts.push(message.parts[0].clone());
+        let refused = check_size(&message).unwrap_err();
+        assert_eq!(refused.reason, "MESSAGE_TOO_LARGE");
+        assert_eq!(refused.metadata["field"], "message.parts");
+    }
+
+    #[test]
+    fn oversized_extension_metadata_is_refused_before_it_is_read() {
+        let big = "A".repeat(ext::MAX_EXTENSION_BYTES + 1);
+        let mut message = a2a::Message {
+            metadata: serde_json::from_value(serde_json::json!({ ext::URI: { "chain": big } }))
+                .ok(),
+            ..Default::default()
+        };
+        assert_eq!(
+            ext::take(&mut message).unwrap_err().reason,
+            "MESSAGE_TOO_LARGE"
+        );
+    }
+}
