@@ -19,7 +19,9 @@
 #   7. `mcp tools` driven by the official Python MCP SDK (tests/mcp),
 #   8. `a2a-gateway` in front of stock agents of the official Python A2A
 #      SDK (tests/a2a),
-#   9. buf lint and buf breaking against the previous commit.
+#   9. the Docker image built and run (scripts/docker-test.sh), where a
+#      Docker daemon answers; skipped with a message otherwise,
+#  10. buf lint and buf breaking against the previous commit.
 # .ci/run calls exactly this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -84,6 +86,9 @@ BROKER_BIN="$PWD/target/debug/delegation-broker" tests/mcp/run-tests.sh -q
 
 step "A2A gateway with stock agents of the official Python A2A SDK (tests/a2a/run-tests.sh)"
 BROKER_BIN="$PWD/target/debug/delegation-broker" tests/a2a/run-tests.sh -q
+
+step "The Docker image (scripts/docker-test.sh; skipped with a message where Docker is not available)"
+scripts/docker-test.sh
 
 step "buf lint and breaking"
 scripts/buf.sh

@@ -72,15 +72,60 @@ fn read_seed(path: &Path) -> Result<SigningKey, KeystoreError> {
 /// Loads the keyring from `data_dir`, creating the directory and a fresh
 /// current key on first start.
 pub fn load_or_create(data_dir: &Path) -> Result<Keyring, KeystoreError> {
-    std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
+    let loaded = load(data_dir, None)?;
+    loaded.save()?;
+    Ok(loaded.keyring)
+}
+
+/// A keyring as read, with a fresh current key not yet on disk: `serve`
+/// saves it only once the store opened, so a failed start creates nothing.
+pub struct Loaded {
+    pub keyring: Keyring,
+    /// Where the fresh current key goes; `None` when it was read.
+    unsaved: Option<PathBuf>,
+}
+
+impl Loaded {
+    /// True when the current key was made now (first start).
+    pub fn is_fresh(&self) -> bool {
+        self.unsaved.is_some()
+    }
+
+    /// The same keys (`save` runs on a blocking thread with its copy).
+    pub fn clone_unsaved(&self) -> Self {
+        Self {
+            keyring: Keyring {
+                current: self.keyring.current.clone(),
+                retired: self.keyring.retired.clone(),
+            },
+            unsaved: self.unsaved.clone(),
+        }
+    }
+
+    /// Writes a fresh current key (and its directory); nothing otherwise.
+    pub fn save(&self) -> Result<(), KeystoreError> {
+        let Some(path) = &self.unsaved else {
+            return Ok(());
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
+        }
+        write_secret(path, &hex::encode(self.keyring.current.to_bytes()))?;
+        tracing::info!(key_id = %crypto::key_id(&self.keyring.current.verifying_key().to_bytes()), path = %path.display(), "created broker signing key");
+        Ok(())
+    }
+}
+
+/// Reads the keyring without writing anything: the current key from
+/// `key_file` when given (`serve --signing-key-file`: a deployment's
+/// secret; never created), else from `data_dir` (made fresh, unsaved, when
+/// absent); retired keys from `data_dir` when it lists any.
+pub fn load(data_dir: &Path, key_file: Option<&Path>) -> Result<Loaded, KeystoreError> {
     let current_path = data_dir.join(CURRENT_KEY_FILE);
-    let current = if current_path.exists() {
-        read_seed(&current_path)?
-    } else {
-        let key = crypto::generate_signing_key();
-        write_secret(&current_path, &hex::encode(key.to_bytes()))?;
-        tracing::info!(key_id = %crypto::key_id(&key.verifying_key().to_bytes()), "created broker signing key");
-        key
+    let (current, unsaved) = match key_file {
+        Some(path) => (read_seed(path)?, None),
+        None if current_path.exists() => (read_seed(&current_path)?, None),
+        None => (crypto::generate_signing_key(), Some(current_path)),
     };
     let retired_path = data_dir.join(RETIRED_KEYS_FILE);
     let mut retired = Vec::new();
@@ -97,7 +142,10 @@ pub fn load_or_create(data_dir: &Path) -> Result<Keyring, KeystoreError> {
             retired.push(key);
         }
     }
-    Ok(Keyring { current, retired })
+    Ok(Loaded {
+        keyring: Keyring { current, retired },
+        unsaved,
+    })
 }
 
 /// Retires the current key and creates a new one. Run while the broker is

@@ -60,13 +60,13 @@ const MAX_CONTEXTS: usize = 65_536;
 pub fn run(args: A2aArgs) -> anyhow::Result<()> {
     let config = A2aConfig::load(&args.config)?;
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let format = crate::telemetry::LogFormat::from_env()?;
+    let format = crate::telemetry::Logging::from_env()?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?
         .block_on(async {
-            let telemetry = crate::telemetry::init(format, args.otlp_endpoint.as_deref(), 1.0)?;
+            let telemetry = crate::telemetry::init(&format, args.otlp_endpoint.as_deref(), 1.0)?;
             let served = serve(config).await;
             telemetry.shutdown().await;
             served

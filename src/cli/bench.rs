@@ -127,14 +127,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
         .build()?;
     runtime.block_on(async move {
-        let format = crate::telemetry::LogFormat::from_env()?;
+        let format = crate::telemetry::Logging::from_env()?;
         let receiver = if args.telemetry {
             Some(SpanSink::start().await?)
         } else {
             None
         };
         let telemetry =
-            crate::telemetry::init(format, receiver.as_ref().map(|r| r.endpoint.as_str()), 1.0)?;
+            crate::telemetry::init(&format, receiver.as_ref().map(|r| r.endpoint.as_str()), 1.0)?;
         let result = drive(args).await;
         telemetry.shutdown().await;
         if let Some(receiver) = receiver {

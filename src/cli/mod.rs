@@ -58,6 +58,15 @@ enum Command {
         #[arg(long, env = "BROKER_TRACE_SAMPLE_RATIO", default_value_t = 1.0,
               value_parser = parse_sample_ratio)]
         trace_sample_ratio: f64,
+        /// A file holding the signing key's secret seed (hex, as `keygen`
+        /// writes it), e.g. mounted from a secret: read, never created,
+        /// so every replica (or every restart of an ephemeral one) signs
+        /// with the key the deployment gave it. The data directory's key
+        /// (created on first start) when absent.
+        #[arg(long, env = "BROKER_SIGNING_KEY_FILE")]
+        signing_key_file: Option<PathBuf>,
+        #[command(flatten)]
+        logging: LoggingArgs,
         #[command(flatten)]
         database: DatabaseArgs,
     },
@@ -133,6 +142,33 @@ enum Command {
     },
 }
 
+/// How `serve` logs (to stderr; colours only on a terminal).
+#[derive(clap::Args, Debug)]
+pub struct LoggingArgs {
+    /// Log filter: a level (error, warn, info, debug, trace) or `tracing`
+    /// directives, e.g. `info,delegation_broker::store=debug`.
+    #[arg(long, env = "BROKER_LOG", default_value = "info")]
+    log_level: String,
+    /// Log format: `text`, or `json` (one object per line, with the
+    /// call's span: trace id, method, contract).
+    #[arg(long, env = "BROKER_LOG_FORMAT", default_value = "text",
+          value_parser = ["text", "json"])]
+    log_format: String,
+}
+
+impl LoggingArgs {
+    fn logging(&self) -> crate::telemetry::Logging {
+        crate::telemetry::Logging {
+            format: if self.log_format == "json" {
+                crate::telemetry::LogFormat::Json
+            } else {
+                crate::telemetry::LogFormat::Text
+            },
+            filter: Some(self.log_level.clone()),
+        }
+    }
+}
+
 /// Where a replicated broker keeps its state.
 #[derive(clap::Args, Debug)]
 pub struct DatabaseArgs {
@@ -151,7 +187,7 @@ pub struct DatabaseArgs {
 /// Parses arguments, sets up logging and runs the chosen command.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let format = match crate::telemetry::LogFormat::from_env() {
+    let format = match crate::telemetry::Logging::from_env() {
         Ok(format) => format,
         Err(e) => {
             eprintln!("error: {e}");
@@ -165,7 +201,7 @@ pub fn main() -> ExitCode {
         Command::Mcp(args) => args.installs_telemetry(),
         _ => false,
     };
-    if !own && let Err(e) = crate::telemetry::init(format, None, 1.0) {
+    if !own && let Err(e) = crate::telemetry::init(&format, None, 1.0) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
@@ -178,15 +214,17 @@ pub fn main() -> ExitCode {
             console,
             otlp_endpoint,
             trace_sample_ratio,
+            signing_key_file,
+            logging,
             database,
         } => serve(
             listen,
-            data_dir,
+            (data_dir, signing_key_file),
             config,
             (metrics, console),
             (otlp_endpoint, trace_sample_ratio),
             database,
-            format,
+            logging.logging(),
         ),
         Command::Migrate { database_url } => migrate(&database_url),
         Command::Keygen { out } => keygen(out),
@@ -228,12 +266,12 @@ pub fn main() -> ExitCode {
 
 fn serve(
     listen: String,
-    data_dir: PathBuf,
+    (data_dir, signing_key_file): (PathBuf, Option<PathBuf>),
     config: Option<PathBuf>,
     (metrics, console): (Option<String>, Option<String>),
     (otlp_endpoint, trace_sample_ratio): (Option<String>, f64),
     database: DatabaseArgs,
-    format: crate::telemetry::LogFormat,
+    logging: crate::telemetry::Logging,
 ) -> anyhow::Result<()> {
     let config = Config::load(data_dir, config.as_deref())?;
     // CEL parsing at issuance recurses: give workers a deep stack.
@@ -241,13 +279,15 @@ fn serve(
         .enable_all()
         .thread_stack_size(crate::core::limits::WORKER_STACK_BYTES)
         .build()?;
-    runtime.block_on(async move {
+    let result = runtime.block_on(async move {
         let telemetry =
-            crate::telemetry::init(format, otlp_endpoint.as_deref(), trace_sample_ratio)?;
+            crate::telemetry::init(&logging, otlp_endpoint.as_deref(), trace_sample_ratio)?;
         let listener = tokio::net::TcpListener::bind(&listen).await?;
-        // Print the bound address on stdout: with port 0 it is how callers
-        // (tests, scripts) learn the port.
-        println!("listening on {}", listener.local_addr()?);
+        // Printed on stdout once the store is open and the broker serves:
+        // with port 0 it is how callers (tests, scripts) learn the port,
+        // and "listening" means calls will be answered.
+        let mut announced = vec![format!("listening on {}", listener.local_addr()?)];
+        let (ready, serving) = tokio::sync::oneshot::channel();
         let mut options = crate::server::ServeOptions {
             database: database
                 .database_url
@@ -255,14 +295,16 @@ fn serve(
                     url,
                     migrate: !database.no_migrate,
                 }),
+            signing_key_file,
+            ready: Some(ready),
             ..Default::default()
         };
         if let Some(address) = metrics {
             let metrics_listener = tokio::net::TcpListener::bind(&address).await?;
-            println!(
+            announced.push(format!(
                 "metrics on http://{}/metrics",
                 metrics_listener.local_addr()?
-            );
+            ));
             options.metrics_listener = Some(metrics_listener);
         }
         if let Some(address) = console {
@@ -272,12 +314,22 @@ fn serve(
             // stdout is collected, treat it as secret as the log). The
             // fragment stays in the browser, out of request lines and
             // proxies' logs.
-            println!(
+            announced.push(format!(
                 "console on http://{}/#token={token}",
                 listener.local_addr()?
-            );
+            ));
             options.console = Some(crate::console::ConsoleOptions { listener, token });
         }
+        tokio::spawn(async move {
+            if serving.await.is_ok() {
+                use std::io::Write as _;
+                let mut out = std::io::stdout().lock();
+                for line in announced {
+                    let _ = writeln!(out, "{line}");
+                }
+                let _ = out.flush();
+            }
+        });
         crate::server::run_with_options(
             listener,
             config,
@@ -288,8 +340,15 @@ fn serve(
         .await?;
         telemetry.shutdown().await;
         Ok(())
-    })
+    });
+    // The drain is over (or was cut): tasks still running are dropped,
+    // and a blocking task that does not return cannot hold the exit.
+    runtime.shutdown_timeout(RUNTIME_STOP);
+    result
 }
+
+/// Longest the runtime waits for its blocking tasks at exit.
+const RUNTIME_STOP: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// `delegation-broker migrate`: the PostgreSQL schema, brought up to date.
 fn migrate(database_url: &str) -> anyhow::Result<()> {

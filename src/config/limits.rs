@@ -158,6 +158,14 @@ limits! {
     /// than this is refused as stale instead of being answered again.
     request_log_retention_ms: i64 = 30 * 24 * 3_600_000, 1, MAX_RETENTION_MS,
         "how long answered requests stay in the request log (≥ 2 × timestamp_window_ms + 2 min)";
+    /// Kubernetes' default grace period is 30 s: the default leaves room.
+    shutdown_drain_ms: u64 = 10_000, 1, MAX_INTERVAL_MS,
+        "after SIGTERM/SIGINT, longest in-flight calls may run before the broker exits anyway (health turns NOT_SERVING and new calls are refused at once)";
+    /// Long enough that a replica paused by a slow disk or a GC'd VM is
+    /// not retired; short enough that a dead replica's key stops opening
+    /// sessions within minutes.
+    replica_key_ttl_ms: i64 = 300_000, 10_000, 30 * 24 * 3_600_000,
+        "with --database-url: a replica's key not refreshed by its heartbeat for this long is retired (its contracts still verify; no new sessions)";
 }
 
 impl Limits {

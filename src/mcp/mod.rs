@@ -117,9 +117,9 @@ fn serve_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     // reqwest (HTTP upstreams) takes the process's rustls provider; one
     // already installed is as good.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let format = crate::telemetry::LogFormat::from_env()?;
+    let format = crate::telemetry::Logging::from_env()?;
     runtime()?.block_on(async {
-        let telemetry = crate::telemetry::init(format, args.otlp_endpoint.as_deref(), 1.0)?;
+        let telemetry = crate::telemetry::init(&format, args.otlp_endpoint.as_deref(), 1.0)?;
         let channel = broker_channel(&config.broker)?;
         let gateway = gateway::Gateway::start(config, channel).await?;
         tracing::info!(host = %gateway.host(), "MCP gateway ready");

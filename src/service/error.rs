@@ -80,6 +80,15 @@ pub enum ServiceError {
     },
     #[error("internal error: {0}")]
     Internal(String),
+    /// SIGTERM or SIGINT: new calls are refused while in-flight ones
+    /// finish.
+    #[error(
+        "the broker is shutting down; retry with the same nonce against another replica or after its restart"
+    )]
+    ShuttingDown,
+    /// A health check named a service this broker does not serve.
+    #[error("health: no service named {0:?} (\"\" or delegation.broker.v1.Broker)")]
+    UnknownHealthService(String),
 }
 
 impl From<StoreError> for ServiceError {
@@ -192,8 +201,16 @@ impl From<ServiceError> for Status {
             ServiceError::Unavailable(_) => (Code::Unavailable, R::Unavailable, vec![]),
             ServiceError::Retry { reason, .. } => (Code::Unavailable, *reason, vec![]),
             ServiceError::Internal(_) => (Code::Internal, R::Internal, vec![]),
+            ServiceError::ShuttingDown => (Code::Unavailable, R::Unavailable, vec![]),
+            ServiceError::UnknownHealthService(_) => (
+                Code::NotFound,
+                R::NotFound,
+                vec![("what", "service".to_owned())],
+            ),
         };
-        if code == Code::Internal || code == Code::Unavailable {
+        // Expected while stopping: not an error of the broker's.
+        let expected = matches!(e, ServiceError::ShuttingDown);
+        if (code == Code::Internal || code == Code::Unavailable) && !expected {
             tracing::error!(error = %message, "request failed");
         }
         let metadata: HashMap<String, String> = metadata
@@ -405,6 +422,18 @@ mod tests {
                 Code::Internal,
                 R::Internal,
                 &[],
+            ),
+            (
+                ServiceError::ShuttingDown,
+                Code::Unavailable,
+                R::Unavailable,
+                &[],
+            ),
+            (
+                ServiceError::UnknownHealthService("x".into()),
+                Code::NotFound,
+                R::NotFound,
+                &["what"],
             ),
         ];
         let all = store_cases

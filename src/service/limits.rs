@@ -29,3 +29,10 @@ pub(crate) const WATCH_RESERVE_DIVISOR: usize = 8;
 
 /// Streams a tenant may hold and still take one from the reserve.
 pub(crate) const WATCH_SMALL_SHARE: usize = 2;
+
+/// Health Watch streams open at once, over every client: each holds a task
+/// and a channel. Beyond it: RESOURCE_EXHAUSTED.
+pub(crate) const MAX_HEALTH_WATCHES: usize = 16_384;
+
+/// Statuses buffered per health Watch stream (they change rarely).
+pub(crate) const HEALTH_WATCH_BUFFER: usize = 4;

@@ -50,3 +50,59 @@ pub fn rewrite_decoder_errors(response: http::Response<Body>) -> http::Response<
     )
     .into_http()
 }
+
+/// Refuses every new call but health's with UNAVAILABLE (`ShuttingDown`)
+/// once a stop was asked, while calls already running finish: a client
+/// then retries elsewhere at once instead of waiting out the drain.
+#[derive(Clone)]
+pub struct StoppingLayer(pub tokio::sync::watch::Receiver<bool>);
+
+impl<S> tower::Layer<S> for StoppingLayer {
+    type Service = Stopping<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Stopping {
+            inner,
+            stopping: self.0.clone(),
+        }
+    }
+}
+
+/// See `StoppingLayer`.
+#[derive(Clone)]
+pub struct Stopping<S> {
+    inner: S,
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Health answers NOT_SERVING through the drain: probes read it, not an
+/// error.
+const HEALTH_PATH_PREFIX: &str = "/grpc.health.v1.Health/";
+
+impl<S, B> tower::Service<http::Request<B>> for Stopping<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<Body>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = S::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if *self.stopping.borrow() && !request.uri().path().starts_with(HEALTH_PATH_PREFIX) {
+            let refused = Status::from(super::error::ServiceError::ShuttingDown).into_http();
+            return Box::pin(std::future::ready(Ok(refused)));
+        }
+        Box::pin(self.inner.call(request))
+    }
+}

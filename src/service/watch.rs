@@ -122,7 +122,14 @@ impl<S: Store> Stream<S> {
                 tokio::select! {
                     changed = commits.changed() => if changed.is_err() { return },
                     () = self.tx.closed() => return,
-                    _ = self.stopping.wait_for(|stop| *stop) => return,
+                    _ = self.stopping.wait_for(|stop| *stop) => {
+                        // UNAVAILABLE: the client resumes from its last
+                        // event's cursor elsewhere or after the restart.
+                        // Not waited for: a client that does not read
+                        // must not hold the stop.
+                        let _ = self.tx.try_send(Err(Status::from(ServiceError::ShuttingDown)));
+                        return;
+                    }
                 }
                 // Woken by any commit; query only if this tree got an
                 // event after what was sent (see `TreeChanges`). Marked

@@ -64,6 +64,25 @@ impl LogFormat {
     }
 }
 
+/// How the process logs: the format and the filter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Logging {
+    pub format: LogFormat,
+    /// `tracing` directives (e.g. `info,delegation_broker=debug`); from
+    /// `BROKER_LOG`, else `info`, when `None`.
+    pub filter: Option<String>,
+}
+
+impl Logging {
+    /// From `BROKER_LOG_FORMAT` (the filter is read by `init`).
+    pub fn from_env() -> Result<Self, TelemetryError> {
+        Ok(Self {
+            format: LogFormat::from_env()?,
+            filter: None,
+        })
+    }
+}
+
 /// The running telemetry: exports what is buffered and stops the span
 /// exporter on `shutdown`.
 pub struct Telemetry {
@@ -94,7 +113,7 @@ impl Telemetry {
 /// in batches. Must run inside a tokio runtime when exporting (the
 /// exporter's channel lives on it).
 pub fn init(
-    format: LogFormat,
+    logging: &Logging,
     otlp_endpoint: Option<&str>,
     sample_ratio: f64,
 ) -> Result<Telemetry, TelemetryError> {
@@ -103,7 +122,15 @@ pub fn init(
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
 
-    let filter = EnvFilter::try_from_env(LOG_FILTER_ENV).unwrap_or_else(|_| EnvFilter::new("info"));
+    let format = logging.format;
+    let filter = match &logging.filter {
+        Some(directives) => EnvFilter::try_new(directives)
+            .map_err(|e| TelemetryError::Subscriber(format!("--log-level {directives:?}: {e}")))?,
+        None => EnvFilter::try_from_env(LOG_FILTER_ENV).unwrap_or_else(|_| EnvFilter::new("info")),
+    };
+    // Colours only for a person at a terminal, never into a file or a
+    // collector.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     CALL_SPANS_AT_INFO.store(
         format == LogFormat::Json,
         std::sync::atomic::Ordering::Relaxed,
@@ -139,6 +166,7 @@ pub fn init(
     };
     let text = (format == LogFormat::Text).then(|| {
         tracing_subscriber::fmt::layer()
+            .with_ansi(ansi)
             .with_writer(std::io::stderr)
             .with_filter(filter.clone())
     });

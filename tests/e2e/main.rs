@@ -14,6 +14,7 @@ mod invariants;
 mod lifecycle;
 mod offline;
 mod operability;
+mod operations;
 mod replicas;
 mod seeds;
 mod tls;

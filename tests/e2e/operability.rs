@@ -580,7 +580,10 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     let telemetry = delegation_broker::telemetry::init(
-        delegation_broker::telemetry::LogFormat::Text,
+        &delegation_broker::telemetry::Logging {
+            format: delegation_broker::telemetry::LogFormat::Text,
+            filter: None,
+        },
         Some(&endpoint),
         1.0,
     )

@@ -41,6 +41,9 @@ pub enum ServerError {
     /// `--console` without what the console needs.
     #[error("console: {0}")]
     Console(String),
+    /// The data directory cannot be made.
+    #[error("data directory {0}")]
+    DataDir(String),
     /// A worker thread could not be started.
     #[error("threads: {0}")]
     Threads(#[from] std::io::Error),
@@ -77,6 +80,13 @@ pub struct ServeOptions {
     pub database: Option<DatabaseOptions>,
     /// The browser console (`serve --console ADDR`); none when absent.
     pub console: Option<crate::console::ConsoleOptions>,
+    /// The signing key's file (`serve --signing-key-file`): a secret the
+    /// deployment provides, read, never created; the data directory's
+    /// key when absent.
+    pub signing_key_file: Option<std::path::PathBuf>,
+    /// Told once the store is open, its migrations checked and every
+    /// listener about to serve (`serve` prints "listening on" then).
+    pub ready: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// The shared database of a replicated broker.
@@ -102,7 +112,8 @@ pub async fn run_with_options(
             "no [orchestrators] in the configuration: any key may open roots with any budget"
         );
     }
-    let keyring = load_keys(&config).await?;
+    let loaded = load_keys(&config, options.signing_key_file.clone()).await?;
+    let keyring = &loaded.keyring;
     let stamper = Arc::new(Stamper::new(keyring.current.clone()));
     let parts = Parts {
         listener,
@@ -112,15 +123,18 @@ pub async fn run_with_options(
         metrics: metrics.clone(),
         current_key: keyring.current.verifying_key(),
         stamper: stamper.clone(),
+        ready: options.ready,
     };
     match options.database {
         None => {
             let store = open_store(&config, stamper, clock, &metrics).await?;
-            let keys = crate::service::PublishedKeys::new(published(&keyring));
+            save_keys(loaded.clone_unsaved()).await?;
+            let keys = crate::service::PublishedKeys::new(published(keyring));
             serve(parts, config, store, keys, shutdown).await
         }
         Some(database) => {
             let store = open_postgres(&config, &database, stamper, clock, &metrics).await?;
+            save_keys(loaded.clone_unsaved()).await?;
             let retired: Vec<[u8; 32]> = keyring.retired.iter().map(|k| k.to_bytes()).collect();
             let registered = store
                 .register_keys(&keyring.current.verifying_key().to_bytes(), &retired)
@@ -140,6 +154,7 @@ struct Parts {
     metrics: Arc<crate::metrics::Metrics>,
     current_key: ed25519_dalek::VerifyingKey,
     stamper: Arc<Stamper>,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// The store a broker serves from, with what the server reads beside the
@@ -153,6 +168,9 @@ pub trait Served: Store + Clone {
     fn open_contracts(&self) -> impl Future<Output = Result<i64, crate::store::StoreError>> + Send;
     /// Commands waiting for the store's writers.
     fn queue_depth(&self) -> usize;
+    /// Resolves once the store's writer has answered everything queued
+    /// and made it durable, after the last handle is dropped (holds none).
+    fn finished(&self) -> impl Future<Output = ()> + Send + 'static;
 }
 
 impl Served for SqliteStore {
@@ -175,6 +193,12 @@ impl Served for SqliteStore {
     fn queue_depth(&self) -> usize {
         SqliteStore::queue_depth(self)
     }
+
+    fn finished(&self) -> impl Future<Output = ()> + Send + 'static {
+        // The syncer stops after the writer, which stops once its queue
+        // is empty and every handle gone.
+        self.durability_lost()
+    }
 }
 
 impl Served for PostgresStore {
@@ -188,6 +212,11 @@ impl Served for PostgresStore {
 
     fn queue_depth(&self) -> usize {
         PostgresStore::queue_depth(self)
+    }
+
+    fn finished(&self) -> impl Future<Output = ()> + Send + 'static {
+        // Every answer waited for its own commit: nothing to finish.
+        std::future::ready(())
     }
 }
 
@@ -207,10 +236,12 @@ async fn serve<S: Served>(
         metrics,
         current_key,
         stamper,
+        ready,
     } = parts;
     let limits = config.limits.clone();
     let tls = config.tls.clone();
     let serving = store.serving();
+    let mut store_finished = Some(store.finished());
     let store = Arc::new(store);
     sample_store(&metrics, &store);
     tokio::spawn(refresh_keys(Arc::downgrade(&store), keys.clone()));
@@ -273,12 +304,21 @@ async fn serve<S: Served>(
         ),
         None => None,
     };
-    let health = health_service::<S>(serving, shutting_down).await;
+    let health =
+        crate::service::health::health_server(follow_health(serving, shutting_down.clone()));
+    let finished = store_finished.take();
+    let drain = Duration::from_millis(limits.shutdown_drain_ms);
+    // When the stop was asked: the drain's bound counts from it.
+    let asked = Arc::new(std::sync::OnceLock::new());
+    let stop_asked = asked.clone();
     let (reflection, reflection_v1alpha) = reflection_services()?;
     log_start(&listener, tls.is_some(), &current_key);
+    if let Some(ready) = ready {
+        let _ = ready.send(());
+    }
     let metrics_stop = serve_metrics(metrics_listener, &metrics);
     let builder = server_builder(tls.as_ref(), &limits)?;
-    builder
+    let server = builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -290,6 +330,10 @@ async fn serve<S: Served>(
         .layer(tower::util::MapResponseLayer::new(
             crate::service::transport::rewrite_decoder_errors,
         ))
+        // Inside the metrics: refused calls are counted as UNAVAILABLE.
+        .layer(crate::service::transport::StoppingLayer(
+            shutting_down.clone(),
+        ))
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_v1alpha)
@@ -298,10 +342,29 @@ async fn serve<S: Served>(
             incoming(listener, limits.max_connections, metrics.clone()),
             async move {
                 shutdown.await;
+                let _ = stop_asked.set(std::time::Instant::now());
+                // First: health turns NOT_SERVING (its Watch streams send
+                // it, then end), new calls are refused, Watch streams end;
+                // then the transport stops accepting and drains.
                 let _ = stop.send(true);
             },
-        )
-        .await?;
+        );
+    drained(server, shutting_down.clone(), drain).await?;
+    if let Some(finished) = finished {
+        // The store's writer finishes its queue and its last sync; what
+        // was acknowledged is durable already, so the wait is bounded.
+        let left = asked
+            .get()
+            .map_or(drain, |at| drain.saturating_sub(at.elapsed()));
+        if tokio::time::timeout(left.max(STORE_CLOSE_MIN), finished)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the store's writer did not finish within the drain; exiting anyway (acknowledged writes are durable)"
+            );
+        }
+    }
     let _ = metrics_stop.send(());
     if let Some(mut console) = console {
         // It stops on the same signal; a client that never reads its
@@ -365,24 +428,6 @@ async fn start_console<S: Served>(
     )))
 }
 
-/// gRPC health, SERVING while the store can serve (`report_health` follows
-/// it from here on).
-async fn health_service<S: Served>(
-    serving: tokio::sync::watch::Receiver<bool>,
-    shutting_down: tokio::sync::watch::Receiver<bool>,
-) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<pb::broker_server::BrokerServer<BrokerService<S>>>()
-        .await;
-    tokio::spawn(report_health::<S>(
-        health_reporter.clone(),
-        serving,
-        shutting_down,
-    ));
-    health
-}
-
 /// Serves `/metrics` on `metrics_listener`, when there is one, until the
 /// returned sender fires.
 fn serve_metrics(
@@ -426,13 +471,23 @@ async fn refresh_keys<S: Served>(store: std::sync::Weak<S>, keys: crate::service
 }
 
 /// The broker's signing keys (created on first start).
-async fn load_keys(config: &Config) -> Result<keystore::Keyring, ServerError> {
+async fn load_keys(
+    config: &Config,
+    key_file: Option<std::path::PathBuf>,
+) -> Result<keystore::Loaded, ServerError> {
     let data_dir = config.data_dir.clone();
     Ok(
-        tokio::task::spawn_blocking(move || keystore::load_or_create(&data_dir))
+        tokio::task::spawn_blocking(move || keystore::load(&data_dir, key_file.as_deref()))
             .await
             .map_err(|e| ServerError::KeyLoading(e.to_string()))??,
     )
+}
+
+/// Writes a fresh signing key, once the store opened (see `Loaded`).
+async fn save_keys(loaded: keystore::Loaded) -> Result<(), ServerError> {
+    Ok(tokio::task::spawn_blocking(move || loaded.save())
+        .await
+        .map_err(|e| ServerError::KeyLoading(e.to_string()))??)
 }
 
 /// The keys a single broker publishes: its current key, then the retired.
@@ -482,6 +537,12 @@ async fn open_store(
     metrics: &crate::metrics::Metrics,
 ) -> Result<SqliteStore, ServerError> {
     let limits = &config.limits;
+    // The database lives in the data directory (made on first start).
+    let dir = config.data_dir.clone();
+    tokio::task::spawn_blocking(move || std::fs::create_dir_all(&dir))
+        .await
+        .map_err(|e| ServerError::KeyLoading(e.to_string()))?
+        .map_err(|e| ServerError::DataDir(format!("{}: {e}", config.data_dir.display())))?;
     let store = SqliteStore::open(
         SqliteOptions {
             path: config.data_dir.join(DATABASE_FILE),
@@ -541,48 +602,75 @@ fn sample_store<S: Served>(metrics: &crate::metrics::Metrics, store: &Arc<S>) {
 }
 
 /// Health tells the truth: NOT_SERVING while the store cannot serve (a
-/// failed fsync stops SQLite for good; an unreachable PostgreSQL until it
-/// is back), SERVING again when it can.
-async fn report_health<S: Served>(
-    reporter: tonic_health::server::HealthReporter,
+/// failed fsync stops SQLite for good; storage failing or PostgreSQL away
+/// until a probe write succeeds), SERVING again when it can, and
+/// `Stopping` from the moment a stop is asked.
+fn follow_health(
     mut serving: tokio::sync::watch::Receiver<bool>,
-    shutting_down: tokio::sync::watch::Receiver<bool>,
-) {
-    loop {
-        let up = *serving.borrow_and_update();
-        let status = if up {
-            tonic_health::ServingStatus::Serving
-        } else {
-            // At shutdown the store stops last, by design: not an error.
-            if !*shutting_down.borrow() {
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) -> tokio::sync::watch::Receiver<crate::service::health::Serving> {
+    use crate::service::health::Serving;
+    let (state, health) = tokio::sync::watch::channel(Serving::Serving);
+    tokio::spawn(async move {
+        let mut store_open = true;
+        loop {
+            let now = if *stopping.borrow_and_update() {
+                Serving::Stopping
+            } else if store_open && *serving.borrow_and_update() {
+                Serving::Serving
+            } else {
+                Serving::NotServing
+            };
+            let was = state.send_replace(now);
+            if now == Serving::NotServing && was != Serving::NotServing {
                 tracing::error!("the store cannot serve: health is NOT_SERVING");
+            } else if now == Serving::Serving && was == Serving::NotServing {
+                tracing::info!("the store serves again: health is SERVING");
             }
-            tonic_health::ServingStatus::NotServing
-        };
-        reporter
-            .set_service_status(
-                <pb::broker_server::BrokerServer<BrokerService<S>> as tonic::server::NamedService>::NAME,
-                status,
-            )
-            .await;
-        reporter.set_service_status("", status).await;
-        if serving.changed().await.is_err() {
-            // The sender is gone: the store stopped.
-            if up {
-                reporter
-                    .set_service_status(
-                        <pb::broker_server::BrokerServer<BrokerService<S>> as tonic::server::NamedService>::NAME,
-                        tonic_health::ServingStatus::NotServing,
-                    )
-                    .await;
-                reporter
-                    .set_service_status("", tonic_health::ServingStatus::NotServing)
-                    .await;
+            if now == Serving::Stopping {
+                return;
             }
-            return;
+            tokio::select! {
+                changed = serving.changed(), if store_open => {
+                    // The store stopped for good.
+                    store_open = changed.is_ok();
+                }
+                changed = stopping.changed() => if changed.is_err() {
+                    // The server is gone without a stop: nothing to tell.
+                    return;
+                },
+            }
+        }
+    });
+    health
+}
+
+/// Runs `server` to its end, or until `drain` after a stop was asked,
+/// whatever clients do (a call that never ends, a stream never read).
+async fn drained(
+    server: impl Future<Output = Result<(), tonic::transport::Error>>,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+    drain: Duration,
+) -> Result<(), ServerError> {
+    tokio::pin!(server);
+    let bound = async {
+        if stopping.wait_for(|stop| *stop).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(drain).await;
+    };
+    tokio::select! {
+        result = &mut server => Ok(result?),
+        () = bound => {
+            tracing::warn!(drain_ms = u64::try_from(drain.as_millis()).unwrap_or(u64::MAX), "calls still running after limits.shutdown_drain_ms; cut");
+            Ok(())
         }
     }
 }
+
+/// Least time given to the store to finish after the transport stopped,
+/// even when the drain used up the bound.
+const STORE_CLOSE_MIN: Duration = Duration::from_millis(500);
 
 /// Reflection in both versions: v1, and v1alpha for the clients that
 /// still speak only it (grpcurl 1.8, many GUI clients).

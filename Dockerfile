@@ -1,0 +1,84 @@
+# The broker as a container: `docker build -t delegation-broker .`, then
+# README, "Running it in production". scripts/docker-test.sh builds and
+# checks it. Plain Dockerfile syntax (no BuildKit-only features), so the
+# legacy builder builds it too.
+
+# --- build ------------------------------------------------------------------
+# glibc (not musl): a2a-pb's build script runs a vendored protoc binary.
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /build
+
+# `release` (no debug info) or `profiling` (line tables, for perf).
+ARG PROFILE=release
+
+# Dependencies first, in a layer of their own that only a change to the
+# manifest, the lock file, build.rs or proto/ invalidates: the crate is
+# built once with stub sources. benches/ is there because Cargo.toml
+# declares its benches ([[bench]]): cargo refuses a manifest whose
+# declared targets have no file. .cargo/config.toml selects
+# curve25519-dalek's AVX-512 backend (x86_64; chosen at run time).
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY .cargo/ .cargo/
+COPY proto/ proto/
+COPY benches/ benches/
+RUN mkdir src \
+ && echo 'fn main() {}' > src/main.rs \
+ && : > src/lib.rs \
+ && cargo build --profile "$PROFILE" --locked --bin delegation-broker \
+ && rm -rf src
+
+# The crate itself, and what it reads at compile time: migrations/
+# (sqlx::migrate! embeds them) and console/dist/ (the console's page,
+# include_bytes!). Tests, examples and the README are read only by tests.
+COPY src/ src/
+COPY migrations/ migrations/
+COPY console/dist/ console/dist/
+# COPY keeps the files' old mtimes: touch the crate roots, or cargo would
+# take the stub build's output for up to date.
+RUN touch src/main.rs src/lib.rs \
+ && cargo build --profile "$PROFILE" --locked --bin delegation-broker \
+ && install -D "target/$PROFILE/delegation-broker" /out/delegation-broker
+
+# --- run --------------------------------------------------------------------
+FROM debian:bookworm-slim
+
+# CA roots: TLS to an OTLP collector or to the MCP/A2A gateways' upstreams.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+# A fixed non-root uid, numeric in USER so Kubernetes' runAsNonRoot can
+# check it. /data is created owned by it: Docker copies that ownership
+# into a new named volume; a bind-mounted directory must be chown'ed to
+# 10001 by hand.
+RUN groupadd --system --gid 10001 broker \
+ && useradd --system --uid 10001 --gid broker --home-dir /data \
+        --no-create-home --shell /usr/sbin/nologin broker \
+ && mkdir /data \
+ && chown broker:broker /data \
+ && chmod 0700 /data
+
+COPY --from=build /out/delegation-broker /usr/local/bin/delegation-broker
+
+USER 10001:10001
+# The signing key (broker_signing_key, broker_retired_keys) and, without
+# BROKER_DATABASE_URL, the SQLite database (broker.sqlite3, -wal, -shm):
+# losing the volume loses the key and every contract.
+ENV BROKER_DATA_DIR=/data \
+    BROKER_LISTEN=0.0.0.0:50051
+WORKDIR /data
+VOLUME ["/data"]
+
+# gRPC; metrics only with BROKER_METRICS=0.0.0.0:9464 (off by default).
+EXPOSE 50051 9464
+
+# SIGTERM drains in-flight calls ([limits] shutdown_drain_ms, 10 s by
+# default): give `docker stop` more than its default 10 s
+# (docker run --stop-timeout 20).
+STOPSIGNAL SIGTERM
+
+# No HEALTHCHECK: the broker's health is gRPC (grpc.health.v1) and the
+# image carries no gRPC client. Kubernetes probes it natively
+# (grpc: {port: 50051}); elsewhere use grpc_health_probe or grpcurl.
+ENTRYPOINT ["delegation-broker"]
+CMD ["serve"]

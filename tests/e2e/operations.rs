@@ -1,0 +1,190 @@
+//! Operating the broker binary: stopping cleanly on SIGTERM, starting
+//! only once it can serve, keys of replicas, the reading CLI.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use delegation_broker::client::Agent;
+use delegation_broker::pb;
+use tokio_stream::StreamExt;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+use crate::crash::Killed;
+use crate::harness::*;
+
+/// `delegation-broker serve` on port 0 with `extra` arguments; the process
+/// and its address, once it printed "listening on".
+pub fn spawn_serve(data_dir: &std::path::Path, extra: &[&str]) -> (Killed, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .args(extra)
+        .env("BROKER_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("broker binary starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("address line, got {line:?}"))
+        .to_owned();
+    (Killed(child), format!("http://{addr}"))
+}
+
+fn signal(child: &std::process::Child, name: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{name}"), child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Waits for the process to exit, at most `bound`; its exit status.
+fn exit_within(child: &mut std::process::Child, bound: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the broker did not exit within {bound:?} of SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Acceptance (a): with a health Watch and a broker Watch open, SIGTERM
+/// turns health NOT_SERVING on the stream first, refuses new calls, ends
+/// both streams and exits within the drain bound; everything acknowledged
+/// before the signal is there after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_open_watches_exits_within_the_drain() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = if on_postgres() {
+        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
+    } else {
+        None
+    };
+    let config = dir.path().join("broker.toml");
+    // Far below the test's own bound, far above what a clean stop takes.
+    const DRAIN_MS: u64 = 4_000;
+    std::fs::write(
+        &config,
+        format!("[limits]\nshutdown_drain_ms = {DRAIN_MS}\n"),
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let mut extra = vec!["--config", config.to_str().unwrap()];
+    if let Some(database) = &database {
+        extra.extend(["--database-url", database.url.as_str()]);
+    }
+    let (mut process, addr) = spawn_serve(&data, &extra);
+
+    let orchestrator = Agent::generate();
+    let mut client = connect_as(&addr, &orchestrator).await;
+    let spec = RootSpec::default();
+    let root = client
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .unwrap()
+        .into_inner()
+        .issued
+        .unwrap();
+    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let mut acknowledged = vec![root.contract_id.clone()];
+    for _ in 0..20 {
+        let answer = client
+            .delegate(orchestrator.delegate(child(
+                &root.contract_id,
+                &lineage,
+                &Agent::generate(),
+                5,
+            )))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(pb::delegate_response::Outcome::Issued(issued)) = answer.outcome else {
+            panic!("issued");
+        };
+        acknowledged.push(issued.contract_id);
+    }
+
+    let channel = tonic::transport::Endpoint::from_shared(addr.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel)
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = health.next().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    let mut events = client
+        .watch(pb::WatchRequest {
+            contract_id: root.contract_id.clone(),
+            cursor: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Every stored event arrives; the stream then waits for more.
+    let mut seen = 0;
+    while seen < acknowledged.len() {
+        let event = events.next().await.unwrap().unwrap();
+        if matches!(event.event, Some(pb::watch_response::Event::Contract(_))) {
+            seen += 1;
+        }
+    }
+
+    signal(&process.0, "TERM");
+    let asked = Instant::now();
+    // The health stream says NOT_SERVING, then ends.
+    let said = tokio::time::timeout(Duration::from_secs(10), health.next())
+        .await
+        .expect("health answers at once")
+        .expect("a status before the end")
+        .expect("not an error");
+    assert_eq!(said.status, ServingStatus::NotServing as i32);
+    let end = tokio::time::timeout(Duration::from_secs(10), health.next())
+        .await
+        .expect("the health stream ends");
+    assert!(
+        matches!(end, None | Some(Err(_))),
+        "nothing after NOT_SERVING: {end:?}"
+    );
+    // The broker's Watch ends: UNAVAILABLE (resume elsewhere) or the end.
+    let end = tokio::time::timeout(Duration::from_secs(10), events.next())
+        .await
+        .expect("the Watch stream ends");
+    match end {
+        None => {}
+        Some(Err(status)) => assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}"),
+        Some(Ok(event)) => panic!("an event after the stop: {event:?}"),
+    }
+    let status = exit_within(&mut process.0, Duration::from_millis(DRAIN_MS + 6_000));
+    assert!(status.success(), "a clean stop exits 0: {status:?}");
+    eprintln!("stopped {:?} after SIGTERM", asked.elapsed());
+
+    let (_process, addr) = spawn_serve(&data, &extra);
+    let mut client = connect_as(&addr, &orchestrator).await;
+    for id in &acknowledged {
+        client
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{} lost: {e}", hex::encode(id)));
+    }
+}
