@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for file in PROTO_FILES {
         println!("cargo:rerun-if-changed={file}");
     }
+    build_info();
     let fds = protox::compile(PROTO_FILES, [PROTO_ROOT])?;
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     let encoded = prost::Message::encode_to_vec(&fds);
@@ -30,4 +31,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .compile_fds(fds)?;
     Ok(())
+}
+
+/// `delegation-broker version`'s commit and date: `BROKER_BUILD_COMMIT`
+/// and `BROKER_BUILD_DATE` when the builder sets them (a Docker build has
+/// no `.git`), else git's HEAD and its commit date (reproducible: the
+/// same commit builds the same text), else "unknown".
+fn build_info() {
+    println!("cargo:rerun-if-env-changed=BROKER_BUILD_COMMIT");
+    println!("cargo:rerun-if-env-changed=BROKER_BUILD_DATE");
+    // HEAD names the branch; the branch's ref file moves with each commit.
+    println!("cargo:rerun-if-changed=.git/HEAD");
+    if let Ok(head) = std::fs::read_to_string(".git/HEAD")
+        && let Some(reference) = head.trim().strip_prefix("ref: ")
+    {
+        println!("cargo:rerun-if-changed=.git/{reference}");
+    }
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .env("TZ", "UTC")
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .and_then(|out| String::from_utf8(out.stdout).ok())
+            .map(|text| text.trim().to_owned())
+            .filter(|text| !text.is_empty())
+    };
+    let commit = std::env::var("BROKER_BUILD_COMMIT")
+        .ok()
+        .or_else(|| git(&["rev-parse", "--short=12", "HEAD"]))
+        .unwrap_or_else(|| "unknown".to_owned());
+    let date = std::env::var("BROKER_BUILD_DATE")
+        .ok()
+        .or_else(|| git(&["log", "-1", "--format=%cd", "--date=iso-strict-local"]))
+        .unwrap_or_else(|| "unknown".to_owned());
+    println!("cargo:rustc-env=BROKER_BUILD_COMMIT={commit}");
+    println!("cargo:rustc-env=BROKER_BUILD_DATE={date}");
 }

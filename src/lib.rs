@@ -22,6 +22,17 @@ pub mod stamp;
 pub mod store;
 pub mod telemetry;
 
+/// What this binary is: `delegation-broker version`, `broker_build_info`,
+/// the spans' `service.version`.
+pub mod build {
+    /// The crate's version (Cargo.toml).
+    pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+    /// The commit built (12 hex digits), or "unknown" (see build.rs).
+    pub const COMMIT: &str = env!("BROKER_BUILD_COMMIT");
+    /// The commit's date (RFC 3339, UTC), or "unknown".
+    pub const DATE: &str = env!("BROKER_BUILD_DATE");
+}
+
 /// Types generated from `proto/delegation/broker/v1/*.proto`.
 pub mod pb {
     #![allow(clippy::all, missing_docs)]

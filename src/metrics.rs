@@ -201,6 +201,31 @@ impl Collector for Sampled {
     }
 }
 
+/// Labelled gauges read at scrape time from a closure returning each
+/// series' label values and value (pool connections by pool and state).
+struct SampledVec {
+    gauges: prometheus::IntGaugeVec,
+    sample: Box<dyn Fn() -> Vec<Series> + Send + Sync>,
+}
+
+/// One labelled series: its label values and its value.
+pub type Series = (Vec<&'static str>, i64);
+
+impl Collector for SampledVec {
+    fn desc(&self) -> Vec<&Desc> {
+        self.gauges.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        for (labels, value) in (self.sample)() {
+            if let Ok(gauge) = self.gauges.get_metric_with_label_values(&labels) {
+                gauge.set(value);
+            }
+        }
+        self.gauges.collect()
+    }
+}
+
 /// A counter read at scrape time from a closure (counts kept elsewhere,
 /// e.g. process-wide atomics): it advances to the sampled value, never
 /// back.
@@ -315,13 +340,27 @@ impl Metrics {
             Box::new(budget_spent_units.clone()),
             Box::new(budget_returned_units.clone()),
             Box::new(store.batch_commands.clone()),
-            Box::new(store.wal_fsync_seconds.clone()),
-            Box::new(store.wal_fsync_stalls.clone()),
             Box::new(open_contracts.clone()),
             Box::new(STORE_ERRORS.clone()),
+            Box::new(build_info()),
         ] {
             registry.register(collector).expect("unique metric names");
         }
+        // process_cpu_seconds_total, process_resident_memory_bytes,
+        // process_open_fds, …: what every Prometheus user looks for first
+        // (Linux only; elsewhere the family is absent).
+        #[cfg(target_os = "linux")]
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("unique metric names");
+        preinitialise(
+            &grpc_started,
+            &grpc_handled,
+            &grpc_handling,
+            &delegations_refused,
+        );
         Arc::new(Self {
             registry,
             grpc_started,
@@ -339,6 +378,26 @@ impl Metrics {
         })
     }
 
+    /// Registers the series only SQLite has (its write-ahead log's
+    /// fsyncs): a PostgreSQL broker does not show them at zero.
+    pub fn register_sqlite_series(&self) {
+        for collector in [
+            Box::new(self.store.wal_fsync_seconds.clone()) as Box<dyn Collector>,
+            Box::new(self.store.wal_fsync_stalls.clone()),
+        ] {
+            self.registry
+                .register(collector)
+                .expect("unique metric names");
+        }
+    }
+
+    /// Registers a collector of the caller's (the store's pool gauges).
+    pub fn register(&self, collector: Box<dyn Collector>) {
+        self.registry
+            .register(collector)
+            .expect("unique metric names");
+    }
+
     /// Registers a gauge whose value `sample` reads at each scrape. Names
     /// are the broker's own: a duplicate is a programming error.
     pub fn sampled(
@@ -354,6 +413,41 @@ impl Metrics {
                 sample: Box::new(sample),
             }))
             .expect("unique metric names");
+    }
+
+    /// Registers labelled gauges whose series `sample` reads at each
+    /// scrape. Names are the broker's own: a duplicate is a programming
+    /// error.
+    pub fn sampled_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+        sample: impl Fn() -> Vec<Series> + Send + Sync + 'static,
+    ) {
+        let gauges =
+            prometheus::IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+        self.registry
+            .register(Box::new(SampledVec {
+                gauges,
+                sample: Box::new(sample),
+            }))
+            .expect("unique metric names");
+    }
+
+    /// `broker_replica_info{backend, key_id} 1`: which replica (by its
+    /// signing key) and which store a series came from.
+    pub fn replica_info(&self, backend: &str, key_id: &str) {
+        let info = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "broker_replica_info",
+                "Always 1: this broker's store (sqlite or postgres) and the id of the key it signs with (one per replica).",
+            ),
+            &["backend", "key_id"],
+        )
+        .expect("valid metric");
+        info.with_label_values(&[backend, key_id]).set(1);
+        self.register(Box::new(info));
     }
 
     /// Registers a counter whose value `sample` reads at each scrape (a
@@ -381,6 +475,58 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()
     }
+}
+
+/// `broker_build_info{version, commit, build_date} 1`: join on it to see
+/// which build a series came from.
+fn build_info() -> prometheus::IntGaugeVec {
+    let info = prometheus::IntGaugeVec::new(
+        Opts::new(
+            "broker_build_info",
+            "Always 1: the running build's version, commit and commit date.",
+        ),
+        &["version", "commit", "build_date"],
+    )
+    .expect("valid metric");
+    info.with_label_values(&[
+        crate::build::VERSION,
+        crate::build::COMMIT,
+        crate::build::DATE,
+    ])
+    .set(1);
+    info
+}
+
+/// Every series a dashboard queries exists from the start at 0, not as
+/// "no data": calls per method (and every code of finished calls, as
+/// go-grpc-prometheus does), refusals per invariant code.
+fn preinitialise(
+    started: &IntCounterVec,
+    handled: &IntCounterVec,
+    handling: &HistogramVec,
+    refused: &IntCounterVec,
+) {
+    for (path, _) in METHODS {
+        let labels = method_labels(path);
+        started.with_label_values(&labels);
+        handling.with_label_values(&labels);
+        for code in CODES {
+            handled.with_label_values(&[labels[0], labels[1], labels[2], code]);
+        }
+    }
+    for code in crate::core::InvariantCode::ALL {
+        refused.with_label_values(&[code.as_str()]);
+    }
+}
+
+/// The `code` label of a refusal: DESIGN.md's code (`BUDGET_EXCEEDS_PARENT`),
+/// as audits and receipts' readers spell it; "UNKNOWN" for a value this
+/// build does not know.
+pub fn invariant_label(wire: i32) -> &'static str {
+    crate::core::InvariantCode::ALL
+        .into_iter()
+        .find(|code| *code as i32 == wire)
+        .map_or("UNKNOWN", crate::core::InvariantCode::as_str)
 }
 
 /// The full method name (`package.Service/Method`) of a request path, the

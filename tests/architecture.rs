@@ -364,6 +364,7 @@ fn tonic_violations() -> Vec<String> {
             "cli/bench.rs",
             "cli/audit.rs",
             "cli/tree.rs",
+            "cli/read.rs",
             "mcp/",
             "a2a/",
         ],

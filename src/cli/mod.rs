@@ -1,9 +1,12 @@
 //! The command line: `serve`, `migrate`, `keygen`, `rotate-key`, `bench`,
-//! `disk-probe`, `audit`, `verify`. Every flag has an environment override.
+//! `disk-probe`, `audit`, `verify`, `keys`, `version`; reading as a key: `session`, `get`,
+//! `children`, `watch`, `receipt`. Every flag has an environment override.
 
 pub mod audit;
 pub mod bench;
 pub mod disk_probe;
+pub mod keys;
+pub mod read;
 pub mod tree;
 
 use std::path::PathBuf;
@@ -77,7 +80,16 @@ enum Command {
         /// The shared database, e.g. postgres://broker@db:5432/broker.
         #[arg(long, env = "BROKER_DATABASE_URL")]
         database_url: String,
+        /// Print the schema's current and latest version and what is
+        /// pending, changing nothing (exit status 0 either way).
+        #[arg(long)]
+        status: bool,
     },
+    /// The signing keys of a replicated broker (PostgreSQL): `keys list`,
+    /// `keys retire KEY_ID`.
+    Keys(keys::KeysArgs),
+    /// Prints the version, the commit and its date.
+    Version,
     /// Generates an agent key pair; prints the public key and writes the
     /// secret seed (hex) to a file readable only by its owner.
     Keygen {
@@ -104,6 +116,16 @@ enum Command {
     /// delegate, status, depth, trust, deadline and ledger, the refusals
     /// beside the parent asked, and completion verdicts.
     Tree(tree::TreeArgs),
+    /// Opens a read session and prints it as a header for grpcurl's `-H`.
+    Session(read::SessionArgs),
+    /// Prints one contract: its terms, status, ledger and effective predicate.
+    Get(read::GetArgs),
+    /// Prints a contract's children, one line each, in issuance order.
+    Children(read::ChildrenArgs),
+    /// Prints a subtree's events (contracts, receipts) as they happen.
+    Watch(read::WatchArgs),
+    /// Prints one receipt, verified against the broker's published keys.
+    Receipt(read::ReceiptArgs),
     /// The broker for MCP clients: `mcp tools` serves its calls as tools
     /// for a model, on stdio, signing as one agent.
     Mcp(crate::mcp::McpArgs),
@@ -226,7 +248,20 @@ pub fn main() -> ExitCode {
             database,
             logging.logging(),
         ),
-        Command::Migrate { database_url } => migrate(&database_url),
+        Command::Migrate {
+            database_url,
+            status,
+        } => migrate(&database_url, status),
+        Command::Keys(args) => keys::run(args),
+        Command::Version => {
+            println!(
+                "delegation-broker {} (commit {}, {})",
+                crate::build::VERSION,
+                crate::build::COMMIT,
+                crate::build::DATE
+            );
+            Ok(())
+        }
         Command::Keygen { out } => keygen(out),
         Command::RotateKey { data_dir } => crate::keystore::rotate(&data_dir)
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
@@ -235,6 +270,11 @@ pub fn main() -> ExitCode {
         Command::DiskProbe(args) => disk_probe::run(args),
         Command::Audit(args) => audit::run(args),
         Command::Tree(args) => tree::run(args),
+        Command::Session(args) => read::session(args),
+        Command::Get(args) => read::get(args),
+        Command::Children(args) => read::children(args),
+        Command::Watch(args) => read::watch(args),
+        Command::Receipt(args) => read::receipt(args),
         Command::Mcp(args) => crate::mcp::run(args),
         Command::A2aGateway(args) => crate::a2a::run(args),
         Command::Verify {
@@ -350,15 +390,37 @@ fn serve(
 /// Longest the runtime waits for its blocking tasks at exit.
 const RUNTIME_STOP: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// `delegation-broker migrate`: the PostgreSQL schema, brought up to date.
-fn migrate(database_url: &str) -> anyhow::Result<()> {
+/// `delegation-broker migrate`: the PostgreSQL schema, brought up to date
+/// (each migration applied printed), or only its status.
+fn migrate(database_url: &str, status_only: bool) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async {
+        use crate::store::postgres::migrate;
         let connect = crate::store::postgres::connect_options(database_url)?;
-        crate::store::postgres::migrate::run(&connect).await?;
-        println!("the database schema is up to date");
+        let at = crate::store::postgres::describe(&connect);
+        if status_only {
+            let status = migrate::status(&connect).await?;
+            println!("database: {at}");
+            println!("current version: {}", status.current);
+            println!("latest version: {}", status.latest);
+            if status.pending.is_empty() {
+                println!("up to date");
+            }
+            for (version, description) in &status.pending {
+                println!("pending: {version:04} {description}");
+            }
+            return Ok(());
+        }
+        for (version, description) in migrate::run(&connect).await? {
+            println!("applied {version:04} {description}");
+        }
+        let status = migrate::status(&connect).await?;
+        println!(
+            "the database schema at {at} is at version {} (latest)",
+            status.current
+        );
         Ok(())
     })
 }

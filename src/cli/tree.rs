@@ -308,7 +308,7 @@ fn who(key: &[u8], names: &BTreeMap<[u8; 32], String>) -> String {
         .unwrap_or_else(|| format!("key:{}", short(key)))
 }
 
-fn short(bytes: &[u8]) -> String {
+pub(crate) fn short(bytes: &[u8]) -> String {
     hex::encode(&bytes[..bytes.len().min(4)])
 }
 
@@ -480,7 +480,7 @@ fn one_line(text: &str) -> String {
 /// Text an agent wrote, safe for a terminal: control characters (ANSI and
 /// OSC escapes start with one) and bidirectional overrides, which could
 /// forge or reorder what the operator reads, are shown as `\u{…}`.
-fn safe(text: &str) -> String {
+pub(crate) fn safe(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         let bidi = matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
@@ -512,7 +512,7 @@ fn bar(ledger: &pb::Ledger) -> String {
 }
 
 /// Parts per million as a decimal fraction, e.g. 900000 → "0.900".
-fn ppm(ppm: u32) -> String {
+pub(crate) fn ppm(ppm: u32) -> String {
     format!("{}.{:03}", ppm / 1_000_000, (ppm % 1_000_000) / 1_000)
 }
 

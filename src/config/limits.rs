@@ -164,7 +164,7 @@ limits! {
     /// Long enough that a replica paused by a slow disk or a GC'd VM is
     /// not retired; short enough that a dead replica's key stops opening
     /// sessions within minutes.
-    replica_key_ttl_ms: i64 = 300_000, 10_000, 30 * 24 * 3_600_000,
+    replica_key_ttl_ms: i64 = 300_000, 2_000, 30 * 24 * 3_600_000,
         "with --database-url: a replica's key not refreshed by its heartbeat for this long is retired (its contracts still verify; no new sessions)";
 }
 

@@ -128,12 +128,21 @@ pub async fn run_with_options(
     match options.database {
         None => {
             let store = open_store(&config, stamper, clock, &metrics).await?;
+            metrics.register_sqlite_series();
+            metrics.replica_info(
+                "sqlite",
+                &crypto::key_id(&keyring.current.verifying_key().to_bytes()),
+            );
             save_keys(loaded.clone_unsaved()).await?;
             let keys = crate::service::PublishedKeys::new(published(keyring));
             serve(parts, config, store, keys, shutdown).await
         }
         Some(database) => {
             let store = open_postgres(&config, &database, stamper, clock, &metrics).await?;
+            metrics.replica_info(
+                "postgres",
+                &crypto::key_id(&keyring.current.verifying_key().to_bytes()),
+            );
             save_keys(loaded.clone_unsaved()).await?;
             let retired: Vec<[u8; 32]> = keyring.retired.iter().map(|k| k.to_bytes()).collect();
             let registered = store
@@ -168,6 +177,13 @@ pub trait Served: Store + Clone {
     fn open_contracts(&self) -> impl Future<Output = Result<i64, crate::store::StoreError>> + Send;
     /// Commands waiting for the store's writers.
     fn queue_depth(&self) -> usize;
+    /// Registers the store's own gauges (PostgreSQL's pools); a weak
+    /// reference: metrics never keep the store alive.
+    fn pool_metrics(_store: std::sync::Weak<Self>, _metrics: &crate::metrics::Metrics) {}
+    /// Says this replica, signing with `key`, is alive, and retires the
+    /// keys of replicas silent for `ttl_ms` (PostgreSQL); nothing for a
+    /// single broker.
+    fn heartbeat(&self, key: [u8; 32], ttl_ms: i64) -> impl Future<Output = ()> + Send;
     /// Resolves once the store's writer has answered everything queued
     /// and made it durable, after the last handle is dropped (holds none).
     fn finished(&self) -> impl Future<Output = ()> + Send + 'static;
@@ -194,6 +210,8 @@ impl Served for SqliteStore {
         SqliteStore::queue_depth(self)
     }
 
+    async fn heartbeat(&self, _key: [u8; 32], _ttl_ms: i64) {}
+
     fn finished(&self) -> impl Future<Output = ()> + Send + 'static {
         // The syncer stops after the writer, which stops once its queue
         // is empty and every handle gone.
@@ -212,6 +230,36 @@ impl Served for PostgresStore {
 
     fn queue_depth(&self) -> usize {
         PostgresStore::queue_depth(self)
+    }
+
+    fn pool_metrics(store: std::sync::Weak<Self>, metrics: &crate::metrics::Metrics) {
+        pool_metrics(store, metrics);
+    }
+
+    async fn heartbeat(&self, key: [u8; 32], ttl_ms: i64) {
+        use crate::store::postgres::migrate::Heartbeat;
+        match PostgresStore::heartbeat(self, &key, ttl_ms).await {
+            Ok((own, retired)) => {
+                for key_id in retired {
+                    tracing::warn!(%key_id, ttl_ms, "a replica's key was not seen for limits.replica_key_ttl_ms: retired (its contracts still verify; no new sessions)");
+                }
+                match own {
+                    Heartbeat::Current => {}
+                    Heartbeat::RetiredByOperator => tracing::error!(
+                        key_id = %crypto::key_id(&key),
+                        "this replica's signing key was retired by an operator: other replicas refuse its sessions; restart it with a new key (rotate-key or --signing-key-file)"
+                    ),
+                    Heartbeat::Missing => {
+                        tracing::warn!(key_id = %crypto::key_id(&key), "this replica's key is missing from the registry: registering it again");
+                        if let Err(e) = self.register_keys(&key, &[]).await {
+                            tracing::warn!(error = %e, "registering this replica's key again");
+                        }
+                    }
+                }
+            }
+            // The database away: health says so; the next beat retries.
+            Err(e) => tracing::debug!(error = %e, "heartbeat of this replica's key"),
+        }
     }
 
     fn finished(&self) -> impl Future<Output = ()> + Send + 'static {
@@ -244,7 +292,13 @@ async fn serve<S: Served>(
     let mut store_finished = Some(store.finished());
     let store = Arc::new(store);
     sample_store(&metrics, &store);
-    tokio::spawn(refresh_keys(Arc::downgrade(&store), keys.clone()));
+    S::pool_metrics(Arc::downgrade(&store), &metrics);
+    tokio::spawn(refresh_keys(
+        Arc::downgrade(&store),
+        keys.clone(),
+        current_key.to_bytes(),
+        limits.replica_key_ttl_ms,
+    ));
     tokio::spawn(expiry_sweeper(
         Arc::downgrade(&store),
         clock.clone(),
@@ -252,6 +306,13 @@ async fn serve<S: Served>(
     ));
     let (stop, stopping) = tokio::sync::watch::channel(false);
     let shutting_down = stopping.clone();
+    let health_state = follow_health(serving, shutting_down.clone());
+    let serving_now = health_state.clone();
+    metrics.sampled(
+        "broker_serving",
+        "1 while health says SERVING (the store can make writes durable and no stop was asked), else 0.",
+        move || i64::from(*serving_now.borrow() == crate::service::health::Serving::Serving),
+    );
     let converters = crate::pool::WorkPool::start(
         "convert",
         crate::core::limits::MAX_CONCURRENT_CONVERSIONS,
@@ -304,8 +365,7 @@ async fn serve<S: Served>(
         ),
         None => None,
     };
-    let health =
-        crate::service::health::health_server(follow_health(serving, shutting_down.clone()));
+    let health = crate::service::health::health_server(health_state);
     let finished = store_finished.take();
     let drain = Duration::from_millis(limits.shutdown_drain_ms);
     // When the stop was asked: the drain's bound counts from it.
@@ -452,13 +512,35 @@ fn serve_metrics(
 /// started (or rotated) since is published within this.
 const KEYS_REFRESH: Duration = Duration::from_millis(500);
 
-/// Keeps `keys` equal to the shared registry while the store lives (a
-/// single broker's keys never change while it runs: returns at once).
-async fn refresh_keys<S: Served>(store: std::sync::Weak<S>, keys: crate::service::PublishedKeys) {
+/// A replica's heartbeat: a quarter of the TTL, so three beats can be
+/// lost (a slow database, a pause) before its key is retired; within
+/// these bounds.
+fn heartbeat_interval(ttl_ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ttl_ms / 4).unwrap_or(0)).clamp(KEYS_REFRESH, MAX_HEARTBEAT)
+}
+
+/// Longest between two heartbeats, whatever the TTL.
+const MAX_HEARTBEAT: Duration = Duration::from_secs(60);
+
+/// Keeps `keys` equal to the shared registry while the store lives, and
+/// beats this replica's heartbeat (a single broker's keys never change
+/// while it runs: returns at once).
+async fn refresh_keys<S: Served>(
+    store: std::sync::Weak<S>,
+    keys: crate::service::PublishedKeys,
+    current: [u8; 32],
+    ttl_ms: i64,
+) {
     let mut tick = tokio::time::interval(KEYS_REFRESH);
+    let every = heartbeat_interval(ttl_ms);
+    let mut next_beat = tokio::time::Instant::now() + every;
     loop {
         tick.tick().await;
         let Some(store) = store.upgrade() else { return };
+        if tokio::time::Instant::now() >= next_beat {
+            next_beat = tokio::time::Instant::now() + every;
+            store.heartbeat(current, ttl_ms).await;
+        }
         match store.broker_keys().await {
             Ok(Some(registered)) if !registered.is_empty() => keys.set(registered),
             Ok(Some(_)) => {}
@@ -527,6 +609,59 @@ async fn open_postgres(
     options.cascade_step_rows = limits.cascade_step_rows;
     options.metrics = Some(metrics.store.clone());
     Ok(PostgresStore::open(options, stamper, clock).await?)
+}
+
+/// Buckets of `broker_db_pool_acquire_seconds`: 50 µs to 2.5 s.
+const ACQUIRE_BUCKETS_S: [f64; 10] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.005, 0.025, 0.1, 0.5, 2.5,
+];
+/// How often the read pool's acquire time is probed.
+const ACQUIRE_PROBE: Duration = Duration::from_secs(1);
+
+/// PostgreSQL's pools on `/metrics`: connections by pool and state, and
+/// a probe of the wait for a read connection (sqlx keeps no timings).
+fn pool_metrics(store: std::sync::Weak<PostgresStore>, metrics: &crate::metrics::Metrics) {
+    let sampled = store.clone();
+    metrics.sampled_vec(
+        "broker_db_pool_connections",
+        "PostgreSQL connections of this replica, by pool (write, read) and state (in_use, idle, max).",
+        &["pool", "state"],
+        move || {
+            let Some(store) = sampled.upgrade() else {
+                return Vec::new();
+            };
+            store
+                .pool_stats()
+                .into_iter()
+                .flat_map(|p| {
+                    [
+                        (vec![p.pool, "in_use"], i64::from(p.open.saturating_sub(p.idle))),
+                        (vec![p.pool, "idle"], i64::from(p.idle)),
+                        (vec![p.pool, "max"], i64::from(p.max)),
+                    ]
+                })
+                .collect()
+        },
+    );
+    let waits = prometheus::Histogram::with_opts(
+        prometheus::HistogramOpts::new(
+            "broker_db_pool_acquire_seconds",
+            "Time to take a connection from the read pool, probed every second (a wait here is a pool too small for the reads).",
+        )
+        .buckets(ACQUIRE_BUCKETS_S.to_vec()),
+    )
+    .expect("valid metric");
+    metrics.register(Box::new(waits.clone()));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(ACQUIRE_PROBE);
+        loop {
+            tick.tick().await;
+            let Some(store) = store.upgrade() else { return };
+            if let Ok(waited) = store.probe_acquire().await {
+                waits.observe(waited.as_secs_f64());
+            }
+        }
+    });
 }
 
 /// The embedded store in the data directory, with the configured limits.
@@ -689,6 +824,9 @@ fn reflection_services() -> Result<
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            // google/rpc/*.proto: grpcurl and `buf curl` decode ErrorInfo
+            // and BadRequest in error details with no local proto files.
+            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
     };
     let v1 = reflection_of()
         .build_v1()

@@ -224,7 +224,7 @@ impl<S: Store> BrokerService<S> {
                 if !answer.replayed {
                     self.metrics
                         .delegations_refused
-                        .with_label_values(&[code(decided.primary)])
+                        .with_label_values(&[crate::metrics::invariant_label(decided.primary)])
                         .inc();
                 }
             }

@@ -116,4 +116,8 @@ pub(crate) mod postgres {
     /// advisory lock: the loser of a race finds the migration applied on its
     /// next attempt).
     pub(crate) const MIGRATE_ATTEMPTS: u32 = 5;
+
+    /// Most keys `keys list` reads: far above any real registry (a key
+    /// per replica start at worst), a bound all the same.
+    pub(crate) const MAX_LISTED_KEYS: i64 = 100_000;
 }

@@ -257,6 +257,8 @@ pub enum Entity {
     /// The parent a Delegate names.
     ParentContract,
     Receipt,
+    /// A signing key in a replicated broker's registry.
+    BrokerKey,
 }
 
 impl Entity {
@@ -265,6 +267,7 @@ impl Entity {
             Self::Contract => "contract",
             Self::ParentContract => "parent contract",
             Self::Receipt => "receipt",
+            Self::BrokerKey => "broker key",
         }
     }
 }

@@ -4,6 +4,7 @@ mod a2a_authz;
 mod audit;
 mod auth;
 mod bad_input;
+mod cli_read;
 mod concurrency;
 mod console;
 mod crash;

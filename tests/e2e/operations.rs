@@ -188,3 +188,181 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
             .unwrap_or_else(|e| panic!("{} lost: {e}", hex::encode(id)));
     }
 }
+
+/// Acceptance (e): reflection serves google/rpc/*.proto, so grpcurl and
+/// `buf curl` decode ErrorInfo and BadRequest with no local files.
+#[tokio::test]
+async fn reflection_finds_google_rpc_error_info() {
+    use prost::Message as _;
+    use tonic_reflection::pb::v1;
+
+    let broker = Broker::start().await;
+    let channel = tonic::transport::Endpoint::from_shared(broker.addr.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel);
+    for symbol in ["google.rpc.ErrorInfo", "google.rpc.BadRequest"] {
+        let request = v1::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(
+                v1::server_reflection_request::MessageRequest::FileContainingSymbol(
+                    symbol.to_owned(),
+                ),
+            ),
+        };
+        let answer = client
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .unwrap()
+            .into_inner()
+            .message()
+            .await
+            .unwrap()
+            .expect("an answer");
+        let Some(v1::server_reflection_response::MessageResponse::FileDescriptorResponse(files)) =
+            answer.message_response
+        else {
+            panic!("{symbol} not found: {answer:?}");
+        };
+        let (package, name) = symbol.rsplit_once('.').unwrap();
+        let found = files.file_descriptor_proto.iter().any(|bytes| {
+            let file = prost_types::FileDescriptorProto::decode(bytes.as_slice()).unwrap();
+            file.package() == package && file.message_type.iter().any(|m| m.name() == name)
+        });
+        assert!(found, "{symbol} in the files reflection returned");
+    }
+    broker.stop().await;
+}
+
+/// Acceptance (f): what a Prometheus user expects on a fresh broker:
+/// process metrics, build info, the serving gauge, the replica, every
+/// method's and every refusal code's series at 0; SQLite's series only on
+/// SQLite, the pool's only on PostgreSQL.
+#[tokio::test]
+async fn metrics_a_prometheus_user_expects() {
+    let broker = Broker::start_with_metrics().await;
+    let text = crate::operability::scrape(broker.metrics_addr.unwrap()).await;
+    let parsed =
+        prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses");
+    let has = |name: &str, labels: &[(&str, &str)]| {
+        parsed.samples.iter().any(|s| {
+            s.metric == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(k).is_some_and(|have| have == *v))
+        })
+    };
+    let value =
+        |name: &str, labels: &[(&str, &str)]| crate::operability::value(&parsed, name, labels);
+    for family in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(has(family, &[]), "{family} in:\n{text}");
+    }
+    assert!(
+        has(
+            "broker_build_info",
+            &[("version", delegation_broker::build::VERSION)]
+        ),
+        "{text}"
+    );
+    assert_eq!(value("broker_serving", &[]), 1.0);
+    let backend = if on_postgres() { "postgres" } else { "sqlite" };
+    assert!(
+        has("broker_replica_info", &[("backend", backend)]),
+        "{text}"
+    );
+    // Zeros, not "no data": every refusal code, every method and code.
+    for code in delegation_broker::core::InvariantCode::ALL {
+        assert!(
+            has(
+                "broker_delegations_refused_total",
+                &[("code", code.as_str())]
+            ),
+            "{} pre-initialised",
+            code.as_str()
+        );
+    }
+    assert_eq!(value("broker_delegations_refused_total", &[]), 0.0);
+    for (method, code) in [
+        ("Delegate", "OK"),
+        ("Delegate", "Unavailable"),
+        ("Watch", "OK"),
+    ] {
+        assert!(
+            has(
+                "grpc_server_handled_total",
+                &[("grpc_method", method), ("grpc_code", code)]
+            ),
+            "{method} {code}"
+        );
+    }
+    let sqlite_only = text.contains("broker_wal_fsync_seconds");
+    let pools = text.contains("broker_db_pool_connections");
+    if on_postgres() {
+        assert!(!sqlite_only, "no SQLite series on PostgreSQL:\n{text}");
+        assert!(pools, "pool metrics on PostgreSQL");
+        assert!(
+            has(
+                "broker_db_pool_connections",
+                &[("pool", "read"), ("state", "max")]
+            ),
+            "{text}"
+        );
+        assert!(text.contains("broker_db_pool_acquire_seconds"), "{text}");
+    } else {
+        assert!(sqlite_only && !pools, "{text}");
+    }
+    broker.stop().await;
+}
+
+/// Acceptance (4): a database that cannot be reached fails the start
+/// with its host and the cause, prints no "listening" and creates
+/// nothing (no data directory, no key).
+#[tokio::test]
+async fn a_failed_start_names_the_database_and_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    // Nothing listens on port 1.
+    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .args([
+            "--database-url",
+            "postgres://broker@127.0.0.1:1/brokerdb?connect_timeout=2",
+        ])
+        .env("BROKER_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stdout.contains("listening"), "{stdout}");
+    assert!(
+        stderr.contains("broker@127.0.0.1:1/brokerdb"),
+        "names the database: {stderr}"
+    );
+    assert!(
+        stderr.to_lowercase().contains("refused"),
+        "says why: {stderr}"
+    );
+    assert!(!data.exists(), "a failed start created {}", data.display());
+    // `version` says which build this is.
+    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .arg("version")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.starts_with(&format!(
+            "delegation-broker {} (commit ",
+            delegation_broker::build::VERSION
+        )),
+        "{said}"
+    );
+}

@@ -824,11 +824,47 @@ async fn migrate_once_then_serve_without_migrating() {
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("delegation-broker migrate"), "{stderr}");
+    // A failed start creates nothing: no signing key, no "listening".
+    assert!(
+        !dir.path().join("broker_signing_key").exists(),
+        "a failed start wrote a key"
+    );
+    assert!(
+        !String::from_utf8_lossy(&refused.stdout).contains("listening"),
+        "{refused:?}"
+    );
+    let status = |expect: &[&str]| {
+        let out = std::process::Command::new(binary)
+            .args(["migrate", "--status", "--database-url", &database.url])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        for line in expect {
+            assert!(text.contains(line), "{line:?} in:\n{text}");
+        }
+        text
+    };
+    let before = status(&["current version: 0", "pending: 0001 "]);
+    let latest = before
+        .lines()
+        .find_map(|l| l.strip_prefix("latest version: "))
+        .expect("the latest version")
+        .to_owned();
+    // --status changed nothing.
+    status(&["current version: 0"]);
     let migrated = std::process::Command::new(binary)
         .args(["migrate", "--database-url", &database.url])
         .output()
         .unwrap();
     assert!(migrated.status.success(), "{migrated:?}");
+    let applied = String::from_utf8_lossy(&migrated.stdout);
+    assert!(applied.contains("applied 0001 "), "{applied}");
+    assert!(
+        applied.contains(&format!("is at version {latest} (latest)")),
+        "{applied}"
+    );
+    status(&[&format!("current version: {latest}"), "up to date"]);
     // Twice is fine: nothing is pending.
     let again = std::process::Command::new(binary)
         .args(["migrate", "--database-url", &database.url])
@@ -929,4 +965,178 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
     assert!(new.current && new.retired_at_ms == 0, "{new:?}");
     verify_with_keys(&before, payload_type::CONTRACT, &keys, &old_id);
     verify_with_keys(&after, payload_type::CONTRACT, &keys, &new_id);
+}
+
+/// Acceptance (c) of issue 26: replicas heartbeat their keys. A replica
+/// killed and not restarted has its key retired by the others after
+/// `limits.replica_key_ttl_ms`: no new session is accepted with it, what
+/// it signed still verifies, `keys list` shows it retired by "ttl". Two
+/// replicas given one `--signing-key-file` publish one key; `keys retire`
+/// retires it for good, and a replica holding it can no longer start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
+    use delegation_broker::client::Agent;
+    let database = delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
+    let binary = env!("CARGO_BIN_EXE_delegation-broker");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("broker.toml");
+    std::fs::write(&config, "[limits]\nreplica_key_ttl_ms = 2000\n").unwrap();
+    let shared = Agent::generate();
+    let key_file = dir.path().join("shared.key");
+    std::fs::write(&key_file, hex::encode(shared.seed())).unwrap();
+    let spawn = |name: &str, key_file: Option<&std::path::Path>| {
+        let mut extra = vec![
+            "--config".to_owned(),
+            config.display().to_string(),
+            "--database-url".to_owned(),
+            database.url.clone(),
+        ];
+        if let Some(file) = key_file {
+            extra.extend(["--signing-key-file".to_owned(), file.display().to_string()]);
+        }
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        crate::operations::spawn_serve(&dir.path().join(name), &extra)
+    };
+    let (_a, addr_a) = spawn("a", Some(&key_file));
+    let (_b, addr_b) = spawn("b", Some(&key_file));
+    let (mut c, addr_c) = spawn("c", None);
+    // The shared key is not written to either data directory.
+    assert!(!dir.path().join("a/broker_signing_key").exists());
+    let shared_id = delegation_broker::crypto::key_id(&shared.public_key());
+    let keys_of = |addr: String| async move {
+        connect(&addr)
+            .await
+            .get_broker_keys(pb::GetBrokerKeysRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .keys
+    };
+    // C's key: the one key that is neither the shared one.
+    let mut c_id = String::new();
+    for _ in 0..100 {
+        let keys = keys_of(addr_a.clone()).await;
+        if let Some(k) = keys.iter().find(|k| k.key_id != shared_id && k.current) {
+            c_id = k.key_id.clone();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!c_id.is_empty(), "A publishes C's key");
+    let keys = keys_of(addr_b.clone()).await;
+    assert_eq!(
+        keys.iter().filter(|k| k.key_id == shared_id).count(),
+        1,
+        "two replicas, one shared key: {keys:?}"
+    );
+
+    // C issues a root and a child (signed with its key), then dies.
+    let orchestrator = Agent::generate();
+    let mut through_c = connect_as(&addr_c, &orchestrator).await;
+    let spec = RootSpec::default();
+    let root = through_c
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .unwrap()
+        .into_inner()
+        .issued
+        .unwrap();
+    c.0.kill().unwrap();
+    c.0.wait().unwrap();
+
+    let retired = {
+        let mut found = None;
+        for _ in 0..200 {
+            let keys = keys_of(addr_a.clone()).await;
+            if let Some(k) = keys.iter().find(|k| k.key_id == c_id && !k.current) {
+                found = Some(k.clone());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        found.expect("C's key retired within 20 s of a 2 s TTL")
+    };
+    assert!(retired.retired_at_ms > 0, "{retired:?}");
+    // No new session with it, on either live replica (they refresh their
+    // published keys every 500 ms).
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    for addr in [&addr_a, &addr_b] {
+        let refused = connect(addr)
+            .await
+            .open_session(orchestrator.open_session(&c_id))
+            .await
+            .expect_err("a retired key opens no session");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    }
+    // What C signed still verifies with the keys A publishes.
+    let mut through_a = connect_as(&addr_a, &orchestrator).await;
+    let chain = through_a
+        .get_chain(pb::GetChainRequest {
+            contract_id: root.contract_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let sealed: Vec<pb::Sealed> = chain
+        .chain
+        .iter()
+        .map(|state| state.contract.clone().unwrap())
+        .collect();
+    let published = keys_of(addr_a.clone()).await;
+    delegation_broker::chain::verify_chain(
+        &sealed,
+        &delegation_broker::chain::BrokerKeys::from_published(&published),
+        None,
+    )
+    .expect("a dead replica's contracts verify");
+
+    let keys = |args: &[&str]| {
+        let out = std::process::Command::new(binary)
+            .arg("keys")
+            .args(args)
+            .args(["--database-url", &database.url])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, listed, err) = keys(&["list"]);
+    assert!(ok, "{err}");
+    let line = |id: &str| {
+        listed
+            .lines()
+            .find(|l| l.starts_with(id))
+            .unwrap_or_else(|| panic!("{id} in:\n{listed}"))
+            .to_owned()
+    };
+    let c_line = line(&c_id);
+    assert!(
+        c_line.contains(" retired ") && c_line.contains(" ttl "),
+        "{c_line}"
+    );
+    assert!(line(&shared_id).contains(" current "), "{listed}");
+
+    // An operator retires the shared key: for good.
+    let (ok, said, err) = keys(&["retire", &shared_id]);
+    assert!(ok && said.contains("retired"), "{said}{err}");
+    let (ok, listed, _) = keys(&["list"]);
+    assert!(ok);
+    let shared_line = listed.lines().find(|l| l.starts_with(&shared_id)).unwrap();
+    assert!(shared_line.contains(" operator "), "{listed}");
+    let (ok, _, err) = keys(&["retire", "ed25519:00"]);
+    assert!(!ok && err.contains("KEY_ID"), "{err}");
+    let refused = std::process::Command::new(binary)
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("d"))
+        .args(["--database-url", &database.url])
+        .args(["--signing-key-file", key_file.to_str().unwrap()])
+        .env("BROKER_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("retired by an operator"), "{stderr}");
 }

@@ -172,6 +172,20 @@ pub struct PostgresStore {
     tag: i64,
     /// False while the database cannot be reached (health).
     reachable: tokio::sync::watch::Receiver<bool>,
+    /// The writers' pool, for its gauges (`pool_stats`).
+    write_pool: sqlx::PgPool,
+}
+
+/// One connection pool's state, for `/metrics`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    /// `write` (this replica's writers and sequencer) or `read`.
+    pub pool: &'static str,
+    /// Connections open, in use or idle.
+    pub open: u32,
+    pub idle: u32,
+    /// The most the pool opens.
+    pub max: u32,
 }
 
 /// The pool options every pool of this store shares.
@@ -198,6 +212,18 @@ pub fn connect_options(url: &str) -> Result<PgConnectOptions, StoreError> {
         .map_err(|e| StoreError::Backend(format!("database URL: {e}")))
 }
 
+/// Where a database is, for error messages: user, host, port, database
+/// (never the password).
+pub fn describe(connect: &PgConnectOptions) -> String {
+    format!(
+        "{}@{}:{}/{}",
+        connect.get_username(),
+        connect.get_host(),
+        connect.get_port(),
+        connect.get_database().unwrap_or("(default database)")
+    )
+}
+
 impl PostgresStore {
     /// Connects, migrates when asked, refuses a database in another
     /// format, and starts this replica's writers and sequencer.
@@ -207,19 +233,39 @@ impl PostgresStore {
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StoreError> {
         let connect = connect_options(&options.url)?;
+        let at = describe(&connect);
+        // One plain connection first: a pool that cannot connect says
+        // only "pool timed out"; this says why (refused, auth, no such
+        // database), and where.
+        let probe = tokio::time::timeout(
+            Duration::from_millis(options.connect_timeout_ms.max(1)),
+            PgConnection::connect_with(&connect),
+        )
+        .await
+        .map_err(|_| {
+            StoreError::Backend(format!(
+                "PostgreSQL at {at}: no connection within {} ms",
+                options.connect_timeout_ms
+            ))
+        })?
+        .map_err(|e| StoreError::Backend(format!("PostgreSQL at {at}: {e}")))?;
+        let _ = sqlx::Connection::close(probe).await;
         if options.migrate {
-            migrate::run(&connect).await?;
+            for (version, description) in migrate::run(&connect).await? {
+                tracing::info!(version, %description, "applied migration");
+            }
         }
         let writers = options.writers.max(1);
+        let in_database = |e: sqlx::Error| StoreError::Backend(format!("PostgreSQL at {at}: {e}"));
         let write_pool = pool_options(&options, u32::try_from(writers + 1).unwrap_or(u32::MAX))
             .connect_with(connect.clone())
             .await
-            .map_err(backend)?;
+            .map_err(in_database)?;
         migrate::check(&write_pool).await?;
         let reader = pool_options(&options, options.read_connections)
             .connect_with(connect)
             .await
-            .map_err(backend)?;
+            .map_err(in_database)?;
         let tag = events::tag(&reader).await?;
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
         let known = KnownCache::default();
@@ -251,7 +297,7 @@ impl PostgresStore {
             tokio::spawn(drain::drainer(reader.clone(), commands.downgrade()));
         }
         tokio::spawn(events::sequencer(
-            write_pool,
+            write_pool.clone(),
             tag,
             trees.clone(),
             commits_tx,
@@ -272,6 +318,7 @@ impl PostgresStore {
             commits,
             tag,
             reachable,
+            write_pool,
         })
     }
 
@@ -290,6 +337,31 @@ impl PostgresStore {
             .map_err(backend)
     }
 
+    /// Both pools' connections now.
+    pub fn pool_stats(&self) -> [PoolStats; 2] {
+        let stats = |pool: &'static str, p: &sqlx::PgPool| PoolStats {
+            pool,
+            open: p.size(),
+            idle: u32::try_from(p.num_idle()).unwrap_or(u32::MAX),
+            max: p.options().get_max_connections(),
+        };
+        [
+            stats("write", &self.write_pool),
+            stats("read", &self.sql.reader),
+        ]
+    }
+
+    /// How long taking a connection from the read pool takes now (a
+    /// probe: sqlx keeps no acquire timings); an error when none came
+    /// within the pool's timeout.
+    pub async fn probe_acquire(&self) -> Result<Duration, StoreError> {
+        let started = std::time::Instant::now();
+        let conn = self.sql.reader.acquire().await.map_err(backend)?;
+        let waited = started.elapsed();
+        drop(conn);
+        Ok(waited)
+    }
+
     /// Commands waiting for this replica's writers.
     pub fn queue_depth(&self) -> usize {
         self.sql.queue_depth()
@@ -304,6 +376,16 @@ impl PostgresStore {
     ) -> Result<Vec<pb::BrokerKey>, StoreError> {
         migrate::register_keys(&self.sql.reader, current, retired, self.sql.clock.now_ms()).await?;
         migrate::broker_keys(&self.sql.reader).await
+    }
+
+    /// Says this replica is alive and retires the keys of replicas silent
+    /// for `ttl_ms` (see `migrate::heartbeat`).
+    pub async fn heartbeat(
+        &self,
+        current: &[u8; 32],
+        ttl_ms: i64,
+    ) -> Result<(migrate::Heartbeat, Vec<String>), StoreError> {
+        migrate::heartbeat(&self.sql.reader, current, ttl_ms).await
     }
 }
 

@@ -353,8 +353,9 @@ class BrokerServicer:
         contracts listed, the receipt that gave each its status): a stored
         event is sent without waiting for new commits. The stream never ends by
         itself, even once every contract has ended: the client cancels it. It
-        ends with OK when the broker shuts down, with an error status when the
-        store fails; reconnect with the last cursor. A slow reader is never
+        ends with UNAVAILABLE (UNAVAILABLE) when the broker shuts down (another
+        replica, or the restarted broker, resumes it), with an error status when
+        the store fails; reconnect with the last cursor. A slow reader is never
         skipped: the broker buffers a few events and waits for it.
 
         Streams are capped broker-wide, per caller (session key), per
