@@ -193,8 +193,17 @@ impl Served for SqliteStore {
     fn serving(&self) -> tokio::sync::watch::Receiver<bool> {
         let (serving, status) = tokio::sync::watch::channel(true);
         let lost = self.durability_lost();
+        let mut writable = self.writable();
         tokio::spawn(async move {
-            lost.await;
+            tokio::pin!(lost);
+            loop {
+                let now = *writable.borrow_and_update();
+                serving.send_if_modified(|was| std::mem::replace(was, now) != now);
+                tokio::select! {
+                    () = &mut lost => break,
+                    changed = writable.changed() => if changed.is_err() { break },
+                }
+            }
             let _ = serving.send(false);
             // Held until every receiver is gone: the status stays false.
             serving.closed().await;

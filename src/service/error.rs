@@ -211,7 +211,11 @@ impl From<ServiceError> for Status {
         // Expected while stopping: not an error of the broker's.
         let expected = matches!(e, ServiceError::ShuttingDown);
         if (code == Code::Internal || code == Code::Unavailable) && !expected {
-            tracing::error!(error = %message, "request failed");
+            // A failing store fails every request: one line a second.
+            static FAILED: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+            if let Some(held) = FAILED.allow() {
+                tracing::error!(error = %message, held, "request failed");
+            }
         }
         let metadata: HashMap<String, String> = metadata
             .into_iter()

@@ -17,13 +17,18 @@ use crate::harness::*;
 /// `delegation-broker serve` on port 0 with `extra` arguments; the process
 /// and its address, once it printed "listening on".
 pub fn spawn_serve(data_dir: &std::path::Path, extra: &[&str]) -> (Killed, String) {
+    spawn_logged(data_dir, extra, Stdio::inherit())
+}
+
+/// `spawn_serve` with its log (stderr) sent to `log`.
+fn spawn_logged(data_dir: &std::path::Path, extra: &[&str], log: Stdio) -> (Killed, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .args(extra)
         .env("BROKER_LOG", "warn")
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(log)
         .spawn()
         .expect("broker binary starts");
     let mut line = String::new();
@@ -365,4 +370,149 @@ async fn a_failed_start_names_the_database_and_creates_nothing() {
         )),
         "{said}"
     );
+}
+
+/// Unmounts (lazily) when dropped, also when the test panics.
+struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+async fn health_is(addr: &str, want: ServingStatus, bound: Duration) {
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let deadline = Instant::now() + bound;
+    loop {
+        let now = health
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        if now == want as i32 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "health is not {want:?} within {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Acceptance (b), SQLite: on a small tmpfs filled up, writes fail and
+/// health turns NOT_SERVING at the first failed write; once space is
+/// freed a probe write succeeds and health is SERVING again; nothing
+/// acknowledged is lost; the repeated warnings come at most once a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().join("tmpfs");
+    std::fs::create_dir(&mount).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=6m", "tmpfs"])
+        .arg(&mount)
+        .output();
+    if !mounted.as_ref().is_ok_and(|out| out.status.success()) {
+        eprintln!("skipped: cannot mount a tmpfs here (needs root): {mounted:?}");
+        return;
+    }
+    let _mounted = Mounted(mount.clone());
+    let data = mount.join("data");
+    let log_path = dir.path().join("broker.log");
+    let (mut process, addr) = spawn_logged(
+        &data,
+        &[],
+        Stdio::from(std::fs::File::create(&log_path).unwrap()),
+    );
+    let orchestrator = Agent::generate();
+    let mut client = connect(&addr).await;
+    let root = |n: usize| {
+        let mut body = RootSpec::default().body();
+        body.intent = format!("{n} {}", "x".repeat(2_000));
+        orchestrator.open_root(body)
+    };
+    let mut acknowledged = Vec::new();
+    let first = client.open_root(root(0)).await.unwrap().into_inner();
+    acknowledged.push(first.issued.unwrap().contract_id);
+    // Fill the file system.
+    let mut filler = std::fs::File::create(mount.join("filler")).unwrap();
+    let chunk = vec![0u8; 64 * 1024];
+    while filler.write_all(&chunk).is_ok() {}
+    let _ = filler.sync_all();
+    drop(filler);
+    let mut refused = None;
+    for n in 1..5_000 {
+        match client.open_root(root(n)).await {
+            Ok(answer) => acknowledged.push(answer.into_inner().issued.unwrap().contract_id),
+            Err(status) => {
+                refused = Some(status);
+                break;
+            }
+        }
+    }
+    let refused = refused.expect("a write fails on the full disk");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    health_is(&addr, ServingStatus::NotServing, Duration::from_secs(5)).await;
+    // Refused again while full (and the warnings repeat, throttled).
+    for n in 0..20 {
+        assert!(client.open_root(root(10_000 + n)).await.is_err());
+    }
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    health_is(&addr, ServingStatus::NotServing, Duration::from_secs(1)).await;
+    std::fs::remove_file(mount.join("filler")).unwrap();
+    health_is(&addr, ServingStatus::Serving, Duration::from_secs(10)).await;
+    let after = client.open_root(root(20_000)).await.expect("writes again");
+    acknowledged.push(after.into_inner().issued.unwrap().contract_id);
+
+    signal(&process.0, "TERM");
+    assert!(exit_within(&mut process.0, Duration::from_secs(20)).success());
+    let (_process, addr) = spawn_serve(&data, &[]);
+    let mut client = connect_as(&addr, &orchestrator).await;
+    for id in &acknowledged {
+        client
+            .get_contract(pb::GetContractRequest {
+                contract_id: id.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{} lost: {e}", hex::encode(id)));
+    }
+    // At most one line a second of each repeated warning.
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let mut seen = std::collections::HashMap::new();
+    for line in log.lines() {
+        let Some(second) = line.get(..19) else {
+            continue;
+        };
+        for message in [
+            "batch rolled back",
+            "request failed",
+            "WAL checkpoint failed",
+            "the disk still refuses writes",
+        ] {
+            if line.contains(message) {
+                *seen.entry((second.to_owned(), message)).or_insert(0) += 1;
+            }
+        }
+    }
+    assert!(
+        seen.keys().any(|(_, m)| *m == "request failed"),
+        "the failure was logged:\n{log}"
+    );
+    for ((second, message), count) in &seen {
+        assert!(
+            *count <= 1,
+            "{count} lines of {message:?} at {second}:\n{log}"
+        );
+    }
 }

@@ -116,7 +116,10 @@ pub(super) async fn checkpoint(conn: &mut SqliteConnection) -> Option<Checkpoint
             copied_frames: u64::try_from(copied_frames).unwrap_or(0),
         }),
         Err(e) => {
-            tracing::warn!(error = %e, "WAL checkpoint failed; will retry");
+            static FAILED: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+            if let Some(held) = FAILED.allow() {
+                tracing::warn!(error = %e, held, "WAL checkpoint failed; will retry");
+            }
             None
         }
     }

@@ -27,6 +27,7 @@
 
 mod checkpoint;
 mod durability;
+mod health;
 mod migrate;
 mod script;
 #[cfg(test)]
@@ -185,6 +186,8 @@ pub struct SqliteStore {
     durability: Durability,
     /// Which trees got events recently (the writer's, shared).
     trees: super::TreeChanges,
+    /// False while the disk refuses writes (see `health`).
+    writable: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The connection settings of every connection to the database.
@@ -236,7 +239,9 @@ impl SqliteStore {
         let (synced, sync_queue) = mpsc::channel(MAX_UNSYNCED_BATCHES);
         start_syncer(&options, sync_queue, durable_tx)?;
         let finish_checkpoint = Arc::new(AtomicBool::new(false));
+        let (writable_tx, writable) = tokio::sync::watch::channel(true);
         let writer = WriterStart {
+            writable: writable_tx,
             connect: connect.clone(),
             queue,
             known: known.clone(),
@@ -283,6 +288,7 @@ impl SqliteStore {
             )?),
             trees,
             durability: Durability { committed, durable },
+            writable,
         })
     }
 
@@ -293,6 +299,12 @@ impl SqliteStore {
     pub fn durability_lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut durable = self.durability.durable.clone();
         async move { while durable.changed().await.is_ok() {} }
+    }
+
+    /// True while the disk takes writes; false from a write that failed
+    /// for the storage's sake until a probe write (or a batch) commits.
+    pub fn writable(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.writable.clone()
     }
 
     /// Contracts open or accepted now (one count over the status index).

@@ -74,6 +74,7 @@ pub(super) struct WriterStart {
     pub(super) stamper: Arc<Stamper>,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) options: SqliteOptions,
+    pub(super) writable: tokio::sync::watch::Sender<bool>,
 }
 
 /// Starts the writer on a thread and runtime of its own: its many short
@@ -142,6 +143,7 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
         next_prune: std::time::Instant::now(),
         finish_checkpoint: start.finish_checkpoint,
         metrics: start.options.metrics.clone(),
+        writable: start.writable,
     };
     let max_batch = start.options.max_batch.max(1);
     writer_loop(
@@ -188,6 +190,8 @@ pub(super) struct WriterState {
     pub(super) finish_checkpoint: Arc<AtomicBool>,
     /// `SqliteOptions::metrics`.
     pub(super) metrics: Option<crate::metrics::StoreMetrics>,
+    /// False while the disk refuses writes (see `health`).
+    pub(super) writable: tokio::sync::watch::Sender<bool>,
 }
 
 /// Prunes the request log when due (a commit of its own, sent to the
@@ -224,7 +228,10 @@ async fn prune_when_due(
             Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
             Ok(_) => now + PRUNE_INTERVAL,
             Err(e) => {
-                tracing::warn!(error = %e, "pruning the request log failed; will retry");
+                static PRUNE_FAILED: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+                if let Some(held) = PRUNE_FAILED.allow() {
+                    tracing::warn!(error = %e, held, "pruning the request log failed; will retry");
+                }
                 now + PRUNE_INTERVAL
             }
         };
@@ -242,7 +249,22 @@ pub(super) async fn writer_loop(
 ) {
     let mut commands = Vec::with_capacity(max_batch);
     let mut replies = Vec::with_capacity(max_batch);
-    while let Some((first, reply)) = queue.recv().await {
+    loop {
+        let next = if *state.writable.borrow() {
+            queue.recv().await
+        } else {
+            // The disk refused writes: probe it between requests.
+            match tokio::time::timeout(super::health::PROBE_INTERVAL, queue.recv()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    if !probe_disk(conn, &mut state, clock.as_ref()).await {
+                        break;
+                    }
+                    continue;
+                }
+            }
+        };
+        let Some((first, reply)) = next else { break };
         commands.push(first);
         replies.push(reply);
         while commands.len() < max_batch {
@@ -266,10 +288,17 @@ pub(super) async fn writer_loop(
                     took_us = began.elapsed().as_micros() as u64,
                     "batch committed"
                 );
+                writable(&state, true);
                 replies.drain(..).zip(answers).collect()
             }
             Err(e) => {
-                tracing::error!(error = %e, size = commands.len(), "batch rolled back");
+                static ROLLED_BACK: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+                if let Some(held) = ROLLED_BACK.allow() {
+                    tracing::error!(error = %e, size = commands.len(), held, "batch rolled back");
+                }
+                if super::health::storage_failed(&e) {
+                    writable(&state, false);
+                }
                 // The plan already changed the cache; the database did not.
                 lock(&state.known).clear();
                 // next_seq is not rolled back: if the commit did reach the
@@ -305,13 +334,66 @@ pub(super) async fn writer_loop(
                 .execute(&mut *conn)
                 .await
         {
-            tracing::warn!(error = %e, "finishing the WAL checkpoint failed; will retry");
+            static FINISH_FAILED: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+            if let Some(held) = FINISH_FAILED.allow() {
+                tracing::warn!(error = %e, held, "finishing the WAL checkpoint failed; will retry");
+            }
         }
         if !prune_when_due(conn, &mut state, clock.as_ref()).await {
             break;
         }
     }
     tracing::debug!("store writer stopped");
+}
+
+/// Tells health whether the disk takes writes, saying so once per change.
+fn writable(state: &WriterState, now: bool) {
+    let changed = state.writable.send_if_modified(|was| {
+        let changed = *was != now;
+        *was = now;
+        changed
+    });
+    if changed && now {
+        tracing::info!("the disk takes writes again: the store serves");
+    } else if changed {
+        tracing::error!(
+            "the disk refuses writes (full, read-only or failing): the store is not serving until a probe write succeeds"
+        );
+    }
+}
+
+/// One probe write (see `health`), a commit like any other (through the
+/// syncer); false when the syncer has stopped: the writer stops too.
+async fn probe_disk(
+    conn: &mut SqliteConnection,
+    state: &mut WriterState,
+    clock: &dyn Clock,
+) -> bool {
+    state.committed.fetch_add(1, Ordering::SeqCst);
+    let probed = super::health::probe(conn, clock.now_ms()).await;
+    let number = state.committed.load(Ordering::SeqCst);
+    if state
+        .synced
+        .send(Unsynced {
+            number,
+            replies: Vec::new(),
+        })
+        .await
+        .is_err()
+    {
+        tracing::error!("the syncer stopped; the store writer stops");
+        return false;
+    }
+    match probed {
+        Ok(()) => writable(state, true),
+        Err(e) => {
+            static PROBE_FAILED: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+            if let Some(held) = PROBE_FAILED.allow() {
+                tracing::warn!(error = %e, held, "the disk still refuses writes");
+            }
+        }
+    }
+    true
 }
 
 /// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries that arrived
