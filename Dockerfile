@@ -10,6 +10,13 @@ WORKDIR /build
 
 # `release` (no debug info) or `profiling` (line tables, for perf).
 ARG PROFILE=release
+# What `delegation-broker version` and broker_build_info report: the
+# context has no .git, so the builder passes them, e.g.
+#   --build-arg BROKER_BUILD_COMMIT=$(git rev-parse --short=12 HEAD)
+#   --build-arg BROKER_BUILD_DATE=$(git log -1 --format=%cI)
+# ("unknown" otherwise). build.rs reads them from the environment.
+ARG BROKER_BUILD_COMMIT=unknown
+ARG BROKER_BUILD_DATE=unknown
 
 # Dependencies first, in a layer of their own that only a change to the
 # manifest, the lock file, build.rs or proto/ invalidates: the crate is

@@ -41,11 +41,20 @@ fn build_info() {
     println!("cargo:rerun-if-env-changed=BROKER_BUILD_COMMIT");
     println!("cargo:rerun-if-env-changed=BROKER_BUILD_DATE");
     // HEAD names the branch; the branch's ref file moves with each commit.
-    println!("cargo:rerun-if-changed=.git/HEAD");
+    // Named only when present: a missing path would rerun this script on
+    // every build (a Docker build has no .git).
+    if std::path::Path::new(".git/HEAD").exists() {
+        println!("cargo:rerun-if-changed=.git/HEAD");
+    }
     if let Ok(head) = std::fs::read_to_string(".git/HEAD")
         && let Some(reference) = head.trim().strip_prefix("ref: ")
     {
-        println!("cargo:rerun-if-changed=.git/{reference}");
+        let path = format!(".git/{reference}");
+        // A packed ref has no file of its own: then HEAD's commit shows
+        // from the next change of HEAD or of build inputs.
+        if std::path::Path::new(&path).exists() {
+            println!("cargo:rerun-if-changed={path}");
+        }
     }
     let git = |args: &[&str]| {
         std::process::Command::new("git")

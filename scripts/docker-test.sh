@@ -55,7 +55,10 @@ trap 'exit 130' INT # exit, so that the EXIT trap cleans up
 trap 'exit 143' TERM
 
 say "docker build -t $IMAGE ."
-docker build -t "$IMAGE" .
+docker build -t "$IMAGE" \
+    --build-arg "BROKER_BUILD_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)" \
+    --build-arg "BROKER_BUILD_DATE=$(TZ=UTC git log -1 --format=%cd --date=iso-strict-local 2>/dev/null || echo unknown)" \
+    .
 
 # Fails, with the container's output, unless it is still running.
 running() {

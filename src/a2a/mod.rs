@@ -66,7 +66,7 @@ pub fn run(args: A2aArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?
         .block_on(async {
-            let telemetry = crate::telemetry::init(&format, args.otlp_endpoint.as_deref(), 1.0)?;
+            let telemetry = crate::telemetry::init(&format, args.otlp_endpoint.as_deref(), None)?;
             let served = serve(config).await;
             telemetry.shutdown().await;
             served

@@ -133,8 +133,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         } else {
             None
         };
-        let telemetry =
-            crate::telemetry::init(&format, receiver.as_ref().map(|r| r.endpoint.as_str()), 1.0)?;
+        let telemetry = crate::telemetry::init(
+            &format,
+            receiver.as_ref().map(|r| r.endpoint.as_str()),
+            None,
+        )?;
         let result = drive(args).await;
         telemetry.shutdown().await;
         if let Some(receiver) = receiver {

@@ -50,17 +50,24 @@ enum Command {
         /// configuration; prints the URL with a fresh access token.
         #[arg(long, env = "BROKER_CONSOLE")]
         console: Option<String>,
-        /// Export each call's span over OTLP/gRPC to this collector, e.g.
-        /// http://127.0.0.1:4317 (off when absent).
+        /// Export each call's span over OTLP to this collector, e.g.
+        /// http://127.0.0.1:4317 (off when absent). The standard
+        /// variables work too: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (wins,
+        /// used as given), OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL = grpc
+        /// (default) or http/protobuf (then /v1/traces is appended to this
+        /// endpoint), OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES,
+        /// OTEL_SDK_DISABLED.
         #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
         otlp_endpoint: Option<String>,
         /// The share of calls whose spans are exported, 0 to 1 (by trace
         /// id). The broker's own decision: a caller's unsampled
         /// `traceparent` does not switch it off (the span then starts a
-        /// trace of its own, linked to the caller's).
-        #[arg(long, env = "BROKER_TRACE_SAMPLE_RATIO", default_value_t = 1.0,
-              value_parser = parse_sample_ratio)]
-        trace_sample_ratio: f64,
+        /// trace of its own, linked to the caller's). When absent,
+        /// OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG decide
+        /// (always_on by default; parentbased_* export every call that
+        /// continues a sampled caller's trace).
+        #[arg(long, env = "BROKER_TRACE_SAMPLE_RATIO", value_parser = parse_sample_ratio)]
+        trace_sample_ratio: Option<f64>,
         /// A file holding the signing key's secret seed (hex, as `keygen`
         /// writes it), e.g. mounted from a secret: read, never created,
         /// so every replica (or every restart of an ephemeral one) signs
@@ -223,7 +230,7 @@ pub fn main() -> ExitCode {
         Command::Mcp(args) => args.installs_telemetry(),
         _ => false,
     };
-    if !own && let Err(e) = crate::telemetry::init(&format, None, 1.0) {
+    if !own && let Err(e) = crate::telemetry::init_logging(&format) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
@@ -309,7 +316,7 @@ fn serve(
     (data_dir, signing_key_file): (PathBuf, Option<PathBuf>),
     config: Option<PathBuf>,
     (metrics, console): (Option<String>, Option<String>),
-    (otlp_endpoint, trace_sample_ratio): (Option<String>, f64),
+    (otlp_endpoint, trace_sample_ratio): (Option<String>, Option<f64>),
     database: DatabaseArgs,
     logging: crate::telemetry::Logging,
 ) -> anyhow::Result<()> {

@@ -119,7 +119,7 @@ fn serve_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let format = crate::telemetry::Logging::from_env()?;
     runtime()?.block_on(async {
-        let telemetry = crate::telemetry::init(&format, args.otlp_endpoint.as_deref(), 1.0)?;
+        let telemetry = crate::telemetry::init(&format, args.otlp_endpoint.as_deref(), None)?;
         let channel = broker_channel(&config.broker)?;
         let gateway = gateway::Gateway::start(config, channel).await?;
         tracing::info!(host = %gateway.host(), "MCP gateway ready");

@@ -505,7 +505,10 @@ fn serve_metrics(
 ) -> tokio::sync::oneshot::Sender<()> {
     let (metrics_stop, metrics_stopping) = tokio::sync::oneshot::channel::<()>();
     if let Some(metrics_listener) = metrics_listener {
-        tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving metrics at /metrics");
+        let address = metrics_listener
+            .local_addr()
+            .map_or_else(|_| "unknown".to_owned(), |a| a.to_string());
+        tracing::info!(%address, "serving metrics at /metrics");
         tokio::spawn(crate::metrics::serve(
             metrics_listener,
             metrics.clone(),

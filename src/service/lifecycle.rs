@@ -146,13 +146,16 @@ impl<S: Store> BrokerService<S> {
         let kind = pb::ReceiptKind::try_from(decided.kind).map_or("UNKNOWN", |k| k.as_str_name());
         telemetry::record(Fact::Outcome(kind, replayed));
         telemetry::record(Fact::RootId(&decided.root_id));
-        if replayed {
-            return;
-        }
         let verdict = pb::Verdict::try_from(decided.verdict)
             .ok()
             .filter(|v| *v != pb::Verdict::Unspecified)
             .map_or("", |v| v.as_str_name());
+        if !verdict.is_empty() {
+            telemetry::record(Fact::Verdict(verdict));
+        }
+        if replayed {
+            return;
+        }
         self.metrics
             .transitions
             .with_label_values(&[kind, verdict])

@@ -69,7 +69,15 @@ impl Sessions {
     /// The current key with this id: this broker's, or a replica's.
     fn current_key(&self, key_id: &str) -> Option<VerifyingKey> {
         if key_id == self.current.0 {
-            return Some(self.current.1);
+            // Its own key, unless the registry retired it (an operator's
+            // `keys retire`): then not even this replica accepts it.
+            let retired = self
+                .published
+                .read()
+                .0
+                .iter()
+                .any(|k| k.key_id == key_id && !k.current);
+            return (!retired).then_some(self.current.1);
         }
         self.published
             .get()
@@ -117,7 +125,7 @@ impl Sessions {
             return Err(unauthenticated(
                 pb::ErrorReason::NoSession,
                 format!(
-                    "reads need a session: call OpenSession and send its envelope as {SESSION_METADATA} metadata"
+                    "reads need a session: call OpenSession and send the session it returns (a Sealed, serialized) as {SESSION_METADATA} metadata"
                 ),
             ));
         };

@@ -107,16 +107,218 @@ impl Telemetry {
     }
 }
 
+/// How spans leave the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// OTLP over gRPC (port 4317 by convention): the default.
+    Grpc,
+    /// OTLP over HTTP, protobuf bodies (port 4318, `/v1/traces`).
+    HttpProtobuf,
+}
+
+/// Which spans are exported (`OTEL_TRACES_SAMPLER` or
+/// `--trace-sample-ratio`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sampling {
+    /// The broker's own decision by trace id, whatever the caller sent.
+    Ratio(f64),
+    /// A call continuing a sampled caller's trace is exported; the others
+    /// by trace id at this ratio.
+    ParentBased(f64),
+}
+
+/// Where and how call spans are exported.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Export {
+    /// The URL the exporter sends to (for HTTP, with `/v1/traces`).
+    pub endpoint: String,
+    pub protocol: Protocol,
+    pub sampling: Sampling,
+}
+
+/// The export the flags and the standard OpenTelemetry variables ask
+/// for, `None` when no endpoint is set (or `OTEL_SDK_DISABLED=true`).
+/// `endpoint` is the flag (`--otlp-endpoint`, which also reads
+/// `OTEL_EXPORTER_OTLP_ENDPOINT`); `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`
+/// wins over it, as the specification says, and is used as given.
+/// `OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`: `grpc` (default) or
+/// `http/protobuf`. `ratio` is `--trace-sample-ratio`; without it
+/// `OTEL_TRACES_SAMPLER` (`always_on` default, `always_off`,
+/// `traceidratio`, `parentbased_*`) with `OTEL_TRACES_SAMPLER_ARG`.
+pub fn export_settings(
+    endpoint: Option<&str>,
+    ratio: Option<f64>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<Export>, TelemetryError> {
+    let env = |name: &str| env(name).filter(|v| !v.trim().is_empty());
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) {
+        return Ok(None);
+    }
+    let traces = env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    let base = endpoint
+        .map(str::to_owned)
+        .filter(|e| !e.trim().is_empty())
+        .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"));
+    if traces.is_none() && base.is_none() {
+        return Ok(None);
+    }
+    let (variable, protocol) = match env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") {
+        Some(p) => ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", Some(p)),
+        None => (
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            env("OTEL_EXPORTER_OTLP_PROTOCOL"),
+        ),
+    };
+    let protocol = match protocol.as_deref().map(str::trim) {
+        None | Some("grpc") => Protocol::Grpc,
+        Some("http/protobuf") => Protocol::HttpProtobuf,
+        Some(other) => {
+            return Err(TelemetryError::Exporter(format!(
+                "{variable} must be grpc or http/protobuf, not {:?}",
+                other.chars().take(64).collect::<String>()
+            )));
+        }
+    };
+    let endpoint = match (traces, base, protocol) {
+        (Some(traces), _, _) => traces,
+        (None, Some(base), Protocol::HttpProtobuf) => {
+            format!("{}/v1/traces", base.trim_end_matches('/'))
+        }
+        (None, Some(base), Protocol::Grpc) => base,
+        (None, None, _) => return Ok(None),
+    };
+    let sampling = match ratio {
+        Some(ratio) => Sampling::Ratio(ratio),
+        None => {
+            let arg = || -> Result<f64, TelemetryError> {
+                match env("OTEL_TRACES_SAMPLER_ARG") {
+                    None => Ok(1.0),
+                    Some(text) => text
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|r| (0.0..=1.0).contains(r))
+                        .ok_or_else(|| {
+                            TelemetryError::Exporter(format!(
+                                "OTEL_TRACES_SAMPLER_ARG must be a number from 0 to 1, not {:?}",
+                                text.chars().take(64).collect::<String>()
+                            ))
+                        }),
+                }
+            };
+            match env("OTEL_TRACES_SAMPLER").as_deref().map(str::trim) {
+                None | Some("always_on") => Sampling::Ratio(1.0),
+                Some("always_off") => Sampling::Ratio(0.0),
+                Some("traceidratio") => Sampling::Ratio(arg()?),
+                Some("parentbased_always_on") => Sampling::ParentBased(1.0),
+                Some("parentbased_always_off") => Sampling::ParentBased(0.0),
+                Some("parentbased_traceidratio") => Sampling::ParentBased(arg()?),
+                Some(other) => {
+                    return Err(TelemetryError::Exporter(format!(
+                        "OTEL_TRACES_SAMPLER must be always_on, always_off, traceidratio or parentbased_(always_on|always_off|traceidratio), not {:?}",
+                        other.chars().take(64).collect::<String>()
+                    )));
+                }
+            }
+        }
+    };
+    Ok(Some(Export {
+        endpoint,
+        protocol,
+        sampling,
+    }))
+}
+
+/// The spans' resource: what the standard variables say
+/// (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`), with
+/// `service.name` "delegation-broker", `service.version` this build and a
+/// fresh `service.instance.id` (one per process: tells replicas apart)
+/// where they say nothing.
+pub fn resource(env: impl Fn(&str) -> Option<String>) -> opentelemetry_sdk::Resource {
+    use opentelemetry::KeyValue;
+    // `key=value,key=value` (values as given: no percent-decoding).
+    let given: Vec<(String, String)> = env("OTEL_RESOURCE_ATTRIBUTES")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            let k = k.trim();
+            (!k.is_empty()).then(|| (k.to_owned(), v.trim().to_owned()))
+        })
+        .take(MAX_RESOURCE_ATTRIBUTES)
+        .collect();
+    let has = |key: &str| given.iter().any(|(k, _)| k == key);
+    let name = env("OTEL_SERVICE_NAME")
+        .filter(|v| !v.trim().is_empty())
+        .or_else(|| {
+            given
+                .iter()
+                .find(|(k, _)| k == "service.name")
+                .map(|(_, v)| v.clone())
+        })
+        .unwrap_or_else(|| "delegation-broker".to_owned());
+    let mut attributes: Vec<KeyValue> = given
+        .iter()
+        .map(|(k, v)| KeyValue::new(k.clone(), v.clone()))
+        .collect();
+    if !has("service.version") {
+        attributes.push(KeyValue::new("service.version", crate::build::VERSION));
+    }
+    if !has("service.instance.id") {
+        attributes.push(KeyValue::new("service.instance.id", instance_id()));
+    }
+    opentelemetry_sdk::Resource::builder_empty()
+        .with_detector(Box::new(
+            opentelemetry_sdk::resource::TelemetryResourceDetector,
+        ))
+        .with_attributes(attributes)
+        .with_service_name(name)
+        .build()
+}
+
+/// Most `OTEL_RESOURCE_ATTRIBUTES` entries read.
+const MAX_RESOURCE_ATTRIBUTES: usize = 128;
+
+/// A random UUID (version 4) naming this process.
+fn instance_id() -> String {
+    let mut bytes = [0u8; 16];
+    // The system's randomness failing leaves zeros: still a valid id.
+    let _ = getrandom::fill(&mut bytes);
+    bytes[6] = (bytes[6] & 0x0f) | 0x40;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let hex = hex::encode(bytes);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
 /// Installs the process's subscriber: logs to stderr, filtered by
-/// `BROKER_LOG` (default `info`), in `format`; and, with `otlp_endpoint`
-/// (e.g. `http://127.0.0.1:4317`), the call spans exported over OTLP/gRPC
-/// in batches. Must run inside a tokio runtime when exporting (the
-/// exporter's channel lives on it).
+/// `BROKER_LOG` (default `info`), in `format`; and, when `export_settings`
+/// finds an endpoint (the `otlp_endpoint` flag or the standard
+/// variables), the call spans exported over OTLP in batches. Must run
+/// inside a tokio runtime when exporting (the exporter's channel lives on
+/// it).
 pub fn init(
     logging: &Logging,
     otlp_endpoint: Option<&str>,
-    sample_ratio: f64,
+    sample_ratio: Option<f64>,
 ) -> Result<Telemetry, TelemetryError> {
+    let env = |name: &str| std::env::var(name).ok();
+    install(logging, export_settings(otlp_endpoint, sample_ratio, env)?)
+}
+
+/// Logs only, whatever the environment says of OTLP: for the commands
+/// that serve no calls (`keygen`, `verify`, …).
+pub fn init_logging(logging: &Logging) -> Result<Telemetry, TelemetryError> {
+    install(logging, None)
+}
+
+fn install(logging: &Logging, export: Option<Export>) -> Result<Telemetry, TelemetryError> {
     use opentelemetry::trace::TracerProvider as _;
     use opentelemetry_otlp::WithExportConfig as _;
     use tracing_subscriber::layer::SubscriberExt as _;
@@ -135,25 +337,40 @@ pub fn init(
         format == LogFormat::Json,
         std::sync::atomic::Ordering::Relaxed,
     );
-    let provider = match otlp_endpoint {
-        Some(endpoint) => {
-            let exporter = opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(endpoint)
-                .with_timeout(std::time::Duration::from_millis(OTLP_EXPORT_TIMEOUT_MS))
-                .build()
-                .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+    let env = |name: &str| std::env::var(name).ok();
+    let provider = match export {
+        Some(export) => {
+            let timeout = std::time::Duration::from_millis(OTLP_EXPORT_TIMEOUT_MS);
+            // The HTTP exporter's client (reqwest, built without a crypto
+            // provider of its own) needs the process's; ring, as the
+            // gateways use. Already installed: fine.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let exporter = match export.protocol {
+                Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
+                    .with_tonic()
+                    .with_endpoint(&export.endpoint)
+                    .with_timeout(timeout)
+                    .build(),
+                Protocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                    .with_endpoint(&export.endpoint)
+                    .with_timeout(timeout)
+                    .build(),
+            }
+            .map_err(|e| TelemetryError::Exporter(format!("{}: {e}", export.endpoint)))?;
             let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
-                .with_sampler(sampler(sample_ratio))
+                .with_sampler(match export.sampling {
+                    Sampling::Ratio(ratio) => sampler(ratio),
+                    Sampling::ParentBased(ratio) => {
+                        opentelemetry_sdk::trace::Sampler::ParentBased(Box::new(sampler(ratio)))
+                    }
+                })
                 .with_batch_exporter(Counted {
                     inner: exporter,
                     counts: &SPANS,
                 })
-                .with_resource(
-                    opentelemetry_sdk::Resource::builder()
-                        .with_service_name("delegation-broker")
-                        .build(),
-                )
+                .with_resource(resource(env))
                 .build();
             if EXPORT.set(provider.tracer("delegation-broker")).is_err() {
                 return Err(TelemetryError::Subscriber(
@@ -281,10 +498,19 @@ impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanEx
     ) -> opentelemetry_sdk::error::OTelSdkResult {
         let spans = batch.len() as u64;
         let result = self.inner.export(batch).await;
-        match result {
-            Ok(()) => self.counts.exported.fetch_add(spans, Ordering::Relaxed),
-            Err(_) => self.counts.failed.fetch_add(spans, Ordering::Relaxed),
-        };
+        match &result {
+            Ok(()) => {
+                self.counts.exported.fetch_add(spans, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.counts.failed.fetch_add(spans, Ordering::Relaxed);
+                // A collector away fails every batch: one line a second.
+                static EXPORT_FAILED: Throttle = Throttle::new();
+                if let Some(held) = EXPORT_FAILED.allow() {
+                    tracing::warn!(error = %e, spans, held, "exporting spans over OTLP failed; they are dropped");
+                }
+            }
+        }
         result
     }
 
@@ -330,6 +556,7 @@ struct Facts {
     agent_key: Option<[u8; 32]>,
     outcome: Option<(&'static str, bool)>,
     refused_codes: Option<String>,
+    verdict: Option<&'static str>,
 }
 
 impl Call {
@@ -361,6 +588,7 @@ impl Call {
             facts
                 .refused_codes
                 .map(|c| KeyValue::new("broker.refused_codes", c)),
+            facts.verdict.map(|v| KeyValue::new("broker.verdict", v)),
         ];
         self.span.set_attributes(attributes.into_iter().flatten());
         if grpc_code.is_some_and(|code| code != 0) {
@@ -482,6 +710,7 @@ macro_rules! call_span {
             broker.agent_key_id = tracing::field::Empty,
             broker.outcome = tracing::field::Empty,
             broker.refused_codes = tracing::field::Empty,
+            broker.verdict = tracing::field::Empty,
         )
     };
 }
@@ -565,11 +794,16 @@ where
         };
         let answered = async move {
             let response = response.await;
-            let code = response.as_ref().ok().map(grpc_code);
+            // A number, as the README and the OpenTelemetry conventions
+            // say (a status that is not one is not recorded).
+            let code = response
+                .as_ref()
+                .ok()
+                .and_then(|r| grpc_code(r).parse::<i64>().ok());
             if let Some(code) = code {
                 let span = tracing::Span::current();
                 span.record("rpc.grpc.status_code", code);
-                if code != "0" {
+                if code != 0 {
                     span.record("otel.status_code", "ERROR");
                 }
                 tracing::debug!(
@@ -578,7 +812,6 @@ where
                     "call answered"
                 );
             }
-            let code = code.and_then(|c| c.parse::<i64>().ok());
             let _ = CALL.try_with(|call| call.borrow_mut().end(code));
             response
         }
@@ -648,6 +881,8 @@ pub enum Fact<'a> {
     Outcome(&'static str, bool),
     /// The invariant codes a refusal names (`broker.refused_codes`).
     RefusedCodes(&'a [&'static str]),
+    /// A completion's or adjudication's verdict (`broker.verdict`).
+    Verdict(&'static str),
 }
 
 /// Records a broker fact on the current call's spans: as a plain value for
@@ -667,6 +902,7 @@ pub fn record(fact: Fact<'_>) {
                 span.record("broker.outcome", display(Outcome(o, replayed)))
             }
             Fact::RefusedCodes(codes) => span.record("broker.refused_codes", codes.join(",")),
+            Fact::Verdict(verdict) => span.record("broker.verdict", verdict),
         };
     }
     let _ = CALL.try_with(|call| {
@@ -680,6 +916,7 @@ pub fn record(fact: Fact<'_>) {
             Fact::AgentKey(v) => facts.agent_key = Some(*v),
             Fact::Outcome(o, replayed) => facts.outcome = Some((o, replayed)),
             Fact::RefusedCodes(codes) => facts.refused_codes = Some(codes.join(",")),
+            Fact::Verdict(verdict) => facts.verdict = Some(verdict),
         }
     });
 }

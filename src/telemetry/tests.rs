@@ -260,3 +260,138 @@ async fn the_exporter_counts_spans_ended_exported_and_failed() {
         }
     );
 }
+
+mod otel_variables {
+    use crate::telemetry::{Protocol, Sampling, export_settings, resource};
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn no_endpoint_no_export_and_the_sdk_can_be_disabled() {
+        assert_eq!(export_settings(None, None, env(&[])).unwrap(), None);
+        let vars = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
+            ("OTEL_SDK_DISABLED", "true"),
+        ];
+        assert_eq!(export_settings(None, None, env(&vars)).unwrap(), None);
+    }
+
+    #[test]
+    fn the_traces_endpoint_wins_and_http_gets_its_path() {
+        let grpc = export_settings(Some("http://c:4317"), None, env(&[]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (grpc.endpoint.as_str(), grpc.protocol),
+            ("http://c:4317", Protocol::Grpc)
+        );
+        assert_eq!(grpc.sampling, Sampling::Ratio(1.0));
+        let vars = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318/"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ];
+        let http = export_settings(None, None, env(&vars)).unwrap().unwrap();
+        assert_eq!(http.endpoint, "http://c:4318/v1/traces");
+        assert_eq!(http.protocol, Protocol::HttpProtobuf);
+        let vars = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://t:9/x"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+        ];
+        let traces = export_settings(Some("http://flag:4317"), None, env(&vars))
+            .unwrap()
+            .unwrap();
+        assert_eq!(traces.endpoint, "http://t:9/x", "used as given");
+        assert_eq!(traces.protocol, Protocol::HttpProtobuf);
+        let bad = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+        ];
+        let error = export_settings(None, None, env(&bad)).unwrap_err();
+        assert!(
+            error.to_string().contains("OTEL_EXPORTER_OTLP_PROTOCOL"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn samplers_by_name_and_the_flag_wins() {
+        let with = |sampler: &str, arg: &str| {
+            let vars = [
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"),
+                ("OTEL_TRACES_SAMPLER", sampler),
+                ("OTEL_TRACES_SAMPLER_ARG", arg),
+            ];
+            export_settings(None, None, env(&vars)).map(|e| e.unwrap().sampling)
+        };
+        assert_eq!(with("always_off", "").unwrap(), Sampling::Ratio(0.0));
+        assert_eq!(with("traceidratio", "0.25").unwrap(), Sampling::Ratio(0.25));
+        assert_eq!(
+            with("parentbased_traceidratio", "0.5").unwrap(),
+            Sampling::ParentBased(0.5)
+        );
+        assert_eq!(
+            with("parentbased_always_on", "").unwrap(),
+            Sampling::ParentBased(1.0)
+        );
+        assert!(with("traceidratio", "2").is_err());
+        assert!(with("jaeger_remote", "").is_err());
+        let vars = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"),
+            ("OTEL_TRACES_SAMPLER", "always_off"),
+        ];
+        let flag = export_settings(None, Some(0.5), env(&vars))
+            .unwrap()
+            .unwrap();
+        assert_eq!(flag.sampling, Sampling::Ratio(0.5));
+    }
+
+    #[test]
+    fn the_resource_names_the_broker_its_version_and_instance() {
+        let read = |r: &opentelemetry_sdk::Resource, key: &str| {
+            r.get(&opentelemetry::Key::from(key.to_owned()))
+                .map(|v| v.to_string())
+        };
+        let plain = resource(env(&[]));
+        assert_eq!(
+            read(&plain, "service.name").as_deref(),
+            Some("delegation-broker")
+        );
+        assert_eq!(
+            read(&plain, "service.version").as_deref(),
+            Some(crate::build::VERSION)
+        );
+        let instance = read(&plain, "service.instance.id").unwrap();
+        assert_eq!(instance.len(), 36);
+        assert_ne!(
+            read(&resource(env(&[])), "service.instance.id").unwrap(),
+            instance
+        );
+        // What the operator says is kept; OTEL_SERVICE_NAME wins.
+        let given = resource(env(&[(
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "service.name=x, service.instance.id=pod-7,deployment.environment=prod",
+        )]));
+        assert_eq!(
+            read(&given, "service.instance.id").as_deref(),
+            Some("pod-7")
+        );
+        assert_eq!(read(&given, "service.name").as_deref(), Some("x"));
+        assert_eq!(
+            read(&given, "deployment.environment").as_deref(),
+            Some("prod")
+        );
+        let named = resource(env(&[
+            ("OTEL_RESOURCE_ATTRIBUTES", "service.name=x"),
+            ("OTEL_SERVICE_NAME", "y"),
+        ]));
+        assert_eq!(read(&named, "service.name").as_deref(), Some("y"));
+    }
+}

@@ -589,7 +589,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
             filter: None,
         },
         Some(&endpoint),
-        1.0,
+        Some(1.0),
     )
     .expect("telemetry");
 
@@ -676,6 +676,17 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     assert_eq!(hex::encode(&span.trace_id), trace_id);
     // Later calls on the contract, sent with no context, start traces of
     // their own and link to the call that issued the contract.
+    // A completion's span carries the broker's verdict.
+    let completed = named("Complete");
+    let verdict = completed
+        .attributes
+        .iter()
+        .find(|a| a.key == "broker.verdict")
+        .and_then(|a| a.value.as_ref()?.value.clone());
+    assert!(
+        matches!(&verdict, Some(Value::StringValue(v)) if v.starts_with("VERDICT_")),
+        "the Complete span's verdict: {verdict:?}"
+    );
     for later in ["Accept", "Complete"] {
         let later = named(later);
         assert_ne!(hex::encode(&later.trace_id), trace_id);

@@ -516,3 +516,134 @@ async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
         );
     }
 }
+
+/// Acceptance (g): the standard OpenTelemetry variables alone turn export
+/// on — `OTEL_SERVICE_NAME` and `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, over
+/// gRPC and over HTTP/protobuf — and the spans' resource carries the
+/// service name, `service.version` and a `service.instance.id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standard_otel_variables_alone_export_spans() {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    use prost::Message as _;
+
+    type Resources = tokio::sync::mpsc::UnboundedSender<Vec<(String, String)>>;
+    fn resources_of(request: ExportTraceServiceRequest, sent: &Resources) {
+        for spans in request.resource_spans {
+            let attributes = spans
+                .resource
+                .map(|r| r.attributes)
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|a| match a.value?.value? {
+                    Value::StringValue(v) => Some((a.key, v)),
+                    _ => None,
+                })
+                .collect();
+            let _ = sent.send(attributes);
+        }
+    }
+    struct Receiver(Resources);
+    #[tonic::async_trait]
+    impl TraceService for Receiver {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            resources_of(request.into_inner(), &self.0);
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    let (sent, mut resources) = tokio::sync::mpsc::unbounded_channel();
+    // OTLP/gRPC.
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let grpc_url = format!("http://{}", grpc.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver(sent.clone())))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc)),
+    );
+    // OTLP/HTTP, protobuf bodies.
+    let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http_url = format!("http://{}/v1/traces", http.local_addr().unwrap());
+    let http_sent = sent.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let sent = http_sent.clone();
+            async move {
+                if let Ok(request) = ExportTraceServiceRequest::decode(body) {
+                    resources_of(request, &sent);
+                }
+                ExportTraceServiceResponse::default().encode_to_vec()
+            }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(http, app).await });
+
+    for (protocol, endpoint, service) in [
+        ("grpc", grpc_url, "broker-over-grpc"),
+        ("http/protobuf", http_url, "broker-over-http"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir.path())
+            .env("BROKER_LOG", "warn")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .env("OTEL_SERVICE_NAME", service)
+            .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", &endpoint)
+            .env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let mut process = Killed(child);
+        let addr = format!(
+            "http://{}",
+            line.trim().strip_prefix("listening on ").unwrap()
+        );
+        let orchestrator = Agent::generate();
+        connect(&addr)
+            .await
+            .open_root(orchestrator.open_root(RootSpec::default().body()))
+            .await
+            .unwrap();
+        // A clean stop flushes the exporter.
+        signal(&process.0, "TERM");
+        assert!(exit_within(&mut process.0, Duration::from_secs(20)).success());
+        let attributes = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let attributes = resources.recv().await.unwrap();
+                if attributes
+                    .iter()
+                    .any(|(k, v)| k == "service.name" && v == service)
+                {
+                    return attributes;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no span of {service} over {protocol}"));
+        let get = |key: &str| {
+            attributes
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_else(|| panic!("{key} in {attributes:?}"))
+        };
+        assert_eq!(get("service.version"), delegation_broker::build::VERSION);
+        let instance = get("service.instance.id");
+        assert_eq!(instance.len(), 36, "a UUID: {instance}");
+    }
+}

@@ -1126,6 +1126,17 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     assert!(ok);
     let shared_line = listed.lines().find(|l| l.starts_with(&shared_id)).unwrap();
     assert!(shared_line.contains(" operator "), "{listed}");
+    // Not even the replicas holding it accept it for new sessions (they
+    // re-read the registry every 500 ms).
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    for addr in [&addr_a, &addr_b] {
+        let refused = connect(addr)
+            .await
+            .open_session(orchestrator.open_session(&shared_id))
+            .await
+            .expect_err("an operator-retired key opens no session");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    }
     let (ok, _, err) = keys(&["retire", "ed25519:00"]);
     assert!(!ok && err.contains("KEY_ID"), "{err}");
     let refused = std::process::Command::new(binary)
