@@ -620,6 +620,17 @@ const STATICS: &[(&str, &str, &str)] = &[
     ("store/sqlite/writer.rs", "FINISH_FAILED", "a log throttle"),
     ("store/sqlite/writer.rs", "PRUNE_FAILED", "a log throttle"),
     ("telemetry/mod.rs", "EXPORT_FAILED", "a log throttle"),
+    (
+        "store/postgres/writer.rs",
+        "ISSUANCE_FAILED",
+        "a log throttle",
+    ),
+    (
+        "store/postgres/writer.rs",
+        "TRANSITION_FAILED",
+        "a log throttle",
+    ),
+    ("store/postgres/writer.rs", "PRUNE_FAILED", "a log throttle"),
 ];
 
 fn static_violations() -> Vec<String> {

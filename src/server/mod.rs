@@ -419,6 +419,21 @@ async fn serve<S: Served>(
             },
         );
     drained(server, shutting_down.clone(), drain).await?;
+    let _ = metrics_stop.send(());
+    if let Some(mut console) = console {
+        // It stops on the same signal; a client that never reads its
+        // answer must not hold the broker's exit, so it gets a bound.
+        match tokio::time::timeout(crate::console::CONSOLE_DRAIN, &mut console).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the console stopped with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the console's task failed"),
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => {
+                tracing::warn!("the console's connections did not finish in time; cut");
+                console.abort();
+            }
+        }
+    }
+    // Last: the console's handlers hold the store too.
     if let Some(finished) = finished {
         // The store's writer finishes its queue and its last sync; what
         // was acknowledged is durable already, so the wait is bounded.
@@ -432,20 +447,6 @@ async fn serve<S: Served>(
             tracing::warn!(
                 "the store's writer did not finish within the drain; exiting anyway (acknowledged writes are durable)"
             );
-        }
-    }
-    let _ = metrics_stop.send(());
-    if let Some(mut console) = console {
-        // It stops on the same signal; a client that never reads its
-        // answer must not hold the broker's exit, so it gets a bound.
-        match tokio::time::timeout(crate::console::CONSOLE_DRAIN, &mut console).await {
-            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the console stopped with an error"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "the console's task failed"),
-            Ok(Ok(Ok(()))) => {}
-            Err(_) => {
-                tracing::warn!("the console's connections did not finish in time; cut");
-                console.abort();
-            }
         }
     }
     tracing::info!("broker stopped");

@@ -395,3 +395,19 @@ mod otel_variables {
         assert_eq!(read(&named, "service.name").as_deref(), Some("y"));
     }
 }
+
+#[test]
+fn a_throttle_lets_one_line_through_and_counts_the_rest() {
+    let throttle = crate::telemetry::Throttle::new();
+    assert_eq!(throttle.allow(), Some(0), "the first line is written");
+    // Within the interval: held back and counted (these calls take far
+    // less than LOG_THROTTLE_MS).
+    assert_eq!(throttle.allow(), None);
+    assert_eq!(throttle.allow(), None);
+    // Once the interval has passed, the next line says how many were held.
+    std::thread::sleep(std::time::Duration::from_millis(
+        crate::telemetry::LOG_THROTTLE_MS + 50,
+    ));
+    assert_eq!(throttle.allow(), Some(2));
+    assert_eq!(throttle.allow(), None);
+}

@@ -3,8 +3,7 @@
 //! contract a client got an answer for must be there, and every ledger must
 //! balance.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,29 +27,10 @@ impl Drop for Killed {
 /// Starts `delegation-broker serve` on port 0 (on `database` when given:
 /// a PostgreSQL URL) and returns it with its address.
 pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Killed, String) {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_delegation-broker"));
-    command
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data_dir);
-    if let Some(url) = database {
-        command.args(["--database-url", url]);
+    match database {
+        Some(url) => crate::operations::spawn_serve(data_dir, &["--database-url", url]),
+        None => crate::operations::spawn_serve(data_dir, &[]),
     }
-    let mut child = command
-        .env("BROKER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("broker binary starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .expect("address line")
-        .to_owned();
-    (Killed(child), format!("http://{addr}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,8 @@
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 
-import { Agent, Watch, equalBytes, pb, toHex, watch, type WatchEvent } from "@delegation-broker/client";
+import { Code } from "@connectrpc/connect";
+import { Agent, BrokerError, Watch, equalBytes, pb, toHex, watch, type WatchEvent } from "@delegation-broker/client";
 
 import { Broker, child, issuedOf } from "./support.js";
 
@@ -106,7 +107,7 @@ test("a dropped stream resumes from the last cursor: the broker restarts under a
   const before = await take(w, 4);
   const pending = take(w, 2, 40_000); // waits across the restart
 
-  await broker.process.restart(); // SIGTERM: the stream ends (OK), the watch reconnects
+  await broker.process.restart(); // SIGTERM: the stream ends UNAVAILABLE, the watch reconnects
   // Same data directory, same key: the reader's session and the cursor stay valid.
   const a = issuedOf(await broker.delegate(orchestrator, child(root.id, root.lineage, Agent.generate(), 3n))).contractId;
   const b = issuedOf(await broker.delegate(orchestrator, child(root.id, root.lineage, Agent.generate(), 4n))).contractId;
@@ -129,9 +130,18 @@ test("without reconnect, a broker shutdown ends the iteration; an AbortSignal en
   abort.abort();
   assert.deepEqual(await pending, { done: true, value: undefined });
 
+  // A broker that stops ends the stream UNAVAILABLE (resume with the
+  // last cursor, here or on another replica): without reconnect the
+  // iteration throws it.
   const ending = watch(broker.client, root.id);
   await take(ending, 4);
   const end = ending.next();
+  const thrown = end.then(
+    () => undefined,
+    (e: unknown) => e,
+  );
   await broker.process.restart();
-  assert.equal((await end).done, true, "the stream ended with OK when the broker shut down");
+  const error = await thrown;
+  assert.ok(error instanceof BrokerError, `the stream ended with an error: ${String(error)}`);
+  assert.equal(error.code, Code.Unavailable, "UNAVAILABLE when the broker shut down");
 });

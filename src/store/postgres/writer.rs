@@ -173,7 +173,11 @@ impl Writer {
                 next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
                 let cutoff_ms = self.clock.now_ms().saturating_sub(retention_ms);
                 if let Err(e) = prune_requests(&self.pool, cutoff_ms).await {
-                    tracing::warn!(error = %e, "pruning the request log failed; will retry");
+                    static PRUNE_FAILED: crate::telemetry::Throttle =
+                        crate::telemetry::Throttle::new();
+                    if let Some(held) = PRUNE_FAILED.allow() {
+                        tracing::warn!(error = %e, held, "pruning the request log failed; will retry");
+                    }
                 }
             }
         }
@@ -222,7 +226,12 @@ impl Writer {
                     attempt += 1;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, attempt, size = commands.len(), "issuance failed");
+                    // A database away fails every batch: one line a second.
+                    static ISSUANCE_FAILED: crate::telemetry::Throttle =
+                        crate::telemetry::Throttle::new();
+                    if let Some(held) = ISSUANCE_FAILED.allow() {
+                        tracing::warn!(error = %e, attempt, size = commands.len(), held, "issuance failed");
+                    }
                     return commands.iter().map(|_| Err(failed(&e, attempt))).collect();
                 }
             }
@@ -292,7 +301,11 @@ impl Writer {
                     attempt += 1;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, attempt, "transition failed");
+                    static TRANSITION_FAILED: crate::telemetry::Throttle =
+                        crate::telemetry::Throttle::new();
+                    if let Some(held) = TRANSITION_FAILED.allow() {
+                        tracing::warn!(error = %e, attempt, held, "transition failed");
+                    }
                     return Err(failed(&e, attempt));
                 }
             }

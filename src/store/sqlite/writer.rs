@@ -208,21 +208,9 @@ async fn prune_when_due(
         // A commit like any other (see `Durability`): readers that see
         // the deletion wait for its fsync, which the syncer does even
         // if no batch follows.
-        state.committed.fetch_add(1, Ordering::SeqCst);
-        let pruned = prune_requests(conn, cutoff_ms).await;
-        let number = state.committed.load(Ordering::SeqCst);
-        if state
-            .synced
-            .send(Unsynced {
-                number,
-                replies: Vec::new(),
-            })
-            .await
-            .is_err()
-        {
-            tracing::error!("the syncer stopped; the store writer stops");
+        let Some(pruned) = own_commit(state, prune_requests(conn, cutoff_ms)).await else {
             return false;
-        }
+        };
         state.next_prune = match pruned {
             // A full pass: more are due; go on after the next batch.
             Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
@@ -362,15 +350,17 @@ fn writable(state: &WriterState, now: bool) {
     }
 }
 
-/// One probe write (see `health`), a commit like any other (through the
-/// syncer); false when the syncer has stopped: the writer stops too.
-async fn probe_disk(
-    conn: &mut SqliteConnection,
+/// Runs `write`, a commit of the writer's own (no request waits on it),
+/// as a commit like any other (see `Durability`): numbered, then handed to
+/// the syncer, so readers that see it wait for its fsync, which the
+/// syncer does even if no batch follows. `None` when the syncer has
+/// stopped: the writer stops too.
+async fn own_commit<T>(
     state: &mut WriterState,
-    clock: &dyn Clock,
-) -> bool {
+    write: impl std::future::Future<Output = T>,
+) -> Option<T> {
     state.committed.fetch_add(1, Ordering::SeqCst);
-    let probed = super::health::probe(conn, clock.now_ms()).await;
+    let written = write.await;
     let number = state.committed.load(Ordering::SeqCst);
     if state
         .synced
@@ -382,8 +372,21 @@ async fn probe_disk(
         .is_err()
     {
         tracing::error!("the syncer stopped; the store writer stops");
-        return false;
+        return None;
     }
+    Some(written)
+}
+
+/// One probe write (see `health`), a commit like any other (through the
+/// syncer); false when the syncer has stopped: the writer stops too.
+async fn probe_disk(
+    conn: &mut SqliteConnection,
+    state: &mut WriterState,
+    clock: &dyn Clock,
+) -> bool {
+    let Some(probed) = own_commit(state, super::health::probe(conn, clock.now_ms())).await else {
+        return false;
+    };
     match probed {
         Ok(()) => writable(state, true),
         Err(e) => {
