@@ -36,9 +36,14 @@ pub struct Sessions {
     /// every replica's).
     published: super::PublishedKeys,
     ttl_ms: i64,
-    /// Digest of a verified session envelope → (agent, expiry).
-    verified: Mutex<HashMap<[u8; 32], (AgentKey, i64)>>,
+    /// Digest of a verified session envelope → (agent, expiry, the id of
+    /// the key that sealed it: still checked at every use, so a key
+    /// retired since stops its sessions at once).
+    verified: Mutex<HashMap<[u8; 32], Verified>>,
 }
+
+/// A verified session: its agent, expiry and sealing key's id.
+type Verified = (AgentKey, i64, String);
 
 fn unauthenticated(reason: pb::ErrorReason, detail: impl Into<String>) -> ServiceError {
     ServiceError::Unauthenticated {
@@ -80,8 +85,9 @@ impl Sessions {
             return (!retired).then_some(self.current.1);
         }
         self.published
-            .get()
-            .into_iter()
+            .read()
+            .0
+            .iter()
             .find(|k| k.current && k.key_id == key_id)
             .and_then(|k| crypto::public_key(&k.public_key).ok())
     }
@@ -142,8 +148,15 @@ impl Sessions {
             ));
         }
         let digest = crypto::sha256(&bytes);
-        let known = self.lock().get(&digest).copied();
-        let (agent, expires_at_ms) = match known {
+        let known = self.lock().get(&digest).cloned();
+        let (agent, expires_at_ms, _) = match known {
+            Some((_, _, key_id)) if self.current_key(&key_id).is_none() => {
+                self.lock().remove(&digest);
+                return Err(unauthenticated(
+                    pb::ErrorReason::BadSession,
+                    "the session was not signed by this broker's current key (open a new one)",
+                ));
+            }
             Some(known) => known,
             None => {
                 let checked = self.verify(&bytes)?;
@@ -151,7 +164,7 @@ impl Sessions {
                 if verified.len() >= MAX_VERIFIED_SESSIONS {
                     verified.clear();
                 }
-                verified.insert(digest, checked);
+                verified.insert(digest, checked.clone());
                 checked
             }
         };
@@ -164,7 +177,7 @@ impl Sessions {
         Ok(agent)
     }
 
-    fn verify(&self, bytes: &[u8]) -> Result<(AgentKey, i64), ServiceError> {
+    fn verify(&self, bytes: &[u8]) -> Result<Verified, ServiceError> {
         let bad = |detail: &str| unauthenticated(pb::ErrorReason::BadSession, detail.to_owned());
         let envelope =
             pb::Sealed::decode(bytes).map_err(|_| bad("the session is not a Sealed Session"))?;
@@ -187,10 +200,10 @@ impl Sessions {
             .as_slice()
             .try_into()
             .map_err(|_| bad("the session names no agent"))?;
-        Ok((agent, session.expires_at_ms))
+        Ok((agent, session.expires_at_ms, session.broker_key_id))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (AgentKey, i64)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], Verified>> {
         // A memo of pure checks: a poisoned one is still correct.
         self.verified
             .lock()

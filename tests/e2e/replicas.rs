@@ -1137,6 +1137,15 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
             .expect_err("an operator-retired key opens no session");
         assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
     }
+    // A session the shared key sealed before, already used (and so
+    // remembered as verified), stops working too.
+    let stale = through_a
+        .get_contract(pb::GetContractRequest {
+            contract_id: root.contract_id.clone(),
+        })
+        .await
+        .expect_err("a session of a retired key reads nothing");
+    assert_eq!(stale.code(), tonic::Code::Unauthenticated, "{stale:?}");
     let (ok, _, err) = keys(&["retire", "ed25519:00"]);
     assert!(!ok && err.contains("KEY_ID"), "{err}");
     let refused = std::process::Command::new(binary)
