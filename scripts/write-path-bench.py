@@ -5,6 +5,12 @@ serves on a fresh data directory, its own `bench --addr` drives it, and we
 report throughput, latency, the broker process's CPU per delegation, and the
 bytes stored per delegation (the signed contract, and the database files).
 
+Every round first measures the floor (`bench --floor`: the same calls
+answered with only their crypto and RPC work, no store, no rules) and
+prints each build's throughput as a ratio to it. `--in-process` runs the
+brokers in the bench's own process too (`bench` without `--addr`), as the
+floor is: the shape the write-path targets are stated in.
+
     scripts/write-path-bench.py --build before=/tmp/broker-before \\
         --build after=target/release/delegation-broker --depths 1,8,32
 
@@ -59,6 +65,37 @@ def scrape_every_second(port: int, stop: threading.Event) -> None:
             pass
 
 
+BENCH_LINE = re.compile(r"delegations: (\d+) issued in ([\d.]+)s = (\d+)/s \(roots opened (\d+)")
+LATENCY_LINE = re.compile(r"p50 ([\d.]+)\s+p99 ([\d.]+)\s+p999 ([\d.]+)")
+
+
+def run_in_process(binary: str, depth: int, args, floor: bool) -> dict:
+    """`bench` with its broker (or, with `floor`, the floor) in its own
+    process: the whole process's CPU per delegation, roots included."""
+    env = {**os.environ, "BROKER_LOG": "warn"}
+    command = [binary, "bench", "--depth", str(depth), "--concurrency", str(args.concurrency),
+               "--duration-s", str(args.duration_s), "--warmup-s", str(args.warmup_s)]
+    if floor:
+        command.append("--floor")
+    before = os.times()
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=600).stdout
+    after = os.times()
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    issued = BENCH_LINE.search(out)
+    latency = LATENCY_LINE.search(out)
+    measured = int(issued.group(1))
+    # Warm-up included: the process's CPU covers it too.
+    total = measured * (args.duration_s + args.warmup_s) / args.duration_s
+    return {
+        "rate": int(issued.group(3)),
+        "measured": measured,
+        "p50": float(latency.group(1)),
+        "p99": float(latency.group(2)),
+        "p999": float(latency.group(3)),
+        "cpu_us_per_delegation": 1e6 * cpu / max(total, 1),
+    }
+
+
 def run(binary: str, depth: int, args, metrics: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="write-path-") as tmp:
         tmp = Path(tmp)
@@ -94,8 +131,8 @@ def run(binary: str, depth: int, args, metrics: bool = False) -> dict:
             stop_scraping.set()
             server.terminate()
             server.wait(timeout=30)
-        issued = re.search(r"delegations: (\d+) issued in ([\d.]+)s = (\d+)/s \(roots opened (\d+)", out)
-        latency = re.search(r"p50 ([\d.]+)\s+p99 ([\d.]+)\s+p999 ([\d.]+)", out)
+        issued = BENCH_LINE.search(out)
+        latency = LATENCY_LINE.search(out)
         db = sqlite3.connect(data / "broker.sqlite3")
         children, envelope_bytes, row_count = db.execute(
             "SELECT COUNT(*), SUM(LENGTH(e.envelope)), (SELECT COUNT(*) FROM contracts) "
@@ -132,19 +169,36 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=int, default=2)
     parser.add_argument("--metrics", action="append", default=[],
                         help="name of a build to serve with --metrics (scraped every second)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run each broker inside its bench process, as the floor runs")
+    parser.add_argument("--floor-build", help="binary whose `bench --floor` measures the floor "
+                        "(default: the first --build)")
     args = parser.parse_args()
     builds = [b.split("=", 1) for b in args.build]
-    print("| round | depth | build | delegations/s | p50 ms | p99 ms | p999 ms | broker CPU µs/delegation "
+    floor_binary = args.floor_build or builds[0][1]
+    cpu_column = "process CPU µs/delegation (bench included)" if args.in_process else "broker CPU µs/delegation"
+    print(f"| round | depth | build | delegations/s | of the floor | p50 ms | p99 ms | p999 ms | {cpu_column} "
           "| signed contract B (mean child) | deepest contract B | DB bytes/contract |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for round_ in range(1, args.rounds + 1):
         for depth in [int(d) for d in args.depths.split(",")]:
+            floor = run_in_process(floor_binary, depth, args, floor=True)
+            print(f"| {round_} | {depth} | floor | {floor['rate']} | 100% | {floor['p50']:.2f} | "
+                  f"{floor['p99']:.2f} | {floor['p999']:.2f} | {floor['cpu_us_per_delegation']:.0f} "
+                  f"(bench included) | | | |", flush=True)
             order = builds if round_ % 2 else list(reversed(builds))
             for name, binary in order:
-                r = run(binary, depth, args, metrics=name in args.metrics)
-                print(f"| {round_} | {depth} | {name} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} | "
-                      f"{r['p999']:.2f} | {r['cpu_us_per_delegation']:.0f} | {r['contract_bytes']:.0f} | "
-                      f"{r['deepest_contract_bytes']:.0f} | {r['db_bytes_per_contract']:.0f} |", flush=True)
+                if args.in_process:
+                    r = run_in_process(binary, depth, args, floor=False)
+                    sizes = "| | |"
+                else:
+                    r = run(binary, depth, args, metrics=name in args.metrics)
+                    sizes = (f"{r['contract_bytes']:.0f} | {r['deepest_contract_bytes']:.0f} | "
+                             f"{r['db_bytes_per_contract']:.0f} |")
+                ratio = 100.0 * r["rate"] / max(floor["rate"], 1)
+                print(f"| {round_} | {depth} | {name} | {r['rate']} | {ratio:.0f}% | {r['p50']:.2f} | "
+                      f"{r['p99']:.2f} | {r['p999']:.2f} | {r['cpu_us_per_delegation']:.0f} | {sizes}",
+                      flush=True)
 
 
 if __name__ == "__main__":

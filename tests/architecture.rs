@@ -574,6 +574,11 @@ const STATICS: &[(&str, &str, &str)] = &[
         "predicate texts that parsed (a memo)",
     ),
     (
+        "core/predicate.rs",
+        "SHAPES",
+        "shapes of effective predicates (a memo)",
+    ),
+    (
         "core/schema/mod.rs",
         "COMPILED",
         "compiled schemas (a memo)",

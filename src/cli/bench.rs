@@ -64,6 +64,13 @@ pub struct BenchArgs {
     /// as the workers go.
     #[arg(long, default_value_t = 0)]
     pub rate: u64,
+    /// Drive the write path's floor instead of a broker: an in-process
+    /// server that answers the same OpenRoot and Delegate calls with only
+    /// their crypto and RPC work (request and attestation verified, a
+    /// contract of the same size signed) — no store, no rules, no fsync.
+    /// A broker's throughput is read as a ratio to it (BENCHMARKS.md).
+    #[arg(long, conflicts_with_all = ["addr", "telemetry", "hot_parent"])]
+    pub floor: bool,
 }
 
 /// Hands out send slots at a fixed rate (open-loop load).
@@ -237,6 +244,39 @@ async fn start_in_process(
     Ok((addr, (stop, server, dir)))
 }
 
+/// Serves the write path's floor (`service::floor`) on `127.0.0.1:0`
+/// until the process ends, trusting the bench's attestor, with the
+/// broker's accept loop (Nagle off) and its timestamp window.
+async fn start_floor(attestor: &Agent) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = format!("http://{}", listener.local_addr()?);
+    let limits = crate::config::Limits::default();
+    let trust = crate::config::TrustConfig {
+        attestors: vec![crate::crypto::public_key(&attestor.public_key())?],
+        static_factors_ppm: Default::default(),
+    };
+    let floor = crate::service::floor::FloorService::new(
+        crate::crypto::generate_signing_key(),
+        trust,
+        Arc::new(SystemClock),
+        limits.timestamp_window_ms,
+    );
+    let incoming = crate::server::incoming(
+        listener,
+        limits.max_connections,
+        crate::metrics::Metrics::new(),
+    );
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                pb::broker_server::BrokerServer::new(floor)
+                    .max_decoding_message_size(limits.max_request_bytes),
+            )
+            .serve_with_incoming(incoming),
+    );
+    Ok(addr)
+}
+
 /// Prints the run's throughput, latency and, for an in-process broker,
 /// its WAL fsyncs over the measured window.
 fn report(
@@ -262,7 +302,12 @@ fn report(
     } else {
         "closed loop".to_owned()
     };
-    let shape = if args.hot_parent {
+    let shape = if args.floor {
+        format!(
+            "depth={} against the floor (no store, no rules)",
+            args.depth
+        )
+    } else if args.hot_parent {
         "hot parent".to_owned()
     } else {
         format!("depth={}", args.depth)
@@ -320,6 +365,7 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
             None,
         ),
+        None if args.floor => (vec![start_floor(&attestor).await?], None),
         None => {
             let (addr, in_process) = start_in_process(&args, &attestor).await?;
             (vec![addr], Some(in_process))

@@ -12,6 +12,10 @@ pub const MAX_TEXT_BYTES: usize = 16_384;
 pub const MAX_PREDICATE_BYTES: usize = 4_096;
 /// Predicate texts remembered as parsed, in bytes (`Predicate::parse`).
 pub const MAX_PARSED_PREDICATE_BYTES: usize = 1024 * 1024;
+/// Effective predicates (and their parts) remembered with their shape, in
+/// bytes (`Predicate::check_effective`): a few MiB hold every composition
+/// of thousands of chains, each at most `MAX_EFFECTIVE_PREDICATE_BYTES`.
+pub const MAX_SHAPE_MEMO_BYTES: usize = 8 * 1024 * 1024;
 /// Largest effective (composed) predicate, in bytes: bounds what a deep
 /// chain of conjunctions can grow to.
 pub const MAX_EFFECTIVE_PREDICATE_BYTES: usize = 65_536;

@@ -7,6 +7,7 @@ use super::error::InputError;
 use super::limits::{
     MAX_EFFECTIVE_PREDICATE_BYTES, MAX_PARSED_PREDICATE_BYTES, MAX_PREDICATE_AST_DEPTH,
     MAX_PREDICATE_BYTES, MAX_PREDICATE_NESTING, MAX_PREDICATE_OPERATORS, MAX_PREDICATE_SELECTS,
+    MAX_SHAPE_MEMO_BYTES,
 };
 
 /// A CEL expression that parsed. Empty text means "no predicate".
@@ -28,13 +29,13 @@ impl Predicate {
             return Ok(Self::default());
         }
         let parsed = PARSED.get_or_init(Default::default);
-        if lock_parsed(parsed).texts.contains(text) {
+        if lock_memo(parsed).texts.contains_key(text) {
             return Ok(Self(text.to_owned()));
         }
         check_shape(text).map_err(|why| InputError::new(field, why))?;
         cel::Program::compile(text)
             .map_err(|e| InputError::new(field, format!("does not parse as CEL: {e}")))?;
-        lock_parsed(parsed).remember(text, MAX_PARSED_PREDICATE_BYTES);
+        lock_memo(parsed).remember(text, (), MAX_PARSED_PREDICATE_BYTES);
         Ok(Self(text.to_owned()))
     }
 
@@ -90,7 +91,7 @@ impl Predicate {
         if composed.is_empty() {
             return Ok(composed);
         }
-        let shape = |text: &str| super::judge::conjunct_shape(text);
+        let shape = |text: &str| remembered_shape(text);
         let whole = shape(&composed.0).map_err(|why| {
             InputError::new(
                 field,
@@ -128,39 +129,66 @@ impl Predicate {
 /// Texts that passed `check_shape` and compiled: parsing one costs ~9 µs
 /// per request, and agents forward the same predicates again and again.
 /// A memo of a pure check: a hit answers exactly what parsing would.
-static PARSED: std::sync::OnceLock<std::sync::Mutex<ParsedTexts>> = std::sync::OnceLock::new();
+static PARSED: std::sync::OnceLock<std::sync::Mutex<TextMemo<()>>> = std::sync::OnceLock::new();
 
-#[derive(Default)]
-struct ParsedTexts {
-    texts: std::collections::HashSet<String>,
+/// The shapes (`judge::conjunct_shape`) of effective predicates and their
+/// parts that parsed: every hop of a chain composes a longer text whose
+/// parse costs tens of µs to milliseconds, and every chain under the same
+/// policy composes the same texts. A memo of a pure function; texts that
+/// do not parse are not remembered (their error is computed again).
+static SHAPES: std::sync::OnceLock<std::sync::Mutex<TextMemo<super::judge::Shape>>> =
+    std::sync::OnceLock::new();
+
+/// `judge::conjunct_shape(text)`, from the memo when it was computed before.
+fn remembered_shape(text: &str) -> Result<super::judge::Shape, String> {
+    let shapes = SHAPES.get_or_init(Default::default);
+    if let Some(shape) = lock_memo(shapes).texts.get(text) {
+        return Ok(*shape);
+    }
+    let shape = super::judge::conjunct_shape(text)?;
+    lock_memo(shapes).remember(text, shape, MAX_SHAPE_MEMO_BYTES);
+    Ok(shape)
+}
+
+/// Texts and what a pure function of each answered, bounded in bytes.
+struct TextMemo<V> {
+    texts: std::collections::HashMap<String, V>,
     /// What the texts cost in memory, each its length plus
     /// `ENTRY_OVERHEAD_BYTES`: the memo's bound.
     bytes: usize,
 }
 
-/// A `String` and its hash-table slot, beyond the text itself.
+impl<V> Default for TextMemo<V> {
+    fn default() -> Self {
+        Self {
+            texts: std::collections::HashMap::new(),
+            bytes: 0,
+        }
+    }
+}
+
+/// A `String`, its value and its hash-table slot, beyond the text itself.
 const ENTRY_OVERHEAD_BYTES: usize = 64;
 
-impl ParsedTexts {
+impl<V> TextMemo<V> {
     /// Adds a text, forgetting everything first if it would pass
     /// `capacity_bytes` (refilling costs one parse per text, as with no
     /// memo at all — so flooding it costs no more than not having it).
-    fn remember(&mut self, text: &str, capacity_bytes: usize) {
+    fn remember(&mut self, text: &str, value: V, capacity_bytes: usize) {
         let cost = text.len() + ENTRY_OVERHEAD_BYTES;
         if self.bytes + cost > capacity_bytes {
             self.texts.clear();
             self.bytes = 0;
         }
-        if self.texts.insert(text.to_owned()) {
+        if self.texts.insert(text.to_owned(), value).is_none() {
             self.bytes += cost;
         }
     }
 }
 
-fn lock_parsed(parsed: &std::sync::Mutex<ParsedTexts>) -> std::sync::MutexGuard<'_, ParsedTexts> {
+fn lock_memo<V>(memo: &std::sync::Mutex<TextMemo<V>>) -> std::sync::MutexGuard<'_, TextMemo<V>> {
     // Inserts are single calls: a poisoned memo is still a correct one.
-    parsed
-        .lock()
+    memo.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -270,18 +298,42 @@ mod tests {
                 field
             );
         }
-        let mut memo = ParsedTexts::default();
+        let mut memo = TextMemo::<()>::default();
         let capacity = 2 * (4 + ENTRY_OVERHEAD_BYTES);
         for text in ["aaaa", "bbbb", "cccc", "bbbb"] {
-            memo.remember(text, capacity);
-            assert!(memo.bytes <= capacity && memo.texts.contains(text));
+            memo.remember(text, (), capacity);
+            assert!(memo.bytes <= capacity && memo.texts.contains_key(text));
         }
         let charged: usize = memo
             .texts
-            .iter()
+            .keys()
             .map(|t| t.len() + ENTRY_OVERHEAD_BYTES)
             .sum();
         assert_eq!(memo.bytes, charged);
+    }
+
+    #[test]
+    fn the_shape_memo_answers_as_the_check_does() {
+        let inherited = Predicate::parse("result.shape_memo_a", "p").unwrap();
+        let own = Predicate::parse("result.shape_memo_b || result.shape_memo_c", "p").unwrap();
+        let first = Predicate::check_effective(&inherited, &own, "body.predicate").unwrap();
+        let again = Predicate::check_effective(&inherited, &own, "body.predicate").unwrap();
+        assert_eq!(first, again, "a hit composes the same text");
+        let remembered = lock_memo(SHAPES.get().unwrap())
+            .texts
+            .get(first.as_str())
+            .copied()
+            .unwrap();
+        let parsed = super::super::judge::conjunct_shape(first.as_str()).unwrap();
+        assert_eq!(
+            (remembered.depth, remembered.conjuncts),
+            (parsed.depth, parsed.conjuncts)
+        );
+        assert_eq!(parsed.conjuncts, 2);
+        // A merge is still refused with a hit on both parts: the
+        // composition is checked, not the parts alone.
+        let opens = Predicate::from_trusted("result.x || (true".into());
+        assert!(Predicate::check_effective(&inherited, &opens, "body.predicate").is_err());
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod audit;
 pub mod auth;
 pub mod convert;
 pub mod error;
+pub mod floor;
 pub mod health;
 mod issuance;
 mod keys;

@@ -4,6 +4,7 @@ mod a2a_authz;
 mod audit;
 mod auth;
 mod bad_input;
+mod bench;
 mod cli_read;
 mod concurrency;
 mod console;

@@ -7,6 +7,7 @@ use cel::common::ast::{CallExpr, EntryExpr, Expr, IdedEntryExpr, IdedExpr, opera
 /// What issuance needs to know of a predicate to vouch that it can be
 /// judged: its syntax tree's depth and how many top-level conjuncts the
 /// judge will split it into.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Shape {
     pub depth: usize,
     pub conjuncts: usize,

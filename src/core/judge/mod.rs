@@ -35,7 +35,7 @@ use super::scope::Scope;
 use evaluate::evaluate;
 use result::{result_value, validate_output};
 
-pub(crate) use conjuncts::conjunct_shape;
+pub(crate) use conjuncts::{Shape, conjunct_shape};
 
 /// What the host observed of the contract's execution (signed receipts).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -1,0 +1,81 @@
+//! `bench` and `bench --floor` from outside: both issue delegations with no
+//! errors, and the floor answers only what it measures. No time is
+//! asserted (BENCHMARKS.md holds the numbers).
+
+use std::process::Command;
+
+/// Runs `bench` for one measured second with `extra` flags; returns the
+/// delegations it reports issued and its errors.
+fn bench(extra: &[&str]) -> (u64, u64, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args([
+            "bench",
+            "--duration-s",
+            "1",
+            "--warmup-s",
+            "0",
+            "--concurrency",
+            "4",
+            "--connections",
+            "1",
+            "--depth",
+            "3",
+        ])
+        .args(extra)
+        .env("BROKER_LOG", "warn")
+        .output()
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "bench {extra:?} failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("delegations: "))
+        .unwrap_or_else(|| panic!("no delegations line in {stdout}"));
+    let number_after = |label: &str| -> u64 {
+        let at = line
+            .find(label)
+            .unwrap_or_else(|| panic!("{label} in {line}"))
+            + label.len();
+        line[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap_or_else(|_| panic!("a number after {label} in {line}"))
+    };
+    (
+        number_after("delegations: "),
+        number_after("errors "),
+        stdout,
+    )
+}
+
+#[test]
+fn the_floor_and_the_broker_issue_the_same_workload() {
+    let (floor, floor_errors, floor_out) = bench(&["--floor"]);
+    assert!(floor > 0 && floor_errors == 0, "{floor_out}");
+    assert!(floor_out.contains("against the floor"), "{floor_out}");
+    let (broker, broker_errors, broker_out) = bench(&[]);
+    assert!(broker > 0 && broker_errors == 0, "{broker_out}");
+    assert!(!broker_out.contains("against the floor"), "{broker_out}");
+}
+
+#[test]
+fn the_floor_takes_no_other_flag_that_needs_a_broker() {
+    for flag in ["--hot-parent", "--telemetry"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["bench", "--floor", flag])
+            .output()
+            .expect("bench runs");
+        assert!(!out.status.success(), "--floor {flag} must be refused");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
