@@ -69,6 +69,40 @@ impl Predicate {
         (text.len() <= MAX_EFFECTIVE_PREDICATE_BYTES).then_some(Predicate(text))
     }
 
+    /// True when `check_effective(inherited, &parse(own)?)` would parse
+    /// nothing: `own` and the composition with its parts are all in the
+    /// memos, so the check costs a few hash lookups. Issuance then runs a
+    /// Delegate's conversion inline instead of handing it to a converter
+    /// thread. False whenever in doubt (the full check then decides).
+    pub fn checked_before(inherited: &Predicate, own: &str) -> bool {
+        if own.len() > MAX_PREDICATE_BYTES {
+            return false;
+        }
+        let own = own.trim();
+        if !own.is_empty()
+            && !PARSED
+                .get()
+                .is_some_and(|parsed| lock_memo(parsed).texts.contains_key(own))
+        {
+            return false;
+        }
+        let own = Predicate(own.to_owned());
+        let Some(composed) = Self::conjoin(inherited, &own) else {
+            return false;
+        };
+        if composed.is_empty() {
+            return true;
+        }
+        let Some(shapes) = SHAPES.get() else {
+            return false;
+        };
+        let shapes = lock_memo(shapes);
+        [&composed, inherited, &own]
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .all(|p| shapes.texts.contains_key(p.as_str()))
+    }
+
     /// The effective predicate a child would be issued with, checked so it
     /// can always be judged: it fits `MAX_EFFECTIVE_PREDICATE_BYTES`, parses
     /// as CEL, its syntax tree is no deeper than the judge evaluates, and it
@@ -310,6 +344,31 @@ mod tests {
             .map(|t| t.len() + ENTRY_OVERHEAD_BYTES)
             .sum();
         assert_eq!(memo.bytes, charged);
+    }
+
+    #[test]
+    fn checked_before_only_after_every_text_was_parsed() {
+        let inherited = Predicate::parse("result.checked_before_a", "p").unwrap();
+        let own = "result.checked_before_b";
+        assert!(!Predicate::checked_before(&inherited, own), "never seen");
+        let parsed = Predicate::parse(own, "p").unwrap();
+        assert!(
+            !Predicate::checked_before(&inherited, own),
+            "own parsed, its composition not yet"
+        );
+        Predicate::check_effective(&inherited, &parsed, "body.predicate").unwrap();
+        assert!(Predicate::checked_before(&inherited, own));
+        assert!(Predicate::checked_before(&inherited, &format!("  {own}\n")));
+        // Another parent's predicate is another composition.
+        let other = Predicate::parse("result.checked_before_c", "p").unwrap();
+        assert!(!Predicate::checked_before(&other, own));
+        // Nothing to parse at all.
+        assert!(Predicate::checked_before(&Predicate::default(), " "));
+        // Too long is never cheap: the full check names the field.
+        assert!(!Predicate::checked_before(
+            &Predicate::default(),
+            &"x".repeat(MAX_PREDICATE_BYTES + 1)
+        ));
     }
 
     #[test]

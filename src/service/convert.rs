@@ -292,13 +292,24 @@ pub struct VerifiedAttestations {
 }
 
 impl VerifiedAttestations {
-    fn check(&self, envelope: &pb::Envelope, verify: impl FnOnce() -> bool) -> bool {
+    fn digest(envelope: &pb::Envelope) -> [u8; 32] {
         let mut bytes = crypto::pae(&envelope.payload_type, &envelope.payload);
         for signature in &envelope.signatures {
             bytes.extend_from_slice(signature.keyid.as_bytes());
             bytes.extend_from_slice(&signature.sig);
         }
-        let digest = crypto::sha256(&bytes);
+        crypto::sha256(&bytes)
+    }
+
+    /// True when `envelope`'s signature verified before: checking it again
+    /// costs a digest and a lookup, no signature verification.
+    pub fn remembers(&self, envelope: &pb::Envelope) -> bool {
+        let digest = Self::digest(envelope);
+        self.digests.lock().is_ok_and(|set| set.contains(&digest))
+    }
+
+    fn check(&self, envelope: &pb::Envelope, verify: impl FnOnce() -> bool) -> bool {
+        let digest = Self::digest(envelope);
         if self.digests.lock().is_ok_and(|set| set.contains(&digest)) {
             return true;
         }

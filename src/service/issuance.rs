@@ -46,6 +46,22 @@ fn delegate_response(answer: Answer) -> pb::DelegateResponse {
     }
 }
 
+/// A Delegate body as the store takes it, with its effective predicate
+/// checked: parsed once here, so the writer only concatenates what is
+/// known to compose and be judgeable.
+fn convert_child(
+    body: pb::DelegateBody,
+    request: crate::command::RequestMeta,
+    now_ms: i64,
+    config: &crate::config::Config,
+    verified: &convert::VerifiedAttestations,
+    inherited: &crate::core::Predicate,
+) -> Result<crate::command::NewChild, InputError> {
+    let child = convert::new_child(body, request, now_ms, &config.trust, verified)?;
+    crate::core::Predicate::check_effective(inherited, &child.ask.predicate, "body.predicate")?;
+    Ok(child)
+}
+
 impl<S: Store> BrokerService<S> {
     pub(super) async fn open_root(
         &self,
@@ -143,48 +159,56 @@ impl<S: Store> BrokerService<S> {
                 detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
             });
         }
-        let (config, verified) = (self.config.clone(), self.verified.clone());
-        let body = signed.body;
-        let request = signed.request;
         let deadline = std::time::Duration::from_millis(CONVERSION_DEADLINE_MS);
         let share = crate::pool::Share {
             tenant: parent.tenant,
-            key: request.agent,
+            key: signed.request.agent,
         };
-        let child = self
-            .converters
-            .run(share, deadline, move || {
-                let child = convert::new_child(body, request, now_ms, &config.trust, &verified)?;
-                // The effective predicate is parsed here, once, so the writer
-                // only concatenates what is known to compose and be judgeable.
-                let inherited = match child.ask.liability {
-                    crate::core::Liability::Delegate => parent.effective_predicate,
-                    crate::core::Liability::Principal => crate::core::Predicate::default(),
-                };
-                crate::core::Predicate::check_effective(
-                    &inherited,
-                    &child.ask.predicate,
-                    "body.predicate",
-                )?;
-                Ok::<_, InputError>(child)
-            })
-            .await
-            .map_err(|e| match e {
-                crate::pool::PoolError::TimedOut(ms) => ServiceError::Retry {
-                    reason: pb::ErrorReason::ConvertersBusy,
-                    detail: format!(
-                        "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
-                    ),
-                },
-                crate::pool::PoolError::Full => ServiceError::Retry {
-                    reason: pb::ErrorReason::ConvertersBusy,
-                    detail: format!(
-                        "this tree's tenant already has {} Delegates waiting for a converter; nothing was recorded: retry with the same nonce",
-                        crate::core::limits::MAX_WAITING_PER_TENANT
-                    ),
-                },
-                other => ServiceError::Internal(format!("converting the Delegate body: {other}")),
-            })??;
+        // The parent's predicate is inherited under DELEGATE liability only.
+        let inherited = if signed.body.liability == pb::Liability::Delegate as i32 {
+            parent.effective_predicate
+        } else {
+            crate::core::Predicate::default()
+        };
+        // Most Delegates forward predicates, schemas and attestations seen
+        // before: then the conversion parses and verifies nothing (the
+        // memos answer) and costs less than the hand-off to a converter
+        // thread, so it runs here. Anything new goes to the converters.
+        let cheap = signed.body.result_schema_json.trim().is_empty()
+            && signed
+                .body
+                .delegate_attestation
+                .as_ref()
+                .is_none_or(|a| self.verified.remembers(a))
+            && crate::core::Predicate::checked_before(&inherited, &signed.body.predicate);
+        let (config, verified) = (self.config.clone(), self.verified.clone());
+        let (body, request) = (signed.body, signed.request);
+        let convert = move || convert_child(body, request, now_ms, &config, &verified, &inherited);
+        let child = if cheap {
+            convert()?
+        } else {
+            self.converters
+                .run(share, deadline, convert)
+                .await
+                .map_err(|e| match e {
+                    crate::pool::PoolError::TimedOut(ms) => ServiceError::Retry {
+                        reason: pb::ErrorReason::ConvertersBusy,
+                        detail: format!(
+                            "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
+                        ),
+                    },
+                    crate::pool::PoolError::Full => ServiceError::Retry {
+                        reason: pb::ErrorReason::ConvertersBusy,
+                        detail: format!(
+                            "this tree's tenant already has {} Delegates waiting for a converter; nothing was recorded: retry with the same nonce",
+                            crate::core::limits::MAX_WAITING_PER_TENANT
+                        ),
+                    },
+                    other => {
+                        ServiceError::Internal(format!("converting the Delegate body: {other}"))
+                    }
+                })??
+        };
         let mut child = child;
         child.trace = telemetry::current_trace_context();
         let budget = child.ask.budget;

@@ -199,16 +199,18 @@ fn connect_options(path: &Path) -> SqliteConnectOptions {
         // Commits do not wait for the disk; the syncer fsyncs the WAL
         // before any answer leaves (see the module docs).
         .synchronous(SqliteSynchronous::Normal)
-        // 16 MiB of page cache: the recent (hot) end of every index
+        // 4 MiB of page cache: the recent (hot) end of every index
         // stays in memory. Not more: while the database is under 1 GiB,
-        // SQLite scans the whole cache at the end of every write
-        // transaction (B-tree balancing briefly files a page under the
+        // SQLite scans the whole cache at the end of most write
+        // transactions (`balance_nonroot` briefly files a page under the
         // lock page's number, 1 GiB / page size, and the commit then
-        // drops cached pages past the database's end by a full scan),
-        // so a bigger cache costs every commit (measured: 3% of all CPU
-        // at 64 MiB, ~100 µs per commit at 16 MiB). Readers' caches
-        // are flushed whenever the WAL changed anyway.
-        .pragma("cache_size", "-16384")
+        // drops cached pages past the database's end by a full scan of
+        // the cache's hash table), so every page of cache costs every
+        // commit: ~100 µs per commit at 16 MiB, 3% of all CPU at 64 MiB;
+        // 4 MiB gave 10% more delegations a second than 16 MiB, and
+        // 1 MiB fewer again (misses) — BENCHMARKS.md, issue 27. Readers'
+        // caches are flushed whenever the WAL changed anyway.
+        .pragma("cache_size", "-4096")
         // Checkpoints run on their own connection (see `checkpointer`),
         // not inside the writer's commits.
         .pragma("wal_autocheckpoint", "0")

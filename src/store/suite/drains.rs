@@ -340,12 +340,11 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
 /// the whole cascade (each at most behind a step: before, one transaction
 /// ended all 30,000 and everyone else waited for it, 20 s in a debug
 /// build, CANCELLED at 30 s in a release one); every descendant ends
-/// exactly once and the ledgers settle.
+/// exactly once and the ledgers settle. No time is asserted (a loaded CI
+/// machine stretches any bound): the other tenant finishing a round while
+/// the tree still has open children is what one transaction for the whole
+/// cascade could never allow.
 pub async fn a_large_revoke_does_not_stall_other_tenants<S: Store + Clone>(store: &S) {
-    /// Generous: one step of the drain, plus queueing, on a loaded
-    /// two-core CI machine in a debug build, is well under it; the whole
-    /// cascade in one transaction was not.
-    const OTHER_TENANT_MAX_MS: u128 = 5_000;
     let mut requests = Requests::new();
     let tree = build(store, &mut requests, 30, 1_000, i64::MAX / 2).await;
     // The other tenant: its own root (another opener).
@@ -361,11 +360,13 @@ pub async fn a_large_revoke_does_not_stall_other_tenants<S: Store + Clone>(store
             reason: "stop".into(),
         },
     };
-    let started = std::time::Instant::now();
     let err = store.transition(revoke.clone()).await.unwrap_err();
     assert_eq!(reason(&err), "DESCENDANTS_ENDING");
     let mut slowest = std::time::Duration::ZERO;
     let mut rounds = 0;
+    /// Far more than the drain's steps (30,000 contracts): a drain that
+    /// stopped making progress.
+    const MAX_ROUNDS: u32 = 100_000;
     loop {
         let drained_now = store
             .contract(tree.root)
@@ -398,16 +399,16 @@ pub async fn a_large_revoke_does_not_stall_other_tenants<S: Store + Clone>(store
         if drained_now {
             break;
         }
-        assert!(started.elapsed().as_secs() < 300, "the drain did not end");
+        assert!(
+            rounds < MAX_ROUNDS,
+            "the drain did not end in {MAX_ROUNDS} rounds"
+        );
     }
     assert!(
         rounds > 1,
         "the drain ended before the other tenant's first call"
     );
-    assert!(
-        slowest.as_millis() < OTHER_TENANT_MAX_MS,
-        "the other tenant waited {slowest:?} during the drain"
-    );
+    eprintln!("the other tenant's slowest round during the drain: {slowest:?} ({rounds} rounds)");
     check_drained(store, &tree, Status::Revoked).await;
     let revoked = receipt(store.transition(revoke).await);
     assert_eq!(revoked.revoked_ids, vec![tree.root.to_vec()]);
