@@ -172,10 +172,10 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="run each broker inside its bench process, as the floor runs")
     parser.add_argument("--floor-build", help="binary whose `bench --floor` measures the floor "
-                        "(default: the first --build)")
+                        "(default: the last --build; older builds have no --floor)")
     args = parser.parse_args()
     builds = [b.split("=", 1) for b in args.build]
-    floor_binary = args.floor_build or builds[0][1]
+    floor_binary = args.floor_build or builds[-1][1]
     cpu_column = "process CPU µs/delegation (bench included)" if args.in_process else "broker CPU µs/delegation"
     print(f"| round | depth | build | delegations/s | of the floor | p50 ms | p99 ms | p999 ms | {cpu_column} "
           "| signed contract B (mean child) | deepest contract B | DB bytes/contract |")

@@ -32,7 +32,7 @@ const MAX_REQUESTS: u64 = 10_000_000;
 #[derive(Args, Debug)]
 pub struct DiskProbeArgs {
     /// Directory on the disk to probe (the broker's data directory). A
-    /// scratch file of 32 MiB is written there, unlinked from the start.
+    /// scratch file of 128 MiB (the WAL's restart size) is written there, unlinked from the start.
     #[arg(long, env = "BROKER_DATA_DIR", default_value = "broker-data")]
     pub dir: PathBuf,
     /// Requests per second arriving (as `bench --rate`).

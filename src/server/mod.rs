@@ -698,6 +698,7 @@ async fn open_store(
             max_batch: limits.max_batch,
             read_connections: limits.read_connections,
             wal_restart_bytes: WAL_RESTART_BYTES,
+            checkpoint_interval: crate::store::sqlite::CHECKPOINT_INTERVAL,
             request_log_retention_ms: limits.request_log_retention_ms,
             timestamp_window_ms: limits.timestamp_window_ms,
             max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,

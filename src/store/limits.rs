@@ -70,8 +70,13 @@ pub(crate) mod sqlite {
     /// waits (back-pressure instead of unbounded memory).
     pub(crate) const MAX_UNSYNCED_BATCHES: usize = 64;
 
-    /// How often the WAL is copied back into the database file.
-    pub(crate) const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
+    /// How often the WAL is copied back into the database file. Each
+    /// checkpoint ends with an fsync of the database file that the WAL's
+    /// fsyncs queue behind: four a second were a quarter of the slow
+    /// batches at half load; once a second halved the open-loop p99
+    /// (BENCHMARKS.md, issue 27). A hot page is copied once per round,
+    /// so fewer rounds also copy less.
+    pub(crate) const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(1_000);
 
     /// Back-to-back checkpoints at most before the writer is asked to finish.
     pub(crate) const MAX_DRAIN_ROUNDS: usize = 8;

@@ -2,12 +2,16 @@
 //! the writer.
 
 use super::*;
-use crate::store::limits::sqlite::{CHECKPOINT_INTERVAL, MAX_DRAIN_ROUNDS};
+use crate::store::limits::sqlite::MAX_DRAIN_ROUNDS;
 
 /// Default WAL size beyond which the writer finishes a checkpoint (so the WAL
 /// restarts from its beginning): bounds the WAL to about this plus one
-/// `CHECKPOINT_INTERVAL` of writes.
-pub const WAL_RESTART_BYTES: u64 = 32 * 1024 * 1024;
+/// `CHECKPOINT_INTERVAL` of writes. Each finish stalls the writer for a
+/// few to 20 ms (the last frames copied and the database file fsynced):
+/// at 32 MiB a delegation load of 1,900/s (19 KB of WAL each) finished
+/// twice a second and those stalls were the open-loop p99 (BENCHMARKS.md,
+/// issue 27); at 128 MiB once every few seconds.
+pub const WAL_RESTART_BYTES: u64 = 128 * 1024 * 1024;
 
 /// Copies committed WAL frames into the database file in the background,
 /// without blocking the writer (PASSIVE), so commits never pay for it.
@@ -26,6 +30,7 @@ pub(super) async fn checkpointer(
     alive: mpsc::WeakSender<(Command, Reply)>,
     finish: Arc<AtomicBool>,
     restart_bytes: u64,
+    interval: Duration,
 ) {
     let page_bytes = match sqlx::query_scalar::<_, i64>("PRAGMA page_size")
         .fetch_one(&mut conn)
@@ -37,7 +42,7 @@ pub(super) async fn checkpointer(
             DEFAULT_PAGE_BYTES
         }
     };
-    let mut tick = tokio::time::interval(CHECKPOINT_INTERVAL);
+    let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
@@ -100,9 +105,15 @@ pub(super) struct Checkpointed {
 /// One PASSIVE checkpoint; `None` (logged) if it failed or says nothing.
 pub(super) async fn checkpoint(conn: &mut SqliteConnection) -> Option<Checkpointed> {
     // Returns (busy, frames in the WAL, frames copied).
+    let began = std::time::Instant::now();
     let r = sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(PASSIVE)")
         .fetch_one(conn)
         .await;
+    // A phase of the write path: `bench`'s tail is read against these.
+    tracing::trace!(
+        took_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX),
+        "WAL checkpoint ran"
+    );
     match r {
         // Busy (another checkpoint ran) or not in WAL mode: no counts.
         Ok((busy, wal_frames, copied_frames))

@@ -49,6 +49,7 @@ use super::sql::rows::CONTRACT_COLUMNS;
 use super::sql::rows::StoredContract;
 use super::sql::{Backend, KnownCache, Shared, SharedOptions, lock};
 pub use crate::core::limits::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
+pub(crate) use crate::store::limits::sqlite::CHECKPOINT_INTERVAL;
 pub use checkpoint::WAL_RESTART_BYTES;
 pub use durability::{SLOW_WAL_SYNC_US, WAL_SYNCS, WalSyncSnapshot, WalSyncStats};
 
@@ -130,6 +131,9 @@ pub struct SqliteOptions {
     /// WAL size past which the writer finishes a checkpoint so the WAL
     /// restarts (`WAL_RESTART_BYTES` in production; tests lower it).
     pub wal_restart_bytes: u64,
+    /// How often the background checkpointer copies the WAL back
+    /// (`CHECKPOINT_INTERVAL` in production; tests shorten it).
+    pub checkpoint_interval: Duration,
     /// Request-log entries older than this (ms) are deleted by the writer
     /// (see `prune_requests`).
     pub request_log_retention_ms: i64,
@@ -266,6 +270,7 @@ impl SqliteStore {
             commands.downgrade(),
             finish_checkpoint,
             options.wal_restart_bytes,
+            options.checkpoint_interval,
         ));
         let reader = SqlitePoolOptions::new()
             .max_connections(options.read_connections.max(1))

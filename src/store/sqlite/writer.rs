@@ -317,14 +317,21 @@ pub(super) async fn writer_loop(
         // s). So once it is big and drained (see `checkpointer`), the
         // writer, between batches, copies the few frames written since; its
         // next commit then restarts the WAL.
-        if state.finish_checkpoint.swap(false, Ordering::AcqRel)
-            && let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+        if state.finish_checkpoint.swap(false, Ordering::AcqRel) {
+            let began = std::time::Instant::now();
+            let finished = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
                 .execute(&mut *conn)
-                .await
-        {
-            static FINISH_FAILED: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
-            if let Some(held) = FINISH_FAILED.allow() {
-                tracing::warn!(error = %e, held, "finishing the WAL checkpoint failed; will retry");
+                .await;
+            tracing::trace!(
+                took_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX),
+                "WAL checkpoint finished by the writer"
+            );
+            if let Err(e) = finished {
+                static FINISH_FAILED: crate::telemetry::Throttle =
+                    crate::telemetry::Throttle::new();
+                if let Some(held) = FINISH_FAILED.allow() {
+                    tracing::warn!(error = %e, held, "finishing the WAL checkpoint failed; will retry");
+                }
             }
         }
         if !prune_when_due(conn, &mut state, clock.as_ref()).await {

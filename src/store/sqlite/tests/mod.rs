@@ -240,6 +240,7 @@ fn test_options(path: PathBuf) -> SqliteOptions {
         max_batch: 16,
         read_connections: 1,
         wal_restart_bytes: WAL_RESTART_BYTES,
+        checkpoint_interval: crate::store::sqlite::CHECKPOINT_INTERVAL,
         request_log_retention_ms: i64::MAX,
         // See `suite::TEST_TIMESTAMP_MS`.
         timestamp_window_ms: 0,
@@ -815,6 +816,8 @@ fn the_wal_is_synced_by_path_and_reopened_when_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wal_stays_bounded_under_continuous_writes() {
     const RESTART_BYTES: u64 = 256 * 1024;
+    /// Shorter than production's: more restarts in a short test.
+    const INTERVAL: Duration = Duration::from_millis(250);
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
     let wal = wal_path_of(&path);
@@ -826,6 +829,7 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
             max_batch: 64,
             read_connections: 1,
             wal_restart_bytes: RESTART_BYTES,
+            checkpoint_interval: INTERVAL,
             request_log_retention_ms: i64::MAX,
             timestamp_window_ms: 0,
             max_audit_rows: MAX_AUDIT_ROWS,
@@ -842,7 +846,8 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
     )
     .await
     .expect("open");
-    let stop_at = std::time::Instant::now() + Duration::from_secs(3);
+    // Twelve checkpoint intervals: each may restart the WAL once.
+    let stop_at = std::time::Instant::now() + 12 * INTERVAL;
     let mut writers = Vec::new();
     for task in 0u8..16 {
         let store = store.clone();
