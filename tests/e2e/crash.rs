@@ -241,11 +241,8 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     let middle = Agent::generate();
     let mut descendants = Vec::new();
     for _ in 0..2 {
-        let answer = client
-            .delegate(orchestrator.delegate(child(&root, &lineage, &middle, 1_000)))
-            .await
-            .unwrap()
-            .into_inner();
+        let request = orchestrator.delegate(child(&root, &lineage, &middle, 1_000));
+        let answer = delegate_retrying(&mut client, request).await;
         let (id, _) = Outcome::from(answer.outcome.unwrap()).issued();
         let mut calls = Vec::new();
         for _ in 0..520 {
@@ -257,11 +254,8 @@ async fn sigkill_during_a_drain_finishes_it_once() {
             );
             calls.push(tokio::spawn(async move {
                 let leaf = Agent::generate();
-                let answer = client
-                    .delegate(middle.delegate(child(&id, &lineage, &leaf, 1)))
-                    .await
-                    .unwrap()
-                    .into_inner();
+                let request = middle.delegate(child(&id, &lineage, &leaf, 1));
+                let answer = delegate_retrying(&mut client, request).await;
                 Outcome::from(answer.outcome.unwrap()).issued().0
             }));
         }
@@ -356,4 +350,38 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     let receipt = decode_receipt(&receipt.receipt.unwrap());
     assert_eq!(receipt.revoked_ids, vec![root.clone()]);
     drop(database);
+}
+
+/// Sends `request` until it is answered: 1,040 Delegates at once may find
+/// the PostgreSQL pool or the write queue full (UNAVAILABLE, RESOURCE_
+/// EXHAUSTED, ABORTED for contention), which the API says to retry with
+/// the same nonce — the same signed request is sent again.
+async fn delegate_retrying(
+    client: &mut pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    request: pb::DelegateRequest,
+) -> pb::DelegateResponse {
+    /// Far more than a loaded CI machine needs; a broker that never
+    /// answers fails the test.
+    const MAX_ATTEMPTS: u32 = 200;
+    for _ in 1..MAX_ATTEMPTS {
+        match client.delegate(request.clone()).await {
+            Ok(answer) => return answer.into_inner(),
+            Err(status)
+                if matches!(
+                    status.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::ResourceExhausted
+                        | tonic::Code::Aborted
+                ) =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(status) => panic!("Delegate failed: {status:?}"),
+        }
+    }
+    client
+        .delegate(request)
+        .await
+        .expect("answered after retries")
+        .into_inner()
 }
