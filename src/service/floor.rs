@@ -142,7 +142,7 @@ impl FloorService {
             task: body.task,
             delegate_public_key: body.delegate_public_key,
             budget: body.budget,
-            deadline_ms: now_ms + 3_600_000,
+            deadline_ms: now_ms.saturating_add(FLOOR_DEADLINE_MS),
             issued_at_ms: now_ms,
             liability: body.liability,
             predicate: body.predicate,
@@ -172,6 +172,10 @@ impl FloorService {
         })
     }
 }
+
+/// The deadline the floor's contracts carry (a broker's is the parent's):
+/// any number of the same encoded size will do.
+const FLOOR_DEADLINE_MS: i64 = 3_600_000;
 
 fn not_in_the_floor() -> Status {
     ServiceError::Unavailable(
