@@ -122,6 +122,18 @@ def parse(output):
     }
 
 
+def commits(url):
+    """Transactions committed in the database at `url` so far (every
+    replica's groups, the sequencer's and the pruner's): delegations per
+    commit is the mean group size the replicas reached."""
+    out = subprocess.run(
+        ["psql", url, "-Atc",
+         "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return int(out.strip() or 0)
+
+
 def one_run(config, args, workdir, pg, seed, attestor_pub, number):
     backend, _, mode = config.partition("-")
     replicas = {"sqlite": 1, "pg1": 1, "pg3": 3}[backend]
@@ -136,8 +148,10 @@ def one_run(config, args, workdir, pg, seed, attestor_pub, number):
     # CPU over the measured window only.
     time.sleep(args.warmup)
     before = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
+    commits_before = commits(url) if url else 0
     time.sleep(args.duration)
     after = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
+    committed = commits(url) - commits_before if url else 0
     output, _ = bench.communicate()
     result = parse(output)
     for process, _ in brokers:
@@ -152,6 +166,7 @@ def one_run(config, args, workdir, pg, seed, attestor_pub, number):
         pg_us=1e6 * pg_cpu / issued,
         broker_cpu=broker_cpu,
         pg_cpu=pg_cpu,
+        per_commit=result["issued"] / committed if committed else 0.0,
     )
     return result
 
@@ -182,8 +197,9 @@ def main():
     seed = open(keyfile).read().strip()
     pg = start_postgres(workdir) if any(c.startswith("pg") for c in configs) else None
     print("| round | configuration | delegations/s | p50 ms | p99 ms | p999 ms | errors "
-          "| broker CPU s | PostgreSQL CPU s | broker CPU µs/delegation | PostgreSQL CPU µs/delegation |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| broker CPU s | PostgreSQL CPU s | broker CPU µs/delegation | PostgreSQL CPU µs/delegation "
+          "| delegations per commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     number = 0
     try:
@@ -195,7 +211,7 @@ def main():
                 results.append(r)
                 print(f"| {round_} | {config} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} "
                       f"| {r['p999']:.2f} | {r['errors']} | {r['broker_cpu']:.1f} | {r['pg_cpu']:.1f} "
-                      f"| {r['broker_us']:.0f} | {r['pg_us']:.0f} |", flush=True)
+                      f"| {r['broker_us']:.0f} | {r['pg_us']:.0f} | {r['per_commit']:.1f} |", flush=True)
     finally:
         if pg:
             subprocess.run([os.path.join(HERE, "pg.sh"), "stop", pg[0]], capture_output=True)

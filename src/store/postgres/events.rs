@@ -165,26 +165,26 @@ pub(super) async fn place_own(
     if seqs.is_empty() {
         return Ok(Vec::new());
     }
-    let last: i64 = sqlx::query_scalar("SELECT last_pos FROM event_clock WHERE id = 1 FOR UPDATE")
-        .fetch_one(&mut *conn)
-        .await?;
+    // One statement (one round trip): the clock's row lock is taken by
+    // its UPDATE, after every lock the transaction's earlier statements
+    // took, and the event rows get the positions it moved past.
     let placed: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-        "INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
-         SELECT seq, kind, contract_seq, root_id, $2 + row_number() OVER (ORDER BY seq) FROM (\
+        "WITH own AS (\
              SELECT seq, 1 AS kind, seq AS contract_seq, root_id FROM contracts WHERE seq = ANY($1) \
              UNION ALL \
-             SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)) own \
+             SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)), \
+         clock AS (\
+             UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM own) WHERE id = 1 \
+             RETURNING last_pos - (SELECT count(*) FROM own) AS base) \
+         INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
+         SELECT own.seq, own.kind, own.contract_seq, own.root_id, \
+             clock.base + row_number() OVER (ORDER BY own.seq) \
+         FROM own CROSS JOIN clock \
          RETURNING pos, root_id",
     )
     .bind(seqs)
-    .bind(last)
     .fetch_all(&mut *conn)
     .await?;
-    let new_last = placed.iter().map(|(p, _)| *p).max().unwrap_or(last);
-    sqlx::query("UPDATE event_clock SET last_pos = $1 WHERE id = 1")
-        .bind(new_last)
-        .execute(&mut *conn)
-        .await?;
     Ok(placed)
 }
 

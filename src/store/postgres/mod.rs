@@ -31,6 +31,7 @@ pub mod migrate;
 pub mod testing;
 #[cfg(test)]
 mod tests;
+mod unnest;
 mod writer;
 
 use self::writer::*;
@@ -57,7 +58,6 @@ use crate::stamp::Stamper;
 pub use super::sql::BeforeJudge;
 use super::sql::drain;
 use super::sql::lifecycle;
-use super::sql::plan::plan_statements;
 use super::sql::requests::load_prior_requests;
 use super::sql::rows::StoredContract;
 use super::sql::{Backend, KnownCache, Shared, SharedOptions, lock};

@@ -276,7 +276,7 @@ impl Writer {
         }
         let mut script = Script::default();
         // Watch's hint is fed by the sequencer (positions), not here.
-        plan_statements(&mut script, &plan);
+        super::unnest::plan_statements(&mut script, &plan);
         script.execute(&mut tx).await?;
         let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
@@ -427,6 +427,17 @@ impl crate::store::sql::plan::Script<Postgres> for Script {
 }
 
 impl Script {
+    /// Appends a finished statement.
+    pub(super) fn add(&mut self, statement: QueryBuilder<Postgres>) {
+        if self.statements > 0 {
+            let finished = std::mem::replace(&mut self.query, statement);
+            self.done.push(finished);
+        } else {
+            self.query = statement;
+        }
+        self.statements += 1;
+    }
+
     async fn execute(mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         if self.statements == 0 {
             return Ok(());

@@ -1,6 +1,8 @@
-//! A planned batch's writes as multi-row statements, shared by the
-//! backends: each backend's `Script` decides how the statements reach the
-//! database (SQLite: one script, BEGIN to COMMIT, in one round trip).
+//! A planned batch's writes as multi-row statements, for any `Dialect`;
+//! each backend's `Script` decides how the statements reach the database
+//! (SQLite: one script, BEGIN to COMMIT, in one round trip). PostgreSQL
+//! writes the same plan through its own `UNNEST` statement
+//! (`store::postgres::unnest`): fixed text, one round trip.
 
 use sqlx::QueryBuilder;
 
@@ -18,6 +20,12 @@ pub(crate) trait Script<D: Dialect> {
     fn query(&mut self) -> &mut QueryBuilder<D>;
     /// Statements started so far.
     fn statements(&self) -> usize;
+    /// The conflict clause after each `INSERT` and `UPDATE` verb (with
+    /// its leading space), or "" for the database's default (undo the
+    /// one statement).
+    fn on_conflict(&self) -> &'static str {
+        ""
+    }
 }
 
 /// Bind parameters per row of the `contracts` insert, the widest row.
@@ -54,8 +62,9 @@ pub(crate) fn plan_statements<D: Dialect>(script: &mut impl Script<D>, plan: &Pl
 /// The batch's new contracts and their envelopes.
 fn insert_contracts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
     for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
-        script.statement(
-            "INSERT INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
+        let or = script.on_conflict();
+        script.statement("INSERT").push(or).push(
+            " INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
              delegate_key, liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
              deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
              retry_headroom, require_host, issued_at_ms, status, budget, reserved, spent, \
@@ -90,7 +99,10 @@ fn insert_contracts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
                 .push_arg(row.host_key.map(|h| h.to_vec()))
                 .push_arg(row.labels_json.as_str());
         });
-        script.statement("INSERT INTO contract_envelopes (seq, envelope, trace_context) ");
+        script
+            .statement("INSERT")
+            .push(or)
+            .push(" INTO contract_envelopes (seq, envelope, trace_context) ");
         script.query().push_values(chunk, |mut b, row| {
             b.push_arg(row.seq)
                 .push_arg(row.envelope.as_slice())
@@ -111,8 +123,12 @@ fn insert_run_labels<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
                 .map(move |(key, value)| (row.seq, key.as_str(), value.as_str()))
         })
         .collect();
+    let or = script.on_conflict();
     for chunk in labels.chunks(ROWS_PER_STATEMENT) {
-        script.statement("INSERT INTO run_labels (label_key, label_value, root_seq) ");
+        script
+            .statement("INSERT")
+            .push(or)
+            .push(" INTO run_labels (label_key, label_value, root_seq) ");
         script
             .query()
             .push_values(chunk, |mut b, (seq, key, value)| {
@@ -124,8 +140,9 @@ fn insert_run_labels<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
 /// Status and ledger of every earlier contract the batch changed.
 fn update_states<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
     // One UPDATE for every changed earlier contract: a CASE per column.
+    let or = script.on_conflict();
     for chunk in plan.states.chunks(STATE_ROWS_PER_STATEMENT) {
-        script.statement("UPDATE contracts SET ");
+        script.statement("UPDATE").push(or).push(" contracts SET ");
         type Column = fn(&(i64, Status, Ledger)) -> i64;
         let columns: [(&str, Column); 4] = [
             ("status", |(_, s, _)| i64::from(s.as_i32())),
@@ -159,9 +176,10 @@ fn update_states<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
 
 /// The batch's receipts (refusals).
 fn insert_receipts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
+    let or = script.on_conflict();
     for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
-        script.statement(
-            "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
+        script.statement("INSERT").push(or).push(
+            " INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
         );
         script.query().push_values(chunk, |mut b, row| {
             b.push_arg(row.seq)
@@ -178,10 +196,12 @@ fn insert_receipts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
 
 /// The request log entries of the batch's answers.
 fn insert_requests<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
+    let or = script.on_conflict();
     for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
-        script.statement(
-            "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ",
-        );
+        script
+            .statement("INSERT")
+            .push(or)
+            .push(" INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ");
         script.query().push_values(chunk, |mut b, row| {
             b.push_arg(row.agent.as_slice())
                 .push_arg(row.nonce.as_slice())

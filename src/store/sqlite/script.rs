@@ -9,6 +9,25 @@ use sqlx::{QueryBuilder, Sqlite};
 pub(super) struct Script {
     query: QueryBuilder<Sqlite>,
     statements: usize,
+    /// See `Script::whole_transaction`.
+    or_rollback: bool,
+}
+
+impl Script {
+    /// A script that carries its own BEGIN and COMMIT: any failed
+    /// statement rolls the whole transaction back (`OR ROLLBACK`). Inside
+    /// a transaction SQLite otherwise copies every page a multi-row
+    /// statement touches into a statement journal, to undo just that
+    /// statement — a page copy and its allocations per page per statement
+    /// that the fast path never needs, since it redoes the whole batch on
+    /// any conflict. (Not for statements inside a sqlx transaction: sqlx
+    /// would not know its transaction had ended.)
+    pub(super) fn whole_transaction() -> Self {
+        Self {
+            or_rollback: true,
+            ..Self::default()
+        }
+    }
 }
 
 impl crate::store::sql::plan::Script<Sqlite> for Script {
@@ -26,5 +45,9 @@ impl crate::store::sql::plan::Script<Sqlite> for Script {
 
     fn statements(&self) -> usize {
         self.statements
+    }
+
+    fn on_conflict(&self) -> &'static str {
+        if self.or_rollback { " OR ROLLBACK" } else { "" }
     }
 }

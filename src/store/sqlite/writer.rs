@@ -525,7 +525,7 @@ pub(super) async fn apply_fast(
         let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
         batch::replay_unlogged(commands, &mut plan.answers, &earlier);
     }
-    let mut script = Script::default();
+    let mut script = Script::whole_transaction();
     script.statement("BEGIN IMMEDIATE");
     touch_trees(&state.trees, &plan);
     let writes = plan_statements(&mut script, &plan);
