@@ -12,7 +12,10 @@ over the measured window only (after the warm-up).
     scripts/replica-bench.py --bin target/release/delegation-broker \\
         --rounds 2 --configs sqlite,pg1,pg3,sqlite-hot,pg1-hot,pg3-hot
 
-Prints one markdown table row per run, then the means.
+Prints one markdown table row per run, then the means. With
+`--statements N`, the server loads pg_stat_statements and each PostgreSQL
+run also prints its N statements with the most execution time, per
+delegation and per call (where the database's CPU per delegation goes).
 """
 
 import argparse
@@ -61,7 +64,7 @@ def user_cpu_seconds(uid):
     return total
 
 
-def start_postgres(workdir):
+def start_postgres(workdir, statements=False):
     pgdir = os.path.join(workdir, "pg")
     os.makedirs(pgdir)
     out = subprocess.run(
@@ -69,6 +72,12 @@ def start_postgres(workdir):
         check=True, capture_output=True, text=True,
     ).stdout
     url = re.search(r"BROKER_TEST_POSTGRES_URL=(\S+)", out).group(1)
+    if statements:
+        for setting in ("shared_preload_libraries = 'pg_stat_statements'",
+                        "pg_stat_statements.track_planning = on"):
+            subprocess.run(["psql", url, "-qc", f"ALTER SYSTEM SET {setting}"], check=True)
+        subprocess.run([os.path.join(HERE, "pg.sh"), "restart", pgdir],
+                       check=True, capture_output=True)
     owner = os.stat(os.path.join(pgdir, "data")).st_uid
     return pgdir, url, owner
 
@@ -134,6 +143,38 @@ def commits(url):
     return int(out.strip() or 0)
 
 
+def reset_statements(url):
+    subprocess.run(["psql", url, "-qc",
+                    "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; "
+                    "SELECT pg_stat_statements_reset()"],
+                   check=True, capture_output=True)
+
+
+def top_statements(url, count, issued):
+    """The `count` statements of this database with the most execution
+    plus planning time since the reset (wall time in the server, lock
+    waits included): µs per delegation, of it planning, calls per
+    delegation, µs per call, and the statement's start."""
+    out = subprocess.run(
+        ["psql", url, "-AtF", "\t", "-c",
+         "SELECT total_exec_time + total_plan_time, total_plan_time, calls, "
+         "regexp_replace(query, '\\s+', ' ', 'g') "
+         "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
+         "WHERE datname = current_database()) ORDER BY total_exec_time + total_plan_time DESC "
+         f"LIMIT {int(count)}"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    lines = []
+    for line in out.splitlines():
+        total_ms, plan_ms, calls, query = line.split("\t", 3)
+        total_ms, plan_ms, calls = float(total_ms), float(plan_ms), int(calls)
+        lines.append(f"    {1000 * total_ms / issued:7.1f} µs/delegation "
+                     f"(planning {1000 * plan_ms / issued:5.1f}) "
+                     f"{calls / issued:5.2f} calls/delegation "
+                     f"{1000 * total_ms / max(calls, 1):7.1f} µs/call  {query[:90]}")
+    return lines
+
+
 def one_run(config, args, workdir, pg, seed, attestor_pub, number):
     backend, _, mode = config.partition("-")
     replicas = {"sqlite": 1, "pg1": 1, "pg3": 3}[backend]
@@ -149,11 +190,16 @@ def one_run(config, args, workdir, pg, seed, attestor_pub, number):
     time.sleep(args.warmup)
     before = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
     commits_before = commits(url) if url else 0
+    if url and args.statements:
+        reset_statements(url)
     time.sleep(args.duration)
     after = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
     committed = commits(url) - commits_before if url else 0
     output, _ = bench.communicate()
     result = parse(output)
+    if url and args.statements:
+        # Over the measured window; calls counted while the bench ran on.
+        result["statements"] = top_statements(url, args.statements, max(result["issued"], 1))
     for process, _ in brokers:
         process.terminate()
         process.wait()
@@ -180,6 +226,8 @@ def main():
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--statements", type=int, default=0,
+                        help="print each PostgreSQL run's N costliest statements (pg_stat_statements)")
     parser.add_argument("--writers", type=int, default=None,
                         help="limits.database_writers of the PostgreSQL replicas")
     args = parser.parse_args()
@@ -195,7 +243,7 @@ def main():
         [args.bin, "keygen", "--out", keyfile], check=True, capture_output=True, text=True
     ).stdout.strip()
     seed = open(keyfile).read().strip()
-    pg = start_postgres(workdir) if any(c.startswith("pg") for c in configs) else None
+    pg = start_postgres(workdir, args.statements > 0) if any(c.startswith("pg") for c in configs) else None
     print("| round | configuration | delegations/s | p50 ms | p99 ms | p999 ms | errors "
           "| broker CPU s | PostgreSQL CPU s | broker CPU µs/delegation | PostgreSQL CPU µs/delegation "
           "| delegations per commit |")
@@ -212,6 +260,8 @@ def main():
                 print(f"| {round_} | {config} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} "
                       f"| {r['p999']:.2f} | {r['errors']} | {r['broker_cpu']:.1f} | {r['pg_cpu']:.1f} "
                       f"| {r['broker_us']:.0f} | {r['pg_us']:.0f} | {r['per_commit']:.1f} |", flush=True)
+                for line in r.get("statements", []):
+                    print(line, flush=True)
     finally:
         if pg:
             subprocess.run([os.path.join(HERE, "pg.sh"), "stop", pg[0]], capture_output=True)

@@ -245,6 +245,21 @@ pub struct Plan {
     pub receipts: Vec<ReceiptRow>,
 }
 
+impl Plan {
+    /// One `(root seq, key, value)` per label of each new root: the
+    /// `run_labels` rows (the index audits select runs by).
+    pub fn run_labels(&self) -> Vec<(i64, &str, &str)> {
+        self.contracts
+            .iter()
+            .flat_map(|row| {
+                row.run_labels
+                    .iter()
+                    .map(move |(key, value)| (row.seq, key.as_str(), value.as_str()))
+            })
+            .collect()
+    }
+}
+
 /// The request keys and parent ids a batch needs loaded.
 pub fn needs(commands: &[Command], known: &KnownMap) -> (Vec<RequestKey>, Vec<Id>) {
     let requests = commands

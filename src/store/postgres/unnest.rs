@@ -186,15 +186,7 @@ fn insert_contracts(parts: &mut Parts, plan: &Plan) {
 
 /// One `run_labels` row per label of each new root.
 fn insert_run_labels(parts: &mut Parts, plan: &Plan) {
-    let labels: Vec<(i64, &str, &str)> = plan
-        .contracts
-        .iter()
-        .flat_map(|row| {
-            row.run_labels
-                .iter()
-                .map(move |(key, value)| (row.seq, key.as_str(), value.as_str()))
-        })
-        .collect();
+    let labels = plan.run_labels();
     if labels.is_empty() {
         return;
     }

@@ -114,15 +114,7 @@ fn insert_contracts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
 /// One `run_labels` row per label of each new root (the index audits
 /// select runs by).
 fn insert_run_labels<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
-    let labels: Vec<(i64, &str, &str)> = plan
-        .contracts
-        .iter()
-        .flat_map(|row| {
-            row.run_labels
-                .iter()
-                .map(move |(key, value)| (row.seq, key.as_str(), value.as_str()))
-        })
-        .collect();
+    let labels = plan.run_labels();
     let or = script.on_conflict();
     for chunk in labels.chunks(ROWS_PER_STATEMENT) {
         script
