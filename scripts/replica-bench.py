@@ -73,11 +73,19 @@ def start_postgres(workdir, statements=False):
     ).stdout
     url = re.search(r"BROKER_TEST_POSTGRES_URL=(\S+)", out).group(1)
     if statements:
-        for setting in ("shared_preload_libraries = 'pg_stat_statements'",
-                        "pg_stat_statements.track_planning = on"):
-            subprocess.run(["psql", url, "-qc", f"ALTER SYSTEM SET {setting}"], check=True)
-        subprocess.run([os.path.join(HERE, "pg.sh"), "restart", pgdir],
-                       check=True, capture_output=True)
+        try:
+            subprocess.run(["psql", url, "-qc",
+                            "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'"],
+                           check=True)
+            subprocess.run([os.path.join(HERE, "pg.sh"), "restart", pgdir],
+                           check=True, capture_output=True)
+            # Known only once the library is loaded.
+            for sql in ("ALTER SYSTEM SET pg_stat_statements.track_planning = on",
+                        "SELECT pg_reload_conf()"):
+                subprocess.run(["psql", url, "-qc", sql], check=True, capture_output=True)
+        except BaseException:
+            subprocess.run([os.path.join(HERE, "pg.sh"), "stop", pgdir], capture_output=True)
+            raise
     owner = os.stat(os.path.join(pgdir, "data")).st_uid
     return pgdir, url, owner
 
