@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
-use sqlx::{Connection, Postgres, QueryBuilder};
+use sqlx::{Connection, Postgres};
 use tokio::sync::mpsc;
 
 use super::batch::{self, Command, KnownMap, RequestKey};

@@ -2,16 +2,16 @@
 //! data-modifying `WITH` part per table, each column bound as one array and
 //! expanded with `UNNEST`.
 //!
-//! Why not the shared multi-row `VALUES` statements (`sql::plan`): their
-//! text changes with the row count, so every replica's every connection
-//! parses and plans a new statement for most batches (with three replicas
-//! the database's parsing and planning per delegation grew 1.5–2×,
-//! BENCHMARKS.md, issue 27). Here the text is fixed: each connection
-//! prepares each statement once, and one statement takes any number of
-//! rows (one bind parameter per column, not per cell). And one round trip
-//! instead of one per table: a transaction's fixed cost is most of the
-//! database's CPU per delegation once several replicas split the load
-//! into small groups.
+//! Why not the multi-row `VALUES` statements SQLite uses (`sql::plan`):
+//! their text changes with the row count, so every replica's every
+//! connection parses a new statement for most batches and keeps each
+//! variant in its statement cache. Here the text is fixed (two shapes:
+//! with and without a root's labels), one bind parameter per column, not
+//! per cell, and one round trip instead of one per table: a transaction's
+//! fixed cost is most of the database's CPU per delegation once several
+//! replicas split the load into small groups (BENCHMARKS.md, issue 27).
+//! It is still planned at every call: the connections force custom plans
+//! (see `connect_options`).
 //!
 //! The parts touch disjoint rows (new contracts, their envelopes, labels,
 //! receipts and request-log keys; earlier contracts this transaction
@@ -19,12 +19,10 @@
 
 use sqlx::{Postgres, QueryBuilder};
 
-use super::writer::Script;
 use crate::store::batch::Plan;
 
-/// Appends the plan's writes to `script` as one statement (none when the
-/// plan writes nothing); returns how many statements.
-pub(super) fn plan_statements(script: &mut Script, plan: &Plan) -> usize {
+/// The plan's writes as one statement; `None` when it writes nothing.
+pub(super) fn writes(plan: &Plan) -> Option<QueryBuilder<Postgres>> {
     let mut parts = Parts {
         query: QueryBuilder::new("WITH "),
         count: 0,
@@ -35,11 +33,10 @@ pub(super) fn plan_statements(script: &mut Script, plan: &Plan) -> usize {
     insert_receipts(&mut parts, plan);
     insert_requests(&mut parts, plan);
     if parts.count == 0 {
-        return 0;
+        return None;
     }
     parts.query.push(" SELECT 1");
-    script.add(parts.query);
-    1
+    Some(parts.query)
 }
 
 /// The `WITH` parts of the one statement.

@@ -274,10 +274,10 @@ impl Writer {
                 batch::replay_unlogged(commands, &mut answers, &earlier);
             }
         }
-        let mut script = Script::default();
         // Watch's hint is fed by the sequencer (positions), not here.
-        super::unnest::plan_statements(&mut script, &plan);
-        script.execute(&mut tx).await?;
+        if let Some(mut writes) = super::unnest::writes(&plan) {
+            writes.build().execute(&mut *tx).await?;
+        }
         let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
         events::announce_own(self.tag, &self.trees, &self.commits, &placed);
@@ -395,59 +395,6 @@ async fn prune_requests(pool: &PgPool, cutoff_ms: i64) -> Result<u64, sqlx::Erro
     .execute(pool)
     .await?;
     Ok(done.rows_affected())
-}
-
-/// A planned batch's statements, run one after another in the caller's
-/// transaction (PostgreSQL's extended protocol takes one statement at a
-/// time).
-#[derive(Default)]
-pub(super) struct Script {
-    pub(super) query: QueryBuilder<Postgres>,
-    done: Vec<QueryBuilder<Postgres>>,
-    pub(super) statements: usize,
-}
-
-impl crate::store::sql::plan::Script<Postgres> for Script {
-    fn statement(&mut self, sql: &str) -> &mut QueryBuilder<Postgres> {
-        if self.statements > 0 {
-            let finished = std::mem::replace(&mut self.query, QueryBuilder::new(""));
-            self.done.push(finished);
-        }
-        self.statements += 1;
-        self.query.push(sql)
-    }
-
-    fn query(&mut self) -> &mut QueryBuilder<Postgres> {
-        &mut self.query
-    }
-
-    fn statements(&self) -> usize {
-        self.statements
-    }
-}
-
-impl Script {
-    /// Appends a finished statement.
-    pub(super) fn add(&mut self, statement: QueryBuilder<Postgres>) {
-        if self.statements > 0 {
-            let finished = std::mem::replace(&mut self.query, statement);
-            self.done.push(finished);
-        } else {
-            self.query = statement;
-        }
-        self.statements += 1;
-    }
-
-    async fn execute(mut self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-        if self.statements == 0 {
-            return Ok(());
-        }
-        self.done.push(self.query);
-        for mut statement in self.done {
-            statement.build().execute(&mut *conn).await?;
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

@@ -35,8 +35,9 @@ const CONTRACT_ROW_PARAMETERS: usize = 27;
 const STATE_ROWS_PER_STATEMENT: usize = ROWS_PER_STATEMENT / 8;
 const STATE_ROW_PARAMETERS: usize = 4 * 2 + 1;
 
-/// Most parameters one planned statement binds: each backend asserts its
-/// database takes that many (`store::limits`).
+/// Most parameters one planned statement binds (and so any statement
+/// chunked by `ROWS_PER_STATEMENT` with fewer binds a row): each backend
+/// asserts its database takes that many (`store::limits`).
 pub(crate) const PARAMETERS_PER_STATEMENT: usize = max(
     ROWS_PER_STATEMENT * CONTRACT_ROW_PARAMETERS,
     STATE_ROWS_PER_STATEMENT * STATE_ROW_PARAMETERS,
