@@ -725,17 +725,23 @@ fn sample_store<S: Served>(metrics: &crate::metrics::Metrics, store: &Arc<S>) {
     let counted = Arc::downgrade(store);
     let open_contracts = metrics.open_contracts.clone();
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(
-            crate::metrics::OPEN_CONTRACTS_SAMPLE_MS,
-        ));
+        let least = Duration::from_millis(crate::metrics::OPEN_CONTRACTS_SAMPLE_MS);
         loop {
-            tick.tick().await;
             let Some(store) = counted.upgrade() else {
                 return;
             };
+            let started = tokio::time::Instant::now();
             if let Ok(open) = store.open_contracts().await {
                 open_contracts.set(open);
             }
+            drop(store);
+            let took = started.elapsed();
+            tokio::time::sleep(
+                least
+                    .max(took.saturating_mul(crate::metrics::OPEN_CONTRACTS_IDLE_FACTOR))
+                    .saturating_sub(took),
+            )
+            .await;
         }
     });
     let queued = Arc::downgrade(store);

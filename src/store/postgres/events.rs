@@ -151,6 +151,20 @@ pub(super) async fn sequencer(
     }
 }
 
+/// The statement of `place_own`: `$1` the transaction's seqs.
+pub(super) const PLACE_OWN: &str = "WITH own AS (\
+         SELECT seq, 1 AS kind, seq AS contract_seq, root_id FROM contracts WHERE seq = ANY($1) \
+         UNION ALL \
+         SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)), \
+     clock AS (\
+         UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM own) WHERE id = 1 \
+         RETURNING last_pos - (SELECT count(*) FROM own) AS base) \
+     INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
+     SELECT own.seq, own.kind, own.contract_seq, own.root_id, \
+         clock.base + row_number() OVER (ORDER BY own.seq) \
+     FROM own CROSS JOIN clock \
+     RETURNING pos, root_id";
+
 /// Places a transaction's own events (the contracts and receipts it
 /// numbered, `seqs`) at the next positions, in `seq` order, under the
 /// `event_clock` row lock, which the transaction then holds until it
@@ -168,23 +182,10 @@ pub(super) async fn place_own(
     // One statement (one round trip): the clock's row lock is taken by
     // its UPDATE, after every lock the transaction's earlier statements
     // took, and the event rows get the positions it moved past.
-    let placed: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-        "WITH own AS (\
-             SELECT seq, 1 AS kind, seq AS contract_seq, root_id FROM contracts WHERE seq = ANY($1) \
-             UNION ALL \
-             SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)), \
-         clock AS (\
-             UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM own) WHERE id = 1 \
-             RETURNING last_pos - (SELECT count(*) FROM own) AS base) \
-         INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
-         SELECT own.seq, own.kind, own.contract_seq, own.root_id, \
-             clock.base + row_number() OVER (ORDER BY own.seq) \
-         FROM own CROSS JOIN clock \
-         RETURNING pos, root_id",
-    )
-    .bind(seqs)
-    .fetch_all(&mut *conn)
-    .await?;
+    let placed: Vec<(i64, Vec<u8>)> = sqlx::query_as(PLACE_OWN)
+        .bind(seqs)
+        .fetch_all(&mut *conn)
+        .await?;
     Ok(placed)
 }
 

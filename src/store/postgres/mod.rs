@@ -206,8 +206,15 @@ pub fn connect_options(url: &str) -> Result<PgConnectOptions, StoreError> {
                 // A generic plan of `id = ANY($1)` does not know how many
                 // ids the array holds, and on these tables chose scans
                 // that grew with the table (2 ms per batch at 5,000
-                // contracts); a custom plan seeks every time.
-                .options([("plan_cache_mode", "force_custom_plan")])
+                // contracts); a custom plan seeks every time. (Issuance
+                // transactions keep generic plans made without scans:
+                // `writer::ISSUANCE_BEGIN`.)
+                //
+                // No JIT: these statements are short, and compiling one
+                // costs more than running it (a plan whose estimate passes
+                // `jit_above_cost`, like a count over a large table, was
+                // compiled at every call).
+                .options([("plan_cache_mode", "force_custom_plan"), ("jit", "off")])
         })
         .map_err(|e| StoreError::Backend(format!("database URL: {e}")))
 }
@@ -290,6 +297,7 @@ impl PostgresStore {
                 prune: (number == 0).then_some(options.request_log_retention_ms),
                 metrics: options.metrics.clone(),
                 cascade_step_rows: options.cascade_step_rows.max(1),
+                held: None,
             };
             tokio::spawn(writer.run());
         }

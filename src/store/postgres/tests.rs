@@ -207,3 +207,91 @@ async fn events_left_unplaced_are_placed_at_start() {
         .expect("count");
     assert_eq!(unplaced, 0);
 }
+
+/// The issuance transaction's statements as PostgreSQL plans them under
+/// `writer::ISSUANCE_BEGIN`: generic plans, made once per connection and
+/// kept, here on tables that are empty and were never analyzed — where a
+/// scan looks cheapest, and would then be kept as the tables grow. Every
+/// read of a table goes down an index by a condition (`draining` alone is
+/// read whole: it holds only drains in progress).
+#[tokio::test]
+async fn the_issuance_statements_seek_with_generic_plans() {
+    use sqlx::Execute;
+    let (store, database) = open_suite_store().await;
+    drop(store);
+    let mut conn = sqlx::PgConnection::connect(&database.url)
+        .await
+        .expect("connect");
+    let keys: Vec<RequestKey> = vec![([1u8; 32], vec![1]), ([2u8; 32], vec![2])];
+    let prior = crate::store::sql::requests::prior_requests_query::<Postgres>(&keys)
+        .build()
+        .sql()
+        .as_str()
+        .to_string();
+    let states = format!(
+        "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[], $5::int8[]{}",
+        unnest::UPDATE_STATES.0,
+        unnest::UPDATE_STATES.1
+    );
+    let statements = [
+        ("parents", writer::parents_locked_sql()),
+        ("drains", drain::DRAINS.to_string()),
+        ("numbers", writer::RESERVE.to_string()),
+        ("states", states),
+        ("events", events::PLACE_OWN.to_string()),
+        ("prior requests", prior),
+        ("lineage", lifecycle::LINEAGE.to_string()),
+    ];
+    sqlx::raw_sql(sqlx::AssertSqlSafe(writer::ISSUANCE_BEGIN))
+        .execute(&mut conn)
+        .await
+        .expect("begin");
+    for (number, (name, sql)) in statements.iter().enumerate() {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("PREPARE s{number} AS {sql}")))
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let params = (1..=9).filter(|n| sql.contains(&format!("${n}"))).count();
+        let nulls = vec!["NULL"; params].join(", ");
+        let execute = if params == 0 {
+            format!("s{number}")
+        } else {
+            format!("s{number}({nulls})")
+        };
+        let plan = explain(&mut conn, format!("EXECUTE {execute}")).await;
+        let problems = scans(&plan, &["draining"]);
+        assert!(problems.is_empty(), "{name}: {problems:?}\n{plan}");
+    }
+}
+
+/// The reads in `plan` (`EXPLAIN` text) that are not an index lookup by
+/// a condition, except of the tables in `whole`.
+fn scans(plan: &str, whole: &[&str]) -> Vec<String> {
+    let lines: Vec<&str> = plan.lines().collect();
+    let mut problems = Vec::new();
+    for (at, line) in lines.iter().enumerate() {
+        let Some(table) = line
+            .split(" on ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+        else {
+            continue;
+        };
+        if whole.contains(&table) {
+            continue;
+        }
+        if line.contains("Seq Scan") {
+            problems.push(format!("a sequential scan of {table}"));
+        } else if line.contains("Index Scan") || line.contains("Index Only Scan") {
+            // The node's details run to the next node.
+            let conditioned = lines[at + 1..]
+                .iter()
+                .take_while(|l| !l.contains("->"))
+                .any(|l| l.contains("Index Cond"));
+            if !conditioned {
+                problems.push(format!("a whole index of {table} read: {}", line.trim()));
+            }
+        }
+    }
+    problems
+}

@@ -10,8 +10,7 @@
 //! per cell, and one round trip instead of one per table: a transaction's
 //! fixed cost is most of the database's CPU per delegation once several
 //! replicas split the load into small groups (BENCHMARKS.md, issue 27).
-//! It is still planned at every call: the connections force custom plans
-//! (see `connect_options`).
+//! A connection plans it once (`writer::ISSUANCE_BEGIN`).
 //!
 //! The parts touch disjoint rows (new contracts, their envelopes, labels,
 //! receipts and request-log keys; earlier contracts this transaction
@@ -197,15 +196,20 @@ fn insert_run_labels(parts: &mut Parts, plan: &Plan) {
 
 /// Status and ledger of every earlier contract the batch changed (each
 /// already locked by this transaction).
+/// The update of earlier contracts' states, around its five arrays (seq,
+/// status, reserved, spent, open_children).
+pub(super) const UPDATE_STATES: (&str, &str) = (
+    "UPDATE contracts SET status = u.status, reserved = u.reserved, spent = u.spent, \
+     open_children = u.open_children FROM UNNEST(",
+    ") AS u(seq, status, reserved, spent, open_children) WHERE contracts.seq = u.seq",
+);
+
 fn update_states(parts: &mut Parts, plan: &Plan) {
     let states = &plan.states;
     if states.is_empty() {
         return;
     }
-    let query = parts.start(
-        "UPDATE contracts SET status = u.status, reserved = u.reserved, spent = u.spent, \
-         open_children = u.open_children FROM UNNEST(",
-    );
+    let query = parts.start(UPDATE_STATES.0);
     column(query, states.iter().map(|s| s.0).collect(), true);
     column(
         query,
@@ -222,7 +226,8 @@ fn update_states(parts: &mut Parts, plan: &Plan) {
             .collect(),
         false,
     );
-    query.push(") AS u(seq, status, reserved, spent, open_children) WHERE contracts.seq = u.seq)");
+    query.push(UPDATE_STATES.1);
+    query.push(")");
 }
 
 /// The batch's receipts (refusals).

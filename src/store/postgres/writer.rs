@@ -9,6 +9,7 @@ use super::*;
 use crate::core::limits::MAX_TX_ATTEMPTS;
 use crate::store::limits::PRUNE_INTERVAL;
 use crate::store::limits::postgres::{MAX_PRUNED_PER_PASS, RETRY_BASE_MS, RETRY_CAP_MS};
+use sqlx::pool::PoolConnection;
 
 /// Numbers `nextval('seqs')` reserved for one transaction, in increasing
 /// order, taken after the rows they depend on are locked (so the children
@@ -20,6 +21,9 @@ pub(crate) struct Reserved {
     pub(super) taken: Vec<i64>,
 }
 
+/// The statement of `Reserved::reserve`: `$1` numbers.
+pub(super) const RESERVE: &str = "SELECT nextval('seqs') FROM generate_series(1, $1)";
+
 impl Reserved {
     pub(super) async fn reserve(
         &mut self,
@@ -29,11 +33,10 @@ impl Reserved {
         if count == 0 {
             return Ok(());
         }
-        let mut seqs: Vec<i64> =
-            sqlx::query_scalar("SELECT nextval('seqs') FROM generate_series(1, $1)")
-                .bind(i64::try_from(count).unwrap_or(i64::MAX))
-                .fetch_all(&mut *conn)
-                .await?;
+        let mut seqs: Vec<i64> = sqlx::query_scalar(RESERVE)
+            .bind(i64::try_from(count).unwrap_or(i64::MAX))
+            .fetch_all(&mut *conn)
+            .await?;
         seqs.sort_unstable();
         self.left.extend(seqs);
         Ok(())
@@ -139,10 +142,15 @@ pub(super) struct Writer {
     pub(super) metrics: Option<crate::metrics::StoreMetrics>,
     /// `PostgresOptions::cascade_step_rows`.
     pub(super) cascade_step_rows: usize,
+    /// The connection the last transaction committed on, kept for the
+    /// next: one taken from the pool is pinged first (a round trip per
+    /// transaction). Dropped back to the pool after any failure, so a
+    /// broken one is found by that ping.
+    pub(super) held: Option<PoolConnection<Postgres>>,
 }
 
 impl Writer {
-    pub(super) async fn run(self) {
+    pub(super) async fn run(mut self) {
         let mut next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
         loop {
             let Some(group) = self.take_group().await else {
@@ -172,7 +180,7 @@ impl Writer {
             {
                 next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
                 let cutoff_ms = self.clock.now_ms().saturating_sub(retention_ms);
-                if let Err(e) = prune_requests(&self.pool, cutoff_ms).await {
+                if let Err(e) = self.prune(cutoff_ms).await {
                     static PRUNE_FAILED: crate::telemetry::Throttle =
                         crate::telemetry::Throttle::new();
                     if let Some(held) = PRUNE_FAILED.allow() {
@@ -212,7 +220,7 @@ impl Writer {
     /// new): a retry among the batch meets its request-log row when the
     /// batch inserts its own, the transaction fails (23505) and is redone
     /// reading the log first, so the retry is answered from it.
-    async fn issue(&self, commands: &[Command]) -> Vec<Result<Answer, StoreError>> {
+    async fn issue(&mut self, commands: &[Command]) -> Vec<Result<Answer, StoreError>> {
         let mut attempt = 1;
         loop {
             let careful = attempt > 1;
@@ -238,12 +246,49 @@ impl Writer {
         }
     }
 
+    /// The held connection, or one from the pool.
+    async fn connection(&mut self) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+        match self.held.take() {
+            Some(conn) => Ok(conn),
+            None => self.pool.acquire().await,
+        }
+    }
+
+    /// Keeps `conn` for the next transaction when `result` is a success.
+    fn keep<T>(
+        &mut self,
+        conn: PoolConnection<Postgres>,
+        result: Result<T, sqlx::Error>,
+    ) -> Result<T, sqlx::Error> {
+        if result.is_ok() {
+            self.held = Some(conn);
+        }
+        result
+    }
+
+    async fn prune(&mut self, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
+        let mut conn = self.connection().await?;
+        let result = prune_requests(&mut conn, cutoff_ms).await;
+        self.keep(conn, result)
+    }
+
     async fn try_issue(
-        &self,
+        &mut self,
         commands: &[Command],
         careful: bool,
     ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut conn = self.connection().await?;
+        let result = self.issue_on(&mut conn, commands, careful).await;
+        self.keep(conn, result)
+    }
+
+    async fn issue_on(
+        &self,
+        conn: &mut PgConnection,
+        commands: &[Command],
+        careful: bool,
+    ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
+        let mut tx = conn.begin_with(ISSUANCE_BEGIN).await?;
         let (request_keys, parent_ids) = batch::needs(commands, &KnownMap::default());
         let mut prior = if careful {
             load_prior_requests::<Postgres>(&mut tx, &request_keys).await?
@@ -288,7 +333,7 @@ impl Writer {
     }
 
     /// One lifecycle command in its own transaction, redone on contention.
-    async fn transition(&self, command: &LifecycleCommand) -> Result<Answer, StoreError> {
+    async fn transition(&mut self, command: &LifecycleCommand) -> Result<Answer, StoreError> {
         let mut attempt = 1;
         loop {
             let result = self.try_transition(command).await;
@@ -313,10 +358,20 @@ impl Writer {
     }
 
     async fn try_transition(
-        &self,
+        &mut self,
         command: &LifecycleCommand,
     ) -> Result<Result<Answer, StoreError>, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut conn = self.connection().await?;
+        let result = self.transition_on(&mut conn, command).await;
+        self.keep(conn, result)
+    }
+
+    async fn transition_on(
+        &self,
+        conn: &mut PgConnection,
+        command: &LifecycleCommand,
+    ) -> Result<Result<Answer, StoreError>, sqlx::Error> {
+        let mut tx = conn.begin().await?;
         let keys: Vec<RequestKey> = command
             .request
             .iter()
@@ -350,6 +405,21 @@ impl Writer {
     }
 }
 
+/// How an issuance transaction begins. Its statements are all keyed
+/// lookups and inserts, so they keep one plan per connection (planning
+/// them at every call was a fifth of their time): a generic plan, made
+/// without seeing the parameters and kept until the tables' statistics
+/// change, so it must never read a whole table. While it is made,
+/// sequential scans, hash and merge joins are off (each reads a whole
+/// input), leaving lookups down an index by a condition and nested loops
+/// of them: a plan made while a table was small still seeks once it is
+/// large. The connections' default (custom plans, see `connect_options`)
+/// is back at the transaction's end.
+/// (`the_issuance_statements_seek_with_generic_plans` checks the plans.)
+pub(super) const ISSUANCE_BEGIN: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
+     SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
+     SET LOCAL enable_mergejoin = off";
+
 /// Loads and locks the named parents, in (depth, id) order (see the
 /// module docs of `store::postgres`).
 async fn load_parents_locked(
@@ -364,15 +434,10 @@ async fn load_parents_locked(
     // `FOR UPDATE OF c`: the contract rows only. Through the view the
     // envelope rows were locked too, and a row lock is a write (the row's
     // header and a WAL record) on rows nothing ever updates.
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {columns} FROM (\
-             SELECT c.*, e.envelope FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
-             WHERE c.id = ANY($1) ORDER BY c.depth, c.id FOR UPDATE OF c) locked",
-        columns = crate::store::sql::rows::CONTRACT_COLUMNS
-    )))
-    .bind(ids)
-    .fetch_all(&mut *conn)
-    .await?;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(parents_locked_sql()))
+        .bind(ids)
+        .fetch_all(&mut *conn)
+        .await?;
     for row in rows {
         let (id, k) = StoredContract::from_row::<Postgres>(&row)
             .map_err(|e| sqlx::Error::Protocol(format!("corrupt contract row: {e}")))?
@@ -382,17 +447,27 @@ async fn load_parents_locked(
     Ok(())
 }
 
+/// The statement of `load_parents_locked`: `$1` the parents' ids.
+pub(super) fn parents_locked_sql() -> String {
+    format!(
+        "SELECT {columns} FROM (\
+             SELECT c.*, e.envelope FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
+             WHERE c.id = ANY($1) ORDER BY c.depth, c.id FOR UPDATE OF c) locked",
+        columns = crate::store::sql::rows::CONTRACT_COLUMNS
+    )
+}
+
 /// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries older than
 /// `cutoff_ms`. Replicas may prune at once: a row two of them pick is
 /// deleted once, the other deletes nothing.
-async fn prune_requests(pool: &PgPool, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
+async fn prune_requests(conn: &mut PgConnection, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
         "DELETE FROM requests WHERE (agent_key, nonce) IN \
          (SELECT agent_key, nonce FROM requests WHERE at_ms < $1 ORDER BY at_ms LIMIT $2)",
     )
     .bind(cutoff_ms)
     .bind(MAX_PRUNED_PER_PASS)
-    .execute(pool)
+    .execute(conn)
     .await?;
     Ok(done.rows_affected())
 }

@@ -72,6 +72,10 @@ pub(crate) fn ending_of(
     }
 }
 
+/// Every drain in progress (a row per revoked subtree still being ended:
+/// read whole, it is small).
+pub(crate) const DRAINS: &str = "SELECT root_seq, target_seq FROM draining";
+
 /// Marks the issuing parents `ids` (loaded in `known`) that are draining
 /// or frozen as ending (`ParentView::ending`): they issue nothing more.
 /// Reads the draining table once per batch; the lineage of a parent only
@@ -81,9 +85,7 @@ pub(crate) async fn mark_ending<D: Dialect>(
     known: &mut crate::store::batch::KnownMap,
     ids: &[Id],
 ) -> Result<(), sqlx::Error> {
-    let rows = sqlx::query::<D>("SELECT root_seq, target_seq FROM draining")
-        .all(&mut *conn)
-        .await?;
+    let rows = sqlx::query::<D>(DRAINS).all(&mut *conn).await?;
     let drains = rows
         .iter()
         .map(|r| Ok((r.cell::<i64>("root_seq")?, r.cell::<i64>("target_seq")?)))

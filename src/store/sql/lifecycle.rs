@@ -159,6 +159,12 @@ fn in_list<D: Dialect>(query: &mut QueryBuilder<D>, values: &[i64]) {
     list.push_unseparated(")");
 }
 
+/// The statement of `lineage`: `$1` the contract's seq.
+pub(crate) const LINEAGE: &str = "WITH RECURSIVE up(seq, parent_seq) AS (\
+         SELECT seq, parent_seq FROM contracts WHERE seq = $1 \
+         UNION ALL SELECT c.seq, c.parent_seq FROM contracts c JOIN up ON c.seq = up.parent_seq) \
+     SELECT c.seq, c.id, c.delegate_key FROM contracts c WHERE c.seq IN (SELECT seq FROM up) ORDER BY c.seq";
+
 /// Ancestors root first, then the contract itself: (seq, id, delegate
 /// key). The one lineage read of a command: the core's authorization and
 /// the drain state both take it.
@@ -166,15 +172,7 @@ pub(crate) async fn lineage<D: Dialect>(
     conn: &mut D::Connection,
     seq: i64,
 ) -> Result<Vec<(i64, Id, AgentKey)>, sqlx::Error> {
-    let rows = sqlx::query::<D>(
-        "WITH RECURSIVE up(seq, parent_seq) AS (\
-             SELECT seq, parent_seq FROM contracts WHERE seq = $1 \
-             UNION ALL SELECT c.seq, c.parent_seq FROM contracts c JOIN up ON c.seq = up.parent_seq) \
-         SELECT c.seq, c.id, c.delegate_key FROM contracts c WHERE c.seq IN (SELECT seq FROM up) ORDER BY c.seq",
-    )
-    .arg(seq)
-    .all(&mut *conn)
-    .await?;
+    let rows = sqlx::query::<D>(LINEAGE).arg(seq).all(&mut *conn).await?;
     rows.iter()
         .map(|r| {
             Ok((

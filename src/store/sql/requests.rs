@@ -12,30 +12,37 @@ use crate::pb;
 use crate::store::batch::{PriorRequest, RequestKey};
 use crate::store::limits::ROWS_PER_STATEMENT;
 
+/// The statement that reads one chunk of keys' earlier answers.
+pub(crate) fn prior_requests_query<D: Dialect>(chunk: &[RequestKey]) -> QueryBuilder<D> {
+    let mut query = QueryBuilder::<D>::new(
+        "SELECT r.agent_key, r.nonce, r.body_digest, r.outcome, r.ref_id, \
+         COALESCE(c.envelope, x.envelope) AS envelope FROM requests r \
+         LEFT JOIN contracts_with_envelope c ON r.outcome = 1 AND c.id = r.ref_id \
+         LEFT JOIN receipts x ON r.outcome = 2 AND x.id = r.ref_id WHERE ",
+    );
+    let mut first = true;
+    for (agent, nonce) in chunk {
+        if !first {
+            query.push(" OR ");
+        }
+        first = false;
+        query.push("(r.agent_key = ");
+        query.push_arg(agent.as_slice());
+        query.push(" AND r.nonce = ");
+        query.push_arg(nonce.as_slice());
+        query.push(")");
+    }
+    query
+}
+
+/// The earlier answers to `keys`, a statement per `ROWS_PER_STATEMENT`.
 pub(crate) async fn load_prior_requests<D: Dialect>(
     conn: &mut D::Connection,
     keys: &[RequestKey],
 ) -> Result<HashMap<RequestKey, PriorRequest>, sqlx::Error> {
     let mut prior = HashMap::new();
     for chunk in keys.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<D>::new(
-            "SELECT r.agent_key, r.nonce, r.body_digest, r.outcome, r.ref_id, \
-             COALESCE(c.envelope, x.envelope) AS envelope FROM requests r \
-             LEFT JOIN contracts_with_envelope c ON r.outcome = 1 AND c.id = r.ref_id \
-             LEFT JOIN receipts x ON r.outcome = 2 AND x.id = r.ref_id WHERE ",
-        );
-        let mut first = true;
-        for (agent, nonce) in chunk {
-            if !first {
-                query.push(" OR ");
-            }
-            first = false;
-            query.push("(r.agent_key = ");
-            query.push_arg(agent.as_slice());
-            query.push(" AND r.nonce = ");
-            query.push_arg(nonce.as_slice());
-            query.push(")");
-        }
+        let mut query = prior_requests_query::<D>(chunk);
         for row in query.build().all(&mut *conn).await? {
             let agent: Vec<u8> = row.cell("agent_key")?;
             let nonce: Vec<u8> = row.cell("nonce")?;
