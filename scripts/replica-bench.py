@@ -64,7 +64,7 @@ def user_cpu_seconds(uid):
     return total
 
 
-def start_postgres(workdir, statements=False):
+def start_postgres(workdir, statements=False, settings=()):
     pgdir = os.path.join(workdir, "pg")
     os.makedirs(pgdir)
     out = subprocess.run(
@@ -86,6 +86,17 @@ def start_postgres(workdir, statements=False):
         except BaseException:
             subprocess.run([os.path.join(HERE, "pg.sh"), "stop", pgdir], capture_output=True)
             raise
+    try:
+        for setting in settings:
+            name, value = setting.split("=", 1)
+            subprocess.run(["psql", url, "-qc", f"ALTER SYSTEM SET {name} = '{value}'"],
+                           check=True, capture_output=True)
+        if settings:
+            subprocess.run(["psql", url, "-qc", "SELECT pg_reload_conf()"],
+                           check=True, capture_output=True)
+    except BaseException:
+        subprocess.run([os.path.join(HERE, "pg.sh"), "stop", pgdir], capture_output=True)
+        raise
     owner = os.stat(os.path.join(pgdir, "data")).st_uid
     return pgdir, url, owner
 
@@ -236,6 +247,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--statements", type=int, default=0,
                         help="print each PostgreSQL run's N costliest statements (pg_stat_statements)")
+    parser.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="a PostgreSQL server setting for the run (ALTER SYSTEM; "
+                             "reloadable settings only), e.g. commit_delay=100")
     parser.add_argument("--writers", type=int, default=None,
                         help="limits.database_writers of the PostgreSQL replicas")
     args = parser.parse_args()
@@ -251,7 +265,7 @@ def main():
         [args.bin, "keygen", "--out", keyfile], check=True, capture_output=True, text=True
     ).stdout.strip()
     seed = open(keyfile).read().strip()
-    pg = start_postgres(workdir, args.statements > 0) if any(c.startswith("pg") for c in configs) else None
+    pg = start_postgres(workdir, args.statements > 0, args.pg_setting) if any(c.startswith("pg") for c in configs) else None
     print("| round | configuration | delegations/s | p50 ms | p99 ms | p999 ms | errors "
           "| broker CPU s | PostgreSQL CPU s | broker CPU µs/delegation | PostgreSQL CPU µs/delegation "
           "| delegations per commit |")

@@ -238,7 +238,14 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         ("drains", drain::DRAINS.to_string()),
         ("numbers", writer::RESERVE.to_string()),
         ("states", states),
-        ("events", events::PLACE_OWN.to_string()),
+        (
+            "events",
+            format!(
+                "WITH ev AS (SELECT 1::int8 AS seq, 1 AS kind, 1::int8 AS contract_seq, \
+                 ''::bytea AS root_id), done AS (SELECT 1 AS rows), {}",
+                unnest::PLACE
+            ),
+        ),
         ("prior requests", prior),
         ("lineage", lifecycle::LINEAGE.to_string()),
     ];

@@ -20,7 +20,9 @@ use sqlx::{Postgres, QueryBuilder};
 
 use crate::store::batch::Plan;
 
-/// The plan's writes as one statement; `None` when it writes nothing.
+/// The plan's writes as one statement, which returns the (position,
+/// root) of each event it placed (see `events`); `None` when it writes
+/// nothing.
 pub(super) fn writes(plan: &Plan) -> Option<QueryBuilder<Postgres>> {
     let mut parts = Parts {
         query: QueryBuilder::new("WITH "),
@@ -34,8 +36,82 @@ pub(super) fn writes(plan: &Plan) -> Option<QueryBuilder<Postgres>> {
     if parts.count == 0 {
         return None;
     }
-    parts.query.push(" SELECT 1");
+    events(&mut parts, plan);
     Some(parts.query)
+}
+
+/// Every part's rows, counted: the clock's update reads it, so every part
+/// has run (and waited for any lock it met) before the clock is locked.
+const DONE: &str = "done AS (SELECT count(*) AS rows FROM (";
+
+/// The clock's update and the events' insert, after `ev` (the events) and
+/// `done` (see `DONE`).
+pub(super) const PLACE: &str = "clock AS (\
+         UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM ev) \
+         FROM done WHERE id = 1 RETURNING last_pos - (SELECT count(*) FROM ev) AS base) \
+     INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
+     SELECT ev.seq, ev.kind, ev.contract_seq, ev.root_id, \
+         clock.base + row_number() OVER (ORDER BY ev.seq) \
+     FROM ev CROSS JOIN clock \
+     RETURNING pos, root_id";
+
+/// The events of the plan's contracts and receipts, at the next positions
+/// in `seq` order, as the statement's main part (`events::place_own` does
+/// the same for a lifecycle transaction, reading its rows back). The
+/// event rows come from the plan (a statement does not see its own
+/// parts' rows), and the clock's row lock is the statement's last (see
+/// `events::place_own`): it is held from there to the commit.
+fn events(parts: &mut Parts, plan: &Plan) {
+    let count = parts.count;
+    let query = &mut parts.query;
+    let contracts = plan.contracts.iter();
+    let receipts = plan.receipts.iter();
+    query.push(", ev AS (SELECT * FROM UNNEST(");
+    column(
+        query,
+        contracts
+            .clone()
+            .map(|c| c.seq)
+            .chain(receipts.clone().map(|r| r.seq))
+            .collect::<Vec<i64>>(),
+        true,
+    );
+    column(
+        query,
+        contracts
+            .clone()
+            .map(|_| 1i64)
+            .chain(receipts.clone().map(|_| 2i64))
+            .collect::<Vec<i64>>(),
+        false,
+    );
+    column(
+        query,
+        contracts
+            .clone()
+            .map(|c| c.seq)
+            .chain(receipts.clone().map(|r| r.contract_seq))
+            .collect::<Vec<i64>>(),
+        false,
+    );
+    column(
+        query,
+        contracts
+            .map(|c| c.root_id.as_slice())
+            .chain(receipts.map(|r| r.root_id.as_slice()))
+            .collect::<Vec<&[u8]>>(),
+        false,
+    );
+    query.push(") AS e(seq, kind, contract_seq, root_id)), ");
+    query.push(DONE);
+    for part in 1..=count {
+        if part > 1 {
+            query.push(" UNION ALL ");
+        }
+        query.push(format_args!("SELECT 1 FROM w{part}"));
+    }
+    query.push(") every), ");
+    query.push(PLACE);
 }
 
 /// The `WITH` parts of the one statement.
@@ -159,7 +235,7 @@ fn insert_contracts(parts: &mut Parts, plan: &Plan) {
         rows.iter().map(|r| r.labels_json.as_str()).collect(),
         false,
     );
-    query.push("))");
+    query.push(") RETURNING 1)");
 
     let query = parts.start(
         "INSERT INTO contract_envelopes (seq, envelope, trace_context) SELECT * FROM UNNEST(",
@@ -177,7 +253,7 @@ fn insert_contracts(parts: &mut Parts, plan: &Plan) {
             .collect::<Vec<Option<&[u8]>>>(),
         false,
     );
-    query.push("))");
+    query.push(") RETURNING 1)");
 }
 
 /// One `run_labels` row per label of each new root.
@@ -191,7 +267,7 @@ fn insert_run_labels(parts: &mut Parts, plan: &Plan) {
     column(query, labels.iter().map(|l| l.1).collect(), true);
     column(query, labels.iter().map(|l| l.2).collect(), false);
     column(query, labels.iter().map(|l| l.0).collect(), false);
-    query.push("))");
+    query.push(") RETURNING 1)");
 }
 
 /// Status and ledger of every earlier contract the batch changed (each
@@ -227,7 +303,7 @@ fn update_states(parts: &mut Parts, plan: &Plan) {
         false,
     );
     query.push(UPDATE_STATES.1);
-    query.push(")");
+    query.push(" RETURNING 1)");
 }
 
 /// The batch's receipts (refusals).
@@ -260,7 +336,7 @@ fn insert_receipts(parts: &mut Parts, plan: &Plan) {
         false,
     );
     column(query, rows.iter().map(|r| r.at_ms).collect(), false);
-    query.push("))");
+    query.push(") RETURNING 1)");
 }
 
 /// The request log entries of the batch's answers.
@@ -295,5 +371,5 @@ fn insert_requests(parts: &mut Parts, plan: &Plan) {
         false,
     );
     column(query, rows.iter().map(|r| r.at_ms).collect(), false);
-    query.push("))");
+    query.push(") RETURNING 1)");
 }

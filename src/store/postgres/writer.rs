@@ -319,11 +319,11 @@ impl Writer {
                 batch::replay_unlogged(commands, &mut answers, &earlier);
             }
         }
-        // Watch's hint is fed by the sequencer (positions), not here.
-        if let Some(mut writes) = super::unnest::writes(&plan) {
-            writes.build().execute(&mut *tx).await?;
-        }
-        let placed = events::place_own(&mut tx, &seqs.taken).await?;
+        // The writes and their events, in one statement.
+        let placed: Vec<(i64, Vec<u8>)> = match super::unnest::writes(&plan) {
+            Some(mut writes) => writes.build_query_as().fetch_all(&mut *tx).await?,
+            None => Vec::new(),
+        };
         tx.commit().await?;
         events::announce_own(self.tag, &self.trees, &self.commits, &placed);
         // The parents and the new contracts: the next Delegate from one of
