@@ -123,6 +123,7 @@ pub(super) async fn sequencer(
     // database that is down (or gone) with connection attempts.
     let mut pause = SEQUENCER_POLL;
     let mut leftovers_placed = place_leftovers(&pool).await;
+    let mut poller: Option<PgConnection> = None;
     loop {
         tokio::time::sleep(pause).await;
         if alive.upgrade().is_none() {
@@ -131,7 +132,20 @@ pub(super) async fn sequencer(
         if !leftovers_placed {
             leftovers_placed = place_leftovers(&pool).await;
         }
-        let announced = announce(&pool, tag, &mut seen, &trees).await;
+        let announced = match poller.take() {
+            Some(conn) => Ok(conn),
+            None => poll_connection(&pool).await,
+        };
+        let announced = match announced {
+            Ok(mut conn) => {
+                let result = announce(&mut conn, tag, &mut seen, &trees).await;
+                if result.is_ok() {
+                    poller = Some(conn);
+                }
+                result
+            }
+            Err(e) => Err(e),
+        };
         // Health follows the database even when nothing is written: the
         // sequencer reaches it every `SEQUENCER_POLL`.
         let up = !matches!(&announced, Err(e) if writer::unreachable(e));
@@ -261,20 +275,41 @@ async fn place(pool: &PgPool) -> Result<usize, sqlx::Error> {
     Ok(seqs.len())
 }
 
+/// The sequencer's own connection, taken out of the pool and kept from
+/// one poll to the next (a pooled one is pinged before each use: two
+/// round trips a poll, a hundred polls a second on every replica), with
+/// the poll's one plan kept (`POLL_SETTINGS`). Closed after a failure;
+/// the next poll opens another.
+async fn poll_connection(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
+    let mut conn = pool.acquire().await?.detach();
+    sqlx::raw_sql(POLL_SETTINGS).execute(&mut conn).await?;
+    Ok(conn)
+}
+
+/// The poll's connection keeps one generic plan of `POLL`, made without
+/// sequential scans or sorts: down the positions' index from `$1`,
+/// whatever the table's size when it was made (checked with the
+/// issuance's statements by `the_issuance_statements_seek_with_generic_plans`).
+pub(super) const POLL_SETTINGS: &str = "SET plan_cache_mode = force_generic_plan; \
+     SET enable_seqscan = off; SET enable_sort = off";
+
+/// The sequencer's poll: `$1` the last position seen, `$2` the most rows.
+pub(super) const POLL: &str =
+    "SELECT pos, root_id FROM events WHERE pos > $1 ORDER BY pos LIMIT $2";
+
 /// Marks the trees of events placed after `seen` (by any replica) as
 /// changed; true when there were any.
 async fn announce(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     tag: i64,
     seen: &mut i64,
     trees: &crate::store::TreeChanges,
 ) -> Result<bool, sqlx::Error> {
-    let rows: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT pos, root_id FROM events WHERE pos > $1 ORDER BY pos LIMIT $2")
-            .bind(*seen)
-            .bind(MAX_PLACED_PER_PASS)
-            .fetch_all(pool)
-            .await?;
+    let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(POLL)
+        .bind(*seen)
+        .bind(MAX_PLACED_PER_PASS)
+        .fetch_all(conn)
+        .await?;
     for (position, root) in &rows {
         if let Ok(root) = Id::try_from(root.as_slice()) {
             trees.touch(root, cursor_of(tag, *position));

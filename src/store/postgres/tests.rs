@@ -213,7 +213,8 @@ async fn events_left_unplaced_are_placed_at_start() {
 /// kept, here on tables that are empty and were never analyzed — where a
 /// scan looks cheapest, and would then be kept as the tables grow. Every
 /// read of a table goes down an index by a condition (`draining` alone is
-/// read whole: it holds only drains in progress).
+/// read whole: it holds only drains in progress). The same for the
+/// sequencer's poll on its connection (`events::POLL_SETTINGS`).
 #[tokio::test]
 async fn the_issuance_statements_seek_with_generic_plans() {
     use sqlx::Execute;
@@ -249,6 +250,26 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         ("prior requests", prior),
         ("lineage", lifecycle::LINEAGE.to_string()),
     ];
+    // The sequencer's poll, planned on a connection of its own settings.
+    let mut poller = sqlx::PgConnection::connect(&database.url)
+        .await
+        .expect("connect");
+    sqlx::raw_sql(events::POLL_SETTINGS)
+        .execute(&mut poller)
+        .await
+        .expect("settings");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "PREPARE poll AS {}",
+        events::POLL
+    )))
+    .execute(&mut poller)
+    .await
+    .expect("prepare");
+    let plan = explain(&mut poller, "EXECUTE poll(NULL, NULL)".into()).await;
+    assert!(
+        scans(&plan, &[]).is_empty() && !plan.contains("Sort"),
+        "{plan}"
+    );
     sqlx::raw_sql(sqlx::AssertSqlSafe(writer::ISSUANCE_BEGIN))
         .execute(&mut conn)
         .await
