@@ -4,7 +4,9 @@
 //! Every transaction writes one `events` row per contract or receipt it
 //! numbered, with its position: as its last step it takes the
 //! `event_clock` row lock, gives its events the next positions in `seq`
-//! order and holds the lock until it commits (`place_own`). Positions
+//! order and holds the lock until it commits (`place_own`; an issuance
+//! does the same as the last part of its one write statement,
+//! `unnest::writes`). Positions
 //! therefore become visible in the order they were given, whole
 //! transactions at a time, and none is given between: a reader that has
 //! seen position n has seen every event placed before it, and never misses
