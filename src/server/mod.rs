@@ -731,17 +731,21 @@ fn sample_store<S: Served>(metrics: &crate::metrics::Metrics, store: &Arc<S>) {
                 return;
             };
             let started = tokio::time::Instant::now();
-            if let Ok(open) = store.open_contracts().await {
-                open_contracts.set(open);
-            }
+            let count = store.open_contracts().await;
             drop(store);
-            let took = started.elapsed();
-            tokio::time::sleep(
-                least
-                    .max(took.saturating_mul(crate::metrics::OPEN_CONTRACTS_IDLE_FACTOR))
-                    .saturating_sub(took),
-            )
-            .await;
+            // A failed count (a database away) is retried at the usual
+            // pace: its time says nothing about the count's cost.
+            let wait = match count {
+                Ok(open) => {
+                    open_contracts.set(open);
+                    let took = started.elapsed();
+                    least
+                        .max(took.saturating_mul(crate::metrics::OPEN_CONTRACTS_IDLE_FACTOR))
+                        .saturating_sub(took)
+                }
+                Err(_) => least,
+            };
+            tokio::time::sleep(wait).await;
         }
     });
     let queued = Arc::downgrade(store);

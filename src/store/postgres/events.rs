@@ -109,6 +109,7 @@ pub(super) async fn sequencer(
     commits: Arc<tokio::sync::watch::Sender<u64>>,
     alive: mpsc::WeakSender<(Command, Reply)>,
     reachable: tokio::sync::watch::Sender<bool>,
+    poll_timeout: Duration,
 ) {
     let mut seen =
         match sqlx::query_scalar::<_, i64>("SELECT last_pos FROM event_clock WHERE id = 1")
@@ -134,20 +135,21 @@ pub(super) async fn sequencer(
         if !leftovers_placed {
             leftovers_placed = place_leftovers(&pool).await;
         }
-        let announced = match poller.take() {
-            Some(conn) => Ok(conn),
-            None => poll_connection(&pool).await,
-        };
-        let announced = match announced {
-            Ok(mut conn) => {
-                let result = announce(&mut conn, tag, &mut seen, &trees).await;
-                if result.is_ok() {
-                    poller = Some(conn);
-                }
-                result
+        // Bounded: a poll on a connection into a network that went
+        // silent would otherwise wait for the kernel, and health with it.
+        let announced = tokio::time::timeout(poll_timeout, async {
+            let mut conn = match poller.take() {
+                Some(conn) => conn,
+                None => poll_connection(&pool).await?,
+            };
+            let result = announce(&mut conn, tag, &mut seen, &trees).await;
+            if result.is_ok() {
+                poller = Some(conn);
             }
-            Err(e) => Err(e),
-        };
+            result
+        })
+        .await
+        .unwrap_or(Err(sqlx::Error::PoolTimedOut));
         // Health follows the database even when nothing is written: the
         // sequencer reaches it every `SEQUENCER_POLL`.
         let up = !matches!(&announced, Err(e) if writer::unreachable(e));

@@ -264,6 +264,9 @@ impl PostgresStore {
         }
         let writers = options.writers.max(1);
         let in_database = |e: sqlx::Error| StoreError::Backend(format!("PostgreSQL at {at}: {e}"));
+        // The writers', and one for the sequencer's leftovers pass and for
+        // opening its own poll connection (taken out of the pool: it is
+        // not counted in the pool's gauges).
         let write_pool = pool_options(&options, u32::try_from(writers + 1).unwrap_or(u32::MAX))
             .connect_with(connect.clone())
             .await
@@ -298,6 +301,7 @@ impl PostgresStore {
                 metrics: options.metrics.clone(),
                 cascade_step_rows: options.cascade_step_rows.max(1),
                 held: None,
+                replanned_at: None,
             };
             tokio::spawn(writer.run());
         }
@@ -311,6 +315,7 @@ impl PostgresStore {
             commits_tx,
             commands.downgrade(),
             reachable_tx,
+            Duration::from_millis(options.connect_timeout_ms.max(1)),
         ));
         let shared = SharedOptions {
             judgment_deadline_ms: options.judgment_deadline_ms,

@@ -86,32 +86,7 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
     let mut conn = sqlx::PgConnection::connect(&database.url)
         .await
         .expect("connect");
-    // A root (seq 1), 30 children, 20,000 grandchildren: all open.
-    sqlx::query(
-        "INSERT INTO contracts (seq, id, parent_seq, root_seq, root_id, depth, delegate_key, \
-         liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
-         deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
-         retry_headroom, issued_at_ms, status, budget, reserved, spent, open_children) \
-         SELECT s, sha256(int8send(s)), \
-                CASE WHEN s = 1 THEN NULL WHEN s <= 31 THEN 1 ELSE 2 + (s - 32) % 30 END, \
-                1, sha256(int8send(1)), CASE WHEN s = 1 THEN 0 WHEN s <= 31 THEN 1 ELSE 2 END, \
-                sha256(int8send(s)), 1, sha256(int8send(s)), 1000000, 'true', 1, '[]', 4, 0, \
-                1000, 0, 1, 1, 1, 0, 0, 0 \
-         FROM generate_series(1, 20031) AS s",
-    )
-    .execute(&mut conn)
-    .await
-    .expect("contracts");
-    sqlx::query(
-        "INSERT INTO contract_envelopes (seq, envelope) SELECT seq, '\\x00' FROM contracts",
-    )
-    .execute(&mut conn)
-    .await
-    .expect("envelopes");
-    sqlx::query("ANALYZE")
-        .execute(&mut conn)
-        .await
-        .expect("analyze");
+    many_open_contracts(&mut conn).await;
     let children = explain(&mut conn, format!("{}(2)", lifecycle::CHILDREN_OF)).await;
     assert!(children.contains("contracts_by_parent"), "{children}");
     assert!(!children.contains("Seq Scan"), "{children}");
@@ -128,6 +103,36 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
 }
 
 /// The plan PostgreSQL would run `query` with, as text.
+/// A root (seq 1), 30 children, 20,000 grandchildren: all open, with
+/// envelopes, analyzed.
+async fn many_open_contracts(conn: &mut sqlx::PgConnection) {
+    sqlx::query(
+        "INSERT INTO contracts (seq, id, parent_seq, root_seq, root_id, depth, delegate_key, \
+         liability, intent_lineage_hash, cumulative_trust_ppm, effective_predicate, \
+         deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
+         retry_headroom, issued_at_ms, status, budget, reserved, spent, open_children) \
+         SELECT s, sha256(int8send(s)), \
+                CASE WHEN s = 1 THEN NULL WHEN s <= 31 THEN 1 ELSE 2 + (s - 32) % 30 END, \
+                1, sha256(int8send(1)), CASE WHEN s = 1 THEN 0 WHEN s <= 31 THEN 1 ELSE 2 END, \
+                sha256(int8send(s)), 1, sha256(int8send(s)), 1000000, 'true', 1, '[]', 4, 0, \
+                1000, 0, 1, 1, 1, 0, 0, 0 \
+         FROM generate_series(1, 20031) AS s",
+    )
+    .execute(&mut *conn)
+    .await
+    .expect("contracts");
+    sqlx::query(
+        "INSERT INTO contract_envelopes (seq, envelope) SELECT seq, '\\x00' FROM contracts",
+    )
+    .execute(&mut *conn)
+    .await
+    .expect("envelopes");
+    sqlx::query("ANALYZE")
+        .execute(&mut *conn)
+        .await
+        .expect("analyze");
+}
+
 async fn explain(conn: &mut sqlx::PgConnection, query: String) -> String {
     let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {query}")))
         .fetch_all(conn)
@@ -209,12 +214,14 @@ async fn events_left_unplaced_are_placed_at_start() {
 }
 
 /// The issuance transaction's statements as PostgreSQL plans them under
-/// `writer::ISSUANCE_BEGIN`: generic plans, made once per connection and
-/// kept, here on tables that are empty and were never analyzed — where a
-/// scan looks cheapest, and would then be kept as the tables grow. Every
-/// read of a table goes down an index by a condition (`draining` alone is
-/// read whole: it holds only drains in progress). The same for the
-/// sequencer's poll on its connection (`events::POLL_SETTINGS`).
+/// `writer::ISSUANCE_BEGIN`: generic plans, made once per connection (and
+/// again every `PLAN_REFRESH`), over 20,031 contracts, receipts and
+/// request-log rows. Every read of a
+/// table goes down an index by a condition (`draining` alone is read
+/// whole: it holds only drains in progress). The same for the sequencer's
+/// poll on its connection (`events::POLL_SETTINGS`). (On a table of a row
+/// or two a generic plan may read a whole index — every path costs the
+/// same there — which is why the writers make their plans again.)
 #[tokio::test]
 async fn the_issuance_statements_seek_with_generic_plans() {
     use sqlx::Execute;
@@ -223,6 +230,18 @@ async fn the_issuance_statements_seek_with_generic_plans() {
     let mut conn = sqlx::PgConnection::connect(&database.url)
         .await
         .expect("connect");
+    many_open_contracts(&mut conn).await;
+    // A receipt and a request-log row per contract too.
+    sqlx::raw_sql(
+        "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
+         SELECT seq + 100000, sha256(int8send(seq + 100000)), 1, seq, id, root_id, '\\x00', 1 \
+         FROM contracts; \
+         INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
+         SELECT delegate_key, int8send(seq), id, 1, id, 1 FROM contracts; ANALYZE",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("receipts and requests");
     let keys: Vec<RequestKey> = vec![([1u8; 32], vec![1]), ([2u8; 32], vec![2])];
     let prior = crate::store::sql::requests::prior_requests_query::<Postgres>(&keys)
         .build()
@@ -274,6 +293,13 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         .execute(&mut conn)
         .await
         .expect("begin");
+    // Generic plans, or `EXECUTE s(NULL)` would be planned for its NULLs
+    // (folded away: a plan that reads nothing).
+    let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
+        .fetch_one(&mut conn)
+        .await
+        .expect("mode");
+    assert_eq!(mode, "force_generic_plan");
     for (number, (name, sql)) in statements.iter().enumerate() {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("PREPARE s{number} AS {sql}")))
             .execute(&mut conn)

@@ -45,10 +45,12 @@ pub(super) fn writes(plan: &Plan) -> Option<QueryBuilder<Postgres>> {
 const DONE: &str = "done AS (SELECT count(*) AS rows FROM (";
 
 /// The clock's update and the events' insert, after `ev` (the events) and
-/// `done` (see `DONE`).
+/// `done` (see `DONE`). A group with no events (writes but no contract or
+/// receipt) leaves the clock alone.
 pub(super) const PLACE: &str = "clock AS (\
          UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM ev) \
-         FROM done WHERE id = 1 RETURNING last_pos - (SELECT count(*) FROM ev) AS base) \
+         FROM done WHERE id = 1 AND EXISTS (SELECT 1 FROM ev) \
+         RETURNING last_pos - (SELECT count(*) FROM ev) AS base) \
      INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
      SELECT ev.seq, ev.kind, ev.contract_seq, ev.root_id, \
          clock.base + row_number() OVER (ORDER BY ev.seq) \

@@ -142,11 +142,15 @@ pub(super) struct Writer {
     pub(super) metrics: Option<crate::metrics::StoreMetrics>,
     /// `PostgresOptions::cascade_step_rows`.
     pub(super) cascade_step_rows: usize,
-    /// The connection the last transaction committed on, kept for the
-    /// next: one taken from the pool is pinged first (a round trip per
-    /// transaction). Dropped back to the pool after any failure, so a
-    /// broken one is found by that ping.
-    pub(super) held: Option<PoolConnection<Postgres>>,
+    /// The connection the last transaction committed on, and when: kept
+    /// for the next while fresh (`HELD_CONNECTION_FRESH`), as one taken
+    /// from the pool is pinged first (a round trip per transaction).
+    /// Closed after any failure (a failed start can leave it inside an
+    /// aborted transaction a ping would not notice).
+    pub(super) held: Option<(PoolConnection<Postgres>, std::time::Instant)>,
+    /// When the writer last dropped its connection's plans
+    /// (`PLAN_REFRESH`).
+    pub(super) replanned_at: Option<std::time::Instant>,
 }
 
 impl Writer {
@@ -246,22 +250,27 @@ impl Writer {
         }
     }
 
-    /// The held connection, or one from the pool.
+    /// The held connection while it is fresh, else one from the pool
+    /// (pinged: a database restarted or a network gone while the writer
+    /// was idle is found there, not by a caller's transaction).
     async fn connection(&mut self) -> Result<PoolConnection<Postgres>, sqlx::Error> {
         match self.held.take() {
-            Some(conn) => Ok(conn),
-            None => self.pool.acquire().await,
+            Some((conn, at)) if at.elapsed() < HELD_CONNECTION_FRESH => Ok(conn),
+            _ => self.pool.acquire().await,
         }
     }
 
-    /// Keeps `conn` for the next transaction when `result` is a success.
+    /// Keeps `conn` for the next transaction when `result` is a success;
+    /// closes it otherwise.
     fn keep<T>(
         &mut self,
-        conn: PoolConnection<Postgres>,
+        mut conn: PoolConnection<Postgres>,
         result: Result<T, sqlx::Error>,
     ) -> Result<T, sqlx::Error> {
         if result.is_ok() {
-            self.held = Some(conn);
+            self.held = Some((conn, std::time::Instant::now()));
+        } else {
+            conn.close_on_drop();
         }
         result
     }
@@ -278,17 +287,27 @@ impl Writer {
         careful: bool,
     ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
         let mut conn = self.connection().await?;
-        let result = self.issue_on(&mut conn, commands, careful).await;
+        let begin = if self
+            .replanned_at
+            .is_none_or(|at| at.elapsed() >= PLAN_REFRESH)
+        {
+            self.replanned_at = Some(std::time::Instant::now());
+            ISSUANCE_BEGIN_REPLANNED
+        } else {
+            ISSUANCE_BEGIN
+        };
+        let result = self.issue_on(&mut conn, begin, commands, careful).await;
         self.keep(conn, result)
     }
 
     async fn issue_on(
         &self,
         conn: &mut PgConnection,
+        begin: &'static str,
         commands: &[Command],
         careful: bool,
     ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
-        let mut tx = conn.begin_with(ISSUANCE_BEGIN).await?;
+        let mut tx = conn.begin_with(begin).await?;
         let (request_keys, parent_ids) = batch::needs(commands, &KnownMap::default());
         let mut prior = if careful {
             load_prior_requests::<Postgres>(&mut tx, &request_keys).await?
@@ -405,20 +424,39 @@ impl Writer {
     }
 }
 
-/// How an issuance transaction begins. Its statements are all keyed
-/// lookups and inserts, so they keep one plan per connection (planning
-/// them at every call was a fifth of their time): a generic plan, made
-/// without seeing the parameters and kept until the tables' statistics
-/// change, so it must never read a whole table. While it is made,
-/// sequential scans, hash and merge joins are off (each reads a whole
-/// input), leaving lookups down an index by a condition and nested loops
-/// of them: a plan made while a table was small still seeks once it is
-/// large. The connections' default (custom plans, see `connect_options`)
-/// is back at the transaction's end.
+/// How long a writer's connection is reused without the pool's ping:
+/// under load it is never idle this long, so no transaction pays the
+/// ping; after a pause the pool checks it first.
+const HELD_CONNECTION_FRESH: Duration = Duration::from_secs(1);
+
+/// How an issuance transaction begins (as a macro: `concat!` needs the
+/// literal). Its statements are all keyed lookups and inserts, so they
+/// keep one plan per connection (planning them at every call was a fifth
+/// of their time): a generic plan, made without seeing the parameters.
+/// While it is made, sequential scans, hash and merge joins are off (each
+/// reads a whole input), leaving lookups down an index and nested loops of
+/// them. A plan made while a table was tiny may still read a whole index
+/// (at a row or two every path costs the same), so the plans are made
+/// again every `PLAN_REFRESH` (`ISSUANCE_BEGIN_REPLANNED`): such a plan
+/// lives a second, over a table that grew for a second at most. The
+/// connections' default (custom plans, see `connect_options`) is back at
+/// the transaction's end.
 /// (`the_issuance_statements_seek_with_generic_plans` checks the plans.)
-pub(super) const ISSUANCE_BEGIN: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
-     SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
-     SET LOCAL enable_mergejoin = off";
+macro_rules! issuance_begin {
+    () => {
+        "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
+         SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
+         SET LOCAL enable_mergejoin = off"
+    };
+}
+pub(super) const ISSUANCE_BEGIN: &str = issuance_begin!();
+
+/// `ISSUANCE_BEGIN`, the kept plans dropped first (in the same round trip;
+/// the prepared statements stay).
+const ISSUANCE_BEGIN_REPLANNED: &str = concat!("DISCARD PLANS; ", issuance_begin!());
+
+/// How often a writer's connection makes its generic plans again.
+const PLAN_REFRESH: Duration = Duration::from_secs(1);
 
 /// Loads and locks the named parents, in (depth, id) order (see the
 /// module docs of `store::postgres`).
