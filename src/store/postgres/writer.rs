@@ -145,8 +145,7 @@ pub(super) struct Writer {
     /// The connection the last transaction committed on, and when: kept
     /// for the next while fresh (`HELD_CONNECTION_FRESH`), as one taken
     /// from the pool is pinged first (a round trip per transaction).
-    /// Closed after any failure (a failed start can leave it inside an
-    /// aborted transaction a ping would not notice).
+    /// Back to the pool after a failure.
     pub(super) held: Option<(PoolConnection<Postgres>, std::time::Instant)>,
     /// When the writer last dropped its connection's plans
     /// (`PLAN_REFRESH`).
@@ -261,16 +260,23 @@ impl Writer {
     }
 
     /// Keeps `conn` for the next transaction when `result` is a success;
-    /// closes it otherwise.
-    fn keep<T>(
+    /// after a failure it goes back to the pool, whose ping finds it if
+    /// it is broken. A failure the database reported is rolled back
+    /// first: one of `ISSUANCE_BEGIN`'s settings failing after its `BEGIN`
+    /// ran would leave the connection in an aborted transaction sqlx does
+    /// not know of (it queues no rollback) and a ping would not notice
+    /// (otherwise the rollback is a warning: no transaction is open).
+    async fn keep<T>(
         &mut self,
         mut conn: PoolConnection<Postgres>,
         result: Result<T, sqlx::Error>,
     ) -> Result<T, sqlx::Error> {
-        if result.is_ok() {
-            self.held = Some((conn, std::time::Instant::now()));
-        } else {
-            conn.close_on_drop();
+        match &result {
+            Ok(_) => self.held = Some((conn, std::time::Instant::now())),
+            Err(e) if !unreachable(e) => {
+                let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+            }
+            Err(_) => {}
         }
         result
     }
@@ -278,7 +284,7 @@ impl Writer {
     async fn prune(&mut self, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
         let mut conn = self.connection().await?;
         let result = prune_requests(&mut conn, cutoff_ms).await;
-        self.keep(conn, result)
+        self.keep(conn, result).await
     }
 
     async fn try_issue(
@@ -297,7 +303,7 @@ impl Writer {
             ISSUANCE_BEGIN
         };
         let result = self.issue_on(&mut conn, begin, commands, careful).await;
-        self.keep(conn, result)
+        self.keep(conn, result).await
     }
 
     async fn issue_on(
@@ -382,7 +388,7 @@ impl Writer {
     ) -> Result<Result<Answer, StoreError>, sqlx::Error> {
         let mut conn = self.connection().await?;
         let result = self.transition_on(&mut conn, command).await;
-        self.keep(conn, result)
+        self.keep(conn, result).await
     }
 
     async fn transition_on(
