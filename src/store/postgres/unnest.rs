@@ -10,7 +10,8 @@
 //! per cell, and one round trip instead of one per table: a transaction's
 //! fixed cost is most of the database's CPU per delegation once several
 //! replicas split the load into small groups (BENCHMARKS.md, issue 27).
-//! A connection plans it once (`writer::ISSUANCE_BEGIN`).
+//! A connection keeps its plan, made again every second
+//! (`writer::ISSUANCE_BEGIN`).
 //!
 //! The parts touch disjoint rows (new contracts, their envelopes, labels,
 //! receipts and request-log keys; earlier contracts this transaction
