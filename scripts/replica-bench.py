@@ -15,7 +15,9 @@ over the measured window only (after the warm-up).
 Prints one markdown table row per run, then the means. With
 `--statements N`, the server loads pg_stat_statements and each PostgreSQL
 run also prints its N statements with the most execution time, per
-delegation and per call (where the database's CPU per delegation goes).
+delegation and per call (where the database's CPU per delegation goes),
+and each table's updated rows per delegation with the share that were HOT
+(heap-only: no index entries written).
 """
 
 import argparse
@@ -165,7 +167,7 @@ def commits(url):
 def reset_statements(url):
     subprocess.run(["psql", url, "-qc",
                     "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; "
-                    "SELECT pg_stat_statements_reset()"],
+                    "SELECT pg_stat_statements_reset(); SELECT pg_stat_reset()"],
                    check=True, capture_output=True)
 
 
@@ -194,6 +196,25 @@ def top_statements(url, count, issued):
     return lines
 
 
+def table_updates(url, issued):
+    """Rows updated per delegation in each table since the reset, and how
+    many of them were HOT (heap-only: no index entry written, the new row
+    version on the same page)."""
+    out = subprocess.run(
+        ["psql", url, "-AtF", "\t", "-c",
+         "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+         "WHERE n_tup_upd > 0 ORDER BY n_tup_upd DESC"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    lines = []
+    for line in out.splitlines():
+        table, updated, hot = line.split("\t")
+        updated, hot = int(updated), int(hot)
+        lines.append(f"    {table}: {updated / issued:5.2f} rows updated/delegation, "
+                     f"{100 * hot / max(updated, 1):3.0f}% HOT")
+    return lines
+
+
 def one_run(config, args, workdir, pg, seed, attestor_pub, number):
     backend, _, mode = config.partition("-")
     replicas = {"sqlite": 1, "pg1": 1, "pg3": 3}[backend]
@@ -218,7 +239,8 @@ def one_run(config, args, workdir, pg, seed, attestor_pub, number):
     result = parse(output)
     if url and args.statements:
         # Over the measured window; calls counted while the bench ran on.
-        result["statements"] = top_statements(url, args.statements, max(result["issued"], 1))
+        issued = max(result["issued"], 1)
+        result["statements"] = top_statements(url, args.statements, issued) + table_updates(url, issued)
     for process, _ in brokers:
         process.terminate()
         process.wait()

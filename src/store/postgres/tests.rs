@@ -215,11 +215,10 @@ async fn events_left_unplaced_are_placed_at_start() {
 
 /// The issuance transaction's statements as PostgreSQL plans them under
 /// `writer::ISSUANCE_BEGIN`: generic plans, made once per connection (and
-/// again every `PLAN_REFRESH`), over 20,031 contracts, receipts and
-/// request-log rows. Every read of a
-/// table goes down an index by a condition (`draining` alone is read
-/// whole: it holds only drains in progress). The same for the sequencer's
-/// poll on its connection (`events::POLL_SETTINGS`). (On a table of a row
+/// again every `PLAN_REFRESH`), over 20,031 contracts, receipts,
+/// request-log rows and drains. Every read of a table seeks: it goes down
+/// an index by a condition on the index's first column. The same for the
+/// sequencer's poll on its connection (`events::POLL_SETTINGS`). (On a table of a row
 /// or two a generic plan may read a whole index — every path costs the
 /// same there — which is why the writers make their plans again.)
 #[tokio::test]
@@ -237,11 +236,14 @@ async fn the_issuance_statements_seek_with_generic_plans() {
          SELECT seq + 100000, sha256(int8send(seq + 100000)), 1, seq, id, root_id, '\\x00', 1 \
          FROM contracts; \
          INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
-         SELECT delegate_key, int8send(seq), id, 1, id, 1 FROM contracts; ANALYZE",
+         SELECT delegate_key, int8send(seq), id, 1, id, 1 FROM contracts; \
+         INSERT INTO draining (target_seq, root_seq, status, started_at_ms) \
+         SELECT seq, seq, 5, 1 FROM contracts; ANALYZE",
     )
     .execute(&mut conn)
     .await
     .expect("receipts and requests");
+    let leading = leading_columns(&mut conn).await;
     let keys: Vec<RequestKey> = vec![([1u8; 32], vec![1]), ([2u8; 32], vec![2])];
     let prior = crate::store::sql::requests::prior_requests_query::<Postgres>(&keys)
         .build()
@@ -255,7 +257,7 @@ async fn the_issuance_statements_seek_with_generic_plans() {
     );
     let statements = [
         ("parents", writer::parents_locked_sql()),
-        ("drains", drain::DRAINS.to_string()),
+        ("drains and numbers", writer::DRAINS_AND_NUMBERS.to_string()),
         ("numbers", writer::RESERVE.to_string()),
         ("states", states),
         (
@@ -286,7 +288,7 @@ async fn the_issuance_statements_seek_with_generic_plans() {
     .expect("prepare");
     let plan = explain(&mut poller, "EXECUTE poll(NULL, NULL)".into()).await;
     assert!(
-        scans(&plan, &[]).is_empty() && !plan.contains("Sort"),
+        scans(&plan, &leading).is_empty() && !plan.contains("Sort"),
         "{plan}"
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(writer::ISSUANCE_BEGIN))
@@ -313,39 +315,113 @@ async fn the_issuance_statements_seek_with_generic_plans() {
             format!("s{number}({nulls})")
         };
         let plan = explain(&mut conn, format!("EXECUTE {execute}")).await;
-        let problems = scans(&plan, &["draining"]);
+        let problems = scans(&plan, &leading);
         assert!(problems.is_empty(), "{name}: {problems:?}\n{plan}");
     }
 }
 
-/// The reads in `plan` (`EXPLAIN` text) that are not an index lookup by
-/// a condition, except of the tables in `whole`.
-fn scans(plan: &str, whole: &[&str]) -> Vec<String> {
+/// Every index's first column, by index name: an index read is a seek
+/// only when its condition names that column (a condition on a later
+/// column alone still reads the whole index).
+async fn leading_columns(conn: &mut sqlx::PgConnection) -> HashMap<String, String> {
+    sqlx::query_as::<_, (String, String)>(
+        "SELECT c.relname::text, a.attname::text FROM pg_index i \
+         JOIN pg_class c ON c.oid = i.indexrelid \
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public'",
+    )
+    .fetch_all(conn)
+    .await
+    .expect("index columns")
+    .into_iter()
+    .collect()
+}
+
+/// The reads in `plan` (`EXPLAIN` text) that are not a seek: a sequential
+/// scan, or an index read (`Index Scan`, `Index Only Scan`, `Bitmap Index
+/// Scan`) without a condition on the index's first column (`leading`).
+fn scans(plan: &str, leading: &HashMap<String, String>) -> Vec<String> {
     let lines: Vec<&str> = plan.lines().collect();
     let mut problems = Vec::new();
     for (at, line) in lines.iter().enumerate() {
-        let Some(table) = line
-            .split(" on ")
+        if let Some(table) = line
+            .split("Seq Scan on ")
             .nth(1)
             .and_then(|t| t.split_whitespace().next())
-        else {
-            continue;
-        };
-        if whole.contains(&table) {
+        {
+            problems.push(format!("a sequential scan of {table}"));
             continue;
         }
-        if line.contains("Seq Scan") {
-            problems.push(format!("a sequential scan of {table}"));
-        } else if line.contains("Index Scan") || line.contains("Index Only Scan") {
-            // The node's details run to the next node.
-            let conditioned = lines[at + 1..]
-                .iter()
-                .take_while(|l| !l.contains("->"))
-                .any(|l| l.contains("Index Cond"));
-            if !conditioned {
-                problems.push(format!("a whole index of {table} read: {}", line.trim()));
-            }
+        let index = if line.contains("Bitmap Index Scan on ") {
+            line.split("Bitmap Index Scan on ").nth(1)
+        } else if line.contains("Index Scan using ") || line.contains("Index Only Scan using ") {
+            line.split(" using ").nth(1)
+        } else {
+            None
+        };
+        let Some(index) = index.and_then(|t| t.split_whitespace().next()) else {
+            continue;
+        };
+        let Some(column) = leading.get(index) else {
+            problems.push(format!("an index not in the catalog: {index}"));
+            continue;
+        };
+        // The node's details run to the next node.
+        let sought = lines[at + 1..]
+            .iter()
+            .take_while(|l| !l.contains("->"))
+            .filter(|l| l.contains("Index Cond"))
+            .any(|l| names_column(l, column));
+        if !sought {
+            problems.push(format!(
+                "a whole index read ({index}: no condition on {column}): {}",
+                line.trim()
+            ));
         }
     }
     problems
+}
+
+/// Whether `condition` compares `column` (`column = …`, `t.column > …`).
+fn names_column(condition: &str, column: &str) -> bool {
+    condition.match_indices(column).any(|(at, _)| {
+        let before = condition[..at].chars().next_back();
+        let after = &condition[at + column.len()..];
+        !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+            && [" = ", " > ", " < ", " >= ", " <= "]
+                .iter()
+                .any(|op| after.starts_with(op))
+    })
+}
+
+/// The plan checker tells a seek from a whole-index read by a later
+/// column, and a qualified column from one that only ends the same.
+#[test]
+fn the_plan_checker_wants_the_leading_column() {
+    let leading: HashMap<String, String> = [("contracts_by_parent", "parent_seq")]
+        .into_iter()
+        .map(|(index, column)| (index.to_string(), column.to_string()))
+        .collect();
+    let plan = |cond: &str| {
+        format!(
+            "Index Scan using contracts_by_parent on contracts c  (cost=0.29..8.30)\n  Index Cond: ({cond})"
+        )
+    };
+    assert!(scans(&plan("c.parent_seq = $1"), &leading).is_empty());
+    assert!(scans(&plan("parent_seq = ANY ($1)"), &leading).is_empty());
+    assert_eq!(scans(&plan("seq = $1"), &leading).len(), 1);
+    assert_eq!(scans(&plan("xparent_seq = $1"), &leading).len(), 1);
+    assert_eq!(
+        scans("Seq Scan on draining  (cost=0.00..1.01)", &leading).len(),
+        1
+    );
+    assert_eq!(
+        scans(
+            "Index Scan using other on t\n  Index Cond: (a = $1)",
+            &leading
+        )
+        .len(),
+        1,
+        "an index the catalog lacks"
+    );
 }

@@ -24,7 +24,44 @@ pub(crate) struct Reserved {
 /// The statement of `Reserved::reserve`: `$1` numbers.
 pub(super) const RESERVE: &str = "SELECT nextval('seqs') FROM generate_series(1, $1)";
 
+/// The drains of a batch's trees and its numbers, in one round trip after
+/// the parents' statement: `$1` the parents' root seqs, `$2` how many
+/// numbers. Drain rows have a root; number rows a NULL one. Not folded
+/// into the parents' statement: in READ COMMITTED a statement's snapshot
+/// is taken before its lock waits, so a drain committed while that
+/// statement waited for a parent's lock would be missed; this statement's
+/// snapshot is taken after every parent is locked. The numbers are taken
+/// after the locks too (see `Reserved`).
+pub(super) const DRAINS_AND_NUMBERS: &str = "SELECT root_seq, target_seq AS seq FROM draining WHERE root_seq = ANY($1) \
+     UNION ALL SELECT NULL, nextval('seqs') FROM generate_series(1, $2)";
+
 impl Reserved {
+    /// Reads the drains of `roots` (root seq, draining contract's seq) and
+    /// reserves `count` numbers (`DRAINS_AND_NUMBERS`).
+    pub(super) async fn drains_and_reserve(
+        &mut self,
+        conn: &mut PgConnection,
+        roots: &[i64],
+        count: usize,
+    ) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+        let rows: Vec<(Option<i64>, i64)> = sqlx::query_as(DRAINS_AND_NUMBERS)
+            .bind(roots)
+            .bind(i64::try_from(count).unwrap_or(i64::MAX))
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut drains = Vec::new();
+        let mut seqs = Vec::with_capacity(count);
+        for (root, seq) in rows {
+            match root {
+                Some(root) => drains.push((root, seq)),
+                None => seqs.push(seq),
+            }
+        }
+        seqs.sort_unstable();
+        self.left.extend(seqs);
+        Ok(drains)
+    }
+
     pub(super) async fn reserve(
         &mut self,
         conn: &mut PgConnection,
@@ -322,9 +359,12 @@ impl Writer {
         };
         let mut known = KnownMap::default();
         load_parents_locked(&mut tx, &parent_ids, &mut known).await?;
-        drain::mark_ending::<Postgres>(&mut tx, &mut known, &parent_ids).await?;
         let mut seqs = Reserved::default();
-        seqs.reserve(&mut tx, commands.len()).await?;
+        let roots = drain::roots_of(&known, &parent_ids);
+        let drains = seqs
+            .drains_and_reserve(&mut tx, &roots, commands.len())
+            .await?;
+        drain::mark_ending_with::<Postgres>(&mut tx, &mut known, &parent_ids, &drains).await?;
         let now_ms = self.clock.now_ms();
         let mut plan = batch::plan(
             commands,

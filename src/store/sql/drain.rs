@@ -16,7 +16,7 @@ use super::{Cell, Dialect, QueryExt};
 use crate::command::{Action, LifecycleCommand};
 use crate::core::lifecycle::{self, Ending, Facts};
 use crate::core::{AgentKey, Id, Status};
-use crate::store::limits::{DRAIN_POLL_MS, DRAINS_PER_PASS};
+use crate::store::limits::{DRAIN_POLL_MS, DRAINS_PER_PASS, ROWS_PER_STATEMENT};
 use crate::store::{Answer, Outcome, StoreError};
 
 /// The drains in a tree: (draining contract's seq, the status its
@@ -72,24 +72,55 @@ pub(crate) fn ending_of(
     }
 }
 
-/// Every drain in progress (a row per revoked subtree still being ended:
-/// read whole, it is small).
-pub(crate) const DRAINS: &str = "SELECT root_seq, target_seq FROM draining";
+/// The drains of some trees: (root seq, draining contract's seq). Followed
+/// by `in_list`; PostgreSQL's writer reads them with its numbers instead
+/// (`writer::DRAINS_AND_NUMBERS`). By root, through `draining_by_root`: a
+/// tenant that starts many drains makes only its own trees' issuance read
+/// them, never every batch of every tree.
+pub(crate) const DRAINS_OF_ROOTS: &str =
+    "SELECT root_seq, target_seq FROM draining WHERE root_seq IN ";
+
+/// The distinct trees (root seqs) of the issuing parents `ids` loaded in
+/// `known`.
+pub(crate) fn roots_of(known: &crate::store::batch::KnownMap, ids: &[Id]) -> Vec<i64> {
+    let mut roots: Vec<i64> = ids
+        .iter()
+        .filter_map(|id| known.get(id).map(|k| k.root_seq))
+        .collect();
+    roots.sort_unstable();
+    roots.dedup();
+    roots
+}
 
 /// Marks the issuing parents `ids` (loaded in `known`) that are draining
 /// or frozen as ending (`ParentView::ending`): they issue nothing more.
-/// Reads the draining table once per batch; the lineage of a parent only
-/// when its tree has a drain.
+/// Reads the drains of the parents' trees once per batch; the lineage of
+/// a parent only when its tree has a drain.
 pub(crate) async fn mark_ending<D: Dialect>(
     conn: &mut D::Connection,
     known: &mut crate::store::batch::KnownMap,
     ids: &[Id],
 ) -> Result<(), sqlx::Error> {
-    let rows = sqlx::query::<D>(DRAINS).all(&mut *conn).await?;
-    let drains = rows
-        .iter()
-        .map(|r| Ok((r.cell::<i64>("root_seq")?, r.cell::<i64>("target_seq")?)))
-        .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    let roots = roots_of(known, ids);
+    let mut drains = Vec::new();
+    for chunk in roots.chunks(ROWS_PER_STATEMENT) {
+        let mut query = sqlx::QueryBuilder::<D>::new(DRAINS_OF_ROOTS);
+        super::lifecycle::in_list(&mut query, chunk);
+        for row in query.build().all(&mut *conn).await? {
+            drains.push((row.cell::<i64>("root_seq")?, row.cell::<i64>("target_seq")?));
+        }
+    }
+    mark_ending_with::<D>(conn, known, ids, &drains).await
+}
+
+/// `mark_ending` with the parents' trees' drains already read: (root seq,
+/// draining contract's seq).
+pub(crate) async fn mark_ending_with<D: Dialect>(
+    conn: &mut D::Connection,
+    known: &mut crate::store::batch::KnownMap,
+    ids: &[Id],
+    drains: &[(i64, i64)],
+) -> Result<(), sqlx::Error> {
     for id in ids {
         let Some((seq, root_seq)) = known.get(id).map(|k| (k.seq, k.root_seq)) else {
             continue;

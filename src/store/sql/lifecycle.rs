@@ -150,7 +150,7 @@ const _: () = assert!(Status::Open as i32 == 1 && Status::Accepted as i32 == 2);
 pub(crate) const LOAD_BY_SEQ: &str = select_contracts!("WHERE seq IN ");
 
 /// Appends `(v1, v2, …)` with each value bound.
-fn in_list<D: Dialect>(query: &mut QueryBuilder<D>, values: &[i64]) {
+pub(crate) fn in_list<D: Dialect>(query: &mut QueryBuilder<D>, values: &[i64]) {
     query.push("(");
     let mut list = query.separated(", ");
     for v in values {

@@ -964,3 +964,46 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
         plans[2]
     );
 }
+
+/// Issuance reads the drains of its parents' trees only, down
+/// `draining_by_root` (`drain::DRAINS_OF_ROOTS`): a tenant with many drains
+/// in progress does not make every batch of every tree read them all.
+/// Checked over 2,000 drains, so the planner has a table to scan.
+#[tokio::test]
+async fn issuance_reads_only_its_trees_drains() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let _store = open_test_store(path.clone(), test_stamper()).await;
+    let mut conn = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
+        .await
+        .expect("connect");
+    sqlx::raw_sql(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000) \
+         INSERT INTO draining (target_seq, root_seq, status, started_at_ms) \
+         SELECT i, i / 4, 5, 1 FROM n; ANALYZE",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("drains");
+    let query = format!("{}(7, 9)", crate::store::sql::drain::DRAINS_OF_ROOTS);
+    let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
+        .fetch_all(&mut conn)
+        .await
+        .expect("plan")
+        .iter()
+        .map(|row| row.get::<String, _>("detail"))
+        .collect();
+    assert!(
+        !plan.is_empty()
+            && plan.iter().all(|line| line.starts_with("SEARCH draining")
+                && line.contains("INDEX draining_by_root (root_seq=?)")),
+        "{plan:#?}"
+    );
+    let found: Vec<(i64, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .fetch_all(&mut conn)
+        .await
+        .expect("drains of two trees");
+    let mut targets: Vec<i64> = found.iter().map(|(_, target)| *target).collect();
+    targets.sort_unstable();
+    assert_eq!(targets, vec![28, 29, 30, 31, 36, 37, 38, 39]);
+}
