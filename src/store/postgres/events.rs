@@ -169,19 +169,17 @@ pub(super) async fn sequencer(
     }
 }
 
-/// The statement of `place_own`: `$1` the transaction's seqs.
-pub(super) const PLACE_OWN: &str = "WITH own AS (\
+/// The statement of `place_own`: `$1` the transaction's seqs. Its
+/// events are read back from its rows, then placed as an issuance group's
+/// are (`unnest::PLACE`).
+pub(super) const PLACE_OWN: &str = concat!(
+    "WITH ev AS (\
          SELECT seq, 1 AS kind, seq AS contract_seq, root_id FROM contracts WHERE seq = ANY($1) \
          UNION ALL \
          SELECT seq, 2, contract_seq, root_id FROM receipts WHERE seq = ANY($1)), \
-     clock AS (\
-         UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM own) WHERE id = 1 \
-         RETURNING last_pos - (SELECT count(*) FROM own) AS base) \
-     INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
-     SELECT own.seq, own.kind, own.contract_seq, own.root_id, \
-         clock.base + row_number() OVER (ORDER BY own.seq) \
-     FROM own CROSS JOIN clock \
-     RETURNING pos, root_id";
+     done AS (SELECT 1 AS rows), ",
+    super::unnest::place!()
+);
 
 /// Places a transaction's own events (the contracts and receipts it
 /// numbered, `seqs`) at the next positions, in `seq` order, under the

@@ -270,6 +270,10 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         ),
         ("prior requests", prior),
         ("lineage", lifecycle::LINEAGE.to_string()),
+        (
+            "a lifecycle transaction's events",
+            events::PLACE_OWN.to_string(),
+        ),
     ];
     // The sequencer's poll, planned on a connection of its own settings.
     let mut poller = sqlx::PgConnection::connect(&database.url)

@@ -45,18 +45,26 @@ pub(super) fn writes(plan: &Plan) -> Option<QueryBuilder<Postgres>> {
 /// has run (and waited for any lock it met) before the clock is locked.
 const DONE: &str = "done AS (SELECT count(*) AS rows FROM (";
 
+/// `PLACE`'s text, as a literal: `events::PLACE_OWN` ends with it too.
+macro_rules! place {
+    () => {
+        "clock AS (\
+             UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM ev) \
+             FROM done WHERE id = 1 AND EXISTS (SELECT 1 FROM ev) \
+             RETURNING last_pos - (SELECT count(*) FROM ev) AS base) \
+         INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
+         SELECT ev.seq, ev.kind, ev.contract_seq, ev.root_id, \
+             clock.base + row_number() OVER (ORDER BY ev.seq) \
+         FROM ev CROSS JOIN clock \
+         RETURNING pos, root_id"
+    };
+}
+pub(super) use place;
+
 /// The clock's update and the events' insert, after `ev` (the events) and
 /// `done` (see `DONE`). A group with no events (writes but no contract or
 /// receipt) leaves the clock alone.
-pub(super) const PLACE: &str = "clock AS (\
-         UPDATE event_clock SET last_pos = last_pos + (SELECT count(*) FROM ev) \
-         FROM done WHERE id = 1 AND EXISTS (SELECT 1 FROM ev) \
-         RETURNING last_pos - (SELECT count(*) FROM ev) AS base) \
-     INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
-     SELECT ev.seq, ev.kind, ev.contract_seq, ev.root_id, \
-         clock.base + row_number() OVER (ORDER BY ev.seq) \
-     FROM ev CROSS JOIN clock \
-     RETURNING pos, root_id";
+pub(super) const PLACE: &str = place!();
 
 /// The events of the plan's contracts and receipts, at the next positions
 /// in `seq` order, as the statement's main part (`events::place_own` does
