@@ -167,7 +167,7 @@ def commits(url):
 def reset_statements(url):
     subprocess.run(["psql", url, "-qc",
                     "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; "
-                    "SELECT pg_stat_statements_reset(); SELECT pg_stat_reset()"],
+                    "SELECT pg_stat_statements_reset()"],
                    check=True, capture_output=True)
 
 
@@ -196,22 +196,33 @@ def top_statements(url, count, issued):
     return lines
 
 
-def table_updates(url, issued):
-    """Rows updated per delegation in each table since the reset, and how
-    many of them were HOT (heap-only: no index entry written, the new row
-    version on the same page)."""
+def table_updates(url):
+    """Rows updated so far in each table, and how many of them were HOT
+    (heap-only: no index entry written, the new row version on the same
+    page): {table: (updated, hot)}. Read before and after the window, as
+    the commits are (pg_stat_reset would zero those too)."""
     out = subprocess.run(
         ["psql", url, "-AtF", "\t", "-c",
-         "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
-         "WHERE n_tup_upd > 0 ORDER BY n_tup_upd DESC"],
+         "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"],
         check=True, capture_output=True, text=True,
     ).stdout
-    lines = []
+    counts = {}
     for line in out.splitlines():
         table, updated, hot = line.split("\t")
-        updated, hot = int(updated), int(hot)
-        lines.append(f"    {table}: {updated / issued:5.2f} rows updated/delegation, "
-                     f"{100 * hot / max(updated, 1):3.0f}% HOT")
+        counts[table] = (int(updated), int(hot))
+    return counts
+
+
+def hot_lines(before, after, issued):
+    """Each table's updated rows per delegation over the window, and the
+    HOT share."""
+    lines = []
+    for table, (updated, hot) in sorted(after.items()):
+        updated -= before.get(table, (0, 0))[0]
+        hot -= before.get(table, (0, 0))[1]
+        if updated > 0:
+            lines.append(f"    {table}: {updated / issued:5.2f} rows updated/delegation, "
+                         f"{100 * hot / updated:3.0f}% HOT")
     return lines
 
 
@@ -232,15 +243,21 @@ def one_run(config, args, workdir, pg, seed, attestor_pub, number):
     commits_before = commits(url) if url else 0
     if url and args.statements:
         reset_statements(url)
+        updates_before = table_updates(url)
     time.sleep(args.duration)
     after = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
     committed = commits(url) - commits_before if url else 0
+    if url and args.statements:
+        # Both readings lag the commits by up to a second (backends
+        # report their statistics at most once a second): the same lag.
+        updates_after = table_updates(url)
     output, _ = bench.communicate()
     result = parse(output)
     if url and args.statements:
         # Over the measured window; calls counted while the bench ran on.
         issued = max(result["issued"], 1)
-        result["statements"] = top_statements(url, args.statements, issued) + table_updates(url, issued)
+        result["statements"] = (top_statements(url, args.statements, issued)
+                                + hot_lines(updates_before, updates_after, issued))
     for process, _ in brokers:
         process.terminate()
         process.wait()

@@ -270,6 +270,8 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         ),
         ("prior requests", prior),
         ("lineage", lifecycle::LINEAGE.to_string()),
+        // Lifecycle transactions keep custom plans; this checks that its
+        // generic plan seeks too.
         (
             "a lifecycle transaction's events",
             events::PLACE_OWN.to_string(),
@@ -358,7 +360,8 @@ fn scans(plan: &str, leading: &HashMap<String, String>) -> Vec<String> {
         }
         let index = if line.contains("Bitmap Index Scan on ") {
             line.split("Bitmap Index Scan on ").nth(1)
-        } else if line.contains("Index Scan using ") || line.contains("Index Only Scan using ") {
+        } else if line.contains("Index Scan") || line.contains("Index Only Scan") {
+            // `Index Scan using`, `Index Scan Backward using`, ….
             line.split(" using ").nth(1)
         } else {
             None
@@ -386,13 +389,15 @@ fn scans(plan: &str, leading: &HashMap<String, String>) -> Vec<String> {
     problems
 }
 
-/// Whether `condition` compares `column` (`column = …`, `t.column > …`).
+/// Whether `condition` compares `column` (`column = …`, `t.column > …`,
+/// `column IS NULL`). Not understood (so failed, never passed): quoted
+/// names and row comparisons, which no statement here uses.
 fn names_column(condition: &str, column: &str) -> bool {
     condition.match_indices(column).any(|(at, _)| {
         let before = condition[..at].chars().next_back();
         let after = &condition[at + column.len()..];
         !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
-            && [" = ", " > ", " < ", " >= ", " <= "]
+            && [" = ", " > ", " < ", " >= ", " <= ", " IS "]
                 .iter()
                 .any(|op| after.starts_with(op))
     })
@@ -418,6 +423,15 @@ fn the_plan_checker_wants_the_leading_column() {
     assert_eq!(
         scans("Seq Scan on draining  (cost=0.00..1.01)", &leading).len(),
         1
+    );
+    assert_eq!(
+        scans(
+            "Index Scan Backward using contracts_by_parent on contracts\n  Index Cond: (seq > $1)",
+            &leading
+        )
+        .len(),
+        1,
+        "a backward scan is checked too"
     );
     assert_eq!(
         scans(

@@ -139,8 +139,8 @@ pub(crate) async fn mark_ending_with<D: Dialect>(
 }
 
 /// Whether any drain is in progress (SQLite's writer keeps this as a flag;
-/// PostgreSQL's writers read the table per batch, as other replicas start
-/// drains).
+/// PostgreSQL's writers read their parents' trees' drains every batch, as
+/// other replicas start drains).
 pub(crate) async fn any_drain<D: Dialect>(conn: &mut D::Connection) -> Result<bool, sqlx::Error> {
     let any = sqlx::query::<D>("SELECT target_seq FROM draining LIMIT 1")
         .optional(&mut *conn)

@@ -902,6 +902,29 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
     );
 }
 
+/// A migrated store in a directory of its own, and a connection of the
+/// test's to its database (to read plans); both live while they are held.
+async fn store_and_connection() -> (tempfile::TempDir, SqliteStore, SqliteConnection) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let store = open_test_store(path.clone(), test_stamper()).await;
+    let conn = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
+        .await
+        .expect("connect");
+    (dir, store, conn)
+}
+
+/// How SQLite plans `query`: `EXPLAIN QUERY PLAN`'s lines.
+async fn query_plan(conn: &mut SqliteConnection, query: &str) -> Vec<String> {
+    sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
+        .fetch_all(conn)
+        .await
+        .expect("plan")
+        .iter()
+        .map(|row| row.get::<String, _>("detail"))
+        .collect()
+}
+
 /// The statements a cascade walks its open descendants with, as SQLite
 /// plans them (`EXPLAIN QUERY PLAN`): a level's children are found down
 /// `contracts_by_parent`, never through `contracts_open_by_deadline`, and
@@ -915,27 +938,14 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
          SELECT seq FROM contracts WHERE parent_seq = 1 AND status IN (1, 2) \
          UNION ALL SELECT c.seq FROM contracts c JOIN sub ON c.parent_seq = sub.seq \
          WHERE c.status IN (1, 2)) SELECT seq FROM sub";
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("broker.sqlite3");
-    let _store = open_test_store(path.clone(), test_stamper()).await;
-    let mut conn = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
-        .await
-        .expect("connect");
+    let (_dir, _store, mut conn) = store_and_connection().await;
     let mut plans = Vec::new();
     for query in [
         format!("{}(1, 2, 3)", lifecycle::CHILDREN_OF),
         format!("{}(1, 2, 3) ORDER BY id", lifecycle::LOAD_BY_SEQ),
         OLD_WALK.to_owned(),
     ] {
-        let plan: Vec<String> =
-            sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
-                .fetch_all(&mut conn)
-                .await
-                .expect("plan")
-                .iter()
-                .map(|row| row.get::<String, _>("detail"))
-                .collect();
-        plans.push(plan);
+        plans.push(query_plan(&mut conn, &query).await);
     }
     // Every read of the contracts table goes by the parent index or by key.
     let by_parent_or_key = |plan: &[String]| {
@@ -971,12 +981,7 @@ async fn the_descendants_walk_goes_down_the_parent_index() {
 /// Checked over 2,000 drains, so the planner has a table to scan.
 #[tokio::test]
 async fn issuance_reads_only_its_trees_drains() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("broker.sqlite3");
-    let _store = open_test_store(path.clone(), test_stamper()).await;
-    let mut conn = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
-        .await
-        .expect("connect");
+    let (_dir, _store, mut conn) = store_and_connection().await;
     sqlx::raw_sql(
         "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000) \
          INSERT INTO draining (target_seq, root_seq, status, started_at_ms) \
@@ -986,13 +991,7 @@ async fn issuance_reads_only_its_trees_drains() {
     .await
     .expect("drains");
     let query = format!("{}(7, 9)", crate::store::sql::drain::DRAINS_OF_ROOTS);
-    let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
-        .fetch_all(&mut conn)
-        .await
-        .expect("plan")
-        .iter()
-        .map(|row| row.get::<String, _>("detail"))
-        .collect();
+    let plan = query_plan(&mut conn, &query).await;
     assert!(
         !plan.is_empty()
             && plan.iter().all(|line| line.starts_with("SEARCH draining")
