@@ -413,8 +413,11 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
     let syncs = tokio::spawn(async move {
         tokio::time::sleep_until(measure_from.into()).await;
         let first = crate::store::sqlite::WAL_SYNCS.snapshot();
+        let phases = store_phases();
         tokio::time::sleep_until(stop_at.into()).await;
-        (first, crate::store::sqlite::WAL_SYNCS.snapshot())
+        let after = store_phases();
+        let phases: [_; 3] = std::array::from_fn(|i| after[i].minus(&phases[i]));
+        (first, crate::store::sqlite::WAL_SYNCS.snapshot(), phases)
     });
     let mut total = Tally::default();
     for w in workers {
@@ -424,13 +427,49 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         total.errors += t.errors;
         total.roots += t.roots;
     }
-    report(&args, total, syncs.await?);
+    let (first, last, phases) = syncs.await?;
+    report(&args, total, (first, last));
+    report_phases(&phases);
     if let Some((stop, server, dir)) = _in_process {
         let _ = stop.send(());
         server.await??;
         let _ = std::fs::remove_dir_all(dir);
     }
     Ok(())
+}
+
+/// The in-process store's phase histograms (see `store::phases`): each
+/// command's whole wait, its batch, and its wait for the fsync.
+fn store_phases() -> [crate::store::phases::PhaseSnapshot; 3] {
+    use crate::store::phases::{BATCH, SUBMITTED, SYNC_WAIT};
+    [SUBMITTED.snapshot(), BATCH.snapshot(), SYNC_WAIT.snapshot()]
+}
+
+/// Where the store's share of the latency went, per command (roots and
+/// delegations), so a tail can be told apart: inside the store (the queue
+/// before the writer, the batch, the fsync) or outside it (RPC, signature
+/// work, waits for a core). Nothing against a remote broker.
+fn report_phases(phases: &[crate::store::phases::PhaseSnapshot; 3]) {
+    let [submitted, batch, sync] = phases;
+    if submitted.count() == 0 {
+        return;
+    }
+    let line = |name: &str, p: &crate::store::phases::PhaseSnapshot| {
+        let q = |q: f64| p.quantile_us(q).unwrap_or(0) as f64 / 1000.0;
+        println!(
+            "  {name:<34} p50 {:.2}  p99 {:.2}  p999 {:.2}",
+            q(0.5),
+            q(0.99),
+            q(0.999)
+        );
+    };
+    println!(
+        "store phases ms, per command ({} commands; bucket bounds, ≤ 1/8 over):",
+        submitted.count()
+    );
+    line("queued to answered (all of it)", submitted);
+    line("its batch (plan, script, commit)", batch);
+    line("committed to answered (the fsync)", sync);
 }
 
 /// The channels to the brokers at `addrs` (over TLS with `--tls-ca`): at

@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub(crate) mod limits;
+pub mod phases;
 pub mod postgres;
 pub mod recent;
 pub(crate) mod sql;
@@ -281,11 +282,14 @@ async fn submit(
 ) -> Result<Answer, StoreError> {
     use tokio::sync::mpsc::error::TrySendError;
     let (reply, answer) = tokio::sync::oneshot::channel();
+    let queued = std::time::Instant::now();
     queue.try_send((command, reply)).map_err(|e| match e {
         TrySendError::Full(_) => StoreError::Busy,
         TrySendError::Closed(_) => StoreError::Closed,
     })?;
-    answer.await.map_err(|_| StoreError::Closed)?
+    let answered = answer.await.map_err(|_| StoreError::Closed)?;
+    phases::SUBMITTED.since(queued);
+    answered
 }
 
 /// Where a writer sends a command's answer.

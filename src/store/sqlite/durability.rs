@@ -101,6 +101,10 @@ pub(super) fn syncer(
         }
         durable.send_modify(|d| *d = (*d).max(last));
         for batch in group.drain(..) {
+            crate::store::phases::SYNC_WAIT.record(
+                crate::store::phases::micros(batch.committed_at.elapsed()),
+                batch.replies.len() as u64,
+            );
             for (reply, answer) in batch.replies {
                 // A caller that went away still had its work committed;
                 // a retry with the same nonce finds it.
@@ -187,4 +191,7 @@ pub(super) fn sync_wal(path: &Path, wal: &mut Option<(std::fs::File, u64)>) -> s
 pub(super) struct Unsynced {
     pub(super) number: u64,
     pub(super) replies: Vec<(Reply, Result<Answer, StoreError>)>,
+    /// When the writer handed it over: its answers' wait for the fsync
+    /// is measured from here (`store::phases::SYNC_WAIT`).
+    pub(super) committed_at: std::time::Instant,
 }

@@ -269,6 +269,10 @@ pub(super) async fn writer_loop(
         }
         let began = std::time::Instant::now();
         let applied = apply_batch(conn, &commands, &mut state, &stamper, clock.now_ms()).await;
+        crate::store::phases::BATCH.record(
+            crate::store::phases::micros(began.elapsed()),
+            commands.len() as u64,
+        );
         let replies: Vec<_> = match applied {
             Ok(answers) => {
                 tracing::trace!(
@@ -304,7 +308,11 @@ pub(super) async fn writer_loop(
         let number = state.committed.load(Ordering::SeqCst);
         if state
             .synced
-            .send(Unsynced { number, replies })
+            .send(Unsynced {
+                number,
+                replies,
+                committed_at: std::time::Instant::now(),
+            })
             .await
             .is_err()
         {
@@ -374,6 +382,7 @@ async fn own_commit<T>(
         .send(Unsynced {
             number,
             replies: Vec::new(),
+            committed_at: std::time::Instant::now(),
         })
         .await
         .is_err()
