@@ -599,6 +599,21 @@ const STATICS: &[(&str, &str, &str)] = &[
         "WAL fsync counters",
     ),
     (
+        "store/phases.rs",
+        "SUBMITTED",
+        "store phase histograms (counters)",
+    ),
+    (
+        "store/phases.rs",
+        "BATCH",
+        "store phase histograms (counters)",
+    ),
+    (
+        "store/phases.rs",
+        "SYNC_WAIT",
+        "store phase histograms (counters)",
+    ),
+    (
         "metrics.rs",
         "STORE_ERRORS",
         "store errors by class (a counter)",

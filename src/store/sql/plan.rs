@@ -1,30 +1,152 @@
-//! A planned batch's writes as multi-row statements, for any `Dialect`;
-//! each backend's `Script` decides how the statements reach the database
-//! (SQLite: one script, BEGIN to COMMIT, in one round trip). PostgreSQL
-//! writes the same plan through its own `UNNEST` statement
+//! A planned batch's writes as multi-row statements: SQL text with `?`
+//! placeholders and the values they bind, borrowed from the plan (`Sql`).
+//! SQLite's writer runs them on its own thread (`store::sqlite::raw`).
+//! PostgreSQL writes the same plan through its own `UNNEST` statement
 //! (`store::postgres::unnest`): fixed text, one round trip.
 
-use sqlx::QueryBuilder;
-
-use super::{Dialect, PushArg};
 use crate::core::{Ledger, Status};
 use crate::store::batch::Plan;
 use crate::store::limits::ROWS_PER_STATEMENT;
 
-/// Where a planned batch's statements go: each backend decides how they
-/// reach its database.
-pub(crate) trait Script<D: Dialect> {
-    /// Starts the next statement with `sql`; returns it to be continued.
-    fn statement(&mut self, sql: &str) -> &mut QueryBuilder<D>;
-    /// The statement `statement` last started.
-    fn query(&mut self) -> &mut QueryBuilder<D>;
-    /// Statements started so far.
-    fn statements(&self) -> usize;
+/// A value bound to one `?`, borrowed from the plan: nothing is copied
+/// on its way to the database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Arg<'a> {
+    Null,
+    Int(i64),
+    Blob(&'a [u8]),
+    Text(&'a str),
+}
+
+impl From<i64> for Arg<'_> {
+    fn from(v: i64) -> Self {
+        Arg::Int(v)
+    }
+}
+
+impl<'a> From<&'a [u8]> for Arg<'a> {
+    fn from(v: &'a [u8]) -> Self {
+        Arg::Blob(v)
+    }
+}
+
+impl<'a> From<&'a str> for Arg<'a> {
+    fn from(v: &'a str) -> Self {
+        Arg::Text(v)
+    }
+}
+
+impl<'a, T: Into<Arg<'a>>> From<Option<T>> for Arg<'a> {
+    fn from(v: Option<T>) -> Self {
+        v.map_or(Arg::Null, Into::into)
+    }
+}
+
+/// One statement: its text and its values, in placeholder order.
+#[derive(Debug, Default)]
+pub(crate) struct Statement<'a> {
+    pub(crate) text: String,
+    pub(crate) args: Vec<Arg<'a>>,
+}
+
+/// Statements to run in order, built by the planner.
+#[derive(Debug, Default)]
+pub(crate) struct Sql<'a> {
+    statements: Vec<Statement<'a>>,
+    /// See `Sql::whole_transaction`.
+    or_rollback: bool,
+}
+
+impl<'a> Sql<'a> {
+    /// Statements that carry their own BEGIN and COMMIT: any failed
+    /// statement rolls the whole transaction back (`OR ROLLBACK`). Inside
+    /// a transaction SQLite otherwise copies every page a multi-row
+    /// statement touches into a statement journal, to undo just that
+    /// statement — a page copy and its allocations per page per statement
+    /// that the fast path never needs, since it redoes the whole batch on
+    /// any conflict. (Not for statements inside a sqlx transaction: sqlx
+    /// would not know its transaction had ended.)
+    pub(crate) fn whole_transaction() -> Self {
+        Self {
+            or_rollback: true,
+            ..Self::default()
+        }
+    }
+
+    /// Starts the next statement with `sql`.
+    pub(crate) fn statement(&mut self, sql: &str) -> &mut Self {
+        self.statements.push(Statement {
+            text: sql.to_owned(),
+            args: Vec::new(),
+        });
+        self
+    }
+
+    /// Appends `sql` to the statement last started.
+    pub(crate) fn push(&mut self, sql: &str) -> &mut Self {
+        if let Some(last) = self.statements.last_mut() {
+            last.text.push_str(sql);
+        }
+        self
+    }
+
+    /// Appends a placeholder and the value it binds.
+    pub(crate) fn arg(&mut self, value: impl Into<Arg<'a>>) -> &mut Self {
+        if let Some(last) = self.statements.last_mut() {
+            last.text.push('?');
+            last.args.push(value.into());
+        }
+        self
+    }
+
+    /// ` VALUES (…), (…)`: one parenthesized row per item, its values
+    /// pushed by `row` (separated for it).
+    pub(crate) fn values<T>(
+        &mut self,
+        rows: impl IntoIterator<Item = T>,
+        mut row: impl FnMut(&mut Row<'_, 'a>, T),
+    ) -> &mut Self {
+        self.push(" VALUES ");
+        for (i, item) in rows.into_iter().enumerate() {
+            self.push(if i == 0 { "(" } else { ", (" });
+            row(
+                &mut Row {
+                    sql: self,
+                    first: true,
+                },
+                item,
+            );
+            self.push(")");
+        }
+        self
+    }
+
+    pub(crate) fn statements(&self) -> &[Statement<'a>] {
+        &self.statements
+    }
+
     /// The conflict clause after each `INSERT` and `UPDATE` verb (with
     /// its leading space), or "" for the database's default (undo the
     /// one statement).
     fn on_conflict(&self) -> &'static str {
-        ""
+        if self.or_rollback { " OR ROLLBACK" } else { "" }
+    }
+}
+
+/// One row of `Sql::values`: its values separated by commas.
+pub(crate) struct Row<'s, 'a> {
+    sql: &'s mut Sql<'a>,
+    first: bool,
+}
+
+impl<'a> Row<'_, 'a> {
+    pub(crate) fn arg(&mut self, value: impl Into<Arg<'a>>) -> &mut Self {
+        if !self.first {
+            self.sql.push(", ");
+        }
+        self.first = false;
+        self.sql.arg(value);
+        self
     }
 }
 
@@ -48,20 +170,18 @@ const fn max(a: usize, b: usize) -> usize {
 }
 
 /// Appends the plan's writes to `script`; returns how many statements.
-/// One script per batch: one hand-off to sqlx's worker thread instead of
-/// one per statement.
-pub(crate) fn plan_statements<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) -> usize {
-    let before = script.statements();
+pub(crate) fn plan_statements<'a>(script: &mut Sql<'a>, plan: &'a Plan) -> usize {
+    let before = script.statements().len();
     insert_contracts(script, plan);
     insert_run_labels(script, plan);
     update_states(script, plan);
     insert_receipts(script, plan);
     insert_requests(script, plan);
-    script.statements() - before
+    script.statements().len() - before
 }
 
 /// The batch's new contracts and their envelopes.
-fn insert_contracts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
+fn insert_contracts<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
         let or = script.on_conflict();
         script.statement("INSERT").push(or).push(
@@ -71,50 +191,50 @@ fn insert_contracts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
              retry_headroom, require_host, issued_at_ms, status, budget, reserved, spent, \
              open_children, host_key, labels) ",
         );
-        script.query().push_values(chunk, |mut b, row| {
-            b.push_arg(row.seq)
-                .push_arg(row.id.as_slice())
-                .push_arg(row.parent.map(|(seq, _)| seq))
-                .push_arg(row.parent.as_ref().map(|(_, id)| id.as_slice()))
-                .push_arg(row.root_seq)
-                .push_arg(row.root_id.as_slice())
-                .push_arg(i64::from(row.depth))
-                .push_arg(row.delegate_key.as_slice())
-                .push_arg(i64::from(row.liability.as_i32()))
-                .push_arg(row.intent_lineage_hash.as_slice())
-                .push_arg(i64::from(row.cumulative_trust_ppm))
-                .push_arg(row.effective_predicate.as_str())
-                .push_arg(row.deadline_ms)
-                .push_arg(row.write_scope_json.as_str())
-                .push_arg(i64::from(row.policy.max_depth))
-                .push_arg(i64::from(row.policy.min_cumulative_trust_ppm))
-                .push_arg(i64::from(row.policy.max_children))
-                .push_arg(i64::from(row.policy.retry_headroom))
-                .push_arg(i64::from(row.policy.require_host))
-                .push_arg(row.issued_at_ms)
-                .push_arg(i64::from(row.status.as_i32()))
-                .push_arg(row.ledger.budget)
-                .push_arg(row.ledger.reserved)
-                .push_arg(row.ledger.spent)
-                .push_arg(i64::from(row.ledger.open_children))
-                .push_arg(row.host_key.map(|h| h.to_vec()))
-                .push_arg(row.labels_json.as_str());
+        script.values(chunk, |b, row| {
+            b.arg(row.seq)
+                .arg(row.id.as_slice())
+                .arg(row.parent.map(|(seq, _)| seq))
+                .arg(row.parent.as_ref().map(|(_, id)| id.as_slice()))
+                .arg(row.root_seq)
+                .arg(row.root_id.as_slice())
+                .arg(i64::from(row.depth))
+                .arg(row.delegate_key.as_slice())
+                .arg(i64::from(row.liability.as_i32()))
+                .arg(row.intent_lineage_hash.as_slice())
+                .arg(i64::from(row.cumulative_trust_ppm))
+                .arg(row.effective_predicate.as_str())
+                .arg(row.deadline_ms)
+                .arg(row.write_scope_json.as_str())
+                .arg(i64::from(row.policy.max_depth))
+                .arg(i64::from(row.policy.min_cumulative_trust_ppm))
+                .arg(i64::from(row.policy.max_children))
+                .arg(i64::from(row.policy.retry_headroom))
+                .arg(i64::from(row.policy.require_host))
+                .arg(row.issued_at_ms)
+                .arg(i64::from(row.status.as_i32()))
+                .arg(row.ledger.budget)
+                .arg(row.ledger.reserved)
+                .arg(row.ledger.spent)
+                .arg(i64::from(row.ledger.open_children))
+                .arg(row.host_key.as_ref().map(|h| h.as_slice()))
+                .arg(row.labels_json.as_str());
         });
         script
             .statement("INSERT")
             .push(or)
             .push(" INTO contract_envelopes (seq, envelope, trace_context) ");
-        script.query().push_values(chunk, |mut b, row| {
-            b.push_arg(row.seq)
-                .push_arg(row.envelope.as_slice())
-                .push_arg(row.trace.map(|t| t.to_vec()));
+        script.values(chunk, |b, row| {
+            b.arg(row.seq)
+                .arg(row.envelope.as_slice())
+                .arg(row.trace.as_ref().map(|t| t.as_slice()));
         });
     }
 }
 
 /// One `run_labels` row per label of each new root (the index audits
 /// select runs by).
-fn insert_run_labels<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
+fn insert_run_labels<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     let labels = plan.run_labels();
     let or = script.on_conflict();
     for chunk in labels.chunks(ROWS_PER_STATEMENT) {
@@ -122,16 +242,14 @@ fn insert_run_labels<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
             .statement("INSERT")
             .push(or)
             .push(" INTO run_labels (label_key, label_value, root_seq) ");
-        script
-            .query()
-            .push_values(chunk, |mut b, (seq, key, value)| {
-                b.push_arg(*key).push_arg(*value).push_arg(*seq);
-            });
+        script.values(chunk, |b, &(seq, key, value)| {
+            b.arg(key).arg(value).arg(seq);
+        });
     }
 }
 
 /// Status and ledger of every earlier contract the batch changed.
-fn update_states<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
+fn update_states<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     // One UPDATE for every changed earlier contract: a CASE per column.
     let or = script.on_conflict();
     for chunk in plan.states.chunks(STATE_ROWS_PER_STATEMENT) {
@@ -145,63 +263,64 @@ fn update_states<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
         ];
         for (i, (name, value)) in columns.iter().enumerate() {
             if i > 0 {
-                script.query().push(", ");
+                script.push(", ");
             }
-            script.query().push(*name).push(" = CASE seq");
+            script.push(name).push(" = CASE seq");
             for state in chunk {
                 script
-                    .query()
                     .push(" WHEN ")
-                    .push_arg(state.0)
+                    .arg(state.0)
                     .push(" THEN ")
-                    .push_arg(value(state));
+                    .arg(value(state));
             }
-            script.query().push(" END");
+            script.push(" END");
         }
-        script.query().push(" WHERE seq IN (");
-        let mut list = script.query().separated(", ");
-        for state in chunk {
-            list.push_arg(state.0);
+        script.push(" WHERE seq IN (");
+        for (i, state) in chunk.iter().enumerate() {
+            if i > 0 {
+                script.push(", ");
+            }
+            script.arg(state.0);
         }
-        script.query().push(")");
+        script.push(")");
     }
 }
 
 /// The batch's receipts (refusals).
-fn insert_receipts<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
+fn insert_receipts<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     let or = script.on_conflict();
     for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
         script.statement("INSERT").push(or).push(
             " INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
         );
-        script.query().push_values(chunk, |mut b, row| {
-            b.push_arg(row.seq)
-                .push_arg(row.id.as_slice())
-                .push_arg(row.kind)
-                .push_arg(row.contract_seq)
-                .push_arg(row.contract_id.as_slice())
-                .push_arg(row.root_id.as_slice())
-                .push_arg(row.envelope.as_slice())
-                .push_arg(row.at_ms);
+        script.values(chunk, |b, row| {
+            b.arg(row.seq)
+                .arg(row.id.as_slice())
+                .arg(row.kind)
+                .arg(row.contract_seq)
+                .arg(row.contract_id.as_slice())
+                .arg(row.root_id.as_slice())
+                .arg(row.envelope.as_slice())
+                .arg(row.at_ms);
         });
     }
 }
 
 /// The request log entries of the batch's answers.
-fn insert_requests<D: Dialect>(script: &mut impl Script<D>, plan: &Plan) {
+fn insert_requests<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     let or = script.on_conflict();
     for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
         script
             .statement("INSERT")
             .push(or)
             .push(" INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) ");
-        script.query().push_values(chunk, |mut b, row| {
-            b.push_arg(row.agent.as_slice())
-                .push_arg(row.nonce.as_slice())
-                .push_arg(row.digest.as_slice())
-                .push_arg(row.outcome)
-                .push_arg(row.ref_id.as_slice())
-                .push_arg(row.at_ms);
+        script.values(chunk, |b, row| {
+            b.arg(row.agent.as_slice())
+                .arg(row.nonce.as_slice())
+                .arg(row.digest.as_slice())
+                .arg(row.outcome)
+                .arg(row.ref_id.as_slice())
+                .arg(row.at_ms);
         });
     }
 }

@@ -4,8 +4,9 @@
 //! connection and commits in groups: it takes every command queued while
 //! the previous batch was being written (up to `max_batch`), applies them
 //! in order inside one transaction — each seeing the effects of the ones
-//! before it — and commits. Most batches reach SQLite as a single script,
-//! BEGIN to COMMIT (see `apply_batch`). Reads use a separate pool of
+//! before it — and commits. The writer runs a batch's statements, BEGIN to
+//! COMMIT, on its own thread with the connection taken from sqlx's worker
+//! once (`raw`; see `apply_batch`). Reads use a separate pool of
 //! read-only connections (WAL readers never block the writer).
 //!
 //! Durability is pipelined, not traded. SQLite runs with
@@ -29,7 +30,7 @@ mod checkpoint;
 mod durability;
 mod health;
 mod migrate;
-mod script;
+mod raw;
 #[cfg(test)]
 mod tests;
 mod writer;
@@ -37,12 +38,11 @@ mod writer;
 use self::checkpoint::*;
 use self::durability::*;
 use self::migrate::*;
-use self::script::*;
 use self::writer::*;
 pub use super::sql::BeforeJudge;
 use super::sql::drain;
 use super::sql::lifecycle::{self, Writing};
-use super::sql::plan::Script as _;
+use super::sql::plan::Sql;
 use super::sql::plan::plan_statements;
 use super::sql::requests::load_prior_requests;
 use super::sql::rows::CONTRACT_COLUMNS;

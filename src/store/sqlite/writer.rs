@@ -144,6 +144,7 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
         finish_checkpoint: start.finish_checkpoint,
         metrics: start.options.metrics.clone(),
         writable: start.writable,
+        statements: super::raw::Statements::default(),
     };
     let max_batch = start.options.max_batch.max(1);
     writer_loop(
@@ -192,6 +193,9 @@ pub(super) struct WriterState {
     pub(super) metrics: Option<crate::metrics::StoreMetrics>,
     /// False while the disk refuses writes (see `health`).
     pub(super) writable: tokio::sync::watch::Sender<bool>,
+    /// The batches' statements, prepared on the writer's connection and
+    /// run on this thread (`raw`); finalized before it closes.
+    pub(super) statements: super::raw::Statements,
 }
 
 /// Prunes the request log when due (a commit of its own, sent to the
@@ -346,6 +350,12 @@ pub(super) async fn writer_loop(
             break;
         }
     }
+    // sqlx closes the connection with `sqlite3_close`, which refuses
+    // (and sqlx panics) while a statement is still prepared.
+    match conn.lock_handle().await {
+        Ok(_locked) => state.statements.finalize_all(),
+        Err(e) => tracing::warn!(error = %e, "the writer's statements could not be finalized"),
+    }
     tracing::debug!("store writer stopped");
 }
 
@@ -438,10 +448,11 @@ pub(super) async fn prune_requests(
 ///
 /// Most batches take the fast path: issuance only, and none of their
 /// request keys committed recently (`RecentRequests`). Those are planned
-/// as if no request were a retry and go to SQLite as one script with
-/// their BEGIN and COMMIT: one round trip to SQLite's worker thread
-/// instead of four (each a pair of thread wake-ups, the largest per-batch
-/// cost measured). If a request was a retry after all, its request-log
+/// as if no request were a retry and their statements, with their BEGIN
+/// and COMMIT, run on the writer's own thread (`raw`): one hand-off to
+/// sqlx's worker a batch, where a script through sqlx cost one wake-up
+/// per statement (the largest per-batch cost measured). If a request was
+/// a retry after all, its request-log
 /// row already exists, the script fails, and the batch is redone the
 /// careful way, which reads the request log first. Either way a request
 /// is answered once.
@@ -534,22 +545,25 @@ pub(super) async fn apply_fast(
         let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
         batch::replay_unlogged(commands, &mut plan.answers, &earlier);
     }
-    let mut script = Script::whole_transaction();
-    script.statement("BEGIN IMMEDIATE");
     touch_trees(&state.trees, &plan);
+    let mut script = Sql::whole_transaction();
+    script.statement("BEGIN IMMEDIATE");
     let writes = plan_statements(&mut script, &plan);
     if writes > 0 {
         script.statement("COMMIT");
         // Numbered before it starts: see `Durability::committed`.
         state.committed.fetch_add(1, Ordering::SeqCst);
         let began = std::time::Instant::now();
-        script.query().build().execute(&mut *conn).await?;
+        let mut handle = conn.lock_handle().await?;
+        state.statements.run(&mut handle, &script)?;
+        drop(handle);
         tracing::trace!(
-            statements = script.statements(),
+            statements = script.statements().len(),
             took_us = began.elapsed().as_micros() as u64,
             "batch script ran"
         );
     }
+    drop(script);
     Ok(batch::answers(plan.answers))
 }
 
@@ -644,11 +658,13 @@ pub(super) async fn apply_careful(
         now_ms,
     );
     let t1 = std::time::Instant::now();
-    let mut script = Script::default();
     touch_trees(&state.trees, &plan);
+    let mut script = Sql::default();
     if plan_statements(&mut script, &plan) > 0 {
-        script.query().build().execute(&mut *tx).await?;
+        let mut handle = tx.lock_handle().await?;
+        state.statements.run(&mut handle, &script)?;
     }
+    drop(script);
     let mut answers = std::mem::take(&mut plan.answers);
     let mut drains_changed = false;
     for (i, command) in commands.iter().enumerate() {
