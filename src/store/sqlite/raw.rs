@@ -34,6 +34,9 @@ use crate::store::sql::plan::{Arg, Sql};
 #[derive(Default)]
 pub(super) struct Statements {
     prepared: HashMap<String, NonNull<ffi::sqlite3_stmt>>,
+    /// The connection they were prepared on (set by the first): a handle
+    /// of another connection is refused, not stepped.
+    db: Option<NonNull<ffi::sqlite3>>,
 }
 
 impl Statements {
@@ -46,8 +49,13 @@ impl Statements {
         sql: &Sql<'_>,
     ) -> Result<(), sqlx::Error> {
         let db = handle.as_raw_handle();
+        if *self.db.get_or_insert(db) != db {
+            return Err(sqlx::Error::Protocol(
+                "the writer's statements belong to another connection".into(),
+            ));
+        }
         for statement in sql.statements() {
-            let stmt = self.prepare(db, &statement.text)?;
+            let stmt = self.prepare(handle, &statement.text)?;
             // SAFETY: `stmt` was prepared on `db`, which the locked handle
             // gives this thread alone; the arguments outlive the call,
             // which resets the statement before returning.
@@ -60,15 +68,16 @@ impl Statements {
     /// then every statement is finalized and the cache starts again).
     fn prepare(
         &mut self,
-        db: NonNull<ffi::sqlite3>,
+        handle: &mut LockedSqliteHandle<'_>,
         text: &str,
     ) -> Result<NonNull<ffi::sqlite3_stmt>, sqlx::Error> {
         if let Some(stmt) = self.prepared.get(text) {
             return Ok(*stmt);
         }
         if self.prepared.len() >= STATEMENT_CACHE_CAPACITY {
-            self.finalize_all();
+            self.finalize_all(handle);
         }
+        let db = handle.as_raw_handle();
         let length = c_int::try_from(text.len())
             .map_err(|_| sqlx::Error::Protocol("statement text over 2 GiB".into()))?;
         let mut stmt = std::ptr::null_mut();
@@ -106,9 +115,9 @@ impl Statements {
         Ok(stmt)
     }
 
-    /// Finalizes every statement. Call with the connection locked
-    /// (`lock_handle`), and before it is closed.
-    pub(super) fn finalize_all(&mut self) {
+    /// Finalizes every statement (the locked handle is the proof that
+    /// nothing else uses the connection); before the connection closes.
+    pub(super) fn finalize_all(&mut self, _locked: &mut LockedSqliteHandle<'_>) {
         for (_, stmt) in self.prepared.drain() {
             // SAFETY: each was prepared here and is finalized once.
             unsafe { ffi::sqlite3_finalize(stmt.as_ptr()) };
@@ -179,6 +188,14 @@ unsafe fn step(
                     Err(_) => ffi::SQLITE_TOOBIG,
                 },
             };
+            if rc == ffi::SQLITE_TOOBIG {
+                // Refused here (over `c_int`) or by SQLite: say which value.
+                result = Err(sqlx::Error::Database(Box::new(RawError {
+                    code: rc,
+                    message: format!("value {index} is too large to bind"),
+                })));
+                break;
+            }
             if rc != ffi::SQLITE_OK {
                 result = Err(last_error(db));
                 break;
@@ -329,9 +346,9 @@ mod tests {
                 (vec![1], Some(5), "a".to_owned(), "null".to_owned()),
             ]
         );
-        let _locked = conn.lock_handle().await.unwrap();
-        statements.finalize_all();
-        drop(_locked);
+        let mut locked = conn.lock_handle().await.unwrap();
+        statements.finalize_all(&mut locked);
+        drop(locked);
         // sqlx's close fails (panics) if a statement were left prepared.
         conn.close().await.unwrap();
     }

@@ -130,7 +130,7 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
         }
     };
     let _ = ready.send(Ok(()));
-    let state = WriterState {
+    let mut state = WriterState {
         draining,
         cascade_step_rows: start.options.cascade_step_rows.max(1),
         known: start.known,
@@ -147,17 +147,48 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
         statements: super::raw::Statements::default(),
     };
     let max_batch = start.options.max_batch.max(1);
-    writer_loop(
+    let looped = CatchUnwind(Box::pin(writer_loop(
         &mut writer,
         start.queue,
-        state,
+        &mut state,
         start.stamper,
         start.clock,
         max_batch,
-    )
+    )))
     .await;
+    // sqlx closes the connection with `sqlite3_close`, which refuses (and
+    // sqlx panics) while a statement is still prepared: they are finalized
+    // first, after a panic of the writer too.
+    match writer.lock_handle().await {
+        Ok(mut locked) => state.statements.finalize_all(&mut locked),
+        Err(e) => tracing::warn!(error = %e, "the writer's statements could not be finalized"),
+    }
     if let Err(e) = writer.close().await {
         tracing::warn!(error = %e, "closing the writer connection");
+    }
+    if let Err(panic) = looped {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Runs a future and returns its panic, if it panics, instead of
+/// unwinding through the caller: the writer's connection must still be
+/// tidied (`run_writer`) before the panic goes on.
+struct CatchUnwind<F>(std::pin::Pin<Box<F>>);
+
+impl<F: std::future::Future> std::future::Future for CatchUnwind<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let inner = self.get_mut().0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(output)) => std::task::Poll::Ready(Ok(output)),
+            Err(panic) => std::task::Poll::Ready(Err(panic)),
+        }
     }
 }
 
@@ -234,7 +265,7 @@ async fn prune_when_due(
 pub(super) async fn writer_loop(
     conn: &mut SqliteConnection,
     mut queue: mpsc::Receiver<(Command, Reply)>,
-    mut state: WriterState,
+    state: &mut WriterState,
     stamper: Arc<Stamper>,
     clock: Arc<dyn Clock>,
     max_batch: usize,
@@ -249,7 +280,7 @@ pub(super) async fn writer_loop(
             match tokio::time::timeout(super::health::PROBE_INTERVAL, queue.recv()).await {
                 Ok(next) => next,
                 Err(_) => {
-                    if !probe_disk(conn, &mut state, clock.as_ref()).await {
+                    if !probe_disk(conn, state, clock.as_ref()).await {
                         break;
                     }
                     continue;
@@ -272,7 +303,7 @@ pub(super) async fn writer_loop(
             metrics.batch_commands.observe(commands.len() as f64);
         }
         let began = std::time::Instant::now();
-        let applied = apply_batch(conn, &commands, &mut state, &stamper, clock.now_ms()).await;
+        let applied = apply_batch(conn, &commands, state, &stamper, clock.now_ms()).await;
         crate::store::phases::BATCH.record(
             crate::store::phases::micros(began.elapsed()),
             commands.len() as u64,
@@ -284,7 +315,7 @@ pub(super) async fn writer_loop(
                     took_us = began.elapsed().as_micros() as u64,
                     "batch committed"
                 );
-                writable(&state, true);
+                writable(state, true);
                 replies.drain(..).zip(answers).collect()
             }
             Err(e) => {
@@ -293,7 +324,7 @@ pub(super) async fn writer_loop(
                     tracing::error!(error = %e, size = commands.len(), held, "batch rolled back");
                 }
                 if super::health::storage_failed(&e) {
-                    writable(&state, false);
+                    writable(state, false);
                 }
                 // The plan already changed the cache; the database did not.
                 lock(&state.known).clear();
@@ -346,15 +377,9 @@ pub(super) async fn writer_loop(
                 }
             }
         }
-        if !prune_when_due(conn, &mut state, clock.as_ref()).await {
+        if !prune_when_due(conn, state, clock.as_ref()).await {
             break;
         }
-    }
-    // sqlx closes the connection with `sqlite3_close`, which refuses
-    // (and sqlx panics) while a statement is still prepared.
-    match conn.lock_handle().await {
-        Ok(_locked) => state.statements.finalize_all(),
-        Err(e) => tracing::warn!(error = %e, "the writer's statements could not be finalized"),
     }
     tracing::debug!("store writer stopped");
 }
