@@ -255,6 +255,49 @@ fn test_options(path: PathBuf) -> SqliteOptions {
     }
 }
 
+/// A batch the writer cannot vouch for (its requests' timestamps are older
+/// than the recent-request set covers) takes the careful path: it reads
+/// the request log inside a sqlx transaction, and its rows go through the
+/// writer's own statements (`raw`) inside that transaction. They must be
+/// committed with it: the child needs the root's row, the retry finds the
+/// root's log entry, and a reuse of the key is refused.
+#[tokio::test]
+async fn the_careful_path_commits_its_rows_through_the_writers_statements() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = open_test_store(dir.path().join("broker.sqlite3"), test_stamper()).await;
+    let old = RequestMeta {
+        timestamp_ms: 0,
+        ..meta(9, 3)
+    };
+    let first = store.open_root(test_root(old.clone())).await.expect("root");
+    assert!(!first.replayed);
+    let Outcome::Issued { id: root, .. } = first.outcome else {
+        panic!("a root is issued");
+    };
+    let child = NewChild {
+        request: RequestMeta {
+            timestamp_ms: 0,
+            ..meta(9, 4)
+        },
+        ..test_child(9, 4, root, 8, "true")
+    };
+    issued(store.delegate(child).await);
+    let again = store
+        .open_root(test_root(old.clone()))
+        .await
+        .expect("retry");
+    assert!(again.replayed, "answered from the request log");
+    assert!(matches!(again.outcome, Outcome::Issued { id, .. } if id == root));
+    let reused = RequestMeta {
+        digest: [0xAB; 32],
+        ..old
+    };
+    assert!(matches!(
+        store.open_root(test_root(reused)).await,
+        Err(StoreError::NonceReused)
+    ));
+}
+
 /// After a restart the writer's recent-request set is empty, so a
 /// retry takes the fast path, meets its own request-log row and must be
 /// redone the careful way: answered from the log, nothing issued twice.
