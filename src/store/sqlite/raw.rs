@@ -117,7 +117,13 @@ impl Statements {
 
     /// Finalizes every statement (the locked handle is the proof that
     /// nothing else uses the connection); before the connection closes.
-    pub(super) fn finalize_all(&mut self, _locked: &mut LockedSqliteHandle<'_>) {
+    pub(super) fn finalize_all(&mut self, locked: &mut LockedSqliteHandle<'_>) {
+        if self.db.is_some_and(|db| db != locked.as_raw_handle()) {
+            tracing::error!(
+                "finalizing the writer's statements with another connection's handle: refused"
+            );
+            return;
+        }
         for (_, stmt) in self.prepared.drain() {
             // SAFETY: each was prepared here and is finalized once.
             unsafe { ffi::sqlite3_finalize(stmt.as_ptr()) };
@@ -128,7 +134,7 @@ impl Statements {
 impl Drop for Statements {
     fn drop(&mut self) {
         // Finalizing needs the connection locked, which a drop cannot
-        // wait for: the writer finalizes before it stops (`writer_loop`).
+        // wait for: the writer finalizes before it stops (`run_writer`).
         if !self.prepared.is_empty() {
             tracing::error!(
                 statements = self.prepared.len(),
