@@ -238,9 +238,14 @@ pub struct Plan {
     /// One per command, in order.
     pub answers: Vec<Slot>,
     pub contracts: Vec<ContractRow>,
-    /// Status and ledger of every earlier contract this batch changed, by
-    /// sequence number, last state only.
-    pub states: Vec<(i64, Status, Ledger)>,
+    /// The ledger of every earlier contract this batch reserved budget
+    /// from, by sequence number, last state only. Planning changes no
+    /// earlier contract's status (lifecycle commands write their own), so
+    /// the update leaves `status` alone: naming it would make SQLite
+    /// rewrite every index on it (`contracts_open_by_deadline`, the
+    /// partial `contracts_held_by_*`) for each parent — one random page
+    /// of WAL per delegation (BENCHMARKS.md, session 21).
+    pub states: Vec<(i64, Ledger)>,
     pub requests: Vec<RequestRow>,
     pub receipts: Vec<ReceiptRow>,
 }
@@ -446,7 +451,7 @@ pub fn plan(
         if let Some(k) = known.get(&id)
             && k.seq < first_new_seq
         {
-            plan.states.push((k.seq, k.view.status, k.view.ledger));
+            plan.states.push((k.seq, k.view.ledger));
         }
     }
     plan

@@ -251,7 +251,7 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         .as_str()
         .to_string();
     let states = format!(
-        "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[], $5::int8[]{}",
+        "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[]{}",
         unnest::UPDATE_STATES.0,
         unnest::UPDATE_STATES.1
     );

@@ -281,14 +281,13 @@ fn insert_run_labels(parts: &mut Parts, plan: &Plan) {
     query.push(") RETURNING 1)");
 }
 
-/// Status and ledger of every earlier contract the batch changed (each
-/// already locked by this transaction).
-/// The update of earlier contracts' states, around its five arrays (seq,
-/// status, reserved, spent, open_children).
+/// The ledger of every earlier contract the batch changed (each already
+/// locked by this transaction; never its status: see `Plan::states`),
+/// around its four arrays (seq, reserved, spent, open_children).
 pub(super) const UPDATE_STATES: (&str, &str) = (
-    "UPDATE contracts SET status = u.status, reserved = u.reserved, spent = u.spent, \
+    "UPDATE contracts SET reserved = u.reserved, spent = u.spent, \
      open_children = u.open_children FROM UNNEST(",
-    ") AS u(seq, status, reserved, spent, open_children) WHERE contracts.seq = u.seq",
+    ") AS u(seq, reserved, spent, open_children) WHERE contracts.seq = u.seq",
 );
 
 fn update_states(parts: &mut Parts, plan: &Plan) {
@@ -298,18 +297,13 @@ fn update_states(parts: &mut Parts, plan: &Plan) {
     }
     let query = parts.start(UPDATE_STATES.0);
     column(query, states.iter().map(|s| s.0).collect(), true);
-    column(
-        query,
-        states.iter().map(|s| i64::from(s.1.as_i32())).collect(),
-        false,
-    );
-    column(query, states.iter().map(|s| s.2.reserved).collect(), false);
-    column(query, states.iter().map(|s| s.2.spent).collect(), false);
+    column(query, states.iter().map(|s| s.1.reserved).collect(), false);
+    column(query, states.iter().map(|s| s.1.spent).collect(), false);
     column(
         query,
         states
             .iter()
-            .map(|s| i64::from(s.2.open_children))
+            .map(|s| i64::from(s.1.open_children))
             .collect(),
         false,
     );

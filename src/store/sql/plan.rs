@@ -4,7 +4,7 @@
 //! PostgreSQL writes the same plan through its own `UNNEST` statement
 //! (`store::postgres::unnest`): fixed text, one round trip.
 
-use crate::core::{Ledger, Status};
+use crate::core::Ledger;
 use crate::store::batch::Plan;
 use crate::store::limits::ROWS_PER_STATEMENT;
 
@@ -152,10 +152,12 @@ impl<'a> Row<'_, 'a> {
 
 /// Bind parameters per row of the `contracts` insert, the widest row.
 const CONTRACT_ROW_PARAMETERS: usize = 27;
-/// Rows per state `UPDATE`: each binds its seq twice per column (4) and
-/// once in the `IN` list.
+/// Columns a state `UPDATE` sets (the ledger's).
+const STATE_COLUMNS: usize = 3;
+/// Rows per state `UPDATE`: each binds its seq and value per column and
+/// its seq once more in the `IN` list.
 const STATE_ROWS_PER_STATEMENT: usize = ROWS_PER_STATEMENT / 8;
-const STATE_ROW_PARAMETERS: usize = 4 * 2 + 1;
+const STATE_ROW_PARAMETERS: usize = STATE_COLUMNS * 2 + 1;
 
 /// Most parameters one planned statement binds (and so any statement
 /// chunked by `ROWS_PER_STATEMENT` with fewer binds a row): each backend
@@ -248,18 +250,18 @@ fn insert_run_labels<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     }
 }
 
-/// Status and ledger of every earlier contract the batch changed.
+/// The ledger of every earlier contract the batch changed (never its
+/// status: see `Plan::states`).
 fn update_states<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     // One UPDATE for every changed earlier contract: a CASE per column.
     let or = script.on_conflict();
     for chunk in plan.states.chunks(STATE_ROWS_PER_STATEMENT) {
         script.statement("UPDATE").push(or).push(" contracts SET ");
-        type Column = fn(&(i64, Status, Ledger)) -> i64;
-        let columns: [(&str, Column); 4] = [
-            ("status", |(_, s, _)| i64::from(s.as_i32())),
-            ("reserved", |(_, _, l)| l.reserved),
-            ("spent", |(_, _, l)| l.spent),
-            ("open_children", |(_, _, l)| i64::from(l.open_children)),
+        type Column = fn(&(i64, Ledger)) -> i64;
+        let columns: [(&str, Column); STATE_COLUMNS] = [
+            ("reserved", |(_, l)| l.reserved),
+            ("spent", |(_, l)| l.spent),
+            ("open_children", |(_, l)| i64::from(l.open_children)),
         ];
         for (i, (name, value)) in columns.iter().enumerate() {
             if i > 0 {
