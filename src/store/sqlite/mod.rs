@@ -6,7 +6,8 @@
 //! in order inside one transaction — each seeing the effects of the ones
 //! before it — and commits. The writer runs a batch's statements, BEGIN to
 //! COMMIT, on its own thread with the connection taken from sqlx's worker
-//! once (`raw`; see `apply_batch`). Reads use a separate pool of
+//! and kept across batches while they need nothing read through sqlx
+//! (`raw`; see `writer_loop` and `apply_batch`). Reads use a separate pool of
 //! read-only connections (WAL readers never block the writer).
 //!
 //! Durability is pipelined, not traded. SQLite runs with

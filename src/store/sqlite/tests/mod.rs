@@ -388,6 +388,54 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
     assert_eq!(contracts, 4, "the retries issued nothing");
 }
 
+/// A batch planned while the writer holds SQLite's handle whose plan
+/// answers a command with an error (it writes no request-log row) must
+/// still look that command's key up before it is written
+/// (`writer::Pending::Planned`): a nonce the log holds with another body
+/// is refused as reused, not answered with the plan's error.
+#[tokio::test]
+async fn a_held_batch_looks_up_the_keys_its_plan_answered_with_an_error() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let stamper = test_stamper();
+    let logged = meta(9, 5);
+    let root = {
+        let store = open_test_store(path.clone(), stamper.clone()).await;
+        let mut hosted_only = test_root(meta(9, 1));
+        hosted_only.policy.require_host = true;
+        let root = issued(store.open_root(hosted_only).await);
+        issued(store.open_root(test_root(logged.clone())).await);
+        root
+    };
+    let store = open_test_store(path, stamper).await;
+    // The reopened writer's cache is empty: this batch reads the root
+    // through sqlx, and leaves it cached.
+    let hosted = NewChild {
+        host: Some([7u8; 32]),
+        ..test_child(9, 2, root, 8, "true")
+    };
+    issued(store.delegate(hosted).await);
+    // Planned with the handle held: no host named, so the plan answers
+    // "invalid"; the log holds its key with another body.
+    let reuse = NewChild {
+        request: RequestMeta {
+            digest: [4u8; 32],
+            ..logged
+        },
+        ..test_child(9, 5, root, 8, "true")
+    };
+    assert!(matches!(
+        store.delegate(reuse).await,
+        Err(StoreError::NonceReused)
+    ));
+    // Without the reuse the plan's own answer stands.
+    let unhosted = test_child(9, 6, root, 8, "true");
+    assert!(matches!(
+        store.delegate(unhosted).await,
+        Err(StoreError::Invalid(_))
+    ));
+}
+
 /// Requests at once after a restart — retries the writer forgot, new
 /// requests, and duplicates among the new ones — share batches (the
 /// fast path's failure then redoes several commands at once); each is
