@@ -171,6 +171,33 @@ const fn max(a: usize, b: usize) -> usize {
     if a > b { a } else { b }
 }
 
+/// Splits `rows` into runs of power-of-two length, longest first, none
+/// longer than `most` (rounded down to a power of two). A statement's
+/// text depends on its row count, and the writer keeps one prepared
+/// statement per text (`sqlite::raw`): with a statement per exact count,
+/// batches of every size would prepare up to `most` of them per kind, the
+/// largest about a megabyte each (a 512-row `contracts` insert binds
+/// 13,824 values), and evict and re-prepare them as sizes vary. With
+/// powers of two there are at most log2(`most`) + 1 texts per kind, at
+/// the price of at most that many statements for one kind in a batch.
+pub(crate) fn power_chunks<T>(rows: &[T], most: usize) -> impl Iterator<Item = &[T]> {
+    let longest = prev_power_of_two(most.max(1));
+    let mut rest = rows;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let (run, tail) = rest.split_at(prev_power_of_two(rest.len().min(longest)));
+        rest = tail;
+        Some(run)
+    })
+}
+
+/// The largest power of two not above `n` (`n` ≥ 1).
+const fn prev_power_of_two(n: usize) -> usize {
+    1 << (usize::BITS - 1 - n.leading_zeros())
+}
+
 /// Appends the plan's writes to `script`; returns how many statements.
 pub(crate) fn plan_statements<'a>(script: &mut Sql<'a>, plan: &'a Plan) -> usize {
     let before = script.statements().len();
@@ -184,7 +211,7 @@ pub(crate) fn plan_statements<'a>(script: &mut Sql<'a>, plan: &'a Plan) -> usize
 
 /// The batch's new contracts and their envelopes.
 fn insert_contracts<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
-    for chunk in plan.contracts.chunks(ROWS_PER_STATEMENT) {
+    for chunk in power_chunks(&plan.contracts, ROWS_PER_STATEMENT) {
         let or = script.on_conflict();
         script.statement("INSERT").push(or).push(
             " INTO contracts (seq, id, parent_seq, parent_id, root_seq, root_id, depth, \
@@ -239,7 +266,7 @@ fn insert_contracts<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
 fn insert_run_labels<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     let labels = plan.run_labels();
     let or = script.on_conflict();
-    for chunk in labels.chunks(ROWS_PER_STATEMENT) {
+    for chunk in power_chunks(&labels, ROWS_PER_STATEMENT) {
         script
             .statement("INSERT")
             .push(or)
@@ -255,7 +282,7 @@ fn insert_run_labels<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
 fn update_states<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     // One UPDATE for every changed earlier contract: a CASE per column.
     let or = script.on_conflict();
-    for chunk in plan.states.chunks(STATE_ROWS_PER_STATEMENT) {
+    for chunk in power_chunks(&plan.states, STATE_ROWS_PER_STATEMENT) {
         script.statement("UPDATE").push(or).push(" contracts SET ");
         type Column = fn(&(i64, Ledger)) -> i64;
         let columns: [(&str, Column); STATE_COLUMNS] = [
@@ -291,7 +318,7 @@ fn update_states<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
 /// The batch's receipts (refusals).
 fn insert_receipts<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     let or = script.on_conflict();
-    for chunk in plan.receipts.chunks(ROWS_PER_STATEMENT) {
+    for chunk in power_chunks(&plan.receipts, ROWS_PER_STATEMENT) {
         script.statement("INSERT").push(or).push(
             " INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) ",
         );
@@ -311,7 +338,7 @@ fn insert_receipts<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
 /// The request log entries of the batch's answers.
 fn insert_requests<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
     let or = script.on_conflict();
-    for chunk in plan.requests.chunks(ROWS_PER_STATEMENT) {
+    for chunk in power_chunks(&plan.requests, ROWS_PER_STATEMENT) {
         script
             .statement("INSERT")
             .push(or)
@@ -324,5 +351,44 @@ fn insert_requests<'a>(script: &mut Sql<'a>, plan: &'a Plan) {
                 .arg(row.ref_id.as_slice())
                 .arg(row.at_ms);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn power_chunks_cover_every_row_in_order_with_few_distinct_lengths() {
+        let mut lengths = std::collections::BTreeSet::new();
+        for n in 0..=1_100usize {
+            let rows: Vec<usize> = (0..n).collect();
+            let runs: Vec<&[usize]> = power_chunks(&rows, ROWS_PER_STATEMENT).collect();
+            let joined: Vec<usize> = runs.iter().flat_map(|r| r.iter().copied()).collect();
+            assert_eq!(joined, rows, "every row once, in order ({n} rows)");
+            for run in &runs {
+                assert!(
+                    run.len().is_power_of_two() && run.len() <= 512,
+                    "{n}: {}",
+                    run.len()
+                );
+                lengths.insert(run.len());
+            }
+            assert!(
+                runs.windows(2).all(|w| w[0].len() >= w[1].len()),
+                "longest first ({n} rows)"
+            );
+            if n <= 512 {
+                assert_eq!(runs.len(), n.count_ones() as usize, "{n} rows");
+            }
+        }
+        assert_eq!(lengths.len(), 10, "1, 2, 4, … 512: {lengths:?}");
+        assert_eq!(
+            power_chunks(&[1, 2, 3], 0).count(),
+            3,
+            "a zero limit still makes progress"
+        );
+        assert_eq!(prev_power_of_two(1), 1);
+        assert_eq!(prev_power_of_two(1_000), 512);
     }
 }
