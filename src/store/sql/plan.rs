@@ -82,21 +82,27 @@ impl<'a> Sql<'a> {
         self
     }
 
-    /// Appends `sql` to the statement last started.
+    /// Appends `sql` to the statement last started (starting the first
+    /// if there is none, so nothing pushed is ever dropped).
     pub(crate) fn push(&mut self, sql: &str) -> &mut Self {
-        if let Some(last) = self.statements.last_mut() {
-            last.text.push_str(sql);
-        }
+        self.last().text.push_str(sql);
         self
     }
 
     /// Appends a placeholder and the value it binds.
     pub(crate) fn arg(&mut self, value: impl Into<Arg<'a>>) -> &mut Self {
-        if let Some(last) = self.statements.last_mut() {
-            last.text.push('?');
-            last.args.push(value.into());
-        }
+        let last = self.last();
+        last.text.push('?');
+        last.args.push(value.into());
         self
+    }
+
+    fn last(&mut self) -> &mut Statement<'a> {
+        if self.statements.is_empty() {
+            self.statements.push(Statement::default());
+        }
+        let last = self.statements.len() - 1;
+        &mut self.statements[last]
     }
 
     /// ` VALUES (…), (…)`: one parenthesized row per item, its values
@@ -390,5 +396,15 @@ mod tests {
         );
         assert_eq!(prev_power_of_two(1), 1);
         assert_eq!(prev_power_of_two(1_000), 512);
+    }
+
+    #[test]
+    fn text_pushed_before_any_statement_starts_one() {
+        let mut sql = Sql::default();
+        sql.push("SELECT ").arg(7i64);
+        sql.statement("SELECT 1");
+        let texts: Vec<&str> = sql.statements().iter().map(|s| s.text.as_str()).collect();
+        assert_eq!(texts, ["SELECT ?", "SELECT 1"]);
+        assert_eq!(sql.statements()[0].args, [Arg::Int(7)]);
     }
 }
