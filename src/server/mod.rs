@@ -17,7 +17,7 @@ use crate::service::BrokerService;
 use crate::stamp::Stamper;
 use crate::store::Store;
 use crate::store::postgres::{PostgresOptions, PostgresStore};
-use crate::store::sqlite::{SqliteOptions, SqliteStore, WAL_RESTART_BYTES};
+use crate::store::sqlite::{SqliteOptions, SqliteStore};
 
 /// The SQLite database's file name inside the data directory.
 pub const DATABASE_FILE: &str = "broker.sqlite3";
@@ -697,7 +697,7 @@ async fn open_store(
             queue_depth: limits.writer_queue_depth,
             max_batch: limits.max_batch,
             read_connections: limits.read_connections,
-            wal_restart_bytes: WAL_RESTART_BYTES,
+            wal_restart_bytes: limits.wal_restart_mib << 20,
             checkpoint_interval: crate::store::sqlite::CHECKPOINT_INTERVAL,
             request_log_retention_ms: limits.request_log_retention_ms,
             timestamp_window_ms: limits.timestamp_window_ms,

@@ -4,7 +4,8 @@
 use super::*;
 use crate::store::limits::sqlite::MAX_DRAIN_ROUNDS;
 
-/// Default WAL size beyond which the writer finishes a checkpoint (so the WAL
+/// Default WAL size (`limits.wal_restart_mib`) beyond which the writer
+/// finishes a checkpoint (so the WAL
 /// restarts from its beginning): bounds the WAL to about this plus one
 /// `CHECKPOINT_INTERVAL` of writes. Each finish stalls the writer for a
 /// few to 20 ms (the last frames copied and the database file fsynced):
