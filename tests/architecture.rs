@@ -605,6 +605,11 @@ const STATICS: &[(&str, &str, &str)] = &[
     ),
     (
         "store/phases.rs",
+        "QUEUED",
+        "store phase histograms (counters)",
+    ),
+    (
+        "store/phases.rs",
         "BATCH",
         "store phase histograms (counters)",
     ),

@@ -416,7 +416,7 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         let phases = store_phases();
         tokio::time::sleep_until(stop_at.into()).await;
         let after = store_phases();
-        let phases: [_; 3] = std::array::from_fn(|i| after[i].minus(&phases[i]));
+        let phases: [_; 4] = std::array::from_fn(|i| after[i].minus(&phases[i]));
         (first, crate::store::sqlite::WAL_SYNCS.snapshot(), phases)
     });
     let mut total = Tally::default();
@@ -439,18 +439,24 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
 }
 
 /// The in-process store's phase histograms (see `store::phases`): each
-/// command's whole wait, its batch, and its wait for the fsync.
-fn store_phases() -> [crate::store::phases::PhaseSnapshot; 3] {
-    use crate::store::phases::{BATCH, SUBMITTED, SYNC_WAIT};
-    [SUBMITTED.snapshot(), BATCH.snapshot(), SYNC_WAIT.snapshot()]
+/// command's whole wait, its wait for the writer, its batch, and its wait
+/// for the fsync.
+fn store_phases() -> [crate::store::phases::PhaseSnapshot; 4] {
+    use crate::store::phases::{BATCH, QUEUED, SUBMITTED, SYNC_WAIT};
+    [
+        SUBMITTED.snapshot(),
+        QUEUED.snapshot(),
+        BATCH.snapshot(),
+        SYNC_WAIT.snapshot(),
+    ]
 }
 
 /// Where the store's share of the latency went, per command (roots and
 /// delegations), so a tail can be told apart: inside the store (the queue
 /// before the writer, the batch, the fsync) or outside it (RPC, signature
 /// work, waits for a core). Nothing against a remote broker.
-fn report_phases(phases: &[crate::store::phases::PhaseSnapshot; 3]) {
-    let [submitted, batch, sync] = phases;
+fn report_phases(phases: &[crate::store::phases::PhaseSnapshot; 4]) {
+    let [submitted, queued, batch, sync] = phases;
     if submitted.count() == 0 {
         return;
     }
@@ -468,6 +474,7 @@ fn report_phases(phases: &[crate::store::phases::PhaseSnapshot; 3]) {
         submitted.count()
     );
     line("queued to answered (all of it)", submitted);
+    line("queued to its batch (the writer busy)", queued);
     line("its batch (plan, script, commit)", batch);
     line("committed to answered (the fsync)", sync);
 }

@@ -283,6 +283,10 @@ async fn submit(
     use tokio::sync::mpsc::error::TrySendError;
     let (reply, answer) = tokio::sync::oneshot::channel();
     let queued = std::time::Instant::now();
+    let reply = Reply {
+        to: reply,
+        queued_at: queued,
+    };
     queue.try_send((command, reply)).map_err(|e| match e {
         TrySendError::Full(_) => StoreError::Busy,
         TrySendError::Closed(_) => StoreError::Closed,
@@ -292,8 +296,20 @@ async fn submit(
     answered
 }
 
-/// Where a writer sends a command's answer.
-type Reply = tokio::sync::oneshot::Sender<Result<Answer, StoreError>>;
+/// Where a writer sends a command's answer, and when it was queued.
+pub(crate) struct Reply {
+    to: tokio::sync::oneshot::Sender<Result<Answer, StoreError>>,
+    /// When `submit` queued the command (`phases::QUEUED`).
+    queued_at: std::time::Instant,
+}
+
+impl Reply {
+    /// Sends the answer; the caller may have gone away (its work is still
+    /// committed, and a retry with the same nonce finds it).
+    fn send(self, answer: Result<Answer, StoreError>) {
+        let _ = self.to.send(answer);
+    }
+}
 
 /// The `Store` methods both SQL backends answer with the shared SQL
 /// (`store::sql`, generic over `store::sql::Backend`): expanded inside each

@@ -1,7 +1,7 @@
 //! Where a store command's time goes, per command, for the load generator
 //! (`bench` prints them): how long it waited for its answer in all, how
-//! long the batch it was written in took, and how long its answer then
-//! waited for the WAL's fsync. Process-wide like `sqlite::WAL_SYNCS`:
+//! long for the writer to start its batch, how long that batch took, and
+//! how long its answer then waited for the WAL's fsync. Process-wide like `sqlite::WAL_SYNCS`:
 //! counters that only grow, read as the difference of two snapshots, so
 //! recording is one atomic add and nothing is ever reset under a reader.
 
@@ -27,6 +27,10 @@ pub struct Phase {
 
 /// Every command's wait, from being queued to its answer (`store::submit`).
 pub static SUBMITTED: Phase = Phase::new();
+/// For each command, from being queued to its batch starting (SQLite's
+/// writer): the wait behind earlier batches and whatever else the writer
+/// did meanwhile (checkpoints, pruning).
+pub static QUEUED: Phase = Phase::new();
 /// For each command, the duration of the batch that wrote it (SQLite's
 /// writer: plan, script, commit).
 pub static BATCH: Phase = Phase::new();

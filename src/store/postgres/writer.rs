@@ -213,7 +213,7 @@ impl Writer {
                 answered.push((reply, self.transition(&command).await));
             }
             for (reply, answer) in answered {
-                let _ = reply.send(answer);
+                reply.send(answer);
             }
             if let Some(retention_ms) = self.prune
                 && std::time::Instant::now() >= next_prune

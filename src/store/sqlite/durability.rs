@@ -92,7 +92,7 @@ pub(super) fn syncer(
                 "fsync of the WAL failed; the store stops (restart the broker)");
             for batch in group.drain(..) {
                 for (reply, _) in batch.replies {
-                    let _ = reply.send(Err(StoreError::Backend(format!(
+                    reply.send(Err(StoreError::Backend(format!(
                         "fsync of the write-ahead log failed ({e}); the broker must be restarted"
                     ))));
                 }
@@ -106,9 +106,7 @@ pub(super) fn syncer(
                 batch.replies.len() as u64,
             );
             for (reply, answer) in batch.replies {
-                // A caller that went away still had its work committed;
-                // a retry with the same nonce finds it.
-                let _ = reply.send(answer);
+                reply.send(answer);
             }
         }
     }
