@@ -5,8 +5,9 @@
 //! script (BEGIN, its inserts and updates, COMMIT) cost the writer 6.5
 //! thread switches, and the batch waited each time for both threads to be
 //! scheduled (BENCHMARKS.md, issue 27). Here the writer takes the
-//! connection from the worker once a batch (`lock_handle`) and steps its
-//! own prepared statements, binding the plan's values in place.
+//! connection from the worker (`lock_handle`), keeps it for as many
+//! batches as need nothing read through sqlx (`writer::apply_held`), and
+//! steps its own prepared statements, binding the plan's values in place.
 //!
 //! All `unsafe` of the store is in this file. What keeps it sound:
 //! - the handle is only used while sqlx's `LockedSqliteHandle` is held,
