@@ -684,37 +684,38 @@ async fn open_store(
     clock: Arc<dyn Clock>,
     metrics: &crate::metrics::Metrics,
 ) -> Result<SqliteStore, ServerError> {
-    let limits = &config.limits;
     // The database lives in the data directory (made on first start).
     let dir = config.data_dir.clone();
     tokio::task::spawn_blocking(move || std::fs::create_dir_all(&dir))
         .await
         .map_err(|e| ServerError::KeyLoading(e.to_string()))?
         .map_err(|e| ServerError::DataDir(format!("{}: {e}", config.data_dir.display())))?;
-    let store = SqliteStore::open(
-        SqliteOptions {
-            path: config.data_dir.join(DATABASE_FILE),
-            queue_depth: limits.writer_queue_depth,
-            max_batch: limits.max_batch,
-            read_connections: limits.read_connections,
-            wal_restart_bytes: limits.wal_restart_mib << 20,
-            checkpoint_interval: crate::store::sqlite::CHECKPOINT_INTERVAL,
-            request_log_retention_ms: limits.request_log_retention_ms,
-            timestamp_window_ms: limits.timestamp_window_ms,
-            max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,
-            max_audit_bytes: crate::store::sqlite::MAX_AUDIT_BYTES,
-            before_wal_sync: None,
-            before_judge: None,
-            judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
-            cascade_step_rows: limits.cascade_step_rows,
-            drainer: true,
-            metrics: Some(metrics.store.clone()),
-        },
-        stamper,
-        clock,
-    )
-    .await?;
+    let store = SqliteStore::open(sqlite_options(config, metrics), stamper, clock).await?;
     Ok(store)
+}
+
+/// The embedded store's options: the configured limits, and the store's
+/// own constants where no limit names them.
+fn sqlite_options(config: &Config, metrics: &crate::metrics::Metrics) -> SqliteOptions {
+    let limits = &config.limits;
+    SqliteOptions {
+        path: config.data_dir.join(DATABASE_FILE),
+        queue_depth: limits.writer_queue_depth,
+        max_batch: limits.max_batch,
+        read_connections: limits.read_connections,
+        wal_restart_bytes: limits.wal_restart_mib << 20,
+        checkpoint_interval: crate::store::sqlite::CHECKPOINT_INTERVAL,
+        request_log_retention_ms: limits.request_log_retention_ms,
+        timestamp_window_ms: limits.timestamp_window_ms,
+        max_audit_rows: crate::store::sqlite::MAX_AUDIT_ROWS,
+        max_audit_bytes: crate::store::sqlite::MAX_AUDIT_BYTES,
+        before_wal_sync: None,
+        before_judge: None,
+        judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
+        cascade_step_rows: limits.cascade_step_rows,
+        drainer: true,
+        metrics: Some(metrics.store.clone()),
+    }
 }
 
 /// The store's gauges: open contracts counted in the background (a query
@@ -1109,4 +1110,44 @@ fn trace_export_metrics(metrics: &crate::metrics::Metrics) {
         "Call spans in batches whose OTLP export failed (collector away, timeout).",
         || crate::telemetry::span_counts().failed,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each store limit the config names reaches the store (the WAL's
+    /// restart size in MiB, as bytes).
+    #[test]
+    fn the_store_gets_the_configured_limits() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("broker.toml");
+        std::fs::write(
+            &path,
+            "[limits]\nwal_restart_mib = 16\nmax_batch = 7\nread_connections = 3\n\
+             writer_queue_depth = 99\ncascade_step_rows = 5\n",
+        )
+        .expect("write");
+        let config = Config::load(dir.path().to_owned(), Some(&path)).expect("config");
+        let options = sqlite_options(&config, &crate::metrics::Metrics::new());
+        assert_eq!(options.wal_restart_bytes, 16 * 1024 * 1024);
+        assert_eq!(
+            (
+                options.max_batch,
+                options.read_connections,
+                options.queue_depth
+            ),
+            (7, 3, 99)
+        );
+        assert_eq!(options.cascade_step_rows, 5);
+        assert_eq!(options.path, dir.path().join(DATABASE_FILE));
+        let defaults = sqlite_options(
+            &Config::load(dir.path().to_owned(), None).expect("defaults"),
+            &crate::metrics::Metrics::new(),
+        );
+        assert_eq!(
+            defaults.wal_restart_bytes,
+            crate::store::sqlite::WAL_RESTART_BYTES
+        );
+    }
 }
