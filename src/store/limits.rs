@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 /// Most contracts a writer's cache (`KnownCache`) holds, by count and by
-/// bytes (`KnownMap::bytes`); beyond either it is dropped and reloaded on
-/// demand.
+/// bytes (`KnownMap::bytes`): half of either fills a generation, and the
+/// one before it is freed (`KnownMap::turn_if_full`); what is missed is
+/// reloaded on demand.
 pub(crate) const MAX_CACHED_CONTRACTS: usize = 65_536;
 
 pub(crate) const MAX_CACHED_CONTRACT_BYTES: usize = 128 * 1024 * 1024;

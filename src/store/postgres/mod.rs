@@ -83,7 +83,6 @@ impl super::sql::Dialect for Postgres {
 
 use super::Reply;
 use super::limits::postgres::STATEMENT_CACHE_CAPACITY;
-use super::limits::{MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS};
 
 /// Tunables of the shared store.
 #[derive(Clone, Debug)]
@@ -278,7 +277,7 @@ impl PostgresStore {
             .map_err(in_database)?;
         let tag = events::tag(&reader).await?;
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
-        let known = KnownCache::default();
+        let known = KnownCache::new(std::sync::Mutex::new(KnownMap::preallocated()));
         let trees = super::TreeChanges::default();
         let (commits_tx, commits) = tokio::sync::watch::channel(0u64);
         let commits_tx = Arc::new(commits_tx);

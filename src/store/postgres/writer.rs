@@ -461,9 +461,7 @@ impl Writer {
     /// Keeps the loaded parents' immutable terms for `issuing_parent`.
     fn remember(&self, loaded: &KnownMap) {
         let mut cache = lock(&self.known);
-        if cache.len() > MAX_CACHED_CONTRACTS || cache.bytes() > MAX_CACHED_CONTRACT_BYTES {
-            cache.clear();
-        }
+        cache.turn_if_full();
         for (id, known) in loaded.iter() {
             cache.insert(*id, known.clone());
         }

@@ -76,7 +76,7 @@ use std::collections::HashMap;
 
 use sqlx::{QueryBuilder, Sqlite};
 
-use super::batch::{self, Command, Plan, PriorRequest, RequestKey, Speculation};
+use super::batch::{self, Command, KnownMap, Plan, PriorRequest, RequestKey, Speculation};
 
 use super::recent::RecentRequests;
 
@@ -95,8 +95,8 @@ use crate::core::{AgentKey, Id, Status};
 
 use crate::pb;
 
+use super::limits::ROWS_PER_STATEMENT;
 use super::limits::sqlite::{MAX_UNSYNCED_BATCHES, STATEMENT_CACHE_CAPACITY};
-use super::limits::{MAX_CACHED_CONTRACT_BYTES, MAX_CACHED_CONTRACTS, ROWS_PER_STATEMENT};
 use crate::stamp::Stamper;
 
 /// SQLite as the shared SQL's dialect.
@@ -239,7 +239,7 @@ impl SqliteStore {
     ) -> Result<Self, StoreError> {
         let connect = connect_options(&options.path);
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
-        let known = KnownCache::default();
+        let known = KnownCache::new(std::sync::Mutex::new(KnownMap::preallocated()));
         let trees = super::TreeChanges::default();
         let (durable_tx, durable) = tokio::sync::watch::channel(0u64);
         let committed = Arc::new(AtomicU64::new(0));

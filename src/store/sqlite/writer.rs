@@ -705,16 +705,14 @@ pub(super) fn apply_held(
     }
 }
 
-/// Parents the batch names that the cache lacks (all of them after the
-/// cache was dropped for size).
+/// Parents the batch names that the cache lacks, after the cache turned a
+/// generation if it was full (see `KnownMap`).
 pub(super) fn missing_parents(
     commands: &[Command],
     known: &KnownCache,
 ) -> (Vec<RequestKey>, Vec<Id>) {
     let mut cache = lock(known);
-    if cache.len() > MAX_CACHED_CONTRACTS || cache.bytes() > MAX_CACHED_CONTRACT_BYTES {
-        cache.clear();
-    }
+    cache.turn_if_full();
     batch::needs(commands, &cache)
 }
 

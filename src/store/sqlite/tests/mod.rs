@@ -1097,3 +1097,65 @@ async fn issuance_reads_only_its_trees_drains() {
     targets.sort_unstable();
     assert_eq!(targets, vec![28, 29, 30, 31, 36, 37, 38, 39]);
 }
+
+/// The cache turns by generations: a full young generation becomes the
+/// old one (which still answers), the one before is freed, and an entry
+/// changed since (a parent reserved from) survives; nothing is dropped
+/// but at a turn, and a turn by bytes works as one by count.
+#[tokio::test]
+async fn the_contract_cache_turns_generations_and_keeps_what_is_in_use() {
+    let (store, _dir) = open_suite_store().await;
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let known = lock(&store.sql.known).get(&root).expect("cached").clone();
+    let cost = {
+        use prost::Message;
+        known.contract.encoded_len() + batch::KNOWN_ENTRY_OVERHEAD_BYTES
+    };
+    let (a, b, c, d) = ([1; 32], [2; 32], [3; 32], [4; 32]);
+
+    let mut map = KnownMap::bounded(4, usize::MAX);
+    map.insert(a, known.clone());
+    map.insert(b, known.clone());
+    map.turn_if_full();
+    assert!(
+        map.get(&a).is_some() && map.get(&b).is_some(),
+        "the old generation answers"
+    );
+    assert!(map.get_mut(&a).is_some(), "a is in use again");
+    map.insert(c, known.clone());
+    map.insert(d, known.clone());
+    assert_eq!(
+        map.len(),
+        4,
+        "no turn before `turn_if_full`, past the young bound too"
+    );
+    map.turn_if_full();
+    assert!(map.get(&b).is_none(), "b was in the generation freed");
+    for id in [a, c, d] {
+        assert!(map.contains_key(&id), "{id:?} is in the old generation now");
+    }
+    assert_eq!((map.len(), map.bytes()), (3, 3 * cost));
+    map.turn_if_full();
+    assert_eq!(map.len(), 3, "an empty young generation does not turn");
+    assert!(map.remove(&c).is_some(), "removed from the old generation");
+    assert_eq!((map.len(), map.bytes()), (2, 2 * cost));
+    map.clear();
+    assert_eq!((map.len(), map.bytes()), (0, 0));
+
+    let mut map = KnownMap::bounded(usize::MAX, 4 * cost);
+    map.insert(a, known.clone());
+    map.turn_if_full();
+    assert!(map.contains_key(&a), "half the bytes not reached");
+    map.insert(b, known.clone());
+    map.turn_if_full();
+    map.insert(c, known.clone());
+    map.turn_if_full();
+    assert_eq!(map.len(), 3, "a and b old, c young");
+    map.insert(d, known);
+    map.turn_if_full();
+    assert!(
+        !map.contains_key(&a) && !map.contains_key(&b),
+        "turned by bytes"
+    );
+    assert_eq!((map.len(), map.bytes()), (2, 2 * cost));
+}
