@@ -3,11 +3,12 @@
 //!
 //! Every transaction writes one `events` row per contract or receipt it
 //! numbered, with its position: as its last step it takes the
-//! `event_clock` row lock, gives its events the next positions in `seq`
-//! order and holds the lock until it commits (`place_own`; an issuance
-//! does the same as the last part of its one write statement,
-//! `unnest::writes`). Positions
-//! therefore become visible in the order they were given, whole
+//! `event_clock` row lock (`FOR UPDATE`: the row itself never changes),
+//! gives its events the next positions of the `event_positions` sequence
+//! in `seq` order and holds the lock until it commits (`place_own`; an
+//! issuance does the same as the last part of its one write statement,
+//! `unnest::writes`). Only holders of that lock take positions, so
+//! positions become visible in the order they were given, whole
 //! transactions at a time, and none is given between: a reader that has
 //! seen position n has seen every event placed before it, and never misses
 //! one placed later. A child's event is never placed before its parent's:
@@ -21,7 +22,10 @@
 //! some, and each replica's sequencer places them when it starts, trying
 //! again until it has (`place_leftovers`). Replicas of that older version
 //! should be stopped before this one starts: events they write later are
-//! placed only when a replica starts again.
+//! placed only when a replica starts again. Replicas from before
+//! migration 39 (which gave positions from the clock row's `last_pos`)
+//! must be stopped too: their positions would collide with the
+//! sequence's (refused, `events.pos` is unique, not misordered).
 //!
 //! A cursor is `tag << 48 | position`: the tag, random per database (see
 //! the `event_clock` migration), makes a cursor from another database fail
@@ -111,17 +115,18 @@ pub(super) async fn sequencer(
     reachable: tokio::sync::watch::Sender<bool>,
     poll_timeout: Duration,
 ) {
-    let mut seen =
-        match sqlx::query_scalar::<_, i64>("SELECT last_pos FROM event_clock WHERE id = 1")
-            .fetch_one(&pool)
-            .await
-        {
-            Ok(last) => last,
-            Err(e) => {
-                tracing::warn!(error = %e, "reading the event clock; announcing from the start");
-                0
-            }
-        };
+    // The last committed position: positions still uncommitted are all
+    // later ones (given under the clock's lock, held to commit).
+    let mut seen = match sqlx::query_scalar::<_, i64>("SELECT COALESCE(MAX(pos), 0) FROM events")
+        .fetch_one(&pool)
+        .await
+    {
+        Ok(last) => last,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the last event position; announcing from the start");
+            0
+        }
+    };
     // Longer while the database is away: a replica must not hammer a
     // database that is down (or gone) with connection attempts.
     let mut pause = SEQUENCER_POLL;
@@ -185,7 +190,7 @@ pub(super) const PLACE_OWN: &str = concat!(
 /// numbered, `seqs`) at the next positions, in `seq` order, under the
 /// `event_clock` row lock, which the transaction then holds until it
 /// commits: positions become visible in the order they were given, and
-/// none is given between. Taken last, after every contract lock, so a
+/// none is given between (see `unnest::PLACE`). Taken last, after every contract lock, so a
 /// transaction holding it never waits for another lock. Returns the
 /// (position, root) of each event, to announce after commit.
 pub(super) async fn place_own(
@@ -195,9 +200,9 @@ pub(super) async fn place_own(
     if seqs.is_empty() {
         return Ok(Vec::new());
     }
-    // One statement (one round trip): the clock's row lock is taken by
-    // its UPDATE, after every lock the transaction's earlier statements
-    // took, and the event rows get the positions it moved past.
+    // One statement (one round trip): the clock's row lock is taken
+    // after every lock the transaction's earlier statements took, and the
+    // event rows get the positions taken under it.
     let placed: Vec<(i64, Vec<u8>)> = sqlx::query_as(PLACE_OWN)
         .bind(seqs)
         .fetch_all(&mut *conn)
@@ -245,8 +250,8 @@ pub(super) async fn place_leftovers(pool: &PgPool) -> bool {
 /// row lock; returns how many.
 async fn place(pool: &PgPool) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let last: i64 = sqlx::query_scalar("SELECT last_pos FROM event_clock WHERE id = 1 FOR UPDATE")
-        .fetch_one(&mut *tx)
+    sqlx::query("SELECT 1 FROM event_clock WHERE id = 1 FOR UPDATE")
+        .execute(&mut *tx)
         .await?;
     let seqs: Vec<i64> =
         sqlx::query_scalar("SELECT seq FROM events WHERE pos IS NULL ORDER BY seq LIMIT $1")
@@ -257,10 +262,13 @@ async fn place(pool: &PgPool) -> Result<usize, sqlx::Error> {
         tx.rollback().await?;
         return Ok(0);
     }
-    let positions: Vec<i64> = (1..=seqs.len())
-        .map(|i| last + i64::try_from(i).unwrap_or(i64::MAX))
-        .collect();
-    let new_last = positions.last().copied().unwrap_or(last);
+    // Under the lock: consecutive, after every position given so far.
+    let mut positions: Vec<i64> =
+        sqlx::query_scalar("SELECT nextval('event_positions') FROM generate_series(1, $1)")
+            .bind(i64::try_from(seqs.len()).unwrap_or(i64::MAX))
+            .fetch_all(&mut *tx)
+            .await?;
+    positions.sort_unstable();
     sqlx::query(
         "UPDATE events SET pos = u.pos FROM UNNEST($1::BIGINT[], $2::BIGINT[]) AS u(seq, pos) \
          WHERE events.seq = u.seq",
@@ -269,10 +277,6 @@ async fn place(pool: &PgPool) -> Result<usize, sqlx::Error> {
     .bind(&positions)
     .execute(&mut *tx)
     .await?;
-    sqlx::query("UPDATE event_clock SET last_pos = $1 WHERE id = 1")
-        .bind(new_last)
-        .execute(&mut *tx)
-        .await?;
     tx.commit().await?;
     Ok(seqs.len())
 }

@@ -443,3 +443,57 @@ fn the_plan_checker_wants_the_leading_column() {
         "an index the catalog lacks"
     );
 }
+
+/// Positions come from `event_positions` under the clock's row lock,
+/// which no transaction updates (migration 39): on a database whose clock
+/// had given positions up to 41, migration 40 makes them go on at 42; a
+/// burst of roots (several per transaction, on two writers) takes 42, 43,
+/// … with neither gap nor repeat; the clock's row is never rewritten.
+#[tokio::test]
+async fn positions_go_on_after_the_clock_without_rewriting_it() {
+    use crate::store::suite::{meta, test_root};
+    let database = TestDatabase::migrated().await;
+    let mut conn = PgConnection::connect(&database.url).await.expect("connect");
+    sqlx::query("UPDATE event_clock SET last_pos = 41 WHERE id = 1")
+        .execute(&mut conn)
+        .await
+        .expect("an earlier version's clock");
+    let migration =
+        include_str!("../../../migrations/postgres/0040_event_positions_after_clock.sql");
+    sqlx::raw_sql(migration)
+        .execute(&mut conn)
+        .await
+        .expect("migration 40 again");
+    let version = "SELECT xmin::TEXT || ctid::TEXT || last_pos::TEXT FROM event_clock WHERE id = 1";
+    let before: String = sqlx::query_scalar(version)
+        .fetch_one(&mut conn)
+        .await
+        .expect("the clock row");
+    let store = PostgresStore::open(
+        test_options(&database.url),
+        test_stamper(),
+        Arc::new(SystemClock),
+    )
+    .await
+    .expect("open");
+    let roots: u8 = 40;
+    let mut opening = tokio::task::JoinSet::new();
+    for n in 1..=roots {
+        let store = store.clone();
+        opening.spawn(async move { store.open_root(test_root(meta(3, n))).await });
+    }
+    while let Some(opened) = opening.join_next().await {
+        opened.expect("joined").expect("opened");
+    }
+    let mut positions: Vec<i64> = sqlx::query_scalar("SELECT pos FROM events ORDER BY seq")
+        .fetch_all(&mut conn)
+        .await
+        .expect("positions");
+    positions.sort_unstable();
+    assert_eq!(positions, (42..42 + i64::from(roots)).collect::<Vec<_>>());
+    let after: String = sqlx::query_scalar(version)
+        .fetch_one(&mut conn)
+        .await
+        .expect("the clock row");
+    assert_eq!(before, after, "the clock's row is locked, never rewritten");
+}
