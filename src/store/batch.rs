@@ -116,6 +116,10 @@ struct Generation {
 /// A `Known` beside its contract: the view, ids, the hash-map slot.
 pub const KNOWN_ENTRY_OVERHEAD_BYTES: usize = 512;
 
+/// Generations up to this many entries are freed by the caller (well
+/// under a millisecond), larger ones on a thread of their own (`retire`).
+const FREED_INLINE_ENTRIES: usize = 1_024;
+
 impl Default for KnownMap {
     /// Bounded by `MAX_CACHED_CONTRACTS` and `MAX_CACHED_CONTRACT_BYTES`,
     /// both generations together.
@@ -209,8 +213,14 @@ impl KnownMap {
     }
 
     /// Forgets everything; the entries are freed off the caller's thread.
+    /// The young generation keeps its table's size (no rehash as it
+    /// fills again).
     pub fn clear(&mut self) {
-        retire(std::mem::take(&mut self.young));
+        let young = Generation {
+            entries: HashMap::with_capacity(self.young.entries.capacity()),
+            bytes: 0,
+        };
+        retire(std::mem::replace(&mut self.young, young));
         retire(std::mem::take(&mut self.old));
     }
 
@@ -250,10 +260,11 @@ impl Generation {
 /// Frees a generation on a thread of its own: the caller holds the
 /// cache's lock, and freeing tens of thousands of decoded contracts takes
 /// tens of milliseconds. At most one generation turns per
-/// `MAX_CACHED_CONTRACTS / 2` insertions. Where no thread can be started,
-/// it is freed here.
+/// `MAX_CACHED_CONTRACTS / 2` insertions; a small one (a cache cleared
+/// after a failed batch, say) is freed here, not by a thread per batch.
+/// Where no thread can be started, it is freed here too.
 fn retire(generation: Generation) {
-    if generation.entries.is_empty() {
+    if generation.entries.len() <= FREED_INLINE_ENTRIES {
         return;
     }
     let free = move || drop(generation);

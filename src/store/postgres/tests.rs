@@ -448,7 +448,8 @@ fn the_plan_checker_wants_the_leading_column() {
 /// which no transaction updates (migration 39): on a database whose clock
 /// had given positions up to 41, migration 40 makes them go on at 42; a
 /// burst of roots (several per transaction, on two writers) takes 42, 43,
-/// … with neither gap nor repeat; the clock's row is never rewritten.
+/// … with neither gap nor repeat; the clock's row is never rewritten; the
+/// migration run again later does not move positions back.
 #[tokio::test]
 async fn positions_go_on_after_the_clock_without_rewriting_it() {
     use crate::store::suite::{meta, test_root};
@@ -496,4 +497,19 @@ async fn positions_go_on_after_the_clock_without_rewriting_it() {
         .await
         .expect("the clock row");
     assert_eq!(before, after, "the clock's row is locked, never rewritten");
+    // A replica migrating late (migration 40 again, the store serving)
+    // does not move positions back.
+    sqlx::raw_sql(migration)
+        .execute(&mut conn)
+        .await
+        .expect("migration 40 once more");
+    store
+        .open_root(test_root(meta(4, 1)))
+        .await
+        .expect("one more root");
+    let last: i64 = sqlx::query_scalar("SELECT MAX(pos) FROM events")
+        .fetch_one(&mut conn)
+        .await
+        .expect("positions");
+    assert_eq!(last, 42 + i64::from(roots), "after every position given");
 }

@@ -419,12 +419,13 @@ impl<D: Database> Shared<D> {
     }
 }
 
-/// Locks the writer's cache; a poisoned one is cleared (readers take it
-/// only as a hint, and the writer reloads what it misses).
+/// Locks the writer's cache; a poisoned one is cleared, once (readers
+/// take it only as a hint, and the writer reloads what it misses).
 pub(crate) fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
     known.lock().unwrap_or_else(|poisoned| {
         let mut guard = poisoned.into_inner();
         guard.clear();
+        known.clear_poison();
         guard
     })
 }

@@ -1159,3 +1159,22 @@ async fn the_contract_cache_turns_generations_and_keeps_what_is_in_use() {
     );
     assert_eq!((map.len(), map.bytes()), (2, 2 * cost));
 }
+
+/// A writer that panicked while holding the cache poisons it: the next
+/// lock clears it and the poison, so later batches do not clear it again.
+#[tokio::test]
+async fn a_poisoned_cache_is_cleared_once() {
+    let (store, _dir) = open_suite_store().await;
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let known = store.sql.known.clone();
+    assert!(lock(&known).contains_key(&root));
+    let holder = known.clone();
+    let panicked = std::thread::spawn(move || {
+        let _held = holder.lock();
+        panic!("a writer panics holding the cache (expected by this test)");
+    })
+    .join();
+    assert!(panicked.is_err() && known.is_poisoned());
+    assert!(lock(&known).is_empty(), "cleared");
+    assert!(!known.is_poisoned(), "and no longer poisoned");
+}
