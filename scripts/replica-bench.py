@@ -134,6 +134,8 @@ def run_bench(binary, addrs, seed, hot, args):
     ]
     if hot:
         command.append("--hot-parent")
+    if args.rate:
+        command += ["--rate", str(args.rate)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -292,6 +294,8 @@ def main():
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rate", type=int, default=0,
+                        help="open loop: Delegate calls a second in all (0: closed loop)")
     parser.add_argument("--statements", type=int, default=0,
                         help="print each PostgreSQL run's N costliest statements (pg_stat_statements)")
     parser.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE",

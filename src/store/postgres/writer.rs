@@ -8,7 +8,9 @@
 use super::*;
 use crate::core::limits::MAX_TX_ATTEMPTS;
 use crate::store::limits::PRUNE_INTERVAL;
-use crate::store::limits::postgres::{MAX_PRUNED_PER_PASS, RETRY_BASE_MS, RETRY_CAP_MS};
+use crate::store::limits::postgres::{
+    GROUP_SIBLINGS, GROUP_TARGET, MAX_GROUP_WAIT, MAX_PRUNED_PER_PASS, RETRY_BASE_MS, RETRY_CAP_MS,
+};
 use sqlx::pool::PoolConnection;
 
 /// Numbers `nextval('seqs')` reserved for one transaction, in increasing
@@ -92,6 +94,16 @@ impl batch::SeqSource for Reserved {
         });
         self.taken.push(seq);
         seq
+    }
+}
+
+/// The group size a writer waits for (up to `MAX_GROUP_WAIT`) after a
+/// group of `last_group`: none under light load.
+fn wait_target(last_group: usize, max_batch: usize) -> usize {
+    if last_group >= GROUP_SIBLINGS {
+        GROUP_TARGET.min(max_batch)
+    } else {
+        0
     }
 }
 
@@ -192,11 +204,13 @@ pub(super) struct Writer {
 impl Writer {
     pub(super) async fn run(mut self) {
         let mut next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
+        let mut last_group = 0;
         loop {
-            let Some(group) = self.take_group().await else {
+            let Some(group) = self.take_group(last_group).await else {
                 tracing::debug!("a PostgreSQL writer stopped");
                 return;
             };
+            last_group = group.len();
             let (issuances, lifecycle): (Vec<_>, Vec<_>) = group
                 .into_iter()
                 .partition(|(c, _)| !matches!(c, Command::Lifecycle(_)));
@@ -232,14 +246,36 @@ impl Writer {
     }
 
     /// The next group of queued commands; `None` once every sender is gone.
-    async fn take_group(&self) -> Option<Vec<(Command, Reply)>> {
+    ///
+    /// Under load — the last group had `GROUP_SIBLINGS` commands or more —
+    /// a small group waits up to `MAX_GROUP_WAIT` for more, until it has
+    /// `GROUP_TARGET` (PostgreSQL's own `commit_delay` and
+    /// `commit_siblings`, for whole transactions): several replicas split
+    /// the load into groups a third the size, and a transaction's fixed
+    /// cost is most of the database's CPU (BENCHMARKS.md, issue 27). Under
+    /// light load groups are small and nothing waits.
+    async fn take_group(&self, last_group: usize) -> Option<Vec<(Command, Reply)>> {
         let mut queue = self.queue.lock().await;
         let first = queue.recv().await?;
         let mut group = vec![first];
-        while group.len() < self.max_batch {
-            match queue.try_recv() {
-                Ok(next) => group.push(next),
-                Err(_) => break,
+        let target = wait_target(last_group, self.max_batch);
+        let until = tokio::time::Instant::now() + MAX_GROUP_WAIT;
+        loop {
+            while group.len() < self.max_batch {
+                match queue.try_recv() {
+                    Ok(next) => group.push(next),
+                    Err(_) => break,
+                }
+            }
+            if group.len() >= target {
+                break;
+            }
+            tokio::select! {
+                next = queue.recv() => match next {
+                    Some(next) => group.push(next),
+                    None => break,
+                },
+                () = tokio::time::sleep_until(until) => break,
             }
         }
         if let Some(metrics) = &self.metrics {
@@ -668,5 +704,16 @@ mod tests {
             failed(&sqlx::Error::Protocol("garbled".into()), 1),
             StoreError::Corrupt(_)
         ));
+    }
+
+    /// Writers wait for a fuller group only after a group showed load,
+    /// and never for more than a group may hold.
+    #[test]
+    fn only_a_writer_under_load_waits_for_a_fuller_group() {
+        assert_eq!(wait_target(0, 512), 0, "the first group");
+        assert_eq!(wait_target(GROUP_SIBLINGS - 1, 512), 0, "light load");
+        assert_eq!(wait_target(GROUP_SIBLINGS, 512), GROUP_TARGET);
+        assert_eq!(wait_target(100, 512), GROUP_TARGET);
+        assert_eq!(wait_target(100, 8), 8, "at most a full group");
     }
 }
