@@ -21,15 +21,16 @@ pub(super) fn test_options(url: &str) -> PostgresOptions {
     options
 }
 
+/// A replica on `url` with the test options.
+async fn open_store(url: &str) -> PostgresStore {
+    PostgresStore::open(test_options(url), test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open")
+}
+
 async fn open_suite_store() -> (PostgresStore, TestDatabase) {
     let database = TestDatabase::migrated().await;
-    let store = PostgresStore::open(
-        test_options(&database.url),
-        test_stamper(),
-        Arc::new(SystemClock),
-    )
-    .await
-    .expect("open");
+    let store = open_store(&database.url).await;
     (store, database)
 }
 
@@ -188,13 +189,7 @@ async fn events_left_unplaced_are_placed_at_start() {
         .await
         .expect("unplace");
     assert_eq!(unplaced.rows_affected(), 1, "the root's one event");
-    let store = PostgresStore::open(
-        test_options(&database.url),
-        test_stamper(),
-        Arc::new(SystemClock),
-    )
-    .await
-    .expect("reopen");
+    let store = open_store(&database.url).await;
     // Placed by the sequencer as it starts (off `open`: a lost race for
     // the clock never keeps a replica from starting).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -470,13 +465,7 @@ async fn positions_go_on_after_the_clock_without_rewriting_it() {
         .fetch_one(&mut conn)
         .await
         .expect("the clock row");
-    let store = PostgresStore::open(
-        test_options(&database.url),
-        test_stamper(),
-        Arc::new(SystemClock),
-    )
-    .await
-    .expect("open");
+    let store = open_store(&database.url).await;
     let roots: u8 = 40;
     let mut opening = tokio::task::JoinSet::new();
     for n in 1..=roots {
