@@ -69,7 +69,7 @@ pub(super) use place;
 /// (the first of its `nextval`s, then one more per event in `seq`
 /// order). An update of the row per commit made a new row version that
 /// every transaction waiting for the lock re-checked: the database's CPU
-/// per delegation with three replicas 169 against 123–138 µs (migration
+/// per delegation with three replicas 171–204 against 123–145 µs (migration
 /// 39, BENCHMARKS.md). A group with no events (writes but no contract or
 /// receipt) leaves the clock alone.
 pub(super) const PLACE: &str = place!();
