@@ -92,10 +92,10 @@ pub(crate) mod postgres {
     const _: () = assert!(crate::store::sql::plan::PARAMETERS_PER_STATEMENT <= MAX_BIND_PARAMETERS);
 
     /// Longest a writer under load waits for a group to fill
-    /// (`Writer::take_group`): with three replicas, 2 ms took the
-    /// database's CPU per delegation from 147–154 to 99–104 µs and raised
-    /// delegations a second by a third (BENCHMARKS.md, issue 27); a
-    /// group's answers wait for it, so not more.
+    /// (`Writer::take_group`): with three replicas, 2 ms made groups of ~8
+    /// instead of 5.5 and took the database's CPU per delegation from
+    /// 136–150 to 115–129 µs (BENCHMARKS.md, issue 27); 4 ms made no
+    /// larger groups, and a group's answers wait for it, so not more.
     pub(crate) const MAX_GROUP_WAIT: Duration = Duration::from_millis(2);
 
     /// The group size a writer under load waits for (up to
