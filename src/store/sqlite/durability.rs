@@ -38,6 +38,52 @@ pub(super) fn wal_path_of(database: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Reserves the WAL's blocks up to `bytes` (the size it restarts at) when
+/// the WAL is absent or empty: a new database, or one closed cleanly (the
+/// last checkpoint truncates it). A WAL that has not yet reached its
+/// restart size grows with every commit, and each fsync then also wrote
+/// the blocks it allocated: the tail of a broker's first minutes of load
+/// (with a reserved WAL, open loop at 2,600/s: fsync-wait p999 5–7 ms
+/// against 30–60; BENCHMARKS.md, issue 27). `disk-probe`, the tail's
+/// yardstick, writes into a file it filled first. Reserved blocks read
+/// as zeros: SQLite finds no valid header and starts the WAL from its
+/// beginning, as after any restart. Best effort: where the filesystem
+/// cannot reserve, the WAL grows as before (said in the log).
+pub(super) fn reserve_wal(database: &Path, bytes: u64) {
+    let path = wal_path_of(database);
+    let reserved = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .and_then(|file| {
+            if file.metadata()?.len() > 0 {
+                // Frames a crash left, or an earlier reservation: SQLite's.
+                return Ok(false);
+            }
+            reserve(&file, bytes)?;
+            file.sync_all()?;
+            Ok(true)
+        });
+    match reserved {
+        Ok(true) => tracing::debug!(path = %path.display(), bytes, "WAL reserved"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(error = %e, path = %path.display(), bytes,
+            "could not reserve the WAL's blocks; it grows with the load instead"),
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn reserve(file: &std::fs::File, bytes: u64) -> std::io::Result<()> {
+    rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, bytes)
+        .map_err(std::io::Error::from)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn reserve(_file: &std::fs::File, _bytes: u64) -> std::io::Result<()> {
+    Ok(())
+}
+
 /// Starts the syncer thread (an fsync blocks: never on a runtime).
 pub(super) fn start_syncer(
     options: &SqliteOptions,

@@ -237,6 +237,11 @@ impl SqliteStore {
         stamper: Arc<Stamper>,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StoreError> {
+        // Blocking file work (an fsync): off the runtime's threads.
+        let (database, wal_bytes) = (options.path.clone(), options.wal_restart_bytes);
+        tokio::task::spawn_blocking(move || reserve_wal(&database, wal_bytes))
+            .await
+            .map_err(|e| StoreError::Backend(format!("reserving the WAL: {e}")))?;
         let connect = connect_options(&options.path);
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
         let known = KnownCache::new(std::sync::Mutex::new(KnownMap::preallocated()));

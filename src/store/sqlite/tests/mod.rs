@@ -901,6 +901,32 @@ fn the_wal_is_synced_by_path_and_reopened_when_replaced() {
     assert_eq!(second, Some(std::fs::metadata(&path).expect("stat").ino()));
 }
 
+/// A new WAL's blocks are reserved up to its restart size, so its first
+/// commits overwrite instead of growing the file; a WAL with anything in it
+/// (frames a crash left) is left to SQLite.
+#[test]
+fn a_new_wal_is_reserved_and_a_used_one_left_alone() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let database = dir.path().join("broker.sqlite3");
+    let wal = wal_path_of(&database);
+    reserve_wal(&database, 1 << 20);
+    let reserved = std::fs::metadata(&wal).expect("reserved");
+    assert_eq!(reserved.len(), 1 << 20);
+    // Blocks, not a hole: 512-byte units.
+    assert!(
+        reserved.blocks() * 512 >= 1 << 20,
+        "{} blocks",
+        reserved.blocks()
+    );
+    let used = dir.path().join("used.sqlite3");
+    std::fs::write(wal_path_of(&used), b"frames").expect("write");
+    reserve_wal(&used, 1 << 20);
+    assert_eq!(
+        std::fs::read(wal_path_of(&used)).expect("read"),
+        b"frames".to_vec()
+    );
+}
+
 /// Under continuous writes a background checkpoint never catches up,
 /// so without the writer finishing it the WAL never restarts and grows
 /// with every commit. With a small restart size it stays bounded.
@@ -969,7 +995,8 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
             let size = file.metadata().map_or(0, |m| m.len());
             largest_wal_bytes = largest_wal_bytes.max(size);
             let mut header = [0u8; 24];
-            if file.read_exact(&mut header).is_ok() {
+            // A reserved WAL reads as zeros until SQLite writes its header.
+            if file.read_exact(&mut header).is_ok() && header[..4] != [0; 4] {
                 salts.insert(header[16..24].to_vec());
             }
         }
