@@ -416,7 +416,7 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
         let phases = store_phases();
         tokio::time::sleep_until(stop_at.into()).await;
         let after = store_phases();
-        let phases: [_; 4] = std::array::from_fn(|i| after[i].minus(&phases[i]));
+        let phases: [_; 5] = std::array::from_fn(|i| after[i].minus(&phases[i]));
         (first, crate::store::sqlite::WAL_SYNCS.snapshot(), phases)
     });
     let mut total = Tally::default();
@@ -440,14 +440,15 @@ async fn drive(args: BenchArgs) -> anyhow::Result<()> {
 
 /// The in-process store's phase histograms (see `store::phases`): each
 /// command's whole wait, its wait for the writer, its batch, and its wait
-/// for the fsync.
-fn store_phases() -> [crate::store::phases::PhaseSnapshot; 4] {
-    use crate::store::phases::{BATCH, QUEUED, SUBMITTED, SYNC_WAIT};
+/// for the fsync; and each fsync's duration.
+fn store_phases() -> [crate::store::phases::PhaseSnapshot; 5] {
+    use crate::store::phases::{BATCH, FSYNC, QUEUED, SUBMITTED, SYNC_WAIT};
     [
         SUBMITTED.snapshot(),
         QUEUED.snapshot(),
         BATCH.snapshot(),
         SYNC_WAIT.snapshot(),
+        FSYNC.snapshot(),
     ]
 }
 
@@ -455,8 +456,8 @@ fn store_phases() -> [crate::store::phases::PhaseSnapshot; 4] {
 /// delegations), so a tail can be told apart: inside the store (the queue
 /// before the writer, the batch, the fsync) or outside it (RPC, signature
 /// work, waits for a core). Nothing against a remote broker.
-fn report_phases(phases: &[crate::store::phases::PhaseSnapshot; 4]) {
-    let [submitted, queued, batch, sync] = phases;
+fn report_phases(phases: &[crate::store::phases::PhaseSnapshot; 5]) {
+    let [submitted, queued, batch, sync, fsync] = phases;
     if submitted.count() == 0 {
         return;
     }
@@ -477,6 +478,11 @@ fn report_phases(phases: &[crate::store::phases::PhaseSnapshot; 4]) {
     line("queued to its batch (the writer busy)", queued);
     line("its batch (plan, script, commit)", batch);
     line("committed to answered (the fsync)", sync);
+    println!(
+        "  the WAL's fsyncs themselves ({}; compare `disk-probe`'s):",
+        fsync.count()
+    );
+    line("  each fsync", fsync);
 }
 
 /// The channels to the brokers at `addrs` (over TLS with `--tls-ca`): at

@@ -1,7 +1,8 @@
 //! Where a store command's time goes, per command, for the load generator
 //! (`bench` prints them): how long it waited for its answer in all, how
 //! long for the writer to start its batch, how long that batch took, and
-//! how long its answer then waited for the WAL's fsync. Process-wide like `sqlite::WAL_SYNCS`:
+//! how long its answer then waited for the WAL's fsync (and each fsync's
+//! own duration). Process-wide like `sqlite::WAL_SYNCS`:
 //! counters that only grow, read as the difference of two snapshots, so
 //! recording is one atomic add and nothing is ever reset under a reader.
 
@@ -37,6 +38,9 @@ pub static BATCH: Phase = Phase::new();
 /// For each command, from its batch's commit to its answer being sent
 /// (SQLite's syncer: the WAL fsync it waited for, and the queue before).
 pub static SYNC_WAIT: Phase = Phase::new();
+/// Each WAL fsync's own duration (SQLite's syncer), once per fsync, not
+/// per command: the disk's share of `SYNC_WAIT`, against `disk-probe`'s.
+pub static FSYNC: Phase = Phase::new();
 
 impl Phase {
     #[allow(clippy::declare_interior_mutable_const)] // only an initializer

@@ -126,6 +126,7 @@ pub(super) fn syncer(
             .and_then(|()| sync_wal(wal_path, &mut wal));
         let took_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
         WAL_SYNCS.record(took_us);
+        crate::store::phases::FSYNC.record(took_us, 1);
         if let Some(metrics) = &metrics {
             metrics.wal_fsync_seconds.observe(took_us as f64 / 1e6);
             if took_us >= SLOW_WAL_SYNC_US {
