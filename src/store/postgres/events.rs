@@ -24,8 +24,10 @@
 //! should be stopped before this one starts: events they write later are
 //! placed only when a replica starts again. Replicas from before
 //! migration 39 (which gave positions from the clock row's `last_pos`)
-//! must be stopped too: their positions would collide with the
-//! sequence's (refused, `events.pos` is unique, not misordered).
+//! must be stopped too: migration 41 drops that column, so their every
+//! write fails rather than give positions that would collide with the
+//! sequence's — theirs at first, the newer replicas' once theirs ran
+//! ahead (`events.pos` is unique: refused, never misordered).
 //!
 //! A cursor is `tag << 48 | position`: the tag, random per database (see
 //! the `event_clock` migration), makes a cursor from another database fail

@@ -444,23 +444,36 @@ fn the_plan_checker_wants_the_leading_column() {
 /// had given positions up to 41, migration 40 makes them go on at 42; a
 /// burst of roots (several per transaction, on two writers) takes 42, 43,
 /// … with neither gap nor repeat; the clock's row is never rewritten; the
-/// migration run again later does not move positions back.
+/// migration run again later does not move positions back. Migration 41
+/// drops the retired `last_pos`, so a replica from before 39 fails its
+/// writes instead of giving positions that collide.
 #[tokio::test]
 async fn positions_go_on_after_the_clock_without_rewriting_it() {
     use crate::store::suite::{meta, test_root};
     let database = TestDatabase::migrated().await;
     let mut conn = PgConnection::connect(&database.url).await.expect("connect");
-    sqlx::query("UPDATE event_clock SET last_pos = 41 WHERE id = 1")
-        .execute(&mut conn)
-        .await
-        .expect("an earlier version's clock");
-    let migration =
+    let migration_40 =
         include_str!("../../../migrations/postgres/0040_event_positions_after_clock.sql");
-    sqlx::raw_sql(migration)
-        .execute(&mut conn)
-        .await
-        .expect("migration 40 again");
-    let version = "SELECT xmin::TEXT || ctid::TEXT || last_pos::TEXT FROM event_clock WHERE id = 1";
+    let migration_41 =
+        include_str!("../../../migrations/postgres/0041_event_clock_last_pos_dropped.sql");
+    // An earlier version's clock, then migrations 40 and 41 on it.
+    let earlier_clock = || async {
+        let mut conn = PgConnection::connect(&database.url).await.expect("connect");
+        sqlx::raw_sql("ALTER TABLE event_clock ADD COLUMN last_pos BIGINT NOT NULL DEFAULT 41")
+            .execute(&mut conn)
+            .await
+            .expect("an earlier version's clock");
+        sqlx::raw_sql(migration_40)
+            .execute(&mut conn)
+            .await
+            .expect("migration 40");
+        sqlx::raw_sql(migration_41)
+            .execute(&mut conn)
+            .await
+            .expect("migration 41");
+    };
+    earlier_clock().await;
+    let version = "SELECT xmin::TEXT || ctid::TEXT FROM event_clock WHERE id = 1";
     let before: String = sqlx::query_scalar(version)
         .fetch_one(&mut conn)
         .await
@@ -487,11 +500,8 @@ async fn positions_go_on_after_the_clock_without_rewriting_it() {
         .expect("the clock row");
     assert_eq!(before, after, "the clock's row is locked, never rewritten");
     // A replica migrating late (migration 40 again, the store serving)
-    // does not move positions back.
-    sqlx::raw_sql(migration)
-        .execute(&mut conn)
-        .await
-        .expect("migration 40 once more");
+    // does not move positions back, its clock's `last_pos` (41) behind.
+    earlier_clock().await;
     store
         .open_root(test_root(meta(4, 1)))
         .await
@@ -501,4 +511,13 @@ async fn positions_go_on_after_the_clock_without_rewriting_it() {
         .await
         .expect("positions");
     assert_eq!(last, 42 + i64::from(roots), "after every position given");
+    // What a replica from before migration 39 does in every write.
+    let fenced = sqlx::query("UPDATE event_clock SET last_pos = last_pos + 1 WHERE id = 1")
+        .execute(&mut conn)
+        .await
+        .expect_err("last_pos is gone");
+    assert!(
+        matches!(&fenced, sqlx::Error::Database(d) if d.code().as_deref() == Some("42703")),
+        "{fenced}"
+    );
 }
