@@ -619,6 +619,11 @@ const STATICS: &[(&str, &str, &str)] = &[
         "store phase histograms (counters)",
     ),
     (
+        "store/phases.rs",
+        "FSYNC",
+        "store phase histograms (counters)",
+    ),
+    (
         "metrics.rs",
         "STORE_ERRORS",
         "store errors by class (a counter)",

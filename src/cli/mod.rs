@@ -642,3 +642,38 @@ fn parse_sample_ratio(text: &str) -> Result<f64, String> {
         _ => Err(format!("{text:?} is not a number from 0 to 1")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// A contract id in URL-safe base64 begins with `-` one time in 64:
+    /// the read commands take it as the id, and still know their options
+    /// around it.
+    #[test]
+    fn an_id_that_begins_with_a_hyphen_is_an_id() {
+        let id = "-A5bkzJsLFvJ4WI5IhYNRXNQ5VMAAJyII7FrMuaSqVs";
+        for command in ["get", "children", "watch"] {
+            let cli = Cli::try_parse_from([
+                "delegation-broker",
+                command,
+                "--json",
+                id,
+                "--key-file",
+                "reader.key",
+            ])
+            .unwrap_or_else(|e| panic!("{command}: {e}"));
+            let (parsed, json) = match cli.command {
+                Command::Get(args) => (args.contract_id, args.json),
+                Command::Children(args) => (args.contract_id, args.json),
+                Command::Watch(args) => (args.contract_id, args.json),
+                other => panic!("{command}: parsed as {other:?}"),
+            };
+            assert_eq!((parsed.as_str(), json), (id, true), "{command}");
+        }
+        let cli = Cli::try_parse_from(["delegation-broker", "get", id, "--key-file", "k"])
+            .expect("the id first");
+        assert!(matches!(cli.command, Command::Get(args) if args.contract_id == id && !args.json));
+    }
+}

@@ -55,7 +55,9 @@ Its expiry goes to stderr; open a new one before then.";
 #[derive(Args, Debug, Clone)]
 pub struct GetArgs {
     /// The contract's id: 64 hex digits, or base64 (standard or URL-safe,
-    /// padded or not, as grpcurl prints bytes).
+    /// padded or not, as grpcurl prints bytes). URL-safe base64 may begin
+    /// with `-`: read as the id, not as an option.
+    #[arg(allow_hyphen_values = true)]
     pub contract_id: String,
     /// One JSON object instead of text (snake_case fields, bytes as hex).
     #[arg(long)]
@@ -66,7 +68,8 @@ pub struct GetArgs {
 
 #[derive(Args, Debug, Clone)]
 pub struct ChildrenArgs {
-    /// The parent's id: 64 hex digits, or base64.
+    /// The parent's id: 64 hex digits, or base64 (may begin with `-`).
+    #[arg(allow_hyphen_values = true)]
     pub contract_id: String,
     /// Most children printed (in issuance order); a note on stderr says
     /// when there are more.
@@ -83,7 +86,8 @@ pub struct ChildrenArgs {
 #[derive(Args, Debug, Clone)]
 pub struct WatchArgs {
     /// The contract whose subtree to watch (a root for its whole tree): 64
-    /// hex digits, or base64.
+    /// hex digits, or base64 (may begin with `-`).
+    #[arg(allow_hyphen_values = true)]
     pub contract_id: String,
     /// Only events after this cursor (the first number of the last line
     /// seen), to resume; 0 for every stored event.
