@@ -211,7 +211,7 @@ fn percentile(sorted: &[u32], q: f64) -> u32 {
 }
 
 /// One line of percentiles of sorted samples in µs, shown in ms.
-fn print_percentiles(label: &str, sorted_us: &[u32]) {
+pub(super) fn print_percentiles(label: &str, sorted_us: &[u32]) {
     println!(
         "{label} p50 {}  p99 {}  p999 {}  max {}",
         ms(percentile(sorted_us, 0.50)),

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod disk_probe;
 pub mod keys;
 pub mod read;
+pub mod store_probe;
 pub mod tree;
 
 use std::path::PathBuf;
@@ -116,6 +117,10 @@ enum Command {
     /// commit (append, fdatasync) at a rate with no broker, to tell the
     /// disk's share of a latency tail from the broker's.
     DiskProbe(disk_probe::DiskProbeArgs),
+    /// The store's CPU floor under `bench`'s workload: commits its rows
+    /// (same sizes, same keys, same groups, fsynced and checkpointed) with
+    /// no RPC, signature or rule, to bound a broker's share of the floor.
+    StoreProbe(store_probe::StoreProbeArgs),
     /// Compares orchestration arms: aggregated audits as a table, JSON or
     /// CSV.
     Audit(audit::AuditArgs),
@@ -275,6 +280,7 @@ pub fn main() -> ExitCode {
             .map_err(anyhow::Error::from),
         Command::Bench(args) => bench::run(args),
         Command::DiskProbe(args) => disk_probe::run(args),
+        Command::StoreProbe(args) => store_probe::run(args),
         Command::Audit(args) => audit::run(args),
         Command::Tree(args) => tree::run(args),
         Command::Session(args) => read::session(args),

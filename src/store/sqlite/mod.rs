@@ -31,6 +31,7 @@ mod checkpoint;
 mod durability;
 mod health;
 mod migrate;
+pub mod probe;
 mod raw;
 #[cfg(test)]
 mod tests;
