@@ -81,6 +81,15 @@ pub(crate) mod sqlite {
 
     /// Back-to-back checkpoints at most before the writer is asked to finish.
     pub(crate) const MAX_DRAIN_ROUNDS: usize = 8;
+
+    // `store-probe` (`store::sqlite::probe`).
+    /// Most contracts one commit takes (a closed loop's workers).
+    pub(crate) const MAX_PROBE_GROUP: usize = 4_096;
+    /// Most contracts one probe writes: a latency sample of 4 bytes each,
+    /// and a database of about a kilobyte each.
+    pub(crate) const MAX_PROBE_CONTRACTS: u64 = 10_000_000;
+    /// Highest arrival rate (as `disk-probe`'s).
+    pub(crate) const MAX_PROBE_RATE_PER_S: u64 = 100_000;
 }
 
 /// PostgreSQL's own bounds.

@@ -1,46 +1,33 @@
-//! The store's own floor (`store-probe`): what SQLite and the kernel
-//! charge to hold `bench`'s workload durably with this schema, and nothing
-//! else. The rows a closed-loop `bench` commits (chains of depth 8 from 64
-//! workers, each delegation a contract, its envelope, its request log
-//! entry and its parent's ledger; a root's run label) are generated here
-//! with the same sizes and key distributions — random 32-byte ids as
-//! SHA-256 gives, one set of agents per worker reused chain after chain —
-//! without a client, a signature or a rule. They are committed in groups
-//! on one thread through the writer's own statements (`plan_statements`
-//! run by `raw`, BEGIN IMMEDIATE to COMMIT), each commit's WAL fdatasynced
-//! and the WAL checkpointed every `CHECKPOINT_INTERVAL`, as the broker
-//! does. No broker on this store can spend less CPU per delegation than
-//! this probe: `bench --floor` plus it bounds what share of the floor a
-//! broker can reach (BENCHMARKS.md, issue 27).
+//! The store's own floor (`store-probe`): what SQLite, the kernel and
+//! the disk charge to hold a workload durably with this schema, and
+//! nothing else. The caller makes the plans (`cli::store_probe` makes
+//! `bench`'s rows, without a client, a signature or a rule); here they go
+//! through the broker's own pipeline: the
+//! writer's statements (`plan_statements` run by `raw`, BEGIN IMMEDIATE to
+//! COMMIT) on this thread, a syncer thread that fdatasyncs the WAL once
+//! for every commit so far, and the background `checkpointer` on its own
+//! connection and thread, whose finish the writer runs between commits.
+//!
+//! Two modes. Groups (no rate): every commit holds `group` contracts, as
+//! fast as the writer goes; the process's CPU per delegation is the least
+//! any broker on this store spends, so `bench --floor` plus it bounds a
+//! broker's share of the floor. Open loop (`rate_per_s`): contracts
+//! "arrive" at the rate and each commit takes all that have arrived (up
+//! to `max_group`), as the broker's writer does; each one's latency runs
+//! from its arrival to the end of the fsync that covers it — the least a
+//! durable answer on this store can wait, to set beside `disk-probe`'s
+//! (BENCHMARKS.md, issue 27).
 
-use super::checkpoint::checkpoint;
+use std::sync::mpsc as std_mpsc;
+
+use super::checkpoint::checkpointer;
 use super::raw::Statements;
 use super::*;
 use crate::clock::SystemClock;
-use crate::core::{Ledger, Liability, Policy};
-use crate::store::batch::{ContractRow, RequestRow};
+use crate::store::limits::sqlite::{MAX_PROBE_CONTRACTS, MAX_PROBE_GROUP, MAX_PROBE_RATE_PER_S};
 
-/// Most workers (chains in flight): each holds its agents' keys.
-pub const MAX_PROBE_WORKERS: usize = 4_096;
-/// Most contracts one probe writes: a sample of 4 bytes each per commit
-/// phase, and a database of a few hundred bytes each.
-pub const MAX_PROBE_CONTRACTS: u64 = 10_000_000;
-/// Deepest chain (as `bench --depth`).
-pub const MAX_PROBE_DEPTH: u32 = 64;
-
-/// Bytes of a depth-8 chain's signed envelope in `bench` (measured from
-/// its database: 381 on average).
-const ENVELOPE_BYTES: usize = 381;
-/// `bench`'s effective predicate at every depth (45 bytes).
-const PREDICATE: &str = "(result.schema_valid && result.within_scope\n)";
-/// `bench`'s write scope and a root's labels.
-const WRITE_SCOPE_JSON: &str = "[\"src\"]";
-const ROOT_LABELS_JSON: &str = "{\"tool\":\"bench\"}";
-const CHILD_LABELS_JSON: &str = "{}";
-/// A root's budget: halved at every level, so depth 64 still has units.
-const ROOT_BUDGET: i64 = 1 << 40;
-/// A contract's deadline after its issuance (an hour).
-const DEADLINE_AFTER_MS: i64 = 3_600_000;
+/// The WAL restart sizes the probe takes (`limits.wal_restart_mib`'s).
+pub const PROBE_WAL_RESTART_BYTES: std::ops::RangeInclusive<u64> = (16 << 20)..=(16_384 << 20);
 
 /// What to write.
 #[derive(Clone, Debug)]
@@ -48,19 +35,22 @@ pub struct StoreProbeOptions {
     /// The database file: must not exist (the probe starts empty, as
     /// `bench`'s in-process broker does).
     pub path: PathBuf,
-    /// Chains in flight (`bench --concurrency`).
-    pub workers: usize,
-    /// Delegations per chain after its root (`bench --depth`).
-    pub depth: u32,
-    /// Contracts (roots included) per commit: a closed loop's group.
+    /// Without a rate: contracts (roots included) per commit.
     pub group: usize,
+    /// In the open loop: the most contracts one commit takes (`bench`'s
+    /// workers: a closed loop never has more requests in flight).
+    pub max_group: usize,
+    /// Contracts "arriving" per second; `None` for fixed groups as fast
+    /// as the writer goes.
+    pub rate_per_s: Option<u64>,
     /// Contracts (roots included) to write in all.
     pub contracts: u64,
     /// Indexes to drop before writing, to price each (never a table's
     /// key or a UNIQUE constraint's: those are not indexes one can drop).
     pub drop_indexes: Vec<String>,
-    /// Leave the request log out: its random-keyed B-tree's price.
-    pub no_request_log: bool,
+    /// WAL size past which the writer finishes a checkpoint
+    /// (`SqliteOptions::wal_restart_bytes`; also what is reserved).
+    pub wal_restart_bytes: u64,
 }
 
 /// What a probe measured.
@@ -71,40 +61,59 @@ pub struct StoreProbeReport {
     /// Of them, roots.
     pub roots: u64,
     pub commits: u64,
-    /// Wall time of the writes (from the first BEGIN to the last
-    /// checkpoint).
+    /// From the first BEGIN to the last contract's fsync.
     pub wall: Duration,
-    /// The whole process's CPU over the same span (SQLite's statements,
-    /// the kernel's writes, fsyncs and checkpoints, and the generation of
-    /// the rows, which is small).
+    /// The whole process's CPU over the same span (the writer's
+    /// statements, the syncer's fsyncs, the checkpoints, the kernel's
+    /// writes, and the rows' generation, which is small).
     pub cpu: Duration,
-    /// WAL frames written (each a page plus a 24-byte header).
+    /// WAL frames the commits wrote (each a page plus a 24-byte header),
+    /// as SQLite counts them.
     pub wal_frames: u64,
     pub page_bytes: u64,
     /// Each commit's statements, BEGIN to COMMIT, µs, sorted.
     pub commit_us: Vec<u32>,
     /// Each WAL fdatasync, µs, sorted.
     pub fsync_us: Vec<u32>,
+    /// Open loop only: each contract's arrival to the end of its fsync,
+    /// µs, sorted.
+    pub latency_us: Vec<u32>,
+    /// Open loop only: each contract's arrival to its commit's BEGIN (the
+    /// wait for the writer), µs, sorted.
+    pub queued_us: Vec<u32>,
+    /// Each checkpoint the writer finished between commits so the WAL
+    /// restarts (the writer's stalls), µs, sorted.
+    pub finish_us: Vec<u32>,
 }
+
+/// Makes the plan of the next `n` contracts, issued at `now_ms`, numbered
+/// on from the last (a fresh database's first is 1).
+pub type Workload<'a> = dyn FnMut(usize, i64) -> Plan + 'a;
 
 /// Runs the probe on the calling thread (blocking: not from inside an
 /// async runtime). The database is left behind for the caller to read
 /// or remove.
-pub fn run(options: &StoreProbeOptions) -> Result<StoreProbeReport, StoreError> {
+pub fn run(
+    options: &StoreProbeOptions,
+    workload: &mut Workload<'_>,
+) -> Result<StoreProbeReport, StoreError> {
     let bad = |what: String| Err(StoreError::Backend(what));
-    if !(1..=MAX_PROBE_WORKERS).contains(&options.workers) {
-        return bad(format!("workers must be 1..={MAX_PROBE_WORKERS}"));
+    if !(1..=MAX_PROBE_GROUP).contains(&options.max_group) {
+        return bad(format!("the largest group must be 1..={MAX_PROBE_GROUP}"));
     }
-    if !(1..=MAX_PROBE_DEPTH).contains(&options.depth) {
-        return bad(format!("depth must be 1..={MAX_PROBE_DEPTH}"));
+    if !(1..=options.max_group).contains(&options.group) {
+        return bad("group must be 1..=the largest group".into());
     }
-    // Each worker has one request in flight in a closed loop, so a group
-    // never holds two steps of one chain (a parent and its child).
-    if !(1..=options.workers).contains(&options.group) {
-        return bad("group must be 1..=workers".into());
+    if let Some(rate) = options.rate_per_s
+        && !(1..=MAX_PROBE_RATE_PER_S).contains(&rate)
+    {
+        return bad(format!("rate must be 1..={MAX_PROBE_RATE_PER_S}"));
     }
     if !(1..=MAX_PROBE_CONTRACTS).contains(&options.contracts) {
         return bad(format!("contracts must be 1..={MAX_PROBE_CONTRACTS}"));
+    }
+    if !PROBE_WAL_RESTART_BYTES.contains(&options.wal_restart_bytes) {
+        return bad("the WAL's restart size must be 16 MiB to 16 GiB".into());
     }
     if options.path.exists() {
         return bad(format!(
@@ -116,117 +125,221 @@ pub fn run(options: &StoreProbeOptions) -> Result<StoreProbeReport, StoreError> 
         .enable_all()
         .build()
         .map_err(|e| StoreError::Backend(format!("probe runtime: {e}")))?;
-    runtime.block_on(probe(options))
+    runtime.block_on(probe(options, workload))
 }
 
-async fn probe(options: &StoreProbeOptions) -> Result<StoreProbeReport, StoreError> {
-    reserve_wal(&options.path, WAL_RESTART_BYTES);
-    let (mut conn, next_seq) = open_writer(&connect_options(&options.path)).await?;
+/// What the writer hands the syncer per commit: when each of its
+/// contracts arrived.
+type Committed = Vec<std::time::Instant>;
+
+async fn probe(
+    options: &StoreProbeOptions,
+    workload: &mut Workload<'_>,
+) -> Result<StoreProbeReport, StoreError> {
+    reserve_wal(&options.path, options.wal_restart_bytes);
+    let connect = connect_options(&options.path);
+    let (mut conn, next_seq) = open_writer(&connect).await?;
+    if next_seq != 1 {
+        return Err(StoreError::Backend(
+            "the probe's database is not empty".into(),
+        ));
+    }
     for name in &options.drop_indexes {
-        let known: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name = $1 \
-             AND sql IS NOT NULL",
-        )
-        .bind(name)
-        .fetch_one(&mut conn)
-        .await
-        .map_err(backend)?;
-        if known != 1 {
-            return Err(StoreError::Backend(format!(
-                "no droppable index named {name:?} (a table's key or a UNIQUE constraint \
-                 cannot be dropped)"
-            )));
-        }
-        // The name is one the schema holds (checked above), quoted.
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP INDEX \"{}\"",
-            name.replace('"', "\"\"")
-        )))
-        .execute(&mut conn)
-        .await
-        .map_err(backend)?;
+        drop_index(&mut conn, name).await?;
     }
     let page_bytes: i64 = sqlx::query_scalar("PRAGMA page_size")
         .fetch_one(&mut conn)
         .await
         .map_err(backend)?;
-    let wal = std::fs::OpenOptions::new()
-        .write(true)
-        .open(wal_path_of(&options.path))
-        .map_err(|e| StoreError::Backend(format!("opening the WAL: {e}")))?;
-    let mut workload = Workload::new(options, next_seq);
-    let mut statements = Statements::default();
-    let mut report = StoreProbeReport {
-        contracts: 0,
-        roots: 0,
-        commits: 0,
-        wall: Duration::ZERO,
-        cpu: Duration::ZERO,
-        wal_frames: 0,
-        page_bytes: u64::try_from(page_bytes).unwrap_or(0),
-        commit_us: Vec::new(),
-        fsync_us: Vec::new(),
+    // The broker's checkpointer, on its own connection and thread; it
+    // stops when `alive` is dropped.
+    let (alive, alive_rx) = mpsc::channel::<(Command, Reply)>(1);
+    let finish = Arc::new(AtomicBool::new(false));
+    let checkpoints = {
+        let (connect, weak, finish) = (connect.clone(), alive.downgrade(), finish.clone());
+        let restart_bytes = options.wal_restart_bytes;
+        std::thread::Builder::new()
+            .name("probe-checkpointer".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                runtime.block_on(async {
+                    let conn = SqliteConnection::connect_with(&connect).await?;
+                    checkpointer(conn, weak, finish, restart_bytes, CHECKPOINT_INTERVAL).await;
+                    Ok::<_, sqlx::Error>(())
+                })?;
+                Ok::<_, anyhow::Error>(())
+            })
+            .map_err(|e| StoreError::Backend(format!("checkpointer thread: {e}")))?
     };
+    let (to_syncer, from_writer) = std_mpsc::sync_channel::<Committed>(MAX_UNSYNCED_BATCHES);
+    let wal_path = wal_path_of(&options.path);
+    let syncer = std::thread::Builder::new()
+        .name("probe-syncer".into())
+        .spawn(move || sync_loop(&wal_path, &from_writer))
+        .map_err(|e| StoreError::Backend(format!("syncer thread: {e}")))?;
+
+    let mut statements = Statements::default();
+    let (mut commit_us, mut queued_us, mut finish_us) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut contracts, mut roots) = (0u64, 0u64);
     let cpu_before = process_cpu();
     let began = std::time::Instant::now();
-    let mut next_checkpoint = began + CHECKPOINT_INTERVAL;
-    let written = async {
-        while report.contracts < options.contracts {
-            let left = options.contracts - report.contracts;
-            let plan = workload.group(
-                options
-                    .group
-                    .min(usize::try_from(left).unwrap_or(usize::MAX)),
-                SystemClock.now_ms(),
-            );
-            report.contracts += plan.contracts.len() as u64;
-            report.roots += plan.contracts.iter().filter(|c| c.parent.is_none()).count() as u64;
+    let wrote = async {
+        while contracts < options.contracts {
+            let left = usize::try_from(options.contracts - contracts).unwrap_or(usize::MAX);
+            let arrivals = match options.rate_per_s {
+                None => vec![std::time::Instant::now(); options.group.min(left)],
+                Some(rate) => arrived(began, rate, contracts, options.max_group.min(left)),
+            };
+            let plan = workload(arrivals.len(), SystemClock.now_ms());
+            contracts += plan.contracts.len() as u64;
+            roots += plan.contracts.iter().filter(|c| c.parent.is_none()).count() as u64;
             let mut script = Sql::whole_transaction();
             script.statement("BEGIN IMMEDIATE");
             plan_statements(&mut script, &plan);
             script.statement("COMMIT");
             let mut handle = conn.lock_handle().await.map_err(backend)?;
             let commit = std::time::Instant::now();
+            queued_us.extend(
+                arrivals
+                    .iter()
+                    .map(|&a| micros(commit.saturating_duration_since(a))),
+            );
             statements.run(&mut handle, &script).map_err(backend)?;
             drop(handle);
-            report.commit_us.push(micros(commit.elapsed()));
-            report.commits += 1;
-            let sync = std::time::Instant::now();
-            wal.sync_data()
-                .map_err(|e| StoreError::Backend(format!("fsync of the WAL: {e}")))?;
-            report.fsync_us.push(micros(sync.elapsed()));
-            if std::time::Instant::now() >= next_checkpoint {
-                report.wal_frames += checkpointed(&mut conn).await?;
-                next_checkpoint += CHECKPOINT_INTERVAL;
+            commit_us.push(micros(commit.elapsed()));
+            if to_syncer.send(arrivals).is_err() {
+                return Err(StoreError::Backend("the probe's syncer stopped".into()));
+            }
+            // As the broker's writer does between batches (`writer_loop`).
+            if finish.swap(false, Ordering::AcqRel) {
+                let began = std::time::Instant::now();
+                sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+                    .execute(&mut conn)
+                    .await
+                    .map_err(backend)?;
+                finish_us.push(micros(began.elapsed()));
             }
         }
-        report.wal_frames += checkpointed(&mut conn).await?;
-        Ok::<_, StoreError>(())
+        Ok(())
     }
     .await;
-    report.wall = began.elapsed();
-    report.cpu = process_cpu().saturating_sub(cpu_before);
+    drop(to_syncer);
+    let synced = syncer
+        .join()
+        .map_err(|_| StoreError::Backend("the probe's syncer panicked".into()))?;
+    let wall = began.elapsed();
+    let cpu = process_cpu().saturating_sub(cpu_before);
+    drop((alive, alive_rx));
+    let _ = checkpoints.join();
     // Statements are finalized before sqlx closes the connection (`raw`).
+    let mut wal_frames = None;
     if let Ok(mut handle) = conn.lock_handle().await {
+        wal_frames = super::raw::wal_pages_written(&mut handle);
         statements.finalize_all(&mut handle);
     }
     let _ = conn.close().await;
-    written?;
-    report.commit_us.sort_unstable();
-    report.fsync_us.sort_unstable();
-    Ok(report)
+    wrote?;
+    let wal_frames = wal_frames
+        .ok_or_else(|| StoreError::Backend("SQLite did not say how many pages it wrote".into()))?;
+    let (mut fsync_us, mut latency_us) = synced?;
+    commit_us.sort_unstable();
+    fsync_us.sort_unstable();
+    latency_us.sort_unstable();
+    queued_us.sort_unstable();
+    finish_us.sort_unstable();
+    if options.rate_per_s.is_none() {
+        latency_us.clear();
+        queued_us.clear();
+    }
+    Ok(StoreProbeReport {
+        contracts,
+        roots,
+        commits: commit_us.len() as u64,
+        wall,
+        cpu,
+        wal_frames,
+        page_bytes: u64::try_from(page_bytes).unwrap_or(0),
+        commit_us,
+        fsync_us,
+        latency_us,
+        queued_us,
+        finish_us,
+    })
+}
+/// Drops index `name` after checking the schema has it (so the quoted
+/// name in the DDL is one SQLite wrote, not the caller's text).
+async fn drop_index(conn: &mut SqliteConnection, name: &str) -> Result<(), StoreError> {
+    let known: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name = $1 \
+         AND sql IS NOT NULL",
+    )
+    .bind(name)
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(backend)?;
+    if known != 1 {
+        return Err(StoreError::Backend(format!(
+            "no droppable index named {name:?} (a table's key or a UNIQUE constraint \
+             cannot be dropped)"
+        )));
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP INDEX \"{}\"",
+        name.replace('"', "\"\"")
+    )))
+    .execute(&mut *conn)
+    .await
+    .map_err(backend)?;
+    Ok(())
 }
 
-/// One PASSIVE checkpoint; the frames the WAL held. The probe is the
-/// database's only connection, so every checkpoint copies every frame and
-/// the next commit restarts the WAL: the frames are new ones each time.
-async fn checkpointed(conn: &mut SqliteConnection) -> Result<u64, StoreError> {
-    match checkpoint(conn).await {
-        Some(done) if done.copied_frames == done.wal_frames => Ok(done.wal_frames),
-        Some(_) | None => Err(StoreError::Backend(
-            "a checkpoint of the probe's own database did not finish".into(),
-        )),
+/// The arrivals (at `rate` a second since `began`) not yet taken: those
+/// from the `taken`-th on that are due now, at most `most`; waits for
+/// the next one if none is.
+fn arrived(began: std::time::Instant, rate: u64, taken: u64, most: usize) -> Committed {
+    let at = |i: u64| began + Duration::from_nanos(i.saturating_mul(1_000_000_000) / rate);
+    let now = std::time::Instant::now();
+    if at(taken) > now {
+        std::thread::sleep(at(taken) - now);
     }
+    let now = std::time::Instant::now();
+    (taken..taken + most as u64)
+        .map(at)
+        .take_while(|&t| t <= now)
+        .collect()
+}
+
+/// The syncer: takes every commit handed over so far, fdatasyncs the WAL
+/// once for all, and counts each contract's latency to that moment (as
+/// `durability::syncer`). Returns the fsyncs' and the latencies' µs.
+fn sync_loop(
+    wal_path: &Path,
+    commits: &std_mpsc::Receiver<Committed>,
+) -> Result<(Vec<u32>, Vec<u32>), StoreError> {
+    let wal = std::fs::OpenOptions::new()
+        .write(true)
+        .open(wal_path)
+        .map_err(|e| StoreError::Backend(format!("opening the WAL: {e}")))?;
+    let (mut fsync_us, mut latency_us) = (Vec::new(), Vec::new());
+    while let Ok(first) = commits.recv() {
+        let mut arrivals = first;
+        while let Ok(more) = commits.try_recv() {
+            arrivals.extend(more);
+        }
+        let began = std::time::Instant::now();
+        wal.sync_data()
+            .map_err(|e| StoreError::Backend(format!("fsync of the WAL: {e}")))?;
+        let done = std::time::Instant::now();
+        fsync_us.push(micros(done - began));
+        latency_us.extend(
+            arrivals
+                .iter()
+                .map(|&a| micros(done.saturating_duration_since(a))),
+        );
+    }
+    Ok((fsync_us, latency_us))
 }
 
 fn micros(d: Duration) -> u32 {
@@ -240,174 +353,4 @@ fn process_cpu() -> Duration {
         u64::try_from(t.tv_sec).unwrap_or(0),
         u32::try_from(t.tv_nsec).unwrap_or(0),
     )
-}
-
-/// `bench`'s chains, one per worker: a root, then `depth` delegations
-/// each from the last, then a new root. Contracts are never ended (as in
-/// `bench`), so every one stays in the open-contract indexes.
-struct Workload {
-    rng: SplitMix64,
-    workers: Vec<Chain>,
-    depth: u32,
-    next_seq: i64,
-    /// The worker whose step comes next (round-robin, as a closed loop's
-    /// requests arrive).
-    turn: usize,
-    /// `StoreProbeOptions::no_request_log`.
-    no_request_log: bool,
-}
-
-struct Chain {
-    /// The worker's agents, reused by every chain: the orchestrator, then
-    /// one delegate per depth (as `bench`).
-    agents: Vec<AgentKey>,
-    /// The root and the last contract of the chain now growing, with the
-    /// last one's ledger; `None` before the first root and after the
-    /// deepest delegation.
-    root: Option<(i64, Id)>,
-    last: Option<(i64, Id, u32, Ledger)>,
-}
-
-impl Workload {
-    fn new(options: &StoreProbeOptions, next_seq: i64) -> Self {
-        let mut rng = SplitMix64(0x5eed_0f_b40c_e5);
-        let workers = (0..options.workers)
-            .map(|_| Chain {
-                agents: (0..=options.depth).map(|_| rng.bytes32()).collect(),
-                root: None,
-                last: None,
-            })
-            .collect();
-        Self {
-            rng,
-            workers,
-            depth: options.depth,
-            next_seq,
-            turn: 0,
-            no_request_log: options.no_request_log,
-        }
-    }
-
-    /// The next `n` steps (n ≤ workers, so each from a different chain)
-    /// as the writer's plan would hold them.
-    fn group(&mut self, n: usize, now_ms: i64) -> Plan {
-        let mut plan = Plan::default();
-        for _ in 0..n {
-            let w = self.turn;
-            self.turn = (self.turn + 1) % self.workers.len();
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            let id = self.rng.bytes32();
-            let mut envelope = vec![0u8; ENVELOPE_BYTES];
-            self.rng.fill(&mut envelope);
-            let depth_limit = self.depth;
-            let chain = &mut self.workers[w];
-            let (parent, root, depth, budget, requester) = match chain.last.take() {
-                Some((pseq, pid, pdepth, mut ledger)) => {
-                    let budget = ledger.budget / 2;
-                    ledger.reserved += budget;
-                    ledger.open_children += 1;
-                    plan.states.push((pseq, ledger));
-                    let root = chain.root.unwrap_or((seq, id));
-                    (
-                        Some((pseq, pid)),
-                        root,
-                        pdepth + 1,
-                        budget,
-                        chain.agents[pdepth as usize],
-                    )
-                }
-                None => (None, (seq, id), 0, ROOT_BUDGET, chain.agents[0]),
-            };
-            let ledger = Ledger {
-                budget,
-                reserved: 0,
-                spent: 0,
-                open_children: 0,
-            };
-            chain.root = Some(root);
-            chain.last = (depth < depth_limit).then_some((seq, id, depth, ledger));
-            let is_root = parent.is_none();
-            plan.contracts.push(ContractRow {
-                seq,
-                id,
-                parent,
-                root_seq: root.0,
-                root_id: root.1,
-                depth,
-                delegate_key: chain.agents[depth as usize],
-                liability: Liability::Delegate,
-                intent_lineage_hash: self.rng.bytes32(),
-                cumulative_trust_ppm: 1_000_000,
-                effective_predicate: PREDICATE.to_owned(),
-                deadline_ms: now_ms + DEADLINE_AFTER_MS,
-                write_scope_json: WRITE_SCOPE_JSON.to_owned(),
-                policy: Policy {
-                    max_depth: depth_limit,
-                    min_cumulative_trust_ppm: 500_000,
-                    max_children: 16,
-                    retry_headroom: true,
-                    require_host: false,
-                },
-                envelope,
-                issued_at_ms: now_ms,
-                host_key: None,
-                trace: None,
-                labels_json: if is_root {
-                    ROOT_LABELS_JSON
-                } else {
-                    CHILD_LABELS_JSON
-                }
-                .to_owned(),
-                run_labels: if is_root {
-                    vec![("tool".into(), "bench".into())]
-                } else {
-                    Vec::new()
-                },
-                status: Status::Open,
-                ledger,
-            });
-            if !self.no_request_log {
-                let mut nonce = vec![0u8; 16];
-                self.rng.fill(&mut nonce);
-                plan.requests.push(RequestRow {
-                    agent: requester,
-                    nonce,
-                    digest: self.rng.bytes32(),
-                    outcome: crate::store::batch::OUTCOME_ISSUED,
-                    ref_id: id,
-                    at_ms: now_ms,
-                });
-            }
-        }
-        plan
-    }
-}
-
-/// A fast, seeded generator of the random bytes SHA-256 ids, keys and
-/// nonces look like (their distribution, not their secrecy, is what the
-/// B-trees see).
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn fill(&mut self, bytes: &mut [u8]) {
-        for chunk in bytes.chunks_mut(8) {
-            let word = self.next().to_le_bytes();
-            chunk.copy_from_slice(&word[..chunk.len()]);
-        }
-    }
-
-    fn bytes32(&mut self) -> [u8; 32] {
-        let mut bytes = [0u8; 32];
-        self.fill(&mut bytes);
-        bytes
-    }
 }

@@ -132,6 +132,27 @@ impl Statements {
     }
 }
 
+/// Pages this connection has written to the WAL since it opened
+/// (`SQLITE_DBSTATUS_CACHE_WRITE`): its commits' frames, as SQLite counts
+/// them (checkpoints not included). `None` if SQLite does not say.
+pub(super) fn wal_pages_written(handle: &mut LockedSqliteHandle<'_>) -> Option<u64> {
+    let (mut current, mut highwater): (c_int, c_int) = (0, 0);
+    // SAFETY: the locked handle gives this thread the connection; both
+    // out-pointers are live locals.
+    let rc = unsafe {
+        ffi::sqlite3_db_status(
+            handle.as_raw_handle().as_ptr(),
+            ffi::SQLITE_DBSTATUS_CACHE_WRITE,
+            &mut current,
+            &mut highwater,
+            0,
+        )
+    };
+    (rc == ffi::SQLITE_OK)
+        .then(|| u64::try_from(current).ok())
+        .flatten()
+}
+
 impl Drop for Statements {
     fn drop(&mut self) {
         // Finalizing needs the connection locked, which a drop cannot
