@@ -9,7 +9,12 @@ Every round first measures the floor (`bench --floor`: the same calls
 answered with only their crypto and RPC work, no store, no rules) and
 prints each build's throughput as a ratio to it. `--in-process` runs the
 brokers in the bench's own process too (`bench` without `--addr`), as the
-floor is: the shape the write-path targets are stated in.
+floor is: the shape the write-path targets are stated in. With it, after
+each in-process build the store's own floor is measured too (`store-probe`:
+the same number of contracts, in the groups that build committed — its
+commands per WAL fsync — with no RPC, signature or rule), and the share of
+the floor no broker on this store could exceed is printed beside it:
+floor CPU / (floor CPU + store floor CPU), both per delegation.
 
     scripts/write-path-bench.py --build before=/tmp/broker-before \\
         --build after=target/release/delegation-broker --depths 1,8,32
@@ -94,7 +99,13 @@ def run_in_process(binary: str, depth: int, args, floor: bool) -> dict:
     measured = int(issued.group(1))
     # Warm-up included: the process's CPU covers it too.
     total = measured * (args.duration_s + args.warmup_s) / args.duration_s
+    fsyncs = FSYNCS_LINE.search(out)
+    commands = COMMANDS_LINE.search(out)
     return {
+        # Every command of the run (warm-up and roots included), and how
+        # many a WAL fsync covered: what `store-probe` is given.
+        "commands": int(commands.group(1)) if commands else 0,
+        "per_fsync": int(commands.group(1)) / max(int(fsyncs.group(1)), 1) if commands and fsyncs else 0,
         "rate": int(issued.group(3)),
         "measured": measured,
         "p50": float(latency.group(1)),
@@ -167,6 +178,27 @@ def run(binary: str, depth: int, args, metrics: bool = False) -> dict:
         }
 
 
+FSYNCS_LINE = re.compile(r"WAL fsyncs: (\d+)")
+COMMANDS_LINE = re.compile(r"per command \((\d+) commands")
+STORE_FLOOR_LINE = re.compile(r"store floor: ([\d.]+) µs")
+
+
+def has_store_probe(binary: str) -> bool:
+    """Older builds have no `store-probe`."""
+    return subprocess.run([binary, "store-probe", "--help"], capture_output=True).returncode == 0
+
+
+def store_floor(binary: str, depth: int, args, contracts: int, group: int) -> float:
+    """`store-probe`'s CPU per delegation for `contracts` in groups of `group`."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = subprocess.run(
+            [binary, "store-probe", "--dir", scratch, "--workers", str(args.concurrency),
+             "--depth", str(depth), "--group", str(group), "--contracts", str(contracts)],
+            check=True, capture_output=True, text=True, timeout=600,
+            env={**os.environ, "BROKER_LOG": "warn"}).stdout
+    return float(STORE_FLOOR_LINE.search(out).group(1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", action="append", required=True, help="name=path of a broker binary")
@@ -185,8 +217,10 @@ def main() -> None:
     builds = [b.split("=", 1) for b in args.build]
     floor_binary = args.floor_build or builds[-1][1]
     cpu_column = "process CPU µs/delegation (bench included)" if args.in_process else "broker CPU µs/delegation"
+    sizes_columns = ("store floor µs/delegation | at most (of the floor) | |" if args.in_process
+                     else "signed contract B (mean child) | deepest contract B | DB bytes/contract |")
     print(f"| round | depth | build | delegations/s | of the floor | p50 ms | p99 ms | p999 ms | {cpu_column} "
-          "| signed contract B (mean child) | deepest contract B | DB bytes/contract | steal s |")
+          f"| {sizes_columns} steal s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for round_ in range(1, args.rounds + 1):
         for depth in [int(d) for d in args.depths.split(",")]:
@@ -201,12 +235,22 @@ def main() -> None:
                 stolen = steal_seconds()
                 if args.in_process:
                     r = run_in_process(binary, depth, args, floor=False)
+                    stolen = steal_seconds() - stolen
                     sizes = "| | |"
+                    # The store's floor for the groups this build committed,
+                    # measured with the floor's build (the newest schema).
+                    group = max(1, min(args.concurrency, round(r["per_fsync"])))
+                    if r["commands"] and has_store_probe(floor_binary):
+                        contracts = round(r["commands"] * (args.duration_s + args.warmup_s) / args.duration_s)
+                        store = store_floor(floor_binary, depth, args, contracts, group)
+                        ceiling = 100.0 * floor["cpu_us_per_delegation"] / (
+                            floor["cpu_us_per_delegation"] + store)
+                        sizes = f"{store:.0f} (groups of {group}) | {ceiling:.0f}% | |"
                 else:
                     r = run(binary, depth, args, metrics=name in args.metrics)
+                    stolen = steal_seconds() - stolen
                     sizes = (f"{r['contract_bytes']:.0f} | {r['deepest_contract_bytes']:.0f} | "
                              f"{r['db_bytes_per_contract']:.0f} |")
-                stolen = steal_seconds() - stolen
                 ratio = 100.0 * r["rate"] / max(floor["rate"], 1)
                 print(f"| {round_} | {depth} | {name} | {r['rate']} | {ratio:.0f}% | {r['p50']:.2f} | "
                       f"{r['p99']:.2f} | {r['p999']:.2f} | {r['cpu_us_per_delegation']:.0f} | {sizes} "

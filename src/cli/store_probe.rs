@@ -118,9 +118,14 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
             ""
         },
     );
+    let pace = if args.rate > 0 {
+        "paced by the arrivals"
+    } else {
+        "as fast as one writer goes"
+    };
     println!(
         "store floor: {:.1} µs of CPU per delegation (roots counted in, as `bench` counts its CPU); \
-         {:.0} delegations/s on one thread",
+         {:.0} delegations/s, {pace}",
         per(report.cpu.as_secs_f64() * 1e6),
         delegations as f64 / report.wall.as_secs_f64().max(1e-9),
     );
