@@ -185,44 +185,57 @@ async fn probe(
     let (mut contracts, mut roots) = (0u64, 0u64);
     let cpu_before = process_cpu();
     let began = std::time::Instant::now();
-    let wrote = async {
-        while contracts < options.contracts {
-            let left = usize::try_from(options.contracts - contracts).unwrap_or(usize::MAX);
-            let arrivals = match options.rate_per_s {
-                None => vec![std::time::Instant::now(); options.group.min(left)],
-                Some(rate) => arrived(began, rate, contracts, options.max_group.min(left)),
-            };
-            let plan = workload(arrivals.len(), SystemClock.now_ms());
-            contracts += plan.contracts.len() as u64;
-            roots += plan.contracts.iter().filter(|c| c.parent.is_none()).count() as u64;
-            let mut script = Sql::whole_transaction();
-            script.statement("BEGIN IMMEDIATE");
-            plan_statements(&mut script, &plan);
-            script.statement("COMMIT");
-            let mut handle = conn.lock_handle().await.map_err(backend)?;
-            let commit = std::time::Instant::now();
-            queued_us.extend(
-                arrivals
-                    .iter()
-                    .map(|&a| micros(commit.saturating_duration_since(a))),
-            );
-            statements.run(&mut handle, &script).map_err(backend)?;
-            drop(handle);
-            commit_us.push(micros(commit.elapsed()));
-            if to_syncer.send(arrivals).is_err() {
-                return Err(StoreError::Backend("the probe's syncer stopped".into()));
+    // The handle is held for the whole run, as the writer holds it across
+    // a stretch of batches (`writer::apply_held`); the finish runs on it
+    // too. (Taking it back from sqlx's worker after every commit, with a
+    // finish through sqlx between, hung `lock_handle` in 2 of 5 runs of
+    // groups of one: see BENCHMARKS.md, session 24.)
+    let mut finish_sql = Sql::default();
+    finish_sql.statement("PRAGMA wal_checkpoint(PASSIVE)");
+    let (wrote, wal_frames) = async {
+        let mut handle = match conn.lock_handle().await {
+            Ok(handle) => handle,
+            Err(e) => return (Err(backend(e)), None),
+        };
+        let mut write = || {
+            while contracts < options.contracts {
+                let left = usize::try_from(options.contracts - contracts).unwrap_or(usize::MAX);
+                let arrivals = match options.rate_per_s {
+                    None => vec![std::time::Instant::now(); options.group.min(left)],
+                    Some(rate) => arrived(began, rate, contracts, options.max_group.min(left)),
+                };
+                let plan = workload(arrivals.len(), SystemClock.now_ms());
+                contracts += plan.contracts.len() as u64;
+                roots += plan.contracts.iter().filter(|c| c.parent.is_none()).count() as u64;
+                let mut script = Sql::whole_transaction();
+                script.statement("BEGIN IMMEDIATE");
+                plan_statements(&mut script, &plan);
+                script.statement("COMMIT");
+                let commit = std::time::Instant::now();
+                queued_us.extend(
+                    arrivals
+                        .iter()
+                        .map(|&a| micros(commit.saturating_duration_since(a))),
+                );
+                statements.run(&mut handle, &script).map_err(backend)?;
+                commit_us.push(micros(commit.elapsed()));
+                if to_syncer.send(arrivals).is_err() {
+                    return Err(StoreError::Backend("the probe's syncer stopped".into()));
+                }
+                // As the broker's writer does between batches (`writer_loop`).
+                if finish.swap(false, Ordering::AcqRel) {
+                    let began = std::time::Instant::now();
+                    statements.run(&mut handle, &finish_sql).map_err(backend)?;
+                    finish_us.push(micros(began.elapsed()));
+                }
             }
-            // As the broker's writer does between batches (`writer_loop`).
-            if finish.swap(false, Ordering::AcqRel) {
-                let began = std::time::Instant::now();
-                sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
-                    .execute(&mut conn)
-                    .await
-                    .map_err(backend)?;
-                finish_us.push(micros(began.elapsed()));
-            }
-        }
-        Ok(())
+            Ok::<_, StoreError>(())
+        };
+        let wrote = write();
+        let wal_frames = super::raw::wal_pages_written(&mut handle);
+        // Statements are finalized before sqlx closes the connection (`raw`).
+        statements.finalize_all(&mut handle);
+        (wrote, wal_frames)
     }
     .await;
     drop(to_syncer);
@@ -233,12 +246,6 @@ async fn probe(
     let cpu = process_cpu().saturating_sub(cpu_before);
     drop((alive, alive_rx));
     let _ = checkpoints.join();
-    // Statements are finalized before sqlx closes the connection (`raw`).
-    let mut wal_frames = None;
-    if let Ok(mut handle) = conn.lock_handle().await {
-        wal_frames = super::raw::wal_pages_written(&mut handle);
-        statements.finalize_all(&mut handle);
-    }
     let _ = conn.close().await;
     wrote?;
     let wal_frames = wal_frames

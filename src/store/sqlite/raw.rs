@@ -402,3 +402,4 @@ mod tests {
         assert_eq!(count, 0, "nothing of it ran");
     }
 }
+
