@@ -402,4 +402,3 @@ mod tests {
         assert_eq!(count, 0, "nothing of it ran");
     }
 }
-
