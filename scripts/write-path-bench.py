@@ -102,8 +102,8 @@ def run_in_process(binary: str, depth: int, args, floor: bool) -> dict:
     fsyncs = FSYNCS_LINE.search(out)
     commands = COMMANDS_LINE.search(out)
     return {
-        # Every command of the run (warm-up and roots included), and how
-        # many a WAL fsync covered: what `store-probe` is given.
+        # The measured window's commands (roots included) and how many a
+        # WAL fsync covered: what `store-probe` is given.
         "commands": int(commands.group(1)) if commands else 0,
         "per_fsync": int(commands.group(1)) / max(int(fsyncs.group(1)), 1) if commands and fsyncs else 0,
         "rate": int(issued.group(3)),

@@ -15,9 +15,8 @@ use crate::store::sqlite::probe::{self, StoreProbeOptions};
 
 /// Most workers (chains in flight): each holds its agents' keys.
 const MAX_WORKERS: usize = 4_096;
-/// Deepest chain (as `bench --depth`); the root's budget halves per level.
-const MAX_DEPTH: u32 = 32;
-const _: () = assert!(ROOT_BUDGET >> MAX_DEPTH >= 1);
+/// Deepest chain (as `bench --depth`).
+const MAX_DEPTH: u32 = 64;
 
 #[derive(Args, Debug)]
 pub struct StoreProbeArgs {
@@ -166,7 +165,7 @@ const PREDICATE: &str = "(result.schema_valid && result.within_scope\n)";
 const WRITE_SCOPE_JSON: &str = "[\"src\"]";
 const ROOT_LABELS_JSON: &str = "{\"tool\":\"bench\"}";
 const CHILD_LABELS_JSON: &str = "{}";
-/// A root's budget: halved at every level, so `MAX_DEPTH` still has units.
+/// A root's budget: halved at every level (never below one unit).
 const ROOT_BUDGET: i64 = 1 << 40;
 /// A contract's deadline after its issuance (an hour).
 const DEADLINE_AFTER_MS: i64 = 3_600_000;
@@ -234,9 +233,9 @@ impl Workload {
             let chain = &mut self.workers[w];
             let (parent, root, depth, budget, requester) = match chain.last.take() {
                 Some((pseq, pid, pdepth, mut ledger)) => {
-                    let budget = ledger.budget / 2;
-                    // Half of a childless parent's budget, at least 1 to
-                    // `MAX_DEPTH`: the core never refuses it.
+                    // Half of a childless parent's budget, at least one
+                    // unit: within its residual, so the core never refuses.
+                    let budget = (ledger.budget / 2).max(1);
                     ledger
                         .reserve(budget)
                         .expect("half of a childless budget fits its residual");
@@ -451,6 +450,55 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// At `bench`'s deepest, budgets halve to one unit and stay there:
+    /// every reservation still fits its parent's residual.
+    #[test]
+    fn a_chain_as_deep_as_bench_allows_keeps_its_ledgers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("deep.sqlite3");
+        let args = StoreProbeArgs {
+            workers: 1,
+            depth: MAX_DEPTH,
+            group: 1,
+            contracts: 2 * (u64::from(MAX_DEPTH) + 1),
+            drop_indexes: Vec::new(),
+            ..args()
+        };
+        let options = StoreProbeOptions {
+            contracts: args.contracts,
+            group: 1,
+            max_group: 1,
+            drop_indexes: Vec::new(),
+            ..options(path.clone(), None)
+        };
+        let mut workload = Workload::new(&args);
+        let report =
+            probe::run(&options, &mut |n, now_ms| workload.group(n, now_ms)).expect("probe");
+        assert_eq!((report.contracts, report.roots), (args.contracts, 2));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let mut conn =
+                SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
+                    .await
+                    .expect("connect");
+            for (sql, want) in [
+                ("SELECT MAX(depth) FROM contracts", i64::from(MAX_DEPTH)),
+                ("SELECT MIN(budget) FROM contracts", 1),
+                (
+                    "SELECT COUNT(*) FROM contracts p WHERE reserved != \
+                     (SELECT COALESCE(SUM(budget), 0) FROM contracts c WHERE c.parent_seq = p.seq) \
+                     OR budget < reserved + spent",
+                    0,
+                ),
+            ] {
+                assert_eq!(count(&mut conn, sql).await, want, "{sql}");
+            }
+        });
     }
 
     #[test]

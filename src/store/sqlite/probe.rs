@@ -155,21 +155,28 @@ async fn probe(
     // stops when `alive` is dropped.
     let (alive, alive_rx) = mpsc::channel::<(Command, Reply)>(1);
     let finish = Arc::new(AtomicBool::new(false));
+    // Connected here, so a checkpointer that cannot start fails the probe
+    // instead of leaving the WAL to grow.
+    let checkpoint_conn = SqliteConnection::connect_with(&connect)
+        .await
+        .map_err(backend)?;
     let checkpoints = {
-        let (connect, weak, finish) = (connect.clone(), alive.downgrade(), finish.clone());
+        let (weak, finish) = (alive.downgrade(), finish.clone());
         let restart_bytes = options.wal_restart_bytes;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Backend(format!("checkpointer runtime: {e}")))?;
         std::thread::Builder::new()
             .name("probe-checkpointer".into())
             .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()?;
-                runtime.block_on(async {
-                    let conn = SqliteConnection::connect_with(&connect).await?;
-                    checkpointer(conn, weak, finish, restart_bytes, CHECKPOINT_INTERVAL).await;
-                    Ok::<_, sqlx::Error>(())
-                })?;
-                Ok::<_, anyhow::Error>(())
+                runtime.block_on(checkpointer(
+                    checkpoint_conn,
+                    weak,
+                    finish,
+                    restart_bytes,
+                    CHECKPOINT_INTERVAL,
+                ));
             })
             .map_err(|e| StoreError::Backend(format!("checkpointer thread: {e}")))?
     };
@@ -245,9 +252,10 @@ async fn probe(
     let wall = began.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
     drop((alive, alive_rx));
-    let _ = checkpoints.join();
+    let checkpointed = checkpoints.join();
     let _ = conn.close().await;
     wrote?;
+    checkpointed.map_err(|_| StoreError::Backend("the probe's checkpointer panicked".into()))?;
     let wal_frames = wal_frames
         .ok_or_else(|| StoreError::Backend("SQLite did not say how many pages it wrote".into()))?;
     let (mut fsync_us, mut latency_us) = synced?;
@@ -275,6 +283,7 @@ async fn probe(
         finish_us,
     })
 }
+
 /// Drops index `name` after checking the schema has it (so the quoted
 /// name in the DDL is one SQLite wrote, not the caller's text).
 async fn drop_index(conn: &mut SqliteConnection, name: &str) -> Result<(), StoreError> {
