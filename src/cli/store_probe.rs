@@ -518,6 +518,15 @@ mod tests {
         let mut rate = fresh("rate.sqlite3");
         rate.rate_per_s = Some(0);
         assert!(refused(rate).contains("rate"));
+        let mut none = fresh("none.sqlite3");
+        none.contracts = 0;
+        assert!(refused(none).contains("contracts"));
+        let mut largest = fresh("largest.sqlite3");
+        largest.max_group = 0;
+        assert!(refused(largest).contains("largest group"));
+        let mut wal = fresh("wal.sqlite3");
+        wal.wal_restart_bytes = 1 << 20;
+        assert!(refused(wal).contains("restart size"));
         let existing = dir.path().join("existing.sqlite3");
         std::fs::write(&existing, b"").expect("write");
         assert!(refused(options(existing, None)).contains("exists"));
