@@ -166,6 +166,9 @@ pub struct StoreMetrics {
     pub wal_fsync_seconds: Histogram,
     /// Fsyncs of at least `SLOW_WAL_SYNC_US` (the disk stalled).
     pub wal_fsync_stalls: IntCounter,
+    /// Takes of the writer's SQLite connection abandoned and asked again
+    /// (`store::sqlite::raw::take_handle`).
+    pub sqlite_handle_retakes: IntCounter,
 }
 
 impl StoreMetrics {
@@ -185,6 +188,10 @@ impl StoreMetrics {
             wal_fsync_stalls: counter(
                 "broker_wal_fsync_stalls_total",
                 "Fsyncs of the write-ahead log that took 5 ms or more.",
+            ),
+            sqlite_handle_retakes: counter(
+                "broker_sqlite_handle_retakes_total",
+                "Times the SQLite writer asked again for its connection, not handed over in 50 ms (each a stall of every write).",
             ),
         }
     }
@@ -391,6 +398,7 @@ impl Metrics {
         for collector in [
             Box::new(self.store.wal_fsync_seconds.clone()) as Box<dyn Collector>,
             Box::new(self.store.wal_fsync_stalls.clone()),
+            Box::new(self.store.sqlite_handle_retakes.clone()),
         ] {
             self.registry
                 .register(collector)

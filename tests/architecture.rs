@@ -649,6 +649,7 @@ const STATICS: &[(&str, &str, &str)] = &[
     ("store/sqlite/writer.rs", "PROBE_FAILED", "a log throttle"),
     ("store/sqlite/writer.rs", "FINISH_FAILED", "a log throttle"),
     ("store/sqlite/writer.rs", "PRUNE_FAILED", "a log throttle"),
+    ("store/sqlite/raw.rs", "RETAKEN", "a log throttle"),
     ("telemetry/mod.rs", "EXPORT_FAILED", "a log throttle"),
     (
         "store/postgres/writer.rs",

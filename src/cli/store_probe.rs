@@ -53,6 +53,13 @@ pub struct StoreProbeArgs {
     /// Leave the request log out, to price its random-keyed B-tree.
     #[arg(long)]
     pub no_request_log: bool,
+    /// After every commit hand the connection back to sqlx's worker, run a
+    /// statement there and take it again, as the broker's writer does
+    /// around each batch that must go through sqlx (lifecycle commands,
+    /// parents not cached): prices the hand-over, and counts the takes
+    /// sqlx did not answer in 50 ms (asked again).
+    #[arg(long)]
+    pub hand_over: bool,
 }
 
 pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
@@ -83,6 +90,7 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
         contracts: args.contracts,
         drop_indexes: args.drop_indexes.clone(),
         wal_restart_bytes: args.wal_restart_mib.saturating_mul(1024 * 1024),
+        hand_over: args.hand_over,
     };
     let mut workload = Workload::new(&args);
     let report = probe::run(&options, &mut |n, now_ms| workload.group(n, now_ms));
@@ -100,7 +108,7 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
         format!("in groups of {}", args.group)
     };
     println!(
-        "store probe: {} contracts ({} roots) {shape}, {} commits over {:.1}s in {}{}{}",
+        "store probe: {} contracts ({} roots) {shape}, {} commits over {:.1}s in {}{}{}{}",
         report.contracts,
         report.roots,
         report.commits,
@@ -113,6 +121,11 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
         },
         if args.no_request_log {
             ", no request log"
+        } else {
+            ""
+        },
+        if args.hand_over {
+            ", the connection handed over between commits"
         } else {
             ""
         },
@@ -150,6 +163,13 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" "),
     );
+    if args.hand_over {
+        println!(
+            "takes of the connection abandoned after {} ms and asked again: {}",
+            crate::store::limits::sqlite::HANDLE_WAIT.as_millis(),
+            report.retakes
+        );
+    }
     Ok(())
 }
 
@@ -357,6 +377,7 @@ mod tests {
             drop_indexes: vec!["contracts_held_by_delegate".into()],
             no_request_log: false,
             wal_restart_mib: 16,
+            hand_over: false,
         }
     }
 
@@ -370,6 +391,7 @@ mod tests {
             contracts: args.contracts,
             drop_indexes: args.drop_indexes,
             wal_restart_bytes: args.wal_restart_mib << 20,
+            hand_over: args.hand_over,
         }
     }
 
@@ -391,11 +413,17 @@ mod tests {
     #[test]
     fn a_probe_writes_bench_shaped_chains_whose_ledgers_add_up() {
         let dir = tempfile::tempdir().expect("tempdir");
-        for rate in [None, Some(2_000)] {
+        // Fixed groups, the open loop, and fixed groups with the
+        // connection handed to sqlx and taken back between commits.
+        for (rate, hand_over) in [(None, false), (Some(2_000), false), (None, true)] {
             let path = dir
                 .path()
-                .join(format!("probe-{}.sqlite3", rate.unwrap_or(0)));
-            let report = probe(&options(path.clone(), rate)).expect("probe");
+                .join(format!("probe-{}-{hand_over}.sqlite3", rate.unwrap_or(0)));
+            let report = probe(&StoreProbeOptions {
+                hand_over,
+                ..options(path.clone(), rate)
+            })
+            .expect("probe");
             // 8 workers in turn, each 24 steps: 6 chains of a root and 3
             // delegations.
             assert_eq!((report.contracts, report.roots), (192, 48), "{rate:?}");

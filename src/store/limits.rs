@@ -82,6 +82,15 @@ pub(crate) mod sqlite {
     /// Back-to-back checkpoints at most before the writer is asked to finish.
     pub(crate) const MAX_DRAIN_ROUNDS: usize = 8;
 
+    /// How long the writer waits for sqlx's worker to hand over its
+    /// connection before asking again (`raw::take_handle`): a take is
+    /// 10–100 µs, and one abandoned costs only another hand-over, while
+    /// every write waits on it.
+    pub(crate) const HANDLE_WAIT: Duration = Duration::from_millis(50);
+
+    /// Takes asked before the writer's batch fails instead (2 s in all).
+    pub(crate) const HANDLE_TRIES: u32 = 40;
+
     // `store-probe` (`store::sqlite::probe`).
     /// Most contracts one commit takes (a closed loop's workers).
     pub(crate) const MAX_PROBE_GROUP: usize = 4_096;

@@ -51,6 +51,12 @@ pub struct StoreProbeOptions {
     /// WAL size past which the writer finishes a checkpoint
     /// (`SqliteOptions::wal_restart_bytes`; also what is reserved).
     pub wal_restart_bytes: u64,
+    /// Hand the connection back to sqlx's worker after every commit, run
+    /// a statement through sqlx (the finish when due) and take it again
+    /// (`raw::take_handle`), as the writer does around each batch that
+    /// goes through sqlx: prices that hand-over and counts the takes
+    /// abandoned (sqlx 0.9 now and then never hands it back).
+    pub hand_over: bool,
 }
 
 /// What a probe measured.
@@ -84,6 +90,8 @@ pub struct StoreProbeReport {
     /// Each checkpoint the writer finished between commits so the WAL
     /// restarts (the writer's stalls), µs, sorted.
     pub finish_us: Vec<u32>,
+    /// Takes of the handle abandoned after `HANDLE_WAIT` and asked again.
+    pub retakes: u64,
 }
 
 /// Makes the plan of the next `n` contracts, issued at `now_ms`, numbered
@@ -192,53 +200,81 @@ async fn probe(
     let (mut contracts, mut roots) = (0u64, 0u64);
     let cpu_before = process_cpu();
     let began = std::time::Instant::now();
-    // The handle is held for the whole run, as the writer holds it across
-    // a stretch of batches (`writer::apply_held`); the finish runs on it
-    // too. (Taking it back from sqlx's worker after every commit, with a
-    // finish through sqlx between, hung `lock_handle` in 2 of 5 runs of
-    // groups of one: see BENCHMARKS.md, session 24.)
+    // Without `hand_over` the handle is held for the whole run, as the
+    // writer holds it across a stretch of batches (`writer::apply_held`);
+    // the finish runs on it too, as the writer's does (`writer::maintain`).
+    const FINISH: &str = "PRAGMA wal_checkpoint(PASSIVE)";
     let mut finish_sql = Sql::default();
-    finish_sql.statement("PRAGMA wal_checkpoint(PASSIVE)");
+    finish_sql.statement(FINISH);
+    let retakes = prometheus::IntCounter::new("probe_retakes", "abandoned takes of the handle")
+        .map_err(|e| StoreError::Backend(format!("a counter: {e}")))?;
     let (wrote, wal_frames) = async {
-        let mut handle = match conn.lock_handle().await {
+        let mut handle = match super::raw::take_handle(&mut conn, Some(&retakes)).await {
             Ok(handle) => handle,
             Err(e) => return (Err(backend(e)), None),
         };
-        let mut write = || {
-            while contracts < options.contracts {
-                let left = usize::try_from(options.contracts - contracts).unwrap_or(usize::MAX);
-                let arrivals = match options.rate_per_s {
-                    None => vec![std::time::Instant::now(); options.group.min(left)],
-                    Some(rate) => arrived(began, rate, contracts, options.max_group.min(left)),
-                };
-                let plan = workload(arrivals.len(), SystemClock.now_ms());
-                contracts += plan.contracts.len() as u64;
-                roots += plan.contracts.iter().filter(|c| c.parent.is_none()).count() as u64;
-                let mut script = Sql::whole_transaction();
-                script.statement("BEGIN IMMEDIATE");
-                plan_statements(&mut script, &plan);
-                script.statement("COMMIT");
-                let commit = std::time::Instant::now();
-                queued_us.extend(
-                    arrivals
-                        .iter()
-                        .map(|&a| micros(commit.saturating_duration_since(a))),
-                );
-                statements.run(&mut handle, &script).map_err(backend)?;
-                commit_us.push(micros(commit.elapsed()));
-                if to_syncer.send(arrivals).is_err() {
-                    return Err(StoreError::Backend("the probe's syncer stopped".into()));
-                }
-                // As the broker's writer does between batches (`writer_loop`).
-                if finish.swap(false, Ordering::AcqRel) {
+        let wrote = loop {
+            if contracts >= options.contracts {
+                break Ok(());
+            }
+            let left = usize::try_from(options.contracts - contracts).unwrap_or(usize::MAX);
+            let arrivals = match options.rate_per_s {
+                None => vec![std::time::Instant::now(); options.group.min(left)],
+                Some(rate) => arrived(began, rate, contracts, options.max_group.min(left)),
+            };
+            let plan = workload(arrivals.len(), SystemClock.now_ms());
+            contracts += plan.contracts.len() as u64;
+            roots += plan.contracts.iter().filter(|c| c.parent.is_none()).count() as u64;
+            let mut script = Sql::whole_transaction();
+            script.statement("BEGIN IMMEDIATE");
+            plan_statements(&mut script, &plan);
+            script.statement("COMMIT");
+            let commit = std::time::Instant::now();
+            queued_us.extend(
+                arrivals
+                    .iter()
+                    .map(|&a| micros(commit.saturating_duration_since(a))),
+            );
+            if let Err(e) = statements.run(&mut handle, &script) {
+                break Err(backend(e));
+            }
+            commit_us.push(micros(commit.elapsed()));
+            if to_syncer.send(arrivals).is_err() {
+                break Err(StoreError::Backend("the probe's syncer stopped".into()));
+            }
+            let finishing = finish.swap(false, Ordering::AcqRel);
+            if !options.hand_over {
+                // As the broker's writer does between batches (`maintain`).
+                if finishing {
                     let began = std::time::Instant::now();
-                    statements.run(&mut handle, &finish_sql).map_err(backend)?;
+                    if let Err(e) = statements.run(&mut handle, &finish_sql) {
+                        break Err(backend(e));
+                    }
                     finish_us.push(micros(began.elapsed()));
                 }
+                continue;
             }
-            Ok::<_, StoreError>(())
+            // As the writer does around a batch that goes through sqlx:
+            // the connection handed back to sqlx's worker, a statement
+            // there, and the handle taken again.
+            drop(handle);
+            let began = std::time::Instant::now();
+            let through_sqlx = if finishing {
+                sqlx::query(FINISH)
+            } else {
+                sqlx::query("SELECT 1")
+            };
+            if let Err(e) = through_sqlx.execute(&mut conn).await {
+                return (Err(backend(e)), None);
+            }
+            if finishing {
+                finish_us.push(micros(began.elapsed()));
+            }
+            handle = match super::raw::take_handle(&mut conn, Some(&retakes)).await {
+                Ok(handle) => handle,
+                Err(e) => return (Err(backend(e)), None),
+            };
         };
-        let wrote = write();
         let wal_frames = super::raw::wal_pages_written(&mut handle);
         // Statements are finalized before sqlx closes the connection (`raw`).
         statements.finalize_all(&mut handle);
@@ -281,6 +317,7 @@ async fn probe(
         latency_us,
         queued_us,
         finish_us,
+        retakes: retakes.get(),
     })
 }
 

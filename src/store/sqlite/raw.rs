@@ -25,11 +25,83 @@ use std::ffi::{CStr, c_int};
 use std::ptr::NonNull;
 
 use libsqlite3_sys as ffi;
+use sqlx::SqliteConnection;
 use sqlx::error::{DatabaseError, ErrorKind};
 use sqlx::sqlite::LockedSqliteHandle;
 
-use crate::store::limits::sqlite::STATEMENT_CACHE_CAPACITY;
+use crate::store::limits::sqlite::{HANDLE_TRIES, HANDLE_WAIT, STATEMENT_CACHE_CAPACITY};
 use crate::store::sql::plan::{Arg, Sql};
+
+/// Takes SQLite's handle from sqlx's worker thread (`lock_handle`), with
+/// a bound: sqlx 0.9's `lock_handle` now and then never returns (the
+/// worker has let the connection go and waits to take it back; the
+/// writer is never woken). Seen in `store-probe` taking the handle for
+/// every commit with a checkpoint through sqlx between: about one take
+/// in 40,000, and then for good. Abandoning the take and asking again
+/// got the handle at once every time (in 20–180 µs, four of four). So a
+/// take not done in `HANDLE_WAIT` is asked again, up to `HANDLE_TRIES`
+/// times; then the caller gets an error (its batch fails loudly) instead
+/// of every write stopping without a word. Abandoning is harmless: the
+/// worker lets the connection go and takes it back once more.
+pub(super) async fn take_handle<'c>(
+    conn: &'c mut SqliteConnection,
+    retakes: Option<&prometheus::IntCounter>,
+) -> Result<LockedSqliteHandle<'c>, sqlx::Error> {
+    let conn: *mut SqliteConnection = conn;
+    // SAFETY: `bounded` drops each attempt (and the borrow in it) before
+    // it starts the next, so at most one `&mut` made here is ever alive,
+    // and the one returned is the caller's borrow.
+    let attempt = || unsafe { &mut *conn }.lock_handle();
+    match bounded(attempt, HANDLE_WAIT, HANDLE_TRIES).await {
+        Ok((taken, 0)) => taken,
+        Ok((taken, abandoned)) => {
+            if let Some(retakes) = retakes {
+                retakes.inc_by(u64::from(abandoned));
+            }
+            static RETAKEN: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+            if let Some(held) = RETAKEN.allow() {
+                tracing::warn!(
+                    abandoned,
+                    held,
+                    "sqlx's worker did not hand over the writer's connection; asked again"
+                );
+            }
+            taken
+        }
+        Err(abandoned) => {
+            if let Some(retakes) = retakes {
+                retakes.inc_by(u64::from(abandoned));
+            }
+            Err(sqlx::Error::Protocol(format!(
+                "sqlx's worker did not hand over the writer's connection in {abandoned} tries of {} ms",
+                HANDLE_WAIT.as_millis()
+            )))
+        }
+    }
+}
+
+/// Runs `attempt()` for up to `wait`, dropping it and starting it again
+/// up to `tries` times in all: its output and how many were abandoned, or
+/// (all abandoned) how many.
+async fn bounded<F: std::future::Future>(
+    mut attempt: impl FnMut() -> F,
+    wait: std::time::Duration,
+    tries: u32,
+) -> Result<(F::Output, u32), u32> {
+    for abandoned in 0..tries {
+        if let Ok(output) = tokio::time::timeout(wait, attempt()).await {
+            return Ok((output, abandoned));
+        }
+    }
+    Err(tries)
+}
+
+/// Rows the connection's last statement changed (`sqlite3_changes64`).
+pub(super) fn changes(handle: &mut LockedSqliteHandle<'_>) -> u64 {
+    // SAFETY: the locked handle gives this thread the connection alone.
+    let changed = unsafe { ffi::sqlite3_changes64(handle.as_raw_handle().as_ptr()) };
+    u64::try_from(changed).unwrap_or(0)
+}
 
 /// The writer's prepared statements, by text.
 #[derive(Default)]
@@ -378,6 +450,63 @@ mod tests {
         statements.finalize_all(&mut locked);
         drop(locked);
         // sqlx's close fails (panics) if a statement were left prepared.
+        conn.close().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_take_that_does_not_finish_is_abandoned_and_asked_again_a_bounded_number_of_times() {
+        use std::future::{pending, ready};
+        use std::time::Duration;
+        let wait = Duration::from_millis(1);
+        // The first two attempts never finish (a lost wake-up); the third
+        // does at once.
+        let mut started = 0u32;
+        let attempt = || {
+            started += 1;
+            let n = started;
+            async move {
+                if n <= 2 {
+                    pending::<()>().await;
+                }
+                n
+            }
+        };
+        assert_eq!(bounded(attempt, wait, 5).await, Ok((3, 2)));
+        // None finishes: the caller is told after exactly `tries`.
+        let mut started = 0u32;
+        let never = || {
+            started += 1;
+            pending::<()>()
+        };
+        assert_eq!(bounded(never, wait, 4).await, Err(4));
+        assert_eq!(started, 4);
+        // One that finishes at once is not abandoned.
+        assert_eq!(bounded(|| ready(7), wait, 1).await, Ok((7, 0)));
+    }
+
+    #[tokio::test]
+    async fn the_handle_taken_through_the_bound_runs_statements_and_counts_changes() {
+        let mut conn = memory().await;
+        let mut statements = Statements::default();
+        let mut sql = Sql::default();
+        sql.statement("INSERT INTO t (k) VALUES (x'01'), (x'02'), (x'03')");
+        sql.statement("DELETE FROM t WHERE k > ").arg(&[1u8][..]);
+        let retakes = prometheus::IntCounter::new("t", "t").unwrap();
+        let mut handle = take_handle(&mut conn, Some(&retakes)).await.unwrap();
+        statements.run(&mut handle, &sql).unwrap();
+        assert_eq!(
+            changes(&mut handle),
+            2,
+            "the DELETE's rows, not the INSERT's"
+        );
+        statements.finalize_all(&mut handle);
+        drop(handle);
+        assert_eq!(retakes.get(), 0);
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM t")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(count, 1);
         conn.close().await.unwrap();
     }
 

@@ -160,7 +160,7 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
     // sqlx closes the connection with `sqlite3_close`, which refuses (and
     // sqlx panics) while a statement is still prepared: they are finalized
     // first, after a panic of the writer too.
-    match writer.lock_handle().await {
+    match super::raw::take_handle(&mut writer, retakes(&state)).await {
         Ok(mut locked) => state.statements.finalize_all(&mut locked),
         Err(e) => tracing::warn!(error = %e, "the writer's statements could not be finalized"),
     }
@@ -230,23 +230,47 @@ pub(super) struct WriterState {
     pub(super) statements: super::raw::Statements,
 }
 
-/// Prunes the request log when due (a commit of its own, sent to the
-/// syncer like any other). False when the syncer has stopped: the writer
-/// stops too.
-async fn prune_when_due(
-    conn: &mut SqliteConnection,
+/// The writer's work between batches, on its handle: finishing the
+/// WAL's checkpoint when asked, pruning the request log when due. Both
+/// run on the held handle rather than through sqlx: no hand-over of the
+/// connection (see `raw::take_handle`) between batches. False when the
+/// syncer has stopped: the writer stops too.
+async fn maintain(
+    handle: &mut LockedSqliteHandle<'_>,
     state: &mut WriterState,
     clock: &dyn Clock,
 ) -> bool {
+    // The WAL only restarts from its beginning once every frame is
+    // copied, and a background checkpoint never catches up with a busy
+    // writer: the WAL would grow without bound (measured: 300 MB in 4 s).
+    // So once it is big and drained (see `checkpointer`), the writer,
+    // between batches, copies the few frames written since; its next
+    // commit then restarts the WAL.
+    if state.finish_checkpoint.swap(false, Ordering::AcqRel) {
+        let began = std::time::Instant::now();
+        let mut finish = Sql::default();
+        finish.statement("PRAGMA wal_checkpoint(PASSIVE)");
+        let finished = state.statements.run(handle, &finish);
+        tracing::trace!(
+            took_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX),
+            "WAL checkpoint finished by the writer"
+        );
+        if let Err(e) = finished {
+            static FINISH_FAILED: crate::telemetry::Throttle = crate::telemetry::Throttle::new();
+            if let Some(held) = FINISH_FAILED.allow() {
+                tracing::warn!(error = %e, held, "finishing the WAL checkpoint failed; will retry");
+            }
+        }
+    }
     let now = std::time::Instant::now();
     if now >= state.next_prune {
         let cutoff_ms = clock.now_ms().saturating_sub(state.retention_ms);
-        // A commit like any other (see `Durability`): readers that see
-        // the deletion wait for its fsync, which the syncer does even
-        // if no batch follows.
-        let Some(pruned) = own_commit(state, prune_requests(conn, cutoff_ms)).await else {
+        // A commit like any other (see `own_commit`).
+        state.committed.fetch_add(1, Ordering::SeqCst);
+        let pruned = prune_requests(handle, &mut state.statements, cutoff_ms);
+        if !to_syncer(state).await {
             return false;
-        };
+        }
         state.next_prune = match pruned {
             // A full pass: more are due; go on after the next batch.
             Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
@@ -261,6 +285,11 @@ async fn prune_when_due(
         };
     }
     true
+}
+
+/// The writer's counter of abandoned takes of its handle, if metrics are on.
+fn retakes(state: &WriterState) -> Option<&prometheus::IntCounter> {
+    state.metrics.as_ref().map(|m| &m.sqlite_handle_retakes)
 }
 
 pub(super) async fn writer_loop(
@@ -308,40 +337,45 @@ pub(super) async fn writer_loop(
         // A batch's time starts here, taking the handle included (and a
         // batch left pending keeps it: its planning counts too).
         let mut began = std::time::Instant::now();
-        if *state.writable.borrow()
-            && !maintenance_due(state)
-            && let Ok(mut handle) = conn.lock_handle().await
-        {
-            loop {
-                match apply_held(&mut handle, &commands, state, &stamper, now_ms) {
-                    Held::Pending(p) => {
-                        pending = p;
-                        break;
-                    }
-                    Held::Answered(answers) => {
-                        let answered =
-                            hand_over(state, &mut commands, &mut replies, Ok(answers), began);
-                        if !answered.await {
-                            break 'serve;
+        if *state.writable.borrow() {
+            match super::raw::take_handle(conn, retakes(state)).await {
+                Ok(mut handle) => loop {
+                    match apply_held(&mut handle, &commands, state, &stamper, now_ms) {
+                        Held::Pending(p) => {
+                            pending = p;
+                            break;
+                        }
+                        Held::Answered(answers) => {
+                            let answered =
+                                hand_over(state, &mut commands, &mut replies, Ok(answers), began);
+                            if !answered.await {
+                                break 'serve;
+                            }
                         }
                     }
-                }
-                if !*state.writable.borrow() || maintenance_due(state) {
-                    break;
-                }
-                let Some(first) = queue.recv().await else {
-                    break 'serve;
-                };
-                gather(
-                    first,
-                    &mut queue,
-                    &mut commands,
-                    &mut replies,
-                    state,
-                    max_batch,
-                );
-                now_ms = clock.now_ms();
-                began = std::time::Instant::now();
+                    if !maintain(&mut handle, state, clock.as_ref()).await {
+                        break 'serve;
+                    }
+                    if !*state.writable.borrow() {
+                        break;
+                    }
+                    let Some(first) = queue.recv().await else {
+                        break 'serve;
+                    };
+                    gather(
+                        first,
+                        &mut queue,
+                        &mut commands,
+                        &mut replies,
+                        state,
+                        max_batch,
+                    );
+                    now_ms = clock.now_ms();
+                    began = std::time::Instant::now();
+                },
+                // The batch goes on through sqlx, which takes the handle
+                // too for its script, and fails loudly if it cannot.
+                Err(e) => tracing::error!(error = %e, "the writer could not take its connection"),
             }
         }
         // Whatever the held stretch left: with sqlx's connection.
@@ -350,32 +384,18 @@ pub(super) async fn writer_loop(
             if !hand_over(state, &mut commands, &mut replies, applied, began).await {
                 break;
             }
-        }
-        // The WAL only restarts from its beginning once every frame is
-        // copied, and a background checkpoint never catches up with a busy
-        // writer: the WAL would grow without bound (measured: 300 MB in 4
-        // s). So once it is big and drained (see `checkpointer`), the
-        // writer, between batches, copies the few frames written since; its
-        // next commit then restarts the WAL.
-        if state.finish_checkpoint.swap(false, Ordering::AcqRel) {
-            let began = std::time::Instant::now();
-            let finished = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
-                .execute(&mut *conn)
-                .await;
-            tracing::trace!(
-                took_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX),
-                "WAL checkpoint finished by the writer"
-            );
-            if let Err(e) = finished {
-                static FINISH_FAILED: crate::telemetry::Throttle =
-                    crate::telemetry::Throttle::new();
-                if let Some(held) = FINISH_FAILED.allow() {
-                    tracing::warn!(error = %e, held, "finishing the WAL checkpoint failed; will retry");
+            if maintenance_due(state) {
+                match super::raw::take_handle(conn, retakes(state)).await {
+                    Ok(mut handle) => {
+                        if !maintain(&mut handle, state, clock.as_ref()).await {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "the writer could not take its connection");
+                    }
                 }
             }
-        }
-        if !prune_when_due(conn, state, clock.as_ref()).await {
-            break;
         }
     }
     tracing::debug!("store writer stopped");
@@ -410,8 +430,8 @@ fn gather(
     }
 }
 
-/// Work between batches that needs sqlx's connection: a checkpoint to
-/// finish, or the request log's pruning.
+/// Work between batches (`maintain`): a checkpoint to finish, or the
+/// request log's pruning.
 fn maintenance_due(state: &WriterState) -> bool {
     state.finish_checkpoint.load(Ordering::Acquire) || std::time::Instant::now() >= state.next_prune
 }
@@ -506,6 +526,12 @@ async fn own_commit<T>(
 ) -> Option<T> {
     state.committed.fetch_add(1, Ordering::SeqCst);
     let written = write.await;
+    to_syncer(state).await.then_some(written)
+}
+
+/// Hands the writer's own commit, numbered before it began, to the
+/// syncer. False when the syncer has stopped: the writer stops too.
+async fn to_syncer(state: &WriterState) -> bool {
     let number = state.committed.load(Ordering::SeqCst);
     if state
         .synced
@@ -518,9 +544,9 @@ async fn own_commit<T>(
         .is_err()
     {
         tracing::error!("the syncer stopped; the store writer stops");
-        return None;
+        return false;
     }
-    Some(written)
+    true
 }
 
 /// One probe write (see `health`), a commit like any other (through the
@@ -548,19 +574,23 @@ async fn probe_disk(
 /// Deletes up to `MAX_PRUNED_PER_PASS` request-log entries that arrived
 /// before `cutoff_ms`, oldest first; returns how many. Runs on the writer,
 /// between batches, in its own transaction.
-pub(super) async fn prune_requests(
-    conn: &mut SqliteConnection,
+pub(super) fn prune_requests(
+    handle: &mut LockedSqliteHandle<'_>,
+    statements: &mut super::raw::Statements,
     cutoff_ms: i64,
 ) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query(
-        "DELETE FROM requests WHERE (agent_key, nonce) IN \
-         (SELECT agent_key, nonce FROM requests WHERE at_ms < $1 ORDER BY at_ms LIMIT $2)",
-    )
-    .bind(cutoff_ms)
-    .bind(i64::try_from(MAX_PRUNED_PER_PASS).unwrap_or(i64::MAX))
-    .execute(&mut *conn)
-    .await?;
-    Ok(done.rows_affected())
+    let mut prune = Sql::default();
+    prune
+        .statement(
+            "DELETE FROM requests WHERE (agent_key, nonce) IN \
+             (SELECT agent_key, nonce FROM requests WHERE at_ms < ",
+        )
+        .arg(cutoff_ms)
+        .push(" ORDER BY at_ms LIMIT ")
+        .arg(i64::try_from(MAX_PRUNED_PER_PASS).unwrap_or(i64::MAX))
+        .push(")");
+    statements.run(handle, &prune)?;
+    Ok(super::raw::changes(handle))
 }
 
 /// How far the held stretch got with a batch it left to `apply_batch`.
@@ -619,7 +649,7 @@ pub(super) async fn apply_batch(
             match load_prior_requests::<Sqlite>(conn, &unlogged).await {
                 Ok(earlier) => {
                     batch::replay_unlogged(commands, &mut plan.answers, &earlier);
-                    match conn.lock_handle().await {
+                    match super::raw::take_handle(conn, retakes(state)).await {
                         Ok(mut handle) => write_fast(&mut handle, plan, state),
                         Err(e) => Err(e),
                     }
@@ -736,7 +766,7 @@ pub(super) async fn apply_fast(
         let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
         batch::replay_unlogged(commands, &mut plan.answers, &earlier);
     }
-    let mut handle = conn.lock_handle().await?;
+    let mut handle = super::raw::take_handle(conn, retakes(state)).await?;
     write_fast(&mut handle, plan, state)
 }
 
@@ -878,7 +908,7 @@ pub(super) async fn apply_careful(
     touch_trees(&state.trees, &plan);
     let mut script = Sql::default();
     if plan_statements(&mut script, &plan) > 0 {
-        let mut handle = tx.lock_handle().await?;
+        let mut handle = super::raw::take_handle(&mut tx, retakes(state)).await?;
         state.statements.run(&mut handle, &script)?;
     }
     drop(script);

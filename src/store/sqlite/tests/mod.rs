@@ -791,7 +791,10 @@ async fn a_prune_pass_is_bounded_and_takes_the_oldest_first() {
         .expect("insert");
     }
     let cutoff_ms = old + 1;
-    let first = prune_requests(&mut conn, cutoff_ms).await.expect("prune");
+    let mut statements = crate::store::sqlite::raw::Statements::default();
+    let mut handle = conn.lock_handle().await.expect("handle");
+    let first = prune_requests(&mut handle, &mut statements, cutoff_ms).expect("prune");
+    drop(handle);
     assert_eq!(first, MAX_PRUNED_PER_PASS);
     let oldest: i64 = sqlx::query_scalar("SELECT MIN(at_ms) FROM requests")
         .fetch_one(&mut conn)
@@ -803,9 +806,12 @@ async fn a_prune_pass_is_bounded_and_takes_the_oldest_first() {
         "the oldest go first"
     );
     let mut passes = 1;
-    while prune_requests(&mut conn, cutoff_ms).await.expect("prune") > 0 {
+    let mut handle = conn.lock_handle().await.expect("handle");
+    while prune_requests(&mut handle, &mut statements, cutoff_ms).expect("prune") > 0 {
         passes += 1;
     }
+    statements.finalize_all(&mut handle);
+    drop(handle);
     assert_eq!(passes, 3, "a backlog of {old} takes three passes");
     let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM requests")
         .fetch_one(&mut conn)
