@@ -258,17 +258,21 @@ async fn probe(
             // the finish through sqlx when due (the writer's pattern
             // before its finish moved onto the held handle).
             drop(handle);
+            let mut finished = Ok(());
             if finishing {
                 let began = std::time::Instant::now();
-                if let Err(e) = sqlx::query(FINISH).execute(&mut conn).await {
-                    return (Err(backend(e)), None);
-                }
+                finished = sqlx::query(FINISH).execute(&mut conn).await.map(drop);
                 finish_us.push(micros(began.elapsed()));
             }
+            // Taken back even after a failed finish: the statements are
+            // finalized on it below.
             handle = match super::raw::take_handle(&mut conn, Some(&retakes)).await {
                 Ok(handle) => handle,
                 Err(e) => return (Err(backend(e)), None),
             };
+            if let Err(e) = finished {
+                break Err(backend(e));
+            }
         };
         let wal_frames = super::raw::wal_pages_written(&mut handle);
         // Statements are finalized before sqlx closes the connection (`raw`).
@@ -284,7 +288,13 @@ async fn probe(
     let cpu = process_cpu().saturating_sub(cpu_before);
     drop((alive, alive_rx));
     let checkpointed = checkpoints.join();
-    let _ = conn.close().await;
+    if statements.is_empty() {
+        let _ = conn.close().await;
+    } else {
+        // Never handed back: closing with statements prepared would
+        // panic (see `raw`), so the connection is left to the exit.
+        std::mem::forget(conn);
+    }
     wrote?;
     checkpointed.map_err(|_| StoreError::Backend("the probe's checkpointer panicked".into()))?;
     let wal_frames = wal_frames

@@ -137,6 +137,11 @@ impl Statements {
         Ok(())
     }
 
+    /// Whether no statement is prepared (none to finalize).
+    pub(super) fn is_empty(&self) -> bool {
+        self.prepared.is_empty()
+    }
+
     /// The statement for `text`, prepared once (until the cache is full:
     /// then every statement is finalized and the cache starts again).
     fn prepare(

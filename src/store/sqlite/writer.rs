@@ -162,10 +162,16 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
     // first, after a panic of the writer too.
     match super::raw::take_handle(&mut writer, retakes(&state)).await {
         Ok(mut locked) => state.statements.finalize_all(&mut locked),
-        Err(e) => tracing::warn!(error = %e, "the writer's statements could not be finalized"),
+        Err(e) => tracing::error!(error = %e, "the writer's statements could not be finalized"),
     }
-    if let Err(e) = writer.close().await {
-        tracing::warn!(error = %e, "closing the writer connection");
+    if state.statements.is_empty() {
+        if let Err(e) = writer.close().await {
+            tracing::warn!(error = %e, "closing the writer connection");
+        }
+    } else {
+        // Closing would panic; what was committed is in the WAL, so the
+        // connection is left for the process's exit instead.
+        std::mem::forget(writer);
     }
     if let Err(panic) = looped {
         std::panic::resume_unwind(panic);
