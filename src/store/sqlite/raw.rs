@@ -35,10 +35,10 @@ use crate::store::sql::plan::{Arg, Sql};
 /// Takes SQLite's handle from sqlx's worker thread (`lock_handle`), with
 /// a bound: sqlx 0.9's `lock_handle` now and then never returns (the
 /// worker has let the connection go and waits to take it back; the
-/// writer is never woken). Seen in `store-probe` taking the handle for
-/// every commit with a checkpoint through sqlx between: about one take
-/// in 40,000, and then for good. Abandoning the take and asking again
-/// got the handle at once every time (in 20–180 µs, four of four). So a
+/// writer is never woken). Seen in `store-probe --hand-over`, a take
+/// right after a checkpoint through sqlx: 1–7 takes in 60,000 in every
+/// run, each for good. Abandoning the take and asking again got the
+/// handle at once every time (BENCHMARKS.md, issue 27). So a
 /// take not done in `HANDLE_WAIT` is asked again, up to `HANDLE_TRIES`
 /// times; then the caller gets an error (its batch fails loudly) instead
 /// of every write stopping without a word. Abandoning is harmless: the
