@@ -87,6 +87,8 @@ pub(crate) mod sqlite {
     /// 10–100 µs, and one abandoned costs only another hand-over, while
     /// every write waits on it.
     pub(crate) const HANDLE_WAIT: Duration = Duration::from_millis(50);
+    // `broker_sqlite_handle_retakes_total`'s help and the README say 50 ms.
+    const _: () = assert!(HANDLE_WAIT.as_millis() == 50);
 
     /// Takes asked before the writer's batch fails instead (2 s in all).
     pub(crate) const HANDLE_TRIES: u32 = 40;
