@@ -22,7 +22,7 @@ pub const WAL_RESTART_BYTES: u64 = 128 * 1024 * 1024;
 /// achieves against a busy writer. So once the WAL holds `restart_bytes`,
 /// this drains it (checkpoints back to back until one had little left to
 /// copy) and then asks the writer to copy the rest between two batches
-/// (`finish`, see `writer_loop`): the writer stalls only for the frames
+/// (`finish`, see `writer::maintain`): the writer stalls only for the frames
 /// of the last round (measured: 9–25 ms stalls twice a second when the
 /// writer was asked after a single 250 ms round). Stops when the store is
 /// dropped.
