@@ -12,6 +12,12 @@ over the measured window only (after the warm-up).
     scripts/replica-bench.py --bin target/release/delegation-broker \\
         --rounds 2 --configs sqlite,pg1,pg3,sqlite-hot,pg1-hot,pg3-hot
 
+With `--build NAME=BIN` (repeated) instead of `--bin`, each round runs
+every configuration on every build in turn.
+
+A configuration is `sqlite` or `pgN` (N replicas), `wK` after it for K
+writers a replica (`pg1w2`), `-hot` after that for `bench --hot-parent`.
+
 Prints one markdown table row per run, then the means. With
 `--statements N`, the server loads pg_stat_statements and each PostgreSQL
 run also prints its N statements with the most execution time, per
@@ -108,14 +114,15 @@ def create_database(admin_url, name):
     return admin_url.rsplit("/", 1)[0] + "/" + name
 
 
-def spawn_broker(binary, workdir, name, attestor_pub, database_url):
+def spawn_broker(binary, workdir, name, attestor_pub, database_url, writers=None):
     data = os.path.join(workdir, name)
     os.makedirs(data)
     config = os.path.join(data, "broker.toml")
     with open(config, "w") as f:
         f.write(f'[trust]\nattestors = ["{attestor_pub}"]\n')
-        if WRITERS:
-            f.write(f"[limits]\ndatabase_writers = {WRITERS}\n")
+        writers = writers or WRITERS
+        if writers:
+            f.write(f"[limits]\ndatabase_writers = {writers}\n")
     args = [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", data, "--config", config]
     if database_url:
         args += ["--database-url", database_url]
@@ -228,26 +235,41 @@ def hot_lines(before, after, issued):
     return lines
 
 
-def one_run(config, args, workdir, pg, seed, attestor_pub, number):
+def idle_ticks():
+    """(all, idle + iowait) ticks of the machine since boot: the idle share
+    of a window is how much of the two cores no process used (a closed
+    loop whose serial path waits leaves cores idle)."""
+    fields = [int(f) for f in open("/proc/stat").read().split("\n", 1)[0].split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
+def one_run(config, args, workdir, pg, seed, attestor_pub, number, binary):
     backend, _, mode = config.partition("-")
+    # `pg1w2`: one replica with two writers (`--writers` for this
+    # configuration only, so both counts alternate in one sitting).
+    backend, _, writers = backend.partition("w")
+    writers = int(writers) if writers else None
     replicas = {"sqlite": 1, "pg1": 1, "pg3": 3}[backend]
     url = None
     if backend != "sqlite":
         url = create_database(pg[1], f"bench_{number}")
     brokers = []
     for i in range(replicas):
-        brokers.append(spawn_broker(args.bin, workdir, f"run{number}-b{i}", attestor_pub, url))
+        brokers.append(spawn_broker(binary, workdir, f"run{number}-b{i}", attestor_pub, url,
+                                    writers))
     addrs = [addr for _, addr in brokers]
-    bench = run_bench(args.bin, addrs, seed, mode == "hot", args)
+    bench = run_bench(binary, addrs, seed, mode == "hot", args)
     # CPU over the measured window only.
     time.sleep(args.warmup)
     before = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
+    ticks_before = idle_ticks()
     commits_before = commits(url) if url else 0
     if url and args.statements:
         reset_statements(url)
         updates_before = table_updates(url)
     time.sleep(args.duration)
     after = ([cpu_seconds(p.pid) for p, _ in brokers], user_cpu_seconds(pg[2]) if url else 0.0)
+    ticks_after = idle_ticks()
     committed = commits(url) - commits_before if url else 0
     if url and args.statements:
         # Both readings lag the commits by up to a second (backends
@@ -273,6 +295,7 @@ def one_run(config, args, workdir, pg, seed, attestor_pub, number):
         broker_cpu=broker_cpu,
         pg_cpu=pg_cpu,
         per_commit=result["issued"] / committed if committed else 0.0,
+        idle=100 * (ticks_after[1] - ticks_before[1]) / max(ticks_after[0] - ticks_before[0], 1),
     )
     return result
 
@@ -287,7 +310,11 @@ def steal_seconds() -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bin", required=True)
+    parser.add_argument("--bin", help="the broker binary (or --build)")
+    parser.add_argument("--build", action="append", default=[], metavar="NAME=BIN",
+                        help="a build to compare, repeated: every round runs each "
+                             "configuration on each build in turn (alternating builds "
+                             "in one sitting); rows are labelled NAME:configuration")
     parser.add_argument("--configs", default="sqlite,pg1,pg3,sqlite-hot,pg1-hot,pg3-hot")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -306,7 +333,16 @@ def main():
     args = parser.parse_args()
     global WRITERS
     WRITERS = args.writers
-    args.bin = os.path.abspath(args.bin)
+    if args.build:
+        builds = [b.split("=", 1) for b in args.build]
+        if any(len(b) != 2 for b in builds):
+            parser.error("--build wants NAME=BIN")
+    elif args.bin:
+        builds = [("", args.bin)]
+    else:
+        parser.error("--bin or --build is required")
+    builds = [(name, os.path.abspath(binary)) for name, binary in builds]
+    args.bin = builds[0][1]
     configs = [c for c in args.configs.split(",") if c]
     workdir = tempfile.mkdtemp(prefix="rb", dir="/tmp")
     # The PostgreSQL server runs as its own user: it must reach its dir.
@@ -316,25 +352,30 @@ def main():
         [args.bin, "keygen", "--out", keyfile], check=True, capture_output=True, text=True
     ).stdout.strip()
     seed = open(keyfile).read().strip()
-    pg = start_postgres(workdir, args.statements > 0, args.pg_setting) if any(c.startswith("pg") for c in configs) else None
+    pg = (start_postgres(workdir, args.statements > 0, args.pg_setting)
+          if any(c.startswith("pg") for c in configs) else None)
     print("| round | configuration | delegations/s | p50 ms | p99 ms | p999 ms | errors "
           "| broker CPU s | PostgreSQL CPU s | broker CPU µs/delegation | PostgreSQL CPU µs/delegation "
-          "| delegations per commit | steal s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| delegations per commit | idle % | steal s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     number = 0
     try:
         for round_ in range(1, args.rounds + 1):
-            order = configs if round_ % 2 else list(reversed(configs))
-            for config in order:
+            runs = [(name, binary, config) for config in configs for name, binary in builds]
+            order = runs if round_ % 2 else list(reversed(runs))
+            for name, binary, config in order:
                 number += 1
                 stolen = steal_seconds()
-                r = one_run(config, args, workdir, pg, seed, attestor_pub, number)
+                r = one_run(config, args, workdir, pg, seed, attestor_pub, number, binary)
                 stolen = steal_seconds() - stolen
+                label = f"{name}:{config}" if name else config
+                r["label"] = label
                 results.append(r)
-                print(f"| {round_} | {config} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} "
+                print(f"| {round_} | {label} | {r['rate']} | {r['p50']:.2f} | {r['p99']:.2f} "
                       f"| {r['p999']:.2f} | {r['errors']} | {r['broker_cpu']:.1f} | {r['pg_cpu']:.1f} "
-                      f"| {r['broker_us']:.0f} | {r['pg_us']:.0f} | {r['per_commit']:.1f} | {stolen:.2f} |",
+                      f"| {r['broker_us']:.0f} | {r['pg_us']:.0f} | {r['per_commit']:.1f} "
+                      f"| {r['idle']:.0f} | {stolen:.2f} |",
                       flush=True)
                 for line in r.get("statements", []):
                     print(line, flush=True)
@@ -343,11 +384,25 @@ def main():
             subprocess.run([os.path.join(HERE, "pg.sh"), "stop", pg[0]], capture_output=True)
         shutil.rmtree(workdir, ignore_errors=True)
     print("\nMeans:")
-    for config in configs:
-        runs = [r for r in results if r["config"] == config]
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    for label in labels:
+        runs = [r for r in results if r["label"] == label]
         mean = lambda k: sum(r[k] for r in runs) / len(runs)
-        print(f"- {config}: {mean('rate'):.0f}/s, p99 {mean('p99'):.2f} ms, broker "
-              f"{mean('broker_us'):.0f} µs + PostgreSQL {mean('pg_us'):.0f} µs of CPU per delegation")
+        print(f"- {label}: {mean('rate'):.0f}/s, p99 {mean('p99'):.2f} ms, broker "
+              f"{mean('broker_us'):.0f} µs + PostgreSQL {mean('pg_us'):.0f} µs of CPU per delegation, "
+              f"{mean('idle'):.0f}% idle")
+    # Each PostgreSQL configuration's throughput as a share of SQLite's
+    # on the same build (issue 27's target: one replica at 85% or more).
+    for name, _ in builds:
+        prefix = f"{name}:" if name else ""
+        sqlite = [r["rate"] for r in results if r["label"] == prefix + "sqlite"]
+        if not sqlite:
+            continue
+        for label in labels:
+            if label.startswith(prefix + "pg"):
+                rates = [r["rate"] for r in results if r["label"] == label]
+                print(f"- {label} of {prefix}sqlite: "
+                      f"{100 * sum(rates) / len(rates) / (sum(sqlite) / len(sqlite)):.0f}%")
 
 
 if __name__ == "__main__":
