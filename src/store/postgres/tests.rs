@@ -252,7 +252,6 @@ async fn the_issuance_statements_seek_with_generic_plans() {
     );
     let statements = [
         ("parents", writer::parents_locked_sql()),
-        ("drains and numbers", writer::DRAINS_AND_NUMBERS.to_string()),
         ("numbers", writer::RESERVE.to_string()),
         ("states", states),
         (
@@ -519,5 +518,76 @@ async fn positions_go_on_after_the_clock_without_rewriting_it() {
     assert!(
         matches!(&fenced, sqlx::Error::Database(d) if d.code().as_deref() == Some("42703")),
         "{fenced}"
+    );
+}
+
+/// A drain committed while an issuance waited for its parent's lock is
+/// seen by that issuance: the drains are read after the parents' locks,
+/// in a statement of their own (`writer::DRAINS_AND_NUMBERS`; the
+/// parents' statement's snapshot predates its lock waits — read there,
+/// the drain is missed and this test fails). The child is refused, never
+/// issued under a frozen tree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_committed_during_the_parents_lock_wait_is_seen() {
+    use crate::store::suite::{issued, meta, test_child, test_root};
+    use sqlx::Connection as _;
+    let database = TestDatabase::migrated().await;
+    let mut options = test_options(&database.url);
+    // No drainer: nothing but this test moves the drain.
+    options.drainer = false;
+    let store = PostgresStore::open(options, test_stamper(), Arc::new(SystemClock))
+        .await
+        .expect("open");
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let parent = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    let mut holder = sqlx::PgConnection::connect(&database.url)
+        .await
+        .expect("connect");
+    let mut held = holder.begin().await.expect("begin");
+    let root_seq: i64 =
+        sqlx::query_scalar("SELECT root_seq FROM contracts WHERE id = $1 FOR UPDATE")
+            .bind(parent.as_slice())
+            .fetch_one(&mut *held)
+            .await
+            .expect("lock the parent");
+    let issuing = tokio::spawn({
+        let store = store.clone();
+        async move { store.delegate(test_child(8, 3, parent, 7, "true")).await }
+    });
+    // Until the writer's statement waits for the parent's lock.
+    let mut watcher = sqlx::PgConnection::connect(&database.url)
+        .await
+        .expect("connect");
+    let mut waited = false;
+    for _ in 0..1_000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND datname = current_database()",
+        )
+        .fetch_one(&mut watcher)
+        .await
+        .expect("activity");
+        if waiting > 0 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(waited, "the issuance never waited for the parent's lock");
+    // The whole tree starts draining, committed while the issuance waits.
+    sqlx::query(
+        "INSERT INTO draining (target_seq, root_seq, status, started_at_ms) VALUES ($1, $1, $2, 0)",
+    )
+    .bind(root_seq)
+    .bind(i64::from(Status::Revoked.as_i32()))
+    .execute(&mut *held)
+    .await
+    .expect("drain");
+    held.commit().await.expect("commit");
+    let answer = issuing.await.expect("joined").expect("answered");
+    assert!(
+        matches!(answer.outcome, crate::store::Outcome::Receipt { .. }),
+        "a child issued under a draining tree: {:?}",
+        answer.outcome
     );
 }
