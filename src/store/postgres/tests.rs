@@ -252,6 +252,7 @@ async fn the_issuance_statements_seek_with_generic_plans() {
     );
     let statements = [
         ("parents", writer::parents_locked_sql()),
+        ("drains and numbers", writer::DRAINS_AND_NUMBERS.to_string()),
         ("numbers", writer::RESERVE.to_string()),
         ("states", states),
         (
