@@ -169,6 +169,11 @@ pub struct StoreMetrics {
     /// Takes of the writer's SQLite connection abandoned and asked again
     /// (`store::sqlite::raw::take_handle`).
     pub sqlite_handle_retakes: IntCounter,
+    /// PostgreSQL issuance transactions written from the writer's cached
+    /// parents, by outcome: `written`, or redone with the parents locked
+    /// because one had changed (`stale`) or a tree was draining
+    /// (`draining`).
+    pub optimistic_issuances: IntCounterVec,
 }
 
 impl StoreMetrics {
@@ -192,6 +197,11 @@ impl StoreMetrics {
             sqlite_handle_retakes: counter(
                 "broker_sqlite_handle_retakes_total",
                 "Times the SQLite writer asked again for its connection, not handed over in 50 ms (each a stall of every write).",
+            ),
+            optimistic_issuances: counter_vec(
+                "broker_optimistic_issuances_total",
+                "PostgreSQL issuance transactions planned from the writer's cached parents: written, or redone with the parents locked (stale: a parent had changed; draining: a tree was draining).",
+                &["outcome"],
             ),
         }
     }
@@ -404,6 +414,18 @@ impl Metrics {
                 .register(collector)
                 .expect("unique metric names");
         }
+    }
+
+    /// Registers the series only PostgreSQL has, each outcome at zero.
+    pub fn register_postgres_series(&self) {
+        for outcome in ["written", "stale", "draining"] {
+            self.store
+                .optimistic_issuances
+                .with_label_values(&[outcome]);
+        }
+        self.registry
+            .register(Box::new(self.store.optimistic_issuances.clone()))
+            .expect("unique metric names");
     }
 
     /// Registers a collector of the caller's (the store's pool gauges).

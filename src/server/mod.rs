@@ -139,6 +139,7 @@ pub async fn run_with_options(
         }
         Some(database) => {
             let store = open_postgres(&config, &database, stamper, clock, &metrics).await?;
+            metrics.register_postgres_series();
             metrics.replica_info(
                 "postgres",
                 &crypto::key_id(&keyring.current.verifying_key().to_bytes()),

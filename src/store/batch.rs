@@ -81,6 +81,23 @@ pub struct Known {
     /// The decoded signed contract (what the cache holds it for is
     /// charged by its encoded size).
     pub contract: Arc<pb::Contract>,
+    /// The row as a writer of this store last wrote it, when one did (on
+    /// PostgreSQL: an optimistic issuance checks it is still so); `None`
+    /// for a row only read, and always on SQLite.
+    pub version: Option<RowVersion>,
+}
+
+/// A contract row's version as a writer of a PostgreSQL store wrote (or
+/// locked and read) it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowVersion {
+    /// The transaction's id that wrote it: PostgreSQL's `xmin` of the row.
+    pub xid: u32,
+    /// Every number above this one was taken after that transaction
+    /// locked the row: an optimistic issuance numbers its children so.
+    pub after: i64,
+    /// When it was written (an old one is not trusted: ids wrap).
+    pub at_ms: i64,
 }
 
 /// The writer's contracts by id, with what they cost in memory: each
@@ -641,6 +658,7 @@ fn open_root(
             root_id: id,
             root_seq: seq,
             contract: stamped.contract,
+            version: None,
         },
     );
     Answer {
@@ -733,6 +751,7 @@ fn delegate(
                     root_id,
                     root_seq,
                     contract: stamped.contract,
+                    version: None,
                 },
             );
             Ok(Answer {

@@ -127,6 +127,34 @@ pub(crate) mod postgres {
     /// light load (groups of one to three) answers go at once.
     pub(crate) const GROUP_SIBLINGS: usize = 4;
 
+    /// Fewest numbers an issuance transaction reserves for its writer's
+    /// next one (`Writer::prefetch`): an optimistic issuance needs one a
+    /// command, and a group larger than what is left takes the locked
+    /// path (which reserves again).
+    pub(crate) const MIN_PREFETCHED_NUMBERS: usize = 16;
+
+    /// Longest numbers reserved for optimistic issuances are used
+    /// (`writer::Prefetched`): under load each issuance reserves anew;
+    /// after a pause, numbers taken before other replicas' since would
+    /// list a root opened now as older than theirs.
+    pub(crate) const MAX_PREFETCHED_AGE: Duration = Duration::from_millis(100);
+
+    /// Oldest a cached row version an optimistic issuance trusts, in ms:
+    /// PostgreSQL's transaction ids are 32 bits and wrap (after 4 billion
+    /// transactions, hours even at a million a second), so an old `xmin`
+    /// could match a row rewritten since.
+    pub(crate) const MAX_VERSION_AGE_MS: i64 = 60_000;
+
+    /// Most trees a writer remembers as draining (its optimistic
+    /// issuance skips them: it would be redone); forgotten all at once
+    /// beyond it, which costs only redone transactions.
+    pub(crate) const MAX_DRAINING_ROOTS: usize = 4_096;
+
+    /// Most parents a writer remembers as contended (found stale by an
+    /// optimistic issuance, `Writer::contended`) within a second;
+    /// forgotten all at once beyond it.
+    pub(crate) const MAX_CONTENDED_PARENTS: usize = 4_096;
+
     /// First backoff before a redo; doubled at each attempt, with jitter.
     pub(crate) const RETRY_BASE_MS: u64 = 2;
 

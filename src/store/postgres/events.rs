@@ -251,7 +251,8 @@ pub(super) async fn place_leftovers(pool: &PgPool) -> bool {
 /// positions, in `seq` order, in one transaction under the `event_clock`
 /// row lock; returns how many.
 async fn place(pool: &PgPool) -> Result<usize, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    // The writers' pool: back to custom plans for this range read.
+    let mut tx = pool.begin_with(super::writer::CUSTOM_PLANS_BEGIN).await?;
     sqlx::query("SELECT 1 FROM event_clock WHERE id = 1 FOR UPDATE")
         .execute(&mut *tx)
         .await?;

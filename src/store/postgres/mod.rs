@@ -207,7 +207,7 @@ pub fn connect_options(url: &str) -> Result<PgConnectOptions, StoreError> {
                 // that grew with the table (2 ms per batch at 5,000
                 // contracts); a custom plan seeks every time. (Issuance
                 // transactions keep generic plans made without scans:
-                // `writer::ISSUANCE_BEGIN`.)
+                // `writer::WRITER_SETTINGS`.)
                 //
                 // No JIT: these statements are short, and compiling one
                 // costs more than running it (a plan whose estimate passes
@@ -266,8 +266,10 @@ impl PostgresStore {
         // The writers', and one for the sequencer's leftovers pass and for
         // opening its own poll connection (taken out of the pool: it is
         // not counted in the pool's gauges).
+        // The writers' settings (`writer::WRITER_SETTINGS`) follow the
+        // URL's options, so they win; the sequencer sets its own.
         let write_pool = pool_options(&options, u32::try_from(writers + 1).unwrap_or(u32::MAX))
-            .connect_with(connect.clone())
+            .connect_with(connect.clone().options(writer::WRITER_SETTINGS))
             .await
             .map_err(in_database)?;
         migrate::check(&write_pool).await?;
@@ -283,6 +285,7 @@ impl PostgresStore {
         let commits_tx = Arc::new(commits_tx);
         let (reachable_tx, reachable) = tokio::sync::watch::channel(true);
         let queue = Arc::new(tokio::sync::Mutex::new(queue));
+        let numbers = Arc::new(std::sync::Mutex::new(writer::Prefetched::default()));
         for number in 0..writers {
             let writer = Writer {
                 pool: write_pool.clone(),
@@ -301,6 +304,10 @@ impl PostgresStore {
                 cascade_step_rows: options.cascade_step_rows.max(1),
                 held: None,
                 replanned_at: None,
+                numbers: numbers.clone(),
+                draining_roots: std::collections::HashSet::new(),
+                peak_group: 0,
+                contended: std::collections::HashSet::new(),
             };
             tokio::spawn(writer.run());
         }

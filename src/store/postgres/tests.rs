@@ -208,8 +208,8 @@ async fn events_left_unplaced_are_placed_at_start() {
     assert_eq!(unplaced, 0);
 }
 
-/// The issuance transaction's statements as PostgreSQL plans them under
-/// `writer::ISSUANCE_BEGIN`: generic plans, made once per connection (and
+/// The issuance transaction's statements as PostgreSQL plans them on a
+/// writer's connection (`writer::WRITER_SETTINGS`): generic plans, made once per connection (and
 /// again every `PLAN_REFRESH`), over 20,031 contracts, receipts,
 /// request-log rows and drains. Every read of a table seeks: it goes down
 /// an index by a condition on the index's first column. The same for the
@@ -221,7 +221,10 @@ async fn the_issuance_statements_seek_with_generic_plans() {
     use sqlx::Execute;
     let (store, database) = open_suite_store().await;
     drop(store);
-    let mut conn = sqlx::PgConnection::connect(&database.url)
+    let writer_options = super::connect_options(&database.url)
+        .expect("url")
+        .options(writer::WRITER_SETTINGS);
+    let mut conn = sqlx::PgConnection::connect_with(&writer_options)
         .await
         .expect("connect");
     many_open_contracts(&mut conn).await;
@@ -246,7 +249,7 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         .as_str()
         .to_string();
     let states = format!(
-        "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[]{}",
+        "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[], $5::int8[]{}",
         unnest::UPDATE_STATES.0,
         unnest::UPDATE_STATES.1
     );
@@ -292,10 +295,6 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         scans(&plan, &leading).is_empty() && !plan.contains("Sort"),
         "{plan}"
     );
-    sqlx::raw_sql(sqlx::AssertSqlSafe(writer::ISSUANCE_BEGIN))
-        .execute(&mut conn)
-        .await
-        .expect("begin");
     // Generic plans, or `EXECUTE s(NULL)` would be planned for its NULLs
     // (folded away: a plan that reads nothing).
     let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
@@ -523,24 +522,68 @@ async fn positions_go_on_after_the_clock_without_rewriting_it() {
 }
 
 /// A drain committed while an issuance waited for its parent's lock is
-/// seen by that issuance: the drains are read after the parents' locks,
-/// in a statement of their own (`writer::DRAINS_AND_NUMBERS`; the
-/// parents' statement's snapshot predates its lock waits — read there,
-/// the drain is missed and this test fails). The child is refused, never
-/// issued under a frozen tree.
+/// seen by that issuance, on the locked path (the parent not cached by
+/// the issuing replica): the drains are read after the parents' locks, in
+/// a statement of their own (`writer::DRAINS_AND_NUMBERS`; the parents'
+/// statement's snapshot predates its lock waits — read there, the drain
+/// is missed and this test fails). The child is refused, never issued
+/// under a frozen tree.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_committed_during_the_parents_lock_wait_is_seen() {
-    use crate::store::suite::{issued, meta, test_child, test_root};
-    use sqlx::Connection as _;
-    let database = TestDatabase::migrated().await;
-    let mut options = test_options(&database.url);
-    // No drainer: nothing but this test moves the drain.
+    let outcomes = drain_during_lock_wait(false).await;
+    assert_eq!(outcomes, [0, 0, 0], "written, stale, draining");
+}
+
+/// The same on the optimistic path (the parent cached by the issuing
+/// writer): its statement waits at the parent's update, and
+/// `issuance_guard` reads the drains with a snapshot taken after that
+/// wait, aborts, and the group is redone with the parent locked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_committed_during_an_optimistic_issuances_wait_is_seen() {
+    let outcomes = drain_during_lock_wait(true).await;
+    assert_eq!(outcomes[2], 1, "aborted for the drain: {outcomes:?}");
+}
+
+/// How many optimistic issuances a store with these test options and
+/// one writer wrote, found stale, found draining.
+fn optimistic_outcomes(metrics: &crate::metrics::StoreMetrics) -> [u64; 3] {
+    ["written", "stale", "draining"].map(|outcome| {
+        metrics
+            .optimistic_issuances
+            .with_label_values(&[outcome])
+            .get()
+    })
+}
+
+/// One writer, counted: whether a group is optimistic is then decided.
+async fn counted_store(url: &str) -> (PostgresStore, crate::metrics::StoreMetrics) {
+    let metrics = crate::metrics::Metrics::new().store.clone();
+    let mut options = test_options(url);
+    options.writers = 1;
+    // No drainer: nothing but the tests moves a drain.
     options.drainer = false;
+    options.metrics = Some(metrics.clone());
     let store = PostgresStore::open(options, test_stamper(), Arc::new(SystemClock))
         .await
         .expect("open");
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
-    let parent = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    (store, metrics)
+}
+
+/// A child asked from a parent whose lock another transaction holds,
+/// while that transaction starts a drain of the tree and commits: the
+/// child is refused. `cached`: the parent was made by the issuing store
+/// (its writer tries the optimistic path), else by another replica.
+/// Returns the issuing store's optimistic outcomes for that child.
+async fn drain_during_lock_wait(cached: bool) -> [u64; 3] {
+    use crate::store::suite::{issued, meta, test_child, test_root};
+    use sqlx::Connection as _;
+    let database = TestDatabase::migrated().await;
+    let (store, metrics) = counted_store(&database.url).await;
+    let (maker, _) = counted_store(&database.url).await;
+    let made_by = if cached { &store } else { &maker };
+    let root = issued(made_by.open_root(test_root(meta(9, 1))).await);
+    let parent = issued(made_by.delegate(test_child(9, 2, root, 8, "true")).await);
+    let before = optimistic_outcomes(&metrics);
     let mut holder = sqlx::PgConnection::connect(&database.url)
         .await
         .expect("connect");
@@ -591,4 +634,63 @@ async fn a_drain_committed_during_the_parents_lock_wait_is_seen() {
         "a child issued under a draining tree: {:?}",
         answer.outcome
     );
+    let after = optimistic_outcomes(&metrics);
+    [0, 1, 2].map(|i| after[i] - before[i])
+}
+
+/// An optimistic issuance from a parent another replica changed since
+/// this writer cached it is aborted by the row-version check and redone
+/// with the parent locked and read: the child that no longer fits is
+/// refused, never issued from the stale ledger (which had room for it),
+/// and the parent's ledger holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_changed_since_it_was_cached_is_read_again() {
+    use crate::store::suite::{issued, meta, test_child, test_root};
+    let database = TestDatabase::migrated().await;
+    let (a, metrics) = counted_store(&database.url).await;
+    let (b, _) = counted_store(&database.url).await;
+    // Budget 100; the root is cached by `a`'s writer, which wrote it.
+    let root = issued(a.open_root(test_root(meta(9, 1))).await);
+    let mut first = test_child(9, 2, root, 8, "true");
+    first.ask.budget = 60;
+    issued(a.delegate(first).await);
+    assert_eq!(
+        optimistic_outcomes(&metrics),
+        [1, 0, 0],
+        "a delegation from the cached root is optimistic"
+    );
+    // Another replica reserves 30 more: 10 left.
+    let mut other = test_child(9, 3, root, 7, "true");
+    other.ask.budget = 30;
+    issued(b.delegate(other).await);
+    // `a`'s cache still says 40 left.
+    let mut late = test_child(9, 4, root, 6, "true");
+    late.ask.budget = 20;
+    let answer = a.delegate(late).await.expect("answered");
+    assert!(
+        matches!(answer.outcome, crate::store::Outcome::Receipt { .. }),
+        "a child issued from a stale ledger: {:?}",
+        answer.outcome
+    );
+    assert_eq!(optimistic_outcomes(&metrics), [1, 1, 0], "aborted as stale");
+    let (reserved, spent): (i64, i64) =
+        sqlx::query_as("SELECT reserved, spent FROM contracts WHERE id = $1")
+            .bind(root.as_slice())
+            .fetch_one(&a.sql.reader)
+            .await
+            .expect("root");
+    assert_eq!((reserved, spent), (90, 0));
+    // What is left is still given (by either path: the root is marked
+    // contended until the writer's next replan).
+    let mut fits = test_child(9, 5, root, 5, "true");
+    fits.ask.budget = 10;
+    issued(a.delegate(fits).await);
+    let (reserved, budget): (i64, i64) =
+        sqlx::query_as("SELECT reserved, budget FROM contracts WHERE id = $1")
+            .bind(root.as_slice())
+            .fetch_one(&a.sql.reader)
+            .await
+            .expect("root");
+    assert_eq!((reserved, budget), (100, 100));
+    assert_eq!(optimistic_outcomes(&metrics)[1], 1, "one stale attempt");
 }

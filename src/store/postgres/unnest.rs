@@ -11,59 +11,115 @@
 //! fixed cost is most of the database's CPU per delegation once several
 //! replicas split the load into small groups (BENCHMARKS.md, issue 27).
 //! A connection keeps its plan, made again every second
-//! (`writer::ISSUANCE_BEGIN`).
+//! (`writer::WRITER_SETTINGS`).
 //!
 //! The parts touch disjoint rows (new contracts, their envelopes, labels,
 //! receipts and request-log keys; earlier contracts this transaction
 //! already locked), so their order within the statement does not matter.
 
+use std::collections::HashMap;
+
 use sqlx::{Postgres, QueryBuilder};
 
 use crate::store::batch::Plan;
 
-/// The plan's writes as one statement, which returns the (position,
-/// root) of each event it placed (see `events`); `None` when it writes
-/// nothing.
-pub(super) fn writes(plan: &Plan) -> Option<QueryBuilder<Postgres>> {
+/// What an optimistic issuance's statement checks (`writer`): it was
+/// planned from cached parents, not from rows it locked and read.
+pub(super) struct Guard {
+    /// The version (`xmin`) each parent the plan updates had when cached,
+    /// by seq: a parent changed since is not updated, the rows counted
+    /// fall short and `issuance_guard` aborts the statement (BR001).
+    pub xmins: HashMap<i64, u32>,
+    /// The trees (root seqs) that must have no drain (BR002).
+    pub roots: Vec<i64>,
+}
+
+/// One row of the writes statement's answer: `kind` `PLACED` (`n` an
+/// event's position, with its root), `NUMBER` (`n` a number reserved for
+/// the writer's next transaction) or `XID` (`n` the transaction's id).
+pub(super) type WrittenRow = (i64, i64, Option<Vec<u8>>);
+pub(super) const PLACED: i64 = 0;
+pub(super) const NUMBER: i64 = 1;
+pub(super) const XID: i64 = 2;
+
+/// The plan's writes as one statement (see `WrittenRow` for what it
+/// returns), reserving `numbers` numbers after its locks, and checking
+/// `guard` when given; `None` when it writes nothing.
+pub(super) fn writes(
+    plan: &Plan,
+    guard: Option<&Guard>,
+    numbers: usize,
+) -> Option<QueryBuilder<Postgres>> {
     let mut parts = Parts {
         query: QueryBuilder::new("WITH "),
         count: 0,
+        rows: 0,
     };
     insert_contracts(&mut parts, plan);
     insert_run_labels(&mut parts, plan);
-    update_states(&mut parts, plan);
+    update_states(&mut parts, plan, guard);
     insert_receipts(&mut parts, plan);
     insert_requests(&mut parts, plan);
     if parts.count == 0 {
         return None;
     }
-    events(&mut parts, plan);
+    events(&mut parts, plan, guard);
+    let query = &mut parts.query;
+    query.push(", placed AS (");
+    query.push(place_insert!());
+    // Numbers and the id from `done`: after every part's locks, and read
+    // (so the guard runs) even when no event was placed.
+    query.push(format_args!(
+        ") SELECT {PLACED}::int8, pos, root_id FROM placed \
+         UNION ALL SELECT {NUMBER}, nextval('seqs'), NULL FROM done, generate_series(1, "
+    ));
+    query.push_bind(i64::try_from(numbers).unwrap_or(i64::MAX));
+    query.push(format_args!(
+        ") UNION ALL SELECT {XID}, pg_current_xact_id()::text::int8 % 4294967296, NULL FROM done"
+    ));
     Some(parts.query)
 }
 
-/// Every part's rows, counted: the clock's lock reads it, so every part
-/// has run (and waited for any lock it met) before the clock is locked.
-const DONE: &str = "done AS (SELECT count(*) AS rows FROM (";
-
 /// `PLACE`'s text, as a literal: `events::PLACE_OWN` ends with it too.
+/// The issuance statement puts its insert in a part (`place_insert`).
 macro_rules! place {
+    () => {
+        concat!(
+            $crate::store::postgres::unnest::place_locks!(),
+            " ",
+            $crate::store::postgres::unnest::place_insert!()
+        )
+    };
+}
+pub(super) use place;
+
+/// `PLACE`'s clock lock and first position.
+macro_rules! place_locks {
     () => {
         "clock AS (\
              SELECT 1 AS locked FROM event_clock, done \
              WHERE event_clock.id = 1 AND EXISTS (SELECT 1 FROM ev) \
              FOR UPDATE OF event_clock), \
-         taken AS (SELECT min(nextval('event_positions')) AS first FROM ev CROSS JOIN clock) \
-         INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
+         taken AS (SELECT min(nextval('event_positions')) AS first FROM ev CROSS JOIN clock)"
+    };
+}
+pub(super) use place_locks;
+
+/// `PLACE`'s insert of the events.
+macro_rules! place_insert {
+    () => {
+        "INSERT INTO events (seq, kind, contract_seq, root_id, pos) \
          SELECT ev.seq, ev.kind, ev.contract_seq, ev.root_id, \
              taken.first - 1 + row_number() OVER (ORDER BY ev.seq) \
          FROM ev CROSS JOIN taken \
          RETURNING pos, root_id"
     };
 }
-pub(super) use place;
+pub(super) use place_insert;
 
 /// The clock's lock, the positions and the events' insert, after `ev`
-/// (the events) and `done` (see `DONE`). The clock's row is locked, not
+/// (the events) and `done` (every part's rows, counted). The clock's row
+/// is locked, not
 /// updated: positions come from the `event_positions` sequence, which
 /// only holders of that lock use, so a transaction's are consecutive
 /// (the first of its `nextval`s, then one more per event in `seq`
@@ -72,6 +128,7 @@ pub(super) use place;
 /// per delegation with three replicas 171–204 against 123–145 µs (migration
 /// 39, BENCHMARKS.md). A group with no events (writes but no contract or
 /// receipt) leaves the clock alone.
+#[cfg(test)]
 pub(super) const PLACE: &str = place!();
 
 /// The events of the plan's contracts and receipts, at the next positions
@@ -80,7 +137,7 @@ pub(super) const PLACE: &str = place!();
 /// event rows come from the plan (a statement does not see its own
 /// parts' rows), and the clock's row lock is the statement's last (see
 /// `events::place_own`): it is held from there to the commit.
-fn events(parts: &mut Parts, plan: &Plan) {
+fn events(parts: &mut Parts, plan: &Plan, guard: Option<&Guard>) {
     let count = parts.count;
     let query = &mut parts.query;
     let contracts = plan.contracts.iter();
@@ -122,30 +179,45 @@ fn events(parts: &mut Parts, plan: &Plan) {
         false,
     );
     query.push(") AS e(seq, kind, contract_seq, root_id)), ");
-    query.push(DONE);
+    // Every part's rows, counted: the clock's lock reads `done`, so every
+    // part has run (and waited for any lock it met) before the clock is
+    // locked, and before the guard (when there is one) is checked.
+    query.push("done AS (SELECT rows FROM (SELECT count(*) AS rows FROM (");
     for part in 1..=count {
         if part > 1 {
             query.push(" UNION ALL ");
         }
         query.push(format_args!("SELECT 1 FROM w{part}"));
     }
-    query.push(") every), ");
-    query.push(PLACE);
+    query.push(") every) counted");
+    if let Some(guard) = guard {
+        query.push(" WHERE issuance_guard(rows = ");
+        query.push_bind(i64::try_from(parts.rows).unwrap_or(i64::MAX));
+        query.push(", ");
+        query.push_bind(guard.roots.clone());
+        query.push(")");
+    }
+    query.push("), ");
+    query.push(place_locks!());
 }
 
 /// The `WITH` parts of the one statement.
 struct Parts {
     query: QueryBuilder<Postgres>,
     count: usize,
+    /// The rows the parts write in all, each part's `RETURNING 1`.
+    rows: usize,
 }
 
 impl Parts {
-    /// Starts the next part with `sql`; the caller closes it with `)`.
-    fn start(&mut self, sql: &str) -> &mut QueryBuilder<Postgres> {
+    /// Starts the next part with `sql`, which writes `rows` rows; the
+    /// caller closes it with `)`.
+    fn start(&mut self, sql: &str, rows: usize) -> &mut QueryBuilder<Postgres> {
         if self.count > 0 {
             self.query.push(", ");
         }
         self.count += 1;
+        self.rows += rows;
         self.query.push(format_args!("w{} AS (", self.count));
         self.query.push(sql)
     }
@@ -173,6 +245,7 @@ fn insert_contracts(parts: &mut Parts, plan: &Plan) {
          deadline_ms, write_scope, max_depth, min_cumulative_trust_ppm, max_children, \
          retry_headroom, require_host, issued_at_ms, status, budget, reserved, spent, \
          open_children, host_key, labels) SELECT * FROM UNNEST(",
+        rows.len(),
     );
     let ints = |f: &dyn Fn(&crate::store::batch::ContractRow) -> i64| -> Vec<i64> {
         rows.iter().map(f).collect()
@@ -258,6 +331,7 @@ fn insert_contracts(parts: &mut Parts, plan: &Plan) {
 
     let query = parts.start(
         "INSERT INTO contract_envelopes (seq, envelope, trace_context) SELECT * FROM UNNEST(",
+        rows.len(),
     );
     column(query, ints(&|r| r.seq), true);
     column(
@@ -281,29 +355,33 @@ fn insert_run_labels(parts: &mut Parts, plan: &Plan) {
     if labels.is_empty() {
         return;
     }
-    let query = parts
-        .start("INSERT INTO run_labels (label_key, label_value, root_seq) SELECT * FROM UNNEST(");
+    let query = parts.start(
+        "INSERT INTO run_labels (label_key, label_value, root_seq) SELECT * FROM UNNEST(",
+        labels.len(),
+    );
     column(query, labels.iter().map(|l| l.1).collect(), true);
     column(query, labels.iter().map(|l| l.2).collect(), false);
     column(query, labels.iter().map(|l| l.0).collect(), false);
     query.push(") RETURNING 1)");
 }
 
-/// The ledger of every earlier contract the batch changed (each already
-/// locked by this transaction; never its status: see `Plan::states`),
-/// around its four arrays (seq, reserved, spent, open_children).
+/// The ledger of every earlier contract the batch changed (locked by
+/// this transaction's read, or cached: see `Guard`; never its status: see
+/// `Plan::states`), around its five arrays (seq, reserved, spent,
+/// open_children, and the row's expected `xmin` or NULL for no check).
 pub(super) const UPDATE_STATES: (&str, &str) = (
     "UPDATE contracts SET reserved = u.reserved, spent = u.spent, \
      open_children = u.open_children FROM UNNEST(",
-    ") AS u(seq, reserved, spent, open_children) WHERE contracts.seq = u.seq",
+    ") AS u(seq, reserved, spent, open_children, xmin) WHERE contracts.seq = u.seq \
+     AND (u.xmin IS NULL OR contracts.xmin::text::int8 = u.xmin)",
 );
 
-fn update_states(parts: &mut Parts, plan: &Plan) {
+fn update_states(parts: &mut Parts, plan: &Plan, guard: Option<&Guard>) {
     let states = &plan.states;
     if states.is_empty() {
         return;
     }
-    let query = parts.start(UPDATE_STATES.0);
+    let query = parts.start(UPDATE_STATES.0, states.len());
     column(query, states.iter().map(|s| s.0).collect(), true);
     column(query, states.iter().map(|s| s.1.reserved).collect(), false);
     column(query, states.iter().map(|s| s.1.spent).collect(), false);
@@ -313,6 +391,14 @@ fn update_states(parts: &mut Parts, plan: &Plan) {
             .iter()
             .map(|s| i64::from(s.1.open_children))
             .collect(),
+        false,
+    );
+    column(
+        query,
+        states
+            .iter()
+            .map(|s| guard.and_then(|g| g.xmins.get(&s.0)).map(|x| i64::from(*x)))
+            .collect::<Vec<Option<i64>>>(),
         false,
     );
     query.push(UPDATE_STATES.1);
@@ -328,6 +414,7 @@ fn insert_receipts(parts: &mut Parts, plan: &Plan) {
     let query = parts.start(
         "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
          SELECT * FROM UNNEST(",
+        rows.len(),
     );
     column(query, rows.iter().map(|r| r.seq).collect(), true);
     column(query, rows.iter().map(|r| r.id.as_slice()).collect(), false);
@@ -361,6 +448,7 @@ fn insert_requests(parts: &mut Parts, plan: &Plan) {
     let query = parts.start(
         "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
          SELECT * FROM UNNEST(",
+        rows.len(),
     );
     column(
         query,

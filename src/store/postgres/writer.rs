@@ -4,13 +4,35 @@
 //! locks a target's parent before the target: in one transaction with a
 //! batch's parents, that order could not hold). A transaction that loses
 //! a race with another replica is redone whole (`MAX_TX_ATTEMPTS`).
+//!
+//! An issuance whose parents this replica's writers wrote (or locked and
+//! read) last — cached with their row versions — is first tried
+//! optimistically: planned from the cache and written as one statement
+//! outside a transaction block, one round trip instead of five (`BEGIN`,
+//! the parents' locking read, the drains and numbers, the writes,
+//! `COMMIT`), the hops that bound one replica (BENCHMARKS.md, issue 27).
+//! The statement updates each parent only if its `xmin` is still the
+//! cached one and then calls `issuance_guard`, which aborts it if a
+//! parent had changed or a tree is draining (read with a snapshot taken
+//! after the statement's locks); the group is then redone the usual way,
+//! parents locked and read. Its numbers were reserved by an earlier
+//! issuance statement after that one's locks (`Prefetched`), and each is
+//! above its parents' `RowVersion::after`: taken after the cached parent
+//! was locked, while the compare-and-set keeps any other child from being
+//! committed under it since — a child is still numbered above its parent
+//! and after its siblings.
 
+use super::unnest::{Guard, NUMBER, PLACED, WrittenRow, XID};
 use super::*;
 use crate::core::limits::MAX_TX_ATTEMPTS;
+use crate::store::batch::RowVersion;
 use crate::store::limits::PRUNE_INTERVAL;
 use crate::store::limits::postgres::{
-    GROUP_SIBLINGS, GROUP_TARGET, MAX_GROUP_WAIT, MAX_PRUNED_PER_PASS, RETRY_BASE_MS, RETRY_CAP_MS,
+    GROUP_SIBLINGS, GROUP_TARGET, MAX_CONTENDED_PARENTS, MAX_DRAINING_ROOTS, MAX_GROUP_WAIT,
+    MAX_PREFETCHED_AGE, MAX_PRUNED_PER_PASS, MAX_VERSION_AGE_MS, MIN_PREFETCHED_NUMBERS,
+    RETRY_BASE_MS, RETRY_CAP_MS,
 };
+use sqlx::Row as _;
 use sqlx::pool::PoolConnection;
 
 /// Numbers `nextval('seqs')` reserved for one transaction, in increasing
@@ -97,6 +119,62 @@ impl batch::SeqSource for Reserved {
     }
 }
 
+/// Numbers issuance statements reserved (after their locks) for the
+/// optimistic issuances that follow, shared by a replica's writers and
+/// handed out in increasing order: each above every number an answered
+/// issuance of this replica used, so a root opened after another's answer
+/// is numbered after it (roots are listed by number). Unused for
+/// `MAX_PREFETCHED_AGE` they are dropped: a replica that was idle takes
+/// fresh numbers, not ones older than what other replicas gave since.
+#[derive(Default)]
+pub(super) struct Prefetched {
+    left: std::collections::VecDeque<i64>,
+    /// The highest number handed out, or used by a committed issuance.
+    last: i64,
+    /// When `left` was reserved.
+    at: Option<std::time::Instant>,
+}
+
+impl Prefetched {
+    /// After an issuance committed having used numbers up to `used_max`:
+    /// `numbers` (in order, reserved by its statement) replace those left
+    /// unless a later statement's already did.
+    pub(super) fn refill(&mut self, numbers: &[i64], used_max: i64) {
+        self.last = self.last.max(used_max);
+        let newer = match (numbers.first(), self.left.back()) {
+            (Some(first), Some(back)) => first > back,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if newer {
+            self.left = numbers.iter().copied().collect();
+            self.at = Some(std::time::Instant::now());
+        }
+        let last = self.last;
+        self.left.retain(|n| *n > last);
+    }
+
+    /// `count` numbers, each above `above` (and above every number handed
+    /// out before), or `None` when too few are left or they are too old.
+    pub(super) fn take(&mut self, count: usize, above: i64) -> Option<Vec<i64>> {
+        if self.at.is_none_or(|at| at.elapsed() >= MAX_PREFETCHED_AGE) {
+            self.left.clear();
+            return None;
+        }
+        while self.left.front().is_some_and(|n| *n <= above) {
+            self.left.pop_front();
+        }
+        if self.left.len() < count {
+            return None;
+        }
+        let taken: Vec<i64> = self.left.drain(..count).collect();
+        if let Some(last) = taken.last() {
+            self.last = self.last.max(*last);
+        }
+        Some(taken)
+    }
+}
+
 /// The group size a writer waits for (up to `MAX_GROUP_WAIT`) after a
 /// group of `last_group`: none under light load.
 fn wait_target(last_group: usize, max_batch: usize) -> usize {
@@ -116,6 +194,57 @@ pub(super) fn retryable(e: &sqlx::Error) -> bool {
             matches!(db.code().as_deref(), Some("40001" | "40P01" | "23505"))
         }
         _ => false,
+    }
+}
+
+/// Whether an optimistic issuance was aborted by `issuance_guard`: a
+/// cached parent had changed (BR001) or a tree is draining (BR002).
+fn lost_optimism(e: &sqlx::Error) -> Option<&'static str> {
+    match e {
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some("BR001") => Some("stale"),
+            Some("BR002") => Some("draining"),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// What an issuance statement returned (`unnest::WrittenRow`).
+struct Written {
+    /// (position, root) of each event placed.
+    placed: Vec<(i64, Vec<u8>)>,
+    /// Numbers reserved for the writer's next issuance, in order.
+    numbers: Vec<i64>,
+    /// The transaction's id, every written row's `xmin`.
+    xid: Option<u32>,
+}
+
+impl Written {
+    fn from_rows(rows: Vec<WrittenRow>) -> Result<Self, sqlx::Error> {
+        let mut written = Written {
+            placed: Vec::new(),
+            numbers: Vec::new(),
+            xid: None,
+        };
+        for (kind, n, root) in rows {
+            match (kind, root) {
+                (PLACED, Some(root)) => written.placed.push((n, root)),
+                (NUMBER, None) => written.numbers.push(n),
+                (XID, None) => {
+                    written.xid = Some(u32::try_from(n).map_err(|_| {
+                        sqlx::Error::Protocol(format!("transaction id {n} out of range"))
+                    })?);
+                }
+                (kind, _) => {
+                    return Err(sqlx::Error::Protocol(format!(
+                        "issuance statement row of kind {kind}"
+                    )));
+                }
+            }
+        }
+        written.numbers.sort_unstable();
+        Ok(written)
     }
 }
 
@@ -171,6 +300,7 @@ async fn backoff(attempt: u32) {
 }
 
 pub(super) struct Writer {
+    /// The writers' pool: connections with `WRITER_SETTINGS`.
     pub(super) pool: PgPool,
     /// Shared by this replica's writers: one takes a group at a time.
     pub(super) queue: Arc<tokio::sync::Mutex<mpsc::Receiver<(Command, Reply)>>>,
@@ -199,6 +329,18 @@ pub(super) struct Writer {
     /// When the writer last dropped its connection's plans
     /// (`PLAN_REFRESH`).
     pub(super) replanned_at: Option<std::time::Instant>,
+    /// Numbers for optimistic issuances, shared by the replica's writers.
+    pub(super) numbers: Arc<std::sync::Mutex<Prefetched>>,
+    /// Trees the last locked issuance found draining: an optimistic one
+    /// in them would be aborted, so they take the locked path.
+    pub(super) draining_roots: std::collections::HashSet<i64>,
+    /// The largest issuance group since the last `PLAN_REFRESH`
+    /// (`prefetch`).
+    pub(super) peak_group: usize,
+    /// Parents of optimistic issuances found stale since the last
+    /// `PLAN_REFRESH`: another replica writes under them, so they take
+    /// the locked path (a stale attempt costs a plan and a statement).
+    pub(super) contended: std::collections::HashSet<Id>,
 }
 
 impl Writer {
@@ -335,7 +477,7 @@ impl Writer {
     /// Keeps `conn` for the next transaction when `result` is a success;
     /// after a failure it goes back to the pool, whose ping finds it if
     /// it is broken. A failure the database reported is rolled back
-    /// first: one of `ISSUANCE_BEGIN`'s settings failing after its `BEGIN`
+    /// first: one of `CUSTOM_PLANS_BEGIN`'s settings failing after its `BEGIN`
     /// ran would leave the connection in an aborted transaction sqlx does
     /// not know of (it queues no rollback) and a ping would not notice
     /// (otherwise the rollback is a warning: no transaction is open).
@@ -366,27 +508,239 @@ impl Writer {
         careful: bool,
     ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
         let mut conn = self.connection().await?;
-        let begin = if self
+        if self
             .replanned_at
             .is_none_or(|at| at.elapsed() >= PLAN_REFRESH)
         {
+            // The prepared statements stay; their next use plans again.
+            if let Err(e) = sqlx::raw_sql("DISCARD PLANS").execute(&mut *conn).await {
+                return self.keep(conn, Err(e)).await;
+            }
             self.replanned_at = Some(std::time::Instant::now());
-            ISSUANCE_BEGIN_REPLANNED
-        } else {
-            ISSUANCE_BEGIN
-        };
-        let result = self.issue_on(&mut conn, begin, commands, careful).await;
+            self.peak_group = 0;
+            self.contended.clear();
+        }
+        self.peak_group = self.peak_group.max(commands.len());
+        if !careful {
+            match self.issue_optimistic(&mut conn, commands).await {
+                Ok(Some(answers)) => return self.keep(conn, Ok(answers)).await,
+                Ok(None) => {}
+                Err(e) => return self.keep(conn, Err(e)).await,
+            }
+        }
+        let result = self.issue_on(&mut conn, commands, careful).await;
         self.keep(conn, result).await
     }
 
-    async fn issue_on(
-        &self,
+    /// The group planned from this writer's cached parents and written in
+    /// one statement (see the module docs). `None` when it cannot be (a
+    /// parent not cached as this writer wrote it, a tree known to drain,
+    /// too few numbers left) or was aborted by `issuance_guard`: the
+    /// caller takes the locked path.
+    async fn issue_optimistic(
+        &mut self,
         conn: &mut PgConnection,
-        begin: &'static str,
+        commands: &[Command],
+    ) -> Result<Option<Vec<Result<Answer, StoreError>>>, sqlx::Error> {
+        let now_ms = self.clock.now_ms();
+        let (_, parent_ids) = batch::needs(commands, &KnownMap::default());
+        let mut known = KnownMap::default();
+        let mut xmins = HashMap::with_capacity(parent_ids.len());
+        // Numbers must come after each parent's version was locked.
+        let mut above = 0;
+        {
+            let cache = lock(&self.known);
+            for id in &parent_ids {
+                if self.contended.contains(id) {
+                    tracing::debug!("not optimistic: a parent was stale lately");
+                    return Ok(None);
+                }
+                let Some(cached) = cache.get(id) else {
+                    tracing::debug!("not optimistic: a parent is not cached");
+                    return Ok(None);
+                };
+                let Some(version) = cached
+                    .version
+                    .filter(|v| now_ms.saturating_sub(v.at_ms) < MAX_VERSION_AGE_MS)
+                else {
+                    tracing::debug!(version = ?cached.version, "not optimistic: a parent's version");
+                    return Ok(None);
+                };
+                xmins.insert(cached.seq, version.xid);
+                above = above.max(version.after);
+                known.insert(*id, cached.clone());
+            }
+        }
+        let roots = drain::roots_of(&known, &parent_ids);
+        if roots.iter().any(|root| self.draining_roots.contains(root)) {
+            tracing::debug!("not optimistic: a tree drains");
+            return Ok(None);
+        }
+        // No tree of theirs drains: `issuance_guard` checks it.
+        for id in &parent_ids {
+            known.set_ending(id, false);
+        }
+        let Some(numbers) = self.prefetched().take(commands.len(), above) else {
+            tracing::debug!("not optimistic: too few numbers");
+            return Ok(None);
+        };
+        let mut seqs = Reserved::default();
+        seqs.left.extend(numbers);
+        let mut prior = HashMap::new();
+        let mut plan = batch::plan(
+            commands,
+            &mut prior,
+            &mut known,
+            &mut seqs,
+            &self.stamper,
+            now_ms,
+        );
+        // Every ledger the plan updates must be checked; a parent made in
+        // this group is not cached, so none is unchecked (but be sure).
+        if plan.states.iter().any(|(seq, _)| !xmins.contains_key(seq)) {
+            tracing::warn!("not optimistic: the plan updates a contract not cached");
+            return Ok(None);
+        }
+        // Locked in the one order (depth, id) as the update reaches them.
+        let order: HashMap<i64, (u32, Id)> = parent_ids
+            .iter()
+            .filter_map(|id| known.get(id).map(|k| (k.seq, (k.view.depth, *id))))
+            .collect();
+        plan.states.sort_by_key(|(seq, _)| order.get(seq).copied());
+        let mut answers = std::mem::take(&mut plan.answers);
+        let unlogged = batch::unlogged(commands, &answers);
+        if !unlogged.is_empty() {
+            // Request-log rows never change: read outside a transaction.
+            let earlier = load_prior_requests::<Postgres>(&mut *conn, &unlogged).await?;
+            batch::replay_unlogged(commands, &mut answers, &earlier);
+        }
+        let guard = Guard { xmins, roots };
+        let Some(mut writes) = super::unnest::writes(&plan, Some(&guard), self.prefetch()) else {
+            return Ok(Some(batch::answers(answers)));
+        };
+        let rows: Vec<WrittenRow> = match writes.build_query_as().fetch_all(&mut *conn).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                let Some(outcome) = lost_optimism(&e) else {
+                    return Err(e);
+                };
+                tracing::debug!(
+                    outcome,
+                    "optimistic issuance redone with its parents locked"
+                );
+                if outcome == "draining" {
+                    self.remember_draining(&guard.roots, &guard.roots);
+                } else {
+                    // Another replica writes under these parents: until the
+                    // next replan, they take the locked path.
+                    if self.contended.len() + parent_ids.len() > MAX_CONTENDED_PARENTS {
+                        self.contended.clear();
+                    }
+                    self.contended.extend(parent_ids.iter().copied());
+                }
+                self.count_optimistic(outcome);
+                return Ok(None);
+            }
+        };
+        let written = Written::from_rows(rows)?;
+        self.count_optimistic("written");
+        // Its own numbers came from `Prefetched` (already handed out); its
+        // reserved ones were taken after its locks.
+        let after = written.numbers.first().map(|n| n - 1);
+        self.finish(&written, &plan, &mut known, now_ms, after, 0);
+        Ok(Some(batch::answers(answers)))
+    }
+
+    /// How many numbers an issuance statement reserves for the writer's
+    /// next one: the largest group of the last `PLAN_REFRESH` (a slow
+    /// transaction is followed by a larger group) and
+    /// `MIN_PREFETCHED_NUMBERS` more, at most a full group (`max_batch`).
+    /// Each costs a `nextval` and a row of the answer.
+    fn prefetch(&self) -> usize {
+        self.peak_group
+            .saturating_add(MIN_PREFETCHED_NUMBERS)
+            .min(self.max_batch.max(MIN_PREFETCHED_NUMBERS))
+    }
+
+    fn prefetched(&self) -> std::sync::MutexGuard<'_, Prefetched> {
+        // Its state is whole after every call: a panic elsewhere cannot
+        // leave it half-changed.
+        self.numbers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn count_optimistic(&self, outcome: &str) {
+        if let Some(metrics) = &self.metrics {
+            metrics
+                .optimistic_issuances
+                .with_label_values(&[outcome])
+                .inc();
+        }
+    }
+
+    /// Of the trees `read` (their drains read after the locks), those in
+    /// `draining` have a drain.
+    fn remember_draining(&mut self, read: &[i64], draining: &[i64]) {
+        for root in read {
+            self.draining_roots.remove(root);
+        }
+        if self.draining_roots.len() + draining.len() > MAX_DRAINING_ROOTS {
+            self.draining_roots.clear();
+        }
+        self.draining_roots.extend(draining.iter().copied());
+    }
+
+    /// After an issuance committed, having used numbers up to `used_max`:
+    /// the numbers its statement reserved go to `Prefetched`, the rows it
+    /// wrote get its transaction's id as their version (numbers above
+    /// `after` were taken after its locks), the events are announced and
+    /// the contracts cached.
+    fn finish(
+        &mut self,
+        written: &Written,
+        plan: &batch::Plan,
+        known: &mut KnownMap,
+        now_ms: i64,
+        after: Option<i64>,
+        used_max: i64,
+    ) {
+        self.prefetched().refill(&written.numbers, used_max);
+        if let (Some(xid), Some(after)) = (written.xid, after) {
+            let version = RowVersion {
+                xid,
+                after,
+                at_ms: now_ms,
+            };
+            let rows: std::collections::HashSet<i64> = plan
+                .states
+                .iter()
+                .map(|(seq, _)| *seq)
+                .chain(plan.contracts.iter().map(|c| c.seq))
+                .collect();
+            let ids: Vec<Id> = known
+                .iter()
+                .filter(|(_, k)| rows.contains(&k.seq))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in ids {
+                if let Some(k) = known.get_mut(&id) {
+                    k.version = Some(version);
+                }
+            }
+        }
+        events::announce_own(self.tag, &self.trees, &self.commits, &written.placed);
+        // The parents and the new contracts: the next Delegate from one of
+        // them finds its terms here (`issuing_parent`).
+        self.remember(known);
+    }
+
+    /// The group in one transaction, its parents locked and read.
+    async fn issue_on(
+        &mut self,
+        conn: &mut PgConnection,
         commands: &[Command],
         careful: bool,
     ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
-        let mut tx = conn.begin_with(begin).await?;
+        let mut tx = conn.begin().await?;
         let (request_keys, parent_ids) = batch::needs(commands, &KnownMap::default());
         let mut prior = if careful {
             load_prior_requests::<Postgres>(&mut tx, &request_keys).await?
@@ -394,14 +748,28 @@ impl Writer {
             HashMap::new()
         };
         let mut known = KnownMap::default();
-        load_parents_locked(&mut tx, &parent_ids, &mut known).await?;
+        let now_ms = self.clock.now_ms();
+        let xmins = load_parents_locked(&mut tx, &parent_ids, &mut known).await?;
         let mut seqs = Reserved::default();
         let roots = drain::roots_of(&known, &parent_ids);
         let drains = seqs
             .drains_and_reserve(&mut tx, &roots, commands.len())
             .await?;
+        // The parents as locked: numbers from here on come after.
+        let after = seqs.left.front().map(|n| n - 1);
+        if let Some(after) = after {
+            for (id, xid) in xmins {
+                if let Some(k) = known.get_mut(&id) {
+                    k.version = Some(RowVersion {
+                        xid,
+                        after,
+                        at_ms: now_ms,
+                    });
+                }
+            }
+        }
+        let draining: Vec<i64> = drains.iter().map(|(root, _)| *root).collect();
         drain::mark_ending_with::<Postgres>(&mut tx, &mut known, &parent_ids, &drains).await?;
-        let now_ms = self.clock.now_ms();
         let mut plan = batch::plan(
             commands,
             &mut prior,
@@ -421,15 +789,20 @@ impl Writer {
             }
         }
         // The writes and their events, in one statement.
-        let placed: Vec<(i64, Vec<u8>)> = match super::unnest::writes(&plan) {
-            Some(mut writes) => writes.build_query_as().fetch_all(&mut *tx).await?,
-            None => Vec::new(),
+        let written = match super::unnest::writes(&plan, None, self.prefetch()) {
+            Some(mut writes) => {
+                Written::from_rows(writes.build_query_as().fetch_all(&mut *tx).await?)?
+            }
+            None => Written {
+                placed: Vec::new(),
+                numbers: Vec::new(),
+                xid: None,
+            },
         };
         tx.commit().await?;
-        events::announce_own(self.tag, &self.trees, &self.commits, &placed);
-        // The parents and the new contracts: the next Delegate from one of
-        // them finds its terms here (`issuing_parent`).
-        self.remember(&known);
+        self.remember_draining(&roots, &draining);
+        let used_max = seqs.taken.iter().copied().max().unwrap_or(0);
+        self.finish(&written, &plan, &mut known, now_ms, after, used_max);
         Ok(batch::answers(answers))
     }
 
@@ -472,7 +845,7 @@ impl Writer {
         conn: &mut PgConnection,
         command: &LifecycleCommand,
     ) -> Result<Result<Answer, StoreError>, sqlx::Error> {
-        let mut tx = conn.begin().await?;
+        let mut tx = conn.begin_with(CUSTOM_PLANS_BEGIN).await?;
         let keys: Vec<RequestKey> = command
             .request
             .iter()
@@ -509,44 +882,50 @@ impl Writer {
 /// ping; after a pause the pool checks it first.
 const HELD_CONNECTION_FRESH: Duration = Duration::from_secs(1);
 
-/// How an issuance transaction begins (as a macro: `concat!` needs the
-/// literal). Its statements are all keyed lookups and inserts, so they
-/// keep one plan per connection (planning them at every call was a fifth
-/// of their time): a generic plan, made without seeing the parameters.
-/// While it is made, sequential scans, hash and merge joins are off (each
-/// reads a whole input), leaving lookups down an index and nested loops of
-/// them. A plan made while a table was tiny may still read a whole index
-/// (at a row or two every path costs the same), so the plans are made
-/// again every `PLAN_REFRESH` (`ISSUANCE_BEGIN_REPLANNED`): such a plan
-/// lives a second, over a table that grew for a second at most. The
-/// connections' default (custom plans, see `connect_options`) is back at
-/// the transaction's end.
+/// The settings of the writers' connections (their pool's): an issuance's
+/// statements are all keyed lookups and inserts, so they keep one plan
+/// per connection (planning them at every call was a fifth of their
+/// time): a generic plan, made without seeing the parameters. While it
+/// is made, sequential scans, hash and merge joins are off (each reads a
+/// whole input), leaving lookups down an index and nested loops of them.
+/// A plan made while a table was tiny may still read a whole index (at a
+/// row or two every path costs the same), so the plans are made again
+/// every `PLAN_REFRESH` (`DISCARD PLANS`): such a plan lives a
+/// second, over a table that grew for a second at most. Session settings,
+/// not a transaction's: an optimistic issuance is one statement outside
+/// a transaction block. Lifecycle transactions and the prune go back to
+/// the other connections' settings (`CUSTOM_PLANS_BEGIN`).
 /// (`the_issuance_statements_seek_with_generic_plans` checks the plans.)
-macro_rules! issuance_begin {
-    () => {
-        "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
-         SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
-         SET LOCAL enable_mergejoin = off"
-    };
-}
-pub(super) const ISSUANCE_BEGIN: &str = issuance_begin!();
+pub(super) const WRITER_SETTINGS: [(&str, &str); 5] = [
+    ("plan_cache_mode", "force_generic_plan"),
+    ("enable_seqscan", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+    ("jit", "off"),
+];
 
-/// `ISSUANCE_BEGIN`, the kept plans dropped first (in the same round trip;
-/// the prepared statements stay).
-const ISSUANCE_BEGIN_REPLANNED: &str = concat!("DISCARD PLANS; ", issuance_begin!());
+/// How a writer's transaction other than an issuance begins: with the
+/// settings of the store's other connections (`connect_options`), whose
+/// statements (cascades, descendants, the prune) read ranges a custom
+/// plan sizes for their parameters.
+pub(super) const CUSTOM_PLANS_BEGIN: &str = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan; \
+     SET LOCAL enable_seqscan = on; SET LOCAL enable_hashjoin = on; \
+     SET LOCAL enable_mergejoin = on";
 
 /// How often a writer's connection makes its generic plans again.
 const PLAN_REFRESH: Duration = Duration::from_secs(1);
 
 /// Loads and locks the named parents, in (depth, id) order (see the
-/// module docs of `store::postgres`).
+/// module docs of `store::postgres`); returns each one's `xmin` (locked:
+/// no other transaction changes it before this one ends).
 async fn load_parents_locked(
     conn: &mut PgConnection,
     parent_ids: &[Id],
     known: &mut KnownMap,
-) -> Result<(), sqlx::Error> {
+) -> Result<Vec<(Id, u32)>, sqlx::Error> {
+    let mut xmins = Vec::with_capacity(parent_ids.len());
     if parent_ids.is_empty() {
-        return Ok(());
+        return Ok(xmins);
     }
     let ids: Vec<&[u8]> = parent_ids.iter().map(|id| id.as_slice()).collect();
     // `FOR UPDATE OF c`: the contract rows only. Through the view the
@@ -557,19 +936,24 @@ async fn load_parents_locked(
         .fetch_all(&mut *conn)
         .await?;
     for row in rows {
+        let xmin: i64 = row.try_get("row_xmin")?;
         let (id, k) = StoredContract::from_row::<Postgres>(&row)
             .map_err(|e| sqlx::Error::Protocol(format!("corrupt contract row: {e}")))?
             .known();
+        if let Ok(xmin) = u32::try_from(xmin) {
+            xmins.push((id, xmin));
+        }
         known.insert(id, k);
     }
-    Ok(())
+    Ok(xmins)
 }
 
 /// The statement of `load_parents_locked`: `$1` the parents' ids.
 pub(super) fn parents_locked_sql() -> String {
     format!(
-        "SELECT {columns} FROM (\
-             SELECT c.*, e.envelope FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
+        "SELECT {columns}, row_xmin FROM (\
+             SELECT c.*, c.xmin::text::int8 AS row_xmin, e.envelope \
+             FROM contracts c JOIN contract_envelopes e ON e.seq = c.seq \
              WHERE c.id = ANY($1) ORDER BY c.depth, c.id FOR UPDATE OF c) locked",
         columns = crate::store::sql::rows::CONTRACT_COLUMNS
     )
@@ -579,14 +963,16 @@ pub(super) fn parents_locked_sql() -> String {
 /// `cutoff_ms`. Replicas may prune at once: a row two of them pick is
 /// deleted once, the other deletes nothing.
 async fn prune_requests(conn: &mut PgConnection, cutoff_ms: i64) -> Result<u64, sqlx::Error> {
+    let mut tx = conn.begin_with(CUSTOM_PLANS_BEGIN).await?;
     let done = sqlx::query(
         "DELETE FROM requests WHERE (agent_key, nonce) IN \
          (SELECT agent_key, nonce FROM requests WHERE at_ms < $1 ORDER BY at_ms LIMIT $2)",
     )
     .bind(cutoff_ms)
     .bind(MAX_PRUNED_PER_PASS)
-    .execute(conn)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(done.rows_affected())
 }
 
@@ -704,6 +1090,39 @@ mod tests {
             failed(&sqlx::Error::Protocol("garbled".into()), 1),
             StoreError::Corrupt(_)
         ));
+    }
+
+    /// Prefetched numbers go out in increasing order, each above every
+    /// number handed out or used before and above what the caller names;
+    /// an older statement's numbers never replace a newer's.
+    #[test]
+    fn prefetched_numbers_only_rise() {
+        let mut numbers = Prefetched::default();
+        assert_eq!(numbers.take(1, 0), None, "none reserved yet");
+        numbers.refill(&[10, 11, 12, 13, 14], 0);
+        assert_eq!(numbers.take(2, 0), Some(vec![10, 11]));
+        assert_eq!(numbers.take(1, 12), Some(vec![13]), "above a parent's");
+        // A statement that ran earlier (its numbers lower) finishes late.
+        numbers.refill(&[5, 6, 7], 0);
+        assert_eq!(numbers.take(1, 0), Some(vec![14]));
+        // A locked issuance used 30: nothing at or below it goes out.
+        numbers.refill(&[20, 40, 41], 30);
+        assert_eq!(numbers.take(2, 0), Some(vec![40, 41]));
+        assert_eq!(numbers.take(1, 0), None, "used up");
+        numbers.refill(&[50, 51], 0);
+        assert_eq!(numbers.take(3, 0), None, "too few");
+        assert_eq!(numbers.take(2, 0), Some(vec![50, 51]));
+    }
+
+    /// Numbers left unused for `MAX_PREFETCHED_AGE` are not handed out.
+    #[test]
+    fn prefetched_numbers_expire() {
+        let mut numbers = Prefetched::default();
+        numbers.refill(&[10, 11], 0);
+        std::thread::sleep(MAX_PREFETCHED_AGE);
+        assert_eq!(numbers.take(1, 0), None);
+        numbers.refill(&[12], 0);
+        assert_eq!(numbers.take(1, 0), Some(vec![12]));
     }
 
     /// Writers wait for a fuller group only after a group showed load,

@@ -189,6 +189,7 @@ impl StoredContract {
                 root_id: self.root_id,
                 root_seq: self.root_seq,
                 contract: Arc::new(self.contract),
+                version: None,
             },
         )
     }
