@@ -249,7 +249,8 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         .as_str()
         .to_string();
     let states = format!(
-        "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[], $5::int8[]{}",
+        "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], \
+         $8::int8[], $9::int8[]{}",
         unnest::UPDATE_STATES.0,
         unnest::UPDATE_STATES.1
     );
@@ -258,6 +259,14 @@ async fn the_issuance_statements_seek_with_generic_plans() {
         ("drains and numbers", writer::DRAINS_AND_NUMBERS.to_string()),
         ("numbers", writer::RESERVE.to_string()),
         ("states", states),
+        (
+            "unwritten parents",
+            format!(
+                "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[]{}",
+                unnest::CHECK_UNWRITTEN.0,
+                unnest::CHECK_UNWRITTEN.1
+            ),
+        ),
         (
             "events",
             format!(
@@ -693,4 +702,39 @@ async fn a_parent_changed_since_it_was_cached_is_read_again() {
             .expect("root");
     assert_eq!((reserved, budget), (100, 100));
     assert_eq!(optimistic_outcomes(&metrics)[1], 1, "one stale attempt");
+}
+
+/// Nor is a refusal decided from a stale cached parent: a root of one
+/// child at a time, its child revoked (the root's fan-out freed by a
+/// lifecycle transaction, which the cache does not see), then another
+/// child asked — issued, not refused for a fan-out no longer full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_is_not_decided_from_a_stale_cached_parent() {
+    use crate::command::{Action, LifecycleCommand};
+    use crate::store::suite::{issued, meta, receipt, test_child, test_root};
+    let database = TestDatabase::migrated().await;
+    let (store, metrics) = counted_store(&database.url).await;
+    let mut root = test_root(meta(9, 1));
+    root.policy.max_children = 1;
+    let root = issued(store.open_root(root).await);
+    let first = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    assert_eq!(optimistic_outcomes(&metrics), [1, 0, 0]);
+    let revoked = receipt(
+        store
+            .transition(LifecycleCommand {
+                request: Some(meta(9, 3)),
+                contract_id: first,
+                action: Action::Revoke {
+                    reason: "done".into(),
+                },
+            })
+            .await,
+    );
+    assert_eq!(revoked.kind, pb::ReceiptKind::Revoked as i32);
+    issued(store.delegate(test_child(9, 4, root, 7, "true")).await);
+    assert_eq!(
+        optimistic_outcomes(&metrics),
+        [1, 1, 0],
+        "aborted as stale, then issued with the root locked"
+    );
 }

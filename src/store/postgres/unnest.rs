@@ -26,12 +26,54 @@ use crate::store::batch::Plan;
 /// What an optimistic issuance's statement checks (`writer`): it was
 /// planned from cached parents, not from rows it locked and read.
 pub(super) struct Guard {
-    /// The version (`xmin`) each parent the plan updates had when cached,
-    /// by seq: a parent changed since is not updated, the rows counted
-    /// fall short and `issuance_guard` aborts the statement (BR001).
-    pub xmins: HashMap<i64, u32>,
+    /// Every parent the plan read, by seq, as cached: a parent the plan
+    /// updates is updated only if its row still is so, one it only read
+    /// (a refusal) is counted only if so; either way a parent changed
+    /// since leaves the rows counted short and `issuance_guard` aborts
+    /// the statement (BR001).
+    pub parents: HashMap<i64, Cached>,
     /// The trees (root seqs) that must have no drain (BR002).
     pub roots: Vec<i64>,
+}
+
+/// A parent's row as cached: its version, and what the plan decided on
+/// (its status and ledger). The values are compared too: were a
+/// transaction id ever handed out twice (commits lost in a crash with
+/// `synchronous_commit = off`, or in a failover to an asynchronous
+/// standby), a matching `xmin` alone could name another row version.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Cached {
+    pub xmin: u32,
+    pub status: i64,
+    pub reserved: i64,
+    pub spent: i64,
+    pub open_children: i64,
+}
+
+/// The condition a parent's row (`contracts`) meets while it is as cached
+/// (`u`: `xmin`, `was_status`, `was_reserved`, `was_spent`, `was_open`);
+/// a macro for `concat!`.
+macro_rules! as_cached {
+    () => {
+        "contracts.xmin::text::int8 = u.xmin AND contracts.status = u.was_status \
+         AND contracts.reserved = u.was_reserved AND contracts.spent = u.was_spent \
+         AND contracts.open_children = u.was_open"
+    };
+}
+
+/// Binds the five cached columns of `seqs` (NULL for a seq without one,
+/// which is then not checked).
+fn cached_columns(query: &mut QueryBuilder<Postgres>, seqs: &[i64], guard: Option<&Guard>) {
+    let cached = |f: &dyn Fn(&Cached) -> i64| -> Vec<Option<i64>> {
+        seqs.iter()
+            .map(|seq| guard.and_then(|g| g.parents.get(seq)).map(f))
+            .collect()
+    };
+    column(query, cached(&|c| i64::from(c.xmin)), false);
+    column(query, cached(&|c| c.status), false);
+    column(query, cached(&|c| c.reserved), false);
+    column(query, cached(&|c| c.spent), false);
+    column(query, cached(&|c| c.open_children), false);
 }
 
 /// One row of the writes statement's answer: `kind` `PLACED` (`n` an
@@ -58,6 +100,7 @@ pub(super) fn writes(
     insert_contracts(&mut parts, plan);
     insert_run_labels(&mut parts, plan);
     update_states(&mut parts, plan, guard);
+    check_unwritten(&mut parts, plan, guard);
     insert_receipts(&mut parts, plan);
     insert_requests(&mut parts, plan);
     if parts.count == 0 {
@@ -367,14 +410,56 @@ fn insert_run_labels(parts: &mut Parts, plan: &Plan) {
 
 /// The ledger of every earlier contract the batch changed (locked by
 /// this transaction's read, or cached: see `Guard`; never its status: see
-/// `Plan::states`), around its five arrays (seq, reserved, spent,
-/// open_children, and the row's expected `xmin` or NULL for no check).
+/// `Plan::states`), around its nine arrays (seq, reserved, spent,
+/// open_children, then the row as cached — `xmin` NULL for no check —
+/// see `as_cached`).
 pub(super) const UPDATE_STATES: (&str, &str) = (
     "UPDATE contracts SET reserved = u.reserved, spent = u.spent, \
      open_children = u.open_children FROM UNNEST(",
-    ") AS u(seq, reserved, spent, open_children, xmin) WHERE contracts.seq = u.seq \
-     AND (u.xmin IS NULL OR contracts.xmin::text::int8 = u.xmin)",
+    concat!(
+        ") AS u(seq, reserved, spent, open_children, xmin, was_status, was_reserved, \
+         was_spent, was_open) WHERE contracts.seq = u.seq AND (u.xmin IS NULL OR (",
+        as_cached!(),
+        "))"
+    ),
 );
+
+/// The parents an optimistic plan read but does not update (it refused
+/// their children), counted if still as cached (`Guard`), around their
+/// six arrays (seq, then as in `as_cached`).
+pub(super) const CHECK_UNWRITTEN: (&str, &str) = (
+    "SELECT 1 FROM UNNEST(",
+    concat!(
+        ") AS u(seq, xmin, was_status, was_reserved, was_spent, was_open) \
+         JOIN contracts ON contracts.seq = u.seq WHERE ",
+        as_cached!()
+    ),
+);
+
+/// `CHECK_UNWRITTEN`'s part, when the plan read parents it does not
+/// update. Read with the statement's snapshot: a change committed after
+/// it is a concurrent one (the answer is as of the snapshot, as a read
+/// is; one under a parent the plan updates is met by the update).
+fn check_unwritten(parts: &mut Parts, plan: &Plan, guard: Option<&Guard>) {
+    let Some(guard) = guard else {
+        return;
+    };
+    let mut seqs: Vec<i64> = guard
+        .parents
+        .keys()
+        .copied()
+        .filter(|seq| !plan.states.iter().any(|(s, _)| s == seq))
+        .collect();
+    if seqs.is_empty() {
+        return;
+    }
+    seqs.sort_unstable();
+    let query = parts.start(CHECK_UNWRITTEN.0, seqs.len());
+    column(query, seqs.clone(), true);
+    cached_columns(query, &seqs, Some(guard));
+    query.push(CHECK_UNWRITTEN.1);
+    query.push(")");
+}
 
 fn update_states(parts: &mut Parts, plan: &Plan, guard: Option<&Guard>) {
     let states = &plan.states;
@@ -393,14 +478,8 @@ fn update_states(parts: &mut Parts, plan: &Plan, guard: Option<&Guard>) {
             .collect(),
         false,
     );
-    column(
-        query,
-        states
-            .iter()
-            .map(|s| guard.and_then(|g| g.xmins.get(&s.0)).map(|x| i64::from(*x)))
-            .collect::<Vec<Option<i64>>>(),
-        false,
-    );
+    let seqs: Vec<i64> = states.iter().map(|s| s.0).collect();
+    cached_columns(query, &seqs, guard);
     query.push(UPDATE_STATES.1);
     query.push(" RETURNING 1)");
 }

@@ -11,18 +11,19 @@
 //! outside a transaction block, one round trip instead of five (`BEGIN`,
 //! the parents' locking read, the drains and numbers, the writes,
 //! `COMMIT`), the hops that bound one replica (BENCHMARKS.md, issue 27).
-//! The statement updates each parent only if its `xmin` is still the
-//! cached one and then calls `issuance_guard`, which aborts it if a
-//! parent had changed or a tree is draining (read with a snapshot taken
-//! after the statement's locks); the group is then redone the usual way,
-//! parents locked and read. Its numbers were reserved by an earlier
+//! The statement updates each parent only if its row is still as cached
+//! (`xmin`, status and ledger; a parent only read, its child refused, is
+//! checked by a read counted with the writes) and then calls
+//! `issuance_guard`, which aborts it if a parent had changed or a tree is
+//! draining (read with a snapshot taken after the statement's locks); the
+//! group is then redone the usual way, parents locked and read. Its numbers were reserved by an earlier
 //! issuance statement after that one's locks (`Prefetched`), and each is
 //! above its parents' `RowVersion::after`: taken after the cached parent
 //! was locked, while the compare-and-set keeps any other child from being
 //! committed under it since — a child is still numbered above its parent
 //! and after its siblings.
 
-use super::unnest::{Guard, NUMBER, PLACED, WrittenRow, XID};
+use super::unnest::{Cached, Guard, NUMBER, PLACED, WrittenRow, XID};
 use super::*;
 use crate::core::limits::MAX_TX_ATTEMPTS;
 use crate::store::batch::RowVersion;
@@ -545,7 +546,7 @@ impl Writer {
         let now_ms = self.clock.now_ms();
         let (_, parent_ids) = batch::needs(commands, &KnownMap::default());
         let mut known = KnownMap::default();
-        let mut xmins = HashMap::with_capacity(parent_ids.len());
+        let mut cached_parents = HashMap::with_capacity(parent_ids.len());
         // Numbers must come after each parent's version was locked.
         let mut above = 0;
         {
@@ -566,7 +567,16 @@ impl Writer {
                     tracing::debug!(version = ?cached.version, "not optimistic: a parent's version");
                     return Ok(None);
                 };
-                xmins.insert(cached.seq, version.xid);
+                cached_parents.insert(
+                    cached.seq,
+                    Cached {
+                        xmin: version.xid,
+                        status: i64::from(cached.view.status.as_i32()),
+                        reserved: cached.view.ledger.reserved,
+                        spent: cached.view.ledger.spent,
+                        open_children: i64::from(cached.view.ledger.open_children),
+                    },
+                );
                 above = above.max(version.after);
                 known.insert(*id, cached.clone());
             }
@@ -597,7 +607,11 @@ impl Writer {
         );
         // Every ledger the plan updates must be checked; a parent made in
         // this group is not cached, so none is unchecked (but be sure).
-        if plan.states.iter().any(|(seq, _)| !xmins.contains_key(seq)) {
+        if plan
+            .states
+            .iter()
+            .any(|(seq, _)| !cached_parents.contains_key(seq))
+        {
             tracing::warn!("not optimistic: the plan updates a contract not cached");
             return Ok(None);
         }
@@ -614,7 +628,10 @@ impl Writer {
             let earlier = load_prior_requests::<Postgres>(&mut *conn, &unlogged).await?;
             batch::replay_unlogged(commands, &mut answers, &earlier);
         }
-        let guard = Guard { xmins, roots };
+        let guard = Guard {
+            parents: cached_parents,
+            roots,
+        };
         let Some(mut writes) = super::unnest::writes(&plan, Some(&guard), self.prefetch()) else {
             return Ok(Some(batch::answers(answers)));
         };
@@ -863,6 +880,8 @@ impl Writer {
         let applied = lifecycle::apply::<Postgres>(&mut tx, command, &prior, &mut writing).await?;
         let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
+        // Its numbers (receipts') need not bound `Prefetched`: no read
+        // pages receipts by number, and it makes no contract.
         events::announce_own(self.tag, &self.trees, &self.commits, &placed);
         Ok(applied.answer)
     }
