@@ -15,7 +15,9 @@
 //!
 //! The parts touch disjoint rows (new contracts, their envelopes, labels,
 //! receipts and request-log keys; earlier contracts this transaction
-//! already locked), so their order within the statement does not matter.
+//! already locked, or, optimistic, locks as it updates them — `Guard`),
+//! so their order within the statement does not matter; `done` counts
+//! them all before the guard, the clock and the reserved numbers.
 
 use std::collections::HashMap;
 
@@ -248,7 +250,8 @@ fn events(parts: &mut Parts, plan: &Plan, guard: Option<&Guard>) {
 struct Parts {
     query: QueryBuilder<Postgres>,
     count: usize,
-    /// The rows the parts write in all, each part's `RETURNING 1`.
+    /// The rows the parts return in all (each writing part's
+    /// `RETURNING 1`, the check of parents only read its matches).
     rows: usize,
 }
 

@@ -533,11 +533,11 @@ impl Writer {
         self.keep(conn, result).await
     }
 
-    /// The group planned from this writer's cached parents and written in
-    /// one statement (see the module docs). `None` when it cannot be (a
-    /// parent not cached as this writer wrote it, a tree known to drain,
-    /// too few numbers left) or was aborted by `issuance_guard`: the
-    /// caller takes the locked path.
+    /// The group planned from the cached parents and written in one
+    /// statement (see the module docs). `None` when it cannot be (a
+    /// parent not cached with a fresh version, or found stale within the
+    /// last second, a tree known to drain, too few numbers left) or was
+    /// aborted by `issuance_guard`: the caller takes the locked path.
     async fn issue_optimistic(
         &mut self,
         conn: &mut PgConnection,
