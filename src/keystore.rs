@@ -20,8 +20,25 @@ pub struct Keyring {
     pub retired: Vec<VerifyingKey>,
 }
 
+/// File in the data directory that whoever writes the directory holds
+/// locked (`DataDirLock`); it names the holder's pid.
+pub const LOCK_FILE: &str = "LOCK";
+
 #[derive(Debug, thiserror::Error)]
 pub enum KeystoreError {
+    /// Another process writes this data directory.
+    #[error(
+        "{path} is in use by process {holder} (it holds {LOCK_FILE}): stop it first; two writers of one data directory would issue from each other's stale ledgers"
+    )]
+    Locked { path: PathBuf, holder: String },
+    /// A data directory that must exist (rotate-key) does not.
+    #[error("{path}: no such data directory (rotate-key rotates the key of an existing one)")]
+    NoDataDir { path: PathBuf },
+    /// A secret key file others can read.
+    #[error(
+        "{path} is readable by others (mode {mode:o}): a signing key must be the owner's alone; fix it with `chmod 600 {path}`"
+    )]
+    Exposed { path: PathBuf, mode: u32 },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -56,7 +73,29 @@ pub fn write_secret(path: &Path, contents: &str) -> Result<(), KeystoreError> {
     Ok(())
 }
 
+/// Refuses a key file that its group or others may read: a leaked seed
+/// signs as the broker (or the agent) for good.
+pub fn check_private(path: &Path) -> Result<(), KeystoreError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(path)
+            .map_err(io(path))?
+            .permissions()
+            .mode()
+            & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(KeystoreError::Exposed {
+                path: path.to_owned(),
+                mode,
+            });
+        }
+    }
+    Ok(())
+}
+
 fn read_seed(path: &Path) -> Result<SigningKey, KeystoreError> {
+    check_private(path)?;
     let text = std::fs::read_to_string(path).map_err(io(path))?;
     let bytes = hex::decode(text.trim()).map_err(|e| KeystoreError::Malformed {
         path: path.to_owned(),
@@ -148,9 +187,69 @@ pub fn load(data_dir: &Path, key_file: Option<&Path>) -> Result<Loaded, Keystore
     })
 }
 
-/// Retires the current key and creates a new one. Run while the broker is
-/// stopped; signatures by the retired key stay verifiable.
+/// The data directory's lock, held while its holder writes the directory
+/// (`serve` on SQLite, `rotate-key`); released when dropped or when the
+/// process dies (an advisory `flock`, which the kernel drops with the
+/// process: a crash never leaves it stale).
+#[derive(Debug)]
+pub struct DataDirLock {
+    _file: std::fs::File,
+}
+
+impl DataDirLock {
+    /// Locks `data_dir` (which must exist) or refuses at once, naming the
+    /// holder's pid. Nothing else in the directory is touched either way.
+    pub fn acquire(data_dir: &Path) -> Result<Self, KeystoreError> {
+        use std::io::{Read as _, Seek as _};
+        let path = data_dir.join(LOCK_FILE);
+        let mut options = std::fs::OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(false);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        let mut file = options.open(&path).map_err(io(&path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                // Bounded: a pid is a few bytes.
+                let _ = (&mut file)
+                    .take(MAX_LOCK_FILE_BYTES)
+                    .read_to_string(&mut holder);
+                let holder = holder.trim();
+                return Err(KeystoreError::Locked {
+                    path: data_dir.to_owned(),
+                    holder: if holder.is_empty() {
+                        "(unknown pid)".into()
+                    } else {
+                        holder.into()
+                    },
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&path)(e)),
+        }
+        file.set_len(0).map_err(io(&path))?;
+        file.rewind().map_err(io(&path))?;
+        writeln!(file, "{}", std::process::id()).map_err(io(&path))?;
+        Ok(Self { _file: file })
+    }
+}
+
+/// Most bytes of the lock file read to name its holder.
+const MAX_LOCK_FILE_BYTES: u64 = 64;
+
+/// Retires the current key and creates a new one, holding the data
+/// directory's lock (so never beside a running broker); signatures by the
+/// retired key stay verifiable.
 pub fn rotate(data_dir: &Path) -> Result<VerifyingKey, KeystoreError> {
+    if !data_dir.is_dir() {
+        return Err(KeystoreError::NoDataDir {
+            path: data_dir.to_owned(),
+        });
+    }
+    let _lock = DataDirLock::acquire(data_dir)?;
     let keyring = load_or_create(data_dir)?;
     let retired_path = data_dir.join(RETIRED_KEYS_FILE);
     let mut lines: Vec<String> = keyring
@@ -166,4 +265,58 @@ pub fn rotate(data_dir: &Path) -> Result<VerifyingKey, KeystoreError> {
         &hex::encode(fresh.to_bytes()),
     )?;
     Ok(fresh.verifying_key())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_data_directory_has_one_writer_and_the_second_learns_its_pid() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let held = DataDirLock::acquire(dir.path()).expect("first");
+        let lock_file = std::fs::read_to_string(dir.path().join(LOCK_FILE)).expect("read");
+        assert_eq!(lock_file.trim(), std::process::id().to_string());
+        // flock is per open file: a second open in this process is refused
+        // as another process's would be.
+        let Err(KeystoreError::Locked { holder, .. }) = DataDirLock::acquire(dir.path()) else {
+            panic!("a second lock was granted");
+        };
+        assert_eq!(holder, std::process::id().to_string());
+        let Err(KeystoreError::Locked { .. }) = rotate(dir.path()) else {
+            panic!("rotate-key ran beside the holder");
+        };
+        assert!(
+            !dir.path().join(CURRENT_KEY_FILE).exists(),
+            "the refused rotation wrote a key"
+        );
+        drop(held);
+        rotate(dir.path()).expect("rotation once the lock is free");
+        assert!(dir.path().join(CURRENT_KEY_FILE).exists());
+    }
+
+    #[test]
+    fn rotate_refuses_a_missing_directory_and_creates_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("nonexistent");
+        assert!(matches!(
+            rotate(&missing),
+            Err(KeystoreError::NoDataDir { .. })
+        ));
+        assert!(!missing.exists());
+    }
+
+    #[test]
+    fn keys_are_written_for_the_owner_and_exposed_ones_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("key");
+        write_secret(&path, &hex::encode([7u8; 32])).expect("write");
+        let mode = std::fs::metadata(&path).expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        read_seed(&path).expect("an owner-only key is read");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        let error = read_seed(&path).expect_err("a group-readable key");
+        assert!(error.to_string().contains("chmod 600"), "{error}");
+    }
 }

@@ -105,6 +105,7 @@ pub fn run(args: AuditArgs) -> anyhow::Result<()> {
 
 /// The agent whose secret seed (hex) is in `path`.
 pub fn agent_from_key_file(path: &std::path::Path) -> anyhow::Result<crate::client::Agent> {
+    crate::keystore::check_private(path)?;
     let text = std::fs::read_to_string(path)
         .map_err(|e| anyhow::anyhow!("cannot read the key file {}: {e}", path.display()))?;
     let seed: [u8; 32] = hex::decode(text.trim())

@@ -440,6 +440,11 @@ fn receipt_lines(out: &mut String, pad: &str, receipt: &pb::Receipt) {
                     "{pad}verdict {verdict}, consumed {}, returned {}",
                     completion.consumed, completion.returned
                 );
+                // A claim beyond what was charged: nobody observed it, and
+                // the principal should see it.
+                if completion.claimed_excess > 0 {
+                    let _ = write!(out, ", claimed excess {}", completion.claimed_excess);
+                }
                 if !refused.is_empty() {
                     let _ = write!(out, ", refused: {}", refused.join(", "));
                 }

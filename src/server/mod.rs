@@ -112,6 +112,13 @@ pub async fn run_with_options(
             "no [orchestrators] in the configuration: any key may open roots with any budget"
         );
     }
+    // On SQLite the data directory is this process's alone while it
+    // serves (a second writer would issue from stale cached ledgers):
+    // locked before anything in it is read.
+    let _lock = match options.database {
+        None => Some(lock_data_dir(config.data_dir.clone()).await?),
+        Some(_) => None,
+    };
     let loaded = load_keys(&config, options.signing_key_file.clone()).await?;
     let keyring = &loaded.keyring;
     let stamper = Arc::new(Stamper::new(keyring.current.clone()));
@@ -577,6 +584,17 @@ async fn load_keys(
             .await
             .map_err(|e| ServerError::KeyLoading(e.to_string()))??,
     )
+}
+
+/// Makes the data directory when missing and locks it (`DataDirLock`).
+async fn lock_data_dir(dir: std::path::PathBuf) -> Result<keystore::DataDirLock, ServerError> {
+    tokio::task::spawn_blocking(move || {
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServerError::DataDir(format!("{}: {e}", dir.display())))?;
+        Ok(keystore::DataDirLock::acquire(&dir)?)
+    })
+    .await
+    .map_err(|e| ServerError::KeyLoading(e.to_string()))?
 }
 
 /// Writes a fresh signing key, once the store opened (see `Loaded`).

@@ -34,6 +34,8 @@ pub struct ContractRecord {
     pub effective_predicate: String,
     pub status: Status,
     pub ledger: Ledger,
+    /// The host named at Delegate or Accept, if any.
+    pub host_key: Option<crate::core::AgentKey>,
     /// Issuance order; the page cursor of `children`.
     pub seq: i64,
 }

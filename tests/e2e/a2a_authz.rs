@@ -26,7 +26,7 @@ use crate::harness::*;
 /// Starts `a2a-gateway` fronting `agent` with only its authz listener.
 fn spawn_authz(dir: &std::path::Path, broker: &str, agent: &Agent) -> (Killed, String) {
     let key_file = dir.join("agent.key");
-    std::fs::write(&key_file, hex::encode(agent.seed())).unwrap();
+    write_key_file(&key_file, &agent.seed());
     let config = dir.join("gateway.toml");
     std::fs::write(
         &config,

@@ -266,7 +266,7 @@ async fn two_arms_aggregate_to_the_expected_table() {
     // must keep serving it.
     let key_dir = tempfile::tempdir().unwrap();
     let key_file = key_dir.path().join("reader.key");
-    std::fs::write(&key_file, hex::encode(broker.reader.seed())).unwrap();
+    write_key_file(&key_file, &broker.reader.seed());
     let cli = |format: &'static str| {
         let addr = broker.addr.clone();
         let key_file = key_file.clone();

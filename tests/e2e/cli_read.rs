@@ -153,11 +153,7 @@ async fn scene() -> Scene {
     let key_dir = tempfile::tempdir().unwrap();
     let key_file = key_dir.path().join("reader.key");
     // As `keygen` writes it.
-    std::fs::write(
-        &key_file,
-        format!("{}\n", hex::encode(broker.reader.seed())),
-    )
-    .unwrap();
+    write_key_file(&key_file, &broker.reader.seed());
 
     let mut marks: Vec<(String, String)> = Vec::new();
     let mut mark = |value: String, name: &str| marks.push((value, format!("<{name}>")));
@@ -458,7 +454,7 @@ async fn reading_errors_name_their_cause() {
     );
     let stranger_dir = tempfile::tempdir().unwrap();
     let stranger = stranger_dir.path().join("stranger.key");
-    std::fs::write(&stranger, hex::encode(Agent::generate().seed())).unwrap();
+    write_key_file(&stranger, &Agent::generate().seed());
     let out = run(command(
         &s.broker.addr,
         &stranger,

@@ -14,6 +14,21 @@ use tonic::transport::Channel;
 
 pub const HOUR_MS: i64 = 3_600_000;
 
+/// Writes a key file as `keygen` does: the owner's alone (a key file
+/// others can read is refused).
+pub fn write_key_file(path: &std::path::Path, seed: &[u8; 32]) {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .expect("key file");
+    writeln!(file, "{}", hex::encode(seed)).expect("key file written");
+}
+
 pub fn now_ms() -> i64 {
     SystemClock.now_ms()
 }

@@ -647,3 +647,92 @@ async fn standard_otel_variables_alone_export_spans() {
         assert_eq!(instance.len(), 36, "a UUID: {instance}");
     }
 }
+
+/// Every file of a directory with its bytes, to show a refused command
+/// changed nothing.
+fn snapshot(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.is_file()
+                && !p.to_string_lossy().contains("-wal")
+                && !p.to_string_lossy().contains("-shm")
+        })
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A served SQLite data directory has one writer: a second `serve` and a
+/// `rotate-key` refuse at once, naming the serving process's pid, and
+/// change nothing in it; `rotate-key` refuses a directory that does not
+/// exist and creates none.
+#[test]
+fn sqlite_a_served_data_directory_refuses_a_second_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (first, _addr) = spawn_serve(&data, &[]);
+    let pid = first.0.id().to_string();
+    let before = snapshot(&data);
+    let second = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .env("BROKER_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!second.status.success(), "a second serve started");
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        said.contains(&format!("in use by process {pid}")),
+        "names the holder: {said}"
+    );
+    assert!(!String::from_utf8_lossy(&second.stdout).contains("listening"));
+    let rotate = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["rotate-key", "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        !rotate.status.success(),
+        "rotate-key ran beside a serving broker"
+    );
+    let said = String::from_utf8_lossy(&rotate.stderr);
+    assert!(
+        said.contains(&format!("in use by process {pid}")),
+        "names the holder: {said}"
+    );
+    assert_eq!(
+        snapshot(&data),
+        before,
+        "a refused command changed the data directory"
+    );
+    drop(first);
+    let missing = dir.path().join("nonexistent");
+    let rotate = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["rotate-key", "--data-dir"])
+        .arg(&missing)
+        .output()
+        .unwrap();
+    assert!(!rotate.status.success());
+    assert!(
+        !missing.exists(),
+        "rotate-key created {}",
+        missing.display()
+    );
+    // Once the broker is gone the lock is free.
+    let rotate = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["rotate-key", "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        rotate.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rotate.stderr)
+    );
+}

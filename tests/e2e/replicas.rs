@@ -983,7 +983,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     std::fs::write(&config, "[limits]\nreplica_key_ttl_ms = 2000\n").unwrap();
     let shared = Agent::generate();
     let key_file = dir.path().join("shared.key");
-    std::fs::write(&key_file, hex::encode(shared.seed())).unwrap();
+    write_key_file(&key_file, &shared.seed());
     let spawn = |name: &str, key_file: Option<&std::path::Path>| {
         let mut extra = vec![
             "--config".to_owned(),

@@ -215,3 +215,58 @@ async fn seed_002_diluted_intent_is_refused() {
     assert_eq!(codes(&receipt), vec![Code::IntentDiluted]);
     broker.stop().await;
 }
+
+/// seeds/000: the host metered 4 units, the delegate reports 11. The
+/// charge is the host's 4; the 7 nobody observed stay on the completion
+/// as `claimed_excess` for the principal to see, and `tree` shows them.
+#[tokio::test]
+async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
+    let mut broker = Broker::start().await;
+    let (orchestrator, worker, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (id, _) = broker
+        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 20))
+        .await
+        .unwrap()
+        .issued();
+    broker.accept(&worker, &id, Some(&host)).await.unwrap();
+    broker
+        .record(&host, &id, vec![tool_call("search", 4)])
+        .await
+        .unwrap();
+    let completion = broker
+        .complete(
+            &worker,
+            delegation_broker::pb::CompleteBody {
+                header: None,
+                contract_id: id.clone(),
+                output_json: "{}".into(),
+                report: None,
+                claim: "done".into(),
+                consumed: 11,
+            },
+        )
+        .await
+        .unwrap()
+        .completion
+        .unwrap();
+    assert_eq!((completion.consumed, completion.claimed_excess), (4, 7));
+    assert_eq!(
+        broker.ledger(&id).await.spent,
+        4,
+        "only the metering is charged"
+    );
+    let data = delegation_broker::cli::tree::fetch(
+        &mut broker.client,
+        &root.id,
+        delegation_broker::cli::tree::DEFAULT_TREE_CONTRACTS,
+    )
+    .await
+    .expect("the tree reads");
+    let drawn = delegation_broker::cli::tree::render(&data, &Default::default());
+    assert!(
+        drawn.contains("consumed 4, returned 16, claimed excess 7"),
+        "{drawn}"
+    );
+    broker.stop().await;
+}

@@ -399,6 +399,7 @@ def make_gateway(
     out_of_scope: str = "refuse",
     contract: str | None = None,
     call_timeout_ms: int = 5000,
+    resolve_root: Path | None = None,
 ) -> Gateway:
     workdir = Path(tempfile.mkdtemp(prefix=f"gw-{label}-", dir=broker.workdir))
     lines = [
@@ -409,6 +410,8 @@ def make_gateway(
     ]
     if contract is not None:
         lines.append(f"contract = {_toml(contract)}")
+    if resolve_root is not None:
+        lines.append(f"resolve_root = {_toml(str(resolve_root))}")
     for server in servers:
         lines += ["", "[[servers]]"] + [f"{key} = {_toml(value)}" for key, value in server.items()]
     for name, spec in tools.items():
@@ -466,11 +469,17 @@ async def list_all_tools(gateway: Gateway) -> list[Any]:
     raise AssertionError(f"{gateway.label}: tools/list still had a next page after 100 pages")
 
 
-async def gcall(gateway: Gateway, tool: str, arguments: dict[str, Any], timeout: float | None = None) -> Any:
+async def gcall(
+    gateway: Gateway,
+    tool: str,
+    arguments: dict[str, Any],
+    timeout: float | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Any:
     """A tools/call through the gateway that must come back as a tool result."""
     assert gateway.client is not None
     try:
-        result = await gateway.client.call_tool(tool, arguments, read_timeout_seconds=timeout)
+        result = await gateway.client.call_tool(tool, arguments, read_timeout_seconds=timeout, meta=meta)
     except MCPError as error:
         raise AssertionError(
             f"{gateway.label}: {tool}({_brief(arguments)}) was a protocol error "
@@ -490,9 +499,9 @@ async def gcall(gateway: Gateway, tool: str, arguments: dict[str, Any], timeout:
     return result
 
 
-async def forwarded(gateway: Gateway, tool: str, arguments: dict[str, Any]) -> Any:
+async def forwarded(gateway: Gateway, tool: str, arguments: dict[str, Any], meta: dict[str, Any] | None = None) -> Any:
     """A call the gateway forwards and answers (not an error)."""
-    result = await gcall(gateway, tool, arguments)
+    result = await gcall(gateway, tool, arguments, meta=meta)
     assert not result.is_error, (
         f"{gateway.label}: {tool}({_brief(arguments)}) failed: {_brief_result(result)}\n"
         f"gateway stderr:\n{gateway.tail()}"
@@ -501,12 +510,17 @@ async def forwarded(gateway: Gateway, tool: str, arguments: dict[str, Any]) -> A
 
 
 async def refused(
-    gateway: Gateway, tool: str, arguments: dict[str, Any], reason: str | set[str], field_name: str | None = None
+    gateway: Gateway,
+    tool: str,
+    arguments: dict[str, Any],
+    reason: str | set[str],
+    field_name: str | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A call the gateway answers with a tool error of `reason` (the error
     shape of `mcp tools`: structured {"error": {reason, message, field}} and
     a text naming the reason)."""
-    result = await gcall(gateway, tool, arguments)
+    result = await gcall(gateway, tool, arguments, meta=meta)
     reasons = {reason} if isinstance(reason, str) else reason
     assert result.is_error, (
         f"{gateway.label}: {tool}({_brief(arguments)}) was not refused (expected {sorted(reasons)}): "
@@ -886,6 +900,82 @@ def test_prefixed_names_no_contract_and_revoke(gbroker: ConsoleBroker, mode: str
             assert (audit["tool_calls"], audit["mutations"], audit["claim_violations"]) == (2, 2, 0), audit
             assert audit["mutation_paths"] == ["out/x.txt", "out/y.txt"], audit
             await assert_spent(outputs, worker, c3, 4, "the revocation (metered units stay spent)")
+
+    run(test, agents, gateways, gbroker)
+    assert_no_secrets_through(gateways, agents)
+
+
+CONTRACT_META_KEY = "delegation-broker/contract_id"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_acts_only_for_what_it_hosts(gbroker: ConsoleBroker, mode: str) -> None:
+    """A call naming the root, a sibling's contract (another host's), a
+    second contract of this host after the session named one, or the
+    agent's own contract once revoked is refused before any tool server
+    sees it; the same for a path whose text is in the scope but whose
+    symlink lands outside it, with `resolve_root` (text mode lets that
+    write through: the reason for resolved mode)."""
+    agents, names_file = make_agents(gbroker, ["orchestrator", "worker", "sibling", "host", "other_host"])
+    orchestrator, worker, sibling = agents["orchestrator"], agents["worker"], agents["sibling"]
+    outputs = Outputs()
+    home = Path(tempfile.mkdtemp(prefix="fs-", dir=gbroker.workdir))
+    root, log = home / "root", home / "fs.log"
+    server = fs_server("fs", root, log)
+    (root / "out").mkdir()
+    (root / "secret").mkdir()
+    (root / "out" / "link").symlink_to(root / "secret")
+    resolving = make_gateway(gbroker, f"resolving-{mode}", agents["host"], [server], fs_tools("fs"), resolve_root=root)
+    textual = make_gateway(gbroker, f"textual-{mode}", agents["other_host"], [server], fs_tools("fs"))
+    gateways = [resolving, textual]
+
+    async def test() -> None:
+        async with AsyncExitStack() as stack:
+            for agent in (orchestrator, worker, sibling):
+                await connect(stack, gbroker, agent, names_file, mode)
+            root_id = await open_root(outputs, orchestrator, f"gateway-hosts-{mode}")
+            own = await issue(outputs, orchestrator, worker, root_id, agents["host"], 20, "write out/")
+            second = await issue(outputs, orchestrator, worker, root_id, agents["host"], 20, "write out/ again")
+            theirs = await issue(outputs, orchestrator, sibling, root_id, agents["other_host"], 20, "the sibling's")
+            await open_gateway(stack, gbroker, resolving, mode)
+            write = {"path": "out/a.txt", "content": "x"}
+
+            def naming(contract_id: str) -> dict[str, Any]:
+                return {CONTRACT_META_KEY: contract_id}
+
+            # Somebody else's contracts: the root (no host) and the sibling's.
+            await refused(resolving, "write_file", write, "NOT_HOST", meta=naming(root_id))
+            await refused(resolving, "write_file", write, "NOT_HOST", meta=naming(theirs))
+            assert_unreached(log, 0, "a call naming a contract the gateway does not host")
+
+            # Its own: forwarded, and the session is pinned to it.
+            await forwarded(resolving, "write_file", write, meta=naming(own))
+            assert len(log_lines(log)) == 1, log_lines(log)
+            await refused(resolving, "write_file", write, "CONTRACT_PINNED", meta=naming(second))
+            assert_unreached(log, 1, "a call naming a second contract in one session")
+
+            # Resolved mode: out/link/x.txt lands in secret/, outside the scope.
+            error = await refused(resolving, "write_file", {"path": "out/link/x.txt", "content": "x"}, "OUT_OF_SCOPE")
+            assert "secret/x.txt" in json.dumps(error), error
+            escape = home / "elsewhere"
+            escape.mkdir()
+            (root / "out" / "away").symlink_to(escape)
+            await refused(resolving, "write_file", {"path": "out/away/x.txt", "content": "x"}, "OUT_OF_ROOT")
+            assert_unreached(log, 1, "a write through a symlink out of the scope")
+            assert not (root / "secret" / "x.txt").exists()
+
+            # Its own contract once revoked.
+            revoked = await ok(outputs, orchestrator, "revoke", {"contract_id": own, "reason": "the test revokes"})
+            assert revoked["status"] == "REVOKED", revoked
+            await refused(resolving, "write_file", write, "CONTRACT_ENDED", meta=naming(own))
+            assert_unreached(log, 1, "a call naming the revoked contract")
+            audit = await get_audit(gbroker, own)
+            assert audit["mutation_paths"] == ["out/a.txt"], audit
+
+            # Text mode checks the text only: the same symlink write goes through.
+            await open_gateway(stack, gbroker, textual, mode)
+            await forwarded(textual, "write_file", {"path": "out/link/x.txt", "content": "x"}, meta=naming(theirs))
+            assert (root / "secret" / "x.txt").exists(), "text mode let the write through the symlink"
 
     run(test, agents, gateways, gbroker)
     assert_no_secrets_through(gateways, agents)

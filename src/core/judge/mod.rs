@@ -124,6 +124,10 @@ pub struct Judgment {
     pub out_of_scope_path_count: u32,
     /// Units to charge: the host's metering when present, else the report.
     pub consumed: i64,
+    /// Units the delegate said it consumed, metered or not: what it
+    /// claims beyond the charge is shown to its principal
+    /// (`CompletedFacts::claimed_excess`), never charged.
+    pub reported_consumed: i64,
 }
 
 /// Validates a completion's output against the size and depth bounds.
@@ -189,6 +193,7 @@ pub fn judge(
         out_of_scope_paths,
         out_of_scope_path_count,
         consumed,
+        reported_consumed: completion.reported_consumed,
     };
     let predicate = effective_predicate.trim();
     if predicate.is_empty() {

@@ -46,6 +46,12 @@ pub struct GatewayConfig {
     pub contract: Option<String>,
     #[serde(default = "default_call_timeout_ms")]
     pub call_timeout_ms: u64,
+    /// Resolved-path mode: the folder the tool servers' paths are in
+    /// (relative to the config file). Each path a call names is resolved
+    /// under it as the file system would (symlinks followed); one that
+    /// lands outside is refused, and the write scope is checked on where
+    /// it lands. Without it, on the path's text.
+    pub resolve_root: Option<PathBuf>,
     #[serde(default)]
     pub servers: Vec<ServerConfig>,
     /// Per tool, keyed `"<server>.<tool>"`.
@@ -110,6 +116,13 @@ impl GatewayConfig {
         let base = path.parent().unwrap_or(Path::new("."));
         if config.key_file.is_relative() {
             config.key_file = base.join(&config.key_file);
+        }
+        if let Some(root) = &config.resolve_root {
+            // Canonical, so a resolved path is compared with the root
+            // the file system reaches, symlinks and all.
+            let canonical = std::fs::canonicalize(base.join(root))
+                .map_err(|e| error(format!("resolve_root: {}: {e}", root.display())))?;
+            config.resolve_root = Some(canonical);
         }
         Ok(config)
     }

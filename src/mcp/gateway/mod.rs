@@ -1,5 +1,5 @@
 //! `delegation-broker mcp gateway`: an MCP server in front of an agent's
-//! own tool servers that is the host of its contract (issue 25, item 2).
+//! own tool servers that is the host of its contract.
 //! It serves the union of their tools and, for every call: refuses it as a
 //! tool error, before it reaches a tool server, when the contract has
 //! ended or expired, when its metered units exceed the residual, or when
@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod recorder;
+pub mod resolve;
 pub mod rules;
 mod upstream;
 
@@ -55,6 +56,8 @@ struct Inner {
     recorder: Recorder,
     mode: OutOfScope,
     pinned: Option<[u8; 32]>,
+    /// Resolved-path mode's root, canonical (`config.resolve_root`).
+    resolve_root: Option<std::path::PathBuf>,
     /// The contract found by its host key, kept while it stays open.
     found: std::sync::Mutex<Option<[u8; 32]>>,
     servers: Vec<Upstream>,
@@ -63,9 +66,25 @@ struct Inner {
     call_timeout: Duration,
 }
 
-/// The MCP server; clones share one gateway.
-#[derive(Clone)]
-pub struct Gateway(Arc<Inner>);
+/// The MCP server. A clone is one more MCP session of the same gateway
+/// (the streamable HTTP transport makes one per session): it shares the
+/// tool servers, the broker link and the recorder, and has its own pin.
+pub struct Gateway {
+    inner: Arc<Inner>,
+    /// The contract this session named first and was admitted for: every
+    /// later call of the session is for it, so an agent cannot switch to
+    /// another contract the gateway hosts (a sibling's) mid-session.
+    session_pin: std::sync::Mutex<Option<[u8; 32]>>,
+}
+
+impl Clone for Gateway {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            session_pin: std::sync::Mutex::new(None),
+        }
+    }
+}
 
 impl Gateway {
     /// Reads the host key, starts every tool server and lists their tools.
@@ -88,11 +107,12 @@ impl Gateway {
             .as_deref()
             .and_then(|c| hex::decode(c).ok())
             .and_then(|b| <[u8; 32]>::try_from(b).ok());
-        Ok(Self(Arc::new(Inner {
+        Ok(Self::with_inner(Arc::new(Inner {
             recorder: Recorder::start(link.clone()),
             link,
             mode: config.out_of_scope,
             pinned,
+            resolve_root: config.resolve_root.clone(),
             found: std::sync::Mutex::new(None),
             servers,
             routes,
@@ -101,9 +121,42 @@ impl Gateway {
         })))
     }
 
+    fn with_inner(inner: Arc<Inner>) -> Self {
+        Self {
+            inner,
+            session_pin: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Pins the session to `id`, the contract a call named and was
+    /// admitted for; refused when the session (or the configuration) is
+    /// pinned to another. Checked before the broker is asked and again
+    /// after admission, so two concurrent first calls cannot pin two.
+    fn pin(&self, id: [u8; 32], set: bool) -> Result<(), ToolError> {
+        let mut pin = self.session_pin.lock().unwrap_or_else(|p| p.into_inner());
+        let held = pin.or(self.inner.pinned);
+        if let Some(held) = held
+            && held != id
+        {
+            return Err(ToolError::new(
+                "CONTRACT_PINNED",
+                format!(
+                    "this session acts for contract {}; a call naming {} is refused (one contract a session); nothing was forwarded",
+                    hex::encode(held),
+                    hex::encode(id)
+                ),
+            )
+            .with("contract_id", hex::encode(held)));
+        }
+        if set {
+            *pin = Some(id);
+        }
+        Ok(())
+    }
+
     /// The host key's public key, hex.
     pub fn host(&self) -> String {
-        hex::encode(self.0.link.agent.public_key())
+        hex::encode(self.inner.link.agent.public_key())
     }
 
     /// One call, in a span of its own when spans are exported: a child of
@@ -139,7 +192,7 @@ impl Gateway {
         request: CallToolRequestParams,
         trace: Option<String>,
     ) -> Result<CallToolResult, ToolError> {
-        let gateway = &self.0;
+        let gateway = &self.inner;
         let Some(route) = gateway.routes.get(request.name.as_ref()) else {
             let name = crate::mcp::link::cut(&request.name, 256);
             return Err(ToolError::new(
@@ -149,7 +202,10 @@ impl Gateway {
         };
         // Cheap checks first: the arguments' size and depth, their paths.
         rules::check_arguments(request.arguments.as_ref())?;
-        let paths = rules::paths(&route.rule, request.arguments.as_ref())?;
+        let mut paths = rules::paths(&route.rule, request.arguments.as_ref())?;
+        if let Some(root) = &gateway.resolve_root {
+            paths = resolved(root.clone(), paths).await?;
+        }
         let named = request
             .meta
             .as_ref()
@@ -166,9 +222,16 @@ impl Gateway {
                     })
             })
             .transpose()?;
+        if let Some(id) = named {
+            self.pin(id, false)?;
+        }
         let (contract, view) = self.contract(named, trace.as_deref()).await?;
         let now_ms = crate::clock::SystemClock.now_ms();
-        rules::admit(&view, now_ms, route.rule.units, &paths, gateway.mode)?;
+        let host = gateway.link.agent.public_key();
+        rules::admit(&view, &host, now_ms, route.rule.units, &paths, gateway.mode)?;
+        if named.is_some() {
+            self.pin(contract, true)?;
+        }
         // Forwarded as the model sent it, under the tool's own name; of
         // `_meta` only the trace context goes on.
         let mut forward = CallToolRequestParams::new(route.upstream.clone());
@@ -227,8 +290,9 @@ impl Gateway {
         named: Option<[u8; 32]>,
         trace: Option<&str>,
     ) -> Result<([u8; 32], ContractView), ToolError> {
-        let gateway = &self.0;
-        if let Some(id) = named.or(gateway.pinned) {
+        let gateway = &self.inner;
+        let session = *self.session_pin.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(id) = named.or(session).or(gateway.pinned) {
             return Ok((id, self.view(id, trace).await?));
         }
         // The lock is never held across a call to the broker: concurrent
@@ -267,7 +331,7 @@ impl Gateway {
 
     /// The one open contract hosted by this key; an error when several are.
     async fn hosted(&self) -> Result<Option<[u8; 32]>, ToolError> {
-        let page = self.0.link.held(pb::HeldRole::Host, 2).await?;
+        let page = self.inner.link.held(pb::HeldRole::Host, 2).await?;
         match page.contracts.as_slice() {
             [] => Ok(None),
             [one] => Ok(<[u8; 32]>::try_from(one.contract_id.as_slice()).ok()),
@@ -290,7 +354,7 @@ impl Gateway {
             contract_id: id.to_vec(),
         };
         let state = self
-            .0
+            .inner
             .link
             .read(|mut client| {
                 let request = traced(request.clone(), trace);
@@ -313,6 +377,8 @@ impl Gateway {
                 )
             })?;
         Ok(ContractView {
+            id,
+            host_public_key: state.host_public_key,
             status: pb::ContractStatus::try_from(state.status)
                 .unwrap_or(pb::ContractStatus::Unspecified),
             deadline_ms: contract.deadline_ms,
@@ -320,6 +386,34 @@ impl Gateway {
             write_scope: contract.write_scope,
         })
     }
+}
+
+/// `paths` as the file system resolves them under `root` (resolved-path
+/// mode), on the blocking pool: at most `rules::MAX_PATHS_PER_CALL`.
+async fn resolved(
+    root: std::path::PathBuf,
+    paths: rules::Paths,
+) -> Result<rules::Paths, ToolError> {
+    tokio::task::spawn_blocking(move || {
+        let reads = paths
+            .reads
+            .iter()
+            .map(|p| resolve::resolve(&root, "reads", p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mutates = paths
+            .mutates
+            .iter()
+            .map(|(argument, p)| Ok((argument.clone(), resolve::resolve(&root, argument, p)?)))
+            .collect::<Result<Vec<_>, ToolError>>()?;
+        Ok(rules::Paths { reads, mutates })
+    })
+    .await
+    .map_err(|e| {
+        ToolError::new(
+            "INTERNAL",
+            format!("resolving the call's paths failed: {e}"),
+        )
+    })?
 }
 
 /// The served tools: each under its own name, or `<server>.<tool>` when
@@ -406,7 +500,7 @@ impl rmcp::ServerHandler for Gateway {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        Ok(ListToolsResult::with_all_items(self.0.tools.clone()))
+        Ok(ListToolsResult::with_all_items(self.inner.tools.clone()))
     }
 
     async fn call_tool(

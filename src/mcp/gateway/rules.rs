@@ -124,22 +124,46 @@ pub fn paths(rule: &ToolRule, arguments: Option<&JsonObject>) -> Result<Paths, T
 /// What the gateway knows of its contract when a call comes.
 #[derive(Clone, Debug)]
 pub struct ContractView {
+    pub id: [u8; 32],
+    /// Its host now (empty when none is named): only a contract this
+    /// gateway hosts is acted for.
+    pub host_public_key: Vec<u8>,
     pub status: pb::ContractStatus,
     pub deadline_ms: i64,
     pub residual: i64,
     pub write_scope: Vec<String>,
 }
 
-/// Whether a call may be forwarded: the contract is open, its deadline
-/// ahead, the call's known units within the residual, and (refuse mode)
-/// every mutated path in the write scope.
+/// Whether a call may be forwarded: this gateway (`host`) is the
+/// contract's host, the contract is open, its deadline ahead, the call's
+/// known units within the residual, and (refuse mode) every mutated path
+/// in the write scope.
 pub fn admit(
     contract: &ContractView,
+    host: &[u8; 32],
     now_ms: i64,
     units: Option<i64>,
     paths: &Paths,
     mode: OutOfScope,
 ) -> Result<(), ToolError> {
+    // First: a contract this gateway does not host is somebody else's (a
+    // root, a sibling); its state says nothing about this agent's rights.
+    if contract.host_public_key.as_slice() != host.as_slice() {
+        let hosted_by = if contract.host_public_key.is_empty() {
+            "no host".to_owned()
+        } else {
+            format!("host {}", hex::encode(&contract.host_public_key))
+        };
+        return Err(ToolError::new(
+            "NOT_HOST",
+            format!(
+                "contract {} names {hosted_by}, not this gateway ({}): a gateway acts only for the contracts it hosts; nothing was forwarded",
+                hex::encode(contract.id),
+                hex::encode(host)
+            ),
+        )
+        .with("contract_id", hex::encode(contract.id)));
+    }
     let open = matches!(
         contract.status,
         pb::ContractStatus::Open | pb::ContractStatus::Accepted
@@ -285,8 +309,12 @@ mod tests {
         value.as_object().cloned().expect("an object")
     }
 
+    const HOST: [u8; 32] = [4; 32];
+
     fn open(residual: i64, scope: &[&str]) -> ContractView {
         ContractView {
+            id: [9; 32],
+            host_public_key: HOST.to_vec(),
             status: pb::ContractStatus::Accepted,
             deadline_ms: 1_000,
             residual,
@@ -406,22 +434,29 @@ mod tests {
             ..Default::default()
         };
         let c = open(10, &["out"]);
-        assert!(admit(&c, 0, Some(10), &inside, OutOfScope::Refuse).is_ok());
+        assert!(admit(&c, &HOST, 0, Some(10), &inside, OutOfScope::Refuse).is_ok());
         assert_eq!(
-            reason(admit(&c, 0, Some(11), &inside, OutOfScope::Refuse)),
+            reason(admit(&c, &HOST, 0, Some(11), &inside, OutOfScope::Refuse)),
             "OVER_BUDGET"
         );
         assert_eq!(
-            reason(admit(&c, 0, Some(1), &outside, OutOfScope::Refuse)),
+            reason(admit(&c, &HOST, 0, Some(1), &outside, OutOfScope::Refuse)),
             "OUT_OF_SCOPE"
         );
         assert_eq!(
-            reason(admit(&c, 0, Some(1), &escape, OutOfScope::Refuse)),
+            reason(admit(&c, &HOST, 0, Some(1), &escape, OutOfScope::Refuse)),
             "OUT_OF_SCOPE"
         );
-        assert!(admit(&c, 0, Some(1), &outside, OutOfScope::Record).is_ok());
+        assert!(admit(&c, &HOST, 0, Some(1), &outside, OutOfScope::Record).is_ok());
         assert_eq!(
-            reason(admit(&c, 1_000, Some(1), &inside, OutOfScope::Refuse)),
+            reason(admit(
+                &c,
+                &HOST,
+                1_000,
+                Some(1),
+                &inside,
+                OutOfScope::Refuse
+            )),
             "CONTRACT_ENDED"
         );
         for status in [
@@ -434,11 +469,18 @@ mod tests {
                 ..open(10, &["out"])
             };
             assert_eq!(
-                reason(admit(&ended, 0, Some(0), &inside, OutOfScope::Record)),
+                reason(admit(
+                    &ended,
+                    &HOST,
+                    0,
+                    Some(0),
+                    &inside,
+                    OutOfScope::Record
+                )),
                 "CONTRACT_ENDED"
             );
         }
-        let error = admit(&c, 0, Some(11), &inside, OutOfScope::Refuse).expect_err("over");
+        let error = admit(&c, &HOST, 0, Some(11), &inside, OutOfScope::Refuse).expect_err("over");
         assert_eq!(
             (
                 error.details["requested"].clone(),
@@ -447,7 +489,36 @@ mod tests {
             (json!(11), json!(10))
         );
         // Units known only after the call are not checked before it.
-        assert!(admit(&open(0, &["out"]), 0, None, &inside, OutOfScope::Refuse).is_ok());
+        assert!(
+            admit(
+                &open(0, &["out"]),
+                &HOST,
+                0,
+                None,
+                &inside,
+                OutOfScope::Refuse
+            )
+            .is_ok()
+        );
+        // Somebody else's contract (a root, a sibling), or one with no
+        // host yet: refused before its state is looked at.
+        for host in [vec![5; 32], Vec::new()] {
+            let theirs = ContractView {
+                host_public_key: host,
+                ..open(10, &["out"])
+            };
+            assert_eq!(
+                reason(admit(
+                    &theirs,
+                    &HOST,
+                    0,
+                    Some(0),
+                    &inside,
+                    OutOfScope::Record
+                )),
+                "NOT_HOST"
+            );
+        }
     }
 
     #[test]

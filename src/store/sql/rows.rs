@@ -161,6 +161,7 @@ impl StoredContract {
             effective_predicate: self.effective_predicate,
             status: self.status,
             ledger: self.ledger,
+            host_key: self.host_key,
             seq: self.seq,
         }
     }

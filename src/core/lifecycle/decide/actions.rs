@@ -6,7 +6,7 @@ use super::{
     Action, CompleteFacts, CompletedFacts, Decision, PlannedReceipt, ReceiptBody, Refused, Subtree,
     TargetWrite, check_host,
 };
-use crate::core::judge::Verdict;
+use crate::core::judge::{Judgment, Verdict};
 use crate::core::lifecycle::{Consumption, Event, HostChoice, transition};
 use crate::core::limits::{MAX_BUDGET_UNITS, MAX_OBSERVATIONS_PER_CONTRACT, MAX_STALE_JUDGMENTS};
 use crate::core::{AgentKey, Status};
@@ -171,6 +171,21 @@ pub(super) fn record(subtree: &Subtree, count: usize, units: i64) -> Decision {
     }
 }
 
+/// What a metered contract's reports claim beyond its charge: the host
+/// metered `judgment.consumed`, of which `uncharged` was not charged (a
+/// host the delegate chose, past the residual), and the delegate reported
+/// `judgment.reported_consumed`. The larger report minus the charge: the
+/// delegate's unobserved claim stays visible to its principal (seed 000)
+/// even though the host's metering, not the claim, is what was charged.
+fn metered_claimed_excess(judgment: &Judgment, uncharged: i64) -> i64 {
+    let charged = judgment.consumed.saturating_sub(uncharged);
+    judgment
+        .reported_consumed
+        .max(judgment.consumed)
+        .saturating_sub(charged)
+        .max(0)
+}
+
 pub(super) fn complete(subtree: &Subtree, facts: &CompleteFacts<'_>, now_ms: i64) -> Decision {
     let target = subtree.target();
     if let Err(e) = transition(target.status, Event::Complete, target.deadline_ms, now_ms) {
@@ -219,7 +234,7 @@ pub(super) fn complete(subtree: &Subtree, facts: &CompleteFacts<'_>, now_ms: i64
                 own.map_or(0, |e| e.charged_at_end)
             },
             claimed_excess: if target.metered {
-                target.metered_uncharged
+                metered_claimed_excess(judgment, target.metered_uncharged)
             } else {
                 own.map_or(0, |e| e.unverified_excess)
             },

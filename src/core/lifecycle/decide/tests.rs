@@ -76,6 +76,7 @@ fn judgment(consumed: i64) -> Judgment {
         out_of_scope_paths: Vec::new(),
         out_of_scope_path_count: 0,
         consumed,
+        reported_consumed: consumed,
     }
 }
 
@@ -299,6 +300,94 @@ fn a_stale_judgment_goes_back_to_be_judged_again() {
         !judgment_due(&pair(Status::Open).rows[1], &DELEGATE, T0),
         "a Complete before Accept is refused without taking a judge"
     );
+}
+
+/// The completion receipt's facts of `pair(Accepted)`'s child completed
+/// with `judgment`, after the host metered `metered` units.
+fn completed_after_metering(
+    metered: i64,
+    host_named_at_delegate: bool,
+    j: &Judgment,
+) -> CompletedFacts {
+    let mut s = pair(Status::Accepted);
+    s.rows[1].host_named_at_delegate = host_named_at_delegate;
+    let mut observations = 0;
+    if metered > 0 {
+        let d = decide(
+            &s,
+            Some(&HOST),
+            &Action::Record {
+                count: 1,
+                units: metered,
+            },
+            T0,
+        );
+        assert_eq!(d.answer, Ok(0), "{d:?}");
+        let TargetWrite::Observations {
+            total,
+            observed_units,
+            metered,
+            metered_uncharged,
+        } = d.write
+        else {
+            panic!("{d:?}");
+        };
+        for u in &d.updates {
+            s.rows[u.row].ledger = u.ledger;
+        }
+        let t = &mut s.rows[1];
+        (
+            t.observations,
+            t.observed_units,
+            t.metered,
+            t.metered_uncharged,
+        ) = (total, observed_units, metered, metered_uncharged);
+        observations = total;
+    }
+    let d = decide(
+        &s,
+        Some(&DELEGATE),
+        &Action::Complete(complete_facts(j, observations)),
+        T0,
+    );
+    let Some(ReceiptBody::Completed(c)) = d.receipts.last().map(|r| r.body.clone()) else {
+        panic!("{d:?}");
+    };
+    *c
+}
+
+#[test]
+fn seed_000_a_claim_nobody_observed_stays_visible() {
+    // The host metered 4, the delegate reported 11: 4 charged, 7 claimed
+    // beyond the charge, whoever named the host.
+    for named_at_delegate in [true, false] {
+        let mut j = judgment(4);
+        j.reported_consumed = 11;
+        let c = completed_after_metering(4, named_at_delegate, &j);
+        assert_eq!(
+            (c.consumed, c.claimed_excess),
+            (4, 7),
+            "named at delegate: {named_at_delegate}"
+        );
+    }
+    // Reported no more than metered: nothing claimed beyond the charge.
+    let mut j = judgment(4);
+    j.reported_consumed = 3;
+    let c = completed_after_metering(4, true, &j);
+    assert_eq!((c.consumed, c.claimed_excess), (4, 0));
+    // A host the delegate chose metered 20 of a 13-unit contract: 13
+    // charged, 7 beyond; the delegate's smaller report changes nothing.
+    let mut j = judgment(20);
+    j.reported_consumed = 5;
+    let c = completed_after_metering(20, false, &j);
+    assert_eq!((c.consumed, c.claimed_excess), (13, 7));
+    // ... and a larger report is the claim: 30 - 13.
+    j.reported_consumed = 30;
+    let c = completed_after_metering(20, false, &j);
+    assert_eq!((c.consumed, c.claimed_excess), (13, 17));
+    // Unmetered: the report is charged up to the residual, the rest shown.
+    let c = completed_after_metering(0, false, &judgment(20));
+    assert_eq!((c.consumed, c.claimed_excess), (13, 7));
 }
 
 #[test]
