@@ -137,6 +137,9 @@ impl From<StoreError> for ServiceError {
     }
 }
 
+/// What every UNAVAILABLE answer tells its caller.
+pub const RETRY_HINT: &str = "retry with the same nonce";
+
 impl From<ServiceError> for Status {
     fn from(e: ServiceError) -> Self {
         // Server-written details may quote stored or client text: bounded
@@ -207,6 +210,14 @@ impl From<ServiceError> for Status {
                 R::NotFound,
                 vec![("what", "service".to_owned())],
             ),
+        };
+        // Every UNAVAILABLE says what the caller may do: nothing it asked
+        // was recorded twice, and a retry of the same signed bytes gets
+        // the recorded answer if it was recorded after all.
+        let message = if code == Code::Unavailable && !message.contains(RETRY_HINT) {
+            format!("{message}; {RETRY_HINT}")
+        } else {
+            message
         };
         // Expected while stopping: not an error of the broker's.
         let expected = matches!(e, ServiceError::ShuttingDown);
@@ -455,6 +466,13 @@ mod tests {
             let mut want = keys.to_vec();
             want.sort_unstable();
             assert_eq!(got, want, "{shown}");
+            if code == Code::Unavailable {
+                assert!(
+                    status.message().contains(RETRY_HINT),
+                    "{shown}: {}",
+                    status.message()
+                );
+            }
         }
         let busy = Status::from(ServiceError::from(StoreError::Busy));
         assert_eq!(
