@@ -71,6 +71,9 @@ USER 10001:10001
 # The signing key (broker_signing_key, broker_retired_keys) and, without
 # BROKER_DATABASE_URL, the SQLite database (broker.sqlite3, -wal, -shm):
 # losing the volume loses the key and every contract.
+# Beyond loopback the broker refuses to start without declared tenants
+# ([tenants] or [orchestrators] in the file BROKER_CONFIG names), unless
+# BROKER_ALLOW_OPEN_TENANT=true says every caller may share one tenant.
 ENV BROKER_DATA_DIR=/data \
     BROKER_LISTEN=0.0.0.0:50051
 WORKDIR /data

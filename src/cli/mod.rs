@@ -76,6 +76,11 @@ enum Command {
         /// (created on first start) when absent.
         #[arg(long, env = "BROKER_SIGNING_KEY_FILE")]
         signing_key_file: Option<PathBuf>,
+        /// Listen beyond loopback although no tenant is declared: every
+        /// caller then shares one tenant, so no caller is protected from
+        /// another's load (README, "Tenants").
+        #[arg(long, env = "BROKER_ALLOW_OPEN_TENANT")]
+        allow_open_tenant: bool,
         #[command(flatten)]
         logging: LoggingArgs,
         #[command(flatten)]
@@ -249,10 +254,11 @@ pub fn main() -> ExitCode {
             otlp_endpoint,
             trace_sample_ratio,
             signing_key_file,
+            allow_open_tenant,
             logging,
             database,
         } => serve(
-            listen,
+            (listen, allow_open_tenant),
             (data_dir, signing_key_file),
             config,
             (metrics, console),
@@ -318,7 +324,7 @@ pub fn main() -> ExitCode {
 }
 
 fn serve(
-    listen: String,
+    (listen, allow_open_tenant): (String, bool),
     (data_dir, signing_key_file): (PathBuf, Option<PathBuf>),
     config: Option<PathBuf>,
     (metrics, console): (Option<String>, Option<String>),
@@ -350,6 +356,7 @@ fn serve(
                 }),
             signing_key_file,
             ready: Some(ready),
+            allow_open_tenant,
             ..Default::default()
         };
         if let Some(address) = metrics {

@@ -22,6 +22,9 @@ pub struct Config {
     pub trust: TrustConfig,
     /// Who may open roots, and with how much budget.
     pub orchestrators: Orchestrators,
+    /// Who shares the broker's bounded resources fairly (`[tenants]`,
+    /// and each `[orchestrators]` key outside them).
+    pub tenants: crate::core::tenant::Tenants,
     /// The server's TLS identity; `None` serves plaintext gRPC.
     pub tls: Option<TlsIdentity>,
     /// Keys that may read every tree (operators' dashboards, auditors);
@@ -146,6 +149,8 @@ struct FileConfig {
     trust: FileTrust,
     /// Hex-encoded orchestrator public key → most budget one root may carry.
     orchestrators: HashMap<String, i64>,
+    /// Tenant name → its keys.
+    tenants: std::collections::BTreeMap<String, FileTenant>,
     tls: Option<FileTls>,
     readers: FileReaders,
     console: FileConsole,
@@ -163,6 +168,13 @@ struct FileConsole {
     names: HashMap<String, String>,
     /// A folder with index.html, console.js and console.css.
     assets_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct FileTenant {
+    /// Hex-encoded public keys whose roots are this tenant's trees.
+    keys: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -357,6 +369,19 @@ impl Config {
                 ));
             }
         }
+        let mut tenants = crate::core::tenant::Tenants::default();
+        for (name, tenant) in &file.tenants {
+            let mut keys = Vec::with_capacity(tenant.keys.len());
+            for (i, key) in tenant.keys.iter().enumerate() {
+                keys.push(parse_public_key(key, &format!("tenants.{name}.keys[{i}]"))?.to_bytes());
+            }
+            tenants
+                .declare(name, &keys)
+                .map_err(|e| invalid(format!("tenants.{name}"), e.to_string()))?;
+        }
+        for key in max_root_budget.keys() {
+            tenants.orchestrator(*key);
+        }
         let mut readers = std::collections::HashSet::new();
         for (i, reader) in file.readers.keys.iter().enumerate() {
             readers.insert(parse_public_key(reader, &format!("readers.keys[{i}]"))?.to_bytes());
@@ -371,6 +396,7 @@ impl Config {
                 static_factors_ppm,
             },
             orchestrators: Orchestrators { max_root_budget },
+            tenants,
             tls: file
                 .tls
                 .map(|files| -> Result<_, ConfigError> {
@@ -451,6 +477,62 @@ mod tests {
         let path = dir.path().join("broker.toml");
         std::fs::write(&path, text).expect("write");
         Config::load(dir.path().to_owned(), Some(&path))
+    }
+
+    #[test]
+    fn tenants_are_declared_by_name_and_orchestrators_are_their_own() {
+        let (a, b, c) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+        let key = |k: [u8; 32]| {
+            hex::encode(
+                ed25519_dalek::SigningKey::from_bytes(&k)
+                    .verifying_key()
+                    .to_bytes(),
+            )
+        };
+        let public = |k: [u8; 32]| {
+            ed25519_dalek::SigningKey::from_bytes(&k)
+                .verifying_key()
+                .to_bytes()
+        };
+        let text = format!(
+            "[tenants.acme]\nkeys = [\"{}\", \"{}\"]\n\n[orchestrators]\n\"{}\" = 10\n\"{}\" = 10\n",
+            key(a),
+            key(b),
+            key(a),
+            key(c)
+        );
+        let config = load(&text).expect("valid");
+        let t = &config.tenants;
+        assert!(t.any_declared());
+        assert_eq!(t.of(&public(a)), t.of(&public(b)));
+        assert_eq!(t.name(&t.of(&public(a))), "acme");
+        assert_eq!(
+            t.of(&public(c)),
+            public(c),
+            "a listed orchestrator is a tenant of its own"
+        );
+        assert_eq!(t.of(&[9; 32]), crate::core::tenant::open_tenant());
+        assert!(!load("").expect("empty").tenants.any_declared());
+        let twice = format!(
+            "[tenants.one]\nkeys = [\"{}\"]\n[tenants.two]\nkeys = [\"{}\"]\n",
+            key(a),
+            key(a)
+        );
+        match load(&twice) {
+            Err(ConfigError::Invalid { field, reason }) => {
+                assert_eq!(field, "tenants.two");
+                assert!(reason.contains("\"one\""), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match load(&format!("[tenants.open]\nkeys = [\"{}\"]\n", key(a))) {
+            Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "tenants.open"),
+            other => panic!("{other:?}"),
+        }
+        match load("[tenants.acme]\nkeys = [\"zz\"]\n") {
+            Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "tenants.acme.keys[0]"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -289,3 +289,10 @@ pub const MAX_CHAIN_CONTRACTS: usize = MAX_DEPTH_CEILING as usize + 1;
 /// Most signatures an envelope may carry: bounds verification work per
 /// request.
 pub const MAX_SIGNATURES: usize = 4;
+
+/// Most tenants one configuration declares (`core::tenant`).
+pub const MAX_TENANTS: usize = 10_000;
+/// Most keys one tenant lists.
+pub const MAX_KEYS_PER_TENANT: usize = 10_000;
+/// Longest tenant name, in bytes.
+pub const MAX_TENANT_NAME_BYTES: usize = 64;

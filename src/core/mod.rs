@@ -13,6 +13,7 @@ pub mod limits;
 pub mod predicate;
 pub mod schema;
 pub mod scope;
+pub mod tenant;
 pub mod trust;
 
 #[cfg(test)]

@@ -44,6 +44,11 @@ pub enum ServerError {
     /// The data directory cannot be made.
     #[error("data directory {0}")]
     DataDir(String),
+    /// Beyond loopback with no tenant declared, and no opt-in.
+    #[error(
+        "refusing to listen on {0}: no tenant is declared ([tenants] or [orchestrators] in the configuration), so every caller would share one tenant and nobody gets a fair share of judges, converters, audits or Watch streams; declare tenants, or pass --allow-open-tenant to serve it anyway"
+    )]
+    OpenTenant(std::net::SocketAddr),
     /// A worker thread could not be started.
     #[error("threads: {0}")]
     Threads(#[from] std::io::Error),
@@ -87,6 +92,9 @@ pub struct ServeOptions {
     /// Told once the store is open, its migrations checked and every
     /// listener about to serve (`serve` prints "listening on" then).
     pub ready: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Serve beyond loopback with no tenant declared: every caller then
+    /// shares one tenant (`serve --allow-open-tenant`).
+    pub allow_open_tenant: bool,
 }
 
 /// The shared database of a replicated broker.
@@ -107,6 +115,17 @@ pub async fn run_with_options(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServerError> {
     let metrics = crate::metrics::Metrics::new();
+    // Keys cannot be told apart, so without declared tenants the broker
+    // is for one machine's callers.
+    let addr = listener.local_addr()?;
+    if !config.tenants.any_declared() {
+        if !addr.ip().is_loopback() && !options.allow_open_tenant {
+            return Err(ServerError::OpenTenant(addr));
+        }
+        tracing::warn!(
+            "no tenant declared ([tenants] or [orchestrators]): every tree shares the open tenant, so callers get no fair share of judges, converters, audits and Watch streams from each other"
+        );
+    }
     if config.orchestrators.is_open() {
         tracing::warn!(
             "no [orchestrators] in the configuration: any key may open roots with any budget"
@@ -639,6 +658,7 @@ async fn open_postgres(
     options.writers = limits.database_writers;
     options.request_log_retention_ms = limits.request_log_retention_ms;
     options.cascade_step_rows = limits.cascade_step_rows;
+    options.tenants = Arc::new(config.tenants.clone());
     options.metrics = Some(metrics.store.clone());
     Ok(PostgresStore::open(options, stamper, clock).await?)
 }
@@ -733,6 +753,7 @@ fn sqlite_options(config: &Config, metrics: &crate::metrics::Metrics) -> SqliteO
         judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
         cascade_step_rows: limits.cascade_step_rows,
         drainer: true,
+        tenants: Arc::new(config.tenants.clone()),
         metrics: Some(metrics.store.clone()),
     }
 }

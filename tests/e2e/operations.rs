@@ -736,3 +736,28 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
         String::from_utf8_lossy(&rotate.stderr)
     );
 }
+
+/// Without a declared tenant every caller shares one, so the broker is
+/// for one machine: beyond loopback `serve` refuses, naming the opt-in.
+#[test]
+fn serve_beyond_loopback_needs_declared_tenants_or_the_opt_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--data-dir"])
+        .arg(&data)
+        .env("BROKER_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "served beyond loopback with no tenant"
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("--allow-open-tenant"),
+        "names the opt-in: {said}"
+    );
+    assert!(said.contains("[tenants]"), "names the fix: {said}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("listening"));
+}

@@ -119,6 +119,9 @@ pub struct PostgresOptions {
     /// Longest a writer or reader waits for a connection before the
     /// caller is answered UNAVAILABLE (the database is unreachable).
     pub connect_timeout_ms: u64,
+    /// Who shares the judges fairly: a tree's tenant is its opener's
+    /// (`core::tenant`); empty, every tree shares the open tenant.
+    pub tenants: Arc<crate::core::tenant::Tenants>,
     /// Where the writers report their group sizes (the server's
     /// `/metrics`); `None` reports nowhere.
     pub metrics: Option<crate::metrics::StoreMetrics>,
@@ -142,6 +145,7 @@ impl PostgresOptions {
             cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
             drainer: true,
             connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
+            tenants: Arc::default(),
             metrics: None,
         }
     }
@@ -328,6 +332,7 @@ impl PostgresStore {
             before_judge: options.before_judge.clone(),
             max_audit_rows: options.max_audit_rows,
             max_audit_bytes: options.max_audit_bytes,
+            tenants: options.tenants.clone(),
         };
         Ok(Self {
             sql: Arc::new(Shared::new(

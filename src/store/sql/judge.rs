@@ -118,7 +118,7 @@ async fn prejudge<B: Backend>(
     let hook = sql.before_judge.clone();
     let job_args = args.clone();
     let share = crate::pool::Share {
-        tenant: inputs.tenant,
+        tenant: sql.tenants.of(&inputs.opener),
         key: *signer,
     };
     let judged = sql
@@ -156,9 +156,9 @@ async fn prejudge<B: Backend>(
 /// Everything judging a completion of one contract reads from the store,
 /// loaded on a read connection.
 pub struct JudgeInputs {
-    /// The tree's tenant (its root's opener): whose share of the judges
-    /// the judgment takes.
-    pub tenant: AgentKey,
+    /// The key that opened the tree's root: its tenant's share of the
+    /// judges is what the judgment takes.
+    pub opener: AgentKey,
     observations: i64,
     effective_predicate: String,
     write_scope: Scope,
@@ -184,7 +184,7 @@ impl JudgeInputs {
             return Ok(None);
         }
         let observed = observed::<D>(conn, &target, received_at_ms).await?;
-        let tenant = match target.parent_seq {
+        let opener = match target.parent_seq {
             None => target.delegate_key,
             Some(_) => {
                 let row = sqlx::query::<D>("SELECT delegate_key FROM contracts WHERE seq = $1")
@@ -197,7 +197,7 @@ impl JudgeInputs {
             }
         };
         Ok(Some(Self {
-            tenant,
+            opener,
             observations: target.observations,
             effective_predicate: target.effective_predicate,
             write_scope: target.write_scope,

@@ -327,6 +327,7 @@ pub(crate) struct SharedOptions {
     pub(crate) before_judge: Option<BeforeJudge>,
     pub(crate) max_audit_rows: i64,
     pub(crate) max_audit_bytes: usize,
+    pub(crate) tenants: Arc<crate::core::tenant::Tenants>,
 }
 
 /// Contracts' terms (and, on SQLite, status and ledger) as the writer last
@@ -361,6 +362,8 @@ pub(crate) struct Shared<D: Database> {
     pub(crate) max_audit_rows: i64,
     /// Bytes of envelopes and paths one audit read may load.
     pub(crate) max_audit_bytes: usize,
+    /// A tree's tenant by its opener (`core::tenant`).
+    pub(crate) tenants: Arc<crate::core::tenant::Tenants>,
 }
 
 impl<D: Database> Shared<D> {
@@ -415,6 +418,7 @@ impl<D: Database> Shared<D> {
             before_judge: options.before_judge,
             max_audit_rows: options.max_audit_rows.max(1),
             max_audit_bytes: options.max_audit_bytes.max(1),
+            tenants: options.tenants,
         })
     }
 }

@@ -89,7 +89,9 @@ pub(crate) async fn issuing_parent<B: Backend>(
             (parent, k.root_seq, tenant.is_some() || k.view.depth == 0)
         })
     };
-    if let Some((parent, _, true)) = cached {
+    let tenants = &store.sql().tenants;
+    if let Some((mut parent, _, true)) = cached {
+        parent.tenant = tenants.of(&parent.tenant);
         return Ok(Some(parent));
     }
     let cached = cached.map(|(parent, root_seq, _)| (parent, root_seq));
@@ -121,11 +123,13 @@ pub(crate) async fn issuing_parent<B: Backend>(
     if found.depth > 0 {
         found.tenant = tenant(store, found.root_id, root_seq).await?;
     }
+    // The opener's tenant, as the operator declared it.
+    found.tenant = tenants.of(&found.tenant);
     Ok(Some(found))
 }
 
-/// The tenant of a tree: the key that opened its root (the root's
-/// delegate), from the writer's cache or one read by key.
+/// The key that opened a tree's root (the root's delegate), whose tenant
+/// is the tree's, from the writer's cache or one read by key.
 pub(crate) async fn tenant<B: Backend>(
     store: &B,
     root_id: Id,

@@ -162,6 +162,9 @@ pub struct SqliteOptions {
     /// Runs the drainer, which ends drains in steps (always, but in tests
     /// that step drains by hand).
     pub drainer: bool,
+    /// Who shares the judges fairly: a tree's tenant is its opener's
+    /// (`core::tenant`); empty, every tree shares the open tenant.
+    pub tenants: Arc<crate::core::tenant::Tenants>,
     /// Where the writer and syncer report batch sizes and fsyncs (the
     /// server's `/metrics`); `None` reports nowhere.
     pub metrics: Option<crate::metrics::StoreMetrics>,
@@ -295,6 +298,7 @@ impl SqliteStore {
             before_judge: options.before_judge.clone(),
             max_audit_rows: options.max_audit_rows,
             max_audit_bytes: options.max_audit_bytes,
+            tenants: options.tenants.clone(),
         };
         Ok(Self {
             sql: Arc::new(Shared::new(

@@ -251,6 +251,7 @@ fn test_options(path: PathBuf) -> SqliteOptions {
         judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
         cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
         drainer: true,
+        tenants: Default::default(),
         metrics: None,
     }
 }
@@ -964,6 +965,7 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
             judgment_deadline_ms: crate::core::limits::JUDGMENT_DEADLINE_MS,
             cascade_step_rows: crate::config::Limits::default().cascade_step_rows,
             drainer: true,
+            tenants: Default::default(),
             metrics: None,
         },
         stamper,

@@ -1,0 +1,157 @@
+//! Tenants: who shares the broker's bounded resources fairly — judges,
+//! converters, audits, the Watch reserve, drains. A tree belongs to the
+//! tenant of the key that opened its root. Keys alone cannot be told
+//! apart (anyone can make a thousand), so only the operator makes
+//! tenants: a `[tenants.NAME]` section names each tenant's keys, and every
+//! key listed in `[orchestrators]` without one is a tenant of its own.
+//! Every other key that may open roots (an open configuration) belongs to
+//! one shared tenant, `OPEN_TENANT`: a thousand free keys share one turn.
+
+use std::collections::HashMap;
+
+use sha2::{Digest, Sha256};
+
+use super::AgentKey;
+use super::limits::{MAX_KEYS_PER_TENANT, MAX_TENANT_NAME_BYTES, MAX_TENANTS};
+
+/// A tenant's identity wherever shares are counted (32 bytes, like a key:
+/// a listed orchestrator's tenant is its key).
+pub type TenantId = [u8; 32];
+
+/// The name of the tenant every undeclared opener shares.
+pub const OPEN_TENANT: &str = "open";
+
+/// The operator's tenants, by key.
+#[derive(Clone, Debug, Default)]
+pub struct Tenants {
+    /// Declared keys (`[tenants]`, and `[orchestrators]` keys outside it)
+    /// → their tenant.
+    by_key: HashMap<AgentKey, TenantId>,
+    /// Tenant → its name, for logs and metrics labels.
+    names: HashMap<TenantId, String>,
+}
+
+/// Why a tenant declaration is refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TenantError {
+    #[error("a tenant name is 1 ..= {MAX_TENANT_NAME_BYTES} bytes of [A-Za-z0-9_.-]")]
+    BadName,
+    #[error("\"{OPEN_TENANT}\" names the shared tenant of undeclared keys; choose another name")]
+    Reserved,
+    #[error("at most {MAX_TENANTS} tenants")]
+    TooManyTenants,
+    #[error("at most {MAX_KEYS_PER_TENANT} keys a tenant")]
+    TooManyKeys,
+    #[error("this key is already a key of tenant {0:?}: a key belongs to one tenant")]
+    KeyTwice(String),
+}
+
+/// The id of a declared tenant: a hash of its name, so it never equals a
+/// key (a listed orchestrator's tenant id) or the open tenant's.
+fn declared_id(name: &str) -> TenantId {
+    let mut hash = Sha256::new();
+    hash.update(b"delegation-broker tenant\0");
+    hash.update(name.as_bytes());
+    hash.finalize().into()
+}
+
+/// The shared tenant of every undeclared opener.
+pub fn open_tenant() -> TenantId {
+    declared_id(OPEN_TENANT)
+}
+
+impl Tenants {
+    /// Declares `name` with `keys`; refused as `TenantError` says.
+    pub fn declare(&mut self, name: &str, keys: &[AgentKey]) -> Result<(), TenantError> {
+        let valid = !name.is_empty()
+            && name.len() <= MAX_TENANT_NAME_BYTES
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        if !valid {
+            return Err(TenantError::BadName);
+        }
+        if name == OPEN_TENANT {
+            return Err(TenantError::Reserved);
+        }
+        if self.names.len() >= MAX_TENANTS {
+            return Err(TenantError::TooManyTenants);
+        }
+        if keys.len() > MAX_KEYS_PER_TENANT {
+            return Err(TenantError::TooManyKeys);
+        }
+        let id = declared_id(name);
+        for key in keys {
+            if let Some(other) = self.by_key.get(key).filter(|&&other| other != id) {
+                let other = self.names.get(other).cloned().unwrap_or_default();
+                return Err(TenantError::KeyTwice(other));
+            }
+        }
+        for key in keys {
+            self.by_key.insert(*key, id);
+        }
+        self.names.insert(id, name.to_owned());
+        Ok(())
+    }
+
+    /// Makes `key` (a listed orchestrator) a tenant of its own unless a
+    /// declared tenant lists it.
+    pub fn orchestrator(&mut self, key: AgentKey) {
+        if let std::collections::hash_map::Entry::Vacant(entry) = self.by_key.entry(key) {
+            entry.insert(key);
+            self.names
+                .insert(key, format!("orchestrator-{}", hex::encode(&key[..8])));
+        }
+    }
+
+    /// The tenant of a tree whose root `opener` opened.
+    pub fn of(&self, opener: &AgentKey) -> TenantId {
+        self.by_key.get(opener).copied().unwrap_or_else(open_tenant)
+    }
+
+    /// Whether the operator declared any tenant: without one every tree
+    /// shares the open tenant, and fairness between callers is gone.
+    pub fn any_declared(&self) -> bool {
+        !self.by_key.is_empty()
+    }
+
+    /// A tenant's name (`OPEN_TENANT` for the shared one).
+    pub fn name(&self, tenant: &TenantId) -> &str {
+        self.names.get(tenant).map_or(OPEN_TENANT, String::as_str)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn undeclared_keys_share_one_tenant_and_declared_ones_their_own() {
+        let (a, b, c, listed) = ([1u8; 32], [2u8; 32], [3u8; 32], [4u8; 32]);
+        let mut tenants = Tenants::default();
+        assert!(!tenants.any_declared());
+        assert_eq!(tenants.of(&a), tenants.of(&b), "free keys share a turn");
+        tenants.declare("acme", &[a, b]).unwrap();
+        tenants.orchestrator(listed);
+        tenants.orchestrator(a); // listed in a tenant already: stays there
+        assert!(tenants.any_declared());
+        assert_eq!(tenants.of(&a), tenants.of(&b));
+        assert_ne!(tenants.of(&a), tenants.of(&c));
+        assert_eq!(tenants.of(&c), open_tenant());
+        assert_eq!(tenants.of(&listed), listed);
+        assert_eq!(tenants.name(&tenants.of(&a)), "acme");
+        assert_eq!(tenants.name(&tenants.of(&c)), OPEN_TENANT);
+        assert_eq!(
+            tenants.declare("other", &[b]),
+            Err(TenantError::KeyTwice("acme".into()))
+        );
+        assert_eq!(tenants.declare("open", &[c]), Err(TenantError::Reserved));
+        assert_eq!(tenants.declare("", &[c]), Err(TenantError::BadName));
+        assert_eq!(tenants.declare("a b", &[c]), Err(TenantError::BadName));
+        assert_eq!(
+            tenants.of(&c),
+            open_tenant(),
+            "a refused declaration declares nothing"
+        );
+    }
+}
