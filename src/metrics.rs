@@ -47,12 +47,15 @@ pub const OPEN_CONTRACTS_SAMPLE_MS: u64 = 1_000;
 /// took, so counting holds a connection at most 1 % of the time.
 pub const OPEN_CONTRACTS_IDLE_FACTOR: u32 = 100;
 
-/// Most connections the metrics port holds at once; past it a new
-/// connection is closed at once (never queued behind the others). High
-/// enough that idle or slow connections cannot fill it faster than their
-/// timeouts empty it.
+/// Most connections the metrics port holds at once; past it new ones
+/// wait in the listen backlog. High enough that idle or slow connections
+/// cannot fill it faster than their timeouts empty it.
 const MAX_METRICS_CONNECTIONS: usize = 1_024;
-/// A scraper must send its request headers within this.
+/// Most of them from one peer address: a few scrapers need a few each, and
+/// one address cannot fill the port.
+const MAX_METRICS_CONNECTIONS_PER_ADDRESS: usize = 64;
+/// A scraper must send its request headers within this (also the port's
+/// first-request bound).
 const SCRAPE_HEADER_TIMEOUT_MS: u64 = 2_000;
 /// A connection's whole life (request and response), so one that reads
 /// its answer slowly cannot hold a slot either.
@@ -145,6 +148,9 @@ pub struct Metrics {
     pub transitions: IntCounterVec,
     /// Connections open now.
     pub connections_open: IntGauge,
+    /// Connections a listener closed, by listener and reason
+    /// (`server::listen`).
+    pub connections_closed: IntCounterVec,
     /// Units charged to contracts that completed (`Completion.consumed`).
     pub budget_spent_units: IntCounter,
     /// Units returned to parents by completions (`Completion.returned`).
@@ -339,6 +345,19 @@ impl Metrics {
             &["kind", "verdict"],
         );
         let connections_open = gauge("broker_connections_open", "gRPC connections open now.");
+        let connections_closed = counter_vec(
+            "broker_connections_closed_total",
+            "Connections the broker closed unasked, by listener (grpc, console, metrics) and reason: silent (no request within limits.first_request_timeout_ms), address_share (its address held its share of the listener's connections).",
+            &["listener", "reason"],
+        );
+        for listener in ["grpc", "console", "metrics"] {
+            for reason in [
+                crate::server::listen::CLOSED_SILENT,
+                crate::server::listen::CLOSED_ADDRESS_SHARE,
+            ] {
+                connections_closed.with_label_values(&[listener, reason]);
+            }
+        }
         let budget_spent_units = counter(
             "broker_budget_spent_units_total",
             "Budget units charged to contracts that completed (their Completion.consumed).",
@@ -361,6 +380,7 @@ impl Metrics {
             Box::new(budget_reserved_units.clone()),
             Box::new(transitions.clone()),
             Box::new(connections_open.clone()),
+            Box::new(connections_closed.clone()),
             Box::new(budget_spent_units.clone()),
             Box::new(budget_returned_units.clone()),
             Box::new(store.batch_commands.clone()),
@@ -395,11 +415,21 @@ impl Metrics {
             budget_reserved_units,
             transitions,
             connections_open,
+            connections_closed,
             budget_spent_units,
             budget_returned_units,
             store,
             open_contracts,
         })
+    }
+
+    /// How a broker listener named `listener` reports its connections.
+    pub fn connection_counters(&self, listener: &'static str) -> crate::server::listen::Counters {
+        crate::server::listen::Counters {
+            listener,
+            open: Some(self.connections_open.clone()),
+            closed: Some(self.connections_closed.clone()),
+        }
     }
 
     /// Registers the series only SQLite has (its write-ahead log's
@@ -731,36 +761,42 @@ impl HttpBody for MeteredBody {
 }
 
 /// Serves `GET /metrics` on `listener` until `shutdown` resolves. Every
-/// connection is accepted at once and served on its own task, bounded in
-/// time (`SCRAPE_HEADER_TIMEOUT_MS`, `SCRAPE_CONNECTION_TIMEOUT_MS`) and
-/// in number (`MAX_METRICS_CONNECTIONS`): idle or slow connections never
-/// make a scrape wait behind them.
+/// connection is served on its own task, bounded in time
+/// (`SCRAPE_HEADER_TIMEOUT_MS`, `SCRAPE_CONNECTION_TIMEOUT_MS`) and in
+/// number (`MAX_METRICS_CONNECTIONS`, `MAX_METRICS_CONNECTIONS_PER_ADDRESS`):
+/// idle or slow connections soon make room for a scrape.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) {
-    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_METRICS_CONNECTIONS));
-    tokio::pin!(shutdown);
+    use tokio_stream::StreamExt as _;
+    let bounds = crate::server::listen::Bounds {
+        max_connections: MAX_METRICS_CONNECTIONS,
+        max_per_address: MAX_METRICS_CONNECTIONS_PER_ADDRESS,
+        first_request_timeout: Duration::from_millis(SCRAPE_HEADER_TIMEOUT_MS),
+    };
+    let counters = crate::server::listen::Counters {
+        listener: "metrics",
+        open: None,
+        closed: Some(metrics.connections_closed.clone()),
+    };
+    let (connections, _) = crate::server::listen::incoming(listener, bounds, counters);
+    tokio::pin!(shutdown, connections);
     loop {
-        let stream = tokio::select! {
+        let connection = tokio::select! {
             () = &mut shutdown => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics endpoint: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
+            next = connections.next() => match next {
+                Some(Ok(connection)) => connection,
+                Some(Err(_)) => continue,
+                None => return,
             },
-        };
-        // Past the cap the connection is dropped (closed) now.
-        let Ok(permit) = connections.clone().try_acquire_owned() else {
-            continue;
         };
         let metrics = metrics.clone();
         tokio::spawn(async move {
+            let spoke = connection.spoke();
             let service = hyper::service::service_fn(move |request: http::Request<_>| {
+                spoke.mark();
                 let metrics = metrics.clone();
                 async move { Ok::<_, Infallible>(respond(&metrics, &request)) }
             });
@@ -768,13 +804,13 @@ pub async fn serve(
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(Duration::from_millis(SCRAPE_HEADER_TIMEOUT_MS))
                 .keep_alive(false)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                .serve_connection(hyper_util::rt::TokioIo::new(connection), service);
+            // Dropping the connection returns its permits.
             let _ = tokio::time::timeout(
                 Duration::from_millis(SCRAPE_CONNECTION_TIMEOUT_MS),
                 connection,
             )
             .await;
-            drop(permit);
         });
     }
 }
@@ -811,9 +847,10 @@ mod tests {
     use super::*;
 
     /// 64 connections that send half a request and stall, and 64 that
-    /// send nothing, do not delay a scrape: it is answered before even one
-    /// header timeout (a scrape queued behind them used to wait for
-    /// theirs, 30 s and more).
+    /// send nothing, all from one address (past its share), do not delay
+    /// a scrape from another: it is answered before even one header
+    /// timeout (a scrape queued behind them used to wait for theirs, 30 s
+    /// and more).
     #[tokio::test]
     async fn slow_connections_do_not_delay_a_scrape() {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -825,14 +862,14 @@ mod tests {
         }));
         let mut slow = Vec::new();
         for i in 0..128 {
-            let mut stream = tokio::net::TcpStream::connect(address)
-                .await
-                .expect("connect");
+            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+            socket
+                .bind("127.0.0.2:0".parse().expect("address"))
+                .expect("bind");
+            let mut stream = socket.connect(address).await.expect("connect");
             if i % 2 == 0 {
-                stream
-                    .write_all(b"GET /metrics HTTP/1.1\r\n")
-                    .await
-                    .expect("write");
+                // Past the share the broker may have closed it already.
+                let _ = stream.write_all(b"GET /metrics HTTP/1.1\r\n").await;
             }
             slow.push(stream);
         }

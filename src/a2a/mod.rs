@@ -332,28 +332,60 @@ async fn bind(addr: &str, key: &str) -> anyhow::Result<tokio::net::TcpListener> 
         .map_err(|e| anyhow::anyhow!("{key} {addr}: {e}"))
 }
 
-/// Small answers go out at once: without TCP_NODELAY a response written
-/// in two parts waits for the peer's delayed ACK (tens of ms per hop).
-fn no_delay(
+/// Serves `router` on `listener` (HTTP/1.1) within the gateways' bounds
+/// until `stop` is cancelled. TCP_NODELAY is set: without it a response
+/// written in two parts waits for the peer's delayed ACK (tens of ms per
+/// hop).
+async fn serve_http(
     listener: tokio::net::TcpListener,
-) -> axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
-    use axum::serve::ListenerExt as _;
-    fn set(tcp: &mut tokio::net::TcpStream) {
-        let _ = tcp.set_nodelay(true);
-    }
-    listener.tap_io(set as fn(&mut tokio::net::TcpStream))
+    router: axum::Router,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    use crate::server::listen;
+    listen::serve_http(
+        listener,
+        listen::GATEWAY_BOUNDS,
+        listen::Counters::default(),
+        listen::HTTP_IDLE_TIMEOUT,
+        router,
+        stop.cancelled_owned(),
+    )
+    .await;
+    Ok(())
 }
 
-/// The accepted connections of a gRPC listener, with TCP_NODELAY.
-fn no_delay_incoming(
+/// Serves a gRPC `service` on `listener` within the gateways' bounds until
+/// `stop` is cancelled.
+async fn serve_grpc<S>(
     listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    use tokio_stream::StreamExt as _;
-    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
-        accepted.inspect(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        })
-    })
+    service: S,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()>
+where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    use crate::server::listen;
+    let (incoming, first_request) = listen::incoming(
+        listener,
+        listen::GATEWAY_BOUNDS,
+        listen::Counters::default(),
+    );
+    Ok(tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(listen::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(listen::KEEPALIVE_TIMEOUT))
+        .layer(first_request.layer())
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+        .await?)
 }
 
 async fn serve(config: A2aConfig) -> anyhow::Result<()> {
@@ -500,14 +532,8 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
             .with_state(gateway.clone());
         println!("a2a ingress on {public_url}");
         let token = stop.clone();
-        servers.spawn(async move {
-            Ok(axum::serve(
-                no_delay(ingress),
-                router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-            )
-            .with_graceful_shutdown(token.cancelled_owned())
-            .await?)
-        });
+        // Requests carry the caller's address (ConnectInfo).
+        servers.spawn(serve_http(ingress, router, token));
     }
     if let Some(egress) = egress {
         let router = axum::Router::new()
@@ -521,11 +547,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
             .with_state(gateway.clone());
         println!("a2a egress on {egress_url}");
         let token = stop.clone();
-        servers.spawn(async move {
-            Ok(axum::serve(no_delay(egress), router)
-                .with_graceful_shutdown(token.cancelled_owned())
-                .await?)
-        });
+        servers.spawn(serve_http(egress, router, token));
     }
     for (listener, url, role) in [
         (grpc, &grpc_url, "ingress"),
@@ -541,12 +563,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
             .max_decoding_message_size(max_body);
         println!("a2a {role} grpc on {}", url.as_deref().unwrap_or_default());
         let token = stop.clone();
-        servers.spawn(async move {
-            Ok(tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(no_delay_incoming(listener), token.cancelled_owned())
-                .await?)
-        });
+        servers.spawn(serve_grpc(listener, service, token));
     }
     if let Some(listener) = metrics_listener {
         let router = axum::Router::new()
@@ -554,11 +571,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
             .with_state(gateway.clone());
         println!("a2a metrics on http://{}/metrics", listener.local_addr()?);
         let token = stop.clone();
-        servers.spawn(async move {
-            Ok(axum::serve(no_delay(listener), router)
-                .with_graceful_shutdown(token.cancelled_owned())
-                .await?)
-        });
+        servers.spawn(serve_http(listener, router, token));
     }
     if let Some(authz) = authz {
         use envoy_types::ext_authz::v3::pb::AuthorizationServer;
@@ -569,12 +582,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         .max_decoding_message_size(max_body.saturating_mul(2));
         println!("a2a authz on {addr}");
         let token = stop.clone();
-        servers.spawn(async move {
-            Ok(tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(no_delay_incoming(authz), token.cancelled_owned())
-                .await?)
-        });
+        servers.spawn(serve_grpc(authz, service, token));
     }
     if !matches!(gateway.upstream, Upstream::None) {
         tokio::spawn(ingress::recover(gateway.clone()));

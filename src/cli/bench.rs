@@ -261,13 +261,14 @@ async fn start_floor(attestor: &Agent) -> anyhow::Result<String> {
         Arc::new(SystemClock),
         limits.timestamp_window_ms,
     );
-    let incoming = crate::server::incoming(
+    let (incoming, first_request) = crate::server::listen::incoming(
         listener,
-        limits.max_connections,
-        crate::metrics::Metrics::new(),
+        crate::server::connection_bounds(&limits),
+        crate::metrics::Metrics::new().connection_counters("grpc"),
     );
     tokio::spawn(
         tonic::transport::Server::builder()
+            .layer(first_request.layer())
             .add_service(
                 pb::broker_server::BrokerServer::new(floor)
                     .max_decoding_message_size(limits.max_request_bytes),

@@ -129,6 +129,18 @@ limits! {
         "with --database-url: write transactions in flight per replica (one makes the largest groups: least database CPU per write; more overlap commits)";
     max_connections: usize = 4_096, 1, MAX_CONNECTIONS_CEILING,
         "open client connections; more wait in the listen backlog";
+    /// An eighth of the default cap: one client needs few connections
+    /// (each carries max_concurrent_requests_per_connection calls), so one
+    /// address cannot hold the cap and honest callers still get in. Raise
+    /// it behind a proxy or NAT that brings many clients from one address.
+    max_connections_per_address: usize = 512, 1, MAX_CONNECTIONS_CEILING,
+        "open client connections from one peer address (an IPv6 /64); more are closed at once; above max_connections it is max_connections";
+    /// Long enough for a slow TLS handshake and a first call; short enough
+    /// that sockets which never send a request (or only HTTP/2's preface)
+    /// cannot hold the cap. Clients that connect ahead of their first call
+    /// are closed and reconnect.
+    first_request_timeout_ms: u64 = 5_000, 100, MAX_TLS_HANDSHAKE_TIMEOUT_MS,
+        "a connection that has not sent a request this long after it was accepted (with [tls], handshake included) is closed";
     max_concurrent_requests_per_connection: usize = 1_024, 1, MAX_CONCURRENCY_CEILING,
         "concurrent requests on one client connection";
     request_timeout_ms: u64 = 30_000, 1, MAX_INTERVAL_MS,

@@ -33,7 +33,10 @@ const TOKEN_BYTES: usize = 32;
 /// Most connections open on the console at once: a few people's browsers
 /// (each holds up to six), not agents. Beyond it, new ones wait.
 pub const MAX_CONSOLE_CONNECTIONS: usize = 64;
-/// Keepalive pings on idle connections, so a vanished browser's
+/// Most of them from one address: a couple of browsers' worth, so one
+/// address (no token needed to connect) cannot hold the console.
+pub const MAX_CONSOLE_CONNECTIONS_PER_ADDRESS: usize = 16;
+/// TCP keepalive on the console's connections, so a vanished browser's
 /// connection (and its Watch) is noticed and closed.
 const KEEPALIVE: Duration = Duration::from_secs(30);
 /// How long the console's connections get to finish once the broker
@@ -89,15 +92,27 @@ pub(crate) async fn serve<S: Store>(
         limits,
         metrics,
     } = wiring;
-    let incoming = crate::server::incoming(listener, MAX_CONSOLE_CONNECTIONS, metrics.clone());
+    let bounds = crate::server::listen::Bounds {
+        max_connections: MAX_CONSOLE_CONNECTIONS,
+        max_per_address: MAX_CONSOLE_CONNECTIONS_PER_ADDRESS,
+        first_request_timeout: Duration::from_millis(limits.first_request_timeout_ms),
+    };
+    let (incoming, first_request) =
+        crate::server::listen::incoming(listener, bounds, metrics.connection_counters("console"));
+    // Idle HTTP/1.1 connections are closed by hyper's header read timeout
+    // (30 s, tonic's default), HTTP/2 ones by keepalive pings.
     tonic::transport::Server::builder()
         // gRPC-Web runs over HTTP/1.1 from browsers.
         .accept_http1(true)
-        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_interval(Some(crate::server::listen::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(crate::server::listen::KEEPALIVE_TIMEOUT))
         .tcp_keepalive(Some(KEEPALIVE))
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
-        // Outermost: nothing the gate refuses reaches anything else.
+        // Before the gate: a refused request is still a request.
+        .layer(first_request.layer())
+        // Outermost of the rest: nothing the gate refuses reaches anything
+        // else.
         .layer(gate::GateLayer(Arc::new(gate)))
         .layer(tonic_web::GrpcWebLayer::new())
         .layer(crate::metrics::MetricsLayer(metrics))

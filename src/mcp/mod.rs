@@ -172,12 +172,19 @@ where
     println!("mcp on http://{addr}/mcp");
     use std::io::Write as _;
     std::io::stdout().flush()?;
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
+    use crate::server::listen;
+    listen::serve_http(
+        listener,
+        listen::GATEWAY_BOUNDS,
+        listen::Counters::default(),
+        listen::HTTP_IDLE_TIMEOUT,
+        router,
+        async move {
             let _ = tokio::signal::ctrl_c().await;
             stop.cancel();
-        })
-        .await?;
+        },
+    )
+    .await;
     Ok(())
 }
 

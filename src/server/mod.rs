@@ -19,6 +19,8 @@ use crate::store::Store;
 use crate::store::postgres::{PostgresOptions, PostgresStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
 
+pub mod listen;
+
 /// The SQLite database's file name inside the data directory.
 pub const DATABASE_FILE: &str = "broker.sqlite3";
 
@@ -414,12 +416,21 @@ async fn serve<S: Served>(
     }
     let metrics_stop = serve_metrics(metrics_listener, &metrics);
     let builder = server_builder(tls.as_ref(), &limits)?;
+    let (connections, first_request) = listen::incoming(
+        listener,
+        connection_bounds(&limits),
+        metrics.connection_counters("grpc"),
+    );
     let server = builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .timeout(Duration::from_millis(limits.request_timeout_ms))
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        // Outermost, so every call is counted with the status the client
-        // receives.
+        .http2_keepalive_interval(Some(listen::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(listen::KEEPALIVE_TIMEOUT))
+        // First: any request, even one refused, lifts its connection's
+        // first-request bound.
+        .layer(first_request.layer())
+        // Outermost of the rest, so every call is counted with the status
+        // the client receives.
         .layer(crate::metrics::MetricsLayer(metrics.clone()))
         // Every call in its span: method, trace id, the broker's facts.
         .layer(crate::telemetry::CallSpanLayer)
@@ -434,17 +445,14 @@ async fn serve<S: Served>(
         .add_service(reflection)
         .add_service(reflection_v1alpha)
         .add_service(broker)
-        .serve_with_incoming_shutdown(
-            incoming(listener, limits.max_connections, metrics.clone()),
-            async move {
-                shutdown.await;
-                let _ = stop_asked.set(std::time::Instant::now());
-                // First: health turns NOT_SERVING (its Watch streams send
-                // it, then end), new calls are refused, Watch streams end;
-                // then the transport stops accepting and drains.
-                let _ = stop.send(true);
-            },
-        );
+        .serve_with_incoming_shutdown(connections, async move {
+            shutdown.await;
+            let _ = stop_asked.set(std::time::Instant::now());
+            // First: health turns NOT_SERVING (its Watch streams send
+            // it, then end), new calls are refused, Watch streams end;
+            // then the transport stops accepting and drains.
+            let _ = stop.send(true);
+        });
     drained(server, shutting_down.clone(), drain).await?;
     let _ = metrics_stop.send(());
     if let Some(mut console) = console {
@@ -917,6 +925,15 @@ fn log_start(listener: &TcpListener, tls: bool, key: &ed25519_dalek::VerifyingKe
     }
 }
 
+/// The main listener's connection bounds, from the configured limits.
+pub(crate) fn connection_bounds(limits: &crate::config::Limits) -> listen::Bounds {
+    listen::Bounds {
+        max_connections: limits.max_connections,
+        max_per_address: limits.max_connections_per_address,
+        first_request_timeout: Duration::from_millis(limits.first_request_timeout_ms),
+    }
+}
+
 /// The transport, with TLS when configured.
 fn server_builder(
     tls: Option<&crate::config::TlsIdentity>,
@@ -936,126 +953,6 @@ fn server_builder(
             .map_err(|e| ServerError::Tls(e.to_string()))?;
     }
     Ok(builder)
-}
-
-/// Accepted connections, at most `max_connections` open at once: beyond
-/// it the broker stops accepting (new clients wait in the listen backlog)
-/// until one closes. Nagle's algorithm is off: small gRPC frames would
-/// otherwise wait out delayed ACKs (~40 ms per round trip).
-pub(crate) fn incoming(
-    listener: TcpListener,
-    max_connections: usize,
-    metrics: Arc<crate::metrics::Metrics>,
-) -> impl tokio_stream::Stream<Item = std::io::Result<Limited>> {
-    let permits = Arc::new(tokio::sync::Semaphore::new(max_connections));
-    // Small: the accept loop waits for the server to take each one.
-    let (accepted, queue) = tokio::sync::mpsc::channel(1);
-    tokio::spawn(async move {
-        loop {
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                return;
-            };
-            let next = tokio::select! {
-                next = listener.accept() => next,
-                // The server is gone: stop accepting.
-                () = accepted.closed() => return,
-            };
-            let stream = match next
-                .and_then(|(stream, _)| stream.set_nodelay(true).map(|()| stream))
-            {
-                Ok(stream) => stream,
-                Err(e) => {
-                    // Out of file descriptors and the like: retrying at
-                    // once would spin.
-                    tracing::warn!(error = %e, "accepting a connection failed; retrying shortly");
-                    tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
-                    continue;
-                }
-            };
-            metrics.connections_open.inc();
-            let connection = Limited {
-                stream,
-                _permit: permit,
-                open: metrics.connections_open.clone(),
-            };
-            if accepted.send(Ok(connection)).await.is_err() {
-                return;
-            }
-        }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(queue)
-}
-
-/// Pause after a failed accept (e.g. no file descriptors left).
-const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
-
-/// An accepted connection holding one of the `max_connections` permits
-/// until it is dropped.
-pub(crate) struct Limited {
-    stream: tokio::net::TcpStream,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-    /// `broker_connections_open`, decremented when the connection closes.
-    open: prometheus::IntGauge,
-}
-
-impl Drop for Limited {
-    fn drop(&mut self) {
-        self.open.dec();
-    }
-}
-
-impl tonic::transport::server::Connected for Limited {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
-    }
-}
-
-impl tokio::io::AsyncRead for Limited {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl tokio::io::AsyncWrite for Limited {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
 }
 
 /// Overdue contracts expired per sweep; the rest wait for the next tick.

@@ -19,5 +19,6 @@ mod operability;
 mod operations;
 mod replicas;
 mod seeds;
+mod sockets;
 mod tls;
 mod tree;
