@@ -26,6 +26,15 @@ pub enum ChainError {
     Undecodable { index: usize },
     #[error("contract {index}: signed by {key_id:?}, which GetBrokerKeys does not publish")]
     UnknownKey { index: usize, key_id: String },
+    #[error(
+        "contract {index}: dated {at_ms} ms, after its key {key_id:?} retired ({retired_at_ms} ms)"
+    )]
+    Retired {
+        index: usize,
+        key_id: String,
+        at_ms: i64,
+        retired_at_ms: i64,
+    },
     #[error("contract {index}: the signature does not verify")]
     BadSignature { index: usize },
     #[error("contract {index}: parent_id is not the id of contract {}", index.wrapping_sub(1))]
@@ -36,9 +45,10 @@ pub enum ChainError {
     WrongLeaf { expected: String, found: String },
 }
 
-/// Published broker keys by id, each checked to be the id of its key.
+/// Published broker keys by id, each checked to be the id of its key,
+/// with when it retired (`retired_at_ms`; 0: not retired, or not recorded).
 #[derive(Clone, Debug, Default)]
-pub struct BrokerKeys(HashMap<String, VerifyingKey>);
+pub struct BrokerKeys(HashMap<String, (VerifyingKey, i64)>);
 
 impl BrokerKeys {
     /// Keeps every published key whose id matches its bytes and whose bytes
@@ -48,10 +58,11 @@ impl BrokerKeys {
             keys.iter()
                 .filter_map(|k| {
                     let bytes: [u8; 32] = k.public_key.as_slice().try_into().ok()?;
+                    let retired_at_ms = if k.current { 0 } else { k.retired_at_ms.max(0) };
                     (crypto::key_id(&bytes) == k.key_id)
                         .then(|| VerifyingKey::from_bytes(&bytes).ok())
                         .flatten()
-                        .map(|key| (k.key_id.clone(), key))
+                        .map(|key| (k.key_id.clone(), (key, retired_at_ms)))
                 })
                 .collect(),
         )
@@ -59,10 +70,30 @@ impl BrokerKeys {
 
     /// The key published as `key_id`; `index` names the item for the error.
     pub fn get(&self, index: usize, key_id: &str) -> Result<&VerifyingKey, ChainError> {
-        self.0.get(key_id).ok_or_else(|| ChainError::UnknownKey {
-            index,
-            key_id: key_id.chars().take(80).collect(),
-        })
+        self.0
+            .get(key_id)
+            .map(|(key, _)| key)
+            .ok_or_else(|| ChainError::UnknownKey {
+                index,
+                key_id: key_id.chars().take(80).collect(),
+            })
+    }
+
+    /// Refuses what `key_id` is said to have signed at `at_ms` if the key
+    /// had retired by then: a retired key vouches only for what it signed
+    /// before (GetBrokerKeys' `retired_at_ms`; 0 is no bound).
+    pub fn check_dated(&self, index: usize, key_id: &str, at_ms: i64) -> Result<(), ChainError> {
+        match self.0.get(key_id) {
+            Some(&(_, retired_at_ms)) if retired_at_ms > 0 && at_ms >= retired_at_ms => {
+                Err(ChainError::Retired {
+                    index,
+                    key_id: key_id.chars().take(80).collect(),
+                    at_ms,
+                    retired_at_ms,
+                })
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -78,8 +109,10 @@ pub struct Hop {
 
 /// Verifies a chain, root first (as GetChain returns it), and returns every
 /// contract's terms. One signature is checked, the leaf's: it covers the
-/// whole chain through the hash links (see types.proto). `leaf_id`, when
-/// given, must be the last contract's id.
+/// whole chain through the hash links (see types.proto); its key must not
+/// have retired before the leaf was issued. `leaf_id`, when given, must be
+/// the last contract's id. The one chain check of the binary: the CLI's
+/// `verify` and the A2A gateway both call it.
 pub fn verify_chain(
     chain: &[pb::Sealed],
     keys: &BrokerKeys,
@@ -95,9 +128,11 @@ pub fn verify_chain(
             found: hex::encode(hops[last].id),
         });
     }
-    let key = keys.get(last, &hops[last].contract.broker_key_id)?;
+    let leaf = &hops[last].contract;
+    let key = keys.get(last, &leaf.broker_key_id)?;
     crypto::verify_sealed(&chain[last], payload_type::CONTRACT, key)
         .map_err(|_| ChainError::BadSignature { index: last })?;
+    keys.check_dated(last, &leaf.broker_key_id, leaf.issued_at_ms)?;
     check_terms(hops)
 }
 
@@ -107,7 +142,13 @@ pub fn verify_chain(
 pub fn verify_every_signature(chain: &[pb::Sealed], keys: &BrokerKeys) -> Result<(), ChainError> {
     verify_sealed_batch(chain, payload_type::CONTRACT, keys, |payload| {
         pb::Contract::decode(payload).ok().map(|c| c.broker_key_id)
-    })
+    })?;
+    for (index, sealed) in chain.iter().enumerate() {
+        let contract = pb::Contract::decode(sealed.payload.as_slice())
+            .map_err(|_| ChainError::Undecodable { index })?;
+        keys.check_dated(index, &contract.broker_key_id, contract.issued_at_ms)?;
+    }
+    Ok(())
 }
 
 /// Batch-verifies sealed payloads of one type, each under the key its
@@ -478,6 +519,44 @@ mod tests {
             verify_chain(&chain, &lying, None),
             Err(ChainError::UnknownKey { .. })
         ));
+    }
+
+    #[test]
+    fn a_retired_key_vouches_only_for_what_it_signed_before() {
+        let key = crypto::generate_signing_key();
+        let (chain, _) = fixture::stamped_chain(&key, 2, "true", |_| fixture::Hop {
+            budget: 10,
+            liability: crate::core::Liability::Delegate,
+            predicate: String::new(),
+            factor_ppm: 900_000,
+        });
+        let issued_at_ms = pb::Contract::decode(chain[2].payload.as_slice())
+            .expect("contract")
+            .issued_at_ms;
+        let public = key.verifying_key().to_bytes();
+        let published = |current: bool, retired_at_ms: i64| {
+            BrokerKeys::from_published(&[pb::BrokerKey {
+                key_id: crypto::key_id(&public),
+                public_key: public.to_vec(),
+                current,
+                retired_at_ms,
+            }])
+        };
+        // Retired after the leaf was issued, or when not recorded: verifies.
+        assert!(verify_chain(&chain, &published(false, issued_at_ms + 1), None).is_ok());
+        assert!(verify_chain(&chain, &published(false, 0), None).is_ok());
+        // Retired by then: refused, by both checks.
+        let retired = published(false, issued_at_ms);
+        assert!(matches!(
+            verify_chain(&chain, &retired, None),
+            Err(ChainError::Retired { index: 2, .. })
+        ));
+        assert!(matches!(
+            verify_every_signature(&chain, &retired),
+            Err(ChainError::Retired { index: 0, .. })
+        ));
+        // A current key is never retired, whatever the field says.
+        assert!(verify_chain(&chain, &published(true, issued_at_ms), None).is_ok());
     }
 
     #[test]

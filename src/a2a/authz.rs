@@ -9,6 +9,11 @@
 //! deadline and residual as headers; a denied one gets a JSON-RPC error
 //! body. Completing is then the agent's own call.
 //!
+//! Only POST on `authz_jsonrpc_paths` and GET of the card pass, and a
+//! body with duplicate keys is refused: the agent must read the request
+//! the check decided on. A message in a task already started passes only
+//! under the contract the task was started under, read from the agent.
+//!
 //! Served by the gateway process (not the broker): it needs the fronted
 //! agent's identity and a read session, and it parses A2A bodies, which
 //! the broker's core does not learn.
@@ -25,8 +30,10 @@ use envoy_types::pb::google::rpc;
 use prost::Message as _;
 use serde_json::{Value, json};
 
+use super::client::CARD_PATH;
 use super::ext::{self, Refused, code};
-use super::{Gateway, ingress};
+use super::{Gateway, Upstream, ingress, json as strict};
+use crate::core::Id;
 use crate::pb;
 
 /// Headers set on an allowed request.
@@ -133,30 +140,47 @@ impl Authorization for Authz {
 
 type HttpRequest = envoy_types::pb::envoy::service::auth::v3::attribute_context::HttpRequest;
 
-/// Allowed (with the contract, for a task-starting message), or refused;
-/// beside it the JSON-RPC id to answer with.
+/// Whether `path` (query and all) is the agent card's, at the root or
+/// under a JSON-RPC path.
+fn is_card(gateway: &Gateway, path: &str) -> bool {
+    path == CARD_PATH
+        || gateway
+            .config
+            .authz_jsonrpc_paths
+            .iter()
+            .any(|p| path.strip_prefix(p.trim_end_matches('/')) == Some(CARD_PATH))
+}
+
+/// Allowed (with the contract, for a SendMessage), or refused; beside it
+/// the JSON-RPC id to answer with. Only what the agent would read as the
+/// request decided on passes: a POST of a JSON-RPC body without duplicate
+/// keys to one of `authz_jsonrpc_paths`, or a GET of the card.
 async fn decide(
     gateway: &Gateway,
     http: &HttpRequest,
 ) -> (Value, Result<Option<Allowed>, Refused>) {
-    if http.method.eq_ignore_ascii_case("GET") {
+    let paths = &gateway.config.authz_jsonrpc_paths;
+    let verb = http.method.as_str();
+    let path = http.path.as_str();
+    if verb == "GET" && is_card(gateway, path) {
         // The agent card is public.
-        let path = http.path.split('?').next().unwrap_or_default();
-        return if path.ends_with(super::client::CARD_PATH) {
-            (Value::Null, Ok(None))
-        } else {
-            (
-                Value::Null,
-                Err(Refused::new(
-                    code::UNSUPPORTED_OPERATION,
-                    "INVALID_FIELD",
-                    format!(
-                        "GET {}: only the agent card is served",
-                        crate::mcp::link::cut(path, 256)
-                    ),
-                )),
+        return (Value::Null, Ok(None));
+    }
+    if verb != "POST" || !paths.iter().any(|p| p == path) {
+        return (
+            Value::Null,
+            Err(Refused::new(
+                code::UNSUPPORTED_OPERATION,
+                "INVALID_FIELD",
+                format!(
+                    "{} {}: only POST on {} (A2A JSON-RPC) and GET {CARD_PATH} pass this proxy",
+                    crate::mcp::link::cut(verb, 16),
+                    crate::mcp::link::cut(path, 256),
+                    paths.join(", ")
+                ),
             )
-        };
+            .with("field", "path")),
+        );
     }
     let body: &[u8] = if http.raw_body.is_empty() {
         http.body.as_bytes()
@@ -173,7 +197,21 @@ async fn decide(
             )),
         );
     }
-    let mut request: Value = match serde_json::from_slice(body) {
+    let max_bytes = gateway.config.max_message_bytes;
+    if body.len() > max_bytes {
+        return (
+            Value::Null,
+            Err(Refused::new(
+                code::INVALID_REQUEST,
+                "MESSAGE_TOO_LARGE",
+                format!(
+                    "the body is {} bytes, at most {max_bytes} (max_message_bytes)",
+                    body.len()
+                ),
+            )),
+        );
+    }
+    let mut request = match strict::parse_strict(body, max_bytes) {
         Ok(value) => value,
         Err(e) => {
             return (
@@ -181,7 +219,7 @@ async fn decide(
                 Err(Refused::new(
                     code::PARSE_ERROR,
                     "UNDECODABLE_MESSAGE",
-                    format!("not JSON: {e}"),
+                    strict::refusal_text(&e),
                 )),
             );
         }
@@ -190,11 +228,19 @@ async fn decide(
         .get_mut("id")
         .map(Value::take)
         .unwrap_or(Value::Null);
-    let method = request
-        .get("method")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_owned();
+    let method = match request.get("method").and_then(Value::as_str) {
+        Some(method) if request.get("jsonrpc") == Some(&json!("2.0")) => method.to_owned(),
+        _ => {
+            return (
+                id,
+                Err(Refused::new(
+                    code::INVALID_REQUEST,
+                    "INVALID_FIELD",
+                    "not a JSON-RPC 2.0 request (jsonrpc \"2.0\" and a method)",
+                )),
+            );
+        }
+    };
     let decision = match method.as_str() {
         "SendMessage" | "SendStreamingMessage" => {
             let params = request
@@ -231,47 +277,116 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
     })?;
     ingress::check_size(message)?;
     // Behind a proxy every message carries its chain: the proxy does not
-    // see the agent's answers, so it cannot map task ids to contracts.
+    // see the agent's answers.
     let extension = ext::take(message)?;
     let chain = ext::chain_of(extension.as_ref())?;
     let (contract_id, _) = ingress::admit_chain(gateway, &chain).await?;
-    let starts = message.task_id.is_empty();
-    let binding = starts
-        .then(|| ingress::bind(gateway, contract_id))
-        .transpose()?;
+    if !message.task_id.is_empty() {
+        let task_id = message.task_id.clone();
+        return continuation(gateway, &task_id, contract_id).await;
+    }
+    let binding = ingress::bind(gateway, contract_id)?;
     let state = gateway.contract(&contract_id).await?;
-    let open = match pb::ContractStatus::try_from(state.status) {
-        Ok(pb::ContractStatus::Open) => true,
-        Ok(pb::ContractStatus::Accepted) => !starts,
-        _ => false,
-    };
-    if !open {
+    if state.status != pb::ContractStatus::Open as i32 {
         return Err(ingress::ended(
             &contract_id,
             format!("it is {}", ingress::status_name(state.status)),
         ));
     }
+    // Accepted at the broker before the request goes on: a replay of the
+    // same chain is refused (ACCEPTED) even by a restarted gateway or
+    // another replica of it. Fails closed. The binding only covers
+    // concurrent checks until then, so it is not kept (nothing in memory
+    // grows with the contracts allowed).
+    super::broker::accept(gateway, None, &contract_id)
+        .await
+        .map_err(super::broker_error)?;
+    gateway.metrics.admitted.inc();
+    drop(binding);
+    Ok(allowed(contract_id, &state))
+}
+
+/// A message in a task already started: allowed only under the contract
+/// the task was started under (the agent's record says which), while that
+/// contract is ACCEPTED. Another contract's chain, even an open or
+/// accepted one naming this agent, does not continue it.
+async fn continuation(
+    gateway: &Gateway,
+    task_id: &str,
+    contract_id: Id,
+) -> Result<Allowed, Refused> {
+    let field = "message.taskId";
+    let shown = crate::mcp::link::cut(task_id, 128);
+    if matches!(gateway.upstream, Upstream::None) {
+        return Err(Refused::new(
+            code::UNSUPPORTED_OPERATION,
+            "INVALID_FIELD",
+            format!(
+                "task {shown:?}: a message in a task already started passes this proxy only when the gateway reads the task's contract from the agent (set upstream in the gateway's config)"
+            ),
+        )
+        .with("field", field));
+    }
+    let not_found = || {
+        Refused::new(
+            code::TASK_NOT_FOUND,
+            "NOT_FOUND",
+            format!("task {shown:?}: the agent has no task started under a contract by that id"),
+        )
+        .with("field", field)
+    };
+    let get = a2a::GetTaskRequest {
+        id: task_id.to_owned(),
+        ..Default::default()
+    };
+    let task: a2a::Task = gateway
+        .upstream_call("GetTask", &get, &[])
+        .await
+        .map_err(|_| not_found())?;
+    let bound: Id = ext::started_under(&task)
+        .and_then(|id| id.try_into().ok())
+        .ok_or_else(not_found)?;
+    if bound != contract_id {
+        return Err(Refused::new(
+            code::INVALID_PARAMS,
+            "NOT_HOLDER",
+            format!(
+                "task {shown:?} was started under contract {}, not {}: a message in a task carries the chain of the task's own contract",
+                hex::encode(bound),
+                hex::encode(contract_id)
+            ),
+        )
+        .with("contractId", hex::encode(contract_id)));
+    }
+    let state = gateway.contract(&bound).await?;
+    match pb::ContractStatus::try_from(state.status) {
+        Ok(pb::ContractStatus::Accepted) => Ok(allowed(bound, &state)),
+        Ok(pb::ContractStatus::Open) => Err(Refused::new(
+            code::INVALID_PARAMS,
+            "WRONG_STATE",
+            format!(
+                "contract {} is open, not accepted: its task was not started through this proxy",
+                hex::encode(bound)
+            ),
+        )
+        .with("contractId", hex::encode(bound))),
+        _ => Err(ingress::ended(
+            &bound,
+            format!("it is {}", ingress::status_name(state.status)),
+        )),
+    }
+}
+
+fn allowed(contract_id: Id, state: &pb::ContractState) -> Allowed {
     let contract = state
         .contract
         .as_ref()
         .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
         .unwrap_or_default();
-    if binding.is_some() {
-        // Accepted at the broker before the request goes on: a replay of
-        // the same chain is refused (ACCEPTED) even by a restarted
-        // gateway or another replica of it. Fails closed. The binding
-        // only covers concurrent checks until then, so it is not kept
-        // (nothing in memory grows with the contracts allowed).
-        super::broker::accept(gateway, None, &contract_id)
-            .await
-            .map_err(super::broker_error)?;
-        gateway.metrics.admitted.inc();
-    }
-    drop(binding);
-    Ok(Allowed {
+    Allowed {
         contract_id,
         depth: contract.depth,
         deadline_ms: contract.deadline_ms,
-        residual: state.ledger.map_or(0, |l| l.residual),
-    })
+        residual: state.ledger.as_ref().map_or(0, |l| l.residual),
+    }
 }

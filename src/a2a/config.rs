@@ -27,6 +27,10 @@ pub const MAX_IN_FLIGHT: usize = 65_536;
 /// Most tasks followed at once (each holds a poller); more are refused.
 pub const DEFAULT_MAX_TASKS: usize = 1024;
 pub const MAX_TASKS: usize = 65_536;
+/// Most JSON-RPC paths `Authorization/Check` lets a POST through on.
+pub const MAX_AUTHZ_PATHS: usize = 16;
+/// The JSON-RPC path allowed through the proxy by default.
+pub const DEFAULT_AUTHZ_PATH: &str = "/";
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -45,8 +49,14 @@ pub struct A2aConfig {
     /// serves only `authz_listen` (a proxy in front of the agent).
     pub listen: Option<String>,
     /// Envoy's external authorization (`Authorization/Check`, gRPC) for a
-    /// proxy in front of the agent.
+    /// proxy in front of the agent. With `upstream` set, a message in a
+    /// task already started is checked against the contract the task was
+    /// started under (read from the agent); without it, refused.
     pub authz_listen: Option<String>,
+    /// The agent's JSON-RPC path(s): `Authorization/Check` allows a POST
+    /// on these (and a GET of the card), nothing else.
+    #[serde(default = "default_authz_paths")]
+    pub authz_jsonrpc_paths: Vec<String>,
     /// Egress address, for the fronted agent's outbound client only.
     pub egress_listen: Option<String>,
     /// The ingress over A2A's gRPC binding (beside `listen`'s JSON-RPC).
@@ -123,6 +133,9 @@ pub struct Route {
     pub write_scope: Option<Vec<String>>,
 }
 
+fn default_authz_paths() -> Vec<String> {
+    vec![DEFAULT_AUTHZ_PATH.to_owned()]
+}
 fn default_poll_ms() -> u64 {
     DEFAULT_POLL_MS
 }
@@ -209,6 +222,22 @@ impl A2aConfig {
             return Err(invalid(
                 "upstream",
                 "required with listen: the agent the ingress fronts",
+            ));
+        }
+        if self.authz_jsonrpc_paths.is_empty() || self.authz_jsonrpc_paths.len() > MAX_AUTHZ_PATHS {
+            return Err(invalid(
+                "authz_jsonrpc_paths",
+                format!("1 to {MAX_AUTHZ_PATHS} paths"),
+            ));
+        }
+        if let Some(path) = self
+            .authz_jsonrpc_paths
+            .iter()
+            .find(|p| !p.starts_with('/') || p.contains(['?', '#']))
+        {
+            return Err(invalid(
+                "authz_jsonrpc_paths",
+                format!("{path:?}: a path begins with / and has no query or fragment"),
             ));
         }
         if self.grpc_listen.is_some() && self.listen.is_none() {

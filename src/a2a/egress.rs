@@ -139,10 +139,13 @@ async fn parent_of(
     }
     let known = {
         let admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
-        admitted.contexts.get(context_id).copied()
+        admitted
+            .contexts
+            .get(context_id)
+            .map(|c| (c.contracts.clone(), c.overflowed))
     };
-    if let Some(id) = known {
-        return Ok(id);
+    if let Some((contracts, overflowed)) = known {
+        return parent_in_context(gateway, context_id, contracts, overflowed).await;
     }
     let held = gateway
         .link
@@ -179,6 +182,65 @@ async fn parent_of(
                     ", …"
                 },
                 crate::mcp::link::cut(context_id, 128),
+                ext::URI
+            ),
+        )),
+    }
+}
+
+/// The parent a context names: its one live contract. Context ids are
+/// the callers' to choose, so a second caller may start a task in the
+/// first one's context; a context with more than one live contract names
+/// none (the message must name its contract), so one caller's contract
+/// never becomes the parent of another's sub-tasks.
+async fn parent_in_context(
+    gateway: &Gateway,
+    context_id: &str,
+    contracts: Vec<Id>,
+    overflowed: bool,
+) -> Result<Id, Refused> {
+    if let ([only], false) = (contracts.as_slice(), overflowed) {
+        // One caller's context: the broker refuses a Delegate from it
+        // once it has ended.
+        return Ok(*only);
+    }
+    let mut live = Vec::new();
+    if !overflowed {
+        for id in contracts {
+            let status = gateway.contract(&id).await?.status;
+            if matches!(
+                pb::ContractStatus::try_from(status),
+                Ok(pb::ContractStatus::Open | pb::ContractStatus::Accepted)
+            ) {
+                live.push(id);
+            }
+        }
+    }
+    match live.as_slice() {
+        [only] => Ok(*only),
+        [] if !overflowed => Err(Refused::new(
+            code::INVALID_PARAMS,
+            "ENDED",
+            format!(
+                "every contract of context {:?} has ended: a new task needs a new contract",
+                crate::mcp::link::cut(context_id, 128)
+            ),
+        )),
+        several => Err(Refused::new(
+            code::INVALID_PARAMS,
+            "NOT_FOUND",
+            format!(
+                "context {:?} holds tasks of several callers' contracts ({}): set message.metadata[{}].contractId to the contract of the task this message works for",
+                crate::mcp::link::cut(context_id, 128),
+                if overflowed {
+                    format!("more than {}", super::MAX_CONTRACTS_PER_CONTEXT)
+                } else {
+                    several
+                        .iter()
+                        .map(hex::encode)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
                 ext::URI
             ),
         )),

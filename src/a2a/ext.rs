@@ -162,6 +162,23 @@ pub fn marked(task: &a2a::Task) -> Option<Vec<u8>> {
     })
 }
 
+/// The contract a task was started under, from the agent's own record of
+/// its first message: the contract id the ingress marked it with, or the
+/// leaf of the chain it carried through a proxy (checked then by
+/// `Authorization/Check`, before the agent saw it). Later messages do not
+/// count: a caller may put any chain in a message of a running task.
+pub fn started_under(task: &a2a::Task) -> Option<Vec<u8>> {
+    let first = task.history.first()?;
+    let metadata = to_json(&first.metadata);
+    let ext = metadata.get(URI)?.as_object()?;
+    if let Some(id) = ext.get("contractId") {
+        return hex::decode(id.as_str()?).ok().filter(|id| id.len() == 32);
+    }
+    let chain = chain_of(Some(ext)).ok()?;
+    let leaf = chain.chain.last()?.contract.as_ref()?;
+    Some(crate::crypto::sha256(&leaf.payload).to_vec())
+}
+
 /// The chain a task-starting message carries, decoded (not yet verified).
 pub fn chain_of(ext: Option<&Map<String, Value>>) -> Result<pb::GetChainResponse, Refused> {
     let field = format!("message.metadata[{URI}].chain");

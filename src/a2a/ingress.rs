@@ -16,7 +16,7 @@ use serde_json::Value;
 use super::client::CallError;
 use super::ext::{self, Refused, code};
 use super::{Gateway, Rpc, Slot, broker, broker_error, now_ms, params, passed_headers};
-use crate::chain::{ChainError, verify_chain};
+use crate::chain::{BrokerKeys, ChainError, Hop, verify_chain};
 use crate::core::Id;
 use crate::pb;
 
@@ -170,6 +170,13 @@ pub(super) fn check_size(message: &a2a::Message) -> Result<(), Refused> {
     Ok(())
 }
 
+/// The gateway's chain check: the binary's one verifier, the CLI's
+/// (`verify_chain`: a key retired before the leaf was issued does not
+/// vouch for it).
+fn check_chain(sealed: &[pb::Sealed], keys: &BrokerKeys) -> Result<Vec<Hop>, ChainError> {
+    verify_chain(sealed, keys, None)
+}
+
 /// Verifies a chain offline and returns its leaf, refusing what does not
 /// name this agent or has passed its deadline.
 pub(super) async fn admit_chain(
@@ -182,10 +189,10 @@ pub(super) async fn admit_chain(
         .iter()
         .map(|state| state.contract.clone().unwrap_or_default())
         .collect();
-    let mut verified = verify_chain(&sealed, &gateway.keys(false).await?, None);
+    let mut verified = check_chain(&sealed, &gateway.keys(false).await?);
     if matches!(verified, Err(ChainError::UnknownKey { .. })) {
         // A key published since the gateway last read them (a rotation).
-        verified = verify_chain(&sealed, &gateway.keys(true).await?, None);
+        verified = check_chain(&sealed, &gateway.keys(true).await?);
     }
     let hops = verified.map_err(|e| {
         let reason = match e {
@@ -850,6 +857,35 @@ mod tests {
         let refused = check_size(&message).unwrap_err();
         assert_eq!(refused.reason, "MESSAGE_TOO_LARGE");
         assert_eq!(refused.metadata["field"], "message.parts");
+    }
+
+    #[test]
+    fn a_chain_signed_after_its_key_retired_is_refused() {
+        let key = crate::crypto::generate_signing_key();
+        let (chain, _) =
+            crate::chain::fixture::stamped_chain(&key, 1, "true", |_| crate::chain::fixture::Hop {
+                budget: 10,
+                liability: crate::core::Liability::Delegate,
+                predicate: String::new(),
+                factor_ppm: 900_000,
+            });
+        let issued_at_ms = pb::Contract::decode(chain[1].payload.as_slice())
+            .unwrap()
+            .issued_at_ms;
+        let public = key.verifying_key().to_bytes();
+        let keys = |retired_at_ms: i64| {
+            BrokerKeys::from_published(&[pb::BrokerKey {
+                key_id: crate::crypto::key_id(&public),
+                public_key: public.to_vec(),
+                current: false,
+                retired_at_ms,
+            }])
+        };
+        assert!(check_chain(&chain, &keys(issued_at_ms + 1)).is_ok());
+        assert!(matches!(
+            check_chain(&chain, &keys(issued_at_ms)),
+            Err(ChainError::Retired { index: 1, .. })
+        ));
     }
 
     #[test]

@@ -14,6 +14,7 @@ mod egress;
 pub mod ext;
 mod grpc;
 mod ingress;
+mod json;
 pub mod metrics;
 
 use std::collections::HashMap;
@@ -54,8 +55,14 @@ const BROKER_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// a key not yet known (a rotation), so a stream of forged key ids costs
 /// one read per interval.
 const KEYS_REFRESH_MS: u64 = 5_000;
-/// Most contracts remembered per A2A context (egress lookups).
+/// The broker's keys are read again at least this often, so a key retired
+/// since (its `retired_at_ms`) is seen by the chain check.
+const KEYS_MAX_AGE_MS: u64 = 60_000;
+/// Most A2A contexts remembered (egress lookups).
 const MAX_CONTEXTS: usize = 65_536;
+/// Most contracts remembered in one A2A context; past it the context names
+/// no parent at all (an egress message in it must name its contract).
+const MAX_CONTRACTS_PER_CONTEXT: usize = 8;
 
 pub fn run(args: A2aArgs) -> anyhow::Result<()> {
     let config = A2aConfig::load(&args.config)?;
@@ -96,9 +103,20 @@ pub(crate) struct Admitted {
     pub tasks: HashMap<String, Arc<Slot>>,
     /// Contracts bound to a task (or being bound: `None`).
     pub contracts: HashMap<Id, Option<String>>,
-    /// A2A context id → the contract of the task admitted in it: the
-    /// parent of the agent's outbound calls in that context.
-    pub contexts: HashMap<String, Id>,
+    /// A2A context id → the contracts of the tasks admitted in it, each
+    /// (context, contract) once. Callers choose context ids, so a context
+    /// names the parent of the agent's outbound calls in it only while
+    /// one of them is live (egress::parent_of).
+    pub contexts: HashMap<String, Context>,
+}
+
+/// The contracts admitted in one A2A context.
+#[derive(Default)]
+pub(crate) struct Context {
+    pub contracts: Vec<Id>,
+    /// More than MAX_CONTRACTS_PER_CONTEXT were admitted: the context
+    /// names no parent from then on.
+    pub overflowed: bool,
 }
 
 /// A task sent to a peer through the egress.
@@ -253,7 +271,9 @@ impl Gateway {
     pub async fn keys(&self, fresh: bool) -> Result<BrokerKeys, Refused> {
         let mut keys = self.keys.lock().await;
         let due = keys.1.is_none_or(|at| {
-            fresh && at.elapsed() > std::time::Duration::from_millis(KEYS_REFRESH_MS)
+            let age = at.elapsed();
+            age > std::time::Duration::from_millis(KEYS_MAX_AGE_MS)
+                || (fresh && age > std::time::Duration::from_millis(KEYS_REFRESH_MS))
         });
         if due {
             let published = self
@@ -305,7 +325,17 @@ impl Gateway {
                 admitted.contexts.remove(&key);
             }
         }
-        admitted.contexts.insert(context_id.to_owned(), contract_id);
+        let context = admitted.contexts.entry(context_id.to_owned()).or_default();
+        if context.contracts.contains(&contract_id) {
+            return;
+        }
+        if context.contracts.len() >= MAX_CONTRACTS_PER_CONTEXT {
+            // Dropping one could leave another caller's contract as the
+            // only parent named; naming none fails closed.
+            context.overflowed = true;
+            return;
+        }
+        context.contracts.push(contract_id);
     }
 }
 
@@ -409,8 +439,11 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         config.upstream_keep_alive,
         gateway_metrics.clone(),
     )?;
-    let (upstream_card, upstream) = match (&config.listen, &config.upstream) {
-        (Some(_), Some(upstream)) => {
+    // The ingress calls the agent; so does the authz, to read which
+    // contract a continued task was started under.
+    let calls_agent = config.listen.is_some() || config.authz_listen.is_some();
+    let (upstream_card, upstream) = match (calls_agent, &config.upstream) {
+        (true, Some(upstream)) => {
             let card = http
                 .card(upstream)
                 .await
@@ -584,7 +617,7 @@ async fn serve(config: A2aConfig) -> anyhow::Result<()> {
         let token = stop.clone();
         servers.spawn(serve_grpc(authz, service, token));
     }
-    if !matches!(gateway.upstream, Upstream::None) {
+    if gateway.config.listen.is_some() && !matches!(gateway.upstream, Upstream::None) {
         tokio::spawn(ingress::recover(gateway.clone()));
     }
     use std::io::Write as _;
@@ -682,14 +715,18 @@ pub(crate) struct Rpc {
     pub trace: Option<String>,
 }
 
-fn parse_rpc(body: &[u8], headers: http::HeaderMap) -> Result<Rpc, (Value, Refused)> {
-    let mut request: Value = serde_json::from_slice(body).map_err(|e| {
+fn parse_rpc(
+    body: &[u8],
+    headers: http::HeaderMap,
+    max_bytes: usize,
+) -> Result<Rpc, (Value, Refused)> {
+    let mut request: Value = json::parse_strict(body, max_bytes).map_err(|e| {
         (
             Value::Null,
             Refused::new(
                 code::PARSE_ERROR,
                 "UNDECODABLE_MESSAGE",
-                format!("not JSON: {e}"),
+                json::refusal_text(&e),
             ),
         )
     })?;
@@ -796,7 +833,7 @@ async fn ingress_rpc(
             );
         }
     };
-    let rpc = match parse_rpc(&body, headers) {
+    let rpc = match parse_rpc(&body, headers, gateway.config.max_message_bytes) {
         Ok(rpc) => rpc,
         Err((id, refused)) => {
             return answer(&gateway, metrics::Side::Ingress, id, Err(refused.into()));
@@ -835,7 +872,7 @@ async fn egress_rpc(
             );
         }
     };
-    let rpc = match parse_rpc(&body, headers) {
+    let rpc = match parse_rpc(&body, headers, gateway.config.max_message_bytes) {
         Ok(rpc) => rpc,
         Err((id, refused)) => {
             return answer(&gateway, metrics::Side::Egress, id, Err(refused.into()));
