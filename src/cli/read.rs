@@ -383,15 +383,13 @@ fn verify(
     })?;
     crypto::verify_sealed(sealed, type_, key)
         .map_err(|_| anyhow::anyhow!("{what}'s signature does not verify under {shown}"))?;
-    // A retired key vouches only for what it signed before it retired.
-    if let Some(retired) = published
-        .iter()
-        .find(|k| k.key_id == key_id && !k.current && k.retired_at_ms > 0)
-        .map(|k| k.retired_at_ms)
+    // A retired key vouches only for what it signed before it retired:
+    // the chain verifier's rule, the one every verifier here applies.
+    if let Err(crate::chain::ChainError::Retired { retired_at_ms, .. }) =
+        keys.check_dated(0, key_id, at_ms)
     {
-        anyhow::ensure!(
-            at_ms < retired,
-            "{what} is dated {at_ms} ms, after its key {shown} retired ({retired} ms)"
+        anyhow::bail!(
+            "{what} is dated {at_ms} ms, after its key {shown} retired ({retired_at_ms} ms)"
         );
     }
     Ok(key_id.to_owned())
