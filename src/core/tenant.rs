@@ -121,9 +121,56 @@ impl Tenants {
     }
 }
 
+/// Which waiting items go now, tenants in turn: the oldest item of each
+/// tenant (`waiting` is oldest first), starting with the first tenant
+/// after `last` (the tenant served last, in `TenantId` order, wrapping),
+/// at most `most`. Also returns the tenant served last, for the next
+/// call. A tenant with a thousand waiting items gets one of them a turn,
+/// like a tenant with one.
+pub fn in_turn<T: Copy>(
+    waiting: &[(TenantId, T)],
+    last: Option<TenantId>,
+    most: usize,
+) -> (Vec<T>, Option<TenantId>) {
+    let mut oldest: std::collections::BTreeMap<TenantId, T> = std::collections::BTreeMap::new();
+    for (tenant, item) in waiting {
+        oldest.entry(*tenant).or_insert(*item);
+    }
+    let after = last.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
+    let chosen: Vec<(TenantId, T)> = oldest
+        .range((after, std::ops::Bound::Unbounded))
+        .chain(
+            oldest
+                .range(..=last.unwrap_or([0; 32]))
+                .take_while(|_| last.is_some()),
+        )
+        .take(most)
+        .map(|(t, i)| (*t, *i))
+        .collect();
+    let served = chosen.last().map(|(t, _)| *t).or(last);
+    (chosen.into_iter().map(|(_, i)| i).collect(), served)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tenants_take_turns_whatever_they_have_waiting() {
+        let (a, b, c) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+        // a has many old items, b and c one each, newer.
+        let waiting = [(a, 1), (a, 2), (a, 3), (b, 10), (a, 4), (c, 20)];
+        assert_eq!(in_turn(&waiting, None, 16), (vec![1, 10, 20], Some(c)));
+        // Two a pass: the next pass starts after the last served.
+        assert_eq!(in_turn(&waiting, None, 2), (vec![1, 10], Some(b)));
+        assert_eq!(in_turn(&waiting, Some(b), 2), (vec![20, 1], Some(a)));
+        assert_eq!(in_turn(&waiting, Some(a), 2), (vec![10, 20], Some(c)));
+        // A tenant gone since: turns go on from where it would be.
+        assert_eq!(in_turn(&[(a, 1), (c, 20)], Some(b), 1), (vec![20], Some(c)));
+        assert_eq!(in_turn::<u8>(&[], Some(b), 4), (vec![], Some(b)));
+        // Nothing twice in a pass, however few tenants.
+        assert_eq!(in_turn(&[(a, 1), (a, 2)], Some(a), 4), (vec![1], Some(a)));
+    }
 
     #[test]
     fn undeclared_keys_share_one_tenant_and_declared_ones_their_own() {

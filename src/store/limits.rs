@@ -29,8 +29,14 @@ pub(crate) const MAX_CONCURRENT_JUDGMENTS: usize = 4;
 /// Completions one signing key may have judged at once.
 pub(crate) const MAX_JUDGMENTS_PER_SIGNER: usize = 2;
 
-/// Drains stepped per pass of the drainer.
-pub(crate) const DRAINS_PER_PASS: i64 = 16;
+/// Drains stepped per pass of the drainer (one per tenant).
+pub(crate) const DRAINS_PER_PASS: usize = 16;
+
+/// Drains the drainer reads per pass, oldest first, to pick each
+/// tenant's oldest from: a tenant whose oldest drain is past this many
+/// others waits for some of them to end (4,096 drains of more than
+/// `cascade_step_rows` contracts each are millions of open contracts).
+pub(crate) const MAX_DRAINS_LISTED: i64 = 4_096;
 
 /// How often the drainer looks for drains when there are none.
 pub(crate) const DRAIN_POLL_MS: u64 = 200;

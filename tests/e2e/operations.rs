@@ -668,6 +668,15 @@ fn snapshot(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
     files
 }
 
+/// `rotate-key --data-dir DATA`, run to its end.
+fn rotate_key(data: &std::path::Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["rotate-key", "--data-dir"])
+        .arg(data)
+        .output()
+        .unwrap()
+}
+
 /// A served SQLite data directory has one writer: a second `serve` and a
 /// `rotate-key` refuse at once, naming the serving process's pid, and
 /// change nothing in it; `rotate-key` refuses a directory that does not
@@ -692,11 +701,7 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
         "names the holder: {said}"
     );
     assert!(!String::from_utf8_lossy(&second.stdout).contains("listening"));
-    let rotate = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["rotate-key", "--data-dir"])
-        .arg(&data)
-        .output()
-        .unwrap();
+    let rotate = rotate_key(&data);
     assert!(
         !rotate.status.success(),
         "rotate-key ran beside a serving broker"
@@ -713,11 +718,7 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
     );
     drop(first);
     let missing = dir.path().join("nonexistent");
-    let rotate = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["rotate-key", "--data-dir"])
-        .arg(&missing)
-        .output()
-        .unwrap();
+    let rotate = rotate_key(&missing);
     assert!(!rotate.status.success());
     assert!(
         !missing.exists(),
@@ -725,11 +726,7 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
         missing.display()
     );
     // Once the broker is gone the lock is free.
-    let rotate = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["rotate-key", "--data-dir"])
-        .arg(&data)
-        .output()
-        .unwrap();
+    let rotate = rotate_key(&data);
     assert!(
         rotate.status.success(),
         "{}",

@@ -316,7 +316,11 @@ impl PostgresStore {
             tokio::spawn(writer.run());
         }
         if options.drainer {
-            tokio::spawn(drain::drainer(reader.clone(), commands.downgrade()));
+            tokio::spawn(drain::drainer(
+                reader.clone(),
+                commands.downgrade(),
+                options.tenants.clone(),
+            ));
         }
         tokio::spawn(events::sequencer(
             write_pool.clone(),

@@ -16,7 +16,7 @@ use super::{Cell, Dialect, QueryExt};
 use crate::command::{Action, LifecycleCommand};
 use crate::core::lifecycle::{self, Ending, Facts};
 use crate::core::{AgentKey, Id, Status};
-use crate::store::limits::{DRAIN_POLL_MS, DRAINS_PER_PASS, ROWS_PER_STATEMENT};
+use crate::store::limits::{DRAIN_POLL_MS, DRAINS_PER_PASS, MAX_DRAINS_LISTED, ROWS_PER_STATEMENT};
 use crate::store::{Answer, Outcome, StoreError};
 
 /// The drains in a tree: (draining contract's seq, the status its
@@ -324,30 +324,47 @@ async fn open_children<D: Dialect>(
 async fn draining_targets<D: Dialect>(
     pool: &sqlx::Pool<D>,
     limit: i64,
-) -> Result<Vec<Id>, sqlx::Error> {
+) -> Result<Vec<(AgentKey, Id)>, sqlx::Error> {
     let rows = sqlx::query::<D>(
-        "SELECT c.id FROM draining d JOIN contracts c ON c.seq = d.target_seq \
+        "SELECT c.id, r.delegate_key AS opener FROM draining d \
+         JOIN contracts c ON c.seq = d.target_seq JOIN contracts r ON r.seq = d.root_seq \
          ORDER BY d.started_at_ms, d.target_seq LIMIT $1",
     )
     .arg(limit)
     .all(&mut *pool.acquire().await?)
     .await?;
-    rows.iter().map(|r| key_cell::<D>(r, "id")).collect()
+    rows.iter()
+        .map(|r| Ok((key_cell::<D>(r, "opener")?, key_cell::<D>(r, "id")?)))
+        .collect()
 }
 
-/// Steps every drain in progress through the writer's queue, one step of
-/// each in turn, each waiting behind whatever was queued before it: a drain
-/// never holds the writer longer than one step, and others' requests
-/// interleave. Polls the draining table every `DRAIN_POLL_MS` when idle (a
+/// Steps the drains in progress through the writer's queue, tenants in
+/// turn (`tenant::in_turn`: each pass one step of each draining tenant's
+/// oldest drain, at most `DRAINS_PER_PASS`), each step waiting behind
+/// whatever was queued before it: a drain never holds the writer longer
+/// than one step, others' requests interleave, and a tenant's drain waits
+/// for one step of each other draining tenant a pass, never for their
+/// drains to end. Polls the draining table every `DRAIN_POLL_MS` when idle (a
 /// drain another replica started, or one left by a crash, is found so).
 /// Stops when the store is gone.
 pub(crate) async fn drainer<D: Dialect>(
     reader: sqlx::Pool<D>,
     commands: tokio::sync::mpsc::WeakSender<(crate::store::batch::Command, crate::store::Reply)>,
+    tenants: std::sync::Arc<crate::core::tenant::Tenants>,
 ) {
+    let mut last = None;
     loop {
-        let targets = match draining_targets::<D>(&reader, DRAINS_PER_PASS).await {
-            Ok(targets) => targets,
+        let targets = match draining_targets::<D>(&reader, MAX_DRAINS_LISTED).await {
+            Ok(listed) => {
+                let waiting: Vec<_> = listed
+                    .iter()
+                    .map(|(opener, id)| (tenants.of(opener), *id))
+                    .collect();
+                let (targets, served) =
+                    crate::core::tenant::in_turn(&waiting, last, DRAINS_PER_PASS);
+                last = served;
+                targets
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "listing drains failed; will retry");
                 Vec::new()

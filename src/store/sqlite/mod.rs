@@ -291,7 +291,11 @@ impl SqliteStore {
             .await
             .map_err(backend)?;
         if options.drainer {
-            tokio::spawn(drain::drainer(reader.clone(), commands.downgrade()));
+            tokio::spawn(drain::drainer(
+                reader.clone(),
+                commands.downgrade(),
+                options.tenants.clone(),
+            ));
         }
         let shared = SharedOptions {
             judgment_deadline_ms: options.judgment_deadline_ms,
