@@ -78,7 +78,7 @@ enum Command {
         signing_key_file: Option<PathBuf>,
         /// Listen beyond loopback although no tenant is declared: every
         /// caller then shares one tenant, so no caller is protected from
-        /// another's load (README, "Tenants").
+        /// another's load (README, the configuration's `[tenants]`).
         #[arg(long, env = "BROKER_ALLOW_OPEN_TENANT")]
         allow_open_tenant: bool,
         #[command(flatten)]
