@@ -55,9 +55,12 @@ fn declared_id(name: &str) -> TenantId {
     hash.finalize().into()
 }
 
-/// The shared tenant of every undeclared opener.
+/// The shared tenant of every undeclared opener (hashed once: it is
+/// looked up on every issuance and judgment).
 pub fn open_tenant() -> TenantId {
-    declared_id(OPEN_TENANT)
+    static OPEN: std::sync::LazyLock<TenantId> =
+        std::sync::LazyLock::new(|| declared_id(OPEN_TENANT));
+    *OPEN
 }
 
 impl Tenants {

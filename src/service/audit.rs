@@ -237,8 +237,11 @@ impl<S: Store> BrokerService<S> {
         let orchestrator = (!self.config.readers.contains(&caller)).then_some(caller);
         let (selector, group_by) = parse_request(&request.into_inner())?;
         let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
-        // The runs it reads are the caller's own (or, for a reader, all).
-        let _turn = self.audit_turn(caller, caller).await?;
+        // The runs it reads are the caller's own (or, for a reader, all);
+        // its turn is its tenant's, so free keys share the open one.
+        let _turn = self
+            .audit_turn(self.config.tenants.of(&caller), caller)
+            .await?;
         let runs = self
             .store
             .runs(orchestrator, &selector, MAX_AGGREGATE_RUNS)
