@@ -371,16 +371,7 @@ async fn serve_http(
     router: axum::Router,
     stop: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    use crate::server::listen;
-    listen::serve_http(
-        listener,
-        listen::GATEWAY_BOUNDS,
-        listen::Counters::default(),
-        listen::HTTP_IDLE_TIMEOUT,
-        router,
-        stop.cancelled_owned(),
-    )
-    .await;
+    crate::server::listen::serve_gateway_http(listener, router, stop.cancelled_owned()).await;
     Ok(())
 }
 

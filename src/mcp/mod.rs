@@ -172,18 +172,10 @@ where
     println!("mcp on http://{addr}/mcp");
     use std::io::Write as _;
     std::io::stdout().flush()?;
-    use crate::server::listen;
-    listen::serve_http(
-        listener,
-        listen::GATEWAY_BOUNDS,
-        listen::Counters::default(),
-        listen::HTTP_IDLE_TIMEOUT,
-        router,
-        async move {
-            let _ = tokio::signal::ctrl_c().await;
-            stop.cancel();
-        },
-    )
+    crate::server::listen::serve_gateway_http(listener, router, async move {
+        let _ = tokio::signal::ctrl_c().await;
+        stop.cancel();
+    })
     .await;
     Ok(())
 }

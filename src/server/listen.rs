@@ -478,6 +478,24 @@ impl tokio::io::AsyncWrite for Limited {
     }
 }
 
+/// `serve_http` within a gateway's bounds (`GATEWAY_BOUNDS`,
+/// `HTTP_IDLE_TIMEOUT`), counting nowhere: the A2A and MCP gateways' HTTP.
+pub async fn serve_gateway_http(
+    listener: TcpListener,
+    router: axum::Router,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve_http(
+        listener,
+        GATEWAY_BOUNDS,
+        Counters::default(),
+        HTTP_IDLE_TIMEOUT,
+        router,
+        shutdown,
+    )
+    .await;
+}
+
 /// Serves `router` over HTTP/1.1 on `listener` within `bounds` until
 /// `shutdown` resolves, then lets the open connections finish their
 /// requests. `idle` bounds the wait for each request's head after the
