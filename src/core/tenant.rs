@@ -159,6 +159,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn declarations_are_bounded() {
+        let mut tenants = Tenants::default();
+        let long = "n".repeat(MAX_TENANT_NAME_BYTES + 1);
+        assert_eq!(tenants.declare(&long, &[]), Err(TenantError::BadName));
+        let too_many_keys: Vec<AgentKey> = (0..=MAX_KEYS_PER_TENANT)
+            .map(|i| {
+                let mut k = [0u8; 32];
+                k[..8].copy_from_slice(&(i as u64).to_le_bytes());
+                k
+            })
+            .collect();
+        assert_eq!(
+            tenants.declare("big", &too_many_keys),
+            Err(TenantError::TooManyKeys)
+        );
+        for i in 0..MAX_TENANTS {
+            tenants
+                .declare(&format!("t{i}"), &[])
+                .expect("within the bound");
+        }
+        assert_eq!(
+            tenants.declare("one-more", &[]),
+            Err(TenantError::TooManyTenants)
+        );
+    }
+
+    #[test]
     fn tenants_take_turns_whatever_they_have_waiting() {
         let (a, b, c) = ([1u8; 32], [2u8; 32], [3u8; 32]);
         // a has many old items, b and c one each, newer.
