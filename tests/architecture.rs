@@ -584,6 +584,11 @@ const STATICS: &[(&str, &str, &str)] = &[
         "compiled schemas (a memo)",
     ),
     (
+        "core/tenant.rs",
+        "OPEN",
+        "the open tenant's id, a hash of a constant (a memo)",
+    ),
+    (
         "core/schema/clock.rs",
         "DEADLINE",
         "this thread's validation deadline",
