@@ -295,3 +295,178 @@ async fn flood(orchestrated: bool) {
     );
     broker.stop().await;
 }
+
+/// Free keys in the crowd: each opens one root of its own (the open
+/// tenant), then floods the converters and judges one call at a time.
+const CROWD_KEYS: usize = 1_000;
+
+fn crowd_keys() -> usize {
+    std::env::var("CROWD_KEYS").ok().and_then(|v| v.parse().ok()).unwrap_or(CROWD_KEYS)
+}
+/// Connections the crowd shares (one per key would meet the per-address
+/// connection share first: that bound is the sockets test's).
+const CROWD_CHANNELS: usize = 16;
+/// Honest rounds measured beside the crowd (p99 of 20 is their slowest).
+const CROWD_ROUNDS: usize = 20;
+/// What the issue asks of a declared tenant beside the crowd.
+const CROWD_P99_MAX: Duration = Duration::from_secs(1);
+
+async fn crowd_key(
+    channel: tonic::transport::Channel,
+    stop: Arc<AtomicBool>,
+    n: usize,
+    flooded: Arc<Flooded>,
+) {
+    use delegation_broker::pb::broker_client::BrokerClient;
+    let tenant = Agent::generate();
+    let worker = Agent::generate();
+    let spec = RootSpec {
+        budget: 1_000_000,
+        max_children: 1_024,
+        ..RootSpec::default()
+    };
+    let mut raw = BrokerClient::new(channel.clone())
+        .max_decoding_message_size(64 * 1024 * 1024)
+        .max_encoding_message_size(64 * 1024 * 1024);
+    let Ok(answer) = raw.open_root(tenant.open_root(spec.body())).await else {
+        return;
+    };
+    let root_id = answer.into_inner().issued.expect("issued").contract_id;
+    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    // Lifecycle calls are signed: no session needed on this client.
+    let mut life = delegation_broker::client::SessionAttacher::default()
+        .client(channel)
+        .max_encoding_message_size(64 * 1024 * 1024);
+    let mut round = 0;
+    while !stop.load(Ordering::SeqCst) {
+        round += 1;
+        let mut body = child(&root_id, &lineage, &worker, 1);
+        let heavy = round % 2 == 0;
+        body.result_schema_json = if heavy {
+            HEAVY_OUTPUT_SCHEMA.to_owned()
+        } else {
+            pattern_schema(&format!("c{n}r{round}"))
+        };
+        let Ok(answer) = raw.delegate(tenant.delegate(body)).await else {
+            continue;
+        };
+        flooded.converted.fetch_add(1, Ordering::SeqCst);
+        let Some(Outcome::Issued { id, .. }) = answer.into_inner().outcome.map(Outcome::from)
+        else {
+            continue;
+        };
+        if !heavy {
+            continue;
+        }
+        let accept = pb::AcceptBody {
+            header: None,
+            contract_id: id.clone(),
+            host_public_key: Vec::new(),
+        };
+        if send_lifecycle(&mut life, &worker, accept).await.is_err() {
+            continue;
+        }
+        let complete = pb::CompleteBody {
+            header: None,
+            contract_id: id,
+            output_json: heavy_output(),
+            claim: "done".into(),
+            ..Default::default()
+        };
+        if send_lifecycle(&mut life, &worker, complete).await.is_ok() {
+            flooded.judged.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A thousand free keys, each a root of its own, flood the converters and
+/// judges beside one declared tenant: its Delegate (a new schema) and
+/// Complete (a pattern judged over its output) keep p99 within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_free_keys_share_one_turn() {
+    let honest = Agent::generate();
+    let mut broker = Broker::start_with(|c| {
+        c.tenants
+            .declare("honest", &[honest.public_key()])
+            .expect("a tenant");
+    })
+    .await;
+    let mut channels = Vec::new();
+    for _ in 0..CROWD_CHANNELS {
+        channels.push(
+            tonic::transport::Channel::from_shared(broker.addr.clone())
+                .expect("address")
+                .connect()
+                .await
+                .expect("connect"),
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooded = Arc::new(Flooded::default());
+    let crowd: Vec<_> = (0..crowd_keys())
+        .map(|n| {
+            tokio::spawn(crowd_key(
+                channels[n % CROWD_CHANNELS].clone(),
+                stop.clone(),
+                n,
+                flooded.clone(),
+            ))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let worker = Agent::generate();
+    let root = broker.open_root(&honest, RootSpec::default()).await;
+    let (mut delegates, mut completes) = (Vec::new(), Vec::new());
+    for round in 0..CROWD_ROUNDS {
+        let started = Instant::now();
+        let mut body = child(&root.id, &root.lineage, &worker, 1);
+        body.result_schema_json = pattern_schema(&format!("honest{round}"));
+        let (id, _) = broker
+            .delegate(&honest, body)
+            .await
+            .expect("the honest Delegate")
+            .issued();
+        delegates.push(started.elapsed());
+        eprintln!("round {round}: Delegate {:?}", started.elapsed());
+        broker.accept(&worker, &id, None).await.expect("Accept");
+        let started = Instant::now();
+        let done = broker
+            .complete(
+                &worker,
+                pb::CompleteBody {
+                    header: None,
+                    contract_id: id,
+                    output_json: r#""ab-honest0-1""#.into(),
+                    claim: "done".into(),
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("the honest Complete");
+        assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
+        completes.push(started.elapsed());
+        eprintln!("round {round}: Complete {:?}", started.elapsed());
+    }
+    stop.store(true, Ordering::SeqCst);
+    for key in crowd {
+        key.await.expect("crowd");
+    }
+    delegates.sort();
+    completes.sort();
+    let p99 = |v: &[Duration]| v[(v.len() * 99).div_ceil(100) - 1];
+    let (converted, judged) = (
+        flooded.converted.load(Ordering::SeqCst),
+        flooded.judged.load(Ordering::SeqCst),
+    );
+    println!(
+        "beside {CROWD_KEYS} free keys ({converted} conversions, {judged} judgments): \
+         Delegate p50 {:?} p99 {:?}, Complete p50 {:?} p99 {:?}",
+        delegates[CROWD_ROUNDS / 2],
+        p99(&delegates),
+        completes[CROWD_ROUNDS / 2],
+        p99(&completes)
+    );
+    assert!(judged > CROWD_ROUNDS && converted > CROWD_ROUNDS, "{converted} {judged}");
+    assert!(p99(&delegates) <= CROWD_P99_MAX && p99(&completes) <= CROWD_P99_MAX);
+    broker.stop().await;
+}
