@@ -157,6 +157,14 @@ limits! {
     /// per-caller caps alone do not stop one tree from taking every stream.
     max_watch_streams_per_tree: usize = 64, 1, MAX_CONCURRENCY_CEILING,
         "concurrent Watch streams per tree, whoever opens them (at most max_watch_streams)";
+    /// Enough for the writer's largest groups (bench c64 d8 runs 64 at
+    /// once); few enough that a flooding tenant's calls in progress keep
+    /// another tenant's call waiting milliseconds, not seconds, in the
+    /// readers' and the writer's queues.
+    max_requests_at_work: usize = 128, 1, MAX_CONCURRENCY_CEILING,
+        "requests reading or writing the store at once; more wait their turn, handed out by tenant in turn (then by key)";
+    admission_wait_ms: u64 = 10_000, 1, MAX_INTERVAL_MS,
+        "longest a request waits for its turn at work; then RESOURCE_EXHAUSTED (OVERLOADED), retry with the same nonce";
     max_concurrent_audits: usize = 4, 1, MAX_CONCURRENT_AUDITS_CEILING,
         "GetAudit/AggregateAudits calls running at once, broker-wide";
     max_concurrent_audits_per_caller: usize = 1, 1, MAX_CONCURRENT_AUDITS_CEILING,

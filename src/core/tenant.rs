@@ -118,10 +118,37 @@ impl Tenants {
         !self.by_key.is_empty()
     }
 
+    /// The tenant a request takes its turn with at admission, before
+    /// anything is read: a declared key's own; else, when the memo knows
+    /// the contract the request names and the signer is its delegate or
+    /// principal, that contract's tree's tenant; else the open tenant. A
+    /// stranger naming another tenant's contract takes the open tenant's
+    /// turn, never that tenant's.
+    pub fn admitting(&self, signer: &AgentKey, named: Option<&Known>) -> TenantId {
+        if let Some(tenant) = self.by_key.get(signer) {
+            return *tenant;
+        }
+        match named {
+            Some(known) if known.delegate == *signer || known.principal == *signer => known.tenant,
+            _ => open_tenant(),
+        }
+    }
+
     /// A tenant's name (`OPEN_TENANT` for the shared one).
     pub fn name(&self, tenant: &TenantId) -> &str {
         self.names.get(tenant).map_or(OPEN_TENANT, String::as_str)
     }
+}
+
+/// What admission remembers of a contract, so that its parties' requests
+/// take their tree's tenant's turn without a read: the tenant, and the two
+/// keys that act on it most (its delegate, and the principal that issued
+/// it; a root's principal is its delegate).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Known {
+    pub tenant: TenantId,
+    pub delegate: AgentKey,
+    pub principal: AgentKey,
 }
 
 /// Which waiting items go now, tenants in turn: the oldest item of each
@@ -157,6 +184,29 @@ pub fn in_turn<T: Copy>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A declared key is its tenant's whatever it names; a party the memo
+    /// knows takes the contract's tenant; a stranger, an unknown contract
+    /// or no contract take the open tenant.
+    #[test]
+    fn admission_finds_the_tenant_without_a_read() {
+        let mut tenants = Tenants::default();
+        let (declared, delegate, principal, stranger) = ([1; 32], [2; 32], [3; 32], [4; 32]);
+        tenants.declare("acme", &[declared]).expect("declared");
+        let acme = tenants.of(&declared);
+        let other: TenantId = [7; 32];
+        let known = Known {
+            tenant: other,
+            delegate,
+            principal,
+        };
+        assert_eq!(tenants.admitting(&declared, Some(&known)), acme);
+        assert_eq!(tenants.admitting(&declared, None), acme);
+        assert_eq!(tenants.admitting(&delegate, Some(&known)), other);
+        assert_eq!(tenants.admitting(&principal, Some(&known)), other);
+        assert_eq!(tenants.admitting(&stranger, Some(&known)), open_tenant());
+        assert_eq!(tenants.admitting(&delegate, None), open_tenant());
+    }
 
     #[test]
     fn declarations_are_bounded() {

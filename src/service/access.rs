@@ -104,12 +104,25 @@ impl<S: Store> BrokerService<S> {
         request: &Request<T>,
         id: &[u8],
         field: &'static str,
-    ) -> Result<crate::core::Id, ServiceError> {
+    ) -> Result<(crate::core::Id, crate::pool::Turn), ServiceError> {
         let caller = self.caller(request)?;
         let id = convert::id(id, field)?;
         telemetry::record(Fact::ContractId(&id));
+        let turn = self
+            .gate
+            .admit(&self.config.tenants, &caller, Some(&id))
+            .await?;
         self.authorize(&caller, id).await?;
-        Ok(id)
+        Ok((id, turn))
+    }
+
+    /// A place at work for a read naming no contract (its caller's
+    /// tenant's turn).
+    pub(super) async fn admit_caller(
+        &self,
+        caller: &crate::core::AgentKey,
+    ) -> Result<crate::pool::Turn, ServiceError> {
+        self.gate.admit(&self.config.tenants, caller, None).await
     }
 
     /// A correctly signed request outside the timestamp window: answered

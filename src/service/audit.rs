@@ -206,7 +206,9 @@ impl<S: Store> BrokerService<S> {
         request: Request<pb::GetAuditRequest>,
     ) -> Result<pb::GetAuditResponse, ServiceError> {
         let caller = self.caller(&request)?;
-        let id = self
+        // Audits take their own turns (`audit_turn`): admission's place is
+        // handed back once the caller is authorized.
+        let (id, _) = self
             .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
         let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;

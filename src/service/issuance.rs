@@ -9,6 +9,7 @@ use super::error::ServiceError;
 use crate::config::RootDenied;
 use crate::core::InputError;
 use crate::core::limits::CONVERSION_DEADLINE_MS;
+use crate::core::tenant::Known;
 use crate::pb;
 use crate::store::{Answer, Outcome, Store};
 use crate::telemetry::{self, Fact};
@@ -104,10 +105,20 @@ impl<S: Store> BrokerService<S> {
                 },
             });
         }
+        let opener = signed.request.agent;
+        let _turn = self.gate.admit(&self.config.tenants, &opener, None).await?;
         let mut root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
         root.trace = telemetry::current_trace_context();
         let answer = self.store.open_root(root).await?;
         if let Outcome::Issued { id, .. } = &answer.outcome {
+            self.gate.remember(
+                *id,
+                Known {
+                    tenant: self.config.tenants.of(&opener),
+                    delegate: opener,
+                    principal: opener,
+                },
+            );
             telemetry::record(Fact::ContractId(id));
             telemetry::record(Fact::RootId(id));
             telemetry::record(Fact::Depth(0));
@@ -135,6 +146,11 @@ impl<S: Store> BrokerService<S> {
         // stranger is answered PERMISSION_DENIED and nothing is stored in
         // anyone's tree.
         let parent_id = convert::id(&signed.body.parent_id, "body.parent_id")?;
+        let signer = signed.request.agent;
+        let _turn = self
+            .gate
+            .admit(&self.config.tenants, &signer, Some(&parent_id))
+            .await?;
         let parent =
             self.store
                 .issuing_parent(parent_id)
@@ -159,6 +175,17 @@ impl<S: Store> BrokerService<S> {
                 detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
             });
         }
+        if self.gate.known(&parent_id).is_none() {
+            self.gate.remember(
+                parent_id,
+                Known {
+                    tenant: parent.tenant,
+                    delegate: parent.delegate_key,
+                    principal: parent.delegate_key,
+                },
+            );
+        }
+        let delegate = crate::core::AgentKey::try_from(signed.body.delegate_public_key.as_slice());
         let deadline = std::time::Duration::from_millis(CONVERSION_DEADLINE_MS);
         let share = crate::pool::Share {
             tenant: parent.tenant,
@@ -213,6 +240,16 @@ impl<S: Store> BrokerService<S> {
         child.trace = telemetry::current_trace_context();
         let budget = child.ask.budget;
         let answer = self.store.delegate(child).await?;
+        if let (Outcome::Issued { id, .. }, Ok(delegate)) = (&answer.outcome, delegate) {
+            self.gate.remember(
+                *id,
+                Known {
+                    tenant: parent.tenant,
+                    delegate,
+                    principal: signer,
+                },
+            );
+        }
         self.observe_delegation(&answer, budget, depth);
         Ok(delegate_response(answer))
     }

@@ -22,6 +22,8 @@ pub(super) trait LifecycleRpc {
     type Response;
     /// The body's conversion to (contract, action).
     const CONVERT: Convert<Self::Body>;
+    /// The contract the body names, for admission (before conversion).
+    fn named(body: &Self::Body) -> &[u8];
     fn signed(&self) -> Option<&pb::Envelope>;
     fn response(receipt_id: Vec<u8>, receipt: Option<pb::Sealed>, replayed: bool)
     -> Self::Response;
@@ -33,6 +35,9 @@ macro_rules! lifecycle_rpc {
             type Body = pb::$body;
             type Response = pb::$response;
             const CONVERT: Convert<pb::$body> = $convert;
+            fn named(body: &pb::$body) -> &[u8] {
+                &body.contract_id
+            }
             fn signed(&self) -> Option<&pb::Envelope> {
                 self.signed.as_ref()
             }
@@ -68,7 +73,7 @@ impl<S: Store> BrokerService<S> {
         request: tonic::Request<R>,
     ) -> Result<R::Response, ServiceError> {
         let (receipt_id, receipt, replayed) = self
-            .lifecycle::<R::Body>(request.get_ref().signed(), R::CONVERT)
+            .lifecycle::<R::Body>(request.get_ref().signed(), R::CONVERT, R::named)
             .await?;
         Ok(R::response(receipt_id, receipt, replayed))
     }
@@ -78,12 +83,20 @@ impl<S: Store> BrokerService<S> {
         &self,
         signed: Option<&pb::Envelope>,
         convert: Convert<T>,
+        named: fn(&T) -> &[u8],
     ) -> Result<(Vec<u8>, Option<pb::Sealed>, bool), ServiceError> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
         let signed = authenticate::<T>(signed, now_ms, window_ms)?;
         telemetry::record(Fact::AgentKey(&signed.request.agent));
         let answer = if signed.fresh {
+            // The turn before the conversion: converting a Complete parses
+            // its output, the largest work a request brings.
+            let named = crate::core::Id::try_from(named(&signed.body)).ok();
+            let _turn = self
+                .gate
+                .admit(&self.config.tenants, &signed.request.agent, named.as_ref())
+                .await?;
             let (contract_id, action) = convert(signed.body)?;
             telemetry::record(Fact::ContractId(&contract_id));
             // One task, one connected trace: this call's span links to the

@@ -36,3 +36,8 @@ pub(crate) const MAX_HEALTH_WATCHES: usize = 16_384;
 
 /// Statuses buffered per health Watch stream (they change rarely).
 pub(crate) const HEALTH_WATCH_BUFFER: usize = 4;
+
+/// Contracts admission remembers (tenant, delegate, principal) per
+/// generation: two generations, the older dropped when the newer fills,
+/// so what is in use stays and memory stays bounded (~100 B an entry).
+pub(crate) const ADMISSION_MEMO: usize = 65_536;

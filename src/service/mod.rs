@@ -12,6 +12,7 @@ pub mod auth;
 pub mod convert;
 pub mod error;
 pub mod floor;
+mod gate;
 pub mod health;
 mod issuance;
 mod keys;
@@ -64,6 +65,9 @@ pub struct BrokerService<S> {
     audits: Arc<crate::slots::Slots<crate::core::AgentKey>>,
     /// Audits running at once, handed out fairly among tenants.
     audit_turns: crate::pool::FairQueue,
+    /// Places at work for requests that read or write the store, handed
+    /// out by tenant in turn.
+    gate: gate::Gate,
     /// Turns true when the server shuts down: Watch streams end then, or
     /// graceful shutdown would wait on them forever.
     stopping: tokio::sync::watch::Receiver<bool>,
@@ -118,6 +122,10 @@ impl<S> BrokerService<S> {
                 crate::config::keys::max_concurrent_audits_per_caller,
             ),
             audit_turns: crate::pool::FairQueue::new(config.limits.max_concurrent_audits),
+            gate: gate::Gate::new(
+                config.limits.max_requests_at_work,
+                config.limits.admission_wait_ms,
+            ),
             store,
             config,
             clock,

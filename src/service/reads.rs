@@ -177,7 +177,8 @@ impl<S: Store> BrokerService<S> {
         &self,
         request: Request<pb::GetContractRequest>,
     ) -> Result<pb::GetContractResponse, ServiceError> {
-        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+        let (_, _turn) = self
+            .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
         let record = self.record(&request.into_inner().contract_id).await?;
         Ok(pb::GetContractResponse {
@@ -189,7 +190,8 @@ impl<S: Store> BrokerService<S> {
         &self,
         request: Request<pb::GetChainRequest>,
     ) -> Result<pb::GetChainResponse, ServiceError> {
-        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+        let (_, _turn) = self
+            .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
         let chain = self.chain(&request.into_inner().contract_id).await?;
         let response = pb::GetChainResponse { chain };
@@ -209,7 +211,8 @@ impl<S: Store> BrokerService<S> {
         &self,
         request: Request<pb::ListChildrenRequest>,
     ) -> Result<pb::ListChildrenResponse, ServiceError> {
-        self.authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+        let (_, _turn) = self
+            .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
         self.children(request.into_inner()).await
     }
@@ -219,6 +222,7 @@ impl<S: Store> BrokerService<S> {
         request: Request<pb::ListRootsRequest>,
     ) -> Result<pb::ListRootsResponse, ServiceError> {
         let caller = self.caller(&request)?;
+        let _turn = self.admit_caller(&caller).await?;
         let request = request.into_inner();
         let labels = crate::core::labels(&request.labels, "labels")?;
         let limit = page_size(request.page_size)?;
@@ -255,6 +259,7 @@ impl<S: Store> BrokerService<S> {
         request: Request<pb::ListHeldRequest>,
     ) -> Result<pb::ListHeldResponse, ServiceError> {
         let caller = self.caller(&request)?;
+        let _turn = self.admit_caller(&caller).await?;
         let request = request.into_inner();
         let role = match pb::HeldRole::try_from(request.role) {
             Ok(pb::HeldRole::Delegate) => crate::store::HeldRole::Delegate,
@@ -299,6 +304,7 @@ impl<S: Store> BrokerService<S> {
         request: Request<pb::GetReceiptRequest>,
     ) -> Result<pb::GetReceiptResponse, ServiceError> {
         let caller = self.caller(&request)?;
+        let _turn = self.admit_caller(&caller).await?;
         let request_id = request.get_ref().receipt_id.clone();
         let response = self.receipt(request.into_inner()).await?;
         // A receipt is read as part of the tree of the contract it is about

@@ -38,6 +38,18 @@ pub(crate) const DRAINS_PER_PASS: usize = 16;
 /// `cascade_step_rows` contracts each are millions of open contracts).
 pub(crate) const MAX_DRAINS_LISTED: i64 = 4_096;
 
+/// About how long one drain step holds the writer: other writes wait
+/// behind at most one step, so this is what a drain adds to their latency.
+/// Steps end as many rows as fit (`drain::DrainPace`).
+pub(crate) const DRAIN_STEP_MS: u64 = 5;
+
+/// Fewest rows a drain step ends, however slow rows are: a drain always
+/// moves.
+pub(crate) const MIN_DRAIN_STEP_ROWS: usize = 8;
+
+/// A row's cost before any step was timed (about a debug build's).
+pub(crate) const INITIAL_DRAIN_ROW_COST_NS: u64 = 100_000;
+
 /// How often the drainer looks for drains when there are none.
 pub(crate) const DRAIN_POLL_MS: u64 = 200;
 

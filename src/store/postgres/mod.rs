@@ -306,6 +306,7 @@ impl PostgresStore {
                 prune: (number == 0).then_some(options.request_log_retention_ms),
                 metrics: options.metrics.clone(),
                 cascade_step_rows: options.cascade_step_rows.max(1),
+                drain_pace: Default::default(),
                 held: None,
                 replanned_at: None,
                 numbers: numbers.clone(),

@@ -322,6 +322,8 @@ pub(super) struct Writer {
     pub(super) metrics: Option<crate::metrics::StoreMetrics>,
     /// `PostgresOptions::cascade_step_rows`.
     pub(super) cascade_step_rows: usize,
+    /// How many rows this writer's drain steps end (`DrainPace`).
+    pub(super) drain_pace: std::sync::Mutex<crate::store::sql::drain::DrainPace>,
     /// The connection the last transaction committed on, and when: kept
     /// for the next while fresh (`HELD_CONNECTION_FRESH`), as one taken
     /// from the pool is pinged first (a round trip per transaction).
@@ -870,14 +872,24 @@ impl Writer {
             .collect();
         let prior = load_prior_requests::<Postgres>(&mut tx, &keys).await?;
         let mut seqs = Reserved::default();
+        // Writers in flight share the pace (a copy here, kept after).
+        let mut pace = *self
+            .drain_pace
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut writing = lifecycle::Writing {
             stamper: &self.stamper,
             seqs: &mut seqs,
             now_ms: self.clock.now_ms(),
             step_rows: self.cascade_step_rows,
+            pace: &mut pace,
         };
         // The events' trees reach Watch through the sequencer (positions).
         let applied = lifecycle::apply::<Postgres>(&mut tx, command, &prior, &mut writing).await?;
+        *self
+            .drain_pace
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = pace;
         let placed = events::place_own(&mut tx, &seqs.taken).await?;
         tx.commit().await?;
         // Its numbers (receipts') need not bound `Prefetched`: no read

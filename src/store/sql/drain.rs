@@ -16,7 +16,55 @@ use super::{Cell, Dialect, QueryExt};
 use crate::command::{Action, LifecycleCommand};
 use crate::core::lifecycle::{self, Ending, Facts};
 use crate::core::{AgentKey, Id, Status};
-use crate::store::limits::{DRAIN_POLL_MS, DRAINS_PER_PASS, MAX_DRAINS_LISTED, ROWS_PER_STATEMENT};
+use crate::store::limits::{
+    DRAIN_POLL_MS, DRAIN_STEP_MS, DRAINS_PER_PASS, INITIAL_DRAIN_ROW_COST_NS, MAX_DRAINS_LISTED,
+    MIN_DRAIN_STEP_ROWS, ROWS_PER_STATEMENT,
+};
+
+/// How many rows a drain step ends: as many as fit `DRAIN_STEP_MS` at
+/// what a row cost in the last steps (read, decided, written, receipted),
+/// between `MIN_DRAIN_STEP_ROWS` and `limits.cascade_step_rows`. A step
+/// thus holds the writer about as long on any machine and any backend,
+/// and other writes wait behind one step, never a thousand rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DrainPace {
+    row_cost_ns: u64,
+}
+
+impl Default for DrainPace {
+    fn default() -> Self {
+        Self {
+            row_cost_ns: INITIAL_DRAIN_ROW_COST_NS,
+        }
+    }
+}
+
+impl DrainPace {
+    /// Rows for the next step, at most `step_rows`.
+    pub(crate) fn rows(&self, step_rows: usize) -> usize {
+        let fit = (DRAIN_STEP_MS * 1_000_000) / self.row_cost_ns.max(1);
+        usize::try_from(fit)
+            .unwrap_or(usize::MAX)
+            .clamp(MIN_DRAIN_STEP_ROWS.min(step_rows.max(1)), step_rows.max(1))
+    }
+
+    /// A step ended `rows` rows in `elapsed`: the estimate moves a quarter
+    /// of the way to it (one slow step, a page fault or a checkpoint, does
+    /// not shrink the next ones to nothing).
+    pub(crate) fn observe(&mut self, elapsed: std::time::Duration, rows: usize) {
+        let Ok(rows) = u64::try_from(rows) else {
+            return;
+        };
+        if rows == 0 {
+            return;
+        }
+        let elapsed_ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        let cost = (elapsed_ns / rows).max(1);
+        self.row_cost_ns = (self.row_cost_ns.saturating_mul(3) / 4)
+            .saturating_add(cost / 4)
+            .max(1);
+    }
+}
 use crate::store::{Answer, Outcome, StoreError};
 
 /// The drains in a tree: (draining contract's seq, the status its
@@ -177,7 +225,8 @@ pub(crate) async fn step<D: Dialect>(
         return Ok(gone());
     };
     let status = draining_status(status.cell("status")?)?;
-    let (rows, order) = walk::<D>(conn, target, w.step_rows.max(1)).await?;
+    let began = std::time::Instant::now();
+    let (rows, order) = walk::<D>(conn, target, w.pace.rows(w.step_rows)).await?;
     let mut done = rows[0].ledger.open_children == 0;
     let mut answer = Err(StoreError::NotFound {
         what: crate::store::Entity::Contract,
@@ -222,6 +271,7 @@ pub(crate) async fn step<D: Dialect>(
             replayed: false,
         });
     }
+    w.pace.observe(began.elapsed(), order.len());
     if done {
         sqlx::query::<D>("DELETE FROM draining WHERE target_seq = $1")
             .arg(rows[0].seq)
@@ -430,6 +480,30 @@ mod tests {
     /// The topmost draining ancestor is the cause; a draining target with
     /// no draining ancestor is Draining; the target itself is never its
     /// own cause; no drain in the tree is None.
+    /// Rows shrink when rows are slow and grow when they are fast, within
+    /// their bounds; an empty step teaches nothing.
+    #[test]
+    fn a_step_ends_what_fits_its_time() {
+        use std::time::Duration;
+        let mut pace = DrainPace::default();
+        let first = pace.rows(1_024);
+        assert_eq!(first, 50, "5 ms at 100 µs a row");
+        for _ in 0..32 {
+            pace.observe(Duration::from_micros(500), 100); // 5 µs a row
+        }
+        let fast = pace.rows(1_024);
+        assert!((950..=1_000).contains(&fast), "{fast}: ~5 ms at 5 µs a row");
+        assert_eq!(pace.rows(300), 300, "never past cascade_step_rows");
+        for _ in 0..32 {
+            pace.observe(Duration::from_millis(100), 10); // 10 ms a row
+        }
+        assert_eq!(pace.rows(1_024), MIN_DRAIN_STEP_ROWS);
+        assert_eq!(pace.rows(3), 3, "the floor is never past the ceiling");
+        let before = pace;
+        pace.observe(Duration::from_secs(1), 0);
+        assert_eq!(pace, before);
+    }
+
     #[test]
     fn the_ending_follows_the_lineage_root_first() {
         let lineage = [ROOT, MIDDLE, TARGET];

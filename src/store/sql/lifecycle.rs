@@ -298,6 +298,8 @@ pub(crate) struct Writing<'a, D: Dialect> {
     pub(crate) seqs: &'a mut D::Seqs,
     pub(crate) now_ms: i64,
     pub(crate) step_rows: usize,
+    /// How many rows a drain step ends (the writer's, kept across steps).
+    pub(crate) pace: &'a mut super::drain::DrainPace,
 }
 
 /// Applies one lifecycle command: loads the subtree, lets the core decide,

@@ -134,6 +134,7 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
     let mut state = WriterState {
         draining,
         cascade_step_rows: start.options.cascade_step_rows.max(1),
+        drain_pace: Default::default(),
         known: start.known,
         trees: start.trees,
         next_seq,
@@ -209,6 +210,8 @@ pub(super) struct WriterState {
     pub(super) draining: bool,
     /// `SqliteOptions::cascade_step_rows`.
     pub(super) cascade_step_rows: usize,
+    /// How many rows drain steps end (`DrainPace`).
+    pub(super) drain_pace: crate::store::sql::drain::DrainPace,
     /// Which trees got events (see `TreeChanges`), shared with readers.
     pub(super) trees: crate::store::TreeChanges,
     /// The next contract's (or receipt's) sequence number.
@@ -927,6 +930,7 @@ pub(super) async fn apply_careful(
                 seqs: &mut state.next_seq,
                 now_ms,
                 step_rows: state.cascade_step_rows,
+                pace: &mut state.drain_pace,
             };
             let applied =
                 lifecycle::apply::<Sqlite>(&mut tx, lifecycle, &prior, &mut writing).await?;
