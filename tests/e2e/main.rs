@@ -9,6 +9,7 @@ mod cli_read;
 mod concurrency;
 mod console;
 mod crash;
+mod drains;
 mod fairness;
 mod hardening;
 mod harness;

@@ -1,0 +1,213 @@
+//! Drains in turn: sixteen tenants each revoke a tree of 3,000 open
+//! contracts (each revoke starts a drain, ended in steps by the broker),
+//! while another tenant revokes a tree of 1,000 (one transaction: under
+//! a step's bound) and a third keeps delegating. The 1,000-contract revoke
+//! waits behind at most one drain step, not behind the drains; the other
+//! writes wait behind at most one step each (steps are paced to a few
+//! milliseconds of the writer, `store::sql::drain::DrainPace`).
+
+use std::time::{Duration, Instant};
+
+use delegation_broker::client::Agent;
+use delegation_broker::pb;
+
+use crate::harness::*;
+
+/// Tenants draining at once, and each tree's contracts.
+const DRAINING_TENANTS: usize = 16;
+const MIDDLES: usize = 3;
+const LEAVES_PER_MIDDLE: usize = 999;
+/// The victim's tree: a root and 999 children, one transaction to end.
+const VICTIM_CHILDREN: usize = 999;
+/// Delegates in flight while a tree is built.
+const BUILD_CONCURRENCY: usize = 32;
+
+/// `count` children of `parent` (held by `holder`), each to `delegate`,
+/// issued `BUILD_CONCURRENCY` at a time; their ids.
+async fn children(
+    addr: &str,
+    holder: &Agent,
+    parent: &[u8],
+    lineage: &[u8],
+    delegate: &Agent,
+    budget: i64,
+    count: usize,
+) -> Vec<Vec<u8>> {
+    let raw = connect(addr).await;
+    let mut ids = Vec::with_capacity(count);
+    let mut pending = Vec::new();
+    for i in 0..count {
+        let mut raw = raw.clone();
+        let request = holder.delegate(child(parent, lineage, delegate, budget));
+        pending.push(tokio::spawn(async move {
+            let answer = raw.delegate(request).await.expect("Delegate").into_inner();
+            match Outcome::from(answer.outcome.expect("an outcome")) {
+                Outcome::Issued { id, .. } => id,
+                Outcome::Refused { .. } => panic!("refused"),
+            }
+        }));
+        if pending.len() == BUILD_CONCURRENCY || i + 1 == count {
+            for call in pending.drain(..) {
+                ids.push(call.await.expect("delegate task"));
+            }
+        }
+    }
+    ids
+}
+
+fn big_root() -> RootSpec {
+    RootSpec {
+        budget: 1_000_000,
+        max_children: 1_024,
+        ..RootSpec::default()
+    }
+}
+
+/// A root of `opener` with 999 children; the root's id.
+async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
+    let root = broker.open_root(opener, big_root()).await;
+    let worker = Agent::generate();
+    children(
+        &broker.addr,
+        opener,
+        &root.id,
+        &root.lineage,
+        &worker,
+        1,
+        VICTIM_CHILDREN,
+    )
+    .await;
+    root.id
+}
+
+/// A root of `opener` with three middles of 999 leaves each.
+async fn draining_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
+    let root = broker.open_root(opener, big_root()).await;
+    let (middle, leaf) = (Agent::generate(), Agent::generate());
+    let middles = children(
+        &broker.addr,
+        opener,
+        &root.id,
+        &root.lineage,
+        &middle,
+        10_000,
+        MIDDLES,
+    )
+    .await;
+    for id in middles {
+        children(
+            &broker.addr,
+            &middle,
+            &id,
+            &root.lineage,
+            &leaf,
+            1,
+            LEAVES_PER_MIDDLE,
+        )
+        .await;
+    }
+    root.id
+}
+
+async fn timed_revoke(broker: &mut Broker, opener: &Agent, root: &[u8]) -> Duration {
+    let began = Instant::now();
+    let revoked = broker.revoke(opener, root).await.expect("one transaction");
+    assert_eq!(revoked.kind, pb::ReceiptKind::Revoked as i32);
+    began.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drains_take_turns_and_leave_other_writes_alone() {
+    let openers: Vec<Agent> = (0..DRAINING_TENANTS).map(|_| Agent::generate()).collect();
+    let (victim, writer) = (Agent::generate(), Agent::generate());
+    let mut broker = Broker::start_with(|c| {
+        for key in openers
+            .iter()
+            .chain([&victim, &writer])
+            .map(Agent::public_key)
+        {
+            c.orchestrators.max_root_budget.insert(key, 10_000_000);
+            c.tenants.orchestrator(key);
+        }
+    })
+    .await;
+    let (alone_tree, drained_tree) = (
+        victim_tree(&mut broker, &victim).await,
+        victim_tree(&mut broker, &victim).await,
+    );
+    let mut roots = Vec::new();
+    for opener in &openers {
+        roots.push(draining_tree(&mut broker, opener).await);
+    }
+    let alone = timed_revoke(&mut broker, &victim, &alone_tree).await;
+
+    // Every big tree's revoke starts a drain (answered at once).
+    for (opener, root) in openers.iter().zip(&roots) {
+        let refused = broker.revoke(opener, root).await.expect_err("a drain");
+        assert_eq!(reason(&refused), "DESCENDANTS_ENDING");
+    }
+    // Another tenant writes throughout.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let others = {
+        let (addr, stop) = (broker.addr.clone(), stop.clone());
+        let writer = Agent::from_seed(writer.seed());
+        tokio::spawn(async move {
+            let mut raw = connect(&addr).await;
+            let spec = big_root();
+            let root_id = raw
+                .open_root(writer.open_root(spec.body()))
+                .await
+                .expect("the other tenant's root")
+                .into_inner()
+                .issued
+                .expect("issued")
+                .contract_id;
+            let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+            let worker = Agent::generate();
+            let mut took = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && took.len() < 10_000 {
+                let request = writer.delegate(child(&root_id, &lineage, &worker, 1));
+                let began = Instant::now();
+                raw.delegate(request)
+                    .await
+                    .expect("the other tenant's Delegate");
+                took.push(began.elapsed());
+            }
+            took
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let beside = timed_revoke(&mut broker, &victim, &drained_tree).await;
+    let still_draining = broker
+        .ledger(&roots[DRAINING_TENANTS - 1])
+        .await
+        .open_children
+        > 0;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut took = others.await.expect("the other tenant");
+    took.sort();
+    let p99 = took[(took.len() * 99).div_ceil(100) - 1];
+    println!(
+        "a 1,000-contract revoke: {alone:?} alone, {beside:?} beside {DRAINING_TENANTS} drains; \
+         the other tenant's Delegate p50 {:?} p99 {p99:?} ({} calls)",
+        took[took.len() / 2],
+        took.len()
+    );
+    assert!(still_draining, "the drains ended before the measurement");
+    assert!(
+        beside <= alone * 2,
+        "{beside:?} beside the drains, {alone:?} alone"
+    );
+    assert!(p99 <= Duration::from_millis(20), "other writes p99 {p99:?}");
+    // The drains end, and the ledgers settle.
+    let last = &roots[DRAINING_TENANTS - 1];
+    for _ in 0..1_200 {
+        if broker.ledger(last).await.open_children == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    broker.assert_ledgers_balance(last).await;
+    broker.stop().await;
+}
