@@ -82,6 +82,12 @@ impl Gate {
             tenant: tenants.admitting(signer, known.as_ref()),
             key: *signer,
         };
+        self.admit_share(share).await
+    }
+
+    /// A place at work for a share already known (a Watch stream's page,
+    /// its caller authorized and its tree's tenant read).
+    pub(crate) async fn admit_share(&self, share: Share) -> Result<Turn, ServiceError> {
         self.places
             .acquire(share, self.wait)
             .await

@@ -67,7 +67,7 @@ pub struct BrokerService<S> {
     audit_turns: crate::pool::FairQueue,
     /// Places at work for requests that read or write the store, handed
     /// out by tenant in turn.
-    gate: gate::Gate,
+    gate: Arc<gate::Gate>,
     /// Turns true when the server shuts down: Watch streams end then, or
     /// graceful shutdown would wait on them forever.
     stopping: tokio::sync::watch::Receiver<bool>,
@@ -122,10 +122,10 @@ impl<S> BrokerService<S> {
                 crate::config::keys::max_concurrent_audits_per_caller,
             ),
             audit_turns: crate::pool::FairQueue::new(config.limits.max_concurrent_audits),
-            gate: gate::Gate::new(
+            gate: Arc::new(gate::Gate::new(
                 config.limits.max_requests_at_work,
                 config.limits.admission_wait_ms,
-            ),
+            )),
             store,
             config,
             clock,

@@ -53,6 +53,11 @@ impl<S: Store> BrokerService<S> {
             .map_err(ServiceError::Overloaded)?;
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
         let stream = Stream {
+            gate: self.gate.clone(),
+            share: crate::pool::Share {
+                tenant,
+                key: caller,
+            },
             store: self.store.clone(),
             contract,
             root,
@@ -73,6 +78,12 @@ impl<S: Store> BrokerService<S> {
     ) -> Result<<Self as Broker>::WatchStream, ServiceError> {
         let caller = self.caller(&request)?;
         let id = convert::id(&request.get_ref().contract_id, "contract_id")?;
+        // Held while the stream is set up (its reads); each page it reads
+        // later takes a turn of its own.
+        let _turn = self
+            .gate
+            .admit(&self.config.tenants, &caller, Some(&id))
+            .await?;
         self.authorize(&caller, id).await?;
         let connection = request.remote_addr();
         self.watch_stream(request.into_inner(), caller, connection)
@@ -82,6 +93,9 @@ impl<S: Store> BrokerService<S> {
 
 /// One Watch stream's state on its task.
 struct Stream<S> {
+    /// Each page is read in its tenant's turn (`share`), like any read.
+    gate: std::sync::Arc<super::gate::Gate>,
+    share: crate::pool::Share,
     store: std::sync::Arc<S>,
     contract: crate::core::Id,
     /// Its tree's root: a commit elsewhere does not make it query.
@@ -104,6 +118,16 @@ impl<S: Store> Stream<S> {
                 // Mark what we have seen before reading, so a commit
                 // that lands after the read still wakes us.
                 commits.borrow_and_update();
+                // Refused (the tenant's queue is full, or its turn did not
+                // come): the stream ends OVERLOADED and the client
+                // resumes from its last cursor.
+                let _turn = match self.gate.admit_share(self.share).await {
+                    Ok(turn) => turn,
+                    Err(e) => {
+                        let _ = self.tx.send(Err(Status::from(e))).await;
+                        return;
+                    }
+                };
                 match self
                     .store
                     .events(self.contract, self.cursor, WATCH_PAGE, WATCH_PAGE_BYTES)
