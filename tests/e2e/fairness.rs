@@ -301,7 +301,10 @@ async fn flood(orchestrated: bool) {
 const CROWD_KEYS: usize = 1_000;
 
 fn crowd_keys() -> usize {
-    std::env::var("CROWD_KEYS").ok().and_then(|v| v.parse().ok()).unwrap_or(CROWD_KEYS)
+    std::env::var("CROWD_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(CROWD_KEYS)
 }
 /// Connections the crowd shares (one per key would meet the per-address
 /// connection share first: that bound is the sockets test's).
@@ -466,7 +469,10 @@ async fn a_thousand_free_keys_share_one_turn() {
         completes[CROWD_ROUNDS / 2],
         p99(&completes)
     );
-    assert!(judged > CROWD_ROUNDS && converted > CROWD_ROUNDS, "{converted} {judged}");
+    assert!(
+        judged > CROWD_ROUNDS && converted > CROWD_ROUNDS,
+        "{converted} {judged}"
+    );
     assert!(p99(&delegates) <= CROWD_P99_MAX && p99(&completes) <= CROWD_P99_MAX);
     broker.stop().await;
 }
