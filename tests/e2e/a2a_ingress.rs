@@ -388,15 +388,13 @@ async fn over_grpc_only_the_served_a2a_methods_reach_the_agent() {
         client
             .send_streaming_message(proto::SendMessageRequest::default())
             .await
-            .err()
-            .expect("streaming is not served"),
+            .expect_err("streaming is not served"),
     );
     unserved(
         client
             .subscribe_to_task(proto::SubscribeToTaskRequest::default())
             .await
-            .err()
-            .expect("streaming is not served"),
+            .expect_err("streaming is not served"),
     );
     for path in [
         "/lf.a2a.v1.A2AService/NoSuchMethod",
