@@ -285,8 +285,8 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
         let task_id = message.task_id.clone();
         return continuation(gateway, &task_id, contract_id).await;
     }
-    let binding = ingress::bind(gateway, contract_id)?;
     let state = gateway.contract(&contract_id).await?;
+    let binding = ingress::bind(gateway, contract_id, &ingress::tenant_of(&state))?;
     if state.status != pb::ContractStatus::Open as i32 {
         return Err(ingress::ended(
             &contract_id,

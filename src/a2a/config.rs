@@ -27,6 +27,12 @@ pub const MAX_IN_FLIGHT: usize = 65_536;
 /// Most tasks followed at once (each holds a poller); more are refused.
 pub const DEFAULT_MAX_TASKS: usize = 1024;
 pub const MAX_TASKS: usize = 65_536;
+/// Most of those one broker tenant's contracts may hold (the tenant its
+/// tree is in, ContractState.tenant): by default this share of max_tasks,
+/// so a flood of free keys (all one tenant, `open`) leaves the rest to
+/// the others.
+pub const DEFAULT_TASKS_SHARE_DIVISOR: usize = 4;
+pub const MAX_TASKS_PER_TENANT: usize = MAX_TASKS;
 /// Most JSON-RPC paths `Authorization/Check` lets a POST through on.
 pub const MAX_AUTHZ_PATHS: usize = 16;
 /// The JSON-RPC path allowed through the proxy by default.
@@ -82,6 +88,10 @@ pub struct A2aConfig {
     pub max_message_bytes: usize,
     #[serde(default = "default_max_tasks")]
     pub max_tasks: usize,
+    /// Most tasks followed at once for one broker tenant (default:
+    /// max_tasks / DEFAULT_TASKS_SHARE_DIVISOR, at least 1); see
+    /// `tasks_per_tenant`.
+    pub max_tasks_per_tenant: Option<usize>,
     #[serde(default = "default_max_in_flight_per_caller")]
     pub max_in_flight_per_caller: usize,
     #[serde(default = "default_max_in_flight")]
@@ -285,6 +295,17 @@ impl A2aConfig {
                 format!("{} not in 1..={MAX_TASKS}", self.max_tasks),
             ));
         }
+        if let Some(share) = self.max_tasks_per_tenant
+            && (share == 0 || share > self.max_tasks.min(MAX_TASKS_PER_TENANT))
+        {
+            return Err(invalid(
+                "max_tasks_per_tenant",
+                format!(
+                    "{share} not in 1..={} (max_tasks)",
+                    self.max_tasks.min(MAX_TASKS_PER_TENANT)
+                ),
+            ));
+        }
         for (key, value) in [
             ("max_in_flight_per_caller", self.max_in_flight_per_caller),
             ("max_in_flight", self.max_in_flight),
@@ -350,6 +371,13 @@ impl A2aConfig {
         Ok(())
     }
 
+    /// Most tasks followed at once whose contracts are in one broker
+    /// tenant's trees.
+    pub fn tasks_per_tenant(&self) -> usize {
+        self.max_tasks_per_tenant
+            .unwrap_or((self.max_tasks / DEFAULT_TASKS_SHARE_DIVISOR).max(1))
+    }
+
     pub fn peer(&self, name: &str) -> Option<&Peer> {
         self.peers.iter().find(|p| p.name == name)
     }
@@ -380,6 +408,12 @@ mod tests {
         let config = A2aConfig::parse(BASE).unwrap();
         assert_eq!(config.poll_ms, DEFAULT_POLL_MS);
         assert!(config.peers.is_empty());
+        assert_eq!(
+            config.tasks_per_tenant(),
+            DEFAULT_MAX_TASKS / DEFAULT_TASKS_SHARE_DIVISOR
+        );
+        let tiny = A2aConfig::parse(&format!("{BASE}max_tasks = 2\n")).unwrap();
+        assert_eq!(tiny.tasks_per_tenant(), 1, "at least one task a tenant");
     }
 
     #[test]
@@ -390,6 +424,14 @@ mod tests {
         );
         for (extra, key) in [
             ("poll_ms = 1\n".to_owned(), "poll_ms"),
+            (
+                "max_tasks_per_tenant = 0\n".to_owned(),
+                "max_tasks_per_tenant",
+            ),
+            (
+                "max_tasks = 8\nmax_tasks_per_tenant = 9\n".to_owned(),
+                "max_tasks_per_tenant",
+            ),
             (
                 "[[peers]]\nname = \"a b\"\npublic_key = \"00\"\nurl = \"http://x\"\n".into(),
                 "peers[0].name",

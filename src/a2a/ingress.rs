@@ -106,15 +106,23 @@ async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Ref
             pb::ContractStatus::Open | pb::ContractStatus::Accepted
         ),
     };
-    let slot = new_slot(contract_id, contract.deadline_ms, progress, None);
+    let slot = new_slot(
+        contract_id,
+        tenant_of(&state),
+        contract.deadline_ms,
+        progress,
+        None,
+    );
     let slot = {
         let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
         // Another call may have rebuilt it meanwhile: keep the first.
-        let slot = admitted
-            .tasks
-            .entry(task_id.to_owned())
-            .or_insert(slot)
-            .clone();
+        let slot = match admitted.tasks.get(task_id) {
+            Some(first) => first.clone(),
+            None => {
+                admitted.follow(task_id.to_owned(), slot.clone());
+                slot
+            }
+        };
         admitted
             .contracts
             .insert(contract_id, Some(task_id.to_owned()));
@@ -128,14 +136,27 @@ async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Ref
     Ok(slot)
 }
 
+/// The broker tenant a contract's tree is in; a broker that does not name
+/// it (older than ContractState.tenant) is counted as the shared `open`
+/// one, so a share still bounds it.
+pub(super) fn tenant_of(state: &pb::ContractState) -> String {
+    if state.tenant.is_empty() {
+        crate::core::tenant::OPEN_TENANT.to_owned()
+    } else {
+        state.tenant.clone()
+    }
+}
+
 fn new_slot(
     contract_id: Id,
+    tenant: String,
     deadline_ms: i64,
     progress: ext::Progress,
     trace: Option<String>,
 ) -> Arc<Slot> {
     Arc::new(Slot {
         contract_id,
+        tenant,
         deadline_ms,
         trace,
         progress: tokio::sync::Mutex::new((
@@ -291,7 +312,15 @@ impl Drop for Binding<'_> {
     }
 }
 
-pub(super) fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<'a>, Refused> {
+/// Binds `contract_id` (in a tree of broker tenant `tenant`) to the task
+/// about to start, within max_tasks and the tenant's share of it.
+pub(super) fn bind<'a>(
+    gateway: &'a Gateway,
+    contract_id: Id,
+    tenant: &str,
+) -> Result<Binding<'a>, Refused> {
+    let max_tasks = gateway.config.max_tasks;
+    let share = gateway.config.tasks_per_tenant();
     let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(task) = admitted.contracts.get(&contract_id) {
         return Err(ended(
@@ -302,8 +331,8 @@ pub(super) fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<
             },
         ));
     }
-    if admitted.tasks.len() >= gateway.config.max_tasks {
-        // Forget tasks whose contract has ended; refuse when none has.
+    if admitted.tasks.len() >= max_tasks || admitted.of_tenant(tenant) >= share {
+        // Forget tasks whose contract has ended; refuse when too few have.
         let done: Vec<String> = admitted
             .tasks
             .iter()
@@ -313,19 +342,31 @@ pub(super) fn bind<'a>(gateway: &'a Gateway, contract_id: Id) -> Result<Binding<
         for id in done {
             // An ended contract is refused by the broker's state from
             // here on: its binding need not be remembered either.
-            if let Some(slot) = admitted.tasks.remove(&id) {
+            if let Some(slot) = admitted.forget(&id) {
                 admitted.contracts.remove(&slot.contract_id);
             }
         }
-        if admitted.tasks.len() >= gateway.config.max_tasks {
+        if admitted.tasks.len() >= max_tasks {
+            return Err(Refused::new(
+                code::INTERNAL,
+                "OVERLOADED",
+                format!("this gateway follows {max_tasks} tasks already (max_tasks)"),
+            )
+            .with("limit", "max_tasks"));
+        }
+        // Many keys are one tenant when the broker says so (free keys all
+        // share `open`): they cannot take the others' places.
+        if admitted.of_tenant(tenant) >= share {
             return Err(Refused::new(
                 code::INTERNAL,
                 "OVERLOADED",
                 format!(
-                    "this gateway follows {} tasks already (max_tasks)",
-                    gateway.config.max_tasks
+                    "this gateway follows {share} tasks of tenant {:?} already, its share of max_tasks (max_tasks_per_tenant)",
+                    ext_cut(tenant)
                 ),
-            ));
+            )
+            .with("limit", "max_tasks_per_tenant")
+            .with("tenant", ext_cut(tenant)));
         }
     }
     admitted.contracts.insert(contract_id, None);
@@ -364,8 +405,10 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         elapsed_us = started.elapsed().as_micros() as u64,
         "ingress: chain verified"
     );
-    let mut binding = bind(gateway, contract_id)?;
+    // The broker's state first: it names the tenant whose share binds.
     let state = gateway.contract(&contract_id).await?;
+    let tenant = tenant_of(&state);
+    let mut binding = bind(gateway, contract_id, &tenant)?;
     if let Some(message) = request.message.as_mut() {
         ext::mark(message, &contract_id);
     }
@@ -395,6 +438,7 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     );
     let slot = new_slot(
         contract_id,
+        tenant,
         deadline_ms,
         ext::Progress::default(),
         rpc.trace.clone(),
@@ -421,7 +465,7 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
     binding.keep(task.id.clone());
     {
         let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
-        admitted.tasks.insert(task.id.clone(), slot.clone());
+        admitted.follow(task.id.clone(), slot.clone());
     }
     gateway.remember_context(&task.context_id, contract_id);
     gateway.metrics.admitted.inc();

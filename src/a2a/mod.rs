@@ -83,6 +83,9 @@ pub fn run(args: A2aArgs) -> anyhow::Result<()> {
 /// One admitted task's contract and how far the gateway moved it.
 pub(crate) struct Slot {
     pub contract_id: Id,
+    /// The broker tenant whose tree the contract is in (its share of
+    /// max_tasks is counted by this name).
+    pub tenant: String,
     pub deadline_ms: i64,
     /// The trace of the call that started the task: its lifecycle calls
     /// join it.
@@ -99,8 +102,11 @@ pub(crate) struct Slot {
 /// What the ingress remembers (in memory: a restart reads the broker).
 #[derive(Default)]
 pub(crate) struct Admitted {
-    /// Task id → its slot.
+    /// Task id → its slot. Changed only through `follow` and `forget`,
+    /// which keep `per_tenant` counted.
     pub tasks: HashMap<String, Arc<Slot>>,
+    /// Broker tenant → how many of `tasks` its contracts hold.
+    per_tenant: HashMap<String, usize>,
     /// Contracts bound to a task (or being bound: `None`).
     pub contracts: HashMap<Id, Option<String>>,
     /// A2A context id → the contracts of the tasks admitted in it, each
@@ -108,6 +114,37 @@ pub(crate) struct Admitted {
     /// names the parent of the agent's outbound calls in it only while
     /// one of them is live (egress::parent_of).
     pub contexts: HashMap<String, Context>,
+}
+
+impl Admitted {
+    /// Follows `slot` as task `task_id`, in place of any slot it had.
+    pub fn follow(&mut self, task_id: String, slot: Arc<Slot>) {
+        *self.per_tenant.entry(slot.tenant.clone()).or_default() += 1;
+        if let Some(old) = self.tasks.insert(task_id, slot) {
+            self.uncount(&old.tenant);
+        }
+    }
+
+    /// Stops following task `task_id`; returns its slot.
+    pub fn forget(&mut self, task_id: &str) -> Option<Arc<Slot>> {
+        let slot = self.tasks.remove(task_id)?;
+        self.uncount(&slot.tenant);
+        Some(slot)
+    }
+
+    /// How many followed tasks run under contracts of `tenant`.
+    pub fn of_tenant(&self, tenant: &str) -> usize {
+        self.per_tenant.get(tenant).copied().unwrap_or(0)
+    }
+
+    fn uncount(&mut self, tenant: &str) {
+        if let Some(count) = self.per_tenant.get_mut(tenant) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.per_tenant.remove(tenant);
+            }
+        }
+    }
 }
 
 /// The contracts admitted in one A2A context.
@@ -966,6 +1003,39 @@ mod tests {
         }
         assert_eq!(in_flight.total, 0);
         assert!(in_flight.per_caller.is_empty());
+    }
+
+    #[test]
+    fn followed_tasks_are_counted_by_tenant() {
+        let slot = |tenant: &str| {
+            Arc::new(Slot {
+                contract_id: [0; 32],
+                tenant: tenant.to_owned(),
+                deadline_ms: 0,
+                trace: None,
+                progress: tokio::sync::Mutex::default(),
+                latest: tokio::sync::watch::Sender::new(None),
+                finished: std::sync::atomic::AtomicBool::new(false),
+            })
+        };
+        let mut admitted = Admitted::default();
+        admitted.follow("t1".into(), slot("open"));
+        admitted.follow("t2".into(), slot("open"));
+        admitted.follow("t3".into(), slot("acme"));
+        assert_eq!(
+            (admitted.of_tenant("open"), admitted.of_tenant("acme")),
+            (2, 1)
+        );
+        // The same task again, now another tenant's: counted once.
+        admitted.follow("t2".into(), slot("acme"));
+        assert_eq!(
+            (admitted.of_tenant("open"), admitted.of_tenant("acme")),
+            (1, 2)
+        );
+        assert!(admitted.forget("t1").is_some());
+        assert!(admitted.forget("t1").is_none());
+        assert_eq!(admitted.of_tenant("open"), 0);
+        assert!(!admitted.per_tenant.contains_key("open"), "none kept at 0");
     }
 
     #[test]

@@ -156,7 +156,9 @@ enum Command {
     /// when it verifies.
     Verify {
         /// Hex-encoded 32-byte ed25519 broker public key (GetBrokerKeys);
-        /// repeat for retired keys.
+        /// repeat for retired keys. A retired key as HEX:RETIRED_AT_MS
+        /// (its GetBrokerKeys `retired_at_ms`) vouches only for what it
+        /// signed before then, as the A2A gateway's check says.
         #[arg(long = "public-key", required = true)]
         public_keys: Vec<String>,
         /// File holding a serialized `delegation.broker.v1.GetChainResponse`
@@ -531,6 +533,31 @@ fn verify_envelope(public_key: &str, envelope: &std::path::Path) -> anyhow::Resu
     Ok(())
 }
 
+/// One `--public-key`: HEX, or HEX:RETIRED_AT_MS for a key retired then
+/// (GetBrokerKeys' `retired_at_ms`), as the chain check takes it.
+fn broker_key(arg: &str) -> anyhow::Result<crate::pb::BrokerKey> {
+    let (hex_key, retired) = match arg.split_once(':') {
+        Some((hex_key, ms)) => (hex_key, Some(ms)),
+        None => (arg, None),
+    };
+    let key = crate::config::parse_public_key(hex_key, "--public-key")?;
+    let retired_at_ms = match retired {
+        None => 0,
+        Some(ms) => ms.parse::<i64>().ok().filter(|ms| *ms > 0).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--public-key HEX:RETIRED_AT_MS: {:?} is not a positive number of Unix ms",
+                ms.chars().take(32).collect::<String>()
+            )
+        })?,
+    };
+    Ok(crate::pb::BrokerKey {
+        key_id: crate::crypto::key_id(&key.to_bytes()),
+        public_key: key.to_bytes().to_vec(),
+        current: retired_at_ms == 0,
+        retired_at_ms,
+    })
+}
+
 /// A receipt (a `Sealed` file) signed by one of `keys`.
 fn verify_receipt(keys: &crate::chain::BrokerKeys, path: &std::path::Path) -> anyhow::Result<()> {
     use prost::Message;
@@ -543,6 +570,15 @@ fn verify_receipt(keys: &crate::chain::BrokerKeys, path: &std::path::Path) -> an
         )
     })?;
     crate::crypto::verify_sealed(&sealed, crate::crypto::payload_type::RECEIPT, key)?;
+    // A retired key vouches only for what it signed before it retired.
+    if let Err(crate::chain::ChainError::Retired { retired_at_ms, .. }) =
+        keys.check_dated(0, &receipt.broker_key_id, receipt.at_ms)
+    {
+        anyhow::bail!(
+            "the receipt is dated {} ms, after its key retired ({retired_at_ms} ms)",
+            receipt.at_ms
+        );
+    }
     println!(
         "ok receipt {} kind={} contract={}",
         hex::encode(crate::crypto::sha256(&sealed.payload)),
@@ -587,15 +623,7 @@ fn verify(
 ) -> anyhow::Result<()> {
     let published = public_keys
         .iter()
-        .map(|hex_key| {
-            let key = crate::config::parse_public_key(hex_key, "--public-key")?;
-            Ok(crate::pb::BrokerKey {
-                key_id: crate::crypto::key_id(&key.to_bytes()),
-                public_key: key.to_bytes().to_vec(),
-                current: false,
-                retired_at_ms: 0,
-            })
-        })
+        .map(|arg| broker_key(arg))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let keys = crate::chain::BrokerKeys::from_published(&published);
     if let Some(path) = receipt {
@@ -660,6 +688,23 @@ fn parse_sample_ratio(text: &str) -> Result<f64, String> {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn a_public_key_may_say_when_it_retired() {
+        let hex_key = hex::encode(
+            crate::crypto::generate_signing_key()
+                .verifying_key()
+                .to_bytes(),
+        );
+        let key = broker_key(&hex_key).unwrap();
+        assert!(key.current && key.retired_at_ms == 0);
+        let retired = broker_key(&format!("{hex_key}:1700000000000")).unwrap();
+        assert!(!retired.current && retired.retired_at_ms == 1_700_000_000_000);
+        assert_eq!(retired.key_id, key.key_id);
+        for bad in ["0", "-5", "x", ""] {
+            assert!(broker_key(&format!("{hex_key}:{bad}")).is_err(), "{bad:?}");
+        }
+    }
 
     /// A contract id in URL-safe base64 begins with `-` one time in 64:
     /// the read commands take it as the id, and still know their options

@@ -21,6 +21,12 @@ pub type TenantId = [u8; 32];
 /// The name of the tenant every undeclared opener shares.
 pub const OPEN_TENANT: &str = "open";
 
+/// How the name of a listed orchestrator's own tenant begins (then its
+/// key's first 8 bytes in hex): stable across restarts, and reserved, so a
+/// declared tenant never shares a name with one (clients count shares by
+/// name).
+pub const ORCHESTRATOR_TENANT_PREFIX: &str = "orchestrator-";
+
 /// The operator's tenants, by key.
 #[derive(Clone, Debug, Default)]
 pub struct Tenants {
@@ -38,6 +44,10 @@ pub enum TenantError {
     BadName,
     #[error("\"{OPEN_TENANT}\" names the shared tenant of undeclared keys; choose another name")]
     Reserved,
+    #[error(
+        "names beginning {ORCHESTRATOR_TENANT_PREFIX:?} are those of listed orchestrators' own tenants; choose another name"
+    )]
+    ReservedPrefix,
     #[error("at most {MAX_TENANTS} tenants")]
     TooManyTenants,
     #[error("at most {MAX_KEYS_PER_TENANT} keys a tenant")]
@@ -77,6 +87,9 @@ impl Tenants {
         if name == OPEN_TENANT {
             return Err(TenantError::Reserved);
         }
+        if name.starts_with(ORCHESTRATOR_TENANT_PREFIX) {
+            return Err(TenantError::ReservedPrefix);
+        }
         if self.names.len() >= MAX_TENANTS {
             return Err(TenantError::TooManyTenants);
         }
@@ -102,8 +115,10 @@ impl Tenants {
     pub fn orchestrator(&mut self, key: AgentKey) {
         if let std::collections::hash_map::Entry::Vacant(entry) = self.by_key.entry(key) {
             entry.insert(key);
-            self.names
-                .insert(key, format!("orchestrator-{}", hex::encode(&key[..8])));
+            self.names.insert(
+                key,
+                format!("{ORCHESTRATOR_TENANT_PREFIX}{}", hex::encode(&key[..8])),
+            );
         }
     }
 
@@ -137,6 +152,12 @@ impl Tenants {
     /// A tenant's name (`OPEN_TENANT` for the shared one).
     pub fn name(&self, tenant: &TenantId) -> &str {
         self.names.get(tenant).map_or(OPEN_TENANT, String::as_str)
+    }
+
+    /// The name of the tenant of a tree whose root `opener` opened, as
+    /// reads show it (ContractState.tenant).
+    pub fn name_of(&self, opener: &AgentKey) -> &str {
+        self.name(&self.of(opener))
     }
 }
 
@@ -236,6 +257,23 @@ mod tests {
     }
 
     #[test]
+    fn each_opener_is_named_by_its_tenant() {
+        let (a, b, free, listed) = ([1u8; 32], [2u8; 32], [3u8; 32], [0xab; 32]);
+        let mut tenants = Tenants::default();
+        assert_eq!(tenants.name_of(&free), OPEN_TENANT);
+        tenants.declare("acme", &[a, b]).unwrap();
+        tenants.orchestrator(listed);
+        assert_eq!(tenants.name_of(&a), "acme");
+        assert_eq!(tenants.name_of(&b), "acme");
+        assert_eq!(tenants.name_of(&free), OPEN_TENANT);
+        assert_eq!(tenants.name_of(&listed), "orchestrator-abababababababab");
+        // Stable: the same configuration names it the same way again.
+        let mut again = Tenants::default();
+        again.orchestrator(listed);
+        assert_eq!(again.name_of(&listed), tenants.name_of(&listed));
+    }
+
+    #[test]
     fn tenants_take_turns_whatever_they_have_waiting() {
         let (a, b, c) = ([1u8; 32], [2u8; 32], [3u8; 32]);
         // a has many old items, b and c one each, newer.
@@ -273,6 +311,11 @@ mod tests {
             Err(TenantError::KeyTwice("acme".into()))
         );
         assert_eq!(tenants.declare("open", &[c]), Err(TenantError::Reserved));
+        assert_eq!(
+            tenants.declare("orchestrator-0404040404040404", &[c]),
+            Err(TenantError::ReservedPrefix),
+            "a declared tenant cannot take a listed orchestrator's name"
+        );
         assert_eq!(tenants.declare("", &[c]), Err(TenantError::BadName));
         assert_eq!(tenants.declare("a b", &[c]), Err(TenantError::BadName));
         assert_eq!(

@@ -331,6 +331,7 @@ pub fn contract_state(record: ContractRecord) -> pb::ContractState {
         contract: Some(record.envelope),
         effective_predicate: record.effective_predicate,
         host_public_key: record.host_key.map(|k| k.to_vec()).unwrap_or_default(),
+        tenant: record.tenant,
         status: status_to_pb(record.status) as i32,
         ledger: Some(pb::Ledger {
             budget: ledger.budget,

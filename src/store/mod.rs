@@ -38,6 +38,9 @@ pub struct ContractRecord {
     pub host_key: Option<crate::core::AgentKey>,
     /// Issuance order; the page cursor of `children`.
     pub seq: i64,
+    /// The name of its tree's tenant (`core::tenant::Tenants::name_of`
+    /// its root's opener).
+    pub tenant: String,
 }
 
 /// Which roots `Store::roots` lists, and how many.

@@ -57,7 +57,7 @@ fn spawn_authz(dir: &std::path::Path, broker: &str, agent: &Agent) -> (Killed, S
 }
 
 /// What Envoy sends for a POST of `body` (with_request_body on).
-fn check_request(body: &serde_json::Value) -> CheckRequest {
+pub(crate) fn check_request(body: &serde_json::Value) -> CheckRequest {
     CheckRequest {
         attributes: Some(AttributeContext {
             request: Some(Request {
@@ -75,7 +75,7 @@ fn check_request(body: &serde_json::Value) -> CheckRequest {
     }
 }
 
-fn send_message(chain: Option<&[u8]>) -> serde_json::Value {
+pub(crate) fn send_message(chain: Option<&[u8]>) -> serde_json::Value {
     let mut message = json!({
         "messageId": "m-1",
         "role": "ROLE_USER",
@@ -89,7 +89,7 @@ fn send_message(chain: Option<&[u8]>) -> serde_json::Value {
     json!({"jsonrpc": "2.0", "id": 7, "method": "SendMessage", "params": {"message": message}})
 }
 
-async fn chain_bytes(broker: &mut Broker, id: &[u8]) -> Vec<u8> {
+pub(crate) async fn chain_bytes(broker: &mut Broker, id: &[u8]) -> Vec<u8> {
     broker
         .client
         .get_chain(pb::GetChainRequest {
@@ -101,7 +101,7 @@ async fn chain_bytes(broker: &mut Broker, id: &[u8]) -> Vec<u8> {
         .encode_to_vec()
 }
 
-fn header(response: &CheckResponse, key: &str) -> Option<String> {
+pub(crate) fn header(response: &CheckResponse, key: &str) -> Option<String> {
     let headers = match response.http_response.as_ref()? {
         HttpResponse::OkResponse(ok) => &ok.headers,
         HttpResponse::DeniedResponse(denied) => &denied.headers,
@@ -115,7 +115,7 @@ fn header(response: &CheckResponse, key: &str) -> Option<String> {
 }
 
 /// Asserts a denial with `reason`, its JSON-RPC body naming it too.
-fn assert_denied(response: &CheckResponse, reason: &str) {
+pub(crate) fn assert_denied(response: &CheckResponse, reason: &str) {
     let status = response.status.as_ref().expect("a status");
     assert_eq!(
         status.code,
@@ -253,9 +253,33 @@ async fn check_allows_only_this_agents_open_unused_contract() {
 /// A stand-in for an A2A agent over JSON-RPC: keeps every task it is sent
 /// (WORKING until canceled) with its messages as history, as the SDK's
 /// agents do.
-struct FakeAgent {
-    url: String,
+pub(crate) struct FakeAgent {
+    pub url: String,
     server: tokio::task::JoinHandle<()>,
+    state: std::sync::Arc<FakeState>,
+}
+
+/// What the fake agent holds: its tasks, and the methods it was called
+/// with, in order.
+#[derive(Default)]
+pub(crate) struct FakeState {
+    tasks: std::sync::Mutex<std::collections::HashMap<String, Value>>,
+    calls: std::sync::Mutex<Vec<String>>,
+}
+
+impl FakeAgent {
+    /// The JSON-RPC methods the agent was called with so far.
+    pub fn calls(&self) -> Vec<String> {
+        self.state.calls.lock().unwrap().clone()
+    }
+
+    /// How many messages task `id` holds (None: no such task).
+    pub fn history_len(&self, id: &str) -> Option<usize> {
+        let tasks = self.state.tasks.lock().unwrap();
+        tasks
+            .get(id)
+            .map(|t| t["history"].as_array().map_or(0, Vec::len))
+    }
 }
 
 impl Drop for FakeAgent {
@@ -264,9 +288,7 @@ impl Drop for FakeAgent {
     }
 }
 
-type FakeTasks = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, Value>>>;
-
-async fn fake_agent() -> FakeAgent {
+pub(crate) async fn fake_agent() -> FakeAgent {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let card = json!({
@@ -278,26 +300,31 @@ async fn fake_agent() -> FakeAgent {
         "defaultInputModes": ["text/plain"],
         "defaultOutputModes": ["text/plain"],
     });
-    let tasks = FakeTasks::default();
+    let state = std::sync::Arc::new(FakeState::default());
     let router = axum::Router::new()
         .route(
             "/.well-known/agent-card.json",
             axum::routing::get(move || async move { axum::Json(card) }),
         )
         .route("/", axum::routing::post(fake_rpc))
-        .with_state(tasks);
+        .with_state(state.clone());
     let server = tokio::spawn(async move {
         axum::serve(listener, router).await.unwrap();
     });
-    FakeAgent { url, server }
+    FakeAgent { url, server, state }
 }
 
 async fn fake_rpc(
-    axum::extract::State(tasks): axum::extract::State<FakeTasks>,
+    axum::extract::State(state): axum::extract::State<std::sync::Arc<FakeState>>,
     axum::Json(request): axum::Json<Value>,
 ) -> axum::Json<Value> {
     let params = &request["params"];
-    let mut tasks = tasks.lock().unwrap();
+    state
+        .calls
+        .lock()
+        .unwrap()
+        .push(request["method"].as_str().unwrap_or_default().to_owned());
+    let mut tasks = state.tasks.lock().unwrap();
     let task_id = |v: &Value| v.as_str().unwrap_or_default().to_owned();
     let result = match request["method"].as_str().unwrap_or_default() {
         "SendMessage" => {
@@ -338,7 +365,7 @@ async fn fake_rpc(
 
 /// Starts `a2a-gateway` for `agent` with `config` (beside broker and
 /// key_file) and returns the addresses it printed, by what precedes them.
-fn spawn_gateway(
+pub(crate) fn spawn_gateway(
     dir: &std::path::Path,
     broker: &str,
     agent: &Agent,
@@ -382,7 +409,7 @@ fn spawn_gateway(
 }
 
 /// Envoy's request for `verb path` with `body` as it came.
-fn raw_check(verb: &str, path: &str, body: &str) -> CheckRequest {
+pub(crate) fn raw_check(verb: &str, path: &str, body: &str) -> CheckRequest {
     CheckRequest {
         attributes: Some(AttributeContext {
             request: Some(Request {
@@ -401,7 +428,7 @@ fn raw_check(verb: &str, path: &str, body: &str) -> CheckRequest {
 }
 
 /// Asserts a denial with `reason`, whatever the body's id.
-fn assert_refused(response: &CheckResponse, reason: &str) {
+pub(crate) fn assert_refused(response: &CheckResponse, reason: &str) {
     assert_eq!(
         response.status.as_ref().map(|s| s.code),
         Some(tonic::Code::PermissionDenied as i32),
@@ -414,7 +441,7 @@ fn assert_refused(response: &CheckResponse, reason: &str) {
     );
 }
 
-fn assert_allowed(response: &CheckResponse) {
+pub(crate) fn assert_allowed(response: &CheckResponse) {
     assert_eq!(
         response.status.as_ref().map(|s| s.code),
         Some(0),
@@ -423,24 +450,24 @@ fn assert_allowed(response: &CheckResponse) {
 }
 
 /// A SendMessage in task `task_id` carrying `chain`.
-fn continuation(task_id: &str, chain: &[u8]) -> serde_json::Value {
+pub(crate) fn continuation(task_id: &str, chain: &[u8]) -> serde_json::Value {
     let mut body = send_message(Some(chain));
     body["params"]["message"]["taskId"] = json!(task_id);
     body
 }
 
 /// What the proxy does once a check allowed a request: the agent gets it.
-async fn forward(agent: &FakeAgent, body: &serde_json::Value) -> serde_json::Value {
+pub(crate) async fn forward(agent: &FakeAgent, body: &serde_json::Value) -> serde_json::Value {
     post_json(&http_client(), format!("{}/", agent.url), body).await
 }
 
-fn http_client() -> reqwest::Client {
+pub(crate) fn http_client() -> reqwest::Client {
     // reqwest is built without a default TLS provider (the binary installs one).
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::new()
 }
 
-async fn post_json(
+pub(crate) async fn post_json(
     http: &reqwest::Client,
     url: String,
     body: &serde_json::Value,
@@ -648,7 +675,7 @@ async fn only_json_rpc_posts_without_duplicate_keys_pass() {
 }
 
 /// The SendMessage body of a task-starting message in `context_id`.
-fn message_in_context(context_id: &str, chain: &[u8]) -> serde_json::Value {
+pub(crate) fn message_in_context(context_id: &str, chain: &[u8]) -> serde_json::Value {
     let mut body = send_message(Some(chain));
     body["params"]["message"]["contextId"] = json!(context_id);
     body["params"]["configuration"] = json!({"returnImmediately": true});

@@ -1,6 +1,7 @@
 //! End-to-end tests: a real broker on 127.0.0.1:0, driven over gRPC.
 
 mod a2a_authz;
+mod a2a_ingress;
 mod audit;
 mod auth;
 mod bad_input;

@@ -180,8 +180,11 @@ pub(crate) async fn contract<B: Backend>(
         .await
         .map_err(backend)?;
     store.settle().await?;
-    row.map(|r| StoredContract::from_row::<B::Db>(&r).map(StoredContract::record))
-        .transpose()
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let stored = StoredContract::from_row::<B::Db>(&row)?;
+    Ok(named(store, vec![stored]).await?.pop())
 }
 pub(crate) async fn children<B: Backend>(
     store: &B,
@@ -198,12 +201,12 @@ pub(crate) async fn children<B: Backend>(
         .arg(i64::from(limit))
         .rows(&mut *conn);
     // Pulled one at a time, up to the byte budget (see `events`).
-    let mut records = Vec::new();
+    let mut stored = Vec::new();
     let mut bytes = 0usize;
     while let Some(row) = rows.next().await {
-        let record = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?.record();
-        bytes = bytes.saturating_add(record.envelope.encoded_len());
-        records.push(record);
+        let contract = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?;
+        bytes = bytes.saturating_add(contract.envelope.encoded_len());
+        stored.push(contract);
         if bytes >= max_bytes {
             break;
         }
@@ -211,7 +214,77 @@ pub(crate) async fn children<B: Backend>(
     drop(rows);
     drop(conn);
     store.settle().await?;
-    Ok(records)
+    named(store, stored).await
+}
+
+/// Each stored contract as reads return it, named by its tree's tenant:
+/// the opener of each tree (its root's delegate) from the contract itself
+/// when it is a root, the writer's cache, or one read for all the trees
+/// left. Not settled: a root's delegate never changes once written, and
+/// each contract read was settled already (its root was written before
+/// it).
+async fn named<B: Backend>(
+    store: &B,
+    stored: Vec<StoredContract>,
+) -> Result<Vec<ContractRecord>, StoreError> {
+    use std::collections::HashMap;
+    let mut openers: HashMap<i64, AgentKey> = stored
+        .iter()
+        .filter(|c| c.depth == 0)
+        .map(|c| (c.seq, c.delegate_key))
+        .collect();
+    let mut missing: Vec<i64> = Vec::new();
+    {
+        let known = lock(&store.sql().known);
+        for c in &stored {
+            if openers.contains_key(&c.root_seq) {
+                continue;
+            }
+            match known.get(&c.root_id) {
+                Some(root) => {
+                    openers.insert(c.root_seq, root.view.delegate_key);
+                }
+                None => missing.push(c.root_seq),
+            }
+        }
+    }
+    missing.sort_unstable();
+    missing.dedup();
+    if !missing.is_empty() {
+        let mut query = sqlx::QueryBuilder::<B::Db>::new(
+            "SELECT seq, delegate_key FROM contracts WHERE seq IN (",
+        );
+        let mut list = query.separated(", ");
+        for seq in &missing {
+            list.push_arg(*seq);
+        }
+        query.push(")");
+        let rows = query
+            .build()
+            .all(&mut *store.sql().read().await?)
+            .await
+            .map_err(backend)?;
+        for row in &rows {
+            openers.insert(
+                row.cell::<i64>("seq").map_err(backend)?,
+                id_column::<B::Db>(row, "delegate_key")?,
+            );
+        }
+    }
+    let tenants = &store.sql().tenants;
+    stored
+        .into_iter()
+        .map(|c| {
+            let opener = openers.get(&c.root_seq).ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "the root of tree {} is missing",
+                    hex::encode(c.root_id)
+                ))
+            })?;
+            let tenant = tenants.name_of(opener).to_owned();
+            Ok(c.record(tenant))
+        })
+        .collect()
 }
 pub(crate) async fn receipt<B: Backend>(
     store: &B,
@@ -352,9 +425,9 @@ pub(crate) async fn roots<B: Backend>(
         // Pulled one at a time, up to the byte budget (as `children`).
         let mut bytes = 0usize;
         while let Some(row) = rows.next().await {
-            let record = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?.record();
-            bytes = bytes.saturating_add(record.envelope.encoded_len());
-            roots.push(record);
+            let root = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?;
+            bytes = bytes.saturating_add(root.envelope.encoded_len());
+            roots.push(root);
             if bytes >= query.max_bytes {
                 break;
             }
@@ -368,6 +441,7 @@ pub(crate) async fn roots<B: Backend>(
     }
     drop(conn);
     store.settle().await?;
+    let roots = named(store, roots).await?;
     Ok(crate::store::RootsPage { roots, next_before })
 }
 
@@ -409,18 +483,19 @@ pub(crate) async fn held<B: Backend>(
     let mut bytes = 0usize;
     let mut next_before = None;
     while let Some(row) = rows.next().await {
-        let record = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?.record();
+        let contract = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?;
         if contracts.len() == query.limit as usize || bytes >= query.max_bytes {
             // A row past the page: there is more, from the last one shown.
-            next_before = contracts.last().map(|c: &ContractRecord| c.seq);
+            next_before = contracts.last().map(|c: &StoredContract| c.seq);
             break;
         }
-        bytes = bytes.saturating_add(record.envelope.encoded_len());
-        contracts.push(record);
+        bytes = bytes.saturating_add(contract.envelope.encoded_len());
+        contracts.push(contract);
     }
     drop(rows);
     drop(conn);
     store.settle().await?;
+    let contracts = named(store, contracts).await?;
     Ok(crate::store::HeldPage {
         contracts,
         next_before,

@@ -151,9 +151,10 @@ impl StoredContract {
         })
     }
 
-    /// The contract as reads return it.
-    pub(crate) fn record(self) -> ContractRecord {
+    /// The contract as reads return it, in the tree of tenant `tenant`.
+    pub(crate) fn record(self, tenant: String) -> ContractRecord {
         ContractRecord {
+            tenant,
             id: self.id,
             parent_id: self.parent_id,
             root_id: self.root_id,

@@ -162,20 +162,22 @@ class Ledger(_message.Message):
     def __init__(self, budget: _Optional[int] = ..., reserved: _Optional[int] = ..., spent: _Optional[int] = ..., residual: _Optional[int] = ..., open_children: _Optional[int] = ...) -> None: ...
 
 class ContractState(_message.Message):
-    __slots__ = ("contract_id", "contract", "status", "ledger", "effective_predicate", "host_public_key")
+    __slots__ = ("contract_id", "contract", "status", "ledger", "effective_predicate", "host_public_key", "tenant")
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_PREDICATE_FIELD_NUMBER: _ClassVar[int]
     HOST_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     contract_id: bytes
     contract: _types_pb2.Sealed
     status: ContractStatus
     ledger: Ledger
     effective_predicate: str
     host_public_key: bytes
-    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., status: _Optional[_Union[ContractStatus, str]] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., effective_predicate: _Optional[str] = ..., host_public_key: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, contract_id: _Optional[bytes] = ..., contract: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., status: _Optional[_Union[ContractStatus, str]] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., effective_predicate: _Optional[str] = ..., host_public_key: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("signed",)
