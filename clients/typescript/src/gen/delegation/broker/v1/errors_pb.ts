@@ -341,6 +341,10 @@ export enum ErrorReason {
    *   nonce.
    * - RESOURCE_EXHAUSTED: a cap per caller, connection, tree, signer or
    *   contract, or one of the broker-wide stream and audit caps:
+   *   any RPC that reads or writes the store: "limits.max_requests_at_work"
+   *   (places at work are handed out by tenant in turn; its tenant's turn
+   *   did not come within limits.admission_wait_ms, or 256 of its
+   *   tenant's requests were waiting already);
    *   Watch: "limits.max_watch_streams" (broker-wide),
    *   "limits.max_watch_streams_per_caller" (per session key),
    *   "limits.max_watch_streams_per_connection",
