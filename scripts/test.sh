@@ -58,14 +58,16 @@ fi
 
 # Every end-to-end test that is not about SQLite itself, again with the
 # broker's state in PostgreSQL (tests named sqlite_* are SQLite's own;
-# replicas::* run on PostgreSQL in the first pass already).
+# replicas::* run on PostgreSQL in the first pass already; the crowd and
+# drain measurements are the service's and the drain pacing's, which the
+# store suite runs on PostgreSQL: once is enough for their minutes).
 step "End-to-end tests on PostgreSQL (BROKER_TEST_BACKEND=postgres)"
 if cargo nextest --version >/dev/null 2>&1; then
     BROKER_TEST_BACKEND=postgres cargo nextest run --locked --no-fail-fast --test e2e \
-        -E 'not (test(/^replicas::/) | test(/::sqlite_/))'
+        -E 'not (test(/^replicas::/) | test(/::sqlite_/) | test(/^drains::/) | test(/^fairness::a_thousand_free_keys/))'
 else
     BROKER_TEST_BACKEND=postgres cargo test --locked --no-fail-fast --test e2e -- \
-        --skip replicas:: --skip ::sqlite_
+        --skip replicas:: --skip ::sqlite_ --skip drains:: --skip fairness::a_thousand_free_keys
 fi
 
 step "Fuzzing: each target in fuzz/ for ${FUZZ_SECONDS:-20} s (scripts/fuzz.sh)"
