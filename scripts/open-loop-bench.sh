@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The open-loop tail against its floors (issue 27), in one sitting: at
+# The open-loop tail against its floors, in one sitting: at
 # RATE arrivals a second, `disk-probe` (the disk: append + fdatasync),
 # `store-probe --rate` (SQLite doing exactly the broker's writes, with
 # its writer, syncer and checkpointer and nothing else) and the broker

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput, latency and CPU per delegation of the broker on SQLite and on
-PostgreSQL with one and with several replicas, measured in one sitting
-(issue 13). Every configuration runs real `delegation-broker serve`
+PostgreSQL with one and with several replicas, measured in one sitting.
+Every configuration runs real `delegation-broker serve`
 processes driven by `delegation-broker bench --addr A,B,C`; configurations
 alternate round by round (this machine is noisy).
 
@@ -392,7 +392,7 @@ def main():
               f"{mean('broker_us'):.0f} µs + PostgreSQL {mean('pg_us'):.0f} µs of CPU per delegation, "
               f"{mean('idle'):.0f}% idle")
     # Each PostgreSQL configuration's throughput as a share of SQLite's
-    # on the same build (issue 27's target: one replica at 85% or more).
+    # on the same build (the target: one replica at 85% or more).
     for name, _ in builds:
         prefix = f"{name}:" if name else ""
         sqlite = [r["rate"] for r in results if r["label"] == prefix + "sqlite"]

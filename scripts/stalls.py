@@ -9,8 +9,8 @@ threads, and the bench's own client) and, for that interval, the most
 frequent stacks of every other thread. A gap in which one thread runs
 alone (the writer freeing memory under a lock every request needs, say)
 is a stall of the whole broker; a gap in which nothing runs is a wait on
-the disk. The closed-loop 140–180 ms stalls of issue 27 were found this
-way (BENCHMARKS.md, seventh sitting). Gaps at the very end are the
+the disk. The closed-loop 140–180 ms stalls of the SQLite writer were found this
+way (BENCHMARKS.md). Gaps at the very end are the
 broker's shutdown.
 
     scripts/stalls.py --bin target/release/delegation-broker --gap-ms 10

@@ -138,7 +138,7 @@ done
 modules=""
 for name in "${protos[@]}"; do modules+="delegation.broker.v1.${name}_pb2, delegation.broker.v1.${name}_pb2_grpc, "; done
 PYTHONPATH="$fresh/gen/python" "$VENV/bin/python" -c "import ${modules%, }"
-# What buf generated type-checks on its own, too (acceptance g of issue 23).
+# What buf generated type-checks on its own, too.
 cat >"$fresh/tsconfig.json" <<JSON
 {
   "extends": "$HERE/tsconfig.json",

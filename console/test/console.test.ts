@@ -1,5 +1,5 @@
 /**
- * The console in a real browser (issue 23, acceptance c and d): Debian's
+ * The console in a real browser: Debian's
  * chromium, headless, driven by playwright-core, against the real broker
  * ($BROKER_BIN) started with `--console`.
  *

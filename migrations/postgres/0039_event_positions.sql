@@ -4,6 +4,6 @@
 -- visible in the order they were taken. A sequence, not `last_pos`: an
 -- update of the clock's row per commit made a new row version every
 -- waiter re-checked (a third of the database's CPU per delegation with
--- three replicas, BENCHMARKS.md, issue 27). CACHE 1: a session must not
+-- three replicas, BENCHMARKS.md). CACHE 1: a session must not
 -- hold values another would take after it.
 CREATE SEQUENCE event_positions AS BIGINT MINVALUE 1 CACHE 1;

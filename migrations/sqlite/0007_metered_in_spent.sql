@@ -1,5 +1,5 @@
 -- Metered units are charged to a contract's spent as they are recorded
--- (issue 11, item 2), no longer when it ends. An open contract's spent is
+--, no longer when it ends. An open contract's spent is
 -- recomputed from what it is made of: its own metered units plus what its
 -- ended children spent. (Recomputed, not incremented: the bug this fixes,
 -- a late Accept pre-charging open descendants' metered units, may already

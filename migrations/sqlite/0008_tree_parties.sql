@@ -1,4 +1,4 @@
--- Reads are answered only to a tree's parties (issue 11, item 13): the
+-- Reads are answered only to a tree's parties: the
 -- key that opened its root and every key that is or was a delegate or a
 -- host in it. These make "is this key a party of this tree" an index seek
 -- instead of a scan of the tree; both lead with root_seq, so a tree's

@@ -1,4 +1,4 @@
--- Issue 15 changed the signed contract format in place (before any
+-- Linear chains changed the signed contract format in place (before any
 -- release): contracts and receipts are now `Sealed`, each contract carries
 -- only its own hop. Stored contracts of the old format cannot be converted
 -- (a contract's id is the hash of its signed bytes), so the broker refuses

@@ -1,5 +1,5 @@
 //! `delegation-broker a2a-gateway`: the mandatory hop for agents that speak
-//! A2A (issue 24). One process fronts one agent: its ingress admits a task
+//! A2A. One process fronts one agent: its ingress admits a task
 //! only under a broker-issued contract naming that agent and moves the
 //! contract through its lifecycle as the task moves; its egress turns the
 //! agent's outbound A2A calls into broker Delegates. The extension it

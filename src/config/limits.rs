@@ -122,7 +122,7 @@ limits! {
     /// Each restart pauses the writer for the last frames' copy and an
     /// fsync of the database (1–13 ms measured): at 2,600 delegations a
     /// second the 128 MiB default restarts every ~3 s, and 1 GiB took
-    /// ~1 ms off the open-loop p99 (BENCHMARKS.md, session 21).
+    /// ~1 ms off the open-loop p99 (BENCHMARKS.md).
     wal_restart_mib: u64 = crate::store::sqlite::WAL_RESTART_BYTES >> 20, 16, 16_384,
         "SQLite: WAL size (MiB) past which the writer pauses (a few ms) to let it restart from its beginning; larger: rarer pauses, a larger WAL file and a longer recovery after a crash";
     database_writers: usize = 1, 1, 64,

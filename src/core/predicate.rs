@@ -470,7 +470,7 @@ mod tests {
         assert!(Predicate::conjoin(&none, &none).unwrap().is_empty());
     }
 
-    /// Issue 11, item 1: an ancestor's trailing `//` comment cannot swallow
+    /// An ancestor's trailing `//` comment cannot swallow
     /// the closing parenthesis, and a forwarded `true⏎|| true` cannot turn
     /// the ancestor's conjunct into a disjunction.
     #[test]

@@ -194,7 +194,7 @@ mod tests {
             "/",
             "tmp/out/x",
             "src/exec/a\nb",
-            // Issue 11, item 14: backslashes separate components too.
+            // Backslashes separate components too.
             "src/exec/..\\..\\etc\\passwd",
             "src\\exec\\..\\..\\etc",
             "src/exec\\..",

@@ -72,7 +72,7 @@ mod tests {
         }
         assert_eq!(factor_to_ppm(1.0), Some(PPM_ONE));
         assert_eq!(factor_to_ppm(1e-9), Some(1));
-        // Issue 11, item 14: floor, not nearest; exact decimals stay exact.
+        // Floor, not nearest; exact decimals stay exact.
         assert_eq!(factor_to_ppm(0.499_999_5), Some(499_999));
         for (f, ppm) in [
             (0.9, 900_000),

@@ -1,5 +1,5 @@
-//! `delegation-broker mcp tools`: the broker as MCP tools for a model
-//! (issue 25, item 1). An agent's host runs it over stdio, holding that
+//! `delegation-broker mcp tools`: the broker as MCP tools for a model.
+//! An agent's host runs it over stdio, holding that
 //! agent's key file; the model sees `open_root`, `delegate`, `accept`,
 //! `decline`, `complete`, `escalate`, `revoke`, `get_contract`, `tree`,
 //! `verify_chain` and `whoami`. A refusal is a tool error listing every

@@ -141,7 +141,7 @@ impl<S: Store> BrokerService<S> {
         if !signed.fresh {
             return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
         }
-        // Cheap checks first (issue 11, items 5 and 7): the parent exists and
+        // Cheap checks first: the parent exists and
         // the signer holds it, before any of the body is converted. A
         // stranger is answered PERMISSION_DENIED and nothing is stored in
         // anyone's tree.

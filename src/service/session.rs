@@ -1,4 +1,4 @@
-//! Read sessions (issue 11, item 13): who is reading. A caller proves its
+//! Read sessions: who is reading. A caller proves its
 //! key once with a signed OpenSession request and gets a broker-signed
 //! `Session`; each read carries it as `x-broker-session-bin` metadata. The
 //! session is self-contained (checked against current keys alone: a

@@ -115,7 +115,7 @@ pub struct RowVersion {
 /// its bound by one batch). Clearing at the bound froze every request thread
 /// (they read this map under the same lock) for 20–180 ms while the
 /// writer freed 65,536 decoded contracts, and the map's growth rehashed
-/// tens of MiB under the lock (BENCHMARKS.md, issue 27).
+/// tens of MiB under the lock (BENCHMARKS.md).
 pub struct KnownMap {
     young: Generation,
     old: Generation,
@@ -380,7 +380,7 @@ pub struct Plan {
     /// the update leaves `status` alone: naming it would make SQLite
     /// rewrite every index on it (`contracts_open_by_deadline`, the
     /// partial `contracts_held_by_*`) for each parent — one random page
-    /// of WAL per delegation (BENCHMARKS.md, session 21).
+    /// of WAL per delegation (BENCHMARKS.md).
     pub states: Vec<(i64, Ledger)>,
     pub requests: Vec<RequestRow>,
     pub receipts: Vec<ReceiptRow>,

@@ -93,7 +93,7 @@ pub(crate) mod sqlite {
     /// checkpoint ends with an fsync of the database file that the WAL's
     /// fsyncs queue behind: four a second were a quarter of the slow
     /// batches at half load; once a second halved the open-loop p99
-    /// (BENCHMARKS.md, issue 27). A hot page is copied once per round,
+    /// (BENCHMARKS.md). A hot page is copied once per round,
     /// so fewer rounds also copy less.
     pub(crate) const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(1_000);
 
@@ -132,7 +132,7 @@ pub(crate) mod postgres {
     /// Longest a writer under load waits for a group to fill
     /// (`Writer::take_group`): with three replicas, 2 ms made groups of ~8
     /// instead of 5.5 and took the database's CPU per delegation from
-    /// 136–150 to 115–129 µs (BENCHMARKS.md, issue 27); 4 ms made no
+    /// 136–150 to 115–129 µs (BENCHMARKS.md); 4 ms made no
     /// larger groups, and a group's answers wait for it, so not more.
     pub(crate) const MAX_GROUP_WAIT: Duration = Duration::from_millis(2);
 

@@ -1,4 +1,4 @@
-//! Acceptance (f) of issue 24: `a2a-gateway`'s Envoy external authorization
+//! `a2a-gateway`'s Envoy external authorization
 //! (`envoy.service.auth.v3.Authorization/Check`), called as Envoy calls it,
 //! with a real gRPC client over the envoy-types crate. Only a task-starting
 //! A2A message carrying a chain for the fronted agent's open, unused

@@ -1,4 +1,4 @@
-//! Audits (issue 4) over gRPC: conflicts between siblings, false
+//! Audits over gRPC: conflicts between siblings, false
 //! completion vs prose, and two orchestration arms aggregated exactly —
 //! also through the `audit` CLI and its JSON export.
 

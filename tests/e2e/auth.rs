@@ -65,9 +65,9 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
         (Status::Unauthenticated, "STALE_TIMESTAMP")
     );
 
-    // Signed by a key that does not hold the parent: denied, nothing stored
-    // (issue 11, item 5); a stranger to the tree is told what an unknown
-    // parent gets (issue 21, item 4).
+    // Signed by a key that does not hold the parent: denied, nothing stored;
+    // a stranger to the tree is told what an unknown
+    // parent gets.
     let intruder = Agent::generate();
     let err = broker
         .delegate(&intruder, child(&root.id, &root.lineage, &delegate, 10))

@@ -1,4 +1,4 @@
-//! The reading commands (issue 26, item 5, acceptance d): `session`,
+//! The reading commands: `session`,
 //! `get`, `children`, `watch` and `receipt` run as the binary against a
 //! real broker, reading as its reader key. Text is compared whole against
 //! golden text once what varies between runs (ids, keys, digests, times,

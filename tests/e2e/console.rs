@@ -1,7 +1,7 @@
 //! The browser console's listener (`serve --console`) from outside, over
 //! plain HTTP/1.1 as a browser speaks it: the page without a token, a
 //! session only with it, gRPC-Web for the read RPCs only, no foreign
-//! origin, and the reader's rights (issue 23, acceptance d); ListRoots
+//! origin, and the reader's rights; ListRoots
 //! over gRPC (acceptance f).
 
 use delegation_broker::client::Agent;

@@ -204,7 +204,7 @@ impl LedgerCheck {
     }
 }
 
-/// Issue 21, acceptance (a)'s crash: a revoke of a root with more open
+/// A revoke of a root with more open
 /// descendants than one writer step is answered DESCENDANTS_ENDING, the
 /// broker is SIGKILLed at once (its drain begun or not), and restarted on
 /// the same data: the drain resumes and ends, every descendant revoked by

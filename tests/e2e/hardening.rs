@@ -1,4 +1,4 @@
-//! Issue 11 (hardening): each attack a hostile agent tried, replayed over
+//! Hardening: each attack a hostile agent tried, replayed over
 //! real gRPC; each test failed on the main branch before its fix.
 
 use delegation_broker::client::Agent;
@@ -186,8 +186,7 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
 
 /// Item 5: a Delegate signed by a key that holds nothing stored a signed
 /// NOT_HOLDER refusal under the victim's contract, visible in its Watch
-/// and audit. Now: refused (NOT_FOUND, as for an unknown parent, since
-/// issue 21 item 4), and nothing in anyone's tree.
+/// and audit. Now: refused (NOT_FOUND, as for an unknown parent), and nothing in anyone's tree.
 #[tokio::test]
 async fn strangers_cannot_write_into_a_tree() {
     let mut broker = Broker::start().await;
@@ -401,7 +400,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         .unwrap();
 
     // A stranger with a valid session reads nothing of the tree, and cannot
-    // even tell its ids from random ones (issue 21, item 4): the answer for
+    // even tell its ids from random ones: the answer for
     // each real id is the answer for a random id, message and all.
     let mut outsider = connect_as(&broker.addr, &stranger).await;
     let random = vec![0x5a; 32];
@@ -874,7 +873,7 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
     for (i, attacker) in attackers.into_iter().enumerate() {
         let (code, took) = attacker.await.unwrap();
         // A random parent or one the stranger does not hold: both read
-        // as unknown to a stranger (issue 21, item 4).
+        // as unknown to a stranger.
         let _ = i;
         assert_eq!(code, Code::NotFound);
         assert!(took < std::time::Duration::from_secs(1), "{took:?}");
@@ -1178,7 +1177,7 @@ async fn idle_watch_streams_hold_bounded_memory() {
     broker.stop().await;
 }
 
-/// Issue 21, item 4: every call that names an id answered a stranger
+/// Every call that names an id answered a stranger
 /// NOT_A_PARTY / NOT_HOLDER / NOT_DELEGATE… for a real id and NOT_FOUND for
 /// a random one, so anyone could learn which ids exist. Now a stranger's
 /// answer for a real id is its answer for a random one (code, reason and

@@ -74,8 +74,7 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
     let orchestrator = Agent::from_seed(case.orchestrator.seed());
 
     // 2. Signed by someone who does not hold the parent: not a refusal
-    // receipt but PERMISSION_DENIED, so strangers store nothing in the tree
-    // (issue 11, item 5; tests/e2e/hardening.rs).
+    // receipt but PERMISSION_DENIED, so strangers store nothing in the tree.
     // 4. A lineage hash that is not the root's.
     let mut body = case.body(10);
     body.intent_lineage_hash = vec![0; 32];

@@ -1,4 +1,4 @@
-//! Lifecycle and judgment over gRPC (issue 3): seed 001's failure replayed
+//! Lifecycle and judgment over gRPC: seed 001's failure replayed
 //! on host-observed facts, revocation cascades, expiry, resumable watch,
 //! and refusals that change nothing.
 

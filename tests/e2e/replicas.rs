@@ -1,5 +1,5 @@
 //! A replicated broker: several broker replicas over one PostgreSQL
-//! database (issue 13's acceptance). Every test here runs on PostgreSQL
+//! database. Every test here runs on PostgreSQL
 //! whatever the run's backend, on a database of its own.
 
 use std::sync::Arc;
@@ -967,7 +967,7 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
     verify_with_keys(&after, payload_type::CONTRACT, &keys, &new_id);
 }
 
-/// Acceptance (c) of issue 26: replicas heartbeat their keys. A replica
+/// Replicas heartbeat their keys. A replica
 /// killed and not restarted has its key retired by the others after
 /// `limits.replica_key_ttl_ms`: no new session is accepted with it, what
 /// it signed still verifies, `keys list` shows it retired by "ttl". Two

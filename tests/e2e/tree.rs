@@ -1,4 +1,4 @@
-//! `delegation-broker tree` (issue 23, acceptance e): the seed 001 tree,
+//! `delegation-broker tree`: the seed 001 tree,
 //! read from a real broker and drawn, against a golden file. Ids and
 //! deadlines vary between runs; they are replaced by stable marks before
 //! comparing. `UPDATE_GOLDEN=1` rewrites the file.

@@ -1,4 +1,4 @@
-"""Benchmark (not a test) of `mcp gateway`, issue 25: the latency it adds to
+"""Benchmark (not a test) of `mcp gateway`: the latency it adds to
 a tool call, and how many calls it records per second.
 
     BROKER_BIN=target/release/delegation-broker tests/mcp/run-tests.sh bench_gateway.py -s

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Acceptance (a–d) of issue 25: `delegation-broker mcp tools` and `mcp gateway`
+# `delegation-broker mcp tools` and `mcp gateway`
 # driven over stdio by the official Python MCP SDK, in both of its connect
 # modes (legacy, auto).
 #   1. .venv: created (or reused) with the exact pins below,

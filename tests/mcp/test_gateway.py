@@ -1,4 +1,4 @@
-"""Acceptance (b, c, d) of issue 25: `delegation-broker mcp gateway` driven by
+"""`delegation-broker mcp gateway` driven by
 the official Python MCP SDK (`mcp` 2.3.0) over stdio.
 
 The gateway is an MCP server that fronts an agent's own MCP tool servers

@@ -1,4 +1,4 @@
-"""Acceptance (a) of issue 25: `delegation-broker mcp tools` driven by the
+"""`delegation-broker mcp tools` driven by the
 official Python MCP SDK (`mcp` 2.3.0) over stdio.
 
 One broker (`serve`), three agents (orchestrator, planner, executor), each

@@ -1,7 +1,7 @@
 /**
  * gRPC-Web from browsers (`@connectrpc/connect-web`, over `fetch`).
  *
- * The broker itself does not serve gRPC-Web yet (issue 23, item 3): point
+ * The broker itself does not serve gRPC-Web yet: point
  * this at a gRPC-Web proxy in front of it (e.g. Envoy's grpc_web filter), or
  * at the broker once it does. Reads need a session like any other call; keep
  * agent keys out of the browser and let it read with a reader's short-lived

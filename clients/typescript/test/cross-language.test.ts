@@ -1,5 +1,5 @@
 /**
- * Cross-language proof (issue 23, acceptance b): a chain issued to
+ * Cross-language proof: a chain issued to
  * TypeScript agents verifies in Python (the Python client's verify_chain)
  * and in Rust (`delegation-broker verify`), a chain issued to Python agents
  * verifies in TypeScript, and a bit flipped in any signed byte — of any

@@ -255,7 +255,7 @@ fn evaluation_is_bounded_by_the_cost_meter() {
     );
 }
 
-/// Issue 11, item 8: `matches` with a short counted pattern over a
+/// `matches` with a short counted pattern over a
 /// 255 KB output ran 23 s inside the cost budget.
 #[test]
 fn matches_is_bounded_by_pattern_size_and_charged_for_matching() {
@@ -385,7 +385,7 @@ fn schemas_must_compile_offline() {
     assert!(compile_schema(&lookaround, "body.schema").is_err());
     let huge = json!({"description": "x".repeat(MAX_SCHEMA_BYTES)});
     assert!(compile_schema(&huge, "body.schema").is_err());
-    // Issue 11: a pattern that would take seconds to build, a reference
+    // A pattern that would take seconds to build, a reference
     // cycle, and a chain of anyOf that doubles per level.
     let regex = json!({"type": "string", "pattern": "[\\p{L}\\p{N}]{50}N"});
     let err = compile_schema(&regex, "body.schema").unwrap_err();

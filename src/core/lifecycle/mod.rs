@@ -515,7 +515,7 @@ mod tests {
         assert!(ended.iter().all(|e| e.status == Status::Expired));
     }
 
-    /// Issue 11, item 2: metered units leave the residual at once, so a
+    /// Metered units leave the residual at once, so a
     /// parent whose host metered its whole budget cannot issue a child.
     #[test]
     fn metered_units_count_against_the_residual_at_once() {
@@ -528,7 +528,7 @@ mod tests {
         ));
     }
 
-    /// Issue 11, item 3: an ancestor accepting (or ending) after its
+    /// An ancestor accepting (or ending) after its
     /// descendant's host metered units charges them once, and the
     /// descendant's settlement says consumed 4, returned 26.
     #[test]
@@ -550,7 +550,7 @@ mod tests {
         assert_eq!(t.node(0).unwrap().ledger.spent, 4);
     }
 
-    /// Issue 11, item 4: a report nobody observed is charged at most what
+    /// A report nobody observed is charged at most what
     /// the contract still holds; the rest is recorded, not charged.
     #[test]
     fn an_unverified_report_is_charged_at_most_the_residual() {
@@ -621,7 +621,7 @@ mod tests {
         ]
     }
 
-    /// Acceptance (f) of issue 3, and conservation: after every operation,
+    /// Conservation: after every operation,
     /// for every contract, the ledger equation holds, `reserved` is exactly
     /// what its open children hold, an ended contract holds nothing, every
     /// unit consumed is charged exactly once, a negative residual is backed

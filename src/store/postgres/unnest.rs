@@ -9,7 +9,7 @@
 //! with and without a root's labels), one bind parameter per column, not
 //! per cell, and one round trip instead of one per table: a transaction's
 //! fixed cost is most of the database's CPU per delegation once several
-//! replicas split the load into small groups (BENCHMARKS.md, issue 27).
+//! replicas split the load into small groups (BENCHMARKS.md).
 //! A connection keeps its plan, made again every second
 //! (`writer::WRITER_SETTINGS`).
 //!

@@ -10,7 +10,7 @@
 //! optimistically: planned from the cache and written as one statement
 //! outside a transaction block, one round trip instead of five (`BEGIN`,
 //! the parents' locking read, the drains and numbers, the writes,
-//! `COMMIT`), the hops that bound one replica (BENCHMARKS.md, issue 27).
+//! `COMMIT`), the hops that bound one replica (BENCHMARKS.md).
 //! The statement updates each parent only if its row is still as cached
 //! (`xmin`, status and ledger; a parent only read, its child refused, is
 //! checked by a read counted with the writes) and then calls
@@ -397,7 +397,7 @@ impl Writer {
     /// `GROUP_TARGET` (PostgreSQL's own `commit_delay` and
     /// `commit_siblings`, for whole transactions): several replicas split
     /// the load into groups a third the size, and a transaction's fixed
-    /// cost is most of the database's CPU (BENCHMARKS.md, issue 27). Under
+    /// cost is most of the database's CPU (BENCHMARKS.md). Under
     /// light load groups are small and nothing waits.
     async fn take_group(&self, last_group: usize) -> Option<Vec<(Command, Reply)>> {
         let mut queue = self.queue.lock().await;

@@ -10,8 +10,7 @@ use crate::store::limits::sqlite::MAX_DRAIN_ROUNDS;
 /// `CHECKPOINT_INTERVAL` of writes. Each finish stalls the writer for a
 /// few to 20 ms (the last frames copied and the database file fsynced):
 /// at 32 MiB a delegation load of 1,900/s (19 KB of WAL each) finished
-/// twice a second and those stalls were the open-loop p99 (BENCHMARKS.md,
-/// issue 27); at 128 MiB once every few seconds.
+/// twice a second and those stalls were the open-loop p99 (BENCHMARKS.md); at 128 MiB once every few seconds.
 pub const WAL_RESTART_BYTES: u64 = 128 * 1024 * 1024;
 
 /// Copies committed WAL frames into the database file in the background,

@@ -44,7 +44,7 @@ pub(super) fn wal_path_of(database: &Path) -> PathBuf {
 /// restart size grows with every commit, and each fsync then also wrote
 /// the blocks it allocated: the tail of a broker's first minutes of load
 /// (with a reserved WAL, open loop at 2,600/s, five pairs: p999 8–14 ms
-/// against 11–72, max 14–21 against 18–78; BENCHMARKS.md, issue 27). `disk-probe`, the tail's
+/// against 11–72, max 14–21 against 18–78; BENCHMARKS.md). `disk-probe`, the tail's
 /// yardstick, writes into a file it filled first. Reserved blocks read
 /// as zeros: SQLite finds no valid header and starts the WAL from its
 /// beginning, as after any restart. Best effort: where the filesystem

@@ -3,7 +3,7 @@
 
 use super::*;
 
-/// The migration that records the linear contract format (issue 15).
+/// The migration that records the linear contract format.
 pub(super) const LINEAR_FORMAT_MIGRATION: i64 = 10;
 
 /// Refuses a database holding contracts signed in the format before
@@ -45,7 +45,7 @@ pub(super) async fn refuse_old_format(conn: &mut SqliteConnection) -> Result<(),
     if linear == 0 && contracts > 0 {
         return Err(StoreError::Backend(format!(
             "this data directory holds {contracts} contracts signed in the format used before \
-             linear chains (issue 15), which cannot be converted (a contract's id is the hash \
+             linear chains, which cannot be converted (a contract's id is the hash \
              of its signed bytes); keep it for reading with an older broker and start this \
              one with an empty --data-dir"
         )));

@@ -217,7 +217,7 @@ fn connect_options(path: &Path) -> SqliteConnectOptions {
         // the cache's hash table), so every page of cache costs every
         // commit: ~100 µs per commit at 16 MiB, 3% of all CPU at 64 MiB;
         // 4 MiB gave 10% more delegations a second than 16 MiB, and
-        // 1 MiB fewer again (misses) — BENCHMARKS.md, issue 27. Readers'
+        // 1 MiB fewer again (misses) — BENCHMARKS.md. Readers'
         // caches are flushed whenever the WAL changed anyway.
         .pragma("cache_size", "-4096")
         // Checkpoints run on their own connection (see `checkpointer`),

@@ -16,7 +16,7 @@
 //! to `max_group`), as the broker's writer does; each one's latency runs
 //! from its arrival to the end of the fsync that covers it — the least a
 //! durable answer on this store can wait, to set beside `disk-probe`'s
-//! (BENCHMARKS.md, issue 27).
+//! (BENCHMARKS.md).
 
 use std::sync::mpsc as std_mpsc;
 

@@ -4,7 +4,7 @@
 //! thread as a message of its own, each a wake-up of the writer: a batch's
 //! script (BEGIN, its inserts and updates, COMMIT) cost the writer 6.5
 //! thread switches, and the batch waited each time for both threads to be
-//! scheduled (BENCHMARKS.md, issue 27). Here the writer takes the
+//! scheduled (BENCHMARKS.md). Here the writer takes the
 //! connection from the worker (`lock_handle`), keeps it for as many
 //! batches as need nothing read through sqlx (`writer::apply_held`), and
 //! steps its own prepared statements, binding the plan's values in place.
@@ -38,7 +38,7 @@ use crate::store::sql::plan::{Arg, Sql};
 /// writer is never woken). Seen in `store-probe --hand-over`, a take
 /// right after a checkpoint through sqlx: 1–7 takes in 60,000 in every
 /// run, each for good. Abandoning the take and asking again got the
-/// handle at once every time (BENCHMARKS.md, issue 27). So a
+/// handle at once every time (BENCHMARKS.md). So a
 /// take not done in `HANDLE_WAIT` is asked again, up to `HANDLE_TRIES`
 /// times; then the caller gets an error (its batch fails loudly) instead
 /// of every write stopping without a word. Abandoning is harmless: the

@@ -340,7 +340,7 @@ pub(super) async fn writer_loop(
         // after batch without handing the connection back to sqlx's worker
         // thread in between (each hand-off is two wake-ups of that thread,
         // each a wait for a core on a busy machine: measured, the batch a
-        // command waits for −13 to −40%; BENCHMARKS.md, session 21).
+        // command waits for −13 to −40%; BENCHMARKS.md).
         let mut pending = Pending::Fresh;
         let mut now_ms = clock.now_ms();
         // A batch's time starts here, taking the handle included (and a

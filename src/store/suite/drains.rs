@@ -334,7 +334,7 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
     assert_eq!(expired.revoked_ids, vec![tree.root.to_vec()]);
 }
 
-/// Issue 21's acceptance (a): a tree of 30,000 open contracts is revoked
+/// A tree of 30,000 open contracts is revoked
 /// at its root while another tenant delegates, accepts and completes. The
 /// revoke is answered at once; the other tenant's calls never wait behind
 /// the whole cascade (each at most behind a step: before, one transaction

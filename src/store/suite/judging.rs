@@ -304,7 +304,7 @@ fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
     }
 }
 
-/// Issue 11, item 9: a host observation recorded while a completion is
+/// A host observation recorded while a completion is
 /// judged made the writer judge again on its own thread (with an
 /// expensive predicate, every tenant's writes froze). Now the writer
 /// sends the completion back and it is judged again on a judge thread,
@@ -384,7 +384,7 @@ fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
     }
 }
 
-/// Issue 11, item 6: a completion never waits for a judge without a
+/// A completion never waits for a judge without a
 /// deadline. With every judge held, completions are answered
 /// UNAVAILABLE (JUDGES_BUSY) at the deadline, nothing is recorded, and
 /// other writes go on meanwhile.
@@ -448,7 +448,7 @@ pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judge
     }
 }
 
-/// Review of issue 11: one delegate (with a host it controls) could keep
+/// One delegate (with a host it controls) could keep
 /// every judge busy. One completion of a contract is judged at a time,
 /// and one signer has at most `MAX_JUDGMENTS_PER_SIGNER` judged at once.
 pub async fn judgments_are_one_per_contract_and_few_per_signer<S: Judged, G>(
@@ -519,7 +519,7 @@ pub async fn judgments_are_one_per_contract_and_few_per_signer<S: Judged, G>(
     assert_eq!(answer.kind, pb::ReceiptKind::Completed as i32);
 }
 
-/// Issue 21, item 3: a host recording during every judgment kept each
+/// A host recording during every judgment kept each
 /// completion stale (OBSERVATIONS_CHANGING), retryable without end, three
 /// judgments per call. Each stale judgment is now counted; past
 /// `MAX_STALE_JUDGMENTS` the contract takes no more observations

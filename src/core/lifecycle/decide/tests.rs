@@ -743,7 +743,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
-    /// Acceptance (b) of the redesign: random command sequences keep
+    /// Random command sequences keep
     /// budget = residual + reserved + spent on every node, every reserved
     /// unit backed by an open child, every unit consumed charged once, and
     /// never end a contract twice.
