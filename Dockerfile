@@ -18,32 +18,22 @@ ARG PROFILE=release
 ARG BROKER_BUILD_COMMIT=unknown
 ARG BROKER_BUILD_DATE=unknown
 
-# Dependencies first, in a layer of their own that only a change to the
-# manifest, the lock file, build.rs or proto/ invalidates: the crate is
-# built once with stub sources. benches/ is there because Cargo.toml
+# The workspace: the root package, its crates, and what they read at
+# compile time: proto/ (crates/wire's build.rs), the migrations
+# (crates/store, sqlx::migrate! embeds them) and console/dist/ (the
+# console's page, include_bytes!). benches/ is there because Cargo.toml
 # declares its benches ([[bench]]): cargo refuses a manifest whose
 # declared targets have no file. .cargo/config.toml selects
 # curve25519-dalek's AVX-512 backend (x86_64; chosen at run time).
+# Tests, examples and the README are read only by tests.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY .cargo/ .cargo/
 COPY proto/ proto/
 COPY benches/ benches/
-RUN mkdir src \
- && echo 'fn main() {}' > src/main.rs \
- && : > src/lib.rs \
- && cargo build --profile "$PROFILE" --locked --bin delegation-broker \
- && rm -rf src
-
-# The crate itself, and what it reads at compile time: migrations/
-# (sqlx::migrate! embeds them) and console/dist/ (the console's page,
-# include_bytes!). Tests, examples and the README are read only by tests.
+COPY crates/ crates/
 COPY src/ src/
-COPY migrations/ migrations/
 COPY console/dist/ console/dist/
-# COPY keeps the files' old mtimes: touch the crate roots, or cargo would
-# take the stub build's output for up to date.
-RUN touch src/main.rs src/lib.rs \
- && cargo build --profile "$PROFILE" --locked --bin delegation-broker \
+RUN cargo build --profile "$PROFILE" --locked --bin delegation-broker \
  && install -D "target/$PROFILE/delegation-broker" /out/delegation-broker
 
 # --- run --------------------------------------------------------------------

@@ -35,8 +35,8 @@ step() { printf '\n==> %s\n' "$*"; }
 step "cargo fmt --check"
 cargo fmt --check
 
-step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets --locked -- -D warnings
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "Throwaway PostgreSQL (scripts/pg.sh)"
 BROKER_PG_DIR="$(mktemp -d)"
@@ -51,9 +51,9 @@ eval "$pg_env" # exports BROKER_TEST_POSTGRES_URL
 
 step "Rust tests"
 if cargo nextest --version >/dev/null 2>&1; then
-    cargo nextest run --locked --no-fail-fast
+    cargo nextest run --workspace --locked --no-fail-fast
 else
-    cargo test --locked --no-fail-fast
+    cargo test --workspace --locked --no-fail-fast
 fi
 
 # Every end-to-end test that is not about SQLite itself, again with the

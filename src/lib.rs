@@ -1,25 +1,25 @@
 //! The delegation broker: a gRPC service every agent-to-agent delegation
 //! passes through. See ARCHITECTURE.md for the map of this crate.
 
+/// The pure domain (`crates/domain`), under the name its callers know.
+pub use broker_domain as core;
+
+pub use broker_wire::{chain, clock, command, crypto, names, pb, stamp};
+
+/// The store (`crates/store`) and the concurrency pieces it shares with
+/// the service.
+pub use broker_store::{self as store, pool, slots};
+
 pub mod a2a;
-pub mod chain;
 pub mod cli;
 pub mod client;
-pub mod clock;
-pub mod command;
 pub mod config;
 pub mod console;
-pub mod core;
-pub mod crypto;
 pub mod keystore;
 pub mod mcp;
 pub mod metrics;
-pub mod pool;
 pub mod server;
 pub mod service;
-pub mod slots;
-pub mod stamp;
-pub mod store;
 pub mod telemetry;
 
 /// What this binary is: `delegation-broker version`, `broker_build_info`,
@@ -31,14 +31,4 @@ pub mod build {
     pub const COMMIT: &str = env!("BROKER_BUILD_COMMIT");
     /// The commit's date (RFC 3339, UTC), or "unknown".
     pub const DATE: &str = env!("BROKER_BUILD_DATE");
-}
-
-/// Types generated from `proto/delegation/broker/v1/*.proto`.
-pub mod pb {
-    #![allow(clippy::all, missing_docs)]
-    tonic::include_proto!("delegation.broker.v1");
-
-    /// The encoded descriptor set of the public API, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/broker_descriptor.bin"));
 }

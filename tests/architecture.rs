@@ -14,7 +14,7 @@ struct Rule {
 
 const RULES: &[Rule] = &[
     Rule {
-        scope: "core",
+        scope: "crates/domain/src",
         forbidden: &[
             "tonic",
             "sqlx",
@@ -32,22 +32,22 @@ const RULES: &[Rule] = &[
         why: "the core is pure: every rule is tested without a runtime, a database or the wire format",
     },
     Rule {
-        scope: "crypto",
+        scope: "crates/wire/src/crypto.rs",
         forbidden: &["crate::store", "crate::service", "sqlx", "tonic", "tokio"],
         why: "signing and verification need no storage and no transport",
     },
     Rule {
-        scope: "chain.rs",
+        scope: "crates/wire/src/chain.rs",
         forbidden: &["crate::store", "crate::service", "sqlx", "tonic", "tokio"],
         why: "chains are verified offline, by anyone, with the broker's public keys alone",
     },
     Rule {
-        scope: "stamp.rs",
+        scope: "crates/wire/src/stamp.rs",
         forbidden: &["crate::store", "crate::service", "sqlx", "tonic", "tokio"],
         why: "stamping turns the core's decisions into signed payloads; it knows no storage and no transport",
     },
     Rule {
-        scope: "command.rs",
+        scope: "crates/wire/src/command.rs",
         forbidden: &["crate::store", "crate::service", "sqlx", "tonic", "tokio"],
         why: "validated commands are plain data shared by the service and every backend",
     },
@@ -56,8 +56,22 @@ const RULES: &[Rule] = &[
 /// Only the store may name its database driver.
 const ONLY_IN_STORE: &[&str] = &["sqlx"];
 
-fn src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+/// The repository: the root package and the workspace's crates.
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every production source folder: `src/` and each crate's `src/`.
+fn source_roots() -> Vec<PathBuf> {
+    let mut roots = vec![repo().join("src")];
+    let mut crates: Vec<PathBuf> = std::fs::read_dir(repo().join("crates"))
+        .expect("crates/")
+        .map(|e| e.expect("directory entry").path().join("src"))
+        .filter(|p| p.is_dir())
+        .collect();
+    crates.sort();
+    roots.extend(crates);
+    roots
 }
 
 fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
@@ -80,7 +94,7 @@ fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
 /// Whether a file holds only tests (`tests.rs`, `*_tests.rs`, anything
 /// under a `tests/` folder, the store suite).
 fn is_test_file(path: &Path) -> bool {
-    let rel = path.strip_prefix(src()).unwrap_or(path);
+    let rel = path.strip_prefix(repo()).unwrap_or(path);
     rel.components()
         .any(|c| c.as_os_str() == "tests" || c.as_os_str() == "suite")
         || path
@@ -213,12 +227,12 @@ fn names(code: &str, name: &str) -> bool {
 }
 
 fn violations() -> Vec<String> {
-    let root = src();
+    let root = repo();
     let mut found = Vec::new();
     for rule in RULES {
         let mut files = Vec::new();
         rust_files(&root.join(rule.scope), &mut files);
-        assert!(!files.is_empty(), "rule scope src/{} is empty", rule.scope);
+        assert!(!files.is_empty(), "rule scope {} is empty", rule.scope);
         for file in files {
             for (line, code) in code(&file) {
                 for name in rule.forbidden {
@@ -234,13 +248,18 @@ fn violations() -> Vec<String> {
         }
     }
     let mut files = Vec::new();
-    rust_files(&root, &mut files);
-    for file in files.iter().filter(|f| !f.starts_with(root.join("store"))) {
+    for source in source_roots() {
+        rust_files(&source, &mut files);
+    }
+    for file in files
+        .iter()
+        .filter(|f| !f.starts_with(root.join("crates/store")))
+    {
         for (line, code) in code(file) {
             for name in ONLY_IN_STORE {
                 if names(&code, name) {
                     found.push(format!(
-                        "{}:{line}: names `{name}`: only src/store/ knows the database driver",
+                        "{}:{line}: names `{name}`: only crates/store knows the database driver",
                         file.strip_prefix(&root).unwrap_or(file).display()
                     ));
                 }
@@ -293,11 +312,13 @@ fn the_checker_sees_a_forbidden_name() {
     );
 }
 
-/// Every `.rs` file under `src/`, with its path relative to `src/`.
+/// Every production `.rs` file, with its path relative to the repository.
 fn all_files() -> Vec<(String, PathBuf)> {
-    let root = src();
+    let root = repo();
     let mut files = Vec::new();
-    rust_files(&root, &mut files);
+    for source in source_roots() {
+        rust_files(&source, &mut files);
+    }
     files
         .into_iter()
         .map(|f| {
@@ -354,19 +375,19 @@ fn tonic_violations() -> Vec<String> {
     only_in(
         "tonic",
         &[
-            "service/",
-            "server/",
-            "console/",
-            "lib.rs",
-            "metrics.rs",
-            "telemetry/",
-            "client.rs",
-            "cli/bench.rs",
-            "cli/audit.rs",
-            "cli/tree.rs",
-            "cli/read.rs",
-            "mcp/",
-            "a2a/",
+            "src/service/",
+            "src/server/",
+            "src/console/",
+            "crates/wire/src/lib.rs",
+            "src/metrics.rs",
+            "src/telemetry/",
+            "src/client.rs",
+            "src/cli/bench.rs",
+            "src/cli/audit.rs",
+            "src/cli/tree.rs",
+            "src/cli/read.rs",
+            "src/mcp/",
+            "src/a2a/",
         ],
         "only the service (and what wires it) knows tonic",
     )
@@ -378,12 +399,12 @@ fn tonic_violations() -> Vec<String> {
 fn only_the_a2a_gateway_knows_a2a() {
     let mut found = only_in(
         "a2a_pb",
-        &["a2a/"],
+        &["src/a2a/"],
         "only the A2A gateway knows A2A's types",
     );
     found.extend(only_in(
         "envoy_types",
-        &["a2a/"],
+        &["src/a2a/"],
         "only the A2A gateway knows Envoy's types",
     ));
     assert_none(found);
@@ -406,10 +427,10 @@ fn status_violations() -> Vec<String> {
             // The A2A gateway answers A2A's gRPC binding with its own
             // statuses (a2a/grpc.rs), not the broker's errors.
             &[
-                "service/error.rs",
-                "service/transport.rs",
-                "client.rs",
-                "a2a/grpc.rs",
+                "src/service/error.rs",
+                "src/service/transport.rs",
+                "src/client.rs",
+                "src/a2a/grpc.rs",
             ],
         ) {
             continue;
@@ -478,14 +499,24 @@ fn decision_violations() -> Vec<String> {
     for (name, places) in [
         (
             "check_delegation",
-            &["core/", "store/batch.rs", "store/sqlite/mod.rs"][..],
+            &[
+                "crates/domain/src/",
+                "crates/store/src/batch.rs",
+                "crates/store/src/sqlite/mod.rs",
+            ][..],
         ),
         (
             "lifecycle::decide",
-            &["core/", "store/sql/lifecycle.rs"][..],
+            &["crates/domain/src/", "crates/store/src/sql/lifecycle.rs"][..],
         ),
-        ("drain_step", &["core/", "store/sql/drain.rs"][..]),
-        ("judge::judge", &["core/", "store/sql/judge.rs"][..]),
+        (
+            "drain_step",
+            &["crates/domain/src/", "crates/store/src/sql/drain.rs"][..],
+        ),
+        (
+            "judge::judge",
+            &["crates/domain/src/", "crates/store/src/sql/judge.rs"][..],
+        ),
     ] {
         found.extend(only_in(
             name,
@@ -494,7 +525,10 @@ fn decision_violations() -> Vec<String> {
         ));
     }
     for (rel, file) in all_files() {
-        if !allowed(&rel, &["store/sqlite/", "store/postgres/"]) {
+        if !allowed(
+            &rel,
+            &["crates/store/src/sqlite/", "crates/store/src/postgres/"],
+        ) {
             continue;
         }
         for (line, code) in code(&file) {
@@ -525,18 +559,18 @@ fn bound_violations() -> Vec<String> {
         let covered = allowed(
             &rel,
             &[
-                "store/",
-                "service/",
-                "pool.rs",
-                "slots.rs",
-                "crypto/",
-                "chain.rs",
-                "stamp.rs",
-                "command.rs",
-                "core/",
+                "crates/store/src/",
+                "src/service/",
+                "crates/store/src/pool.rs",
+                "crates/store/src/slots.rs",
+                "crates/wire/src/crypto.rs",
+                "crates/wire/src/chain.rs",
+                "crates/wire/src/stamp.rs",
+                "crates/wire/src/command.rs",
+                "crates/domain/src/",
             ],
         );
-        if !covered || rel.ends_with("limits.rs") || rel.starts_with("store/suite/") {
+        if !covered || rel.ends_with("limits.rs") || rel.starts_with("crates/store/src/suite/") {
             continue;
         }
         for (line, code) in code(&file) {
@@ -567,106 +601,146 @@ fn bounds_live_in_the_limits_modules() {
 /// Process-wide state, each item with why it may be: memos of pure
 /// functions, hints and counters. Nothing a request's outcome depends on.
 const STATICS: &[(&str, &str, &str)] = &[
-    ("crypto/mod.rs", "KEY_CACHE", "decoded public keys (a memo)"),
     (
-        "core/predicate.rs",
+        "crates/wire/src/crypto.rs",
+        "KEY_CACHE",
+        "decoded public keys (a memo)",
+    ),
+    (
+        "crates/domain/src/predicate.rs",
         "PARSED",
         "predicate texts that parsed (a memo)",
     ),
     (
-        "core/predicate.rs",
+        "crates/domain/src/predicate.rs",
         "SHAPES",
         "shapes of effective predicates (a memo)",
     ),
     (
-        "core/schema/mod.rs",
+        "crates/domain/src/schema/mod.rs",
         "COMPILED",
         "compiled schemas (a memo)",
     ),
     (
-        "core/tenant.rs",
+        "crates/domain/src/tenant.rs",
         "OPEN",
         "the open tenant's id, a hash of a constant (a memo)",
     ),
     (
-        "core/schema/clock.rs",
+        "crates/domain/src/schema/clock.rs",
         "DEADLINE",
         "this thread's validation deadline",
     ),
     (
-        "core/schema/clock.rs",
+        "crates/domain/src/schema/clock.rs",
         "OUT_OF_TIME",
         "this thread's validation ran out of time",
     ),
     (
-        "store/sqlite/durability.rs",
+        "crates/store/src/sqlite/durability.rs",
         "WAL_SYNCS",
         "WAL fsync counters",
     ),
     (
-        "store/phases.rs",
+        "crates/store/src/phases.rs",
         "SUBMITTED",
         "store phase histograms (counters)",
     ),
     (
-        "store/phases.rs",
+        "crates/store/src/phases.rs",
         "QUEUED",
         "store phase histograms (counters)",
     ),
     (
-        "store/phases.rs",
+        "crates/store/src/phases.rs",
         "BATCH",
         "store phase histograms (counters)",
     ),
     (
-        "store/phases.rs",
+        "crates/store/src/phases.rs",
         "SYNC_WAIT",
         "store phase histograms (counters)",
     ),
     (
-        "store/phases.rs",
+        "crates/store/src/phases.rs",
         "FSYNC",
         "store phase histograms (counters)",
     ),
     (
-        "metrics.rs",
+        "src/metrics.rs",
         "STORE_ERRORS",
         "store errors by class (a counter)",
     ),
     (
-        "telemetry/mod.rs",
+        "src/telemetry/mod.rs",
         "EXPORT",
         "the span exporter, set once at start",
     ),
-    ("telemetry/mod.rs", "SPANS", "span counters"),
-    ("telemetry/mod.rs", "CALL", "the call's facts (task-local)"),
+    ("src/telemetry/mod.rs", "SPANS", "span counters"),
     (
-        "telemetry/mod.rs",
+        "src/telemetry/mod.rs",
+        "CALL",
+        "the call's facts (task-local)",
+    ),
+    (
+        "src/telemetry/mod.rs",
         "CALL_SPANS_AT_INFO",
         "log level of call spans, set at start",
     ),
-    ("telemetry/mod.rs", "EPOCH", "the log throttles' clock"),
+    (
+        "crates/store/src/throttle.rs",
+        "EPOCH",
+        "the log throttles' clock",
+    ),
     // Log throttles (`telemetry::Throttle`): when a repeated line was last
     // written, nothing else.
-    ("service/error.rs", "FAILED", "a log throttle"),
-    ("store/sqlite/checkpoint.rs", "FAILED", "a log throttle"),
-    ("store/sqlite/writer.rs", "ROLLED_BACK", "a log throttle"),
-    ("store/sqlite/writer.rs", "PROBE_FAILED", "a log throttle"),
-    ("store/sqlite/writer.rs", "FINISH_FAILED", "a log throttle"),
-    ("store/sqlite/writer.rs", "PRUNE_FAILED", "a log throttle"),
-    ("store/sqlite/raw.rs", "RETAKEN", "a log throttle"),
-    ("telemetry/mod.rs", "EXPORT_FAILED", "a log throttle"),
+    ("src/service/error.rs", "FAILED", "a log throttle"),
     (
-        "store/postgres/writer.rs",
+        "crates/store/src/sqlite/checkpoint.rs",
+        "FAILED",
+        "a log throttle",
+    ),
+    (
+        "crates/store/src/sqlite/writer.rs",
+        "ROLLED_BACK",
+        "a log throttle",
+    ),
+    (
+        "crates/store/src/sqlite/writer.rs",
+        "PROBE_FAILED",
+        "a log throttle",
+    ),
+    (
+        "crates/store/src/sqlite/writer.rs",
+        "FINISH_FAILED",
+        "a log throttle",
+    ),
+    (
+        "crates/store/src/sqlite/writer.rs",
+        "PRUNE_FAILED",
+        "a log throttle",
+    ),
+    (
+        "crates/store/src/sqlite/raw.rs",
+        "RETAKEN",
+        "a log throttle",
+    ),
+    ("src/telemetry/mod.rs", "EXPORT_FAILED", "a log throttle"),
+    (
+        "crates/store/src/postgres/writer.rs",
         "ISSUANCE_FAILED",
         "a log throttle",
     ),
     (
-        "store/postgres/writer.rs",
+        "crates/store/src/postgres/writer.rs",
         "TRANSITION_FAILED",
         "a log throttle",
     ),
-    ("store/postgres/writer.rs", "PRUNE_FAILED", "a log throttle"),
+    (
+        "crates/store/src/postgres/writer.rs",
+        "PRUNE_FAILED",
+        "a log throttle",
+    ),
 ];
 
 fn static_violations() -> Vec<String> {
@@ -716,7 +790,10 @@ fn process_wide_state_is_the_listed_memos_and_counters() {
 fn portability_violations() -> Vec<String> {
     let mut found = Vec::new();
     for (rel, file) in all_files() {
-        if !allowed(&rel, &["store/postgres/", "store/sql/"]) {
+        if !allowed(
+            &rel,
+            &["crates/store/src/postgres/", "crates/store/src/sql/"],
+        ) {
             continue;
         }
         for (line, code) in code(&file) {
@@ -730,7 +807,7 @@ fn portability_violations() -> Vec<String> {
             }
         }
     }
-    let migrations = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
+    let migrations = repo().join("crates/store/migrations/postgres");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&migrations)
         .expect("migrations/postgres")
         .map(|e| e.expect("entry").path())

@@ -175,7 +175,7 @@ limits! {
         "how long a read session (OpenSession) is accepted";
     /// One writer transaction ends at most this many descendants of a
     /// contract, so ending a large subtree never holds the writer for long.
-    cascade_step_rows: usize = 1_024, 1, 65_536,
+    cascade_step_rows: usize = crate::store::limits::DEFAULT_CASCADE_STEP_ROWS, 1, 65_536,
         "most descendants one writer transaction ends; a request ending more answers DESCENDANTS_ENDING and they end in steps of this size";
     expiry_sweep_interval_ms: u64 = 1_000, 1, MAX_INTERVAL_MS,
         "how often overdue contracts are expired in the background (they also expire on access)";

@@ -12,12 +12,7 @@ pub use crate::core::limits::MAX_STATUS_MESSAGE_BYTES;
 use crate::pb;
 use crate::store::{Entity, StoreError};
 
-/// The wire form of a reason: its name in errors.proto without the
-/// `ERROR_REASON_` prefix, as invariant codes are sent.
-pub fn reason_name(reason: pb::ErrorReason) -> &'static str {
-    let name = reason.as_str_name();
-    name.strip_prefix("ERROR_REASON_").unwrap_or(name)
-}
+pub use crate::names::reason_name;
 
 /// `ErrorInfo.domain` of every error this broker returns.
 pub const ERROR_DOMAIN: &str = "delegation.broker.v1";

@@ -1,0 +1,572 @@
+//! Lifecycle transitions after issuance, applied by the store's writer
+//! inside a transaction: who may act (core rules), the contract subtree
+//! loaded into the core's `lifecycle::Subtree` so ending, cascading and
+//! settlement use the very same arithmetic the property tests check, and
+//! one signed receipt per transition. Drains of large subtrees are
+//! `drain`'s; judging a completion is `judge`'s.
+
+use std::collections::HashMap;
+
+use prost::Message;
+use sqlx::{AssertSqlSafe, QueryBuilder};
+
+use super::drain;
+use super::rows::{CONTRACT_COLUMNS, StoredContract, select_contracts};
+use super::{Cell, Dialect, PushArg, QueryExt};
+use crate::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey, SeqSource};
+use crate::limits::ROWS_PER_STATEMENT;
+use crate::{Answer, Decided, Outcome, StoreError};
+use broker_domain::judge::Verdict;
+use broker_domain::lifecycle::{
+    self, CompleteFacts, Decision, Ending, Facts, Refused, Subtree, TargetWrite,
+};
+use broker_domain::{AgentKey, Id, Status};
+use broker_wire::command::{Action, LifecycleCommand};
+use broker_wire::stamp::Stamper;
+
+/// A contract row as lifecycle reads it: the table's one decoder.
+pub(crate) type Loaded = StoredContract;
+
+/// Decodes a contract row; a row that does not decode aborts the batch as
+/// corrupt data (see `backend_ref`).
+pub(crate) fn row_from<D: Dialect>(row: &D::Row) -> Result<Loaded, sqlx::Error> {
+    StoredContract::from_row::<D>(row).map_err(|e| sqlx::Error::Protocol(e.to_string()))
+}
+
+pub(crate) async fn load<D: Dialect>(
+    conn: &mut D::Connection,
+    id: &Id,
+) -> Result<Option<Loaded>, sqlx::Error> {
+    let row = sqlx::query::<D>(AssertSqlSafe(format!(
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id = $1"
+    )))
+    .arg(id.as_slice())
+    .optional(&mut *conn)
+    .await?;
+    row.as_ref().map(row_from::<D>).transpose()
+}
+
+/// `id` and its parent, ancestors first and locked for the transaction
+/// (`LOCK_ROWS`): every writer locks contracts in (depth, id) order —
+/// parents of a batch, then a target's parent, the target and its
+/// descendants — so concurrent writers (PostgreSQL replicas) never wait
+/// for each other in a cycle. `None`: no such contract.
+pub(crate) async fn load_locked<D: Dialect>(
+    conn: &mut D::Connection,
+    id: &Id,
+) -> Result<Option<(Option<Loaded>, Loaded)>, sqlx::Error> {
+    // CONTRACT_COLUMNS and LOCK_ROWS are constants: nothing
+    // client-supplied is interpolated.
+    let rows = sqlx::query::<D>(AssertSqlSafe(format!(
+        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope \
+         WHERE id = $1 OR seq = (SELECT parent_seq FROM contracts WHERE id = $1) \
+         ORDER BY depth{lock_rows}",
+        lock_rows = D::LOCK_ROWS
+    )))
+    .arg(id.as_slice())
+    .all(&mut *conn)
+    .await?;
+    let mut loaded = rows
+        .iter()
+        .map(row_from::<D>)
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(target) = loaded.pop() else {
+        return Ok(None);
+    };
+    if target.id != *id || loaded.len() > 1 {
+        return Err(sqlx::Error::Protocol(
+            "a contract and its parent loaded out of order".into(),
+        ));
+    }
+    Ok(Some((loaded.pop(), target)))
+}
+
+/// Open strict descendants of `seq` (ended contracts have no open
+/// descendants: ending cascades), locked (`LOCK_ROWS`) in (depth, id)
+/// order; `None` when there are more than `max` (then nothing is locked
+/// but what was read to count them). Walked one level at a time down
+/// `contracts_by_parent`, each level found by its parents' seqs
+/// (`CHILDREN_OF`) and then loaded by key in id order: the cost is what
+/// the subtree holds, whatever else is open. A recursive query was planned
+/// through `contracts_open_by_deadline` by SQLite (every open contract of
+/// the database scanned per descendant: a revoke of 30,000 held the writer
+/// 80 s) and through a scan of the whole table per level by PostgreSQL;
+/// the plan tests of both backends hold the two statements here to their
+/// indexes. Locking each level before reading the next also means a child
+/// committed under a locked contract meanwhile is seen (PostgreSQL reads
+/// each statement afresh).
+async fn open_descendants<D: Dialect>(
+    conn: &mut D::Connection,
+    seq: i64,
+    max: usize,
+) -> Result<Option<Vec<Loaded>>, sqlx::Error> {
+    let mut found = Vec::new();
+    let mut level = vec![seq];
+    while !level.is_empty() {
+        let mut children: Vec<(Vec<u8>, i64)> = Vec::new();
+        for parents in level.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::<D>::new(CHILDREN_OF);
+            in_list::<D>(&mut query, parents);
+            // At most one past the bound: enough to know it is passed.
+            let left = max
+                .saturating_sub(found.len())
+                .saturating_sub(children.len());
+            query.push(" LIMIT ");
+            query.push_arg(i64::try_from(left.saturating_add(1)).unwrap_or(i64::MAX));
+            for row in query.build().all(&mut *conn).await? {
+                children.push((row.cell("id")?, row.cell("seq")?));
+            }
+            if found.len() + children.len() > max {
+                return Ok(None);
+            }
+        }
+        children.sort_unstable();
+        level = Vec::with_capacity(children.len());
+        for chunk in children.chunks(ROWS_PER_STATEMENT) {
+            let seqs: Vec<i64> = chunk.iter().map(|(_, seq)| *seq).collect();
+            let mut query = QueryBuilder::<D>::new(LOAD_BY_SEQ);
+            in_list::<D>(&mut query, &seqs);
+            // LOCK_ROWS is a constant.
+            query.push(" ORDER BY id");
+            query.push(D::LOCK_ROWS);
+            for row in query.build().all(&mut *conn).await? {
+                let loaded = row_from::<D>(&row)?;
+                level.push(loaded.seq);
+                found.push(loaded);
+            }
+        }
+    }
+    Ok(Some(found))
+}
+
+/// The open children of a level's contracts, found by the parent index:
+/// `+status` keeps SQLite from planning it through
+/// `contracts_open_by_deadline`. Followed by `in_list`.
+pub(crate) const CHILDREN_OF: &str =
+    "SELECT id, seq FROM contracts WHERE +status IN (1, 2) AND parent_seq IN ";
+const _: () = assert!(Status::Open as i32 == 1 && Status::Accepted as i32 == 2);
+
+/// Contract rows by key. Followed by `in_list`.
+pub(crate) const LOAD_BY_SEQ: &str = select_contracts!("WHERE seq IN ");
+
+/// Appends `(v1, v2, …)` with each value bound.
+pub(crate) fn in_list<D: Dialect>(query: &mut QueryBuilder<D>, values: &[i64]) {
+    query.push("(");
+    let mut list = query.separated(", ");
+    for v in values {
+        list.push_arg(*v);
+    }
+    list.push_unseparated(")");
+}
+
+/// The statement of `lineage`: `$1` the contract's seq.
+pub(crate) const LINEAGE: &str = "WITH RECURSIVE up(seq, parent_seq) AS (\
+         SELECT seq, parent_seq FROM contracts WHERE seq = $1 \
+         UNION ALL SELECT c.seq, c.parent_seq FROM contracts c JOIN up ON c.seq = up.parent_seq) \
+     SELECT c.seq, c.id, c.delegate_key FROM contracts c WHERE c.seq IN (SELECT seq FROM up) ORDER BY c.seq";
+
+/// Ancestors root first, then the contract itself: (seq, id, delegate
+/// key). The one lineage read of a command: the core's authorization and
+/// the drain state both take it.
+pub(crate) async fn lineage<D: Dialect>(
+    conn: &mut D::Connection,
+    seq: i64,
+) -> Result<Vec<(i64, Id, AgentKey)>, sqlx::Error> {
+    let rows = sqlx::query::<D>(LINEAGE).arg(seq).all(&mut *conn).await?;
+    rows.iter()
+        .map(|r| {
+            Ok((
+                r.cell("seq")?,
+                super::rows::key_cell::<D>(r, "id")?,
+                super::rows::key_cell::<D>(r, "delegate_key")?,
+            ))
+        })
+        .collect()
+}
+
+/// What the writer must do after a transition besides writing rows.
+pub struct Applied {
+    pub answer: Result<Answer, StoreError>,
+    /// Contracts whose cached state is now stale (SQLite's writer cache;
+    /// PostgreSQL caches only immutable terms).
+    pub changed: Vec<Id>,
+    /// A drain started or ended: which contracts issue is now different.
+    pub draining_changed: bool,
+    /// (root id, seq) of every receipt written: the trees that got events
+    /// (SQLite's `TreeChanges`; PostgreSQL's sequencer finds them itself).
+    pub events: Vec<(Id, i64)>,
+}
+
+impl Applied {
+    /// An answer that wrote nothing.
+    pub(crate) fn nothing(answer: Result<Answer, StoreError>) -> Self {
+        Self {
+            answer,
+            changed: Vec::new(),
+            draining_changed: false,
+            events: Vec::new(),
+        }
+    }
+}
+
+impl Loaded {
+    /// The row as the core's decision reads it; `parent` indexes the
+    /// loaded subtree.
+    pub(crate) fn facts(&self, parent: Option<usize>) -> Facts {
+        Facts {
+            id: self.id,
+            parent,
+            status: self.status,
+            ledger: self.ledger,
+            deadline_ms: self.deadline_ms,
+            issued_at_ms: self.issued_at_ms,
+            delegate_key: self.delegate_key,
+            host_key: self.host_key,
+            host_named_at_delegate: !self.contract.host_public_key.is_empty(),
+            verdict: Verdict::from_i32(self.verdict),
+            observations: self.observations,
+            stale_judgments: self.stale_judgments,
+            observed_units: self.observed_units,
+            metered: self.metered,
+            metered_uncharged: self.metered_uncharged,
+            depth: self.contract.depth,
+            min_retry_cost: self.contract.min_retry_cost,
+            min_retry_latency_ms: self.contract.min_retry_latency_ms,
+        }
+    }
+}
+
+/// What `decide` reads: `rows` (the parent when there is one, the target,
+/// then any of its open descendants), with the lineage and the drain state
+/// loaded once.
+fn subtree(
+    rows: Vec<Loaded>,
+    target_seq: i64,
+    lineage: Vec<(Id, AgentKey)>,
+    ending: Ending,
+) -> (Subtree, Vec<Loaded>) {
+    let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
+    let facts = rows
+        .iter()
+        .map(|r| r.facts(r.parent_seq.and_then(|p| index.get(&p).copied())))
+        .collect();
+    let subtree = Subtree {
+        rows: facts,
+        target: index[&target_seq],
+        lineage,
+        ending,
+    };
+    (subtree, rows)
+}
+
+/// The core's view of a validated command.
+fn core_action(action: &Action, now_ms: i64) -> lifecycle::Action<'_> {
+    match action {
+        Action::Accept { host } => lifecycle::Action::Accept { host: *host },
+        Action::Decline { reason } => lifecycle::Action::Decline { reason },
+        Action::Escalate { reason } => lifecycle::Action::Escalate { reason },
+        Action::Revoke { reason } => lifecycle::Action::Revoke { reason },
+        Action::Record { observations } => lifecycle::Action::Record {
+            count: observations.len(),
+            units: observations
+                .iter()
+                .fold(0i64, |sum, o| sum.saturating_add(o.units)),
+        },
+        Action::Complete(args) => lifecycle::Action::Complete(CompleteFacts {
+            judgment: args
+                .prejudged
+                .as_ref()
+                .map(|p| (&p.judgment, p.observations)),
+            received_at_ms: args.received_at_ms.unwrap_or(now_ms),
+            claim: &args.claim,
+            has_report: args.has_report,
+            result_digest: args.output_digest,
+        }),
+        Action::Adjudicate { verdict, reason } => lifecycle::Action::Adjudicate {
+            verdict: *verdict,
+            reason,
+        },
+        Action::Expire | Action::Drain => lifecycle::Action::Expire,
+    }
+}
+
+/// What a lifecycle write needs besides its command: who signs, where
+/// its receipts' seqs come from, the writer's clock reading and the bound
+/// of one drain step (`limits.cascade_step_rows`).
+pub(crate) struct Writing<'a, D: Dialect> {
+    pub(crate) stamper: &'a Stamper,
+    pub(crate) seqs: &'a mut D::Seqs,
+    pub(crate) now_ms: i64,
+    pub(crate) step_rows: usize,
+    /// How many rows a drain step ends (the writer's, kept across steps).
+    pub(crate) pace: &'a mut super::drain::DrainPace,
+}
+
+/// Applies one lifecycle command: loads the subtree, lets the core decide,
+/// writes the decision. The outer error aborts the batch; the inner one
+/// refuses only this command. A decision that would end more open
+/// descendants than one step (`step_rows`) starts a drain instead
+/// (`drain`): nothing else is written, and the request is answered
+/// `DescendantsEnding` (retry with the same nonce).
+pub(crate) async fn apply<D: Dialect>(
+    conn: &mut D::Connection,
+    command: &LifecycleCommand,
+    prior: &HashMap<RequestKey, PriorRequest>,
+    w: &mut Writing<'_, D>,
+) -> Result<Applied, sqlx::Error> {
+    if let Some(request) = &command.request
+        && let Some(earlier) = prior.get(&(request.agent, request.nonce.clone()))
+    {
+        return Ok(Applied::nothing(crate::batch::replayed(earlier, request)));
+    }
+    if matches!(command.action, Action::Drain) {
+        return drain::step::<D>(conn, &command.contract_id, w).await;
+    }
+    let Some((parent, target)) = load_locked::<D>(conn, &command.contract_id).await? else {
+        return Ok(Applied::nothing(Err(StoreError::NotFound {
+            what: crate::Entity::Contract,
+            id: hex::encode(command.contract_id),
+        })));
+    };
+    let now_ms = w.now_ms;
+    let action = core_action(&command.action, now_ms);
+    let signer = command.request.as_ref().map(|r| &r.agent);
+    // The lineage is read once, when the core needs it or the tree has a
+    // drain (almost never: one indexed read of a table of drains).
+    let drains = drain::drains_of::<D>(conn, target.root_seq).await?;
+    let lineage = if action.needs_lineage() || !drains.is_empty() {
+        lineage::<D>(conn, target.seq).await?
+    } else {
+        Vec::new()
+    };
+    let ending = drain::ending_of(&drains, &lineage, target.seq);
+    let lineage = lineage.into_iter().map(|(_, id, key)| (id, key)).collect();
+    let (target_seq, root_seq) = (target.seq, target.root_seq);
+    let mut rows: Vec<Loaded> = parent.into_iter().collect();
+    rows.push(target);
+    // Loaded without the open descendants first: only a decision that
+    // may end the target reads them (`needs_descendants`), so a stranger's
+    // request costs the writer the target, its parent and its lineage.
+    let (partial, rows) = subtree(rows, target_seq, lineage, ending);
+    let (subtree, rows) = if lifecycle::needs_descendants(&partial, signer, &action, now_ms) {
+        match open_descendants::<D>(conn, target_seq, w.step_rows.max(1)).await? {
+            Some(descendants) => {
+                let mut rows = rows;
+                rows.extend(descendants);
+                self::subtree(rows, target_seq, partial.lineage, ending)
+            }
+            None => {
+                let status = lifecycle::drain_status(&action);
+                drain::start::<D>(conn, target_seq, root_seq, status, now_ms).await?;
+                return Ok(Applied {
+                    draining_changed: true,
+                    ..Applied::nothing(Err(StoreError::from(Refused::DescendantsEnding)))
+                });
+            }
+        }
+    } else {
+        (partial, rows)
+    };
+    let decision = lifecycle::decide(&subtree, signer, &action, now_ms);
+    write::<D>(conn, &decision, subtree.target, &rows, command, w).await
+}
+
+/// Writes the decision's rows and the target's columns (and, for a
+/// record, its observations). Any error aborts the whole batch: nothing
+/// of a half-written decision is committed.
+pub(crate) async fn write_state<D: Dialect>(
+    conn: &mut D::Connection,
+    decision: &Decision,
+    target: &Loaded,
+    rows: &[Loaded],
+    command: &LifecycleCommand,
+) -> Result<(), sqlx::Error> {
+    for u in &decision.updates {
+        sqlx::query::<D>(
+            "UPDATE contracts SET status = $1, reserved = $2, spent = $3, open_children = $4 WHERE seq = $5",
+        )
+        .arg(i64::from(u.status.as_i32()))
+        .arg(u.ledger.reserved)
+        .arg(u.ledger.spent)
+        .arg(i64::from(u.ledger.open_children))
+        .arg(rows[u.row].seq)
+        .run(&mut *conn)
+        .await?;
+    }
+    match &decision.write {
+        TargetWrite::None => {}
+        TargetWrite::Host(host) => {
+            sqlx::query::<D>("UPDATE contracts SET host_key = $1 WHERE seq = $2")
+                .arg(host.map(|h| h.to_vec()))
+                .arg(target.seq)
+                .run(&mut *conn)
+                .await?;
+        }
+        TargetWrite::Observations {
+            total,
+            observed_units,
+            metered,
+            metered_uncharged,
+        } => {
+            let Action::Record { observations } = &command.action else {
+                // A decision the core cannot make: abort as corrupt.
+                return Err(sqlx::Error::Protocol(
+                    "a decision to record observations for another command".into(),
+                ));
+            };
+            let mut query = QueryBuilder::<D>::new(
+                "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms, arguments_sha256, outcome) ",
+            );
+            query.push_values(observations, |mut b, o| {
+                b.push_arg(target.seq)
+                    .push_arg(i64::from(o.kind as i32))
+                    .push_arg(o.path.as_str())
+                    .push_arg(o.tool.as_str())
+                    .push_arg(o.units)
+                    .push_arg(o.at_ms)
+                    .push_arg(o.arguments_sha256.map(|d| d.to_vec()))
+                    .push_arg(i64::from(o.outcome as i32));
+            });
+            query.build().run(&mut *conn).await?;
+            sqlx::query::<D>("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, metered_uncharged = $4 WHERE seq = $5")
+                .arg(*total)
+                .arg(*observed_units)
+                .arg(i64::from(*metered))
+                .arg(*metered_uncharged)
+                .arg(target.seq)
+                .run(&mut *conn)
+                .await?;
+        }
+        TargetWrite::Judged {
+            verdict,
+            has_report,
+            downgrades,
+            claim,
+        } => {
+            sqlx::query::<D>(
+                "UPDATE contracts SET verdict = $1, has_report = $2, downgrades = $3, claim = $4 WHERE seq = $5",
+            )
+            .arg(i64::from(verdict.as_i32()))
+            .arg(i64::from(*has_report))
+            .arg(i64::from(*downgrades))
+            .arg(claim.as_str())
+            .arg(target.seq)
+            .run(&mut *conn)
+            .await?;
+        }
+        TargetWrite::StaleJudgment => {
+            sqlx::query::<D>(
+                "UPDATE contracts SET stale_judgments = stale_judgments + 1 WHERE seq = $1",
+            )
+            .arg(target.seq)
+            .run(&mut *conn)
+            .await?;
+        }
+        TargetWrite::Verdict(verdict) => {
+            sqlx::query::<D>("UPDATE contracts SET verdict = $1 WHERE seq = $2")
+                .arg(i64::from(verdict.as_i32()))
+                .arg(target.seq)
+                .run(&mut *conn)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Signs and stores the decision's receipts in order, logging the
+/// request beside the one that answers it; returns them with their
+/// (root id, seq).
+pub(crate) async fn write_receipts<D: Dialect>(
+    conn: &mut D::Connection,
+    decision: &Decision,
+    rows: &[Loaded],
+    command: &LifecycleCommand,
+    w: &mut Writing<'_, D>,
+) -> Result<(Vec<(broker_wire::stamp::Stamped, Decided)>, Vec<(Id, i64)>), sqlx::Error> {
+    D::reserve_seqs(conn, w.seqs, decision.receipts.len()).await?;
+    let mut signed = Vec::with_capacity(decision.receipts.len());
+    let mut events = Vec::with_capacity(decision.receipts.len());
+    for planned in &decision.receipts {
+        let row = &rows[planned.row];
+        let request = command.request.as_ref().filter(|_| planned.answers_request);
+        let mut receipt = broker_wire::stamp::lifecycle_receipt(&planned.body);
+        receipt.broker_key_id = w.stamper.key_id().to_owned();
+        receipt.contract_id = row.id.to_vec();
+        receipt.root_id = row.root_id.to_vec();
+        receipt.at_ms = w.now_ms;
+        if let Some(request) = request {
+            receipt.request_digest = request.digest.to_vec();
+            receipt.requester_public_key = request.agent.to_vec();
+        }
+        let stamped = w.stamper.sign_receipt(&receipt);
+        let seq = w.seqs.take();
+        events.push((row.root_id, seq));
+        sqlx::query::<D>(
+            "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .arg(seq)
+        .arg(stamped.id.as_slice())
+        .arg(i64::from(receipt.kind))
+        .arg(row.seq)
+        .arg(row.id.as_slice())
+        .arg(row.root_id.as_slice())
+        .arg(stamped.envelope.encode_to_vec())
+        .arg(w.now_ms)
+        .run(&mut *conn)
+        .await?;
+        if let Some(request) = request {
+            sqlx::query::<D>(
+                "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .arg(request.agent.as_slice())
+            .arg(request.nonce.as_slice())
+            .arg(request.digest.as_slice())
+            .arg(OUTCOME_RECEIPT)
+            .arg(stamped.id.as_slice())
+            .arg(w.now_ms)
+            .run(&mut *conn)
+            .await?;
+        }
+        signed.push((stamped, Decided::of(&receipt)));
+    }
+    Ok((signed, events))
+}
+
+/// Writes `decision` about the contract at `rows[target]`: rows, the
+/// target's columns, observations, receipts (with the request's log entry
+/// beside the one that answers it).
+async fn write<D: Dialect>(
+    conn: &mut D::Connection,
+    decision: &Decision,
+    target: usize,
+    rows: &[Loaded],
+    command: &LifecycleCommand,
+    w: &mut Writing<'_, D>,
+) -> Result<Applied, sqlx::Error> {
+    write_state::<D>(conn, decision, &rows[target], rows, command).await?;
+    let (signed, events) = write_receipts::<D>(conn, decision, rows, command, w).await?;
+    let changed = decision
+        .changed(target)
+        .into_iter()
+        .map(|i| rows[i].id)
+        .collect();
+    let answer = match &decision.answer {
+        Ok(i) => Ok(Answer {
+            outcome: Outcome::Receipt {
+                receipt_id: signed[*i].0.id,
+                envelope: signed[*i].0.envelope.clone(),
+                decided: signed[*i].1.clone(),
+            },
+            replayed: false,
+        }),
+        Err(why) => Err(StoreError::from(why.clone())),
+    };
+    Ok(Applied {
+        answer,
+        changed,
+        draining_changed: false,
+        events,
+    })
+}

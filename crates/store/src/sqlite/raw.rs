@@ -1,0 +1,538 @@
+//! The writer's batch statements, run on the writer's own thread.
+//!
+//! Through sqlx every statement's result crosses from SQLite's worker
+//! thread as a message of its own, each a wake-up of the writer: a batch's
+//! script (BEGIN, its inserts and updates, COMMIT) cost the writer 6.5
+//! thread switches, and the batch waited each time for both threads to be
+//! scheduled (BENCHMARKS.md). Here the writer takes the
+//! connection from the worker (`lock_handle`), keeps it for as many
+//! batches as need nothing read through sqlx (`writer::apply_held`), and
+//! steps its own prepared statements, binding the plan's values in place.
+//!
+//! All `unsafe` of the store is in this file. What keeps it sound:
+//! - the handle is only used while sqlx's `LockedSqliteHandle` is held,
+//!   so sqlx's worker never uses the connection at the same time;
+//! - bound values are `SQLITE_STATIC` (not copied): each statement is
+//!   reset and its bindings cleared before `run` returns, while the
+//!   borrowed values are still alive;
+//! - every statement prepared here is finalized (`finalize_all`) before
+//!   the connection is closed: sqlx closes it with `sqlite3_close`, which
+//!   refuses (and sqlx then panics) while a statement is open.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::ffi::{CStr, c_int};
+use std::ptr::NonNull;
+
+use libsqlite3_sys as ffi;
+use sqlx::SqliteConnection;
+use sqlx::error::{DatabaseError, ErrorKind};
+use sqlx::sqlite::LockedSqliteHandle;
+
+use crate::limits::sqlite::{HANDLE_TRIES, HANDLE_WAIT, STATEMENT_CACHE_CAPACITY};
+use crate::sql::plan::{Arg, Sql};
+
+/// Takes SQLite's handle from sqlx's worker thread (`lock_handle`), with
+/// a bound: sqlx 0.9's `lock_handle` now and then never returns (the
+/// worker has let the connection go and waits to take it back; the
+/// writer is never woken). Seen in `store-probe --hand-over`, a take
+/// right after a checkpoint through sqlx: 1–7 takes in 60,000 in every
+/// run, each for good. Abandoning the take and asking again got the
+/// handle at once every time (BENCHMARKS.md). So a
+/// take not done in `HANDLE_WAIT` is asked again, up to `HANDLE_TRIES`
+/// times; then the caller gets an error (its batch fails loudly) instead
+/// of every write stopping without a word. Abandoning is harmless: the
+/// worker lets the connection go and takes it back once more.
+pub(super) async fn take_handle<'c>(
+    conn: &'c mut SqliteConnection,
+    retakes: Option<&prometheus::IntCounter>,
+) -> Result<LockedSqliteHandle<'c>, sqlx::Error> {
+    let conn: *mut SqliteConnection = conn;
+    // SAFETY: `bounded` drops each attempt (and the borrow in it) before
+    // it starts the next, so at most one `&mut` made here is ever alive,
+    // and the one returned is the caller's borrow.
+    let attempt = || unsafe { &mut *conn }.lock_handle();
+    match bounded(attempt, HANDLE_WAIT, HANDLE_TRIES).await {
+        Ok((taken, 0)) => taken,
+        Ok((taken, abandoned)) => {
+            if let Some(retakes) = retakes {
+                retakes.inc_by(u64::from(abandoned));
+            }
+            static RETAKEN: crate::throttle::Throttle = crate::throttle::Throttle::new();
+            if let Some(held) = RETAKEN.allow() {
+                tracing::warn!(
+                    abandoned,
+                    held,
+                    "sqlx's worker did not hand over the writer's connection; asked again"
+                );
+            }
+            taken
+        }
+        Err(abandoned) => {
+            if let Some(retakes) = retakes {
+                retakes.inc_by(u64::from(abandoned));
+            }
+            Err(sqlx::Error::Protocol(format!(
+                "sqlx's worker did not hand over the writer's connection in {abandoned} tries of {} ms",
+                HANDLE_WAIT.as_millis()
+            )))
+        }
+    }
+}
+
+/// Runs `attempt()` for up to `wait`, dropping it and starting it again
+/// up to `tries` times in all: its output and how many were abandoned, or
+/// (all abandoned) how many.
+async fn bounded<F: std::future::Future>(
+    mut attempt: impl FnMut() -> F,
+    wait: std::time::Duration,
+    tries: u32,
+) -> Result<(F::Output, u32), u32> {
+    for abandoned in 0..tries {
+        if let Ok(output) = tokio::time::timeout(wait, attempt()).await {
+            return Ok((output, abandoned));
+        }
+    }
+    Err(tries)
+}
+
+/// Rows the connection's last statement changed (`sqlite3_changes64`).
+pub(super) fn changes(handle: &mut LockedSqliteHandle<'_>) -> u64 {
+    // SAFETY: the locked handle gives this thread the connection alone.
+    let changed = unsafe { ffi::sqlite3_changes64(handle.as_raw_handle().as_ptr()) };
+    u64::try_from(changed).unwrap_or(0)
+}
+
+/// The writer's prepared statements, by text.
+#[derive(Default)]
+pub(super) struct Statements {
+    prepared: HashMap<String, NonNull<ffi::sqlite3_stmt>>,
+    /// The connection they were prepared on (set by the first): a handle
+    /// of another connection is refused, not stepped.
+    db: Option<NonNull<ffi::sqlite3>>,
+}
+
+impl Statements {
+    /// Runs every statement of `sql`, in order, to completion; stops at
+    /// the first error (what a failed statement leaves of a transaction
+    /// is the caller's: `OR ROLLBACK` statements roll it back).
+    pub(super) fn run(
+        &mut self,
+        handle: &mut LockedSqliteHandle<'_>,
+        sql: &Sql<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let db = handle.as_raw_handle();
+        if *self.db.get_or_insert(db) != db {
+            return Err(sqlx::Error::Protocol(
+                "the writer's statements belong to another connection".into(),
+            ));
+        }
+        for statement in sql.statements() {
+            let stmt = self.prepare(handle, &statement.text)?;
+            // SAFETY: `stmt` was prepared on `db`, which the locked handle
+            // gives this thread alone; the arguments outlive the call,
+            // which resets the statement before returning.
+            unsafe { step(db, stmt, &statement.args) }?;
+        }
+        Ok(())
+    }
+
+    /// Whether no statement is prepared (none to finalize).
+    pub(super) fn is_empty(&self) -> bool {
+        self.prepared.is_empty()
+    }
+
+    /// The statement for `text`, prepared once (until the cache is full:
+    /// then every statement is finalized and the cache starts again).
+    fn prepare(
+        &mut self,
+        handle: &mut LockedSqliteHandle<'_>,
+        text: &str,
+    ) -> Result<NonNull<ffi::sqlite3_stmt>, sqlx::Error> {
+        if let Some(stmt) = self.prepared.get(text) {
+            return Ok(*stmt);
+        }
+        if self.prepared.len() >= STATEMENT_CACHE_CAPACITY {
+            self.finalize_all(handle);
+        }
+        let db = handle.as_raw_handle();
+        let length = c_int::try_from(text.len())
+            .map_err(|_| sqlx::Error::Protocol("statement text over 2 GiB".into()))?;
+        let mut stmt = std::ptr::null_mut();
+        let mut tail = std::ptr::null();
+        // SAFETY: `text` is valid for `length` bytes (no terminator is
+        // needed when the length is given); `db` is locked to this thread.
+        let rc = unsafe {
+            ffi::sqlite3_prepare_v3(
+                db.as_ptr(),
+                text.as_ptr().cast(),
+                length,
+                ffi::SQLITE_PREPARE_PERSISTENT,
+                &mut stmt,
+                &mut tail,
+            )
+        };
+        if rc != ffi::SQLITE_OK {
+            // SAFETY: as above; the error is read before any other call.
+            return Err(unsafe { last_error(db) });
+        }
+        let stmt = NonNull::new(stmt)
+            .ok_or_else(|| sqlx::Error::Protocol(format!("no statement in {text:?}")))?;
+        // One statement per text: anything after it would not run.
+        // SAFETY: `tail` points into `text`, at or before its end.
+        let consumed = usize::try_from(unsafe { tail.cast::<u8>().offset_from(text.as_ptr()) });
+        let rest = consumed.ok().and_then(|at| text.get(at..));
+        if rest.is_none_or(|rest| !rest.trim().is_empty()) {
+            // SAFETY: `stmt` was just prepared and is not cached.
+            unsafe { ffi::sqlite3_finalize(stmt.as_ptr()) };
+            return Err(sqlx::Error::Protocol(format!(
+                "more than one statement in {text:?}"
+            )));
+        }
+        self.prepared.insert(text.to_owned(), stmt);
+        Ok(stmt)
+    }
+
+    /// Finalizes every statement (the locked handle is the proof that
+    /// nothing else uses the connection); before the connection closes.
+    pub(super) fn finalize_all(&mut self, locked: &mut LockedSqliteHandle<'_>) {
+        if self.db.is_some_and(|db| db != locked.as_raw_handle()) {
+            tracing::error!(
+                "finalizing the writer's statements with another connection's handle: refused"
+            );
+            return;
+        }
+        for (_, stmt) in self.prepared.drain() {
+            // SAFETY: each was prepared here and is finalized once.
+            unsafe { ffi::sqlite3_finalize(stmt.as_ptr()) };
+        }
+    }
+}
+
+/// Pages this connection has written to the WAL since it opened
+/// (`SQLITE_DBSTATUS_CACHE_WRITE`): its commits' frames, as SQLite counts
+/// them (checkpoints not included). `None` if SQLite does not say.
+pub(super) fn wal_pages_written(handle: &mut LockedSqliteHandle<'_>) -> Option<u64> {
+    let (mut current, mut highwater): (c_int, c_int) = (0, 0);
+    // SAFETY: the locked handle gives this thread the connection; both
+    // out-pointers are live locals.
+    let rc = unsafe {
+        ffi::sqlite3_db_status(
+            handle.as_raw_handle().as_ptr(),
+            ffi::SQLITE_DBSTATUS_CACHE_WRITE,
+            &mut current,
+            &mut highwater,
+            0,
+        )
+    };
+    (rc == ffi::SQLITE_OK)
+        .then(|| u64::try_from(current).ok())
+        .flatten()
+}
+
+impl Drop for Statements {
+    fn drop(&mut self) {
+        // Finalizing needs the connection locked, which a drop cannot
+        // wait for: the writer finalizes before it stops (`run_writer`).
+        if !self.prepared.is_empty() {
+            tracing::error!(
+                statements = self.prepared.len(),
+                "the writer's statements were not finalized; closing its connection will fail"
+            );
+        }
+    }
+}
+
+/// Binds `args` to `stmt`, steps it to the end and resets it.
+///
+/// # Safety
+/// `stmt` was prepared on `db`, and the caller holds the connection.
+unsafe fn step(
+    db: NonNull<ffi::sqlite3>,
+    stmt: NonNull<ffi::sqlite3_stmt>,
+    args: &[Arg<'_>],
+) -> Result<(), sqlx::Error> {
+    let stmt = stmt.as_ptr();
+    // SAFETY (whole body): the caller's; every pointer bound below is
+    // valid for its length until the reset at the end.
+    unsafe {
+        let expected = usize::try_from(ffi::sqlite3_bind_parameter_count(stmt)).unwrap_or(0);
+        if expected != args.len() {
+            return Err(sqlx::Error::Protocol(format!(
+                "a statement takes {expected} values, {} were given",
+                args.len()
+            )));
+        }
+        let mut result = Ok(());
+        for (i, arg) in args.iter().enumerate() {
+            // Placeholders count from 1; `expected` fit in a c_int.
+            let index = c_int::try_from(i + 1).unwrap_or(c_int::MAX);
+            let rc = match *arg {
+                Arg::Null => ffi::sqlite3_bind_null(stmt, index),
+                Arg::Int(v) => ffi::sqlite3_bind_int64(stmt, index, v),
+                Arg::Blob(bytes) => match c_int::try_from(bytes.len()) {
+                    // A Rust slice's pointer is never null, so an empty
+                    // blob binds as an empty blob, not as NULL.
+                    Ok(n) => ffi::sqlite3_bind_blob(
+                        stmt,
+                        index,
+                        bytes.as_ptr().cast(),
+                        n,
+                        ffi::SQLITE_STATIC(),
+                    ),
+                    Err(_) => ffi::SQLITE_TOOBIG,
+                },
+                Arg::Text(text) => match c_int::try_from(text.len()) {
+                    Ok(n) => ffi::sqlite3_bind_text(
+                        stmt,
+                        index,
+                        text.as_ptr().cast(),
+                        n,
+                        ffi::SQLITE_STATIC(),
+                    ),
+                    Err(_) => ffi::SQLITE_TOOBIG,
+                },
+            };
+            if rc == ffi::SQLITE_TOOBIG {
+                // Refused here (over `c_int`) or by SQLite: say which value.
+                result = Err(sqlx::Error::Database(Box::new(RawError {
+                    code: rc,
+                    message: format!("value {index} is too large to bind"),
+                })));
+                break;
+            }
+            if rc != ffi::SQLITE_OK {
+                result = Err(last_error(db));
+                break;
+            }
+        }
+        if result.is_ok() {
+            loop {
+                match ffi::sqlite3_step(stmt) {
+                    ffi::SQLITE_DONE => break,
+                    // The batch's statements return no rows; any would be
+                    // ignored, as sqlx's `execute` ignores them.
+                    ffi::SQLITE_ROW => continue,
+                    _ => {
+                        result = Err(last_error(db));
+                        break;
+                    }
+                }
+            }
+        }
+        // Ready for its next use, holding no pointer into `args`.
+        ffi::sqlite3_reset(stmt);
+        ffi::sqlite3_clear_bindings(stmt);
+        result
+    }
+}
+
+/// The connection's last error, as sqlx reports SQLite's errors (the
+/// extended code, its kind), so callers match it the same way.
+///
+/// # Safety
+/// The caller holds the connection.
+unsafe fn last_error(db: NonNull<ffi::sqlite3>) -> sqlx::Error {
+    // SAFETY: the caller's; `sqlite3_errmsg` returns a valid C string.
+    let (code, message) = unsafe {
+        let code = ffi::sqlite3_extended_errcode(db.as_ptr());
+        let message = CStr::from_ptr(ffi::sqlite3_errmsg(db.as_ptr()))
+            .to_string_lossy()
+            .into_owned();
+        (code, message)
+    };
+    sqlx::Error::Database(Box::new(RawError { code, message }))
+}
+
+/// An error SQLite returned to one of the writer's own statements.
+#[derive(Debug)]
+pub(super) struct RawError {
+    /// The extended result code.
+    code: c_int,
+    message: String,
+}
+
+impl std::fmt::Display for RawError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // sqlx's wording, so logs read the same either way.
+        write!(f, "(code: {}) {}", self.code, self.message)
+    }
+}
+
+impl std::error::Error for RawError {}
+
+impl DatabaseError for RawError {
+    fn message(&self) -> &str {
+        &self.message
+    }
+
+    fn code(&self) -> Option<Cow<'_, str>> {
+        Some(self.code.to_string().into())
+    }
+
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+
+    fn kind(&self) -> ErrorKind {
+        match self.code {
+            ffi::SQLITE_CONSTRAINT_UNIQUE | ffi::SQLITE_CONSTRAINT_PRIMARYKEY => {
+                ErrorKind::UniqueViolation
+            }
+            ffi::SQLITE_CONSTRAINT_FOREIGNKEY => ErrorKind::ForeignKeyViolation,
+            ffi::SQLITE_CONSTRAINT_NOTNULL => ErrorKind::NotNullViolation,
+            ffi::SQLITE_CONSTRAINT_CHECK => ErrorKind::CheckViolation,
+            _ => ErrorKind::Other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sqlx::{Connection, Row, SqliteConnection};
+
+    async fn memory() -> SqliteConnection {
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
+        sqlx::query("CREATE TABLE t (k BLOB PRIMARY KEY, n INTEGER, s TEXT, z BLOB)")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn
+    }
+
+    #[tokio::test]
+    async fn values_bind_in_place_and_errors_keep_sqlxs_kind_and_code() {
+        let mut conn = memory().await;
+        let mut statements = Statements::default();
+        let key = vec![1u8];
+        let text = String::from("a");
+        type Values<'a> = (&'a [u8], Option<i64>, &'a str, Option<&'a [u8]>);
+        let rows: Vec<Values<'_>> = vec![(&key, Some(5), &text, None), (&[], None, "", Some(&[]))];
+        let mut sql = Sql::default();
+        sql.statement("INSERT INTO t (k, n, s, z)")
+            .values(&rows, |row, (k, n, s, z)| {
+                row.arg(*k).arg(*n).arg(*s).arg(*z);
+            });
+        let mut handle = conn.lock_handle().await.unwrap();
+        statements.run(&mut handle, &sql).unwrap();
+        // The same text again: the cached statement, rebound.
+        let again = statements.run(&mut handle, &sql).unwrap_err();
+        drop(handle);
+        match &again {
+            sqlx::Error::Database(db) => {
+                assert_eq!(db.kind(), ErrorKind::UniqueViolation, "{again}");
+                // SQLITE_CONSTRAINT_PRIMARYKEY, as sqlx reports it.
+                assert_eq!(db.code().as_deref(), Some("1555"), "{again}");
+            }
+            other => panic!("not a database error: {other}"),
+        }
+        let read = sqlx::query("SELECT k, n, s, typeof(z) AS z FROM t ORDER BY k")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+        let read: Vec<(Vec<u8>, Option<i64>, String, String)> = read
+            .iter()
+            .map(|r| (r.get("k"), r.get("n"), r.get("s"), r.get("z")))
+            .collect();
+        assert_eq!(
+            read,
+            vec![
+                // An empty slice binds an empty blob, not NULL.
+                (vec![], None, String::new(), "blob".to_owned()),
+                (vec![1], Some(5), "a".to_owned(), "null".to_owned()),
+            ]
+        );
+        let mut locked = conn.lock_handle().await.unwrap();
+        statements.finalize_all(&mut locked);
+        drop(locked);
+        // sqlx's close fails (panics) if a statement were left prepared.
+        conn.close().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_take_that_does_not_finish_is_abandoned_and_asked_again_a_bounded_number_of_times() {
+        use std::future::{pending, ready};
+        use std::time::Duration;
+        let wait = Duration::from_millis(1);
+        // The first two attempts never finish (a lost wake-up); the third
+        // does at once.
+        let mut started = 0u32;
+        let attempt = || {
+            started += 1;
+            let n = started;
+            async move {
+                if n <= 2 {
+                    pending::<()>().await;
+                }
+                n
+            }
+        };
+        assert_eq!(bounded(attempt, wait, 5).await, Ok((3, 2)));
+        // None finishes: the caller is told after exactly `tries`.
+        let mut started = 0u32;
+        let never = || {
+            started += 1;
+            pending::<()>()
+        };
+        assert_eq!(bounded(never, wait, 4).await, Err(4));
+        assert_eq!(started, 4);
+        // One that finishes at once is not abandoned.
+        assert_eq!(bounded(|| ready(7), wait, 1).await, Ok((7, 0)));
+    }
+
+    #[tokio::test]
+    async fn the_handle_taken_through_the_bound_runs_statements_and_counts_changes() {
+        let mut conn = memory().await;
+        let mut statements = Statements::default();
+        let mut sql = Sql::default();
+        sql.statement("INSERT INTO t (k) VALUES (x'01'), (x'02'), (x'03')");
+        sql.statement("DELETE FROM t WHERE k > ").arg(&[1u8][..]);
+        let retakes = prometheus::IntCounter::new("t", "t").unwrap();
+        let mut handle = take_handle(&mut conn, Some(&retakes)).await.unwrap();
+        statements.run(&mut handle, &sql).unwrap();
+        assert_eq!(
+            changes(&mut handle),
+            2,
+            "the DELETE's rows, not the INSERT's"
+        );
+        statements.finalize_all(&mut handle);
+        drop(handle);
+        assert_eq!(retakes.get(), 0);
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM t")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(count, 1);
+        conn.close().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_text_of_two_statements_is_refused() {
+        let mut conn = memory().await;
+        let mut statements = Statements::default();
+        let mut sql = Sql::default();
+        sql.statement("INSERT INTO t (k) VALUES (x'01'); DELETE FROM t");
+        let mut handle = conn.lock_handle().await.unwrap();
+        let refused = statements.run(&mut handle, &sql).unwrap_err();
+        assert!(
+            refused.to_string().contains("more than one statement"),
+            "{refused}"
+        );
+        assert!(statements.prepared.is_empty());
+        drop(handle);
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM t")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(count, 0, "nothing of it ran");
+    }
+}
