@@ -10,7 +10,7 @@ frequent stacks of every other thread. A gap in which one thread runs
 alone (the writer freeing memory under a lock every request needs, say)
 is a stall of the whole broker; a gap in which nothing runs is a wait on
 the disk. The closed-loop 140–180 ms stalls of the SQLite writer were found this
-way (BENCHMARKS.md). Gaps at the very end are the
+way (docs/benchmarks-history.md). Gaps at the very end are the
 broker's shutdown.
 
     scripts/stalls.py --bin target/release/delegation-broker --gap-ms 10
