@@ -10,12 +10,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
+use broker_client::Link;
+use broker_mcp::gateway::recorder::Recorder;
 use delegation_broker::clock::{Clock, SystemClock};
 use delegation_broker::config::Config;
 use delegation_broker::crypto::payload_type;
-use delegation_broker::mcp::gateway::recorder::Recorder;
-use delegation_broker::mcp::link::Link;
 use delegation_broker::pb;
 use delegation_broker::pb::broker_client::BrokerClient;
 use prost::Message as _;

@@ -34,11 +34,9 @@ pub enum KeystoreError {
     /// A data directory that must exist (rotate-key) does not.
     #[error("{path}: no such data directory (rotate-key rotates the key of an existing one)")]
     NoDataDir { path: PathBuf },
-    /// A secret key file others can read.
-    #[error(
-        "{path} is readable by others (mode {mode:o}): a signing key must be the owner's alone; fix it with `chmod 600 {path}`"
-    )]
-    Exposed { path: PathBuf, mode: u32 },
+    /// A key file others can read, or that holds no key.
+    #[error(transparent)]
+    KeyFile(#[from] broker_client::keys::KeyFileError),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -55,57 +53,12 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> KeystoreError + '_ {
     }
 }
 
-/// Writes `contents` readable by the owner only, atomically (temp + rename)
-/// so a crash never leaves half a key.
-pub fn write_secret(path: &Path, contents: &str) -> Result<(), KeystoreError> {
-    let tmp = path.with_extension("tmp");
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-    }
-    let mut file = options.open(&tmp).map_err(io(&tmp))?;
-    file.write_all(contents.as_bytes()).map_err(io(&tmp))?;
-    file.sync_all().map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))?;
-    Ok(())
-}
-
-/// Refuses a key file that its group or others may read: a leaked seed
-/// signs as the broker (or the agent) for good.
-pub fn check_private(path: &Path) -> Result<(), KeystoreError> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(path)
-            .map_err(io(path))?
-            .permissions()
-            .mode()
-            & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(KeystoreError::Exposed {
-                path: path.to_owned(),
-                mode,
-            });
-        }
-    }
-    Ok(())
-}
+pub use broker_client::keys::{check_private, write_secret};
 
 fn read_seed(path: &Path) -> Result<SigningKey, KeystoreError> {
-    check_private(path)?;
-    let text = std::fs::read_to_string(path).map_err(io(path))?;
-    let bytes = hex::decode(text.trim()).map_err(|e| KeystoreError::Malformed {
-        path: path.to_owned(),
-        reason: e.to_string(),
-    })?;
-    let seed: [u8; 32] = bytes.try_into().map_err(|_| KeystoreError::Malformed {
-        path: path.to_owned(),
-        reason: "seed must be 32 bytes".into(),
-    })?;
-    Ok(SigningKey::from_bytes(&seed))
+    Ok(SigningKey::from_bytes(&broker_client::keys::read_seed(
+        path,
+    )?))
 }
 
 /// Loads the keyring from `data_dir`, creating the directory and a fresh

@@ -10,17 +10,17 @@ pub use broker_wire::{chain, clock, command, crypto, names, pb, stamp};
 /// the service.
 pub use broker_store::{self as store, pool, slots};
 
-pub mod a2a;
+/// Logs, traces, listeners and stopping, shared with the gateways
+/// (`crates/runtime`).
+pub use broker_runtime::telemetry;
+
 pub mod cli;
-pub mod client;
 pub mod config;
 pub mod console;
 pub mod keystore;
-pub mod mcp;
 pub mod metrics;
 pub mod server;
 pub mod service;
-pub mod telemetry;
 
 /// What this binary is: `delegation-broker version`, `broker_build_info`,
 /// the spans' `service.version`.

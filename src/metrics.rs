@@ -51,42 +51,6 @@ const SCRAPE_HEADER_TIMEOUT_MS: u64 = 2_000;
 /// its answer slowly cannot hold a slot either.
 const SCRAPE_CONNECTION_TIMEOUT_MS: u64 = 10_000;
 
-/// The methods the broker serves, by gRPC path, with their kind: any other
-/// path is counted as service and method "unknown", so a client cannot
-/// grow the label set.
-const METHODS: &[(&str, &str)] = &[
-    ("/delegation.broker.v1.Broker/OpenRoot", "unary"),
-    ("/delegation.broker.v1.Broker/Delegate", "unary"),
-    ("/delegation.broker.v1.Broker/GetContract", "unary"),
-    ("/delegation.broker.v1.Broker/GetChain", "unary"),
-    ("/delegation.broker.v1.Broker/ListChildren", "unary"),
-    ("/delegation.broker.v1.Broker/ListRoots", "unary"),
-    ("/delegation.broker.v1.Broker/ListHeld", "unary"),
-    ("/delegation.broker.v1.Broker/GetReceipt", "unary"),
-    ("/delegation.broker.v1.Broker/GetBrokerKeys", "unary"),
-    ("/delegation.broker.v1.Broker/OpenSession", "unary"),
-    ("/delegation.broker.v1.Broker/Accept", "unary"),
-    ("/delegation.broker.v1.Broker/Decline", "unary"),
-    ("/delegation.broker.v1.Broker/Complete", "unary"),
-    ("/delegation.broker.v1.Broker/Adjudicate", "unary"),
-    ("/delegation.broker.v1.Broker/Escalate", "unary"),
-    ("/delegation.broker.v1.Broker/Revoke", "unary"),
-    ("/delegation.broker.v1.Broker/RecordReceipts", "unary"),
-    ("/delegation.broker.v1.Broker/Watch", "server_stream"),
-    ("/delegation.broker.v1.Broker/GetAudit", "unary"),
-    ("/delegation.broker.v1.Broker/AggregateAudits", "unary"),
-    ("/grpc.health.v1.Health/Check", "unary"),
-    ("/grpc.health.v1.Health/Watch", "server_stream"),
-    (
-        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-        "bidi_stream",
-    ),
-    (
-        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-        "bidi_stream",
-    ),
-];
-
 /// gRPC status codes by number, as their canonical names.
 const CODES: [&str; 17] = [
     "OK",
@@ -522,7 +486,7 @@ fn preinitialise(
     }
 }
 
-/// The `code` label of a refusal: DESIGN.md's code (`BUDGET_EXCEEDS_PARENT`),
+/// The `code` label of a refusal: docs/design.md's code (`BUDGET_EXCEEDS_PARENT`),
 /// as audits and receipts' readers spell it; "UNKNOWN" for a value this
 /// build does not know.
 pub fn invariant_label(wire: i32) -> &'static str {
@@ -532,23 +496,7 @@ pub fn invariant_label(wire: i32) -> &'static str {
         .map_or("UNKNOWN", crate::core::InvariantCode::as_str)
 }
 
-/// The full method name (`package.Service/Method`) of a request path, the
-/// name of its span; "unknown" for a path the broker does not serve.
-pub fn method_name(path: &str) -> &'static str {
-    METHODS
-        .iter()
-        .find(|(known, _)| *known == path)
-        .map_or("unknown", |(known, _)| &known[1..])
-}
-
-/// (type, service, method) label values of a request path.
-pub fn method_labels(path: &str) -> [&'static str; 3] {
-    let Some((path, kind)) = METHODS.iter().find(|(known, _)| *known == path).copied() else {
-        return ["unary", "unknown", "unknown"];
-    };
-    let (service, method) = path[1..].split_once('/').unwrap_or(("unknown", "unknown"));
-    [kind, service, method]
-}
+pub use crate::names::{METHODS, method_labels, method_name};
 
 /// The tower layer that counts every call (`Server::builder().layer`).
 #[derive(Clone)]

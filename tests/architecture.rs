@@ -379,15 +379,16 @@ fn tonic_violations() -> Vec<String> {
             "src/server/",
             "src/console/",
             "crates/wire/src/lib.rs",
+            "crates/runtime/src/",
             "src/metrics.rs",
-            "src/telemetry/",
-            "src/client.rs",
+            "crates/runtime/src/telemetry/",
+            "crates/client/src/",
             "src/cli/bench.rs",
             "src/cli/audit.rs",
             "src/cli/tree.rs",
             "src/cli/read.rs",
-            "src/mcp/",
-            "src/a2a/",
+            "crates/mcp/src/",
+            "crates/a2a/src/",
         ],
         "only the service (and what wires it) knows tonic",
     )
@@ -399,12 +400,12 @@ fn tonic_violations() -> Vec<String> {
 fn only_the_a2a_gateway_knows_a2a() {
     let mut found = only_in(
         "a2a_pb",
-        &["src/a2a/"],
+        &["crates/a2a/src/"],
         "only the A2A gateway knows A2A's types",
     );
     found.extend(only_in(
         "envoy_types",
-        &["src/a2a/"],
+        &["crates/a2a/src/"],
         "only the A2A gateway knows Envoy's types",
     ));
     assert_none(found);
@@ -429,8 +430,8 @@ fn status_violations() -> Vec<String> {
             &[
                 "src/service/error.rs",
                 "src/service/transport.rs",
-                "src/client.rs",
-                "src/a2a/grpc.rs",
+                "crates/client/src/",
+                "crates/a2a/src/grpc.rs",
             ],
         ) {
             continue;
@@ -672,23 +673,27 @@ const STATICS: &[(&str, &str, &str)] = &[
         "store errors by class (a counter)",
     ),
     (
-        "src/telemetry/mod.rs",
+        "crates/runtime/src/telemetry/mod.rs",
         "EXPORT",
         "the span exporter, set once at start",
     ),
-    ("src/telemetry/mod.rs", "SPANS", "span counters"),
     (
-        "src/telemetry/mod.rs",
+        "crates/runtime/src/telemetry/mod.rs",
+        "SPANS",
+        "span counters",
+    ),
+    (
+        "crates/runtime/src/telemetry/mod.rs",
         "CALL",
         "the call's facts (task-local)",
     ),
     (
-        "src/telemetry/mod.rs",
+        "crates/runtime/src/telemetry/mod.rs",
         "CALL_SPANS_AT_INFO",
         "log level of call spans, set at start",
     ),
     (
-        "crates/store/src/throttle.rs",
+        "crates/wire/src/throttle.rs",
         "EPOCH",
         "the log throttles' clock",
     ),
@@ -725,7 +730,11 @@ const STATICS: &[(&str, &str, &str)] = &[
         "RETAKEN",
         "a log throttle",
     ),
-    ("src/telemetry/mod.rs", "EXPORT_FAILED", "a log throttle"),
+    (
+        "crates/runtime/src/telemetry/mod.rs",
+        "EXPORT_FAILED",
+        "a log throttle",
+    ),
     (
         "crates/store/src/postgres/writer.rs",
         "ISSUANCE_FAILED",
@@ -877,4 +886,225 @@ fn test_module_violations() -> Vec<String> {
 #[test]
 fn test_modules_are_compiled_for_tests_only() {
     assert_none(test_module_violations());
+}
+
+/// The workspace's crates and what each may not depend on, directly or
+/// through another crate (normal dependencies, as `cargo metadata`
+/// resolves them; dev- and build-dependencies do not ship).
+const CRATE_RULES: &[(&str, &[&str], &str)] = &[
+    (
+        "broker-domain",
+        &[
+            "tokio",
+            "mio",
+            "sqlx",
+            "libsqlite3-sys",
+            "tonic",
+            "hyper",
+            "axum",
+            "reqwest",
+            "prost",
+            "socket2",
+            "rustix",
+            "broker-wire",
+            "broker-store",
+            "broker-runtime",
+        ],
+        "the domain is pure: every rule is tested without a runtime, a database or the wire",
+    ),
+    (
+        "broker-wire",
+        &[
+            "sqlx",
+            "libsqlite3-sys",
+            "broker-store",
+            "broker-runtime",
+            "delegation-broker",
+        ],
+        "a verifier or client needs the wire and nothing a server needs",
+    ),
+    (
+        "broker-store",
+        &[
+            "broker-runtime",
+            "broker-client",
+            "delegation-broker",
+            "broker-a2a",
+            "broker-mcp",
+        ],
+        "the store knows the domain and the wire, not the service or the clients",
+    ),
+    (
+        "broker-client",
+        &[
+            "broker-store",
+            "delegation-broker",
+            "sqlx",
+            "libsqlite3-sys",
+            "rmcp",
+            "a2a-lf",
+        ],
+        "the client knows the public API only",
+    ),
+    (
+        "broker-runtime",
+        &[
+            "broker-store",
+            "delegation-broker",
+            "broker-client",
+            "sqlx",
+            "libsqlite3-sys",
+        ],
+        "what every server shares knows no service, store or client",
+    ),
+    (
+        "broker-a2a",
+        &[
+            "broker-store",
+            "delegation-broker",
+            "broker-mcp",
+            "sqlx",
+            "libsqlite3-sys",
+        ],
+        "a gateway is a client of the broker's public API, never of its internals",
+    ),
+    (
+        "broker-mcp",
+        &[
+            "broker-store",
+            "delegation-broker",
+            "broker-a2a",
+            "sqlx",
+            "libsqlite3-sys",
+        ],
+        "a gateway is a client of the broker's public API, never of its internals",
+    ),
+];
+
+/// Each package of the resolved graph (by name) with the names of its
+/// normal dependencies, from `cargo metadata`.
+fn dependency_graph() -> std::collections::HashMap<String, Vec<String>> {
+    // This machine's platform only: the rest of the lock file's packages
+    // (Android's, Windows') are not downloaded.
+    let rustc = std::process::Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .expect("rustc -vV runs");
+    let host = String::from_utf8_lossy(&rustc.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_owned))
+        .expect("rustc -vV names the host");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .args(["--filter-platform", &host])
+        .current_dir(repo())
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata JSON");
+    let name_of: std::collections::HashMap<&str, &str> = metadata["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .map(|p| {
+            (
+                p["id"].as_str().expect("id"),
+                p["name"].as_str().expect("name"),
+            )
+        })
+        .collect();
+    metadata["resolve"]["nodes"]
+        .as_array()
+        .expect("resolve.nodes")
+        .iter()
+        .map(|node| {
+            let normal = node["deps"]
+                .as_array()
+                .expect("deps")
+                .iter()
+                .filter(|dep| {
+                    dep["dep_kinds"]
+                        .as_array()
+                        .is_some_and(|kinds| kinds.iter().any(|k| k["kind"].is_null()))
+                })
+                .map(|dep| name_of[dep["pkg"].as_str().expect("pkg")].to_owned())
+                .collect();
+            (name_of[node["id"].as_str().expect("id")].to_owned(), normal)
+        })
+        .collect()
+}
+
+/// For each crate rule, the forbidden packages it reaches, with the path.
+fn crate_violations(graph: &std::collections::HashMap<String, Vec<String>>) -> Vec<String> {
+    let mut found = Vec::new();
+    for (krate, forbidden, why) in CRATE_RULES {
+        assert!(
+            graph.contains_key(*krate),
+            "{krate} is not in the workspace"
+        );
+        // Breadth first, remembering how each package was reached.
+        let mut via: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+        let mut queue = std::collections::VecDeque::from([*krate]);
+        while let Some(package) = queue.pop_front() {
+            for dep in graph.get(package).into_iter().flatten() {
+                if dep != krate && !via.contains_key(dep.as_str()) {
+                    via.insert(dep, package);
+                    queue.push_back(dep);
+                }
+            }
+        }
+        for name in *forbidden {
+            if via.contains_key(name) {
+                let mut path = vec![*name];
+                while let Some(from) = via.get(path[path.len() - 1]) {
+                    path.push(from);
+                    if *from == *krate {
+                        break;
+                    }
+                }
+                path.reverse();
+                found.push(format!(
+                    "{krate} depends on {name} ({}): {why}",
+                    path.join(" -> ")
+                ));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn crates_depend_only_on_what_the_architecture_allows() {
+    assert_none(crate_violations(&dependency_graph()));
+}
+
+#[test]
+fn the_crate_checker_sees_a_forbidden_dependency() {
+    let mut graph = dependency_graph();
+    graph
+        .get_mut("broker-domain")
+        .expect("broker-domain")
+        .push("tokio".into());
+    graph
+        .get_mut("broker-client")
+        .expect("broker-client")
+        .push("broker-store".into());
+    let found = crate_violations(&graph);
+    assert!(
+        found
+            .iter()
+            .any(|v| v.starts_with("broker-domain depends on tokio (broker-domain -> tokio)")),
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|v| v.starts_with("broker-a2a depends on broker-store")),
+        "{found:?}"
+    );
 }

@@ -7,8 +7,8 @@
 
 use std::collections::HashMap;
 
+use broker_client::Agent;
 use delegation_broker::chain::{self, BrokerKeys};
-use delegation_broker::client::Agent;
 use delegation_broker::crypto::{self, payload_type};
 use delegation_broker::pb;
 use ed25519_dalek::SigningKey;

@@ -4,7 +4,7 @@
 //! Asserts:
 //! - a refusal lists each violated invariant once, in code order, never
 //!   none, its primary reason the first; and the set of codes is exactly
-//!   the one an independent model of DESIGN.md's fifteen rules finds;
+//!   the one an independent model of docs/design.md's fifteen rules finds;
 //! - the check is deterministic;
 //! - issued terms are the ones built by construction (depth + 1, deadline
 //!   min(parent, requested), cumulative trust floor(parent × factor)), and
@@ -308,7 +308,7 @@ fn run(input: &Input) {
     }
 }
 
-/// DESIGN.md §Invariants, rule by rule, in wide arithmetic.
+/// docs/design.md §Invariants, rule by rule, in wide arithmetic.
 fn model(parent: &ParentView, ask: &ChildAsk, now: i64) -> BTreeSet<C> {
     let mut out = BTreeSet::new();
     let mut rule = |broken: bool, code: C| {

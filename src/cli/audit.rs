@@ -25,7 +25,7 @@ pub struct AuditArgs {
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
     /// The key to read as: a file holding its secret seed in hex, as
-    /// `keygen` writes it. Reads need a session (see the README): a reader
+    /// `keygen` writes it. Reads need a session (docs/api.md, "Read"): a reader
     /// key listed under [readers] in the broker's configuration sees every
     /// run, any other key the runs whose root it opened.
     #[arg(long, env = "BROKER_KEY_FILE")]
@@ -103,34 +103,19 @@ pub fn run(args: AuditArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The agent whose secret seed (hex) is in `path`.
-pub fn agent_from_key_file(path: &std::path::Path) -> anyhow::Result<crate::client::Agent> {
-    crate::keystore::check_private(path)?;
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow::anyhow!("cannot read the key file {}: {e}", path.display()))?;
-    let seed: [u8; 32] = hex::decode(text.trim())
-        .ok()
-        .and_then(|b| b.try_into().ok())
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "{} does not hold a 32-byte hex seed (make one with `delegation-broker keygen`)",
-                path.display()
-            )
-        })?;
-    Ok(crate::client::Agent::from_seed(seed))
-}
+pub use broker_client::keys::agent_from_key_file;
 
 /// A client of the broker at `addr` whose reads carry a session of the key
 /// in `key_file` (the reading commands: `audit`, `tree`).
 pub async fn reader(
     addr: &str,
     key_file: &std::path::Path,
-) -> anyhow::Result<crate::client::SessionClient> {
+) -> anyhow::Result<broker_client::SessionClient> {
     let agent = agent_from_key_file(key_file)?;
     let channel = tonic::transport::Channel::from_shared(addr.to_owned())?
         .connect()
         .await?;
-    let attacher = crate::client::SessionAttacher::default();
+    let attacher = broker_client::SessionAttacher::default();
     let mut client = attacher.client(channel);
     attacher.open(&mut client, &agent).await?;
     Ok(client)

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::client::Agent;
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::pb;
 use crate::pb::broker_client::BrokerClient;
+use broker_client::Agent;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -261,7 +261,7 @@ async fn start_floor(attestor: &Agent) -> anyhow::Result<String> {
         Arc::new(SystemClock),
         limits.timestamp_window_ms,
     );
-    let (incoming, first_request) = crate::server::listen::incoming(
+    let (incoming, first_request) = broker_runtime::listen::incoming(
         listener,
         crate::server::connection_bounds(&limits),
         crate::metrics::Metrics::new().connection_counters("grpc"),

@@ -78,7 +78,7 @@ enum Command {
         signing_key_file: Option<PathBuf>,
         /// Listen beyond loopback although no tenant is declared: every
         /// caller then shares one tenant, so no caller is protected from
-        /// another's load (README, the configuration's `[tenants]`).
+        /// another's load (docs/operating.md, "Tenants and fair shares").
         #[arg(long, env = "BROKER_ALLOW_OPEN_TENANT")]
         allow_open_tenant: bool,
         #[command(flatten)]
@@ -145,11 +145,13 @@ enum Command {
     Receipt(read::ReceiptArgs),
     /// The broker for MCP clients: `mcp tools` serves its calls as tools
     /// for a model, on stdio, signing as one agent.
-    Mcp(crate::mcp::McpArgs),
+    #[cfg(feature = "mcp")]
+    Mcp(broker_mcp::McpArgs),
     /// The mandatory hop for an A2A agent: admits its tasks only under a
     /// broker contract naming it, and turns its outbound A2A calls into
-    /// Delegates (README, "A2A gateway").
-    A2aGateway(crate::a2a::A2aArgs),
+    /// Delegates (docs/a2a.md).
+    #[cfg(feature = "a2a")]
+    A2aGateway(broker_a2a::A2aArgs),
     /// Verifies offline, with public keys alone: a whole chain (every
     /// contract's terms, as types.proto's "Verifying a chain" says), one
     /// receipt, or an agent's or attestor's DSSE envelope. Exit status 0
@@ -238,7 +240,10 @@ pub fn main() -> ExitCode {
     // `serve`, `bench`, `mcp gateway` and `a2a-gateway` install their own (they may
     // export traces, from their runtime).
     let own = match &cli.command {
-        Command::Serve { .. } | Command::Bench(_) | Command::A2aGateway(_) => true,
+        Command::Serve { .. } | Command::Bench(_) => true,
+        #[cfg(feature = "a2a")]
+        Command::A2aGateway(_) => true,
+        #[cfg(feature = "mcp")]
         Command::Mcp(args) => args.installs_telemetry(),
         _ => false,
     };
@@ -296,8 +301,10 @@ pub fn main() -> ExitCode {
         Command::Children(args) => read::children(args),
         Command::Watch(args) => read::watch(args),
         Command::Receipt(args) => read::receipt(args),
-        Command::Mcp(args) => crate::mcp::run(args),
-        Command::A2aGateway(args) => crate::a2a::run(args),
+        #[cfg(feature = "mcp")]
+        Command::Mcp(args) => broker_mcp::run(args),
+        #[cfg(feature = "a2a")]
+        Command::A2aGateway(args) => broker_a2a::run(args),
         Command::Verify {
             public_keys,
             chain,
@@ -397,7 +404,7 @@ fn serve(
             config,
             std::sync::Arc::new(crate::clock::SystemClock),
             options,
-            shutdown_signal(),
+            broker_runtime::shutdown::signal(),
         )
         .await?;
         telemetry.shutdown().await;
@@ -447,40 +454,11 @@ fn migrate(database_url: &str, status_only: bool) -> anyhow::Result<()> {
     })
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for SIGINT");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = terminate => {},
-    }
-    tracing::info!("shutdown requested; draining");
-}
-
 fn keygen(out: PathBuf) -> anyhow::Result<()> {
     if out.exists() {
         anyhow::bail!("{} exists; refusing to overwrite a key", out.display());
     }
-    let agent = crate::client::Agent::generate();
+    let agent = broker_client::Agent::generate();
     crate::keystore::write_secret(&out, &format!("{}\n", hex::encode(agent.seed())))?;
     println!("{}", hex::encode(agent.public_key()));
     Ok(())

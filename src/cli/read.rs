@@ -134,7 +134,7 @@ const CHILDREN_PAGE: u32 = 1_000;
 
 /// A session open on the broker, and what opening it learned.
 struct Reader {
-    client: crate::client::SessionClient,
+    client: broker_client::SessionClient,
     /// GetBrokerKeys' answer: what `get` and `receipt` verify against.
     keys: Vec<pb::BrokerKey>,
     session: pb::OpenSessionResponse,
@@ -162,7 +162,7 @@ async fn open(args: &ReadArgs) -> anyhow::Result<Reader> {
         .connect()
         .await
         .with_context(|| format!("cannot connect to --addr {}", args.addr))?;
-    let attacher = crate::client::SessionAttacher::default();
+    let attacher = broker_client::SessionAttacher::default();
     let mut client = attacher
         .client(channel)
         .max_decoding_message_size(MAX_RESPONSE_BYTES);

@@ -1,7 +1,7 @@
 //! The registry of every operator-tunable limit: one table (name, type,
 //! default, range, doc) from which `Limits`, its defaults, its range checks
 //! and their error messages, the config keys that errors name
-//! (`keys::…`) and the README's `[limits]` block are all generated, so
+//! (`keys::…`) and docs/operating.md's `[limits]` block are all generated, so
 //! none of them can drift from another. Every limit has an upper bound.
 //! Rules that tie two limits together live in `Config::validate`.
 
@@ -35,7 +35,7 @@ pub struct LimitSpec {
     pub default: i128,
     pub min: i128,
     pub max: i128,
-    /// One line for the README and the error messages.
+    /// One line for docs/operating.md and the error messages.
     pub doc: &'static str,
 }
 
@@ -201,7 +201,7 @@ impl Limits {
         self.max_request_bytes.saturating_mul(4)
     }
 
-    /// The README's `[limits]` block: every limit at its default, with its
+    /// docs/operating.md's `[limits]` block: every limit at its default, with its
     /// line of documentation.
     pub fn readme_block() -> String {
         let mut out = String::from("[limits]\n");
@@ -243,12 +243,13 @@ mod tests {
 
     #[test]
     fn the_readme_shows_every_limit_as_the_registry_says() {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-            .expect("README.md");
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operating.md"))
+                .expect("docs/operating.md");
         let block = Limits::readme_block();
         assert!(
             readme.contains(&block),
-            "README.md's [limits] block drifted from the registry; it must read:\n{block}"
+            "docs/operating.md's [limits] block drifted from the registry; it must read:\n{block}"
         );
     }
 }

@@ -19,7 +19,7 @@ use crate::store::Store;
 use crate::store::postgres::{PostgresOptions, PostgresStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
 
-pub mod listen;
+pub use broker_runtime::listen;
 
 /// The SQLite database's file name inside the data directory.
 pub const DATABASE_FILE: &str = "broker.sqlite3";

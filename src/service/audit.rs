@@ -1,5 +1,5 @@
 //! Audits composed from stored facts by the core's classification
-//! (seeds/000): the store hands over what it holds, `core::audit` decides
+//! (docs/design.md, seed 000): the store hands over what it holds, `core::audit` decides
 //! what it means. Reading an audit never changes anything. GetAudit and
 //! AggregateAudits run a few at a time, in turn among tenants.
 

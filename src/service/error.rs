@@ -562,7 +562,7 @@ mod tests {
     }
 }
 
-/// The numbers errors.proto and the README quote are the constants' (and
+/// The numbers errors.proto and docs/operating.md quote are the constants' (and
 /// the registry defaults') values: a bound changed in code and not in the
 /// contract fails here.
 #[cfg(test)]
@@ -604,7 +604,7 @@ mod quoted_limits {
         let errors = prose(include_str!(
             "../../proto/delegation/broker/v1/errors.proto"
         ));
-        let readme = prose(include_str!("../../README.md"));
+        let readme = prose(include_str!("../../docs/operating.md"));
         let broker = prose(include_str!(
             "../../proto/delegation/broker/v1/broker.proto"
         ));
@@ -704,7 +704,7 @@ mod quoted_limits {
         for (text, quote) in quotes {
             assert!(text.contains(&quote), "the docs no longer say {quote:?}");
         }
-        // The two deadlines the README quotes as one.
+        // The two deadlines docs/operating.md quotes as one.
         assert_eq!(JUDGMENT_DEADLINE_MS, CONVERSION_DEADLINE_MS);
     }
 }

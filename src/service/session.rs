@@ -20,10 +20,10 @@ use crate::crypto::{self, payload_type};
 use crate::pb;
 use crate::stamp::Stamper;
 
-/// The binary metadata key a read's session travels in.
-pub const SESSION_METADATA: &str = "x-broker-session-bin";
 use super::limits::MAX_VERIFIED_SESSIONS;
 use crate::core::limits::MAX_SESSION_BYTES;
+/// The binary metadata key a read's session travels in.
+pub use crate::names::SESSION_METADATA;
 
 /// Issues and checks sessions.
 pub struct Sessions {

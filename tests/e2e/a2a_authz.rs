@@ -10,8 +10,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use base64::Engine as _;
-use delegation_broker::a2a::ext::URI;
-use delegation_broker::client::Agent;
+use broker_a2a::ext::URI;
+use broker_client::Agent;
 use delegation_broker::pb;
 use envoy_types::ext_authz::v3::pb::{CheckRequest, CheckResponse, HttpResponse};
 use envoy_types::pb::envoy::service::auth::v3::AttributeContext;

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use a2a_pb::proto;
 use a2a_pb::proto::a2a_service_client::A2aServiceClient;
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use envoy_types::ext_authz::v3::pb::CheckRequest;
 use envoy_types::pb::envoy::service::auth::v3::AttributeContext;

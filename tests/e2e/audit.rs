@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
+use broker_client::Agent;
 use delegation_broker::cli::audit::GroupRow;
-use delegation_broker::client::Agent;
 use delegation_broker::pb;
 
 use crate::harness::*;

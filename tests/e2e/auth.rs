@@ -1,7 +1,7 @@
 //! Signed requests: idempotent retries, nonce reuse, stale timestamps,
 //! non-holders and bad signatures — and that none of them reserves budget.
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use tonic::Code as Status;
 use tonic_types::StatusExt;

@@ -1,7 +1,7 @@
 //! Malformed input is INVALID_ARGUMENT (or RESOURCE_EXHAUSTED) naming the
 //! field or the limit — never a refusal, never a crash.
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::crypto::payload_type;
 use delegation_broker::pb;
 use tonic::Code;

@@ -10,8 +10,8 @@ use std::process::Output;
 use std::time::Duration;
 
 use base64::Engine as _;
+use broker_client::Agent;
 use delegation_broker::cli::tree::rfc3339;
-use delegation_broker::client::Agent;
 use delegation_broker::crypto;
 use delegation_broker::pb;
 use prost::Message as _;

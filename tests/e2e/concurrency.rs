@@ -1,7 +1,7 @@
 //! Concurrent siblings can never overspend their parent; connections are
 //! capped.
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb::InvariantCode as Code;
 
 use crate::harness::*;

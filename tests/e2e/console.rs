@@ -4,7 +4,7 @@
 //! origin, and the reader's rights; ListRoots
 //! over gRPC (acceptance f).
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -469,7 +469,7 @@ async fn list_roots_shows_each_caller_its_own_trees() {
         .await
         .unwrap()
         .issued();
-    let list = |client: &mut delegation_broker::client::SessionClient,
+    let list = |client: &mut broker_client::SessionClient,
                 labels: &[(&str, &str)],
                 page_size: u32,
                 page_token: Vec<u8>| {

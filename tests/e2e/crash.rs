@@ -7,7 +7,7 @@ use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 
 use crate::harness::*;
@@ -147,7 +147,7 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
 }
 
 pub struct LedgerCheck {
-    pub client: delegation_broker::client::SessionClient,
+    pub client: broker_client::SessionClient,
 }
 
 impl LedgerCheck {

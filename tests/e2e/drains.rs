@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 
 use crate::harness::*;

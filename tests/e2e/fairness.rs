@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 
 use crate::harness::*;
@@ -361,7 +361,7 @@ async fn crowd_key(
     };
     let root_id = answer.into_inner().issued.expect("issued").contract_id;
     let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
-    let attacher = delegation_broker::client::SessionAttacher::default();
+    let attacher = broker_client::SessionAttacher::default();
     let mut life = attacher
         .client(channel)
         .max_encoding_message_size(64 * 1024 * 1024);

@@ -1,7 +1,7 @@
 //! Hardening: each attack a hostile agent tried, replayed over
 //! real gRPC; each test failed on the main branch before its fix.
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use tonic::Code;
 use tonic_types::StatusExt;

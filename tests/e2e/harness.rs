@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use delegation_broker::client::{Agent, SessionAttacher, SessionClient};
+use broker_client::{Agent, SessionAttacher, SessionClient};
 use delegation_broker::clock::{Clock, OffsetClock, SystemClock};
 use delegation_broker::config::Config;
 use delegation_broker::crypto::{self, payload_type};

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb::{self, InvariantCode as Code};
 
 use crate::harness::*;

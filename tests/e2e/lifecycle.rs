@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use tokio_stream::StreamExt;
 use tonic::Code;

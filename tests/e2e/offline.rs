@@ -5,8 +5,8 @@
 //! must reject. The library's own `chain::verify_chain` (used by
 //! `delegation-broker verify`) is held to the same verdicts.
 
+use broker_client::Agent;
 use delegation_broker::chain;
-use delegation_broker::client::Agent;
 use delegation_broker::pb;
 use ed25519_dalek::{Signature, VerifyingKey};
 use prost::Message;

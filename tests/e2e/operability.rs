@@ -83,7 +83,7 @@ async fn sqlite_a_failed_fsync_turns_health_not_serving() {
         let answer = health.check(status(service)).await.unwrap().into_inner();
         assert_eq!(answer.status, ServingStatus::Serving as i32, "{service:?}");
     }
-    let orchestrator = delegation_broker::client::Agent::generate();
+    let orchestrator = broker_client::Agent::generate();
     broker
         .open_root(&orchestrator, crate::harness::RootSpec::default())
         .await;
@@ -165,11 +165,11 @@ pub(crate) fn value(
 #[tokio::test]
 async fn metrics_count_a_scripted_run_exactly() {
     use crate::harness::{RootSpec, child, liable_child};
-    use delegation_broker::client::Agent;
+    use broker_client::Agent;
 
     let mut broker = Broker::start_with_metrics().await;
     let metrics_addr = broker.metrics_addr.unwrap();
-    // seeds/001: the planner's liable child, a refused executor (no retry
+    // seed 001: the planner's liable child, a refused executor (no retry
     // headroom), then the executor it can afford.
     let (orchestrator, planner, executor) =
         (Agent::generate(), Agent::generate(), Agent::generate());
@@ -404,7 +404,7 @@ async fn json_logs_carry_each_calls_trace_id() {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
 
-    use delegation_broker::client::Agent;
+    use broker_client::Agent;
     use delegation_broker::pb;
 
     let dir = tempfile::tempdir().unwrap();
@@ -545,7 +545,7 @@ async fn json_logs_carry_each_calls_trace_id() {
 /// context at all, produce spans linked to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
-    use delegation_broker::client::Agent;
+    use broker_client::Agent;
     use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
         TraceService, TraceServiceServer,
     };

@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use tokio_stream::StreamExt;
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use delegation_broker::pb::InvariantCode as Code;
 use tokio_stream::StreamExt;
@@ -398,11 +398,7 @@ static UNAVAILABLE_SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 const MAX_PER_WORKER: usize = 80;
 
 /// Polls `count` until it is at least `at_least` (within 30 s).
-async fn wait_for_children(
-    client: &mut delegation_broker::client::SessionClient,
-    root: &[u8],
-    at_least: u32,
-) {
+async fn wait_for_children(client: &mut broker_client::SessionClient, root: &[u8], at_least: u32) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let now = count_children(client, root).await;
@@ -545,7 +541,7 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
 }
 
 /// The open children of `root` (its ledger), read through `client`.
-async fn count_children(client: &mut delegation_broker::client::SessionClient, root: &[u8]) -> u32 {
+async fn count_children(client: &mut broker_client::SessionClient, root: &[u8]) -> u32 {
     client
         .get_contract(pb::GetContractRequest {
             contract_id: root.to_vec(),
@@ -975,7 +971,7 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
 /// retires it for good, and a replica holding it can no longer start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
-    use delegation_broker::client::Agent;
+    use broker_client::Agent;
     let database = delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
     let binary = env!("CARGO_BIN_EXE_delegation-broker");
     let dir = tempfile::tempdir().unwrap();

@@ -1,13 +1,13 @@
-//! The observed failures of seeds/001 and seeds/002, replayed.
+//! The observed failures of seed 001 and seed 002, replayed.
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb::InvariantCode as Code;
 
 use crate::harness::*;
 
 const SEED_001_PREDICATE: &str = "result.schema_valid && result.within_scope";
 
-/// seeds/001: orchestrator → planner (25) → executor (20, liable) leaves the
+/// seed 001: orchestrator → planner (25) → executor (20, liable) leaves the
 /// planner 5 < 12 units to retry: refused at contract time.
 #[tokio::test]
 async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued() {
@@ -82,7 +82,7 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     broker.stop().await;
 }
 
-/// seeds/001's `bad` contract: liability DELEGATE with neither predicate nor
+/// seed 001's `bad` contract: liability DELEGATE with neither predicate nor
 /// escalation channel → one refusal listing both.
 #[tokio::test]
 async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
@@ -107,7 +107,7 @@ async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
     broker.stop().await;
 }
 
-/// seeds/002 gate 1: with max_depth 4 the fifth hop is refused.
+/// seed 002 gate 1: with max_depth 4 the fifth hop is refused.
 #[tokio::test]
 async fn seed_002_fifth_hop_exceeds_depth_four() {
     let mut broker = Broker::start().await;
@@ -153,7 +153,7 @@ async fn seed_002_fifth_hop_exceeds_depth_four() {
     broker.stop().await;
 }
 
-/// seeds/002 gate 3: attested factors 0.9, 0.8, 0.5 against a minimum of 0.4
+/// seed 002 gate 3: attested factors 0.9, 0.8, 0.5 against a minimum of 0.4
 /// → the third hop (cumulative 0.36) is refused.
 #[tokio::test]
 async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
@@ -199,7 +199,7 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
     broker.stop().await;
 }
 
-/// seeds/002 gate 2: a paraphrased intent (another lineage hash) is refused.
+/// seed 002 gate 2: a paraphrased intent (another lineage hash) is refused.
 #[tokio::test]
 async fn seed_002_diluted_intent_is_refused() {
     let mut broker = Broker::start().await;
@@ -216,7 +216,7 @@ async fn seed_002_diluted_intent_is_refused() {
     broker.stop().await;
 }
 
-/// seeds/000: the host metered 4 units, the delegate reports 11. The
+/// seed 000: the host metered 4 units, the delegate reports 11. The
 /// charge is the host's 4; the 7 nobody observed stay on the completion
 /// as `claimed_excess` for the principal to see, and `tree` shows them.
 #[tokio::test]

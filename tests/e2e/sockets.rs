@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use delegation_broker::client::Agent;
+use broker_client::Agent;
 use delegation_broker::pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -5,8 +5,8 @@
 
 use std::collections::BTreeMap;
 
+use broker_client::Agent;
 use delegation_broker::cli::tree;
-use delegation_broker::client::Agent;
 use delegation_broker::pb;
 
 use crate::harness::*;
@@ -26,7 +26,7 @@ async fn tree_prints_the_seed_001_tree() {
         Agent::generate(),
     );
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    // seeds/001: the planner (25, 12 to retry) asks for an executor of 20
+    // seed 001: the planner (25, 12 to retry) asks for an executor of 20
     // (refused NO_RETRY_HEADROOM), then of 13.
     let predicate = "result.schema_valid && result.within_scope";
     let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, predicate);

@@ -1,4 +1,4 @@
-"""The observed failures of seeds/001 and seeds/002, replayed from Python
+"""The observed failures of seed 001 and seed 002, replayed from Python
 (mirrors tests/e2e/seeds.rs). Every request is signed in Python and every
 contract and receipt received is verified offline in Python (see
 _support.Broker)."""

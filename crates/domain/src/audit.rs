@@ -1,4 +1,4 @@
-//! Audit of delegations (DESIGN.md §Audit, seeds/000): which paths a
+//! Audit of delegations (docs/design.md §Audit, seed 000): which paths a
 //! parent's task text named, what the host then observed its child do, which
 //! paths two contracts of one tree both mutated, and how runs aggregate into
 //! groups. Owns the named-path rule, per-contract classification, conflict
@@ -275,7 +275,7 @@ pub struct AuditInput<'a> {
     pub downgrades: u32,
 }
 
-/// One contract's audit (seeds/000 `DelegationAudit`).
+/// One contract's audit (docs/design.md, seed 000 `DelegationAudit`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Audit {
     pub depth: u32,
@@ -306,7 +306,7 @@ impl Audit {
     }
 }
 
-/// Classifies one contract (seeds/000 `ClassifyEvidenceOrigin` and
+/// Classifies one contract (docs/design.md, seed 000 `ClassifyEvidenceOrigin` and
 /// `FalseCompletion`). Discovery is judged against named files only: a
 /// child sent to a directory still had to work out which file mattered.
 pub fn classify(input: AuditInput<'_>) -> Audit {

@@ -1,4 +1,4 @@
-//! The fifteen issuance invariants of DESIGN.md, checked in one place.
+//! The fifteen issuance invariants of docs/design.md, checked in one place.
 //! `check_delegation` is pure: the store calls it inside the transaction
 //! that reserves the budget, with the parent's state as of that transaction.
 
@@ -49,7 +49,7 @@ impl InvariantCode {
         Self::FanoutExceeded,
     ];
 
-    /// The stable text code of DESIGN.md.
+    /// The stable text code of docs/design.md.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::ParentNotActive => "PARENT_NOT_ACTIVE",
@@ -94,7 +94,7 @@ impl Refusal {
         &self.violations
     }
 
-    /// The first violated invariant in DESIGN.md's order.
+    /// The first violated invariant in docs/design.md's order.
     pub fn primary(&self) -> InvariantCode {
         self.violations[0].code
     }
@@ -281,7 +281,7 @@ pub fn check_delegation(
         );
     }
 
-    // 6–8. Liability transfer needs detection and escalation (seeds/001).
+    // 6–8. Liability transfer needs detection and escalation (docs/design.md, seed 001).
     let effective_predicate = match ask.liability {
         Liability::Delegate => Predicate::conjoin(&parent.effective_predicate, &ask.predicate),
         Liability::Principal => Predicate::conjoin(&Predicate::default(), &ask.predicate),

@@ -2,7 +2,7 @@
 //! numbers; every change goes through here so the equation
 //! `budget = residual + reserved + spent` cannot be broken by a caller.
 //!
-//! Settlement (DESIGN.md §Lifecycle): when a child ends, whatever way it
+//! Settlement (docs/design.md §Lifecycle): when a child ends, whatever way it
 //! ends, its parent un-reserves the child's budget and is charged the
 //! child's whole `spent` (its own consumption plus what its settled
 //! descendants spent). Consumed units are never forgiven and never clipped:
@@ -68,7 +68,7 @@ pub struct Settlement {
     pub overspend: Option<Overspend>,
 }
 
-/// What the principal is told when its delegate escalates (seeds/001): what
+/// What the principal is told when its delegate escalates (docs/design.md, seed 001): what
 /// it has left, and whether it can still retry once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EscalationNotice {
@@ -276,7 +276,7 @@ mod tests {
         let mut child = Ledger::new(13);
         child.charge(2).unwrap();
         parent.settle_child(&child).unwrap();
-        // seeds/001: 23 units and 60 s left, a retry costs 12 units and 15 s.
+        // seed 001: 23 units and 60 s left, a retry costs 12 units and 15 s.
         let n = parent.escalation_notice(160_000, 100_000, 12, 15_000);
         assert_eq!(
             (n.residual, n.time_left_ms, n.retry_feasible),

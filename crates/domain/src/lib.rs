@@ -34,7 +34,7 @@ pub type AgentKey = [u8; 32];
 /// A contract or receipt id: SHA-256 of its signed payload.
 pub type Id = [u8; 32];
 
-/// Who answers for a contract's outcome (seeds/001).
+/// Who answers for a contract's outcome (docs/design.md, seed 001).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Liability {
     /// Liability stays with the principal.
@@ -60,7 +60,7 @@ impl Liability {
     }
 }
 
-/// Lifecycle state of a contract (DESIGN.md §Lifecycle). The discriminant
+/// Lifecycle state of a contract (docs/design.md §Lifecycle). The discriminant
 /// is the wire value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(i32)]
@@ -71,7 +71,7 @@ pub enum Status {
     Accepted = 2,
     /// The delegate completed it; the verdict is recorded beside.
     Completed = 3,
-    /// The delegate escalated it as unresolvable (seeds/001).
+    /// The delegate escalated it as unresolvable (docs/design.md, seed 001).
     Unresolvable = 4,
     /// Its deadline passed while it was open.
     Expired = 5,

@@ -189,7 +189,7 @@ pub const DEEP_STACK_BYTES: usize = 64 * 1024 * 1024;
 /// UNAVAILABLE (JUDGES_BUSY) and may retry with the same nonce.
 pub const JUDGMENT_DEADLINE_MS: u64 = 10_000;
 
-// Audits (seeds/000): named paths, group-by keys.
+// Audits (docs/design.md, seed 000): named paths, group-by keys.
 
 /// Most paths (directories and files together) taken from one text; bounds
 /// the work of matching evidence against named files.
@@ -241,7 +241,7 @@ pub const MAX_CONFLICT_CONTRACTS_REPORTED: usize = 64;
 pub const MAX_SESSION_BYTES: usize = 1_024;
 
 // Bounds the service and the store enforce that clients meet (quoted in
-// errors.proto or the README; `service::error`'s tests hold the quotes).
+// errors.proto or docs/operating.md; `service::error`'s tests hold the quotes).
 
 /// Longest status message, in bytes (see `core::error::MAX_ERROR_REASON_BYTES`).
 pub const MAX_STATUS_MESSAGE_BYTES: usize = 1_536;

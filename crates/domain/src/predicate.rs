@@ -1,7 +1,7 @@
 //! Acceptance predicates (CEL) and their composition along a chain. Parsed
 //! at issuance so a predicate that cannot parse never reaches a delegate;
 //! composed by conjunction so no hop can drop an ancestor's predicate
-//! (seeds/001, condition 1).
+//! (docs/design.md, seed 001, condition 1).
 
 use super::error::InputError;
 use super::limits::{

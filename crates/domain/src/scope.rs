@@ -1,6 +1,6 @@
 //! Write scopes: sets of path prefixes. A child's scope must lie within its
 //! parent's (attenuation), and a host-observed write outside the scope is a
-//! claim violation (seeds/000).
+//! claim violation (docs/design.md, seed 000).
 
 use super::error::InputError;
 use super::limits::{MAX_SCOPE_PREFIX_BYTES, MAX_SCOPE_PREFIXES};

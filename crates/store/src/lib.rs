@@ -16,7 +16,6 @@ pub(crate) mod sql;
 pub mod sqlite;
 #[cfg(test)]
 pub(crate) mod suite;
-pub mod throttle;
 
 use std::future::Future;
 

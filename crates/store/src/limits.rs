@@ -105,7 +105,7 @@ pub mod sqlite {
     /// 10–100 µs, and one abandoned costs only another hand-over, while
     /// every write waits on it.
     pub const HANDLE_WAIT: Duration = Duration::from_millis(50);
-    // `broker_sqlite_handle_retakes_total`'s help and the README say 50 ms.
+    // `broker_sqlite_handle_retakes_total`'s help and docs/operating.md say 50 ms.
     const _: () = assert!(HANDLE_WAIT.as_millis() == 50);
 
     /// Takes asked before the writer's batch fails instead (2 s in all).

@@ -9,6 +9,7 @@ pub mod command;
 pub mod crypto;
 pub mod names;
 pub mod stamp;
+pub mod throttle;
 
 /// Types generated from `proto/delegation/broker/v1/*.proto`.
 pub mod pb {

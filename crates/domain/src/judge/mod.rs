@@ -1,4 +1,4 @@
-//! Judgment of a completion (DESIGN.md §Lifecycle, Complete): the broker
+//! Judgment of a completion (docs/design.md §Lifecycle, Complete): the broker
 //! evaluates the contract's effective acceptance predicate over a `result`
 //! it builds from facts it checked or observed itself, never over the
 //! delegate's claim alone. Owns the completion input bounds (result size;

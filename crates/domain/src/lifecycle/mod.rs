@@ -1,4 +1,4 @@
-//! A contract's life after issuance (DESIGN.md §Lifecycle): which event may
+//! A contract's life after issuance (docs/design.md §Lifecycle): which event may
 //! move which status where, who may revoke, and a pure in-memory model of a
 //! contract tree that applies those transitions with the ledger's
 //! arithmetic (`Ledger::charge`, `Ledger::settle_child`). The store applies
@@ -32,7 +32,7 @@ pub enum Event {
     Decline,
     /// The delegate reports its result.
     Complete,
-    /// The delegate returns it as unresolvable (seeds/001).
+    /// The delegate returns it as unresolvable (docs/design.md, seed 001).
     Escalate,
     /// Its deadline passed.
     Expire,

@@ -380,8 +380,8 @@ impl Writer {
                 next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
                 let cutoff_ms = self.clock.now_ms().saturating_sub(retention_ms);
                 if let Err(e) = self.prune(cutoff_ms).await {
-                    static PRUNE_FAILED: crate::throttle::Throttle =
-                        crate::throttle::Throttle::new();
+                    static PRUNE_FAILED: broker_wire::throttle::Throttle =
+                        broker_wire::throttle::Throttle::new();
                     if let Some(held) = PRUNE_FAILED.allow() {
                         tracing::warn!(error = %e, held, "pruning the request log failed; will retry");
                     }
@@ -456,8 +456,8 @@ impl Writer {
                 }
                 Err(e) => {
                     // A database away fails every batch: one line a second.
-                    static ISSUANCE_FAILED: crate::throttle::Throttle =
-                        crate::throttle::Throttle::new();
+                    static ISSUANCE_FAILED: broker_wire::throttle::Throttle =
+                        broker_wire::throttle::Throttle::new();
                     if let Some(held) = ISSUANCE_FAILED.allow() {
                         tracing::warn!(error = %e, attempt, size = commands.len(), held, "issuance failed");
                     }
@@ -839,8 +839,8 @@ impl Writer {
                     attempt += 1;
                 }
                 Err(e) => {
-                    static TRANSITION_FAILED: crate::throttle::Throttle =
-                        crate::throttle::Throttle::new();
+                    static TRANSITION_FAILED: broker_wire::throttle::Throttle =
+                        broker_wire::throttle::Throttle::new();
                     if let Some(held) = TRANSITION_FAILED.allow() {
                         tracing::warn!(error = %e, attempt, held, "transition failed");
                     }

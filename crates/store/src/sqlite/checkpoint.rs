@@ -127,7 +127,7 @@ pub(super) async fn checkpoint(conn: &mut SqliteConnection) -> Option<Checkpoint
             copied_frames: u64::try_from(copied_frames).unwrap_or(0),
         }),
         Err(e) => {
-            static FAILED: crate::throttle::Throttle = crate::throttle::Throttle::new();
+            static FAILED: broker_wire::throttle::Throttle = broker_wire::throttle::Throttle::new();
             if let Some(held) = FAILED.allow() {
                 tracing::warn!(error = %e, held, "WAL checkpoint failed; will retry");
             }

@@ -58,7 +58,8 @@ pub(super) async fn take_handle<'c>(
             if let Some(retakes) = retakes {
                 retakes.inc_by(u64::from(abandoned));
             }
-            static RETAKEN: crate::throttle::Throttle = crate::throttle::Throttle::new();
+            static RETAKEN: broker_wire::throttle::Throttle =
+                broker_wire::throttle::Throttle::new();
             if let Some(held) = RETAKEN.allow() {
                 tracing::warn!(
                     abandoned,

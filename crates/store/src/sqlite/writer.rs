@@ -265,7 +265,8 @@ async fn maintain(
             "WAL checkpoint finished by the writer"
         );
         if let Err(e) = finished {
-            static FINISH_FAILED: crate::throttle::Throttle = crate::throttle::Throttle::new();
+            static FINISH_FAILED: broker_wire::throttle::Throttle =
+                broker_wire::throttle::Throttle::new();
             if let Some(held) = FINISH_FAILED.allow() {
                 tracing::warn!(error = %e, held, "finishing the WAL checkpoint failed; will retry");
             }
@@ -285,7 +286,8 @@ async fn maintain(
             Ok(deleted) if deleted >= MAX_PRUNED_PER_PASS => now,
             Ok(_) => now + PRUNE_INTERVAL,
             Err(e) => {
-                static PRUNE_FAILED: crate::throttle::Throttle = crate::throttle::Throttle::new();
+                static PRUNE_FAILED: broker_wire::throttle::Throttle =
+                    broker_wire::throttle::Throttle::new();
                 if let Some(held) = PRUNE_FAILED.allow() {
                     tracing::warn!(error = %e, held, "pruning the request log failed; will retry");
                 }
@@ -470,7 +472,8 @@ async fn hand_over(
             replies.drain(..).zip(answers).collect()
         }
         Err(e) => {
-            static ROLLED_BACK: crate::throttle::Throttle = crate::throttle::Throttle::new();
+            static ROLLED_BACK: broker_wire::throttle::Throttle =
+                broker_wire::throttle::Throttle::new();
             if let Some(held) = ROLLED_BACK.allow() {
                 tracing::error!(error = %e, size = commands.len(), held, "batch rolled back");
             }
@@ -571,7 +574,8 @@ async fn probe_disk(
     match probed {
         Ok(()) => writable(state, true),
         Err(e) => {
-            static PROBE_FAILED: crate::throttle::Throttle = crate::throttle::Throttle::new();
+            static PROBE_FAILED: broker_wire::throttle::Throttle =
+                broker_wire::throttle::Throttle::new();
             if let Some(held) = PROBE_FAILED.allow() {
                 tracing::warn!(error = %e, held, "the disk still refuses writes");
             }

@@ -1995,7 +1995,7 @@ export const AuditConflictSchema: GenMessage<AuditConflict> = /*@__PURE__*/
   messageDesc(file_delegation_broker_v1_broker, 54);
 
 /**
- * One contract's audit (seeds/000 DelegationAudit). Counts come from host
+ * One contract's audit (docs/design.md, seed 000 DelegationAudit). Counts come from host
  * receipts, never from the delegate's claim.
  *
  * @generated from message delegation.broker.v1.ContractAudit
@@ -2752,7 +2752,7 @@ export const Broker: GenService<{
     output: typeof WatchResponseSchema;
   },
   /**
-   * The audit of one contract (seeds/000), derived from stored receipts and
+   * The audit of one contract (docs/design.md, seed 000), derived from stored receipts and
    * host observations: what the host observed, beside what the delegate
    * reported. Reading it changes nothing. Audit calls are capped broker-wide
    * and per caller (limits.max_concurrent_audits*: RESOURCE_EXHAUSTED,

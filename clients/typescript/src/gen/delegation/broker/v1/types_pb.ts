@@ -655,7 +655,7 @@ export const RefusedCriterionSchema: GenMessage<RefusedCriterion> = /*@__PURE__*
   messageDesc(file_delegation_broker_v1_types, 7);
 
 /**
- * Who produced a result, and through which chain (seeds/002 attribution).
+ * Who produced a result, and through which chain (docs/design.md, seed 002 attribution).
  *
  * @generated from message delegation.broker.v1.Attribution
  */
@@ -1169,7 +1169,7 @@ export const RequestHeaderSchema: GenMessage<RequestHeader> = /*@__PURE__*/
   messageDesc(file_delegation_broker_v1_types, 14);
 
 /**
- * Who holds liability for a contract's outcome (seeds/001).
+ * Who holds liability for a contract's outcome (docs/design.md, seed 001).
  *
  * @generated from enum delegation.broker.v1.Liability
  */
@@ -1255,7 +1255,7 @@ export const TrustSourceSchema: GenEnum<TrustSource> = /*@__PURE__*/
   enumDesc(file_delegation_broker_v1_types, 1);
 
 /**
- * Stable codes of the fifteen issuance invariants (DESIGN.md). When a
+ * Stable codes of the fifteen issuance invariants (docs/design.md). When a
  * request violates several, the refusal's primary code is the lowest.
  * Breaking one is not an error: Delegate answers with a signed refusal
  * receipt (see Violation for what each code reports). Errors, answered as

@@ -367,7 +367,7 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetAudit(self, request, context):
-        """The audit of one contract (seeds/000), derived from stored receipts and
+        """The audit of one contract (docs/design.md, seed 000), derived from stored receipts and
         host observations: what the host observed, beside what the delegate
         reported. Reading it changes nothing. Audit calls are capped broker-wide
         and per caller (limits.max_concurrent_audits*: RESOURCE_EXHAUSTED,

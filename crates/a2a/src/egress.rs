@@ -1,0 +1,430 @@
+//! The egress: the fronted agent's outbound A2A client points here, one
+//! base URL per peer (`/peers/<name>`). A task-starting message becomes a
+//! broker Delegate from the contract the agent holds for the message's
+//! context; a refusal is an A2A error listing every violated invariant,
+//! and nothing reaches the peer. An issued contract's chain rides in the
+//! forwarded message (ext::attach_chain). Canceling a task sent this way
+//! revokes its contract first: the peer's gateway cancels the task on it.
+
+use std::sync::Arc;
+
+use a2a_pb::protojson as a2a;
+use prost::Message as _;
+use serde_json::Value;
+
+use super::client::CallError;
+use super::config::Peer;
+use super::ext::{self, Refused, code};
+use super::{
+    Gateway, Rpc, Sent, broker, broker_error, gateway_card, now_ms, params, passed_headers,
+};
+use broker_domain::Id;
+use broker_wire::pb;
+
+/// Most contracts listed when the parent is ambiguous.
+const MAX_HELD_LISTED: u32 = 10;
+/// Most tasks remembered as sent (for GetTask and CancelTask).
+const MAX_SENT: usize = 65_536;
+
+fn peer<'a>(gateway: &'a Gateway, name: &str) -> Result<&'a Peer, Refused> {
+    gateway.config.peer(name).ok_or_else(|| {
+        Refused::new(
+            code::TASK_NOT_FOUND,
+            "NOT_FOUND",
+            format!(
+                "no agent named {:?} in this gateway's address book",
+                broker_client::names::cut(name, 64)
+            ),
+        )
+    })
+}
+
+/// A peer's card as the agent sees it: served from this egress.
+pub(super) async fn card(gateway: &Gateway, name: &str) -> Result<a2a::AgentCard, Refused> {
+    let peer = peer(gateway, name)?;
+    let card = gateway.http.card(&peer.url).await?;
+    let url = format!("{}/peers/{name}/", gateway.egress_url);
+    let grpc = gateway.egress_grpc_url.as_deref().map(|url| (url, name));
+    Ok(gateway_card(
+        card,
+        &url,
+        grpc,
+        &peer.public_key().unwrap_or_default(),
+    ))
+}
+
+pub(super) async fn handle(
+    gateway: &Arc<Gateway>,
+    name: &str,
+    rpc: &Rpc,
+) -> Result<Value, CallError> {
+    let peer = peer(gateway, name)?;
+    let headers = passed_headers(rpc);
+    match rpc.method.as_str() {
+        "SendMessage" => send(gateway, peer, rpc, &headers).await,
+        "GetTask" => {
+            let mut request: a2a::GetTaskRequest = params(rpc)?;
+            // The tenant named the peer here; it means nothing there.
+            request.tenant.clear();
+            sent_to(gateway, peer, &request.id)?;
+            gateway
+                .http
+                .call(&peer.url, "GetTask", &request, &headers)
+                .await
+        }
+        "CancelTask" => {
+            let mut request: a2a::CancelTaskRequest = params(rpc)?;
+            request.tenant.clear();
+            let sent = sent_to(gateway, peer, &request.id)?;
+            // The principal's signed Revoke is what cancels: the peer's
+            // gateway cancels the task when it sees the contract revoked.
+            match broker::revoke(
+                gateway,
+                rpc.trace.as_deref(),
+                &sent.contract_id,
+                "canceled by the principal over A2A".into(),
+            )
+            .await
+            {
+                Ok(_) => {}
+                Err(e) if matches!(e.reason.as_str(), "ENDED" | "WRONG_STATE") => {}
+                Err(e) => return Err(broker_error(e).into()),
+            }
+            gateway
+                .http
+                .call(&peer.url, "CancelTask", &request, &headers)
+                .await
+        }
+        other => Err(Refused::new(
+            code::METHOD_NOT_FOUND,
+            "INVALID_FIELD",
+            format!("{other}: not served"),
+        )
+        .into()),
+    }
+}
+
+fn sent_to(gateway: &Gateway, peer: &Peer, task_id: &str) -> Result<Sent, Refused> {
+    let sent = gateway.sent.lock().unwrap_or_else(|e| e.into_inner());
+    sent.get(task_id)
+        .filter(|s| s.peer == peer.name)
+        .cloned()
+        .ok_or_else(|| {
+            Refused::new(
+                code::TASK_NOT_FOUND,
+                "NOT_FOUND",
+                format!(
+                    "task {:?} was not sent to {} through this gateway",
+                    broker_client::names::cut(task_id, 128),
+                    peer.name
+                ),
+            )
+        })
+}
+
+/// The contract a message to a peer is delegated from.
+async fn parent_of(
+    gateway: &Gateway,
+    named: Option<Vec<u8>>,
+    context_id: &str,
+) -> Result<Id, Refused> {
+    if let Some(id) = named {
+        return id.try_into().map_err(|_| {
+            Refused::new(
+                code::INVALID_PARAMS,
+                "INVALID_FIELD",
+                "contractId must be 32 bytes",
+            )
+        });
+    }
+    let known = {
+        let admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        admitted
+            .contexts
+            .get(context_id)
+            .map(|c| (c.contracts.clone(), c.overflowed))
+    };
+    if let Some((contracts, overflowed)) = known {
+        return parent_in_context(gateway, context_id, contracts, overflowed).await;
+    }
+    let held = gateway
+        .link
+        .held(pb::HeldRole::Delegate, MAX_HELD_LISTED)
+        .await
+        .map_err(broker_error)?;
+    match held.contracts.as_slice() {
+        [only] if held.next_page_token.is_empty() => only
+            .contract_id
+            .clone()
+            .try_into()
+            .map_err(|_| Refused::new(code::INTERNAL, "INTERNAL", "ListHeld answered a bad id")),
+        [] => Err(Refused::new(
+            code::INVALID_PARAMS,
+            "NOT_FOUND",
+            format!(
+                "this agent holds no open contract to delegate from (context {:?} is not one of a task it was given)",
+                broker_client::names::cut(context_id, 128)
+            ),
+        )),
+        several => Err(Refused::new(
+            code::INVALID_PARAMS,
+            "NOT_FOUND",
+            format!(
+                "this agent holds several open contracts ({}{}) and context {:?} names none: send the message in the context of the task it works for, or set message.metadata[{}].contractId",
+                several
+                    .iter()
+                    .map(|c| hex::encode(&c.contract_id))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if held.next_page_token.is_empty() {
+                    ""
+                } else {
+                    ", …"
+                },
+                broker_client::names::cut(context_id, 128),
+                ext::URI
+            ),
+        )),
+    }
+}
+
+/// The parent a context names: its one live contract. Context ids are
+/// the callers' to choose, so a second caller may start a task in the
+/// first one's context; a context with more than one live contract names
+/// none (the message must name its contract), so one caller's contract
+/// never becomes the parent of another's sub-tasks.
+async fn parent_in_context(
+    gateway: &Gateway,
+    context_id: &str,
+    contracts: Vec<Id>,
+    overflowed: bool,
+) -> Result<Id, Refused> {
+    if let ([only], false) = (contracts.as_slice(), overflowed) {
+        // One caller's context: the broker refuses a Delegate from it
+        // once it has ended.
+        return Ok(*only);
+    }
+    let mut live = Vec::new();
+    if !overflowed {
+        for id in contracts {
+            let status = gateway.contract(&id).await?.status;
+            if matches!(
+                pb::ContractStatus::try_from(status),
+                Ok(pb::ContractStatus::Open | pb::ContractStatus::Accepted)
+            ) {
+                live.push(id);
+            }
+        }
+    }
+    match live.as_slice() {
+        [only] => Ok(*only),
+        [] if !overflowed => Err(Refused::new(
+            code::INVALID_PARAMS,
+            "ENDED",
+            format!(
+                "every contract of context {:?} has ended: a new task needs a new contract",
+                broker_client::names::cut(context_id, 128)
+            ),
+        )),
+        several => Err(Refused::new(
+            code::INVALID_PARAMS,
+            "NOT_FOUND",
+            format!(
+                "context {:?} holds tasks of several callers' contracts ({}): set message.metadata[{}].contractId to the contract of the task this message works for",
+                broker_client::names::cut(context_id, 128),
+                if overflowed {
+                    format!("more than {}", super::MAX_CONTRACTS_PER_CONTEXT)
+                } else {
+                    several
+                        .iter()
+                        .map(hex::encode)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+                ext::URI
+            ),
+        )),
+    }
+}
+
+fn missing_term(peer: &str, term: &str, route_keys: &str) -> Refused {
+    let field = format!("message.metadata[{}].terms.{term}", ext::URI);
+    Refused::new(
+        code::INVALID_PARAMS,
+        "INVALID_FIELD",
+        format!("no {term} for a delegation to {peer}: set {field}, or {route_keys} in routes.{peer} of the gateway's config"),
+    )
+    .with("field", field)
+}
+
+async fn send(
+    gateway: &Arc<Gateway>,
+    peer: &Peer,
+    rpc: &Rpc,
+    headers: &[(http::HeaderName, http::HeaderValue)],
+) -> Result<Value, CallError> {
+    let mut request: a2a::SendMessageRequest = params(rpc)?;
+    request.tenant.clear();
+    let message = request.message.as_mut().ok_or_else(|| {
+        Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
+            .with("field", "message")
+    })?;
+    super::ingress::check_size(message)?;
+    let outbound = ext::outbound(ext::take(message)?)?;
+    if !message.task_id.is_empty() {
+        // A message in a task already delegated: its contract goes on.
+        sent_to(gateway, peer, &message.task_id)?;
+        return gateway
+            .http
+            .call(&peer.url, "SendMessage", &request, headers)
+            .await;
+    }
+    let started = std::time::Instant::now();
+    let parent_id = parent_of(gateway, outbound.contract_id, &message.context_id).await?;
+    let parent = gateway.contract(&parent_id).await?;
+    let parent_contract = parent
+        .contract
+        .as_ref()
+        .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+        .ok_or_else(|| {
+            Refused::new(
+                code::INTERNAL,
+                "INTERNAL",
+                "the broker sent a parent contract that does not decode",
+            )
+        })?;
+    let route = gateway
+        .config
+        .routes
+        .get(&peer.name)
+        .cloned()
+        .unwrap_or_default();
+    let terms = outbound.terms;
+    let residual = parent.ledger.as_ref().map_or(0, |l| l.residual);
+    let budget = terms
+        .budget
+        .or(route.budget)
+        .or_else(|| {
+            route
+                .budget_share
+                .map(|share| (residual as f64 * share).floor() as i64)
+        })
+        .ok_or_else(|| missing_term(&peer.name, "budget", "budget or budget_share"))?;
+    let deadline_ms = match terms.ttl_ms.or(route.ttl_ms) {
+        Some(ttl_ms) => now_ms().saturating_add(ttl_ms),
+        None => parent_contract
+            .deadline_ms
+            .saturating_sub(route.deadline_margin_ms.unwrap_or(0)),
+    };
+    let task = terms
+        .task
+        .or(route.task)
+        .or_else(|| ext::first_text(&message.parts, ext::MAX_TASK_TEXT_BYTES))
+        .unwrap_or_else(|| format!("an A2A task for {}", peer.name));
+    let body = pb::DelegateBody {
+        header: Some(gateway.link.agent.header()),
+        parent_id: parent_id.to_vec(),
+        intent_lineage_hash: parent_contract.intent_lineage_hash.clone(),
+        task,
+        delegate_public_key: peer.public_key().unwrap_or_default().to_vec(),
+        delegate_attestation: None,
+        budget,
+        deadline_ms,
+        liability: pb::Liability::Principal as i32,
+        predicate: terms.predicate.or(route.predicate).unwrap_or_default(),
+        escalation_channel: String::new(),
+        min_retry_cost: terms.min_retry_cost.unwrap_or(0),
+        min_retry_latency_ms: terms.min_retry_latency_ms.unwrap_or(0),
+        write_scope: terms.write_scope.or(route.write_scope).unwrap_or_default(),
+        host_public_key: Vec::new(),
+        result_schema_json: terms
+            .result_schema_json
+            .or(route.result_schema_json)
+            .unwrap_or_default(),
+    };
+    let response = broker::delegate(gateway, rpc.trace.as_deref(), body)
+        .await
+        .map_err(broker_error)?;
+    let child_id: Id = match response.outcome {
+        Some(pb::delegate_response::Outcome::Issued(issued)) => {
+            issued.contract_id.try_into().map_err(|_| {
+                Refused::new(
+                    code::INTERNAL,
+                    "INTERNAL",
+                    "Delegate answered a bad contract id",
+                )
+            })?
+        }
+        Some(pb::delegate_response::Outcome::Refused(refused)) => {
+            let receipt = broker::receipt(refused.receipt.as_ref()).unwrap_or_default();
+            tracing::info!(peer = %peer.name, primary = receipt.primary, "delegation refused");
+            return Err(ext::refusal(&receipt, &refused.receipt_id).into());
+        }
+        None => {
+            return Err(Refused::new(
+                code::INTERNAL,
+                "INTERNAL",
+                "Delegate answered neither issued nor refused",
+            )
+            .into());
+        }
+    };
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "egress: delegated"
+    );
+    let chain = broker::chain(&gateway.link, &child_id)
+        .await
+        .map_err(broker_error)?;
+    if let Some(message) = request.message.as_mut() {
+        ext::attach_chain(message, &chain);
+    }
+    let answer: Result<a2a::SendMessageResponse, CallError> = gateway
+        .http
+        .call(&peer.url, "SendMessage", &request, headers)
+        .await;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "egress: peer answered"
+    );
+    let response = match answer {
+        Ok(response) => response,
+        Err(error) => {
+            // The task never started: release what the contract reserved.
+            if let Err(e) = broker::revoke(
+                gateway,
+                rpc.trace.as_deref(),
+                &child_id,
+                "the peer did not take the task".into(),
+            )
+            .await
+            {
+                tracing::warn!(contract = %hex::encode(child_id), reason = %e.reason, "revoking an unstarted contract failed");
+            }
+            return Err(error);
+        }
+    };
+    if let Some(a2a::send_message_response::Payload::Task(task)) = &response.payload {
+        let mut sent = gateway.sent.lock().unwrap_or_else(|e| e.into_inner());
+        if sent.len() >= MAX_SENT
+            && let Some(key) = sent.keys().next().cloned()
+        {
+            sent.remove(&key);
+        }
+        sent.insert(
+            task.id.clone(),
+            Sent {
+                peer: peer.name.clone(),
+                contract_id: child_id,
+            },
+        );
+    }
+    serde_json::to_value(&response).map_err(|e| {
+        Refused::new(
+            code::INTERNAL,
+            "INTERNAL",
+            format!("encoding the answer: {e}"),
+        )
+        .into()
+    })
+}

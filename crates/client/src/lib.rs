@@ -1,0 +1,18 @@
+//! The Rust client of the broker, and the one layer the CLI, both gateways
+//! and the end-to-end tests call it through: an agent's key and key file,
+//! signed requests, read sessions, a request sent again with the same
+//! bytes, the one `BrokerError`, the names of codes and statuses, and the
+//! tree as text. It knows the public API (`broker-wire`) and nothing of
+//! the server.
+
+pub mod agent;
+pub mod error;
+pub mod keys;
+pub mod link;
+pub mod names;
+pub mod trace;
+pub mod tree;
+
+pub use agent::{Agent, SessionAttacher, SessionClient};
+pub use error::BrokerError;
+pub use link::{Link, Sendable};

@@ -1,0 +1,166 @@
+//! One agent's link to the broker: its key, a read session renewed before
+//! it lapses, and signed requests sent again (the same bytes) while the
+//! broker is unavailable.
+
+use std::sync::Arc;
+
+use broker_wire::pb;
+
+use crate::agent::{Agent, SessionAttacher, SessionClient};
+use crate::error::BrokerError;
+
+/// A read session is renewed after this long (sessions last an hour by
+/// default; renewing early keeps a slow clock from costing a call).
+const SESSION_RENEW_MS: u64 = 20 * 60 * 1000;
+/// Times a call is sent again (same signed request, so never twice in
+/// effect) when the broker answers UNAVAILABLE.
+const RETRIES: u32 = 3;
+/// Pause before the first retry; doubled each time.
+const RETRY_PAUSE_MS: u64 = 200;
+/// Largest answer taken from the broker (a GetChain of a deep chain).
+const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+
+/// One agent's connection to the broker.
+#[derive(Clone)]
+pub struct Link {
+    pub agent: Arc<Agent>,
+    client: SessionClient,
+    attacher: SessionAttacher,
+    /// When the session was last opened; `None` before the first read.
+    session_at: Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>,
+}
+
+impl Link {
+    pub fn new(agent: Agent, channel: tonic::transport::Channel) -> Self {
+        let attacher = SessionAttacher::default();
+        let client = attacher
+            .client(channel)
+            .max_decoding_message_size(MAX_RESPONSE_BYTES);
+        Self {
+            agent: Arc::new(agent),
+            client,
+            attacher,
+            session_at: Arc::default(),
+        }
+    }
+
+    /// The first page of the agent's open contracts in `role` (ListHeld).
+    pub async fn held(
+        &self,
+        role: pb::HeldRole,
+        page_size: u32,
+    ) -> Result<pb::ListHeldResponse, BrokerError> {
+        let request = pb::ListHeldRequest {
+            role: role as i32,
+            page_size,
+            page_token: Vec::new(),
+        };
+        Ok(self
+            .read(|mut client| {
+                let request = request.clone();
+                async move { client.list_held(request).await }
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Signs a request body as the agent.
+    pub fn signed<B: prost::Message>(&self, payload_type: &str, body: &B) -> Option<pb::Envelope> {
+        Some(self.agent.sign(payload_type, body))
+    }
+
+    /// Runs a read, opening a session again once if the broker no longer
+    /// takes the one held (expired early, or signed by a key since
+    /// retired).
+    pub async fn read<T, F, Fut>(&self, call: F) -> Result<T, BrokerError>
+    where
+        F: Fn(SessionClient) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        match call(self.reader().await?).await {
+            Err(status) if status.code() == tonic::Code::Unauthenticated => {
+                *self.session_at.lock().await = None;
+                Ok(call(self.reader().await?).await?)
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// A client whose reads carry a fresh enough session.
+    pub async fn reader(&self) -> Result<SessionClient, BrokerError> {
+        let mut client = self.client.clone();
+        let mut opened = self.session_at.lock().await;
+        let stale = opened
+            .is_none_or(|at| at.elapsed() > std::time::Duration::from_millis(SESSION_RENEW_MS));
+        if stale {
+            self.attacher.open(&mut client, &self.agent).await?;
+            *opened = Some(tokio::time::Instant::now());
+        }
+        Ok(client)
+    }
+
+    /// Sends a signed request, again (the same bytes) while the broker is
+    /// UNAVAILABLE: the nonce makes a repeat harmless.
+    pub async fn send<T, F, Fut>(&self, request: T, call: F) -> Result<T::Response, BrokerError>
+    where
+        T: Sendable,
+        F: Fn(SessionClient, T) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T::Response>, tonic::Status>>,
+    {
+        use tonic_types::StatusExt as _;
+        let mut pause = std::time::Duration::from_millis(RETRY_PAUSE_MS);
+        let mut tries = 0;
+        loop {
+            match call(self.client.clone(), request.clone()).await {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) => {
+                    // The broker's own answers carry an ErrorInfo; a bare
+                    // status is the transport's (a dropped connection, a
+                    // timeout): the request may or may not have been done.
+                    let transport = status.get_details_error_info().is_none();
+                    let again = transport || status.code() == tonic::Code::Unavailable;
+                    if again && tries < RETRIES {
+                        tries += 1;
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                        continue;
+                    }
+                    if transport {
+                        return Err(BrokerError::new(
+                            "OUTCOME_UNKNOWN",
+                            format!(
+                                "the broker could not be reached or did not answer ({}); the call may have taken effect: check with get_contract or tree before calling again",
+                                status.message().chars().take(200).collect::<String>()
+                            ),
+                        ));
+                    }
+                    return Err(status.into());
+                }
+            }
+        }
+    }
+}
+
+/// A request that can be sent again as is.
+pub trait Sendable: Clone + Send + 'static {
+    type Response;
+}
+
+macro_rules! sendable {
+    ($($request:ident => $response:ident),* $(,)?) => {$(
+        impl Sendable for pb::$request {
+            type Response = pb::$response;
+        }
+    )*};
+}
+
+sendable! {
+    OpenRootRequest => OpenRootResponse,
+    DelegateRequest => DelegateResponse,
+    AcceptRequest => AcceptResponse,
+    DeclineRequest => DeclineResponse,
+    CompleteRequest => CompleteResponse,
+    EscalateRequest => EscalateResponse,
+    RevokeRequest => RevokeResponse,
+    RecordReceiptsRequest => RecordReceiptsResponse,
+}

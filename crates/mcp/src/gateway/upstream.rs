@@ -1,0 +1,185 @@
+//! The agent's own tool servers, as the gateway's MCP client: started (a
+//! command on stdio) or reached (streamable HTTP), their tools listed with
+//! a bound on count and bytes, and calls forwarded with a time bound. A
+//! tool server is as untrusted as the model: whatever it sends is capped.
+
+use std::time::Duration;
+
+use rmcp::model::{CallToolRequestParams, CallToolResult, PaginatedRequestParams, Tool};
+use rmcp::service::{RoleClient, RunningService, ServiceExt as _};
+
+use super::config::ServerConfig;
+use broker_client::BrokerError;
+
+/// Most tools taken from one server; the rest are dropped (and logged).
+pub const MAX_TOOLS_PER_SERVER: usize = 256;
+/// Most pages of a server's tool list read.
+const MAX_TOOL_PAGES: usize = 16;
+/// Most bytes of tool definitions taken from one server.
+const MAX_TOOL_LIST_BYTES: usize = 4 * 1024 * 1024;
+/// Largest message taken from a stdio server: a longer line is dropped by
+/// the transport (that call then times out).
+const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Largest result handed back to the model, serialized.
+pub const MAX_RESULT_BYTES: usize = 1024 * 1024;
+/// Longest wait for a server to start and answer `initialize` and its
+/// tool list.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One connected tool server.
+pub struct Upstream {
+    pub name: String,
+    pub tools: Vec<Tool>,
+    service: RunningService<RoleClient, ()>,
+    /// The server's process (stdio), killed when the gateway drops it.
+    _child: Option<tokio::process::Child>,
+}
+
+impl Upstream {
+    /// Starts or reaches the server, then lists its tools.
+    pub async fn connect(config: &ServerConfig) -> anyhow::Result<Self> {
+        tokio::time::timeout(START_TIMEOUT, Self::connect_unbounded(config))
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "server {:?} did not start and list its tools within {} s",
+                    config.name,
+                    START_TIMEOUT.as_secs()
+                )
+            })?
+    }
+
+    async fn connect_unbounded(config: &ServerConfig) -> anyhow::Result<Self> {
+        let name = config.name.clone();
+        let (service, child) = match (&config.command, &config.url) {
+            (Some(command), _) => {
+                let mut child = tokio::process::Command::new(command)
+                    .args(&config.args)
+                    .envs(&config.env)
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    // Its log goes where the gateway's goes.
+                    .stderr(std::process::Stdio::inherit())
+                    .kill_on_drop(true)
+                    .spawn()
+                    .map_err(|e| anyhow::anyhow!("server {name:?}: cannot run {command:?}: {e}"))?;
+                let (Some(stdout), Some(stdin)) = (child.stdout.take(), child.stdin.take()) else {
+                    anyhow::bail!("server {name:?}: no stdio pipes");
+                };
+                let transport =
+                    rmcp::transport::async_rw::AsyncRwTransport::new_client(stdout, stdin)
+                        .with_max_line_length(MAX_MESSAGE_BYTES);
+                let service = ().serve(transport).await.map_err(|e| {
+                    anyhow::anyhow!("server {name:?}: MCP initialization failed: {e}")
+                })?;
+                (service, Some(child))
+            }
+            (None, Some(url)) => {
+                let transport =
+                    rmcp::transport::StreamableHttpClientTransport::from_uri(url.as_str());
+                let service = ().serve(transport).await.map_err(|e| {
+                    anyhow::anyhow!("server {name:?} at {url}: MCP initialization failed: {e}")
+                })?;
+                (service, None)
+            }
+            (None, None) => anyhow::bail!("server {name:?}: neither command nor url"),
+        };
+        let tools = list_tools(&name, &service).await?;
+        Ok(Self {
+            name,
+            tools,
+            service,
+            _child: child,
+        })
+    }
+
+    /// Forwards one call, bounded by `timeout`; an answer too large for the
+    /// model is an error (the call ran).
+    pub async fn call(
+        &self,
+        request: CallToolRequestParams,
+        timeout: Duration,
+    ) -> Result<CallToolResult, BrokerError> {
+        let tool = request.name.to_string();
+        let result = match tokio::time::timeout(timeout, self.service.call_tool(request)).await {
+            Err(_) => {
+                return Err(BrokerError::new(
+                    "UPSTREAM_TIMEOUT",
+                    format!(
+                        "server {:?} did not answer {tool} within {} ms; the call may have run",
+                        self.name,
+                        timeout.as_millis()
+                    ),
+                ));
+            }
+            Ok(Err(error)) => {
+                let message = broker_client::names::cut(&error.to_string(), 1024);
+                return Err(BrokerError::new(
+                    "UPSTREAM_FAILED",
+                    format!("server {:?} failed {tool}: {message}", self.name),
+                ));
+            }
+            // The gateway may speak a newer protocol to its client than
+            // the server spoke to it: a result is complete (rmcp drops the
+            // field again for clients of older versions).
+            Ok(Ok(mut result)) => {
+                result.result_type = Some(rmcp::model::ResultType::COMPLETE);
+                result
+            }
+        };
+        let size = serde_json::to_vec(&result).map_or(usize::MAX, |b| b.len());
+        if size > MAX_RESULT_BYTES {
+            return Err(BrokerError::new(
+                "RESULT_TOO_LARGE",
+                format!(
+                    "server {:?} answered {tool} with {size} bytes, at most {MAX_RESULT_BYTES}; the call ran and its result is withheld",
+                    self.name
+                ),
+            )
+            .with("requested", size)
+            .with("allowed", MAX_RESULT_BYTES));
+        }
+        Ok(result)
+    }
+}
+
+/// The server's tools: at most `MAX_TOOLS_PER_SERVER`, `MAX_TOOL_PAGES`
+/// pages and `MAX_TOOL_LIST_BYTES` of definitions.
+async fn list_tools(
+    name: &str,
+    service: &RunningService<RoleClient, ()>,
+) -> anyhow::Result<Vec<Tool>> {
+    let mut tools = Vec::new();
+    let mut bytes = 0usize;
+    let mut cursor = None;
+    for _ in 0..MAX_TOOL_PAGES {
+        let page = service
+            .list_tools(Some(
+                PaginatedRequestParams::default().with_cursor(cursor.take()),
+            ))
+            .await
+            .map_err(|e| anyhow::anyhow!("server {name:?}: tools/list failed: {e}"))?;
+        for tool in page.tools {
+            bytes = bytes.saturating_add(serde_json::to_vec(&tool).map_or(usize::MAX, |b| b.len()));
+            if tools.len() == MAX_TOOLS_PER_SERVER || bytes > MAX_TOOL_LIST_BYTES {
+                tracing::warn!(
+                    server = name,
+                    kept = tools.len(),
+                    "the server lists more tools than the gateway takes ({MAX_TOOLS_PER_SERVER} tools, {MAX_TOOL_LIST_BYTES} bytes): the rest are not served"
+                );
+                return Ok(tools);
+            }
+            tools.push(tool);
+        }
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => return Ok(tools),
+        }
+    }
+    tracing::warn!(
+        server = name,
+        kept = tools.len(),
+        "the server's tool list has more than {MAX_TOOL_PAGES} pages: the rest are not served"
+    );
+    Ok(tools)
+}

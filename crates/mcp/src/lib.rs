@@ -1,0 +1,205 @@
+//! `delegation-broker mcp tools`: the broker as MCP tools for a model.
+//! An agent's host runs it over stdio, holding that
+//! agent's key file; the model sees `open_root`, `delegate`, `accept`,
+//! `decline`, `complete`, `escalate`, `revoke`, `get_contract`, `tree`,
+//! `verify_chain` and `whoami`. A refusal is a tool error listing every
+//! violated invariant with requested and allowed values, so the model can
+//! correct its call. The key signs requests here and goes nowhere else: no
+//! seed or session is ever in a tool result or a log. It is a client of
+//! the public API, like `tree` and `audit`: the broker learns nothing of
+//! MCP.
+
+pub mod gateway;
+mod resources;
+mod tools;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+pub use tools::Tools;
+
+#[derive(Args, Debug, Clone)]
+pub struct McpArgs {
+    #[command(subcommand)]
+    pub command: McpCommand,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum McpCommand {
+    /// Serves the broker's calls as MCP tools on stdin/stdout, signing as
+    /// the agent of --key-file (logs go to stderr).
+    Tools(ToolsArgs),
+    /// Serves the agent's own tool servers (from --config) as the host of
+    /// its contract: every call checked against the contract and recorded
+    /// at the broker before it is answered.
+    Gateway(GatewayArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct GatewayArgs {
+    /// The gateway's TOML configuration (docs/mcp.md).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Serve streamable HTTP at http://ADDR/mcp instead of stdio.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Export the spans of tool calls over OTLP/gRPC to this collector
+    /// (e.g. http://127.0.0.1:4317).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+impl McpArgs {
+    /// Whether the command sets up logging itself (the gateway: it may
+    /// export spans, from its runtime).
+    pub fn installs_telemetry(&self) -> bool {
+        matches!(self.command, McpCommand::Gateway(_))
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ToolsArgs {
+    /// The agent's key: a file holding its secret seed in hex, as `keygen`
+    /// writes it.
+    #[arg(long, env = "BROKER_KEY_FILE")]
+    pub key_file: PathBuf,
+    /// Broker address, e.g. http://127.0.0.1:50051.
+    #[arg(long, env = "BROKER_ADDR", default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// An address book: a TOML file of `"<hex public key>" = "name"` lines;
+    /// tools take either a name or a hex key wherever they name an agent.
+    #[arg(long)]
+    pub names: Option<PathBuf>,
+    /// Serve streamable HTTP at http://ADDR/mcp instead of stdio.
+    #[arg(long)]
+    pub listen: Option<String>,
+}
+
+/// Longest wait for the broker's connection.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Longest one call to the broker may take.
+const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// Largest MCP message taken from the client: a line beyond it is dropped
+/// by the transport (the client gets no answer to it).
+const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+
+pub fn run(args: McpArgs) -> anyhow::Result<()> {
+    match args.command {
+        McpCommand::Tools(args) => serve_tools(args),
+        McpCommand::Gateway(args) => serve_gateway(args),
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// A lazily connected channel to the broker.
+fn broker_channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
+    Ok(tonic::transport::Channel::from_shared(addr.to_owned())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        // Longer than the Watch phase of `tree`, the longest call.
+        .timeout(CALL_TIMEOUT)
+        .http2_keep_alive_interval(CONNECT_TIMEOUT)
+        // Connected on first use: the MCP client may list tools before
+        // the broker is up.
+        .connect_lazy())
+}
+
+fn serve_gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let config = gateway::config::GatewayConfig::load(&args.config)?;
+    // reqwest (HTTP upstreams) takes the process's rustls provider; one
+    // already installed is as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let format = broker_runtime::telemetry::Logging::from_env()?;
+    runtime()?.block_on(async {
+        let telemetry =
+            broker_runtime::telemetry::init(&format, args.otlp_endpoint.as_deref(), None)?;
+        let channel = broker_channel(&config.broker)?;
+        let gateway = gateway::Gateway::start(config, channel).await?;
+        tracing::info!(host = %gateway.host(), "MCP gateway ready");
+        let served = serve(gateway, args.listen.as_deref()).await;
+        telemetry.shutdown().await;
+        served
+    })
+}
+
+/// Serves one MCP server on stdio, or on streamable HTTP at `/mcp` when
+/// `listen` is given (the address is printed on stdout).
+async fn serve<S>(server: S, listen: Option<&str>) -> anyhow::Result<()>
+where
+    S: rmcp::ServerHandler + Clone + Send + Sync + 'static,
+{
+    use rmcp::ServiceExt as _;
+    let Some(listen) = listen else {
+        let (stdin, stdout) = rmcp::transport::stdio();
+        let transport = rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout)
+            .with_max_line_length(MAX_MESSAGE_BYTES);
+        let running = server
+            .serve(transport)
+            .await
+            .map_err(|e| anyhow::anyhow!("MCP initialization failed: {e}"))?;
+        running.waiting().await?;
+        return Ok(());
+    };
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("--listen {listen}: {e}"))?;
+    let addr = listener.local_addr()?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut config = StreamableHttpServerConfig::default()
+        .with_cancellation_token(stop.child_token())
+        .with_max_request_body_bytes(MAX_MESSAGE_BYTES);
+    if !addr.ip().is_loopback() {
+        // Loopback hosts only by default (against DNS rebinding); a
+        // listener on another address takes requests naming it.
+        config = config.with_allowed_hosts([addr.to_string(), addr.ip().to_string()]);
+    }
+    let service = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        std::sync::Arc::new(LocalSessionManager::default()),
+        config,
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    println!("mcp on http://{addr}/mcp");
+    use std::io::Write as _;
+    std::io::stdout().flush()?;
+    broker_runtime::listen::serve_gateway_http(listener, router, async move {
+        broker_runtime::shutdown::signal().await;
+        stop.cancel();
+    })
+    .await;
+    Ok(())
+}
+
+fn serve_tools(args: ToolsArgs) -> anyhow::Result<()> {
+    let agent = broker_client::keys::agent_from_key_file(&args.key_file)?;
+    let names = match &args.names {
+        Some(path) => broker_client::tree::read_names(path)?,
+        None => BTreeMap::new(),
+    };
+    runtime()?.block_on(async {
+        let tools = Tools::new(agent, broker_channel(&args.addr)?, names)?;
+        tracing::info!(addr = %args.addr, "serving MCP tools");
+        serve(tools, args.listen.as_deref()).await
+    })
+}
+
+/// The one mapping of a broker error to MCP: the tool result the model
+/// reads, with `isError`, the error object as structured content, and its
+/// reason and message as text.
+pub fn tool_result(error: broker_client::BrokerError) -> rmcp::model::CallToolResult {
+    let mut object = error.details;
+    object.insert("reason".into(), error.reason.into());
+    object.insert("field".into(), error.field.into());
+    object.insert("message".into(), error.message.into());
+    rmcp::model::CallToolResult::structured_error(serde_json::json!({ "error": object }))
+}
