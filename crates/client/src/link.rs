@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use broker_wire::crypto::payload_type;
 use broker_wire::pb;
 
 use crate::agent::{Agent, SessionAttacher, SessionClient};
@@ -62,6 +63,23 @@ impl Link {
             })
             .await?
             .into_inner())
+    }
+
+    /// Signs `body` as the agent (header filled in) and sends it, again
+    /// with the same bytes while the broker is unavailable, carrying the
+    /// W3C `trace` context when there is one.
+    pub async fn call<B: Body>(
+        &self,
+        mut body: B,
+        trace: Option<&str>,
+    ) -> Result<<B::Request as Sendable>::Response, BrokerError> {
+        body.set_header(self.agent.header());
+        let request = B::request(self.signed(B::PAYLOAD_TYPE, &body));
+        let trace = trace.map(str::to_owned);
+        self.send(request, move |client, request| {
+            B::call(client, crate::trace::traced(request, trace.as_deref()))
+        })
+        .await
     }
 
     /// Signs a request body as the agent.
@@ -146,21 +164,59 @@ pub trait Sendable: Clone + Send + 'static {
     type Response;
 }
 
-macro_rules! sendable {
-    ($($request:ident => $response:ident),* $(,)?) => {$(
+/// A request body an agent signs: its payload type, the request that
+/// carries it, and the RPC that takes it. `Link::call` fills in the
+/// header, signs, sends again while the broker is unavailable, and passes
+/// the trace context on.
+pub trait Body: prost::Message + Sized {
+    const PAYLOAD_TYPE: &'static str;
+    type Request: Sendable;
+    /// Sets the signer's header (key, time, nonce).
+    fn set_header(&mut self, header: pb::RequestHeader);
+    /// The request carrying the signed body.
+    fn request(signed: Option<pb::Envelope>) -> Self::Request;
+    /// The RPC.
+    fn call(
+        client: SessionClient,
+        request: tonic::Request<Self::Request>,
+    ) -> impl std::future::Future<
+        Output = Result<tonic::Response<<Self::Request as Sendable>::Response>, tonic::Status>,
+    > + Send;
+}
+
+macro_rules! signed_calls {
+    ($($body:ident => $request:ident, $response:ident, $method:ident, $payload:ident;)*) => {$(
         impl Sendable for pb::$request {
             type Response = pb::$response;
+        }
+
+        impl Body for pb::$body {
+            const PAYLOAD_TYPE: &'static str = payload_type::$payload;
+            type Request = pb::$request;
+            fn set_header(&mut self, header: pb::RequestHeader) {
+                self.header = Some(header);
+            }
+            fn request(signed: Option<pb::Envelope>) -> Self::Request {
+                pb::$request { signed }
+            }
+            async fn call(
+                mut client: SessionClient,
+                request: tonic::Request<Self::Request>,
+            ) -> Result<tonic::Response<pb::$response>, tonic::Status> {
+                client.$method(request).await
+            }
         }
     )*};
 }
 
-sendable! {
-    OpenRootRequest => OpenRootResponse,
-    DelegateRequest => DelegateResponse,
-    AcceptRequest => AcceptResponse,
-    DeclineRequest => DeclineResponse,
-    CompleteRequest => CompleteResponse,
-    EscalateRequest => EscalateResponse,
-    RevokeRequest => RevokeResponse,
-    RecordReceiptsRequest => RecordReceiptsResponse,
+signed_calls! {
+    OpenRootBody => OpenRootRequest, OpenRootResponse, open_root, OPEN_ROOT;
+    DelegateBody => DelegateRequest, DelegateResponse, delegate, DELEGATE;
+    AcceptBody => AcceptRequest, AcceptResponse, accept, ACCEPT;
+    DeclineBody => DeclineRequest, DeclineResponse, decline, DECLINE;
+    CompleteBody => CompleteRequest, CompleteResponse, complete, COMPLETE;
+    AdjudicateBody => AdjudicateRequest, AdjudicateResponse, adjudicate, ADJUDICATE;
+    EscalateBody => EscalateRequest, EscalateResponse, escalate, ESCALATE;
+    RevokeBody => RevokeRequest, RevokeResponse, revoke, REVOKE;
+    RecordReceiptsBody => RecordReceiptsRequest, RecordReceiptsResponse, record_receipts, RECORD_RECEIPTS;
 }
