@@ -1108,3 +1108,280 @@ fn the_crate_checker_sees_a_forbidden_dependency() {
         "{found:?}"
     );
 }
+
+/// Longest production file, in lines (its inline test module excluded).
+const MAX_FILE_LINES: usize = 800;
+/// Longest production function, in lines from `fn` to its closing brace.
+const MAX_FN_LINES: usize = 100;
+
+/// Files and functions allowed past the limits, each at most as long as
+/// written here and with why (ARCHITECTURE.md, "Size"). A `fn` entry is
+/// `path::name`. Growing one past its number fails like any other.
+const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
+    (
+        "crates/domain/src/invariants.rs::check_delegation",
+        240,
+        "the fifteen invariants in docs/design.md's order, one block each: read side by side with the design",
+    ),
+    ("src/server/mod.rs", 1_060, "to split by concern"),
+    ("src/server/mod.rs::serve", 185, "to split with the server"),
+    (
+        "src/cli/read.rs",
+        1_060,
+        "to split: one file per reading command",
+    ),
+    (
+        "src/cli/read.rs::contract_text",
+        110,
+        "to split with cli/read.rs",
+    ),
+    (
+        "src/cli/mod.rs::main",
+        110,
+        "to split: the command table from its dispatch",
+    ),
+    (
+        "src/metrics.rs::new",
+        120,
+        "one registration per metric; to split by family",
+    ),
+    (
+        "src/service/issuance.rs::delegate",
+        125,
+        "to split: cheap checks, then planning",
+    ),
+    ("src/cli/store_probe.rs::run", 115, "to move with the tools"),
+    (
+        "crates/runtime/src/telemetry/mod.rs",
+        1_020,
+        "to split: logging, export, call spans",
+    ),
+    (
+        "crates/store/src/postgres/writer.rs",
+        1_010,
+        "to split: issuance, transitions, pruning",
+    ),
+    (
+        "crates/store/src/postgres/writer.rs::issue_optimistic",
+        130,
+        "to split with the writer",
+    ),
+    (
+        "crates/store/src/postgres/unnest.rs::insert_contracts",
+        115,
+        "one UNNEST statement and its columns",
+    ),
+    (
+        "crates/store/src/postgres/mod.rs::open",
+        115,
+        "to split: pool, migrations, writer",
+    ),
+    (
+        "crates/store/src/sqlite/writer.rs",
+        995,
+        "to split: the loop, the batch, the probes",
+    ),
+    (
+        "crates/store/src/sqlite/writer.rs::writer_loop",
+        110,
+        "to split with the writer",
+    ),
+    (
+        "crates/store/src/sqlite/probe.rs::probe",
+        190,
+        "to move with the tools",
+    ),
+    (
+        "crates/store/src/sql/reads.rs::roots",
+        115,
+        "one paged query and its cursor",
+    ),
+    (
+        "crates/store/src/batch.rs",
+        810,
+        "to split: planning and the cache",
+    ),
+    ("crates/a2a/src/lib.rs", 985, "to split by listener"),
+    (
+        "crates/a2a/src/lib.rs::serve",
+        220,
+        "to split into run(listeners, config, shutdown)",
+    ),
+    (
+        "crates/a2a/src/ingress.rs",
+        890,
+        "to split: admission and continuation",
+    ),
+    (
+        "crates/a2a/src/ingress.rs::send",
+        110,
+        "to split with ingress",
+    ),
+    (
+        "crates/a2a/src/egress.rs::send",
+        175,
+        "to split: resolve, delegate, forward",
+    ),
+    (
+        "crates/a2a/src/config.rs::check",
+        155,
+        "one check per field",
+    ),
+    (
+        "crates/a2a/src/authz.rs::decide",
+        110,
+        "to split with ingress",
+    ),
+    ("crates/mcp/src/tools.rs", 1_095, "to split by tool family"),
+];
+
+/// Production lines of `text`: up to its inline test module, trailing
+/// blank lines dropped.
+fn production_lines(text: &str) -> Vec<&str> {
+    let lines: Vec<&str> = text.lines().collect();
+    let end = (0..lines.len())
+        .find(|&i| {
+            lines[i].trim() == "#[cfg(test)]"
+                && lines.get(i + 1).is_some_and(|l| {
+                    let l = l.trim();
+                    (l.starts_with("mod ") || l.starts_with("pub mod ")) && l.ends_with('{')
+                })
+        })
+        .unwrap_or(lines.len());
+    let mut production = lines[..end].to_vec();
+    while production.last().is_some_and(|l| l.trim().is_empty()) {
+        production.pop();
+    }
+    production
+}
+
+/// Each function of `lines` with its length: from its `fn` line to the
+/// first line that closes it at the same indentation.
+fn functions<'a>(lines: &[&'a str]) -> Vec<(&'a str, usize)> {
+    let mut found = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let indent = line.len() - line.trim_start().len();
+        let mut rest = line.trim_start();
+        for prefix in [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "const ",
+            "async ",
+            "unsafe ",
+        ] {
+            rest = rest.strip_prefix(prefix).unwrap_or(rest);
+        }
+        let Some(signature) = rest.strip_prefix("fn ") else {
+            continue;
+        };
+        if line.trim_end().ends_with(';') {
+            continue;
+        }
+        let name = signature
+            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .next()
+            .unwrap_or("");
+        let close = format!("{}}}", &line[..indent]);
+        if let Some(end) = lines[i + 1..].iter().position(|l| *l == close) {
+            found.push((name, end + 2));
+        }
+    }
+    found
+}
+
+/// Files and functions longer than allowed (`SIZE_EXCEPTIONS` aside).
+fn size_violations(files: &[(String, String)]) -> Vec<String> {
+    let allowed = |name: &str, limit: usize| {
+        SIZE_EXCEPTIONS
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map_or(limit, |(_, most, _)| *most)
+    };
+    let mut found = Vec::new();
+    for (rel, text) in files {
+        let lines = production_lines(text);
+        if lines.len() > allowed(rel, MAX_FILE_LINES) {
+            found.push(format!(
+                "{rel}: {} lines, at most {} (split it by concern)",
+                lines.len(),
+                allowed(rel, MAX_FILE_LINES)
+            ));
+        }
+        for (name, length) in functions(&lines) {
+            let key = format!("{rel}::{name}");
+            if length > allowed(&key, MAX_FN_LINES) {
+                found.push(format!(
+                    "{key}: {length} lines, at most {}",
+                    allowed(&key, MAX_FN_LINES)
+                ));
+            }
+        }
+    }
+    found
+}
+
+fn production_sources() -> Vec<(String, String)> {
+    all_files()
+        .into_iter()
+        .filter(|(_, path)| !is_test_file(path))
+        .map(|(rel, path)| {
+            let text = std::fs::read_to_string(&path).expect("source");
+            (rel, text)
+        })
+        .collect()
+}
+
+#[test]
+fn no_file_or_function_outgrows_its_limit() {
+    assert_none(size_violations(&production_sources()));
+}
+
+#[test]
+fn every_size_exception_still_needs_to_be_one() {
+    let files = production_sources();
+    let mut stale = Vec::new();
+    for (name, _, _) in SIZE_EXCEPTIONS {
+        let (file, function) = match name.split_once("::") {
+            Some((file, function)) => (file, Some(function)),
+            None => (*name, None),
+        };
+        let Some((_, text)) = files.iter().find(|(rel, _)| rel == file) else {
+            stale.push(format!("{name}: no such file"));
+            continue;
+        };
+        let lines = production_lines(text);
+        let over = match function {
+            None => lines.len() > MAX_FILE_LINES,
+            Some(function) => functions(&lines)
+                .iter()
+                .any(|(n, length)| n == &function && *length > MAX_FN_LINES),
+        };
+        if !over {
+            stale.push(format!("{name}: within the limit now; drop the exception"));
+        }
+    }
+    assert_none(stale);
+}
+
+#[test]
+fn the_size_checker_sees_a_long_file_and_a_long_function() {
+    let long_fn = format!(
+        "pub fn short() {{\n}}\n\nfn long() {{\n{}}}\n",
+        "    let x = 1;\n".repeat(MAX_FN_LINES)
+    );
+    let long_file = "// a line\n".repeat(MAX_FILE_LINES + 1);
+    let found = size_violations(&[
+        ("src/long_fn.rs".into(), long_fn),
+        ("src/long_file.rs".into(), long_file),
+    ]);
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(
+        found[0].starts_with("src/long_fn.rs::long: 102 lines"),
+        "{found:?}"
+    );
+    assert!(
+        found[1].starts_with("src/long_file.rs: 801 lines"),
+        "{found:?}"
+    );
+}
