@@ -226,14 +226,15 @@ async fn start_in_process(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut options = crate::server::ServeOptions::default();
+    let options = crate::server::ServeOptions::default();
+    let mut listeners = crate::server::Listeners::from(listener);
     if args.telemetry {
         let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         tokio::spawn(scrape_every_second(metrics.local_addr()?));
-        options.metrics_listener = Some(metrics);
+        listeners.metrics = Some(metrics);
     }
     let server = tokio::spawn(crate::server::run_with_options(
-        listener,
+        listeners,
         config,
         Arc::new(SystemClock),
         options,

@@ -356,7 +356,7 @@ fn serve(
         // and "listening" means calls will be answered.
         let mut announced = vec![format!("listening on {}", listener.local_addr()?)];
         let (ready, serving) = tokio::sync::oneshot::channel();
-        let mut options = crate::server::ServeOptions {
+        let options = crate::server::ServeOptions {
             database: database
                 .database_url
                 .map(|url| crate::server::DatabaseOptions {
@@ -366,15 +366,15 @@ fn serve(
             signing_key_file,
             ready: Some(ready),
             allow_open_tenant,
-            ..Default::default()
         };
+        let mut listeners = crate::server::Listeners::from(listener);
         if let Some(address) = metrics {
             let metrics_listener = tokio::net::TcpListener::bind(&address).await?;
             announced.push(format!(
                 "metrics on http://{}/metrics",
                 metrics_listener.local_addr()?
             ));
-            options.metrics_listener = Some(metrics_listener);
+            listeners.metrics = Some(metrics_listener);
         }
         if let Some(address) = console {
             let listener = tokio::net::TcpListener::bind(&address).await?;
@@ -387,7 +387,7 @@ fn serve(
                 "console on http://{}/#token={token}",
                 listener.local_addr()?
             ));
-            options.console = Some(crate::console::ConsoleOptions { listener, token });
+            listeners.console = Some(crate::console::ConsoleOptions { listener, token });
         }
         tokio::spawn(async move {
             if serving.await.is_ok() {
@@ -400,7 +400,7 @@ fn serve(
             }
         });
         crate::server::run_with_options(
-            listener,
+            listeners,
             config,
             std::sync::Arc::new(crate::clock::SystemClock),
             options,

@@ -168,22 +168,24 @@ impl Broker {
         };
         let mut metrics_addr = None;
         let mut console = None;
+        let mut listeners = delegation_broker::server::Listeners::from(listener);
         if extra == Listener::Console {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let token = delegation_broker::console::new_token();
             console = Some((listener.local_addr().unwrap(), token.clone()));
-            options.console = Some(delegation_broker::console::ConsoleOptions { listener, token });
+            listeners.console =
+                Some(delegation_broker::console::ConsoleOptions { listener, token });
         } else if extra == Listener::Metrics {
             let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             metrics_addr = Some(metrics_listener.local_addr().unwrap());
-            options.metrics_listener = Some(metrics_listener);
+            listeners.metrics = Some(metrics_listener);
         }
         let clock = Arc::new(OffsetClock::default());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server_clock: Arc<dyn Clock> = clock.clone();
         let server = tokio::spawn(async move {
             delegation_broker::server::run_with_options(
-                listener,
+                listeners,
                 config,
                 server_clock,
                 options,

@@ -414,3 +414,21 @@ fn a_throttle_lets_one_line_through_and_counts_the_rest() {
     assert_eq!(throttle.allow(), Some(2));
     assert_eq!(throttle.allow(), None);
 }
+
+#[test]
+fn delegation_broker_names_every_crate_of_the_workspace() {
+    let expanded = whole_family("info,delegation_broker=debug");
+    assert!(
+        expanded.starts_with("info,delegation_broker=debug,"),
+        "{expanded}"
+    );
+    for krate in FAMILY {
+        assert!(expanded.contains(&format!("{krate}=debug")), "{expanded}");
+    }
+    // A module of it, or another crate, is left as written.
+    assert_eq!(
+        whole_family("warn,delegation_broker::server=info,tonic=debug"),
+        "warn,delegation_broker::server=info,tonic=debug"
+    );
+    assert!(EnvFilter::try_new(whole_family("delegation_broker")).is_ok());
+}
