@@ -272,7 +272,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     let revoke = pb::RevokeRequest {
         signed: signed(
             &orchestrator,
-            <pb::RevokeBody as LifecycleBody>::PAYLOAD_TYPE,
+            <pb::RevokeBody as broker_client::Body>::PAYLOAD_TYPE,
             &body,
         ),
     };

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_client::{Agent, SessionAttacher, SessionClient};
+use broker_client::{Agent, Body, Receipted, Sendable, SessionAttacher, SessionClient};
 use delegation_broker::clock::{Clock, OffsetClock, SystemClock};
 use delegation_broker::config::Config;
 use delegation_broker::crypto::{self, payload_type};
@@ -665,67 +665,38 @@ pub fn signed<T: prost::Message>(
     Some(agent.sign(payload_type, body))
 }
 
-/// A lifecycle RPC's signed body: its payload type, its header, and the
-/// call that sends it. One implementation per RPC (`lifecycle_body!`);
-/// `Broker::act` is the one helper that signs, sends and checks them all.
-pub trait LifecycleBody: prost::Message + Sized {
-    const PAYLOAD_TYPE: &'static str;
-    fn header(&mut self) -> &mut Option<pb::RequestHeader>;
-    fn send(
-        client: &mut SessionClient,
-        signed: Option<pb::Envelope>,
-    ) -> impl std::future::Future<Output = Result<Option<pb::Sealed>, tonic::Status>>;
-}
-
-macro_rules! lifecycle_body {
-    ($($body:ident => $request:ident, $method:ident, $payload_type:ident;)*) => {$(
-        impl LifecycleBody for pb::$body {
-            const PAYLOAD_TYPE: &'static str = payload_type::$payload_type;
-            fn header(&mut self) -> &mut Option<pb::RequestHeader> {
-                &mut self.header
-            }
-            async fn send(
-                client: &mut SessionClient,
-                signed: Option<pb::Envelope>,
-            ) -> Result<Option<pb::Sealed>, tonic::Status> {
-                Ok(client.$method(pb::$request { signed }).await?.into_inner().receipt)
-            }
-        }
-    )*};
-}
-
-lifecycle_body! {
-    AcceptBody => AcceptRequest, accept, ACCEPT;
-    DeclineBody => DeclineRequest, decline, DECLINE;
-    CompleteBody => CompleteRequest, complete, COMPLETE;
-    AdjudicateBody => AdjudicateRequest, adjudicate, ADJUDICATE;
-    EscalateBody => EscalateRequest, escalate, ESCALATE;
-    RevokeBody => RevokeRequest, revoke, REVOKE;
-    RecordReceiptsBody => RecordReceiptsRequest, record_receipts, RECORD_RECEIPTS;
-}
-
 /// Signs `body` as `signer` (with a fresh header unless it has one) and
-/// sends it on `client`; the answer's receipt envelope.
-pub async fn send_lifecycle<B: LifecycleBody>(
+/// sends it on `client`, once; the answer's receipt envelope.
+pub async fn send_lifecycle<B: Body>(
     client: &mut SessionClient,
     signer: &Agent,
     mut body: B,
-) -> Result<pb::Sealed, tonic::Status> {
+) -> Result<pb::Sealed, tonic::Status>
+where
+    <B::Request as Sendable>::Response: Receipted,
+{
     if body.header().is_none() {
         *body.header() = Some(signer.header());
     }
-    let receipt = B::send(client, signed(signer, B::PAYLOAD_TYPE, &body)).await?;
-    Ok(receipt.expect("a lifecycle answer carries its receipt"))
+    let request = B::request(signed(signer, B::PAYLOAD_TYPE, &body));
+    let answer = B::call(client.clone(), tonic::Request::new(request)).await?;
+    Ok(answer
+        .into_inner()
+        .receipt()
+        .expect("a lifecycle answer carries its receipt"))
 }
 
 impl Broker {
     /// `send_lifecycle` on this broker's client, returning the receipt
     /// after checking its signature with the broker's published keys.
-    pub async fn act<B: LifecycleBody>(
+    pub async fn act<B: Body>(
         &mut self,
         signer: &Agent,
         body: B,
-    ) -> Result<pb::Receipt, tonic::Status> {
+    ) -> Result<pb::Receipt, tonic::Status>
+    where
+        <B::Request as Sendable>::Response: Receipted,
+    {
         let envelope = send_lifecycle(&mut self.client, signer, body).await?;
         let receipt = decode_receipt(&envelope);
         let keys = self.keys().await;

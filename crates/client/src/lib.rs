@@ -15,4 +15,4 @@ pub mod tree;
 
 pub use agent::{Agent, SessionAttacher, SessionClient};
 pub use error::BrokerError;
-pub use link::{Body, Link, Sendable};
+pub use link::{Body, Link, Receipted, Sendable};

@@ -73,7 +73,7 @@ impl Link {
         mut body: B,
         trace: Option<&str>,
     ) -> Result<<B::Request as Sendable>::Response, BrokerError> {
-        body.set_header(self.agent.header());
+        *body.header() = Some(self.agent.header());
         let request = B::request(self.signed(B::PAYLOAD_TYPE, &body));
         let trace = trace.map(str::to_owned);
         self.send(request, move |client, request| {
@@ -171,8 +171,8 @@ pub trait Sendable: Clone + Send + 'static {
 pub trait Body: prost::Message + Sized {
     const PAYLOAD_TYPE: &'static str;
     type Request: Sendable;
-    /// Sets the signer's header (key, time, nonce).
-    fn set_header(&mut self, header: pb::RequestHeader);
+    /// The signer's header (key, time, nonce).
+    fn header(&mut self) -> &mut Option<pb::RequestHeader>;
     /// The request carrying the signed body.
     fn request(signed: Option<pb::Envelope>) -> Self::Request;
     /// The RPC.
@@ -193,8 +193,8 @@ macro_rules! signed_calls {
         impl Body for pb::$body {
             const PAYLOAD_TYPE: &'static str = payload_type::$payload;
             type Request = pb::$request;
-            fn set_header(&mut self, header: pb::RequestHeader) {
-                self.header = Some(header);
+            fn header(&mut self) -> &mut Option<pb::RequestHeader> {
+                &mut self.header
             }
             fn request(signed: Option<pb::Envelope>) -> Self::Request {
                 pb::$request { signed }
@@ -219,4 +219,29 @@ signed_calls! {
     EscalateBody => EscalateRequest, EscalateResponse, escalate, ESCALATE;
     RevokeBody => RevokeRequest, RevokeResponse, revoke, REVOKE;
     RecordReceiptsBody => RecordReceiptsRequest, RecordReceiptsResponse, record_receipts, RECORD_RECEIPTS;
+}
+
+/// An answer that carries the receipt the broker signed for it.
+pub trait Receipted {
+    fn receipt(self) -> Option<pb::Sealed>;
+}
+
+macro_rules! receipted {
+    ($($response:ident),* $(,)?) => {$(
+        impl Receipted for pb::$response {
+            fn receipt(self) -> Option<pb::Sealed> {
+                self.receipt
+            }
+        }
+    )*};
+}
+
+receipted! {
+    AcceptResponse,
+    DeclineResponse,
+    CompleteResponse,
+    AdjudicateResponse,
+    EscalateResponse,
+    RevokeResponse,
+    RecordReceiptsResponse,
 }
