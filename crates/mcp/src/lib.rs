@@ -11,6 +11,7 @@
 
 pub mod gateway;
 mod resources;
+mod serve;
 mod tools;
 
 use std::collections::BTreeMap;
@@ -81,9 +82,10 @@ pub struct ToolsArgs {
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Longest one call to the broker may take.
 const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
-/// Largest MCP message taken from the client: a line beyond it is dropped
-/// by the transport (the client gets no answer to it).
-const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+/// Longest the runtime waits for its threads once serving stopped: the
+/// blocking read of stdin (stdio) cannot be cancelled, and would hold the
+/// process after SIGINT or SIGTERM while the client keeps stdin open.
+const RUNTIME_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub fn run(args: McpArgs) -> anyhow::Result<()> {
     match args.command {
@@ -92,11 +94,16 @@ pub fn run(args: McpArgs) -> anyhow::Result<()> {
     }
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
+/// Runs `serve` on a runtime of its own, then stops the runtime within
+/// `RUNTIME_STOP_GRACE`.
+fn on_runtime<F: std::future::Future<Output = anyhow::Result<()>>>(serve: F) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        .build()?)
+        .build()?;
+    let served = runtime.block_on(serve);
+    runtime.shutdown_timeout(RUNTIME_STOP_GRACE);
+    served
 }
 
 /// A lazily connected channel to the broker.
@@ -111,73 +118,30 @@ fn broker_channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
         .connect_lazy())
 }
 
+/// The listener of `--listen`.
+async fn bind(listen: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("--listen {listen}: {e}"))
+}
+
 fn serve_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let config = gateway::config::GatewayConfig::load(&args.config)?;
-    // reqwest (HTTP upstreams) takes the process's rustls provider; one
-    // already installed is as good.
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let format = broker_runtime::telemetry::Logging::from_env()?;
-    runtime()?.block_on(async {
+    on_runtime(async {
         let telemetry =
             broker_runtime::telemetry::init(&format, args.otlp_endpoint.as_deref(), None)?;
-        let channel = broker_channel(&config.broker)?;
-        let gateway = gateway::Gateway::start(config, channel).await?;
-        tracing::info!(host = %gateway.host(), "MCP gateway ready");
-        let served = serve(gateway, args.listen.as_deref()).await;
+        let shutdown = broker_runtime::shutdown::signal();
+        let served = match args.listen.as_deref() {
+            Some(listen) => match bind(listen).await {
+                Ok(listener) => gateway::run(listener, config, shutdown).await,
+                Err(e) => Err(e),
+            },
+            None => gateway::run_stdio(config, shutdown).await,
+        };
         telemetry.shutdown().await;
         served
     })
-}
-
-/// Serves one MCP server on stdio, or on streamable HTTP at `/mcp` when
-/// `listen` is given (the address is printed on stdout).
-async fn serve<S>(server: S, listen: Option<&str>) -> anyhow::Result<()>
-where
-    S: rmcp::ServerHandler + Clone + Send + Sync + 'static,
-{
-    use rmcp::ServiceExt as _;
-    let Some(listen) = listen else {
-        let (stdin, stdout) = rmcp::transport::stdio();
-        let transport = rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout)
-            .with_max_line_length(MAX_MESSAGE_BYTES);
-        let running = server
-            .serve(transport)
-            .await
-            .map_err(|e| anyhow::anyhow!("MCP initialization failed: {e}"))?;
-        running.waiting().await?;
-        return Ok(());
-    };
-    use rmcp::transport::streamable_http_server::{
-        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
-    };
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("--listen {listen}: {e}"))?;
-    let addr = listener.local_addr()?;
-    let stop = tokio_util::sync::CancellationToken::new();
-    let mut config = StreamableHttpServerConfig::default()
-        .with_cancellation_token(stop.child_token())
-        .with_max_request_body_bytes(MAX_MESSAGE_BYTES);
-    if !addr.ip().is_loopback() {
-        // Loopback hosts only by default (against DNS rebinding); a
-        // listener on another address takes requests naming it.
-        config = config.with_allowed_hosts([addr.to_string(), addr.ip().to_string()]);
-    }
-    let service = StreamableHttpService::new(
-        move || Ok(server.clone()),
-        std::sync::Arc::new(LocalSessionManager::default()),
-        config,
-    );
-    let router = axum::Router::new().nest_service("/mcp", service);
-    println!("mcp on http://{addr}/mcp");
-    use std::io::Write as _;
-    std::io::stdout().flush()?;
-    broker_runtime::listen::serve_gateway_http(listener, router, async move {
-        broker_runtime::shutdown::signal().await;
-        stop.cancel();
-    })
-    .await;
-    Ok(())
 }
 
 fn serve_tools(args: ToolsArgs) -> anyhow::Result<()> {
@@ -186,10 +150,14 @@ fn serve_tools(args: ToolsArgs) -> anyhow::Result<()> {
         Some(path) => broker_client::tree::read_names(path)?,
         None => BTreeMap::new(),
     };
-    runtime()?.block_on(async {
+    on_runtime(async {
         let tools = Tools::new(agent, broker_channel(&args.addr)?, names)?;
         tracing::info!(addr = %args.addr, "serving MCP tools");
-        serve(tools, args.listen.as_deref()).await
+        let shutdown = broker_runtime::shutdown::signal();
+        match args.listen.as_deref() {
+            Some(listen) => serve::http(tools, bind(listen).await?, shutdown).await,
+            None => serve::stdio(tools, shutdown).await,
+        }
     })
 }
 

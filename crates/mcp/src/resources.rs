@@ -18,6 +18,9 @@ use broker_wire::pb;
 pub const SCHEME: &str = "contract://";
 /// Most contracts one server follows at once (subscriptions).
 pub const MAX_SUBSCRIPTIONS: usize = 16;
+/// Most bytes of a URI that is not a contract's quoted back in the error:
+/// enough to recognise it, while a huge one does not make a huge error.
+const MAX_QUOTED_URI_BYTES: usize = 200;
 /// Events closer together than this make one notification: a client reads
 /// the contract once for a burst.
 const COALESCE: Duration = Duration::from_millis(100);
@@ -46,7 +49,7 @@ pub fn parse(uri: &str) -> Result<Vec<u8>, ErrorData> {
             ErrorData::invalid_params(
                 format!(
                     "{:?} is not a contract resource: {SCHEME}<64 hex contract id>",
-                    broker_client::names::cut(uri, 200)
+                    broker_client::names::cut(uri, MAX_QUOTED_URI_BYTES)
                 ),
                 None,
             )

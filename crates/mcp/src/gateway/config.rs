@@ -17,7 +17,12 @@ pub const MAX_CALL_TIMEOUT_MS: u64 = 600_000;
 /// `call_timeout_ms` when the config does not say.
 pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 30_000;
 /// Largest metered units per call (the broker's per-observation cap).
-pub const MAX_UNITS: i64 = 1_000_000_000_000_000;
+pub const MAX_UNITS: i64 = broker_domain::limits::MAX_BUDGET_UNITS;
+/// Longest server name, in bytes: a server's name prefixes its tools'
+/// names (`<server>.<tool>`) in the receipts, whose tool names the broker
+/// bounds (`limits::MAX_TOOL_NAME_BYTES`); a short prefix leaves the room
+/// to the tool's own name.
+pub const MAX_SERVER_NAME_BYTES: usize = 64;
 
 /// What happens to a mutation outside the contract's write scope.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -151,14 +156,14 @@ impl GatewayConfig {
         let mut names = std::collections::BTreeSet::new();
         for (i, server) in self.servers.iter().enumerate() {
             let valid = !server.name.is_empty()
-                && server.name.len() <= 64
+                && server.name.len() <= MAX_SERVER_NAME_BYTES
                 && server
                     .name
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
             if !valid {
                 return Err(format!(
-                    "servers[{i}].name: {:?} must be 1 to 64 of A-Z a-z 0-9 _ -",
+                    "servers[{i}].name: {:?} must be 1 to {MAX_SERVER_NAME_BYTES} of A-Z a-z 0-9 _ -",
                     server.name
                 ));
             }

@@ -18,6 +18,7 @@ pub mod rules;
 mod upstream;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,12 +88,47 @@ impl Clone for Gateway {
     }
 }
 
+/// Serves the gateway of `config` over streamable HTTP at `/mcp` on
+/// `listener` until `shutdown` resolves (the CLI binds `--listen` and
+/// passes `broker_runtime::shutdown::signal()`), then lets the calls in
+/// flight finish. Its tool servers are started first; `mcp on
+/// http://ADDR/mcp` is printed on stdout once it serves.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    config: GatewayConfig,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let gateway = Gateway::connect(config).await?;
+    crate::serve::http(gateway, listener, shutdown).await
+}
+
+/// Serves the gateway of `config` on stdin/stdout until the client closes
+/// them or `shutdown` resolves.
+pub async fn run_stdio(
+    config: GatewayConfig,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let gateway = Gateway::connect(config).await?;
+    crate::serve::stdio(gateway, shutdown).await
+}
+
 impl Gateway {
+    /// `start` with a channel to the config's broker.
+    async fn connect(config: GatewayConfig) -> anyhow::Result<Self> {
+        let channel = crate::broker_channel(&config.broker)?;
+        let gateway = Self::start(config, channel).await?;
+        tracing::info!(host = %gateway.host(), "MCP gateway ready");
+        Ok(gateway)
+    }
+
     /// Reads the host key, starts every tool server and lists their tools.
     pub async fn start(
         config: GatewayConfig,
         channel: tonic::transport::Channel,
     ) -> anyhow::Result<Self> {
+        // reqwest (HTTP upstreams) takes the process's rustls provider; one
+        // already installed is as good.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let agent = broker_client::keys::agent_from_key_file(&config.key_file)?;
         let link = Link::new(agent, channel);
         let mut servers = Vec::new();
@@ -196,7 +232,8 @@ impl Gateway {
     ) -> Result<CallToolResult, BrokerError> {
         let gateway = &self.inner;
         let Some(route) = gateway.routes.get(request.name.as_ref()) else {
-            let name = broker_client::names::cut(&request.name, 256);
+            // Quoted back no longer than a tool name the broker records.
+            let name = broker_client::names::cut(&request.name, rules::MAX_TOOL_NAME_BYTES);
             return Err(BrokerError::new(
                 "UNKNOWN_TOOL",
                 format!("no tool {name:?} here: tools/list names the tools served"),
@@ -514,5 +551,63 @@ mod tests {
     fn a_forwarded_call_carries_the_trace_context_only() {
         let meta = trace_meta("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
         assert_eq!(meta.0.0.len(), 1);
+    }
+
+    /// The library entry: the caller binds, the gateway serves on its
+    /// listener, and stops when the caller's future resolves.
+    #[tokio::test]
+    async fn run_serves_its_listener_until_its_shutdown_resolves() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key_file = dir.path().join("host.key");
+        let seed = broker_client::Agent::generate().seed();
+        broker_client::keys::write_secret(&key_file, &hex::encode(seed)).expect("a key file");
+        let config = GatewayConfig {
+            // Never reached: the channel connects on first use.
+            broker: "http://127.0.0.1:1".into(),
+            key_file,
+            out_of_scope: OutOfScope::Refuse,
+            contract: None,
+            call_timeout_ms: config::DEFAULT_CALL_TIMEOUT_MS,
+            resolve_root: None,
+            servers: Vec::new(),
+            tools: Default::default(),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("an address");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(run(listener, config, async {
+            let _ = stopped.await;
+        }));
+        let initialize = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"test","version":"0"}}}"#;
+        // The test's own HTTP client takes the process's TLS provider too.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut response = reqwest::Client::new()
+            .post(format!("http://{addr}/mcp"))
+            .header("accept", "application/json, text/event-stream")
+            .header("content-type", "application/json")
+            .body(initialize)
+            .send()
+            .await
+            .expect("an answer");
+        assert!(response.status().is_success(), "{}", response.status());
+        let mut body = String::new();
+        while !body.contains("delegation-broker-gateway") {
+            let chunk = tokio::time::timeout(Duration::from_secs(10), response.chunk())
+                .await
+                .expect("the initialize result in time")
+                .expect("a body");
+            let Some(chunk) = chunk else { break };
+            body.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        assert!(body.contains("delegation-broker-gateway"), "{body}");
+        drop(response);
+        stop.send(()).expect("still serving");
+        tokio::time::timeout(Duration::from_secs(10), served)
+            .await
+            .expect("stopped in time")
+            .expect("joined")
+            .expect("served without error");
     }
 }

@@ -8,11 +8,9 @@
 use tokio::sync::{mpsc, oneshot};
 
 use broker_client::{BrokerError, Link};
-use broker_wire::crypto::payload_type;
+use broker_domain::limits::MAX_OBSERVATIONS_PER_REQUEST;
 use broker_wire::pb;
 
-/// Most observations in one RecordReceipts (the broker's limit).
-pub const MAX_OBSERVATIONS_PER_REQUEST: usize = 256;
 /// Most calls waiting to be recorded; past it a call waits for room (the
 /// calls in flight are bounded by the MCP client's concurrency anyway).
 const MAX_QUEUED_CALLS: usize = 4096;
@@ -120,22 +118,16 @@ async fn send(link: Link, entries: Vec<Entry>) {
         return;
     };
     let body = pb::RecordReceiptsBody {
-        header: Some(link.agent.header()),
+        header: None,
         contract_id: contract.to_vec(),
         observations: entries
             .iter()
             .flat_map(|e| e.observations.iter().cloned())
             .collect(),
     };
-    let request = pb::RecordReceiptsRequest {
-        signed: link.signed(payload_type::RECORD_RECEIPTS, &body),
-    };
-    let trace = entries.iter().find_map(|e| e.trace.clone());
+    let trace = entries.iter().find_map(|e| e.trace.as_deref());
     let outcome = link
-        .send(request, |mut client, request| {
-            let request = broker_client::trace::traced(request, trace.as_deref());
-            async move { client.record_receipts(request).await }
-        })
+        .call(body, trace)
         .await
         .map(|_| ())
         .inspect_err(|error| {
@@ -169,7 +161,10 @@ mod tests {
         // 200 + 100 do not fit one request; the third call joins one that
         // has room for it, and none is split.
         assert_eq!(plan(&[(a, 200), (a, 100), (a, 56)]), [vec![0], vec![1, 2]]);
-        assert_eq!(plan(&[(a, 256), (a, 1)]), [vec![0], vec![1]]);
+        assert_eq!(
+            plan(&[(a, MAX_OBSERVATIONS_PER_REQUEST), (a, 1)]),
+            [vec![0], vec![1]]
+        );
         // Every entry is planned exactly once.
         let many: Vec<_> = (0..1000)
             .map(|i| ([(i % 3) as u8; 32], 1 + i % 7))

@@ -8,23 +8,27 @@ use serde_json::Value;
 
 use super::config::{OutOfScope, ToolRule};
 use broker_client::BrokerError;
+use broker_client::names::status_name;
+use broker_domain::limits;
 use broker_domain::scope::Scope;
 use broker_wire::pb;
 
 /// Largest arguments of one call, serialized: a model's call is small; a
 /// bigger one is refused before anything else is done with it.
 pub const MAX_ARGUMENT_BYTES: usize = 64 * 1024;
-/// Deepest JSON nesting of arguments.
+/// Deepest JSON nesting of arguments: a model's arguments are shallow; a
+/// deeper one is refused before anything walks it.
 pub const MAX_ARGUMENT_DEPTH: usize = 32;
-/// Most paths one argument may list.
+/// Most paths one argument may list: the gateway's own bound, so one
+/// argument cannot take a whole call's share (`MAX_PATHS_PER_CALL`).
 pub const MAX_PATHS_PER_ARGUMENT: usize = 64;
 /// Most paths one call may name in all: with the call itself, one
-/// RecordReceipts request's worth (256 observations).
-pub const MAX_PATHS_PER_CALL: usize = 255;
+/// RecordReceipts request's worth of observations.
+pub const MAX_PATHS_PER_CALL: usize = limits::MAX_OBSERVATIONS_PER_REQUEST - 1;
 /// Longest path recorded (the broker's limit on an observation's path).
-pub const MAX_PATH_BYTES: usize = 1024;
+pub const MAX_PATH_BYTES: usize = limits::MAX_OBSERVED_PATH_BYTES;
 /// Longest tool name recorded (the broker's limit on an observation's tool).
-pub const MAX_TOOL_NAME_BYTES: usize = 256;
+pub const MAX_TOOL_NAME_BYTES: usize = limits::MAX_TOOL_NAME_BYTES;
 
 /// Refuses arguments too large or too deep, before anything else.
 pub fn check_arguments(arguments: Option<&JsonObject>) -> Result<(), BrokerError> {
@@ -169,10 +173,7 @@ pub fn admit(
         pb::ContractStatus::Open | pb::ContractStatus::Accepted
     );
     if !open {
-        let status = contract
-            .status
-            .as_str_name()
-            .trim_start_matches("CONTRACT_STATUS_");
+        let status = status_name(contract.status as i32);
         return Err(BrokerError::new(
             "CONTRACT_ENDED",
             format!("the contract is {status}: no tool call is forwarded for it any more"),
@@ -236,7 +237,7 @@ pub fn units_of(rule: &ToolRule, structured: Option<&Value>) -> Option<i64> {
         (None, Some(key)) => structured
             .and_then(|s| s.get(key))
             .and_then(Value::as_i64)
-            .filter(|u| (0..=super::config::MAX_UNITS).contains(u)),
+            .filter(|u| (0..=limits::MAX_BUDGET_UNITS).contains(u)),
         (None, None) => Some(0),
     }
 }
@@ -298,7 +299,7 @@ pub fn observations(tool: &str, call: CallFacts, paths: &Paths) -> Vec<pb::Obser
 /// Most observations one call makes: its own, and one per path.
 pub const MAX_OBSERVATIONS_PER_CALL: usize = 1 + MAX_PATHS_PER_CALL;
 // One call always fits one RecordReceipts, so the recorder never splits it.
-const _: () = assert!(MAX_OBSERVATIONS_PER_CALL <= super::recorder::MAX_OBSERVATIONS_PER_REQUEST);
+const _: () = assert!(MAX_OBSERVATIONS_PER_CALL <= limits::MAX_OBSERVATIONS_PER_REQUEST);
 
 #[cfg(test)]
 mod tests {

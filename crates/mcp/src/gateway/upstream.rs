@@ -22,6 +22,10 @@ const MAX_TOOL_LIST_BYTES: usize = 4 * 1024 * 1024;
 const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Largest result handed back to the model, serialized.
 pub const MAX_RESULT_BYTES: usize = 1024 * 1024;
+/// Most bytes of a server's error quoted in the tool error the model
+/// reads: enough to say what failed, while a tool server (as untrusted as
+/// the model) cannot fill the model's context with it.
+const MAX_UPSTREAM_ERROR_BYTES: usize = 1024;
 /// Longest wait for a server to start and answer `initialize` and its
 /// tool list.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -113,7 +117,8 @@ impl Upstream {
                 ));
             }
             Ok(Err(error)) => {
-                let message = broker_client::names::cut(&error.to_string(), 1024);
+                let message =
+                    broker_client::names::cut(&error.to_string(), MAX_UPSTREAM_ERROR_BYTES);
                 return Err(BrokerError::new(
                     "UPSTREAM_FAILED",
                     format!("server {:?} failed {tool}: {message}", self.name),
