@@ -37,6 +37,31 @@ pub fn status_name(status: i32) -> String {
         .unwrap_or_else(|_| status.to_string())
 }
 
+/// A liability as its name without the prefix, e.g. DELEGATE.
+pub fn liability_name(liability: i32) -> String {
+    pb::Liability::try_from(liability)
+        .map(|l| l.as_str_name().trim_start_matches("LIABILITY_").to_owned())
+        .unwrap_or_else(|_| liability.to_string())
+}
+
+/// A receipt kind as its name without the prefix, e.g. REFUSED.
+pub fn receipt_kind_name(kind: i32) -> String {
+    pb::ReceiptKind::try_from(kind)
+        .map(|k| {
+            k.as_str_name()
+                .trim_start_matches("RECEIPT_KIND_")
+                .to_owned()
+        })
+        .unwrap_or_else(|_| kind.to_string())
+}
+
+/// A verdict as its name without the prefix, e.g. ACCEPTED.
+pub fn verdict_name(verdict: i32) -> String {
+    pb::Verdict::try_from(verdict)
+        .map(|v| v.as_str_name().trim_start_matches("VERDICT_").to_owned())
+        .unwrap_or_else(|_| verdict.to_string())
+}
+
 /// An invariant code as its name without the prefix, e.g. DEPTH_EXCEEDED.
 pub fn code_name(code: i32) -> String {
     pb::InvariantCode::try_from(code)
