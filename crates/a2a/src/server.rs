@@ -122,7 +122,7 @@ pub async fn run(
     }
     std::io::stdout().flush()?;
     tracing::info!(agent = %hex::encode(gateway.agent_key), "A2A gateway ready");
-    drained(servers, stop, shutdown).await
+    drained(servers, stop, shutdown, DRAIN).await
 }
 
 /// Starts a server on each listener, each stopping when `stop` is
@@ -202,19 +202,20 @@ fn spawn_servers(
 }
 
 /// Waits for `shutdown` (or a server's failure), stops every server, and
-/// waits at most `DRAIN` for them to finish their requests; the servers
+/// waits at most `drain` for them to finish their requests; the servers
 /// still running then are dropped.
 async fn drained(
     mut servers: JoinSet<anyhow::Result<()>>,
     stop: CancellationToken,
     shutdown: impl Future<Output = ()>,
+    drain: Duration,
 ) -> anyhow::Result<()> {
     tokio::select! {
         () = shutdown => {}
         Some(done) = servers.join_next() => { done??; }
     }
     stop.cancel();
-    let finished = tokio::time::timeout(DRAIN, async {
+    let finished = tokio::time::timeout(drain, async {
         while let Some(done) = servers.join_next().await {
             done??;
         }
@@ -225,7 +226,7 @@ async fn drained(
         Ok(served) => served,
         Err(_) => {
             tracing::warn!(
-                drain_ms = u64::try_from(DRAIN.as_millis()).unwrap_or(u64::MAX),
+                drain_ms = u64::try_from(drain.as_millis()).unwrap_or(u64::MAX),
                 "requests still running after the drain; cut"
             );
             Ok(())
@@ -289,4 +290,84 @@ async fn serve_metrics(State(gateway): State<Arc<Gateway>>) -> Response {
         gateway.metrics.render(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn run_serves_the_listeners_it_is_given_until_the_shutdown_resolves() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("agent.key");
+        broker_client::keys::write_secret(&key, &hex::encode([7u8; 32])).unwrap();
+        let config = A2aConfig::parse(&format!(
+            "broker = \"http://127.0.0.1:1\"\nkey_file = {:?}\negress_listen = \"127.0.0.1:0\"\n",
+            key.display().to_string()
+        ))
+        .unwrap();
+        let egress = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = egress.local_addr().unwrap();
+        let listeners = Listeners {
+            egress: Some(egress),
+            ..Default::default()
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(run(listeners, config, async {
+            let _ = stopped.await;
+        }));
+        let card = format!("http://{addr}/peers/nobody/.well-known/agent-card.json");
+        let response = reqwest::get(&card).await.unwrap();
+        assert_eq!(response.status(), http::StatusCode::NOT_FOUND);
+        stop.send(()).unwrap();
+        // Nothing in flight: it stops at once, long before the drain's end.
+        tokio::time::timeout(DRAIN / 2, served)
+            .await
+            .expect("stopped")
+            .unwrap()
+            .unwrap();
+        assert!(reqwest::get(&card).await.is_err(), "no longer served");
+    }
+
+    #[tokio::test]
+    async fn every_server_stops_on_the_one_shutdown_within_one_bounded_drain() {
+        // One server finishes its requests in flight after the stop; the
+        // other never does: the drain's end cuts it.
+        let stop = CancellationToken::new();
+        let mut servers = JoinSet::new();
+        let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (token, done) = (stop.clone(), finished.clone());
+        servers.spawn(async move {
+            token.cancelled().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            anyhow::Ok(())
+        });
+        servers.spawn(std::future::pending());
+        let started = tokio::time::Instant::now();
+        let drain = Duration::from_millis(300);
+        drained(servers, stop.clone(), std::future::ready(()), drain)
+            .await
+            .unwrap();
+        assert!(stop.is_cancelled());
+        assert!(finished.load(std::sync::atomic::Ordering::SeqCst));
+        let took = started.elapsed();
+        assert!(took >= drain && took < drain * 4, "{took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_server_that_fails_ends_the_run_with_its_error() {
+        let stop = CancellationToken::new();
+        let mut servers = JoinSet::new();
+        servers.spawn(async { Err(anyhow::anyhow!("bind lost")) });
+        let token = stop.clone();
+        servers.spawn(async move {
+            token.cancelled().await;
+            anyhow::Ok(())
+        });
+        let error = drained(servers, stop, std::future::pending(), DRAIN)
+            .await
+            .unwrap_err();
+        assert_eq!(error.to_string(), "bind lost");
+    }
 }
