@@ -30,9 +30,12 @@ use envoy_types::pb::google::rpc;
 use prost::Message as _;
 use serde_json::{Value, json};
 
-use super::client::CARD_PATH;
-use super::ext::{self, Refused, code};
-use super::{Gateway, Upstream, ingress, json as strict};
+use crate::client::CARD_PATH;
+use crate::ext::{self, MAX_ECHOED_NAME_BYTES, Refused, code, echoed};
+use crate::gateway::Upstream;
+use crate::jsonrpc::{Envelope, envelope};
+use crate::{Gateway, broker, broker_error, ingress};
+use broker_client::names::{cut, status_name};
 use broker_domain::Id;
 use broker_wire::pb;
 
@@ -43,6 +46,13 @@ pub const DEADLINE_HEADER: &str = "x-delegation-deadline-ms";
 pub const RESIDUAL_HEADER: &str = "x-delegation-residual";
 /// The reason of a denial, beside the body.
 pub const REFUSAL_HEADER: &str = "x-delegation-refusal";
+/// Longest HTTP method quoted back in a refusal: the gateway's own bound;
+/// real methods are short words.
+const MAX_ECHOED_VERB_BYTES: usize = 16;
+/// Longest path quoted back in a refusal: the gateway's own bound, more
+/// than other echoed input (`ext::echoed`) because the operator fixing the
+/// proxy's routes needs the path the proxy sent.
+const MAX_ECHOED_PATH_BYTES: usize = 256;
 
 pub struct Authz {
     pub gateway: Arc<Gateway>,
@@ -50,7 +60,7 @@ pub struct Authz {
 
 /// What a request is allowed with.
 struct Allowed {
-    contract_id: [u8; 32],
+    contract_id: Id,
     depth: u32,
     deadline_ms: i64,
     residual: i64,
@@ -110,7 +120,7 @@ impl Authorization for Authz {
                 tracing::info!(reason = %refused.reason, "authz denied");
                 self.gateway
                     .metrics
-                    .refused(super::metrics::Side::Authz, &refused.reason);
+                    .refused(crate::metrics::Side::Authz, &refused.reason);
                 let body = json!({"jsonrpc": "2.0", "id": id, "error": refused.to_jsonrpc()});
                 CheckResponse {
                     status: Some(rpc::Status {
@@ -159,96 +169,19 @@ async fn decide(
     gateway: &Gateway,
     http: &HttpRequest,
 ) -> (Value, Result<Option<Allowed>, Refused>) {
-    let paths = &gateway.config.authz_jsonrpc_paths;
     let verb = http.method.as_str();
-    let path = http.path.as_str();
-    if verb == "GET" && is_card(gateway, path) {
+    if verb == "GET" && is_card(gateway, http.path.as_str()) {
         // The agent card is public.
         return (Value::Null, Ok(None));
     }
-    if verb != "POST" || !paths.iter().any(|p| p == path) {
-        return (
-            Value::Null,
-            Err(Refused::new(
-                code::UNSUPPORTED_OPERATION,
-                "INVALID_FIELD",
-                format!(
-                    "{} {}: only POST on {} (A2A JSON-RPC) and GET {CARD_PATH} pass this proxy",
-                    broker_client::names::cut(verb, 16),
-                    broker_client::names::cut(path, 256),
-                    paths.join(", ")
-                ),
-            )
-            .with("field", "path")),
-        );
-    }
-    let body: &[u8] = if http.raw_body.is_empty() {
-        http.body.as_bytes()
-    } else {
-        &http.raw_body
-    };
-    if body.is_empty() {
-        return (
-            Value::Null,
-            Err(Refused::new(
-                code::INVALID_REQUEST,
-                "INVALID_FIELD",
-                "the proxy passed no request body: configure ext_authz with with_request_body (the chain rides in the A2A message)",
-            )),
-        );
-    }
-    let max_bytes = gateway.config.max_message_bytes;
-    if body.len() > max_bytes {
-        return (
-            Value::Null,
-            Err(Refused::new(
-                code::INVALID_REQUEST,
-                "MESSAGE_TOO_LARGE",
-                format!(
-                    "the body is {} bytes, at most {max_bytes} (max_message_bytes)",
-                    body.len()
-                ),
-            )),
-        );
-    }
-    let mut request = match strict::parse_strict(body, max_bytes) {
-        Ok(value) => value,
-        Err(e) => {
-            return (
-                Value::Null,
-                Err(Refused::new(
-                    code::PARSE_ERROR,
-                    "UNDECODABLE_MESSAGE",
-                    strict::refusal_text(&e),
-                )),
-            );
-        }
-    };
-    let id = request
-        .get_mut("id")
-        .map(Value::take)
-        .unwrap_or(Value::Null);
-    let method = match request.get("method").and_then(Value::as_str) {
-        Some(method) if request.get("jsonrpc") == Some(&json!("2.0")) => method.to_owned(),
-        _ => {
-            return (
-                id,
-                Err(Refused::new(
-                    code::INVALID_REQUEST,
-                    "INVALID_FIELD",
-                    "not a JSON-RPC 2.0 request (jsonrpc \"2.0\" and a method)",
-                )),
-            );
-        }
+    let Envelope { id, method, params } = match request(gateway, http) {
+        Ok(request) => request,
+        Err((id, refused)) => return (id, Err(refused)),
     };
     let decision = match method.as_str() {
-        "SendMessage" | "SendStreamingMessage" => {
-            let params = request
-                .get_mut("params")
-                .map(Value::take)
-                .unwrap_or(Value::Null);
-            admit(gateway, params).await.map(Some)
-        }
+        "SendMessage" | "SendStreamingMessage" => admit(gateway, params.unwrap_or(Value::Null))
+            .await
+            .map(Some),
         // Task ids are the agent's unguessable ids, given to the caller.
         "GetTask" => Ok(None),
         other => Err(Refused::new(
@@ -256,11 +189,65 @@ async fn decide(
             "INVALID_FIELD",
             format!(
                 "{}: not allowed through this proxy; tasks start with SendMessage under a contract",
-                broker_client::names::cut(other, 64)
+                cut(other, MAX_ECHOED_NAME_BYTES)
             ),
         )),
     };
     (id, decision)
+}
+
+/// The JSON-RPC request a POST to one of `authz_jsonrpc_paths` carries,
+/// read strictly within `max_message_bytes`; anything else is refused.
+fn request(gateway: &Gateway, http: &HttpRequest) -> Result<Envelope, (Value, Refused)> {
+    let paths = &gateway.config.authz_jsonrpc_paths;
+    let verb = http.method.as_str();
+    let path = http.path.as_str();
+    if verb != "POST" || !paths.iter().any(|p| p == path) {
+        return Err((
+            Value::Null,
+            Refused::new(
+                code::UNSUPPORTED_OPERATION,
+                "INVALID_FIELD",
+                format!(
+                    "{} {}: only POST on {} (A2A JSON-RPC) and GET {CARD_PATH} pass this proxy",
+                    cut(verb, MAX_ECHOED_VERB_BYTES),
+                    cut(path, MAX_ECHOED_PATH_BYTES),
+                    paths.join(", ")
+                ),
+            )
+            .with("field", "path"),
+        ));
+    }
+    let body: &[u8] = if http.raw_body.is_empty() {
+        http.body.as_bytes()
+    } else {
+        &http.raw_body
+    };
+    if body.is_empty() {
+        return Err((
+            Value::Null,
+            Refused::new(
+                code::INVALID_REQUEST,
+                "INVALID_FIELD",
+                "the proxy passed no request body: configure ext_authz with with_request_body (the chain rides in the A2A message)",
+            ),
+        ));
+    }
+    let max_bytes = gateway.config.max_message_bytes;
+    if body.len() > max_bytes {
+        return Err((
+            Value::Null,
+            Refused::new(
+                code::INVALID_REQUEST,
+                "MESSAGE_TOO_LARGE",
+                format!(
+                    "the body is {} bytes, at most {max_bytes} (max_message_bytes)",
+                    body.len()
+                ),
+            ),
+        ));
+    }
+    envelope(body, max_bytes)
 }
 
 async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
@@ -290,7 +277,7 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
     if state.status != pb::ContractStatus::Open as i32 {
         return Err(ingress::ended(
             &contract_id,
-            format!("it is {}", ingress::status_name(state.status)),
+            format!("it is {}", status_name(state.status)),
         ));
     }
     // Accepted at the broker before the request goes on: a replay of the
@@ -298,9 +285,9 @@ async fn admit(gateway: &Gateway, params: Value) -> Result<Allowed, Refused> {
     // another replica of it. Fails closed. The binding only covers
     // concurrent checks until then, so it is not kept (nothing in memory
     // grows with the contracts allowed).
-    super::broker::accept(gateway, None, &contract_id)
+    broker::accept(gateway, None, &contract_id)
         .await
-        .map_err(super::broker_error)?;
+        .map_err(broker_error)?;
     gateway.metrics.admitted.inc();
     drop(binding);
     Ok(allowed(contract_id, &state))
@@ -316,7 +303,7 @@ async fn continuation(
     contract_id: Id,
 ) -> Result<Allowed, Refused> {
     let field = "message.taskId";
-    let shown = broker_client::names::cut(task_id, 128);
+    let shown = echoed(task_id);
     if matches!(gateway.upstream, Upstream::None) {
         return Err(Refused::new(
             code::UNSUPPORTED_OPERATION,
@@ -372,7 +359,7 @@ async fn continuation(
         .with("contractId", hex::encode(bound))),
         _ => Err(ingress::ended(
             &bound,
-            format!("it is {}", ingress::status_name(state.status)),
+            format!("it is {}", status_name(state.status)),
         )),
     }
 }

@@ -1,14 +1,13 @@
 //! The broker calls the gateway makes with the fronted agent's key: the
 //! lifecycle of the tasks it admits, and Delegate and Revoke for the
-//! agent's outbound calls. Each request is signed once and sent again
-//! unchanged while the broker is unavailable (the nonce makes that safe).
+//! agent's outbound calls. Each goes through `Link::call`, which fills in
+//! the header, signs once, sends again unchanged while the broker is
+//! unavailable (the nonce makes that safe) and passes the trace context.
 
 use prost::Message as _;
 
-use super::Gateway;
-use broker_client::trace::traced;
-use broker_client::{BrokerError, Link};
-use broker_wire::crypto::payload_type;
+use crate::Gateway;
+use broker_client::{Body, BrokerError, Link, Sendable};
 use broker_wire::pb;
 
 /// A receipt the broker signed, decoded (the broker's own signature is not
@@ -22,24 +21,11 @@ pub async fn accept(
     trace: Option<&str>,
     contract_id: &[u8],
 ) -> Result<pb::AcceptResponse, BrokerError> {
-    let link = &gateway.link;
     let body = pb::AcceptBody {
-        header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
-        host_public_key: Vec::new(),
+        ..Default::default()
     };
-    let request = pb::AcceptRequest {
-        signed: link.signed(payload_type::ACCEPT, &body),
-    };
-    counted(
-        gateway,
-        "accept",
-        link.send(request, |mut c, r| {
-            let trace = trace.map(str::to_owned);
-            async move { c.accept(traced(r, trace.as_deref())).await }
-        })
-        .await,
-    )
+    counted(gateway, "accept", body, trace).await
 }
 
 pub async fn complete(
@@ -49,27 +35,13 @@ pub async fn complete(
     output_json: String,
     claim: &str,
 ) -> Result<pb::CompleteResponse, BrokerError> {
-    let link = &gateway.link;
     let body = pb::CompleteBody {
-        header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
         output_json,
-        report: None,
         claim: claim.into(),
-        consumed: 0,
+        ..Default::default()
     };
-    let request = pb::CompleteRequest {
-        signed: link.signed(payload_type::COMPLETE, &body),
-    };
-    counted(
-        gateway,
-        "complete",
-        link.send(request, |mut c, r| {
-            let trace = trace.map(str::to_owned);
-            async move { c.complete(traced(r, trace.as_deref())).await }
-        })
-        .await,
-    )
+    counted(gateway, "complete", body, trace).await
 }
 
 pub async fn escalate(
@@ -78,24 +50,12 @@ pub async fn escalate(
     contract_id: &[u8],
     reason: String,
 ) -> Result<pb::EscalateResponse, BrokerError> {
-    let link = &gateway.link;
     let body = pb::EscalateBody {
-        header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
         reason,
+        ..Default::default()
     };
-    let request = pb::EscalateRequest {
-        signed: link.signed(payload_type::ESCALATE, &body),
-    };
-    counted(
-        gateway,
-        "escalate",
-        link.send(request, |mut c, r| {
-            let trace = trace.map(str::to_owned);
-            async move { c.escalate(traced(r, trace.as_deref())).await }
-        })
-        .await,
-    )
+    counted(gateway, "escalate", body, trace).await
 }
 
 pub async fn decline(
@@ -104,24 +64,12 @@ pub async fn decline(
     contract_id: &[u8],
     reason: String,
 ) -> Result<pb::DeclineResponse, BrokerError> {
-    let link = &gateway.link;
     let body = pb::DeclineBody {
-        header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
         reason,
+        ..Default::default()
     };
-    let request = pb::DeclineRequest {
-        signed: link.signed(payload_type::DECLINE, &body),
-    };
-    counted(
-        gateway,
-        "decline",
-        link.send(request, |mut c, r| {
-            let trace = trace.map(str::to_owned);
-            async move { c.decline(traced(r, trace.as_deref())).await }
-        })
-        .await,
-    )
+    counted(gateway, "decline", body, trace).await
 }
 
 pub async fn revoke(
@@ -130,41 +78,21 @@ pub async fn revoke(
     contract_id: &[u8],
     reason: String,
 ) -> Result<pb::RevokeResponse, BrokerError> {
-    let link = &gateway.link;
     let body = pb::RevokeBody {
-        header: Some(link.agent.header()),
         contract_id: contract_id.to_vec(),
         reason,
+        ..Default::default()
     };
-    let request = pb::RevokeRequest {
-        signed: link.signed(payload_type::REVOKE, &body),
-    };
-    counted(
-        gateway,
-        "revoke",
-        link.send(request, |mut c, r| {
-            let trace = trace.map(str::to_owned);
-            async move { c.revoke(traced(r, trace.as_deref())).await }
-        })
-        .await,
-    )
+    counted(gateway, "revoke", body, trace).await
 }
 
+/// A Delegate; its header is the link's to fill in.
 pub async fn delegate(
     gateway: &Gateway,
     trace: Option<&str>,
     body: pb::DelegateBody,
 ) -> Result<pb::DelegateResponse, BrokerError> {
-    let link = &gateway.link;
-    let request = pb::DelegateRequest {
-        signed: link.signed(payload_type::DELEGATE, &body),
-    };
-    let result = link
-        .send(request, |mut c, r| {
-            let trace = trace.map(str::to_owned);
-            async move { c.delegate(traced(r, trace.as_deref())).await }
-        })
-        .await;
+    let result = gateway.link.call(body, trace).await;
     let outcome = match &result {
         Ok(pb::DelegateResponse {
             outcome: Some(pb::delegate_response::Outcome::Refused(_)),
@@ -188,12 +116,14 @@ pub async fn chain(link: &Link, contract_id: &[u8]) -> Result<pb::GetChainRespon
         .into_inner())
 }
 
-/// Counts a broker call's outcome (a2a_gateway_broker_calls_total).
-fn counted<T>(
+/// A signed call, its outcome counted (a2a_gateway_broker_calls_total).
+async fn counted<B: Body>(
     gateway: &Gateway,
     call: &'static str,
-    result: Result<T, BrokerError>,
-) -> Result<T, BrokerError> {
+    body: B,
+    trace: Option<&str>,
+) -> Result<<B::Request as Sendable>::Response, BrokerError> {
+    let result = gateway.link.call(body, trace).await;
     gateway
         .metrics
         .broker_call(call, if result.is_ok() { "ok" } else { "error" });

@@ -10,13 +10,12 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::ext::{Refused, code};
+use super::gateway::CONNECT_TIMEOUT;
 
 /// Where an agent's card is, under its base URL (A2A v1).
 pub const CARD_PATH: &str = "/.well-known/agent-card.json";
 /// The A2A protocol version the gateway speaks and asks for.
 pub const PROTOCOL_VERSION: &str = "1.0";
-/// Longest wait for a connection to the agent or a peer.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A call that failed: the other side's JSON-RPC error (relayed as is), or
 /// the gateway's own.

@@ -3,13 +3,17 @@
 //! peer's default Delegate terms. Every value is checked at start, with
 //! its key named.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
+use broker_domain::AgentKey;
 use serde::Deserialize;
 
 /// Most peers in one address book.
 pub const MAX_PEERS: usize = 256;
+/// Longest peer name: a URL path segment (`/peers/<name>`) the agent's
+/// client is configured with, short enough to quote whole in an error.
+pub const MAX_PEER_NAME_BYTES: usize = 64;
 /// `poll_ms` bounds: how often a followed task is read from the agent.
 pub const MIN_POLL_MS: u64 = 10;
 pub const MAX_POLL_MS: u64 = 60_000;
@@ -17,7 +21,10 @@ pub const DEFAULT_POLL_MS: u64 = 250;
 /// Longest one call to the agent or a peer may take, at most.
 pub const MAX_CALL_TIMEOUT_MS: u64 = 600_000;
 pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 120_000;
-/// Largest A2A request or response body taken, by default and at most.
+/// `max_message_bytes`, the largest A2A request or response body taken:
+/// its least, default and most. Below the least, ordinary A2A requests
+/// would be refused (a task-starting message carries its chain).
+pub const MIN_MESSAGE_BYTES: usize = 1024;
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// Requests in progress at once, per caller (IP address) and in all.
@@ -218,6 +225,14 @@ impl A2aConfig {
     }
 
     fn check(&self) -> Result<(), ConfigError> {
+        self.check_endpoints()?;
+        self.check_bounds()?;
+        let names = self.check_peers()?;
+        self.check_routes(&names)
+    }
+
+    /// URLs, listeners and the paths the authz lets through.
+    fn check_endpoints(&self) -> Result<(), ConfigError> {
         for (key, url) in [
             ("broker", Some(&self.broker)),
             ("upstream", self.upstream.as_ref()),
@@ -268,6 +283,11 @@ impl A2aConfig {
                 "nothing to serve: set listen (the ingress), egress_listen or authz_listen",
             ));
         }
+        Ok(())
+    }
+
+    /// Each bound within its range.
+    fn check_bounds(&self) -> Result<(), ConfigError> {
         if !(MIN_POLL_MS..=MAX_POLL_MS).contains(&self.poll_ms) {
             return Err(invalid(
                 "poll_ms",
@@ -280,11 +300,11 @@ impl A2aConfig {
                 format!("{} not in 1..={MAX_CALL_TIMEOUT_MS}", self.call_timeout_ms),
             ));
         }
-        if self.max_message_bytes < 1024 || self.max_message_bytes > MAX_MESSAGE_BYTES {
+        if !(MIN_MESSAGE_BYTES..=MAX_MESSAGE_BYTES).contains(&self.max_message_bytes) {
             return Err(invalid(
                 "max_message_bytes",
                 format!(
-                    "{} not in 1024..={MAX_MESSAGE_BYTES}",
+                    "{} not in {MIN_MESSAGE_BYTES}..={MAX_MESSAGE_BYTES}",
                     self.max_message_bytes
                 ),
             ));
@@ -314,14 +334,19 @@ impl A2aConfig {
                 return Err(invalid(key, format!("{value} not in 1..={MAX_IN_FLIGHT}")));
             }
         }
+        Ok(())
+    }
+
+    /// The address book; returns its names.
+    fn check_peers(&self) -> Result<HashSet<&str>, ConfigError> {
         if self.peers.len() > MAX_PEERS {
             return Err(invalid("peers", format!("at most {MAX_PEERS}")));
         }
-        let mut names = std::collections::HashSet::new();
+        let mut names = HashSet::new();
         for (i, peer) in self.peers.iter().enumerate() {
             let key = format!("peers[{i}]");
             let plain = !peer.name.is_empty()
-                && peer.name.len() <= 64
+                && peer.name.len() <= MAX_PEER_NAME_BYTES
                 && peer
                     .name
                     .bytes()
@@ -329,7 +354,9 @@ impl A2aConfig {
             if !plain {
                 return Err(invalid(
                     format!("{key}.name"),
-                    "1 to 64 of [A-Za-z0-9._-] (it is a URL path segment)",
+                    format!(
+                        "1 to {MAX_PEER_NAME_BYTES} of [A-Za-z0-9._-] (it is a URL path segment)"
+                    ),
                 ));
             }
             if !names.insert(peer.name.as_str()) {
@@ -341,13 +368,18 @@ impl A2aConfig {
             if peer.public_key().is_none() {
                 return Err(invalid(
                     format!("{key}.public_key"),
-                    "must be 64 hex digits",
+                    format!("must be {} hex digits", 2 * size_of::<AgentKey>()),
                 ));
             }
             if !(peer.url.starts_with("http://") || peer.url.starts_with("https://")) {
                 return Err(invalid(format!("{key}.url"), "not an http(s) URL"));
             }
         }
+        Ok(names)
+    }
+
+    /// Each route names a peer of the address book, with terms in range.
+    fn check_routes(&self, names: &HashSet<&str>) -> Result<(), ConfigError> {
         for (name, route) in &self.routes {
             let key = format!("routes.{name}");
             if !names.contains(name.as_str()) {
@@ -384,7 +416,7 @@ impl A2aConfig {
 }
 
 impl Peer {
-    pub fn public_key(&self) -> Option<[u8; 32]> {
+    pub fn public_key(&self) -> Option<AgentKey> {
         hex::decode(&self.public_key).ok()?.try_into().ok()
     }
 }

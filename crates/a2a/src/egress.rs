@@ -12,18 +12,20 @@ use a2a_pb::protojson as a2a;
 use prost::Message as _;
 use serde_json::Value;
 
-use super::client::CallError;
-use super::config::Peer;
-use super::ext::{self, Refused, code};
-use super::{
-    Gateway, Rpc, Sent, broker, broker_error, gateway_card, now_ms, params, passed_headers,
-};
+use crate::card::gateway_card;
+use crate::client::CallError;
+use crate::config::{self, Peer};
+use crate::ext::{self, Refused, code, echoed};
+use crate::gateway::MAX_CONTRACTS_PER_CONTEXT;
+use crate::{Gateway, Rpc, Sent, broker, broker_error, now_ms, params, passed_headers};
 use broker_domain::Id;
 use broker_wire::pb;
 
-/// Most contracts listed when the parent is ambiguous.
+/// Most contracts listed when the parent is ambiguous: the gateway's own
+/// bound, enough for the agent (or a person) to pick one from an error.
 const MAX_HELD_LISTED: u32 = 10;
-/// Most tasks remembered as sent (for GetTask and CancelTask).
+/// Most tasks remembered as sent (for GetTask and CancelTask): the
+/// gateway's own bound on that memory.
 const MAX_SENT: usize = 65_536;
 
 fn peer<'a>(gateway: &'a Gateway, name: &str) -> Result<&'a Peer, Refused> {
@@ -33,7 +35,7 @@ fn peer<'a>(gateway: &'a Gateway, name: &str) -> Result<&'a Peer, Refused> {
             "NOT_FOUND",
             format!(
                 "no agent named {:?} in this gateway's address book",
-                broker_client::names::cut(name, 64)
+                broker_client::names::cut(name, config::MAX_PEER_NAME_BYTES)
             ),
         )
     })
@@ -43,8 +45,12 @@ fn peer<'a>(gateway: &'a Gateway, name: &str) -> Result<&'a Peer, Refused> {
 pub(super) async fn card(gateway: &Gateway, name: &str) -> Result<a2a::AgentCard, Refused> {
     let peer = peer(gateway, name)?;
     let card = gateway.http.card(&peer.url).await?;
-    let url = format!("{}/peers/{name}/", gateway.egress_url);
-    let grpc = gateway.egress_grpc_url.as_deref().map(|url| (url, name));
+    let url = format!("{}/peers/{name}/", gateway.addresses.egress_url);
+    let grpc = gateway
+        .addresses
+        .egress_grpc_url
+        .as_deref()
+        .map(|url| (url, name));
     Ok(gateway_card(
         card,
         &url,
@@ -115,7 +121,7 @@ fn sent_to(gateway: &Gateway, peer: &Peer, task_id: &str) -> Result<Sent, Refuse
                 "NOT_FOUND",
                 format!(
                     "task {:?} was not sent to {} through this gateway",
-                    broker_client::names::cut(task_id, 128),
+                    echoed(task_id),
                     peer.name
                 ),
             )
@@ -133,7 +139,7 @@ async fn parent_of(
             Refused::new(
                 code::INVALID_PARAMS,
                 "INVALID_FIELD",
-                "contractId must be 32 bytes",
+                format!("contractId must be {} bytes", std::mem::size_of::<Id>()),
             )
         });
     }
@@ -163,7 +169,7 @@ async fn parent_of(
             "NOT_FOUND",
             format!(
                 "this agent holds no open contract to delegate from (context {:?} is not one of a task it was given)",
-                broker_client::names::cut(context_id, 128)
+                echoed(context_id)
             ),
         )),
         several => Err(Refused::new(
@@ -181,7 +187,7 @@ async fn parent_of(
                 } else {
                     ", …"
                 },
-                broker_client::names::cut(context_id, 128),
+                echoed(context_id),
                 ext::URI
             ),
         )),
@@ -223,7 +229,7 @@ async fn parent_in_context(
             "ENDED",
             format!(
                 "every contract of context {:?} has ended: a new task needs a new contract",
-                broker_client::names::cut(context_id, 128)
+                echoed(context_id)
             ),
         )),
         several => Err(Refused::new(
@@ -231,9 +237,9 @@ async fn parent_in_context(
             "NOT_FOUND",
             format!(
                 "context {:?} holds tasks of several callers' contracts ({}): set message.metadata[{}].contractId to the contract of the task this message works for",
-                broker_client::names::cut(context_id, 128),
+                echoed(context_id),
                 if overflowed {
-                    format!("more than {}", super::MAX_CONTRACTS_PER_CONTEXT)
+                    format!("more than {}", MAX_CONTRACTS_PER_CONTEXT)
                 } else {
                     several
                         .iter()
@@ -257,6 +263,9 @@ fn missing_term(peer: &str, term: &str, route_keys: &str) -> Refused {
     .with("field", field)
 }
 
+/// A SendMessage to a peer: a message in a task already delegated goes on
+/// under its contract; a task-starting one is delegated from its parent
+/// first, and goes to the peer with the new contract's chain.
 async fn send(
     gateway: &Arc<Gateway>,
     peer: &Peer,
@@ -269,7 +278,7 @@ async fn send(
         Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
             .with("field", "message")
     })?;
-    super::ingress::check_size(message)?;
+    crate::ingress::check_size(message)?;
     let outbound = ext::outbound(ext::take(message)?)?;
     if !message.task_id.is_empty() {
         // A message in a task already delegated: its contract goes on.
@@ -280,6 +289,66 @@ async fn send(
             .await;
     }
     let started = std::time::Instant::now();
+    let body = delegate_body(gateway, peer, outbound, message).await?;
+    let child_id = delegate(gateway, peer, rpc, body).await?;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "egress: delegated"
+    );
+    let chain = broker::chain(&gateway.link, &child_id)
+        .await
+        .map_err(broker_error)?;
+    if let Some(message) = request.message.as_mut() {
+        ext::attach_chain(message, &chain);
+    }
+    let answer: Result<a2a::SendMessageResponse, CallError> = gateway
+        .http
+        .call(&peer.url, "SendMessage", &request, headers)
+        .await;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "egress: peer answered"
+    );
+    let response = match answer {
+        Ok(response) => response,
+        Err(error) => {
+            // The task never started: release what the contract reserved.
+            if let Err(e) = broker::revoke(
+                gateway,
+                rpc.trace.as_deref(),
+                &child_id,
+                "the peer did not take the task".into(),
+            )
+            .await
+            {
+                tracing::warn!(contract = %hex::encode(child_id), reason = %e.reason, "revoking an unstarted contract failed");
+            }
+            return Err(error);
+        }
+    };
+    if let Some(a2a::send_message_response::Payload::Task(task)) = &response.payload {
+        remember_sent(gateway, peer, task, child_id);
+    }
+    serde_json::to_value(&response).map_err(|e| {
+        Refused::new(
+            code::INTERNAL,
+            "INTERNAL",
+            format!("encoding the answer: {e}"),
+        )
+        .into()
+    })
+}
+
+/// The Delegate a task-starting message to `peer` asks for: from the
+/// parent the message names (or its context does, or the one contract the
+/// agent holds), on the message's terms, else the route's, else derived
+/// from the parent.
+async fn delegate_body(
+    gateway: &Gateway,
+    peer: &Peer,
+    outbound: ext::Outbound,
+    message: &a2a::Message,
+) -> Result<pb::DelegateBody, Refused> {
     let parent_id = parent_of(gateway, outbound.contract_id, &message.context_id).await?;
     let parent = gateway.contract(&parent_id).await?;
     let parent_contract = parent
@@ -321,8 +390,9 @@ async fn send(
         .or(route.task)
         .or_else(|| ext::first_text(&message.parts, ext::MAX_TASK_TEXT_BYTES))
         .unwrap_or_else(|| format!("an A2A task for {}", peer.name));
-    let body = pb::DelegateBody {
-        header: Some(gateway.link.agent.header()),
+    Ok(pb::DelegateBody {
+        // Link::call signs it with the agent's header.
+        header: None,
         parent_id: parent_id.to_vec(),
         intent_lineage_hash: parent_contract.intent_lineage_hash.clone(),
         task,
@@ -341,11 +411,21 @@ async fn send(
             .result_schema_json
             .or(route.result_schema_json)
             .unwrap_or_default(),
-    };
+    })
+}
+
+/// Asks the broker for the contract; its id when issued, else the
+/// refusal listing every violated invariant.
+async fn delegate(
+    gateway: &Gateway,
+    peer: &Peer,
+    rpc: &Rpc,
+    body: pb::DelegateBody,
+) -> Result<Id, Refused> {
     let response = broker::delegate(gateway, rpc.trace.as_deref(), body)
         .await
         .map_err(broker_error)?;
-    let child_id: Id = match response.outcome {
+    match response.outcome {
         Some(pb::delegate_response::Outcome::Issued(issued)) => {
             issued.contract_id.try_into().map_err(|_| {
                 Refused::new(
@@ -353,78 +433,36 @@ async fn send(
                     "INTERNAL",
                     "Delegate answered a bad contract id",
                 )
-            })?
+            })
         }
         Some(pb::delegate_response::Outcome::Refused(refused)) => {
             let receipt = broker::receipt(refused.receipt.as_ref()).unwrap_or_default();
             tracing::info!(peer = %peer.name, primary = receipt.primary, "delegation refused");
-            return Err(ext::refusal(&receipt, &refused.receipt_id).into());
+            Err(ext::refusal(&receipt, &refused.receipt_id))
         }
-        None => {
-            return Err(Refused::new(
-                code::INTERNAL,
-                "INTERNAL",
-                "Delegate answered neither issued nor refused",
-            )
-            .into());
-        }
-    };
-    tracing::debug!(
-        elapsed_us = started.elapsed().as_micros() as u64,
-        "egress: delegated"
-    );
-    let chain = broker::chain(&gateway.link, &child_id)
-        .await
-        .map_err(broker_error)?;
-    if let Some(message) = request.message.as_mut() {
-        ext::attach_chain(message, &chain);
-    }
-    let answer: Result<a2a::SendMessageResponse, CallError> = gateway
-        .http
-        .call(&peer.url, "SendMessage", &request, headers)
-        .await;
-    tracing::debug!(
-        elapsed_us = started.elapsed().as_micros() as u64,
-        "egress: peer answered"
-    );
-    let response = match answer {
-        Ok(response) => response,
-        Err(error) => {
-            // The task never started: release what the contract reserved.
-            if let Err(e) = broker::revoke(
-                gateway,
-                rpc.trace.as_deref(),
-                &child_id,
-                "the peer did not take the task".into(),
-            )
-            .await
-            {
-                tracing::warn!(contract = %hex::encode(child_id), reason = %e.reason, "revoking an unstarted contract failed");
-            }
-            return Err(error);
-        }
-    };
-    if let Some(a2a::send_message_response::Payload::Task(task)) = &response.payload {
-        let mut sent = gateway.sent.lock().unwrap_or_else(|e| e.into_inner());
-        if sent.len() >= MAX_SENT
-            && let Some(key) = sent.keys().next().cloned()
-        {
-            sent.remove(&key);
-        }
-        sent.insert(
-            task.id.clone(),
-            Sent {
-                peer: peer.name.clone(),
-                contract_id: child_id,
-            },
-        );
-    }
-    serde_json::to_value(&response).map_err(|e| {
-        Refused::new(
+        None => Err(Refused::new(
             code::INTERNAL,
             "INTERNAL",
-            format!("encoding the answer: {e}"),
-        )
-        .into()
-    })
+            "Delegate answered neither issued nor refused",
+        )),
+    }
+}
+
+/// Remembers a task sent to `peer` under `contract_id`, for its GetTask
+/// and CancelTask (at most MAX_SENT: past it, an arbitrary one is
+/// dropped).
+fn remember_sent(gateway: &Gateway, peer: &Peer, task: &a2a::Task, contract_id: Id) {
+    let mut sent = gateway.sent.lock().unwrap_or_else(|e| e.into_inner());
+    if sent.len() >= MAX_SENT
+        && let Some(key) = sent.keys().next().cloned()
+    {
+        sent.remove(&key);
+    }
+    sent.insert(
+        task.id.clone(),
+        Sent {
+            peer: peer.name.clone(),
+            contract_id,
+        },
+    );
 }

@@ -11,6 +11,11 @@ use base64::Engine as _;
 use prost::Message as _;
 use serde_json::{Map, Value, json};
 
+use broker_domain::Id;
+// A Decline or Escalate reason taken from a status message, and the
+// `output_json` of a completion, are cut or refused at the broker's own
+// limits on them.
+use broker_domain::limits::{MAX_REASON_BYTES, MAX_RESULT_BYTES};
 use broker_wire::pb;
 
 /// The extension's URI: the key of its metadata and its entry in
@@ -19,18 +24,28 @@ pub const URI: &str = "urn:delegation-broker:a2a:delegation:v1";
 /// The `google.rpc.ErrorInfo` domain of every error the gateway returns
 /// (the broker's, errors.proto).
 pub const DOMAIN: &str = "delegation.broker.v1";
-/// Longest reason text taken from a status message for Decline/Escalate
-/// (the broker's limit on a reason).
-pub const MAX_REASON_BYTES: usize = 1024;
-/// Longest intent text taken from a message's first text part.
+/// Longest task text taken from a message's first text part when neither
+/// the message's terms nor the route name one. The gateway's own bound,
+/// under the broker's `MAX_TEXT_BYTES`: the whole message still goes to
+/// the peer, while the contract (which every descendant's chain carries)
+/// keeps only this much of it as its task.
 pub const MAX_TASK_TEXT_BYTES: usize = 4096;
-/// Largest `output_json` the broker takes (CompleteBody.output_json).
-pub const MAX_OUTPUT_JSON_BYTES: usize = 262_144;
-/// Most parts in one message or artifact, and most artifacts in a task.
+/// Most parts in one message or artifact, and most artifacts in a task:
+/// the gateway's own bound on the work of reading one message.
 pub const MAX_PARTS: usize = 256;
 /// Largest extension metadata object (its JSON text) a message may carry:
-/// a chain of `MAX_CHAIN_CONTRACTS` contracts in base64 fits.
+/// the gateway's own bound, read before the chain in it is decoded; a
+/// chain of `MAX_CHAIN_CONTRACTS` contracts in base64 fits.
 pub const MAX_EXTENSION_BYTES: usize = 512 * 1024;
+/// Bytes of a contract id (a SHA-256), as the broker names contracts.
+const ID_BYTES: usize = std::mem::size_of::<Id>();
+/// Whole numbers below this are exact as doubles (2^53 is about 9.007e15),
+/// so a ProtoJSON double under it converts to the integer it spells.
+const MAX_EXACT_WHOLE_DOUBLE: f64 = 9.0e15;
+/// Longest name quoted back in an error when it is not one the gateway
+/// knows (a JSON-RPC method, a JSON key): the gateway's own bound; names
+/// are identifiers, and 64 bytes show any real one whole.
+pub const MAX_ECHOED_NAME_BYTES: usize = 64;
 
 /// A refusal in A2A terms: the JSON-RPC code, the ErrorInfo reason, a
 /// message that says everything (clients may drop the details) and the
@@ -55,6 +70,13 @@ pub mod code {
     pub const INVALID_PARAMS: i32 = -32602;
     pub const INTERNAL: i32 = -32603;
     pub const PARSE_ERROR: i32 = -32700;
+}
+
+/// A caller's input quoted back in an error: at most the broker's own
+/// bound on echoed input (`MAX_ECHOED_INPUT_BYTES`), so a huge bad value
+/// does not make a huge error.
+pub fn echoed(text: &str) -> String {
+    broker_client::names::cut(text, broker_domain::limits::MAX_ECHOED_INPUT_BYTES)
 }
 
 impl Refused {
@@ -158,7 +180,7 @@ pub fn marked(task: &a2a::Task) -> Option<Vec<u8>> {
     task.history.iter().find_map(|message| {
         let metadata = to_json(&message.metadata);
         let id = metadata.get(URI)?.get("contractId")?.as_str()?;
-        hex::decode(id).ok().filter(|id| id.len() == 32)
+        hex::decode(id).ok().filter(|id| id.len() == ID_BYTES)
     })
 }
 
@@ -172,7 +194,9 @@ pub fn started_under(task: &a2a::Task) -> Option<Vec<u8>> {
     let metadata = to_json(&first.metadata);
     let ext = metadata.get(URI)?.as_object()?;
     if let Some(id) = ext.get("contractId") {
-        return hex::decode(id.as_str()?).ok().filter(|id| id.len() == 32);
+        return hex::decode(id.as_str()?)
+            .ok()
+            .filter(|id| id.len() == ID_BYTES);
     }
     let chain = chain_of(Some(ext)).ok()?;
     let leaf = chain.chain.last()?.contract.as_ref()?;
@@ -261,8 +285,8 @@ pub fn outbound(ext: Option<Map<String, Value>>) -> Result<Outbound, Refused> {
         Some(Value::String(hex_id)) => Some(
             hex::decode(&hex_id)
                 .ok()
-                .filter(|id| id.len() == 32)
-                .ok_or_else(|| bad("contractId", "must be 64 hex digits".into()))?,
+                .filter(|id| id.len() == ID_BYTES)
+                .ok_or_else(|| bad("contractId", format!("must be {} hex digits", 2 * ID_BYTES)))?,
         ),
         Some(_) => return Err(bad("contractId", "must be a string".into())),
     };
@@ -279,7 +303,9 @@ pub fn outbound(ext: Option<Map<String, Value>>) -> Result<Outbound, Refused> {
 fn numbers_as_integers(value: Value) -> Value {
     match value {
         Value::Number(n) => match n.as_f64() {
-            Some(f) if n.is_f64() && f.fract() == 0.0 && f.abs() < 9.0e15 => json!(f as i64),
+            Some(f) if n.is_f64() && f.fract() == 0.0 && f.abs() < MAX_EXACT_WHOLE_DOUBLE => {
+                json!(f as i64)
+            }
             _ => Value::Number(n),
         },
         Value::Object(map) => Value::Object(
@@ -326,12 +352,12 @@ pub fn output_json(artifacts: &[a2a::Artifact]) -> Result<String, Refused> {
         ),
     };
     let text = value.to_string();
-    if text.len() > MAX_OUTPUT_JSON_BYTES {
+    if text.len() > MAX_RESULT_BYTES {
         return Err(Refused::new(
             code::INTERNAL,
             "MESSAGE_TOO_LARGE",
             format!(
-                "the task's artifacts are {} bytes as JSON, the broker takes at most {MAX_OUTPUT_JSON_BYTES}",
+                "the task's artifacts are {} bytes as JSON, the broker takes at most {MAX_RESULT_BYTES}",
                 text.len()
             ),
         ));

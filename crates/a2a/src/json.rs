@@ -118,7 +118,7 @@ impl<'de> Visitor<'de> for Strict {
             if object.contains_key(&key) {
                 return Err(de::Error::custom(format!(
                     "duplicate key {:?}",
-                    broker_client::names::cut(&key, 64)
+                    broker_client::names::cut(&key, crate::ext::MAX_ECHOED_NAME_BYTES)
                 )));
             }
             let value = map.next_value_seed(inner)?;

@@ -1,0 +1,506 @@
+//! What the gateway holds while it runs: the link to the broker, the
+//! clients of the agent and the peers, the broker's keys, the tasks it
+//! follows and the contexts they run in, the tasks sent through the
+//! egress, and the requests in progress. Built once at start
+//! (`Gateway::start`), shared by every listener.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use a2a_pb::protojson as a2a;
+
+use crate::client::{self, A2aClient};
+use crate::config::{self, A2aConfig};
+use crate::ext::{self, Refused, code};
+use crate::{broker_error, grpc, metrics};
+use broker_client::Link;
+use broker_domain::{AgentKey, Id};
+use broker_wire::chain::BrokerKeys;
+use broker_wire::pb;
+
+/// Longest wait for a connection to the broker, the agent or a peer.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest one call to the broker may take.
+const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// The broker's keys are read again at most this often when a chain names
+/// a key not yet known (a rotation), so a stream of forged key ids costs
+/// one read per interval.
+const KEYS_REFRESH_MS: u64 = 5_000;
+/// The broker's keys are read again at least this often, so a key retired
+/// since (its `retired_at_ms`) is seen by the chain check.
+const KEYS_MAX_AGE_MS: u64 = 60_000;
+/// Most A2A contexts remembered (egress lookups).
+const MAX_CONTEXTS: usize = 65_536;
+/// Most contracts remembered in one A2A context; past it the context names
+/// no parent at all (an egress message in it must name its contract).
+pub(crate) const MAX_CONTRACTS_PER_CONTEXT: usize = 8;
+
+/// One admitted task's contract and how far the gateway moved it.
+pub(crate) struct Slot {
+    pub contract_id: Id,
+    /// The broker tenant whose tree the contract is in (its share of
+    /// max_tasks is counted by this name).
+    pub tenant: String,
+    pub deadline_ms: i64,
+    /// The trace of the call that started the task: its lifecycle calls
+    /// join it.
+    pub trace: Option<String>,
+    /// Serializes the lifecycle calls of one task.
+    pub progress: tokio::sync::Mutex<(ext::Progress, ext::Judged)>,
+    /// The latest task seen, decorated: callers waiting for a settled
+    /// state watch it.
+    pub latest: tokio::sync::watch::Sender<Option<a2a::Task>>,
+    /// The follower stopped: waiting callers take the latest task as is.
+    pub finished: std::sync::atomic::AtomicBool,
+}
+
+/// What the ingress remembers (in memory: a restart reads the broker).
+#[derive(Default)]
+pub(crate) struct Admitted {
+    /// Task id → its slot. Changed only through `follow` and `forget`,
+    /// which keep `per_tenant` counted.
+    pub tasks: HashMap<String, Arc<Slot>>,
+    /// Broker tenant → how many of `tasks` its contracts hold.
+    per_tenant: HashMap<String, usize>,
+    /// Contracts bound to a task (or being bound: `None`).
+    pub contracts: HashMap<Id, Option<String>>,
+    /// A2A context id → the contracts of the tasks admitted in it, each
+    /// (context, contract) once. Callers choose context ids, so a context
+    /// names the parent of the agent's outbound calls in it only while
+    /// one of them is live (egress::parent_of).
+    pub contexts: HashMap<String, Context>,
+}
+
+impl Admitted {
+    /// Follows `slot` as task `task_id`, in place of any slot it had.
+    pub fn follow(&mut self, task_id: String, slot: Arc<Slot>) {
+        *self.per_tenant.entry(slot.tenant.clone()).or_default() += 1;
+        if let Some(old) = self.tasks.insert(task_id, slot) {
+            self.uncount(&old.tenant);
+        }
+    }
+
+    /// Stops following task `task_id`; returns its slot.
+    pub fn forget(&mut self, task_id: &str) -> Option<Arc<Slot>> {
+        let slot = self.tasks.remove(task_id)?;
+        self.uncount(&slot.tenant);
+        Some(slot)
+    }
+
+    /// How many followed tasks run under contracts of `tenant`.
+    pub fn of_tenant(&self, tenant: &str) -> usize {
+        self.per_tenant.get(tenant).copied().unwrap_or(0)
+    }
+
+    fn uncount(&mut self, tenant: &str) {
+        if let Some(count) = self.per_tenant.get_mut(tenant) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.per_tenant.remove(tenant);
+            }
+        }
+    }
+}
+
+/// The contracts admitted in one A2A context.
+#[derive(Default)]
+pub(crate) struct Context {
+    pub contracts: Vec<Id>,
+    /// More than MAX_CONTRACTS_PER_CONTEXT were admitted: the context
+    /// names no parent from then on.
+    pub overflowed: bool,
+}
+
+/// A task sent to a peer through the egress.
+#[derive(Clone)]
+pub(crate) struct Sent {
+    pub peer: String,
+    pub contract_id: Id,
+}
+
+pub(crate) struct Gateway {
+    pub config: A2aConfig,
+    pub link: Link,
+    pub agent_key: AgentKey,
+    /// Peers' gateways (connections kept open).
+    pub http: A2aClient,
+    /// The fronted agent (A2aClient::new says why connections are not
+    /// kept by default).
+    pub agent_http: A2aClient,
+    /// The agent's card as it serves it, and how to call it.
+    pub upstream_card: a2a::AgentCard,
+    pub upstream: Upstream,
+    /// Where the gateway is reached (the URLs its cards name).
+    pub addresses: Addresses,
+    keys: tokio::sync::Mutex<(BrokerKeys, Option<tokio::time::Instant>)>,
+    pub admitted: Mutex<Admitted>,
+    pub sent: Mutex<HashMap<String, Sent>>,
+    pub metrics: Arc<metrics::GatewayMetrics>,
+    /// Requests in progress: in all, and per caller.
+    in_flight: Mutex<InFlight>,
+}
+
+/// Requests in progress, in all and per caller.
+#[derive(Default)]
+pub(crate) struct InFlight {
+    total: usize,
+    per_caller: HashMap<std::net::IpAddr, usize>,
+}
+
+impl InFlight {
+    /// Counts one more request, or names the limit it would pass.
+    fn take(
+        &mut self,
+        caller: Option<std::net::IpAddr>,
+        per_caller: usize,
+        total: usize,
+    ) -> Result<(), &'static str> {
+        if self.total >= total {
+            return Err("max_in_flight");
+        }
+        if let Some(ip) = caller {
+            let count = self.per_caller.entry(ip).or_insert(0);
+            if *count >= per_caller {
+                return Err("max_in_flight_per_caller");
+            }
+            *count += 1;
+        }
+        self.total += 1;
+        Ok(())
+    }
+
+    fn give(&mut self, caller: Option<std::net::IpAddr>) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(ip) = caller
+            && let Some(count) = self.per_caller.get_mut(&ip)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.per_caller.remove(&ip);
+            }
+        }
+    }
+}
+
+/// A request's place among those in progress; given back when dropped.
+pub(crate) struct Ticket<'a> {
+    gateway: &'a Gateway,
+    caller: Option<std::net::IpAddr>,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = self
+            .gateway
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        in_flight.give(self.caller);
+    }
+}
+
+/// How the gateway calls the fronted agent.
+pub(crate) enum Upstream {
+    /// No ingress: nothing to call.
+    None,
+    JsonRpc(String),
+    Grpc(a2a_pb::proto::a2a_service_client::A2aServiceClient<tonic::transport::Channel>),
+}
+
+/// Where the gateway is reached, from its listeners: the URLs the cards
+/// it serves name.
+#[derive(Debug, Default)]
+pub(crate) struct Addresses {
+    /// The ingress (JSON-RPC): `public_url`, else http://<listen>.
+    pub public_url: String,
+    /// The egress base (http://<egress_listen>); peers are under it.
+    pub egress_url: String,
+    /// The gRPC ingress and egress addresses, when served.
+    pub grpc_url: Option<String>,
+    pub egress_grpc_url: Option<String>,
+}
+
+impl Gateway {
+    /// Reads the agent's key, opens the broker's connection (lazily) and,
+    /// when the gateway calls the agent (`calls_agent`: it serves an
+    /// ingress or an authz), reads the agent's card to learn how.
+    pub async fn start(
+        config: A2aConfig,
+        addresses: Addresses,
+        calls_agent: bool,
+    ) -> anyhow::Result<Self> {
+        let agent = broker_client::keys::agent_from_key_file(&config.key_file)?;
+        let agent_key = agent.public_key();
+        let channel = tonic::transport::Channel::from_shared(config.broker.clone())?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(BROKER_CALL_TIMEOUT)
+            .connect_lazy();
+        let link = Link::new(agent, channel);
+        let metrics = Arc::new(metrics::GatewayMetrics::new());
+        let http = A2aClient::new(
+            config.call_timeout_ms,
+            config.max_message_bytes,
+            true,
+            metrics.clone(),
+        )?;
+        let agent_http = A2aClient::new(
+            config.call_timeout_ms,
+            config.max_message_bytes,
+            config.upstream_keep_alive,
+            metrics.clone(),
+        )?;
+        let (upstream_card, upstream) = match (calls_agent, &config.upstream) {
+            (true, Some(base)) => upstream(&config, &http, base).await?,
+            _ => (a2a::AgentCard::default(), Upstream::None),
+        };
+        Ok(Self {
+            config,
+            link,
+            agent_key,
+            http,
+            agent_http,
+            upstream_card,
+            upstream,
+            addresses,
+            keys: tokio::sync::Mutex::new((BrokerKeys::default(), None)),
+            admitted: Mutex::default(),
+            sent: Mutex::default(),
+            metrics,
+            in_flight: Mutex::default(),
+        })
+    }
+
+    /// Takes a place for one request of `caller`, or refuses it OVERLOADED
+    /// at once (max_in_flight_per_caller, max_in_flight): a caller holding
+    /// many slow calls open cannot take the gateway from the others.
+    pub fn ticket(&self, caller: Option<std::net::IpAddr>) -> Result<Ticket<'_>, Refused> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        in_flight
+            .take(
+                caller,
+                self.config.max_in_flight_per_caller,
+                self.config.max_in_flight,
+            )
+            .map_err(|limit| {
+                Refused::new(
+                    code::INTERNAL,
+                    "OVERLOADED",
+                    format!("too many requests in progress ({limit}): try again later"),
+                )
+                .with("limit", limit)
+            })?;
+        Ok(Ticket {
+            gateway: self,
+            caller,
+        })
+    }
+
+    /// One call to the fronted agent, in its binding.
+    pub async fn upstream_call<P, R>(
+        &self,
+        method: &str,
+        params: &P,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<R, client::CallError>
+    where
+        P: serde::Serialize + prost::Message,
+        R: serde::de::DeserializeOwned + prost::Message + Default,
+    {
+        match &self.upstream {
+            Upstream::JsonRpc(url) => self.agent_http.call(url, method, params, headers).await,
+            Upstream::Grpc(client) => {
+                grpc::call_agent(client, method, params, headers, &self.metrics).await
+            }
+            Upstream::None => {
+                Err(Refused::new(code::INTERNAL, "INTERNAL", "no agent to call").into())
+            }
+        }
+    }
+
+    /// The broker's published keys; read again (at most every
+    /// KEYS_REFRESH_MS) when `fresh` asks for it.
+    pub async fn keys(&self, fresh: bool) -> Result<BrokerKeys, Refused> {
+        let mut keys = self.keys.lock().await;
+        let due = keys.1.is_none_or(|at| {
+            let age = at.elapsed();
+            age > Duration::from_millis(KEYS_MAX_AGE_MS)
+                || (fresh && age > Duration::from_millis(KEYS_REFRESH_MS))
+        });
+        if due {
+            let published = self
+                .link
+                .read(|mut client| async move {
+                    client.get_broker_keys(pb::GetBrokerKeysRequest {}).await
+                })
+                .await
+                .map_err(broker_error)?
+                .into_inner()
+                .keys;
+            *keys = (
+                BrokerKeys::from_published(&published),
+                Some(tokio::time::Instant::now()),
+            );
+        }
+        Ok(keys.0.clone())
+    }
+
+    /// A contract's current state (a read with the gateway's session).
+    pub async fn contract(&self, contract_id: &[u8]) -> Result<pb::ContractState, Refused> {
+        let id = contract_id.to_vec();
+        self.link
+            .read(|mut client| {
+                let contract_id = id.clone();
+                async move {
+                    client
+                        .get_contract(pb::GetContractRequest { contract_id })
+                        .await
+                }
+            })
+            .await
+            .map_err(broker_error)?
+            .into_inner()
+            .contract
+            .ok_or_else(|| Refused::new(code::INTERNAL, "INTERNAL", "GetContract answered nothing"))
+    }
+
+    pub fn remember_context(&self, context_id: &str, contract_id: Id) {
+        if context_id.is_empty() {
+            return;
+        }
+        let mut admitted = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        if admitted.contexts.len() >= MAX_CONTEXTS && !admitted.contexts.contains_key(context_id) {
+            // Oldest-first eviction would need an order; dropping an
+            // arbitrary one keeps memory bounded, and a lookup that misses
+            // falls back to the agent's one held contract.
+            if let Some(key) = admitted.contexts.keys().next().cloned() {
+                admitted.contexts.remove(&key);
+            }
+        }
+        let context = admitted.contexts.entry(context_id.to_owned()).or_default();
+        if context.contracts.contains(&contract_id) {
+            return;
+        }
+        if context.contracts.len() >= MAX_CONTRACTS_PER_CONTEXT {
+            // Dropping one could leave another caller's contract as the
+            // only parent named; naming none fails closed.
+            context.overflowed = true;
+            return;
+        }
+        context.contracts.push(contract_id);
+    }
+}
+
+/// The agent's card, read from its base URL, and how to call it: in the
+/// binding the config names, else JSON-RPC when the card lists it, else
+/// gRPC.
+async fn upstream(
+    config: &A2aConfig,
+    http: &A2aClient,
+    base: &str,
+) -> anyhow::Result<(a2a::AgentCard, Upstream)> {
+    let card = http
+        .card(base)
+        .await
+        .map_err(|e| anyhow::anyhow!("upstream: {}", e.message))?;
+    let interface = |binding: &str| {
+        card.supported_interfaces
+            .iter()
+            .find(|i| i.protocol_binding.eq_ignore_ascii_case(binding))
+            .map(|i| i.url.clone())
+    };
+    let binding = match config.upstream_binding {
+        Some(binding) => binding,
+        None if interface("JSONRPC").is_some() => config::Binding::Jsonrpc,
+        None => config::Binding::Grpc,
+    };
+    let upstream = match binding {
+        config::Binding::Jsonrpc => Upstream::JsonRpc(interface("JSONRPC").ok_or_else(|| {
+            anyhow::anyhow!(
+                "upstream: the agent's card lists no JSONRPC interface (supportedInterfaces)"
+            )
+        })?),
+        config::Binding::Grpc => {
+            let url = interface("GRPC").ok_or_else(|| {
+                anyhow::anyhow!(
+                    "upstream: the agent's card lists no GRPC interface (supportedInterfaces)"
+                )
+            })?;
+            let url = if url.contains("://") {
+                url
+            } else {
+                format!("http://{url}")
+            };
+            let channel = tonic::transport::Channel::from_shared(url.clone())
+                .map_err(|e| anyhow::anyhow!("upstream: the agent's GRPC interface {url:?}: {e}"))?
+                .connect_timeout(CONNECT_TIMEOUT)
+                .timeout(Duration::from_millis(config.call_timeout_ms))
+                .connect_lazy();
+            Upstream::Grpc(
+                a2a_pb::proto::a2a_service_client::A2aServiceClient::new(channel)
+                    .max_decoding_message_size(config.max_message_bytes),
+            )
+        }
+    };
+    Ok((card, upstream))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_caller_cannot_take_every_place() {
+        let (a, b): (std::net::IpAddr, std::net::IpAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let mut in_flight = InFlight::default();
+        assert_eq!(in_flight.take(Some(a), 2, 3), Ok(()));
+        assert_eq!(in_flight.take(Some(a), 2, 3), Ok(()));
+        assert_eq!(
+            in_flight.take(Some(a), 2, 3),
+            Err("max_in_flight_per_caller")
+        );
+        assert_eq!(in_flight.take(Some(b), 2, 3), Ok(()));
+        assert_eq!(in_flight.take(Some(b), 2, 3), Err("max_in_flight"));
+        in_flight.give(Some(a));
+        assert_eq!(in_flight.take(Some(b), 2, 3), Ok(()));
+        for ip in [a, b, b] {
+            in_flight.give(Some(ip));
+        }
+        assert_eq!(in_flight.total, 0);
+        assert!(in_flight.per_caller.is_empty());
+    }
+
+    #[test]
+    fn followed_tasks_are_counted_by_tenant() {
+        let slot = |tenant: &str| {
+            Arc::new(Slot {
+                contract_id: [0; 32],
+                tenant: tenant.to_owned(),
+                deadline_ms: 0,
+                trace: None,
+                progress: tokio::sync::Mutex::default(),
+                latest: tokio::sync::watch::Sender::new(None),
+                finished: std::sync::atomic::AtomicBool::new(false),
+            })
+        };
+        let mut admitted = Admitted::default();
+        admitted.follow("t1".into(), slot("open"));
+        admitted.follow("t2".into(), slot("open"));
+        admitted.follow("t3".into(), slot("acme"));
+        assert_eq!(
+            (admitted.of_tenant("open"), admitted.of_tenant("acme")),
+            (2, 1)
+        );
+        // The same task again, now another tenant's: counted once.
+        admitted.follow("t2".into(), slot("acme"));
+        assert_eq!(
+            (admitted.of_tenant("open"), admitted.of_tenant("acme")),
+            (1, 2)
+        );
+        assert!(admitted.forget("t1").is_some());
+        assert!(admitted.forget("t1").is_none());
+        assert_eq!(admitted.of_tenant("open"), 0);
+        assert!(!admitted.per_tenant.contains_key("open"), "none kept at 0");
+    }
+}

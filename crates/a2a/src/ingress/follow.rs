@@ -1,0 +1,376 @@
+//! Following an admitted task: its slot (rebuilt after a restart from
+//! the agent's record and the broker's state), the broker calls its
+//! states ask for, the agent polled until the task settles, the task
+//! canceled when its contract is revoked or expires, and the tasks of a
+//! previous run followed again at start.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use a2a_pb::protojson::{self as a2a, TaskState};
+use prost::Message as _;
+
+use super::tenant_of;
+use crate::client::CallError;
+use crate::ext::{self, Refused, code};
+use crate::{Gateway, Slot, broker, broker_error, now_ms};
+use broker_domain::Id;
+use broker_wire::pb;
+
+/// After a restart: the agent's tasks read for recovery, at most this many
+/// pages of `RECOVERY_PAGE_SIZE` (bounds the work of a start).
+const MAX_RECOVERY_PAGES: usize = 64;
+/// A2A's largest ListTasks page (a2a.proto: at most 100).
+const RECOVERY_PAGE_SIZE: i32 = 100;
+/// Most held contracts read for recovery: the broker's largest page.
+const MAX_RECOVERY_HELD: u32 = broker_domain::limits::MAX_PAGE_SIZE;
+
+/// How long a task canceled for its contract (revoked, expired) is read
+/// again until the agent reports it settled.
+const CANCEL_GRACE_MS: u64 = 10_000;
+
+/// An admitted task's slot; after a restart, rebuilt from the agent's own
+/// record of the task (the contract its first message was marked with)
+/// and the broker's state of that contract.
+pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc<Slot>, Refused> {
+    let known = {
+        let admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        admitted.tasks.get(task_id).cloned()
+    };
+    if let Some(slot) = known {
+        return Ok(slot);
+    }
+    let not_found = || {
+        Refused::new(
+            code::TASK_NOT_FOUND,
+            "NOT_FOUND",
+            format!(
+                "task {:?}: no task admitted under a contract by this gateway",
+                ext::echoed(task_id)
+            ),
+        )
+    };
+    let get = a2a::GetTaskRequest {
+        id: task_id.to_owned(),
+        ..Default::default()
+    };
+    let task: a2a::Task = gateway
+        .upstream_call("GetTask", &get, &[])
+        .await
+        .map_err(|_| not_found())?;
+    let contract_id: Id = ext::marked(&task)
+        .and_then(|id| id.try_into().ok())
+        .ok_or_else(not_found)?;
+    let state = gateway.contract(&contract_id).await?;
+    let contract = state
+        .contract
+        .as_ref()
+        .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
+        .ok_or_else(not_found)?;
+    if contract.delegate_public_key != gateway.agent_key {
+        return Err(not_found());
+    }
+    let status =
+        pb::ContractStatus::try_from(state.status).unwrap_or(pb::ContractStatus::Unspecified);
+    let progress = ext::Progress {
+        accepted: status != pb::ContractStatus::Open,
+        ended: !matches!(
+            status,
+            pb::ContractStatus::Open | pb::ContractStatus::Accepted
+        ),
+    };
+    let slot = new_slot(
+        contract_id,
+        tenant_of(&state),
+        contract.deadline_ms,
+        progress,
+        None,
+    );
+    let slot = {
+        let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        // Another call may have rebuilt it meanwhile: keep the first.
+        let slot = match admitted.tasks.get(task_id) {
+            Some(first) => first.clone(),
+            None => {
+                admitted.follow(task_id.to_owned(), slot.clone());
+                slot
+            }
+        };
+        admitted
+            .contracts
+            .insert(contract_id, Some(task_id.to_owned()));
+        slot
+    };
+    gateway.remember_context(&task.context_id, contract_id);
+    tracing::info!(task = %ext::echoed(task_id), contract = %hex::encode(contract_id), "task found again after a restart");
+    if !progress.ended {
+        tokio::spawn(follow(gateway.clone(), slot.clone(), task_id.to_owned()));
+    }
+    Ok(slot)
+}
+
+pub(super) fn new_slot(
+    contract_id: Id,
+    tenant: String,
+    deadline_ms: i64,
+    progress: ext::Progress,
+    trace: Option<String>,
+) -> Arc<Slot> {
+    Arc::new(Slot {
+        contract_id,
+        tenant,
+        deadline_ms,
+        trace,
+        progress: tokio::sync::Mutex::new((
+            progress,
+            ext::Judged {
+                contract_id: contract_id.to_vec(),
+                ..Default::default()
+            },
+        )),
+        latest: tokio::sync::watch::Sender::new(None),
+        finished: std::sync::atomic::AtomicBool::new(false),
+    })
+}
+
+fn state_of(task: &a2a::Task) -> TaskState {
+    task.status
+        .as_ref()
+        .and_then(|s| TaskState::try_from(s.state).ok())
+        .unwrap_or(TaskState::Unspecified)
+}
+
+pub(super) fn settled(task: &a2a::Task) -> bool {
+    ext::is_settled(state_of(task))
+}
+
+/// Reasons a lifecycle call cannot succeed later either: the contract is
+/// no longer this agent's to move.
+fn final_refusal(reason: &str) -> bool {
+    // errors.proto: each of these "fails again".
+    matches!(
+        reason,
+        "ENDED"
+            | "WRONG_STATE"
+            | "LATE"
+            | "ROOT"
+            | "NOT_PENDING"
+            | "NOT_DELEGATE"
+            | "NOT_HOLDER"
+            | "NOT_FOUND"
+            | "ANCESTOR_ENDING"
+    )
+}
+
+/// Moves the contract as far as the task's state asks (ext::step), then
+/// publishes the task, decorated with the broker's word.
+pub(super) async fn observe(
+    gateway: &Gateway,
+    slot: &Slot,
+    mut task: a2a::Task,
+) -> Result<a2a::Task, Refused> {
+    let mut guard = slot.progress.lock().await;
+    let (progress, judged) = &mut *guard;
+    loop {
+        let state = state_of(&task);
+        let step = ext::step(state, task.status.as_ref(), *progress);
+        let id = slot.contract_id;
+        let outcome = match &step {
+            ext::Step::Wait => break,
+            ext::Step::Accept => broker::accept(gateway, slot.trace.as_deref(), &id)
+                .await
+                .map(|r| r.receipt_id),
+            ext::Step::Complete { claim } => {
+                let output = ext::output_json(&task.artifacts)?;
+                broker::complete(gateway, slot.trace.as_deref(), &id, output, claim)
+                    .await
+                    .map(|r| {
+                        if let Some(receipt) = broker::receipt(r.receipt.as_ref()) {
+                            judged.completed(&receipt);
+                        }
+                        r.receipt_id
+                    })
+            }
+            ext::Step::Escalate { reason } => {
+                broker::escalate(gateway, slot.trace.as_deref(), &id, reason.clone())
+                    .await
+                    .map(|r| r.receipt_id)
+            }
+            ext::Step::Decline { reason } => {
+                broker::decline(gateway, slot.trace.as_deref(), &id, reason.clone())
+                    .await
+                    .map(|r| r.receipt_id)
+            }
+        };
+        match outcome {
+            Ok(receipt_id) => {
+                judged.receipt_id = Some(receipt_id);
+                match step {
+                    ext::Step::Accept => progress.accepted = true,
+                    _ => progress.ended = true,
+                }
+            }
+            Err(error) if final_refusal(&error.reason) => {
+                tracing::info!(contract = %hex::encode(id), reason = %error.reason, "the contract moved without this gateway");
+                // Accepted already (a retry after a lost answer) is fine;
+                // anything else ended the contract elsewhere.
+                match step {
+                    ext::Step::Accept => {
+                        let status = gateway.contract(&id).await?.status;
+                        if status == pb::ContractStatus::Accepted as i32 {
+                            progress.accepted = true;
+                        } else {
+                            progress.accepted = true;
+                            progress.ended = true;
+                        }
+                    }
+                    _ => progress.ended = true,
+                }
+            }
+            Err(error) => return Err(broker_error(error)),
+        }
+    }
+    ext::decorate(&mut task, judged);
+    slot.latest.send_replace(Some(task.clone()));
+    Ok(task)
+}
+
+/// Follows an admitted task until it settles and its contract has moved:
+/// polls the agent every poll_ms, and cancels the task when the contract
+/// is revoked or expires, or its deadline passes.
+pub(super) async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: String) {
+    gateway.metrics.followed.inc();
+    following(&gateway, &slot, &task_id).await;
+    gateway.metrics.followed.dec();
+    // Callers still waiting for the task are answered with what is known.
+    slot.finished
+        .store(true, std::sync::atomic::Ordering::Release);
+    slot.latest.send_modify(|_| {});
+}
+
+async fn following(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) {
+    let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let get = a2a::GetTaskRequest {
+        id: task_id.to_owned(),
+        ..Default::default()
+    };
+    // Set once the task was canceled for its contract: the task is then
+    // read until it settles, for at most CANCEL_GRACE_MS.
+    let mut canceled_at: Option<tokio::time::Instant> = None;
+    loop {
+        tick.tick().await;
+        let ended = slot.progress.lock().await.0.ended;
+        if ended && slot.latest.borrow().as_ref().is_some_and(settled) {
+            return;
+        }
+        if let Some(at) = canceled_at {
+            if at.elapsed() > Duration::from_millis(CANCEL_GRACE_MS) {
+                tracing::warn!(task = %task_id, "the agent's task did not settle after its cancel");
+                return;
+            }
+        } else {
+            let expired = now_ms() >= slot.deadline_ms;
+            let revoked = match gateway.contract(&slot.contract_id).await {
+                Ok(state) => matches!(
+                    pb::ContractStatus::try_from(state.status),
+                    Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
+                ),
+                Err(_) => false,
+            };
+            if expired || revoked {
+                let why = if revoked {
+                    "revoked"
+                } else {
+                    "past its deadline"
+                };
+                tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
+                let cancel = a2a::CancelTaskRequest {
+                    id: task_id.to_owned(),
+                    ..Default::default()
+                };
+                let canceled: Result<a2a::Task, _> =
+                    gateway.upstream_call("CancelTask", &cancel, &[]).await;
+                if let Err(CallError::Remote(error)) = &canceled {
+                    tracing::warn!(task = %task_id, %error, "the agent refused to cancel its task");
+                }
+                canceled_at = Some(tokio::time::Instant::now());
+                continue;
+            }
+        }
+        let task: Result<a2a::Task, _> = gateway.upstream_call("GetTask", &get, &[]).await;
+        match task {
+            Ok(task) => {
+                if let Err(e) = observe(gateway, slot, task).await {
+                    tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
+                }
+            }
+            Err(CallError::Remote(error)) => {
+                tracing::warn!(task = %task_id, %error, "the agent no longer answers for its task");
+                return;
+            }
+            Err(CallError::Local(e)) => {
+                tracing::warn!(task = %task_id, error = %e.message, "reading the agent's task failed");
+            }
+        }
+    }
+}
+
+/// At start: follows again the tasks of contracts this agent holds
+/// ACCEPTED (a previous run admitted them), found in the agent's own task
+/// list by the contract each task's first message was marked with. Tasks
+/// nobody asks about still reach their Complete.
+pub(crate) async fn recover(gateway: Arc<Gateway>) {
+    let held = match gateway
+        .link
+        .held(pb::HeldRole::Delegate, MAX_RECOVERY_HELD)
+        .await
+    {
+        Ok(held) => held,
+        Err(e) => {
+            tracing::warn!(reason = %e.reason, "recovery: the broker's list of held contracts could not be read");
+            return;
+        }
+    };
+    let accepted: std::collections::HashSet<Vec<u8>> = held
+        .contracts
+        .iter()
+        .filter(|c| c.status == pb::ContractStatus::Accepted as i32)
+        .map(|c| c.contract_id.clone())
+        .collect();
+    if accepted.is_empty() {
+        return;
+    }
+    let mut page_token = String::new();
+    let mut recovered = 0usize;
+    for _ in 0..MAX_RECOVERY_PAGES {
+        let request = a2a::ListTasksRequest {
+            page_size: Some(RECOVERY_PAGE_SIZE),
+            page_token: page_token.clone(),
+            ..Default::default()
+        };
+        let page: a2a::ListTasksResponse = match gateway
+            .upstream_call("ListTasks", &request, &[])
+            .await
+        {
+            Ok(page) => page,
+            Err(_) => {
+                tracing::warn!(
+                    "recovery: the agent's task list could not be read; tasks are found again when asked for"
+                );
+                return;
+            }
+        };
+        for task in &page.tasks {
+            let ours = ext::marked(task).is_some_and(|id| accepted.contains(&id));
+            if ours && !settled(task) && slot_of(&gateway, &task.id).await.is_ok() {
+                recovered += 1;
+            }
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    tracing::info!(recovered, "recovery: tasks followed again");
+}
