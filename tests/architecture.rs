@@ -1189,36 +1189,10 @@ const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
         810,
         "to split: planning and the cache",
     ),
-    ("crates/a2a/src/lib.rs", 985, "to split by listener"),
     (
         "crates/a2a/src/lib.rs::serve",
         220,
         "to split into run(listeners, config, shutdown)",
-    ),
-    (
-        "crates/a2a/src/ingress.rs",
-        890,
-        "to split: admission and continuation",
-    ),
-    (
-        "crates/a2a/src/ingress.rs::send",
-        110,
-        "to split with ingress",
-    ),
-    (
-        "crates/a2a/src/egress.rs::send",
-        175,
-        "to split: resolve, delegate, forward",
-    ),
-    (
-        "crates/a2a/src/config.rs::check",
-        155,
-        "one check per field",
-    ),
-    (
-        "crates/a2a/src/authz.rs::decide",
-        110,
-        "to split with ingress",
     ),
 ];
 

@@ -40,27 +40,19 @@ pub(super) async fn serve<S: Served>(
         &metrics,
         stopping.clone(),
     )?;
-    let wiring = crate::console::Wiring {
-        broker: broker.clone(),
-        limits: limits.clone(),
-        metrics: metrics.clone(),
-    };
     let console = match parts.console {
         None => None,
         Some(options) => {
-            let stopping = stopping.clone();
+            // Only when there is a console: its handlers hold the service,
+            // so the store, until it stops.
+            let wiring = crate::console::Wiring {
+                broker: broker.clone(),
+                limits: limits.clone(),
+                metrics: metrics.clone(),
+            };
+            let (clock, stopping) = (parts.clock, stopping.clone());
             let settings = &console_settings;
-            Some(
-                start_console(
-                    options,
-                    settings,
-                    console_sessions,
-                    parts.clock,
-                    wiring,
-                    stopping,
-                )
-                .await?,
-            )
+            Some(start_console(options, settings, console_sessions, clock, wiring, stopping).await?)
         }
     };
     let drain = Duration::from_millis(limits.shutdown_drain_ms);
