@@ -66,6 +66,31 @@ fn exit_within(child: &mut std::process::Child, bound: Duration) -> std::process
     }
 }
 
+/// Stopping a broker whose clients are connected but idle ends its store
+/// and returns at once, not when the drain's bound runs out: nothing but
+/// the requests in flight may hold the stop (a handle on the service kept
+/// past the transport's drain once held the store open for the whole
+/// bound, on every stop).
+#[tokio::test]
+async fn an_idle_broker_stops_without_waiting_out_the_drain() {
+    // A drain far longer than any clean stop, so waiting it out shows.
+    const DRAIN_MS: u64 = 60_000;
+    let mut broker = Broker::start_with(|config| config.limits.shutdown_drain_ms = DRAIN_MS).await;
+    let orchestrator = Agent::generate();
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    assert_eq!(
+        broker.ledger(&root.id).await.residual,
+        RootSpec::default().budget
+    );
+    let began = Instant::now();
+    broker.stop().await;
+    let took = began.elapsed();
+    assert!(
+        took < Duration::from_millis(DRAIN_MS / 3),
+        "an idle broker took {took:?} to stop (the drain is {DRAIN_MS} ms): something held the store past the transport's drain"
+    );
+}
+
 /// Acceptance (a): with a health Watch and a broker Watch open, SIGTERM
 /// turns health NOT_SERVING on the stream first, refuses new calls, ends
 /// both streams and exits within the drain bound; everything acknowledged

@@ -56,7 +56,6 @@ const RUNTIME_STOP: std::time::Duration = std::time::Duration::from_secs(1);
 /// and serves them until SIGINT or SIGTERM.
 pub fn run(args: A2aArgs) -> anyhow::Result<()> {
     let config = config::A2aConfig::load(&args.config)?;
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let format = broker_runtime::telemetry::Logging::from_env()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKER_THREADS)

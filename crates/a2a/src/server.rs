@@ -109,6 +109,9 @@ pub async fn run(
     config: A2aConfig,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    // The agent's HTTPS client (reqwest without a provider of its own)
+    // signs with ring, the process's provider; installed once.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let addresses = listeners.addresses(&config)?;
     // The ingress calls the agent; so does the authz, to read which
     // contract a continued task was started under.
