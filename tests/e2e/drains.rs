@@ -15,6 +15,14 @@ use crate::harness::*;
 
 /// Tenants draining at once, and each tree's contracts.
 const DRAINING_TENANTS: usize = 16;
+/// Another tenant's Delegate beside the drains, at the median and at the
+/// 99th percentile, at most. A drain step is 5 ms; unpaced drains gave
+/// p50 227 ms and p99 342 ms here, paced ones 7–10 ms and 14–26 ms in a
+/// debug build with nothing else running (the p99 of about a hundred
+/// calls is their second slowest: a scheduling hiccup of two cores
+/// shows in it, hence its room).
+const OTHER_WRITES_P50_MAX: Duration = Duration::from_millis(20);
+const OTHER_WRITES_P99_MAX: Duration = Duration::from_millis(50);
 const MIDDLES: usize = 3;
 const LEAVES_PER_MIDDLE: usize = 999;
 /// The victim's tree: a root and 999 children, one transaction to end.
@@ -199,7 +207,9 @@ async fn drains_take_turns_and_leave_other_writes_alone() {
         beside <= alone * 2,
         "{beside:?} beside the drains, {alone:?} alone"
     );
-    assert!(p99 <= Duration::from_millis(20), "other writes p99 {p99:?}");
+    let p50 = took[took.len() / 2];
+    assert!(p50 <= OTHER_WRITES_P50_MAX, "other writes p50 {p50:?}");
+    assert!(p99 <= OTHER_WRITES_P99_MAX, "other writes p99 {p99:?}");
     // The drains end, and the ledgers settle.
     let last = &roots[DRAINING_TENANTS - 1];
     for _ in 0..1_200 {

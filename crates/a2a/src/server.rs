@@ -301,6 +301,9 @@ mod tests {
 
     #[tokio::test]
     async fn run_serves_the_listeners_it_is_given_until_the_shutdown_resolves() {
+        // The test's own HTTPS-capable client needs the provider too, and
+        // may be built before `run` installs it.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = tempfile::tempdir().unwrap();
         let key = dir.path().join("agent.key");
         broker_client::keys::write_secret(&key, &hex::encode([7u8; 32])).unwrap();
