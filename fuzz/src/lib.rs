@@ -3,6 +3,11 @@
 //! CEL, JSON Schema) from fuzzer bytes, so the targets reach the code
 //! behind the cheap checks instead of stopping at the first parse error.
 
+pub mod targets;
+
+#[cfg(test)]
+mod replay;
+
 use arbitrary::{Result, Unstructured};
 use serde_json::{Map, Value as Json};
 
@@ -565,7 +570,7 @@ pub fn note(what: &'static str) {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     counts.0 += 1;
     *counts.1.entry(what).or_default() += 1;
-    if counts.0 % 1_000 == 0 {
+    if counts.0.is_multiple_of(1_000) {
         eprintln!("FUZZ_STATS {:?}", counts.1);
     }
 }

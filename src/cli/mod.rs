@@ -4,11 +4,11 @@
 
 pub mod audit;
 pub mod bench;
-pub mod disk_probe;
 pub mod keys;
 pub mod read;
-pub mod store_probe;
 pub mod tree;
+
+use broker_tools::{disk_probe, store_probe};
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -117,7 +117,7 @@ enum Command {
         data_dir: PathBuf,
     },
     /// Load generator: drives OpenRoot + Delegate chains over gRPC.
-    Bench(bench::BenchArgs),
+    Bench(broker_tools::bench::BenchArgs),
     /// The disk's latency floor under durable answers: replays group
     /// commit (append, fdatasync) at a rate with no broker, to tell the
     /// disk's share of a latency tail from the broker's.
@@ -291,7 +291,7 @@ pub fn main() -> ExitCode {
         Command::RotateKey { data_dir } => crate::keystore::rotate(&data_dir)
             .map(|key| println!("{}", hex::encode(key.to_bytes())))
             .map_err(anyhow::Error::from),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => broker_tools::bench::run(args, &bench::InProcess),
         Command::DiskProbe(args) => disk_probe::run(args),
         Command::StoreProbe(args) => store_probe::run(args),
         Command::Audit(args) => audit::run(args),

@@ -9,6 +9,7 @@ use super::error::ServiceError;
 use super::{BrokerService, auth, convert};
 
 use super::limits::MAX_REMEMBERED_PARTIES;
+use crate::core::access::{self, Standing};
 use crate::store::{Answer, Store};
 use crate::telemetry::{self, Fact};
 
@@ -40,61 +41,63 @@ impl<S: Store> BrokerService<S> {
             })
     }
 
-    /// Whether `caller` may learn that `contract` exists: a configured
-    /// reader, or a party of its tree. Asked only on refusal paths, so an
-    /// honest call pays nothing for it.
+    /// `caller`'s standing toward `contract`'s tree (`core::access`): a
+    /// configured reader asks nothing of the store, nor does a party seen
+    /// before.
+    async fn standing(
+        &self,
+        caller: &crate::core::AgentKey,
+        contract: crate::core::Id,
+    ) -> Result<Standing, ServiceError> {
+        if self.config.readers.contains(caller) {
+            return Ok(Standing::Reader);
+        }
+        let remembered = self
+            .parties
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(&(contract, *caller));
+        if remembered {
+            return Ok(Standing::Party);
+        }
+        let standing = Standing::of_party(self.store.is_party(contract, *caller).await?);
+        if standing == Standing::Party {
+            let mut parties = self
+                .parties
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if parties.len() >= MAX_REMEMBERED_PARTIES {
+                parties.clear();
+            }
+            parties.insert((contract, *caller));
+        }
+        Ok(standing)
+    }
+
+    /// Whether `caller` may learn that `contract` exists. Asked only on
+    /// refusal paths, so an honest call pays nothing for it.
     pub(super) async fn may_know(
         &self,
         caller: &crate::core::AgentKey,
         contract: crate::core::Id,
     ) -> Result<bool, ServiceError> {
-        Ok(self.config.readers.contains(caller)
-            || self.store.is_party(contract, *caller).await? == Some(true))
+        Ok(access::may_read(self.standing(caller, contract).await?))
     }
 
-    /// Lets `caller` read `contract`'s tree only if it is a configured
-    /// reader or a party of the tree; NOT_FOUND when there is no such
-    /// contract, and when it is not a party.
+    /// Lets `caller` read `contract`'s tree only if `core::access` allows
+    /// it; NOT_FOUND otherwise, as for an id that names nothing.
     pub(super) async fn authorize(
         &self,
         caller: &crate::core::AgentKey,
         contract: crate::core::Id,
     ) -> Result<(), ServiceError> {
-        if self.config.readers.contains(caller) {
+        if access::may_read(self.standing(caller, contract).await?) {
             return Ok(());
         }
-        let remembered = |this: &Self| {
-            this.parties
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .contains(&(contract, *caller))
-        };
-        if remembered(self) {
-            return Ok(());
-        }
-        match self.store.is_party(contract, *caller).await? {
-            None => Err(ServiceError::NotFound {
-                what: crate::store::Entity::Contract,
-                id: hex::encode(contract),
-            }),
-            // Answered as if it did not exist: a stranger cannot tell a
-            // real id from a random one.
-            Some(false) => Err(ServiceError::NotFound {
-                what: crate::store::Entity::Contract,
-                id: hex::encode(contract),
-            }),
-            Some(true) => {
-                let mut parties = self
-                    .parties
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if parties.len() >= MAX_REMEMBERED_PARTIES {
-                    parties.clear();
-                }
-                parties.insert((contract, *caller));
-                Ok(())
-            }
-        }
+        Err(ServiceError::NotFound {
+            what: crate::store::Entity::Contract,
+            id: hex::encode(contract),
+        })
     }
 
     /// A read of the tree of the contract named by `id` (raw bytes from

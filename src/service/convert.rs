@@ -6,9 +6,7 @@ use prost::Message;
 use super::limits::MAX_VERIFIED_ATTESTATIONS;
 use crate::command::{HopTrust, NewChild, NewRoot, RequestMeta};
 use crate::config::{Limits, TrustConfig};
-use crate::core::limits::{
-    MAX_BUDGET_UNITS, MAX_CHANNEL_BYTES, MAX_HORIZON_MS, MAX_RISK_CLASS_BYTES, MAX_TEXT_BYTES,
-};
+use crate::core::limits::{MAX_BUDGET_UNITS, MAX_CHANNEL_BYTES, MAX_HORIZON_MS, MAX_TEXT_BYTES};
 use crate::core::{self, ChildAsk, Id, InputError, Liability, Policy, Predicate, Scope, trust};
 use crate::crypto::{self, payload_type};
 use crate::pb;
@@ -182,10 +180,10 @@ pub fn new_child(
     })
 }
 
-/// The delegate's trust factor: from a valid attestation by a trusted
-/// attestor, else from the static table, else 0. A malformed attestation
-/// (undecodable, factor outside (0, 1]) is an input error; a forged,
-/// expired or mismatched one is factor 0 — never the requester's say-so.
+/// The delegate's trust factor (`core::trust::resolve`, the rule), from
+/// the attestation envelope as presented: its type and payload are
+/// checked here, its signature verified (or remembered) only when the
+/// rule asks.
 pub fn resolve_trust(
     attestation: Option<&pb::Envelope>,
     delegate_key: &[u8; 32],
@@ -193,30 +191,10 @@ pub fn resolve_trust(
     config: &TrustConfig,
     verified: &VerifiedAttestations,
 ) -> Result<(u32, String, HopTrust), InputError> {
-    let none = |note: String| {
-        (
-            0,
-            note,
-            HopTrust {
-                source: pb::TrustSource::None,
-                attestation_digest: None,
-                risk_class: String::new(),
-            },
-        )
-    };
+    let static_ppm = config.static_factors_ppm.get(delegate_key).copied();
     let Some(envelope) = attestation else {
-        return Ok(match config.static_factors_ppm.get(delegate_key) {
-            Some(&ppm) => (
-                ppm,
-                "from the static trust table".into(),
-                HopTrust {
-                    source: pb::TrustSource::StaticTable,
-                    attestation_digest: None,
-                    risk_class: String::new(),
-                },
-            ),
-            None => none("no attestation and no static trust entry".into()),
-        });
+        let resolved = trust::resolve(None, delegate_key, static_ppm, now_ms, || false)?;
+        return Ok(hop_trust(resolved, None, String::new()));
     };
     if envelope.payload_type != payload_type::ATTESTATION {
         return Err(InputError::new(
@@ -230,55 +208,42 @@ pub fn resolve_trust(
             format!("is not an Attestation: {e}"),
         )
     })?;
-    let factor_ppm = trust::factor_to_ppm(statement.factor).ok_or_else(|| {
-        InputError::new(
-            "body.delegate_attestation.factor",
-            format!("{} is outside (0, 1]", statement.factor),
-        )
-    })?;
-    core::text(
-        &statement.risk_class,
-        MAX_RISK_CLASS_BYTES,
-        false,
-        "body.delegate_attestation.risk_class",
-    )?;
-    if statement.agent_public_key.as_slice() != delegate_key.as_slice() {
-        return Ok(none("the attestation is for another agent".into()));
-    }
-    if statement.not_before_ms < 0 {
-        return Err(InputError::new(
-            "body.delegate_attestation.not_before_ms",
-            "must be 0 or a unix time in ms",
-        ));
-    }
-    if statement.expires_at_ms <= now_ms {
-        return Ok(none("the attestation has expired".into()));
-    }
-    if statement.not_before_ms > now_ms {
-        return Ok(none(format!(
-            "the attestation is not valid before {}",
-            statement.not_before_ms
-        )));
-    }
-    let trusted = verified.check(envelope, || {
-        config.attestors.iter().any(|attestor| {
-            crypto::verify_envelope(envelope, payload_type::ATTESTATION, attestor).is_ok()
+    let stated = trust::Statement {
+        factor: statement.factor,
+        risk_class: &statement.risk_class,
+        agent_key: &statement.agent_public_key,
+        not_before_ms: statement.not_before_ms,
+        expires_at_ms: statement.expires_at_ms,
+    };
+    let resolved = trust::resolve(Some(stated), delegate_key, static_ppm, now_ms, || {
+        verified.check(envelope, || {
+            config.attestors.iter().any(|attestor| {
+                crypto::verify_envelope(envelope, payload_type::ATTESTATION, attestor).is_ok()
+            })
         })
-    });
-    if !trusted {
-        return Ok(none(
-            "the attestation is not signed by a trusted attestor".into(),
-        ));
-    }
-    Ok((
-        factor_ppm,
-        "attested".into(),
-        HopTrust {
-            source: pb::TrustSource::Attestation,
-            attestation_digest: Some(crypto::sha256(&envelope.payload)),
-            risk_class: statement.risk_class,
-        },
-    ))
+    })?;
+    let digest = crypto::sha256(&envelope.payload);
+    Ok(hop_trust(resolved, Some(digest), statement.risk_class))
+}
+
+/// The factor, its note, and the contract's record of where it came from
+/// (the attestation's digest and risk class only when it counted).
+fn hop_trust(
+    resolved: trust::Resolved,
+    digest: Option<[u8; 32]>,
+    risk_class: String,
+) -> (u32, String, HopTrust) {
+    let (source, attestation_digest, risk_class) = match resolved.source {
+        trust::Source::None => (pb::TrustSource::None, None, String::new()),
+        trust::Source::StaticTable => (pb::TrustSource::StaticTable, None, String::new()),
+        trust::Source::Attestation => (pb::TrustSource::Attestation, digest, risk_class),
+    };
+    let trust = HopTrust {
+        source,
+        attestation_digest,
+        risk_class,
+    };
+    (resolved.factor_ppm, resolved.note, trust)
 }
 
 /// Attestations are long-lived and presented again on every delegation to

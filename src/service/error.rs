@@ -262,7 +262,7 @@ mod tests {
             reason,
             detail: "d".into(),
         };
-        let store_cases: Vec<(StoreError, Code, R, &[&str])> = vec![
+        let mut store_cases: Vec<(StoreError, Code, R, &[&str])> = vec![
             (
                 StoreError::NotFound {
                     what: Entity::Contract,
@@ -277,67 +277,6 @@ mod tests {
                 Code::AlreadyExists,
                 R::NonceReused,
                 &["field"],
-            ),
-            (
-                denied(R::NotDelegate),
-                Code::PermissionDenied,
-                R::NotDelegate,
-                &[],
-            ),
-            (denied(R::NotHost), Code::PermissionDenied, R::NotHost, &[]),
-            (
-                denied(R::NotAncestor),
-                Code::PermissionDenied,
-                R::NotAncestor,
-                &[],
-            ),
-            (
-                denied(R::NotPrincipal),
-                Code::PermissionDenied,
-                R::NotPrincipal,
-                &[],
-            ),
-            (
-                precondition(R::WrongState),
-                Code::FailedPrecondition,
-                R::WrongState,
-                &[],
-            ),
-            (
-                precondition(R::Late),
-                Code::FailedPrecondition,
-                R::Late,
-                &[],
-            ),
-            (
-                precondition(R::Ended),
-                Code::FailedPrecondition,
-                R::Ended,
-                &[],
-            ),
-            (
-                precondition(R::Root),
-                Code::FailedPrecondition,
-                R::Root,
-                &[],
-            ),
-            (
-                precondition(R::NotPending),
-                Code::FailedPrecondition,
-                R::NotPending,
-                &[],
-            ),
-            (
-                precondition(R::HostMismatch),
-                Code::FailedPrecondition,
-                R::HostMismatch,
-                &[],
-            ),
-            (
-                precondition(R::MeteredLimit),
-                Code::FailedPrecondition,
-                R::MeteredLimit,
-                &[],
             ),
             (
                 StoreError::Invalid(InputError::new("body.host_public_key", "x")),
@@ -389,6 +328,20 @@ mod tests {
                 &[],
             ),
         ];
+        for reason in [R::NotDelegate, R::NotHost, R::NotAncestor, R::NotPrincipal] {
+            store_cases.push((denied(reason), Code::PermissionDenied, reason, &[]));
+        }
+        for reason in [
+            R::WrongState,
+            R::Late,
+            R::Ended,
+            R::Root,
+            R::NotPending,
+            R::HostMismatch,
+            R::MeteredLimit,
+        ] {
+            store_cases.push((precondition(reason), Code::FailedPrecondition, reason, &[]));
+        }
         let service_cases: Vec<(ServiceError, Code, R, &[&str])> = vec![
             (
                 ServiceError::Unauthenticated {

@@ -32,6 +32,7 @@ use crate::config::Config;
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::store::Store;
+use error::ServiceError;
 
 pub use crate::core::limits::KEYS_MAX_AGE_MS;
 pub use keys::PublishedKeys;
@@ -150,171 +151,53 @@ impl<S> BrokerService<S> {
     }
 }
 
-#[tonic::async_trait]
-impl<S: Store> Broker for BrokerService<S> {
-    async fn open_root(
-        &self,
-        request: Request<pb::OpenRootRequest>,
-    ) -> Result<Response<pb::OpenRootResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::open_root(self, request.into_inner()).await?,
-        ))
-    }
+/// The generated trait's methods, each a call of the handler named
+/// beside it (the handlers take the request; each answer is wrapped, each
+/// `ServiceError` mapped by its one `From`).
+macro_rules! broker_rpcs {
+    ($($rpc:ident($request:ident) -> $response:ident = |$this:ident, $req:ident| $handler:expr;)*) => {
+        #[tonic::async_trait]
+        impl<S: Store> Broker for BrokerService<S> {
+            type WatchStream = std::pin::Pin<
+                Box<dyn tokio_stream::Stream<Item = Result<pb::WatchResponse, Status>> + Send>,
+            >;
+            $(
+                async fn $rpc(
+                    &self,
+                    request: Request<pb::$request>,
+                ) -> Result<Response<pb::$response>, Status> {
+                    let ($this, $req) = (self, request);
+                    Ok(Response::new($handler.await?))
+                }
+            )*
+            async fn watch(
+                &self,
+                request: Request<pb::WatchRequest>,
+            ) -> Result<Response<Self::WatchStream>, Status> {
+                Ok(Response::new(BrokerService::watch(self, request).await?))
+            }
+        }
+    };
+}
 
-    async fn delegate(
-        &self,
-        request: Request<pb::DelegateRequest>,
-    ) -> Result<Response<pb::DelegateResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::delegate(self, request.into_inner()).await?,
-        ))
-    }
-
-    async fn accept(
-        &self,
-        request: Request<pb::AcceptRequest>,
-    ) -> Result<Response<pb::AcceptResponse>, Status> {
-        Ok(Response::new(self.transition(request).await?))
-    }
-
-    async fn decline(
-        &self,
-        request: Request<pb::DeclineRequest>,
-    ) -> Result<Response<pb::DeclineResponse>, Status> {
-        Ok(Response::new(self.transition(request).await?))
-    }
-
-    async fn complete(
-        &self,
-        request: Request<pb::CompleteRequest>,
-    ) -> Result<Response<pb::CompleteResponse>, Status> {
-        Ok(Response::new(self.transition(request).await?))
-    }
-
-    async fn adjudicate(
-        &self,
-        request: Request<pb::AdjudicateRequest>,
-    ) -> Result<Response<pb::AdjudicateResponse>, Status> {
-        Ok(Response::new(self.transition(request).await?))
-    }
-
-    async fn escalate(
-        &self,
-        request: Request<pb::EscalateRequest>,
-    ) -> Result<Response<pb::EscalateResponse>, Status> {
-        Ok(Response::new(self.transition(request).await?))
-    }
-
-    async fn revoke(
-        &self,
-        request: Request<pb::RevokeRequest>,
-    ) -> Result<Response<pb::RevokeResponse>, Status> {
-        Ok(Response::new(self.transition(request).await?))
-    }
-
-    async fn record_receipts(
-        &self,
-        request: Request<pb::RecordReceiptsRequest>,
-    ) -> Result<Response<pb::RecordReceiptsResponse>, Status> {
-        Ok(Response::new(self.transition(request).await?))
-    }
-
-    type WatchStream = std::pin::Pin<
-        Box<dyn tokio_stream::Stream<Item = Result<pb::WatchResponse, Status>> + Send>,
-    >;
-
-    async fn watch(
-        &self,
-        request: Request<pb::WatchRequest>,
-    ) -> Result<Response<Self::WatchStream>, Status> {
-        Ok(Response::new(BrokerService::watch(self, request).await?))
-    }
-
-    async fn get_contract(
-        &self,
-        request: Request<pb::GetContractRequest>,
-    ) -> Result<Response<pb::GetContractResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::get_contract(self, request).await?,
-        ))
-    }
-
-    async fn get_chain(
-        &self,
-        request: Request<pb::GetChainRequest>,
-    ) -> Result<Response<pb::GetChainResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::get_chain(self, request).await?,
-        ))
-    }
-
-    async fn list_children(
-        &self,
-        request: Request<pb::ListChildrenRequest>,
-    ) -> Result<Response<pb::ListChildrenResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::list_children(self, request).await?,
-        ))
-    }
-
-    async fn list_roots(
-        &self,
-        request: Request<pb::ListRootsRequest>,
-    ) -> Result<Response<pb::ListRootsResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::list_roots(self, request).await?,
-        ))
-    }
-
-    async fn list_held(
-        &self,
-        request: Request<pb::ListHeldRequest>,
-    ) -> Result<Response<pb::ListHeldResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::list_held(self, request).await?,
-        ))
-    }
-
-    async fn get_receipt(
-        &self,
-        request: Request<pb::GetReceiptRequest>,
-    ) -> Result<Response<pb::GetReceiptResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::get_receipt(self, request).await?,
-        ))
-    }
-
-    async fn get_audit(
-        &self,
-        request: Request<pb::GetAuditRequest>,
-    ) -> Result<Response<pb::GetAuditResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::get_audit(self, request).await?,
-        ))
-    }
-
-    async fn aggregate_audits(
-        &self,
-        request: Request<pb::AggregateAuditsRequest>,
-    ) -> Result<Response<pb::AggregateAuditsResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::aggregate_audits(self, request).await?,
-        ))
-    }
-
-    async fn open_session(
-        &self,
-        request: Request<pb::OpenSessionRequest>,
-    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        Ok(Response::new(
-            BrokerService::open_session(self, request).await?,
-        ))
-    }
-
-    async fn get_broker_keys(
-        &self,
-        _request: Request<pb::GetBrokerKeysRequest>,
-    ) -> Result<Response<pb::GetBrokerKeysResponse>, Status> {
-        Ok(Response::new(BrokerService::get_broker_keys(self).await))
-    }
+broker_rpcs! {
+    open_root(OpenRootRequest) -> OpenRootResponse = |s, r| BrokerService::open_root(s, r.into_inner());
+    delegate(DelegateRequest) -> DelegateResponse = |s, r| BrokerService::delegate(s, r.into_inner());
+    accept(AcceptRequest) -> AcceptResponse = |s, r| s.transition(r);
+    decline(DeclineRequest) -> DeclineResponse = |s, r| s.transition(r);
+    complete(CompleteRequest) -> CompleteResponse = |s, r| s.transition(r);
+    adjudicate(AdjudicateRequest) -> AdjudicateResponse = |s, r| s.transition(r);
+    escalate(EscalateRequest) -> EscalateResponse = |s, r| s.transition(r);
+    revoke(RevokeRequest) -> RevokeResponse = |s, r| s.transition(r);
+    record_receipts(RecordReceiptsRequest) -> RecordReceiptsResponse = |s, r| s.transition(r);
+    get_contract(GetContractRequest) -> GetContractResponse = |s, r| BrokerService::get_contract(s, r);
+    get_chain(GetChainRequest) -> GetChainResponse = |s, r| BrokerService::get_chain(s, r);
+    list_children(ListChildrenRequest) -> ListChildrenResponse = |s, r| BrokerService::list_children(s, r);
+    list_roots(ListRootsRequest) -> ListRootsResponse = |s, r| BrokerService::list_roots(s, r);
+    list_held(ListHeldRequest) -> ListHeldResponse = |s, r| BrokerService::list_held(s, r);
+    get_receipt(GetReceiptRequest) -> GetReceiptResponse = |s, r| BrokerService::get_receipt(s, r);
+    get_audit(GetAuditRequest) -> GetAuditResponse = |s, r| BrokerService::get_audit(s, r);
+    aggregate_audits(AggregateAuditsRequest) -> AggregateAuditsResponse = |s, r| BrokerService::aggregate_audits(s, r);
+    open_session(OpenSessionRequest) -> OpenSessionResponse = |s, r| BrokerService::open_session(s, r);
+    get_broker_keys(GetBrokerKeysRequest) -> GetBrokerKeysResponse = |s, _r| async { Ok::<_, ServiceError>(BrokerService::get_broker_keys(s).await) };
 }

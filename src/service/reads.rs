@@ -62,13 +62,14 @@ fn contract_page(
     )
 }
 
-/// Refuses a page larger than a response: only a single contract larger
-/// than a whole response gets there (pages are cut at half of one).
-fn fits(size: usize, limit: usize, hint: &'static str) -> Result<(), ServiceError> {
+/// A page, refused when larger than a response: only a single contract
+/// larger than a whole response gets there (pages are cut at half of one).
+fn fitting<R: Message>(response: R, limit: usize, hint: &'static str) -> Result<R, ServiceError> {
+    let size = response.encoded_len();
     if size > limit {
         return Err(ServiceError::ResponseTooLarge { size, limit, hint });
     }
-    Ok(())
+    Ok(response)
 }
 
 impl<S: Store> BrokerService<S> {
@@ -246,12 +247,11 @@ impl<S: Store> BrokerService<S> {
             roots,
             next_page_token,
         };
-        fits(
-            response.encoded_len(),
+        fitting(
+            response,
             response_limit,
             "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
-        )?;
-        Ok(response)
+        )
     }
 
     pub(super) async fn list_held(
@@ -291,12 +291,11 @@ impl<S: Store> BrokerService<S> {
             contracts,
             next_page_token,
         };
-        fits(
-            response.encoded_len(),
+        fitting(
+            response,
             response_limit,
             "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
-        )?;
-        Ok(response)
+        )
     }
 
     pub(super) async fn get_receipt(

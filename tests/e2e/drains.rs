@@ -1,10 +1,12 @@
-//! Drains in turn: sixteen tenants each revoke a tree of 3,000 open
-//! contracts (each revoke starts a drain, ended in steps by the broker),
-//! while another tenant revokes a tree of 1,000 (one transaction: under
-//! a step's bound) and a third keeps delegating. The 1,000-contract revoke
-//! waits behind at most one drain step, not behind the drains; the other
-//! writes wait behind at most one step each (steps are paced to a few
-//! milliseconds of the writer, `store::sql::drain::DrainPace`).
+//! Drains in turn: sixteen tenants each revoke a tree of 1,000 open
+//! contracts (each revoke starts a drain, ended in steps of `STEP_ROWS`
+//! by the broker), while another tenant revokes a tree of `STEP_ROWS`
+//! (one transaction: within a step's bound) and a third keeps delegating.
+//! The small revoke waits behind at most one drain step, not behind the
+//! drains; the other writes wait behind at most one step each (steps are
+//! paced to a few milliseconds of the writer,
+//! `store::sql::drain::DrainPace`). The step bound is a quarter of the
+//! default, so trees a quarter of the size drain in as many steps.
 
 use std::time::{Duration, Instant};
 
@@ -24,9 +26,11 @@ const DRAINING_TENANTS: usize = 16;
 const OTHER_WRITES_P50_MAX: Duration = Duration::from_millis(20);
 const OTHER_WRITES_P99_MAX: Duration = Duration::from_millis(50);
 const MIDDLES: usize = 3;
-const LEAVES_PER_MIDDLE: usize = 999;
-/// The victim's tree: a root and 999 children, one transaction to end.
-const VICTIM_CHILDREN: usize = 999;
+const LEAVES_PER_MIDDLE: usize = 332;
+/// Contracts one drain step ends (`limits.cascade_step_rows`).
+const STEP_ROWS: usize = 256;
+/// The victim's tree: a root and its children, one transaction to end.
+const VICTIM_CHILDREN: usize = STEP_ROWS - 1;
 /// Delegates in flight while a tree is built.
 const BUILD_CONCURRENCY: usize = 32;
 
@@ -71,7 +75,7 @@ fn big_root() -> RootSpec {
     }
 }
 
-/// A root of `opener` with 999 children; the root's id.
+/// A root of `opener` with `VICTIM_CHILDREN` children; the root's id.
 async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
     let root = broker.open_root(opener, big_root()).await;
     let worker = Agent::generate();
@@ -88,7 +92,7 @@ async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
     root.id
 }
 
-/// A root of `opener` with three middles of 999 leaves each.
+/// A root of `opener` with `MIDDLES` middles of `LEAVES_PER_MIDDLE` leaves each.
 async fn draining_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
     let root = broker.open_root(opener, big_root()).await;
     let (middle, leaf) = (Agent::generate(), Agent::generate());
@@ -129,6 +133,7 @@ async fn drains_take_turns_and_leave_other_writes_alone() {
     let openers: Vec<Agent> = (0..DRAINING_TENANTS).map(|_| Agent::generate()).collect();
     let (victim, writer) = (Agent::generate(), Agent::generate());
     let mut broker = Broker::start_with(|c| {
+        c.limits.cascade_step_rows = STEP_ROWS;
         for key in openers
             .iter()
             .chain([&victim, &writer])
@@ -197,7 +202,7 @@ async fn drains_take_turns_and_leave_other_writes_alone() {
     took.sort();
     let p99 = took[(took.len() * 99).div_ceil(100) - 1];
     println!(
-        "a 1,000-contract revoke: {alone:?} alone, {beside:?} beside {DRAINING_TENANTS} drains; \
+        "a {STEP_ROWS}-contract revoke: {alone:?} alone, {beside:?} beside {DRAINING_TENANTS} drains; \
          the other tenant's Delegate p50 {:?} p99 {p99:?} ({} calls)",
         took[took.len() / 2],
         took.len()

@@ -27,7 +27,6 @@ use envoy_types::ext_authz::v3::pb::{
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::r#type::v3::{HttpStatus, StatusCode};
 use envoy_types::pb::google::rpc;
-use prost::Message as _;
 use serde_json::{Value, json};
 
 use crate::client::CARD_PATH;
@@ -322,14 +321,7 @@ async fn continuation(
         )
         .with("field", field)
     };
-    let get = a2a::GetTaskRequest {
-        id: task_id.to_owned(),
-        ..Default::default()
-    };
-    let task: a2a::Task = gateway
-        .upstream_call("GetTask", &get, &[])
-        .await
-        .map_err(|_| not_found())?;
+    let task = gateway.upstream_task(task_id).await.ok_or_else(not_found)?;
     let bound: Id = ext::started_under(&task)
         .and_then(|id| id.try_into().ok())
         .ok_or_else(not_found)?;
@@ -365,11 +357,7 @@ async fn continuation(
 }
 
 fn allowed(contract_id: Id, state: &pb::ContractState) -> Allowed {
-    let contract = state
-        .contract
-        .as_ref()
-        .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-        .unwrap_or_default();
+    let contract = broker_client::terms(state.contract.as_ref()).unwrap_or_default();
     Allowed {
         contract_id,
         depth: contract.depth,

@@ -44,46 +44,50 @@ pub async fn complete(
     counted(gateway, "complete", body, trace).await
 }
 
-pub async fn escalate(
-    gateway: &Gateway,
-    trace: Option<&str>,
-    contract_id: &[u8],
-    reason: String,
-) -> Result<pb::EscalateResponse, BrokerError> {
-    let body = pb::EscalateBody {
-        contract_id: contract_id.to_vec(),
-        reason,
-        ..Default::default()
-    };
-    counted(gateway, "escalate", body, trace).await
+/// What ends a contract with a reason: the delegate escalating or
+/// declining, the principal revoking.
+#[derive(Clone, Copy, Debug)]
+pub enum Ending {
+    Escalate,
+    Decline,
+    Revoke,
 }
 
-pub async fn decline(
+/// Ends `contract_id` with `reason`; the receipt's id.
+pub async fn end(
     gateway: &Gateway,
     trace: Option<&str>,
+    ending: Ending,
     contract_id: &[u8],
     reason: String,
-) -> Result<pb::DeclineResponse, BrokerError> {
-    let body = pb::DeclineBody {
-        contract_id: contract_id.to_vec(),
-        reason,
-        ..Default::default()
-    };
-    counted(gateway, "decline", body, trace).await
-}
-
-pub async fn revoke(
-    gateway: &Gateway,
-    trace: Option<&str>,
-    contract_id: &[u8],
-    reason: String,
-) -> Result<pb::RevokeResponse, BrokerError> {
-    let body = pb::RevokeBody {
-        contract_id: contract_id.to_vec(),
-        reason,
-        ..Default::default()
-    };
-    counted(gateway, "revoke", body, trace).await
+) -> Result<Vec<u8>, BrokerError> {
+    let contract_id = contract_id.to_vec();
+    Ok(match ending {
+        Ending::Escalate => {
+            let body = pb::EscalateBody {
+                contract_id,
+                reason,
+                ..Default::default()
+            };
+            counted(gateway, "escalate", body, trace).await?.receipt_id
+        }
+        Ending::Decline => {
+            let body = pb::DeclineBody {
+                contract_id,
+                reason,
+                ..Default::default()
+            };
+            counted(gateway, "decline", body, trace).await?.receipt_id
+        }
+        Ending::Revoke => {
+            let body = pb::RevokeBody {
+                contract_id,
+                reason,
+                ..Default::default()
+            };
+            counted(gateway, "revoke", body, trace).await?.receipt_id
+        }
+    })
 }
 
 /// A Delegate; its header is the link's to fill in.

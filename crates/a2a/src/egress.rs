@@ -9,7 +9,6 @@
 use std::sync::Arc;
 
 use a2a_pb::protojson as a2a;
-use prost::Message as _;
 use serde_json::Value;
 
 use crate::card::gateway_card;
@@ -84,9 +83,10 @@ pub(super) async fn handle(
             let sent = sent_to(gateway, peer, &request.id)?;
             // The principal's signed Revoke is what cancels: the peer's
             // gateway cancels the task when it sees the contract revoked.
-            match broker::revoke(
+            match broker::end(
                 gateway,
                 rpc.trace.as_deref(),
+                broker::Ending::Revoke,
                 &sent.contract_id,
                 "canceled by the principal over A2A".into(),
             )
@@ -313,9 +313,10 @@ async fn send(
         Ok(response) => response,
         Err(error) => {
             // The task never started: release what the contract reserved.
-            if let Err(e) = broker::revoke(
+            if let Err(e) = broker::end(
                 gateway,
                 rpc.trace.as_deref(),
+                broker::Ending::Revoke,
                 &child_id,
                 "the peer did not take the task".into(),
             )
@@ -351,17 +352,13 @@ async fn delegate_body(
 ) -> Result<pb::DelegateBody, Refused> {
     let parent_id = parent_of(gateway, outbound.contract_id, &message.context_id).await?;
     let parent = gateway.contract(&parent_id).await?;
-    let parent_contract = parent
-        .contract
-        .as_ref()
-        .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-        .ok_or_else(|| {
-            Refused::new(
-                code::INTERNAL,
-                "INTERNAL",
-                "the broker sent a parent contract that does not decode",
-            )
-        })?;
+    let parent_contract = broker_client::terms(parent.contract.as_ref()).ok_or_else(|| {
+        Refused::new(
+            code::INTERNAL,
+            "INTERNAL",
+            "the broker sent a parent contract that does not decode",
+        )
+    })?;
     let route = gateway
         .config
         .routes

@@ -318,6 +318,16 @@ impl Gateway {
         }
     }
 
+    /// The agent's task `task_id` (its GetTask); `None` however that
+    /// fails: a caller answers it as a task it does not know.
+    pub async fn upstream_task(&self, task_id: &str) -> Option<a2a::Task> {
+        let get = a2a::GetTaskRequest {
+            id: task_id.to_owned(),
+            ..Default::default()
+        };
+        self.upstream_call("GetTask", &get, &[]).await.ok()
+    }
+
     /// The broker's published keys; read again (at most every
     /// KEYS_REFRESH_MS) when `fresh` asks for it.
     pub async fn keys(&self, fresh: bool) -> Result<BrokerKeys, Refused> {

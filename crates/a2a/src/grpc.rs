@@ -234,94 +234,56 @@ type Stream = std::pin::Pin<
     Box<dyn tokio_stream::Stream<Item = Result<proto::StreamResponse, tonic::Status>> + Send>,
 >;
 
-#[tonic::async_trait]
-impl proto::a2a_service_server::A2aService for A2aGrpc {
-    async fn send_message(
-        &self,
-        request: tonic::Request<proto::SendMessageRequest>,
-    ) -> Result<tonic::Response<proto::SendMessageResponse>, tonic::Status> {
-        self.call::<_, protojson::SendMessageRequest, _, protojson::SendMessageResponse>(
-            "SendMessage",
-            request,
-        )
-        .await
+/// The A2A service: the served methods call the agent through `call` (as
+/// their ProtoJSON types), the others answer that they are not served.
+macro_rules! a2a_service {
+    (
+        served { $($rpc:ident = $name:literal ($request:ident) -> $response:ident as $json_request:ident, $json_response:ident;)* }
+        unserved { $($other:ident = $other_name:literal ($other_request:ident) -> $other_response:ty;)* }
+    ) => {
+        #[tonic::async_trait]
+        impl proto::a2a_service_server::A2aService for A2aGrpc {
+            type SendStreamingMessageStream = Stream;
+            type SubscribeToTaskStream = Stream;
+            $(
+                async fn $rpc(
+                    &self,
+                    request: tonic::Request<proto::$request>,
+                ) -> Result<tonic::Response<proto::$response>, tonic::Status> {
+                    self.call::<_, protojson::$json_request, _, protojson::$json_response>(
+                        $name,
+                        request,
+                    )
+                    .await
+                }
+            )*
+            $(
+                async fn $other(
+                    &self,
+                    _: tonic::Request<proto::$other_request>,
+                ) -> Result<tonic::Response<$other_response>, tonic::Status> {
+                    self.unserved($other_name)
+                }
+            )*
+        }
+    };
+}
+
+a2a_service! {
+    served {
+        send_message = "SendMessage" (SendMessageRequest) -> SendMessageResponse as SendMessageRequest, SendMessageResponse;
+        get_task = "GetTask" (GetTaskRequest) -> Task as GetTaskRequest, Task;
+        cancel_task = "CancelTask" (CancelTaskRequest) -> Task as CancelTaskRequest, Task;
     }
-
-    type SendStreamingMessageStream = Stream;
-
-    async fn send_streaming_message(
-        &self,
-        _: tonic::Request<proto::SendMessageRequest>,
-    ) -> Result<tonic::Response<Stream>, tonic::Status> {
-        self.unserved("SendStreamingMessage")
-    }
-
-    async fn get_task(
-        &self,
-        request: tonic::Request<proto::GetTaskRequest>,
-    ) -> Result<tonic::Response<proto::Task>, tonic::Status> {
-        self.call::<_, protojson::GetTaskRequest, _, protojson::Task>("GetTask", request)
-            .await
-    }
-
-    async fn list_tasks(
-        &self,
-        _: tonic::Request<proto::ListTasksRequest>,
-    ) -> Result<tonic::Response<proto::ListTasksResponse>, tonic::Status> {
-        self.unserved("ListTasks")
-    }
-
-    async fn cancel_task(
-        &self,
-        request: tonic::Request<proto::CancelTaskRequest>,
-    ) -> Result<tonic::Response<proto::Task>, tonic::Status> {
-        self.call::<_, protojson::CancelTaskRequest, _, protojson::Task>("CancelTask", request)
-            .await
-    }
-
-    type SubscribeToTaskStream = Stream;
-
-    async fn subscribe_to_task(
-        &self,
-        _: tonic::Request<proto::SubscribeToTaskRequest>,
-    ) -> Result<tonic::Response<Stream>, tonic::Status> {
-        self.unserved("SubscribeToTask")
-    }
-
-    async fn create_task_push_notification_config(
-        &self,
-        _: tonic::Request<proto::TaskPushNotificationConfig>,
-    ) -> Result<tonic::Response<proto::TaskPushNotificationConfig>, tonic::Status> {
-        self.unserved("CreateTaskPushNotificationConfig")
-    }
-
-    async fn get_task_push_notification_config(
-        &self,
-        _: tonic::Request<proto::GetTaskPushNotificationConfigRequest>,
-    ) -> Result<tonic::Response<proto::TaskPushNotificationConfig>, tonic::Status> {
-        self.unserved("GetTaskPushNotificationConfig")
-    }
-
-    async fn list_task_push_notification_configs(
-        &self,
-        _: tonic::Request<proto::ListTaskPushNotificationConfigsRequest>,
-    ) -> Result<tonic::Response<proto::ListTaskPushNotificationConfigsResponse>, tonic::Status>
-    {
-        self.unserved("ListTaskPushNotificationConfigs")
-    }
-
-    async fn get_extended_agent_card(
-        &self,
-        _: tonic::Request<proto::GetExtendedAgentCardRequest>,
-    ) -> Result<tonic::Response<proto::AgentCard>, tonic::Status> {
-        self.unserved("GetExtendedAgentCard")
-    }
-
-    async fn delete_task_push_notification_config(
-        &self,
-        _: tonic::Request<proto::DeleteTaskPushNotificationConfigRequest>,
-    ) -> Result<tonic::Response<()>, tonic::Status> {
-        self.unserved("DeleteTaskPushNotificationConfig")
+    unserved {
+        send_streaming_message = "SendStreamingMessage" (SendMessageRequest) -> Stream;
+        list_tasks = "ListTasks" (ListTasksRequest) -> proto::ListTasksResponse;
+        subscribe_to_task = "SubscribeToTask" (SubscribeToTaskRequest) -> Stream;
+        create_task_push_notification_config = "CreateTaskPushNotificationConfig" (TaskPushNotificationConfig) -> proto::TaskPushNotificationConfig;
+        get_task_push_notification_config = "GetTaskPushNotificationConfig" (GetTaskPushNotificationConfigRequest) -> proto::TaskPushNotificationConfig;
+        list_task_push_notification_configs = "ListTaskPushNotificationConfigs" (ListTaskPushNotificationConfigsRequest) -> proto::ListTaskPushNotificationConfigsResponse;
+        get_extended_agent_card = "GetExtendedAgentCard" (GetExtendedAgentCardRequest) -> proto::AgentCard;
+        delete_task_push_notification_config = "DeleteTaskPushNotificationConfig" (DeleteTaskPushNotificationConfigRequest) -> ();
     }
 }
 

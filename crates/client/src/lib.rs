@@ -14,5 +14,14 @@ pub mod trace;
 pub mod tree;
 
 pub use agent::{Agent, SessionAttacher, SessionClient};
+
+use broker_wire::pb;
+use prost::Message as _;
+
+/// The terms a contract's sealed envelope carries; `None` when there is
+/// none or it does not decode (the caller says what that means to it).
+pub fn terms(sealed: Option<&pb::Sealed>) -> Option<pb::Contract> {
+    pb::Contract::decode(sealed?.payload.as_slice()).ok()
+}
 pub use error::BrokerError;
 pub use link::{Body, Link, Receipted, Sendable};

@@ -247,7 +247,7 @@ pub fn render(data: &TreeData, names: &BTreeMap<[u8; 32], String>) -> String {
 }
 
 fn decode(state: &pb::ContractState) -> Option<pb::Contract> {
-    pb::Contract::decode(state.contract.as_ref()?.payload.as_slice()).ok()
+    crate::terms(state.contract.as_ref())
 }
 
 /// `name` from the address book, else the key's first 8 hex characters.

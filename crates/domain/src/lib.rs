@@ -3,6 +3,7 @@
 //! predicate composition and write scopes. No tonic, no sqlx,
 //! no tokio, no I/O: everything here is tested without a runtime.
 
+pub mod access;
 pub mod audit;
 pub mod error;
 pub mod invariants;

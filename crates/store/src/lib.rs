@@ -5,6 +5,7 @@
 //! Only this crate knows sqlx.
 
 pub mod batch;
+pub mod known;
 pub mod limits;
 pub mod metrics;
 pub mod phases;

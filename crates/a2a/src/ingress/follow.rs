@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use a2a_pb::protojson::{self as a2a, TaskState};
-use prost::Message as _;
 
 use super::tenant_of;
 use crate::client::CallError;
@@ -50,23 +49,12 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
             ),
         )
     };
-    let get = a2a::GetTaskRequest {
-        id: task_id.to_owned(),
-        ..Default::default()
-    };
-    let task: a2a::Task = gateway
-        .upstream_call("GetTask", &get, &[])
-        .await
-        .map_err(|_| not_found())?;
+    let task = gateway.upstream_task(task_id).await.ok_or_else(not_found)?;
     let contract_id: Id = ext::marked(&task)
         .and_then(|id| id.try_into().ok())
         .ok_or_else(not_found)?;
     let state = gateway.contract(&contract_id).await?;
-    let contract = state
-        .contract
-        .as_ref()
-        .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-        .ok_or_else(not_found)?;
+    let contract = broker_client::terms(state.contract.as_ref()).ok_or_else(not_found)?;
     if contract.delegate_public_key != gateway.agent_key {
         return Err(not_found());
     }
@@ -191,15 +179,13 @@ pub(super) async fn observe(
                         r.receipt_id
                     })
             }
-            ext::Step::Escalate { reason } => {
-                broker::escalate(gateway, slot.trace.as_deref(), &id, reason.clone())
-                    .await
-                    .map(|r| r.receipt_id)
-            }
-            ext::Step::Decline { reason } => {
-                broker::decline(gateway, slot.trace.as_deref(), &id, reason.clone())
-                    .await
-                    .map(|r| r.receipt_id)
+            ext::Step::Escalate { reason } | ext::Step::Decline { reason } => {
+                let ending = match step {
+                    ext::Step::Escalate { .. } => broker::Ending::Escalate,
+                    _ => broker::Ending::Decline,
+                };
+                let trace = slot.trace.as_deref();
+                broker::end(gateway, trace, ending, &id, reason.clone()).await
             }
         };
         match outcome {

@@ -22,7 +22,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prost::Message as _;
 use rmcp::ErrorData;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
@@ -405,16 +404,12 @@ impl Gateway {
             .ok_or_else(|| {
                 BrokerError::new("INTERNAL", "the broker answered without the contract")
             })?;
-        let contract = state
-            .contract
-            .as_ref()
-            .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-            .ok_or_else(|| {
-                BrokerError::new(
-                    "INTERNAL",
-                    "the broker sent a contract that does not decode",
-                )
-            })?;
+        let contract = broker_client::terms(state.contract.as_ref()).ok_or_else(|| {
+            BrokerError::new(
+                "INTERNAL",
+                "the broker sent a contract that does not decode",
+            )
+        })?;
         Ok(ContractView {
             id,
             host_public_key: state.host_public_key,

@@ -35,9 +35,7 @@ fn verdict_name(verdict: i32) -> String {
 /// The contract a sealed envelope carries (the default when it does not
 /// decode).
 pub fn decoded(sealed: Option<&pb::Sealed>) -> pb::Contract {
-    sealed
-        .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-        .unwrap_or_default()
+    broker_client::terms(sealed).unwrap_or_default()
 }
 
 /// A ledger as the model reads it (`null` when there is none).

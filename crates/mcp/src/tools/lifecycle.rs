@@ -2,12 +2,11 @@
 //! filled in, signed as the agent, sent again with the same bytes while
 //! the broker is unavailable).
 
-use prost::Message as _;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::{tool, tool_router};
 use serde_json::Value;
 
-use broker_client::BrokerError;
+use broker_client::{BrokerError, Receipted as _};
 use broker_domain::limits;
 use broker_wire::pb;
 
@@ -91,57 +90,59 @@ impl Tools {
         description = "Decline a contract delegated to you (before accepting it); its reservation returns to the principal."
     )]
     async fn decline(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        let run = async {
-            let (contract_id, reason) = with_reason(&input)?;
-            let body = pb::DeclineBody {
-                header: None,
-                contract_id: contract_id.clone(),
-                reason,
-            };
-            receipt(&contract_id, self.link.call(body, None).await?.receipt)
-        };
-        answer(run.await)
+        self.with_reason(&input, |contract_id, reason| pb::DeclineBody {
+            header: None,
+            contract_id,
+            reason,
+        })
+        .await
     }
 
     #[tool(
         description = "Escalate a contract you accepted as unresolvable: its reservation returns and the principal learns what is left."
     )]
     async fn escalate(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        let run = async {
-            let (contract_id, reason) = with_reason(&input)?;
-            let body = pb::EscalateBody {
-                header: None,
-                contract_id: contract_id.clone(),
-                reason,
-            };
-            receipt(&contract_id, self.link.call(body, None).await?.receipt)
-        };
-        answer(run.await)
+        self.with_reason(&input, |contract_id, reason| pb::EscalateBody {
+            header: None,
+            contract_id,
+            reason,
+        })
+        .await
     }
 
     #[tool(
         description = "Revoke a contract below one you hold (and every open contract below it)."
     )]
     async fn revoke(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        let run = async {
-            let (contract_id, reason) = with_reason(&input)?;
-            let body = pb::RevokeBody {
-                header: None,
-                contract_id: contract_id.clone(),
-                reason,
-            };
-            receipt(&contract_id, self.link.call(body, None).await?.receipt)
-        };
-        answer(run.await)
+        self.with_reason(&input, |contract_id, reason| pb::RevokeBody {
+            header: None,
+            contract_id,
+            reason,
+        })
+        .await
     }
 }
 
-/// The contract and the reason of a decline, an escalation or a revocation.
-fn with_reason(input: &ReasonInput) -> Result<(Vec<u8>, String), BrokerError> {
-    Ok((
-        id(&input.contract_id, "contract_id")?,
-        text(&input.reason, "reason")?,
-    ))
+impl Tools {
+    /// A decline, an escalation or a revocation: the contract and the
+    /// reason checked, the body signed and sent, its receipt answered.
+    async fn with_reason<B>(
+        &self,
+        input: &ReasonInput,
+        body: impl FnOnce(Vec<u8>, String) -> B,
+    ) -> Answer
+    where
+        B: broker_client::Body,
+        <B::Request as broker_client::Sendable>::Response: broker_client::Receipted,
+    {
+        let run = async {
+            let contract_id = id(&input.contract_id, "contract_id")?;
+            let reason = text(&input.reason, "reason")?;
+            let sent = self.link.call(body(contract_id.clone(), reason), None);
+            receipt(&contract_id, sent.await?.receipt())
+        };
+        answer(run.await)
+    }
 }
 
 impl Tools {
@@ -196,16 +197,12 @@ impl Tools {
         // The lineage hash is the parent's (every contract of a tree has the
         // root's); a read, so a stranger's parent is NOT_FOUND here.
         let parent = self.contract(&parent_id).await?;
-        let parent_contract = parent
-            .contract
-            .as_ref()
-            .and_then(|s| pb::Contract::decode(s.payload.as_slice()).ok())
-            .ok_or_else(|| {
-                BrokerError::new(
-                    "INTERNAL",
-                    "the broker sent a parent contract that does not decode",
-                )
-            })?;
+        let parent_contract = broker_client::terms(parent.contract.as_ref()).ok_or_else(|| {
+            BrokerError::new(
+                "INTERNAL",
+                "the broker sent a parent contract that does not decode",
+            )
+        })?;
         let body = pb::DelegateBody {
             header: None,
             parent_id,

@@ -1012,45 +1012,8 @@ mod tests {
     use super::*;
 
     /// A database error with a given SQLSTATE, as PostgreSQL would send.
-    #[derive(Debug)]
-    struct Sqlstate(&'static str);
-
-    impl std::fmt::Display for Sqlstate {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "error with SQLSTATE {}", self.0)
-        }
-    }
-
-    impl std::error::Error for Sqlstate {}
-
-    impl sqlx::error::DatabaseError for Sqlstate {
-        fn message(&self) -> &str {
-            "error"
-        }
-
-        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
-            Some(self.0.into())
-        }
-
-        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-            self
-        }
-
-        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
-            self
-        }
-
-        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
-            self
-        }
-
-        fn kind(&self) -> sqlx::error::ErrorKind {
-            sqlx::error::ErrorKind::Other
-        }
-    }
-
     fn database(code: &'static str) -> sqlx::Error {
-        sqlx::Error::Database(Box::new(Sqlstate(code)))
+        crate::sql::CodedError::error(code.into(), "error".into(), sqlx::error::ErrorKind::Other)
     }
 
     fn io() -> sqlx::Error {

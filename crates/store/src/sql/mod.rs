@@ -433,3 +433,70 @@ pub(crate) fn lock(known: &KnownCache) -> MutexGuard<'_, KnownMap> {
         guard
     })
 }
+
+/// A database error the store makes itself — SQLite's answer to one of
+/// the writer's own statements, a PostgreSQL SQLSTATE in tests — reported
+/// as sqlx reports the driver's, so callers match both the same way.
+#[derive(Debug)]
+pub(crate) struct CodedError {
+    code: String,
+    message: String,
+    kind: sqlx::error::ErrorKind,
+}
+
+impl CodedError {
+    pub(crate) fn error(
+        code: String,
+        message: String,
+        kind: sqlx::error::ErrorKind,
+    ) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Self {
+            code,
+            message,
+            kind,
+        }))
+    }
+}
+
+impl std::fmt::Display for CodedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // sqlx's wording, so logs read the same either way.
+        write!(f, "(code: {}) {}", self.code, self.message)
+    }
+}
+
+impl std::error::Error for CodedError {}
+
+impl sqlx::error::DatabaseError for CodedError {
+    fn message(&self) -> &str {
+        &self.message
+    }
+
+    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+        Some(self.code.as_str().into())
+    }
+
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+
+    fn kind(&self) -> sqlx::error::ErrorKind {
+        match self.kind {
+            sqlx::error::ErrorKind::UniqueViolation => sqlx::error::ErrorKind::UniqueViolation,
+            sqlx::error::ErrorKind::ForeignKeyViolation => {
+                sqlx::error::ErrorKind::ForeignKeyViolation
+            }
+            sqlx::error::ErrorKind::NotNullViolation => sqlx::error::ErrorKind::NotNullViolation,
+            sqlx::error::ErrorKind::CheckViolation => sqlx::error::ErrorKind::CheckViolation,
+            _ => sqlx::error::ErrorKind::Other,
+        }
+    }
+}

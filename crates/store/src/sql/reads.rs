@@ -3,6 +3,7 @@
 //! the durability of what it could have seen (`Durability::settle`).
 
 use prost::Message;
+use sqlx::QueryBuilder;
 
 use super::requests::load_prior_requests;
 use super::rows::{
@@ -15,21 +16,37 @@ use broker_domain::{AgentKey, Id, Predicate, Status};
 use broker_wire::command::RequestMeta;
 use broker_wire::pb;
 
+/// Pushes "`agent` is a party of the tree whose root's sequence is the
+/// column `root_seq`": the delegate or the host of one of its contracts
+/// (index seeks). The one definition every read that asks it uses.
+fn push_party<D: Dialect>(query: &mut QueryBuilder<D>, root_seq: &str, agent: &AgentKey) {
+    query
+        .push("(EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = ")
+        .push(root_seq)
+        .push(" AND d.delegate_key = ")
+        .push_arg(agent.to_vec())
+        .push(") OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = ")
+        .push(root_seq)
+        .push(" AND h.host_key = ")
+        .push_arg(agent.to_vec())
+        .push("))");
+}
+
 pub(crate) async fn is_party<B: Backend>(
     store: &B,
     contract: Id,
     agent: AgentKey,
 ) -> Result<Option<bool>, StoreError> {
-    let row = sqlx::query::<B::Db>(
-        "SELECT EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = c.root_seq AND d.delegate_key = $2) \
-             OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = c.root_seq AND h.host_key = $2) AS party \
-         FROM contracts c WHERE c.id = $1",
-    )
-    .arg(contract.as_slice())
-    .arg(agent.as_slice())
-    .optional(&mut *store.sql().read().await?)
-    .await
-    .map_err(backend)?;
+    let mut query = QueryBuilder::<B::Db>::new("SELECT ");
+    push_party(&mut query, "c.root_seq", &agent);
+    query
+        .push(" AS party FROM contracts c WHERE c.id = ")
+        .push_arg(contract.to_vec());
+    let row = query
+        .build()
+        .optional(&mut *store.sql().read().await?)
+        .await
+        .map_err(backend)?;
     // Not settled: a party stays a party, and the read that follows
     // settles before it answers.
     row.map(|r| r.cell::<bool>("party").map_err(backend))
@@ -251,9 +268,8 @@ async fn named<B: Backend>(
     missing.sort_unstable();
     missing.dedup();
     if !missing.is_empty() {
-        let mut query = sqlx::QueryBuilder::<B::Db>::new(
-            "SELECT seq, delegate_key FROM contracts WHERE seq IN (",
-        );
+        let mut query =
+            QueryBuilder::<B::Db>::new("SELECT seq, delegate_key FROM contracts WHERE seq IN (");
         let mut list = query.separated(", ");
         for seq in &missing {
             list.push_arg(*seq);
@@ -336,7 +352,6 @@ pub(crate) async fn roots<B: Backend>(
     store: &B,
     query: &crate::RootsQuery,
 ) -> Result<crate::RootsPage, StoreError> {
-    use sqlx::QueryBuilder;
     use tokio_stream::StreamExt;
     let mut conn = store.sql().read().await?;
     // The window: the next `scan` roots older than the cursor, newest
@@ -356,13 +371,9 @@ pub(crate) async fn roots<B: Backend>(
             .push_arg(value.as_str())
             .push(")");
     }
-    if let Some(viewer) = query.viewer {
-        window
-            .push(" AND (EXISTS(SELECT 1 FROM contracts d WHERE d.root_seq = w.seq AND d.delegate_key = ")
-            .push_arg(viewer.to_vec())
-            .push(") OR EXISTS(SELECT 1 FROM contracts h WHERE h.root_seq = w.seq AND h.host_key = ")
-            .push_arg(viewer.to_vec())
-            .push("))");
+    if let Some(viewer) = &query.viewer {
+        window.push(" AND ");
+        push_party(&mut window, "w.seq", viewer);
     }
     window.push(") AS visible FROM (");
     match first {
@@ -452,7 +463,6 @@ pub(crate) async fn held<B: Backend>(
     store: &B,
     query: &crate::HeldQuery,
 ) -> Result<crate::HeldPage, StoreError> {
-    use sqlx::QueryBuilder;
     use tokio_stream::StreamExt;
     let column = match query.role {
         crate::HeldRole::Delegate => "delegate_key",

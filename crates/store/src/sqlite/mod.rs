@@ -352,13 +352,7 @@ impl SqliteStore {
             let known = self.sql.known.lock().ok()?;
             known.get(&child.parent_id)?.view.clone()
         };
-        let now_ms = self.sql.clock.now_ms();
-        let terms = broker_domain::check_delegation(&view, &child.ask, now_ms).ok()?;
-        let stamped = self
-            .sql
-            .stamper
-            .child(&view.intent_lineage_hash, child, &terms, now_ms);
-        Some(Box::new(Speculation { terms, stamped }))
+        Speculation::new(&view, child, &self.sql.stamper, self.sql.clock.now_ms())
     }
 }
 

@@ -19,17 +19,17 @@
 //!   the connection is closed: sqlx closes it with `sqlite3_close`, which
 //!   refuses (and sqlx then panics) while a statement is open.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ffi::{CStr, c_int};
 use std::ptr::NonNull;
 
 use libsqlite3_sys as ffi;
 use sqlx::SqliteConnection;
-use sqlx::error::{DatabaseError, ErrorKind};
+use sqlx::error::ErrorKind;
 use sqlx::sqlite::LockedSqliteHandle;
 
 use crate::limits::sqlite::{HANDLE_TRIES, HANDLE_WAIT, STATEMENT_CACHE_CAPACITY};
+use crate::sql::CodedError;
 use crate::sql::plan::{Arg, Sql};
 
 /// Takes SQLite's handle from sqlx's worker thread (`lock_handle`), with
@@ -296,10 +296,7 @@ unsafe fn step(
             };
             if rc == ffi::SQLITE_TOOBIG {
                 // Refused here (over `c_int`) or by SQLite: say which value.
-                result = Err(sqlx::Error::Database(Box::new(RawError {
-                    code: rc,
-                    message: format!("value {index} is too large to bind"),
-                })));
+                result = Err(raw_error(rc, format!("value {index} is too large to bind")));
                 break;
             }
             if rc != ffi::SQLITE_OK {
@@ -342,58 +339,22 @@ unsafe fn last_error(db: NonNull<ffi::sqlite3>) -> sqlx::Error {
             .into_owned();
         (code, message)
     };
-    sqlx::Error::Database(Box::new(RawError { code, message }))
+    raw_error(code, message)
 }
 
-/// An error SQLite returned to one of the writer's own statements.
-#[derive(Debug)]
-pub(super) struct RawError {
-    /// The extended result code.
-    code: c_int,
-    message: String,
-}
-
-impl std::fmt::Display for RawError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // sqlx's wording, so logs read the same either way.
-        write!(f, "(code: {}) {}", self.code, self.message)
-    }
-}
-
-impl std::error::Error for RawError {}
-
-impl DatabaseError for RawError {
-    fn message(&self) -> &str {
-        &self.message
-    }
-
-    fn code(&self) -> Option<Cow<'_, str>> {
-        Some(self.code.to_string().into())
-    }
-
-    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-        self
-    }
-
-    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
-        self
-    }
-
-    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
-        self
-    }
-
-    fn kind(&self) -> ErrorKind {
-        match self.code {
-            ffi::SQLITE_CONSTRAINT_UNIQUE | ffi::SQLITE_CONSTRAINT_PRIMARYKEY => {
-                ErrorKind::UniqueViolation
-            }
-            ffi::SQLITE_CONSTRAINT_FOREIGNKEY => ErrorKind::ForeignKeyViolation,
-            ffi::SQLITE_CONSTRAINT_NOTNULL => ErrorKind::NotNullViolation,
-            ffi::SQLITE_CONSTRAINT_CHECK => ErrorKind::CheckViolation,
-            _ => ErrorKind::Other,
+/// An error SQLite returned to one of the writer's own statements, with
+/// the kind sqlx gives the same extended code.
+fn raw_error(code: c_int, message: String) -> sqlx::Error {
+    let kind = match code {
+        ffi::SQLITE_CONSTRAINT_UNIQUE | ffi::SQLITE_CONSTRAINT_PRIMARYKEY => {
+            ErrorKind::UniqueViolation
         }
-    }
+        ffi::SQLITE_CONSTRAINT_FOREIGNKEY => ErrorKind::ForeignKeyViolation,
+        ffi::SQLITE_CONSTRAINT_NOTNULL => ErrorKind::NotNullViolation,
+        ffi::SQLITE_CONSTRAINT_CHECK => ErrorKind::CheckViolation,
+        _ => ErrorKind::Other,
+    };
+    CodedError::error(code.to_string(), message, kind)
 }
 
 #[cfg(test)]

@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::core::{AgentKey, Id, Ledger, Liability, Policy, Status};
-use crate::store::batch::{ContractRow, OUTCOME_ISSUED, Plan, RequestRow};
-use crate::store::sqlite::probe::{self, StoreProbeOptions};
+use broker_domain::{AgentKey, Id, Ledger, Liability, Policy, Status};
+use broker_store::batch::{ContractRow, OUTCOME_ISSUED, Plan, RequestRow};
+use broker_store::sqlite::probe::{self, StoreProbeOptions};
 
 /// Most workers (chains in flight): each holds its agents' keys.
 const MAX_WORKERS: usize = 4_096;
@@ -48,7 +48,7 @@ pub struct StoreProbeArgs {
     #[arg(long = "drop-index")]
     pub drop_indexes: Vec<String>,
     /// The WAL's restart size, MiB (the broker's `limits.wal_restart_mib`).
-    #[arg(long, default_value_t = crate::store::sqlite::WAL_RESTART_BYTES / (1024 * 1024))]
+    #[arg(long, default_value_t = broker_store::sqlite::WAL_RESTART_BYTES / (1024 * 1024))]
     pub wal_restart_mib: u64,
     /// Leave the request log out, to price its random-keyed B-tree.
     #[arg(long)]
@@ -147,11 +147,11 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
         per(report.wal_frames as f64),
         per((report.wal_frames * (report.page_bytes + WAL_FRAME_HEADER_BYTES)) as f64) / 1024.0,
     );
-    super::disk_probe::print_percentiles("commit ms:  ", &report.commit_us);
-    super::disk_probe::print_percentiles("fsync ms:   ", &report.fsync_us);
+    crate::disk_probe::print_percentiles("commit ms:  ", &report.commit_us);
+    crate::disk_probe::print_percentiles("fsync ms:   ", &report.fsync_us);
     if !report.latency_us.is_empty() {
-        super::disk_probe::print_percentiles("queued ms:  ", &report.queued_us);
-        super::disk_probe::print_percentiles("request floor ms:", &report.latency_us);
+        crate::disk_probe::print_percentiles("queued ms:  ", &report.queued_us);
+        crate::disk_probe::print_percentiles("request floor ms:", &report.latency_us);
     }
     println!(
         "{} fsyncs; the writer finished {} checkpoints (its stalls), ms: {}",
@@ -167,7 +167,7 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
     if args.hand_over {
         println!(
             "takes of the connection abandoned after {} ms and asked again: {}",
-            crate::store::limits::sqlite::HANDLE_WAIT.as_millis(),
+            broker_store::limits::sqlite::HANDLE_WAIT.as_millis(),
             report.retakes
         );
     }
@@ -363,7 +363,7 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::StoreError;
+    use broker_store::StoreError;
     use sqlx::Connection;
     use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 

@@ -20,7 +20,7 @@ use clap::Args;
 const DEFAULT_BYTES_PER_REQUEST: u64 = 19_456;
 /// The probe file wraps around at this size, as the WAL restarts from its
 /// beginning at `WAL_RESTART_BYTES`: overwrites, not ever-growing appends.
-const PROBE_FILE_BYTES: u64 = crate::store::sqlite::WAL_RESTART_BYTES;
+const PROBE_FILE_BYTES: u64 = broker_store::sqlite::WAL_RESTART_BYTES;
 /// Upper bounds on the flags (each keeps the probe's memory and disk use
 /// bounded: one latency sample of 4 bytes per request).
 const MAX_RATE_PER_S: u64 = 100_000;
