@@ -23,7 +23,9 @@ ARG BROKER_BUILD_DATE=unknown
 # (crates/store, sqlx::migrate! embeds them) and console/dist/ (the
 # console's page, include_bytes!). benches/ is there because Cargo.toml
 # declares its benches ([[bench]]): cargo refuses a manifest whose
-# declared targets have no file. .cargo/config.toml selects
+# declared targets have no file; fuzz/'s manifest and sources because the
+# workspace lists it (a member whose files are missing fails every cargo
+# command). .cargo/config.toml selects
 # curve25519-dalek's AVX-512 backend (x86_64; chosen at run time).
 # Tests, examples and the README are read only by tests.
 COPY Cargo.toml Cargo.lock build.rs ./
@@ -31,6 +33,9 @@ COPY .cargo/ .cargo/
 COPY proto/ proto/
 COPY benches/ benches/
 COPY crates/ crates/
+COPY fuzz/Cargo.toml fuzz/Cargo.toml
+COPY fuzz/src/ fuzz/src/
+COPY fuzz/fuzz_targets/ fuzz/fuzz_targets/
 COPY src/ src/
 COPY console/dist/ console/dist/
 RUN cargo build --profile "$PROFILE" --locked --bin delegation-broker \

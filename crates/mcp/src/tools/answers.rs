@@ -7,7 +7,9 @@ use rmcp::model::CallToolResult;
 use serde_json::{Value, json};
 
 use broker_client::BrokerError;
-use broker_client::names::{code_name, cut, listed_violations, status_name};
+use broker_client::names::{
+    code_name, cut, listed_violations, receipt_kind_name, status_name, verdict_name,
+};
 use broker_wire::pb;
 
 use super::Tools;
@@ -18,19 +20,6 @@ const MAX_HELD_TASK_BYTES: usize = 512;
 
 /// What a refused delegation tells the model to do.
 const REFUSAL_HINT: &str = "The broker refused this delegation and reserved nothing. Change the named terms to within what is allowed (or ask for less) and call delegate again.";
-
-/// A receipt kind as its name without the prefix, e.g. COMPLETED.
-fn kind_name(kind: pb::ReceiptKind) -> &'static str {
-    kind.as_str_name().trim_start_matches("RECEIPT_KIND_")
-}
-
-/// A verdict as its name without the prefix, e.g. ACCEPTED (empty when
-/// unknown).
-fn verdict_name(verdict: i32) -> String {
-    pb::Verdict::try_from(verdict)
-        .map(|v| v.as_str_name().trim_start_matches("VERDICT_").to_owned())
-        .unwrap_or_default()
-}
 
 /// The contract a sealed envelope carries (the default when it does not
 /// decode).
@@ -55,16 +44,17 @@ pub fn receipt(contract_id: &[u8], sealed: Option<pb::Sealed>) -> Result<Value, 
     let receipt_id = broker_wire::crypto::sha256(&sealed.payload);
     let receipt = pb::Receipt::decode(sealed.payload.as_slice())
         .map_err(|e| BrokerError::new("INTERNAL", format!("undecodable receipt: {e}")))?;
-    let kind = pb::ReceiptKind::try_from(receipt.kind).unwrap_or(pb::ReceiptKind::Unspecified);
+    let kind = receipt_kind_name(receipt.kind);
     // The contract's status after it, as get_contract shows it.
-    let status = match kind {
-        pb::ReceiptKind::Escalated => "UNRESOLVABLE",
-        other => kind_name(other),
+    let status = if receipt.kind == pb::ReceiptKind::Escalated as i32 {
+        "UNRESOLVABLE".to_owned()
+    } else {
+        kind.clone()
     };
     let mut out = json!({
         "contract_id": hex::encode(contract_id),
         "status": status,
-        "receipt_kind": kind_name(kind),
+        "receipt_kind": kind,
         "receipt_id": hex::encode(receipt_id),
     });
     if let Some(c) = &receipt.completion {
