@@ -270,42 +270,7 @@ impl Metrics {
             "broker_open_contracts",
             "Contracts open or accepted (not yet ended), counted every few seconds.",
         );
-        let store = StoreMetrics::new();
-        for collector in [
-            Box::new(grpc_started.clone()) as Box<dyn Collector>,
-            Box::new(grpc_handled.clone()),
-            Box::new(grpc_handling.clone()),
-            Box::new(delegations_issued.clone()),
-            Box::new(delegations_refused.clone()),
-            Box::new(budget_reserved_units.clone()),
-            Box::new(transitions.clone()),
-            Box::new(connections_open.clone()),
-            Box::new(connections_closed.clone()),
-            Box::new(budget_spent_units.clone()),
-            Box::new(budget_returned_units.clone()),
-            Box::new(store.batch_commands.clone()),
-            Box::new(open_contracts.clone()),
-            Box::new(STORE_ERRORS.clone()),
-            Box::new(build_info()),
-        ] {
-            registry.register(collector).expect("unique metric names");
-        }
-        // process_cpu_seconds_total, process_resident_memory_bytes,
-        // process_open_fds, …: what every Prometheus user looks for first
-        // (Linux only; elsewhere the family is absent).
-        #[cfg(target_os = "linux")]
-        registry
-            .register(Box::new(
-                prometheus::process_collector::ProcessCollector::for_self(),
-            ))
-            .expect("unique metric names");
-        preinitialise(
-            &grpc_started,
-            &grpc_handled,
-            &grpc_handling,
-            &delegations_refused,
-        );
-        Arc::new(Self {
+        let metrics = Self {
             registry,
             grpc_started,
             grpc_handled,
@@ -318,9 +283,51 @@ impl Metrics {
             connections_closed,
             budget_spent_units,
             budget_returned_units,
-            store,
+            store: StoreMetrics::new(),
             open_contracts,
-        })
+        };
+        metrics.register_all();
+        preinitialise(
+            &metrics.grpc_started,
+            &metrics.grpc_handled,
+            &metrics.grpc_handling,
+            &metrics.delegations_refused,
+        );
+        Arc::new(metrics)
+    }
+
+    /// Registers every family with the registry `/metrics` serves.
+    fn register_all(&self) {
+        for collector in [
+            Box::new(self.grpc_started.clone()) as Box<dyn Collector>,
+            Box::new(self.grpc_handled.clone()),
+            Box::new(self.grpc_handling.clone()),
+            Box::new(self.delegations_issued.clone()),
+            Box::new(self.delegations_refused.clone()),
+            Box::new(self.budget_reserved_units.clone()),
+            Box::new(self.transitions.clone()),
+            Box::new(self.connections_open.clone()),
+            Box::new(self.connections_closed.clone()),
+            Box::new(self.budget_spent_units.clone()),
+            Box::new(self.budget_returned_units.clone()),
+            Box::new(self.store.batch_commands.clone()),
+            Box::new(self.open_contracts.clone()),
+            Box::new(STORE_ERRORS.clone()),
+            Box::new(build_info()),
+        ] {
+            self.registry
+                .register(collector)
+                .expect("unique metric names");
+        }
+        // process_cpu_seconds_total, process_resident_memory_bytes,
+        // process_open_fds, …: what every Prometheus user looks for first
+        // (Linux only; elsewhere the family is absent).
+        #[cfg(target_os = "linux")]
+        self.registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("unique metric names");
     }
 
     /// How a broker listener named `listener` reports its connections.

@@ -1126,27 +1126,6 @@ const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
         "the fifteen invariants in docs/design.md's order, one block each: read side by side with the design",
     ),
     (
-        "src/cli/read/contract.rs::contract_text",
-        110,
-        "one section per field group; to split",
-    ),
-    (
-        "src/cli/mod.rs::main",
-        110,
-        "to split: the command table from its dispatch",
-    ),
-    (
-        "src/metrics.rs::new",
-        120,
-        "one registration per metric; to split by family",
-    ),
-    (
-        "src/service/issuance.rs::delegate",
-        125,
-        "to split: cheap checks, then planning",
-    ),
-    ("crates/tools/src/store_probe.rs::run", 115, "to split"),
-    (
         "crates/store/src/postgres/writer.rs",
         1_010,
         "to split: issuance, transitions, pruning",
@@ -1160,11 +1139,6 @@ const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
         "crates/store/src/postgres/unnest.rs::insert_contracts",
         115,
         "one UNNEST statement and its columns",
-    ),
-    (
-        "crates/store/src/postgres/mod.rs::open",
-        115,
-        "to split: pool, migrations, writer",
     ),
     (
         "crates/store/src/sqlite/writer.rs",

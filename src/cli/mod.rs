@@ -251,7 +251,18 @@ pub fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
-    let result = match cli.command {
+    match dispatch(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one command.
+fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Serve {
             listen,
             data_dir,
@@ -322,13 +333,6 @@ pub fn main() -> ExitCode {
                 receipt.as_deref(),
             ),
         },
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
     }
 }
 

@@ -151,30 +151,8 @@ impl<S: Store> BrokerService<S> {
             .gate
             .admit(&self.config.tenants, &signer, Some(&parent_id))
             .await?;
-        let parent =
-            self.store
-                .issuing_parent(parent_id)
-                .await?
-                .ok_or_else(|| ServiceError::NotFound {
-                    what: crate::store::Entity::ParentContract,
-                    id: hex::encode(parent_id),
-                })?;
-        telemetry::record(Fact::ParentId(&parent_id));
-        telemetry::record(Fact::RootId(&parent.root_id));
+        let parent = self.held_parent(parent_id, &signer).await?;
         let depth = parent.depth + 1;
-        if parent.delegate_key != signed.request.agent {
-            // A stranger is told what an unknown parent gets.
-            if !self.may_know(&signed.request.agent, parent_id).await? {
-                return Err(ServiceError::NotFound {
-                    what: crate::store::Entity::ParentContract,
-                    id: hex::encode(parent_id),
-                });
-            }
-            return Err(ServiceError::PermissionDenied {
-                reason: pb::ErrorReason::NotHolder,
-                detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
-            });
-        }
         if self.gate.known(&parent_id).is_none() {
             self.gate.remember(
                 parent_id,
@@ -217,24 +195,7 @@ impl<S: Store> BrokerService<S> {
             self.converters
                 .run(share, deadline, convert)
                 .await
-                .map_err(|e| match e {
-                    crate::pool::PoolError::TimedOut(ms) => ServiceError::Retry {
-                        reason: pb::ErrorReason::ConvertersBusy,
-                        detail: format!(
-                            "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
-                        ),
-                    },
-                    crate::pool::PoolError::Full => ServiceError::Retry {
-                        reason: pb::ErrorReason::ConvertersBusy,
-                        detail: format!(
-                            "this tree's tenant already has {} Delegates waiting for a converter; nothing was recorded: retry with the same nonce",
-                            crate::core::limits::MAX_WAITING_PER_TENANT
-                        ),
-                    },
-                    other => {
-                        ServiceError::Internal(format!("converting the Delegate body: {other}"))
-                    }
-                })??
+                .map_err(converters_busy)??
         };
         let mut child = child;
         child.trace = telemetry::current_trace_context();
@@ -252,6 +213,37 @@ impl<S: Store> BrokerService<S> {
         }
         self.observe_delegation(&answer, budget, depth);
         Ok(delegate_response(answer))
+    }
+
+    /// The parent of a Delegate, which `signer` must hold: a stranger is
+    /// told what an unknown parent gets, a party that does not hold it is
+    /// denied.
+    async fn held_parent(
+        &self,
+        parent_id: crate::core::Id,
+        signer: &crate::core::AgentKey,
+    ) -> Result<crate::store::IssuingParent, ServiceError> {
+        let unknown = || ServiceError::NotFound {
+            what: crate::store::Entity::ParentContract,
+            id: hex::encode(parent_id),
+        };
+        let parent = self
+            .store
+            .issuing_parent(parent_id)
+            .await?
+            .ok_or_else(unknown)?;
+        telemetry::record(Fact::ParentId(&parent_id));
+        telemetry::record(Fact::RootId(&parent.root_id));
+        if parent.delegate_key == *signer {
+            return Ok(parent);
+        }
+        if !self.may_know(signer, parent_id).await? {
+            return Err(unknown());
+        }
+        Err(ServiceError::PermissionDenied {
+            reason: pb::ErrorReason::NotHolder,
+            detail: "the request is not signed by the parent contract's delegate key (only its holder may delegate from it); nothing was recorded".into(),
+        })
     }
 
     /// The Delegate's facts on its span and in the metrics (a replay is
@@ -290,5 +282,26 @@ impl<S: Store> BrokerService<S> {
                 }
             }
         }
+    }
+}
+
+/// A Delegate body the converters could not take: retried with the same
+/// nonce, nothing recorded.
+fn converters_busy(e: crate::pool::PoolError) -> ServiceError {
+    match e {
+        crate::pool::PoolError::TimedOut(ms) => ServiceError::Retry {
+            reason: pb::ErrorReason::ConvertersBusy,
+            detail: format!(
+                "the Delegate body could not be checked within {ms} ms (every converter is busy); nothing was recorded: retry with the same nonce"
+            ),
+        },
+        crate::pool::PoolError::Full => ServiceError::Retry {
+            reason: pb::ErrorReason::ConvertersBusy,
+            detail: format!(
+                "this tree's tenant already has {} Delegates waiting for a converter; nothing was recorded: retry with the same nonce",
+                crate::core::limits::MAX_WAITING_PER_TENANT
+            ),
+        },
+        other => ServiceError::Internal(format!("converting the Delegate body: {other}")),
     }
 }

@@ -83,7 +83,7 @@ impl Link {
     }
 
     /// Signs a request body as the agent.
-    pub fn signed<B: prost::Message>(&self, payload_type: &str, body: &B) -> Option<pb::Envelope> {
+    fn signed<B: prost::Message>(&self, payload_type: &str, body: &B) -> Option<pb::Envelope> {
         Some(self.agent.sign(payload_type, body))
     }
 
@@ -119,7 +119,7 @@ impl Link {
 
     /// Sends a signed request, again (the same bytes) while the broker is
     /// UNAVAILABLE: the nonce makes a repeat harmless.
-    pub async fn send<T, F, Fut>(&self, request: T, call: F) -> Result<T::Response, BrokerError>
+    async fn send<T, F, Fut>(&self, request: T, call: F) -> Result<T::Response, BrokerError>
     where
         T: Sendable,
         F: Fn(SessionClient, T) -> Fut,
@@ -147,7 +147,7 @@ impl Link {
                         return Err(BrokerError::new(
                             "OUTCOME_UNKNOWN",
                             format!(
-                                "the broker could not be reached or did not answer ({}); the call may have taken effect: check with get_contract or tree before calling again",
+                                "the broker could not be reached or did not answer ({}); the call may have taken effect: read the contract (GetContract) before calling again",
                                 status.message().chars().take(200).collect::<String>()
                             ),
                         ));

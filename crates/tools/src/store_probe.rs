@@ -100,7 +100,12 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
         name.push(suffix);
         let _ = std::fs::remove_file(PathBuf::from(name));
     }
-    let report = report?;
+    print_report(&args, &report?);
+    Ok(())
+}
+
+/// What the probe measured, as `bench` prints its own.
+fn print_report(args: &StoreProbeArgs, report: &probe::StoreProbeReport) {
     let delegations = report.contracts - report.roots;
     let per = |total: f64| total / delegations.max(1) as f64;
     let shape = if args.rate > 0 {
@@ -171,7 +176,6 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
             report.retakes
         );
     }
-    Ok(())
 }
 
 /// Bytes SQLite writes before each page in the WAL.

@@ -203,28 +203,7 @@ pub fn contract_text(view: &ContractView) -> String {
     }
     f.add("deadline", when(c.deadline_ms));
     f.add("issued", when(c.issued_at_ms));
-    let source = name(
-        pb::TrustSource::try_from(c.trust_source).map(|s| s.as_str_name()),
-        "TRUST_SOURCE_",
-        c.trust_source,
-    );
-    let mut trust = format!(
-        "{} ({} ppm), this hop {} from {source}",
-        ppm(c.cumulative_trust_ppm),
-        c.cumulative_trust_ppm,
-        ppm(c.factor_ppm)
-    );
-    if !c.risk_class.is_empty() {
-        let _ = write!(trust, ", risk class {}", c.risk_class);
-    }
-    if !c.attestation_digest.is_empty() {
-        let _ = write!(
-            trust,
-            ", attestation {}",
-            hex::encode(&c.attestation_digest)
-        );
-    }
-    f.add("trust", trust);
+    f.add("trust", trust_text(c));
     f.add("liability", liability_name(c.liability));
     f.add("escalation channel", text_or_dash(&c.escalation_channel));
     f.add(
@@ -249,21 +228,7 @@ pub fn contract_text(view: &ContractView) -> String {
     );
     f.add("result schema", text_or_dash(&c.result_schema_json));
     if let Some(p) = &c.policy {
-        f.add(
-            "policy",
-            format!(
-                "max depth {}, min trust {}, max children {}, retry headroom {}, host required {}",
-                p.max_depth,
-                ppm(p.min_cumulative_trust_ppm),
-                p.max_children,
-                if p.disable_retry_headroom {
-                    "off"
-                } else {
-                    "on"
-                },
-                if p.require_host { "yes" } else { "no" }
-            ),
-        );
+        f.add("policy", policy_text(p));
     }
     if !c.labels.is_empty() {
         let mut labels: Vec<String> = c.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -274,6 +239,48 @@ pub fn contract_text(view: &ContractView) -> String {
     f.add("request digest", hex_or_dash(&c.request_digest));
     f.add("signature", format!("verified ({})", view.verified_by));
     f.render()
+}
+
+/// A hop's trust: cumulative, this hop's factor and where it came from.
+fn trust_text(c: &pb::Contract) -> String {
+    let source = name(
+        pb::TrustSource::try_from(c.trust_source).map(|s| s.as_str_name()),
+        "TRUST_SOURCE_",
+        c.trust_source,
+    );
+    let mut trust = format!(
+        "{} ({} ppm), this hop {} from {source}",
+        ppm(c.cumulative_trust_ppm),
+        c.cumulative_trust_ppm,
+        ppm(c.factor_ppm)
+    );
+    if !c.risk_class.is_empty() {
+        let _ = write!(trust, ", risk class {}", c.risk_class);
+    }
+    if !c.attestation_digest.is_empty() {
+        let _ = write!(
+            trust,
+            ", attestation {}",
+            hex::encode(&c.attestation_digest)
+        );
+    }
+    trust
+}
+
+/// A root's policy on one line.
+fn policy_text(p: &pb::Policy) -> String {
+    format!(
+        "max depth {}, min trust {}, max children {}, retry headroom {}, host required {}",
+        p.max_depth,
+        ppm(p.min_cumulative_trust_ppm),
+        p.max_children,
+        if p.disable_retry_headroom {
+            "off"
+        } else {
+            "on"
+        },
+        if p.require_host { "yes" } else { "no" }
+    )
 }
 
 /// A contract's signed terms as JSON (what `get` and `watch` share).

@@ -29,6 +29,7 @@ mod events;
 pub mod migrate;
 #[doc(hidden)]
 pub mod testing;
+
 #[cfg(test)]
 mod tests;
 mod unnest;
@@ -222,6 +223,25 @@ pub fn connect_options(url: &str) -> Result<PgConnectOptions, StoreError> {
         .map_err(|e| StoreError::Backend(format!("database URL: {e}")))
 }
 
+/// One plain connection first: a pool that cannot connect says only
+/// "pool timed out"; this says why (refused, auth, no such database), and
+/// where.
+async fn reach(connect: &PgConnectOptions, at: &str, timeout_ms: u64) -> Result<(), StoreError> {
+    let probe = tokio::time::timeout(
+        Duration::from_millis(timeout_ms.max(1)),
+        PgConnection::connect_with(connect),
+    )
+    .await
+    .map_err(|_| {
+        StoreError::Backend(format!(
+            "PostgreSQL at {at}: no connection within {timeout_ms} ms"
+        ))
+    })?
+    .map_err(|e| StoreError::Backend(format!("PostgreSQL at {at}: {e}")))?;
+    let _ = sqlx::Connection::close(probe).await;
+    Ok(())
+}
+
 /// Where a database is, for error messages: user, host, port, database
 /// (never the password).
 pub fn describe(connect: &PgConnectOptions) -> String {
@@ -244,22 +264,7 @@ impl PostgresStore {
     ) -> Result<Self, StoreError> {
         let connect = connect_options(&options.url)?;
         let at = describe(&connect);
-        // One plain connection first: a pool that cannot connect says
-        // only "pool timed out"; this says why (refused, auth, no such
-        // database), and where.
-        let probe = tokio::time::timeout(
-            Duration::from_millis(options.connect_timeout_ms.max(1)),
-            PgConnection::connect_with(&connect),
-        )
-        .await
-        .map_err(|_| {
-            StoreError::Backend(format!(
-                "PostgreSQL at {at}: no connection within {} ms",
-                options.connect_timeout_ms
-            ))
-        })?
-        .map_err(|e| StoreError::Backend(format!("PostgreSQL at {at}: {e}")))?;
-        let _ = sqlx::Connection::close(probe).await;
+        reach(&connect, &at, options.connect_timeout_ms).await?;
         if options.migrate {
             for (version, description) in migrate::run(&connect).await? {
                 tracing::info!(version, %description, "applied migration");

@@ -278,7 +278,7 @@ async fn maintain(
         // A commit like any other (see `own_commit`).
         state.committed.fetch_add(1, Ordering::SeqCst);
         let pruned = prune_requests(handle, &mut state.statements, cutoff_ms);
-        if !to_syncer(state).await {
+        if !to_syncer(state, Vec::new()).await {
             return false;
         }
         state.next_prune = match pruned {
@@ -494,21 +494,7 @@ async fn hand_over(
     commands.clear();
     // Even a failed batch goes through the syncer: its commit number
     // may have been taken, and readers wait for it to be published.
-    let number = state.committed.load(Ordering::SeqCst);
-    if state
-        .synced
-        .send(Unsynced {
-            number,
-            replies,
-            committed_at: std::time::Instant::now(),
-        })
-        .await
-        .is_err()
-    {
-        tracing::error!("the syncer stopped; the store writer stops");
-        return false;
-    }
-    true
+    to_syncer(state, replies).await
 }
 
 /// Tells health whether the disk takes writes, saying so once per change.
@@ -538,18 +524,19 @@ async fn own_commit<T>(
 ) -> Option<T> {
     state.committed.fetch_add(1, Ordering::SeqCst);
     let written = write.await;
-    to_syncer(state).await.then_some(written)
+    to_syncer(state, Vec::new()).await.then_some(written)
 }
 
-/// Hands the writer's own commit, numbered before it began, to the
-/// syncer. False when the syncer has stopped: the writer stops too.
-async fn to_syncer(state: &WriterState) -> bool {
+/// Hands the last commit, numbered before it began, to the syncer with
+/// the answers that wait for its fsync (none for the writer's own). False
+/// when the syncer has stopped: the writer stops too.
+async fn to_syncer(state: &WriterState, replies: Vec<(Reply, Result<Answer, StoreError>)>) -> bool {
     let number = state.committed.load(Ordering::SeqCst);
     if state
         .synced
         .send(Unsynced {
             number,
-            replies: Vec::new(),
+            replies,
             committed_at: std::time::Instant::now(),
         })
         .await
