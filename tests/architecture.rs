@@ -1126,11 +1126,6 @@ const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
         "the fifteen invariants in docs/design.md's order, one block each: read side by side with the design",
     ),
     (
-        "crates/store/src/postgres/writer.rs",
-        1_010,
-        "to split: issuance, transitions, pruning",
-    ),
-    (
         "crates/store/src/postgres/writer.rs::issue_optimistic",
         130,
         "to split with the writer",
@@ -1139,11 +1134,6 @@ const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
         "crates/store/src/postgres/unnest.rs::insert_contracts",
         115,
         "one UNNEST statement and its columns",
-    ),
-    (
-        "crates/store/src/sqlite/writer.rs",
-        995,
-        "to split: the loop, the batch, the probes",
     ),
     (
         "crates/store/src/sqlite/writer.rs::writer_loop",

@@ -329,6 +329,7 @@ const FAMILY: &[&str] = &[
     "broker_client",
     "broker_a2a",
     "broker_mcp",
+    "broker_tools",
 ];
 
 /// `directives` with each one for `delegation_broker` (`delegation_broker=debug`)

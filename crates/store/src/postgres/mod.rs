@@ -26,10 +26,12 @@
 //! correctness resting on sequence order (see ARCHITECTURE.md).
 
 mod events;
+mod failure;
 pub mod migrate;
 #[doc(hidden)]
 pub mod testing;
 
+mod seqs;
 #[cfg(test)]
 mod tests;
 mod unnest;

@@ -23,158 +23,21 @@
 //! committed under it since — a child is still numbered above its parent
 //! and after its siblings.
 
+pub(super) use super::failure::{backoff, failed, lost_optimism, retryable, unreachable};
+#[cfg(test)]
+pub(super) use super::seqs::{DRAINS_AND_NUMBERS, RESERVE};
+pub(super) use super::seqs::{Prefetched, Reserved};
 use super::unnest::{Cached, Guard, NUMBER, PLACED, WrittenRow, XID};
 use super::*;
 use crate::batch::RowVersion;
 use crate::limits::PRUNE_INTERVAL;
 use crate::limits::postgres::{
     GROUP_SIBLINGS, GROUP_TARGET, MAX_CONTENDED_PARENTS, MAX_DRAINING_ROOTS, MAX_GROUP_WAIT,
-    MAX_PREFETCHED_AGE, MAX_PRUNED_PER_PASS, MAX_VERSION_AGE_MS, MIN_PREFETCHED_NUMBERS,
-    RETRY_BASE_MS, RETRY_CAP_MS,
+    MAX_PRUNED_PER_PASS, MAX_VERSION_AGE_MS, MIN_PREFETCHED_NUMBERS,
 };
 use broker_domain::limits::MAX_TX_ATTEMPTS;
 use sqlx::Row as _;
 use sqlx::pool::PoolConnection;
-
-/// Numbers `nextval('seqs')` reserved for one transaction, in increasing
-/// order, taken after the rows they depend on are locked (so the children
-/// of one parent are numbered in commit order, a child after its parent).
-#[derive(Default)]
-pub(crate) struct Reserved {
-    left: std::collections::VecDeque<i64>,
-    /// Every number handed out: the events this transaction writes.
-    pub(super) taken: Vec<i64>,
-}
-
-/// The statement of `Reserved::reserve`: `$1` numbers.
-pub(super) const RESERVE: &str = "SELECT nextval('seqs') FROM generate_series(1, $1)";
-
-/// The drains of a batch's trees and its numbers, in one round trip after
-/// the parents' statement: `$1` the parents' root seqs, `$2` how many
-/// numbers. Drain rows have a root; number rows a NULL one. Not folded
-/// into the parents' statement: in READ COMMITTED a statement's snapshot
-/// is taken before its lock waits, so a drain committed while that
-/// statement waited for a parent's lock would be missed; this statement's
-/// snapshot is taken after every parent is locked. The numbers are taken
-/// after the locks too (see `Reserved`).
-pub(super) const DRAINS_AND_NUMBERS: &str = "SELECT root_seq, target_seq AS seq FROM draining WHERE root_seq = ANY($1) \
-     UNION ALL SELECT NULL, nextval('seqs') FROM generate_series(1, $2)";
-
-impl Reserved {
-    /// Reads the drains of `roots` (root seq, draining contract's seq) and
-    /// reserves `count` numbers (`DRAINS_AND_NUMBERS`).
-    pub(super) async fn drains_and_reserve(
-        &mut self,
-        conn: &mut PgConnection,
-        roots: &[i64],
-        count: usize,
-    ) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-        let rows: Vec<(Option<i64>, i64)> = sqlx::query_as(DRAINS_AND_NUMBERS)
-            .bind(roots)
-            .bind(i64::try_from(count).unwrap_or(i64::MAX))
-            .fetch_all(&mut *conn)
-            .await?;
-        let mut drains = Vec::new();
-        let mut seqs = Vec::with_capacity(count);
-        for (root, seq) in rows {
-            match root {
-                Some(root) => drains.push((root, seq)),
-                None => seqs.push(seq),
-            }
-        }
-        seqs.sort_unstable();
-        self.left.extend(seqs);
-        Ok(drains)
-    }
-
-    pub(super) async fn reserve(
-        &mut self,
-        conn: &mut PgConnection,
-        count: usize,
-    ) -> Result<(), sqlx::Error> {
-        if count == 0 {
-            return Ok(());
-        }
-        let mut seqs: Vec<i64> = sqlx::query_scalar(RESERVE)
-            .bind(i64::try_from(count).unwrap_or(i64::MAX))
-            .fetch_all(&mut *conn)
-            .await?;
-        seqs.sort_unstable();
-        self.left.extend(seqs);
-        Ok(())
-    }
-}
-
-impl batch::SeqSource for Reserved {
-    fn take(&mut self) -> i64 {
-        // Callers reserve exactly what they take (one number per issuance
-        // command, one per receipt of a decision). Should that ever fail,
-        // a number no row has is handed out: the insert of a second one
-        // fails the transaction, nothing is written twice.
-        let seq = self.left.pop_front().unwrap_or_else(|| {
-            tracing::error!("a transaction took more numbers than it reserved");
-            i64::MIN + i64::try_from(self.taken.len()).unwrap_or(0)
-        });
-        self.taken.push(seq);
-        seq
-    }
-}
-
-/// Numbers issuance statements reserved (after their locks) for the
-/// optimistic issuances that follow, shared by a replica's writers and
-/// handed out in increasing order: each above every number an answered
-/// issuance of this replica used, so a root opened after another's answer
-/// is numbered after it (roots are listed by number). Unused for
-/// `MAX_PREFETCHED_AGE` they are dropped: a replica that was idle takes
-/// fresh numbers, not ones older than what other replicas gave since.
-#[derive(Default)]
-pub(super) struct Prefetched {
-    left: std::collections::VecDeque<i64>,
-    /// The highest number handed out, or used by a committed issuance.
-    last: i64,
-    /// When `left` was reserved.
-    at: Option<std::time::Instant>,
-}
-
-impl Prefetched {
-    /// After an issuance committed having used numbers up to `used_max`:
-    /// `numbers` (in order, reserved by its statement) replace those left
-    /// unless a later statement's already did.
-    pub(super) fn refill(&mut self, numbers: &[i64], used_max: i64) {
-        self.last = self.last.max(used_max);
-        let newer = match (numbers.first(), self.left.back()) {
-            (Some(first), Some(back)) => first > back,
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        if newer {
-            self.left = numbers.iter().copied().collect();
-            self.at = Some(std::time::Instant::now());
-        }
-        let last = self.last;
-        self.left.retain(|n| *n > last);
-    }
-
-    /// `count` numbers, each above `above` (and above every number handed
-    /// out before), or `None` when too few are left or they are too old.
-    pub(super) fn take(&mut self, count: usize, above: i64) -> Option<Vec<i64>> {
-        if self.at.is_none_or(|at| at.elapsed() >= MAX_PREFETCHED_AGE) {
-            self.left.clear();
-            return None;
-        }
-        while self.left.front().is_some_and(|n| *n <= above) {
-            self.left.pop_front();
-        }
-        if self.left.len() < count {
-            return None;
-        }
-        let taken: Vec<i64> = self.left.drain(..count).collect();
-        if let Some(last) = taken.last() {
-            self.last = self.last.max(*last);
-        }
-        Some(taken)
-    }
-}
 
 /// The group size a writer waits for (up to `MAX_GROUP_WAIT`) after a
 /// group of `last_group`: none under light load.
@@ -183,31 +46,6 @@ fn wait_target(last_group: usize, max_batch: usize) -> usize {
         GROUP_TARGET.min(max_batch)
     } else {
         0
-    }
-}
-
-/// Whether redoing the whole transaction may succeed: a serialization
-/// failure or deadlock (40001, 40P01), or a request key another replica
-/// committed meanwhile (23505 on the request log: the redo replays it).
-pub(super) fn retryable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => {
-            matches!(db.code().as_deref(), Some("40001" | "40P01" | "23505"))
-        }
-        _ => false,
-    }
-}
-
-/// Whether an optimistic issuance was aborted by `issuance_guard`: a
-/// cached parent had changed (BR001) or a tree is draining (BR002).
-fn lost_optimism(e: &sqlx::Error) -> Option<&'static str> {
-    match e {
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some("BR001") => Some("stale"),
-            Some("BR002") => Some("draining"),
-            _ => None,
-        },
-        _ => None,
     }
 }
 
@@ -247,57 +85,6 @@ impl Written {
         written.numbers.sort_unstable();
         Ok(written)
     }
-}
-
-/// Whether the database could not be reached (or went away mid-way):
-/// nothing, or an unknown outcome that the request log settles on retry.
-pub(super) fn unreachable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::WorkerCrashed => true,
-        // admin_shutdown, crash_shutdown, cannot_connect_now, and the
-        // connection-exception class.
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
-            matches!(c.as_ref(), "57P01" | "57P02" | "57P03") || c.starts_with("08")
-        }),
-        _ => false,
-    }
-}
-
-/// The answer to callers of a transaction that failed for good.
-fn failed(e: &sqlx::Error, attempts: u32) -> StoreError {
-    if retryable(e) {
-        StoreError::Unavailable {
-            reason: pb::ErrorReason::Contention,
-            detail: format!(
-                "{attempts} attempts lost to concurrent writers (the last: {e}); nothing was recorded: retry with the same nonce"
-            ),
-        }
-    } else if unreachable(e) {
-        StoreError::Unavailable {
-            reason: pb::ErrorReason::Unavailable,
-            detail: "the database cannot be reached; retry with the same nonce (a request that was recorded after all gets its answer)".into(),
-        }
-    } else {
-        backend_ref(e)
-    }
-}
-
-/// Sleeps before attempt `attempt` (1-based redo count), exponentially
-/// longer with full jitter so replicas that collided do not collide again.
-async fn backoff(attempt: u32) {
-    let cap = RETRY_BASE_MS
-        .saturating_mul(1u64 << attempt.min(16))
-        .min(RETRY_CAP_MS);
-    let mut bytes = [0u8; 8];
-    let jitter = match getrandom::fill(&mut bytes) {
-        Ok(()) => u64::from_le_bytes(bytes) % cap.max(1),
-        Err(_) => cap / 2,
-    };
-    tokio::time::sleep(Duration::from_millis(jitter.max(1))).await;
 }
 
 pub(super) struct Writer {
@@ -1010,6 +797,7 @@ async fn prune_requests(conn: &mut PgConnection, cutoff_ms: i64) -> Result<u64, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limits::postgres::MAX_PREFETCHED_AGE;
 
     /// A database error with a given SQLSTATE, as PostgreSQL would send.
     fn database(code: &'static str) -> sqlx::Error {

@@ -27,6 +27,7 @@
 //! The SQL is portable (positional `$n` parameters, no SQLite-only syntax)
 //! so the PostgreSQL backend can share it.
 
+mod apply;
 mod checkpoint;
 mod durability;
 mod health;
@@ -37,6 +38,7 @@ mod raw;
 mod tests;
 mod writer;
 
+use self::apply::*;
 use self::checkpoint::*;
 use self::durability::*;
 use self::migrate::*;
