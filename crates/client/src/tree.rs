@@ -91,6 +91,25 @@ pub async fn fetch(client: &mut SessionClient, id: &[u8], max: u32) -> anyhow::R
     Ok(data)
 }
 
+/// `fetch` through `link`'s session, opened again once if the broker no
+/// longer takes it; a failure that is not the broker's answer is
+/// UNAVAILABLE.
+pub async fn fetch_linked(
+    link: &crate::Link,
+    id: &[u8],
+    max: u32,
+) -> Result<TreeData, crate::BrokerError> {
+    link.read(|mut client| async move {
+        fetch(&mut client, id, max)
+            .await
+            .map_err(|e| match e.downcast::<tonic::Status>() {
+                Ok(status) => status,
+                Err(e) => tonic::Status::unavailable(e.to_string()),
+            })
+    })
+    .await
+}
+
 /// The contracts of the subtree, breadth first, at most `max`.
 async fn contracts(client: &mut SessionClient, id: &[u8], max: u32) -> anyhow::Result<TreeData> {
     let mut data = TreeData::default();

@@ -86,13 +86,8 @@ impl Tools {
     /// The subtree as text, cut to what a model's context takes.
     async fn tree_text(&self, input: &ContractInput) -> Result<String, BrokerError> {
         let contract_id = id(&input.contract_id, "contract_id")?;
-        let mut client = self.link.reader().await?;
-        let data = broker_client::tree::fetch(&mut client, &contract_id, MAX_TREE_CONTRACTS)
-            .await
-            .map_err(|e| match e.downcast::<tonic::Status>() {
-                Ok(status) => BrokerError::from(status),
-                Err(e) => BrokerError::new("UNAVAILABLE", e.to_string()),
-            })?;
+        let data =
+            broker_client::tree::fetch_linked(&self.link, &contract_id, MAX_TREE_CONTRACTS).await?;
         let mut text = broker_client::tree::render(&data, &self.names);
         // A model's context is small: cut long drawings, and say so.
         if text.len() > MAX_TREE_TEXT_BYTES {
@@ -104,15 +99,19 @@ impl Tools {
 
     async fn verify_chain_inner(&self, input: &ContractInput) -> Result<Value, BrokerError> {
         let contract_id = id(&input.contract_id, "contract_id")?;
-        let mut client = self.link.reader().await?;
-        let keys = client
-            .get_broker_keys(pb::GetBrokerKeysRequest {})
-            .await?
-            .into_inner()
-            .keys;
-        let chain = client
-            .get_chain(pb::GetChainRequest {
-                contract_id: contract_id.clone(),
+        let keys =
+            self.link
+                .read(|mut client| async move {
+                    client.get_broker_keys(pb::GetBrokerKeysRequest {}).await
+                })
+                .await?
+                .into_inner()
+                .keys;
+        let chain = self
+            .link
+            .read(|mut client| {
+                let contract_id = contract_id.clone();
+                async move { client.get_chain(pb::GetChainRequest { contract_id }).await }
             })
             .await?
             .into_inner()
