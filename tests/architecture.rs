@@ -1135,11 +1135,6 @@ const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
         115,
         "one UNNEST statement and its columns",
     ),
-    (
-        "crates/store/src/sqlite/writer.rs::writer_loop",
-        110,
-        "to split with the writer",
-    ),
     ("crates/store/src/sqlite/probe.rs::probe", 190, "to split"),
     (
         "crates/store/src/sql/reads.rs::roots",

@@ -313,21 +313,9 @@ pub(super) async fn writer_loop(
     let mut commands = Vec::with_capacity(max_batch);
     let mut replies = Vec::with_capacity(max_batch);
     'serve: loop {
-        let next = if *state.writable.borrow() {
-            queue.recv().await
-        } else {
-            // The disk refused writes: probe it between requests.
-            match tokio::time::timeout(super::health::PROBE_INTERVAL, queue.recv()).await {
-                Ok(next) => next,
-                Err(_) => {
-                    if !probe_disk(conn, state, clock.as_ref()).await {
-                        break;
-                    }
-                    continue;
-                }
-            }
+        let Some(first) = next_request(conn, &mut queue, state, clock.as_ref()).await else {
+            break;
         };
-        let Some(first) = next else { break };
         gather(
             first,
             &mut queue,
@@ -394,21 +382,55 @@ pub(super) async fn writer_loop(
             if !hand_over(state, &mut commands, &mut replies, applied, began).await {
                 break;
             }
-            if maintenance_due(state) {
-                match super::raw::take_handle(conn, retakes(state)).await {
-                    Ok(mut handle) => {
-                        if !maintain(&mut handle, state, clock.as_ref()).await {
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "the writer could not take its connection");
-                    }
-                }
+            if !maintain_if_due(conn, state, clock.as_ref()).await {
+                break;
             }
         }
     }
     tracing::debug!("store writer stopped");
+}
+
+/// The next request; while the disk refuses writes, the disk is probed
+/// between requests. `None` when the queue has closed or the syncer has
+/// stopped: the writer stops.
+async fn next_request(
+    conn: &mut SqliteConnection,
+    queue: &mut mpsc::Receiver<(Command, Reply)>,
+    state: &mut WriterState,
+    clock: &dyn Clock,
+) -> Option<(Command, Reply)> {
+    loop {
+        if *state.writable.borrow() {
+            return queue.recv().await;
+        }
+        match tokio::time::timeout(super::health::PROBE_INTERVAL, queue.recv()).await {
+            Ok(next) => return next,
+            Err(_) => {
+                if !probe_disk(conn, state, clock).await {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// The writer's maintenance after a batch written through sqlx, when it
+/// is due; false when the writer stops.
+async fn maintain_if_due(
+    conn: &mut SqliteConnection,
+    state: &mut WriterState,
+    clock: &dyn Clock,
+) -> bool {
+    if !maintenance_due(state) {
+        return true;
+    }
+    match super::raw::take_handle(conn, retakes(state)).await {
+        Ok(mut handle) => maintain(&mut handle, state, clock).await,
+        Err(e) => {
+            tracing::error!(error = %e, "the writer could not take its connection");
+            true
+        }
+    }
 }
 
 /// Adds `first` and whatever else is queued (up to `max_batch`) to the
