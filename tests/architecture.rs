@@ -1126,11 +1126,6 @@ const SIZE_EXCEPTIONS: &[(&str, usize, &str)] = &[
         "the fifteen invariants in docs/design.md's order, one block each: read side by side with the design",
     ),
     (
-        "crates/store/src/postgres/writer.rs::issue_optimistic",
-        130,
-        "to split with the writer",
-    ),
-    (
         "crates/store/src/postgres/unnest.rs::insert_contracts",
         115,
         "one UNNEST statement and its columns",

@@ -556,3 +556,41 @@ fn insert_requests(parts: &mut Parts, plan: &Plan) {
     column(query, rows.iter().map(|r| r.at_ms).collect(), false);
     query.push(") RETURNING 1)");
 }
+
+/// What an issuance statement returned (its `WrittenRow`s, sorted out).
+pub(super) struct Written {
+    /// (position, root) of each event placed.
+    pub(super) placed: Vec<(i64, Vec<u8>)>,
+    /// Numbers reserved for the writer's next issuance, in order.
+    pub(super) numbers: Vec<i64>,
+    /// The transaction's id, every written row's `xmin`.
+    pub(super) xid: Option<u32>,
+}
+
+impl Written {
+    pub(super) fn from_rows(rows: Vec<WrittenRow>) -> Result<Self, sqlx::Error> {
+        let mut written = Written {
+            placed: Vec::new(),
+            numbers: Vec::new(),
+            xid: None,
+        };
+        for (kind, n, root) in rows {
+            match (kind, root) {
+                (PLACED, Some(root)) => written.placed.push((n, root)),
+                (NUMBER, None) => written.numbers.push(n),
+                (XID, None) => {
+                    written.xid = Some(u32::try_from(n).map_err(|_| {
+                        sqlx::Error::Protocol(format!("transaction id {n} out of range"))
+                    })?);
+                }
+                (kind, _) => {
+                    return Err(sqlx::Error::Protocol(format!(
+                        "issuance statement row of kind {kind}"
+                    )));
+                }
+            }
+        }
+        written.numbers.sort_unstable();
+        Ok(written)
+    }
+}

@@ -27,7 +27,7 @@ pub(super) use super::failure::{backoff, failed, lost_optimism, retryable, unrea
 #[cfg(test)]
 pub(super) use super::seqs::{DRAINS_AND_NUMBERS, RESERVE};
 pub(super) use super::seqs::{Prefetched, Reserved};
-use super::unnest::{Cached, Guard, NUMBER, PLACED, WrittenRow, XID};
+use super::unnest::{Cached, Guard, Written, WrittenRow};
 use super::*;
 use crate::batch::RowVersion;
 use crate::limits::PRUNE_INTERVAL;
@@ -46,44 +46,6 @@ fn wait_target(last_group: usize, max_batch: usize) -> usize {
         GROUP_TARGET.min(max_batch)
     } else {
         0
-    }
-}
-
-/// What an issuance statement returned (`unnest::WrittenRow`).
-struct Written {
-    /// (position, root) of each event placed.
-    placed: Vec<(i64, Vec<u8>)>,
-    /// Numbers reserved for the writer's next issuance, in order.
-    numbers: Vec<i64>,
-    /// The transaction's id, every written row's `xmin`.
-    xid: Option<u32>,
-}
-
-impl Written {
-    fn from_rows(rows: Vec<WrittenRow>) -> Result<Self, sqlx::Error> {
-        let mut written = Written {
-            placed: Vec::new(),
-            numbers: Vec::new(),
-            xid: None,
-        };
-        for (kind, n, root) in rows {
-            match (kind, root) {
-                (PLACED, Some(root)) => written.placed.push((n, root)),
-                (NUMBER, None) => written.numbers.push(n),
-                (XID, None) => {
-                    written.xid = Some(u32::try_from(n).map_err(|_| {
-                        sqlx::Error::Protocol(format!("transaction id {n} out of range"))
-                    })?);
-                }
-                (kind, _) => {
-                    return Err(sqlx::Error::Protocol(format!(
-                        "issuance statement row of kind {kind}"
-                    )));
-                }
-            }
-        }
-        written.numbers.sort_unstable();
-        Ok(written)
     }
 }
 
@@ -334,42 +296,10 @@ impl Writer {
     ) -> Result<Option<Vec<Result<Answer, StoreError>>>, sqlx::Error> {
         let now_ms = self.clock.now_ms();
         let (_, parent_ids) = batch::needs(commands, &KnownMap::default());
-        let mut known = KnownMap::default();
-        let mut cached_parents = HashMap::with_capacity(parent_ids.len());
-        // Numbers must come after each parent's version was locked.
-        let mut above = 0;
-        {
-            let cache = lock(&self.known);
-            for id in &parent_ids {
-                if self.contended.contains(id) {
-                    tracing::debug!("not optimistic: a parent was stale lately");
-                    return Ok(None);
-                }
-                let Some(cached) = cache.get(id) else {
-                    tracing::debug!("not optimistic: a parent is not cached");
-                    return Ok(None);
-                };
-                let Some(version) = cached
-                    .version
-                    .filter(|v| now_ms.saturating_sub(v.at_ms) < MAX_VERSION_AGE_MS)
-                else {
-                    tracing::debug!(version = ?cached.version, "not optimistic: a parent's version");
-                    return Ok(None);
-                };
-                cached_parents.insert(
-                    cached.seq,
-                    Cached {
-                        xmin: version.xid,
-                        status: i64::from(cached.view.status.as_i32()),
-                        reserved: cached.view.ledger.reserved,
-                        spent: cached.view.ledger.spent,
-                        open_children: i64::from(cached.view.ledger.open_children),
-                    },
-                );
-                above = above.max(version.after);
-                known.insert(*id, cached.clone());
-            }
-        }
+        let Some((mut known, cached_parents, above)) = self.cached_parents(&parent_ids, now_ms)
+        else {
+            return Ok(None);
+        };
         let roots = drain::roots_of(&known, &parent_ids);
         if roots.iter().any(|root| self.draining_roots.contains(root)) {
             tracing::debug!("not optimistic: a tree drains");
@@ -430,21 +360,7 @@ impl Writer {
                 let Some(outcome) = lost_optimism(&e) else {
                     return Err(e);
                 };
-                tracing::debug!(
-                    outcome,
-                    "optimistic issuance redone with its parents locked"
-                );
-                if outcome == "draining" {
-                    self.remember_draining(&guard.roots, &guard.roots);
-                } else {
-                    // Another replica writes under these parents: until the
-                    // next replan, they take the locked path.
-                    if self.contended.len() + parent_ids.len() > MAX_CONTENDED_PARENTS {
-                        self.contended.clear();
-                    }
-                    self.contended.extend(parent_ids.iter().copied());
-                }
-                self.count_optimistic(outcome);
+                self.lost_the_race(outcome, &guard, &parent_ids);
                 return Ok(None);
             }
         };
@@ -455,6 +371,70 @@ impl Writer {
         let after = written.numbers.first().map(|n| n - 1);
         self.finish(&written, &plan, &mut known, now_ms, after, 0);
         Ok(Some(batch::answers(answers)))
+    }
+
+    /// The parents of an optimistic issuance as cached, with the row
+    /// versions the statement checks and the number every new one must be
+    /// above (taken after each parent's version was locked); `None` when
+    /// one is not cached, its version is old, or it was contended lately.
+    fn cached_parents(
+        &self,
+        parent_ids: &[Id],
+        now_ms: i64,
+    ) -> Option<(KnownMap, HashMap<i64, Cached>, i64)> {
+        let mut known = KnownMap::default();
+        let mut cached_parents = HashMap::with_capacity(parent_ids.len());
+        let mut above = 0;
+        let cache = lock(&self.known);
+        for id in parent_ids {
+            if self.contended.contains(id) {
+                tracing::debug!("not optimistic: a parent was stale lately");
+                return None;
+            }
+            let Some(cached) = cache.get(id) else {
+                tracing::debug!("not optimistic: a parent is not cached");
+                return None;
+            };
+            let Some(version) = cached
+                .version
+                .filter(|v| now_ms.saturating_sub(v.at_ms) < MAX_VERSION_AGE_MS)
+            else {
+                tracing::debug!(version = ?cached.version, "not optimistic: a parent's version");
+                return None;
+            };
+            cached_parents.insert(
+                cached.seq,
+                Cached {
+                    xmin: version.xid,
+                    status: i64::from(cached.view.status.as_i32()),
+                    reserved: cached.view.ledger.reserved,
+                    spent: cached.view.ledger.spent,
+                    open_children: i64::from(cached.view.ledger.open_children),
+                },
+            );
+            above = above.max(version.after);
+            known.insert(*id, cached.clone());
+        }
+        Some((known, cached_parents, above))
+    }
+
+    /// An optimistic issuance `issuance_guard` aborted: a draining tree is
+    /// remembered; parents another replica writes under take the locked
+    /// path until the next replan.
+    fn lost_the_race(&mut self, outcome: &'static str, guard: &Guard, parent_ids: &[Id]) {
+        tracing::debug!(
+            outcome,
+            "optimistic issuance redone with its parents locked"
+        );
+        if outcome == "draining" {
+            self.remember_draining(&guard.roots, &guard.roots);
+        } else {
+            if self.contended.len() + parent_ids.len() > MAX_CONTENDED_PARENTS {
+                self.contended.clear();
+            }
+            self.contended.extend(parent_ids.iter().copied());
+        }
+        self.count_optimistic(outcome);
     }
 
     /// How many numbers an issuance statement reserves for the writer's
