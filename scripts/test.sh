@@ -11,9 +11,11 @@
 #   4. with FUZZ_SECONDS set, a bounded coverage-guided run of every fuzz
 #      target (scripts/fuzz.sh; installs cargo-fuzz if missing); their
 #      regression and random inputs run in step 3 either way,
-#   5. the Python and TypeScript clients' tests against the real broker
+#   5. the Python, TypeScript and Go clients' tests against the real broker
 #      binary (clients/typescript/run-tests.sh: npm ci, generated-code drift,
-#      tsc, node --test, chains verified across the three languages),
+#      tsc, node --test, chains verified across the three languages;
+#      clients/go/run-tests.sh: Debian's Go packages, generated-code drift,
+#      go vet, go test, chains verified across the four languages),
 #   6. the browser console's tests (console/run-tests.sh: npm ci, page
 #      drift, tsc, a Playwright test in Debian's headless chromium, which it
 #      installs if missing),
@@ -117,6 +119,9 @@ BROKER_BIN="$PWD/target/debug/delegation-broker" clients/python/run-tests.sh -q
 
 step "TypeScript client tests"
 BROKER_BIN="$PWD/target/debug/delegation-broker" clients/typescript/run-tests.sh
+
+step "Go client tests"
+BROKER_BIN="$PWD/target/debug/delegation-broker" clients/go/run-tests.sh
 
 step "Console tests (console/run-tests.sh: page drift, tsc, the browser test in headless chromium)"
 BROKER_BIN="$PWD/target/debug/delegation-broker" console/run-tests.sh
