@@ -222,21 +222,24 @@ pub fn resolve_trust(
             })
         })
     })?;
-    let digest = crypto::sha256(&envelope.payload);
-    Ok(hop_trust(resolved, Some(digest), statement.risk_class))
+    Ok(hop_trust(resolved, Some(envelope), statement.risk_class))
 }
 
 /// The factor, its note, and the contract's record of where it came from
 /// (the attestation's digest and risk class only when it counted).
 fn hop_trust(
     resolved: trust::Resolved,
-    digest: Option<[u8; 32]>,
+    attestation: Option<&pb::Envelope>,
     risk_class: String,
 ) -> (u32, String, HopTrust) {
     let (source, attestation_digest, risk_class) = match resolved.source {
         trust::Source::None => (pb::TrustSource::None, None, String::new()),
         trust::Source::StaticTable => (pb::TrustSource::StaticTable, None, String::new()),
-        trust::Source::Attestation => (pb::TrustSource::Attestation, digest, risk_class),
+        trust::Source::Attestation => (
+            pb::TrustSource::Attestation,
+            attestation.map(|e| crypto::sha256(&e.payload)),
+            risk_class,
+        ),
     };
     let trust = HopTrust {
         source,

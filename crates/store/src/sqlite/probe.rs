@@ -1,6 +1,6 @@
 //! The store's own floor (`store-probe`): what SQLite, the kernel and
 //! the disk charge to hold a workload durably with this schema, and
-//! nothing else. The caller makes the plans (`cli::store_probe` makes
+//! nothing else. The caller makes the plans (`broker_tools::store_probe` makes
 //! `bench`'s rows, without a client, a signature or a rule); here they go
 //! through the broker's own pipeline: the
 //! writer's statements (`plan_statements` run by `raw`, BEGIN IMMEDIATE to
