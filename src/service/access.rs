@@ -35,10 +35,7 @@ impl<S: Store> BrokerService<S> {
             .issuing_parent(contract)
             .await?
             .map(|p| p.tenant)
-            .ok_or_else(|| ServiceError::NotFound {
-                what: crate::store::Entity::Contract,
-                id: hex::encode(contract),
-            })
+            .ok_or_else(|| ServiceError::not_found(crate::store::Entity::Contract, contract))
     }
 
     /// `caller`'s standing toward `contract`'s tree (`core::access`): a
@@ -94,10 +91,10 @@ impl<S: Store> BrokerService<S> {
         if access::may_read(self.standing(caller, contract).await?) {
             return Ok(());
         }
-        Err(ServiceError::NotFound {
-            what: crate::store::Entity::Contract,
-            id: hex::encode(contract),
-        })
+        Err(ServiceError::not_found(
+            crate::store::Entity::Contract,
+            contract,
+        ))
     }
 
     /// A read of the tree of the contract named by `id` (raw bytes from

@@ -214,14 +214,11 @@ impl<S: Store> BrokerService<S> {
         let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
         let tenant = self.tenant_of(id).await?;
         let _turn = self.audit_turn(tenant, caller).await?;
-        let (facts, mutations) =
-            self.store
-                .audit_facts(id)
-                .await?
-                .ok_or_else(|| ServiceError::NotFound {
-                    what: crate::store::Entity::Contract,
-                    id: hex::encode(id),
-                })?;
+        let (facts, mutations) = self
+            .store
+            .audit_facts(id)
+            .await?
+            .ok_or_else(|| ServiceError::not_found(crate::store::Entity::Contract, id))?;
         // Classifying a tree's mutations is CPU work: off the async workers.
         let audit = tokio::task::spawn_blocking(move || contract_audit(&facts, &mutations))
             .await

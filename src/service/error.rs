@@ -86,6 +86,17 @@ pub enum ServiceError {
     UnknownHealthService(String),
 }
 
+impl ServiceError {
+    /// `what` with id `id` (any byte string, shown in hex) does not exist,
+    /// or is answered as if it did not.
+    pub fn not_found(what: Entity, id: impl AsRef<[u8]>) -> Self {
+        Self::NotFound {
+            what,
+            id: hex::encode(id),
+        }
+    }
+}
+
 impl From<StoreError> for ServiceError {
     fn from(e: StoreError) -> Self {
         let class = match &e {

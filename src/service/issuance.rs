@@ -223,10 +223,7 @@ impl<S: Store> BrokerService<S> {
         parent_id: crate::core::Id,
         signer: &crate::core::AgentKey,
     ) -> Result<crate::store::IssuingParent, ServiceError> {
-        let unknown = || ServiceError::NotFound {
-            what: crate::store::Entity::ParentContract,
-            id: hex::encode(parent_id),
-        };
+        let unknown = || ServiceError::not_found(crate::store::Entity::ParentContract, parent_id);
         let parent = self
             .store
             .issuing_parent(parent_id)

@@ -127,10 +127,7 @@ impl<S: Store> BrokerService<S> {
                     return Err(if self.may_know(&signer, contract_id).await? {
                         e.into()
                     } else {
-                        ServiceError::NotFound {
-                            what: crate::store::Entity::Contract,
-                            id: hex::encode(contract_id),
-                        }
+                        ServiceError::not_found(crate::store::Entity::Contract, contract_id)
                     });
                 }
                 Err(e) => return Err(e.into()),

@@ -49,17 +49,45 @@ fn page_start(token: &[u8]) -> Result<i64, InputError> {
     }
 }
 
-/// A page of contracts as states, and the token of the next page.
-fn contract_page(
-    records: Vec<crate::store::ContractRecord>,
-    next_before: Option<i64>,
-) -> (Vec<pb::ContractState>, Vec<u8>) {
-    (
-        records.into_iter().map(convert::contract_state).collect(),
-        next_before
+/// One page request's bounds.
+struct Paging {
+    limit: u32,
+    before_seq: i64,
+    response_limit: usize,
+    /// Half the response limit leaves room for the states around the
+    /// envelopes.
+    max_bytes: usize,
+}
+
+impl Paging {
+    fn new(
+        page_size_requested: u32,
+        token: &[u8],
+        response_limit: usize,
+    ) -> Result<Self, InputError> {
+        Ok(Self {
+            limit: page_size(page_size_requested)?,
+            before_seq: page_start(token)?,
+            response_limit,
+            max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
+        })
+    }
+
+    /// A page of contracts as a response (`build` from the states and the
+    /// next page's token), refused when larger than a response.
+    fn respond<R: Message>(
+        &self,
+        records: Vec<crate::store::ContractRecord>,
+        next_before: Option<i64>,
+        hint: &'static str,
+        build: impl FnOnce(Vec<pb::ContractState>, Vec<u8>) -> R,
+    ) -> Result<R, ServiceError> {
+        let states = records.into_iter().map(convert::contract_state).collect();
+        let next_page_token = next_before
             .map(|seq| seq.to_be_bytes().to_vec())
-            .unwrap_or_default(),
-    )
+            .unwrap_or_default();
+        fitting(build(states, next_page_token), self.response_limit, hint)
+    }
 }
 
 /// A page, refused when larger than a response: only a single contract
@@ -81,10 +109,7 @@ impl<S: Store> BrokerService<S> {
         self.store
             .contract(id)
             .await?
-            .ok_or_else(|| ServiceError::NotFound {
-                what: crate::store::Entity::Contract,
-                id: hex::encode(id),
-            })
+            .ok_or_else(|| ServiceError::not_found(crate::store::Entity::Contract, id))
     }
 
     pub(super) async fn chain(&self, id: &[u8]) -> Result<Vec<pb::ContractState>, ServiceError> {
@@ -119,10 +144,7 @@ impl<S: Store> BrokerService<S> {
         let page_size = page_size(request.page_size)?;
         let after = page_cursor(&request.page_token)?;
         if self.store.contract(id).await?.is_none() {
-            return Err(ServiceError::NotFound {
-                what: crate::store::Entity::Contract,
-                id: hex::encode(id),
-            });
+            return Err(ServiceError::not_found(crate::store::Entity::Contract, id));
         }
         // Half the response limit leaves room for the states around the
         // envelopes.
@@ -144,16 +166,11 @@ impl<S: Store> BrokerService<S> {
             children: children.into_iter().map(convert::contract_state).collect(),
             next_page_token,
         };
-        // Only a single child larger than a whole response can get here.
-        let size = response.encoded_len();
-        if size > limit {
-            return Err(ServiceError::ResponseTooLarge {
-                size,
-                limit,
-                hint: "this child alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
-            });
-        }
-        Ok(response)
+        fitting(
+            response,
+            limit,
+            "this child alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+        )
     }
 
     pub(super) async fn receipt(
@@ -165,10 +182,7 @@ impl<S: Store> BrokerService<S> {
             .store
             .receipt(id)
             .await?
-            .ok_or_else(|| ServiceError::NotFound {
-                what: crate::store::Entity::Receipt,
-                id: hex::encode(id),
-            })?;
+            .ok_or_else(|| ServiceError::not_found(crate::store::Entity::Receipt, id))?;
         Ok(pb::GetReceiptResponse {
             receipt: Some(receipt),
         })
@@ -196,16 +210,11 @@ impl<S: Store> BrokerService<S> {
             .await?;
         let chain = self.chain(&request.into_inner().contract_id).await?;
         let response = pb::GetChainResponse { chain };
-        let limit = self.config.limits.max_response_bytes();
-        let size = response.encoded_len();
-        if size > limit {
-            return Err(ServiceError::ResponseTooLarge {
-                size,
-                limit,
-                hint: "read the chain's contracts one by one with GetContract",
-            });
-        }
-        Ok(response)
+        fitting(
+            response,
+            self.config.limits.max_response_bytes(),
+            "read the chain's contracts one by one with GetContract",
+        )
     }
 
     pub(super) async fn list_children(
@@ -226,31 +235,30 @@ impl<S: Store> BrokerService<S> {
         let _turn = self.admit_caller(&caller).await?;
         let request = request.into_inner();
         let labels = crate::core::labels(&request.labels, "labels")?;
-        let limit = page_size(request.page_size)?;
-        let before_seq = page_start(&request.page_token)?;
-        let response_limit = self.config.limits.max_response_bytes();
+        let paging = Paging::new(
+            request.page_size,
+            &request.page_token,
+            self.config.limits.max_response_bytes(),
+        )?;
         let page = self
             .store
             .roots(&crate::store::RootsQuery {
                 viewer: (!self.config.readers.contains(&caller)).then_some(caller),
                 labels,
-                before_seq,
-                limit,
+                before_seq: paging.before_seq,
+                limit: paging.limit,
                 scan: MAX_ROOTS_SCANNED,
-                // Half the response limit leaves room for the states around
-                // the envelopes.
-                max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
+                max_bytes: paging.max_bytes,
             })
             .await?;
-        let (roots, next_page_token) = contract_page(page.roots, page.next_before);
-        let response = pb::ListRootsResponse {
-            roots,
-            next_page_token,
-        };
-        fitting(
-            response,
-            response_limit,
+        paging.respond(
+            page.roots,
+            page.next_before,
             "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+            |roots, next_page_token| pb::ListRootsResponse {
+                roots,
+                next_page_token,
+            },
         )
     }
 
@@ -272,29 +280,29 @@ impl<S: Store> BrokerService<S> {
                 .into());
             }
         };
-        let limit = page_size(request.page_size)?;
-        let before_seq = page_start(&request.page_token)?;
-        let response_limit = self.config.limits.max_response_bytes();
+        let paging = Paging::new(
+            request.page_size,
+            &request.page_token,
+            self.config.limits.max_response_bytes(),
+        )?;
         let page = self
             .store
             .held(&crate::store::HeldQuery {
                 key: caller,
                 role,
-                before_seq,
-                limit,
-                // As ListRoots: room for the states around the envelopes.
-                max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
+                before_seq: paging.before_seq,
+                limit: paging.limit,
+                max_bytes: paging.max_bytes,
             })
             .await?;
-        let (contracts, next_page_token) = contract_page(page.contracts, page.next_before);
-        let response = pb::ListHeldResponse {
-            contracts,
-            next_page_token,
-        };
-        fitting(
-            response,
-            response_limit,
+        paging.respond(
+            page.contracts,
+            page.next_before,
             "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
+            |contracts, next_page_token| pb::ListHeldResponse {
+                contracts,
+                next_page_token,
+            },
         )
     }
 
@@ -317,10 +325,10 @@ impl<S: Store> BrokerService<S> {
         // A stranger is told what an unknown receipt gets.
         match self.authorize(&caller, about).await {
             Ok(()) => Ok(response),
-            Err(ServiceError::NotFound { .. }) => Err(ServiceError::NotFound {
-                what: crate::store::Entity::Receipt,
-                id: hex::encode(&request_id),
-            }),
+            Err(ServiceError::NotFound { .. }) => Err(ServiceError::not_found(
+                crate::store::Entity::Receipt,
+                &request_id,
+            )),
             Err(e) => Err(e),
         }
     }

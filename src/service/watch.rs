@@ -24,10 +24,10 @@ impl<S: Store> BrokerService<S> {
         let cursor = i64::try_from(request.cursor)
             .map_err(|_| InputError::new("cursor", "is not a cursor this broker issued"))?;
         let Some(record) = self.store.contract(contract).await? else {
-            return Err(ServiceError::NotFound {
-                what: crate::store::Entity::Contract,
-                id: hex::encode(contract),
-            });
+            return Err(ServiceError::not_found(
+                crate::store::Entity::Contract,
+                contract,
+            ));
         };
         // Every cap before anything is started: broker-wide, per caller and
         // per connection, so one client cannot take every stream; the

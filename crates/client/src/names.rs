@@ -26,51 +26,41 @@ pub fn cut(text: &str, max: usize) -> String {
     text[..end].to_owned()
 }
 
+/// `name` without its enum's `prefix`, or the number when this build does
+/// not know the value (a newer broker's).
+fn bare(name: Option<&'static str>, prefix: &str, value: i32) -> String {
+    name.map(|n| n.trim_start_matches(prefix).to_owned())
+        .unwrap_or_else(|| value.to_string())
+}
+
 /// A contract status as its name without the prefix, e.g. ACCEPTED.
 pub fn status_name(status: i32) -> String {
-    pb::ContractStatus::try_from(status)
-        .map(|s| {
-            s.as_str_name()
-                .trim_start_matches("CONTRACT_STATUS_")
-                .to_owned()
-        })
-        .unwrap_or_else(|_| status.to_string())
+    let name = pb::ContractStatus::try_from(status).ok();
+    bare(name.map(|s| s.as_str_name()), "CONTRACT_STATUS_", status)
 }
 
 /// A liability as its name without the prefix, e.g. DELEGATE.
 pub fn liability_name(liability: i32) -> String {
-    pb::Liability::try_from(liability)
-        .map(|l| l.as_str_name().trim_start_matches("LIABILITY_").to_owned())
-        .unwrap_or_else(|_| liability.to_string())
+    let name = pb::Liability::try_from(liability).ok();
+    bare(name.map(|l| l.as_str_name()), "LIABILITY_", liability)
 }
 
 /// A receipt kind as its name without the prefix, e.g. REFUSED.
 pub fn receipt_kind_name(kind: i32) -> String {
-    pb::ReceiptKind::try_from(kind)
-        .map(|k| {
-            k.as_str_name()
-                .trim_start_matches("RECEIPT_KIND_")
-                .to_owned()
-        })
-        .unwrap_or_else(|_| kind.to_string())
+    let name = pb::ReceiptKind::try_from(kind).ok();
+    bare(name.map(|k| k.as_str_name()), "RECEIPT_KIND_", kind)
 }
 
 /// A verdict as its name without the prefix, e.g. ACCEPTED.
 pub fn verdict_name(verdict: i32) -> String {
-    pb::Verdict::try_from(verdict)
-        .map(|v| v.as_str_name().trim_start_matches("VERDICT_").to_owned())
-        .unwrap_or_else(|_| verdict.to_string())
+    let name = pb::Verdict::try_from(verdict).ok();
+    bare(name.map(|v| v.as_str_name()), "VERDICT_", verdict)
 }
 
 /// An invariant code as its name without the prefix, e.g. DEPTH_EXCEEDED.
 pub fn code_name(code: i32) -> String {
-    pb::InvariantCode::try_from(code)
-        .map(|c| {
-            c.as_str_name()
-                .trim_start_matches("INVARIANT_CODE_")
-                .to_owned()
-        })
-        .unwrap_or_else(|_| code.to_string())
+    let name = pb::InvariantCode::try_from(code).ok();
+    bare(name.map(|c| c.as_str_name()), "INVARIANT_CODE_", code)
 }
 
 /// A refusal's violations as a model or a person reads them:

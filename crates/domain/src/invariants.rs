@@ -8,66 +8,27 @@ use super::scope::Scope;
 use super::trust;
 use super::{AgentKey, InputError, Liability, Policy, Status};
 
-/// Stable invariant codes; the discriminant is the wire value and the
-/// precedence (lowest first) of a refusal's primary reason.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[repr(u8)]
-pub enum InvariantCode {
-    ParentNotActive = 1,
-    NotHolder = 2,
-    DepthExceeded = 3,
-    IntentDiluted = 4,
-    TrustAttenuated = 5,
-    LiabilityWithoutPredicate = 6,
-    LiabilityWithoutEscalation = 7,
-    LiabilityFromRetainingParent = 8,
-    BelowRetryCost = 9,
-    BelowRetryLatency = 10,
-    BudgetExceedsParent = 11,
-    DeadlineExceedsParent = 12,
-    NoRetryHeadroom = 13,
-    ScopeWidened = 14,
-    FanoutExceeded = 15,
-}
-
-impl InvariantCode {
-    pub const ALL: [InvariantCode; 15] = [
-        Self::ParentNotActive,
-        Self::NotHolder,
-        Self::DepthExceeded,
-        Self::IntentDiluted,
-        Self::TrustAttenuated,
-        Self::LiabilityWithoutPredicate,
-        Self::LiabilityWithoutEscalation,
-        Self::LiabilityFromRetainingParent,
-        Self::BelowRetryCost,
-        Self::BelowRetryLatency,
-        Self::BudgetExceedsParent,
-        Self::DeadlineExceedsParent,
-        Self::NoRetryHeadroom,
-        Self::ScopeWidened,
-        Self::FanoutExceeded,
-    ];
-
-    /// The stable text code of docs/design.md.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::ParentNotActive => "PARENT_NOT_ACTIVE",
-            Self::NotHolder => "NOT_HOLDER",
-            Self::DepthExceeded => "DEPTH_EXCEEDED",
-            Self::IntentDiluted => "INTENT_DILUTED",
-            Self::TrustAttenuated => "TRUST_ATTENUATED",
-            Self::LiabilityWithoutPredicate => "LIABILITY_WITHOUT_PREDICATE",
-            Self::LiabilityWithoutEscalation => "LIABILITY_WITHOUT_ESCALATION",
-            Self::LiabilityFromRetainingParent => "LIABILITY_FROM_RETAINING_PARENT",
-            Self::BelowRetryCost => "BELOW_RETRY_COST",
-            Self::BelowRetryLatency => "BELOW_RETRY_LATENCY",
-            Self::BudgetExceedsParent => "BUDGET_EXCEEDS_PARENT",
-            Self::DeadlineExceedsParent => "DEADLINE_EXCEEDS_PARENT",
-            Self::NoRetryHeadroom => "NO_RETRY_HEADROOM",
-            Self::ScopeWidened => "SCOPE_WIDENED",
-            Self::FanoutExceeded => "FANOUT_EXCEEDED",
-        }
+wire_enum! {
+    /// Stable invariant codes; the discriminant is the wire value and the
+    /// precedence (lowest first) of a refusal's primary reason; the text is
+    /// the stable code of docs/design.md.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+    pub enum InvariantCode: u8 {
+        ParentNotActive = 1 => "PARENT_NOT_ACTIVE",
+        NotHolder = 2 => "NOT_HOLDER",
+        DepthExceeded = 3 => "DEPTH_EXCEEDED",
+        IntentDiluted = 4 => "INTENT_DILUTED",
+        TrustAttenuated = 5 => "TRUST_ATTENUATED",
+        LiabilityWithoutPredicate = 6 => "LIABILITY_WITHOUT_PREDICATE",
+        LiabilityWithoutEscalation = 7 => "LIABILITY_WITHOUT_ESCALATION",
+        LiabilityFromRetainingParent = 8 => "LIABILITY_FROM_RETAINING_PARENT",
+        BelowRetryCost = 9 => "BELOW_RETRY_COST",
+        BelowRetryLatency = 10 => "BELOW_RETRY_LATENCY",
+        BudgetExceedsParent = 11 => "BUDGET_EXCEEDS_PARENT",
+        DeadlineExceedsParent = 12 => "DEADLINE_EXCEEDS_PARENT",
+        NoRetryHeadroom = 13 => "NO_RETRY_HEADROOM",
+        ScopeWidened = 14 => "SCOPE_WIDENED",
+        FanoutExceeded = 15 => "FANOUT_EXCEEDED",
     }
 }
 

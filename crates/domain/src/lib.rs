@@ -3,6 +3,9 @@
 //! predicate composition and write scopes. No tonic, no sqlx,
 //! no tokio, no I/O: everything here is tested without a runtime.
 
+#[macro_use]
+mod wire_enum;
+
 pub mod access;
 pub mod audit;
 pub mod error;
@@ -35,84 +38,39 @@ pub type AgentKey = [u8; 32];
 /// A contract or receipt id: SHA-256 of its signed payload.
 pub type Id = [u8; 32];
 
-/// Who answers for a contract's outcome (docs/design.md, seed 001).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Liability {
-    /// Liability stays with the principal.
-    Principal,
-    /// Liability moves to the delegate.
-    Delegate,
-}
-
-impl Liability {
-    pub fn as_i32(self) -> i32 {
-        match self {
-            Self::Principal => 1,
-            Self::Delegate => 2,
-        }
-    }
-
-    pub fn from_i32(value: i32) -> Option<Self> {
-        match value {
-            1 => Some(Self::Principal),
-            2 => Some(Self::Delegate),
-            _ => None,
-        }
+wire_enum! {
+    /// Who answers for a contract's outcome (docs/design.md, seed 001).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Liability: i32 {
+        /// Liability stays with the principal.
+        Principal = 1 => "PRINCIPAL",
+        /// Liability moves to the delegate.
+        Delegate = 2 => "DELEGATE",
     }
 }
 
-/// Lifecycle state of a contract (docs/design.md §Lifecycle). The discriminant
-/// is the wire value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(i32)]
-pub enum Status {
-    /// Issued; the delegate has not accepted yet.
-    Open = 1,
-    /// The delegate accepted and works on it.
-    Accepted = 2,
-    /// The delegate completed it; the verdict is recorded beside.
-    Completed = 3,
-    /// The delegate escalated it as unresolvable (docs/design.md, seed 001).
-    Unresolvable = 4,
-    /// Its deadline passed while it was open.
-    Expired = 5,
-    /// Its principal or an ancestor's holder revoked it.
-    Revoked = 6,
-    /// The delegate declined it before accepting.
-    Declined = 7,
+wire_enum! {
+    /// Lifecycle state of a contract (docs/design.md §Lifecycle).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum Status: i32 {
+        /// Issued; the delegate has not accepted yet.
+        Open = 1 => "OPEN",
+        /// The delegate accepted and works on it.
+        Accepted = 2 => "ACCEPTED",
+        /// The delegate completed it; the verdict is recorded beside.
+        Completed = 3 => "COMPLETED",
+        /// The delegate escalated it as unresolvable (docs/design.md, seed 001).
+        Unresolvable = 4 => "UNRESOLVABLE",
+        /// Its deadline passed while it was open.
+        Expired = 5 => "EXPIRED",
+        /// Its principal or an ancestor's holder revoked it.
+        Revoked = 6 => "REVOKED",
+        /// The delegate declined it before accepting.
+        Declined = 7 => "DECLINED",
+    }
 }
 
 impl Status {
-    pub const ALL: [Status; 7] = [
-        Self::Open,
-        Self::Accepted,
-        Self::Completed,
-        Self::Unresolvable,
-        Self::Expired,
-        Self::Revoked,
-        Self::Declined,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Open => "OPEN",
-            Self::Accepted => "ACCEPTED",
-            Self::Completed => "COMPLETED",
-            Self::Unresolvable => "UNRESOLVABLE",
-            Self::Expired => "EXPIRED",
-            Self::Revoked => "REVOKED",
-            Self::Declined => "DECLINED",
-        }
-    }
-
-    pub fn as_i32(self) -> i32 {
-        self as i32
-    }
-
-    pub fn from_i32(value: i32) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.as_i32() == value)
-    }
-
     /// Open or accepted: it may delegate, holds its reservation at its
     /// parent and can still end.
     pub fn is_open(self) -> bool {

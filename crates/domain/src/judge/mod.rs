@@ -64,35 +64,16 @@ pub struct Completion<'a> {
     pub schema: Option<&'a Json>,
 }
 
-/// The broker's verdict on a completion. The discriminant is the wire value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(i32)]
-pub enum Verdict {
-    /// Every conjunct of the effective predicate held.
-    Accepted = 1,
-    /// At least one conjunct was refused.
-    Rejected = 2,
-    /// No predicate: liability stayed with the principal, who adjudicates.
-    PendingPrincipal = 3,
-}
-
-impl Verdict {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Accepted => "ACCEPTED",
-            Self::Rejected => "REJECTED",
-            Self::PendingPrincipal => "PENDING_PRINCIPAL",
-        }
-    }
-
-    pub fn as_i32(self) -> i32 {
-        self as i32
-    }
-
-    pub fn from_i32(value: i32) -> Option<Self> {
-        [Self::Accepted, Self::Rejected, Self::PendingPrincipal]
-            .into_iter()
-            .find(|v| v.as_i32() == value)
+wire_enum! {
+    /// The broker's verdict on a completion.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum Verdict: i32 {
+        /// Every conjunct of the effective predicate held.
+        Accepted = 1 => "ACCEPTED",
+        /// At least one conjunct was refused.
+        Rejected = 2 => "REJECTED",
+        /// No predicate: liability stayed with the principal, who adjudicates.
+        PendingPrincipal = 3 => "PENDING_PRINCIPAL",
     }
 }
 
