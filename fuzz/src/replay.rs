@@ -8,6 +8,7 @@
 use std::path::Path;
 
 use arbitrary::{Arbitrary, Unstructured};
+use broker_tools::seeded::SplitMix64;
 
 use crate::targets;
 
@@ -16,22 +17,12 @@ const RANDOM_INPUTS: usize = 2_000;
 /// Longest random input: past what most `Input`s draw from.
 const MAX_RANDOM_INPUT_BYTES: usize = 4_096;
 
-/// splitmix64: a fixed, dependency-free stream of bytes.
-struct Bytes(u64);
-
-impl Bytes {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn input(&mut self) -> Vec<u8> {
-        let len = (self.next() % (MAX_RANDOM_INPUT_BYTES as u64 + 1)) as usize;
-        (0..len).map(|_| self.next() as u8).collect()
-    }
+/// A random input of at most `MAX_RANDOM_INPUT_BYTES`.
+fn input(bytes: &mut SplitMix64) -> Vec<u8> {
+    let len = (bytes.next_u64() % (MAX_RANDOM_INPUT_BYTES as u64 + 1)) as usize;
+    let mut input = vec![0; len];
+    bytes.fill(&mut input);
+    input
 }
 
 /// Every input of `target`, each decoded as libFuzzer's typed entry does
@@ -48,8 +39,8 @@ fn replay<T: for<'a> Arbitrary<'a>>(target: &str, fuzz: fn(T)) {
             inputs.push(std::fs::read(&path).expect("a regression input"));
         }
     }
-    let mut bytes = Bytes(target.len() as u64);
-    inputs.extend((0..RANDOM_INPUTS).map(|_| bytes.input()));
+    let mut bytes = SplitMix64(target.len() as u64);
+    inputs.extend((0..RANDOM_INPUTS).map(|_| input(&mut bytes)));
     let mut decoded = 0;
     for input in &inputs {
         if let Ok(value) = T::arbitrary_take_rest(Unstructured::new(input)) {

@@ -2,10 +2,9 @@
 //! knows only the public API): this binary's broker, and the floor
 //! server of its service.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use broker_tools::bench::{BoxFuture, Listeners, Servers};
+use broker_tools::bench::{BrokerRun, Servers, Serving};
 
 use crate::clock::SystemClock;
 use crate::config::{Config, Limits, TrustConfig};
@@ -15,13 +14,13 @@ use crate::pb;
 pub struct InProcess;
 
 impl Servers for InProcess {
-    fn broker(
-        &self,
-        listeners: Listeners,
-        dir: PathBuf,
-        attestor: [u8; 32],
-        stop: tokio::sync::oneshot::Receiver<()>,
-    ) -> anyhow::Result<BoxFuture<anyhow::Result<()>>> {
+    fn broker(&self, run: BrokerRun) -> anyhow::Result<Serving> {
+        let BrokerRun {
+            listeners,
+            dir,
+            attestor,
+            stop,
+        } = run;
         let mut config = Config::load(dir, None)?;
         config
             .trust
@@ -48,7 +47,7 @@ impl Servers for InProcess {
         &self,
         listener: tokio::net::TcpListener,
         attestor: [u8; 32],
-    ) -> anyhow::Result<BoxFuture<anyhow::Result<()>>> {
+    ) -> anyhow::Result<Serving> {
         // The broker's defaults: its timestamp window, request bound and
         // accept loop (Nagle off).
         let limits = Limits::default();

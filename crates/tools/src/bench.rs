@@ -209,16 +209,8 @@ impl SpanSink {
 /// given. This crate knows only the broker's public API: the binary that
 /// has a broker and its floor server provides them.
 pub trait Servers {
-    /// Serves a broker on `listeners.grpc` (and its metrics on
-    /// `listeners.metrics`) with its data in `dir`, trusting `attestor`'s
-    /// attestations, until `stop` resolves.
-    fn broker(
-        &self,
-        listeners: Listeners,
-        dir: PathBuf,
-        attestor: [u8; 32],
-        stop: tokio::sync::oneshot::Receiver<()>,
-    ) -> anyhow::Result<BoxFuture<anyhow::Result<()>>>;
+    /// Serves a broker as `run` says until `run.stop` resolves.
+    fn broker(&self, run: BrokerRun) -> anyhow::Result<Serving>;
 
     /// Serves the write path's floor (the service's request handling with
     /// no store and no rules) on `listener`, trusting `attestor`'s
@@ -227,8 +219,23 @@ pub trait Servers {
         &self,
         listener: tokio::net::TcpListener,
         attestor: [u8; 32],
-    ) -> anyhow::Result<BoxFuture<anyhow::Result<()>>>;
+    ) -> anyhow::Result<Serving>;
 }
+
+/// An in-process broker to serve.
+pub struct BrokerRun {
+    /// Its gRPC listener (and its metrics' one).
+    pub listeners: Listeners,
+    /// Where its data lives.
+    pub dir: PathBuf,
+    /// The key whose attestations it trusts.
+    pub attestor: [u8; 32],
+    /// Resolves when the broker is to stop.
+    pub stop: tokio::sync::oneshot::Receiver<()>,
+}
+
+/// A server's whole life.
+pub type Serving = BoxFuture<anyhow::Result<()>>;
 
 /// A server's whole life, as `Servers` hands it over.
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
@@ -266,7 +273,12 @@ async fn start_in_process(
         tokio::spawn(scrape_every_second(metrics.local_addr()?));
         listeners.metrics = Some(metrics);
     }
-    let serving = servers.broker(listeners, dir.clone(), attestor.public_key(), stopped)?;
+    let serving = servers.broker(BrokerRun {
+        listeners,
+        dir: dir.clone(),
+        attestor: attestor.public_key(),
+        stop: stopped,
+    })?;
     Ok((addr, (stop, tokio::spawn(serving), dir)))
 }
 

@@ -7,4 +7,5 @@
 
 pub mod bench;
 pub mod disk_probe;
+pub mod seeded;
 pub mod store_probe;

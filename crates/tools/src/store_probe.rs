@@ -4,6 +4,7 @@
 //! beside `bench --floor`: a broker's CPU per delegation is at least the
 //! two together, which bounds its share of the floor.
 
+use crate::seeded::SplitMix64;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -333,34 +334,6 @@ impl Workload {
             }
         }
         plan
-    }
-}
-
-/// A fast, seeded generator of the random bytes SHA-256 ids, keys and
-/// nonces look like (their distribution, not their secrecy, is what the
-/// B-trees see).
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn fill(&mut self, bytes: &mut [u8]) {
-        for chunk in bytes.chunks_mut(8) {
-            let word = self.next().to_le_bytes();
-            chunk.copy_from_slice(&word[..chunk.len()]);
-        }
-    }
-
-    fn bytes32(&mut self) -> [u8; 32] {
-        let mut bytes = [0u8; 32];
-        self.fill(&mut bytes);
-        bytes
     }
 }
 

@@ -95,6 +95,29 @@ pub(super) struct Writer {
     pub(super) contended: std::collections::HashSet<Id>,
 }
 
+/// Runs `$attempt` (given its number, from 1) until it commits, redone
+/// after a backoff on contention up to `MAX_TX_ATTEMPTS` times; else the
+/// last error and how many attempts were made. A macro, not a method taking
+/// an async closure: the writer's future must stay `Send`.
+macro_rules! redone {
+    ($writer:expr, $what:literal, |$made:ident| $attempt:expr) => {{
+        let mut $made: u32 = 1;
+        loop {
+            let result = $attempt;
+            $writer.reached(&result.as_ref().map(|_| ()));
+            match result {
+                Ok(done) => break Ok(done),
+                Err(e) if retryable(&e) && $made < MAX_TX_ATTEMPTS => {
+                    tracing::debug!(error = %e, attempt = $made, concat!($what, " redone"));
+                    backoff($made).await;
+                    $made += 1;
+                }
+                Err(e) => break Err((e, $made)),
+            }
+        }
+    }};
+}
+
 impl Writer {
     pub(super) async fn run(mut self) {
         let mut next_prune = std::time::Instant::now() + PRUNE_INTERVAL;
@@ -191,29 +214,18 @@ impl Writer {
     /// batch inserts its own, the transaction fails (23505) and is redone
     /// reading the log first, so the retry is answered from it.
     async fn issue(&mut self, commands: &[Command]) -> Vec<Result<Answer, StoreError>> {
-        let mut attempt = 1;
-        loop {
-            let careful = attempt > 1;
-            let result = self.try_issue(commands, careful).await;
-            self.reached(&result.as_ref().map(|_| ()));
-            match result {
-                Ok(answers) => return answers,
-                Err(e) if retryable(&e) && attempt < MAX_TX_ATTEMPTS => {
-                    tracing::debug!(error = %e, attempt, "issuance redone");
-                    backoff(attempt).await;
-                    attempt += 1;
-                }
-                Err(e) => {
-                    // A database away fails every batch: one line a second.
-                    static ISSUANCE_FAILED: broker_wire::throttle::Throttle =
-                        broker_wire::throttle::Throttle::new();
-                    if let Some(held) = ISSUANCE_FAILED.allow() {
-                        tracing::warn!(error = %e, attempt, size = commands.len(), held, "issuance failed");
-                    }
-                    return commands.iter().map(|_| Err(failed(&e, attempt))).collect();
-                }
+        let issued = redone!(self, "issuance", |attempt| self
+            .try_issue(commands, attempt > 1)
+            .await);
+        issued.unwrap_or_else(|(e, attempt)| {
+            // A database away fails every batch: one line a second.
+            static ISSUANCE_FAILED: broker_wire::throttle::Throttle =
+                broker_wire::throttle::Throttle::new();
+            if let Some(held) = ISSUANCE_FAILED.allow() {
+                tracing::warn!(error = %e, attempt, size = commands.len(), held, "issuance failed");
             }
-        }
+            commands.iter().map(|_| Err(failed(&e, attempt))).collect()
+        })
     }
 
     /// The held connection while it is fresh, else one from the pool
@@ -594,27 +606,17 @@ impl Writer {
 
     /// One lifecycle command in its own transaction, redone on contention.
     async fn transition(&mut self, command: &LifecycleCommand) -> Result<Answer, StoreError> {
-        let mut attempt = 1;
-        loop {
-            let result = self.try_transition(command).await;
-            self.reached(&result.as_ref().map(|_| ()));
-            match result {
-                Ok(answer) => return answer,
-                Err(e) if retryable(&e) && attempt < MAX_TX_ATTEMPTS => {
-                    tracing::debug!(error = %e, attempt, "transition redone");
-                    backoff(attempt).await;
-                    attempt += 1;
-                }
-                Err(e) => {
-                    static TRANSITION_FAILED: broker_wire::throttle::Throttle =
-                        broker_wire::throttle::Throttle::new();
-                    if let Some(held) = TRANSITION_FAILED.allow() {
-                        tracing::warn!(error = %e, attempt, held, "transition failed");
-                    }
-                    return Err(failed(&e, attempt));
-                }
+        let done = redone!(self, "transition", |_attempt| self
+            .try_transition(command)
+            .await);
+        done.unwrap_or_else(|(e, attempt)| {
+            static TRANSITION_FAILED: broker_wire::throttle::Throttle =
+                broker_wire::throttle::Throttle::new();
+            if let Some(held) = TRANSITION_FAILED.allow() {
+                tracing::warn!(error = %e, attempt, held, "transition failed");
             }
-        }
+            Err(failed(&e, attempt))
+        })
     }
 
     async fn try_transition(

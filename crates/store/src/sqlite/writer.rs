@@ -302,6 +302,13 @@ pub(super) fn retakes(state: &WriterState) -> Option<&prometheus::IntCounter> {
     state.metrics.as_ref().map(|m| &m.sqlite_handle_retakes)
 }
 
+/// The commands of the batch being written and, in the same order, where
+/// each one's answer goes.
+struct Group {
+    commands: Vec<Command>,
+    replies: Vec<Reply>,
+}
+
 pub(super) async fn writer_loop(
     conn: &mut SqliteConnection,
     mut queue: mpsc::Receiver<(Command, Reply)>,
@@ -310,20 +317,15 @@ pub(super) async fn writer_loop(
     clock: Arc<dyn Clock>,
     max_batch: usize,
 ) {
-    let mut commands = Vec::with_capacity(max_batch);
-    let mut replies = Vec::with_capacity(max_batch);
+    let mut group = Group {
+        commands: Vec::with_capacity(max_batch),
+        replies: Vec::with_capacity(max_batch),
+    };
     'serve: loop {
         let Some(first) = next_request(conn, &mut queue, state, clock.as_ref()).await else {
             break;
         };
-        gather(
-            first,
-            &mut queue,
-            &mut commands,
-            &mut replies,
-            state,
-            max_batch,
-        );
+        gather(first, &mut queue, &mut group, state, max_batch);
         // A held stretch: while batches need nothing but their own
         // statements, the writer keeps SQLite's handle and takes batch
         // after batch without handing the connection back to sqlx's worker
@@ -338,14 +340,19 @@ pub(super) async fn writer_loop(
         if *state.writable.borrow() {
             match super::raw::take_handle(conn, retakes(state)).await {
                 Ok(mut handle) => loop {
-                    match apply_held(&mut handle, &commands, state, &stamper, now_ms) {
+                    match apply_held(&mut handle, &group.commands, state, &stamper, now_ms) {
                         Held::Pending(p) => {
                             pending = p;
                             break;
                         }
                         Held::Answered(answers) => {
-                            let answered =
-                                hand_over(state, &mut commands, &mut replies, Ok(answers), began);
+                            let answered = hand_over(
+                                state,
+                                &mut group.commands,
+                                &mut group.replies,
+                                Ok(answers),
+                                began,
+                            );
                             if !answered.await {
                                 break 'serve;
                             }
@@ -360,14 +367,7 @@ pub(super) async fn writer_loop(
                     let Some(first) = queue.recv().await else {
                         break 'serve;
                     };
-                    gather(
-                        first,
-                        &mut queue,
-                        &mut commands,
-                        &mut replies,
-                        state,
-                        max_batch,
-                    );
+                    gather(first, &mut queue, &mut group, state, max_batch);
                     now_ms = clock.now_ms();
                     began = std::time::Instant::now();
                 },
@@ -377,9 +377,18 @@ pub(super) async fn writer_loop(
             }
         }
         // Whatever the held stretch left: with sqlx's connection.
-        if !commands.is_empty() {
-            let applied = apply_batch(conn, &commands, state, &stamper, now_ms, pending).await;
-            if !hand_over(state, &mut commands, &mut replies, applied, began).await {
+        if !group.commands.is_empty() {
+            let applied =
+                apply_batch(conn, &group.commands, state, &stamper, now_ms, pending).await;
+            if !hand_over(
+                state,
+                &mut group.commands,
+                &mut group.replies,
+                applied,
+                began,
+            )
+            .await
+            {
                 break;
             }
             if !maintain_if_due(conn, state, clock.as_ref()).await {
@@ -438,11 +447,11 @@ async fn maintain_if_due(
 fn gather(
     first: (Command, Reply),
     queue: &mut mpsc::Receiver<(Command, Reply)>,
-    commands: &mut Vec<Command>,
-    replies: &mut Vec<Reply>,
+    group: &mut Group,
     state: &WriterState,
     max_batch: usize,
 ) {
+    let Group { commands, replies } = group;
     commands.push(first.0);
     replies.push(first.1);
     while commands.len() < max_batch {
