@@ -505,25 +505,9 @@ pub fn invariant_label(wire: i32) -> &'static str {
 
 pub use crate::names::{METHODS, method_labels, method_name};
 
-/// The tower layer that counts every call (`Server::builder().layer`).
-#[derive(Clone)]
-pub struct MetricsLayer(pub Arc<Metrics>);
-
-impl<S> tower::Layer<S> for MetricsLayer {
-    type Service = MetricsService<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        MetricsService {
-            inner,
-            metrics: self.0.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct MetricsService<S> {
-    inner: S,
-    metrics: Arc<Metrics>,
+broker_runtime::state_layer! {
+    /// The tower layer that counts every call (`Server::builder().layer`).
+    pub struct MetricsLayer(Arc<Metrics>) => MetricsService { metrics }
 }
 
 type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
@@ -661,7 +645,6 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) {
-    use tokio_stream::StreamExt as _;
     let bounds = crate::server::listen::Bounds {
         max_connections: MAX_METRICS_CONNECTIONS,
         max_per_address: MAX_METRICS_CONNECTIONS_PER_ADDRESS,
@@ -672,17 +655,7 @@ pub async fn serve(
         open: None,
         closed: Some(metrics.connections_closed.clone()),
     };
-    let (connections, _) = crate::server::listen::incoming(listener, bounds, counters);
-    tokio::pin!(shutdown, connections);
-    loop {
-        let connection = tokio::select! {
-            () = &mut shutdown => return,
-            next = connections.next() => match next {
-                Some(Ok(connection)) => connection,
-                Some(Err(_)) => continue,
-                None => return,
-            },
-        };
+    crate::server::listen::each_connection(listener, bounds, counters, shutdown, |connection| {
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let spoke = connection.spoke();
@@ -703,7 +676,8 @@ pub async fn serve(
             )
             .await;
         });
-    }
+    })
+    .await;
 }
 
 fn respond<B>(

@@ -93,25 +93,9 @@ impl GateState {
     }
 }
 
-/// The tower layer around the gRPC-Web service.
-#[derive(Clone)]
-pub struct GateLayer(pub Arc<GateState>);
-
-impl<S> tower::Layer<S> for GateLayer {
-    type Service = Gate<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Gate {
-            inner,
-            state: self.0.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct Gate<S> {
-    inner: S,
-    state: Arc<GateState>,
+broker_runtime::state_layer! {
+    /// The tower layer around the gRPC-Web service.
+    pub struct GateLayer(Arc<GateState>) => Gate { state }
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;

@@ -51,28 +51,11 @@ pub fn rewrite_decoder_errors(response: http::Response<Body>) -> http::Response<
     .into_http()
 }
 
-/// Refuses every new call but health's with UNAVAILABLE (`ShuttingDown`)
-/// once a stop was asked, while calls already running finish: a client
-/// then retries elsewhere at once instead of waiting out the drain.
-#[derive(Clone)]
-pub struct StoppingLayer(pub tokio::sync::watch::Receiver<bool>);
-
-impl<S> tower::Layer<S> for StoppingLayer {
-    type Service = Stopping<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Stopping {
-            inner,
-            stopping: self.0.clone(),
-        }
-    }
-}
-
-/// See `StoppingLayer`.
-#[derive(Clone)]
-pub struct Stopping<S> {
-    inner: S,
-    stopping: tokio::sync::watch::Receiver<bool>,
+broker_runtime::state_layer! {
+    /// Refuses every new call but health's with UNAVAILABLE (`ShuttingDown`)
+    /// once a stop was asked, while calls already running finish: a client
+    /// then retries elsewhere at once instead of waiting out the drain.
+    pub struct StoppingLayer(tokio::sync::watch::Receiver<bool>) => Stopping { stopping }
 }
 
 /// Health answers NOT_SERVING through the drain: probes read it, not an

@@ -7,3 +7,36 @@
 pub mod listen;
 pub mod shutdown;
 pub mod telemetry;
+
+/// Declares a tower layer carrying `$state` and the service it wraps
+/// around an inner service, holding a clone of the state in `$field`
+/// (each middleware writes its own `tower::Service` impl beside it).
+#[macro_export]
+macro_rules! state_layer {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $layer:ident($state:ty) => $service:ident { $field:ident }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone)]
+        $vis struct $layer(pub $state);
+
+        impl<S> tower::Layer<S> for $layer {
+            type Service = $service<S>;
+
+            fn layer(&self, inner: S) -> Self::Service {
+                $service {
+                    inner,
+                    $field: self.0.clone(),
+                }
+            }
+        }
+
+        #[doc = concat!("See `", stringify!($layer), "`.")]
+        #[derive(Clone)]
+        $vis struct $service<S> {
+            inner: S,
+            $field: $state,
+        }
+    };
+}

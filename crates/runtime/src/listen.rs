@@ -207,26 +207,10 @@ impl FirstRequest {
     }
 }
 
-/// See `FirstRequest`.
-#[derive(Clone, Debug)]
-pub struct FirstRequestLayer(FirstRequest);
-
-impl<S> tower::Layer<S> for FirstRequestLayer {
-    type Service = FirstRequestService<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        FirstRequestService {
-            inner,
-            first: self.0.clone(),
-        }
-    }
-}
-
-/// See `FirstRequest`.
-#[derive(Clone, Debug)]
-pub struct FirstRequestService<S> {
-    inner: S,
-    first: FirstRequest,
+crate::state_layer! {
+    /// See `FirstRequest`.
+    #[derive(Debug)]
+    pub struct FirstRequestLayer(FirstRequest) => FirstRequestService { first }
 }
 
 impl<S, B> tower::Service<http::Request<B>> for FirstRequestService<S>
@@ -495,6 +479,30 @@ pub async fn serve_gateway_http(
     .await;
 }
 
+/// Hands each connection accepted on `listener` within `bounds` to
+/// `serve` until `shutdown` resolves or the listener fails.
+pub async fn each_connection(
+    listener: TcpListener,
+    bounds: Bounds,
+    counters: Counters,
+    shutdown: impl Future<Output = ()>,
+    mut serve: impl FnMut(Limited),
+) {
+    use tokio_stream::StreamExt as _;
+    let (connections, _) = incoming(listener, bounds, counters);
+    tokio::pin!(connections, shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return,
+            next = connections.next() => match next {
+                Some(Ok(connection)) => serve(connection),
+                Some(Err(_)) => continue,
+                None => return,
+            },
+        }
+    }
+}
+
 /// Serves `router` over HTTP/1.1 on `listener` within `bounds` until
 /// `shutdown` resolves, then lets the open connections finish their
 /// requests. `idle` bounds the wait for each request's head after the
@@ -509,19 +517,8 @@ pub async fn serve_http(
     router: axum::Router,
     shutdown: impl Future<Output = ()>,
 ) {
-    use tokio_stream::StreamExt as _;
-    let (connections, _) = incoming(listener, bounds, counters);
     let (stop, stopping) = tokio::sync::watch::channel(false);
-    tokio::pin!(connections, shutdown);
-    loop {
-        let connection = tokio::select! {
-            () = &mut shutdown => break,
-            next = connections.next() => match next {
-                Some(Ok(connection)) => connection,
-                Some(Err(_)) => continue,
-                None => break,
-            },
-        };
+    each_connection(listener, bounds, counters, shutdown, |connection| {
         let spoke = connection.spoke();
         let remote = connection.remote_addr();
         let router = router.clone();
@@ -546,7 +543,8 @@ pub async fn serve_http(
             }
             let _ = served.await;
         });
-    }
+    })
+    .await;
     let _ = stop.send(true);
     drop(stopping);
     // Each connection's task holds a receiver until it ends.
