@@ -60,19 +60,6 @@ struct Paging {
 }
 
 impl Paging {
-    fn new(
-        page_size_requested: u32,
-        token: &[u8],
-        response_limit: usize,
-    ) -> Result<Self, InputError> {
-        Ok(Self {
-            limit: page_size(page_size_requested)?,
-            before_seq: page_start(token)?,
-            response_limit,
-            max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
-        })
-    }
-
     /// A page of contracts as a response (`build` from the states and the
     /// next page's token), refused when larger than a response.
     fn respond<R: Message>(
@@ -101,6 +88,17 @@ fn fitting<R: Message>(response: R, limit: usize, hint: &'static str) -> Result<
 }
 
 impl<S: Store> BrokerService<S> {
+    /// A page request's bounds under this broker's response limit.
+    fn paging(&self, requested_size: u32, token: &[u8]) -> Result<Paging, InputError> {
+        let response_limit = self.config.limits.max_response_bytes();
+        Ok(Paging {
+            limit: page_size(requested_size)?,
+            before_seq: page_start(token)?,
+            response_limit,
+            max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
+        })
+    }
+
     pub(super) async fn record(
         &self,
         id: &[u8],
@@ -235,11 +233,7 @@ impl<S: Store> BrokerService<S> {
         let _turn = self.admit_caller(&caller).await?;
         let request = request.into_inner();
         let labels = crate::core::labels(&request.labels, "labels")?;
-        let paging = Paging::new(
-            request.page_size,
-            &request.page_token,
-            self.config.limits.max_response_bytes(),
-        )?;
+        let paging = self.paging(request.page_size, &request.page_token)?;
         let page = self
             .store
             .roots(&crate::store::RootsQuery {
@@ -251,15 +245,13 @@ impl<S: Store> BrokerService<S> {
                 max_bytes: paging.max_bytes,
             })
             .await?;
-        paging.respond(
-            page.roots,
-            page.next_before,
-            "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
-            |roots, next_page_token| pb::ListRootsResponse {
+        let hint = "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes";
+        paging.respond(page.roots, page.next_before, hint, |roots, next| {
+            pb::ListRootsResponse {
                 roots,
-                next_page_token,
-            },
-        )
+                next_page_token: next,
+            }
+        })
     }
 
     pub(super) async fn list_held(
@@ -280,11 +272,7 @@ impl<S: Store> BrokerService<S> {
                 .into());
             }
         };
-        let paging = Paging::new(
-            request.page_size,
-            &request.page_token,
-            self.config.limits.max_response_bytes(),
-        )?;
+        let paging = self.paging(request.page_size, &request.page_token)?;
         let page = self
             .store
             .held(&crate::store::HeldQuery {
@@ -295,15 +283,13 @@ impl<S: Store> BrokerService<S> {
                 max_bytes: paging.max_bytes,
             })
             .await?;
-        paging.respond(
-            page.contracts,
-            page.next_before,
-            "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes",
-            |contracts, next_page_token| pb::ListHeldResponse {
+        let hint = "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes";
+        paging.respond(page.contracts, page.next_before, hint, |contracts, next| {
+            pb::ListHeldResponse {
                 contracts,
-                next_page_token,
-            },
-        )
+                next_page_token: next,
+            }
+        })
     }
 
     pub(super) async fn get_receipt(

@@ -185,44 +185,24 @@ pub(super) const PLACE: &str = place!();
 fn events(parts: &mut Parts, plan: &Plan, guard: Option<&Guard>) {
     let count = parts.count;
     let query = &mut parts.query;
-    let contracts = plan.contracts.iter();
-    let receipts = plan.receipts.iter();
+    // Contracts' events, then receipts': one value of each per column.
+    let (contracts, receipts) = (&plan.contracts, &plan.receipts);
+    let both = |c: &dyn Fn(&crate::batch::ContractRow) -> i64,
+                r: &dyn Fn(&crate::batch::ReceiptRow) -> i64|
+     -> Vec<i64> {
+        contracts
+            .iter()
+            .map(c)
+            .chain(receipts.iter().map(r))
+            .collect()
+    };
     query.push(", ev AS (SELECT * FROM UNNEST(");
-    column(
-        query,
-        contracts
-            .clone()
-            .map(|c| c.seq)
-            .chain(receipts.clone().map(|r| r.seq))
-            .collect::<Vec<i64>>(),
-        true,
-    );
-    column(
-        query,
-        contracts
-            .clone()
-            .map(|_| 1i64)
-            .chain(receipts.clone().map(|_| 2i64))
-            .collect::<Vec<i64>>(),
-        false,
-    );
-    column(
-        query,
-        contracts
-            .clone()
-            .map(|c| c.seq)
-            .chain(receipts.clone().map(|r| r.contract_seq))
-            .collect::<Vec<i64>>(),
-        false,
-    );
-    column(
-        query,
-        contracts
-            .map(|c| c.root_id.as_slice())
-            .chain(receipts.map(|r| r.root_id.as_slice()))
-            .collect::<Vec<&[u8]>>(),
-        false,
-    );
+    column(query, both(&|c| c.seq, &|r| r.seq), true);
+    column(query, both(&|_| 1, &|_| 2), false);
+    column(query, both(&|c| c.seq, &|r| r.contract_seq), false);
+    let root_ids = contracts.iter().map(|c| c.root_id.as_slice());
+    let root_ids = root_ids.chain(receipts.iter().map(|r| r.root_id.as_slice()));
+    column(query, root_ids.collect::<Vec<&[u8]>>(), false);
     query.push(") AS e(seq, kind, contract_seq, root_id)), ");
     // Every part's rows, counted: the clock's lock reads `done`, so every
     // part has run (and waited for any lock it met) before the clock is

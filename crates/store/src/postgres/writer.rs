@@ -328,14 +328,8 @@ impl Writer {
         let mut seqs = Reserved::default();
         seqs.left.extend(numbers);
         let mut prior = HashMap::new();
-        let mut plan = batch::plan(
-            commands,
-            &mut prior,
-            &mut known,
-            &mut seqs,
-            &self.stamper,
-            now_ms,
-        );
+        let stamper = &self.stamper;
+        let mut plan = batch::plan(commands, &mut prior, &mut known, &mut seqs, stamper, now_ms);
         // Every ledger the plan updates must be checked; a parent made in
         // this group is not cached, so none is unchecked (but be sure).
         if plan
@@ -568,14 +562,8 @@ impl Writer {
         }
         let draining: Vec<i64> = drains.iter().map(|(root, _)| *root).collect();
         drain::mark_ending_with::<Postgres>(&mut tx, &mut known, &parent_ids, &drains).await?;
-        let mut plan = batch::plan(
-            commands,
-            &mut prior,
-            &mut known,
-            &mut seqs,
-            &self.stamper,
-            now_ms,
-        );
+        let stamper = &self.stamper;
+        let mut plan = batch::plan(commands, &mut prior, &mut known, &mut seqs, stamper, now_ms);
         let mut answers = std::mem::take(&mut plan.answers);
         if !careful {
             // Requests answered with an error wrote no request-log row a
