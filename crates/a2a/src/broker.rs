@@ -7,6 +7,7 @@
 use prost::Message as _;
 
 use crate::Gateway;
+use broker_client::Ending as _;
 use broker_client::{Body, BrokerError, Link, Sendable};
 use broker_wire::pb;
 
@@ -64,27 +65,15 @@ pub async fn end(
     let contract_id = contract_id.to_vec();
     Ok(match ending {
         Ending::Escalate => {
-            let body = pb::EscalateBody {
-                contract_id,
-                reason,
-                ..Default::default()
-            };
+            let body = pb::EscalateBody::ending(contract_id, reason);
             counted(gateway, "escalate", body, trace).await?.receipt_id
         }
         Ending::Decline => {
-            let body = pb::DeclineBody {
-                contract_id,
-                reason,
-                ..Default::default()
-            };
+            let body = pb::DeclineBody::ending(contract_id, reason);
             counted(gateway, "decline", body, trace).await?.receipt_id
         }
         Ending::Revoke => {
-            let body = pb::RevokeBody {
-                contract_id,
-                reason,
-                ..Default::default()
-            };
+            let body = pb::RevokeBody::ending(contract_id, reason);
             counted(gateway, "revoke", body, trace).await?.receipt_id
         }
     })

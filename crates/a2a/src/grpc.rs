@@ -326,28 +326,20 @@ where
     }
     let mut client = client.clone();
     let started = std::time::Instant::now();
+    // One upstream RPC: its request transcoded from the JSON params, its
+    // answer re-encoded for the caller's decoding.
+    macro_rules! call {
+        ($rpc:ident, $request:ty) => {
+            client
+                .$rpc(request(transcode::<_, $request>(params)?, headers))
+                .await
+                .map(|r| r.into_inner().encode_to_vec())
+        };
+    }
     let answer: Result<Vec<u8>, tonic::Status> = match method {
-        "SendMessage" => client
-            .send_message(request(
-                transcode::<_, proto::SendMessageRequest>(params)?,
-                headers,
-            ))
-            .await
-            .map(|r| r.into_inner().encode_to_vec()),
-        "GetTask" => client
-            .get_task(request(
-                transcode::<_, proto::GetTaskRequest>(params)?,
-                headers,
-            ))
-            .await
-            .map(|r| r.into_inner().encode_to_vec()),
-        "CancelTask" => client
-            .cancel_task(request(
-                transcode::<_, proto::CancelTaskRequest>(params)?,
-                headers,
-            ))
-            .await
-            .map(|r| r.into_inner().encode_to_vec()),
+        "SendMessage" => call!(send_message, proto::SendMessageRequest),
+        "GetTask" => call!(get_task, proto::GetTaskRequest),
+        "CancelTask" => call!(cancel_task, proto::CancelTaskRequest),
         other => {
             return Err(Refused::new(
                 code::METHOD_NOT_FOUND,

@@ -24,4 +24,4 @@ pub fn terms(sealed: Option<&pb::Sealed>) -> Option<pb::Contract> {
     pb::Contract::decode(sealed?.payload.as_slice()).ok()
 }
 pub use error::BrokerError;
-pub use link::{Body, Link, Receipted, Sendable};
+pub use link::{Body, Ending, Link, Receipted, Sendable};

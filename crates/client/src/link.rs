@@ -245,3 +245,29 @@ receipted! {
     RevokeResponse,
     RecordReceiptsResponse,
 }
+
+/// A body that ends a contract for a stated reason: a decline, an
+/// escalation or a revocation.
+pub trait Ending: Body + Default {
+    fn ending(contract_id: Vec<u8>, reason: String) -> Self;
+}
+
+macro_rules! endings {
+    ($($body:ident),* $(,)?) => {$(
+        impl Ending for pb::$body {
+            fn ending(contract_id: Vec<u8>, reason: String) -> Self {
+                pb::$body {
+                    contract_id,
+                    reason,
+                    ..Default::default()
+                }
+            }
+        }
+    )*};
+}
+
+endings! {
+    DeclineBody,
+    EscalateBody,
+    RevokeBody,
+}

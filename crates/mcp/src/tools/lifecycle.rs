@@ -90,55 +90,36 @@ impl Tools {
         description = "Decline a contract delegated to you (before accepting it); its reservation returns to the principal."
     )]
     async fn decline(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        self.with_reason(&input, |contract_id, reason| pb::DeclineBody {
-            header: None,
-            contract_id,
-            reason,
-        })
-        .await
+        self.with_reason::<pb::DeclineBody>(&input).await
     }
 
     #[tool(
         description = "Escalate a contract you accepted as unresolvable: its reservation returns and the principal learns what is left."
     )]
     async fn escalate(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        self.with_reason(&input, |contract_id, reason| pb::EscalateBody {
-            header: None,
-            contract_id,
-            reason,
-        })
-        .await
+        self.with_reason::<pb::EscalateBody>(&input).await
     }
 
     #[tool(
         description = "Revoke a contract below one you hold (and every open contract below it)."
     )]
     async fn revoke(&self, Parameters(input): Parameters<ReasonInput>) -> Answer {
-        self.with_reason(&input, |contract_id, reason| pb::RevokeBody {
-            header: None,
-            contract_id,
-            reason,
-        })
-        .await
+        self.with_reason::<pb::RevokeBody>(&input).await
     }
 }
 
 impl Tools {
     /// A decline, an escalation or a revocation: the contract and the
     /// reason checked, the body signed and sent, its receipt answered.
-    async fn with_reason<B>(
-        &self,
-        input: &ReasonInput,
-        body: impl FnOnce(Vec<u8>, String) -> B,
-    ) -> Answer
+    async fn with_reason<B>(&self, input: &ReasonInput) -> Answer
     where
-        B: broker_client::Body,
+        B: broker_client::Ending,
         <B::Request as broker_client::Sendable>::Response: broker_client::Receipted,
     {
         let run = async {
             let contract_id = id(&input.contract_id, "contract_id")?;
             let reason = text(&input.reason, "reason")?;
-            let sent = self.link.call(body(contract_id.clone(), reason), None);
+            let sent = self.link.call(B::ending(contract_id.clone(), reason), None);
             receipt(&contract_id, sent.await?.receipt())
         };
         answer(run.await)
