@@ -350,31 +350,32 @@ pub mod lifecycle {
         ))
     }
 
+    /// A body that ends a contract for a reason.
+    fn ending(
+        contract_id: &[u8],
+        text: &str,
+        action: fn(String) -> Action,
+    ) -> Result<(Id, Action), InputError> {
+        let contract = id(contract_id, "body.contract_id")?;
+        Ok((contract, action(reason(text, "body.reason")?)))
+    }
+
     pub fn decline(body: pb::DeclineBody) -> Result<(Id, Action), InputError> {
-        Ok((
-            id(&body.contract_id, "body.contract_id")?,
-            Action::Decline {
-                reason: reason(&body.reason, "body.reason")?,
-            },
-        ))
+        ending(&body.contract_id, &body.reason, |reason| Action::Decline {
+            reason,
+        })
     }
 
     pub fn escalate(body: pb::EscalateBody) -> Result<(Id, Action), InputError> {
-        Ok((
-            id(&body.contract_id, "body.contract_id")?,
-            Action::Escalate {
-                reason: reason(&body.reason, "body.reason")?,
-            },
-        ))
+        ending(&body.contract_id, &body.reason, |reason| Action::Escalate {
+            reason,
+        })
     }
 
     pub fn revoke(body: pb::RevokeBody) -> Result<(Id, Action), InputError> {
-        Ok((
-            id(&body.contract_id, "body.contract_id")?,
-            Action::Revoke {
-                reason: reason(&body.reason, "body.reason")?,
-            },
-        ))
+        ending(&body.contract_id, &body.reason, |reason| Action::Revoke {
+            reason,
+        })
     }
 
     pub fn adjudicate(body: pb::AdjudicateBody) -> Result<(Id, Action), InputError> {

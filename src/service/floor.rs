@@ -11,7 +11,7 @@ use ed25519_dalek::SigningKey;
 use prost::Message;
 use tonic::{Request, Response, Status};
 
-use super::auth::authenticate;
+use super::auth::{Authenticated, SignedBody, authenticate};
 use super::convert;
 use super::error::ServiceError;
 use crate::clock::Clock;
@@ -61,16 +61,26 @@ impl FloorService {
         }
     }
 
+    /// The body of a signed request within the timestamp window (a stale
+    /// one is refused as issuance refuses it).
+    fn fresh<T: SignedBody>(
+        &self,
+        signed: Option<&pb::Envelope>,
+        now_ms: i64,
+    ) -> Result<Authenticated<T>, ServiceError> {
+        let signed = authenticate::<T>(signed, now_ms, self.window_ms)?;
+        if !signed.fresh {
+            return Err(signed.stale_error(now_ms, self.window_ms, signed.request.timestamp_ms));
+        }
+        Ok(signed)
+    }
+
     fn open_root(
         &self,
         request: &pb::OpenRootRequest,
     ) -> Result<pb::OpenRootResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
-        let signed =
-            authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, self.window_ms)?;
-        if !signed.fresh {
-            return Err(signed.stale_error(now_ms, self.window_ms, signed.request.timestamp_ms));
-        }
+        let signed = self.fresh::<pb::OpenRootBody>(request.signed.as_ref(), now_ms)?;
         let body = signed.body;
         // The fields `Stamper::root` fills, from the body as sent.
         let contract = pb::Contract {
@@ -112,11 +122,7 @@ impl FloorService {
         request: &pb::DelegateRequest,
     ) -> Result<pb::DelegateResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
-        let signed =
-            authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, self.window_ms)?;
-        if !signed.fresh {
-            return Err(signed.stale_error(now_ms, self.window_ms, signed.request.timestamp_ms));
-        }
+        let signed = self.fresh::<pb::DelegateBody>(request.signed.as_ref(), now_ms)?;
         let body = signed.body;
         let delegate_key =
             convert::optional_key(&body.delegate_public_key, "body.delegate_public_key")?

@@ -39,20 +39,36 @@ pub fn watch(args: WatchArgs) -> anyhow::Result<()> {
     })
 }
 
+/// An event's sealed message, decoded, and its id.
+fn decoded<M: Message + Default>(
+    sealed: &pb::Sealed,
+    what: &str,
+    cursor: u64,
+) -> anyhow::Result<([u8; 32], M)> {
+    let message = M::decode(sealed.payload.as_slice())
+        .with_context(|| format!("Watch: the {what} at cursor {cursor} does not decode"))?;
+    Ok((crypto::sha256(&sealed.payload), message))
+}
+
+/// An event's JSON line: its fields, the cursor and what it is.
+fn json_line(
+    mut map: serde_json::Map<String, Value>,
+    event: &str,
+    cursor: u64,
+) -> anyhow::Result<String> {
+    map.insert("cursor".into(), cursor.to_string().into());
+    map.insert("event".into(), event.into());
+    Ok(format!("{}\n", serde_json::to_string(&Value::Object(map))?))
+}
+
 /// One Watch event as a line of text or JSON.
 pub fn event_line(event: &pb::WatchResponse, json: bool) -> anyhow::Result<String> {
     let cursor = event.cursor;
     match &event.event {
         Some(pb::watch_response::Event::Contract(sealed)) => {
-            let id = crypto::sha256(&sealed.payload);
-            let c = pb::Contract::decode(sealed.payload.as_slice()).with_context(|| {
-                format!("Watch: the contract at cursor {cursor} does not decode")
-            })?;
+            let (id, c) = decoded::<pb::Contract>(sealed, "contract", cursor)?;
             if json {
-                let mut map = terms_json(&id, &c);
-                map.insert("cursor".into(), cursor.to_string().into());
-                map.insert("event".into(), "contract".into());
-                return Ok(format!("{}\n", serde_json::to_string(&Value::Object(map))?));
+                return json_line(terms_json(&id, &c), "contract", cursor);
             }
             Ok(format!(
                 "{cursor} contract {} parent {} depth {} budget {} delegate {}\n",
@@ -64,15 +80,9 @@ pub fn event_line(event: &pb::WatchResponse, json: bool) -> anyhow::Result<Strin
             ))
         }
         Some(pb::watch_response::Event::Receipt(sealed)) => {
-            let id = crypto::sha256(&sealed.payload);
-            let r = pb::Receipt::decode(sealed.payload.as_slice()).with_context(|| {
-                format!("Watch: the receipt at cursor {cursor} does not decode")
-            })?;
+            let (id, r) = decoded::<pb::Receipt>(sealed, "receipt", cursor)?;
             if json {
-                let mut map = receipt_json(&id, &r);
-                map.insert("cursor".into(), cursor.to_string().into());
-                map.insert("event".into(), "receipt".into());
-                return Ok(format!("{}\n", serde_json::to_string(&Value::Object(map))?));
+                return json_line(receipt_json(&id, &r), "receipt", cursor);
             }
             let mut line = format!(
                 "{cursor} receipt {} {} id {}",
