@@ -132,3 +132,18 @@ pub fn authenticate<T: SignedBody>(
         fresh,
     })
 }
+
+impl<S: crate::store::Store> super::BrokerService<S> {
+    /// A signed request's body under this broker's timestamp window, its
+    /// signer recorded on the call's span.
+    pub(super) fn signed<T: SignedBody>(
+        &self,
+        envelope: Option<&pb::Envelope>,
+        now_ms: i64,
+    ) -> Result<Authenticated<T>, ServiceError> {
+        let window_ms = self.config.limits.timestamp_window_ms;
+        let signed = authenticate::<T>(envelope, now_ms, window_ms)?;
+        crate::telemetry::record(crate::telemetry::Fact::AgentKey(&signed.agent));
+        Ok(signed)
+    }
+}

@@ -3,7 +3,6 @@
 //! tenant's share of the converters.
 
 use super::BrokerService;
-use super::auth::authenticate;
 use super::convert;
 use super::error::ServiceError;
 use crate::config::RootDenied;
@@ -69,9 +68,7 @@ impl<S: Store> BrokerService<S> {
         request: pb::OpenRootRequest,
     ) -> Result<pb::OpenRootResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
-        let window_ms = self.config.limits.timestamp_window_ms;
-        let signed = authenticate::<pb::OpenRootBody>(request.signed.as_ref(), now_ms, window_ms)?;
-        telemetry::record(Fact::AgentKey(&signed.request.agent));
+        let signed = self.signed::<pb::OpenRootBody>(request.signed.as_ref(), now_ms)?;
         if !signed.fresh {
             let answer = self.late_retry(&signed, now_ms).await?;
             return Ok(pb::OpenRootResponse {
@@ -135,9 +132,7 @@ impl<S: Store> BrokerService<S> {
         request: pb::DelegateRequest,
     ) -> Result<pb::DelegateResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
-        let window_ms = self.config.limits.timestamp_window_ms;
-        let signed = authenticate::<pb::DelegateBody>(request.signed.as_ref(), now_ms, window_ms)?;
-        telemetry::record(Fact::AgentKey(&signed.request.agent));
+        let signed = self.signed::<pb::DelegateBody>(request.signed.as_ref(), now_ms)?;
         if !signed.fresh {
             return Ok(delegate_response(self.late_retry(&signed, now_ms).await?));
         }

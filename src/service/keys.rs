@@ -6,12 +6,10 @@ use std::sync::Arc;
 use tonic::Request;
 
 use super::BrokerService;
-use super::auth::authenticate;
 use super::error::ServiceError;
 use crate::core::limits::KEYS_MAX_AGE_MS;
 use crate::pb;
 use crate::store::Store;
-use crate::telemetry::{self, Fact};
 
 /// The verifying keys GetBrokerKeys publishes; shared with whatever
 /// refreshes them.
@@ -78,12 +76,8 @@ impl<S: Store> BrokerService<S> {
     ) -> Result<pb::OpenSessionResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
         let window_ms = self.config.limits.timestamp_window_ms;
-        let signed = authenticate::<pb::OpenSessionBody>(
-            request.into_inner().signed.as_ref(),
-            now_ms,
-            window_ms,
-        )?;
-        telemetry::record(Fact::AgentKey(&signed.agent));
+        let signed =
+            self.signed::<pb::OpenSessionBody>(request.into_inner().signed.as_ref(), now_ms)?;
         if !signed.fresh {
             let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
             return Err(signed.stale_error(now_ms, window_ms, timestamp_ms));

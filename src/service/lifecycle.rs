@@ -3,7 +3,7 @@
 //! authenticates, converts the body and applies it through the store.
 
 use super::BrokerService;
-use super::auth::{self, authenticate};
+use super::auth;
 use super::convert;
 use super::error::ServiceError;
 use crate::command::{Action, LifecycleCommand};
@@ -86,9 +86,7 @@ impl<S: Store> BrokerService<S> {
         named: fn(&T) -> &[u8],
     ) -> Result<(Vec<u8>, Option<pb::Sealed>, bool), ServiceError> {
         let now_ms = self.clock.now_ms();
-        let window_ms = self.config.limits.timestamp_window_ms;
-        let signed = authenticate::<T>(signed, now_ms, window_ms)?;
-        telemetry::record(Fact::AgentKey(&signed.request.agent));
+        let signed = self.signed::<T>(signed, now_ms)?;
         let answer = if signed.fresh {
             // The turn before the conversion: converting a Complete parses
             // its output, the largest work a request brings.
