@@ -14,7 +14,10 @@ use crate::store::Store;
 /// The verifying keys GetBrokerKeys publishes; shared with whatever
 /// refreshes them.
 #[derive(Clone, Default)]
-pub struct PublishedKeys(Arc<std::sync::RwLock<(Vec<pb::BrokerKey>, Option<std::time::Instant>)>>);
+pub struct PublishedKeys(Arc<std::sync::RwLock<Published>>);
+
+/// The keys published, and when they were last read from the registry.
+type Published = (Vec<pb::BrokerKey>, Option<std::time::Instant>);
 
 impl PublishedKeys {
     pub fn new(keys: Vec<pb::BrokerKey>) -> Self {
@@ -52,17 +55,13 @@ impl PublishedKeys {
     }
 
     // Replaced whole: a poisoned lock still holds a complete list.
-    pub(super) fn read(
-        &self,
-    ) -> std::sync::RwLockReadGuard<'_, (Vec<pb::BrokerKey>, Option<std::time::Instant>)> {
+    pub(super) fn read(&self) -> std::sync::RwLockReadGuard<'_, Published> {
         self.0
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(super) fn write(
-        &self,
-    ) -> std::sync::RwLockWriteGuard<'_, (Vec<pb::BrokerKey>, Option<std::time::Instant>)> {
+    pub(super) fn write(&self) -> std::sync::RwLockWriteGuard<'_, Published> {
         self.0
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -310,13 +310,7 @@ impl Drawing<'_> {
             );
             return;
         };
-        let status = pb::ContractStatus::try_from(state.status)
-            .map(|s| {
-                s.as_str_name()
-                    .trim_start_matches("CONTRACT_STATUS_")
-                    .to_owned()
-            })
-            .unwrap_or_else(|_| format!("status {}", state.status));
+        let status = crate::names::status_name(state.status);
         let _ = writeln!(
             out,
             "{lead}{} {} {status} depth {} trust {} deadline {}",
@@ -378,13 +372,7 @@ fn receipt_lines(out: &mut String, pad: &str, receipt: &pb::Receipt) {
                 .violations
                 .iter()
                 .map(|v| {
-                    let code = pb::InvariantCode::try_from(v.code)
-                        .map(|c| {
-                            c.as_str_name()
-                                .trim_start_matches("INVARIANT_CODE_")
-                                .to_owned()
-                        })
-                        .unwrap_or_else(|_| format!("code {}", v.code));
+                    let code = crate::names::code_name(v.code);
                     format!(
                         "{code} (requested {}, allowed {})",
                         safe(&v.requested),

@@ -608,23 +608,7 @@ impl HotParent {
     }
 
     async fn open_root(&self) -> anyhow::Result<Vec<u8>> {
-        let body = pb::OpenRootBody {
-            header: None,
-            intent: HOT_INTENT.into(),
-            task: String::new(),
-            budget: 1 << 40,
-            deadline_ms: SystemClock.now_ms() + 3_600_000,
-            policy: Some(pb::Policy {
-                max_depth: 2,
-                min_cumulative_trust_ppm: 500_000,
-                max_children: HOT_PARENT_CHILDREN,
-                disable_retry_headroom: false,
-                require_host: false,
-            }),
-            predicate: "result.schema_valid && result.within_scope".into(),
-            write_scope: vec!["src".into()],
-            labels: [("tool".to_owned(), "bench".to_owned())].into(),
-        };
+        let body = bench_root(HOT_INTENT, 2, HOT_PARENT_CHILDREN);
         let issued = self
             .client
             .clone()
@@ -737,23 +721,7 @@ async fn worker(
     let lineage = broker_wire::crypto::sha256(intent.as_bytes()).to_vec();
     let mut tally = Tally::default();
     while Instant::now() < stop_at {
-        let root = agents[0].open_root(pb::OpenRootBody {
-            header: None,
-            intent: intent.clone(),
-            task: String::new(),
-            budget: 1 << 40,
-            deadline_ms: SystemClock.now_ms() + 3_600_000,
-            policy: Some(pb::Policy {
-                max_depth: depth,
-                min_cumulative_trust_ppm: 500_000,
-                max_children: 16,
-                disable_retry_headroom: false,
-                require_host: false,
-            }),
-            predicate: "result.schema_valid && result.within_scope".into(),
-            write_scope: vec!["src".into()],
-            labels: [("tool".to_owned(), "bench".to_owned())].into(),
-        });
+        let root = agents[0].open_root(bench_root(&intent, depth, 16));
         let mut parent = match client.open_root(root).await {
             Ok(r) => match r.into_inner().issued {
                 Some(issued) => issued.contract_id,
@@ -796,4 +764,26 @@ async fn worker(
         }
     }
     tally
+}
+
+/// A bench root: a large budget for an hour, `max_depth` and
+/// `max_children` as the run needs, labelled `tool=bench`.
+fn bench_root(intent: &str, max_depth: u32, max_children: u32) -> pb::OpenRootBody {
+    pb::OpenRootBody {
+        header: None,
+        intent: intent.into(),
+        task: String::new(),
+        budget: 1 << 40,
+        deadline_ms: SystemClock.now_ms() + 3_600_000,
+        policy: Some(pb::Policy {
+            max_depth,
+            min_cumulative_trust_ppm: 500_000,
+            max_children,
+            disable_retry_headroom: false,
+            require_host: false,
+        }),
+        predicate: "result.schema_valid && result.within_scope".into(),
+        write_scope: vec!["src".into()],
+        labels: [("tool".to_owned(), "bench".to_owned())].into(),
+    }
 }

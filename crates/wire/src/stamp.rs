@@ -238,8 +238,12 @@ pub fn lifecycle_receipt(body: &ReceiptBody) -> pb::Receipt {
             },
         ),
         ReceiptBody::Accepted => (pb::ReceiptKind::Accepted, pb::Receipt::default()),
-        ReceiptBody::Declined { reason, ended } => (
-            pb::ReceiptKind::Declined,
+        ReceiptBody::Declined { reason, ended } | ReceiptBody::Revoked { reason, ended } => (
+            if matches!(body, ReceiptBody::Declined { .. }) {
+                pb::ReceiptKind::Declined
+            } else {
+                pb::ReceiptKind::Revoked
+            },
             pb::Receipt {
                 reason: reason.clone(),
                 revoked_ids: ids(ended),
@@ -261,14 +265,6 @@ pub fn lifecycle_receipt(body: &ReceiptBody) -> pb::Receipt {
                     retry_feasible: notice.retry_feasible,
                     reason: reason.clone(),
                 }),
-                ..Default::default()
-            },
-        ),
-        ReceiptBody::Revoked { reason, ended } => (
-            pb::ReceiptKind::Revoked,
-            pb::Receipt {
-                reason: reason.clone(),
-                revoked_ids: ids(ended),
                 ..Default::default()
             },
         ),

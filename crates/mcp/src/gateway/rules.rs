@@ -275,24 +275,19 @@ pub fn observations(tool: &str, call: CallFacts, paths: &Paths) -> Vec<pb::Obser
         outcome: call.outcome as i32,
         ..Default::default()
     }];
-    for path in &paths.reads {
-        out.push(pb::Observation {
-            kind: pb::ObservationKind::Read as i32,
-            path: path.clone(),
-            tool: tool.clone(),
-            at_ms,
-            ..Default::default()
-        });
-    }
-    for (_, path) in &paths.mutates {
-        out.push(pb::Observation {
-            kind: pb::ObservationKind::Mutation as i32,
-            path: path.clone(),
-            tool: tool.clone(),
-            at_ms,
-            ..Default::default()
-        });
-    }
+    let path_observation = |kind: pb::ObservationKind, path: &String| pb::Observation {
+        kind: kind as i32,
+        path: path.clone(),
+        tool: tool.clone(),
+        at_ms,
+        ..Default::default()
+    };
+    let reads = paths.reads.iter();
+    let mutates = paths.mutates.iter().map(|(_, path)| path);
+    let paths = reads.map(|path| path_observation(pb::ObservationKind::Read, path));
+    let paths =
+        paths.chain(mutates.map(|path| path_observation(pb::ObservationKind::Mutation, path)));
+    out.extend(paths);
     out
 }
 
