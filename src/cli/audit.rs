@@ -112,9 +112,8 @@ pub async fn reader(
     key_file: &std::path::Path,
 ) -> anyhow::Result<broker_client::SessionClient> {
     let agent = agent_from_key_file(key_file)?;
-    let channel = tonic::transport::Channel::from_shared(addr.to_owned())?
-        .connect()
-        .await?;
+    let timeout = std::time::Duration::from_millis(super::read::CONNECT_TIMEOUT_MS);
+    let channel = broker_client::channel::connect(addr, timeout).await?;
     let attacher = broker_client::SessionAttacher::default();
     let mut client = attacher.client(channel);
     attacher.open(&mut client, &agent).await?;

@@ -21,6 +21,20 @@ pub struct KeysArgs {
 
 #[derive(Subcommand, Debug)]
 enum KeysCommand {
+    /// Prints the keys a running broker publishes (GetBrokerKeys, no
+    /// key file needed): key id, current or retired (since when), and the
+    /// public key in hex and in base64.
+    Show {
+        /// Broker address, e.g. http://127.0.0.1:50051.
+        #[arg(long, env = "BROKER_ADDR", default_value = "http://127.0.0.1:50051")]
+        addr: String,
+        /// One JSON object per key instead of text.
+        #[arg(long, conflicts_with = "quiet")]
+        json: bool,
+        /// Only the current key, in hex (for `verify --public-key`).
+        #[arg(long, short)]
+        quiet: bool,
+    },
     /// Lists every registered key: current or retired (when, and why:
     /// rotation, ttl, operator), its replica's last heartbeat, the public
     /// key in hex.
@@ -36,6 +50,9 @@ enum KeysCommand {
 }
 
 pub fn run(args: KeysArgs) -> anyhow::Result<()> {
+    if let KeysCommand::Show { addr, json, quiet } = &args.command {
+        return show(addr, *json, *quiet);
+    }
     let url = args.database_url.ok_or_else(|| {
         anyhow::anyhow!(
             "--database-url (or BROKER_DATABASE_URL) is required: the registry is a replicated broker's; a single broker's keys are its data directory's (rotate-key)"
@@ -47,6 +64,8 @@ pub fn run(args: KeysArgs) -> anyhow::Result<()> {
     runtime.block_on(async {
         let connect = crate::store::postgres::connect_options(&url)?;
         match args.command {
+            // Answered above, without the database.
+            KeysCommand::Show { .. } => {}
             KeysCommand::List => {
                 let keys = crate::store::postgres::migrate::list_keys(&connect).await?;
                 print!("{}", table(&keys));
@@ -67,6 +86,47 @@ pub fn run(args: KeysArgs) -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+/// `keys show`: the published keys, a line (or JSON object) each.
+fn show(addr: &str, json: bool, quiet: bool) -> anyhow::Result<()> {
+    use base64::Engine as _;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let keys = runtime.block_on(super::read::broker_keys(addr))?;
+    if quiet {
+        let current = keys.iter().find(|k| k.current);
+        let current =
+            current.ok_or_else(|| anyhow::anyhow!("the broker published no current key"))?;
+        println!("{}", hex::encode(&current.public_key));
+        return Ok(());
+    }
+    for key in keys {
+        let hex_key = hex::encode(&key.public_key);
+        let base64_key = base64::engine::general_purpose::STANDARD.encode(&key.public_key);
+        let state = if key.current {
+            "current".to_owned()
+        } else {
+            format!("retired {}", super::tree::rfc3339(key.retired_at_ms))
+        };
+        if json {
+            let line = serde_json::json!({
+                "key_id": key.key_id,
+                "current": key.current,
+                "retired_at_ms": key.retired_at_ms.to_string(),
+                "public_key_hex": hex_key,
+                "public_key_base64": base64_key,
+            });
+            println!("{line}");
+        } else {
+            println!(
+                "{}  {state}  hex {hex_key}  base64 {base64_key}",
+                key.key_id
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `ed25519:` and 32 lower-case hex digits (`crypto::key_id`).

@@ -4,9 +4,11 @@
 
 pub mod audit;
 pub mod bench;
+pub mod health;
 pub mod keys;
 pub mod read;
 pub mod tree;
+pub mod write;
 
 use broker_tools::{disk_probe, store_probe};
 
@@ -98,11 +100,15 @@ enum Command {
         #[arg(long)]
         status: bool,
     },
-    /// The signing keys of a replicated broker (PostgreSQL): `keys list`,
-    /// `keys retire KEY_ID`.
+    /// The broker's signing keys: `keys show` (the published ones, in hex
+    /// and base64, as `verify --public-key` takes them); for a replicated
+    /// broker (PostgreSQL) `keys list` and `keys retire KEY_ID`.
     Keys(keys::KeysArgs),
     /// Prints the version, the commit and its date.
     Version,
+    /// Whether a broker serves: exit status 0 serving, 1 otherwise
+    /// (`--wait-ms` waits for it, e.g. right after `serve &`).
+    Health(health::HealthArgs),
     /// Generates an agent key pair; prints the public key and writes the
     /// secret seed (hex) to a file readable only by its owner.
     Keygen {
@@ -143,6 +149,24 @@ enum Command {
     Watch(read::WatchArgs),
     /// Prints one receipt, verified against the broker's published keys.
     Receipt(read::ReceiptArgs),
+    /// Opens a run: a root contract (intent, budget, deadline, policy)
+    /// signed by its orchestrator; prints it.
+    OpenRoot(write::OpenRootArgs),
+    /// Delegates part of a contract the signer holds; prints the child,
+    /// or the refusal with every violated invariant (exit status 3).
+    Delegate(write::DelegateArgs),
+    /// Accepts a contract delegated to the signer.
+    Accept(write::AcceptArgs),
+    /// Declines a contract delegated to the signer, before accepting it.
+    Decline(write::EndingArgs),
+    /// Completes an accepted contract; the receipt carries the verdict.
+    Complete(write::CompleteArgs),
+    /// Gives an accepted contract back as unresolvable.
+    Escalate(write::EndingArgs),
+    /// Revokes a contract below one the signer holds, with its subtree.
+    Revoke(write::EndingArgs),
+    /// Records what the host observed of a contract's work.
+    Record(write::RecordArgs),
     /// The broker for MCP clients: `mcp tools` serves its calls as tools
     /// for a model, on stdio, signing as one agent.
     #[cfg(feature = "mcp")]
@@ -253,6 +277,10 @@ pub fn main() -> ExitCode {
     }
     match dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<write::Refused>() => {
+            eprintln!("{e}");
+            ExitCode::from(write::REFUSED_EXIT_STATUS)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -289,6 +317,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
             status,
         } => migrate(&database_url, status),
         Command::Keys(args) => keys::run(args),
+        Command::Health(args) => health::run(args),
         Command::Version => {
             println!(
                 "delegation-broker {} (commit {}, {})",
@@ -312,6 +341,14 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Children(args) => read::children(args),
         Command::Watch(args) => read::watch(args),
         Command::Receipt(args) => read::receipt(args),
+        Command::OpenRoot(args) => write::open_root(args),
+        Command::Delegate(args) => write::delegate(args),
+        Command::Accept(args) => write::accept(args),
+        Command::Decline(args) => write::decline(args),
+        Command::Complete(args) => write::complete(args),
+        Command::Escalate(args) => write::escalate(args),
+        Command::Revoke(args) => write::revoke(args),
+        Command::Record(args) => write::record(args),
         #[cfg(feature = "mcp")]
         Command::Mcp(args) => broker_mcp::run(args),
         #[cfg(feature = "a2a")]
@@ -472,11 +509,12 @@ fn keygen(out: PathBuf) -> anyhow::Result<()> {
 const MAX_VERIFY_FILE_BYTES: u64 = 64 * 1024 * 1024;
 
 fn read_bounded(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    use anyhow::Context as _;
     use std::io::Read;
     let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(MAX_VERIFY_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)?;
+    std::fs::File::open(path)
+        .and_then(|file| file.take(MAX_VERIFY_FILE_BYTES + 1).read_to_end(&mut bytes))
+        .with_context(|| format!("cannot read {}", path.display()))?;
     anyhow::ensure!(
         bytes.len() as u64 <= MAX_VERIFY_FILE_BYTES,
         "{} is larger than {MAX_VERIFY_FILE_BYTES} bytes",
@@ -488,7 +526,7 @@ fn read_bounded(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
 /// An agent-signed request or an attestation (DSSE, type carried).
 fn verify_envelope(public_key: &str, envelope: &std::path::Path) -> anyhow::Result<()> {
     use prost::Message;
-    let key = crate::config::parse_public_key(public_key, "--public-key")?;
+    let key = public_key_arg(public_key)?;
     let envelope = crate::pb::Envelope::decode(read_bounded(envelope)?.as_slice())?;
     let known = [
         crate::crypto::payload_type::ATTESTATION,
@@ -515,6 +553,21 @@ fn verify_envelope(public_key: &str, envelope: &std::path::Path) -> anyhow::Resu
     Ok(())
 }
 
+/// A `--public-key` as 64 hex digits or base64 (as `keys show` prints
+/// both).
+fn public_key_arg(text: &str) -> anyhow::Result<ed25519_dalek::VerifyingKey> {
+    match crate::config::parse_public_key(text, "--public-key") {
+        Ok(key) => Ok(key),
+        Err(hex_error) => {
+            let Ok(bytes) = read::parse_id(text, "--public-key") else {
+                return Err(hex_error.into());
+            };
+            ed25519_dalek::VerifyingKey::from_bytes(&bytes)
+                .map_err(|e| anyhow::anyhow!("--public-key is not an ed25519 public key: {e}"))
+        }
+    }
+}
+
 /// One `--public-key`: HEX, or HEX:RETIRED_AT_MS for a key retired then
 /// (GetBrokerKeys' `retired_at_ms`), as the chain check takes it.
 fn broker_key(arg: &str) -> anyhow::Result<crate::pb::BrokerKey> {
@@ -522,7 +575,7 @@ fn broker_key(arg: &str) -> anyhow::Result<crate::pb::BrokerKey> {
         Some((hex_key, ms)) => (hex_key, Some(ms)),
         None => (arg, None),
     };
-    let key = crate::config::parse_public_key(hex_key, "--public-key")?;
+    let key = public_key_arg(hex_key)?;
     let retired_at_ms = match retired {
         None => 0,
         Some(ms) => ms.parse::<i64>().ok().filter(|ms| *ms > 0).ok_or_else(|| {

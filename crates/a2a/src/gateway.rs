@@ -232,10 +232,8 @@ impl Gateway {
     ) -> anyhow::Result<Self> {
         let agent = broker_client::keys::agent_from_key_file(&config.key_file)?;
         let agent_key = agent.public_key();
-        let channel = tonic::transport::Channel::from_shared(config.broker.clone())?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(BROKER_CALL_TIMEOUT)
-            .connect_lazy();
+        let channel =
+            broker_client::channel::lazy(&config.broker, CONNECT_TIMEOUT, BROKER_CALL_TIMEOUT)?;
         let link = Link::new(agent, channel);
         let metrics = Arc::new(metrics::GatewayMetrics::new());
         let http = A2aClient::new(

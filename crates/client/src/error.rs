@@ -42,6 +42,19 @@ impl BrokerError {
     }
 }
 
+/// `REASON (field FIELD): message`, as a terminal shows it.
+impl std::fmt::Display for BrokerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.reason)?;
+        if let Some(field) = &self.field {
+            write!(f, " (field {field})")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+impl std::error::Error for BrokerError {}
+
 impl From<tonic::Status> for BrokerError {
     fn from(status: tonic::Status) -> Self {
         use tonic_types::StatusExt as _;

@@ -6,6 +6,7 @@
 //! the server.
 
 pub mod agent;
+pub mod channel;
 pub mod error;
 pub mod keys;
 pub mod link;

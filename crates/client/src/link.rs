@@ -104,6 +104,33 @@ impl Link {
         }
     }
 
+    /// A contract as the broker holds it (GetContract).
+    pub async fn contract(&self, contract_id: &[u8]) -> Result<pb::ContractState, BrokerError> {
+        let request = pb::GetContractRequest {
+            contract_id: contract_id.to_vec(),
+        };
+        self.read(|mut client| {
+            let request = request.clone();
+            async move { client.get_contract(request).await }
+        })
+        .await?
+        .into_inner()
+        .contract
+        .ok_or_else(|| BrokerError::new("INTERNAL", "the broker answered without the contract"))
+    }
+
+    /// A contract's signed terms, e.g. a parent's lineage hash for a
+    /// Delegate (a read: a stranger's contract is NOT_FOUND).
+    pub async fn terms_of(&self, contract_id: &[u8]) -> Result<pb::Contract, BrokerError> {
+        let state = self.contract(contract_id).await?;
+        crate::terms(state.contract.as_ref()).ok_or_else(|| {
+            BrokerError::new(
+                "INTERNAL",
+                "the broker sent a contract that does not decode",
+            )
+        })
+    }
+
     /// A client whose reads carry a fresh enough session.
     pub async fn reader(&self) -> Result<SessionClient, BrokerError> {
         let mut client = self.client.clone();

@@ -108,13 +108,12 @@ fn on_runtime<F: std::future::Future<Output = anyhow::Result<()>>>(serve: F) -> 
 
 /// A lazily connected channel to the broker.
 fn broker_channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
-    Ok(tonic::transport::Channel::from_shared(addr.to_owned())?
-        .connect_timeout(CONNECT_TIMEOUT)
-        // Longer than the Watch phase of `tree`, the longest call.
+    // Connected on first use: the MCP client may list tools before the
+    // broker is up. The call bound is longer than the Watch phase of
+    // `tree`, the longest call.
+    Ok(broker_client::channel::endpoint(addr, CONNECT_TIMEOUT)?
         .timeout(CALL_TIMEOUT)
         .http2_keep_alive_interval(CONNECT_TIMEOUT)
-        // Connected on first use: the MCP client may list tools before
-        // the broker is up.
         .connect_lazy())
 }
 

@@ -24,6 +24,15 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
     let id = parse_id(&args.contract_id, "CONTRACT_ID")?;
     let view = runtime()?.block_on(async {
         let mut reader = open(&args.read).await?;
+        if let Some(path) = &args.chain_out {
+            let request = pb::GetChainRequest {
+                contract_id: id.to_vec(),
+            };
+            let chain = call("GetChain", reader.client.get_chain(request)).await?;
+            tokio::fs::write(path, chain.encode_to_vec())
+                .await
+                .with_context(|| format!("--chain-out {}: cannot write", path.display()))?;
+        }
         read_contract(&mut reader, &id).await
     })?;
     let text = if args.json {
@@ -127,14 +136,14 @@ pub(super) fn verify(
 /// `key: value` lines with the values aligned; a value's own lines are
 /// continued under it. Every value is made safe for a terminal.
 #[derive(Default)]
-pub(super) struct Fields(Vec<(String, String)>);
+pub(in crate::cli) struct Fields(Vec<(String, String)>);
 
 impl Fields {
-    pub(super) fn add(&mut self, key: &str, value: impl Into<String>) {
+    pub(in crate::cli) fn add(&mut self, key: &str, value: impl Into<String>) {
         self.0.push((key.to_owned(), value.into()));
     }
 
-    pub(super) fn render(&self) -> String {
+    pub(in crate::cli) fn render(&self) -> String {
         let width = self.0.iter().map(|(k, _)| k.len() + 1).max().unwrap_or(0);
         let mut out = String::new();
         for (key, value) in &self.0 {
@@ -149,7 +158,7 @@ impl Fields {
 }
 
 /// Bytes as hex, `-` when empty.
-pub(super) fn hex_or_dash(bytes: &[u8]) -> String {
+pub(in crate::cli) fn hex_or_dash(bytes: &[u8]) -> String {
     if bytes.is_empty() {
         "-".to_owned()
     } else {
@@ -165,7 +174,7 @@ pub(super) fn text_or_dash(text: &str) -> String {
     }
 }
 
-pub(super) fn when(ms: i64) -> String {
+pub(in crate::cli) fn when(ms: i64) -> String {
     format!("{} ({ms} ms)", rfc3339(ms))
 }
 
@@ -284,7 +293,7 @@ fn policy_text(p: &pb::Policy) -> String {
 }
 
 /// A contract's signed terms as JSON (what `get` and `watch` share).
-pub(super) fn terms_json(id: &[u8], c: &pb::Contract) -> Map<String, Value> {
+pub(in crate::cli) fn terms_json(id: &[u8], c: &pb::Contract) -> Map<String, Value> {
     let policy = c.policy.as_ref().map(|p| {
         json!({
             "max_depth": p.max_depth,

@@ -75,6 +75,10 @@ pub struct GetArgs {
     /// One JSON object instead of text (snake_case fields, bytes as hex).
     #[arg(long)]
     pub json: bool,
+    /// Also write the contract's chain, root first, to FILE: a serialized
+    /// `delegation.broker.v1.GetChainResponse`, what `verify --chain` reads.
+    #[arg(long, value_name = "FILE")]
+    pub chain_out: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub read: ReadArgs,
 }
@@ -163,18 +167,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// in `--key-file`, attached to every later call.
 async fn open(args: &ReadArgs) -> anyhow::Result<Reader> {
     let agent = super::audit::agent_from_key_file(&args.key_file)?;
-    let endpoint = tonic::transport::Endpoint::from_shared(args.addr.clone())
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "--addr {:?} is not a URI such as http://127.0.0.1:50051",
-                args.addr
-            )
-        })?
-        .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS));
-    let channel = endpoint
-        .connect()
-        .await
-        .with_context(|| format!("cannot connect to --addr {}", args.addr))?;
+    let timeout = Duration::from_millis(CONNECT_TIMEOUT_MS);
+    let channel = broker_client::channel::connect(&args.addr, timeout).await?;
     let attacher = broker_client::SessionAttacher::default();
     let mut client = attacher
         .client(channel)
@@ -204,6 +198,19 @@ async fn open(args: &ReadArgs) -> anyhow::Result<Reader> {
         keys,
         session,
     })
+}
+
+/// The keys the broker at `addr` publishes (GetBrokerKeys needs no
+/// session).
+pub async fn broker_keys(addr: &str) -> anyhow::Result<Vec<pb::BrokerKey>> {
+    let timeout = Duration::from_millis(CONNECT_TIMEOUT_MS);
+    let channel = broker_client::channel::connect(addr, timeout).await?;
+    let mut client = pb::broker_client::BrokerClient::new(channel);
+    let answer = call(
+        "GetBrokerKeys",
+        client.get_broker_keys(pb::GetBrokerKeysRequest {}),
+    );
+    Ok(answer.await?.keys)
 }
 
 /// One call, bounded by `CALL_TIMEOUT_MS`; its error names the call.

@@ -39,14 +39,16 @@ pub fn receipt(args: ReceiptArgs) -> anyhow::Result<()> {
         map.insert("verified_by".into(), verified_by.into());
         format!("{}\n", serde_json::to_string(&Value::Object(map))?)
     } else {
-        receipt_text(&id, &receipt, &verified_by)
+        receipt_text(&id, &receipt, Some(&verified_by))
     };
     emit(&text)?;
     Ok(())
 }
 
 /// What `receipt` prints.
-pub fn receipt_text(id: &[u8], r: &pb::Receipt, verified_by: &str) -> String {
+/// `verified_by`: the key whose signature was checked (`None`: not
+/// checked, no line).
+pub fn receipt_text(id: &[u8], r: &pb::Receipt, verified_by: Option<&str>) -> String {
     let mut f = Fields::default();
     f.add("receipt", hex::encode(id));
     f.add("kind", receipt_kind_name(r.kind));
@@ -129,12 +131,14 @@ pub fn receipt_text(id: &[u8], r: &pb::Receipt, verified_by: &str) -> String {
     if r.kind == pb::ReceiptKind::Observed as i32 {
         f.add("observations", r.observations.to_string());
     }
-    f.add("signature", format!("verified ({verified_by})"));
+    if let Some(verified_by) = verified_by {
+        f.add("signature", format!("verified ({verified_by})"));
+    }
     f.render()
 }
 
 /// A receipt as JSON (what `receipt` and `watch` share).
-pub(super) fn receipt_json(id: &[u8], r: &pb::Receipt) -> Map<String, Value> {
+pub(in crate::cli) fn receipt_json(id: &[u8], r: &pb::Receipt) -> Map<String, Value> {
     let completion = r.completion.as_ref().map(|c| {
         json!({
             "verdict": verdict_name(c.verdict),

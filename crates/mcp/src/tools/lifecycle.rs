@@ -177,13 +177,7 @@ impl Tools {
         let write_scope = write_scope(input.write_scope)?;
         // The lineage hash is the parent's (every contract of a tree has the
         // root's); a read, so a stranger's parent is NOT_FOUND here.
-        let parent = self.contract(&parent_id).await?;
-        let parent_contract = broker_client::terms(parent.contract.as_ref()).ok_or_else(|| {
-            BrokerError::new(
-                "INTERNAL",
-                "the broker sent a parent contract that does not decode",
-            )
-        })?;
+        let parent_contract = self.link.terms_of(&parent_id).await?;
         let body = pb::DelegateBody {
             header: None,
             parent_id,

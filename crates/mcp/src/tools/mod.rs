@@ -119,18 +119,7 @@ impl Tools {
 
     /// A contract's state now (GetContract, a read).
     async fn contract(&self, contract_id: &[u8]) -> Result<pb::ContractState, BrokerError> {
-        let request = pb::GetContractRequest {
-            contract_id: contract_id.to_vec(),
-        };
-        self.link
-            .read(|mut client| {
-                let request = request.clone();
-                async move { client.get_contract(request).await }
-            })
-            .await?
-            .into_inner()
-            .contract
-            .ok_or_else(|| BrokerError::new("INTERNAL", "the broker answered without the contract"))
+        self.link.contract(contract_id).await
     }
 }
 
