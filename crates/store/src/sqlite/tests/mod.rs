@@ -376,7 +376,7 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
         .expect("retry");
     assert!(child_again.replayed);
     issued(store.delegate(test_child(9, 8, id, 8, "true")).await);
-    let root = store.contract(id).await.expect("read").expect("root");
+    let root = crate::suite::stored(&store, id).await;
     assert_eq!(
         (root.ledger.reserved, root.ledger.open_children),
         (20, 2),
@@ -494,12 +494,7 @@ async fn concurrent_retries_and_new_requests_are_each_answered_once() {
             "issued once, replayed once"
         );
     }
-    let ledger = store
-        .contract(root)
-        .await
-        .expect("read")
-        .expect("root")
-        .ledger;
+    let ledger = crate::suite::stored(&store, root).await.ledger;
     assert_eq!((ledger.reserved, ledger.open_children), (80, 8));
     let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
         .fetch_one(&store.sql.reader)
