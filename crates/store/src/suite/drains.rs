@@ -215,7 +215,7 @@ pub const TEST_STEP_ROWS: usize = 8;
 /// is one transaction: a crash inside one rolls it back), and resumed by
 /// the drainer of the store reopened on the same database: while it lasts
 /// the subtree is frozen, each step ends at most a step of it, and in the
-/// end every descendant was ended exactly once. `open(drainer)` opens the
+/// end every descendant was ended exactly once. `open(tuned)` opens the
 /// store on the test's database; `clock` is the stores' clock. Then the
 /// same for an expiry: the descendants expire.
 pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
@@ -223,11 +223,17 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
     open: F,
 ) where
     S: Store + Clone,
-    F: Fn(bool) -> Fut,
+    F: Fn(super::Tuned) -> Fut,
     Fut: std::future::Future<Output = S>,
 {
     use broker_wire::clock::Clock as _;
-    let store = open(false).await;
+    // Steps of `TEST_STEP_ROWS`, by the drainer when `drainer`.
+    let stepped = |drainer: bool| super::Tuned {
+        cascade_step_rows: Some(TEST_STEP_ROWS),
+        drainer: Some(drainer),
+        ..super::Tuned::default()
+    };
+    let store = open(stepped(false)).await;
     let mut requests = Requests::new();
     let tree = build(&store, &mut requests, 4, 30, i64::MAX / 2).await;
     let revoke = requests.command(OPENER, tree.root, stop());
@@ -272,7 +278,7 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
     }
     drop(store);
     // Reopened with its drainer: the drain resumes and ends.
-    let store = open(true).await;
+    let store = open(stepped(true)).await;
     drained(&store, tree.root).await;
     check_drained(&store, &tree, Status::Revoked).await;
     let revoked = receipt(store.transition(revoke).await);

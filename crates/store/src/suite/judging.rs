@@ -231,6 +231,28 @@ fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
     complete_by(20, contract_id, nonce)
 }
 
+/// A judge hook that counts the judgments reaching it and holds those
+/// `hold` picks (by number, from 0) until the sender sends, one a
+/// judgment.
+fn held_judges(
+    hold: impl Fn(usize) -> bool + Send + Sync + 'static,
+) -> (
+    BeforeJudge,
+    Arc<std::sync::atomic::AtomicUsize>,
+    std::sync::mpsc::Sender<()>,
+) {
+    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let gate = Mutex::new(gate);
+    let count = entered.clone();
+    let hook = BeforeJudge(Arc::new(move || {
+        if hold(count.fetch_add(1, std::sync::atomic::Ordering::SeqCst)) {
+            let _ = gate.lock().expect("gate").recv();
+        }
+    }));
+    (hook, entered, release)
+}
+
 /// A host observation recorded while a completion is
 /// judged made the writer judge again on its own thread (with an
 /// expensive predicate, every tenant's writes froze). Now the writer
@@ -239,17 +261,9 @@ fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
 pub async fn the_writer_never_judges_a_completion_made_stale_by_an_observation<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let judged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (release, gate) = std::sync::mpsc::channel::<()>();
-    let gate = Arc::new(Mutex::new(gate));
-    let (count, held) = (judged.clone(), gate.clone());
-    let hook = BeforeJudge(Arc::new(move || {
-        // The first judgment waits until the test has recorded an
-        // observation; later ones go straight on.
-        if count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-            let _ = held.lock().expect("gate").recv();
-        }
-    }));
+    // The first judgment waits until the test has recorded an
+    // observation; later ones go straight on.
+    let (hook, judged, release) = held_judges(|n| n == 0);
     let (store, _guard, child) =
         judged_store(&open, hook, JUDGMENT_DEADLINE_MS, "result.within_scope").await;
     let completing = {
@@ -301,12 +315,7 @@ fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
 pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let (release, gate) = std::sync::mpsc::channel::<()>();
-    let gate = Arc::new(Mutex::new(gate));
-    let held = gate.clone();
-    let hook = BeforeJudge(Arc::new(move || {
-        let _ = held.lock().expect("gate").recv();
-    }));
+    let (hook, _, release) = held_judges(|_| true);
     let (store, _guard, first) = judged_store(&open, hook, 300, "true").await;
     let root = stored(&store, first).await.root_id;
     let mut children = vec![(20u8, first)];
@@ -354,14 +363,7 @@ pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judge
 pub async fn judgments_are_one_per_contract_and_few_per_signer<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (release, gate) = std::sync::mpsc::channel::<()>();
-    let gate = Arc::new(Mutex::new(gate));
-    let (count, held) = (entered.clone(), gate.clone());
-    let hook = BeforeJudge(Arc::new(move || {
-        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let _ = held.lock().expect("gate").recv();
-    }));
+    let (hook, entered, release) = held_judges(|_| true);
     let (store, _guard, first) = judged_store(&open, hook, JUDGMENT_DEADLINE_MS, "true").await;
     let root = stored(&store, first).await.root_id;
     let mut mine = vec![first];

@@ -4,8 +4,8 @@
 use prost::Message;
 
 use super::{
-    accept_hosted_by, act, acted, complete_action, delegated, issued, meta, observation, opened,
-    reason, receipt, refused, stored, test_child,
+    accept_hosted_by, act, acted, complete_action, delegated, every_event, issued, meta,
+    observation, opened, reason, receipt, refused, stored, test_child,
 };
 use crate::{Store, StoreError};
 use broker_domain::Id;
@@ -172,10 +172,7 @@ pub async fn a_revocation_cascades_with_a_receipt_each<S: Store>(store: &S) {
     let (_, parent) = ledger(store, root).await;
     assert_eq!((parent.reserved, parent.open_children), (0, 0));
     // The grandchild's own receipt is among its tree's events.
-    let events = store
-        .events(grandchild, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let events = every_event(store, grandchild, 100).await;
     let receipts = events
         .iter()
         .filter(|e| matches!(e, crate::Event::Receipt { .. }))

@@ -24,6 +24,13 @@ use broker_wire::command::{
 };
 use broker_wire::pb;
 
+/// The key every test store signs with.
+pub fn test_stamper() -> std::sync::Arc<broker_wire::stamp::Stamper> {
+    std::sync::Arc::new(broker_wire::stamp::Stamper::new(
+        ed25519_dalek::SigningKey::from_bytes(&[1u8; 32]),
+    ))
+}
+
 pub fn test_root(request: RequestMeta) -> NewRoot {
     NewRoot {
         request,
@@ -709,7 +716,36 @@ pub struct Tuned {
     /// One audit read's row and byte budgets.
     pub max_audit_rows: Option<i64>,
     pub max_audit_bytes: Option<usize>,
+    /// The rows a drain step ends, and whether the drainer runs.
+    pub cascade_step_rows: Option<usize>,
+    pub drainer: Option<bool>,
 }
+
+/// A SQL backend's options, which a `Tuned` can set.
+pub trait TunedOptions {
+    fn tuned(self, tuned: Tuned) -> Self;
+}
+
+/// Implements `TunedOptions` for a SQL backend's options: the backends'
+/// options share these fields' names, not a type.
+macro_rules! tuned_options {
+    ($options:ty) => {
+        impl $crate::suite::TunedOptions for $options {
+            fn tuned(mut self, tuned: $crate::suite::Tuned) -> Self {
+                self.before_judge = tuned.before_judge;
+                if let Some(ms) = tuned.judgment_deadline_ms {
+                    self.judgment_deadline_ms = ms;
+                }
+                self.max_audit_rows = tuned.max_audit_rows.unwrap_or(self.max_audit_rows);
+                self.max_audit_bytes = tuned.max_audit_bytes.unwrap_or(self.max_audit_bytes);
+                self.cascade_step_rows = tuned.cascade_step_rows.unwrap_or(self.cascade_step_rows);
+                self.drainer = tuned.drainer.unwrap_or(self.drainer);
+                self
+            }
+        }
+    };
+}
+pub(crate) use tuned_options;
 
 /// A store of the SQL backend under test (what `tuned_suite!` runs on).
 pub trait Judged: Store + crate::sql::Backend + Clone {}

@@ -68,16 +68,10 @@ pub async fn a_subtrees_events_leave_out_its_siblings<S: Store>(store: &S) {
     let right = delegated(store, ORCHESTRATOR, 3, root, 7).await;
     delegated(store, 8, 4, left, 6).await;
     acted(store, 7, 5, right, Action::Accept { host: None }).await;
-    let events = store
-        .events(left, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let events = every_event(store, left, 100).await;
     assert_eq!(events.len(), 2, "left and its child only");
     assert!(events.iter().all(|e| matches!(e, Event::Contract { .. })));
-    let events = store
-        .events(right, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let events = every_event(store, right, 100).await;
     assert_eq!(events.len(), 2, "right and its acceptance");
 }
 
@@ -92,10 +86,7 @@ pub async fn commits_and_tree_changes_follow_every_write<S: Store>(store: &S) {
     );
     commits.borrow_and_update();
     let other = opened(store, ORCHESTRATOR, 2).await;
-    let seen = store
-        .events(other, 0, 10, usize::MAX)
-        .await
-        .expect("events");
+    let seen = every_event(store, other, 100).await;
     let at = cursor(seen.last().expect("the root"));
     delegated(store, ORCHESTRATOR, 3, root, 8).await;
     assert!(commits.has_changed().expect("open"));
@@ -107,10 +98,7 @@ pub async fn commits_and_tree_changes_follow_every_write<S: Store>(store: &S) {
     // A lifecycle receipt changes its tree too (the writer returns the
     // trees its receipts touched).
     let child = delegated(store, ORCHESTRATOR, 4, root, 8).await;
-    let seen = store
-        .events(root, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let seen = every_event(store, root, 100).await;
     let at = cursor(seen.last().expect("the root's events"));
     assert!(
         !changes.changed_since(&root, at),
@@ -130,11 +118,14 @@ pub async fn audit_facts_are_the_stored_facts<S: Store>(store: &S) {
     let root = opened(store, ORCHESTRATOR, 1).await;
     let child = delegated(store, ORCHESTRATOR, 2, root, 8).await;
     acted(store, 8, 3, child, accept_hosted_by(30)).await;
-    let (before, _) = store
-        .audit_facts(child)
-        .await
-        .expect("read")
-        .expect("facts");
+    let audit_facts = async || {
+        store
+            .audit_facts(child)
+            .await
+            .expect("read")
+            .expect("facts")
+    };
+    let (before, _) = audit_facts().await;
     assert!(!before.completed && before.has_report.is_none());
     let record = Action::Record {
         observations: vec![
@@ -144,11 +135,7 @@ pub async fn audit_facts_are_the_stored_facts<S: Store>(store: &S) {
     };
     acted(store, 30, 4, child, record).await;
     acted(store, 8, 5, child, complete_action(1)).await;
-    let (facts, mutations) = store
-        .audit_facts(child)
-        .await
-        .expect("read")
-        .expect("facts");
+    let (facts, mutations) = audit_facts().await;
     assert_eq!((facts.id, facts.depth), (child, 1));
     assert!(facts.completed);
     assert_eq!(facts.has_report, Some(true));
@@ -257,20 +244,10 @@ pub async fn unknown_ids_read_as_absent<S: Store>(store: &S) {
     let unknown = [0x33; 32];
     assert!(store.contract(unknown).await.expect("read").is_none());
     assert!(store.receipt(unknown).await.expect("read").is_none());
-    assert!(
-        store
-            .children(unknown, 0, 10, usize::MAX)
-            .await
-            .expect("read")
-            .is_empty()
-    );
-    assert!(
-        store
-            .events(unknown, 0, 10, usize::MAX)
-            .await
-            .expect("read")
-            .is_empty()
-    );
+    let children = store.children(unknown, 0, 10, usize::MAX).await;
+    assert!(children.expect("read").is_empty());
+    let events = store.events(unknown, 0, 10, usize::MAX).await;
+    assert!(events.expect("read").is_empty());
     assert!(store.replay(&meta(1, 1)).await.expect("read").is_none());
 }
 
@@ -287,10 +264,7 @@ pub async fn a_refusal_is_replayed_not_redone<S: Store>(store: &S) {
         panic!("both refused");
     };
     assert_eq!(a, b);
-    let events = store
-        .events(root, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let events = every_event(store, root, 100).await;
     assert_eq!(events.len(), 2, "the root and one refusal");
 }
 
