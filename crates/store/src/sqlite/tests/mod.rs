@@ -35,6 +35,15 @@ async fn raw_connection(path: &std::path::Path) -> SqliteConnection {
         .expect("connect")
 }
 
+/// Runs `sql` with `binds` as its parameters, in order.
+async fn execute_with(conn: &mut SqliteConnection, sql: &'static str, binds: &[&[u8]]) {
+    let mut query = sqlx::query(sql);
+    for bind in binds {
+        query = query.bind(*bind);
+    }
+    query.execute(conn).await.expect(sql);
+}
+
 /// How many contracts the store holds, read without waiting for syncs.
 async fn contracts_stored(store: &SqliteStore) -> i64 {
     sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
@@ -121,31 +130,24 @@ async fn a_schema_1_database_migrates_without_losing_rows_then_is_refused() {
             .run_to(1, &mut conn)
             .await
             .expect("schema 1");
-        sqlx::query(
+        execute_with(
+            &mut conn,
             "INSERT INTO contracts (seq, id, root_seq, root_id, depth, delegate_key, liability, \
              intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, \
              write_scope, max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, \
              envelope, issued_at_ms, status, budget, reserved, spent, open_children, labels) \
              VALUES (1, $1, 1, $1, 0, $2, 1, $1, 1000000, 'true', 1, '[]', 4, 0, 8, 0, $3, 1, \
              1, 100, 0, 0, 0, '{\"arm\":\"a\",\"note\":\"say \\\"hi\\\" \\\\ é\"}')",
+            &[&id, &agent, &envelope],
         )
-        .bind(id.as_slice())
-        .bind(agent.as_slice())
-        .bind(envelope.as_slice())
-        .execute(&mut conn)
-        .await
-        .expect("schema-1 contract");
-        sqlx::query(
+        .await;
+        execute_with(
+            &mut conn,
             "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
              VALUES ($1, $2, $3, 1, $4, 1)",
+            &[&agent, &nonce, &digest, &id],
         )
-        .bind(agent.as_slice())
-        .bind(nonce.as_slice())
-        .bind(digest.as_slice())
-        .bind(id.as_slice())
-        .execute(&mut conn)
-        .await
-        .expect("schema-1 request");
+        .await;
         sqlx::migrate!("./migrations/sqlite")
             .run_to(LINEAR_FORMAT_MIGRATION - 1, &mut conn)
             .await
