@@ -83,27 +83,38 @@ pub const PATH_WORDS: &[&str] = &[
 /// A path-like string: components of `PATH_WORDS` joined by '/' or '\\',
 /// with an optional leading and trailing separator; or arbitrary text.
 pub fn path(u: &mut Unstructured<'_>) -> Result<String> {
-    if u.ratio(1, 8)? {
+    shaped_or_text(u, 8, |u| {
+        let mut out = String::new();
+        match u.int_in_range(0..=4)? {
+            0 => out.push('/'),
+            1 => out.push('\\'),
+            2 => out.push_str("./"),
+            _ => {}
+        }
+        let n = u.int_in_range(1..=5)?;
+        for i in 0..n {
+            if i > 0 {
+                out.push_str(u.choose(&["/", "/", "/", "\\", "//"])?);
+            }
+            out.push_str(&word(u, PATH_WORDS)?);
+        }
+        if u.ratio(1, 4)? {
+            out.push_str(u.choose(&["/", "\\", "//"])?);
+        }
+        Ok(out)
+    })
+}
+
+/// Arbitrary text one time in `one_in`, else what `shaped` draws.
+fn shaped_or_text(
+    u: &mut Unstructured<'_>,
+    one_in: u32,
+    shaped: impl FnOnce(&mut Unstructured<'_>) -> Result<String>,
+) -> Result<String> {
+    if u.ratio(1, one_in)? {
         return Ok(u.arbitrary::<&str>()?.to_owned());
     }
-    let mut out = String::new();
-    match u.int_in_range(0..=4)? {
-        0 => out.push('/'),
-        1 => out.push('\\'),
-        2 => out.push_str("./"),
-        _ => {}
-    }
-    let n = u.int_in_range(1..=5)?;
-    for i in 0..n {
-        if i > 0 {
-            out.push_str(u.choose(&["/", "/", "/", "\\", "//"])?);
-        }
-        out.push_str(&word(u, PATH_WORDS)?);
-    }
-    if u.ratio(1, 4)? {
-        out.push_str(u.choose(&["/", "\\", "//"])?);
-    }
-    Ok(out)
+    shaped(u)
 }
 
 /// Up to `max` paths.
@@ -228,10 +239,7 @@ pub const CEL_WORDS: &[&str] = &[
 
 /// A predicate text: CEL tokens, or (one time in six) arbitrary text.
 pub fn cel(u: &mut Unstructured<'_>) -> Result<String> {
-    if u.ratio(1, 6)? {
-        return Ok(u.arbitrary::<&str>()?.to_owned());
-    }
-    tokens(u, CEL_WORDS, 24)
+    shaped_or_text(u, 6, |u| tokens(u, CEL_WORDS, 24))
 }
 
 const STRINGS: &[&str] = &[
@@ -300,10 +308,7 @@ pub fn json(u: &mut Unstructured<'_>, depth: usize) -> Result<Json> {
         1 => Json::Bool(u.arbitrary()?),
         2 => number(u)?,
         3 => Json::String(word(u, STRINGS)?),
-        4 => {
-            let n = u.int_in_range(0..=4)?;
-            Json::Array((0..n).map(|_| json(u, depth - 1)).collect::<Result<_>>()?)
-        }
+        4 => array(u, 4, |u| json(u, depth - 1))?,
         _ => {
             let n = u.int_in_range(0..=4)?;
             let mut map = Map::new();
@@ -410,14 +415,7 @@ pub fn schema(u: &mut Unstructured<'_>, depth: usize) -> Result<Json> {
         let d = depth - 1;
         let (key, value): (&str, Json) = match u.int_in_range(0..=41)? {
             0 => ("type", Json::from(*u.choose(TYPES)?)),
-            1 => (
-                "type",
-                Json::Array(
-                    (0..u.int_in_range(0..=3)?)
-                        .map(|_| u.choose(TYPES).map(|t| Json::from(*t)))
-                        .collect::<Result<_>>()?,
-                ),
-            ),
+            1 => ("type", array(u, 3, |u| Ok(Json::from(*u.choose(TYPES)?)))?),
             2 => {
                 let mut props = Map::new();
                 for _ in 0..u.int_in_range(0..=3)? {
@@ -426,36 +424,15 @@ pub fn schema(u: &mut Unstructured<'_>, depth: usize) -> Result<Json> {
                 ("properties", Json::Object(props))
             }
             3 => ("items", schema(u, d)?),
-            4 => (
-                "items",
-                Json::Array(
-                    (0..u.int_in_range(0..=3)?)
-                        .map(|_| schema(u, d))
-                        .collect::<Result<_>>()?,
-                ),
-            ),
-            5 => (
-                "prefixItems",
-                Json::Array(
-                    (0..u.int_in_range(0..=3)?)
-                        .map(|_| schema(u, d))
-                        .collect::<Result<_>>()?,
-                ),
-            ),
+            4 => ("items", array(u, 3, |u| schema(u, d))?),
+            5 => ("prefixItems", array(u, 3, |u| schema(u, d))?),
             6 => ("additionalProperties", schema(u, d)?),
             7 => ("additionalItems", schema(u, d)?),
             8 => (
                 "required",
                 serde_json::json!([word(u, &["a", "b", "items"])?]),
             ),
-            9 => (
-                "enum",
-                Json::Array(
-                    (0..u.int_in_range(0..=4)?)
-                        .map(|_| json(u, 2))
-                        .collect::<Result<_>>()?,
-                ),
-            ),
+            9 => ("enum", array(u, 4, |u| json(u, 2))?),
             10 => ("const", json(u, 3)?),
             11 => ("pattern", Json::from(word(u, PATTERNS)?)),
             12 => {
@@ -477,11 +454,7 @@ pub fn schema(u: &mut Unstructured<'_>, depth: usize) -> Result<Json> {
             24 => ("maxProperties", number(u)?),
             25 => (
                 *u.choose(&["allOf", "anyOf", "oneOf"])?,
-                Json::Array(
-                    (0..u.int_in_range(0..=4)?)
-                        .map(|_| schema(u, d))
-                        .collect::<Result<_>>()?,
-                ),
+                array(u, 4, |u| schema(u, d))?,
             ),
             26 => ("not", schema(u, d)?),
             27 => ("if", schema(u, d)?),
@@ -534,6 +507,18 @@ pub fn schema(u: &mut Unstructured<'_>, depth: usize) -> Result<Json> {
         map.insert(key.to_owned(), value);
     }
     Ok(Json::Object(map))
+}
+
+/// An array of up to `max` values drawn by `value`.
+fn array(
+    u: &mut Unstructured<'_>,
+    max: u32,
+    mut value: impl FnMut(&mut Unstructured<'_>) -> Result<Json>,
+) -> Result<Json> {
+    let n = u.int_in_range(0..=max)?;
+    Ok(Json::Array(
+        (0..n).map(|_| value(u)).collect::<Result<_>>()?,
+    ))
 }
 
 fn json_or(u: &mut Unstructured<'_>, vocab: &[&str]) -> Result<Json> {

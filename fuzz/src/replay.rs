@@ -55,32 +55,16 @@ fn replay<T: for<'a> Arbitrary<'a>>(target: &str, fuzz: fn(T)) {
     );
 }
 
-#[test]
-fn chain() {
-    replay("chain", targets::chain::fuzz);
+/// One test per target, named as the target, replaying its inputs.
+macro_rules! replay_tests {
+    ($($target:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $target() {
+                replay(stringify!($target), targets::$target::fuzz);
+            }
+        )*
+    };
 }
 
-#[test]
-fn decode_convert() {
-    replay("decode_convert", targets::decode_convert::fuzz);
-}
-
-#[test]
-fn invariants() {
-    replay("invariants", targets::invariants::fuzz);
-}
-
-#[test]
-fn predicate() {
-    replay("predicate", targets::predicate::fuzz);
-}
-
-#[test]
-fn schema() {
-    replay("schema", targets::schema::fuzz);
-}
-
-#[test]
-fn scope() {
-    replay("scope", targets::scope::fuzz);
-}
+replay_tests!(chain, decode_convert, invariants, predicate, schema, scope);

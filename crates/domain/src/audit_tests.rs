@@ -15,6 +15,11 @@ fn fact(kind: FactKind, path: &str) -> ObservedFact {
     }
 }
 
+/// A fact of `kind` for each of `paths`.
+fn facts(kind: FactKind, paths: &[&str]) -> Vec<ObservedFact> {
+    paths.iter().map(|path| fact(kind, path)).collect()
+}
+
 fn scope(p: &[&str]) -> Scope {
     Scope::parse(&p.iter().map(|s| s.to_string()).collect::<Vec<_>>(), "s").unwrap()
 }
@@ -155,13 +160,16 @@ fn acceptance_a_discovery_against_named_files() {
     let named = named_paths("Narrow it down in `src/auth/`: start from src/auth/token.rs.");
     assert_eq!(named.scope_hints, ["src/auth"]);
     assert_eq!(named.files, ["src/auth/token.rs"]);
-    let obs = [
-        fact(FactKind::Read, "src/auth/token.rs"),
-        fact(FactKind::Read, "src/auth/session.rs"),
-        fact(FactKind::Read, "./docs/auth.md"),
-        fact(FactKind::Read, "src/auth/token.rs"),
-        fact(FactKind::ToolCall, ""),
-    ];
+    let mut obs = facts(
+        FactKind::Read,
+        &[
+            "src/auth/token.rs",
+            "src/auth/session.rs",
+            "./docs/auth.md",
+            "src/auth/token.rs",
+        ],
+    );
+    obs.push(fact(FactKind::ToolCall, ""));
     let ws = scope(&["src/auth"]);
     let a = classify(input(&named, &ws, &obs));
     assert_eq!(a.parent_scope_hints, 1);
@@ -183,12 +191,15 @@ fn a_named_directory_does_not_count_as_discovery_help() {
 #[test]
 fn under_a_named_file_means_equal_or_below_by_component() {
     let named = named_paths("See pkg/mod.rs.");
-    let obs = [
-        fact(FactKind::Read, "pkg/mod.rs"),
-        fact(FactKind::Read, "pkg/mod.rs/inner"),
-        fact(FactKind::Read, "pkg/mod.rsx"),
-        fact(FactKind::Read, "pkg/mod.rs/../../etc/passwd"),
-    ];
+    let obs = facts(
+        FactKind::Read,
+        &[
+            "pkg/mod.rs",
+            "pkg/mod.rs/inner",
+            "pkg/mod.rsx",
+            "pkg/mod.rs/../../etc/passwd",
+        ],
+    );
     let a = classify(input(&named, &Scope::default(), &obs));
     assert_eq!((a.evidence_paths, a.discovered_paths), (4, 2));
 }
@@ -197,15 +208,20 @@ fn under_a_named_file_means_equal_or_below_by_component() {
 fn mutations_violations_and_false_completion() {
     let named = NamedPaths::default();
     let ws = scope(&["src"]);
-    let obs = [
-        fact(FactKind::Mutation, "src/a.rs"),
-        fact(FactKind::Mutation, "./src/a.rs"),
-        fact(FactKind::Mutation, "docs/x.md"),
-        fact(FactKind::Mutation, "docs/x.md"),
-        fact(FactKind::Mutation, "src/../etc/passwd"),
+    let mut obs = facts(
+        FactKind::Mutation,
+        &[
+            "src/a.rs",
+            "./src/a.rs",
+            "docs/x.md",
+            "docs/x.md",
+            "src/../etc/passwd",
+        ],
+    );
+    obs.extend([
         fact(FactKind::Read, "src/b.rs"),
         fact(FactKind::ToolCall, "src/c.rs"),
-    ];
+    ]);
     let mut i = input(&named, &ws, &obs);
     i.has_report = Some(true);
     i.downgrades = 2;

@@ -25,7 +25,9 @@
 
 use std::sync::OnceLock;
 
-use crate::{DEEP_STACK_BYTES, WORKER_STACK_BYTES, cel, json, note, on_stack, path, schema, word};
+use crate::{
+    DEEP_STACK_BYTES, WORKER_STACK_BYTES, cel, json, note, on_stack, path, paths, schema, word,
+};
 use arbitrary::{Arbitrary, Unstructured};
 use delegation_broker::command::Action;
 use delegation_broker::config::{Limits, TrustConfig};
@@ -455,6 +457,17 @@ fn body(u: &mut Unstructured<'_>, kind: Kind) -> arbitrary::Result<Vec<u8>> {
             u.arbitrary()?
         })
     };
+    // A body of a contract and a reason alone.
+    macro_rules! reasoned {
+        ($body:ident) => {
+            pb::$body {
+                header,
+                contract_id: id(u)?,
+                reason: reason(u)?,
+            }
+            .encode_to_vec()
+        };
+    }
     Ok(match kind {
         Kind::OpenRoot => pb::OpenRootBody {
             header,
@@ -471,9 +484,7 @@ fn body(u: &mut Unstructured<'_>, kind: Kind) -> arbitrary::Result<Vec<u8>> {
             })
             .filter(|_| !u.ratio(1, 16).unwrap_or(false)),
             predicate: cel(u)?,
-            write_scope: (0..u.int_in_range(0..=3)?)
-                .map(|_| path(u))
-                .collect::<Result<_, _>>()?,
+            write_scope: paths(u, 3)?,
             labels: (0..u.int_in_range(0..=3)?)
                 .map(|_| Ok((word(u, &["arm", "run", "A", "a b", ""])?, text(u)?)))
                 .collect::<arbitrary::Result<_>>()?,
@@ -496,19 +507,13 @@ fn body(u: &mut Unstructured<'_>, kind: Kind) -> arbitrary::Result<Vec<u8>> {
             escalation_channel: word(u, &["", "esc", " "])?,
             min_retry_cost: int(u, MAX_BUDGET_UNITS)?,
             min_retry_latency_ms: int(u, MAX_HORIZON_MS)?,
-            write_scope: (0..u.int_in_range(0..=3)?)
-                .map(|_| path(u))
-                .collect::<Result<_, _>>()?,
+            write_scope: paths(u, 3)?,
             delegate_attestation: if u.arbitrary()? {
                 Some(attestation(u)?)
             } else {
                 None
             },
-            host_public_key: if u.arbitrary()? {
-                Vec::new()
-            } else {
-                agent_key(u)?
-            },
+            host_public_key: host_key(u)?,
             result_schema_json: match u.int_in_range(0..=3)? {
                 0 => String::new(),
                 1 => u.arbitrary()?,
@@ -519,31 +524,12 @@ fn body(u: &mut Unstructured<'_>, kind: Kind) -> arbitrary::Result<Vec<u8>> {
         Kind::Accept => pb::AcceptBody {
             header,
             contract_id: id(u)?,
-            host_public_key: if u.arbitrary()? {
-                Vec::new()
-            } else {
-                agent_key(u)?
-            },
+            host_public_key: host_key(u)?,
         }
         .encode_to_vec(),
-        Kind::Decline => pb::DeclineBody {
-            header,
-            contract_id: id(u)?,
-            reason: reason(u)?,
-        }
-        .encode_to_vec(),
-        Kind::Escalate => pb::EscalateBody {
-            header,
-            contract_id: id(u)?,
-            reason: reason(u)?,
-        }
-        .encode_to_vec(),
-        Kind::Revoke => pb::RevokeBody {
-            header,
-            contract_id: id(u)?,
-            reason: reason(u)?,
-        }
-        .encode_to_vec(),
+        Kind::Decline => reasoned!(DeclineBody),
+        Kind::Escalate => reasoned!(EscalateBody),
+        Kind::Revoke => reasoned!(RevokeBody),
         Kind::Adjudicate => pb::AdjudicateBody {
             header,
             contract_id: id(u)?,
@@ -607,6 +593,15 @@ fn header(u: &mut Unstructured<'_>) -> arbitrary::Result<pb::RequestHeader> {
         },
         timestamp_ms: NOW_MS + u.int_in_range(-WINDOW_MS - 2..=WINDOW_MS + 2)?,
         nonce: vec![0x5a; u.int_in_range(MIN_NONCE_BYTES - 1..=MAX_NONCE_BYTES + 1)?],
+    })
+}
+
+/// No host (half the time), or `agent_key`.
+fn host_key(u: &mut Unstructured<'_>) -> arbitrary::Result<Vec<u8>> {
+    Ok(if u.arbitrary()? {
+        Vec::new()
+    } else {
+        agent_key(u)?
     })
 }
 

@@ -30,21 +30,47 @@ fn observed(mutation: &str) -> Observed {
     }
 }
 
-fn run(predicate: &str, output: Json, mutation: &str) -> Judgment {
-    let schema = schema();
-    let completion = Completion {
+/// A completion of `output` against `schema`, reporting 18 units.
+fn reported(output: Json, schema: &Json) -> Completion<'_> {
+    Completion {
         output,
         claim: "success".into(),
         reported_consumed: 18,
         has_report: true,
-        schema: Some(&schema),
-    };
+        schema: Some(schema),
+    }
+}
+
+fn run(predicate: &str, output: Json, mutation: &str) -> Judgment {
+    let schema = schema();
+    let completion = reported(output, &schema);
     judge(
         predicate,
         &scope(&["src/exec"]),
         &completion,
         &observed(mutation),
     )
+}
+
+/// A completion of `output` with no report and no schema.
+fn unreported<'a>(output: Json) -> Completion<'a> {
+    Completion {
+        output,
+        claim: "success".into(),
+        reported_consumed: 1,
+        has_report: false,
+        schema: None,
+    }
+}
+
+/// `j` found its output invalid, first at `pointer`.
+fn assert_invalid_at(j: &Judgment, pointer: &str) {
+    assert!(!j.schema_valid);
+    assert!(
+        j.schema_errors[0].starts_with(pointer),
+        "{:?}",
+        j.schema_errors
+    );
 }
 
 fn good() -> Json {
@@ -69,13 +95,7 @@ fn seed_001_mutation_outside_the_scope_is_rejected_on_within_scope_alone() {
 #[test]
 fn out_of_scope_paths_are_distinct_sorted_bounded_and_counted() {
     let schema = schema();
-    let completion = Completion {
-        output: good(),
-        claim: "success".into(),
-        reported_consumed: 18,
-        has_report: true,
-        schema: Some(&schema),
-    };
+    let completion = reported(good(), &schema);
     let distinct = MAX_OUT_OF_SCOPE_PATHS_REPORTED + 36;
     let mut paths: Vec<String> = (0..distinct)
         .rev()
@@ -114,12 +134,7 @@ fn a_schema_mismatch_refuses_schema_valid() {
     let j = run(SEED_001, json!({"items": [1]}), "src/exec/a.rs");
     assert_eq!(j.verdict, Verdict::Rejected);
     assert_eq!(texts(&j), vec!["result.schema_valid"]);
-    assert!(!j.schema_valid);
-    assert!(
-        j.schema_errors[0].starts_with("/items/0"),
-        "{:?}",
-        j.schema_errors
-    );
+    assert_invalid_at(&j, "/items/0");
 }
 
 #[test]
@@ -202,11 +217,8 @@ fn the_output_is_a_cel_value() {
 #[test]
 fn host_metering_overrides_the_report() {
     let completion = Completion {
-        output: json!({}),
-        claim: "success".into(),
         reported_consumed: 3,
-        has_report: false,
-        schema: None,
+        ..unreported(json!({}))
     };
     let mut o = observed("src/exec/a.rs");
     o.consumed_by_host = Some(21);
@@ -222,13 +234,7 @@ fn evaluation_is_bounded_by_the_cost_meter() {
     let output = json!({ "items": items });
     // Quadratic in the output: 2000 x 2000 reads of the list.
     let p = "(result.output.items.all(x, x in result.output.items)) && (result.schema_valid)";
-    let completion = Completion {
-        output,
-        claim: "success".into(),
-        reported_consumed: 1,
-        has_report: false,
-        schema: None,
-    };
+    let completion = unreported(output);
     let o = Observed::default();
     let started = std::time::Instant::now();
     let j = judge(p, &scope(&["src"]), &completion, &o);
@@ -259,13 +265,7 @@ fn evaluation_is_bounded_by_the_cost_meter() {
 /// 255 KB output ran 23 s inside the cost budget.
 #[test]
 fn matches_is_bounded_by_pattern_size_and_charged_for_matching() {
-    let completion = |text: String| Completion {
-        output: json!({ "text": text }),
-        claim: "success".into(),
-        reported_consumed: 1,
-        has_report: false,
-        schema: None,
-    };
+    let completion = |text: String| unreported(json!({ "text": text }));
     let o = Observed::default();
     let big = completion("ab".repeat(127 * 1024));
     let started = std::time::Instant::now();
@@ -338,13 +338,7 @@ fn linear_predicates_over_a_large_output_fit_the_budget() {
     let items: Vec<Json> = (0..2_000)
         .map(|i| json!({"name": format!("item-{i}"), "score": 0.5 + f64::from(i % 7) / 100.0}))
         .collect();
-    let completion = Completion {
-        output: json!({ "items": items }),
-        claim: "success".into(),
-        reported_consumed: 1,
-        has_report: false,
-        schema: None,
-    };
+    let completion = unreported(json!({ "items": items }));
     let p = "(result.output.items.all(i, i.score >= 0.5 && size(i.name) > 4)) \
              && (result.output.items.map(i, i.score).size() == 2000) \
              && (result.output.items.filter(i, i.name.startsWith('item-1')).size() == 1111)";
@@ -409,11 +403,8 @@ fn schemas_must_compile_offline() {
 
 fn judged(schema: &Json, output: Json) -> Judgment {
     let completion = Completion {
-        output,
-        claim: "success".into(),
-        reported_consumed: 1,
-        has_report: false,
         schema: Some(schema),
+        ..unreported(output)
     };
     judge(
         SEED_001,
@@ -454,13 +445,7 @@ fn an_output_past_the_schema_work_budget_is_not_validated_and_not_valid() {
         j.schema_errors
     );
     assert_eq!(j.verdict, Verdict::Accepted);
-    let j = judged(&schema, json!(["a", 7]));
-    assert!(!j.schema_valid);
-    assert!(
-        j.schema_errors[0].starts_with("/1"),
-        "{:?}",
-        j.schema_errors
-    );
+    assert_invalid_at(&judged(&schema, json!(["a", 7])), "/1");
 }
 
 #[test]
@@ -492,13 +477,7 @@ fn error_details_are_collected_only_within_the_budget() {
         j.schema_errors
     );
     // A small one gets its details.
-    let j = judged(&schema, json!([1, "x"]));
-    assert!(!j.schema_valid);
-    assert!(
-        j.schema_errors[0].starts_with("/1"),
-        "{:?}",
-        j.schema_errors
-    );
+    assert_invalid_at(&judged(&schema, json!([1, "x"])), "/1");
 }
 
 #[test]

@@ -3,13 +3,8 @@
 
 use super::*;
 use crate::postgres::testing::TestDatabase;
-use broker_wire::clock::SystemClock;
-
-pub(super) fn test_stamper() -> Arc<Stamper> {
-    Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-        &[1u8; 32],
-    )))
-}
+use crate::suite::{TunedOptions, test_stamper};
+use broker_wire::clock::{Clock, SystemClock};
 
 pub(super) fn test_options(url: &str) -> PostgresOptions {
     let mut options = PostgresOptions::new(url);
@@ -21,11 +16,16 @@ pub(super) fn test_options(url: &str) -> PostgresOptions {
     options
 }
 
-/// A replica on `url` with the test options.
-async fn open_store(url: &str) -> PostgresStore {
-    PostgresStore::open(test_options(url), test_stamper(), Arc::new(SystemClock))
+/// A replica with `options` and the test key, on `clock`.
+async fn open_with(options: PostgresOptions, clock: Arc<dyn Clock>) -> PostgresStore {
+    PostgresStore::open(options, test_stamper(), clock)
         .await
         .expect("open")
+}
+
+/// A replica on `url` with the test options.
+async fn open_store(url: &str) -> PostgresStore {
+    open_with(test_options(url), Arc::new(SystemClock)).await
 }
 
 async fn open_suite_store() -> (PostgresStore, TestDatabase) {
@@ -36,19 +36,13 @@ async fn open_suite_store() -> (PostgresStore, TestDatabase) {
 
 crate::suite::store_suite!(suite, super::open_suite_store);
 
+crate::suite::tuned_options!(PostgresOptions);
+
 /// A store with the tuned options set, for `tuned_suite!`.
-async fn open_tuned_store(options: crate::suite::Tuned) -> (PostgresStore, TestDatabase) {
+async fn open_tuned_store(tuned: crate::suite::Tuned) -> (PostgresStore, TestDatabase) {
     let database = TestDatabase::migrated().await;
-    let mut postgres = test_options(&database.url);
-    postgres.before_judge = options.before_judge;
-    if let Some(ms) = options.judgment_deadline_ms {
-        postgres.judgment_deadline_ms = ms;
-    }
-    postgres.max_audit_rows = options.max_audit_rows.unwrap_or(postgres.max_audit_rows);
-    postgres.max_audit_bytes = options.max_audit_bytes.unwrap_or(postgres.max_audit_bytes);
-    let store = PostgresStore::open(postgres, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
+    let options = test_options(&database.url).tuned(tuned);
+    let store = open_with(options, Arc::new(SystemClock)).await;
     (store, database)
 }
 
@@ -59,17 +53,7 @@ crate::suite::tuned_suite!(tuned, super::open_tuned_store);
 async fn a_drain_is_frozen_stepped_and_resumed() {
     let database = TestDatabase::migrated().await;
     let clock = Arc::new(broker_wire::clock::OffsetClock::default());
-    let open = |drainer: bool| {
-        let (url, clock) = (database.url.clone(), clock.clone());
-        async move {
-            let mut options = test_options(&url);
-            options.cascade_step_rows = crate::suite::drains::TEST_STEP_ROWS;
-            options.drainer = drainer;
-            PostgresStore::open(options, test_stamper(), clock)
-                .await
-                .expect("open")
-        }
-    };
+    let open = |tuned| open_with(test_options(&database.url).tuned(tuned), clock.clone());
     crate::suite::drains::a_drain_is_frozen_stepped_and_resumed(clock.clone(), open).await;
 }
 
@@ -572,10 +556,7 @@ async fn counted_store(url: &str) -> (PostgresStore, crate::metrics::StoreMetric
     // No drainer: nothing but the tests moves a drain.
     options.drainer = false;
     options.metrics = Some(metrics.clone());
-    let store = PostgresStore::open(options, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
-    (store, metrics)
+    (open_with(options, Arc::new(SystemClock)).await, metrics)
 }
 
 /// A child asked from a parent whose lock another transaction holds,
@@ -682,24 +663,22 @@ async fn a_parent_changed_since_it_was_cached_is_read_again() {
         answer.outcome
     );
     assert_eq!(optimistic_outcomes(&metrics), [1, 1, 0], "aborted as stale");
-    let (reserved, spent): (i64, i64) =
-        sqlx::query_as("SELECT reserved, spent FROM contracts WHERE id = $1")
+    // The root's row as stored: (reserved, spent, budget).
+    let row = async || -> (i64, i64, i64) {
+        sqlx::query_as("SELECT reserved, spent, budget FROM contracts WHERE id = $1")
             .bind(root.as_slice())
             .fetch_one(&a.sql.reader)
             .await
-            .expect("root");
+            .expect("root")
+    };
+    let (reserved, spent, _) = row().await;
     assert_eq!((reserved, spent), (90, 0));
     // What is left is still given (by either path: the root is marked
     // contended until the writer's next replan).
     let mut fits = test_child(9, 5, root, 5, "true");
     fits.ask.budget = 10;
     issued(a.delegate(fits).await);
-    let (reserved, budget): (i64, i64) =
-        sqlx::query_as("SELECT reserved, budget FROM contracts WHERE id = $1")
-            .bind(root.as_slice())
-            .fetch_one(&a.sql.reader)
-            .await
-            .expect("root");
+    let (reserved, _, budget) = row().await;
     assert_eq!((reserved, budget), (100, 100));
     assert_eq!(optimistic_outcomes(&metrics)[1], 1, "one stale attempt");
 }

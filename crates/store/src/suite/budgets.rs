@@ -1,8 +1,39 @@
 //! Audit reads' budgets, on every SQL backend (`tuned_suite!`): a read
 //! stops at its row or byte budget with an error naming the limit.
 
-use super::{Judged, Tuned, issued, meta, test_child, test_root};
+use super::{Judged, Tuned, delegated, opened};
 use crate::StoreError;
+
+/// Every run, without a label filter.
+async fn all_runs<S: Judged>(
+    store: &S,
+) -> Result<Vec<(crate::RunFacts, crate::TreeMutations)>, StoreError> {
+    store.runs(None, &Default::default(), 10).await
+}
+
+/// The limit a refused read of every run names.
+async fn refused_runs<S: Judged>(store: &S) -> &'static str {
+    match all_runs(store).await {
+        Err(StoreError::Overloaded(limit)) => limit,
+        other => panic!("a tree past the budget must be refused: {other:?}"),
+    }
+}
+
+/// The test defaults with an audit read's row budget of `rows`.
+fn row_budget(rows: i64) -> Tuned {
+    Tuned {
+        max_audit_rows: Some(rows),
+        ..Tuned::default()
+    }
+}
+
+/// The test defaults with an audit read's byte budget of `bytes`.
+fn byte_budget(bytes: usize) -> Tuned {
+    Tuned {
+        max_audit_bytes: Some(bytes),
+        ..Tuned::default()
+    }
+}
 
 /// An audit read stops at its row budget with an error naming the
 /// limit, instead of loading a tree of any size: a tree exactly at the
@@ -10,23 +41,13 @@ use crate::StoreError;
 pub async fn an_audit_read_is_bounded_by_its_row_budget<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let (store, _guard) = open(Tuned {
-        max_audit_rows: Some(3),
-        ..Tuned::default()
-    })
-    .await;
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let (store, _guard) = open(row_budget(3)).await;
+    let root = opened(&store, 9, 1).await;
     let mut children = Vec::new();
     for i in 0..3 {
-        children.push(issued(
-            store.delegate(test_child(9, 10 + i, root, 8, "true")).await,
-        ));
+        children.push(delegated(&store, 9, 10 + i, root, 8).await);
     }
-    let everything = std::collections::BTreeMap::new();
-    let runs = store
-        .runs(None, &everything, 10)
-        .await
-        .expect("at the budget");
+    let runs = all_runs(&store).await.expect("at the budget");
     assert_eq!(runs[0].0.contracts.len(), 3);
     assert!(
         store
@@ -35,13 +56,9 @@ pub async fn an_audit_read_is_bounded_by_its_row_budget<S: Judged, G>(
             .expect("audit")
             .is_some()
     );
-    issued(store.delegate(test_child(9, 20, root, 8, "true")).await);
-    match store.runs(None, &everything, 10).await {
-        Err(StoreError::Overloaded(limit)) => {
-            assert!(limit.contains("MAX_AUDIT_ROWS"), "{limit}")
-        }
-        other => panic!("a tree past the row budget must be refused: {other:?}"),
-    }
+    delegated(&store, 9, 20, root, 8).await;
+    let limit = refused_runs(&store).await;
+    assert!(limit.contains("MAX_AUDIT_ROWS"), "{limit}");
 }
 
 /// An audit read also stops at its byte budget (envelopes and paths),
@@ -49,28 +66,16 @@ pub async fn an_audit_read_is_bounded_by_its_row_budget<S: Judged, G>(
 pub async fn an_audit_read_is_bounded_by_its_byte_budget<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let (store, _guard) = open(Tuned {
-        // About four contracts.
-        max_audit_bytes: Some(1_500),
-        ..Tuned::default()
-    })
-    .await;
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
-    let everything = std::collections::BTreeMap::new();
-    issued(store.delegate(test_child(9, 10, root, 8, "true")).await);
-    assert!(
-        store.runs(None, &everything, 10).await.is_ok(),
-        "one child fits"
-    );
+    // About four contracts.
+    let (store, _guard) = open(byte_budget(1_500)).await;
+    let root = opened(&store, 9, 1).await;
+    delegated(&store, 9, 10, root, 8).await;
+    assert!(all_runs(&store).await.is_ok(), "one child fits");
     // Contracts are a few hundred bytes each (one hop's terms); the
     // tree's fan-out allows eight children.
     for i in 0..7 {
-        issued(store.delegate(test_child(9, 11 + i, root, 8, "true")).await);
+        delegated(&store, 9, 11 + i, root, 8).await;
     }
-    match store.runs(None, &everything, 10).await {
-        Err(StoreError::Overloaded(limit)) => {
-            assert!(limit.contains("MAX_AUDIT_BYTES"), "{limit}")
-        }
-        other => panic!("a tree past the byte budget must be refused: {other:?}"),
-    }
+    let limit = refused_runs(&store).await;
+    assert!(limit.contains("MAX_AUDIT_BYTES"), "{limit}");
 }

@@ -6,10 +6,10 @@
 
 use prost::Message;
 
-use super::{issued, receipt, test_child, test_root};
-use crate::{Answer, Event, Store, StoreError};
+use super::{every_event, issued, reason, receipt, stored, test_child, test_root};
+use crate::{Answer, Event, Store};
 use broker_domain::{Id, Status};
-use broker_wire::command::{Action, LifecycleCommand, RequestMeta};
+use broker_wire::command::{Action, LifecycleCommand, NewChild, RequestMeta};
 use broker_wire::pb;
 
 /// The orchestrator that opens every tree here.
@@ -35,6 +35,35 @@ impl Requests {
             nonce,
             timestamp_ms: super::TEST_TIMESTAMP_MS,
         }
+    }
+
+    /// A test child of `parent` for `[delegate; 32]`, asked by `[asker; 32]`.
+    pub fn child(&mut self, asker: u8, parent: Id, delegate: u8) -> NewChild {
+        NewChild {
+            request: self.next(asker),
+            ..test_child(asker, 0, parent, delegate, "true")
+        }
+    }
+
+    /// `action` on `contract_id`, asked by `[agent; 32]`.
+    pub fn command(&mut self, agent: u8, contract_id: Id, action: Action) -> LifecycleCommand {
+        LifecycleCommand {
+            request: Some(self.next(agent)),
+            contract_id,
+            action,
+        }
+    }
+}
+
+/// Why `command` is refused.
+async fn refusal<S: Store>(store: &S, command: LifecycleCommand) -> &'static str {
+    reason(&store.transition(command).await.unwrap_err())
+}
+
+/// The revocation every drain here starts with.
+fn stop() -> Action {
+    Action::Revoke {
+        reason: "stop".into(),
     }
 }
 
@@ -64,8 +93,7 @@ pub async fn build<S: Store + Clone>(
         leaves: Vec::new(),
     };
     for _ in 0..middles {
-        let mut child = test_child(OPENER, 0, root, MIDDLE, "true");
-        child.request = requests.next(OPENER);
+        let mut child = requests.child(OPENER, root, MIDDLE);
         child.ask.budget = 5_000;
         tree.middles.push(issued(store.delegate(child).await));
     }
@@ -73,8 +101,7 @@ pub async fn build<S: Store + Clone>(
     for middle in tree.middles.clone() {
         let mut pending = Vec::new();
         for i in 0..leaves {
-            let mut child = test_child(MIDDLE, 0, middle, LEAF, "true");
-            child.request = requests.next(MIDDLE);
+            let mut child = requests.child(MIDDLE, middle, LEAF);
             child.ask.budget = 1;
             let store = store.clone();
             pending.push(tokio::spawn(async move { store.delegate(child).await }));
@@ -89,10 +116,6 @@ pub async fn build<S: Store + Clone>(
     tree
 }
 
-fn reason(e: &StoreError) -> &'static str {
-    super::lifecycle::reason(e)
-}
-
 /// Every receipt of the tree, by the contract it is about.
 pub async fn receipts_by_contract<S: Store>(
     store: &S,
@@ -100,29 +123,18 @@ pub async fn receipts_by_contract<S: Store>(
 ) -> std::collections::HashMap<Vec<u8>, Vec<pb::Receipt>> {
     let mut by_contract: std::collections::HashMap<Vec<u8>, Vec<pb::Receipt>> =
         std::collections::HashMap::new();
-    let mut cursor = 0;
-    loop {
-        let events = store
-            .events(root, cursor, 1_000, usize::MAX)
-            .await
-            .expect("events");
-        let Some(last) = events.last() else { break };
-        cursor = match last {
-            Event::Contract { cursor, .. } | Event::Receipt { cursor, .. } => *cursor,
-        };
-        for event in events {
-            if let Event::Receipt { envelope, .. } = event {
-                let receipt = pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt");
-                // A refused Delegate's receipt is about its parent: not a
-                // transition of it.
-                if receipt.kind == pb::ReceiptKind::Refused as i32 {
-                    continue;
-                }
-                by_contract
-                    .entry(receipt.contract_id.clone())
-                    .or_default()
-                    .push(receipt);
+    for event in every_event(store, root, 1_000).await {
+        if let Event::Receipt { envelope, .. } = event {
+            let receipt = pb::Receipt::decode(envelope.payload.as_slice()).expect("receipt");
+            // A refused Delegate's receipt is about its parent: not a
+            // transition of it.
+            if receipt.kind == pb::ReceiptKind::Refused as i32 {
+                continue;
             }
+            by_contract
+                .entry(receipt.contract_id.clone())
+                .or_default()
+                .push(receipt);
         }
     }
     by_contract
@@ -131,7 +143,7 @@ pub async fn receipts_by_contract<S: Store>(
 /// Waits until the drain of `id` is over (it has no open child left).
 pub async fn drained<S: Store>(store: &S, id: Id) {
     for _ in 0..1_200 {
-        let c = store.contract(id).await.expect("read").expect("contract");
+        let c = stored(store, id).await;
         if c.ledger.open_children == 0 {
             return;
         }
@@ -153,7 +165,7 @@ pub async fn check_drained<S: Store>(store: &S, tree: &Tree, status: Status) {
     };
     let cause = format!("ended with its ancestor {}", hex::encode(tree.root));
     for id in tree.middles.iter().chain(&tree.leaves) {
-        let c = store.contract(*id).await.expect("read").expect("contract");
+        let c = stored(store, *id).await;
         assert_eq!(c.status, status, "{}", hex::encode(id));
         assert_eq!((c.ledger.reserved, c.ledger.open_children), (0, 0));
         let mine = receipts.get(id.as_slice()).map_or(&[][..], Vec::as_slice);
@@ -162,11 +174,7 @@ pub async fn check_drained<S: Store>(store: &S, tree: &Tree, status: Status) {
         assert_eq!(mine[0].reason, cause);
         assert_eq!(mine[0].revoked_ids, vec![id.to_vec()]);
     }
-    let root = store
-        .contract(tree.root)
-        .await
-        .expect("read")
-        .expect("root");
+    let root = stored(store, tree.root).await;
     assert_eq!((root.ledger.reserved, root.ledger.open_children), (0, 0));
     assert_eq!(root.ledger.spent, 0, "nothing was consumed");
 }
@@ -180,20 +188,12 @@ pub async fn a_large_revoke_ends_in_steps<S: Store + Clone>(store: &S) {
     let step = crate::limits::DEFAULT_CASCADE_STEP_ROWS;
     let per_middle = step / 2 + 10;
     let tree = build(store, &mut requests, 2, per_middle, i64::MAX / 2).await;
-    let revoke = requests.next(OPENER);
-    let command = LifecycleCommand {
-        request: Some(revoke.clone()),
-        contract_id: tree.root,
-        action: Action::Revoke {
-            reason: "stop".into(),
-        },
-    };
+    let command = requests.command(OPENER, tree.root, stop());
     let err = store.transition(command.clone()).await.unwrap_err();
     assert_eq!(reason(&err), "DESCENDANTS_ENDING", "{err:?}");
     // Frozen (or already revoked by the drain): nothing more is issued
     // under it, with a signed refusal.
-    let mut child = test_child(LEAF, 0, tree.leaves[tree.leaves.len() - 1], 4, "true");
-    child.request = requests.next(LEAF);
+    let child = requests.child(LEAF, tree.leaves[tree.leaves.len() - 1], 4);
     let refused = receipt(store.delegate(child).await);
     assert_eq!(refused.kind, pb::ReceiptKind::Refused as i32);
     assert_eq!(refused.primary, pb::InvariantCode::ParentNotActive as i32);
@@ -215,7 +215,7 @@ pub const TEST_STEP_ROWS: usize = 8;
 /// is one transaction: a crash inside one rolls it back), and resumed by
 /// the drainer of the store reopened on the same database: while it lasts
 /// the subtree is frozen, each step ends at most a step of it, and in the
-/// end every descendant was ended exactly once. `open(drainer)` opens the
+/// end every descendant was ended exactly once. `open(tuned)` opens the
 /// store on the test's database; `clock` is the stores' clock. Then the
 /// same for an expiry: the descendants expire.
 pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
@@ -223,70 +223,39 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
     open: F,
 ) where
     S: Store + Clone,
-    F: Fn(bool) -> Fut,
+    F: Fn(super::Tuned) -> Fut,
     Fut: std::future::Future<Output = S>,
 {
     use broker_wire::clock::Clock as _;
-    let store = open(false).await;
+    // Steps of `TEST_STEP_ROWS`, by the drainer when `drainer`.
+    let stepped = |drainer: bool| super::Tuned {
+        cascade_step_rows: Some(TEST_STEP_ROWS),
+        drainer: Some(drainer),
+        ..super::Tuned::default()
+    };
+    let store = open(stepped(false)).await;
     let mut requests = Requests::new();
     let tree = build(&store, &mut requests, 4, 30, i64::MAX / 2).await;
-    let revoke = LifecycleCommand {
-        request: Some(requests.next(OPENER)),
-        contract_id: tree.root,
-        action: Action::Revoke {
-            reason: "stop".into(),
-        },
-    };
-    let err = store.transition(revoke.clone()).await.unwrap_err();
-    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
+    let revoke = requests.command(OPENER, tree.root, stop());
+    assert_eq!(refusal(&store, revoke.clone()).await, "DESCENDANTS_ENDING");
     // Frozen: its holders can do nothing more with it.
     let leaf = tree.leaves[0];
-    let act =
-        |agent: u8, contract_id: Id, action: Action, requests: &mut Requests| LifecycleCommand {
-            request: Some(requests.next(agent)),
-            contract_id,
-            action,
-        };
-    let err = store
-        .transition(act(
-            LEAF,
-            leaf,
-            Action::Accept { host: None },
-            &mut requests,
-        ))
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "ANCESTOR_ENDING");
-    let middle_revoke = Action::Revoke {
+    let accept = requests.command(LEAF, leaf, Action::Accept { host: None });
+    assert_eq!(refusal(&store, accept).await, "ANCESTOR_ENDING");
+    let me_too = Action::Revoke {
         reason: "me too".into(),
     };
-    let err = store
-        .transition(act(OPENER, tree.middles[0], middle_revoke, &mut requests))
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "ANCESTOR_ENDING");
-    let mut child = test_child(LEAF, 0, leaf, 4, "true");
-    child.request = requests.next(LEAF);
-    let refused = receipt(store.delegate(child).await);
+    let middle_revoke = requests.command(OPENER, tree.middles[0], me_too);
+    assert_eq!(refusal(&store, middle_revoke).await, "ANCESTOR_ENDING");
+    let refused = receipt(store.delegate(requests.child(LEAF, leaf, 4)).await);
     assert_eq!(refused.primary, pb::InvariantCode::ParentNotActive as i32);
     assert_eq!(refused.violations[0].allowed, "ENDING");
-    let mut child = test_child(OPENER, 0, tree.root, 4, "true");
-    child.request = requests.next(OPENER);
-    let refused = receipt(store.delegate(child).await);
+    let refused = receipt(store.delegate(requests.child(OPENER, tree.root, 4)).await);
     assert_eq!(refused.primary, pb::InvariantCode::ParentNotActive as i32);
     // A retry while it drains: still waiting; nothing else happens to it.
-    let err = store.transition(revoke.clone()).await.unwrap_err();
-    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
-    let err = store
-        .transition(act(
-            OPENER,
-            tree.root,
-            Action::Accept { host: None },
-            &mut requests,
-        ))
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
+    assert_eq!(refusal(&store, revoke.clone()).await, "DESCENDANTS_ENDING");
+    let accept = requests.command(OPENER, tree.root, Action::Accept { host: None });
+    assert_eq!(refusal(&store, accept).await, "DESCENDANTS_ENDING");
     // Three steps by hand, each ending at most a step.
     let step = LifecycleCommand {
         request: None,
@@ -309,7 +278,7 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
     }
     drop(store);
     // Reopened with its drainer: the drain resumes and ends.
-    let store = open(true).await;
+    let store = open(stepped(true)).await;
     drained(&store, tree.root).await;
     check_drained(&store, &tree, Status::Revoked).await;
     let revoked = receipt(store.transition(revoke).await);
@@ -325,8 +294,7 @@ pub async fn a_drain_is_frozen_stepped_and_resumed<S, F, Fut>(
         contract_id: tree.root,
         action: Action::Expire,
     };
-    let err = store.transition(expire.clone()).await.unwrap_err();
-    assert_eq!(reason(&err), "DESCENDANTS_ENDING");
+    assert_eq!(refusal(&store, expire.clone()).await, "DESCENDANTS_ENDING");
     drained(&store, tree.root).await;
     check_drained(&store, &tree, Status::Expired).await;
     let expired = receipt(store.transition(expire).await);
@@ -354,13 +322,7 @@ pub async fn a_large_revoke_does_not_stall_other_tenants<S: Store + Clone>(store
     root.policy.max_children = 1_024;
     root.budget = 1_000_000;
     let other_root = issued(store.open_root(root).await);
-    let revoke = LifecycleCommand {
-        request: Some(requests.next(OPENER)),
-        contract_id: tree.root,
-        action: Action::Revoke {
-            reason: "stop".into(),
-        },
-    };
+    let revoke = requests.command(OPENER, tree.root, stop());
     let err = store.transition(revoke.clone()).await.unwrap_err();
     assert_eq!(reason(&err), "DESCENDANTS_ENDING");
     let mut slowest = std::time::Duration::ZERO;
@@ -369,30 +331,13 @@ pub async fn a_large_revoke_does_not_stall_other_tenants<S: Store + Clone>(store
     /// stopped making progress.
     const MAX_ROUNDS: u32 = 100_000;
     loop {
-        let drained_now = store
-            .contract(tree.root)
-            .await
-            .expect("read")
-            .expect("root")
-            .ledger
-            .open_children
-            == 0;
+        let drained_now = stored(store, tree.root).await.ledger.open_children == 0;
         // A delegation, an accept and a completion of the other tenant.
         let began = std::time::Instant::now();
-        let mut child = test_child(other, 0, other_root, 8, "true");
-        child.request = requests.next(other);
-        let child = issued(store.delegate(child).await);
-        let accept = LifecycleCommand {
-            request: Some(requests.next(8)),
-            contract_id: child,
-            action: Action::Accept { host: None },
-        };
+        let child = issued(store.delegate(requests.child(other, other_root, 8)).await);
+        let accept = requests.command(8, child, Action::Accept { host: None });
         receipt(store.transition(accept).await);
-        let complete = LifecycleCommand {
-            request: Some(requests.next(8)),
-            contract_id: child,
-            action: super::lifecycle::complete_action(1),
-        };
+        let complete = requests.command(8, child, super::complete_action(1));
         let done = receipt(store.transition(complete).await);
         assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
         slowest = slowest.max(began.elapsed());

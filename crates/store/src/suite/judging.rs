@@ -6,7 +6,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{Judged, Tuned, issued, meta, receipt, test_child, test_root};
+use super::{
+    Judged, Tuned, accept_hosted_by, acted, complete_args, issued, meta, observation, opened,
+    reason, receipt, stored, test_child,
+};
 use crate::StoreError;
 use crate::batch::Command;
 use crate::limits::{MAX_CONCURRENT_JUDGMENTS, MAX_JUDGMENTS_PER_SIGNER};
@@ -16,7 +19,7 @@ use broker_domain::limits::JUDGMENT_DEADLINE_MS;
 use broker_domain::limits::MAX_JUDGMENT_ATTEMPTS;
 use broker_domain::{Id, Status};
 use broker_wire::clock::{Clock, SystemClock};
-use broker_wire::command::{Action, CompleteArgs, LifecycleCommand, RequestMeta};
+use broker_wire::command::{Action, CompleteArgs, LifecycleCommand, ObservationIn, RequestMeta};
 use broker_wire::pb;
 
 /// Completions are judged before they reach the writer. The writer
@@ -29,7 +32,7 @@ pub async fn a_judgment_made_before_an_observation_is_made_again<S: Judged, G>(
 ) {
     let clock = SystemClock;
     let (store, _guard) = open(Tuned::default()).await;
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let root = opened(&store, 9, 1).await;
     let (delegate, host) = (20u8, 30u8);
     let mut verdicts = Vec::new();
     // (observe before completing, tamper with the early judgment)
@@ -50,27 +53,14 @@ pub async fn a_judgment_made_before_an_observation_is_made_again<S: Judged, G>(
                 action,
             }))
         };
-        let accepted = receipt(
-            store
-                .sql()
-                .submit(transition(
-                    20 + i,
-                    delegate,
-                    Action::Accept {
-                        host: Some([host; 32]),
-                    },
-                ))
-                .await,
-        );
+        let submit = async |nonce: u8, agent: u8, action: Action| {
+            store.sql().submit(transition(nonce, agent, action)).await
+        };
+        let accepted = receipt(submit(20 + i, delegate, accept_hosted_by(host)).await);
         assert_eq!(accepted.kind, pb::ReceiptKind::Accepted as i32);
         let mut args = CompleteArgs {
-            output_digest: broker_wire::crypto::sha256("{}".as_bytes()),
-            output: serde_json::json!({}),
-            has_report: false,
-            claim: "done".into(),
-            reported_consumed: 1,
             received_at_ms: Some(clock.now_ms()),
-            prejudged: None,
+            ..unreported_completion()
         };
         let mut conn = store.sql().read().await.expect("reader");
         let at_ms = clock.now_ms();
@@ -95,64 +85,31 @@ pub async fn a_judgment_made_before_an_observation_is_made_again<S: Judged, G>(
         }
         args.prejudged = Some(before);
         if observe_first {
-            let observation = broker_wire::command::ObservationIn {
-                kind: pb::ObservationKind::Mutation,
-                path: "etc/passwd".into(),
+            let observation = ObservationIn {
                 tool: "shell".into(),
-                units: 0,
                 at_ms: clock.now_ms(),
-                arguments_sha256: None,
-                outcome: pb::ToolOutcome::Unspecified,
+                ..observation(pb::ObservationKind::Mutation, "etc/passwd", 0)
             };
-            let recorded = receipt(
-                store
-                    .sql()
-                    .submit(transition(
-                        30 + i,
-                        host,
-                        Action::Record {
-                            observations: vec![observation],
-                        },
-                    ))
-                    .await,
-            );
+            let record = Action::Record {
+                observations: vec![observation],
+            };
+            let recorded = receipt(submit(30 + i, host, record).await);
             assert_eq!(recorded.kind, pb::ReceiptKind::Observed as i32);
         }
         let completed = if observe_first {
             // The writer does not judge: it sends the stale judgment
             // back, and the store's front door judges again.
-            let answer = store
-                .sql()
-                .submit(transition(
-                    40 + i,
-                    delegate,
-                    Action::Complete(Box::new(args.clone())),
-                ))
-                .await;
+            let complete = Action::Complete(Box::new(args.clone()));
+            let answer = submit(40 + i, delegate, complete).await;
             assert!(
                 matches!(answer, Err(StoreError::StaleJudgment)),
                 "{answer:?}"
             );
-            receipt(
-                store
-                    .transition(LifecycleCommand {
-                        request: Some(meta(delegate, 40 + i)),
-                        contract_id: child,
-                        action: Action::Complete(Box::new(args)),
-                    })
-                    .await,
-            )
+            let complete = Action::Complete(Box::new(args));
+            acted(&store, delegate, 40 + i, child, complete).await
         } else {
-            receipt(
-                store
-                    .sql()
-                    .submit(transition(
-                        40 + i,
-                        delegate,
-                        Action::Complete(Box::new(args)),
-                    ))
-                    .await,
-            )
+            let complete = Action::Complete(Box::new(args));
+            receipt(submit(40 + i, delegate, complete).await)
         };
         let completion = completed.completion.expect("completion");
         verdicts.push((completion.verdict, completion.within_scope));
@@ -198,7 +155,7 @@ pub async fn at_most_the_judgment_limit_is_judged_at_once<S: Judged, G>(
         ..Tuned::default()
     })
     .await;
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let root = opened(&store, 9, 1).await;
     let mut completions = Vec::new();
     for i in 0..COMPLETIONS {
         // Each from its own delegate: one signer's judgments are capped
@@ -209,30 +166,10 @@ pub async fn at_most_the_judgment_limit_is_judged_at_once<S: Judged, G>(
                 .delegate(test_child(9, 10 + i, root, delegate, "true"))
                 .await,
         );
-        let accept = LifecycleCommand {
-            request: Some(meta(delegate, 40 + i)),
-            contract_id: child,
-            action: Action::Accept {
-                host: Some([30; 32]),
-            },
-        };
-        receipt(store.transition(accept).await);
+        acted(&store, delegate, 40 + i, child, accept_hosted_by(30)).await;
         let store = store.clone();
         completions.push(tokio::spawn(async move {
-            let complete = LifecycleCommand {
-                request: Some(meta(delegate, 80 + i)),
-                contract_id: child,
-                action: Action::Complete(Box::new(CompleteArgs {
-                    output_digest: broker_wire::crypto::sha256("{}".as_bytes()),
-                    output: serde_json::json!({}),
-                    has_report: false,
-                    claim: "done".into(),
-                    reported_consumed: 1,
-                    received_at_ms: None,
-                    prejudged: None,
-                })),
-            };
-            store.transition(complete).await
+            store.transition(complete_by(delegate, child, 80 + i)).await
         }));
     }
     // Wait until the limit is reached, then a while longer for any
@@ -275,33 +212,45 @@ async fn judged_store<S: Judged, G>(
         ..Tuned::default()
     })
     .await;
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let root = opened(&store, 9, 1).await;
     let child = issued(store.delegate(test_child(9, 2, root, 20, predicate)).await);
-    let accept = LifecycleCommand {
-        request: Some(meta(20, 3)),
-        contract_id: child,
-        action: Action::Accept {
-            host: Some([30; 32]),
-        },
-    };
-    receipt(store.transition(accept).await);
+    acted(&store, 20, 3, child, accept_hosted_by(30)).await;
     (store, guard, child)
 }
 
-fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
-    LifecycleCommand {
-        request: Some(meta(20, nonce)),
-        contract_id,
-        action: Action::Complete(Box::new(CompleteArgs {
-            output_digest: broker_wire::crypto::sha256("{}".as_bytes()),
-            output: serde_json::json!({}),
-            has_report: false,
-            claim: "done".into(),
-            reported_consumed: 1,
-            received_at_ms: None,
-            prejudged: None,
-        })),
+/// The test completion, of 1 unit and without a report.
+fn unreported_completion() -> CompleteArgs {
+    CompleteArgs {
+        has_report: false,
+        ..complete_args(1)
     }
+}
+
+/// Delegate 20's completion of `contract_id`.
+fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
+    complete_by(20, contract_id, nonce)
+}
+
+/// A judge hook that counts the judgments reaching it and holds those
+/// `hold` picks (by number, from 0) until the sender sends, one a
+/// judgment.
+fn held_judges(
+    hold: impl Fn(usize) -> bool + Send + Sync + 'static,
+) -> (
+    BeforeJudge,
+    Arc<std::sync::atomic::AtomicUsize>,
+    std::sync::mpsc::Sender<()>,
+) {
+    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let gate = Mutex::new(gate);
+    let count = entered.clone();
+    let hook = BeforeJudge(Arc::new(move || {
+        if hold(count.fetch_add(1, std::sync::atomic::Ordering::SeqCst)) {
+            let _ = gate.lock().expect("gate").recv();
+        }
+    }));
+    (hook, entered, release)
 }
 
 /// A host observation recorded while a completion is
@@ -312,17 +261,9 @@ fn complete(contract_id: Id, nonce: u8) -> LifecycleCommand {
 pub async fn the_writer_never_judges_a_completion_made_stale_by_an_observation<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let judged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (release, gate) = std::sync::mpsc::channel::<()>();
-    let gate = Arc::new(Mutex::new(gate));
-    let (count, held) = (judged.clone(), gate.clone());
-    let hook = BeforeJudge(Arc::new(move || {
-        // The first judgment waits until the test has recorded an
-        // observation; later ones go straight on.
-        if count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-            let _ = held.lock().expect("gate").recv();
-        }
-    }));
+    // The first judgment waits until the test has recorded an
+    // observation; later ones go straight on.
+    let (hook, judged, release) = held_judges(|n| n == 0);
     let (store, _guard, child) =
         judged_store(&open, hook, JUDGMENT_DEADLINE_MS, "result.within_scope").await;
     let completing = {
@@ -332,22 +273,14 @@ pub async fn the_writer_never_judges_a_completion_made_stale_by_an_observation<S
     while judged.load(std::sync::atomic::Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let record = LifecycleCommand {
-        request: Some(meta(30, 5)),
-        contract_id: child,
-        action: Action::Record {
-            observations: vec![broker_wire::command::ObservationIn {
-                kind: pb::ObservationKind::Mutation,
-                path: "/etc/passwd".into(),
-                tool: String::new(),
-                units: 0,
-                at_ms: 0,
-                arguments_sha256: None,
-                outcome: pb::ToolOutcome::Unspecified,
-            }],
-        },
+    let record = Action::Record {
+        observations: vec![ObservationIn {
+            tool: String::new(),
+            at_ms: 0,
+            ..observation(pb::ObservationKind::Mutation, "/etc/passwd", 0)
+        }],
     };
-    receipt(store.transition(record).await);
+    acted(&store, 30, 5, child, record).await;
     release.send(()).expect("release");
     let done = receipt(completing.await.expect("task"));
     let completion = done.completion.expect("a completion");
@@ -361,26 +294,17 @@ pub async fn the_writer_never_judges_a_completion_made_stale_by_an_observation<S
 
 /// An accepted child of `root` for delegate `[delegate; 32]` (host 30).
 async fn accepted_child<S: Judged>(store: &S, root: Id, delegate: u8, nonce: u8) -> Id {
-    let child = issued(
-        store
-            .delegate(test_child(9, nonce, root, delegate, "true"))
-            .await,
-    );
-    let accept = LifecycleCommand {
-        request: Some(meta(delegate, nonce)),
-        contract_id: child,
-        action: Action::Accept {
-            host: Some([30; 32]),
-        },
-    };
-    receipt(store.transition(accept).await);
+    let child = super::delegated(store, 9, nonce, root, delegate).await;
+    acted(store, delegate, nonce, child, accept_hosted_by(30)).await;
     child
 }
 
+/// `[delegate; 32]`'s completion of `contract_id`.
 fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
     LifecycleCommand {
         request: Some(meta(delegate, nonce)),
-        ..complete(contract_id, nonce)
+        contract_id,
+        action: Action::Complete(Box::new(unreported_completion())),
     }
 }
 
@@ -391,19 +315,9 @@ fn complete_by(delegate: u8, contract_id: Id, nonce: u8) -> LifecycleCommand {
 pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let (release, gate) = std::sync::mpsc::channel::<()>();
-    let gate = Arc::new(Mutex::new(gate));
-    let held = gate.clone();
-    let hook = BeforeJudge(Arc::new(move || {
-        let _ = held.lock().expect("gate").recv();
-    }));
+    let (hook, _, release) = held_judges(|_| true);
     let (store, _guard, first) = judged_store(&open, hook, 300, "true").await;
-    let root = store
-        .contract(first)
-        .await
-        .expect("read")
-        .expect("found")
-        .root_id;
+    let root = stored(&store, first).await.root_id;
     let mut children = vec![(20u8, first)];
     for i in 1..=MAX_CONCURRENT_JUDGMENTS {
         let delegate = 20 + u8::try_from(i).expect("few");
@@ -432,15 +346,10 @@ pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judge
         }
     }
     // Other writes were never held up.
-    let root_again = issued(store.open_root(test_root(meta(9, 50))).await);
+    let root_again = opened(&store, 9, 50).await;
     assert_ne!(root_again, first);
     for (_, child) in children {
-        let status = store
-            .contract(child)
-            .await
-            .expect("read")
-            .expect("found")
-            .status;
+        let status = stored(&store, child).await.status;
         assert_eq!(status, Status::Accepted, "nothing was recorded");
     }
     for _ in 0..MAX_CONCURRENT_JUDGMENTS {
@@ -454,21 +363,9 @@ pub async fn a_completion_waits_for_a_judge_no_longer_than_its_deadline<S: Judge
 pub async fn judgments_are_one_per_contract_and_few_per_signer<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (release, gate) = std::sync::mpsc::channel::<()>();
-    let gate = Arc::new(Mutex::new(gate));
-    let (count, held) = (entered.clone(), gate.clone());
-    let hook = BeforeJudge(Arc::new(move || {
-        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let _ = held.lock().expect("gate").recv();
-    }));
+    let (hook, entered, release) = held_judges(|_| true);
     let (store, _guard, first) = judged_store(&open, hook, JUDGMENT_DEADLINE_MS, "true").await;
-    let root = store
-        .contract(first)
-        .await
-        .expect("read")
-        .expect("found")
-        .root_id;
+    let root = stored(&store, first).await.root_id;
     let mut mine = vec![first];
     for i in 0..MAX_JUDGMENTS_PER_SIGNER {
         mine.push(accepted_child(&store, root, 20, 60 + u8::try_from(i).expect("few")).await);
@@ -548,22 +445,17 @@ pub async fn a_host_recording_during_every_judgment_cannot_loop_the_judges<S: Ju
                 }),
                 contract_id: *child,
                 action: Action::Record {
-                    observations: vec![broker_wire::command::ObservationIn {
-                        kind: pb::ObservationKind::ToolCall,
-                        path: String::new(),
+                    observations: vec![ObservationIn {
                         tool: "search".into(),
-                        units: 0,
                         at_ms: SystemClock.now_ms(),
                         arguments_sha256: None,
                         outcome: pb::ToolOutcome::Unspecified,
+                        ..observation(pb::ObservationKind::ToolCall, "", 0)
                     }],
                 },
             };
             if let Err(e) = handle.block_on(store.transition(record)) {
-                refused
-                    .lock()
-                    .unwrap()
-                    .push(crate::suite::reason(&e).to_owned());
+                refused.lock().unwrap().push(reason(&e).to_owned());
             }
         }))
     };

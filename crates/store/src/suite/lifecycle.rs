@@ -3,67 +3,24 @@
 
 use prost::Message;
 
-use super::{issued, meta, receipt, test_child, test_root};
-use crate::{Answer, Store, StoreError};
+use super::{
+    accept_hosted_by, act, acted, complete_action, delegated, every_event, issued, meta,
+    observation, opened, reason, receipt, refused, stored, test_child,
+};
+use crate::{Store, StoreError};
 use broker_domain::Id;
 use broker_domain::judge::Verdict;
-use broker_wire::command::{Action, CompleteArgs, LifecycleCommand, ObservationIn};
+use broker_wire::command::{Action, LifecycleCommand};
 use broker_wire::pb;
 
 /// The orchestrator of every test tree, and the host accepted children get.
 const ORCHESTRATOR: u8 = 9;
 const HOST: u8 = 30;
 
-pub async fn act<S: Store>(
-    store: &S,
-    agent: u8,
-    nonce: u8,
-    contract_id: Id,
-    action: Action,
-) -> Result<Answer, StoreError> {
-    store
-        .transition(LifecycleCommand {
-            request: Some(meta(agent, nonce)),
-            contract_id,
-            action,
-        })
-        .await
-}
-
-pub fn complete_action(reported_consumed: i64) -> Action {
-    Action::Complete(Box::new(CompleteArgs {
-        output_digest: broker_wire::crypto::sha256("{}".as_bytes()),
-        output: serde_json::json!({}),
-        has_report: true,
-        claim: "done".into(),
-        reported_consumed,
-        received_at_ms: None,
-        prejudged: None,
-    }))
-}
-
-pub fn observation(kind: pb::ObservationKind, path: &str, units: i64) -> ObservationIn {
-    ObservationIn {
-        kind,
-        path: path.into(),
-        tool: "tool".into(),
-        units,
-        at_ms: 1,
-        // Tool calls carry what a gateway says of them, so every backend
-        // stores both columns.
-        arguments_sha256: (kind == pb::ObservationKind::ToolCall).then_some([1; 32]),
-        outcome: if kind == pb::ObservationKind::ToolCall {
-            pb::ToolOutcome::Failed
-        } else {
-            pb::ToolOutcome::Unspecified
-        },
-    }
-}
-
 /// A root (100 units) opened by `ORCHESTRATOR` and a child of 10 for
 /// `delegate`, judged by `predicate`.
 async fn root_and_child<S: Store>(store: &S, delegate: u8, predicate: &str) -> (Id, Id) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
+    let root = opened(store, ORCHESTRATOR, 1).await;
     let child = issued(
         store
             .delegate(test_child(ORCHESTRATOR, 2, root, delegate, predicate))
@@ -75,41 +32,20 @@ async fn root_and_child<S: Store>(store: &S, delegate: u8, predicate: &str) -> (
 /// `root_and_child`, the child accepted with `HOST` as its host.
 async fn accepted_child<S: Store>(store: &S, delegate: u8) -> (Id, Id) {
     let (root, child) = root_and_child(store, delegate, "true").await;
-    receipt(
-        act(
-            store,
-            delegate,
-            3,
-            child,
-            Action::Accept {
-                host: Some([HOST; 32]),
-            },
-        )
-        .await,
-    );
+    acted(store, delegate, 3, child, accept_hosted_by(HOST)).await;
     (root, child)
 }
 
 async fn ledger<S: Store>(store: &S, id: Id) -> (broker_domain::Status, broker_domain::Ledger) {
-    let c = store.contract(id).await.expect("read").expect("contract");
+    let c = stored(store, id).await;
     (c.status, c.ledger)
-}
-
-/// The wire name of a refusal's reason.
-pub fn reason(e: &StoreError) -> &'static str {
-    match e {
-        StoreError::PermissionDenied { reason, .. }
-        | StoreError::FailedPrecondition { reason, .. }
-        | StoreError::Unavailable { reason, .. } => broker_wire::names::reason_name(*reason),
-        other => panic!("not a reasoned refusal: {other:?}"),
-    }
 }
 
 /// Accept, then complete: the child is charged its report and returns
 /// the rest to its parent; the receipt carries the verdict and numbers.
 pub async fn a_completion_settles_into_the_parent<S: Store>(store: &S) {
     let (root, child) = accepted_child(store, 8).await;
-    let done = receipt(act(store, 8, 4, child, complete_action(4)).await);
+    let done = acted(store, 8, 4, child, complete_action(4)).await;
     assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
     let c = done.completion.expect("completion");
     assert_eq!((c.consumed, c.returned), (4, 6));
@@ -153,8 +89,7 @@ pub async fn only_the_entitled_key_may_act<S: Store>(store: &S) {
         ),
     ];
     for (nonce, (agent, action, want)) in (10u8..).zip(cases) {
-        let err = act(store, agent, nonce, child, action).await.unwrap_err();
-        assert_eq!(reason(&err), want);
+        assert_eq!(refused(store, agent, nonce, child, action).await, want);
     }
     let (status, _) = ledger(store, child).await;
     assert_eq!(
@@ -169,36 +104,22 @@ pub async fn only_the_entitled_key_may_act<S: Store>(store: &S) {
 pub async fn a_transition_from_the_wrong_state_is_refused<S: Store>(store: &S) {
     let (_, child) = root_and_child(store, 8, "true").await;
     // Escalate and Complete need ACCEPTED.
-    let err = act(store, 8, 3, child, Action::Escalate { reason: "x".into() })
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "WRONG_STATE");
-    let err = act(store, 8, 4, child, complete_action(1))
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "WRONG_STATE");
-    receipt(act(store, 8, 5, child, Action::Accept { host: None }).await);
-    let err = act(store, 8, 6, child, Action::Accept { host: None })
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "WRONG_STATE");
+    let escalate = Action::Escalate { reason: "x".into() };
+    assert_eq!(refused(store, 8, 3, child, escalate).await, "WRONG_STATE");
+    let complete = complete_action(1);
+    assert_eq!(refused(store, 8, 4, child, complete).await, "WRONG_STATE");
+    acted(store, 8, 5, child, Action::Accept { host: None }).await;
+    let accept = Action::Accept { host: None };
+    assert_eq!(refused(store, 8, 6, child, accept).await, "WRONG_STATE");
 }
 
 /// Declining returns the whole reservation to the parent.
 pub async fn a_decline_returns_the_reservation<S: Store>(store: &S) {
     let (root, child) = root_and_child(store, 8, "true").await;
-    let declined = receipt(
-        act(
-            store,
-            8,
-            3,
-            child,
-            Action::Decline {
-                reason: "busy".into(),
-            },
-        )
-        .await,
-    );
+    let busy = Action::Decline {
+        reason: "busy".into(),
+    };
+    let declined = acted(store, 8, 3, child, busy).await;
     assert_eq!(declined.kind, pb::ReceiptKind::Declined as i32);
     assert_eq!(declined.reason, "busy");
     let (_, parent) = ledger(store, root).await;
@@ -213,33 +134,20 @@ pub async fn a_decline_returns_the_reservation<S: Store>(store: &S) {
 /// escalate.
 pub async fn an_escalation_tells_the_principal_what_is_left<S: Store>(store: &S) {
     let (root, child) = accepted_child(store, 8).await;
-    let up = receipt(
-        act(
-            store,
-            8,
-            4,
-            child,
-            Action::Escalate {
-                reason: "ambiguous".into(),
-            },
-        )
-        .await,
-    );
+    let ambiguous = Action::Escalate {
+        reason: "ambiguous".into(),
+    };
+    let up = acted(store, 8, 4, child, ambiguous).await;
     assert_eq!(up.kind, pb::ReceiptKind::Escalated as i32);
     let notice = up.escalation.expect("notice");
     assert_eq!(notice.principal_residual, 100);
     assert!(notice.retry_feasible);
-    receipt(act(store, ORCHESTRATOR, 5, root, Action::Accept { host: None }).await);
-    let err = act(
-        store,
-        ORCHESTRATOR,
-        6,
-        root,
-        Action::Escalate { reason: "x".into() },
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(reason(&err), "ROOT");
+    acted(store, ORCHESTRATOR, 5, root, Action::Accept { host: None }).await;
+    let escalate = Action::Escalate { reason: "x".into() };
+    assert_eq!(
+        refused(store, ORCHESTRATOR, 6, root, escalate).await,
+        "ROOT"
+    );
 }
 
 /// Revoking a contract ends every open descendant, deepest first, with a
@@ -249,18 +157,10 @@ pub async fn a_revocation_cascades_with_a_receipt_each<S: Store>(store: &S) {
     let mut small = test_child(8, 3, child, 7, "true");
     small.ask.budget = 4;
     let grandchild = issued(store.delegate(small).await);
-    let revoked = receipt(
-        act(
-            store,
-            ORCHESTRATOR,
-            4,
-            child,
-            Action::Revoke {
-                reason: "stop".into(),
-            },
-        )
-        .await,
-    );
+    let stop = Action::Revoke {
+        reason: "stop".into(),
+    };
+    let revoked = acted(store, ORCHESTRATOR, 4, child, stop).await;
     assert_eq!(revoked.kind, pb::ReceiptKind::Revoked as i32);
     assert_eq!(
         revoked.revoked_ids,
@@ -272,10 +172,7 @@ pub async fn a_revocation_cascades_with_a_receipt_each<S: Store>(store: &S) {
     let (_, parent) = ledger(store, root).await;
     assert_eq!((parent.reserved, parent.open_children), (0, 0));
     // The grandchild's own receipt is among its tree's events.
-    let events = store
-        .events(grandchild, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let events = every_event(store, grandchild, 100).await;
     let receipts = events
         .iter()
         .filter(|e| matches!(e, crate::Event::Receipt { .. }))
@@ -287,27 +184,19 @@ pub async fn a_revocation_cascades_with_a_receipt_each<S: Store>(store: &S) {
 /// no second time, whatever the delegate reports.
 pub async fn metering_is_charged_once<S: Store>(store: &S) {
     let (root, child) = accepted_child(store, 8).await;
-    let recorded = receipt(
-        act(
-            store,
-            HOST,
-            4,
-            child,
-            Action::Record {
-                observations: vec![
-                    observation(pb::ObservationKind::ToolCall, "", 3),
-                    observation(pb::ObservationKind::Mutation, "src/a.rs", 0),
-                ],
-            },
-        )
-        .await,
-    );
+    let record = Action::Record {
+        observations: vec![
+            observation(pb::ObservationKind::ToolCall, "", 3),
+            observation(pb::ObservationKind::Mutation, "src/a.rs", 0),
+        ],
+    };
+    let recorded = acted(store, HOST, 4, child, record).await;
     assert_eq!(
         (recorded.kind, recorded.observations),
         (pb::ReceiptKind::Observed as i32, 2)
     );
     assert_eq!(ledger(store, child).await.1.spent, 3);
-    let done = receipt(act(store, 8, 5, child, complete_action(9)).await);
+    let done = acted(store, 8, 5, child, complete_action(9)).await;
     assert_eq!(done.completion.expect("completion").returned, 7);
     let (_, parent) = ledger(store, root).await;
     assert_eq!(parent.spent, 3);
@@ -317,43 +206,23 @@ pub async fn metering_is_charged_once<S: Store>(store: &S) {
 pub async fn observations_per_contract_are_capped<S: Store>(store: &S) {
     let (_, child) = accepted_child(store, 8).await;
     let max = usize::try_from(broker_domain::limits::MAX_OBSERVATIONS_PER_CONTRACT).expect("fits");
+    let calls = |n: usize| Action::Record {
+        observations: (0..n)
+            .map(|_| observation(pb::ObservationKind::ToolCall, "", 0))
+            .collect(),
+    };
     let chunk = 256;
     let mut nonce = 10u8;
     let mut sent = 0;
     while sent + chunk <= max {
-        let batch = (0..chunk)
-            .map(|_| observation(pb::ObservationKind::ToolCall, "", 0))
-            .collect();
-        receipt(
-            act(
-                store,
-                HOST,
-                nonce,
-                child,
-                Action::Record {
-                    observations: batch,
-                },
-            )
-            .await,
-        );
+        acted(store, HOST, nonce, child, calls(chunk)).await;
         sent += chunk;
         nonce = nonce.wrapping_add(1);
     }
     let rest = max - sent;
-    let batch = (0..rest + 1)
-        .map(|_| observation(pb::ObservationKind::ToolCall, "", 0))
-        .collect();
-    let err = act(
-        store,
-        HOST,
-        nonce,
-        child,
-        Action::Record {
-            observations: batch,
-        },
-    )
-    .await
-    .unwrap_err();
+    let err = act(store, HOST, nonce, child, calls(rest + 1))
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, StoreError::Overloaded("MAX_OBSERVATIONS_PER_CONTRACT")),
         "{err:?}"
@@ -364,26 +233,28 @@ pub async fn observations_per_contract_are_capped<S: Store>(store: &S) {
 /// adjudicates, once.
 pub async fn only_a_pending_completion_is_adjudicated<S: Store>(store: &S) {
     let (_, child) = root_and_child(store, 8, "").await;
-    receipt(act(store, 8, 3, child, Action::Accept { host: None }).await);
+    acted(store, 8, 3, child, Action::Accept { host: None }).await;
     let adjudicate = |verdict| Action::Adjudicate {
         verdict,
         reason: "checked".into(),
     };
-    let err = act(store, ORCHESTRATOR, 4, child, adjudicate(Verdict::Accepted))
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "NOT_PENDING");
-    let done = receipt(act(store, 8, 5, child, complete_action(1)).await);
+    let early = adjudicate(Verdict::Accepted);
+    assert_eq!(
+        refused(store, ORCHESTRATOR, 4, child, early).await,
+        "NOT_PENDING"
+    );
+    let done = acted(store, 8, 5, child, complete_action(1)).await;
     assert_eq!(
         done.completion.expect("completion").verdict,
         Verdict::PendingPrincipal.as_i32()
     );
-    let verdict = receipt(act(store, ORCHESTRATOR, 6, child, adjudicate(Verdict::Rejected)).await);
+    let verdict = acted(store, ORCHESTRATOR, 6, child, adjudicate(Verdict::Rejected)).await;
     assert_eq!(verdict.kind, pb::ReceiptKind::Adjudicated as i32);
-    let err = act(store, ORCHESTRATOR, 7, child, adjudicate(Verdict::Accepted))
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "NOT_PENDING");
+    let again = adjudicate(Verdict::Accepted);
+    assert_eq!(
+        refused(store, ORCHESTRATOR, 7, child, again).await,
+        "NOT_PENDING"
+    );
 }
 
 /// A lifecycle request sent twice is done once: the retry gets the same
@@ -420,7 +291,7 @@ pub async fn a_lifecycle_retry_is_replayed<S: Store>(store: &S) {
 /// revocation is asked of it (LATE), and its reservation returns; the
 /// sweep finds overdue contracts and expires each once.
 pub async fn an_overdue_contract_expires_once<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
+    let root = opened(store, ORCHESTRATOR, 1).await;
     let soon = |nonce: u8, delegate: u8| {
         let mut c = test_child(ORCHESTRATOR, nonce, root, delegate, "true");
         c.ask.deadline_ms = Some(broker_wire::clock::SystemClock.now_ms() + 300);
@@ -430,10 +301,8 @@ pub async fn an_overdue_contract_expires_once<S: Store>(store: &S) {
     let accessed = issued(store.delegate(soon(2, 8)).await);
     let swept = issued(store.delegate(soon(3, 7)).await);
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
-    let err = act(store, 8, 4, accessed, Action::Accept { host: None })
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&err), "LATE");
+    let accept = Action::Accept { host: None };
+    assert_eq!(refused(store, 8, 4, accessed, accept).await, "LATE");
     assert_eq!(
         ledger(store, accessed).await.0,
         broker_domain::Status::Expired
@@ -472,38 +341,18 @@ pub async fn an_unknown_contract_is_not_found<S: Store>(store: &S) {
 /// The host named at Accept may not be changed, and may not be the
 /// delegate.
 pub async fn the_host_is_fixed_and_never_the_delegate<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
+    let root = opened(store, ORCHESTRATOR, 1).await;
     let mut hosted = test_child(ORCHESTRATOR, 2, root, 8, "true");
     hosted.host = Some([HOST; 32]);
     let child = issued(store.delegate(hosted).await);
-    let err = act(
-        store,
-        8,
-        3,
-        child,
-        Action::Accept {
-            host: Some([31; 32]),
-        },
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(reason(&err), "HOST_MISMATCH");
-    let plain = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 4, root, 7, "true"))
-            .await,
+    assert_eq!(
+        refused(store, 8, 3, child, accept_hosted_by(31)).await,
+        "HOST_MISMATCH"
     );
-    let err = act(
-        store,
-        7,
-        5,
-        plain,
-        Action::Accept {
-            host: Some([7; 32]),
-        },
-    )
-    .await
-    .unwrap_err();
+    let plain = delegated(store, ORCHESTRATOR, 4, root, 7).await;
+    let err = act(store, 7, 5, plain, accept_hosted_by(7))
+        .await
+        .unwrap_err();
     assert!(
         matches!(&err, StoreError::Invalid(e) if e.field == "body.host_public_key"),
         "{err:?}"
@@ -530,49 +379,30 @@ pub async fn held_contracts_are_the_open_ones<S: Store>(store: &S) {
         limit,
         max_bytes: usize::MAX,
     };
+    let page = async |key: u8, role: crate::HeldRole, before_seq: i64, limit: u32| {
+        let query = held(key, role, before_seq, limit);
+        store.held(&query).await.expect("held")
+    };
     let ids = |page: &crate::HeldPage| page.contracts.iter().map(|c| c.id).collect::<Vec<_>>();
     use crate::HeldRole::{Delegate, Host};
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let a = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
-    let b = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 3, root, 8, "true"))
-            .await,
-    );
-    let c = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 4, root, 8, "true"))
-            .await,
-    );
-    let other = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 5, root, 7, "true"))
-            .await,
-    );
+    let root = opened(store, ORCHESTRATOR, 1).await;
+    let a = delegated(store, ORCHESTRATOR, 2, root, 8).await;
+    let b = delegated(store, ORCHESTRATOR, 3, root, 8).await;
+    let c = delegated(store, ORCHESTRATOR, 4, root, 8).await;
+    let other = delegated(store, ORCHESTRATOR, 5, root, 7).await;
     // The root is held by its orchestrator.
-    let mine = store
-        .held(&held(ORCHESTRATOR, Delegate, 0, 10))
-        .await
-        .expect("held");
-    assert_eq!(ids(&mine), [root]);
-    let all = store.held(&held(8, Delegate, 0, 10)).await.expect("held");
+    assert_eq!(ids(&page(ORCHESTRATOR, Delegate, 0, 10).await), [root]);
+    let all = page(8, Delegate, 0, 10).await;
     assert_eq!(ids(&all), [c, b, a]);
     assert_eq!(all.next_before, None);
     // Pages of two.
-    let first = store.held(&held(8, Delegate, 0, 2)).await.expect("held");
+    let first = page(8, Delegate, 0, 2).await;
     assert_eq!(ids(&first), [c, b]);
     let cursor = first.next_before.expect("a full page with more continues");
-    let second = store
-        .held(&held(8, Delegate, cursor, 2))
-        .await
-        .expect("held");
+    let second = page(8, Delegate, cursor, 2).await;
     assert_eq!((ids(&second), second.next_before), (vec![a], None));
     // An exactly full last page says there is no more.
-    let exact = store.held(&held(8, Delegate, 0, 3)).await.expect("held");
+    let exact = page(8, Delegate, 0, 3).await;
     assert_eq!((exact.contracts.len(), exact.next_before), (3, None));
     // A byte budget cuts after the first contract and continues there.
     let mut tight = held(8, Delegate, 0, 10);
@@ -581,31 +411,9 @@ pub async fn held_contracts_are_the_open_ones<S: Store>(store: &S) {
     assert_eq!(ids(&cut), [c]);
     assert_eq!(cut.next_before, Some(cut.contracts[0].seq));
     // Hosts: named at Accept; accepted contracts stay listed.
-    receipt(
-        act(
-            store,
-            8,
-            6,
-            a,
-            Action::Accept {
-                host: Some([HOST; 32]),
-            },
-        )
-        .await,
-    );
-    receipt(
-        act(
-            store,
-            8,
-            7,
-            b,
-            Action::Accept {
-                host: Some([HOST; 32]),
-            },
-        )
-        .await,
-    );
-    let hosted = store.held(&held(HOST, Host, 0, 10)).await.expect("held");
+    acted(store, 8, 6, a, accept_hosted_by(HOST)).await;
+    acted(store, 8, 7, b, accept_hosted_by(HOST)).await;
+    let hosted = page(HOST, Host, 0, 10).await;
     assert_eq!(ids(&hosted), [b, a]);
     assert!(
         hosted
@@ -614,52 +422,14 @@ pub async fn held_contracts_are_the_open_ones<S: Store>(store: &S) {
             .all(|c| c.status == broker_domain::Status::Accepted)
     );
     // A host holds nothing as delegate, a delegate hosts nothing.
-    assert!(
-        store
-            .held(&held(HOST, Delegate, 0, 10))
-            .await
-            .expect("held")
-            .contracts
-            .is_empty()
-    );
-    assert!(
-        store
-            .held(&held(8, Host, 0, 10))
-            .await
-            .expect("held")
-            .contracts
-            .is_empty()
-    );
+    assert!(page(HOST, Delegate, 0, 10).await.contracts.is_empty());
+    assert!(page(8, Host, 0, 10).await.contracts.is_empty());
     // Ending contracts takes them off both lists.
-    receipt(act(store, 8, 8, a, complete_action(1)).await);
-    receipt(
-        act(
-            store,
-            ORCHESTRATOR,
-            9,
-            c,
-            Action::Revoke { reason: "x".into() },
-        )
-        .await,
-    );
-    assert_eq!(
-        ids(&store.held(&held(8, Delegate, 0, 10)).await.expect("held")),
-        [b]
-    );
-    assert_eq!(
-        ids(&store.held(&held(HOST, Host, 0, 10)).await.expect("held")),
-        [b]
-    );
-    assert_eq!(
-        ids(&store.held(&held(7, Delegate, 0, 10)).await.expect("held")),
-        [other]
-    );
-    assert!(
-        store
-            .held(&held(5, Delegate, 0, 10))
-            .await
-            .expect("held")
-            .contracts
-            .is_empty()
-    );
+    acted(store, 8, 8, a, complete_action(1)).await;
+    let revoke = Action::Revoke { reason: "x".into() };
+    acted(store, ORCHESTRATOR, 9, c, revoke).await;
+    assert_eq!(ids(&page(8, Delegate, 0, 10).await), [b]);
+    assert_eq!(ids(&page(HOST, Host, 0, 10).await), [b]);
+    assert_eq!(ids(&page(7, Delegate, 0, 10).await), [other]);
+    assert!(page(5, Delegate, 0, 10).await.contracts.is_empty());
 }

@@ -19,8 +19,17 @@ pub use reads::*;
 
 use super::{Answer, Event, Outcome, Store, StoreError};
 use broker_domain::{Id, Liability, Policy, Predicate, Scope};
-use broker_wire::command::{NewChild, NewRoot, RequestMeta};
+use broker_wire::command::{
+    Action, CompleteArgs, LifecycleCommand, NewChild, NewRoot, ObservationIn, RequestMeta,
+};
 use broker_wire::pb;
+
+/// The key every test store signs with.
+pub fn test_stamper() -> std::sync::Arc<broker_wire::stamp::Stamper> {
+    std::sync::Arc::new(broker_wire::stamp::Stamper::new(
+        ed25519_dalek::SigningKey::from_bytes(&[1u8; 32]),
+    ))
+}
 
 pub fn test_root(request: RequestMeta) -> NewRoot {
     NewRoot {
@@ -111,78 +120,209 @@ pub fn receipt(answer: Result<Answer, StoreError>) -> pb::Receipt {
     }
 }
 
+/// A root of the test terms opened by `[agent; 32]`.
+pub async fn opened<S: Store>(store: &S, agent: u8, nonce: u8) -> Id {
+    issued(store.open_root(test_root(meta(agent, nonce))).await)
+}
+
+/// A child of `parent` on the test terms (judged by `true`) for
+/// `[delegate; 32]`, asked by `[asker; 32]`.
+pub async fn delegated<S: Store>(store: &S, asker: u8, nonce: u8, parent: Id, delegate: u8) -> Id {
+    issued(
+        store
+            .delegate(test_child(asker, nonce, parent, delegate, "true"))
+            .await,
+    )
+}
+
+/// The stored contract `id`, which must exist.
+pub async fn stored<S: Store>(store: &S, id: Id) -> super::ContractRecord {
+    store.contract(id).await.expect("read").expect("stored")
+}
+
+/// `action` on `contract_id`, asked by `[agent; 32]`.
+pub async fn act<S: Store>(
+    store: &S,
+    agent: u8,
+    nonce: u8,
+    contract_id: Id,
+    action: Action,
+) -> Result<Answer, StoreError> {
+    store
+        .transition(LifecycleCommand {
+            request: Some(meta(agent, nonce)),
+            contract_id,
+            action,
+        })
+        .await
+}
+
+/// `act`, answered with a receipt.
+pub async fn acted<S: Store>(
+    store: &S,
+    agent: u8,
+    nonce: u8,
+    contract_id: Id,
+    action: Action,
+) -> pb::Receipt {
+    receipt(act(store, agent, nonce, contract_id, action).await)
+}
+
+/// `act`, refused: the refusal's reason.
+pub async fn refused<S: Store>(
+    store: &S,
+    agent: u8,
+    nonce: u8,
+    contract_id: Id,
+    action: Action,
+) -> &'static str {
+    reason(
+        &act(store, agent, nonce, contract_id, action)
+            .await
+            .unwrap_err(),
+    )
+}
+
+/// The wire name of a refusal's reason.
+pub fn reason(e: &StoreError) -> &'static str {
+    match e {
+        StoreError::PermissionDenied { reason, .. }
+        | StoreError::FailedPrecondition { reason, .. }
+        | StoreError::Unavailable { reason, .. } => broker_wire::names::reason_name(*reason),
+        other => panic!("not a reasoned refusal: {other:?}"),
+    }
+}
+
+/// Accept, naming `[host; 32]` as the host.
+pub fn accept_hosted_by(host: u8) -> Action {
+    Action::Accept {
+        host: Some([host; 32]),
+    }
+}
+
+/// A completion of the empty output, claimed done, with a report of
+/// `reported_consumed`.
+pub fn complete_args(reported_consumed: i64) -> CompleteArgs {
+    CompleteArgs {
+        output_digest: broker_wire::crypto::sha256("{}".as_bytes()),
+        output: serde_json::json!({}),
+        has_report: true,
+        claim: "done".into(),
+        reported_consumed,
+        received_at_ms: None,
+        prejudged: None,
+    }
+}
+
+pub fn complete_action(reported_consumed: i64) -> Action {
+    Action::Complete(Box::new(complete_args(reported_consumed)))
+}
+
+pub fn observation(kind: pb::ObservationKind, path: &str, units: i64) -> ObservationIn {
+    ObservationIn {
+        kind,
+        path: path.into(),
+        tool: "tool".into(),
+        units,
+        at_ms: 1,
+        // Tool calls carry what a gateway says of them, so every backend
+        // stores both columns.
+        arguments_sha256: (kind == pb::ObservationKind::ToolCall).then_some([1; 32]),
+        outcome: if kind == pb::ObservationKind::ToolCall {
+            pb::ToolOutcome::Failed
+        } else {
+            pb::ToolOutcome::Unspecified
+        },
+    }
+}
+
+/// An event's cursor.
+pub fn cursor(e: &Event) -> i64 {
+    match e {
+        Event::Contract { cursor, .. } | Event::Receipt { cursor, .. } => *cursor,
+    }
+}
+
+/// Every event of `id`'s tree, read `page` at a time after each page's
+/// last cursor.
+pub async fn every_event<S: Store>(store: &S, id: Id, page: u32) -> Vec<Event> {
+    let mut all = Vec::new();
+    loop {
+        let after = all.last().map_or(0, cursor);
+        let events = store
+            .events(id, after, page, usize::MAX)
+            .await
+            .expect("events");
+        if events.is_empty() {
+            return all;
+        }
+        all.extend(events);
+    }
+}
+
+/// Sends `child` twice: answered once, then replayed.
+pub async fn delegated_twice<S: Store>(store: &S, child: &NewChild) -> (Answer, Answer) {
+    let first = store.delegate(child.clone()).await.expect("first");
+    let again = store.delegate(child.clone()).await.expect("again");
+    assert!(!first.replayed && again.replayed);
+    (first, again)
+}
+
+/// Labels from pairs.
+pub fn labels(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+/// `opened`, with `pairs` as the root's labels.
+pub async fn opened_with_labels<S: Store>(
+    store: &S,
+    agent: u8,
+    nonce: u8,
+    pairs: &[(&str, &str)],
+) -> Id {
+    let mut root = test_root(meta(agent, nonce));
+    root.labels = labels(pairs);
+    issued(store.open_root(root).await)
+}
+
 /// Runs are found by every selected label, in issuance order; children
 /// (which carry their root's labels) are not runs; more matches than the
 /// limit is an error rather than a silent cut.
 pub async fn runs_are_selected_by_labels<S: Store>(store: &S) {
-    let labelled = |nonce: u8, labels: &[(&str, &str)]| {
-        let mut root = test_root(meta(9, nonce));
-        root.labels = labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        root
-    };
     // A value with quotes, a backslash and non-ASCII text, stored as is.
     let odd = "say \"hi\" \\ é";
-    let a1 = issued(
-        store
-            .open_root(labelled(1, &[("arm", "a"), ("exp", "1"), ("note", odd)]))
-            .await,
-    );
-    let b1 = issued(
-        store
-            .open_root(labelled(2, &[("arm", "b"), ("exp", "1")]))
-            .await,
-    );
-    let a2 = issued(
-        store
-            .open_root(labelled(3, &[("arm", "a"), ("exp", "2")]))
-            .await,
-    );
-    issued(store.delegate(test_child(9, 4, a1, 8, "true")).await);
-    let select = |labels: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
-        labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
+    let a1 = opened_with_labels(store, 9, 1, &[("arm", "a"), ("exp", "1"), ("note", odd)]).await;
+    let b1 = opened_with_labels(store, 9, 2, &[("arm", "b"), ("exp", "1")]).await;
+    let a2 = opened_with_labels(store, 9, 3, &[("arm", "a"), ("exp", "2")]).await;
+    delegated(store, 9, 4, a1, 8).await;
+    let runs = async |opener: Option<u8>, selected: &[(&str, &str)], limit: u32| {
+        let opener = opener.map(|agent| [agent; 32]);
+        store.runs(opener, &labels(selected), limit).await
     };
-    let roots = |runs: Vec<(super::RunFacts, super::TreeMutations)>| -> Vec<Id> {
-        runs.into_iter().map(|(run, _)| run.root_id).collect()
+    let found = async |opener: Option<u8>, selected: &[(&str, &str)], limit: u32| -> Vec<Id> {
+        let found = runs(opener, selected, limit).await.expect("runs");
+        found.into_iter().map(|(run, _)| run.root_id).collect()
     };
-    let found = store
-        .runs(None, &select(&[("arm", "a")]), 10)
-        .await
-        .expect("runs");
-    assert_eq!(found[0].0.contracts.len(), 1, "the child is in its run");
-    assert_eq!(roots(found), [a1, a2]);
-    let found = store
-        .runs(None, &select(&[("arm", "a"), ("exp", "1")]), 10)
-        .await;
-    assert_eq!(roots(found.expect("runs")), [a1]);
-    let found = store.runs(None, &select(&[("exp", "1")]), 10).await;
-    assert_eq!(roots(found.expect("runs")), [a1, b1]);
-    let found = store.runs(None, &select(&[]), 10).await;
-    assert_eq!(roots(found.expect("runs")), [a1, b1, a2]);
-    let found = store.runs(None, &select(&[("note", odd)]), 10).await;
-    assert_eq!(roots(found.expect("runs")), [a1]);
-    let found = store.runs(None, &select(&[("arm", "c")]), 10).await;
-    assert!(found.expect("runs").is_empty());
+    let arm_a = runs(None, &[("arm", "a")], 10).await.expect("runs");
+    assert_eq!(arm_a[0].0.contracts.len(), 1, "the child is in its run");
+    assert_eq!(found(None, &[("arm", "a")], 10).await, [a1, a2]);
+    assert_eq!(found(None, &[("arm", "a"), ("exp", "1")], 10).await, [a1]);
+    assert_eq!(found(None, &[("exp", "1")], 10).await, [a1, b1]);
+    assert_eq!(found(None, &[], 10).await, [a1, b1, a2]);
+    assert_eq!(found(None, &[("note", odd)], 10).await, [a1]);
+    assert!(found(None, &[("arm", "c")], 10).await.is_empty());
     assert!(matches!(
-        store.runs(None, &select(&[("arm", "a")]), 1).await,
+        runs(None, &[("arm", "a")], 1).await,
         Err(StoreError::Overloaded(_))
     ));
-    let found = store
-        .runs(None, &select(&[("arm", "a"), ("exp", "2")]), 1)
-        .await;
-    assert_eq!(roots(found.expect("exactly the limit")), [a2]);
+    // Exactly the limit.
+    assert_eq!(found(None, &[("arm", "a"), ("exp", "2")], 1).await, [a2]);
     // Only the runs an orchestrator opened, when one is named.
-    let found = store
-        .runs(Some([9; 32]), &select(&[("arm", "a")]), 10)
-        .await;
-    assert_eq!(roots(found.expect("runs")), [a1, a2]);
-    let found = store.runs(Some([5; 32]), &select(&[]), 10).await;
-    assert!(found.expect("runs").is_empty());
+    assert_eq!(found(Some(9), &[("arm", "a")], 10).await, [a1, a2]);
+    assert!(found(Some(5), &[], 10).await.is_empty());
 }
 
 /// Roots are listed newest first, a page at a time: every root for a
@@ -190,18 +330,13 @@ pub async fn runs_are_selected_by_labels<S: Store>(store: &S) {
 /// else (a stranger sees nothing), filtered by labels; a window of `scan`
 /// roots bounds each call, and its page may be short yet continue.
 pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
-    let labelled = |agent: u8, nonce: u8, arm: &str| {
-        let mut root = test_root(meta(agent, nonce));
-        root.labels = [("arm".to_owned(), arm.to_owned())].into_iter().collect();
-        root
-    };
     // Opened by 9 (flat, tree, flat) and 6 (flat); 8 is a delegate in the
     // first, 30 a host in the last of 9's.
-    let r1 = issued(store.open_root(labelled(9, 1, "flat")).await);
-    let r2 = issued(store.open_root(labelled(9, 2, "tree")).await);
-    let r3 = issued(store.open_root(labelled(6, 3, "flat")).await);
-    let r4 = issued(store.open_root(labelled(9, 4, "flat")).await);
-    issued(store.delegate(test_child(9, 5, r1, 8, "true")).await);
+    let r1 = opened_with_labels(store, 9, 1, &[("arm", "flat")]).await;
+    let r2 = opened_with_labels(store, 9, 2, &[("arm", "tree")]).await;
+    let r3 = opened_with_labels(store, 6, 3, &[("arm", "flat")]).await;
+    let r4 = opened_with_labels(store, 9, 4, &[("arm", "flat")]).await;
+    delegated(store, 9, 5, r1, 8).await;
     let mut hosted = test_child(9, 6, r4, 7, "true");
     hosted.host = Some([30; 32]);
     issued(store.delegate(hosted).await);
@@ -218,38 +353,39 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
             max_bytes: usize::MAX,
         }
     };
+    let roots = async |query: &super::RootsQuery| store.roots(query).await.expect("roots");
     let ids = |page: &super::RootsPage| page.roots.iter().map(|r| r.id).collect::<Vec<_>>();
+    // Every page `page(viewer, arm, …, scan)` leads to, walked from the
+    // newest: the roots shown and how many calls it took.
+    let walk = async |viewer: Option<u8>, arm: Option<&str>, scan: u32| {
+        let (mut before, mut seen, mut calls) = (0, Vec::new(), 0);
+        loop {
+            let got = roots(&page(viewer, arm, before, 10, scan)).await;
+            calls += 1;
+            seen.extend(ids(&got));
+            match got.next_before {
+                Some(next) => before = next,
+                None => return (seen, calls),
+            }
+            assert!(calls < 10, "the walk ends");
+        }
+    };
     // A reader: every root, newest first; children are not roots.
-    let all = store
-        .roots(&page(None, None, 0, 10, 100))
-        .await
-        .expect("roots");
+    let all = roots(&page(None, None, 0, 10, 100)).await;
     assert_eq!(ids(&all), [r4, r3, r2, r1]);
     assert_eq!(all.next_before, None);
     assert!(all.roots.iter().all(|r| r.parent_id.is_none()));
     // Pages of two, the second from the first's cursor.
-    let first = store
-        .roots(&page(None, None, 0, 2, 100))
-        .await
-        .expect("roots");
+    let first = roots(&page(None, None, 0, 2, 100)).await;
     assert_eq!(ids(&first), [r4, r3]);
     let cursor = first.next_before.expect("a full page continues");
-    let second = store
-        .roots(&page(None, None, cursor, 2, 100))
-        .await
-        .expect("roots");
+    let second = roots(&page(None, None, cursor, 2, 100)).await;
     assert_eq!(ids(&second), [r2, r1]);
     assert_eq!(second.next_before, None, "no older root remains");
     // Labels.
-    let flat = store
-        .roots(&page(None, Some("flat"), 0, 10, 100))
-        .await
-        .expect("roots");
+    let flat = roots(&page(None, Some("flat"), 0, 10, 100)).await;
     assert_eq!(ids(&flat), [r4, r3, r1]);
-    let none = store
-        .roots(&page(None, Some("other"), 0, 10, 100))
-        .await
-        .expect("roots");
+    let none = roots(&page(None, Some("other"), 0, 10, 100)).await;
     assert!(none.roots.is_empty() && none.next_before.is_none());
     // Parties: the opener, a delegate, a host; a stranger sees nothing.
     for (viewer, expected) in [
@@ -260,36 +396,15 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
         (7, vec![r4]),
         (5, vec![]),
     ] {
-        let seen = store
-            .roots(&page(Some(viewer), None, 0, 10, 100))
-            .await
-            .expect("roots");
+        let seen = roots(&page(Some(viewer), None, 0, 10, 100)).await;
         assert_eq!(ids(&seen), expected, "viewer {viewer}");
         assert_eq!(seen.next_before, None, "viewer {viewer}");
     }
-    let flat_of_9 = store
-        .roots(&page(Some(9), Some("flat"), 0, 10, 100))
-        .await
-        .expect("roots");
+    let flat_of_9 = roots(&page(Some(9), Some("flat"), 0, 10, 100)).await;
     assert_eq!(ids(&flat_of_9), [r4, r1]);
     // A window of two roots: 8's only tree is the oldest, so the first
     // two calls show nothing yet continue, and the walk ends on it.
-    let mut before = 0;
-    let mut seen = Vec::new();
-    let mut calls = 0;
-    loop {
-        let got = store
-            .roots(&page(Some(8), None, before, 10, 2))
-            .await
-            .expect("roots");
-        calls += 1;
-        seen.extend(ids(&got));
-        match got.next_before {
-            Some(next) => before = next,
-            None => break,
-        }
-        assert!(calls < 10, "the walk ends");
-    }
+    let (seen, calls) = walk(Some(8), None, 2).await;
     assert_eq!(seen, [r1]);
     assert_eq!(
         calls, 2,
@@ -298,58 +413,35 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
     // A byte budget cuts a page after its first root and continues there.
     let mut tight = page(None, None, 0, 10, 100);
     tight.max_bytes = 1;
-    let cut = store.roots(&tight).await.expect("roots");
+    let cut = roots(&tight).await;
     assert_eq!(ids(&cut), [r4]);
-    let rest = store
-        .roots(&page(None, None, cut.next_before.expect("cut"), 10, 100))
-        .await
-        .expect("roots");
+    let rest = roots(&page(None, None, cut.next_before.expect("cut"), 10, 100)).await;
     assert_eq!(ids(&rest), [r3, r2, r1]);
     // Two labels: every one must match, also through a window.
-    let two = |agent: u8, nonce: u8, arm: &str| {
-        let mut root = test_root(meta(agent, nonce));
-        root.labels = [("arm", arm), ("run", "2")]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        root
-    };
-    let r5 = issued(store.open_root(two(9, 7, "flat")).await);
-    let r6 = issued(store.open_root(two(6, 8, "tree")).await);
+    let r5 = opened_with_labels(store, 9, 7, &[("arm", "flat"), ("run", "2")]).await;
+    let r6 = opened_with_labels(store, 6, 8, &[("arm", "tree"), ("run", "2")]).await;
     let mut both = page(None, Some("flat"), 0, 10, 100);
     both.labels.insert("run".into(), "2".into());
-    assert_eq!(ids(&store.roots(&both).await.expect("roots")), [r5]);
+    assert_eq!(ids(&roots(&both).await), [r5]);
     both.viewer = Some([6; 32]);
-    assert!(store.roots(&both).await.expect("roots").roots.is_empty());
+    assert!(roots(&both).await.roots.is_empty());
     let mut run = page(None, None, 0, 10, 100);
     run.labels.insert("run".into(), "2".into());
-    assert_eq!(ids(&store.roots(&run).await.expect("roots")), [r6, r5]);
+    assert_eq!(ids(&roots(&run).await), [r6, r5]);
     // arm=flat in windows of one: r5, r4, r3 (opened by 6), r1; the
     // window counts roots looked at, shown or not.
-    let mut before = 0;
-    let mut seen = Vec::new();
-    loop {
-        let got = store
-            .roots(&page(Some(9), Some("flat"), before, 10, 1))
-            .await
-            .expect("roots");
-        seen.extend(ids(&got));
-        match got.next_before {
-            Some(next) => before = next,
-            None => break,
-        }
-    }
+    let (seen, _) = walk(Some(9), Some("flat"), 1).await;
     assert_eq!(seen, [r5, r4, r1]);
 }
 
 /// A tree's parties are the key that opened its root and every key that is
 /// or was a delegate or host in it; nobody else, and no other tree's.
 pub async fn parties_are_the_trees_own<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let root = opened(store, 9, 1).await;
     let mut hosted = test_child(9, 2, root, 8, "true");
     hosted.host = Some([30; 32]);
     let child = issued(store.delegate(hosted).await);
-    let grandchild = issued(store.delegate(test_child(8, 3, child, 7, "true")).await);
+    let grandchild = delegated(store, 8, 3, child, 7).await;
     for (agent, party) in [(9, true), (8, true), (7, true), (30, true), (5, false)] {
         for contract in [root, child, grandchild] {
             assert_eq!(
@@ -359,7 +451,7 @@ pub async fn parties_are_the_trees_own<S: Store>(store: &S) {
             );
         }
     }
-    let other = issued(store.open_root(test_root(meta(6, 4))).await);
+    let other = opened(store, 6, 4).await;
     assert_eq!(
         store.is_party(other, [8; 32]).await.expect("read"),
         Some(false)
@@ -374,15 +466,15 @@ pub async fn parties_are_the_trees_own<S: Store>(store: &S) {
 /// A root's children are issued with their budget reserved in the parent,
 /// and listed in issuance order.
 pub async fn issues_reserves_and_lists_children<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
-    let first = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
-    let second = issued(store.delegate(test_child(9, 3, root, 7, "true")).await);
-    let parent = store.contract(root).await.expect("read").expect("root");
+    let root = opened(store, 9, 1).await;
+    let first = delegated(store, 9, 2, root, 8).await;
+    let second = delegated(store, 9, 3, root, 7).await;
+    let parent = stored(store, root).await;
     assert_eq!(
         (parent.ledger.reserved, parent.ledger.open_children),
         (20, 2)
     );
-    let child = store.contract(first).await.expect("read").expect("child");
+    let child = stored(store, first).await;
     assert_eq!((child.parent_id, child.root_id), (Some(root), root));
     let listed: Vec<Id> = store
         .children(root, 0, 10, usize::MAX)
@@ -416,7 +508,7 @@ pub async fn the_issuing_calls_trace_is_kept<S: Store>(store: &S) {
     let mut child = test_child(9, 2, root, 8, "true");
     child.trace = Some(traced.map(|b| b ^ 0xff));
     let child = issued(store.delegate(child).await);
-    let plain = issued(store.delegate(test_child(9, 3, root, 7, "true")).await);
+    let plain = delegated(store, 9, 3, root, 7).await;
     assert_eq!(
         store.issuance_trace(root).await.expect("read"),
         Some(traced)
@@ -432,18 +524,11 @@ pub async fn the_issuing_calls_trace_is_kept<S: Store>(store: &S) {
 /// The same request twice is one contract, reserved once; the same nonce
 /// with another body is refused, through the write path and the read path.
 pub async fn a_retry_is_replayed_and_reserves_once<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let root = opened(store, 9, 1).await;
     let request = test_child(9, 2, root, 8, "true");
-    let first = store.delegate(request.clone()).await.expect("first");
-    let again = store.delegate(request.clone()).await.expect("again");
-    assert!(!first.replayed && again.replayed);
-    let (Outcome::Issued { id: a, .. }, Outcome::Issued { id: b, .. }) =
-        (&first.outcome, &again.outcome)
-    else {
-        panic!("both issued");
-    };
-    assert_eq!(a, b);
-    let parent = store.contract(root).await.expect("read").expect("root");
+    let (first, again) = delegated_twice(store, &request).await;
+    assert_eq!(issued(Ok(first)), issued(Ok(again)));
+    let parent = stored(store, root).await;
     assert_eq!(parent.ledger.reserved, 10);
     let logged = store.replay(&request.request).await.expect("read");
     assert!(logged.is_some_and(|answer| answer.replayed));
@@ -467,7 +552,7 @@ pub async fn a_retry_is_replayed_and_reserves_once<S: Store>(store: &S) {
 /// A refused hop reserves nothing and leaves a signed receipt that can be
 /// fetched again by its id.
 pub async fn a_refusal_is_a_stored_receipt<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let root = opened(store, 9, 1).await;
     let mut greedy = test_child(9, 2, root, 8, "true");
     greedy.ask.budget = 1_000;
     let answer = store.delegate(greedy).await.expect("answered");
@@ -485,15 +570,15 @@ pub async fn a_refusal_is_a_stored_receipt<S: Store>(store: &S) {
         store.receipt(receipt_id).await.expect("read"),
         Some(envelope)
     );
-    let parent = store.contract(root).await.expect("read").expect("root");
+    let parent = stored(store, root).await;
     assert_eq!(parent.ledger.reserved, 0);
 }
 
 /// A tree's events (contracts, receipts) come in commit order, and a cursor
 /// skips what was seen.
 pub async fn events_come_in_commit_order_after_a_cursor<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(9, 1))).await);
-    issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    let root = opened(store, 9, 1).await;
+    delegated(store, 9, 2, root, 8).await;
     let mut greedy = test_child(9, 3, root, 7, "true");
     greedy.ask.budget = 1_000;
     store.delegate(greedy).await.expect("refused");
@@ -555,7 +640,7 @@ pub async fn concurrent_siblings_never_overspend<S: Store + Clone>(store: &S) {
             issued_count += 1;
         }
     }
-    let parent = store.contract(root).await.expect("read").expect("root");
+    let parent = stored(store, root).await;
     assert_eq!(issued_count, 3, "three of 30 fit in 100");
     assert_eq!(
         (parent.ledger.reserved, parent.ledger.open_children),
@@ -631,7 +716,36 @@ pub struct Tuned {
     /// One audit read's row and byte budgets.
     pub max_audit_rows: Option<i64>,
     pub max_audit_bytes: Option<usize>,
+    /// The rows a drain step ends, and whether the drainer runs.
+    pub cascade_step_rows: Option<usize>,
+    pub drainer: Option<bool>,
 }
+
+/// A SQL backend's options, which a `Tuned` can set.
+pub trait TunedOptions {
+    fn tuned(self, tuned: Tuned) -> Self;
+}
+
+/// Implements `TunedOptions` for a SQL backend's options: the backends'
+/// options share these fields' names, not a type.
+macro_rules! tuned_options {
+    ($options:ty) => {
+        impl $crate::suite::TunedOptions for $options {
+            fn tuned(mut self, tuned: $crate::suite::Tuned) -> Self {
+                self.before_judge = tuned.before_judge;
+                if let Some(ms) = tuned.judgment_deadline_ms {
+                    self.judgment_deadline_ms = ms;
+                }
+                self.max_audit_rows = tuned.max_audit_rows.unwrap_or(self.max_audit_rows);
+                self.max_audit_bytes = tuned.max_audit_bytes.unwrap_or(self.max_audit_bytes);
+                self.cascade_step_rows = tuned.cascade_step_rows.unwrap_or(self.cascade_step_rows);
+                self.drainer = tuned.drainer.unwrap_or(self.drainer);
+                self
+            }
+        }
+    };
+}
+pub(crate) use tuned_options;
 
 /// A store of the SQL backend under test (what `tuned_suite!` runs on).
 pub trait Judged: Store + crate::sql::Backend + Clone {}

@@ -4,19 +4,15 @@
 
 use prost::Message;
 
-use super::lifecycle::{act, complete_action, observation};
-use super::{issued, meta, receipt, test_child, test_root};
+use super::{
+    accept_hosted_by, acted, complete_action, cursor, delegated, delegated_twice, every_event,
+    issued, meta, observation, opened, stored, test_child, test_root,
+};
 use crate::{Event, Outcome, Store, StoreError};
 use broker_wire::command::Action;
 use broker_wire::pb;
 
 const ORCHESTRATOR: u8 = 9;
-
-fn cursor(e: &Event) -> i64 {
-    match e {
-        Event::Contract { cursor, .. } | Event::Receipt { cursor, .. } => *cursor,
-    }
-}
 
 fn envelope_len(e: &Event) -> usize {
     match e {
@@ -29,13 +25,9 @@ fn envelope_len(e: &Event) -> usize {
 /// A page of events ends at its count or its byte budget (always holding
 /// one event), and paging by cursor yields every event exactly once.
 pub async fn events_are_paged_by_count_and_bytes<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
+    let root = opened(store, ORCHESTRATOR, 1).await;
     for i in 0..5u8 {
-        issued(
-            store
-                .delegate(test_child(ORCHESTRATOR, 2 + i, root, 20 + i, "true"))
-                .await,
-        );
+        delegated(store, ORCHESTRATOR, 2 + i, root, 20 + i).await;
     }
     let all = store
         .events(root, 0, 100, usize::MAX)
@@ -59,17 +51,11 @@ pub async fn events_are_paged_by_count_and_bytes<S: Store>(store: &S) {
             .len(),
         2
     );
-    let mut seen = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = store
-            .events(root, after, 2, usize::MAX)
-            .await
-            .expect("events");
-        let Some(last) = page.last() else { break };
-        after = cursor(last);
-        seen.extend(page.iter().map(cursor));
-    }
+    let seen: Vec<i64> = every_event(store, root, 2)
+        .await
+        .iter()
+        .map(cursor)
+        .collect();
     assert_eq!(seen, all.iter().map(cursor).collect::<Vec<_>>());
     assert!(seen.windows(2).all(|w| w[0] < w[1]), "commit order");
 }
@@ -77,29 +63,15 @@ pub async fn events_are_paged_by_count_and_bytes<S: Store>(store: &S) {
 /// A contract's events are those of its own subtree: a sibling's
 /// contracts and receipts are not among them.
 pub async fn a_subtrees_events_leave_out_its_siblings<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let left = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
-    let right = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 3, root, 7, "true"))
-            .await,
-    );
-    issued(store.delegate(test_child(8, 4, left, 6, "true")).await);
-    receipt(act(store, 7, 5, right, Action::Accept { host: None }).await);
-    let events = store
-        .events(left, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let root = opened(store, ORCHESTRATOR, 1).await;
+    let left = delegated(store, ORCHESTRATOR, 2, root, 8).await;
+    let right = delegated(store, ORCHESTRATOR, 3, root, 7).await;
+    delegated(store, 8, 4, left, 6).await;
+    acted(store, 7, 5, right, Action::Accept { host: None }).await;
+    let events = every_event(store, left, 100).await;
     assert_eq!(events.len(), 2, "left and its child only");
     assert!(events.iter().all(|e| matches!(e, Event::Contract { .. })));
-    let events = store
-        .events(right, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let events = every_event(store, right, 100).await;
     assert_eq!(events.len(), 2, "right and its acceptance");
 }
 
@@ -107,23 +79,16 @@ pub async fn a_subtrees_events_leave_out_its_siblings<S: Store>(store: &S) {
 pub async fn commits_and_tree_changes_follow_every_write<S: Store>(store: &S) {
     let mut commits = store.commits();
     let changes = store.tree_changes();
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
+    let root = opened(store, ORCHESTRATOR, 1).await;
     assert!(
         commits.has_changed().expect("open"),
         "a commit was signalled"
     );
     commits.borrow_and_update();
-    let other = issued(store.open_root(test_root(meta(ORCHESTRATOR, 2))).await);
-    let seen = store
-        .events(other, 0, 10, usize::MAX)
-        .await
-        .expect("events");
+    let other = opened(store, ORCHESTRATOR, 2).await;
+    let seen = every_event(store, other, 100).await;
     let at = cursor(seen.last().expect("the root"));
-    issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 3, root, 8, "true"))
-            .await,
-    );
+    delegated(store, ORCHESTRATOR, 3, root, 8).await;
     assert!(commits.has_changed().expect("open"));
     assert!(changes.changed_since(&root, at));
     assert!(
@@ -132,32 +97,14 @@ pub async fn commits_and_tree_changes_follow_every_write<S: Store>(store: &S) {
     );
     // A lifecycle receipt changes its tree too (the writer returns the
     // trees its receipts touched).
-    let child = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 4, root, 8, "true"))
-            .await,
-    );
-    let seen = store
-        .events(root, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let child = delegated(store, ORCHESTRATOR, 4, root, 8).await;
+    let seen = every_event(store, root, 100).await;
     let at = cursor(seen.last().expect("the root's events"));
     assert!(
         !changes.changed_since(&root, at),
         "nothing after the last event"
     );
-    receipt(
-        act(
-            store,
-            8,
-            5,
-            child,
-            Action::Accept {
-                host: Some([30; 32]),
-            },
-        )
-        .await,
-    );
+    acted(store, 8, 5, child, accept_hosted_by(30)).await;
     assert!(
         changes.changed_since(&root, at),
         "an accepted contract's tree changed"
@@ -168,51 +115,27 @@ pub async fn commits_and_tree_changes_follow_every_write<S: Store>(store: &S) {
 /// report, verdict, claim and every host observation; the tree's
 /// mutations come with them.
 pub async fn audit_facts_are_the_stored_facts<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let child = issued(
+    let root = opened(store, ORCHESTRATOR, 1).await;
+    let child = delegated(store, ORCHESTRATOR, 2, root, 8).await;
+    acted(store, 8, 3, child, accept_hosted_by(30)).await;
+    let audit_facts = async || {
         store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
-    receipt(
-        act(
-            store,
-            8,
-            3,
-            child,
-            Action::Accept {
-                host: Some([30; 32]),
-            },
-        )
-        .await,
-    );
-    let (before, _) = store
-        .audit_facts(child)
-        .await
-        .expect("read")
-        .expect("facts");
+            .audit_facts(child)
+            .await
+            .expect("read")
+            .expect("facts")
+    };
+    let (before, _) = audit_facts().await;
     assert!(!before.completed && before.has_report.is_none());
-    receipt(
-        act(
-            store,
-            30,
-            4,
-            child,
-            Action::Record {
-                observations: vec![
-                    observation(pb::ObservationKind::Mutation, "src/lib.rs", 0),
-                    observation(pb::ObservationKind::ToolCall, "", 0),
-                ],
-            },
-        )
-        .await,
-    );
-    receipt(act(store, 8, 5, child, complete_action(1)).await);
-    let (facts, mutations) = store
-        .audit_facts(child)
-        .await
-        .expect("read")
-        .expect("facts");
+    let record = Action::Record {
+        observations: vec![
+            observation(pb::ObservationKind::Mutation, "src/lib.rs", 0),
+            observation(pb::ObservationKind::ToolCall, "", 0),
+        ],
+    };
+    acted(store, 30, 4, child, record).await;
+    acted(store, 8, 5, child, complete_action(1)).await;
+    let (facts, mutations) = audit_facts().await;
     assert_eq!((facts.id, facts.depth), (child, 1));
     assert!(facts.completed);
     assert_eq!(facts.has_report, Some(true));
@@ -235,12 +158,8 @@ pub async fn audit_facts_are_the_stored_facts<S: Store>(store: &S) {
 
 /// The issuing parent names its holder, depth and root; unknown is None.
 pub async fn the_issuing_parent_names_its_holder<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
-    let child = issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
+    let root = opened(store, ORCHESTRATOR, 1).await;
+    let child = delegated(store, ORCHESTRATOR, 2, root, 8).await;
     let parent = store
         .issuing_parent(child)
         .await
@@ -271,11 +190,7 @@ pub async fn a_policy_refusal_names_its_invariant<S: Store>(store: &S) {
     let mut narrow = test_root(meta(ORCHESTRATOR, 1));
     narrow.policy.max_children = 1;
     let root = issued(store.open_root(narrow).await);
-    issued(
-        store
-            .delegate(test_child(ORCHESTRATOR, 2, root, 8, "true"))
-            .await,
-    );
+    delegated(store, ORCHESTRATOR, 2, root, 8).await;
     let answer = store
         .delegate(test_child(ORCHESTRATOR, 3, root, 7, "true"))
         .await
@@ -290,7 +205,7 @@ pub async fn a_policy_refusal_names_its_invariant<S: Store>(store: &S) {
         (violation.requested.as_str(), violation.allowed.as_str()),
         ("2", "1")
     );
-    let parent = store.contract(root).await.expect("read").expect("root");
+    let parent = stored(store, root).await;
     assert_eq!(
         (parent.ledger.reserved, parent.ledger.open_children),
         (10, 1)
@@ -329,42 +244,27 @@ pub async fn unknown_ids_read_as_absent<S: Store>(store: &S) {
     let unknown = [0x33; 32];
     assert!(store.contract(unknown).await.expect("read").is_none());
     assert!(store.receipt(unknown).await.expect("read").is_none());
-    assert!(
-        store
-            .children(unknown, 0, 10, usize::MAX)
-            .await
-            .expect("read")
-            .is_empty()
-    );
-    assert!(
-        store
-            .events(unknown, 0, 10, usize::MAX)
-            .await
-            .expect("read")
-            .is_empty()
-    );
+    let children = store.children(unknown, 0, 10, usize::MAX).await;
+    assert!(children.expect("read").is_empty());
+    let events = store.events(unknown, 0, 10, usize::MAX).await;
+    assert!(events.expect("read").is_empty());
     assert!(store.replay(&meta(1, 1)).await.expect("read").is_none());
 }
 
 /// A refused request sent again is answered with the same refusal, not
 /// checked again.
 pub async fn a_refusal_is_replayed_not_redone<S: Store>(store: &S) {
-    let root = issued(store.open_root(test_root(meta(ORCHESTRATOR, 1))).await);
+    let root = opened(store, ORCHESTRATOR, 1).await;
     let mut greedy = test_child(ORCHESTRATOR, 2, root, 8, "true");
     greedy.ask.budget = 1_000;
-    let first = store.delegate(greedy.clone()).await.expect("first");
-    let again = store.delegate(greedy).await.expect("again");
-    assert!(!first.replayed && again.replayed);
+    let (first, again) = delegated_twice(store, &greedy).await;
     let (Outcome::Receipt { receipt_id: a, .. }, Outcome::Receipt { receipt_id: b, .. }) =
         (&first.outcome, &again.outcome)
     else {
         panic!("both refused");
     };
     assert_eq!(a, b);
-    let events = store
-        .events(root, 0, 100, usize::MAX)
-        .await
-        .expect("events");
+    let events = every_event(store, root, 100).await;
     assert_eq!(events.len(), 2, "the root and one refusal");
 }
 
@@ -378,12 +278,8 @@ pub async fn a_childs_terms_follow_its_parent<S: Store>(store: &S) {
     let mut sooner = test_child(ORCHESTRATOR, 2, root, 8, "true");
     sooner.ask.deadline_ms = Some(i64::MAX / 16);
     let child = issued(store.delegate(sooner).await);
-    let grandchild = issued(store.delegate(test_child(8, 3, child, 7, "true")).await);
-    let record = store
-        .contract(grandchild)
-        .await
-        .expect("read")
-        .expect("stored");
+    let grandchild = delegated(store, 8, 3, child, 7).await;
+    let record = stored(store, grandchild).await;
     let contract = pb::Contract::decode(record.envelope.payload.as_slice()).expect("contract");
     assert_eq!(contract.depth, 2);
     assert_eq!(

@@ -110,6 +110,49 @@ fn entitled<'a>(j: &'a Judgment) -> Vec<(&'static str, AgentKey, Action<'a>)> {
     ]
 }
 
+/// HOST records `count` observations of `units` on `s`'s target.
+fn host_records(s: &Subtree, count: usize, units: i64) -> Decision {
+    decide(s, Some(&HOST), &Action::Record { count, units }, T0)
+}
+
+/// DELEGATE completes `s`'s target with `j`, judged on `seen` observations.
+fn delegate_completes(s: &Subtree, j: &Judgment, seen: i64) -> Decision {
+    decide(
+        s,
+        Some(&DELEGATE),
+        &Action::Complete(complete_facts(j, seen)),
+        T0,
+    )
+}
+
+/// DELEGATE accepts `s`'s target naming `host`.
+fn delegate_accepts(s: &Subtree, host: AgentKey) -> Decision {
+    decide(s, Some(&DELEGATE), &Action::Accept { host: Some(host) }, T0)
+}
+
+/// Writes `write` into the target's facts, as a store would.
+fn write_target(t: &mut Facts, write: &TargetWrite) {
+    match write {
+        TargetWrite::None => {}
+        TargetWrite::Host(h) => t.host_key = *h,
+        TargetWrite::Observations {
+            total,
+            observed_units,
+            metered,
+            metered_uncharged,
+        } => {
+            t.observations = *total;
+            t.observed_units = *observed_units;
+            t.metered = *metered;
+            t.metered_uncharged = *metered_uncharged;
+        }
+        TargetWrite::Judged { verdict, .. } | TargetWrite::Verdict(verdict) => {
+            t.verdict = Some(*verdict)
+        }
+        TargetWrite::StaleJudgment => t.stale_judgments += 1,
+    }
+}
+
 fn not_allowed(from: Status, event: Event) -> Refused {
     Refused::Lifecycle(LifecycleError::NotAllowed { from, event })
 }
@@ -202,39 +245,21 @@ fn a_root_is_revoked_by_its_opener_and_has_nobody_to_return_it_to() {
 fn the_host_is_never_the_delegate_and_never_changes() {
     let mut s = pair(Status::Open);
     s.rows[1].host_key = None;
-    let d = decide(
-        &s,
-        Some(&DELEGATE),
-        &Action::Accept {
-            host: Some(DELEGATE),
-        },
-        T0,
-    );
+    let d = delegate_accepts(&s, DELEGATE);
     assert!(matches!(d.answer, Err(Refused::Invalid(ref e)) if e.field == "body.host_public_key"));
-    let d = decide(
-        &s,
-        Some(&DELEGATE),
-        &Action::Accept { host: Some(HOST) },
-        T0,
+    assert_eq!(
+        delegate_accepts(&s, HOST).write,
+        TargetWrite::Host(Some(HOST))
     );
-    assert_eq!(d.write, TargetWrite::Host(Some(HOST)));
     let s = pair(Status::Open);
-    let d = decide(
-        &s,
-        Some(&DELEGATE),
-        &Action::Accept {
-            host: Some(STRANGER),
-        },
-        T0,
+    assert_eq!(
+        delegate_accepts(&s, STRANGER).answer,
+        Err(Refused::HostMismatch)
     );
-    assert_eq!(d.answer, Err(Refused::HostMismatch));
-    let d = decide(
-        &s,
-        Some(&DELEGATE),
-        &Action::Accept { host: Some(HOST) },
-        T0,
+    assert_eq!(
+        delegate_accepts(&s, HOST).write,
+        TargetWrite::Host(Some(HOST))
     );
-    assert_eq!(d.write, TargetWrite::Host(Some(HOST)));
     assert!(check_host(&DELEGATE, &DELEGATE).is_err());
     assert!(check_host(&DELEGATE, &HOST).is_ok());
 }
@@ -269,12 +294,7 @@ fn a_stale_judgment_goes_back_to_be_judged_again() {
     let j = judgment(3);
     let mut s = pair(Status::Accepted);
     s.rows[1].observations = 2;
-    let d = decide(
-        &s,
-        Some(&DELEGATE),
-        &Action::Complete(complete_facts(&j, 1)),
-        T0,
-    );
+    let d = delegate_completes(&s, &j, 1);
     assert_eq!(d.answer, Err(Refused::StaleJudgment));
     assert_eq!(d.write, TargetWrite::StaleJudgment, "counted");
     assert!(d.updates.is_empty() && d.receipts.is_empty());
@@ -282,12 +302,7 @@ fn a_stale_judgment_goes_back_to_be_judged_again() {
     unjudged.judgment = None;
     let d = decide(&s, Some(&DELEGATE), &Action::Complete(unjudged), T0);
     assert_eq!(d.answer, Err(Refused::StaleJudgment));
-    let d = decide(
-        &s,
-        Some(&DELEGATE),
-        &Action::Complete(complete_facts(&j, 2)),
-        T0,
-    );
+    let d = delegate_completes(&s, &j, 2);
     let Some(ReceiptBody::Completed(c)) = d.receipts.last().map(|r| &r.body) else {
         panic!("{d:?}");
     };
@@ -313,43 +328,16 @@ fn completed_after_metering(
     s.rows[1].host_named_at_delegate = host_named_at_delegate;
     let mut observations = 0;
     if metered > 0 {
-        let d = decide(
-            &s,
-            Some(&HOST),
-            &Action::Record {
-                count: 1,
-                units: metered,
-            },
-            T0,
-        );
+        let d = host_records(&s, 1, metered);
         assert_eq!(d.answer, Ok(0), "{d:?}");
-        let TargetWrite::Observations {
-            total,
-            observed_units,
-            metered,
-            metered_uncharged,
-        } = d.write
-        else {
-            panic!("{d:?}");
-        };
+        assert!(matches!(d.write, TargetWrite::Observations { .. }), "{d:?}");
         for u in &d.updates {
             s.rows[u.row].ledger = u.ledger;
         }
-        let t = &mut s.rows[1];
-        (
-            t.observations,
-            t.observed_units,
-            t.metered,
-            t.metered_uncharged,
-        ) = (total, observed_units, metered, metered_uncharged);
-        observations = total;
+        write_target(&mut s.rows[1], &d.write);
+        observations = s.rows[1].observations;
     }
-    let d = decide(
-        &s,
-        Some(&DELEGATE),
-        &Action::Complete(complete_facts(j, observations)),
-        T0,
-    );
+    let d = delegate_completes(&s, j, observations);
     let Some(ReceiptBody::Completed(c)) = d.receipts.last().map(|r| r.body.clone()) else {
         panic!("{d:?}");
     };
@@ -415,23 +403,15 @@ fn seed_001_escalation_tells_the_principal_whether_a_retry_fits() {
 fn metering_is_capped_and_charged_at_once() {
     let mut s = pair(Status::Accepted);
     s.rows[1].observations = MAX_OBSERVATIONS_PER_CONTRACT;
-    let d = decide(&s, Some(&HOST), &Action::Record { count: 1, units: 0 }, T0);
-    assert_eq!(d.answer, Err(Refused::TooManyObservations));
+    assert_eq!(
+        host_records(&s, 1, 0).answer,
+        Err(Refused::TooManyObservations)
+    );
     let mut s = pair(Status::Accepted);
     s.rows[1].observed_units = MAX_BUDGET_UNITS;
-    let d = decide(&s, Some(&HOST), &Action::Record { count: 1, units: 1 }, T0);
-    assert_eq!(d.answer, Err(Refused::MeteredLimit));
+    assert_eq!(host_records(&s, 1, 1).answer, Err(Refused::MeteredLimit));
     // A delegate-named host is charged only up to the residual (13).
-    let s = pair(Status::Accepted);
-    let d = decide(
-        &s,
-        Some(&HOST),
-        &Action::Record {
-            count: 2,
-            units: 20,
-        },
-        T0,
-    );
+    let d = host_records(&pair(Status::Accepted), 2, 20);
     assert_eq!(d.updates[0].ledger.spent, 13);
     assert_eq!(
         d.write,
@@ -444,16 +424,7 @@ fn metering_is_capped_and_charged_at_once() {
     );
     let mut s = pair(Status::Accepted);
     s.rows[1].host_named_at_delegate = true;
-    let d = decide(
-        &s,
-        Some(&HOST),
-        &Action::Record {
-            count: 2,
-            units: 20,
-        },
-        T0,
-    );
-    assert_eq!(d.updates[0].ledger.spent, 20);
+    assert_eq!(host_records(&s, 2, 20).updates[0].ledger.spent, 20);
 }
 
 /// A whole tree in memory, as a store would hold it: `decide` sees only
@@ -534,26 +505,7 @@ impl World {
             row.status = u.status;
             row.ledger = u.ledger;
         }
-        let t = &mut self.rows[target];
-        match &d.write {
-            TargetWrite::None => {}
-            TargetWrite::Host(h) => t.host_key = *h,
-            TargetWrite::Observations {
-                total,
-                observed_units,
-                metered,
-                metered_uncharged,
-            } => {
-                t.observations = *total;
-                t.observed_units = *observed_units;
-                t.metered = *metered;
-                t.metered_uncharged = *metered_uncharged;
-            }
-            TargetWrite::Judged { verdict, .. } | TargetWrite::Verdict(verdict) => {
-                t.verdict = Some(*verdict)
-            }
-            TargetWrite::StaleJudgment => t.stale_judgments += 1,
-        }
+        write_target(&mut self.rows[target], &d.write);
         for r in &d.receipts {
             if r.body.ends().is_some() {
                 self.endings[map[r.row]] += 1;
@@ -607,29 +559,17 @@ fn a_host_that_keeps_judgments_stale_loses_its_pen() {
     let mut subtree = pair(Status::Accepted);
     for n in 0..MAX_STALE_JUDGMENTS {
         subtree.rows[1].stale_judgments = n;
-        let d = decide(
-            &subtree,
-            Some(&DELEGATE),
-            &Action::Complete(complete_facts(&j, subtree.rows[1].observations + 1)),
-            T0,
-        );
+        let d = delegate_completes(&subtree, &j, subtree.rows[1].observations + 1);
         assert_eq!(d.answer, Err(Refused::StaleJudgment));
         assert_eq!(d.write, TargetWrite::StaleJudgment);
-        let record = Action::Record { count: 1, units: 0 };
-        assert_eq!(decide(&subtree, Some(&HOST), &record, T0).answer, Ok(0));
+        assert_eq!(host_records(&subtree, 1, 0).answer, Ok(0));
     }
     subtree.rows[1].stale_judgments = MAX_STALE_JUDGMENTS;
-    let record = Action::Record { count: 1, units: 0 };
     assert_eq!(
-        decide(&subtree, Some(&HOST), &record, T0).answer,
+        host_records(&subtree, 1, 0).answer,
         Err(Refused::RecordingClosed)
     );
-    let d = decide(
-        &subtree,
-        Some(&DELEGATE),
-        &Action::Complete(complete_facts(&j, subtree.rows[1].observations)),
-        T0,
-    );
+    let d = delegate_completes(&subtree, &j, subtree.rows[1].observations);
     assert_eq!(d.answer, Ok(0));
 }
 

@@ -4,46 +4,97 @@
 use super::*;
 use crate::batch::KnownMap;
 use crate::limits::sqlite::MAX_PRUNED_PER_PASS;
-use crate::suite::{TEST_TIMESTAMP_MS, issued, meta, test_child, test_root};
-use broker_wire::clock::SystemClock;
+use crate::suite::{
+    TEST_TIMESTAMP_MS, TunedOptions, issued, meta, test_child, test_root, test_stamper,
+};
+use broker_wire::clock::{Clock, SystemClock};
 use sqlx::Row;
 use std::sync::Mutex;
 
-fn test_stamper() -> Arc<Stamper> {
-    Arc::new(Stamper::new(ed25519_dalek::SigningKey::from_bytes(
-        &[1u8; 32],
-    )))
+/// A store with `options` and the test key, on `clock`.
+async fn open_with(options: SqliteOptions, clock: Arc<dyn Clock>) -> SqliteStore {
+    SqliteStore::open(options, test_stamper(), clock)
+        .await
+        .expect("open")
 }
 
 /// A store on `path` with the test options and the system clock.
-async fn open_test_store(path: PathBuf, stamper: Arc<Stamper>) -> SqliteStore {
-    SqliteStore::open(test_options(path), stamper, Arc::new(SystemClock))
+async fn open_test_store(path: PathBuf) -> SqliteStore {
+    open_with(test_options(path), Arc::new(SystemClock)).await
+}
+
+/// A connection of the test's own to the database at `path`, created
+/// (in WAL mode) if missing.
+async fn raw_connection(path: &std::path::Path) -> SqliteConnection {
+    let connect = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal);
+    SqliteConnection::connect_with(&connect)
         .await
-        .expect("open")
+        .expect("connect")
+}
+
+/// Runs `sql` with `binds` as its parameters, in order.
+async fn execute_with(conn: &mut SqliteConnection, sql: &'static str, binds: &[&[u8]]) {
+    let mut query = sqlx::query(sql);
+    for bind in binds {
+        query = query.bind(*bind);
+    }
+    query.execute(conn).await.expect(sql);
+}
+
+/// How many contracts the store holds, read without waiting for syncs.
+async fn contracts_stored(store: &SqliteStore) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
+        .fetch_one(&store.sql.reader)
+        .await
+        .expect("count")
+}
+
+/// A gate WAL syncs wait at while it is shut; open at first.
+#[derive(Clone)]
+struct SyncGate(Arc<(Mutex<bool>, std::sync::Condvar)>);
+
+impl SyncGate {
+    fn new() -> Self {
+        Self(Arc::new((Mutex::new(true), std::sync::Condvar::new())))
+    }
+
+    fn set(&self, open: bool) {
+        let (state, changed) = &*self.0;
+        *state.lock().expect("gate") = open;
+        changed.notify_all();
+    }
+
+    /// Waits until the gate is open, calling `shut` first if it is not.
+    fn pass(&self, shut: impl FnOnce()) {
+        let (state, changed) = &*self.0;
+        let mut open = state.lock().expect("gate");
+        if !*open {
+            shut();
+        }
+        while !*open {
+            open = changed.wait(open).expect("gate");
+        }
+    }
 }
 
 /// The store suite (`store::suite`) against SQLite.
 async fn open_suite_store() -> (SqliteStore, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let stamper = test_stamper();
-    let store = open_test_store(dir.path().join("broker.sqlite3"), stamper).await;
+    let store = open_test_store(dir.path().join("broker.sqlite3")).await;
     (store, dir)
 }
 
+crate::suite::tuned_options!(SqliteOptions);
+
 /// A store with the tuned options set, for `tuned_suite!`.
-async fn open_tuned_store(options: crate::suite::Tuned) -> (SqliteStore, tempfile::TempDir) {
+async fn open_tuned_store(tuned: crate::suite::Tuned) -> (SqliteStore, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut sqlite = test_options(dir.path().join("broker.sqlite3"));
-    sqlite.before_judge = options.before_judge;
-    if let Some(ms) = options.judgment_deadline_ms {
-        sqlite.judgment_deadline_ms = ms;
-    }
-    sqlite.max_audit_rows = options.max_audit_rows.unwrap_or(sqlite.max_audit_rows);
-    sqlite.max_audit_bytes = options.max_audit_bytes.unwrap_or(sqlite.max_audit_bytes);
-    let store = SqliteStore::open(sqlite, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
-    (store, dir)
+    let path = dir.path().join("broker.sqlite3");
+    let options = test_options(path).tuned(tuned);
+    (open_with(options, Arc::new(SystemClock)).await, dir)
 }
 
 crate::suite::tuned_suite!(tuned, super::open_tuned_store);
@@ -54,17 +105,7 @@ async fn a_drain_is_frozen_stepped_and_resumed() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
     let clock = Arc::new(broker_wire::clock::OffsetClock::default());
-    let open = |drainer: bool| {
-        let (path, clock) = (path.clone(), clock.clone());
-        async move {
-            let mut options = test_options(path);
-            options.cascade_step_rows = crate::suite::drains::TEST_STEP_ROWS;
-            options.drainer = drainer;
-            SqliteStore::open(options, test_stamper(), clock)
-                .await
-                .expect("open")
-        }
-    };
+    let open = |tuned| open_with(test_options(path.clone()).tuned(tuned), clock.clone());
     crate::suite::drains::a_drain_is_frozen_stepped_and_resumed(clock.clone(), open).await;
 }
 
@@ -81,45 +122,32 @@ crate::suite::store_suite!(suite, super::open_suite_store);
 async fn a_schema_1_database_migrates_without_losing_rows_then_is_refused() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
-    let connect = SqliteConnectOptions::new()
-        .filename(&path)
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal);
     let (id, agent, nonce, digest) = ([7u8; 32], [9u8; 32], vec![5u8; 16], [3u8; 32]);
     let envelope = b"an old-format signed contract".to_vec();
     {
-        let mut conn = SqliteConnection::connect_with(&connect)
-            .await
-            .expect("connect");
+        let mut conn = raw_connection(&path).await;
         sqlx::migrate!("./migrations/sqlite")
             .run_to(1, &mut conn)
             .await
             .expect("schema 1");
-        sqlx::query(
+        execute_with(
+            &mut conn,
             "INSERT INTO contracts (seq, id, root_seq, root_id, depth, delegate_key, liability, \
              intent_lineage_hash, cumulative_trust_ppm, effective_predicate, deadline_ms, \
              write_scope, max_depth, min_cumulative_trust_ppm, max_children, retry_headroom, \
              envelope, issued_at_ms, status, budget, reserved, spent, open_children, labels) \
              VALUES (1, $1, 1, $1, 0, $2, 1, $1, 1000000, 'true', 1, '[]', 4, 0, 8, 0, $3, 1, \
              1, 100, 0, 0, 0, '{\"arm\":\"a\",\"note\":\"say \\\"hi\\\" \\\\ é\"}')",
+            &[&id, &agent, &envelope],
         )
-        .bind(id.as_slice())
-        .bind(agent.as_slice())
-        .bind(envelope.as_slice())
-        .execute(&mut conn)
-        .await
-        .expect("schema-1 contract");
-        sqlx::query(
+        .await;
+        execute_with(
+            &mut conn,
             "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
              VALUES ($1, $2, $3, 1, $4, 1)",
+            &[&agent, &nonce, &digest, &id],
         )
-        .bind(agent.as_slice())
-        .bind(nonce.as_slice())
-        .bind(digest.as_slice())
-        .bind(id.as_slice())
-        .execute(&mut conn)
-        .await
-        .expect("schema-1 request");
+        .await;
         sqlx::migrate!("./migrations/sqlite")
             .run_to(LINEAR_FORMAT_MIGRATION - 1, &mut conn)
             .await
@@ -171,15 +199,8 @@ async fn a_schema_1_database_migrates_without_losing_rows_then_is_refused() {
 #[tokio::test]
 async fn migration_7_charges_metered_units_once() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("broker.sqlite3");
-    let connect = SqliteConnectOptions::new()
-        .filename(&path)
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal);
     {
-        let mut conn = SqliteConnection::connect_with(&connect)
-            .await
-            .expect("connect");
+        let mut conn = raw_connection(&dir.path().join("broker.sqlite3")).await;
         sqlx::migrate!("./migrations/sqlite")
             .run_to(6, &mut conn)
             .await
@@ -265,7 +286,7 @@ fn test_options(path: PathBuf) -> SqliteOptions {
 #[tokio::test]
 async fn the_careful_path_commits_its_rows_through_the_writers_statements() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let store = open_test_store(dir.path().join("broker.sqlite3"), test_stamper()).await;
+    let store = open_test_store(dir.path().join("broker.sqlite3")).await;
     let old = RequestMeta {
         timestamp_ms: 0,
         ..meta(9, 3)
@@ -309,7 +330,6 @@ async fn the_careful_path_commits_its_rows_through_the_writers_statements() {
 async fn requests_the_writer_forgot_are_still_answered_once() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
-    let stamper = test_stamper();
     let request = RequestMeta {
         agent: [9u8; 32],
         nonce: vec![5u8; 16],
@@ -321,7 +341,7 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
         ..request.clone()
     };
     let first = {
-        let store = open_test_store(path.clone(), stamper.clone()).await;
+        let store = open_test_store(path.clone()).await;
         store
             .open_root(test_root(other.clone()))
             .await
@@ -340,7 +360,7 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
     let Outcome::Issued { id, .. } = first.outcome else {
         panic!("a root is issued");
     };
-    let store = open_test_store(path.clone(), stamper).await;
+    let store = open_test_store(path.clone()).await;
     let reused = RequestMeta {
         digest: [4u8; 32],
         ..request.clone()
@@ -376,17 +396,17 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
         .expect("retry");
     assert!(child_again.replayed);
     issued(store.delegate(test_child(9, 8, id, 8, "true")).await);
-    let root = store.contract(id).await.expect("read").expect("root");
+    let root = crate::suite::stored(&store, id).await;
     assert_eq!(
         (root.ledger.reserved, root.ledger.open_children),
         (20, 2),
         "two children of 10, the retry reserved nothing"
     );
-    let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
-        .fetch_one(&store.sql.reader)
-        .await
-        .expect("count");
-    assert_eq!(contracts, 4, "the retries issued nothing");
+    assert_eq!(
+        contracts_stored(&store).await,
+        4,
+        "the retries issued nothing"
+    );
 }
 
 /// A batch planned while the writer holds SQLite's handle whose plan
@@ -398,17 +418,16 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
 async fn a_held_batch_looks_up_the_keys_its_plan_answered_with_an_error() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
-    let stamper = test_stamper();
     let logged = meta(9, 5);
     let root = {
-        let store = open_test_store(path.clone(), stamper.clone()).await;
+        let store = open_test_store(path.clone()).await;
         let mut hosted_only = test_root(meta(9, 1));
         hosted_only.policy.require_host = true;
         let root = issued(store.open_root(hosted_only).await);
         issued(store.open_root(test_root(logged.clone())).await);
         root
     };
-    let store = open_test_store(path, stamper).await;
+    let store = open_test_store(path).await;
     // The reopened writer's cache is empty: this batch reads the root
     // through sqlx, and leaves it cached.
     let hosted = NewChild {
@@ -445,9 +464,8 @@ async fn a_held_batch_looks_up_the_keys_its_plan_answered_with_an_error() {
 async fn concurrent_retries_and_new_requests_are_each_answered_once() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
-    let stamper = test_stamper();
     let (root, earlier) = {
-        let store = open_test_store(path.clone(), stamper.clone()).await;
+        let store = open_test_store(path.clone()).await;
         let root = issued(store.open_root(test_root(meta(9, 1))).await);
         let mut earlier = Vec::new();
         for nonce in 10..14 {
@@ -457,7 +475,7 @@ async fn concurrent_retries_and_new_requests_are_each_answered_once() {
         }
         (root, earlier)
     };
-    let store = open_test_store(path, stamper).await;
+    let store = open_test_store(path).await;
     // Retries of 10..14, new 20..24, and 20 and 21 twice.
     let nonces: Vec<u8> = (10..14).chain(20..24).chain(20..22).collect();
     let calls: Vec<_> = nonces
@@ -494,18 +512,9 @@ async fn concurrent_retries_and_new_requests_are_each_answered_once() {
             "issued once, replayed once"
         );
     }
-    let ledger = store
-        .contract(root)
-        .await
-        .expect("read")
-        .expect("root")
-        .ledger;
+    let ledger = crate::suite::stored(&store, root).await.ledger;
     assert_eq!((ledger.reserved, ledger.open_children), (80, 8));
-    let contracts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
-        .fetch_one(&store.sql.reader)
-        .await
-        .expect("count");
-    assert_eq!(contracts, 9);
+    assert_eq!(contracts_stored(&store).await, 9);
 }
 
 /// After a restart the writer's recent-request set is filled from the
@@ -540,11 +549,16 @@ async fn open_hooked_store(
     dir: &tempfile::TempDir,
     hook: impl Fn() -> std::io::Result<()> + Send + Sync + 'static,
 ) -> SqliteStore {
-    let mut options = test_options(dir.path().join("broker.sqlite3"));
+    open_hooked_store_with(test_options(dir.path().join("broker.sqlite3")), hook).await
+}
+
+/// `open_hooked_store` with these options.
+async fn open_hooked_store_with(
+    mut options: SqliteOptions,
+    hook: impl Fn() -> std::io::Result<()> + Send + Sync + 'static,
+) -> SqliteStore {
     options.before_wal_sync = Some(BeforeWalSync(Arc::new(hook)));
-    SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open")
+    open_with(options, Arc::new(SystemClock)).await
 }
 
 /// A failed fsync fails every answer waiting on it and stops the store
@@ -582,7 +596,7 @@ async fn a_failed_fsync_fails_the_waiting_answers_and_stops_the_store() {
         "a store whose fsync failed takes no more writes"
     );
     drop(store);
-    let store = open_test_store(dir.path().join("broker.sqlite3"), test_stamper()).await;
+    let store = open_test_store(dir.path().join("broker.sqlite3")).await;
     assert!(store.contract(durable_root).await.expect("read").is_some());
 }
 
@@ -592,24 +606,15 @@ async fn a_failed_fsync_fails_the_waiting_answers_and_stops_the_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_wait_for_the_fsync_of_what_they_would_show() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let gate = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
+    let gate = SyncGate::new();
     let held = gate.clone();
     let store = open_hooked_store(&dir, move || {
-        let (open, changed) = &*held;
-        let mut open = open.lock().expect("gate");
-        while !*open {
-            open = changed.wait(open).expect("gate");
-        }
+        held.pass(|| {});
         Ok(())
     })
     .await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
-    let set_gate = |value: bool| {
-        let (open, changed) = &*gate;
-        *open.lock().expect("gate") = value;
-        changed.notify_all();
-    };
-    set_gate(false);
+    gate.set(false);
     let before = store.durability.committed.load(Ordering::SeqCst);
     let writer = {
         let store = store.clone();
@@ -618,10 +623,7 @@ async fn reads_wait_for_the_fsync_of_what_they_would_show() {
     // Wait until the child is committed: its number is taken and its
     // row is visible to a raw read (one that does not wait).
     loop {
-        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM contracts")
-            .fetch_one(&store.sql.reader)
-            .await
-            .expect("count");
+        let rows = contracts_stored(&store).await;
         if rows == 2 && store.durability.committed.load(Ordering::SeqCst) > before {
             break;
         }
@@ -634,7 +636,7 @@ async fn reads_wait_for_the_fsync_of_what_they_would_show() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!reader.is_finished(), "a read returned unsynced state");
     assert!(!writer.is_finished(), "an answer left before its fsync");
-    set_gate(true);
+    gate.set(true);
     let child = issued(writer.await.expect("writer"));
     let children = reader.await.expect("reader").expect("children");
     assert_eq!(children.iter().map(|c| c.id).collect::<Vec<_>>(), [child]);
@@ -650,34 +652,20 @@ async fn reads_wait_for_the_fsync_of_what_they_would_show() {
 async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
     const QUEUE_DEPTH: usize = 8;
     let dir = tempfile::tempdir().expect("temp dir");
-    let gate = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
+    let gate = SyncGate::new();
     let held = gate.clone();
     // Set once the syncer waits at the closed gate.
     let blocked = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let blocking = blocked.clone();
     let mut options = test_options(dir.path().join("broker.sqlite3"));
     options.queue_depth = QUEUE_DEPTH;
-    options.before_wal_sync = Some(BeforeWalSync(Arc::new(move || {
-        let (open, changed) = &*held;
-        let mut open = open.lock().expect("gate");
-        if !*open {
-            blocking.store(true, Ordering::SeqCst);
-        }
-        while !*open {
-            open = changed.wait(open).expect("gate");
-        }
+    let store = open_hooked_store_with(options, move || {
+        held.pass(|| blocking.store(true, Ordering::SeqCst));
         Ok(())
-    })));
-    let store = SqliteStore::open(options, test_stamper(), Arc::new(SystemClock))
-        .await
-        .expect("open");
+    })
+    .await;
     issued(store.open_root(test_root(meta(1, 0))).await);
-    let set_gate = |value: bool| {
-        let (open, changed) = &*gate;
-        *open.lock().expect("gate") = value;
-        changed.notify_all();
-    };
-    set_gate(false);
+    gate.set(false);
     let before = store.durability.committed.load(Ordering::SeqCst);
     // One command at a time, so that each is a batch of its own; stop
     // when the writer no longer commits.
@@ -753,7 +741,7 @@ async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
         Err(StoreError::Busy) => {}
         other => panic!("a full writer queue must refuse, not grow: {other:?}"),
     }
-    set_gate(true);
+    gate.set(true);
     for task in pending {
         issued(task.await.expect("task"));
     }
@@ -765,13 +753,7 @@ async fn a_stuck_fsync_stops_the_writer_after_the_unsynced_limit() {
 #[tokio::test]
 async fn a_prune_pass_is_bounded_and_takes_the_oldest_first() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let connect = SqliteConnectOptions::new()
-        .filename(dir.path().join("broker.sqlite3"))
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal);
-    let mut conn = SqliteConnection::connect_with(&connect)
-        .await
-        .expect("connect");
+    let mut conn = raw_connection(&dir.path().join("broker.sqlite3")).await;
     sqlx::migrate!("./migrations/sqlite")
         .run(&mut conn)
         .await
@@ -947,32 +929,17 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
     let wal = wal_path_of(&path);
-    let stamper = test_stamper();
-    let store = SqliteStore::open(
+    let store = open_with(
         SqliteOptions {
-            path,
             queue_depth: 1024,
             max_batch: 64,
-            read_connections: 1,
             wal_restart_bytes: RESTART_BYTES,
             checkpoint_interval: INTERVAL,
-            request_log_retention_ms: i64::MAX,
-            timestamp_window_ms: 0,
-            max_audit_rows: MAX_AUDIT_ROWS,
-            max_audit_bytes: MAX_AUDIT_BYTES,
-            before_wal_sync: None,
-            before_judge: None,
-            judgment_deadline_ms: broker_domain::limits::JUDGMENT_DEADLINE_MS,
-            cascade_step_rows: crate::limits::DEFAULT_CASCADE_STEP_ROWS,
-            drainer: true,
-            tenants: Default::default(),
-            metrics: None,
+            ..test_options(path)
         },
-        stamper,
         Arc::new(SystemClock),
     )
-    .await
-    .expect("open");
+    .await;
     // Twelve checkpoint intervals: each may restart the WAL once.
     let stop_at = std::time::Instant::now() + 12 * INTERVAL;
     let mut writers = Vec::new();
@@ -1035,7 +1002,7 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
 async fn store_and_connection() -> (tempfile::TempDir, SqliteStore, SqliteConnection) {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
-    let store = open_test_store(path.clone(), test_stamper()).await;
+    let store = open_test_store(path.clone()).await;
     let conn = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
         .await
         .expect("connect");
