@@ -1,0 +1,120 @@
+//! The README's first delegation, run as written: its shell block in a
+//! fresh folder with the binary on `PATH`, and its output block matched
+//! line by line (ids and keys shortened to `…` there match any hex), so
+//! the README and the binary cannot drift apart.
+
+use std::time::Duration;
+
+/// Longest the whole block may take (it starts a broker and makes a
+/// handful of calls; this only keeps a hung run from hanging the suite).
+const RUN_LIMIT: Duration = Duration::from_secs(120);
+
+/// The first fenced block of `kind` after `heading` in `text`.
+fn block<'a>(text: &'a str, heading: &str, kind: &str) -> &'a str {
+    let from = text.find(heading).expect("the README has the section");
+    let fence = format!("```{kind}\n");
+    let start = from
+        + text[from..]
+            .find(&fence)
+            .expect("the section has the block")
+        + fence.len();
+    let end = start + text[start..].find("\n```").expect("the block is closed");
+    &text[start..end]
+}
+
+/// Whether `line` is the README's output line `wanted`: the same text,
+/// but hex shortened with `…` there stands for a whole 64-digit id.
+fn matches(wanted: &str, line: &str) -> bool {
+    let mut parts = vec![String::new()];
+    for c in wanted.chars() {
+        let literal = parts.last_mut().expect("a part");
+        if c == '…' {
+            while literal.ends_with(|c: char| c.is_ascii_hexdigit()) {
+                literal.pop();
+            }
+            parts.push(String::new());
+        } else {
+            literal.push(c);
+        }
+    }
+    let mut rest = line;
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            match rest.get(..64) {
+                Some(id) if id.bytes().all(|b| b.is_ascii_hexdigit()) => rest = &rest[64..],
+                _ => return false,
+            }
+        }
+        match rest.strip_prefix(part.as_str()) {
+            Some(after) => rest = after,
+            None => return false,
+        }
+    }
+    rest.is_empty()
+}
+
+#[test]
+fn shortened_ids_match_whole_ones() {
+    let id = "ab".repeat(32);
+    assert!(matches("contract: 1f0c…", &format!("contract: {id}")));
+    assert!(!matches("contract: 1f0c…", "contract: 1f0c"));
+    assert!(!matches("depth: 1", "depth: 12"));
+    assert!(matches(
+        "ok chain of 2 contracts",
+        "ok chain of 2 contracts"
+    ));
+}
+
+#[tokio::test]
+async fn the_readme_first_delegation_runs_as_written() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let script = block(&readme, "## A first delegation", "sh");
+    let expected = block(&readme, "## A first delegation", "text");
+    let folder = tempfile::tempdir().expect("a folder");
+    let bin = folder.path().join("bin");
+    std::fs::create_dir(&bin).expect("bin");
+    std::os::unix::fs::symlink(
+        env!("CARGO_BIN_EXE_delegation-broker"),
+        bin.join("delegation-broker"),
+    )
+    .expect("the binary on PATH");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // The README's commands as they are; the broker they start is
+    // stopped after them.
+    let run = tokio::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!("{script}\nkill %1; wait"))
+        .current_dir(folder.path())
+        .env("PATH", path)
+        .env("BROKER_LISTEN", format!("127.0.0.1:{port}"))
+        .env("BROKER_ADDR", format!("http://127.0.0.1:{port}"))
+        .env_remove("BROKER_KEY_FILE")
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(RUN_LIMIT, run)
+        .await
+        .expect("the README's block finishes")
+        .expect("bash runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let mut lines = stdout.lines();
+    for wanted in expected.lines() {
+        assert!(
+            lines.any(|line| matches(wanted, line)),
+            "the README's output line {wanted:?} is not printed (in order);\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains("refused by the broker (receipt "),
+        "the refusal is said on stderr too: {stderr}"
+    );
+}
