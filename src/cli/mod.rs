@@ -391,7 +391,7 @@ fn serve(
     let result = runtime.block_on(async move {
         let telemetry =
             crate::telemetry::init(&logging, otlp_endpoint.as_deref(), trace_sample_ratio)?;
-        let listener = tokio::net::TcpListener::bind(&listen).await?;
+        let listener = bind(&listen, "--listen").await?;
         // Printed on stdout once the store is open and the broker serves:
         // with port 0 it is how callers (tests, scripts) learn the port,
         // and "listening" means calls will be answered.
@@ -410,7 +410,7 @@ fn serve(
         };
         let mut listeners = crate::server::Listeners::from(listener);
         if let Some(address) = metrics {
-            let metrics_listener = tokio::net::TcpListener::bind(&address).await?;
+            let metrics_listener = bind(&address, "--metrics").await?;
             announced.push(format!(
                 "metrics on http://{}/metrics",
                 metrics_listener.local_addr()?
@@ -418,7 +418,7 @@ fn serve(
             listeners.metrics = Some(metrics_listener);
         }
         if let Some(address) = console {
-            let listener = tokio::net::TcpListener::bind(&address).await?;
+            let listener = bind(&address, "--console").await?;
             let token = crate::console::new_token();
             // Printed once, on stdout, never through the logger (where
             // stdout is collected, treat it as secret as the log). The
@@ -493,6 +493,14 @@ fn migrate(database_url: &str, status_only: bool) -> anyhow::Result<()> {
         );
         Ok(())
     })
+}
+
+/// A listener on `address`; an error names the flag and the address.
+async fn bind(address: &str, flag: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    use anyhow::Context as _;
+    tokio::net::TcpListener::bind(address)
+        .await
+        .with_context(|| format!("{flag} {address}: cannot listen"))
 }
 
 fn keygen(out: PathBuf) -> anyhow::Result<()> {

@@ -127,17 +127,19 @@ pub struct TrustConfig {
     pub static_factors_ppm: HashMap<[u8; 32], u32>,
 }
 
+/// Each message says its cause itself (no `source`), so a chain printed
+/// with `{:#}` says it once.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Parse {
         path: PathBuf,
-        source: toml::de::Error,
+        error: toml::de::Error,
     },
     #[error("{field}: {reason}")]
     Invalid { field: String, reason: String },
@@ -322,13 +324,13 @@ impl Config {
         let file = match path {
             None => FileConfig::default(),
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
                     path: path.to_owned(),
-                    source,
+                    error,
                 })?;
-                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                toml::from_str(&text).map_err(|error| ConfigError::Parse {
                     path: path.to_owned(),
-                    source,
+                    error,
                 })?
             }
         };

@@ -6,6 +6,7 @@ mod audit;
 mod auth;
 mod bad_input;
 mod bench;
+mod cli_errors;
 mod cli_read;
 mod cli_write;
 mod concurrency;

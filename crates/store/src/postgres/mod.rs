@@ -205,6 +205,14 @@ fn pool_options(options: &PostgresOptions, connections: u32) -> PgPoolOptions {
 
 /// Connection settings from the URL; a bad URL names itself.
 pub fn connect_options(url: &str) -> Result<PgConnectOptions, StoreError> {
+    // sqlx would read any scheme as PostgreSQL's and fail later, at the
+    // connection, with a message that does not name the cause.
+    let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+    if !matches!(scheme, "postgres" | "postgresql") {
+        return Err(StoreError::Backend(format!(
+            "database URL: the scheme {scheme:?} is not postgres:// or postgresql:// (the only shared database; SQLite needs no URL, only --data-dir)"
+        )));
+    }
     url.parse::<PgConnectOptions>()
         .map(|options| {
             options
