@@ -30,6 +30,8 @@ pub struct AuditArgs {
     /// run, any other key the runs whose root it opened.
     #[arg(long, env = "BROKER_KEY_FILE")]
     pub key_file: std::path::PathBuf,
+    #[command(flatten)]
+    pub tls: super::tls::TlsArgs,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,10 +112,12 @@ pub use broker_client::keys::agent_from_key_file;
 pub async fn reader(
     addr: &str,
     key_file: &std::path::Path,
+    tls: &super::tls::TlsArgs,
 ) -> anyhow::Result<broker_client::SessionClient> {
     let agent = agent_from_key_file(key_file)?;
     let timeout = std::time::Duration::from_millis(super::read::CONNECT_TIMEOUT_MS);
-    let channel = broker_client::channel::connect(addr, timeout).await?;
+    let tls = tls.load().await?;
+    let channel = broker_client::channel::connect(addr, timeout, &tls).await?;
     let attacher = broker_client::SessionAttacher::default();
     let mut client = attacher.client(channel);
     attacher.open(&mut client, &agent).await?;
@@ -121,7 +125,7 @@ pub async fn reader(
 }
 
 async fn fetch(args: &AuditArgs) -> anyhow::Result<Vec<GroupRow>> {
-    let mut client = reader(&args.addr, &args.key_file).await?;
+    let mut client = reader(&args.addr, &args.key_file, &args.tls).await?;
     let selector: HashMap<String, String> = args.select.iter().cloned().collect();
     let response = client
         .aggregate_audits(pb::AggregateAuditsRequest {

@@ -20,6 +20,8 @@ pub struct HealthArgs {
     #[arg(long, default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     pub wait_ms: u64,
+    #[command(flatten)]
+    pub tls: super::tls::TlsArgs,
 }
 
 /// `health`: prints `serving`, or fails saying why not.
@@ -30,8 +32,9 @@ pub fn run(args: HealthArgs) -> anyhow::Result<()> {
     runtime.block_on(async {
         let until = Instant::now() + Duration::from_millis(args.wait_ms);
         let timeout = Duration::from_millis(CHECK_TIMEOUT_MS);
+        let tls = args.tls.load().await?;
         loop {
-            let why_not = match broker_client::channel::serving(&args.addr, timeout).await {
+            let why_not = match broker_client::channel::serving(&args.addr, timeout, &tls).await {
                 Ok(true) => {
                     println!("serving");
                     return Ok(());

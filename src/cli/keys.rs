@@ -34,6 +34,8 @@ enum KeysCommand {
         /// Only the current key, in hex (for `verify --public-key`).
         #[arg(long, short)]
         quiet: bool,
+        #[command(flatten)]
+        tls: super::tls::TlsArgs,
     },
     /// Lists every registered key: current or retired (when, and why:
     /// rotation, ttl, operator), its replica's last heartbeat, the public
@@ -50,8 +52,14 @@ enum KeysCommand {
 }
 
 pub fn run(args: KeysArgs) -> anyhow::Result<()> {
-    if let KeysCommand::Show { addr, json, quiet } = &args.command {
-        return show(addr, *json, *quiet);
+    if let KeysCommand::Show {
+        addr,
+        json,
+        quiet,
+        tls,
+    } = &args.command
+    {
+        return show(addr, tls, *json, *quiet);
     }
     let url = args.database_url.ok_or_else(|| {
         anyhow::anyhow!(
@@ -89,12 +97,12 @@ pub fn run(args: KeysArgs) -> anyhow::Result<()> {
 }
 
 /// `keys show`: the published keys, a line (or JSON object) each.
-fn show(addr: &str, json: bool, quiet: bool) -> anyhow::Result<()> {
+fn show(addr: &str, tls: &super::tls::TlsArgs, json: bool, quiet: bool) -> anyhow::Result<()> {
     use base64::Engine as _;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let keys = runtime.block_on(super::read::broker_keys(addr))?;
+    let keys = runtime.block_on(super::read::broker_keys(addr, tls))?;
     if quiet {
         let current = keys.iter().find(|k| k.current);
         let current =

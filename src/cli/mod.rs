@@ -7,6 +7,7 @@ pub mod bench;
 pub mod health;
 pub mod keys;
 pub mod read;
+pub mod tls;
 pub mod tree;
 pub mod write;
 

@@ -25,6 +25,8 @@ pub struct TreeArgs {
     /// is a party of.
     #[arg(long, env = "BROKER_KEY_FILE")]
     pub key_file: std::path::PathBuf,
+    #[command(flatten)]
+    pub tls: super::tls::TlsArgs,
     /// An address book: a TOML file of `"<hex public key>" = "name"` lines
     /// (the format of the broker configuration's [console.names]); names
     /// replace short keys.
@@ -49,7 +51,7 @@ pub fn run(args: TreeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let data = runtime.block_on(async {
-        let mut client = super::audit::reader(&args.addr, &args.key_file).await?;
+        let mut client = super::audit::reader(&args.addr, &args.key_file, &args.tls).await?;
         fetch(&mut client, &id, args.max_contracts).await
     })?;
     print!("{}", render(&data, &names));

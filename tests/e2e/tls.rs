@@ -196,3 +196,140 @@ async fn an_unfinished_tls_handshake_is_dropped_after_the_timeout() {
         .expect("GetBrokerKeys over TLS");
     broker.stop().await;
 }
+
+/// Every command of the binary that calls the broker, against a TLS
+/// broker at an `https://` address with `--ca-file`; and a CA the
+/// broker's certificate does not chain to, refused with the reason.
+#[tokio::test]
+async fn the_cli_reaches_a_tls_broker_with_its_ca_and_refuses_another() {
+    let broker = TlsBroker::start(|_| {}).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &broker.cert_pem).expect("ca file");
+    let other = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
+    let wrong_ca = dir.path().join("wrong.pem");
+    std::fs::write(&wrong_ca, other.cert.pem()).expect("ca file");
+    let addr = format!("https://localhost:{}", broker.port);
+    let key_file = |name: &str| {
+        let agent = broker_client::Agent::generate();
+        let path = dir.path().join(format!("{name}.key"));
+        crate::harness::write_key_file(&path, &agent.seed());
+        (hex::encode(agent.public_key()), path.display().to_string())
+    };
+    let (_, orchestrator) = key_file("orchestrator");
+    let (planner_key, planner) = key_file("planner");
+    let ca_file = ca.display().to_string();
+    let cli = |args: Vec<&str>, ca_file: &str| {
+        let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
+        run_cli(args, addr.clone(), ca_file.to_owned())
+    };
+    let ok = |(code, stdout, stderr, args): (Option<i32>, String, String, Vec<String>)| {
+        assert_eq!(code, Some(0), "{args:?}: {stderr}");
+        stdout
+    };
+
+    assert_eq!(ok(cli(vec!["health"], &ca_file).await), "serving");
+    assert_eq!(
+        ok(cli(vec!["keys", "show", "-q"], &ca_file).await).len(),
+        64
+    );
+    let root = ok(cli(
+        vec![
+            "open-root",
+            "--key-file",
+            &orchestrator,
+            "--intent",
+            "tls",
+            "--budget",
+            "10",
+            "-q",
+        ],
+        &ca_file,
+    )
+    .await);
+    let child = ok(cli(
+        vec![
+            "delegate",
+            &root,
+            "--key-file",
+            &orchestrator,
+            "--to",
+            &planner_key,
+            "--budget",
+            "4",
+            "--task",
+            "t",
+            "-q",
+        ],
+        &ca_file,
+    )
+    .await);
+    let accepted = ok(cli(
+        vec!["accept", &child, "--key-file", &planner, "-q"],
+        &ca_file,
+    )
+    .await);
+    for args in [
+        vec!["get", &child, "--key-file", &planner],
+        vec!["children", &root, "--key-file", &orchestrator],
+        vec!["tree", &root, "--key-file", &orchestrator],
+        vec![
+            "watch",
+            &root,
+            "--key-file",
+            &orchestrator,
+            "--max-events",
+            "1",
+        ],
+        vec!["receipt", &accepted, "--key-file", &planner],
+        vec!["session", "--key-file", &planner],
+    ] {
+        assert!(!ok(cli(args, &ca_file).await).is_empty());
+    }
+    ok(cli(
+        vec![
+            "revoke",
+            &child,
+            "--key-file",
+            &orchestrator,
+            "--reason",
+            "done",
+        ],
+        &ca_file,
+    )
+    .await);
+
+    let wrong = wrong_ca.display().to_string();
+    let (code, _, stderr, _) = cli(vec!["health"], &wrong).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot connect to {addr}")) && stderr.contains("certificate"),
+        "the error says the certificate was not trusted: {stderr}"
+    );
+    let (code, _, stderr, _) = cli(vec!["get", &child, "--key-file", &planner], &wrong).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("certificate"), "{stderr}");
+    broker.stop().await;
+}
+
+/// The binary with `args` at `addr` over TLS trusting `ca_file`: its exit
+/// status, stdout (trimmed), stderr and the arguments.
+async fn run_cli(
+    args: Vec<String>,
+    addr: String,
+    ca_file: String,
+) -> (Option<i32>, String, String, Vec<String>) {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"));
+    command
+        .args(&args)
+        .args(["--addr", &addr, "--ca-file", &ca_file])
+        .env("BROKER_LOG", "warn")
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(std::time::Duration::from_secs(60), command.output())
+        .await
+        .expect("the CLI ends")
+        .expect("the CLI runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.code(), stdout, stderr, args)
+}

@@ -232,8 +232,15 @@ impl Gateway {
     ) -> anyhow::Result<Self> {
         let agent = broker_client::keys::agent_from_key_file(&config.key_file)?;
         let agent_key = agent.public_key();
-        let channel =
-            broker_client::channel::lazy(&config.broker, CONNECT_TIMEOUT, BROKER_CALL_TIMEOUT)?;
+        // TLS for an https:// broker from BROKER_CA_FILE,
+        // BROKER_CLIENT_CERT and BROKER_CLIENT_KEY, read off the workers.
+        let tls = tokio::task::spawn_blocking(broker_client::channel::Tls::from_env).await??;
+        let channel = broker_client::channel::lazy(
+            &config.broker,
+            CONNECT_TIMEOUT,
+            BROKER_CALL_TIMEOUT,
+            &tls,
+        )?;
         let link = Link::new(agent, channel);
         let metrics = Arc::new(metrics::GatewayMetrics::new());
         let http = A2aClient::new(

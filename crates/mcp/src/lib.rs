@@ -106,15 +106,26 @@ fn on_runtime<F: std::future::Future<Output = anyhow::Result<()>>>(serve: F) -> 
     served
 }
 
+/// TLS for an https:// broker from BROKER_CA_FILE, BROKER_CLIENT_CERT and
+/// BROKER_CLIENT_KEY, read once at start (before any runtime).
+fn broker_tls() -> anyhow::Result<broker_client::channel::Tls> {
+    Ok(broker_client::channel::Tls::from_env()?)
+}
+
 /// A lazily connected channel to the broker.
-fn broker_channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
+fn broker_channel(
+    addr: &str,
+    tls: &broker_client::channel::Tls,
+) -> anyhow::Result<tonic::transport::Channel> {
     // Connected on first use: the MCP client may list tools before the
     // broker is up. The call bound is longer than the Watch phase of
     // `tree`, the longest call.
-    Ok(broker_client::channel::endpoint(addr, CONNECT_TIMEOUT)?
-        .timeout(CALL_TIMEOUT)
-        .http2_keep_alive_interval(CONNECT_TIMEOUT)
-        .connect_lazy())
+    Ok(
+        broker_client::channel::endpoint(addr, CONNECT_TIMEOUT, tls)?
+            .timeout(CALL_TIMEOUT)
+            .http2_keep_alive_interval(CONNECT_TIMEOUT)
+            .connect_lazy(),
+    )
 }
 
 /// The listener of `--listen`.
@@ -149,8 +160,9 @@ fn serve_tools(args: ToolsArgs) -> anyhow::Result<()> {
         Some(path) => broker_client::tree::read_names(path)?,
         None => BTreeMap::new(),
     };
+    let tls = broker_tls()?;
     on_runtime(async {
-        let tools = Tools::new(agent, broker_channel(&args.addr)?, names)?;
+        let tools = Tools::new(agent, broker_channel(&args.addr, &tls)?, names)?;
         tracing::info!(addr = %args.addr, "serving MCP tools");
         let shutdown = broker_runtime::shutdown::signal();
         match args.listen.as_deref() {

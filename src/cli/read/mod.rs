@@ -46,6 +46,8 @@ pub struct ReadArgs {
     /// is a party of.
     #[arg(long, env = "BROKER_KEY_FILE")]
     pub key_file: std::path::PathBuf,
+    #[command(flatten)]
+    pub tls: super::tls::TlsArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -168,7 +170,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 async fn open(args: &ReadArgs) -> anyhow::Result<Reader> {
     let agent = super::audit::agent_from_key_file(&args.key_file)?;
     let timeout = Duration::from_millis(CONNECT_TIMEOUT_MS);
-    let channel = broker_client::channel::connect(&args.addr, timeout).await?;
+    let tls = args.tls.load().await?;
+    let channel = broker_client::channel::connect(&args.addr, timeout, &tls).await?;
     let attacher = broker_client::SessionAttacher::default();
     let mut client = attacher
         .client(channel)
@@ -202,9 +205,13 @@ async fn open(args: &ReadArgs) -> anyhow::Result<Reader> {
 
 /// The keys the broker at `addr` publishes (GetBrokerKeys needs no
 /// session).
-pub async fn broker_keys(addr: &str) -> anyhow::Result<Vec<pb::BrokerKey>> {
+pub async fn broker_keys(
+    addr: &str,
+    tls: &super::tls::TlsArgs,
+) -> anyhow::Result<Vec<pb::BrokerKey>> {
     let timeout = Duration::from_millis(CONNECT_TIMEOUT_MS);
-    let channel = broker_client::channel::connect(addr, timeout).await?;
+    let tls = tls.load().await?;
+    let channel = broker_client::channel::connect(addr, timeout, &tls).await?;
     let mut client = pb::broker_client::BrokerClient::new(channel);
     let answer = call(
         "GetBrokerKeys",

@@ -18,8 +18,9 @@ pub struct DelegateArgs {
     /// The child's budget, reserved from the parent's residual.
     #[arg(long)]
     pub budget: i64,
-    /// What the child is to do.
-    #[arg(long, default_value = "")]
+    /// What the child is to do (required: the audit compares the paths it
+    /// names with what the delegate touched).
+    #[arg(long)]
     pub task: String,
     /// Milliseconds from now to the child's deadline (as late as the
     /// parent allows when absent).

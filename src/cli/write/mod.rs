@@ -54,6 +54,8 @@ pub struct WriteArgs {
     /// Only the id: of the issued contract, or of the receipt.
     #[arg(long, short)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub tls: super::tls::TlsArgs,
 }
 
 /// The broker refused the request with a signed receipt; already printed.
@@ -85,7 +87,8 @@ where
     let answer = runtime()?.block_on(async {
         let agent = broker_client::keys::agent_from_key_file(&args.key_file)?;
         let timeout = std::time::Duration::from_millis(CONNECT_TIMEOUT_MS);
-        let channel = broker_client::channel::connect(&args.addr, timeout).await?;
+        let tls = args.tls.load().await?;
+        let channel = broker_client::channel::connect(&args.addr, timeout, &tls).await?;
         write(Link::new(agent, channel)).await
     })?;
     print(args, answer)

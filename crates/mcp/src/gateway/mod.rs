@@ -114,7 +114,8 @@ pub async fn run_stdio(
 impl Gateway {
     /// `start` with a channel to the config's broker.
     async fn connect(config: GatewayConfig) -> anyhow::Result<Self> {
-        let channel = crate::broker_channel(&config.broker)?;
+        let tls = tokio::task::spawn_blocking(crate::broker_tls).await??;
+        let channel = crate::broker_channel(&config.broker, &tls)?;
         let gateway = Self::start(config, channel).await?;
         tracing::info!(host = %gateway.host(), "MCP gateway ready");
         Ok(gateway)
