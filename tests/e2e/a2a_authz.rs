@@ -142,20 +142,16 @@ async fn check_allows_only_this_agents_open_unused_contract() {
     let worker = Agent::generate();
     let stranger = Agent::generate();
     let (root, contract) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let (strangers, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &stranger, 5))
-        .await
-        .unwrap()
-        .issued();
-    let (revoked, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
-        .await
-        .unwrap()
-        .issued();
+    let strangers = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &stranger, 5))
+        .await;
+    let revoked = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
+        .await;
     broker.revoke(&orchestrator, &revoked).await.unwrap();
     let mut soon = child(&root.id, &root.lineage, &worker, 5);
     soon.deadline_ms = now_ms() + 1_000;
-    let (expiring, _) = broker.delegate(&orchestrator, soon).await.unwrap().issued();
+    let expiring = broker.issue(&orchestrator, soon).await;
 
     let dir = tempfile::tempdir().unwrap();
     let (_gateway, addr) = spawn_authz(dir.path(), &broker.addr, &worker);
@@ -498,11 +494,8 @@ async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
     let issue = async |broker: &mut Broker| {
         broker
-            .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
+            .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
             .await
-            .unwrap()
-            .issued()
-            .0
     };
     let second = issue(&mut broker).await;
     let unused = issue(&mut broker).await;

@@ -134,7 +134,7 @@ const TASKS_PER_TENANT: usize = 2;
 /// The broker names each tree's tenant in ContractState.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn free_keys_cannot_take_a_declared_tenants_share_of_max_tasks() {
-    let (acme, listed) = (Agent::generate(), Agent::generate());
+    let [acme, listed] = agents();
     let mut broker = Broker::start_with(|c| {
         c.tenants
             .declare("acme", &[acme.public_key()])
@@ -224,11 +224,8 @@ async fn ingress_continuation(binding: &str) {
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
     let mut issue = async || {
         broker
-            .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
+            .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
             .await
-            .unwrap()
-            .issued()
-            .0
     };
     let second = issue().await;
     let unused = issue().await;
@@ -336,16 +333,12 @@ async fn over_grpc_only_the_served_a2a_methods_reach_the_agent() {
     let orchestrator = Agent::generate();
     let worker = Agent::generate();
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let (second, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-        .await
-        .unwrap()
-        .issued();
-    let (unused, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-        .await
-        .unwrap()
-        .issued();
+    let second = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
+        .await;
+    let unused = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
+        .await;
     let agent = fake_agent().await;
     let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
@@ -574,13 +567,7 @@ async fn a_chain_signed_after_its_key_retired_is_refused_like_verify_refuses_it(
     // Another replica, with a key of its own, publishes the retirement.
     let (_replica, addr) =
         crate::operations::spawn_serve(&dir.path().join("b"), &["--database-url", &database.url]);
-    let published = connect(&addr)
-        .await
-        .get_broker_keys(pb::GetBrokerKeysRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .keys;
+    let published = published_keys(&addr).await;
     let old = published
         .iter()
         .find(|k| k.key_id == old_id)

@@ -41,12 +41,12 @@ async fn run(
     let root = broker.open_root(&orchestrator, spec).await;
     let mut children = Vec::new();
     for w in work {
-        let (delegate, host) = (Agent::generate(), Agent::generate());
+        let [delegate, host] = agents();
         let mut body = child(&root.id, &root.lineage, &delegate, 20);
         body.task = w.task.into();
         body.predicate = "result.within_scope".into();
         body.host_public_key = host.public_key().to_vec();
-        let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+        let id = broker.issue(&orchestrator, body).await;
         broker.accept(&delegate, &id, None).await.unwrap();
         let mut observations: Vec<pb::Observation> = w
             .reads
@@ -84,13 +84,11 @@ async fn run(
     }
     if refused_extra {
         broker
-            .delegate(
+            .refuse(
                 &orchestrator,
                 child(&root.id, &root.lineage, &Agent::generate(), 1_000),
             )
-            .await
-            .unwrap()
-            .refused();
+            .await;
     }
     Run { children }
 }
@@ -314,11 +312,11 @@ async fn two_arms_aggregate_to_the_expected_table() {
 #[tokio::test]
 async fn a_tool_calls_digest_and_outcome_are_checked() {
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, delegate, host] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     let mut body = child(&root.id, &root.lineage, &delegate, 20);
     body.host_public_key = host.public_key().to_vec();
-    let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let id = broker.issue(&orchestrator, body).await;
     let said = pb::Observation {
         arguments_sha256: vec![9; 32],
         outcome: pb::ToolOutcome::Failed as i32,

@@ -11,7 +11,7 @@ use crate::harness::*;
 #[tokio::test]
 async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
 
     // Same nonce, same body, twice: one contract, reserved once.
@@ -47,10 +47,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
         .delegate(orchestrator.delegate(other))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::AlreadyExists, "NONCE_REUSED")
-    );
+    assert_status(&err, Status::AlreadyExists, "NONCE_REUSED");
 
     // A stale timestamp.
     let mut stale = child(&root.id, &root.lineage, &delegate, 10);
@@ -60,10 +57,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
         .delegate(orchestrator.delegate(stale))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::Unauthenticated, "STALE_TIMESTAMP")
-    );
+    assert_status(&err, Status::Unauthenticated, "STALE_TIMESTAMP");
 
     // Signed by a key that does not hold the parent: denied, nothing stored;
     // a stranger to the tree is told what an unknown
@@ -73,20 +67,14 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
         .delegate(&intruder, child(&root.id, &root.lineage, &delegate, 10))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::NotFound, "NOT_FOUND")
-    );
+    assert_status(&err, Status::NotFound, "NOT_FOUND");
 
     // A header claiming the holder's key, signed by another key.
     let mut forged = child(&root.id, &root.lineage, &delegate, 10);
     forged.header = Some(orchestrator.header());
     let mut request = intruder.delegate(forged);
     let err = broker.client.delegate(request.clone()).await.unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::Unauthenticated, "BAD_SIGNATURE")
-    );
+    assert_status(&err, Status::Unauthenticated, "BAD_SIGNATURE");
 
     // A flipped signature bit.
     let mut genuine = orchestrator.delegate(child(&root.id, &root.lineage, &delegate, 10));
@@ -155,7 +143,7 @@ async fn open_root_is_idempotent_too() {
 /// to its allowance; nothing else reaches the store.
 #[tokio::test]
 async fn only_listed_orchestrators_open_roots_within_their_allowance() {
-    let (listed, stranger) = (Agent::generate(), Agent::generate());
+    let [listed, stranger] = agents();
     let listed_key = listed.public_key();
     let mut broker = Broker::start_with(|config| {
         config
@@ -184,10 +172,7 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
         .open_root(listed.open_root(over.body()))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::PermissionDenied, "ROOT_BUDGET_OVER_ALLOWANCE")
-    );
+    assert_status(&err, Status::PermissionDenied, "ROOT_BUDGET_OVER_ALLOWANCE");
     assert!(
         err.message().contains("body.budget 1001"),
         "{}",
@@ -208,10 +193,7 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
         .open_root(stranger.open_root(RootSpec::default().body()))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::PermissionDenied, "NOT_AN_ORCHESTRATOR")
-    );
+    assert_status(&err, Status::PermissionDenied, "NOT_AN_ORCHESTRATOR");
     // The refused roots left nothing behind: the only root is the first.
     let audits = broker
         .client

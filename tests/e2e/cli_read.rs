@@ -56,12 +56,7 @@ fn when(ms: i64) -> String {
 
 async fn scene() -> Scene {
     let mut broker = Broker::start().await;
-    let (orchestrator, a_agent, b_agent, host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a_agent, b_agent, host] = agents();
     let spec = RootSpec {
         labels: [("arm".to_owned(), "flat".to_owned())].into(),
         ..RootSpec::default()
@@ -652,9 +647,7 @@ async fn session_prints_a_header_that_reads() {
 
     let mut plain = connect(&s.broker.addr).await;
     let read = |with: bool| {
-        let mut request = tonic::Request::new(pb::GetContractRequest {
-            contract_id: s.root.id.clone(),
-        });
+        let mut request = tonic::Request::new(contract_request(&s.root.id));
         if with {
             request.metadata_mut().insert_bin(
                 "x-broker-session-bin",

@@ -318,9 +318,7 @@ async fn the_console_serves_reads_only_with_its_readers_rights() {
         token,
         session,
         "GetContract",
-        &pb::GetContractRequest {
-            contract_id: hidden.id.clone(),
-        },
+        &contract_request(&hidden.id),
     )
     .await;
     assert_eq!(
@@ -378,10 +376,7 @@ async fn the_console_serves_reads_only_with_its_readers_rights() {
 
 /// Reads a Watch over gRPC-Web for a moment; returns the events seen.
 async fn watch_a_few(console: &(std::net::SocketAddr, String), session: &str, id: &[u8]) -> usize {
-    let request = pb::WatchRequest {
-        contract_id: id.to_vec(),
-        cursor: 0,
-    };
+    let request = watch_request(id);
     let payload = request.encode_to_vec();
     let mut frame = vec![0u8];
     frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
@@ -462,13 +457,11 @@ async fn list_roots_shows_each_caller_its_own_trees() {
     tree.labels.insert("arm".into(), "tree".into());
     let second = broker.open_root(&orchestrator, tree).await;
     broker
-        .delegate(
+        .issue(
             &orchestrator,
             child(&second.id, &second.lineage, &delegate, 5),
         )
-        .await
-        .unwrap()
-        .issued();
+        .await;
     let list = |client: &mut broker_client::SessionClient,
                 labels: &[(&str, &str)],
                 page_size: u32,
@@ -553,18 +546,14 @@ async fn list_roots_shows_each_caller_its_own_trees() {
 #[tokio::test]
 async fn list_held_shows_each_caller_its_open_work() {
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (first, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
-        .await
-        .unwrap()
-        .issued();
-    let (second, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
-        .await
-        .unwrap()
-        .issued();
+    let first = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
+        .await;
+    let second = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
+        .await;
     let addr = broker.addr.clone();
     let held = |agent, role, token| held(&addr, agent, role, token);
     let stranger = Agent::generate();

@@ -117,9 +117,7 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let mut broker_client = connect_as(&addr, &orchestrator).await;
     for id in &answered {
         let state = broker_client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
+            .get_contract(contract_request(id))
             .await
             .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
         assert!(state.into_inner().contract.is_some());
@@ -159,9 +157,7 @@ impl LedgerCheck {
         while let Some(id) = queue.pop() {
             let state = self
                 .client
-                .get_contract(pb::GetContractRequest {
-                    contract_id: id.clone(),
-                })
+                .get_contract(contract_request(&id))
                 .await
                 .unwrap()
                 .into_inner()
@@ -288,9 +284,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         let open = session
-            .get_contract(pb::GetContractRequest {
-                contract_id: root.clone(),
-            })
+            .get_contract(contract_request(&root))
             .await
             .unwrap()
             .into_inner()
@@ -309,10 +303,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     }
     // Every descendant revoked, by exactly one receipt.
     let mut stream = session
-        .watch(pb::WatchRequest {
-            contract_id: root.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root))
         .await
         .unwrap()
         .into_inner();
@@ -330,9 +321,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     for id in &descendants {
         assert_eq!(receipts.get(id), Some(&1), "{}", hex::encode(id));
         let state = session
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
+            .get_contract(contract_request(id))
             .await
             .unwrap()
             .into_inner()

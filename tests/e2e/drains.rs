@@ -95,7 +95,7 @@ async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
 /// A root of `opener` with `MIDDLES` middles of `LEAVES_PER_MIDDLE` leaves each.
 async fn draining_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
     let root = broker.open_root(opener, big_root()).await;
-    let (middle, leaf) = (Agent::generate(), Agent::generate());
+    let [middle, leaf] = agents();
     let middles = children(
         &broker.addr,
         opener,
@@ -131,7 +131,7 @@ async fn timed_revoke(broker: &mut Broker, opener: &Agent, root: &[u8]) -> Durat
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn drains_take_turns_and_leave_other_writes_alone() {
     let openers: Vec<Agent> = (0..DRAINING_TENANTS).map(|_| Agent::generate()).collect();
-    let (victim, writer) = (Agent::generate(), Agent::generate());
+    let [victim, writer] = agents();
     let mut broker = Broker::start_with(|c| {
         c.limits.cascade_step_rows = STEP_ROWS;
         for key in openers

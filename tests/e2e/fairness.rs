@@ -82,13 +82,7 @@ async fn hostile_tenant(
     let mut streams = Vec::new();
     let mut watcher = connect_as(&addr, &tenant).await;
     for _ in 0..8 {
-        if let Ok(s) = watcher
-            .watch(pb::WatchRequest {
-                contract_id: root_id.clone(),
-                cursor: 0,
-            })
-            .await
-        {
+        if let Ok(s) = watcher.watch(watch_request(&root_id)).await {
             streams.push(s);
         }
     }
@@ -185,7 +179,7 @@ async fn a_listed_orchestrators_flood_does_not_starve_another() {
 }
 
 async fn flood(orchestrated: bool) {
-    let (honest, hostile) = (Agent::generate(), Agent::generate());
+    let [honest, hostile] = agents();
     let listed = [honest.public_key(), hostile.public_key()];
     let mut broker = Broker::start_with(|c| {
         // Small shares, so a few keys fill them fast.
@@ -231,10 +225,7 @@ async fn flood(orchestrated: bool) {
     let mut own = connect_as(&broker.addr, &honest).await;
     let started = Instant::now();
     let mut stream = own
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root.id))
         .await
         .expect("the honest tenant watches its tree")
         .into_inner();
@@ -244,11 +235,7 @@ async fn flood(orchestrated: bool) {
         let started = Instant::now();
         let mut body = child(&root.id, &root.lineage, &worker, 1);
         body.result_schema_json = pattern_schema(&format!("honest{round}"));
-        let (id, _) = broker
-            .delegate(&honest, body)
-            .await
-            .expect("the honest Delegate")
-            .issued();
+        let id = broker.issue(&honest, body).await;
         timed(started, "Delegate");
         let started = Instant::now();
         broker.accept(&worker, &id, None).await.expect("Accept");
@@ -369,13 +356,7 @@ async fn crowd_key(
     // A Watch stream on its own tree, held throughout (refused past the
     // broker's caps: filling them is the point).
     let _stream = match attacher.open(&mut life, &tenant).await {
-        Ok(()) => life
-            .watch(pb::WatchRequest {
-                contract_id: root_id.clone(),
-                cursor: 0,
-            })
-            .await
-            .ok(),
+        Ok(()) => life.watch(watch_request(&root_id)).await.ok(),
         Err(_) => None,
     };
     let output = heavy_output();
@@ -468,10 +449,7 @@ async fn a_thousand_free_keys_share_one_turn() {
     let root = broker.open_root(&honest, RootSpec::default()).await;
     let mut own = connect_as(&broker.addr, &honest).await;
     let mut stream = own
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root.id))
         .await
         .expect("the declared tenant watches its tree")
         .into_inner();
@@ -481,11 +459,7 @@ async fn a_thousand_free_keys_share_one_turn() {
         let started = Instant::now();
         let mut body = child(&root.id, &root.lineage, &worker, 1);
         body.result_schema_json = pattern_schema(&format!("honest{round}"));
-        let (id, _) = broker
-            .delegate(&honest, body)
-            .await
-            .expect("the honest Delegate")
-            .issued();
+        let id = broker.issue(&honest, body).await;
         delegates.push(started.elapsed());
         broker.accept(&worker, &id, None).await.expect("Accept");
         let started = Instant::now();

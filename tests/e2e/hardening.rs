@@ -26,15 +26,9 @@ fn output(json: &str, consumed: i64, contract: &[u8]) -> pb::CompleteBody {
 #[tokio::test]
 async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, b) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, a, b] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
     let to_a = liable_child(
         &root.id,
@@ -43,10 +37,10 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
         60,
         "result.output.approved == true // the reviewer must approve",
     );
-    let (a_id, _) = broker.delegate(&orchestrator, to_a).await.unwrap().issued();
+    let a_id = broker.issue(&orchestrator, to_a).await;
     broker.accept(&a, &a_id, None).await.unwrap();
     let to_b = liable_child(&a_id, &root.lineage, &b, 30, "true\n|| true");
-    let (b_id, _) = broker.delegate(&a, to_b).await.unwrap().issued();
+    let b_id = broker.issue(&a, to_b).await;
     let effective = broker.effective_predicate(&b_id).await;
     assert!(
         effective.contains("result.output.approved"),
@@ -76,12 +70,7 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
 #[tokio::test]
 async fn metered_units_leave_the_residual_at_once() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host, c) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, host, c] = agents();
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 100).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     broker
@@ -90,11 +79,9 @@ async fn metered_units_leave_the_residual_at_once() {
         .unwrap();
     let ledger = broker.ledger(&a_id).await;
     assert_eq!((ledger.spent, ledger.residual), (100, 0));
-    let (_, _, receipt) = broker
-        .delegate(&a, child(&a_id, &root.lineage, &c, 100))
-        .await
-        .unwrap()
-        .refused();
+    let receipt = broker
+        .refuse(&a, child(&a_id, &root.lineage, &c, 100))
+        .await;
     assert_eq!(
         codes(&receipt),
         vec![pb::InvariantCode::BudgetExceedsParent]
@@ -109,30 +96,16 @@ async fn metered_units_leave_the_residual_at_once() {
 #[tokio::test]
 async fn a_late_accept_above_metered_work_charges_it_once() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, b, host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, b, host] = agents();
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 60).await;
-    let (b_id, _) = broker
-        .delegate(&a, child(&a_id, &root.lineage, &b, 30))
-        .await
-        .unwrap()
-        .issued();
+    let b_id = broker.issue(&a, child(&a_id, &root.lineage, &b, 30)).await;
     broker.accept(&b, &b_id, Some(&host)).await.unwrap();
     broker
         .record(&host, &b_id, vec![tool_call("llm", 4)])
         .await
         .unwrap();
     broker.accept(&a, &a_id, None).await.unwrap();
-    let completion = broker
-        .complete(&b, output("{}", 4, &b_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+    let completion = broker.completion(&b, output("{}", 4, &b_id)).await;
     assert_eq!(
         (
             completion.consumed,
@@ -159,16 +132,11 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
 #[tokio::test]
 async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a) = (Agent::generate(), Agent::generate());
+    let [orchestrator, a] = agents();
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, None).await.unwrap();
     let claimed = 1_000_000_000_000_000;
-    let completion = broker
-        .complete(&a, output("{}", claimed, &a_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+    let completion = broker.completion(&a, output("{}", claimed, &a_id)).await;
     assert_eq!(
         (
             completion.consumed,
@@ -190,7 +158,7 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
 #[tokio::test]
 async fn strangers_cannot_write_into_a_tree() {
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     for _ in 0..16 {
         let stranger = Agent::generate();
@@ -198,21 +166,10 @@ async fn strangers_cannot_write_into_a_tree() {
             .delegate(&stranger, child(&root.id, &root.lineage, &delegate, 10))
             .await
             .unwrap_err();
-        assert_eq!(
-            (err.code(), reason(&err).as_str()),
-            (Code::NotFound, "NOT_FOUND")
-        );
+        assert_status(&err, Code::NotFound, "NOT_FOUND");
     }
     // Nothing was stored: the tree's event stream holds only the root.
-    let mut stream = broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = broker.watch(&root.id).await;
     let first = stream.message().await.unwrap().unwrap();
     assert!(matches!(
         first.event,
@@ -221,14 +178,12 @@ async fn strangers_cannot_write_into_a_tree() {
     let next = tokio::time::timeout(std::time::Duration::from_millis(300), stream.message()).await;
     assert!(next.is_err(), "an event after the root: {next:?}");
     // A holder's own refusals are still signed receipts.
-    let (_, _, receipt) = broker
-        .delegate(
+    let receipt = broker
+        .refuse(
             &orchestrator,
             child(&root.id, &root.lineage, &delegate, 1_000),
         )
-        .await
-        .unwrap()
-        .refused();
+        .await;
     assert_eq!(
         codes(&receipt),
         vec![pb::InvariantCode::BudgetExceedsParent]
@@ -241,7 +196,7 @@ async fn strangers_cannot_write_into_a_tree() {
 #[tokio::test]
 async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     // 4 KB of quotes and non-ASCII (percent-encoded 3×), that does not parse.
     let predicate = format!("result.x == \"{}", "é\"".repeat(1_300));
@@ -261,19 +216,13 @@ async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
 #[tokio::test]
 async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, a, host] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
     let mut body = liable_child(&root.id, &root.lineage, &a, 10, "result.within_scope");
     body.write_scope = vec!["src/exec".into()];
-    let (a_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let a_id = broker.issue(&orchestrator, body).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     broker
         .record(
@@ -283,12 +232,7 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
         )
         .await
         .unwrap();
-    let completion = broker
-        .complete(&a, output("{}", 1, &a_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+    let completion = broker.completion(&a, output("{}", 1, &a_id)).await;
     assert!(!completion.within_scope);
     assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
     // A scope prefix must use '/'.
@@ -305,7 +249,7 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
 #[tokio::test]
 async fn attested_factors_are_floored_and_not_valid_before_their_time() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a) = (Agent::generate(), Agent::generate());
+    let [orchestrator, a] = agents();
     let root = broker
         .open_root(
             &orchestrator,
@@ -330,20 +274,12 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
     };
     let mut body = child(&root.id, &root.lineage, &a, 10);
     body.delegate_attestation = Some(attest(0.499_999_5, 0));
-    let (_, _, receipt) = broker
-        .delegate(&orchestrator, body)
-        .await
-        .unwrap()
-        .refused();
+    let receipt = broker.refuse(&orchestrator, body).await;
     assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
     assert_eq!(receipt.violations[0].requested, "499999");
     let mut body = child(&root.id, &root.lineage, &a, 10);
     body.delegate_attestation = Some(attest(0.5, now_ms() + 600_000));
-    let (_, _, receipt) = broker
-        .delegate(&orchestrator, body)
-        .await
-        .unwrap()
-        .refused();
+    let receipt = broker.refuse(&orchestrator, body).await;
     assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
     assert!(
         receipt.violations[0].detail.contains("not valid before"),
@@ -352,7 +288,7 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
     );
     let mut body = child(&root.id, &root.lineage, &a, 10);
     body.delegate_attestation = Some(attest(0.5, now_ms() - 1_000));
-    broker.delegate(&orchestrator, body).await.unwrap().issued();
+    broker.issue(&orchestrator, body).await;
     broker.stop().await;
 }
 
@@ -363,18 +299,13 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
 #[tokio::test]
 async fn reads_are_answered_only_to_the_trees_parties() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host, stranger) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, host, stranger] = agents();
     let mut spec = RootSpec::default();
     spec.labels.insert("arm".into(), "x".into());
     let root = broker.open_root(&orchestrator, spec).await;
     let mut body = child(&root.id, &root.lineage, &a, 10);
     body.host_public_key = host.public_key().to_vec();
-    let (a_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let a_id = broker.issue(&orchestrator, body).await;
     let (refusal_id, _, _) = broker
         .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 1_000))
         .await
@@ -384,15 +315,10 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     // No session at all.
     let mut anonymous = connect(&broker.addr).await;
     let err = anonymous
-        .get_contract(pb::GetContractRequest {
-            contract_id: a_id.clone(),
-        })
+        .get_contract(contract_request(&a_id))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::Unauthenticated, "NO_SESSION")
-    );
+    assert_status(&err, Code::Unauthenticated, "NO_SESSION");
     // Public calls stay public.
     anonymous
         .get_broker_keys(pb::GetBrokerKeysRequest {})
@@ -425,9 +351,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
             );
         };
     for (real, fake) in [(&a_id, &random), (&root.id, &random)] {
-        let contract = |id: &Vec<u8>| pb::GetContractRequest {
-            contract_id: id.clone(),
-        };
+        let contract = |id: &Vec<u8>| contract_request(id);
         same(
             outsider.get_contract(contract(real)).await.map(drop),
             outsider.get_contract(contract(fake)).await.map(drop),
@@ -451,10 +375,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
             outsider.list_children(children(fake)).await.map(drop),
             real,
         );
-        let watch = |id: &Vec<u8>| pb::WatchRequest {
-            contract_id: id.clone(),
-            cursor: 0,
-        };
+        let watch = |id: &Vec<u8>| watch_request(id);
         same(
             outsider.watch(watch(real)).await.map(drop),
             outsider.watch(watch(fake)).await.map(drop),
@@ -480,9 +401,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         outsider.get_receipt(receipt_of(&random)).await.map(drop),
         &refusal_id,
     );
-    let id = || pb::GetContractRequest {
-        contract_id: a_id.clone(),
-    };
+    let id = || contract_request(&a_id);
     let groups = |client_groups: pb::AggregateAuditsResponse| client_groups.groups.len();
     let aggregate = pb::AggregateAuditsRequest {
         selector: Default::default(),
@@ -534,10 +453,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         .open_session(orchestrator.open_session("another-broker"))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::Unauthenticated, "WRONG_BROKER")
-    );
+    assert_status(&err, Code::Unauthenticated, "WRONG_BROKER");
     let session = forged
         .open_session(orchestrator.open_session(&key_id))
         .await
@@ -553,10 +469,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         tonic::metadata::BinaryMetadataValue::from_bytes(&prost::Message::encode_to_vec(&envelope)),
     );
     let err = anonymous.get_contract(request).await.unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::Unauthenticated, "BAD_SESSION")
-    );
+    assert_status(&err, Code::Unauthenticated, "BAD_SESSION");
     broker.stop().await;
 }
 
@@ -571,18 +484,13 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
         c.limits.max_watch_streams_per_tree = 4;
     })
     .await;
-    let (orchestrator, d) = (Agent::generate(), Agent::generate());
+    let [orchestrator, d] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     // d becomes a party of the tree.
     broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &d, 1))
-        .await
-        .unwrap()
-        .issued();
-    let watch = || pb::WatchRequest {
-        contract_id: root.id.clone(),
-        cursor: 0,
-    };
+        .issue(&orchestrator, child(&root.id, &root.lineage, &d, 1))
+        .await;
+    let watch = || watch_request(&root.id);
     let limit = |err: tonic::Status| {
         assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
         err.get_details_error_info()
@@ -627,10 +535,8 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
     // the tree's cap (new keys made parties cannot take every stream).
     let e = Agent::generate();
     broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &e, 1))
-        .await
-        .unwrap()
-        .issued();
+        .issue(&orchestrator, child(&root.id, &root.lineage, &e, 1))
+        .await;
     let mut fresh = connect_as(&broker.addr, &e).await;
     let err = fresh.watch(watch()).await.unwrap_err();
     assert_eq!(limit(err), "limits.max_watch_streams_per_tree");
@@ -660,7 +566,7 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
 async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
     // The smallest request limit makes the response limit 16 KiB.
     let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 4_096).await;
-    let (orchestrator, a, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, a, host] = agents();
     let root = broker
         .open_root(
             &orchestrator,
@@ -675,14 +581,7 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
     for i in 0..12 {
         let mut body = child(&root.id, &root.lineage, &a, 1);
         body.task = format!("{i} {}", "x".repeat(1_900));
-        ids.push(
-            broker
-                .delegate(&orchestrator, body)
-                .await
-                .unwrap()
-                .issued()
-                .0,
-        );
+        ids.push(broker.issue(&orchestrator, body).await);
     }
     let mut listed = Vec::new();
     let mut token = Vec::new();
@@ -714,7 +613,7 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
         let next = Agent::generate();
         let mut body = child(&parent, &root.lineage, &next, 1);
         body.task = "y".repeat(3_000);
-        parent = broker.delegate(&holder, body).await.unwrap().issued().0;
+        parent = broker.issue(&holder, body).await;
         holder = next;
     }
     let err = broker
@@ -724,10 +623,7 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
         })
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::ResourceExhausted, "RESPONSE_TOO_LARGE")
-    );
+    assert_status(&err, Code::ResourceExhausted, "RESPONSE_TOO_LARGE");
     // An audit names a bounded number of paths and counts them all.
     broker.accept(&a, &ids[0], Some(&host)).await.unwrap();
     // Small batches: this broker takes requests of at most 4 KiB.
@@ -752,13 +648,7 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 1024 * 1024).await;
     let orchestrator = Agent::generate();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
     let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
     // Four delegates (one signer's judgments are capped at two at once).
@@ -766,7 +656,7 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     let mut completions = Vec::new();
     for d in &delegates {
         let body = liable_child(&root.id, &root.lineage, d, 10, pattern);
-        let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+        let id = broker.issue(&orchestrator, body).await;
         broker.accept(d, &id, None).await.unwrap();
         completions.push((Agent::from_seed(d.seed()), id));
     }
@@ -838,7 +728,7 @@ fn doubling_schema(levels: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, stranger) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, a, stranger] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     let bomb = regex_bomb_schema(950);
     assert!(bomb.len() > 50_000 && bomb.len() < 65_536, "{}", bomb.len());
@@ -895,10 +785,8 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
     // An honest schema is still issued.
     let honest = r#"{"type":"object","required":["patch"],"properties":{"patch":{"type":"string","pattern":"^---"}}}"#;
     broker
-        .delegate(&orchestrator, with_schema(&root.id, honest))
-        .await
-        .unwrap()
-        .issued();
+        .issue(&orchestrator, with_schema(&root.id, honest))
+        .await;
     broker.stop().await;
 }
 
@@ -910,13 +798,7 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
 #[tokio::test]
 async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, own_host, b, named_host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, own_host, b, named_host] = agents();
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, Some(&own_host)).await.unwrap();
     let huge = 1_000_000_000_000_000;
@@ -925,12 +807,7 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
         .await
         .unwrap();
     assert_eq!(broker.ledger(&a_id).await.spent, 10);
-    let completion = broker
-        .complete(&a, output("{}", 1, &a_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+    let completion = broker.completion(&a, output("{}", 1, &a_id)).await;
     assert_eq!(
         (
             completion.consumed,
@@ -942,18 +819,13 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     // The principal's own choice of host is trusted in full.
     let mut body = child(&root.id, &root.lineage, &b, 10);
     body.host_public_key = named_host.public_key().to_vec();
-    let (b_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let b_id = broker.issue(&orchestrator, body).await;
     broker.accept(&b, &b_id, None).await.unwrap();
     broker
         .record(&named_host, &b_id, vec![tool_call("llm", 25)])
         .await
         .unwrap();
-    let completion = broker
-        .complete(&b, output("{}", 1, &b_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+    let completion = broker.completion(&b, output("{}", 1, &b_id)).await;
     assert_eq!(
         (
             completion.consumed,
@@ -976,25 +848,14 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observation_during_judgment_never_makes_the_writer_judge() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host, tenant) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, host, tenant] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
     let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
     let mut body = liable_child(&root.id, &root.lineage, &a, 10, pattern);
     body.host_public_key = host.public_key().to_vec();
-    let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let id = broker.issue(&orchestrator, body).await;
     broker.accept(&a, &id, None).await.unwrap();
     let text = "ab".repeat(127 * 1024);
     let mut completer = connect_as(&broker.addr, &a).await;
@@ -1049,8 +910,7 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
         c.limits.max_watch_streams_per_tree = WATCHERS;
     })
     .await;
-    let (watched_owner, busy_owner, worker) =
-        (Agent::generate(), Agent::generate(), Agent::generate());
+    let [watched_owner, busy_owner, worker] = agents();
     let watched = broker.open_root(&watched_owner, RootSpec::default()).await;
     let busy = broker
         .open_root(
@@ -1072,11 +932,9 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
         let mut slowest = std::time::Duration::ZERO;
         let started = std::time::Instant::now();
         for _ in 0..100 {
-            let (id, _) = broker
-                .delegate(owner, child(&busy.id, &busy.lineage, worker, 1))
-                .await
-                .unwrap()
-                .issued();
+            let id = broker
+                .issue(owner, child(&busy.id, &busy.lineage, worker, 1))
+                .await;
             let read = std::time::Instant::now();
             broker.state(&id).await;
             slowest = slowest.max(read.elapsed());
@@ -1088,15 +946,7 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
     let (baseline, baseline_slowest) = rounds(&mut broker, &busy_owner, &busy, &worker).await;
     let mut streams = Vec::with_capacity(WATCHERS);
     for _ in 0..WATCHERS {
-        let stream = broker
-            .client
-            .watch(pb::WatchRequest {
-                contract_id: watched.id.clone(),
-                cursor: 0,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let stream = broker.watch(&watched.id).await;
         streams.push(stream);
     }
     let (took, slowest) = rounds(&mut broker, &busy_owner, &busy, &worker).await;
@@ -1137,26 +987,18 @@ async fn idle_watch_streams_hold_bounded_memory() {
         c.limits.max_watch_streams_per_tree = WATCHERS;
     })
     .await;
-    let (owner, worker) = (Agent::generate(), Agent::generate());
+    let [owner, worker] = agents();
     let root = broker.open_root(&owner, RootSpec::default()).await;
     // 64 contracts of ~16 KB: about 1 MB of events in the tree.
     for i in 0..64 {
         let mut body = child(&root.id, &root.lineage, &worker, 1);
         body.task = format!("{i} {}", "x".repeat(16_000));
-        broker.delegate(&owner, body).await.unwrap().issued();
+        broker.issue(&owner, body).await;
     }
     let before = rss_bytes();
     let mut streams = Vec::with_capacity(WATCHERS);
     for _ in 0..WATCHERS {
-        let stream = broker
-            .client
-            .watch(pb::WatchRequest {
-                contract_id: root.id.clone(),
-                cursor: 0,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let stream = broker.watch(&root.id).await;
         streams.push(stream);
     }
     // Let every stream fill what it may hold while nobody reads.
@@ -1186,12 +1028,7 @@ async fn idle_watch_streams_hold_bounded_memory() {
 #[tokio::test]
 async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host, stranger) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, host, stranger] = agents();
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     let random = vec![0x5a; 32];
@@ -1271,17 +1108,11 @@ async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
     // A party is still told why: the delegate may not revoke its own
     // contract, nor delegate from the root it does not hold.
     let err = broker.revoke(&a, &a_id).await.unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::PermissionDenied, "NOT_ANCESTOR")
-    );
+    assert_status(&err, Code::PermissionDenied, "NOT_ANCESTOR");
     let err = broker
         .delegate(&a, child(&root.id, &root.lineage, &host, 1))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::PermissionDenied, "NOT_HOLDER")
-    );
+    assert_status(&err, Code::PermissionDenied, "NOT_HOLDER");
     broker.stop().await;
 }

@@ -149,23 +149,16 @@ impl Broker {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = format!("http://{}", listener.local_addr().unwrap());
         let mut options = delegation_broker::server::ServeOptions::default();
-        let database = if let Some(url) = shared {
+        let database = match shared {
+            Some(_) => None,
+            None => database_of_this_run().await,
+        };
+        if let Some(url) = shared.or(database.as_ref().map(|d| d.url.as_str())) {
             options.database = Some(delegation_broker::server::DatabaseOptions {
                 url: url.to_owned(),
                 migrate: true,
             });
-            None
-        } else if on_postgres() {
-            let database =
-                delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
-            options.database = Some(delegation_broker::server::DatabaseOptions {
-                url: database.url.clone(),
-                migrate: true,
-            });
-            Some(database)
-        } else {
-            None
-        };
+        }
         let mut metrics_addr = None;
         let mut console = None;
         let mut listeners = delegation_broker::server::Listeners::from(listener);
@@ -273,13 +266,7 @@ impl Broker {
 
     /// Opens a root held by `orchestrator`.
     pub async fn open_root(&mut self, orchestrator: &Agent, spec: RootSpec) -> Root {
-        let response = self
-            .client
-            .open_root(orchestrator.open_root(spec.body()))
-            .await
-            .expect("OpenRoot succeeds")
-            .into_inner();
-        let issued = response.issued.unwrap();
+        let issued = open_root_on(&mut self.client, orchestrator, &spec).await;
         let contract = decode_contract(issued.contract.as_ref().unwrap());
         Root {
             id: issued.contract_id,
@@ -298,14 +285,12 @@ impl Broker {
         budget: i64,
     ) -> (Root, Vec<u8>) {
         let root = self.open_root(orchestrator, RootSpec::default()).await;
-        let (child_id, _) = self
-            .delegate(
+        let child_id = self
+            .issue(
                 orchestrator,
                 child(&root.id, &root.lineage, delegate, budget),
             )
-            .await
-            .expect("Delegate answers")
-            .issued();
+            .await;
         (root, child_id)
     }
 
@@ -322,18 +307,35 @@ impl Broker {
         Ok(Outcome::from(response.outcome.expect("an outcome")))
     }
 
-    pub async fn ledger(&mut self, id: &[u8]) -> pb::Ledger {
-        self.client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.to_vec(),
-            })
+    /// Delegates `body`, expecting it issued; the child's id.
+    pub async fn issue(&mut self, holder: &Agent, body: pb::DelegateBody) -> Vec<u8> {
+        self.delegate(holder, body)
             .await
-            .unwrap()
+            .expect("Delegate answers")
+            .issued()
+            .0
+    }
+
+    /// Delegates `body`, expecting a signed refusal; its receipt.
+    pub async fn refuse(&mut self, holder: &Agent, body: pb::DelegateBody) -> pb::Receipt {
+        self.delegate(holder, body)
+            .await
+            .expect("Delegate answers")
+            .refused()
+            .2
+    }
+
+    /// A Watch of `id`'s tree from its first event.
+    pub async fn watch(&mut self, id: &[u8]) -> tonic::Streaming<pb::WatchResponse> {
+        self.client
+            .watch(watch_request(id))
+            .await
+            .expect("Watch")
             .into_inner()
-            .contract
-            .unwrap()
-            .ledger
-            .unwrap()
+    }
+
+    pub async fn ledger(&mut self, id: &[u8]) -> pb::Ledger {
+        self.state(id).await.ledger.unwrap()
     }
 
     pub fn attest(&self, agent: &Agent, factor: f64) -> pb::Envelope {
@@ -346,37 +348,11 @@ impl Broker {
         let mut out = Vec::new();
         let mut queue = vec![root.to_vec()];
         while let Some(id) = queue.pop() {
-            let mut token = Vec::new();
-            loop {
-                let page = self
-                    .client
-                    .list_children(pb::ListChildrenRequest {
-                        contract_id: id.clone(),
-                        page_size: 7,
-                        page_token: token,
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                queue.extend(page.children.iter().map(|c| c.contract_id.clone()));
-                out.extend(page.children);
-                token = page.next_page_token;
-                if token.is_empty() {
-                    break;
-                }
-            }
+            let (children, _) = all_children(&mut self.client, &id, 7).await;
+            queue.extend(children.iter().map(|c| c.contract_id.clone()));
+            out.extend(children);
         }
-        out.push(
-            self.client
-                .get_contract(pb::GetContractRequest {
-                    contract_id: root.to_vec(),
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .contract
-                .unwrap(),
-        );
+        out.push(self.state(root).await);
         out
     }
 
@@ -482,6 +458,13 @@ impl Default for RootSpec {
 }
 
 impl RootSpec {
+    /// The default spec with `adjust` applied.
+    pub fn with(adjust: impl FnOnce(&mut Self)) -> Self {
+        let mut spec = Self::default();
+        adjust(&mut spec);
+        spec
+    }
+
     pub fn body(&self) -> pb::OpenRootBody {
         pb::OpenRootBody {
             header: None,
@@ -746,6 +729,15 @@ impl Broker {
         self.act(delegate, body).await
     }
 
+    /// Completes, expecting a completion receipt; its judgment.
+    pub async fn completion(&mut self, delegate: &Agent, body: pb::CompleteBody) -> pb::Completion {
+        self.complete(delegate, body)
+            .await
+            .expect("Complete")
+            .completion
+            .expect("a completion")
+    }
+
     pub async fn escalate(
         &mut self,
         delegate: &Agent,
@@ -775,9 +767,7 @@ impl Broker {
 
     pub async fn state(&mut self, id: &[u8]) -> pb::ContractState {
         self.client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.to_vec(),
-            })
+            .get_contract(contract_request(id))
             .await
             .unwrap()
             .into_inner()
@@ -829,4 +819,103 @@ pub fn reason(status: &tonic::Status) -> String {
         .get_details_error_info()
         .map(|i| i.reason)
         .unwrap_or_default()
+}
+
+/// Fresh agents, as many as the pattern binds.
+pub fn agents<const N: usize>() -> [Agent; N] {
+    std::array::from_fn(|_| Agent::generate())
+}
+
+/// Asserts an error status's code and `ErrorInfo.reason`.
+#[track_caller]
+pub fn assert_status(status: &tonic::Status, code: tonic::Code, expected: &str) {
+    assert_eq!(
+        (status.code(), reason(status).as_str()),
+        (code, expected),
+        "{status:?}"
+    );
+}
+
+pub fn contract_request(id: &[u8]) -> pb::GetContractRequest {
+    pb::GetContractRequest {
+        contract_id: id.to_vec(),
+    }
+}
+
+/// A Watch of `id`'s tree from its first event.
+pub fn watch_request(id: &[u8]) -> pb::WatchRequest {
+    pb::WatchRequest {
+        contract_id: id.to_vec(),
+        cursor: 0,
+    }
+}
+
+/// Every child of `id`, following `next_page_token` with pages of
+/// `page_size`; and how many pages that took.
+pub async fn all_children(
+    client: &mut SessionClient,
+    id: &[u8],
+    page_size: u32,
+) -> (Vec<pb::ContractState>, usize) {
+    let (mut children, mut pages, mut token) = (Vec::new(), 0, Vec::new());
+    loop {
+        let page = client
+            .list_children(pb::ListChildrenRequest {
+                contract_id: id.to_vec(),
+                page_size,
+                page_token: token,
+            })
+            .await
+            .expect("ListChildren")
+            .into_inner();
+        pages += 1;
+        children.extend(page.children);
+        token = page.next_page_token;
+        if token.is_empty() {
+            return (children, pages);
+        }
+    }
+}
+
+/// A fresh PostgreSQL database when this run is on PostgreSQL (for a
+/// broker process started by hand); none on SQLite.
+pub async fn database_of_this_run()
+-> Option<delegation_broker::store::postgres::testing::TestDatabase> {
+    if on_postgres() {
+        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
+    } else {
+        None
+    }
+}
+
+/// Opens `spec`'s root on any client (a session's or a bare channel's).
+pub async fn open_root_on<T>(
+    client: &mut BrokerClient<T>,
+    orchestrator: &Agent,
+    spec: &RootSpec,
+) -> pb::IssuedContract
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    client
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .expect("OpenRoot succeeds")
+        .into_inner()
+        .issued
+        .expect("an issued root")
+}
+
+/// The broker keys `addr` publishes (asked without a session).
+pub async fn published_keys(addr: &str) -> Vec<pb::BrokerKey> {
+    connect(addr)
+        .await
+        .get_broker_keys(pb::GetBrokerKeysRequest {})
+        .await
+        .expect("GetBrokerKeys")
+        .into_inner()
+        .keys
 }

@@ -131,12 +131,7 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
 
     // 3 and 8 need a child: a liability-retaining child at max depth.
     let delegate = Agent::from_seed(case.delegate.seed());
-    let (child_id, _) = case
-        .broker
-        .delegate(&orchestrator, case.body(10))
-        .await
-        .unwrap()
-        .issued();
+    let child_id = case.broker.issue(&orchestrator, case.body(10)).await;
     let grandchild = Agent::generate();
     let mut body = liable_child(
         &child_id,
@@ -153,11 +148,7 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
     )
     .await;
     // 15. max_children is 2: one more child is fine, the third is refused.
-    case.broker
-        .delegate(&orchestrator, case.body(10))
-        .await
-        .unwrap()
-        .issued();
+    case.broker.issue(&orchestrator, case.body(10)).await;
     let body = case.body(10);
     case.expect(&orchestrator, body, &[Code::FanoutExceeded])
         .await;

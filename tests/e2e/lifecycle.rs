@@ -32,12 +32,7 @@ struct Chain {
 
 async fn seed_001_chain() -> Chain {
     let mut broker = Broker::start_with(|c| c.limits.expiry_sweep_interval_ms = 50).await;
-    let (orchestrator, planner, executor, executor_host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, planner, executor, executor_host] = agents();
     let root = broker
         .open_root(
             &orchestrator,
@@ -50,22 +45,14 @@ async fn seed_001_chain() -> Chain {
         .await;
     let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
-    let (planner_id, _) = broker
-        .delegate(&orchestrator, to_planner)
-        .await
-        .unwrap()
-        .issued();
+    let planner_id = broker.issue(&orchestrator, to_planner).await;
     broker.accept(&planner, &planner_id, None).await.unwrap();
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
     to_executor.min_retry_cost = 12;
     to_executor.write_scope = vec!["src/auth".into()];
     to_executor.host_public_key = executor_host.public_key().to_vec();
     to_executor.result_schema_json = PATCH_SCHEMA.into();
-    let (executor_id, _) = broker
-        .delegate(&planner, to_executor)
-        .await
-        .unwrap()
-        .issued();
+    let executor_id = broker.issue(&planner, to_executor).await;
     assert_eq!(
         broker.effective_predicate(&executor_id).await,
         format!("({SEED_001_PREDICATE}\n)")
@@ -124,16 +111,7 @@ async fn next_receipt(
 #[tokio::test]
 async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_the_orchestrator() {
     let mut c = seed_001_chain().await;
-    let mut watch = c
-        .broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: c.root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = c.broker.watch(&c.root.id).await;
     let observed = c
         .broker
         .record(
@@ -288,16 +266,7 @@ async fn revocation_cascades_and_returns_every_reservation() {
         "the metered 5 units stay charged"
     );
     // The executor's own subtree hears that it was revoked with its parent.
-    let mut watch = c
-        .broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: c.executor_id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = c.broker.watch(&c.executor_id).await;
     let cascaded = next_receipt(&mut watch, pb::ReceiptKind::Revoked).await;
     assert_eq!(cascaded.contract_id, c.executor_id);
     drop(watch);
@@ -539,7 +508,7 @@ async fn a_retried_completion_settles_once() {
 #[tokio::test]
 async fn lifecycle_limits_and_reasons_are_named() {
     let mut broker = Broker::start_with(|c| c.limits.max_watch_streams = 1).await;
-    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, delegate, host] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
 
     // A root has no principal to escalate to.
@@ -552,11 +521,9 @@ async fn lifecycle_limits_and_reasons_are_named() {
 
     // A delegate may not name itself as host at Accept either: the same
     // rule, the same answer as at Delegate (the field is invalid).
-    let (id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
-        .await
-        .unwrap()
-        .issued();
+    let id = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
+        .await;
     let err = broker
         .accept(&delegate, &id, Some(&delegate))
         .await
@@ -581,20 +548,10 @@ async fn lifecycle_limits_and_reasons_are_named() {
     );
 
     // Concurrent Watch streams are bounded (here to one).
-    let first = broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap();
+    let first = broker.client.watch(watch_request(&root.id)).await.unwrap();
     let err = broker
         .client
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root.id))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted);
@@ -615,7 +572,7 @@ async fn observations_per_contract_are_bounded() {
         MAX_OBSERVATIONS_PER_CONTRACT, MAX_OBSERVATIONS_PER_REQUEST,
     };
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, delegate, host] = agents();
     let (_root, id) = broker.root_and_child(&orchestrator, &delegate, 10).await;
     broker.accept(&delegate, &id, Some(&host)).await.unwrap();
     let limit = usize::try_from(MAX_OBSERVATIONS_PER_CONTRACT).unwrap();
@@ -646,12 +603,7 @@ async fn observations_per_contract_are_bounded() {
 #[tokio::test]
 async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
     let mut broker = Broker::start().await;
-    let (orchestrator, planner, host, stooge) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, planner, host, stooge] = agents();
     let root = broker
         .open_root(
             &orchestrator,

@@ -2,7 +2,7 @@
 
 use tonic_reflection::pb::{v1, v1alpha};
 
-use crate::harness::Broker;
+use crate::harness::{Broker, agents};
 
 /// The services a reflection client lists.
 #[tokio::test]
@@ -171,29 +171,16 @@ async fn metrics_count_a_scripted_run_exactly() {
     let metrics_addr = broker.metrics_addr.unwrap();
     // seed 001: the planner's liable child, a refused executor (no retry
     // headroom), then the executor it can afford.
-    let (orchestrator, planner, executor) =
-        (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, planner, executor] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, "result.schema_valid");
     to_planner.min_retry_cost = 12;
-    let (planner_id, _) = broker
-        .delegate(&orchestrator, to_planner)
-        .await
-        .unwrap()
-        .issued();
+    let planner_id = broker.issue(&orchestrator, to_planner).await;
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
     to_executor.min_retry_cost = 12;
-    broker
-        .delegate(&planner, to_executor.clone())
-        .await
-        .unwrap()
-        .refused();
+    broker.refuse(&planner, to_executor.clone()).await;
     to_executor.budget = 13;
-    let (executor_id, _) = broker
-        .delegate(&planner, to_executor)
-        .await
-        .unwrap()
-        .issued();
+    let executor_id = broker.issue(&planner, to_executor).await;
     // The executor accepts and completes, reporting 4 units (no host).
     broker.accept(&executor, &executor_id, None).await.unwrap();
     let completed = broker

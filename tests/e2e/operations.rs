@@ -162,10 +162,7 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
     let first = health.next().await.unwrap().unwrap();
     assert_eq!(first.status, ServingStatus::Serving as i32);
     let mut events = client
-        .watch(pb::WatchRequest {
-            contract_id: root.contract_id.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root.contract_id))
         .await
         .unwrap()
         .into_inner();
@@ -211,9 +208,7 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
     let mut client = connect_as(&addr, &orchestrator).await;
     for id in &acknowledged {
         client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
+            .get_contract(contract_request(id))
             .await
             .unwrap_or_else(|e| panic!("{} lost: {e}", hex::encode(id)));
     }
@@ -506,9 +501,7 @@ async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
     let mut client = connect_as(&addr, &orchestrator).await;
     for id in &acknowledged {
         client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
+            .get_contract(contract_request(id))
             .await
             .unwrap_or_else(|e| panic!("{} lost: {e}", hex::encode(id)));
     }

@@ -128,10 +128,7 @@ async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
         .delegate(orchestrator.delegate(other))
         .await
         .expect_err("a reused nonce");
-    assert_eq!(
-        (status.code(), reason(&status).as_str()),
-        (tonic::Code::AlreadyExists, "NONCE_REUSED")
-    );
+    assert_status(&status, tonic::Code::AlreadyExists, "NONCE_REUSED");
     assert_eq!(c.ledger(&root.id).await.reserved, 10, "still reserved once");
     // Issued through A, verified with B's published keys.
     let Some(pb::delegate_response::Outcome::Issued(issued)) = first.outcome else {
@@ -162,23 +159,17 @@ async fn a_revocation_through_one_replica_holds_on_the_others() {
     let orchestrator = Agent::generate();
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
     let mid = Agent::generate();
-    let (mid_id, _) = a
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &mid, 50))
-        .await
-        .unwrap()
-        .issued();
+    let mid_id = a
+        .issue(&orchestrator, child(&root.id, &root.lineage, &mid, 50))
+        .await;
     let leaf = Agent::generate();
-    let (leaf_id, _) = a
-        .delegate(&mid, child(&mid_id, &root.lineage, &leaf, 20))
-        .await
-        .unwrap()
-        .issued();
+    let leaf_id = a
+        .issue(&mid, child(&mid_id, &root.lineage, &leaf, 20))
+        .await;
     a.revoke(&orchestrator, &mid_id).await.expect("revoked");
-    let (_, _, receipt) = b
-        .delegate(&leaf, child(&leaf_id, &root.lineage, &Agent::generate(), 5))
-        .await
-        .unwrap()
-        .refused();
+    let receipt = b
+        .refuse(&leaf, child(&leaf_id, &root.lineage, &Agent::generate(), 5))
+        .await;
     assert_eq!(codes(&receipt), vec![Code::ParentNotActive]);
     let status = c
         .accept(&leaf, &leaf_id, None)
@@ -210,11 +201,9 @@ async fn open_tree(broker: &mut Broker) -> (Agent, Root) {
 async fn churn(broker: &mut Broker, orchestrator: &Agent, root: &Root, children: usize) {
     for _ in 0..children {
         let worker = Agent::generate();
-        let (id, _) = broker
-            .delegate(orchestrator, child(&root.id, &root.lineage, &worker, 10))
-            .await
-            .unwrap()
-            .issued();
+        let id = broker
+            .issue(orchestrator, child(&root.id, &root.lineage, &worker, 10))
+            .await;
         broker.accept(&worker, &id, None).await.expect("accepted");
     }
     broker
@@ -519,9 +508,7 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
     for id in &answered {
         reader
             .client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
+            .get_contract(contract_request(id))
             .await
             .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
     }
@@ -543,9 +530,7 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
 /// The open children of `root` (its ledger), read through `client`.
 async fn count_children(client: &mut broker_client::SessionClient, root: &[u8]) -> u32 {
     client
-        .get_contract(pb::GetContractRequest {
-            contract_id: root.to_vec(),
-        })
+        .get_contract(contract_request(root))
         .await
         .expect("the root")
         .into_inner()
@@ -724,9 +709,7 @@ async fn a_database_restart_is_survived_without_loss() {
     for id in &answered {
         reader
             .client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
+            .get_contract(contract_request(id))
             .await
             .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
     }
@@ -749,14 +732,12 @@ async fn every_sweeper_runs_and_each_contract_expires_once() {
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
     let mut children = Vec::new();
     for _ in 0..12 {
-        let (id, _) = a
-            .delegate(
+        let id = a
+            .issue(
                 &orchestrator,
                 child(&root.id, &root.lineage, &Agent::generate(), 5),
             )
-            .await
-            .unwrap()
-            .issued();
+            .await;
         children.push(id);
     }
     // Past every deadline, on every replica's clock.
@@ -942,13 +923,7 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
     assert_ne!(old_id, new_id);
     // B publishes both (its registry copy is at most 100 ms old).
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let keys = connect(&addr_b)
-        .await
-        .get_broker_keys(pb::GetBrokerKeysRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .keys;
+    let keys = published_keys(&addr_b).await;
     let old = keys
         .iter()
         .find(|k| k.key_id == old_id)
@@ -999,15 +974,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     // The shared key is not written to either data directory.
     assert!(!dir.path().join("a/broker_signing_key").exists());
     let shared_id = delegation_broker::crypto::key_id(&shared.public_key());
-    let keys_of = |addr: String| async move {
-        connect(&addr)
-            .await
-            .get_broker_keys(pb::GetBrokerKeysRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .keys
-    };
+    let keys_of = |addr: String| async move { published_keys(&addr).await };
     // C's key: the one key that is neither the shared one.
     let mut c_id = String::new();
     for _ in 0..100 {
@@ -1136,9 +1103,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     // A session the shared key sealed before, already used (and so
     // remembered as verified), stops working too.
     let stale = through_a
-        .get_contract(pb::GetContractRequest {
-            contract_id: root.contract_id.clone(),
-        })
+        .get_contract(contract_request(&root.contract_id))
         .await
         .expect_err("a session of a retired key reads nothing");
     assert_eq!(stale.code(), tonic::Code::Unauthenticated, "{stale:?}");

@@ -12,8 +12,7 @@ const SEED_001_PREDICATE: &str = "result.schema_valid && result.within_scope";
 #[tokio::test]
 async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued() {
     let mut broker = Broker::start().await;
-    let (orchestrator, planner, executor) =
-        (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, planner, executor] = agents();
     let root = broker
         .open_root(
             &orchestrator,
@@ -27,11 +26,7 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
     to_planner.deadline_ms = now_ms() + 90_000;
-    let (planner_id, _) = broker
-        .delegate(&orchestrator, to_planner)
-        .await
-        .unwrap()
-        .issued();
+    let planner_id = broker.issue(&orchestrator, to_planner).await;
     assert_eq!(
         broker.effective_predicate(&planner_id).await,
         format!("({SEED_001_PREDICATE}\n)")
@@ -87,7 +82,7 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
 #[tokio::test]
 async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     let mut bad = child(&root.id, &root.lineage, &delegate, 20);
     bad.liability = delegation_broker::pb::Liability::Delegate as i32;
@@ -203,7 +198,7 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
 #[tokio::test]
 async fn seed_002_diluted_intent_is_refused() {
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
+    let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     let paraphrase = delegation_broker::crypto::sha256(b"Improve auth somehow");
     let (id, envelope, _) = broker
@@ -222,20 +217,18 @@ async fn seed_002_diluted_intent_is_refused() {
 #[tokio::test]
 async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
     let mut broker = Broker::start().await;
-    let (orchestrator, worker, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, worker, host] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 20))
-        .await
-        .unwrap()
-        .issued();
+    let id = broker
+        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 20))
+        .await;
     broker.accept(&worker, &id, Some(&host)).await.unwrap();
     broker
         .record(&host, &id, vec![tool_call("search", 4)])
         .await
         .unwrap();
     let completion = broker
-        .complete(
+        .completion(
             &worker,
             delegation_broker::pb::CompleteBody {
                 header: None,
@@ -246,10 +239,7 @@ async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
                 consumed: 11,
             },
         )
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+        .await;
     assert_eq!((completion.consumed, completion.claimed_excess), (4, 7));
     assert_eq!(
         broker.ledger(&id).await.spent,
