@@ -25,35 +25,9 @@ use crate::harness::*;
 
 /// Starts `a2a-gateway` fronting `agent` with only its authz listener.
 fn spawn_authz(dir: &std::path::Path, broker: &str, agent: &Agent) -> (Killed, String) {
-    let key_file = dir.join("agent.key");
-    write_key_file(&key_file, &agent.seed());
-    let config = dir.join("gateway.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "broker = \"{broker}\"\nkey_file = \"{}\"\nauthz_listen = \"127.0.0.1:0\"\n",
-            key_file.display()
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["a2a-gateway", "--config"])
-        .arg(&config)
-        .env("BROKER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the gateway starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("a2a authz on ")
-        .unwrap_or_else(|| panic!("expected the authz address, got {line:?}"))
-        .to_owned();
-    (Killed(child), format!("http://{addr}"))
+    let listen = "authz_listen = \"127.0.0.1:0\"\n";
+    let (gateway, addrs) = spawn_gateway(dir, broker, agent, listen, &["a2a authz"]);
+    (gateway, format!("http://{}", addrs["a2a authz"]))
 }
 
 /// What Envoy sends for a POST of `body` (with_request_body on).

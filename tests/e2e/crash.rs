@@ -17,6 +17,29 @@ use crate::harness::*;
 /// dropped database and steals CPU from whatever runs next).
 pub struct Killed(pub Child);
 
+impl Killed {
+    /// Spawns `command` with its stdout piped and waits for its first line,
+    /// `{what} on ADDR`; the process and `http://ADDR`.
+    pub fn announcing(command: &mut std::process::Command, what: &str) -> (Killed, String) {
+        let mut child = command
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("the binary starts");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix(&format!("{what} on "))
+            .unwrap_or_else(|| panic!("expected \"{what} on\", got {line:?}"))
+            .to_owned();
+        (Killed(child), format!("http://{addr}"))
+    }
+}
+
 impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -36,27 +59,16 @@ pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Kill
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let dir = tempfile::tempdir().unwrap();
-    let database = if on_postgres() {
-        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
-    } else {
-        None
-    };
+    let database = database_of_this_run().await;
     let url = database.as_ref().map(|d| d.url.as_str());
     let (mut process, addr) = spawn_broker(dir.path(), url);
     let mut client = connect(&addr).await;
     let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
-    let root = client
-        .open_root(orchestrator.open_root(spec.body()))
+    let spec = RootSpec::for_bursts();
+    let root_id = open_root_on(&mut client, &orchestrator, &spec)
         .await
-        .unwrap()
-        .into_inner();
-    let root_id = root.issued.unwrap().contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+        .contract_id;
+    let lineage = spec.lineage();
 
     let answered: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
     // The first answered request and its contract id, to retry after restart.
@@ -115,13 +127,7 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
 
     let (mut process, addr) = spawn_broker(dir.path(), url);
     let mut broker_client = connect_as(&addr, &orchestrator).await;
-    for id in &answered {
-        let state = broker_client
-            .get_contract(contract_request(id))
-            .await
-            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
-        assert!(state.into_inner().contract.is_some());
-    }
+    assert_stored(&mut broker_client, &answered).await;
     // A retry of an answered request after the restart gets the same answer.
     let (request, id) = first_request.lock().unwrap().clone().unwrap();
     let replay = broker_client.delegate(request).await;
@@ -209,29 +215,16 @@ impl LedgerCheck {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_drain_finishes_it_once() {
     let dir = tempfile::tempdir().unwrap();
-    let database = if on_postgres() {
-        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
-    } else {
-        None
-    };
+    let database = database_of_this_run().await;
     let url = database.as_ref().map(|d| d.url.as_str());
     let (mut process, addr) = spawn_broker(dir.path(), url);
     let mut client = connect(&addr).await;
     let orchestrator = Agent::generate();
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
-    let root = client
-        .open_root(orchestrator.open_root(spec.body()))
+    let spec = RootSpec::for_bursts();
+    let root = open_root_on(&mut client, &orchestrator, &spec)
         .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap()
         .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let lineage = spec.lineage();
     // 2 children of the root, 520 children each: 1,042 descendants, past
     // the default step of 1,024.
     let middle = Agent::generate();

@@ -465,6 +465,16 @@ impl RootSpec {
         spec
     }
 
+    /// Room for a burst of a thousand delegations.
+    pub fn for_bursts() -> Self {
+        Self::with(|s| (s.budget, s.max_children) = (1_000_000, 1_024))
+    }
+
+    /// The intent lineage hash of the root this spec opens.
+    pub fn lineage(&self) -> Vec<u8> {
+        crypto::sha256(self.body().intent.as_bytes()).to_vec()
+    }
+
     pub fn body(&self) -> pb::OpenRootBody {
         pb::OpenRootBody {
             header: None,
@@ -918,4 +928,118 @@ pub async fn published_keys(addr: &str) -> Vec<pb::BrokerKey> {
         .expect("GetBrokerKeys")
         .into_inner()
         .keys
+}
+
+/// A fake OTLP/gRPC trace collector on port 0 that forwards every export
+/// request to `sent`; its endpoint.
+pub async fn serve_otlp(
+    sent: tokio::sync::mpsc::UnboundedSender<
+        opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
+    >,
+) -> String {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    struct Receiver(tokio::sync::mpsc::UnboundedSender<ExportTraceServiceRequest>);
+    #[tonic::async_trait]
+    impl TraceService for Receiver {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let _ = self.0.send(request.into_inner());
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver(sent)))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    endpoint
+}
+
+/// Asserts every contract of `ids` is stored, read through `client`.
+pub async fn assert_stored(client: &mut SessionClient, ids: &[Vec<u8>]) {
+    for id in ids {
+        let state = client
+            .get_contract(contract_request(id))
+            .await
+            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
+        assert!(state.into_inner().contract.is_some());
+    }
+}
+
+/// `count` siblings of `budget` under `root` at once, each on a client of
+/// its own connected to `addrs` in turn; every answer, in the order sent.
+pub async fn race_siblings(
+    addrs: &[String],
+    orchestrator: &Arc<Agent>,
+    root: &Root,
+    count: usize,
+    budget: i64,
+) -> Vec<Result<Outcome, tonic::Status>> {
+    let mut tasks = Vec::new();
+    for i in 0..count {
+        let mut client = connect(&addrs[i % addrs.len()]).await;
+        let orchestrator = orchestrator.clone();
+        let body = child(&root.id, &root.lineage, &Agent::generate(), budget);
+        tasks.push(tokio::spawn(async move {
+            client
+                .delegate(orchestrator.delegate(body))
+                .await
+                .map(|r| Outcome::from(r.into_inner().outcome.expect("an outcome")))
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.unwrap());
+    }
+    outcomes
+}
+
+/// 64 siblings of 10 at once from a root of 300, sent through `addrs`
+/// (`broker` among them): exactly 30 issued and 34 signed
+/// BUDGET_EXCEEDS_PARENT refusals, no other answer, and every ledger of
+/// the tree balances.
+pub async fn assert_siblings_never_overspend(broker: &mut Broker, addrs: &[String]) {
+    let orchestrator = Arc::new(Agent::generate());
+    let spec = RootSpec::with(|s| (s.budget, s.max_children) = (300, 64));
+    let root = broker.open_root(&orchestrator, spec).await;
+    let outcomes = race_siblings(addrs, &orchestrator, &root, 64, 10).await;
+    let (mut issued, mut refused) = (0, 0);
+    let keys = broker.keys().await;
+    for outcome in outcomes {
+        match outcome.unwrap_or_else(|e| panic!("every answer is issued or refused: {e:?}")) {
+            Outcome::Issued { .. } => issued += 1,
+            outcome @ Outcome::Refused { .. } => {
+                let (_, envelope, receipt) = outcome.refused();
+                assert_eq!(
+                    codes(&receipt),
+                    vec![pb::InvariantCode::BudgetExceedsParent]
+                );
+                // Signed by whichever broker answered; every key is
+                // published by each.
+                verify_with_keys(
+                    &envelope,
+                    payload_type::RECEIPT,
+                    &keys,
+                    &receipt.broker_key_id,
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((issued, refused), (30, 34));
+    let ledger = broker.ledger(&root.id).await;
+    assert_eq!(
+        (ledger.reserved, ledger.residual, ledger.open_children),
+        (300, 0, 30)
+    );
+    broker.assert_ledgers_balance(&root.id).await;
 }

@@ -533,43 +533,11 @@ async fn json_logs_carry_each_calls_trace_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     use broker_client::Agent;
-    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-        TraceService, TraceServiceServer,
-    };
-    use opentelemetry_proto::tonic::collector::trace::v1::{
-        ExportTraceServiceRequest, ExportTraceServiceResponse,
-    };
     use opentelemetry_proto::tonic::common::v1::any_value::Value;
     use opentelemetry_proto::tonic::trace::v1::Span;
 
-    /// Keeps every span it is sent.
-    struct Receiver(tokio::sync::mpsc::UnboundedSender<Span>);
-
-    #[tonic::async_trait]
-    impl TraceService for Receiver {
-        async fn export(
-            &self,
-            request: tonic::Request<ExportTraceServiceRequest>,
-        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-            for resource in request.into_inner().resource_spans {
-                for scope in resource.scope_spans {
-                    for span in scope.spans {
-                        let _ = self.0.send(span);
-                    }
-                }
-            }
-            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-        }
-    }
-
-    let (sent, mut spans) = tokio::sync::mpsc::unbounded_channel();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(Receiver(sent)))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let (sent, mut requests) = tokio::sync::mpsc::unbounded_channel();
+    let endpoint = crate::harness::serve_otlp(sent).await;
     let telemetry = delegation_broker::telemetry::init(
         &delegation_broker::telemetry::Logging {
             format: delegation_broker::telemetry::LogFormat::Text,
@@ -637,7 +605,12 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
             .iter()
             .all(|name| received.iter().any(|s: &Span| &s.name == name))
         {
-            received.push(spans.recv().await.expect("the receiver runs"));
+            let request = requests.recv().await.expect("the receiver runs");
+            for resource in request.resource_spans {
+                for scope in resource.scope_spans {
+                    received.extend(scope.spans);
+                }
+            }
         }
     })
     .await

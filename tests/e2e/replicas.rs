@@ -35,59 +35,8 @@ async fn stop_all(a: Broker, b: Broker, c: Broker) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn siblings_racing_through_three_replicas_never_overspend() {
     let (mut a, b, c) = three().await;
-    let orchestrator = Arc::new(Agent::generate());
-    let root = a
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 300,
-                max_children: 64,
-                ..RootSpec::default()
-            },
-        )
-        .await;
     let addrs = [a.addr.clone(), b.addr.clone(), c.addr.clone()];
-    let mut tasks = Vec::new();
-    for i in 0..64 {
-        let mut client = connect(&addrs[i % 3]).await;
-        let orchestrator = orchestrator.clone();
-        let body = child(&root.id, &root.lineage, &Agent::generate(), 10);
-        tasks.push(tokio::spawn(async move {
-            let response = client
-                .delegate(orchestrator.delegate(body))
-                .await
-                .unwrap_or_else(|e| panic!("every answer is issued or refused: {e:?}"))
-                .into_inner();
-            Outcome::from(response.outcome.unwrap())
-        }));
-    }
-    let (mut issued, mut refused) = (0, 0);
-    let keys = a.keys().await;
-    for task in tasks {
-        match task.await.unwrap() {
-            Outcome::Issued { .. } => issued += 1,
-            outcome @ Outcome::Refused { .. } => {
-                let (_, envelope, receipt) = outcome.refused();
-                assert_eq!(codes(&receipt), vec![Code::BudgetExceedsParent]);
-                // Signed by whichever replica answered; every key is
-                // published by every replica.
-                verify_with_keys(
-                    &envelope,
-                    payload_type::RECEIPT,
-                    &keys,
-                    &receipt.broker_key_id,
-                );
-                refused += 1;
-            }
-        }
-    }
-    assert_eq!((issued, refused), (30, 34));
-    let ledger = a.ledger(&root.id).await;
-    assert_eq!(
-        (ledger.reserved, ledger.residual, ledger.open_children),
-        (300, 0, 30)
-    );
-    a.assert_ledgers_balance(&root.id).await;
+    assert_siblings_never_overspend(&mut a, &addrs).await;
     stop_all(a, b, c).await;
 }
 
@@ -184,14 +133,7 @@ async fn a_revocation_through_one_replica_holds_on_the_others() {
 async fn open_tree(broker: &mut Broker) -> (Agent, Root) {
     let orchestrator = Agent::generate();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 1_000_000,
-                max_children: 1_024,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::for_bursts())
         .await;
     (orchestrator, root)
 }
@@ -342,31 +284,11 @@ async fn watch_on_one_replica_sees_every_replicas_events_once() {
 async fn contention_on_one_parent_yields_only_issued_contracts() {
     let (mut a, b, c) = three().await;
     let orchestrator = Arc::new(Agent::generate());
-    let root = a
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 10_000,
-                max_children: 1_024,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let spec = RootSpec::with(|s| (s.budget, s.max_children) = (10_000, 1_024));
+    let root = a.open_root(&orchestrator, spec).await;
     let addrs = [a.addr.clone(), b.addr.clone(), c.addr.clone()];
-    let mut tasks = Vec::new();
-    for i in 0..96 {
-        let mut client = connect(&addrs[i % 3]).await;
-        let orchestrator = orchestrator.clone();
-        let body = child(&root.id, &root.lineage, &Agent::generate(), 10);
-        tasks.push(tokio::spawn(async move {
-            client
-                .delegate(orchestrator.delegate(body))
-                .await
-                .map(|r| Outcome::from(r.into_inner().outcome.unwrap()))
-        }));
-    }
-    for task in tasks {
-        match task.await.unwrap() {
+    for outcome in race_siblings(&addrs, &orchestrator, &root, 96, 10).await {
+        match outcome {
             Ok(outcome) => {
                 outcome.issued();
             }
@@ -460,21 +382,12 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
         .collect();
     let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
     let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
+    let spec = RootSpec::for_bursts();
     let mut client = connect(&addrs[0]).await;
-    let root = client
-        .open_root(orchestrator.open_root(spec.body()))
+    let root = open_root_on(&mut client, &orchestrator, &spec)
         .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap()
         .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let lineage = spec.lineage();
     let mut watcher = connect_as(&addrs[0], &orchestrator).await;
     let stop = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
@@ -505,13 +418,7 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
     let mut reader = crate::crash::LedgerCheck {
         client: connect_as(&restarted_addr, &orchestrator).await,
     };
-    for id in &answered {
-        reader
-            .client
-            .get_contract(contract_request(id))
-            .await
-            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
-    }
+    assert_stored(&mut reader.client, &answered).await;
     // Every answer once, each reserved once (the ledgers sum up); the
     // killed replica may have committed requests it never answered.
     let distinct: std::collections::HashSet<_> = answered.iter().collect();
@@ -622,21 +529,11 @@ async fn a_database_restart_is_survived_without_loss() {
         .collect();
     let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
     let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
-    let root = connect(&addrs[0])
+    let spec = RootSpec::for_bursts();
+    let root = open_root_on(&mut connect(&addrs[0]).await, &orchestrator, &spec)
         .await
-        .open_root(orchestrator.open_root(spec.body()))
-        .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap()
         .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let lineage = spec.lineage();
     let stop = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
     for i in 0..8 {
@@ -706,13 +603,7 @@ async fn a_database_restart_is_survived_without_loss() {
     let mut reader = crate::crash::LedgerCheck {
         client: connect_as(&addrs[1], &orchestrator).await,
     };
-    for id in &answered {
-        reader
-            .client
-            .get_contract(contract_request(id))
-            .await
-            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
-    }
+    assert_stored(&mut reader.client, &answered).await;
     // Retried with the same nonce through the outage: each once.
     assert_eq!(reader.assert_balanced(&root).await, 1 + answered.len());
     drop(processes);
@@ -859,19 +750,8 @@ async fn migrate_once_then_serve_without_migrating() {
         ])
         .arg(dir.path())
         .args(["--database-url", &database.url])
-        .env("BROKER_LOG", "warn")
-        .stdout(std::process::Stdio::piped());
-    let mut process = crate::crash::Killed(command.spawn().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(process.0.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let addr = format!(
-        "http://{}",
-        line.trim().strip_prefix("listening on ").unwrap()
-    );
+        .env("BROKER_LOG", "warn");
+    let (process, addr) = crate::crash::Killed::announcing(&mut command, "listening");
     let orchestrator = Agent::generate();
     connect(&addr)
         .await
@@ -997,13 +877,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     let orchestrator = Agent::generate();
     let mut through_c = connect_as(&addr_c, &orchestrator).await;
     let spec = RootSpec::default();
-    let root = through_c
-        .open_root(orchestrator.open_root(spec.body()))
-        .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap();
+    let root = open_root_on(&mut through_c, &orchestrator, &spec).await;
     c.0.kill().unwrap();
     c.0.wait().unwrap();
 
