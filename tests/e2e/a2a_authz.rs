@@ -112,18 +112,12 @@ pub(crate) fn assert_denied(response: &CheckResponse, reason: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_allows_only_this_agents_open_unused_contract() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
-    let stranger = Agent::generate();
+    let [orchestrator, worker, stranger] = agents();
     let (root, contract) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let strangers = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &stranger, 5))
-        .await;
-    let revoked = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
-        .await;
+    let strangers = broker.issue(&orchestrator, root.child(&stranger, 5)).await;
+    let revoked = broker.issue(&orchestrator, root.child(&worker, 5)).await;
     broker.revoke(&orchestrator, &revoked).await.unwrap();
-    let mut soon = child(&root.id, &root.lineage, &worker, 5);
+    let mut soon = root.child(&worker, 5);
     soon.deadline_ms = now_ms() + 1_000;
     let expiring = broker.issue(&orchestrator, soon).await;
 
@@ -463,14 +457,10 @@ pub(crate) async fn post_json(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let issue = async |broker: &mut Broker| {
-        broker
-            .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
-            .await
-    };
+    let issue =
+        async |broker: &mut Broker| broker.issue(&orchestrator, root.child(&worker, 5)).await;
     let second = issue(&mut broker).await;
     let unused = issue(&mut broker).await;
     let agent = fake_agent().await;
@@ -556,8 +546,7 @@ async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_upstream_a_continuation_is_refused() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (_root, contract) = broker.root_and_child(&orchestrator, &worker, 10).await;
     let dir = tempfile::tempdir().unwrap();
     let (_gateway, addr) = spawn_authz(dir.path(), &broker.addr, &worker);
@@ -664,10 +653,7 @@ async fn a_shared_context_never_makes_another_callers_contract_the_parent() {
 
 async fn shared_context(binding: &str) {
     let mut broker = Broker::start().await;
-    let victim = Agent::generate();
-    let intruder = Agent::generate();
-    let worker = Agent::generate();
-    let helper = Agent::generate();
+    let [victim, intruder, worker, helper] = agents();
     let (_, victims) = broker.root_and_child(&victim, &worker, 10).await;
     let (_, intruders) = broker.root_and_child(&intruder, &worker, 10).await;
     let agent = fake_agent().await;

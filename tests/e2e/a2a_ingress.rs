@@ -219,14 +219,9 @@ async fn an_ingress_continuation_runs_only_under_its_tasks_own_contract() {
 
 async fn ingress_continuation(binding: &str) {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let mut issue = async || {
-        broker
-            .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-            .await
-    };
+    let mut issue = async || broker.issue(&orchestrator, root.child(&worker, 2)).await;
     let second = issue().await;
     let unused = issue().await;
     let agent = fake_agent().await;
@@ -330,15 +325,10 @@ struct TwiceMessage {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_grpc_only_the_served_a2a_methods_reach_the_agent() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let second = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-        .await;
-    let unused = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-        .await;
+    let second = broker.issue(&orchestrator, root.child(&worker, 2)).await;
+    let unused = broker.issue(&orchestrator, root.child(&worker, 2)).await;
     let agent = fake_agent().await;
     let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
@@ -527,8 +517,7 @@ async fn a_chain_signed_after_its_key_retired_is_refused_like_verify_refuses_it(
             &key_path,
         ],
     );
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let mut client = connect(&addr).await;
     let spec = RootSpec::default();
     let root = client

@@ -42,7 +42,7 @@ async fn run(
     let mut children = Vec::new();
     for w in work {
         let [delegate, host] = agents();
-        let mut body = child(&root.id, &root.lineage, &delegate, 20);
+        let mut body = root.child(&delegate, 20);
         body.task = w.task.into();
         body.predicate = "result.within_scope".into();
         body.host_public_key = host.public_key().to_vec();
@@ -84,10 +84,7 @@ async fn run(
     }
     if refused_extra {
         broker
-            .refuse(
-                &orchestrator,
-                child(&root.id, &root.lineage, &Agent::generate(), 1_000),
-            )
+            .refuse(&orchestrator, root.child(&Agent::generate(), 1_000))
             .await;
     }
     Run { children }
@@ -314,7 +311,7 @@ async fn a_tool_calls_digest_and_outcome_are_checked() {
     let mut broker = Broker::start().await;
     let [orchestrator, delegate, host] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let mut body = child(&root.id, &root.lineage, &delegate, 20);
+    let mut body = root.child(&delegate, 20);
     body.host_public_key = host.public_key().to_vec();
     let id = broker.issue(&orchestrator, body).await;
     let said = pb::Observation {

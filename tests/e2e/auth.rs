@@ -15,7 +15,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
 
     // Same nonce, same body, twice: one contract, reserved once.
-    let mut body = child(&root.id, &root.lineage, &delegate, 10);
+    let mut body = root.child(&delegate, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
     let first = broker
@@ -50,7 +50,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     assert_status(&err, Status::AlreadyExists, "NONCE_REUSED");
 
     // A stale timestamp.
-    let mut stale = child(&root.id, &root.lineage, &delegate, 10);
+    let mut stale = root.child(&delegate, 10);
     stale.header = Some(header_at(&orchestrator, now_ms() - 3_600_000));
     let err = broker
         .client
@@ -64,26 +64,26 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     // parent gets.
     let intruder = Agent::generate();
     let err = broker
-        .delegate(&intruder, child(&root.id, &root.lineage, &delegate, 10))
+        .delegate(&intruder, root.child(&delegate, 10))
         .await
         .unwrap_err();
     assert_status(&err, Status::NotFound, "NOT_FOUND");
 
     // A header claiming the holder's key, signed by another key.
-    let mut forged = child(&root.id, &root.lineage, &delegate, 10);
+    let mut forged = root.child(&delegate, 10);
     forged.header = Some(orchestrator.header());
     let mut request = intruder.delegate(forged);
     let err = broker.client.delegate(request.clone()).await.unwrap_err();
     assert_status(&err, Status::Unauthenticated, "BAD_SIGNATURE");
 
     // A flipped signature bit.
-    let mut genuine = orchestrator.delegate(child(&root.id, &root.lineage, &delegate, 10));
+    let mut genuine = orchestrator.delegate(root.child(&delegate, 10));
     genuine.signed.as_mut().unwrap().signatures[0].sig[7] ^= 0x20;
     let err = broker.client.delegate(genuine).await.unwrap_err();
     assert_eq!(err.code(), Status::Unauthenticated);
 
     // A body altered after signing.
-    request = orchestrator.delegate(child(&root.id, &root.lineage, &delegate, 10));
+    request = orchestrator.delegate(root.child(&delegate, 10));
     let signed = request.signed.as_mut().unwrap();
     let last = signed.payload.len() - 1;
     signed.payload[last] ^= 1;
@@ -153,20 +153,11 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
     })
     .await;
     let at_allowance = broker
-        .open_root(
-            &listed,
-            RootSpec {
-                budget: 1_000,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&listed, RootSpec::with(|s| s.budget = 1_000))
         .await;
     assert_eq!(broker.ledger(&at_allowance.id).await.budget, 1_000);
 
-    let over = RootSpec {
-        budget: 1_001,
-        ..RootSpec::default()
-    };
+    let over = RootSpec::with(|s| s.budget = 1_001);
     let err = broker
         .client
         .open_root(listed.open_root(over.body()))

@@ -47,7 +47,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
     let mut broker = Broker::start().await;
     let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let body = || child(&root.id, &root.lineage, &delegate, 10);
+    let body = || root.child(&delegate, 10);
     let attested: Vec<pb::Envelope> = [f64::NAN, 2.0, 0.0, -1.0]
         .into_iter()
         .map(|factor| {
@@ -350,11 +350,7 @@ async fn an_overlong_effective_predicate_names_the_predicate() {
     let root = broker
         .open_root(
             &agents[0],
-            RootSpec {
-                budget: 1_000_000,
-                max_depth: 30,
-                ..RootSpec::default()
-            },
+            RootSpec::with(|s| (s.budget, s.max_depth) = (1_000_000, 30)),
         )
         .await;
     let predicate = format!("result.claimed != \"{}\"", "x".repeat(4_000));

@@ -63,29 +63,20 @@ async fn scene() -> Scene {
     };
     let root = broker.open_root(&orchestrator, spec).await;
     let attestation = broker.attest(&a_agent, 0.9);
-    let mut to_a = liable_child(
-        &root.id,
-        &root.lineage,
-        &a_agent,
-        25,
-        "result.schema_valid && result.within_scope",
-    );
+    let mut to_a = root.liable_child(&a_agent, 25, "result.schema_valid && result.within_scope");
     to_a.min_retry_cost = 12;
     to_a.host_public_key = host.public_key().to_vec();
     to_a.delegate_attestation = Some(attestation.clone());
     let (a_id, a) = broker.delegate(&orchestrator, to_a).await.unwrap().issued();
     let (refusal_id, refusal_sealed, _) = broker
-        .delegate(
-            &orchestrator,
-            child(&root.id, &root.lineage, &b_agent, 1_000),
-        )
+        .delegate(&orchestrator, root.child(&b_agent, 1_000))
         .await
         .unwrap()
         .refused();
     let refused = receipt_of(&refusal_sealed);
     assert_eq!(refused.0, refusal_id);
     let (b_id, b) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &b_agent, 10))
+        .delegate(&orchestrator, root.child(&b_agent, 10))
         .await
         .unwrap()
         .issued();

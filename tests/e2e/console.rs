@@ -333,8 +333,7 @@ async fn the_console_serves_reads_only_with_its_readers_rights() {
 
     // A correctly signed mutating call is refused at the door: nothing
     // reaches the broker.
-    let delegate =
-        orchestrator.delegate(child(&visible.id, &visible.lineage, &Agent::generate(), 5));
+    let delegate = orchestrator.delegate(visible.child(&Agent::generate(), 5));
     let refused = grpc_web(&console, token, session, "Delegate", &delegate).await;
     assert_eq!(refused.status, 7, "PERMISSION_DENIED: {}", refused.message);
     assert_eq!(refused.message, "the console serves the read RPCs only");
@@ -448,8 +447,7 @@ fn count_events(raw: &[u8]) -> usize {
 #[tokio::test]
 async fn list_roots_shows_each_caller_its_own_trees() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let delegate = Agent::generate();
+    let [orchestrator, delegate] = agents();
     let mut flat = RootSpec::default();
     flat.labels.insert("arm".into(), "flat".into());
     let first = broker.open_root(&orchestrator, flat).await;
@@ -457,10 +455,7 @@ async fn list_roots_shows_each_caller_its_own_trees() {
     tree.labels.insert("arm".into(), "tree".into());
     let second = broker.open_root(&orchestrator, tree).await;
     broker
-        .issue(
-            &orchestrator,
-            child(&second.id, &second.lineage, &delegate, 5),
-        )
+        .issue(&orchestrator, second.child(&delegate, 5))
         .await;
     let list = |client: &mut broker_client::SessionClient,
                 labels: &[(&str, &str)],
@@ -548,12 +543,8 @@ async fn list_held_shows_each_caller_its_open_work() {
     let mut broker = Broker::start().await;
     let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let first = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
-        .await;
-    let second = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
-        .await;
+    let first = broker.issue(&orchestrator, root.child(&delegate, 5)).await;
+    let second = broker.issue(&orchestrator, root.child(&delegate, 5)).await;
     let addr = broker.addr.clone();
     let held = |agent, role, token| held(&addr, agent, role, token);
     let stranger = Agent::generate();

@@ -68,11 +68,7 @@ async fn children(
 }
 
 fn big_root() -> RootSpec {
-    RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    }
+    RootSpec::for_bursts()
 }
 
 /// A root of `opener` with `VICTIM_CHILDREN` children; the root's id.

@@ -62,11 +62,7 @@ async fn hostile_tenant(
 ) {
     let tenant = opener.map_or_else(Agent::generate, Agent::from_seed);
     let worker = Agent::generate();
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
+    let spec = RootSpec::for_bursts();
     let mut raw = connect(&addr).await;
     let root_id = raw
         .open_root(tenant.open_root(spec.body()))
@@ -233,7 +229,7 @@ async fn flood(orchestrated: bool) {
     timed(started, "Watch");
     for round in 0..HONEST_ROUNDS {
         let started = Instant::now();
-        let mut body = child(&root.id, &root.lineage, &worker, 1);
+        let mut body = root.child(&worker, 1);
         body.result_schema_json = pattern_schema(&format!("honest{round}"));
         let id = broker.issue(&honest, body).await;
         timed(started, "Delegate");
@@ -334,13 +330,8 @@ async fn crowd_key(
     calls: Arc<CrowdCalls>,
 ) {
     use delegation_broker::pb::broker_client::BrokerClient;
-    let tenant = Agent::generate();
-    let worker = Agent::generate();
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
+    let [tenant, worker] = agents();
+    let spec = RootSpec::for_bursts();
     let mut raw = BrokerClient::new(channel.clone())
         .max_decoding_message_size(64 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024);
@@ -457,7 +448,7 @@ async fn a_thousand_free_keys_share_one_turn() {
     let (mut delegates, mut completes) = (Vec::new(), Vec::new());
     for round in 0..CROWD_ROUNDS {
         let started = Instant::now();
-        let mut body = child(&root.id, &root.lineage, &worker, 1);
+        let mut body = root.child(&worker, 1);
         body.result_schema_json = pattern_schema(&format!("honest{round}"));
         let id = broker.issue(&honest, body).await;
         delegates.push(started.elapsed());

@@ -30,9 +30,7 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
     let root = broker
         .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
-    let to_a = liable_child(
-        &root.id,
-        &root.lineage,
+    let to_a = root.liable_child(
         &a,
         60,
         "result.output.approved == true // the reviewer must approve",
@@ -163,7 +161,7 @@ async fn strangers_cannot_write_into_a_tree() {
     for _ in 0..16 {
         let stranger = Agent::generate();
         let err = broker
-            .delegate(&stranger, child(&root.id, &root.lineage, &delegate, 10))
+            .delegate(&stranger, root.child(&delegate, 10))
             .await
             .unwrap_err();
         assert_status(&err, Code::NotFound, "NOT_FOUND");
@@ -179,10 +177,7 @@ async fn strangers_cannot_write_into_a_tree() {
     assert!(next.is_err(), "an event after the root: {next:?}");
     // A holder's own refusals are still signed receipts.
     let receipt = broker
-        .refuse(
-            &orchestrator,
-            child(&root.id, &root.lineage, &delegate, 1_000),
-        )
+        .refuse(&orchestrator, root.child(&delegate, 1_000))
         .await;
     assert_eq!(
         codes(&receipt),
@@ -201,7 +196,7 @@ async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
     // 4 KB of quotes and non-ASCII (percent-encoded 3×), that does not parse.
     let predicate = format!("result.x == \"{}", "é\"".repeat(1_300));
     let predicate = &predicate[..predicate.floor_char_boundary(4_000)];
-    let body = liable_child(&root.id, &root.lineage, &delegate, 10, predicate);
+    let body = root.liable_child(&delegate, 10, predicate);
     let err = broker.delegate(&orchestrator, body).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     let field = err
@@ -220,7 +215,7 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
     let root = broker
         .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
-    let mut body = liable_child(&root.id, &root.lineage, &a, 10, "result.within_scope");
+    let mut body = root.liable_child(&a, 10, "result.within_scope");
     body.write_scope = vec!["src/exec".into()];
     let a_id = broker.issue(&orchestrator, body).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
@@ -236,7 +231,7 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
     assert!(!completion.within_scope);
     assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
     // A scope prefix must use '/'.
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.write_scope = vec!["src\\exec".into()];
     let err = broker.delegate(&orchestrator, body).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
@@ -251,13 +246,7 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
     let mut broker = Broker::start().await;
     let [orchestrator, a] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                min_trust: 500_000,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.min_trust = 500_000))
         .await;
     let attestor = Agent::from_seed(broker.attestor.seed());
     let attest = |factor: f64, not_before_ms: i64| {
@@ -272,12 +261,12 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
             },
         )
     };
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.delegate_attestation = Some(attest(0.499_999_5, 0));
     let receipt = broker.refuse(&orchestrator, body).await;
     assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
     assert_eq!(receipt.violations[0].requested, "499999");
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.delegate_attestation = Some(attest(0.5, now_ms() + 600_000));
     let receipt = broker.refuse(&orchestrator, body).await;
     assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
@@ -286,7 +275,7 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
         "{}",
         receipt.violations[0].detail
     );
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.delegate_attestation = Some(attest(0.5, now_ms() - 1_000));
     broker.issue(&orchestrator, body).await;
     broker.stop().await;
@@ -303,11 +292,11 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     let mut spec = RootSpec::default();
     spec.labels.insert("arm".into(), "x".into());
     let root = broker.open_root(&orchestrator, spec).await;
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.host_public_key = host.public_key().to_vec();
     let a_id = broker.issue(&orchestrator, body).await;
     let (refusal_id, _, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 1_000))
+        .delegate(&orchestrator, root.child(&a, 1_000))
         .await
         .unwrap()
         .refused();
@@ -332,63 +321,37 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     let random = vec![0x5a; 32];
     let same =
         |real: Result<(), tonic::Status>, fake: Result<(), tonic::Status>, real_id: &[u8]| {
-            let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
-            assert_eq!(
-                (real.code(), reason(&real)),
-                (Code::NotFound, "NOT_FOUND".into())
-            );
-            assert_eq!(
-                (
-                    real.code(),
-                    reason(&real),
-                    real.message().replace(&hex::encode(real_id), "ID")
-                ),
-                (
-                    fake.code(),
-                    reason(&fake),
-                    fake.message().replace(&hex::encode(&random), "ID")
-                ),
-            );
+            let real_err = real.as_ref().unwrap_err();
+            assert_eq!(reason(real_err), "NOT_FOUND");
+            assert_indistinguishable(real, fake, real_id, &random, "a read");
         };
-    for (real, fake) in [(&a_id, &random), (&root.id, &random)] {
-        let contract = |id: &Vec<u8>| contract_request(id);
-        same(
-            outsider.get_contract(contract(real)).await.map(drop),
-            outsider.get_contract(contract(fake)).await.map(drop),
-            real,
-        );
-        let chain = |id: &Vec<u8>| pb::GetChainRequest {
-            contract_id: id.clone(),
-        };
-        same(
-            outsider.get_chain(chain(real)).await.map(drop),
-            outsider.get_chain(chain(fake)).await.map(drop),
-            real,
-        );
-        let children = |id: &Vec<u8>| pb::ListChildrenRequest {
-            contract_id: id.clone(),
-            page_size: 0,
-            page_token: Vec::new(),
-        };
-        same(
-            outsider.list_children(children(real)).await.map(drop),
-            outsider.list_children(children(fake)).await.map(drop),
-            real,
-        );
-        let watch = |id: &Vec<u8>| watch_request(id);
-        same(
-            outsider.watch(watch(real)).await.map(drop),
-            outsider.watch(watch(fake)).await.map(drop),
-            real,
-        );
-        let audit = |id: &Vec<u8>| pb::GetAuditRequest {
-            contract_id: id.clone(),
-        };
-        same(
-            outsider.get_audit(audit(real)).await.map(drop),
-            outsider.get_audit(audit(fake)).await.map(drop),
-            real,
-        );
+    for real in [&a_id, &root.id] {
+        // Every read naming the id, for the real id and then the random one.
+        let mut answers = Vec::new();
+        for id in [real, &random] {
+            let chain = pb::GetChainRequest {
+                contract_id: id.clone(),
+            };
+            let children = pb::ListChildrenRequest {
+                contract_id: id.clone(),
+                page_size: 0,
+                page_token: Vec::new(),
+            };
+            let audit = pb::GetAuditRequest {
+                contract_id: id.clone(),
+            };
+            answers.push([
+                outsider.get_contract(contract_request(id)).await.map(drop),
+                outsider.get_chain(chain).await.map(drop),
+                outsider.list_children(children).await.map(drop),
+                outsider.watch(watch_request(id)).await.map(drop),
+                outsider.get_audit(audit).await.map(drop),
+            ]);
+        }
+        let [reals, fakes] = <[_; 2]>::try_from(answers).unwrap();
+        for (real_answer, fake_answer) in reals.into_iter().zip(fakes) {
+            same(real_answer, fake_answer, real);
+        }
     }
     let receipt_of = |id: &Vec<u8>| pb::GetReceiptRequest {
         receipt_id: id.clone(),
@@ -487,9 +450,7 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
     let [orchestrator, d] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     // d becomes a party of the tree.
-    broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &d, 1))
-        .await;
+    broker.issue(&orchestrator, root.child(&d, 1)).await;
     let watch = || watch_request(&root.id);
     let limit = |err: tonic::Status| {
         assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
@@ -534,9 +495,7 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
     // A fifth stream on the tree, from a fresh party on a fresh connection:
     // the tree's cap (new keys made parties cannot take every stream).
     let e = Agent::generate();
-    broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &e, 1))
-        .await;
+    broker.issue(&orchestrator, root.child(&e, 1)).await;
     let mut fresh = connect_as(&broker.addr, &e).await;
     let err = fresh.watch(watch()).await.unwrap_err();
     assert_eq!(limit(err), "limits.max_watch_streams_per_tree");
@@ -568,18 +527,12 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
     let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 4_096).await;
     let [orchestrator, a, host] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                max_depth: 8,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.max_depth = 8))
         .await;
     // Children whose envelopes add up past one response.
     let mut ids = Vec::new();
     for i in 0..12 {
-        let mut body = child(&root.id, &root.lineage, &a, 1);
+        let mut body = root.child(&a, 1);
         body.task = format!("{i} {}", "x".repeat(1_900));
         ids.push(broker.issue(&orchestrator, body).await);
     }
@@ -655,7 +608,7 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     let delegates: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
     let mut completions = Vec::new();
     for d in &delegates {
-        let body = liable_child(&root.id, &root.lineage, d, 10, pattern);
+        let body = root.liable_child(d, 10, pattern);
         let id = broker.issue(&orchestrator, body).await;
         broker.accept(d, &id, None).await.unwrap();
         completions.push((Agent::from_seed(d.seed()), id));
@@ -817,7 +770,7 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
         (10, huge - 10, 0)
     );
     // The principal's own choice of host is trusted in full.
-    let mut body = child(&root.id, &root.lineage, &b, 10);
+    let mut body = root.child(&b, 10);
     body.host_public_key = named_host.public_key().to_vec();
     let b_id = broker.issue(&orchestrator, body).await;
     broker.accept(&b, &b_id, None).await.unwrap();
@@ -853,7 +806,7 @@ async fn an_observation_during_judgment_never_makes_the_writer_judge() {
         .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
     let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
-    let mut body = liable_child(&root.id, &root.lineage, &a, 10, pattern);
+    let mut body = root.liable_child(&a, 10, pattern);
     body.host_public_key = host.public_key().to_vec();
     let id = broker.issue(&orchestrator, body).await;
     broker.accept(&a, &id, None).await.unwrap();
@@ -915,11 +868,7 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
     let busy = broker
         .open_root(
             &busy_owner,
-            RootSpec {
-                budget: 1_000,
-                max_children: 1_024,
-                ..RootSpec::default()
-            },
+            RootSpec::with(|s| (s.budget, s.max_children) = (1_000, 1_024)),
         )
         .await;
     // Commits in the other tree, each read back at once: 100 rounds.
@@ -932,9 +881,7 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
         let mut slowest = std::time::Duration::ZERO;
         let started = std::time::Instant::now();
         for _ in 0..100 {
-            let id = broker
-                .issue(owner, child(&busy.id, &busy.lineage, worker, 1))
-                .await;
+            let id = broker.issue(owner, busy.child(worker, 1)).await;
             let read = std::time::Instant::now();
             broker.state(&id).await;
             slowest = slowest.max(read.elapsed());
@@ -965,6 +912,33 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
     broker.stop().await;
 }
 
+/// Asserts a stranger's answer for a real id is NOT_FOUND and is its
+/// answer for the random id `random` (code, reason and message, ids aside).
+#[track_caller]
+fn assert_indistinguishable<T: std::fmt::Debug>(
+    real: Result<T, tonic::Status>,
+    fake: Result<T, tonic::Status>,
+    real_id: &[u8],
+    random: &[u8],
+    name: &str,
+) {
+    let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
+    assert_eq!(real.code(), Code::NotFound, "{name}: {real:?}");
+    assert_eq!(
+        (
+            real.code(),
+            reason(&real),
+            real.message().replace(&hex::encode(real_id), "ID")
+        ),
+        (
+            fake.code(),
+            reason(&fake),
+            fake.message().replace(&hex::encode(random), "ID")
+        ),
+        "{name}"
+    );
+}
+
 /// This process's resident memory, in bytes (Linux).
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -991,7 +965,7 @@ async fn idle_watch_streams_hold_bounded_memory() {
     let root = broker.open_root(&owner, RootSpec::default()).await;
     // 64 contracts of ~16 KB: about 1 MB of events in the tree.
     for i in 0..64 {
-        let mut body = child(&root.id, &root.lineage, &worker, 1);
+        let mut body = root.child(&worker, 1);
         body.task = format!("{i} {}", "x".repeat(16_000));
         broker.issue(&owner, body).await;
     }
@@ -1032,87 +1006,57 @@ async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     let random = vec![0x5a; 32];
-    let same = |real: Result<pb::Receipt, tonic::Status>,
-                fake: Result<pb::Receipt, tonic::Status>,
-                real_id: &[u8],
-                name: &str| {
-        let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
-        assert_eq!(real.code(), Code::NotFound, "{name}: {real:?}");
-        assert_eq!(
-            (
-                real.code(),
-                reason(&real),
-                real.message().replace(&hex::encode(real_id), "ID")
-            ),
-            (
-                fake.code(),
-                reason(&fake),
-                fake.message().replace(&hex::encode(&random), "ID")
-            ),
-            "{name}"
-        );
-    };
     // Delegate from a contract the stranger does not hold.
-    let real = broker
-        .delegate(&stranger, child(&root.id, &root.lineage, &a, 1))
-        .await
-        .map(|_| pb::Receipt::default());
+    let real = broker.delegate(&stranger, root.child(&a, 1)).await;
     let fake = broker
         .delegate(&stranger, child(&random, &root.lineage, &a, 1))
-        .await
-        .map(|_| pb::Receipt::default());
-    same(real, fake, &root.id, "Delegate");
-    for id in [&a_id, &root.id] {
-        let real = broker.accept(&stranger, id, None).await;
-        let fake = broker.accept(&stranger, &random, None).await;
-        same(real, fake, id, "Accept");
-        let decline = |id: &Vec<u8>| pb::DeclineBody {
-            header: None,
-            contract_id: id.clone(),
-            reason: "no".into(),
-        };
-        let real = broker.act(&stranger, decline(id)).await;
-        let fake = broker.act(&stranger, decline(&random)).await;
-        same(real, fake, id, "Decline");
-        let complete = |id: &Vec<u8>| pb::CompleteBody {
-            header: None,
-            contract_id: id.clone(),
-            output_json: "{}".into(),
-            claim: "done".into(),
-            ..Default::default()
-        };
-        let real = broker.complete(&stranger, complete(id)).await;
-        let fake = broker.complete(&stranger, complete(&random)).await;
-        same(real, fake, id, "Complete");
-        let real = broker.escalate(&stranger, id, "stuck").await;
-        let fake = broker.escalate(&stranger, &random, "stuck").await;
-        same(real, fake, id, "Escalate");
-        let real = broker.revoke(&stranger, id).await;
-        let fake = broker.revoke(&stranger, &random).await;
-        same(real, fake, id, "Revoke");
-        let real = broker.record(&stranger, id, vec![tool_call("t", 0)]).await;
-        let fake = broker
-            .record(&stranger, &random, vec![tool_call("t", 0)])
-            .await;
-        same(real, fake, id, "RecordReceipts");
-        let adjudicate = |id: &Vec<u8>| pb::AdjudicateBody {
-            header: None,
-            contract_id: id.clone(),
-            verdict: pb::Verdict::Accepted as i32,
-            reason: "fine".into(),
-        };
-        let real = broker.act(&stranger, adjudicate(id)).await;
-        let fake = broker.act(&stranger, adjudicate(&random)).await;
-        same(real, fake, id, "Adjudicate");
+        .await;
+    assert_indistinguishable(real, fake, &root.id, &random, "Delegate");
+    for real in [&a_id, &root.id] {
+        // Every lifecycle call, for the real id and then the random one.
+        let mut answers = Vec::new();
+        for id in [real, &random] {
+            let decline = pb::DeclineBody {
+                header: None,
+                contract_id: id.clone(),
+                reason: "no".into(),
+            };
+            let complete = pb::CompleteBody {
+                header: None,
+                contract_id: id.clone(),
+                output_json: "{}".into(),
+                claim: "done".into(),
+                ..Default::default()
+            };
+            let adjudicate = pb::AdjudicateBody {
+                header: None,
+                contract_id: id.clone(),
+                verdict: pb::Verdict::Accepted as i32,
+                reason: "fine".into(),
+            };
+            answers.push([
+                ("Accept", broker.accept(&stranger, id, None).await),
+                ("Decline", broker.act(&stranger, decline).await),
+                ("Complete", broker.complete(&stranger, complete).await),
+                ("Escalate", broker.escalate(&stranger, id, "stuck").await),
+                ("Revoke", broker.revoke(&stranger, id).await),
+                (
+                    "RecordReceipts",
+                    broker.record(&stranger, id, vec![tool_call("t", 0)]).await,
+                ),
+                ("Adjudicate", broker.act(&stranger, adjudicate).await),
+            ]);
+        }
+        let [reals, fakes] = <[_; 2]>::try_from(answers).unwrap();
+        for ((name, real_answer), (_, fake_answer)) in reals.into_iter().zip(fakes) {
+            assert_indistinguishable(real_answer, fake_answer, real, &random, name);
+        }
     }
     // A party is still told why: the delegate may not revoke its own
     // contract, nor delegate from the root it does not hold.
     let err = broker.revoke(&a, &a_id).await.unwrap_err();
     assert_status(&err, Code::PermissionDenied, "NOT_ANCESTOR");
-    let err = broker
-        .delegate(&a, child(&root.id, &root.lineage, &host, 1))
-        .await
-        .unwrap_err();
+    let err = broker.delegate(&a, root.child(&host, 1)).await.unwrap_err();
     assert_status(&err, Code::PermissionDenied, "NOT_HOLDER");
     broker.stop().await;
 }

@@ -135,8 +135,7 @@ impl Broker {
         shared: Option<&str>,
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let attestor = Agent::generate();
-        let reader = Agent::generate();
+        let [attestor, reader] = agents();
         let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
         config.readers.insert(reader.public_key());
         // Tests move the broker's clock by hours; the session must outlive it.
@@ -285,12 +284,7 @@ impl Broker {
         budget: i64,
     ) -> (Root, Vec<u8>) {
         let root = self.open_root(orchestrator, RootSpec::default()).await;
-        let child_id = self
-            .issue(
-                orchestrator,
-                child(&root.id, &root.lineage, delegate, budget),
-            )
-            .await;
+        let child_id = self.issue(orchestrator, root.child(delegate, budget)).await;
         (root, child_id)
     }
 
@@ -425,6 +419,18 @@ pub struct Root {
     pub id: Vec<u8>,
     pub lineage: Vec<u8>,
     pub contract: pb::Contract,
+}
+
+impl Root {
+    /// `child` of this root.
+    pub fn child(&self, delegate: &Agent, budget: i64) -> pb::DelegateBody {
+        child(&self.id, &self.lineage, delegate, budget)
+    }
+
+    /// `liable_child` of this root.
+    pub fn liable_child(&self, delegate: &Agent, budget: i64, predicate: &str) -> pb::DelegateBody {
+        liable_child(&self.id, &self.lineage, delegate, budget, predicate)
+    }
 }
 
 pub struct RootSpec {
@@ -1042,4 +1048,13 @@ pub async fn assert_siblings_never_overspend(broker: &mut Broker, addrs: &[Strin
         (300, 0, 30)
     );
     broker.assert_ledgers_balance(&root.id).await;
+}
+
+/// The `field` an INVALID_ARGUMENT status names (empty without one).
+pub fn field(status: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    status
+        .get_details_error_info()
+        .and_then(|i| i.metadata.get("field").cloned())
+        .unwrap_or_default()
 }

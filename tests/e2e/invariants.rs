@@ -58,18 +58,15 @@ impl Case {
     }
 
     fn body(&self, budget: i64) -> pb::DelegateBody {
-        child(&self.root.id, &self.root.lineage, &self.delegate, budget)
+        self.root.child(&self.delegate, budget)
     }
 }
 
 #[tokio::test]
 async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
-    let mut case = Case::new(RootSpec {
-        budget: 100,
-        max_depth: 1,
-        max_children: 2,
-        ..RootSpec::default()
-    })
+    let mut case = Case::new(RootSpec::with(|s| {
+        (s.budget, s.max_depth, s.max_children) = (100, 1, 2)
+    }))
     .await;
     let orchestrator = Agent::from_seed(case.orchestrator.seed());
 
@@ -113,13 +110,9 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
     case.expect(&orchestrator, body, &[Code::DeadlineExceedsParent])
         .await;
     // 13. A liable child that leaves the principal no retry.
-    let mut body = liable_child(
-        &case.root.id,
-        &case.root.lineage,
-        &case.delegate,
-        95,
-        "result.schema_valid",
-    );
+    let mut body = case
+        .root
+        .liable_child(&case.delegate, 95, "result.schema_valid");
     body.min_retry_cost = 10;
     case.expect(&orchestrator, body, &[Code::NoRetryHeadroom])
         .await;
@@ -154,11 +147,7 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
         .await;
 
     // 5. A policy with a trust floor and a delegate nobody vouches for.
-    let mut trust = Case::new(RootSpec {
-        min_trust: 1,
-        ..RootSpec::default()
-    })
-    .await;
+    let mut trust = Case::new(RootSpec::with(|s| s.min_trust = 1)).await;
     let orchestrator2 = Agent::from_seed(trust.orchestrator.seed());
     let body = trust.body(10);
     trust

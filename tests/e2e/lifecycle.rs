@@ -36,14 +36,10 @@ async fn seed_001_chain() -> Chain {
     let root = broker
         .open_root(
             &orchestrator,
-            RootSpec {
-                budget: 28,
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
+            RootSpec::with(|s| (s.budget, s.retry_headroom) = (28, false)),
         )
         .await;
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
+    let mut to_planner = root.liable_child(&planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
     let planner_id = broker.issue(&orchestrator, to_planner).await;
     broker.accept(&planner, &planner_id, None).await.unwrap();
@@ -68,6 +64,25 @@ async fn seed_001_chain() -> Chain {
         root,
         planner_id,
         executor_id,
+    }
+}
+
+impl Chain {
+    /// The executor's host records `observations`.
+    async fn observe(
+        &mut self,
+        observations: Vec<pb::Observation>,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        self.broker
+            .record(&self.executor_host, &self.executor_id, observations)
+            .await
+    }
+
+    /// The executor completes with seed 001's output and claim.
+    async fn complete_executor(&mut self) -> Result<pb::Receipt, tonic::Status> {
+        self.broker
+            .complete(&self.executor, completion(&self.executor_id))
+            .await
     }
 }
 
@@ -113,16 +128,11 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
     let mut c = seed_001_chain().await;
     let mut watch = c.broker.watch(&c.root.id).await;
     let observed = c
-        .broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![
-                tool_call("edit", 6),
-                mutation("src/auth/token.rs", 6),
-                mutation("docs/auth.md", 6),
-            ],
-        )
+        .observe(vec![
+            tool_call("edit", 6),
+            mutation("src/auth/token.rs", 6),
+            mutation("docs/auth.md", 6),
+        ])
         .await
         .unwrap();
     assert_eq!(
@@ -130,11 +140,7 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
         (pb::ReceiptKind::Observed as i32, 3)
     );
 
-    let receipt = c
-        .broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap();
+    let receipt = c.complete_executor().await.unwrap();
     let done = receipt.completion.unwrap();
     assert_eq!(done.verdict, pb::Verdict::Rejected as i32);
     let refused: Vec<&str> = done
@@ -190,19 +196,10 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
 #[tokio::test]
 async fn in_scope_work_is_accepted_and_attributed_to_the_producing_hop() {
     let mut c = seed_001_chain().await;
-    c.broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![mutation("src/auth/token.rs", 18)],
-        )
+    c.observe(vec![mutation("src/auth/token.rs", 18)])
         .await
         .unwrap();
-    let receipt = c
-        .broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap();
+    let receipt = c.complete_executor().await.unwrap();
     let done = receipt.completion.unwrap();
     assert_eq!(done.verdict, pb::Verdict::Accepted as i32);
     assert!(done.refused_criteria.is_empty());
@@ -235,14 +232,7 @@ async fn revocation_cascades_and_returns_every_reservation() {
     let mut c = seed_001_chain().await;
     // Work the executor's host metered is charged even though the executor
     // only ends through the cascade.
-    c.broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![tool_call("search", 5)],
-        )
-        .await
-        .unwrap();
+    c.observe(vec![tool_call("search", 5)]).await.unwrap();
     let receipt = c
         .broker
         .revoke(&c.orchestrator, &c.planner_id)
@@ -270,11 +260,7 @@ async fn revocation_cascades_and_returns_every_reservation() {
     let cascaded = next_receipt(&mut watch, pb::ReceiptKind::Revoked).await;
     assert_eq!(cascaded.contract_id, c.executor_id);
     drop(watch);
-    let err = c
-        .broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap_err();
+    let err = c.complete_executor().await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
     // Only an ancestor's holder may revoke: the executor cannot revoke its parent.
     let err = c
@@ -323,14 +309,7 @@ async fn a_resumed_watch_misses_nothing_and_repeats_nothing() {
     let first = collect(&mut c.broker, &c.root.id, 0, 3).await;
     assert_eq!(first, all[..3]);
     // More happens while the client is away.
-    c.broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![mutation("src/auth/a.rs", 1)],
-        )
-        .await
-        .unwrap();
+    c.observe(vec![mutation("src/auth/a.rs", 1)]).await.unwrap();
     let resumed = collect(&mut c.broker, &c.root.id, first[2].0, 3).await;
     assert_eq!(resumed[..2], all[3..]);
     assert!(
@@ -354,8 +333,8 @@ async fn collect(
     let mut stream = broker
         .client
         .watch(pb::WatchRequest {
-            contract_id: id.to_vec(),
             cursor,
+            ..watch_request(id)
         })
         .await
         .unwrap()
@@ -393,10 +372,7 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
     big.output_json = format!(r#"{{"patch":"{}"}}"#, "x".repeat(300 * 1024));
     let err = c.broker.complete(&c.executor, big).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.output_json"
-    );
+    assert_eq!(field(&err), "body.output_json");
 
     // A JSON Schema that does not compile, at delegation.
     let mut bad_schema = child(&c.executor_id, &c.root.lineage, &Agent::generate(), 1);
@@ -408,30 +384,19 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.result_schema_json"
-    );
+    assert_eq!(field(&err), "body.result_schema_json");
 
     // A delegate may not be its own host.
     let mut own_host = child(&c.executor_id, &c.root.lineage, &c.executor, 1);
     own_host.write_scope = vec![];
     own_host.host_public_key = c.executor.public_key().to_vec();
     let err = c.broker.delegate(&c.executor, own_host).await.unwrap_err();
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.host_public_key"
-    );
+    assert_eq!(field(&err), "body.host_public_key");
 
     // Metering beyond the per-contract bound.
     let huge = 10_i64.pow(15);
     let err = c
-        .broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![tool_call("a", huge), tool_call("b", huge)],
-        )
+        .observe(vec![tool_call("a", huge), tool_call("b", huge)])
         .await
         .unwrap_err();
     assert_eq!(
@@ -457,18 +422,10 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
     );
 
     // Receipts after completion.
-    c.broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap();
+    c.complete_executor().await.unwrap();
     let after = c.broker.ledger(&c.planner_id).await;
     let err = c
-        .broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![mutation("src/auth/y", 1)],
-        )
+        .observe(vec![mutation("src/auth/y", 1)])
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
@@ -521,9 +478,7 @@ async fn lifecycle_limits_and_reasons_are_named() {
 
     // A delegate may not name itself as host at Accept either: the same
     // rule, the same answer as at Delegate (the field is invalid).
-    let id = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
-        .await;
+    let id = broker.issue(&orchestrator, root.child(&delegate, 10)).await;
     let err = broker
         .accept(&delegate, &id, Some(&delegate))
         .await
@@ -542,10 +497,7 @@ async fn lifecycle_limits_and_reasons_are_named() {
     let too_many: Vec<pb::Observation> = (0..257).map(|i| tool_call(&format!("t{i}"), 0)).collect();
     let err = broker.record(&host, &id, too_many).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.observations"
-    );
+    assert_eq!(field(&err), "body.observations");
 
     // Concurrent Watch streams are bounded (here to one).
     let first = broker.client.watch(watch_request(&root.id)).await.unwrap();
@@ -605,13 +557,7 @@ async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
     let mut broker = Broker::start().await;
     let [orchestrator, planner, host, stooge] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                require_host: true,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.require_host = true))
         .await;
     assert!(
         root.contract
@@ -620,20 +566,17 @@ async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
             .is_some_and(|p| p.require_host)
     );
 
-    let hostless = child(&root.id, &root.lineage, &planner, 10);
+    let hostless = root.child(&planner, 10);
     let err = broker.delegate(&orchestrator, hostless).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.host_public_key"
-    );
+    assert_eq!(field(&err), "body.host_public_key");
     assert_eq!(
         broker.ledger(&root.id).await.reserved,
         0,
         "nothing reserved"
     );
 
-    let mut hosted = child(&root.id, &root.lineage, &planner, 10);
+    let mut hosted = root.child(&planner, 10);
     hosted.host_public_key = host.public_key().to_vec();
     let (planner_id, contract) = broker
         .delegate(&orchestrator, hosted)
@@ -667,8 +610,5 @@ async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
     // One hop further down the policy still holds.
     let grandchild = child(&planner_id, &root.lineage, &stooge, 5);
     let err = broker.delegate(&planner, grandchild).await.unwrap_err();
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.host_public_key"
-    );
+    assert_eq!(field(&err), "body.host_public_key");
 }

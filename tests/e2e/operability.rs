@@ -173,7 +173,7 @@ async fn metrics_count_a_scripted_run_exactly() {
     // headroom), then the executor it can afford.
     let [orchestrator, planner, executor] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, "result.schema_valid");
+    let mut to_planner = root.liable_child(&planner, 25, "result.schema_valid");
     to_planner.min_retry_cost = 12;
     let planner_id = broker.issue(&orchestrator, to_planner).await;
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
@@ -211,23 +211,12 @@ async fn metrics_count_a_scripted_run_exactly() {
     // The race: 64 siblings of 10 from a residual of 300.
     let racer = Agent::generate();
     let race_root = broker
-        .open_root(
-            &racer,
-            RootSpec {
-                budget: 300,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&racer, RootSpec::with(|s| s.budget = 300))
         .await;
     let mut calls = tokio::task::JoinSet::new();
     for _ in 0..64 {
         let mut client = broker.client.clone();
-        let request = racer.delegate(child(
-            &race_root.id,
-            &race_root.lineage,
-            &Agent::generate(),
-            10,
-        ));
+        let request = racer.delegate(race_root.child(&Agent::generate(), 10));
         calls.spawn(async move { client.delegate(request).await.unwrap().into_inner() });
     }
     let mut issued = 0;
@@ -555,12 +544,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
         .await;
     let (trace_id, caller_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     let worker = Agent::generate();
-    let mut request = tonic::Request::new(orchestrator.delegate(crate::harness::child(
-        &root.id,
-        &root.lineage,
-        &worker,
-        10,
-    )));
+    let mut request = tonic::Request::new(orchestrator.delegate(root.child(&worker, 10)));
     request.metadata_mut().insert(
         "traceparent",
         format!("00-{trace_id}-{caller_span}-01").parse().unwrap(),

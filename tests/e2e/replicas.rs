@@ -50,7 +50,7 @@ async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
     let orchestrator = Agent::generate();
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
     let worker = Agent::generate();
-    let mut body = child(&root.id, &root.lineage, &worker, 10);
+    let mut body = root.child(&worker, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
     let first = a
@@ -108,9 +108,7 @@ async fn a_revocation_through_one_replica_holds_on_the_others() {
     let orchestrator = Agent::generate();
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
     let mid = Agent::generate();
-    let mid_id = a
-        .issue(&orchestrator, child(&root.id, &root.lineage, &mid, 50))
-        .await;
+    let mid_id = a.issue(&orchestrator, root.child(&mid, 50)).await;
     let leaf = Agent::generate();
     let leaf_id = a
         .issue(&mid, child(&mid_id, &root.lineage, &leaf, 20))
@@ -143,9 +141,7 @@ async fn open_tree(broker: &mut Broker) -> (Agent, Root) {
 async fn churn(broker: &mut Broker, orchestrator: &Agent, root: &Root, children: usize) {
     for _ in 0..children {
         let worker = Agent::generate();
-        let id = broker
-            .issue(orchestrator, child(&root.id, &root.lineage, &worker, 10))
-            .await;
+        let id = broker.issue(orchestrator, root.child(&worker, 10)).await;
         broker.accept(&worker, &id, None).await.expect("accepted");
     }
     broker
@@ -191,8 +187,8 @@ async fn watch(
     broker
         .client
         .watch(pb::WatchRequest {
-            contract_id: root.to_vec(),
             cursor,
+            ..watch_request(root)
         })
         .await
         .unwrap()
@@ -624,10 +620,7 @@ async fn every_sweeper_runs_and_each_contract_expires_once() {
     let mut children = Vec::new();
     for _ in 0..12 {
         let id = a
-            .issue(
-                &orchestrator,
-                child(&root.id, &root.lineage, &Agent::generate(), 5),
-            )
+            .issue(&orchestrator, root.child(&Agent::generate(), 5))
             .await;
         children.push(id);
     }

@@ -14,16 +14,10 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     let mut broker = Broker::start().await;
     let [orchestrator, planner, executor] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 100,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.budget = 100))
         .await;
 
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
+    let mut to_planner = root.liable_child(&planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
     to_planner.deadline_ms = now_ms() + 90_000;
     let planner_id = broker.issue(&orchestrator, to_planner).await;
@@ -84,7 +78,7 @@ async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
     let mut broker = Broker::start().await;
     let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let mut bad = child(&root.id, &root.lineage, &delegate, 20);
+    let mut bad = root.child(&delegate, 20);
     bad.liability = delegation_broker::pb::Liability::Delegate as i32;
     bad.min_retry_cost = 12;
     bad.min_retry_latency_ms = 15_000;
@@ -108,13 +102,7 @@ async fn seed_002_fifth_hop_exceeds_depth_four() {
     let mut broker = Broker::start().await;
     let agents: Vec<Agent> = (0..6).map(|_| Agent::generate()).collect();
     let root = broker
-        .open_root(
-            &agents[0],
-            RootSpec {
-                max_depth: 4,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&agents[0], RootSpec::with(|s| s.max_depth = 4))
         .await;
     let mut parent = root.id.clone();
     for hop in 1..=4 {
@@ -155,13 +143,7 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
     let mut broker = Broker::start().await;
     let agents: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
     let root = broker
-        .open_root(
-            &agents[0],
-            RootSpec {
-                min_trust: 400_000,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&agents[0], RootSpec::with(|s| s.min_trust = 400_000))
         .await;
     let mut parent = root.id.clone();
     for (hop, factor, cumulative) in [(1, 0.9, 900_000), (2, 0.8, 720_000)] {
@@ -219,9 +201,7 @@ async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
     let mut broker = Broker::start().await;
     let [orchestrator, worker, host] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let id = broker
-        .issue(&orchestrator, child(&root.id, &root.lineage, &worker, 20))
-        .await;
+    let id = broker.issue(&orchestrator, root.child(&worker, 20)).await;
     broker.accept(&worker, &id, Some(&host)).await.unwrap();
     broker
         .record(&host, &id, vec![tool_call("search", 4)])

@@ -23,7 +23,7 @@ async fn tree_prints_the_seed_001_tree() {
     // seed 001: the planner (25, 12 to retry) asks for an executor of 20
     // (refused NO_RETRY_HEADROOM), then of 13.
     let predicate = "result.schema_valid && result.within_scope";
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, predicate);
+    let mut to_planner = root.liable_child(&planner, 25, predicate);
     to_planner.min_retry_cost = 12;
     let planner_id = broker.issue(&orchestrator, to_planner).await;
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
