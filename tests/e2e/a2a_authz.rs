@@ -24,9 +24,9 @@ use crate::crash::Killed;
 use crate::harness::*;
 
 /// Starts `a2a-gateway` fronting `agent` with only its authz listener.
-fn spawn_authz(dir: &std::path::Path, broker: &str, agent: &Agent) -> (Killed, String) {
+fn spawn_authz(broker: &str, agent: &Agent) -> (Gateway, String) {
     let listen = "authz_listen = \"127.0.0.1:0\"\n";
-    let (gateway, addrs) = spawn_gateway(dir, broker, agent, listen, &["a2a authz"]);
+    let (gateway, addrs) = spawn_gateway(broker, agent, listen, &["a2a authz"]);
     (gateway, format!("http://{}", addrs["a2a authz"]))
 }
 
@@ -121,8 +121,7 @@ async fn check_allows_only_this_agents_open_unused_contract() {
     soon.deadline_ms = now_ms() + 1_000;
     let expiring = broker.issue(&orchestrator, soon).await;
 
-    let dir = tempfile::tempdir().unwrap();
-    let (_gateway, addr) = spawn_authz(dir.path(), &broker.addr, &worker);
+    let (_gateway, addr) = spawn_authz(&broker.addr, &worker);
     let mut authz = AuthorizationClient::connect(addr).await.unwrap();
     let mut check = async |body: serde_json::Value| {
         authz
@@ -330,15 +329,15 @@ async fn fake_rpc(
 /// Starts `a2a-gateway` for `agent` with `config` (beside broker and
 /// key_file) and returns the addresses it printed, by what precedes them.
 pub(crate) fn spawn_gateway(
-    dir: &std::path::Path,
     broker: &str,
     agent: &Agent,
     config: &str,
     expect: &[&str],
-) -> (Killed, std::collections::HashMap<String, String>) {
-    let key_file = dir.join("agent.key");
+) -> (Gateway, std::collections::HashMap<String, String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("agent.key");
     write_key_file(&key_file, &agent.seed());
-    let path = dir.join("gateway.toml");
+    let path = dir.path().join("gateway.toml");
     std::fs::write(
         &path,
         format!(
@@ -369,7 +368,19 @@ pub(crate) fn spawn_gateway(
             seen.insert((*e).to_owned(), line[e.len() + 4..].trim().to_owned());
         }
     }
-    (Killed(child), seen)
+    (
+        Gateway {
+            _process: Killed(child),
+            _dir: dir,
+        },
+        seen,
+    )
+}
+
+/// A running gateway and the directory of its key and configuration.
+pub(crate) struct Gateway {
+    _process: Killed,
+    _dir: tempfile::TempDir,
 }
 
 /// Envoy's request for `verb path` with `body` as it came.
@@ -464,9 +475,7 @@ async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
     let second = issue(&mut broker).await;
     let unused = issue(&mut broker).await;
     let agent = fake_agent().await;
-    let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
         &broker.addr,
         &worker,
         &format!(
@@ -548,8 +557,7 @@ async fn without_upstream_a_continuation_is_refused() {
     let mut broker = Broker::start().await;
     let [orchestrator, worker] = agents();
     let (_root, contract) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let dir = tempfile::tempdir().unwrap();
-    let (_gateway, addr) = spawn_authz(dir.path(), &broker.addr, &worker);
+    let (_gateway, addr) = spawn_authz(&broker.addr, &worker);
     let mut authz = AuthorizationClient::connect(addr).await.unwrap();
     let chain = chain_bytes(&mut broker, &contract).await;
     let started = authz
@@ -575,9 +583,7 @@ async fn without_upstream_a_continuation_is_refused() {
 async fn only_json_rpc_posts_without_duplicate_keys_pass() {
     let broker = Broker::start().await;
     let worker = Agent::generate();
-    let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
         &broker.addr,
         &worker,
         "authz_listen = \"127.0.0.1:0\"\nauthz_jsonrpc_paths = [\"/\", \"/a2a\"]\n",
@@ -658,9 +664,7 @@ async fn shared_context(binding: &str) {
     let (_, intruders) = broker.root_and_child(&intruder, &worker, 10).await;
     let agent = fake_agent().await;
     let peer = fake_agent().await;
-    let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
         &broker.addr,
         &worker,
         &format!(

@@ -123,14 +123,7 @@ async fn scene() -> Scene {
         &send_lifecycle(
             &mut broker.client,
             &a_agent,
-            pb::CompleteBody {
-                header: None,
-                contract_id: a_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 0,
-            },
+            complete_body(&a_id, "{}", "done", 0),
         )
         .await
         .unwrap(),

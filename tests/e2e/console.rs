@@ -561,17 +561,7 @@ async fn list_held_shows_each_caller_its_open_work() {
     assert!(held(&stranger, Delegate, vec![]).await.unwrap().is_empty());
     broker.accept(&delegate, &first, None).await.unwrap();
     broker
-        .complete(
-            &delegate,
-            pb::CompleteBody {
-                header: None,
-                contract_id: first.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 1,
-            },
-        )
+        .complete(&delegate, complete_body(&first, "{}", "done", 1))
         .await
         .unwrap();
     assert_eq!(

@@ -44,6 +44,33 @@ fn heavy_output() -> String {
     )
 }
 
+/// One honest round in `root`: a Delegate whose schema compiles fresh
+/// patterns, its Accept, and a Complete judged against the schema; how
+/// long each of the three took.
+async fn honest_round(
+    broker: &mut Broker,
+    honest: &Agent,
+    worker: &Agent,
+    root: &Root,
+    round: usize,
+) -> [Duration; 3] {
+    let started = Instant::now();
+    let mut body = root.child(worker, 1);
+    body.result_schema_json = pattern_schema(&format!("honest{round}"));
+    let id = broker.issue(honest, body).await;
+    let delegate = started.elapsed();
+    let started = Instant::now();
+    broker.accept(worker, &id, None).await.expect("Accept");
+    let accept = started.elapsed();
+    let started = Instant::now();
+    let done = broker
+        .complete(worker, complete_body(&id, r#""ab-honest0-1""#, "done", 0))
+        .await
+        .expect("the honest Complete");
+    assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
+    [delegate, accept, started.elapsed()]
+}
+
 /// What the flood got done: conversions answered, completions judged.
 #[derive(Default)]
 struct Flooded {
@@ -64,15 +91,8 @@ async fn hostile_tenant(
     let worker = Agent::generate();
     let spec = RootSpec::for_bursts();
     let mut raw = connect(&addr).await;
-    let root_id = raw
-        .open_root(tenant.open_root(spec.body()))
-        .await
-        .expect("a hostile root")
-        .into_inner()
-        .issued
-        .expect("issued")
-        .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let root_id = open_root_on(&mut raw, &tenant, &spec).await.contract_id;
+    let lineage = spec.lineage();
     // Watch streams on its own tree, held for the whole flood (past the
     // broker-wide total the rest are refused: that is the flood's point).
     let mut streams = Vec::new();
@@ -139,13 +159,7 @@ async fn hostile_tenant(
                 if send_lifecycle(&mut client, &worker, accept).await.is_err() {
                     return;
                 }
-                let complete = pb::CompleteBody {
-                    header: None,
-                    contract_id: id,
-                    output_json: heavy_output(),
-                    claim: "done".into(),
-                    ..Default::default()
-                };
+                let complete = complete_body(&id, &heavy_output(), "done", 0);
                 if send_lifecycle(&mut client, &worker, complete).await.is_ok() {
                     flooded.judged.fetch_add(1, Ordering::SeqCst);
                 }
@@ -213,8 +227,7 @@ async fn flood(orchestrated: bool) {
     let worker = Agent::generate();
     let root = broker.open_root(&honest, RootSpec::default()).await;
     let mut slowest = Duration::ZERO;
-    let mut timed = |started: Instant, what: &str| {
-        let took = started.elapsed();
+    let mut timed = |took: Duration, what: &str| {
         assert!(took < HONEST_CALL_MAX, "the honest {what} took {took:?}");
         slowest = slowest.max(took);
     };
@@ -226,39 +239,20 @@ async fn flood(orchestrated: bool) {
         .expect("the honest tenant watches its tree")
         .into_inner();
     stream.message().await.expect("an event").expect("the root");
-    timed(started, "Watch");
+    timed(started.elapsed(), "Watch");
     for round in 0..HONEST_ROUNDS {
-        let started = Instant::now();
-        let mut body = root.child(&worker, 1);
-        body.result_schema_json = pattern_schema(&format!("honest{round}"));
-        let id = broker.issue(&honest, body).await;
-        timed(started, "Delegate");
-        let started = Instant::now();
-        broker.accept(&worker, &id, None).await.expect("Accept");
-        timed(started, "Accept");
-        let started = Instant::now();
-        let done = broker
-            .complete(
-                &worker,
-                pb::CompleteBody {
-                    header: None,
-                    contract_id: id,
-                    output_json: r#""ab-honest0-1""#.into(),
-                    claim: "done".into(),
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("the honest Complete");
-        assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
-        timed(started, "Complete");
+        let [delegate, accept, complete] =
+            honest_round(&mut broker, &honest, &worker, &root, round).await;
+        timed(delegate, "Delegate");
+        timed(accept, "Accept");
+        timed(complete, "Complete");
         let started = Instant::now();
         own.get_audit(pb::GetAuditRequest {
             contract_id: root.id.clone(),
         })
         .await
         .expect("the honest GetAudit");
-        timed(started, "GetAudit");
+        timed(started.elapsed(), "GetAudit");
     }
     stop.store(true, Ordering::SeqCst);
     for attacker in attackers {
@@ -381,13 +375,7 @@ async fn crowd_key(
         if send_lifecycle(&mut life, &worker, accept).await.is_err() {
             continue;
         }
-        let complete = pb::CompleteBody {
-            header: None,
-            contract_id: id,
-            output_json: output.clone(),
-            claim: "done".into(),
-            ..Default::default()
-        };
+        let complete = complete_body(&id, &output, "done", 0);
         let began = Instant::now();
         if send_lifecycle(&mut life, &worker, complete).await.is_ok() {
             push(&calls.completes, began.elapsed());
@@ -447,28 +435,10 @@ async fn a_thousand_free_keys_share_one_turn() {
     stream.message().await.expect("an event").expect("the root");
     let (mut delegates, mut completes) = (Vec::new(), Vec::new());
     for round in 0..CROWD_ROUNDS {
-        let started = Instant::now();
-        let mut body = root.child(&worker, 1);
-        body.result_schema_json = pattern_schema(&format!("honest{round}"));
-        let id = broker.issue(&honest, body).await;
-        delegates.push(started.elapsed());
-        broker.accept(&worker, &id, None).await.expect("Accept");
-        let started = Instant::now();
-        let done = broker
-            .complete(
-                &worker,
-                pb::CompleteBody {
-                    header: None,
-                    contract_id: id,
-                    output_json: r#""ab-honest0-1""#.into(),
-                    claim: "done".into(),
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("the honest Complete");
-        assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
-        completes.push(started.elapsed());
+        let [delegate, _, complete] =
+            honest_round(&mut broker, &honest, &worker, &root, round).await;
+        delegates.push(delegate);
+        completes.push(complete);
     }
     stop.store(true, Ordering::SeqCst);
     for key in crowd {

@@ -8,17 +8,6 @@ use tonic_types::StatusExt;
 
 use crate::harness::*;
 
-fn output(json: &str, consumed: i64, contract: &[u8]) -> pb::CompleteBody {
-    pb::CompleteBody {
-        header: None,
-        contract_id: contract.to_vec(),
-        output_json: json.into(),
-        report: None,
-        claim: "success".into(),
-        consumed,
-    }
-}
-
 /// Item 1: an ancestor's predicate ending in a `//` comment, and a
 /// descendant forwarding `true⏎|| true`, used to compose into
 /// `P && (Q || true)`: ACCEPTED although `approved=false`. The forwarded
@@ -46,7 +35,10 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
     );
     broker.accept(&b, &b_id, None).await.unwrap();
     let receipt = broker
-        .complete(&b, output(r#"{"approved": false}"#, 1, &b_id))
+        .complete(
+            &b,
+            complete_body(&b_id, r#"{"approved": false}"#, "success", 1),
+        )
         .await
         .unwrap();
     let completion = receipt.completion.unwrap();
@@ -103,7 +95,9 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
         .await
         .unwrap();
     broker.accept(&a, &a_id, None).await.unwrap();
-    let completion = broker.completion(&b, output("{}", 4, &b_id)).await;
+    let completion = broker
+        .completion(&b, complete_body(&b_id, "{}", "success", 4))
+        .await;
     assert_eq!(
         (
             completion.consumed,
@@ -134,7 +128,9 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
     broker.accept(&a, &a_id, None).await.unwrap();
     let claimed = 1_000_000_000_000_000;
-    let completion = broker.completion(&a, output("{}", claimed, &a_id)).await;
+    let completion = broker
+        .completion(&a, complete_body(&a_id, "{}", "success", claimed))
+        .await;
     assert_eq!(
         (
             completion.consumed,
@@ -227,7 +223,9 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
         )
         .await
         .unwrap();
-    let completion = broker.completion(&a, output("{}", 1, &a_id)).await;
+    let completion = broker
+        .completion(&a, complete_body(&a_id, "{}", "success", 1))
+        .await;
     assert!(!completion.within_scope);
     assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
     // A scope prefix must use '/'.
@@ -617,7 +615,7 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     let mut tasks = Vec::new();
     for (d, id) in completions {
         let mut client = connect_as(&broker.addr, &d).await;
-        let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
+        let body = complete_body(&id, &format!("{{\"text\":\"{text}\"}}"), "success", 1);
         tasks.push(tokio::spawn(async move {
             send_lifecycle(&mut client, &d, body).await
         }));
@@ -760,7 +758,9 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
         .await
         .unwrap();
     assert_eq!(broker.ledger(&a_id).await.spent, 10);
-    let completion = broker.completion(&a, output("{}", 1, &a_id)).await;
+    let completion = broker
+        .completion(&a, complete_body(&a_id, "{}", "success", 1))
+        .await;
     assert_eq!(
         (
             completion.consumed,
@@ -778,7 +778,9 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
         .record(&named_host, &b_id, vec![tool_call("llm", 25)])
         .await
         .unwrap();
-    let completion = broker.completion(&b, output("{}", 1, &b_id)).await;
+    let completion = broker
+        .completion(&b, complete_body(&b_id, "{}", "success", 1))
+        .await;
     assert_eq!(
         (
             completion.consumed,
@@ -813,7 +815,7 @@ async fn an_observation_during_judgment_never_makes_the_writer_judge() {
     let text = "ab".repeat(127 * 1024);
     let mut completer = connect_as(&broker.addr, &a).await;
     let complete = {
-        let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
+        let body = complete_body(&id, &format!("{{\"text\":\"{text}\"}}"), "success", 1);
         tokio::spawn(async move { send_lifecycle(&mut completer, &a, body).await })
     };
     // The host records while the completion is (perhaps) being judged; it
@@ -1021,13 +1023,7 @@ async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
                 contract_id: id.clone(),
                 reason: "no".into(),
             };
-            let complete = pb::CompleteBody {
-                header: None,
-                contract_id: id.clone(),
-                output_json: "{}".into(),
-                claim: "done".into(),
-                ..Default::default()
-            };
+            let complete = complete_body(id, "{}", "done", 0);
             let adjudicate = pb::AdjudicateBody {
                 header: None,
                 contract_id: id.clone(),

@@ -792,6 +792,23 @@ impl Broker {
     }
 }
 
+/// A Complete body with no header and no report.
+pub fn complete_body(
+    contract: &[u8],
+    output_json: &str,
+    claim: &str,
+    consumed: i64,
+) -> pb::CompleteBody {
+    pb::CompleteBody {
+        header: None,
+        contract_id: contract.to_vec(),
+        output_json: output_json.into(),
+        report: None,
+        claim: claim.into(),
+        consumed,
+    }
+}
+
 pub fn mutation(path: &str, units: i64) -> pb::Observation {
     pb::Observation {
         kind: pb::ObservationKind::Mutation as i32,

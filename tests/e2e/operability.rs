@@ -2,7 +2,7 @@
 
 use tonic_reflection::pb::{v1, v1alpha};
 
-use crate::harness::{Broker, agents};
+use crate::harness::{Broker, agents, complete_body};
 
 /// The services a reflection client lists.
 #[tokio::test]
@@ -184,17 +184,7 @@ async fn metrics_count_a_scripted_run_exactly() {
     // The executor accepts and completes, reporting 4 units (no host).
     broker.accept(&executor, &executor_id, None).await.unwrap();
     let completed = broker
-        .complete(
-            &executor,
-            delegation_broker::pb::CompleteBody {
-                header: None,
-                contract_id: executor_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "success".into(),
-                consumed: 4,
-            },
-        )
+        .complete(&executor, complete_body(&executor_id, "{}", "success", 4))
         .await
         .unwrap();
     let completion = completed.completion.unwrap();
@@ -561,17 +551,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
         .await
         .unwrap();
     broker
-        .complete(
-            &worker,
-            delegation_broker::pb::CompleteBody {
-                header: None,
-                contract_id: child.contract_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 1,
-            },
-        )
+        .complete(&worker, complete_body(&child.contract_id, "{}", "done", 1))
         .await
         .unwrap();
     tokio::task::spawn_blocking(move || {

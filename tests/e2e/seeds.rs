@@ -208,17 +208,7 @@ async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
         .await
         .unwrap();
     let completion = broker
-        .completion(
-            &worker,
-            delegation_broker::pb::CompleteBody {
-                header: None,
-                contract_id: id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 11,
-            },
-        )
+        .completion(&worker, complete_body(&id, "{}", "done", 11))
         .await;
     assert_eq!((completion.consumed, completion.claimed_excess), (4, 7));
     assert_eq!(

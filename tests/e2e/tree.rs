@@ -44,14 +44,12 @@ async fn tree_prints_the_seed_001_tree() {
     let completion = broker
         .completion(
             &executor,
-            pb::CompleteBody {
-                header: None,
-                contract_id: executor_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "fixed the token refresh, all in src/auth".into(),
-                consumed: 4,
-            },
+            complete_body(
+                &executor_id,
+                "{}",
+                "fixed the token refresh, all in src/auth",
+                4,
+            ),
         )
         .await;
     assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
