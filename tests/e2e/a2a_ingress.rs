@@ -324,12 +324,7 @@ async fn over_grpc_only_the_served_a2a_methods_reach_the_agent() {
     let agent = fake_agent().await;
     let (_gateway, addrs) =
         spawn_gateway(&broker.addr, &worker, &both_bindings(&agent.url), &PRINTED);
-    let channel =
-        tonic::transport::Channel::from_shared(format!("http://{}", addrs["a2a ingress grpc"]))
-            .unwrap()
-            .connect()
-            .await
-            .expect("the gRPC ingress");
+    let channel = channel(&format!("http://{}", addrs["a2a ingress grpc"])).await;
     let mut client = A2aServiceClient::new(channel.clone());
     let unserved = [
         client

@@ -18,24 +18,17 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut body = root.child(&delegate, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
-    let first = broker
-        .client
-        .delegate(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
-    let again = broker.client.delegate(request).await.unwrap().into_inner();
+    let first = broker.send_delegate(request.clone()).await.unwrap();
+    let again = broker.send_delegate(request).await.unwrap();
     assert!(!first.replayed && again.replayed);
     assert_eq!(first.outcome, again.outcome);
     assert_eq!(broker.ledger(&root.id).await.reserved, 10);
 
     // A retry re-signed with the same nonce and body is the same request.
     let resigned = broker
-        .client
-        .delegate(orchestrator.delegate(body.clone()))
+        .send_delegate(orchestrator.delegate(body.clone()))
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert!(resigned.replayed);
     assert_eq!(resigned.outcome, first.outcome);
 
@@ -43,8 +36,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut other = body.clone();
     other.budget = 11;
     let err = broker
-        .client
-        .delegate(orchestrator.delegate(other))
+        .send_delegate(orchestrator.delegate(other))
         .await
         .unwrap_err();
     assert_status(&err, Status::AlreadyExists, "NONCE_REUSED");
@@ -53,8 +45,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut stale = root.child(&delegate, 10);
     stale.header = Some(header_at(&orchestrator, now_ms() - 3_600_000));
     let err = broker
-        .client
-        .delegate(orchestrator.delegate(stale))
+        .send_delegate(orchestrator.delegate(stale))
         .await
         .unwrap_err();
     assert_status(&err, Status::Unauthenticated, "STALE_TIMESTAMP");
@@ -73,13 +64,13 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut forged = root.child(&delegate, 10);
     forged.header = Some(orchestrator.header());
     let mut request = intruder.delegate(forged);
-    let err = broker.client.delegate(request.clone()).await.unwrap_err();
+    let err = broker.send_delegate(request.clone()).await.unwrap_err();
     assert_status(&err, Status::Unauthenticated, "BAD_SIGNATURE");
 
     // A flipped signature bit.
     let mut genuine = orchestrator.delegate(root.child(&delegate, 10));
     genuine.signed.as_mut().unwrap().signatures[0].sig[7] ^= 0x20;
-    let err = broker.client.delegate(genuine).await.unwrap_err();
+    let err = broker.send_delegate(genuine).await.unwrap_err();
     assert_eq!(err.code(), Status::Unauthenticated);
 
     // A body altered after signing.
@@ -87,7 +78,7 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let signed = request.signed.as_mut().unwrap();
     let last = signed.payload.len() - 1;
     signed.payload[last] ^= 1;
-    let err = broker.client.delegate(request).await.unwrap_err();
+    let err = broker.send_delegate(request).await.unwrap_err();
     assert!(
         matches!(
             err.code(),
@@ -127,13 +118,8 @@ async fn open_root_is_idempotent_too() {
     let mut body = RootSpec::default().body();
     body.header = Some(orchestrator.header());
     let request = orchestrator.open_root(body);
-    let first = broker
-        .client
-        .open_root(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
-    let again = broker.client.open_root(request).await.unwrap().into_inner();
+    let first = broker.send_open_root(request.clone()).await.unwrap();
+    let again = broker.send_open_root(request).await.unwrap();
     assert!(again.replayed);
     assert_eq!(first.issued, again.issued);
     broker.stop().await;
@@ -159,8 +145,7 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
 
     let over = RootSpec::with(|s| s.budget = 1_001);
     let err = broker
-        .client
-        .open_root(listed.open_root(over.body()))
+        .send_open_root(listed.open_root(over.body()))
         .await
         .unwrap_err();
     assert_status(&err, Status::PermissionDenied, "ROOT_BUDGET_OVER_ALLOWANCE");
@@ -180,8 +165,7 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
     );
 
     let err = broker
-        .client
-        .open_root(stranger.open_root(RootSpec::default().body()))
+        .send_open_root(stranger.open_root(RootSpec::default().body()))
         .await
         .unwrap_err();
     assert_status(&err, Status::PermissionDenied, "NOT_AN_ORCHESTRATOR");
@@ -210,21 +194,11 @@ async fn retries_are_answered_until_the_request_log_retention_prunes_them() {
     .await;
     let orchestrator = Agent::generate();
     let original = orchestrator.open_root(RootSpec::default().body());
-    let first = broker
-        .client
-        .open_root(original.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let first = broker.send_open_root(original.clone()).await.unwrap();
 
     // Stale, but within retention: the original answer.
     broker.clock.advance_ms(WINDOW_MS + 1_000);
-    let late = broker
-        .client
-        .open_root(original.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let late = broker.send_open_root(original.clone()).await.unwrap();
     assert!(late.replayed);
     assert_eq!(late.issued, first.issued);
 

@@ -165,8 +165,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         let mut b = body();
         edit(&mut b);
         let err = broker
-            .client
-            .delegate(orchestrator.delegate(b))
+            .send_delegate(orchestrator.delegate(b))
             .await
             .expect_err(what);
         assert_names(&err, code, key, value);
@@ -202,8 +201,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         let mut r = RootSpec::default().body();
         edit(&mut r);
         let err = broker
-            .client
-            .open_root(orchestrator.open_root(r))
+            .send_open_root(orchestrator.open_root(r))
             .await
             .expect_err(what);
         assert_names(&err, code, key, value);
@@ -240,7 +238,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
     for (what, edit, code, key, value) in envelope_cases {
         let mut request = orchestrator.delegate(body());
         edit(&mut request);
-        let err = broker.client.delegate(request).await.expect_err(what);
+        let err = broker.send_delegate(request).await.expect_err(what);
         assert_names(&err, code, key, value);
     }
 
@@ -262,8 +260,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         .unwrap_err();
     assert_names(&err, Code::NotFound, "what", "contract");
     let err = broker
-        .client
-        .delegate(orchestrator.delegate(pb::DelegateBody {
+        .send_delegate(orchestrator.delegate(pb::DelegateBody {
             parent_id: vec![9; 32],
             ..body()
         }))
@@ -324,11 +321,7 @@ async fn raw_unary(addr: &str, path: &'static str, bytes: Vec<u8>) -> tonic::Sta
             Raw
         }
     }
-    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(addr).await;
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
     grpc.unary(

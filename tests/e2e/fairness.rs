@@ -403,13 +403,7 @@ async fn a_thousand_free_keys_share_one_turn() {
     .await;
     let mut channels = Vec::new();
     for _ in 0..CROWD_CHANNELS {
-        channels.push(
-            tonic::transport::Channel::from_shared(broker.addr.clone())
-                .expect("address")
-                .connect()
-                .await
-                .expect("connect"),
-        );
+        channels.push(channel(&broker.addr).await);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let calls = Arc::new(CrowdCalls::default());

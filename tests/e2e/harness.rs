@@ -293,12 +293,24 @@ impl Broker {
         holder: &Agent,
         body: pb::DelegateBody,
     ) -> Result<Outcome, tonic::Status> {
-        let response = self
-            .client
-            .delegate(holder.delegate(body))
-            .await?
-            .into_inner();
+        let response = self.send_delegate(holder.delegate(body)).await?;
         Ok(Outcome::from(response.outcome.expect("an outcome")))
+    }
+
+    /// Sends a Delegate request as it was signed.
+    pub async fn send_delegate(
+        &mut self,
+        request: pb::DelegateRequest,
+    ) -> Result<pb::DelegateResponse, tonic::Status> {
+        Ok(self.client.delegate(request).await?.into_inner())
+    }
+
+    /// Sends an OpenRoot request as it was signed.
+    pub async fn send_open_root(
+        &mut self,
+        request: pb::OpenRootRequest,
+    ) -> Result<pb::OpenRootResponse, tonic::Status> {
+        Ok(self.client.open_root(request).await?.into_inner())
     }
 
     /// Delegates `body`, expecting it issued; the child's id.
@@ -317,6 +329,16 @@ impl Broker {
             .expect("Delegate answers")
             .refused()
             .2
+    }
+
+    /// `refuse`, checking the refusal as `assert_refusal_verifies` does.
+    pub async fn refuse_verified(&mut self, holder: &Agent, body: pb::DelegateBody) -> pb::Receipt {
+        let (id, envelope, _) = self
+            .delegate(holder, body)
+            .await
+            .expect("Delegate answers")
+            .refused();
+        assert_refusal_verifies(self, &id, &envelope).await
     }
 
     /// A Watch of `id`'s tree from its first event.
@@ -388,13 +410,18 @@ impl Broker {
     }
 }
 
-/// A client that reads as `agent` (it opens a session for it).
-pub async fn connect_as(addr: &str, agent: &Agent) -> SessionClient {
-    let channel = Channel::from_shared(addr.to_owned())
+/// A plain channel to `addr` (for services besides the broker's).
+pub async fn channel(addr: &str) -> Channel {
+    Channel::from_shared(addr.to_owned())
         .expect("address")
         .connect()
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+/// A client that reads as `agent` (it opens a session for it).
+pub async fn connect_as(addr: &str, agent: &Agent) -> SessionClient {
+    let channel = channel(addr).await;
     let attacher = SessionAttacher::default();
     let mut client = attacher
         .client(channel)
@@ -985,6 +1012,26 @@ pub async fn serve_otlp(
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     endpoint
+}
+
+/// Seed 001's delegations under `root`: a liable planner (25, 12 to
+/// retry, `predicate`), whose executor of 20 is refused (no retry
+/// headroom) and of 13 issued; the planner's and the executor's ids.
+pub async fn seed_001_delegations(
+    broker: &mut Broker,
+    root: &Root,
+    [orchestrator, planner, executor]: [&Agent; 3],
+    predicate: &str,
+) -> (Vec<u8>, Vec<u8>) {
+    let mut to_planner = root.liable_child(planner, 25, predicate);
+    to_planner.min_retry_cost = 12;
+    let planner_id = broker.issue(orchestrator, to_planner).await;
+    let mut to_executor = liable_child(&planner_id, &root.lineage, executor, 20, "");
+    to_executor.min_retry_cost = 12;
+    broker.refuse(planner, to_executor.clone()).await;
+    to_executor.budget = 13;
+    let executor_id = broker.issue(planner, to_executor).await;
+    (planner_id, executor_id)
 }
 
 /// Asserts every contract of `ids` is stored, read through `client`.

@@ -33,13 +33,7 @@ impl Case {
     /// Sends `body` signed by `signer` and expects exactly `expected`.
     async fn expect(&mut self, signer: &Agent, body: pb::DelegateBody, expected: &[Code]) {
         let before = self.broker.ledger(&body.parent_id).await;
-        let (id, envelope, _) = self
-            .broker
-            .delegate(signer, body.clone())
-            .await
-            .unwrap()
-            .refused();
-        let receipt = assert_refusal_verifies(&mut self.broker, &id, &envelope).await;
+        let receipt = self.broker.refuse_verified(signer, body.clone()).await;
         assert_eq!(codes(&receipt), expected);
         assert_eq!(receipt.primary, expected[0] as i32);
         assert_eq!(receipt.requester_public_key, signer.public_key().to_vec());

@@ -8,11 +8,7 @@ use crate::harness::{Broker, agents, complete_body};
 #[tokio::test]
 async fn reflection_lists_the_services_in_v1_and_v1alpha() {
     let broker = Broker::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(broker.addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = crate::harness::channel(&broker.addr).await;
 
     let mut alpha = v1alpha::server_reflection_client::ServerReflectionClient::new(channel.clone());
     let request = v1alpha::ServerReflectionRequest {
@@ -70,11 +66,7 @@ async fn sqlite_a_failed_fsync_turns_health_not_serving() {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
     let mut broker = Broker::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(broker.addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = crate::harness::channel(&broker.addr).await;
     let mut health = HealthClient::new(channel);
     let status = |service: &str| HealthCheckRequest {
         service: service.into(),
@@ -164,7 +156,7 @@ pub(crate) fn value(
 /// histogram is well-formed.
 #[tokio::test]
 async fn metrics_count_a_scripted_run_exactly() {
-    use crate::harness::{RootSpec, child, liable_child};
+    use crate::harness::{RootSpec, child, seed_001_delegations};
     use broker_client::Agent;
 
     let mut broker = Broker::start_with_metrics().await;
@@ -173,14 +165,13 @@ async fn metrics_count_a_scripted_run_exactly() {
     // headroom), then the executor it can afford.
     let [orchestrator, planner, executor] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let mut to_planner = root.liable_child(&planner, 25, "result.schema_valid");
-    to_planner.min_retry_cost = 12;
-    let planner_id = broker.issue(&orchestrator, to_planner).await;
-    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
-    to_executor.min_retry_cost = 12;
-    broker.refuse(&planner, to_executor.clone()).await;
-    to_executor.budget = 13;
-    let executor_id = broker.issue(&planner, to_executor).await;
+    let (planner_id, executor_id) = seed_001_delegations(
+        &mut broker,
+        &root,
+        [&orchestrator, &planner, &executor],
+        "result.schema_valid",
+    )
+    .await;
     // The executor accepts and completes, reporting 4 units (no host).
     broker.accept(&executor, &executor_id, None).await.unwrap();
     let completed = broker

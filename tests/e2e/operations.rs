@@ -126,11 +126,7 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
         acknowledged.push(issued.contract_id);
     }
 
-    let channel = tonic::transport::Endpoint::from_shared(addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(&addr).await;
     let mut health = HealthClient::new(channel)
         .watch(HealthCheckRequest {
             service: String::new(),
@@ -196,11 +192,7 @@ async fn reflection_finds_google_rpc_error_info() {
     use tonic_reflection::pb::v1;
 
     let broker = Broker::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(broker.addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(&broker.addr).await;
     let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel);
     for symbol in ["google.rpc.ErrorInfo", "google.rpc.BadRequest"] {
         let request = v1::ServerReflectionRequest {
@@ -376,11 +368,7 @@ impl Drop for Mounted {
 }
 
 async fn health_is(addr: &str, want: ServingStatus, bound: Duration) {
-    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(addr).await;
     let mut health = HealthClient::new(channel);
     let deadline = Instant::now() + bound;
     loop {

@@ -53,19 +53,9 @@ async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
     let mut body = root.child(&worker, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
-    let first = a
-        .client
-        .delegate(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let first = a.send_delegate(request.clone()).await.unwrap();
     assert!(!first.replayed);
-    let again = b
-        .client
-        .delegate(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let again = b.send_delegate(request.clone()).await.unwrap();
     assert!(again.replayed, "answered from the request log");
     assert_eq!(again.outcome, first.outcome);
     assert_eq!(b.ledger(&root.id).await.reserved, 10, "reserved once");
@@ -73,8 +63,7 @@ async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
     let mut other = body;
     other.budget = 20;
     let status = c
-        .client
-        .delegate(orchestrator.delegate(other))
+        .send_delegate(orchestrator.delegate(other))
         .await
         .expect_err("a reused nonce");
     assert_status(&status, tonic::Code::AlreadyExists, "NONCE_REUSED");
@@ -546,11 +535,7 @@ async fn a_database_restart_is_survived_without_loss() {
     let health_stop = stop.clone();
     let health = tokio::spawn(async move {
         use tonic_health::pb::health_client::HealthClient;
-        let channel = tonic::transport::Endpoint::from_shared(health_addr)
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+        let channel = channel(&health_addr).await;
         let mut client = HealthClient::new(channel);
         let mut statuses = Vec::new();
         while !health_stop.load(Ordering::SeqCst) {

@@ -30,21 +30,10 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
     to_executor.min_retry_cost = 12;
     to_executor.deadline_ms = now_ms() + 60_000;
-    let (receipt_id, envelope, _) = broker
-        .delegate(&planner, to_executor.clone())
-        .await
-        .unwrap()
-        .refused();
-    let receipt = assert_refusal_verifies(&mut broker, &receipt_id, &envelope).await;
+    let receipt = broker.refuse_verified(&planner, to_executor.clone()).await;
     assert_eq!(codes(&receipt), vec![Code::NoRetryHeadroom]);
     assert_eq!(receipt.primary, Code::NoRetryHeadroom as i32);
-    assert_eq!(
-        (
-            receipt.violations[0].requested.as_str(),
-            receipt.violations[0].allowed.as_str()
-        ),
-        ("5", "12")
-    );
+    assert_eq!(requested_and_allowed(&receipt), ("5", "12"));
     assert_eq!(receipt.contract_id, planner_id);
     assert_eq!(
         broker.ledger(&planner_id).await.reserved,
@@ -71,6 +60,12 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     broker.stop().await;
 }
 
+/// The bounds the first violation names: what was asked, what was allowed.
+fn requested_and_allowed(receipt: &delegation_broker::pb::Receipt) -> (&str, &str) {
+    let violation = &receipt.violations[0];
+    (&violation.requested, &violation.allowed)
+}
+
 /// seed 001's `bad` contract: liability DELEGATE with neither predicate nor
 /// escalation channel → one refusal listing both.
 #[tokio::test]
@@ -83,8 +78,7 @@ async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
     bad.min_retry_cost = 12;
     bad.min_retry_latency_ms = 15_000;
     bad.deadline_ms = now_ms() + 60_000;
-    let (id, envelope, _) = broker.delegate(&orchestrator, bad).await.unwrap().refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker.refuse_verified(&orchestrator, bad).await;
     assert_eq!(
         codes(&receipt),
         vec![
@@ -119,20 +113,11 @@ async fn seed_002_fifth_hop_exceeds_depth_four() {
         assert_eq!(contract.parent_id, parent);
         parent = id;
     }
-    let (id, envelope, _) = broker
-        .delegate(&agents[4], child(&parent, &root.lineage, &agents[5], 5))
-        .await
-        .unwrap()
-        .refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker
+        .refuse_verified(&agents[4], child(&parent, &root.lineage, &agents[5], 5))
+        .await;
     assert_eq!(codes(&receipt), vec![Code::DepthExceeded]);
-    assert_eq!(
-        (
-            receipt.violations[0].requested.as_str(),
-            receipt.violations[0].allowed.as_str()
-        ),
-        ("5", "4")
-    );
+    assert_eq!(requested_and_allowed(&receipt), ("5", "4"));
     broker.stop().await;
 }
 
@@ -163,16 +148,9 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
     }
     let mut body = child(&parent, &root.lineage, &agents[3], 5);
     body.delegate_attestation = Some(broker.attest(&agents[3], 0.5));
-    let (id, envelope, _) = broker.delegate(&agents[2], body).await.unwrap().refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker.refuse_verified(&agents[2], body).await;
     assert_eq!(codes(&receipt), vec![Code::TrustAttenuated]);
-    assert_eq!(
-        (
-            receipt.violations[0].requested.as_str(),
-            receipt.violations[0].allowed.as_str()
-        ),
-        ("360000", "400000")
-    );
+    assert_eq!(requested_and_allowed(&receipt), ("360000", "400000"));
     broker.stop().await;
 }
 
@@ -183,12 +161,9 @@ async fn seed_002_diluted_intent_is_refused() {
     let [orchestrator, delegate] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     let paraphrase = delegation_broker::crypto::sha256(b"Improve auth somehow");
-    let (id, envelope, _) = broker
-        .delegate(&orchestrator, child(&root.id, &paraphrase, &delegate, 10))
-        .await
-        .unwrap()
-        .refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker
+        .refuse_verified(&orchestrator, child(&root.id, &paraphrase, &delegate, 10))
+        .await;
     assert_eq!(codes(&receipt), vec![Code::IntentDiluted]);
     broker.stop().await;
 }

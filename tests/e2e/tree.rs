@@ -23,14 +23,13 @@ async fn tree_prints_the_seed_001_tree() {
     // seed 001: the planner (25, 12 to retry) asks for an executor of 20
     // (refused NO_RETRY_HEADROOM), then of 13.
     let predicate = "result.schema_valid && result.within_scope";
-    let mut to_planner = root.liable_child(&planner, 25, predicate);
-    to_planner.min_retry_cost = 12;
-    let planner_id = broker.issue(&orchestrator, to_planner).await;
-    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
-    to_executor.min_retry_cost = 12;
-    broker.refuse(&planner, to_executor.clone()).await;
-    to_executor.budget = 13;
-    let executor_id = broker.issue(&planner, to_executor).await;
+    let (_, executor_id) = seed_001_delegations(
+        &mut broker,
+        &root,
+        [&orchestrator, &planner, &executor],
+        predicate,
+    )
+    .await;
     // The executor mutates outside its scope and claims success: REJECTED
     // on within_scope, on what the host observed.
     broker
