@@ -30,6 +30,18 @@ fn spawn_authz(broker: &str, agent: &Agent) -> (Gateway, String) {
     (gateway, format!("http://{}", addrs["a2a authz"]))
 }
 
+/// Asks `authz` what Envoy asks for a POST of `body`.
+async fn ask(
+    authz: &mut AuthorizationClient<tonic::transport::Channel>,
+    body: &serde_json::Value,
+) -> CheckResponse {
+    authz
+        .check(check_request(body))
+        .await
+        .expect("Check answers")
+        .into_inner()
+}
+
 /// What Envoy sends for a POST of `body` (with_request_body on).
 pub(crate) fn check_request(body: &serde_json::Value) -> CheckRequest {
     CheckRequest {
@@ -123,13 +135,7 @@ async fn check_allows_only_this_agents_open_unused_contract() {
 
     let (_gateway, addr) = spawn_authz(&broker.addr, &worker);
     let mut authz = AuthorizationClient::connect(addr).await.unwrap();
-    let mut check = async |body: serde_json::Value| {
-        authz
-            .check(check_request(&body))
-            .await
-            .expect("Check answers")
-            .into_inner()
-    };
+    let mut check = async |body: serde_json::Value| ask(&mut authz, &body).await;
 
     // No chain at all.
     assert_denied(&check(send_message(None)).await, "INVALID_FIELD");
@@ -487,13 +493,7 @@ async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
     let mut authz = AuthorizationClient::connect(format!("http://{}", addrs["a2a authz"]))
         .await
         .unwrap();
-    let mut check = async |body: serde_json::Value| {
-        authz
-            .check(check_request(&body))
-            .await
-            .expect("Check answers")
-            .into_inner()
-    };
+    let mut check = async |body: serde_json::Value| ask(&mut authz, &body).await;
     let first_chain = chain_bytes(&mut broker, &first).await;
     let second_chain = chain_bytes(&mut broker, &second).await;
     let unused_chain = chain_bytes(&mut broker, &unused).await;
@@ -560,17 +560,8 @@ async fn without_upstream_a_continuation_is_refused() {
     let (_gateway, addr) = spawn_authz(&broker.addr, &worker);
     let mut authz = AuthorizationClient::connect(addr).await.unwrap();
     let chain = chain_bytes(&mut broker, &contract).await;
-    let started = authz
-        .check(check_request(&send_message(Some(&chain))))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_allowed(&started);
-    let continued = authz
-        .check(check_request(&continuation("task-1", &chain)))
-        .await
-        .unwrap()
-        .into_inner();
+    assert_allowed(&ask(&mut authz, &send_message(Some(&chain))).await);
+    let continued = ask(&mut authz, &continuation("task-1", &chain)).await;
     assert_denied(&continued, "INVALID_FIELD");
     broker.stop().await;
 }

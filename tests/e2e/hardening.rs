@@ -67,8 +67,7 @@ async fn metered_units_leave_the_residual_at_once() {
         .record(&host, &a_id, vec![tool_call("llm", 100)])
         .await
         .unwrap();
-    let ledger = broker.ledger(&a_id).await;
-    assert_eq!((ledger.spent, ledger.residual), (100, 0));
+    assert_eq!(broker.spent_and_residual(&a_id).await, (100, 0));
     let receipt = broker
         .refuse(&a, child(&a_id, &root.lineage, &c, 100))
         .await;
@@ -107,12 +106,10 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
         (4, 26, 0)
     );
     assert_eq!(broker.ledger(&b_id).await.spent, 4);
-    let a_ledger = broker.ledger(&a_id).await;
-    assert_eq!((a_ledger.spent, a_ledger.residual), (4, 56));
+    assert_eq!(broker.spent_and_residual(&a_id).await, (4, 56));
     // A escalates after the late accept: B's units are not charged again.
     broker.escalate(&a, &a_id, "stuck").await.unwrap();
-    let root_ledger = broker.ledger(&root.id).await;
-    assert_eq!((root_ledger.spent, root_ledger.residual), (4, 96));
+    assert_eq!(broker.spent_and_residual(&root.id).await, (4, 96));
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }
@@ -140,8 +137,7 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
         ),
         (10, claimed - 10, 0, 0)
     );
-    let root_ledger = broker.ledger(&root.id).await;
-    assert_eq!((root_ledger.spent, root_ledger.residual), (10, 90));
+    assert_eq!(broker.spent_and_residual(&root.id).await, (10, 90));
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }
@@ -789,8 +785,7 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
         ),
         (25, 0, 15)
     );
-    let root_ledger = broker.ledger(&root.id).await;
-    assert_eq!((root_ledger.spent, root_ledger.residual), (35, 65));
+    assert_eq!(broker.spent_and_residual(&root.id).await, (35, 65));
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }

@@ -354,6 +354,12 @@ impl Broker {
         self.state(id).await.ledger.unwrap()
     }
 
+    /// What the contract `id` has spent and has left.
+    pub async fn spent_and_residual(&mut self, id: &[u8]) -> (i64, i64) {
+        let ledger = self.ledger(id).await;
+        (ledger.spent, ledger.residual)
+    }
+
     pub fn attest(&self, agent: &Agent, factor: f64) -> pb::Envelope {
         self.attestor
             .attest(agent.public_key(), factor, now_ms() + HOUR_MS, "test")

@@ -47,9 +47,8 @@ async fn siblings_racing_through_three_replicas_never_overspend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
     let (mut a, mut b, mut c) = three().await;
-    let orchestrator = Agent::generate();
+    let [orchestrator, worker] = agents();
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
-    let worker = Agent::generate();
     let mut body = root.child(&worker, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
@@ -94,11 +93,9 @@ async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revocation_through_one_replica_holds_on_the_others() {
     let (mut a, mut b, mut c) = three().await;
-    let orchestrator = Agent::generate();
+    let [orchestrator, mid, leaf] = agents();
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
-    let mid = Agent::generate();
     let mid_id = a.issue(&orchestrator, root.child(&mid, 50)).await;
-    let leaf = Agent::generate();
     let leaf_id = a
         .issue(&mid, child(&mid_id, &root.lineage, &leaf, 20))
         .await;
@@ -441,8 +438,21 @@ struct PrivateServer {
 }
 
 impl PrivateServer {
-    fn script() -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh")
+    /// Runs `scripts/pg.sh VERB DIR ARGS`, which must succeed; its stdout.
+    fn pg_sh(verb: &str, dir: &std::path::Path, args: &[&str]) -> String {
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh");
+        let out = std::process::Command::new(script)
+            .arg(verb)
+            .arg(dir)
+            .args(args)
+            .output()
+            .expect("scripts/pg.sh runs");
+        assert!(
+            out.status.success(),
+            "pg.sh {verb} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
     }
 
     fn start() -> Self {
@@ -450,17 +460,7 @@ impl PrivateServer {
             .prefix("pg")
             .tempdir_in("/tmp")
             .unwrap();
-        let out = std::process::Command::new(Self::script())
-            .arg("start")
-            .arg(dir.path())
-            .output()
-            .expect("scripts/pg.sh runs");
-        assert!(
-            out.status.success(),
-            "pg.sh start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let line = String::from_utf8(out.stdout).unwrap();
+        let line = Self::pg_sh("start", dir.path(), &[]);
         let admin = line
             .trim()
             .strip_prefix("export BROKER_TEST_POSTGRES_URL=")
@@ -475,23 +475,15 @@ impl PrivateServer {
 
     /// `pg_ctl ARGS` on this server (`scripts/pg.sh ctl`).
     fn ctl(&self, args: &[&str]) {
-        let out = std::process::Command::new(Self::script())
-            .arg("ctl")
-            .arg(self.dir.path())
-            .args(args)
-            .output()
-            .expect("scripts/pg.sh runs");
-        assert!(
-            out.status.success(),
-            "pg.sh ctl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        Self::pg_sh("ctl", self.dir.path(), args);
     }
 }
 
 impl Drop for PrivateServer {
     fn drop(&mut self) {
-        let _ = std::process::Command::new(Self::script())
+        // Not `pg_sh`: a failed stop must not panic in a drop.
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh");
+        let _ = std::process::Command::new(script)
             .arg("stop")
             .arg(self.dir.path())
             .output();
@@ -796,6 +788,19 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
     verify_with_keys(&after, payload_type::CONTRACT, &keys, &new_id);
 }
 
+/// Asserts no replica of `addrs` opens a session naming the retired key
+/// `key_id`.
+async fn assert_no_session(addrs: &[&String], agent: &Agent, key_id: &str) {
+    for addr in addrs {
+        let refused = connect(addr)
+            .await
+            .open_session(agent.open_session(key_id))
+            .await
+            .expect_err("a retired key opens no session");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    }
+}
+
 /// Replicas heartbeat their keys. A replica
 /// killed and not restarted has its key retired by the others after
 /// `limits.replica_key_ttl_ms`: no new session is accepted with it, what
@@ -875,14 +880,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     // No new session with it, on either live replica (they refresh their
     // published keys every 500 ms).
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    for addr in [&addr_a, &addr_b] {
-        let refused = connect(addr)
-            .await
-            .open_session(orchestrator.open_session(&c_id))
-            .await
-            .expect_err("a retired key opens no session");
-        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
-    }
+    assert_no_session(&[&addr_a, &addr_b], &orchestrator, &c_id).await;
     // What C signed still verifies with the keys A publishes.
     let mut through_a = connect_as(&addr_a, &orchestrator).await;
     let chain = through_a
@@ -944,14 +942,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     // Not even the replicas holding it accept it for new sessions (they
     // re-read the registry every 500 ms).
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    for addr in [&addr_a, &addr_b] {
-        let refused = connect(addr)
-            .await
-            .open_session(orchestrator.open_session(&shared_id))
-            .await
-            .expect_err("an operator-retired key opens no session");
-        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
-    }
+    assert_no_session(&[&addr_a, &addr_b], &orchestrator, &shared_id).await;
     // A session the shared key sealed before, already used (and so
     // remembered as verified), stops working too.
     let stale = through_a
