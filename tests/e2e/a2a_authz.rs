@@ -76,15 +76,7 @@ pub(crate) fn send_message(chain: Option<&[u8]>) -> serde_json::Value {
 }
 
 pub(crate) async fn chain_bytes(broker: &mut Broker, id: &[u8]) -> Vec<u8> {
-    broker
-        .client
-        .get_chain(pb::GetChainRequest {
-            contract_id: id.to_vec(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .encode_to_vec()
+    broker.chain(id).await.encode_to_vec()
 }
 
 pub(crate) fn header(response: &CheckResponse, key: &str) -> Option<String> {

@@ -308,9 +308,8 @@ async fn two_arms_aggregate_to_the_expected_table() {
 /// INVALID_ARGUMENT naming the field, and nothing is recorded.
 #[tokio::test]
 async fn a_tool_calls_digest_and_outcome_are_checked() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate, host] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [delegate, host] = agents();
     let mut body = root.child(&delegate, 20);
     body.host_public_key = host.public_key().to_vec();
     let id = broker.issue(&orchestrator, body).await;

@@ -10,9 +10,8 @@ use crate::harness::*;
 
 #[tokio::test]
 async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
 
     // Same nonce, same body, twice: one contract, reserved once.
     let mut body = root.child(&delegate, 10);

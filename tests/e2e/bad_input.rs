@@ -44,9 +44,8 @@ fn case<T>(
 #[tokio::test]
 async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
     use Code::{InvalidArgument as Invalid, ResourceExhausted as Exhausted};
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     let body = || root.child(&delegate, 10);
     let attested: Vec<pb::Envelope> = [f64::NAN, 2.0, 0.0, -1.0]
         .into_iter()

@@ -540,9 +540,8 @@ async fn list_roots_shows_each_caller_its_own_trees() {
 /// left unset names `role`, a bad token `page_token`.
 #[tokio::test]
 async fn list_held_shows_each_caller_its_open_work() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     let first = broker.issue(&orchestrator, root.child(&delegate, 5)).await;
     let second = broker.issue(&orchestrator, root.child(&delegate, 5)).await;
     let addr = broker.addr.clone();

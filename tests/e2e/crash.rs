@@ -56,12 +56,34 @@ pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Kill
     }
 }
 
+/// What a killed broker restarts on: a fresh data directory and, when
+/// the run is on PostgreSQL, a fresh database (dropped last).
+struct BrokerData {
+    dir: tempfile::TempDir,
+    database: Option<delegation_broker::store::postgres::testing::TestDatabase>,
+}
+
+impl BrokerData {
+    async fn new() -> Self {
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+            database: database_of_this_run().await,
+        }
+    }
+
+    /// A broker process on this data.
+    fn spawn(&self) -> (Killed, String) {
+        spawn_broker(
+            self.dir.path(),
+            self.database.as_ref().map(|d| d.url.as_str()),
+        )
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_burst_loses_no_answered_contract() {
-    let dir = tempfile::tempdir().unwrap();
-    let database = database_of_this_run().await;
-    let url = database.as_ref().map(|d| d.url.as_str());
-    let (mut process, addr) = spawn_broker(dir.path(), url);
+    let data = BrokerData::new().await;
+    let (mut process, addr) = data.spawn();
     let mut client = connect(&addr).await;
     let orchestrator = Arc::new(Agent::generate());
     let spec = RootSpec::for_bursts();
@@ -125,7 +147,7 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let answered = answered.lock().unwrap().clone();
     assert!(answered.len() >= 300);
 
-    let (mut process, addr) = spawn_broker(dir.path(), url);
+    let (mut process, addr) = data.spawn();
     let mut broker_client = connect_as(&addr, &orchestrator).await;
     assert_stored(&mut broker_client, &answered).await;
     // A retry of an answered request after the restart gets the same answer.
@@ -214,10 +236,8 @@ impl LedgerCheck {
 /// then ends the root.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_drain_finishes_it_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let database = database_of_this_run().await;
-    let url = database.as_ref().map(|d| d.url.as_str());
-    let (mut process, addr) = spawn_broker(dir.path(), url);
+    let data = BrokerData::new().await;
+    let (mut process, addr) = data.spawn();
     let mut client = connect(&addr).await;
     let orchestrator = Agent::generate();
     let spec = RootSpec::for_bursts();
@@ -272,7 +292,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     process.0.wait().unwrap();
     drop(process);
 
-    let (_restarted, addr) = spawn_broker(dir.path(), url);
+    let (_restarted, addr) = data.spawn();
     let mut session = connect_as(&addr, &orchestrator).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
@@ -331,7 +351,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     let receipt = session.revoke(revoke).await.unwrap().into_inner();
     let receipt = decode_receipt(&receipt.receipt.unwrap());
     assert_eq!(receipt.revoked_ids, vec![root.clone()]);
-    drop(database);
+    drop(data);
 }
 
 /// Sends `request` until it is answered: 1,040 Delegates at once may find

@@ -151,11 +151,7 @@ async fn hostile_tenant(
                     return;
                 }
                 let mut client = connect_as(&addr, &worker).await;
-                let accept = pb::AcceptBody {
-                    header: None,
-                    contract_id: id.clone(),
-                    host_public_key: Vec::new(),
-                };
+                let accept = accept_body(&id, None);
                 if send_lifecycle(&mut client, &worker, accept).await.is_err() {
                     return;
                 }
@@ -367,11 +363,7 @@ async fn crowd_key(
             push(&calls.delegates, began.elapsed());
             continue;
         }
-        let accept = pb::AcceptBody {
-            header: None,
-            contract_id: id.clone(),
-            host_public_key: Vec::new(),
-        };
+        let accept = accept_body(&id, None);
         if send_lifecycle(&mut life, &worker, accept).await.is_err() {
             continue;
         }

@@ -147,9 +147,8 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
 /// and audit. Now: refused (NOT_FOUND, as for an unknown parent), and nothing in anyone's tree.
 #[tokio::test]
 async fn strangers_cannot_write_into_a_tree() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     for _ in 0..16 {
         let stranger = Agent::generate();
         let err = broker
@@ -182,9 +181,8 @@ async fn strangers_cannot_write_into_a_tree() {
 /// and clients saw RESOURCE_EXHAUSTED instead of the field.
 #[tokio::test]
 async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     // 4 KB of quotes and non-ASCII (percent-encoded 3×), that does not parse.
     let predicate = format!("result.x == \"{}", "é\"".repeat(1_300));
     let predicate = &predicate[..predicate.floor_char_boundary(4_000)];
@@ -674,9 +672,8 @@ fn doubling_schema(levels: usize) -> String {
 /// reads keep answering meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, a, stranger] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [a, stranger] = agents();
     let bomb = regex_bomb_schema(950);
     assert!(bomb.len() > 50_000 && bomb.len() < 65_536, "{}", bomb.len());
     let with_schema = |parent: &[u8], schema: &str| {

@@ -81,6 +81,14 @@ impl Broker {
         Self::start_with(|_| {}).await
     }
 
+    /// A fresh broker with a default root of a fresh orchestrator open.
+    pub async fn start_with_root() -> (Self, Agent, Root) {
+        let mut broker = Self::start().await;
+        let orchestrator = Agent::generate();
+        let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+        (broker, orchestrator, root)
+    }
+
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Self {
         Self::start_full(adjust, Listener::None, None).await
     }
@@ -223,15 +231,7 @@ impl Broker {
     /// broker's own copy in ContractState.
     pub async fn effective_predicate(&mut self, id: &[u8]) -> String {
         let keys = self.keys().await;
-        let chain = self
-            .client
-            .get_chain(pb::GetChainRequest {
-                contract_id: id.to_vec(),
-            })
-            .await
-            .expect("GetChain")
-            .into_inner()
-            .chain;
+        let chain = self.chain(id).await.chain;
         let sealed: Vec<pb::Sealed> = chain.iter().map(|s| s.contract.clone().unwrap()).collect();
         let hops = delegation_broker::chain::verify_chain(
             &sealed,
@@ -242,6 +242,17 @@ impl Broker {
         let derived = hops.last().unwrap().effective_predicate.clone();
         assert_eq!(derived, chain.last().unwrap().effective_predicate);
         derived
+    }
+
+    /// GetChain of contract `id`.
+    pub async fn chain(&mut self, id: &[u8]) -> pb::GetChainResponse {
+        self.client
+            .get_chain(pb::GetChainRequest {
+                contract_id: id.to_vec(),
+            })
+            .await
+            .expect("GetChain")
+            .into_inner()
     }
 
     pub async fn keys(&mut self) -> Vec<pb::BrokerKey> {
@@ -747,13 +758,7 @@ impl Broker {
         contract: &[u8],
         host: Option<&Agent>,
     ) -> Result<pb::Receipt, tonic::Status> {
-        let host_public_key = host.map(|h| h.public_key().to_vec()).unwrap_or_default();
-        let body = pb::AcceptBody {
-            header: None,
-            contract_id: contract.to_vec(),
-            host_public_key,
-        };
-        self.act(delegate, body).await
+        self.act(delegate, accept_body(contract, host)).await
     }
 
     pub async fn record(
@@ -822,6 +827,15 @@ impl Broker {
             .into_inner()
             .contract
             .unwrap()
+    }
+}
+
+/// An Accept body with no header, naming `host` when given.
+pub fn accept_body(contract: &[u8], host: Option<&Agent>) -> pb::AcceptBody {
+    pb::AcceptBody {
+        header: None,
+        contract_id: contract.to_vec(),
+        host_public_key: host.map(|h| h.public_key().to_vec()).unwrap_or_default(),
     }
 }
 

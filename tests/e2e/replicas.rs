@@ -646,19 +646,16 @@ async fn migrate_once_then_serve_without_migrating() {
     let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
     let binary = env!("CARGO_BIN_EXE_delegation-broker");
     let dir = tempfile::tempdir().unwrap();
-    let refused = std::process::Command::new(binary)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--no-migrate",
-            "--data-dir",
-        ])
-        .arg(dir.path())
-        .args(["--database-url", &database.url])
-        .env("BROKER_LOG", "error")
-        .output()
-        .unwrap();
+    let serve = || {
+        let mut command = std::process::Command::new(binary);
+        command
+            .args(["serve", "--listen", "127.0.0.1:0", "--no-migrate"])
+            .arg("--data-dir")
+            .arg(dir.path())
+            .args(["--database-url", &database.url]);
+        command
+    };
+    let refused = serve().env("BROKER_LOG", "error").output().unwrap();
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("delegation-broker migrate"), "{stderr}");
@@ -691,10 +688,13 @@ async fn migrate_once_then_serve_without_migrating() {
         .to_owned();
     // --status changed nothing.
     status(&["current version: 0"]);
-    let migrated = std::process::Command::new(binary)
-        .args(["migrate", "--database-url", &database.url])
-        .output()
-        .unwrap();
+    let migrate = || {
+        std::process::Command::new(binary)
+            .args(["migrate", "--database-url", &database.url])
+            .output()
+            .unwrap()
+    };
+    let migrated = migrate();
     assert!(migrated.status.success(), "{migrated:?}");
     let applied = String::from_utf8_lossy(&migrated.stdout);
     assert!(applied.contains("applied 0001 "), "{applied}");
@@ -704,30 +704,17 @@ async fn migrate_once_then_serve_without_migrating() {
     );
     status(&[&format!("current version: {latest}"), "up to date"]);
     // Twice is fine: nothing is pending.
-    let again = std::process::Command::new(binary)
-        .args(["migrate", "--database-url", &database.url])
-        .output()
-        .unwrap();
+    let again = migrate();
     assert!(again.status.success(), "{again:?}");
-    let mut command = std::process::Command::new(binary);
-    command
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--no-migrate",
-            "--data-dir",
-        ])
-        .arg(dir.path())
-        .args(["--database-url", &database.url])
-        .env("BROKER_LOG", "warn");
-    let (process, addr) = crate::crash::Killed::announcing(&mut command, "listening");
+    let (process, addr) =
+        crate::crash::Killed::announcing(serve().env("BROKER_LOG", "warn"), "listening");
     let orchestrator = Agent::generate();
-    connect(&addr)
-        .await
-        .open_root(orchestrator.open_root(RootSpec::default().body()))
-        .await
-        .expect("serves");
+    open_root_on(
+        &mut connect(&addr).await,
+        &orchestrator,
+        &RootSpec::default(),
+    )
+    .await;
     drop(process);
 }
 

@@ -70,9 +70,8 @@ fn requested_and_allowed(receipt: &delegation_broker::pb::Receipt) -> (&str, &st
 /// escalation channel → one refusal listing both.
 #[tokio::test]
 async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     let mut bad = root.child(&delegate, 20);
     bad.liability = delegation_broker::pb::Liability::Delegate as i32;
     bad.min_retry_cost = 12;
@@ -157,9 +156,8 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
 /// seed 002 gate 2: a paraphrased intent (another lineage hash) is refused.
 #[tokio::test]
 async fn seed_002_diluted_intent_is_refused() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, delegate] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     let paraphrase = delegation_broker::crypto::sha256(b"Improve auth somehow");
     let receipt = broker
         .refuse_verified(&orchestrator, child(&root.id, &paraphrase, &delegate, 10))
@@ -173,9 +171,8 @@ async fn seed_002_diluted_intent_is_refused() {
 /// as `claimed_excess` for the principal to see, and `tree` shows them.
 #[tokio::test]
 async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, worker, host] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [worker, host] = agents();
     let id = broker.issue(&orchestrator, root.child(&worker, 20)).await;
     broker.accept(&worker, &id, Some(&host)).await.unwrap();
     broker

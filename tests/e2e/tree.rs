@@ -17,9 +17,8 @@ const GOLDEN: &str = concat!(
 
 #[tokio::test]
 async fn tree_prints_the_seed_001_tree() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, planner, executor, host] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [planner, executor, host] = agents();
     // seed 001: the planner (25, 12 to retry) asks for an executor of 20
     // (refused NO_RETRY_HEADROOM), then of 13.
     let predicate = "result.schema_valid && result.within_scope";
