@@ -266,27 +266,21 @@ async fn two_arms_aggregate_to_the_expected_table() {
         let addr = broker.addr.clone();
         let key_file = key_file.clone();
         tokio::task::spawn_blocking(move || {
-            let out = std::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-                .args([
-                    "audit",
-                    "--key-file",
-                    key_file.to_str().unwrap(),
-                    "--addr",
-                    &addr,
-                    "--group-by",
-                    "arm",
-                    "--format",
-                    format,
-                ])
-                .env("BROKER_LOG", "warn")
-                .output()
-                .expect("the CLI runs");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8(out.stdout).unwrap()
+            stdout_of(
+                std::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+                    .args([
+                        "audit",
+                        "--key-file",
+                        key_file.to_str().unwrap(),
+                        "--addr",
+                        &addr,
+                        "--group-by",
+                        "arm",
+                        "--format",
+                        format,
+                    ])
+                    .env("BROKER_LOG", "warn"),
+            )
         })
     };
     let exported: Vec<GroupRow> = serde_json::from_str(&cli("json").await.unwrap()).unwrap();

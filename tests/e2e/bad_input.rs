@@ -31,6 +31,21 @@ type Case<T> = (
     &'static str,
 );
 
+/// Sends each case's edit of a fresh `base()` through `send`, expecting
+/// the error the case names.
+async fn assert_each_refused<T, R: std::fmt::Debug>(
+    cases: Vec<Case<T>>,
+    base: impl Fn() -> T,
+    mut send: impl AsyncFnMut(T) -> Result<R, tonic::Status>,
+) {
+    for (what, edit, code, key, value) in cases {
+        let mut input = base();
+        edit(&mut input);
+        let err = send(input).await.expect_err(what);
+        assert_names(&err, code, key, value);
+    }
+}
+
 fn case<T>(
     what: &'static str,
     edit: impl Fn(&mut T) + 'static,
@@ -160,15 +175,8 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
             "limits.max_request_bytes",
         ),
     ];
-    for (what, edit, code, key, value) in delegate_cases {
-        let mut b = body();
-        edit(&mut b);
-        let err = broker
-            .send_delegate(orchestrator.delegate(b))
-            .await
-            .expect_err(what);
-        assert_names(&err, code, key, value);
-    }
+    let send = async |b| broker.send_delegate(orchestrator.delegate(b)).await;
+    assert_each_refused(delegate_cases, body, send).await;
 
     // OpenRoot bodies.
     let root_cases: Vec<Case<pb::OpenRootBody>> = vec![
@@ -196,15 +204,8 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
             "body.labels",
         ),
     ];
-    for (what, edit, code, key, value) in root_cases {
-        let mut r = RootSpec::default().body();
-        edit(&mut r);
-        let err = broker
-            .send_open_root(orchestrator.open_root(r))
-            .await
-            .expect_err(what);
-        assert_names(&err, code, key, value);
-    }
+    let send = async |r| broker.send_open_root(orchestrator.open_root(r)).await;
+    assert_each_refused(root_cases, || RootSpec::default().body(), send).await;
 
     // Signed envelopes: missing, garbage payload, another RPC's payload type.
     let envelope_cases: Vec<Case<pb::DelegateRequest>> = vec![
@@ -234,12 +235,9 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
             "signed.payload_type",
         ),
     ];
-    for (what, edit, code, key, value) in envelope_cases {
-        let mut request = orchestrator.delegate(body());
-        edit(&mut request);
-        let err = broker.send_delegate(request).await.expect_err(what);
-        assert_names(&err, code, key, value);
-    }
+    let signed = || orchestrator.delegate(body());
+    let send = async |request| broker.send_delegate(request).await;
+    assert_each_refused(envelope_cases, signed, send).await;
 
     // Bad ids on reads.
     let err = broker

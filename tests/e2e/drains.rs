@@ -67,13 +67,9 @@ async fn children(
     ids
 }
 
-fn big_root() -> RootSpec {
-    RootSpec::for_bursts()
-}
-
 /// A root of `opener` with `VICTIM_CHILDREN` children; the root's id.
 async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
-    let root = broker.open_root(opener, big_root()).await;
+    let root = broker.open_root(opener, RootSpec::for_bursts()).await;
     let worker = Agent::generate();
     children(
         &broker.addr,
@@ -90,7 +86,7 @@ async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
 
 /// A root of `opener` with `MIDDLES` middles of `LEAVES_PER_MIDDLE` leaves each.
 async fn draining_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
-    let root = broker.open_root(opener, big_root()).await;
+    let root = broker.open_root(opener, RootSpec::for_bursts()).await;
     let [middle, leaf] = agents();
     let middles = children(
         &broker.addr,
@@ -162,16 +158,9 @@ async fn drains_take_turns_and_leave_other_writes_alone() {
         let writer = Agent::from_seed(writer.seed());
         tokio::spawn(async move {
             let mut raw = connect(&addr).await;
-            let spec = big_root();
-            let root_id = raw
-                .open_root(writer.open_root(spec.body()))
-                .await
-                .expect("the other tenant's root")
-                .into_inner()
-                .issued
-                .expect("issued")
-                .contract_id;
-            let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+            let spec = RootSpec::for_bursts();
+            let root_id = open_root_on(&mut raw, &writer, &spec).await.contract_id;
+            let lineage = spec.lineage();
             let worker = Agent::generate();
             let mut took = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::SeqCst) && took.len() < 10_000 {

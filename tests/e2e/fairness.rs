@@ -71,6 +71,21 @@ async fn honest_round(
     [delegate, accept, started.elapsed()]
 }
 
+/// A Watch of `root`'s tree through `own`, its first event (the root)
+/// read; held open by the caller.
+async fn watch_tree(
+    own: &mut broker_client::SessionClient,
+    root: &Root,
+) -> tonic::Streaming<pb::WatchResponse> {
+    let mut stream = own
+        .watch(watch_request(&root.id))
+        .await
+        .expect("the tenant watches its tree")
+        .into_inner();
+    stream.message().await.expect("an event").expect("the root");
+    stream
+}
+
 /// What the flood got done: conversions answered, completions judged.
 #[derive(Default)]
 struct Flooded {
@@ -229,12 +244,7 @@ async fn flood(orchestrated: bool) {
     };
     let mut own = connect_as(&broker.addr, &honest).await;
     let started = Instant::now();
-    let mut stream = own
-        .watch(watch_request(&root.id))
-        .await
-        .expect("the honest tenant watches its tree")
-        .into_inner();
-    stream.message().await.expect("an event").expect("the root");
+    let _stream = watch_tree(&mut own, &root).await;
     timed(started.elapsed(), "Watch");
     for round in 0..HONEST_ROUNDS {
         let [delegate, accept, complete] =
@@ -413,12 +423,7 @@ async fn a_thousand_free_keys_share_one_turn() {
     let worker = Agent::generate();
     let root = broker.open_root(&honest, RootSpec::default()).await;
     let mut own = connect_as(&broker.addr, &honest).await;
-    let mut stream = own
-        .watch(watch_request(&root.id))
-        .await
-        .expect("the declared tenant watches its tree")
-        .into_inner();
-    stream.message().await.expect("an event").expect("the root");
+    let _stream = watch_tree(&mut own, &root).await;
     let (mut delegates, mut completes) = (Vec::new(), Vec::new());
     for round in 0..CROWD_ROUNDS {
         let [delegate, _, complete] =

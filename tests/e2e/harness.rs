@@ -354,8 +354,21 @@ impl Broker {
 
     /// A Watch of `id`'s tree from its first event.
     pub async fn watch(&mut self, id: &[u8]) -> tonic::Streaming<pb::WatchResponse> {
+        self.watch_from(id, 0).await
+    }
+
+    /// A Watch of `id`'s tree from the event after `cursor`.
+    pub async fn watch_from(
+        &mut self,
+        id: &[u8],
+        cursor: u64,
+    ) -> tonic::Streaming<pb::WatchResponse> {
+        let request = pb::WatchRequest {
+            cursor,
+            ..watch_request(id)
+        };
         self.client
-            .watch(watch_request(id))
+            .watch(request)
             .await
             .expect("Watch")
             .into_inner()
@@ -1141,4 +1154,15 @@ pub fn field(status: &tonic::Status) -> String {
         .get_details_error_info()
         .and_then(|i| i.metadata.get("field").cloned())
         .unwrap_or_default()
+}
+
+/// Runs `command` to its end, which must succeed; its stdout.
+pub fn stdout_of(command: &mut std::process::Command) -> String {
+    let out = command.output().expect("the command runs");
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }

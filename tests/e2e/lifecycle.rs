@@ -78,6 +78,12 @@ impl Chain {
             .await
     }
 
+    /// Checks every ledger of the tree balances, then stops the broker.
+    async fn stop_balanced(mut self) {
+        self.broker.assert_ledgers_balance(&self.root.id).await;
+        self.broker.stop().await;
+    }
+
     /// The executor completes with seed 001's output and claim.
     async fn complete_executor(&mut self) -> Result<pb::Receipt, tonic::Status> {
         self.broker
@@ -187,8 +193,7 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
     );
     let root = c.broker.ledger(&c.root.id).await;
     assert_eq!((root.reserved, root.spent, root.residual), (0, 18, 10));
-    c.broker.assert_ledgers_balance(&c.root.id).await;
-    c.broker.stop().await;
+    c.stop_balanced().await;
 }
 
 /// (b) The same chain with an in-scope mutation is ACCEPTED, attributed to
@@ -269,8 +274,7 @@ async fn revocation_cascades_and_returns_every_reservation() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied);
-    c.broker.assert_ledgers_balance(&c.root.id).await;
-    c.broker.stop().await;
+    c.stop_balanced().await;
 }
 
 /// (d) With the broker's clock moved past a deadline, the sweeper expires
@@ -296,8 +300,7 @@ async fn overdue_contracts_expire_and_late_completions_are_refused() {
     late.header = Some(header_at(&c.executor, now_ms() + skip_ms));
     let err = c.broker.complete(&c.executor, late).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
-    c.broker.assert_ledgers_balance(&c.root.id).await;
-    c.broker.stop().await;
+    c.stop_balanced().await;
 }
 
 /// (e) A watch dropped after three events and resumed from its cursor gets
@@ -330,15 +333,7 @@ async fn collect(
     cursor: u64,
     n: usize,
 ) -> Vec<(u64, pb::watch_response::Event)> {
-    let mut stream = broker
-        .client
-        .watch(pb::WatchRequest {
-            cursor,
-            ..watch_request(id)
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = broker.watch_from(id, cursor).await;
     let mut out = Vec::new();
     while out.len() < n {
         let event = tokio::time::timeout(Duration::from_secs(10), stream.next())

@@ -4,52 +4,42 @@ use tonic_reflection::pb::{v1, v1alpha};
 
 use crate::harness::{Broker, agents, complete_body};
 
+/// The services a reflection client of `$version` (the generated module
+/// `v1` or `v1alpha`: the same messages, distinct types) lists over
+/// `$channel`.
+macro_rules! listed_services {
+    ($version:ident, $channel:expr) => {{
+        use $version::server_reflection_request::MessageRequest;
+        use $version::server_reflection_response::MessageResponse;
+        let mut client = $version::server_reflection_client::ServerReflectionClient::new($channel);
+        let request = $version::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut answers = client
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .expect(concat!(stringify!($version), " is served"))
+            .into_inner();
+        let answer = answers.message().await.unwrap().expect("an answer");
+        let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+            panic!("not a service list: {answer:?}");
+        };
+        list.service
+            .into_iter()
+            .map(|s| s.name)
+            .collect::<Vec<String>>()
+    }};
+}
+
 /// The services a reflection client lists.
 #[tokio::test]
 async fn reflection_lists_the_services_in_v1_and_v1alpha() {
     let broker = Broker::start().await;
     let channel = crate::harness::channel(&broker.addr).await;
 
-    let mut alpha = v1alpha::server_reflection_client::ServerReflectionClient::new(channel.clone());
-    let request = v1alpha::ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(
-            v1alpha::server_reflection_request::MessageRequest::ListServices(String::new()),
-        ),
-    };
-    let mut answers = alpha
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await
-        .expect("v1alpha is served")
-        .into_inner();
-    let answer = answers.message().await.unwrap().expect("an answer");
-    let Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
-        answer.message_response
-    else {
-        panic!("not a service list: {answer:?}");
-    };
-    let alpha_names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-
-    let mut current = v1::server_reflection_client::ServerReflectionClient::new(channel);
-    let request = v1::ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
-            String::new(),
-        )),
-    };
-    let mut answers = current
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await
-        .expect("v1 is served")
-        .into_inner();
-    let answer = answers.message().await.unwrap().expect("an answer");
-    let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
-        answer.message_response
-    else {
-        panic!("not a service list: {answer:?}");
-    };
-    let v1_names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-
+    let alpha_names = listed_services!(v1alpha, channel.clone());
+    let v1_names = listed_services!(v1, channel);
     for names in [&alpha_names, &v1_names] {
         for service in ["delegation.broker.v1.Broker", "grpc.health.v1.Health"] {
             assert!(names.iter().any(|n| n == service), "{service} in {names:?}");

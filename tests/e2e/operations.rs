@@ -626,6 +626,16 @@ fn rotate_key(data: &std::path::Path) -> std::process::Output {
         .unwrap()
 }
 
+/// `serve` on `data` and `listen`, for a start that must fail: its output.
+fn serve_to_the_end(data: &std::path::Path, listen: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["serve", "--listen", listen, "--data-dir"])
+        .arg(data)
+        .env("BROKER_LOG", "error")
+        .output()
+        .unwrap()
+}
+
 /// A served SQLite data directory has one writer: a second `serve` and a
 /// `rotate-key` refuse at once, naming the serving process's pid, and
 /// change nothing in it; `rotate-key` refuses a directory that does not
@@ -637,12 +647,7 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
     let (first, _addr) = spawn_serve(&data, &[]);
     let pid = first.0.id().to_string();
     let before = snapshot(&data);
-    let second = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(&data)
-        .env("BROKER_LOG", "error")
-        .output()
-        .unwrap();
+    let second = serve_to_the_end(&data, "127.0.0.1:0");
     assert!(!second.status.success(), "a second serve started");
     let said = String::from_utf8_lossy(&second.stderr);
     assert!(
@@ -689,12 +694,7 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
 fn serve_beyond_loopback_needs_declared_tenants_or_the_opt_in() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["serve", "--listen", "0.0.0.0:0", "--data-dir"])
-        .arg(&data)
-        .env("BROKER_LOG", "error")
-        .output()
-        .unwrap();
+    let out = serve_to_the_end(&data, "0.0.0.0:0");
     assert!(
         !out.status.success(),
         "served beyond loopback with no tenant"

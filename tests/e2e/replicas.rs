@@ -165,22 +165,6 @@ async fn read_events(stream: &mut tonic::Streaming<pb::WatchResponse>, want: usi
     seen
 }
 
-async fn watch(
-    broker: &mut Broker,
-    root: &[u8],
-    cursor: u64,
-) -> tonic::Streaming<pb::WatchResponse> {
-    broker
-        .client
-        .watch(pb::WatchRequest {
-            cursor,
-            ..watch_request(root)
-        })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 /// (e) Watch on A while B and C issue and end contracts concurrently
 /// (over 1,000 events in several trees): each stream holds every event of
 /// its tree exactly once, a child after its parent, in increasing cursor
@@ -204,7 +188,7 @@ async fn watch_on_one_replica_sees_every_replicas_events_once() {
     // A watches every tree from its beginning while B and C write.
     let mut streams = Vec::new();
     for (_, (_, root)) in &trees {
-        streams.push(watch(&mut a, &root.id, 0).await);
+        streams.push(a.watch(&root.id).await);
     }
     let (mut on_b, mut on_c): (Vec<_>, Vec<_>) = trees.into_iter().partition(|(w, _)| *w == 0);
     let write_b = tokio::spawn(async move {
@@ -247,7 +231,7 @@ async fn watch_on_one_replica_sees_every_replicas_events_once() {
         // Resume on another replica from several cursors: the rest, exactly.
         let root = events[0].1.clone();
         for from in [1, PER_TREE / 3, PER_TREE - 1] {
-            let mut resumed = watch(&mut b, &root, events[from - 1].0).await;
+            let mut resumed = b.watch_from(&root, events[from - 1].0).await;
             let rest = read_events(&mut resumed, PER_TREE - from).await;
             assert_eq!(rest, events[from..].to_vec(), "no gap, no duplicate");
         }
@@ -349,13 +333,57 @@ async fn delegate_until(
     answered
 }
 
+/// `delegate_until` workers from one root, spread over replicas.
+struct Burst {
+    /// Set to stop the workers.
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<Vec<Vec<u8>>>>,
+}
+
+impl Burst {
+    /// `count` workers, worker `i` on `addrs[i % addrs.len()]`, giving up
+    /// when its replica is gone if `give_up(i)`.
+    fn start(
+        addrs: &[String],
+        count: usize,
+        orchestrator: &Arc<Agent>,
+        (root, lineage): (&[u8], &[u8]),
+        give_up: impl Fn(usize) -> bool,
+    ) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let workers = (0..count)
+            .map(|i| {
+                tokio::spawn(delegate_until(
+                    addrs[i % addrs.len()].clone(),
+                    orchestrator.clone(),
+                    (root.to_vec(), lineage.to_vec()),
+                    stop.clone(),
+                    give_up(i),
+                ))
+            })
+            .collect();
+        Self { stop, workers }
+    }
+
+    /// Stops the workers; every id they were answered, each once.
+    async fn finish(self) -> Vec<Vec<u8>> {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut answered = Vec::new();
+        for worker in self.workers {
+            answered.extend(worker.await.unwrap());
+        }
+        let distinct: std::collections::HashSet<_> = answered.iter().collect();
+        assert_eq!(distinct.len(), answered.len(), "an answer twice");
+        answered
+    }
+}
+
 /// (d) SIGKILL one of three replica processes during a burst spread over
 /// all three: the other two go on serving, every contract a client got
 /// an answer for is stored, the ledger equation holds, and the restarted
 /// replica serves again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
-    use std::sync::atomic::{AtomicBool, Ordering};
     let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let mut processes: Vec<_> = dirs
@@ -371,17 +399,8 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
         .contract_id;
     let lineage = spec.lineage();
     let mut watcher = connect_as(&addrs[0], &orchestrator).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    for i in 0..12 {
-        workers.push(tokio::spawn(delegate_until(
-            addrs[i % 3].clone(),
-            orchestrator.clone(),
-            (root.clone(), lineage.clone()),
-            stop.clone(),
-            i % 3 == 2,
-        )));
-    }
+    // The workers on the replica to be killed stop with it.
+    let burst = Burst::start(&addrs, 12, &orchestrator, (&root, &lineage), |i| i % 3 == 2);
     wait_for_children(&mut watcher, &root, 150).await;
     let (killed, _) = &mut processes[2];
     killed.0.kill().unwrap(); // SIGKILL
@@ -389,11 +408,7 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
     let at_kill = count_children(&mut watcher, &root).await;
     // The other replicas go on serving.
     wait_for_children(&mut watcher, &root, at_kill + 100).await;
-    stop.store(true, Ordering::SeqCst);
-    let mut answered = Vec::new();
-    for worker in workers {
-        answered.extend(worker.await.unwrap());
-    }
+    let answered = burst.finish().await;
     assert!(answered.len() > 50, "a burst: {}", answered.len());
     let (restarted, restarted_addr) =
         crate::crash::spawn_broker(dirs[2].path(), Some(&database.url));
@@ -401,10 +416,8 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
         client: connect_as(&restarted_addr, &orchestrator).await,
     };
     assert_stored(&mut reader.client, &answered).await;
-    // Every answer once, each reserved once (the ledgers sum up); the
-    // killed replica may have committed requests it never answered.
-    let distinct: std::collections::HashSet<_> = answered.iter().collect();
-    assert_eq!(distinct.len(), answered.len());
+    // Each answer reserved once (the ledgers sum up); the killed replica
+    // may have committed requests it never answered.
     assert!(reader.assert_balanced(&root).await > answered.len());
     // The restarted replica serves writes again.
     let mut fresh = connect(&restarted_addr).await;
@@ -441,18 +454,12 @@ impl PrivateServer {
     /// Runs `scripts/pg.sh VERB DIR ARGS`, which must succeed; its stdout.
     fn pg_sh(verb: &str, dir: &std::path::Path, args: &[&str]) -> String {
         let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh");
-        let out = std::process::Command::new(script)
-            .arg(verb)
-            .arg(dir)
-            .args(args)
-            .output()
-            .expect("scripts/pg.sh runs");
-        assert!(
-            out.status.success(),
-            "pg.sh {verb} {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        stdout_of(
+            std::process::Command::new(script)
+                .arg(verb)
+                .arg(dir)
+                .args(args),
+        )
     }
 
     fn start() -> Self {
@@ -497,7 +504,7 @@ impl Drop for PrivateServer {
 /// only as long as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_restart_is_survived_without_loss() {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::Ordering;
     let server = PrivateServer::start();
     let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
     let processes: Vec<_> = dirs
@@ -511,20 +518,10 @@ async fn a_database_restart_is_survived_without_loss() {
         .await
         .contract_id;
     let lineage = spec.lineage();
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    for i in 0..8 {
-        workers.push(tokio::spawn(delegate_until(
-            addrs[i % 2].clone(),
-            orchestrator.clone(),
-            (root.clone(), lineage.clone()),
-            stop.clone(),
-            false,
-        )));
-    }
+    let burst = Burst::start(&addrs, 8, &orchestrator, (&root, &lineage), |_| false);
     // Health, polled through the outage.
     let health_addr = addrs[0].clone();
-    let health_stop = stop.clone();
+    let health_stop = burst.stop.clone();
     let health = tokio::spawn(async move {
         use tonic_health::pb::health_client::HealthClient;
         let channel = channel(&health_addr).await;
@@ -554,7 +551,7 @@ async fn a_database_restart_is_survived_without_loss() {
     let log = server.dir.path().join("log");
     server.ctl(&["start", "-w", "-l", log.to_str().unwrap()]);
     tokio::time::sleep(Duration::from_millis(3_000)).await;
-    stop.store(true, Ordering::SeqCst);
+    burst.stop.store(true, Ordering::SeqCst);
     let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
     let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
     let statuses = health.await.unwrap();
@@ -567,12 +564,7 @@ async fn a_database_restart_is_survived_without_loss() {
         UNAVAILABLE_SEEN.load(Ordering::SeqCst) > 0,
         "the outage was seen (and retried)"
     );
-    let mut answered = Vec::new();
-    for worker in workers {
-        answered.extend(worker.await.unwrap());
-    }
-    let distinct: std::collections::HashSet<_> = answered.iter().collect();
-    assert_eq!(distinct.len(), answered.len());
+    let answered = burst.finish().await;
     let mut reader = crate::crash::LedgerCheck {
         client: connect_as(&addrs[1], &orchestrator).await,
     };
@@ -616,7 +608,7 @@ async fn every_sweeper_runs_and_each_contract_expires_once() {
     }
     // Let every sweeper pass again: nothing more may be written.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut stream = watch(&mut a, &root.id, 0).await;
+    let mut stream = a.watch(&root.id).await;
     let events = read_events(&mut stream, 1 + children.len() * 2 + 1).await;
     let mut expiries: std::collections::HashMap<Vec<u8>, usize> = Default::default();
     for (_, id, parent) in &events {
