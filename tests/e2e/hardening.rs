@@ -14,11 +14,9 @@ use crate::harness::*;
 /// predicate must still be judged.
 #[tokio::test]
 async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, a, b] = agents();
-    let root = broker
-        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.retry_headroom = false)).await;
+    let [a, b] = agents();
     let to_a = root.liable_child(
         &a,
         60,
@@ -61,8 +59,9 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
 async fn metered_units_leave_the_residual_at_once() {
     let mut broker = Broker::start().await;
     let [orchestrator, a, host, c] = agents();
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 100).await;
-    broker.accept(&a, &a_id, Some(&host)).await.unwrap();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 100, Some(&host))
+        .await;
     broker
         .record(&host, &a_id, vec![tool_call("llm", 100)])
         .await
@@ -122,8 +121,9 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
 async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
     let mut broker = Broker::start().await;
     let [orchestrator, a] = agents();
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
-    broker.accept(&a, &a_id, None).await.unwrap();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 10, None)
+        .await;
     let claimed = 1_000_000_000_000_000;
     let completion = broker
         .completion(&a, complete_body(&a_id, "{}", "success", claimed))
@@ -200,11 +200,9 @@ async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
 /// counted as inside `src/exec`.
 #[tokio::test]
 async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, a, host] = agents();
-    let root = broker
-        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.retry_headroom = false)).await;
+    let [a, host] = agents();
     let mut body = root.liable_child(&a, 10, "result.within_scope");
     body.write_scope = vec!["src/exec".into()];
     let a_id = broker.issue(&orchestrator, body).await;
@@ -235,11 +233,9 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
 /// not-before time.
 #[tokio::test]
 async fn attested_factors_are_floored_and_not_valid_before_their_time() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, a] = agents();
-    let root = broker
-        .open_root(&orchestrator, RootSpec::with(|s| s.min_trust = 500_000))
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.min_trust = 500_000)).await;
+    let a = Agent::generate();
     let attestor = Agent::from_seed(broker.attestor.seed());
     let attest = |factor: f64, not_before_ms: i64| {
         attestor.sign(
@@ -743,8 +739,9 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
 async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     let mut broker = Broker::start().await;
     let [orchestrator, a, own_host, b, named_host] = agents();
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
-    broker.accept(&a, &a_id, Some(&own_host)).await.unwrap();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 10, Some(&own_host))
+        .await;
     let huge = 1_000_000_000_000_000;
     broker
         .record(&own_host, &a_id, vec![tool_call("llm", huge)])
@@ -754,14 +751,7 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     let completion = broker
         .completion(&a, complete_body(&a_id, "{}", "success", 1))
         .await;
-    assert_eq!(
-        (
-            completion.consumed,
-            completion.claimed_excess,
-            completion.overspend
-        ),
-        (10, huge - 10, 0)
-    );
+    assert_eq!(charged(&completion), (10, huge - 10, 0));
     // The principal's own choice of host is trusted in full.
     let mut body = root.child(&b, 10);
     body.host_public_key = named_host.public_key().to_vec();
@@ -774,14 +764,7 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     let completion = broker
         .completion(&b, complete_body(&b_id, "{}", "success", 1))
         .await;
-    assert_eq!(
-        (
-            completion.consumed,
-            completion.claimed_excess,
-            completion.overspend
-        ),
-        (25, 0, 15)
-    );
+    assert_eq!(charged(&completion), (25, 0, 15));
     assert_eq!(broker.spent_and_residual(&root.id).await, (35, 65));
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
@@ -794,11 +777,9 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
 /// answering while the completion and the observation race.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observation_during_judgment_never_makes_the_writer_judge() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, a, host, tenant] = agents();
-    let root = broker
-        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.retry_headroom = false)).await;
+    let [a, host, tenant] = agents();
     let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
     let mut body = root.liable_child(&a, 10, pattern);
     body.host_public_key = host.public_key().to_vec();
@@ -851,12 +832,7 @@ async fn an_observation_during_judgment_never_makes_the_writer_judge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
     const WATCHERS: usize = 800;
-    let mut broker = Broker::start_with(|c| {
-        c.limits.max_watch_streams_per_caller = WATCHERS;
-        c.limits.max_watch_streams_per_connection = WATCHERS;
-        c.limits.max_watch_streams_per_tree = WATCHERS;
-    })
-    .await;
+    let mut broker = start_for_watchers(WATCHERS).await;
     let [watched_owner, busy_owner, worker] = agents();
     let watched = broker.open_root(&watched_owner, RootSpec::default()).await;
     let busy = broker
@@ -933,6 +909,26 @@ fn assert_indistinguishable<T: std::fmt::Debug>(
     );
 }
 
+/// What a completion charged: consumed, claimed beyond it, overspent.
+fn charged(completion: &pb::Completion) -> (i64, i64, i64) {
+    (
+        completion.consumed,
+        completion.claimed_excess,
+        completion.overspend,
+    )
+}
+
+/// A broker that serves `watchers` Watch streams to one caller, on one
+/// connection, of one tree.
+async fn start_for_watchers(watchers: usize) -> Broker {
+    Broker::start_with(|c| {
+        c.limits.max_watch_streams_per_caller = watchers;
+        c.limits.max_watch_streams_per_connection = watchers;
+        c.limits.max_watch_streams_per_tree = watchers;
+    })
+    .await
+}
+
 /// This process's resident memory, in bytes (Linux).
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -949,12 +945,7 @@ fn rss_bytes() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_watch_streams_hold_bounded_memory() {
     const WATCHERS: usize = 400;
-    let mut broker = Broker::start_with(|c| {
-        c.limits.max_watch_streams_per_caller = WATCHERS;
-        c.limits.max_watch_streams_per_connection = WATCHERS;
-        c.limits.max_watch_streams_per_tree = WATCHERS;
-    })
-    .await;
+    let mut broker = start_for_watchers(WATCHERS).await;
     let [owner, worker] = agents();
     let root = broker.open_root(&owner, RootSpec::default()).await;
     // 64 contracts of ~16 KB: about 1 MB of events in the tree.
@@ -997,8 +988,9 @@ async fn idle_watch_streams_hold_bounded_memory() {
 async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
     let mut broker = Broker::start().await;
     let [orchestrator, a, host, stranger] = agents();
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
-    broker.accept(&a, &a_id, Some(&host)).await.unwrap();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 10, Some(&host))
+        .await;
     let random = vec![0x5a; 32];
     // Delegate from a contract the stranger does not hold.
     let real = broker.delegate(&stranger, root.child(&a, 1)).await;

@@ -83,9 +83,14 @@ impl Broker {
 
     /// A fresh broker with a default root of a fresh orchestrator open.
     pub async fn start_with_root() -> (Self, Agent, Root) {
+        Self::start_with_root_of(RootSpec::default()).await
+    }
+
+    /// A fresh broker with `spec`'s root of a fresh orchestrator open.
+    pub async fn start_with_root_of(spec: RootSpec) -> (Self, Agent, Root) {
         let mut broker = Self::start().await;
         let orchestrator = Agent::generate();
-        let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+        let root = broker.open_root(&orchestrator, spec).await;
         (broker, orchestrator, root)
     }
 
@@ -297,6 +302,20 @@ impl Broker {
         let root = self.open_root(orchestrator, RootSpec::default()).await;
         let child_id = self.issue(orchestrator, root.child(delegate, budget)).await;
         (root, child_id)
+    }
+
+    /// `root_and_child`, the child then accepted by `delegate` (naming
+    /// `host` at Accept when given).
+    pub async fn root_and_accepted_child(
+        &mut self,
+        orchestrator: &Agent,
+        delegate: &Agent,
+        budget: i64,
+        host: Option<&Agent>,
+    ) -> (Root, Vec<u8>) {
+        let (root, id) = self.root_and_child(orchestrator, delegate, budget).await;
+        self.accept(delegate, &id, host).await.expect("Accept");
+        (root, id)
     }
 
     pub async fn delegate(

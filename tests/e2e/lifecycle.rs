@@ -520,8 +520,9 @@ async fn observations_per_contract_are_bounded() {
     };
     let mut broker = Broker::start().await;
     let [orchestrator, delegate, host] = agents();
-    let (_root, id) = broker.root_and_child(&orchestrator, &delegate, 10).await;
-    broker.accept(&delegate, &id, Some(&host)).await.unwrap();
+    let (_root, id) = broker
+        .root_and_accepted_child(&orchestrator, &delegate, 10, Some(&host))
+        .await;
     let limit = usize::try_from(MAX_OBSERVATIONS_PER_CONTRACT).unwrap();
     let mut recorded = 0;
     while recorded < limit {
@@ -549,11 +550,9 @@ async fn observations_per_contract_are_bounded() {
 /// observations judge it; the policy reaches the whole tree.
 #[tokio::test]
 async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, planner, host, stooge] = agents();
-    let root = broker
-        .open_root(&orchestrator, RootSpec::with(|s| s.require_host = true))
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.require_host = true)).await;
+    let [planner, host, stooge] = agents();
     assert!(
         root.contract
             .policy

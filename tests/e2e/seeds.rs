@@ -11,11 +11,9 @@ const SEED_001_PREDICATE: &str = "result.schema_valid && result.within_scope";
 /// planner 5 < 12 units to retry: refused at contract time.
 #[tokio::test]
 async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued() {
-    let mut broker = Broker::start().await;
-    let [orchestrator, planner, executor] = agents();
-    let root = broker
-        .open_root(&orchestrator, RootSpec::with(|s| s.budget = 100))
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.budget = 100)).await;
+    let [planner, executor] = agents();
 
     let mut to_planner = root.liable_child(&planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
