@@ -62,10 +62,7 @@ async fn metered_units_leave_the_residual_at_once() {
     let (root, a_id) = broker
         .root_and_accepted_child(&orchestrator, &a, 100, Some(&host))
         .await;
-    broker
-        .record(&host, &a_id, vec![tool_call("llm", 100)])
-        .await
-        .unwrap();
+    broker.observe(&host, &a_id, tool_call("llm", 100)).await;
     assert_eq!(broker.spent_and_residual(&a_id).await, (100, 0));
     let receipt = broker
         .refuse(&a, child(&a_id, &root.lineage, &c, 100))
@@ -88,10 +85,7 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 60).await;
     let b_id = broker.issue(&a, child(&a_id, &root.lineage, &b, 30)).await;
     broker.accept(&b, &b_id, Some(&host)).await.unwrap();
-    broker
-        .record(&host, &b_id, vec![tool_call("llm", 4)])
-        .await
-        .unwrap();
+    broker.observe(&host, &b_id, tool_call("llm", 4)).await;
     broker.accept(&a, &a_id, None).await.unwrap();
     let completion = broker
         .completion(&b, complete_body(&b_id, "{}", "success", 4))
@@ -208,13 +202,8 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
     let a_id = broker.issue(&orchestrator, body).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     broker
-        .record(
-            &host,
-            &a_id,
-            vec![mutation("src/exec/..\\..\\etc\\passwd", 0)],
-        )
-        .await
-        .unwrap();
+        .observe(&host, &a_id, mutation("src/exec/..\\..\\etc\\passwd", 0))
+        .await;
     let completion = broker
         .completion(&a, complete_body(&a_id, "{}", "success", 1))
         .await;
@@ -744,9 +733,8 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
         .await;
     let huge = 1_000_000_000_000_000;
     broker
-        .record(&own_host, &a_id, vec![tool_call("llm", huge)])
-        .await
-        .unwrap();
+        .observe(&own_host, &a_id, tool_call("llm", huge))
+        .await;
     assert_eq!(broker.ledger(&a_id).await.spent, 10);
     let completion = broker
         .completion(&a, complete_body(&a_id, "{}", "success", 1))
@@ -758,9 +746,8 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     let b_id = broker.issue(&orchestrator, body).await;
     broker.accept(&b, &b_id, None).await.unwrap();
     broker
-        .record(&named_host, &b_id, vec![tool_call("llm", 25)])
-        .await
-        .unwrap();
+        .observe(&named_host, &b_id, tool_call("llm", 25))
+        .await;
     let completion = broker
         .completion(&b, complete_body(&b_id, "{}", "success", 1))
         .await;

@@ -807,6 +807,18 @@ impl Broker {
         self.act(host, body).await
     }
 
+    /// `host` records one observation on `contract`, which must be taken.
+    pub async fn observe(
+        &mut self,
+        host: &Agent,
+        contract: &[u8],
+        observation: pb::Observation,
+    ) -> pb::Receipt {
+        self.record(host, contract, vec![observation])
+            .await
+            .expect("RecordReceipts")
+    }
+
     pub async fn complete(
         &mut self,
         delegate: &Agent,

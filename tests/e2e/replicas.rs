@@ -333,36 +333,66 @@ async fn delegate_until(
     answered
 }
 
+/// `count` replica processes on the database at `url`, each on a data
+/// directory of its own: the directories (to restart on), the processes
+/// and their addresses.
+fn spawn_replicas(
+    url: &str,
+    count: usize,
+) -> (
+    Vec<tempfile::TempDir>,
+    Vec<(crate::crash::Killed, String)>,
+    Vec<String>,
+) {
+    let dirs: Vec<_> = (0..count).map(|_| tempfile::tempdir().unwrap()).collect();
+    let processes: Vec<_> = dirs
+        .iter()
+        .map(|d| crate::crash::spawn_broker(d.path(), Some(url)))
+        .collect();
+    let addrs = processes.iter().map(|(_, addr)| addr.clone()).collect();
+    (dirs, processes, addrs)
+}
+
 /// `delegate_until` workers from one root, spread over replicas.
 struct Burst {
+    orchestrator: Arc<Agent>,
+    root: Vec<u8>,
+    lineage: Vec<u8>,
     /// Set to stop the workers.
     stop: Arc<std::sync::atomic::AtomicBool>,
     workers: Vec<tokio::task::JoinHandle<Vec<Vec<u8>>>>,
 }
 
 impl Burst {
-    /// `count` workers, worker `i` on `addrs[i % addrs.len()]`, giving up
-    /// when its replica is gone if `give_up(i)`.
-    fn start(
-        addrs: &[String],
-        count: usize,
-        orchestrator: &Arc<Agent>,
-        (root, lineage): (&[u8], &[u8]),
-        give_up: impl Fn(usize) -> bool,
-    ) -> Self {
+    /// A root for bursts opened through `addrs[0]`, and `count` workers
+    /// from it, worker `i` on `addrs[i % addrs.len()]`, giving up when its
+    /// replica is gone if `give_up(i)`.
+    async fn start(addrs: &[String], count: usize, give_up: impl Fn(usize) -> bool) -> Self {
+        let orchestrator = Arc::new(Agent::generate());
+        let spec = RootSpec::for_bursts();
+        let root = open_root_on(&mut connect(&addrs[0]).await, &orchestrator, &spec)
+            .await
+            .contract_id;
+        let lineage = spec.lineage();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let workers = (0..count)
             .map(|i| {
                 tokio::spawn(delegate_until(
                     addrs[i % addrs.len()].clone(),
                     orchestrator.clone(),
-                    (root.to_vec(), lineage.to_vec()),
+                    (root.clone(), lineage.clone()),
                     stop.clone(),
                     give_up(i),
                 ))
             })
             .collect();
-        Self { stop, workers }
+        Self {
+            orchestrator,
+            root,
+            lineage,
+            stop,
+            workers,
+        }
     }
 
     /// Stops the workers; every id they were answered, each once.
@@ -385,22 +415,15 @@ impl Burst {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
     let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
-    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let mut processes: Vec<_> = dirs
-        .iter()
-        .map(|d| crate::crash::spawn_broker(d.path(), Some(&database.url)))
-        .collect();
-    let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
-    let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec::for_bursts();
-    let mut client = connect(&addrs[0]).await;
-    let root = open_root_on(&mut client, &orchestrator, &spec)
-        .await
-        .contract_id;
-    let lineage = spec.lineage();
-    let mut watcher = connect_as(&addrs[0], &orchestrator).await;
+    let (dirs, mut processes, addrs) = spawn_replicas(&database.url, 3);
     // The workers on the replica to be killed stop with it.
-    let burst = Burst::start(&addrs, 12, &orchestrator, (&root, &lineage), |i| i % 3 == 2);
+    let burst = Burst::start(&addrs, 12, |i| i % 3 == 2).await;
+    let (orchestrator, root, lineage) = (
+        burst.orchestrator.clone(),
+        burst.root.clone(),
+        burst.lineage.clone(),
+    );
+    let mut watcher = connect_as(&addrs[0], &orchestrator).await;
     wait_for_children(&mut watcher, &root, 150).await;
     let (killed, _) = &mut processes[2];
     killed.0.kill().unwrap(); // SIGKILL
@@ -506,19 +529,9 @@ impl Drop for PrivateServer {
 async fn a_database_restart_is_survived_without_loss() {
     use std::sync::atomic::Ordering;
     let server = PrivateServer::start();
-    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
-    let processes: Vec<_> = dirs
-        .iter()
-        .map(|d| crate::crash::spawn_broker(d.path(), Some(&server.url)))
-        .collect();
-    let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
-    let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec::for_bursts();
-    let root = open_root_on(&mut connect(&addrs[0]).await, &orchestrator, &spec)
-        .await
-        .contract_id;
-    let lineage = spec.lineage();
-    let burst = Burst::start(&addrs, 8, &orchestrator, (&root, &lineage), |_| false);
+    let (_dirs, processes, addrs) = spawn_replicas(&server.url, 2);
+    let burst = Burst::start(&addrs, 8, |_| false).await;
+    let (orchestrator, root) = (burst.orchestrator.clone(), burst.root.clone());
     // Health, polled through the outage.
     let health_addr = addrs[0].clone();
     let health_stop = burst.stop.clone();

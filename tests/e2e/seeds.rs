@@ -87,14 +87,20 @@ async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
     broker.stop().await;
 }
 
+/// Seed 002's start: a broker, `n` agents, and a root the first opened
+/// with `spec`.
+async fn seed_002_chain_start(n: usize, spec: RootSpec) -> (Broker, Vec<Agent>, Root) {
+    let mut broker = Broker::start().await;
+    let agents: Vec<Agent> = (0..n).map(|_| Agent::generate()).collect();
+    let root = broker.open_root(&agents[0], spec).await;
+    (broker, agents, root)
+}
+
 /// seed 002 gate 1: with max_depth 4 the fifth hop is refused.
 #[tokio::test]
 async fn seed_002_fifth_hop_exceeds_depth_four() {
-    let mut broker = Broker::start().await;
-    let agents: Vec<Agent> = (0..6).map(|_| Agent::generate()).collect();
-    let root = broker
-        .open_root(&agents[0], RootSpec::with(|s| s.max_depth = 4))
-        .await;
+    let (mut broker, agents, root) =
+        seed_002_chain_start(6, RootSpec::with(|s| s.max_depth = 4)).await;
     let mut parent = root.id.clone();
     for hop in 1..=4 {
         let (id, contract) = broker
@@ -122,11 +128,8 @@ async fn seed_002_fifth_hop_exceeds_depth_four() {
 /// → the third hop (cumulative 0.36) is refused.
 #[tokio::test]
 async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
-    let mut broker = Broker::start().await;
-    let agents: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
-    let root = broker
-        .open_root(&agents[0], RootSpec::with(|s| s.min_trust = 400_000))
-        .await;
+    let (mut broker, agents, root) =
+        seed_002_chain_start(4, RootSpec::with(|s| s.min_trust = 400_000)).await;
     let mut parent = root.id.clone();
     for (hop, factor, cumulative) in [(1, 0.9, 900_000), (2, 0.8, 720_000)] {
         let mut body = child(&parent, &root.lineage, &agents[hop], 10);
@@ -173,10 +176,7 @@ async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
     let [worker, host] = agents();
     let id = broker.issue(&orchestrator, root.child(&worker, 20)).await;
     broker.accept(&worker, &id, Some(&host)).await.unwrap();
-    broker
-        .record(&host, &id, vec![tool_call("search", 4)])
-        .await
-        .unwrap();
+    broker.observe(&host, &id, tool_call("search", 4)).await;
     let completion = broker
         .completion(&worker, complete_body(&id, "{}", "done", 11))
         .await;

@@ -36,9 +36,8 @@ async fn tree_prints_the_seed_001_tree() {
         .await
         .unwrap();
     broker
-        .record(&host, &executor_id, vec![mutation("etc/passwd", 0)])
-        .await
-        .unwrap();
+        .observe(&host, &executor_id, mutation("etc/passwd", 0))
+        .await;
     let completion = broker
         .completion(
             &executor,
