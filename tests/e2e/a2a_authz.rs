@@ -5,7 +5,6 @@
 //! contract is allowed, with the contract's headers; every other request
 //! is denied with its reason.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -344,31 +343,17 @@ pub(crate) fn spawn_gateway(
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["a2a-gateway", "--config"])
-        .arg(&path)
-        .env("BROKER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the gateway starts");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut seen = std::collections::HashMap::new();
-    while expect.iter().any(|e| !seen.contains_key(*e)) {
-        let line = lines
-            .next()
-            .expect("the gateway prints its addresses")
-            .unwrap();
-        if let Some(e) = expect
-            .iter()
-            .find(|e| line.starts_with(&format!("{e} on ")))
-        {
-            seen.insert((*e).to_owned(), line[e.len() + 4..].trim().to_owned());
-        }
-    }
+    let (process, seen) = Killed::announcing_all(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["a2a-gateway", "--config"])
+            .arg(&path)
+            .env("BROKER_LOG", "warn")
+            .stderr(Stdio::inherit()),
+        expect,
+    );
     (
         Gateway {
-            _process: Killed(child),
+            _process: process,
             _dir: dir,
         },
         seen,

@@ -18,25 +18,36 @@ use crate::harness::*;
 pub struct Killed(pub Child);
 
 impl Killed {
-    /// Spawns `command` with its stdout piped and waits for its first line,
-    /// `{what} on ADDR`; the process and `http://ADDR`.
-    pub fn announcing(command: &mut std::process::Command, what: &str) -> (Killed, String) {
+    /// Spawns `command` with its stdout piped and reads it until it has
+    /// printed `{what} on ADDR` for each of `whats`; the process and each
+    /// ADDR by its `what`.
+    pub fn announcing_all(
+        command: &mut std::process::Command,
+        whats: &[&str],
+    ) -> (Killed, std::collections::HashMap<String, String>) {
+        use std::io::BufRead as _;
         let mut child = command
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("the binary starts");
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix(&format!("{what} on "))
-            .unwrap_or_else(|| panic!("expected \"{what} on\", got {line:?}"))
-            .to_owned();
-        (Killed(child), format!("http://{addr}"))
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut seen = std::collections::HashMap::new();
+        while whats.iter().any(|w| !seen.contains_key(*w)) {
+            let line = lines
+                .next()
+                .unwrap_or_else(|| panic!("the process printed only {seen:?} of {whats:?}"))
+                .unwrap();
+            if let Some(w) = whats.iter().find(|w| line.starts_with(&format!("{w} on "))) {
+                seen.insert((*w).to_owned(), line[w.len() + 4..].trim().to_owned());
+            }
+        }
+        (Killed(child), seen)
+    }
+
+    /// `announcing_all` of one `what`; the process and `http://ADDR`.
+    pub fn announcing(command: &mut std::process::Command, what: &str) -> (Killed, String) {
+        let (process, seen) = Self::announcing_all(command, &[what]);
+        (process, format!("http://{}", seen[what]))
     }
 }
 
