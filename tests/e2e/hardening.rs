@@ -330,15 +330,15 @@ async fn reads_are_answered_only_to_the_trees_parties() {
             same(real_answer, fake_answer, real);
         }
     }
-    let receipt_of = |id: &Vec<u8>| pb::GetReceiptRequest {
-        receipt_id: id.clone(),
-    };
     same(
         outsider
-            .get_receipt(receipt_of(&refusal_id))
+            .get_receipt(receipt_request(&refusal_id))
             .await
             .map(drop),
-        outsider.get_receipt(receipt_of(&random)).await.map(drop),
+        outsider
+            .get_receipt(receipt_request(&random))
+            .await
+            .map(drop),
         &refusal_id,
     );
     let id = || contract_request(&a_id);
@@ -359,9 +359,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         let mut client = connect_as(&broker.addr, party).await;
         client.get_contract(id()).await.unwrap();
         client
-            .get_receipt(pb::GetReceiptRequest {
-                receipt_id: refusal_id.clone(),
-            })
+            .get_receipt(receipt_request(&refusal_id))
             .await
             .unwrap();
     }

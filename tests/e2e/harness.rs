@@ -711,9 +711,7 @@ pub async fn assert_refusal_verifies(
     assert_eq!(crypto::sha256(&envelope.payload).to_vec(), id);
     let again = broker
         .client
-        .get_receipt(pb::GetReceiptRequest {
-            receipt_id: id.to_vec(),
-        })
+        .get_receipt(receipt_request(id))
         .await
         .unwrap()
         .into_inner()
@@ -963,6 +961,12 @@ pub fn assert_status(status: &tonic::Status, code: tonic::Code, expected: &str) 
 pub fn contract_request(id: &[u8]) -> pb::GetContractRequest {
     pb::GetContractRequest {
         contract_id: id.to_vec(),
+    }
+}
+
+pub fn receipt_request(id: &[u8]) -> pb::GetReceiptRequest {
+    pb::GetReceiptRequest {
+        receipt_id: id.to_vec(),
     }
 }
 
