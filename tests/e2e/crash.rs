@@ -194,14 +194,7 @@ impl LedgerCheck {
         let mut queue = vec![root.to_vec()];
         let mut seen = 0;
         while let Some(id) = queue.pop() {
-            let state = self
-                .client
-                .get_contract(contract_request(&id))
-                .await
-                .unwrap()
-                .into_inner()
-                .contract
-                .unwrap();
+            let state = state_via(&mut self.client, &id).await;
             let ledger = state.ledger.unwrap();
             assert_eq!(
                 ledger.budget,
@@ -307,13 +300,9 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     let mut session = connect_as(&addr, &orchestrator).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
-        let open = session
-            .get_contract(contract_request(&root))
+        let open = state_via(&mut session, &root)
             .await
-            .unwrap()
-            .into_inner()
-            .contract
-            .and_then(|c| c.ledger)
+            .ledger
             .unwrap()
             .open_children;
         if open == 0 {
@@ -344,13 +333,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     assert_eq!(receipts.len(), descendants.len(), "a receipt for each");
     for id in &descendants {
         assert_eq!(receipts.get(id), Some(&1), "{}", hex::encode(id));
-        let state = session
-            .get_contract(contract_request(id))
-            .await
-            .unwrap()
-            .into_inner()
-            .contract
-            .unwrap();
+        let state = state_via(&mut session, id).await;
         assert_eq!(
             state.status,
             pb::ContractStatus::Revoked as i32,

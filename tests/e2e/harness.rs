@@ -862,13 +862,7 @@ impl Broker {
     }
 
     pub async fn state(&mut self, id: &[u8]) -> pb::ContractState {
-        self.client
-            .get_contract(contract_request(id))
-            .await
-            .unwrap()
-            .into_inner()
-            .contract
-            .unwrap()
+        state_via(&mut self.client, id).await
     }
 }
 
@@ -962,6 +956,17 @@ pub fn contract_request(id: &[u8]) -> pb::GetContractRequest {
     pb::GetContractRequest {
         contract_id: id.to_vec(),
     }
+}
+
+/// Contract `id`'s state, read through `client`.
+pub async fn state_via(client: &mut SessionClient, id: &[u8]) -> pb::ContractState {
+    client
+        .get_contract(contract_request(id))
+        .await
+        .expect("GetContract")
+        .into_inner()
+        .contract
+        .expect("a contract")
 }
 
 pub fn receipt_request(id: &[u8]) -> pb::GetReceiptRequest {

@@ -454,13 +454,9 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
 
 /// The open children of `root` (its ledger), read through `client`.
 async fn count_children(client: &mut broker_client::SessionClient, root: &[u8]) -> u32 {
-    client
-        .get_contract(contract_request(root))
+    state_via(client, root)
         .await
-        .expect("the root")
-        .into_inner()
-        .contract
-        .and_then(|c| c.ledger)
+        .ledger
         .expect("a ledger")
         .open_children
 }
