@@ -183,10 +183,7 @@ async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
     let body = root.liable_child(&delegate, 10, predicate);
     let err = broker.delegate(&orchestrator, body).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    let field = err
-        .get_details_error_info()
-        .and_then(|i| i.metadata.get("field").cloned());
-    assert_eq!(field.as_deref(), Some("body.predicate"));
+    assert_eq!(field(&err), "body.predicate");
     broker.stop().await;
 }
 
@@ -703,10 +700,7 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-        let field = err
-            .get_details_error_info()
-            .and_then(|i| i.metadata.get("field").cloned());
-        assert_eq!(field.as_deref(), Some("body.result_schema_json"));
+        assert_eq!(field(&err), "body.result_schema_json");
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
     }
     // An honest schema is still issued.

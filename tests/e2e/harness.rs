@@ -1131,7 +1131,7 @@ pub async fn race_siblings(
     for i in 0..count {
         let mut client = connect(&addrs[i % addrs.len()]).await;
         let orchestrator = orchestrator.clone();
-        let body = child(&root.id, &root.lineage, &Agent::generate(), budget);
+        let body = root.child(&Agent::generate(), budget);
         tasks.push(tokio::spawn(async move {
             client
                 .delegate(orchestrator.delegate(body))
