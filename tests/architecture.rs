@@ -343,20 +343,35 @@ fn allowed(rel: &str, places: &[&str]) -> bool {
     })
 }
 
+/// Every code line of the production files whose relative path `pick`
+/// accepts: the file, the line's number, its code.
+fn code_lines(pick: impl Fn(&str) -> bool) -> Vec<(String, usize, String)> {
+    all_files()
+        .into_iter()
+        .filter(|(rel, _)| pick(rel))
+        .flat_map(|(rel, file)| {
+            code(&file)
+                .into_iter()
+                .map(move |(line, code)| (rel.clone(), line, code))
+        })
+        .collect()
+}
+
+/// `code` without a leading `pub`, `pub(crate)` or `pub(super)`.
+fn without_visibility(code: &str) -> &str {
+    code.strip_prefix("pub(crate) ")
+        .or_else(|| code.strip_prefix("pub(super) "))
+        .or_else(|| code.strip_prefix("pub "))
+        .unwrap_or(code)
+}
+
 /// `name` appears only in `places`: one violation per other mention.
 fn only_in(name: &str, places: &[&str], why: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    for (rel, file) in all_files() {
-        if allowed(&rel, places) {
-            continue;
-        }
-        for (line, code) in code(&file) {
-            if names(&code, name) {
-                found.push(format!("{rel}:{line}: names `{name}`: {why}"));
-            }
-        }
-    }
-    found
+    code_lines(|rel| !allowed(rel, places))
+        .into_iter()
+        .filter(|(_, _, code)| names(code, name))
+        .map(|(rel, line, _)| format!("{rel}:{line}: names `{name}`: {why}"))
+        .collect()
 }
 
 fn assert_none(found: Vec<String>) {
@@ -422,36 +437,29 @@ fn only_the_service_and_its_wiring_know_tonic() {
 /// else converts a `ServiceError` (`Status::from`).
 fn status_violations() -> Vec<String> {
     let mut found = Vec::new();
-    for (rel, file) in all_files() {
-        // The client side (`client.rs`) makes its own local errors.
-        if allowed(
-            &rel,
-            // The A2A gateway answers A2A's gRPC binding with its own
-            // statuses (a2a/grpc.rs), not the broker's errors.
-            &[
-                "src/service/error.rs",
-                "src/service/transport.rs",
-                "crates/client/src/",
-                "crates/a2a/src/grpc.rs",
-            ],
-        ) {
-            continue;
-        }
-        for (line, code) in code(&file) {
-            for (at, _) in code.match_indices("Status::") {
-                let rest = &code[at + "Status::".len()..];
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect();
-                let called = rest[name.len()..].trim_start().starts_with('(');
-                let before = code[..at].chars().next_back();
-                let is_status_type = !before.is_some_and(|c| c.is_alphanumeric() || c == '_');
-                if is_status_type && called && TONIC_STATUS_CONSTRUCTORS.contains(&name.as_str()) {
-                    found.push(format!(
-                        "{rel}:{line}: builds a Status (`Status::{name}`): every error becomes a status in service/error.rs"
-                    ));
-                }
+    // The client side (`client.rs`) makes its own local errors; the A2A
+    // gateway answers A2A's gRPC binding with its own statuses
+    // (a2a/grpc.rs), not the broker's errors.
+    let makers = [
+        "src/service/error.rs",
+        "src/service/transport.rs",
+        "crates/client/src/",
+        "crates/a2a/src/grpc.rs",
+    ];
+    for (rel, line, code) in code_lines(|rel| !allowed(rel, &makers)) {
+        for (at, _) in code.match_indices("Status::") {
+            let rest = &code[at + "Status::".len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            let called = rest[name.len()..].trim_start().starts_with('(');
+            let before = code[..at].chars().next_back();
+            let is_status_type = !before.is_some_and(|c| c.is_alphanumeric() || c == '_');
+            if is_status_type && called && TONIC_STATUS_CONSTRUCTORS.contains(&name.as_str()) {
+                found.push(format!(
+                    "{rel}:{line}: builds a Status (`Status::{name}`): every error becomes a status in service/error.rs"
+                ));
             }
         }
     }
@@ -522,20 +530,13 @@ fn decision_violations() -> Vec<String> {
             "a core rule is called from one place",
         ));
     }
-    for (rel, file) in all_files() {
-        if !allowed(
-            &rel,
-            &["crates/store/src/sqlite/", "crates/store/src/postgres/"],
-        ) {
-            continue;
-        }
-        for (line, code) in code(&file) {
-            for name in ["Refused", "Refusal", "Decision", "Ledger"] {
-                if names(&code, name) {
-                    found.push(format!(
-                        "{rel}:{line}: names `{name}`: a backend loads and writes; the core decides"
-                    ));
-                }
+    let backends = ["crates/store/src/sqlite/", "crates/store/src/postgres/"];
+    for (rel, line, code) in code_lines(|rel| allowed(rel, &backends)) {
+        for name in ["Refused", "Refusal", "Decision", "Ledger"] {
+            if names(&code, name) {
+                found.push(format!(
+                    "{rel}:{line}: names `{name}`: a backend loads and writes; the core decides"
+                ));
             }
         }
     }
@@ -553,9 +554,9 @@ fn the_backends_never_decide() {
 /// ones in the registry (`config/limits.rs`).
 fn bound_violations() -> Vec<String> {
     let mut found = Vec::new();
-    for (rel, file) in all_files() {
-        let covered = allowed(
-            &rel,
+    let covered = |rel: &str| {
+        allowed(
+            rel,
             &[
                 "crates/store/src/",
                 "src/service/",
@@ -567,25 +568,18 @@ fn bound_violations() -> Vec<String> {
                 "crates/wire/src/command.rs",
                 "crates/domain/src/",
             ],
-        );
-        if !covered || rel.ends_with("limits.rs") || rel.starts_with("crates/store/src/suite/") {
-            continue;
-        }
-        for (line, code) in code(&file) {
-            let code = code.trim_start();
-            let code = code
-                .strip_prefix("pub(crate) ")
-                .or_else(|| code.strip_prefix("pub(super) "))
-                .or_else(|| code.strip_prefix("pub "))
-                .unwrap_or(code);
-            if let Some(rest) = code.strip_prefix("const ")
-                && (rest.starts_with("MAX_") || rest.starts_with("MIN_"))
-            {
-                found.push(format!(
-                    "{rel}:{line}: defines a bound outside a limits module: {}",
-                    rest.split(':').next().unwrap_or(rest)
-                ));
-            }
+        ) && !rel.ends_with("limits.rs")
+            && !rel.starts_with("crates/store/src/suite/")
+    };
+    for (rel, line, code) in code_lines(covered) {
+        let code = without_visibility(code.trim_start());
+        if let Some(rest) = code.strip_prefix("const ")
+            && (rest.starts_with("MAX_") || rest.starts_with("MIN_"))
+        {
+            found.push(format!(
+                "{rel}:{line}: defines a bound outside a limits module: {}",
+                rest.split(':').next().unwrap_or(rest)
+            ));
         }
     }
     found
@@ -752,29 +746,22 @@ const STATICS: &[(&str, &str, &str)] = &[
 fn static_violations() -> Vec<String> {
     let mut found = Vec::new();
     let mut seen = Vec::new();
-    for (rel, file) in all_files() {
-        for (line, code) in code(&file) {
-            let trimmed = code.trim_start();
-            let item = trimmed
-                .strip_prefix("pub(crate) ")
-                .or_else(|| trimmed.strip_prefix("pub(super) "))
-                .or_else(|| trimmed.strip_prefix("pub "))
-                .unwrap_or(trimmed);
-            let Some(rest) = item.strip_prefix("static ") else {
-                continue;
-            };
-            let rest = rest.strip_prefix("mut ").unwrap_or(rest);
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect();
-            if !STATICS.iter().any(|(f, n, _)| *f == rel && *n == name) {
-                found.push(format!(
-                    "{rel}:{line}: process-wide `{name}` is not a listed memo, hint or counter"
-                ));
-            }
-            seen.push((rel.clone(), name));
+    for (rel, line, code) in code_lines(|_| true) {
+        let item = without_visibility(code.trim_start());
+        let Some(rest) = item.strip_prefix("static ") else {
+            continue;
+        };
+        let rest = rest.strip_prefix("mut ").unwrap_or(rest);
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if !STATICS.iter().any(|(f, n, _)| *f == rel && *n == name) {
+            found.push(format!(
+                "{rel}:{line}: process-wide `{name}` is not a listed memo, hint or counter"
+            ));
         }
+        seen.push((rel.clone(), name));
     }
     for (file, name, _) in STATICS {
         if !seen.iter().any(|(f, n)| f == file && n == name) {
@@ -795,21 +782,14 @@ fn process_wide_state_is_the_listed_memos_and_counters() {
 /// LISTEN/NOTIFY, `FOR SHARE`, more than one DDL statement per migration.
 fn portability_violations() -> Vec<String> {
     let mut found = Vec::new();
-    for (rel, file) in all_files() {
-        if !allowed(
-            &rel,
-            &["crates/store/src/postgres/", "crates/store/src/sql/"],
-        ) {
-            continue;
-        }
-        for (line, code) in code(&file) {
-            let upper = code.to_uppercase();
-            for construct in ["PG_ADVISORY", "LISTEN ", "NOTIFY", "FOR SHARE"] {
-                if upper.contains(construct) {
-                    found.push(format!(
-                        "{rel}:{line}: uses {construct:?}, which distributed PostgreSQL-wire engines lack"
-                    ));
-                }
+    let postgres = ["crates/store/src/postgres/", "crates/store/src/sql/"];
+    for (rel, line, code) in code_lines(|rel| allowed(rel, &postgres)) {
+        let upper = code.to_uppercase();
+        for construct in ["PG_ADVISORY", "LISTEN ", "NOTIFY", "FOR SHARE"] {
+            if upper.contains(construct) {
+                found.push(format!(
+                    "{rel}:{line}: uses {construct:?}, which distributed PostgreSQL-wire engines lack"
+                ));
             }
         }
     }

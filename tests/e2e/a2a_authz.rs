@@ -5,7 +5,6 @@
 //! contract is allowed, with the contract's headers; every other request
 //! is denied with its reason.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -24,36 +23,22 @@ use crate::crash::Killed;
 use crate::harness::*;
 
 /// Starts `a2a-gateway` fronting `agent` with only its authz listener.
-fn spawn_authz(dir: &std::path::Path, broker: &str, agent: &Agent) -> (Killed, String) {
-    let key_file = dir.join("agent.key");
-    write_key_file(&key_file, &agent.seed());
-    let config = dir.join("gateway.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "broker = \"{broker}\"\nkey_file = \"{}\"\nauthz_listen = \"127.0.0.1:0\"\n",
-            key_file.display()
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["a2a-gateway", "--config"])
-        .arg(&config)
-        .env("BROKER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the gateway starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("a2a authz on ")
-        .unwrap_or_else(|| panic!("expected the authz address, got {line:?}"))
-        .to_owned();
-    (Killed(child), format!("http://{addr}"))
+fn spawn_authz(broker: &str, agent: &Agent) -> (Gateway, String) {
+    let listen = "authz_listen = \"127.0.0.1:0\"\n";
+    let (gateway, addrs) = spawn_gateway(broker, agent, listen, &["a2a authz"]);
+    (gateway, format!("http://{}", addrs["a2a authz"]))
+}
+
+/// Asks `authz` what Envoy asks for a POST of `body`.
+async fn ask(
+    authz: &mut AuthorizationClient<tonic::transport::Channel>,
+    body: &serde_json::Value,
+) -> CheckResponse {
+    authz
+        .check(check_request(body))
+        .await
+        .expect("Check answers")
+        .into_inner()
 }
 
 /// What Envoy sends for a POST of `body` (with_request_body on).
@@ -90,15 +75,7 @@ pub(crate) fn send_message(chain: Option<&[u8]>) -> serde_json::Value {
 }
 
 pub(crate) async fn chain_bytes(broker: &mut Broker, id: &[u8]) -> Vec<u8> {
-    broker
-        .client
-        .get_chain(pb::GetChainRequest {
-            contract_id: id.to_vec(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .encode_to_vec()
+    broker.chain(id).await.encode_to_vec()
 }
 
 pub(crate) fn header(response: &CheckResponse, key: &str) -> Option<String> {
@@ -138,35 +115,18 @@ pub(crate) fn assert_denied(response: &CheckResponse, reason: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_allows_only_this_agents_open_unused_contract() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
-    let stranger = Agent::generate();
+    let [orchestrator, worker, stranger] = agents();
     let (root, contract) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let (strangers, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &stranger, 5))
-        .await
-        .unwrap()
-        .issued();
-    let (revoked, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
-        .await
-        .unwrap()
-        .issued();
+    let strangers = broker.issue(&orchestrator, root.child(&stranger, 5)).await;
+    let revoked = broker.issue(&orchestrator, root.child(&worker, 5)).await;
     broker.revoke(&orchestrator, &revoked).await.unwrap();
-    let mut soon = child(&root.id, &root.lineage, &worker, 5);
+    let mut soon = root.child(&worker, 5);
     soon.deadline_ms = now_ms() + 1_000;
-    let (expiring, _) = broker.delegate(&orchestrator, soon).await.unwrap().issued();
+    let expiring = broker.issue(&orchestrator, soon).await;
 
-    let dir = tempfile::tempdir().unwrap();
-    let (_gateway, addr) = spawn_authz(dir.path(), &broker.addr, &worker);
+    let (_gateway, addr) = spawn_authz(&broker.addr, &worker);
     let mut authz = AuthorizationClient::connect(addr).await.unwrap();
-    let mut check = async |body: serde_json::Value| {
-        authz
-            .check(check_request(&body))
-            .await
-            .expect("Check answers")
-            .into_inner()
-    };
+    let mut check = async |body: serde_json::Value| ask(&mut authz, &body).await;
 
     // No chain at all.
     assert_denied(&check(send_message(None)).await, "INVALID_FIELD");
@@ -366,15 +326,15 @@ async fn fake_rpc(
 /// Starts `a2a-gateway` for `agent` with `config` (beside broker and
 /// key_file) and returns the addresses it printed, by what precedes them.
 pub(crate) fn spawn_gateway(
-    dir: &std::path::Path,
     broker: &str,
     agent: &Agent,
     config: &str,
     expect: &[&str],
-) -> (Killed, std::collections::HashMap<String, String>) {
-    let key_file = dir.join("agent.key");
+) -> (Gateway, std::collections::HashMap<String, String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("agent.key");
     write_key_file(&key_file, &agent.seed());
-    let path = dir.join("gateway.toml");
+    let path = dir.path().join("gateway.toml");
     std::fs::write(
         &path,
         format!(
@@ -383,29 +343,27 @@ pub(crate) fn spawn_gateway(
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["a2a-gateway", "--config"])
-        .arg(&path)
-        .env("BROKER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the gateway starts");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut seen = std::collections::HashMap::new();
-    while expect.iter().any(|e| !seen.contains_key(*e)) {
-        let line = lines
-            .next()
-            .expect("the gateway prints its addresses")
-            .unwrap();
-        if let Some(e) = expect
-            .iter()
-            .find(|e| line.starts_with(&format!("{e} on ")))
-        {
-            seen.insert((*e).to_owned(), line[e.len() + 4..].trim().to_owned());
-        }
-    }
-    (Killed(child), seen)
+    let (process, seen) = Killed::announcing_all(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["a2a-gateway", "--config"])
+            .arg(&path)
+            .env("BROKER_LOG", "warn")
+            .stderr(Stdio::inherit()),
+        expect,
+    );
+    (
+        Gateway {
+            _process: process,
+            _dir: dir,
+        },
+        seen,
+    )
+}
+
+/// A running gateway and the directory of its key and configuration.
+pub(crate) struct Gateway {
+    _process: Killed,
+    _dir: tempfile::TempDir,
 }
 
 /// Envoy's request for `verb path` with `body` as it came.
@@ -493,23 +451,14 @@ pub(crate) async fn post_json(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let issue = async |broker: &mut Broker| {
-        broker
-            .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 5))
-            .await
-            .unwrap()
-            .issued()
-            .0
-    };
+    let issue =
+        async |broker: &mut Broker| broker.issue(&orchestrator, root.child(&worker, 5)).await;
     let second = issue(&mut broker).await;
     let unused = issue(&mut broker).await;
     let agent = fake_agent().await;
-    let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
         &broker.addr,
         &worker,
         &format!(
@@ -521,13 +470,7 @@ async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
     let mut authz = AuthorizationClient::connect(format!("http://{}", addrs["a2a authz"]))
         .await
         .unwrap();
-    let mut check = async |body: serde_json::Value| {
-        authz
-            .check(check_request(&body))
-            .await
-            .expect("Check answers")
-            .into_inner()
-    };
+    let mut check = async |body: serde_json::Value| ask(&mut authz, &body).await;
     let first_chain = chain_bytes(&mut broker, &first).await;
     let second_chain = chain_bytes(&mut broker, &second).await;
     let unused_chain = chain_bytes(&mut broker, &unused).await;
@@ -589,24 +532,13 @@ async fn a_continuation_passes_only_under_its_tasks_own_accepted_contract() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_upstream_a_continuation_is_refused() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (_root, contract) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let dir = tempfile::tempdir().unwrap();
-    let (_gateway, addr) = spawn_authz(dir.path(), &broker.addr, &worker);
+    let (_gateway, addr) = spawn_authz(&broker.addr, &worker);
     let mut authz = AuthorizationClient::connect(addr).await.unwrap();
     let chain = chain_bytes(&mut broker, &contract).await;
-    let started = authz
-        .check(check_request(&send_message(Some(&chain))))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_allowed(&started);
-    let continued = authz
-        .check(check_request(&continuation("task-1", &chain)))
-        .await
-        .unwrap()
-        .into_inner();
+    assert_allowed(&ask(&mut authz, &send_message(Some(&chain))).await);
+    let continued = ask(&mut authz, &continuation("task-1", &chain)).await;
     assert_denied(&continued, "INVALID_FIELD");
     broker.stop().await;
 }
@@ -619,9 +551,7 @@ async fn without_upstream_a_continuation_is_refused() {
 async fn only_json_rpc_posts_without_duplicate_keys_pass() {
     let broker = Broker::start().await;
     let worker = Agent::generate();
-    let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
         &broker.addr,
         &worker,
         "authz_listen = \"127.0.0.1:0\"\nauthz_jsonrpc_paths = [\"/\", \"/a2a\"]\n",
@@ -697,17 +627,12 @@ async fn a_shared_context_never_makes_another_callers_contract_the_parent() {
 
 async fn shared_context(binding: &str) {
     let mut broker = Broker::start().await;
-    let victim = Agent::generate();
-    let intruder = Agent::generate();
-    let worker = Agent::generate();
-    let helper = Agent::generate();
+    let [victim, intruder, worker, helper] = agents();
     let (_, victims) = broker.root_and_child(&victim, &worker, 10).await;
     let (_, intruders) = broker.root_and_child(&intruder, &worker, 10).await;
     let agent = fake_agent().await;
     let peer = fake_agent().await;
-    let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
         &broker.addr,
         &worker,
         &format!(

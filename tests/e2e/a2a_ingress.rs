@@ -134,7 +134,7 @@ const TASKS_PER_TENANT: usize = 2;
 /// The broker names each tree's tenant in ContractState.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn free_keys_cannot_take_a_declared_tenants_share_of_max_tasks() {
-    let (acme, listed) = (Agent::generate(), Agent::generate());
+    let [acme, listed] = agents();
     let mut broker = Broker::start_with(|c| {
         c.tenants
             .declare("acme", &[acme.public_key()])
@@ -159,9 +159,7 @@ async fn free_keys_cannot_take_a_declared_tenants_share_of_max_tasks() {
     );
 
     let agent = fake_agent().await;
-    let dir = tempfile::tempdir().unwrap();
     let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
         &broker.addr,
         &worker,
         &format!(
@@ -219,28 +217,14 @@ async fn an_ingress_continuation_runs_only_under_its_tasks_own_contract() {
 
 async fn ingress_continuation(binding: &str) {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let mut issue = async || {
-        broker
-            .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-            .await
-            .unwrap()
-            .issued()
-            .0
-    };
+    let mut issue = async || broker.issue(&orchestrator, root.child(&worker, 2)).await;
     let second = issue().await;
     let unused = issue().await;
     let agent = fake_agent().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
-        &broker.addr,
-        &worker,
-        &both_bindings(&agent.url),
-        &PRINTED,
-    );
+    let (_gateway, addrs) =
+        spawn_gateway(&broker.addr, &worker, &both_bindings(&agent.url), &PRINTED);
     let first_chain = chain_bytes(&mut broker, &first).await;
     let second_chain = chain_bytes(&mut broker, &second).await;
     let unused_chain = chain_bytes(&mut broker, &unused).await;
@@ -333,69 +317,43 @@ struct TwiceMessage {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_grpc_only_the_served_a2a_methods_reach_the_agent() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let (root, first) = broker.root_and_child(&orchestrator, &worker, 10).await;
-    let (second, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-        .await
-        .unwrap()
-        .issued();
-    let (unused, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 2))
-        .await
-        .unwrap()
-        .issued();
+    let second = broker.issue(&orchestrator, root.child(&worker, 2)).await;
+    let unused = broker.issue(&orchestrator, root.child(&worker, 2)).await;
     let agent = fake_agent().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (_gateway, addrs) = spawn_gateway(
-        dir.path(),
-        &broker.addr,
-        &worker,
-        &both_bindings(&agent.url),
-        &PRINTED,
-    );
-    let channel =
-        tonic::transport::Channel::from_shared(format!("http://{}", addrs["a2a ingress grpc"]))
-            .unwrap()
-            .connect()
-            .await
-            .expect("the gRPC ingress");
+    let (_gateway, addrs) =
+        spawn_gateway(&broker.addr, &worker, &both_bindings(&agent.url), &PRINTED);
+    let channel = channel(&format!("http://{}", addrs["a2a ingress grpc"])).await;
     let mut client = A2aServiceClient::new(channel.clone());
-    let unserved = |status: tonic::Status| {
-        assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
-        assert_eq!(refusal_of(&status).reason, "INVALID_FIELD");
-    };
-    unserved(
+    let unserved = [
         client
             .list_tasks(proto::ListTasksRequest::default())
             .await
-            .unwrap_err(),
-    );
-    unserved(
+            .map(drop),
         client
             .get_extended_agent_card(proto::GetExtendedAgentCardRequest::default())
             .await
-            .unwrap_err(),
-    );
-    unserved(
+            .map(drop),
         client
             .create_task_push_notification_config(proto::TaskPushNotificationConfig::default())
             .await
-            .unwrap_err(),
-    );
-    unserved(
+            .map(drop),
+        // Streaming is not served either.
         client
             .send_streaming_message(proto::SendMessageRequest::default())
             .await
-            .expect_err("streaming is not served"),
-    );
-    unserved(
+            .map(drop),
         client
             .subscribe_to_task(proto::SubscribeToTaskRequest::default())
             .await
-            .expect_err("streaming is not served"),
-    );
+            .map(drop),
+    ];
+    for answer in unserved {
+        let status = answer.expect_err("not served");
+        assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
+        assert_eq!(refusal_of(&status).reason, "INVALID_FIELD");
+    }
     for path in [
         "/lf.a2a.v1.A2AService/NoSuchMethod",
         "/a2a.v1.A2AService/SendMessage",
@@ -534,8 +492,7 @@ async fn a_chain_signed_after_its_key_retired_is_refused_like_verify_refuses_it(
             &key_path,
         ],
     );
-    let orchestrator = Agent::generate();
-    let worker = Agent::generate();
+    let [orchestrator, worker] = agents();
     let mut client = connect(&addr).await;
     let spec = RootSpec::default();
     let root = client
@@ -574,13 +531,7 @@ async fn a_chain_signed_after_its_key_retired_is_refused_like_verify_refuses_it(
     // Another replica, with a key of its own, publishes the retirement.
     let (_replica, addr) =
         crate::operations::spawn_serve(&dir.path().join("b"), &["--database-url", &database.url]);
-    let published = connect(&addr)
-        .await
-        .get_broker_keys(pb::GetBrokerKeysRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .keys;
+    let published = published_keys(&addr).await;
     let old = published
         .iter()
         .find(|k| k.key_id == old_id)
@@ -638,14 +589,7 @@ async fn a_chain_signed_after_its_key_retired_is_refused_like_verify_refuses_it(
     let expected = expected.to_string();
 
     let agent = fake_agent().await;
-    let gateway_dir = tempfile::tempdir().unwrap();
-    let (_gateway, addrs) = spawn_gateway(
-        gateway_dir.path(),
-        &addr,
-        &worker,
-        &both_bindings(&agent.url),
-        &PRINTED,
-    );
+    let (_gateway, addrs) = spawn_gateway(&addr, &worker, &both_bindings(&agent.url), &PRINTED);
     let forged_bytes = forged.encode_to_vec();
     for binding in BINDINGS {
         let refused = send(binding, &addrs, start(&forged_bytes))

@@ -41,12 +41,12 @@ async fn run(
     let root = broker.open_root(&orchestrator, spec).await;
     let mut children = Vec::new();
     for w in work {
-        let (delegate, host) = (Agent::generate(), Agent::generate());
-        let mut body = child(&root.id, &root.lineage, &delegate, 20);
+        let [delegate, host] = agents();
+        let mut body = root.child(&delegate, 20);
         body.task = w.task.into();
         body.predicate = "result.within_scope".into();
         body.host_public_key = host.public_key().to_vec();
-        let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+        let id = broker.issue(&orchestrator, body).await;
         broker.accept(&delegate, &id, None).await.unwrap();
         let mut observations: Vec<pb::Observation> = w
             .reads
@@ -84,13 +84,8 @@ async fn run(
     }
     if refused_extra {
         broker
-            .delegate(
-                &orchestrator,
-                child(&root.id, &root.lineage, &Agent::generate(), 1_000),
-            )
-            .await
-            .unwrap()
-            .refused();
+            .refuse(&orchestrator, root.child(&Agent::generate(), 1_000))
+            .await;
     }
     Run { children }
 }
@@ -271,27 +266,21 @@ async fn two_arms_aggregate_to_the_expected_table() {
         let addr = broker.addr.clone();
         let key_file = key_file.clone();
         tokio::task::spawn_blocking(move || {
-            let out = std::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-                .args([
-                    "audit",
-                    "--key-file",
-                    key_file.to_str().unwrap(),
-                    "--addr",
-                    &addr,
-                    "--group-by",
-                    "arm",
-                    "--format",
-                    format,
-                ])
-                .env("BROKER_LOG", "warn")
-                .output()
-                .expect("the CLI runs");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8(out.stdout).unwrap()
+            stdout_of(
+                std::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+                    .args([
+                        "audit",
+                        "--key-file",
+                        key_file.to_str().unwrap(),
+                        "--addr",
+                        &addr,
+                        "--group-by",
+                        "arm",
+                        "--format",
+                        format,
+                    ])
+                    .env("BROKER_LOG", "warn"),
+            )
         })
     };
     let exported: Vec<GroupRow> = serde_json::from_str(&cli("json").await.unwrap()).unwrap();
@@ -313,12 +302,11 @@ async fn two_arms_aggregate_to_the_expected_table() {
 /// INVALID_ARGUMENT naming the field, and nothing is recorded.
 #[tokio::test]
 async fn a_tool_calls_digest_and_outcome_are_checked() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let mut body = child(&root.id, &root.lineage, &delegate, 20);
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [delegate, host] = agents();
+    let mut body = root.child(&delegate, 20);
     body.host_public_key = host.public_key().to_vec();
-    let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let id = broker.issue(&orchestrator, body).await;
     let said = pb::Observation {
         arguments_sha256: vec![9; 32],
         outcome: pb::ToolOutcome::Failed as i32,

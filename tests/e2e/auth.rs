@@ -10,32 +10,24 @@ use crate::harness::*;
 
 #[tokio::test]
 async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
 
     // Same nonce, same body, twice: one contract, reserved once.
-    let mut body = child(&root.id, &root.lineage, &delegate, 10);
+    let mut body = root.child(&delegate, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
-    let first = broker
-        .client
-        .delegate(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
-    let again = broker.client.delegate(request).await.unwrap().into_inner();
+    let first = broker.send_delegate(request.clone()).await.unwrap();
+    let again = broker.send_delegate(request).await.unwrap();
     assert!(!first.replayed && again.replayed);
     assert_eq!(first.outcome, again.outcome);
     assert_eq!(broker.ledger(&root.id).await.reserved, 10);
 
     // A retry re-signed with the same nonce and body is the same request.
     let resigned = broker
-        .client
-        .delegate(orchestrator.delegate(body.clone()))
+        .send_delegate(orchestrator.delegate(body.clone()))
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert!(resigned.replayed);
     assert_eq!(resigned.outcome, first.outcome);
 
@@ -43,63 +35,49 @@ async fn retries_are_idempotent_and_forgeries_reserve_nothing() {
     let mut other = body.clone();
     other.budget = 11;
     let err = broker
-        .client
-        .delegate(orchestrator.delegate(other))
+        .send_delegate(orchestrator.delegate(other))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::AlreadyExists, "NONCE_REUSED")
-    );
+    assert_status(&err, Status::AlreadyExists, "NONCE_REUSED");
 
     // A stale timestamp.
-    let mut stale = child(&root.id, &root.lineage, &delegate, 10);
+    let mut stale = root.child(&delegate, 10);
     stale.header = Some(header_at(&orchestrator, now_ms() - 3_600_000));
     let err = broker
-        .client
-        .delegate(orchestrator.delegate(stale))
+        .send_delegate(orchestrator.delegate(stale))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::Unauthenticated, "STALE_TIMESTAMP")
-    );
+    assert_status(&err, Status::Unauthenticated, "STALE_TIMESTAMP");
 
     // Signed by a key that does not hold the parent: denied, nothing stored;
     // a stranger to the tree is told what an unknown
     // parent gets.
     let intruder = Agent::generate();
     let err = broker
-        .delegate(&intruder, child(&root.id, &root.lineage, &delegate, 10))
+        .delegate(&intruder, root.child(&delegate, 10))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::NotFound, "NOT_FOUND")
-    );
+    assert_status(&err, Status::NotFound, "NOT_FOUND");
 
     // A header claiming the holder's key, signed by another key.
-    let mut forged = child(&root.id, &root.lineage, &delegate, 10);
+    let mut forged = root.child(&delegate, 10);
     forged.header = Some(orchestrator.header());
     let mut request = intruder.delegate(forged);
-    let err = broker.client.delegate(request.clone()).await.unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::Unauthenticated, "BAD_SIGNATURE")
-    );
+    let err = broker.send_delegate(request.clone()).await.unwrap_err();
+    assert_status(&err, Status::Unauthenticated, "BAD_SIGNATURE");
 
     // A flipped signature bit.
-    let mut genuine = orchestrator.delegate(child(&root.id, &root.lineage, &delegate, 10));
+    let mut genuine = orchestrator.delegate(root.child(&delegate, 10));
     genuine.signed.as_mut().unwrap().signatures[0].sig[7] ^= 0x20;
-    let err = broker.client.delegate(genuine).await.unwrap_err();
+    let err = broker.send_delegate(genuine).await.unwrap_err();
     assert_eq!(err.code(), Status::Unauthenticated);
 
     // A body altered after signing.
-    request = orchestrator.delegate(child(&root.id, &root.lineage, &delegate, 10));
+    request = orchestrator.delegate(root.child(&delegate, 10));
     let signed = request.signed.as_mut().unwrap();
     let last = signed.payload.len() - 1;
     signed.payload[last] ^= 1;
-    let err = broker.client.delegate(request).await.unwrap_err();
+    let err = broker.send_delegate(request).await.unwrap_err();
     assert!(
         matches!(
             err.code(),
@@ -139,13 +117,8 @@ async fn open_root_is_idempotent_too() {
     let mut body = RootSpec::default().body();
     body.header = Some(orchestrator.header());
     let request = orchestrator.open_root(body);
-    let first = broker
-        .client
-        .open_root(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
-    let again = broker.client.open_root(request).await.unwrap().into_inner();
+    let first = broker.send_open_root(request.clone()).await.unwrap();
+    let again = broker.send_open_root(request).await.unwrap();
     assert!(again.replayed);
     assert_eq!(first.issued, again.issued);
     broker.stop().await;
@@ -155,7 +128,7 @@ async fn open_root_is_idempotent_too() {
 /// to its allowance; nothing else reaches the store.
 #[tokio::test]
 async fn only_listed_orchestrators_open_roots_within_their_allowance() {
-    let (listed, stranger) = (Agent::generate(), Agent::generate());
+    let [listed, stranger] = agents();
     let listed_key = listed.public_key();
     let mut broker = Broker::start_with(|config| {
         config
@@ -165,29 +138,16 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
     })
     .await;
     let at_allowance = broker
-        .open_root(
-            &listed,
-            RootSpec {
-                budget: 1_000,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&listed, RootSpec::with(|s| s.budget = 1_000))
         .await;
     assert_eq!(broker.ledger(&at_allowance.id).await.budget, 1_000);
 
-    let over = RootSpec {
-        budget: 1_001,
-        ..RootSpec::default()
-    };
+    let over = RootSpec::with(|s| s.budget = 1_001);
     let err = broker
-        .client
-        .open_root(listed.open_root(over.body()))
+        .send_open_root(listed.open_root(over.body()))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::PermissionDenied, "ROOT_BUDGET_OVER_ALLOWANCE")
-    );
+    assert_status(&err, Status::PermissionDenied, "ROOT_BUDGET_OVER_ALLOWANCE");
     assert!(
         err.message().contains("body.budget 1001"),
         "{}",
@@ -204,14 +164,10 @@ async fn only_listed_orchestrators_open_roots_within_their_allowance() {
     );
 
     let err = broker
-        .client
-        .open_root(stranger.open_root(RootSpec::default().body()))
+        .send_open_root(stranger.open_root(RootSpec::default().body()))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Status::PermissionDenied, "NOT_AN_ORCHESTRATOR")
-    );
+    assert_status(&err, Status::PermissionDenied, "NOT_AN_ORCHESTRATOR");
     // The refused roots left nothing behind: the only root is the first.
     let audits = broker
         .client
@@ -237,21 +193,11 @@ async fn retries_are_answered_until_the_request_log_retention_prunes_them() {
     .await;
     let orchestrator = Agent::generate();
     let original = orchestrator.open_root(RootSpec::default().body());
-    let first = broker
-        .client
-        .open_root(original.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let first = broker.send_open_root(original.clone()).await.unwrap();
 
     // Stale, but within retention: the original answer.
     broker.clock.advance_ms(WINDOW_MS + 1_000);
-    let late = broker
-        .client
-        .open_root(original.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let late = broker.send_open_root(original.clone()).await.unwrap();
     assert!(late.replayed);
     assert_eq!(late.issued, first.issued);
 

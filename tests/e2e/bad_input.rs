@@ -31,6 +31,21 @@ type Case<T> = (
     &'static str,
 );
 
+/// Sends each case's edit of a fresh `base()` through `send`, expecting
+/// the error the case names.
+async fn assert_each_refused<T, R: std::fmt::Debug>(
+    cases: Vec<Case<T>>,
+    base: impl Fn() -> T,
+    mut send: impl AsyncFnMut(T) -> Result<R, tonic::Status>,
+) {
+    for (what, edit, code, key, value) in cases {
+        let mut input = base();
+        edit(&mut input);
+        let err = send(input).await.expect_err(what);
+        assert_names(&err, code, key, value);
+    }
+}
+
 fn case<T>(
     what: &'static str,
     edit: impl Fn(&mut T) + 'static,
@@ -44,10 +59,9 @@ fn case<T>(
 #[tokio::test]
 async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
     use Code::{InvalidArgument as Invalid, ResourceExhausted as Exhausted};
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let body = || child(&root.id, &root.lineage, &delegate, 10);
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
+    let body = || root.child(&delegate, 10);
     let attested: Vec<pb::Envelope> = [f64::NAN, 2.0, 0.0, -1.0]
         .into_iter()
         .map(|factor| {
@@ -161,16 +175,8 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
             "limits.max_request_bytes",
         ),
     ];
-    for (what, edit, code, key, value) in delegate_cases {
-        let mut b = body();
-        edit(&mut b);
-        let err = broker
-            .client
-            .delegate(orchestrator.delegate(b))
-            .await
-            .expect_err(what);
-        assert_names(&err, code, key, value);
-    }
+    let send = async |b| broker.send_delegate(orchestrator.delegate(b)).await;
+    assert_each_refused(delegate_cases, body, send).await;
 
     // OpenRoot bodies.
     let root_cases: Vec<Case<pb::OpenRootBody>> = vec![
@@ -198,16 +204,8 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
             "body.labels",
         ),
     ];
-    for (what, edit, code, key, value) in root_cases {
-        let mut r = RootSpec::default().body();
-        edit(&mut r);
-        let err = broker
-            .client
-            .open_root(orchestrator.open_root(r))
-            .await
-            .expect_err(what);
-        assert_names(&err, code, key, value);
-    }
+    let send = async |r| broker.send_open_root(orchestrator.open_root(r)).await;
+    assert_each_refused(root_cases, || RootSpec::default().body(), send).await;
 
     // Signed envelopes: missing, garbage payload, another RPC's payload type.
     let envelope_cases: Vec<Case<pb::DelegateRequest>> = vec![
@@ -237,12 +235,9 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
             "signed.payload_type",
         ),
     ];
-    for (what, edit, code, key, value) in envelope_cases {
-        let mut request = orchestrator.delegate(body());
-        edit(&mut request);
-        let err = broker.client.delegate(request).await.expect_err(what);
-        assert_names(&err, code, key, value);
-    }
+    let signed = || orchestrator.delegate(body());
+    let send = async |request| broker.send_delegate(request).await;
+    assert_each_refused(envelope_cases, signed, send).await;
 
     // Bad ids on reads.
     let err = broker
@@ -262,8 +257,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
         .unwrap_err();
     assert_names(&err, Code::NotFound, "what", "contract");
     let err = broker
-        .client
-        .delegate(orchestrator.delegate(pb::DelegateBody {
+        .send_delegate(orchestrator.delegate(pb::DelegateBody {
             parent_id: vec![9; 32],
             ..body()
         }))
@@ -283,11 +277,7 @@ async fn malformed_requests_name_the_field_and_the_server_keeps_serving() {
     // Still serving, nothing reserved by any of it.
     let ledger = broker.ledger(&root.id).await;
     assert_eq!((ledger.reserved, ledger.open_children), (0, 0));
-    broker
-        .delegate(&orchestrator, body())
-        .await
-        .unwrap()
-        .issued();
+    broker.issue(&orchestrator, body()).await;
     broker.stop().await;
 }
 
@@ -328,11 +318,7 @@ async fn raw_unary(addr: &str, path: &'static str, bytes: Vec<u8>) -> tonic::Sta
             Raw
         }
     }
-    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(addr).await;
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
     grpc.unary(
@@ -354,11 +340,7 @@ async fn an_overlong_effective_predicate_names_the_predicate() {
     let root = broker
         .open_root(
             &agents[0],
-            RootSpec {
-                budget: 1_000_000,
-                max_depth: 30,
-                ..RootSpec::default()
-            },
+            RootSpec::with(|s| (s.budget, s.max_depth) = (1_000_000, 30)),
         )
         .await;
     let predicate = format!("result.claimed != \"{}\"", "x".repeat(4_000));

@@ -56,41 +56,27 @@ fn when(ms: i64) -> String {
 
 async fn scene() -> Scene {
     let mut broker = Broker::start().await;
-    let (orchestrator, a_agent, b_agent, host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a_agent, b_agent, host] = agents();
     let spec = RootSpec {
         labels: [("arm".to_owned(), "flat".to_owned())].into(),
         ..RootSpec::default()
     };
     let root = broker.open_root(&orchestrator, spec).await;
     let attestation = broker.attest(&a_agent, 0.9);
-    let mut to_a = liable_child(
-        &root.id,
-        &root.lineage,
-        &a_agent,
-        25,
-        "result.schema_valid && result.within_scope",
-    );
+    let mut to_a = root.liable_child(&a_agent, 25, "result.schema_valid && result.within_scope");
     to_a.min_retry_cost = 12;
     to_a.host_public_key = host.public_key().to_vec();
     to_a.delegate_attestation = Some(attestation.clone());
     let (a_id, a) = broker.delegate(&orchestrator, to_a).await.unwrap().issued();
     let (refusal_id, refusal_sealed, _) = broker
-        .delegate(
-            &orchestrator,
-            child(&root.id, &root.lineage, &b_agent, 1_000),
-        )
+        .delegate(&orchestrator, root.child(&b_agent, 1_000))
         .await
         .unwrap()
         .refused();
     let refused = receipt_of(&refusal_sealed);
     assert_eq!(refused.0, refusal_id);
     let (b_id, b) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &b_agent, 10))
+        .delegate(&orchestrator, root.child(&b_agent, 10))
         .await
         .unwrap()
         .issued();
@@ -137,14 +123,7 @@ async fn scene() -> Scene {
         &send_lifecycle(
             &mut broker.client,
             &a_agent,
-            pb::CompleteBody {
-                header: None,
-                contract_id: a_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 0,
-            },
+            complete_body(&a_id, "{}", "done", 0),
         )
         .await
         .unwrap(),
@@ -652,9 +631,7 @@ async fn session_prints_a_header_that_reads() {
 
     let mut plain = connect(&s.broker.addr).await;
     let read = |with: bool| {
-        let mut request = tonic::Request::new(pb::GetContractRequest {
-            contract_id: s.root.id.clone(),
-        });
+        let mut request = tonic::Request::new(contract_request(&s.root.id));
         if with {
             request.metadata_mut().insert_bin(
                 "x-broker-session-bin",

@@ -318,9 +318,7 @@ async fn the_console_serves_reads_only_with_its_readers_rights() {
         token,
         session,
         "GetContract",
-        &pb::GetContractRequest {
-            contract_id: hidden.id.clone(),
-        },
+        &contract_request(&hidden.id),
     )
     .await;
     assert_eq!(
@@ -335,8 +333,7 @@ async fn the_console_serves_reads_only_with_its_readers_rights() {
 
     // A correctly signed mutating call is refused at the door: nothing
     // reaches the broker.
-    let delegate =
-        orchestrator.delegate(child(&visible.id, &visible.lineage, &Agent::generate(), 5));
+    let delegate = orchestrator.delegate(visible.child(&Agent::generate(), 5));
     let refused = grpc_web(&console, token, session, "Delegate", &delegate).await;
     assert_eq!(refused.status, 7, "PERMISSION_DENIED: {}", refused.message);
     assert_eq!(refused.message, "the console serves the read RPCs only");
@@ -378,10 +375,7 @@ async fn the_console_serves_reads_only_with_its_readers_rights() {
 
 /// Reads a Watch over gRPC-Web for a moment; returns the events seen.
 async fn watch_a_few(console: &(std::net::SocketAddr, String), session: &str, id: &[u8]) -> usize {
-    let request = pb::WatchRequest {
-        contract_id: id.to_vec(),
-        cursor: 0,
-    };
+    let request = watch_request(id);
     let payload = request.encode_to_vec();
     let mut frame = vec![0u8];
     frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
@@ -453,8 +447,7 @@ fn count_events(raw: &[u8]) -> usize {
 #[tokio::test]
 async fn list_roots_shows_each_caller_its_own_trees() {
     let mut broker = Broker::start().await;
-    let orchestrator = Agent::generate();
-    let delegate = Agent::generate();
+    let [orchestrator, delegate] = agents();
     let mut flat = RootSpec::default();
     flat.labels.insert("arm".into(), "flat".into());
     let first = broker.open_root(&orchestrator, flat).await;
@@ -462,13 +455,8 @@ async fn list_roots_shows_each_caller_its_own_trees() {
     tree.labels.insert("arm".into(), "tree".into());
     let second = broker.open_root(&orchestrator, tree).await;
     broker
-        .delegate(
-            &orchestrator,
-            child(&second.id, &second.lineage, &delegate, 5),
-        )
-        .await
-        .unwrap()
-        .issued();
+        .issue(&orchestrator, second.child(&delegate, 5))
+        .await;
     let list = |client: &mut broker_client::SessionClient,
                 labels: &[(&str, &str)],
                 page_size: u32,
@@ -552,19 +540,10 @@ async fn list_roots_shows_each_caller_its_own_trees() {
 /// left unset names `role`, a bad token `page_token`.
 #[tokio::test]
 async fn list_held_shows_each_caller_its_open_work() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (first, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
-        .await
-        .unwrap()
-        .issued();
-    let (second, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 5))
-        .await
-        .unwrap()
-        .issued();
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
+    let first = broker.issue(&orchestrator, root.child(&delegate, 5)).await;
+    let second = broker.issue(&orchestrator, root.child(&delegate, 5)).await;
     let addr = broker.addr.clone();
     let held = |agent, role, token| held(&addr, agent, role, token);
     let stranger = Agent::generate();
@@ -581,17 +560,7 @@ async fn list_held_shows_each_caller_its_open_work() {
     assert!(held(&stranger, Delegate, vec![]).await.unwrap().is_empty());
     broker.accept(&delegate, &first, None).await.unwrap();
     broker
-        .complete(
-            &delegate,
-            pb::CompleteBody {
-                header: None,
-                contract_id: first.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 1,
-            },
-        )
+        .complete(&delegate, complete_body(&first, "{}", "done", 1))
         .await
         .unwrap();
     assert_eq!(

@@ -17,6 +17,40 @@ use crate::harness::*;
 /// dropped database and steals CPU from whatever runs next).
 pub struct Killed(pub Child);
 
+impl Killed {
+    /// Spawns `command` with its stdout piped and reads it until it has
+    /// printed `{what} on ADDR` for each of `whats`; the process and each
+    /// ADDR by its `what`.
+    pub fn announcing_all(
+        command: &mut std::process::Command,
+        whats: &[&str],
+    ) -> (Killed, std::collections::HashMap<String, String>) {
+        use std::io::BufRead as _;
+        let mut child = command
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("the binary starts");
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut seen = std::collections::HashMap::new();
+        while whats.iter().any(|w| !seen.contains_key(*w)) {
+            let line = lines
+                .next()
+                .unwrap_or_else(|| panic!("the process printed only {seen:?} of {whats:?}"))
+                .unwrap();
+            if let Some(w) = whats.iter().find(|w| line.starts_with(&format!("{w} on "))) {
+                seen.insert((*w).to_owned(), line[w.len() + 4..].trim().to_owned());
+            }
+        }
+        (Killed(child), seen)
+    }
+
+    /// `announcing_all` of one `what`; the process and `http://ADDR`.
+    pub fn announcing(command: &mut std::process::Command, what: &str) -> (Killed, String) {
+        let (process, seen) = Self::announcing_all(command, &[what]);
+        (process, format!("http://{}", seen[what]))
+    }
+}
+
 impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -33,30 +67,41 @@ pub fn spawn_broker(data_dir: &std::path::Path, database: Option<&str>) -> (Kill
     }
 }
 
+/// What a killed broker restarts on: a fresh data directory and, when
+/// the run is on PostgreSQL, a fresh database (dropped last).
+struct BrokerData {
+    dir: tempfile::TempDir,
+    database: Option<delegation_broker::store::postgres::testing::TestDatabase>,
+}
+
+impl BrokerData {
+    async fn new() -> Self {
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+            database: database_of_this_run().await,
+        }
+    }
+
+    /// A broker process on this data.
+    fn spawn(&self) -> (Killed, String) {
+        spawn_broker(
+            self.dir.path(),
+            self.database.as_ref().map(|d| d.url.as_str()),
+        )
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_burst_loses_no_answered_contract() {
-    let dir = tempfile::tempdir().unwrap();
-    let database = if on_postgres() {
-        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
-    } else {
-        None
-    };
-    let url = database.as_ref().map(|d| d.url.as_str());
-    let (mut process, addr) = spawn_broker(dir.path(), url);
+    let data = BrokerData::new().await;
+    let (mut process, addr) = data.spawn();
     let mut client = connect(&addr).await;
     let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
-    let root = client
-        .open_root(orchestrator.open_root(spec.body()))
+    let spec = RootSpec::for_bursts();
+    let root_id = open_root_on(&mut client, &orchestrator, &spec)
         .await
-        .unwrap()
-        .into_inner();
-    let root_id = root.issued.unwrap().contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+        .contract_id;
+    let lineage = spec.lineage();
 
     let answered: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
     // The first answered request and its contract id, to retry after restart.
@@ -113,17 +158,9 @@ async fn sigkill_during_a_burst_loses_no_answered_contract() {
     let answered = answered.lock().unwrap().clone();
     assert!(answered.len() >= 300);
 
-    let (mut process, addr) = spawn_broker(dir.path(), url);
+    let (mut process, addr) = data.spawn();
     let mut broker_client = connect_as(&addr, &orchestrator).await;
-    for id in &answered {
-        let state = broker_client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
-        assert!(state.into_inner().contract.is_some());
-    }
+    assert_stored(&mut broker_client, &answered).await;
     // A retry of an answered request after the restart gets the same answer.
     let (request, id) = first_request.lock().unwrap().clone().unwrap();
     let replay = broker_client.delegate(request).await;
@@ -157,16 +194,7 @@ impl LedgerCheck {
         let mut queue = vec![root.to_vec()];
         let mut seen = 0;
         while let Some(id) = queue.pop() {
-            let state = self
-                .client
-                .get_contract(pb::GetContractRequest {
-                    contract_id: id.clone(),
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .contract
-                .unwrap();
+            let state = state_via(&mut self.client, &id).await;
             let ledger = state.ledger.unwrap();
             assert_eq!(
                 ledger.budget,
@@ -212,30 +240,15 @@ impl LedgerCheck {
 /// then ends the root.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_drain_finishes_it_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let database = if on_postgres() {
-        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
-    } else {
-        None
-    };
-    let url = database.as_ref().map(|d| d.url.as_str());
-    let (mut process, addr) = spawn_broker(dir.path(), url);
+    let data = BrokerData::new().await;
+    let (mut process, addr) = data.spawn();
     let mut client = connect(&addr).await;
     let orchestrator = Agent::generate();
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
-    let root = client
-        .open_root(orchestrator.open_root(spec.body()))
+    let spec = RootSpec::for_bursts();
+    let root = open_root_on(&mut client, &orchestrator, &spec)
         .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap()
         .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let lineage = spec.lineage();
     // 2 children of the root, 520 children each: 1,042 descendants, past
     // the default step of 1,024.
     let middle = Agent::generate();
@@ -283,19 +296,13 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     process.0.wait().unwrap();
     drop(process);
 
-    let (_restarted, addr) = spawn_broker(dir.path(), url);
+    let (_restarted, addr) = data.spawn();
     let mut session = connect_as(&addr, &orchestrator).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
-        let open = session
-            .get_contract(pb::GetContractRequest {
-                contract_id: root.clone(),
-            })
+        let open = state_via(&mut session, &root)
             .await
-            .unwrap()
-            .into_inner()
-            .contract
-            .and_then(|c| c.ledger)
+            .ledger
             .unwrap()
             .open_children;
         if open == 0 {
@@ -309,10 +316,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     }
     // Every descendant revoked, by exactly one receipt.
     let mut stream = session
-        .watch(pb::WatchRequest {
-            contract_id: root.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root))
         .await
         .unwrap()
         .into_inner();
@@ -329,15 +333,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     assert_eq!(receipts.len(), descendants.len(), "a receipt for each");
     for id in &descendants {
         assert_eq!(receipts.get(id), Some(&1), "{}", hex::encode(id));
-        let state = session
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .contract
-            .unwrap();
+        let state = state_via(&mut session, id).await;
         assert_eq!(
             state.status,
             pb::ContractStatus::Revoked as i32,
@@ -349,7 +345,7 @@ async fn sigkill_during_a_drain_finishes_it_once() {
     let receipt = session.revoke(revoke).await.unwrap().into_inner();
     let receipt = decode_receipt(&receipt.receipt.unwrap());
     assert_eq!(receipt.revoked_ids, vec![root.clone()]);
-    drop(database);
+    drop(data);
 }
 
 /// Sends `request` until it is answered: 1,040 Delegates at once may find

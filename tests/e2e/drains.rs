@@ -67,17 +67,9 @@ async fn children(
     ids
 }
 
-fn big_root() -> RootSpec {
-    RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    }
-}
-
 /// A root of `opener` with `VICTIM_CHILDREN` children; the root's id.
 async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
-    let root = broker.open_root(opener, big_root()).await;
+    let root = broker.open_root(opener, RootSpec::for_bursts()).await;
     let worker = Agent::generate();
     children(
         &broker.addr,
@@ -94,8 +86,8 @@ async fn victim_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
 
 /// A root of `opener` with `MIDDLES` middles of `LEAVES_PER_MIDDLE` leaves each.
 async fn draining_tree(broker: &mut Broker, opener: &Agent) -> Vec<u8> {
-    let root = broker.open_root(opener, big_root()).await;
-    let (middle, leaf) = (Agent::generate(), Agent::generate());
+    let root = broker.open_root(opener, RootSpec::for_bursts()).await;
+    let [middle, leaf] = agents();
     let middles = children(
         &broker.addr,
         opener,
@@ -131,7 +123,7 @@ async fn timed_revoke(broker: &mut Broker, opener: &Agent, root: &[u8]) -> Durat
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn drains_take_turns_and_leave_other_writes_alone() {
     let openers: Vec<Agent> = (0..DRAINING_TENANTS).map(|_| Agent::generate()).collect();
-    let (victim, writer) = (Agent::generate(), Agent::generate());
+    let [victim, writer] = agents();
     let mut broker = Broker::start_with(|c| {
         c.limits.cascade_step_rows = STEP_ROWS;
         for key in openers
@@ -166,16 +158,9 @@ async fn drains_take_turns_and_leave_other_writes_alone() {
         let writer = Agent::from_seed(writer.seed());
         tokio::spawn(async move {
             let mut raw = connect(&addr).await;
-            let spec = big_root();
-            let root_id = raw
-                .open_root(writer.open_root(spec.body()))
-                .await
-                .expect("the other tenant's root")
-                .into_inner()
-                .issued
-                .expect("issued")
-                .contract_id;
-            let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+            let spec = RootSpec::for_bursts();
+            let root_id = open_root_on(&mut raw, &writer, &spec).await.contract_id;
+            let lineage = spec.lineage();
             let worker = Agent::generate();
             let mut took = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::SeqCst) && took.len() < 10_000 {

@@ -44,6 +44,48 @@ fn heavy_output() -> String {
     )
 }
 
+/// One honest round in `root`: a Delegate whose schema compiles fresh
+/// patterns, its Accept, and a Complete judged against the schema; how
+/// long each of the three took.
+async fn honest_round(
+    broker: &mut Broker,
+    honest: &Agent,
+    worker: &Agent,
+    root: &Root,
+    round: usize,
+) -> [Duration; 3] {
+    let started = Instant::now();
+    let mut body = root.child(worker, 1);
+    body.result_schema_json = pattern_schema(&format!("honest{round}"));
+    let id = broker.issue(honest, body).await;
+    let delegate = started.elapsed();
+    let started = Instant::now();
+    broker.accept(worker, &id, None).await.expect("Accept");
+    let accept = started.elapsed();
+    let started = Instant::now();
+    let done = broker
+        .complete(worker, complete_body(&id, r#""ab-honest0-1""#, "done", 0))
+        .await
+        .expect("the honest Complete");
+    assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
+    [delegate, accept, started.elapsed()]
+}
+
+/// A Watch of `root`'s tree through `own`, its first event (the root)
+/// read; held open by the caller.
+async fn watch_tree(
+    own: &mut broker_client::SessionClient,
+    root: &Root,
+) -> tonic::Streaming<pb::WatchResponse> {
+    let mut stream = own
+        .watch(watch_request(&root.id))
+        .await
+        .expect("the tenant watches its tree")
+        .into_inner();
+    stream.message().await.expect("an event").expect("the root");
+    stream
+}
+
 /// What the flood got done: conversions answered, completions judged.
 #[derive(Default)]
 struct Flooded {
@@ -62,33 +104,16 @@ async fn hostile_tenant(
 ) {
     let tenant = opener.map_or_else(Agent::generate, Agent::from_seed);
     let worker = Agent::generate();
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
+    let spec = RootSpec::for_bursts();
     let mut raw = connect(&addr).await;
-    let root_id = raw
-        .open_root(tenant.open_root(spec.body()))
-        .await
-        .expect("a hostile root")
-        .into_inner()
-        .issued
-        .expect("issued")
-        .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let root_id = open_root_on(&mut raw, &tenant, &spec).await.contract_id;
+    let lineage = spec.lineage();
     // Watch streams on its own tree, held for the whole flood (past the
     // broker-wide total the rest are refused: that is the flood's point).
     let mut streams = Vec::new();
     let mut watcher = connect_as(&addr, &tenant).await;
     for _ in 0..8 {
-        if let Ok(s) = watcher
-            .watch(pb::WatchRequest {
-                contract_id: root_id.clone(),
-                cursor: 0,
-            })
-            .await
-        {
+        if let Ok(s) = watcher.watch(watch_request(&root_id)).await {
             streams.push(s);
         }
     }
@@ -141,21 +166,11 @@ async fn hostile_tenant(
                     return;
                 }
                 let mut client = connect_as(&addr, &worker).await;
-                let accept = pb::AcceptBody {
-                    header: None,
-                    contract_id: id.clone(),
-                    host_public_key: Vec::new(),
-                };
+                let accept = accept_body(&id, None);
                 if send_lifecycle(&mut client, &worker, accept).await.is_err() {
                     return;
                 }
-                let complete = pb::CompleteBody {
-                    header: None,
-                    contract_id: id,
-                    output_json: heavy_output(),
-                    claim: "done".into(),
-                    ..Default::default()
-                };
+                let complete = complete_body(&id, &heavy_output(), "done", 0);
                 if send_lifecycle(&mut client, &worker, complete).await.is_ok() {
                     flooded.judged.fetch_add(1, Ordering::SeqCst);
                 }
@@ -185,7 +200,7 @@ async fn a_listed_orchestrators_flood_does_not_starve_another() {
 }
 
 async fn flood(orchestrated: bool) {
-    let (honest, hostile) = (Agent::generate(), Agent::generate());
+    let [honest, hostile] = agents();
     let listed = [honest.public_key(), hostile.public_key()];
     let mut broker = Broker::start_with(|c| {
         // Small shares, so a few keys fill them fast.
@@ -223,59 +238,27 @@ async fn flood(orchestrated: bool) {
     let worker = Agent::generate();
     let root = broker.open_root(&honest, RootSpec::default()).await;
     let mut slowest = Duration::ZERO;
-    let mut timed = |started: Instant, what: &str| {
-        let took = started.elapsed();
+    let mut timed = |took: Duration, what: &str| {
         assert!(took < HONEST_CALL_MAX, "the honest {what} took {took:?}");
         slowest = slowest.max(took);
     };
     let mut own = connect_as(&broker.addr, &honest).await;
     let started = Instant::now();
-    let mut stream = own
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .expect("the honest tenant watches its tree")
-        .into_inner();
-    stream.message().await.expect("an event").expect("the root");
-    timed(started, "Watch");
+    let _stream = watch_tree(&mut own, &root).await;
+    timed(started.elapsed(), "Watch");
     for round in 0..HONEST_ROUNDS {
-        let started = Instant::now();
-        let mut body = child(&root.id, &root.lineage, &worker, 1);
-        body.result_schema_json = pattern_schema(&format!("honest{round}"));
-        let (id, _) = broker
-            .delegate(&honest, body)
-            .await
-            .expect("the honest Delegate")
-            .issued();
-        timed(started, "Delegate");
-        let started = Instant::now();
-        broker.accept(&worker, &id, None).await.expect("Accept");
-        timed(started, "Accept");
-        let started = Instant::now();
-        let done = broker
-            .complete(
-                &worker,
-                pb::CompleteBody {
-                    header: None,
-                    contract_id: id,
-                    output_json: r#""ab-honest0-1""#.into(),
-                    claim: "done".into(),
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("the honest Complete");
-        assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
-        timed(started, "Complete");
+        let [delegate, accept, complete] =
+            honest_round(&mut broker, &honest, &worker, &root, round).await;
+        timed(delegate, "Delegate");
+        timed(accept, "Accept");
+        timed(complete, "Complete");
         let started = Instant::now();
         own.get_audit(pb::GetAuditRequest {
             contract_id: root.id.clone(),
         })
         .await
         .expect("the honest GetAudit");
-        timed(started, "GetAudit");
+        timed(started.elapsed(), "GetAudit");
     }
     stop.store(true, Ordering::SeqCst);
     for attacker in attackers {
@@ -347,13 +330,8 @@ async fn crowd_key(
     calls: Arc<CrowdCalls>,
 ) {
     use delegation_broker::pb::broker_client::BrokerClient;
-    let tenant = Agent::generate();
-    let worker = Agent::generate();
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
+    let [tenant, worker] = agents();
+    let spec = RootSpec::for_bursts();
     let mut raw = BrokerClient::new(channel.clone())
         .max_decoding_message_size(64 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024);
@@ -369,13 +347,7 @@ async fn crowd_key(
     // A Watch stream on its own tree, held throughout (refused past the
     // broker's caps: filling them is the point).
     let _stream = match attacher.open(&mut life, &tenant).await {
-        Ok(()) => life
-            .watch(pb::WatchRequest {
-                contract_id: root_id.clone(),
-                cursor: 0,
-            })
-            .await
-            .ok(),
+        Ok(()) => life.watch(watch_request(&root_id)).await.ok(),
         Err(_) => None,
     };
     let output = heavy_output();
@@ -401,21 +373,11 @@ async fn crowd_key(
             push(&calls.delegates, began.elapsed());
             continue;
         }
-        let accept = pb::AcceptBody {
-            header: None,
-            contract_id: id.clone(),
-            host_public_key: Vec::new(),
-        };
+        let accept = accept_body(&id, None);
         if send_lifecycle(&mut life, &worker, accept).await.is_err() {
             continue;
         }
-        let complete = pb::CompleteBody {
-            header: None,
-            contract_id: id,
-            output_json: output.clone(),
-            claim: "done".into(),
-            ..Default::default()
-        };
+        let complete = complete_body(&id, &output, "done", 0);
         let began = Instant::now();
         if send_lifecycle(&mut life, &worker, complete).await.is_ok() {
             push(&calls.completes, began.elapsed());
@@ -443,13 +405,7 @@ async fn a_thousand_free_keys_share_one_turn() {
     .await;
     let mut channels = Vec::new();
     for _ in 0..CROWD_CHANNELS {
-        channels.push(
-            tonic::transport::Channel::from_shared(broker.addr.clone())
-                .expect("address")
-                .connect()
-                .await
-                .expect("connect"),
-        );
+        channels.push(channel(&broker.addr).await);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let calls = Arc::new(CrowdCalls::default());
@@ -467,43 +423,13 @@ async fn a_thousand_free_keys_share_one_turn() {
     let worker = Agent::generate();
     let root = broker.open_root(&honest, RootSpec::default()).await;
     let mut own = connect_as(&broker.addr, &honest).await;
-    let mut stream = own
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .expect("the declared tenant watches its tree")
-        .into_inner();
-    stream.message().await.expect("an event").expect("the root");
+    let _stream = watch_tree(&mut own, &root).await;
     let (mut delegates, mut completes) = (Vec::new(), Vec::new());
     for round in 0..CROWD_ROUNDS {
-        let started = Instant::now();
-        let mut body = child(&root.id, &root.lineage, &worker, 1);
-        body.result_schema_json = pattern_schema(&format!("honest{round}"));
-        let (id, _) = broker
-            .delegate(&honest, body)
-            .await
-            .expect("the honest Delegate")
-            .issued();
-        delegates.push(started.elapsed());
-        broker.accept(&worker, &id, None).await.expect("Accept");
-        let started = Instant::now();
-        let done = broker
-            .complete(
-                &worker,
-                pb::CompleteBody {
-                    header: None,
-                    contract_id: id,
-                    output_json: r#""ab-honest0-1""#.into(),
-                    claim: "done".into(),
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("the honest Complete");
-        assert_eq!(done.kind, pb::ReceiptKind::Completed as i32);
-        completes.push(started.elapsed());
+        let [delegate, _, complete] =
+            honest_round(&mut broker, &honest, &worker, &root, round).await;
+        delegates.push(delegate);
+        completes.push(complete);
     }
     stop.store(true, Ordering::SeqCst);
     for key in crowd {

@@ -8,45 +8,24 @@ use tonic_types::StatusExt;
 
 use crate::harness::*;
 
-fn output(json: &str, consumed: i64, contract: &[u8]) -> pb::CompleteBody {
-    pb::CompleteBody {
-        header: None,
-        contract_id: contract.to_vec(),
-        output_json: json.into(),
-        report: None,
-        claim: "success".into(),
-        consumed,
-    }
-}
-
 /// Item 1: an ancestor's predicate ending in a `//` comment, and a
 /// descendant forwarding `true⏎|| true`, used to compose into
 /// `P && (Q || true)`: ACCEPTED although `approved=false`. The forwarded
 /// predicate must still be judged.
 #[tokio::test]
 async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, a, b) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
-        .await;
-    let to_a = liable_child(
-        &root.id,
-        &root.lineage,
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.retry_headroom = false)).await;
+    let [a, b] = agents();
+    let to_a = root.liable_child(
         &a,
         60,
         "result.output.approved == true // the reviewer must approve",
     );
-    let (a_id, _) = broker.delegate(&orchestrator, to_a).await.unwrap().issued();
+    let a_id = broker.issue(&orchestrator, to_a).await;
     broker.accept(&a, &a_id, None).await.unwrap();
     let to_b = liable_child(&a_id, &root.lineage, &b, 30, "true\n|| true");
-    let (b_id, _) = broker.delegate(&a, to_b).await.unwrap().issued();
+    let b_id = broker.issue(&a, to_b).await;
     let effective = broker.effective_predicate(&b_id).await;
     assert!(
         effective.contains("result.output.approved"),
@@ -54,7 +33,10 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
     );
     broker.accept(&b, &b_id, None).await.unwrap();
     let receipt = broker
-        .complete(&b, output(r#"{"approved": false}"#, 1, &b_id))
+        .complete(
+            &b,
+            complete_body(&b_id, r#"{"approved": false}"#, "success", 1),
+        )
         .await
         .unwrap();
     let completion = receipt.completion.unwrap();
@@ -76,25 +58,15 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
 #[tokio::test]
 async fn metered_units_leave_the_residual_at_once() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host, c) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 100).await;
-    broker.accept(&a, &a_id, Some(&host)).await.unwrap();
-    broker
-        .record(&host, &a_id, vec![tool_call("llm", 100)])
-        .await
-        .unwrap();
-    let ledger = broker.ledger(&a_id).await;
-    assert_eq!((ledger.spent, ledger.residual), (100, 0));
-    let (_, _, receipt) = broker
-        .delegate(&a, child(&a_id, &root.lineage, &c, 100))
-        .await
-        .unwrap()
-        .refused();
+    let [orchestrator, a, host, c] = agents();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 100, Some(&host))
+        .await;
+    broker.observe(&host, &a_id, tool_call("llm", 100)).await;
+    assert_eq!(broker.spent_and_residual(&a_id).await, (100, 0));
+    let receipt = broker
+        .refuse(&a, child(&a_id, &root.lineage, &c, 100))
+        .await;
     assert_eq!(
         codes(&receipt),
         vec![pb::InvariantCode::BudgetExceedsParent]
@@ -109,30 +81,15 @@ async fn metered_units_leave_the_residual_at_once() {
 #[tokio::test]
 async fn a_late_accept_above_metered_work_charges_it_once() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, b, host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, b, host] = agents();
     let (root, a_id) = broker.root_and_child(&orchestrator, &a, 60).await;
-    let (b_id, _) = broker
-        .delegate(&a, child(&a_id, &root.lineage, &b, 30))
-        .await
-        .unwrap()
-        .issued();
+    let b_id = broker.issue(&a, child(&a_id, &root.lineage, &b, 30)).await;
     broker.accept(&b, &b_id, Some(&host)).await.unwrap();
-    broker
-        .record(&host, &b_id, vec![tool_call("llm", 4)])
-        .await
-        .unwrap();
+    broker.observe(&host, &b_id, tool_call("llm", 4)).await;
     broker.accept(&a, &a_id, None).await.unwrap();
     let completion = broker
-        .complete(&b, output("{}", 4, &b_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+        .completion(&b, complete_body(&b_id, "{}", "success", 4))
+        .await;
     assert_eq!(
         (
             completion.consumed,
@@ -142,12 +99,10 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
         (4, 26, 0)
     );
     assert_eq!(broker.ledger(&b_id).await.spent, 4);
-    let a_ledger = broker.ledger(&a_id).await;
-    assert_eq!((a_ledger.spent, a_ledger.residual), (4, 56));
+    assert_eq!(broker.spent_and_residual(&a_id).await, (4, 56));
     // A escalates after the late accept: B's units are not charged again.
     broker.escalate(&a, &a_id, "stuck").await.unwrap();
-    let root_ledger = broker.ledger(&root.id).await;
-    assert_eq!((root_ledger.spent, root_ledger.residual), (4, 96));
+    assert_eq!(broker.spent_and_residual(&root.id).await, (4, 96));
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }
@@ -159,16 +114,14 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
 #[tokio::test]
 async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a) = (Agent::generate(), Agent::generate());
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
-    broker.accept(&a, &a_id, None).await.unwrap();
+    let [orchestrator, a] = agents();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 10, None)
+        .await;
     let claimed = 1_000_000_000_000_000;
     let completion = broker
-        .complete(&a, output("{}", claimed, &a_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+        .completion(&a, complete_body(&a_id, "{}", "success", claimed))
+        .await;
     assert_eq!(
         (
             completion.consumed,
@@ -178,8 +131,7 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
         ),
         (10, claimed - 10, 0, 0)
     );
-    let root_ledger = broker.ledger(&root.id).await;
-    assert_eq!((root_ledger.spent, root_ledger.residual), (10, 90));
+    assert_eq!(broker.spent_and_residual(&root.id).await, (10, 90));
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }
@@ -189,30 +141,18 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
 /// and audit. Now: refused (NOT_FOUND, as for an unknown parent), and nothing in anyone's tree.
 #[tokio::test]
 async fn strangers_cannot_write_into_a_tree() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     for _ in 0..16 {
         let stranger = Agent::generate();
         let err = broker
-            .delegate(&stranger, child(&root.id, &root.lineage, &delegate, 10))
+            .delegate(&stranger, root.child(&delegate, 10))
             .await
             .unwrap_err();
-        assert_eq!(
-            (err.code(), reason(&err).as_str()),
-            (Code::NotFound, "NOT_FOUND")
-        );
+        assert_status(&err, Code::NotFound, "NOT_FOUND");
     }
     // Nothing was stored: the tree's event stream holds only the root.
-    let mut stream = broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = broker.watch(&root.id).await;
     let first = stream.message().await.unwrap().unwrap();
     assert!(matches!(
         first.event,
@@ -221,14 +161,9 @@ async fn strangers_cannot_write_into_a_tree() {
     let next = tokio::time::timeout(std::time::Duration::from_millis(300), stream.message()).await;
     assert!(next.is_err(), "an event after the root: {next:?}");
     // A holder's own refusals are still signed receipts.
-    let (_, _, receipt) = broker
-        .delegate(
-            &orchestrator,
-            child(&root.id, &root.lineage, &delegate, 1_000),
-        )
-        .await
-        .unwrap()
-        .refused();
+    let receipt = broker
+        .refuse(&orchestrator, root.child(&delegate, 1_000))
+        .await;
     assert_eq!(
         codes(&receipt),
         vec![pb::InvariantCode::BudgetExceedsParent]
@@ -240,19 +175,15 @@ async fn strangers_cannot_write_into_a_tree() {
 /// and clients saw RESOURCE_EXHAUSTED instead of the field.
 #[tokio::test]
 async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     // 4 KB of quotes and non-ASCII (percent-encoded 3×), that does not parse.
     let predicate = format!("result.x == \"{}", "é\"".repeat(1_300));
     let predicate = &predicate[..predicate.floor_char_boundary(4_000)];
-    let body = liable_child(&root.id, &root.lineage, &delegate, 10, predicate);
+    let body = root.liable_child(&delegate, 10, predicate);
     let err = broker.delegate(&orchestrator, body).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    let field = err
-        .get_details_error_info()
-        .and_then(|i| i.metadata.get("field").cloned());
-    assert_eq!(field.as_deref(), Some("body.predicate"));
+    assert_eq!(field(&err), "body.predicate");
     broker.stop().await;
 }
 
@@ -260,39 +191,23 @@ async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
 /// counted as inside `src/exec`.
 #[tokio::test]
 async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, a, host) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
-        .await;
-    let mut body = liable_child(&root.id, &root.lineage, &a, 10, "result.within_scope");
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.retry_headroom = false)).await;
+    let [a, host] = agents();
+    let mut body = root.liable_child(&a, 10, "result.within_scope");
     body.write_scope = vec!["src/exec".into()];
-    let (a_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let a_id = broker.issue(&orchestrator, body).await;
     broker.accept(&a, &a_id, Some(&host)).await.unwrap();
     broker
-        .record(
-            &host,
-            &a_id,
-            vec![mutation("src/exec/..\\..\\etc\\passwd", 0)],
-        )
-        .await
-        .unwrap();
+        .observe(&host, &a_id, mutation("src/exec/..\\..\\etc\\passwd", 0))
+        .await;
     let completion = broker
-        .complete(&a, output("{}", 1, &a_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+        .completion(&a, complete_body(&a_id, "{}", "success", 1))
+        .await;
     assert!(!completion.within_scope);
     assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
     // A scope prefix must use '/'.
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.write_scope = vec!["src\\exec".into()];
     let err = broker.delegate(&orchestrator, body).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
@@ -304,17 +219,9 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
 /// not-before time.
 #[tokio::test]
 async fn attested_factors_are_floored_and_not_valid_before_their_time() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, a) = (Agent::generate(), Agent::generate());
-    let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                min_trust: 500_000,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.min_trust = 500_000)).await;
+    let a = Agent::generate();
     let attestor = Agent::from_seed(broker.attestor.seed());
     let attest = |factor: f64, not_before_ms: i64| {
         attestor.sign(
@@ -328,31 +235,23 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
             },
         )
     };
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.delegate_attestation = Some(attest(0.499_999_5, 0));
-    let (_, _, receipt) = broker
-        .delegate(&orchestrator, body)
-        .await
-        .unwrap()
-        .refused();
+    let receipt = broker.refuse(&orchestrator, body).await;
     assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
     assert_eq!(receipt.violations[0].requested, "499999");
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.delegate_attestation = Some(attest(0.5, now_ms() + 600_000));
-    let (_, _, receipt) = broker
-        .delegate(&orchestrator, body)
-        .await
-        .unwrap()
-        .refused();
+    let receipt = broker.refuse(&orchestrator, body).await;
     assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
     assert!(
         receipt.violations[0].detail.contains("not valid before"),
         "{}",
         receipt.violations[0].detail
     );
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.delegate_attestation = Some(attest(0.5, now_ms() - 1_000));
-    broker.delegate(&orchestrator, body).await.unwrap().issued();
+    broker.issue(&orchestrator, body).await;
     broker.stop().await;
 }
 
@@ -363,20 +262,15 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
 #[tokio::test]
 async fn reads_are_answered_only_to_the_trees_parties() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host, stranger) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, a, host, stranger] = agents();
     let mut spec = RootSpec::default();
     spec.labels.insert("arm".into(), "x".into());
     let root = broker.open_root(&orchestrator, spec).await;
-    let mut body = child(&root.id, &root.lineage, &a, 10);
+    let mut body = root.child(&a, 10);
     body.host_public_key = host.public_key().to_vec();
-    let (a_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let a_id = broker.issue(&orchestrator, body).await;
     let (refusal_id, _, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &a, 1_000))
+        .delegate(&orchestrator, root.child(&a, 1_000))
         .await
         .unwrap()
         .refused();
@@ -384,15 +278,10 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     // No session at all.
     let mut anonymous = connect(&broker.addr).await;
     let err = anonymous
-        .get_contract(pb::GetContractRequest {
-            contract_id: a_id.clone(),
-        })
+        .get_contract(contract_request(&a_id))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::Unauthenticated, "NO_SESSION")
-    );
+    assert_status(&err, Code::Unauthenticated, "NO_SESSION");
     // Public calls stay public.
     anonymous
         .get_broker_keys(pb::GetBrokerKeysRequest {})
@@ -406,83 +295,50 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     let random = vec![0x5a; 32];
     let same =
         |real: Result<(), tonic::Status>, fake: Result<(), tonic::Status>, real_id: &[u8]| {
-            let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
-            assert_eq!(
-                (real.code(), reason(&real)),
-                (Code::NotFound, "NOT_FOUND".into())
-            );
-            assert_eq!(
-                (
-                    real.code(),
-                    reason(&real),
-                    real.message().replace(&hex::encode(real_id), "ID")
-                ),
-                (
-                    fake.code(),
-                    reason(&fake),
-                    fake.message().replace(&hex::encode(&random), "ID")
-                ),
-            );
+            let real_err = real.as_ref().unwrap_err();
+            assert_eq!(reason(real_err), "NOT_FOUND");
+            assert_indistinguishable(real, fake, real_id, &random, "a read");
         };
-    for (real, fake) in [(&a_id, &random), (&root.id, &random)] {
-        let contract = |id: &Vec<u8>| pb::GetContractRequest {
-            contract_id: id.clone(),
-        };
-        same(
-            outsider.get_contract(contract(real)).await.map(drop),
-            outsider.get_contract(contract(fake)).await.map(drop),
-            real,
-        );
-        let chain = |id: &Vec<u8>| pb::GetChainRequest {
-            contract_id: id.clone(),
-        };
-        same(
-            outsider.get_chain(chain(real)).await.map(drop),
-            outsider.get_chain(chain(fake)).await.map(drop),
-            real,
-        );
-        let children = |id: &Vec<u8>| pb::ListChildrenRequest {
-            contract_id: id.clone(),
-            page_size: 0,
-            page_token: Vec::new(),
-        };
-        same(
-            outsider.list_children(children(real)).await.map(drop),
-            outsider.list_children(children(fake)).await.map(drop),
-            real,
-        );
-        let watch = |id: &Vec<u8>| pb::WatchRequest {
-            contract_id: id.clone(),
-            cursor: 0,
-        };
-        same(
-            outsider.watch(watch(real)).await.map(drop),
-            outsider.watch(watch(fake)).await.map(drop),
-            real,
-        );
-        let audit = |id: &Vec<u8>| pb::GetAuditRequest {
-            contract_id: id.clone(),
-        };
-        same(
-            outsider.get_audit(audit(real)).await.map(drop),
-            outsider.get_audit(audit(fake)).await.map(drop),
-            real,
-        );
+    for real in [&a_id, &root.id] {
+        // Every read naming the id, for the real id and then the random one.
+        let mut answers = Vec::new();
+        for id in [real, &random] {
+            let chain = pb::GetChainRequest {
+                contract_id: id.clone(),
+            };
+            let children = pb::ListChildrenRequest {
+                contract_id: id.clone(),
+                page_size: 0,
+                page_token: Vec::new(),
+            };
+            let audit = pb::GetAuditRequest {
+                contract_id: id.clone(),
+            };
+            answers.push([
+                outsider.get_contract(contract_request(id)).await.map(drop),
+                outsider.get_chain(chain).await.map(drop),
+                outsider.list_children(children).await.map(drop),
+                outsider.watch(watch_request(id)).await.map(drop),
+                outsider.get_audit(audit).await.map(drop),
+            ]);
+        }
+        let [reals, fakes] = <[_; 2]>::try_from(answers).unwrap();
+        for (real_answer, fake_answer) in reals.into_iter().zip(fakes) {
+            same(real_answer, fake_answer, real);
+        }
     }
-    let receipt_of = |id: &Vec<u8>| pb::GetReceiptRequest {
-        receipt_id: id.clone(),
-    };
     same(
         outsider
-            .get_receipt(receipt_of(&refusal_id))
+            .get_receipt(receipt_request(&refusal_id))
             .await
             .map(drop),
-        outsider.get_receipt(receipt_of(&random)).await.map(drop),
+        outsider
+            .get_receipt(receipt_request(&random))
+            .await
+            .map(drop),
         &refusal_id,
     );
-    let id = || pb::GetContractRequest {
-        contract_id: a_id.clone(),
-    };
+    let id = || contract_request(&a_id);
     let groups = |client_groups: pb::AggregateAuditsResponse| client_groups.groups.len();
     let aggregate = pb::AggregateAuditsRequest {
         selector: Default::default(),
@@ -500,9 +356,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         let mut client = connect_as(&broker.addr, party).await;
         client.get_contract(id()).await.unwrap();
         client
-            .get_receipt(pb::GetReceiptRequest {
-                receipt_id: refusal_id.clone(),
-            })
+            .get_receipt(receipt_request(&refusal_id))
             .await
             .unwrap();
     }
@@ -534,10 +388,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         .open_session(orchestrator.open_session("another-broker"))
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::Unauthenticated, "WRONG_BROKER")
-    );
+    assert_status(&err, Code::Unauthenticated, "WRONG_BROKER");
     let session = forged
         .open_session(orchestrator.open_session(&key_id))
         .await
@@ -553,10 +404,7 @@ async fn reads_are_answered_only_to_the_trees_parties() {
         tonic::metadata::BinaryMetadataValue::from_bytes(&prost::Message::encode_to_vec(&envelope)),
     );
     let err = anonymous.get_contract(request).await.unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::Unauthenticated, "BAD_SESSION")
-    );
+    assert_status(&err, Code::Unauthenticated, "BAD_SESSION");
     broker.stop().await;
 }
 
@@ -571,18 +419,11 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
         c.limits.max_watch_streams_per_tree = 4;
     })
     .await;
-    let (orchestrator, d) = (Agent::generate(), Agent::generate());
+    let [orchestrator, d] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
     // d becomes a party of the tree.
-    broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &d, 1))
-        .await
-        .unwrap()
-        .issued();
-    let watch = || pb::WatchRequest {
-        contract_id: root.id.clone(),
-        cursor: 0,
-    };
+    broker.issue(&orchestrator, root.child(&d, 1)).await;
+    let watch = || watch_request(&root.id);
     let limit = |err: tonic::Status| {
         assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
         err.get_details_error_info()
@@ -626,11 +467,7 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
     // A fifth stream on the tree, from a fresh party on a fresh connection:
     // the tree's cap (new keys made parties cannot take every stream).
     let e = Agent::generate();
-    broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &e, 1))
-        .await
-        .unwrap()
-        .issued();
+    broker.issue(&orchestrator, root.child(&e, 1)).await;
     let mut fresh = connect_as(&broker.addr, &e).await;
     let err = fresh.watch(watch()).await.unwrap_err();
     assert_eq!(limit(err), "limits.max_watch_streams_per_tree");
@@ -660,29 +497,16 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
 async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
     // The smallest request limit makes the response limit 16 KiB.
     let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 4_096).await;
-    let (orchestrator, a, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, a, host] = agents();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                max_depth: 8,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.max_depth = 8))
         .await;
     // Children whose envelopes add up past one response.
     let mut ids = Vec::new();
     for i in 0..12 {
-        let mut body = child(&root.id, &root.lineage, &a, 1);
+        let mut body = root.child(&a, 1);
         body.task = format!("{i} {}", "x".repeat(1_900));
-        ids.push(
-            broker
-                .delegate(&orchestrator, body)
-                .await
-                .unwrap()
-                .issued()
-                .0,
-        );
+        ids.push(broker.issue(&orchestrator, body).await);
     }
     let mut listed = Vec::new();
     let mut token = Vec::new();
@@ -714,7 +538,7 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
         let next = Agent::generate();
         let mut body = child(&parent, &root.lineage, &next, 1);
         body.task = "y".repeat(3_000);
-        parent = broker.delegate(&holder, body).await.unwrap().issued().0;
+        parent = broker.issue(&holder, body).await;
         holder = next;
     }
     let err = broker
@@ -724,10 +548,7 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
         })
         .await
         .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::ResourceExhausted, "RESPONSE_TOO_LARGE")
-    );
+    assert_status(&err, Code::ResourceExhausted, "RESPONSE_TOO_LARGE");
     // An audit names a bounded number of paths and counts them all.
     broker.accept(&a, &ids[0], Some(&host)).await.unwrap();
     // Small batches: this broker takes requests of at most 4 KiB.
@@ -752,21 +573,15 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     let mut broker = Broker::start_with(|c| c.limits.max_request_bytes = 1024 * 1024).await;
     let orchestrator = Agent::generate();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::with(|s| s.retry_headroom = false))
         .await;
     let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
     // Four delegates (one signer's judgments are capped at two at once).
     let delegates: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
     let mut completions = Vec::new();
     for d in &delegates {
-        let body = liable_child(&root.id, &root.lineage, d, 10, pattern);
-        let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+        let body = root.liable_child(d, 10, pattern);
+        let id = broker.issue(&orchestrator, body).await;
         broker.accept(d, &id, None).await.unwrap();
         completions.push((Agent::from_seed(d.seed()), id));
     }
@@ -774,7 +589,7 @@ async fn an_expensive_matches_is_refused_without_stalling_anyone() {
     let mut tasks = Vec::new();
     for (d, id) in completions {
         let mut client = connect_as(&broker.addr, &d).await;
-        let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
+        let body = complete_body(&id, &format!("{{\"text\":\"{text}\"}}"), "success", 1);
         tasks.push(tokio::spawn(async move {
             send_lifecycle(&mut client, &d, body).await
         }));
@@ -837,9 +652,8 @@ fn doubling_schema(levels: usize) -> String {
 /// reads keep answering meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, a, stranger) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [a, stranger] = agents();
     let bomb = regex_bomb_schema(950);
     assert!(bomb.len() > 50_000 && bomb.len() < 65_536, "{}", bomb.len());
     let with_schema = |parent: &[u8], schema: &str| {
@@ -886,19 +700,14 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-        let field = err
-            .get_details_error_info()
-            .and_then(|i| i.metadata.get("field").cloned());
-        assert_eq!(field.as_deref(), Some("body.result_schema_json"));
+        assert_eq!(field(&err), "body.result_schema_json");
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
     }
     // An honest schema is still issued.
     let honest = r#"{"type":"object","required":["patch"],"properties":{"patch":{"type":"string","pattern":"^---"}}}"#;
     broker
-        .delegate(&orchestrator, with_schema(&root.id, honest))
-        .await
-        .unwrap()
-        .issued();
+        .issue(&orchestrator, with_schema(&root.id, honest))
+        .await;
     broker.stop().await;
 }
 
@@ -910,60 +719,32 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
 #[tokio::test]
 async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, own_host, b, named_host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
-    broker.accept(&a, &a_id, Some(&own_host)).await.unwrap();
+    let [orchestrator, a, own_host, b, named_host] = agents();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 10, Some(&own_host))
+        .await;
     let huge = 1_000_000_000_000_000;
     broker
-        .record(&own_host, &a_id, vec![tool_call("llm", huge)])
-        .await
-        .unwrap();
+        .observe(&own_host, &a_id, tool_call("llm", huge))
+        .await;
     assert_eq!(broker.ledger(&a_id).await.spent, 10);
     let completion = broker
-        .complete(&a, output("{}", 1, &a_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
-    assert_eq!(
-        (
-            completion.consumed,
-            completion.claimed_excess,
-            completion.overspend
-        ),
-        (10, huge - 10, 0)
-    );
+        .completion(&a, complete_body(&a_id, "{}", "success", 1))
+        .await;
+    assert_eq!(charged(&completion), (10, huge - 10, 0));
     // The principal's own choice of host is trusted in full.
-    let mut body = child(&root.id, &root.lineage, &b, 10);
+    let mut body = root.child(&b, 10);
     body.host_public_key = named_host.public_key().to_vec();
-    let (b_id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let b_id = broker.issue(&orchestrator, body).await;
     broker.accept(&b, &b_id, None).await.unwrap();
     broker
-        .record(&named_host, &b_id, vec![tool_call("llm", 25)])
-        .await
-        .unwrap();
+        .observe(&named_host, &b_id, tool_call("llm", 25))
+        .await;
     let completion = broker
-        .complete(&b, output("{}", 1, &b_id))
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
-    assert_eq!(
-        (
-            completion.consumed,
-            completion.claimed_excess,
-            completion.overspend
-        ),
-        (25, 0, 15)
-    );
-    let root_ledger = broker.ledger(&root.id).await;
-    assert_eq!((root_ledger.spent, root_ledger.residual), (35, 65));
+        .completion(&b, complete_body(&b_id, "{}", "success", 1))
+        .await;
+    assert_eq!(charged(&completion), (25, 0, 15));
+    assert_eq!(broker.spent_and_residual(&root.id).await, (35, 65));
     broker.assert_ledgers_balance(&root.id).await;
     broker.stop().await;
 }
@@ -975,31 +756,18 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
 /// answering while the completion and the observation race.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observation_during_judgment_never_makes_the_writer_judge() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, a, host, tenant) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
-    let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.retry_headroom = false)).await;
+    let [a, host, tenant] = agents();
     let pattern = "result.output.text.matches('a[ab]{10000}[^ab]')";
-    let mut body = liable_child(&root.id, &root.lineage, &a, 10, pattern);
+    let mut body = root.liable_child(&a, 10, pattern);
     body.host_public_key = host.public_key().to_vec();
-    let (id, _) = broker.delegate(&orchestrator, body).await.unwrap().issued();
+    let id = broker.issue(&orchestrator, body).await;
     broker.accept(&a, &id, None).await.unwrap();
     let text = "ab".repeat(127 * 1024);
     let mut completer = connect_as(&broker.addr, &a).await;
     let complete = {
-        let body = output(&format!("{{\"text\":\"{text}\"}}"), 1, &id);
+        let body = complete_body(&id, &format!("{{\"text\":\"{text}\"}}"), "success", 1);
         tokio::spawn(async move { send_lifecycle(&mut completer, &a, body).await })
     };
     // The host records while the completion is (perhaps) being judged; it
@@ -1043,23 +811,13 @@ async fn an_observation_during_judgment_never_makes_the_writer_judge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
     const WATCHERS: usize = 800;
-    let mut broker = Broker::start_with(|c| {
-        c.limits.max_watch_streams_per_caller = WATCHERS;
-        c.limits.max_watch_streams_per_connection = WATCHERS;
-        c.limits.max_watch_streams_per_tree = WATCHERS;
-    })
-    .await;
-    let (watched_owner, busy_owner, worker) =
-        (Agent::generate(), Agent::generate(), Agent::generate());
+    let mut broker = start_for_watchers(WATCHERS).await;
+    let [watched_owner, busy_owner, worker] = agents();
     let watched = broker.open_root(&watched_owner, RootSpec::default()).await;
     let busy = broker
         .open_root(
             &busy_owner,
-            RootSpec {
-                budget: 1_000,
-                max_children: 1_024,
-                ..RootSpec::default()
-            },
+            RootSpec::with(|s| (s.budget, s.max_children) = (1_000, 1_024)),
         )
         .await;
     // Commits in the other tree, each read back at once: 100 rounds.
@@ -1072,11 +830,7 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
         let mut slowest = std::time::Duration::ZERO;
         let started = std::time::Instant::now();
         for _ in 0..100 {
-            let (id, _) = broker
-                .delegate(owner, child(&busy.id, &busy.lineage, worker, 1))
-                .await
-                .unwrap()
-                .issued();
+            let id = broker.issue(owner, busy.child(worker, 1)).await;
             let read = std::time::Instant::now();
             broker.state(&id).await;
             slowest = slowest.max(read.elapsed());
@@ -1088,15 +842,7 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
     let (baseline, baseline_slowest) = rounds(&mut broker, &busy_owner, &busy, &worker).await;
     let mut streams = Vec::with_capacity(WATCHERS);
     for _ in 0..WATCHERS {
-        let stream = broker
-            .client
-            .watch(pb::WatchRequest {
-                contract_id: watched.id.clone(),
-                cursor: 0,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let stream = broker.watch(&watched.id).await;
         streams.push(stream);
     }
     let (took, slowest) = rounds(&mut broker, &busy_owner, &busy, &worker).await;
@@ -1115,6 +861,53 @@ async fn idle_watchers_of_one_tree_do_not_slow_the_others() {
     broker.stop().await;
 }
 
+/// Asserts a stranger's answer for a real id is NOT_FOUND and is its
+/// answer for the random id `random` (code, reason and message, ids aside).
+#[track_caller]
+fn assert_indistinguishable<T: std::fmt::Debug>(
+    real: Result<T, tonic::Status>,
+    fake: Result<T, tonic::Status>,
+    real_id: &[u8],
+    random: &[u8],
+    name: &str,
+) {
+    let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
+    assert_eq!(real.code(), Code::NotFound, "{name}: {real:?}");
+    assert_eq!(
+        (
+            real.code(),
+            reason(&real),
+            real.message().replace(&hex::encode(real_id), "ID")
+        ),
+        (
+            fake.code(),
+            reason(&fake),
+            fake.message().replace(&hex::encode(random), "ID")
+        ),
+        "{name}"
+    );
+}
+
+/// What a completion charged: consumed, claimed beyond it, overspent.
+fn charged(completion: &pb::Completion) -> (i64, i64, i64) {
+    (
+        completion.consumed,
+        completion.claimed_excess,
+        completion.overspend,
+    )
+}
+
+/// A broker that serves `watchers` Watch streams to one caller, on one
+/// connection, of one tree.
+async fn start_for_watchers(watchers: usize) -> Broker {
+    Broker::start_with(|c| {
+        c.limits.max_watch_streams_per_caller = watchers;
+        c.limits.max_watch_streams_per_connection = watchers;
+        c.limits.max_watch_streams_per_tree = watchers;
+    })
+    .await
+}
+
 /// This process's resident memory, in bytes (Linux).
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -1131,32 +924,19 @@ fn rss_bytes() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_watch_streams_hold_bounded_memory() {
     const WATCHERS: usize = 400;
-    let mut broker = Broker::start_with(|c| {
-        c.limits.max_watch_streams_per_caller = WATCHERS;
-        c.limits.max_watch_streams_per_connection = WATCHERS;
-        c.limits.max_watch_streams_per_tree = WATCHERS;
-    })
-    .await;
-    let (owner, worker) = (Agent::generate(), Agent::generate());
+    let mut broker = start_for_watchers(WATCHERS).await;
+    let [owner, worker] = agents();
     let root = broker.open_root(&owner, RootSpec::default()).await;
     // 64 contracts of ~16 KB: about 1 MB of events in the tree.
     for i in 0..64 {
-        let mut body = child(&root.id, &root.lineage, &worker, 1);
+        let mut body = root.child(&worker, 1);
         body.task = format!("{i} {}", "x".repeat(16_000));
-        broker.delegate(&owner, body).await.unwrap().issued();
+        broker.issue(&owner, body).await;
     }
     let before = rss_bytes();
     let mut streams = Vec::with_capacity(WATCHERS);
     for _ in 0..WATCHERS {
-        let stream = broker
-            .client
-            .watch(pb::WatchRequest {
-                contract_id: root.id.clone(),
-                cursor: 0,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let stream = broker.watch(&root.id).await;
         streams.push(stream);
     }
     // Let every stream fill what it may hold while nobody reads.
@@ -1186,102 +966,56 @@ async fn idle_watch_streams_hold_bounded_memory() {
 #[tokio::test]
 async fn a_stranger_cannot_tell_a_real_id_from_a_random_one() {
     let mut broker = Broker::start().await;
-    let (orchestrator, a, host, stranger) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
-    let (root, a_id) = broker.root_and_child(&orchestrator, &a, 10).await;
-    broker.accept(&a, &a_id, Some(&host)).await.unwrap();
+    let [orchestrator, a, host, stranger] = agents();
+    let (root, a_id) = broker
+        .root_and_accepted_child(&orchestrator, &a, 10, Some(&host))
+        .await;
     let random = vec![0x5a; 32];
-    let same = |real: Result<pb::Receipt, tonic::Status>,
-                fake: Result<pb::Receipt, tonic::Status>,
-                real_id: &[u8],
-                name: &str| {
-        let (real, fake) = (real.unwrap_err(), fake.unwrap_err());
-        assert_eq!(real.code(), Code::NotFound, "{name}: {real:?}");
-        assert_eq!(
-            (
-                real.code(),
-                reason(&real),
-                real.message().replace(&hex::encode(real_id), "ID")
-            ),
-            (
-                fake.code(),
-                reason(&fake),
-                fake.message().replace(&hex::encode(&random), "ID")
-            ),
-            "{name}"
-        );
-    };
     // Delegate from a contract the stranger does not hold.
-    let real = broker
-        .delegate(&stranger, child(&root.id, &root.lineage, &a, 1))
-        .await
-        .map(|_| pb::Receipt::default());
+    let real = broker.delegate(&stranger, root.child(&a, 1)).await;
     let fake = broker
         .delegate(&stranger, child(&random, &root.lineage, &a, 1))
-        .await
-        .map(|_| pb::Receipt::default());
-    same(real, fake, &root.id, "Delegate");
-    for id in [&a_id, &root.id] {
-        let real = broker.accept(&stranger, id, None).await;
-        let fake = broker.accept(&stranger, &random, None).await;
-        same(real, fake, id, "Accept");
-        let decline = |id: &Vec<u8>| pb::DeclineBody {
-            header: None,
-            contract_id: id.clone(),
-            reason: "no".into(),
-        };
-        let real = broker.act(&stranger, decline(id)).await;
-        let fake = broker.act(&stranger, decline(&random)).await;
-        same(real, fake, id, "Decline");
-        let complete = |id: &Vec<u8>| pb::CompleteBody {
-            header: None,
-            contract_id: id.clone(),
-            output_json: "{}".into(),
-            claim: "done".into(),
-            ..Default::default()
-        };
-        let real = broker.complete(&stranger, complete(id)).await;
-        let fake = broker.complete(&stranger, complete(&random)).await;
-        same(real, fake, id, "Complete");
-        let real = broker.escalate(&stranger, id, "stuck").await;
-        let fake = broker.escalate(&stranger, &random, "stuck").await;
-        same(real, fake, id, "Escalate");
-        let real = broker.revoke(&stranger, id).await;
-        let fake = broker.revoke(&stranger, &random).await;
-        same(real, fake, id, "Revoke");
-        let real = broker.record(&stranger, id, vec![tool_call("t", 0)]).await;
-        let fake = broker
-            .record(&stranger, &random, vec![tool_call("t", 0)])
-            .await;
-        same(real, fake, id, "RecordReceipts");
-        let adjudicate = |id: &Vec<u8>| pb::AdjudicateBody {
-            header: None,
-            contract_id: id.clone(),
-            verdict: pb::Verdict::Accepted as i32,
-            reason: "fine".into(),
-        };
-        let real = broker.act(&stranger, adjudicate(id)).await;
-        let fake = broker.act(&stranger, adjudicate(&random)).await;
-        same(real, fake, id, "Adjudicate");
+        .await;
+    assert_indistinguishable(real, fake, &root.id, &random, "Delegate");
+    for real in [&a_id, &root.id] {
+        // Every lifecycle call, for the real id and then the random one.
+        let mut answers = Vec::new();
+        for id in [real, &random] {
+            let decline = pb::DeclineBody {
+                header: None,
+                contract_id: id.clone(),
+                reason: "no".into(),
+            };
+            let complete = complete_body(id, "{}", "done", 0);
+            let adjudicate = pb::AdjudicateBody {
+                header: None,
+                contract_id: id.clone(),
+                verdict: pb::Verdict::Accepted as i32,
+                reason: "fine".into(),
+            };
+            answers.push([
+                ("Accept", broker.accept(&stranger, id, None).await),
+                ("Decline", broker.act(&stranger, decline).await),
+                ("Complete", broker.complete(&stranger, complete).await),
+                ("Escalate", broker.escalate(&stranger, id, "stuck").await),
+                ("Revoke", broker.revoke(&stranger, id).await),
+                (
+                    "RecordReceipts",
+                    broker.record(&stranger, id, vec![tool_call("t", 0)]).await,
+                ),
+                ("Adjudicate", broker.act(&stranger, adjudicate).await),
+            ]);
+        }
+        let [reals, fakes] = <[_; 2]>::try_from(answers).unwrap();
+        for ((name, real_answer), (_, fake_answer)) in reals.into_iter().zip(fakes) {
+            assert_indistinguishable(real_answer, fake_answer, real, &random, name);
+        }
     }
     // A party is still told why: the delegate may not revoke its own
     // contract, nor delegate from the root it does not hold.
     let err = broker.revoke(&a, &a_id).await.unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::PermissionDenied, "NOT_ANCESTOR")
-    );
-    let err = broker
-        .delegate(&a, child(&root.id, &root.lineage, &host, 1))
-        .await
-        .unwrap_err();
-    assert_eq!(
-        (err.code(), reason(&err).as_str()),
-        (Code::PermissionDenied, "NOT_HOLDER")
-    );
+    assert_status(&err, Code::PermissionDenied, "NOT_ANCESTOR");
+    let err = broker.delegate(&a, root.child(&host, 1)).await.unwrap_err();
+    assert_status(&err, Code::PermissionDenied, "NOT_HOLDER");
     broker.stop().await;
 }

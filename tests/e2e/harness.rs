@@ -81,6 +81,19 @@ impl Broker {
         Self::start_with(|_| {}).await
     }
 
+    /// A fresh broker with a default root of a fresh orchestrator open.
+    pub async fn start_with_root() -> (Self, Agent, Root) {
+        Self::start_with_root_of(RootSpec::default()).await
+    }
+
+    /// A fresh broker with `spec`'s root of a fresh orchestrator open.
+    pub async fn start_with_root_of(spec: RootSpec) -> (Self, Agent, Root) {
+        let mut broker = Self::start().await;
+        let orchestrator = Agent::generate();
+        let root = broker.open_root(&orchestrator, spec).await;
+        (broker, orchestrator, root)
+    }
+
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Self {
         Self::start_full(adjust, Listener::None, None).await
     }
@@ -135,8 +148,7 @@ impl Broker {
         shared: Option<&str>,
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let attestor = Agent::generate();
-        let reader = Agent::generate();
+        let [attestor, reader] = agents();
         let mut config = Config::load(dir.path().to_owned(), None).expect("default config");
         config.readers.insert(reader.public_key());
         // Tests move the broker's clock by hours; the session must outlive it.
@@ -149,23 +161,16 @@ impl Broker {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = format!("http://{}", listener.local_addr().unwrap());
         let mut options = delegation_broker::server::ServeOptions::default();
-        let database = if let Some(url) = shared {
+        let database = match shared {
+            Some(_) => None,
+            None => database_of_this_run().await,
+        };
+        if let Some(url) = shared.or(database.as_ref().map(|d| d.url.as_str())) {
             options.database = Some(delegation_broker::server::DatabaseOptions {
                 url: url.to_owned(),
                 migrate: true,
             });
-            None
-        } else if on_postgres() {
-            let database =
-                delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
-            options.database = Some(delegation_broker::server::DatabaseOptions {
-                url: database.url.clone(),
-                migrate: true,
-            });
-            Some(database)
-        } else {
-            None
-        };
+        }
         let mut metrics_addr = None;
         let mut console = None;
         let mut listeners = delegation_broker::server::Listeners::from(listener);
@@ -231,15 +236,7 @@ impl Broker {
     /// broker's own copy in ContractState.
     pub async fn effective_predicate(&mut self, id: &[u8]) -> String {
         let keys = self.keys().await;
-        let chain = self
-            .client
-            .get_chain(pb::GetChainRequest {
-                contract_id: id.to_vec(),
-            })
-            .await
-            .expect("GetChain")
-            .into_inner()
-            .chain;
+        let chain = self.chain(id).await.chain;
         let sealed: Vec<pb::Sealed> = chain.iter().map(|s| s.contract.clone().unwrap()).collect();
         let hops = delegation_broker::chain::verify_chain(
             &sealed,
@@ -250,6 +247,17 @@ impl Broker {
         let derived = hops.last().unwrap().effective_predicate.clone();
         assert_eq!(derived, chain.last().unwrap().effective_predicate);
         derived
+    }
+
+    /// GetChain of contract `id`.
+    pub async fn chain(&mut self, id: &[u8]) -> pb::GetChainResponse {
+        self.client
+            .get_chain(pb::GetChainRequest {
+                contract_id: id.to_vec(),
+            })
+            .await
+            .expect("GetChain")
+            .into_inner()
     }
 
     pub async fn keys(&mut self) -> Vec<pb::BrokerKey> {
@@ -273,13 +281,7 @@ impl Broker {
 
     /// Opens a root held by `orchestrator`.
     pub async fn open_root(&mut self, orchestrator: &Agent, spec: RootSpec) -> Root {
-        let response = self
-            .client
-            .open_root(orchestrator.open_root(spec.body()))
-            .await
-            .expect("OpenRoot succeeds")
-            .into_inner();
-        let issued = response.issued.unwrap();
+        let issued = open_root_on(&mut self.client, orchestrator, &spec).await;
         let contract = decode_contract(issued.contract.as_ref().unwrap());
         Root {
             id: issued.contract_id,
@@ -298,15 +300,22 @@ impl Broker {
         budget: i64,
     ) -> (Root, Vec<u8>) {
         let root = self.open_root(orchestrator, RootSpec::default()).await;
-        let (child_id, _) = self
-            .delegate(
-                orchestrator,
-                child(&root.id, &root.lineage, delegate, budget),
-            )
-            .await
-            .expect("Delegate answers")
-            .issued();
+        let child_id = self.issue(orchestrator, root.child(delegate, budget)).await;
         (root, child_id)
+    }
+
+    /// `root_and_child`, the child then accepted by `delegate` (naming
+    /// `host` at Accept when given).
+    pub async fn root_and_accepted_child(
+        &mut self,
+        orchestrator: &Agent,
+        delegate: &Agent,
+        budget: i64,
+        host: Option<&Agent>,
+    ) -> (Root, Vec<u8>) {
+        let (root, id) = self.root_and_child(orchestrator, delegate, budget).await;
+        self.accept(delegate, &id, host).await.expect("Accept");
+        (root, id)
     }
 
     pub async fn delegate(
@@ -314,26 +323,84 @@ impl Broker {
         holder: &Agent,
         body: pb::DelegateBody,
     ) -> Result<Outcome, tonic::Status> {
-        let response = self
-            .client
-            .delegate(holder.delegate(body))
-            .await?
-            .into_inner();
+        let response = self.send_delegate(holder.delegate(body)).await?;
         Ok(Outcome::from(response.outcome.expect("an outcome")))
     }
 
-    pub async fn ledger(&mut self, id: &[u8]) -> pb::Ledger {
-        self.client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.to_vec(),
-            })
+    /// Sends a Delegate request as it was signed.
+    pub async fn send_delegate(
+        &mut self,
+        request: pb::DelegateRequest,
+    ) -> Result<pb::DelegateResponse, tonic::Status> {
+        Ok(self.client.delegate(request).await?.into_inner())
+    }
+
+    /// Sends an OpenRoot request as it was signed.
+    pub async fn send_open_root(
+        &mut self,
+        request: pb::OpenRootRequest,
+    ) -> Result<pb::OpenRootResponse, tonic::Status> {
+        Ok(self.client.open_root(request).await?.into_inner())
+    }
+
+    /// Delegates `body`, expecting it issued; the child's id.
+    pub async fn issue(&mut self, holder: &Agent, body: pb::DelegateBody) -> Vec<u8> {
+        self.delegate(holder, body)
             .await
-            .unwrap()
+            .expect("Delegate answers")
+            .issued()
+            .0
+    }
+
+    /// Delegates `body`, expecting a signed refusal; its receipt.
+    pub async fn refuse(&mut self, holder: &Agent, body: pb::DelegateBody) -> pb::Receipt {
+        self.delegate(holder, body)
+            .await
+            .expect("Delegate answers")
+            .refused()
+            .2
+    }
+
+    /// `refuse`, checking the refusal as `assert_refusal_verifies` does.
+    pub async fn refuse_verified(&mut self, holder: &Agent, body: pb::DelegateBody) -> pb::Receipt {
+        let (id, envelope, _) = self
+            .delegate(holder, body)
+            .await
+            .expect("Delegate answers")
+            .refused();
+        assert_refusal_verifies(self, &id, &envelope).await
+    }
+
+    /// A Watch of `id`'s tree from its first event.
+    pub async fn watch(&mut self, id: &[u8]) -> tonic::Streaming<pb::WatchResponse> {
+        self.watch_from(id, 0).await
+    }
+
+    /// A Watch of `id`'s tree from the event after `cursor`.
+    pub async fn watch_from(
+        &mut self,
+        id: &[u8],
+        cursor: u64,
+    ) -> tonic::Streaming<pb::WatchResponse> {
+        let request = pb::WatchRequest {
+            cursor,
+            ..watch_request(id)
+        };
+        self.client
+            .watch(request)
+            .await
+            .expect("Watch")
             .into_inner()
-            .contract
-            .unwrap()
-            .ledger
-            .unwrap()
+    }
+
+    pub async fn ledger(&mut self, id: &[u8]) -> pb::Ledger {
+        self.state(id).await.ledger.unwrap()
+    }
+
+    /// What the contract `id` has spent and has left.
+    pub async fn spent_and_residual(&mut self, id: &[u8]) -> (i64, i64) {
+        let ledger = self.ledger(id).await;
+        (ledger.spent, ledger.residual)
     }
 
     pub fn attest(&self, agent: &Agent, factor: f64) -> pb::Envelope {
@@ -346,37 +413,11 @@ impl Broker {
         let mut out = Vec::new();
         let mut queue = vec![root.to_vec()];
         while let Some(id) = queue.pop() {
-            let mut token = Vec::new();
-            loop {
-                let page = self
-                    .client
-                    .list_children(pb::ListChildrenRequest {
-                        contract_id: id.clone(),
-                        page_size: 7,
-                        page_token: token,
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                queue.extend(page.children.iter().map(|c| c.contract_id.clone()));
-                out.extend(page.children);
-                token = page.next_page_token;
-                if token.is_empty() {
-                    break;
-                }
-            }
+            let (children, _) = all_children(&mut self.client, &id, 7).await;
+            queue.extend(children.iter().map(|c| c.contract_id.clone()));
+            out.extend(children);
         }
-        out.push(
-            self.client
-                .get_contract(pb::GetContractRequest {
-                    contract_id: root.to_vec(),
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .contract
-                .unwrap(),
-        );
+        out.push(self.state(root).await);
         out
     }
 
@@ -418,13 +459,18 @@ impl Broker {
     }
 }
 
-/// A client that reads as `agent` (it opens a session for it).
-pub async fn connect_as(addr: &str, agent: &Agent) -> SessionClient {
-    let channel = Channel::from_shared(addr.to_owned())
+/// A plain channel to `addr` (for services besides the broker's).
+pub async fn channel(addr: &str) -> Channel {
+    Channel::from_shared(addr.to_owned())
         .expect("address")
         .connect()
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+/// A client that reads as `agent` (it opens a session for it).
+pub async fn connect_as(addr: &str, agent: &Agent) -> SessionClient {
+    let channel = channel(addr).await;
     let attacher = SessionAttacher::default();
     let mut client = attacher
         .client(channel)
@@ -449,6 +495,18 @@ pub struct Root {
     pub id: Vec<u8>,
     pub lineage: Vec<u8>,
     pub contract: pb::Contract,
+}
+
+impl Root {
+    /// `child` of this root.
+    pub fn child(&self, delegate: &Agent, budget: i64) -> pb::DelegateBody {
+        child(&self.id, &self.lineage, delegate, budget)
+    }
+
+    /// `liable_child` of this root.
+    pub fn liable_child(&self, delegate: &Agent, budget: i64, predicate: &str) -> pb::DelegateBody {
+        liable_child(&self.id, &self.lineage, delegate, budget, predicate)
+    }
 }
 
 pub struct RootSpec {
@@ -482,6 +540,23 @@ impl Default for RootSpec {
 }
 
 impl RootSpec {
+    /// The default spec with `adjust` applied.
+    pub fn with(adjust: impl FnOnce(&mut Self)) -> Self {
+        let mut spec = Self::default();
+        adjust(&mut spec);
+        spec
+    }
+
+    /// Room for a burst of a thousand delegations.
+    pub fn for_bursts() -> Self {
+        Self::with(|s| (s.budget, s.max_children) = (1_000_000, 1_024))
+    }
+
+    /// The intent lineage hash of the root this spec opens.
+    pub fn lineage(&self) -> Vec<u8> {
+        crypto::sha256(self.body().intent.as_bytes()).to_vec()
+    }
+
     pub fn body(&self) -> pb::OpenRootBody {
         pb::OpenRootBody {
             header: None,
@@ -636,9 +711,7 @@ pub async fn assert_refusal_verifies(
     assert_eq!(crypto::sha256(&envelope.payload).to_vec(), id);
     let again = broker
         .client
-        .get_receipt(pb::GetReceiptRequest {
-            receipt_id: id.to_vec(),
-        })
+        .get_receipt(receipt_request(id))
         .await
         .unwrap()
         .into_inner()
@@ -715,13 +788,7 @@ impl Broker {
         contract: &[u8],
         host: Option<&Agent>,
     ) -> Result<pb::Receipt, tonic::Status> {
-        let host_public_key = host.map(|h| h.public_key().to_vec()).unwrap_or_default();
-        let body = pb::AcceptBody {
-            header: None,
-            contract_id: contract.to_vec(),
-            host_public_key,
-        };
-        self.act(delegate, body).await
+        self.act(delegate, accept_body(contract, host)).await
     }
 
     pub async fn record(
@@ -738,12 +805,33 @@ impl Broker {
         self.act(host, body).await
     }
 
+    /// `host` records one observation on `contract`, which must be taken.
+    pub async fn observe(
+        &mut self,
+        host: &Agent,
+        contract: &[u8],
+        observation: pb::Observation,
+    ) -> pb::Receipt {
+        self.record(host, contract, vec![observation])
+            .await
+            .expect("RecordReceipts")
+    }
+
     pub async fn complete(
         &mut self,
         delegate: &Agent,
         body: pb::CompleteBody,
     ) -> Result<pb::Receipt, tonic::Status> {
         self.act(delegate, body).await
+    }
+
+    /// Completes, expecting a completion receipt; its judgment.
+    pub async fn completion(&mut self, delegate: &Agent, body: pb::CompleteBody) -> pb::Completion {
+        self.complete(delegate, body)
+            .await
+            .expect("Complete")
+            .completion
+            .expect("a completion")
     }
 
     pub async fn escalate(
@@ -774,15 +862,33 @@ impl Broker {
     }
 
     pub async fn state(&mut self, id: &[u8]) -> pb::ContractState {
-        self.client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.to_vec(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .contract
-            .unwrap()
+        state_via(&mut self.client, id).await
+    }
+}
+
+/// An Accept body with no header, naming `host` when given.
+pub fn accept_body(contract: &[u8], host: Option<&Agent>) -> pb::AcceptBody {
+    pb::AcceptBody {
+        header: None,
+        contract_id: contract.to_vec(),
+        host_public_key: host.map(|h| h.public_key().to_vec()).unwrap_or_default(),
+    }
+}
+
+/// A Complete body with no header and no report.
+pub fn complete_body(
+    contract: &[u8],
+    output_json: &str,
+    claim: &str,
+    consumed: i64,
+) -> pb::CompleteBody {
+    pb::CompleteBody {
+        header: None,
+        contract_id: contract.to_vec(),
+        output_json: output_json.into(),
+        report: None,
+        claim: claim.into(),
+        consumed,
     }
 }
 
@@ -829,4 +935,274 @@ pub fn reason(status: &tonic::Status) -> String {
         .get_details_error_info()
         .map(|i| i.reason)
         .unwrap_or_default()
+}
+
+/// Fresh agents, as many as the pattern binds.
+pub fn agents<const N: usize>() -> [Agent; N] {
+    std::array::from_fn(|_| Agent::generate())
+}
+
+/// Asserts an error status's code and `ErrorInfo.reason`.
+#[track_caller]
+pub fn assert_status(status: &tonic::Status, code: tonic::Code, expected: &str) {
+    assert_eq!(
+        (status.code(), reason(status).as_str()),
+        (code, expected),
+        "{status:?}"
+    );
+}
+
+pub fn contract_request(id: &[u8]) -> pb::GetContractRequest {
+    pb::GetContractRequest {
+        contract_id: id.to_vec(),
+    }
+}
+
+/// Contract `id`'s state, read through `client`.
+pub async fn state_via(client: &mut SessionClient, id: &[u8]) -> pb::ContractState {
+    client
+        .get_contract(contract_request(id))
+        .await
+        .expect("GetContract")
+        .into_inner()
+        .contract
+        .expect("a contract")
+}
+
+pub fn receipt_request(id: &[u8]) -> pb::GetReceiptRequest {
+    pb::GetReceiptRequest {
+        receipt_id: id.to_vec(),
+    }
+}
+
+/// A Watch of `id`'s tree from its first event.
+pub fn watch_request(id: &[u8]) -> pb::WatchRequest {
+    pb::WatchRequest {
+        contract_id: id.to_vec(),
+        cursor: 0,
+    }
+}
+
+/// Every child of `id`, following `next_page_token` with pages of
+/// `page_size`; and how many pages that took.
+pub async fn all_children(
+    client: &mut SessionClient,
+    id: &[u8],
+    page_size: u32,
+) -> (Vec<pb::ContractState>, usize) {
+    let (mut children, mut pages, mut token) = (Vec::new(), 0, Vec::new());
+    loop {
+        let page = client
+            .list_children(pb::ListChildrenRequest {
+                contract_id: id.to_vec(),
+                page_size,
+                page_token: token,
+            })
+            .await
+            .expect("ListChildren")
+            .into_inner();
+        pages += 1;
+        children.extend(page.children);
+        token = page.next_page_token;
+        if token.is_empty() {
+            return (children, pages);
+        }
+    }
+}
+
+/// A fresh PostgreSQL database when this run is on PostgreSQL (for a
+/// broker process started by hand); none on SQLite.
+pub async fn database_of_this_run()
+-> Option<delegation_broker::store::postgres::testing::TestDatabase> {
+    if on_postgres() {
+        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
+    } else {
+        None
+    }
+}
+
+/// Opens `spec`'s root on any client (a session's or a bare channel's).
+pub async fn open_root_on<T>(
+    client: &mut BrokerClient<T>,
+    orchestrator: &Agent,
+    spec: &RootSpec,
+) -> pb::IssuedContract
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    client
+        .open_root(orchestrator.open_root(spec.body()))
+        .await
+        .expect("OpenRoot succeeds")
+        .into_inner()
+        .issued
+        .expect("an issued root")
+}
+
+/// The broker keys `addr` publishes (asked without a session).
+pub async fn published_keys(addr: &str) -> Vec<pb::BrokerKey> {
+    connect(addr)
+        .await
+        .get_broker_keys(pb::GetBrokerKeysRequest {})
+        .await
+        .expect("GetBrokerKeys")
+        .into_inner()
+        .keys
+}
+
+/// A fake OTLP/gRPC trace collector on port 0 that forwards every export
+/// request to `sent`; its endpoint.
+pub async fn serve_otlp(
+    sent: tokio::sync::mpsc::UnboundedSender<
+        opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
+    >,
+) -> String {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    struct Receiver(tokio::sync::mpsc::UnboundedSender<ExportTraceServiceRequest>);
+    #[tonic::async_trait]
+    impl TraceService for Receiver {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let _ = self.0.send(request.into_inner());
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver(sent)))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    endpoint
+}
+
+/// Seed 001's delegations under `root`: a liable planner (25, 12 to
+/// retry, `predicate`), whose executor of 20 is refused (no retry
+/// headroom) and of 13 issued; the planner's and the executor's ids.
+pub async fn seed_001_delegations(
+    broker: &mut Broker,
+    root: &Root,
+    [orchestrator, planner, executor]: [&Agent; 3],
+    predicate: &str,
+) -> (Vec<u8>, Vec<u8>) {
+    let mut to_planner = root.liable_child(planner, 25, predicate);
+    to_planner.min_retry_cost = 12;
+    let planner_id = broker.issue(orchestrator, to_planner).await;
+    let mut to_executor = liable_child(&planner_id, &root.lineage, executor, 20, "");
+    to_executor.min_retry_cost = 12;
+    broker.refuse(planner, to_executor.clone()).await;
+    to_executor.budget = 13;
+    let executor_id = broker.issue(planner, to_executor).await;
+    (planner_id, executor_id)
+}
+
+/// Asserts every contract of `ids` is stored, read through `client`.
+pub async fn assert_stored(client: &mut SessionClient, ids: &[Vec<u8>]) {
+    for id in ids {
+        let state = client
+            .get_contract(contract_request(id))
+            .await
+            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
+        assert!(state.into_inner().contract.is_some());
+    }
+}
+
+/// `count` siblings of `budget` under `root` at once, each on a client of
+/// its own connected to `addrs` in turn; every answer, in the order sent.
+pub async fn race_siblings(
+    addrs: &[String],
+    orchestrator: &Arc<Agent>,
+    root: &Root,
+    count: usize,
+    budget: i64,
+) -> Vec<Result<Outcome, tonic::Status>> {
+    let mut tasks = Vec::new();
+    for i in 0..count {
+        let mut client = connect(&addrs[i % addrs.len()]).await;
+        let orchestrator = orchestrator.clone();
+        let body = root.child(&Agent::generate(), budget);
+        tasks.push(tokio::spawn(async move {
+            client
+                .delegate(orchestrator.delegate(body))
+                .await
+                .map(|r| Outcome::from(r.into_inner().outcome.expect("an outcome")))
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.unwrap());
+    }
+    outcomes
+}
+
+/// 64 siblings of 10 at once from a root of 300, sent through `addrs`
+/// (`broker` among them): exactly 30 issued and 34 signed
+/// BUDGET_EXCEEDS_PARENT refusals, no other answer, and every ledger of
+/// the tree balances.
+pub async fn assert_siblings_never_overspend(broker: &mut Broker, addrs: &[String]) {
+    let orchestrator = Arc::new(Agent::generate());
+    let spec = RootSpec::with(|s| (s.budget, s.max_children) = (300, 64));
+    let root = broker.open_root(&orchestrator, spec).await;
+    let outcomes = race_siblings(addrs, &orchestrator, &root, 64, 10).await;
+    let (mut issued, mut refused) = (0, 0);
+    let keys = broker.keys().await;
+    for outcome in outcomes {
+        match outcome.unwrap_or_else(|e| panic!("every answer is issued or refused: {e:?}")) {
+            Outcome::Issued { .. } => issued += 1,
+            outcome @ Outcome::Refused { .. } => {
+                let (_, envelope, receipt) = outcome.refused();
+                assert_eq!(
+                    codes(&receipt),
+                    vec![pb::InvariantCode::BudgetExceedsParent]
+                );
+                // Signed by whichever broker answered; every key is
+                // published by each.
+                verify_with_keys(
+                    &envelope,
+                    payload_type::RECEIPT,
+                    &keys,
+                    &receipt.broker_key_id,
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((issued, refused), (30, 34));
+    let ledger = broker.ledger(&root.id).await;
+    assert_eq!(
+        (ledger.reserved, ledger.residual, ledger.open_children),
+        (300, 0, 30)
+    );
+    broker.assert_ledgers_balance(&root.id).await;
+}
+
+/// The `field` an INVALID_ARGUMENT status names (empty without one).
+pub fn field(status: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    status
+        .get_details_error_info()
+        .and_then(|i| i.metadata.get("field").cloned())
+        .unwrap_or_default()
+}
+
+/// Runs `command` to its end, which must succeed; its stdout.
+pub fn stdout_of(command: &mut std::process::Command) -> String {
+    let out = command.output().expect("the command runs");
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }

@@ -33,13 +33,7 @@ impl Case {
     /// Sends `body` signed by `signer` and expects exactly `expected`.
     async fn expect(&mut self, signer: &Agent, body: pb::DelegateBody, expected: &[Code]) {
         let before = self.broker.ledger(&body.parent_id).await;
-        let (id, envelope, _) = self
-            .broker
-            .delegate(signer, body.clone())
-            .await
-            .unwrap()
-            .refused();
-        let receipt = assert_refusal_verifies(&mut self.broker, &id, &envelope).await;
+        let receipt = self.broker.refuse_verified(signer, body.clone()).await;
         assert_eq!(codes(&receipt), expected);
         assert_eq!(receipt.primary, expected[0] as i32);
         assert_eq!(receipt.requester_public_key, signer.public_key().to_vec());
@@ -58,18 +52,15 @@ impl Case {
     }
 
     fn body(&self, budget: i64) -> pb::DelegateBody {
-        child(&self.root.id, &self.root.lineage, &self.delegate, budget)
+        self.root.child(&self.delegate, budget)
     }
 }
 
 #[tokio::test]
 async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
-    let mut case = Case::new(RootSpec {
-        budget: 100,
-        max_depth: 1,
-        max_children: 2,
-        ..RootSpec::default()
-    })
+    let mut case = Case::new(RootSpec::with(|s| {
+        (s.budget, s.max_depth, s.max_children) = (100, 1, 2)
+    }))
     .await;
     let orchestrator = Agent::from_seed(case.orchestrator.seed());
 
@@ -113,13 +104,9 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
     case.expect(&orchestrator, body, &[Code::DeadlineExceedsParent])
         .await;
     // 13. A liable child that leaves the principal no retry.
-    let mut body = liable_child(
-        &case.root.id,
-        &case.root.lineage,
-        &case.delegate,
-        95,
-        "result.schema_valid",
-    );
+    let mut body = case
+        .root
+        .liable_child(&case.delegate, 95, "result.schema_valid");
     body.min_retry_cost = 10;
     case.expect(&orchestrator, body, &[Code::NoRetryHeadroom])
         .await;
@@ -131,12 +118,7 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
 
     // 3 and 8 need a child: a liability-retaining child at max depth.
     let delegate = Agent::from_seed(case.delegate.seed());
-    let (child_id, _) = case
-        .broker
-        .delegate(&orchestrator, case.body(10))
-        .await
-        .unwrap()
-        .issued();
+    let child_id = case.broker.issue(&orchestrator, case.body(10)).await;
     let grandchild = Agent::generate();
     let mut body = liable_child(
         &child_id,
@@ -153,21 +135,13 @@ async fn every_invariant_code_is_refused_with_a_verifiable_receipt() {
     )
     .await;
     // 15. max_children is 2: one more child is fine, the third is refused.
-    case.broker
-        .delegate(&orchestrator, case.body(10))
-        .await
-        .unwrap()
-        .issued();
+    case.broker.issue(&orchestrator, case.body(10)).await;
     let body = case.body(10);
     case.expect(&orchestrator, body, &[Code::FanoutExceeded])
         .await;
 
     // 5. A policy with a trust floor and a delegate nobody vouches for.
-    let mut trust = Case::new(RootSpec {
-        min_trust: 1,
-        ..RootSpec::default()
-    })
-    .await;
+    let mut trust = Case::new(RootSpec::with(|s| s.min_trust = 1)).await;
     let orchestrator2 = Agent::from_seed(trust.orchestrator.seed());
     let body = trust.body(10);
     trust

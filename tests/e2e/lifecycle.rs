@@ -32,40 +32,23 @@ struct Chain {
 
 async fn seed_001_chain() -> Chain {
     let mut broker = Broker::start_with(|c| c.limits.expiry_sweep_interval_ms = 50).await;
-    let (orchestrator, planner, executor, executor_host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
+    let [orchestrator, planner, executor, executor_host] = agents();
     let root = broker
         .open_root(
             &orchestrator,
-            RootSpec {
-                budget: 28,
-                retry_headroom: false,
-                ..RootSpec::default()
-            },
+            RootSpec::with(|s| (s.budget, s.retry_headroom) = (28, false)),
         )
         .await;
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
+    let mut to_planner = root.liable_child(&planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
-    let (planner_id, _) = broker
-        .delegate(&orchestrator, to_planner)
-        .await
-        .unwrap()
-        .issued();
+    let planner_id = broker.issue(&orchestrator, to_planner).await;
     broker.accept(&planner, &planner_id, None).await.unwrap();
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
     to_executor.min_retry_cost = 12;
     to_executor.write_scope = vec!["src/auth".into()];
     to_executor.host_public_key = executor_host.public_key().to_vec();
     to_executor.result_schema_json = PATCH_SCHEMA.into();
-    let (executor_id, _) = broker
-        .delegate(&planner, to_executor)
-        .await
-        .unwrap()
-        .issued();
+    let executor_id = broker.issue(&planner, to_executor).await;
     assert_eq!(
         broker.effective_predicate(&executor_id).await,
         format!("({SEED_001_PREDICATE}\n)")
@@ -81,6 +64,31 @@ async fn seed_001_chain() -> Chain {
         root,
         planner_id,
         executor_id,
+    }
+}
+
+impl Chain {
+    /// The executor's host records `observations`.
+    async fn observe(
+        &mut self,
+        observations: Vec<pb::Observation>,
+    ) -> Result<pb::Receipt, tonic::Status> {
+        self.broker
+            .record(&self.executor_host, &self.executor_id, observations)
+            .await
+    }
+
+    /// Checks every ledger of the tree balances, then stops the broker.
+    async fn stop_balanced(mut self) {
+        self.broker.assert_ledgers_balance(&self.root.id).await;
+        self.broker.stop().await;
+    }
+
+    /// The executor completes with seed 001's output and claim.
+    async fn complete_executor(&mut self) -> Result<pb::Receipt, tonic::Status> {
+        self.broker
+            .complete(&self.executor, completion(&self.executor_id))
+            .await
     }
 }
 
@@ -124,27 +132,13 @@ async fn next_receipt(
 #[tokio::test]
 async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_the_orchestrator() {
     let mut c = seed_001_chain().await;
-    let mut watch = c
-        .broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: c.root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = c.broker.watch(&c.root.id).await;
     let observed = c
-        .broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![
-                tool_call("edit", 6),
-                mutation("src/auth/token.rs", 6),
-                mutation("docs/auth.md", 6),
-            ],
-        )
+        .observe(vec![
+            tool_call("edit", 6),
+            mutation("src/auth/token.rs", 6),
+            mutation("docs/auth.md", 6),
+        ])
         .await
         .unwrap();
     assert_eq!(
@@ -152,11 +146,7 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
         (pb::ReceiptKind::Observed as i32, 3)
     );
 
-    let receipt = c
-        .broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap();
+    let receipt = c.complete_executor().await.unwrap();
     let done = receipt.completion.unwrap();
     assert_eq!(done.verdict, pb::Verdict::Rejected as i32);
     let refused: Vec<&str> = done
@@ -203,8 +193,7 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
     );
     let root = c.broker.ledger(&c.root.id).await;
     assert_eq!((root.reserved, root.spent, root.residual), (0, 18, 10));
-    c.broker.assert_ledgers_balance(&c.root.id).await;
-    c.broker.stop().await;
+    c.stop_balanced().await;
 }
 
 /// (b) The same chain with an in-scope mutation is ACCEPTED, attributed to
@@ -212,19 +201,10 @@ async fn seed_001_failure_is_rejected_on_observed_facts_and_escalation_reaches_t
 #[tokio::test]
 async fn in_scope_work_is_accepted_and_attributed_to_the_producing_hop() {
     let mut c = seed_001_chain().await;
-    c.broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![mutation("src/auth/token.rs", 18)],
-        )
+    c.observe(vec![mutation("src/auth/token.rs", 18)])
         .await
         .unwrap();
-    let receipt = c
-        .broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap();
+    let receipt = c.complete_executor().await.unwrap();
     let done = receipt.completion.unwrap();
     assert_eq!(done.verdict, pb::Verdict::Accepted as i32);
     assert!(done.refused_criteria.is_empty());
@@ -257,14 +237,7 @@ async fn revocation_cascades_and_returns_every_reservation() {
     let mut c = seed_001_chain().await;
     // Work the executor's host metered is charged even though the executor
     // only ends through the cascade.
-    c.broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![tool_call("search", 5)],
-        )
-        .await
-        .unwrap();
+    c.observe(vec![tool_call("search", 5)]).await.unwrap();
     let receipt = c
         .broker
         .revoke(&c.orchestrator, &c.planner_id)
@@ -288,24 +261,11 @@ async fn revocation_cascades_and_returns_every_reservation() {
         "the metered 5 units stay charged"
     );
     // The executor's own subtree hears that it was revoked with its parent.
-    let mut watch = c
-        .broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: c.executor_id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = c.broker.watch(&c.executor_id).await;
     let cascaded = next_receipt(&mut watch, pb::ReceiptKind::Revoked).await;
     assert_eq!(cascaded.contract_id, c.executor_id);
     drop(watch);
-    let err = c
-        .broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap_err();
+    let err = c.complete_executor().await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
     // Only an ancestor's holder may revoke: the executor cannot revoke its parent.
     let err = c
@@ -314,8 +274,7 @@ async fn revocation_cascades_and_returns_every_reservation() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied);
-    c.broker.assert_ledgers_balance(&c.root.id).await;
-    c.broker.stop().await;
+    c.stop_balanced().await;
 }
 
 /// (d) With the broker's clock moved past a deadline, the sweeper expires
@@ -341,8 +300,7 @@ async fn overdue_contracts_expire_and_late_completions_are_refused() {
     late.header = Some(header_at(&c.executor, now_ms() + skip_ms));
     let err = c.broker.complete(&c.executor, late).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
-    c.broker.assert_ledgers_balance(&c.root.id).await;
-    c.broker.stop().await;
+    c.stop_balanced().await;
 }
 
 /// (e) A watch dropped after three events and resumed from its cursor gets
@@ -354,14 +312,7 @@ async fn a_resumed_watch_misses_nothing_and_repeats_nothing() {
     let first = collect(&mut c.broker, &c.root.id, 0, 3).await;
     assert_eq!(first, all[..3]);
     // More happens while the client is away.
-    c.broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![mutation("src/auth/a.rs", 1)],
-        )
-        .await
-        .unwrap();
+    c.observe(vec![mutation("src/auth/a.rs", 1)]).await.unwrap();
     let resumed = collect(&mut c.broker, &c.root.id, first[2].0, 3).await;
     assert_eq!(resumed[..2], all[3..]);
     assert!(
@@ -382,15 +333,7 @@ async fn collect(
     cursor: u64,
     n: usize,
 ) -> Vec<(u64, pb::watch_response::Event)> {
-    let mut stream = broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: id.to_vec(),
-            cursor,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = broker.watch_from(id, cursor).await;
     let mut out = Vec::new();
     while out.len() < n {
         let event = tokio::time::timeout(Duration::from_secs(10), stream.next())
@@ -424,10 +367,7 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
     big.output_json = format!(r#"{{"patch":"{}"}}"#, "x".repeat(300 * 1024));
     let err = c.broker.complete(&c.executor, big).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.output_json"
-    );
+    assert_eq!(field(&err), "body.output_json");
 
     // A JSON Schema that does not compile, at delegation.
     let mut bad_schema = child(&c.executor_id, &c.root.lineage, &Agent::generate(), 1);
@@ -439,30 +379,19 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.result_schema_json"
-    );
+    assert_eq!(field(&err), "body.result_schema_json");
 
     // A delegate may not be its own host.
     let mut own_host = child(&c.executor_id, &c.root.lineage, &c.executor, 1);
     own_host.write_scope = vec![];
     own_host.host_public_key = c.executor.public_key().to_vec();
     let err = c.broker.delegate(&c.executor, own_host).await.unwrap_err();
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.host_public_key"
-    );
+    assert_eq!(field(&err), "body.host_public_key");
 
     // Metering beyond the per-contract bound.
     let huge = 10_i64.pow(15);
     let err = c
-        .broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![tool_call("a", huge), tool_call("b", huge)],
-        )
+        .observe(vec![tool_call("a", huge), tool_call("b", huge)])
         .await
         .unwrap_err();
     assert_eq!(
@@ -488,18 +417,10 @@ async fn bad_lifecycle_requests_are_refused_and_change_nothing() {
     );
 
     // Receipts after completion.
-    c.broker
-        .complete(&c.executor, completion(&c.executor_id))
-        .await
-        .unwrap();
+    c.complete_executor().await.unwrap();
     let after = c.broker.ledger(&c.planner_id).await;
     let err = c
-        .broker
-        .record(
-            &c.executor_host,
-            &c.executor_id,
-            vec![mutation("src/auth/y", 1)],
-        )
+        .observe(vec![mutation("src/auth/y", 1)])
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
@@ -539,7 +460,7 @@ async fn a_retried_completion_settles_once() {
 #[tokio::test]
 async fn lifecycle_limits_and_reasons_are_named() {
     let mut broker = Broker::start_with(|c| c.limits.max_watch_streams = 1).await;
-    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, delegate, host] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
 
     // A root has no principal to escalate to.
@@ -552,11 +473,7 @@ async fn lifecycle_limits_and_reasons_are_named() {
 
     // A delegate may not name itself as host at Accept either: the same
     // rule, the same answer as at Delegate (the field is invalid).
-    let (id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &delegate, 10))
-        .await
-        .unwrap()
-        .issued();
+    let id = broker.issue(&orchestrator, root.child(&delegate, 10)).await;
     let err = broker
         .accept(&delegate, &id, Some(&delegate))
         .await
@@ -575,26 +492,13 @@ async fn lifecycle_limits_and_reasons_are_named() {
     let too_many: Vec<pb::Observation> = (0..257).map(|i| tool_call(&format!("t{i}"), 0)).collect();
     let err = broker.record(&host, &id, too_many).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.observations"
-    );
+    assert_eq!(field(&err), "body.observations");
 
     // Concurrent Watch streams are bounded (here to one).
-    let first = broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
-        .await
-        .unwrap();
+    let first = broker.client.watch(watch_request(&root.id)).await.unwrap();
     let err = broker
         .client
-        .watch(pb::WatchRequest {
-            contract_id: root.id.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root.id))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted);
@@ -615,9 +519,10 @@ async fn observations_per_contract_are_bounded() {
         MAX_OBSERVATIONS_PER_CONTRACT, MAX_OBSERVATIONS_PER_REQUEST,
     };
     let mut broker = Broker::start().await;
-    let (orchestrator, delegate, host) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let (_root, id) = broker.root_and_child(&orchestrator, &delegate, 10).await;
-    broker.accept(&delegate, &id, Some(&host)).await.unwrap();
+    let [orchestrator, delegate, host] = agents();
+    let (_root, id) = broker
+        .root_and_accepted_child(&orchestrator, &delegate, 10, Some(&host))
+        .await;
     let limit = usize::try_from(MAX_OBSERVATIONS_PER_CONTRACT).unwrap();
     let mut recorded = 0;
     while recorded < limit {
@@ -645,22 +550,9 @@ async fn observations_per_contract_are_bounded() {
 /// observations judge it; the policy reaches the whole tree.
 #[tokio::test]
 async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, planner, host, stooge) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
-    let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                require_host: true,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.require_host = true)).await;
+    let [planner, host, stooge] = agents();
     assert!(
         root.contract
             .policy
@@ -668,20 +560,17 @@ async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
             .is_some_and(|p| p.require_host)
     );
 
-    let hostless = child(&root.id, &root.lineage, &planner, 10);
+    let hostless = root.child(&planner, 10);
     let err = broker.delegate(&orchestrator, hostless).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.host_public_key"
-    );
+    assert_eq!(field(&err), "body.host_public_key");
     assert_eq!(
         broker.ledger(&root.id).await.reserved,
         0,
         "nothing reserved"
     );
 
-    let mut hosted = child(&root.id, &root.lineage, &planner, 10);
+    let mut hosted = root.child(&planner, 10);
     hosted.host_public_key = host.public_key().to_vec();
     let (planner_id, contract) = broker
         .delegate(&orchestrator, hosted)
@@ -715,8 +604,5 @@ async fn a_tree_requiring_hosts_refuses_a_delegation_without_one() {
     // One hop further down the policy still holds.
     let grandchild = child(&planner_id, &root.lineage, &stooge, 5);
     let err = broker.delegate(&planner, grandchild).await.unwrap_err();
-    assert_eq!(
-        err.get_details_error_info().unwrap().metadata["field"],
-        "body.host_public_key"
-    );
+    assert_eq!(field(&err), "body.host_public_key");
 }

@@ -203,12 +203,7 @@ async fn chain_of(broker: &mut Broker, depth: usize) -> (Vec<pb::ContractState>,
         let budget = 1_000_000 - 1_000 * hop as i64;
         let mut body = liable_child(&parent, &root.lineage, &agents[hop], budget, &predicate);
         body.delegate_attestation = Some(broker.attest(&agents[hop], FACTOR));
-        parent = broker
-            .delegate(&agents[hop - 1], body)
-            .await
-            .unwrap()
-            .issued()
-            .0;
+        parent = broker.issue(&agents[hop - 1], body).await;
         asked.push(Asked {
             delegate: agents[hop].public_key().to_vec(),
             budget,

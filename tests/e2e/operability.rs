@@ -2,58 +2,44 @@
 
 use tonic_reflection::pb::{v1, v1alpha};
 
-use crate::harness::Broker;
+use crate::harness::{Broker, agents, complete_body};
+
+/// The services a reflection client of `$version` (the generated module
+/// `v1` or `v1alpha`: the same messages, distinct types) lists over
+/// `$channel`.
+macro_rules! listed_services {
+    ($version:ident, $channel:expr) => {{
+        use $version::server_reflection_request::MessageRequest;
+        use $version::server_reflection_response::MessageResponse;
+        let mut client = $version::server_reflection_client::ServerReflectionClient::new($channel);
+        let request = $version::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut answers = client
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .expect(concat!(stringify!($version), " is served"))
+            .into_inner();
+        let answer = answers.message().await.unwrap().expect("an answer");
+        let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+            panic!("not a service list: {answer:?}");
+        };
+        list.service
+            .into_iter()
+            .map(|s| s.name)
+            .collect::<Vec<String>>()
+    }};
+}
 
 /// The services a reflection client lists.
 #[tokio::test]
 async fn reflection_lists_the_services_in_v1_and_v1alpha() {
     let broker = Broker::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(broker.addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = crate::harness::channel(&broker.addr).await;
 
-    let mut alpha = v1alpha::server_reflection_client::ServerReflectionClient::new(channel.clone());
-    let request = v1alpha::ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(
-            v1alpha::server_reflection_request::MessageRequest::ListServices(String::new()),
-        ),
-    };
-    let mut answers = alpha
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await
-        .expect("v1alpha is served")
-        .into_inner();
-    let answer = answers.message().await.unwrap().expect("an answer");
-    let Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
-        answer.message_response
-    else {
-        panic!("not a service list: {answer:?}");
-    };
-    let alpha_names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-
-    let mut current = v1::server_reflection_client::ServerReflectionClient::new(channel);
-    let request = v1::ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
-            String::new(),
-        )),
-    };
-    let mut answers = current
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await
-        .expect("v1 is served")
-        .into_inner();
-    let answer = answers.message().await.unwrap().expect("an answer");
-    let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
-        answer.message_response
-    else {
-        panic!("not a service list: {answer:?}");
-    };
-    let v1_names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-
+    let alpha_names = listed_services!(v1alpha, channel.clone());
+    let v1_names = listed_services!(v1, channel);
     for names in [&alpha_names, &v1_names] {
         for service in ["delegation.broker.v1.Broker", "grpc.health.v1.Health"] {
             assert!(names.iter().any(|n| n == service), "{service} in {names:?}");
@@ -70,11 +56,7 @@ async fn sqlite_a_failed_fsync_turns_health_not_serving() {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
     let mut broker = Broker::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(broker.addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = crate::harness::channel(&broker.addr).await;
     let mut health = HealthClient::new(channel);
     let status = |service: &str| HealthCheckRequest {
         service: service.into(),
@@ -164,50 +146,26 @@ pub(crate) fn value(
 /// histogram is well-formed.
 #[tokio::test]
 async fn metrics_count_a_scripted_run_exactly() {
-    use crate::harness::{RootSpec, child, liable_child};
+    use crate::harness::{RootSpec, child, seed_001_delegations};
     use broker_client::Agent;
 
     let mut broker = Broker::start_with_metrics().await;
     let metrics_addr = broker.metrics_addr.unwrap();
     // seed 001: the planner's liable child, a refused executor (no retry
     // headroom), then the executor it can afford.
-    let (orchestrator, planner, executor) =
-        (Agent::generate(), Agent::generate(), Agent::generate());
+    let [orchestrator, planner, executor] = agents();
     let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, "result.schema_valid");
-    to_planner.min_retry_cost = 12;
-    let (planner_id, _) = broker
-        .delegate(&orchestrator, to_planner)
-        .await
-        .unwrap()
-        .issued();
-    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
-    to_executor.min_retry_cost = 12;
-    broker
-        .delegate(&planner, to_executor.clone())
-        .await
-        .unwrap()
-        .refused();
-    to_executor.budget = 13;
-    let (executor_id, _) = broker
-        .delegate(&planner, to_executor)
-        .await
-        .unwrap()
-        .issued();
+    let (planner_id, executor_id) = seed_001_delegations(
+        &mut broker,
+        &root,
+        [&orchestrator, &planner, &executor],
+        "result.schema_valid",
+    )
+    .await;
     // The executor accepts and completes, reporting 4 units (no host).
     broker.accept(&executor, &executor_id, None).await.unwrap();
     let completed = broker
-        .complete(
-            &executor,
-            delegation_broker::pb::CompleteBody {
-                header: None,
-                contract_id: executor_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "success".into(),
-                consumed: 4,
-            },
-        )
+        .complete(&executor, complete_body(&executor_id, "{}", "success", 4))
         .await
         .unwrap();
     let completion = completed.completion.unwrap();
@@ -224,23 +182,12 @@ async fn metrics_count_a_scripted_run_exactly() {
     // The race: 64 siblings of 10 from a residual of 300.
     let racer = Agent::generate();
     let race_root = broker
-        .open_root(
-            &racer,
-            RootSpec {
-                budget: 300,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&racer, RootSpec::with(|s| s.budget = 300))
         .await;
     let mut calls = tokio::task::JoinSet::new();
     for _ in 0..64 {
         let mut client = broker.client.clone();
-        let request = racer.delegate(child(
-            &race_root.id,
-            &race_root.lineage,
-            &Agent::generate(),
-            10,
-        ));
+        let request = racer.delegate(race_root.child(&Agent::generate(), 10));
         calls.spawn(async move { client.delegate(request).await.unwrap().into_inner() });
     }
     let mut issued = 0;
@@ -546,43 +493,11 @@ async fn json_logs_carry_each_calls_trace_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     use broker_client::Agent;
-    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-        TraceService, TraceServiceServer,
-    };
-    use opentelemetry_proto::tonic::collector::trace::v1::{
-        ExportTraceServiceRequest, ExportTraceServiceResponse,
-    };
     use opentelemetry_proto::tonic::common::v1::any_value::Value;
     use opentelemetry_proto::tonic::trace::v1::Span;
 
-    /// Keeps every span it is sent.
-    struct Receiver(tokio::sync::mpsc::UnboundedSender<Span>);
-
-    #[tonic::async_trait]
-    impl TraceService for Receiver {
-        async fn export(
-            &self,
-            request: tonic::Request<ExportTraceServiceRequest>,
-        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-            for resource in request.into_inner().resource_spans {
-                for scope in resource.scope_spans {
-                    for span in scope.spans {
-                        let _ = self.0.send(span);
-                    }
-                }
-            }
-            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-        }
-    }
-
-    let (sent, mut spans) = tokio::sync::mpsc::unbounded_channel();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(Receiver(sent)))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let (sent, mut requests) = tokio::sync::mpsc::unbounded_channel();
+    let endpoint = crate::harness::serve_otlp(sent).await;
     let telemetry = delegation_broker::telemetry::init(
         &delegation_broker::telemetry::Logging {
             format: delegation_broker::telemetry::LogFormat::Text,
@@ -600,12 +515,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
         .await;
     let (trace_id, caller_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     let worker = Agent::generate();
-    let mut request = tonic::Request::new(orchestrator.delegate(crate::harness::child(
-        &root.id,
-        &root.lineage,
-        &worker,
-        10,
-    )));
+    let mut request = tonic::Request::new(orchestrator.delegate(root.child(&worker, 10)));
     request.metadata_mut().insert(
         "traceparent",
         format!("00-{trace_id}-{caller_span}-01").parse().unwrap(),
@@ -622,17 +532,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
         .await
         .unwrap();
     broker
-        .complete(
-            &worker,
-            delegation_broker::pb::CompleteBody {
-                header: None,
-                contract_id: child.contract_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 1,
-            },
-        )
+        .complete(&worker, complete_body(&child.contract_id, "{}", "done", 1))
         .await
         .unwrap();
     tokio::task::spawn_blocking(move || {
@@ -650,7 +550,12 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
             .iter()
             .all(|name| received.iter().any(|s: &Span| &s.name == name))
         {
-            received.push(spans.recv().await.expect("the receiver runs"));
+            let request = requests.recv().await.expect("the receiver runs");
+            for resource in request.resource_spans {
+                for scope in resource.scope_spans {
+                    received.extend(scope.spans);
+                }
+            }
         }
     })
     .await

@@ -1,7 +1,6 @@
 //! Operating the broker binary: stopping cleanly on SIGTERM, starting
 //! only once it can serve, keys of replicas, the reading CLI.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,25 +21,15 @@ pub fn spawn_serve(data_dir: &std::path::Path, extra: &[&str]) -> (Killed, Strin
 
 /// `spawn_serve` with its log (stderr) sent to `log`.
 fn spawn_logged(data_dir: &std::path::Path, extra: &[&str], log: Stdio) -> (Killed, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data_dir)
-        .args(extra)
-        .env("BROKER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .expect("broker binary starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("address line, got {line:?}"))
-        .to_owned();
-    (Killed(child), format!("http://{addr}"))
+    Killed::announcing(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(extra)
+            .env("BROKER_LOG", "warn")
+            .stderr(log),
+        "listening",
+    )
 }
 
 fn signal(child: &std::process::Child, name: &str) {
@@ -98,11 +87,7 @@ async fn an_idle_broker_stops_without_waiting_out_the_drain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_open_watches_exits_within_the_drain() {
     let dir = tempfile::tempdir().unwrap();
-    let database = if on_postgres() {
-        Some(delegation_broker::store::postgres::testing::TestDatabase::migrated().await)
-    } else {
-        None
-    };
+    let database = database_of_this_run().await;
     let config = dir.path().join("broker.toml");
     // Far below the test's own bound, far above what a clean stop takes.
     const DRAIN_MS: u64 = 4_000;
@@ -121,14 +106,8 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
     let orchestrator = Agent::generate();
     let mut client = connect_as(&addr, &orchestrator).await;
     let spec = RootSpec::default();
-    let root = client
-        .open_root(orchestrator.open_root(spec.body()))
-        .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap();
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let root = open_root_on(&mut client, &orchestrator, &spec).await;
+    let lineage = spec.lineage();
     let mut acknowledged = vec![root.contract_id.clone()];
     for _ in 0..20 {
         let answer = client
@@ -147,11 +126,7 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
         acknowledged.push(issued.contract_id);
     }
 
-    let channel = tonic::transport::Endpoint::from_shared(addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(&addr).await;
     let mut health = HealthClient::new(channel)
         .watch(HealthCheckRequest {
             service: String::new(),
@@ -162,10 +137,7 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
     let first = health.next().await.unwrap().unwrap();
     assert_eq!(first.status, ServingStatus::Serving as i32);
     let mut events = client
-        .watch(pb::WatchRequest {
-            contract_id: root.contract_id.clone(),
-            cursor: 0,
-        })
+        .watch(watch_request(&root.contract_id))
         .await
         .unwrap()
         .into_inner();
@@ -209,14 +181,7 @@ async fn sigterm_with_open_watches_exits_within_the_drain() {
 
     let (_process, addr) = spawn_serve(&data, &extra);
     let mut client = connect_as(&addr, &orchestrator).await;
-    for id in &acknowledged {
-        client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{} lost: {e}", hex::encode(id)));
-    }
+    assert_stored(&mut client, &acknowledged).await;
 }
 
 /// Acceptance (e): reflection serves google/rpc/*.proto, so grpcurl and
@@ -227,11 +192,7 @@ async fn reflection_finds_google_rpc_error_info() {
     use tonic_reflection::pb::v1;
 
     let broker = Broker::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(broker.addr.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(&broker.addr).await;
     let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel);
     for symbol in ["google.rpc.ErrorInfo", "google.rpc.BadRequest"] {
         let request = v1::ServerReflectionRequest {
@@ -407,11 +368,7 @@ impl Drop for Mounted {
 }
 
 async fn health_is(addr: &str, want: ServingStatus, bound: Duration) {
-    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = channel(addr).await;
     let mut health = HealthClient::new(channel);
     let deadline = Instant::now() + bound;
     loop {
@@ -504,14 +461,7 @@ async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
     assert!(exit_within(&mut process.0, Duration::from_secs(20)).success());
     let (_process, addr) = spawn_serve(&data, &[]);
     let mut client = connect_as(&addr, &orchestrator).await;
-    for id in &acknowledged {
-        client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{} lost: {e}", hex::encode(id)));
-    }
+    assert_stored(&mut client, &acknowledged).await;
     // At most one line a second of each repeated warning.
     let log = std::fs::read_to_string(&log_path).unwrap();
     let mut seen = std::collections::HashMap::new();
@@ -548,52 +498,35 @@ async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
 /// service name, `service.version` and a `service.instance.id`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standard_otel_variables_alone_export_spans() {
-    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-        TraceService, TraceServiceServer,
-    };
     use opentelemetry_proto::tonic::collector::trace::v1::{
         ExportTraceServiceRequest, ExportTraceServiceResponse,
     };
     use opentelemetry_proto::tonic::common::v1::any_value::Value;
     use prost::Message as _;
 
-    type Resources = tokio::sync::mpsc::UnboundedSender<Vec<(String, String)>>;
-    fn resources_of(request: ExportTraceServiceRequest, sent: &Resources) {
-        for spans in request.resource_spans {
-            let attributes = spans
-                .resource
-                .map(|r| r.attributes)
-                .unwrap_or_default()
-                .into_iter()
-                .filter_map(|a| match a.value?.value? {
-                    Value::StringValue(v) => Some((a.key, v)),
-                    _ => None,
-                })
-                .collect();
-            let _ = sent.send(attributes);
-        }
-    }
-    struct Receiver(Resources);
-    #[tonic::async_trait]
-    impl TraceService for Receiver {
-        async fn export(
-            &self,
-            request: tonic::Request<ExportTraceServiceRequest>,
-        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-            resources_of(request.into_inner(), &self.0);
-            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-        }
+    /// The string attributes of each resource a request carries.
+    fn resources_of(request: ExportTraceServiceRequest) -> Vec<Vec<(String, String)>> {
+        request
+            .resource_spans
+            .into_iter()
+            .map(|spans| {
+                spans
+                    .resource
+                    .map(|r| r.attributes)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|a| match a.value?.value? {
+                        Value::StringValue(v) => Some((a.key, v)),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .collect()
     }
 
-    let (sent, mut resources) = tokio::sync::mpsc::unbounded_channel();
+    let (sent, mut requests) = tokio::sync::mpsc::unbounded_channel();
     // OTLP/gRPC.
-    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let grpc_url = format!("http://{}", grpc.local_addr().unwrap());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(Receiver(sent.clone())))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc)),
-    );
+    let grpc_url = serve_otlp(sent.clone()).await;
     // OTLP/HTTP, protobuf bodies.
     let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let http_url = format!("http://{}/v1/traces", http.local_addr().unwrap());
@@ -604,7 +537,7 @@ async fn standard_otel_variables_alone_export_spans() {
             let sent = http_sent.clone();
             async move {
                 if let Ok(request) = ExportTraceServiceRequest::decode(body) {
-                    resources_of(request, &sent);
+                    let _ = sent.send(request);
                 }
                 ExportTraceServiceResponse::default().encode_to_vec()
             }
@@ -617,42 +550,33 @@ async fn standard_otel_variables_alone_export_spans() {
         ("http/protobuf", http_url, "broker-over-http"),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(dir.path())
-            .env("BROKER_LOG", "warn")
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .env("OTEL_SERVICE_NAME", service)
-            .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", &endpoint)
-            .env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let mut process = Killed(child);
-        let addr = format!(
-            "http://{}",
-            line.trim().strip_prefix("listening on ").unwrap()
+        let (mut process, addr) = Killed::announcing(
+            Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+                .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+                .arg(dir.path())
+                .env("BROKER_LOG", "warn")
+                .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .env("OTEL_SERVICE_NAME", service)
+                .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", &endpoint)
+                .env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+                .stderr(Stdio::inherit()),
+            "listening",
         );
-        let orchestrator = Agent::generate();
-        connect(&addr)
-            .await
-            .open_root(orchestrator.open_root(RootSpec::default().body()))
-            .await
-            .unwrap();
+        open_root_on(
+            &mut connect(&addr).await,
+            &Agent::generate(),
+            &RootSpec::default(),
+        )
+        .await;
         // A clean stop flushes the exporter.
         signal(&process.0, "TERM");
         assert!(exit_within(&mut process.0, Duration::from_secs(20)).success());
         let attributes = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
-                let attributes = resources.recv().await.unwrap();
-                if attributes
-                    .iter()
-                    .any(|(k, v)| k == "service.name" && v == service)
+                let request = requests.recv().await.unwrap();
+                if let Some(attributes) = resources_of(request)
+                    .into_iter()
+                    .find(|a| a.iter().any(|(k, v)| k == "service.name" && v == service))
                 {
                     return attributes;
                 }
@@ -702,6 +626,16 @@ fn rotate_key(data: &std::path::Path) -> std::process::Output {
         .unwrap()
 }
 
+/// `serve` on `data` and `listen`, for a start that must fail: its output.
+fn serve_to_the_end(data: &std::path::Path, listen: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["serve", "--listen", listen, "--data-dir"])
+        .arg(data)
+        .env("BROKER_LOG", "error")
+        .output()
+        .unwrap()
+}
+
 /// A served SQLite data directory has one writer: a second `serve` and a
 /// `rotate-key` refuse at once, naming the serving process's pid, and
 /// change nothing in it; `rotate-key` refuses a directory that does not
@@ -713,12 +647,7 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
     let (first, _addr) = spawn_serve(&data, &[]);
     let pid = first.0.id().to_string();
     let before = snapshot(&data);
-    let second = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(&data)
-        .env("BROKER_LOG", "error")
-        .output()
-        .unwrap();
+    let second = serve_to_the_end(&data, "127.0.0.1:0");
     assert!(!second.status.success(), "a second serve started");
     let said = String::from_utf8_lossy(&second.stderr);
     assert!(
@@ -765,12 +694,7 @@ fn sqlite_a_served_data_directory_refuses_a_second_writer() {
 fn serve_beyond_loopback_needs_declared_tenants_or_the_opt_in() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["serve", "--listen", "0.0.0.0:0", "--data-dir"])
-        .arg(&data)
-        .env("BROKER_LOG", "error")
-        .output()
-        .unwrap();
+    let out = serve_to_the_end(&data, "0.0.0.0:0");
     assert!(
         !out.status.success(),
         "served beyond loopback with no tenant"

@@ -35,59 +35,8 @@ async fn stop_all(a: Broker, b: Broker, c: Broker) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn siblings_racing_through_three_replicas_never_overspend() {
     let (mut a, b, c) = three().await;
-    let orchestrator = Arc::new(Agent::generate());
-    let root = a
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 300,
-                max_children: 64,
-                ..RootSpec::default()
-            },
-        )
-        .await;
     let addrs = [a.addr.clone(), b.addr.clone(), c.addr.clone()];
-    let mut tasks = Vec::new();
-    for i in 0..64 {
-        let mut client = connect(&addrs[i % 3]).await;
-        let orchestrator = orchestrator.clone();
-        let body = child(&root.id, &root.lineage, &Agent::generate(), 10);
-        tasks.push(tokio::spawn(async move {
-            let response = client
-                .delegate(orchestrator.delegate(body))
-                .await
-                .unwrap_or_else(|e| panic!("every answer is issued or refused: {e:?}"))
-                .into_inner();
-            Outcome::from(response.outcome.unwrap())
-        }));
-    }
-    let (mut issued, mut refused) = (0, 0);
-    let keys = a.keys().await;
-    for task in tasks {
-        match task.await.unwrap() {
-            Outcome::Issued { .. } => issued += 1,
-            outcome @ Outcome::Refused { .. } => {
-                let (_, envelope, receipt) = outcome.refused();
-                assert_eq!(codes(&receipt), vec![Code::BudgetExceedsParent]);
-                // Signed by whichever replica answered; every key is
-                // published by every replica.
-                verify_with_keys(
-                    &envelope,
-                    payload_type::RECEIPT,
-                    &keys,
-                    &receipt.broker_key_id,
-                );
-                refused += 1;
-            }
-        }
-    }
-    assert_eq!((issued, refused), (30, 34));
-    let ledger = a.ledger(&root.id).await;
-    assert_eq!(
-        (ledger.reserved, ledger.residual, ledger.open_children),
-        (300, 0, 30)
-    );
-    a.assert_ledgers_balance(&root.id).await;
+    assert_siblings_never_overspend(&mut a, &addrs).await;
     stop_all(a, b, c).await;
 }
 
@@ -98,25 +47,14 @@ async fn siblings_racing_through_three_replicas_never_overspend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
     let (mut a, mut b, mut c) = three().await;
-    let orchestrator = Agent::generate();
+    let [orchestrator, worker] = agents();
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
-    let worker = Agent::generate();
-    let mut body = child(&root.id, &root.lineage, &worker, 10);
+    let mut body = root.child(&worker, 10);
     body.header = Some(orchestrator.header());
     let request = orchestrator.delegate(body.clone());
-    let first = a
-        .client
-        .delegate(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let first = a.send_delegate(request.clone()).await.unwrap();
     assert!(!first.replayed);
-    let again = b
-        .client
-        .delegate(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let again = b.send_delegate(request.clone()).await.unwrap();
     assert!(again.replayed, "answered from the request log");
     assert_eq!(again.outcome, first.outcome);
     assert_eq!(b.ledger(&root.id).await.reserved, 10, "reserved once");
@@ -124,14 +62,10 @@ async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
     let mut other = body;
     other.budget = 20;
     let status = c
-        .client
-        .delegate(orchestrator.delegate(other))
+        .send_delegate(orchestrator.delegate(other))
         .await
         .expect_err("a reused nonce");
-    assert_eq!(
-        (status.code(), reason(&status).as_str()),
-        (tonic::Code::AlreadyExists, "NONCE_REUSED")
-    );
+    assert_status(&status, tonic::Code::AlreadyExists, "NONCE_REUSED");
     assert_eq!(c.ledger(&root.id).await.reserved, 10, "still reserved once");
     // Issued through A, verified with B's published keys.
     let Some(pb::delegate_response::Outcome::Issued(issued)) = first.outcome else {
@@ -159,26 +93,16 @@ async fn a_retry_on_another_replica_is_replayed_and_reserves_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revocation_through_one_replica_holds_on_the_others() {
     let (mut a, mut b, mut c) = three().await;
-    let orchestrator = Agent::generate();
+    let [orchestrator, mid, leaf] = agents();
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
-    let mid = Agent::generate();
-    let (mid_id, _) = a
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &mid, 50))
-        .await
-        .unwrap()
-        .issued();
-    let leaf = Agent::generate();
-    let (leaf_id, _) = a
-        .delegate(&mid, child(&mid_id, &root.lineage, &leaf, 20))
-        .await
-        .unwrap()
-        .issued();
+    let mid_id = a.issue(&orchestrator, root.child(&mid, 50)).await;
+    let leaf_id = a
+        .issue(&mid, child(&mid_id, &root.lineage, &leaf, 20))
+        .await;
     a.revoke(&orchestrator, &mid_id).await.expect("revoked");
-    let (_, _, receipt) = b
-        .delegate(&leaf, child(&leaf_id, &root.lineage, &Agent::generate(), 5))
-        .await
-        .unwrap()
-        .refused();
+    let receipt = b
+        .refuse(&leaf, child(&leaf_id, &root.lineage, &Agent::generate(), 5))
+        .await;
     assert_eq!(codes(&receipt), vec![Code::ParentNotActive]);
     let status = c
         .accept(&leaf, &leaf_id, None)
@@ -193,14 +117,7 @@ async fn a_revocation_through_one_replica_holds_on_the_others() {
 async fn open_tree(broker: &mut Broker) -> (Agent, Root) {
     let orchestrator = Agent::generate();
     let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 1_000_000,
-                max_children: 1_024,
-                ..RootSpec::default()
-            },
-        )
+        .open_root(&orchestrator, RootSpec::for_bursts())
         .await;
     (orchestrator, root)
 }
@@ -210,11 +127,7 @@ async fn open_tree(broker: &mut Broker) -> (Agent, Root) {
 async fn churn(broker: &mut Broker, orchestrator: &Agent, root: &Root, children: usize) {
     for _ in 0..children {
         let worker = Agent::generate();
-        let (id, _) = broker
-            .delegate(orchestrator, child(&root.id, &root.lineage, &worker, 10))
-            .await
-            .unwrap()
-            .issued();
+        let id = broker.issue(orchestrator, root.child(&worker, 10)).await;
         broker.accept(&worker, &id, None).await.expect("accepted");
     }
     broker
@@ -252,22 +165,6 @@ async fn read_events(stream: &mut tonic::Streaming<pb::WatchResponse>, want: usi
     seen
 }
 
-async fn watch(
-    broker: &mut Broker,
-    root: &[u8],
-    cursor: u64,
-) -> tonic::Streaming<pb::WatchResponse> {
-    broker
-        .client
-        .watch(pb::WatchRequest {
-            contract_id: root.to_vec(),
-            cursor,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 /// (e) Watch on A while B and C issue and end contracts concurrently
 /// (over 1,000 events in several trees): each stream holds every event of
 /// its tree exactly once, a child after its parent, in increasing cursor
@@ -291,7 +188,7 @@ async fn watch_on_one_replica_sees_every_replicas_events_once() {
     // A watches every tree from its beginning while B and C write.
     let mut streams = Vec::new();
     for (_, (_, root)) in &trees {
-        streams.push(watch(&mut a, &root.id, 0).await);
+        streams.push(a.watch(&root.id).await);
     }
     let (mut on_b, mut on_c): (Vec<_>, Vec<_>) = trees.into_iter().partition(|(w, _)| *w == 0);
     let write_b = tokio::spawn(async move {
@@ -334,7 +231,7 @@ async fn watch_on_one_replica_sees_every_replicas_events_once() {
         // Resume on another replica from several cursors: the rest, exactly.
         let root = events[0].1.clone();
         for from in [1, PER_TREE / 3, PER_TREE - 1] {
-            let mut resumed = watch(&mut b, &root, events[from - 1].0).await;
+            let mut resumed = b.watch_from(&root, events[from - 1].0).await;
             let rest = read_events(&mut resumed, PER_TREE - from).await;
             assert_eq!(rest, events[from..].to_vec(), "no gap, no duplicate");
         }
@@ -353,31 +250,11 @@ async fn watch_on_one_replica_sees_every_replicas_events_once() {
 async fn contention_on_one_parent_yields_only_issued_contracts() {
     let (mut a, b, c) = three().await;
     let orchestrator = Arc::new(Agent::generate());
-    let root = a
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 10_000,
-                max_children: 1_024,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let spec = RootSpec::with(|s| (s.budget, s.max_children) = (10_000, 1_024));
+    let root = a.open_root(&orchestrator, spec).await;
     let addrs = [a.addr.clone(), b.addr.clone(), c.addr.clone()];
-    let mut tasks = Vec::new();
-    for i in 0..96 {
-        let mut client = connect(&addrs[i % 3]).await;
-        let orchestrator = orchestrator.clone();
-        let body = child(&root.id, &root.lineage, &Agent::generate(), 10);
-        tasks.push(tokio::spawn(async move {
-            client
-                .delegate(orchestrator.delegate(body))
-                .await
-                .map(|r| Outcome::from(r.into_inner().outcome.unwrap()))
-        }));
-    }
-    for task in tasks {
-        match task.await.unwrap() {
+    for outcome in race_siblings(&addrs, &orchestrator, &root, 96, 10).await {
+        match outcome {
             Ok(outcome) => {
                 outcome.issued();
             }
@@ -456,48 +333,97 @@ async fn delegate_until(
     answered
 }
 
+/// `count` replica processes on the database at `url`, each on a data
+/// directory of its own: the directories (to restart on), the processes
+/// and their addresses.
+fn spawn_replicas(
+    url: &str,
+    count: usize,
+) -> (
+    Vec<tempfile::TempDir>,
+    Vec<(crate::crash::Killed, String)>,
+    Vec<String>,
+) {
+    let dirs: Vec<_> = (0..count).map(|_| tempfile::tempdir().unwrap()).collect();
+    let processes: Vec<_> = dirs
+        .iter()
+        .map(|d| crate::crash::spawn_broker(d.path(), Some(url)))
+        .collect();
+    let addrs = processes.iter().map(|(_, addr)| addr.clone()).collect();
+    (dirs, processes, addrs)
+}
+
+/// `delegate_until` workers from one root, spread over replicas.
+struct Burst {
+    orchestrator: Arc<Agent>,
+    root: Vec<u8>,
+    lineage: Vec<u8>,
+    /// Set to stop the workers.
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<Vec<Vec<u8>>>>,
+}
+
+impl Burst {
+    /// A root for bursts opened through `addrs[0]`, and `count` workers
+    /// from it, worker `i` on `addrs[i % addrs.len()]`, giving up when its
+    /// replica is gone if `give_up(i)`.
+    async fn start(addrs: &[String], count: usize, give_up: impl Fn(usize) -> bool) -> Self {
+        let orchestrator = Arc::new(Agent::generate());
+        let spec = RootSpec::for_bursts();
+        let root = open_root_on(&mut connect(&addrs[0]).await, &orchestrator, &spec)
+            .await
+            .contract_id;
+        let lineage = spec.lineage();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let workers = (0..count)
+            .map(|i| {
+                tokio::spawn(delegate_until(
+                    addrs[i % addrs.len()].clone(),
+                    orchestrator.clone(),
+                    (root.clone(), lineage.clone()),
+                    stop.clone(),
+                    give_up(i),
+                ))
+            })
+            .collect();
+        Self {
+            orchestrator,
+            root,
+            lineage,
+            stop,
+            workers,
+        }
+    }
+
+    /// Stops the workers; every id they were answered, each once.
+    async fn finish(self) -> Vec<Vec<u8>> {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut answered = Vec::new();
+        for worker in self.workers {
+            answered.extend(worker.await.unwrap());
+        }
+        let distinct: std::collections::HashSet<_> = answered.iter().collect();
+        assert_eq!(distinct.len(), answered.len(), "an answer twice");
+        answered
+    }
+}
+
 /// (d) SIGKILL one of three replica processes during a burst spread over
 /// all three: the other two go on serving, every contract a client got
 /// an answer for is stored, the ledger equation holds, and the restarted
 /// replica serves again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
-    use std::sync::atomic::{AtomicBool, Ordering};
     let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
-    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let mut processes: Vec<_> = dirs
-        .iter()
-        .map(|d| crate::crash::spawn_broker(d.path(), Some(&database.url)))
-        .collect();
-    let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
-    let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
-    let mut client = connect(&addrs[0]).await;
-    let root = client
-        .open_root(orchestrator.open_root(spec.body()))
-        .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap()
-        .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
+    let (dirs, mut processes, addrs) = spawn_replicas(&database.url, 3);
+    // The workers on the replica to be killed stop with it.
+    let burst = Burst::start(&addrs, 12, |i| i % 3 == 2).await;
+    let (orchestrator, root, lineage) = (
+        burst.orchestrator.clone(),
+        burst.root.clone(),
+        burst.lineage.clone(),
+    );
     let mut watcher = connect_as(&addrs[0], &orchestrator).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    for i in 0..12 {
-        workers.push(tokio::spawn(delegate_until(
-            addrs[i % 3].clone(),
-            orchestrator.clone(),
-            (root.clone(), lineage.clone()),
-            stop.clone(),
-            i % 3 == 2,
-        )));
-    }
     wait_for_children(&mut watcher, &root, 150).await;
     let (killed, _) = &mut processes[2];
     killed.0.kill().unwrap(); // SIGKILL
@@ -505,30 +431,16 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
     let at_kill = count_children(&mut watcher, &root).await;
     // The other replicas go on serving.
     wait_for_children(&mut watcher, &root, at_kill + 100).await;
-    stop.store(true, Ordering::SeqCst);
-    let mut answered = Vec::new();
-    for worker in workers {
-        answered.extend(worker.await.unwrap());
-    }
+    let answered = burst.finish().await;
     assert!(answered.len() > 50, "a burst: {}", answered.len());
     let (restarted, restarted_addr) =
         crate::crash::spawn_broker(dirs[2].path(), Some(&database.url));
     let mut reader = crate::crash::LedgerCheck {
         client: connect_as(&restarted_addr, &orchestrator).await,
     };
-    for id in &answered {
-        reader
-            .client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
-    }
-    // Every answer once, each reserved once (the ledgers sum up); the
-    // killed replica may have committed requests it never answered.
-    let distinct: std::collections::HashSet<_> = answered.iter().collect();
-    assert_eq!(distinct.len(), answered.len());
+    assert_stored(&mut reader.client, &answered).await;
+    // Each answer reserved once (the ledgers sum up); the killed replica
+    // may have committed requests it never answered.
     assert!(reader.assert_balanced(&root).await > answered.len());
     // The restarted replica serves writes again.
     let mut fresh = connect(&restarted_addr).await;
@@ -542,15 +454,9 @@ async fn a_killed_replica_loses_nothing_and_the_others_go_on() {
 
 /// The open children of `root` (its ledger), read through `client`.
 async fn count_children(client: &mut broker_client::SessionClient, root: &[u8]) -> u32 {
-    client
-        .get_contract(pb::GetContractRequest {
-            contract_id: root.to_vec(),
-        })
+    state_via(client, root)
         .await
-        .expect("the root")
-        .into_inner()
-        .contract
-        .and_then(|c| c.ledger)
+        .ledger
         .expect("a ledger")
         .open_children
 }
@@ -564,8 +470,15 @@ struct PrivateServer {
 }
 
 impl PrivateServer {
-    fn script() -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh")
+    /// Runs `scripts/pg.sh VERB DIR ARGS`, which must succeed; its stdout.
+    fn pg_sh(verb: &str, dir: &std::path::Path, args: &[&str]) -> String {
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh");
+        stdout_of(
+            std::process::Command::new(script)
+                .arg(verb)
+                .arg(dir)
+                .args(args),
+        )
     }
 
     fn start() -> Self {
@@ -573,17 +486,7 @@ impl PrivateServer {
             .prefix("pg")
             .tempdir_in("/tmp")
             .unwrap();
-        let out = std::process::Command::new(Self::script())
-            .arg("start")
-            .arg(dir.path())
-            .output()
-            .expect("scripts/pg.sh runs");
-        assert!(
-            out.status.success(),
-            "pg.sh start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let line = String::from_utf8(out.stdout).unwrap();
+        let line = Self::pg_sh("start", dir.path(), &[]);
         let admin = line
             .trim()
             .strip_prefix("export BROKER_TEST_POSTGRES_URL=")
@@ -598,23 +501,15 @@ impl PrivateServer {
 
     /// `pg_ctl ARGS` on this server (`scripts/pg.sh ctl`).
     fn ctl(&self, args: &[&str]) {
-        let out = std::process::Command::new(Self::script())
-            .arg("ctl")
-            .arg(self.dir.path())
-            .args(args)
-            .output()
-            .expect("scripts/pg.sh runs");
-        assert!(
-            out.status.success(),
-            "pg.sh ctl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        Self::pg_sh("ctl", self.dir.path(), args);
     }
 }
 
 impl Drop for PrivateServer {
     fn drop(&mut self) {
-        let _ = std::process::Command::new(Self::script())
+        // Not `pg_sh`: a failed stop must not panic in a drop.
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh");
+        let _ = std::process::Command::new(script)
             .arg("stop")
             .arg(self.dir.path())
             .output();
@@ -628,51 +523,17 @@ impl Drop for PrivateServer {
 /// only as long as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_restart_is_survived_without_loss() {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::Ordering;
     let server = PrivateServer::start();
-    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
-    let processes: Vec<_> = dirs
-        .iter()
-        .map(|d| crate::crash::spawn_broker(d.path(), Some(&server.url)))
-        .collect();
-    let addrs: Vec<String> = processes.iter().map(|(_, addr)| addr.clone()).collect();
-    let orchestrator = Arc::new(Agent::generate());
-    let spec = RootSpec {
-        budget: 1_000_000,
-        max_children: 1_024,
-        ..RootSpec::default()
-    };
-    let root = connect(&addrs[0])
-        .await
-        .open_root(orchestrator.open_root(spec.body()))
-        .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap()
-        .contract_id;
-    let lineage = delegation_broker::crypto::sha256(spec.body().intent.as_bytes()).to_vec();
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    for i in 0..8 {
-        workers.push(tokio::spawn(delegate_until(
-            addrs[i % 2].clone(),
-            orchestrator.clone(),
-            (root.clone(), lineage.clone()),
-            stop.clone(),
-            false,
-        )));
-    }
+    let (_dirs, processes, addrs) = spawn_replicas(&server.url, 2);
+    let burst = Burst::start(&addrs, 8, |_| false).await;
+    let (orchestrator, root) = (burst.orchestrator.clone(), burst.root.clone());
     // Health, polled through the outage.
     let health_addr = addrs[0].clone();
-    let health_stop = stop.clone();
+    let health_stop = burst.stop.clone();
     let health = tokio::spawn(async move {
         use tonic_health::pb::health_client::HealthClient;
-        let channel = tonic::transport::Endpoint::from_shared(health_addr)
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+        let channel = channel(&health_addr).await;
         let mut client = HealthClient::new(channel);
         let mut statuses = Vec::new();
         while !health_stop.load(Ordering::SeqCst) {
@@ -699,7 +560,7 @@ async fn a_database_restart_is_survived_without_loss() {
     let log = server.dir.path().join("log");
     server.ctl(&["start", "-w", "-l", log.to_str().unwrap()]);
     tokio::time::sleep(Duration::from_millis(3_000)).await;
-    stop.store(true, Ordering::SeqCst);
+    burst.stop.store(true, Ordering::SeqCst);
     let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
     let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
     let statuses = health.await.unwrap();
@@ -712,24 +573,11 @@ async fn a_database_restart_is_survived_without_loss() {
         UNAVAILABLE_SEEN.load(Ordering::SeqCst) > 0,
         "the outage was seen (and retried)"
     );
-    let mut answered = Vec::new();
-    for worker in workers {
-        answered.extend(worker.await.unwrap());
-    }
-    let distinct: std::collections::HashSet<_> = answered.iter().collect();
-    assert_eq!(distinct.len(), answered.len());
+    let answered = burst.finish().await;
     let mut reader = crate::crash::LedgerCheck {
         client: connect_as(&addrs[1], &orchestrator).await,
     };
-    for id in &answered {
-        reader
-            .client
-            .get_contract(pb::GetContractRequest {
-                contract_id: id.clone(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("answered contract {} lost: {e}", hex::encode(id)));
-    }
+    assert_stored(&mut reader.client, &answered).await;
     // Retried with the same nonce through the outage: each once.
     assert_eq!(reader.assert_balanced(&root).await, 1 + answered.len());
     drop(processes);
@@ -749,14 +597,9 @@ async fn every_sweeper_runs_and_each_contract_expires_once() {
     let root = a.open_root(&orchestrator, RootSpec::default()).await;
     let mut children = Vec::new();
     for _ in 0..12 {
-        let (id, _) = a
-            .delegate(
-                &orchestrator,
-                child(&root.id, &root.lineage, &Agent::generate(), 5),
-            )
-            .await
-            .unwrap()
-            .issued();
+        let id = a
+            .issue(&orchestrator, root.child(&Agent::generate(), 5))
+            .await;
         children.push(id);
     }
     // Past every deadline, on every replica's clock.
@@ -774,7 +617,7 @@ async fn every_sweeper_runs_and_each_contract_expires_once() {
     }
     // Let every sweeper pass again: nothing more may be written.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut stream = watch(&mut a, &root.id, 0).await;
+    let mut stream = a.watch(&root.id).await;
     let events = read_events(&mut stream, 1 + children.len() * 2 + 1).await;
     let mut expiries: std::collections::HashMap<Vec<u8>, usize> = Default::default();
     for (_, id, parent) in &events {
@@ -804,19 +647,16 @@ async fn migrate_once_then_serve_without_migrating() {
     let database = delegation_broker::store::postgres::testing::TestDatabase::create().await;
     let binary = env!("CARGO_BIN_EXE_delegation-broker");
     let dir = tempfile::tempdir().unwrap();
-    let refused = std::process::Command::new(binary)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--no-migrate",
-            "--data-dir",
-        ])
-        .arg(dir.path())
-        .args(["--database-url", &database.url])
-        .env("BROKER_LOG", "error")
-        .output()
-        .unwrap();
+    let serve = || {
+        let mut command = std::process::Command::new(binary);
+        command
+            .args(["serve", "--listen", "127.0.0.1:0", "--no-migrate"])
+            .arg("--data-dir")
+            .arg(dir.path())
+            .args(["--database-url", &database.url]);
+        command
+    };
+    let refused = serve().env("BROKER_LOG", "error").output().unwrap();
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("delegation-broker migrate"), "{stderr}");
@@ -849,10 +689,13 @@ async fn migrate_once_then_serve_without_migrating() {
         .to_owned();
     // --status changed nothing.
     status(&["current version: 0"]);
-    let migrated = std::process::Command::new(binary)
-        .args(["migrate", "--database-url", &database.url])
-        .output()
-        .unwrap();
+    let migrate = || {
+        std::process::Command::new(binary)
+            .args(["migrate", "--database-url", &database.url])
+            .output()
+            .unwrap()
+    };
+    let migrated = migrate();
     assert!(migrated.status.success(), "{migrated:?}");
     let applied = String::from_utf8_lossy(&migrated.stdout);
     assert!(applied.contains("applied 0001 "), "{applied}");
@@ -862,41 +705,17 @@ async fn migrate_once_then_serve_without_migrating() {
     );
     status(&[&format!("current version: {latest}"), "up to date"]);
     // Twice is fine: nothing is pending.
-    let again = std::process::Command::new(binary)
-        .args(["migrate", "--database-url", &database.url])
-        .output()
-        .unwrap();
+    let again = migrate();
     assert!(again.status.success(), "{again:?}");
-    let mut command = std::process::Command::new(binary);
-    command
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--no-migrate",
-            "--data-dir",
-        ])
-        .arg(dir.path())
-        .args(["--database-url", &database.url])
-        .env("BROKER_LOG", "warn")
-        .stdout(std::process::Stdio::piped());
-    let mut process = crate::crash::Killed(command.spawn().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(process.0.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let addr = format!(
-        "http://{}",
-        line.trim().strip_prefix("listening on ").unwrap()
-    );
+    let (process, addr) =
+        crate::crash::Killed::announcing(serve().env("BROKER_LOG", "warn"), "listening");
     let orchestrator = Agent::generate();
-    connect(&addr)
-        .await
-        .open_root(orchestrator.open_root(RootSpec::default().body()))
-        .await
-        .expect("serves");
+    open_root_on(
+        &mut connect(&addr).await,
+        &orchestrator,
+        &RootSpec::default(),
+    )
+    .await;
     drop(process);
 }
 
@@ -942,13 +761,7 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
     assert_ne!(old_id, new_id);
     // B publishes both (its registry copy is at most 100 ms old).
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let keys = connect(&addr_b)
-        .await
-        .get_broker_keys(pb::GetBrokerKeysRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .keys;
+    let keys = published_keys(&addr_b).await;
     let old = keys
         .iter()
         .find(|k| k.key_id == old_id)
@@ -961,6 +774,19 @@ async fn a_replica_rotates_its_key_while_the_others_serve() {
     assert!(new.current && new.retired_at_ms == 0, "{new:?}");
     verify_with_keys(&before, payload_type::CONTRACT, &keys, &old_id);
     verify_with_keys(&after, payload_type::CONTRACT, &keys, &new_id);
+}
+
+/// Asserts no replica of `addrs` opens a session naming the retired key
+/// `key_id`.
+async fn assert_no_session(addrs: &[&String], agent: &Agent, key_id: &str) {
+    for addr in addrs {
+        let refused = connect(addr)
+            .await
+            .open_session(agent.open_session(key_id))
+            .await
+            .expect_err("a retired key opens no session");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    }
 }
 
 /// Replicas heartbeat their keys. A replica
@@ -999,15 +825,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     // The shared key is not written to either data directory.
     assert!(!dir.path().join("a/broker_signing_key").exists());
     let shared_id = delegation_broker::crypto::key_id(&shared.public_key());
-    let keys_of = |addr: String| async move {
-        connect(&addr)
-            .await
-            .get_broker_keys(pb::GetBrokerKeysRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .keys
-    };
+    let keys_of = |addr: String| async move { published_keys(&addr).await };
     // C's key: the one key that is neither the shared one.
     let mut c_id = String::new();
     for _ in 0..100 {
@@ -1030,13 +848,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     let orchestrator = Agent::generate();
     let mut through_c = connect_as(&addr_c, &orchestrator).await;
     let spec = RootSpec::default();
-    let root = through_c
-        .open_root(orchestrator.open_root(spec.body()))
-        .await
-        .unwrap()
-        .into_inner()
-        .issued
-        .unwrap();
+    let root = open_root_on(&mut through_c, &orchestrator, &spec).await;
     c.0.kill().unwrap();
     c.0.wait().unwrap();
 
@@ -1056,14 +868,7 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     // No new session with it, on either live replica (they refresh their
     // published keys every 500 ms).
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    for addr in [&addr_a, &addr_b] {
-        let refused = connect(addr)
-            .await
-            .open_session(orchestrator.open_session(&c_id))
-            .await
-            .expect_err("a retired key opens no session");
-        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
-    }
+    assert_no_session(&[&addr_a, &addr_b], &orchestrator, &c_id).await;
     // What C signed still verifies with the keys A publishes.
     let mut through_a = connect_as(&addr_a, &orchestrator).await;
     let chain = through_a
@@ -1125,20 +930,11 @@ async fn a_dead_replicas_key_is_retired_and_operators_retire_keys() {
     // Not even the replicas holding it accept it for new sessions (they
     // re-read the registry every 500 ms).
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    for addr in [&addr_a, &addr_b] {
-        let refused = connect(addr)
-            .await
-            .open_session(orchestrator.open_session(&shared_id))
-            .await
-            .expect_err("an operator-retired key opens no session");
-        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
-    }
+    assert_no_session(&[&addr_a, &addr_b], &orchestrator, &shared_id).await;
     // A session the shared key sealed before, already used (and so
     // remembered as verified), stops working too.
     let stale = through_a
-        .get_contract(pb::GetContractRequest {
-            contract_id: root.contract_id.clone(),
-        })
+        .get_contract(contract_request(&root.contract_id))
         .await
         .expect_err("a session of a retired key reads nothing");
     assert_eq!(stale.code(), tonic::Code::Unauthenticated, "{stale:?}");

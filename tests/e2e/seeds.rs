@@ -11,27 +11,14 @@ const SEED_001_PREDICATE: &str = "result.schema_valid && result.within_scope";
 /// planner 5 < 12 units to retry: refused at contract time.
 #[tokio::test]
 async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, planner, executor) =
-        (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker
-        .open_root(
-            &orchestrator,
-            RootSpec {
-                budget: 100,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.budget = 100)).await;
+    let [planner, executor] = agents();
 
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, SEED_001_PREDICATE);
+    let mut to_planner = root.liable_child(&planner, 25, SEED_001_PREDICATE);
     to_planner.min_retry_cost = 12;
     to_planner.deadline_ms = now_ms() + 90_000;
-    let (planner_id, _) = broker
-        .delegate(&orchestrator, to_planner)
-        .await
-        .unwrap()
-        .issued();
+    let planner_id = broker.issue(&orchestrator, to_planner).await;
     assert_eq!(
         broker.effective_predicate(&planner_id).await,
         format!("({SEED_001_PREDICATE}\n)")
@@ -41,21 +28,10 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
     to_executor.min_retry_cost = 12;
     to_executor.deadline_ms = now_ms() + 60_000;
-    let (receipt_id, envelope, _) = broker
-        .delegate(&planner, to_executor.clone())
-        .await
-        .unwrap()
-        .refused();
-    let receipt = assert_refusal_verifies(&mut broker, &receipt_id, &envelope).await;
+    let receipt = broker.refuse_verified(&planner, to_executor.clone()).await;
     assert_eq!(codes(&receipt), vec![Code::NoRetryHeadroom]);
     assert_eq!(receipt.primary, Code::NoRetryHeadroom as i32);
-    assert_eq!(
-        (
-            receipt.violations[0].requested.as_str(),
-            receipt.violations[0].allowed.as_str()
-        ),
-        ("5", "12")
-    );
+    assert_eq!(requested_and_allowed(&receipt), ("5", "12"));
     assert_eq!(receipt.contract_id, planner_id);
     assert_eq!(
         broker.ledger(&planner_id).await.reserved,
@@ -82,20 +58,24 @@ async fn seed_001_executor_without_retry_headroom_is_refused_then_13_is_issued()
     broker.stop().await;
 }
 
+/// The bounds the first violation names: what was asked, what was allowed.
+fn requested_and_allowed(receipt: &delegation_broker::pb::Receipt) -> (&str, &str) {
+    let violation = &receipt.violations[0];
+    (&violation.requested, &violation.allowed)
+}
+
 /// seed 001's `bad` contract: liability DELEGATE with neither predicate nor
 /// escalation channel → one refusal listing both.
 #[tokio::test]
 async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let mut bad = child(&root.id, &root.lineage, &delegate, 20);
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
+    let mut bad = root.child(&delegate, 20);
     bad.liability = delegation_broker::pb::Liability::Delegate as i32;
     bad.min_retry_cost = 12;
     bad.min_retry_latency_ms = 15_000;
     bad.deadline_ms = now_ms() + 60_000;
-    let (id, envelope, _) = broker.delegate(&orchestrator, bad).await.unwrap().refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker.refuse_verified(&orchestrator, bad).await;
     assert_eq!(
         codes(&receipt),
         vec![
@@ -107,20 +87,20 @@ async fn seed_001_bad_contract_is_refused_for_both_missing_capabilities() {
     broker.stop().await;
 }
 
+/// Seed 002's start: a broker, `n` agents, and a root the first opened
+/// with `spec`.
+async fn seed_002_chain_start(n: usize, spec: RootSpec) -> (Broker, Vec<Agent>, Root) {
+    let mut broker = Broker::start().await;
+    let agents: Vec<Agent> = (0..n).map(|_| Agent::generate()).collect();
+    let root = broker.open_root(&agents[0], spec).await;
+    (broker, agents, root)
+}
+
 /// seed 002 gate 1: with max_depth 4 the fifth hop is refused.
 #[tokio::test]
 async fn seed_002_fifth_hop_exceeds_depth_four() {
-    let mut broker = Broker::start().await;
-    let agents: Vec<Agent> = (0..6).map(|_| Agent::generate()).collect();
-    let root = broker
-        .open_root(
-            &agents[0],
-            RootSpec {
-                max_depth: 4,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let (mut broker, agents, root) =
+        seed_002_chain_start(6, RootSpec::with(|s| s.max_depth = 4)).await;
     let mut parent = root.id.clone();
     for hop in 1..=4 {
         let (id, contract) = broker
@@ -136,20 +116,11 @@ async fn seed_002_fifth_hop_exceeds_depth_four() {
         assert_eq!(contract.parent_id, parent);
         parent = id;
     }
-    let (id, envelope, _) = broker
-        .delegate(&agents[4], child(&parent, &root.lineage, &agents[5], 5))
-        .await
-        .unwrap()
-        .refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker
+        .refuse_verified(&agents[4], child(&parent, &root.lineage, &agents[5], 5))
+        .await;
     assert_eq!(codes(&receipt), vec![Code::DepthExceeded]);
-    assert_eq!(
-        (
-            receipt.violations[0].requested.as_str(),
-            receipt.violations[0].allowed.as_str()
-        ),
-        ("5", "4")
-    );
+    assert_eq!(requested_and_allowed(&receipt), ("5", "4"));
     broker.stop().await;
 }
 
@@ -157,17 +128,8 @@ async fn seed_002_fifth_hop_exceeds_depth_four() {
 /// → the third hop (cumulative 0.36) is refused.
 #[tokio::test]
 async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
-    let mut broker = Broker::start().await;
-    let agents: Vec<Agent> = (0..4).map(|_| Agent::generate()).collect();
-    let root = broker
-        .open_root(
-            &agents[0],
-            RootSpec {
-                min_trust: 400_000,
-                ..RootSpec::default()
-            },
-        )
-        .await;
+    let (mut broker, agents, root) =
+        seed_002_chain_start(4, RootSpec::with(|s| s.min_trust = 400_000)).await;
     let mut parent = root.id.clone();
     for (hop, factor, cumulative) in [(1, 0.9, 900_000), (2, 0.8, 720_000)] {
         let mut body = child(&parent, &root.lineage, &agents[hop], 10);
@@ -186,32 +148,21 @@ async fn seed_002_third_hop_attenuates_trust_below_the_minimum() {
     }
     let mut body = child(&parent, &root.lineage, &agents[3], 5);
     body.delegate_attestation = Some(broker.attest(&agents[3], 0.5));
-    let (id, envelope, _) = broker.delegate(&agents[2], body).await.unwrap().refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker.refuse_verified(&agents[2], body).await;
     assert_eq!(codes(&receipt), vec![Code::TrustAttenuated]);
-    assert_eq!(
-        (
-            receipt.violations[0].requested.as_str(),
-            receipt.violations[0].allowed.as_str()
-        ),
-        ("360000", "400000")
-    );
+    assert_eq!(requested_and_allowed(&receipt), ("360000", "400000"));
     broker.stop().await;
 }
 
 /// seed 002 gate 2: a paraphrased intent (another lineage hash) is refused.
 #[tokio::test]
 async fn seed_002_diluted_intent_is_refused() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, delegate) = (Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let delegate = Agent::generate();
     let paraphrase = delegation_broker::crypto::sha256(b"Improve auth somehow");
-    let (id, envelope, _) = broker
-        .delegate(&orchestrator, child(&root.id, &paraphrase, &delegate, 10))
-        .await
-        .unwrap()
-        .refused();
-    let receipt = assert_refusal_verifies(&mut broker, &id, &envelope).await;
+    let receipt = broker
+        .refuse_verified(&orchestrator, child(&root.id, &paraphrase, &delegate, 10))
+        .await;
     assert_eq!(codes(&receipt), vec![Code::IntentDiluted]);
     broker.stop().await;
 }
@@ -221,35 +172,14 @@ async fn seed_002_diluted_intent_is_refused() {
 /// as `claimed_excess` for the principal to see, and `tree` shows them.
 #[tokio::test]
 async fn seed_000_a_claim_beyond_the_metering_is_shown_not_charged() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, worker, host) = (Agent::generate(), Agent::generate(), Agent::generate());
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let (id, _) = broker
-        .delegate(&orchestrator, child(&root.id, &root.lineage, &worker, 20))
-        .await
-        .unwrap()
-        .issued();
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [worker, host] = agents();
+    let id = broker.issue(&orchestrator, root.child(&worker, 20)).await;
     broker.accept(&worker, &id, Some(&host)).await.unwrap();
-    broker
-        .record(&host, &id, vec![tool_call("search", 4)])
-        .await
-        .unwrap();
+    broker.observe(&host, &id, tool_call("search", 4)).await;
     let completion = broker
-        .complete(
-            &worker,
-            delegation_broker::pb::CompleteBody {
-                header: None,
-                contract_id: id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "done".into(),
-                consumed: 11,
-            },
-        )
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+        .completion(&worker, complete_body(&id, "{}", "done", 11))
+        .await;
     assert_eq!((completion.consumed, completion.claimed_excess), (4, 7));
     assert_eq!(
         broker.ledger(&id).await.spent,

@@ -4,7 +4,6 @@
 //! answering honest callers on fresh connections, and closes the silent
 //! ones once `limits.first_request_timeout_ms` passes.
 
-use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -52,31 +51,24 @@ fn spawn(dir: &std::path::Path) -> (Killed, SocketAddr, SocketAddr, SocketAddr) 
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.join("data"))
-        .arg("--config")
-        .arg(&config)
-        .args(["--console", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
-        .env("BROKER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("broker binary starts");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut next = |prefix: &str| -> SocketAddr {
-        let line = lines.next().expect("a line").expect("stdout");
-        let rest = line
-            .strip_prefix(prefix)
-            .unwrap_or_else(|| panic!("{prefix:?}…, got {line:?}"));
-        let host = rest.trim_start_matches("http://");
+    let (process, seen) = Killed::announcing_all(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir.join("data"))
+            .arg("--config")
+            .arg(&config)
+            .args(["--console", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+            .env("BROKER_LOG", "warn")
+            .stderr(Stdio::inherit()),
+        &["listening", "metrics", "console"],
+    );
+    // Each printed as a URL, perhaps with a path.
+    let addr = |what: &str| -> SocketAddr {
+        let host = seen[what].trim_start_matches("http://");
         let end = host.find('/').unwrap_or(host.len());
         host[..end].parse().expect("an address")
     };
-    let grpc = next("listening on ");
-    let metrics = next("metrics on ");
-    let console = next("console on ");
-    (Killed(child), grpc, console, metrics)
+    (process, addr("listening"), addr("console"), addr("metrics"))
 }
 
 /// Opens `count` connections from `from` to `to`, each sending `send`

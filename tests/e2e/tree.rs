@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 
-use broker_client::Agent;
 use delegation_broker::cli::tree;
 use delegation_broker::pb;
 
@@ -18,37 +17,18 @@ const GOLDEN: &str = concat!(
 
 #[tokio::test]
 async fn tree_prints_the_seed_001_tree() {
-    let mut broker = Broker::start().await;
-    let (orchestrator, planner, executor, host) = (
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-        Agent::generate(),
-    );
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let (mut broker, orchestrator, root) = Broker::start_with_root().await;
+    let [planner, executor, host] = agents();
     // seed 001: the planner (25, 12 to retry) asks for an executor of 20
     // (refused NO_RETRY_HEADROOM), then of 13.
     let predicate = "result.schema_valid && result.within_scope";
-    let mut to_planner = liable_child(&root.id, &root.lineage, &planner, 25, predicate);
-    to_planner.min_retry_cost = 12;
-    let (planner_id, _) = broker
-        .delegate(&orchestrator, to_planner)
-        .await
-        .unwrap()
-        .issued();
-    let mut to_executor = liable_child(&planner_id, &root.lineage, &executor, 20, "");
-    to_executor.min_retry_cost = 12;
-    broker
-        .delegate(&planner, to_executor.clone())
-        .await
-        .unwrap()
-        .refused();
-    to_executor.budget = 13;
-    let (executor_id, _) = broker
-        .delegate(&planner, to_executor)
-        .await
-        .unwrap()
-        .issued();
+    let (_, executor_id) = seed_001_delegations(
+        &mut broker,
+        &root,
+        [&orchestrator, &planner, &executor],
+        predicate,
+    )
+    .await;
     // The executor mutates outside its scope and claims success: REJECTED
     // on within_scope, on what the host observed.
     broker
@@ -56,25 +36,19 @@ async fn tree_prints_the_seed_001_tree() {
         .await
         .unwrap();
     broker
-        .record(&host, &executor_id, vec![mutation("etc/passwd", 0)])
-        .await
-        .unwrap();
+        .observe(&host, &executor_id, mutation("etc/passwd", 0))
+        .await;
     let completion = broker
-        .complete(
+        .completion(
             &executor,
-            pb::CompleteBody {
-                header: None,
-                contract_id: executor_id.clone(),
-                output_json: "{}".into(),
-                report: None,
-                claim: "fixed the token refresh, all in src/auth".into(),
-                consumed: 4,
-            },
+            complete_body(
+                &executor_id,
+                "{}",
+                "fixed the token refresh, all in src/auth",
+                4,
+            ),
         )
-        .await
-        .unwrap()
-        .completion
-        .unwrap();
+        .await;
     assert_eq!(completion.verdict, pb::Verdict::Rejected as i32);
 
     let data = tree::fetch(&mut broker.client, &root.id, tree::DEFAULT_TREE_CONTRACTS)
