@@ -12,9 +12,6 @@ use crate::pb;
 
 #[derive(Args, Debug, Clone)]
 pub struct AuditArgs {
-    /// Broker address, e.g. http://127.0.0.1:50051.
-    #[arg(long, env = "BROKER_ADDR", default_value = "http://127.0.0.1:50051")]
-    pub addr: String,
     /// Only runs with this label, as key=value (repeatable).
     #[arg(long = "select", value_parser = parse_pair)]
     pub select: Vec<(String, String)>,
@@ -24,14 +21,10 @@ pub struct AuditArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
-    /// The key to read as: a file holding its secret seed in hex, as
-    /// `keygen` writes it. Reads need a session (docs/api.md, "Read"): a reader
-    /// key listed under [readers] in the broker's configuration sees every
-    /// run, any other key the runs whose root it opened.
-    #[arg(long, env = "BROKER_KEY_FILE")]
-    pub key_file: std::path::PathBuf,
+    /// Where to read and as whom: a reader key listed under [readers]
+    /// sees every run, any other key the runs whose root it opened.
     #[command(flatten)]
-    pub tls: super::tls::TlsArgs,
+    pub read: super::read::ReadArgs,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,12 +102,9 @@ pub use broker_client::keys::agent_from_key_file;
 
 /// A client of the broker at `addr` whose reads carry a session of the key
 /// in `key_file` (the reading commands: `audit`, `tree`).
-pub async fn reader(
-    addr: &str,
-    key_file: &std::path::Path,
-    tls: &super::tls::TlsArgs,
-) -> anyhow::Result<broker_client::SessionClient> {
-    let agent = agent_from_key_file(key_file)?;
+pub async fn reader(args: &super::read::ReadArgs) -> anyhow::Result<broker_client::SessionClient> {
+    let (addr, tls) = (&args.addr, &args.tls);
+    let agent = agent_from_key_file(&args.key_file)?;
     let timeout = std::time::Duration::from_millis(super::read::CONNECT_TIMEOUT_MS);
     let tls = tls.load().await?;
     let channel = broker_client::channel::connect(addr, timeout, &tls).await?;
@@ -125,7 +115,7 @@ pub async fn reader(
 }
 
 async fn fetch(args: &AuditArgs) -> anyhow::Result<Vec<GroupRow>> {
-    let mut client = reader(&args.addr, &args.key_file, &args.tls).await?;
+    let mut client = reader(&args.read).await?;
     let selector: HashMap<String, String> = args.select.iter().cloned().collect();
     let response = client
         .aggregate_audits(pb::AggregateAuditsRequest {

@@ -16,17 +16,8 @@ pub struct TreeArgs {
     /// The contract (hex id) whose subtree to print; a root for the whole
     /// tree.
     pub contract_id: String,
-    /// Broker address, e.g. http://127.0.0.1:50051.
-    #[arg(long, env = "BROKER_ADDR", default_value = "http://127.0.0.1:50051")]
-    pub addr: String,
-    /// The key to read as: a file holding its secret seed in hex, as
-    /// `keygen` writes it. A reader key listed under [readers] in the
-    /// broker's configuration reads every tree, any other key the trees it
-    /// is a party of.
-    #[arg(long, env = "BROKER_KEY_FILE")]
-    pub key_file: std::path::PathBuf,
     #[command(flatten)]
-    pub tls: super::tls::TlsArgs,
+    pub read: super::read::ReadArgs,
     /// An address book: a TOML file of `"<hex public key>" = "name"` lines
     /// (the format of the broker configuration's [console.names]); names
     /// replace short keys.
@@ -51,7 +42,7 @@ pub fn run(args: TreeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let data = runtime.block_on(async {
-        let mut client = super::audit::reader(&args.addr, &args.key_file, &args.tls).await?;
+        let mut client = super::audit::reader(&args.read).await?;
         fetch(&mut client, &id, args.max_contracts).await
     })?;
     print!("{}", render(&data, &names));

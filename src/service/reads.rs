@@ -49,14 +49,10 @@ fn page_start(token: &[u8]) -> Result<i64, InputError> {
     }
 }
 
-/// One page request's bounds.
+/// One page request's bounds, and the response's.
 struct Paging {
-    limit: u32,
-    before_seq: i64,
+    bounds: crate::store::PageBounds,
     response_limit: usize,
-    /// Half the response limit leaves room for the states around the
-    /// envelopes.
-    max_bytes: usize,
 }
 
 impl Paging {
@@ -64,13 +60,14 @@ impl Paging {
     /// next page's token), refused when larger than a response.
     fn respond<R: Message>(
         &self,
-        records: Vec<crate::store::ContractRecord>,
-        next_before: Option<i64>,
+        page: crate::store::ContractsPage,
         hint: &'static str,
         build: impl FnOnce(Vec<pb::ContractState>, Vec<u8>) -> R,
     ) -> Result<R, ServiceError> {
-        let states = records.into_iter().map(convert::contract_state).collect();
-        let next_page_token = next_before
+        let states = page.contracts.into_iter().map(convert::contract_state);
+        let states = states.collect();
+        let next_page_token = page
+            .next_before
             .map(|seq| seq.to_be_bytes().to_vec())
             .unwrap_or_default();
         fitting(build(states, next_page_token), self.response_limit, hint)
@@ -92,10 +89,14 @@ impl<S: Store> BrokerService<S> {
     fn paging(&self, requested_size: u32, token: &[u8]) -> Result<Paging, InputError> {
         let response_limit = self.config.limits.max_response_bytes();
         Ok(Paging {
-            limit: page_size(requested_size)?,
-            before_seq: page_start(token)?,
+            bounds: crate::store::PageBounds {
+                limit: page_size(requested_size)?,
+                before_seq: page_start(token)?,
+                // Half the response limit leaves room for the states
+                // around the envelopes.
+                max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
+            },
             response_limit,
-            max_bytes: CHILDREN_PAGE_BYTES.min(response_limit / 2),
         })
     }
 
@@ -239,18 +240,14 @@ impl<S: Store> BrokerService<S> {
             .roots(&crate::store::RootsQuery {
                 viewer: (!self.config.readers.contains(&caller)).then_some(caller),
                 labels,
-                before_seq: paging.before_seq,
-                limit: paging.limit,
                 scan: MAX_ROOTS_SCANNED,
-                max_bytes: paging.max_bytes,
+                page: paging.bounds,
             })
             .await?;
         let hint = "this root alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes";
-        paging.respond(page.roots, page.next_before, hint, |roots, next| {
-            pb::ListRootsResponse {
-                roots,
-                next_page_token: next,
-            }
+        paging.respond(page, hint, |roots, next| pb::ListRootsResponse {
+            roots,
+            next_page_token: next,
         })
     }
 
@@ -278,17 +275,13 @@ impl<S: Store> BrokerService<S> {
             .held(&crate::store::HeldQuery {
                 key: caller,
                 role,
-                before_seq: paging.before_seq,
-                limit: paging.limit,
-                max_bytes: paging.max_bytes,
+                page: paging.bounds,
             })
             .await?;
         let hint = "this contract alone is larger than a response; read it with GetContract under a larger limits.max_request_bytes";
-        paging.respond(page.contracts, page.next_before, hint, |contracts, next| {
-            pb::ListHeldResponse {
-                contracts,
-                next_page_token: next,
-            }
+        paging.respond(page, hint, |contracts, next| pb::ListHeldResponse {
+            contracts,
+            next_page_token: next,
         })
     }
 

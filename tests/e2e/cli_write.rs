@@ -53,26 +53,26 @@ impl Party {
             .expect("the CLI runs")
     }
 
-    /// Runs `args` with `--json`, which must succeed; the object printed.
-    async fn json(&self, addr: &str, args: &[&str]) -> Value {
-        let out = self.run(addr, &[args, &["--json"]].concat()).await;
+    /// Runs `args` and `extra`, which must succeed; its stdout.
+    async fn ok(&self, addr: &str, args: &[&str], extra: &str) -> String {
+        let out = self.run(addr, &[args, &[extra]].concat()).await;
         assert!(
             out.status.success(),
             "{args:?} failed: {}",
             text(&out.stderr)
         );
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e})"))
+        text(&out.stdout)
     }
 
-    /// Runs `args` with `-q`, which must succeed; the id printed.
+    /// Runs `args` with `--json`; the object printed.
+    async fn json(&self, addr: &str, args: &[&str]) -> Value {
+        let out = self.ok(addr, args, "--json").await;
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+    }
+
+    /// Runs `args` with `-q`; the id printed.
     async fn id(&self, addr: &str, args: &[&str]) -> String {
-        let out = self.run(addr, &[args, &["-q"]].concat()).await;
-        assert!(
-            out.status.success(),
-            "{args:?} failed: {}",
-            text(&out.stderr)
-        );
-        let id = text(&out.stdout).trim().to_owned();
+        let id = self.ok(addr, args, "-q").await.trim().to_owned();
         assert!(
             id.len() == 64 && hex::decode(&id).is_ok(),
             "not an id: {id:?}"

@@ -153,23 +153,22 @@ pub struct Route {
 fn default_authz_paths() -> Vec<String> {
     vec![DEFAULT_AUTHZ_PATH.to_owned()]
 }
-fn default_poll_ms() -> u64 {
-    DEFAULT_POLL_MS
+/// serde's `default = "…"` takes a function: one per constant.
+macro_rules! defaults {
+    ($($name:ident: $ty:ty = $value:expr;)*) => {$(
+        fn $name() -> $ty {
+            $value
+        }
+    )*};
 }
-fn default_call_timeout_ms() -> u64 {
-    DEFAULT_CALL_TIMEOUT_MS
-}
-fn default_max_message_bytes() -> usize {
-    DEFAULT_MAX_MESSAGE_BYTES
-}
-fn default_max_tasks() -> usize {
-    DEFAULT_MAX_TASKS
-}
-fn default_max_in_flight_per_caller() -> usize {
-    DEFAULT_MAX_IN_FLIGHT_PER_CALLER
-}
-fn default_max_in_flight() -> usize {
-    DEFAULT_MAX_IN_FLIGHT
+
+defaults! {
+    default_poll_ms: u64 = DEFAULT_POLL_MS;
+    default_call_timeout_ms: u64 = DEFAULT_CALL_TIMEOUT_MS;
+    default_max_message_bytes: usize = DEFAULT_MAX_MESSAGE_BYTES;
+    default_max_tasks: usize = DEFAULT_MAX_TASKS;
+    default_max_in_flight_per_caller: usize = DEFAULT_MAX_IN_FLIGHT_PER_CALLER;
+    default_max_in_flight: usize = DEFAULT_MAX_IN_FLIGHT;
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -33,34 +33,28 @@ fn bare(name: Option<&'static str>, prefix: &str, value: i32) -> String {
         .unwrap_or_else(|| value.to_string())
 }
 
-/// A contract status as its name without the prefix, e.g. ACCEPTED.
-pub fn status_name(status: i32) -> String {
-    let name = pb::ContractStatus::try_from(status).ok();
-    bare(name.map(|s| s.as_str_name()), "CONTRACT_STATUS_", status)
+/// One function per enum: its name without the prefix, or the number.
+macro_rules! bare_names {
+    ($($(#[$doc:meta])* $name:ident: $enum:ident, $prefix:literal;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(value: i32) -> String {
+            let name = pb::$enum::try_from(value).ok();
+            bare(name.map(|n| n.as_str_name()), $prefix, value)
+        }
+    )*};
 }
 
-/// A liability as its name without the prefix, e.g. DELEGATE.
-pub fn liability_name(liability: i32) -> String {
-    let name = pb::Liability::try_from(liability).ok();
-    bare(name.map(|l| l.as_str_name()), "LIABILITY_", liability)
-}
-
-/// A receipt kind as its name without the prefix, e.g. REFUSED.
-pub fn receipt_kind_name(kind: i32) -> String {
-    let name = pb::ReceiptKind::try_from(kind).ok();
-    bare(name.map(|k| k.as_str_name()), "RECEIPT_KIND_", kind)
-}
-
-/// A verdict as its name without the prefix, e.g. ACCEPTED.
-pub fn verdict_name(verdict: i32) -> String {
-    let name = pb::Verdict::try_from(verdict).ok();
-    bare(name.map(|v| v.as_str_name()), "VERDICT_", verdict)
-}
-
-/// An invariant code as its name without the prefix, e.g. DEPTH_EXCEEDED.
-pub fn code_name(code: i32) -> String {
-    let name = pb::InvariantCode::try_from(code).ok();
-    bare(name.map(|c| c.as_str_name()), "INVARIANT_CODE_", code)
+bare_names! {
+    /// A contract status as its name without the prefix, e.g. ACCEPTED.
+    status_name: ContractStatus, "CONTRACT_STATUS_";
+    /// A liability as its name without the prefix, e.g. DELEGATE.
+    liability_name: Liability, "LIABILITY_";
+    /// A receipt kind as its name without the prefix, e.g. REFUSED.
+    receipt_kind_name: ReceiptKind, "RECEIPT_KIND_";
+    /// A verdict as its name without the prefix, e.g. ACCEPTED.
+    verdict_name: Verdict, "VERDICT_";
+    /// An invariant code as its name without the prefix, e.g. DEPTH_EXCEEDED.
+    code_name: InvariantCode, "INVARIANT_CODE_";
 }
 
 /// A refusal's violations as a model or a person reads them:

@@ -55,23 +55,30 @@ pub struct RootsQuery {
     pub viewer: Option<broker_domain::AgentKey>,
     /// Only roots carrying every one of these labels.
     pub labels: std::collections::BTreeMap<String, String>,
-    /// Only roots issued before this sequence number; 0 from the newest.
-    pub before_seq: i64,
-    /// Most roots returned.
-    pub limit: u32,
     /// Most roots looked at (whether shown or not): bounds the work of a
     /// viewer who is a party of few trees among many.
     pub scan: u32,
-    /// Stop after this many bytes of envelopes (always the first root).
+    pub page: PageBounds,
+}
+
+/// Where a page of contracts starts and how much it may hold.
+#[derive(Clone, Copy, Debug)]
+pub struct PageBounds {
+    /// Only contracts issued before this sequence number; 0 from the
+    /// newest.
+    pub before_seq: i64,
+    /// Most contracts returned.
+    pub limit: u32,
+    /// Stop after this many bytes of envelopes (always the first one).
     pub max_bytes: usize,
 }
 
-/// One page of roots, newest first.
+/// One page of contracts (roots, or held ones), newest first.
 #[derive(Clone, Debug)]
-pub struct RootsPage {
-    pub roots: Vec<ContractRecord>,
-    /// Where the next page starts (`RootsQuery::before_seq`); `None` when
-    /// no older root remains.
+pub struct ContractsPage {
+    pub contracts: Vec<ContractRecord>,
+    /// Where the next page starts (`PageBounds::before_seq`); `None` when
+    /// no older one remains.
     pub next_before: Option<i64>,
 }
 
@@ -89,21 +96,7 @@ pub enum HeldRole {
 pub struct HeldQuery {
     pub key: broker_domain::AgentKey,
     pub role: HeldRole,
-    /// Only contracts issued before this sequence number; 0 from the newest.
-    pub before_seq: i64,
-    /// Most contracts returned.
-    pub limit: u32,
-    /// Stop after this many bytes of envelopes (always the first one).
-    pub max_bytes: usize,
-}
-
-/// One page of open contracts, newest first.
-#[derive(Clone, Debug)]
-pub struct HeldPage {
-    pub contracts: Vec<ContractRecord>,
-    /// Where the next page starts (`HeldQuery::before_seq`); `None` when
-    /// no older one remains.
-    pub next_before: Option<i64>,
+    pub page: PageBounds,
 }
 
 /// What the audit of one contract is derived from: all stored facts,
@@ -390,11 +383,14 @@ macro_rules! sql_store_methods {
             crate::sql::reads::children(self, parent, after_seq, limit, max_bytes).await
         }
 
-        async fn roots(&self, query: &crate::RootsQuery) -> Result<crate::RootsPage, StoreError> {
+        async fn roots(
+            &self,
+            query: &crate::RootsQuery,
+        ) -> Result<crate::ContractsPage, StoreError> {
             crate::sql::reads::roots(self, query).await
         }
 
-        async fn held(&self, query: &crate::HeldQuery) -> Result<crate::HeldPage, StoreError> {
+        async fn held(&self, query: &crate::HeldQuery) -> Result<crate::ContractsPage, StoreError> {
             crate::sql::reads::held(self, query).await
         }
 
@@ -621,9 +617,12 @@ pub trait Store: Send + Sync + 'static {
     fn roots(
         &self,
         query: &RootsQuery,
-    ) -> impl Future<Output = Result<RootsPage, StoreError>> + Send;
+    ) -> impl Future<Output = Result<ContractsPage, StoreError>> + Send;
     /// Open contracts the key is the delegate or host of, newest first.
-    fn held(&self, query: &HeldQuery) -> impl Future<Output = Result<HeldPage, StoreError>> + Send;
+    fn held(
+        &self,
+        query: &HeldQuery,
+    ) -> impl Future<Output = Result<ContractsPage, StoreError>> + Send;
     /// A stored receipt envelope.
     fn receipt(
         &self,

@@ -248,21 +248,13 @@ mod tests {
         );
         let mut tampered = sealed.clone();
         tampered.payload[0] ^= 1;
-        assert_eq!(
-            verify_sealed(&tampered, payload_type::CONTRACT, &vk),
-            Err(CryptoError::BadSignature)
-        );
         let mut short = sealed.clone();
         short.signature.pop();
-        assert_eq!(
-            verify_sealed(&short, payload_type::CONTRACT, &vk),
-            Err(CryptoError::BadSignature)
-        );
         let other = generate_signing_key().verifying_key();
-        assert_eq!(
-            verify_sealed(&sealed, payload_type::CONTRACT, &other),
-            Err(CryptoError::BadSignature)
-        );
+        for (bad, key) in [(&tampered, &vk), (&short, &vk), (&sealed, &other)] {
+            let checked = verify_sealed(bad, payload_type::CONTRACT, key);
+            assert_eq!(checked, Err(CryptoError::BadSignature));
+        }
     }
 
     #[test]
@@ -277,14 +269,10 @@ mod tests {
         ));
         let mut tampered = env.clone();
         tampered.payload[0] ^= 1;
-        assert_eq!(
-            verify_envelope(&tampered, payload_type::RECEIPT, &vk),
-            Err(CryptoError::BadSignature)
-        );
         let other = generate_signing_key().verifying_key();
-        assert_eq!(
-            verify_envelope(&env, payload_type::RECEIPT, &other),
-            Err(CryptoError::BadSignature)
-        );
+        for (bad, key) in [(&tampered, &vk), (&env, &other)] {
+            let checked = verify_envelope(bad, payload_type::RECEIPT, key);
+            assert_eq!(checked, Err(CryptoError::BadSignature));
+        }
     }
 }

@@ -351,7 +351,7 @@ pub(crate) async fn collect_events<'r, D: Dialect>(
 pub(crate) async fn roots<B: Backend>(
     store: &B,
     query: &crate::RootsQuery,
-) -> Result<crate::RootsPage, StoreError> {
+) -> Result<crate::ContractsPage, StoreError> {
     use tokio_stream::StreamExt;
     let mut conn = store.sql().read().await?;
     // The window: the next `scan` roots older than the cursor, newest
@@ -379,8 +379,8 @@ pub(crate) async fn roots<B: Backend>(
     match first {
         None => {
             window.push("SELECT seq FROM contracts WHERE parent_seq IS NULL");
-            if query.before_seq > 0 {
-                window.push(" AND seq < ").push_arg(query.before_seq);
+            if query.page.before_seq > 0 {
+                window.push(" AND seq < ").push_arg(query.page.before_seq);
             }
             window.push(" ORDER BY seq DESC");
         }
@@ -390,8 +390,10 @@ pub(crate) async fn roots<B: Backend>(
                 .push_arg(key.as_str())
                 .push(" AND label_value = ")
                 .push_arg(value.as_str());
-            if query.before_seq > 0 {
-                window.push(" AND root_seq < ").push_arg(query.before_seq);
+            if query.page.before_seq > 0 {
+                window
+                    .push(" AND root_seq < ")
+                    .push_arg(query.page.before_seq);
             }
             window.push(" ORDER BY root_seq DESC");
         }
@@ -414,7 +416,7 @@ pub(crate) async fn roots<B: Backend>(
             shown.push(seq);
         }
         let more = i + 1 < scanned.len();
-        if shown.len() == query.limit as usize || i + 1 == window_len {
+        if shown.len() == query.page.limit as usize || i + 1 == window_len {
             next_before = more.then_some(seq);
             break;
         }
@@ -439,7 +441,7 @@ pub(crate) async fn roots<B: Backend>(
             let root = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?;
             bytes = bytes.saturating_add(root.envelope.encoded_len());
             roots.push(root);
-            if bytes >= query.max_bytes {
+            if bytes >= query.page.max_bytes {
                 break;
             }
         }
@@ -453,7 +455,10 @@ pub(crate) async fn roots<B: Backend>(
     drop(conn);
     store.settle().await?;
     let roots = named(store, roots).await?;
-    Ok(crate::RootsPage { roots, next_before })
+    Ok(crate::ContractsPage {
+        contracts: roots,
+        next_before,
+    })
 }
 
 /// Open contracts (OPEN, ACCEPTED) whose delegate or host is the key,
@@ -462,7 +467,7 @@ pub(crate) async fn roots<B: Backend>(
 pub(crate) async fn held<B: Backend>(
     store: &B,
     query: &crate::HeldQuery,
-) -> Result<crate::HeldPage, StoreError> {
+) -> Result<crate::ContractsPage, StoreError> {
     use tokio_stream::StreamExt;
     let column = match query.role {
         crate::HeldRole::Delegate => "delegate_key",
@@ -480,12 +485,12 @@ pub(crate) async fn held<B: Backend>(
         .push(" = ")
         .push_arg(query.key.to_vec())
         .push(" AND status IN (1, 2)");
-    if query.before_seq > 0 {
-        page.push(" AND seq < ").push_arg(query.before_seq);
+    if query.page.before_seq > 0 {
+        page.push(" AND seq < ").push_arg(query.page.before_seq);
     }
     page.push(" ORDER BY seq DESC LIMIT ")
         // One more than the page: whether any older one remains.
-        .push_arg(i64::from(query.limit) + 1)
+        .push_arg(i64::from(query.page.limit) + 1)
         .push(") ORDER BY seq DESC");
     let built = page.build();
     let mut rows = built.rows(&mut *conn);
@@ -494,7 +499,7 @@ pub(crate) async fn held<B: Backend>(
     let mut next_before = None;
     while let Some(row) = rows.next().await {
         let contract = StoredContract::from_row::<B::Db>(&row.map_err(backend)?)?;
-        if contracts.len() == query.limit as usize || bytes >= query.max_bytes {
+        if contracts.len() == query.page.limit as usize || bytes >= query.page.max_bytes {
             // A row past the page: there is more, from the last one shown.
             next_before = contracts.last().map(|c: &StoredContract| c.seq);
             break;
@@ -506,7 +511,7 @@ pub(crate) async fn held<B: Backend>(
     drop(conn);
     store.settle().await?;
     let contracts = named(store, contracts).await?;
-    Ok(crate::HeldPage {
+    Ok(crate::ContractsPage {
         contracts,
         next_before,
     })

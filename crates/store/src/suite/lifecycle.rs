@@ -375,15 +375,17 @@ pub async fn held_contracts_are_the_open_ones<S: Store>(store: &S) {
     let held = |key: u8, role: crate::HeldRole, before_seq: i64, limit: u32| crate::HeldQuery {
         key: [key; 32],
         role,
-        before_seq,
-        limit,
-        max_bytes: usize::MAX,
+        page: crate::PageBounds {
+            before_seq,
+            limit,
+            max_bytes: usize::MAX,
+        },
     };
     let page = async |key: u8, role: crate::HeldRole, before_seq: i64, limit: u32| {
         let query = held(key, role, before_seq, limit);
         store.held(&query).await.expect("held")
     };
-    let ids = |page: &crate::HeldPage| page.contracts.iter().map(|c| c.id).collect::<Vec<_>>();
+    let ids = |page: &crate::ContractsPage| page.contracts.iter().map(|c| c.id).collect::<Vec<_>>();
     use crate::HeldRole::{Delegate, Host};
     let root = opened(store, ORCHESTRATOR, 1).await;
     let a = delegated(store, ORCHESTRATOR, 2, root, 8).await;
@@ -406,7 +408,7 @@ pub async fn held_contracts_are_the_open_ones<S: Store>(store: &S) {
     assert_eq!((exact.contracts.len(), exact.next_before), (3, None));
     // A byte budget cuts after the first contract and continues there.
     let mut tight = held(8, Delegate, 0, 10);
-    tight.max_bytes = 1;
+    tight.page.max_bytes = 1;
     let cut = store.held(&tight).await.expect("held");
     assert_eq!(ids(&cut), [c]);
     assert_eq!(cut.next_before, Some(cut.contracts[0].seq));

@@ -347,14 +347,16 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
                 .map(|a| ("arm".to_owned(), a.to_owned()))
                 .into_iter()
                 .collect(),
-            before_seq,
-            limit,
             scan,
-            max_bytes: usize::MAX,
+            page: super::PageBounds {
+                before_seq,
+                limit,
+                max_bytes: usize::MAX,
+            },
         }
     };
     let roots = async |query: &super::RootsQuery| store.roots(query).await.expect("roots");
-    let ids = |page: &super::RootsPage| page.roots.iter().map(|r| r.id).collect::<Vec<_>>();
+    let ids = |page: &super::ContractsPage| page.contracts.iter().map(|r| r.id).collect::<Vec<_>>();
     // Every page `page(viewer, arm, …, scan)` leads to, walked from the
     // newest: the roots shown and how many calls it took.
     let walk = async |viewer: Option<u8>, arm: Option<&str>, scan: u32| {
@@ -374,7 +376,7 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
     let all = roots(&page(None, None, 0, 10, 100)).await;
     assert_eq!(ids(&all), [r4, r3, r2, r1]);
     assert_eq!(all.next_before, None);
-    assert!(all.roots.iter().all(|r| r.parent_id.is_none()));
+    assert!(all.contracts.iter().all(|r| r.parent_id.is_none()));
     // Pages of two, the second from the first's cursor.
     let first = roots(&page(None, None, 0, 2, 100)).await;
     assert_eq!(ids(&first), [r4, r3]);
@@ -386,7 +388,7 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
     let flat = roots(&page(None, Some("flat"), 0, 10, 100)).await;
     assert_eq!(ids(&flat), [r4, r3, r1]);
     let none = roots(&page(None, Some("other"), 0, 10, 100)).await;
-    assert!(none.roots.is_empty() && none.next_before.is_none());
+    assert!(none.contracts.is_empty() && none.next_before.is_none());
     // Parties: the opener, a delegate, a host; a stranger sees nothing.
     for (viewer, expected) in [
         (9, vec![r4, r2, r1]),
@@ -412,7 +414,7 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
     );
     // A byte budget cuts a page after its first root and continues there.
     let mut tight = page(None, None, 0, 10, 100);
-    tight.max_bytes = 1;
+    tight.page.max_bytes = 1;
     let cut = roots(&tight).await;
     assert_eq!(ids(&cut), [r4]);
     let rest = roots(&page(None, None, cut.next_before.expect("cut"), 10, 100)).await;
@@ -424,7 +426,7 @@ pub async fn roots_are_paged_newest_first<S: Store>(store: &S) {
     both.labels.insert("run".into(), "2".into());
     assert_eq!(ids(&roots(&both).await), [r5]);
     both.viewer = Some([6; 32]);
-    assert!(roots(&both).await.roots.is_empty());
+    assert!(roots(&both).await.contracts.is_empty());
     let mut run = page(None, None, 0, 10, 100);
     run.labels.insert("run".into(), "2".into());
     assert_eq!(ids(&roots(&run).await), [r6, r5]);
