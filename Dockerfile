@@ -82,8 +82,10 @@ EXPOSE 50051 9464
 # (docker run --stop-timeout 20).
 STOPSIGNAL SIGTERM
 
-# No HEALTHCHECK: the broker's health is gRPC (grpc.health.v1) and the
-# image carries no gRPC client. Kubernetes probes it natively
-# (grpc: {port: 50051}); elsewhere use grpc_health_probe or grpcurl.
+# The binary is its own gRPC health probe (`health` exits 0 while the
+# broker serves; BROKER_ADDR, and BROKER_CA_FILE with [tls], say where).
+# Kubernetes can probe gRPC natively instead (grpc: {port: 50051}).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=15s --retries=3 \
+  CMD ["delegation-broker", "health"]
 ENTRYPOINT ["delegation-broker"]
 CMD ["serve"]

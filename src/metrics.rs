@@ -643,6 +643,7 @@ impl HttpBody for MeteredBody {
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
+    health: tokio::sync::watch::Receiver<crate::service::health::Serving>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) {
     let bounds = crate::server::listen::Bounds {
@@ -656,13 +657,13 @@ pub async fn serve(
         closed: Some(metrics.connections_closed.clone()),
     };
     crate::server::listen::each_connection(listener, bounds, counters, shutdown, |connection| {
-        let metrics = metrics.clone();
+        let (metrics, health) = (metrics.clone(), health.clone());
         tokio::spawn(async move {
             let spoke = connection.spoke();
             let service = hyper::service::service_fn(move |request: http::Request<_>| {
                 spoke.mark();
-                let metrics = metrics.clone();
-                async move { Ok::<_, Infallible>(respond(&metrics, &request)) }
+                let (metrics, health) = (metrics.clone(), health.clone());
+                async move { Ok::<_, Infallible>(respond(&metrics, &health, &request)) }
             });
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -680,24 +681,37 @@ pub async fn serve(
     .await;
 }
 
+/// `GET /metrics`; `GET /healthz` (200 while the process answers, for a
+/// liveness probe) and `GET /readyz` (200 while health is SERVING, 503
+/// otherwise: starting, draining, the store unable to make writes
+/// durable), for supervisors that speak HTTP, not gRPC.
 fn respond<B>(
     metrics: &Metrics,
+    health: &tokio::sync::watch::Receiver<crate::service::health::Serving>,
     request: &http::Request<B>,
 ) -> http::Response<http_body_util::Full<Bytes>> {
-    let (status, content_type, body) =
-        if request.method() == http::Method::GET && request.uri().path() == "/metrics" {
-            (
-                http::StatusCode::OK,
-                "text/plain; version=0.0.4; charset=utf-8",
-                metrics.render(),
-            )
-        } else {
-            (
-                http::StatusCode::NOT_FOUND,
-                "text/plain; charset=utf-8",
-                "metrics are served at GET /metrics\n".to_owned(),
-            )
-        };
+    const TEXT: &str = "text/plain; charset=utf-8";
+    let serving = *health.borrow() == crate::service::health::Serving::Serving;
+    let get = request.method() == http::Method::GET;
+    let (status, content_type, body) = match request.uri().path() {
+        "/metrics" if get => (
+            http::StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            metrics.render(),
+        ),
+        "/healthz" if get => (http::StatusCode::OK, TEXT, "ok\n".to_owned()),
+        "/readyz" if get && serving => (http::StatusCode::OK, TEXT, "serving\n".to_owned()),
+        "/readyz" if get => (
+            http::StatusCode::SERVICE_UNAVAILABLE,
+            TEXT,
+            "not serving\n".to_owned(),
+        ),
+        _ => (
+            http::StatusCode::NOT_FOUND,
+            TEXT,
+            "served here: GET /metrics, /healthz, /readyz\n".to_owned(),
+        ),
+    };
     let mut response = http::Response::new(http_body_util::Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     response.headers_mut().insert(
@@ -722,7 +736,9 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address");
         let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve(listener, Metrics::new(), async {
+        let (_health, serving) =
+            tokio::sync::watch::channel(crate::service::health::Serving::Serving);
+        tokio::spawn(serve(listener, Metrics::new(), serving, async {
             let _ = stopping.await;
         }));
         let mut slow = Vec::new();

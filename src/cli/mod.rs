@@ -107,6 +107,14 @@ enum Command {
     Keys(keys::KeysArgs),
     /// Prints the version, the commit and its date.
     Version,
+    /// Prints a completion script for SHELL, e.g.
+    /// `delegation-broker completions bash > ~/.local/share/bash-completion/completions/delegation-broker`,
+    /// `completions zsh > "${fpath[1]}/_delegation-broker"`,
+    /// `completions fish > ~/.config/fish/completions/delegation-broker.fish`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Whether a broker serves: exit status 0 serving, 1 otherwise
     /// (`--wait-ms` waits for it, e.g. right after `serve &`).
     Health(health::HealthArgs),
@@ -319,6 +327,17 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         } => migrate(&database_url, status),
         Command::Keys(args) => keys::run(args),
         Command::Health(args) => health::run(args),
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            let mut command = Cli::command();
+            clap_complete::generate(
+                shell,
+                &mut command,
+                "delegation-broker",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
         Command::Version => {
             println!(
                 "delegation-broker {} (commit {}, {})",

@@ -59,12 +59,12 @@ pub(super) async fn serve<S: Served>(
     // When the stop was asked: the drain's bound counts from it.
     let asked = Arc::new(std::sync::OnceLock::new());
     let stop_asked = asked.clone();
-    let routes = routes(broker, health_state)?;
+    let routes = routes(broker, health_state.clone())?;
     log_start(&parts.listener, tls.is_some(), &current_key);
     if let Some(ready) = parts.ready {
         let _ = ready.send(());
     }
-    let metrics_stop = serve_metrics(parts.metrics_listener, &metrics);
+    let metrics_stop = serve_metrics(parts.metrics_listener, &metrics, &health_state);
     let shutdown = async move {
         shutdown.await;
         let _ = stop_asked.set(std::time::Instant::now());
@@ -311,6 +311,7 @@ pub(super) async fn start_console<S: Served>(
 pub(super) fn serve_metrics(
     metrics_listener: Option<TcpListener>,
     metrics: &Arc<crate::metrics::Metrics>,
+    health: &tokio::sync::watch::Receiver<crate::service::health::Serving>,
 ) -> tokio::sync::oneshot::Sender<()> {
     let (metrics_stop, metrics_stopping) = tokio::sync::oneshot::channel::<()>();
     if let Some(metrics_listener) = metrics_listener {
@@ -321,6 +322,7 @@ pub(super) fn serve_metrics(
         tokio::spawn(crate::metrics::serve(
             metrics_listener,
             metrics.clone(),
+            health.clone(),
             async move {
                 let _ = metrics_stopping.await;
             },

@@ -232,7 +232,16 @@ async fn every_write_command_signs_and_prints_what_the_broker_answered() {
     let out = orchestrator
         .run(
             addr,
-            &["delegate", &root_id, "--to", "not-a-key", "--budget", "1"],
+            &[
+                "delegate",
+                &root_id,
+                "--to",
+                "not-a-key",
+                "--budget",
+                "1",
+                "--task",
+                "t",
+            ],
         )
         .await;
     assert_eq!(out.status.code(), Some(1));
@@ -303,4 +312,24 @@ async fn health_and_keys_show_read_a_broker_without_a_key() {
         "{}",
         text(&out.stderr)
     );
+}
+
+/// `completions SHELL` prints a script that knows the commands.
+#[tokio::test]
+async fn completions_know_every_command() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["completions", shell])
+            .output()
+            .await
+            .expect("the CLI runs");
+        assert!(out.status.success(), "{shell}: {}", text(&out.stderr));
+        let script = text(&out.stdout);
+        for command in ["open-root", "delegate", "health", "verify"] {
+            assert!(
+                script.contains(command),
+                "{shell} completions lack {command}"
+            );
+        }
+    }
 }

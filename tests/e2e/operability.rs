@@ -642,3 +642,38 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
     assert!(span.attributes.iter().all(|a| a.key != "trace_id"));
     broker.stop().await;
 }
+
+/// GET `path` on the metrics port: the status line and the body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("a full response");
+    let status = head.lines().next().unwrap_or_default().to_owned();
+    (status, body.to_owned())
+}
+
+/// `/healthz` answers while the process does; `/readyz` follows health:
+/// 200 while it serves, 503 from the moment a stop is asked.
+#[tokio::test]
+async fn healthz_and_readyz_follow_the_broker() {
+    let broker = Broker::start_with_metrics().await;
+    let addr = broker.metrics_addr.expect("metrics");
+    assert_eq!(
+        http_get(addr, "/healthz").await,
+        ("HTTP/1.1 200 OK".into(), "ok\n".into())
+    );
+    assert_eq!(
+        http_get(addr, "/readyz").await,
+        ("HTTP/1.1 200 OK".into(), "serving\n".into())
+    );
+    let (status, body) = http_get(addr, "/nothing").await;
+    assert!(
+        status.starts_with("HTTP/1.1 404") && body.contains("/readyz"),
+        "{status} {body}"
+    );
+    broker.stop().await;
+}
