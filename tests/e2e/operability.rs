@@ -439,7 +439,7 @@ async fn json_logs_carry_each_calls_trace_id() {
         lines
             .iter()
             .find(|l| {
-                l["fields"]["message"] == "call answered" && l["span"]["rpc.method"] == method
+                l["message"] == "call answered" && l["span"]["rpc.method"] == method
             })
             .unwrap_or_else(|| panic!("no line for {method}: {log}"))
             .clone()

@@ -1388,7 +1388,7 @@ def test_trace_context_goes_on(gbroker: ConsoleBroker) -> None:
                     except ValueError:
                         continue
                     span = line.get("span") or {}
-                    if line.get("fields", {}).get("message") == "call answered" and span.get("trace_id") == trace_id:
+                    if line.get("message") == "call answered" and span.get("trace_id") == trace_id:
                         methods.add(span.get("rpc.method"))
                 return methods
 

@@ -366,8 +366,9 @@ fn install(logging: &Logging, export: Option<Export>) -> Result<Telemetry, Telem
             .unwrap_or_else(|| EnvFilter::new("info")),
     };
     // Colours only for a person at a terminal, never into a file or a
-    // collector.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // collector, and never when NO_COLOR is set (no-color.org).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     CALL_SPANS_AT_INFO.store(
         format == LogFormat::Json,
         std::sync::atomic::Ordering::Relaxed,
@@ -425,6 +426,9 @@ fn install(logging: &Logging, export: Option<Export>) -> Result<Telemetry, Telem
     let json = (format == LogFormat::Json).then(|| {
         tracing_subscriber::fmt::layer()
             .json()
+            // `message` and the event's fields at the top of each object,
+            // where log collectors look for them.
+            .flatten_event(true)
             // The call's span (trace id, method, contract…) in every line.
             .with_current_span(true)
             .with_span_list(false)
