@@ -97,9 +97,14 @@ enum Command {
         #[arg(long, env = "BROKER_DATABASE_URL")]
         database_url: String,
         /// Print the schema's current and latest version and what is
-        /// pending, changing nothing (exit status 0 either way).
+        /// pending, changing nothing: exit status 0 when the schema is
+        /// up to date, 3 when migrations are pending.
         #[arg(long)]
         status: bool,
+        /// With --status: one JSON object (database, current, latest,
+        /// pending) instead of text.
+        #[arg(long, requires = "status")]
+        json: bool,
     },
     /// The broker's signing keys: `keys show` (the published ones, in hex
     /// and base64, as `verify --public-key` takes them); for a replicated
@@ -290,6 +295,10 @@ pub fn main() -> ExitCode {
             eprintln!("{e}");
             ExitCode::from(write::REFUSED_EXIT_STATUS)
         }
+        Err(e) if e.is::<Pending>() => {
+            eprintln!("{e}");
+            ExitCode::from(MIGRATIONS_PENDING_EXIT_STATUS)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -324,7 +333,11 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Migrate {
             database_url,
             status,
-        } => migrate(&database_url, status),
+            json,
+        } => match (status, json) {
+            (false, _) => migrate(&database_url),
+            (true, json) => migrate_status(&database_url, json),
+        },
         Command::Keys(args) => keys::run(args),
         Command::Health(args) => health::run(args),
         Command::Completions { shell } => {
@@ -482,7 +495,57 @@ const RUNTIME_STOP: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// `delegation-broker migrate`: the PostgreSQL schema, brought up to date
 /// (each migration applied printed), or only its status.
-fn migrate(database_url: &str, status_only: bool) -> anyhow::Result<()> {
+/// The exit status of `migrate --status` when migrations are pending.
+pub const MIGRATIONS_PENDING_EXIT_STATUS: u8 = 3;
+
+/// Migrations are pending (already printed): exit status 3.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} migrations pending: run `delegation-broker migrate`")]
+pub struct Pending(usize);
+
+/// `migrate --status`: where the schema is and what is pending.
+fn migrate_status(database_url: &str, json: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (at, status) = runtime.block_on(async {
+        let connect = crate::store::postgres::connect_options(database_url)?;
+        let at = crate::store::postgres::describe(&connect);
+        anyhow::Ok((at, crate::store::postgres::migrate::status(&connect).await?))
+    })?;
+    if json {
+        let pending: Vec<_> = status
+            .pending
+            .iter()
+            .map(|(version, description)| {
+                serde_json::json!({"version": version, "description": description})
+            })
+            .collect();
+        let line = serde_json::json!({
+            "database": at,
+            "current": status.current,
+            "latest": status.latest,
+            "pending": pending,
+        });
+        println!("{line}");
+    } else {
+        println!("database: {at}");
+        println!("current version: {}", status.current);
+        println!("latest version: {}", status.latest);
+        if status.pending.is_empty() {
+            println!("up to date");
+        }
+        for (version, description) in &status.pending {
+            println!("pending: {version:04} {description}");
+        }
+    }
+    match status.pending.len() {
+        0 => Ok(()),
+        pending => Err(Pending(pending).into()),
+    }
+}
+
+fn migrate(database_url: &str) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -490,19 +553,6 @@ fn migrate(database_url: &str, status_only: bool) -> anyhow::Result<()> {
         use crate::store::postgres::migrate;
         let connect = crate::store::postgres::connect_options(database_url)?;
         let at = crate::store::postgres::describe(&connect);
-        if status_only {
-            let status = migrate::status(&connect).await?;
-            println!("database: {at}");
-            println!("current version: {}", status.current);
-            println!("latest version: {}", status.latest);
-            if status.pending.is_empty() {
-                println!("up to date");
-            }
-            for (version, description) in &status.pending {
-                println!("pending: {version:04} {description}");
-            }
-            return Ok(());
-        }
         for (version, description) in migrate::run(&connect).await? {
             println!("applied {version:04} {description}");
         }

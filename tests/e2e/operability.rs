@@ -438,9 +438,7 @@ async fn json_logs_carry_each_calls_trace_id() {
     let answered = |method: &str| {
         lines
             .iter()
-            .find(|l| {
-                l["message"] == "call answered" && l["span"]["rpc.method"] == method
-            })
+            .find(|l| l["message"] == "call answered" && l["span"]["rpc.method"] == method)
             .unwrap_or_else(|| panic!("no line for {method}: {log}"))
             .clone()
     };

@@ -669,12 +669,18 @@ async fn migrate_once_then_serve_without_migrating() {
         !String::from_utf8_lossy(&refused.stdout).contains("listening"),
         "{refused:?}"
     );
+    // Exit status 0 when up to date, 3 while migrations are pending.
     let status = |expect: &[&str]| {
         let out = std::process::Command::new(binary)
             .args(["migrate", "--status", "--database-url", &database.url])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{out:?}");
+        let pending = expect.iter().any(|line| line.starts_with("pending"));
+        assert_eq!(
+            out.status.code(),
+            Some(if pending { 3 } else { 0 }),
+            "{out:?}"
+        );
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         for line in expect {
             assert!(text.contains(line), "{line:?} in:\n{text}");
@@ -688,7 +694,22 @@ async fn migrate_once_then_serve_without_migrating() {
         .expect("the latest version")
         .to_owned();
     // --status changed nothing.
-    status(&["current version: 0"]);
+    status(&["current version: 0", "pending: 0001 "]);
+    let json = std::process::Command::new(binary)
+        .args([
+            "migrate",
+            "--status",
+            "--json",
+            "--database-url",
+            &database.url,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(json.status.code(), Some(3), "{json:?}");
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
+    assert_eq!(json["current"], 0);
+    assert_eq!(json["latest"].to_string(), latest);
+    assert_eq!(json["pending"][0]["version"], 1);
     let migrate = || {
         std::process::Command::new(binary)
             .args(["migrate", "--database-url", &database.url])
