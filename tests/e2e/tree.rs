@@ -78,5 +78,41 @@ async fn tree_prints_the_seed_001_tree() {
     }
     let golden = std::fs::read_to_string(GOLDEN).expect("tests/golden/tree-seed-001.txt");
     assert_eq!(text, golden, "the tree's drawing changed:\n{text}");
+
+    // The same tree as `tree --json` prints it, from the binary.
+    let dir = tempfile::tempdir().expect("a folder");
+    let key_file = dir.path().join("reader.key");
+    write_key_file(&key_file, &broker.reader.seed());
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args([
+            "tree",
+            &hex::encode(&root.id),
+            "--json",
+            "--addr",
+            &broker.addr,
+        ])
+        .arg("--key-file")
+        .arg(&key_file)
+        .output()
+        .await
+        .expect("the CLI runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let contracts = json["contracts"].as_array().expect("contracts");
+    let depths: Vec<_> = contracts.iter().map(|c| c["depth"].as_u64()).collect();
+    assert_eq!(depths, [Some(0), Some(1), Some(2)]);
+    let planner_receipts = contracts[1]["receipts"].as_array().expect("receipts");
+    assert!(
+        planner_receipts
+            .iter()
+            .any(|r| r["kind"] == "REFUSED" && r["primary"] == "NO_RETRY_HEADROOM"),
+        "{planner_receipts:?}"
+    );
+    assert_eq!(contracts[2]["status"], "COMPLETED");
+    assert_eq!(contracts[2]["ledger"]["spent"].as_i64(), Some(4));
     broker.stop().await;
 }

@@ -43,9 +43,9 @@ pub struct TreeData {
     /// The contract asked for, first; then every contract read, parents
     /// before children.
     pub contracts: Vec<pb::ContractState>,
-    /// Receipts by the contract they are about (a refusal: the parent
-    /// asked), in the order signed.
-    pub receipts: HashMap<Vec<u8>, Vec<pb::Receipt>>,
+    /// Receipts (with their ids) by the contract they are about (a
+    /// refusal: the parent asked), in the order signed.
+    pub receipts: HashMap<Vec<u8>, Vec<([u8; 32], pb::Receipt)>>,
     /// Children of printed contracts not read because of
     /// the caller's maximum (their own descendants are not counted).
     pub left_out: u64,
@@ -206,7 +206,7 @@ async fn receipts(
                     .entry(receipt.contract_id.clone())
                     .or_default();
                 if kept.len() < MAX_RECEIPTS_SHOWN {
-                    kept.push(receipt);
+                    kept.push((broker_wire::crypto::sha256(&sealed.payload), receipt));
                 } else {
                     data.receipts_left_out += 1;
                 }
@@ -338,7 +338,7 @@ impl Drawing<'_> {
             .map(Vec::as_slice)
             .unwrap_or_default()
         {
-            receipt_lines(out, &pad, receipt);
+            receipt_lines(out, &pad, &receipt.1);
         }
         let kids = self
             .children

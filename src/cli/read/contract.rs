@@ -344,7 +344,7 @@ pub(in crate::cli) fn terms_json(id: &[u8], c: &pb::Contract) -> Map<String, Val
     }
 }
 
-pub(super) fn ledger_json(ledger: Option<&pb::Ledger>) -> Value {
+pub(in crate::cli) fn ledger_json(ledger: Option<&pb::Ledger>) -> Value {
     ledger.map_or(Value::Null, |l| {
         json!({
             "budget": l.budget,
