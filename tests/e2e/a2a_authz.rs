@@ -249,7 +249,11 @@ impl Drop for FakeAgent {
 }
 
 pub(crate) async fn fake_agent() -> FakeAgent {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    fake_agent_on(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap())
+}
+
+/// The stand-in agent serving on `listener`.
+pub(crate) fn fake_agent_on(listener: tokio::net::TcpListener) -> FakeAgent {
     let url = format!("http://{}", listener.local_addr().unwrap());
     let card = json!({
         "name": "fake",
@@ -707,4 +711,30 @@ async fn shared_context(binding: &str) {
     );
     assert_eq!(broker.ledger(&victims).await.residual, 9, "{binding}");
     broker.stop().await;
+}
+
+/// A gateway started before its agent waits for it (`upstream_wait_ms`)
+/// and serves once the agent answers its card, instead of exiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_waits_for_an_agent_that_starts_after_it() {
+    let broker = Broker::start().await;
+    let worker = Agent::generate();
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let address = free.local_addr().expect("its address");
+    drop(free);
+    let config = format!(
+        "upstream = \"http://{address}\"\nlisten = \"127.0.0.1:0\"\nupstream_wait_ms = 30000\n"
+    );
+    let addr = broker.addr.clone();
+    let gateway = tokio::task::spawn_blocking(move || {
+        spawn_gateway(&addr, &worker, &config, &["a2a ingress"])
+    });
+    // The gateway is up and asking; the agent comes a second later.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .expect("the agent's port");
+    let _agent = fake_agent_on(listener);
+    let (_gateway, seen) = gateway.await.expect("the gateway starts");
+    assert!(seen.contains_key("a2a ingress"), "{seen:?}");
 }

@@ -21,6 +21,10 @@ pub const DEFAULT_POLL_MS: u64 = 250;
 /// Longest one call to the agent or a peer may take, at most.
 pub const MAX_CALL_TIMEOUT_MS: u64 = 600_000;
 pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 120_000;
+/// How long the gateway waits at start for its agent's card (the agent
+/// may start after it), at most; 0 does not wait.
+pub const MAX_UPSTREAM_WAIT_MS: u64 = 3_600_000;
+pub const DEFAULT_UPSTREAM_WAIT_MS: u64 = 60_000;
 /// `max_message_bytes`, the largest A2A request or response body taken:
 /// its least, default and most. Below the least, ordinary A2A requests
 /// would be refused (a task-starting message carries its chain).
@@ -91,6 +95,10 @@ pub struct A2aConfig {
     pub poll_ms: u64,
     #[serde(default = "default_call_timeout_ms")]
     pub call_timeout_ms: u64,
+    /// How long to wait at start for the agent to answer its card,
+    /// asking again with backoff.
+    #[serde(default = "default_upstream_wait_ms")]
+    pub upstream_wait_ms: u64,
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
     #[serde(default = "default_max_tasks")]
@@ -165,6 +173,7 @@ macro_rules! defaults {
 defaults! {
     default_poll_ms: u64 = DEFAULT_POLL_MS;
     default_call_timeout_ms: u64 = DEFAULT_CALL_TIMEOUT_MS;
+    default_upstream_wait_ms: u64 = DEFAULT_UPSTREAM_WAIT_MS;
     default_max_message_bytes: usize = DEFAULT_MAX_MESSAGE_BYTES;
     default_max_tasks: usize = DEFAULT_MAX_TASKS;
     default_max_in_flight_per_caller: usize = DEFAULT_MAX_IN_FLIGHT_PER_CALLER;
@@ -297,6 +306,15 @@ impl A2aConfig {
             return Err(invalid(
                 "call_timeout_ms",
                 format!("{} not in 1..={MAX_CALL_TIMEOUT_MS}", self.call_timeout_ms),
+            ));
+        }
+        if self.upstream_wait_ms > MAX_UPSTREAM_WAIT_MS {
+            return Err(invalid(
+                "upstream_wait_ms",
+                format!(
+                    "{} not in 0..={MAX_UPSTREAM_WAIT_MS}",
+                    self.upstream_wait_ms
+                ),
             ));
         }
         if !(MIN_MESSAGE_BYTES..=MAX_MESSAGE_BYTES).contains(&self.max_message_bytes) {

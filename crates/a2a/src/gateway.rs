@@ -406,6 +406,34 @@ impl Gateway {
     }
 }
 
+/// Longest pause between two asks for the agent's card while waiting.
+const UPSTREAM_RETRY_CAP_MS: u64 = 2_000;
+
+/// The agent's card, asked again with backoff for up to `wait_ms` while
+/// the agent does not answer (it may start after the gateway).
+async fn agent_card(http: &A2aClient, base: &str, wait_ms: u64) -> anyhow::Result<a2a::AgentCard> {
+    let until = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+    let mut pause_ms = 100;
+    loop {
+        match http.card(base).await {
+            Ok(card) => return Ok(card),
+            Err(e) if tokio::time::Instant::now() >= until => {
+                anyhow::bail!(
+                    "upstream: {} (waited {wait_ms} ms: upstream_wait_ms)",
+                    e.message
+                )
+            }
+            Err(e) => {
+                if pause_ms == 100 {
+                    tracing::warn!(upstream = %base, error = %e.message, "waiting for the agent");
+                }
+                tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+                pause_ms = (pause_ms * 2).min(UPSTREAM_RETRY_CAP_MS);
+            }
+        }
+    }
+}
+
 /// The agent's card, read from its base URL, and how to call it: in the
 /// binding the config names, else JSON-RPC when the card lists it, else
 /// gRPC.
@@ -414,10 +442,7 @@ async fn upstream(
     http: &A2aClient,
     base: &str,
 ) -> anyhow::Result<(a2a::AgentCard, Upstream)> {
-    let card = http
-        .card(base)
-        .await
-        .map_err(|e| anyhow::anyhow!("upstream: {}", e.message))?;
+    let card = agent_card(http, base, config.upstream_wait_ms).await?;
     let interface = |binding: &str| {
         card.supported_interfaces
             .iter()
