@@ -2,6 +2,7 @@
 //! `disk-probe`, `audit`, `verify`, `keys`, `version`; reading as a key: `session`, `get`,
 //! `children`, `watch`, `receipt`. Every flag has an environment override.
 
+pub mod attest;
 pub mod audit;
 pub mod bench;
 pub mod health;
@@ -181,6 +182,9 @@ enum Command {
     Revoke(write::EndingArgs),
     /// Records what the host observed of a contract's work.
     Record(write::RecordArgs),
+    /// Signs, as an attestor, an agent's trust factor into a file for
+    /// `delegate --attestation`.
+    Attest(attest::AttestArgs),
     /// The broker for MCP clients: `mcp tools` serves its calls as tools
     /// for a model, on stdio, signing as one agent.
     #[cfg(feature = "mcp")]
@@ -382,6 +386,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Escalate(args) => write::escalate(args),
         Command::Revoke(args) => write::revoke(args),
         Command::Record(args) => write::record(args),
+        Command::Attest(args) => attest::run(args),
         #[cfg(feature = "mcp")]
         Command::Mcp(args) => broker_mcp::run(args),
         #[cfg(feature = "a2a")]

@@ -1,7 +1,8 @@
-//! The README's first delegation, run as written: its shell block in a
-//! fresh folder with the binary on `PATH`, and its output block matched
-//! line by line (ids and keys shortened to `…` there match any hex), so
-//! the README and the binary cannot drift apart.
+//! The shell examples of the README (its first delegation) and of
+//! docs/seeds.md, run as written: their shell blocks in a fresh folder
+//! with the binary on `PATH`, and their output blocks matched line by line
+//! in order (ids and keys shortened to `…` there match any hex), so the
+//! docs and the binary cannot drift apart.
 
 use std::time::Duration;
 
@@ -20,6 +21,20 @@ fn block<'a>(text: &'a str, heading: &str, kind: &str) -> &'a str {
         + fence.len();
     let end = start + text[start..].find("\n```").expect("the block is closed");
     &text[start..end]
+}
+
+/// Every fenced block of `kind` in `text`, in order.
+fn blocks<'a>(text: &'a str, kind: &str) -> Vec<&'a str> {
+    let fence = format!("```{kind}\n");
+    let mut found = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(&fence) {
+        let body = &rest[start + fence.len()..];
+        let end = body.find("\n```").expect("the block is closed");
+        found.push(&body[..end]);
+        rest = &body[end..];
+    }
+    found
 }
 
 /// Whether `line` is the README's output line `wanted`: the same text,
@@ -71,6 +86,26 @@ async fn the_readme_first_delegation_runs_as_written() {
         .expect("README.md");
     let script = block(&readme, "## A first delegation", "sh");
     let expected = block(&readme, "## A first delegation", "text");
+    let stderr = runs_as_written(script, expected).await;
+    assert!(
+        stderr.contains("refused by the broker (receipt "),
+        "the refusal is said on stderr too: {stderr}"
+    );
+}
+
+#[tokio::test]
+async fn the_seed_scenarios_run_as_written() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/seeds.md"))
+        .expect("docs/seeds.md");
+    let script = blocks(&page, "sh").join("\n");
+    let expected = blocks(&page, "text").join("\n");
+    runs_as_written(&script, &expected).await;
+}
+
+/// Runs `script` with bash in a fresh folder, the binary on `PATH` and a
+/// free port for the broker it starts (stopped after it), and checks its
+/// stdout prints `expected`'s lines in order; its stderr.
+async fn runs_as_written(script: &str, expected: &str) -> String {
     let folder = tempfile::tempdir().expect("a folder");
     let bin = folder.path().join("bin");
     std::fs::create_dir(&bin).expect("bin");
@@ -88,8 +123,6 @@ async fn the_readme_first_delegation_runs_as_written() {
         bin.display(),
         std::env::var("PATH").unwrap_or_default()
     );
-    // The README's commands as they are; the broker they start is
-    // stopped after them.
     let run = tokio::process::Command::new("bash")
         .arg("-c")
         .arg(format!("{script}\nkill %1; wait"))
@@ -102,19 +135,16 @@ async fn the_readme_first_delegation_runs_as_written() {
         .output();
     let output = tokio::time::timeout(RUN_LIMIT, run)
         .await
-        .expect("the README's block finishes")
+        .expect("the blocks finish")
         .expect("bash runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     let mut lines = stdout.lines();
     for wanted in expected.lines() {
         assert!(
             lines.any(|line| matches(wanted, line)),
-            "the README's output line {wanted:?} is not printed (in order);\nstdout:\n{stdout}\nstderr:\n{stderr}"
+            "the documented output line {wanted:?} is not printed (in order);\nstdout:\n{stdout}\nstderr:\n{stderr}"
         );
     }
-    assert!(
-        stderr.contains("refused by the broker (receipt "),
-        "the refusal is said on stderr too: {stderr}"
-    );
+    stderr
 }
