@@ -470,20 +470,27 @@ fn serve(
         }
         tokio::spawn(async move {
             if serving.await.is_ok() {
-                use std::io::Write as _;
-                let mut out = std::io::stdout().lock();
-                for line in announced {
-                    let _ = writeln!(out, "{line}");
+                {
+                    use std::io::Write as _;
+                    let mut out = std::io::stdout().lock();
+                    for line in announced {
+                        let _ = writeln!(out, "{line}");
+                    }
+                    let _ = out.flush();
                 }
-                let _ = out.flush();
+                broker_runtime::notify::send("READY=1").await;
             }
         });
+        let shutdown = async {
+            broker_runtime::shutdown::signal().await;
+            broker_runtime::notify::send("STOPPING=1").await;
+        };
         crate::server::run_with_options(
             listeners,
             config,
             std::sync::Arc::new(crate::clock::SystemClock),
             options,
-            broker_runtime::shutdown::signal(),
+            shutdown,
         )
         .await?;
         telemetry.shutdown().await;

@@ -707,3 +707,40 @@ fn serve_beyond_loopback_needs_declared_tenants_or_the_opt_in() {
     assert!(said.contains("[tenants]"), "names the fix: {said}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("listening"));
 }
+
+/// Under systemd (`Type=notify`): `READY=1` reaches the notify socket
+/// once the broker answers calls (after it printed "listening"), and
+/// `STOPPING=1` when SIGTERM starts the drain.
+#[tokio::test]
+async fn systemd_hears_ready_then_stopping() {
+    let dir = tempfile::tempdir().expect("a folder");
+    let socket_path = dir.path().join("notify.sock");
+    let socket = tokio::net::UnixDatagram::bind(&socket_path).expect("a notify socket");
+    let (process, addr) = Killed::announcing(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .env("NOTIFY_SOCKET", &socket_path)
+            .env("BROKER_LOG", "warn"),
+        "listening",
+    );
+    let mut buf = [0u8; 256];
+    let receive = async |buf: &mut [u8]| {
+        let n = tokio::time::timeout(Duration::from_secs(30), socket.recv(buf))
+            .await
+            .expect("a notification")
+            .expect("read");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert_eq!(receive(&mut buf).await, "READY=1");
+    // Ready means answering.
+    let channel = tonic::transport::Channel::from_shared(addr).expect("an address");
+    let mut health = HealthClient::new(channel.connect().await.expect("connect"));
+    let status = health
+        .check(HealthCheckRequest::default())
+        .await
+        .expect("health");
+    assert_eq!(status.into_inner().status, ServingStatus::Serving as i32);
+    signal(&process.0, "TERM");
+    assert_eq!(receive(&mut buf).await, "STOPPING=1");
+}
