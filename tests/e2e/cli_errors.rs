@@ -54,6 +54,14 @@ async fn a_start_that_cannot_happen_says_why_once() {
         "{mysql}"
     );
 
+    let console = serve_fails(&["--listen", "127.0.0.1:0", "--console", "127.0.0.1:0"]).await;
+    assert!(
+        console.contains(
+            "--console needs [console] reader = \"<hex public key>\" in the configuration"
+        ),
+        "{console}"
+    );
+
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
     let address = taken.local_addr().expect("its address").to_string();
     let in_use = serve_fails(&["--listen", &address]).await;
@@ -62,5 +70,28 @@ async fn a_start_that_cannot_happen_says_why_once() {
             "--listen {address}: cannot listen: Address already in use"
         )),
         "{in_use}"
+    );
+}
+
+/// `verify` names a file it cannot read.
+#[tokio::test]
+async fn verify_names_a_file_it_cannot_read() {
+    let key = "11".repeat(32);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args([
+            "verify",
+            "--public-key",
+            &key,
+            "--chain",
+            "/nonexistent/chain.bin",
+        ])
+        .output()
+        .await
+        .expect("the CLI runs");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot read /nonexistent/chain.bin: No such file or directory"),
+        "{stderr}"
     );
 }

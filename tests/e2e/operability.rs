@@ -642,7 +642,7 @@ async fn a_delegate_span_continues_the_callers_trace_over_otlp() {
 }
 
 /// GET `path` on the metrics port: the status line and the body.
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+pub(crate) async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let request = format!("GET {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n\r\n");

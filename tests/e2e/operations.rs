@@ -412,11 +412,38 @@ async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
     let _mounted = Mounted(mount.clone());
     let data = mount.join("data");
     let log_path = dir.path().join("broker.log");
-    let (mut process, addr) = spawn_logged(
-        &data,
-        &[],
-        Stdio::from(std::fs::File::create(&log_path).unwrap()),
+    let (mut process, seen) = Killed::announcing_all(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(&data)
+            .stderr(Stdio::from(std::fs::File::create(&log_path).unwrap())),
+        &["listening", "metrics"],
     );
+    let addr = format!("http://{}", seen["listening"]);
+    let metrics: std::net::SocketAddr = seen["metrics"]
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics")
+        .parse()
+        .expect("the metrics address");
+    // What a supervisor reads: `health` and /readyz, beside gRPC health.
+    let supervisor_sees = async |serving: bool| {
+        let (status, _) = crate::operability::http_get(metrics, "/readyz").await;
+        let code = if serving { "200" } else { "503" };
+        assert!(status.starts_with(&format!("HTTP/1.1 {code}")), "{status}");
+        let health = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args(["health", "--addr", &addr])
+            .output()
+            .expect("health runs");
+        assert_eq!(health.status.success(), serving, "{health:?}");
+    };
+    supervisor_sees(true).await;
     let orchestrator = Agent::generate();
     let mut client = connect(&addr).await;
     let root = |n: usize| {
@@ -452,8 +479,10 @@ async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
     }
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     health_is(&addr, ServingStatus::NotServing, Duration::from_secs(1)).await;
+    supervisor_sees(false).await;
     std::fs::remove_file(mount.join("filler")).unwrap();
     health_is(&addr, ServingStatus::Serving, Duration::from_secs(10)).await;
+    supervisor_sees(true).await;
     let after = client.open_root(root(20_000)).await.expect("writes again");
     acknowledged.push(after.into_inner().issued.unwrap().contract_id);
 
@@ -743,4 +772,90 @@ async fn systemd_hears_ready_then_stopping() {
     assert_eq!(status.into_inner().status, ServingStatus::Serving as i32);
     signal(&process.0, "TERM");
     assert_eq!(receive(&mut buf).await, "STOPPING=1");
+}
+
+/// While SIGTERM's drain waits for a call in flight (here a request whose
+/// body never finishes), a supervisor reads not-ready: `/readyz` 503 and
+/// `health` exit 1; the broker exits once the call ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_draining_readyz_and_health_say_not_serving() {
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("broker.toml");
+    std::fs::write(&config, "[limits]\nshutdown_drain_ms = 20000\n").unwrap();
+    let (mut process, seen) = Killed::announcing_all(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .arg("--config")
+            .arg(&config)
+            .env("BROKER_LOG", "warn"),
+        &["listening", "metrics"],
+    );
+    let addr = format!("http://{}", seen["listening"]);
+    let metrics: std::net::SocketAddr = seen["metrics"]
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics")
+        .parse()
+        .expect("the metrics address");
+
+    // A GetBrokerKeys whose gRPC frame announces 10 bytes and sends none.
+    let tcp = tokio::net::TcpStream::connect(&seen["listening"])
+        .await
+        .unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let (body, frames) =
+        tokio::sync::mpsc::channel::<Result<Frame<bytes::Bytes>, std::convert::Infallible>>(1);
+    let request = http::Request::post(format!("{addr}/delegation.broker.v1.Broker/GetBrokerKeys"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(frames),
+        ))
+        .unwrap();
+    let answer = tokio::spawn(sender.send_request(request));
+    body.send(Ok(Frame::data(bytes::Bytes::from_static(&[
+        0, 0, 0, 0, 10,
+    ]))))
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    signal(&process.0, "TERM");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, _) = crate::operability::http_get(metrics, "/readyz").await;
+        if status.starts_with("HTTP/1.1 503") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "/readyz still says {status}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let health = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["health", "--addr", &addr])
+        .output()
+        .expect("health runs");
+    assert!(!health.status.success(), "{health:?}");
+    assert!(
+        process.0.try_wait().unwrap().is_none(),
+        "the drain holds the process for the call in flight"
+    );
+    // The call ends; so does the broker.
+    drop(body);
+    let _ = answer.await;
+    assert!(exit_within(&mut process.0, Duration::from_secs(20)).success());
 }
