@@ -81,6 +81,14 @@ impl Party {
     }
 }
 
+/// The command failed with exit status 1 (an error, not a refusal) and
+/// said `says` on stderr.
+fn assert_fails(out: &Output, says: &str) {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(says), "{stderr}");
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -222,12 +230,7 @@ async fn every_write_command_signs_and_prints_what_the_broker_answered() {
     // An error is not a refusal: exit status 1, the broker's reason said.
     let unknown = "00".repeat(32);
     let out = planner.run(addr, &["accept", &unknown]).await;
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("NOT_FOUND"),
-        "{}",
-        text(&out.stderr)
-    );
+    assert_fails(&out, "NOT_FOUND");
     // A bad argument names itself before anything is sent.
     let out = orchestrator
         .run(
@@ -244,12 +247,7 @@ async fn every_write_command_signs_and_prints_what_the_broker_answered() {
             ],
         )
         .await;
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("--to must be a 32-byte id"),
-        "{}",
-        text(&out.stderr)
-    );
+    assert_fails(&out, "--to must be a 32-byte id");
 }
 
 #[tokio::test]
@@ -306,12 +304,7 @@ async fn health_and_keys_show_read_a_broker_without_a_key() {
         format!("http://{closed}"),
     ])
     .await;
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("cannot connect"),
-        "{}",
-        text(&out.stderr)
-    );
+    assert_fails(&out, "cannot connect");
 }
 
 /// `completions SHELL` prints a script that knows the commands.

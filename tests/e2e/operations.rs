@@ -19,6 +19,37 @@ pub fn spawn_serve(data_dir: &std::path::Path, extra: &[&str]) -> (Killed, Strin
     spawn_logged(data_dir, extra, Stdio::inherit())
 }
 
+/// `spawn_logged` with `--metrics` too: the process, its gRPC address
+/// and its metrics port's.
+fn spawn_with_metrics(
+    data_dir: &std::path::Path,
+    extra: &[&str],
+    log: Stdio,
+) -> (Killed, String, std::net::SocketAddr) {
+    let (process, seen) = Killed::announcing_all(
+        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(extra)
+            .env("BROKER_LOG", "warn")
+            .stderr(log),
+        &["listening", "metrics"],
+    );
+    let metrics = seen["metrics"]
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics")
+        .parse()
+        .expect("the metrics address");
+    (process, format!("http://{}", seen["listening"]), metrics)
+}
+
 /// `spawn_serve` with its log (stderr) sent to `log`.
 fn spawn_logged(data_dir: &std::path::Path, extra: &[&str], log: Stdio) -> (Killed, String) {
     Killed::announcing(
@@ -412,26 +443,8 @@ async fn sqlite_a_full_disk_turns_health_not_serving_until_space_returns() {
     let _mounted = Mounted(mount.clone());
     let data = mount.join("data");
     let log_path = dir.path().join("broker.log");
-    let (mut process, seen) = Killed::announcing_all(
-        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics",
-                "127.0.0.1:0",
-            ])
-            .arg("--data-dir")
-            .arg(&data)
-            .stderr(Stdio::from(std::fs::File::create(&log_path).unwrap())),
-        &["listening", "metrics"],
-    );
-    let addr = format!("http://{}", seen["listening"]);
-    let metrics: std::net::SocketAddr = seen["metrics"]
-        .trim_start_matches("http://")
-        .trim_end_matches("/metrics")
-        .parse()
-        .expect("the metrics address");
+    let log = Stdio::from(std::fs::File::create(&log_path).unwrap());
+    let (mut process, addr, metrics) = spawn_with_metrics(&data, &[], log);
     // What a supervisor reads: `health` and /readyz, beside gRPC health.
     let supervisor_sees = async |serving: bool| {
         let (status, _) = crate::operability::http_get(metrics, "/readyz").await;
@@ -784,31 +797,13 @@ async fn while_draining_readyz_and_health_say_not_serving() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("broker.toml");
     std::fs::write(&config, "[limits]\nshutdown_drain_ms = 20000\n").unwrap();
-    let (mut process, seen) = Killed::announcing_all(
-        Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics",
-                "127.0.0.1:0",
-            ])
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .arg("--config")
-            .arg(&config)
-            .env("BROKER_LOG", "warn"),
-        &["listening", "metrics"],
-    );
-    let addr = format!("http://{}", seen["listening"]);
-    let metrics: std::net::SocketAddr = seen["metrics"]
-        .trim_start_matches("http://")
-        .trim_end_matches("/metrics")
-        .parse()
-        .expect("the metrics address");
+    let config = config.to_str().expect("a path");
+    let data = dir.path().join("data");
+    let (mut process, addr, metrics) =
+        spawn_with_metrics(&data, &["--config", config], Stdio::inherit());
 
     // A GetBrokerKeys whose gRPC frame announces 10 bytes and sends none.
-    let tcp = tokio::net::TcpStream::connect(&seen["listening"])
+    let tcp = tokio::net::TcpStream::connect(addr.trim_start_matches("http://"))
         .await
         .unwrap();
     let (mut sender, connection) = hyper::client::conn::http2::handshake(
