@@ -199,11 +199,14 @@ async fn every_write_command_signs_and_prints_what_the_broker_answered() {
                 "done",
                 "--consumed",
                 "3",
+                "--report-status",
+                "done",
             ],
         )
         .await;
     assert_eq!(completed["outcome"], "completed");
     assert_eq!(completed["completion"]["consumed"].as_i64(), Some(3));
+    assert_eq!(completed["completion"]["has_report"], true);
 
     // Declined, escalated and revoked children; each receipt names its kind.
     for (ending, by) in [

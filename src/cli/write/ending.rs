@@ -46,6 +46,13 @@ pub struct CompleteArgs {
     /// What it consumed of its budget, in the deployment's unit.
     #[arg(long, default_value_t = 0)]
     pub consumed: i64,
+    /// A typed report's status word (e.g. done, partial): with it the
+    /// completion carries a report, which audits hold to the verdict.
+    #[arg(long, value_name = "STATUS")]
+    pub report_status: Option<String>,
+    /// The typed report's summary for the principal.
+    #[arg(long, value_name = "TEXT", requires = "report_status")]
+    pub report_summary: Option<String>,
     #[command(flatten)]
     pub write: WriteArgs,
 }
@@ -89,7 +96,10 @@ pub fn complete(args: CompleteArgs) -> anyhow::Result<()> {
         header: None,
         contract_id,
         output_json: args.output,
-        report: None,
+        report: args.report_status.map(|status| pb::TypedReport {
+            status,
+            summary: args.report_summary.unwrap_or_default(),
+        }),
         claim: args.claim,
         consumed: args.consumed,
     };
