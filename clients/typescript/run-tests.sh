@@ -12,7 +12,14 @@
 #      output is clients/go's, checked by clients/go/run-tests.sh),
 #   5. tsc --noEmit over the generated code and the sources,
 #   6. the build (dist/: ESM and .d.ts) and the tests' build (build/),
-#   7. node --test: every test file starts its own broker from $BROKER_BIN.
+#   7. the package as an artifact: npm pack (the tarball must hold every file
+#      package.json's main, types and exports name), installed into a fresh
+#      folder (npm init -y, npm install <tarball>, nothing else);
+#      examples/three-hops.ts, which may import only the package, compiled
+#      there against the installed package (tsc and @types/node from this
+#      folder, not installed there) and run against the real broker, started
+#      and stopped here,
+#   8. node --test: every test file starts its own broker from $BROKER_BIN.
 #
 #   BROKER_BIN=/path/to/delegation-broker clients/typescript/run-tests.sh [node --test args]
 #
@@ -42,7 +49,12 @@ step "npm ci"
 npm ci --no-audit --no-fund --loglevel=error
 
 fresh="$(mktemp -d)"
-trap 'rm -rf "$fresh"' EXIT
+broker_pid=""
+cleanup() {
+    if [[ -n "$broker_pid" ]] && kill -0 "$broker_pid" 2>/dev/null; then kill -KILL "$broker_pid" 2>/dev/null || true; fi
+    rm -rf "$fresh"
+}
+trap cleanup EXIT
 
 step ".venv-python: grpcio-tools (for buf generate) and the Python client (for the cross-language test)"
 VENV="$HERE/.venv-python"
@@ -151,6 +163,102 @@ step "build (dist/) and the tests (build/)"
 rm -rf dist build
 "$HERE/node_modules/.bin/tsc" -p tsconfig.json
 "$HERE/node_modules/.bin/tsc" -p tsconfig.test.json
+
+started=$SECONDS
+step "npm pack: the package as a tarball (package.json's files: dist, src, README.md)"
+mkdir -p "$fresh/pack"
+tarball="$fresh/pack/$(npm pack --silent --pack-destination "$fresh/pack" | tail -1)"
+[[ -f "$tarball" ]] || { echo "run-tests.sh: npm pack wrote no tarball" >&2; exit 1; }
+tar -tzf "$tarball" >"$fresh/pack/files"
+# Every file main, types and exports name, and no tests or build output.
+node - "$fresh/pack/files" "$(basename "$tarball")" <<'JS'
+const fs = require("node:fs");
+const pkg = JSON.parse(fs.readFileSync("package.json", "utf8"));
+const files = new Set(fs.readFileSync(process.argv[2], "utf8").split("\n").filter(Boolean));
+const named = [pkg.main, pkg.types];
+const walk = (v) => (typeof v === "string" ? named.push(v) : Object.values(v ?? {}).forEach(walk));
+walk(pkg.exports);
+const missing = named.filter((f) => !files.has("package/" + f.replace(/^\.\//, "")));
+const stray = [...files].filter((f) => /^package\/(test|build|node_modules|examples)\//.test(f));
+if (missing.length || stray.length) {
+  console.error(`run-tests.sh: the tarball lacks ${JSON.stringify(missing)}, holds ${JSON.stringify(stray.slice(0, 5))}`);
+  process.exit(1);
+}
+console.log(`    ${process.argv[3]}: ${files.size} files, every one main, types and exports name (${named.length})`);
+JS
+
+step "fresh folder: npm init -y, npm install <the tarball> (nothing else)"
+app="$fresh/app"
+mkdir -p "$app"
+(
+    cd "$app"
+    npm init -y >/dev/null
+    npm pkg set type=module   # an ESM project, as the package is ESM only
+    npm install --no-audit --no-fund --loglevel=error --prefer-offline "$tarball"
+    npm ls --depth=0 | sed '/^$/d; s/^/    /'
+)
+
+step "examples/three-hops.ts in that folder: compiled against the installed package, run against the real broker"
+cp examples/three-hops.ts "$app/"
+# A user's script needs only the package: no import of its runtimes (protobuf-es, connect) beside it.
+others="$(grep -oE '^import .* from "[^"]+"|^\s*} from "[^"]+"' "$app/three-hops.ts" | grep -oE '"[^"]+"' | tr -d '"' \
+    | grep -vE '^(@delegation-broker/client(/node|/web)?|node:.+)$' || true)"
+if [[ -n "$others" ]]; then
+    echo "run-tests.sh: examples/three-hops.ts imports beyond the package: $others" >&2
+    exit 1
+fi
+cat >"$app/tsconfig.json" <<JSON
+{
+  "compilerOptions": {
+    "target": "ES2022", "module": "NodeNext", "moduleResolution": "NodeNext", "strict": true,
+    "types": ["node"], "typeRoots": ["$HERE/node_modules/@types"], "rootDir": ".", "outDir": "out"
+  },
+  "files": ["three-hops.ts"]
+}
+JSON
+"$HERE/node_modules/.bin/tsc" -p "$app/tsconfig.json"
+mkdir -p "$fresh/broker"
+attestor_pub="$("$BROKER_BIN" keygen --out "$fresh/broker/attestor.seed")"
+printf '[trust]\nattestors = ["%s"]\n' "$attestor_pub" >"$fresh/broker/broker.toml"
+BROKER_LOG="${BROKER_LOG:-warn}" "$BROKER_BIN" serve --listen 127.0.0.1:0 --data-dir "$fresh/broker/data" \
+    --config "$fresh/broker/broker.toml" >"$fresh/broker/stdout" 2>"$fresh/broker/log" </dev/null &
+broker_pid=$!
+address=""
+for _ in $(seq 300); do  # up to 30 s for its first line, "listening on ADDR"
+    if [[ "$(wc -l <"$fresh/broker/stdout")" -ge 1 ]]; then
+        address="$(sed -n '1s/^listening on //p' "$fresh/broker/stdout")"
+        break
+    fi
+    kill -0 "$broker_pid" 2>/dev/null || break
+    sleep 0.1
+done
+if [[ -z "$address" ]]; then
+    echo "run-tests.sh: the broker did not print 'listening on ADDR'; stdout: $(head -c 500 "$fresh/broker/stdout"); log:" >&2
+    cat "$fresh/broker/log" >&2
+    exit 1
+fi
+if ! (cd "$app" && node out/three-hops.js "$address" "$(cat "$fresh/broker/attestor.seed")") >"$app/run.out" 2>&1; then
+    echo "run-tests.sh: examples/three-hops.ts failed in the fresh folder:" >&2
+    cat "$app/run.out" >&2
+    exit 1
+fi
+sed 's/^/    /' "$app/run.out"
+if ! grep -q "^verified a chain of 4 contracts: 3 hash links and the leaf's signature" "$app/run.out" \
+    || ! grep -q "verified again from them: 4 contracts$" "$app/run.out"; then
+    echo "run-tests.sh: examples/three-hops.ts did not verify its chain" >&2
+    exit 1
+fi
+kill -TERM "$broker_pid"
+for _ in $(seq 150); do kill -0 "$broker_pid" 2>/dev/null || break; sleep 0.1; done
+code=0
+wait "$broker_pid" || code=$?
+broker_pid=""
+if [[ $code -ne 0 ]]; then
+    echo "run-tests.sh: the broker exited with $code on SIGTERM; log:" >&2
+    cat "$fresh/broker/log" >&2
+    exit 1
+fi
+printf -- '--> package checks: %ss\n' "$((SECONDS - started))"
 
 step "node --test (broker: $BROKER_BIN)"
 node --test "$@" build/test/*.test.js

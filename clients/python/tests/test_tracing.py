@@ -108,7 +108,7 @@ def answered(b: Broker, predicate, count: int = 1, wait: float = 10.0) -> list[d
     deadline = time.monotonic() + wait
     while True:
         found = [line["span"] for line in log_lines(b)
-                 if line.get("fields", {}).get("message") == "call answered" and predicate(line.get("span", {}))]
+                 if line.get("message") == "call answered" and predicate(line.get("span", {}))]
         if len(found) >= count or time.monotonic() > deadline:
             assert len(found) >= count, f"{len(found)} 'call answered' lines, expected {count}:\n{found}"
             return found

@@ -23,10 +23,12 @@ import {
   BrokerError,
   BrokerKeys,
   callIdempotent,
+  fromBinary,
   fromHex,
   nowMs,
   pb,
   sessionClient,
+  toBinary,
   verifyChain,
   verifyContract,
   verifyReceipt,
@@ -95,7 +97,8 @@ export async function main(target: string, attestorSeed?: string): Promise<numbe
   // 3. Anyone holding the published keys can verify the whole chain offline:
   //    one signature (the leaf's), the hash links to the root, and each hop's
   //    terms against its parent's. The effective predicate is derived.
-  const { chain } = await client.getChain({ contractId: parent });
+  const response = await client.getChain({ contractId: parent });
+  const { chain } = response;
   const verified = verifyChain(chain, keys, parent);
   verified.forEach((v, i) => {
     const c = v.contract;
@@ -106,6 +109,12 @@ export async function main(target: string, attestorSeed?: string): Promise<numbe
     );
   });
   console.log(`verified a chain of ${verified.length} contracts: ${verified.length - 1} hash links and the leaf's signature by broker key ${verified.at(-1)!.keyId}`);
+
+  // 4. The chain as bytes (a serialized GetChainResponse: what `delegation-broker
+  //    verify --chain FILE` reads) verifies again from those bytes alone.
+  const archived = toBinary(pb.GetChainResponseSchema, response);
+  const again = verifyChain(fromBinary(pb.GetChainResponseSchema, archived).chain, keys, parent);
+  console.log(`archived as ${archived.length} bytes (GetChainResponse); verified again from them: ${again.length} contracts`);
   return 0;
 }
 

@@ -18,8 +18,37 @@
  *
  * Transports: `@delegation-broker/client/node` (gRPC over HTTP/2, TLS
  * optional) and `@delegation-broker/client/web` (gRPC-Web, for browsers).
+ *
+ * What a user needs of the runtimes underneath is re-exported here, so the
+ * package alone is enough (its `@bufbuild/protobuf` and `@connectrpc/*` are
+ * dependencies, at the versions the generated code needs): protobuf-es's
+ * `create`, `toBinary`, `fromBinary`, `toJson`... and connect's `Code`,
+ * `ConnectError`.
  */
 export * as pb from "./pb.js";
+export {
+  clone,
+  create,
+  equals,
+  fromBinary,
+  fromJson,
+  fromJsonString,
+  isMessage,
+  mergeFromBinary,
+  protoInt64,
+  toBinary,
+  toJson,
+  toJsonString,
+  type BinaryReadOptions,
+  type BinaryWriteOptions,
+  type DescMessage,
+  type JsonReadOptions,
+  type JsonValue,
+  type JsonWriteOptions,
+  type MessageInitShape,
+  type MessageShape,
+} from "@bufbuild/protobuf";
+export { Code, ConnectError, type CallOptions, type Interceptor, type Transport } from "@connectrpc/connect";
 export * as rpc from "./rpc.js";
 export { fromHex, toHex, equalBytes } from "./bytes.js";
 export {

@@ -32,6 +32,8 @@ test("three hops with attestations: every hop's terms printed, the chain verifie
     `depth 3: budget 5 (residual 5), LIABILITY_PRINCIPAL, predicate "-", cumulative trust 540000 ppm (TRUST_SOURCE_ATTESTATION)`,
   ]);
   assert.equal(lines[4], `verified a chain of 4 contracts: 3 hash links and the leaf's signature by broker key ${broker.keys.current}`);
+  assert.match(lines[5]!, /^archived as \d+ bytes \(GetChainResponse\); verified again from them: 4 contracts$/);
+  assert.equal(lines.length, 6);
 });
 
 test("three hops without an attestor: no trust source, the policy allows it", async () => {

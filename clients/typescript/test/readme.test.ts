@@ -17,20 +17,19 @@ import { CLIENT_ROOT } from "./support.js";
 
 const run = promisify(execFile);
 
+// Only the package itself: what a snippet uses must be exported by it (its
+// protobuf-es and connect runtimes included), never installed beside it.
 const PRELUDE = `
-import { create } from "@bufbuild/protobuf";
-import { ConnectError } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
 import {
-  Agent, BrokerError, BrokerKeys, RenewingSession, callIdempotent, codeName, createBrokerClient, fromHex, nowMs,
-  openSession, pb, sessionClient, sessionInterceptor, toHex, verifyChain, verifyContract, verifyReceipt, watch,
-  type BrokerClient,
+  Agent, BrokerError, BrokerKeys, Code, ConnectError, RenewingSession, callIdempotent, codeName, create,
+  createBrokerClient, fromBinary, fromHex, nowMs, openSession, pb, sessionClient, sessionInterceptor, toBinary, toHex,
+  verifyChain, verifyContract, verifyReceipt, watch, type BrokerClient,
 } from "@delegation-broker/client";
 import { createNodeTransport } from "@delegation-broker/client/node";
 import { createWebTransport } from "@delegation-broker/client/web";
-void [create, ConnectError, createGrpcTransport, Agent, BrokerError, BrokerKeys, RenewingSession, callIdempotent,
-  codeName, createBrokerClient, fromHex, nowMs, openSession, pb, sessionClient, sessionInterceptor, toHex, verifyChain,
-  verifyContract, verifyReceipt, watch, createWebTransport];
+void [Agent, BrokerError, BrokerKeys, Code, ConnectError, RenewingSession, callIdempotent, codeName, create,
+  createBrokerClient, fromBinary, fromHex, nowMs, openSession, pb, sessionClient, sessionInterceptor, toBinary, toHex,
+  verifyChain, verifyContract, verifyReceipt, watch, createWebTransport];
 export {};
 `;
 

@@ -24,7 +24,14 @@
 * :func:`error_info` — the ``google.rpc.ErrorInfo`` of a failed call.
 """
 
-from . import pb
+# The generated modules refuse, at import, a protobuf or grpcio older than the
+# one they were generated for: say so plainly (what is needed, what is installed).
+try:
+    from . import pb
+except Exception as _error:  # VersionError (protobuf), RuntimeError (grpcio), ImportError (missing or too old)
+    from ._requirements import explain as _explain
+
+    raise ImportError(_explain(_error)) from _error
 from .errors import ERROR_DOMAIN, ErrorInfo, error_info
 from .retry import RETRYABLE, call_idempotent
 from .session import (
