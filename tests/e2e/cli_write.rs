@@ -297,6 +297,29 @@ async fn health_and_keys_show_read_a_broker_without_a_key() {
         key["public_key_hex"].as_str().expect("hex")
     );
 
+    // The base64 form verifies a chain as well as the hex one.
+    let dir = tempfile::tempdir().expect("a folder");
+    let orchestrator = Party::new(dir.path(), "orchestrator");
+    let open = ["open-root", "--intent", "check", "--budget", "5"];
+    let root = orchestrator.id(&broker.addr, &open).await;
+    let chain = dir.path().join("chain.bin");
+    let chain = chain.to_str().expect("a path");
+    let get = ["get", root.as_str(), "--chain-out", chain];
+    orchestrator.ok(&broker.addr, &get, "--json").await;
+    let base64_key = key["public_key_base64"].as_str().expect("base64");
+    let verified = run(vec![
+        "verify".into(),
+        "--public-key".into(),
+        base64_key.into(),
+        "--chain".into(),
+        chain.into(),
+        "--contract-id".into(),
+        root.clone(),
+    ])
+    .await;
+    assert!(verified.status.success(), "{}", text(&verified.stderr));
+    assert!(text(&verified.stdout).contains("ok chain of 1 contracts"));
+
     // Nothing listens there: not serving, and said so.
     let closed = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
