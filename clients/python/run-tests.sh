@@ -24,6 +24,8 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=../../scripts/broker.sh
+source "$HERE/../../scripts/broker.sh"
 REPO_ROOT="$(cd "$HERE/../.." && pwd)"
 VENV="$HERE/.venv"
 
@@ -151,25 +153,7 @@ PY
 
 step "examples/three_hops.py from that virtualenv, against the real broker ($BROKER_BIN)"
 mkdir -p "$artifact/broker" "$artifact/run"
-attestor_pub="$("$BROKER_BIN" keygen --out "$artifact/broker/attestor.seed")"
-printf '[trust]\nattestors = ["%s"]\n' "$attestor_pub" >"$artifact/broker/broker.toml"
-BROKER_LOG="${BROKER_LOG:-warn}" "$BROKER_BIN" serve --listen 127.0.0.1:0 --data-dir "$artifact/broker/data" \
-    --config "$artifact/broker/broker.toml" >"$artifact/broker/stdout" 2>"$artifact/broker/log" </dev/null &
-broker_pid=$!
-address=""
-for _ in $(seq 300); do  # up to 30 s for its first line, "listening on ADDR"
-    if [[ "$(wc -l <"$artifact/broker/stdout")" -ge 1 ]]; then
-        address="$(sed -n '1s/^listening on //p' "$artifact/broker/stdout")"
-        break
-    fi
-    kill -0 "$broker_pid" 2>/dev/null || break
-    sleep 0.1
-done
-if [[ -z "$address" ]]; then
-    echo "run-tests.sh: the broker did not print 'listening on ADDR'; stdout: $(head -c 500 "$artifact/broker/stdout"); log:" >&2
-    cat "$artifact/broker/log" >&2
-    exit 1
-fi
+start_attested_broker "$artifact/broker"
 cp "$HERE/examples/three_hops.py" "$artifact/run/"
 if ! (cd "$artifact/run" && "$FPY" -I three_hops.py --target "$address" \
         --attestor-seed "$(cat "$artifact/broker/attestor.seed")") >"$artifact/run/out" 2>&1; then

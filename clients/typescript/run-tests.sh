@@ -30,6 +30,8 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=../../scripts/broker.sh
+source "$HERE/../../scripts/broker.sh"
 REPO_ROOT="$(cd "$HERE/../.." && pwd)"
 
 BROKER_BIN="${BROKER_BIN:-target/debug/delegation-broker}"
@@ -218,25 +220,7 @@ cat >"$app/tsconfig.json" <<JSON
 JSON
 "$HERE/node_modules/.bin/tsc" -p "$app/tsconfig.json"
 mkdir -p "$fresh/broker"
-attestor_pub="$("$BROKER_BIN" keygen --out "$fresh/broker/attestor.seed")"
-printf '[trust]\nattestors = ["%s"]\n' "$attestor_pub" >"$fresh/broker/broker.toml"
-BROKER_LOG="${BROKER_LOG:-warn}" "$BROKER_BIN" serve --listen 127.0.0.1:0 --data-dir "$fresh/broker/data" \
-    --config "$fresh/broker/broker.toml" >"$fresh/broker/stdout" 2>"$fresh/broker/log" </dev/null &
-broker_pid=$!
-address=""
-for _ in $(seq 300); do  # up to 30 s for its first line, "listening on ADDR"
-    if [[ "$(wc -l <"$fresh/broker/stdout")" -ge 1 ]]; then
-        address="$(sed -n '1s/^listening on //p' "$fresh/broker/stdout")"
-        break
-    fi
-    kill -0 "$broker_pid" 2>/dev/null || break
-    sleep 0.1
-done
-if [[ -z "$address" ]]; then
-    echo "run-tests.sh: the broker did not print 'listening on ADDR'; stdout: $(head -c 500 "$fresh/broker/stdout"); log:" >&2
-    cat "$fresh/broker/log" >&2
-    exit 1
-fi
+start_attested_broker "$fresh/broker"
 if ! (cd "$app" && node out/three-hops.js "$address" "$(cat "$fresh/broker/attestor.seed")") >"$app/run.out" 2>&1; then
     echo "run-tests.sh: examples/three-hops.ts failed in the fresh folder:" >&2
     cat "$app/run.out" >&2
