@@ -159,7 +159,8 @@ struct Reader {
     session: pb::OpenSessionResponse,
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+/// The current-thread runtime each terminal command runs on.
+pub(in crate::cli) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?)

@@ -25,7 +25,10 @@ use clap::Args;
 use prost::Message as _;
 use serde_json::{Map, Value};
 
-use super::read::{Fields, hex_or_dash, parse_id, receipt_json, receipt_text, terms_json, when};
+use super::read::{
+    CONNECT_TIMEOUT_MS, Fields, hex_or_dash, parse_id, receipt_json, receipt_text, runtime,
+    terms_json, when,
+};
 use super::tree::ppm;
 use crate::crypto;
 use crate::pb;
@@ -34,9 +37,6 @@ use broker_client::Link;
 /// The exit status of a command the broker refused (an invariant, with
 /// a signed refusal receipt); any other failure exits 1.
 pub const REFUSED_EXIT_STATUS: u8 = 3;
-
-/// Longest wait for the connection to the broker.
-const CONNECT_TIMEOUT_MS: u64 = 10_000;
 
 /// Where to write and as whom: what every writing command takes.
 #[derive(Args, Debug, Clone)]
@@ -70,12 +70,6 @@ enum Answer {
     Issued(pb::IssuedContract),
     Refused(pb::Refusal),
     Receipt { id: Vec<u8>, sealed: pb::Sealed },
-}
-
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?)
 }
 
 /// Runs `write` with a link signing as `--key-file`, then prints its answer.
