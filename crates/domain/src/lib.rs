@@ -18,6 +18,7 @@ pub mod predicate;
 pub mod schema;
 pub mod scope;
 pub mod tenant;
+pub mod token;
 pub mod trust;
 
 #[cfg(test)]

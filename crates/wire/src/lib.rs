@@ -1,12 +1,13 @@
 //! The wire: what a verifier or a client needs and nothing a server does —
 //! the types generated from `proto/`, signing and verification (`crypto`),
-//! the sealed contract format (`stamp`), the commands a request becomes
+//! the sealed contract format (`stamp`), EdDSA JWTs (`jwt`), the commands a request becomes
 //! (`command`), offline chain verification (`chain`) and the clock.
 
 pub mod chain;
 pub mod clock;
 pub mod command;
 pub mod crypto;
+pub mod jwt;
 pub mod names;
 pub mod stamp;
 pub mod throttle;

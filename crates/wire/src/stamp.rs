@@ -160,6 +160,16 @@ impl Stamper {
         crypto::seal(&self.key, payload_type::SESSION, session.encode_to_vec())
     }
 
+    /// Signs a JWT (EdDSA, `kid` the broker key id) for the token
+    /// endpoint.
+    pub fn sign_jwt(
+        &self,
+        typ: &str,
+        claims: &serde_json::Map<String, serde_json::Value>,
+    ) -> String {
+        crate::jwt::sign(&self.key, typ, Some(&self.key_id), claims)
+    }
+
     /// Signs any receipt (its `broker_key_id` is set here).
     pub fn sign_receipt(&self, receipt: &pb::Receipt) -> Stamped {
         let mut receipt = receipt.clone();
