@@ -4,7 +4,7 @@
 /// The pure domain (`crates/domain`), under the name its callers know.
 pub use broker_domain as core;
 
-pub use broker_wire::{chain, clock, command, crypto, names, pb, stamp};
+pub use broker_wire::{chain, clock, command, crypto, jwt, names, pb, stamp};
 
 /// The store (`crates/store`) and the concurrency pieces it shares with
 /// the service.
@@ -21,6 +21,7 @@ pub mod keystore;
 pub mod metrics;
 pub mod server;
 pub mod service;
+pub mod tokens;
 
 /// What this binary is: `delegation-broker version`, `broker_build_info`,
 /// the spans' `service.version`.

@@ -57,6 +57,12 @@ enum Command {
         /// configuration; prints the URL with a fresh access token.
         #[arg(long, env = "BROKER_CONSOLE")]
         console: Option<String>,
+        /// Serve the token endpoint at http://ADDR/ (off when absent), e.g.
+        /// 127.0.0.1:8443: JWTs for resource servers (OAuth token exchange,
+        /// JWKS, introspection). Configure `[tokens]`: the resources tokens
+        /// are minted for.
+        #[arg(long, env = "BROKER_TOKENS")]
+        tokens: Option<String>,
         /// Export each call's span over OTLP to this collector, e.g.
         /// http://127.0.0.1:4317 (off when absent). The standard
         /// variables work too: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (wins,
@@ -321,6 +327,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
             config,
             metrics,
             console,
+            tokens,
             otlp_endpoint,
             trace_sample_ratio,
             signing_key_file,
@@ -331,7 +338,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
             (listen, allow_open_tenant),
             (data_dir, signing_key_file),
             config,
-            (metrics, console),
+            (metrics, console, tokens),
             (otlp_endpoint, trace_sample_ratio),
             database,
             logging.logging(),
@@ -417,7 +424,7 @@ fn serve(
     (listen, allow_open_tenant): (String, bool),
     (data_dir, signing_key_file): (PathBuf, Option<PathBuf>),
     config: Option<PathBuf>,
-    (metrics, console): (Option<String>, Option<String>),
+    (metrics, console, tokens): (Option<String>, Option<String>, Option<String>),
     (otlp_endpoint, trace_sample_ratio): (Option<String>, Option<f64>),
     database: DatabaseArgs,
     logging: crate::telemetry::Logging,
@@ -469,6 +476,11 @@ fn serve(
                 listener.local_addr()?
             ));
             listeners.console = Some(crate::console::ConsoleOptions { listener, token });
+        }
+        if let Some(address) = tokens {
+            let listener = bind(&address, "--tokens").await?;
+            announced.push(format!("tokens on http://{}", listener.local_addr()?));
+            listeners.tokens = Some(listener);
         }
         tokio::spawn(async move {
             if serving.await.is_ok() {

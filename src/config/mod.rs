@@ -11,8 +11,10 @@ use serde::Deserialize;
 use crate::core::trust;
 
 mod limits;
+mod tokens;
 
 pub use limits::{LIMITS, LimitSpec, Limits, keys};
+pub use tokens::TokensConfig;
 
 /// Everything the server needs besides its listener.
 #[derive(Clone, Debug)]
@@ -33,6 +35,9 @@ pub struct Config {
     /// The browser console's settings (`[console]`; used with
     /// `serve --console`).
     pub console: ConsoleConfig,
+    /// The token endpoint's settings (`[tokens]`; used with
+    /// `serve --tokens`).
+    pub tokens: TokensConfig,
     pub limits: Limits,
 }
 
@@ -156,6 +161,7 @@ struct FileConfig {
     tls: Option<FileTls>,
     readers: FileReaders,
     console: FileConsole,
+    tokens: tokens::FileTokens,
     limits: Limits,
 }
 
@@ -392,6 +398,7 @@ impl Config {
         let config = Self {
             readers,
             console,
+            tokens: tokens::tokens_config(&file.tokens)?,
             data_dir,
             trust: TrustConfig {
                 attestors,

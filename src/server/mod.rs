@@ -80,6 +80,8 @@ pub struct Listeners {
     /// The browser console with its token (`serve --console ADDR`); none
     /// when absent.
     pub console: Option<crate::console::ConsoleOptions>,
+    /// The token endpoint (`serve --tokens ADDR`); none when absent.
+    pub tokens: Option<TcpListener>,
 }
 
 impl From<TcpListener> for Listeners {
@@ -89,6 +91,7 @@ impl From<TcpListener> for Listeners {
             grpc,
             metrics: None,
             console: None,
+            tokens: None,
         }
     }
 }
@@ -152,6 +155,7 @@ pub async fn run_with_options(
         grpc: listener,
         metrics: metrics_listener,
         console,
+        tokens,
     } = listeners.into();
     let metrics = crate::metrics::Metrics::new();
     // Keys cannot be told apart, so without declared tenants the broker
@@ -185,6 +189,7 @@ pub async fn run_with_options(
         clock: clock.clone(),
         metrics_listener,
         console,
+        tokens,
         metrics: metrics.clone(),
         current_key: keyring.current.verifying_key(),
         stamper: stamper.clone(),
@@ -226,6 +231,7 @@ struct Parts {
     clock: Arc<dyn Clock>,
     metrics_listener: Option<TcpListener>,
     console: Option<crate::console::ConsoleOptions>,
+    tokens: Option<TcpListener>,
     metrics: Arc<crate::metrics::Metrics>,
     current_key: ed25519_dalek::VerifyingKey,
     stamper: Arc<Stamper>,

@@ -30,6 +30,16 @@ pub(super) async fn serve<S: Served>(
     )
     .with_published(keys.clone());
     let console_settings = config.console.clone();
+    let tokens = parts.tokens.map(|listener| {
+        start_tokens(
+            listener,
+            (store.clone(), parts.stamper.clone(), keys.clone()),
+            (parts.clock.clone(), config.tokens.clone()),
+            &metrics,
+            stopping.clone(),
+        )
+    });
+    let tokens = tokens.transpose()?;
     let broker = broker_service(
         store,
         config,
@@ -84,8 +94,10 @@ pub(super) async fn serve<S: Served>(
     )?;
     drained(server, stopping, drain).await?;
     let _ = metrics_stop.send(());
-    stop_console(console).await;
-    // Last: the console's handlers hold the store too.
+    stop_side("console", console).await;
+    stop_side("token endpoint", tokens).await;
+    // Last: the console's and the token endpoint's handlers hold the
+    // store too.
     let left = asked.get().map_or(drain, |at: &std::time::Instant| {
         drain.saturating_sub(at.elapsed())
     });
@@ -228,21 +240,23 @@ fn broker_service<S: Served>(
         .max_encoding_message_size(limits.max_response_bytes()))
 }
 
-/// Waits for the console to stop on the same signal, within its bound: a
-/// client that never reads its answer must not hold the broker's exit.
-async fn stop_console(
-    console: Option<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>>,
+/// Waits for a side listener (the console, the token endpoint) to stop
+/// on the same signal, within `CONSOLE_DRAIN`: a client that never reads
+/// its answer must not hold the broker's exit.
+async fn stop_side<E: std::fmt::Display>(
+    name: &'static str,
+    task: Option<tokio::task::JoinHandle<Result<(), E>>>,
 ) {
-    let Some(mut console) = console else {
+    let Some(mut task) = task else {
         return;
     };
-    match tokio::time::timeout(crate::console::CONSOLE_DRAIN, &mut console).await {
-        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the console stopped with an error"),
-        Ok(Err(e)) => tracing::warn!(error = %e, "the console's task failed"),
+    match tokio::time::timeout(crate::console::CONSOLE_DRAIN, &mut task).await {
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the {name} stopped with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "the {name}'s task failed"),
         Ok(Ok(Ok(()))) => {}
         Err(_) => {
-            tracing::warn!("the console's connections did not finish in time; cut");
-            console.abort();
+            tracing::warn!("the {name}'s connections did not finish in time; cut");
+            task.abort();
         }
     }
 }
@@ -304,6 +318,28 @@ pub(super) async fn start_console<S: Served>(
         wiring,
         stopping,
     )))
+}
+
+/// Starts the token endpoint on its listener.
+#[allow(clippy::type_complexity)]
+fn start_tokens<S: Served>(
+    listener: TcpListener,
+    (store, stamper, keys): (Arc<S>, Arc<Stamper>, crate::service::PublishedKeys),
+    (clock, settings): (Arc<dyn Clock>, crate::config::TokensConfig),
+    metrics: &Arc<crate::metrics::Metrics>,
+    stopping: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<Result<(), std::convert::Infallible>>, ServerError> {
+    let address = listener.local_addr()?;
+    if settings.resources.is_empty() {
+        tracing::warn!(%address, "the token endpoint has no [tokens] resources: it mints nothing");
+    }
+    let service = crate::tokens::TokenService::new(store, stamper, keys, clock, settings, address);
+    tracing::info!(%address, issuer = %service.issuer, "serving the token endpoint");
+    let closed = metrics.connections_closed.clone();
+    Ok(tokio::spawn(async move {
+        crate::tokens::serve(listener, service, closed, stopping).await;
+        Ok(())
+    }))
 }
 
 /// Serves `/metrics` on `metrics_listener`, when there is one, until the

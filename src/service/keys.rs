@@ -86,18 +86,25 @@ impl<S: Store> BrokerService<S> {
     }
 
     pub(super) async fn get_broker_keys(&self) -> pb::GetBrokerKeysResponse {
-        // A replicated broker reads the shared registry (at most
-        // `KEYS_MAX_AGE_MS` old, one read at a time): a replica registers
-        // its key before it serves, so its contracts verify with the keys
-        // of any replica asked after that.
-        if self.keys.stale(KEYS_MAX_AGE_MS)
-            && let Ok(Some(keys)) = self.store.broker_keys().await
+        pb::GetBrokerKeysResponse {
+            keys: self.keys.refreshed(self.store.as_ref()).await,
+        }
+    }
+}
+
+impl PublishedKeys {
+    /// The keys, first read again from the store when older than
+    /// `KEYS_MAX_AGE_MS`. A replicated broker reads the shared registry
+    /// (one read at a time): a replica registers its key before it
+    /// serves, so its signatures verify with the keys of any replica
+    /// asked after that.
+    pub async fn refreshed<S: Store>(&self, store: &S) -> Vec<pb::BrokerKey> {
+        if self.stale(KEYS_MAX_AGE_MS)
+            && let Ok(Some(keys)) = store.broker_keys().await
             && !keys.is_empty()
         {
-            self.keys.set(keys);
+            self.set(keys);
         }
-        pb::GetBrokerKeysResponse {
-            keys: self.keys.get(),
-        }
+        self.get()
     }
 }
