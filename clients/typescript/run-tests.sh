@@ -18,7 +18,9 @@
 #      examples/three-hops.ts, which may import only the package, compiled
 #      there against the installed package (tsc and @types/node from this
 #      folder, not installed there) and run against the real broker, started
-#      and stopped here,
+#      and stopped here; beside it, a few lines using the token endpoint's
+#      exports (TokenEndpoint, TokenEndpointError, signAssertion), compiled
+#      and run the same way (offline),
 #   8. node --test: every test file starts its own broker from $BROKER_BIN.
 #
 #   BROKER_BIN=/path/to/delegation-broker clients/typescript/run-tests.sh [node --test args]
@@ -215,10 +217,24 @@ cat >"$app/tsconfig.json" <<JSON
     "target": "ES2022", "module": "NodeNext", "moduleResolution": "NodeNext", "strict": true,
     "types": ["node"], "typeRoots": ["$HERE/node_modules/@types"], "rootDir": ".", "outDir": "out"
   },
-  "files": ["three-hops.ts"]
+  "files": ["three-hops.ts", "tokens-exports.ts"]
 }
 JSON
+# The token endpoint's exports, as a user imports them from the installed package.
+cat >"$app/tokens-exports.ts" <<'TS'
+import { Agent, TokenEndpoint, TokenEndpointError, signAssertion, type DelegationTokenClaims, type MintedToken } from "@delegation-broker/client";
+const jws = signAssertion(Agent.generate(), new Uint8Array(32), "http://127.0.0.1:1/token");
+const endpoint = new TokenEndpoint("http://127.0.0.1:1/");
+const error: unknown = new TokenEndpointError("invalid_grant", "replayed", 400);
+const typed: [MintedToken | undefined, DelegationTokenClaims | undefined] = [undefined, undefined];
+if (jws.split(".").length !== 3 || endpoint.url !== "http://127.0.0.1:1" || !(error instanceof TokenEndpointError) || error.error !== "invalid_grant" || typed.length !== 2) {
+  console.error("the installed package's token exports misbehave");
+  process.exit(1);
+}
+console.log(`token exports: TokenEndpoint, TokenEndpointError, signAssertion (an assertion of ${jws.length} characters)`);
+TS
 "$HERE/node_modules/.bin/tsc" -p "$app/tsconfig.json"
+(cd "$app" && node out/tokens-exports.js) | sed 's/^/    /'
 mkdir -p "$fresh/broker"
 start_attested_broker "$fresh/broker"
 if ! (cd "$app" && node out/three-hops.js "$address" "$(cat "$fresh/broker/attestor.seed")") >"$app/run.out" 2>&1; then

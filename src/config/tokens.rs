@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
-use crate::core::token::{MAX_RESOURCE_BYTES, MAX_TOKEN_LIFETIME_MINUTES};
+use crate::core::limits::{MAX_RESOURCE_BYTES, MAX_TOKEN_LIFETIME_MINUTES};
 
 /// Most resources and most introspecting clients listed.
 pub const MAX_TOKEN_ENTRIES: usize = 1_000;

@@ -158,27 +158,25 @@ async fn introspect<S: Store>(
 /// The form body, within `MAX_FORM_BYTES` and `REQUEST_TIMEOUT`; a
 /// parameter given twice is refused (RFC 6749 §3.2).
 async fn read_form(body: axum::body::Body) -> Result<HashMap<String, String>, EndpointError> {
-    let bytes = match tokio::time::timeout(
-        REQUEST_TIMEOUT,
-        axum::body::to_bytes(body, MAX_FORM_BYTES),
-    )
-    .await
-    {
-        Ok(Ok(bytes)) => bytes,
-        Ok(Err(_)) => {
-            return Err(TokenError::InvalidRequest(format!(
-                "the body is not a form of at most {MAX_FORM_BYTES} bytes"
-            ))
-            .into());
-        }
-        Err(_) => {
-            return Err(TokenError::InvalidRequest(format!(
-                "the body did not arrive within {} s",
-                REQUEST_TIMEOUT.as_secs()
-            ))
-            .into());
-        }
-    };
+    let bytes =
+        match tokio::time::timeout(REQUEST_TIMEOUT, axum::body::to_bytes(body, MAX_FORM_BYTES))
+            .await
+        {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(_)) => {
+                return Err(TokenError::InvalidRequest(format!(
+                    "the body is not a form of at most {MAX_FORM_BYTES} bytes"
+                ))
+                .into());
+            }
+            Err(_) => {
+                return Err(TokenError::InvalidRequest(format!(
+                    "the body did not arrive within {} s",
+                    REQUEST_TIMEOUT.as_secs()
+                ))
+                .into());
+            }
+        };
     let mut form = HashMap::new();
     for (name, value) in form_urlencoded::parse(&bytes) {
         if form.len() >= MAX_FORM_FIELDS {
@@ -237,7 +235,9 @@ impl<S: Store> TokenService<S> {
         };
         token::check_resource(resource, &self.config.resources)?;
         let assertion = field(form, "subject_token")?.ok_or_else(|| {
-            TokenError::InvalidRequest("subject_token (the holder's signed assertion) is missing".into())
+            TokenError::InvalidRequest(
+                "subject_token (the holder's signed assertion) is missing".into(),
+            )
         })?;
         let jws = crate::jwt::decode(assertion)
             .map_err(|e| TokenError::InvalidGrant(format!("subject_token: {e}")))?;
@@ -246,12 +246,16 @@ impl<S: Store> TokenService<S> {
         let key = crypto::public_key(&claims.key)
             .map_err(|e| TokenError::InvalidGrant(format!("the assertion's iss: {e}")))?;
         jws.verify(&key).map_err(|_| {
-            TokenError::InvalidGrant("the assertion's signature does not verify under its iss".into())
+            TokenError::InvalidGrant(
+                "the assertion's signature does not verify under its iss".into(),
+            )
         })?;
-        match self
-            .replay
-            .take(claims.key, &claims.jti, claims.exp_s, now_ms.div_euclid(1000))
-        {
+        match self.replay.take(
+            claims.key,
+            &claims.jti,
+            claims.exp_s,
+            now_ms.div_euclid(1000),
+        ) {
             Taken::Fresh => {}
             Taken::Replayed => {
                 return Err(TokenError::InvalidGrant(
@@ -300,7 +304,11 @@ impl<S: Store> TokenService<S> {
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Basic "))
-            .and_then(|v| base64::engine::general_purpose::STANDARD.decode(v.trim()).ok())
+            .and_then(|v| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(v.trim())
+                    .ok()
+            })
             .and_then(|v| String::from_utf8(v).ok())
             .ok_or_else(refused)?;
         let (id, secret) = credentials.split_once(':').ok_or_else(refused)?;
@@ -334,7 +342,10 @@ impl<S: Store> TokenService<S> {
             });
         let current = verified
             && claims.get("iss").and_then(Value::as_str) == Some(self.issuer.as_str())
-            && claims.get("exp").and_then(Value::as_i64).is_some_and(|exp| exp > now_s);
+            && claims
+                .get("exp")
+                .and_then(Value::as_i64)
+                .is_some_and(|exp| exp > now_s);
         let (true, Some(contract)) = (current, contract) else {
             return Ok(inactive);
         };

@@ -26,7 +26,10 @@ pub(super) enum Taken {
 impl Replay {
     /// Takes `jti` of `signer`, remembered until `exp_s`.
     pub(super) fn take(&self, signer: AgentKey, jti: &str, exp_s: i64, now_s: i64) -> Taken {
-        let mut seen = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut seen = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let key = (signer, jti.to_owned());
         if seen.get(&key).is_some_and(|&exp| exp >= now_s) {
             return Taken::Replayed;

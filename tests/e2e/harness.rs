@@ -48,6 +48,8 @@ pub struct Broker {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// The console's address and access token (brokers started with it).
     pub console: Option<(std::net::SocketAddr, String)>,
+    /// The token endpoint's URL (brokers started with it).
+    pub tokens_url: Option<String>,
     /// The PostgreSQL database of this broker (`on_postgres`), dropped
     /// after the broker stops.
     pub database: Option<delegation_broker::store::postgres::testing::TestDatabase>,
@@ -74,6 +76,7 @@ enum Listener {
     None,
     Metrics,
     Console,
+    Tokens,
 }
 
 impl Broker {
@@ -102,6 +105,11 @@ impl Broker {
     /// configuration must name `console.reader`.
     pub async fn start_with_console(adjust: impl FnOnce(&mut Config)) -> Self {
         Self::start_full(adjust, Listener::Console, None).await
+    }
+
+    /// A broker that also serves the token endpoint (`tokens_url`).
+    pub async fn start_with_tokens(adjust: impl FnOnce(&mut Config)) -> Self {
+        Self::start_full(adjust, Listener::Tokens, None).await
     }
 
     /// A broker that also serves Prometheus metrics (`metrics_addr`).
@@ -173,6 +181,7 @@ impl Broker {
         }
         let mut metrics_addr = None;
         let mut console = None;
+        let mut tokens_url = None;
         let mut listeners = delegation_broker::server::Listeners::from(listener);
         if extra == Listener::Console {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -180,6 +189,10 @@ impl Broker {
             console = Some((listener.local_addr().unwrap(), token.clone()));
             listeners.console =
                 Some(delegation_broker::console::ConsoleOptions { listener, token });
+        } else if extra == Listener::Tokens {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tokens_url = Some(format!("http://{}", listener.local_addr().unwrap()));
+            listeners.tokens = Some(listener);
         } else if extra == Listener::Metrics {
             let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             metrics_addr = Some(metrics_listener.local_addr().unwrap());
@@ -212,6 +225,7 @@ impl Broker {
             server: Some(server),
             metrics_addr,
             console,
+            tokens_url,
             database,
             _dir: dir,
         }

@@ -26,4 +26,5 @@ mod replicas;
 mod seeds;
 mod sockets;
 mod tls;
+mod tokens;
 mod tree;

@@ -10,6 +10,7 @@ test key, to check each term of "Verifying a chain" on its own.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -67,27 +68,51 @@ def _hex_keys(agents: list[Agent]) -> str:
     return ", ".join(f'"{a.public_key.hex()}"' for a in agents)
 
 
+@dataclass
+class Tokens:
+    """The ``[tokens]`` table: the resources tokens are minted for, their
+    lifetime, and the resource servers that may introspect (client id →
+    secret; the config keeps SHA-256 of each secret, in hex)."""
+
+    resources: list[str]
+    introspectors: dict[str, str]
+    lifetime_minutes: int | None = None
+
+    def toml(self) -> str:
+        text = f"\n[tokens]\nresources = [{', '.join(json.dumps(r) for r in self.resources)}]\n"
+        if self.lifetime_minutes is not None:
+            text += f"lifetime_minutes = {self.lifetime_minutes}\n"
+        text += "\n[tokens.introspectors]\n" + "".join(
+            f"{json.dumps(client)} = \"{sha256(secret.encode()).hex()}\"\n" for client, secret in self.introspectors.items())
+        return text
+
+
 class BrokerProcess:
     """`delegation-broker serve` on 127.0.0.1:0 with a fresh data directory and
     a config trusting ``attestors`` and letting ``readers`` read every tree;
     ``limits`` adds lines to its ``[limits]`` table, ``env`` variables to its
-    environment (e.g. ``BROKER_LOG_FORMAT``); its stderr goes to ``log_path``."""
+    environment (e.g. ``BROKER_LOG_FORMAT``); with ``tokens`` it also serves the
+    token endpoint (``--tokens 127.0.0.1:0``, ``[tokens]`` from it) at
+    ``tokens_url``; its stderr goes to ``log_path``."""
 
     def __init__(self, workdir: Path, attestors: list[Agent], readers: list[Agent] | None = None,
-                 limits: dict[str, int] | None = None, env: dict[str, str] | None = None):
+                 limits: dict[str, int] | None = None, env: dict[str, str] | None = None,
+                 tokens: Tokens | None = None):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "broker.toml"
         text = f"[trust]\nattestors = [{_hex_keys(attestors)}]\n\n[readers]\nkeys = [{_hex_keys(readers or [])}]\n"
         if limits:
             text += "\n[limits]\n" + "".join(f"{name} = {value}\n" for name, value in limits.items())
+        if tokens is not None:
+            text += tokens.toml()
         config.write_text(text)
         self.log_path = workdir / "broker.log"
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "BROKER_LOG": os.environ.get("BROKER_LOG", "warn"), **(env or {})}
         self.proc = subprocess.Popen(
             [str(broker_bin()), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(workdir / "data"),
-             "--config", str(config)],
+             "--config", str(config), *(["--tokens", "127.0.0.1:0"] if tokens is not None else [])],
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
@@ -110,6 +135,23 @@ class BrokerProcess:
             self.stop()
             raise RuntimeError(f"broker did not start (first line {first!r}); log:\n{self.log_path.read_text()}")
         self.address = first[len(prefix):]
+        #: With ``tokens``: the token endpoint's URL (``tokens on http://ADDR``), its default issuer.
+        self.tokens_url: str | None = None
+        if tokens is not None:
+            # The broker prints its listeners' lines together, once it serves.
+            for _ in range(8):
+                try:
+                    line = lines.get(timeout=30).decode().strip()
+                except queue.Empty:
+                    line = ""
+                if line.startswith("tokens on "):
+                    self.tokens_url = line[len("tokens on "):]
+                    break
+                if not line:
+                    break
+            if self.tokens_url is None:
+                self.stop()
+                raise RuntimeError(f"the broker printed no 'tokens on' line; log:\n{self.log_path.read_text()}")
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM (graceful drain), then SIGKILL if it lingers; returns the exit code."""
@@ -157,12 +199,14 @@ class Broker:
     carries none. Tests of who may read use :meth:`stub_for`."""
 
     def __init__(self, workdir: Path, attestor: Agent | None = None, *, limits: dict[str, int] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, tokens: Tokens | None = None):
         self.attestor = attestor or Agent.generate()
         #: Listed under ``[readers]``: may read every tree.
         self.reader = Agent.generate()
-        self.process = BrokerProcess(workdir, [self.attestor], [self.reader], limits, env)
+        self.process = BrokerProcess(workdir, [self.attestor], [self.reader], limits, env, tokens)
         self.address = self.process.address
+        #: The token endpoint's URL when started with ``tokens``, else None.
+        self.tokens_url = self.process.tokens_url
         self.channel = grpc.insecure_channel(self.address)
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.bare_stub = pb.BrokerStub(self.channel)

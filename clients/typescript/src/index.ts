@@ -14,7 +14,10 @@
  *   offline verification from the broker's published keys alone;
  * - {@link watch}: a subtree's events, each verified, resumable by cursor;
  * - {@link BrokerError}: failed calls with their code, ErrorInfo reason and
- *   offending field.
+ *   offending field;
+ * - {@link TokenEndpoint}, {@link signAssertion}: JWT access tokens for
+ *   resource servers from the broker's token endpoint (`serve --tokens`),
+ *   by token exchange with an assertion the contract's delegate signs.
  *
  * Transports: `@delegation-broker/client/node` (gRPC over HTTP/2, TLS
  * optional) and `@delegation-broker/client/web` (gRPC-Web, for browsers).
@@ -105,3 +108,24 @@ export {
 } from "./session.js";
 export { brokerTransport, createBrokerClient, sessionClient, type BrokerClient } from "./client.js";
 export { Watch, watch, type ReconnectOptions, type WatchEvent, type WatchOptions, type WatchSource } from "./watch.js";
+export {
+  DEFAULT_ASSERTION_LIFETIME_S,
+  DEFAULT_TOKEN_TIMEOUT_MS,
+  JWT_TOKEN_TYPE,
+  MAX_ASSERTION_LIFETIME_S,
+  TOKEN_EXCHANGE_GRANT_TYPE,
+  TOKEN_METADATA_PATH,
+  TokenEndpoint,
+  TokenEndpointError,
+  base64url,
+  signAssertion,
+  type AssertionClaims,
+  type AssertionOptions,
+  type DelegationTokenClaims,
+  type MintedToken,
+  type TokenActor,
+  type TokenContext,
+  type TokenEndpointMetadata,
+  type TokenEndpointOptions,
+  type TokenRequestOptions,
+} from "./tokens.js";

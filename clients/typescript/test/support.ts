@@ -6,7 +6,7 @@
  */
 
 import { spawn, type ChildProcess } from "node:child_process";
-import { randomBytes } from "node:crypto";
+import { createHash, randomBytes } from "node:crypto";
 import { createWriteStream, existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync, type WriteStream } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -69,24 +69,54 @@ function hexKeys(agents: Agent[]): string {
 /** How long after its start a broker is given before a SIGTERM (see BrokerProcess.stop). */
 const SIGNAL_HANDLER_GRACE_MS = 1_000;
 
+/** The `[tokens]` table: the token endpoint's settings (it is served, on `--tokens 127.0.0.1:0`, when given). */
+export interface TokensOptions {
+  /** The audiences tokens may be minted for. */
+  resources: string[];
+  lifetimeMinutes?: number;
+  issuer?: string;
+  /** Resource servers that may introspect: client id → its secret (the config holds its SHA-256). */
+  introspectors?: Record<string, string>;
+}
+
 export interface BrokerProcessOptions {
   attestors?: Agent[];
   readers?: Agent[];
   limits?: Record<string, number>;
   env?: Record<string, string>;
+  /** Serve the token endpoint (`--tokens`) with this `[tokens]` table. */
+  tokens?: TokensOptions;
   /** More TOML, appended to the config (e.g. a [tls] table). */
   extraConfig?: string;
+}
+
+/** The `[tokens]` TOML (strings as JSON strings: valid TOML basic strings for what tests use). */
+function tokensToml(tokens: TokensOptions): string {
+  const q = (text: string) => JSON.stringify(text);
+  let text = `\n[tokens]\nresources = [${tokens.resources.map(q).join(", ")}]\n`;
+  if (tokens.lifetimeMinutes !== undefined) text += `lifetime_minutes = ${tokens.lifetimeMinutes}\n`;
+  if (tokens.issuer !== undefined) text += `issuer = ${q(tokens.issuer)}\n`;
+  text += "\n[tokens.introspectors]\n";
+  for (const [id, secret] of Object.entries(tokens.introspectors ?? {})) {
+    text += `${q(id)} = ${q(createHash("sha256").update(secret, "utf8").digest("hex"))}\n`;
+  }
+  return text;
 }
 
 /**
  * `delegation-broker serve` on 127.0.0.1:0 (or a given address) with a data
  * directory of its own and a config trusting `attestors` and letting
  * `readers` read every tree; stderr goes to `broker.log` in its directory.
+ * With `tokens`, the token endpoint too (`--tokens 127.0.0.1:0`), at
+ * {@link tokensUrl}.
  */
 export class BrokerProcess {
   readonly workdir: string;
   readonly configPath: string;
   address = "";
+  /** The token endpoint's URL as `serve` prints it ("tokens on URL"); "" without `tokens`. */
+  tokensUrl = "";
+  readonly #tokens: boolean;
   #child: ChildProcess | undefined;
   #startedAt = 0;
   #log: WriteStream | undefined;
@@ -100,8 +130,10 @@ export class BrokerProcess {
     if (options.limits !== undefined) {
       text += "\n[limits]\n" + Object.entries(options.limits).map(([k, v]) => `${k} = ${v}\n`).join("");
     }
+    if (options.tokens !== undefined) text += tokensToml(options.tokens);
     writeFileSync(this.configPath, text + (options.extraConfig ?? ""));
     this.#env = options.env ?? {};
+    this.#tokens = options.tokens !== undefined;
   }
 
   static async start(workdir: string, options: BrokerProcessOptions = {}): Promise<BrokerProcess> {
@@ -116,34 +148,42 @@ export class BrokerProcess {
 
   async #spawn(listen: string): Promise<void> {
     this.#log = createWriteStream(this.logPath, { flags: "a" });
-    const child = spawn(
-      brokerBin(),
-      ["serve", "--listen", listen, "--data-dir", path.join(this.workdir, "data"), "--config", this.configPath],
-      { stdio: ["ignore", "pipe", "pipe"], env: { ...process.env, BROKER_LOG: process.env.BROKER_LOG ?? "warn", ...this.#env } },
-    );
+    const args = ["serve", "--listen", listen, "--data-dir", path.join(this.workdir, "data"), "--config", this.configPath];
+    // A restart keeps the token endpoint's address too (its URL is the tokens' issuer).
+    if (this.#tokens) args.push("--tokens", this.tokensUrl === "" ? "127.0.0.1:0" : new URL(this.tokensUrl).host);
+    const child = spawn(brokerBin(), args, {
+      stdio: ["ignore", "pipe", "pipe"],
+      env: { ...process.env, BROKER_LOG: process.env.BROKER_LOG ?? "warn", ...this.#env },
+    });
     this.#child = child;
     this.#startedAt = Date.now();
     child.stderr!.pipe(this.#log);
+    // Once serving, the broker prints "listening on ADDR", then "tokens on URL" with --tokens.
+    const wanted = this.#tokens ? 2 : 1;
+    const announced: string[] = [];
     const lines = createInterface({ input: child.stdout! });
-    const first = await new Promise<string>((resolve) => {
-      const timer = setTimeout(() => resolve(""), 30_000);
-      lines.once("line", (line) => {
+    await new Promise<void>((resolve) => {
+      const timer = setTimeout(resolve, 30_000);
+      const done = () => {
         clearTimeout(timer);
-        resolve(line.trim());
+        resolve();
+      };
+      // Read every line to the end, so the broker never blocks on (or dies of) a full or closed stdout.
+      lines.on("line", (line) => {
+        if (announced.length < wanted) announced.push(line.trim());
+        if (announced.length === wanted) done();
       });
-      child.once("exit", () => {
-        clearTimeout(timer);
-        resolve("");
-      });
+      child.once("exit", done);
     });
-    // Keep reading, so the broker never blocks on (or dies of) a full or closed stdout.
-    lines.on("line", () => {});
+    const [first = "", second = ""] = announced;
     const prefix = "listening on ";
-    if (!first.startsWith(prefix)) {
+    const tokensPrefix = "tokens on ";
+    if (!first.startsWith(prefix) || (this.#tokens && !second.startsWith(tokensPrefix))) {
       await this.stop();
-      throw new Error(`broker did not start (first line ${JSON.stringify(first)}); log:\n${readFileSync(this.logPath, "utf8")}`);
+      throw new Error(`broker did not start (lines ${JSON.stringify(announced)}); log:\n${readFileSync(this.logPath, "utf8")}`);
     }
     this.address = first.slice(prefix.length);
+    if (this.#tokens) this.tokensUrl = second.slice(tokensPrefix.length);
   }
 
   /** SIGTERM (graceful drain), then SIGKILL if it lingers; the exit code (or the signal's name). */
@@ -238,10 +278,18 @@ export class Broker {
     this.keys = keys;
   }
 
-  static async start(name: string, options: { limits?: Record<string, number>; attestor?: Agent } = {}): Promise<Broker> {
+  static async start(
+    name: string,
+    options: { limits?: Record<string, number>; attestor?: Agent; tokens?: TokensOptions } = {},
+  ): Promise<Broker> {
     const attestor = options.attestor ?? Agent.generate();
     const reader = Agent.generate();
-    const process = await BrokerProcess.start(tempDir(name), { attestors: [attestor], readers: [reader], limits: options.limits });
+    const process = await BrokerProcess.start(tempDir(name), {
+      attestors: [attestor],
+      readers: [reader],
+      limits: options.limits,
+      tokens: options.tokens,
+    });
     const transport = createNodeTransport(process.address);
     const client = await sessionClient(transport, reader);
     const keys = await BrokerKeys.fetch(client);

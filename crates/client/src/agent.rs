@@ -46,6 +46,33 @@ impl Agent {
         }
     }
 
+    /// The assertion that proves this agent holds `contract_id` to the
+    /// token endpoint at `token_endpoint` (a JWT it signs itself, EdDSA,
+    /// living `lifetime_s`).
+    pub fn token_assertion(
+        &self,
+        token_endpoint: &str,
+        contract_id: &[u8; 32],
+        now_s: i64,
+        lifetime_s: i64,
+    ) -> String {
+        let mut jti = [0u8; 16];
+        getrandom::fill(&mut jti).expect("the operating system's CSPRNG is available");
+        let me = hex::encode(self.public_key());
+        let serde_json::Value::Object(claims) = serde_json::json!({
+            "iss": me,
+            "sub": me,
+            "aud": token_endpoint,
+            "iat": now_s,
+            "exp": now_s + lifetime_s,
+            "jti": hex::encode(jti),
+            "contract_id": hex::encode(contract_id),
+        }) else {
+            unreachable!("a JSON object literal")
+        };
+        broker_wire::jwt::sign(&self.key, "JWT", None, &claims)
+    }
+
     /// Signs any message as a single-signature envelope.
     pub fn sign<T: Message>(&self, payload_type: &str, body: &T) -> pb::Envelope {
         crypto::sign_envelope(&self.key, payload_type, body.encode_to_vec())

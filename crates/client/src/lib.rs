@@ -11,6 +11,7 @@ pub mod error;
 pub mod keys;
 pub mod link;
 pub mod names;
+pub mod token;
 pub mod trace;
 pub mod tree;
 

@@ -296,3 +296,15 @@ pub const MAX_TENANTS: usize = 10_000;
 pub const MAX_KEYS_PER_TENANT: usize = 10_000;
 /// Longest tenant name, in bytes.
 pub const MAX_TENANT_NAME_BYTES: usize = 64;
+
+/// Token endpoint: longest an assertion may live (`exp - now`): a short one bounds how
+/// long the replay cache must remember its `jti`.
+pub const MAX_ASSERTION_LIFETIME_S: i64 = 300;
+/// Bounds on an assertion's `jti`: long enough to be unique when random,
+/// short enough to remember many.
+pub const MIN_JTI_BYTES: usize = 16;
+pub const MAX_JTI_BYTES: usize = 128;
+/// Ceiling on a minted token's lifetime (configured in minutes below it).
+pub const MAX_TOKEN_LIFETIME_MINUTES: u32 = 60;
+/// Longest resource (audience) name accepted, in bytes.
+pub const MAX_RESOURCE_BYTES: usize = 1_024;

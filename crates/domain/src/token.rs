@@ -9,6 +9,7 @@
 
 use serde_json::{Map, Value, json};
 
+use crate::limits::{MAX_ASSERTION_LIFETIME_S, MAX_JTI_BYTES, MAX_RESOURCE_BYTES, MIN_JTI_BYTES};
 use crate::{AgentKey, Id, Status};
 
 /// RFC 8693's grant type: the only one the endpoint serves.
@@ -18,20 +19,9 @@ pub const GRANT_TYPE: &str = "urn:ietf:params:oauth:grant-type:token-exchange";
 pub const JWT_TOKEN_TYPE: &str = "urn:ietf:params:oauth:token-type:jwt";
 /// The JOSE `typ` of a minted token (RFC 9068: a JWT access token).
 pub const ACCESS_TOKEN_TYP: &str = "at+jwt";
-/// Longest an assertion may live (`exp - now`): a short one bounds how
-/// long the replay cache must remember its `jti`.
-pub const MAX_ASSERTION_LIFETIME_S: i64 = 300;
 /// Clock difference allowed between a holder and the broker on `iat`
 /// and `exp`.
 pub const CLOCK_SKEW_S: i64 = 30;
-/// Bounds on an assertion's `jti`: long enough to be unique when random,
-/// short enough to remember many.
-pub const MIN_JTI_BYTES: usize = 16;
-pub const MAX_JTI_BYTES: usize = 128;
-/// Ceiling on a minted token's lifetime (configured in minutes below it).
-pub const MAX_TOKEN_LIFETIME_MINUTES: u32 = 60;
-/// Longest resource (audience) name accepted, in bytes.
-pub const MAX_RESOURCE_BYTES: usize = 1_024;
 
 /// Why a token request or assertion is refused: RFC 6749 §5.2's error
 /// codes (plus RFC 8707's `invalid_target`), each with a description
@@ -91,7 +81,9 @@ pub fn read_assertion(
     let text = |name: &str| claims.get(name).and_then(Value::as_str);
     let iss = text("iss").ok_or_else(|| grant("the assertion has no iss".into()))?;
     if text("sub") != Some(iss) {
-        return Err(grant("the assertion's sub is not its iss (the holder's public key)".into()));
+        return Err(grant(
+            "the assertion's sub is not its iss (the holder's public key)".into(),
+        ));
     }
     let key = hex32(iss).ok_or_else(|| {
         grant("the assertion's iss is not a public key (64 hex characters)".into())
@@ -112,7 +104,9 @@ pub fn read_assertion(
         .and_then(Value::as_i64)
         .ok_or_else(|| grant("the assertion has no exp (seconds since the epoch)".into()))?;
     if exp_s + CLOCK_SKEW_S <= now_s {
-        return Err(grant(format!("the assertion expired at {exp_s} (now {now_s})")));
+        return Err(grant(format!(
+            "the assertion expired at {exp_s} (now {now_s})"
+        )));
     }
     if exp_s > now_s + MAX_ASSERTION_LIFETIME_S + CLOCK_SKEW_S {
         return Err(grant(format!(
@@ -131,9 +125,9 @@ pub fn read_assertion(
             "the assertion's jti must be {MIN_JTI_BYTES}..={MAX_JTI_BYTES} bytes"
         )));
     }
-    let contract = text("contract_id")
-        .and_then(hex32)
-        .ok_or_else(|| grant("the assertion's contract_id is not a contract id (64 hex characters)".into()))?;
+    let contract = text("contract_id").and_then(hex32).ok_or_else(|| {
+        grant("the assertion's contract_id is not a contract id (64 hex characters)".into())
+    })?;
     Ok(Assertion {
         key,
         contract,
@@ -344,7 +338,14 @@ mod tests {
         assert_eq!(claims["tctx"]["residual"], 40);
         assert_eq!(claims["txn"], hex::encode([0u8; 32]));
         assert_eq!(claims["exp"], NOW_MS / 1000 + 300);
-        let root = mint(&chain()[..1], &Grant { holder: [100; 32], ..grant() }).unwrap();
+        let root = mint(
+            &chain()[..1],
+            &Grant {
+                holder: [100; 32],
+                ..grant()
+            },
+        )
+        .unwrap();
         assert!(root.get("act").is_none());
     }
 
@@ -354,24 +355,44 @@ mod tests {
         chain[3].deadline_ms = NOW_MS + 42_500;
         assert_eq!(mint(&chain, &grant()).unwrap()["exp"], NOW_MS / 1000 + 42);
         chain[3].deadline_ms = NOW_MS + 900;
-        assert!(matches!(mint(&chain, &grant()), Err(TokenError::InvalidGrant(_))));
+        assert!(matches!(
+            mint(&chain, &grant()),
+            Err(TokenError::InvalidGrant(_))
+        ));
     }
 
     #[test]
     fn only_the_holder_of_a_standing_chain_gets_one() {
-        let stranger = Grant { holder: [1; 32], ..grant() };
-        assert!(matches!(mint(&chain(), &stranger), Err(TokenError::InvalidGrant(m)) if m.contains("does not hold")));
-        for status in [Status::Revoked, Status::Completed, Status::Declined, Status::Expired] {
+        let stranger = Grant {
+            holder: [1; 32],
+            ..grant()
+        };
+        assert!(
+            matches!(mint(&chain(), &stranger), Err(TokenError::InvalidGrant(m)) if m.contains("does not hold"))
+        );
+        for status in [
+            Status::Revoked,
+            Status::Completed,
+            Status::Declined,
+            Status::Expired,
+        ] {
             let mut chain = chain();
             chain[1].status = status;
             let Err(TokenError::InvalidGrant(why)) = mint(&chain, &grant()) else {
                 panic!("{status:?} above still minted");
             };
-            assert!(why.contains("ancestor") && why.contains(status.as_str()), "{why}");
+            assert!(
+                why.contains("ancestor") && why.contains(status.as_str()),
+                "{why}"
+            );
         }
         let mut overdue = chain();
         overdue[0].deadline_ms = NOW_MS;
-        assert!(still_stands(&overdue, NOW_MS).unwrap_err().contains("deadline"));
+        assert!(
+            still_stands(&overdue, NOW_MS)
+                .unwrap_err()
+                .contains("deadline")
+        );
     }
 
     #[test]
@@ -393,7 +414,10 @@ mod tests {
             let mut claims = assertion();
             claims.insert(name.into(), value.clone());
             assert!(
-                matches!(read_assertion(&claims, ENDPOINT, NOW_MS), Err(TokenError::InvalidGrant(_))),
+                matches!(
+                    read_assertion(&claims, ENDPOINT, NOW_MS),
+                    Err(TokenError::InvalidGrant(_))
+                ),
                 "{name} = {value}"
             );
         }
@@ -406,7 +430,15 @@ mod tests {
     fn resources_come_from_the_allow_list() {
         let allowed = vec!["https://api.test".to_owned()];
         assert!(check_resource("https://api.test", &allowed).is_ok());
-        assert_eq!(check_resource("https://evil.test", &allowed).unwrap_err().code(), "invalid_target");
-        assert_eq!(check_resource("", &allowed).unwrap_err().code(), "invalid_request");
+        assert_eq!(
+            check_resource("https://evil.test", &allowed)
+                .unwrap_err()
+                .code(),
+            "invalid_target"
+        );
+        assert_eq!(
+            check_resource("", &allowed).unwrap_err().code(),
+            "invalid_request"
+        );
     }
 }

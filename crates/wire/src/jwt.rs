@@ -77,7 +77,11 @@ pub fn decode(token: &str) -> Result<Unverified, JwtError> {
     let header_json = object(header, "header")?;
     match header_json.get("alg").and_then(Value::as_str) {
         Some(ALG) => {}
-        other => return Err(JwtError::Algorithm(other.unwrap_or("").chars().take(32).collect())),
+        other => {
+            return Err(JwtError::Algorithm(
+                other.unwrap_or("").chars().take(32).collect(),
+            ));
+        }
     }
     if header_json.contains_key("crit") {
         return Err(JwtError::Critical);
@@ -165,12 +169,22 @@ mod tests {
     #[test]
     fn other_algorithms_are_refused_before_any_key() {
         let body = URL_SAFE_NO_PAD.encode(br#"{"sub":"a"}"#);
-        for alg in [r#"{"alg":"none"}"#, r#"{"alg":"HS256"}"#, r#"{"typ":"JWT"}"#] {
+        for alg in [
+            r#"{"alg":"none"}"#,
+            r#"{"alg":"HS256"}"#,
+            r#"{"typ":"JWT"}"#,
+        ] {
             let token = format!("{}.{body}.", URL_SAFE_NO_PAD.encode(alg));
-            assert!(matches!(decode(&token), Err(JwtError::Algorithm(_))), "{alg}");
+            assert!(
+                matches!(decode(&token), Err(JwtError::Algorithm(_))),
+                "{alg}"
+            );
         }
         let crit = URL_SAFE_NO_PAD.encode(r#"{"alg":"EdDSA","crit":["b64"]}"#);
-        assert_eq!(decode(&format!("{crit}.{body}.")).unwrap_err(), JwtError::Critical);
+        assert_eq!(
+            decode(&format!("{crit}.{body}.")).unwrap_err(),
+            JwtError::Critical
+        );
     }
 
     #[test]
@@ -198,7 +212,10 @@ mod tests {
         let jwk = jwk(&public);
         assert_eq!(jwk["kty"], "OKP");
         assert_eq!(jwk["crv"], "Ed25519");
-        assert_eq!(URL_SAFE_NO_PAD.decode(jwk["x"].as_str().unwrap()).unwrap(), public);
+        assert_eq!(
+            URL_SAFE_NO_PAD.decode(jwk["x"].as_str().unwrap()).unwrap(),
+            public
+        );
         assert_eq!(jwk["kid"], crypto::key_id(&public));
     }
 }

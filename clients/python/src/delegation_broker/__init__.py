@@ -21,6 +21,10 @@
 * :class:`TraceContextInterceptor`, :func:`traced_channel` — every call carries
   the caller's OpenTelemetry trace context (``traceparent``, ...), when
   ``opentelemetry`` is installed; :func:`session_stub` installs it;
+* :class:`TokenEndpoint`, :func:`assertion` — tokens for resource servers
+  from the broker's token endpoint (``serve --tokens``): the holder's signed
+  assertion exchanged for a broker-signed EdDSA JWT (:class:`MintedToken`),
+  refusals as :class:`TokenError`;
 * :func:`error_info` — the ``google.rpc.ErrorInfo`` of a failed call.
 """
 
@@ -75,6 +79,15 @@ from .verify import (
     verify_receipt,
     verify_sealed,
 )
+from .tokens import (
+    JWT_TOKEN_TYPE,
+    TOKEN_EXCHANGE_GRANT,
+    MetadataError,
+    MintedToken,
+    TokenEndpoint,
+    TokenError,
+    assertion,
+)
 from .tracing import TraceContextInterceptor, traced_channel
 from .watch import Watch, WatchEvent, watch
 
@@ -86,8 +99,11 @@ __all__ = [
     "CONTRACT_TYPE",
     "ERROR_DOMAIN",
     "ErrorInfo",
+    "JWT_TOKEN_TYPE",
     "MAX_CHAIN_CONTRACTS",
     "MAX_SIGNATURES",
+    "MetadataError",
+    "MintedToken",
     "RECEIPT_TYPE",
     "RETRYABLE",
     "ReadSession",
@@ -96,12 +112,16 @@ __all__ = [
     "SESSION_TYPE",
     "SessionInterceptor",
     "SessionSource",
+    "TOKEN_EXCHANGE_GRANT",
+    "TokenEndpoint",
+    "TokenError",
     "TraceContextInterceptor",
     "VerificationError",
     "Verified",
     "VerifiedContract",
     "Watch",
     "WatchEvent",
+    "assertion",
     "call_idempotent",
     "conjoin_predicates",
     "error_info",

@@ -19,7 +19,9 @@ ed25519-dalek's ``verify_strict`` (RFC 8032 section 5.1.7).
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 import time
 from typing import TypeVar
@@ -209,6 +211,24 @@ class Agent:
             payload=payload,
             signatures=[pb.Signature(keyid=self.key_id, sig=signature)],
         )
+
+    def sign_jws(self, claims: dict, typ: str = "JWT") -> str:
+        """A compact JWS (RFC 7515) of ``claims`` signed with this key: header
+        ``{"alg":"EdDSA","typ":typ}``, and an ed25519 signature (RFC 8037) over
+        ``base64url(header) "." base64url(claims)`` (no padding). What the
+        token endpoint takes as a holder's assertion
+        (:func:`delegation_broker.tokens.assertion` builds the claims).
+
+        The signed bytes always start with the base64url of ``{"alg"``, so
+        they are never the PAE of a DSSE envelope (``DSSEv1 ...``).
+        """
+        header = {"alg": "EdDSA", "typ": typ}
+        signing_input = ".".join(
+            base64.urlsafe_b64encode(json.dumps(part, separators=(",", ":")).encode("utf-8")).rstrip(b"=").decode("ascii")
+            for part in (header, claims)
+        )
+        signature = self._key.sign(signing_input.encode("ascii")).signature
+        return signing_input + "." + base64.urlsafe_b64encode(signature).rstrip(b"=").decode("ascii")
 
     def _with_header(self, body: _M | None, template: type[_M], fields: dict) -> _M:
         if body is None:
