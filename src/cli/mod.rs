@@ -10,6 +10,7 @@ pub mod keys;
 pub mod migrate;
 pub mod read;
 pub mod tls;
+pub mod token;
 pub mod tree;
 pub mod verify;
 pub mod write;
@@ -193,6 +194,9 @@ enum Command {
     /// Signs, as an attestor, an agent's trust factor into a file for
     /// `delegate --attestation`.
     Attest(attest::AttestArgs),
+    /// Mints a JWT for a resource server from the token endpoint
+    /// (`serve --tokens`), proving the signer holds the contract.
+    Token(token::TokenArgs),
     /// The broker for MCP clients: `mcp tools` serves its calls as tools
     /// for a model, on stdio, signing as one agent.
     #[cfg(feature = "mcp")]
@@ -303,7 +307,7 @@ pub fn main() -> ExitCode {
     }
     match dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) if e.is::<write::Refused>() => {
+        Err(e) if e.is::<write::Refused>() || e.is::<token::TokenRefused>() => {
             eprintln!("{e}");
             ExitCode::from(write::REFUSED_EXIT_STATUS)
         }
@@ -396,6 +400,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Revoke(args) => write::revoke(args),
         Command::Record(args) => write::record(args),
         Command::Attest(args) => attest::run(args),
+        Command::Token(args) => token::run(args),
         #[cfg(feature = "mcp")]
         Command::Mcp(args) => broker_mcp::run(args),
         #[cfg(feature = "a2a")]

@@ -1,5 +1,5 @@
-//! The shell examples of the README (its first delegation) and of
-//! docs/seeds.md, run as written: their shell blocks in a fresh folder
+//! The shell examples of the README (its first delegation), of
+//! docs/seeds.md and of docs/tokens.md, run as written: their shell blocks in a fresh folder
 //! with the binary on `PATH`, and their output blocks matched line by line
 //! in order (ids and keys shortened to `…` there match any hex), so the
 //! docs and the binary cannot drift apart.
@@ -102,6 +102,33 @@ async fn the_seed_scenarios_run_as_written() {
     runs_as_written(&script, &expected).await;
 }
 
+#[tokio::test]
+async fn the_token_walkthrough_runs_as_written() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/tokens.md"))
+        .expect("docs/tokens.md");
+    // The page's fixed token port, moved to a free one.
+    let port = free_port();
+    let script = blocks(&page, "sh")
+        .join("\n")
+        .replace(TOKENS_ADDRESS, &format!("127.0.0.1:{port}"));
+    let expected = blocks(&page, "text").join("\n");
+    let stderr = runs_as_written(&script, &expected).await;
+    assert!(
+        stderr.contains("refused: invalid_grant: the contract is REVOKED"),
+        "the refusal is said on stderr: {stderr}"
+    );
+}
+
+/// The token endpoint's address docs/tokens.md uses.
+const TOKENS_ADDRESS: &str = "127.0.0.1:8443";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
 /// Runs `script` with bash in a fresh folder, the binary on `PATH` and a
 /// free port for the broker it starts (stopped after it), and checks its
 /// stdout prints `expected`'s lines in order; its stderr.
@@ -114,10 +141,7 @@ async fn runs_as_written(script: &str, expected: &str) -> String {
         bin.join("delegation-broker"),
     )
     .expect("the binary on PATH");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = free_port();
     let path = format!(
         "{}:{}",
         bin.display(),

@@ -165,7 +165,7 @@ impl TokenEndpoint {
         let mut response = request
             .send()
             .await
-            .map_err(|e| TokenError::Http(format!("{e}")))?;
+            .map_err(|e| TokenError::Http(causes(&e)))?;
         let status = response.status().as_u16();
         let mut body = Vec::new();
         while let Some(chunk) = response
@@ -197,6 +197,19 @@ impl TokenEndpoint {
             description: text("error_description"),
         })
     }
+}
+
+/// An error with its causes ("error sending request: … Connection
+/// refused"): reqwest's own text names none.
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 fn form_body(pairs: &[(&str, &str)]) -> String {
