@@ -9,6 +9,7 @@ mod wire_enum;
 pub mod access;
 pub mod audit;
 pub mod error;
+pub mod identity;
 pub mod invariants;
 pub mod judge;
 pub mod ledger;

@@ -308,3 +308,21 @@ pub const MAX_JTI_BYTES: usize = 128;
 pub const MAX_TOKEN_LIFETIME_MINUTES: u32 = 60;
 /// Longest resource (audience) name accepted, in bytes.
 pub const MAX_RESOURCE_BYTES: usize = 1_024;
+
+// Workload identities (`core::identity`).
+
+/// Longest workload identity, in bytes: a SPIFFE ID (the SPIFFE ID
+/// standard's §2.3 limit), an OIDC identity (`issuer#subject`) and an
+/// identity pattern alike.
+pub const MAX_IDENTITY_BYTES: usize = 2_048;
+/// Longest SPIFFE trust domain name, in bytes (RFC 3986's bound on a
+/// host, quoted by the SPIFFE ID standard's §2.3).
+pub const MAX_TRUST_DOMAIN_BYTES: usize = 255;
+/// Longest an identity token may still live when presented (`exp - now`),
+/// in seconds: a binding lasts no longer than its token, so this bounds
+/// how long a stolen token's binding could outlive a revoked workload.
+pub const MAX_IDENTITY_TOKEN_LIFETIME_S: i64 = 24 * 3600;
+/// Most characters of a refused `alg` quoted back in the error.
+pub const MAX_ECHOED_ALGORITHM_CHARS: usize = 32;
+/// Longest name a configuration gives a trusted issuer, in bytes.
+pub const MAX_ISSUER_NAME_BYTES: usize = 64;
