@@ -84,6 +84,7 @@ pub fn new_root(
         body.task
     };
     Ok(NewRoot {
+        identity: None,
         request,
         intent: body.intent,
         task,
@@ -154,6 +155,7 @@ pub fn new_child(
         verified,
     )?;
     Ok(NewChild {
+        identity: None,
         parent_id,
         ask: ChildAsk {
             requester: request.agent,

@@ -5,6 +5,7 @@
 //! Only this crate knows sqlx.
 
 pub mod batch;
+pub mod identities;
 pub mod known;
 pub mod limits;
 pub mod metrics;
@@ -45,6 +46,18 @@ pub struct ContractRecord {
     /// The name of its tree's tenant (`core::tenant::Tenants::name_of`
     /// its root's opener).
     pub tenant: String,
+}
+
+/// A key bound to a workload identity (BindIdentity) until
+/// `expires_at_ms`, the proving token's expiry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdentityBinding {
+    pub key: broker_domain::AgentKey,
+    /// A SPIFFE ID, or "<iss>#<sub>" of an OIDC issuer.
+    pub identity: String,
+    /// The configured name of the issuer that vouched for it.
+    pub issuer: String,
+    pub expires_at_ms: i64,
 }
 
 /// Which roots `Store::roots` lists, and how many.
@@ -634,4 +647,16 @@ pub trait Store: Send + Sync + 'static {
     fn broker_keys(
         &self,
     ) -> impl Future<Output = Result<Option<Vec<pb::BrokerKey>>, StoreError>> + Send;
+    /// Binds a key to a workload identity, replacing its earlier binding.
+    fn bind_identity(
+        &self,
+        binding: IdentityBinding,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// The identity `key` is bound to at `now_ms`, if any.
+    fn identity_of(
+        &self,
+        key: broker_domain::AgentKey,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<Option<IdentityBinding>, StoreError>> + Send;
 }

@@ -214,3 +214,7 @@ pub mod postgres {
 /// (`limits.cascade_step_rows`): a step holds the writer, so its length
 /// is a wait every other write may see.
 pub const DEFAULT_CASCADE_STEP_ROWS: usize = 1_024;
+
+/// Most identity bindings a single broker keeps in memory (about 300
+/// bytes each); full of live ones, BindIdentity is BUSY until some expire.
+pub const MAX_IDENTITY_BINDINGS: usize = 100_000;

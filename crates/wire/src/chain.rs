@@ -368,6 +368,7 @@ pub mod fixture {
         let stamper = Stamper::new(key.clone());
         let scope = Scope::parse(&["src".to_owned()], "write_scope").expect("a valid scope");
         let root = NewRoot {
+            identity: None,
             request: request(0),
             intent: "ship the release".into(),
             task: "ship".into(),
@@ -393,6 +394,7 @@ pub mod fixture {
             let asked = hop(n);
             cumulative = cumulative * u64::from(asked.factor_ppm) / u64::from(PPM_ONE);
             let child = NewChild {
+                identity: None,
                 request: request(n),
                 parent_id: parent.stamped.id,
                 ask: ChildAsk {

@@ -48,6 +48,9 @@ pub struct NewRoot {
     /// The issuing call's trace context, when it was traced (see
     /// `telemetry::TraceContext`).
     pub trace: Option<TraceContext>,
+    /// The opener's workload identity, when its key is bound
+    /// (BindIdentity): stamped as the root's `delegate_identity`.
+    pub identity: Option<String>,
 }
 
 /// A child a holder asked for, validated (not yet checked against its
@@ -67,6 +70,9 @@ pub struct NewChild {
     pub result_schema_json: String,
     /// The issuing call's trace context, when it was traced.
     pub trace: Option<TraceContext>,
+    /// The delegate's workload identity, when its key is bound
+    /// (BindIdentity): stamped as the child's `delegate_identity`.
+    pub identity: Option<String>,
 }
 
 /// A lifecycle request, validated by the service.

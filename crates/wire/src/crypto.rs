@@ -23,6 +23,8 @@ pub mod payload_type {
     pub const ESCALATE: &str = "application/vnd.delegation.broker.v1.EscalateBody+protobuf";
     pub const REVOKE: &str = "application/vnd.delegation.broker.v1.RevokeBody+protobuf";
     pub const OPEN_SESSION: &str = "application/vnd.delegation.broker.v1.OpenSessionBody+protobuf";
+    pub const BIND_IDENTITY: &str =
+        "application/vnd.delegation.broker.v1.BindIdentityBody+protobuf";
     pub const SESSION: &str = "application/vnd.delegation.broker.v1.Session+protobuf";
     pub const RECORD_RECEIPTS: &str =
         "application/vnd.delegation.broker.v1.RecordReceiptsBody+protobuf";

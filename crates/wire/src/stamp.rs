@@ -98,6 +98,7 @@ impl Stamper {
             trust_source: pb::TrustSource::Root as i32,
             attestation_digest: Vec::new(),
             risk_class: String::new(),
+            delegate_identity: root.identity.clone().unwrap_or_default(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),
@@ -146,6 +147,7 @@ impl Stamper {
                 .map(|d| d.to_vec())
                 .unwrap_or_default(),
             risk_class: child.trust.risk_class.clone(),
+            delegate_identity: child.identity.clone().unwrap_or_default(),
         };
         StampedContract::new(
             self.seal(payload_type::CONTRACT, contract.encode_to_vec()),

@@ -27,6 +27,7 @@
 
 mod events;
 mod failure;
+mod identities;
 pub mod migrate;
 #[doc(hidden)]
 pub mod testing;
@@ -478,5 +479,21 @@ impl Store for PostgresStore {
 
     async fn broker_keys(&self) -> Result<Option<Vec<pb::BrokerKey>>, StoreError> {
         migrate::broker_keys(&self.sql.reader).await.map(Some)
+    }
+
+    async fn bind_identity(
+        &self,
+        binding: crate::IdentityBinding,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        identities::bind(&self.sql.reader, &binding, now_ms).await
+    }
+
+    async fn identity_of(
+        &self,
+        key: AgentKey,
+        now_ms: i64,
+    ) -> Result<Option<crate::IdentityBinding>, StoreError> {
+        identities::of(&self.sql.reader, &key, now_ms).await
     }
 }

@@ -199,6 +199,8 @@ pub struct SqliteStore {
     trees: super::TreeChanges,
     /// False while the disk refuses writes (see `health`).
     writable: tokio::sync::watch::Receiver<bool>,
+    /// Keys bound to workload identities, in memory (`identities`).
+    identities: Arc<crate::identities::Bindings>,
 }
 
 /// The connection settings of every connection to the database.
@@ -313,6 +315,7 @@ impl SqliteStore {
             trees,
             durability: Durability { committed, durable },
             writable,
+            identities: Arc::default(),
         })
     }
 
@@ -403,6 +406,22 @@ impl Store for SqliteStore {
 
     async fn broker_keys(&self) -> Result<Option<Vec<pb::BrokerKey>>, StoreError> {
         Ok(None)
+    }
+
+    async fn bind_identity(
+        &self,
+        binding: crate::IdentityBinding,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.identities.bind(binding, now_ms)
+    }
+
+    async fn identity_of(
+        &self,
+        key: AgentKey,
+        now_ms: i64,
+    ) -> Result<Option<crate::IdentityBinding>, StoreError> {
+        Ok(self.identities.of(&key, now_ms))
     }
 }
 

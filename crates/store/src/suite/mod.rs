@@ -33,6 +33,7 @@ pub fn test_stamper() -> std::sync::Arc<broker_wire::stamp::Stamper> {
 
 pub fn test_root(request: RequestMeta) -> NewRoot {
     NewRoot {
+        identity: None,
         request,
         intent: "answer once".into(),
         task: String::new(),
@@ -72,6 +73,7 @@ pub fn meta(agent: u8, nonce: u8) -> RequestMeta {
 /// `[asker; 32]`, that must keep to `src/` and is judged by `predicate`.
 pub fn test_child(asker: u8, nonce: u8, parent_id: Id, delegate: u8, predicate: &str) -> NewChild {
     NewChild {
+        identity: None,
         request: meta(asker, nonce),
         parent_id,
         ask: broker_domain::ChildAsk {
@@ -523,6 +525,50 @@ pub async fn the_issuing_calls_trace_is_kept<S: Store>(store: &S) {
     assert_eq!(store.issuance_trace([0x5a; 32]).await.expect("read"), None);
 }
 
+/// A binding is found until its expiry, replaced by a later one, and the
+/// identity stamped into the contracts issued to the bound key.
+pub async fn identity_bindings_last_until_they_expire<S: Store>(store: &S) {
+    let now_ms = 1_000_000;
+    let binding = |identity: &str, expires_at_ms| super::IdentityBinding {
+        key: [7; 32],
+        identity: identity.into(),
+        issuer: "spire".into(),
+        expires_at_ms,
+    };
+    assert_eq!(store.identity_of([7; 32], now_ms).await.expect("read"), None);
+    store
+        .bind_identity(binding("spiffe://a.test/x", now_ms + 60_000), now_ms)
+        .await
+        .expect("bind");
+    let found = store.identity_of([7; 32], now_ms).await.expect("read");
+    assert_eq!(found, Some(binding("spiffe://a.test/x", now_ms + 60_000)));
+    assert_eq!(store.identity_of([8; 32], now_ms).await.expect("read"), None);
+    assert_eq!(
+        store.identity_of([7; 32], now_ms + 60_000).await.expect("read"),
+        None,
+        "a binding ends at its token's expiry"
+    );
+    store
+        .bind_identity(binding("spiffe://a.test/y", now_ms + 120_000), now_ms)
+        .await
+        .expect("bind again");
+    let renewed = store.identity_of([7; 32], now_ms + 60_000).await.expect("read");
+    assert_eq!(renewed.map(|b| b.identity).as_deref(), Some("spiffe://a.test/y"));
+    let mut root = test_root(meta(7, 1));
+    root.identity = Some("spiffe://a.test/y".into());
+    let root = issued(store.open_root(root).await);
+    let mut child = test_child(7, 2, root, 8, "true");
+    child.identity = Some("spiffe://a.test/z".into());
+    let child = issued(store.delegate(child).await);
+    let identity = |record: super::ContractRecord| {
+        broker_wire::pb::Contract::decode(record.envelope.payload.as_slice())
+            .expect("a contract")
+            .delegate_identity
+    };
+    assert_eq!(identity(stored(store, root).await), "spiffe://a.test/y");
+    assert_eq!(identity(stored(store, child).await), "spiffe://a.test/z");
+}
+
 /// The same request twice is one contract, reserved once; the same nonce
 /// with another body is refused, through the write path and the read path.
 pub async fn a_retry_is_replayed_and_reserves_once<S: Store>(store: &S) {
@@ -664,6 +710,7 @@ macro_rules! store_suite {
             held_contracts_are_the_open_ones,
             concurrent_siblings_never_overspend,
             the_issuing_calls_trace_is_kept,
+            identity_bindings_last_until_they_expire,
             a_completion_settles_into_the_parent,
             only_the_entitled_key_may_act,
             a_transition_from_the_wrong_state_is_refused,
