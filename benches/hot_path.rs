@@ -80,6 +80,7 @@ fn signatures(c: &mut Criterion) {
 fn stamping(c: &mut Criterion) {
     let stamper = Stamper::new(crypto::generate_signing_key());
     let root = NewRoot {
+        identity: None,
         request: request(1, 0),
         intent: "answer once".into(),
         task: String::new(),
@@ -109,6 +110,7 @@ fn stamping(c: &mut Criterion) {
 
 fn new_child(parent_id: [u8; 32], asker: u8, lineage: [u8; 32]) -> NewChild {
     NewChild {
+        identity: None,
         request: request(asker, 1),
         parent_id,
         ask: ask(asker, lineage),

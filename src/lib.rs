@@ -17,6 +17,7 @@ pub use broker_runtime::telemetry;
 pub mod cli;
 pub mod config;
 pub mod console;
+pub mod identity;
 pub mod keystore;
 pub mod metrics;
 pub mod server;

@@ -322,6 +322,16 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// `version`: what this binary is.
+fn version() {
+    println!(
+        "delegation-broker {} (commit {}, {})",
+        crate::build::VERSION,
+        crate::build::COMMIT,
+        crate::build::DATE
+    );
+}
+
 /// Runs one command.
 fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
@@ -369,12 +379,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Version => {
-            println!(
-                "delegation-broker {} (commit {}, {})",
-                crate::build::VERSION,
-                crate::build::COMMIT,
-                crate::build::DATE
-            );
+            version();
             Ok(())
         }
         Command::Keygen { out } => keygen(out),

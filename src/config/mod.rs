@@ -10,9 +10,11 @@ use serde::Deserialize;
 
 use crate::core::trust;
 
+mod identity;
 mod limits;
 mod tokens;
 
+pub use identity::{IdentityConfig, IssuerConfig, KeySource};
 pub use limits::{LIMITS, LimitSpec, Limits, keys};
 pub use tokens::TokensConfig;
 
@@ -32,6 +34,11 @@ pub struct Config {
     /// Keys that may read every tree (operators' dashboards, auditors);
     /// everyone else reads only the trees they are a party of.
     pub readers: std::collections::HashSet<[u8; 32]>,
+    /// Workload identities that read every tree, as `readers` do
+    /// (`[readers] identities`), once their keys are bound.
+    pub reader_identities: Vec<crate::core::identity::IdentityPattern>,
+    /// The issuers whose tokens bind keys to identities (`[identity]`).
+    pub identity: IdentityConfig,
     /// The browser console's settings (`[console]`; used with
     /// `serve --console`).
     pub console: ConsoleConfig,
@@ -92,6 +99,9 @@ impl std::fmt::Debug for TlsIdentity {
 pub struct Orchestrators {
     /// Public key → most budget units one root may carry.
     pub max_root_budget: HashMap<[u8; 32], i64>,
+    /// Identity pattern → the same, for keys bound to a matching identity
+    /// (BindIdentity).
+    pub by_identity: Vec<(crate::core::identity::IdentityPattern, i64)>,
 }
 
 /// Why an orchestrator may not open a root.
@@ -106,15 +116,30 @@ pub enum RootDenied {
 impl Orchestrators {
     /// Whether every key may open roots of any budget.
     pub fn is_open(&self) -> bool {
-        self.max_root_budget.is_empty()
+        self.max_root_budget.is_empty() && self.by_identity.is_empty()
     }
 
-    /// May `key` open a root with `budget`?
-    pub fn admit(&self, key: &[u8; 32], budget: i64) -> Result<(), RootDenied> {
+    /// May `key`, bound to `identity` if it is, open a root with
+    /// `budget`? A key listed by itself has its own allowance; else the
+    /// largest allowance of the patterns its identity matches.
+    pub fn admit(
+        &self,
+        key: &[u8; 32],
+        identity: Option<&str>,
+        budget: i64,
+    ) -> Result<(), RootDenied> {
         if self.is_open() {
             return Ok(());
         }
-        match self.max_root_budget.get(key) {
+        let by_identity = || {
+            let identity = identity?;
+            self.by_identity
+                .iter()
+                .filter(|(pattern, _)| pattern.matches(identity))
+                .map(|(_, allowed)| allowed)
+                .max()
+        };
+        match self.max_root_budget.get(key).or_else(by_identity) {
             None => Err(RootDenied::NotListed),
             Some(&allowed) if budget > allowed => Err(RootDenied::OverAllowance { allowed }),
             Some(_) => Ok(()),
@@ -162,6 +187,7 @@ struct FileConfig {
     readers: FileReaders,
     console: FileConsole,
     tokens: tokens::FileTokens,
+    identity: identity::FileIdentity,
     limits: Limits,
 }
 
@@ -190,6 +216,8 @@ struct FileTenant {
 struct FileReaders {
     /// Hex-encoded public keys that may read every tree.
     keys: Vec<String>,
+    /// Identity patterns whose bound keys may read every tree.
+    identities: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -318,6 +346,40 @@ fn console_config(file: &FileConsole) -> Result<ConsoleConfig, ConfigError> {
     })
 }
 
+/// `[orchestrators]`: each entry a key (hex) or an identity pattern (a
+/// SPIFFE ID, or issuer#subject), with its per-root allowance.
+fn orchestrators(file: &HashMap<String, i64>) -> Result<Orchestrators, ConfigError> {
+    let mut max_root_budget = HashMap::new();
+    let mut by_identity = Vec::new();
+    for (orchestrator, budget) in file {
+        let field = format!("orchestrators.{orchestrator}");
+        if *budget <= 0 {
+            return Err(invalid(
+                &field,
+                "the root budget allowance must be positive",
+            ));
+        }
+        // An identity (a SPIFFE ID, or issuer#subject), never a key.
+        if orchestrator.contains("://") || orchestrator.contains('#') {
+            let pattern = crate::core::identity::IdentityPattern::parse(orchestrator)
+                .map_err(|e| invalid(&field, e.to_string()))?;
+            by_identity.push((pattern, *budget));
+            continue;
+        }
+        let key = parse_public_key(orchestrator, &field)?;
+        if max_root_budget.insert(key.to_bytes(), *budget).is_some() {
+            return Err(invalid(
+                &field,
+                "this key is listed twice (spelled differently)",
+            ));
+        }
+    }
+    Ok(Orchestrators {
+        max_root_budget,
+        by_identity,
+    })
+}
+
 /// Parses a hex-encoded ed25519 public key.
 pub fn parse_public_key(hex_key: &str, field: &str) -> Result<VerifyingKey, ConfigError> {
     let bytes = hex::decode(hex_key.trim()).map_err(|e| invalid(field, format!("not hex: {e}")))?;
@@ -360,23 +422,7 @@ impl Config {
                 ));
             }
         }
-        let mut max_root_budget = HashMap::new();
-        for (orchestrator, budget) in &file.orchestrators {
-            let field = format!("orchestrators.{orchestrator}");
-            let key = parse_public_key(orchestrator, &field)?;
-            if *budget <= 0 {
-                return Err(invalid(
-                    &field,
-                    "the root budget allowance must be positive",
-                ));
-            }
-            if max_root_budget.insert(key.to_bytes(), *budget).is_some() {
-                return Err(invalid(
-                    &field,
-                    "this key is listed twice (spelled differently)",
-                ));
-            }
-        }
+        let orchestrators = orchestrators(&file.orchestrators)?;
         let mut tenants = crate::core::tenant::Tenants::default();
         for (name, tenant) in &file.tenants {
             let mut keys = Vec::with_capacity(tenant.keys.len());
@@ -387,7 +433,7 @@ impl Config {
                 .declare(name, &keys)
                 .map_err(|e| invalid(format!("tenants.{name}"), e.to_string()))?;
         }
-        for key in max_root_budget.keys() {
+        for key in orchestrators.max_root_budget.keys() {
             tenants.orchestrator(*key);
         }
         let mut readers = std::collections::HashSet::new();
@@ -404,7 +450,9 @@ impl Config {
                 attestors,
                 static_factors_ppm,
             },
-            orchestrators: Orchestrators { max_root_budget },
+            orchestrators,
+            reader_identities: identity::patterns(&file.readers.identities, "readers.identities")?,
+            identity: identity::identity_config(&file.identity)?,
             tenants,
             tls: file
                 .tls
@@ -553,16 +601,43 @@ mod tests {
             .expect("hex")
             .try_into()
             .expect("32 bytes");
-        assert_eq!(config.orchestrators.admit(&listed, 500), Ok(()));
+        assert_eq!(config.orchestrators.admit(&listed, None, 500), Ok(()));
         assert_eq!(
-            config.orchestrators.admit(&listed, 501),
+            config.orchestrators.admit(&listed, None, 501),
             Err(RootDenied::OverAllowance { allowed: 500 })
         );
         assert_eq!(
-            config.orchestrators.admit(&[9u8; 32], 1),
+            config.orchestrators.admit(&[9u8; 32], None, 1),
             Err(RootDenied::NotListed)
         );
         assert!(load("").expect("empty").orchestrators.is_open());
+        // By identity: the largest allowance of the matching patterns; a
+        // key listed by itself keeps its own.
+        let by_identity = load(&format!(
+            "[orchestrators]\n\"{key}\" = 500\n\"spiffe://p.test/o/*\" = 50\n\"spiffe://p.test/o/big\" = 90\n"
+        ))
+        .expect("valid");
+        let admit = |key: &[u8; 32], identity, budget| {
+            by_identity.orchestrators.admit(key, identity, budget)
+        };
+        assert_eq!(admit(&[9; 32], Some("spiffe://p.test/o/a"), 50), Ok(()));
+        assert_eq!(
+            admit(&[9; 32], Some("spiffe://p.test/o/a"), 51),
+            Err(RootDenied::OverAllowance { allowed: 50 })
+        );
+        assert_eq!(admit(&[9; 32], Some("spiffe://p.test/o/big"), 90), Ok(()));
+        assert_eq!(
+            admit(&[9; 32], Some("spiffe://p.test/x"), 1),
+            Err(RootDenied::NotListed)
+        );
+        assert_eq!(admit(&[9; 32], None, 1), Err(RootDenied::NotListed));
+        assert_eq!(admit(&listed, Some("spiffe://p.test/o/big"), 500), Ok(()));
+        match load("[orchestrators]\n\"spiffe://p.test/o*\" = 5\n") {
+            Err(ConfigError::Invalid { field, .. }) => {
+                assert_eq!(field, "orchestrators.spiffe://p.test/o*")
+            }
+            other => panic!("a bad pattern must be refused: {other:?}"),
+        }
         match load(&format!("[orchestrators]\n\"{key}\" = 0\n")) {
             Err(ConfigError::Invalid { field, .. }) => {
                 assert_eq!(field, format!("orchestrators.{key}"));

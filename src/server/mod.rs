@@ -64,6 +64,9 @@ pub enum ServerError {
         "refusing to listen on {0}: no tenant is declared ([tenants] or [orchestrators] in the configuration), so every caller would share one tenant and nobody gets a fair share of judges, converters, audits or Watch streams; declare tenants, or pass --allow-open-tenant to serve it anyway"
     )]
     OpenTenant(std::net::SocketAddr),
+    /// An identity issuer's keys could not be read at start.
+    #[error("{0}")]
+    Identity(String),
     /// A worker thread could not be started.
     #[error("threads: {0}")]
     Threads(#[from] std::io::Error),
@@ -184,7 +187,11 @@ pub async fn run_with_options(
     let loaded = load_keys(&config, options.signing_key_file.clone()).await?;
     let keyring = &loaded.keyring;
     let stamper = Arc::new(Stamper::new(keyring.current.clone()));
+    let issuers = crate::identity::Issuers::load(&config.identity)
+        .await
+        .map_err(ServerError::Identity)?;
     let parts = Parts {
+        issuers: Arc::new(issuers),
         listener,
         clock: clock.clone(),
         metrics_listener,
@@ -236,6 +243,8 @@ struct Parts {
     current_key: ed25519_dalek::VerifyingKey,
     stamper: Arc<Stamper>,
     ready: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The identity issuers `[identity]` trusts, their keys read.
+    issuers: Arc<crate::identity::Issuers>,
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use super::*;
 
 /// Serves the broker over `store` until `shutdown` resolves.
 pub(super) async fn serve<S: Served>(
-    parts: Parts,
+    mut parts: Parts,
     config: Config,
     store: S,
     keys: crate::service::PublishedKeys,
@@ -30,21 +30,12 @@ pub(super) async fn serve<S: Served>(
     )
     .with_published(keys.clone());
     let console_settings = config.console.clone();
-    let tokens = parts.tokens.map(|listener| {
-        start_tokens(
-            listener,
-            (store.clone(), parts.stamper.clone(), keys.clone()),
-            (parts.clock.clone(), config.tokens.clone()),
-            &metrics,
-            stopping.clone(),
-        )
-    });
-    let tokens = tokens.transpose()?;
+    let tokens = start_tokens(&mut parts, &store, &keys, &config, &stopping)?;
     let broker = broker_service(
         store,
         config,
         parts.clock.clone(),
-        keys,
+        (keys, parts.issuers),
         parts.stamper,
         current_key,
         &metrics,
@@ -96,8 +87,7 @@ pub(super) async fn serve<S: Served>(
     let _ = metrics_stop.send(());
     stop_side("console", console).await;
     stop_side("token endpoint", tokens).await;
-    // Last: the console's and the token endpoint's handlers hold the
-    // store too.
+    // Last: the side listeners' handlers hold the store too.
     let left = asked.get().map_or(drain, |at: &std::time::Instant| {
         drain.saturating_sub(at.elapsed())
     });
@@ -203,13 +193,14 @@ fn broker_service<S: Served>(
     store: Arc<S>,
     config: Config,
     clock: Arc<dyn Clock>,
-    keys: crate::service::PublishedKeys,
+    (keys, issuers): (crate::service::PublishedKeys, Arc<crate::identity::Issuers>),
     stamper: Arc<Stamper>,
     current_key: ed25519_dalek::VerifyingKey,
     metrics: &Arc<crate::metrics::Metrics>,
     stopping: tokio::sync::watch::Receiver<bool>,
 ) -> Result<pb::broker_server::BrokerServer<BrokerService<S>>, ServerError> {
     let limits = config.limits.clone();
+    issuers.refresh_until(stopping.clone());
     let converters = crate::pool::WorkPool::start(
         "convert",
         crate::core::limits::MAX_CONCURRENT_CONVERSIONS,
@@ -227,7 +218,8 @@ fn broker_service<S: Served>(
         converters,
         sessions,
     )
-    .with_metrics(metrics.clone());
+    .with_metrics(metrics.clone())
+    .with_identities(issuers.clone());
     trace_export_metrics(metrics);
     let streams = service.watch_streams();
     metrics.sampled(
@@ -320,26 +312,36 @@ pub(super) async fn start_console<S: Served>(
     )))
 }
 
-/// Starts the token endpoint on its listener.
-#[allow(clippy::type_complexity)]
+/// The task serving the token endpoint, started on its listener when
+/// `serve --tokens` gave one.
+type TokensTask = tokio::task::JoinHandle<Result<(), std::convert::Infallible>>;
+
+/// Starts the token endpoint, when there is a listener for it.
 fn start_tokens<S: Served>(
-    listener: TcpListener,
-    (store, stamper, keys): (Arc<S>, Arc<Stamper>, crate::service::PublishedKeys),
-    (clock, settings): (Arc<dyn Clock>, crate::config::TokensConfig),
-    metrics: &Arc<crate::metrics::Metrics>,
-    stopping: tokio::sync::watch::Receiver<bool>,
-) -> Result<tokio::task::JoinHandle<Result<(), std::convert::Infallible>>, ServerError> {
+    parts: &mut Parts,
+    store: &Arc<S>,
+    keys: &crate::service::PublishedKeys,
+    config: &Config,
+    stopping: &tokio::sync::watch::Receiver<bool>,
+) -> Result<Option<TokensTask>, ServerError> {
+    let Some(listener) = parts.tokens.take() else {
+        return Ok(None);
+    };
+    let (stamper, clock) = (parts.stamper.clone(), parts.clock.clone());
+    let settings = config.tokens.clone();
     let address = listener.local_addr()?;
     if settings.resources.is_empty() {
         tracing::warn!(%address, "the token endpoint has no [tokens] resources: it mints nothing");
     }
+    let (store, keys) = (store.clone(), keys.clone());
     let service = crate::tokens::TokenService::new(store, stamper, keys, clock, settings, address);
     tracing::info!(%address, issuer = %service.issuer, "serving the token endpoint");
-    let closed = metrics.connections_closed.clone();
-    Ok(tokio::spawn(async move {
+    let closed = parts.metrics.connections_closed.clone();
+    let stopping = stopping.clone();
+    Ok(Some(tokio::spawn(async move {
         crate::tokens::serve(listener, service, closed, stopping).await;
         Ok(())
-    }))
+    })))
 }
 
 /// Serves `/metrics` on `metrics_listener`, when there is one, until the

@@ -46,7 +46,7 @@ impl<S: Store> BrokerService<S> {
         caller: &crate::core::AgentKey,
         contract: crate::core::Id,
     ) -> Result<Standing, ServiceError> {
-        if self.config.readers.contains(caller) {
+        if self.reads_everything(caller).await? {
             return Ok(Standing::Reader);
         }
         let remembered = self

@@ -233,7 +233,7 @@ impl<S: Store> BrokerService<S> {
         let caller = self.caller(&request)?;
         // A configured reader sees every run; anyone else the runs whose
         // root it opened.
-        let orchestrator = (!self.config.readers.contains(&caller)).then_some(caller);
+        let orchestrator = (!self.reads_everything(&caller).await?).then_some(caller);
         let (selector, group_by) = parse_request(&request.into_inner())?;
         let _slot = self.audits.take(caller).map_err(ServiceError::Overloaded)?;
         // The runs it reads are the caller's own (or, for a reader, all);

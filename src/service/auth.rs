@@ -63,6 +63,7 @@ signed_body! {
     pb::RevokeBody => REVOKE,
     pb::RecordReceiptsBody => RECORD_RECEIPTS,
     pb::OpenSessionBody => OPEN_SESSION,
+    pb::BindIdentityBody => BIND_IDENTITY,
 }
 
 /// Decodes, verifies and freshness-checks a signed request.

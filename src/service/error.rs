@@ -81,6 +81,10 @@ pub enum ServiceError {
         "the broker is shutting down; retry with the same nonce against another replica or after its restart"
     )]
     ShuttingDown,
+    /// A workload token that proves no identity (BindIdentity): `check`
+    /// names which rule (`IDENTITY_*`).
+    #[error("{detail}")]
+    IdentityRefused { check: &'static str, detail: String },
     /// A health check named a service this broker does not serve.
     #[error("health: no service named {0:?} (\"\" or delegation.broker.v1.Broker)")]
     UnknownHealthService(String),
@@ -151,72 +155,7 @@ impl From<ServiceError> for Status {
         // Server-written details may quote stored or client text: bounded
         // like input reasons, so every error fits the 8 KiB trailers.
         let message = crate::core::error::bounded(e.to_string(), MAX_STATUS_MESSAGE_BYTES);
-        use pb::ErrorReason as R;
-        let (code, reason, metadata): (Code, R, Vec<(&str, String)>) = match &e {
-            ServiceError::Invalid(input) => (
-                Code::InvalidArgument,
-                R::InvalidField,
-                vec![("field", input.field.to_owned())],
-            ),
-            ServiceError::Unauthenticated { reason, .. } => {
-                (Code::Unauthenticated, *reason, vec![])
-            }
-            ServiceError::NotFound { what, id } => (
-                Code::NotFound,
-                R::NotFound,
-                vec![("what", what.as_str().to_owned()), ("id", id.clone())],
-            ),
-            ServiceError::PermissionDenied { reason, .. } => {
-                (Code::PermissionDenied, *reason, vec![])
-            }
-            ServiceError::OverAllowance { requested, allowed } => (
-                Code::PermissionDenied,
-                R::RootBudgetOverAllowance,
-                vec![
-                    ("field", "body.budget".to_owned()),
-                    ("requested", requested.to_string()),
-                    ("allowed", allowed.to_string()),
-                ],
-            ),
-            ServiceError::FailedPrecondition { reason, .. } => {
-                (Code::FailedPrecondition, *reason, vec![])
-            }
-            ServiceError::NonceReused => (
-                Code::AlreadyExists,
-                R::NonceReused,
-                vec![("field", "body.header.nonce".into())],
-            ),
-            ServiceError::Overloaded(what) => (
-                Code::ResourceExhausted,
-                R::Overloaded,
-                vec![("limit", (*what).to_owned())],
-            ),
-            ServiceError::ResponseTooLarge { size, limit, .. } => (
-                Code::ResourceExhausted,
-                R::ResponseTooLarge,
-                vec![
-                    ("limit", crate::config::keys::max_request_bytes.to_owned()),
-                    ("size", size.to_string()),
-                    ("allowed", limit.to_string()),
-                ],
-            ),
-            // UNAVAILABLE: standard gRPC retry policies retry it, and a
-            // retry with the same nonce is safe.
-            ServiceError::Busy => (
-                Code::Unavailable,
-                R::Overloaded,
-                vec![("limit", crate::config::keys::writer_queue_depth.to_owned())],
-            ),
-            ServiceError::Unavailable(_) => (Code::Unavailable, R::Unavailable, vec![]),
-            ServiceError::Retry { reason, .. } => (Code::Unavailable, *reason, vec![]),
-            ServiceError::Internal(_) => (Code::Internal, R::Internal, vec![]),
-            ServiceError::ShuttingDown => (Code::Unavailable, R::Unavailable, vec![]),
-            ServiceError::UnknownHealthService(_) => (
-                Code::NotFound,
-                R::NotFound,
-                vec![("what", "service".to_owned())],
-            ),
-        };
+        let (code, reason, metadata) = classify(&e);
         // Every UNAVAILABLE says what the caller may do: nothing it asked
         // was recorded twice, and a retry of the same signed bytes gets
         // the recorded answer if it was recorded after all.
@@ -670,5 +609,77 @@ mod quoted_limits {
         }
         // The two deadlines docs/operating.md quotes as one.
         assert_eq!(JUDGMENT_DEADLINE_MS, CONVERSION_DEADLINE_MS);
+    }
+}
+
+/// The status code, reason and `ErrorInfo` metadata of each error: the
+/// one exhaustive mapping.
+fn classify(e: &ServiceError) -> (Code, pb::ErrorReason, Vec<(&'static str, String)>) {
+    use pb::ErrorReason as R;
+    match e {
+        ServiceError::Invalid(input) => (
+            Code::InvalidArgument,
+            R::InvalidField,
+            vec![("field", input.field.to_owned())],
+        ),
+        ServiceError::Unauthenticated { reason, .. } => (Code::Unauthenticated, *reason, vec![]),
+        ServiceError::IdentityRefused { check, .. } => (
+            Code::Unauthenticated,
+            R::IdentityRefused,
+            vec![("check", (*check).to_owned())],
+        ),
+        ServiceError::NotFound { what, id } => (
+            Code::NotFound,
+            R::NotFound,
+            vec![("what", what.as_str().to_owned()), ("id", id.clone())],
+        ),
+        ServiceError::PermissionDenied { reason, .. } => (Code::PermissionDenied, *reason, vec![]),
+        ServiceError::OverAllowance { requested, allowed } => (
+            Code::PermissionDenied,
+            R::RootBudgetOverAllowance,
+            vec![
+                ("field", "body.budget".to_owned()),
+                ("requested", requested.to_string()),
+                ("allowed", allowed.to_string()),
+            ],
+        ),
+        ServiceError::FailedPrecondition { reason, .. } => {
+            (Code::FailedPrecondition, *reason, vec![])
+        }
+        ServiceError::NonceReused => (
+            Code::AlreadyExists,
+            R::NonceReused,
+            vec![("field", "body.header.nonce".into())],
+        ),
+        ServiceError::Overloaded(what) => (
+            Code::ResourceExhausted,
+            R::Overloaded,
+            vec![("limit", (*what).to_owned())],
+        ),
+        ServiceError::ResponseTooLarge { size, limit, .. } => (
+            Code::ResourceExhausted,
+            R::ResponseTooLarge,
+            vec![
+                ("limit", crate::config::keys::max_request_bytes.to_owned()),
+                ("size", size.to_string()),
+                ("allowed", limit.to_string()),
+            ],
+        ),
+        // UNAVAILABLE: standard gRPC retry policies retry it, and a
+        // retry with the same nonce is safe.
+        ServiceError::Busy => (
+            Code::Unavailable,
+            R::Overloaded,
+            vec![("limit", crate::config::keys::writer_queue_depth.to_owned())],
+        ),
+        ServiceError::Unavailable(_) => (Code::Unavailable, R::Unavailable, vec![]),
+        ServiceError::Retry { reason, .. } => (Code::Unavailable, *reason, vec![]),
+        ServiceError::Internal(_) => (Code::Internal, R::Internal, vec![]),
+        ServiceError::ShuttingDown => (Code::Unavailable, R::Unavailable, vec![]),
+        ServiceError::UnknownHealthService(_) => (
+            Code::NotFound,
+            R::NotFound,
+            vec![("what", "service".to_owned())],
+        ),
     }
 }

@@ -84,6 +84,7 @@ impl FloorService {
         let body = signed.body;
         // The fields `Stamper::root` fills, from the body as sent.
         let contract = pb::Contract {
+            delegate_identity: String::new(),
             broker_key_id: self.key_id.clone(),
             parent_id: Vec::new(),
             depth: 0,
@@ -140,6 +141,7 @@ impl FloorService {
         // depth and the cumulative trust a broker would derive from the
         // parent are numbers of the same size).
         let contract = pb::Contract {
+            delegate_identity: String::new(),
             broker_key_id: self.key_id.clone(),
             parent_id: body.parent_id,
             depth: 1,
@@ -247,5 +249,6 @@ floor_broker! {
     get_audit(pb::GetAuditRequest) -> pb::GetAuditResponse;
     aggregate_audits(pb::AggregateAuditsRequest) -> pb::AggregateAuditsResponse;
     open_session(pb::OpenSessionRequest) -> pb::OpenSessionResponse;
+    bind_identity(pb::BindIdentityRequest) -> pb::BindIdentityResponse;
     get_broker_keys(pb::GetBrokerKeysRequest) -> pb::GetBrokerKeysResponse;
 }

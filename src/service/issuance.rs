@@ -78,11 +78,12 @@ impl<S: Store> BrokerService<S> {
         }
         // The allow-list first: a key that may not open roots costs no
         // conversion (predicate parsing) at all.
-        if let Err(denied) = self
-            .config
-            .orchestrators
-            .admit(&signed.request.agent, signed.body.budget)
-        {
+        let identity = self.bound_identity(&signed.request.agent, now_ms).await?;
+        if let Err(denied) = self.config.orchestrators.admit(
+            &signed.request.agent,
+            identity.as_deref(),
+            signed.body.budget,
+        ) {
             // A retry of a root admitted before the list changed still
             // gets its answer: one request, one answer.
             if let Some(answer) = self.store.replay(&signed.request).await? {
@@ -94,7 +95,7 @@ impl<S: Store> BrokerService<S> {
             return Err(match denied {
                 RootDenied::NotListed => ServiceError::PermissionDenied {
                     reason: pb::ErrorReason::NotAnOrchestrator,
-                    detail: "this key may not open roots (it is not under [orchestrators] in the broker's configuration)".into(),
+                    detail: "this key may not open roots (neither it nor an identity bound to it is under [orchestrators] in the broker's configuration)".into(),
                 },
                 RootDenied::OverAllowance { allowed } => ServiceError::OverAllowance {
                     requested: signed.body.budget,
@@ -106,6 +107,7 @@ impl<S: Store> BrokerService<S> {
         let _turn = self.gate.admit(&self.config.tenants, &opener, None).await?;
         let mut root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
         root.trace = telemetry::current_trace_context();
+        root.identity = identity;
         let answer = self.store.open_root(root).await?;
         if let Outcome::Issued { id, .. } = &answer.outcome {
             self.gate.remember(
@@ -194,6 +196,7 @@ impl<S: Store> BrokerService<S> {
         };
         let mut child = child;
         child.trace = telemetry::current_trace_context();
+        child.identity = self.bound_identity(&child.delegate_key, now_ms).await?;
         let budget = child.ask.budget;
         let answer = self.store.delegate(child).await?;
         if let (Outcome::Issued { id, .. }, Ok(delegate)) = (&answer.outcome, delegate) {

@@ -14,6 +14,7 @@ pub mod error;
 pub mod floor;
 mod gate;
 pub mod health;
+mod identity;
 mod issuance;
 mod keys;
 mod lifecycle;
@@ -74,6 +75,8 @@ pub struct BrokerService<S> {
     stopping: tokio::sync::watch::Receiver<bool>,
     /// Counts issuances, refusals and transitions (`/metrics`).
     metrics: Arc<crate::metrics::Metrics>,
+    /// The issuers BindIdentity trusts; none when `[identity]` names none.
+    identities: Option<Arc<crate::identity::Issuers>>,
 }
 
 impl<S> BrokerService<S> {
@@ -133,6 +136,7 @@ impl<S> BrokerService<S> {
             keys,
             verified: Arc::default(),
             converters,
+            identities: None,
         }
     }
 }
@@ -142,6 +146,12 @@ impl<S> BrokerService<S> {
     /// registry of its own.
     pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
         self.metrics = metrics;
+        self
+    }
+
+    /// Binds keys to workload identities with `issuers` (`[identity]`).
+    pub fn with_identities(mut self, issuers: Arc<crate::identity::Issuers>) -> Self {
+        self.identities = (!issuers.is_empty()).then_some(issuers);
         self
     }
 
@@ -199,5 +209,6 @@ broker_rpcs! {
     get_audit(GetAuditRequest) -> GetAuditResponse = |s, r| BrokerService::get_audit(s, r);
     aggregate_audits(AggregateAuditsRequest) -> AggregateAuditsResponse = |s, r| BrokerService::aggregate_audits(s, r);
     open_session(OpenSessionRequest) -> OpenSessionResponse = |s, r| BrokerService::open_session(s, r);
+    bind_identity(BindIdentityRequest) -> BindIdentityResponse = |s, r| BrokerService::bind_identity(s, r.into_inner());
     get_broker_keys(GetBrokerKeysRequest) -> GetBrokerKeysResponse = |s, _r| async { Ok::<_, ServiceError>(BrokerService::get_broker_keys(s).await) };
 }

@@ -235,10 +235,11 @@ impl<S: Store> BrokerService<S> {
         let request = request.into_inner();
         let labels = crate::core::labels(&request.labels, "labels")?;
         let paging = self.paging(request.page_size, &request.page_token)?;
+        let viewer = (!self.reads_everything(&caller).await?).then_some(caller);
         let page = self
             .store
             .roots(&crate::store::RootsQuery {
-                viewer: (!self.config.readers.contains(&caller)).then_some(caller),
+                viewer,
                 labels,
                 scan: MAX_ROOTS_SCANNED,
                 page: paging.bounds,

@@ -419,7 +419,12 @@ fn hop(record: &crate::store::ContractRecord) -> Result<Hop, String> {
     Ok(Hop {
         id: record.id,
         delegate,
-        subject: crypto::key_id(&delegate),
+        // The workload identity stamped at issuance, else the key id.
+        subject: if contract.delegate_identity.is_empty() {
+            crypto::key_id(&delegate)
+        } else {
+            contract.delegate_identity.clone()
+        },
         status: record.status,
         deadline_ms: contract.deadline_ms,
         depth: contract.depth,

@@ -16,6 +16,7 @@ mod drains;
 mod fairness;
 mod hardening;
 mod harness;
+mod identity;
 mod invariants;
 mod lifecycle;
 mod offline;

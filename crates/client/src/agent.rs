@@ -46,6 +46,18 @@ impl Agent {
         }
     }
 
+    /// A signed BindIdentity request: binds this key to the workload
+    /// identity `token` (a JWT-SVID or OIDC token) proves.
+    pub fn bind_identity(&self, token: &str) -> pb::BindIdentityRequest {
+        let body = pb::BindIdentityBody {
+            header: Some(self.header()),
+            token: token.to_owned(),
+        };
+        pb::BindIdentityRequest {
+            signed: Some(self.sign(payload_type::BIND_IDENTITY, &body)),
+        }
+    }
+
     /// The assertion that proves this agent holds `contract_id` to the
     /// token endpoint at `token_endpoint` (a JWT it signs itself, EdDSA,
     /// living `lifetime_s`).

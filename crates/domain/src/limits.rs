@@ -326,3 +326,6 @@ pub const MAX_IDENTITY_TOKEN_LIFETIME_S: i64 = 24 * 3600;
 pub const MAX_ECHOED_ALGORITHM_CHARS: usize = 32;
 /// Longest name a configuration gives a trusted issuer, in bytes.
 pub const MAX_ISSUER_NAME_BYTES: usize = 64;
+/// Largest workload token BindIdentity reads, in bytes (broker.proto,
+/// BindIdentityBody.token).
+pub const MAX_IDENTITY_TOKEN_BYTES: usize = 8_192;

@@ -7,4 +7,3 @@ CREATE TABLE identity_bindings (
     issuer TEXT NOT NULL,
     expires_at_ms BIGINT NOT NULL
 );
-CREATE INDEX identity_bindings_by_expiry ON identity_bindings (expires_at_ms);

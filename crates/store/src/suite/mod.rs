@@ -535,16 +535,25 @@ pub async fn identity_bindings_last_until_they_expire<S: Store>(store: &S) {
         issuer: "spire".into(),
         expires_at_ms,
     };
-    assert_eq!(store.identity_of([7; 32], now_ms).await.expect("read"), None);
+    assert_eq!(
+        store.identity_of([7; 32], now_ms).await.expect("read"),
+        None
+    );
     store
         .bind_identity(binding("spiffe://a.test/x", now_ms + 60_000), now_ms)
         .await
         .expect("bind");
     let found = store.identity_of([7; 32], now_ms).await.expect("read");
     assert_eq!(found, Some(binding("spiffe://a.test/x", now_ms + 60_000)));
-    assert_eq!(store.identity_of([8; 32], now_ms).await.expect("read"), None);
     assert_eq!(
-        store.identity_of([7; 32], now_ms + 60_000).await.expect("read"),
+        store.identity_of([8; 32], now_ms).await.expect("read"),
+        None
+    );
+    assert_eq!(
+        store
+            .identity_of([7; 32], now_ms + 60_000)
+            .await
+            .expect("read"),
         None,
         "a binding ends at its token's expiry"
     );
@@ -552,8 +561,14 @@ pub async fn identity_bindings_last_until_they_expire<S: Store>(store: &S) {
         .bind_identity(binding("spiffe://a.test/y", now_ms + 120_000), now_ms)
         .await
         .expect("bind again");
-    let renewed = store.identity_of([7; 32], now_ms + 60_000).await.expect("read");
-    assert_eq!(renewed.map(|b| b.identity).as_deref(), Some("spiffe://a.test/y"));
+    let renewed = store
+        .identity_of([7; 32], now_ms + 60_000)
+        .await
+        .expect("read");
+    assert_eq!(
+        renewed.map(|b| b.identity).as_deref(),
+        Some("spiffe://a.test/y")
+    );
     let mut root = test_root(meta(7, 1));
     root.identity = Some("spiffe://a.test/y".into());
     let root = issued(store.open_root(root).await);
