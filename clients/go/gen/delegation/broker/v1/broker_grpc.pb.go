@@ -82,6 +82,20 @@ type BrokerClient interface {
 	// OpenSessionBody), but changes nothing and is not idempotent: every call
 	// returns a new session.
 	OpenSession(ctx context.Context, in *OpenSessionRequest, opts ...grpc.CallOption) (*OpenSessionResponse, error)
+	// Binds the signer's key to a workload identity, proved by a fresh JWT
+	// from an issuer the broker's `[identity]` configuration trusts (a
+	// SPIFFE JWT-SVID, a Kubernetes service-account token, a cloud OIDC
+	// token). Signed by the key being bound (payload BindIdentityBody).
+	// The binding lasts until the token's `exp`; bind again with a fresh
+	// token to renew (the later binding replaces the earlier). Contracts
+	// issued to a bound key carry its identity
+	// (Contract.delegate_identity), and `[orchestrators]` and `[readers]`
+	// may name identities instead of keys. Not recorded in the request log:
+	// sending the same request again binds again, which is harmless. A
+	// single broker on SQLite keeps bindings in memory (bind again after it
+	// restarts); replicas on PostgreSQL share them. Errors:
+	// IDENTITY_REFUSED, IDENTITY_NOT_CONFIGURED.
+	BindIdentity(ctx context.Context, in *BindIdentityRequest, opts ...grpc.CallOption) (*BindIdentityResponse, error)
 	// The delegate accepts a contract it holds, optionally naming its host.
 	// Signed by the contract's delegate key (else NOT_DELEGATE). Needs OPEN
 	// (else WRONG_STATE); moves it to ACCEPTED.
@@ -256,6 +270,15 @@ func (c *brokerClient) GetBrokerKeys(ctx context.Context, in *GetBrokerKeysReque
 func (c *brokerClient) OpenSession(ctx context.Context, in *OpenSessionRequest, opts ...grpc.CallOption) (*OpenSessionResponse, error) {
 	out := new(OpenSessionResponse)
 	err := c.cc.Invoke(ctx, "/delegation.broker.v1.Broker/OpenSession", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *brokerClient) BindIdentity(ctx context.Context, in *BindIdentityRequest, opts ...grpc.CallOption) (*BindIdentityResponse, error) {
+	out := new(BindIdentityResponse)
+	err := c.cc.Invoke(ctx, "/delegation.broker.v1.Broker/BindIdentity", in, out, opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -444,6 +467,20 @@ type BrokerServer interface {
 	// OpenSessionBody), but changes nothing and is not idempotent: every call
 	// returns a new session.
 	OpenSession(context.Context, *OpenSessionRequest) (*OpenSessionResponse, error)
+	// Binds the signer's key to a workload identity, proved by a fresh JWT
+	// from an issuer the broker's `[identity]` configuration trusts (a
+	// SPIFFE JWT-SVID, a Kubernetes service-account token, a cloud OIDC
+	// token). Signed by the key being bound (payload BindIdentityBody).
+	// The binding lasts until the token's `exp`; bind again with a fresh
+	// token to renew (the later binding replaces the earlier). Contracts
+	// issued to a bound key carry its identity
+	// (Contract.delegate_identity), and `[orchestrators]` and `[readers]`
+	// may name identities instead of keys. Not recorded in the request log:
+	// sending the same request again binds again, which is harmless. A
+	// single broker on SQLite keeps bindings in memory (bind again after it
+	// restarts); replicas on PostgreSQL share them. Errors:
+	// IDENTITY_REFUSED, IDENTITY_NOT_CONFIGURED.
+	BindIdentity(context.Context, *BindIdentityRequest) (*BindIdentityResponse, error)
 	// The delegate accepts a contract it holds, optionally naming its host.
 	// Signed by the contract's delegate key (else NOT_DELEGATE). Needs OPEN
 	// (else WRONG_STATE); moves it to ACCEPTED.
@@ -560,6 +597,9 @@ func (UnimplementedBrokerServer) GetBrokerKeys(context.Context, *GetBrokerKeysRe
 }
 func (UnimplementedBrokerServer) OpenSession(context.Context, *OpenSessionRequest) (*OpenSessionResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method OpenSession not implemented")
+}
+func (UnimplementedBrokerServer) BindIdentity(context.Context, *BindIdentityRequest) (*BindIdentityResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method BindIdentity not implemented")
 }
 func (UnimplementedBrokerServer) Accept(context.Context, *AcceptRequest) (*AcceptResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Accept not implemented")
@@ -780,6 +820,24 @@ func _Broker_OpenSession_Handler(srv interface{}, ctx context.Context, dec func(
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(BrokerServer).OpenSession(ctx, req.(*OpenSessionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Broker_BindIdentity_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BindIdentityRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(BrokerServer).BindIdentity(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/delegation.broker.v1.Broker/BindIdentity",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(BrokerServer).BindIdentity(ctx, req.(*BindIdentityRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -1010,6 +1068,10 @@ var _Broker_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "OpenSession",
 			Handler:    _Broker_OpenSession_Handler,
+		},
+		{
+			MethodName: "BindIdentity",
+			Handler:    _Broker_BindIdentity_Handler,
 		},
 		{
 			MethodName: "Accept",

@@ -201,6 +201,30 @@ class OpenSessionResponse(_message.Message):
     expires_at_ms: int
     def __init__(self, session: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
+class BindIdentityRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _types_pb2.Envelope
+    def __init__(self, signed: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class BindIdentityBody(_message.Message):
+    __slots__ = ("header", "token")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    header: _types_pb2.RequestHeader
+    token: str
+    def __init__(self, header: _Optional[_Union[_types_pb2.RequestHeader, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
+
+class BindIdentityResponse(_message.Message):
+    __slots__ = ("identity", "issuer", "expires_at_ms")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ISSUER_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    identity: str
+    issuer: str
+    expires_at_ms: int
+    def __init__(self, identity: _Optional[str] = ..., issuer: _Optional[str] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
 class GetContractRequest(_message.Message):
     __slots__ = ("contract_id",)
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]

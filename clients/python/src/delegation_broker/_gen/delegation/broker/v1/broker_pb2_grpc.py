@@ -85,6 +85,11 @@ class BrokerStub:
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
+        self.BindIdentity = channel.unary_unary(
+                '/delegation.broker.v1.Broker/BindIdentity',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.BindIdentityRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.BindIdentityResponse.FromString,
+                _registered_method=True)
         self.Accept = channel.unary_unary(
                 '/delegation.broker.v1.Broker/Accept',
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.AcceptRequest.SerializeToString,
@@ -251,6 +256,25 @@ class BrokerServicer:
         Public; the request is signed like a mutating call (payload
         OpenSessionBody), but changes nothing and is not idempotent: every call
         returns a new session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BindIdentity(self, request, context):
+        """Binds the signer's key to a workload identity, proved by a fresh JWT
+        from an issuer the broker's `[identity]` configuration trusts (a
+        SPIFFE JWT-SVID, a Kubernetes service-account token, a cloud OIDC
+        token). Signed by the key being bound (payload BindIdentityBody).
+        The binding lasts until the token's `exp`; bind again with a fresh
+        token to renew (the later binding replaces the earlier). Contracts
+        issued to a bound key carry its identity
+        (Contract.delegate_identity), and `[orchestrators]` and `[readers]`
+        may name identities instead of keys. Not recorded in the request log:
+        sending the same request again binds again, which is harmless. A
+        single broker on SQLite keeps bindings in memory (bind again after it
+        restarts); replicas on PostgreSQL share them. Errors:
+        IDENTITY_REFUSED, IDENTITY_NOT_CONFIGURED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -438,6 +462,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.OpenSession,
                     request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionRequest.FromString,
                     response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'BindIdentity': grpc.unary_unary_rpc_method_handler(
+                    servicer.BindIdentity,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.BindIdentityRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.BindIdentityResponse.SerializeToString,
             ),
             'Accept': grpc.unary_unary_rpc_method_handler(
                     servicer.Accept,
@@ -761,6 +790,33 @@ class Broker:
             '/delegation.broker.v1.Broker/OpenSession',
             delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionRequest.SerializeToString,
             delegation_dot_broker_dot_v1_dot_broker__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BindIdentity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/delegation.broker.v1.Broker/BindIdentity',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.BindIdentityRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.BindIdentityResponse.FromString,
             options,
             channel_credentials,
             insecure,

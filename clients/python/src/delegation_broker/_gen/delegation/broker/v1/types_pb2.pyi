@@ -173,7 +173,7 @@ class Attestation(_message.Message):
     def __init__(self, agent_public_key: _Optional[bytes] = ..., factor: _Optional[float] = ..., risk_class: _Optional[str] = ..., expires_at_ms: _Optional[int] = ..., not_before_ms: _Optional[int] = ...) -> None: ...
 
 class Contract(_message.Message):
-    __slots__ = ("broker_key_id", "parent_id", "depth", "intent", "intent_lineage_hash", "task", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "request_digest", "host_public_key", "result_schema_json", "labels", "factor_ppm", "cumulative_trust_ppm", "trust_source", "attestation_digest", "risk_class")
+    __slots__ = ("broker_key_id", "parent_id", "depth", "intent", "intent_lineage_hash", "task", "delegate_public_key", "budget", "deadline_ms", "issued_at_ms", "liability", "predicate", "escalation_channel", "min_retry_cost", "min_retry_latency_ms", "write_scope", "policy", "request_digest", "host_public_key", "result_schema_json", "labels", "factor_ppm", "cumulative_trust_ppm", "trust_source", "attestation_digest", "risk_class", "delegate_identity")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class Contract(_message.Message):
     TRUST_SOURCE_FIELD_NUMBER: _ClassVar[int]
     ATTESTATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RISK_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DELEGATE_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     broker_key_id: str
     parent_id: bytes
     depth: int
@@ -233,7 +234,8 @@ class Contract(_message.Message):
     trust_source: TrustSource
     attestation_digest: bytes
     risk_class: str
-    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., request_digest: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., factor_ppm: _Optional[int] = ..., cumulative_trust_ppm: _Optional[int] = ..., trust_source: _Optional[_Union[TrustSource, str]] = ..., attestation_digest: _Optional[bytes] = ..., risk_class: _Optional[str] = ...) -> None: ...
+    delegate_identity: str
+    def __init__(self, broker_key_id: _Optional[str] = ..., parent_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., intent: _Optional[str] = ..., intent_lineage_hash: _Optional[bytes] = ..., task: _Optional[str] = ..., delegate_public_key: _Optional[bytes] = ..., budget: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., liability: _Optional[_Union[Liability, str]] = ..., predicate: _Optional[str] = ..., escalation_channel: _Optional[str] = ..., min_retry_cost: _Optional[int] = ..., min_retry_latency_ms: _Optional[int] = ..., write_scope: _Optional[_Iterable[str]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., request_digest: _Optional[bytes] = ..., host_public_key: _Optional[bytes] = ..., result_schema_json: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., factor_ppm: _Optional[int] = ..., cumulative_trust_ppm: _Optional[int] = ..., trust_source: _Optional[_Union[TrustSource, str]] = ..., attestation_digest: _Optional[bytes] = ..., risk_class: _Optional[str] = ..., delegate_identity: _Optional[str] = ...) -> None: ...
 
 class Violation(_message.Message):
     __slots__ = ("code", "requested", "allowed", "detail")
