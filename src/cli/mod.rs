@@ -6,6 +6,7 @@ pub mod attest;
 pub mod audit;
 pub mod bench;
 pub mod health;
+pub mod identity;
 pub mod keys;
 pub mod migrate;
 pub mod read;
@@ -194,6 +195,9 @@ enum Command {
     /// Signs, as an attestor, an agent's trust factor into a file for
     /// `delegate --attestation`.
     Attest(attest::AttestArgs),
+    /// Binds the key file's key to the workload identity a token proves
+    /// (a SPIFFE JWT-SVID, an OIDC token of an `[identity]` issuer).
+    BindIdentity(identity::BindIdentityArgs),
     /// Mints a JWT for a resource server from the token endpoint
     /// (`serve --tokens`), proving the signer holds the contract.
     Token(token::TokenArgs),
@@ -406,6 +410,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Record(args) => write::record(args),
         Command::Attest(args) => attest::run(args),
         Command::Token(args) => token::run(args),
+        Command::BindIdentity(args) => identity::run(args),
         #[cfg(feature = "mcp")]
         Command::Mcp(args) => broker_mcp::run(args),
         #[cfg(feature = "a2a")]

@@ -325,3 +325,51 @@ async fn without_issuers_binding_is_not_configured() {
         "IDENTITY_NOT_CONFIGURED",
     );
 }
+
+#[tokio::test]
+async fn bind_identity_from_a_shell() {
+    let dir = tempfile::tempdir().unwrap();
+    let (spire, oidc) = (Spire::new(), Agent::generate());
+    let broker = broker(&spire, &oidc, dir.path()).await;
+    let agent = Agent::generate();
+    let key_file = dir.path().join("agent.key");
+    write_key_file(&key_file, &agent.seed());
+    let token_file = dir.path().join("svid.jwt");
+    std::fs::write(&token_file, spire.svid("/orchestrators/shell") + "\n").unwrap();
+    // Asynchronously: the broker serves on this test's runtime.
+    let run = |token_file: &std::path::Path| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+            .args([
+                "bind-identity",
+                "--addr",
+                &broker.addr,
+                "--json",
+                "--key-file",
+            ])
+            .arg(&key_file)
+            .arg("--token-file")
+            .arg(token_file)
+            .env_remove("BROKER_KEY_FILE")
+            .output()
+    };
+    let bound = run(&token_file).await.expect("runs");
+    assert!(
+        bound.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bound.stderr)
+    );
+    let answer: Value = serde_json::from_slice(&bound.stdout).expect("JSON");
+    assert_eq!(answer["identity"], "spiffe://prod.test/orchestrators/shell");
+    assert_eq!(answer["issuer"], "spire");
+    // A token of another trust domain: the check is named.
+    let claims =
+        json!({"sub": "spiffe://other.test/x", "aud": [AUDIENCE], "exp": now_ms() / 1000 + 60});
+    std::fs::write(&token_file, spire.sign(&svid_header(), &claims)).unwrap();
+    let refused = run(&token_file).await.expect("runs");
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("IDENTITY_REFUSED") && stderr.contains("other.test"),
+        "{stderr}"
+    );
+}

@@ -93,26 +93,32 @@ class BrokerProcess:
     ``limits`` adds lines to its ``[limits]`` table, ``env`` variables to its
     environment (e.g. ``BROKER_LOG_FORMAT``); with ``tokens`` it also serves the
     token endpoint (``--tokens 127.0.0.1:0``, ``[tokens]`` from it) at
-    ``tokens_url``; its stderr goes to ``log_path``."""
+    ``tokens_url``; ``reader_identities`` become ``[readers] identities`` and
+    ``config`` (TOML tables: ``[identity.issuers.NAME]``, ``[orchestrators]``,
+    ...) is appended as it is; its stderr goes to ``log_path``."""
 
     def __init__(self, workdir: Path, attestors: list[Agent], readers: list[Agent] | None = None,
                  limits: dict[str, int] | None = None, env: dict[str, str] | None = None,
-                 tokens: Tokens | None = None):
+                 tokens: Tokens | None = None, reader_identities: list[str] | None = None, config: str = ""):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        config = workdir / "broker.toml"
+        config_text, config_path = config, workdir / "broker.toml"
         text = f"[trust]\nattestors = [{_hex_keys(attestors)}]\n\n[readers]\nkeys = [{_hex_keys(readers or [])}]\n"
+        if reader_identities:
+            text += f"identities = [{', '.join(json.dumps(i) for i in reader_identities)}]\n"
         if limits:
             text += "\n[limits]\n" + "".join(f"{name} = {value}\n" for name, value in limits.items())
         if tokens is not None:
             text += tokens.toml()
-        config.write_text(text)
+        if config_text:
+            text += "\n" + config_text
+        config_path.write_text(text)
         self.log_path = workdir / "broker.log"
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "BROKER_LOG": os.environ.get("BROKER_LOG", "warn"), **(env or {})}
         self.proc = subprocess.Popen(
             [str(broker_bin()), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(workdir / "data"),
-             "--config", str(config), *(["--tokens", "127.0.0.1:0"] if tokens is not None else [])],
+             "--config", str(config_path), *(["--tokens", "127.0.0.1:0"] if tokens is not None else [])],
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
@@ -199,11 +205,13 @@ class Broker:
     carries none. Tests of who may read use :meth:`stub_for`."""
 
     def __init__(self, workdir: Path, attestor: Agent | None = None, *, limits: dict[str, int] | None = None,
-                 env: dict[str, str] | None = None, tokens: Tokens | None = None):
+                 env: dict[str, str] | None = None, tokens: Tokens | None = None,
+                 reader_identities: list[str] | None = None, config: str = ""):
         self.attestor = attestor or Agent.generate()
         #: Listed under ``[readers]``: may read every tree.
         self.reader = Agent.generate()
-        self.process = BrokerProcess(workdir, [self.attestor], [self.reader], limits, env, tokens)
+        self.process = BrokerProcess(workdir, [self.attestor], [self.reader], limits, env, tokens,
+                                     reader_identities, config)
         self.address = self.process.address
         #: The token endpoint's URL when started with ``tokens``, else None.
         self.tokens_url = self.process.tokens_url

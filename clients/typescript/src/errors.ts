@@ -4,13 +4,13 @@
  * Every error the broker itself returns is a gRPC status whose
  * `grpc-status-details-bin` trailer holds a `google.rpc.Status` with one
  * `google.rpc.ErrorInfo` (domain `delegation.broker.v1`, a stable `reason`
- * from errors.proto's `ErrorReason`, and metadata such as `field` — the
- * offending request field — or `limit`), plus a `google.rpc.BadRequest` for
- * INVALID_FIELD. {@link BrokerError} carries all of it. A key that is not a
- * party of a tree (nor a configured reader) gets NOT_FOUND for each of its
- * ids, exactly as for an id that does not exist. Invariant refusals are not
- * errors: they come back as signed receipts in `DelegateResponse.outcome`
- * (case "refused").
+ * from errors.proto's `ErrorReason`, and metadata such as `field` (the
+ * offending request field), `limit` or `check`), plus a
+ * `google.rpc.BadRequest` for INVALID_FIELD. {@link BrokerError} carries
+ * all of it. A key that is not a party of a tree (nor a configured reader)
+ * gets NOT_FOUND for each of its ids, exactly as for an id that does not
+ * exist. Invariant refusals are not errors: they come back as signed
+ * receipts in `DelegateResponse.outcome` (case "refused").
  */
 
 import { Code, ConnectError } from "@connectrpc/connect";
@@ -38,7 +38,7 @@ export function errorInfo(error: unknown): ErrorInfo | undefined {
  * says — the stable {@link reason} (an `ErrorReason` name without its
  * prefix, e.g. "NONCE_REUSED"), the offending request {@link field} (e.g.
  * "body.header.nonce", "body.budget", "contract_id") and the other metadata
- * ({@link limit}, `what`, `id`, `requested`, `allowed`, ...).
+ * ({@link limit}, {@link check}, `what`, `id`, `requested`, `allowed`, ...).
  *
  * It is a `ConnectError` (`err instanceof ConnectError` holds; `code`,
  * `rawMessage`, `metadata`, `details`, `findDetails` work as there). Statuses
@@ -55,6 +55,12 @@ export class BrokerError extends ConnectError {
   readonly field: string | undefined;
   /** Metadata `limit`: the cap that was reached (OVERLOADED, MESSAGE_TOO_LARGE, ...). */
   readonly limit: string | undefined;
+  /**
+   * Metadata `check`: which check refused a workload token (reason
+   * IDENTITY_REFUSED, from BindIdentity), e.g. "IDENTITY_EXPIRED"; see
+   * `IDENTITY_CHECKS`.
+   */
+  readonly check: string | undefined;
   /** Every `ErrorInfo.metadata` entry (empty without an ErrorInfo). */
   readonly info: Readonly<Record<string, string>>;
   /** The whole `google.rpc.ErrorInfo`, when present. */
@@ -76,6 +82,7 @@ export class BrokerError extends ConnectError {
     this.info = { ...(this.errorInfo?.metadata ?? {}) };
     this.field = this.info.field;
     this.limit = this.info.limit;
+    this.check = this.info.check;
   }
 
   /** `instanceof BrokerError` follows the prototype chain (ConnectError's own check is by name). */

@@ -4,7 +4,9 @@
  * helper layer that runs in Node and in browsers alike —
  *
  * - {@link Agent}: an ed25519 key that signs OpenRoot, Delegate, the
- *   lifecycle requests, OpenSession and attestations;
+ *   lifecycle requests, OpenSession, BindIdentity and attestations;
+ * - {@link bindIdentity}: bind an agent's key to a workload identity (a
+ *   SPIFFE JWT-SVID, an OIDC token), stamped into its contracts;
  * - {@link sessionClient}, {@link RenewingSession}, {@link openSession},
  *   {@link sessionInterceptor}: the read session every read carries
  *   (`x-broker-session-bin`), opened and renewed before it expires;
@@ -107,6 +109,7 @@ export {
   type SessionSource,
 } from "./session.js";
 export { brokerTransport, createBrokerClient, sessionClient, type BrokerClient } from "./client.js";
+export { IDENTITY_CHECKS, bindIdentity, type IdentityBinder, type IdentityCheck } from "./identity.js";
 export { Watch, watch, type ReconnectOptions, type WatchEvent, type WatchOptions, type WatchSource } from "./watch.js";
 export {
   DEFAULT_ASSERTION_LIFETIME_S,

@@ -36,6 +36,7 @@ import { concatBytes, equalBytes, randomBytes, toHex, utf8 } from "./bytes.js";
 import {
   AcceptBodySchema,
   AdjudicateBodySchema,
+  BindIdentityBodySchema,
   CompleteBodySchema,
   DeclineBodySchema,
   DelegateBodySchema,
@@ -47,6 +48,7 @@ import {
   file_delegation_broker_v1_broker,
   type AcceptRequest,
   type AdjudicateRequest,
+  type BindIdentityRequest,
   type CompleteRequest,
   type DeclineRequest,
   type DelegateRequest,
@@ -353,6 +355,18 @@ export class Agent {
    */
   openSession(body: Init<typeof OpenSessionBodySchema>): OpenSessionRequest {
     return this.#request(OpenSessionBodySchema, body);
+  }
+
+  /**
+   * A signed BindIdentity request: binds this key to the workload identity a
+   * JWT from an issuer of the broker's `[identity]` configuration proves (a
+   * SPIFFE JWT-SVID, an OIDC token), until the token's `exp`. Takes the token
+   * itself (`agent.bindIdentity(token)`) or a `BindIdentityBody`'s fields
+   * (`{ token }`; a fresh header unless given). `bindIdentity(client, agent,
+   * token)` (identity.ts) builds and sends it.
+   */
+  bindIdentity(body: string | Init<typeof BindIdentityBodySchema>): BindIdentityRequest {
+    return this.#request(BindIdentityBodySchema, typeof body === "string" ? { token: body } : body);
   }
 
   /** As the contract's delegate: accept it (`contractId`; optionally `hostPublicKey`). */

@@ -22,7 +22,7 @@ test("every RPC of the Broker service is on the client", () => {
   const client = createBrokerClient(createNodeTransport("127.0.0.1:1")) as unknown as Record<string, unknown>;
   const names = pb.Broker.methods.map((m) => m.name);
   for (const method of pb.Broker.methods) assert.equal(typeof client[method.localName], "function", method.name);
-  for (const expected of ["OpenRoot", "Delegate", "GetContract", "GetChain", "ListChildren", "GetReceipt", "GetBrokerKeys", "OpenSession", "Watch", "GetAudit", "AggregateAudits"]) {
+  for (const expected of ["OpenRoot", "Delegate", "GetContract", "GetChain", "ListChildren", "GetReceipt", "GetBrokerKeys", "OpenSession", "BindIdentity", "Watch", "GetAudit", "AggregateAudits"]) {
     assert.ok(names.includes(expected), expected);
   }
   assert.equal(pb.Broker.typeName, "delegation.broker.v1.Broker");
@@ -44,7 +44,7 @@ test("every generated file of delegation.broker is re-exported by pb", () => {
 test("every signed ...Body maps to its ...Request, and signRequest signs any of them", () => {
   const bodies = [...registry].filter((t): t is DescMessage => t.kind === "message" && t.typeName.endsWith("Body") && t.field.header !== undefined);
   assert.deepEqual(bodies.map((b) => b.name).sort(), [
-    "AcceptBody", "AdjudicateBody", "CompleteBody", "DeclineBody", "DelegateBody", "EscalateBody",
+    "AcceptBody", "AdjudicateBody", "BindIdentityBody", "CompleteBody", "DeclineBody", "DelegateBody", "EscalateBody",
     "OpenRootBody", "OpenSessionBody", "RecordReceiptsBody", "RevokeBody",
   ]);
   const agent = Agent.generate();

@@ -25,13 +25,15 @@ const PRELUDE = `
 import {
   Agent, BrokerError, BrokerKeys, Code, ConnectError, RenewingSession, callIdempotent, codeName, create,
   createBrokerClient, fromBinary, fromHex, nowMs, openSession, pb, sessionClient, sessionInterceptor, toBinary, toHex,
-  verifyChain, verifyContract, verifyReceipt, watch, TokenEndpoint, TokenEndpointError, signAssertion, type BrokerClient,
+  verifyChain, verifyContract, verifyReceipt, watch, TokenEndpoint, TokenEndpointError, signAssertion, bindIdentity,
+  IDENTITY_CHECKS, type BrokerClient,
 } from "@delegation-broker/client";
 import { createNodeTransport } from "@delegation-broker/client/node";
 import { createWebTransport } from "@delegation-broker/client/web";
 void [Agent, BrokerError, BrokerKeys, Code, ConnectError, RenewingSession, callIdempotent, codeName, create,
   createBrokerClient, fromBinary, fromHex, nowMs, openSession, pb, sessionClient, sessionInterceptor, toBinary, toHex,
-  verifyChain, verifyContract, verifyReceipt, watch, TokenEndpoint, TokenEndpointError, signAssertion, createWebTransport];
+  verifyChain, verifyContract, verifyReceipt, watch, TokenEndpoint, TokenEndpointError, signAssertion, bindIdentity,
+  IDENTITY_CHECKS, createWebTransport];
 export {};
 `;
 
@@ -47,6 +49,7 @@ const FREE: Record<string, string> = {
   contractId: "Uint8Array",
   rootId: "Uint8Array",
   request: "pb.DelegateRequest",
+  svid: "string",
   response: "{ receiptId: Uint8Array; receipt?: pb.Sealed }",
 };
 

@@ -82,6 +82,8 @@ export interface TokensOptions {
 export interface BrokerProcessOptions {
   attestors?: Agent[];
   readers?: Agent[];
+  /** Identity patterns whose bound keys read every tree (`[readers] identities`). */
+  readerIdentities?: string[];
   limits?: Record<string, number>;
   env?: Record<string, string>;
   /** Serve the token endpoint (`--tokens`) with this `[tokens]` table. */
@@ -127,6 +129,9 @@ export class BrokerProcess {
     mkdirSync(workdir, { recursive: true });
     this.configPath = path.join(workdir, "broker.toml");
     let text = `[trust]\nattestors = [${hexKeys(options.attestors ?? [])}]\n\n[readers]\nkeys = [${hexKeys(options.readers ?? [])}]\n`;
+    if (options.readerIdentities !== undefined) {
+      text += `identities = [${options.readerIdentities.map((pattern) => JSON.stringify(pattern)).join(", ")}]\n`;
+    }
     if (options.limits !== undefined) {
       text += "\n[limits]\n" + Object.entries(options.limits).map(([k, v]) => `${k} = ${v}\n`).join("");
     }
@@ -280,7 +285,13 @@ export class Broker {
 
   static async start(
     name: string,
-    options: { limits?: Record<string, number>; attestor?: Agent; tokens?: TokensOptions } = {},
+    options: {
+      limits?: Record<string, number>;
+      attestor?: Agent;
+      tokens?: TokensOptions;
+      readerIdentities?: string[];
+      extraConfig?: string;
+    } = {},
   ): Promise<Broker> {
     const attestor = options.attestor ?? Agent.generate();
     const reader = Agent.generate();
@@ -289,6 +300,8 @@ export class Broker {
       readers: [reader],
       limits: options.limits,
       tokens: options.tokens,
+      readerIdentities: options.readerIdentities,
+      extraConfig: options.extraConfig,
     });
     const transport = createNodeTransport(process.address);
     const client = await sessionClient(transport, reader);

@@ -246,6 +246,7 @@ signed_calls! {
     EscalateBody => EscalateRequest, EscalateResponse, escalate, ESCALATE;
     RevokeBody => RevokeRequest, RevokeResponse, revoke, REVOKE;
     RecordReceiptsBody => RecordReceiptsRequest, RecordReceiptsResponse, record_receipts, RECORD_RECEIPTS;
+    BindIdentityBody => BindIdentityRequest, BindIdentityResponse, bind_identity, BIND_IDENTITY;
 }
 
 /// An answer that carries the receipt the broker signed for it.

@@ -277,6 +277,17 @@ fn who(key: &[u8], names: &BTreeMap<[u8; 32], String>) -> String {
         .unwrap_or_else(|| format!("key:{}", short(key)))
 }
 
+/// A contract's delegate: its address-book name, else the workload
+/// identity stamped at issuance, else its short key.
+fn holder(contract: &pb::Contract, names: &BTreeMap<[u8; 32], String>) -> String {
+    let named = <[u8; 32]>::try_from(contract.delegate_public_key.as_slice())
+        .is_ok_and(|k| names.contains_key(&k));
+    if !named && !contract.delegate_identity.is_empty() {
+        return safe(&contract.delegate_identity);
+    }
+    who(&contract.delegate_public_key, names)
+}
+
 pub fn short(bytes: &[u8]) -> String {
     hex::encode(&bytes[..bytes.len().min(4)])
 }
@@ -315,7 +326,7 @@ impl Drawing<'_> {
             out,
             "{lead}{} {} {status} depth {} trust {} deadline {}",
             short(&state.contract_id),
-            who(&contract.delegate_public_key, names),
+            holder(contract, names),
             contract.depth,
             ppm(contract.cumulative_trust_ppm),
             rfc3339(contract.deadline_ms),

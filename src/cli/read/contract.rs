@@ -194,6 +194,9 @@ pub fn contract_text(view: &ContractView) -> String {
     f.add("depth", c.depth.to_string());
     f.add("status", status_name(state.status));
     f.add("delegate", hex::encode(&c.delegate_public_key));
+    if !c.delegate_identity.is_empty() {
+        f.add("identity", c.delegate_identity.clone());
+    }
     f.add("principal", hex::encode(&view.principal));
     f.add("host", hex_or_dash(&c.host_public_key));
     if !c.intent.is_empty() {
@@ -312,6 +315,7 @@ pub(in crate::cli) fn terms_json(id: &[u8], c: &pb::Contract) -> Map<String, Val
         "intent_lineage_hash": hex::encode(&c.intent_lineage_hash),
         "task": c.task,
         "delegate_public_key": hex::encode(&c.delegate_public_key),
+        "delegate_identity": c.delegate_identity,
         "host_public_key": hex::encode(&c.host_public_key),
         "budget": c.budget,
         "deadline_ms": c.deadline_ms,

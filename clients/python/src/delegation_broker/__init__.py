@@ -8,6 +8,10 @@
 * :meth:`Agent.open_session`, :func:`session_stub`, :class:`RenewingSession`,
   :class:`SessionInterceptor` — the read session every read carries
   (``x-broker-session-bin``), opened and renewed for an agent;
+* :meth:`Agent.bind_identity`, :func:`bind_identity` — bind the agent's key to
+  the workload identity a JWT-SVID or OIDC token proves (``BindIdentity``):
+  contracts issued to it then name it (``Contract.delegate_identity``);
+  refusals are ``IDENTITY_REFUSED`` errors whose ``check`` says why;
 * :func:`call_idempotent` — resend the same signed request on transient errors;
 * :class:`BrokerKeys`, :func:`verify_chain`, :func:`verify_contract`,
   :func:`verify_receipt`, :func:`verify_sealed`, :func:`verify_every_signature`
@@ -37,6 +41,7 @@ except Exception as _error:  # VersionError (protobuf), RuntimeError (grpcio), I
 
     raise ImportError(_explain(_error)) from _error
 from .errors import ERROR_DOMAIN, ErrorInfo, error_info
+from .identity import IDENTITY_CHECKS, IDENTITY_NOT_CONFIGURED, IDENTITY_REFUSED, bind_identity
 from .retry import RETRYABLE, call_idempotent
 from .session import (
     SESSION_METADATA,
@@ -99,6 +104,9 @@ __all__ = [
     "CONTRACT_TYPE",
     "ERROR_DOMAIN",
     "ErrorInfo",
+    "IDENTITY_CHECKS",
+    "IDENTITY_NOT_CONFIGURED",
+    "IDENTITY_REFUSED",
     "JWT_TOKEN_TYPE",
     "MAX_CHAIN_CONTRACTS",
     "MAX_SIGNATURES",
@@ -122,6 +130,7 @@ __all__ = [
     "Watch",
     "WatchEvent",
     "assertion",
+    "bind_identity",
     "call_idempotent",
     "conjoin_predicates",
     "error_info",

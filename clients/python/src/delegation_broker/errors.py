@@ -5,7 +5,9 @@ Every error status carries a ``google.rpc.Status`` in the
 ``reason`` (``INVALID_FIELD``, ``BAD_SIGNATURE``, ``STALE_TIMESTAMP``,
 ``NOT_FOUND``, ``NONCE_REUSED``, ``OVERLOADED``, ``NO_SESSION``,
 ``NOT_HOLDER``, ...), ``domain`` ``"delegation.broker.v1"`` and metadata
-naming the offending ``field`` or ``limit``. A key that is not a party of a
+naming the offending ``field`` or ``limit`` (``check`` for a workload token
+``BindIdentity`` refuses: reason ``IDENTITY_REFUSED``, see
+:mod:`delegation_broker.identity`). A key that is not a party of a
 tree (nor a configured reader) gets ``NOT_FOUND`` for each of its ids, exactly
 as for an id that does not exist. Invariant refusals are not errors: they come
 back as signed receipts in ``DelegateResponse.refused``.

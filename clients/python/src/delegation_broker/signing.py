@@ -283,6 +283,19 @@ class Agent:
         within the broker's window."""
         return self._request(pb.OpenSessionBody, body, fields)
 
+    def bind_identity(self, body: pb.BindIdentityBody | str | None = None, **fields) -> pb.BindIdentityRequest:
+        """A signed BindIdentity request: binds this key to the workload
+        identity a JWT from an issuer the broker trusts proves (a SPIFFE
+        JWT-SVID, an OIDC token). Takes the token itself
+        (``agent.bind_identity(token)``), a ``BindIdentityBody`` or its fields
+        as keywords (``token=...``); fills in a fresh header when the body has
+        none. :func:`delegation_broker.bind_identity` sends it."""
+        if isinstance(body, str):
+            if fields:
+                raise TypeError("pass either the token or keyword fields, not both")
+            body, fields = None, {"token": body}
+        return self._request(pb.BindIdentityBody, body, fields)
+
     # Lifecycle requests. Each takes its ``...Body`` or the body's fields as
     # keywords, like open_root/delegate; the signer each RPC expects is noted.
 

@@ -502,10 +502,11 @@ export enum ErrorReason {
    * yet valid, a `sub` that is not a SPIFFE ID of the issuer's trust
    * domain, or bound (`cnf`) to another key. Metadata `check`: which
    * (IDENTITY_FORMAT, IDENTITY_ISSUER, IDENTITY_ALGORITHM,
-   * IDENTITY_SIGNATURE, IDENTITY_AUDIENCE, IDENTITY_EXPIRED,
-   * IDENTITY_NOT_YET_VALID, IDENTITY_SUBJECT, IDENTITY_TRUST_DOMAIN,
-   * IDENTITY_KEY_BINDING); the message names the claim. Nothing is
-   * bound; fails again with the same token.
+   * IDENTITY_SIGNATURE, IDENTITY_AUDIENCE, IDENTITY_LIFETIME (no `exp`,
+   * or more than 24 h ahead), IDENTITY_EXPIRED, IDENTITY_NOT_YET_VALID,
+   * IDENTITY_SUBJECT, IDENTITY_TRUST_DOMAIN, IDENTITY_KEY_BINDING); the
+   * message names the claim. Nothing is bound; fails again with the same
+   * token.
    *
    * @generated from enum value: ERROR_REASON_IDENTITY_REFUSED = 39;
    */
