@@ -107,13 +107,15 @@ pub(super) fn identity_config(file: &FileIdentity) -> Result<IdentityConfig, Con
             .map_err(|e| invalid(format!("identity.issuers.{name}"), e.to_string()))?;
         let keys = match (&issuer.jwks_file, &issuer.jwks_url) {
             (Some(path), None) => KeySource::File(path.clone()),
-            (None, Some(url)) if url.starts_with("https://") || url.starts_with("http://") => {
+            (None, Some(url)) if url.starts_with("https://") || loopback_http(url) => {
                 KeySource::Url(url.clone())
             }
             (None, Some(url)) => {
                 return Err(invalid(
                     field("jwks_url"),
-                    format!("{url:?} is not an http(s) URL"),
+                    format!(
+                        "{url:?} is not an https:// URL (plain http only on loopback: keys fetched in clear could be replaced)"
+                    ),
                 ));
             }
             _ => {
@@ -130,6 +132,26 @@ pub(super) fn identity_config(file: &FileIdentity) -> Result<IdentityConfig, Con
                 format!("must be in {MIN_KEYS_REFRESH_S} ..= {MAX_KEYS_REFRESH_S}"),
             ));
         }
+        let same =
+            issuers.iter().find(
+                |other: &&IssuerConfig| match (&other.policy.kind, &policy.kind) {
+                    (
+                        IssuerKind::Spiffe { trust_domain: a },
+                        IssuerKind::Spiffe { trust_domain: b },
+                    ) => a == b,
+                    (IssuerKind::Oidc, IssuerKind::Oidc) => other.policy.issuer == policy.issuer,
+                    _ => false,
+                },
+            );
+        if let Some(other) = same {
+            return Err(invalid(
+                format!("identity.issuers.{name}"),
+                format!(
+                    "issuer {} already vouches for the same trust domain or iss: one issuer each",
+                    other.policy.name
+                ),
+            ));
+        }
         issuers.push(IssuerConfig {
             policy,
             keys,
@@ -137,6 +159,19 @@ pub(super) fn identity_config(file: &FileIdentity) -> Result<IdentityConfig, Con
         });
     }
     Ok(IdentityConfig { issuers })
+}
+
+/// `http://` to this machine: 127.0.0.1, [::1] or localhost.
+fn loopback_http(url: &str) -> bool {
+    let Some(rest) = url.strip_prefix("http://") else {
+        return false;
+    };
+    let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host = match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    };
+    matches!(host, "127.0.0.1" | "[::1]" | "localhost")
 }
 
 /// Parses a list of identity patterns (`[readers] identities`).

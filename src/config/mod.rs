@@ -466,6 +466,14 @@ impl Config {
             limits: file.limits,
         };
         config.validate()?;
+        let names_identities =
+            !config.orchestrators.by_identity.is_empty() || !config.reader_identities.is_empty();
+        if names_identities && config.identity.issuers.is_empty() {
+            return Err(invalid(
+                "identity.issuers",
+                "[orchestrators] or [readers] name identities, but [identity] trusts no issuer: no key could ever be bound to them",
+            ));
+        }
         Ok(config)
     }
 
@@ -613,8 +621,10 @@ mod tests {
         assert!(load("").expect("empty").orchestrators.is_open());
         // By identity: the largest allowance of the matching patterns; a
         // key listed by itself keeps its own.
+        let issuer = "[identity.issuers.spire]\nkind = \"spiffe\"\ntrust_domain = \"p.test\"\n\
+                      audiences = [\"broker\"]\njwks_file = \"bundle.json\"\n";
         let by_identity = load(&format!(
-            "[orchestrators]\n\"{key}\" = 500\n\"spiffe://p.test/o/*\" = 50\n\"spiffe://p.test/o/big\" = 90\n"
+            "{issuer}[orchestrators]\n\"{key}\" = 500\n\"spiffe://p.test/o/*\" = 50\n\"spiffe://p.test/o/big\" = 90\n"
         ))
         .expect("valid");
         let admit = |key: &[u8; 32], identity, budget| {
@@ -632,6 +642,10 @@ mod tests {
         );
         assert_eq!(admit(&[9; 32], None, 1), Err(RootDenied::NotListed));
         assert_eq!(admit(&listed, Some("spiffe://p.test/o/big"), 500), Ok(()));
+        match load("[orchestrators]\n\"spiffe://p.test/a\" = 5\n") {
+            Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "identity.issuers"),
+            other => panic!("identities with no issuer must be refused: {other:?}"),
+        }
         match load("[orchestrators]\n\"spiffe://p.test/o*\" = 5\n") {
             Err(ConfigError::Invalid { field, .. }) => {
                 assert_eq!(field, "orchestrators.spiffe://p.test/o*")

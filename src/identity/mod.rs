@@ -65,6 +65,8 @@ impl Issuers {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .timeout(FETCH_TIMEOUT)
+            // A redirect could lead to plain http, or anywhere.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| e.to_string())?;
         let mut issuers = Vec::new();
@@ -92,6 +94,12 @@ impl Issuers {
 
     pub fn is_empty(&self) -> bool {
         self.issuers.is_empty()
+    }
+
+    /// Whether the issuer named `name` is still trusted: a binding an
+    /// issuer since removed from `[identity]` made counts for nothing.
+    pub fn trusts(&self, name: &str) -> bool {
+        self.issuers.iter().any(|i| i.config.policy.name == name)
     }
 
     /// Reads every issuer's keys again every `refresh_s`, until

@@ -61,7 +61,7 @@ pub enum ServerError {
     DataDir(String),
     /// Beyond loopback with no tenant declared, and no opt-in.
     #[error(
-        "refusing to listen on {0}: no tenant is declared ([tenants] or [orchestrators] in the configuration), so every caller would share one tenant and nobody gets a fair share of judges, converters, audits or Watch streams; declare tenants, or pass --allow-open-tenant to serve it anyway"
+        "refusing to listen on {0}: no tenant is declared ([tenants], or keys under [orchestrators], in the configuration; orchestrators named by identity share the open tenant), so every caller would share one tenant and nobody gets a fair share of judges, converters, audits or Watch streams; declare tenants, or pass --allow-open-tenant to serve it anyway"
     )]
     OpenTenant(std::net::SocketAddr),
     /// An identity issuer's keys could not be read at start.

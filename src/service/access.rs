@@ -39,14 +39,14 @@ impl<S: Store> BrokerService<S> {
     }
 
     /// `caller`'s standing toward `contract`'s tree (`core::access`): a
-    /// configured reader asks nothing of the store, nor does a party seen
-    /// before.
+    /// reader listed by key asks nothing of the store, nor does a party
+    /// seen before.
     async fn standing(
         &self,
         caller: &crate::core::AgentKey,
         contract: crate::core::Id,
     ) -> Result<Standing, ServiceError> {
-        if self.reads_everything(caller).await? {
+        if self.config.readers.contains(caller) {
             return Ok(Standing::Reader);
         }
         let remembered = self
@@ -56,6 +56,11 @@ impl<S: Store> BrokerService<S> {
             .contains(&(contract, *caller));
         if remembered {
             return Ok(Standing::Party);
+        }
+        // A reader by identity costs a read of its binding, when readers
+        // are named by identity at all.
+        if self.reader_by_identity(caller).await? {
+            return Ok(Standing::Reader);
         }
         let standing = Standing::of_party(self.store.is_party(contract, *caller).await?);
         if standing == Standing::Party {

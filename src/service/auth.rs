@@ -22,6 +22,18 @@ pub struct Authenticated<T> {
     pub fresh: bool,
 }
 
+impl<T: SignedBody> Authenticated<T> {
+    /// Refuses a stale request outright: for the calls the request log
+    /// does not answer again (OpenSession, BindIdentity).
+    pub fn require_fresh(&self, now_ms: i64, window_ms: i64) -> Result<(), ServiceError> {
+        if self.fresh {
+            return Ok(());
+        }
+        let timestamp_ms = self.body.header().map_or(0, |h| h.timestamp_ms);
+        Err(self.stale_error(now_ms, window_ms, timestamp_ms))
+    }
+}
+
 impl<T> Authenticated<T> {
     /// The error for a stale request with no stored answer.
     pub fn stale_error(&self, now_ms: i64, window_ms: i64, timestamp_ms: i64) -> ServiceError {

@@ -16,11 +16,7 @@ impl<S: Store> BrokerService<S> {
     ) -> Result<pb::BindIdentityResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
         let signed = self.signed::<pb::BindIdentityBody>(request.signed.as_ref(), now_ms)?;
-        if !signed.fresh {
-            let window_ms = self.config.limits.timestamp_window_ms;
-            let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
-            return Err(signed.stale_error(now_ms, window_ms, timestamp_ms));
-        }
+        signed.require_fresh(now_ms, self.config.limits.timestamp_window_ms)?;
         let Some(issuers) = &self.identities else {
             return Err(ServiceError::FailedPrecondition {
                 reason: pb::ErrorReason::IdentityNotConfigured,
@@ -34,6 +30,11 @@ impl<S: Store> BrokerService<S> {
             )
             .into());
         }
+        // Its turn first: verification may try an RSA key or several.
+        let _turn = self
+            .gate
+            .admit(&self.config.tenants, &signed.agent, None)
+            .await?;
         let workload = issuers
             .verify(&signed.body.token, &signed.agent, now_ms)
             .map_err(|refused| ServiceError::IdentityRefused {
@@ -48,10 +49,6 @@ impl<S: Store> BrokerService<S> {
                         .into(),
             });
         }
-        let _turn = self
-            .gate
-            .admit(&self.config.tenants, &signed.agent, None)
-            .await?;
         self.store
             .bind_identity(
                 IdentityBinding {
@@ -78,22 +75,26 @@ impl<S: Store> BrokerService<S> {
         key: &AgentKey,
         now_ms: i64,
     ) -> Result<Option<String>, ServiceError> {
-        if self.identities.is_none() {
+        let Some(issuers) = &self.identities else {
             return Ok(None);
-        }
+        };
         Ok(self
             .store
             .identity_of(*key, now_ms)
             .await?
+            .filter(|binding| issuers.trusts(&binding.issuer))
             .map(|binding| binding.identity))
     }
 
     /// Whether `caller` reads every tree: a `[readers]` key, or a key
     /// bound to an identity `[readers] identities` names.
     pub(super) async fn reads_everything(&self, caller: &AgentKey) -> Result<bool, ServiceError> {
-        if self.config.readers.contains(caller) {
-            return Ok(true);
-        }
+        Ok(self.config.readers.contains(caller) || self.reader_by_identity(caller).await?)
+    }
+
+    /// Whether `caller`'s bound identity is one `[readers] identities`
+    /// names (a store read, only when some are named).
+    pub(super) async fn reader_by_identity(&self, caller: &AgentKey) -> Result<bool, ServiceError> {
         if self.config.reader_identities.is_empty() {
             return Ok(false);
         }

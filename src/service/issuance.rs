@@ -78,12 +78,18 @@ impl<S: Store> BrokerService<S> {
         }
         // The allow-list first: a key that may not open roots costs no
         // conversion (predicate parsing) at all.
-        let identity = self.bound_identity(&signed.request.agent, now_ms).await?;
-        if let Err(denied) = self.config.orchestrators.admit(
-            &signed.request.agent,
-            identity.as_deref(),
-            signed.body.budget,
-        ) {
+        // A key listed by itself, or any key when no identity is listed,
+        // is decided without reading a binding.
+        let orchestrators = &self.config.orchestrators;
+        let (opener, budget) = (signed.request.agent, signed.body.budget);
+        let mut admitted = orchestrators.admit(&opener, None, budget);
+        let mut looked_up = None;
+        if admitted == Err(RootDenied::NotListed) && !orchestrators.by_identity.is_empty() {
+            let identity = self.bound_identity(&opener, now_ms).await?;
+            admitted = orchestrators.admit(&opener, identity.as_deref(), budget);
+            looked_up = Some(identity);
+        }
+        if let Err(denied) = admitted {
             // A retry of a root admitted before the list changed still
             // gets its answer: one request, one answer.
             if let Some(answer) = self.store.replay(&signed.request).await? {
@@ -103,8 +109,11 @@ impl<S: Store> BrokerService<S> {
                 },
             });
         }
-        let opener = signed.request.agent;
         let _turn = self.gate.admit(&self.config.tenants, &opener, None).await?;
+        let identity = match looked_up {
+            Some(identity) => identity,
+            None => self.bound_identity(&opener, now_ms).await?,
+        };
         let mut root = convert::new_root(signed.body, signed.request, now_ms, &self.config.limits)?;
         root.trace = telemetry::current_trace_context();
         root.identity = identity;

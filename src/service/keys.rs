@@ -74,13 +74,9 @@ impl<S: Store> BrokerService<S> {
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<pb::OpenSessionResponse, ServiceError> {
         let now_ms = self.clock.now_ms();
-        let window_ms = self.config.limits.timestamp_window_ms;
         let signed =
             self.signed::<pb::OpenSessionBody>(request.into_inner().signed.as_ref(), now_ms)?;
-        if !signed.fresh {
-            let timestamp_ms = signed.body.header.as_ref().map_or(0, |h| h.timestamp_ms);
-            return Err(signed.stale_error(now_ms, window_ms, timestamp_ms));
-        }
+        signed.require_fresh(now_ms, self.config.limits.timestamp_window_ms)?;
         self.sessions.check_audience(&signed.body.broker_key_id)?;
         Ok(self.sessions.open(signed.agent, now_ms))
     }

@@ -145,7 +145,7 @@ async fn introspect<S: Store>(
     let answered = async {
         service.authenticate(&headers)?;
         let form = read_form(body).await?;
-        let token = field(&form, "token")?
+        let token = field(&form, "token")
             .ok_or_else(|| TokenError::InvalidRequest("name the token to introspect".into()))?;
         service.introspect(token).await
     };
@@ -193,48 +193,15 @@ async fn read_form(body: axum::body::Body) -> Result<HashMap<String, String>, En
 }
 
 /// A parameter, `None` when absent or empty (RFC 6749 §3.1).
-fn field<'a>(form: &'a HashMap<String, String>, name: &str) -> Result<Option<&'a str>, TokenError> {
-    Ok(form.get(name).map(String::as_str).filter(|v| !v.is_empty()))
+fn field<'a>(form: &'a HashMap<String, String>, name: &str) -> Option<&'a str> {
+    form.get(name).map(String::as_str).filter(|v| !v.is_empty())
 }
 
 impl<S: Store> TokenService<S> {
     async fn exchange(&self, form: &HashMap<String, String>) -> Result<Value, EndpointError> {
-        let grant_type = field(form, "grant_type")?.unwrap_or("");
-        if grant_type != token::GRANT_TYPE {
-            return Err(TokenError::UnsupportedGrantType(format!(
-                "grant_type must be {:?}",
-                token::GRANT_TYPE
-            ))
-            .into());
-        }
-        if field(form, "subject_token_type")? != Some(token::JWT_TOKEN_TYPE) {
-            return Err(TokenError::InvalidRequest(format!(
-                "subject_token_type must be {:?}",
-                token::JWT_TOKEN_TYPE
-            ))
-            .into());
-        }
-        if let Some(requested) = field(form, "requested_token_type")?
-            && requested != token::JWT_TOKEN_TYPE
-            && requested != ACCESS_TOKEN_TYPE
-        {
-            return Err(TokenError::InvalidRequest(format!(
-                "requested_token_type {requested:?} is not issued: only a JWT access token"
-            ))
-            .into());
-        }
-        let resource = match (field(form, "resource")?, field(form, "audience")?) {
-            (Some(r), Some(a)) if r != a => {
-                return Err(TokenError::InvalidRequest(
-                    "resource and audience name different targets: give one".into(),
-                )
-                .into());
-            }
-            (Some(target), _) | (None, Some(target)) => target,
-            (None, None) => "",
-        };
+        let resource = exchange_target(form)?;
         token::check_resource(resource, &self.config.resources)?;
-        let assertion = field(form, "subject_token")?.ok_or_else(|| {
+        let assertion = field(form, "subject_token").ok_or_else(|| {
             TokenError::InvalidRequest(
                 "subject_token (the holder's signed assertion) is missing".into(),
             )
@@ -250,6 +217,9 @@ impl<S: Store> TokenService<S> {
                 "the assertion's signature does not verify under its iss".into(),
             )
         })?;
+        // The holder first: only a contract's holder takes a place in the
+        // replay memory, and an assertion answered busy is not used up.
+        let chain = self.chain(claims.contract, Some(claims.key)).await?;
         match self.replay.take(
             claims.key,
             &claims.jti,
@@ -263,13 +233,18 @@ impl<S: Store> TokenService<S> {
                 )
                 .into());
             }
+            Taken::SignerFull => {
+                return Err(EndpointError::Unavailable(format!(
+                    "this key has {} assertions in use: retry once some expire",
+                    super::replay::MAX_ASSERTIONS_PER_SIGNER
+                )));
+            }
             Taken::Full => {
                 return Err(EndpointError::Unavailable(
                     "too many assertions in use: retry in a minute".into(),
                 ));
             }
         }
-        let chain = self.chain(claims.contract, Some(claims.key)).await?;
         let mut jti = [0u8; 16];
         getrandom::fill(&mut jti).map_err(|e| EndpointError::Unavailable(e.to_string()))?;
         let minted = token::mint(
@@ -349,7 +324,13 @@ impl<S: Store> TokenService<S> {
         let (true, Some(contract)) = (current, contract) else {
             return Ok(inactive);
         };
-        let chain = self.chain(contract, None).await?;
+        let chain = match self.chain(contract, None).await {
+            Ok(chain) => chain,
+            // Signed by this broker, but its contract is not here (another
+            // deployment's store): nothing stands behind it.
+            Err(EndpointError::Refused(_)) => return Ok(inactive),
+            Err(e) => return Err(e),
+        };
         if token::still_stands(&chain, self.clock.now_ms()).is_err() {
             return Ok(inactive);
         }
@@ -400,6 +381,45 @@ impl<S: Store> TokenService<S> {
         chain.reverse();
         Ok(chain)
     }
+}
+
+/// The token exchange's parameters besides the assertion: the grant and
+/// token types this endpoint serves, and the one target (`resource` or
+/// `audience`).
+fn exchange_target(form: &HashMap<String, String>) -> Result<&str, TokenError> {
+    let Some(grant_type) = field(form, "grant_type") else {
+        return Err(TokenError::InvalidRequest("grant_type is missing".into()));
+    };
+    if grant_type != token::GRANT_TYPE {
+        return Err(TokenError::UnsupportedGrantType(format!(
+            "grant_type must be {:?}",
+            token::GRANT_TYPE
+        )));
+    }
+    if field(form, "subject_token_type") != Some(token::JWT_TOKEN_TYPE) {
+        return Err(TokenError::InvalidRequest(format!(
+            "subject_token_type must be {:?}",
+            token::JWT_TOKEN_TYPE
+        )));
+    }
+    if let Some(requested) = field(form, "requested_token_type")
+        && requested != token::JWT_TOKEN_TYPE
+        && requested != ACCESS_TOKEN_TYPE
+    {
+        return Err(TokenError::InvalidRequest(format!(
+            "requested_token_type {requested:?} is not issued: only a JWT access token"
+        )));
+    }
+    let target = match (field(form, "resource"), field(form, "audience")) {
+        (Some(r), Some(a)) if r != a => {
+            return Err(TokenError::InvalidRequest(
+                "resource and audience name different targets: give one".into(),
+            ));
+        }
+        (Some(target), _) | (None, Some(target)) => target,
+        (None, None) => "",
+    };
+    Ok(target)
 }
 
 /// One stored contract as the token rules see it.

@@ -87,8 +87,17 @@ impl TokenEndpoint {
                 .map(str::to_owned)
                 .ok_or_else(|| TokenError::Answer(format!("the metadata has no {name}")))
         };
+        let issuer = member("issuer")?;
+        // RFC 8414 §3.3: metadata naming another issuer is not this one's
+        // (and its endpoints must not get our assertion or secret).
+        if issuer.trim_end_matches('/') != self.base {
+            return Err(TokenError::Answer(format!(
+                "the metadata names issuer {issuer:?}, not {:?}",
+                self.base
+            )));
+        }
         Ok(Endpoints {
-            issuer: member("issuer")?,
+            issuer,
             token_endpoint: member("token_endpoint")?,
             jwks_uri: member("jwks_uri")?,
             introspection_endpoint: member("introspection_endpoint")?,

@@ -218,3 +218,6 @@ pub const DEFAULT_CASCADE_STEP_ROWS: usize = 1_024;
 /// Most identity bindings a single broker keeps in memory (about 300
 /// bytes each); full of live ones, BindIdentity is BUSY until some expire.
 pub const MAX_IDENTITY_BINDINGS: usize = 100_000;
+/// Most keys bound to one identity at once: a workload runs a few agents,
+/// and one workload's token must not bind keys without end.
+pub const MAX_KEYS_PER_IDENTITY: usize = 64;

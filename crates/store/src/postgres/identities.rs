@@ -3,17 +3,22 @@
 use sqlx::PgPool;
 
 use super::backend;
+use crate::limits::MAX_KEYS_PER_IDENTITY;
 use crate::{IdentityBinding, StoreError};
 
 /// Expired bindings one bind removes: keeps the table to about the live
 /// bindings without a sweeper.
 const PRUNED_PER_BIND: i64 = 64;
 
+/// Binds, in one transaction: the key's binding replaced, the identity's
+/// keys beyond the `MAX_KEYS_PER_IDENTITY` that expire last unbound, and
+/// a few expired bindings pruned.
 pub(super) async fn bind(
     pool: &PgPool,
     binding: &IdentityBinding,
     now_ms: i64,
 ) -> Result<(), StoreError> {
+    let mut tx = pool.begin().await.map_err(backend)?;
     sqlx::query(
         "INSERT INTO identity_bindings (agent_key, identity, issuer, expires_at_ms) \
          VALUES ($1, $2, $3, $4) \
@@ -24,7 +29,17 @@ pub(super) async fn bind(
     .bind(&binding.identity)
     .bind(&binding.issuer)
     .bind(binding.expires_at_ms)
-    .execute(pool)
+    .execute(&mut *tx)
+    .await
+    .map_err(backend)?;
+    sqlx::query(
+        "DELETE FROM identity_bindings WHERE agent_key IN \
+         (SELECT agent_key FROM identity_bindings WHERE identity = $1 \
+          ORDER BY expires_at_ms DESC, agent_key OFFSET $2)",
+    )
+    .bind(&binding.identity)
+    .bind(MAX_KEYS_PER_IDENTITY as i64)
+    .execute(&mut *tx)
     .await
     .map_err(backend)?;
     sqlx::query(
@@ -33,10 +48,10 @@ pub(super) async fn bind(
     )
     .bind(now_ms)
     .bind(PRUNED_PER_BIND)
-    .execute(pool)
+    .execute(&mut *tx)
     .await
     .map_err(backend)?;
-    Ok(())
+    tx.commit().await.map_err(backend)
 }
 
 pub(super) async fn of(

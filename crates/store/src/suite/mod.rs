@@ -569,6 +569,37 @@ pub async fn identity_bindings_last_until_they_expire<S: Store>(store: &S) {
         renewed.map(|b| b.identity).as_deref(),
         Some("spiffe://a.test/y")
     );
+    // One identity holds a bounded number of keys: the one that expires
+    // first makes room for the next.
+    let cap = crate::limits::MAX_KEYS_PER_IDENTITY;
+    for n in 0..=cap {
+        let binding = super::IdentityBinding {
+            key: [100u8.wrapping_add(n as u8); 32],
+            identity: "spiffe://a.test/many".into(),
+            issuer: "spire".into(),
+            expires_at_ms: now_ms + 10_000 + n as i64,
+        };
+        store.bind_identity(binding, now_ms).await.expect("bind");
+    }
+    assert_eq!(
+        store.identity_of([100; 32], now_ms).await.expect("read"),
+        None
+    );
+    let last = [100u8.wrapping_add(cap as u8); 32];
+    assert!(
+        store
+            .identity_of(last, now_ms)
+            .await
+            .expect("read")
+            .is_some()
+    );
+    assert!(
+        store
+            .identity_of([101; 32], now_ms)
+            .await
+            .expect("read")
+            .is_some()
+    );
     let mut root = test_root(meta(7, 1));
     root.identity = Some("spiffe://a.test/y".into());
     let root = issued(store.open_root(root).await);
