@@ -352,7 +352,7 @@ impl<S: Store> TokenService<S> {
             .ok_or_else(|| EndpointError::Unavailable("busy: retry shortly".into()))?;
         let not_held = || {
             TokenError::InvalidGrant(
-                "the assertion's signer holds no contract with this contract_id".into(),
+                "the assertion's signer holds no contract with this contract_id (as its delegate or host)".into(),
             )
         };
         let mut chain = Vec::new();
@@ -372,7 +372,10 @@ impl<S: Store> TokenService<S> {
                 return Err(not_held().into());
             };
             let hop = hop(&record).map_err(EndpointError::Unavailable)?;
-            if chain.is_empty() && holder.is_some_and(|holder| holder != hop.delegate) {
+            let host = hop.host.as_ref().map(|(key, _)| *key);
+            if chain.is_empty()
+                && holder.is_some_and(|holder| holder != hop.delegate && Some(holder) != host)
+            {
                 return Err(not_held().into());
             }
             next = record.parent_id;
@@ -452,5 +455,6 @@ fn hop(record: &crate::store::ContractRecord) -> Result<Hop, String> {
         trust_ppm: contract.cumulative_trust_ppm,
         residual: record.ledger.residual(),
         write_scope: contract.write_scope,
+        host: record.host_key.map(|host| (host, crypto::key_id(&host))),
     })
 }

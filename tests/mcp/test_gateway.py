@@ -121,10 +121,21 @@ class ConsoleBroker(Broker):
     console: str = ""  # http://127.0.0.1:PORT
     token: str = ""
     session_b64: str | None = None
+    tokens: str = ""  # http://127.0.0.1:PORT of `serve --tokens`, when started with one
 
 
 @pytest.fixture(scope="module")
 def gbroker() -> Any:
+    yield from _console_broker()
+
+
+@pytest.fixture(scope="module")
+def tbroker() -> Any:
+    """The same broker with a token endpoint (`serve --tokens`) for TOKEN_RESOURCE."""
+    yield from _console_broker(tokens_resources=[TOKEN_RESOURCE])
+
+
+def _console_broker(tokens_resources: list[str] | None = None) -> Any:
     binary = broker_bin()
     help_run = subprocess.run([binary, "mcp", "gateway", "--help"], capture_output=True, timeout=30)
     if help_run.returncode != 0:
@@ -142,12 +153,16 @@ def gbroker() -> Any:
     reader = keygen.stdout.decode().strip()
     assert HEX64.fullmatch(reader), f"keygen printed {reader!r}"
     config = workdir / "broker.toml"
-    config.write_text(f'[readers]\nkeys = ["{reader}"]\n\n[console]\nreader = "{reader}"\n')
+    config_text = f'[readers]\nkeys = ["{reader}"]\n\n[console]\nreader = "{reader}"\n'
+    serve_args = [binary, "serve", "--listen", "127.0.0.1:0", "--console", "127.0.0.1:0"]
+    if tokens_resources is not None:
+        config_text += f"\n[tokens]\nresources = {_toml(tokens_resources)}\n"
+        serve_args += ["--tokens", "127.0.0.1:0"]
+    config.write_text(config_text)
     stderr_path = workdir / "broker.stderr"
     with open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(
-            [binary, "serve", "--listen", "127.0.0.1:0", "--console", "127.0.0.1:0",
-             "--config", str(config), "--data-dir", str(data_dir)],
+            [*serve_args, "--config", str(config), "--data-dir", str(data_dir)],
             stdout=subprocess.PIPE,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
@@ -162,9 +177,10 @@ def gbroker() -> Any:
 
     threading.Thread(target=pump, daemon=True).start()
     addr = console = token = None
+    tokens = None if tokens_resources is not None else ""
     seen: list[str] = []
     deadline = time.monotonic() + 60
-    while (addr is None or console is None) and time.monotonic() < deadline:
+    while (addr is None or console is None or tokens is None) and time.monotonic() < deadline:
         try:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
         except queue.Empty:
@@ -174,15 +190,18 @@ def gbroker() -> Any:
             addr = f"http://{m.group(1)}"
         elif m := re.fullmatch(r"console on (http://127\.0\.0\.1:\d+)/#token=([0-9a-f]+)", line):
             console, token = m.group(1), m.group(2)
-    if addr is None or console is None or token is None:
+        elif m := re.fullmatch(r"tokens on (http://127\.0\.0\.1:\d+)", line):
+            tokens = m.group(1)
+    if addr is None or console is None or token is None or tokens is None:
         process.kill()
         process.wait(10)
         pytest.fail(
-            f"the broker did not print its address and console URL (got {seen!r}); "
+            f"the broker did not print its address, console URL"
+            f"{' and token endpoint' if tokens_resources is not None else ''} (got {seen!r}); "
             f"stderr: {stderr_path.read_text(errors='replace')[-2000:]}",
             pytrace=False,
         )
-    yield ConsoleBroker(binary, addr, workdir, process, stderr_path, console=console, token=token)
+    yield ConsoleBroker(binary, addr, workdir, process, stderr_path, console=console, token=token, tokens=tokens)
     process.terminate()
     try:
         process.wait(15)

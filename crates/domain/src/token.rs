@@ -175,6 +175,10 @@ pub struct Hop {
     /// Budget - reserved - spent, now.
     pub residual: i64,
     pub write_scope: Vec<String>,
+    /// The host that executes the delegate's calls, once named, with how
+    /// tokens name it (its key id): it may mint for the contract too
+    /// (the MCP gateway attaching a token to the tool calls it forwards).
+    pub host: Option<(AgentKey, String)>,
 }
 
 /// Whether a chain (root first) still stands at `now_ms`: every contract
@@ -220,9 +224,13 @@ pub fn mint(chain: &[Hop], grant: &Grant<'_>) -> Result<Map<String, Value>, Toke
     let Some(held) = chain.last() else {
         return Err(TokenError::InvalidGrant("no such contract".into()));
     };
-    if held.delegate != grant.holder {
+    let host = held
+        .host
+        .as_ref()
+        .filter(|(key, _)| *key == grant.holder && held.delegate != grant.holder);
+    if held.delegate != grant.holder && host.is_none() {
         return Err(TokenError::InvalidGrant(
-            "the assertion's signer does not hold this contract (it is not its delegate)".into(),
+            "the assertion's signer does not hold this contract (it is neither its delegate nor its host)".into(),
         ));
     }
     still_stands(chain, grant.now_ms).map_err(TokenError::InvalidGrant)?;
@@ -242,9 +250,27 @@ pub fn mint(chain: &[Hop], grant: &Grant<'_>) -> Result<Map<String, Value>, Toke
     claims.insert("iat".into(), now_s.into());
     claims.insert("exp".into(), exp_s.into());
     claims.insert("jti".into(), grant.jti.clone().into());
-    claims.insert("client_id".into(), held.subject.clone().into());
+    // RFC 9068: the client the token went to — the host, when the host
+    // minted it for the delegate's calls it executes.
+    let client = host.map_or(&held.subject, |(_, name)| name);
+    claims.insert("client_id".into(), client.clone().into());
     claims.insert("txn".into(), hex::encode(chain[0].id).into());
-    if let Some(act) = actors(&chain[..chain.len() - 1]) {
+    let delegators = actors(&chain[..chain.len() - 1]);
+    // RFC 8693: the current actor outermost — the host acting for the
+    // delegate, then the delegators.
+    let act = match host {
+        Some((_, name)) => {
+            let mut act = Map::new();
+            act.insert("sub".into(), name.clone().into());
+            act.insert("host".into(), true.into());
+            if let Some(delegators) = delegators {
+                act.insert("act".into(), delegators);
+            }
+            Some(Value::Object(act))
+        }
+        None => delegators,
+    };
+    if let Some(act) = act {
         claims.insert("act".into(), act);
     }
     claims.insert(
@@ -296,6 +322,7 @@ mod tests {
             trust_ppm: 900_000,
             residual: 40,
             write_scope: vec!["src/".into()],
+            host: Some(([n + 200; 32], format!("host-{n}"))),
         }
     }
 
@@ -347,6 +374,44 @@ mod tests {
         )
         .unwrap();
         assert!(root.get("act").is_none());
+    }
+
+    #[test]
+    fn the_host_mints_for_the_delegate_and_acts_outermost() {
+        let by_host = mint(
+            &chain(),
+            &Grant {
+                holder: [203; 32],
+                ..grant()
+            },
+        )
+        .unwrap();
+        assert_eq!(by_host["sub"], "agent-3");
+        assert_eq!(by_host["client_id"], "host-3");
+        assert_eq!(by_host["act"]["sub"], "host-3");
+        assert_eq!(by_host["act"]["host"], true);
+        assert_eq!(by_host["act"]["act"]["sub"], "agent-2");
+        // Another contract's host holds nothing here.
+        let other = mint(
+            &chain(),
+            &Grant {
+                holder: [202; 32],
+                ..grant()
+            },
+        );
+        assert!(matches!(other, Err(TokenError::InvalidGrant(_))));
+        let mut unhosted = chain();
+        unhosted[3].host = None;
+        assert!(
+            mint(
+                &unhosted,
+                &Grant {
+                    holder: [203; 32],
+                    ..grant()
+                }
+            )
+            .is_err()
+        );
     }
 
     #[test]

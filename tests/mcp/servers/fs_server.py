@@ -19,7 +19,17 @@ nothing. `--delay-ms` makes each `write_file` wait that long after logging
 (so a test can have calls in flight); logs go to stderr. With `--http PORT`
 it serves streamable HTTP at `http://127.0.0.1:PORT/mcp` instead of stdio.
 
+With `--require-token JWKS_URL,ISSUER,AUDIENCE` (HTTP only) each
+`tools/call` must carry `Authorization: Bearer <JWT>`, a broker-minted token
+verified with PyJWT as docs/tokens.md says (the keys from `JWKS_URL`, EdDSA
+only, that issuer and audience): its log line then also has `"jose"` (the
+token's header) and `"claims"` (the verified claims), or `"token_error"`
+when the token is missing or does not verify, and such a call is answered
+with a tool error (`TOKEN_INVALID: …`) without running. `initialize` and
+`tools/list` need no token.
+
     python fs_server.py --root DIR --log FILE [--delay-ms N] [--http PORT]
+                        [--require-token JWKS_URL,ISSUER,AUDIENCE]
 """
 
 from __future__ import annotations
@@ -63,25 +73,78 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--name", default="fs", help="the server's name in its initialize/discover answer")
     parser.add_argument("--http", type=int, default=None, metavar="PORT",
                         help="serve streamable HTTP on 127.0.0.1:PORT at /mcp instead of stdio")
-    return parser.parse_args(argv)
+    parser.add_argument("--require-token", default=None, metavar="JWKS_URL,ISSUER,AUDIENCE",
+                        help="(with --http) each tools/call must carry a verified `Authorization: Bearer` JWT")
+    args = parser.parse_args(argv)
+    if args.require_token is not None:
+        parts = args.require_token.split(",")
+        if len(parts) != 3 or not all(parts):
+            parser.error("--require-token: give JWKS_URL,ISSUER,AUDIENCE")
+        if args.http is None:
+            parser.error("--require-token goes with --http (a token comes in an HTTP header)")
+    return args
 
 
-def build(root: Path, log: Path, delay_ms: int = 0, name: str = "fs") -> MCPServer:
+class TokenCheck:
+    """Verifies a broker-minted JWT as a resource server would (docs/tokens.md)."""
+
+    def __init__(self, spec: str) -> None:
+        import jwt  # PyJWT[crypto]: only needed with --require-token
+
+        self.jwt = jwt
+        jwks_url, self.issuer, self.audience = spec.split(",")
+        self.keys = jwt.PyJWKClient(jwks_url)
+
+    def verify(self, authorization: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the token's JOSE header, its verified claims); raises ValueError with the reason."""
+        if not authorization:
+            raise ValueError("no Authorization header")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ValueError(f"Authorization is not `Bearer <token>` (scheme {scheme!r})")
+        token = token.strip()
+        try:
+            key = self.keys.get_signing_key_from_jwt(token)
+            claims = self.jwt.decode(
+                token, key, algorithms=["EdDSA"], audience=self.audience, issuer=self.issuer,
+                options={"require": ["exp", "iat", "iss", "aud", "sub"]},
+            )
+            header = self.jwt.get_unverified_header(token)  # its signature is verified just above
+        except self.jwt.PyJWTError as error:
+            raise ValueError(f"{error.__class__.__name__}: {error}") from None
+        return header, claims
+
+
+def build(root: Path, log: Path, delay_ms: int = 0, name: str = "fs", require_token: str | None = None) -> MCPServer:
     root = root.resolve(strict=True)
+    check = TokenCheck(require_token) if require_token else None
 
     class CallLog:
-        """Logs each tools/call as received, before validation or the tool itself."""
+        """Logs each tools/call as received, before validation or the tool
+        itself; with --require-token, with its verified token (or why not),
+        and a call without a good token goes no further."""
 
         async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> Any:
             if ctx.method == "tools/call":
                 params = dict(ctx.params or {})
-                line = json.dumps(
-                    {"tool": params.get("name"), "arguments": params.get("arguments"), "meta": params.get("_meta")},
-                    sort_keys=True,
-                )
+                entry = {"tool": params.get("name"), "arguments": params.get("arguments"), "meta": params.get("_meta")}
+                if check is not None:
+                    headers = getattr(ctx.request, "headers", None) or {}
+                    try:
+                        # PyJWKClient fetches the JWKS with urllib: off the event loop.
+                        entry["jose"], entry["claims"] = await anyio.to_thread.run_sync(
+                            check.verify, headers.get("authorization")
+                        )
+                    except ValueError as error:
+                        entry["token_error"] = str(error)
                 with open(log, "a", encoding="utf-8") as out:
-                    out.write(line + "\n")
+                    out.write(json.dumps(entry, sort_keys=True) + "\n")
                     out.flush()
+                if "token_error" in entry:
+                    return {
+                        "content": [{"type": "text", "text": f"TOKEN_INVALID: {entry['token_error']}"}],
+                        "isError": True,
+                    }
             return await call_next(ctx)
 
     server = MCPServer(
@@ -143,7 +206,7 @@ def build(root: Path, log: Path, delay_ms: int = 0, name: str = "fs") -> MCPServ
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    server = build(args.root, args.log, args.delay_ms, args.name)
+    server = build(args.root, args.log, args.delay_ms, args.name, args.require_token)
     if args.http is None:
         server.run("stdio")
     else:

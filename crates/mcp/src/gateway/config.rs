@@ -57,6 +57,9 @@ pub struct GatewayConfig {
     /// lands outside is refused, and the write scope is checked on where
     /// it lands. Without it, on the path's text.
     pub resolve_root: Option<PathBuf>,
+    /// The broker's token endpoint (`serve --tokens`), for servers with
+    /// `token_header`: e.g. http://127.0.0.1:8443.
+    pub tokens_url: Option<String>,
     #[serde(default)]
     pub servers: Vec<ServerConfig>,
     /// Per tool, keyed `"<server>.<tool>"`.
@@ -80,6 +83,12 @@ pub struct ServerConfig {
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     pub url: Option<String>,
+    /// A url server only: each tool call carries a token minted for the
+    /// call's contract in this header (`Authorization` as `Bearer …`),
+    /// for the resource `token_resource` (one of the broker's `[tokens]
+    /// resources`).
+    pub token_header: Option<String>,
+    pub token_resource: Option<String>,
 }
 
 /// What one tool's calls read, mutate and cost.
@@ -187,6 +196,25 @@ impl GatewayConfig {
                 }
                 _ => return Err(format!("servers[{i}]: give exactly one of command and url")),
             }
+            match (&server.token_header, &server.token_resource) {
+                (None, None) => {}
+                (Some(_), Some(_)) if server.url.is_none() => {
+                    return Err(format!(
+                        "servers[{i}].token_header: a token goes with a url server's HTTP requests"
+                    ));
+                }
+                (Some(_), Some(_)) if self.tokens_url.is_none() => {
+                    return Err(format!(
+                        "servers[{i}].token_header: name the broker's token endpoint (tokens_url)"
+                    ));
+                }
+                (Some(_), Some(_)) => {}
+                _ => {
+                    return Err(format!(
+                        "servers[{i}]: token_header and token_resource go together"
+                    ));
+                }
+            }
         }
         for (key, rule) in &self.tools {
             let known = key
@@ -290,6 +318,24 @@ mod tests {
                 "call_timeout_ms",
             ),
             (format!("{BASE}contract = \"zz\"\n{server}"), "contract"),
+            (
+                format!(
+                    "{BASE}[[servers]]\nname = \"w\"\nurl = \"http://t/mcp\"\ntoken_header = \"Authorization\"\n"
+                ),
+                "token_header and token_resource go together",
+            ),
+            (
+                format!(
+                    "{BASE}[[servers]]\nname = \"w\"\nurl = \"http://t/mcp\"\ntoken_header = \"Authorization\"\ntoken_resource = \"r\"\n"
+                ),
+                "tokens_url",
+            ),
+            (
+                format!(
+                    "{BASE}tokens_url = \"http://b\"\n[[servers]]\nname = \"w\"\ncommand = \"x\"\ntoken_header = \"A\"\ntoken_resource = \"r\"\n"
+                ),
+                "a url server",
+            ),
             (format!("{BASE}colour = 1\n{server}"), "unknown field"),
         ] {
             let error = parse(&text).expect_err(&text);

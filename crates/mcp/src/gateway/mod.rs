@@ -11,6 +11,7 @@
 //! whatever happens to the gateway afterwards. The broker judges the
 //! delegate's completion on these observations, not on its claim.
 
+mod bearer;
 pub mod config;
 pub mod recorder;
 pub mod resolve;
@@ -133,7 +134,7 @@ impl Gateway {
         let link = Link::new(agent, channel);
         let mut servers = Vec::new();
         for server in &config.servers {
-            servers.push(Upstream::connect(server).await?);
+            servers.push(Upstream::connect(server, config.tokens_url.as_deref()).await?);
         }
         let (routes, tools) = route(&servers, &config);
         for (name, route) in &routes {
@@ -277,7 +278,15 @@ impl Gateway {
         forward.arguments = request.arguments.clone();
         forward.meta = trace.as_deref().map(trace_meta);
         let upstream = &gateway.servers[route.server];
+        // A server that checks tokens gets this call's contract's, minted
+        // before the call runs: a refused mint stops it unrun (nothing to
+        // record).
+        let turn = match &upstream.bearer {
+            Some(bearer) => Some(bearer.turn(&gateway.link.agent, &contract).await?),
+            None => None,
+        };
         let answered = upstream.call(forward, gateway.call_timeout).await;
+        drop(turn);
         let result = match answered {
             Ok(result) => Ok(result),
             // It ran and answered, too much to hand back: recorded.
@@ -565,6 +574,7 @@ mod tests {
             contract: None,
             call_timeout_ms: config::DEFAULT_CALL_TIMEOUT_MS,
             resolve_root: None,
+            tokens_url: None,
             servers: Vec::new(),
             tools: Default::default(),
         };

@@ -35,14 +35,16 @@ pub struct Upstream {
     pub name: String,
     pub tools: Vec<Tool>,
     service: RunningService<RoleClient, ()>,
+    /// The token its calls carry (`token_header`), if any.
+    pub bearer: Option<super::bearer::Bearer>,
     /// The server's process (stdio), killed when the gateway drops it.
     _child: Option<tokio::process::Child>,
 }
 
 impl Upstream {
     /// Starts or reaches the server, then lists its tools.
-    pub async fn connect(config: &ServerConfig) -> anyhow::Result<Self> {
-        tokio::time::timeout(START_TIMEOUT, Self::connect_unbounded(config))
+    pub async fn connect(config: &ServerConfig, tokens_url: Option<&str>) -> anyhow::Result<Self> {
+        tokio::time::timeout(START_TIMEOUT, Self::connect_unbounded(config, tokens_url))
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
@@ -53,8 +55,17 @@ impl Upstream {
             })?
     }
 
-    async fn connect_unbounded(config: &ServerConfig) -> anyhow::Result<Self> {
+    async fn connect_unbounded(
+        config: &ServerConfig,
+        tokens_url: Option<&str>,
+    ) -> anyhow::Result<Self> {
         let name = config.name.clone();
+        let bearer = match (&config.token_header, &config.token_resource, tokens_url) {
+            (Some(header), Some(resource), Some(url)) => {
+                Some(super::bearer::Bearer::new(header, resource, url)?)
+            }
+            _ => None,
+        };
         let (service, child) = match (&config.command, &config.url) {
             (Some(command), _) => {
                 let mut child = tokio::process::Command::new(command)
@@ -79,9 +90,22 @@ impl Upstream {
                 (service, Some(child))
             }
             (None, Some(url)) => {
-                let transport =
-                    rmcp::transport::StreamableHttpClientTransport::from_uri(url.as_str());
-                let service = ().serve(transport).await.map_err(|e| {
+                let service = match &bearer {
+                    None => {
+                        let transport =
+                            rmcp::transport::StreamableHttpClientTransport::from_uri(url.as_str());
+                        ().serve(transport).await
+                    }
+                    Some(bearer) => {
+                        let config = rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.as_str());
+                        let transport = rmcp::transport::StreamableHttpClientTransport::with_client(
+                            bearer.client(),
+                            config,
+                        );
+                        ().serve(transport).await
+                    }
+                };
+                let service = service.map_err(|e| {
                     anyhow::anyhow!("server {name:?} at {url}: MCP initialization failed: {e}")
                 })?;
                 (service, None)
@@ -93,6 +117,7 @@ impl Upstream {
             name,
             tools,
             service,
+            bearer,
             _child: child,
         })
     }

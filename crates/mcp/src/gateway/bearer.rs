@@ -1,0 +1,286 @@
+//! A broker-minted token on the calls to a streamable-HTTP tool server
+//! (`token_header` and `token_resource` on its `[[servers]]` entry): the
+//! gateway, the host of the call's contract, mints a JWT for it from the
+//! broker's token endpoint (`tokens_url`) — its `sub` the delegate, its
+//! `act` the gateway acting for it — and sends it with the call, so the
+//! tool server checks the same delegation with any JWT library. The
+//! transport is shared by every session of the gateway, so calls to such a
+//! server go one at a time, each with its own contract's token; `initialize`
+//! and `tools/list` come before any contract and carry none.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use http::{HeaderName, HeaderValue};
+use rmcp::model::ClientJsonRpcMessage;
+use rmcp::transport::streamable_http_client::{
+    SseError, StreamableHttpClient, StreamableHttpError, StreamableHttpPostResponse,
+    StreamableHttpResponseLimits,
+};
+use sse_stream::Sse;
+
+use broker_client::BrokerError;
+use broker_client::token::TokenEndpoint;
+
+/// A token is minted again when it has less than this left.
+const RENEW_BEFORE: Duration = Duration::from_secs(30);
+/// Most contracts whose tokens one server's cache keeps (forgotten all at
+/// once when full: each costs one mint to refill).
+const MAX_CACHED_TOKENS: usize = 1_024;
+
+/// What one tool server's calls carry, and the tokens minted for it.
+pub struct Bearer {
+    header: HeaderName,
+    /// `Bearer <token>` for `Authorization`, the bare token otherwise.
+    scheme: bool,
+    resource: String,
+    endpoint: TokenEndpoint,
+    http: reqwest::Client,
+    /// The value the next request carries (read by the transport).
+    current: Arc<RwLock<Option<HeaderValue>>>,
+    /// One call at a time, so each carries its own contract's token.
+    turn: tokio::sync::Mutex<()>,
+    cache: std::sync::Mutex<HashMap<[u8; 32], (String, Instant)>>,
+}
+
+impl Bearer {
+    pub fn new(header: &str, resource: &str, tokens_url: &str) -> anyhow::Result<Self> {
+        let name = HeaderName::try_from(header)
+            .map_err(|e| anyhow::anyhow!("token_header {header:?}: {e}"))?;
+        Ok(Self {
+            scheme: name == http::header::AUTHORIZATION,
+            header: name,
+            resource: resource.to_owned(),
+            endpoint: TokenEndpoint::new(tokens_url)
+                .map_err(|e| anyhow::anyhow!("tokens_url: {e}"))?,
+            // As rmcp's own client, with no redirect followed at all: a
+            // redirect must not carry the token to another host. No idle
+            // pooling (rmcp's reason: a reused connection can stall 40 ms).
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(0)
+                .redirect(reqwest::redirect::Policy::none())
+                .build()?,
+            current: Arc::default(),
+            turn: tokio::sync::Mutex::new(()),
+            cache: std::sync::Mutex::default(),
+        })
+    }
+
+    /// The HTTP client the server's transport uses: reqwest, with this
+    /// server's current token added to every request.
+    pub fn client(&self) -> TokenClient {
+        TokenClient {
+            inner: self.http.clone(),
+            header: self.header.clone(),
+            current: self.current.clone(),
+        }
+    }
+
+    /// Takes this server's turn with `contract`'s token in place; the
+    /// turn ends when the guard drops.
+    pub async fn turn(
+        &self,
+        agent: &broker_client::Agent,
+        contract: &[u8; 32],
+    ) -> Result<tokio::sync::MutexGuard<'_, ()>, BrokerError> {
+        let token = self.token(agent, contract).await?;
+        let value = if self.scheme {
+            format!("Bearer {token}")
+        } else {
+            token
+        };
+        let value = HeaderValue::try_from(value)
+            .map_err(|e| BrokerError::new("TOKEN_REFUSED", format!("the minted token: {e}")))?;
+        let turn = self.turn.lock().await;
+        *self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(value);
+        Ok(turn)
+    }
+
+    async fn token(
+        &self,
+        agent: &broker_client::Agent,
+        contract: &[u8; 32],
+    ) -> Result<String, BrokerError> {
+        let cached = self
+            .lock_cache()
+            .get(contract)
+            .filter(|(_, until)| until.saturating_duration_since(Instant::now()) > RENEW_BEFORE)
+            .map(|(token, _)| token.clone());
+        if let Some(token) = cached {
+            return Ok(token);
+        }
+        let minted = self
+            .endpoint
+            .mint(agent, contract, &self.resource)
+            .await
+            .map_err(|e| {
+                BrokerError::new(
+                    "TOKEN_REFUSED",
+                    format!("no token for {} from the broker: {e}", self.resource),
+                )
+            })?;
+        let lifetime = Duration::from_secs(u64::try_from(minted.expires_in).unwrap_or(0));
+        let mut cache = self.lock_cache();
+        if cache.len() >= MAX_CACHED_TOKENS {
+            cache.clear();
+        }
+        cache.insert(
+            *contract,
+            (minted.access_token.clone(), Instant::now() + lifetime),
+        );
+        Ok(minted.access_token)
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (String, Instant)>> {
+        // Entries are inserted whole: a poisoned cache is still a good one.
+        self.cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// reqwest with a token header: rmcp's client over reqwest, each request
+/// given the server's current token, if any.
+#[derive(Clone)]
+pub struct TokenClient {
+    inner: reqwest::Client,
+    header: HeaderName,
+    current: Arc<RwLock<Option<HeaderValue>>>,
+}
+
+impl TokenClient {
+    fn with_token(
+        &self,
+        mut headers: HashMap<HeaderName, HeaderValue>,
+    ) -> HashMap<HeaderName, HeaderValue> {
+        let current = self
+            .current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        if let Some(value) = current {
+            headers.insert(self.header.clone(), value);
+        }
+        headers
+    }
+}
+
+type Posted = Result<StreamableHttpPostResponse, StreamableHttpError<reqwest::Error>>;
+/// `futures::stream::BoxStream<'static, _>`, spelled out.
+type SseStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<Sse, SseError>> + Send>>;
+type Streamed = Result<SseStream, StreamableHttpError<reqwest::Error>>;
+
+impl StreamableHttpClient for TokenClient {
+    type Error = reqwest::Error;
+
+    async fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> Posted {
+        let headers = self.with_token(custom_headers);
+        self.inner
+            .post_message(uri, message, session_id, auth_header, headers)
+            .await
+    }
+
+    async fn post_message_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> Posted {
+        let headers = self.with_token(custom_headers);
+        self.inner
+            .post_message_with_max_sse_event_size(
+                uri,
+                message,
+                session_id,
+                auth_header,
+                headers,
+                max_sse_event_size,
+            )
+            .await
+    }
+
+    async fn post_message_with_response_limits(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        limits: StreamableHttpResponseLimits,
+    ) -> Posted {
+        let headers = self.with_token(custom_headers);
+        self.inner
+            .post_message_with_response_limits(
+                uri,
+                message,
+                session_id,
+                auth_header,
+                headers,
+                limits,
+            )
+            .await
+    }
+
+    async fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> Result<(), StreamableHttpError<reqwest::Error>> {
+        let headers = self.with_token(custom_headers);
+        self.inner
+            .delete_session(uri, session_id, auth_header, headers)
+            .await
+    }
+
+    async fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> Streamed {
+        let headers = self.with_token(custom_headers);
+        self.inner
+            .get_stream(uri, session_id, last_event_id, auth_header, headers)
+            .await
+    }
+
+    async fn get_stream_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> Streamed {
+        let headers = self.with_token(custom_headers);
+        self.inner
+            .get_stream_with_max_sse_event_size(
+                uri,
+                session_id,
+                last_event_id,
+                auth_header,
+                headers,
+                max_sse_event_size,
+            )
+            .await
+    }
+}
