@@ -277,3 +277,31 @@ async fn lineage(broker: &mut Broker, id: &[u8]) -> Vec<u8> {
     let chain = broker.chain(id).await;
     decode_contract(chain.chain.last().unwrap().contract.as_ref().unwrap()).intent_lineage_hash
 }
+
+#[tokio::test]
+async fn the_host_mints_for_the_calls_it_executes() {
+    let mut broker = broker().await;
+    let [orchestrator, delegate, host, stranger] = [(); 4].map(|()| Agent::generate());
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let mut body = root.child(&delegate, 30);
+    body.host_public_key = host.public_key().to_vec();
+    let id = broker.issue(&orchestrator, body).await;
+    broker.accept(&delegate, &id, None).await.expect("Accept");
+    let endpoint = TokenEndpoint::new(broker.tokens_url.as_ref().unwrap()).unwrap();
+    let minted = endpoint
+        .mint(&host, &id32(&id), RESOURCE)
+        .await
+        .expect("the host mints");
+    let token = delegation_broker::jwt::decode(&minted.access_token).unwrap();
+    let claims = &token.claims;
+    assert_eq!(claims["sub"], key_id(&delegate).as_str());
+    assert_eq!(claims["client_id"], key_id(&host).as_str());
+    assert_eq!(claims["act"]["sub"], key_id(&host).as_str());
+    assert_eq!(claims["act"]["host"], true);
+    assert_eq!(claims["act"]["act"]["sub"], key_id(&orchestrator).as_str());
+    let refused = endpoint.mint(&stranger, &id32(&id), RESOURCE).await;
+    assert!(
+        matches!(&refused, Err(TokenError::Refused { error, .. }) if error == "invalid_grant"),
+        "{refused:?}"
+    );
+}

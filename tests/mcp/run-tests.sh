@@ -20,7 +20,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$HERE/../.." && pwd)"
 
-PINS=(mcp==2.3.0 pytest==9.2.0 jsonschema==4.26.0)
+PINS=(mcp==2.3.0 pytest==9.2.0 jsonschema==4.26.0 "PyJWT[crypto]==2.15.1")  # PyJWT: fs_server.py --require-token
 
 BROKER_BIN="${BROKER_BIN:-target/debug/delegation-broker}"
 if [[ "$BROKER_BIN" != /* ]]; then

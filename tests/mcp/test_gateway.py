@@ -37,17 +37,27 @@ host, the worker accepts, and later completes and gets the verdict.
   a server announcing 5,000 tools (256 of them served beside the others).
 - `test_streamable_http_upstream`: an upstream given by `url` (fs_server
   over streamable HTTP) is served, forwarded and recorded the same way.
+- `test_streamable_http_upstream_with_token`: with `tokens_url` and a
+  server's `token_header`/`token_resource`, each forwarded call carries a
+  JWT the gateway minted as the contract's host; fs_server
+  (`--require-token`) verifies it with PyJWT and logs its claims (the
+  contract, the delegate as `sub`, the host in `act`); a resource the
+  broker does not mint for is TOKEN_REFUSED before the server; nothing
+  reaches it after the revocation. `test_token_config_errors`: the
+  settings' config errors stop the gateway at start.
 
 The audit (GetAudit) is read over the broker's read-only console (gRPC-Web,
 `serve --console`) as a `[readers]` key: no CLI prints one contract's audit,
 and the test venv has no gRPC library. The broker this module starts is its
-own (not test_tools.py's), configured with that reader.
+own (not test_tools.py's), configured with that reader; the token test has
+another such broker, with a token endpoint (`serve --tokens`).
 
 BROKER_BIN names the broker binary (default: <repo>/target/debug/delegation-broker).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -109,6 +119,7 @@ CALL_TIMEOUT_S = 60.0  # one MCP request, gateway or `mcp tools`
 TEST_TIMEOUT_S = 240.0  # one whole test
 HANG_TIMEOUT_MS = 1500  # call_timeout_ms of the hostile test's gateway
 HANG_SLACK_S = 5.0  # what UPSTREAM_TIMEOUT may take beyond call_timeout_ms
+TOKEN_RESOURCE = "https://tools.test"  # the token broker's one [tokens] resource
 
 
 # --------------------------------------------------------------------------
@@ -419,6 +430,7 @@ def make_gateway(
     contract: str | None = None,
     call_timeout_ms: int = 5000,
     resolve_root: Path | None = None,
+    tokens_url: str | None = None,
 ) -> Gateway:
     workdir = Path(tempfile.mkdtemp(prefix=f"gw-{label}-", dir=broker.workdir))
     lines = [
@@ -431,6 +443,8 @@ def make_gateway(
         lines.append(f"contract = {_toml(contract)}")
     if resolve_root is not None:
         lines.append(f"resolve_root = {_toml(str(resolve_root))}")
+    if tokens_url is not None:
+        lines.append(f"tokens_url = {_toml(tokens_url)}")
     for server in servers:
         lines += ["", "[[servers]]"] + [f"{key} = {_toml(value)}" for key, value in server.items()]
     for name, spec in tools.items():
@@ -1353,6 +1367,189 @@ def test_streamable_http_upstream(gbroker: ConsoleBroker) -> None:
         except subprocess.TimeoutExpired:
             web.kill()
             web.wait(10)
+
+
+def key_id(public_key_hex: str) -> str:
+    """A key's id as tokens name it: `ed25519:` + hex of the first 16 bytes of SHA-256(key)."""
+    return "ed25519:" + hashlib.sha256(bytes.fromhex(public_key_hex)).digest()[:16].hex()
+
+
+def test_streamable_http_upstream_with_token(tbroker: ConsoleBroker) -> None:
+    """`token_header`/`token_resource` on a `url` server (and `tokens_url`):
+    each forwarded call carries a JWT the gateway, as host, minted at the
+    broker for the call's contract; fs_server (`--require-token`) verifies it
+    with PyJWT against the broker's JWKS and logs its claims. A resource the
+    broker does not mint for is TOKEN_REFUSED before the server sees the call;
+    after the revocation nothing more reaches the server."""
+    import socket
+
+    mode = "legacy"
+    agents, names_file = make_agents(tbroker, ["orchestrator", "worker", "host"])
+    orchestrator, worker, host = agents["orchestrator"], agents["worker"], agents["host"]
+    outputs = Outputs()
+    with urllib.request.urlopen(f"{tbroker.tokens}/.well-known/oauth-authorization-server", timeout=30) as answer:
+        metadata = json.load(answer)
+    assert metadata.get("issuer") == tbroker.tokens, metadata
+    assert metadata.get("jwks_uri"), metadata
+    home = Path(tempfile.mkdtemp(prefix="web-token-", dir=tbroker.workdir))
+    root, log, stderr_path = home / "root", home / "web.log", home / "web.stderr"
+    root.mkdir()
+    log.touch()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/mcp"
+    require = f"{metadata['jwks_uri']},{metadata['issuer']},{TOKEN_RESOURCE}"
+    with open(stderr_path, "wb") as stderr:
+        web = subprocess.Popen(
+            [PYTHON, str(FS_SERVER), "--root", str(root), "--log", str(log), "--name", "web",
+             "--http", str(port), "--require-token", require],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+        )
+    gateways: list[Gateway] = []
+
+    def claims_of(line: dict[str, Any]) -> dict[str, Any]:
+        assert "claims" in line, f"fs_server did not verify the call's token: {line.get('token_error')!r} ({line})"
+        return line["claims"]
+
+    async def test() -> None:
+        with anyio.fail_after(30):  # until fs_server listens
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert web.poll() is None, f"fs_server --http exited: {stderr_path.read_text()[-2000:]}"
+                    await anyio.sleep(0.1)
+        # The server's check is real: a call without a token is refused, unrun.
+        async with Client(url, mode=mode, read_timeout_seconds=CALL_TIMEOUT_S) as direct:
+            result = await direct.call_tool("write_file", {"path": "out/direct.txt", "content": "no token"})
+        assert result.is_error and "TOKEN_INVALID" in text_of(result), show(result)
+        assert [line.get("token_error") for line in log_lines(log)] == ["no Authorization header"], log_lines(log)
+        assert not (root / "out/direct.txt").exists()
+        seen = 1  # fs_server's log lines so far
+
+        async with AsyncExitStack() as stack:
+            for agent in (orchestrator, worker):
+                await connect(stack, tbroker, agent, names_file, mode)
+            root_id = await open_root(outputs, orchestrator, "gateway-http-token")
+            contract = await issue(outputs, orchestrator, worker, root_id, host, 10, "write out/web.txt")
+            token_server = {"url": url, "token_header": "Authorization"}
+            gateway = make_gateway(
+                tbroker, "http-token", host,
+                [
+                    {"name": "web", **token_server, "token_resource": TOKEN_RESOURCE},
+                    # The same server, for a resource the broker does not mint for.
+                    {"name": "elsewhere", **token_server, "token_resource": "https://elsewhere.test"},
+                ],
+                {**fs_tools("web"), **fs_tools("elsewhere")}, contract=contract, tokens_url=tbroker.tokens,
+            )
+            gateways.append(gateway)
+            await open_gateway(stack, tbroker, gateway, mode)
+            names = sorted(tool.name for tool in await list_all_tools(gateway))
+            assert names == sorted(f"{server}.{tool}" for server in ("web", "elsewhere") for tool in FS_TOOLS), names
+            assert len(log_lines(log)) == seen, "initialize or tools/list was logged as a call"
+
+            # Forwarded with the host's token for the contract, verified by the server.
+            result = await forwarded(gateway, "web.write_file", {"path": "out/web.txt", "content": "with a token"})
+            assert result.structured_content == {"path": "out/web.txt", "bytes": 12}, _brief_result(result)
+            assert (root / "out/web.txt").read_text() == "with a token"
+            lines = log_lines(log)
+            assert len(lines) == seen + 1, lines[seen:]
+            first = lines[seen]
+            seen += 1
+            claims = claims_of(first)
+            print(f"the token's header: {first['jose']}\nits claims: {json.dumps(claims, indent=1)}")
+            assert first["jose"].get("alg") == "EdDSA" and first["jose"].get("typ") == "at+jwt", first["jose"]
+            assert str(first["jose"].get("kid", "")).startswith("ed25519:"), first["jose"]
+            assert claims["aud"] in (TOKEN_RESOURCE, [TOKEN_RESOURCE]), claims
+            assert claims["iss"] == metadata["issuer"], claims
+            assert claims["tctx"]["contract_id"] == contract, claims
+            assert claims["tctx"]["root_id"] == root_id and claims["txn"] == root_id, claims
+            assert claims["tctx"]["depth"] == 1, claims
+            assert claims["tctx"]["residual"] == 10, f"minted before the call was recorded: {claims}"
+            assert claims["tctx"]["write_scope"] in (SCOPE, [p.rstrip("/") for p in SCOPE]), claims
+            assert claims["sub"] == key_id(worker.public_key), f"sub is not the delegate's key id: {claims}"
+            assert claims["client_id"] == key_id(host.public_key), f"client_id is not the host's key id: {claims}"
+            act = claims["act"]
+            assert act.get("sub") == key_id(host.public_key) and act.get("host") is True, f"act: {act}"
+            assert act.get("act") == {"sub": key_id(orchestrator.public_key), "contract_id": root_id}, (
+                f"act.act is not the delegators' chain (the orchestrator, holding the root): {act}"
+            )
+            await assert_spent(outputs, worker, contract, 2, "a write to a token-checking server")
+
+            # A second call: the same contract's token, from the gateway's cache.
+            result = await forwarded(gateway, "web.read_file", {"path": "out/web.txt"})
+            assert result.structured_content == {"path": "out/web.txt", "content": "with a token"}
+            lines = log_lines(log)
+            assert len(lines) == seen + 1, lines[seen:]
+            assert claims_of(lines[seen])["jti"] == claims["jti"], "the token was minted again within its lifetime"
+            seen += 1
+
+            # A resource the broker does not mint for: refused before the server.
+            error = await refused(
+                gateway, "elsewhere.write_file", {"path": "out/else.txt", "content": "x"}, "TOKEN_REFUSED"
+            )
+            print(f"a resource the broker does not mint for: {error}")
+            assert_unreached(log, seen, "a call whose token the broker refused")
+            assert not (root / "out/else.txt").exists()
+            audit = await get_audit(tbroker, contract)
+            assert (audit["tool_calls"], audit["mutations"], audit["mutation_paths"]) == (2, 1, ["out/web.txt"]), audit
+
+            # Revoked: nothing more reaches the server (the gateway refuses the
+            # ended contract itself, or the broker refuses the token).
+            revoked = await ok(outputs, orchestrator, "revoke", {"contract_id": contract, "reason": "the test revokes"})
+            assert revoked["status"] == "REVOKED", revoked
+            error = await refused(
+                gateway, "web.write_file", {"path": "out/late.txt", "content": "x"}, {"TOKEN_REFUSED", "CONTRACT_ENDED"}
+            )
+            print(f"after the revocation: {error}")
+            assert_unreached(log, seen, "a call after the revocation")
+            assert not (root / "out/late.txt").exists()
+            audit = await get_audit(tbroker, contract)
+            assert (audit["tool_calls"], audit["mutations"]) == (2, 1), audit
+            await assert_spent(outputs, worker, contract, 3, "the revocation (metered units stay spent)")
+
+    try:
+        run(test, agents, gateways, tbroker)
+    finally:
+        web.terminate()
+        try:
+            web.wait(10)
+        except subprocess.TimeoutExpired:
+            web.kill()
+            web.wait(10)
+    assert_no_secrets_through(gateways, agents)
+
+
+@pytest.mark.parametrize(
+    ("server", "top", "message"),
+    [
+        ('url = "http://127.0.0.1:9/mcp"\ntoken_header = "Authorization"', 'tokens_url = "http://127.0.0.1:9"',
+         "token_header and token_resource go together"),
+        ('url = "http://127.0.0.1:9/mcp"\ntoken_header = "Authorization"\ntoken_resource = "https://tools.test"', "",
+         "tokens_url"),
+        ('command = "true"\ntoken_header = "Authorization"\ntoken_resource = "https://tools.test"',
+         'tokens_url = "http://127.0.0.1:9"', "url server"),
+    ],
+    ids=["header-without-resource", "without-tokens_url", "on-a-command-server"],
+)
+def test_token_config_errors(tmp_path: Path, server: str, top: str, message: str) -> None:
+    """A token setting the gateway cannot honour stops it at start, naming the key."""
+    binary = broker_bin()
+    key_file = tmp_path / "host.key"
+    keygen = subprocess.run([binary, "keygen", "--out", str(key_file)], capture_output=True, timeout=30)
+    assert keygen.returncode == 0, keygen.stderr.decode(errors="replace")
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'broker = "http://127.0.0.1:9"\nkey_file = {_toml(str(key_file))}\n{top}\n\n[[servers]]\nname = "w"\n{server}\n'
+    )
+    run_ = subprocess.run(
+        [binary, "mcp", "gateway", "--config", str(config)],
+        stdin=subprocess.DEVNULL, capture_output=True, timeout=30, env={**os.environ, "NO_COLOR": "1"},
+    )
+    stderr = run_.stderr.decode(errors="replace")
+    assert run_.returncode != 0, f"the gateway started with {config.read_text()!r}: {stderr[-1000:]}"
+    assert "token_header" in stderr or "token_resource" in stderr, f"the error names no key: {stderr[-1000:]}"
+    assert message in stderr, f"expected {message!r} in: {stderr[-1000:]}"
 
 
 if __name__ == "__main__":

@@ -78,12 +78,12 @@ impl Bearer {
     }
 
     /// Takes this server's turn with `contract`'s token in place; the
-    /// turn ends when the guard drops.
+    /// turn, and the token with it, ends when the guard drops.
     pub async fn turn(
         &self,
         agent: &broker_client::Agent,
         contract: &[u8; 32],
-    ) -> Result<tokio::sync::MutexGuard<'_, ()>, BrokerError> {
+    ) -> Result<Turn<'_>, BrokerError> {
         let token = self.token(agent, contract).await?;
         let value = if self.scheme {
             format!("Bearer {token}")
@@ -97,7 +97,10 @@ impl Bearer {
             .current
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(value);
-        Ok(turn)
+        Ok(Turn {
+            _turn: turn,
+            current: &self.current,
+        })
     }
 
     async fn token(
@@ -140,6 +143,23 @@ impl Bearer {
         self.cache
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A call's turn at a server: while it is held, the server's requests
+/// carry the call's token; after, none (a later list or the session's
+/// end is not that contract's).
+pub struct Turn<'a> {
+    _turn: tokio::sync::MutexGuard<'a, ()>,
+    current: &'a RwLock<Option<HeaderValue>>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        *self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 }
 
