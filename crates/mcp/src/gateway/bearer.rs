@@ -194,113 +194,31 @@ type Posted = Result<StreamableHttpPostResponse, StreamableHttpError<reqwest::Er
 type SseStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<Sse, SseError>> + Send>>;
 type Streamed = Result<SseStream, StreamableHttpError<reqwest::Error>>;
 
+/// The trait's methods, each reqwest's own with the token added to the
+/// headers (the parameters before and after `custom_headers` named).
+macro_rules! with_token {
+    ($($method:ident($($before:ident: $bt:ty),*; $($after:ident: $at:ty),*) -> $out:ty;)*) => {$(
+        async fn $method(
+            &self,
+            $($before: $bt,)*
+            custom_headers: HashMap<HeaderName, HeaderValue>,
+            $($after: $at),*
+        ) -> $out {
+            let custom_headers = self.with_token(custom_headers);
+            self.inner.$method($($before,)* custom_headers, $($after),*).await
+        }
+    )*};
+}
+
 impl StreamableHttpClient for TokenClient {
     type Error = reqwest::Error;
 
-    async fn post_message(
-        &self,
-        uri: Arc<str>,
-        message: ClientJsonRpcMessage,
-        session_id: Option<Arc<str>>,
-        auth_header: Option<String>,
-        custom_headers: HashMap<HeaderName, HeaderValue>,
-    ) -> Posted {
-        let headers = self.with_token(custom_headers);
-        self.inner
-            .post_message(uri, message, session_id, auth_header, headers)
-            .await
-    }
-
-    async fn post_message_with_max_sse_event_size(
-        &self,
-        uri: Arc<str>,
-        message: ClientJsonRpcMessage,
-        session_id: Option<Arc<str>>,
-        auth_header: Option<String>,
-        custom_headers: HashMap<HeaderName, HeaderValue>,
-        max_sse_event_size: usize,
-    ) -> Posted {
-        let headers = self.with_token(custom_headers);
-        self.inner
-            .post_message_with_max_sse_event_size(
-                uri,
-                message,
-                session_id,
-                auth_header,
-                headers,
-                max_sse_event_size,
-            )
-            .await
-    }
-
-    async fn post_message_with_response_limits(
-        &self,
-        uri: Arc<str>,
-        message: ClientJsonRpcMessage,
-        session_id: Option<Arc<str>>,
-        auth_header: Option<String>,
-        custom_headers: HashMap<HeaderName, HeaderValue>,
-        limits: StreamableHttpResponseLimits,
-    ) -> Posted {
-        let headers = self.with_token(custom_headers);
-        self.inner
-            .post_message_with_response_limits(
-                uri,
-                message,
-                session_id,
-                auth_header,
-                headers,
-                limits,
-            )
-            .await
-    }
-
-    async fn delete_session(
-        &self,
-        uri: Arc<str>,
-        session_id: Arc<str>,
-        auth_header: Option<String>,
-        custom_headers: HashMap<HeaderName, HeaderValue>,
-    ) -> Result<(), StreamableHttpError<reqwest::Error>> {
-        let headers = self.with_token(custom_headers);
-        self.inner
-            .delete_session(uri, session_id, auth_header, headers)
-            .await
-    }
-
-    async fn get_stream(
-        &self,
-        uri: Arc<str>,
-        session_id: Option<Arc<str>>,
-        last_event_id: Option<String>,
-        auth_header: Option<String>,
-        custom_headers: HashMap<HeaderName, HeaderValue>,
-    ) -> Streamed {
-        let headers = self.with_token(custom_headers);
-        self.inner
-            .get_stream(uri, session_id, last_event_id, auth_header, headers)
-            .await
-    }
-
-    async fn get_stream_with_max_sse_event_size(
-        &self,
-        uri: Arc<str>,
-        session_id: Option<Arc<str>>,
-        last_event_id: Option<String>,
-        auth_header: Option<String>,
-        custom_headers: HashMap<HeaderName, HeaderValue>,
-        max_sse_event_size: usize,
-    ) -> Streamed {
-        let headers = self.with_token(custom_headers);
-        self.inner
-            .get_stream_with_max_sse_event_size(
-                uri,
-                session_id,
-                last_event_id,
-                auth_header,
-                headers,
-                max_sse_event_size,
-            )
-            .await
+    with_token! {
+        post_message(uri: Arc<str>, message: ClientJsonRpcMessage, session_id: Option<Arc<str>>, auth_header: Option<String>;) -> Posted;
+        post_message_with_max_sse_event_size(uri: Arc<str>, message: ClientJsonRpcMessage, session_id: Option<Arc<str>>, auth_header: Option<String>; max_sse_event_size: usize) -> Posted;
+        post_message_with_response_limits(uri: Arc<str>, message: ClientJsonRpcMessage, session_id: Option<Arc<str>>, auth_header: Option<String>; limits: StreamableHttpResponseLimits) -> Posted;
+        delete_session(uri: Arc<str>, session_id: Arc<str>, auth_header: Option<String>;) -> Result<(), StreamableHttpError<reqwest::Error>>;
+        get_stream(uri: Arc<str>, session_id: Option<Arc<str>>, last_event_id: Option<String>, auth_header: Option<String>;) -> Streamed;
+        get_stream_with_max_sse_event_size(uri: Arc<str>, session_id: Option<Arc<str>>, last_event_id: Option<String>, auth_header: Option<String>; max_sse_event_size: usize) -> Streamed;
     }
 }
