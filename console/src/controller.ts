@@ -16,9 +16,9 @@ import { BrokerKeys, VerificationError, verifyChain, verifyContract } from "../.
 import { watch, type Watch } from "../../clients/typescript/src/watch.js";
 import { isTokenRefusal, type ConsoleApi } from "./api.js";
 import { h, replace, sleep, yieldToBrowser } from "./dom.js";
-import { agentName, dateTime, enumName, short, units } from "./format.js";
+import { dateTime, enumName, short, units } from "./format.js";
 import { TreeModel, type TreeNode } from "./model.js";
-import { TreeView, labelChips, ledgerBar } from "./tree.js";
+import { TreeView, delegateTag, labelChips, ledgerBar } from "./tree.js";
 
 /** Ledger reads wait this long after the last event that moved one, and at most MAX after the first. */
 const LEDGER_DEBOUNCE_MS = 200;
@@ -277,7 +277,9 @@ export class TreeController {
         "div",
         { class: "root-meta" },
         h("span", { class: "mono", title: root.id }, `root ${short(root.id, 16)}`),
-        ` · opened by ${agentName(c.delegatePublicKey, this.#api.names)} at ${dateTime(c.issuedAtMs)} · budget ${units(c.budget)}`,
+        " · opened by ",
+        delegateTag(c, this.#api.names, {}, "who"),
+        ` at ${dateTime(c.issuedAtMs)} · budget ${units(c.budget)}`,
         c.policy !== undefined ? ` · max depth ${c.policy.maxDepth}, max children ${c.policy.maxChildren}` : "",
         " · ",
         labelChips(c.labels),

@@ -15,6 +15,32 @@ export function agentName(key: Uint8Array | string, names: Readonly<Record<strin
   return names[hex] ?? short(hex);
 }
 
+/** Characters that could forge or reorder what the operator reads: control characters and bidirectional overrides and isolates. */
+const UNSAFE = /[\u0000-\u001f\u007f-\u009f\u200e\u200f\u202a-\u202e\u2066-\u2069]/gu;
+
+/**
+ * Untrusted text (an identity a token issuer vouched for) for display, as the
+ * CLI shows it: control characters and bidirectional overrides become `\u{…}`.
+ */
+export function safeText(text: string): string {
+  return text.replace(UNSAFE, (c) => `\\u{${c.codePointAt(0)!.toString(16)}}`);
+}
+
+/**
+ * A contract's delegate, as the CLI's `tree` names it: the operator's name
+ * from `[console.names]`, else the workload identity the contract carries
+ * (`delegateIdentity`, bound at issuance), else the key's short hex.
+ */
+export function delegateLabel(
+  contract: { readonly delegatePublicKey: Uint8Array; readonly delegateIdentity: string },
+  names: Readonly<Record<string, string>>,
+): { text: string; fromIdentity: boolean } {
+  const hex = toHex(contract.delegatePublicKey);
+  const name = hex === "" ? undefined : names[hex];
+  if (name === undefined && contract.delegateIdentity !== "") return { text: safeText(contract.delegateIdentity), fromIdentity: true };
+  return { text: agentName(hex, names), fromIdentity: false };
+}
+
 /** Budget units with thousands separators (bigint-safe). */
 export function units(value: bigint | number): string {
   const negative = value < 0;

@@ -9,8 +9,8 @@ import { ContractSchema, ContractStatus, type ContractState, type Ledger } from 
 import { fromBinary } from "@bufbuild/protobuf";
 import type { ConsoleApi } from "./api.js";
 import { h, replace } from "./dom.js";
-import { agentName, dateTime, enumName, parseLabels, short } from "./format.js";
-import { labelChips, ledgerBar } from "./tree.js";
+import { dateTime, enumName, parseLabels, short } from "./format.js";
+import { delegateTag, labelChips, ledgerBar } from "./tree.js";
 
 const PAGE_SIZE = 50;
 /** ListRoots looks at no more than 1,000 roots per call, so a page may be short or empty: read on up to this many calls. */
@@ -136,7 +136,7 @@ export class RootsView {
           "span",
           { class: "root-line dim" },
           h("span", { class: "mono" }, short(id)),
-          ` · ${agentName(contract.delegatePublicKey, this.#api.names)} · ${dateTime(contract.issuedAtMs)} · `,
+          h("span", {}, " · ", delegateTag(contract, this.#api.names, {}, "who"), ` · ${dateTime(contract.issuedAtMs)} · `),
           labelChips(contract.labels),
         ),
         ledgerBar(state.ledger, false),

@@ -14,7 +14,11 @@
  * `[data-testid=violation][data-code=…]` holding `[data-field=requested]`
  * and `[data-field=allowed]`, `[data-testid=completion][data-verdict=…]`
  * with `[data-testid=refused-criterion][data-criterion=…]`, and
- * `[data-testid=audit]` with `[data-flag=…][data-value=…]`.
+ * `[data-testid=audit]` with `[data-flag=…][data-value=…]`. The row's
+ * `[data-testid=delegate]` is the delegate's label (a name from
+ * `[console.names]`, else its workload identity, else its short key), with
+ * `data-identity` when the contract carries a `delegateIdentity`; the terms
+ * show that identity as `[data-testid=delegate-identity]`.
  */
 
 import { toHex } from "../../clients/typescript/src/bytes.js";
@@ -29,7 +33,7 @@ import {
   type Ledger,
 } from "../../clients/typescript/src/pb.js";
 import { h, replace, type Child } from "./dom.js";
-import { agentName, dateTime, enumName, ppm, relative, short, units } from "./format.js";
+import { agentName, dateTime, delegateLabel, enumName, ppm, relative, safeText, short, units } from "./format.js";
 import type { ReceiptEntry, TreeModel, TreeNode } from "./model.js";
 
 /** Children drawn at once under an expanded contract; "show more" draws the next chunk. */
@@ -274,7 +278,7 @@ export class TreeView {
       view.row,
       toggle,
       h("span", { class: "cid mono", title: `contract ${node.id}` }, short(node.id)),
-      h("span", { class: "delegate", "data-testid": "delegate", title: `delegate ${toHex(c.delegatePublicKey)}` }, agentName(c.delegatePublicKey, names)),
+      delegateTag(c, names, { "data-testid": "delegate" }),
       h("span", { class: `badge status status-${status}`, "data-testid": "status" }, status),
       h("span", { class: "pill", title: "liability" }, c.liability === Liability.DELEGATE ? "liable" : c.liability === Liability.PRINCIPAL ? "retaining" : "—"),
       h("span", { class: "pill depth", title: "depth" }, `depth ${c.depth}`),
@@ -347,6 +351,32 @@ export class TreeView {
 }
 
 // --- pieces -------------------------------------------------------------------------------
+
+/**
+ * A contract's delegate on one line: its label ({@link delegateLabel}); a
+ * long identity is cut short with an ellipsis (the whole of it in the
+ * title, and in the terms). Set as text: an identity is what a token issuer
+ * vouched for, not the operator.
+ */
+export function delegateTag(
+  c: { readonly delegatePublicKey: Uint8Array; readonly delegateIdentity: string },
+  names: Readonly<Record<string, string>>,
+  attrs: Record<string, string> = {},
+  cls = "delegate",
+): HTMLElement {
+  const label = delegateLabel(c, names);
+  const identity = c.delegateIdentity === "" ? undefined : safeText(c.delegateIdentity);
+  return h(
+    "span",
+    {
+      ...attrs,
+      class: `${cls}${label.fromIdentity ? " identity" : ""}`,
+      "data-identity": identity,
+      title: `delegate ${toHex(c.delegatePublicKey)}${identity === undefined ? "" : `\nidentity ${identity}`}`,
+    },
+    label.text,
+  );
+}
 
 function ledgerBar(ledger: Ledger | undefined, stale: boolean): HTMLElement {
   if (ledger === undefined) return h("div", { class: "ledger", "data-testid": "ledger" }, "ledger …");
@@ -547,6 +577,9 @@ function terms(node: TreeNode, names: Readonly<Record<string, string>>): HTMLEle
     ...(c.depth === 0 ? row("intent", h("pre", { "data-testid": "intent" }, c.intent)) : []),
     ...row("task", h("pre", {}, c.task === "" ? "—" : c.task)),
     ...row("delegate", key(c.delegatePublicKey)),
+    ...(c.delegateIdentity !== ""
+      ? row("identity", h("span", { class: "identity-full mono", "data-testid": "delegate-identity" }, safeText(c.delegateIdentity)))
+      : []),
     ...row("host", c.hostPublicKey.length === 0 ? "— (not named at Delegate; the delegate may name one at Accept)" : key(c.hostPublicKey)),
     ...row("liability", enumName(Liability, c.liability)),
     ...row("budget", units(c.budget)),

@@ -14,13 +14,16 @@
  * comparison as a table and a chart. Without the token it shows only the
  * prompt and the session request is refused; a mutating RPC through
  * gRPC-Web is refused (PERMISSION_DENIED) and other origins get 403; a
- * console whose reader is nobody's party sees no tree.
+ * console whose reader is nobody's party sees no tree. A delegate whose key
+ * is bound to a workload identity (BindIdentity, a JWT-SVID of an issuer the
+ * broker trusts) is shown by that identity in the tree and in its terms.
  *
  * Screenshots go to console/test-output/.
  */
 
 import assert from "node:assert/strict";
 import { spawn, execFileSync, type ChildProcess } from "node:child_process";
+import { generateKeyPairSync, sign } from "node:crypto";
 import { createWriteStream, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { request as httpRequest } from "node:http";
 import { tmpdir } from "node:os";
@@ -34,6 +37,7 @@ import { chromium, type Browser, type Page } from "playwright-core";
 import {
   Agent,
   BrokerKeys,
+  bindIdentity,
   nowMs,
   pb,
   sessionClient,
@@ -86,10 +90,15 @@ class ConsoleBroker {
     return path.join(this.dir, "broker.log");
   }
 
-  static async start(name: string, config: string): Promise<ConsoleBroker> {
+  /**
+   * `config` is the broker.toml (or made from the data directory, for paths
+   * to `files`: written there first, by name).
+   */
+  static async start(name: string, config: string | ((dir: string) => string), files: Record<string, string> = {}): Promise<ConsoleBroker> {
     const broker = new ConsoleBroker(mkdtempSync(path.join(tmpdir(), `broker-console-${name}-`)));
+    for (const [file, content] of Object.entries(files)) writeFileSync(path.join(broker.dir, file), content);
     const configPath = path.join(broker.dir, "broker.toml");
-    writeFileSync(configPath, config);
+    writeFileSync(configPath, typeof config === "string" ? config : config(broker.dir));
     const log = createWriteStream(broker.logPath);
     const child = spawn(
       brokerBin(),
@@ -157,17 +166,57 @@ function raw(url: string, method: string, headers: Record<string, string>, body?
   });
 }
 
+/**
+ * A SPIFFE issuer as SPIRE holds one: an ES256 key, whose bundle (a JWKS)
+ * the broker's `[identity.issuers.spire]` reads, signing JWT-SVIDs.
+ */
+class SpiffeIssuer {
+  static readonly TRUST_DOMAIN = "prod.test";
+  static readonly AUDIENCE = "delegation-broker";
+  readonly #key = generateKeyPairSync("ec", { namedCurve: "P-256" });
+
+  bundle(): string {
+    const jwk = this.#key.publicKey.export({ format: "jwk" });
+    return JSON.stringify({ keys: [{ kty: jwk.kty, crv: jwk.crv, x: jwk.x, y: jwk.y, kid: "k1", use: "jwt-svid" }] });
+  }
+
+  /** The broker.toml section that trusts this issuer, its bundle at `bundlePath`. */
+  config(bundlePath: string): string {
+    return [
+      "[identity.issuers.spire]",
+      'kind = "spiffe"',
+      `trust_domain = ${JSON.stringify(SpiffeIssuer.TRUST_DOMAIN)}`,
+      `audiences = [${JSON.stringify(SpiffeIssuer.AUDIENCE)}]`,
+      `jwks_file = ${JSON.stringify(bundlePath)}`,
+      "",
+    ].join("\n");
+  }
+
+  /** A JWT-SVID for `spiffeId`, valid five minutes. */
+  svid(spiffeId: string): string {
+    const now = Math.floor(Date.now() / 1000);
+    const part = (value: unknown) => Buffer.from(JSON.stringify(value)).toString("base64url");
+    const signed = `${part({ alg: "ES256", kid: "k1", typ: "JWT" })}.${part({ sub: spiffeId, aud: [SpiffeIssuer.AUDIENCE], exp: now + 300, iat: now })}`;
+    const signature = sign("sha256", Buffer.from(signed), { key: this.#key.privateKey, dsaEncoding: "ieee-p1363" });
+    return `${signed}.${signature.toString("base64url")}`;
+  }
+}
+
 // --- the broker, the agents, the browser ---------------------------------------------------
 
 const reader = Agent.generate();
 const [orchestrator, planner, executor, host, reviewer, other] = Array.from({ length: 6 }, () => Agent.generate()) as [Agent, Agent, Agent, Agent, Agent, Agent];
+/** Named in the address book and bound to a workload identity: the name wins in the tree. */
+const namedWorker = Agent.generate();
 const NAMES: [Agent, string][] = [
   [orchestrator, "orchestrator"],
   [planner, "planner"],
   [executor, "executor"],
   [host, "host"],
   [reviewer, "reviewer"],
+  [namedWorker, "named-worker"],
 ];
+const issuer = new SpiffeIssuer();
 
 let broker: ConsoleBroker;
 let client: BrokerClient;
@@ -180,7 +229,10 @@ before(async () => {
   const names = NAMES.map(([agent, name]) => `"${toHex(agent.publicKey)}" = "${name}"\n`).join("");
   broker = await ConsoleBroker.start(
     "main",
-    `[readers]\nkeys = [${hex([reader])}]\n\n[console]\nreader = "${toHex(reader.publicKey)}"\nallowed_origins = []\n\n[console.names]\n${names}`,
+    (dir) =>
+      `[readers]\nkeys = [${hex([reader])}]\n\n[console]\nreader = "${toHex(reader.publicKey)}"\nallowed_origins = []\n\n[console.names]\n${names}\n` +
+      issuer.config(path.join(dir, "bundle.json")),
+    { "bundle.json": issuer.bundle() },
   );
   client = await sessionClient(createNodeTransport(broker.address), reader);
   keys = await BrokerKeys.fetch(client);
@@ -626,6 +678,74 @@ test("sessions are renewed before they expire: the tree stays live across severa
     assert.equal(await short.stop(), 0);
     rmSync(short.dir, { recursive: true, force: true });
   }
+});
+
+test("a delegate bound to a workload identity: shown by it in the tree (unless named) and in its terms", async () => {
+  const root = await openRoot({ run: "4" }, "Run the workers");
+  const bare = createBrokerClient(createNodeTransport(broker.address));
+  const spiffe = (p: string) => `spiffe://${SpiffeIssuer.TRUST_DOMAIN}${p}`;
+  const WORKER_ID = spiffe("/workers/w1");
+  const NAMED_ID = spiffe("/workers/w2");
+  const LONG_ID = spiffe(`/pool/${Array.from({ length: 12 }, (_, i) => `a-rather-long-segment-${i}`).join("/")}/w3`);
+  const worker = Agent.generate();
+  const longWorker = Agent.generate();
+  const unbound = Agent.generate();
+  for (const [agent, id] of [[worker, WORKER_ID], [namedWorker, NAMED_ID], [longWorker, LONG_ID]] as const) {
+    assert.equal((await bindIdentity(bare, agent, issuer.svid(id))).identity, id);
+  }
+  const child = async (delegate: Agent, task: string) => {
+    const response = await client.delegate(
+      orchestrator.delegate({ parentId: root.id, intentLineageHash: root.lineage, task, delegatePublicKey: delegate.publicKey, budget: 5n, liability: pb.Liability.PRINCIPAL }),
+    );
+    assert.equal(response.outcome.case, "issued");
+    return verifyContract(response.outcome.value!.contract!, keys, response.outcome.value!.contractId);
+  };
+  const bound = await child(worker, "work as w1");
+  const named = await child(namedWorker, "work as w2");
+  const long = await child(longWorker, "work as w3");
+  const plain = await child(unbound, "work unbound");
+  // What the broker signed: the identity bound at issuance, none for the unbound key.
+  assert.deepEqual(
+    [bound, named, long, plain].map((c) => c.contract.delegateIdentity),
+    [WORKER_ID, NAMED_ID, LONG_ID, ""],
+  );
+
+  const page = await newPage({ viewport: { width: 1400, height: 900 } });
+  await page.goto(`${broker.consoleUrl}&root=${toHex(root.id)}`);
+  const delegateOf = (id: Uint8Array) => `${contract(id)} > .row [data-testid="delegate"]`;
+  for (const c of [bound, named, long, plain]) await page.locator(`${contract(c.contractId)} > .row [data-verified="ok"]`).waitFor({ timeout: WAIT_MS });
+
+  // The tree: the identity when no name is given; the name when one is; else the short key.
+  assert.equal(await text(page, delegateOf(bound.contractId)), WORKER_ID);
+  assert.equal(await page.locator(delegateOf(bound.contractId)).getAttribute("data-identity"), WORKER_ID);
+  assert.equal(await text(page, delegateOf(named.contractId)), "named-worker", "a name from [console.names] wins");
+  assert.equal(await page.locator(delegateOf(named.contractId)).getAttribute("data-identity"), NAMED_ID);
+  assert.equal(await text(page, delegateOf(plain.contractId)), toHex(unbound.publicKey).slice(0, 8), "an unbound delegate: its short key");
+  assert.equal(await page.locator(delegateOf(plain.contractId)).getAttribute("data-identity"), null);
+  // A long identity is cut short on screen (one line, bounded width), whole in the title.
+  const shape = await page.locator(delegateOf(long.contractId)).evaluate((el) => ({
+    text: el.textContent,
+    title: el.getAttribute("title"),
+    width: el.getBoundingClientRect().width,
+    height: el.getBoundingClientRect().height,
+    clipped: el.scrollWidth > el.clientWidth,
+    children: el.children.length,
+  }));
+  assert.equal(shape.text, LONG_ID);
+  assert.ok(shape.title?.endsWith(`identity ${LONG_ID}`), shape.title ?? "no title");
+  assert.ok(shape.clipped && shape.width < 450 && shape.height < 30, `ellipsized: ${JSON.stringify(shape)}`);
+  assert.equal(shape.children, 0, "text only");
+
+  // The terms: an identity row beside the delegate key, only when the contract carries one.
+  for (const c of [bound, named, plain]) await page.locator(`${contract(c.contractId)} > .row [data-testid="terms-toggle"]`).click();
+  assert.equal(await text(page, `${contract(bound.contractId)} > .details [data-testid="delegate-identity"]`), WORKER_ID);
+  assert.equal(await text(page, `${contract(named.contractId)} > .details [data-testid="delegate-identity"]`), NAMED_ID);
+  await page.locator(`${contract(plain.contractId)} > .details [data-testid="terms"]`).waitFor({ timeout: WAIT_MS });
+  assert.equal(await page.locator(`${contract(plain.contractId)} > .details [data-testid="delegate-identity"]`).count(), 0, "no identity row when unbound");
+  assert.equal(await page.locator(`${contract(plain.contractId)} > .details dt`).filter({ hasText: /^identity$/ }).count(), 0);
+  await page.screenshot({ path: path.join(OUTPUT, "console-identity.png"), fullPage: true });
+  assert.deepEqual(pageErrors, []);
+  await page.context().close();
 });
 
 test("a console whose reader is no party of a tree does not show it", async () => {
