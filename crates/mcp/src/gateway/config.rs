@@ -182,39 +182,7 @@ impl GatewayConfig {
                     server.name
                 ));
             }
-            match (&server.command, &server.url) {
-                (Some(_), None) => {}
-                (None, Some(url)) if url.starts_with("http://") || url.starts_with("https://") => {
-                    if !server.args.is_empty() || !server.env.is_empty() {
-                        return Err(format!(
-                            "servers[{i}]: args and env are for a command, not a url"
-                        ));
-                    }
-                }
-                (None, Some(url)) => {
-                    return Err(format!("servers[{i}].url: {url:?} is not an http(s) URL"));
-                }
-                _ => return Err(format!("servers[{i}]: give exactly one of command and url")),
-            }
-            match (&server.token_header, &server.token_resource) {
-                (None, None) => {}
-                (Some(_), Some(_)) if server.url.is_none() => {
-                    return Err(format!(
-                        "servers[{i}].token_header: a token goes with a url server's HTTP requests"
-                    ));
-                }
-                (Some(_), Some(_)) if self.tokens_url.is_none() => {
-                    return Err(format!(
-                        "servers[{i}].token_header: name the broker's token endpoint (tokens_url)"
-                    ));
-                }
-                (Some(_), Some(_)) => {}
-                _ => {
-                    return Err(format!(
-                        "servers[{i}]: token_header and token_resource go together"
-                    ));
-                }
-            }
+            check_server(i, server, self.tokens_url.is_some())?;
         }
         for (key, rule) in &self.tools {
             let known = key
@@ -249,6 +217,44 @@ impl GatewayConfig {
         }
         Ok(())
     }
+}
+
+/// One `[[servers]]` entry's transport and token settings, `i` its index.
+fn check_server(i: usize, server: &ServerConfig, tokens_url: bool) -> Result<(), String> {
+    match (&server.command, &server.url) {
+        (Some(_), None) => {}
+        (None, Some(url)) if url.starts_with("http://") || url.starts_with("https://") => {
+            if !server.args.is_empty() || !server.env.is_empty() {
+                return Err(format!(
+                    "servers[{i}]: args and env are for a command, not a url"
+                ));
+            }
+        }
+        (None, Some(url)) => {
+            return Err(format!("servers[{i}].url: {url:?} is not an http(s) URL"));
+        }
+        _ => return Err(format!("servers[{i}]: give exactly one of command and url")),
+    }
+    match (&server.token_header, &server.token_resource) {
+        (None, None) => {}
+        (Some(_), Some(_)) if server.url.is_none() => {
+            return Err(format!(
+                "servers[{i}].token_header: a token goes with a url server's HTTP requests"
+            ));
+        }
+        (Some(_), Some(_)) if !tokens_url => {
+            return Err(format!(
+                "servers[{i}].token_header: name the broker's token endpoint (tokens_url)"
+            ));
+        }
+        (Some(_), Some(_)) => {}
+        _ => {
+            return Err(format!(
+                "servers[{i}]: token_header and token_resource go together"
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

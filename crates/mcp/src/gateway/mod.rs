@@ -278,15 +278,8 @@ impl Gateway {
         forward.arguments = request.arguments.clone();
         forward.meta = trace.as_deref().map(trace_meta);
         let upstream = &gateway.servers[route.server];
-        // A server that checks tokens gets this call's contract's, minted
-        // before the call runs: a refused mint stops it unrun (nothing to
-        // record).
-        let turn = match &upstream.bearer {
-            Some(bearer) => Some(bearer.turn(&gateway.link.agent, &contract).await?),
-            None => None,
-        };
-        let answered = upstream.call(forward, gateway.call_timeout).await;
-        drop(turn);
+        let (host, timeout) = (&gateway.link.agent, gateway.call_timeout);
+        let answered = upstream.call_for(host, &contract, forward, timeout).await;
         let result = match answered {
             Ok(result) => Ok(result),
             // It ran and answered, too much to hand back: recorded.

@@ -122,6 +122,23 @@ impl Upstream {
         })
     }
 
+    /// `call` for `contract`: a server that checks tokens gets the
+    /// contract's, minted first (a refused mint stops the call unrun, so
+    /// there is nothing to record), during its turn at the server.
+    pub async fn call_for(
+        &self,
+        host: &broker_client::Agent,
+        contract: &[u8; 32],
+        request: CallToolRequestParams,
+        timeout: Duration,
+    ) -> Result<CallToolResult, BrokerError> {
+        let _turn = match &self.bearer {
+            Some(bearer) => Some(bearer.turn(host, contract).await?),
+            None => None,
+        };
+        self.call(request, timeout).await
+    }
+
     /// Forwards one call, bounded by `timeout`; an answer too large for the
     /// model is an error (the call ran).
     pub async fn call(
