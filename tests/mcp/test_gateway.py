@@ -1308,6 +1308,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+async def _listening(port: int, server: subprocess.Popen[bytes], stderr_path: Path) -> None:
+    """Waits (30 s at most) until fs_server --http listens on `port`."""
+    import socket
+
+    with anyio.fail_after(30):
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                assert server.poll() is None, f"fs_server --http exited: {stderr_path.read_text()[-2000:]}"
+                await anyio.sleep(0.1)
+
+
 def test_streamable_http_upstream(gbroker: ConsoleBroker) -> None:
     import socket
 
@@ -1328,14 +1342,7 @@ def test_streamable_http_upstream(gbroker: ConsoleBroker) -> None:
     gateways: list[Gateway] = []
 
     async def test() -> None:
-        with anyio.fail_after(30):  # until fs_server listens
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    assert web.poll() is None, f"fs_server --http exited: {stderr_path.read_text()[-2000:]}"
-                    await anyio.sleep(0.1)
+        await _listening(port, web, stderr_path)
         async with AsyncExitStack() as stack:
             for agent in (orchestrator, worker):
                 await connect(stack, gbroker, agent, names_file, mode)
@@ -1411,14 +1418,7 @@ def test_streamable_http_upstream_with_token(tbroker: ConsoleBroker) -> None:
         return line["claims"]
 
     async def test() -> None:
-        with anyio.fail_after(30):  # until fs_server listens
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    assert web.poll() is None, f"fs_server --http exited: {stderr_path.read_text()[-2000:]}"
-                    await anyio.sleep(0.1)
+        await _listening(port, web, stderr_path)
         # The server's check is real: a call without a token is refused, unrun.
         async with Client(url, mode=mode, read_timeout_seconds=CALL_TIMEOUT_S) as direct:
             result = await direct.call_tool("write_file", {"path": "out/direct.txt", "content": "no token"})
