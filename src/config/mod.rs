@@ -601,6 +601,46 @@ mod tests {
     }
 
     #[test]
+    fn issuers_keys_come_over_https_and_each_vouches_alone() {
+        let issuer = |name: &str, domain: &str, keys: &str| {
+            format!(
+                "[identity.issuers.{name}]\nkind = \"spiffe\"\ntrust_domain = \"{domain}\"\n\
+                 audiences = [\"broker\"]\n{keys}\n"
+            )
+        };
+        for url in [
+            "https://spire.test/keys",
+            "http://127.0.0.1:8081/keys",
+            "http://localhost/k",
+        ] {
+            let text = issuer("a", "p.test", &format!("jwks_url = \"{url}\""));
+            assert!(load(&text).is_ok(), "{url}");
+        }
+        for url in [
+            "http://spire.test/keys",
+            "http://127.0.0.1.evil.test/k",
+            "ftp://x/k",
+        ] {
+            match load(&issuer("a", "p.test", &format!("jwks_url = \"{url}\""))) {
+                Err(ConfigError::Invalid { field, .. }) => {
+                    assert_eq!(field, "identity.issuers.a.jwks_url", "{url}");
+                }
+                other => panic!("{url} must be refused: {other:?}"),
+            }
+        }
+        let file = "jwks_file = \"b.json\"";
+        let twice = issuer("a", "p.test", file) + &issuer("b", "p.test", file);
+        match load(&twice) {
+            Err(ConfigError::Invalid { field, reason }) => {
+                assert_eq!(field, "identity.issuers.b");
+                assert!(reason.contains("issuer a"), "{reason}");
+            }
+            other => panic!("two issuers of one trust domain must be refused: {other:?}"),
+        }
+        assert!(load(&(issuer("a", "p.test", file) + &issuer("b", "q.test", file))).is_ok());
+    }
+
+    #[test]
     fn orchestrators_are_read_and_checked() {
         let signing = ed25519_dalek::SigningKey::from_bytes(&[7u8; 32]);
         let key = hex::encode(signing.verifying_key().to_bytes());

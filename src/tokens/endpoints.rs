@@ -311,10 +311,7 @@ impl<S: Store> TokenService<S> {
             .get("tctx")
             .and_then(|t| t.get("contract_id"))
             .and_then(Value::as_str)
-            .and_then(|id| {
-                let mut out = [0u8; 32];
-                hex::decode_to_slice(id, &mut out).ok().map(|()| out)
-            });
+            .and_then(token::hex32);
         let current = verified
             && claims.get("iss").and_then(Value::as_str) == Some(self.issuer.as_str())
             && claims

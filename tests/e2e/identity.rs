@@ -82,16 +82,28 @@ fn svid_claims(path: &str) -> Value {
 /// A broker trusting the SPIFFE issuer (its bundle in `dir`) and an OIDC
 /// issuer (an EdDSA JWKS), whose orchestrators are named only by pattern.
 async fn broker(spire: &Spire, oidc: &Agent, dir: &std::path::Path) -> Broker {
+    Broker::start_with(trusting(spire, oidc, dir, "spire")).await
+}
+
+/// A configuration trusting the SPIFFE issuer (named `spire_name`) and
+/// the OIDC one, with orchestrators named only by pattern.
+fn trusting(
+    spire: &Spire,
+    oidc: &Agent,
+    dir: &std::path::Path,
+    spire_name: &str,
+) -> impl FnOnce(&mut delegation_broker::config::Config) {
     let bundle = dir.join("bundle.json");
     std::fs::write(&bundle, spire.bundle().to_string()).unwrap();
     let jwks = dir.join("oidc.json");
     let oidc_jwk = delegation_broker::jwt::jwk(&oidc.public_key());
     std::fs::write(&jwks, json!({"keys": [oidc_jwk]}).to_string()).unwrap();
-    Broker::start_with(|config| {
+    let spire_name = spire_name.to_owned();
+    move |config| {
         config.identity.issuers = vec![
             IssuerConfig {
                 policy: IssuerPolicy {
-                    name: "spire".into(),
+                    name: spire_name,
                     kind: IssuerKind::Spiffe {
                         trust_domain: TRUST_DOMAIN.into(),
                     },
@@ -114,8 +126,7 @@ async fn broker(spire: &Spire, oidc: &Agent, dir: &std::path::Path) -> Broker {
         ];
         let pattern = IdentityPattern::parse("spiffe://prod.test/orchestrators/*").unwrap();
         config.orchestrators.by_identity = vec![(pattern, 1_000)];
-    })
-    .await
+    }
 }
 
 async fn bind(
@@ -372,4 +383,36 @@ async fn bind_identity_from_a_shell() {
         stderr.contains("IDENTITY_REFUSED") && stderr.contains("other.test"),
         "{stderr}"
     );
+}
+
+#[tokio::test]
+async fn a_binding_counts_only_while_its_issuer_is_trusted() {
+    // Replicas share bindings through their database; one whose
+    // configuration no longer names the issuer (here: the same keys under
+    // another name, as after removing it and adding another) ignores them.
+    let dir = tempfile::tempdir().unwrap();
+    let (spire, oidc) = (Spire::new(), Agent::generate());
+    let mut first =
+        Broker::start_replicated_with(trusting(&spire, &oidc, dir.path(), "spire")).await;
+    let mut second =
+        Broker::start_replica_with(&first, trusting(&spire, &oidc, dir.path(), "renamed")).await;
+    let orchestrator = Agent::generate();
+    bind(&mut first, &orchestrator, &spire.svid("/orchestrators/a"))
+        .await
+        .expect("bound at the first replica");
+    first.open_root(&orchestrator, RootSpec::default()).await;
+    let refused = second
+        .send_open_root(orchestrator.open_root(RootSpec::default().body()))
+        .await
+        .expect_err("the binding's issuer is not trusted here");
+    assert_status(
+        &refused,
+        tonic::Code::PermissionDenied,
+        "NOT_AN_ORCHESTRATOR",
+    );
+    // Bound again through an issuer it trusts, it is admitted there too.
+    bind(&mut second, &orchestrator, &spire.svid("/orchestrators/a"))
+        .await
+        .expect("bound at the second replica");
+    second.open_root(&orchestrator, RootSpec::default()).await;
 }

@@ -124,14 +124,8 @@ pub async fn connect(
         .connect()
         .await
         .map_err(|e| {
-            // The transport error's own text is terse ("transport error");
-            // its sources say why (a refused connection, a certificate).
-            let mut why = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(cause) = source {
-                why = format!("{why}: {cause}");
-                source = cause.source();
-            }
+            // The sources say why (a refused connection, a certificate).
+            let why = crate::error::with_causes(&e);
             BrokerError::new("UNAVAILABLE", format!("cannot connect to {addr}: {why}"))
         })
 }

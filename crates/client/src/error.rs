@@ -55,6 +55,19 @@ impl std::fmt::Display for BrokerError {
 
 impl std::error::Error for BrokerError {}
 
+/// An error with its causes ("error sending request: … Connection
+/// refused"): transport errors' own text is terse and names none.
+pub fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 impl From<tonic::Status> for BrokerError {
     fn from(status: tonic::Status) -> Self {
         use tonic_types::StatusExt as _;

@@ -55,6 +55,9 @@ pub struct TokenEndpoint {
     http: reqwest::Client,
     /// The issuer URL, without a trailing slash.
     base: String,
+    /// The metadata once read: the endpoints do not move while the
+    /// broker serves, and a mint should not cost two round trips.
+    endpoints: std::sync::Arc<tokio::sync::OnceCell<Endpoints>>,
 }
 
 impl TokenEndpoint {
@@ -74,10 +77,20 @@ impl TokenEndpoint {
         Ok(Self {
             http,
             base: url.trim_end_matches('/').to_owned(),
+            endpoints: std::sync::Arc::default(),
         })
     }
 
+    /// The endpoints, read from the metadata the first time (a failed read
+    /// is tried again next time).
     pub async fn metadata(&self) -> Result<Endpoints, TokenError> {
+        self.endpoints
+            .get_or_try_init(|| self.read_metadata())
+            .await
+            .cloned()
+    }
+
+    async fn read_metadata(&self) -> Result<Endpoints, TokenError> {
         let url = format!("{}{METADATA_PATH}", self.base);
         let answer = self.answer(self.http.get(&url)).await?;
         let member = |name: &str| {
@@ -174,7 +187,7 @@ impl TokenEndpoint {
         let mut response = request
             .send()
             .await
-            .map_err(|e| TokenError::Http(causes(&e)))?;
+            .map_err(|e| TokenError::Http(crate::error::with_causes(&e)))?;
         let status = response.status().as_u16();
         let mut body = Vec::new();
         while let Some(chunk) = response
@@ -206,19 +219,6 @@ impl TokenEndpoint {
             description: text("error_description"),
         })
     }
-}
-
-/// An error with its causes ("error sending request: … Connection
-/// refused"): reqwest's own text names none.
-fn causes(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 fn form_body(pairs: &[(&str, &str)]) -> String {

@@ -136,7 +136,8 @@ pub fn read_assertion(
     })
 }
 
-fn hex32(text: &str) -> Option<[u8; 32]> {
+/// A 32-byte id or key from its 64 hex digits.
+pub fn hex32(text: &str) -> Option<[u8; 32]> {
     let mut out = [0u8; 32];
     hex::decode_to_slice(text, &mut out).ok()?;
     Some(out)
