@@ -9,7 +9,7 @@
 //! `broker_domain::token`.
 
 mod endpoints;
-mod replay;
+pub mod replay;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,7 +34,7 @@ pub const MAX_TOKEN_CONNECTIONS: usize = 1_024;
 pub const MAX_TOKEN_CONNECTIONS_PER_ADDRESS: usize = 64;
 /// A connection's first request head, and each next one, must arrive
 /// within this.
-const IDLE: Duration = Duration::from_secs(10);
+pub const TOKEN_IDLE: Duration = Duration::from_secs(10);
 /// Largest form body read, in bytes: an assertion is under a kilobyte,
 /// a minted token under `jwt::MAX_TOKEN_BYTES`.
 pub const MAX_FORM_BYTES: usize = 32 * 1024;
@@ -101,7 +101,7 @@ pub(crate) async fn serve<S: Store>(
     let bounds = crate::server::listen::Bounds {
         max_connections: MAX_TOKEN_CONNECTIONS,
         max_per_address: MAX_TOKEN_CONNECTIONS_PER_ADDRESS,
-        first_request_timeout: IDLE,
+        first_request_timeout: TOKEN_IDLE,
     };
     let counters = crate::server::listen::Counters {
         listener: "tokens",
@@ -109,7 +109,7 @@ pub(crate) async fn serve<S: Store>(
         closed: Some(connections_closed),
     };
     let router = endpoints::router(Arc::new(service));
-    crate::server::listen::serve_http(listener, bounds, counters, IDLE, router, async move {
+    crate::server::listen::serve_http(listener, bounds, counters, TOKEN_IDLE, router, async move {
         let _ = stopping.wait_for(|stop| *stop).await;
     })
     .await;

@@ -28,4 +28,5 @@ mod seeds;
 mod sockets;
 mod tls;
 mod tokens;
+mod tokens_hostile;
 mod tree;

@@ -73,7 +73,7 @@ fn spawn(dir: &std::path::Path) -> (Killed, SocketAddr, SocketAddr, SocketAddr) 
 
 /// Opens `count` connections from `from` to `to`, each sending `send`
 /// first; the ones that connected.
-async fn flood(
+pub(crate) async fn flood(
     from: IpAddr,
     to: SocketAddr,
     count: usize,
@@ -144,7 +144,10 @@ async fn honest(grpc: &str, console: SocketAddr) -> Duration {
 
 /// Whether the broker closed `stream` (EOF or reset) before `deadline`;
 /// whatever it sent first (its SETTINGS) is read past.
-async fn closed_by(mut stream: tokio::net::TcpStream, deadline: tokio::time::Instant) -> bool {
+pub(crate) async fn closed_by(
+    mut stream: tokio::net::TcpStream,
+    deadline: tokio::time::Instant,
+) -> bool {
     let mut buf = [0u8; 256];
     loop {
         match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {

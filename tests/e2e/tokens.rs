@@ -13,10 +13,10 @@ use serde_json::Value;
 
 use crate::harness::*;
 
-const RESOURCE: &str = "https://api.test";
-const SECRET: &str = "introspection secret";
+pub(crate) const RESOURCE: &str = "https://api.test";
+pub(crate) const SECRET: &str = "introspection secret";
 
-async fn broker() -> Broker {
+pub(crate) async fn broker() -> Broker {
     Broker::start_with_tokens(|config| {
         config.tokens.resources = vec![RESOURCE.into()];
         config.tokens.introspectors.insert(
@@ -29,7 +29,7 @@ async fn broker() -> Broker {
 
 /// Root (opened by `agents[0]`) → `agents[1]` → `agents[2]` → `agents[3]`,
 /// each accepted; the ids, root first.
-async fn chain_of_three(broker: &mut Broker, agents: &[Agent; 4]) -> Vec<Vec<u8>> {
+pub(crate) async fn chain_of_three(broker: &mut Broker, agents: &[Agent; 4]) -> Vec<Vec<u8>> {
     let root = broker.open_root(&agents[0], RootSpec::default()).await;
     let mut ids = vec![root.id.clone()];
     for (i, budget) in [(1, 60), (2, 30), (3, 20)] {
@@ -46,7 +46,7 @@ async fn chain_of_three(broker: &mut Broker, agents: &[Agent; 4]) -> Vec<Vec<u8>
     ids
 }
 
-fn id32(id: &[u8]) -> [u8; 32] {
+pub(crate) fn id32(id: &[u8]) -> [u8; 32] {
     id.try_into().expect("a 32-byte id")
 }
 
@@ -55,7 +55,7 @@ fn key_id(agent: &Agent) -> String {
 }
 
 /// Posts a token exchange with `assertion` as given; the status and body.
-async fn exchange(endpoint: &str, assertion: &str, resource: &str) -> (u16, Value) {
+pub(crate) async fn exchange(endpoint: &str, assertion: &str, resource: &str) -> (u16, Value) {
     let body = format!(
         "grant_type={}&subject_token={assertion}&subject_token_type={}&resource={}",
         "urn%3Aietf%3Aparams%3Aoauth%3Agrant-type%3Atoken-exchange",
@@ -73,7 +73,7 @@ async fn exchange(endpoint: &str, assertion: &str, resource: &str) -> (u16, Valu
     (status, response.json().await.expect("JSON"))
 }
 
-fn now_s() -> i64 {
+pub(crate) fn now_s() -> i64 {
     now_ms() / 1000
 }
 
