@@ -120,7 +120,7 @@ async fn one_key_fills_only_its_share_of_the_replay_memory() {
             let mut answers = Vec::with_capacity(count);
             for batch in assertions.chunks(AT_ONCE) {
                 let mut sent = tokio::task::JoinSet::new();
-                for assertion in batch.iter().cloned() {
+                for assertion in batch.to_vec() {
                     let token_endpoint = token_endpoint.clone();
                     sent.spawn(
                         async move { exchange(&token_endpoint, &assertion, RESOURCE).await },
