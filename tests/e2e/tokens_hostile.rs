@@ -120,8 +120,8 @@ async fn one_key_fills_only_its_share_of_the_replay_memory() {
             let mut answers = Vec::with_capacity(count);
             for batch in assertions.chunks(AT_ONCE) {
                 let mut sent = tokio::task::JoinSet::new();
-                for assertion in batch.to_vec() {
-                    let token_endpoint = token_endpoint.clone();
+                for assertion in batch {
+                    let (token_endpoint, assertion) = (token_endpoint.clone(), assertion.clone());
                     sent.spawn(
                         async move { exchange(&token_endpoint, &assertion, RESOURCE).await },
                     );
