@@ -220,16 +220,22 @@ pub(crate) struct FakeAgent {
 }
 
 /// What the fake agent holds: its tasks, and the methods it was called
-/// with, in order.
+/// with, in order, each with its `Authorization` header.
 #[derive(Default)]
 pub(crate) struct FakeState {
     tasks: std::sync::Mutex<std::collections::HashMap<String, Value>>,
-    calls: std::sync::Mutex<Vec<String>>,
+    calls: std::sync::Mutex<Vec<(String, Option<String>)>>,
 }
 
 impl FakeAgent {
     /// The JSON-RPC methods the agent was called with so far.
     pub fn calls(&self) -> Vec<String> {
+        let calls = self.state.calls.lock().unwrap();
+        calls.iter().map(|(method, _)| method.clone()).collect()
+    }
+
+    /// The methods, each with the `Authorization` header it came with.
+    pub fn authorized_calls(&self) -> Vec<(String, Option<String>)> {
         self.state.calls.lock().unwrap().clone()
     }
 
@@ -280,14 +286,18 @@ pub(crate) fn fake_agent_on(listener: tokio::net::TcpListener) -> FakeAgent {
 
 async fn fake_rpc(
     axum::extract::State(state): axum::extract::State<std::sync::Arc<FakeState>>,
+    headers: axum::http::HeaderMap,
     axum::Json(request): axum::Json<Value>,
 ) -> axum::Json<Value> {
     let params = &request["params"];
-    state
-        .calls
-        .lock()
-        .unwrap()
-        .push(request["method"].as_str().unwrap_or_default().to_owned());
+    let authorization = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    state.calls.lock().unwrap().push((
+        request["method"].as_str().unwrap_or_default().to_owned(),
+        authorization,
+    ));
     let mut tasks = state.tasks.lock().unwrap();
     let task_id = |v: &Value| v.as_str().unwrap_or_default().to_owned();
     let result = match request["method"].as_str().unwrap_or_default() {

@@ -2,6 +2,7 @@
 
 mod a2a_authz;
 mod a2a_ingress;
+mod a2a_tokens;
 mod audit;
 mod auth;
 mod bad_input;

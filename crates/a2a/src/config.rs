@@ -114,6 +114,10 @@ pub struct A2aConfig {
     /// The address book.
     #[serde(default)]
     pub peers: Vec<Peer>,
+    /// The broker's token endpoint (`serve --tokens`), e.g.
+    /// http://127.0.0.1:8443: where the tokens of routes with
+    /// `token_header` are minted.
+    pub tokens_url: Option<String>,
     /// Default Delegate terms per peer name.
     #[serde(default)]
     pub routes: BTreeMap<String, Route>,
@@ -156,7 +160,24 @@ pub struct Route {
     pub predicate: Option<String>,
     pub result_schema_json: Option<String>,
     pub write_scope: Option<Vec<String>>,
+    /// A header in which each call to this peer (SendMessage, GetTask,
+    /// CancelTask) carries a broker-minted token for `token_resource` (one
+    /// of the broker's `[tokens] resources`), minted by the fronted agent
+    /// for the contract it delegates the peer's task from.
+    /// `Authorization` gets `Bearer <token>`, any other header the token.
+    pub token_header: Option<String>,
+    pub token_resource: Option<String>,
 }
+
+/// Headers the gateway sets on its own calls: a token cannot go in them.
+const OWN_HEADERS: [&str; 6] = [
+    "content-type",
+    "content-length",
+    "host",
+    "a2a-version",
+    "traceparent",
+    "tracestate",
+];
 
 fn default_authz_paths() -> Vec<String> {
     vec![DEFAULT_AUTHZ_PATH.to_owned()]
@@ -244,6 +265,7 @@ impl A2aConfig {
         for (key, url) in [
             ("broker", Some(&self.broker)),
             ("upstream", self.upstream.as_ref()),
+            ("tokens_url", self.tokens_url.as_ref()),
         ] {
             if let Some(url) = url
                 && !(url.starts_with("http://") || url.starts_with("https://"))
@@ -416,6 +438,32 @@ impl A2aConfig {
                     return Err(invalid(format!("{key}.{field}"), "must not be negative"));
                 }
             }
+            self.check_token(&key, route)?;
+        }
+        Ok(())
+    }
+
+    /// A route's token settings: both or neither, a header name the
+    /// gateway does not set itself, and the endpoint to mint at.
+    fn check_token(&self, key: &str, route: &Route) -> Result<(), ConfigError> {
+        let header = match (&route.token_header, &route.token_resource) {
+            (None, None) => return Ok(()),
+            (Some(header), Some(resource)) if !resource.is_empty() => header,
+            _ => {
+                return Err(invalid(key, "token_header and token_resource go together"));
+            }
+        };
+        let field = format!("{key}.token_header");
+        let name = http::HeaderName::try_from(header.as_str())
+            .map_err(|_| invalid(&field, format!("{header:?} is not a header name")))?;
+        if OWN_HEADERS.contains(&name.as_str()) {
+            return Err(invalid(&field, format!("the gateway sets {name} itself")));
+        }
+        if self.tokens_url.is_none() {
+            return Err(invalid(
+                &field,
+                "name the broker's token endpoint (tokens_url)",
+            ));
         }
         Ok(())
     }
@@ -495,6 +543,29 @@ mod tests {
                 format!("{peer}[routes.w]\nbudget_share = 1.5\n"),
                 "routes.w.budget_share",
             ),
+            (
+                format!("{peer}[routes.w]\ntoken_header = \"Authorization\"\n"),
+                "routes.w",
+            ),
+            (
+                format!(
+                    "{peer}[routes.w]\ntoken_header = \"Authorization\"\ntoken_resource = \"r\"\n"
+                ),
+                "routes.w.token_header",
+            ),
+            (
+                format!(
+                    "tokens_url = \"http://t\"\n{peer}[routes.w]\ntoken_header = \"A2A-Version\"\ntoken_resource = \"r\"\n"
+                ),
+                "routes.w.token_header",
+            ),
+            (
+                format!(
+                    "tokens_url = \"http://t\"\n{peer}[routes.w]\ntoken_header = \"a b\"\ntoken_resource = \"r\"\n"
+                ),
+                "routes.w.token_header",
+            ),
+            ("tokens_url = \"ftp://t\"\n".into(), "tokens_url"),
         ] {
             let error = A2aConfig::parse(&format!("{BASE}{extra}"))
                 .unwrap_err()

@@ -66,12 +66,13 @@ pub(super) async fn handle(
     let peer = peer(gateway, name)?;
     let headers = passed_headers(rpc);
     match rpc.method.as_str() {
-        "SendMessage" => send(gateway, peer, rpc, &headers).await,
+        "SendMessage" => send(gateway, peer, rpc, headers).await,
         "GetTask" => {
             let mut request: a2a::GetTaskRequest = params(rpc)?;
             // The tenant named the peer here; it means nothing there.
             request.tenant.clear();
-            sent_to(gateway, peer, &request.id)?;
+            let sent = sent_to(gateway, peer, &request.id)?;
+            let headers = with_token(gateway, peer, &sent.parent_id, headers).await?;
             gateway
                 .http
                 .call(&peer.url, "GetTask", &request, &headers)
@@ -81,6 +82,7 @@ pub(super) async fn handle(
             let mut request: a2a::CancelTaskRequest = params(rpc)?;
             request.tenant.clear();
             let sent = sent_to(gateway, peer, &request.id)?;
+            let headers = with_token(gateway, peer, &sent.parent_id, headers).await?;
             // The principal's signed Revoke is what cancels: the peer's
             // gateway cancels the task when it sees the contract revoked.
             match broker::end(
@@ -108,6 +110,20 @@ pub(super) async fn handle(
         )
         .into()),
     }
+}
+
+/// `headers`, and the peer's token for a call made under `contract` when
+/// its route asks for one (`bearer`).
+async fn with_token(
+    gateway: &Gateway,
+    peer: &Peer,
+    contract: &Id,
+    mut headers: Vec<(http::HeaderName, http::HeaderValue)>,
+) -> Result<Vec<(http::HeaderName, http::HeaderValue)>, Refused> {
+    if let Some(token) = gateway.peer_tokens.get(&peer.name) {
+        headers.push(token.header(&gateway.link.agent, contract).await?);
+    }
+    Ok(headers)
 }
 
 fn sent_to(gateway: &Gateway, peer: &Peer, task_id: &str) -> Result<Sent, Refused> {
@@ -270,7 +286,7 @@ async fn send(
     gateway: &Arc<Gateway>,
     peer: &Peer,
     rpc: &Rpc,
-    headers: &[(http::HeaderName, http::HeaderValue)],
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
 ) -> Result<Value, CallError> {
     let mut request: a2a::SendMessageRequest = params(rpc)?;
     request.tenant.clear();
@@ -282,14 +298,25 @@ async fn send(
     let outbound = ext::outbound(ext::take(message)?)?;
     if !message.task_id.is_empty() {
         // A message in a task already delegated: its contract goes on.
-        sent_to(gateway, peer, &message.task_id)?;
+        let sent = sent_to(gateway, peer, &message.task_id)?;
+        let headers = with_token(gateway, peer, &sent.parent_id, headers).await?;
         return gateway
             .http
-            .call(&peer.url, "SendMessage", &request, headers)
+            .call(&peer.url, "SendMessage", &request, &headers)
             .await;
     }
     let started = std::time::Instant::now();
     let body = delegate_body(gateway, peer, outbound, message).await?;
+    let parent_id: Id = body.parent_id.as_slice().try_into().map_err(|_| {
+        Refused::new(
+            code::INTERNAL,
+            "INTERNAL",
+            "a parent id of the wrong length",
+        )
+    })?;
+    // Minted before the Delegate: a token that cannot be had leaves no
+    // contract to release.
+    let headers = with_token(gateway, peer, &parent_id, headers).await?;
     let child_id = delegate(gateway, peer, rpc, body).await?;
     tracing::debug!(
         elapsed_us = started.elapsed().as_micros() as u64,
@@ -303,7 +330,7 @@ async fn send(
     }
     let answer: Result<a2a::SendMessageResponse, CallError> = gateway
         .http
-        .call(&peer.url, "SendMessage", &request, headers)
+        .call(&peer.url, "SendMessage", &request, &headers)
         .await;
     tracing::debug!(
         elapsed_us = started.elapsed().as_micros() as u64,
@@ -328,7 +355,7 @@ async fn send(
         }
     };
     if let Some(a2a::send_message_response::Payload::Task(task)) = &response.payload {
-        remember_sent(gateway, peer, task, child_id);
+        remember_sent(gateway, peer, task, child_id, parent_id);
     }
     serde_json::to_value(&response).map_err(|e| {
         Refused::new(
@@ -448,7 +475,7 @@ async fn delegate(
 /// Remembers a task sent to `peer` under `contract_id`, for its GetTask
 /// and CancelTask (at most MAX_SENT: past it, an arbitrary one is
 /// dropped).
-fn remember_sent(gateway: &Gateway, peer: &Peer, task: &a2a::Task, contract_id: Id) {
+fn remember_sent(gateway: &Gateway, peer: &Peer, task: &a2a::Task, contract_id: Id, parent_id: Id) {
     let mut sent = gateway.sent.lock().unwrap_or_else(|e| e.into_inner());
     if sent.len() >= MAX_SENT
         && let Some(key) = sent.keys().next().cloned()
@@ -460,6 +487,7 @@ fn remember_sent(gateway: &Gateway, peer: &Peer, task: &a2a::Task, contract_id: 
         Sent {
             peer: peer.name.clone(),
             contract_id,
+            parent_id,
         },
     );
 }

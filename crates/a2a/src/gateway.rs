@@ -117,6 +117,9 @@ pub(crate) struct Context {
 pub(crate) struct Sent {
     pub peer: String,
     pub contract_id: Id,
+    /// The contract the task was delegated from: the calls about it are
+    /// made under it (their token is minted for it).
+    pub parent_id: Id,
 }
 
 pub(crate) struct Gateway {
@@ -136,6 +139,8 @@ pub(crate) struct Gateway {
     keys: tokio::sync::Mutex<(BrokerKeys, Option<tokio::time::Instant>)>,
     pub admitted: Mutex<Admitted>,
     pub sent: Mutex<HashMap<String, Sent>>,
+    /// Tokens for the calls to peers whose routes ask for one.
+    pub peer_tokens: HashMap<String, crate::bearer::PeerToken>,
     pub metrics: Arc<metrics::GatewayMetrics>,
     /// Requests in progress: in all, and per caller.
     in_flight: Mutex<InFlight>,
@@ -259,6 +264,7 @@ impl Gateway {
             (true, Some(base)) => upstream(&config, &http, base).await?,
             _ => (a2a::AgentCard::default(), Upstream::None),
         };
+        let peer_tokens = crate::bearer::peer_tokens(&config)?;
         Ok(Self {
             config,
             link,
@@ -271,6 +277,7 @@ impl Gateway {
             keys: tokio::sync::Mutex::new((BrokerKeys::default(), None)),
             admitted: Mutex::default(),
             sent: Mutex::default(),
+            peer_tokens,
             metrics,
             in_flight: Mutex::default(),
         })

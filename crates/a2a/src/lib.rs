@@ -10,6 +10,7 @@
 //! until a shutdown future resolves.
 
 mod authz;
+mod bearer;
 mod broker;
 mod card;
 mod client;

@@ -228,3 +228,79 @@ fn form_body(pairs: &[(&str, &str)]) -> String {
     }
     form.finish()
 }
+
+/// A token is minted again when it has less than this left.
+pub const RENEW_BEFORE: Duration = Duration::from_secs(30);
+/// Most contracts whose tokens one `Minter` keeps (forgotten all at once
+/// when full: each costs one mint to refill).
+pub const MAX_CACHED_TOKENS: usize = 1_024;
+
+/// Tokens for one resource, minted on demand and kept until
+/// `RENEW_BEFORE` of their end: what a gateway attaching a token to each
+/// call needs, without a mint per call.
+pub struct Minter {
+    endpoint: TokenEndpoint,
+    resource: String,
+    cache: std::sync::Mutex<std::collections::HashMap<[u8; 32], (String, std::time::Instant)>>,
+}
+
+impl Minter {
+    pub fn new(tokens_url: &str, resource: &str) -> Result<Self, TokenError> {
+        Ok(Self {
+            endpoint: TokenEndpoint::new(tokens_url)?,
+            resource: resource.to_owned(),
+            cache: std::sync::Mutex::default(),
+        })
+    }
+
+    pub fn resource(&self) -> &str {
+        &self.resource
+    }
+
+    /// A token for `contract`, which `agent` holds or hosts: the kept one
+    /// while it has `RENEW_BEFORE` left, else a new one.
+    pub async fn token(&self, agent: &Agent, contract: &[u8; 32]) -> Result<String, TokenError> {
+        let now = std::time::Instant::now();
+        let cached = self
+            .lock_cache()
+            .get(contract)
+            .filter(|(_, until)| until.saturating_duration_since(now) > RENEW_BEFORE)
+            .map(|(token, _)| token.clone());
+        if let Some(token) = cached {
+            return Ok(token);
+        }
+        let minted = self.endpoint.mint(agent, contract, &self.resource).await?;
+        let lifetime = Duration::from_secs(u64::try_from(minted.expires_in).unwrap_or(0));
+        let mut cache = self.lock_cache();
+        if cache.len() >= MAX_CACHED_TOKENS {
+            cache.clear();
+        }
+        cache.insert(*contract, (minted.access_token.clone(), now + lifetime));
+        Ok(minted.access_token)
+    }
+
+    fn lock_cache(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<[u8; 32], (String, std::time::Instant)>>
+    {
+        // Entries are inserted whole: a poisoned cache is still a good one.
+        self.cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A token as the value of `header`: `Bearer <token>` in `Authorization`
+/// (RFC 6750), the bare token in any other header.
+pub fn header_value(
+    header: &reqwest::header::HeaderName,
+    token: &str,
+) -> Result<reqwest::header::HeaderValue, TokenError> {
+    let value = if header == reqwest::header::AUTHORIZATION {
+        format!("Bearer {token}")
+    } else {
+        token.to_owned()
+    };
+    reqwest::header::HeaderValue::try_from(value)
+        .map_err(|e| TokenError::Answer(format!("the minted token is not a header value: {e}")))
+}

@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
 
 use http::{HeaderName, HeaderValue};
 use rmcp::model::ClientJsonRpcMessage;
@@ -21,27 +20,17 @@ use rmcp::transport::streamable_http_client::{
 use sse_stream::Sse;
 
 use broker_client::BrokerError;
-use broker_client::token::TokenEndpoint;
-
-/// A token is minted again when it has less than this left.
-const RENEW_BEFORE: Duration = Duration::from_secs(30);
-/// Most contracts whose tokens one server's cache keeps (forgotten all at
-/// once when full: each costs one mint to refill).
-const MAX_CACHED_TOKENS: usize = 1_024;
+use broker_client::token::{Minter, TokenError, header_value};
 
 /// What one tool server's calls carry, and the tokens minted for it.
 pub struct Bearer {
     header: HeaderName,
-    /// `Bearer <token>` for `Authorization`, the bare token otherwise.
-    scheme: bool,
-    resource: String,
-    endpoint: TokenEndpoint,
+    minter: Minter,
     http: reqwest::Client,
     /// The value the next request carries (read by the transport).
     current: Arc<RwLock<Option<HeaderValue>>>,
     /// One call at a time, so each carries its own contract's token.
     turn: tokio::sync::Mutex<()>,
-    cache: std::sync::Mutex<HashMap<[u8; 32], (String, Instant)>>,
 }
 
 impl Bearer {
@@ -49,10 +38,8 @@ impl Bearer {
         let name = HeaderName::try_from(header)
             .map_err(|e| anyhow::anyhow!("token_header {header:?}: {e}"))?;
         Ok(Self {
-            scheme: name == http::header::AUTHORIZATION,
             header: name,
-            resource: resource.to_owned(),
-            endpoint: TokenEndpoint::new(tokens_url)
+            minter: Minter::new(tokens_url, resource)
                 .map_err(|e| anyhow::anyhow!("tokens_url: {e}"))?,
             // As rmcp's own client, with no redirect followed at all: a
             // redirect must not carry the token to another host. No idle
@@ -63,7 +50,6 @@ impl Bearer {
                 .build()?,
             current: Arc::default(),
             turn: tokio::sync::Mutex::new(()),
-            cache: std::sync::Mutex::default(),
         })
     }
 
@@ -84,14 +70,17 @@ impl Bearer {
         agent: &broker_client::Agent,
         contract: &[u8; 32],
     ) -> Result<Turn<'_>, BrokerError> {
-        let token = self.token(agent, contract).await?;
-        let value = if self.scheme {
-            format!("Bearer {token}")
-        } else {
-            token
+        let refused = |e: TokenError| {
+            BrokerError::new(
+                "TOKEN_REFUSED",
+                format!(
+                    "no token for {} from the broker: {e}",
+                    self.minter.resource()
+                ),
+            )
         };
-        let value = HeaderValue::try_from(value)
-            .map_err(|e| BrokerError::new("TOKEN_REFUSED", format!("the minted token: {e}")))?;
+        let token = self.minter.token(agent, contract).await.map_err(refused)?;
+        let value = header_value(&self.header, &token).map_err(refused)?;
         let turn = self.turn.lock().await;
         *self
             .current
@@ -101,48 +90,6 @@ impl Bearer {
             _turn: turn,
             current: &self.current,
         })
-    }
-
-    async fn token(
-        &self,
-        agent: &broker_client::Agent,
-        contract: &[u8; 32],
-    ) -> Result<String, BrokerError> {
-        let cached = self
-            .lock_cache()
-            .get(contract)
-            .filter(|(_, until)| until.saturating_duration_since(Instant::now()) > RENEW_BEFORE)
-            .map(|(token, _)| token.clone());
-        if let Some(token) = cached {
-            return Ok(token);
-        }
-        let minted = self
-            .endpoint
-            .mint(agent, contract, &self.resource)
-            .await
-            .map_err(|e| {
-                BrokerError::new(
-                    "TOKEN_REFUSED",
-                    format!("no token for {} from the broker: {e}", self.resource),
-                )
-            })?;
-        let lifetime = Duration::from_secs(u64::try_from(minted.expires_in).unwrap_or(0));
-        let mut cache = self.lock_cache();
-        if cache.len() >= MAX_CACHED_TOKENS {
-            cache.clear();
-        }
-        cache.insert(
-            *contract,
-            (minted.access_token.clone(), Instant::now() + lifetime),
-        );
-        Ok(minted.access_token)
-    }
-
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (String, Instant)>> {
-        // Entries are inserted whole: a poisoned cache is still a good one.
-        self.cache
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
