@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use broker_client::token::{Minter, header_value};
+use broker_client::token::{Minter, TokenError, header_value};
 use broker_domain::Id;
 use http::{HeaderName, HeaderValue};
 
@@ -50,10 +50,15 @@ impl PeerToken {
         agent: &broker_client::Agent,
         contract: &Id,
     ) -> Result<(HeaderName, HeaderValue), Refused> {
-        let refused = |e: broker_client::token::TokenError| {
+        let refused = |e: TokenError| {
+            // Not reached is worth a retry; refused is not.
+            let reason = match e {
+                TokenError::Http(_) => "UNAVAILABLE",
+                _ => "TOKEN_REFUSED",
+            };
             Refused::new(
                 code::INTERNAL,
-                "TOKEN_REFUSED",
+                reason,
                 format!(
                     "no token for {} from the broker's token endpoint: {e}",
                     self.minter.resource()

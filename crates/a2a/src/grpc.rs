@@ -37,6 +37,7 @@ pub fn transcode<A: prost::Message, B: prost::Message + Default>(a: &A) -> Resul
 pub fn status_of(refused: &Refused) -> tonic::Status {
     let grpc_code = match (refused.code, refused.reason.as_str()) {
         (_, "UNAVAILABLE") => tonic::Code::Unavailable,
+        (_, "TOKEN_REFUSED") => tonic::Code::FailedPrecondition,
         (code::INVALID_PARAMS | code::INVALID_REQUEST | code::PARSE_ERROR, _) => {
             tonic::Code::InvalidArgument
         }
