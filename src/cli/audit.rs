@@ -15,7 +15,9 @@ pub struct AuditArgs {
     /// Only runs with this label, as key=value (repeatable).
     #[arg(long = "select", value_parser = parse_pair)]
     pub select: Vec<(String, String)>,
-    /// Label keys to group runs by (repeatable), e.g. --group-by arm.
+    /// Label keys to group runs by (repeatable), e.g. --group-by arm;
+    /// `@identity` groups by who opened each run (its workload identity,
+    /// else its key id).
     #[arg(long = "group-by")]
     pub group_by: Vec<String>,
     /// Output format.

@@ -107,6 +107,7 @@ pub fn contract_audit(facts: &AuditFacts, tree_mutations: &[(Id, String)]) -> pb
         claim: facts.claim.clone(),
         named_scope_hints: named.scope_hints,
         named_files: named.files,
+        delegate_identity: facts.delegate_identity.clone(),
     }
 }
 
@@ -114,6 +115,7 @@ pub fn contract_audit(facts: &AuditFacts, tree_mutations: &[(Id, String)]) -> pb
 pub fn run_totals(run: &crate::store::RunFacts, tree_mutations: &[(Id, String)]) -> RunTotals {
     let mut totals = RunTotals {
         labels: run.labels.clone(),
+        orchestrator: run.orchestrator.clone(),
         sums: audit::Sums {
             escalations: run.escalations,
             ..audit::Sums::default()

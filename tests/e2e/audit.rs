@@ -19,6 +19,7 @@ struct Work {
 }
 
 struct Run {
+    orchestrator: Agent,
     children: Vec<Vec<u8>>,
 }
 
@@ -87,7 +88,10 @@ async fn run(
             .refuse(&orchestrator, root.child(&Agent::generate(), 1_000))
             .await;
     }
-    Run { children }
+    Run {
+        orchestrator,
+        children,
+    }
 }
 
 /// (a) on a real contract, (c) and (d).
@@ -155,6 +159,23 @@ async fn contract_audits_count_host_facts_conflicts_and_false_completions() {
         groups[0].conflicts, 1,
         "one path mutated by two contracts: one conflict"
     );
+    // By who opened the run: its key id, as no identity is bound; and
+    // the delegate of an unbound contract has none in its audit.
+    let by_opener = broker
+        .client
+        .aggregate_audits(pb::AggregateAuditsRequest {
+            selector: [("arm".to_owned(), "x".to_owned())].into(),
+            group_by: vec!["@identity".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .groups;
+    let opener = delegation_broker::crypto::key_id(&r.orchestrator.public_key());
+    assert_eq!(by_opener.len(), 1);
+    assert_eq!(by_opener[0].key["@identity"], opener);
+    assert_eq!(by_opener[0].runs, 1);
+    assert_eq!(first.delegate_identity, "");
     // Reading audits changed nothing.
     assert_eq!(audit(&mut broker, &r.children[0]).await, first);
     broker.stop().await;

@@ -221,6 +221,28 @@ async fn an_orchestrator_named_by_spiffe_id_opens_a_root_once_bound_and_the_chai
             "https://oidc.test#system:serviceaccount:agents:worker"
         ]
     );
+
+    // Audits name them too: a contract's audit its delegate's workload,
+    // and runs group by the workload that opened them.
+    assert_eq!(
+        audit(&mut broker, &child).await.delegate_identity,
+        worker_bound.identity
+    );
+    let groups = broker
+        .client
+        .aggregate_audits(pb::AggregateAuditsRequest {
+            selector: Default::default(),
+            group_by: vec!["@identity".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .groups;
+    let by_opener: Vec<(&str, u64)> = groups
+        .iter()
+        .map(|g| (g.key["@identity"].as_str(), g.runs))
+        .collect();
+    assert_eq!(by_opener, [(bound.identity.as_str(), 1)]);
 }
 
 #[tokio::test]

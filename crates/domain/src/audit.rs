@@ -458,6 +458,9 @@ impl Sums {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RunTotals {
     pub labels: BTreeMap<String, String>,
+    /// Who opened the run (its workload identity, else its key id): what
+    /// `GROUP_BY_IDENTITY` groups by.
+    pub orchestrator: String,
     pub sums: Sums,
     /// Units the root spent and was granted.
     pub budget_spent: i64,
@@ -515,8 +518,13 @@ pub fn ratio(num: u64, den: u64) -> Option<f64> {
     (den > 0).then(|| num as f64 / den as f64)
 }
 
+/// The group-by key that groups runs by who opened them (`RunTotals::
+/// orchestrator`) rather than by a label: `@` is never in a label key.
+pub const GROUP_BY_IDENTITY: &str = "@identity";
+
 /// Groups runs by the values of the `group_by` labels (a run without a label
-/// groups under "" for it) and sums each group. Groups come in ascending
+/// groups under "" for it; `GROUP_BY_IDENTITY` by who opened it) and sums
+/// each group. Groups come in ascending
 /// order of their key, compared as the list of (label, value) pairs sorted
 /// by label; no runs, no groups. An empty `group_by` makes one group.
 pub fn aggregate(runs: &[RunTotals], group_by: &[String]) -> Vec<GroupRow> {
@@ -524,7 +532,14 @@ pub fn aggregate(runs: &[RunTotals], group_by: &[String]) -> Vec<GroupRow> {
     for run in runs {
         let key: BTreeMap<String, String> = group_by
             .iter()
-            .map(|k| (k.clone(), run.labels.get(k).cloned().unwrap_or_default()))
+            .map(|k| {
+                let value = if k == GROUP_BY_IDENTITY {
+                    run.orchestrator.clone()
+                } else {
+                    run.labels.get(k).cloned().unwrap_or_default()
+                };
+                (k.clone(), value)
+            })
             .collect();
         groups
             .entry(key)
@@ -537,9 +552,9 @@ pub fn aggregate(runs: &[RunTotals], group_by: &[String]) -> Vec<GroupRow> {
     groups.into_values().map(GroupRow::with_rates).collect()
 }
 
-/// Validates the label keys to group by: at most `MAX_GROUP_BY_KEYS`, each
-/// a label key (1..=64 bytes of `[a-z0-9_.-]`). Returns them deduplicated,
-/// in order.
+/// Validates the keys to group by: at most `MAX_GROUP_BY_KEYS`, each a
+/// label key (1..=64 bytes of `[a-z0-9_.-]`) or `GROUP_BY_IDENTITY`.
+/// Returns them deduplicated, in order.
 pub fn check_group_by(raw: &[String], field: &'static str) -> Result<Vec<String>, InputError> {
     if raw.len() > MAX_GROUP_BY_KEYS {
         return Err(InputError::new(
@@ -549,7 +564,9 @@ pub fn check_group_by(raw: &[String], field: &'static str) -> Result<Vec<String>
     }
     let mut out: Vec<String> = Vec::with_capacity(raw.len());
     for key in raw {
-        super::check_label_key(key, field)?;
+        if key != GROUP_BY_IDENTITY {
+            super::check_label_key(key, field)?;
+        }
         if !out.contains(key) {
             out.push(key.clone());
         }

@@ -594,3 +594,25 @@ proptest! {
         prop_assert_eq!(aggregate(&shuffled, &["arm".to_owned()]), rows);
     }
 }
+
+#[test]
+fn runs_group_by_who_opened_them_under_the_identity_key() {
+    let mut a = run(&[("arm", "x")], 1, 4);
+    a.orchestrator = "spiffe://prod.test/planner".into();
+    let mut b = run(&[("arm", "x")], 1, 2);
+    b.orchestrator = "ed25519:00ff".into();
+    let mut c = run(&[("arm", "y")], 0, 2);
+    c.orchestrator = "spiffe://prod.test/planner".into();
+    let by = check_group_by(&[GROUP_BY_IDENTITY.to_owned()], "g").unwrap();
+    let groups = aggregate(&[a, b, c], &by);
+    let named: Vec<(&str, u64)> = groups
+        .iter()
+        .map(|g| (g.key[GROUP_BY_IDENTITY].as_str(), g.runs))
+        .collect();
+    assert_eq!(
+        named,
+        [("ed25519:00ff", 1), ("spiffe://prod.test/planner", 2)]
+    );
+    // Only that one key outside the label syntax.
+    assert!(check_group_by(&["@other".to_owned()], "g").is_err());
+}

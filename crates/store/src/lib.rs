@@ -130,6 +130,9 @@ pub struct AuditFacts {
     pub claim: String,
     /// Host observations: (ObservationKind wire value, path).
     pub observations: Vec<(i32, String)>,
+    /// The delegate's workload identity as stamped at issuance
+    /// (`Contract.delegate_identity`); empty when it had none bound.
+    pub delegate_identity: String,
 }
 
 /// Every (contract id, mutated path) host-observed in one tree.
@@ -140,6 +143,9 @@ pub type TreeMutations = Vec<(Id, String)>;
 pub struct RunFacts {
     pub root_id: Id,
     pub labels: std::collections::BTreeMap<String, String>,
+    /// Who opened the run: the root's stamped workload identity, else its
+    /// delegate's key id.
+    pub orchestrator: String,
     pub budget: i64,
     pub spent: i64,
     /// Every contract of the tree but the root.

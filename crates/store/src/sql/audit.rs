@@ -7,7 +7,7 @@ use prost::Message;
 use sqlx::QueryBuilder;
 
 use super::rows::{
-    StoredContract, decode_envelope, id_column, observation_from_row, select_contracts,
+    StoredContract, decode_envelope, id_column, key_cell, observation_from_row, select_contracts,
 };
 use super::{Backend, Cell, Dialect, PushArg, QueryExt};
 use crate::{AuditFacts, RunFacts, StoreError, TreeMutations, backend};
@@ -211,10 +211,19 @@ async fn run_facts<D: Dialect>(
             refusal_codes.push(body.primary);
         }
     }
+    let root_contract =
+        pb::Contract::decode(decode_envelope::<D>(root, "envelope")?.payload.as_slice())
+            .map_err(|_| StoreError::Corrupt("a root's contract payload".into()))?;
+    let orchestrator = if root_contract.delegate_identity.is_empty() {
+        broker_wire::crypto::key_id(&key_cell::<D>(root, "delegate_key").map_err(backend)?)
+    } else {
+        root_contract.delegate_identity
+    };
     Ok((
         RunFacts {
             root_id,
             labels,
+            orchestrator,
             budget: root.cell("budget").map_err(backend)?,
             spent: root.cell("spent").map_err(backend)?,
             contracts,
@@ -258,8 +267,9 @@ pub(crate) async fn runs<B: Backend>(
     let mut conn = sql.read().await?;
     // The roots carrying every selected label, through the run_labels
     // index; at most limit + 1 rows are read, whatever the store holds.
-    let mut query =
-        QueryBuilder::<B::Db>::new("SELECT seq, id, labels, budget, spent FROM contracts ");
+    let mut query = QueryBuilder::<B::Db>::new(
+        "SELECT seq, id, labels, budget, spent, delegate_key, envelope FROM contracts_with_envelope ",
+    );
     query.push("WHERE parent_seq IS NULL");
     if let Some(orchestrator) = orchestrator {
         query

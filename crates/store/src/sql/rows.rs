@@ -212,6 +212,7 @@ impl StoredContract {
             verdict: self.verdict,
             claim: self.claim.clone(),
             observations: Vec::new(),
+            delegate_identity: self.contract.delegate_identity.clone(),
         }
     }
 }

@@ -581,7 +581,7 @@ class AuditConflict(_message.Message):
     def __init__(self, path: _Optional[str] = ..., other_contract_ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ContractAudit(_message.Message):
-    __slots__ = ("contract_id", "depth", "tool_calls", "mutations", "mutation_paths", "claim_violations", "completed", "has_report", "downgrades", "parent_scope_hints", "parent_named_files", "evidence_paths", "discovered_paths", "false_completion", "conflicts", "verdict", "claim", "named_scope_hints", "named_files", "mutation_path_count", "conflict_count")
+    __slots__ = ("contract_id", "depth", "tool_calls", "mutations", "mutation_paths", "claim_violations", "completed", "has_report", "downgrades", "parent_scope_hints", "parent_named_files", "evidence_paths", "discovered_paths", "false_completion", "conflicts", "verdict", "claim", "named_scope_hints", "named_files", "mutation_path_count", "conflict_count", "delegate_identity")
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
@@ -603,6 +603,7 @@ class ContractAudit(_message.Message):
     NAMED_FILES_FIELD_NUMBER: _ClassVar[int]
     MUTATION_PATH_COUNT_FIELD_NUMBER: _ClassVar[int]
     CONFLICT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DELEGATE_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     contract_id: bytes
     depth: int
     tool_calls: int
@@ -624,7 +625,8 @@ class ContractAudit(_message.Message):
     named_files: _containers.RepeatedScalarFieldContainer[str]
     mutation_path_count: int
     conflict_count: int
-    def __init__(self, contract_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., tool_calls: _Optional[int] = ..., mutations: _Optional[int] = ..., mutation_paths: _Optional[_Iterable[str]] = ..., claim_violations: _Optional[int] = ..., completed: _Optional[bool] = ..., has_report: _Optional[bool] = ..., downgrades: _Optional[int] = ..., parent_scope_hints: _Optional[int] = ..., parent_named_files: _Optional[int] = ..., evidence_paths: _Optional[int] = ..., discovered_paths: _Optional[int] = ..., false_completion: _Optional[bool] = ..., conflicts: _Optional[_Iterable[_Union[AuditConflict, _Mapping]]] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, str]] = ..., claim: _Optional[str] = ..., named_scope_hints: _Optional[_Iterable[str]] = ..., named_files: _Optional[_Iterable[str]] = ..., mutation_path_count: _Optional[int] = ..., conflict_count: _Optional[int] = ...) -> None: ...
+    delegate_identity: str
+    def __init__(self, contract_id: _Optional[bytes] = ..., depth: _Optional[int] = ..., tool_calls: _Optional[int] = ..., mutations: _Optional[int] = ..., mutation_paths: _Optional[_Iterable[str]] = ..., claim_violations: _Optional[int] = ..., completed: _Optional[bool] = ..., has_report: _Optional[bool] = ..., downgrades: _Optional[int] = ..., parent_scope_hints: _Optional[int] = ..., parent_named_files: _Optional[int] = ..., evidence_paths: _Optional[int] = ..., discovered_paths: _Optional[int] = ..., false_completion: _Optional[bool] = ..., conflicts: _Optional[_Iterable[_Union[AuditConflict, _Mapping]]] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, str]] = ..., claim: _Optional[str] = ..., named_scope_hints: _Optional[_Iterable[str]] = ..., named_files: _Optional[_Iterable[str]] = ..., mutation_path_count: _Optional[int] = ..., conflict_count: _Optional[int] = ..., delegate_identity: _Optional[str] = ...) -> None: ...
 
 class AggregateAuditsRequest(_message.Message):
     __slots__ = ("selector", "group_by")
