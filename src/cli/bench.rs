@@ -26,8 +26,17 @@ impl Servers for InProcess {
             .trust
             .attestors
             .push(crate::crypto::public_key(&attestor)?);
+        if listeners.tokens.is_some() {
+            config.tokens.resources = vec![broker_tools::bench::TOKENS_RESOURCE.to_owned()];
+            let (id, secret) = broker_tools::bench::TOKENS_INTROSPECTOR;
+            config
+                .tokens
+                .introspectors
+                .insert(id.to_owned(), crate::crypto::sha256(secret.as_bytes()));
+        }
         let mut served = crate::server::Listeners::from(listeners.grpc);
         served.metrics = listeners.metrics;
+        served.tokens = listeners.tokens;
         Ok(Box::pin(async move {
             crate::server::run_with_options(
                 served,

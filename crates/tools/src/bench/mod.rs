@@ -4,6 +4,10 @@
 //! in-process on 127.0.0.1:0 with a fresh data directory that trusts the
 //! bench's own attestor, so attestations are verified as in production.
 
+mod tokens;
+
+pub use tokens::{INTROSPECTOR as TOKENS_INTROSPECTOR, RESOURCE as TOKENS_RESOURCE};
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -71,6 +75,11 @@ pub struct BenchArgs {
     /// A broker's throughput is read as a ratio to it (BENCHMARKS.md).
     #[arg(long, conflicts_with_all = ["addr", "telemetry", "hot_parent"])]
     pub floor: bool,
+    /// Drive the in-process broker's token endpoint instead: mint, then
+    /// introspect, then delegate, each phase's rate and CPU per call
+    /// printed (see `bench::tokens`).
+    #[arg(long, conflicts_with_all = ["addr", "telemetry", "hot_parent", "floor", "rate"])]
+    pub tokens: bool,
 }
 
 /// Hands out send slots at a fixed rate (open-loop load).
@@ -145,7 +154,11 @@ pub fn run(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
             receiver.as_ref().map(|r| r.endpoint.as_str()),
             None,
         )?;
-        let result = drive(args, servers).await;
+        let result = if args.tokens {
+            tokens::drive(args, servers).await
+        } else {
+            drive(args, servers).await
+        };
         telemetry.shutdown().await;
         if let Some(receiver) = receiver {
             println!(
@@ -245,6 +258,9 @@ pub struct Listeners {
     pub grpc: tokio::net::TcpListener,
     /// Prometheus' `/metrics`, scraped every second under `--telemetry`.
     pub metrics: Option<tokio::net::TcpListener>,
+    /// The token endpoint under `--tokens`, allowing `TOKENS_RESOURCE` and
+    /// the introspector `TOKENS_INTROSPECTOR`.
+    pub tokens: Option<tokio::net::TcpListener>,
 }
 
 /// A broker served in this process on `127.0.0.1:0`, trusting the
@@ -255,11 +271,13 @@ type InProcess = (
     PathBuf,
 );
 
+/// Starts the in-process broker: its gRPC address, its token endpoint's
+/// (under `--tokens`), and what stops it.
 async fn start_in_process(
     args: &BenchArgs,
     attestor: &Agent,
     servers: &dyn Servers,
-) -> anyhow::Result<(String, InProcess)> {
+) -> anyhow::Result<(String, Option<String>, InProcess)> {
     let dir = tempfile_dir()?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = format!("http://{}", listener.local_addr()?);
@@ -267,7 +285,14 @@ async fn start_in_process(
     let mut listeners = Listeners {
         grpc: listener,
         metrics: None,
+        tokens: None,
     };
+    let mut tokens_url = None;
+    if args.tokens {
+        let tokens = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        tokens_url = Some(format!("http://{}", tokens.local_addr()?));
+        listeners.tokens = Some(tokens);
+    }
     if args.telemetry {
         let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         tokio::spawn(scrape_every_second(metrics.local_addr()?));
@@ -279,7 +304,7 @@ async fn start_in_process(
         attestor: attestor.public_key(),
         stop: stopped,
     })?;
-    Ok((addr, (stop, tokio::spawn(serving), dir)))
+    Ok((addr, tokens_url, (stop, tokio::spawn(serving), dir)))
 }
 
 /// Serves the write path's floor on `127.0.0.1:0` until the process ends.
@@ -380,7 +405,7 @@ async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
         ),
         None if args.floor => (vec![start_floor(&attestor, servers).await?], None),
         None => {
-            let (addr, in_process) = start_in_process(&args, &attestor, servers).await?;
+            let (addr, _, in_process) = start_in_process(&args, &attestor, servers).await?;
             (vec![addr], Some(in_process))
         }
     };
@@ -443,11 +468,17 @@ async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
     let (first, last, phases) = syncs.await?;
     report(&args, total, (first, last));
     report_phases(&phases);
-    if let Some((stop, server, dir)) = _in_process {
-        let _ = stop.send(());
-        server.await??;
-        let _ = std::fs::remove_dir_all(dir);
+    if let Some(in_process) = _in_process {
+        stop_in_process(in_process).await?;
     }
+    Ok(())
+}
+
+/// Stops an in-process broker and removes its data directory.
+async fn stop_in_process((stop, server, dir): InProcess) -> anyhow::Result<()> {
+    let _ = stop.send(());
+    server.await??;
+    let _ = std::fs::remove_dir_all(dir);
     Ok(())
 }
 
