@@ -13,6 +13,7 @@ use base64::Engine as _;
 use prost::Message as _;
 use serde_json::{Value, json};
 
+use super::memory::KnownToken;
 use super::replay::Taken;
 use super::{
     ADMISSION_WAIT, INTROSPECT_PATH, JWKS_PATH, MAX_FORM_BYTES, METADATA_PATH, REQUEST_TIMEOUT,
@@ -150,7 +151,17 @@ async fn introspect<S: Store>(
         service.introspect(token).await
     };
     match answered.await {
-        Ok(body) => answer(StatusCode::OK, body),
+        Ok(Some(known)) => {
+            let mut response = Response::new(axum::body::Body::from(known.active.clone()));
+            let headers = response.headers_mut();
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            response
+        }
+        Ok(None) => answer(StatusCode::OK, json!({"active": false})),
         Err(error) => error.into_response(),
     }
 }
@@ -293,48 +304,80 @@ impl<S: Store> TokenService<S> {
         }
     }
 
-    async fn introspect(&self, presented: &str) -> Result<Value, EndpointError> {
-        let inactive = json!({"active": false});
-        let Ok(jws) = crate::jwt::decode(presented) else {
-            return Ok(inactive);
+    /// A token's standing: `Some` (with its active answer) while it and
+    /// its whole chain stand. Served from memory while the token is known
+    /// and its tree unchanged (`memory`).
+    async fn introspect(&self, presented: &str) -> Result<Option<Arc<KnownToken>>, EndpointError> {
+        let digest = crypto::sha256(presented.as_bytes());
+        let known = match self.memory.token(&digest) {
+            Some(known) => known,
+            None => match self.verified(presented).await {
+                Some(known) => self.memory.remember_token(digest, known),
+                None => return Ok(None),
+            },
         };
-        let keys = self.keys.refreshed(self.store.as_ref()).await;
-        let verified = jws.kid().is_some_and(|kid| {
-            keys.iter().any(|key| {
-                key.key_id == kid
-                    && crypto::public_key(&key.public_key).is_ok_and(|k| jws.verify(&k).is_ok())
-            })
-        });
-        let claims = &jws.claims;
-        let now_s = self.clock.now_ms().div_euclid(1000);
-        let contract = claims
-            .get("tctx")
-            .and_then(|t| t.get("contract_id"))
-            .and_then(Value::as_str)
-            .and_then(token::hex32);
-        let current = verified
-            && claims.get("iss").and_then(Value::as_str) == Some(self.issuer.as_str())
-            && claims
-                .get("exp")
-                .and_then(Value::as_i64)
-                .is_some_and(|exp| exp > now_s);
-        let (true, Some(contract)) = (current, contract) else {
-            return Ok(inactive);
-        };
-        let chain = match self.chain(contract, None).await {
+        let now_ms = self.clock.now_ms();
+        if known.exp_s <= now_ms.div_euclid(1000) {
+            return Ok(None);
+        }
+        let trees = self.store.tree_changes();
+        let version = trees.version(&known.root);
+        if let Some(stands) = self.memory.stands(&known.contract, version, now_ms) {
+            return Ok(stands.then_some(known));
+        }
+        // Taken before the read, so the read shows the tree as of this
+        // version or later.
+        let settled = trees.settled_version(&known.root);
+        let chain = match self.chain(known.contract, None).await {
             Ok(chain) => chain,
             // Signed by this broker, but its contract is not here (another
             // deployment's store): nothing stands behind it.
-            Err(EndpointError::Refused(_)) => return Ok(inactive),
+            Err(EndpointError::Refused(_)) => return Ok(None),
             Err(e) => return Err(e),
         };
-        if token::still_stands(&chain, self.clock.now_ms()).is_err() {
-            return Ok(inactive);
+        let stands = chain.first().is_some_and(|root| root.id == known.root)
+            && token::still_stands(&chain, now_ms).is_ok();
+        if let Some(version) = settled {
+            let deadline_ms = chain.iter().map(|hop| hop.deadline_ms).min();
+            self.memory.remember_chain(
+                known.contract,
+                version,
+                stands,
+                deadline_ms.unwrap_or(i64::MIN),
+            );
         }
+        Ok(stands.then_some(known))
+    }
+
+    /// A presented token this broker signed (one of its keys, its issuer),
+    /// with the answer it gets while it stands; `None` for anything else.
+    async fn verified(&self, presented: &str) -> Option<KnownToken> {
+        let jws = crate::jwt::decode(presented).ok()?;
+        let kid = jws.kid()?;
+        let keys = self.keys.refreshed(self.store.as_ref()).await;
+        let signed = keys.iter().any(|key| {
+            key.key_id == kid
+                && crypto::public_key(&key.public_key).is_ok_and(|k| jws.verify(&k).is_ok())
+        });
+        let claims = &jws.claims;
+        if !signed || claims.get("iss").and_then(Value::as_str) != Some(self.issuer.as_str()) {
+            return None;
+        }
+        let tctx = claims.get("tctx")?;
+        let id = |name: &str| {
+            tctx.get(name)
+                .and_then(Value::as_str)
+                .and_then(token::hex32)
+        };
         let mut body = claims.clone();
         body.insert("active".into(), true.into());
         body.insert("token_type".into(), "Bearer".into());
-        Ok(Value::Object(body))
+        Some(KnownToken {
+            contract: id("contract_id")?,
+            root: id("root_id")?,
+            exp_s: claims.get("exp").and_then(Value::as_i64)?,
+            active: serde_json::to_vec(&Value::Object(body)).ok()?.into(),
+        })
     }
 
     /// The chain from the root down to `id`. With `holder`, the

@@ -9,6 +9,7 @@
 //! `broker_domain::token`.
 
 mod endpoints;
+mod memory;
 pub mod replay;
 
 use std::sync::Arc;
@@ -55,6 +56,8 @@ pub(crate) struct TokenService<S> {
     /// `iss` of minted tokens and the base of the endpoints' URLs.
     pub issuer: String,
     replay: replay::Replay,
+    /// Verified tokens and standing chains, for introspection.
+    memory: memory::Memory,
     at_work: tokio::sync::Semaphore,
 }
 
@@ -81,6 +84,7 @@ impl<S: Store> TokenService<S> {
             config,
             issuer,
             replay: replay::Replay::default(),
+            memory: memory::Memory::default(),
             at_work: tokio::sync::Semaphore::new(MAX_TOKEN_REQUESTS_AT_WORK),
         }
     }

@@ -141,13 +141,25 @@ impl Broker {
 
     /// `start_replica` with an adjusted configuration.
     pub async fn start_replica_with(first: &Broker, adjust: impl FnOnce(&mut Config)) -> Self {
+        Self::replica(first, adjust, Listener::None).await
+    }
+
+    /// `start_replica_with`, serving the token endpoint too (`tokens_url`).
+    pub async fn start_replica_with_tokens(
+        first: &Broker,
+        adjust: impl FnOnce(&mut Config),
+    ) -> Self {
+        Self::replica(first, adjust, Listener::Tokens).await
+    }
+
+    async fn replica(first: &Broker, adjust: impl FnOnce(&mut Config), extra: Listener) -> Self {
         let url = first
             .database
             .as_ref()
             .expect("a replicated broker")
             .url
             .clone();
-        Self::start_full(adjust, Listener::None, Some(&url)).await
+        Self::start_full(adjust, extra, Some(&url)).await
     }
 
     async fn start_full(

@@ -17,14 +17,17 @@ pub(crate) const RESOURCE: &str = "https://api.test";
 pub(crate) const SECRET: &str = "introspection secret";
 
 pub(crate) async fn broker() -> Broker {
-    Broker::start_with_tokens(|config| {
-        config.tokens.resources = vec![RESOURCE.into()];
-        config.tokens.introspectors.insert(
-            "rs".into(),
-            delegation_broker::crypto::sha256(SECRET.as_bytes()),
-        );
-    })
-    .await
+    Broker::start_with_tokens(tokens_config).await
+}
+
+/// The token endpoint's settings in these tests: `RESOURCE`, and the
+/// introspector `rs` with `SECRET`.
+fn tokens_config(config: &mut delegation_broker::config::Config) {
+    config.tokens.resources = vec![RESOURCE.into()];
+    config.tokens.introspectors.insert(
+        "rs".into(),
+        delegation_broker::crypto::sha256(SECRET.as_bytes()),
+    );
 }
 
 /// Root (opened by `agents[0]`) → `agents[1]` → `agents[2]` → `agents[3]`,
@@ -304,4 +307,85 @@ async fn the_host_mints_for_the_calls_it_executes() {
         matches!(&refused, Err(TokenError::Refused { error, .. }) if error == "invalid_grant"),
         "{refused:?}"
     );
+}
+
+/// Introspection answers from memory once a token is known, yet the call
+/// right after an ending in its chain is inactive: an event elsewhere in
+/// the tree changes nothing, the leaf's revocation ends the leaf's token
+/// and not its parent's, and the chain's deadline ends the rest.
+#[tokio::test]
+async fn introspection_from_memory_turns_inactive_at_the_next_call_after_an_ending() {
+    let mut broker = broker().await;
+    let agents = [(); 4].map(|()| Agent::generate());
+    let ids = chain_of_three(&mut broker, &agents).await;
+    let endpoint = TokenEndpoint::new(broker.tokens_url.as_ref().unwrap()).unwrap();
+    let rs = ("rs", SECRET);
+    let leaf = endpoint
+        .mint(&agents[3], &id32(&ids[3]), RESOURCE)
+        .await
+        .unwrap();
+    let parent = endpoint
+        .mint(&agents[2], &id32(&ids[2]), RESOURCE)
+        .await
+        .unwrap();
+    let active = async |token: &str| {
+        let answer = endpoint.introspect(rs, token).await.unwrap();
+        assert!(answer["active"].is_boolean(), "{answer}");
+        answer["active"] == true
+    };
+    for _ in 0..3 {
+        assert!(active(&leaf.access_token).await && active(&parent.access_token).await);
+    }
+    // A new child of the leaf: the tree moved, nothing ended.
+    let lineage = lineage(&mut broker, &ids[3]).await;
+    broker
+        .issue(&agents[3], child(&ids[3], &lineage, &Agent::generate(), 5))
+        .await;
+    assert!(active(&leaf.access_token).await && active(&parent.access_token).await);
+    // The leaf revoked by its parent's delegate: at the very next call.
+    broker.revoke(&agents[2], &ids[3]).await.expect("Revoke");
+    assert!(
+        !active(&leaf.access_token).await,
+        "the revoked leaf's token"
+    );
+    assert!(active(&parent.access_token).await, "its parent stands");
+    assert!(active(&parent.access_token).await, "from memory, still");
+    // Past the chain's deadline (the broker's clock moves on).
+    broker.clock.advance_ms(2 * HOUR_MS);
+    assert!(!active(&parent.access_token).await, "past the deadline");
+}
+
+/// With replicas, a revocation made through another replica reaches an
+/// introspection served from memory within that replica's poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_replicas_revocation_reaches_introspection_from_memory() {
+    let mut first = Broker::start_replicated().await;
+    let mut second = Broker::start_replica_with_tokens(&first, tokens_config).await;
+    let agents = [(); 4].map(|()| Agent::generate());
+    let ids = chain_of_three(&mut second, &agents).await;
+    let endpoint = TokenEndpoint::new(second.tokens_url.as_ref().unwrap()).unwrap();
+    let rs = ("rs", SECRET);
+    let minted = endpoint
+        .mint(&agents[3], &id32(&ids[3]), RESOURCE)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let answer = endpoint.introspect(rs, &minted.access_token).await.unwrap();
+        assert_eq!(answer["active"], true);
+    }
+    first.revoke(&agents[0], &ids[0]).await.expect("Revoke");
+    let revoked = Instant::now();
+    loop {
+        let answer = endpoint.introspect(rs, &minted.access_token).await.unwrap();
+        if answer["active"] == false {
+            break;
+        }
+        assert!(
+            revoked.elapsed() < Duration::from_secs(1),
+            "still active 1 s after another replica revoked the root"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    second.stop().await;
+    first.stop().await;
 }

@@ -18,6 +18,9 @@ pub(crate) mod sql;
 pub mod sqlite;
 #[cfg(test)]
 pub(crate) mod suite;
+mod trees;
+
+pub use trees::{TreeChanges, TreeVersion};
 
 use std::future::Future;
 
@@ -236,40 +239,6 @@ pub struct IssuingParent {
     /// Its tree's tenant, the key that opened the root: whose share of
     /// the converters the Delegate's conversion takes.
     pub tenant: broker_domain::AgentKey,
-}
-
-/// The last event (contract or receipt) sequence number the writer gave
-/// each tree it touched recently, by root id: lets a Watch stream that was
-/// woken by a commit skip its query when its tree did not change (800 idle
-/// watchers each re-ran a recursive subtree query at every commit). A hint
-/// only: an unknown tree counts as changed, so forgetting (the map is
-/// cleared past `MAX_TRACKED_TREES`) costs a query, never an event.
-#[derive(Clone, Default)]
-pub struct TreeChanges(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Id, i64>>>);
-
-impl TreeChanges {
-    /// Records that `root`'s tree got event `seq` (before it is durable:
-    /// streams are woken only after that).
-    pub fn touch(&self, root: Id, seq: i64) {
-        let mut trees = self.lock();
-        if trees.len() >= limits::MAX_TRACKED_TREES && !trees.contains_key(&root) {
-            trees.clear();
-        }
-        let last = trees.entry(root).or_insert(seq);
-        *last = (*last).max(seq);
-    }
-
-    /// Whether `root`'s tree may have an event after `cursor`.
-    pub fn changed_since(&self, root: &Id, cursor: i64) -> bool {
-        self.lock().get(root).is_none_or(|last| *last > cursor)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Id, i64>> {
-        // Single-step updates: a poisoned map is still a correct hint.
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
 }
 
 /// What was not found (`ErrorInfo` metadata `what`).

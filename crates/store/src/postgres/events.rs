@@ -227,6 +227,8 @@ pub(super) fn announce_own(
             trees.touch(root, cursor_of(tag, *position));
         }
     }
+    // Placed by a transaction that has committed.
+    trees.committed();
     commits.send_modify(|n| *n = n.wrapping_add(1));
 }
 
@@ -325,6 +327,8 @@ async fn announce(
         }
         *seen = (*seen).max(*position);
     }
+    // Read from the table: committed, by whichever replica.
+    trees.committed();
     Ok(!rows.is_empty())
 }
 

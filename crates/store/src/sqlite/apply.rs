@@ -218,6 +218,7 @@ fn write_fast(
         state.committed.fetch_add(1, Ordering::SeqCst);
         let began = std::time::Instant::now();
         state.statements.run(handle, &script)?;
+        state.trees.committed();
         tracing::trace!(
             statements = script.statements().len(),
             took_us = began.elapsed().as_micros() as u64,
@@ -381,6 +382,7 @@ pub(super) async fn apply_careful(
     // Numbered before it starts: see `Durability::committed`.
     state.committed.fetch_add(1, Ordering::SeqCst);
     tx.commit().await?;
+    state.trees.committed();
     tracing::trace!(
         plan_us = (t1 - t0).as_micros() as u64,
         write_us = (t2 - t1).as_micros() as u64,

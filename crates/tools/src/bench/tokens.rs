@@ -27,62 +27,86 @@ pub const RESOURCE: &str = "https://bench.resource";
 /// The introspector the in-process broker is configured with.
 pub const INTROSPECTOR: (&str, &str) = ("bench", "bench-introspection-secret");
 
-/// One worker's chain: its agents (root's opener first) and contracts.
+/// Leaves each worker holds, minting for each in turn: a key has at most
+/// 1,000 unexpired assertions (60 s each) in the broker's replay memory,
+/// and one worker mints faster than 1,000 a minute.
+const LEAVES: usize = 16;
+
+/// One worker's chain: its path's agents (root's opener first), then
+/// `LEAVES` sibling contracts at depth `depth` with their holders.
 struct Chain {
     agents: Vec<Agent>,
-    ids: Vec<Vec<u8>>,
+    leaves: Vec<([u8; 32], Agent)>,
 }
 
 impl Chain {
-    fn leaf(&self) -> ([u8; 32], &Agent) {
-        let id = self.ids.last().expect("a chain has a root");
-        (
-            id.as_slice().try_into().expect("32-byte ids"),
-            self.agents.last().expect("a chain has agents"),
-        )
+    fn leaf(&self, n: usize) -> ([u8; 32], &Agent) {
+        let (id, holder) = &self.leaves[n % self.leaves.len()];
+        (*id, holder)
     }
 }
 
-/// Opens a root and delegates `depth` hops from it.
+/// Opens a root, delegates `depth - 1` hops from it, and `leaves`
+/// siblings from the last.
 async fn chain(
     client: &mut BrokerClient<Channel>,
     attestor: &Agent,
     depth: u32,
+    leaves: usize,
 ) -> anyhow::Result<Chain> {
-    let agents: Vec<Agent> = (0..=depth).map(|_| Agent::generate()).collect();
+    let mut agents: Vec<Agent> = (0..depth).map(|_| Agent::generate()).collect();
+    agents.extend((0..leaves).map(|_| Agent::generate()));
     let intent = "benchmark: tokens for a chain of work".to_owned();
     let lineage = broker_wire::crypto::sha256(intent.as_bytes()).to_vec();
     let root = client
-        .open_root(agents[0].open_root(bench_root(&intent, depth, 16)))
+        .open_root(agents[0].open_root(bench_root(&intent, depth, 2 * leaves as u32)))
         .await?
         .into_inner()
         .issued
         .ok_or_else(|| anyhow::anyhow!("the bench root was refused"))?;
     let mut ids = vec![root.contract_id];
     let expires_at_ms = SystemClock.now_ms() + 3_600_000;
-    let mut budget: i64 = 1 << 39;
-    for hop in 1..=depth as usize {
+    let mut path_budget: i64 = 1 << 39;
+    let mut leaf_ids = Vec::with_capacity(leaves);
+    for hop in 1..agents.len() {
+        // Each leaf takes a small share, so all of them fit the parent.
+        let (from, parent, budget) = if hop < depth as usize {
+            (hop - 1, ids.last().expect("a root"), path_budget)
+        } else {
+            (
+                depth as usize - 1,
+                &ids[depth as usize - 1],
+                path_budget / 64,
+            )
+        };
         let attestation = attestor.attest(agents[hop].public_key(), 0.99, expires_at_ms, "bench");
         let body = delegate_body(
-            ids.last().expect("a root"),
+            parent,
             &lineage,
             format!("hop {hop}: handle part of src/"),
             &agents[hop],
             &attestation,
             budget,
         );
-        match client
-            .delegate(agents[hop - 1].delegate(body))
+        let id = match client
+            .delegate(agents[from].delegate(body))
             .await?
             .into_inner()
             .outcome
         {
-            Some(pb::delegate_response::Outcome::Issued(issued)) => ids.push(issued.contract_id),
+            Some(pb::delegate_response::Outcome::Issued(issued)) => issued.contract_id,
             other => anyhow::bail!("a bench delegation was not issued: {other:?}"),
+        };
+        if hop < depth as usize {
+            ids.push(id);
+            path_budget /= 2;
+        } else {
+            leaf_ids.push(id.as_slice().try_into()?);
         }
-        budget /= 2;
     }
-    Ok(Chain { agents, ids })
+    let holders = agents.split_off(depth as usize);
+    let leaves = leaf_ids.into_iter().zip(holders).collect();
+    Ok(Chain { agents, leaves })
 }
 
 /// The process's CPU time so far (every thread: client and broker).
@@ -182,8 +206,7 @@ fn report(what: &str, args: &BenchArgs, measured: &mut Measured) {
 /// The three phases against an in-process broker serving `--tokens`.
 pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
     let attestor = Arc::new(Agent::generate());
-    let (addr, tokens_url, in_process) =
-        super::start_in_process(&args, &attestor, servers).await?;
+    let (addr, tokens_url, in_process) = super::start_in_process(&args, &attestor, servers).await?;
     let tokens_url = tokens_url.ok_or_else(|| anyhow::anyhow!("no token endpoint started"))?;
     let channel = tonic::transport::Endpoint::from_shared(addr)?
         .connect()
@@ -191,7 +214,7 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
     let mut client = BrokerClient::new(channel.clone());
     let mut chains = Vec::with_capacity(args.concurrency);
     for _ in 0..args.concurrency {
-        chains.push(chain(&mut client, &attestor, args.depth).await?);
+        chains.push(chain(&mut client, &attestor, args.depth, LEAVES).await?);
     }
     let chains = Arc::new(chains);
     let endpoint = TokenEndpoint::new(&tokens_url)?;
@@ -203,19 +226,21 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
     let mint = |i: usize, window| {
         let (chains, endpoint) = (chains.clone(), endpoint.clone());
         tokio::spawn(async move {
-            let (leaf, holder) = chains[i].leaf();
-            timed(
-                || async { endpoint.mint(holder, &leaf, RESOURCE).await.is_ok() },
-                window,
-            )
-            .await
+            let mut n = 0;
+            let mint = || {
+                n += 1;
+                let (leaf, holder) = chains[i].leaf(n);
+                let endpoint = &endpoint;
+                async move { endpoint.mint(holder, &leaf, RESOURCE).await.is_ok() }
+            };
+            timed(mint, window).await
         })
     };
     report("mint", &args, &mut phase(&args, mint).await?);
 
     let mut tokens = Vec::with_capacity(chains.len());
     for chain in chains.iter() {
-        let (leaf, holder) = chain.leaf();
+        let (leaf, holder) = chain.leaf(0);
         tokens.push(endpoint.mint(holder, &leaf, RESOURCE).await?.access_token);
     }
     let tokens = Arc::new(tokens);
@@ -251,13 +276,14 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
     };
     report("delegate", &args, &mut phase(&args, delegate).await?);
 
-    // Exact on revocation: revoke the first hop above worker 0's leaf.
+    // Exact on revocation: worker 0's first leaf, revoked by the root's
+    // holder.
     let first = &chains[0];
     let link = broker_client::Link::new(Agent::from_seed(first.agents[0].seed()), channel);
     link.call(
         pb::RevokeBody {
             header: None,
-            contract_id: first.ids[1].clone(),
+            contract_id: first.leaves[0].0.to_vec(),
             reason: "bench: introspection must see it".into(),
         },
         None,

@@ -1,0 +1,147 @@
+//! Which trees changed since a point (`TreeChanges`): Watch streams skip
+//! unchanged trees, and readers remember what they read of a tree until
+//! it changes.
+
+use broker_domain::Id;
+
+use crate::limits;
+
+/// The last event (contract or receipt) sequence number the writer gave
+/// each tree it touched recently, by root id: lets a Watch stream that was
+/// woken by a commit skip its query when its tree did not change (800 idle
+/// watchers each re-ran a recursive subtree query at every commit), and
+/// lets what was read of a tree be remembered until it changes
+/// (`settled_version`). A hint only: an unknown tree counts as changed, so
+/// forgetting (the map is cleared past `MAX_TRACKED_TREES`) costs a query,
+/// never an event.
+#[derive(Clone, Default)]
+pub struct TreeChanges(std::sync::Arc<std::sync::Mutex<Trees>>);
+
+#[derive(Default)]
+struct Trees {
+    last: std::collections::HashMap<Id, i64>,
+    /// Bumped at each clearing: a version names the map it was read from.
+    generation: u64,
+    /// The highest seq touched before the last clearing: what a tree the
+    /// map no longer names may have had.
+    cleared_through: i64,
+    highest: i64,
+    /// Every touch up to this seq has committed (`committed`).
+    committed_through: i64,
+}
+
+/// A tree's state as `TreeChanges` knows it: equal versions, no event in
+/// between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeVersion {
+    generation: u64,
+    last: Option<i64>,
+}
+
+impl TreeChanges {
+    /// Records that `root`'s tree got event `seq`, before its transaction
+    /// commits (SQLite) or after (PostgreSQL); streams are woken only once
+    /// it is durable.
+    pub fn touch(&self, root: Id, seq: i64) {
+        let mut trees = self.lock();
+        if trees.last.len() >= limits::MAX_TRACKED_TREES && !trees.last.contains_key(&root) {
+            trees.cleared_through = trees.highest;
+            trees.generation += 1;
+            trees.last.clear();
+        }
+        let last = trees.last.entry(root).or_insert(seq);
+        *last = (*last).max(seq);
+        trees.highest = trees.highest.max(seq);
+    }
+
+    /// Every touch so far has committed (the writer calls it after each
+    /// commit; touches made after commit are followed by it at once).
+    pub fn committed(&self) {
+        let mut trees = self.lock();
+        trees.committed_through = trees.highest;
+    }
+
+    /// Whether `root`'s tree may have an event after `cursor`.
+    pub fn changed_since(&self, root: &Id, cursor: i64) -> bool {
+        self.lock().last.get(root).is_none_or(|last| *last > cursor)
+    }
+
+    /// `root`'s version now.
+    pub fn version(&self, root: &Id) -> TreeVersion {
+        let trees = self.lock();
+        TreeVersion {
+            generation: trees.generation,
+            last: trees.last.get(root).copied(),
+        }
+    }
+
+    /// `root`'s version when every event it may name has committed, so a
+    /// read begun after this call shows the tree as of this version or
+    /// later: while `version` still returns it, what that read showed
+    /// still holds. `None` while an event of the tree may be committing.
+    pub fn settled_version(&self, root: &Id) -> Option<TreeVersion> {
+        let trees = self.lock();
+        let last = trees.last.get(root).copied();
+        (last.unwrap_or(trees.cleared_through) <= trees.committed_through).then_some(TreeVersion {
+            generation: trees.generation,
+            last,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Trees> {
+        // Single-step updates: a poisoned map is still a correct hint.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_version_settles_once_its_touches_commit_and_moves_with_each_touch() {
+        let trees = TreeChanges::default();
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        let quiet = trees.settled_version(&a).expect("nothing is committing");
+        trees.touch(a, 5);
+        assert_eq!(
+            trees.settled_version(&a),
+            None,
+            "seq 5 may still be committing"
+        );
+        assert_ne!(trees.version(&a), quiet);
+        trees.committed();
+        let settled = trees.settled_version(&a).expect("committed");
+        assert_eq!(settled, trees.version(&a));
+        // Another tree's event leaves this one's version alone, and while
+        // it commits this tree is still settled.
+        trees.touch(b, 6);
+        assert_eq!(trees.settled_version(&a), Some(settled));
+        assert_eq!(trees.settled_version(&b), None);
+        trees.touch(a, 7);
+        assert_ne!(trees.version(&a), settled);
+    }
+
+    #[test]
+    fn a_tree_forgotten_by_a_clearing_is_not_settled_before_the_clearing_commits() {
+        let trees = TreeChanges::default();
+        let a = [1u8; 32];
+        trees.touch(a, 1);
+        trees.committed();
+        let before = trees.settled_version(&a).unwrap();
+        // Filling the map clears it: `a`'s last touch (uncommitted, seq
+        // 2) is forgotten with it.
+        trees.touch(a, 2);
+        for n in 0..limits::MAX_TRACKED_TREES {
+            let mut root = [0u8; 32];
+            root[..8].copy_from_slice(&(n as u64 + 10).to_le_bytes());
+            trees.touch(root, 3);
+        }
+        assert_ne!(trees.version(&a), before, "a clearing is a new version");
+        assert_eq!(trees.settled_version(&a), None, "seq 2 may be committing");
+        trees.committed();
+        assert!(trees.settled_version(&a).is_some());
+    }
+}
