@@ -230,7 +230,9 @@ impl<S: Store> TokenService<S> {
         })?;
         // The holder first: only a contract's holder takes a place in the
         // replay memory, and an assertion answered busy is not used up.
-        let chain = self.chain(claims.contract, Some(claims.key)).await?;
+        let chain = self
+            .standing_chain(claims.contract, None, Some(claims.key))
+            .await?;
         match self.replay.take(
             claims.key,
             &claims.jti,
@@ -320,15 +322,10 @@ impl<S: Store> TokenService<S> {
         if known.exp_s <= now_ms.div_euclid(1000) {
             return Ok(None);
         }
-        let trees = self.store.tree_changes();
-        let version = trees.version(&known.root);
-        if let Some(stands) = self.memory.stands(&known.contract, version, now_ms) {
-            return Ok(stands.then_some(known));
-        }
-        // Taken before the read, so the read shows the tree as of this
-        // version or later.
-        let settled = trees.settled_version(&known.root);
-        let chain = match self.chain(known.contract, None).await {
+        let chain = match self
+            .standing_chain(known.contract, Some(known.root), None)
+            .await
+        {
             Ok(chain) => chain,
             // Signed by this broker, but its contract is not here (another
             // deployment's store): nothing stands behind it.
@@ -337,16 +334,37 @@ impl<S: Store> TokenService<S> {
         };
         let stands = chain.first().is_some_and(|root| root.id == known.root)
             && token::still_stands(&chain, now_ms).is_ok();
-        if let Some(version) = settled {
-            let deadline_ms = chain.iter().map(|hop| hop.deadline_ms).min();
-            self.memory.remember_chain(
-                known.contract,
-                version,
-                stands,
-                deadline_ms.unwrap_or(i64::MIN),
-            );
-        }
         Ok(stands.then_some(known))
+    }
+
+    /// The chain down to `id` (see `chain`), from memory while its tree is
+    /// unchanged; a chain read from the store is kept when its tree had
+    /// settled before the read (`root` says which tree, else a root an
+    /// earlier read showed).
+    async fn standing_chain(
+        &self,
+        id: Id,
+        root: Option<Id>,
+        holder: Option<AgentKey>,
+    ) -> Result<Arc<Vec<Hop>>, EndpointError> {
+        let trees = self.store.tree_changes();
+        if let Some(chain) = self.memory.chain(&id, &trees) {
+            if let (Some(holder), Some(leaf)) = (holder, chain.last())
+                && !holds(leaf, holder)
+            {
+                return Err(not_held().into());
+            }
+            return Ok(chain);
+        }
+        // Taken before the read, so the read shows the tree as of this
+        // version or later.
+        let root = root.or_else(|| self.memory.root_of(&id));
+        let settled = root.and_then(|root| trees.settled_version(&root));
+        let chain = Arc::new(self.chain(id, holder).await?);
+        let same_root = chain.first().map(|hop| hop.id) == root;
+        self.memory
+            .remember(id, &chain, settled.filter(|_| same_root));
+        Ok(chain)
     }
 
     /// A presented token this broker signed (one of its keys, its issuer),
@@ -390,11 +408,6 @@ impl<S: Store> TokenService<S> {
             .ok()
             .and_then(Result::ok)
             .ok_or_else(|| EndpointError::Unavailable("busy: retry shortly".into()))?;
-        let not_held = || {
-            TokenError::InvalidGrant(
-                "the assertion's signer holds no contract with this contract_id (as its delegate or host)".into(),
-            )
-        };
         let mut chain = Vec::new();
         let mut next = Some(id);
         while let Some(id) = next {
@@ -412,10 +425,7 @@ impl<S: Store> TokenService<S> {
                 return Err(not_held().into());
             };
             let hop = hop(&record).map_err(EndpointError::Unavailable)?;
-            let host = hop.host.as_ref().map(|(key, _)| *key);
-            if chain.is_empty()
-                && holder.is_some_and(|holder| holder != hop.delegate && Some(holder) != host)
-            {
+            if chain.is_empty() && holder.is_some_and(|holder| !holds(&hop, holder)) {
                 return Err(not_held().into());
             }
             next = record.parent_id;
@@ -424,6 +434,18 @@ impl<S: Store> TokenService<S> {
         chain.reverse();
         Ok(chain)
     }
+}
+
+/// Whether `key` holds `hop`'s contract: its delegate or its host.
+fn holds(hop: &Hop, key: AgentKey) -> bool {
+    key == hop.delegate || hop.host.as_ref().is_some_and(|(host, _)| *host == key)
+}
+
+fn not_held() -> TokenError {
+    TokenError::InvalidGrant(
+        "the assertion's signer holds no contract with this contract_id (as its delegate or host)"
+            .into(),
+    )
 }
 
 /// The token exchange's parameters besides the assertion: the grant and

@@ -1,22 +1,24 @@
-//! What introspection answers from memory. A token once verified is known
-//! by its SHA-256: its contract, root and expiry, and the answer it gets
-//! while it stands. A chain once read is known to stand, until its
-//! earliest deadline, for as long as its tree's version (`TreeChanges`)
-//! does not move: any event of the tree (a revocation, a completion, a
-//! decline, an expiry, a new child) sends the next introspection back to
-//! the store. So an answer from memory is exact at once for this broker's
-//! own writes, and for another replica's within its sequencer's poll.
+//! What mints and introspections answer from memory. A token once
+//! verified is known by its SHA-256: its contract, root and expiry, and
+//! the answer it gets while it stands. A chain once read is kept for as
+//! long as its tree's version (`TreeChanges`) does not move: any event of
+//! the tree (a revocation, a completion, a decline, an expiry, a new
+//! child, an observation) sends the next call back to the store. So an
+//! answer from memory is exact at once for this broker's own writes, and
+//! for another replica's within its sequencer's poll.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::core::Id;
-use crate::store::TreeVersion;
+use crate::core::token::Hop;
+use crate::store::{TreeChanges, TreeVersion};
 
-/// Most tokens and chains remembered; each map is forgotten whole when
-/// full (a forgotten one costs one verification or one read).
+/// Most tokens remembered, and most contracts (hops) of the chains
+/// remembered in all; each map is forgotten whole when full (a forgotten
+/// entry costs one verification or one read).
 pub const MAX_KNOWN_TOKENS: usize = 16_384;
-pub const MAX_KNOWN_CHAINS: usize = 16_384;
+pub const MAX_KNOWN_HOPS: usize = 65_536;
 
 /// A token this broker signed, verified once.
 pub(super) struct KnownToken {
@@ -27,18 +29,24 @@ pub(super) struct KnownToken {
     pub active: axum::body::Bytes,
 }
 
-#[derive(Clone, Copy)]
+/// A chain as read, root first, and the version of its tree it holds at.
 struct KnownChain {
     version: TreeVersion,
-    stands: bool,
-    /// The earliest deadline of the chain's contracts.
-    deadline_ms: i64,
+    chain: Arc<Vec<Hop>>,
 }
 
 #[derive(Default)]
 pub(super) struct Memory {
     tokens: Mutex<HashMap<[u8; 32], Arc<KnownToken>>>,
-    chains: Mutex<HashMap<Id, KnownChain>>,
+    chains: Mutex<Chains>,
+}
+
+#[derive(Default)]
+struct Chains {
+    by_contract: HashMap<Id, KnownChain>,
+    /// Each contract's root, once read: it never changes.
+    roots: HashMap<Id, Id>,
+    hops: usize,
 }
 
 /// Entries are inserted whole: a poisoned map is still a correct one.
@@ -61,32 +69,42 @@ impl Memory {
         token
     }
 
-    /// Whether the chain down to `contract` stands at `now_ms`, when it
-    /// was read at its tree's current `version`.
-    pub fn stands(&self, contract: &Id, version: TreeVersion, now_ms: i64) -> Option<bool> {
-        let known = *lock(&self.chains).get(contract)?;
-        (known.version == version).then_some(known.stands && now_ms < known.deadline_ms)
+    /// The chain down to `contract`, while its tree is at the version it
+    /// was read at.
+    pub fn chain(&self, contract: &Id, trees: &TreeChanges) -> Option<Arc<Vec<Hop>>> {
+        let chains = lock(&self.chains);
+        let known = chains.by_contract.get(contract)?;
+        let root = known.chain.first()?.id;
+        (trees.version(&root) == known.version).then(|| known.chain.clone())
     }
 
-    /// Remembers a chain read after its tree settled at `version`.
-    pub fn remember_chain(
-        &self,
-        contract: Id,
-        version: TreeVersion,
-        stands: bool,
-        deadline_ms: i64,
-    ) {
+    /// `contract`'s root, if a read has shown it.
+    pub fn root_of(&self, contract: &Id) -> Option<Id> {
+        lock(&self.chains).roots.get(contract).copied()
+    }
+
+    /// Remembers `contract`'s root, and its chain when it was read after
+    /// its tree settled at `version`.
+    pub fn remember(&self, contract: Id, chain: &Arc<Vec<Hop>>, version: Option<TreeVersion>) {
+        let Some(root) = chain.first().map(|hop| hop.id) else {
+            return;
+        };
         let mut chains = lock(&self.chains);
-        if chains.len() >= MAX_KNOWN_CHAINS {
-            chains.clear();
+        if chains.hops.saturating_add(chain.len()) > MAX_KNOWN_HOPS
+            || chains.roots.len() >= MAX_KNOWN_HOPS
+        {
+            *chains = Chains::default();
         }
-        chains.insert(
-            contract,
-            KnownChain {
+        chains.roots.insert(contract, root);
+        if let Some(version) = version {
+            chains.hops += chain.len();
+            let known = KnownChain {
                 version,
-                stands,
-                deadline_ms,
-            },
-        );
+                chain: chain.clone(),
+            };
+            if let Some(old) = chains.by_contract.insert(contract, known) {
+                chains.hops -= old.chain.len();
+            }
+        }
     }
 }
