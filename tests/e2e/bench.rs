@@ -79,3 +79,40 @@ fn the_floor_takes_no_other_flag_that_needs_a_broker() {
         );
     }
 }
+
+/// `bench --tokens` mints, introspects and delegates with no failure, and
+/// its closing check (a revoked leaf's token is inactive at the next
+/// introspection) holds: the process exits 0 only then.
+#[test]
+fn the_token_bench_mints_and_introspects_and_sees_a_revocation() {
+    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["bench", "--tokens", "--duration-s", "1", "--warmup-s", "0"])
+        .args(["--concurrency", "2", "--depth", "2"])
+        .env("BROKER_LOG", "warn")
+        .output()
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "bench --tokens failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for phase in ["mint: ", "introspect (active): ", "delegate: "] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(phase))
+            .unwrap_or_else(|| panic!("no {phase:?} line in {stdout}"));
+        assert!(line.contains("(failed 0)"), "{line}");
+        let calls: u64 = line[phase.len()..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap_or(0);
+        assert!(calls > 0, "{line}");
+    }
+    assert!(
+        stdout.contains("the next introspection answers active=false"),
+        "{stdout}"
+    );
+}
