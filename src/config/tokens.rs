@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::{ConfigError, invalid};
 use crate::core::limits::{MAX_RESOURCE_BYTES, MAX_TOKEN_LIFETIME_MINUTES};
+use crate::tokens::replay::MAX_REMEMBERED_ASSERTIONS;
 
 /// Most resources and most introspecting clients listed.
 pub const MAX_TOKEN_ENTRIES: usize = 1_000;
@@ -15,6 +16,11 @@ pub const MAX_TOKEN_ENTRIES: usize = 1_000;
 pub const MAX_CLIENT_ID_BYTES: usize = 128;
 /// A minted token's lifetime when `lifetime_minutes` is not set.
 pub const DEFAULT_TOKEN_LIFETIME_MINUTES: u32 = 5;
+/// Unexpired assertions one key may have in the replay memory when
+/// `max_assertions_per_key` is not set: far above one holder's needs (an
+/// assertion lives at most 300 s, a token minutes), so one holder cannot
+/// fill the memory alone.
+pub const DEFAULT_MAX_ASSERTIONS_PER_KEY: usize = 1_000;
 
 #[derive(Clone, Debug, Default)]
 pub struct TokensConfig {
@@ -30,6 +36,9 @@ pub struct TokensConfig {
     /// Resource servers that may call introspection (HTTP Basic): client
     /// id → SHA-256 of its secret.
     pub introspectors: BTreeMap<String, [u8; 32]>,
+    /// Unexpired assertions one key may have in the replay memory; past
+    /// it, its next exchange is answered 503 until some expire.
+    pub max_assertions_per_key: usize,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -41,6 +50,7 @@ pub(super) struct FileTokens {
     /// Client id → hex SHA-256 of its secret (`printf %s "$secret" |
     /// sha256sum`): the secret itself is not kept here.
     introspectors: BTreeMap<String, String>,
+    max_assertions_per_key: Option<usize>,
 }
 
 pub(super) fn tokens_config(file: &FileTokens) -> Result<TokensConfig, ConfigError> {
@@ -78,6 +88,15 @@ pub(super) fn tokens_config(file: &FileTokens) -> Result<TokensConfig, ConfigErr
             format!("must be in 1 ..= {MAX_TOKEN_LIFETIME_MINUTES}"),
         ));
     }
+    let max_assertions_per_key = file
+        .max_assertions_per_key
+        .unwrap_or(DEFAULT_MAX_ASSERTIONS_PER_KEY);
+    if !(1..=MAX_REMEMBERED_ASSERTIONS).contains(&max_assertions_per_key) {
+        return Err(invalid(
+            "tokens.max_assertions_per_key",
+            format!("must be in 1 ..= {MAX_REMEMBERED_ASSERTIONS}"),
+        ));
+    }
     let mut introspectors = BTreeMap::new();
     for (id, digest) in &file.introspectors {
         let field = format!("tokens.introspectors.{id}");
@@ -106,5 +125,6 @@ pub(super) fn tokens_config(file: &FileTokens) -> Result<TokensConfig, ConfigErr
         resources: file.resources.clone(),
         lifetime_minutes,
         introspectors,
+        max_assertions_per_key,
     })
 }

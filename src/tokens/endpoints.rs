@@ -236,8 +236,8 @@ impl<S: Store> TokenService<S> {
         match self.replay.take(
             claims.key,
             &claims.jti,
-            claims.exp_s,
-            now_ms.div_euclid(1000),
+            (claims.exp_s, now_ms.div_euclid(1000)),
+            self.config.max_assertions_per_key,
         ) {
             Taken::Fresh => {}
             Taken::Replayed => {
@@ -249,7 +249,7 @@ impl<S: Store> TokenService<S> {
             Taken::SignerFull => {
                 return Err(EndpointError::Unavailable(format!(
                     "this key has {} assertions in use: retry once some expire",
-                    super::replay::MAX_ASSERTIONS_PER_SIGNER
+                    self.config.max_assertions_per_key
                 )));
             }
             Taken::Full => {

@@ -5,7 +5,8 @@
 //! the tree (a revocation, a completion, a decline, an expiry, a new
 //! child, an observation) sends the next call back to the store. So an
 //! answer from memory is exact at once for this broker's own writes, and
-//! for another replica's within its sequencer's poll.
+//! for another replica's within this replica's sequencer poll — memory is
+//! not used while those polls fail (`TreeChanges::current`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -14,11 +15,14 @@ use crate::core::Id;
 use crate::core::token::Hop;
 use crate::store::{TreeChanges, TreeVersion};
 
-/// Most tokens remembered, and most contracts (hops) of the chains
-/// remembered in all; each map is forgotten whole when full (a forgotten
-/// entry costs one verification or one read).
-pub const MAX_KNOWN_TOKENS: usize = 16_384;
-pub const MAX_KNOWN_HOPS: usize = 65_536;
+/// Most tokens remembered (a minted token is under 16 KiB), and most
+/// bytes of chains remembered in all (a hop's write scope and identity
+/// may take tens of kilobytes); each map is forgotten whole when full (a
+/// forgotten entry costs one verification or one read).
+pub const MAX_KNOWN_TOKENS: usize = 4_096;
+pub const MAX_KNOWN_CHAIN_BYTES: usize = 32 * 1024 * 1024;
+/// Most contracts whose root is remembered.
+pub const MAX_KNOWN_ROOTS: usize = 65_536;
 
 /// A token this broker signed, verified once.
 pub(super) struct KnownToken {
@@ -46,7 +50,25 @@ struct Chains {
     by_contract: HashMap<Id, KnownChain>,
     /// Each contract's root, once read: it never changes.
     roots: HashMap<Id, Id>,
-    hops: usize,
+    /// What the remembered chains take, about (`bytes_of`).
+    bytes: usize,
+}
+
+/// About what a chain takes in memory: each hop and what it points to.
+fn bytes_of(chain: &[Hop]) -> usize {
+    chain
+        .iter()
+        .map(|hop| {
+            std::mem::size_of::<Hop>()
+                + hop.subject.len()
+                + hop.host.as_ref().map_or(0, |(_, name)| name.len())
+                + hop
+                    .write_scope
+                    .iter()
+                    .map(|p| p.len() + std::mem::size_of::<String>())
+                    .sum::<usize>()
+        })
+        .sum()
 }
 
 /// Entries are inserted whole: a poisoned map is still a correct one.
@@ -70,8 +92,11 @@ impl Memory {
     }
 
     /// The chain down to `contract`, while its tree is at the version it
-    /// was read at.
+    /// was read at and every writer's events are known (`current`).
     pub fn chain(&self, contract: &Id, trees: &TreeChanges) -> Option<Arc<Vec<Hop>>> {
+        if !trees.current() {
+            return None;
+        }
         let chains = lock(&self.chains);
         let known = chains.by_contract.get(contract)?;
         let root = known.chain.first()?.id;
@@ -89,21 +114,22 @@ impl Memory {
         let Some(root) = chain.first().map(|hop| hop.id) else {
             return;
         };
+        let bytes = version.map_or(0, |_| bytes_of(chain));
         let mut chains = lock(&self.chains);
-        if chains.hops.saturating_add(chain.len()) > MAX_KNOWN_HOPS
-            || chains.roots.len() >= MAX_KNOWN_HOPS
+        if chains.bytes.saturating_add(bytes) > MAX_KNOWN_CHAIN_BYTES
+            || chains.roots.len() >= MAX_KNOWN_ROOTS
         {
             *chains = Chains::default();
         }
         chains.roots.insert(contract, root);
         if let Some(version) = version {
-            chains.hops += chain.len();
+            chains.bytes += bytes;
             let known = KnownChain {
                 version,
                 chain: chain.clone(),
             };
             if let Some(old) = chains.by_contract.insert(contract, known) {
-                chains.hops -= old.chain.len();
+                chains.bytes = chains.bytes.saturating_sub(bytes_of(&old.chain));
             }
         }
     }

@@ -116,3 +116,39 @@ fn the_token_bench_mints_and_introspects_and_sees_a_revocation() {
         "{stdout}"
     );
 }
+
+/// `bench --latency` times every RPC of a contract's life at one caller
+/// and prints each beside the disk's floor from the same run.
+#[test]
+fn the_latency_bench_times_each_rpc_beside_the_disk() {
+    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["bench", "--latency", "--duration-s", "1", "--warmup-s", "0"])
+        .env("BROKER_LOG", "warn")
+        .output()
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "bench --latency failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("disk request floor"), "{stdout}");
+    for rpc in [
+        "OpenRoot",
+        "Delegate",
+        "Accept",
+        "RecordReceipts",
+        "GetContract",
+        "Complete",
+        "Revoke",
+    ] {
+        let line = stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(rpc))
+            .unwrap_or_else(|| panic!("no {rpc} line in {stdout}"));
+        assert!(
+            line.contains("over the disk") && !line.ends_with("n=0"),
+            "{line}"
+        );
+    }
+}

@@ -51,10 +51,11 @@ impl PeerToken {
         contract: &Id,
     ) -> Result<(HeaderName, HeaderValue), Refused> {
         let refused = |e: TokenError| {
-            // Not reached is worth a retry; refused is not.
+            // Unreachable, busy or garbled is worth a retry; a refusal
+            // (RFC 6749's 400 or 401) is not.
             let reason = match e {
-                TokenError::Http(_) => "UNAVAILABLE",
-                _ => "TOKEN_REFUSED",
+                TokenError::Refused { status, .. } if status < 500 => "TOKEN_REFUSED",
+                _ => "UNAVAILABLE",
             };
             Refused::new(
                 code::INTERNAL,

@@ -50,9 +50,12 @@ impl A2aClient {
         reuse: bool,
         metrics: std::sync::Arc<super::metrics::GatewayMetrics>,
     ) -> anyhow::Result<Self> {
+        // No redirect is followed: one would carry a message's chain, or a
+        // route's token header, to a host the config never named.
         let mut builder = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(Duration::from_millis(timeout_ms));
+            .timeout(Duration::from_millis(timeout_ms))
+            .redirect(reqwest::redirect::Policy::none());
         if !reuse {
             builder = builder.pool_max_idle_per_host(0);
         }

@@ -448,7 +448,13 @@ impl A2aConfig {
     fn check_token(&self, key: &str, route: &Route) -> Result<(), ConfigError> {
         let header = match (&route.token_header, &route.token_resource) {
             (None, None) => return Ok(()),
-            (Some(header), Some(resource)) if !resource.is_empty() => header,
+            (Some(_), Some(resource)) if resource.is_empty() => {
+                return Err(invalid(
+                    format!("{key}.token_resource"),
+                    "empty: name one of the broker's [tokens] resources",
+                ));
+            }
+            (Some(header), Some(_)) => header,
             _ => {
                 return Err(invalid(key, "token_header and token_resource go together"));
             }

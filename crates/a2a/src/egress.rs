@@ -82,7 +82,6 @@ pub(super) async fn handle(
             let mut request: a2a::CancelTaskRequest = params(rpc)?;
             request.tenant.clear();
             let sent = sent_to(gateway, peer, &request.id)?;
-            let headers = with_token(gateway, peer, &sent.parent_id, headers).await?;
             // The principal's signed Revoke is what cancels: the peer's
             // gateway cancels the task when it sees the contract revoked.
             match broker::end(
@@ -98,6 +97,9 @@ pub(super) async fn handle(
                 Err(e) if matches!(e.reason.as_str(), "ENDED" | "WRONG_STATE") => {}
                 Err(e) => return Err(broker_error(e).into()),
             }
+            // Only the peer's call needs the token: the revocation above
+            // never waits on the token endpoint.
+            let headers = with_token(gateway, peer, &sent.parent_id, headers).await?;
             gateway
                 .http
                 .call(&peer.url, "CancelTask", &request, &headers)

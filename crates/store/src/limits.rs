@@ -195,6 +195,11 @@ pub mod postgres {
     /// be reached.
     pub const MAX_SEQUENCER_PAUSE: Duration = Duration::from_secs(1);
 
+    /// Oldest the sequencer's last complete poll may be for what a reader
+    /// remembered of a tree to still count (`TreeChanges::current`):
+    /// past it, another replica's events may be unseen.
+    pub const MAX_POLL_AGE: Duration = Duration::from_secs(1);
+
     /// Prepared statements kept per connection: a batch's multi-row
     /// statements differ by row count, and one planned anew per batch costs
     /// PostgreSQL more than running it.

@@ -11,14 +11,21 @@ use crate::limits;
 /// woken by a commit skip its query when its tree did not change (800 idle
 /// watchers each re-ran a recursive subtree query at every commit), and
 /// lets what was read of a tree be remembered until it changes
-/// (`settled_version`). A hint only: an unknown tree counts as changed, so
-/// forgetting (the map is cleared past `MAX_TRACKED_TREES`) costs a query,
-/// never an event.
+/// (`settled_version`). For Watch, a hint only: an unknown tree counts as
+/// changed, so forgetting (the map is cleared past `MAX_TRACKED_TREES`)
+/// costs a query, never an event. For versions, an unknown tree keeps its
+/// version until it is touched or the map is cleared (a clearing is a new
+/// generation, so no version of before it comes back).
 #[derive(Clone, Default)]
 pub struct TreeChanges(std::sync::Arc<std::sync::Mutex<Trees>>);
 
 #[derive(Default)]
 struct Trees {
+    /// With replicas: when the sequencer last read every other replica's
+    /// events (`polled`); `None` before its first complete poll.
+    polled_at: Option<std::time::Instant>,
+    /// Other writers exist, seen only through those polls.
+    polled_by_sequencer: bool,
     last: std::collections::HashMap<Id, i64>,
     /// Bumped at each clearing: a version names the map it was read from.
     generation: u64,
@@ -39,6 +46,30 @@ pub struct TreeVersion {
 }
 
 impl TreeChanges {
+    /// For a store other replicas write to as well: its trees are
+    /// `current` only while the sequencer's polls keep up.
+    pub fn polled_by_sequencer() -> Self {
+        let changes = Self::default();
+        changes.lock().polled_by_sequencer = true;
+        changes
+    }
+
+    /// The sequencer has just read every event placed so far.
+    pub fn polled(&self) {
+        self.lock().polled_at = Some(std::time::Instant::now());
+    }
+
+    /// Whether every event committed until a moment ago is known here:
+    /// always with one writer; with replicas, while the sequencer's last
+    /// complete poll is at most `MAX_POLL_AGE` old.
+    pub fn current(&self) -> bool {
+        let trees = self.lock();
+        !trees.polled_by_sequencer
+            || trees
+                .polled_at
+                .is_some_and(|at| at.elapsed() <= limits::postgres::MAX_POLL_AGE)
+    }
+
     /// Records that `root`'s tree got event `seq`, before its transaction
     /// commits (SQLite) or after (PostgreSQL); streams are woken only once
     /// it is durable.

@@ -17,7 +17,7 @@ use clap::Args;
 
 /// Bytes a delegation adds to the WAL, measured at 4,000/s (BENCHMARKS.md:
 /// about 4.7 frames of 4 KiB each).
-const DEFAULT_BYTES_PER_REQUEST: u64 = 19_456;
+pub const DEFAULT_BYTES_PER_REQUEST: u64 = 19_456;
 /// The probe file wraps around at this size, as the WAL restarts from its
 /// beginning at `WAL_RESTART_BYTES`: overwrites, not ever-growing appends.
 const PROBE_FILE_BYTES: u64 = broker_store::sqlite::WAL_RESTART_BYTES;

@@ -329,6 +329,9 @@ async fn announce(
     }
     // Read from the table: committed, by whichever replica.
     trees.committed();
+    if rows.len() < MAX_PLACED_PER_PASS as usize {
+        trees.polled();
+    }
     Ok(!rows.is_empty())
 }
 

@@ -300,7 +300,7 @@ impl PostgresStore {
         let tag = events::tag(&reader).await?;
         let (commands, queue) = mpsc::channel(options.queue_depth.max(1));
         let known = KnownCache::new(std::sync::Mutex::new(KnownMap::preallocated()));
-        let trees = super::TreeChanges::default();
+        let trees = super::TreeChanges::polled_by_sequencer();
         let (commits_tx, commits) = tokio::sync::watch::channel(0u64);
         let commits_tx = Arc::new(commits_tx);
         let (reachable_tx, reachable) = tokio::sync::watch::channel(true);

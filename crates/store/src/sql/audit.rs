@@ -16,6 +16,9 @@ use broker_wire::pb;
 
 pub(crate) const AUDIT_SELECT_BY_ID: &str = select_contracts!("WHERE id = $1");
 
+/// A root's envelope (`$1` its seq; `$2` the budget's LIMIT).
+const ROOT_ENVELOPE: &str = "SELECT envelope FROM contracts_with_envelope WHERE seq = $1 LIMIT $2";
+
 pub(crate) const AUDIT_SELECT_TREE: &str =
     select_contracts!("WHERE root_seq = $1 AND parent_seq IS NOT NULL ORDER BY seq LIMIT $2");
 
@@ -211,13 +214,23 @@ async fn run_facts<D: Dialect>(
             refusal_codes.push(body.primary);
         }
     }
-    let root_contract =
-        pb::Contract::decode(decode_envelope::<D>(root, "envelope")?.payload.as_slice())
-            .map_err(|_| StoreError::Corrupt("a root's contract payload".into()))?;
-    let orchestrator = if root_contract.delegate_identity.is_empty() {
+    // The root's signed terms name its opener's identity: read within the
+    // audit's byte budget, as the tree's rows are.
+    let envelope = budget
+        .fetch(conn, sqlx::query::<D>(ROOT_ENVELOPE).arg(root_seq))
+        .await?;
+    let identity = match envelope.first() {
+        Some(row) => {
+            pb::Contract::decode(decode_envelope::<D>(row, "envelope")?.payload.as_slice())
+                .map_err(|_| StoreError::Corrupt("a root's contract payload".into()))?
+                .delegate_identity
+        }
+        None => String::new(),
+    };
+    let orchestrator = if identity.is_empty() {
         broker_wire::crypto::key_id(&key_cell::<D>(root, "delegate_key").map_err(backend)?)
     } else {
-        root_contract.delegate_identity
+        identity
     };
     Ok((
         RunFacts {
@@ -268,7 +281,7 @@ pub(crate) async fn runs<B: Backend>(
     // The roots carrying every selected label, through the run_labels
     // index; at most limit + 1 rows are read, whatever the store holds.
     let mut query = QueryBuilder::<B::Db>::new(
-        "SELECT seq, id, labels, budget, spent, delegate_key, envelope FROM contracts_with_envelope ",
+        "SELECT seq, id, labels, budget, spent, delegate_key FROM contracts ",
     );
     query.push("WHERE parent_seq IS NULL");
     if let Some(orchestrator) = orchestrator {

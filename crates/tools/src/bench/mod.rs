@@ -4,6 +4,7 @@
 //! in-process on 127.0.0.1:0 with a fresh data directory that trusts the
 //! bench's own attestor, so attestations are verified as in production.
 
+mod latency;
 mod telemetry;
 mod tokens;
 
@@ -83,6 +84,12 @@ pub struct BenchArgs {
     /// printed (see `bench::tokens`).
     #[arg(long, conflicts_with_all = ["addr", "telemetry", "hot_parent", "floor", "rate"])]
     pub tokens: bool,
+    /// What one caller pays per RPC instead: a contract's whole life, call
+    /// by call, against the in-process broker, then `disk-probe` on its
+    /// data directory; each RPC's p50/p99 beside the disk's floor (see
+    /// `bench::latency`).
+    #[arg(long, conflicts_with_all = ["addr", "telemetry", "hot_parent", "floor", "rate", "tokens"])]
+    pub latency: bool,
 }
 
 /// Hands out send slots at a fixed rate (open-loop load).
@@ -159,6 +166,8 @@ pub fn run(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
         )?;
         let result = if args.tokens {
             tokens::drive(args, servers).await
+        } else if args.latency {
+            latency::drive(args, servers).await
         } else {
             drive(args, servers).await
         };

@@ -5,9 +5,9 @@
 //! delegate as the default bench does (chains `--depth` deep). Each phase prints its rate, its
 //! latency and the process's CPU per call — client and broker together,
 //! as they share this process — so a mint's CPU compares with a
-//! Delegate's measured the same way in the same sitting. Last, a contract
-//! above one leaf is revoked and that leaf's token introspected: it must
-//! be inactive at once, however its answers were served before.
+//! Delegate's measured the same way in the same sitting. Last, one leaf
+//! is revoked by the root's holder and its token introspected: it must be
+//! inactive at once, though its answers came from memory until then.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -292,7 +292,7 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
     .map_err(|e| anyhow::anyhow!("revoking: {e}"))?;
     let answer = endpoint.introspect(INTROSPECTOR, &tokens[0]).await?;
     println!(
-        "after revoking an ancestor: the next introspection answers active={}",
+        "after revoking the leaf: the next introspection answers active={}",
         answer["active"]
     );
     anyhow::ensure!(

@@ -1,0 +1,209 @@
+//! `bench --latency`: what one caller pays per RPC. A single caller runs
+//! a contract's whole life against the in-process broker, again and
+//! again — OpenRoot, Delegate (naming a host), Accept, RecordReceipts
+//! (the host's observation), GetContract, Complete, then a second
+//! Delegate and its Revoke — timing each call. Then `disk-probe` runs on
+//! the broker's own data directory at a low rate: the request floor the
+//! disk puts under any durable answer. Each RPC's p50 and p99 are printed
+//! with their margin over that floor, measured in the same run.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use broker_client::{Agent, BrokerError, Link};
+use broker_wire::clock::{Clock, SystemClock};
+use broker_wire::pb;
+
+use super::{BenchArgs, Servers, bench_root, delegate_body};
+
+/// `disk-probe`'s arrival rate beside one caller: a rate of its order,
+/// low enough that each fsync serves about one request.
+const PROBE_RATE_PER_S: u64 = 400;
+/// `disk-probe`'s seconds.
+const PROBE_DURATION_S: u64 = 3;
+
+/// Each RPC's latencies, µs, by name.
+type Samples = BTreeMap<&'static str, Vec<u32>>;
+
+/// The agents of one contract's life: the orchestrator, the delegate and
+/// its host, each with its own link to the broker.
+struct Parties {
+    orchestrator: Link,
+    delegate: Link,
+    host: Link,
+    attestor: Agent,
+}
+
+/// Times `call`, recording it under `name` when `record`.
+async fn timed<T>(
+    samples: &mut Samples,
+    name: &'static str,
+    record: bool,
+    call: impl std::future::Future<Output = Result<T, BrokerError>>,
+) -> anyhow::Result<T> {
+    let began = Instant::now();
+    let answer = call.await.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    if record {
+        let us = u32::try_from(began.elapsed().as_micros()).unwrap_or(u32::MAX);
+        samples.entry(name).or_default().push(us);
+    }
+    Ok(answer)
+}
+
+/// One contract's life (see the module docs), each call timed.
+async fn round(parties: &Parties, samples: &mut Samples, record: bool) -> anyhow::Result<()> {
+    let intent = "benchmark: one caller's latency".to_owned();
+    let lineage = broker_wire::crypto::sha256(intent.as_bytes()).to_vec();
+    let open = parties.orchestrator.call(bench_root(&intent, 2, 16), None);
+    let root = match timed(samples, "OpenRoot", record, open).await?.issued {
+        Some(issued) => issued.contract_id,
+        None => anyhow::bail!("OpenRoot: the bench root was refused"),
+    };
+    let expires_at_ms = SystemClock.now_ms() + 3_600_000;
+    let issue = async |delegate: &Agent, host: Option<&Agent>, samples: &mut Samples| {
+        let attestation =
+            parties
+                .attestor
+                .attest(delegate.public_key(), 0.99, expires_at_ms, "bench");
+        let mut body = delegate_body(
+            &root,
+            &lineage,
+            "part of src/".into(),
+            delegate,
+            &attestation,
+            10,
+        );
+        body.host_public_key = host.map(|h| h.public_key().to_vec()).unwrap_or_default();
+        let sent = parties.orchestrator.call(body, None);
+        match timed(samples, "Delegate", record, sent).await?.outcome {
+            Some(pb::delegate_response::Outcome::Issued(issued)) => Ok(issued.contract_id),
+            other => anyhow::bail!("Delegate: not issued: {other:?}"),
+        }
+    };
+    let child = issue(&parties.delegate.agent, Some(&parties.host.agent), samples).await?;
+    let accept = pb::AcceptBody {
+        header: None,
+        contract_id: child.clone(),
+        host_public_key: Vec::new(),
+    };
+    timed(
+        samples,
+        "Accept",
+        record,
+        parties.delegate.call(accept, None),
+    )
+    .await?;
+    let observed = pb::RecordReceiptsBody {
+        header: None,
+        contract_id: child.clone(),
+        observations: vec![pb::Observation {
+            kind: pb::ObservationKind::ToolCall as i32,
+            path: String::new(),
+            tool: "read_file".into(),
+            units: 1,
+            at_ms: SystemClock.now_ms(),
+            ..Default::default()
+        }],
+    };
+    let record_call = parties.host.call(observed, None);
+    timed(samples, "RecordReceipts", record, record_call).await?;
+    let read = parties.orchestrator.contract(&child);
+    timed(samples, "GetContract", record, read).await?;
+    let complete = pb::CompleteBody {
+        header: None,
+        contract_id: child,
+        output_json: "{}".into(),
+        report: None,
+        claim: "done".into(),
+        consumed: 1,
+    };
+    timed(
+        samples,
+        "Complete",
+        record,
+        parties.delegate.call(complete, None),
+    )
+    .await?;
+    let other = issue(&Agent::generate(), None, samples).await?;
+    let revoke = pb::RevokeBody {
+        header: None,
+        contract_id: other,
+        reason: "bench: revoked".into(),
+    };
+    timed(
+        samples,
+        "Revoke",
+        record,
+        parties.orchestrator.call(revoke, None),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Percentile `p` of sorted `us`, in milliseconds.
+fn pct(us: &[u32], p: f64) -> f64 {
+    if us.is_empty() {
+        return 0.0;
+    }
+    let index = ((us.len() as f64 * p).ceil() as usize).clamp(1, us.len()) - 1;
+    f64::from(us[index]) / 1000.0
+}
+
+/// Rounds for `--duration-s` after `--warmup-s`, then the disk's floor.
+pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
+    let attestor = Agent::generate();
+    let (addr, _, in_process) = super::start_in_process(&args, &attestor, servers).await?;
+    let channel = tonic::transport::Endpoint::from_shared(addr)?
+        .connect()
+        .await?;
+    let parties = Parties {
+        orchestrator: Link::new(Agent::generate(), channel.clone()),
+        delegate: Link::new(Agent::generate(), channel.clone()),
+        host: Link::new(Agent::generate(), channel),
+        attestor,
+    };
+    let mut samples = Samples::new();
+    let started = Instant::now();
+    let measure_from = started + Duration::from_secs(args.warmup_s);
+    let stop_at = measure_from + Duration::from_secs(args.duration_s);
+    let mut rounds = 0u64;
+    while Instant::now() < stop_at {
+        let record = Instant::now() >= measure_from;
+        round(&parties, &mut samples, record).await?;
+        rounds += u64::from(record);
+    }
+    let dir = in_process.2.clone();
+    let probe_args = crate::disk_probe::DiskProbeArgs {
+        dir: dir.clone(),
+        rate: PROBE_RATE_PER_S,
+        bytes_per_request: crate::disk_probe::DEFAULT_BYTES_PER_REQUEST,
+        duration_s: PROBE_DURATION_S,
+        stall_ms: 5,
+    };
+    let path = dir.join(format!("latency-probe-{}.tmp", std::process::id()));
+    let floor = tokio::task::spawn_blocking(move || {
+        crate::disk_probe::probe(&path, &probe_args, Duration::from_millis(5))
+    })
+    .await??;
+    let floor = &floor.latencies_us;
+    let (floor_p50, floor_p99) = (pct(floor, 0.50), pct(floor, 0.99));
+    println!(
+        "one caller, SQLite in {}: {rounds} rounds in {}s",
+        dir.display(),
+        args.duration_s
+    );
+    println!(
+        "disk request floor (disk-probe at {PROBE_RATE_PER_S}/s, same directory, after the rounds): p50 {floor_p50:.2} ms  p99 {floor_p99:.2} ms"
+    );
+    for (name, us) in &mut samples {
+        us.sort_unstable();
+        let (p50, p99) = (pct(us, 0.50), pct(us, 0.99));
+        println!(
+            "{name:<15} p50 {p50:.2} ms ({:+.2} over the disk)  p99 {p99:.2} ms ({:+.2})  n={}",
+            p50 - floor_p50,
+            p99 - floor_p99,
+            us.len()
+        );
+    }
+    super::stop_in_process(in_process).await
+}
