@@ -214,24 +214,7 @@ async fn run_facts<D: Dialect>(
             refusal_codes.push(body.primary);
         }
     }
-    // The root's signed terms name its opener's identity: read within the
-    // audit's byte budget, as the tree's rows are.
-    let envelope = budget
-        .fetch(conn, sqlx::query::<D>(ROOT_ENVELOPE).arg(root_seq))
-        .await?;
-    let identity = match envelope.first() {
-        Some(row) => {
-            pb::Contract::decode(decode_envelope::<D>(row, "envelope")?.payload.as_slice())
-                .map_err(|_| StoreError::Corrupt("a root's contract payload".into()))?
-                .delegate_identity
-        }
-        None => String::new(),
-    };
-    let orchestrator = if identity.is_empty() {
-        broker_wire::crypto::key_id(&key_cell::<D>(root, "delegate_key").map_err(backend)?)
-    } else {
-        identity
-    };
+    let orchestrator = opener_of::<D>(conn, root, root_seq, budget).await?;
     Ok((
         RunFacts {
             root_id,
@@ -245,6 +228,35 @@ async fn run_facts<D: Dialect>(
         },
         mutations,
     ))
+}
+
+/// Who opened a run: the workload identity its root's signed terms name,
+/// else its delegate's key id. The envelope is read within the audit's
+/// byte budget, as the tree's rows are.
+async fn opener_of<D: Dialect>(
+    conn: &mut D::Connection,
+    root: &D::Row,
+    root_seq: i64,
+    budget: &mut AuditRows,
+) -> Result<String, StoreError> {
+    let envelope = budget
+        .fetch(conn, sqlx::query::<D>(ROOT_ENVELOPE).arg(root_seq))
+        .await?;
+    let identity = match envelope.first() {
+        Some(row) => {
+            pb::Contract::decode(decode_envelope::<D>(row, "envelope")?.payload.as_slice())
+                .map_err(|_| StoreError::Corrupt("a root's contract payload".into()))?
+                .delegate_identity
+        }
+        None => String::new(),
+    };
+    if identity.is_empty() {
+        Ok(broker_wire::crypto::key_id(
+            &key_cell::<D>(root, "delegate_key").map_err(backend)?,
+        ))
+    } else {
+        Ok(identity)
+    }
 }
 
 pub(crate) async fn audit_facts<B: Backend>(
