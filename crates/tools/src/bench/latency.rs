@@ -2,9 +2,9 @@
 //! a contract's whole life against the in-process broker, again and
 //! again — OpenRoot, Delegate (naming a host), Accept, RecordReceipts
 //! (the host's observation), GetContract, Complete, then a second
-//! Delegate and its Revoke — timing each call. Then `disk-probe` runs on
-//! the broker's own data directory at a low rate: the request floor the
-//! disk puts under any durable answer. Each RPC's p50 and p99 are printed
+//! Delegate and its Revoke — timing each call. Just before, `disk-probe`
+//! runs on the broker's own data directory at a low rate, the broker idle:
+//! the request floor the disk puts under any durable answer. Each RPC's p50 and p99 are printed
 //! with their margin over that floor, measured in the same run.
 
 use std::collections::BTreeMap;
@@ -149,7 +149,7 @@ fn pct(us: &[u32], p: f64) -> f64 {
     f64::from(us[index]) / 1000.0
 }
 
-/// Rounds for `--duration-s` after `--warmup-s`, then the disk's floor.
+/// The disk's floor, then rounds for `--duration-s` after `--warmup-s`.
 pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
     let attestor = Agent::generate();
     let (addr, _, in_process) = super::start_in_process(&args, &attestor, servers).await?;
@@ -162,16 +162,6 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         host: Link::new(Agent::generate(), channel),
         attestor,
     };
-    let mut samples = Samples::new();
-    let started = Instant::now();
-    let measure_from = started + Duration::from_secs(args.warmup_s);
-    let stop_at = measure_from + Duration::from_secs(args.duration_s);
-    let mut rounds = 0u64;
-    while Instant::now() < stop_at {
-        let record = Instant::now() >= measure_from;
-        round(&parties, &mut samples, record).await?;
-        rounds += u64::from(record);
-    }
     let dir = in_process.2.clone();
     let probe_args = crate::disk_probe::DiskProbeArgs {
         dir: dir.clone(),
@@ -185,6 +175,16 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         crate::disk_probe::probe(&path, &probe_args, Duration::from_millis(5))
     })
     .await??;
+    let mut samples = Samples::new();
+    let started = Instant::now();
+    let measure_from = started + Duration::from_secs(args.warmup_s);
+    let stop_at = measure_from + Duration::from_secs(args.duration_s);
+    let mut rounds = 0u64;
+    while Instant::now() < stop_at {
+        let record = Instant::now() >= measure_from;
+        round(&parties, &mut samples, record).await?;
+        rounds += u64::from(record);
+    }
     let floor = &floor.latencies_us;
     let (floor_p50, floor_p99) = (pct(floor, 0.50), pct(floor, 0.99));
     println!(
@@ -193,7 +193,7 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         args.duration_s
     );
     println!(
-        "disk request floor (disk-probe at {PROBE_RATE_PER_S}/s, same directory, after the rounds): p50 {floor_p50:.2} ms  p99 {floor_p99:.2} ms"
+        "disk request floor (disk-probe at {PROBE_RATE_PER_S}/s, same directory, just before the rounds): p50 {floor_p50:.2} ms  p99 {floor_p99:.2} ms"
     );
     for (name, us) in &mut samples {
         us.sort_unstable();
