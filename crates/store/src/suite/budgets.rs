@@ -41,7 +41,8 @@ fn byte_budget(bytes: usize) -> Tuned {
 pub async fn an_audit_read_is_bounded_by_its_row_budget<S: Judged, G>(
     open: impl AsyncFn(Tuned) -> (S, G),
 ) {
-    let (store, _guard) = open(row_budget(3)).await;
+    // The root's envelope (who opened the run) and its three children.
+    let (store, _guard) = open(row_budget(4)).await;
     let root = opened(&store, 9, 1).await;
     let mut children = Vec::new();
     for i in 0..3 {
