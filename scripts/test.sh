@@ -88,14 +88,17 @@ fi
 # broker's state in PostgreSQL (tests named sqlite_* are SQLite's own;
 # replicas::* run on PostgreSQL in the first pass already; the crowd and
 # drain measurements are the service's and the drain pacing's, which the
-# store suite runs on PostgreSQL: once is enough for their minutes).
+# store suite runs on PostgreSQL: once is enough for their minutes; bench,
+# readme and sockets start brokers of their own that ignore the backend,
+# and tokens_hostile tests the token listener's bounds, not the store).
 step "End-to-end tests on PostgreSQL (BROKER_TEST_BACKEND=postgres)"
 if cargo nextest --version >/dev/null 2>&1; then
     BROKER_TEST_BACKEND=postgres cargo nextest run --locked --no-fail-fast --test e2e \
-        -E 'not (test(/^replicas::/) | test(/::sqlite_/) | test(/^drains::/) | test(/^fairness::a_thousand_free_keys/))'
+        -E 'not (test(/^replicas::/) | test(/::sqlite_/) | test(/^drains::/) | test(/^fairness::a_thousand_free_keys/) | test(/^bench::/) | test(/^readme::/) | test(/^sockets::/) | test(/^tokens_hostile::/))'
 else
     BROKER_TEST_BACKEND=postgres cargo test --locked --no-fail-fast --test e2e -- \
-        --skip replicas:: --skip ::sqlite_ --skip drains:: --skip fairness::a_thousand_free_keys
+        --skip replicas:: --skip ::sqlite_ --skip drains:: --skip fairness::a_thousand_free_keys \
+        --skip bench:: --skip readme:: --skip sockets:: --skip tokens_hostile::
 fi
 
 # The fuzz targets' regression and random inputs ran above, as ordinary

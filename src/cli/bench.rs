@@ -20,6 +20,7 @@ impl Servers for InProcess {
             dir,
             attestor,
             stop,
+            database,
         } = run;
         let mut config = Config::load(dir, None)?;
         config
@@ -37,16 +38,14 @@ impl Servers for InProcess {
         let mut served = crate::server::Listeners::from(listeners.grpc);
         served.metrics = listeners.metrics;
         served.tokens = listeners.tokens;
+        let options = crate::server::ServeOptions {
+            database: database.map(|url| crate::server::DatabaseOptions { url, migrate: true }),
+            ..Default::default()
+        };
         Ok(Box::pin(async move {
-            crate::server::run_with_options(
-                served,
-                config,
-                Arc::new(SystemClock),
-                crate::server::ServeOptions::default(),
-                async {
-                    let _ = stop.await;
-                },
-            )
+            crate::server::run_with_options(served, config, Arc::new(SystemClock), options, async {
+                let _ = stop.await;
+            })
             .await
             .map_err(anyhow::Error::from)
         }))

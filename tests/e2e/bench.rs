@@ -1,6 +1,7 @@
-//! `bench` and `bench --floor` from outside: both issue delegations with no
-//! errors, and the floor answers only what it measures. No time is
-//! asserted (BENCHMARKS.md holds the numbers).
+//! `bench` from outside: the broker and `--floor` issue delegations with
+//! no errors, and the floor answers only what it measures; `--tokens` and
+//! `--latency` (on SQLite and PostgreSQL) run every phase and print what
+//! they measured. No time is asserted (BENCHMARKS.md holds the numbers).
 
 use std::process::Command;
 
@@ -147,8 +148,38 @@ fn the_latency_bench_times_each_rpc_beside_the_disk() {
             .find(|l| l.split_whitespace().next() == Some(rpc))
             .unwrap_or_else(|| panic!("no {rpc} line in {stdout}"));
         assert!(
-            line.contains("over the disk") && !line.ends_with("n=0"),
+            line.contains("over the floor") && !line.ends_with("n=0"),
             "{line}"
         );
     }
+}
+
+/// `bench --latency --database URL`: the same rounds on PostgreSQL, beside
+/// a plain one-row commit on the same server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_latency_bench_runs_on_postgresql_beside_a_plain_commit() {
+    let database = delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["bench", "--latency", "--duration-s", "1", "--warmup-s", "0"])
+        .args(["--database", &database.url])
+        .env("BROKER_LOG", "warn")
+        .output()
+        .await
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "bench --latency --database failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("one caller, PostgreSQL"), "{stdout}");
+    assert!(
+        stdout.contains("PostgreSQL one-row commit floor"),
+        "{stdout}"
+    );
+    let delegate = stdout
+        .lines()
+        .find(|l| l.starts_with("Delegate "))
+        .unwrap_or_else(|| panic!("no Delegate line in {stdout}"));
+    assert!(delegate.contains("over the floor"), "{delegate}");
 }

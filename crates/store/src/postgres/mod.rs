@@ -29,6 +29,7 @@ mod events;
 mod failure;
 mod identities;
 pub mod migrate;
+pub mod probe;
 #[doc(hidden)]
 pub mod testing;
 

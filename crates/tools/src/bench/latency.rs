@@ -2,10 +2,12 @@
 //! a contract's whole life against the in-process broker, again and
 //! again — OpenRoot, Delegate (naming a host), Accept, RecordReceipts
 //! (the host's observation), GetContract, Complete, then a second
-//! Delegate and its Revoke — timing each call. Just before, `disk-probe`
-//! runs on the broker's own data directory at a low rate, the broker idle:
-//! the request floor the disk puts under any durable answer. Each RPC's p50 and p99 are printed
-//! with their margin over that floor, measured in the same run.
+//! Delegate and its Revoke — timing each call. Just before, with the
+//! broker idle, the floor under any durable answer is measured: on SQLite
+//! `disk-probe` in the broker's own data directory at a low rate; on
+//! PostgreSQL (`--database`) one caller's one-row commits on the same
+//! server. Each RPC's p50 and p99 are printed with their margin over that
+//! floor, measured in the same run.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -140,6 +142,23 @@ async fn round(parties: &Parties, samples: &mut Samples, record: bool) -> anyhow
     Ok(())
 }
 
+/// `disk-probe` in `dir`: each request's latency, sorted, µs.
+async fn disk_floor(dir: &std::path::Path) -> anyhow::Result<Vec<u32>> {
+    let probe_args = crate::disk_probe::DiskProbeArgs {
+        dir: dir.to_owned(),
+        rate: PROBE_RATE_PER_S,
+        bytes_per_request: crate::disk_probe::DEFAULT_BYTES_PER_REQUEST,
+        duration_s: PROBE_DURATION_S,
+        stall_ms: 5,
+    };
+    let path = dir.join(format!("latency-probe-{}.tmp", std::process::id()));
+    let report = tokio::task::spawn_blocking(move || {
+        crate::disk_probe::probe(&path, &probe_args, Duration::from_millis(5))
+    })
+    .await??;
+    Ok(report.latencies_us)
+}
+
 /// Percentile `p` of sorted `us`, in milliseconds.
 fn pct(us: &[u32], p: f64) -> f64 {
     if us.is_empty() {
@@ -163,21 +182,26 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         attestor,
     };
     let dir = in_process.2.clone();
-    let probe_args = crate::disk_probe::DiskProbeArgs {
-        dir: dir.clone(),
-        rate: PROBE_RATE_PER_S,
-        bytes_per_request: crate::disk_probe::DEFAULT_BYTES_PER_REQUEST,
-        duration_s: PROBE_DURATION_S,
-        stall_ms: 5,
+    let (floor, floor_name) = match &args.database {
+        Some(url) => (
+            broker_store::postgres::probe::one_row_commits(
+                url,
+                Duration::from_secs(PROBE_DURATION_S),
+            )
+            .await?,
+            "PostgreSQL one-row commit floor (same server, one caller, just before the rounds)"
+                .to_owned(),
+        ),
+        None => (
+            disk_floor(&dir).await?,
+            format!(
+                "disk request floor (disk-probe at {PROBE_RATE_PER_S}/s, same directory, just before the rounds)"
+            ),
+        ),
     };
-    let path = dir.join(format!("latency-probe-{}.tmp", std::process::id()));
-    let floor = tokio::task::spawn_blocking(move || {
-        crate::disk_probe::probe(&path, &probe_args, Duration::from_millis(5))
-    })
-    .await??;
+    let (floor_p50, floor_p99) = (pct(&floor, 0.50), pct(&floor, 0.99));
     let mut samples = Samples::new();
-    let started = Instant::now();
-    let measure_from = started + Duration::from_secs(args.warmup_s);
+    let measure_from = Instant::now() + Duration::from_secs(args.warmup_s);
     let stop_at = measure_from + Duration::from_secs(args.duration_s);
     let mut rounds = 0u64;
     while Instant::now() < stop_at {
@@ -185,21 +209,20 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         round(&parties, &mut samples, record).await?;
         rounds += u64::from(record);
     }
-    let floor = &floor.latencies_us;
-    let (floor_p50, floor_p99) = (pct(floor, 0.50), pct(floor, 0.99));
+    let store = match &args.database {
+        Some(_) => "PostgreSQL".to_owned(),
+        None => format!("SQLite in {}", dir.display()),
+    };
     println!(
-        "one caller, SQLite in {}: {rounds} rounds in {}s",
-        dir.display(),
+        "one caller, {store}: {rounds} rounds in {}s",
         args.duration_s
     );
-    println!(
-        "disk request floor (disk-probe at {PROBE_RATE_PER_S}/s, same directory, just before the rounds): p50 {floor_p50:.2} ms  p99 {floor_p99:.2} ms"
-    );
+    println!("{floor_name}: p50 {floor_p50:.2} ms  p99 {floor_p99:.2} ms");
     for (name, us) in &mut samples {
         us.sort_unstable();
         let (p50, p99) = (pct(us, 0.50), pct(us, 0.99));
         println!(
-            "{name:<15} p50 {p50:.2} ms ({:+.2} over the disk)  p99 {p99:.2} ms ({:+.2})  n={}",
+            "{name:<15} p50 {p50:.2} ms ({:+.2} over the floor)  p99 {p99:.2} ms ({:+.2})  n={}",
             p50 - floor_p50,
             p99 - floor_p99,
             us.len()

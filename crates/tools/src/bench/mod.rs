@@ -90,6 +90,11 @@ pub struct BenchArgs {
     /// `bench::latency`).
     #[arg(long, conflicts_with_all = ["addr", "telemetry", "hot_parent", "floor", "rate", "tokens"])]
     pub latency: bool,
+    /// With --latency: the in-process broker runs on this PostgreSQL
+    /// database (migrated first) instead of SQLite, and the floor is a
+    /// plain one-row commit on the same server.
+    #[arg(long, env = "BENCH_DATABASE_URL", requires = "latency")]
+    pub database: Option<String>,
 }
 
 /// Hands out send slots at a fixed rate (open-loop load).
@@ -209,6 +214,8 @@ pub struct BrokerRun {
     pub attestor: [u8; 32],
     /// Resolves when the broker is to stop.
     pub stop: tokio::sync::oneshot::Receiver<()>,
+    /// A PostgreSQL URL to run on instead of SQLite in `dir`.
+    pub database: Option<String>,
 }
 
 /// A server's whole life.
@@ -267,6 +274,7 @@ async fn start_in_process(
         dir: dir.clone(),
         attestor: attestor.public_key(),
         stop: stopped,
+        database: args.database.clone(),
     })?;
     Ok((addr, tokens_url, (stop, tokio::spawn(serving), dir)))
 }
