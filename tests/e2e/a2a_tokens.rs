@@ -6,40 +6,15 @@
 //! a token the broker will not mint stops the message before any
 //! contract is issued or the peer is called.
 
-use base64::Engine as _;
 use broker_client::token::TokenEndpoint;
 use serde_json::{Value, json};
 
 use crate::a2a_authz::{fake_agent, http_client, post_json, spawn_gateway};
 use crate::harness::*;
+use crate::tokens::published_key;
 
 /// On the broker's `[tokens] resources`.
 const RESOURCE: &str = "https://peer.test";
-
-/// The broker's published key of `kid`, from the metadata's `jwks_uri`.
-async fn published_key(tokens_url: &str, kid: &str) -> ed25519_dalek::VerifyingKey {
-    let metadata = TokenEndpoint::new(tokens_url)
-        .unwrap()
-        .metadata()
-        .await
-        .unwrap();
-    let jwks: Value = reqwest::get(&metadata.jwks_uri)
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let jwk = jwks["keys"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["kid"] == kid)
-        .expect("the token's kid is published");
-    let x = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(jwk["x"].as_str().unwrap())
-        .unwrap();
-    delegation_broker::crypto::public_key(&x).unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_call_to_a_peer_carries_a_token_for_the_contract_it_is_made_under() {
@@ -122,7 +97,12 @@ async fn each_call_to_a_peer_carries_a_token_for_the_contract_it_is_made_under()
             .and_then(|a| a.strip_prefix("Bearer "))
             .unwrap_or_else(|| panic!("{method} carried no bearer token: {authorization:?}"));
         let jws = delegation_broker::jwt::decode(token).expect("a JWS");
-        jws.verify(&published_key(&tokens_url, jws.kid().unwrap()).await)
+        let metadata = TokenEndpoint::new(&tokens_url)
+            .unwrap()
+            .metadata()
+            .await
+            .unwrap();
+        jws.verify(&published_key(&metadata.jwks_uri, jws.kid().unwrap()).await)
             .expect("verifies with the broker's published key");
         let claims = &jws.claims;
         assert_eq!(claims["aud"], RESOURCE, "{method}");

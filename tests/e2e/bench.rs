@@ -5,6 +5,25 @@
 
 use std::process::Command;
 
+/// Runs `bench` for one measured second, no warm-up, with `flags`; its
+/// output, once it exited 0.
+async fn bench_output(flags: &[&str]) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
+        .args(["bench", "--duration-s", "1", "--warmup-s", "0"])
+        .args(flags)
+        .env("BROKER_LOG", "warn")
+        .output()
+        .await
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "bench {flags:?} failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// Runs `bench` for one measured second with `extra` flags; returns the
 /// delegations it reports issued and its errors.
 fn bench(extra: &[&str]) -> (u64, u64, String) {
@@ -84,20 +103,9 @@ fn the_floor_takes_no_other_flag_that_needs_a_broker() {
 /// `bench --tokens` mints, introspects and delegates with no failure, and
 /// its closing check (a revoked leaf's token is inactive at the next
 /// introspection) holds: the process exits 0 only then.
-#[test]
-fn the_token_bench_mints_and_introspects_and_sees_a_revocation() {
-    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["bench", "--tokens", "--duration-s", "1", "--warmup-s", "0"])
-        .args(["--concurrency", "2", "--depth", "2"])
-        .env("BROKER_LOG", "warn")
-        .output()
-        .expect("bench runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "bench --tokens failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+#[tokio::test]
+async fn the_token_bench_mints_and_introspects_and_sees_a_revocation() {
+    let stdout = bench_output(&["--tokens", "--concurrency", "2", "--depth", "2"]).await;
     for phase in ["mint: ", "introspect (active): ", "delegate: "] {
         let line = stdout
             .lines()
@@ -120,19 +128,9 @@ fn the_token_bench_mints_and_introspects_and_sees_a_revocation() {
 
 /// `bench --latency` times every RPC of a contract's life at one caller
 /// and prints each beside the disk's floor from the same run.
-#[test]
-fn the_latency_bench_times_each_rpc_beside_the_disk() {
-    let out = Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["bench", "--latency", "--duration-s", "1", "--warmup-s", "0"])
-        .env("BROKER_LOG", "warn")
-        .output()
-        .expect("bench runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "bench --latency failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+#[tokio::test]
+async fn the_latency_bench_times_each_rpc_beside_the_disk() {
+    let stdout = bench_output(&["--latency"]).await;
     assert!(stdout.contains("disk request floor"), "{stdout}");
     for rpc in [
         "OpenRoot",
@@ -159,19 +157,7 @@ fn the_latency_bench_times_each_rpc_beside_the_disk() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_latency_bench_runs_on_postgresql_beside_a_plain_commit() {
     let database = delegation_broker::store::postgres::testing::TestDatabase::migrated().await;
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delegation-broker"))
-        .args(["bench", "--latency", "--duration-s", "1", "--warmup-s", "0"])
-        .args(["--database", &database.url])
-        .env("BROKER_LOG", "warn")
-        .output()
-        .await
-        .expect("bench runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "bench --latency --database failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = bench_output(&["--latency", "--database", &database.url]).await;
     assert!(stdout.contains("one caller, PostgreSQL"), "{stdout}");
     assert!(
         stdout.contains("PostgreSQL one-row commit floor"),

@@ -76,6 +76,22 @@ pub(crate) async fn exchange(endpoint: &str, assertion: &str, resource: &str) ->
     (status, response.json().await.expect("JSON"))
 }
 
+/// The broker's published key of `kid`, from the JWKS at `jwks_uri`, as
+/// a resource server finds it.
+pub(crate) async fn published_key(jwks_uri: &str, kid: &str) -> ed25519_dalek::VerifyingKey {
+    let jwks: Value = reqwest::get(jwks_uri).await.unwrap().json().await.unwrap();
+    let jwk = jwks["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["kid"] == kid)
+        .expect("the token's kid is published");
+    let x = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(jwk["x"].as_str().unwrap())
+        .unwrap();
+    delegation_broker::crypto::public_key(&x).unwrap()
+}
+
 pub(crate) fn now_s() -> i64 {
     now_ms() / 1000
 }
@@ -94,24 +110,9 @@ async fn a_minted_token_carries_the_chain_and_verifies_with_the_published_keys()
 
     // The resource server's side: the keys from the metadata's jwks_uri.
     let metadata = endpoint.metadata().await.unwrap();
-    let jwks: Value = reqwest::get(&metadata.jwks_uri)
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
     let token = delegation_broker::jwt::decode(&minted.access_token).expect("a JWS");
-    let jwk = jwks["keys"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["kid"].as_str() == token.kid())
-        .expect("the token's kid is published");
-    let x = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(jwk["x"].as_str().unwrap())
-        .unwrap();
     token
-        .verify(&delegation_broker::crypto::public_key(&x).unwrap())
+        .verify(&published_key(&metadata.jwks_uri, token.kid().unwrap()).await)
         .expect("verifies with the JWKS key");
     let claims = &token.claims;
     assert_eq!(token.header["typ"], "at+jwt");

@@ -16,7 +16,7 @@ use broker_client::{Agent, BrokerError, Link};
 use broker_wire::clock::{Clock, SystemClock};
 use broker_wire::pb;
 
-use super::{BenchArgs, Servers, bench_root, delegate_body};
+use super::{BenchArgs, Servers, bench_root, delegate_body, percentile_ms};
 
 /// `disk-probe`'s arrival rate beside one caller: a rate of its order,
 /// low enough that each fsync serves about one request.
@@ -159,15 +159,6 @@ async fn disk_floor(dir: &std::path::Path) -> anyhow::Result<Vec<u32>> {
     Ok(report.latencies_us)
 }
 
-/// Percentile `p` of sorted `us`, in milliseconds.
-fn pct(us: &[u32], p: f64) -> f64 {
-    if us.is_empty() {
-        return 0.0;
-    }
-    let index = ((us.len() as f64 * p).ceil() as usize).clamp(1, us.len()) - 1;
-    f64::from(us[index]) / 1000.0
-}
-
 /// The disk's floor, then rounds for `--duration-s` after `--warmup-s`.
 pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
     let attestor = Agent::generate();
@@ -199,7 +190,7 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
             ),
         ),
     };
-    let (floor_p50, floor_p99) = (pct(&floor, 0.50), pct(&floor, 0.99));
+    let (floor_p50, floor_p99) = (percentile_ms(&floor, 0.50), percentile_ms(&floor, 0.99));
     let mut samples = Samples::new();
     let measure_from = Instant::now() + Duration::from_secs(args.warmup_s);
     let stop_at = measure_from + Duration::from_secs(args.duration_s);
@@ -220,7 +211,7 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
     println!("{floor_name}: p50 {floor_p50:.2} ms  p99 {floor_p99:.2} ms");
     for (name, us) in &mut samples {
         us.sort_unstable();
-        let (p50, p99) = (pct(us, 0.50), pct(us, 0.99));
+        let (p50, p99) = (percentile_ms(us, 0.50), percentile_ms(us, 0.99));
         println!(
             "{name:<15} p50 {p50:.2} ms ({:+.2} over the floor)  p99 {p99:.2} ms ({:+.2})  n={}",
             p50 - floor_p50,

@@ -300,13 +300,7 @@ fn report(
     let seconds = args.duration_s as f64;
     let mut lat = total.latencies_us;
     lat.sort_unstable();
-    let pct = |p: f64| -> f64 {
-        if lat.is_empty() {
-            return 0.0;
-        }
-        let index = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1;
-        f64::from(lat[index]) / 1000.0
-    };
+    let pct = |p: f64| percentile_ms(&lat, p);
     let mode = if args.rate > 0 {
         format!("open loop at {}/s offered", args.rate)
     } else {
@@ -444,6 +438,15 @@ async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()> {
         stop_in_process(in_process).await?;
     }
     Ok(())
+}
+
+/// Percentile `p` of sorted latencies `us`, in milliseconds (0 for none).
+fn percentile_ms(us: &[u32], p: f64) -> f64 {
+    if us.is_empty() {
+        return 0.0;
+    }
+    let index = ((us.len() as f64 * p).ceil() as usize).clamp(1, us.len()) - 1;
+    f64::from(us[index]) / 1000.0
 }
 
 /// Stops an in-process broker and removes its data directory.

@@ -179,13 +179,7 @@ where
 fn report(what: &str, args: &BenchArgs, measured: &mut Measured) {
     let lat = &mut measured.tally.latencies_us;
     lat.sort_unstable();
-    let pct = |p: f64| -> f64 {
-        if lat.is_empty() {
-            return 0.0;
-        }
-        let index = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1;
-        f64::from(lat[index]) / 1000.0
-    };
+    let pct = |p: f64| super::percentile_ms(lat, p);
     let calls = lat.len() as f64;
     println!(
         "{what}: {} in {}s = {:.0}/s (failed {}); latency ms p50 {:.2} p99 {:.2}; CPU per call {:.0} µs (client and broker)",
