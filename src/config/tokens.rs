@@ -128,3 +128,34 @@ pub(super) fn tokens_config(file: &FileTokens) -> Result<TokensConfig, ConfigErr
         max_assertions_per_key,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(file: FileTokens) -> String {
+        tokens_config(&file).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn bounds_take_their_defaults_and_out_of_range_values_are_named() {
+        let config = tokens_config(&FileTokens::default()).unwrap();
+        assert_eq!(config.lifetime_minutes, DEFAULT_TOKEN_LIFETIME_MINUTES);
+        assert_eq!(
+            config.max_assertions_per_key,
+            DEFAULT_MAX_ASSERTIONS_PER_KEY
+        );
+        for share in [0, MAX_REMEMBERED_ASSERTIONS + 1] {
+            let file = FileTokens {
+                max_assertions_per_key: Some(share),
+                ..FileTokens::default()
+            };
+            assert!(refusal(file).contains("tokens.max_assertions_per_key"));
+        }
+        let file = FileTokens {
+            lifetime_minutes: Some(0),
+            ..FileTokens::default()
+        };
+        assert!(refusal(file).contains("tokens.lifetime_minutes"));
+    }
+}
