@@ -138,17 +138,34 @@ async fn the_latency_bench_times_each_rpc_beside_the_disk() {
         "Accept",
         "RecordReceipts",
         "GetContract",
+        "GetBrokerKeys",
         "Complete",
         "Revoke",
     ] {
         let line = stdout
             .lines()
-            .find(|l| l.split_whitespace().next() == Some(rpc))
+            .find(|l| l.starts_with(&format!("{rpc} ")))
             .unwrap_or_else(|| panic!("no {rpc} line in {stdout}"));
         assert!(
             line.contains("over the floor") && !line.ends_with("n=0"),
             "{line}"
         );
+    }
+    // The store's share of each durable call, from its own phases.
+    assert!(stdout.contains("store's share at the median"), "{stdout}");
+    for durable in [
+        "OpenRoot",
+        "Delegate",
+        "Accept",
+        "RecordReceipts",
+        "Complete",
+        "Revoke",
+    ] {
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{durable} ")) && l.contains("batch"))
+            .unwrap_or_else(|| panic!("no store share for {durable} in {stdout}"));
+        assert!(line.contains("fsync wait"), "{line}");
     }
 }
 

@@ -120,6 +120,20 @@ impl PhaseSnapshot {
         }
     }
 
+    /// This snapshot's counts and `other`'s together (two windows of
+    /// recording, e.g. each call of one kind).
+    pub fn plus(&self, other: &PhaseSnapshot) -> PhaseSnapshot {
+        let len = self.counts.len().max(other.counts.len());
+        PhaseSnapshot {
+            counts: (0..len)
+                .map(|i| {
+                    let a = self.counts.get(i).copied().unwrap_or(0);
+                    a.saturating_add(other.counts.get(i).copied().unwrap_or(0))
+                })
+                .collect(),
+        }
+    }
+
     pub fn count(&self) -> u64 {
         self.counts.iter().sum()
     }

@@ -288,6 +288,10 @@ impl SqliteStore {
         ));
         let reader = SqlitePoolOptions::new()
             .max_connections(options.read_connections.max(1))
+            // No ping before each read: a file connection has no server
+            // to lose it, and the ping is a round trip to the
+            // connection's thread on every read.
+            .test_before_acquire(false)
             // SQLite's default 2 MiB: a reader's cache is emptied at the
             // start of every read after a commit, so more would only hold
             // memory.

@@ -1,8 +1,9 @@
 //! `bench --latency`: what one caller pays per RPC. A single caller runs
 //! a contract's whole life against the in-process broker, again and
 //! again — OpenRoot, Delegate (naming a host), Accept, RecordReceipts
-//! (the host's observation), GetContract, Complete, then a second
-//! Delegate and its Revoke — timing each call. Just before, with the
+//! (the host's observation), GetContract, GetBrokerKeys (no store: the
+//! RPC's own price), Complete, then a second Delegate and its Revoke —
+//! timing each call. Just before, with the
 //! broker idle, the floor under any durable answer is measured: on SQLite
 //! `disk-probe` in the broker's own data directory at a low rate; on
 //! PostgreSQL (`--database`) one caller's one-row commits on the same
@@ -24,8 +25,17 @@ const PROBE_RATE_PER_S: u64 = 400;
 /// `disk-probe`'s seconds.
 const PROBE_DURATION_S: u64 = 3;
 
-/// Each RPC's latencies, µs, by name.
-type Samples = BTreeMap<&'static str, Vec<u32>>;
+/// The store's phases (`store::phases`) over one kind of call.
+type Phases = [broker_store::phases::PhaseSnapshot; 5];
+
+/// Each RPC's latencies, µs, by name, and the in-process store's phases
+/// over its calls: one caller runs one call at a time, so the phases
+/// recorded while a call was in flight are that call's.
+#[derive(Default)]
+struct Samples {
+    us: BTreeMap<&'static str, Vec<u32>>,
+    store: BTreeMap<&'static str, Phases>,
+}
 
 /// The agents of one contract's life: the orchestrator, the delegate and
 /// its host, each with its own link to the broker.
@@ -43,11 +53,16 @@ async fn timed<T>(
     record: bool,
     call: impl std::future::Future<Output = Result<T, BrokerError>>,
 ) -> anyhow::Result<T> {
+    let before = record.then(super::store_phases);
     let began = Instant::now();
     let answer = call.await.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
-    if record {
-        let us = u32::try_from(began.elapsed().as_micros()).unwrap_or(u32::MAX);
-        samples.entry(name).or_default().push(us);
+    let took = began.elapsed();
+    if let Some(before) = before {
+        let us = u32::try_from(took.as_micros()).unwrap_or(u32::MAX);
+        samples.us.entry(name).or_default().push(us);
+        let after = super::store_phases();
+        let total = samples.store.entry(name).or_default();
+        *total = std::array::from_fn(|i| total[i].plus(&after[i].minus(&before[i])));
     }
     Ok(answer)
 }
@@ -111,6 +126,11 @@ async fn round(parties: &Parties, samples: &mut Samples, record: bool) -> anyhow
     timed(samples, "RecordReceipts", record, record_call).await?;
     let read = parties.orchestrator.contract(&child);
     timed(samples, "GetContract", record, read).await?;
+    // A read the store has no part in: the RPC's own price.
+    let keys = parties.orchestrator.read(|mut client| async move {
+        client.get_broker_keys(pb::GetBrokerKeysRequest {}).await
+    });
+    timed(samples, "GetBrokerKeys", record, keys).await?;
     let complete = pb::CompleteBody {
         header: None,
         contract_id: child,
@@ -140,6 +160,32 @@ async fn round(parties: &Parties, samples: &mut Samples, record: bool) -> anyhow
     )
     .await?;
     Ok(())
+}
+
+/// Per RPC, the in-process store's share of its time at the median
+/// (SQLite's writer; nothing for PostgreSQL's): the whole store command,
+/// its batch (plan, script, commit) and its wait for the WAL's fsync.
+/// The rest of a call's time is outside the store: RPC, signatures,
+/// reads, hand-offs between threads.
+fn report_store_share(store: &BTreeMap<&'static str, Phases>) {
+    if store.values().all(|p| p[0].count() == 0) {
+        return;
+    }
+    println!("store's share at the median, ms (bucket bounds, at most 1/8 over):");
+    for (name, [submitted, _, batch, sync, _]) in store {
+        let p50 = |p: &broker_store::phases::PhaseSnapshot| {
+            p.quantile_us(0.5).unwrap_or(0) as f64 / 1000.0
+        };
+        if submitted.count() == 0 {
+            continue;
+        }
+        println!(
+            "  {name:<15} store {:.2}  batch {:.2}  fsync wait {:.2}",
+            p50(submitted),
+            p50(batch),
+            p50(sync)
+        );
+    }
 }
 
 /// `disk-probe` in `dir`: each request's latency, sorted, µs.
@@ -191,7 +237,7 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         ),
     };
     let (floor_p50, floor_p99) = (percentile_ms(&floor, 0.50), percentile_ms(&floor, 0.99));
-    let mut samples = Samples::new();
+    let mut samples = Samples::default();
     let measure_from = Instant::now() + Duration::from_secs(args.warmup_s);
     let stop_at = measure_from + Duration::from_secs(args.duration_s);
     let mut rounds = 0u64;
@@ -209,7 +255,7 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         args.duration_s
     );
     println!("{floor_name}: p50 {floor_p50:.2} ms  p99 {floor_p99:.2} ms");
-    for (name, us) in &mut samples {
+    for (name, us) in &mut samples.us {
         us.sort_unstable();
         let (p50, p99) = (percentile_ms(us, 0.50), percentile_ms(us, 0.99));
         println!(
@@ -219,5 +265,6 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
             us.len()
         );
     }
+    report_store_share(&samples.store);
     super::stop_in_process(in_process).await
 }
