@@ -185,4 +185,10 @@ async fn the_latency_bench_runs_on_postgresql_beside_a_plain_commit() {
         .find(|l| l.starts_with("Delegate "))
         .unwrap_or_else(|| panic!("no Delegate line in {stdout}"));
     assert!(delegate.contains("over the floor"), "{delegate}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.trim_start().starts_with("Delegate ") && l.contains("store ")),
+        "no store share for Delegate: {stdout}"
+    );
 }

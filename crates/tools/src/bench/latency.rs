@@ -162,9 +162,9 @@ async fn round(parties: &Parties, samples: &mut Samples, record: bool) -> anyhow
     Ok(())
 }
 
-/// Per RPC, the in-process store's share of its time at the median
-/// (SQLite's writer; nothing for PostgreSQL's): the whole store command,
-/// its batch (plan, script, commit) and its wait for the WAL's fsync.
+/// Per RPC, the in-process store's share of its time at the median: the
+/// whole store command and, on SQLite, its batch (plan, script, commit)
+/// and its wait for the WAL's fsync.
 /// The rest of a call's time is outside the store: RPC, signatures,
 /// reads, hand-offs between threads.
 fn report_store_share(store: &BTreeMap<&'static str, Phases>) {
@@ -179,12 +179,13 @@ fn report_store_share(store: &BTreeMap<&'static str, Phases>) {
         if submitted.count() == 0 {
             continue;
         }
-        println!(
-            "  {name:<15} store {:.2}  batch {:.2}  fsync wait {:.2}",
-            p50(submitted),
-            p50(batch),
-            p50(sync)
-        );
+        // PostgreSQL's writers keep no batch or fsync phases.
+        let phases = if batch.count() == 0 {
+            String::new()
+        } else {
+            format!("  batch {:.2}  fsync wait {:.2}", p50(batch), p50(sync))
+        };
+        println!("  {name:<15} store {:.2}{phases}", p50(submitted));
     }
 }
 
