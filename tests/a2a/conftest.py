@@ -1,4 +1,4 @@
-"""pytest wiring for test_a2a.py: the `later` and `bindings` markers, and each
+"""pytest wiring for test_a2a.py: the `later`, `streaming` and `bindings` markers, and each
 test's outcome kept on its item so fixtures can show the processes' logs when
 it failed."""
 
@@ -12,6 +12,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "later: needs a part of the extension that comes after the first cut "
         "(deselect with -m 'not later')",
+    )
+    config.addinivalue_line(
+        "markers",
+        "streaming: streams a task through the gateways (SendStreamingMessage, SubscribeToTask; "
+        "deselect with -m 'not streaming')",
     )
     config.addinivalue_line(
         "markers",

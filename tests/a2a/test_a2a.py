@@ -77,6 +77,20 @@ Status's message the call's. The JSON-RPC world has none of the gRPC keys
   test_gateway_restart_mid_task (a worker's gateway SIGKILLed mid-task and
   started again: the contract is still completed and judged).
 
+- streaming (marked `streaming`; a streaming worker, a non-streaming one,
+  their gateways and an egress-only caller gateway started beside the world
+  by the `streamers` fixture): test_stream_cards (a gateway's card streams
+  when its agent's does), test_stream_through_both_gateways (the SDK's
+  streaming client through the caller's egress and the worker's ingress:
+  each status update and artifact as the worker sends it, the broker's
+  verdict in the final event, the agent followed by its stream and not
+  polled), test_stream_subscribe_through_both_gateways (SubscribeToTask on
+  a running task), test_stream_revoked_mid_stream_ends_canceled (a revoke
+  mid-stream ends the stream CANCELED),
+  test_ingress_follows_streaming_agents_by_stream_and_polls_the_rest.
+  test_agents_work_directly_streaming checks the streaming worker itself,
+  with no gateway.
+
 A failing test prints the tail of every process's stderr and agent log.
 A2A_TEST_KEEP=1 keeps the temporary directory (configs, keys, logs).
 BROKER_BIN names the broker binary (default: <repo>/target/debug/delegation-broker).
@@ -125,6 +139,8 @@ from a2a.types.a2a_pb2 import (
     Role,
     SendMessageConfiguration,
     SendMessageRequest,
+    StreamResponse,
+    SubscribeToTaskRequest,
     Task,
     TaskState,
 )
@@ -1070,6 +1086,11 @@ class A2AUser:
     async def _hook(self, response: httpx.Response) -> None:
         if response.request.method != "POST":
             return
+        if "text/event-stream" in response.headers.get("content-type", ""):
+            # A stream (SSE) is read by the SDK as it comes: reading it here
+            # would hold every event until the stream ends. A refusal before
+            # the stream is a JSON body, kept below.
+            return
         await response.aread()
         try:
             self.raw.append(response.json())
@@ -1085,23 +1106,28 @@ class A2AUser:
         # A gRPC call has no deadline unless given one; JSON-RPC has the httpx timeout.
         return ClientCallContext(timeout=self.timeout) if self.binding == "grpc" else None
 
-    async def client(self, base_url: str) -> Any:
-        if base_url not in self.clients:
+    async def client(self, base_url: str, *, streaming: bool = False) -> Any:
+        """The SDK's client for the agent at `base_url` (its card read
+        there). With `streaming` the client streams (ClientConfig.streaming):
+        its send_message is SendStreamingMessage when the card says the agent
+        streams, and it can subscribe; else it sends SendMessage."""
+        key = (base_url, streaming)
+        if key not in self.clients:
             if self.binding == "grpc":
                 config = ClientConfig(
                     httpx_client=self.http,
-                    streaming=False,
+                    streaming=streaming,
                     supported_protocol_bindings=["GRPC"],
                     use_client_preference=True,
                     grpc_channel_factory=self._channel,
                 )
             else:
-                config = ClientConfig(httpx_client=self.http, streaming=False)
+                config = ClientConfig(httpx_client=self.http, streaming=streaming)
             client = await ClientFactory(config).create_from_url(base_url)
             taken, _ = client_binding(client)
             assert taken == self.binding.upper(), f"the SDK's client for {base_url} took {taken}, not {self.binding}"
-            self.clients[base_url] = client
-        return self.clients[base_url]
+            self.clients[key] = client
+        return self.clients[key]
 
     def _refusal(self, error: BaseException, first: int) -> Refusal:
         if self.binding == "grpc":
@@ -1149,6 +1175,56 @@ class A2AUser:
             return await client.cancel_task(CancelTaskRequest(id=task_id), context=self._context())
         except self._caught() as error:
             raise self._refusal(error, first) from error
+
+    async def stream(
+        self,
+        base_url: str,
+        message: Message,
+        on_event: Callable[[StreamResponse], None] | None = None,
+    ) -> list[StreamResponse]:
+        """SendStreamingMessage with the SDK's streaming client (the card
+        must say the agent streams: else the SDK sends SendMessage and yields
+        its one answer): every event, in the order they came. `on_event` is
+        called as each one comes, before the next is read. A refusal, before
+        or during the stream, raises a Refusal."""
+        client = await self.client(base_url, streaming=True)
+        first = len(self.raw)
+        events: list[StreamResponse] = []
+        try:
+            async for event in client.send_message(SendMessageRequest(message=message), context=self._context()):
+                events.append(event)
+                if on_event is not None:
+                    on_event(event)
+        except self._caught() as error:
+            raise self._stream_refusal(error, first, events) from error
+        return events
+
+    async def subscribe(
+        self, base_url: str, task_id: str, on_event: Callable[[StreamResponse], None] | None = None
+    ) -> list[StreamResponse]:
+        """SubscribeToTask with the SDK's streaming client: every event, in order."""
+        client = await self.client(base_url, streaming=True)
+        first = len(self.raw)
+        events: list[StreamResponse] = []
+        try:
+            async for event in client.subscribe(SubscribeToTaskRequest(id=task_id), context=self._context()):
+                events.append(event)
+                if on_event is not None:
+                    on_event(event)
+        except self._caught() as error:
+            raise self._stream_refusal(error, first, events) from error
+        return events
+
+    def _stream_refusal(self, error: BaseException, first: int, events: list[StreamResponse]) -> BaseException:
+        """A stream's error: a Refusal when the gateway answered one (a JSON
+        body over JSON-RPC, a status over gRPC), else an AssertionError
+        saying how far the stream got."""
+        try:
+            return self._refusal(error, first)
+        except AssertionError:
+            return AssertionError(
+                f"the stream failed after {len(events)} events ({[event_kind(e) for e in events]}): {error!r}"
+            )
 
     async def follow(
         self, base_url: str, task_id: str, done: Callable[[Task], bool], timeout: float = CALL_TIMEOUT_S
@@ -1225,6 +1301,151 @@ def show(task: Task) -> str:
     return json_format.MessageToJson(task)
 
 
+# --------------------------------------------------------------------------
+# Stream events (StreamResponse: task, message, statusUpdate, artifactUpdate)
+# --------------------------------------------------------------------------
+
+
+def event_kind(event: StreamResponse) -> str:
+    return event.WhichOneof("payload") or "nothing"
+
+
+def event_state(event: StreamResponse) -> str | None:
+    """The task state a Task or status-update event carries (None for others)."""
+    if event.HasField("task"):
+        return TaskState.Name(event.task.status.state)
+    if event.HasField("status_update"):
+        return TaskState.Name(event.status_update.status.state)
+    return None
+
+
+def event_ext(event: StreamResponse) -> dict[str, Any]:
+    """The extension's object in an event's metadata: a Task's
+    `metadata[URI]`, or a status or artifact update's own `metadata[URI]`."""
+    if event.HasField("task"):
+        return ext_of(event.task)
+    for field_name in ("status_update", "artifact_update", "message"):
+        if event.HasField(field_name):
+            inner = getattr(event, field_name)
+            metadata = json_format.MessageToDict(inner.metadata) if inner.HasField("metadata") else {}
+            ext = metadata.get(URI)
+            return ints(ext) if isinstance(ext, dict) else {}
+    return {}
+
+
+def event_text(event: StreamResponse) -> str:
+    """The text of a status update's (or a Task's status) message."""
+    status = None
+    if event.HasField("status_update"):
+        status = event.status_update.status
+    elif event.HasField("task"):
+        status = event.task.status
+    if status is None or not status.HasField("message"):
+        return ""
+    return "\n".join(part.text for part in status.message.parts if part.HasField("text"))
+
+
+def event_data(event: StreamResponse) -> Any:
+    """An artifact update's first data part (None for other events)."""
+    if not event.HasField("artifact_update"):
+        return None
+    for part in event.artifact_update.artifact.parts:
+        if part.HasField("data"):
+            return ints(json_format.MessageToDict(part.data))
+    return None
+
+
+def event_task_id(event: StreamResponse) -> str:
+    if event.HasField("task"):
+        return event.task.id
+    for field_name in ("status_update", "artifact_update"):
+        if event.HasField(field_name):
+            return getattr(event, field_name).task_id
+    return event.message.task_id if event.HasField("message") else ""
+
+
+STEP_TEXT = re.compile(r"step (\d+) of (\d+)")
+
+
+def step_of(event: StreamResponse) -> int | None:
+    """The step a streaming worker's WORKING status update announces."""
+    if not event.HasField("status_update"):
+        return None
+    match = STEP_TEXT.fullmatch(event_text(event))
+    return int(match.group(1)) if match else None
+
+
+def show_events(events: list[StreamResponse]) -> str:
+    return "\n".join(json.dumps(json_format.MessageToDict(e), sort_keys=True)[:400] for e in events)
+
+
+STREAMING_METHODS = ("SendStreamingMessage", "SubscribeToTask")
+
+
+@dataclass
+class Seen:
+    """One stream event as the test's client got it, with how far the
+    streaming worker was when it came (its log, read at that moment): the
+    steps it had logged for the task's context, and whether it had logged
+    the end of its task. The order of these, not a clock, says whether the
+    event came while the task ran."""
+
+    event: StreamResponse
+    steps_logged: int
+    finished: bool
+
+
+def recorder(agent: AgentProc, context_id: str, seen: list[Seen]) -> Callable[[StreamResponse], None]:
+    """An `on_event` for A2AUser.stream/subscribe: keeps each event with the
+    worker's progress on context `context_id` when it came."""
+
+    def on_event(event: StreamResponse) -> None:
+        entries = [e for e in agent.entries() if e.get("contextId") == context_id]
+        seen.append(
+            Seen(
+                event,
+                sum(1 for e in entries if e.get("kind") == "step"),
+                any(e.get("kind") == "finished" for e in entries),
+            )
+        )
+
+    return on_event
+
+
+def assert_streamed_as_sent(seen: list[Seen], steps: int, final: Any, why: str) -> None:
+    """The worker's events came one by one as it sent them: its N step
+    status updates (WORKING, "step I of N") in order, each followed by its
+    partial artifact ({"partial": I, "of": N}) before the next step, then the
+    final artifact (`final`) and a terminal event last; the first step came
+    before the worker had logged all its steps, and at least two before it
+    logged its end (arrival order against the worker's own log, no clock).
+    Other events (a Task snapshot, WORKING without a step) may come between."""
+    events = [s.event for s in seen]
+    shown = f"{why}:\n{show_events(events)}"
+    step_at = [(i, step_of(e)) for i, e in enumerate(events) if step_of(e) is not None]
+    assert [step for _, step in step_at] == list(range(1, steps + 1)), f"step updates, in order: {shown}"
+    artifacts = [(i, event_data(e)) for i, e in enumerate(events) if e.HasField("artifact_update")]
+    expected = [{"partial": step, "of": steps} for step in range(1, steps + 1)] + [final]
+    assert [data for _, data in artifacts] == expected, f"artifact updates, in order: {shown}"
+    for n, (at, _) in enumerate(step_at):
+        partial_at = artifacts[n][0]
+        next_at = step_at[n + 1][0] if n + 1 < len(step_at) else len(events)
+        assert at < partial_at < next_at, f"step {n + 1}'s artifact between its update and the next: {shown}"
+    assert artifacts[-1][0] < len(events) - 1, f"the final artifact before the final event: {shown}"
+    last = events[-1]
+    assert event_state(last) in {TaskState.Name(s) for s in TERMINAL}, f"a terminal event last: {shown}"
+    assert all(event_state(e) not in {TaskState.Name(s) for s in TERMINAL} for e in events[:-1]), (
+        f"nothing after the terminal event: {shown}"
+    )
+    first_step = seen[step_at[0][0]]
+    assert first_step.steps_logged < steps and not first_step.finished, (
+        f"{why}: the first step came only when the worker had logged {first_step.steps_logged} of {steps} "
+        f"steps (finished: {first_step.finished}): not as it was sent"
+    )
+    early = [seen[at] for at, _ in step_at if not seen[at].finished]
+    assert len(early) >= 2, f"{why}: only {len(early)} step updates came before the worker logged its end"
+
+
 async def settle(pending: asyncio.Task[Any], timeout: float = STATE_TIMEOUT_S) -> None:
     """Lets a background call end (bounded), else cancels it; its outcome is dropped."""
     if not pending.done():
@@ -1297,8 +1518,8 @@ def assert_no_chain_forwarded(sent: dict[str, Any], contract_hex: str | None, wh
 
 def assert_nothing_reached(agent: AgentProc, mark: int, why: str) -> None:
     """Nothing new reached the agent since `mark`: no request on either
-    binding (a gateway's GetTask/CancelTask about a task started before is
-    tolerated), no execution. Card reads are not requests to the agent's work
+    binding (a gateway's GetTask/CancelTask/SubscribeToTask about a task
+    started before is tolerated: it follows that task), no execution. Card reads are not requests to the agent's work
     (HTTP GETs; over gRPC, GetExtendedAgentCard)."""
     before = agent.entries()[:mark]
     known = {e.get("taskId") for e in before if e.get("kind") == "execute"}
@@ -1306,7 +1527,11 @@ def assert_nothing_reached(agent: AgentProc, mark: int, why: str) -> None:
         e
         for e in agent.since(mark)
         if e.get("kind") in ("rpc", "execute", "cancel")
-        and not (e.get("kind") == "rpc" and e.get("method") in ("GetTask", "CancelTask") and e.get("taskId") in known)
+        and not (
+            e.get("kind") == "rpc"
+            and e.get("method") in ("GetTask", "CancelTask", "SubscribeToTask")
+            and e.get("taskId") in known
+        )
         and not (e.get("binding") == "grpc" and e.get("method") == "GetExtendedAgentCard")
     ]
     assert not new, f"{why}: {agent.name} received {new}"
@@ -1487,6 +1712,93 @@ def test_agents_work_directly(binding: str) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def test_agents_work_directly_streaming(binding: str) -> None:
+    """The streaming worker (worker.py --stream-steps) and a worker whose card
+    says it does not stream (--no-streaming), against the SDK's streaming
+    client, with no gateway and no broker: SendStreamingMessage gets each
+    step's status update and artifact as the worker sends them, the final
+    artifact and COMPLETED last (GetTask then shows one artifact, the final
+    one); SubscribeToTask on a running task starts with the task and follows
+    it to its end; CancelTask mid-stream ends the stream CANCELED; the
+    non-streaming worker's card makes the same client send SendMessage."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"a2a-agents-stream-test-{binding}-"))
+    procs: list[AgentProc] = []
+    steps = 4
+    try:
+        streamer = start_agent(
+            workdir, "d-stream", "worker.py", ["--mode", "good", "--stream-steps", str(steps), "--step-ms", "300"],
+            binding=binding,
+        )
+        plain = start_agent(workdir, "d-nostream", "worker.py", ["--mode", "good", "--no-streaming"], binding=binding)
+        procs += [streamer, plain]
+        for agent in procs:
+            await_agent(agent)
+
+        async def body() -> None:
+            async with A2AUser(binding=binding, timeout=60) as user:
+                assert (await user.client(streamer.url, streaming=True))._card.capabilities.streaming
+                assert not (await user.client(plain.url, streaming=True))._card.capabilities.streaming
+
+                # SendStreamingMessage: each event as the worker sends it.
+                message = task_message("six times seven, step by step")
+                seen: list[Seen] = []
+                events = await user.stream(streamer.url, message, recorder(streamer, message.context_id, seen))
+                assert_streamed_as_sent(seen, steps, {"answer": 42}, "streamed directly")
+                assert event_state(events[-1]) == "TASK_STATE_COMPLETED", show_events(events)
+                task_id = event_task_id(events[-1])
+                task = await user.get_task(streamer.url, task_id)
+                assert state_of(task) == "TASK_STATE_COMPLETED" and output_of(task) == {"answer": 42}, show(task)
+                sent = [e for e in streamer.sends_since(0) if e.get("contextId") == message.context_id]
+                assert [e["method"] for e in sent] == ["SendStreamingMessage"], sent
+
+                # SubscribeToTask on a task started without waiting.
+                message = task_message("again, slower", data={"steps": 6, "stepMs": 300})
+                started = await user.send(streamer.url, message, return_immediately=True)
+                assert started.status.state not in TERMINAL, show(started)
+                seen = []
+                events = await user.subscribe(streamer.url, started.id, recorder(streamer, message.context_id, seen))
+                assert events and events[0].HasField("task") and events[0].task.id == started.id, show_events(events)
+                assert event_state(events[-1]) == "TASK_STATE_COMPLETED", show_events(events)
+                early = [s for s in seen if step_of(s.event) is not None and not s.finished]
+                assert early, f"no step update came before the task ended:\n{show_events(events)}"
+
+                # CancelTask mid-stream: the stream ends CANCELED.
+                message = task_message("a long one", data={"steps": 200, "stepMs": 100})
+                canceling: list[asyncio.Task[Task]] = []
+
+                def cancel_at_step_two(event: StreamResponse) -> None:
+                    if step_of(event) == 2 and not canceling:
+                        canceling.append(asyncio.create_task(user.cancel_task(streamer.url, event_task_id(event))))
+
+                events = await asyncio.wait_for(
+                    user.stream(streamer.url, message, cancel_at_step_two), STATE_TIMEOUT_S
+                )
+                assert canceling, f"the stream never reached step 2:\n{show_events(events)}"
+                canceled = await canceling[0]
+                assert state_of(canceled) == "TASK_STATE_CANCELED", show(canceled)
+                assert event_state(events[-1]) == "TASK_STATE_CANCELED", show_events(events)
+                reached = max(step_of(e) or 0 for e in events)
+                assert reached < 200, f"the stream ran to its end ({reached} steps) after the cancel"
+                assert streamer.cancels(canceled.id), "the worker's cancel() ran"
+
+                # A card without streaming: the same client sends SendMessage.
+                message = task_message("six times seven?")
+                events = await user.stream(plain.url, message)
+                assert [event_kind(e) for e in events] == ["task"], show_events(events)
+                assert state_of(events[0].task) == "TASK_STATE_COMPLETED", show_events(events)
+                sent = [e for e in plain.sends_since(0) if e.get("contextId") == message.context_id]
+                assert [e["method"] for e in sent] == ["SendMessage"], sent
+
+        run(body(), 180)
+        for agent in procs:
+            assert_sent_over([e for e in agent.entries() if e.get("kind") == "rpc"], binding, agent.name)
+    finally:
+        for agent in procs:
+            agent.proc.stop()
+        if not os.environ.get("A2A_TEST_KEEP"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------
 # Cards and the address book
 # --------------------------------------------------------------------------
@@ -1521,7 +1833,8 @@ def test_cards(world: World) -> None:
             assert len(grpc_interfaces) == 1, interfaces
         assert any(i.get("protocolBinding") == "JSONRPC" for i in interfaces), interfaces
         capabilities = card.get("capabilities") or {}
-        assert capabilities.get("streaming", False) is False, capabilities
+        # It streams as its agent does (followed by its stream); no push.
+        assert capabilities.get("streaming") is own["capabilities"].get("streaming"), capabilities
         assert capabilities.get("pushNotifications", False) is False, capabilities
         extensions = [e for e in capabilities.get("extensions") or [] if e.get("uri") == URI]
         assert len(extensions) == 1, capabilities
@@ -1555,7 +1868,7 @@ def test_cards(world: World) -> None:
         async with world.user(timeout=60) as user:
             client = await user.client(gateway.ingress)  # asserts the client took the world's binding
             card = client._card
-            assert not card.capabilities.streaming
+            assert card.capabilities.streaming, "the worker streams, so its gateway does"
             if world.binding == "jsonrpc":
                 assert card.supported_interfaces[0].url.startswith(gateway.ingress)
             else:
@@ -1604,9 +1917,10 @@ def test_egress_unknown_peer(world: World) -> None:
 
 @pytest.mark.bindings("grpc")
 def test_grpc_unserved_methods(world: World) -> None:
-    """The gRPC ingress serves SendMessage, GetTask and CancelTask; ListTasks
-    and SendStreamingMessage (the card says no streaming) are UNIMPLEMENTED,
-    and the agent receives nothing."""
+    """The gRPC ingress serves SendMessage, GetTask, CancelTask and the
+    streams; ListTasks is UNIMPLEMENTED, a SendStreamingMessage with a chain
+    that does not verify is refused before any stream, and the agent
+    receives nothing."""
     agent = world.agents["worker-a"]
     mark = agent.mark()
     message = task_message("six times seven?", chain="not checked")
@@ -1618,7 +1932,7 @@ def test_grpc_unserved_methods(world: World) -> None:
         assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED, raised.value
         with pytest.raises(grpc.RpcError) as raised:
             list(stub.SendStreamingMessage(SendMessageRequest(message=message), timeout=30, metadata=metadata))
-        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED, raised.value
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
     assert_nothing_reached(agent, mark, "unserved gRPC methods")
 
 
@@ -2192,3 +2506,337 @@ def test_gateway_restart_mid_task(world: World) -> None:
         if gateway is not None:
             gateway.proc.stop()
         agent.proc.stop()
+
+
+# --------------------------------------------------------------------------
+# Streaming: SendStreamingMessage and SubscribeToTask through both gateways
+# --------------------------------------------------------------------------
+
+# The streaming worker's steps (worker.py --stream-steps/--step-ms): long
+# enough apart that its events come one by one through two gateways.
+STREAM_STEPS = 4
+STREAM_STEP_MS = 400
+STREAM_PEERS = ("streamer", "poller")
+
+
+@dataclass
+class Streamers:
+    """Beside a world, for the `streaming` tests: a streaming worker
+    (`streamer`: good, --stream-steps) and a worker whose card says it does
+    not stream (`poller`: good, --no-streaming, --delay-ms), each behind a
+    gateway of its own, and the caller: an egress-only gateway holding the
+    key `stream-caller`, with both in its address book (WORKER_ROUTE). The
+    test plays the calling agent: its SDK client calls the caller's egress
+    (`peer_url`, on the world's binding) and names the parent contract, a
+    root the test opens with the caller's key. So every stream goes through
+    both gateways: egress, then (JSON-RPC) the worker's ingress, then the
+    agent on the world's binding."""
+
+    caller: Key
+    egress: str  # http://127.0.0.1:PORT: the caller's egress (JSON-RPC; its card names its gRPC one too)
+    agents: dict[str, AgentProc]
+    gateways: dict[str, Gateway]
+
+    def peer_url(self, name: str) -> str:
+        return f"{self.egress}/peers/{name}"
+
+
+def egress_only_config(path: Path, *, binding: str, **kwargs: Any) -> Path:
+    """gateway_config without an ingress: no `listen`, `upstream`,
+    `grpc_listen` or `upstream_binding` (with binding grpc, the egress's
+    `egress_grpc_listen` stays)."""
+    gateway_config(path, upstream="http://127.0.0.1:1", binding=binding, **kwargs)
+    dropped = ("listen = ", "upstream = ", "grpc_listen = ", "upstream_binding = ")
+    lines = [line for line in path.read_text().splitlines() if not line.startswith(dropped)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def streamers(world: World) -> Any:
+    started: list[Proc] = []
+    try:
+        names = ("stream-caller", *STREAM_PEERS)
+        keys = {name: keygen(world.binary, name, world.workdir) for name in names}
+        args = {
+            "streamer": ["--mode", "good", "--stream-steps", str(STREAM_STEPS), "--step-ms", str(STREAM_STEP_MS)],
+            "poller": ["--mode", "good", "--delay-ms", "1000", "--no-streaming"],
+        }
+        agents = {
+            name: start_agent(world.workdir, name, "worker.py", args[name], keys[name], binding=world.binding)
+            for name in STREAM_PEERS
+        }
+        started += [agent.proc for agent in agents.values()]
+        for agent in agents.values():
+            await_agent(agent)
+        gateways: dict[str, Gateway] = {}
+        for name in STREAM_PEERS:
+            config = gateway_config(
+                world.workdir / f"{name}.gateway.toml",
+                broker=world.broker_addr,
+                key=keys[name],
+                upstream=agents[name].url,
+                binding=world.binding,
+            )
+            gateways[name] = start_gateway(world.binary, world.workdir, name, config, binding=world.binding)
+            started.append(gateways[name].proc)
+        for name in STREAM_PEERS:
+            await_gateway(gateways[name])
+        config = egress_only_config(
+            world.workdir / "stream-caller.gateway.toml",
+            broker=world.broker_addr,
+            key=keys["stream-caller"],
+            binding=world.binding,
+            peers=[Peer(name, keys[name], gateways[name].ingress) for name in STREAM_PEERS],
+            routes={name: WORKER_ROUTE for name in STREAM_PEERS},
+        )
+        caller = start_gateway(world.binary, world.workdir, "stream-caller", config, binding=world.binding)
+        started.append(caller.proc)
+        patterns = {"egress": EGRESS_LINE}
+        if world.binding == "grpc":
+            patterns["egress_grpc"] = EGRESS_GRPC_LINE
+        found = expect_lines(caller.proc, patterns, GATEWAY_START_S)
+        caller.egress, caller.egress_grpc = found["egress"], found.get("egress_grpc", "")
+        gateways["stream-caller"] = caller
+    except BaseException as error:
+        for proc in reversed(started):
+            proc.stop()
+        if isinstance(error, StartError):
+            pytest.fail(str(error), pytrace=False)
+        raise
+
+    yield Streamers(keys["stream-caller"], caller.egress, agents, gateways)
+
+    for proc in reversed(started):
+        proc.stop()
+
+
+def streamed_message(text: str, root: Root, *, data: Any = None) -> Message:
+    """A task-starting message from the caller: its parent named (the
+    caller's key holds a root per test, so the egress is told which)."""
+    return task_message(text, data=data, ext={"contractId": root.id.hex()})
+
+
+def only_child(broker: BrokerSide, root: Root, what: str) -> pb.ContractState:
+    children = broker.children(root.id)
+    assert len(children) == 1, f"{what}: {len(children)} children of the root"
+    return children[0]
+
+
+def streams_of(agent: AgentProc, context_id: str, task_id: str) -> list[dict[str, Any]]:
+    """The streaming requests (SendStreamingMessage, SubscribeToTask) the
+    agent logged for a task: by its context (a task-starting message) or id."""
+    return [
+        e
+        for e in agent.since(0, "rpc")
+        if e.get("method") in STREAMING_METHODS and (e.get("contextId") == context_id or e.get("taskId") == task_id)
+    ]
+
+
+def gets_of(agent: AgentProc, task_id: str, before_kind: str | None = None) -> list[dict[str, Any]]:
+    """The GetTask requests the agent logged for a task; with `before_kind`,
+    only those logged before its first line of that kind for the task."""
+    out = []
+    for entry in agent.entries():
+        if before_kind and entry.get("kind") == before_kind and entry.get("taskId") == task_id:
+            break
+        if entry.get("kind") == "rpc" and entry.get("method") == "GetTask" and entry.get("taskId") == task_id:
+            out.append(entry)
+    return out
+
+
+@pytest.mark.streaming
+def test_stream_cards(world: World, streamers: Streamers) -> None:
+    """A gateway's card says it streams when its agent's card does: the
+    streaming worker's gateway and the caller's egress card for it say
+    `streaming: true`, the non-streaming worker's say false (push stays off)."""
+    with httpx.Client(timeout=30) as http:
+        for name, streams in (("streamer", True), ("poller", False)):
+            own = http.get(f"{streamers.agents[name].url}/.well-known/agent-card.json").json()
+            assert own["capabilities"].get("streaming", False) is streams, own["capabilities"]
+            ingress = http.get(f"{streamers.gateways[name].ingress}/.well-known/agent-card.json").json()
+            egress = http.get(f"{streamers.peer_url(name)}/.well-known/agent-card.json").json()
+            for where, card in (("ingress", ingress), ("egress", egress)):
+                capabilities = card.get("capabilities") or {}
+                assert capabilities.get("streaming", False) is streams, f"{name}'s {where} card: {capabilities}"
+                assert capabilities.get("pushNotifications", False) is False, f"{name}'s {where} card: {capabilities}"
+                assert any(e.get("uri") == URI and e.get("required") for e in capabilities.get("extensions") or []), card
+
+    async def body() -> None:
+        async with world.user(timeout=60) as user:
+            for name, streams in (("streamer", True), ("poller", False)):
+                client = await user.client(streamers.peer_url(name), streaming=True)
+                assert bool(client._card.capabilities.streaming) is streams, (name, client._card.capabilities)
+
+    run(body(), 60)
+
+
+@pytest.mark.streaming
+def test_stream_through_both_gateways(world: World, streamers: Streamers) -> None:
+    """The SDK's streaming client sends SendStreamingMessage to the caller's
+    egress (peer `streamer`): the egress delegates, the worker's gateway
+    admits, and each of the worker's status updates and artifacts reaches
+    the client as the worker sends it (their order against the worker's own
+    log); the final event is COMPLETED with the broker's verdict in its
+    metadata[URI] (ACCEPTED, the child contract's id and receipt); the child
+    is COMPLETED at the broker, judged on the final artifact. The worker's
+    gateway followed the task by its stream: the agent got the message as a
+    streaming call on the world's binding and no GetTask while it ran. The
+    task is then read through the egress like any other."""
+    broker = world.broker
+    root = broker.open_root(streamers.caller, budget=100, max_depth=2)
+    agent = streamers.agents["streamer"]
+    message = streamed_message("six times seven, step by step", root)
+    seen: list[Seen] = []
+
+    async def body() -> Task:
+        async with world.user() as user:
+            events = await user.stream(streamers.peer_url("streamer"), message, recorder(agent, message.context_id, seen))
+            assert_streamed_as_sent(seen, STREAM_STEPS, {"answer": 42}, "through both gateways")
+            last = events[-1]
+            child = only_child(broker, root, "one delegation")
+            assert event_state(last) == "TASK_STATE_COMPLETED", show_events(events)
+            ext = event_ext(last)
+            assert ext.get("verdict") == "ACCEPTED", f"the final event's metadata[{URI}]: {ext}\n{show_events(events)}"
+            assert ext.get("contractId") == bytes(child.contract_id).hex(), ext
+            assert HEX64.fullmatch(ext.get("receiptId") or ""), ext
+            task_id = event_task_id(last)
+            assert task_id and all(event_task_id(e) in ("", task_id) for e in events), show_events(events)
+            # The task, read through the egress afterwards: the same word.
+            task = await user.get_task(streamers.peer_url("streamer"), task_id)
+            assert state_of(task) == "TASK_STATE_COMPLETED" and output_of(task) == {"answer": 42}, show(task)
+            assert ext_of(task).get("verdict") == "ACCEPTED", show(task)
+            return task
+
+    task = run(body())
+    child = only_child(broker, root, "one delegation")
+    assert status_name(broker.state(bytes(child.contract_id))) == "CONTRACT_STATUS_COMPLETED"
+    receipt = broker.receipt(ext_of(task)["receiptId"])
+    assert receipt.kind == pb.RECEIPT_KIND_COMPLETED and receipt.completion.verdict == pb.VERDICT_ACCEPTED, receipt
+    streams = streams_of(agent, message.context_id, task.id)
+    assert streams, f"the worker's gateway did not follow the task by a stream: {agent.since(0, 'rpc')}"
+    assert_sent_over(streams, world.binding, "the worker's gateway's stream")
+    polled = gets_of(agent, task.id, before_kind="finished")
+    assert not polled, f"the worker's gateway polled a streaming agent while its task ran: {polled}"
+    assert_no_chain_forwarded(streams[0], bytes(child.contract_id).hex(), "the streamed message")
+
+
+@pytest.mark.streaming
+def test_stream_subscribe_through_both_gateways(world: World, streamers: Streamers) -> None:
+    """A task started with SendMessage (not waiting) through the caller's
+    egress, then followed with SubscribeToTask there: the stream starts with
+    the task, brings the worker's step updates while it runs, and ends with
+    COMPLETED and the broker's verdict."""
+    broker = world.broker
+    root = broker.open_root(streamers.caller, budget=100, max_depth=2)
+    agent = streamers.agents["streamer"]
+    message = streamed_message("six times seven, slowly", root, data={"steps": 6, "stepMs": 300})
+    seen: list[Seen] = []
+
+    async def body() -> list[StreamResponse]:
+        async with world.user() as user:
+            started = await user.send(streamers.peer_url("streamer"), message, return_immediately=True)
+            assert started.status.state not in TERMINAL, show(started)
+            return await user.subscribe(streamers.peer_url("streamer"), started.id, recorder(agent, message.context_id, seen))
+
+    events = run(body())
+    assert events and events[0].HasField("task"), f"SubscribeToTask starts with the task:\n{show_events(events)}"
+    early = [s for s in seen if step_of(s.event) is not None and not s.finished]
+    assert early, f"no step update came while the task ran:\n{show_events(events)}"
+    steps = [step_of(s.event) for s in seen if step_of(s.event) is not None]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps), f"steps in order, once:\n{show_events(events)}"
+    last = events[-1]
+    assert event_state(last) == "TASK_STATE_COMPLETED", show_events(events)
+    child = only_child(broker, root, "one delegation")
+    assert event_ext(last).get("verdict") == "ACCEPTED", show_events(events)
+    assert event_ext(last).get("contractId") == bytes(child.contract_id).hex(), show_events(events)
+
+
+@pytest.mark.streaming
+def test_stream_revoked_mid_stream_ends_canceled(world: World, streamers: Streamers) -> None:
+    """The principal revokes the root while the worker streams (at its second
+    step update): the worker's gateway cancels the agent's task, and the
+    caller's stream, through both gateways, ends with the task CANCELED
+    (long before the worker's last step); the child contract is REVOKED."""
+    broker = world.broker
+    root = broker.open_root(streamers.caller, budget=100, max_depth=2)
+    agent = streamers.agents["streamer"]
+    steps = 200
+    message = streamed_message("a long one", root, data={"steps": steps, "stepMs": 100})
+    revoked: list[int] = []
+
+    def revoke_at_step_two(event: StreamResponse) -> None:
+        if step_of(event) == 2 and not revoked:
+            broker.revoke(streamers.caller, root.id, reason="the principal changed its mind")
+            revoked.append(step_of(event) or 0)
+
+    async def body() -> list[StreamResponse]:
+        async with world.user() as user:
+            try:
+                return await asyncio.wait_for(
+                    user.stream(streamers.peer_url("streamer"), message, revoke_at_step_two), STATE_TIMEOUT_S
+                )
+            except TimeoutError:
+                raise AssertionError(
+                    f"the stream was still open {STATE_TIMEOUT_S:.0f} s after it began (revoked: {bool(revoked)})"
+                ) from None
+
+    events = run(body())
+    assert revoked, f"the stream never reached step 2:\n{show_events(events)}"
+    last = events[-1]
+    assert event_state(last) == "TASK_STATE_CANCELED", f"the stream's last event:\n{show_events(events)}"
+    reached = max(step_of(e) or 0 for e in events)
+    assert reached < steps, f"the stream ran to the worker's last step ({reached}) after the revocation"
+    task_id = event_task_id(last)
+    child = only_child(broker, root, "one delegation")
+    assert event_ext(last).get("contractId") == bytes(child.contract_id).hex(), show_events(events)
+    assert status_name(broker.state(bytes(child.contract_id))) == "CONTRACT_STATUS_REVOKED"
+    wait_for("the worker to log its cancel", lambda: agent.cancels(task_id), 10)
+    cancel_calls = [e for e in agent.since(0, "rpc") if e.get("method") == "CancelTask" and e.get("taskId") == task_id]
+    assert cancel_calls, f"no CancelTask reached the worker for {task_id}"
+    assert_sent_over(cancel_calls, world.binding, "the gateway's CancelTask")
+    assert not [e for e in agent.entries() if e.get("kind") == "finished" and e.get("taskId") == task_id]
+
+
+@pytest.mark.streaming
+def test_ingress_follows_streaming_agents_by_stream_and_polls_the_rest(world: World, streamers: Streamers) -> None:
+    """Whatever the caller asks, the ingress follows a streaming agent by its
+    stream and polls only an agent that does not stream: a SendMessage that
+    waits, through the caller's egress, to the streaming worker reaches it
+    as a streaming call (or is followed by SubscribeToTask) and is answered
+    settled and judged with no GetTask while the task ran; the stock
+    streaming client to the non-streaming worker sends SendMessage (its
+    gateway's card says no streaming) and gets one settled, judged task,
+    while that worker's gateway polled it (GetTask) and opened no stream."""
+    broker = world.broker
+    streamer, poller = streamers.agents["streamer"], streamers.agents["poller"]
+
+    async def body() -> tuple[Task, Message, list[StreamResponse], Message]:
+        async with world.user() as user:
+            root = broker.open_root(streamers.caller, budget=100, max_depth=2)
+            to_streamer = streamed_message("six times seven?", root, data={"steps": 3, "stepMs": 300})
+            task = await user.send(streamers.peer_url("streamer"), to_streamer)
+            root = broker.open_root(streamers.caller, budget=100, max_depth=2)
+            to_poller = streamed_message("six times seven?", root)
+            events = await user.stream(streamers.peer_url("poller"), to_poller)
+            return task, to_streamer, events, to_poller
+
+    task, to_streamer, events, to_poller = run(body())
+    assert state_of(task) == "TASK_STATE_COMPLETED" and ext_of(task).get("verdict") == "ACCEPTED", show(task)
+    assert output_of(task) == {"answer": 42}, show(task)
+    streams = streams_of(streamer, to_streamer.context_id, task.id)
+    assert streams, f"the streaming worker was not followed by a stream: {streamer.since(0, 'rpc')}"
+    assert_sent_over(streams, world.binding, "the streaming worker's stream")
+    polled = gets_of(streamer, task.id, before_kind="finished")
+    assert not polled, f"the streaming worker was polled while its task ran: {polled}"
+
+    assert [event_kind(e) for e in events] == ["task"], f"one answer, not a stream:\n{show_events(events)}"
+    polled_task = events[0].task
+    assert state_of(polled_task) == "TASK_STATE_COMPLETED", show(polled_task)
+    assert ext_of(polled_task).get("verdict") == "ACCEPTED", show(polled_task)
+    sent = [e for e in poller.sends_since(0) if e.get("contextId") == to_poller.context_id]
+    assert [e["method"] for e in sent] == ["SendMessage"], sent
+    assert not streams_of(poller, to_poller.context_id, polled_task.id), "a stream was opened to a non-streaming agent"
+    gets = gets_of(poller, polled_task.id)
+    assert gets, f"the non-streaming worker was never polled: {poller.since(0, 'rpc')}"
+    assert_sent_over(sent + gets, world.binding, "the non-streaming worker's calls")

@@ -12,9 +12,9 @@ use serde_json::json;
 use crate::{Gateway, client, egress, ext};
 
 /// The card a gateway serves for an agent (its own or a peer's): the
-/// agent's, with `url` as its only interface, the extension required, and
-/// no streaming or push (the gateway answers SendMessage, GetTask and
-/// CancelTask).
+/// agent's, with `url` as its only interface, the extension required,
+/// streaming as the agent (or the peer's gateway) says, and no push or
+/// extended card.
 pub(crate) fn gateway_card(
     mut card: a2a::AgentCard,
     url: &str,
@@ -36,7 +36,7 @@ pub(crate) fn gateway_card(
         });
     }
     let capabilities = card.capabilities.get_or_insert_with(Default::default);
-    capabilities.streaming = Some(false);
+    capabilities.streaming = Some(capabilities.streaming == Some(true));
     capabilities.push_notifications = Some(false);
     capabilities.extended_agent_card = Some(false);
     capabilities.extensions.retain(|e| e.uri != ext::URI);
@@ -105,8 +105,25 @@ mod tests {
             [("http://gw:1", "JSONRPC", ""), ("gw:2", "GRPC", "worker-a")]
         );
         let capabilities = served.capabilities.unwrap();
-        assert_eq!(capabilities.streaming, Some(false));
+        assert_eq!(
+            capabilities.streaming,
+            Some(false),
+            "the agent does not stream"
+        );
+        assert_eq!(capabilities.push_notifications, Some(false));
         let extension = &capabilities.extensions[0];
         assert!(extension.required && extension.uri == ext::URI);
+        let streaming = a2a::AgentCard {
+            capabilities: Some(a2a::AgentCapabilities {
+                streaming: Some(true),
+                push_notifications: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let served = gateway_card(streaming, "http://gw:1", None, &[7; 32]);
+        let capabilities = served.capabilities.unwrap();
+        assert_eq!(capabilities.streaming, Some(true), "as the agent streams");
+        assert_eq!(capabilities.push_notifications, Some(false));
     }
 }

@@ -31,9 +31,18 @@ impl From<Refused> for CallError {
     }
 }
 
+/// Longest silence a stream from an agent or a peer may keep between two
+/// chunks (the A2A SDK's servers send a comment every 15 s); the stream
+/// as a whole is bounded by its task's contract, not by a call timeout.
+pub const STREAM_IDLE: Duration = Duration::from_secs(60);
+/// Events read from a stream ahead of its reader.
+const STREAM_READ_AHEAD: usize = 16;
+
 #[derive(Clone)]
 pub struct A2aClient {
     http: reqwest::Client,
+    /// The same, without the per-call timeout, for streams.
+    streams: reqwest::Client,
     max_bytes: usize,
     metrics: std::sync::Arc<super::metrics::GatewayMetrics>,
 }
@@ -52,16 +61,23 @@ impl A2aClient {
     ) -> anyhow::Result<Self> {
         // No redirect is followed: one would carry a message's chain, or a
         // route's token header, to a host the config never named.
-        let mut builder = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
+        let builder = || {
+            let builder = reqwest::Client::builder()
+                .connect_timeout(CONNECT_TIMEOUT)
+                .redirect(reqwest::redirect::Policy::none());
+            if reuse {
+                builder
+            } else {
+                builder.pool_max_idle_per_host(0)
+            }
+        };
+        let http = builder()
             .timeout(Duration::from_millis(timeout_ms))
-            .redirect(reqwest::redirect::Policy::none());
-        if !reuse {
-            builder = builder.pool_max_idle_per_host(0);
-        }
-        let http = builder.build()?;
+            .build()?;
+        let streams = builder().read_timeout(STREAM_IDLE).build()?;
         Ok(Self {
             http,
+            streams,
             max_bytes,
             metrics,
         })
@@ -113,6 +129,26 @@ impl A2aClient {
         })
     }
 
+    /// A JSON-RPC request's builder: the body, the protocol version and
+    /// `headers` passed on (trace context, a route's token).
+    fn post<P: Serialize>(
+        http: &reqwest::Client,
+        url: &str,
+        method: &str,
+        params: &P,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+    ) -> reqwest::RequestBuilder {
+        let request = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+        let mut builder = http
+            .post(url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header("A2A-Version", PROTOCOL_VERSION);
+        for (name, value) in headers {
+            builder = builder.header(name, value);
+        }
+        builder.body(request.to_string())
+    }
+
     /// One JSON-RPC call; `headers` are passed on (trace context).
     pub async fn call<P: Serialize, R: DeserializeOwned>(
         &self,
@@ -121,23 +157,23 @@ impl A2aClient {
         params: &P,
         headers: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<R, CallError> {
-        let request = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
-        let mut builder = self
-            .http
-            .post(url)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .header("A2A-Version", PROTOCOL_VERSION);
-        for (name, value) in headers {
-            builder = builder.header(name, value);
-        }
         let started = std::time::Instant::now();
-        let response = builder
-            .body(request.to_string())
+        let response = Self::post(&self.http, url, method, params, headers)
             .send()
             .await
             .map_err(|e| unreachable_peer(url, &e))?;
         self.metrics
             .upstream(method, started.elapsed().as_secs_f64());
+        self.answer(response, url, method).await
+    }
+
+    /// A JSON-RPC answer's result as `R`, or its error.
+    async fn answer<R: DeserializeOwned>(
+        &self,
+        response: reqwest::Response,
+        url: &str,
+        method: &str,
+    ) -> Result<R, CallError> {
         let status = response.status();
         let body = self.body(response, url).await?;
         let mut answer: Value = serde_json::from_slice(&body).map_err(|_| {
@@ -164,6 +200,83 @@ impl A2aClient {
                 format!("{url}: {method} answered something that is not its A2A result ({e})"),
             ))
         })
+    }
+}
+
+impl A2aClient {
+    /// One streaming JSON-RPC call (SendStreamingMessage, SubscribeToTask):
+    /// its events as they come (Server-Sent Events, each at most the
+    /// message bound, at most `STREAM_IDLE` apart). An answer that is not
+    /// an event stream is read as one JSON-RPC answer: its error.
+    pub async fn stream<P: Serialize>(
+        &self,
+        url: &str,
+        method: &str,
+        params: &P,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<crate::stream::Events, CallError> {
+        let started = std::time::Instant::now();
+        let response = Self::post(&self.streams, url, method, params, headers)
+            .header(http::header::ACCEPT, "text/event-stream")
+            .send()
+            .await
+            .map_err(|e| unreachable_peer(url, &e))?;
+        self.metrics
+            .upstream(method, started.elapsed().as_secs_f64());
+        let is_stream = response
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !is_stream {
+            let answer: Result<Value, CallError> = self.answer(response, url, method).await;
+            return Err(match answer {
+                Err(error) => error,
+                Ok(_) => CallError::Local(Refused::new(
+                    code::INTERNAL,
+                    "UNDECODABLE_MESSAGE",
+                    format!("{url}: {method} answered one result, not a stream"),
+                )),
+            });
+        }
+        let mut reader = crate::stream::SseReader::new(self.max_bytes);
+        let (tx, rx) = tokio::sync::mpsc::channel(STREAM_READ_AHEAD);
+        let (mut response, url) = (response, url.to_owned());
+        // Read on a task of its own, at most STREAM_READ_AHEAD events
+        // ahead of the reader; it stops when the reader goes away.
+        tokio::spawn(async move {
+            loop {
+                let sent = match response.chunk().await {
+                    Ok(Some(chunk)) => match reader.feed(&chunk) {
+                        Ok(events) => {
+                            let mut open = true;
+                            for sse in events {
+                                let event = crate::stream::event_of(&sse, &url);
+                                let last = event.is_err();
+                                open = tx.send(event).await.is_ok() && !last;
+                                if !open {
+                                    break;
+                                }
+                            }
+                            open
+                        }
+                        Err(refused) => {
+                            let _ = tx.send(Err(refused.into())).await;
+                            false
+                        }
+                    },
+                    Ok(None) => false,
+                    Err(e) => {
+                        let _ = tx.send(Err(unreachable_peer(&url, &e).into())).await;
+                        false
+                    }
+                };
+                if !sent {
+                    return;
+                }
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 }
 

@@ -16,6 +16,7 @@ use crate::client::CallError;
 use crate::config::{self, Peer};
 use crate::ext::{self, Refused, code, echoed};
 use crate::gateway::MAX_CONTRACTS_PER_CONTEXT;
+use crate::stream::Events;
 use crate::{Gateway, Rpc, Sent, broker, broker_error, now_ms, params, passed_headers};
 use broker_domain::Id;
 use broker_wire::pb;
@@ -281,6 +282,16 @@ fn missing_term(peer: &str, term: &str, route_keys: &str) -> Refused {
     .with("field", field)
 }
 
+/// A message to a peer, ready to go: its request (a task-starting one
+/// carrying its new contract's chain), the headers it goes with, and the
+/// contract delegated for it with its parent (none for a message in a
+/// task already delegated).
+struct Prepared {
+    request: a2a::SendMessageRequest,
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    delegated: Option<(Id, Id)>,
+}
+
 /// A SendMessage to a peer: a message in a task already delegated goes on
 /// under its contract; a task-starting one is delegated from its parent
 /// first, and goes to the peer with the new contract's chain.
@@ -290,6 +301,130 @@ async fn send(
     rpc: &Rpc,
     headers: Vec<(http::HeaderName, http::HeaderValue)>,
 ) -> Result<Value, CallError> {
+    let started = std::time::Instant::now();
+    let prepared = prepare(gateway, peer, rpc, headers).await?;
+    let answer: Result<a2a::SendMessageResponse, CallError> = gateway
+        .http
+        .call(
+            &peer.url,
+            "SendMessage",
+            &prepared.request,
+            &prepared.headers,
+        )
+        .await;
+    tracing::debug!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "egress: peer answered"
+    );
+    let response = match (answer, prepared.delegated) {
+        (Err(error), Some((child_id, _))) => {
+            unstarted(gateway, rpc, child_id).await;
+            return Err(error);
+        }
+        (answer, delegated) => {
+            let response = answer?;
+            if let (
+                Some((child_id, parent_id)),
+                Some(a2a::send_message_response::Payload::Task(task)),
+            ) = (delegated, &response.payload)
+            {
+                remember_sent(gateway, &peer.name, &task.id, child_id, parent_id);
+            }
+            response
+        }
+    };
+    serde_json::to_value(&response).map_err(|e| {
+        Refused::new(
+            code::INTERNAL,
+            "INTERNAL",
+            format!("encoding the answer: {e}"),
+        )
+        .into()
+    })
+}
+
+/// A SendStreamingMessage or SubscribeToTask to a peer: delegated as
+/// SendMessage is, then the peer's events relayed as its gateway sent
+/// them (with the broker's word on them).
+pub(super) async fn open(
+    gateway: &Arc<Gateway>,
+    name: &str,
+    rpc: &Rpc,
+) -> Result<Events, CallError> {
+    let peer = peer(gateway, name)?;
+    let headers = passed_headers(rpc);
+    if rpc.method == "SubscribeToTask" {
+        let mut request: a2a::SubscribeToTaskRequest = params(rpc)?;
+        request.tenant.clear();
+        let sent = sent_to(gateway, peer, &request.id)?;
+        let headers = with_token(gateway, peer, &sent.parent_id, headers).await?;
+        return gateway
+            .http
+            .stream(&peer.url, "SubscribeToTask", &request, &headers)
+            .await;
+    }
+    let prepared = prepare(gateway, peer, rpc, headers).await?;
+    let events = gateway
+        .http
+        .stream(
+            &peer.url,
+            "SendStreamingMessage",
+            &prepared.request,
+            &prepared.headers,
+        )
+        .await;
+    let Some((child_id, parent_id)) = prepared.delegated else {
+        return events;
+    };
+    let events = match events {
+        Ok(events) => events,
+        Err(error) => {
+            unstarted(gateway, rpc, child_id).await;
+            return Err(error);
+        }
+    };
+    // The task is remembered from the first event that names it, for the
+    // agent's GetTask, CancelTask and SubscribeToTask of it.
+    let (gateway, peer_name) = (gateway.clone(), peer.name.clone());
+    let mut remembered = false;
+    Ok(Box::pin(tokio_stream::StreamExt::map(
+        events,
+        move |event| {
+            if !remembered
+                && let Ok(event) = &event
+                && let Some(task_id) = crate::stream::task_id_of(event)
+            {
+                remember_sent(&gateway, &peer_name, task_id, child_id, parent_id);
+                remembered = true;
+            }
+            event
+        },
+    )))
+}
+
+/// The task never started: releases what its contract reserved.
+async fn unstarted(gateway: &Gateway, rpc: &Rpc, child_id: Id) {
+    if let Err(e) = broker::end(
+        gateway,
+        rpc.trace.as_deref(),
+        broker::Ending::Revoke,
+        &child_id,
+        "the peer did not take the task".into(),
+    )
+    .await
+    {
+        tracing::warn!(contract = %hex::encode(child_id), reason = %e.reason, "revoking an unstarted contract failed");
+    }
+}
+
+/// A message to a peer made ready (see `Prepared`): a task-starting one is
+/// delegated (its token minted first) and carries the new chain.
+async fn prepare(
+    gateway: &Arc<Gateway>,
+    peer: &Peer,
+    rpc: &Rpc,
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
+) -> Result<Prepared, CallError> {
     let mut request: a2a::SendMessageRequest = params(rpc)?;
     request.tenant.clear();
     let message = request.message.as_mut().ok_or_else(|| {
@@ -302,10 +437,11 @@ async fn send(
         // A message in a task already delegated: its contract goes on.
         let sent = sent_to(gateway, peer, &message.task_id)?;
         let headers = with_token(gateway, peer, &sent.parent_id, headers).await?;
-        return gateway
-            .http
-            .call(&peer.url, "SendMessage", &request, &headers)
-            .await;
+        return Ok(Prepared {
+            request,
+            headers,
+            delegated: None,
+        });
     }
     let started = std::time::Instant::now();
     let body = delegate_body(gateway, peer, outbound, message).await?;
@@ -330,42 +466,10 @@ async fn send(
     if let Some(message) = request.message.as_mut() {
         ext::attach_chain(message, &chain);
     }
-    let answer: Result<a2a::SendMessageResponse, CallError> = gateway
-        .http
-        .call(&peer.url, "SendMessage", &request, &headers)
-        .await;
-    tracing::debug!(
-        elapsed_us = started.elapsed().as_micros() as u64,
-        "egress: peer answered"
-    );
-    let response = match answer {
-        Ok(response) => response,
-        Err(error) => {
-            // The task never started: release what the contract reserved.
-            if let Err(e) = broker::end(
-                gateway,
-                rpc.trace.as_deref(),
-                broker::Ending::Revoke,
-                &child_id,
-                "the peer did not take the task".into(),
-            )
-            .await
-            {
-                tracing::warn!(contract = %hex::encode(child_id), reason = %e.reason, "revoking an unstarted contract failed");
-            }
-            return Err(error);
-        }
-    };
-    if let Some(a2a::send_message_response::Payload::Task(task)) = &response.payload {
-        remember_sent(gateway, peer, task, child_id, parent_id);
-    }
-    serde_json::to_value(&response).map_err(|e| {
-        Refused::new(
-            code::INTERNAL,
-            "INTERNAL",
-            format!("encoding the answer: {e}"),
-        )
-        .into()
+    Ok(Prepared {
+        request,
+        headers,
+        delegated: Some((child_id, parent_id)),
     })
 }
 
@@ -477,7 +581,7 @@ async fn delegate(
 /// Remembers a task sent to `peer` under `contract_id`, for its GetTask
 /// and CancelTask (at most MAX_SENT: past it, an arbitrary one is
 /// dropped).
-fn remember_sent(gateway: &Gateway, peer: &Peer, task: &a2a::Task, contract_id: Id, parent_id: Id) {
+fn remember_sent(gateway: &Gateway, peer: &str, task_id: &str, contract_id: Id, parent_id: Id) {
     let mut sent = gateway.sent.lock().unwrap_or_else(|e| e.into_inner());
     if sent.len() >= MAX_SENT
         && let Some(key) = sent.keys().next().cloned()
@@ -485,9 +589,9 @@ fn remember_sent(gateway: &Gateway, peer: &Peer, task: &a2a::Task, contract_id: 
         sent.remove(&key);
     }
     sent.insert(
-        task.id.clone(),
+        task_id.to_owned(),
         Sent {
-            peer: peer.name.clone(),
+            peer: peer.to_owned(),
             contract_id,
             parent_id,
         },

@@ -53,6 +53,9 @@ pub(crate) struct Slot {
     pub latest: tokio::sync::watch::Sender<Option<a2a::Task>>,
     /// The follower stopped: waiting callers take the latest task as is.
     pub finished: std::sync::atomic::AtomicBool,
+    /// The events of a streaming agent's task, relayed with the broker's
+    /// word as the follower reads them: callers' streams subscribe.
+    pub events: tokio::sync::broadcast::Sender<a2a::StreamResponse>,
 }
 
 /// What the ingress remembers (in memory: a restart reads the broker).
@@ -188,13 +191,14 @@ impl InFlight {
     }
 }
 
-/// A request's place among those in progress; given back when dropped.
-pub(crate) struct Ticket<'a> {
-    gateway: &'a Gateway,
+/// A request's place among those in progress, held by the call (or by
+/// its stream, as long as it is served); given back when dropped.
+pub(crate) struct OwnedTicket {
+    gateway: Arc<Gateway>,
     caller: Option<std::net::IpAddr>,
 }
 
-impl Drop for Ticket<'_> {
+impl Drop for OwnedTicket {
     fn drop(&mut self) {
         let mut in_flight = self
             .gateway
@@ -286,7 +290,10 @@ impl Gateway {
     /// Takes a place for one request of `caller`, or refuses it OVERLOADED
     /// at once (max_in_flight_per_caller, max_in_flight): a caller holding
     /// many slow calls open cannot take the gateway from the others.
-    pub fn ticket(&self, caller: Option<std::net::IpAddr>) -> Result<Ticket<'_>, Refused> {
+    pub fn owned_ticket(
+        self: &Arc<Self>,
+        caller: Option<std::net::IpAddr>,
+    ) -> Result<OwnedTicket, Refused> {
         let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         in_flight
             .take(
@@ -302,10 +309,41 @@ impl Gateway {
                 )
                 .with("limit", limit)
             })?;
-        Ok(Ticket {
-            gateway: self,
+        Ok(OwnedTicket {
+            gateway: self.clone(),
             caller,
         })
+    }
+
+    /// Whether the fronted agent streams (its card says so): its tasks are
+    /// followed by their stream, and the gateway's card says streaming.
+    pub fn streams_upstream(&self) -> bool {
+        self.upstream_card
+            .capabilities
+            .as_ref()
+            .and_then(|c| c.streaming)
+            == Some(true)
+    }
+
+    /// A streaming call to the fronted agent, in its binding.
+    pub async fn upstream_stream<P>(
+        &self,
+        method: &str,
+        params: &P,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<crate::stream::Events, client::CallError>
+    where
+        P: serde::Serialize + prost::Message,
+    {
+        match &self.upstream {
+            Upstream::JsonRpc(url) => self.agent_http.stream(url, method, params, headers).await,
+            Upstream::Grpc(client) => {
+                grpc::stream_agent(client, method, params, headers, &self.metrics).await
+            }
+            Upstream::None => {
+                Err(Refused::new(code::INTERNAL, "INTERNAL", "no agent to call").into())
+            }
+        }
     }
 
     /// One call to the fronted agent, in its binding.
@@ -529,6 +567,7 @@ mod tests {
                 progress: tokio::sync::Mutex::default(),
                 latest: tokio::sync::watch::Sender::new(None),
                 finished: std::sync::atomic::AtomicBool::new(false),
+                events: tokio::sync::broadcast::Sender::new(1),
             })
         };
         let mut admitted = Admitted::default();

@@ -17,6 +17,7 @@ use tonic_types::{ErrorDetails, StatusExt as _};
 
 use super::client::CallError;
 use super::ext::{DOMAIN, Refused, code};
+use super::gateway::OwnedTicket;
 use super::metrics::Side;
 use super::{Gateway, Rpc, egress, ingress, traced_call, unserved};
 
@@ -133,36 +134,30 @@ impl A2aGrpc {
         }
     }
 
-    /// One unary call through the JSON-RPC side's handlers.
-    async fn call<Q, A, R, B>(
+    /// What every call starts with: a place among the requests in
+    /// progress (held by the call, or by its stream), the request as the
+    /// JSON-RPC side's `Rpc`, and the peer it names (egress: `tenant`).
+    fn taken<Q, A>(
         &self,
         method: &'static str,
         request: tonic::Request<Q>,
-    ) -> Result<tonic::Response<R>, tonic::Status>
+    ) -> Result<(OwnedTicket, Rpc, String), tonic::Status>
     where
         Q: prost::Message,
         A: prost::Message + Default + serde::Serialize,
-        R: prost::Message + Default,
-        B: prost::Message + Default + serde::de::DeserializeOwned,
     {
         let caller = match self.role {
             Role::Ingress => request.remote_addr().map(|a| a.ip()),
             Role::Egress => None,
         };
         let (metadata, _, message) = request.into_parts();
-        let gateway = self.gateway.clone();
-        let side = match self.role {
-            Role::Ingress => Side::Ingress,
-            Role::Egress => Side::Egress,
-        };
-        let refuse = |refused: Refused| {
-            gateway.metrics.refused(side, &refused.reason);
-            status_of(&refused)
-        };
-        let _ticket = gateway.ticket(caller).map_err(refuse)?;
-        let json: A = transcode(&message).map_err(refuse)?;
+        let ticket = self
+            .gateway
+            .owned_ticket(caller)
+            .map_err(|r| self.refuse(r))?;
+        let json: A = transcode(&message).map_err(|r| self.refuse(r))?;
         let params = serde_json::to_value(&json).map_err(|e| {
-            refuse(Refused::new(
+            self.refuse(Refused::new(
                 code::INTERNAL,
                 "INTERNAL",
                 format!("encoding the request: {e}"),
@@ -180,43 +175,106 @@ impl A2aGrpc {
             headers: metadata.into_headers(),
             trace: None,
         };
-        let role = self.role;
-        let (_, result) = traced_call(
-            match role {
-                Role::Ingress => "ingress",
-                Role::Egress => "egress",
-            },
-            rpc,
-            async |rpc| {
-                let result = match role {
-                    Role::Ingress => ingress::handle(&gateway, &rpc).await,
-                    Role::Egress if tenant.is_empty() => Err(Refused::new(
-                        code::INVALID_PARAMS,
-                        "INVALID_FIELD",
-                        "tenant: name the peer (the egress card's GRPC interface gives it)",
-                    )
-                    .with("field", "tenant")
-                    .into()),
-                    Role::Egress => egress::handle(&gateway, &tenant, &rpc).await,
-                };
-                (rpc, result)
-            },
-        )
+        Ok((ticket, rpc, tenant))
+    }
+
+    /// A refusal of the gateway's own, counted, as a status.
+    fn refuse(&self, refused: Refused) -> tonic::Status {
+        let side = match self.role {
+            Role::Ingress => Side::Ingress,
+            Role::Egress => Side::Egress,
+        };
+        self.gateway.metrics.refused(side, &refused.reason);
+        status_of(&refused)
+    }
+
+    fn side(&self) -> &'static str {
+        match self.role {
+            Role::Ingress => "ingress",
+            Role::Egress => "egress",
+        }
+    }
+
+    /// One unary call through the JSON-RPC side's handlers.
+    async fn call<Q, A, R, B>(
+        &self,
+        method: &'static str,
+        request: tonic::Request<Q>,
+    ) -> Result<tonic::Response<R>, tonic::Status>
+    where
+        Q: prost::Message,
+        A: prost::Message + Default + serde::Serialize,
+        R: prost::Message + Default,
+        B: prost::Message + Default + serde::de::DeserializeOwned,
+    {
+        let (_ticket, rpc, tenant) = self.taken::<Q, A>(method, request)?;
+        let (gateway, role) = (self.gateway.clone(), self.role);
+        let (_, result) = traced_call(self.side(), rpc, async |rpc| {
+            let result = match role {
+                Role::Ingress => ingress::handle(&gateway, &rpc).await,
+                Role::Egress if tenant.is_empty() => Err(no_tenant().into()),
+                Role::Egress => egress::handle(&gateway, &tenant, &rpc).await,
+            };
+            (rpc, result)
+        })
         .await;
         match result {
             Ok(value) => {
                 let answer: B = serde_json::from_value(value).map_err(|e| {
-                    refuse(Refused::new(
+                    self.refuse(Refused::new(
                         code::INTERNAL,
                         "UNDECODABLE_MESSAGE",
                         format!("{method}: the answer is not its A2A type ({e})"),
                     ))
                 })?;
-                Ok(tonic::Response::new(transcode(&answer).map_err(refuse)?))
+                Ok(tonic::Response::new(
+                    transcode(&answer).map_err(|r| self.refuse(r))?,
+                ))
             }
-            Err(CallError::Local(refused)) => Err(refuse(refused)),
+            Err(CallError::Local(refused)) => Err(self.refuse(refused)),
             Err(CallError::Remote(error)) => Err(remote_status(&error)),
         }
+    }
+
+    /// One streaming call (SendStreamingMessage, SubscribeToTask) through
+    /// the JSON-RPC side's handlers: a refusal before the stream is the
+    /// call's status; each event transcoded; an error ends the stream.
+    async fn stream<Q, A>(
+        &self,
+        method: &'static str,
+        request: tonic::Request<Q>,
+    ) -> Result<tonic::Response<Stream>, tonic::Status>
+    where
+        Q: prost::Message,
+        A: prost::Message + Default + serde::Serialize,
+    {
+        let (ticket, rpc, tenant) = self.taken::<Q, A>(method, request)?;
+        let (gateway, role) = (self.gateway.clone(), self.role);
+        let (_, events) = traced_call(self.side(), rpc, async |rpc| {
+            let events = match role {
+                Role::Ingress => ingress::open(&gateway, &rpc).await,
+                Role::Egress if tenant.is_empty() => Err(no_tenant().into()),
+                Role::Egress => egress::open(&gateway, &tenant, &rpc).await,
+            };
+            (rpc, events)
+        })
+        .await;
+        let events = match events {
+            Ok(events) => events,
+            Err(CallError::Local(refused)) => return Err(self.refuse(refused)),
+            Err(CallError::Remote(error)) => return Err(remote_status(&error)),
+        };
+        let events = tokio_stream::StreamExt::map(events, move |event| {
+            let _held = &ticket;
+            match event {
+                Ok(event) => {
+                    transcode::<_, proto::StreamResponse>(&event).map_err(|r| status_of(&r))
+                }
+                Err(CallError::Local(refused)) => Err(status_of(&refused)),
+                Err(CallError::Remote(error)) => Err(remote_status(&error)),
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(events)))
     }
 
     fn unserved<T>(&self, method: &str) -> Result<T, tonic::Status> {
@@ -231,15 +289,27 @@ impl A2aGrpc {
     }
 }
 
+/// An egress call over gRPC names its peer in `tenant`.
+fn no_tenant() -> Refused {
+    Refused::new(
+        code::INVALID_PARAMS,
+        "INVALID_FIELD",
+        "tenant: name the peer (the egress card's GRPC interface gives it)",
+    )
+    .with("field", "tenant")
+}
+
 type Stream = std::pin::Pin<
     Box<dyn tokio_stream::Stream<Item = Result<proto::StreamResponse, tonic::Status>> + Send>,
 >;
 
 /// The A2A service: the served methods call the agent through `call` (as
-/// their ProtoJSON types), the others answer that they are not served.
+/// their ProtoJSON types), the streamed ones through `stream`, the others
+/// answer that they are not served.
 macro_rules! a2a_service {
     (
         served { $($rpc:ident = $name:literal ($request:ident) -> $response:ident as $json_request:ident, $json_response:ident;)* }
+        streamed { $($streamed:ident = $streamed_name:literal ($streamed_request:ident);)* }
         unserved { $($other:ident = $other_name:literal ($other_request:ident) -> $other_response:ty;)* }
     ) => {
         #[tonic::async_trait]
@@ -256,6 +326,14 @@ macro_rules! a2a_service {
                         request,
                     )
                     .await
+                }
+            )*
+            $(
+                async fn $streamed(
+                    &self,
+                    request: tonic::Request<proto::$streamed_request>,
+                ) -> Result<tonic::Response<Stream>, tonic::Status> {
+                    self.stream::<_, protojson::$streamed_request>($streamed_name, request).await
                 }
             )*
             $(
@@ -276,16 +354,107 @@ a2a_service! {
         get_task = "GetTask" (GetTaskRequest) -> Task as GetTaskRequest, Task;
         cancel_task = "CancelTask" (CancelTaskRequest) -> Task as CancelTaskRequest, Task;
     }
+    streamed {
+        send_streaming_message = "SendStreamingMessage" (SendMessageRequest);
+        subscribe_to_task = "SubscribeToTask" (SubscribeToTaskRequest);
+    }
     unserved {
-        send_streaming_message = "SendStreamingMessage" (SendMessageRequest) -> Stream;
         list_tasks = "ListTasks" (ListTasksRequest) -> proto::ListTasksResponse;
-        subscribe_to_task = "SubscribeToTask" (SubscribeToTaskRequest) -> Stream;
         create_task_push_notification_config = "CreateTaskPushNotificationConfig" (TaskPushNotificationConfig) -> proto::TaskPushNotificationConfig;
         get_task_push_notification_config = "GetTaskPushNotificationConfig" (GetTaskPushNotificationConfigRequest) -> proto::TaskPushNotificationConfig;
         list_task_push_notification_configs = "ListTaskPushNotificationConfigs" (ListTaskPushNotificationConfigsRequest) -> proto::ListTaskPushNotificationConfigsResponse;
         get_extended_agent_card = "GetExtendedAgentCard" (GetExtendedAgentCardRequest) -> proto::AgentCard;
         delete_task_push_notification_config = "DeleteTaskPushNotificationConfig" (DeleteTaskPushNotificationConfigRequest) -> ();
     }
+}
+
+/// A request to the agent over gRPC: the protocol version and `headers`
+/// (trace context) as metadata.
+fn agent_request<T>(
+    message: T,
+    headers: &[(http::HeaderName, http::HeaderValue)],
+) -> tonic::Request<T> {
+    use tonic::metadata::{MetadataKey, MetadataValue};
+    let mut request = tonic::Request::new(message);
+    let metadata = request.metadata_mut();
+    metadata.insert(
+        "a2a-version",
+        MetadataValue::from_static(super::client::PROTOCOL_VERSION),
+    );
+    for (name, value) in headers {
+        if let (Ok(key), Some(value)) = (
+            MetadataKey::from_bytes(name.as_str().as_bytes()),
+            value
+                .to_str()
+                .ok()
+                .and_then(|v| MetadataValue::try_from(v).ok()),
+        ) {
+            metadata.insert(key, value);
+        }
+    }
+    request
+}
+
+/// A streaming call to the fronted agent over gRPC (SendStreamingMessage,
+/// SubscribeToTask): its events as ProtoJSON types.
+pub async fn stream_agent<P: prost::Message>(
+    client: &proto::a2a_service_client::A2aServiceClient<tonic::transport::Channel>,
+    method: &str,
+    params: &P,
+    headers: &[(http::HeaderName, http::HeaderValue)],
+    metrics: &super::metrics::GatewayMetrics,
+) -> Result<super::stream::Events, CallError> {
+    use tokio_stream::StreamExt as _;
+    let mut client = client.clone();
+    let started = std::time::Instant::now();
+    let answer = match method {
+        "SendStreamingMessage" => {
+            let request = transcode::<_, proto::SendMessageRequest>(params)?;
+            client
+                .send_streaming_message(agent_request(request, headers))
+                .await
+        }
+        "SubscribeToTask" => {
+            let request = transcode::<_, proto::SubscribeToTaskRequest>(params)?;
+            client
+                .subscribe_to_task(agent_request(request, headers))
+                .await
+        }
+        other => {
+            return Err(Refused::new(
+                code::METHOD_NOT_FOUND,
+                "INVALID_FIELD",
+                format!("{other}: not streamed over gRPC"),
+            )
+            .into());
+        }
+    };
+    metrics.upstream(method, started.elapsed().as_secs_f64());
+    let events = answer.map_err(|status| agent_error(method, &status))?;
+    let method = method.to_owned();
+    Ok(Box::pin(events.into_inner().map(
+        move |event| match event {
+            Ok(event) => transcode::<_, protojson::StreamResponse>(&event).map_err(CallError::from),
+            Err(status) => Err(agent_error(&method, &status)),
+        },
+    )))
+}
+
+/// A status the agent answered: unreachable as the gateway's own
+/// UNAVAILABLE, else relayed as the agent's error.
+fn agent_error(method: &str, status: &tonic::Status) -> CallError {
+    if status.get_details_error_info().is_none() && status.code() == tonic::Code::Unavailable {
+        return Refused::new(
+            code::INTERNAL,
+            "UNAVAILABLE",
+            format!(
+                "the agent could not be reached over gRPC ({method}: {})",
+                status.message()
+            ),
+        )
+        .into();
+    }
+    CallError::Remote(remote_error(status))
 }
 
 /// Calls the fronted agent over gRPC: `method` with ProtoJSON-typed
@@ -301,30 +470,6 @@ where
     P: prost::Message,
     R: prost::Message + Default,
 {
-    fn request<T>(
-        message: T,
-        headers: &[(http::HeaderName, http::HeaderValue)],
-    ) -> tonic::Request<T> {
-        use tonic::metadata::{MetadataKey, MetadataValue};
-        let mut request = tonic::Request::new(message);
-        let metadata = request.metadata_mut();
-        metadata.insert(
-            "a2a-version",
-            MetadataValue::from_static(super::client::PROTOCOL_VERSION),
-        );
-        for (name, value) in headers {
-            if let (Ok(key), Some(value)) = (
-                MetadataKey::from_bytes(name.as_str().as_bytes()),
-                value
-                    .to_str()
-                    .ok()
-                    .and_then(|v| MetadataValue::try_from(v).ok()),
-            ) {
-                metadata.insert(key, value);
-            }
-        }
-        request
-    }
     let mut client = client.clone();
     let started = std::time::Instant::now();
     // One upstream RPC: its request transcoded from the JSON params, its
@@ -332,7 +477,7 @@ where
     macro_rules! call {
         ($rpc:ident, $request:ty) => {
             client
-                .$rpc(request(transcode::<_, $request>(params)?, headers))
+                .$rpc(agent_request(transcode::<_, $request>(params)?, headers))
                 .await
                 .map(|r| r.into_inner().encode_to_vec())
         };
@@ -360,20 +505,6 @@ where
             )
             .into()
         }),
-        Err(status)
-            if status.get_details_error_info().is_none()
-                && status.code() == tonic::Code::Unavailable =>
-        {
-            Err(Refused::new(
-                code::INTERNAL,
-                "UNAVAILABLE",
-                format!(
-                    "the agent could not be reached over gRPC ({})",
-                    status.message()
-                ),
-            )
-            .into())
-        }
-        Err(status) => Err(CallError::Remote(remote_error(&status))),
+        Err(status) => Err(agent_error(method, &status)),
     }
 }

@@ -1,7 +1,7 @@
 //! The JSON-RPC binding's side of both listeners: a request read within
 //! its limits (strict JSON, a place among those in progress), run in a
 //! span of its own, and answered with the result or the error as A2A's
-//! SDKs read it.
+//! SDKs read it; a stream as Server-Sent Events.
 
 use std::sync::Arc;
 
@@ -12,8 +12,9 @@ use serde_json::{Value, json};
 
 use crate::client::CallError;
 use crate::ext::{Refused, code};
-use crate::gateway::Ticket;
+use crate::gateway::OwnedTicket;
 use crate::metrics::Side;
+use crate::stream::{Events, is_streaming};
 use crate::{Gateway, egress, ingress, json};
 
 /// One JSON-RPC request, read within its limits.
@@ -73,14 +74,14 @@ pub(crate) fn envelope(body: &[u8], max_bytes: usize) -> Result<Envelope, (Value
 /// A place for the request of `caller` and the request read, or the
 /// refusal to answer (with the request's id once read): too many in
 /// progress, not JSON-RPC, or a method neither side serves.
-fn taken<'a>(
-    gateway: &'a Gateway,
+fn taken(
+    gateway: &Arc<Gateway>,
     caller: Option<std::net::IpAddr>,
     headers: http::HeaderMap,
     body: &[u8],
-) -> Result<(Ticket<'a>, Rpc), (Value, Refused)> {
+) -> Result<(OwnedTicket, Rpc), (Value, Refused)> {
     let ticket = gateway
-        .ticket(caller)
+        .owned_ticket(caller)
         .map_err(|refused| (Value::Null, refused))?;
     let Envelope { id, method, params } = envelope(body, gateway.config.max_message_bytes)?;
     if let Some(refused) = unserved(&method) {
@@ -102,10 +103,18 @@ pub(crate) async fn ingress_rpc(
     headers: http::HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (_ticket, rpc) = match taken(&gateway, Some(caller.ip()), headers, &body) {
+    let (ticket, rpc) = match taken(&gateway, Some(caller.ip()), headers, &body) {
         Ok(taken) => taken,
         Err((id, refused)) => return answer(&gateway, Side::Ingress, id, Err(refused.into())),
     };
+    if is_streaming(&rpc.method) {
+        let (id, events) = traced_call("ingress", rpc, async |rpc| {
+            let events = ingress::open(&gateway, &rpc).await;
+            (rpc, events)
+        })
+        .await;
+        return streamed(&gateway, Side::Ingress, id, events, ticket);
+    }
     let (id, result) = traced_call("ingress", rpc, async |rpc| {
         let result = ingress::handle(&gateway, &rpc).await;
         (rpc, result)
@@ -120,10 +129,18 @@ pub(crate) async fn egress_rpc(
     headers: http::HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (_ticket, rpc) = match taken(&gateway, None, headers, &body) {
+    let (ticket, rpc) = match taken(&gateway, None, headers, &body) {
         Ok(taken) => taken,
         Err((id, refused)) => return answer(&gateway, Side::Egress, id, Err(refused.into())),
     };
+    if is_streaming(&rpc.method) {
+        let (id, events) = traced_call("egress", rpc, async |rpc| {
+            let events = egress::open(&gateway, &peer, &rpc).await;
+            (rpc, events)
+        })
+        .await;
+        return streamed(&gateway, Side::Egress, id, events, ticket);
+    }
     let (id, result) = traced_call("egress", rpc, async |rpc| {
         let result = egress::handle(&gateway, &peer, &rpc).await;
         (rpc, result)
@@ -133,10 +150,16 @@ pub(crate) async fn egress_rpc(
 }
 
 fn answer(gateway: &Gateway, side: Side, id: Value, result: Result<Value, CallError>) -> Response {
+    axum::Json(response(gateway, side, &id, result)).into_response()
+}
+
+/// A JSON-RPC response: the result, or the error (the gateway's own
+/// counted as a refusal).
+fn response(gateway: &Gateway, side: Side, id: &Value, result: Result<Value, CallError>) -> Value {
     if let Err(CallError::Local(refused)) = &result {
         gateway.metrics.refused(side, &refused.reason);
     }
-    let body = match result {
+    match result {
         Ok(result) => json!({"jsonrpc": "2.0", "id": id, "result": result}),
         Err(CallError::Remote(error)) => {
             json!({"jsonrpc": "2.0", "id": id, "error": error})
@@ -144,8 +167,52 @@ fn answer(gateway: &Gateway, side: Side, id: Value, result: Result<Value, CallEr
         Err(CallError::Local(refused)) => {
             json!({"jsonrpc": "2.0", "id": id, "error": refused.to_jsonrpc()})
         }
+    }
+}
+
+/// A stream's answer: a refusal before it starts is a plain JSON-RPC
+/// error (the SDKs read it as the call's error); else Server-Sent Events,
+/// each a whole JSON-RPC response whose result is a StreamResponse (an
+/// error ends the stream). The stream holds its place among the requests
+/// in progress until it ends.
+fn streamed(
+    gateway: &Arc<Gateway>,
+    side: Side,
+    id: Value,
+    events: Result<Events, CallError>,
+    ticket: OwnedTicket,
+) -> Response {
+    let events = match events {
+        Ok(events) => events,
+        Err(error) => return answer(gateway, side, id, Err(error)),
     };
-    axum::Json(body).into_response()
+    let gateway = gateway.clone();
+    let body = tokio_stream::StreamExt::map(events, move |event| {
+        let _held = &ticket;
+        let result = event.and_then(|event| {
+            serde_json::to_value(&event).map_err(|e| {
+                Refused::new(
+                    code::INTERNAL,
+                    "INTERNAL",
+                    format!("encoding an event: {e}"),
+                )
+                .into()
+            })
+        });
+        let data = response(&gateway, side, &id, result);
+        Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {data}\n\n")))
+    });
+    let mut response = axum::body::Body::from_stream(body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-cache"),
+    );
+    response
 }
 
 /// Params of one method, as its A2A type.
@@ -162,10 +229,6 @@ pub(crate) fn params<T: serde::de::DeserializeOwned>(rpc: &Rpc) -> Result<T, Ref
 /// Methods neither side serves, with the reason.
 pub(crate) fn unserved(method: &str) -> Option<Refused> {
     let (code, why) = match method {
-        "SendStreamingMessage" | "SubscribeToTask" => (
-            code::UNSUPPORTED_OPERATION,
-            "streaming is not served through the delegation gateway (its card says streaming: false); use SendMessage and GetTask",
-        ),
         "CreateTaskPushNotificationConfig"
         | "GetTaskPushNotificationConfig"
         | "ListTaskPushNotificationConfigs"
@@ -177,7 +240,9 @@ pub(crate) fn unserved(method: &str) -> Option<Refused> {
             code::UNSUPPORTED_OPERATION,
             "not served through the delegation gateway: read each task with GetTask",
         ),
-        "SendMessage" | "GetTask" | "CancelTask" => return None,
+        "SendMessage" | "GetTask" | "CancelTask" | "SendStreamingMessage" | "SubscribeToTask" => {
+            return None;
+        }
         _ => (code::METHOD_NOT_FOUND, "no such A2A v1 method"),
     };
     Some(Refused::new(code, "INVALID_FIELD", format!("{method}: {why}")).with("field", "method"))
@@ -199,14 +264,14 @@ pub(crate) fn passed_headers(rpc: &Rpc) -> Vec<(http::HeaderName, http::HeaderVa
 /// Runs one JSON-RPC call in a span of its own when spans are exported: a
 /// child of the caller's `traceparent`, the parent of what the gateway
 /// asks the broker, the agent and peers for it.
-pub(crate) async fn traced_call<F, Fut>(
+pub(crate) async fn traced_call<T, F, Fut>(
     side: &'static str,
     mut rpc: Rpc,
     call: F,
-) -> (Value, Result<Value, CallError>)
+) -> (Value, Result<T, CallError>)
 where
     F: FnOnce(Rpc) -> Fut,
-    Fut: std::future::Future<Output = (Rpc, Result<Value, CallError>)>,
+    Fut: std::future::Future<Output = (Rpc, Result<T, CallError>)>,
 {
     let sent = rpc
         .headers
@@ -217,9 +282,13 @@ where
     let name = match (side, rpc.method.as_str()) {
         ("ingress", "SendMessage") => "a2a.gateway/ingress/SendMessage",
         ("ingress", "GetTask") => "a2a.gateway/ingress/GetTask",
+        ("ingress", "SendStreamingMessage") => "a2a.gateway/ingress/SendStreamingMessage",
+        ("ingress", "SubscribeToTask") => "a2a.gateway/ingress/SubscribeToTask",
         ("ingress", _) => "a2a.gateway/ingress/CancelTask",
         (_, "SendMessage") => "a2a.gateway/egress/SendMessage",
         (_, "GetTask") => "a2a.gateway/egress/GetTask",
+        (_, "SendStreamingMessage") => "a2a.gateway/egress/SendStreamingMessage",
+        (_, "SubscribeToTask") => "a2a.gateway/egress/SubscribeToTask",
         _ => "a2a.gateway/egress/CancelTask",
     };
     let mut span = broker_runtime::telemetry::StepSpan::start(name, sent.as_deref());

@@ -24,6 +24,7 @@ mod json;
 mod jsonrpc;
 pub mod metrics;
 pub mod server;
+mod stream;
 
 use std::path::PathBuf;
 

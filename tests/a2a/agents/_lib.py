@@ -238,7 +238,9 @@ class GrpcRequestLog(grpc.aio.ServerInterceptor):
 # --------------------------------------------------------------------------
 
 
-def agent_card(name: str, url: str, description: str, skill: str, grpc_url: str | None = None) -> AgentCard:
+def agent_card(
+    name: str, url: str, description: str, skill: str, grpc_url: str | None = None, streaming: bool = True
+) -> AgentCard:
     interfaces = [AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="1.0")]
     if grpc_url:
         interfaces.append(AgentInterface(url=grpc_url, protocol_binding="GRPC", protocol_version="1.0"))
@@ -247,8 +249,9 @@ def agent_card(name: str, url: str, description: str, skill: str, grpc_url: str 
         description=description,
         version="1.0.0",
         supported_interfaces=interfaces,
-        # A stock agent that streams; a gateway in front serves it as not streaming.
-        capabilities=AgentCapabilities(streaming=True, push_notifications=False),
+        # A stock agent streams (the SDK serves SendStreamingMessage and
+        # SubscribeToTask); with streaming False the SDK refuses both.
+        capabilities=AgentCapabilities(streaming=streaming, push_notifications=False),
         default_input_modes=["text/plain", "application/json"],
         default_output_modes=["application/json", "text/plain"],
         skills=[AgentSkill(id=skill, name=skill, description=description, tags=["test"])],
@@ -264,13 +267,16 @@ def serve(
     port: int,
     log_path: str | None,
     grpc_port: int | None = None,
+    streaming: bool = True,
 ) -> None:
     """Binds 127.0.0.1:port (0 picks one), prints `agent on http://127.0.0.1:PORT`
     on stdout, and serves the executor until SIGTERM/SIGINT. With `grpc_port`
     (0 picks one) it serves the gRPC binding too, on a grpc.aio server in the
     same event loop with the same request handler, lists it in its card
     (`GRPC`, `127.0.0.1:GRPCPORT`, after the JSON-RPC interface) and prints
-    `agent grpc on 127.0.0.1:GRPCPORT` after the first line."""
+    `agent grpc on 127.0.0.1:GRPCPORT` after the first line. `streaming`
+    is the card's `capabilities.streaming` (False: the SDK refuses
+    SendStreamingMessage and SubscribeToTask)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
@@ -281,7 +287,7 @@ def serve(
     log_level = os.environ.get("AGENT_LOG_LEVEL", "warning")
 
     def build(grpc_url: str | None) -> tuple[DefaultRequestHandler, uvicorn.Server]:
-        card = agent_card(name, url + "/", description, skill, grpc_url)
+        card = agent_card(name, url + "/", description, skill, grpc_url, streaming)
         handler = DefaultRequestHandler(
             agent_executor=executor_factory(log),
             task_store=InMemoryTaskStore(),

@@ -3,6 +3,7 @@
     python worker.py --port 0 --mode good|bad|input|slow|call-peer [--log FILE]
                      [--name NAME] [--delay-ms N] [--outbound URL] [--peer-terms JSON]
                      [--grpc-port N] [--outbound-binding jsonrpc|grpc]
+                     [--stream-steps N [--step-ms M]] [--no-streaming]
 
 Prints `agent on http://127.0.0.1:PORT` once listening (with --grpc-port,
 then `agent grpc on 127.0.0.1:PORT`: the gRPC binding served too, listed in
@@ -17,7 +18,23 @@ the card after the JSON-RPC interface). Modes:
 - call-peer: calls the agent at --outbound (its gateway's egress
   `/peers/NAME`) with the SDK's client, with the same contextId as its own
   task, and completes with {"call": <outcome>} (state, verdict, error text, …).
---delay-ms delays good/bad/call-peer's end. The log (--log) gets one JSON
+--delay-ms delays good/bad/call-peer's end.
+
+--stream-steps N (good and bad; default 0: off) makes the task stream: after
+WORKING, N steps, each a WORKING status update with the message "step I of
+N" and an artifact update of the artifact `answer` (id and name) with one
+data part {"partial": I, "of": N}, --step-ms apart (default 200); then the
+artifact `answer` once more with the mode's final part (it replaces the
+partial ones: the task ends with one artifact of one part, as without
+steps), then COMPLETED. A task-starting message's data part may ask other
+numbers for its task ({"steps": N, "stepMs": M}). Each step is logged
+({"kind": "step", "step": I, "of": N}) before its events are sent, and
+{"kind": "finished"} before the final status. Only the SDK's TaskUpdater
+emits the events: a streaming client (SendStreamingMessage, SubscribeToTask)
+gets them as they are sent; CancelTask mid-way ends the task CANCELED. The
+card says `capabilities.streaming: true` (as every agent's does by default);
+--no-streaming says false, and the SDK then refuses SendStreamingMessage and
+SubscribeToTask (the agent is only polled). The log (--log) gets one JSON
 line per request received on either binding (`binding` jsonrpc|grpc, method,
 taskId, contextId, extensions and metadata keys of the message), and per
 execute/cancel. --outbound-binding (default $A2A_OUTBOUND_BINDING, else
@@ -83,7 +100,11 @@ class WorkerExecutor(AgentExecutor):
             return
         if args.delay_ms:
             await asyncio.sleep(args.delay_ms / 1000)
-        if args.mode == "good":
+        steps, step_ms = self.stream_plan(context)
+        if args.mode in ("good", "bad") and steps:
+            final = {"answer": 42} if args.mode == "good" else {"answer": "forty-two"}
+            await self.stream_steps(context, updater, steps, step_ms, final)
+        elif args.mode == "good":
             await updater.add_artifact([result_part({"answer": 42})], name="answer")
             await updater.complete()
         elif args.mode == "bad":
@@ -105,6 +126,38 @@ class WorkerExecutor(AgentExecutor):
             await updater.add_artifact([result_part({"call": outcome})], name="call")
             await updater.complete()
 
+    def stream_plan(self, context: RequestContext) -> tuple[int, float]:
+        """How many steps the task streams and how far apart (ms): the
+        message's {"steps", "stepMs"} when it asks, else --stream-steps and
+        --step-ms; no steps unless --stream-steps is set."""
+        steps, step_ms = self.args.stream_steps, float(self.args.step_ms)
+        if not steps:
+            return 0, 0.0
+        for data in data_parts(context.message):
+            if isinstance(data, dict):
+                steps = int(data.get("steps", steps))
+                step_ms = float(data.get("stepMs", step_ms))
+        return max(0, steps), max(0.0, step_ms)
+
+    async def stream_steps(
+        self, context: RequestContext, updater: TaskUpdater, steps: int, step_ms: float, final: dict
+    ) -> None:
+        """N WORKING status updates and N replacements of the artifact
+        `answer`, step_ms apart, then the final artifact and COMPLETED."""
+        for step in range(1, steps + 1):
+            self.log.write(kind="step", taskId=context.task_id, contextId=context.context_id, step=step, of=steps)
+            await updater.update_status(
+                TaskState.TASK_STATE_WORKING,
+                message=updater.new_agent_message([new_text_part(f"step {step} of {steps}")]),
+            )
+            await updater.add_artifact(
+                [result_part({"partial": step, "of": steps})], artifact_id="answer", name="answer"
+            )
+            await asyncio.sleep(step_ms / 1000)
+        await updater.add_artifact([result_part(final)], artifact_id="answer", name="answer")
+        self.log.write(kind="finished", taskId=context.task_id, contextId=context.context_id, steps=steps)
+        await updater.complete()
+
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
         self.log.write(kind="cancel", taskId=context.task_id, contextId=context.context_id)
         stderr(f"cancel {context.task_id}")
@@ -125,18 +178,30 @@ def main() -> None:
     parser.add_argument("--call-timeout-s", type=float, default=120.0)
     parser.add_argument("--verdict-wait-s", type=float, default=5.0,
                         help="how long to re-read a task that ended without a verdict in its metadata")
+    parser.add_argument("--stream-steps", type=int, default=0,
+                        help="good/bad: stream N WORKING updates and partial artifacts before the end (0: off)")
+    parser.add_argument("--step-ms", type=int, default=200, help="--stream-steps: the pause after each step")
+    parser.add_argument("--no-streaming", action="store_true",
+                        help="the card says capabilities.streaming false (the SDK then refuses streaming calls)")
     add_binding_args(parser)
     args = parser.parse_args()
     if args.mode == "call-peer" and not args.outbound:
         parser.error("--mode call-peer needs --outbound URL")
+    if args.stream_steps < 0 or args.step_ms < 0:
+        parser.error("--stream-steps and --step-ms are not negative")
+    if args.stream_steps and args.mode not in ("good", "bad"):
+        parser.error("--stream-steps is for --mode good or bad")
+    if args.stream_steps and args.no_streaming:
+        parser.error("--stream-steps streams: not with --no-streaming")
     serve(
         lambda log: WorkerExecutor(args, log),
         name=args.name,
-        description=f"test worker ({args.mode})",
+        description=f"test worker ({args.mode}{', streaming' if args.stream_steps else ''})",
         skill=f"worker-{args.mode}",
         port=args.port,
         log_path=args.log,
         grpc_port=args.grpc_port,
+        streaming=not args.no_streaming,
     )
 
 

@@ -1,6 +1,7 @@
 //! Following an admitted task: its slot (rebuilt after a restart from
 //! the agent's record and the broker's state), the broker calls its
-//! states ask for, the agent polled until the task settles, the task
+//! states ask for, the agent followed by its stream (or polled) until the
+//! task settles, the callers' streams of it, the task
 //! canceled when its contract is revoked or expires, and the tasks of a
 //! previous run followed again at start.
 
@@ -27,6 +28,8 @@ const MAX_RECOVERY_HELD: u32 = broker_domain::limits::MAX_PAGE_SIZE;
 /// How long a task canceled for its contract (revoked, expired) is read
 /// again until the agent reports it settled.
 const CANCEL_GRACE_MS: u64 = 10_000;
+/// Events a caller's stream holds ready ahead of its reader.
+const STREAM_AHEAD: usize = 16;
 
 /// An admitted task's slot; after a restart, rebuilt from the agent's own
 /// record of the task (the contract its first message was marked with)
@@ -92,7 +95,12 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
     gateway.remember_context(&task.context_id, contract_id);
     tracing::info!(task = %ext::echoed(task_id), contract = %hex::encode(contract_id), "task found again after a restart");
     if !progress.ended {
-        tokio::spawn(follow(gateway.clone(), slot.clone(), task_id.to_owned()));
+        tokio::spawn(follow(
+            gateway.clone(),
+            slot.clone(),
+            task_id.to_owned(),
+            None,
+        ));
     }
     Ok(slot)
 }
@@ -118,6 +126,7 @@ pub(super) fn new_slot(
         )),
         latest: tokio::sync::watch::Sender::new(None),
         finished: std::sync::atomic::AtomicBool::new(false),
+        events: tokio::sync::broadcast::Sender::new(crate::stream::EVENTS_BUFFER),
     })
 }
 
@@ -222,11 +231,24 @@ pub(super) async fn observe(
 }
 
 /// Follows an admitted task until it settles and its contract has moved:
-/// polls the agent every poll_ms, and cancels the task when the contract
-/// is revoked or expires, or its deadline passes.
-pub(super) async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: String) {
+/// by the agent's own stream of the task when it streams (`upstream`, the
+/// stream the task was started with, else SubscribeToTask), else (or when
+/// that stream fails) by reading the task every poll_ms; either way the
+/// task is canceled when the contract is revoked or expires, or its
+/// deadline passes.
+pub(super) async fn follow(
+    gateway: Arc<Gateway>,
+    slot: Arc<Slot>,
+    task_id: String,
+    upstream: Option<crate::stream::Events>,
+) {
     gateway.metrics.followed.inc();
-    following(&gateway, &slot, &task_id).await;
+    let mut canceled_at = None;
+    let done = (upstream.is_some() || gateway.streams_upstream())
+        && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await;
+    if !done {
+        following(&gateway, &slot, &task_id, &mut canceled_at).await;
+    }
     gateway.metrics.followed.dec();
     // Callers still waiting for the task are answered with what is known.
     slot.finished
@@ -234,55 +256,85 @@ pub(super) async fn follow(gateway: Arc<Gateway>, slot: Arc<Slot>, task_id: Stri
     slot.latest.send_modify(|_| {});
 }
 
-async fn following(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) {
+/// What a look at the contract decided.
+enum Look {
+    /// The task settled and its contract moved, or a cancel went
+    /// unanswered too long: the follower stops.
+    Stop,
+    /// The task was canceled for its contract just now.
+    Canceled,
+    /// Go on reading the task.
+    Read,
+}
+
+/// Stops once the task settled and its contract moved; cancels the task
+/// once its contract is revoked or expired (read from the broker) or its
+/// deadline passed, then reads it for at most CANCEL_GRACE_MS.
+async fn look(
+    gateway: &Gateway,
+    slot: &Slot,
+    task_id: &str,
+    canceled_at: &mut Option<tokio::time::Instant>,
+) -> Look {
+    let ended = slot.progress.lock().await.0.ended;
+    if ended && slot.latest.borrow().as_ref().is_some_and(settled) {
+        return Look::Stop;
+    }
+    if let Some(at) = canceled_at {
+        if at.elapsed() > Duration::from_millis(CANCEL_GRACE_MS) {
+            tracing::warn!(task = %task_id, "the agent's task did not settle after its cancel");
+            return Look::Stop;
+        }
+        return Look::Read;
+    }
+    let expired = now_ms() >= slot.deadline_ms;
+    let revoked = match gateway.contract(&slot.contract_id).await {
+        Ok(state) => matches!(
+            pb::ContractStatus::try_from(state.status),
+            Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
+        ),
+        Err(_) => false,
+    };
+    if !(expired || revoked) {
+        return Look::Read;
+    }
+    let why = if revoked {
+        "revoked"
+    } else {
+        "past its deadline"
+    };
+    tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
+    let cancel = a2a::CancelTaskRequest {
+        id: task_id.to_owned(),
+        ..Default::default()
+    };
+    let canceled: Result<a2a::Task, _> = gateway.upstream_call("CancelTask", &cancel, &[]).await;
+    if let Err(CallError::Remote(error)) = &canceled {
+        tracing::warn!(task = %task_id, %error, "the agent refused to cancel its task");
+    }
+    *canceled_at = Some(tokio::time::Instant::now());
+    Look::Canceled
+}
+
+/// Polls the agent's task every poll_ms (see `follow`).
+async fn following(
+    gateway: &Arc<Gateway>,
+    slot: &Arc<Slot>,
+    task_id: &str,
+    canceled_at: &mut Option<tokio::time::Instant>,
+) {
     let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let get = a2a::GetTaskRequest {
         id: task_id.to_owned(),
         ..Default::default()
     };
-    // Set once the task was canceled for its contract: the task is then
-    // read until it settles, for at most CANCEL_GRACE_MS.
-    let mut canceled_at: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
-        let ended = slot.progress.lock().await.0.ended;
-        if ended && slot.latest.borrow().as_ref().is_some_and(settled) {
-            return;
-        }
-        if let Some(at) = canceled_at {
-            if at.elapsed() > Duration::from_millis(CANCEL_GRACE_MS) {
-                tracing::warn!(task = %task_id, "the agent's task did not settle after its cancel");
-                return;
-            }
-        } else {
-            let expired = now_ms() >= slot.deadline_ms;
-            let revoked = match gateway.contract(&slot.contract_id).await {
-                Ok(state) => matches!(
-                    pb::ContractStatus::try_from(state.status),
-                    Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
-                ),
-                Err(_) => false,
-            };
-            if expired || revoked {
-                let why = if revoked {
-                    "revoked"
-                } else {
-                    "past its deadline"
-                };
-                tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
-                let cancel = a2a::CancelTaskRequest {
-                    id: task_id.to_owned(),
-                    ..Default::default()
-                };
-                let canceled: Result<a2a::Task, _> =
-                    gateway.upstream_call("CancelTask", &cancel, &[]).await;
-                if let Err(CallError::Remote(error)) = &canceled {
-                    tracing::warn!(task = %task_id, %error, "the agent refused to cancel its task");
-                }
-                canceled_at = Some(tokio::time::Instant::now());
-                continue;
-            }
+        match look(gateway, slot, task_id, canceled_at).await {
+            Look::Stop => return,
+            Look::Canceled => continue,
+            Look::Read => {}
         }
         let task: Result<a2a::Task, _> = gateway.upstream_call("GetTask", &get, &[]).await;
         match task {
@@ -300,6 +352,134 @@ async fn following(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) {
             }
         }
     }
+}
+
+/// Follows a streaming agent's task by its SubscribeToTask stream: each
+/// event moves the contract (observe) and reaches the callers' streams
+/// with the broker's word; the agent is never polled, and the contract is
+/// looked at every poll_ms. False when the stream could not be opened or
+/// ended before the task settled: the caller polls from there.
+async fn by_stream(
+    gateway: &Arc<Gateway>,
+    slot: &Arc<Slot>,
+    task_id: &str,
+    upstream: Option<crate::stream::Events>,
+    canceled_at: &mut Option<tokio::time::Instant>,
+) -> bool {
+    use tokio_stream::StreamExt as _;
+    let subscribe = a2a::SubscribeToTaskRequest {
+        id: task_id.to_owned(),
+        ..Default::default()
+    };
+    let opened = match upstream {
+        Some(events) => Ok(events),
+        None => {
+            gateway
+                .upstream_stream("SubscribeToTask", &subscribe, &[])
+                .await
+        }
+    };
+    let mut events = match opened {
+        Ok(events) => events,
+        Err(e) => {
+            tracing::info!(task = %task_id, error = ?e, "the agent's task stream could not be opened; polling it");
+            return false;
+        }
+    };
+    let mut task = slot.latest.borrow().clone().unwrap_or_default();
+    let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            event = events.next() => match event {
+                Some(Ok(event)) => {
+                    crate::stream::fold(&mut task, &event);
+                    match observe(gateway, slot, task.clone()).await {
+                        Ok(decorated) => {
+                            let _ = slot.events.send(crate::stream::relayed(event, &decorated));
+                        }
+                        Err(e) => {
+                            tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
+                        }
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(task = %task_id, error = ?e, "the agent's task stream failed; polling it");
+                    return false;
+                }
+                None => {
+                    let ended = slot.progress.lock().await.0.ended;
+                    return ended && slot.latest.borrow().as_ref().is_some_and(settled);
+                }
+            },
+            _ = tick.tick() => {
+                if let Look::Stop = look(gateway, slot, task_id, canceled_at).await {
+                    return true;
+                }
+            }
+        }
+    }
+}
+
+/// A caller's stream of an admitted task: `first`, the task as it was when
+/// `events` subscribed (with the broker's word), then each event the
+/// follower relays from that moment, until one leaves
+/// the task settled or the follower stops (then the task as last seen).
+/// A caller too slow for `stream::EVENTS_BUFFER` events gets the task
+/// whole and goes on.
+pub(super) fn events_of(
+    slot: Arc<Slot>,
+    first: Option<a2a::Task>,
+    mut events: tokio::sync::broadcast::Receiver<a2a::StreamResponse>,
+) -> crate::stream::Events {
+    use crate::stream::{ends, task_event};
+    use tokio::sync::broadcast::error::RecvError;
+    let mut latest = slot.latest.subscribe();
+    latest.mark_unchanged();
+    let (tx, rx) = tokio::sync::mpsc::channel(STREAM_AHEAD);
+    tokio::spawn(async move {
+        let finished = || slot.finished.load(std::sync::atomic::Ordering::Acquire);
+        if let Some(task) = first {
+            let event = task_event(task);
+            let end = ends(&event) && slot.progress.lock().await.0.ended;
+            if tx.send(Ok(event)).await.is_err() || end {
+                return;
+            }
+        }
+        loop {
+            tokio::select! {
+                event = events.recv() => {
+                    let event = match event {
+                        Ok(event) => event,
+                        Err(RecvError::Lagged(_)) => {
+                            let task = latest.borrow_and_update().clone();
+                            match task {
+                                Some(task) => task_event(task),
+                                None => continue,
+                            }
+                        }
+                        Err(RecvError::Closed) => return,
+                    };
+                    let end = ends(&event);
+                    if tx.send(Ok(event)).await.is_err() || end {
+                        return;
+                    }
+                }
+                changed = latest.changed() => {
+                    if changed.is_err() || finished() {
+                        // The follower stopped: what is known, and the end.
+                        let task = latest.borrow_and_update().clone();
+                        if let Some(task) = task {
+                            let _ = tx.send(Ok(task_event(task))).await;
+                        }
+                        return;
+                    }
+                }
+                () = tx.closed() => return,
+            }
+        }
+    });
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
 /// At start: follows again the tasks of contracts this agent holds

@@ -2,9 +2,10 @@
 //! chain that verifies offline, names this agent as the leaf's delegate
 //! and whose contract is open and not bound to another task; nothing else
 //! reaches the agent (`admit`). The gateway then follows the task
-//! (polling the agent with a bound), moves the contract as the task moves
-//! (ext::step), cancels the task when the contract is revoked or expires,
-//! and shows the broker's verdict to the caller (ext::decorate): `follow`.
+//! (by the agent's stream when it streams, else polling it with a bound),
+//! moves the contract as the task moves (ext::step), cancels the task when
+//! the contract is revoked or expires, and shows the broker's verdict to
+//! the caller (ext::decorate), in answers and in streamed events: `follow`.
 
 mod admit;
 mod follow;
@@ -17,6 +18,7 @@ use serde_json::Value;
 
 use crate::client::CallError;
 use crate::ext::{self, Refused, code};
+use crate::stream::Events;
 use crate::{Gateway, Rpc, Slot, params, passed_headers};
 use broker_client::names::status_name;
 use broker_wire::pb;
@@ -51,10 +53,85 @@ fn to_value<T: serde::Serialize>(value: &T) -> Result<Value, CallError> {
     })
 }
 
+/// What a message to the agent came to: a task (followed from here on),
+/// or the agent's direct answer.
+enum Answered {
+    Task {
+        slot: Arc<Slot>,
+        task: a2a::Task,
+        /// Subscribed to the task's events before its follower started.
+        events: tokio::sync::broadcast::Receiver<a2a::StreamResponse>,
+    },
+    Message(a2a::Message),
+}
+
 /// A SendMessage: a message in a task already admitted goes on under its
 /// contract; a task-starting one is admitted, forwarded, and its task
 /// followed.
 async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
+    let (answered, wait) = deliver(gateway, rpc).await?;
+    match answered {
+        Answered::Task { slot, task, .. } => answer_task(gateway, &slot, task, wait).await,
+        Answered::Message(reply) => to_value(&a2a::SendMessageResponse {
+            payload: Some(a2a::send_message_response::Payload::Message(reply)),
+        }),
+    }
+}
+
+/// A SendStreamingMessage or SubscribeToTask, served when the agent
+/// streams: the task's events as the follower reads them from the agent's
+/// stream, each with the broker's word, until the task settles.
+pub(crate) async fn open(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Events, CallError> {
+    if !gateway.streams_upstream() {
+        return Err(Refused::new(
+            code::UNSUPPORTED_OPERATION,
+            "INVALID_FIELD",
+            format!(
+                "{}: the agent does not stream (its card says streaming: false); use SendMessage and GetTask",
+                rpc.method
+            ),
+        )
+        .with("field", "method")
+        .into());
+    }
+    if rpc.method == "SubscribeToTask" {
+        let request: a2a::SubscribeToTaskRequest = params(rpc)?;
+        let slot = slot_of(gateway, &request.id).await?;
+        let events = slot.events.subscribe();
+        let mut first = slot.latest.borrow().clone();
+        if first.is_none() {
+            // Found again after a restart, not yet read: the agent's word.
+            if let Some(task) = gateway.upstream_task(&request.id).await {
+                first = Some(observe(gateway, &slot, task).await?);
+            }
+        }
+        let over = slot.progress.lock().await.0.ended
+            && slot.latest.borrow().as_ref().is_some_and(settled);
+        if over {
+            return Err(Refused::new(
+                code::UNSUPPORTED_OPERATION,
+                "ENDED",
+                format!(
+                    "task {:?} is in a final state: read it with GetTask",
+                    ext::echoed(&request.id)
+                ),
+            )
+            .into());
+        }
+        return Ok(follow::events_of(slot, first, events));
+    }
+    match deliver(gateway, rpc).await?.0 {
+        Answered::Task { slot, task, events } => Ok(follow::events_of(slot, Some(task), events)),
+        Answered::Message(reply) => Ok(Box::pin(tokio_stream::once(Ok(a2a::StreamResponse {
+            payload: Some(a2a::stream_response::Payload::Message(reply)),
+        })))),
+    }
+}
+
+/// A message to the agent (SendMessage's params), forwarded as SendMessage
+/// answered at once; whether the caller asked to wait for the task to
+/// settle.
+async fn deliver(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<(Answered, bool), CallError> {
     let mut request: a2a::SendMessageRequest = params(rpc)?;
     let message = request.message.as_mut().ok_or_else(|| {
         Refused::new(code::INVALID_PARAMS, "INVALID_FIELD", "message is required")
@@ -73,19 +150,67 @@ async fn send(gateway: &Arc<Gateway>, rpc: &Rpc) -> Result<Value, CallError> {
         .return_immediately = true;
     let headers = passed_headers(rpc);
     if !message.task_id.is_empty() {
-        return continue_task(gateway, request, wait, &headers).await;
+        return Ok((continue_task(gateway, request, &headers).await?, wait));
     }
     let started = Instant::now();
     let admission =
         admit::admit_message(gateway, extension.as_ref(), &mut request, started).await?;
-    let response: a2a::SendMessageResponse = gateway
-        .upstream_call("SendMessage", &request, &headers)
-        .await?;
+    let (response, upstream) = if rpc.method == "SendStreamingMessage" {
+        // A caller that streams: so does the agent, from its first event.
+        if let Some(configuration) = request.configuration.as_mut() {
+            configuration.return_immediately = false;
+        }
+        let (response, events) = first_event(gateway, &request, &headers).await?;
+        (response, Some(events))
+    } else {
+        let response = gateway
+            .upstream_call("SendMessage", &request, &headers)
+            .await?;
+        (response, None)
+    };
     tracing::debug!(
         elapsed_us = started.elapsed().as_micros() as u64,
         "ingress: agent answered"
     );
-    start(gateway, rpc, admission, response, wait, started).await
+    let answered = start(gateway, rpc, admission, response, upstream, started).await?;
+    Ok((answered, wait))
+}
+
+/// SendStreamingMessage to the agent: its first event (the task, or its
+/// direct answer) as SendMessage's answer, and the rest of the stream.
+async fn first_event(
+    gateway: &Gateway,
+    request: &a2a::SendMessageRequest,
+    headers: &[(http::HeaderName, http::HeaderValue)],
+) -> Result<(a2a::SendMessageResponse, Events), CallError> {
+    use a2a::send_message_response::Payload as Answer;
+    use a2a::stream_response::Payload as Event;
+    use tokio_stream::StreamExt as _;
+    let mut events = gateway
+        .upstream_stream("SendStreamingMessage", request, headers)
+        .await?;
+    let payload = match events.next().await {
+        Some(Ok(first)) => match first.payload {
+            Some(Event::Task(task)) => Some(Answer::Task(task)),
+            Some(Event::Message(message)) => Some(Answer::Message(message)),
+            _ => None,
+        },
+        Some(Err(error)) => return Err(error),
+        None => None,
+    };
+    let payload = payload.ok_or_else(|| {
+        Refused::new(
+            code::INTERNAL,
+            "UNDECODABLE_MESSAGE",
+            "the agent's stream did not start with its task or a message",
+        )
+    })?;
+    Ok((
+        a2a::SendMessageResponse {
+            payload: Some(payload),
+        },
+        events,
+    ))
 }
 
 /// The agent's answer to a task-starting message: its task followed from
@@ -95,9 +220,9 @@ async fn start(
     rpc: &Rpc,
     admission: Admission<'_>,
     response: a2a::SendMessageResponse,
-    wait: bool,
+    upstream: Option<Events>,
     started: Instant,
-) -> Result<Value, CallError> {
+) -> Result<Answered, CallError> {
     let Admission {
         contract_id,
         deadline_ms,
@@ -119,7 +244,7 @@ async fn start(
             // COMPLETED refuses any replay after).
             let answered = direct(gateway, &slot, reply).await;
             drop(binding);
-            return answered;
+            return Ok(Answered::Message(answered?));
         }
         None => {
             return Err(Refused::new(
@@ -143,14 +268,13 @@ async fn start(
         elapsed_us = started.elapsed().as_micros() as u64,
         "ingress: first state moved"
     );
-    tokio::spawn(follow(gateway.clone(), slot.clone(), task_id));
-    let task = observed?;
-    let answered = answer_task(gateway, &slot, task, wait).await;
-    tracing::debug!(
-        elapsed_us = started.elapsed().as_micros() as u64,
-        "ingress: answered"
-    );
-    answered
+    let events = slot.events.subscribe();
+    tokio::spawn(follow(gateway.clone(), slot.clone(), task_id, upstream));
+    Ok(Answered::Task {
+        slot,
+        task: observed?,
+        events,
+    })
 }
 
 /// A message in a task already admitted: forwarded while its contract is
@@ -158,9 +282,8 @@ async fn start(
 async fn continue_task(
     gateway: &Arc<Gateway>,
     request: a2a::SendMessageRequest,
-    wait: bool,
     headers: &[(http::HeaderName, http::HeaderValue)],
-) -> Result<Value, CallError> {
+) -> Result<Answered, CallError> {
     let task_id = request
         .message
         .as_ref()
@@ -186,14 +309,11 @@ async fn continue_task(
         .await?;
     match response.payload {
         Some(a2a::send_message_response::Payload::Task(task)) => {
+            let events = slot.events.subscribe();
             let task = observe(gateway, &slot, task).await?;
-            answer_task(gateway, &slot, task, wait).await
+            Ok(Answered::Task { slot, task, events })
         }
-        Some(a2a::send_message_response::Payload::Message(reply)) => {
-            to_value(&a2a::SendMessageResponse {
-                payload: Some(a2a::send_message_response::Payload::Message(reply)),
-            })
-        }
+        Some(a2a::send_message_response::Payload::Message(reply)) => Ok(Answered::Message(reply)),
         None => Err(Refused::new(
             code::INTERNAL,
             "UNDECODABLE_MESSAGE",
@@ -209,7 +329,7 @@ async fn direct(
     gateway: &Gateway,
     slot: &Slot,
     mut reply: a2a::Message,
-) -> Result<Value, CallError> {
+) -> Result<a2a::Message, CallError> {
     let artifact = a2a::Artifact {
         parts: reply.parts.clone(),
         ..Default::default()
@@ -234,9 +354,7 @@ async fn direct(
         metadata.insert(ext::URI.into(), ext);
     }
     reply.metadata = serde_json::from_value(Value::Object(metadata)).ok();
-    to_value(&a2a::SendMessageResponse {
-        payload: Some(a2a::send_message_response::Payload::Message(reply)),
-    })
+    Ok(reply)
 }
 
 /// Answers a SendMessage: at once, or once the task settles when the
