@@ -90,15 +90,18 @@ fi
 # drain measurements are the service's and the drain pacing's, which the
 # store suite runs on PostgreSQL: once is enough for their minutes; bench,
 # readme and sockets start brokers of their own that ignore the backend,
-# and tokens_hostile tests the token listener's bounds, not the store).
+# tokens_hostile tests the token listener's bounds, not the store, and
+# a2a_followers' thousand tasks are the gateway's load; WatchContracts
+# itself runs here in watch_contracts).
 step "End-to-end tests on PostgreSQL (BROKER_TEST_BACKEND=postgres)"
 if cargo nextest --version >/dev/null 2>&1; then
     BROKER_TEST_BACKEND=postgres cargo nextest run --locked --no-fail-fast --test e2e \
-        -E 'not (test(/^replicas::/) | test(/::sqlite_/) | test(/^drains::/) | test(/^fairness::a_thousand_free_keys/) | test(/^bench::/) | test(/^readme::/) | test(/^sockets::/) | test(/^tokens_hostile::/))'
+        -E 'not (test(/^replicas::/) | test(/::sqlite_/) | test(/^drains::/) | test(/^fairness::a_thousand_free_keys/) | test(/^bench::/) | test(/^readme::/) | test(/^sockets::/) | test(/^tokens_hostile::/) | test(/^a2a_followers::/))'
 else
     BROKER_TEST_BACKEND=postgres cargo test --locked --no-fail-fast --test e2e -- \
         --skip replicas:: --skip ::sqlite_ --skip drains:: --skip fairness::a_thousand_free_keys \
-        --skip bench:: --skip readme:: --skip sockets:: --skip tokens_hostile::
+        --skip bench:: --skip readme:: --skip sockets:: --skip tokens_hostile:: \
+        --skip a2a_followers::
 fi
 
 # The fuzz targets' regression and random inputs ran above, as ordinary

@@ -223,6 +223,17 @@ macro_rules! floor_broker {
                 Err(not_in_the_floor())
             }
 
+            type WatchContractsStream = std::pin::Pin<
+                Box<dyn tokio_stream::Stream<Item = Result<pb::WatchContractsResponse, Status>> + Send>,
+            >;
+
+            async fn watch_contracts(
+                &self,
+                _: Request<tonic::Streaming<pb::WatchContractsRequest>>,
+            ) -> Result<Response<Self::WatchContractsStream>, Status> {
+                Err(not_in_the_floor())
+            }
+
             $(
                 async fn $method(&self, _: Request<$request>) -> Result<Response<$response>, Status> {
                     Err(not_in_the_floor())

@@ -30,6 +30,25 @@ pub(crate) const WATCH_RESERVE_DIVISOR: usize = 8;
 /// Streams a tenant may hold and still take one from the reserve.
 pub(crate) const WATCH_SMALL_SHARE: usize = 2;
 
+/// Contracts one WatchContracts stream watches at once: its memory and
+/// the work of each scan.
+pub(crate) const MAX_WATCHED_CONTRACTS: usize = 4_096;
+
+/// Contracts one WatchContracts message may add and remove.
+pub(crate) const MAX_WATCH_CONTRACTS_PER_MESSAGE: usize = 1_024;
+
+/// A WatchContracts stream looks at its trees' versions at most this long
+/// after a commit, so a burst of commits costs it one scan.
+pub(crate) const WATCH_SCAN_MS: u64 = 100;
+
+/// Reads one WatchContracts scan runs at once (a subtree revoked at once
+/// changes many watched contracts).
+pub(crate) const WATCH_READS_AT_ONCE: usize = 8;
+
+/// While a replica's tree versions are not current, a WatchContracts
+/// stream reads all its contracts again at most this often.
+pub(crate) const WATCH_STALE_RESCAN_MS: u64 = 1_000;
+
 /// Health Watch streams open at once, over every client: each holds a task
 /// and a channel. Beyond it: RESOURCE_EXHAUSTED.
 pub(crate) const MAX_HEALTH_WATCHES: usize = 16_384;

@@ -23,6 +23,7 @@ mod reads;
 pub mod session;
 pub mod transport;
 mod watch;
+mod watch_contracts;
 
 use std::sync::Arc;
 
@@ -185,6 +186,13 @@ macro_rules! broker_rpcs {
                 request: Request<pb::WatchRequest>,
             ) -> Result<Response<Self::WatchStream>, Status> {
                 Ok(Response::new(BrokerService::watch(self, request).await?))
+            }
+            type WatchContractsStream = watch_contracts::ContractsStream;
+            async fn watch_contracts(
+                &self,
+                request: Request<tonic::Streaming<pb::WatchContractsRequest>>,
+            ) -> Result<Response<Self::WatchContractsStream>, Status> {
+                Ok(Response::new(BrokerService::watch_contracts(self, request).await?))
             }
         }
     };

@@ -1,6 +1,7 @@
 //! End-to-end tests: a real broker on 127.0.0.1:0, driven over gRPC.
 
 mod a2a_authz;
+mod a2a_followers;
 mod a2a_ingress;
 mod a2a_tokens;
 mod audit;
@@ -31,3 +32,4 @@ mod tls;
 mod tokens;
 mod tokens_hostile;
 mod tree;
+mod watch_contracts;

@@ -56,6 +56,9 @@ pub(crate) struct Slot {
     /// The events of a streaming agent's task, relayed with the broker's
     /// word as the follower reads them: callers' streams subscribe.
     pub events: tokio::sync::broadcast::Sender<a2a::StreamResponse>,
+    /// The contract's status as the gateway's WatchContracts stream last
+    /// brought it (`watcher`); `None` before its first state.
+    pub status: tokio::sync::watch::Sender<Option<i32>>,
 }
 
 /// What the ingress remembers (in memory: a restart reads the broker).
@@ -147,6 +150,12 @@ pub(crate) struct Gateway {
     pub metrics: Arc<metrics::GatewayMetrics>,
     /// Requests in progress: in all, and per caller.
     in_flight: Mutex<InFlight>,
+    /// Contracts to start and stop watching (`watcher`), and the receiving
+    /// end until the watcher takes it.
+    watch_changes: tokio::sync::mpsc::Sender<crate::watcher::Change>,
+    pub watch_receiver: Mutex<Option<tokio::sync::mpsc::Receiver<crate::watcher::Change>>>,
+    /// The WatchContracts stream is open: slots' statuses are current.
+    pub watching: std::sync::atomic::AtomicBool,
 }
 
 /// Requests in progress, in all and per caller.
@@ -269,6 +278,8 @@ impl Gateway {
             _ => (a2a::AgentCard::default(), Upstream::None),
         };
         let peer_tokens = crate::bearer::peer_tokens(&config)?;
+        let (watch_changes, watch_receiver) =
+            tokio::sync::mpsc::channel(crate::watcher::MAX_QUEUED_CHANGES);
         Ok(Self {
             config,
             link,
@@ -284,7 +295,30 @@ impl Gateway {
             peer_tokens,
             metrics,
             in_flight: Mutex::default(),
+            watch_changes,
+            watch_receiver: Mutex::new(Some(watch_receiver)),
+            watching: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Starts or stops watching a contract; a change the queue has no room
+    /// for is dropped (the contract's follower then reads it instead).
+    pub fn watch(&self, change: crate::watcher::Change) {
+        if self.watch_changes.try_send(change).is_err() {
+            tracing::warn!(
+                "the contract watch queue is full: a follower reads its contract instead"
+            );
+        }
+    }
+
+    /// A followed contract's status: as the WatchContracts stream brought
+    /// it while the stream is open, else read from the broker.
+    pub async fn broker_status(&self, slot: &Slot) -> Result<i32, Refused> {
+        let watched = *slot.status.borrow();
+        match watched {
+            Some(status) if self.watching.load(std::sync::atomic::Ordering::Acquire) => Ok(status),
+            _ => Ok(self.contract(&slot.contract_id).await?.status),
+        }
     }
 
     /// Takes a place for one request of `caller`, or refuses it OVERLOADED
@@ -568,6 +602,7 @@ mod tests {
                 latest: tokio::sync::watch::Sender::new(None),
                 finished: std::sync::atomic::AtomicBool::new(false),
                 events: tokio::sync::broadcast::Sender::new(1),
+                status: tokio::sync::watch::Sender::new(None),
             })
         };
         let mut admitted = Admitted::default();

@@ -25,6 +25,7 @@ mod jsonrpc;
 pub mod metrics;
 pub mod server;
 mod stream;
+mod watcher;
 
 use std::path::PathBuf;
 

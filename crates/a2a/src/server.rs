@@ -121,6 +121,14 @@ pub async fn run(
     let stop = CancellationToken::new();
     let servers = spawn_servers(listeners, &gateway, &stop)?;
     if follows_tasks && !matches!(gateway.upstream, Upstream::None) {
+        let changes = gateway
+            .watch_receiver
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(changes) = changes {
+            tokio::spawn(crate::watcher::run(gateway.clone(), changes));
+        }
         tokio::spawn(ingress::recover(gateway.clone()));
     }
     std::io::stdout().flush()?;

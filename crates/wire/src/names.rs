@@ -36,6 +36,8 @@ pub const METHODS: &[(&str, &str)] = &[
     ("/delegation.broker.v1.Broker/Revoke", "unary"),
     ("/delegation.broker.v1.Broker/RecordReceipts", "unary"),
     ("/delegation.broker.v1.Broker/Watch", "server_stream"),
+    ("/delegation.broker.v1.Broker/WatchContracts", "bidi_stream"),
+    ("/delegation.broker.v1.Broker/BindIdentity", "unary"),
     ("/delegation.broker.v1.Broker/GetAudit", "unary"),
     ("/delegation.broker.v1.Broker/AggregateAudits", "unary"),
     ("/grpc.health.v1.Health/Check", "unary"),

@@ -79,6 +79,8 @@ from ._gen.delegation.broker.v1.broker_pb2 import (  # noqa: F401
     RevokeRequest,
     RevokeResponse,
     TypedReport,
+    WatchContractsRequest,
+    WatchContractsResponse,
     WatchRequest,
     WatchResponse,
 )
@@ -386,6 +388,8 @@ __all__ = [
     "VERDICT_UNSPECIFIED",
     "Verdict",
     "Violation",
+    "WatchContractsRequest",
+    "WatchContractsResponse",
     "WatchRequest",
     "WatchResponse",
     "add_BrokerServicer_to_server",

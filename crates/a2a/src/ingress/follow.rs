@@ -127,6 +127,7 @@ pub(super) fn new_slot(
         latest: tokio::sync::watch::Sender::new(None),
         finished: std::sync::atomic::AtomicBool::new(false),
         events: tokio::sync::broadcast::Sender::new(crate::stream::EVENTS_BUFFER),
+        status: tokio::sync::watch::Sender::new(None),
     })
 }
 
@@ -243,12 +244,14 @@ pub(super) async fn follow(
     upstream: Option<crate::stream::Events>,
 ) {
     gateway.metrics.followed.inc();
+    gateway.watch(crate::watcher::Change::Add(slot.contract_id));
     let mut canceled_at = None;
     let done = (upstream.is_some() || gateway.streams_upstream())
         && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await;
     if !done {
         following(&gateway, &slot, &task_id, &mut canceled_at).await;
     }
+    gateway.watch(crate::watcher::Change::Remove(slot.contract_id));
     gateway.metrics.followed.dec();
     // Callers still waiting for the task are answered with what is known.
     slot.finished
@@ -268,8 +271,9 @@ enum Look {
 }
 
 /// Stops once the task settled and its contract moved; cancels the task
-/// once its contract is revoked or expired (read from the broker) or its
-/// deadline passed, then reads it for at most CANCEL_GRACE_MS.
+/// once its contract is revoked or expired (as the gateway's contract
+/// stream says, else read from the broker) or its deadline passed, then
+/// reads it for at most CANCEL_GRACE_MS.
 async fn look(
     gateway: &Gateway,
     slot: &Slot,
@@ -288,9 +292,9 @@ async fn look(
         return Look::Read;
     }
     let expired = now_ms() >= slot.deadline_ms;
-    let revoked = match gateway.contract(&slot.contract_id).await {
-        Ok(state) => matches!(
-            pb::ContractStatus::try_from(state.status),
+    let revoked = match gateway.broker_status(slot).await {
+        Ok(status) => matches!(
+            pb::ContractStatus::try_from(status),
             Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
         ),
         Err(_) => false,
@@ -329,8 +333,13 @@ async fn following(
         id: task_id.to_owned(),
         ..Default::default()
     };
+    let mut status = slot.status.subscribe();
     loop {
-        tick.tick().await;
+        // A status the contract stream brings is looked at at once.
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = status.changed() => {}
+        }
         match look(gateway, slot, task_id, canceled_at).await {
             Look::Stop => return,
             Look::Canceled => continue,
@@ -389,8 +398,14 @@ async fn by_stream(
     let mut task = slot.latest.borrow().clone().unwrap_or_default();
     let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut status = slot.status.subscribe();
     loop {
         tokio::select! {
+            _ = status.changed() => {
+                if let Look::Stop = look(gateway, slot, task_id, canceled_at).await {
+                    return true;
+                }
+            }
             event = events.next() => match event {
                 Some(Ok(event)) => {
                     crate::stream::fold(&mut task, &event);

@@ -166,6 +166,27 @@ type BrokerClient interface {
 	// connection and per tree (limits.max_watch_streams*); past a cap the call
 	// is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it).
 	Watch(ctx context.Context, in *WatchRequest, opts ...grpc.CallOption) (Broker_WatchClient, error)
+	// Streams the state of the contracts the client names, each time one
+	// changes status, however it changed (its own lifecycle call, an
+	// ancestor's revocation or expiry reaching it, the expiry sweep): one
+	// stream for many contracts of many trees, for a client that follows
+	// contracts it holds (a gateway following its agent's tasks) without
+	// reading each of them again and again. The client sends
+	// WatchContractsRequest messages at any time to add and remove
+	// contracts; each added one is answered at once with its state, then
+	// again after each status change, at most 100 ms after it commits. Nothing is sent while nothing changes: a stream
+	// costs the broker nothing while its contracts are idle. The stream
+	// never ends by itself; it ends UNAVAILABLE when the broker shuts down
+	// (open a new one and add the contracts again: their states come back
+	// at once). Each added contract must be readable by the session's key —
+	// a party of its tree, or a reader listed by key (`[readers] keys`) —
+	// else the stream ends NOT_FOUND naming it. It counts as one Watch
+	// stream toward limits.max_watch_streams* (per caller and per
+	// connection); past 4,096 contracts at once the stream ends
+	// RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`
+	// max_watched_contracts), and a message naming more than 1,024 is
+	// INVALID_ARGUMENT.
+	WatchContracts(ctx context.Context, opts ...grpc.CallOption) (Broker_WatchContractsClient, error)
 	// The audit of one contract (docs/design.md, seed 000), derived from stored receipts and
 	// host observations: what the host observed, beside what the delegate
 	// reported. Reading it changes nothing. Audit calls are capped broker-wide
@@ -380,6 +401,37 @@ func (x *brokerWatchClient) Recv() (*WatchResponse, error) {
 	return m, nil
 }
 
+func (c *brokerClient) WatchContracts(ctx context.Context, opts ...grpc.CallOption) (Broker_WatchContractsClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_Broker_serviceDesc.Streams[1], "/delegation.broker.v1.Broker/WatchContracts", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &brokerWatchContractsClient{stream}
+	return x, nil
+}
+
+type Broker_WatchContractsClient interface {
+	Send(*WatchContractsRequest) error
+	Recv() (*WatchContractsResponse, error)
+	grpc.ClientStream
+}
+
+type brokerWatchContractsClient struct {
+	grpc.ClientStream
+}
+
+func (x *brokerWatchContractsClient) Send(m *WatchContractsRequest) error {
+	return x.ClientStream.SendMsg(m)
+}
+
+func (x *brokerWatchContractsClient) Recv() (*WatchContractsResponse, error) {
+	m := new(WatchContractsResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 func (c *brokerClient) GetAudit(ctx context.Context, in *GetAuditRequest, opts ...grpc.CallOption) (*GetAuditResponse, error) {
 	out := new(GetAuditResponse)
 	err := c.cc.Invoke(ctx, "/delegation.broker.v1.Broker/GetAudit", in, out, opts...)
@@ -551,6 +603,27 @@ type BrokerServer interface {
 	// connection and per tree (limits.max_watch_streams*); past a cap the call
 	// is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it).
 	Watch(*WatchRequest, Broker_WatchServer) error
+	// Streams the state of the contracts the client names, each time one
+	// changes status, however it changed (its own lifecycle call, an
+	// ancestor's revocation or expiry reaching it, the expiry sweep): one
+	// stream for many contracts of many trees, for a client that follows
+	// contracts it holds (a gateway following its agent's tasks) without
+	// reading each of them again and again. The client sends
+	// WatchContractsRequest messages at any time to add and remove
+	// contracts; each added one is answered at once with its state, then
+	// again after each status change, at most 100 ms after it commits. Nothing is sent while nothing changes: a stream
+	// costs the broker nothing while its contracts are idle. The stream
+	// never ends by itself; it ends UNAVAILABLE when the broker shuts down
+	// (open a new one and add the contracts again: their states come back
+	// at once). Each added contract must be readable by the session's key —
+	// a party of its tree, or a reader listed by key (`[readers] keys`) —
+	// else the stream ends NOT_FOUND naming it. It counts as one Watch
+	// stream toward limits.max_watch_streams* (per caller and per
+	// connection); past 4,096 contracts at once the stream ends
+	// RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`
+	// max_watched_contracts), and a message naming more than 1,024 is
+	// INVALID_ARGUMENT.
+	WatchContracts(Broker_WatchContractsServer) error
 	// The audit of one contract (docs/design.md, seed 000), derived from stored receipts and
 	// host observations: what the host observed, beside what the delegate
 	// reported. Reading it changes nothing. Audit calls are capped broker-wide
@@ -624,6 +697,9 @@ func (UnimplementedBrokerServer) RecordReceipts(context.Context, *RecordReceipts
 }
 func (UnimplementedBrokerServer) Watch(*WatchRequest, Broker_WatchServer) error {
 	return status.Errorf(codes.Unimplemented, "method Watch not implemented")
+}
+func (UnimplementedBrokerServer) WatchContracts(Broker_WatchContractsServer) error {
+	return status.Errorf(codes.Unimplemented, "method WatchContracts not implemented")
 }
 func (UnimplementedBrokerServer) GetAudit(context.Context, *GetAuditRequest) (*GetAuditResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetAudit not implemented")
@@ -989,6 +1065,32 @@ func (x *brokerWatchServer) Send(m *WatchResponse) error {
 	return x.ServerStream.SendMsg(m)
 }
 
+func _Broker_WatchContracts_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(BrokerServer).WatchContracts(&brokerWatchContractsServer{stream})
+}
+
+type Broker_WatchContractsServer interface {
+	Send(*WatchContractsResponse) error
+	Recv() (*WatchContractsRequest, error)
+	grpc.ServerStream
+}
+
+type brokerWatchContractsServer struct {
+	grpc.ServerStream
+}
+
+func (x *brokerWatchContractsServer) Send(m *WatchContractsResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
+func (x *brokerWatchContractsServer) Recv() (*WatchContractsRequest, error) {
+	m := new(WatchContractsRequest)
+	if err := x.ServerStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 func _Broker_GetAudit_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(GetAuditRequest)
 	if err := dec(in); err != nil {
@@ -1115,6 +1217,12 @@ var _Broker_serviceDesc = grpc.ServiceDesc{
 			StreamName:    "Watch",
 			Handler:       _Broker_Watch_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "WatchContracts",
+			Handler:       _Broker_WatchContracts_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "delegation/broker/v1/broker.proto",

@@ -560,6 +560,20 @@ class WatchResponse(_message.Message):
     receipt: _types_pb2.Sealed
     def __init__(self, cursor: _Optional[int] = ..., contract: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Sealed, _Mapping]] = ...) -> None: ...
 
+class WatchContractsRequest(_message.Message):
+    __slots__ = ("add_contract_ids", "remove_contract_ids")
+    ADD_CONTRACT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_CONTRACT_IDS_FIELD_NUMBER: _ClassVar[int]
+    add_contract_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    remove_contract_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, add_contract_ids: _Optional[_Iterable[bytes]] = ..., remove_contract_ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class WatchContractsResponse(_message.Message):
+    __slots__ = ("contract",)
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    contract: ContractState
+    def __init__(self, contract: _Optional[_Union[ContractState, _Mapping]] = ...) -> None: ...
+
 class GetAuditRequest(_message.Message):
     __slots__ = ("contract_id",)
     CONTRACT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -130,6 +130,11 @@ class BrokerStub:
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
                 response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.FromString,
                 _registered_method=True)
+        self.WatchContracts = channel.stream_stream(
+                '/delegation.broker.v1.Broker/WatchContracts',
+                request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchContractsRequest.SerializeToString,
+                response_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchContractsResponse.FromString,
+                _registered_method=True)
         self.GetAudit = channel.unary_unary(
                 '/delegation.broker.v1.Broker/GetAudit',
                 request_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.GetAuditRequest.SerializeToString,
@@ -390,6 +395,32 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchContracts(self, request_iterator, context):
+        """Streams the state of the contracts the client names, each time one
+        changes status, however it changed (its own lifecycle call, an
+        ancestor's revocation or expiry reaching it, the expiry sweep): one
+        stream for many contracts of many trees, for a client that follows
+        contracts it holds (a gateway following its agent's tasks) without
+        reading each of them again and again. The client sends
+        WatchContractsRequest messages at any time to add and remove
+        contracts; each added one is answered at once with its state, then
+        again after each status change, at most 100 ms after it commits. Nothing is sent while nothing changes: a stream
+        costs the broker nothing while its contracts are idle. The stream
+        never ends by itself; it ends UNAVAILABLE when the broker shuts down
+        (open a new one and add the contracts again: their states come back
+        at once). Each added contract must be readable by the session's key —
+        a party of its tree, or a reader listed by key (`[readers] keys`) —
+        else the stream ends NOT_FOUND naming it. It counts as one Watch
+        stream toward limits.max_watch_streams* (per caller and per
+        connection); past 4,096 contracts at once the stream ends
+        RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`
+        max_watched_contracts), and a message naming more than 1,024 is
+        INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetAudit(self, request, context):
         """The audit of one contract (docs/design.md, seed 000), derived from stored receipts and
         host observations: what the host observed, beside what the delegate
@@ -507,6 +538,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.FromString,
                     response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.SerializeToString,
+            ),
+            'WatchContracts': grpc.stream_stream_rpc_method_handler(
+                    servicer.WatchContracts,
+                    request_deserializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchContractsRequest.FromString,
+                    response_serializer=delegation_dot_broker_dot_v1_dot_broker__pb2.WatchContractsResponse.SerializeToString,
             ),
             'GetAudit': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAudit,
@@ -1033,6 +1069,33 @@ class Broker:
             '/delegation.broker.v1.Broker/Watch',
             delegation_dot_broker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
             delegation_dot_broker_dot_v1_dot_broker__pb2.WatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchContracts(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/delegation.broker.v1.Broker/WatchContracts',
+            delegation_dot_broker_dot_v1_dot_broker__pb2.WatchContractsRequest.SerializeToString,
+            delegation_dot_broker_dot_v1_dot_broker__pb2.WatchContractsResponse.FromString,
             options,
             channel_credentials,
             insecure,

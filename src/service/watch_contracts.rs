@@ -1,0 +1,285 @@
+//! WatchContracts: one stream of the states of many contracts the client
+//! names, each sent when added and again when its status changes. A
+//! change is seen through `TreeChanges`: the tree versions of the
+//! watched contracts are compared at most every `WATCH_SCAN_MS` after a
+//! commit, and only the contracts of trees that changed are read again,
+//! so idle contracts cost no read at all.
+
+use std::collections::HashMap;
+
+use tonic::{Status, Streaming};
+
+use super::BrokerService;
+use super::convert;
+use super::error::ServiceError;
+use super::limits::{
+    MAX_WATCH_CONTRACTS_PER_MESSAGE, MAX_WATCHED_CONTRACTS, WATCH_READS_AT_ONCE, WATCH_SCAN_MS,
+    WATCH_STALE_RESCAN_MS,
+};
+use crate::core::access::Standing;
+use crate::core::{AgentKey, Id};
+use crate::pb;
+use crate::store::{Store, TreeChanges, TreeVersion};
+
+/// What the client is told of one contract: its status when last read,
+/// and its tree's version then (`None`: read while an event of the tree
+/// may have been committing, so read it again at the next scan).
+struct Watched {
+    root: Id,
+    status: i32,
+    version: Option<TreeVersion>,
+}
+
+/// Why a stream ends early: a status for the client, or `None` when the
+/// client went away.
+type Ended = Option<Status>;
+
+/// A service error as the status that ends the stream.
+fn ended(error: impl Into<ServiceError>) -> Ended {
+    Some(Status::from(error.into()))
+}
+
+pub(super) type ContractsStream = std::pin::Pin<
+    Box<dyn tokio_stream::Stream<Item = Result<pb::WatchContractsResponse, Status>> + Send>,
+>;
+
+impl<S: Store> BrokerService<S> {
+    pub(super) async fn watch_contracts(
+        &self,
+        request: tonic::Request<Streaming<pb::WatchContractsRequest>>,
+    ) -> Result<ContractsStream, ServiceError> {
+        let caller = self.caller(&request)?;
+        let _turn = self.admit_caller(&caller).await?;
+        let tenant = self.config.tenants.of(&caller);
+        let by_caller = self
+            .watch_callers
+            .take_for(caller, tenant)
+            .map_err(ServiceError::Overloaded)?;
+        let by_connection = request
+            .remote_addr()
+            .map(|peer| {
+                self.watch_connections
+                    .take(peer)
+                    .map_err(ServiceError::Overloaded)
+            })
+            .transpose()?;
+        let (tx, rx) = tokio::sync::mpsc::channel(super::limits::WATCH_BUFFER);
+        let requests = request.into_inner();
+        let (store, config, gate) = (self.store.clone(), self.config.clone(), self.gate.clone());
+        let stopping = self.stopping.clone();
+        tokio::spawn(async move {
+            let _slots = (by_caller, by_connection);
+            let mut pump = Pump {
+                store,
+                config,
+                gate,
+                stopping,
+                caller,
+                requests,
+                watched: HashMap::new(),
+                stale_read_at: None,
+                tx,
+            };
+            if let Err(Some(status)) = pump.run().await {
+                let _ = pump.tx.send(Err(status)).await;
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+}
+
+/// One WatchContracts stream on its task.
+struct Pump<S> {
+    store: std::sync::Arc<S>,
+    config: std::sync::Arc<crate::config::Config>,
+    /// Each scan's reads take a turn of the caller's tenant, like any read.
+    gate: std::sync::Arc<super::gate::Gate>,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    caller: AgentKey,
+    requests: Streaming<pb::WatchContractsRequest>,
+    watched: HashMap<Id, Watched>,
+    /// When every contract was last read because versions were not
+    /// current (replicas whose sequencer fell behind).
+    stale_read_at: Option<std::time::Instant>,
+    tx: tokio::sync::mpsc::Sender<Result<pb::WatchContractsResponse, Status>>,
+}
+
+impl<S: Store> Pump<S> {
+    /// Serves the stream until the client goes away (Ok) or it must end
+    /// with a status.
+    async fn run(&mut self) -> Result<(), Ended> {
+        let trees = self.store.tree_changes();
+        let mut commits = self.store.commits();
+        let mut stopping = self.stopping.clone();
+        loop {
+            tokio::select! {
+                request = self.requests.message() => match request {
+                    Ok(Some(request)) => self.change(request).await?,
+                    Ok(None) | Err(_) => return Ok(()),
+                },
+                changed = commits.changed() => {
+                    if changed.is_err() {
+                        return Ok(());
+                    }
+                    // Commits in a burst are looked at together.
+                    tokio::time::sleep(std::time::Duration::from_millis(WATCH_SCAN_MS)).await;
+                    commits.borrow_and_update();
+                    self.scan(&trees).await?;
+                }
+                _ = async { stopping.wait_for(|stop| *stop).await.is_ok() } => {
+                    return Err(ended(ServiceError::ShuttingDown));
+                }
+                () = self.tx.closed() => return Ok(()),
+            }
+        }
+    }
+
+    /// Adds and removes contracts; each added one is answered with its
+    /// state.
+    async fn change(&mut self, request: pb::WatchContractsRequest) -> Result<(), Ended> {
+        let named = request.add_contract_ids.len() + request.remove_contract_ids.len();
+        if named > MAX_WATCH_CONTRACTS_PER_MESSAGE {
+            return Err(ended(ServiceError::from(crate::core::InputError::new(
+                "add_contract_ids",
+                format!(
+                    "names more than {MAX_WATCH_CONTRACTS_PER_MESSAGE} contracts in one message"
+                ),
+            ))));
+        }
+        for id in &request.remove_contract_ids {
+            if let Ok(id) = convert::id(id, "remove_contract_ids") {
+                self.watched.remove(&id);
+            }
+        }
+        let mut added = Vec::with_capacity(request.add_contract_ids.len());
+        for id in &request.add_contract_ids {
+            added.push(convert::id(id, "add_contract_ids").map_err(ended)?);
+        }
+        let new = added
+            .iter()
+            .filter(|id| !self.watched.contains_key(*id))
+            .count();
+        if self.watched.len() + new > MAX_WATCHED_CONTRACTS {
+            return Err(ended(ServiceError::Overloaded("max_watched_contracts")));
+        }
+        // Each checked and read, a few at a time in parallel.
+        let reader = self.config.readers.contains(&self.caller);
+        for chunk in added.chunks(WATCH_READS_AT_ONCE) {
+            let mut reads = tokio::task::JoinSet::new();
+            for (at, &id) in chunk.iter().enumerate() {
+                let (store, caller) = (self.store.clone(), self.caller);
+                reads.spawn(async move {
+                    let party = if reader {
+                        Ok(Some(true))
+                    } else {
+                        store.is_party(id, caller).await
+                    };
+                    (at, id, party, store.contract(id).await)
+                });
+            }
+            let mut read = reads.join_all().await;
+            read.sort_by_key(|(at, ..)| *at);
+            for (_, id, party, record) in read {
+                if !crate::core::access::may_read(Standing::of_party(party.map_err(ended)?)) {
+                    return Err(ended(ServiceError::not_found(
+                        crate::store::Entity::Contract,
+                        id,
+                    )));
+                }
+                self.apply(id, None, None, record, true).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the contracts of every tree that changed since their last
+    /// read, and sends those whose status changed.
+    async fn scan(&mut self, trees: &TreeChanges) -> Result<(), Ended> {
+        // With replicas, a tree's version is known only while the
+        // sequencer keeps up: else every contract is read again, at most
+        // once every WATCH_STALE_RESCAN_MS.
+        let current = trees.current();
+        if !current {
+            let recent = self
+                .stale_read_at
+                .is_some_and(|at| at.elapsed().as_millis() < u128::from(WATCH_STALE_RESCAN_MS));
+            if recent {
+                return Ok(());
+            }
+            self.stale_read_at = Some(std::time::Instant::now());
+        }
+        let due: Vec<(Id, Id, i32)> = self
+            .watched
+            .iter()
+            .filter(|(_, w)| !current || w.version.is_none_or(|v| trees.version(&w.root) != v))
+            .map(|(id, w)| (*id, w.root, w.status))
+            .collect();
+        if due.is_empty() {
+            return Ok(());
+        }
+        let _turn = self
+            .gate
+            .admit(&self.config.tenants, &self.caller, None)
+            .await
+            .map_err(ended)?;
+        // A subtree revoked at once changes many contracts: read a few at
+        // a time in parallel.
+        for chunk in due.chunks(WATCH_READS_AT_ONCE) {
+            let mut reads = tokio::task::JoinSet::new();
+            for &(id, root, status) in chunk {
+                let (store, trees) = (self.store.clone(), trees.clone());
+                reads.spawn(async move {
+                    let version = trees.settled_version(&root);
+                    (id, status, version, store.contract(id).await)
+                });
+            }
+            for (id, status, version, record) in reads.join_all().await {
+                self.apply(id, Some(status), version, record, false).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records what a read of `id` found (at tree `version`, taken before
+    /// the read) and sends its state when `always` or its status is not
+    /// `known`.
+    async fn apply(
+        &mut self,
+        id: Id,
+        known: Option<i32>,
+        version: Option<TreeVersion>,
+        record: Result<Option<crate::store::ContractRecord>, crate::store::StoreError>,
+        always: bool,
+    ) -> Result<(), Ended> {
+        let record = match record {
+            Ok(Some(record)) => record,
+            Ok(None) => {
+                return Err(ended(ServiceError::not_found(
+                    crate::store::Entity::Contract,
+                    id,
+                )));
+            }
+            Err(e) => return Err(ended(ServiceError::from(e))),
+        };
+        let root = record.root_id;
+        let state = convert::contract_state(record);
+        let changed = known.is_none_or(|status| status != state.status);
+        self.watched.insert(
+            id,
+            Watched {
+                root,
+                status: state.status,
+                version,
+            },
+        );
+        if always || changed {
+            let response = pb::WatchContractsResponse {
+                contract: Some(state),
+            };
+            if self.tx.send(Ok(response)).await.is_err() {
+                return Err(None);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,124 @@
+//! WatchContracts: one stream of the states of many contracts of many
+//! trees, each sent when added and again when its status changes
+//! (an ancestor's revocation included), nothing while nothing changes,
+//! and only for contracts the session's key may read.
+
+use std::time::Duration;
+
+use delegation_broker::pb;
+use tokio_stream::StreamExt as _;
+
+use crate::harness::*;
+
+/// Longest wait for a state the stream owes (the broker looks at most
+/// 100 ms after a commit).
+const OWED: Duration = Duration::from_secs(10);
+/// How long a quiet stream is watched for a state it must not send.
+const QUIET: Duration = Duration::from_millis(600);
+
+fn add(ids: &[&[u8]]) -> pb::WatchContractsRequest {
+    pb::WatchContractsRequest {
+        add_contract_ids: ids.iter().map(|id| id.to_vec()).collect(),
+        remove_contract_ids: Vec::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watched_contracts_report_each_status_change_and_nothing_else() {
+    let mut broker = Broker::start().await;
+    let [orchestrator, worker, other] = agents();
+    // Two trees; the worker holds a child in each, one a grandchild's
+    // parent.
+    let (first, a) = broker.root_and_child(&orchestrator, &worker, 10).await;
+    let (_, b) = broker.root_and_child(&other, &worker, 10).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut client = connect_as(&broker.addr, &worker).await;
+    let mut states = client
+        .watch_contracts(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    let mut next = async || {
+        let state = tokio::time::timeout(OWED, states.next())
+            .await
+            .expect("a state in time")
+            .expect("the stream goes on")
+            .expect("a state, not an error")
+            .contract
+            .expect("a contract");
+        (state.contract_id, state.status)
+    };
+    tx.send(add(&[&a, &b])).await.unwrap();
+    let open = pb::ContractStatus::Open as i32;
+    let mut first_states = vec![next().await, next().await];
+    first_states.sort();
+    let mut expected = vec![(a.clone(), open), (b.clone(), open)];
+    expected.sort();
+    assert_eq!(
+        first_states, expected,
+        "each added contract's state at once"
+    );
+
+    // A change elsewhere in a's tree that leaves a as it is: nothing.
+    broker.issue(&orchestrator, first.child(&other, 5)).await;
+    // a accepted by its delegate: its new status.
+    broker.accept(&worker, &a, None).await.unwrap();
+    assert_eq!(
+        next().await,
+        (a.clone(), pb::ContractStatus::Accepted as i32)
+    );
+    // a's root revoked by the orchestrator: a is revoked with it.
+    broker.revoke(&orchestrator, &first.id).await.unwrap();
+    assert_eq!(
+        next().await,
+        (a.clone(), pb::ContractStatus::Revoked as i32)
+    );
+    // b removed: its revocation is not sent.
+    tx.send(pb::WatchContractsRequest {
+        add_contract_ids: Vec::new(),
+        remove_contract_ids: vec![b.clone()],
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    broker.revoke(&other, &b).await.unwrap();
+    let quiet = tokio::time::timeout(QUIET, states.next()).await;
+    assert!(
+        quiet.is_err(),
+        "nothing after the change of a removed contract: {quiet:?}"
+    );
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contract_the_key_may_not_read_ends_the_stream_not_found() {
+    let mut broker = Broker::start().await;
+    let [orchestrator, worker, stranger] = agents();
+    let (_, a) = broker.root_and_child(&orchestrator, &worker, 10).await;
+    let addr = broker.addr.clone();
+    let open = async |ids: Vec<pb::WatchContractsRequest>| {
+        let mut client = connect_as(&addr, &stranger).await;
+        let mut states = client
+            .watch_contracts(tokio_stream::iter(ids))
+            .await
+            .expect("the stream opens")
+            .into_inner();
+        tokio::time::timeout(OWED, states.next())
+            .await
+            .expect("an answer in time")
+            .expect("an item")
+            .expect_err("the stream ends with a status")
+    };
+    let status = open(vec![add(&[&a])]).await;
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    let many: Vec<Vec<u8>> = (0..1_025u32)
+        .map(|i| [i.to_be_bytes().to_vec(), vec![0; 28]].concat())
+        .collect();
+    let status = open(vec![pb::WatchContractsRequest {
+        add_contract_ids: many,
+        remove_contract_ids: Vec::new(),
+    }])
+    .await;
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    broker.stop().await;
+}
