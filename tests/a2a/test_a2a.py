@@ -1188,26 +1188,28 @@ class A2AUser:
         called as each one comes, before the next is read. A refusal, before
         or during the stream, raises a Refusal."""
         client = await self.client(base_url, streaming=True)
-        first = len(self.raw)
-        events: list[StreamResponse] = []
-        try:
-            async for event in client.send_message(SendMessageRequest(message=message), context=self._context()):
-                events.append(event)
-                if on_event is not None:
-                    on_event(event)
-        except self._caught() as error:
-            raise self._stream_refusal(error, first, events) from error
-        return events
+        return await self._consume(
+            lambda: client.send_message(SendMessageRequest(message=message), context=self._context()), on_event
+        )
 
     async def subscribe(
         self, base_url: str, task_id: str, on_event: Callable[[StreamResponse], None] | None = None
     ) -> list[StreamResponse]:
         """SubscribeToTask with the SDK's streaming client: every event, in order."""
         client = await self.client(base_url, streaming=True)
+        return await self._consume(
+            lambda: client.subscribe(SubscribeToTaskRequest(id=task_id), context=self._context()), on_event
+        )
+
+    async def _consume(
+        self, open_stream: Callable[[], Any], on_event: Callable[[StreamResponse], None] | None
+    ) -> list[StreamResponse]:
+        """Every event of the stream `open_stream` opens, `on_event` called
+        as each comes; a refusal, before or during it, raises a Refusal."""
         first = len(self.raw)
         events: list[StreamResponse] = []
         try:
-            async for event in client.subscribe(SubscribeToTaskRequest(id=task_id), context=self._context()):
+            async for event in open_stream():
                 events.append(event)
                 if on_event is not None:
                     on_event(event)

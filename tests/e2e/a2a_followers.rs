@@ -116,7 +116,10 @@ async fn a_thousand_idle_followed_tasks_cost_the_broker_nothing_and_a_revoke_can
         }
         calls_before = now;
     }
-    println!("settled {:?} after the last admission", settle_from.elapsed());
+    println!(
+        "settled {:?} after the last admission",
+        settle_from.elapsed()
+    );
     let polls_before = agent.calls().iter().filter(|m| *m == "GetTask").count();
     tokio::time::sleep(IDLE).await;
     let calls_after = broker_calls(&broker).await;

@@ -176,30 +176,14 @@ impl A2aClient {
     ) -> Result<R, CallError> {
         let status = response.status();
         let body = self.body(response, url).await?;
-        let mut answer: Value = serde_json::from_slice(&body).map_err(|_| {
+        let answer: Value = serde_json::from_slice(&body).map_err(|_| {
             Refused::new(
                 code::INTERNAL,
                 "UNDECODABLE_MESSAGE",
                 format!("{url} answered HTTP {status} without a JSON-RPC body"),
             )
         })?;
-        if let Some(error) = answer.get_mut("error").map(Value::take) {
-            return Err(CallError::Remote(error));
-        }
-        let result = answer.get_mut("result").map(Value::take).ok_or_else(|| {
-            Refused::new(
-                code::INTERNAL,
-                "UNDECODABLE_MESSAGE",
-                format!("{url} answered neither a result nor an error"),
-            )
-        })?;
-        serde_json::from_value(result).map_err(|e| {
-            CallError::Local(Refused::new(
-                code::INTERNAL,
-                "UNDECODABLE_MESSAGE",
-                format!("{url}: {method} answered something that is not its A2A result ({e})"),
-            ))
-        })
+        result_of(answer, &format!("{url}: {method}"))
     }
 }
 
@@ -278,6 +262,31 @@ impl A2aClient {
         });
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
+}
+
+/// A JSON-RPC response's result as `R` (an A2A type), or its error;
+/// `what` names the answer in a refusal.
+pub(crate) fn result_of<R: DeserializeOwned>(
+    mut answer: Value,
+    what: &str,
+) -> Result<R, CallError> {
+    if let Some(error) = answer.get_mut("error").map(Value::take) {
+        return Err(CallError::Remote(error));
+    }
+    let result = answer.get_mut("result").map(Value::take).ok_or_else(|| {
+        Refused::new(
+            code::INTERNAL,
+            "UNDECODABLE_MESSAGE",
+            format!("{what}: neither a result nor an error"),
+        )
+    })?;
+    serde_json::from_value(result).map_err(|e| {
+        CallError::Local(Refused::new(
+            code::INTERNAL,
+            "UNDECODABLE_MESSAGE",
+            format!("{what}: not its A2A result ({e})"),
+        ))
+    })
 }
 
 fn unreachable_peer(url: &str, error: &reqwest::Error) -> Refused {

@@ -127,30 +127,14 @@ fn too_large(max_bytes: usize) -> Refused {
 /// An SSE event of an A2A JSON-RPC stream: a whole JSON-RPC response,
 /// whose result is a StreamResponse (or whose error ends the stream).
 pub(crate) fn event_of(sse: &SseEvent, url: &str) -> Result<a2a::StreamResponse, CallError> {
-    let mut answer: Value = serde_json::from_str(&sse.data).map_err(|_| {
+    let answer: Value = serde_json::from_str(&sse.data).map_err(|_| {
         Refused::new(
             code::INTERNAL,
             "UNDECODABLE_MESSAGE",
             format!("{url} streamed an event that is not JSON-RPC"),
         )
     })?;
-    if let Some(error) = answer.get_mut("error").map(Value::take) {
-        return Err(CallError::Remote(error));
-    }
-    let result = answer.get_mut("result").map(Value::take).ok_or_else(|| {
-        Refused::new(
-            code::INTERNAL,
-            "UNDECODABLE_MESSAGE",
-            format!("{url} streamed an event with neither a result nor an error"),
-        )
-    })?;
-    serde_json::from_value(result).map_err(|e| {
-        CallError::Local(Refused::new(
-            code::INTERNAL,
-            "UNDECODABLE_MESSAGE",
-            format!("{url} streamed an event that is not an A2A StreamResponse ({e})"),
-        ))
-    })
+    crate::client::result_of(answer, &format!("{url}: a streamed event"))
 }
 
 /// The task `event` leaves `task` as: a Task replaces it, a status update
