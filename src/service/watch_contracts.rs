@@ -104,6 +104,16 @@ struct Pump<S> {
     tx: tokio::sync::mpsc::Sender<Result<pb::WatchContractsResponse, Status>>,
 }
 
+/// What one read found: the contract, the status the client was told
+/// (`None`: never told), its tree's version taken before the read, and
+/// the record (or the error).
+type Read = (
+    Id,
+    Option<i32>,
+    Option<TreeVersion>,
+    Result<Option<crate::store::ContractRecord>, crate::store::StoreError>,
+);
+
 impl<S: Store> Pump<S> {
     /// Serves the stream until the client goes away (Ok) or it must end
     /// with a status.
@@ -111,7 +121,16 @@ impl<S: Store> Pump<S> {
         let trees = self.store.tree_changes();
         let mut commits = self.store.commits();
         let mut stopping = self.stopping.clone();
+        // A scan put off (its turn refused, or versions not current and
+        // every contract read a moment ago): when to try again.
+        let mut retry_at: Option<tokio::time::Instant> = None;
         loop {
+            let retry = async {
+                match retry_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 request = self.requests.message() => match request {
                     Ok(Some(request)) => self.change(request).await?,
@@ -124,27 +143,33 @@ impl<S: Store> Pump<S> {
                     // Commits in a burst are looked at together.
                     tokio::time::sleep(std::time::Duration::from_millis(WATCH_SCAN_MS)).await;
                     commits.borrow_and_update();
-                    self.scan(&trees).await?;
+                    retry_at = self.scan(&trees).await?;
+                }
+                () = retry => {
+                    retry_at = self.scan(&trees).await?;
                 }
                 _ = async { stopping.wait_for(|stop| *stop).await.is_ok() } => {
-                    return Err(ended(ServiceError::ShuttingDown));
+                    // Not waited for: a client that does not read must
+                    // not hold the stop.
+                    let _ = self.tx.try_send(Err(Status::from(ServiceError::ShuttingDown)));
+                    return Ok(());
                 }
                 () = self.tx.closed() => return Ok(()),
             }
         }
     }
 
-    /// Adds and removes contracts; each added one is answered with its
-    /// state.
+    /// Adds and removes contracts; each newly added one is answered with
+    /// its state (one already watched is left as it is).
     async fn change(&mut self, request: pb::WatchContractsRequest) -> Result<(), Ended> {
         let named = request.add_contract_ids.len() + request.remove_contract_ids.len();
         if named > MAX_WATCH_CONTRACTS_PER_MESSAGE {
-            return Err(ended(ServiceError::from(crate::core::InputError::new(
+            return Err(ended(crate::core::InputError::new(
                 "add_contract_ids",
                 format!(
-                    "names more than {MAX_WATCH_CONTRACTS_PER_MESSAGE} contracts in one message"
+                    "names more than {MAX_WATCH_CONTRACTS_PER_MESSAGE} contracts in one message (adds and removes together)"
                 ),
-            ))));
+            )));
         }
         for id in &request.remove_contract_ids {
             if let Ok(id) = convert::id(id, "remove_contract_ids") {
@@ -153,18 +178,24 @@ impl<S: Store> Pump<S> {
         }
         let mut added = Vec::with_capacity(request.add_contract_ids.len());
         for id in &request.add_contract_ids {
-            added.push(convert::id(id, "add_contract_ids").map_err(ended)?);
+            let id = convert::id(id, "add_contract_ids").map_err(ended)?;
+            if !self.watched.contains_key(&id) && !added.contains(&id) {
+                added.push(id);
+            }
         }
-        let new = added
-            .iter()
-            .filter(|id| !self.watched.contains_key(*id))
-            .count();
-        if self.watched.len() + new > MAX_WATCHED_CONTRACTS {
+        if self.watched.len() + added.len() > MAX_WATCHED_CONTRACTS {
             return Err(ended(ServiceError::Overloaded("max_watched_contracts")));
         }
-        // Each checked and read, a few at a time in parallel.
+        // Checked and read in the caller's turn, a few at a time; sent
+        // after the turn is given back (a client slow to read holds no
+        // place at work).
         let reader = self.config.readers.contains(&self.caller);
         for chunk in added.chunks(WATCH_READS_AT_ONCE) {
+            let turn = self
+                .gate
+                .admit(&self.config.tenants, &self.caller, None)
+                .await
+                .map_err(ended)?;
             let mut reads = tokio::task::JoinSet::new();
             for (at, &id) in chunk.iter().enumerate() {
                 let (store, caller) = (self.store.clone(), self.caller);
@@ -178,6 +209,7 @@ impl<S: Store> Pump<S> {
                 });
             }
             let mut read = reads.join_all().await;
+            drop(turn);
             read.sort_by_key(|(at, ..)| *at);
             for (_, id, party, record) in read {
                 if !crate::core::access::may_read(Standing::of_party(party.map_err(ended)?)) {
@@ -186,25 +218,24 @@ impl<S: Store> Pump<S> {
                         id,
                     )));
                 }
-                self.apply(id, None, None, record, true).await?;
+                self.apply((id, None, None, record), true).await?;
             }
         }
         Ok(())
     }
 
     /// Reads the contracts of every tree that changed since their last
-    /// read, and sends those whose status changed.
-    async fn scan(&mut self, trees: &TreeChanges) -> Result<(), Ended> {
+    /// read, and sends those whose status changed. When the scan must be
+    /// put off, when to try again.
+    async fn scan(&mut self, trees: &TreeChanges) -> Result<Option<tokio::time::Instant>, Ended> {
         // With replicas, a tree's version is known only while the
         // sequencer keeps up: else every contract is read again, at most
         // once every WATCH_STALE_RESCAN_MS.
         let current = trees.current();
+        let stale_every = std::time::Duration::from_millis(WATCH_STALE_RESCAN_MS);
         if !current {
-            let recent = self
-                .stale_read_at
-                .is_some_and(|at| at.elapsed().as_millis() < u128::from(WATCH_STALE_RESCAN_MS));
-            if recent {
-                return Ok(());
+            if let Some(at) = self.stale_read_at.filter(|at| at.elapsed() < stale_every) {
+                return Ok(Some((at + stale_every).into()));
             }
             self.stale_read_at = Some(std::time::Instant::now());
         }
@@ -215,40 +246,47 @@ impl<S: Store> Pump<S> {
             .map(|(id, w)| (*id, w.root, w.status))
             .collect();
         if due.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
-        let _turn = self
+        // The reads take the caller's turn; refused, the scan is put off
+        // (the stream goes on).
+        let Ok(turn) = self
             .gate
             .admit(&self.config.tenants, &self.caller, None)
             .await
-            .map_err(ended)?;
+        else {
+            return Ok(Some(
+                tokio::time::Instant::now() + std::time::Duration::from_millis(WATCH_SCAN_MS),
+            ));
+        };
         // A subtree revoked at once changes many contracts: read a few at
-        // a time in parallel.
+        // a time in parallel, all before sending any.
+        let mut found: Vec<Read> = Vec::with_capacity(due.len());
         for chunk in due.chunks(WATCH_READS_AT_ONCE) {
             let mut reads = tokio::task::JoinSet::new();
             for &(id, root, status) in chunk {
                 let (store, trees) = (self.store.clone(), trees.clone());
                 reads.spawn(async move {
                     let version = trees.settled_version(&root);
-                    (id, status, version, store.contract(id).await)
+                    (id, Some(status), version, store.contract(id).await)
                 });
             }
-            for (id, status, version, record) in reads.join_all().await {
-                self.apply(id, Some(status), version, record, false).await?;
-            }
+            found.extend(reads.join_all().await);
         }
-        Ok(())
+        drop(turn);
+        for read in found {
+            self.apply(read, false).await?;
+        }
+        Ok(None)
     }
 
-    /// Records what a read of `id` found (at tree `version`, taken before
-    /// the read) and sends its state when `always` or its status is not
-    /// `known`.
+    /// Records what a read found (at its tree's version, taken before the
+    /// read: `None` for a first read, which knew no tree, so the next scan
+    /// reads it again) and sends the state when `always` or its status is
+    /// not the one the client was told.
     async fn apply(
         &mut self,
-        id: Id,
-        known: Option<i32>,
-        version: Option<TreeVersion>,
-        record: Result<Option<crate::store::ContractRecord>, crate::store::StoreError>,
+        (id, known, version, record): Read,
         always: bool,
     ) -> Result<(), Ended> {
         let record = match record {
@@ -259,7 +297,7 @@ impl<S: Store> Pump<S> {
                     id,
                 )));
             }
-            Err(e) => return Err(ended(ServiceError::from(e))),
+            Err(e) => return Err(ended(e)),
         };
         let root = record.root_id;
         let state = convert::contract_state(record);

@@ -230,7 +230,12 @@ impl A2aClient {
         // ahead of the reader; it stops when the reader goes away.
         tokio::spawn(async move {
             loop {
-                let sent = match response.chunk().await {
+                // A reader that left is noticed while the peer is quiet.
+                let chunk = tokio::select! {
+                    chunk = response.chunk() => chunk,
+                    () = tx.closed() => return,
+                };
+                let sent = match chunk {
                     Ok(Some(chunk)) => match reader.feed(&chunk) {
                         Ok(events) => {
                             let mut open = true;

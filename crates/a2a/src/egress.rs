@@ -24,6 +24,8 @@ use broker_wire::pb;
 /// Most contracts listed when the parent is ambiguous: the gateway's own
 /// bound, enough for the agent (or a person) to pick one from an error.
 const MAX_HELD_LISTED: u32 = 10;
+/// Events of a peer's stream read ahead of the agent reading them.
+const EGRESS_STREAM_AHEAD: usize = 16;
 /// Most tasks remembered as sent (for GetTask and CancelTask): the
 /// gateway's own bound on that memory.
 const MAX_SENT: usize = 65_536;
@@ -318,7 +320,7 @@ async fn send(
     );
     let response = match (answer, prepared.delegated) {
         (Err(error), Some((child_id, _))) => {
-            unstarted(gateway, rpc, child_id).await;
+            unstarted(gateway, rpc.trace.as_deref(), child_id).await;
             return Err(error);
         }
         (answer, delegated) => {
@@ -379,34 +381,49 @@ pub(super) async fn open(
     let events = match events {
         Ok(events) => events,
         Err(error) => {
-            unstarted(gateway, rpc, child_id).await;
+            unstarted(gateway, rpc.trace.as_deref(), child_id).await;
             return Err(error);
         }
     };
-    // The task is remembered from the first event that names it, for the
-    // agent's GetTask, CancelTask and SubscribeToTask of it.
-    let (gateway, peer_name) = (gateway.clone(), peer.name.clone());
-    let mut remembered = false;
-    Ok(Box::pin(tokio_stream::StreamExt::map(
-        events,
-        move |event| {
-            if !remembered
-                && let Ok(event) = &event
+    // The task is remembered from the first event about it, for the
+    // agent's GetTask, CancelTask and SubscribeToTask of it; a stream
+    // that fails or ends before any (or whose reader leaves first) never
+    // started a task, and its contract is released.
+    let (gateway, peer_name, trace) = (gateway.clone(), peer.name.clone(), rpc.trace.clone());
+    let (tx, rx) = tokio::sync::mpsc::channel(EGRESS_STREAM_AHEAD);
+    tokio::spawn(async move {
+        use tokio_stream::StreamExt as _;
+        let mut events = events;
+        let mut remembered = false;
+        while let Some(event) = events.next().await {
+            let failed = event.is_err();
+            if let Ok(event) = &event
+                && !remembered
+                && !matches!(
+                    event.payload,
+                    Some(a2a::stream_response::Payload::Message(_))
+                )
                 && let Some(task_id) = crate::stream::task_id_of(event)
             {
                 remember_sent(&gateway, &peer_name, task_id, child_id, parent_id);
                 remembered = true;
             }
-            event
-        },
-    )))
+            if tx.send(event).await.is_err() || failed {
+                break;
+            }
+        }
+        if !remembered {
+            unstarted(&gateway, trace.as_deref(), child_id).await;
+        }
+    });
+    Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
 }
 
 /// The task never started: releases what its contract reserved.
-async fn unstarted(gateway: &Gateway, rpc: &Rpc, child_id: Id) {
+async fn unstarted(gateway: &Gateway, trace: Option<&str>, child_id: Id) {
     if let Err(e) = broker::end(
         gateway,
-        rpc.trace.as_deref(),
+        trace,
         broker::Ending::Revoke,
         &child_id,
         "the peer did not take the task".into(),

@@ -55,10 +55,13 @@ pub(crate) struct Slot {
     pub finished: std::sync::atomic::AtomicBool,
     /// The events of a streaming agent's task, relayed with the broker's
     /// word as the follower reads them: callers' streams subscribe.
-    pub events: tokio::sync::broadcast::Sender<a2a::StreamResponse>,
+    pub events: tokio::sync::broadcast::Sender<Arc<a2a::StreamResponse>>,
     /// The contract's status as the gateway's WatchContracts stream last
     /// brought it (`watcher`); `None` before its first state.
     pub status: tokio::sync::watch::Sender<Option<i32>>,
+    /// The contract is on its way to the stream (queued, not dropped):
+    /// its first state will come while the stream stays open.
+    pub watched: std::sync::atomic::AtomicBool,
 }
 
 /// What the ingress remembers (in memory: a restart reads the broker).
@@ -303,22 +306,30 @@ impl Gateway {
 
     /// Starts or stops watching a contract; a change the queue has no room
     /// for is dropped (the contract's follower then reads it instead).
-    pub fn watch(&self, change: crate::watcher::Change) {
-        if self.watch_changes.try_send(change).is_err() {
+    pub fn watch(&self, change: crate::watcher::Change) -> bool {
+        let queued = self.watch_changes.try_send(change).is_ok();
+        if !queued {
             tracing::warn!(
                 "the contract watch queue is full: a follower reads its contract instead"
             );
         }
+        queued
     }
 
     /// A followed contract's status: as the WatchContracts stream brought
-    /// it while the stream is open, else read from the broker.
-    pub async fn broker_status(&self, slot: &Slot) -> Result<i32, Refused> {
+    /// it while the stream is open (`None` while its first state is on its
+    /// way: nothing is read meanwhile), else read from the broker.
+    pub async fn broker_status(&self, slot: &Slot) -> Result<Option<i32>, Refused> {
+        use std::sync::atomic::Ordering;
         let watched = *slot.status.borrow();
-        match watched {
-            Some(status) if self.watching.load(std::sync::atomic::Ordering::Acquire) => Ok(status),
-            _ => Ok(self.contract(&slot.contract_id).await?.status),
+        if self.watching.load(Ordering::Acquire) {
+            match watched {
+                Some(status) => return Ok(Some(status)),
+                None if slot.watched.load(Ordering::Acquire) => return Ok(None),
+                None => {}
+            }
         }
+        Ok(Some(self.contract(&slot.contract_id).await?.status))
     }
 
     /// Takes a place for one request of `caller`, or refuses it OVERLOADED
@@ -603,6 +614,7 @@ mod tests {
                 finished: std::sync::atomic::AtomicBool::new(false),
                 events: tokio::sync::broadcast::Sender::new(1),
                 status: tokio::sync::watch::Sender::new(None),
+                watched: std::sync::atomic::AtomicBool::new(false),
             })
         };
         let mut admitted = Admitted::default();

@@ -187,21 +187,48 @@ fn streamed(
         Err(error) => return answer(gateway, side, id, Err(error)),
     };
     let gateway = gateway.clone();
-    let body = tokio_stream::StreamExt::map(events, move |event| {
-        let _held = &ticket;
-        let result = event.and_then(|event| {
-            serde_json::to_value(&event).map_err(|e| {
-                Refused::new(
-                    code::INTERNAL,
-                    "INTERNAL",
-                    format!("encoding an event: {e}"),
-                )
-                .into()
-            })
-        });
-        let data = response(&gateway, side, &id, result);
-        Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {data}\n\n")))
+    let (tx, rx) = tokio::sync::mpsc::channel(SSE_AHEAD);
+    // Forwarded on a task of its own, with a comment every SSE_PING so a
+    // quiet stream is not taken for a dead one by a reader's idle bound;
+    // it ends with the events, at an error, or when the caller leaves.
+    tokio::spawn(async move {
+        use tokio_stream::StreamExt as _;
+        let _held = ticket;
+        let mut events = events;
+        let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + SSE_PING, SSE_PING);
+        loop {
+            let bytes = tokio::select! {
+                event = events.next() => {
+                    let Some(event) = event else { return };
+                    let failed = event.is_err();
+                    let result = event.and_then(|event| {
+                        serde_json::to_value(&event).map_err(|e| {
+                            Refused::new(
+                                code::INTERNAL,
+                                "INTERNAL",
+                                format!("encoding an event: {e}"),
+                            )
+                            .into()
+                        })
+                    });
+                    let data = response(&gateway, side, &id, result);
+                    let sent = tx
+                        .send(Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {data}\n\n"))))
+                        .await;
+                    if sent.is_err() || failed {
+                        return;
+                    }
+                    continue;
+                }
+                _ = ping.tick() => Bytes::from_static(b": ping\n\n"),
+                () = tx.closed() => return,
+            };
+            if tx.send(Ok(bytes)).await.is_err() {
+                return;
+            }
+        }
     });
+    let body = tokio_stream::wrappers::ReceiverStream::new(rx);
     let mut response = axum::body::Body::from_stream(body).into_response();
     let headers = response.headers_mut();
     headers.insert(
@@ -225,6 +252,12 @@ pub(crate) fn params<T: serde::de::DeserializeOwned>(rpc: &Rpc) -> Result<T, Ref
         )
     })
 }
+
+/// A comment sent on a quiet stream this often (the A2A SDKs' servers send
+/// one every 15 s; readers' idle bounds are longer).
+const SSE_PING: std::time::Duration = std::time::Duration::from_secs(15);
+/// Events of a stream encoded ahead of the caller reading them.
+const SSE_AHEAD: usize = 16;
 
 /// Methods neither side serves, with the reason.
 pub(crate) fn unserved(method: &str) -> Option<Refused> {

@@ -127,7 +127,7 @@ pub async fn run(
             .unwrap_or_else(|e| e.into_inner())
             .take();
         if let Some(changes) = changes {
-            tokio::spawn(crate::watcher::run(gateway.clone(), changes));
+            tokio::spawn(crate::watcher::run(gateway.clone(), changes, stop.clone()));
         }
         tokio::spawn(ingress::recover(gateway.clone()));
     }

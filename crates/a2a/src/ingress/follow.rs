@@ -71,6 +71,7 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
         ),
     };
     let slot = new_slot(
+        gateway,
         contract_id,
         tenant_of(&state),
         contract.deadline_ms,
@@ -106,12 +107,20 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
 }
 
 pub(super) fn new_slot(
+    gateway: &Gateway,
     contract_id: Id,
     tenant: String,
     deadline_ms: i64,
     progress: ext::Progress,
     trace: Option<String>,
 ) -> Arc<Slot> {
+    // Only a streaming agent's events are relayed: the others' slots keep
+    // no ring of them.
+    let events_buffer = if gateway.streams_upstream() {
+        crate::stream::EVENTS_BUFFER
+    } else {
+        1
+    };
     Arc::new(Slot {
         contract_id,
         tenant,
@@ -126,8 +135,9 @@ pub(super) fn new_slot(
         )),
         latest: tokio::sync::watch::Sender::new(None),
         finished: std::sync::atomic::AtomicBool::new(false),
-        events: tokio::sync::broadcast::Sender::new(crate::stream::EVENTS_BUFFER),
+        events: tokio::sync::broadcast::Sender::new(events_buffer),
         status: tokio::sync::watch::Sender::new(None),
+        watched: std::sync::atomic::AtomicBool::new(false),
     })
 }
 
@@ -244,7 +254,9 @@ pub(super) async fn follow(
     upstream: Option<crate::stream::Events>,
 ) {
     gateway.metrics.followed.inc();
-    gateway.watch(crate::watcher::Change::Add(slot.contract_id));
+    let queued = gateway.watch(crate::watcher::Change::Add(slot.contract_id));
+    slot.watched
+        .store(queued, std::sync::atomic::Ordering::Release);
     let mut canceled_at = None;
     let done = (upstream.is_some() || gateway.streams_upstream())
         && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await;
@@ -293,7 +305,8 @@ async fn look(
     }
     let expired = now_ms() >= slot.deadline_ms;
     let revoked = match gateway.broker_status(slot).await {
-        Ok(status) => matches!(
+        Ok(None) => false,
+        Ok(Some(status)) => matches!(
             pb::ContractStatus::try_from(status),
             Ok(pb::ContractStatus::Revoked | pb::ContractStatus::Expired)
         ),
@@ -348,8 +361,17 @@ async fn following(
         let task: Result<a2a::Task, _> = gateway.upstream_call("GetTask", &get, &[]).await;
         match task {
             Ok(task) => {
-                if let Err(e) = observe(gateway, slot, task).await {
-                    tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
+                let before = slot.latest.borrow().as_ref().map(state_of);
+                match observe(gateway, slot, task).await {
+                    // Callers' streams (an agent whose stream failed) get
+                    // the task whenever its state moves.
+                    Ok(task) if before != Some(state_of(&task)) => {
+                        let _ = slot.events.send(Arc::new(crate::stream::task_event(task)));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
+                    }
                 }
             }
             Err(CallError::Remote(error)) => {
@@ -411,7 +433,7 @@ async fn by_stream(
                     crate::stream::fold(&mut task, &event);
                     match observe(gateway, slot, task.clone()).await {
                         Ok(decorated) => {
-                            let _ = slot.events.send(crate::stream::relayed(event, &decorated));
+                            let _ = slot.events.send(Arc::new(crate::stream::relayed(event, &decorated)));
                         }
                         Err(e) => {
                             tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
@@ -445,7 +467,7 @@ async fn by_stream(
 pub(super) fn events_of(
     slot: Arc<Slot>,
     first: Option<a2a::Task>,
-    mut events: tokio::sync::broadcast::Receiver<a2a::StreamResponse>,
+    mut events: tokio::sync::broadcast::Receiver<Arc<a2a::StreamResponse>>,
 ) -> crate::stream::Events {
     use crate::stream::{ends, task_event};
     use tokio::sync::broadcast::error::RecvError;
@@ -461,12 +483,18 @@ pub(super) fn events_of(
                 return;
             }
         }
+        if finished() {
+            // Its follower had stopped already: nothing more will come.
+            return;
+        }
         loop {
             tokio::select! {
                 event = events.recv() => {
                     let event = match event {
-                        Ok(event) => event,
+                        Ok(event) => Arc::unwrap_or_clone(event),
                         Err(RecvError::Lagged(_)) => {
+                            // Behind: from now on, after the task whole.
+                            events = slot.events.subscribe();
                             let task = latest.borrow_and_update().clone();
                             match task {
                                 Some(task) => task_event(task),

@@ -60,7 +60,7 @@ enum Answered {
         slot: Arc<Slot>,
         task: a2a::Task,
         /// Subscribed to the task's events before its follower started.
-        events: tokio::sync::broadcast::Receiver<a2a::StreamResponse>,
+        events: tokio::sync::broadcast::Receiver<Arc<a2a::StreamResponse>>,
     },
     Message(a2a::Message),
 }
@@ -189,7 +189,17 @@ async fn first_event(
     let mut events = gateway
         .upstream_stream("SendStreamingMessage", request, headers)
         .await?;
-    let payload = match events.next().await {
+    let timeout = std::time::Duration::from_millis(gateway.config.call_timeout_ms);
+    let first = tokio::time::timeout(timeout, events.next())
+        .await
+        .map_err(|_| {
+            Refused::new(
+                code::INTERNAL,
+                "UNAVAILABLE",
+                "the agent's stream sent nothing within call_timeout_ms",
+            )
+        })?;
+    let payload = match first {
         Some(Ok(first)) => match first.payload {
             Some(Event::Task(task)) => Some(Answer::Task(task)),
             Some(Event::Message(message)) => Some(Answer::Message(message)),
@@ -230,6 +240,7 @@ async fn start(
         mut binding,
     } = admission;
     let slot = new_slot(
+        gateway,
         contract_id,
         tenant,
         deadline_ms,

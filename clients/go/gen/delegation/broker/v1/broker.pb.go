@@ -3928,8 +3928,9 @@ type WatchContractsRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Contracts (32-byte ids) to watch from now on, at most 1,024 in one
-	// message; adding one already watched answers its state again.
+	// Contracts (32-byte ids) to watch from now on; adds and removes
+	// together at most 1,024 in one message. Adding one already watched
+	// changes nothing.
 	AddContractIds [][]byte `protobuf:"bytes,1,rep,name=add_contract_ids,json=addContractIds,proto3" json:"add_contract_ids,omitempty"`
 	// Contracts to stop watching; ids not watched are ignored.
 	RemoveContractIds [][]byte `protobuf:"bytes,2,rep,name=remove_contract_ids,json=removeContractIds,proto3" json:"remove_contract_ids,omitempty"`

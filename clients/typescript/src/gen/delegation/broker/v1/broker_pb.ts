@@ -2028,8 +2028,9 @@ export const WatchResponseSchema: GenMessage<WatchResponse> = /*@__PURE__*/
  */
 export type WatchContractsRequest = Message<"delegation.broker.v1.WatchContractsRequest"> & {
   /**
-   * Contracts (32-byte ids) to watch from now on, at most 1,024 in one
-   * message; adding one already watched answers its state again.
+   * Contracts (32-byte ids) to watch from now on; adds and removes
+   * together at most 1,024 in one message. Adding one already watched
+   * changes nothing.
    *
    * @generated from field: repeated bytes add_contract_ids = 1;
    */
@@ -2942,7 +2943,8 @@ export const Broker: GenService<{
    * reading each of them again and again. The client sends
    * WatchContractsRequest messages at any time to add and remove
    * contracts; each added one is answered at once with its state, then
-   * again after each status change, at most 100 ms after it commits. Nothing is sent while nothing changes: a stream
+   * again after each status change, about 100 ms after it commits (on a
+   * replica, once the replica has seen the commit: within a second). Nothing is sent while nothing changes: a stream
    * costs the broker nothing while its contracts are idle. The stream
    * never ends by itself; it ends UNAVAILABLE when the broker shuts down
    * (open a new one and add the contracts again: their states come back

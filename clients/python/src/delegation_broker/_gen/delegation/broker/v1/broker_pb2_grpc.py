@@ -404,7 +404,8 @@ class BrokerServicer:
         reading each of them again and again. The client sends
         WatchContractsRequest messages at any time to add and remove
         contracts; each added one is answered at once with its state, then
-        again after each status change, at most 100 ms after it commits. Nothing is sent while nothing changes: a stream
+        again after each status change, about 100 ms after it commits (on a
+        replica, once the replica has seen the commit: within a second). Nothing is sent while nothing changes: a stream
         costs the broker nothing while its contracts are idle. The stream
         never ends by itself; it ends UNAVAILABLE when the broker shuts down
         (open a new one and add the contracts again: their states come back
