@@ -7,6 +7,8 @@
 //! Run with `cargo bench --bench gateway_recorder` (`-- CALLS` to change
 //! the calls per level, default 5000).
 
+mod support;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,12 +16,8 @@ use broker_client::Agent;
 use broker_client::Link;
 use broker_mcp::gateway::recorder::Recorder;
 use delegation_broker::clock::{Clock, SystemClock};
-use delegation_broker::config::Config;
-use delegation_broker::crypto::payload_type;
 use delegation_broker::pb;
 use delegation_broker::pb::broker_client::BrokerClient;
-use prost::Message as _;
-use tonic::transport::Channel;
 
 /// Concurrent callers, as an agent's parallel tool calls.
 const LEVELS: [usize; 4] = [1, 16, 64, 256];
@@ -38,22 +36,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(calls: usize) -> anyhow::Result<()> {
-    let dir = std::env::temp_dir().join(format!("gateway-recorder-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let config = Config::load(dir.clone(), None)?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = format!("http://{}", listener.local_addr()?);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(delegation_broker::server::run_with_options(
-        listener,
-        config,
-        Arc::new(SystemClock),
-        delegation_broker::server::ServeOptions::default(),
-        async {
-            let _ = stopped.await;
-        },
-    ));
-    let channel = Channel::from_shared(addr)?.connect_lazy();
+    let broker = support::Broker::start("gateway-recorder").await?;
+    let channel = broker.channel.clone();
     let mut client = BrokerClient::new(channel.clone());
     println!(
         "calls per level: {calls}; each call: one TOOL_CALL observation, recorded before it returns"
@@ -64,7 +48,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     );
     for level in LEVELS {
         let host = Agent::generate();
-        let contract = hosted_contract(&mut client, &host).await?;
+        let (contract, _) = support::hosted_contract(&mut client, &host).await?;
         let recorder = Recorder::start(Link::new(host, channel.clone()));
         let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let start = Instant::now();
@@ -98,8 +82,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
         }
         let elapsed = start.elapsed().as_secs_f64();
         latencies.sort_by(f64::total_cmp);
-        let at =
-            |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+        let at = |q| support::at(&latencies, q);
         println!(
             "{level:>11} {:>13.0} {:>9.2} {:>9.2} {:>9.2}",
             latencies.len() as f64 / elapsed,
@@ -108,74 +91,6 @@ async fn run(calls: usize) -> anyhow::Result<()> {
             at(1.0)
         );
     }
-    let _ = stop.send(());
-    let _ = server.await;
-    let _ = std::fs::remove_dir_all(&dir);
+    broker.stop().await;
     Ok(())
-}
-
-/// A root, a child hosted by `host`, accepted: a contract to record for.
-async fn hosted_contract(
-    client: &mut BrokerClient<Channel>,
-    host: &Agent,
-) -> anyhow::Result<[u8; 32]> {
-    let (orchestrator, worker) = (Agent::generate(), Agent::generate());
-    let hour = SystemClock.now_ms() + 3_600_000;
-    let root = client
-        .open_root(orchestrator.open_root(pb::OpenRootBody {
-            intent: "bench".into(),
-            budget: 1_000_000_000,
-            deadline_ms: hour,
-            policy: Some(pb::Policy {
-                max_depth: 4,
-                max_children: 64,
-                ..Default::default()
-            }),
-            write_scope: vec!["out".into()],
-            ..Default::default()
-        }))
-        .await?
-        .into_inner()
-        .issued
-        .ok_or_else(|| anyhow::anyhow!("no root"))?;
-    let lineage = root
-        .contract
-        .as_ref()
-        .map(|s| pb::Contract::decode(s.payload.as_slice()))
-        .transpose()?
-        .map(|c| c.intent_lineage_hash)
-        .unwrap_or_default();
-    let answer = client
-        .delegate(orchestrator.delegate(pb::DelegateBody {
-            parent_id: root.contract_id.clone(),
-            intent_lineage_hash: lineage,
-            task: "bench".into(),
-            delegate_public_key: worker.public_key().to_vec(),
-            budget: 100_000_000,
-            deadline_ms: hour,
-            liability: pb::Liability::Principal as i32,
-            write_scope: vec!["out".into()],
-            host_public_key: host.public_key().to_vec(),
-            ..Default::default()
-        }))
-        .await?
-        .into_inner();
-    let Some(pb::delegate_response::Outcome::Issued(child)) = answer.outcome else {
-        anyhow::bail!("the delegation was refused: {answer:?}");
-    };
-    let accept = pb::AcceptBody {
-        header: Some(worker.header()),
-        contract_id: child.contract_id.clone(),
-        host_public_key: Vec::new(),
-    };
-    client
-        .accept(pb::AcceptRequest {
-            signed: Some(worker.sign(payload_type::ACCEPT, &accept)),
-        })
-        .await?;
-    child
-        .contract_id
-        .as_slice()
-        .try_into()
-        .map_err(|_| anyhow::anyhow!("a contract id of another length"))
 }

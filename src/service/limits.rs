@@ -30,12 +30,8 @@ pub(crate) const WATCH_RESERVE_DIVISOR: usize = 8;
 /// Streams a tenant may hold and still take one from the reserve.
 pub(crate) const WATCH_SMALL_SHARE: usize = 2;
 
-/// Contracts one WatchContracts stream watches at once: its memory and
-/// the work of each scan.
-pub(crate) const MAX_WATCHED_CONTRACTS: usize = 4_096;
-
-/// Contracts one WatchContracts message may add and remove.
-pub(crate) const MAX_WATCH_CONTRACTS_PER_MESSAGE: usize = 1_024;
+/// WatchContracts' bounds are the API's: clients keep within them.
+pub(crate) use broker_domain::limits::{MAX_WATCH_CONTRACTS_PER_MESSAGE, MAX_WATCHED_CONTRACTS};
 
 /// A WatchContracts stream looks at its trees' versions at most this long
 /// after a commit, so a burst of commits costs it one scan.

@@ -155,8 +155,8 @@ pub(crate) struct Gateway {
     in_flight: Mutex<InFlight>,
     /// Contracts to start and stop watching (`watcher`), and the receiving
     /// end until the watcher takes it.
-    watch_changes: tokio::sync::mpsc::Sender<crate::watcher::Change>,
-    pub watch_receiver: Mutex<Option<tokio::sync::mpsc::Receiver<crate::watcher::Change>>>,
+    watch_changes: broker_client::watch::Changes,
+    pub watch_receiver: Mutex<Option<broker_client::watch::Receiver>>,
     /// The WatchContracts stream is open: slots' statuses are current.
     pub watching: std::sync::atomic::AtomicBool,
 }
@@ -281,8 +281,7 @@ impl Gateway {
             _ => (a2a::AgentCard::default(), Upstream::None),
         };
         let peer_tokens = crate::bearer::peer_tokens(&config)?;
-        let (watch_changes, watch_receiver) =
-            tokio::sync::mpsc::channel(crate::watcher::MAX_QUEUED_CHANGES);
+        let (watch_changes, watch_receiver) = broker_client::watch::changes();
         Ok(Self {
             config,
             link,
@@ -306,8 +305,8 @@ impl Gateway {
 
     /// Starts or stops watching a contract; a change the queue has no room
     /// for is dropped (the contract's follower then reads it instead).
-    pub fn watch(&self, change: crate::watcher::Change) -> bool {
-        let queued = self.watch_changes.try_send(change).is_ok();
+    pub fn watch(&self, change: broker_client::watch::Change) -> bool {
+        let queued = self.watch_changes.send(change);
         if !queued {
             tracing::warn!(
                 "the contract watch queue is full: a follower reads its contract instead"

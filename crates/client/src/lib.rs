@@ -14,6 +14,7 @@ pub mod names;
 pub mod token;
 pub mod trace;
 pub mod tree;
+pub mod watch;
 
 pub use agent::{Agent, SessionAttacher, SessionClient};
 

@@ -40,6 +40,11 @@ pub const MAX_NONCE_BYTES: usize = 64;
 pub const PPM_ONE: u32 = 1_000_000;
 /// Largest page of children returned at once.
 pub const MAX_PAGE_SIZE: u32 = 1_000;
+/// Contracts one WatchContracts stream watches at once: its memory and
+/// the work of each scan.
+pub const MAX_WATCHED_CONTRACTS: usize = 4_096;
+/// Contracts one WatchContracts message may add and remove.
+pub const MAX_WATCH_CONTRACTS_PER_MESSAGE: usize = 1_024;
 /// Page size when the client asks for 0.
 pub const DEFAULT_PAGE_SIZE: u32 = 100;
 /// Most roots one ListRoots call looks at, shown or not: a caller who is a

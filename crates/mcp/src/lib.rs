@@ -11,7 +11,7 @@
 
 pub mod gateway;
 mod resources;
-mod serve;
+pub mod serve;
 mod tools;
 
 use std::collections::BTreeMap;

@@ -254,7 +254,7 @@ pub(super) async fn follow(
     upstream: Option<crate::stream::Events>,
 ) {
     gateway.metrics.followed.inc();
-    let queued = gateway.watch(crate::watcher::Change::Add(slot.contract_id));
+    let queued = gateway.watch(broker_client::watch::Change::Add(slot.contract_id));
     slot.watched
         .store(queued, std::sync::atomic::Ordering::Release);
     let mut canceled_at = None;
@@ -263,7 +263,7 @@ pub(super) async fn follow(
     if !done {
         following(&gateway, &slot, &task_id, &mut canceled_at).await;
     }
-    gateway.watch(crate::watcher::Change::Remove(slot.contract_id));
+    gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
     gateway.metrics.followed.dec();
     // Callers still waiting for the task are answered with what is known.
     slot.finished

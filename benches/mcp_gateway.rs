@@ -1,0 +1,293 @@
+//! What the MCP gateway adds to a tool call (BENCHMARKS.md, "MCP
+//! gateway"), measured with a Rust MCP client (rmcp) that is not the
+//! bottleneck: one caller's `tools/call`s to a tool server straight, and
+//! the same calls through `mcp gateway` in front of it (which checks the
+//! contract, forwards, and records the call at the broker before it
+//! answers), alternating in rounds on this noisy machine. Beside them, in
+//! the same rounds, the broker's two parts of a call on their own: a
+//! GetContract and a recorded observation. Then the bound on a revoked
+//! contract: how long after the Revoke answered a call is still let
+//! through. Everything runs in this process on 127.0.0.1 (SQLite, an fsync
+//! per commit). Run with `cargo bench --bench mcp_gateway` (`-- CALLS` to
+//! change the calls per arm, default 1,000).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use broker_client::{Agent, Link};
+use broker_mcp::gateway::config::{GatewayConfig, OutOfScope, ServerConfig};
+use broker_mcp::gateway::recorder::Recorder;
+use delegation_broker::clock::{Clock, SystemClock};
+use delegation_broker::crypto::payload_type;
+use delegation_broker::pb;
+use delegation_broker::pb::broker_client::BrokerClient;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig as McpServerConfig, Tool,
+};
+use rmcp::service::{RequestContext, RoleClient, RoleServer, RunningService, ServiceExt as _};
+use rmcp::transport::StreamableHttpClientTransport;
+
+/// Rounds per arm; each round runs every arm once, in turn.
+const ROUNDS: usize = 10;
+/// Longest the revocation measurement waits for a refusal.
+const REVOKE_WAIT: Duration = Duration::from_secs(10);
+
+/// The tool server: one tool that answers at once, so a call's time is
+/// the transport's and, through the gateway, the gateway's. It counts the
+/// calls that reach it.
+#[derive(Clone, Default)]
+struct Echo(Arc<AtomicU64>);
+
+impl rmcp::ServerHandler for Echo {
+    fn get_info(&self) -> McpServerConfig {
+        McpServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, rmcp::ErrorData> {
+        let schema = serde_json::json!({"type": "object"});
+        let serde_json::Value::Object(schema) = schema else {
+            unreachable!("an object literal");
+        };
+        Ok(ListToolsResult::with_all_items(vec![Tool::new(
+            "echo",
+            "answers ok",
+            schema,
+        )]))
+    }
+
+    async fn call_tool(
+        &self,
+        _request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, rmcp::ErrorData> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(CallToolResult::success(vec![ContentBlock::text("ok")]).into())
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let calls: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(1_000)
+        // One contract takes 10,000 observations; each call makes one.
+        .min(4_000);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(calls))
+}
+
+async fn run(calls: usize) -> anyhow::Result<()> {
+    let broker = support::Broker::start("mcp-gateway").await?;
+    let mut client = BrokerClient::new(broker.channel.clone());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let tools = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let tools_url = format!("http://{}/mcp", tools.local_addr()?);
+    let echo = Echo::default();
+    let reached = echo.0.clone();
+    tokio::spawn(broker_mcp::serve::http(echo, tools, stopped()));
+
+    let host = Agent::generate();
+    let (contract, principal) = support::hosted_contract(&mut client, &host).await?;
+    let dir = tempfile::tempdir()?;
+    let key_file = dir.path().join("host.key");
+    broker_client::keys::write_secret(&key_file, &hex::encode(host.seed()))?;
+    let config = GatewayConfig {
+        broker: broker.addr.clone(),
+        key_file,
+        out_of_scope: OutOfScope::Refuse,
+        contract: Some(hex::encode(contract)),
+        call_timeout_ms: 10_000,
+        resolve_root: None,
+        tokens_url: None,
+        servers: vec![ServerConfig {
+            name: "bench".into(),
+            command: None,
+            args: Vec::new(),
+            env: Default::default(),
+            url: Some(tools_url.clone()),
+            token_header: None,
+            token_resource: None,
+        }],
+        tools: Default::default(),
+    };
+    let gateway = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let gateway_url = format!("http://{}/mcp", gateway.local_addr()?);
+    tokio::spawn(broker_mcp::gateway::run(gateway, config, stopped()));
+
+    let direct = mcp_client(&tools_url).await?;
+    let through = mcp_client(&gateway_url).await?;
+    // The broker's parts alone, as the gateway asks for them: its own key.
+    let link = Link::new(Agent::from_seed(host.seed()), broker.channel.clone());
+    let recorder = Recorder::start(link.clone());
+    // One call of each first: connections made, caches warm.
+    call(&direct).await?;
+    call(&through).await?;
+
+    let per_round = calls.div_ceil(ROUNDS);
+    let mut times: [Vec<f64>; 4] = Default::default();
+    for _ in 0..ROUNDS {
+        for _ in 0..per_round {
+            times[0].push(timed(call(&direct)).await?);
+        }
+        for _ in 0..per_round {
+            times[1].push(timed(call(&through)).await?);
+        }
+        for _ in 0..per_round {
+            times[2].push(timed(read(&link, contract)).await?);
+        }
+        for _ in 0..per_round {
+            times[3].push(timed(record(&recorder, contract)).await?);
+        }
+    }
+    println!(
+        "one caller, {} calls per arm in {ROUNDS} alternating rounds",
+        per_round * ROUNDS
+    );
+    println!(
+        "{:<44} {:>8} {:>8} {:>8}",
+        "arm", "p50 ms", "p90 ms", "p99 ms"
+    );
+    let names = [
+        "tools/call straight to the tool server",
+        "tools/call through the gateway",
+        "  the broker's part: GetContract",
+        "  the broker's part: one recorded call",
+    ];
+    let mut medians = [0.0; 4];
+    for (i, (name, values)) in names.iter().zip(times.iter_mut()).enumerate() {
+        values.sort_by(f64::total_cmp);
+        medians[i] = support::at(values, 0.5);
+        println!(
+            "{name:<44} {:>8.3} {:>8.3} {:>8.3}",
+            medians[i],
+            support::at(values, 0.9),
+            support::at(values, 0.99)
+        );
+    }
+    println!(
+        "added by the gateway at the median: {:.3} ms (the broker's parts: {:.3} ms; the rest, the gateway's own: {:.3} ms)",
+        medians[1] - medians[0],
+        medians[2] + medians[3],
+        medians[1] - medians[0] - medians[2] - medians[3]
+    );
+
+    // A call the gateway lets through after the Revoke reaches the tool
+    // server and is then not answered (its record is refused: ENDED);
+    // counted until a call is refused before it reaches the server.
+    revoke(&mut client, &principal, contract).await?;
+    let revoked = Instant::now();
+    let reached_before = reached.load(Ordering::Relaxed);
+    loop {
+        let before = reached.load(Ordering::Relaxed);
+        let result = through
+            .call_tool(CallToolRequestParams::new("echo"))
+            .await?;
+        let forwarded = reached.load(Ordering::Relaxed) > before;
+        anyhow::ensure!(
+            result.is_error == Some(true),
+            "a call answered after the Revoke answered"
+        );
+        if !forwarded {
+            break;
+        }
+        anyhow::ensure!(
+            revoked.elapsed() < REVOKE_WAIT,
+            "calls still forwarded {} s after the Revoke answered",
+            REVOKE_WAIT.as_secs()
+        );
+    }
+    println!(
+        "revoked: calls refused before the tool server {:.1} ms after the Revoke answered; {} forwarded before that (none answered)",
+        revoked.elapsed().as_secs_f64() * 1e3,
+        reached.load(Ordering::Relaxed) - reached_before
+    );
+
+    let _ = stop.send(true);
+    drop((direct, through));
+    broker.stop().await;
+    Ok(())
+}
+
+async fn mcp_client(url: &str) -> anyhow::Result<RunningService<RoleClient, ()>> {
+    Ok(
+        ().serve(StreamableHttpClientTransport::from_uri(url))
+            .await?,
+    )
+}
+
+async fn timed(work: impl Future<Output = anyhow::Result<()>>) -> anyhow::Result<f64> {
+    let began = Instant::now();
+    work.await?;
+    Ok(began.elapsed().as_secs_f64() * 1e3)
+}
+
+async fn call(client: &RunningService<RoleClient, ()>) -> anyhow::Result<()> {
+    let result = client.call_tool(CallToolRequestParams::new("echo")).await?;
+    anyhow::ensure!(
+        result.is_error != Some(true),
+        "the call was refused: {result:?}"
+    );
+    Ok(())
+}
+
+async fn read(link: &Link, contract: [u8; 32]) -> anyhow::Result<()> {
+    let request = pb::GetContractRequest {
+        contract_id: contract.to_vec(),
+    };
+    link.read(|mut client| {
+        let request = request.clone();
+        async move { client.get_contract(request).await }
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{}: {}", e.reason, e.message))?;
+    Ok(())
+}
+
+async fn record(recorder: &Recorder, contract: [u8; 32]) -> anyhow::Result<()> {
+    let observation = pb::Observation {
+        kind: pb::ObservationKind::ToolCall as i32,
+        tool: "bench.echo".into(),
+        at_ms: SystemClock.now_ms(),
+        arguments_sha256: vec![7; 32],
+        outcome: pb::ToolOutcome::Succeeded as i32,
+        ..Default::default()
+    };
+    recorder
+        .record(contract, vec![observation], None)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.reason, e.message))
+}
+
+async fn revoke(
+    client: &mut BrokerClient<tonic::transport::Channel>,
+    principal: &Agent,
+    contract: [u8; 32],
+) -> anyhow::Result<()> {
+    let body = pb::RevokeBody {
+        header: Some(principal.header()),
+        contract_id: contract.to_vec(),
+        reason: "bench".into(),
+    };
+    client
+        .revoke(pb::RevokeRequest {
+            signed: Some(principal.sign(payload_type::REVOKE, &body)),
+        })
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,136 @@
+//! What the gateway benches share: a broker in this process on
+//! 127.0.0.1:0 (SQLite, an fsync per commit) and a contract hosted by a
+//! given key, opened, delegated and accepted through the public API.
+
+// Each bench is a crate of its own and uses its part of this.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use broker_client::Agent;
+use delegation_broker::clock::{Clock, SystemClock};
+use delegation_broker::config::Config;
+use delegation_broker::crypto::payload_type;
+use delegation_broker::pb;
+use delegation_broker::pb::broker_client::BrokerClient;
+use prost::Message as _;
+use tonic::transport::Channel;
+
+/// A broker serving in this process until `stop` is called.
+pub struct Broker {
+    pub addr: String,
+    pub channel: Channel,
+    dir: std::path::PathBuf,
+    stop: tokio::sync::oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<Result<(), delegation_broker::server::ServerError>>,
+}
+
+impl Broker {
+    /// Starts a broker on a fresh data directory named after `bench`.
+    pub async fn start(bench: &str) -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("{bench}-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let config = Config::load(dir.clone(), None)?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = format!("http://{}", listener.local_addr()?);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(delegation_broker::server::run_with_options(
+            listener,
+            config,
+            Arc::new(SystemClock),
+            delegation_broker::server::ServeOptions::default(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let channel = Channel::from_shared(addr.clone())?.connect_lazy();
+        Ok(Self {
+            addr,
+            channel,
+            dir,
+            stop,
+            served,
+        })
+    }
+
+    /// Stops the broker and removes its data directory.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.served.await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A root, a child hosted by `host`, accepted: a contract to record for.
+/// Returns the child's id and the orchestrator (its principal), which
+/// may revoke it.
+pub async fn hosted_contract(
+    client: &mut BrokerClient<Channel>,
+    host: &Agent,
+) -> anyhow::Result<([u8; 32], Agent)> {
+    let (orchestrator, worker) = (Agent::generate(), Agent::generate());
+    let hour = SystemClock.now_ms() + 3_600_000;
+    let root = client
+        .open_root(orchestrator.open_root(pb::OpenRootBody {
+            intent: "bench".into(),
+            budget: 1_000_000_000,
+            deadline_ms: hour,
+            policy: Some(pb::Policy {
+                max_depth: 4,
+                max_children: 64,
+                ..Default::default()
+            }),
+            write_scope: vec!["out".into()],
+            ..Default::default()
+        }))
+        .await?
+        .into_inner()
+        .issued
+        .ok_or_else(|| anyhow::anyhow!("no root"))?;
+    let lineage = root
+        .contract
+        .as_ref()
+        .map(|s| pb::Contract::decode(s.payload.as_slice()))
+        .transpose()?
+        .map(|c| c.intent_lineage_hash)
+        .unwrap_or_default();
+    let answer = client
+        .delegate(orchestrator.delegate(pb::DelegateBody {
+            parent_id: root.contract_id.clone(),
+            intent_lineage_hash: lineage,
+            task: "bench".into(),
+            delegate_public_key: worker.public_key().to_vec(),
+            budget: 100_000_000,
+            deadline_ms: hour,
+            liability: pb::Liability::Principal as i32,
+            write_scope: vec!["out".into()],
+            host_public_key: host.public_key().to_vec(),
+            ..Default::default()
+        }))
+        .await?
+        .into_inner();
+    let Some(pb::delegate_response::Outcome::Issued(child)) = answer.outcome else {
+        anyhow::bail!("the delegation was refused: {answer:?}");
+    };
+    let accept = pb::AcceptBody {
+        header: Some(worker.header()),
+        contract_id: child.contract_id.clone(),
+        host_public_key: Vec::new(),
+    };
+    client
+        .accept(pb::AcceptRequest {
+            signed: Some(worker.sign(payload_type::ACCEPT, &accept)),
+        })
+        .await?;
+    let id = child
+        .contract_id
+        .as_slice()
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("a contract id of another length"))?;
+    Ok((id, orchestrator))
+}
+
+/// The value at quantile `q` of sorted `values` (nearest rank).
+pub fn at(values: &[f64], q: f64) -> f64 {
+    values[((values.len() as f64 * q) as usize).min(values.len() - 1)]
+}
