@@ -279,6 +279,10 @@ def serve(
     SendStreamingMessage and SubscribeToTask)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it: uvicorn writes a response's headers
+    # and body apart, and with Nagle the body would wait for the client's
+    # delayed ACK (40 ms on a kept-alive connection).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(128)
     bound = sock.getsockname()[1]

@@ -258,8 +258,13 @@ pub(super) async fn follow(
     slot.watched
         .store(queued, std::sync::atomic::Ordering::Release);
     let mut canceled_at = None;
-    let done = (upstream.is_some() || gateway.streams_upstream())
-        && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await;
+    let streams = upstream.is_some() || gateway.streams_upstream();
+    // A task started by a unary SendMessage is read once first: a quick
+    // agent has finished it by now, and refuses a stream of a finished
+    // task, so its contract moves one round trip sooner than after a
+    // refused SubscribeToTask.
+    let done = (streams && upstream.is_none() && read_settled(&gateway, &slot, &task_id).await)
+        || (streams && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await);
     if !done {
         following(&gateway, &slot, &task_id, &mut canceled_at).await;
     }
@@ -358,22 +363,8 @@ async fn following(
             Look::Canceled => continue,
             Look::Read => {}
         }
-        let task: Result<a2a::Task, _> = gateway.upstream_call("GetTask", &get, &[]).await;
-        match task {
-            Ok(task) => {
-                let before = slot.latest.borrow().as_ref().map(state_of);
-                match observe(gateway, slot, task).await {
-                    // Callers' streams (an agent whose stream failed) get
-                    // the task whenever its state moves.
-                    Ok(task) if before != Some(state_of(&task)) => {
-                        let _ = slot.events.send(Arc::new(crate::stream::task_event(task)));
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
-                    }
-                }
-            }
+        match read(gateway, slot, &get).await {
+            Ok(()) => {}
             Err(CallError::Remote(error)) => {
                 tracing::warn!(task = %task_id, %error, "the agent no longer answers for its task");
                 return;
@@ -383,6 +374,43 @@ async fn following(
             }
         }
     }
+}
+
+/// Reads the task once (GetTask) and moves its contract; true when that
+/// settled it.
+async fn read_settled(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) -> bool {
+    let get = a2a::GetTaskRequest {
+        id: task_id.to_owned(),
+        ..Default::default()
+    };
+    if let Err(e) = read(gateway, slot, &get).await {
+        tracing::debug!(task = %task_id, error = ?e, "reading the agent's task failed; following it");
+        return false;
+    }
+    let ended = slot.progress.lock().await.0.ended;
+    ended && slot.latest.borrow().as_ref().is_some_and(settled)
+}
+
+/// Reads the task (GetTask) and moves its contract; callers' streams (an
+/// agent whose stream failed) get the task whenever its state moves. A
+/// failed move is logged: the next read tries again.
+async fn read(
+    gateway: &Arc<Gateway>,
+    slot: &Arc<Slot>,
+    get: &a2a::GetTaskRequest,
+) -> Result<(), CallError> {
+    let task: a2a::Task = gateway.upstream_call("GetTask", get, &[]).await?;
+    let before = slot.latest.borrow().as_ref().map(state_of);
+    match observe(gateway, slot, task).await {
+        Ok(task) if before != Some(state_of(&task)) => {
+            let _ = slot.events.send(Arc::new(crate::stream::task_event(task)));
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(task = %get.id, error = %e.message, "moving the contract failed; trying again");
+        }
+    }
+    Ok(())
 }
 
 /// Follows a streaming agent's task by its SubscribeToTask stream: each
