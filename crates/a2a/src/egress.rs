@@ -501,14 +501,6 @@ async fn delegate_body(
     message: &a2a::Message,
 ) -> Result<pb::DelegateBody, Refused> {
     let parent_id = parent_of(gateway, outbound.contract_id, &message.context_id).await?;
-    let parent = gateway.contract(&parent_id).await?;
-    let parent_contract = broker_client::terms(parent.contract.as_ref()).ok_or_else(|| {
-        Refused::new(
-            code::INTERNAL,
-            "INTERNAL",
-            "the broker sent a parent contract that does not decode",
-        )
-    })?;
     let route = gateway
         .config
         .routes
@@ -516,15 +508,24 @@ async fn delegate_body(
         .cloned()
         .unwrap_or_default();
     let terms = outbound.terms;
-    let residual = parent.ledger.as_ref().map_or(0, |l| l.residual);
+    // Only a budget_share needs the parent's residual now; its terms never
+    // change, so they are read once (`Gateway::terms_of`).
+    let share = match (terms.budget.or(route.budget), route.budget_share) {
+        (None, Some(share)) => Some(share),
+        _ => None,
+    };
+    let (parent_contract, residual) = match share {
+        Some(_) => {
+            let parent = gateway.contract(&parent_id).await?;
+            let residual = parent.ledger.as_ref().map_or(0, |l| l.residual);
+            (gateway.terms_of(&parent_id, Some(&parent)).await?, residual)
+        }
+        None => (gateway.terms_of(&parent_id, None).await?, 0),
+    };
     let budget = terms
         .budget
         .or(route.budget)
-        .or_else(|| {
-            route
-                .budget_share
-                .map(|share| (residual as f64 * share).floor() as i64)
-        })
+        .or_else(|| share.map(|share| (residual as f64 * share).floor() as i64))
         .ok_or_else(|| missing_term(&peer.name, "budget", "budget or budget_share"))?;
     let deadline_ms = match terms.ttl_ms.or(route.ttl_ms) {
         Some(ttl_ms) => now_ms().saturating_add(ttl_ms),

@@ -32,6 +32,9 @@ const KEYS_REFRESH_MS: u64 = 5_000;
 const KEYS_MAX_AGE_MS: u64 = 60_000;
 /// Most A2A contexts remembered (egress lookups).
 const MAX_CONTEXTS: usize = 65_536;
+/// Contracts whose terms are kept (`Gateway::terms_of`): the parents the
+/// egress delegates from.
+const MAX_KEPT_TERMS: usize = 1_024;
 /// Most contracts remembered in one A2A context; past it the context names
 /// no parent at all (an egress message in it must name its contract).
 pub(crate) const MAX_CONTRACTS_PER_CONTEXT: usize = 8;
@@ -148,6 +151,8 @@ pub(crate) struct Gateway {
     keys: tokio::sync::Mutex<(BrokerKeys, Option<tokio::time::Instant>)>,
     pub admitted: Mutex<Admitted>,
     pub sent: Mutex<HashMap<String, Sent>>,
+    /// Contracts' terms, read once (`terms_of`).
+    terms: Mutex<HashMap<Id, Arc<pb::Contract>>>,
     /// Tokens for the calls to peers whose routes ask for one.
     pub peer_tokens: HashMap<String, crate::bearer::PeerToken>,
     pub metrics: Arc<metrics::GatewayMetrics>,
@@ -294,6 +299,7 @@ impl Gateway {
             keys: tokio::sync::Mutex::new((BrokerKeys::default(), None)),
             admitted: Mutex::default(),
             sent: Mutex::default(),
+            terms: Mutex::default(),
             peer_tokens,
             metrics,
             in_flight: Mutex::default(),
@@ -466,6 +472,47 @@ impl Gateway {
             .into_inner()
             .contract
             .ok_or_else(|| Refused::new(code::INTERNAL, "INTERNAL", "GetContract answered nothing"))
+    }
+
+    /// A contract's terms (its signed, unchanging part), read once: from
+    /// `state` when the caller has just read it, else from the broker.
+    pub async fn terms_of(
+        &self,
+        id: &Id,
+        state: Option<&pb::ContractState>,
+    ) -> Result<Arc<pb::Contract>, Refused> {
+        let known = self
+            .terms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned();
+        if let Some(terms) = known {
+            return Ok(terms);
+        }
+        let read;
+        let state = match state {
+            Some(state) => state,
+            None => {
+                read = self.contract(id).await?;
+                &read
+            }
+        };
+        let terms = broker_client::terms(state.contract.as_ref()).ok_or_else(|| {
+            Refused::new(
+                code::INTERNAL,
+                "INTERNAL",
+                "the broker sent a contract that does not decode",
+            )
+        })?;
+        let terms = Arc::new(terms);
+        let mut kept = self.terms.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() >= MAX_KEPT_TERMS {
+            // Which ones go matters little: a dropped one is read again.
+            kept.clear();
+        }
+        kept.insert(*id, terms.clone());
+        Ok(terms)
     }
 
     pub fn remember_context(&self, context_id: &str, contract_id: Id) {
