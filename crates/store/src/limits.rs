@@ -205,6 +205,11 @@ pub mod postgres {
     /// PostgreSQL more than running it.
     pub const STATEMENT_CACHE_CAPACITY: usize = 2_048;
 
+    /// A pooled connection idle this long is pinged before use (a server
+    /// restart is found then); a busier one is not: the ping was a round
+    /// trip on every acquire (BENCHMARKS.md, one caller on PostgreSQL).
+    pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+
     /// Attempts at applying the migrations when replicas start together (no
     /// advisory lock: the loser of a race finds the migration applied on its
     /// next attempt).

@@ -87,7 +87,7 @@ impl super::sql::Dialect for Postgres {
 }
 
 use super::Reply;
-use super::limits::postgres::STATEMENT_CACHE_CAPACITY;
+use super::limits::postgres::{PING_IDLE_AFTER, STATEMENT_CACHE_CAPACITY};
 
 /// Tunables of the shared store.
 #[derive(Clone, Debug)]
@@ -201,8 +201,19 @@ fn pool_options(options: &PostgresOptions, connections: u32) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(connections.max(1))
         .acquire_timeout(Duration::from_millis(options.connect_timeout_ms.max(1)))
-        // A connection PostgreSQL closed (a restart) is found before use.
-        .test_before_acquire(true)
+        // A connection PostgreSQL closed (a restart) is found before use
+        // when it has sat idle; one in steady use is not pinged (a round
+        // trip to the server on every acquire): if the server went away
+        // under it, its first query fails (UNAVAILABLE) and it is dropped.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for < PING_IDLE_AFTER {
+                    return Ok(true);
+                }
+                Ok(sqlx::Connection::ping(conn).await.is_ok())
+            })
+        })
 }
 
 /// Connection settings from the URL; a bad URL names itself.
