@@ -61,6 +61,9 @@ pub(super) async fn open_writer(
     let mut writer = SqliteConnection::connect_with(connect)
         .await
         .map_err(backend)?;
+    super::raw::plan_stably(&mut writer)
+        .await
+        .map_err(backend)?;
     refuse_old_format(&mut writer).await?;
     sqlx::migrate!("./migrations/sqlite")
         .run_direct(None, &mut writer, false)

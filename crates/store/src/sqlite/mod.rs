@@ -292,6 +292,7 @@ impl SqliteStore {
             // to lose it, and the ping is a round trip to the
             // connection's thread on every read.
             .test_before_acquire(false)
+            .after_connect(|conn, _| Box::pin(raw::plan_stably(conn)))
             // SQLite's default 2 MiB: a reader's cache is emptied at the
             // start of every read after a commit, so more would only hold
             // memory.
