@@ -101,6 +101,7 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
             slot.clone(),
             task_id.to_owned(),
             None,
+            None,
         ));
     }
     Ok(slot)
@@ -242,16 +243,18 @@ pub(super) async fn observe(
 }
 
 /// Follows an admitted task until it settles and its contract has moved:
-/// by the agent's own stream of the task when it streams (`upstream`, the
-/// stream the task was started with, else SubscribeToTask), else (or when
-/// that stream fails) by reading the task every poll_ms; either way the
-/// task is canceled when the contract is revoked or expires, or its
-/// deadline passes.
+/// by its first read (`first_read`, a task started by a unary SendMessage)
+/// when that finds it settled, else by the agent's own stream of the task
+/// when it streams (`upstream`, the stream the task was started with, else
+/// SubscribeToTask), else (or when that stream fails) by reading the task
+/// every poll_ms; either way the task is canceled when the contract is
+/// revoked or expires, or its deadline passes.
 pub(super) async fn follow(
     gateway: Arc<Gateway>,
     slot: Arc<Slot>,
     task_id: String,
     upstream: Option<crate::stream::Events>,
+    first_read: Option<FirstRead>,
 ) {
     gateway.metrics.followed.inc();
     let queued = gateway.watch(broker_client::watch::Change::Add(slot.contract_id));
@@ -259,11 +262,11 @@ pub(super) async fn follow(
         .store(queued, std::sync::atomic::Ordering::Release);
     let mut canceled_at = None;
     let streams = upstream.is_some() || gateway.streams_upstream();
-    // A task started by a unary SendMessage is read once first: a quick
-    // agent has finished it by now, and refuses a stream of a finished
-    // task, so its contract moves one round trip sooner than after a
-    // refused SubscribeToTask.
-    let done = (streams && upstream.is_none() && read_settled(&gateway, &slot, &task_id).await)
+    let settled = match first_read {
+        Some(first) => read_settled(&gateway, &slot, &task_id, first).await,
+        None => false,
+    };
+    let done = settled
         || (streams && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await);
     if !done {
         following(&gateway, &slot, &task_id, &mut canceled_at).await;
@@ -363,8 +366,8 @@ async fn following(
             Look::Canceled => continue,
             Look::Read => {}
         }
-        match read(gateway, slot, &get).await {
-            Ok(()) => {}
+        match gateway.upstream_call("GetTask", &get, &[]).await {
+            Ok(task) => moved(gateway, slot, task).await,
             Err(CallError::Remote(error)) => {
                 tracing::warn!(task = %task_id, %error, "the agent no longer answers for its task");
                 return;
@@ -376,30 +379,50 @@ async fn following(
     }
 }
 
-/// Reads the task once (GetTask) and moves its contract; true when that
-/// settled it.
-async fn read_settled(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task_id: &str) -> bool {
+/// The first read of a task started by a unary SendMessage, sent as soon
+/// as the agent answered: a quick agent has finished the task by then
+/// (and refuses a stream of a finished task), and the read travels while
+/// the first state moves the contract (Accept).
+pub(super) type FirstRead = tokio::task::JoinHandle<Result<a2a::Task, CallError>>;
+
+/// Sends the first read of `task_id` (see `FirstRead`).
+pub(super) fn first_read(gateway: &Arc<Gateway>, task_id: &str) -> FirstRead {
+    let gateway = gateway.clone();
     let get = a2a::GetTaskRequest {
         id: task_id.to_owned(),
         ..Default::default()
     };
-    if let Err(e) = read(gateway, slot, &get).await {
-        tracing::debug!(task = %task_id, error = ?e, "reading the agent's task failed; following it");
-        return false;
+    tokio::spawn(async move { gateway.upstream_call("GetTask", &get, &[]).await })
+}
+
+/// Moves the contract with the task the first read brought; true when
+/// that settled it.
+async fn read_settled(
+    gateway: &Arc<Gateway>,
+    slot: &Arc<Slot>,
+    task_id: &str,
+    first: FirstRead,
+) -> bool {
+    match first.await {
+        Ok(Ok(task)) => moved(gateway, slot, task).await,
+        Ok(Err(e)) => {
+            tracing::debug!(task = %task_id, error = ?e, "the first read of the agent's task failed; following it");
+            return false;
+        }
+        Err(e) => {
+            tracing::warn!(task = %task_id, error = %e, "the first read of the agent's task stopped; following it");
+            return false;
+        }
     }
     let ended = slot.progress.lock().await.0.ended;
     ended && slot.latest.borrow().as_ref().is_some_and(settled)
 }
 
-/// Reads the task (GetTask) and moves its contract; callers' streams (an
+/// Moves the contract with a task the agent sent; callers' streams (an
 /// agent whose stream failed) get the task whenever its state moves. A
 /// failed move is logged: the next read tries again.
-async fn read(
-    gateway: &Arc<Gateway>,
-    slot: &Arc<Slot>,
-    get: &a2a::GetTaskRequest,
-) -> Result<(), CallError> {
-    let task: a2a::Task = gateway.upstream_call("GetTask", get, &[]).await?;
+async fn moved(gateway: &Arc<Gateway>, slot: &Arc<Slot>, task: a2a::Task) {
+    let task_id = task.id.clone();
     let before = slot.latest.borrow().as_ref().map(state_of);
     match observe(gateway, slot, task).await {
         Ok(task) if before != Some(state_of(&task)) => {
@@ -407,10 +430,9 @@ async fn read(
         }
         Ok(_) => {}
         Err(e) => {
-            tracing::warn!(task = %get.id, error = %e.message, "moving the contract failed; trying again");
+            tracing::warn!(task = %task_id, error = %e.message, "moving the contract failed; trying again");
         }
     }
-    Ok(())
 }
 
 /// Follows a streaming agent's task by its SubscribeToTask stream: each

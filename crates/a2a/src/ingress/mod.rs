@@ -274,13 +274,22 @@ async fn start(
     gateway.remember_context(&task.context_id, contract_id);
     gateway.metrics.admitted.inc();
     let task_id = task.id.clone();
+    let first_read = upstream
+        .is_none()
+        .then(|| follow::first_read(gateway, &task_id));
     let observed = observe(gateway, &slot, task).await;
     tracing::debug!(
         elapsed_us = started.elapsed().as_micros() as u64,
         "ingress: first state moved"
     );
     let events = slot.events.subscribe();
-    tokio::spawn(follow(gateway.clone(), slot.clone(), task_id, upstream));
+    tokio::spawn(follow(
+        gateway.clone(),
+        slot.clone(),
+        task_id,
+        upstream,
+        first_read,
+    ));
     Ok(Answered::Task {
         slot,
         task: observed?,
