@@ -23,16 +23,8 @@ use delegation_broker::pb::broker_client::BrokerClient;
 const LEVELS: [usize; 4] = [1, 16, 64, 256];
 
 fn main() -> anyhow::Result<()> {
-    let calls: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(5000)
-        // One contract takes 10,000 observations; each call makes one.
-        .min(9_000);
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(run(calls))
+    // One contract takes 10,000 observations; each call makes one.
+    support::block_on(run(support::calls(5_000, 9_000)))
 }
 
 async fn run(calls: usize) -> anyhow::Result<()> {

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use broker_client::{Agent, Link};
+use broker_domain::limits::MAX_OBSERVATIONS_PER_CONTRACT;
 use broker_mcp::gateway::config::{GatewayConfig, OutOfScope, ServerConfig};
 use broker_mcp::gateway::recorder::Recorder;
 use delegation_broker::clock::{Clock, SystemClock};
@@ -33,6 +34,14 @@ use rmcp::transport::StreamableHttpClientTransport;
 
 /// Rounds per arm; each round runs every arm once, in turn.
 const ROUNDS: usize = 10;
+/// Calls per arm unless the command line says (`-- CALLS`).
+const DEFAULT_CALLS: usize = 1_000;
+/// Most calls per arm: the gateway's calls and the recorded ones each
+/// record an observation for the one contract, which takes
+/// `MAX_OBSERVATIONS_PER_CONTRACT`.
+const MAX_CALLS: usize = (MAX_OBSERVATIONS_PER_CONTRACT as usize - 100) / 2;
+/// The gateway's bound on a tool server's answer: far above the bench's.
+const CALL_TIMEOUT_MS: u64 = 10_000;
 /// Longest the revocation measurement waits for a refusal.
 const REVOKE_WAIT: Duration = Duration::from_secs(10);
 
@@ -74,16 +83,7 @@ impl rmcp::ServerHandler for Echo {
 }
 
 fn main() -> anyhow::Result<()> {
-    let calls: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(1_000)
-        // One contract takes 10,000 observations; each call makes one.
-        .min(4_000);
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(run(calls))
+    support::block_on(run(support::calls(DEFAULT_CALLS, MAX_CALLS)))
 }
 
 async fn run(calls: usize) -> anyhow::Result<()> {
@@ -105,27 +105,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     let host = Agent::generate();
     let (contract, principal) = support::hosted_contract(&mut client, &host).await?;
     let dir = tempfile::tempdir()?;
-    let key_file = dir.path().join("host.key");
-    broker_client::keys::write_secret(&key_file, &hex::encode(host.seed()))?;
-    let config = GatewayConfig {
-        broker: broker.addr.clone(),
-        key_file,
-        out_of_scope: OutOfScope::Refuse,
-        contract: Some(hex::encode(contract)),
-        call_timeout_ms: 10_000,
-        resolve_root: None,
-        tokens_url: None,
-        servers: vec![ServerConfig {
-            name: "bench".into(),
-            command: None,
-            args: Vec::new(),
-            env: Default::default(),
-            url: Some(tools_url.clone()),
-            token_header: None,
-            token_resource: None,
-        }],
-        tools: Default::default(),
-    };
+    let config = gateway_config(&broker.addr, &host, contract, &tools_url, dir.path())?;
     let gateway = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let gateway_url = format!("http://{}/mcp", gateway.local_addr()?);
     tokio::spawn(broker_mcp::gateway::run(gateway, config, stopped()));
@@ -155,10 +135,51 @@ async fn run(calls: usize) -> anyhow::Result<()> {
             times[3].push(timed(record(&recorder, contract)).await?);
         }
     }
-    println!(
-        "one caller, {} calls per arm in {ROUNDS} alternating rounds",
-        per_round * ROUNDS
-    );
+    report(per_round * ROUNDS, times);
+    revoke(&mut client, &principal, contract).await?;
+    after_revoke(&through, &reached).await?;
+
+    let _ = stop.send(true);
+    drop((direct, through));
+    broker.stop().await;
+    Ok(())
+}
+
+/// The gateway hosting `contract` for `host`, in front of the tool
+/// server at `tools_url`; its key file is written in `dir`.
+fn gateway_config(
+    broker: &str,
+    host: &Agent,
+    contract: [u8; 32],
+    tools_url: &str,
+    dir: &std::path::Path,
+) -> anyhow::Result<GatewayConfig> {
+    let key_file = dir.join("host.key");
+    broker_client::keys::write_secret(&key_file, &hex::encode(host.seed()))?;
+    Ok(GatewayConfig {
+        broker: broker.to_owned(),
+        key_file,
+        out_of_scope: OutOfScope::Refuse,
+        contract: Some(hex::encode(contract)),
+        call_timeout_ms: CALL_TIMEOUT_MS,
+        resolve_root: None,
+        tokens_url: None,
+        servers: vec![ServerConfig {
+            name: "bench".into(),
+            command: None,
+            args: Vec::new(),
+            env: Default::default(),
+            url: Some(tools_url.to_owned()),
+            token_header: None,
+            token_resource: None,
+        }],
+        tools: Default::default(),
+    })
+}
+
+/// Prints each arm's percentiles and what the gateway adds.
+fn report(calls: usize, mut times: [Vec<f64>; 4]) {
+    println!("one caller, {calls} calls per arm in {ROUNDS} alternating rounds");
     println!(
         "{:<44} {:>8} {:>8} {:>8}",
         "arm", "p50 ms", "p90 ms", "p99 ms"
@@ -186,11 +207,16 @@ async fn run(calls: usize) -> anyhow::Result<()> {
         medians[2] + medians[3],
         medians[1] - medians[0] - medians[2] - medians[3]
     );
+}
 
-    // A call the gateway lets through after the Revoke reaches the tool
-    // server and is then not answered (its record is refused: ENDED);
-    // counted until a call is refused before it reaches the server.
-    revoke(&mut client, &principal, contract).await?;
+/// Calls through the gateway right after the Revoke answered, until one
+/// is refused before it reaches the tool server. One the gateway lets
+/// through reaches the server and is then not answered (its record is
+/// refused: ENDED); none may be answered.
+async fn after_revoke(
+    through: &RunningService<RoleClient, ()>,
+    reached: &AtomicU64,
+) -> anyhow::Result<()> {
     let revoked = Instant::now();
     let reached_before = reached.load(Ordering::Relaxed);
     loop {
@@ -217,10 +243,6 @@ async fn run(calls: usize) -> anyhow::Result<()> {
         revoked.elapsed().as_secs_f64() * 1e3,
         reached.load(Ordering::Relaxed) - reached_before
     );
-
-    let _ = stop.send(true);
-    drop((direct, through));
-    broker.stop().await;
     Ok(())
 }
 

@@ -130,6 +130,26 @@ pub async fn hosted_contract(
     Ok((id, orchestrator))
 }
 
+/// The calls per arm a bench makes: its first numeric argument (`--
+/// CALLS`), else `default`, at most `most`.
+pub fn calls(default: usize, most: usize) -> usize {
+    std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(default)
+        .min(most)
+}
+
+/// Runs a bench on a multi-threaded runtime of its own.
+pub fn block_on(
+    bench: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(bench)
+}
+
 /// The value at quantile `q` of sorted `values` (nearest rank).
 pub fn at(values: &[f64], q: f64) -> f64 {
     values[((values.len() as f64 * q) as usize).min(values.len() - 1)]

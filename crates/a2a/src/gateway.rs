@@ -310,12 +310,13 @@ impl Gateway {
     }
 
     /// Starts or stops watching a contract; a change the queue has no room
-    /// for is dropped (the contract's follower then reads it instead).
+    /// for (or that no stream will take: the gateway is stopping) is
+    /// dropped, and the contract's follower reads it instead.
     pub fn watch(&self, change: broker_client::watch::Change) -> bool {
         let queued = self.watch_changes.send(change);
         if !queued {
             tracing::warn!(
-                "the contract watch queue is full: a follower reads its contract instead"
+                "the contract watch queue is full or closed: a follower reads its contract instead"
             );
         }
         queued

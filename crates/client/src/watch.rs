@@ -5,6 +5,7 @@
 //! While it is down the follower is told (`live(false)`), so it reads
 //! what it needs instead of trusting what the old stream said.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +23,7 @@ const RETRY_CAP: Duration = Duration::from_secs(5);
 /// First pause before opening it again.
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 
-/// A contract's 32-byte id.
-pub type Id = [u8; 32];
+pub use broker_domain::Id;
 
 /// What follows the watched contracts; called from the stream's task.
 pub trait Follower: Send + Sync + 'static {
@@ -105,15 +105,12 @@ async fn watch(
     changes: &mut tokio::sync::mpsc::Receiver<Change>,
 ) -> Result<(), String> {
     let (requests, outgoing) = tokio::sync::mpsc::channel(1);
-    let mut adds: Vec<Vec<u8>> = follower
-        .followed(MAX_WATCHED_CONTRACTS)
-        .into_iter()
-        .take(MAX_WATCHED_CONTRACTS)
-        .map(|id| id.to_vec())
-        .collect();
-    let mut removes = Vec::new();
-    // Contracts the stream watches once what was sent is taken.
-    let mut watched = 0usize;
+    let mut pending = Pending::default();
+    for id in follower.followed(MAX_WATCHED_CONTRACTS) {
+        if let Some(id) = pending.queue(Change::Add(id)) {
+            follower.unwatched(&id);
+        }
+    }
     let mut client = link.reader().await.map_err(|e| e.message)?;
     let mut states = client
         .watch_contracts(tokio_stream::wrappers::ReceiverStream::new(outgoing))
@@ -125,40 +122,16 @@ async fn watch(
     // brings are read meanwhile (a stream blocked on sending would stop
     // the broker's answers, and the broker's answers its reading).
     loop {
-        let pending = !(adds.is_empty() && removes.is_empty());
         tokio::select! {
             change = changes.recv() => {
                 let Some(change) = change else { return Ok(()) };
-                if adds.len() + removes.len() >= MAX_QUEUED_CHANGES {
-                    tracing::warn!("the contract watch queue is full: a contract is read instead");
-                    if let Change::Add(id) = &change {
-                        follower.unwatched(id);
-                    }
-                    continue;
+                if let Some(id) = pending.queue(change) {
+                    follower.unwatched(&id);
                 }
-                if let Change::Add(id) = &change
-                    && watched + adds.len() >= MAX_WATCHED_CONTRACTS
-                {
-                    follower.unwatched(id);
-                    continue;
-                }
-                queue(&mut adds, &mut removes, change);
             }
-            permit = requests.reserve(), if pending => {
+            permit = requests.reserve(), if pending.any() => {
                 let permit = permit.map_err(|_| "the stream closed".to_owned())?;
-                // Removes first; adds fill the rest of one message.
-                let take = |ids: &mut Vec<Vec<u8>>, room: usize| {
-                    let at = ids.len().saturating_sub(room);
-                    ids.split_off(at)
-                };
-                let remove_contract_ids = take(&mut removes, MAX_WATCH_CONTRACTS_PER_MESSAGE);
-                let room = MAX_WATCH_CONTRACTS_PER_MESSAGE - remove_contract_ids.len();
-                let add_contract_ids = take(&mut adds, room);
-                watched = (watched + add_contract_ids.len()).saturating_sub(remove_contract_ids.len());
-                permit.send(pb::WatchContractsRequest {
-                    add_contract_ids,
-                    remove_contract_ids,
-                });
+                permit.send(pending.message());
             }
             state = states.message() => match state {
                 Ok(Some(response)) => {
@@ -173,19 +146,69 @@ async fn watch(
     }
 }
 
-/// Adds `change` to what waits for the stream: an add and a remove of one
-/// contract cancel out.
-fn queue(adds: &mut Vec<Vec<u8>>, removes: &mut Vec<Vec<u8>>, change: Change) {
-    let (to, other, id) = match change {
-        Change::Add(id) => (adds, removes, id),
-        Change::Remove(id) => (removes, adds, id),
-    };
-    let id = id.to_vec();
-    match other.iter().position(|o| *o == id) {
-        Some(at) => {
-            other.swap_remove(at);
+/// What one stream watches and what waits to be sent to it.
+#[derive(Default)]
+struct Pending {
+    /// Watched once what was sent is taken.
+    sent: HashSet<Id>,
+    adds: HashSet<Id>,
+    removes: HashSet<Id>,
+}
+
+impl Pending {
+    /// Takes a change. An add and a remove of one contract cancel out; a
+    /// remove of a contract never sent is ignored. Returns the contract of
+    /// an add refused (past the stream's bound or the queue's): its
+    /// follower reads it.
+    fn queue(&mut self, change: Change) -> Option<Id> {
+        match change {
+            Change::Add(id) => {
+                if self.removes.remove(&id) || self.sent.contains(&id) || self.adds.contains(&id) {
+                    return None;
+                }
+                let full = self.sent.len() + self.adds.len() >= MAX_WATCHED_CONTRACTS
+                    || self.adds.len() + self.removes.len() >= MAX_QUEUED_CHANGES;
+                if full {
+                    return Some(id);
+                }
+                self.adds.insert(id);
+            }
+            Change::Remove(id) => {
+                if !self.adds.remove(&id) && self.sent.contains(&id) {
+                    self.removes.insert(id);
+                }
+            }
         }
-        None => to.push(id),
+        None
+    }
+
+    fn any(&self) -> bool {
+        !(self.adds.is_empty() && self.removes.is_empty())
+    }
+
+    /// The next message: removes first, adds filling the rest of the
+    /// broker's bound on one message.
+    fn message(&mut self) -> pb::WatchContractsRequest {
+        let removes: Vec<Id> = self
+            .removes
+            .iter()
+            .take(MAX_WATCH_CONTRACTS_PER_MESSAGE)
+            .copied()
+            .collect();
+        let room = MAX_WATCH_CONTRACTS_PER_MESSAGE - removes.len();
+        let adds: Vec<Id> = self.adds.iter().take(room).copied().collect();
+        for id in &removes {
+            self.removes.remove(id);
+            self.sent.remove(id);
+        }
+        for id in &adds {
+            self.adds.remove(id);
+            self.sent.insert(*id);
+        }
+        pb::WatchContractsRequest {
+            add_contract_ids: adds.iter().map(|id| id.to_vec()).collect(),
+            remove_contract_ids: removes.iter().map(|id| id.to_vec()).collect(),
+        }
     }
 }
 
@@ -194,13 +217,50 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_add_and_a_remove_of_one_contract_cancel_out() {
-        let (mut adds, mut removes) = (Vec::new(), Vec::new());
-        queue(&mut adds, &mut removes, Change::Add([1; 32]));
-        queue(&mut adds, &mut removes, Change::Add([2; 32]));
-        queue(&mut adds, &mut removes, Change::Remove([1; 32]));
-        queue(&mut adds, &mut removes, Change::Remove([3; 32]));
-        assert_eq!(adds, vec![vec![2; 32]]);
-        assert_eq!(removes, vec![vec![3; 32]]);
+    fn adds_and_removes_cancel_out_and_only_what_was_sent_is_removed() {
+        let mut pending = Pending::default();
+        assert_eq!(pending.queue(Change::Add([1; 32])), None);
+        assert_eq!(pending.queue(Change::Add([2; 32])), None);
+        pending.queue(Change::Remove([1; 32]));
+        // Never sent: nothing to remove.
+        pending.queue(Change::Remove([3; 32]));
+        let first = pending.message();
+        assert_eq!(first.add_contract_ids, vec![vec![2; 32]]);
+        assert!(first.remove_contract_ids.is_empty());
+        assert!(!pending.any());
+        pending.queue(Change::Remove([2; 32]));
+        // Added again before the remove went: it stays watched.
+        pending.queue(Change::Add([2; 32]));
+        assert!(!pending.any());
+        pending.queue(Change::Remove([2; 32]));
+        let second = pending.message();
+        assert_eq!(second.remove_contract_ids, vec![vec![2; 32]]);
+        assert!(pending.sent.is_empty());
+    }
+
+    #[test]
+    fn adds_past_the_bound_are_refused_and_messages_keep_within_theirs() {
+        let mut pending = Pending::default();
+        let id = |n: usize| {
+            let mut id = [0u8; 32];
+            id[..8].copy_from_slice(&(n as u64).to_be_bytes());
+            id
+        };
+        for n in 0..MAX_WATCHED_CONTRACTS {
+            assert_eq!(pending.queue(Change::Add(id(n))), None);
+        }
+        let over = id(MAX_WATCHED_CONTRACTS);
+        assert_eq!(pending.queue(Change::Add(over)), Some(over));
+        let mut sent = 0;
+        while pending.any() {
+            let message = pending.message();
+            assert!(message.add_contract_ids.len() <= MAX_WATCH_CONTRACTS_PER_MESSAGE);
+            sent += message.add_contract_ids.len();
+        }
+        assert_eq!(sent, MAX_WATCHED_CONTRACTS);
+        // One removed makes room for one more.
+        pending.queue(Change::Remove(id(0)));
+        pending.message();
+        assert_eq!(pending.queue(Change::Add(over)), None);
     }
 }

@@ -257,19 +257,27 @@ pub(super) async fn follow(
     first_read: Option<FirstRead>,
 ) {
     gateway.metrics.followed.inc();
-    let queued = gateway.watch(broker_client::watch::Change::Add(slot.contract_id));
+    // Marked before the add is sent: the watcher's "not watched" (past its
+    // bound) must be the last word, or the follower would wait for states
+    // that never come.
     slot.watched
-        .store(queued, std::sync::atomic::Ordering::Release);
+        .store(true, std::sync::atomic::Ordering::Release);
+    if !gateway.watch(broker_client::watch::Change::Add(slot.contract_id)) {
+        slot.watched
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
     let mut canceled_at = None;
     let streams = upstream.is_some() || gateway.streams_upstream();
-    let settled = match first_read {
+    let read_first = first_read.is_some();
+    let first_settled = match first_read {
         Some(first) => read_settled(&gateway, &slot, &task_id, first).await,
-        None => false,
+        // Settled in the agent's answer, its contract moved already.
+        None => moved_settled(&slot).await,
     };
-    let done = settled
+    let done = first_settled
         || (streams && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await);
     if !done {
-        following(&gateway, &slot, &task_id, &mut canceled_at).await;
+        following(&gateway, &slot, &task_id, &mut canceled_at, read_first).await;
     }
     gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
     gateway.metrics.followed.dec();
@@ -300,8 +308,7 @@ async fn look(
     task_id: &str,
     canceled_at: &mut Option<tokio::time::Instant>,
 ) -> Look {
-    let ended = slot.progress.lock().await.0.ended;
-    if ended && slot.latest.borrow().as_ref().is_some_and(settled) {
+    if moved_settled(slot).await {
         return Look::Stop;
     }
     if let Some(at) = canceled_at {
@@ -347,9 +354,14 @@ async fn following(
     slot: &Arc<Slot>,
     task_id: &str,
     canceled_at: &mut Option<tokio::time::Instant>,
+    read_just_now: bool,
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    if read_just_now {
+        // The first read has just been made: the next is a period away.
+        tick.reset();
+    }
     let get = a2a::GetTaskRequest {
         id: task_id.to_owned(),
         ..Default::default()
@@ -414,6 +426,11 @@ async fn read_settled(
             return false;
         }
     }
+    moved_settled(slot).await
+}
+
+/// The task has settled and its contract has moved with it.
+async fn moved_settled(slot: &Slot) -> bool {
     let ended = slot.progress.lock().await.0.ended;
     ended && slot.latest.borrow().as_ref().is_some_and(settled)
 }
@@ -494,10 +511,7 @@ async fn by_stream(
                     tracing::warn!(task = %task_id, error = ?e, "the agent's task stream failed; polling it");
                     return false;
                 }
-                None => {
-                    let ended = slot.progress.lock().await.0.ended;
-                    return ended && slot.latest.borrow().as_ref().is_some_and(settled);
-                }
+                None => return moved_settled(slot).await,
             },
             _ = tick.tick() => {
                 if let Look::Stop = look(gateway, slot, task_id, canceled_at).await {

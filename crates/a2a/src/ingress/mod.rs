@@ -274,9 +274,9 @@ async fn start(
     gateway.remember_context(&task.context_id, contract_id);
     gateway.metrics.admitted.inc();
     let task_id = task.id.clone();
-    let first_read = upstream
-        .is_none()
-        .then(|| follow::first_read(gateway, &task_id));
+    // A task already settled in the answer needs no read.
+    let first_read =
+        (upstream.is_none() && !settled(&task)).then(|| follow::first_read(gateway, &task_id));
     let observed = observe(gateway, &slot, task).await;
     tracing::debug!(
         elapsed_us = started.elapsed().as_micros() as u64,

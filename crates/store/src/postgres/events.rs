@@ -287,10 +287,10 @@ async fn place(pool: &PgPool) -> Result<usize, sqlx::Error> {
 }
 
 /// The sequencer's own connection, taken out of the pool and kept from
-/// one poll to the next (a pooled one is pinged before each use: two
-/// round trips a poll, a hundred polls a second on every replica), with
-/// the poll's one plan kept (`POLL_SETTINGS`). Closed after a failure;
-/// the next poll opens another.
+/// one poll to the next (a pooled one is checked as it goes back: a round
+/// trip a poll, a hundred polls a second on every replica), with the
+/// poll's one plan kept (`POLL_SETTINGS`). Closed after a failure; the
+/// next poll opens another.
 async fn poll_connection(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
     let mut conn = pool.acquire().await?.detach();
     sqlx::raw_sql(POLL_SETTINGS).execute(&mut conn).await?;

@@ -74,9 +74,10 @@ pub(super) struct Writer {
     /// How many rows this writer's drain steps end (`DrainPace`).
     pub(super) drain_pace: std::sync::Mutex<crate::sql::drain::DrainPace>,
     /// The connection the last transaction committed on, and when: kept
-    /// for the next while fresh (`HELD_CONNECTION_FRESH`), as one taken
-    /// from the pool is pinged first (a round trip per transaction).
-    /// Back to the pool after a failure.
+    /// for the next while fresh (`HELD_CONNECTION_FRESH`), with no trip
+    /// through the pool (one idle there over `PING_IDLE_AFTER` is pinged
+    /// first, and every one is checked as it goes back). Back to the pool
+    /// after a failure.
     pub(super) held: Option<(PoolConnection<Postgres>, std::time::Instant)>,
     /// When the writer last dropped its connection's plans
     /// (`PLAN_REFRESH`).

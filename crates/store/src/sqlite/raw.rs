@@ -127,6 +127,24 @@ pub(super) async fn plan_stably(conn: &mut SqliteConnection) -> Result<(), sqlx:
     Ok(())
 }
 
+/// Whether `conn` plans stably (see `plan_stably`).
+#[cfg(test)]
+pub(super) async fn plans_stably(conn: &mut SqliteConnection) -> bool {
+    let mut handle = conn.lock_handle().await.expect("the handle");
+    let db = handle.as_raw_handle().as_ptr();
+    let mut on: c_int = -1;
+    // SAFETY: as in `plan_stably`; -1 only reads the flag.
+    let rc = unsafe {
+        ffi::sqlite3_db_config(
+            db,
+            ffi::SQLITE_DBCONFIG_ENABLE_QPSG,
+            -1 as c_int,
+            &mut on as *mut c_int,
+        )
+    };
+    rc == ffi::SQLITE_OK && on == 1
+}
+
 /// Rows the connection's last statement changed (`sqlite3_changes64`).
 pub(super) fn changes(handle: &mut LockedSqliteHandle<'_>) -> u64 {
     // SAFETY: the locked handle gives this thread the connection alone.
@@ -476,7 +494,7 @@ mod tests {
             if stable {
                 assert_eq!(reprepared, 0, "prepared again with stable plans");
             } else {
-                assert_eq!(reprepared, 4, "at every run without them");
+                assert!(reprepared > 0, "never prepared again without them");
             }
             statements.finalize_all(&mut handle);
             drop(handle);

@@ -923,6 +923,7 @@ fn a_new_wal_is_reserved_and_a_used_one_left_alone() {
 /// with every commit. With a small restart size it stays bounded: a
 /// fraction of what was written, however fast this machine writes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg(target_os = "linux")]
 async fn the_wal_stays_bounded_under_continuous_writes() {
     const RESTART_BYTES: u64 = 256 * 1024;
     /// Shorter than production's: more restarts in a short test.
@@ -1004,7 +1005,9 @@ async fn the_wal_stays_bounded_under_continuous_writes() {
 }
 
 /// Bytes this process has written through `write` calls, `pwrite`
-/// included (Linux's `/proc/self/io` `wchar`).
+/// included (Linux's `/proc/self/io` `wchar`; nextest runs each test in a
+/// process of its own).
+#[cfg(target_os = "linux")]
 fn bytes_written_by_this_process() -> u64 {
     let io = std::fs::read_to_string("/proc/self/io").expect("/proc/self/io");
     io.lines()
@@ -1019,10 +1022,23 @@ async fn store_and_connection() -> (tempfile::TempDir, SqliteStore, SqliteConnec
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.sqlite3");
     let store = open_test_store(path.clone()).await;
-    let conn = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
+    let mut conn = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
         .await
         .expect("connect");
+    // Planned as the store's own connections plan.
+    super::raw::plan_stably(&mut conn)
+        .await
+        .expect("stable plans");
     (dir, store, conn)
+}
+
+/// Every read connection of the store plans stably, as its writer does
+/// (`raw::plan_stably`): a paged read is not prepared anew at each run.
+#[tokio::test]
+async fn the_stores_connections_plan_stably() {
+    let (_dir, store, _conn) = store_and_connection().await;
+    let mut reader = store.sql.reader.acquire().await.expect("a reader");
+    assert!(super::raw::plans_stably(&mut reader).await);
 }
 
 /// How SQLite plans `query`: `EXPLAIN QUERY PLAN`'s lines.
