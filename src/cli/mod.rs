@@ -510,8 +510,10 @@ fn serve(
                 broker_runtime::notify::send("READY=1").await;
             }
         });
+        // Listening for the signals from now on, before anything answers.
+        let signal = broker_runtime::shutdown::signal();
         let shutdown = async {
-            broker_runtime::shutdown::signal().await;
+            signal.await;
             broker_runtime::notify::send("STOPPING=1").await;
         };
         crate::server::run_with_options(

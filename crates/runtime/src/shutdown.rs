@@ -2,31 +2,40 @@
 //! gateways) stops on SIGINT (Ctrl-C) or SIGTERM (`docker stop`,
 //! systemd), then lets the requests in flight finish within its drain.
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for SIGINT");
-            std::future::pending::<()>().await;
-        }
-    };
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is
+/// called, not when the future is first polled: a server may answer (and
+/// tell systemd it is ready) before it polls its shutdown, and a signal
+/// then must drain it, not kill it. Call it within the runtime, before
+/// serving.
+pub fn signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+    let handlers = {
+        use tokio::signal::unix::{SignalKind, signal};
+        (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        )
+    };
+    async move {
+        #[cfg(unix)]
+        match handlers {
+            (Ok(mut interrupt), Ok(mut terminate)) => {
+                tokio::select! {
+                    _ = interrupt.recv() => {},
+                    _ = terminate.recv() => {},
+                }
             }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
+            (interrupt, terminate) => {
+                let error = interrupt.err().or(terminate.err());
+                tracing::error!(error = ?error, "cannot listen for SIGINT and SIGTERM");
                 std::future::pending::<()>().await;
             }
         }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = terminate => {},
+        #[cfg(not(unix))]
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+        tracing::info!("shutdown requested; draining");
     }
-    tracing::info!("shutdown requested; draining");
 }
