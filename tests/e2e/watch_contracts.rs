@@ -122,3 +122,78 @@ async fn a_contract_the_key_may_not_read_ends_the_stream_not_found() {
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     broker.stop().await;
 }
+
+/// One stream watches at most 4,096 contracts (`MAX_WATCHED_CONTRACTS`,
+/// its memory and each scan's work): an add past it ends the stream
+/// RESOURCE_EXHAUSTED, and a new stream watches again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_watches_at_most_its_bound_of_contracts() {
+    use delegation_broker::core::limits::{MAX_WATCH_CONTRACTS_PER_MESSAGE, MAX_WATCHED_CONTRACTS};
+    /// Roots opened at once.
+    const OPENERS: usize = 16;
+    let broker = Broker::start().await;
+    let [orchestrator] = agents();
+    // One more root than a stream watches, each readable by its opener.
+    let mut openers = tokio::task::JoinSet::new();
+    for opener in 0..OPENERS {
+        let (addr, orchestrator) = (
+            broker.addr.clone(),
+            broker_client::Agent::from_seed(orchestrator.seed()),
+        );
+        openers.spawn(async move {
+            let mut client = connect_as(&addr, &orchestrator).await;
+            let mut ids = Vec::new();
+            for _ in (opener..=MAX_WATCHED_CONTRACTS).step_by(OPENERS) {
+                let issued = open_root_on(&mut client, &orchestrator, &RootSpec::default()).await;
+                ids.push(issued.contract_id);
+            }
+            ids
+        });
+    }
+    let ids: Vec<Vec<u8>> = openers.join_all().await.concat();
+    assert_eq!(ids.len(), MAX_WATCHED_CONTRACTS + 1);
+    let (watched, over) = ids.split_at(MAX_WATCHED_CONTRACTS);
+    let mut messages: Vec<pb::WatchContractsRequest> = watched
+        .chunks(MAX_WATCH_CONTRACTS_PER_MESSAGE)
+        .map(|chunk| pb::WatchContractsRequest {
+            add_contract_ids: chunk.to_vec(),
+            remove_contract_ids: Vec::new(),
+        })
+        .collect();
+    messages.push(add(&[&over[0]]));
+    let mut client = connect_as(&broker.addr, &orchestrator).await;
+    let mut states = client
+        .watch_contracts(tokio_stream::iter(messages))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    let mut sent = 0;
+    let ended = loop {
+        match tokio::time::timeout(OWED, states.next())
+            .await
+            .expect("an answer in time")
+            .expect("the stream ends with a status, not silently")
+        {
+            Ok(_) => sent += 1,
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(
+        sent, MAX_WATCHED_CONTRACTS,
+        "every contract within the bound"
+    );
+    assert_eq!(ended.code(), tonic::Code::ResourceExhausted, "{ended:?}");
+    // Another stream takes the last one.
+    let mut states = client
+        .watch_contracts(tokio_stream::iter(vec![add(&[&over[0]])]))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    let state = tokio::time::timeout(OWED, states.next())
+        .await
+        .expect("a state in time")
+        .expect("an item")
+        .expect("a state");
+    assert_eq!(state.contract.expect("a contract").contract_id, over[0]);
+    broker.stop().await;
+}
