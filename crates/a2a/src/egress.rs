@@ -395,8 +395,19 @@ pub(super) async fn open(
         use tokio_stream::StreamExt as _;
         let mut events = events;
         let mut remembered = false;
-        while let Some(event) = events.next().await {
+        loop {
+            // A reader that left ends the relay at once: a peer sending
+            // only comments would otherwise hold it, and its connection.
+            let event = tokio::select! {
+                () = tx.closed() => break,
+                event = events.next() => match event {
+                    Some(event) => event,
+                    None => break,
+                },
+            };
             let failed = event.is_err();
+            // Nothing follows a final state or a message.
+            let ends = event.as_ref().is_ok_and(crate::stream::ends);
             if let Ok(event) = &event
                 && !remembered
                 && !matches!(
@@ -408,7 +419,7 @@ pub(super) async fn open(
                 remember_sent(&gateway, &peer_name, task_id, child_id, parent_id);
                 remembered = true;
             }
-            if tx.send(event).await.is_err() || failed {
+            if tx.send(event).await.is_err() || failed || ends {
                 break;
             }
         }

@@ -95,7 +95,12 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
     };
     gateway.remember_context(&task.context_id, contract_id);
     tracing::info!(task = %ext::echoed(task_id), contract = %hex::encode(contract_id), "task found again after a restart");
-    if !progress.ended {
+    if progress.ended {
+        // Nobody follows it: a caller's stream of it must not wait for
+        // events that never come.
+        slot.finished
+            .store(true, std::sync::atomic::Ordering::Release);
+    } else {
         tokio::spawn(follow(
             gateway.clone(),
             slot.clone(),
