@@ -180,6 +180,14 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Whether the plan writes no row (run labels come with contracts).
+    pub fn writes_nothing(&self) -> bool {
+        self.contracts.is_empty()
+            && self.states.is_empty()
+            && self.requests.is_empty()
+            && self.receipts.is_empty()
+    }
+
     /// One `(root seq, key, value)` per label of each new root: the
     /// `run_labels` rows (the index audits select runs by).
     pub fn run_labels(&self) -> Vec<(i64, &str, &str)> {

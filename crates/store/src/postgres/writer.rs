@@ -641,9 +641,13 @@ impl Writer {
             now_ms: self.clock.now_ms(),
             step_rows: self.cascade_step_rows,
             pace: &mut pace,
+            prior_read: true,
+            // Another replica may have started one.
+            no_drains: false,
         };
         // The events' trees reach Watch through the sequencer (positions).
         let applied = lifecycle::apply::<Postgres>(&mut tx, command, &prior, &mut writing).await?;
+        applied.writes.run::<Postgres>(&mut tx).await?;
         *self
             .drain_pace
             .lock()

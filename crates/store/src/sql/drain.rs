@@ -12,6 +12,7 @@ use super::lifecycle::{
     Applied, Loaded, Writing, load_locked, row_from, write_receipts, write_state,
 };
 use super::rows::{CONTRACT_COLUMNS, key_cell};
+use super::writes::Writes;
 use super::{Cell, Dialect, QueryExt};
 use crate::limits::{
     DRAIN_POLL_MS, DRAIN_STEP_MS, DRAINS_PER_PASS, INITIAL_DRAIN_ROW_COST_NS, MAX_DRAINS_LISTED,
@@ -234,6 +235,7 @@ pub(crate) async fn step<D: Dialect>(
     });
     let mut changed = Vec::new();
     let mut events = Vec::new();
+    let mut writes = Writes::default();
     if !order.is_empty() {
         let index: HashMap<i64, usize> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
         let facts: Vec<Facts> = rows
@@ -249,9 +251,10 @@ pub(crate) async fn step<D: Dialect>(
             contract_id: *target_id,
             action: Action::Drain,
         };
-        write_state::<D>(conn, &decision, &rows[0], &rows, &command).await?;
+        write_state(&mut writes, &decision, &rows[0], &rows, &command)?;
         let signed;
-        (signed, events) = write_receipts::<D>(conn, &decision, &rows, &command, w).await?;
+        (signed, events) =
+            write_receipts::<D>(conn, &mut writes, &decision, &rows, &command, w).await?;
         done = decision
             .updates
             .iter()
@@ -271,18 +274,23 @@ pub(crate) async fn step<D: Dialect>(
             replayed: false,
         });
     }
-    w.pace.observe(began.elapsed(), order.len());
     if done {
-        sqlx::query::<D>("DELETE FROM draining WHERE target_seq = $1")
-            .arg(rows[0].seq)
-            .run(&mut *conn)
-            .await?;
+        writes.push(
+            "DELETE FROM draining WHERE target_seq = $1",
+            vec![rows[0].seq.into()],
+        );
     }
+    // Written here, not left to the writer: the pace prices a step's
+    // writes with its reads. (The SQLite writer opens its transaction
+    // before a drain step for this.)
+    writes.run::<D>(conn).await?;
+    w.pace.observe(began.elapsed(), order.len());
     Ok(Applied {
         answer,
         changed,
         draining_changed: done,
         events,
+        writes: Writes::default(),
     })
 }
 
@@ -449,24 +457,23 @@ pub(crate) async fn drainer<D: Dialect>(
 
 /// Records that `target_seq`'s open descendants are to be ended in steps
 /// with `status` (once: a second request finds the drain started).
-pub(crate) async fn start<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) fn start(
+    writes: &mut Writes,
     target_seq: i64,
     root_seq: i64,
     status: Status,
     now_ms: i64,
-) -> Result<(), sqlx::Error> {
-    sqlx::query::<D>(
+) {
+    writes.push(
         "INSERT INTO draining (target_seq, root_seq, status, started_at_ms) \
          VALUES ($1, $2, $3, $4) ON CONFLICT (target_seq) DO NOTHING",
-    )
-    .arg(target_seq)
-    .arg(root_seq)
-    .arg(i64::from(status.as_i32()))
-    .arg(now_ms)
-    .run(&mut *conn)
-    .await?;
-    Ok(())
+        vec![
+            target_seq.into(),
+            root_seq.into(),
+            i64::from(status.as_i32()).into(),
+            now_ms.into(),
+        ],
+    );
 }
 
 #[cfg(test)]

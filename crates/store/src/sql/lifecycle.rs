@@ -11,7 +11,9 @@ use prost::Message;
 use sqlx::{AssertSqlSafe, QueryBuilder};
 
 use super::drain;
+use super::requests::load_prior_requests;
 use super::rows::{CONTRACT_COLUMNS, StoredContract, select_contracts};
+use super::writes::Writes;
 use super::{Cell, Dialect, PushArg, QueryExt};
 use crate::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey, SeqSource};
 use crate::limits::ROWS_PER_STATEMENT;
@@ -139,6 +141,10 @@ async fn open_descendants<D: Dialect>(
     Ok(Some(found))
 }
 
+/// The head of an observations insert (`Writes::insert_rows`).
+const OBSERVATIONS_INSERT: &str = "INSERT INTO observations \
+    (contract_seq, kind, path, tool, units, at_ms, arguments_sha256, outcome)";
+
 /// The open children of a level's contracts, found by the parent index:
 /// `+status` keeps SQLite from planning it through
 /// `contracts_open_by_deadline`. Followed by `in_list`.
@@ -195,6 +201,9 @@ pub struct Applied {
     /// (root id, seq) of every receipt written: the trees that got events
     /// (SQLite's `TreeChanges`; PostgreSQL's sequencer finds them itself).
     pub events: Vec<(Id, i64)>,
+    /// What the transition writes, for the writer to run before the
+    /// transaction's next read and its commit (see `Writes`).
+    pub writes: Writes,
 }
 
 impl Applied {
@@ -205,6 +214,7 @@ impl Applied {
             changed: Vec::new(),
             draining_changed: false,
             events: Vec::new(),
+            writes: Writes::default(),
         }
     }
 }
@@ -300,6 +310,15 @@ pub(crate) struct Writing<'a, D: Dialect> {
     pub(crate) step_rows: usize,
     /// How many rows a drain step ends (the writer's, kept across steps).
     pub(crate) pace: &'a mut super::drain::DrainPace,
+    /// Whether `prior` holds every earlier answer to the batch's requests.
+    /// When not (SQLite's writer skips the read for requests it has not
+    /// seen lately), a command that is refused looks its request up before
+    /// it is answered: a refusal writes no request-log row, so no insert
+    /// would catch a retry of an earlier success.
+    pub(crate) prior_read: bool,
+    /// The writer knows no drain is in progress anywhere (SQLite's one
+    /// writer does): the tree's drains need not be read.
+    pub(crate) no_drains: bool,
 }
 
 /// Applies one lifecycle command: loads the subtree, lets the core decide,
@@ -308,6 +327,8 @@ pub(crate) struct Writing<'a, D: Dialect> {
 /// descendants than one step (`step_rows`) starts a drain instead
 /// (`drain`): nothing else is written, and the request is answered
 /// `DescendantsEnding` (retry with the same nonce).
+/// Nothing is written here: the decision's writes come back in
+/// `Applied::writes`.
 pub(crate) async fn apply<D: Dialect>(
     conn: &mut D::Connection,
     command: &LifecycleCommand,
@@ -319,6 +340,27 @@ pub(crate) async fn apply<D: Dialect>(
     {
         return Ok(Applied::nothing(crate::batch::replayed(earlier, request)));
     }
+    let applied = decide::<D>(conn, command, w).await?;
+    if applied.answer.is_err()
+        && !w.prior_read
+        && let Some(request) = &command.request
+    {
+        let key = (request.agent, request.nonce.clone());
+        let earlier = load_prior_requests::<D>(conn, std::slice::from_ref(&key)).await?;
+        if let Some(earlier) = earlier.get(&key) {
+            // The decision's writes are dropped with it.
+            return Ok(Applied::nothing(crate::batch::replayed(earlier, request)));
+        }
+    }
+    Ok(applied)
+}
+
+/// `apply` for a command not answered before.
+async fn decide<D: Dialect>(
+    conn: &mut D::Connection,
+    command: &LifecycleCommand,
+    w: &mut Writing<'_, D>,
+) -> Result<Applied, sqlx::Error> {
     if matches!(command.action, Action::Drain) {
         return drain::step::<D>(conn, &command.contract_id, w).await;
     }
@@ -333,7 +375,11 @@ pub(crate) async fn apply<D: Dialect>(
     let signer = command.request.as_ref().map(|r| &r.agent);
     // The lineage is read once, when the core needs it or the tree has a
     // drain (almost never: one indexed read of a table of drains).
-    let drains = drain::drains_of::<D>(conn, target.root_seq).await?;
+    let drains = if w.no_drains {
+        Vec::new()
+    } else {
+        drain::drains_of::<D>(conn, target.root_seq).await?
+    };
     let lineage = if action.needs_lineage() || !drains.is_empty() {
         lineage::<D>(conn, target.seq).await?
     } else {
@@ -357,9 +403,11 @@ pub(crate) async fn apply<D: Dialect>(
             }
             None => {
                 let status = lifecycle::drain_status(&action);
-                drain::start::<D>(conn, target_seq, root_seq, status, now_ms).await?;
+                let mut writes = Writes::default();
+                drain::start(&mut writes, target_seq, root_seq, status, now_ms);
                 return Ok(Applied {
                     draining_changed: true,
+                    writes,
                     ..Applied::nothing(Err(StoreError::from(Refused::DescendantsEnding)))
                 });
             }
@@ -371,37 +419,34 @@ pub(crate) async fn apply<D: Dialect>(
     write::<D>(conn, &decision, subtree.target, &rows, command, w).await
 }
 
-/// Writes the decision's rows and the target's columns (and, for a
-/// record, its observations). Any error aborts the whole batch: nothing
-/// of a half-written decision is committed.
-pub(crate) async fn write_state<D: Dialect>(
-    conn: &mut D::Connection,
+/// The decision's rows and the target's columns (and, for a record, its
+/// observations). Whatever fails when they run aborts the whole batch:
+/// nothing of a half-written decision is committed.
+pub(crate) fn write_state(
+    writes: &mut Writes,
     decision: &Decision,
     target: &Loaded,
     rows: &[Loaded],
     command: &LifecycleCommand,
 ) -> Result<(), sqlx::Error> {
     for u in &decision.updates {
-        sqlx::query::<D>(
+        writes.push(
             "UPDATE contracts SET status = $1, reserved = $2, spent = $3, open_children = $4 WHERE seq = $5",
-        )
-        .arg(i64::from(u.status.as_i32()))
-        .arg(u.ledger.reserved)
-        .arg(u.ledger.spent)
-        .arg(i64::from(u.ledger.open_children))
-        .arg(rows[u.row].seq)
-        .run(&mut *conn)
-        .await?;
+            vec![
+                i64::from(u.status.as_i32()).into(),
+                u.ledger.reserved.into(),
+                u.ledger.spent.into(),
+                i64::from(u.ledger.open_children).into(),
+                rows[u.row].seq.into(),
+            ],
+        );
     }
     match &decision.write {
         TargetWrite::None => {}
-        TargetWrite::Host(host) => {
-            sqlx::query::<D>("UPDATE contracts SET host_key = $1 WHERE seq = $2")
-                .arg(host.map(|h| h.to_vec()))
-                .arg(target.seq)
-                .run(&mut *conn)
-                .await?;
-        }
+        TargetWrite::Host(host) => writes.push(
+            "UPDATE contracts SET host_key = $1 WHERE seq = $2",
+            vec![host.map(|h| h.to_vec()).into(), target.seq.into()],
+        ),
         TargetWrite::Observations {
             total,
             observed_units,
@@ -414,70 +459,70 @@ pub(crate) async fn write_state<D: Dialect>(
                     "a decision to record observations for another command".into(),
                 ));
             };
-            let mut query = QueryBuilder::<D>::new(
-                "INSERT INTO observations (contract_seq, kind, path, tool, units, at_ms, arguments_sha256, outcome) ",
+            // Runs of power-of-two length: few statement texts (see
+            // `power_chunks`), whatever the counts recorded.
+            for run in super::plan::power_chunks(observations, ROWS_PER_STATEMENT) {
+                writes.insert_rows(
+                    OBSERVATIONS_INSERT,
+                    run,
+                    |o| {
+                        vec![
+                            target.seq.into(),
+                            i64::from(o.kind as i32).into(),
+                            o.path.as_str().into(),
+                            o.tool.as_str().into(),
+                            o.units.into(),
+                            o.at_ms.into(),
+                            o.arguments_sha256.map(|d| d.to_vec()).into(),
+                            i64::from(o.outcome as i32).into(),
+                        ]
+                    },
+                );
+            }
+            writes.push(
+                "UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, metered_uncharged = $4 WHERE seq = $5",
+                vec![
+                    (*total).into(),
+                    (*observed_units).into(),
+                    i64::from(*metered).into(),
+                    (*metered_uncharged).into(),
+                    target.seq.into(),
+                ],
             );
-            query.push_values(observations, |mut b, o| {
-                b.push_arg(target.seq)
-                    .push_arg(i64::from(o.kind as i32))
-                    .push_arg(o.path.as_str())
-                    .push_arg(o.tool.as_str())
-                    .push_arg(o.units)
-                    .push_arg(o.at_ms)
-                    .push_arg(o.arguments_sha256.map(|d| d.to_vec()))
-                    .push_arg(i64::from(o.outcome as i32));
-            });
-            query.build().run(&mut *conn).await?;
-            sqlx::query::<D>("UPDATE contracts SET observations = $1, observed_units = $2, metered = $3, metered_uncharged = $4 WHERE seq = $5")
-                .arg(*total)
-                .arg(*observed_units)
-                .arg(i64::from(*metered))
-                .arg(*metered_uncharged)
-                .arg(target.seq)
-                .run(&mut *conn)
-                .await?;
         }
         TargetWrite::Judged {
             verdict,
             has_report,
             downgrades,
             claim,
-        } => {
-            sqlx::query::<D>(
-                "UPDATE contracts SET verdict = $1, has_report = $2, downgrades = $3, claim = $4 WHERE seq = $5",
-            )
-            .arg(i64::from(verdict.as_i32()))
-            .arg(i64::from(*has_report))
-            .arg(i64::from(*downgrades))
-            .arg(claim.as_str())
-            .arg(target.seq)
-            .run(&mut *conn)
-            .await?;
-        }
-        TargetWrite::StaleJudgment => {
-            sqlx::query::<D>(
-                "UPDATE contracts SET stale_judgments = stale_judgments + 1 WHERE seq = $1",
-            )
-            .arg(target.seq)
-            .run(&mut *conn)
-            .await?;
-        }
-        TargetWrite::Verdict(verdict) => {
-            sqlx::query::<D>("UPDATE contracts SET verdict = $1 WHERE seq = $2")
-                .arg(i64::from(verdict.as_i32()))
-                .arg(target.seq)
-                .run(&mut *conn)
-                .await?;
-        }
+        } => writes.push(
+            "UPDATE contracts SET verdict = $1, has_report = $2, downgrades = $3, claim = $4 WHERE seq = $5",
+            vec![
+                i64::from(verdict.as_i32()).into(),
+                i64::from(*has_report).into(),
+                i64::from(*downgrades).into(),
+                claim.as_str().into(),
+                target.seq.into(),
+            ],
+        ),
+        TargetWrite::StaleJudgment => writes.push(
+            "UPDATE contracts SET stale_judgments = stale_judgments + 1 WHERE seq = $1",
+            vec![target.seq.into()],
+        ),
+        TargetWrite::Verdict(verdict) => writes.push(
+            "UPDATE contracts SET verdict = $1 WHERE seq = $2",
+            vec![i64::from(verdict.as_i32()).into(), target.seq.into()],
+        ),
     }
     Ok(())
 }
 
-/// Signs and stores the decision's receipts in order, logging the
+/// Signs the decision's receipts in order and writes them, logging the
 /// request beside the one that answers it; returns them with their
-/// (root id, seq).
+/// (root id, seq). Reads only to reserve seqs (PostgreSQL).
 pub(crate) async fn write_receipts<D: Dialect>(
     conn: &mut D::Connection,
+    writes: &mut Writes,
     decision: &Decision,
     rows: &[Loaded],
     command: &LifecycleCommand,
@@ -501,33 +546,33 @@ pub(crate) async fn write_receipts<D: Dialect>(
         let stamped = w.stamper.sign_receipt(&receipt);
         let seq = w.seqs.take();
         events.push((row.root_id, seq));
-        sqlx::query::<D>(
+        writes.push(
             "INSERT INTO receipts (seq, id, kind, contract_seq, contract_id, root_id, envelope, at_ms) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .arg(seq)
-        .arg(stamped.id.as_slice())
-        .arg(i64::from(receipt.kind))
-        .arg(row.seq)
-        .arg(row.id.as_slice())
-        .arg(row.root_id.as_slice())
-        .arg(stamped.envelope.encode_to_vec())
-        .arg(w.now_ms)
-        .run(&mut *conn)
-        .await?;
+            vec![
+                seq.into(),
+                stamped.id.as_slice().into(),
+                i64::from(receipt.kind).into(),
+                row.seq.into(),
+                row.id.as_slice().into(),
+                row.root_id.as_slice().into(),
+                stamped.envelope.encode_to_vec().into(),
+                w.now_ms.into(),
+            ],
+        );
         if let Some(request) = request {
-            sqlx::query::<D>(
+            writes.push(
                 "INSERT INTO requests (agent_key, nonce, body_digest, outcome, ref_id, at_ms) \
                  VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .arg(request.agent.as_slice())
-            .arg(request.nonce.as_slice())
-            .arg(request.digest.as_slice())
-            .arg(OUTCOME_RECEIPT)
-            .arg(stamped.id.as_slice())
-            .arg(w.now_ms)
-            .run(&mut *conn)
-            .await?;
+                vec![
+                    request.agent.as_slice().into(),
+                    request.nonce.as_slice().into(),
+                    request.digest.as_slice().into(),
+                    OUTCOME_RECEIPT.into(),
+                    stamped.id.as_slice().into(),
+                    w.now_ms.into(),
+                ],
+            );
         }
         signed.push((stamped, Decided::of(&receipt)));
     }
@@ -545,8 +590,10 @@ async fn write<D: Dialect>(
     command: &LifecycleCommand,
     w: &mut Writing<'_, D>,
 ) -> Result<Applied, sqlx::Error> {
-    write_state::<D>(conn, decision, &rows[target], rows, command).await?;
-    let (signed, events) = write_receipts::<D>(conn, decision, rows, command, w).await?;
+    let mut writes = Writes::default();
+    write_state(&mut writes, decision, &rows[target], rows, command)?;
+    let (signed, events) =
+        write_receipts::<D>(conn, &mut writes, decision, rows, command, w).await?;
     let changed = decision
         .changed(target)
         .into_iter()
@@ -568,5 +615,6 @@ async fn write<D: Dialect>(
         changed,
         draining_changed: false,
         events,
+        writes,
     })
 }

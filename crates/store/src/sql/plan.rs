@@ -82,6 +82,19 @@ impl<'a> Sql<'a> {
         self
     }
 
+    /// A whole statement, its placeholders already in its text.
+    pub(crate) fn bound(
+        &mut self,
+        sql: &str,
+        args: impl IntoIterator<Item = Arg<'a>>,
+    ) -> &mut Self {
+        self.statements.push(Statement {
+            text: sql.to_owned(),
+            args: args.into_iter().collect(),
+        });
+        self
+    }
+
     /// Appends `sql` to the statement last started (starting the first
     /// if there is none, so nothing pushed is ever dropped).
     pub(crate) fn push(&mut self, sql: &str) -> &mut Self {

@@ -1,10 +1,13 @@
 //! Applying one batch: the fast path (planned from the writer's cache,
 //! written on the held SQLite handle with the writer's own statements)
-//! and the careful one (parents loaded, planned, written through sqlx),
-//! each as one transaction; the trees it touched told to their watchers.
+//! and the careful one (parents and lifecycle subtrees read through sqlx,
+//! written with the writer's statements between the reads), each as one
+//! transaction; the trees it touched told to their watchers.
 
 use super::*;
 use crate::batch::Slot;
+use crate::sql::writes::Writes;
+use broker_wire::command::Action;
 use sqlx::sqlite::LockedSqliteHandle;
 
 /// How far the held stretch got with a batch it left to `apply_batch`.
@@ -49,11 +52,13 @@ pub(super) async fn apply_batch(
     now_ms: i64,
     pending: Pending,
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
-    let fast = match pending {
+    let first = match pending {
         Pending::Fresh if fast_path(commands, state) => {
             apply_fast(conn, commands, state, stamper, now_ms).await
         }
-        Pending::Fresh => Ok(apply_careful(conn, commands, state, stamper, now_ms).await?),
+        Pending::Fresh => {
+            apply_careful(conn, commands, state, stamper, now_ms, Lookups::IfSeen).await
+        }
         Pending::Planned { mut plan, unlogged } => {
             // A command answered with an error (unknown parent, over-long
             // predicate) writes no request-log row, so no insert would
@@ -73,41 +78,57 @@ pub(super) async fn apply_batch(
         }
         Pending::Failed(e) => Err(e),
     };
-    let answers = match fast {
+    let answers = match first {
         Ok(answers) => answers,
         Err(e) => {
-            // The script may have stopped inside its transaction.
-            if let Err(rollback) = sqlx::query("ROLLBACK").execute(&mut *conn).await
-                && !rollback.to_string().contains("no transaction is active")
-            {
-                tracing::warn!(error = %rollback, "rolling back a failed batch");
-            }
-            // The plan changed the cache; the database did not.
-            lock(&state.known).clear();
+            abandon(conn, state).await;
             // Only a request-log key conflict (a retry the writer did
             // not remember) is worth redoing; anything else is the
-            // batch's error, as on the careful path.
+            // batch's error.
             let retry_found = matches!(&e, sqlx::Error::Database(db)
                 if db.kind() == sqlx::error::ErrorKind::UniqueViolation);
             if !retry_found {
                 return Err(e);
             }
             tracing::debug!(error = %e, "batch redone with request-log lookups");
-            apply_careful(conn, commands, state, stamper, now_ms).await?
+            match apply_careful(conn, commands, state, stamper, now_ms, Lookups::First).await {
+                Ok(answers) => answers,
+                Err(e) => {
+                    abandon(conn, state).await;
+                    return Err(e);
+                }
+            }
         }
     };
     remember_requests(commands, state, now_ms);
     Ok(answers)
 }
 
+/// Undoes a failed batch: its transaction (which may have stopped
+/// anywhere) and what its plan changed in the cache.
+async fn abandon(conn: &mut SqliteConnection, state: &WriterState) {
+    if let Err(rollback) = sqlx::query("ROLLBACK").execute(&mut *conn).await
+        && !rollback.to_string().contains("no transaction is active")
+    {
+        tracing::warn!(error = %rollback, "rolling back a failed batch");
+    }
+    lock(&state.known).clear();
+    // Its touches will never commit: the trees' versions may settle.
+    state.trees.committed();
+}
+
 /// Whether a batch may take the fast path: issuance only, and none of its
 /// request keys possibly committed before.
 fn fast_path(commands: &[Command], state: &WriterState) -> bool {
-    commands.iter().all(|c| !matches!(c, Command::Lifecycle(_)))
-        && !commands
-            .iter()
-            .filter_map(Command::request)
-            .any(|r| state.recent.may_contain(&r.agent, &r.nonce, r.timestamp_ms))
+    commands.iter().all(|c| !matches!(c, Command::Lifecycle(_))) && !seen_lately(commands, state)
+}
+
+/// Whether one of the batch's request keys may have been committed before.
+fn seen_lately(commands: &[Command], state: &WriterState) -> bool {
+    commands
+        .iter()
+        .filter_map(Command::request)
+        .any(|r| state.recent.may_contain(&r.agent, &r.nonce, r.timestamp_ms))
 }
 
 /// Adds the batch's request keys to the recent-request set.
@@ -296,21 +317,44 @@ pub(super) async fn load_parents(
     }
 }
 
-/// The careful path of `apply_batch`: reads the request log first and runs
-/// lifecycle commands, all in one transaction.
+/// Whether a careful batch reads the request log before it plans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Lookups {
+    /// Every request key first: a batch redone after a conflict.
+    First,
+    /// Only where it may matter: every key first if one of them may have
+    /// been seen lately (`RecentRequests`); otherwise just the keys of
+    /// commands answered with an error (see `Writing::prior_read`), and a
+    /// retry that did succeed before is caught by its request-log insert
+    /// (the batch is then redone with `First`).
+    IfSeen,
+}
+
+/// The careful path of `apply_batch`: parents and drains read through
+/// sqlx, lifecycle commands decided one after another, all in one
+/// transaction. The writes (the plan's and each transition's) run on the
+/// writer's thread in as few hand-overs as the reads allow: each
+/// lifecycle command's reads must see the writes before it, so what is
+/// pending runs first (`Deferred`). Reads before the first write run
+/// outside the transaction: the writer is the only writer, so nothing
+/// changes between them and the BEGIN. On an error the caller rolls back.
 pub(super) async fn apply_careful(
     conn: &mut SqliteConnection,
     commands: &[Command],
     state: &mut WriterState,
     stamper: &Stamper,
     now_ms: i64,
+    lookups: Lookups,
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
-    let mut tx = conn.begin().await?;
     let (request_keys, parent_ids) = missing_parents(commands, &state.known);
-    let mut prior = load_prior_requests::<Sqlite>(&mut tx, &request_keys).await?;
-    load_parents(&mut tx, &parent_ids, &state.known).await?;
-    mark_ending(&mut tx, commands, state).await?;
-    let t0 = std::time::Instant::now();
+    let prior_read = lookups == Lookups::First || seen_lately(commands, state);
+    let mut prior = if prior_read {
+        load_prior_requests::<Sqlite>(conn, &request_keys).await?
+    } else {
+        HashMap::new()
+    };
+    load_parents(conn, &parent_ids, &state.known).await?;
+    mark_ending(conn, commands, state).await?;
     let mut plan = batch::plan(
         commands,
         &mut prior,
@@ -319,75 +363,137 @@ pub(super) async fn apply_careful(
         stamper,
         now_ms,
     );
-    let t1 = std::time::Instant::now();
-    touch_trees(&state.trees, &plan);
-    let mut script = Sql::default();
-    if plan_statements(&mut script, &plan) > 0 {
-        let mut handle = super::raw::take_handle(&mut tx, retakes(state)).await?;
-        state.statements.run(&mut handle, &script)?;
-    }
-    drop(script);
-    let mut answers = std::mem::take(&mut plan.answers);
-    let mut drains_changed = false;
-    for (i, command) in commands.iter().enumerate() {
-        if let Command::Lifecycle(lifecycle) = command {
-            let mut writing = Writing {
-                stamper,
-                seqs: &mut state.next_seq,
-                now_ms,
-                step_rows: state.cascade_step_rows,
-                pace: &mut state.drain_pace,
-            };
-            let applied =
-                lifecycle::apply::<Sqlite>(&mut tx, lifecycle, &prior, &mut writing).await?;
-            for (root, seq) in &applied.events {
-                state.trees.touch(*root, *seq);
-            }
-            let mut cache = lock(&state.known);
-            if applied.draining_changed {
-                // Which contracts may issue changed: the cache's ending
-                // marks are recomputed from the drains.
-                cache.clear();
-                drains_changed = true;
-            }
-            for id in &applied.changed {
-                cache.remove(id);
-            }
-            drop(cache);
-            // A duplicate later in this batch replays this answer.
-            if let (Some(request), Ok(answer)) = (&lifecycle.request, &applied.answer)
-                && let Outcome::Receipt {
-                    receipt_id,
-                    envelope,
-                    ..
-                } = &answer.outcome
-            {
-                prior.insert(
-                    (request.agent, request.nonce.clone()),
-                    PriorRequest {
-                        digest: request.digest,
-                        outcome: batch::OUTCOME_RECEIPT,
-                        ref_id: *receipt_id,
-                        envelope: envelope.clone(),
-                    },
-                );
-            }
-            answers[i] = Slot::Planned(applied.answer);
+    if !prior_read {
+        // See `Pending::Planned`.
+        let unlogged = batch::unlogged(commands, &plan.answers);
+        if !unlogged.is_empty() {
+            let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
+            batch::replay_unlogged(commands, &mut plan.answers, &earlier);
         }
     }
-    if drains_changed {
-        state.draining = drain::any_drain::<Sqlite>(&mut tx).await?;
+    touch_trees(&state.trees, &plan);
+    let mut answers = std::mem::take(&mut plan.answers);
+    let mut deferred = Deferred {
+        plan: (!plan.writes_nothing()).then_some(&plan),
+        writes: Writes::default(),
+        open: false,
+    };
+    let mut drains_changed = false;
+    for (i, command) in commands.iter().enumerate() {
+        let Command::Lifecycle(lifecycle) = command else {
+            continue;
+        };
+        // A drain step writes as it goes (`drain::step`): inside the
+        // transaction.
+        let drain_step = matches!(lifecycle.action, Action::Drain);
+        if deferred.pending() || (drain_step && !deferred.open) {
+            deferred.flush(conn, state, false).await?;
+        }
+        let mut writing = Writing {
+            stamper,
+            seqs: &mut state.next_seq,
+            now_ms,
+            step_rows: state.cascade_step_rows,
+            pace: &mut state.drain_pace,
+            prior_read,
+            no_drains: !state.draining && !drains_changed,
+        };
+        let applied = lifecycle::apply::<Sqlite>(conn, lifecycle, &prior, &mut writing).await?;
+        deferred.writes.append(applied.writes);
+        for (root, seq) in &applied.events {
+            state.trees.touch(*root, *seq);
+        }
+        let mut cache = lock(&state.known);
+        if applied.draining_changed {
+            // Which contracts may issue changed: the cache's ending
+            // marks are recomputed from the drains.
+            cache.clear();
+            drains_changed = true;
+        }
+        for id in &applied.changed {
+            cache.remove(id);
+        }
+        drop(cache);
+        // A duplicate later in this batch replays this answer.
+        if let (Some(request), Ok(answer)) = (&lifecycle.request, &applied.answer)
+            && let Outcome::Receipt {
+                receipt_id,
+                envelope,
+                ..
+            } = &answer.outcome
+        {
+            prior.insert(
+                (request.agent, request.nonce.clone()),
+                PriorRequest {
+                    digest: request.digest,
+                    outcome: batch::OUTCOME_RECEIPT,
+                    ref_id: *receipt_id,
+                    envelope: envelope.clone(),
+                },
+            );
+        }
+        answers[i] = Slot::Planned(applied.answer);
     }
-    let t2 = std::time::Instant::now();
-    // Numbered before it starts: see `Durability::committed`.
-    state.committed.fetch_add(1, Ordering::SeqCst);
-    tx.commit().await?;
+    let mut draining = state.draining;
+    if drains_changed {
+        if deferred.pending() {
+            deferred.flush(conn, state, false).await?;
+        }
+        draining = drain::any_drain::<Sqlite>(conn).await?;
+    }
+    if deferred.pending() || deferred.open {
+        deferred.flush(conn, state, true).await?;
+    }
+    // Only once committed: lifecycle commands skip the drains read on it.
+    state.draining = draining;
+    // Also when nothing was written: an attempt before this one (rolled
+    // back) may have touched trees.
     state.trees.committed();
-    tracing::trace!(
-        plan_us = (t1 - t0).as_micros() as u64,
-        write_us = (t2 - t1).as_micros() as u64,
-        commit_us = t2.elapsed().as_micros() as u64,
-        "batch phases"
-    );
     Ok(batch::answers(answers))
+}
+
+/// A careful batch's writes not yet run, and whether its transaction is
+/// open (begun by the first flush, committed by the last).
+struct Deferred<'p> {
+    /// The plan's statements (issuance), run with the first flush.
+    plan: Option<&'p Plan>,
+    writes: Writes,
+    open: bool,
+}
+
+impl Deferred<'_> {
+    fn pending(&self) -> bool {
+        self.plan.is_some() || !self.writes.is_empty()
+    }
+
+    /// Runs what is pending on the writer's thread, after BEGIN if the
+    /// transaction is not open yet and before COMMIT when `commit`.
+    async fn flush(
+        &mut self,
+        conn: &mut SqliteConnection,
+        state: &mut WriterState,
+        commit: bool,
+    ) -> Result<(), sqlx::Error> {
+        let writes = std::mem::take(&mut self.writes);
+        // A failed statement rolls the whole transaction back: the batch
+        // is rolled back (or redone) whole anyway, so SQLite need not
+        // journal each statement to undo it alone.
+        let mut script = Sql::whole_transaction();
+        if !self.open {
+            script.statement("BEGIN IMMEDIATE");
+            self.open = true;
+        }
+        if let Some(plan) = self.plan.take() {
+            plan_statements(&mut script, plan);
+        }
+        writes.script(&mut script);
+        if commit {
+            script.statement("COMMIT");
+            self.open = false;
+            // Numbered before it starts: see `Durability::committed`.
+            state.committed.fetch_add(1, Ordering::SeqCst);
+        }
+        let mut handle = super::raw::take_handle(conn, retakes(state)).await?;
+        state.statements.run(&mut handle, &script)
+    }
 }

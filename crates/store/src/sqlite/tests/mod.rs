@@ -279,9 +279,8 @@ fn test_options(path: PathBuf) -> SqliteOptions {
 
 /// A batch the writer cannot vouch for (its requests' timestamps are older
 /// than the recent-request set covers) takes the careful path: it reads
-/// the request log inside a sqlx transaction, and its rows go through the
-/// writer's own statements (`raw`) inside that transaction. They must be
-/// committed with it: the child needs the root's row, the retry finds the
+/// the request log first, and its rows go through the writer's own
+/// statements (`raw`) in one transaction. They must be committed with it: the child needs the root's row, the retry finds the
 /// root's log entry, and a reuse of the key is refused.
 #[tokio::test]
 async fn the_careful_path_commits_its_rows_through_the_writers_statements() {
@@ -407,6 +406,65 @@ async fn requests_the_writer_forgot_are_still_answered_once() {
         4,
         "the retries issued nothing"
     );
+}
+
+/// After a restart the writer's recent-request set is empty, so a
+/// lifecycle retry is decided without reading the request log first
+/// (`Lookups::IfSeen`). A retry the decision refuses (the Accept: already
+/// accepted) is looked up before it is answered; one the decision would
+/// carry out again (the record) meets its own log row and the batch is
+/// redone reading the log first. Both are answered from the log, and the
+/// units are charged once.
+#[tokio::test]
+async fn lifecycle_retries_the_writer_forgot_are_still_answered_once() {
+    const HOST: u8 = 30;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("broker.sqlite3");
+    let record = || broker_wire::command::Action::Record {
+        observations: vec![crate::suite::observation(
+            pb::ObservationKind::ToolCall,
+            "",
+            3,
+        )],
+    };
+    let receipt_id = |answer: &Answer| match &answer.outcome {
+        Outcome::Receipt { receipt_id, .. } => *receipt_id,
+        Outcome::Issued { .. } => panic!("a receipt"),
+    };
+    let (child, accepted, recorded) = {
+        let store = open_test_store(path.clone()).await;
+        let root = issued(store.open_root(test_root(meta(9, 1))).await);
+        let child = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+        let accept = crate::suite::accept_hosted_by(HOST);
+        let accepted = crate::suite::act(&store, 8, 3, child, accept)
+            .await
+            .expect("accepted");
+        let recorded = crate::suite::act(&store, HOST, 4, child, record())
+            .await
+            .expect("recorded");
+        (child, receipt_id(&accepted), receipt_id(&recorded))
+    };
+    let store = open_test_store(path).await;
+    let accept = crate::suite::accept_hosted_by(HOST);
+    let again = crate::suite::act(&store, 8, 3, child, accept)
+        .await
+        .expect("the Accept's retry");
+    assert!(again.replayed, "answered from the request log");
+    assert_eq!(receipt_id(&again), accepted);
+    let again = crate::suite::act(&store, HOST, 4, child, record())
+        .await
+        .expect("the record's retry");
+    assert!(again.replayed, "answered from the request log");
+    assert_eq!(receipt_id(&again), recorded);
+    assert_eq!(
+        crate::suite::stored(&store, child).await.ledger.spent,
+        3,
+        "the retry charged nothing"
+    );
+    crate::suite::act(&store, HOST, 5, child, record())
+        .await
+        .expect("a new record");
+    assert_eq!(crate::suite::stored(&store, child).await.ledger.spent, 6);
 }
 
 /// A batch planned while the writer holds SQLite's handle whose plan
