@@ -64,6 +64,9 @@ impl<S: Store> BrokerService<S> {
             })
             .transpose()?;
         let (tx, rx) = tokio::sync::mpsc::channel(super::limits::WATCH_BUFFER);
+        // The status that ends the stream, sent after what is buffered: a
+        // channel of its own, so ending never waits for the client.
+        let (end_tx, end_rx) = tokio::sync::mpsc::channel(1);
         let requests = request.into_inner();
         let (store, config, gate) = (self.store.clone(), self.config.clone(), self.gate.clone());
         let stopping = self.stopping.clone();
@@ -81,10 +84,14 @@ impl<S: Store> BrokerService<S> {
                 tx,
             };
             if let Err(Some(status)) = pump.run().await {
-                let _ = pump.tx.send(Err(status)).await;
+                let _ = end_tx.try_send(Err(status));
             }
         });
-        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        use tokio_stream::StreamExt;
+        use tokio_stream::wrappers::ReceiverStream;
+        Ok(Box::pin(
+            ReceiverStream::new(rx).chain(ReceiverStream::new(end_rx)),
+        ))
     }
 }
 
@@ -149,10 +156,7 @@ impl<S: Store> Pump<S> {
                     retry_at = self.scan(&trees).await?;
                 }
                 _ = async { stopping.wait_for(|stop| *stop).await.is_ok() } => {
-                    // Not waited for: a client that does not read must
-                    // not hold the stop.
-                    let _ = self.tx.try_send(Err(Status::from(ServiceError::ShuttingDown)));
-                    return Ok(());
+                    return Err(ended(ServiceError::ShuttingDown));
                 }
                 () = self.tx.closed() => return Ok(()),
             }
@@ -239,11 +243,18 @@ impl<S: Store> Pump<S> {
             }
             self.stale_read_at = Some(std::time::Instant::now());
         }
+        let now = if current {
+            trees.versions(self.watched.values().map(|w| &w.root))
+        } else {
+            Vec::new()
+        };
+        // `now` is in the map's order: nothing changed it meanwhile.
         let due: Vec<(Id, Id, i32)> = self
             .watched
             .iter()
-            .filter(|(_, w)| !current || w.version.is_none_or(|v| trees.version(&w.root) != v))
-            .map(|(id, w)| (*id, w.root, w.status))
+            .enumerate()
+            .filter(|(at, (_, w))| !current || w.version.is_none_or(|v| now.get(*at) != Some(&v)))
+            .map(|(_, (id, w))| (*id, w.root, w.status))
             .collect();
         if due.is_empty() {
             return Ok(None);
@@ -311,13 +322,31 @@ impl<S: Store> Pump<S> {
             },
         );
         if always || changed {
-            let response = pb::WatchContractsResponse {
+            self.send(pb::WatchContractsResponse {
                 contract: Some(state),
-            };
-            if self.tx.send(Ok(response)).await.is_err() {
-                return Err(None);
-            }
+            })
+            .await?;
         }
         Ok(())
+    }
+
+    /// Sends one state, waiting for the client to read at most
+    /// `limits.watch_send_timeout_ms`, and not past a shutdown.
+    async fn send(&mut self, response: pb::WatchContractsResponse) -> Result<(), Ended> {
+        let mut stopping = self.stopping.clone();
+        let timeout = std::time::Duration::from_millis(self.config.limits.watch_send_timeout_ms);
+        tokio::select! {
+            sent = tokio::time::timeout(timeout, self.tx.send(Ok(response))) => match sent {
+                Ok(Ok(())) => Ok(()),
+                // The client went away.
+                Ok(Err(_)) => Err(None),
+                Err(_) => Err(ended(ServiceError::Overloaded(
+                    crate::config::keys::watch_send_timeout_ms,
+                ))),
+            },
+            _ = async { stopping.wait_for(|stop| *stop).await.is_ok() } => {
+                Err(ended(ServiceError::ShuttingDown))
+            }
+        }
     }
 }

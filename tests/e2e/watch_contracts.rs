@@ -197,3 +197,79 @@ async fn a_stream_watches_at_most_its_bound_of_contracts() {
     assert_eq!(state.contract.expect("a contract").contract_id, over[0]);
     broker.stop().await;
 }
+
+/// A client that stops reading cannot hold its stream: once what it has
+/// not read fills the broker's buffer and the connection's window, the
+/// broker waits `limits.watch_send_timeout_ms` and ends the stream
+/// RESOURCE_EXHAUSTED (OVERLOADED, `limit` naming it) after what was
+/// buffered. Without the bound it waits for the client for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_client_stops_reading_ends() {
+    use tonic_types::StatusExt;
+    /// The bound in this test.
+    const SEND_TIMEOUT_MS: u64 = 300;
+    /// Roots watched, each with a ~64 KiB envelope (a full write scope).
+    const ROOTS: usize = 8;
+    /// Each cycle adds and removes every root: a state per root and
+    /// cycle, 20 MiB in all, far past any window.
+    const CYCLES: usize = 40;
+    /// How long the client does not read: the broker fills what it may
+    /// send and gives up long before.
+    const NOT_READING: Duration = Duration::from_secs(5);
+    let broker =
+        Broker::start_with(|config| config.limits.watch_send_timeout_ms = SEND_TIMEOUT_MS).await;
+    let [orchestrator] = agents();
+    let mut client = connect_as(&broker.addr, &orchestrator).await;
+    let spec = RootSpec {
+        scope: (0..64)
+            .map(|i| format!("d{i:02}/{}", "a".repeat(1_000)))
+            .collect(),
+        ..RootSpec::default()
+    };
+    let mut ids = Vec::new();
+    for _ in 0..ROOTS {
+        ids.push(
+            open_root_on(&mut client, &orchestrator, &spec)
+                .await
+                .contract_id,
+        );
+    }
+    let mut messages = Vec::new();
+    for _ in 0..CYCLES {
+        messages.push(pb::WatchContractsRequest {
+            add_contract_ids: ids.clone(),
+            remove_contract_ids: Vec::new(),
+        });
+        messages.push(pb::WatchContractsRequest {
+            add_contract_ids: Vec::new(),
+            remove_contract_ids: ids.clone(),
+        });
+    }
+    let mut states = client
+        .watch_contracts(tokio_stream::iter(messages))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    tokio::time::sleep(NOT_READING).await;
+    let mut read = 0;
+    let ended = loop {
+        match tokio::time::timeout(OWED, states.next())
+            .await
+            .expect("an answer in time")
+            .expect("the stream ends with a status, not silently")
+        {
+            Ok(_) => read += 1,
+            Err(status) => break status,
+        }
+    };
+    assert!(
+        read > 0 && read < ROOTS * CYCLES,
+        "what was buffered, not every state: {read}"
+    );
+    assert_status(&ended, tonic::Code::ResourceExhausted, "OVERLOADED");
+    let limit = ended
+        .get_details_error_info()
+        .and_then(|info| info.metadata.get("limit").cloned());
+    assert_eq!(limit.as_deref(), Some("limits.watch_send_timeout_ms"));
+    broker.stop().await;
+}

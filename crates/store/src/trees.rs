@@ -106,6 +106,19 @@ impl TreeChanges {
         }
     }
 
+    /// The versions of several trees, under one lock: a stream's scan
+    /// looks at thousands.
+    pub fn versions<'a>(&self, roots: impl IntoIterator<Item = &'a Id>) -> Vec<TreeVersion> {
+        let trees = self.lock();
+        roots
+            .into_iter()
+            .map(|root| TreeVersion {
+                generation: trees.generation,
+                last: trees.last.get(root).copied(),
+            })
+            .collect()
+    }
+
     /// `root`'s version when every event it may name has committed, so a
     /// read begun after this call shows the tree as of this version or
     /// later: while `version` still returns it, what that read showed

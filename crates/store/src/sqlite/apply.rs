@@ -346,32 +346,9 @@ pub(super) async fn apply_careful(
     now_ms: i64,
     lookups: Lookups,
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
-    let (request_keys, parent_ids) = missing_parents(commands, &state.known);
     let prior_read = lookups == Lookups::First || seen_lately(commands, state);
-    let mut prior = if prior_read {
-        load_prior_requests::<Sqlite>(conn, &request_keys).await?
-    } else {
-        HashMap::new()
-    };
-    load_parents(conn, &parent_ids, &state.known).await?;
-    mark_ending(conn, commands, state).await?;
-    let mut plan = batch::plan(
-        commands,
-        &mut prior,
-        &mut lock(&state.known),
-        &mut state.next_seq,
-        stamper,
-        now_ms,
-    );
-    if !prior_read {
-        // See `Pending::Planned`.
-        let unlogged = batch::unlogged(commands, &plan.answers);
-        if !unlogged.is_empty() {
-            let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
-            batch::replay_unlogged(commands, &mut plan.answers, &earlier);
-        }
-    }
-    touch_trees(&state.trees, &plan);
+    let (mut plan, mut prior) =
+        plan_careful(conn, commands, state, stamper, now_ms, prior_read).await?;
     let mut answers = std::mem::take(&mut plan.answers);
     let mut deferred = Deferred {
         plan: (!plan.writes_nothing()).then_some(&plan),
@@ -385,8 +362,8 @@ pub(super) async fn apply_careful(
         };
         // A drain step writes as it goes (`drain::step`): inside the
         // transaction.
-        let drain_step = matches!(lifecycle.action, Action::Drain);
-        if deferred.pending() || (drain_step && !deferred.open) {
+        let steps = matches!(lifecycle.action, Action::Drain);
+        if deferred.pending() || (steps && !deferred.open) {
             deferred.flush(conn, state, false).await?;
         }
         let mut writing = Writing {
@@ -450,6 +427,45 @@ pub(super) async fn apply_careful(
     // back) may have touched trees.
     state.trees.committed();
     Ok(batch::answers(answers))
+}
+
+/// Reads what a careful batch's plan needs (the request log first when
+/// `prior_read`; the parents; the ending marks while a drain runs) and
+/// plans it; the earlier answers it read.
+async fn plan_careful(
+    conn: &mut SqliteConnection,
+    commands: &[Command],
+    state: &mut WriterState,
+    stamper: &Stamper,
+    now_ms: i64,
+    prior_read: bool,
+) -> Result<(Plan, HashMap<RequestKey, PriorRequest>), sqlx::Error> {
+    let (request_keys, parent_ids) = missing_parents(commands, &state.known);
+    let mut prior = if prior_read {
+        load_prior_requests::<Sqlite>(conn, &request_keys).await?
+    } else {
+        HashMap::new()
+    };
+    load_parents(conn, &parent_ids, &state.known).await?;
+    mark_ending(conn, commands, state).await?;
+    let mut plan = batch::plan(
+        commands,
+        &mut prior,
+        &mut lock(&state.known),
+        &mut state.next_seq,
+        stamper,
+        now_ms,
+    );
+    if !prior_read {
+        // See `Pending::Planned`.
+        let unlogged = batch::unlogged(commands, &plan.answers);
+        if !unlogged.is_empty() {
+            let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
+            batch::replay_unlogged(commands, &mut plan.answers, &earlier);
+        }
+    }
+    touch_trees(&state.trees, &plan);
+    Ok((plan, prior))
 }
 
 /// A careful batch's writes not yet run, and whether its transaction is

@@ -166,27 +166,39 @@ type BrokerClient interface {
 	// connection and per tree (limits.max_watch_streams*); past a cap the call
 	// is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it).
 	Watch(ctx context.Context, in *WatchRequest, opts ...grpc.CallOption) (Broker_WatchClient, error)
-	// Streams the state of the contracts the client names, each time one
-	// changes status, however it changed (its own lifecycle call, an
-	// ancestor's revocation or expiry reaching it, the expiry sweep): one
-	// stream for many contracts of many trees, for a client that follows
-	// contracts it holds (a gateway following its agent's tasks) without
-	// reading each of them again and again. The client sends
+	// Streams the state of the contracts the client names, and again after
+	// each of them changes status, however it changed (its own lifecycle
+	// call, an ancestor's revocation or expiry reaching it, the expiry
+	// sweep): one stream for many contracts of many trees, for a client that
+	// follows contracts it holds (a gateway following its agent's tasks)
+	// without reading each of them again and again. The client sends
 	// WatchContractsRequest messages at any time to add and remove
 	// contracts; each added one is answered at once with its state, then
-	// again after each status change, about 100 ms after it commits (on a
-	// replica, once the replica has seen the commit: within a second). Nothing is sent while nothing changes: a stream
-	// costs the broker nothing while its contracts are idle. The stream
-	// never ends by itself; it ends UNAVAILABLE when the broker shuts down
-	// (open a new one and add the contracts again: their states come back
-	// at once). Each added contract must be readable by the session's key —
-	// a party of its tree, or a reader listed by key (`[readers] keys`) —
-	// else the stream ends NOT_FOUND naming it. It counts as one Watch
-	// stream toward limits.max_watch_streams* (per caller and per
-	// connection); past 4,096 contracts at once the stream ends
-	// RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`
-	// max_watched_contracts), and a message naming more than 1,024 is
-	// INVALID_ARGUMENT.
+	// again after a status change, about 100 ms after it commits (on a
+	// replica, once the replica has seen the commit: within a second). A
+	// state is the contract as read then: changes close together arrive as
+	// one state, the latest (an ACCEPTED may be skipped on the way to
+	// COMPLETED), so a client acts on the status it is given, not on the
+	// count of messages. Nothing is sent while nothing changes: a stream
+	// costs the broker nothing while its contracts are idle.
+	//
+	// The stream never ends by itself while the client keeps its request
+	// side open: closing it (half-close) ends the stream OK. Otherwise it
+	// ends with a status, after the states already sent:
+	//   - UNAVAILABLE when the broker shuts down: open a new one and add the
+	//     contracts again (their states come back at once);
+	//   - NOT_FOUND naming a contract the session's key may not read (a party
+	//     of its tree, or a reader listed by key, `[readers] keys`, may);
+	//   - INVALID_ARGUMENT for a malformed id (`field` add_contract_ids) or a
+	//     message naming more than 1,024 contracts, adds and removes together;
+	//   - RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`): past 4,096
+	//     contracts at once (max_watched_contracts), or when the client has
+	//     not read for limits.watch_send_timeout_ms (30 s by default) while the
+	//     broker had states waiting for it (limits.watch_send_timeout_ms);
+	//   - another error status when the store fails.
+	//
+	// It counts as one Watch stream toward limits.max_watch_streams* (per
+	// caller and per connection).
 	WatchContracts(ctx context.Context, opts ...grpc.CallOption) (Broker_WatchContractsClient, error)
 	// The audit of one contract (docs/design.md, seed 000), derived from stored receipts and
 	// host observations: what the host observed, beside what the delegate
@@ -604,27 +616,39 @@ type BrokerServer interface {
 	// connection and per tree (limits.max_watch_streams*); past a cap the call
 	// is RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming it).
 	Watch(*WatchRequest, Broker_WatchServer) error
-	// Streams the state of the contracts the client names, each time one
-	// changes status, however it changed (its own lifecycle call, an
-	// ancestor's revocation or expiry reaching it, the expiry sweep): one
-	// stream for many contracts of many trees, for a client that follows
-	// contracts it holds (a gateway following its agent's tasks) without
-	// reading each of them again and again. The client sends
+	// Streams the state of the contracts the client names, and again after
+	// each of them changes status, however it changed (its own lifecycle
+	// call, an ancestor's revocation or expiry reaching it, the expiry
+	// sweep): one stream for many contracts of many trees, for a client that
+	// follows contracts it holds (a gateway following its agent's tasks)
+	// without reading each of them again and again. The client sends
 	// WatchContractsRequest messages at any time to add and remove
 	// contracts; each added one is answered at once with its state, then
-	// again after each status change, about 100 ms after it commits (on a
-	// replica, once the replica has seen the commit: within a second). Nothing is sent while nothing changes: a stream
-	// costs the broker nothing while its contracts are idle. The stream
-	// never ends by itself; it ends UNAVAILABLE when the broker shuts down
-	// (open a new one and add the contracts again: their states come back
-	// at once). Each added contract must be readable by the session's key —
-	// a party of its tree, or a reader listed by key (`[readers] keys`) —
-	// else the stream ends NOT_FOUND naming it. It counts as one Watch
-	// stream toward limits.max_watch_streams* (per caller and per
-	// connection); past 4,096 contracts at once the stream ends
-	// RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`
-	// max_watched_contracts), and a message naming more than 1,024 is
-	// INVALID_ARGUMENT.
+	// again after a status change, about 100 ms after it commits (on a
+	// replica, once the replica has seen the commit: within a second). A
+	// state is the contract as read then: changes close together arrive as
+	// one state, the latest (an ACCEPTED may be skipped on the way to
+	// COMPLETED), so a client acts on the status it is given, not on the
+	// count of messages. Nothing is sent while nothing changes: a stream
+	// costs the broker nothing while its contracts are idle.
+	//
+	// The stream never ends by itself while the client keeps its request
+	// side open: closing it (half-close) ends the stream OK. Otherwise it
+	// ends with a status, after the states already sent:
+	//   - UNAVAILABLE when the broker shuts down: open a new one and add the
+	//     contracts again (their states come back at once);
+	//   - NOT_FOUND naming a contract the session's key may not read (a party
+	//     of its tree, or a reader listed by key, `[readers] keys`, may);
+	//   - INVALID_ARGUMENT for a malformed id (`field` add_contract_ids) or a
+	//     message naming more than 1,024 contracts, adds and removes together;
+	//   - RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`): past 4,096
+	//     contracts at once (max_watched_contracts), or when the client has
+	//     not read for limits.watch_send_timeout_ms (30 s by default) while the
+	//     broker had states waiting for it (limits.watch_send_timeout_ms);
+	//   - another error status when the store fails.
+	//
+	// It counts as one Watch stream toward limits.max_watch_streams* (per
+	// caller and per connection).
 	WatchContracts(Broker_WatchContractsServer) error
 	// The audit of one contract (docs/design.md, seed 000), derived from stored receipts and
 	// host observations: what the host observed, beside what the delegate
