@@ -174,6 +174,55 @@ pub(crate) fn fold(task: &mut a2a::Task, event: &a2a::StreamResponse) {
     }
 }
 
+/// A folded task's size, bounded as a GetTask answer is (`max_bytes`,
+/// `max_message_bytes`): appends could otherwise grow it to `MAX_PARTS`
+/// artifacts of `MAX_PARTS` parts of a whole event each. It keeps an upper
+/// bound (each event grows the task by at most its own size) and measures
+/// the task only when that bound passes `max_bytes` by an eighth, so the
+/// measuring costs O(1) per byte received, however small the events.
+pub(crate) struct FoldBound {
+    max_bytes: usize,
+    upper_bytes: usize,
+}
+
+impl FoldBound {
+    pub(crate) fn new(max_bytes: usize, task: &a2a::Task) -> Self {
+        use prost::Message as _;
+        Self {
+            max_bytes,
+            upper_bytes: task.encoded_len(),
+        }
+    }
+
+    /// After `event` was folded into `task`: refused when the task is now
+    /// larger than a GetTask answer may be.
+    pub(crate) fn check(
+        &mut self,
+        task: &a2a::Task,
+        event: &a2a::StreamResponse,
+    ) -> Result<(), Refused> {
+        use prost::Message as _;
+        self.upper_bytes = match &event.payload {
+            Some(Payload::Task(_)) => task.encoded_len(),
+            _ => self.upper_bytes.saturating_add(event.encoded_len()),
+        };
+        if self.upper_bytes > self.max_bytes.saturating_add(self.max_bytes / 8) {
+            self.upper_bytes = task.encoded_len();
+            if self.upper_bytes > self.max_bytes {
+                return Err(Refused::new(
+                    code::INTERNAL,
+                    "RESPONSE_TOO_LARGE",
+                    format!(
+                        "the task the agent streamed grew past {} bytes (max_message_bytes)",
+                        self.max_bytes
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn fill_ids(task: &mut a2a::Task, task_id: &str, context_id: &str) {
     if task.id.is_empty() {
         task.id = task_id.to_owned();
@@ -317,10 +366,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn updates_fold_into_the_task_as_the_sdk_merges_them() {
-        let mut task = a2a::Task::default();
-        let update = |artifact: a2a::Artifact, append: bool| a2a::StreamResponse {
+    fn update(artifact: a2a::Artifact, append: bool) -> a2a::StreamResponse {
+        a2a::StreamResponse {
             payload: Some(Payload::ArtifactUpdate(a2a::TaskArtifactUpdateEvent {
                 task_id: "t".into(),
                 context_id: "c".into(),
@@ -328,7 +375,38 @@ mod tests {
                 append,
                 ..Default::default()
             })),
+        }
+    }
+
+    #[test]
+    fn a_task_grown_by_appends_is_bounded_as_an_answer_is() {
+        use prost::Message as _;
+        const MAX_BYTES: usize = 4_096;
+        let mut task = a2a::Task::default();
+        let mut bound = FoldBound::new(MAX_BYTES, &task);
+        let mut measured_over = None;
+        for i in 0..200 {
+            let event = update(artifact("a", &"x".repeat(100)), i > 0);
+            fold(&mut task, &event);
+            if bound.check(&task, &event).is_err() {
+                measured_over = Some(task.encoded_len());
+                break;
+            }
+            assert!(task.encoded_len() <= MAX_BYTES + MAX_BYTES / 8 + event.encoded_len());
+        }
+        let over = measured_over.expect("refused once past the bound");
+        assert!(over > MAX_BYTES, "refused only past it: {over}");
+        // A task replaced whole starts the count again.
+        let small = a2a::StreamResponse {
+            payload: Some(Payload::Task(a2a::Task::default())),
         };
+        fold(&mut task, &small);
+        assert!(bound.check(&task, &small).is_ok());
+    }
+
+    #[test]
+    fn updates_fold_into_the_task_as_the_sdk_merges_them() {
+        let mut task = a2a::Task::default();
         fold(&mut task, &update(artifact("a", "1"), false));
         fold(&mut task, &update(artifact("a", "2"), true));
         fold(&mut task, &update(artifact("b", "x"), false));

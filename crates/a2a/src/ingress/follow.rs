@@ -490,6 +490,7 @@ async fn by_stream(
         }
     };
     let mut task = slot.latest.borrow().clone().unwrap_or_default();
+    let mut bound = crate::stream::FoldBound::new(gateway.config.max_message_bytes, &task);
     let mut tick = tokio::time::interval(Duration::from_millis(gateway.config.poll_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut status = slot.status.subscribe();
@@ -503,6 +504,10 @@ async fn by_stream(
             event = events.next() => match event {
                 Some(Ok(event)) => {
                     crate::stream::fold(&mut task, &event);
+                    if let Err(e) = bound.check(&task, &event) {
+                        tracing::warn!(task = %task_id, error = %e.message, "polling the agent's task instead of folding its stream");
+                        return false;
+                    }
                     match observe(gateway, slot, task.clone()).await {
                         Ok(decorated) => {
                             let _ = slot.events.send(Arc::new(crate::stream::relayed(event, &decorated)));
