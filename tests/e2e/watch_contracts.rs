@@ -16,6 +16,24 @@ const OWED: Duration = Duration::from_secs(10);
 /// How long a quiet stream is watched for a state it must not send.
 const QUIET: Duration = Duration::from_millis(600);
 
+/// Reads states until the stream ends, which must be with a status: how
+/// many states, and the status.
+async fn read_to_the_end(
+    states: &mut tonic::Streaming<pb::WatchContractsResponse>,
+) -> (usize, tonic::Status) {
+    let mut read = 0;
+    loop {
+        match tokio::time::timeout(OWED, states.next())
+            .await
+            .expect("an answer in time")
+            .expect("the stream ends with a status, not silently")
+        {
+            Ok(_) => read += 1,
+            Err(status) => return (read, status),
+        }
+    }
+}
+
 fn add(ids: &[&[u8]]) -> pb::WatchContractsRequest {
     pb::WatchContractsRequest {
         add_contract_ids: ids.iter().map(|id| id.to_vec()).collect(),
@@ -167,17 +185,7 @@ async fn a_stream_watches_at_most_its_bound_of_contracts() {
         .await
         .expect("the stream opens")
         .into_inner();
-    let mut sent = 0;
-    let ended = loop {
-        match tokio::time::timeout(OWED, states.next())
-            .await
-            .expect("an answer in time")
-            .expect("the stream ends with a status, not silently")
-        {
-            Ok(_) => sent += 1,
-            Err(status) => break status,
-        }
-    };
+    let (sent, ended) = read_to_the_end(&mut states).await;
     assert_eq!(
         sent, MAX_WATCHED_CONTRACTS,
         "every contract within the bound"
@@ -251,17 +259,7 @@ async fn a_stream_whose_client_stops_reading_ends() {
         .expect("the stream opens")
         .into_inner();
     tokio::time::sleep(NOT_READING).await;
-    let mut read = 0;
-    let ended = loop {
-        match tokio::time::timeout(OWED, states.next())
-            .await
-            .expect("an answer in time")
-            .expect("the stream ends with a status, not silently")
-        {
-            Ok(_) => read += 1,
-            Err(status) => break status,
-        }
-    };
+    let (read, ended) = read_to_the_end(&mut states).await;
     assert!(
         read > 0 && read < ROOTS * CYCLES,
         "what was buffered, not every state: {read}"
