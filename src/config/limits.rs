@@ -157,8 +157,8 @@ limits! {
     /// per-caller caps alone do not stop one tree from taking every stream.
     max_watch_streams_per_tree: usize = 64, 1, MAX_CONCURRENCY_CEILING,
         "concurrent Watch streams per tree, whoever opens them (at most max_watch_streams)";
-    /// A client that does not read would otherwise hold its stream's task,
-    /// its places and a shutdown's drain for as long as it stays connected.
+    /// A client that does not read would otherwise hold its stream's task
+    /// and places for as long as it stays connected.
     watch_send_timeout_ms: u64 = 30_000, 1, MAX_INTERVAL_MS,
         "longest a WatchContracts stream waits for its client to read once its buffer is full; then the stream ends RESOURCE_EXHAUSTED (OVERLOADED)";
     /// Enough for the writer's largest groups (bench c64 d8 runs 64 at

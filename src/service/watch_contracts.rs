@@ -141,7 +141,9 @@ impl<S: Store> Pump<S> {
             tokio::select! {
                 request = self.requests.message() => match request {
                     Ok(Some(request)) => self.change(request).await?,
-                    Ok(None) | Err(_) => return Ok(()),
+                    Ok(None) => return Ok(()),
+                    // A message too large or undecodable, or the client gone.
+                    Err(status) => return Err(Some(status)),
                 },
                 changed = commits.changed() => {
                     if changed.is_err() {

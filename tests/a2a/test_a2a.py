@@ -2755,6 +2755,35 @@ def test_stream_subscribe_through_both_gateways(world: World, streamers: Streame
 
 
 @pytest.mark.streaming
+def test_a_task_streamed_past_the_bound_fails_and_is_canceled(world: World, streamers: Streamers) -> None:
+    """The worker appends 128 KiB to one artifact at every step, until its
+    task is larger than a GetTask answer may be (the gateway's
+    max_message_bytes, 4 MiB): the worker's gateway stops following it, ends
+    it FAILED with the reason in its status (its artifacts dropped), moves
+    the contract as for any failed task (COMPLETED, judged) and cancels the
+    task at the agent. The caller's stream ends with that FAILED task."""
+    broker = world.broker
+    root = broker.open_root(streamers.caller, budget=100, max_depth=2)
+    agent = streamers.agents["streamer"]
+    message = streamed_message(
+        "a very long answer", root, data={"steps": 48, "stepMs": 20, "appendBytes": 128 * 1024}
+    )
+
+    async def body() -> list[StreamResponse]:
+        async with world.user() as user:
+            return await user.stream(streamers.peer_url("streamer"), message)
+
+    events = run(body())
+    last = events[-1]
+    assert event_state(last) == "TASK_STATE_FAILED", show_events(events[-3:])
+    assert "max_message_bytes" in event_text(last), show_events(events[-3:])
+    child = only_child(broker, root, "one delegation")
+    assert status_name(broker.state(bytes(child.contract_id))) == "CONTRACT_STATUS_COMPLETED"
+    task_id = event_task_id(last)
+    wait_for(f"the agent's task {task_id} canceled", lambda: agent.cancels(task_id) or None)
+
+
+@pytest.mark.streaming
 def test_stream_revoked_mid_stream_ends_canceled(world: World, streamers: Streamers) -> None:
     """The principal revokes the root while the worker streams (at its second
     step update): the worker's gateway cancels the agent's task, and the

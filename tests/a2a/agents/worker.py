@@ -27,7 +27,9 @@ data part {"partial": I, "of": N}, --step-ms apart (default 200); then the
 artifact `answer` once more with the mode's final part (it replaces the
 partial ones: the task ends with one artifact of one part, as without
 steps), then COMPLETED. A task-starting message's data part may ask other
-numbers for its task ({"steps": N, "stepMs": M}). Each step is logged
+numbers for its task ({"steps": N, "stepMs": M}), and {"appendBytes": K}
+makes each step also append a text part of K bytes to the artifact `long`
+(a task that keeps growing). Each step is logged
 ({"kind": "step", "step": I, "of": N}) before its events are sent, and
 {"kind": "finished"} before the final status. Only the SDK's TaskUpdater
 emits the events: a streaming client (SendStreamingMessage, SubscribeToTask)
@@ -143,7 +145,13 @@ class WorkerExecutor(AgentExecutor):
         self, context: RequestContext, updater: TaskUpdater, steps: int, step_ms: float, final: dict
     ) -> None:
         """N WORKING status updates and N replacements of the artifact
-        `answer`, step_ms apart, then the final artifact and COMPLETED."""
+        `answer`, step_ms apart, then the final artifact and COMPLETED. A
+        message's {"appendBytes": K} also appends a text part of K bytes to
+        the artifact `long` at each step (a task that keeps growing)."""
+        append_bytes = 0
+        for data in data_parts(context.message):
+            if isinstance(data, dict):
+                append_bytes = max(0, int(data.get("appendBytes", append_bytes)))
         for step in range(1, steps + 1):
             self.log.write(kind="step", taskId=context.task_id, contextId=context.context_id, step=step, of=steps)
             await updater.update_status(
@@ -153,6 +161,10 @@ class WorkerExecutor(AgentExecutor):
             await updater.add_artifact(
                 [result_part({"partial": step, "of": steps})], artifact_id="answer", name="answer"
             )
+            if append_bytes:
+                await updater.add_artifact(
+                    [new_text_part("x" * append_bytes)], artifact_id="long", name="long", append=step > 1
+                )
             await asyncio.sleep(step_ms / 1000)
         await updater.add_artifact([result_part(final)], artifact_id="answer", name="answer")
         self.log.write(kind="finished", taskId=context.task_id, contextId=context.context_id, steps=steps)

@@ -353,6 +353,52 @@ async fn look(
     Look::Canceled
 }
 
+/// A task the agent grew past max_message_bytes could not be read,
+/// relayed or completed with its output (polling it would fail on every
+/// read): it ends as a failed task, its artifacts dropped and the reason
+/// in its status (the contract moves as for any failed task), and it is
+/// canceled at the agent. True once the contract has moved.
+async fn over_bound(
+    gateway: &Arc<Gateway>,
+    slot: &Arc<Slot>,
+    task: &a2a::Task,
+    why: &str,
+    canceled_at: &mut Option<tokio::time::Instant>,
+) -> bool {
+    tracing::warn!(task = %task.id, error = %why, "the agent's task is too large: failed, and canceled at the agent");
+    let failed = a2a::Task {
+        id: task.id.clone(),
+        context_id: task.context_id.clone(),
+        status: Some(a2a::TaskStatus {
+            state: TaskState::Failed as i32,
+            message: Some(a2a::Message {
+                message_id: format!("gateway-too-large-{}", hex::encode(slot.contract_id)),
+                context_id: task.context_id.clone(),
+                task_id: task.id.clone(),
+                role: a2a::Role::Agent as i32,
+                parts: vec![a2a::Part {
+                    content: Some(a2a::part::Content::Text(why.to_owned())),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    moved(gateway, slot, failed).await;
+    let cancel = a2a::CancelTaskRequest {
+        id: task.id.clone(),
+        ..Default::default()
+    };
+    let canceled: Result<a2a::Task, _> = gateway.upstream_call("CancelTask", &cancel, &[]).await;
+    if let Err(CallError::Remote(error)) = &canceled {
+        tracing::warn!(task = %task.id, %error, "the agent refused to cancel its task");
+    }
+    *canceled_at = Some(tokio::time::Instant::now());
+    moved_settled(slot).await
+}
+
 /// Polls the agent's task every poll_ms (see `follow`).
 async fn following(
     gateway: &Arc<Gateway>,
@@ -505,8 +551,7 @@ async fn by_stream(
                 Some(Ok(event)) => {
                     crate::stream::fold(&mut task, &event);
                     if let Err(e) = bound.check(&task, &event) {
-                        tracing::warn!(task = %task_id, error = %e.message, "polling the agent's task instead of folding its stream");
-                        return false;
+                        return over_bound(gateway, slot, &task, &e.message, canceled_at).await;
                     }
                     match observe(gateway, slot, task.clone()).await {
                         Ok(decorated) => {

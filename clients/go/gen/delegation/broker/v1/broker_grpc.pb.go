@@ -191,10 +191,14 @@ type BrokerClient interface {
 	//     of its tree, or a reader listed by key, `[readers] keys`, may);
 	//   - INVALID_ARGUMENT for a malformed id (`field` add_contract_ids) or a
 	//     message naming more than 1,024 contracts, adds and removes together;
-	//   - RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`): past 4,096
-	//     contracts at once (max_watched_contracts), or when the client has
-	//     not read for limits.watch_send_timeout_ms (30 s by default) while the
-	//     broker had states waiting for it (limits.watch_send_timeout_ms);
+	//   - the status gRPC gives a request message the broker cannot take (over
+	//     limits.max_request_bytes, or undecodable);
+	//   - RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming the bound):
+	//     past 4,096 contracts at once (max_watched_contracts); when the broker
+	//     is too busy to read an added contract in time (the caller's turn at
+	//     work, as for any read: open a new stream later); or when the client
+	//     has not read for limits.watch_send_timeout_ms (30 s by default) while
+	//     the broker had states waiting for it;
 	//   - another error status when the store fails.
 	//
 	// It counts as one Watch stream toward limits.max_watch_streams* (per
@@ -641,10 +645,14 @@ type BrokerServer interface {
 	//     of its tree, or a reader listed by key, `[readers] keys`, may);
 	//   - INVALID_ARGUMENT for a malformed id (`field` add_contract_ids) or a
 	//     message naming more than 1,024 contracts, adds and removes together;
-	//   - RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit`): past 4,096
-	//     contracts at once (max_watched_contracts), or when the client has
-	//     not read for limits.watch_send_timeout_ms (30 s by default) while the
-	//     broker had states waiting for it (limits.watch_send_timeout_ms);
+	//   - the status gRPC gives a request message the broker cannot take (over
+	//     limits.max_request_bytes, or undecodable);
+	//   - RESOURCE_EXHAUSTED (OVERLOADED, metadata `limit` naming the bound):
+	//     past 4,096 contracts at once (max_watched_contracts); when the broker
+	//     is too busy to read an added contract in time (the caller's turn at
+	//     work, as for any read: open a new stream later); or when the client
+	//     has not read for limits.watch_send_timeout_ms (30 s by default) while
+	//     the broker had states waiting for it;
 	//   - another error status when the store fails.
 	//
 	// It counts as one Watch stream toward limits.max_watch_streams* (per
