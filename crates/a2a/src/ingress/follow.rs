@@ -341,6 +341,17 @@ async fn look(
         "past its deadline"
     };
     tracing::info!(task = %task_id, contract = %hex::encode(slot.contract_id), why, "canceling the agent's task");
+    cancel_at_agent(gateway, task_id, canceled_at).await;
+    Look::Canceled
+}
+
+/// Asks the agent to cancel its task and notes when (the follower then
+/// reads it for at most CANCEL_GRACE_MS).
+async fn cancel_at_agent(
+    gateway: &Gateway,
+    task_id: &str,
+    canceled_at: &mut Option<tokio::time::Instant>,
+) {
     let cancel = a2a::CancelTaskRequest {
         id: task_id.to_owned(),
         ..Default::default()
@@ -350,7 +361,6 @@ async fn look(
         tracing::warn!(task = %task_id, %error, "the agent refused to cancel its task");
     }
     *canceled_at = Some(tokio::time::Instant::now());
-    Look::Canceled
 }
 
 /// A task the agent grew past max_message_bytes could not be read,
@@ -387,15 +397,7 @@ async fn over_bound(
         ..Default::default()
     };
     moved(gateway, slot, failed).await;
-    let cancel = a2a::CancelTaskRequest {
-        id: task.id.clone(),
-        ..Default::default()
-    };
-    let canceled: Result<a2a::Task, _> = gateway.upstream_call("CancelTask", &cancel, &[]).await;
-    if let Err(CallError::Remote(error)) = &canceled {
-        tracing::warn!(task = %task.id, %error, "the agent refused to cancel its task");
-    }
-    *canceled_at = Some(tokio::time::Instant::now());
+    cancel_at_agent(gateway, &task.id, canceled_at).await;
     moved_settled(slot).await
 }
 

@@ -323,10 +323,13 @@ pub(super) enum Lookups {
     /// Every request key first: a batch redone after a conflict.
     First,
     /// Only where it may matter: every key first if one of them may have
-    /// been seen lately (`RecentRequests`); otherwise just the keys of
-    /// commands answered with an error (see `Writing::prior_read`), and a
-    /// retry that did succeed before is caught by its request-log insert
-    /// (the batch is then redone with `First`).
+    /// been seen lately (`RecentRequests`) or the batch holds more than one
+    /// lifecycle command (one read for all, not one per refusal: a flood
+    /// of refused commands must not cost the writer a read each);
+    /// otherwise just the key of the one command if it is answered with an
+    /// error (see `Writing::prior_read`), and a retry that did succeed
+    /// before is caught by its request-log insert (the batch is then
+    /// redone with `First`).
     IfSeen,
 }
 
@@ -346,7 +349,11 @@ pub(super) async fn apply_careful(
     now_ms: i64,
     lookups: Lookups,
 ) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
-    let prior_read = lookups == Lookups::First || seen_lately(commands, state);
+    let transitions = commands
+        .iter()
+        .filter(|c| matches!(c, Command::Lifecycle(_)))
+        .count();
+    let prior_read = lookups == Lookups::First || transitions > 1 || seen_lately(commands, state);
     let (mut plan, mut prior) =
         plan_careful(conn, commands, state, stamper, now_ms, prior_read).await?;
     let mut answers = std::mem::take(&mut plan.answers);
