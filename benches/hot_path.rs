@@ -7,7 +7,8 @@ use std::hint::black_box;
 use criterion::{Criterion, criterion_group, criterion_main};
 use delegation_broker::command::{HopTrust, NewChild, NewRoot, RequestMeta};
 use delegation_broker::core::{
-    ChildAsk, Ledger, Liability, ParentView, Policy, Predicate, Scope, Status, check_delegation,
+    ChildAsk, Completion, Ledger, Liability, Observed, ParentView, Policy, Predicate, Scope,
+    Status, check_delegation, judge,
 };
 use delegation_broker::crypto::{self, payload_type};
 use delegation_broker::pb;
@@ -176,6 +177,26 @@ fn invariants(c: &mut Criterion) {
     );
 }
 
+fn judgment(c: &mut Criterion) {
+    let scope = Scope::parse(&["out/".to_owned()], "write_scope").expect("a scope");
+    let completion = Completion {
+        output: serde_json::json!({"summary": "done", "files": ["out/report.md"]}),
+        claim: "success".to_owned(),
+        reported_consumed: 3,
+        has_report: true,
+        schema: None,
+    };
+    let observed = Observed {
+        tool_calls: 2,
+        mutation_paths: vec!["out/report.md".to_owned()],
+        consumed_by_host: Some(3),
+        elapsed_ms: 40,
+    };
+    c.bench_function("judge a completion (a predicate of two conjuncts)", |b| {
+        b.iter(|| judge(black_box(PREDICATE), &scope, &completion, &observed))
+    });
+}
+
 fn recent_requests(c: &mut Criterion) {
     // The default window: the filters at their production size.
     let mut recent = RecentRequests::new(300_000, 0);
@@ -191,5 +212,12 @@ fn recent_requests(c: &mut Criterion) {
     });
 }
 
-criterion_group!(hot_path, signatures, stamping, invariants, recent_requests);
+criterion_group!(
+    hot_path,
+    signatures,
+    stamping,
+    invariants,
+    judgment,
+    recent_requests
+);
 criterion_main!(hot_path);

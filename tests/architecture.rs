@@ -609,6 +609,11 @@ const STATICS: &[(&str, &str, &str)] = &[
         "shapes of effective predicates (a memo)",
     ),
     (
+        "crates/domain/src/judge/evaluate.rs",
+        "STDLIB",
+        "CEL's standard environment, built once (a memo of a constant)",
+    ),
+    (
         "crates/domain/src/schema/mod.rs",
         "COMPILED",
         "compiled schemas (a memo)",

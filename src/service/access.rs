@@ -121,6 +121,35 @@ impl<S: Store> BrokerService<S> {
         Ok((id, turn))
     }
 
+    /// `authorize_read` for a read that loads the contract anyway: it is
+    /// loaded first, and a caller it names as its delegate or host needs
+    /// no other read to be a party (`access::names_party`).
+    pub(super) async fn authorize_record<T>(
+        &self,
+        request: &Request<T>,
+        id: &[u8],
+        field: &'static str,
+    ) -> Result<(crate::store::ContractRecord, crate::pool::Turn), ServiceError> {
+        let caller = self.caller(request)?;
+        let id = convert::id(id, field)?;
+        telemetry::record(Fact::ContractId(&id));
+        let turn = self
+            .gate
+            .admit(&self.config.tenants, &caller, Some(&id))
+            .await?;
+        let record = self.store.contract(id).await?;
+        let named = record.as_ref().is_some_and(|record| {
+            let delegate = convert::delegate_key_of(&record.envelope);
+            access::names_party(&delegate, record.host_key.as_ref(), &caller)
+        });
+        if !named {
+            self.authorize(&caller, id).await?;
+        }
+        let record =
+            record.ok_or_else(|| ServiceError::not_found(crate::store::Entity::Contract, id))?;
+        Ok((record, turn))
+    }
+
     /// A place at work for a read naming no contract (its caller's
     /// tenant's turn).
     pub(super) async fn admit_caller(

@@ -313,6 +313,14 @@ pub fn contract_state(record: ContractRecord) -> pb::ContractState {
     }
 }
 
+/// The delegate key a stored contract names; empty if its payload does
+/// not decode (the broker signed it, so it does).
+pub fn delegate_key_of(envelope: &pb::Sealed) -> Vec<u8> {
+    pb::Contract::decode(envelope.payload.as_slice())
+        .map(|contract| contract.delegate_public_key)
+        .unwrap_or_default()
+}
+
 fn status_to_pb(status: core::Status) -> pb::ContractStatus {
     use core::Status;
     match status {

@@ -100,19 +100,11 @@ impl<S: Store> BrokerService<S> {
         })
     }
 
-    pub(super) async fn record(
+    /// The chain of `record`, root first.
+    pub(super) async fn chain(
         &self,
-        id: &[u8],
-    ) -> Result<crate::store::ContractRecord, ServiceError> {
-        let id = convert::id(id, "contract_id")?;
-        self.store
-            .contract(id)
-            .await?
-            .ok_or_else(|| ServiceError::not_found(crate::store::Entity::Contract, id))
-    }
-
-    pub(super) async fn chain(&self, id: &[u8]) -> Result<Vec<pb::ContractState>, ServiceError> {
-        let mut record = self.record(id).await?;
+        mut record: crate::store::ContractRecord,
+    ) -> Result<Vec<pb::ContractState>, ServiceError> {
         let mut chain = Vec::new();
         loop {
             let parent = record.parent_id;
@@ -191,10 +183,9 @@ impl<S: Store> BrokerService<S> {
         &self,
         request: Request<pb::GetContractRequest>,
     ) -> Result<pb::GetContractResponse, ServiceError> {
-        let (_, _turn) = self
-            .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+        let (record, _turn) = self
+            .authorize_record(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
-        let record = self.record(&request.into_inner().contract_id).await?;
         Ok(pb::GetContractResponse {
             contract: Some(convert::contract_state(record)),
         })
@@ -204,10 +195,10 @@ impl<S: Store> BrokerService<S> {
         &self,
         request: Request<pb::GetChainRequest>,
     ) -> Result<pb::GetChainResponse, ServiceError> {
-        let (_, _turn) = self
-            .authorize_read(&request, &request.get_ref().contract_id, "contract_id")
+        let (record, _turn) = self
+            .authorize_record(&request, &request.get_ref().contract_id, "contract_id")
             .await?;
-        let chain = self.chain(&request.into_inner().contract_id).await?;
+        let chain = self.chain(record).await?;
         let response = pb::GetChainResponse { chain };
         fitting(
             response,

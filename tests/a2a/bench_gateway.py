@@ -25,8 +25,9 @@ alternated call by call after a warm-up (the machine is noisy):
   only (`egress_listen`, no `listen`/`upstream`), holds the caller's key,
   has the worker in its address book and a route carving 1 unit per call;
   the caller's key holds one root (budget 10^9), so the egress delegates
-  from it (ListHeld finds the single held contract, GetContract, Delegate,
-  GetChain). The worker sits behind its own gateway (ingress: chain
+  from it (ListHeld finds the single held contract, then a Delegate; the
+  root's terms and chain are read once, and the new contract's chain is
+  the root's and the Delegate's answer). The worker sits behind its own gateway (ingress: chain
   verified offline, GetContract, SendMessage to the agent, Accept, GetTask,
   Complete with the predicate judged, then the answer). So a call is two
   more HTTP hops and every broker call above.
@@ -275,7 +276,7 @@ def main() -> None:
         print(f"  {label:<28}{s['p50_ms']:>7.2f} ms{s['p90_ms']:>7.2f} ms{s['p99_ms']:>7.2f} ms")
     print(f"  {'added at the median':<28}{added:>7.2f} ms   (target: at most {ADDED_TARGET_MS} ms: {'met' if added <= ADDED_TARGET_MS else 'NOT met'})")
     print(f"  worker agent GetTask per through call: {result['agent_gettask_per_through_call']:.2f} "
-          "(the ingress's follower; above 1: it waited poll_ms)")
+          "(the ingress's follower; above 1: its first read found the task still running)")
 
     cpu = result["cpu_ms_per_call"]
     print("\nCPU per call (user+system, /proc/PID/stat, measured phase / calls; idle rate over "

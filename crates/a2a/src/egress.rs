@@ -483,12 +483,13 @@ async fn prepare(
     // Minted before the Delegate: a token that cannot be had leaves no
     // contract to release.
     let headers = with_token(gateway, peer, &parent_id, headers).await?;
-    let child_id = delegate(gateway, peer, rpc, body).await?;
+    let (child_id, issued) = delegate(gateway, peer, rpc, body).await?;
     tracing::debug!(
         elapsed_us = started.elapsed().as_micros() as u64,
         "egress: delegated"
     );
-    let chain = broker::chain(&gateway.link, &child_id)
+    let chain = gateway
+        .chain_below(&parent_id, issued)
         .await
         .map_err(broker_error)?;
     if let Some(message) = request.message.as_mut() {
@@ -573,26 +574,27 @@ async fn delegate_body(
     })
 }
 
-/// Asks the broker for the contract; its id when issued, else the
-/// refusal listing every violated invariant.
+/// Asks the broker for the contract; its id and the issued contract, else
+/// the refusal listing every violated invariant.
 async fn delegate(
     gateway: &Gateway,
     peer: &Peer,
     rpc: &Rpc,
     body: pb::DelegateBody,
-) -> Result<Id, Refused> {
+) -> Result<(Id, pb::IssuedContract), Refused> {
     let response = broker::delegate(gateway, rpc.trace.as_deref(), body)
         .await
         .map_err(broker_error)?;
     match response.outcome {
         Some(pb::delegate_response::Outcome::Issued(issued)) => {
-            issued.contract_id.try_into().map_err(|_| {
+            let id = issued.contract_id.as_slice().try_into().map_err(|_| {
                 Refused::new(
                     code::INTERNAL,
                     "INTERNAL",
                     "Delegate answered a bad contract id",
                 )
-            })
+            })?;
+            Ok((id, issued))
         }
         Some(pb::delegate_response::Outcome::Refused(refused)) => {
             let receipt = broker::receipt(refused.receipt.as_ref()).unwrap_or_default();

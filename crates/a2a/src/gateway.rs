@@ -35,6 +35,9 @@ const MAX_CONTEXTS: usize = 65_536;
 /// Contracts whose terms are kept (`Gateway::terms_of`): the parents the
 /// egress delegates from.
 const MAX_KEPT_TERMS: usize = 1_024;
+/// Parents whose chains are kept (`Gateway::chain_below`): each is at most
+/// `MAX_CHAIN_CONTRACTS` signed contracts of a few hundred bytes.
+const MAX_KEPT_CHAINS: usize = 256;
 /// Most contracts remembered in one A2A context; past it the context names
 /// no parent at all (an egress message in it must name its contract).
 pub(crate) const MAX_CONTRACTS_PER_CONTEXT: usize = 8;
@@ -153,6 +156,9 @@ pub(crate) struct Gateway {
     pub sent: Mutex<HashMap<String, Sent>>,
     /// Contracts' terms, read once (`terms_of`).
     terms: Mutex<HashMap<Id, Arc<pb::Contract>>>,
+    /// Parents' chains, their signed contracts only, read once
+    /// (`chain_below`).
+    chains: Mutex<HashMap<Id, Arc<Vec<pb::ContractState>>>>,
     /// Tokens for the calls to peers whose routes ask for one.
     pub peer_tokens: HashMap<String, crate::bearer::PeerToken>,
     pub metrics: Arc<metrics::GatewayMetrics>,
@@ -300,6 +306,7 @@ impl Gateway {
             admitted: Mutex::default(),
             sent: Mutex::default(),
             terms: Mutex::default(),
+            chains: Mutex::default(),
             peer_tokens,
             metrics,
             in_flight: Mutex::default(),
@@ -516,6 +523,48 @@ impl Gateway {
         Ok(terms)
     }
 
+    /// The chain of a contract just issued below `parent_id`, as a
+    /// task-starting message carries it: the parent's chain (read once: a
+    /// chain never changes) and the child's signed contract, from the
+    /// Delegate's answer. Only the signed contracts go: the rest of a
+    /// ContractState is the broker's unsigned word of the moment, which a
+    /// receiver reads for itself.
+    pub async fn chain_below(
+        &self,
+        parent_id: &Id,
+        child: pb::IssuedContract,
+    ) -> Result<pb::GetChainResponse, broker_client::BrokerError> {
+        let known = self
+            .chains
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(parent_id)
+            .cloned();
+        let above = match known {
+            Some(above) => above,
+            None => {
+                let read = crate::broker::chain(&self.link, parent_id).await?;
+                let above: Arc<Vec<_>> =
+                    Arc::new(read.chain.into_iter().map(signed_only).collect());
+                let mut kept = self.chains.lock().unwrap_or_else(|e| e.into_inner());
+                if kept.len() >= MAX_KEPT_CHAINS {
+                    // Which ones go matters little: a dropped one is read again.
+                    kept.clear();
+                }
+                kept.insert(*parent_id, above.clone());
+                above
+            }
+        };
+        let mut chain = Vec::with_capacity(above.len() + 1);
+        chain.extend(above.iter().cloned());
+        chain.push(pb::ContractState {
+            contract_id: child.contract_id,
+            contract: child.contract,
+            ..Default::default()
+        });
+        Ok(pb::GetChainResponse { chain })
+    }
+
     pub fn remember_context(&self, context_id: &str, contract_id: Id) {
         if context_id.is_empty() {
             return;
@@ -620,6 +669,15 @@ async fn upstream(
         }
     };
     Ok((card, upstream))
+}
+
+/// A chain's hop as a message carries it: its id and signed contract.
+fn signed_only(state: pb::ContractState) -> pb::ContractState {
+    pb::ContractState {
+        contract_id: state.contract_id,
+        contract: state.contract,
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]

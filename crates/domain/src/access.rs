@@ -39,9 +39,31 @@ pub fn may_read(standing: Standing) -> bool {
     }
 }
 
+/// Whether `caller` is named by a contract itself, as its delegate or its
+/// host: then it is a party of the contract's tree, with no look at the
+/// rest of the tree.
+pub fn names_party(
+    delegate: &[u8],
+    host: Option<&crate::AgentKey>,
+    caller: &crate::AgentKey,
+) -> bool {
+    delegate == caller.as_slice() || host == Some(caller)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_contract_names_its_delegate_and_its_host_and_no_one_else() {
+        let (delegate, host, other) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+        assert!(names_party(&delegate, Some(&host), &delegate));
+        assert!(names_party(&delegate, Some(&host), &host));
+        assert!(!names_party(&delegate, Some(&host), &other));
+        assert!(!names_party(&delegate, None, &other));
+        // A delegate key of the wrong length names no one.
+        assert!(!names_party(&delegate[..31], None, &[1u8; 32]));
+    }
 
     #[test]
     fn only_readers_and_parties_read_and_a_stranger_is_told_what_an_unknown_id_is() {

@@ -282,7 +282,11 @@ pub(super) async fn follow(
     let done = first_settled
         || (streams && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await);
     if !done {
-        following(&gateway, &slot, &task_id, &mut canceled_at, read_first).await;
+        // After a stream tried since the first read, that read is old: a
+        // quick agent refuses a stream of a task it finished meanwhile,
+        // so the task is read again at once, not a poll_ms later.
+        let read_just_now = read_first && !streams;
+        following(&gateway, &slot, &task_id, &mut canceled_at, read_just_now).await;
     }
     gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
     gateway.metrics.followed.dec();
