@@ -113,8 +113,14 @@ fn grpc_server(
         connection_bounds(limits),
         metrics.connection_counters("grpc"),
     );
+    // Streams as well as calls: a call's place is given back when its
+    // answer starts, so without HTTP/2's own bound a client could park
+    // any number of open streams (a Watch it never reads) on one
+    // connection. Past it, the client's next call waits for a stream to end.
+    let streams = u32::try_from(limits.max_concurrent_requests_per_connection).unwrap_or(u32::MAX);
     Ok(builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
+        .max_concurrent_streams(Some(streams))
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         .http2_keepalive_interval(Some(listen::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(listen::KEEPALIVE_TIMEOUT))

@@ -13,6 +13,13 @@ use crate::core::access::{self, Standing};
 use crate::store::{Answer, Store};
 use crate::telemetry::{self, Fact};
 
+/// Whether a stored contract names `caller` as its delegate or host, so
+/// it is a party without a read of the rest of the tree.
+pub(super) fn names(record: &crate::store::ContractRecord, caller: &crate::core::AgentKey) -> bool {
+    let delegate = convert::delegate_key_of(&record.envelope);
+    access::names_party(&delegate, record.host_key.as_ref(), caller)
+}
+
 impl<S: Store> BrokerService<S> {
     /// The reading agent of a request (its session), or UNAUTHENTICATED.
     pub(super) fn caller<T>(
@@ -138,11 +145,7 @@ impl<S: Store> BrokerService<S> {
             .admit(&self.config.tenants, &caller, Some(&id))
             .await?;
         let record = self.store.contract(id).await?;
-        let named = record.as_ref().is_some_and(|record| {
-            let delegate = convert::delegate_key_of(&record.envelope);
-            access::names_party(&delegate, record.host_key.as_ref(), &caller)
-        });
-        if !named {
+        if !record.as_ref().is_some_and(|record| names(record, &caller)) {
             self.authorize(&caller, id).await?;
         }
         let record =

@@ -1,6 +1,8 @@
 //! Hardening: each attack a hostile agent tried, replayed over
 //! real gRPC; each test failed on the main branch before its fix.
 
+use std::time::Duration;
+
 use broker_client::Agent;
 use delegation_broker::pb;
 use tonic::Code;
@@ -8,7 +10,7 @@ use tonic_types::StatusExt;
 
 use crate::harness::*;
 
-/// Item 1: an ancestor's predicate ending in a `//` comment, and a
+/// An ancestor's predicate ending in a `//` comment, and a
 /// descendant forwarding `true⏎|| true`, used to compose into
 /// `P && (Q || true)`: ACCEPTED although `approved=false`. The forwarded
 /// predicate must still be judged.
@@ -53,7 +55,7 @@ async fn a_forwarded_predicate_cannot_be_dropped_by_comments_and_newlines() {
     broker.stop().await;
 }
 
-/// Item 2: a parent whose host metered all 100 of its 100 units had
+/// A parent whose host metered all 100 of its 100 units had
 /// residual 100 and issued a 100-unit child.
 #[tokio::test]
 async fn metered_units_leave_the_residual_at_once() {
@@ -75,7 +77,7 @@ async fn metered_units_leave_the_residual_at_once() {
     broker.stop().await;
 }
 
-/// Item 3: Root 100 → A (60, OPEN) → B (30); B accepts, B's host records 4
+/// Root 100 → A (60, OPEN) → B (30); B accepts, B's host records 4
 /// units, A accepts late, B completes: B was charged 8 and its receipt said
 /// consumed 4, returned 22.
 #[tokio::test]
@@ -107,7 +109,7 @@ async fn a_late_accept_above_metered_work_charges_it_once() {
     broker.stop().await;
 }
 
-/// Item 4: without host metering a delegate reported 10^15 units on a
+/// Without host metering a delegate reported 10^15 units on a
 /// 10-unit contract and the debt climbed the chain. A report nobody
 /// observed is charged at most the contract's residual; the rest is
 /// recorded as `claimed_excess`.
@@ -136,7 +138,7 @@ async fn a_self_reported_consumption_cannot_put_debt_on_the_chain() {
     broker.stop().await;
 }
 
-/// Item 5: a Delegate signed by a key that holds nothing stored a signed
+/// A Delegate signed by a key that holds nothing stored a signed
 /// NOT_HOLDER refusal under the victim's contract, visible in its Watch
 /// and audit. Now: refused (NOT_FOUND, as for an unknown parent), and nothing in anyone's tree.
 #[tokio::test]
@@ -171,7 +173,7 @@ async fn strangers_cannot_write_into_a_tree() {
     broker.stop().await;
 }
 
-/// Item 12: echoes of a long invalid predicate filled 8.6 KB of trailers,
+/// Echoes of a long invalid predicate filled 8.6 KB of trailers,
 /// and clients saw RESOURCE_EXHAUSTED instead of the field.
 #[tokio::test]
 async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
@@ -187,7 +189,7 @@ async fn a_long_invalid_predicate_is_named_not_swallowed_by_trailers() {
     broker.stop().await;
 }
 
-/// Item 14: an observed path with backslashes (`src/exec/..\..\etc\passwd`)
+/// An observed path with backslashes (`src/exec/..\..\etc\passwd`)
 /// counted as inside `src/exec`.
 #[tokio::test]
 async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
@@ -214,7 +216,7 @@ async fn backslashes_cannot_smuggle_a_path_into_the_scope() {
     broker.stop().await;
 }
 
-/// Item 14: attestation factors rounded to nearest (0.4999995 became
+/// Attestation factors rounded to nearest (0.4999995 became
 /// 500,000 ppm and passed a 500,000 minimum); and an attestation had no
 /// not-before time.
 #[tokio::test]
@@ -255,7 +257,7 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
     broker.stop().await;
 }
 
-/// Item 13: every read was unauthenticated — whoever learned one contract
+/// Every read was unauthenticated — whoever learned one contract
 /// id could watch its whole tree, and AggregateAudits enumerated every run.
 /// Reads now need a session, and are answered only to the tree's parties
 /// and configured readers.
@@ -408,7 +410,40 @@ async fn reads_are_answered_only_to_the_trees_parties() {
     broker.stop().await;
 }
 
-/// Item 10: one client could take all 1,024 Watch streams. Streams are
+/// Open streams hold a connection's places, not only calls in progress: a
+/// call's place comes back when its answer starts, so a client could park
+/// any number of streams (Watches it never reads) on one connection. The
+/// broker's HTTP/2 concurrent streams are the connection's concurrent
+/// requests: past them the client's next call waits for a stream to end.
+#[tokio::test]
+async fn open_streams_count_toward_a_connections_concurrent_requests() {
+    /// Long enough for a call the broker could take to be answered.
+    const WAITING: Duration = Duration::from_millis(500);
+    let mut broker =
+        Broker::start_with(|c| c.limits.max_concurrent_requests_per_connection = 2).await;
+    let [orchestrator] = agents();
+    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
+    let first = broker.client.watch(watch_request(&root.id)).await.unwrap();
+    let second = broker.client.watch(watch_request(&root.id)).await.unwrap();
+    let mut client = broker.client.clone();
+    let third =
+        tokio::spawn(async move { client.get_broker_keys(pb::GetBrokerKeysRequest {}).await });
+    tokio::time::sleep(WAITING).await;
+    assert!(
+        !third.is_finished(),
+        "a third stream opened on a connection holding two of two"
+    );
+    drop(first);
+    let keys = tokio::time::timeout(Duration::from_secs(10), third)
+        .await
+        .expect("answered once a stream ended")
+        .expect("joined");
+    assert!(keys.is_ok(), "{keys:?}");
+    drop(second);
+    broker.stop().await;
+}
+
+/// One client could take all 1,024 Watch streams. Streams are
 /// capped per caller and per connection (and broker-wide), named in the
 /// error, and a stream's slot comes back when it ends.
 #[tokio::test]
@@ -490,7 +525,7 @@ async fn watch_streams_are_capped_per_caller_and_per_connection() {
     broker.stop().await;
 }
 
-/// Item 11: ListChildren pages went past 4 MiB as an untyped OUT_OF_RANGE,
+/// ListChildren pages went past 4 MiB as an untyped OUT_OF_RANGE,
 /// GetChain could not be read, and GetAudit of a contract with 10,000
 /// observed paths could not be read at all.
 #[tokio::test]
@@ -565,7 +600,7 @@ async fn pages_are_bounded_by_bytes_and_oversized_answers_are_typed() {
     broker.stop().await;
 }
 
-/// Item 8, over gRPC: `matches` with a short counted pattern over a 255 KB
+/// Over gRPC: `matches` with a short counted pattern over a 255 KB
 /// output occupied a judge for 23 s. Now the completion is answered at
 /// once, and an unrelated client's reads keep answering meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -629,7 +664,7 @@ fn regex_bomb_schema(count: usize) -> String {
     )
 }
 
-/// Item 6's attack: `anyOf: [$ref next, $ref next]` under `not`, sixty
+/// A schema attack: `anyOf: [$ref next, $ref next]` under `not`, sixty
 /// levels deep, doubling validation time per level.
 fn doubling_schema(levels: usize) -> String {
     let defs: Vec<String> = (0..levels)
@@ -711,7 +746,7 @@ async fn expensive_schemas_are_refused_cheaply_and_after_the_cheap_checks() {
     broker.stop().await;
 }
 
-/// Item 4 through a host: without `require_host`, a delegate may name its
+/// Unmetered reports, through a host: without `require_host`, a delegate may name its
 /// own second key as host at Accept, and that host's metering was charged
 /// in full (10^15 units on a 10-unit contract). A host the delegate chose
 /// is charged only up to the residual, the rest recorded; a host the
@@ -749,7 +784,7 @@ async fn a_host_the_delegate_chose_cannot_put_debt_on_the_chain() {
     broker.stop().await;
 }
 
-/// Item 9: a host observation recorded while a completion was being judged
+/// A host observation recorded while a completion was being judged
 /// made the single writer judge it again on its own thread; with item 8's
 /// predicate that froze every tenant's writes for 73 s. Now judging never
 /// runs on the writer (and is bounded): an unrelated tenant's writes keep
@@ -804,7 +839,7 @@ async fn an_observation_during_judgment_never_makes_the_writer_judge() {
     broker.stop().await;
 }
 
-/// Item 10: every commit woke every Watch stream and each re-ran a
+/// Every commit woke every Watch stream and each re-ran a
 /// recursive subtree query; with 800 idle watchers an unrelated
 /// GetContract's median went from 1 ms to 7.6 s. Now a woken stream
 /// queries only when its own tree changed.
@@ -918,7 +953,7 @@ fn rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Item 10: Watch streams that never read pinned whole pages (400 streams:
+/// Watch streams that never read pinned whole pages (400 streams:
 /// 2.8 GB of RSS). A stream now holds at most a byte-bounded page and a
 /// few events, however slowly its client reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
