@@ -142,7 +142,7 @@ limits! {
     first_request_timeout_ms: u64 = 5_000, 100, MAX_TLS_HANDSHAKE_TIMEOUT_MS,
         "a connection that has not sent a request this long after it was accepted (with [tls], handshake included) is closed";
     max_concurrent_requests_per_connection: usize = 1_024, 1, MAX_CONCURRENCY_CEILING,
-        "concurrent requests on one client connection, open streams included (HTTP/2's concurrent streams: past it, the client's next call waits)";
+        "concurrent requests on one client connection; with max_watch_streams_per_connection, its open streams too (HTTP/2's concurrent streams: past them, the client's next call waits)";
     request_timeout_ms: u64 = 30_000, 1, MAX_INTERVAL_MS,
         "longest a request may run; past it the call is answered CANCELLED";
     tls_handshake_timeout_ms: u64 = 10_000, 1, MAX_TLS_HANDSHAKE_TIMEOUT_MS,

@@ -115,9 +115,14 @@ fn grpc_server(
     );
     // Streams as well as calls: a call's place is given back when its
     // answer starts, so without HTTP/2's own bound a client could park
-    // any number of open streams (a Watch it never reads) on one
-    // connection. Past it, the client's next call waits for a stream to end.
-    let streams = u32::try_from(limits.max_concurrent_requests_per_connection).unwrap_or(u32::MAX);
+    // any number of open streams (a stream it never reads) on one
+    // connection. The Watch streams a connection may hold come on top, so
+    // they never hold up its calls. Past it, the client's next call waits
+    // for a stream to end.
+    let streams = limits
+        .max_concurrent_requests_per_connection
+        .saturating_add(limits.max_watch_streams_per_connection);
+    let streams = u32::try_from(streams).unwrap_or(u32::MAX);
     Ok(builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
         .max_concurrent_streams(Some(streams))

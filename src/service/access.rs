@@ -117,6 +117,19 @@ impl<S: Store> BrokerService<S> {
         id: &[u8],
         field: &'static str,
     ) -> Result<(crate::core::Id, crate::pool::Turn), ServiceError> {
+        let (caller, id, turn) = self.read_turn(request, id, field).await?;
+        self.authorize(&caller, id).await?;
+        Ok((id, turn))
+    }
+
+    /// The caller, the contract id and the caller's turn at work for a
+    /// read of that contract, not yet authorized.
+    async fn read_turn<T>(
+        &self,
+        request: &Request<T>,
+        id: &[u8],
+        field: &'static str,
+    ) -> Result<(crate::core::AgentKey, crate::core::Id, crate::pool::Turn), ServiceError> {
         let caller = self.caller(request)?;
         let id = convert::id(id, field)?;
         telemetry::record(Fact::ContractId(&id));
@@ -124,8 +137,7 @@ impl<S: Store> BrokerService<S> {
             .gate
             .admit(&self.config.tenants, &caller, Some(&id))
             .await?;
-        self.authorize(&caller, id).await?;
-        Ok((id, turn))
+        Ok((caller, id, turn))
     }
 
     /// `authorize_read` for a read that loads the contract anyway: it is
@@ -137,13 +149,7 @@ impl<S: Store> BrokerService<S> {
         id: &[u8],
         field: &'static str,
     ) -> Result<(crate::store::ContractRecord, crate::pool::Turn), ServiceError> {
-        let caller = self.caller(request)?;
-        let id = convert::id(id, field)?;
-        telemetry::record(Fact::ContractId(&id));
-        let turn = self
-            .gate
-            .admit(&self.config.tenants, &caller, Some(&id))
-            .await?;
+        let (caller, id, turn) = self.read_turn(request, id, field).await?;
         let record = self.store.contract(id).await?;
         if !record.as_ref().is_some_and(|record| names(record, &caller)) {
             self.authorize(&caller, id).await?;

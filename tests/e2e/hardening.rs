@@ -412,34 +412,44 @@ async fn reads_are_answered_only_to_the_trees_parties() {
 
 /// Open streams hold a connection's places, not only calls in progress: a
 /// call's place comes back when its answer starts, so a client could park
-/// any number of streams (Watches it never reads) on one connection. The
+/// any number of streams (ones it never reads) on one connection. The
 /// broker's HTTP/2 concurrent streams are the connection's concurrent
-/// requests: past them the client's next call waits for a stream to end.
+/// requests plus its Watch streams: past them the client's next call
+/// waits for a stream to end.
 #[tokio::test]
 async fn open_streams_count_toward_a_connections_concurrent_requests() {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     /// Long enough for a call the broker could take to be answered.
     const WAITING: Duration = Duration::from_millis(500);
-    let mut broker =
-        Broker::start_with(|c| c.limits.max_concurrent_requests_per_connection = 2).await;
-    let [orchestrator] = agents();
-    let root = broker.open_root(&orchestrator, RootSpec::default()).await;
-    let first = broker.client.watch(watch_request(&root.id)).await.unwrap();
-    let second = broker.client.watch(watch_request(&root.id)).await.unwrap();
-    let mut client = broker.client.clone();
-    let third =
-        tokio::spawn(async move { client.get_broker_keys(pb::GetBrokerKeysRequest {}).await });
+    let broker = Broker::start_with(|c| {
+        c.limits.max_concurrent_requests_per_connection = 1;
+        c.limits.max_watch_streams_per_connection = 1;
+    })
+    .await;
+    let health = HealthClient::new(channel(&broker.addr).await);
+    let watch = || {
+        let mut health = health.clone();
+        async move {
+            health
+                .watch(HealthCheckRequest::default())
+                .await
+                .expect("a health stream")
+        }
+    };
+    let (first, _second) = (watch().await, watch().await);
+    let mut check = health.clone();
+    let third = tokio::spawn(async move { check.check(HealthCheckRequest::default()).await });
     tokio::time::sleep(WAITING).await;
     assert!(
         !third.is_finished(),
         "a third stream opened on a connection holding two of two"
     );
     drop(first);
-    let keys = tokio::time::timeout(Duration::from_secs(10), third)
+    let checked = tokio::time::timeout(Duration::from_secs(10), third)
         .await
         .expect("answered once a stream ended")
         .expect("joined");
-    assert!(keys.is_ok(), "{keys:?}");
-    drop(second);
+    assert!(checked.is_ok(), "{checked:?}");
     broker.stop().await;
 }
 

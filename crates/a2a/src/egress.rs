@@ -488,10 +488,14 @@ async fn prepare(
         elapsed_us = started.elapsed().as_micros() as u64,
         "egress: delegated"
     );
-    let chain = gateway
-        .chain_below(&parent_id, issued)
-        .await
-        .map_err(broker_error)?;
+    let chain = match gateway.chain_below(&parent_id, issued).await {
+        Ok(chain) => chain,
+        Err(e) => {
+            // Issued but never sent: its reservation goes back now.
+            unstarted(gateway, rpc.trace.as_deref(), child_id).await;
+            return Err(broker_error(e).into());
+        }
+    };
     if let Some(message) = request.message.as_mut() {
         ext::attach_chain(message, &chain);
     }

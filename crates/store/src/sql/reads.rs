@@ -47,8 +47,9 @@ pub(crate) async fn is_party<B: Backend>(
         .optional(&mut *store.sql().read().await?)
         .await
         .map_err(backend)?;
-    // Not settled: a party stays a party, and the read that follows
-    // settles before it answers.
+    // Settled: a caller made a party by a commit a crash could still undo
+    // is not let read (the contract may have been read before this).
+    store.settle().await?;
     row.map(|r| r.cell::<bool>("party").map_err(backend))
         .transpose()
 }
