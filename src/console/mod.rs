@@ -108,6 +108,7 @@ pub(crate) async fn serve<S: Store>(
         .http2_keepalive_timeout(Some(crate::server::listen::KEEPALIVE_TIMEOUT))
         .tcp_keepalive(Some(KEEPALIVE))
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
+        .max_concurrent_streams(Some(crate::server::streams_per_connection(&limits)))
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         // Before the gate: a refused request is still a request.
         .layer(first_request.layer())

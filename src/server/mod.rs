@@ -29,8 +29,8 @@ mod stores;
 
 use background::*;
 use keys::*;
-pub(crate) use serve::connection_bounds;
 use serve::*;
+pub(crate) use serve::{connection_bounds, streams_per_connection};
 pub use served::Served;
 use stores::*;
 

@@ -113,19 +113,9 @@ fn grpc_server(
         connection_bounds(limits),
         metrics.connection_counters("grpc"),
     );
-    // Streams as well as calls: a call's place is given back when its
-    // answer starts, so without HTTP/2's own bound a client could park
-    // any number of open streams (a stream it never reads) on one
-    // connection. The Watch streams a connection may hold come on top, so
-    // they never hold up its calls. Past it, the client's next call waits
-    // for a stream to end.
-    let streams = limits
-        .max_concurrent_requests_per_connection
-        .saturating_add(limits.max_watch_streams_per_connection);
-    let streams = u32::try_from(streams).unwrap_or(u32::MAX);
     Ok(builder
         .concurrency_limit_per_connection(limits.max_concurrent_requests_per_connection)
-        .max_concurrent_streams(Some(streams))
+        .max_concurrent_streams(Some(streams_per_connection(limits)))
         .timeout(Duration::from_millis(limits.request_timeout_ms))
         .http2_keepalive_interval(Some(listen::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(listen::KEEPALIVE_TIMEOUT))
@@ -450,6 +440,19 @@ pub(super) fn log_start(listener: &TcpListener, tls: bool, key: &ed25519_dalek::
             "serving plaintext gRPC beyond loopback: requests are signed, but intents and results travel in clear (configure [tls])"
         );
     }
+}
+
+/// HTTP/2's bound on one connection's open streams. A call's place
+/// (`max_concurrent_requests_per_connection`) is given back when its
+/// answer starts, so without this bound a client could park any number of
+/// open streams (ones it never reads) on one connection. The Watch streams
+/// a connection may hold come on top, so they never hold up its calls.
+/// Past it, the client's next call waits for a stream to end.
+pub(crate) fn streams_per_connection(limits: &crate::config::Limits) -> u32 {
+    let streams = limits
+        .max_concurrent_requests_per_connection
+        .saturating_add(limits.max_watch_streams_per_connection);
+    u32::try_from(streams).unwrap_or(u32::MAX)
 }
 
 /// The main listener's connection bounds, from the configured limits.
