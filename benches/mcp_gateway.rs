@@ -5,7 +5,10 @@
 //! contract, forwards, and records the call at the broker before it
 //! answers), alternating in rounds on this noisy machine. Beside them, in
 //! the same rounds, the broker's two parts of a call on their own: a
-//! GetContract and a recorded observation. Then the bound on a revoked
+//! GetContract and a recorded observation, and the floor under them: an
+//! RPC no store serves (GetBrokerKeys, the RPC's own price) and, before
+//! the rounds, `disk-probe`'s request floor on the same disk. Then the
+//! bound on a revoked
 //! contract: how long after the Revoke answered a call is still let
 //! through. Everything runs in this process on 127.0.0.1 (SQLite, an fsync
 //! per commit). Run with `cargo bench --bench mcp_gateway` (`-- CALLS` to
@@ -119,8 +122,9 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     call(&direct).await?;
     call(&through).await?;
 
+    let disk = disk_floor_ms().await?;
     let per_round = calls.div_ceil(ROUNDS);
-    let mut times: [Vec<f64>; 4] = Default::default();
+    let mut times: [Vec<f64>; 5] = Default::default();
     for _ in 0..ROUNDS {
         for _ in 0..per_round {
             times[0].push(timed(call(&direct)).await?);
@@ -134,8 +138,11 @@ async fn run(calls: usize) -> anyhow::Result<()> {
         for _ in 0..per_round {
             times[3].push(timed(record(&recorder, contract)).await?);
         }
+        for _ in 0..per_round {
+            times[4].push(timed(keys(&link)).await?);
+        }
     }
-    report(per_round * ROUNDS, times);
+    report(per_round * ROUNDS, times, disk);
     revoke(&mut client, &principal, contract).await?;
     after_revoke(&through, &reached).await?;
 
@@ -177,8 +184,32 @@ fn gateway_config(
     })
 }
 
-/// Prints each arm's percentiles and what the gateway adds.
-fn report(calls: usize, mut times: [Vec<f64>; 4]) {
+/// `disk-probe` (400 requests/s for 3 s, as `bench --latency`) in a
+/// scratch directory on the broker's disk: the request floor's median, ms.
+async fn disk_floor_ms() -> anyhow::Result<f64> {
+    let dir = tempfile::tempdir()?;
+    let args = broker_tools::disk_probe::DiskProbeArgs {
+        dir: dir.path().to_owned(),
+        rate: 400,
+        bytes_per_request: broker_tools::disk_probe::DEFAULT_BYTES_PER_REQUEST,
+        duration_s: 3,
+        stall_ms: 5,
+    };
+    let path = dir.path().join("probe.tmp");
+    let report = tokio::task::spawn_blocking(move || {
+        broker_tools::disk_probe::probe(&path, &args, Duration::from_millis(5))
+    })
+    .await??;
+    let latencies = &report.latencies_us;
+    anyhow::ensure!(!latencies.is_empty(), "disk-probe measured nothing");
+    Ok(f64::from(latencies[latencies.len() / 2]) / 1e3)
+}
+
+/// Prints each arm's percentiles, what the gateway adds, and the least it
+/// could add here with no work of its own or the broker's: one more MCP
+/// hop, one RPC for the check and one for the record, and the record's
+/// fsync.
+fn report(calls: usize, mut times: [Vec<f64>; 5], disk_ms: f64) {
     println!("one caller, {calls} calls per arm in {ROUNDS} alternating rounds");
     println!(
         "{:<44} {:>8} {:>8} {:>8}",
@@ -189,8 +220,9 @@ fn report(calls: usize, mut times: [Vec<f64>; 4]) {
         "tools/call through the gateway",
         "  the broker's part: GetContract",
         "  the broker's part: one recorded call",
+        "  the RPC's own price: GetBrokerKeys",
     ];
-    let mut medians = [0.0; 4];
+    let mut medians = [0.0; 5];
     for (i, (name, values)) in names.iter().zip(times.iter_mut()).enumerate() {
         values.sort_by(f64::total_cmp);
         medians[i] = support::at(values, 0.5);
@@ -206,6 +238,11 @@ fn report(calls: usize, mut times: [Vec<f64>; 4]) {
         medians[1] - medians[0],
         medians[2] + medians[3],
         medians[1] - medians[0] - medians[2] - medians[3]
+    );
+    println!(
+        "the least it could add here: {:.3} ms (one more MCP hop, as the straight call; GetBrokerKeys {:.3} ms twice, for the check and the record; disk-probe's request floor {disk_ms:.3} ms in the same run, for the record's fsync)",
+        medians[0] + 2.0 * medians[4] + disk_ms,
+        medians[4]
     );
 }
 
@@ -275,6 +312,17 @@ async fn read(link: &Link, contract: [u8; 32]) -> anyhow::Result<()> {
     link.read(|mut client| {
         let request = request.clone();
         async move { client.get_contract(request).await }
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{}: {}", e.reason, e.message))?;
+    Ok(())
+}
+
+async fn keys(link: &Link) -> anyhow::Result<()> {
+    link.read(|mut client| async move {
+        client
+            .get_broker_keys(pb::GetBrokerKeysRequest::default())
+            .await
     })
     .await
     .map_err(|e| anyhow::anyhow!("{}: {}", e.reason, e.message))?;

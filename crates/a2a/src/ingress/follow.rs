@@ -262,15 +262,6 @@ pub(super) async fn follow(
     first_read: Option<FirstRead>,
 ) {
     gateway.metrics.followed.inc();
-    // Marked before the add is sent: the watcher's "not watched" (past its
-    // bound) must be the last word, or the follower would wait for states
-    // that never come.
-    slot.watched
-        .store(true, std::sync::atomic::Ordering::Release);
-    if !gateway.watch(broker_client::watch::Change::Add(slot.contract_id)) {
-        slot.watched
-            .store(false, std::sync::atomic::Ordering::Release);
-    }
     let mut canceled_at = None;
     let streams = upstream.is_some() || gateway.streams_upstream();
     let read_first = first_read.is_some();
@@ -279,6 +270,12 @@ pub(super) async fn follow(
         // Settled in the agent's answer, its contract moved already.
         None => moved_settled(&slot).await,
     };
+    // A task settled by its first read (a quick agent's) needs no word of
+    // its contract: watched only from here on, so it costs the broker no
+    // read at the add and none at its Accept's and Complete's scans. A
+    // revocation meanwhile is not missed: an add is answered with the
+    // contract's state of that moment.
+    let watched = !first_settled && watch(&gateway, &slot);
     let done = first_settled
         || (streams && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await);
     if !done {
@@ -288,12 +285,31 @@ pub(super) async fn follow(
         let read_just_now = read_first && !streams;
         following(&gateway, &slot, &task_id, &mut canceled_at, read_just_now).await;
     }
-    gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
+    if watched {
+        gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
+    }
     gateway.metrics.followed.dec();
     // Callers still waiting for the task are answered with what is known.
     slot.finished
         .store(true, std::sync::atomic::Ordering::Release);
     slot.latest.send_modify(|_| {});
+}
+
+/// Starts watching the slot's contract on the gateway's WatchContracts
+/// stream; false when the add could not be queued (the follower then
+/// reads the contract instead).
+fn watch(gateway: &Gateway, slot: &Slot) -> bool {
+    // Marked before the add is sent: the watcher's "not watched" (past its
+    // bound) must be the last word, or the follower would wait for states
+    // that never come.
+    slot.watched
+        .store(true, std::sync::atomic::Ordering::Release);
+    let queued = gateway.watch(broker_client::watch::Change::Add(slot.contract_id));
+    if !queued {
+        slot.watched
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+    queued
 }
 
 /// What a look at the contract decided.
