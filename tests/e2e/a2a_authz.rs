@@ -225,6 +225,9 @@ pub(crate) struct FakeAgent {
 pub(crate) struct FakeState {
     tasks: std::sync::Mutex<std::collections::HashMap<String, Value>>,
     calls: std::sync::Mutex<Vec<(String, Option<String>)>>,
+    /// New tasks finish at once: answered WORKING, read COMPLETED with an
+    /// artifact (a quick agent answering before it has finished).
+    quick: std::sync::atomic::AtomicBool,
 }
 
 impl FakeAgent {
@@ -237,6 +240,13 @@ impl FakeAgent {
     /// The methods, each with the `Authorization` header it came with.
     pub fn authorized_calls(&self) -> Vec<(String, Option<String>)> {
         self.state.calls.lock().unwrap().clone()
+    }
+
+    /// Whether new tasks finish at once (`FakeState::quick`).
+    pub fn finish_at_once(&self, quick: bool) {
+        self.state
+            .quick
+            .store(quick, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How many messages task `id` holds (None: no such task).
@@ -313,7 +323,13 @@ async fn fake_rpc(
                     .map_or_else(|| format!("ctx-{n}"), str::to_owned);
                 let task = json!({"id": id, "contextId": context,
                     "status": {"state": "TASK_STATE_WORKING"}, "history": [message]});
-                tasks.insert(id, task.clone());
+                let mut kept = task.clone();
+                if state.quick.load(std::sync::atomic::Ordering::Relaxed) {
+                    kept["status"] = json!({"state": "TASK_STATE_COMPLETED"});
+                    kept["artifacts"] =
+                        json!([{"artifactId": "a", "parts": [{"data": {"answer": 42}}]}]);
+                }
+                tasks.insert(id, kept);
                 Some(json!({"task": task}))
             } else {
                 tasks.get_mut(&id).map(|task| {

@@ -2,7 +2,8 @@
 //! `listen`, gRPC at `grpc_listen`), with its authorization beside it:
 //! each tenant's share of `max_tasks`, continuations under their task's
 //! own contract, what passes over gRPC, and the chain check's retired
-//! keys. Real processes on 127.0.0.1:0; the agent is a stand-in.
+//! keys, and which tasks the gateway watches. Real processes on
+//! 127.0.0.1:0; the agent is a stand-in.
 
 use std::collections::HashMap;
 
@@ -650,4 +651,76 @@ async fn a_chain_signed_after_its_key_retired_is_refused_like_verify_refuses_it(
     // Without the retirement time it cannot tell.
     let (ok, _) = verify(&forged, hex::encode(old_key.public_key()));
     assert!(ok, "an undated key vouches for what it signs");
+}
+
+/// The gateway's count of contracts it added to its WatchContracts stream.
+async fn contracts_watched(metrics_url: &str) -> u64 {
+    let text = crate::a2a_authz::http_client()
+        .get(metrics_url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("a2a_gateway_contracts_watched_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no a2a_gateway_contracts_watched_total in {text}")) as u64
+}
+
+/// A task the ingress's first read finds settled (the agent answered
+/// before it had finished) moves its contract to COMPLETED and is never
+/// added to the gateway's WatchContracts stream: it costs the broker no
+/// watch read. A task still working is added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_settled_at_its_first_read_is_never_watched() {
+    let mut broker = Broker::start().await;
+    let worker = Agent::generate();
+    let agent = fake_agent().await;
+    let (_gateway, addrs) = spawn_gateway(
+        &broker.addr,
+        &worker,
+        &format!(
+            "upstream = \"{}\"\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n",
+            agent.url
+        ),
+        &["a2a ingress", "a2a metrics"],
+    );
+    let metrics = addrs["a2a metrics"].clone();
+    agent.finish_at_once(true);
+    let (_, quick) = broker.root_and_child(&Agent::generate(), &worker, 10).await;
+    let chain = chain_bytes(&mut broker, &quick).await;
+    task_id(
+        &send("jsonrpc", &addrs, start(&chain))
+            .await
+            .expect("admitted"),
+    );
+    let began = std::time::Instant::now();
+    while broker.state(&quick).await.status != pb::ContractStatus::Completed as i32 {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(30),
+            "the quick task's contract never completed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(contracts_watched(&metrics).await, 0);
+
+    agent.finish_at_once(false);
+    let (_, working) = broker.root_and_child(&Agent::generate(), &worker, 10).await;
+    let chain = chain_bytes(&mut broker, &working).await;
+    task_id(
+        &send("jsonrpc", &addrs, start(&chain))
+            .await
+            .expect("admitted"),
+    );
+    let began = std::time::Instant::now();
+    while contracts_watched(&metrics).await != 1 {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(30),
+            "the working task's contract was never watched"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    broker.stop().await;
 }

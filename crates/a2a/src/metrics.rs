@@ -41,6 +41,7 @@ pub struct GatewayMetrics {
     broker_calls: IntCounterVec,
     upstream: HistogramVec,
     pub followed: IntGauge,
+    pub watched: IntCounter,
 }
 
 impl Default for GatewayMetrics {
@@ -87,12 +88,18 @@ impl GatewayMetrics {
             "Tasks the ingress follows now (polling the agent).",
         )
         .expect("valid metric");
+        let watched = IntCounter::new(
+            "a2a_gateway_contracts_watched_total",
+            "Contracts of followed tasks added to the gateway's WatchContracts stream (a task the ingress's first read finds settled is not).",
+        )
+        .expect("valid metric");
         for metric in [
             Box::new(admitted.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(refused.clone()),
             Box::new(broker_calls.clone()),
             Box::new(upstream.clone()),
             Box::new(followed.clone()),
+            Box::new(watched.clone()),
         ] {
             registry.register(metric).expect("unique metric names");
         }
@@ -114,6 +121,7 @@ impl GatewayMetrics {
             broker_calls,
             upstream,
             followed,
+            watched,
         }
     }
 

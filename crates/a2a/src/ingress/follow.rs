@@ -285,7 +285,9 @@ pub(super) async fn follow(
         let read_just_now = read_first && !streams;
         following(&gateway, &slot, &task_id, &mut canceled_at, read_just_now).await;
     }
-    if watched {
+    // Also when the stream was opened again meanwhile: it watches every
+    // unfinished task's contract (`watcher::Followers::followed`).
+    if watched || slot.watched.load(std::sync::atomic::Ordering::Acquire) {
         gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
     }
     gateway.metrics.followed.dec();
@@ -305,7 +307,9 @@ fn watch(gateway: &Gateway, slot: &Slot) -> bool {
     slot.watched
         .store(true, std::sync::atomic::Ordering::Release);
     let queued = gateway.watch(broker_client::watch::Change::Add(slot.contract_id));
-    if !queued {
+    if queued {
+        gateway.metrics.watched.inc();
+    } else {
         slot.watched
             .store(false, std::sync::atomic::Ordering::Release);
     }
