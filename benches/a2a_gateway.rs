@@ -14,7 +14,8 @@
 //! itself: its GetTask then finds it COMPLETED).
 //! Broker, gateways, agent and client all run in this process on
 //! 127.0.0.1 (SQLite, an fsync per commit). Run with `cargo bench --bench
-//! a2a_gateway` (`-- CALLS` to change the calls per arm, default 1,000).
+//! a2a_gateway` (`-- CALLS` to change the calls per arm, default 1,000;
+//! `BROKER_LOG=warn,broker_a2a=debug` logs each gateway step's time).
 
 mod support;
 
@@ -129,6 +130,12 @@ fn serve_agent(listener: tokio::net::TcpListener, agent: Arc<StandIn>) -> anyhow
 }
 
 fn main() -> anyhow::Result<()> {
+    // `BROKER_LOG=warn,broker_a2a=debug` shows each gateway step's time.
+    let logging = broker_runtime::telemetry::Logging {
+        format: broker_runtime::telemetry::LogFormat::from_env()?,
+        filter: Some(std::env::var("BROKER_LOG").unwrap_or_else(|_| "warn".into())),
+    };
+    let _logs = broker_runtime::telemetry::init_logging(&logging)?;
     support::block_on(run(support::calls(DEFAULT_CALLS, MAX_CALLS)))
 }
 

@@ -2,7 +2,7 @@
 //! threads, one per contract and a few per signer at a time, each wait
 //! bounded; a judgment made stale by new observations is made again.
 
-use super::lifecycle::{Loaded, load};
+use super::lifecycle::Loaded;
 use super::{Backend, Dialect, QueryExt};
 use crate::batch::Command;
 use crate::{Answer, StoreError, backend};
@@ -153,6 +153,15 @@ async fn prejudge<B: Backend>(
     Ok(args)
 }
 
+/// A contract's row and the delegate key of its tree's root (`opener`;
+/// a root's own for a root, which is its own root).
+const LOAD_WITH_OPENER: &str = concat!(
+    "SELECT ",
+    super::rows::contract_columns!(),
+    ", (SELECT r.delegate_key FROM contracts r WHERE r.seq = c.root_seq) AS opener \
+     FROM contracts_with_envelope c WHERE c.id = $1"
+);
+
 /// Everything judging a completion of one contract reads from the store,
 /// loaded on a read connection.
 pub struct JudgeInputs {
@@ -177,25 +186,22 @@ impl JudgeInputs {
         signer: &AgentKey,
         received_at_ms: i64,
     ) -> Result<Option<Self>, StoreError> {
-        let Some(target) = load::<D>(conn, id).await.map_err(backend)? else {
+        // The contract and its root's opener in one read: each read is a
+        // round trip to the connection's thread.
+        let Some(row) = sqlx::query::<D>(LOAD_WITH_OPENER)
+            .arg(id.as_slice())
+            .optional(&mut *conn)
+            .await
+            .map_err(backend)?
+        else {
             return Ok(None);
         };
+        let target = super::lifecycle::row_from::<D>(&row).map_err(backend)?;
         if !lifecycle::judgment_due(&target.facts(None), signer, received_at_ms) {
             return Ok(None);
         }
+        let opener = super::rows::id_column::<D>(&row, "opener")?;
         let observed = observed::<D>(conn, &target, received_at_ms).await?;
-        let opener = match target.parent_seq {
-            None => target.delegate_key,
-            Some(_) => {
-                let row = sqlx::query::<D>("SELECT delegate_key FROM contracts WHERE seq = $1")
-                    .arg(target.root_seq)
-                    .optional(&mut *conn)
-                    .await
-                    .map_err(backend)?
-                    .ok_or_else(|| StoreError::Corrupt("a tree without its root".into()))?;
-                super::rows::id_column::<D>(&row, "delegate_key")?
-            }
-        };
         Ok(Some(Self {
             opener,
             observations: target.observations,
@@ -254,7 +260,13 @@ async fn observed<D: Dialect>(
 ) -> Result<judge::Observed, StoreError> {
     let mut tool_calls = 0;
     let mut mutation_paths = Vec::new();
-    for (kind, path) in super::audit::observations_of::<D>(conn, target.seq).await? {
+    // The row counts what the host recorded: none recorded, nothing to read.
+    let rows = if target.observations == 0 {
+        Vec::new()
+    } else {
+        super::audit::observations_of::<D>(conn, target.seq).await?
+    };
+    for (kind, path) in rows {
         if kind == pb::ObservationKind::ToolCall as i32 {
             tool_calls += 1;
         } else if kind == pb::ObservationKind::Mutation as i32 {

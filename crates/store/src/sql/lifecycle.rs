@@ -35,19 +35,6 @@ pub(crate) fn row_from<D: Dialect>(row: &D::Row) -> Result<Loaded, sqlx::Error> 
     StoredContract::from_row::<D>(row).map_err(|e| sqlx::Error::Protocol(e.to_string()))
 }
 
-pub(crate) async fn load<D: Dialect>(
-    conn: &mut D::Connection,
-    id: &Id,
-) -> Result<Option<Loaded>, sqlx::Error> {
-    let row = sqlx::query::<D>(AssertSqlSafe(format!(
-        "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id = $1"
-    )))
-    .arg(id.as_slice())
-    .optional(&mut *conn)
-    .await?;
-    row.as_ref().map(row_from::<D>).transpose()
-}
-
 /// `id` and its parent, ancestors first and locked for the transaction
 /// (`LOCK_ROWS`): every writer locks contracts in (depth, id) order —
 /// parents of a batch, then a target's parent, the target and its
