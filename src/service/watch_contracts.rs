@@ -2,8 +2,9 @@
 //! names, each sent when added and again when its status changes. A
 //! change is seen through `TreeChanges`: the tree versions of the
 //! watched contracts are compared at most every `WATCH_SCAN_MS` after a
-//! commit, and only the contracts of trees that changed are read again,
-//! so idle contracts cost no read at all.
+//! commit, and only the contracts of trees that changed since their last
+//! read (their add's included) are read again, so idle contracts cost no
+//! read at all.
 
 use std::collections::HashMap;
 
@@ -206,7 +207,16 @@ impl<S: Store> Pump<S> {
             for (at, &id) in chunk.iter().enumerate() {
                 let (store, caller) = (self.store.clone(), self.caller);
                 reads.spawn(async move {
+                    // Its tree is known only once read: what had committed
+                    // before the read tells whether the read is its
+                    // tree's current state (else the next scan reads it).
+                    let trees = store.tree_changes();
+                    let mark = trees.committed_mark();
                     let record = store.contract(id).await;
+                    let version = match &record {
+                        Ok(Some(r)) => trees.settled_since(&r.root_id, mark),
+                        _ => None,
+                    };
                     // A contract's own delegate or host needs no other read.
                     let named = matches!(&record, Ok(Some(r)) if super::access::names(r, &caller));
                     let party = if reader || named {
@@ -214,20 +224,20 @@ impl<S: Store> Pump<S> {
                     } else {
                         store.is_party(id, caller).await
                     };
-                    (at, id, party, record)
+                    (at, id, party, record, version)
                 });
             }
             let mut read = reads.join_all().await;
             drop(turn);
             read.sort_by_key(|(at, ..)| *at);
-            for (_, id, party, record) in read {
+            for (_, id, party, record, version) in read {
                 if !crate::core::access::may_read(Standing::of_party(party.map_err(ended)?)) {
                     return Err(ended(ServiceError::not_found(
                         crate::store::Entity::Contract,
                         id,
                     )));
                 }
-                self.apply((id, None, None, record), true).await?;
+                self.apply((id, None, version, record), true).await?;
             }
         }
         Ok(())
@@ -296,10 +306,10 @@ impl<S: Store> Pump<S> {
         Ok(None)
     }
 
-    /// Records what a read found (at its tree's version, taken before the
-    /// read: `None` for a first read, which knew no tree, so the next scan
-    /// reads it again) and sends the state when `always` or its status is
-    /// not the one the client was told.
+    /// Records what a read found (at its tree's version as of the read:
+    /// `None` when an event of the tree may have come meanwhile, so the
+    /// next scan reads it again) and sends the state when `always` or its
+    /// status is not the one the client was told.
     async fn apply(
         &mut self,
         (id, known, version, record): Read,

@@ -20,7 +20,7 @@ pub mod sqlite;
 pub(crate) mod suite;
 mod trees;
 
-pub use trees::{TreeChanges, TreeVersion};
+pub use trees::{CommittedMark, TreeChanges, TreeVersion};
 
 use std::future::Future;
 

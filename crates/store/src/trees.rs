@@ -37,6 +37,14 @@ struct Trees {
     committed_through: i64,
 }
 
+/// What had committed at one moment (`TreeChanges::committed_mark`): a
+/// read begun after it shows every event up to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommittedMark {
+    generation: u64,
+    through: i64,
+}
+
 /// A tree's state as `TreeChanges` knows it: equal versions, no event in
 /// between.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,6 +140,31 @@ impl TreeChanges {
         })
     }
 
+    /// Every event committed now, for a read about to begin whose tree is
+    /// not known yet (`settled_since`).
+    pub fn committed_mark(&self) -> CommittedMark {
+        let trees = self.lock();
+        CommittedMark {
+            generation: trees.generation,
+            through: trees.committed_through,
+        }
+    }
+
+    /// `settled_version` for a read begun after `mark`, asked once the
+    /// read has named its tree: `Some` when no event of `root` came after
+    /// the mark (so the read showed the tree as of this version or later),
+    /// else `None` (read it again at the next look).
+    pub fn settled_since(&self, root: &Id, mark: CommittedMark) -> Option<TreeVersion> {
+        let trees = self.lock();
+        let last = trees.last.get(root).copied();
+        (trees.generation == mark.generation
+            && last.unwrap_or(trees.cleared_through) <= mark.through)
+            .then_some(TreeVersion {
+                generation: trees.generation,
+                last,
+            })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Trees> {
         // Single-step updates: a poisoned map is still a correct hint.
         self.0
@@ -166,6 +199,50 @@ mod tests {
         assert_eq!(trees.settled_version(&b), None);
         trees.touch(a, 7);
         assert_ne!(trees.version(&a), settled);
+    }
+
+    #[test]
+    fn a_read_begun_after_a_mark_is_settled_only_if_its_tree_got_nothing_since() {
+        let trees = TreeChanges::default();
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        trees.touch(a, 1);
+        trees.committed();
+        let mark = trees.committed_mark();
+        // Another tree's event after the mark leaves `a` settled.
+        trees.touch(b, 2);
+        assert_eq!(trees.settled_since(&a, mark), Some(trees.version(&a)));
+        assert_eq!(trees.settled_since(&b, mark), None, "seq 2 came after");
+        trees.committed();
+        assert_eq!(
+            trees.settled_since(&b, mark),
+            None,
+            "committed after the mark: the read may not show it"
+        );
+        // A touch of `a` after the mark, committed or not, unsettles it.
+        trees.touch(a, 3);
+        assert_eq!(trees.settled_since(&a, mark), None);
+        trees.committed();
+        assert_eq!(trees.settled_since(&a, mark), None);
+        let later = trees.committed_mark();
+        assert_eq!(trees.settled_since(&a, later), trees.settled_version(&a));
+        // A tree never touched is settled as of the last clearing.
+        assert!(trees.settled_since(&[9u8; 32], later).is_some());
+    }
+
+    #[test]
+    fn a_mark_taken_before_a_clearing_settles_nothing() {
+        let trees = TreeChanges::default();
+        let a = [1u8; 32];
+        trees.touch(a, 1);
+        trees.committed();
+        let mark = trees.committed_mark();
+        for n in 0..limits::MAX_TRACKED_TREES {
+            let mut root = [0u8; 32];
+            root[..8].copy_from_slice(&(n as u64 + 10).to_le_bytes());
+            trees.touch(root, 2);
+        }
+        trees.committed();
+        assert_eq!(trees.settled_since(&a, mark), None);
     }
 
     #[test]
