@@ -8,10 +8,9 @@
 //! GetContract and a recorded observation, and the floor under them: an
 //! RPC no store serves (GetBrokerKeys, the RPC's own price) and, before
 //! the rounds, `disk-probe`'s request floor on the same disk. Then the
-//! bound on a revoked
-//! contract: how long after the Revoke answered a call is still let
-//! through. Everything runs in this process on 127.0.0.1 (SQLite, an fsync
-//! per commit). Run with `cargo bench --bench mcp_gateway` (`-- CALLS` to
+//! bound on a revoked contract: how long after the Revoke answered a call
+//! is still let through. Everything runs in this process on 127.0.0.1
+//! (SQLite, an fsync per commit). Run with `cargo bench --bench mcp_gateway` (`-- CALLS` to
 //! change the calls per arm, default 1,000).
 
 mod support;
@@ -184,20 +183,27 @@ fn gateway_config(
     })
 }
 
-/// `disk-probe` (400 requests/s for 3 s, as `bench --latency`) in a
-/// scratch directory on the broker's disk: the request floor's median, ms.
+/// `disk-probe`'s rate and length for the floor: `bench --latency`'s, one
+/// caller's pace.
+const PROBE_RATE_PER_S: u64 = 400;
+const PROBE_DURATION_S: u64 = 3;
+/// What `disk-probe` counts as a stall (it only reports them).
+const PROBE_STALL_MS: u64 = 5;
+
+/// `disk-probe` in a scratch directory on the broker's disk: the request
+/// floor's median, ms.
 async fn disk_floor_ms() -> anyhow::Result<f64> {
     let dir = tempfile::tempdir()?;
     let args = broker_tools::disk_probe::DiskProbeArgs {
         dir: dir.path().to_owned(),
-        rate: 400,
+        rate: PROBE_RATE_PER_S,
         bytes_per_request: broker_tools::disk_probe::DEFAULT_BYTES_PER_REQUEST,
-        duration_s: 3,
-        stall_ms: 5,
+        duration_s: PROBE_DURATION_S,
+        stall_ms: PROBE_STALL_MS,
     };
     let path = dir.path().join("probe.tmp");
     let report = tokio::task::spawn_blocking(move || {
-        broker_tools::disk_probe::probe(&path, &args, Duration::from_millis(5))
+        broker_tools::disk_probe::probe(&path, &args, Duration::from_millis(PROBE_STALL_MS))
     })
     .await??;
     let latencies = &report.latencies_us;

@@ -113,8 +113,9 @@ struct Pump<S> {
 }
 
 /// What one read found: the contract, the status the client was told
-/// (`None`: never told), its tree's version taken before the read, and
-/// the record (or the error).
+/// (`None`: never told), its tree's version as of the read (`None`: an
+/// event of the tree may have come meanwhile), and the record (or the
+/// error).
 type Read = (
     Id,
     Option<i32>,

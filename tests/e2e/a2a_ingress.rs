@@ -653,8 +653,8 @@ async fn a_chain_signed_after_its_key_retired_is_refused_like_verify_refuses_it(
     assert!(ok, "an undated key vouches for what it signs");
 }
 
-/// The gateway's count of contracts it added to its WatchContracts stream.
-async fn contracts_watched(metrics_url: &str) -> u64 {
+/// A gateway metric's value (one without labels).
+async fn gateway_metric(metrics_url: &str, name: &str) -> u64 {
     let text = crate::a2a_authz::http_client()
         .get(metrics_url)
         .send()
@@ -664,9 +664,15 @@ async fn contracts_watched(metrics_url: &str) -> u64 {
         .await
         .unwrap();
     text.lines()
-        .find_map(|l| l.strip_prefix("a2a_gateway_contracts_watched_total "))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no a2a_gateway_contracts_watched_total in {text}")) as u64
+        .unwrap_or_else(|| panic!("no {name} in {text}")) as u64
+}
+
+/// The gateway's count of contracts it asked its WatchContracts stream to
+/// add.
+async fn contracts_watched(metrics_url: &str) -> u64 {
+    gateway_metric(metrics_url, "a2a_gateway_contracts_watched_total").await
 }
 
 /// A task the ingress's first read finds settled (the agent answered
@@ -696,11 +702,14 @@ async fn a_task_settled_at_its_first_read_is_never_watched() {
             .await
             .expect("admitted"),
     );
+    // Its follower done: the contract moved and nothing more to do.
     let began = std::time::Instant::now();
-    while broker.state(&quick).await.status != pb::ContractStatus::Completed as i32 {
+    while broker.state(&quick).await.status != pb::ContractStatus::Completed as i32
+        || gateway_metric(&metrics, "a2a_gateway_tasks_followed").await != 0
+    {
         assert!(
             began.elapsed() < std::time::Duration::from_secs(30),
-            "the quick task's contract never completed"
+            "the quick task's follower never finished"
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }

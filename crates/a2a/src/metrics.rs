@@ -90,7 +90,7 @@ impl GatewayMetrics {
         .expect("valid metric");
         let watched = IntCounter::new(
             "a2a_gateway_contracts_watched_total",
-            "Contracts of followed tasks added to the gateway's WatchContracts stream (a task the ingress's first read finds settled is not).",
+            "Contracts of followed tasks the ingress asked its WatchContracts stream to add (a task its first read finds settled is not asked for; a reopened stream adds every followed one again, uncounted).",
         )
         .expect("valid metric");
         for metric in [

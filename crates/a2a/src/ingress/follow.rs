@@ -272,10 +272,12 @@ pub(super) async fn follow(
     };
     // A task settled by its first read (a quick agent's) needs no word of
     // its contract: watched only from here on, so it costs the broker no
-    // read at the add and none at its Accept's and Complete's scans. A
+    // read at the add and none at the scans after its commits. A
     // revocation meanwhile is not missed: an add is answered with the
     // contract's state of that moment.
-    let watched = !first_settled && watch(&gateway, &slot);
+    if !first_settled {
+        watch(&gateway, &slot);
+    }
     let done = first_settled
         || (streams && by_stream(&gateway, &slot, &task_id, upstream, &mut canceled_at).await);
     if !done {
@@ -285,11 +287,11 @@ pub(super) async fn follow(
         let read_just_now = read_first && !streams;
         following(&gateway, &slot, &task_id, &mut canceled_at, read_just_now).await;
     }
-    // Also when the stream was opened again meanwhile: it watches every
-    // unfinished task's contract (`watcher::Followers::followed`).
-    if watched || slot.watched.load(std::sync::atomic::Ordering::Acquire) {
-        gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
-    }
+    // Whether or not this follower added it: a stream opened again
+    // meanwhile watches every unfinished task's contract
+    // (`watcher::Followers::followed`), and a Remove of a contract the
+    // stream never sent costs nothing (`broker_client::watch`).
+    gateway.watch(broker_client::watch::Change::Remove(slot.contract_id));
     gateway.metrics.followed.dec();
     // Callers still waiting for the task are answered with what is known.
     slot.finished
@@ -298,9 +300,9 @@ pub(super) async fn follow(
 }
 
 /// Starts watching the slot's contract on the gateway's WatchContracts
-/// stream; false when the add could not be queued (the follower then
-/// reads the contract instead).
-fn watch(gateway: &Gateway, slot: &Slot) -> bool {
+/// stream (when the add cannot be queued, the follower reads the contract
+/// instead).
+fn watch(gateway: &Gateway, slot: &Slot) {
     // Marked before the add is sent: the watcher's "not watched" (past its
     // bound) must be the last word, or the follower would wait for states
     // that never come.
@@ -313,7 +315,6 @@ fn watch(gateway: &Gateway, slot: &Slot) -> bool {
         slot.watched
             .store(false, std::sync::atomic::Ordering::Release);
     }
-    queued
 }
 
 /// What a look at the contract decided.
