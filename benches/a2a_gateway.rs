@@ -299,26 +299,11 @@ async fn send(http: &reqwest::Client, url: &str, through: bool, n: &mut u64) -> 
 
 /// Prints each arm's percentiles and what the gateways add.
 fn report(calls: usize, mut times: [Vec<f64>; 2], reads: u64) {
-    println!("one caller, {calls} calls per arm in {ROUNDS} alternating rounds");
-    println!(
-        "{:<44} {:>8} {:>8} {:>8}",
-        "arm", "p50 ms", "p90 ms", "p99 ms"
-    );
     let names = [
         "SendMessage straight to the agent",
         "SendMessage through both gateways",
     ];
-    let mut medians = [0.0; 2];
-    for (i, (name, values)) in names.iter().zip(times.iter_mut()).enumerate() {
-        values.sort_by(f64::total_cmp);
-        medians[i] = support::at(values, 0.5);
-        println!(
-            "{name:<44} {:>8.3} {:>8.3} {:>8.3}",
-            medians[i],
-            support::at(values, 0.9),
-            support::at(values, 0.99)
-        );
-    }
+    let medians = support::print_arms(calls, ROUNDS, names, &mut times);
     println!(
         "added by the gateways at the median: {:.3} ms; the agent's GetTask per call through: {:.2}",
         medians[1] - medians[0],

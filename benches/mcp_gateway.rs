@@ -216,11 +216,6 @@ async fn disk_floor_ms() -> anyhow::Result<f64> {
 /// hop, one RPC for the check and one for the record, and the record's
 /// fsync.
 fn report(calls: usize, mut times: [Vec<f64>; 5], disk_ms: f64) {
-    println!("one caller, {calls} calls per arm in {ROUNDS} alternating rounds");
-    println!(
-        "{:<44} {:>8} {:>8} {:>8}",
-        "arm", "p50 ms", "p90 ms", "p99 ms"
-    );
     let names = [
         "tools/call straight to the tool server",
         "tools/call through the gateway",
@@ -228,17 +223,7 @@ fn report(calls: usize, mut times: [Vec<f64>; 5], disk_ms: f64) {
         "  the broker's part: one recorded call",
         "  the RPC's own price: GetBrokerKeys",
     ];
-    let mut medians = [0.0; 5];
-    for (i, (name, values)) in names.iter().zip(times.iter_mut()).enumerate() {
-        values.sort_by(f64::total_cmp);
-        medians[i] = support::at(values, 0.5);
-        println!(
-            "{name:<44} {:>8.3} {:>8.3} {:>8.3}",
-            medians[i],
-            support::at(values, 0.9),
-            support::at(values, 0.99)
-        );
-    }
+    let medians = support::print_arms(calls, ROUNDS, names, &mut times);
     println!(
         "added by the gateway at the median: {:.3} ms (the broker's parts: {:.3} ms; the rest, the gateway's own: {:.3} ms)",
         medians[1] - medians[0],

@@ -154,3 +154,30 @@ pub fn block_on(
 pub fn at(values: &[f64], q: f64) -> f64 {
     values[((values.len() as f64 * q) as usize).min(values.len() - 1)]
 }
+
+/// Prints one caller's arms (`calls` each, in `rounds` alternating
+/// rounds): each one's p50, p90 and p99 in ms; their medians, in order.
+pub fn print_arms<const N: usize>(
+    calls: usize,
+    rounds: usize,
+    names: [&str; N],
+    times: &mut [Vec<f64>; N],
+) -> [f64; N] {
+    println!("one caller, {calls} calls per arm in {rounds} alternating rounds");
+    println!(
+        "{:<44} {:>8} {:>8} {:>8}",
+        "arm", "p50 ms", "p90 ms", "p99 ms"
+    );
+    let mut medians = [0.0; N];
+    for (i, (name, values)) in names.iter().zip(times.iter_mut()).enumerate() {
+        values.sort_by(f64::total_cmp);
+        medians[i] = at(values, 0.5);
+        println!(
+            "{name:<44} {:>8.3} {:>8.3} {:>8.3}",
+            medians[i],
+            at(values, 0.9),
+            at(values, 0.99)
+        );
+    }
+    medians
+}
