@@ -142,13 +142,7 @@ fn main() -> anyhow::Result<()> {
 async fn run(calls: usize) -> anyhow::Result<()> {
     let broker = support::Broker::start("a2a-gateway").await?;
     let mut client = BrokerClient::new(broker.channel.clone());
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let stopped = move || {
-        let mut stopped = stopped.clone();
-        async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        }
-    };
+    let shutdown = support::Shutdown::new();
     let (caller, worker) = (Agent::generate(), Agent::generate());
     open_root(&mut client, &caller).await?;
 
@@ -173,7 +167,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     tokio::spawn(broker_a2a::server::run(
         worker_listeners,
         worker_config,
-        stopped(),
+        shutdown.signal(),
     ));
     let egress = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let through_url = format!("http://{}/peers/worker", egress.local_addr()?);
@@ -193,7 +187,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     tokio::spawn(broker_a2a::server::run(
         caller_listeners,
         caller_config,
-        stopped(),
+        shutdown.signal(),
     ));
 
     let http = reqwest::Client::builder().timeout(CALL_TIMEOUT).build()?;
@@ -221,7 +215,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     let reads = agent.reads.load(Ordering::Relaxed) - reads_before;
     report(per_round * ROUNDS, times, reads);
 
-    let _ = stop.send(true);
+    shutdown.stop();
     broker.stop().await;
     Ok(())
 }

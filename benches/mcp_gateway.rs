@@ -91,18 +91,12 @@ fn main() -> anyhow::Result<()> {
 async fn run(calls: usize) -> anyhow::Result<()> {
     let broker = support::Broker::start("mcp-gateway").await?;
     let mut client = BrokerClient::new(broker.channel.clone());
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let stopped = move || {
-        let mut stopped = stopped.clone();
-        async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        }
-    };
+    let shutdown = support::Shutdown::new();
     let tools = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let tools_url = format!("http://{}/mcp", tools.local_addr()?);
     let echo = Echo::default();
     let reached = echo.0.clone();
-    tokio::spawn(broker_mcp::serve::http(echo, tools, stopped()));
+    tokio::spawn(broker_mcp::serve::http(echo, tools, shutdown.signal()));
 
     let host = Agent::generate();
     let (contract, principal) = support::hosted_contract(&mut client, &host).await?;
@@ -110,7 +104,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     let config = gateway_config(&broker.addr, &host, contract, &tools_url, dir.path())?;
     let gateway = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let gateway_url = format!("http://{}/mcp", gateway.local_addr()?);
-    tokio::spawn(broker_mcp::gateway::run(gateway, config, stopped()));
+    tokio::spawn(broker_mcp::gateway::run(gateway, config, shutdown.signal()));
 
     let direct = mcp_client(&tools_url).await?;
     let through = mcp_client(&gateway_url).await?;
@@ -145,7 +139,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     revoke(&mut client, &principal, contract).await?;
     after_revoke(&through, &reached).await?;
 
-    let _ = stop.send(true);
+    shutdown.stop();
     drop((direct, through));
     broker.stop().await;
     Ok(())

@@ -181,3 +181,30 @@ pub fn print_arms<const N: usize>(
     }
     medians
 }
+
+/// One shutdown for the servers a bench starts: `signal()` is the future
+/// each server is handed, `stop()` resolves them all.
+pub struct Shutdown(tokio::sync::watch::Sender<bool>);
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Shutdown {
+    pub fn new() -> Self {
+        Self(tokio::sync::watch::channel(false).0)
+    }
+
+    pub fn signal(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut stopped = self.0.subscribe();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    }
+
+    pub fn stop(&self) {
+        self.0.send_replace(true);
+    }
+}

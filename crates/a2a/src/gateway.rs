@@ -35,14 +35,6 @@ const MAX_CONTEXTS: usize = 65_536;
 /// Contracts whose terms are kept (`Gateway::terms_of`): the parents the
 /// egress delegates from.
 const MAX_KEPT_TERMS: usize = 1_024;
-/// Parents whose chains are kept (`Gateway::chain_below`).
-const MAX_KEPT_CHAINS: usize = 256;
-/// Bytes of chains kept: a signed contract is usually a few hundred bytes,
-/// but its texts, scope and schema may make it tens of KiB, and a chain
-/// holds up to the broker's depth ceiling of them.
-const MAX_KEPT_CHAIN_BYTES: usize = 16 * 1024 * 1024;
-/// A chain larger than this is used once and not kept.
-const MAX_KEPT_CHAIN_BYTES_EACH: usize = MAX_KEPT_CHAIN_BYTES / 16;
 /// Most contracts remembered in one A2A context; past it the context names
 /// no parent at all (an egress message in it must name its contract).
 pub(crate) const MAX_CONTRACTS_PER_CONTEXT: usize = 8;
@@ -163,7 +155,7 @@ pub(crate) struct Gateway {
     terms: Mutex<HashMap<Id, Arc<pb::Contract>>>,
     /// Parents' chains, their signed contracts only, read once
     /// (`chain_below`).
-    chains: Mutex<KeptChains>,
+    chains: Mutex<crate::chains::KeptChains>,
     /// Tokens for the calls to peers whose routes ask for one.
     pub peer_tokens: HashMap<String, crate::bearer::PeerToken>,
     pub metrics: Arc<metrics::GatewayMetrics>,
@@ -175,14 +167,6 @@ pub(crate) struct Gateway {
     pub watch_receiver: Mutex<Option<broker_client::watch::Receiver>>,
     /// The WatchContracts stream is open: slots' statuses are current.
     pub watching: std::sync::atomic::AtomicBool,
-}
-
-/// Parents' chains and their bytes, bounded by `MAX_KEPT_CHAINS` and
-/// `MAX_KEPT_CHAIN_BYTES`.
-#[derive(Default)]
-struct KeptChains {
-    by_parent: HashMap<Id, Arc<Vec<pb::ContractState>>>,
-    bytes: usize,
 }
 
 /// Requests in progress, in all and per caller.
@@ -551,27 +535,17 @@ impl Gateway {
             .chains
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .by_parent
-            .get(parent_id)
-            .cloned();
+            .get(parent_id);
         let above = match known {
             Some(above) => above,
             None => {
                 let read = crate::broker::chain(&self.link, parent_id).await?;
                 let above: Arc<Vec<_>> =
                     Arc::new(read.chain.into_iter().map(signed_only).collect());
-                let bytes: usize = above.iter().map(prost::Message::encoded_len).sum();
-                if bytes <= MAX_KEPT_CHAIN_BYTES_EACH {
-                    let mut kept = self.chains.lock().unwrap_or_else(|e| e.into_inner());
-                    if kept.by_parent.len() >= MAX_KEPT_CHAINS
-                        || kept.bytes + bytes > MAX_KEPT_CHAIN_BYTES
-                    {
-                        // Which ones go matters little: a dropped one is read again.
-                        *kept = KeptChains::default();
-                    }
-                    kept.by_parent.insert(*parent_id, above.clone());
-                    kept.bytes += bytes;
-                }
+                self.chains
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .keep(*parent_id, above.clone());
                 above
             }
         };

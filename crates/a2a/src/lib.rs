@@ -13,6 +13,7 @@ mod authz;
 mod bearer;
 mod broker;
 mod card;
+mod chains;
 mod client;
 pub mod config;
 mod egress;
