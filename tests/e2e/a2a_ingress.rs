@@ -2,8 +2,8 @@
 //! `listen`, gRPC at `grpc_listen`), with its authorization beside it:
 //! each tenant's share of `max_tasks`, continuations under their task's
 //! own contract, what passes over gRPC, and the chain check's retired
-//! keys, and which tasks the gateway watches. Real processes on
-//! 127.0.0.1:0; the agent is a stand-in.
+//! keys, which tasks the gateway watches, and one follower a task after a
+//! restart. Real processes on 127.0.0.1:0; the agent is a stand-in.
 
 use std::collections::HashMap;
 
@@ -731,5 +731,52 @@ async fn a_task_settled_at_its_first_read_is_never_watched() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+    broker.stop().await;
+}
+
+/// Callers reading one task at once after the gateway restarted rebuild
+/// its slot between them and start one follower for it: a second would
+/// remove the contract from the gateway's watch when it ended, while the
+/// first still relied on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reads_after_a_restart_start_one_follower() {
+    /// Readers at once: enough that rebuilds overlap.
+    const READERS: usize = 8;
+    let mut broker = Broker::start().await;
+    let worker = Agent::generate();
+    let agent = fake_agent().await;
+    let config = format!(
+        "upstream = \"{}\"\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n",
+        agent.url
+    );
+    let expect = ["a2a ingress", "a2a metrics"];
+    let (first, addrs) = spawn_gateway(&broker.addr, &worker, &config, &expect);
+    let (_, contract) = broker.root_and_child(&Agent::generate(), &worker, 10).await;
+    let chain = chain_bytes(&mut broker, &contract).await;
+    let task = task_id(
+        &send("jsonrpc", &addrs, start(&chain))
+            .await
+            .expect("admitted"),
+    );
+    // The agent lists no tasks, so the new gateway learns of this one only
+    // when it is read.
+    drop(first);
+    let (_gateway, addrs) = spawn_gateway(&broker.addr, &worker, &config, &expect);
+    let read = json!({"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": task}});
+    let mut reads = tokio::task::JoinSet::new();
+    for _ in 0..READERS {
+        let (url, read) = (format!("{}/", addrs["a2a ingress"]), read.clone());
+        reads.spawn(async move {
+            crate::a2a_authz::post_json(&crate::a2a_authz::http_client(), url, &read).await
+        });
+    }
+    while let Some(answer) = reads.join_next().await {
+        let answer = answer.unwrap();
+        assert_eq!(answer["result"]["id"], json!(task), "{answer}");
+    }
+    assert_eq!(
+        gateway_metric(&addrs["a2a metrics"], "a2a_gateway_tasks_followed").await,
+        1
+    );
     broker.stop().await;
 }

@@ -78,21 +78,25 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
         progress,
         None,
     );
-    let slot = {
+    let (slot, rebuilt) = {
         let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
-        // Another call may have rebuilt it meanwhile: keep the first.
-        let slot = match admitted.tasks.get(task_id) {
-            Some(first) => first.clone(),
+        // Another call may have rebuilt it meanwhile: keep the first, and
+        // its follower (a second one would end the first's watch early).
+        let kept = match admitted.tasks.get(task_id) {
+            Some(first) => (first.clone(), false),
             None => {
                 admitted.follow(task_id.to_owned(), slot.clone());
-                slot
+                (slot, true)
             }
         };
         admitted
             .contracts
             .insert(contract_id, Some(task_id.to_owned()));
-        slot
+        kept
     };
+    if !rebuilt {
+        return Ok(slot);
+    }
     gateway.remember_context(&task.context_id, contract_id);
     tracing::info!(task = %ext::echoed(task_id), contract = %hex::encode(contract_id), "task found again after a restart");
     if progress.ended {

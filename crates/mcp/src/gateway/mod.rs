@@ -232,6 +232,7 @@ impl Gateway {
         trace: Option<String>,
     ) -> Result<CallToolResult, BrokerError> {
         let gateway = &self.inner;
+        let started = std::time::Instant::now();
         let Some(route) = gateway.routes.get(request.name.as_ref()) else {
             // Quoted back no longer than a tool name the broker records.
             let name = broker_client::names::cut(&request.name, rules::MAX_TOOL_NAME_BYTES);
@@ -266,6 +267,7 @@ impl Gateway {
             self.pin(id, false)?;
         }
         let (contract, view) = self.contract(named, trace.as_deref()).await?;
+        let checked = started.elapsed();
         let now_ms = broker_wire::clock::SystemClock.now_ms();
         let host = gateway.link.agent.public_key();
         rules::admit(&view, &host, now_ms, route.rule.units, &paths, gateway.mode)?;
@@ -280,6 +282,7 @@ impl Gateway {
         let upstream = &gateway.servers[route.server];
         let (host, timeout) = (&gateway.link.agent, gateway.call_timeout);
         let answered = upstream.call_for(host, &contract, forward, timeout).await;
+        let forwarded = started.elapsed();
         let result = match answered {
             Ok(result) => Ok(result),
             // It ran and answered, too much to hand back: recorded.
@@ -320,6 +323,13 @@ impl Gateway {
             .recorder
             .record(contract, observations, trace)
             .await?;
+        // Each step's time, for the bench (`BROKER_LOG=broker_mcp=debug`).
+        tracing::debug!(
+            check_us = checked.as_micros() as u64,
+            upstream_us = (forwarded - checked).as_micros() as u64,
+            record_us = (started.elapsed() - forwarded).as_micros() as u64,
+            "tools/call steps"
+        );
         result
     }
 
