@@ -41,13 +41,9 @@ impl Bearer {
             header: name,
             minter: Minter::new(tokens_url, resource)
                 .map_err(|e| anyhow::anyhow!("tokens_url: {e}"))?,
-            // As rmcp's own client, with no redirect followed at all: a
-            // redirect must not carry the token to another host. No idle
-            // pooling (rmcp's reason: a reused connection can stall 40 ms).
-            http: reqwest::Client::builder()
-                .pool_max_idle_per_host(0)
-                .redirect(reqwest::redirect::Policy::none())
-                .build()?,
+            // No redirect followed at all: a redirect must not carry the
+            // token to another host.
+            http: super::upstream::pooled()?,
             current: Arc::default(),
             turn: tokio::sync::Mutex::new(()),
         })

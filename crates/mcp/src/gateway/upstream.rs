@@ -92,8 +92,11 @@ impl Upstream {
             (None, Some(url)) => {
                 let service = match &bearer {
                     None => {
-                        let transport =
-                            rmcp::transport::StreamableHttpClientTransport::from_uri(url.as_str());
+                        let config = rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.as_str());
+                        let transport = rmcp::transport::StreamableHttpClientTransport::with_client(
+                            pooled()?,
+                            config,
+                        );
                         ().serve(transport).await
                     }
                     Some(bearer) => {
@@ -190,6 +193,19 @@ impl Upstream {
     }
 }
 
+/// The HTTP client of a tool server: its connections kept for the next
+/// call, no redirect followed. rmcp's own client opens a connection per
+/// request (it keeps none idle: a reused connection stalled 40 ms on a
+/// delayed ACK when one side sent small writes without `TCP_NODELAY`);
+/// this one sets `TCP_NODELAY`, so a call skips the TCP (and TLS)
+/// handshake.
+pub(super) fn pooled() -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?)
+}
+
 /// The server's tools: at most `MAX_TOOLS_PER_SERVER`, `MAX_TOOL_PAGES`
 /// pages and `MAX_TOOL_LIST_BYTES` of definitions.
 async fn list_tools(
@@ -229,4 +245,102 @@ async fn list_tools(
         "the server's tool list has more than {MAX_TOOL_PAGES} pages: the rest are not served"
     );
     Ok(tools)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A tool server with one tool that answers at once.
+    #[derive(Clone)]
+    struct Echo;
+
+    impl rmcp::ServerHandler for Echo {
+        fn get_info(&self) -> rmcp::model::ServerConfig {
+            rmcp::model::ServerConfig::new(
+                rmcp::model::ServerCapabilities::builder()
+                    .enable_tools()
+                    .build(),
+            )
+        }
+
+        async fn list_tools(
+            &self,
+            _request: Option<PaginatedRequestParams>,
+            _context: rmcp::service::RequestContext<rmcp::service::RoleServer>,
+        ) -> Result<rmcp::model::ListToolsResult, rmcp::ErrorData> {
+            let mut schema = serde_json::Map::new();
+            schema.insert("type".into(), "object".into());
+            Ok(rmcp::model::ListToolsResult::with_all_items(vec![
+                Tool::new("echo", "answers ok", schema),
+            ]))
+        }
+
+        async fn call_tool(
+            &self,
+            _request: CallToolRequestParams,
+            _context: rmcp::service::RequestContext<rmcp::service::RoleServer>,
+        ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+            Ok(CallToolResult::success(vec![rmcp::model::ContentBlock::text("ok")]).into())
+        }
+    }
+
+    /// Calls to an HTTP tool server go over the connections already open:
+    /// a proxy in front of it counts the connections the gateway opens.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_to_an_http_server_reuse_its_connections() {
+        const CALLS: usize = 20;
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let server_addr = server.local_addr().expect("an address");
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(crate::serve::http(
+            Echo,
+            server,
+            stop.clone().cancelled_owned(),
+        ));
+        let proxy = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let proxy_addr = proxy.local_addr().expect("an address");
+        let opened = Arc::new(AtomicUsize::new(0));
+        let counted = opened.clone();
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = proxy.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(server_addr).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        let config = ServerConfig {
+            name: "echo".into(),
+            command: None,
+            args: Vec::new(),
+            env: Default::default(),
+            url: Some(format!("http://{proxy_addr}/mcp")),
+            token_header: None,
+            token_resource: None,
+        };
+        let upstream = Upstream::connect(&config, None).await.expect("connected");
+        let before = opened.load(Ordering::SeqCst);
+        for _ in 0..CALLS {
+            let result = upstream
+                .call(CallToolRequestParams::new("echo"), Duration::from_secs(10))
+                .await
+                .expect("answered");
+            assert_eq!(result.is_error, Some(false));
+        }
+        // One for the calls, at most one more for a call that came while
+        // the last one's stream was still being read to its end.
+        let during = opened.load(Ordering::SeqCst) - before;
+        assert!(during <= 2, "{during} connections opened for {CALLS} calls");
+        stop.cancel();
+    }
 }
