@@ -178,6 +178,7 @@ fn gateway_config(
             url: Some(tools_url.to_owned()),
             token_header: None,
             token_resource: None,
+            keep_alive: true,
         }],
         tools: Default::default(),
     })

@@ -34,7 +34,12 @@ pub struct Bearer {
 }
 
 impl Bearer {
-    pub fn new(header: &str, resource: &str, tokens_url: &str) -> anyhow::Result<Self> {
+    pub fn new(
+        header: &str,
+        resource: &str,
+        tokens_url: &str,
+        keep_alive: bool,
+    ) -> anyhow::Result<Self> {
         let name = HeaderName::try_from(header)
             .map_err(|e| anyhow::anyhow!("token_header {header:?}: {e}"))?;
         Ok(Self {
@@ -43,7 +48,7 @@ impl Bearer {
                 .map_err(|e| anyhow::anyhow!("tokens_url: {e}"))?,
             // No redirect followed at all: a redirect must not carry the
             // token to another host.
-            http: super::upstream::pooled()?,
+            http: super::upstream::http_client(keep_alive)?,
             current: Arc::default(),
             turn: tokio::sync::Mutex::new(()),
         })

@@ -89,6 +89,16 @@ pub struct ServerConfig {
     /// resources`).
     pub token_header: Option<String>,
     pub token_resource: Option<String>,
+    /// A url server only: keep its connections open for the next call
+    /// (default). Off opens one a call, for a server that answers a
+    /// reused connection late (one that writes without `TCP_NODELAY`
+    /// waits for the gateway's delayed ACK, ~40 ms).
+    #[serde(default = "default_keep_alive")]
+    pub keep_alive: bool,
+}
+
+fn default_keep_alive() -> bool {
+    true
 }
 
 /// What one tool's calls read, mutate and cost.
@@ -222,6 +232,11 @@ impl GatewayConfig {
 /// One `[[servers]]` entry's transport and token settings, `i` its index.
 fn check_server(i: usize, server: &ServerConfig, tokens_url: bool) -> Result<(), String> {
     match (&server.command, &server.url) {
+        (Some(_), None) if !server.keep_alive => {
+            return Err(format!(
+                "servers[{i}].keep_alive: a command's stdio has no connections to keep"
+            ));
+        }
         (Some(_), None) => {}
         (None, Some(url)) if url.starts_with("http://") || url.starts_with("https://") => {
             if !server.args.is_empty() || !server.env.is_empty() {
@@ -279,6 +294,7 @@ mod tests {
         assert_eq!(config.out_of_scope, OutOfScope::Record);
         assert_eq!(config.call_timeout_ms, DEFAULT_CALL_TIMEOUT_MS);
         assert_eq!(config.tools["fs.write_file"].units, Some(2));
+        assert!(config.servers[1].keep_alive, "kept by default");
     }
 
     #[test]
@@ -306,6 +322,10 @@ mod tests {
             (
                 format!("{BASE}[[servers]]\nname = \"a\"\nurl = \"ftp://x\"\n"),
                 "servers[0].url",
+            ),
+            (
+                format!("{BASE}{server}keep_alive = false\n"),
+                "servers[0].keep_alive",
             ),
             (
                 format!("{BASE}{server}[tools.\"other.t\"]\nunits = 1\n"),

@@ -61,9 +61,12 @@ impl Upstream {
     ) -> anyhow::Result<Self> {
         let name = config.name.clone();
         let bearer = match (&config.token_header, &config.token_resource, tokens_url) {
-            (Some(header), Some(resource), Some(url)) => {
-                Some(super::bearer::Bearer::new(header, resource, url)?)
-            }
+            (Some(header), Some(resource), Some(url)) => Some(super::bearer::Bearer::new(
+                header,
+                resource,
+                url,
+                config.keep_alive,
+            )?),
             _ => None,
         };
         let (service, child) = match (&config.command, &config.url) {
@@ -92,10 +95,10 @@ impl Upstream {
             (None, Some(url)) => {
                 let service = match &bearer {
                     None => {
-                        let config = rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.as_str());
+                        let http = rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.as_str());
                         let transport = rmcp::transport::StreamableHttpClientTransport::with_client(
-                            pooled()?,
-                            config,
+                            http_client(config.keep_alive)?,
+                            http,
                         );
                         ().serve(transport).await
                     }
@@ -193,17 +196,22 @@ impl Upstream {
     }
 }
 
-/// The HTTP client of a tool server: its connections kept for the next
-/// call, no redirect followed. rmcp's own client opens a connection per
-/// request (it keeps none idle: a reused connection stalled 40 ms on a
-/// delayed ACK when one side sent small writes without `TCP_NODELAY`);
-/// this one sets `TCP_NODELAY`, so a call skips the TCP (and TLS)
-/// handshake.
-pub(super) fn pooled() -> anyhow::Result<reqwest::Client> {
-    Ok(reqwest::Client::builder()
+/// The HTTP client of a tool server: with `keep_alive`, its connections
+/// kept for the next call, so a call skips the TCP (and TLS) handshake
+/// (rmcp's own client opens one a request: a reused connection stalled
+/// 40 ms on a delayed ACK when one side wrote without `TCP_NODELAY`; this
+/// one sets it, and `keep_alive = false` is there for a server that does
+/// not). No redirect followed.
+pub(super) fn http_client(keep_alive: bool) -> anyhow::Result<reqwest::Client> {
+    let builder = reqwest::Client::builder()
         .tcp_nodelay(true)
-        .redirect(reqwest::redirect::Policy::none())
-        .build()?)
+        .redirect(reqwest::redirect::Policy::none());
+    let builder = if keep_alive {
+        builder
+    } else {
+        builder.pool_max_idle_per_host(0)
+    };
+    Ok(builder.build()?)
 }
 
 /// The server's tools: at most `MAX_TOOLS_PER_SERVER`, `MAX_TOOL_PAGES`
@@ -287,11 +295,21 @@ mod tests {
         }
     }
 
-    /// Calls to an HTTP tool server go over the connections already open:
-    /// a proxy in front of it counts the connections the gateway opens.
+    /// Calls to an HTTP tool server go over the connections already open
+    /// (`keep_alive`, the default), else one each: a proxy in front of it
+    /// counts the connections the gateway opens.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn calls_to_an_http_server_reuse_its_connections() {
-        const CALLS: usize = 20;
+    async fn calls_to_an_http_server_reuse_its_connections_unless_told_not_to() {
+        assert!(calls_opened(true).await <= 2, "kept alive");
+        assert!(calls_opened(false).await >= CALLS, "one a call");
+    }
+
+    /// Calls made in each case.
+    const CALLS: usize = 20;
+
+    /// The connections `CALLS` calls opened to a server reached with
+    /// `keep_alive`.
+    async fn calls_opened(keep_alive: bool) -> usize {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let server = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -327,6 +345,7 @@ mod tests {
             url: Some(format!("http://{proxy_addr}/mcp")),
             token_header: None,
             token_resource: None,
+            keep_alive,
         };
         let upstream = Upstream::connect(&config, None).await.expect("connected");
         let before = opened.load(Ordering::SeqCst);
@@ -337,10 +356,9 @@ mod tests {
                 .expect("answered");
             assert_eq!(result.is_error, Some(false));
         }
-        // One for the calls, at most one more for a call that came while
-        // the last one's stream was still being read to its end.
-        let during = opened.load(Ordering::SeqCst) - before;
-        assert!(during <= 2, "{during} connections opened for {CALLS} calls");
         stop.cancel();
+        // Kept alive: one for the calls, at most one more for a call that
+        // came while the last one's stream was still read to its end.
+        opened.load(Ordering::SeqCst) - before
     }
 }
