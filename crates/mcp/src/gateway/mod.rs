@@ -290,35 +290,13 @@ impl Gateway {
             // No answer: whether it ran is unknown, nothing is recorded.
             Err(error) => return Err(error),
         };
-        let outcome = match &result {
-            Ok(r) if r.is_error == Some(true) => pb::ToolOutcome::Failed,
-            Ok(_) => pb::ToolOutcome::Succeeded,
-            // Answered, but withheld: how is not looked at.
-            Err(_) => pb::ToolOutcome::Unspecified,
-        };
-        let failed = outcome == pb::ToolOutcome::Failed;
-        let structured = result
-            .as_ref()
-            .ok()
-            .and_then(|r| r.structured_content.as_ref());
-        let units = rules::units_of(&route.rule, structured).unwrap_or_else(|| {
-            tracing::warn!(tool = %route.qualified, "the result carries no units at units_from: recorded unmetered");
-            0
-        });
-        // A failed call is recorded as a call, without the paths it meant
-        // to touch.
-        let recorded_paths = if failed {
-            rules::Paths::default()
-        } else {
-            paths
-        };
-        let call = rules::CallFacts {
-            units,
-            arguments_sha256: rules::arguments_sha256(request.arguments.as_ref()),
-            outcome,
-            at_ms: now_ms,
-        };
-        let observations = rules::observations(&route.qualified, call, &recorded_paths);
+        let observations = observed(
+            route,
+            request.arguments.as_ref(),
+            result.as_ref().ok(),
+            paths,
+            now_ms,
+        );
         gateway
             .recorder
             .record(contract, observations, trace)
@@ -433,6 +411,42 @@ impl Gateway {
             write_scope: contract.write_scope,
         })
     }
+}
+
+/// What a call that answered (`result`; `None`: answered, but withheld as
+/// too large) is recorded as: the call, its units, its paths.
+fn observed(
+    route: &Route,
+    arguments: Option<&rmcp::model::JsonObject>,
+    result: Option<&CallToolResult>,
+    paths: rules::Paths,
+    now_ms: i64,
+) -> Vec<pb::Observation> {
+    let outcome = match result {
+        Some(r) if r.is_error == Some(true) => pb::ToolOutcome::Failed,
+        Some(_) => pb::ToolOutcome::Succeeded,
+        // Answered, but withheld: how is not looked at.
+        None => pb::ToolOutcome::Unspecified,
+    };
+    let structured = result.and_then(|r| r.structured_content.as_ref());
+    let units = rules::units_of(&route.rule, structured).unwrap_or_else(|| {
+        tracing::warn!(tool = %route.qualified, "the result carries no units at units_from: recorded unmetered");
+        0
+    });
+    // A failed call is recorded as a call, without the paths it meant to
+    // touch.
+    let recorded_paths = if outcome == pb::ToolOutcome::Failed {
+        rules::Paths::default()
+    } else {
+        paths
+    };
+    let call = rules::CallFacts {
+        units,
+        arguments_sha256: rules::arguments_sha256(arguments),
+        outcome,
+        at_ms: now_ms,
+    };
+    rules::observations(&route.qualified, call, &recorded_paths)
 }
 
 /// `paths` as the file system resolves them under `root` (resolved-path
