@@ -774,9 +774,18 @@ async fn concurrent_reads_after_a_restart_start_one_follower() {
         let answer = answer.unwrap();
         assert_eq!(answer["result"]["id"], json!(task), "{answer}");
     }
-    assert_eq!(
-        gateway_metric(&addrs["a2a metrics"], "a2a_gateway_tasks_followed").await,
-        1
-    );
+    // A follower counts itself once it runs: wait for the first, then
+    // give a second one the time to show.
+    let followed = || gateway_metric(&addrs["a2a metrics"], "a2a_gateway_tasks_followed");
+    let began = std::time::Instant::now();
+    while followed().await == 0 {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(30),
+            "the task was never followed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(followed().await, 1);
     broker.stop().await;
 }

@@ -78,6 +78,12 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
         progress,
         None,
     );
+    if progress.ended {
+        // Nobody follows it: a caller's stream of it must not wait for
+        // events that never come. Marked before any caller can see it.
+        slot.finished
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
     let (slot, rebuilt) = {
         let mut admitted = gateway.admitted.lock().unwrap_or_else(|e| e.into_inner());
         // Another call may have rebuilt it meanwhile: keep the first, and
@@ -94,17 +100,14 @@ pub(super) async fn slot_of(gateway: &Arc<Gateway>, task_id: &str) -> Result<Arc
             .insert(contract_id, Some(task_id.to_owned()));
         kept
     };
+    // Whichever rebuild's caller gets here first: its task's context
+    // names the contract before it answers.
+    gateway.remember_context(&task.context_id, contract_id);
     if !rebuilt {
         return Ok(slot);
     }
-    gateway.remember_context(&task.context_id, contract_id);
     tracing::info!(task = %ext::echoed(task_id), contract = %hex::encode(contract_id), "task found again after a restart");
-    if progress.ended {
-        // Nobody follows it: a caller's stream of it must not wait for
-        // events that never come.
-        slot.finished
-            .store(true, std::sync::atomic::Ordering::Release);
-    } else {
+    if !progress.ended {
         tokio::spawn(follow(
             gateway.clone(),
             slot.clone(),

@@ -46,9 +46,7 @@ impl Bearer {
             header: name,
             minter: Minter::new(tokens_url, resource)
                 .map_err(|e| anyhow::anyhow!("tokens_url: {e}"))?,
-            // No redirect followed at all: a redirect must not carry the
-            // token to another host.
-            http: super::upstream::http_client(keep_alive)?,
+            http: super::upstream::http_client(keep_alive, true)?,
             current: Arc::default(),
             turn: tokio::sync::Mutex::new(()),
         })

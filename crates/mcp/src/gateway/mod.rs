@@ -301,7 +301,10 @@ impl Gateway {
             .recorder
             .record(contract, observations, trace)
             .await?;
-        // Each step's time, for the bench (`BROKER_LOG=broker_mcp=debug`).
+        // Each step's time, for the bench (`BROKER_LOG=broker_mcp=debug`):
+        // the checks (arguments, paths, the contract's read), the tool
+        // server (with a token server, the token and the wait for its
+        // turn too), the record.
         tracing::debug!(
             check_us = checked.as_micros() as u64,
             upstream_us = (forwarded - checked).as_micros() as u64,

@@ -97,7 +97,7 @@ impl Upstream {
                     None => {
                         let http = rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.as_str());
                         let transport = rmcp::transport::StreamableHttpClientTransport::with_client(
-                            http_client(config.keep_alive)?,
+                            http_client(config.keep_alive, false)?,
                             http,
                         );
                         ().serve(transport).await
@@ -196,22 +196,56 @@ impl Upstream {
     }
 }
 
-/// The HTTP client of a tool server: with `keep_alive`, its connections
-/// kept for the next call, so a call skips the TCP (and TLS) handshake
-/// (rmcp's own client opens one a request: a reused connection stalled
-/// 40 ms on a delayed ACK when one side wrote without `TCP_NODELAY`; this
-/// one sets it, and `keep_alive = false` is there for a server that does
-/// not). No redirect followed.
-pub(super) fn http_client(keep_alive: bool) -> anyhow::Result<reqwest::Client> {
+/// Longest a connection to a tool server is kept idle: under uvicorn's
+/// 5 s (the Python SDK's server), so the gateway drops a connection before
+/// the server closes it under a call sent on it.
+const IDLE_CONNECTION: Duration = Duration::from_secs(4);
+/// Most redirects followed for one request.
+const MAX_REDIRECTS: usize = 10;
+
+/// The HTTP client of a tool server. With `keep_alive` its connections
+/// are kept for the next call, so a call skips the TCP (and TLS)
+/// handshake; rmcp's own client keeps none (it saw reused connections
+/// stall), and `keep_alive = false` is there for a server that answers a
+/// reused connection late. A token server's requests follow no redirect
+/// (one must not carry the token to another host); the others, as rmcp's
+/// own client, follow same-origin 307 and 308 only (the method and body
+/// kept), at most `MAX_REDIRECTS`.
+pub(super) fn http_client(keep_alive: bool, token: bool) -> anyhow::Result<reqwest::Client> {
+    let redirects = if token {
+        reqwest::redirect::Policy::none()
+    } else {
+        same_origin_redirects()
+    };
     let builder = reqwest::Client::builder()
-        .tcp_nodelay(true)
-        .redirect(reqwest::redirect::Policy::none());
+        .redirect(redirects)
+        .pool_idle_timeout(IDLE_CONNECTION);
     let builder = if keep_alive {
         builder
     } else {
         builder.pool_max_idle_per_host(0)
     };
     Ok(builder.build()?)
+}
+
+fn same_origin_redirects() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let keeps_body = matches!(
+            attempt.status(),
+            reqwest::StatusCode::TEMPORARY_REDIRECT | reqwest::StatusCode::PERMANENT_REDIRECT
+        );
+        let same_origin = attempt
+            .previous()
+            .first()
+            .is_some_and(|first| first.origin() == attempt.url().origin());
+        if !keeps_body || !same_origin {
+            attempt.stop()
+        } else if attempt.previous().len() > MAX_REDIRECTS {
+            attempt.error(format!("more than {MAX_REDIRECTS} redirects"))
+        } else {
+            attempt.follow()
+        }
+    })
 }
 
 /// The server's tools: at most `MAX_TOOLS_PER_SERVER`, `MAX_TOOL_PAGES`
@@ -300,8 +334,64 @@ mod tests {
     /// counts the connections the gateway opens.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn calls_to_an_http_server_reuse_its_connections_unless_told_not_to() {
-        assert!(calls_opened(true).await <= 2, "kept alive");
-        assert!(calls_opened(false).await >= CALLS, "one a call");
+        // Kept alive: a few (the first, one for a call sent while the last
+        // one's answer was still read to its end, the session's stream);
+        // rmcp's own client opens one a call.
+        let kept = calls_opened(true).await;
+        assert!(kept < CALLS / 4, "{kept} connections for {CALLS} calls");
+        let fresh = calls_opened(false).await;
+        assert!(fresh >= CALLS, "{fresh} connections for {CALLS} calls");
+    }
+
+    /// A server's same-origin 307 is followed, with its body; one to
+    /// another origin is not, nor any redirect of a token server's.
+    #[tokio::test]
+    async fn only_same_origin_redirects_that_keep_the_body_are_followed() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("an address");
+        let moved = |to: String| {
+            move || async move {
+                (
+                    http::StatusCode::TEMPORARY_REDIRECT,
+                    [(http::header::LOCATION, to)],
+                )
+            }
+        };
+        let router = axum::Router::new()
+            .route("/here", axum::routing::post(moved("/mcp".into())))
+            .route(
+                "/away",
+                axum::routing::post(moved("http://localhost:1/mcp".into())),
+            )
+            .route(
+                "/mcp",
+                axum::routing::post(|body: String| async move { body }),
+            );
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        let post = |client: reqwest::Client, path: &'static str| async move {
+            let answer = client
+                .post(format!("http://{addr}{path}"))
+                .body("the message")
+                .send()
+                .await
+                .expect("an answer");
+            (answer.status(), answer.text().await.expect("a body"))
+        };
+        let plain = http_client(true, false).expect("a client");
+        let (status, body) = post(plain.clone(), "/here").await;
+        assert_eq!((status.as_u16(), body.as_str()), (200, "the message"));
+        let (status, _) = post(plain, "/away").await;
+        assert_eq!(status.as_u16(), 307, "another origin is not followed");
+        let token = http_client(true, true).expect("a client");
+        let (status, _) = post(token, "/here").await;
+        assert_eq!(
+            status.as_u16(),
+            307,
+            "a token server's redirect is not followed"
+        );
     }
 
     /// Calls made in each case.
@@ -357,8 +447,6 @@ mod tests {
             assert_eq!(result.is_error, Some(false));
         }
         stop.cancel();
-        // Kept alive: one for the calls, at most one more for a call that
-        // came while the last one's stream was still read to its end.
         opened.load(Ordering::SeqCst) - before
     }
 }
