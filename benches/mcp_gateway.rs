@@ -86,11 +86,7 @@ impl rmcp::ServerHandler for Echo {
 
 fn main() -> anyhow::Result<()> {
     // `BROKER_LOG=warn,broker_mcp=debug` shows each gateway step's time.
-    let logging = broker_runtime::telemetry::Logging {
-        format: broker_runtime::telemetry::LogFormat::from_env()?,
-        filter: Some(std::env::var("BROKER_LOG").unwrap_or_else(|_| "warn".into())),
-    };
-    let _logs = broker_runtime::telemetry::init_logging(&logging)?;
+    let _logs = support::logging()?;
     support::block_on(run(support::calls(DEFAULT_CALLS, MAX_CALLS)))
 }
 

@@ -140,6 +140,17 @@ pub fn calls(default: usize, most: usize) -> usize {
         .min(most)
 }
 
+/// Logs as `BROKER_LOG` says (default `warn`): `warn,broker_mcp=debug` or
+/// `warn,broker_a2a=debug` shows each gateway step's time. Keep the guard
+/// for the bench's life.
+pub fn logging() -> anyhow::Result<broker_runtime::telemetry::Telemetry> {
+    let logging = broker_runtime::telemetry::Logging {
+        format: broker_runtime::telemetry::LogFormat::from_env()?,
+        filter: Some(std::env::var("BROKER_LOG").unwrap_or_else(|_| "warn".into())),
+    };
+    Ok(broker_runtime::telemetry::init_logging(&logging)?)
+}
+
 /// Runs a bench on a multi-threaded runtime of its own.
 pub fn block_on(
     bench: impl std::future::Future<Output = anyhow::Result<()>>,
