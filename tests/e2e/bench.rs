@@ -127,11 +127,21 @@ async fn the_token_bench_mints_and_introspects_and_sees_a_revocation() {
 }
 
 /// `bench --latency` times every RPC of a contract's life at one caller
-/// and prints each beside the disk's floor from the same run.
+/// and prints each beside the disk's floor and the store's from the same
+/// run.
 #[tokio::test]
 async fn the_latency_bench_times_each_rpc_beside_the_disk() {
     let stdout = bench_output(&["--latency"]).await;
     assert!(stdout.contains("disk request floor"), "{stdout}");
+    // The store's own floor, and with the RPC's price the least a
+    // Delegate could take: both measured, so both non-zero.
+    for floor in ["store request floor", "least a Delegate could take here"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(floor))
+            .unwrap_or_else(|| panic!("no {floor} line in {stdout}"));
+        assert!(!line.contains("p50 0.00 ms"), "{line}");
+    }
     for rpc in [
         "OpenRoot",
         "Delegate",

@@ -65,6 +65,39 @@ pub struct StoreProbeArgs {
 }
 
 pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
+    let report = probe_store(&args)?;
+    print_report(&args, &report);
+    Ok(())
+}
+
+/// `store-probe --rate` beside one caller (`bench --latency`): `bench`'s
+/// contracts arriving at `rate_per_s` for
+/// `duration_s` in `dir`, each one's latency from its arrival to the end
+/// of its commit's fsync, µs, sorted. What a durable Delegate's write
+/// costs on this store alone — the writer's wake, its statements, the
+/// syncer's fsync — with no RPC, signature or rule.
+pub fn request_floor(
+    dir: &std::path::Path,
+    rate_per_s: u64,
+    duration_s: u64,
+) -> anyhow::Result<Vec<u32>> {
+    let args = StoreProbeArgs {
+        dir: dir.to_owned(),
+        workers: 64,
+        depth: 8,
+        group: 16,
+        rate: rate_per_s.max(1),
+        contracts: rate_per_s.max(1).saturating_mul(duration_s.max(1)),
+        drop_indexes: Vec::new(),
+        wal_restart_mib: broker_store::sqlite::WAL_RESTART_BYTES / (1024 * 1024),
+        no_request_log: false,
+        hand_over: false,
+    };
+    Ok(probe_store(&args)?.latency_us)
+}
+
+/// Runs the probe on a scratch database in `args.dir`, removed afterwards.
+fn probe_store(args: &StoreProbeArgs) -> anyhow::Result<probe::StoreProbeReport> {
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let path = args
@@ -94,15 +127,14 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
         wal_restart_bytes: args.wal_restart_mib.saturating_mul(1024 * 1024),
         hand_over: args.hand_over,
     };
-    let mut workload = Workload::new(&args);
+    let mut workload = Workload::new(args);
     let report = probe::run(&options, &mut |n, now_ms| workload.group(n, now_ms));
     for suffix in ["", "-wal", "-shm"] {
         let mut name = path.clone().into_os_string();
         name.push(suffix);
         let _ = std::fs::remove_file(PathBuf::from(name));
     }
-    print_report(&args, &report?);
-    Ok(())
+    Ok(report?)
 }
 
 /// What the probe measured, as `bench` prints its own.

@@ -8,7 +8,11 @@
 //! `disk-probe` in the broker's own data directory at a low rate; on
 //! PostgreSQL (`--database`) one caller's one-row commits on the same
 //! server. Each RPC's p50 and p99 are printed with their margin over that
-//! floor, measured in the same run.
+//! floor, measured in the same run. On SQLite the store's own floor is
+//! measured too (`store-probe` at the same rate: a Delegate's rows
+//! through this store's writer and syncer, no RPC), and with the RPC's
+//! price (GetBrokerKeys) it gives the least a Delegate could take on
+//! this machine and store.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -189,6 +193,16 @@ fn report_store_share(store: &BTreeMap<&'static str, Phases>) {
     }
 }
 
+/// `store-probe` in `dir` at the probes' rate: each contract's latency,
+/// sorted, µs.
+async fn store_floor(dir: &std::path::Path) -> anyhow::Result<Vec<u32>> {
+    let dir = dir.to_owned();
+    tokio::task::spawn_blocking(move || {
+        crate::store_probe::request_floor(&dir, PROBE_RATE_PER_S, PROBE_DURATION_S)
+    })
+    .await?
+}
+
 /// `disk-probe` in `dir`: each request's latency, sorted, µs.
 async fn disk_floor(dir: &std::path::Path) -> anyhow::Result<Vec<u32>> {
     let probe_args = crate::disk_probe::DiskProbeArgs {
@@ -238,6 +252,10 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
         ),
     };
     let (floor_p50, floor_p99) = (percentile_ms(&floor, 0.50), percentile_ms(&floor, 0.99));
+    let store_floor = match &args.database {
+        Some(_) => None,
+        None => Some(store_floor(&dir).await?),
+    };
     let mut samples = Samples::default();
     let measure_from = Instant::now() + Duration::from_secs(args.warmup_s);
     let stop_at = measure_from + Duration::from_secs(args.duration_s);
@@ -264,6 +282,18 @@ pub async fn drive(args: BenchArgs, servers: &dyn Servers) -> anyhow::Result<()>
             p50 - floor_p50,
             p99 - floor_p99,
             us.len()
+        );
+    }
+    if let (Some(store_floor), Some(rpc)) = (&store_floor, samples.us.get("GetBrokerKeys")) {
+        let (store_p50, rpc_p50) = (percentile_ms(store_floor, 0.50), percentile_ms(rpc, 0.50));
+        println!(
+            "store request floor (store-probe at {PROBE_RATE_PER_S}/s: a Delegate's rows through this store's writer and syncer, no RPC, signature or rule): p50 {store_p50:.2} ms  p99 {:.2} ms",
+            percentile_ms(store_floor, 0.99)
+        );
+        println!(
+            "least a Delegate could take here (the RPC's price, GetBrokerKeys, + the store's floor; its signatures not counted): p50 {:.2} ms ({:+.2} over the disk's floor)",
+            rpc_p50 + store_p50,
+            rpc_p50 + store_p50 - floor_p50
         );
     }
     report_store_share(&samples.store);
