@@ -13,7 +13,7 @@
 //! which it is told at once (`PoolError::Full`).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 pub use broker_domain::limits::MAX_WAITING_PER_TENANT;
@@ -51,10 +51,79 @@ pub enum PoolError {
 /// A pool of `count` threads; cloning shares it.
 #[derive(Clone)]
 pub struct WorkPool {
-    jobs: std::sync::mpsc::SyncSender<Job>,
+    jobs: Arc<Closer>,
     /// Free threads and the callers waiting for one: a job is queued only
-    /// with a `Turn`, so the channel (as deep as the pool) never fills.
+    /// with a `Turn`, so the queue (as deep as the pool) never fills.
     turns: FairQueue,
+}
+
+/// The jobs handed to the pool's threads. Each idle thread sleeps on
+/// `ready`, so a job wakes exactly one (a receiver shared behind a mutex
+/// woke a second thread per job, to take the lock and wait in turn: a
+/// wake-up of an idle core each time on a small VM).
+struct Jobs {
+    queue: Mutex<JobQueue>,
+    ready: Condvar,
+}
+
+struct JobQueue {
+    jobs: VecDeque<Job>,
+    /// Most jobs queued at once: the pool's thread count.
+    capacity: usize,
+    /// Set when the last clone of the pool is gone: threads finish what
+    /// is queued and stop.
+    closed: bool,
+}
+
+impl Jobs {
+    fn lock(&self) -> MutexGuard<'_, JobQueue> {
+        // A push or a pop is a single step: a poisoned lock still holds a
+        // usable queue.
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues `job` for the next idle thread; false if the queue is full
+    /// or closed.
+    fn push(&self, job: Job) -> bool {
+        let mut queue = self.lock();
+        if queue.closed || queue.jobs.len() >= queue.capacity {
+            return false;
+        }
+        queue.jobs.push_back(job);
+        drop(queue);
+        self.ready.notify_one();
+        true
+    }
+
+    /// The next job, waiting for one; `None` once closed and drained.
+    fn next(&self) -> Option<Job> {
+        let mut queue = self.lock();
+        loop {
+            if let Some(job) = queue.jobs.pop_front() {
+                return Some(job);
+            }
+            if queue.closed {
+                return None;
+            }
+            queue = self
+                .ready
+                .wait(queue)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+}
+
+/// Held by every clone of the pool (the threads hold `Jobs` itself):
+/// dropping the last closes the queue, and the threads stop.
+struct Closer(Arc<Jobs>);
+
+impl Drop for Closer {
+    fn drop(&mut self) {
+        self.0.lock().closed = true;
+        self.0.ready.notify_all();
+    }
 }
 
 /// `count` places handed out fairly (tenants in turn, then keys), each
@@ -244,28 +313,28 @@ impl WorkPool {
     /// Starts `count` threads named `name-i` with `stack_bytes` stacks.
     /// They stop when every clone of the pool is dropped.
     pub fn start(name: &str, count: usize, stack_bytes: usize) -> std::io::Result<Self> {
-        let (jobs, queue) = std::sync::mpsc::sync_channel::<Job>(count);
-        let queue = Arc::new(Mutex::new(queue));
+        let jobs = Arc::new(Jobs {
+            queue: Mutex::new(JobQueue {
+                jobs: VecDeque::with_capacity(count),
+                capacity: count,
+                closed: false,
+            }),
+            ready: Condvar::new(),
+        });
         for i in 0..count {
-            let queue = queue.clone();
+            let jobs = jobs.clone();
             std::thread::Builder::new()
                 .name(format!("{name}-{i}"))
                 .stack_size(stack_bytes)
                 .spawn(move || {
-                    loop {
-                        // The lock is only held while waiting for a job.
-                        let job = queue
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .recv();
-                        let Ok(job) = job else { break };
+                    while let Some(job) = jobs.next() {
                         // A job that panics loses its answer, not the thread.
                         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                     }
                 })?;
         }
         Ok(Self {
-            jobs,
+            jobs: Arc::new(Closer(jobs)),
             turns: FairQueue::new(count),
         })
     }
@@ -293,7 +362,9 @@ impl WorkPool {
                 let _turn = turn;
                 let _ = done.send(work());
             });
-            self.jobs.try_send(job).map_err(|_| PoolError::Stopped)?;
+            if !self.jobs.0.push(job) {
+                return Err(PoolError::Stopped);
+            }
             // A dropped sender without an answer: the job panicked.
             answer.await.map_err(|_| PoolError::Panicked)
         })
@@ -456,5 +527,54 @@ mod tests {
         release.send(()).unwrap();
         assert_eq!(busy.await.unwrap(), Ok(()));
         assert_eq!(again.await.unwrap(), Ok(5));
+    }
+
+    /// Every thread serves jobs, and every thread stops once the last
+    /// clone of the pool is dropped (each signals its exit from a
+    /// thread-local's destructor).
+    #[tokio::test]
+    async fn its_threads_stop_when_the_last_clone_is_dropped() {
+        struct Exit(std::sync::mpsc::Sender<std::thread::ThreadId>);
+        impl Drop for Exit {
+            fn drop(&mut self) {
+                let _ = self.0.send(std::thread::current().id());
+            }
+        }
+        thread_local! {
+            static EXIT: std::cell::RefCell<Option<Exit>> = const { std::cell::RefCell::new(None) };
+        }
+        const THREADS: usize = 3;
+        let pool = WorkPool::start("test-stop", THREADS, 1 << 20).unwrap();
+        let (exits, exited) = std::sync::mpsc::channel();
+        // Jobs that hold their thread until all have started: each thread
+        // takes one, and marks itself to report its exit.
+        let started = Arc::new(std::sync::Barrier::new(THREADS));
+        let jobs: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (pool, exits, started) = (pool.clone(), exits.clone(), started.clone());
+                tokio::spawn(async move {
+                    pool.run(ONE, Duration::from_secs(5), move || {
+                        EXIT.with(|e| *e.borrow_mut() = Some(Exit(exits)));
+                        started.wait();
+                        std::thread::current().id()
+                    })
+                    .await
+                })
+            })
+            .collect();
+        let mut served = std::collections::HashSet::new();
+        for job in jobs {
+            served.insert(job.await.unwrap().unwrap());
+        }
+        assert_eq!(served.len(), THREADS, "each job on its own thread");
+        drop((pool, exits));
+        let mut stopped = std::collections::HashSet::new();
+        while stopped.len() < THREADS {
+            let id = exited
+                .recv_timeout(Duration::from_secs(5))
+                .expect("a pool thread did not stop after the pool was dropped");
+            stopped.insert(id);
+        }
+        assert_eq!(stopped, served);
     }
 }
