@@ -321,6 +321,9 @@ impl WorkPool {
             }),
             ready: Condvar::new(),
         });
+        // Made first: if a later thread cannot be started, dropping it
+        // stops the ones already waiting.
+        let closer = Arc::new(Closer(jobs.clone()));
         for i in 0..count {
             let jobs = jobs.clone();
             std::thread::Builder::new()
@@ -334,7 +337,7 @@ impl WorkPool {
                 })?;
         }
         Ok(Self {
-            jobs: Arc::new(Closer(jobs)),
+            jobs: closer,
             turns: FairQueue::new(count),
         })
     }
@@ -567,6 +570,9 @@ mod tests {
             served.insert(job.await.unwrap().unwrap());
         }
         assert_eq!(served.len(), THREADS, "each job on its own thread");
+        // Still serving while a clone lives.
+        assert_eq!(pool.run(ONE, Duration::from_secs(5), || 7).await, Ok(7));
+        assert!(exited.try_recv().is_err(), "a thread stopped early");
         drop((pool, exits));
         let mut stopped = std::collections::HashSet::new();
         while stopped.len() < THREADS {
