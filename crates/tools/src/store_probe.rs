@@ -71,11 +71,11 @@ pub fn run(args: StoreProbeArgs) -> anyhow::Result<()> {
 }
 
 /// `store-probe --rate` beside one caller (`bench --latency`): `bench`'s
-/// contracts arriving at `rate_per_s` for
-/// `duration_s` in `dir`, each one's latency from its arrival to the end
-/// of its commit's fsync, µs, sorted. What a durable Delegate's write
-/// costs on this store alone — the writer's wake, its statements, the
-/// syncer's fsync — with no RPC, signature or rule.
+/// contracts arriving at `rate_per_s` for `duration_s` in `dir`, each
+/// one's latency from its arrival to the end of its commit's fsync, µs,
+/// sorted. What a durable Delegate's write costs on this store alone —
+/// the writer's wake, its statements, the syncer's fsync — with no RPC,
+/// signature or rule.
 pub fn request_floor(
     dir: &std::path::Path,
     rate_per_s: u64,
