@@ -583,4 +583,24 @@ mod tests {
         }
         assert_eq!(stopped, served);
     }
+
+    /// The job queue holds no more than the pool's threads, and takes
+    /// nothing once closed; what it holds is still handed out after.
+    #[test]
+    fn the_job_queue_is_bounded_and_closes() {
+        let jobs = Arc::new(Jobs {
+            queue: Mutex::new(JobQueue {
+                jobs: VecDeque::new(),
+                capacity: 1,
+                closed: false,
+            }),
+            ready: Condvar::new(),
+        });
+        assert!(jobs.push(Box::new(|| {})));
+        assert!(!jobs.push(Box::new(|| {})), "past the capacity");
+        drop(Closer(jobs.clone()));
+        assert!(jobs.next().is_some(), "a queued job outlives the close");
+        assert!(jobs.next().is_none(), "closed and drained");
+        assert!(!jobs.push(Box::new(|| {})), "closed");
+    }
 }
