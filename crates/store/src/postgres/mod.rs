@@ -65,6 +65,7 @@ use super::sql::drain;
 use super::sql::lifecycle;
 use super::sql::requests::load_prior_requests;
 use super::sql::rows::StoredContract;
+use super::sql::source::Sqlx;
 use super::sql::{Backend, KnownCache, Shared, SharedOptions, lock};
 pub use broker_domain::limits::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
 

@@ -202,7 +202,6 @@ async fn events_left_unplaced_are_placed_at_start() {
 /// same there — which is why the writers make their plans again.)
 #[tokio::test]
 async fn the_issuance_statements_seek_with_generic_plans() {
-    use sqlx::Execute;
     let (store, database) = open_suite_store().await;
     drop(store);
     let writer_options = super::connect_options(&database.url)
@@ -227,11 +226,7 @@ async fn the_issuance_statements_seek_with_generic_plans() {
     .expect("receipts and requests");
     let leading = leading_columns(&mut conn).await;
     let keys: Vec<RequestKey> = vec![([1u8; 32], vec![1]), ([2u8; 32], vec![2])];
-    let prior = crate::sql::requests::prior_requests_query::<Postgres>(&keys)
-        .build()
-        .sql()
-        .as_str()
-        .to_string();
+    let prior = crate::sql::requests::prior_requests_text(&keys).0;
     let states = format!(
         "{}$1::int8[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], \
          $8::int8[], $9::int8[]{}",

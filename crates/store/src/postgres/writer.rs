@@ -351,7 +351,9 @@ impl Writer {
         let unlogged = batch::unlogged(commands, &answers);
         if !unlogged.is_empty() {
             // Request-log rows never change: read outside a transaction.
-            let earlier = load_prior_requests::<Postgres>(&mut *conn, &unlogged).await?;
+            let earlier =
+                load_prior_requests::<Postgres, _>(&mut Sqlx::<Postgres>(&mut *conn), &unlogged)
+                    .await?;
             batch::replay_unlogged(commands, &mut answers, &earlier);
         }
         let guard = Guard {
@@ -536,7 +538,8 @@ impl Writer {
         let mut tx = conn.begin().await?;
         let (request_keys, parent_ids) = batch::needs(commands, &KnownMap::default());
         let mut prior = if careful {
-            load_prior_requests::<Postgres>(&mut tx, &request_keys).await?
+            load_prior_requests::<Postgres, _>(&mut Sqlx::<Postgres>(&mut tx), &request_keys)
+                .await?
         } else {
             HashMap::new()
         };
@@ -562,7 +565,13 @@ impl Writer {
             }
         }
         let draining: Vec<i64> = drains.iter().map(|(root, _)| *root).collect();
-        drain::mark_ending_with::<Postgres>(&mut tx, &mut known, &parent_ids, &drains).await?;
+        drain::mark_ending_with::<Postgres, _>(
+            &mut Sqlx::<Postgres>(&mut tx),
+            &mut known,
+            &parent_ids,
+            &drains,
+        )
+        .await?;
         let stamper = &self.stamper;
         let mut plan = batch::plan(commands, &mut prior, &mut known, &mut seqs, stamper, now_ms);
         let mut answers = std::mem::take(&mut plan.answers);
@@ -571,7 +580,9 @@ impl Writer {
             // retry could meet: those few keys are looked up.
             let unlogged = batch::unlogged(commands, &answers);
             if !unlogged.is_empty() {
-                let earlier = load_prior_requests::<Postgres>(&mut tx, &unlogged).await?;
+                let earlier =
+                    load_prior_requests::<Postgres, _>(&mut Sqlx::<Postgres>(&mut tx), &unlogged)
+                        .await?;
                 batch::replay_unlogged(commands, &mut answers, &earlier);
             }
         }
@@ -628,7 +639,8 @@ impl Writer {
             .iter()
             .map(|r| (r.agent, r.nonce.clone()))
             .collect();
-        let prior = load_prior_requests::<Postgres>(&mut tx, &keys).await?;
+        let prior =
+            load_prior_requests::<Postgres, _>(&mut Sqlx::<Postgres>(&mut tx), &keys).await?;
         let mut seqs = Reserved::default();
         // Writers in flight share the pace (a copy here, kept after).
         let mut pace = *self
@@ -646,7 +658,13 @@ impl Writer {
             no_drains: false,
         };
         // The events' trees reach Watch through the sequencer (positions).
-        let applied = lifecycle::apply::<Postgres>(&mut tx, command, &prior, &mut writing).await?;
+        let applied = lifecycle::apply::<Postgres, _>(
+            &mut Sqlx::<Postgres>(&mut tx),
+            command,
+            &prior,
+            &mut writing,
+        )
+        .await?;
         applied.writes.run::<Postgres>(&mut tx).await?;
         *self
             .drain_pace

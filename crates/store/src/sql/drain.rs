@@ -11,7 +11,9 @@ use sqlx::AssertSqlSafe;
 use super::lifecycle::{
     Applied, Loaded, Writing, load_locked, row_from, write_receipts, write_state,
 };
+use super::plan::Arg;
 use super::rows::{CONTRACT_COLUMNS, key_cell};
+use super::source::{CellOf, Source, Sqlx, listed};
 use super::writes::Writes;
 use super::{Cell, Dialect, QueryExt};
 use crate::limits::{
@@ -71,16 +73,23 @@ use crate::{Answer, Outcome, StoreError};
 /// The drains in a tree: (draining contract's seq, the status its
 /// descendants end with). Almost always none: one indexed read of a table
 /// that holds only drains in progress.
-pub(crate) async fn drains_of<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) async fn drains_of<D: Dialect, S: Source<D>>(
+    src: &mut S,
     root_seq: i64,
 ) -> Result<Vec<(i64, Status)>, sqlx::Error> {
-    let rows = sqlx::query::<D>("SELECT target_seq, status FROM draining WHERE root_seq = $1")
-        .arg(root_seq)
-        .all(&mut *conn)
+    let rows = src
+        .rows(
+            "SELECT target_seq, status FROM draining WHERE root_seq = $1",
+            &[Arg::Int(root_seq)],
+        )
         .await?;
     rows.iter()
-        .map(|r| Ok((r.cell("target_seq")?, draining_status(r.cell("status")?)?)))
+        .map(|r| {
+            Ok((
+                r.cell_of("target_seq")?,
+                draining_status(r.cell_of("status")?)?,
+            ))
+        })
         .collect()
 }
 
@@ -122,7 +131,7 @@ pub(crate) fn ending_of(
 }
 
 /// The drains of some trees: (root seq, draining contract's seq). Followed
-/// by `in_list`; PostgreSQL's writer reads them with its numbers instead
+/// by a list (`listed`); PostgreSQL's writer reads them with its numbers instead
 /// (`writer::DRAINS_AND_NUMBERS`). By root, through `draining_by_root`: a
 /// tenant that starts many drains makes only its own trees' issuance read
 /// them, never every batch of every tree.
@@ -145,27 +154,30 @@ pub(crate) fn roots_of(known: &crate::batch::KnownMap, ids: &[Id]) -> Vec<i64> {
 /// or frozen as ending (`ParentView::ending`): they issue nothing more.
 /// Reads the drains of the parents' trees once per batch; the lineage of
 /// a parent only when its tree has a drain.
-pub(crate) async fn mark_ending<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) async fn mark_ending<D: Dialect, S: Source<D>>(
+    src: &mut S,
     known: &mut crate::batch::KnownMap,
     ids: &[Id],
 ) -> Result<(), sqlx::Error> {
     let roots = roots_of(known, ids);
     let mut drains = Vec::new();
     for chunk in roots.chunks(ROWS_PER_STATEMENT) {
-        let mut query = sqlx::QueryBuilder::<D>::new(DRAINS_OF_ROOTS);
-        super::lifecycle::in_list(&mut query, chunk);
-        for row in query.build().all(&mut *conn).await? {
-            drains.push((row.cell::<i64>("root_seq")?, row.cell::<i64>("target_seq")?));
+        let text = listed(DRAINS_OF_ROOTS, 1, chunk.len(), "");
+        let args: Vec<Arg<'_>> = chunk.iter().map(|r| Arg::Int(*r)).collect();
+        for row in src.rows(&text, &args).await? {
+            drains.push((
+                CellOf::<i64>::cell_of(&row, "root_seq")?,
+                CellOf::<i64>::cell_of(&row, "target_seq")?,
+            ));
         }
     }
-    mark_ending_with::<D>(conn, known, ids, &drains).await
+    mark_ending_with::<D, S>(src, known, ids, &drains).await
 }
 
 /// `mark_ending` with the parents' trees' drains already read: (root seq,
 /// draining contract's seq).
-pub(crate) async fn mark_ending_with<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) async fn mark_ending_with<D: Dialect, S: Source<D>>(
+    src: &mut S,
     known: &mut crate::batch::KnownMap,
     ids: &[Id],
     drains: &[(i64, i64)],
@@ -175,7 +187,7 @@ pub(crate) async fn mark_ending_with<D: Dialect>(
             continue;
         };
         let ending = if drains.iter().any(|(root, _)| *root == root_seq) {
-            super::lifecycle::lineage::<D>(conn, seq)
+            super::lifecycle::lineage::<D, S>(src, seq)
                 .await?
                 .iter()
                 .any(|(s, _, _)| drains.iter().any(|(_, target)| target == s))
@@ -190,11 +202,11 @@ pub(crate) async fn mark_ending_with<D: Dialect>(
 /// Whether any drain is in progress (SQLite's writer keeps this as a flag;
 /// PostgreSQL's writers read their parents' trees' drains every batch, as
 /// other replicas start drains).
-pub(crate) async fn any_drain<D: Dialect>(conn: &mut D::Connection) -> Result<bool, sqlx::Error> {
-    let any = sqlx::query::<D>("SELECT target_seq FROM draining LIMIT 1")
-        .optional(&mut *conn)
+pub(crate) async fn any_drain<D: Dialect, S: Source<D>>(src: &mut S) -> Result<bool, sqlx::Error> {
+    let any = src
+        .rows("SELECT target_seq FROM draining LIMIT 1", &[])
         .await?;
-    Ok(any.is_some())
+    Ok(!any.is_empty())
 }
 
 /// Ends the next bounded step of `target`'s drain: up to `step_rows` of
@@ -215,7 +227,8 @@ pub(crate) async fn step<D: Dialect>(
             id: hex::encode(target_id),
         }))
     };
-    let Some((_, target)) = load_locked::<D>(conn, target_id).await? else {
+    let Some((_, target)) = load_locked::<D, _>(&mut Sqlx::<D>(&mut *conn), target_id).await?
+    else {
         return Ok(gone());
     };
     let status = sqlx::query::<D>("SELECT status FROM draining WHERE target_seq = $1")
@@ -253,8 +266,15 @@ pub(crate) async fn step<D: Dialect>(
         };
         write_state(&mut writes, &decision, &rows[0], &rows, &command)?;
         let signed;
-        (signed, events) =
-            write_receipts::<D>(conn, &mut writes, &decision, &rows, &command, w).await?;
+        (signed, events) = write_receipts::<D, _>(
+            &mut Sqlx::<D>(&mut *conn),
+            &mut writes,
+            &decision,
+            &rows,
+            &command,
+            w,
+        )
+        .await?;
         done = decision
             .updates
             .iter()
@@ -367,10 +387,7 @@ async fn open_children<D: Dialect>(
     .arg(i64::try_from(max.saturating_add(1)).unwrap_or(i64::MAX))
     .all(&mut *conn)
     .await?;
-    let mut children = rows
-        .iter()
-        .map(row_from::<D>)
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut children = rows.iter().map(row_from).collect::<Result<Vec<_>, _>>()?;
     let more = children.len() > max;
     children.truncate(max);
     children.reverse();

@@ -196,7 +196,7 @@ impl JudgeInputs {
         else {
             return Ok(None);
         };
-        let target = super::lifecycle::row_from::<D>(&row).map_err(backend)?;
+        let target = super::lifecycle::row_from(&row).map_err(backend)?;
         if !lifecycle::judgment_due(&target.facts(None), signer, received_at_ms) {
             return Ok(None);
         }

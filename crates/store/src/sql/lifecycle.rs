@@ -8,13 +8,14 @@
 use std::collections::HashMap;
 
 use prost::Message;
-use sqlx::{AssertSqlSafe, QueryBuilder};
 
+use super::Dialect;
 use super::drain;
+use super::plan::Arg;
 use super::requests::load_prior_requests;
-use super::rows::{CONTRACT_COLUMNS, StoredContract, select_contracts};
+use super::rows::{CONTRACT_COLUMNS, StoredContract, key_of, select_contracts};
+use super::source::{CellOf, Cells, Source, listed};
 use super::writes::Writes;
-use super::{Cell, Dialect, PushArg, QueryExt};
 use crate::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey, SeqSource};
 use crate::limits::ROWS_PER_STATEMENT;
 use crate::{Answer, Decided, Outcome, StoreError};
@@ -31,8 +32,8 @@ pub(crate) type Loaded = StoredContract;
 
 /// Decodes a contract row; a row that does not decode aborts the batch as
 /// corrupt data (see `backend_ref`).
-pub(crate) fn row_from<D: Dialect>(row: &D::Row) -> Result<Loaded, sqlx::Error> {
-    StoredContract::from_row::<D>(row).map_err(|e| sqlx::Error::Protocol(e.to_string()))
+pub(crate) fn row_from<R: Cells>(row: &R) -> Result<Loaded, sqlx::Error> {
+    StoredContract::from_cells(row).map_err(|e| sqlx::Error::Protocol(e.to_string()))
 }
 
 /// `id` and its parent, ancestors first and locked for the transaction
@@ -40,25 +41,20 @@ pub(crate) fn row_from<D: Dialect>(row: &D::Row) -> Result<Loaded, sqlx::Error> 
 /// parents of a batch, then a target's parent, the target and its
 /// descendants — so concurrent writers (PostgreSQL replicas) never wait
 /// for each other in a cycle. `None`: no such contract.
-pub(crate) async fn load_locked<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) async fn load_locked<D: Dialect, S: Source<D>>(
+    src: &mut S,
     id: &Id,
 ) -> Result<Option<(Option<Loaded>, Loaded)>, sqlx::Error> {
     // CONTRACT_COLUMNS and LOCK_ROWS are constants: nothing
     // client-supplied is interpolated.
-    let rows = sqlx::query::<D>(AssertSqlSafe(format!(
+    let text = format!(
         "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope \
          WHERE id = $1 OR seq = (SELECT parent_seq FROM contracts WHERE id = $1) \
          ORDER BY depth{lock_rows}",
         lock_rows = D::LOCK_ROWS
-    )))
-    .arg(id.as_slice())
-    .all(&mut *conn)
-    .await?;
-    let mut loaded = rows
-        .iter()
-        .map(row_from::<D>)
-        .collect::<Result<Vec<_>, _>>()?;
+    );
+    let rows = src.rows(&text, &[Arg::Blob(id.as_slice())]).await?;
+    let mut loaded = rows.iter().map(row_from).collect::<Result<Vec<_>, _>>()?;
     let Some(target) = loaded.pop() else {
         return Ok(None);
     };
@@ -84,8 +80,8 @@ pub(crate) async fn load_locked<D: Dialect>(
 /// indexes. Locking each level before reading the next also means a child
 /// committed under a locked contract meanwhile is seen (PostgreSQL reads
 /// each statement afresh).
-async fn open_descendants<D: Dialect>(
-    conn: &mut D::Connection,
+async fn open_descendants<D: Dialect, S: Source<D>>(
+    src: &mut S,
     seq: i64,
     max: usize,
 ) -> Result<Option<Vec<Loaded>>, sqlx::Error> {
@@ -94,16 +90,18 @@ async fn open_descendants<D: Dialect>(
     while !level.is_empty() {
         let mut children: Vec<(Vec<u8>, i64)> = Vec::new();
         for parents in level.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<D>::new(CHILDREN_OF);
-            in_list::<D>(&mut query, parents);
             // At most one past the bound: enough to know it is passed.
             let left = max
                 .saturating_sub(found.len())
                 .saturating_sub(children.len());
-            query.push(" LIMIT ");
-            query.push_arg(i64::try_from(left.saturating_add(1)).unwrap_or(i64::MAX));
-            for row in query.build().all(&mut *conn).await? {
-                children.push((row.cell("id")?, row.cell("seq")?));
+            let limit = format!(" LIMIT ${}", parents.len() + 1);
+            let text = listed(CHILDREN_OF, 1, parents.len(), &limit);
+            let mut args: Vec<Arg<'_>> = parents.iter().map(|p| Arg::Int(*p)).collect();
+            args.push(Arg::Int(
+                i64::try_from(left.saturating_add(1)).unwrap_or(i64::MAX),
+            ));
+            for row in src.rows(&text, &args).await? {
+                children.push((row.cell_of("id")?, row.cell_of("seq")?));
             }
             if found.len() + children.len() > max {
                 return Ok(None);
@@ -112,14 +110,12 @@ async fn open_descendants<D: Dialect>(
         children.sort_unstable();
         level = Vec::with_capacity(children.len());
         for chunk in children.chunks(ROWS_PER_STATEMENT) {
-            let seqs: Vec<i64> = chunk.iter().map(|(_, seq)| *seq).collect();
-            let mut query = QueryBuilder::<D>::new(LOAD_BY_SEQ);
-            in_list::<D>(&mut query, &seqs);
+            let args: Vec<Arg<'_>> = chunk.iter().map(|(_, seq)| Arg::Int(*seq)).collect();
             // LOCK_ROWS is a constant.
-            query.push(" ORDER BY id");
-            query.push(D::LOCK_ROWS);
-            for row in query.build().all(&mut *conn).await? {
-                let loaded = row_from::<D>(&row)?;
+            let order = format!(" ORDER BY id{}", D::LOCK_ROWS);
+            let text = listed(LOAD_BY_SEQ, 1, chunk.len(), &order);
+            for row in src.rows(&text, &args).await? {
+                let loaded = row_from(&row)?;
                 level.push(loaded.seq);
                 found.push(loaded);
             }
@@ -134,23 +130,13 @@ const OBSERVATIONS_INSERT: &str = "INSERT INTO observations \
 
 /// The open children of a level's contracts, found by the parent index:
 /// `+status` keeps SQLite from planning it through
-/// `contracts_open_by_deadline`. Followed by `in_list`.
+/// `contracts_open_by_deadline`. Followed by a list (`listed`).
 pub(crate) const CHILDREN_OF: &str =
     "SELECT id, seq FROM contracts WHERE +status IN (1, 2) AND parent_seq IN ";
 const _: () = assert!(Status::Open as i32 == 1 && Status::Accepted as i32 == 2);
 
-/// Contract rows by key. Followed by `in_list`.
+/// Contract rows by key. Followed by a list (`listed`).
 pub(crate) const LOAD_BY_SEQ: &str = select_contracts!("WHERE seq IN ");
-
-/// Appends `(v1, v2, …)` with each value bound.
-pub(crate) fn in_list<D: Dialect>(query: &mut QueryBuilder<D>, values: &[i64]) {
-    query.push("(");
-    let mut list = query.separated(", ");
-    for v in values {
-        list.push_arg(*v);
-    }
-    list.push_unseparated(")");
-}
 
 /// The statement of `lineage`: `$1` the contract's seq.
 pub(crate) const LINEAGE: &str = "WITH RECURSIVE up(seq, parent_seq) AS (\
@@ -161,17 +147,17 @@ pub(crate) const LINEAGE: &str = "WITH RECURSIVE up(seq, parent_seq) AS (\
 /// Ancestors root first, then the contract itself: (seq, id, delegate
 /// key). The one lineage read of a command: the core's authorization and
 /// the drain state both take it.
-pub(crate) async fn lineage<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) async fn lineage<D: Dialect, S: Source<D>>(
+    src: &mut S,
     seq: i64,
 ) -> Result<Vec<(i64, Id, AgentKey)>, sqlx::Error> {
-    let rows = sqlx::query::<D>(LINEAGE).arg(seq).all(&mut *conn).await?;
+    let rows = src.rows(LINEAGE, &[Arg::Int(seq)]).await?;
     rows.iter()
         .map(|r| {
             Ok((
-                r.cell("seq")?,
-                super::rows::key_cell::<D>(r, "id")?,
-                super::rows::key_cell::<D>(r, "delegate_key")?,
+                r.cell_of("seq")?,
+                key_of(r, "id")?,
+                key_of(r, "delegate_key")?,
             ))
         })
         .collect()
@@ -316,8 +302,8 @@ pub(crate) struct Writing<'a, D: Dialect> {
 /// `DescendantsEnding` (retry with the same nonce).
 /// Nothing is written here: the decision's writes come back in
 /// `Applied::writes`.
-pub(crate) async fn apply<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) async fn apply<D: Dialect, S: Source<D>>(
+    src: &mut S,
     command: &LifecycleCommand,
     prior: &HashMap<RequestKey, PriorRequest>,
     w: &mut Writing<'_, D>,
@@ -327,13 +313,13 @@ pub(crate) async fn apply<D: Dialect>(
     {
         return Ok(Applied::nothing(crate::batch::replayed(earlier, request)));
     }
-    let applied = decide::<D>(conn, command, w).await?;
+    let applied = decide::<D, S>(src, command, w).await?;
     if applied.answer.is_err()
         && !w.prior_read
         && let Some(request) = &command.request
     {
         let key = (request.agent, request.nonce.clone());
-        let earlier = load_prior_requests::<D>(conn, std::slice::from_ref(&key)).await?;
+        let earlier = load_prior_requests::<D, S>(src, std::slice::from_ref(&key)).await?;
         if let Some(earlier) = earlier.get(&key) {
             // The decision's writes are dropped with it.
             return Ok(Applied::nothing(crate::batch::replayed(earlier, request)));
@@ -343,15 +329,22 @@ pub(crate) async fn apply<D: Dialect>(
 }
 
 /// `apply` for a command not answered before.
-async fn decide<D: Dialect>(
-    conn: &mut D::Connection,
+async fn decide<D: Dialect, S: Source<D>>(
+    src: &mut S,
     command: &LifecycleCommand,
     w: &mut Writing<'_, D>,
 ) -> Result<Applied, sqlx::Error> {
     if matches!(command.action, Action::Drain) {
+        // A drain step writes as it goes: SQLite's writer gives it
+        // sqlx's connection, never its held handle (`raw::Held`).
+        let Some(conn) = src.connection() else {
+            return Err(sqlx::Error::Protocol(
+                "a drain step was given no sqlx connection".into(),
+            ));
+        };
         return drain::step::<D>(conn, &command.contract_id, w).await;
     }
-    let Some((parent, target)) = load_locked::<D>(conn, &command.contract_id).await? else {
+    let Some((parent, target)) = load_locked::<D, S>(src, &command.contract_id).await? else {
         return Ok(Applied::nothing(Err(StoreError::NotFound {
             what: crate::Entity::Contract,
             id: hex::encode(command.contract_id),
@@ -365,10 +358,10 @@ async fn decide<D: Dialect>(
     let drains = if w.no_drains {
         Vec::new()
     } else {
-        drain::drains_of::<D>(conn, target.root_seq).await?
+        drain::drains_of::<D, S>(src, target.root_seq).await?
     };
     let lineage = if action.needs_lineage() || !drains.is_empty() {
-        lineage::<D>(conn, target.seq).await?
+        lineage::<D, S>(src, target.seq).await?
     } else {
         Vec::new()
     };
@@ -382,7 +375,7 @@ async fn decide<D: Dialect>(
     // request costs the writer the target, its parent and its lineage.
     let (partial, rows) = subtree(rows, target_seq, lineage, ending);
     let (subtree, rows) = if lifecycle::needs_descendants(&partial, signer, &action, now_ms) {
-        match open_descendants::<D>(conn, target_seq, w.step_rows.max(1)).await? {
+        match open_descendants::<D, S>(src, target_seq, w.step_rows.max(1)).await? {
             Some(descendants) => {
                 let mut rows = rows;
                 rows.extend(descendants);
@@ -403,7 +396,7 @@ async fn decide<D: Dialect>(
         (partial, rows)
     };
     let decision = lifecycle::decide(&subtree, signer, &action, now_ms);
-    write::<D>(conn, &decision, subtree.target, &rows, command, w).await
+    write::<D, S>(src, &decision, subtree.target, &rows, command, w).await
 }
 
 /// The decision's rows and the target's columns (and, for a record, its
@@ -507,15 +500,15 @@ pub(crate) fn write_state(
 /// Signs the decision's receipts in order and writes them, logging the
 /// request beside the one that answers it; returns them with their
 /// (root id, seq). Reads only to reserve seqs (PostgreSQL).
-pub(crate) async fn write_receipts<D: Dialect>(
-    conn: &mut D::Connection,
+pub(crate) async fn write_receipts<D: Dialect, S: Source<D>>(
+    src: &mut S,
     writes: &mut Writes,
     decision: &Decision,
     rows: &[Loaded],
     command: &LifecycleCommand,
     w: &mut Writing<'_, D>,
 ) -> Result<(Vec<(broker_wire::stamp::Stamped, Decided)>, Vec<(Id, i64)>), sqlx::Error> {
-    D::reserve_seqs(conn, w.seqs, decision.receipts.len()).await?;
+    src.reserve_seqs(w.seqs, decision.receipts.len()).await?;
     let mut signed = Vec::with_capacity(decision.receipts.len());
     let mut events = Vec::with_capacity(decision.receipts.len());
     for planned in &decision.receipts {
@@ -569,8 +562,8 @@ pub(crate) async fn write_receipts<D: Dialect>(
 /// Writes `decision` about the contract at `rows[target]`: rows, the
 /// target's columns, observations, receipts (with the request's log entry
 /// beside the one that answers it).
-async fn write<D: Dialect>(
-    conn: &mut D::Connection,
+async fn write<D: Dialect, S: Source<D>>(
+    src: &mut S,
     decision: &Decision,
     target: usize,
     rows: &[Loaded],
@@ -580,7 +573,7 @@ async fn write<D: Dialect>(
     let mut writes = Writes::default();
     write_state(&mut writes, decision, &rows[target], rows, command)?;
     let (signed, events) =
-        write_receipts::<D>(conn, &mut writes, decision, rows, command, w).await?;
+        write_receipts::<D, S>(src, &mut writes, decision, rows, command, w).await?;
     let changed = decision
         .changed(target)
         .into_iter()

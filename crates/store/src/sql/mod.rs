@@ -20,6 +20,7 @@ pub(crate) mod plan;
 pub(crate) mod reads;
 pub(crate) mod requests;
 pub(crate) mod rows;
+pub(crate) mod source;
 pub(crate) mod writes;
 
 use std::future::Future;

@@ -9,6 +9,7 @@ use super::requests::load_prior_requests;
 use super::rows::{
     SELECT_CHILDREN, SELECT_RECORD_BY_ID, StoredContract, decode_envelope, id_column,
 };
+use super::source::Sqlx;
 use super::{Backend, Cell, Dialect, PushArg, QueryExt, lock};
 use crate::batch;
 use crate::{Answer, ContractRecord, Event, IssuingParent, StoreError, backend};
@@ -77,9 +78,10 @@ pub(crate) async fn replay<B: Backend>(
 ) -> Result<Option<Answer>, StoreError> {
     let mut conn = store.sql().read().await?;
     let key = (request.agent, request.nonce.clone());
-    let mut prior = load_prior_requests::<B::Db>(&mut conn, std::slice::from_ref(&key))
-        .await
-        .map_err(backend)?;
+    let mut prior =
+        load_prior_requests::<B::Db, _>(&mut Sqlx::<B::Db>(&mut conn), std::slice::from_ref(&key))
+            .await
+            .map_err(backend)?;
     drop(conn);
     store.settle().await?;
     prior

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use prost::Message;
 
+use super::source::Cells;
 use super::{Cell, Dialect};
 use crate::batch::Known;
 use crate::{AuditFacts, ContractRecord, StoreError, backend};
@@ -89,35 +90,41 @@ pub(crate) struct StoredContract {
 }
 
 impl StoredContract {
-    /// The one decoder of a `CONTRACT_COLUMNS` row.
+    /// The one decoder of a `CONTRACT_COLUMNS` row of a `Dialect`.
     pub(crate) fn from_row<D: Dialect>(row: &D::Row) -> Result<Self, StoreError> {
+        Self::from_cells(row)
+    }
+
+    /// The one decoder of a `CONTRACT_COLUMNS` row, whoever read it.
+    pub(crate) fn from_cells<R: Cells>(row: &R) -> Result<Self, StoreError> {
         let corrupt = |what: &str| StoreError::Corrupt(format!("contract row: {what}"));
-        let int = |column: &str| -> Result<i64, StoreError> { row.cell(column).map_err(backend) };
+        let int =
+            |column: &str| -> Result<i64, StoreError> { row.cell_of(column).map_err(backend) };
         let small = |column: &str| -> Result<u32, StoreError> {
             u32::try_from(int(column)?).map_err(|_| corrupt(column))
         };
         let key = |column: &str| -> Result<Option<[u8; 32]>, StoreError> {
-            let bytes: Option<Vec<u8>> = row.cell(column).map_err(backend)?;
+            let bytes: Option<Vec<u8>> = row.cell_of(column).map_err(backend)?;
             bytes
                 .map(|b| b.try_into().map_err(|_| corrupt(column)))
                 .transpose()
         };
         let required = |column: &str| key(column)?.ok_or_else(|| corrupt(column));
-        let envelope = decode_envelope::<D>(row, "envelope")?;
+        let envelope = envelope_of(row, "envelope")?;
         let contract =
             pb::Contract::decode(envelope.payload.as_slice()).map_err(|_| corrupt("payload"))?;
-        let scope: String = row.cell("write_scope").map_err(backend)?;
-        let has_report: Option<i64> = row.cell("has_report").map_err(backend)?;
+        let scope: String = row.cell_of("write_scope").map_err(backend)?;
+        let has_report: Option<i64> = row.cell_of("has_report").map_err(backend)?;
         Ok(Self {
             seq: int("seq")?,
             id: required("id")?,
-            parent_seq: row.cell("parent_seq").map_err(backend)?,
+            parent_seq: row.cell_of("parent_seq").map_err(backend)?,
             parent_id: key("parent_id")?,
             root_seq: int("root_seq")?,
             root_id: required("root_id")?,
             depth: small("depth")?,
             status: status_from(int("status")?)?,
-            ledger: ledger_from_row::<D>(row)?,
+            ledger: ledger_of(row)?,
             delegate_key: required("delegate_key")?,
             host_key: key("host_key")?,
             liability: i32::try_from(int("liability")?)
@@ -126,7 +133,7 @@ impl StoredContract {
                 .ok_or_else(|| corrupt("liability"))?,
             intent_lineage_hash: required("intent_lineage_hash")?,
             cumulative_trust_ppm: small("cumulative_trust_ppm")?,
-            effective_predicate: row.cell("effective_predicate").map_err(backend)?,
+            effective_predicate: row.cell_of("effective_predicate").map_err(backend)?,
             deadline_ms: int("deadline_ms")?,
             issued_at_ms: int("issued_at_ms")?,
             write_scope: Scope::from_trusted(
@@ -142,7 +149,7 @@ impl StoredContract {
             verdict: i32::try_from(int("verdict")?).map_err(|_| corrupt("verdict"))?,
             has_report: has_report.map(|h| h != 0),
             downgrades: u32::try_from(int("downgrades")?).unwrap_or(u32::MAX),
-            claim: row.cell("claim").map_err(backend)?,
+            claim: row.cell_of("claim").map_err(backend)?,
             observations: int("observations")?,
             stale_judgments: int("stale_judgments")?,
             observed_units: int("observed_units")?,
@@ -224,7 +231,12 @@ pub(crate) fn id_column<D: Dialect>(row: &D::Row, column: &str) -> Result<Id, St
 /// A 32-byte key column (an id or a public key); another length is
 /// corrupt data.
 pub(crate) fn key_cell<D: Dialect>(row: &D::Row, column: &str) -> Result<[u8; 32], sqlx::Error> {
-    let bytes: Vec<u8> = row.cell(column)?;
+    key_of(row, column)
+}
+
+/// `key_cell`, whoever read the row.
+pub(crate) fn key_of<R: Cells>(row: &R, column: &str) -> Result<[u8; 32], sqlx::Error> {
+    let bytes: Vec<u8> = row.cell_of(column)?;
     bytes
         .try_into()
         .map_err(|_| sqlx::Error::Protocol(format!("{column} is not 32 bytes")))
@@ -234,7 +246,12 @@ pub(crate) fn decode_envelope<D: Dialect>(
     row: &D::Row,
     column: &str,
 ) -> Result<pb::Sealed, StoreError> {
-    let bytes: Vec<u8> = row.cell(column).map_err(backend)?;
+    envelope_of(row, column)
+}
+
+/// `decode_envelope`, whoever read the row.
+fn envelope_of<R: Cells>(row: &R, column: &str) -> Result<pb::Sealed, StoreError> {
+    let bytes: Vec<u8> = row.cell_of(column).map_err(backend)?;
     pb::Sealed::decode(bytes.as_slice()).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
 }
 
@@ -245,12 +262,13 @@ pub(crate) fn status_from(value: i64) -> Result<Status, StoreError> {
         .ok_or_else(|| StoreError::Corrupt(format!("unknown status {value}")))
 }
 
-pub(crate) fn ledger_from_row<D: Dialect>(row: &D::Row) -> Result<Ledger, StoreError> {
-    let open_children: i64 = row.cell("open_children").map_err(backend)?;
+/// The ledger columns of a contract row.
+fn ledger_of<R: Cells>(row: &R) -> Result<Ledger, StoreError> {
+    let open_children: i64 = row.cell_of("open_children").map_err(backend)?;
     Ok(Ledger {
-        budget: row.cell("budget").map_err(backend)?,
-        reserved: row.cell("reserved").map_err(backend)?,
-        spent: row.cell("spent").map_err(backend)?,
+        budget: row.cell_of("budget").map_err(backend)?,
+        reserved: row.cell_of("reserved").map_err(backend)?,
+        spent: row.cell_of("spent").map_err(backend)?,
         open_children: u32::try_from(open_children)
             .map_err(|_| StoreError::Corrupt(format!("open_children {open_children}")))?,
     })

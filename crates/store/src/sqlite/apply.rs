@@ -1,11 +1,18 @@
 //! Applying one batch: the fast path (planned from the writer's cache,
 //! written on the held SQLite handle with the writer's own statements)
-//! and the careful one (parents and lifecycle subtrees read through sqlx,
+//! and the careful one (parents, request log and lifecycle subtrees read,
 //! written with the writer's statements between the reads), each as one
-//! transaction; the trees it touched told to their watchers.
+//! transaction; the trees it touched told to their watchers. A careful
+//! batch runs on the held handle too (`ViaHeld`: its reads as well), or
+//! through sqlx's connection (`ViaSqlx`) when it must: a drain's step,
+//! or a batch redone after a conflict.
 
+use super::raw::Statements;
 use super::*;
 use crate::batch::Slot;
+use crate::sql::plan::Arg;
+use crate::sql::rows::select_contracts;
+use crate::sql::source::{Source, listed};
 use crate::sql::writes::Writes;
 use broker_wire::command::Action;
 use sqlx::sqlite::LockedSqliteHandle;
@@ -57,7 +64,8 @@ pub(super) async fn apply_batch(
             apply_fast(conn, commands, state, stamper, now_ms).await
         }
         Pending::Fresh => {
-            apply_careful(conn, commands, state, stamper, now_ms, Lookups::IfSeen).await
+            let mut via = ViaSqlx(&mut *conn);
+            apply_careful(&mut via, commands, state, stamper, now_ms, Lookups::IfSeen).await
         }
         Pending::Planned { mut plan, unlogged } => {
             // A command answered with an error (unknown parent, over-long
@@ -65,7 +73,8 @@ pub(super) async fn apply_batch(
             // catch a retry among them: those few keys are looked up here.
             // Their errors changed nothing, so a replayed answer simply
             // replaces them.
-            match load_prior_requests::<Sqlite>(conn, &unlogged).await {
+            match load_prior_requests::<Sqlite, _>(&mut Sqlx::<Sqlite>(&mut *conn), &unlogged).await
+            {
                 Ok(earlier) => {
                     batch::replay_unlogged(commands, &mut plan.answers, &earlier);
                     match super::raw::take_handle(conn, retakes(state)).await {
@@ -91,7 +100,8 @@ pub(super) async fn apply_batch(
                 return Err(e);
             }
             tracing::debug!(error = %e, "batch redone with request-log lookups");
-            match apply_careful(conn, commands, state, stamper, now_ms, Lookups::First).await {
+            let mut via = ViaSqlx(&mut *conn);
+            match apply_careful(&mut via, commands, state, stamper, now_ms, Lookups::First).await {
                 Ok(answers) => answers,
                 Err(e) => {
                     abandon(conn, state).await;
@@ -138,17 +148,30 @@ fn remember_requests(commands: &[Command], state: &mut WriterState, now_ms: i64)
     }
 }
 
-/// The fast path with SQLite's handle already held: plans and writes a
-/// batch that needs nothing read through sqlx (every parent cached, no
-/// drain in progress, no error answer to look up); anything else is left
-/// `Pending` for `apply_batch`.
-pub(super) fn apply_held(
+/// A batch with SQLite's handle already held: one with lifecycle
+/// commands the careful way, its reads on the handle too (`raw::Held`);
+/// issuance the fast way when it needs nothing read (every parent cached,
+/// no drain in progress, no error answer to look up). Anything else (a
+/// drain's step, which writes through sqlx) is left `Pending` for
+/// `apply_batch`.
+pub(super) async fn apply_held(
     handle: &mut LockedSqliteHandle<'_>,
     commands: &[Command],
     state: &mut WriterState,
     stamper: &Stamper,
     now_ms: i64,
 ) -> Held {
+    if held_careful(commands) {
+        let mut via = ViaHeld(handle);
+        let careful = apply_careful(&mut via, commands, state, stamper, now_ms, Lookups::IfSeen);
+        return match careful.await {
+            Ok(answers) => {
+                remember_requests(commands, state, now_ms);
+                Held::Answered(answers)
+            }
+            Err(e) => Held::Pending(Pending::Failed(e)),
+        };
+    }
     if state.draining || !fast_path(commands, state) {
         return Held::Pending(Pending::Fresh);
     }
@@ -167,6 +190,76 @@ pub(super) fn apply_held(
             Held::Answered(answers)
         }
         Err(e) => Held::Pending(Pending::Failed(e)),
+    }
+}
+
+/// Whether a batch goes the careful way on the held handle: it holds a
+/// lifecycle command and no drain step (`Via::source`).
+fn held_careful(commands: &[Command]) -> bool {
+    let mut lifecycle = commands.iter().filter_map(|c| match c {
+        Command::Lifecycle(l) => Some(l),
+        _ => None,
+    });
+    let any = lifecycle.next();
+    any.is_some()
+        && std::iter::once(any)
+            .flatten()
+            .chain(lifecycle)
+            .all(|l| !matches!(l.action, Action::Drain))
+}
+
+/// How a careful batch reaches its connection.
+pub(super) trait Via {
+    /// Where its reads go (`raw::Held` runs them with the writer's
+    /// statements).
+    fn source<'s>(&'s mut self, statements: &'s mut Statements) -> impl Source<Sqlite> + 's;
+    /// Runs `script` with the writer's statements on SQLite's handle.
+    async fn run(
+        &mut self,
+        statements: &mut Statements,
+        retakes: Option<&prometheus::IntCounter>,
+        script: &Sql<'_>,
+    ) -> Result<(), sqlx::Error>;
+}
+
+/// Through sqlx's connection: reads by sqlx's worker; each script takes
+/// the handle from it (`raw::take_handle`).
+pub(super) struct ViaSqlx<'c>(pub(super) &'c mut SqliteConnection);
+
+impl Via for ViaSqlx<'_> {
+    fn source<'s>(&'s mut self, _: &'s mut Statements) -> impl Source<Sqlite> + 's {
+        Sqlx::<Sqlite>(&mut *self.0)
+    }
+
+    async fn run(
+        &mut self,
+        statements: &mut Statements,
+        retakes: Option<&prometheus::IntCounter>,
+        script: &Sql<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let mut handle = super::raw::take_handle(self.0, retakes).await?;
+        statements.run(&mut handle, script)
+    }
+}
+
+/// On the handle the writer holds: nothing handed to sqlx's worker.
+pub(super) struct ViaHeld<'a, 'h>(pub(super) &'a mut LockedSqliteHandle<'h>);
+
+impl Via for ViaHeld<'_, '_> {
+    fn source<'s>(&'s mut self, statements: &'s mut Statements) -> impl Source<Sqlite> + 's {
+        super::raw::Held {
+            handle: &mut *self.0,
+            statements,
+        }
+    }
+
+    async fn run(
+        &mut self,
+        statements: &mut Statements,
+        _: Option<&prometheus::IntCounter>,
+        script: &Sql<'_>,
+    ) -> Result<(), sqlx::Error> {
+        statements.run(self.0, script)
     }
 }
 
@@ -192,13 +285,15 @@ pub(super) async fn apply_fast(
     let (_, parent_ids) = missing_parents(commands, &state.known);
     // Outside a transaction: the writer is the only writer, so nothing
     // changes between this read and the script.
-    load_parents(conn, &parent_ids, &state.known).await?;
-    mark_ending(conn, commands, state).await?;
+    let mut src = Sqlx::<Sqlite>(&mut *conn);
+    load_parents(&mut src, &parent_ids, &state.known).await?;
+    mark_ending(&mut src, commands, state.draining, &state.known).await?;
     let mut plan = plan_fast(commands, state, stamper, now_ms);
     // See `Pending::Planned`.
     let unlogged = batch::unlogged(commands, &plan.answers);
     if !unlogged.is_empty() {
-        let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
+        let earlier =
+            load_prior_requests::<Sqlite, _>(&mut Sqlx::<Sqlite>(&mut *conn), &unlogged).await?;
         batch::replay_unlogged(commands, &mut plan.answers, &earlier);
     }
     let mut handle = super::raw::take_handle(conn, retakes(state)).await?;
@@ -264,11 +359,12 @@ fn touch_trees(trees: &crate::TreeChanges, plan: &Plan) {
 /// While a drain is in progress, marks the batch's issuing parents that
 /// are ending (`ParentView::ending`); nothing to read otherwise.
 async fn mark_ending(
-    conn: &mut SqliteConnection,
+    src: &mut impl Source<Sqlite>,
     commands: &[Command],
-    state: &WriterState,
+    draining: bool,
+    known: &KnownCache,
 ) -> Result<(), sqlx::Error> {
-    if !state.draining {
+    if !draining {
         return Ok(());
     }
     let parents: Vec<Id> = commands
@@ -278,32 +374,26 @@ async fn mark_ending(
             _ => None,
         })
         .collect();
-    let mut known = std::mem::take(&mut *lock(&state.known));
-    let marked = drain::mark_ending::<Sqlite>(conn, &mut known, &parents).await;
-    *lock(&state.known) = known;
+    let mut taken = std::mem::take(&mut *lock(known));
+    let marked = drain::mark_ending::<Sqlite, _>(src, &mut taken, &parents).await;
+    *lock(known) = taken;
     marked
 }
 
 /// Loads the named parents into the cache.
 pub(super) async fn load_parents(
-    conn: &mut SqliteConnection,
+    src: &mut impl Source<Sqlite>,
     parent_ids: &[Id],
     known: &KnownCache,
 ) -> Result<(), sqlx::Error> {
     let mut corrupt = Vec::new();
     for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(format!(
-            "SELECT {CONTRACT_COLUMNS} FROM contracts_with_envelope WHERE id IN ("
-        ));
-        let mut list = query.separated(", ");
-        for id in chunk {
-            list.push_bind(id.as_slice());
-        }
-        query.push(")");
-        let rows = query.build().fetch_all(&mut *conn).await?;
+        let text = listed(SELECT_BY_IDS, 1, chunk.len(), "");
+        let args: Vec<Arg<'_>> = chunk.iter().map(|id| Arg::Blob(id.as_slice())).collect();
+        let rows = src.rows(&text, &args).await?;
         let mut cache = lock(known);
         for row in rows {
-            match StoredContract::from_row::<Sqlite>(&row).map(StoredContract::known) {
+            match StoredContract::from_cells(&row).map(StoredContract::known) {
                 Ok((id, k)) => {
                     cache.insert(id, k);
                 }
@@ -316,6 +406,9 @@ pub(super) async fn load_parents(
         None => Ok(()),
     }
 }
+
+/// Contract rows by id. Followed by a list (`listed`).
+const SELECT_BY_IDS: &str = select_contracts!("WHERE id IN ");
 
 /// Whether a careful batch reads the request log before it plans.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -333,16 +426,16 @@ pub(super) enum Lookups {
     IfSeen,
 }
 
-/// The careful path of `apply_batch`: parents and drains read through
-/// sqlx, lifecycle commands decided one after another, all in one
-/// transaction. The writes (the plan's and each transition's) run on the
-/// writer's thread in as few hand-overs as the reads allow: each
+/// The careful path: parents and drains read (`via`), lifecycle commands
+/// decided one after another, all in one transaction. The writes (the
+/// plan's and each transition's) run in as few scripts as the reads
+/// allow (through sqlx, each a hand-over of the handle): each
 /// lifecycle command's reads must see the writes before it, so what is
 /// pending runs first (`Deferred`). Reads before the first write run
 /// outside the transaction: the writer is the only writer, so nothing
 /// changes between them and the BEGIN. On an error the caller rolls back.
 pub(super) async fn apply_careful(
-    conn: &mut SqliteConnection,
+    via: &mut impl Via,
     commands: &[Command],
     state: &mut WriterState,
     stamper: &Stamper,
@@ -355,7 +448,7 @@ pub(super) async fn apply_careful(
         .count();
     let prior_read = lookups == Lookups::First || transitions > 1 || seen_lately(commands, state);
     let (mut plan, mut prior) =
-        plan_careful(conn, commands, state, stamper, now_ms, prior_read).await?;
+        plan_careful(via, commands, state, stamper, now_ms, prior_read).await?;
     let mut answers = std::mem::take(&mut plan.answers);
     let mut deferred = Deferred {
         plan: (!plan.writes_nothing()).then_some(&plan),
@@ -371,7 +464,7 @@ pub(super) async fn apply_careful(
         // transaction.
         let steps = matches!(lifecycle.action, Action::Drain);
         if deferred.pending() || (steps && !deferred.open) {
-            deferred.flush(conn, state, false).await?;
+            deferred.flush(via, state, false).await?;
         }
         let mut writing = Writing {
             stamper,
@@ -382,7 +475,10 @@ pub(super) async fn apply_careful(
             prior_read,
             no_drains: !state.draining && !drains_changed,
         };
-        let applied = lifecycle::apply::<Sqlite>(conn, lifecycle, &prior, &mut writing).await?;
+        let mut src = via.source(&mut state.statements);
+        let applied =
+            lifecycle::apply::<Sqlite, _>(&mut src, lifecycle, &prior, &mut writing).await?;
+        drop(src);
         deferred.writes.append(applied.writes);
         for (root, seq) in &applied.events {
             state.trees.touch(*root, *seq);
@@ -421,12 +517,12 @@ pub(super) async fn apply_careful(
     let mut draining = state.draining;
     if drains_changed {
         if deferred.pending() {
-            deferred.flush(conn, state, false).await?;
+            deferred.flush(via, state, false).await?;
         }
-        draining = drain::any_drain::<Sqlite>(conn).await?;
+        draining = drain::any_drain::<Sqlite, _>(&mut via.source(&mut state.statements)).await?;
     }
     if deferred.pending() || deferred.open {
-        deferred.flush(conn, state, true).await?;
+        deferred.flush(via, state, true).await?;
     }
     // Only once committed: lifecycle commands skip the drains read on it.
     state.draining = draining;
@@ -440,7 +536,7 @@ pub(super) async fn apply_careful(
 /// `prior_read`; the parents; the ending marks while a drain runs) and
 /// plans it; the earlier answers it read.
 async fn plan_careful(
-    conn: &mut SqliteConnection,
+    via: &mut impl Via,
     commands: &[Command],
     state: &mut WriterState,
     stamper: &Stamper,
@@ -449,12 +545,15 @@ async fn plan_careful(
 ) -> Result<(Plan, HashMap<RequestKey, PriorRequest>), sqlx::Error> {
     let (request_keys, parent_ids) = missing_parents(commands, &state.known);
     let mut prior = if prior_read {
-        load_prior_requests::<Sqlite>(conn, &request_keys).await?
+        load_prior_requests::<Sqlite, _>(&mut via.source(&mut state.statements), &request_keys)
+            .await?
     } else {
         HashMap::new()
     };
-    load_parents(conn, &parent_ids, &state.known).await?;
-    mark_ending(conn, commands, state).await?;
+    let mut src = via.source(&mut state.statements);
+    load_parents(&mut src, &parent_ids, &state.known).await?;
+    mark_ending(&mut src, commands, state.draining, &state.known).await?;
+    drop(src);
     let mut plan = batch::plan(
         commands,
         &mut prior,
@@ -467,7 +566,8 @@ async fn plan_careful(
         // See `Pending::Planned`.
         let unlogged = batch::unlogged(commands, &plan.answers);
         if !unlogged.is_empty() {
-            let earlier = load_prior_requests::<Sqlite>(conn, &unlogged).await?;
+            let mut src = via.source(&mut state.statements);
+            let earlier = load_prior_requests::<Sqlite, _>(&mut src, &unlogged).await?;
             batch::replay_unlogged(commands, &mut plan.answers, &earlier);
         }
     }
@@ -493,7 +593,7 @@ impl Deferred<'_> {
     /// transaction is not open yet and before COMMIT when `commit`.
     async fn flush(
         &mut self,
-        conn: &mut SqliteConnection,
+        via: &mut impl Via,
         state: &mut WriterState,
         commit: bool,
     ) -> Result<(), sqlx::Error> {
@@ -516,7 +616,7 @@ impl Deferred<'_> {
             // Numbered before it starts: see `Durability::committed`.
             state.committed.fetch_add(1, Ordering::SeqCst);
         }
-        let mut handle = super::raw::take_handle(conn, retakes(state)).await?;
-        state.statements.run(&mut handle, &script)
+        let retakes = state.metrics.as_ref().map(|m| &m.sqlite_handle_retakes);
+        via.run(&mut state.statements, retakes, &script).await
     }
 }

@@ -31,6 +31,7 @@ mod apply;
 mod checkpoint;
 mod durability;
 mod health;
+mod held;
 mod migrate;
 pub mod probe;
 mod raw;
@@ -49,8 +50,8 @@ use super::sql::lifecycle::{self, Writing};
 use super::sql::plan::Sql;
 use super::sql::plan::plan_statements;
 use super::sql::requests::load_prior_requests;
-use super::sql::rows::CONTRACT_COLUMNS;
 use super::sql::rows::StoredContract;
+use super::sql::source::Sqlx;
 use super::sql::{Backend, KnownCache, Shared, SharedOptions, lock};
 pub use crate::limits::sqlite::CHECKPOINT_INTERVAL;
 pub use broker_domain::limits::{MAX_AUDIT_BYTES, MAX_AUDIT_ROWS};
@@ -77,7 +78,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use std::collections::HashMap;
 
-use sqlx::{QueryBuilder, Sqlite};
+use sqlx::Sqlite;
 
 use super::batch::{self, Command, KnownMap, Plan, PriorRequest, RequestKey, Speculation};
 

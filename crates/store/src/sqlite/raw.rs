@@ -1,13 +1,16 @@
-//! The writer's batch statements, run on the writer's own thread.
+//! The writer's batch statements and reads, run on the writer's own
+//! thread.
 //!
 //! Through sqlx every statement's result crosses from SQLite's worker
 //! thread as a message of its own, each a wake-up of the writer: a batch's
 //! script (BEGIN, its inserts and updates, COMMIT) cost the writer 6.5
 //! thread switches, and the batch waited each time for both threads to be
-//! scheduled (BENCHMARKS.md). Here the writer takes the
-//! connection from the worker (`lock_handle`), keeps it for as many
-//! batches as need nothing read through sqlx (`writer::apply_held`), and
-//! steps its own prepared statements, binding the plan's values in place.
+//! scheduled (BENCHMARKS.md); a lifecycle command's reads woke sqlx's
+//! thread about nine times more. Here the writer takes the connection
+//! from the worker (`lock_handle`), keeps it for every batch but a
+//! drain's step (`apply::apply_held`), and steps its own prepared
+//! statements, binding the plan's values in place and copying the rows
+//! of its reads out (`held::RawRow`).
 //!
 //! All `unsafe` of the store is in this file. What keeps it sound:
 //! - the handle is only used while sqlx's `LockedSqliteHandle` is held,
@@ -28,6 +31,7 @@ use sqlx::SqliteConnection;
 use sqlx::error::ErrorKind;
 use sqlx::sqlite::LockedSqliteHandle;
 
+pub(super) use super::held::{Held, RawRow, RawValue};
 use crate::limits::sqlite::{HANDLE_TRIES, HANDLE_WAIT, STATEMENT_CACHE_CAPACITY};
 use crate::sql::CodedError;
 use crate::sql::plan::{Arg, Sql};
@@ -170,20 +174,44 @@ impl Statements {
         handle: &mut LockedSqliteHandle<'_>,
         sql: &Sql<'_>,
     ) -> Result<(), sqlx::Error> {
+        let db = self.connection(handle)?;
+        for statement in sql.statements() {
+            let stmt = self.prepare(handle, &statement.text)?;
+            // SAFETY: `stmt` was prepared on `db`, which the locked handle
+            // gives this thread alone; the arguments outlive the call,
+            // which resets the statement before returning.
+            unsafe { step(db, stmt, &statement.args, None) }?;
+        }
+        Ok(())
+    }
+
+    /// Every row `text` returns with `args` bound, its cells copied out.
+    pub(super) fn rows(
+        &mut self,
+        handle: &mut LockedSqliteHandle<'_>,
+        text: &str,
+        args: &[Arg<'_>],
+    ) -> Result<Vec<RawRow>, sqlx::Error> {
+        let db = self.connection(handle)?;
+        let stmt = self.prepare(handle, text)?;
+        let mut rows = Vec::new();
+        // SAFETY: as in `run`.
+        unsafe { step(db, stmt, args, Some(&mut rows)) }?;
+        Ok(rows)
+    }
+
+    /// The locked connection, if it is the one the statements belong to.
+    fn connection(
+        &mut self,
+        handle: &mut LockedSqliteHandle<'_>,
+    ) -> Result<NonNull<ffi::sqlite3>, sqlx::Error> {
         let db = handle.as_raw_handle();
         if *self.db.get_or_insert(db) != db {
             return Err(sqlx::Error::Protocol(
                 "the writer's statements belong to another connection".into(),
             ));
         }
-        for statement in sql.statements() {
-            let stmt = self.prepare(handle, &statement.text)?;
-            // SAFETY: `stmt` was prepared on `db`, which the locked handle
-            // gives this thread alone; the arguments outlive the call,
-            // which resets the statement before returning.
-            unsafe { step(db, stmt, &statement.args) }?;
-        }
-        Ok(())
+        Ok(db)
     }
 
     /// Whether no statement is prepared (none to finalize).
@@ -292,7 +320,8 @@ impl Drop for Statements {
     }
 }
 
-/// Binds `args` to `stmt`, steps it to the end and resets it.
+/// Binds `args` to `stmt`, steps it to the end (its rows copied into
+/// `rows` when given) and resets it.
 ///
 /// # Safety
 /// `stmt` was prepared on `db`, and the caller holds the connection.
@@ -300,6 +329,7 @@ unsafe fn step(
     db: NonNull<ffi::sqlite3>,
     stmt: NonNull<ffi::sqlite3_stmt>,
     args: &[Arg<'_>],
+    mut rows: Option<&mut Vec<RawRow>>,
 ) -> Result<(), sqlx::Error> {
     let stmt = stmt.as_ptr();
     // SAFETY (whole body): the caller's; every pointer bound below is
@@ -352,13 +382,35 @@ unsafe fn step(
                 break;
             }
         }
+        let columns = match rows {
+            Some(_) => column_names(stmt),
+            None => Ok(std::sync::Arc::from(Vec::new())),
+        };
+        let columns = match columns {
+            Ok(columns) => columns,
+            Err(e) => {
+                result = Err(e);
+                std::sync::Arc::from(Vec::new())
+            }
+        };
         if result.is_ok() {
             loop {
                 match ffi::sqlite3_step(stmt) {
                     ffi::SQLITE_DONE => break,
-                    // The batch's statements return no rows; any would be
+                    // Without `rows` (the batch's writes), any row is
                     // ignored, as sqlx's `execute` ignores them.
-                    ffi::SQLITE_ROW => continue,
+                    ffi::SQLITE_ROW => {
+                        let Some(rows) = rows.as_deref_mut() else {
+                            continue;
+                        };
+                        match row_of(stmt, &columns) {
+                            Ok(row) => rows.push(row),
+                            Err(e) => {
+                                result = Err(e);
+                                break;
+                            }
+                        }
+                    }
                     _ => {
                         result = Err(last_error(db));
                         break;
@@ -371,6 +423,84 @@ unsafe fn step(
         ffi::sqlite3_clear_bindings(stmt);
         result
     }
+}
+
+/// The names of `stmt`'s result columns.
+///
+/// # Safety
+/// `stmt` is a prepared statement of a connection the caller holds.
+unsafe fn column_names(
+    stmt: *mut ffi::sqlite3_stmt,
+) -> Result<std::sync::Arc<[String]>, sqlx::Error> {
+    // SAFETY (whole body): the caller's; each name is a valid C string
+    // until the statement is finalized or prepared again.
+    unsafe {
+        let count = ffi::sqlite3_column_count(stmt);
+        let mut names = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+        for i in 0..count {
+            let name = ffi::sqlite3_column_name(stmt, i);
+            if name.is_null() {
+                return Err(sqlx::Error::Protocol(format!("column {i} has no name")));
+            }
+            names.push(CStr::from_ptr(name).to_string_lossy().into_owned());
+        }
+        Ok(names.into())
+    }
+}
+
+/// The row `stmt` stands on, its cells copied out.
+///
+/// # Safety
+/// `stmt` is a statement of a connection the caller holds, just stepped
+/// to `SQLITE_ROW`, with `columns` its result columns.
+unsafe fn row_of(
+    stmt: *mut ffi::sqlite3_stmt,
+    columns: &std::sync::Arc<[String]>,
+) -> Result<RawRow, sqlx::Error> {
+    let mut values = Vec::with_capacity(columns.len());
+    for (i, name) in columns.iter().enumerate() {
+        let i = c_int::try_from(i).unwrap_or(c_int::MAX);
+        // SAFETY (the block): the caller's; a text or blob pointer is
+        // valid for the byte count read after it (SQLite's order), until
+        // the next step.
+        let value = unsafe {
+            match ffi::sqlite3_column_type(stmt, i) {
+                ffi::SQLITE_INTEGER => RawValue::Int(ffi::sqlite3_column_int64(stmt, i)),
+                ffi::SQLITE_FLOAT => RawValue::Real,
+                ffi::SQLITE_TEXT => {
+                    let text = ffi::sqlite3_column_text(stmt, i);
+                    let bytes = bytes_of(text.cast(), ffi::sqlite3_column_bytes(stmt, i));
+                    RawValue::Text(String::from_utf8(bytes).map_err(|_| {
+                        sqlx::Error::Protocol(format!("column {name} is not UTF-8"))
+                    })?)
+                }
+                ffi::SQLITE_BLOB => {
+                    let blob = ffi::sqlite3_column_blob(stmt, i);
+                    RawValue::Blob(bytes_of(blob.cast(), ffi::sqlite3_column_bytes(stmt, i)))
+                }
+                _ => RawValue::Null,
+            }
+        };
+        values.push(value);
+    }
+    Ok(RawRow {
+        columns: columns.clone(),
+        values,
+    })
+}
+
+/// `length` bytes at `at`, copied (none when `at` is null: SQLite's
+/// empty blob).
+///
+/// # Safety
+/// `at` is null or valid for `length` bytes.
+unsafe fn bytes_of(at: *const u8, length: c_int) -> Vec<u8> {
+    let length = usize::try_from(length).unwrap_or(0);
+    if at.is_null() || length == 0 {
+        return Vec::new();
+    }
+    // SAFETY: the caller's.
+    unsafe { std::slice::from_raw_parts(at, length) }.to_vec()
 }
 
 /// The connection's last error, as sqlx reports SQLite's errors (the

@@ -122,7 +122,7 @@ async fn run_writer(start: WriterStart, ready: oneshot::Sender<Result<(), StoreE
         start.clock.now_ms(),
     )
     .await;
-    let draining = match drain::any_drain::<Sqlite>(&mut writer).await {
+    let draining = match drain::any_drain::<Sqlite, _>(&mut Sqlx::<Sqlite>(&mut writer)).await {
         Ok(any) => any,
         Err(e) => {
             let _ = ready.send(Err(StoreError::Backend(format!("reading drains: {e}"))));
@@ -340,7 +340,7 @@ pub(super) async fn writer_loop(
         if *state.writable.borrow() {
             match super::raw::take_handle(conn, retakes(state)).await {
                 Ok(mut handle) => loop {
-                    match apply_held(&mut handle, &group.commands, state, &stamper, now_ms) {
+                    match apply_held(&mut handle, &group.commands, state, &stamper, now_ms).await {
                         Held::Pending(p) => {
                             pending = p;
                             break;

@@ -1272,3 +1272,63 @@ async fn a_poisoned_cache_is_cleared_once() {
     assert!(lock(&known).is_empty(), "cleared");
     assert!(!known.is_poisoned(), "and no longer poisoned");
 }
+
+/// The writer reads on its held handle (`raw::Held`) what sqlx reads: a
+/// contract with its parent, the lineage, the drains and the request log
+/// decode the same through the shared decoders, cell for cell (NULL
+/// columns, the root's missing parent and empty blobs included).
+#[tokio::test]
+async fn the_held_handle_reads_what_sqlx_reads() {
+    let (_dir, store, mut conn) = store_and_connection().await;
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let child = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    let keys = vec![([9u8; 32], vec![1u8; 16]), ([9u8; 32], vec![2u8; 16])];
+    let mut sqlx_reads = Vec::new();
+    {
+        let mut src = Sqlx::<Sqlite>(&mut conn);
+        for id in [root, child] {
+            let loaded = lifecycle::load_locked::<Sqlite, _>(&mut src, &id).await;
+            let (_, target) = loaded.as_ref().expect("read").as_ref().expect("found");
+            let lineage = lifecycle::lineage::<Sqlite, _>(&mut src, target.seq).await;
+            sqlx_reads.push(format!("{loaded:?} {lineage:?}"));
+        }
+        let prior = load_prior_requests::<Sqlite, _>(&mut src, &keys).await;
+        let drains = drain::drains_of::<Sqlite, _>(&mut src, 1).await;
+        sqlx_reads.push(format!("{:?} {drains:?}", sorted(prior)));
+    }
+    let mut statements = raw::Statements::default();
+    let mut handle = conn.lock_handle().await.expect("handle");
+    let mut held_reads = Vec::new();
+    {
+        let mut src = raw::Held {
+            handle: &mut handle,
+            statements: &mut statements,
+        };
+        for id in [root, child] {
+            let loaded = lifecycle::load_locked::<Sqlite, _>(&mut src, &id).await;
+            let (_, target) = loaded.as_ref().expect("read").as_ref().expect("found");
+            let lineage = lifecycle::lineage::<Sqlite, _>(&mut src, target.seq).await;
+            held_reads.push(format!("{loaded:?} {lineage:?}"));
+        }
+        let prior = load_prior_requests::<Sqlite, _>(&mut src, &keys).await;
+        let drains = drain::drains_of::<Sqlite, _>(&mut src, 1).await;
+        held_reads.push(format!("{:?} {drains:?}", sorted(prior)));
+    }
+    statements.finalize_all(&mut handle);
+    assert!(
+        sqlx_reads[0].contains("parent_id: None"),
+        "{}",
+        sqlx_reads[0]
+    );
+    assert!(sqlx_reads[2].contains("PriorRequest"), "{}", sqlx_reads[2]);
+    assert_eq!(held_reads, sqlx_reads);
+}
+
+/// Request-log answers in key order, to compare.
+fn sorted(
+    prior: Result<HashMap<RequestKey, crate::batch::PriorRequest>, sqlx::Error>,
+) -> Vec<(RequestKey, crate::batch::PriorRequest)> {
+    let mut prior: Vec<_> = prior.expect("read").into_iter().collect();
+    prior.sort_by(|a, b| a.0.cmp(&b.0));
+    prior
+}
