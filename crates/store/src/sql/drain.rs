@@ -13,7 +13,7 @@ use super::lifecycle::{
 };
 use super::plan::Arg;
 use super::rows::{CONTRACT_COLUMNS, key_cell};
-use super::source::{CellOf, Source, Sqlx, listed};
+use super::source::{CellOf, Source, Sqlx, listed, padded};
 use super::writes::Writes;
 use super::{Cell, Dialect, QueryExt};
 use crate::limits::{
@@ -162,8 +162,8 @@ pub(crate) async fn mark_ending<D: Dialect, S: Source<D>>(
     let roots = roots_of(known, ids);
     let mut drains = Vec::new();
     for chunk in roots.chunks(ROWS_PER_STATEMENT) {
-        let text = listed(DRAINS_OF_ROOTS, 1, chunk.len(), "");
-        let args: Vec<Arg<'_>> = chunk.iter().map(|r| Arg::Int(*r)).collect();
+        let args = padded(chunk.iter().map(|r| Arg::Int(*r)).collect());
+        let text = listed(DRAINS_OF_ROOTS, args.len(), "");
         for row in src.rows(&text, &args).await? {
             drains.push((
                 CellOf::<i64>::cell_of(&row, "root_seq")?,

@@ -14,7 +14,7 @@ use super::drain;
 use super::plan::Arg;
 use super::requests::load_prior_requests;
 use super::rows::{CONTRACT_COLUMNS, StoredContract, key_of, select_contracts};
-use super::source::{CellOf, Cells, Source, listed};
+use super::source::{CellOf, Cells, Source, listed, padded};
 use super::writes::Writes;
 use crate::batch::{OUTCOME_RECEIPT, PriorRequest, RequestKey, SeqSource};
 use crate::limits::ROWS_PER_STATEMENT;
@@ -80,7 +80,7 @@ pub(crate) async fn load_locked<D: Dialect, S: Source<D>>(
 /// indexes. Locking each level before reading the next also means a child
 /// committed under a locked contract meanwhile is seen (PostgreSQL reads
 /// each statement afresh).
-async fn open_descendants<D: Dialect, S: Source<D>>(
+pub(crate) async fn open_descendants<D: Dialect, S: Source<D>>(
     src: &mut S,
     seq: i64,
     max: usize,
@@ -94,9 +94,9 @@ async fn open_descendants<D: Dialect, S: Source<D>>(
             let left = max
                 .saturating_sub(found.len())
                 .saturating_sub(children.len());
-            let limit = format!(" LIMIT ${}", parents.len() + 1);
-            let text = listed(CHILDREN_OF, 1, parents.len(), &limit);
-            let mut args: Vec<Arg<'_>> = parents.iter().map(|p| Arg::Int(*p)).collect();
+            let mut args = padded(parents.iter().map(|p| Arg::Int(*p)).collect());
+            let limit = format!(" LIMIT ${}", args.len() + 1);
+            let text = listed(CHILDREN_OF, args.len(), &limit);
             args.push(Arg::Int(
                 i64::try_from(left.saturating_add(1)).unwrap_or(i64::MAX),
             ));
@@ -110,10 +110,10 @@ async fn open_descendants<D: Dialect, S: Source<D>>(
         children.sort_unstable();
         level = Vec::with_capacity(children.len());
         for chunk in children.chunks(ROWS_PER_STATEMENT) {
-            let args: Vec<Arg<'_>> = chunk.iter().map(|(_, seq)| Arg::Int(*seq)).collect();
+            let args = padded(chunk.iter().map(|(_, seq)| Arg::Int(*seq)).collect());
             // LOCK_ROWS is a constant.
             let order = format!(" ORDER BY id{}", D::LOCK_ROWS);
-            let text = listed(LOAD_BY_SEQ, 1, chunk.len(), &order);
+            let text = listed(LOAD_BY_SEQ, args.len(), &order);
             for row in src.rows(&text, &args).await? {
                 let loaded = row_from(&row)?;
                 level.push(loaded.seq);
@@ -336,7 +336,7 @@ async fn decide<D: Dialect, S: Source<D>>(
 ) -> Result<Applied, sqlx::Error> {
     if matches!(command.action, Action::Drain) {
         // A drain step writes as it goes: SQLite's writer gives it
-        // sqlx's connection, never its held handle (`raw::Held`).
+        // sqlx's connection, never its held handle (`raw::HeldSource`).
         let Some(conn) = src.connection() else {
             return Err(sqlx::Error::Protocol(
                 "a drain step was given no sqlx connection".into(),

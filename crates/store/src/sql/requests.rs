@@ -7,7 +7,7 @@ use prost::Message;
 
 use super::Dialect;
 use super::plan::Arg;
-use super::source::{CellOf, Source};
+use super::source::{CellOf, Source, padded};
 use crate::batch::{PriorRequest, RequestKey};
 use crate::limits::ROWS_PER_STATEMENT;
 use broker_domain::AgentKey;
@@ -15,6 +15,7 @@ use broker_wire::pb;
 
 /// The statement that reads one chunk of keys' earlier answers, and
 /// its values.
+/// Padded as `source::padded` pads lists (the last key repeats).
 pub(crate) fn prior_requests_text(chunk: &[RequestKey]) -> (String, Vec<Arg<'_>>) {
     use std::fmt::Write;
     let mut text = String::from(
@@ -23,8 +24,9 @@ pub(crate) fn prior_requests_text(chunk: &[RequestKey]) -> (String, Vec<Arg<'_>>
          LEFT JOIN contracts_with_envelope c ON r.outcome = 1 AND c.id = r.ref_id \
          LEFT JOIN receipts x ON r.outcome = 2 AND x.id = r.ref_id WHERE ",
     );
-    let mut args = Vec::with_capacity(chunk.len() * 2);
-    for (i, (agent, nonce)) in chunk.iter().enumerate() {
+    let keys = padded(chunk.iter().collect());
+    let mut args = Vec::with_capacity(keys.len() * 2);
+    for (i, (agent, nonce)) in keys.into_iter().enumerate() {
         if i > 0 {
             text.push_str(" OR ");
         }

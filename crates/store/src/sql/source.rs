@@ -1,5 +1,5 @@
 //! Where a writer's reads go: a sqlx connection of any `Dialect`, or
-//! SQLite's writer's own held handle (`sqlite::raw::Held`), which reads
+//! SQLite's writer's own held handle (`sqlite::raw::HeldSource`), which reads
 //! without handing the connection back to sqlx's worker thread. The
 //! lifecycle's reads (the subtree, the lineage, the drains, the request
 //! log) are written once against `Source`, and rows decode through
@@ -106,34 +106,56 @@ impl<D: Dialect> Source<D> for Sqlx<'_, D> {
     }
 }
 
-/// `head` followed by `(…)` with a placeholder per value (numbered from
-/// `first`), then `tail`: an `IN` list's text.
-pub(crate) fn listed(head: &str, first: usize, count: usize, tail: &str) -> String {
+/// `head` followed by `($1, $2, …)`, a placeholder per value, then
+/// `tail`: an `IN` list's text.
+pub(crate) fn listed(head: &str, count: usize, tail: &str) -> String {
     use std::fmt::Write;
     let mut text = String::with_capacity(head.len() + tail.len() + count * 5 + 2);
     text.push_str(head);
     text.push('(');
-    for i in 0..count {
-        if i > 0 {
+    for i in 1..=count {
+        if i > 1 {
             text.push_str(", ");
         }
-        let _ = write!(text, "${}", first + i);
+        let _ = write!(text, "${i}");
     }
     text.push(')');
     text.push_str(tail);
     text
 }
 
+/// `values` padded to a power-of-two count by repeating the last (an
+/// `IN` list is a set): the texts of `listed` are then few, whatever the
+/// counts read, and stay prepared.
+pub(crate) fn padded<T: Clone>(mut values: Vec<T>) -> Vec<T> {
+    if let Some(last) = values.last().cloned() {
+        values.resize(values.len().next_power_of_two(), last);
+    }
+    values
+}
+
+// A padded chunk of request-log keys (two values a key) stays under
+// SQLite's bind limit.
+const _: () = assert!(crate::limits::ROWS_PER_STATEMENT.next_power_of_two() * 2 <= 32_766);
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn a_list_numbers_its_placeholders_from_the_first() {
+    fn a_list_numbers_its_placeholders_in_order() {
         assert_eq!(
-            listed("SELECT x FROM t WHERE k IN ", 1, 3, " LIMIT $4"),
+            listed("SELECT x FROM t WHERE k IN ", 3, " LIMIT $4"),
             "SELECT x FROM t WHERE k IN ($1, $2, $3) LIMIT $4"
         );
-        assert_eq!(listed("a IN ", 2, 1, ""), "a IN ($2)");
+        assert_eq!(listed("a IN ", 1, ""), "a IN ($1)");
+    }
+
+    #[test]
+    fn a_list_is_padded_to_a_power_of_two_with_its_last_value() {
+        assert_eq!(padded(vec![1, 2, 3]), vec![1, 2, 3, 3]);
+        assert_eq!(padded(vec![1, 2, 3, 4, 5]), vec![1, 2, 3, 4, 5, 5, 5, 5]);
+        assert_eq!(padded(vec![7]), vec![7]);
+        assert!(padded(Vec::<i64>::new()).is_empty());
     }
 }

@@ -12,7 +12,7 @@ use super::*;
 use crate::batch::Slot;
 use crate::sql::plan::Arg;
 use crate::sql::rows::select_contracts;
-use crate::sql::source::{Source, listed};
+use crate::sql::source::{Source, listed, padded};
 use crate::sql::writes::Writes;
 use broker_wire::command::Action;
 use sqlx::sqlite::LockedSqliteHandle;
@@ -21,13 +21,7 @@ use sqlx::sqlite::LockedSqliteHandle;
 pub(super) enum Pending {
     /// Not started.
     Fresh,
-    /// Planned the fast way, but some commands were answered with an
-    /// error: the request log must be read for them before it is written.
-    Planned {
-        plan: Plan,
-        unlogged: Vec<RequestKey>,
-    },
-    /// Its fast script failed (and may have stopped inside its
+    /// It failed on the held handle (and may have stopped inside its
     /// transaction).
     Failed(sqlx::Error),
 }
@@ -46,11 +40,12 @@ pub(super) enum Held {
 /// Most batches take the fast path: issuance only, and none of their
 /// request keys committed recently (`RecentRequests`). Those are planned
 /// as if no request were a retry and their statements, with their BEGIN
-/// and COMMIT, run on the writer's own thread (`raw`), most of them in a
-/// held stretch (`apply_held`). If a request was a retry after all, its
-/// request-log row already exists, the script fails, and the batch is
-/// redone the careful way, which reads the request log first. Either way
-/// a request is answered once.
+/// and COMMIT, run on the writer's own thread (`raw`). If a request was a
+/// retry after all, its request-log row already exists, the script fails,
+/// and the batch is redone the careful way, which reads the request log
+/// first. Either way a request is answered once. Batches come here from
+/// a held stretch (`apply_held`) when it could not finish them: a drain's
+/// step, a failure, a handle that could not be taken.
 pub(super) async fn apply_batch(
     conn: &mut SqliteConnection,
     commands: &[Command],
@@ -66,24 +61,6 @@ pub(super) async fn apply_batch(
         Pending::Fresh => {
             let mut via = ViaSqlx(&mut *conn);
             apply_careful(&mut via, commands, state, stamper, now_ms, Lookups::IfSeen).await
-        }
-        Pending::Planned { mut plan, unlogged } => {
-            // A command answered with an error (unknown parent, over-long
-            // predicate) writes no request-log row, so no insert would
-            // catch a retry among them: those few keys are looked up here.
-            // Their errors changed nothing, so a replayed answer simply
-            // replaces them.
-            match load_prior_requests::<Sqlite, _>(&mut Sqlx::<Sqlite>(&mut *conn), &unlogged).await
-            {
-                Ok(earlier) => {
-                    batch::replay_unlogged(commands, &mut plan.answers, &earlier);
-                    match super::raw::take_handle(conn, retakes(state)).await {
-                        Ok(mut handle) => write_fast(&mut handle, plan, state),
-                        Err(e) => Err(e),
-                    }
-                }
-                Err(e) => Err(e),
-            }
         }
         Pending::Failed(e) => Err(e),
     };
@@ -148,12 +125,11 @@ fn remember_requests(commands: &[Command], state: &mut WriterState, now_ms: i64)
     }
 }
 
-/// A batch with SQLite's handle already held: one with lifecycle
-/// commands the careful way, its reads on the handle too (`raw::Held`);
-/// issuance the fast way when it needs nothing read (every parent cached,
-/// no drain in progress, no error answer to look up). Anything else (a
-/// drain's step, which writes through sqlx) is left `Pending` for
-/// `apply_batch`.
+/// A batch with SQLite's handle already held, its reads on the handle
+/// too (`raw::HeldSource`): issuance the fast way when it may (every
+/// parent cached, no drain in progress, no request seen lately), anything
+/// else the careful way. Only a drain's step, which writes as it goes
+/// through sqlx, is left `Pending` for `apply_batch`.
 pub(super) async fn apply_held(
     handle: &mut LockedSqliteHandle<'_>,
     commands: &[Command],
@@ -161,30 +137,19 @@ pub(super) async fn apply_held(
     stamper: &Stamper,
     now_ms: i64,
 ) -> Held {
-    if held_careful(commands) {
+    if has_drain_step(commands) {
+        return Held::Pending(Pending::Fresh);
+    }
+    let fast = !state.draining
+        && fast_path(commands, state)
+        && missing_parents(commands, &state.known).1.is_empty();
+    let answered = if fast {
+        held_fast(handle, commands, state, stamper, now_ms).await
+    } else {
         let mut via = ViaHeld(handle);
-        let careful = apply_careful(&mut via, commands, state, stamper, now_ms, Lookups::IfSeen);
-        return match careful.await {
-            Ok(answers) => {
-                remember_requests(commands, state, now_ms);
-                Held::Answered(answers)
-            }
-            Err(e) => Held::Pending(Pending::Failed(e)),
-        };
-    }
-    if state.draining || !fast_path(commands, state) {
-        return Held::Pending(Pending::Fresh);
-    }
-    let (_, parent_ids) = missing_parents(commands, &state.known);
-    if !parent_ids.is_empty() {
-        return Held::Pending(Pending::Fresh);
-    }
-    let plan = plan_fast(commands, state, stamper, now_ms);
-    let unlogged = batch::unlogged(commands, &plan.answers);
-    if !unlogged.is_empty() {
-        return Held::Pending(Pending::Planned { plan, unlogged });
-    }
-    match write_fast(handle, plan, state) {
+        apply_careful(&mut via, commands, state, stamper, now_ms, Lookups::IfSeen).await
+    };
+    match answered {
         Ok(answers) => {
             remember_requests(commands, state, now_ms);
             Held::Answered(answers)
@@ -193,24 +158,42 @@ pub(super) async fn apply_held(
     }
 }
 
-/// Whether a batch goes the careful way on the held handle: it holds a
-/// lifecycle command and no drain step (`Via::source`).
-fn held_careful(commands: &[Command]) -> bool {
-    let mut lifecycle = commands.iter().filter_map(|c| match c {
-        Command::Lifecycle(l) => Some(l),
-        _ => None,
-    });
-    let any = lifecycle.next();
-    any.is_some()
-        && std::iter::once(any)
-            .flatten()
-            .chain(lifecycle)
-            .all(|l| !matches!(l.action, Action::Drain))
+/// The fast path on the held handle.
+async fn held_fast(
+    handle: &mut LockedSqliteHandle<'_>,
+    commands: &[Command],
+    state: &mut WriterState,
+    stamper: &Stamper,
+    now_ms: i64,
+) -> Result<Vec<Result<Answer, StoreError>>, sqlx::Error> {
+    let mut plan = plan_fast(commands, state, stamper, now_ms);
+    // A command answered with an error (unknown parent, over-long
+    // predicate) writes no request-log row, so no insert would catch a
+    // retry among them: those few keys are looked up here. Their errors
+    // changed nothing, so a replayed answer simply replaces them.
+    let unlogged = batch::unlogged(commands, &plan.answers);
+    if !unlogged.is_empty() {
+        let mut src = super::raw::HeldSource {
+            handle: &mut *handle,
+            statements: &mut state.statements,
+        };
+        let earlier = load_prior_requests::<Sqlite, _>(&mut src, &unlogged).await?;
+        batch::replay_unlogged(commands, &mut plan.answers, &earlier);
+    }
+    write_fast(handle, plan, state)
+}
+
+/// Whether a batch holds a drain's step.
+fn has_drain_step(commands: &[Command]) -> bool {
+    commands.iter().any(|c| match c {
+        Command::Lifecycle(l) => matches!(l.action, Action::Drain),
+        _ => false,
+    })
 }
 
 /// How a careful batch reaches its connection.
 pub(super) trait Via {
-    /// Where its reads go (`raw::Held` runs them with the writer's
+    /// Where its reads go (`raw::HeldSource` runs them with the writer's
     /// statements).
     fn source<'s>(&'s mut self, statements: &'s mut Statements) -> impl Source<Sqlite> + 's;
     /// Runs `script` with the writer's statements on SQLite's handle.
@@ -247,7 +230,7 @@ pub(super) struct ViaHeld<'a, 'h>(pub(super) &'a mut LockedSqliteHandle<'h>);
 
 impl Via for ViaHeld<'_, '_> {
     fn source<'s>(&'s mut self, statements: &'s mut Statements) -> impl Source<Sqlite> + 's {
-        super::raw::Held {
+        super::raw::HeldSource {
             handle: &mut *self.0,
             statements,
         }
@@ -388,8 +371,8 @@ pub(super) async fn load_parents(
 ) -> Result<(), sqlx::Error> {
     let mut corrupt = Vec::new();
     for chunk in parent_ids.chunks(ROWS_PER_STATEMENT) {
-        let text = listed(SELECT_BY_IDS, 1, chunk.len(), "");
-        let args: Vec<Arg<'_>> = chunk.iter().map(|id| Arg::Blob(id.as_slice())).collect();
+        let args = padded(chunk.iter().map(|id| Arg::Blob(id.as_slice())).collect());
+        let text = listed(SELECT_BY_IDS, args.len(), "");
         let rows = src.rows(&text, &args).await?;
         let mut cache = lock(known);
         for row in rows {
@@ -429,7 +412,7 @@ pub(super) enum Lookups {
 /// The careful path: parents and drains read (`via`), lifecycle commands
 /// decided one after another, all in one transaction. The writes (the
 /// plan's and each transition's) run in as few scripts as the reads
-/// allow (through sqlx, each a hand-over of the handle): each
+/// allow (through `ViaSqlx`, each a hand-over of the handle): each
 /// lifecycle command's reads must see the writes before it, so what is
 /// pending runs first (`Deferred`). Reads before the first write run
 /// outside the transaction: the writer is the only writer, so nothing

@@ -1,4 +1,4 @@
-//! Reads on the writer's held handle (`Held`): the rows a statement of
+//! Reads on the writer's held handle (`HeldSource`): the rows a statement of
 //! `raw::Statements` returned, copied out of SQLite (`RawRow`), and
 //! decoded by column name as sqlx's rows are (`CellOf`), so the shared
 //! decoders (`sql::rows`) take either.
@@ -84,11 +84,13 @@ impl CellOf<String> for RawRow {
     }
 }
 
+/// Bytes from a blob or, as sqlx decodes them, from text.
 impl CellOf<Option<Vec<u8>>> for RawRow {
     fn cell_of(&self, column: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
         match self.value(column)? {
             RawValue::Null => Ok(None),
             RawValue::Blob(v) => Ok(Some(v.clone())),
+            RawValue::Text(v) => Ok(Some(v.as_bytes().to_vec())),
             other => Err(Self::mismatch(column, other, "a blob")),
         }
     }
@@ -98,6 +100,7 @@ impl CellOf<Vec<u8>> for RawRow {
     fn cell_of(&self, column: &str) -> Result<Vec<u8>, sqlx::Error> {
         match self.value(column)? {
             RawValue::Blob(v) => Ok(v.clone()),
+            RawValue::Text(v) => Ok(v.as_bytes().to_vec()),
             other => Err(Self::mismatch(column, other, "a blob")),
         }
     }
@@ -105,12 +108,12 @@ impl CellOf<Vec<u8>> for RawRow {
 
 /// The held handle as the writer's `Source` of reads: each read runs
 /// right here, on the writer's thread, with the writer's statements.
-pub(super) struct Held<'a, 'h> {
+pub(super) struct HeldSource<'a, 'h> {
     pub(super) handle: &'a mut LockedSqliteHandle<'h>,
     pub(super) statements: &'a mut Statements,
 }
 
-impl Source<Sqlite> for Held<'_, '_> {
+impl Source<Sqlite> for HeldSource<'_, '_> {
     type Row = RawRow;
 
     fn rows<'a>(
@@ -163,6 +166,8 @@ mod tests {
         assert_eq!(CellOf::<Option<i64>>::cell_of(row, "z").unwrap(), None);
         assert_eq!(CellOf::<Option<Vec<u8>>>::cell_of(row, "z").unwrap(), None);
         assert_eq!(CellOf::<String>::cell_of(row, "s").unwrap(), "text");
+        // As sqlx reads them: text's bytes as a blob.
+        assert_eq!(CellOf::<Vec<u8>>::cell_of(row, "s").unwrap(), b"text");
         assert_eq!(CellOf::<Vec<u8>>::cell_of(row, "b").unwrap(), vec![1, 2]);
         assert_eq!(
             CellOf::<Vec<u8>>::cell_of(row, "e").unwrap(),
@@ -174,7 +179,7 @@ mod tests {
         );
         for (column, error) in [
             ("z", CellOf::<i64>::cell_of(row, "z").unwrap_err()),
-            ("s", CellOf::<Vec<u8>>::cell_of(row, "s").unwrap_err()),
+            ("n", CellOf::<Vec<u8>>::cell_of(row, "n").unwrap_err()),
             ("b", CellOf::<String>::cell_of(row, "b").unwrap_err()),
             ("f", CellOf::<i64>::cell_of(row, "f").unwrap_err()),
         ] {
@@ -187,5 +192,62 @@ mod tests {
             CellOf::<i64>::cell_of(row, "missing"),
             Err(sqlx::Error::ColumnNotFound(c)) if c == "missing"
         ));
+    }
+
+    /// A read that fails mid-way (a cell SQLite cannot give as UTF-8
+    /// text) returns the error, leaves its statement ready for the next
+    /// read, and the connection closes cleanly after.
+    #[tokio::test]
+    async fn a_failed_read_leaves_its_statement_ready_and_the_connection_closable() {
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
+        let mut statements = Statements::default();
+        let mut handle = conn.lock_handle().await.unwrap();
+        let text = "SELECT CAST($1 AS TEXT) AS s";
+        let bad = statements.rows(&mut handle, text, &[Arg::Blob(&[0xff, 0xfe])]);
+        assert!(
+            matches!(&bad, Err(sqlx::Error::Protocol(m)) if m.contains("not UTF-8")),
+            "{bad:?}"
+        );
+        let good = statements
+            .rows(&mut handle, text, &[Arg::Blob(b"ok")])
+            .unwrap();
+        assert_eq!(CellOf::<String>::cell_of(&good[0], "s").unwrap(), "ok");
+        let short = statements.rows(&mut handle, text, &[]);
+        assert!(
+            matches!(&short, Err(sqlx::Error::Protocol(m)) if m.contains("takes 1 values")),
+            "{short:?}"
+        );
+        statements.finalize_all(&mut handle);
+        drop(handle);
+        conn.close().await.expect("closes: nothing left prepared");
+    }
+
+    /// Values bind by position, so a text whose placeholders SQLite would
+    /// number differently from their digits (`$2` before `$1`) is
+    /// refused rather than bound crosswise; in order, it reads.
+    #[tokio::test]
+    async fn placeholders_out_of_order_are_refused() {
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
+        let mut statements = Statements::default();
+        let mut handle = conn.lock_handle().await.unwrap();
+        let crosswise = statements.rows(
+            &mut handle,
+            "SELECT $2 AS a, $1 AS b",
+            &[Arg::Int(1), Arg::Int(2)],
+        );
+        assert!(
+            matches!(&crosswise, Err(sqlx::Error::Protocol(m)) if m.contains("placeholder 1") && m.contains("$2")),
+            "{crosswise:?}"
+        );
+        let rows = statements
+            .rows(
+                &mut handle,
+                "SELECT $1 AS a, $2 AS b, $1 AS c",
+                &[Arg::Int(1), Arg::Int(2)],
+            )
+            .unwrap();
+        assert_eq!(CellOf::<i64>::cell_of(&rows[0], "c").unwrap(), 1);
+        assert_eq!(CellOf::<i64>::cell_of(&rows[0], "b").unwrap(), 2);
+        statements.finalize_all(&mut handle);
     }
 }

@@ -16,8 +16,9 @@
 //! - the handle is only used while sqlx's `LockedSqliteHandle` is held,
 //!   so sqlx's worker never uses the connection at the same time;
 //! - bound values are `SQLITE_STATIC` (not copied): each statement is
-//!   reset and its bindings cleared before `run` returns, while the
-//!   borrowed values are still alive;
+//!   reset and its bindings cleared before `run` or `rows` returns, while
+//!   the borrowed values are still alive; a read's cells are copied out
+//!   before its next step;
 //! - every statement prepared here is finalized (`finalize_all`) before
 //!   the connection is closed: sqlx closes it with `sqlite3_close`, which
 //!   refuses (and sqlx then panics) while a statement is open.
@@ -25,13 +26,14 @@
 use std::collections::HashMap;
 use std::ffi::{CStr, c_int};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use libsqlite3_sys as ffi;
 use sqlx::SqliteConnection;
 use sqlx::error::ErrorKind;
 use sqlx::sqlite::LockedSqliteHandle;
 
-pub(super) use super::held::{Held, RawRow, RawValue};
+pub(super) use super::held::{HeldSource, RawRow, RawValue};
 use crate::limits::sqlite::{HANDLE_TRIES, HANDLE_WAIT, STATEMENT_CACHE_CAPACITY};
 use crate::sql::CodedError;
 use crate::sql::plan::{Arg, Sql};
@@ -160,6 +162,8 @@ pub(super) fn changes(handle: &mut LockedSqliteHandle<'_>) -> u64 {
 #[derive(Default)]
 pub(super) struct Statements {
     prepared: HashMap<String, NonNull<ffi::sqlite3_stmt>>,
+    /// The result columns of those that were read (`rows`), named once.
+    columns: HashMap<NonNull<ffi::sqlite3_stmt>, Arc<[String]>>,
     /// The connection they were prepared on (set by the first): a handle
     /// of another connection is refused, not stepped.
     db: Option<NonNull<ffi::sqlite3>>,
@@ -194,9 +198,18 @@ impl Statements {
     ) -> Result<Vec<RawRow>, sqlx::Error> {
         let db = self.connection(handle)?;
         let stmt = self.prepare(handle, text)?;
+        let columns = match self.columns.get(&stmt) {
+            Some(columns) => columns.clone(),
+            None => {
+                // SAFETY: `stmt` was prepared on the held `db`.
+                let columns = unsafe { column_names(stmt.as_ptr()) }?;
+                self.columns.insert(stmt, columns.clone());
+                columns
+            }
+        };
         let mut rows = Vec::new();
-        // SAFETY: as in `run`.
-        unsafe { step(db, stmt, args, Some(&mut rows)) }?;
+        // SAFETY: as in `run`; `columns` are `stmt`'s.
+        unsafe { step(db, stmt, args, Some((&mut rows, &columns))) }?;
         Ok(rows)
     }
 
@@ -266,6 +279,15 @@ impl Statements {
                 "more than one statement in {text:?}"
             )));
         }
+        // Values bind by position; SQLite numbers `$N` by first
+        // appearance, not by N. A text whose placeholders are out of order
+        // would bind here what sqlx (which binds by name) would not.
+        // SAFETY: `stmt` was just prepared and is not cached.
+        if let Err(e) = unsafe { placeholders_in_order(stmt.as_ptr(), text) } {
+            // SAFETY: as above.
+            unsafe { ffi::sqlite3_finalize(stmt.as_ptr()) };
+            return Err(e);
+        }
         self.prepared.insert(text.to_owned(), stmt);
         Ok(stmt)
     }
@@ -279,6 +301,7 @@ impl Statements {
             );
             return;
         }
+        self.columns.clear();
         for (_, stmt) in self.prepared.drain() {
             // SAFETY: each was prepared here and is finalized once.
             unsafe { ffi::sqlite3_finalize(stmt.as_ptr()) };
@@ -321,15 +344,16 @@ impl Drop for Statements {
 }
 
 /// Binds `args` to `stmt`, steps it to the end (its rows copied into
-/// `rows` when given) and resets it.
+/// `rows` when given, with its result `columns`) and resets it.
 ///
 /// # Safety
-/// `stmt` was prepared on `db`, and the caller holds the connection.
+/// `stmt` was prepared on `db`, the caller holds the connection, and the
+/// columns given are `stmt`'s.
 unsafe fn step(
     db: NonNull<ffi::sqlite3>,
     stmt: NonNull<ffi::sqlite3_stmt>,
     args: &[Arg<'_>],
-    mut rows: Option<&mut Vec<RawRow>>,
+    mut rows: Option<(&mut Vec<RawRow>, &Arc<[String]>)>,
 ) -> Result<(), sqlx::Error> {
     let stmt = stmt.as_ptr();
     // SAFETY (whole body): the caller's; every pointer bound below is
@@ -382,17 +406,6 @@ unsafe fn step(
                 break;
             }
         }
-        let columns = match rows {
-            Some(_) => column_names(stmt),
-            None => Ok(std::sync::Arc::from(Vec::new())),
-        };
-        let columns = match columns {
-            Ok(columns) => columns,
-            Err(e) => {
-                result = Err(e);
-                std::sync::Arc::from(Vec::new())
-            }
-        };
         if result.is_ok() {
             loop {
                 match ffi::sqlite3_step(stmt) {
@@ -400,10 +413,10 @@ unsafe fn step(
                     // Without `rows` (the batch's writes), any row is
                     // ignored, as sqlx's `execute` ignores them.
                     ffi::SQLITE_ROW => {
-                        let Some(rows) = rows.as_deref_mut() else {
+                        let Some((rows, columns)) = rows.as_mut() else {
                             continue;
                         };
-                        match row_of(stmt, &columns) {
+                        match row_of(stmt, columns) {
                             Ok(row) => rows.push(row),
                             Err(e) => {
                                 result = Err(e);
@@ -425,13 +438,40 @@ unsafe fn step(
     }
 }
 
+/// Refuses a statement whose placeholder `i` is not `?`, `?i` or `$i`.
+///
+/// # Safety
+/// `stmt` is a prepared statement of a connection the caller holds.
+unsafe fn placeholders_in_order(
+    stmt: *mut ffi::sqlite3_stmt,
+    text: &str,
+) -> Result<(), sqlx::Error> {
+    // SAFETY (whole body): the caller's; a name is a valid C string while
+    // the statement lives.
+    unsafe {
+        for i in 1..=ffi::sqlite3_bind_parameter_count(stmt) {
+            let name = ffi::sqlite3_bind_parameter_name(stmt, i);
+            if name.is_null() {
+                continue;
+            }
+            let name = CStr::from_ptr(name).to_bytes();
+            let number = name.get(1..).and_then(|n| std::str::from_utf8(n).ok());
+            if number != Some(i.to_string().as_str()) {
+                return Err(sqlx::Error::Protocol(format!(
+                    "placeholder {i} of {text:?} is {}: number them in order",
+                    String::from_utf8_lossy(name)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The names of `stmt`'s result columns.
 ///
 /// # Safety
 /// `stmt` is a prepared statement of a connection the caller holds.
-unsafe fn column_names(
-    stmt: *mut ffi::sqlite3_stmt,
-) -> Result<std::sync::Arc<[String]>, sqlx::Error> {
+unsafe fn column_names(stmt: *mut ffi::sqlite3_stmt) -> Result<Arc<[String]>, sqlx::Error> {
     // SAFETY (whole body): the caller's; each name is a valid C string
     // until the statement is finalized or prepared again.
     unsafe {
@@ -455,7 +495,7 @@ unsafe fn column_names(
 /// to `SQLITE_ROW`, with `columns` its result columns.
 unsafe fn row_of(
     stmt: *mut ffi::sqlite3_stmt,
-    columns: &std::sync::Arc<[String]>,
+    columns: &Arc<[String]>,
 ) -> Result<RawRow, sqlx::Error> {
     let mut values = Vec::with_capacity(columns.len());
     for (i, name) in columns.iter().enumerate() {
@@ -469,14 +509,15 @@ unsafe fn row_of(
                 ffi::SQLITE_FLOAT => RawValue::Real,
                 ffi::SQLITE_TEXT => {
                     let text = ffi::sqlite3_column_text(stmt, i);
-                    let bytes = bytes_of(text.cast(), ffi::sqlite3_column_bytes(stmt, i));
+                    let bytes = bytes_of(text.cast(), ffi::sqlite3_column_bytes(stmt, i), name)?;
                     RawValue::Text(String::from_utf8(bytes).map_err(|_| {
                         sqlx::Error::Protocol(format!("column {name} is not UTF-8"))
                     })?)
                 }
                 ffi::SQLITE_BLOB => {
                     let blob = ffi::sqlite3_column_blob(stmt, i);
-                    RawValue::Blob(bytes_of(blob.cast(), ffi::sqlite3_column_bytes(stmt, i)))
+                    let length = ffi::sqlite3_column_bytes(stmt, i);
+                    RawValue::Blob(bytes_of(blob.cast(), length, name)?)
                 }
                 _ => RawValue::Null,
             }
@@ -489,18 +530,24 @@ unsafe fn row_of(
     })
 }
 
-/// `length` bytes at `at`, copied (none when `at` is null: SQLite's
-/// empty blob).
+/// `length` bytes at `at`, copied (none when `length` is 0: SQLite's
+/// empty blob may come as a null pointer). A null pointer with bytes is
+/// SQLite out of memory: an error, not an empty value.
 ///
 /// # Safety
 /// `at` is null or valid for `length` bytes.
-unsafe fn bytes_of(at: *const u8, length: c_int) -> Vec<u8> {
+unsafe fn bytes_of(at: *const u8, length: c_int, column: &str) -> Result<Vec<u8>, sqlx::Error> {
     let length = usize::try_from(length).unwrap_or(0);
-    if at.is_null() || length == 0 {
-        return Vec::new();
+    if length == 0 {
+        return Ok(Vec::new());
+    }
+    if at.is_null() {
+        return Err(sqlx::Error::Protocol(format!(
+            "SQLite could not copy out column {column}"
+        )));
     }
     // SAFETY: the caller's.
-    unsafe { std::slice::from_raw_parts(at, length) }.to_vec()
+    Ok(unsafe { std::slice::from_raw_parts(at, length) }.to_vec())
 }
 
 /// The connection's last error, as sqlx reports SQLite's errors (the

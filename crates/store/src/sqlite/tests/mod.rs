@@ -1273,62 +1273,84 @@ async fn a_poisoned_cache_is_cleared_once() {
     assert!(!known.is_poisoned(), "and no longer poisoned");
 }
 
-/// The writer reads on its held handle (`raw::Held`) what sqlx reads: a
-/// contract with its parent, the lineage, the drains and the request log
-/// decode the same through the shared decoders, cell for cell (NULL
-/// columns, the root's missing parent and empty blobs included).
+/// The writer reads on its held handle (`raw::HeldSource`) what sqlx
+/// reads: contracts with their parents, lineages, open descendants, a
+/// tree's drains and the request log decode the same through the shared
+/// decoders, cell for cell (NULL columns, the root's missing parent,
+/// empty blobs and a drain row included).
 #[tokio::test]
 async fn the_held_handle_reads_what_sqlx_reads() {
     let (_dir, store, mut conn) = store_and_connection().await;
     let root = issued(store.open_root(test_root(meta(9, 1))).await);
     let child = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
-    let keys = vec![([9u8; 32], vec![1u8; 16]), ([9u8; 32], vec![2u8; 16])];
-    let mut sqlx_reads = Vec::new();
-    {
-        let mut src = Sqlx::<Sqlite>(&mut conn);
-        for id in [root, child] {
-            let loaded = lifecycle::load_locked::<Sqlite, _>(&mut src, &id).await;
-            let (_, target) = loaded.as_ref().expect("read").as_ref().expect("found");
-            let lineage = lifecycle::lineage::<Sqlite, _>(&mut src, target.seq).await;
-            sqlx_reads.push(format!("{loaded:?} {lineage:?}"));
-        }
-        let prior = load_prior_requests::<Sqlite, _>(&mut src, &keys).await;
-        let drains = drain::drains_of::<Sqlite, _>(&mut src, 1).await;
-        sqlx_reads.push(format!("{:?} {drains:?}", sorted(prior)));
-    }
+    let grandchild = issued(store.delegate(test_child(8, 3, child, 7, "true")).await);
+    // A drain row of the tree, as a drain in progress leaves one.
+    sqlx::query(
+        "INSERT INTO draining (target_seq, root_seq, status, started_at_ms) VALUES (2, 1, 6, 1)",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("a drain row");
+    let keys = vec![
+        ([9u8; 32], vec![1u8; 16]),
+        ([9u8; 32], vec![2u8; 16]),
+        ([8u8; 32], vec![3u8; 16]),
+    ];
+    let by_sqlx = held_and_sqlx_reads(
+        &mut crate::sql::source::Sqlx::<Sqlite>(&mut conn),
+        &[root, child, grandchild],
+        &keys,
+    )
+    .await;
     let mut statements = raw::Statements::default();
     let mut handle = conn.lock_handle().await.expect("handle");
-    let mut held_reads = Vec::new();
-    {
-        let mut src = raw::Held {
-            handle: &mut handle,
-            statements: &mut statements,
-        };
-        for id in [root, child] {
-            let loaded = lifecycle::load_locked::<Sqlite, _>(&mut src, &id).await;
-            let (_, target) = loaded.as_ref().expect("read").as_ref().expect("found");
-            let lineage = lifecycle::lineage::<Sqlite, _>(&mut src, target.seq).await;
-            held_reads.push(format!("{loaded:?} {lineage:?}"));
-        }
-        let prior = load_prior_requests::<Sqlite, _>(&mut src, &keys).await;
-        let drains = drain::drains_of::<Sqlite, _>(&mut src, 1).await;
-        held_reads.push(format!("{:?} {drains:?}", sorted(prior)));
-    }
+    let mut src = raw::HeldSource {
+        handle: &mut handle,
+        statements: &mut statements,
+    };
+    let by_held = held_and_sqlx_reads(&mut src, &[root, child, grandchild], &keys).await;
     statements.finalize_all(&mut handle);
+    assert!(by_sqlx[0].contains("parent_id: None"), "{}", by_sqlx[0]);
     assert!(
-        sqlx_reads[0].contains("parent_id: None"),
+        by_sqlx[1].contains("Ok(Some([StoredContract"),
         "{}",
-        sqlx_reads[0]
+        by_sqlx[1]
     );
-    assert!(sqlx_reads[2].contains("PriorRequest"), "{}", sqlx_reads[2]);
-    assert_eq!(held_reads, sqlx_reads);
+    assert!(by_sqlx[3].contains("Revoked"), "{}", by_sqlx[3]);
+    assert_eq!(
+        by_sqlx[3].matches("PriorRequest").count(),
+        3,
+        "{}",
+        by_sqlx[3]
+    );
+    assert_eq!(by_held, by_sqlx);
 }
 
-/// Request-log answers in key order, to compare.
-fn sorted(
-    prior: Result<HashMap<RequestKey, crate::batch::PriorRequest>, sqlx::Error>,
-) -> Vec<(RequestKey, crate::batch::PriorRequest)> {
-    let mut prior: Vec<_> = prior.expect("read").into_iter().collect();
+/// What `the_held_handle_reads_what_sqlx_reads` compares: each contract
+/// with its parent, its lineage and its open descendants; then the
+/// tree's drains, whether any drain runs and the request log's answers.
+async fn held_and_sqlx_reads(
+    src: &mut impl crate::sql::source::Source<Sqlite>,
+    ids: &[Id],
+    keys: &[RequestKey],
+) -> Vec<String> {
+    let mut reads = Vec::new();
+    for id in ids {
+        let loaded = lifecycle::load_locked::<Sqlite, _>(src, id).await;
+        let (_, target) = loaded.as_ref().expect("read").as_ref().expect("found");
+        let seq = target.seq;
+        let lineage = lifecycle::lineage::<Sqlite, _>(src, seq).await;
+        let below = lifecycle::open_descendants::<Sqlite, _>(src, seq, 8).await;
+        reads.push(format!("{loaded:?} {lineage:?} {below:?}"));
+    }
+    let drains = drain::drains_of::<Sqlite, _>(src, 1).await;
+    let any = drain::any_drain::<Sqlite, _>(src).await;
+    let mut prior: Vec<_> = load_prior_requests::<Sqlite, _>(src, keys)
+        .await
+        .expect("read")
+        .into_iter()
+        .collect();
     prior.sort_by(|a, b| a.0.cmp(&b.0));
-    prior
+    reads.push(format!("{drains:?} {any:?} {prior:?}"));
+    reads
 }
