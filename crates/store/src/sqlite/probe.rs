@@ -201,7 +201,7 @@ async fn probe(
     let cpu_before = process_cpu();
     let began = std::time::Instant::now();
     // Without `hand_over` the handle is held for the whole run, as the
-    // writer holds it across a stretch of batches (`writer::apply_held`);
+    // writer holds it across a stretch of batches (`apply::apply_held`);
     // the finish runs on it too, as the writer's does (`writer::maintain`).
     const FINISH: &str = "PRAGMA wal_checkpoint(PASSIVE)";
     let mut finish_sql = Sql::default();

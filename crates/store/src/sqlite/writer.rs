@@ -326,12 +326,13 @@ pub(super) async fn writer_loop(
             break;
         };
         gather(first, &mut queue, &mut group, state, max_batch);
-        // A held stretch: while batches need nothing but their own
-        // statements, the writer keeps SQLite's handle and takes batch
-        // after batch without handing the connection back to sqlx's worker
-        // thread in between (each hand-off is two wake-ups of that thread,
-        // each a wait for a core on a busy machine: measured, the batch a
-        // command waits for −13 to −40%; BENCHMARKS.md).
+        // A held stretch: until a batch holds a drain's step (or fails),
+        // the writer keeps SQLite's handle, reads and writes on it, and
+        // takes batch after batch without handing the connection back to
+        // sqlx's worker thread in between (each hand-off is two wake-ups
+        // of that thread, each a wait for a core on a busy machine:
+        // measured, the batch a command waits for −13 to −40%;
+        // BENCHMARKS.md).
         let mut pending = Pending::Fresh;
         let mut now_ms = clock.now_ms();
         // A batch's time starts here, taking the handle included (and a
