@@ -272,7 +272,7 @@ pub(super) async fn apply_fast(
     load_parents(&mut src, &parent_ids, &state.known).await?;
     mark_ending(&mut src, commands, state.draining, &state.known).await?;
     let mut plan = plan_fast(commands, state, stamper, now_ms);
-    // See `Pending::Planned`.
+    // See `held_fast`.
     let unlogged = batch::unlogged(commands, &plan.answers);
     if !unlogged.is_empty() {
         let earlier =
@@ -546,7 +546,7 @@ async fn plan_careful(
         now_ms,
     );
     if !prior_read {
-        // See `Pending::Planned`.
+        // See `held_fast`.
         let unlogged = batch::unlogged(commands, &plan.answers);
         if !unlogged.is_empty() {
             let mut src = via.source(&mut state.statements);

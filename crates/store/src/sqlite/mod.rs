@@ -5,9 +5,9 @@
 //! the previous batch was being written (up to `max_batch`), applies them
 //! in order inside one transaction — each seeing the effects of the ones
 //! before it — and commits. The writer runs a batch's statements, BEGIN to
-//! COMMIT, on its own thread with the connection taken from sqlx's worker
-//! and kept across batches while they need nothing read through sqlx
-//! (`raw`; see `writer_loop` and `apply_batch`). Reads use a separate pool of
+//! COMMIT, and its reads on its own thread with the connection taken from
+//! sqlx's worker and kept across every batch but a drain's step (`raw`,
+//! `held`; see `writer_loop` and `apply_held`). Reads use a separate pool of
 //! read-only connections (WAL readers never block the writer).
 //!
 //! Durability is pipelined, not traded. SQLite runs with

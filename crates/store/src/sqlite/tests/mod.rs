@@ -470,7 +470,7 @@ async fn lifecycle_retries_the_writer_forgot_are_still_answered_once() {
 /// A batch planned while the writer holds SQLite's handle whose plan
 /// answers a command with an error (it writes no request-log row) must
 /// still look that command's key up before it is written
-/// (`writer::Pending::Planned`): a nonce the log holds with another body
+/// (`apply::held_fast`): a nonce the log holds with another body
 /// is refused as reused, not answered with the plan's error.
 #[tokio::test]
 async fn a_held_batch_looks_up_the_keys_its_plan_answered_with_an_error() {
