@@ -1354,3 +1354,43 @@ async fn held_and_sqlx_reads(
     reads.push(format!("{drains:?} {any:?} {prior:?}"));
     reads
 }
+
+/// A lifecycle batch that fails inside its transaction on the writer's
+/// held handle (a trigger refuses its receipt: not a request-log
+/// conflict, so not redone) is rolled back whole and answered with the
+/// error; the writer takes its handle again and the next batch commits.
+#[tokio::test]
+async fn a_lifecycle_batch_failing_on_the_held_handle_is_rolled_back_and_the_writer_goes_on() {
+    use crate::suite::{act, acted};
+    use broker_wire::command::Action;
+    let (_dir, store, mut conn) = store_and_connection().await;
+    let root = issued(store.open_root(test_root(meta(9, 1))).await);
+    let child = issued(store.delegate(test_child(9, 2, root, 8, "true")).await);
+    sqlx::query(
+        "CREATE TRIGGER refuse_receipts BEFORE INSERT ON receipts \
+         BEGIN SELECT RAISE(ABORT, 'refused by the test'); END",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("trigger");
+    let failed = act(&store, 8, 3, child, Action::Accept { host: None }).await;
+    assert!(
+        format!("{failed:?}").contains("refused by the test"),
+        "{failed:?}"
+    );
+    let record = store.contract(child).await.expect("read").expect("found");
+    assert_eq!(
+        record.status,
+        Status::Open,
+        "nothing of the batch committed"
+    );
+    sqlx::query("DROP TRIGGER refuse_receipts")
+        .execute(&mut conn)
+        .await
+        .expect("drop");
+    acted(&store, 8, 4, child, Action::Accept { host: None }).await;
+    let record = store.contract(child).await.expect("read").expect("found");
+    assert_eq!(record.status, Status::Accepted);
+    // Issuance goes on too, on a handle taken again.
+    issued(store.delegate(test_child(8, 5, child, 7, "true")).await);
+}
