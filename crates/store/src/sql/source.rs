@@ -84,6 +84,8 @@ impl<D: Dialect> Source<D> for Sqlx<'_, D> {
         let mut query = sqlx::query::<D>(sqlx::AssertSqlSafe(text.to_owned()));
         for arg in args {
             query = match *arg {
+                // Typed as an integer: no read binds NULL today, and one
+                // compared with a blob column would fail on PostgreSQL.
                 Arg::Null => query.arg(None::<i64>),
                 Arg::Int(v) => query.arg(v),
                 Arg::Blob(b) => query.arg(b),
