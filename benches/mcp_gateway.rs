@@ -7,7 +7,9 @@
 //! the same rounds, the broker's two parts of a call on their own: a
 //! GetContract and a recorded observation, and the floor under them: an
 //! RPC no store serves (GetBrokerKeys, the RPC's own price) and, before
-//! the rounds, `disk-probe`'s request floor on the same disk. Then the
+//! the rounds, `disk-probe`'s and `store-probe`'s request floors on the
+//! same disk (the disk's fsync alone; a commit of a Delegate's rows
+//! through the writer's own statements and syncer). Then the
 //! bound on a revoked contract: how long after the Revoke answered a call
 //! is still let through. Everything runs in this process on 127.0.0.1
 //! (SQLite, an fsync per commit). Run with `cargo bench --bench mcp_gateway` (`-- CALLS` to
@@ -118,6 +120,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
     call(&through).await?;
 
     let disk = disk_floor_ms().await?;
+    let store = store_floor_ms().await?;
     let per_round = calls.div_ceil(ROUNDS);
     let mut times: [Vec<f64>; 5] = Default::default();
     for _ in 0..ROUNDS {
@@ -137,7 +140,7 @@ async fn run(calls: usize) -> anyhow::Result<()> {
             times[4].push(timed(keys(&link)).await?);
         }
     }
-    report(per_round * ROUNDS, times, disk);
+    report(per_round * ROUNDS, times, [disk, store]);
     revoke(&mut client, &principal, contract).await?;
     after_revoke(&through, &reached).await?;
 
@@ -180,8 +183,8 @@ fn gateway_config(
     })
 }
 
-/// `disk-probe`'s rate and length for the floor: `bench --latency`'s, one
-/// caller's pace.
+/// `disk-probe`'s and `store-probe`'s rate and length for the floors:
+/// `bench --latency`'s, one caller's pace.
 const PROBE_RATE_PER_S: u64 = 400;
 const PROBE_DURATION_S: u64 = 3;
 /// What `disk-probe` counts as a stall (it only reports them).
@@ -208,11 +211,26 @@ async fn disk_floor_ms() -> anyhow::Result<f64> {
     Ok(f64::from(latencies[latencies.len() / 2]) / 1e3)
 }
 
+/// `store-probe` at one caller's pace in a scratch directory on the
+/// broker's disk: the median from a write's arrival to its commit's
+/// fsync, ms — the least a durable record takes on this store, with no
+/// RPC, signature or rule.
+async fn store_floor_ms() -> anyhow::Result<f64> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().to_owned();
+    let latencies = tokio::task::spawn_blocking(move || {
+        broker_tools::store_probe::request_floor(&path, PROBE_RATE_PER_S, PROBE_DURATION_S)
+    })
+    .await??;
+    anyhow::ensure!(!latencies.is_empty(), "store-probe measured nothing");
+    Ok(f64::from(latencies[latencies.len() / 2]) / 1e3)
+}
+
 /// Prints each arm's percentiles, what the gateway adds, and the least it
 /// could add here with no work of its own or the broker's: one more MCP
 /// hop, one RPC for the check and one for the record, and the record's
-/// fsync.
-fn report(calls: usize, mut times: [Vec<f64>; 5], disk_ms: f64) {
+/// fsync — the disk's alone, then a commit on this store.
+fn report(calls: usize, mut times: [Vec<f64>; 5], [disk_ms, store_ms]: [f64; 2]) {
     let names = [
         "tools/call straight to the tool server",
         "tools/call through the gateway",
@@ -231,6 +249,10 @@ fn report(calls: usize, mut times: [Vec<f64>; 5], disk_ms: f64) {
         "the least it could add here: {:.3} ms (one more MCP hop, as the straight call; GetBrokerKeys {:.3} ms twice, for the check and the record; disk-probe's request floor {disk_ms:.3} ms in the same run, for the record's fsync)",
         medians[0] + 2.0 * medians[4] + disk_ms,
         medians[4]
+    );
+    println!(
+        "the least it could add on this store: {:.3} ms (the same with store-probe's request floor {store_ms:.3} ms, a commit through the writer's statements and its fsync, in place of the disk's)",
+        medians[0] + 2.0 * medians[4] + store_ms,
     );
 }
 

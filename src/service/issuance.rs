@@ -7,7 +7,7 @@ use super::convert;
 use super::error::ServiceError;
 use crate::config::RootDenied;
 use crate::core::InputError;
-use crate::core::limits::CONVERSION_DEADLINE_MS;
+use crate::core::limits::{CONVERSION_DEADLINE_MS, MAX_INLINE_VERIFICATIONS};
 use crate::core::tenant::Known;
 use crate::pb;
 use crate::store::{Answer, Outcome, Store};
@@ -181,16 +181,20 @@ impl<S: Store> BrokerService<S> {
         } else {
             crate::core::Predicate::default()
         };
-        // Most Delegates forward predicates, schemas and attestations seen
-        // before: then the conversion parses and verifies nothing (the
-        // memos answer) and costs less than the hand-off to a converter
-        // thread, so it runs here. Anything new goes to the converters.
+        // Most Delegates forward predicates and schemas seen before: then
+        // the conversion parses nothing (the memos answer) and costs less
+        // than the hand-off to a converter thread, so it runs here, with
+        // at most `MAX_INLINE_VERIFICATIONS` signature checks of a new
+        // attestation (the price of the request's own). Anything more
+        // goes to the converters.
         let cheap = signed.body.result_schema_json.trim().is_empty()
-            && signed
-                .body
-                .delegate_attestation
-                .as_ref()
-                .is_none_or(|a| self.verified.remembers(a))
+            && signed.body.delegate_attestation.as_ref().is_none_or(|a| {
+                self.verified.remembers(a)
+                    || a.signatures
+                        .len()
+                        .saturating_mul(self.config.trust.attestors.len())
+                        <= MAX_INLINE_VERIFICATIONS
+            })
             && crate::core::Predicate::checked_before(&inherited, &signed.body.predicate);
         let (config, verified) = (self.config.clone(), self.verified.clone());
         let (body, request) = (signed.body, signed.request);

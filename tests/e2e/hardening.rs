@@ -257,6 +257,67 @@ async fn attested_factors_are_floored_and_not_valid_before_their_time() {
     broker.stop().await;
 }
 
+/// A new attestation that costs one signature check is verified on the
+/// request's handler, one that could cost more on a converter thread: the
+/// verdict is the same either way — only the configured attestor's
+/// signature makes the factor count, whichever place checks it and
+/// wherever among the signatures it sits.
+#[tokio::test]
+async fn an_attestation_counts_only_with_the_attestors_signature_on_either_path() {
+    let (mut broker, orchestrator, root) =
+        Broker::start_with_root_of(RootSpec::with(|s| s.min_trust = 500_000)).await;
+    let a = Agent::generate();
+    let attestor = Agent::from_seed(broker.attestor.seed());
+    let stranger = Agent::generate();
+    let statement = pb::Attestation {
+        agent_public_key: a.public_key().to_vec(),
+        factor: 0.9,
+        risk_class: String::new(),
+        expires_at_ms: now_ms() + 3_600_000,
+        not_before_ms: 0,
+    };
+    let by = |signers: &[&Agent]| {
+        let mut envelope = signers[0].sign(
+            delegation_broker::crypto::payload_type::ATTESTATION,
+            &statement,
+        );
+        for signer in &signers[1..] {
+            let other = signer.sign(
+                delegation_broker::crypto::payload_type::ATTESTATION,
+                &statement,
+            );
+            envelope.signatures.extend(other.signatures);
+        }
+        envelope
+    };
+    let cases: [(&[&Agent], bool); 5] = [
+        (&[&stranger], false),
+        (&[&stranger, &stranger], false),
+        (&[&stranger, &attestor], true),
+        (&[&attestor], true),
+        // Remembered now: no check at all.
+        (&[&attestor], true),
+    ];
+    for (signers, counts) in cases {
+        let mut body = root.child(&a, 10);
+        body.delegate_attestation = Some(by(signers));
+        if counts {
+            broker.issue(&orchestrator, body).await;
+        } else {
+            let receipt = broker.refuse(&orchestrator, body).await;
+            assert_eq!(codes(&receipt), vec![pb::InvariantCode::TrustAttenuated]);
+            assert!(
+                receipt.violations[0]
+                    .detail
+                    .contains("not signed by a trusted attestor"),
+                "{}",
+                receipt.violations[0].detail
+            );
+        }
+    }
+    broker.stop().await;
+}
+
 /// Every read was unauthenticated — whoever learned one contract
 /// id could watch its whole tree, and AggregateAudits enumerated every run.
 /// Reads now need a session, and are answered only to the tree's parties

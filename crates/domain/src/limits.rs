@@ -183,6 +183,14 @@ pub const WORKER_STACK_BYTES: usize = 16 * 1024 * 1024;
 /// composition), on the service's `convert` threads: never on an async
 /// worker, never on the writer.
 pub const MAX_CONCURRENT_CONVERSIONS: usize = 8;
+/// Signature verifications a Delegate's conversion may cost and still run
+/// on the async worker that verified the request's own signature: one, so
+/// a new attestation with one signature under one attestor costs what the
+/// request's signature did, and skips the hand-off to a converter thread
+/// and back (two thread wake-ups on every first delegation to an agent).
+/// Anything that could cost more goes to the converters, in the tenant's
+/// share.
+pub const MAX_INLINE_VERIFICATIONS: usize = 1;
 /// Longest a Delegate waits for its body to be converted, queueing
 /// included, in ms; past it the caller gets UNAVAILABLE and may retry.
 pub const CONVERSION_DEADLINE_MS: u64 = 10_000;
