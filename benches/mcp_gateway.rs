@@ -251,7 +251,7 @@ fn report(calls: usize, mut times: [Vec<f64>; 5], [disk_ms, store_ms]: [f64; 2])
         medians[4]
     );
     println!(
-        "the least it could add on this store: {:.3} ms (the same with store-probe's request floor {store_ms:.3} ms, a commit through the writer's statements and its fsync, in place of the disk's)",
+        "the least it could add on this store: {:.3} ms (the same with store-probe's request floor {store_ms:.3} ms, a Delegate's rows committed through the writer's statements and fsynced, standing in for the record's commit, in place of the disk's fsync)",
         medians[0] + 2.0 * medians[4] + store_ms,
     );
 }

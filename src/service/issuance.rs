@@ -182,11 +182,13 @@ impl<S: Store> BrokerService<S> {
             crate::core::Predicate::default()
         };
         // Most Delegates forward predicates and schemas seen before: then
-        // the conversion parses nothing (the memos answer) and costs less
-        // than the hand-off to a converter thread, so it runs here, with
-        // at most `MAX_INLINE_VERIFICATIONS` signature checks of a new
-        // attestation (the price of the request's own). Anything more
-        // goes to the converters.
+        // the conversion parses no predicate or schema (the memos answer)
+        // and costs less than the hand-off to a converter thread, so it
+        // runs here. A new attestation that could cost at most
+        // `MAX_INLINE_VERIFICATIONS` signature check (its signatures times
+        // the configured attestors) costs the same here as on a converter,
+        // the price of the request's own, so it stays too and saves the
+        // hand-off. Anything more goes to the converters.
         let cheap = signed.body.result_schema_json.trim().is_empty()
             && signed.body.delegate_attestation.as_ref().is_none_or(|a| {
                 self.verified.remembers(a)

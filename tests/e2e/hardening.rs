@@ -290,10 +290,16 @@ async fn an_attestation_counts_only_with_the_attestors_signature_on_either_path(
         }
         envelope
     };
+    // The harness trusts one attestor: one signature is checked on the
+    // handler, two could cost two checks and go to a converter.
+    assert_eq!(delegation_broker::core::limits::MAX_INLINE_VERIFICATIONS, 1);
     let cases: [(&[&Agent], bool); 5] = [
+        // On the handler.
         (&[&stranger], false),
+        // On a converter.
         (&[&stranger, &stranger], false),
         (&[&stranger, &attestor], true),
+        // On the handler.
         (&[&attestor], true),
         // Remembered now: no check at all.
         (&[&attestor], true),
