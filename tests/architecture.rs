@@ -594,6 +594,36 @@ fn bounds_live_in_the_limits_modules() {
 /// functions, hints and counters. Nothing a request's outcome depends on.
 const STATICS: &[(&str, &str, &str)] = &[
     (
+        "crates/store/src/sqlite/gather.rs",
+        "INNER",
+        "the default SQLite VFS the store's wraps, found once",
+    ),
+    (
+        "crates/store/src/sqlite/gather.rs",
+        "REGISTERED",
+        "whether the store's VFS registered (a memo)",
+    ),
+    (
+        "crates/store/src/sqlite/gather.rs",
+        "GATHERING",
+        "whether this thread is inside a COMMIT whose WAL writes are gathered",
+    ),
+    (
+        "crates/store/src/sqlite/gather.rs",
+        "HOLDER",
+        "the file holding this thread's gathered WAL bytes",
+    ),
+    (
+        "crates/store/src/sqlite/gather.rs",
+        "METHODS",
+        "the VFS's file methods, a constant SQLite points to",
+    ),
+    (
+        "crates/store/src/sqlite/gather.rs",
+        "PLAIN_METHODS",
+        "the VFS's file methods without shared memory, a constant",
+    ),
+    (
         "crates/wire/src/crypto.rs",
         "KEY_CACHE",
         "decoded public keys (a memo)",

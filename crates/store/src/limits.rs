@@ -82,6 +82,17 @@ pub mod sqlite {
     /// a read too). A backlog is worked off one pass after every batch.
     pub const MAX_PRUNED_PER_PASS: u64 = 128;
 
+    /// WAL bytes one COMMIT gathers at most before it writes them
+    /// (`sqlite::gather`): a commit's frames are its dirty pages, which
+    /// the writer's 4 MiB page cache holds (more spill before COMMIT), so
+    /// a commit rarely reaches it.
+    pub const MAX_GATHERED_BYTES: usize = 8 * 1024 * 1024;
+    /// The most one call to the default VFS writes: SQLite's unix VFS
+    /// masks a write's length to its low 17 bits (`seekAndWriteFd`), since
+    /// SQLite itself never writes more than a frame, so a longer write would
+    /// be cut short and reported as a full disk.
+    pub const MAX_WRITE_BYTES: usize = 0x1_F000;
+    const _: () = assert!(MAX_WRITE_BYTES < 0x2_0000);
     /// Prepared statements kept per connection (see where it is set).
     pub const STATEMENT_CACHE_CAPACITY: usize = 1_024;
 

@@ -145,7 +145,7 @@ async fn probe(
     workload: &mut Workload<'_>,
 ) -> Result<StoreProbeReport, StoreError> {
     reserve_wal(&options.path, options.wal_restart_bytes);
-    let connect = connect_options(&options.path);
+    let connect = connect_options(&options.path)?;
     let (mut conn, next_seq) = open_writer(&connect).await?;
     if next_seq != 1 {
         return Err(StoreError::Backend(

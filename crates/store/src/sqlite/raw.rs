@@ -12,7 +12,8 @@
 //! statements, binding the plan's values in place and copying the rows
 //! of its reads out (`held::RawRow`).
 //!
-//! All `unsafe` of the store is in this file. What keeps it sound:
+//! All `unsafe` of the store is in this file and in `gather` (the VFS
+//! its COMMITs write the WAL through). What keeps this file's sound:
 //! - the handle is only used while sqlx's `LockedSqliteHandle` is held,
 //!   so sqlx's worker never uses the connection at the same time;
 //! - bound values are `SQLITE_STATIC` (not copied): each statement is
@@ -184,7 +185,13 @@ impl Statements {
             // SAFETY: `stmt` was prepared on `db`, which the locked handle
             // gives this thread alone; the arguments outlive the call,
             // which resets the statement before returning.
-            unsafe { step(db, stmt, &statement.args, None) }?;
+            let step = || unsafe { step(db, stmt, &statement.args, None) };
+            if statement.text == "COMMIT" {
+                // Its WAL frames written with one call (`gather`).
+                super::gather::during(step)?;
+            } else {
+                step()?;
+            }
         }
         Ok(())
     }
