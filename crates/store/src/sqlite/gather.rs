@@ -10,9 +10,13 @@
 //! the WAL through its own file handle) can see a frame not yet written.
 //!
 //! What keeps it sound:
-//! - only a thread inside `during` gathers, and `during` writes anything
-//!   left before it returns: outside it no bytes are held, so a file
-//!   closed or used by another thread never has any;
+//! - only a thread inside `during` gathers, and `during` drops anything
+//!   left when it ends (a commit's frames are written before it returns;
+//!   what a failed COMMIT left, SQLite writes again): outside it no bytes
+//!   are held, so a file closed or used by another thread never has any;
+//! - only new frames are held (writes from where the WAL has reached on):
+//!   a frame's header rewritten in place after a spill goes straight
+//!   through, so its failure fails the COMMIT as before;
 //! - every other call on a file that holds bytes (a read, sync, truncate,
 //!   size, file control, close) writes them first, so SQLite never sees
 //!   the file without its own writes;
