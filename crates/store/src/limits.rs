@@ -87,6 +87,10 @@ pub mod sqlite {
     /// the writer's 4 MiB page cache holds (more spill before COMMIT), so
     /// a commit rarely reaches it.
     pub const MAX_GATHERED_BYTES: usize = 8 * 1024 * 1024;
+    /// The gathering buffer kept between COMMITs: a usual commit's frames
+    /// (tens of 4 KiB frames) fit; a larger one's buffer is let go.
+    pub const KEPT_GATHER_BYTES: usize = 1024 * 1024;
+    const _: () = assert!(KEPT_GATHER_BYTES <= MAX_GATHERED_BYTES);
     /// The most one call to the default VFS writes: SQLite's unix VFS
     /// masks a write's length to its low 17 bits (`seekAndWriteFd`), since
     /// SQLite itself never writes more than a frame, so a longer write would
