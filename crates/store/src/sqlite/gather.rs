@@ -169,7 +169,8 @@ fn write_held() -> c_int {
     unsafe { write_out(&mut *holder) }
 }
 
-/// Writes `file`'s held bytes with one call to the default VFS.
+/// Writes `file`'s held bytes with one call to the default VFS (a few,
+/// past `MAX_WRITE_BYTES`).
 unsafe fn write_out(file: &mut File) -> c_int {
     if file.held.is_empty() {
         return ffi::SQLITE_OK;
