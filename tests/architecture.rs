@@ -594,6 +594,11 @@ fn bounds_live_in_the_limits_modules() {
 /// functions, hints and counters. Nothing a request's outcome depends on.
 const STATICS: &[(&str, &str, &str)] = &[
     (
+        "crates/store/src/sqlite/pcache.rs",
+        "INNER_CACHE",
+        "SQLite's default page cache the store's wraps, read once",
+    ),
+    (
         "crates/store/src/sqlite/gather.rs",
         "INNER",
         "the default SQLite VFS the store's wraps, found once",

@@ -81,8 +81,9 @@ struct File {
 
 const INNER_OFFSET: usize = size_of::<File>().next_multiple_of(16);
 
-/// Registers the VFS once (not as the default); later calls answer the
-/// first one's outcome.
+/// Registers the VFS once (not as the default), after installing the
+/// store's page cache (`pcache`); later calls answer the first one's
+/// outcome.
 pub(super) fn register() -> Result<(), String> {
     static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
     // SAFETY: SQLite's registry is thread-safe; the registered object is
@@ -93,6 +94,14 @@ pub(super) fn register() -> Result<(), String> {
 }
 
 unsafe fn register_once() -> Result<(), String> {
+    // The page cache can only be chosen before SQLite initializes, which
+    // the VFS lookup below does.
+    if !super::pcache::install() {
+        tracing::warn!(
+            "SQLite was initialized before the store: its default page cache serves, \
+             which rescans itself at most commits while the database is under 1 GiB"
+        );
+    }
     // SAFETY (whole body): `sqlite3_vfs_find` initializes SQLite and
     // returns a registered VFS that lives as long as the process.
     unsafe {

@@ -34,6 +34,7 @@ mod gather;
 mod health;
 mod held;
 mod migrate;
+mod pcache;
 pub mod probe;
 mod raw;
 #[cfg(test)]
@@ -219,16 +220,11 @@ fn connect_options(path: &Path) -> Result<SqliteConnectOptions, StoreError> {
         // before any answer leaves (see the module docs).
         .synchronous(SqliteSynchronous::Normal)
         // 4 MiB of page cache: the recent (hot) end of every index
-        // stays in memory. Not more: while the database is under 1 GiB,
-        // SQLite scans the whole cache at the end of most write
-        // transactions (`balance_nonroot` briefly files a page under the
-        // lock page's number, 1 GiB / page size, and the commit then
-        // drops cached pages past the database's end by a full scan of
-        // the cache's hash table), so every page of cache costs every
-        // commit: ~100 µs per commit at 16 MiB, 3% of all CPU at 64 MiB;
-        // 4 MiB gave 10% more delegations a second than 16 MiB, and
-        // 1 MiB fewer again (misses) — BENCHMARKS.md. Readers'
-        // caches are flushed whenever the WAL changed anyway.
+        // stays in memory. It was held small because SQLite rescanned
+        // the whole cache at most commits while the database is under
+        // 1 GiB; the store's page cache (`pcache`) skips that scan now,
+        // and 16 MiB showed no clear gain over 4 (BENCHMARKS.md).
+        // Readers' caches are flushed whenever the WAL changed anyway.
         .pragma("cache_size", "-4096")
         // Checkpoints run on their own connection (see `checkpointer`),
         // not inside the writer's commits.
