@@ -58,6 +58,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_disk_is_a_storage_failure_a_bad_statement_is_not() {
+        crate::sqlite::before_sqlite();
         let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
         let bad = sqlx::query("SELECT * FROM nowhere")
             .execute(&mut conn)

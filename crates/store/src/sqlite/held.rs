@@ -149,6 +149,7 @@ mod tests {
     /// another class is an error naming its column, not a guess.
     #[tokio::test]
     async fn cells_decode_by_storage_class_and_a_mismatch_names_its_column() {
+        crate::sqlite::before_sqlite();
         let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
         let mut statements = Statements::default();
         let mut handle = conn.lock_handle().await.unwrap();
@@ -199,6 +200,7 @@ mod tests {
     /// read, and the connection closes cleanly after.
     #[tokio::test]
     async fn a_failed_read_leaves_its_statement_ready_and_the_connection_closable() {
+        crate::sqlite::before_sqlite();
         let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
         let mut statements = Statements::default();
         let mut handle = conn.lock_handle().await.unwrap();
@@ -227,6 +229,7 @@ mod tests {
     /// refused rather than bound crosswise; in order, it reads.
     #[tokio::test]
     async fn placeholders_out_of_order_are_refused() {
+        crate::sqlite::before_sqlite();
         let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
         let mut statements = Statements::default();
         let mut handle = conn.lock_handle().await.unwrap();

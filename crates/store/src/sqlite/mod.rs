@@ -206,6 +206,14 @@ pub struct SqliteStore {
     identities: Arc<crate::identities::Bindings>,
 }
 
+/// For tests that open SQLite without `connect_options`: the store's page
+/// cache can only be installed before anything initializes SQLite, so
+/// they register first (`gather::register`, once a process).
+#[cfg(test)]
+pub(crate) fn before_sqlite() {
+    gather::register().expect("the store's VFS and page cache register");
+}
+
 /// The connection settings of every connection to the database.
 fn connect_options(path: &Path) -> Result<SqliteConnectOptions, StoreError> {
     gather::register().map_err(StoreError::Backend)?;
@@ -223,7 +231,7 @@ fn connect_options(path: &Path) -> Result<SqliteConnectOptions, StoreError> {
         // stays in memory. It was held small because SQLite rescanned
         // the whole cache at most commits while the database is under
         // 1 GiB; the store's page cache (`pcache`) skips that scan now,
-        // and 16 MiB showed no clear gain over 4 (BENCHMARKS.md).
+        // and 16 MiB showed no clear gain over 4 (docs/benchmarks-history.md).
         // Readers' caches are flushed whenever the WAL changed anyway.
         .pragma("cache_size", "-4096")
         // Checkpoints run on their own connection (see `checkpointer`),

@@ -52,8 +52,10 @@ struct Cache {
 /// not (SQLite already initialized), and the default cache serves as it
 /// is.
 pub(super) fn install() -> bool {
-    // SAFETY: `sqlite3_config` before initialization, called once (the
-    // caller's `OnceLock`); the struct passed is copied by SQLite.
+    // SAFETY: `sqlite3_config` is not thread-safe: it is called once (the
+    // caller's `OnceLock`), before anything in the process touches
+    // SQLite — every connection is opened after `gather::register`,
+    // which calls this first (ARCHITECTURE.md). SQLite copies the struct.
     unsafe {
         let mut default = std::mem::zeroed::<ffi::sqlite3_pcache_methods2>();
         if ffi::sqlite3_config(
@@ -196,7 +198,9 @@ unsafe extern "C" fn rekey(
             cache.at_lock_page = cache.at_lock_page.saturating_sub(1);
         }
         if new_key == cache.lock_page {
-            cache.at_lock_page += 1;
+            #[cfg(test)]
+            tests::count_lock_page_rekey();
+            cache.at_lock_page = cache.at_lock_page.saturating_add(1);
         } else if new_key > cache.max_key {
             cache.max_key = new_key;
         }
@@ -249,6 +253,12 @@ mod tests {
         /// This thread's truncations, skipped and forwarded: per thread,
         /// so tests running side by side do not mix counts.
         static TRUNCATIONS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+        /// This thread's rekeys to the lock page's number.
+        static LOCK_PAGE_REKEYS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    pub(super) fn count_lock_page_rekey() {
+        LOCK_PAGE_REKEYS.with(|n| n.set(n.get() + 1));
     }
 
     pub(super) fn count(skipped: bool) {
@@ -343,11 +353,16 @@ mod tests {
             assert_eq!(f, 0, "a commit forwarded a truncation");
         }
         // Splits borrowed the lock page's number; without the wrapper
-        // every one of these was a scan of the whole cache.
+        // every commit after one scanned the whole cache.
+        assert!(
+            LOCK_PAGE_REKEYS.with(Cell::get) > 0,
+            "no balance borrowed the lock page's number"
+        );
         assert!(skipped > 0, "no truncation was skipped");
         assert_eq!(rows(&mut reader).await, 2_000);
-        // A rollback of a transaction that grew the database: its pages
-        // past the old end are in the cache and must be dropped.
+        // A rollback of a transaction that grew the database: its
+        // truncation to the old end has pages above it, so it is
+        // forwarded (SQLite has dropped most of them already).
         let mut undone = next;
         let (_, forwarded) = transaction(
             &mut writer,

@@ -595,6 +595,7 @@ mod tests {
     use sqlx::{Connection, Row, SqliteConnection};
 
     async fn memory() -> SqliteConnection {
+        crate::sqlite::before_sqlite();
         let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
         sqlx::query("CREATE TABLE t (k BLOB PRIMARY KEY, n INTEGER, s TEXT, z BLOB)")
             .execute(&mut conn)

@@ -26,6 +26,7 @@ async fn open_test_store(path: PathBuf) -> SqliteStore {
 /// A connection of the test's own to the database at `path`, created
 /// (in WAL mode) if missing.
 async fn raw_connection(path: &std::path::Path) -> SqliteConnection {
+    crate::sqlite::before_sqlite();
     let connect = SqliteConnectOptions::new()
         .filename(path)
         .create_if_missing(true)
