@@ -326,7 +326,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn commits_skip_the_needless_scan_and_a_rollback_still_drops_its_pages() {
+    async fn commits_skip_the_needless_scan_and_a_rollback_still_truncates() {
         let dir = tempfile::tempdir().unwrap();
         let connect = super::super::connect_options(&dir.path().join("p.sqlite3")).unwrap();
         let mut writer = SqliteConnection::connect_with(&connect).await.unwrap();
